@@ -1,0 +1,1 @@
+"""Subcommands: each module has add_arguments(parser) and main(args)."""

@@ -1,0 +1,10 @@
+"""One error type for every user mistake, so the CLI can print one line and exit 2."""
+
+
+class SpecError(ValueError):
+    """A user input is wrong; `field` names where (a dotted spec path, a file, a flag)."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason

@@ -1,0 +1,1 @@
+"""The plain single-device LLaMA, its presets, kernels and FLOP counting."""

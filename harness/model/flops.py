@@ -1,0 +1,48 @@
+"""Analytic training FLOPs per token under the conventions that published MFUs use.
+
+Published MFU figures disagree partly because they count different FLOPs. We count every
+convention from the shapes, side by side:
+
+- palm:        6·P + 12·L·h·s  (PaLM/Chinchilla; P counts every parameter, embedding
+               included; the reference study's MFU column uses this with its untied 128k vocab)
+- palm_causal: 6·P + 6·L·h·s   (the same, but the causal mask halves the attention matmuls)
+- megatron:    3 × forward matmul FLOPs (Narayanan et al. 2021 generalised to SwiGLU and GQA):
+               projections, SwiGLU, QKᵀ and AV (4·s·h per layer), LM head; no embedding FLOPs
+- hardware:    megatron plus what activation checkpointing recomputes (HFU): a full extra
+               forward of every layer for `full`, the attention core (QKᵀ, AV) for `selective`
+"""
+
+from __future__ import annotations
+
+from harness.model.presets import Shape, param_count
+
+CONVENTIONS = ("palm", "palm_causal", "megatron", "hardware")
+
+
+def layer_matmul_params(shape: Shape) -> int:
+    head_dim = shape.hidden // shape.heads
+    q_o = 2 * shape.hidden * shape.heads * head_dim
+    kv = 2 * shape.hidden * shape.kv_heads * head_dim
+    return q_o + kv + 3 * shape.hidden * shape.ffn
+
+
+def flops_per_token(shape: Shape, seq_len: int, checkpointing: str = "none") -> dict[str, float]:
+    """Training FLOPs (forward + backward) per token, per convention."""
+    L, h, s = shape.layers, shape.hidden, seq_len
+    P = param_count(shape)
+    attn_core_fwd = 4 * s * h  # QKᵀ and AV per layer per token, 2 FLOPs per MAC
+    layer_fwd = 2 * layer_matmul_params(shape) + attn_core_fwd
+    head_fwd = 2 * h * shape.vocab
+    megatron = 3 * (L * layer_fwd + head_fwd)
+    if checkpointing == "full":
+        recompute = L * layer_fwd
+    elif checkpointing == "selective":
+        recompute = L * attn_core_fwd
+    else:
+        recompute = 0
+    return {
+        "palm": 6 * P + 12 * L * h * s,
+        "palm_causal": 6 * P + 6 * L * h * s,
+        "megatron": float(megatron),
+        "hardware": float(megatron + recompute),
+    }
