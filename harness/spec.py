@@ -1,0 +1,255 @@
+"""What to run: a Workload (the same for every engine) and a Layout (how it is parallelised).
+
+Every check of user input lives here and raises SpecError naming the field, so that a user
+mistake is one line and exit code 2 before anything launches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+from harness.errors import SpecError
+from harness.model.presets import Shape, resolve_shape
+
+ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
+RMSNORM_KERNELS = ("torch", "fused")
+CHECKPOINTING = ("none", "full", "selective")
+ENGINES = ("own", "deepspeed", "fsdp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _choices(*values, **kw):
+    return field(metadata={"choices": values}, **kw)
+
+
+@dataclass
+class Optimizer:
+    """AdamW hyperparameters; every engine gets exactly these."""
+
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class Data:
+    """`synthetic`: seeded uniform tokens; `file`: a memory-mapped token file (.bin)."""
+
+    kind: str = _choices("synthetic", "file", default="synthetic")
+    path: str = ""
+    dtype: str = _choices("uint16", "uint32", default="uint16")
+
+
+@dataclass
+class Workload:
+    model: str = "tiny"
+    model_overrides: dict = field(default_factory=dict)
+    seq_len: int = 128
+    global_batch_size: int = 8
+    steps: int = 10
+    warmup_steps: int = 2
+    precision: str = _choices("fp32", "bf16", default="fp32")
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    grad_clip: float = 1.0
+    seed: int = 1234
+    data: Data = field(default_factory=Data)
+    device: str = _choices("auto", "cpu", "cuda", default="auto")
+
+
+@dataclass
+class Layout:
+    engine: str = _choices(*ENGINES, default="own")
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1
+    activation_checkpointing: str = _choices(*CHECKPOINTING, default="none")
+    sequence_parallel: bool = False
+    attention: str = _choices(*ATTENTION_KERNELS, default="sdpa")
+    rmsnorm: str = _choices(*RMSNORM_KERNELS, default="torch")
+    # own engine
+    pipeline_schedule: str = _choices(*SCHEDULES, default="1f1b")
+    virtual_stages: int = 1
+    zero_stage: int = 0
+    dp_bucket_mb: float = 25.0
+    # deepspeed
+    ds_config: str = ""
+    model_impl: str = _choices("own", "hf", default="own")
+    # fsdp
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class RunSpec:
+    workload: Workload = field(default_factory=Workload)
+    layout: Layout = field(default_factory=Layout)
+    name: str = ""
+    store: str = "results.sqlite"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- parsing
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
+
+
+def _coerce(value, tp, name: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise SpecError(name, "must be a mapping")
+        return _build(tp, value, name)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise SpecError(name, f"must be a list of {len(args)} numbers")
+        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise SpecError(name, f"must be {_TYPE_NAMES.get(tp, tp.__name__)}, got {value!r}")
+    return value
+
+
+def _build(cls, raw: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise SpecError(f"{prefix}.{key}" if prefix else str(key),
+                            f"unknown key; allowed: {', '.join(known)}")
+    values = {}
+    for key, value in raw.items():
+        name = f"{prefix}.{key}" if prefix else key
+        value = _coerce(value, hints[key], name)
+        choices = known[key].metadata.get("choices")
+        if choices and value not in choices:
+            raise SpecError(name, f"{value!r} is not one of {', '.join(choices)}")
+        values[key] = value
+    return cls(**values)
+
+
+def parse_spec(raw: dict | None) -> RunSpec:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SpecError("spec", "top level must be a mapping")
+    spec = _build(RunSpec, raw, "")
+    check_sizes(spec)
+    return spec
+
+
+def load_spec(path: str | None) -> RunSpec:
+    """Load a YAML spec; None gives the embedded default (tiny model, this machine)."""
+    if path is None:
+        return parse_spec({})
+    if not os.path.isfile(path):
+        raise SpecError("spec", f"file {path!r} does not exist")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise SpecError(path, f"not valid YAML: {str(e).splitlines()[0]}") from None
+    return parse_spec(raw)
+
+
+# ---------------------------------------------------------------- semantic checks
+
+
+def check_sizes(spec: RunSpec) -> Shape:
+    """Everything that can be decided without launching; returns the model shape."""
+    w, lay = spec.workload, spec.layout
+    for name in ("seq_len", "global_batch_size", "steps"):
+        if getattr(w, name) <= 0:
+            raise SpecError(f"workload.{name}", "must be positive")
+    if w.warmup_steps < 0:
+        raise SpecError("workload.warmup_steps", "must not be negative")
+    if w.grad_clip < 0:
+        raise SpecError("workload.grad_clip", "must not be negative (0 disables clipping)")
+    if w.optimizer.lr <= 0:
+        raise SpecError("workload.optimizer.lr", "must be positive")
+    if w.optimizer.eps <= 0:
+        raise SpecError("workload.optimizer.eps", "must be positive")
+    for i, b in enumerate(w.optimizer.betas):
+        if not 0 <= b < 1:
+            raise SpecError(f"workload.optimizer.betas[{i}]", "must be in [0, 1)")
+    if w.data.kind == "file":
+        if not w.data.path:
+            raise SpecError("workload.data.path", "required when data.kind is file")
+        if not os.path.isfile(w.data.path):
+            raise SpecError("workload.data.path", f"file {w.data.path!r} does not exist")
+    for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+        if getattr(lay, name) <= 0:
+            raise SpecError(f"layout.{name}", "must be positive")
+    if lay.dp_bucket_mb <= 0:
+        raise SpecError("layout.dp_bucket_mb", "must be positive")
+    shape = resolve_shape(w.model, w.model_overrides)
+    if w.global_batch_size % (lay.dp * lay.micro_batch_size):
+        raise SpecError("workload.global_batch_size",
+                        f"{w.global_batch_size} is not divisible by dp x micro_batch_size = "
+                        f"{lay.dp} x {lay.micro_batch_size}")
+    if shape.heads % lay.tp:
+        raise SpecError("layout.tp", f"{shape.heads} attention heads are not divisible by tp={lay.tp}")
+    if shape.kv_heads % lay.tp:
+        raise SpecError("layout.tp", f"{shape.kv_heads} KV heads are not divisible by tp={lay.tp}")
+    if shape.vocab % lay.tp:
+        raise SpecError("layout.tp", f"vocabulary {shape.vocab} is not divisible by tp={lay.tp}")
+    if shape.ffn % lay.tp:
+        raise SpecError("layout.tp", f"feed-forward width {shape.ffn} is not divisible by tp={lay.tp}")
+    stages = lay.pp * lay.virtual_stages
+    if shape.layers < stages:
+        raise SpecError("layout.pp", f"{shape.layers} layers cannot fill {stages} pipeline stages")
+    if lay.sequence_parallel and lay.tp == 1:
+        raise SpecError("layout.sequence_parallel", "needs tp > 1")
+    if lay.sequence_parallel and w.seq_len % lay.tp:
+        raise SpecError("layout.sequence_parallel", f"seq_len {w.seq_len} is not divisible by tp={lay.tp}")
+    if lay.virtual_stages > 1 and lay.pipeline_schedule != "interleaved":
+        raise SpecError("layout.virtual_stages", "needs pipeline_schedule: interleaved")
+    if lay.pipeline_schedule == "interleaved" and lay.pp > 1:
+        micro = w.global_batch_size // (lay.dp * lay.micro_batch_size)
+        if micro % lay.pp:
+            raise SpecError("layout.pipeline_schedule",
+                            f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}")
+    if lay.engine == "own":
+        if lay.zero_stage not in (0, 1):
+            raise SpecError("layout.zero_stage", "the own engine has ZeRO stage 0 or 1")
+    else:
+        if lay.tp != 1 or lay.pp != 1:
+            raise SpecError("layout.tp" if lay.tp != 1 else "layout.pp",
+                            f"engine {lay.engine} runs data parallelism only here: set tp=1 and pp=1")
+        if lay.sequence_parallel:
+            raise SpecError("layout.sequence_parallel", f"not available with engine {lay.engine}")
+    if lay.engine == "deepspeed":
+        if lay.zero_stage not in (1, 2, 3):
+            raise SpecError("layout.zero_stage", "deepspeed runs ZeRO stage 1, 2 or 3")
+    elif lay.ds_config:
+        raise SpecError("layout.ds_config", "only for engine deepspeed")
+    if lay.model_impl == "hf" and lay.engine != "deepspeed":
+        raise SpecError("layout.model_impl", "hf (transformers' LlamaForCausalLM) is for engine deepspeed")
+    if lay.engine == "fsdp" and lay.zero_stage not in (0, 3):
+        raise SpecError("layout.zero_stage", "fsdp shards by reshard_after_forward, leave zero_stage unset")
+    return shape
+
+
+def check_world_size(spec: RunSpec, world_size: int) -> None:
+    lay = spec.layout
+    if lay.tp * lay.pp * lay.dp != world_size:
+        raise SpecError("layout", f"world size {world_size} != tp x pp x dp = "
+                                  f"{lay.tp} x {lay.pp} x {lay.dp}")
+
+
+def micro_batches_per_step(spec: RunSpec) -> int:
+    return spec.workload.global_batch_size // (spec.layout.dp * spec.layout.micro_batch_size)
+
+
+def spec_from_dict(d: dict) -> RunSpec:
+    """Rebuild a spec stored in a record (trusted: it was validated when written)."""
+    return parse_spec(d)
