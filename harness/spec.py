@@ -19,7 +19,7 @@ from harness.model.presets import Shape, resolve_shape
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
 CHECKPOINTING = ("none", "full", "selective")
-ENGINES = ("own", "deepspeed", "fsdp")
+ENGINES = ("single", "own", "deepspeed", "fsdp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -64,7 +64,7 @@ class Workload:
 
 @dataclass
 class Layout:
-    engine: str = _choices(*ENGINES, default="own")
+    engine: str = _choices(*ENGINES, default="single")
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -218,7 +218,13 @@ def check_sizes(spec: RunSpec) -> Shape:
         if micro % lay.pp:
             raise SpecError("layout.pipeline_schedule",
                             f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}")
-    if lay.engine == "own":
+    if lay.engine == "single":
+        for name in ("tp", "pp", "dp"):
+            if getattr(lay, name) != 1:
+                raise SpecError(f"layout.{name}", "engine single is one process: set tp=pp=dp=1")
+        if lay.zero_stage != 0:
+            raise SpecError("layout.zero_stage", "engine single has no ZeRO")
+    elif lay.engine == "own":
         if lay.zero_stage not in (0, 1):
             raise SpecError("layout.zero_stage", "the own engine has ZeRO stage 0 or 1")
     else:

@@ -1,0 +1,67 @@
+"""Token batches: the same tokens in the same order for every engine and layout.
+
+A step's global batch is a [global_batch_size, seq_len + 1] int64 tensor that depends only
+on (seed, step) for synthetic data, or on the step's position in the token file. Every rank
+builds the same global batch and takes its data-parallel slice, so any layout sees exactly
+the tokens of the single-device reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from harness.spec import Workload
+
+
+class SyntheticTokens:
+    def __init__(self, vocab: int, seq_len: int, global_batch: int, seed: int):
+        self.vocab, self.seq_len, self.global_batch, self.seed = vocab, seq_len, global_batch, seed
+
+    def global_batch_at(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 7919 + step)
+        return torch.randint(0, self.vocab, (self.global_batch, self.seq_len + 1), generator=g)
+
+
+class TokenFile:
+    """A flat memory-mapped token file (nanoGPT/Megatron .bin): consecutive windows, wrapping."""
+
+    def __init__(self, path: str, dtype: str, vocab: int, seq_len: int, global_batch: int):
+        self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+        self.seq_len, self.global_batch = seq_len, global_batch
+        window = seq_len + 1
+        self.windows = len(self.tokens) // window
+        if self.windows == 0:
+            from harness.errors import SpecError
+
+            raise SpecError("workload.data.path", f"holds {len(self.tokens)} tokens, fewer than seq_len + 1")
+        self.vocab = vocab
+
+    def global_batch_at(self, step: int) -> torch.Tensor:
+        window = self.seq_len + 1
+        idx = (np.arange(self.global_batch) + step * self.global_batch) % self.windows
+        rows = np.stack([self.tokens[i * window:(i + 1) * window] for i in idx]).astype(np.int64)
+        out = torch.from_numpy(rows)
+        if int(out.max()) >= self.vocab:
+            from harness.errors import SpecError
+
+            raise SpecError("workload.data.path", f"token id {int(out.max())} >= model vocabulary {self.vocab}")
+        return out
+
+
+def token_source(workload: Workload, vocab: int):
+    if workload.data.kind == "file":
+        return TokenFile(workload.data.path, workload.data.dtype, vocab, workload.seq_len,
+                         workload.global_batch_size)
+    return SyntheticTokens(vocab, workload.seq_len, workload.global_batch_size, workload.seed)
+
+
+def dp_slice(batch: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
+    """Data-parallel rank r takes rows [r·B/dp, (r+1)·B/dp): contiguous, like the reference order."""
+    per = batch.shape[0] // dp
+    return batch[dp_rank * per:(dp_rank + 1) * per]
+
+
+def micro_batches(local: torch.Tensor, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) pairs of micro_batch_size sequences each."""
+    return [(mb[:, :-1], mb[:, 1:]) for mb in local.split(micro_batch_size)]

@@ -1,0 +1,100 @@
+"""Process setup that works the same under torchrun, the deepspeed launcher and srun."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from harness.errors import SpecError
+
+
+@dataclass
+class RunContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: a single process without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.backend is not None:
+            dist.barrier()
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as 'gpu[003-005,007],cpu01' -> 'gpu003'."""
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        return prefix + rest.rstrip("]").split(",")[0].split("-")[0]
+    return head
+
+
+def adopt_slurm_env() -> None:
+    """Map srun's variables onto the torch.distributed ones when no launcher set them."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
+    if "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = _first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def set_cpu_threads(local_world: int) -> None:
+    """The deepspeed launcher leaves OMP_NUM_THREADS unset: N ranks x all cores thrash the CPU."""
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // max(1, local_world))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def choose_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise SpecError("workload.device", "cuda requested but no CUDA device is visible")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init(requested_device: str = "auto") -> RunContext:
+    adopt_slurm_env()
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = choose_device(requested_device, local_rank)
+    if device.type == "cpu":
+        set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    else:
+        torch.cuda.set_device(device)
+    backend = None
+    if world > 1 or "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
+    return RunContext(rank, world, local_rank, device, backend)
+
+
+def teardown(ctx: RunContext) -> None:
+    if ctx.backend is not None and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def hostname() -> str:
+    return socket.gethostname()

@@ -1,0 +1,28 @@
+"""One adapter per engine behind one small interface, so the runner treats them alike.
+
+An engine is built by `build_engine(spec, shape, ctx)` and offers:
+  train_step(global_batch) -> float   one optimizer step on the step's global batch
+                                      [global_batch_size, seq_len + 1]; returns the global mean
+                                      loss (the same number on every rank)
+  full_state_dict() -> dict | None    gathered fp32 parameters named as the plain Llama's,
+                                      on global rank 0 (None elsewhere); for equivalence checks
+  last_step_details() -> dict         optional extras of the last step: breakdown_s, comm,
+                                      pipeline_timeline (missing keys mean not measured)
+  describe() -> dict                  what the record should say about the engine
+"""
+
+from __future__ import annotations
+
+import importlib
+
+ADAPTERS = {
+    "single": "harness.frameworks.single",
+    "own": "harness.frameworks.own",
+    "deepspeed": "harness.frameworks.deepspeed_adapter",
+    "fsdp": "harness.frameworks.fsdp",
+}
+
+
+def build_engine(spec, shape, ctx):
+    module = importlib.import_module(ADAPTERS[spec.layout.engine])
+    return module.build(spec, shape, ctx)

@@ -1,0 +1,71 @@
+"""The single-device reference: the plain model, AdamW, gradient accumulation, clipping.
+
+Every parallel layout and every framework is checked against this engine's losses and weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from harness.data import micro_batches
+from harness.model.llama import build_model, lm_loss
+
+
+def make_adamw(params, workload, **kw):
+    o = workload.optimizer
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                             weight_decay=o.weight_decay, **kw)
+
+
+def autocast_for(workload, device: torch.device):
+    """bf16 mixed precision keeps fp32 weights (the master copy) and runs matmuls in bf16."""
+    if workload.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class SingleDeviceEngine:
+    name = "single"
+
+    def __init__(self, spec, shape, device):
+        w, lay = spec.workload, spec.layout
+        self.spec, self.device = spec, device
+        self.model = build_model(shape, w.seed, lay.attention, lay.rmsnorm, lay.activation_checkpointing,
+                                 device=device)
+        fused = device.type == "cuda"
+        self.optimizer = make_adamw(self.model.parameters(), w, fused=fused)
+
+    def train_step(self, global_batch: torch.Tensor) -> float:
+        w = self.spec.workload
+        micro = micro_batches(global_batch.to(self.device, non_blocking=True), self.spec.layout.micro_batch_size)
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in micro:
+            with autocast_for(w, self.device):
+                logits = self.model(inputs)
+            loss = lm_loss(logits, targets) / len(micro)
+            loss.backward()
+            total += loss.detach()
+        if w.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), w.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total.item()
+
+    def full_state_dict(self):
+        return {k: v.detach().float().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def last_step_details(self) -> dict:
+        return {}
+
+    def describe(self) -> dict:
+        return {"optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)")}
+
+
+def build(spec, shape, ctx):
+    if ctx.world_size != 1:
+        from harness.errors import SpecError
+
+        raise SpecError("layout.engine", "single runs in one process; use own, deepspeed or fsdp for more")
+    return SingleDeviceEngine(spec, shape, ctx.device)

@@ -1,0 +1,139 @@
+"""Attention and RMSNorm kernels as measured options, and the check that one can run here.
+
+A kernel the machine cannot run is a SpecError before the run starts, never a silent
+fallback: `check_kernels` executes each chosen kernel once on a tiny input of the run's
+device and dtype (forward and backward), so the verdict is the machine's, not a guess.
+
+Attention kernels take q, k, v as [batch, heads, seq, head_dim] (k, v already expanded to
+all heads) and apply the causal mask.
+
+`fused` RMSNorm is flash-attn's Triton RMSNorm (`flash_attn.ops.triton.layer_norm.rms_norm_fn`)
+when flash-attn is installed and the tensor is on CUDA; otherwise the RMSNorm function
+compiled by torch.compile (Inductor emits one fused Triton kernel on GPU, one C++ loop on CPU).
+`rmsnorm_backend_name` says which was used, and the run record keeps it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from harness.errors import SpecError
+
+# ---------------------------------------------------------------- attention
+
+
+def attention_naive(q, k, v):
+    """Materialised softmax(QKᵀ/√d)V in fp32 with an explicit causal mask."""
+    s = q.shape[-2]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+def _sdpa(backend):
+    def run(q, k, v):
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return run
+
+
+def attention_flash2(q, k, v):
+    """The flash-attn package (FlashAttention-2); it wants [batch, seq, heads, head_dim]."""
+    from flash_attn import flash_attn_func
+
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def attention_fn(name: str):
+    from torch.nn.attention import SDPBackend
+
+    table = {
+        "naive": attention_naive,
+        "sdpa": _sdpa(None),
+        "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+        "flash2": attention_flash2,
+    }
+    return table[name]
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+def rmsnorm_torch(x, weight, eps: float):
+    """LLaMA's RMSNorm as transformers writes it: statistics in fp32, scale in the input dtype."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+@functools.cache
+def _compiled_rmsnorm():
+    return torch.compile(rmsnorm_torch, dynamic=False, fullgraph=True)
+
+
+def _flash_attn_rmsnorm():
+    try:
+        from flash_attn.ops.triton.layer_norm import rms_norm_fn
+    except Exception:  # absent, or built without its Triton ops
+        return None
+    return rms_norm_fn
+
+
+def rmsnorm_backend_name(name: str, device_type: str) -> str:
+    if name == "torch":
+        return "torch (eager)"
+    if device_type == "cuda" and _flash_attn_rmsnorm() is not None:
+        return "flash-attn Triton rms_norm_fn"
+    return "torch.compile (Inductor)"
+
+
+def rmsnorm(name: str, x, weight, eps: float):
+    if name == "torch":
+        return rmsnorm_torch(x, weight, eps)
+    if x.is_cuda:
+        fn = _flash_attn_rmsnorm()
+        if fn is not None:
+            return fn(x, weight, None, eps=eps)
+    return _compiled_rmsnorm()(x, weight, eps)
+
+
+# ---------------------------------------------------------------- availability
+
+
+def check_kernels(attention: str, rmsnorm_kind: str, device: torch.device, dtype: torch.dtype,
+                  head_dim: int) -> None:
+    """Run each chosen kernel once, forward and backward; raise SpecError if it cannot run."""
+    if attention == "flash2":
+        try:
+            import flash_attn  # noqa: F401
+        except Exception as e:
+            raise SpecError("layout.attention", f"flash2 needs the flash-attn package "
+                                                f"(pip install '.[flash]', CUDA only): {e}") from None
+    try:
+        q = torch.randn(1, 2, 16, head_dim, device=device, dtype=dtype, requires_grad=True)
+        attention_fn(attention)(q, q, q).sum().backward()
+    except Exception as e:
+        raise SpecError("layout.attention", f"{attention} cannot run on {device.type} with {dtype}: "
+                                            f"{str(e).splitlines()[0][:160]}") from None
+    try:
+        x = torch.randn(4, 32, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(32, device=device, dtype=dtype, requires_grad=True)
+        rmsnorm(rmsnorm_kind, x, w, 1e-5).sum().backward()
+    except Exception as e:
+        raise SpecError("layout.rmsnorm", f"{rmsnorm_kind} cannot run on {device.type}: "
+                                          f"{str(e).splitlines()[0][:160]}") from None

@@ -1,0 +1,175 @@
+"""The plain single-device LLaMA: readable, no parallel code in it.
+
+RMSNorm, rotary embeddings (transformers' rotate-half convention, so HF weights load as is),
+SwiGLU MLP, grouped-query attention, untied embedding and LM head. Parallel engines wrap or
+replace its modules from outside (harness/engine); they rely on three things here: attention
+derives its local head count from the projection shapes, the model is a sequence of
+embedding -> layers -> norm -> head, and every kernel/checkpointing choice is a plain attribute.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from harness.model.kernels import attention_fn, rmsnorm
+from harness.model.presets import Shape
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, kernel: str = "torch"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernel = kernel
+
+    def forward(self, x):
+        return rmsnorm(self.kernel, x, self.weight, self.eps)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device, offset: int = 0):
+    """cos and sin, [seq, head_dim], for positions offset..offset+seq_len-1 (fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """x: [batch, heads, seq, head_dim]."""
+    return (x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: Shape, kernel: str = "sdpa"):
+        super().__init__()
+        self.head_dim = shape.hidden // shape.heads
+        self.wq = nn.Linear(shape.hidden, shape.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(shape.hidden, shape.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(shape.hidden, shape.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(shape.heads * self.head_dim, shape.hidden, bias=False)
+        self.kernel = kernel
+        self.recompute_core = False  # selective activation checkpointing
+
+    def core(self, q, k, v):
+        """softmax(QKᵀ)V: the part selective checkpointing recomputes (Korthikanti et al. 2022)."""
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return attention_fn(self.kernel)(q, k, v)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            out = self.core(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.w1 = nn.Linear(shape.hidden, shape.ffn, bias=False)
+        self.w3 = nn.Linear(shape.hidden, shape.ffn, bias=False)
+        self.w2 = nn.Linear(shape.ffn, shape.hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: Shape, attention: str, rmsnorm_kind: str):
+        super().__init__()
+        self.attention_norm = RMSNorm(shape.hidden, kernel=rmsnorm_kind)
+        self.attention = Attention(shape, attention)
+        self.ffn_norm = RMSNorm(shape.hidden, kernel=rmsnorm_kind)
+        self.feed_forward = FeedForward(shape)
+
+    def forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, shape: Shape, attention: str = "sdpa", rmsnorm_kind: str = "torch",
+                 checkpointing: str = "none"):
+        super().__init__()
+        self.shape = shape
+        self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden)
+        self.layers = nn.ModuleList(Block(shape, attention, rmsnorm_kind) for _ in range(shape.layers))
+        self.norm = RMSNorm(shape.hidden, kernel=rmsnorm_kind)
+        self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        self.set_checkpointing(checkpointing)
+
+    def set_checkpointing(self, mode: str) -> None:
+        self.checkpointing = mode
+        for layer in self.layers:
+            layer.attention.recompute_core = mode == "selective"
+
+    def rotary(self, seq_len: int, device):
+        return rotary_tables(seq_len, self.shape.hidden // self.shape.heads, self.shape.rope_theta, device)
+
+    def run_layers(self, h, cos, sin):
+        for layer in self.layers:
+            if self.checkpointing == "full" and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        return h
+
+    def forward(self, tokens):
+        """tokens [batch, seq] -> logits [batch, seq, vocab]."""
+        cos, sin = self.rotary(tokens.shape[1], tokens.device)
+        h = self.run_layers(self.tok_embeddings(tokens), cos, sin)
+        return self.output(self.norm(h))
+
+
+def lm_loss(logits, targets):
+    """Mean next-token cross-entropy over every token, computed in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def reference_state_dict(shape: Shape, seed: int) -> dict[str, torch.Tensor]:
+    """The initial weights every engine starts from: fp32, CPU, bit-identical from the seed.
+
+    Each tensor draws from its own generator seeded by (seed, index), so an engine can build
+    any subset and still get the same values. Output projections (wo, w2) are scaled by
+    1/sqrt(2·layers), as GPT-2 and Megatron do.
+    """
+    with torch.device("meta"):
+        names = [(n, p.shape) for n, p in Llama(shape).named_parameters()]
+    out = {}
+    std = 0.02
+    for index, (name, size) in enumerate(names):
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(size)
+            continue
+        g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        scale = std / (2 * shape.layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
+        out[name] = torch.randn(size, generator=g) * scale
+    return out
+
+
+def build_model(shape: Shape, seed: int, attention: str = "sdpa", rmsnorm_kind: str = "torch",
+                checkpointing: str = "none", device="cpu") -> Llama:
+    with torch.device("meta"):
+        model = Llama(shape, attention, rmsnorm_kind, checkpointing)
+    model = model.to_empty(device=device)
+    model.load_state_dict(reference_state_dict(shape, seed))
+    return model
