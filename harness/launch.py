@@ -1,0 +1,308 @@
+"""Launch one run as its own process tree, enforce a timeout, and classify the outcome.
+
+Why this module exists: a sweep of hundreds of layouts only survives if every run is fenced
+off. Each run gets its own session (process group), a unique token in its environment and
+a deadline. When it ends - normally, by crash, or by timeout - every process that carries
+its token is terminated (SIGTERM, then SIGKILL) and the absence of survivors is verified:
+torchrun starts its workers in sessions of their own, so killing the process group alone
+would leave ranks behind. Success is judged from the record the runner wrote, never from
+the exit code (DeepSpeed launches sometimes abort at exit after finishing). Where no record
+exists, one is written here: timeout, oom (CUDA out-of-memory seen in the output) or failed
+with the last lines of output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import yaml
+
+from harness.store import ResultsStore, new_record, now_iso
+
+LAUNCHERS = ("torchrun", "deepspeed", "direct", "srun")
+TOKEN_ENV = "HARNESS_RUN_TOKEN"
+SWEEP_PID_ENV = "HARNESS_SWEEP_PID"
+SWEEP_ID_ENV = "HARNESS_SWEEP_ID"
+OOM_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
+TAIL_LINES = 30
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now; the launcher binds it a moment later (tiny race, accepted)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def build_command(launcher: str, nproc: int, argv: list[str], *, nnodes: int = 1, node_rank: int = 0,
+                  master_addr: str = "127.0.0.1", master_port: int | None = None,
+                  module: str = "harness.cli") -> list[str]:
+    """The command line that starts `python -m <module> <argv>` on `nproc` ranks per node.
+
+    `argv` are the harness CLI arguments (e.g. ["train", "spec.yaml", "--store", ...]).
+    The deepspeed launcher is run as `python -m deepspeed.launcher.runner` (what the
+    `deepspeed` script does) so that it uses this interpreter; `--num_gpus` is accepted on a
+    CPU-only machine too, where it is the number of CPU ranks.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    if nproc < 1 or nnodes < 1:
+        raise ValueError("nproc and nnodes must be positive")
+    port = master_port or free_port()
+    py = sys.executable
+    if launcher == "direct":
+        if nproc != 1 or nnodes != 1:
+            raise ValueError("launcher 'direct' runs a single process: nproc and nnodes must be 1")
+        return [py, "-m", module, *argv]
+    if launcher == "torchrun":
+        return [py, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
+                f"--node_rank={node_rank}", f"--master_addr={master_addr}", f"--master_port={port}",
+                "-m", module, *argv]
+    if launcher == "deepspeed":
+        cmd = [py, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+               "--master_addr", master_addr, "--master_port", str(port)]
+        if nnodes > 1:  # one launcher per node, started by the caller (e.g. srun), no ssh
+            cmd += ["--num_nodes", str(nnodes), "--node_rank", str(node_rank), "--no_ssh"]
+        return cmd + ["--module", module, *argv]
+    # srun: one task per rank; the runner maps SLURM_PROCID etc. itself
+    return ["srun", f"--nodes={nnodes}", f"--ntasks-per-node={nproc}", "--kill-on-bad-exit=1",
+            py, "-m", module, *argv]
+
+
+# ---------------------------------------------------------------- process trees
+
+def _set_parent_death_signal() -> None:
+    """In the child before exec: get SIGTERM if the sweep process dies (even by SIGKILL).
+
+    The launcher (torchrun, deepspeed) forwards SIGTERM to its ranks, so a killed sweep does
+    not leave a run training on its own. Linux only; elsewhere a no-op.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def processes_with_env(name: str, value: str | None = None) -> list[psutil.Process]:
+    """Live processes of this user whose environment has `name` (= `value` if given).
+
+    Environment variables are inherited by every descendant, also by ranks that a launcher
+    moved into a session of their own or that were re-parented to init: this finds them all.
+    """
+    found = []
+    me = os.getpid()
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == me:
+            continue
+        try:
+            env = p.environ()
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (psutil.Error, OSError):
+            continue
+        if name in env and (value is None or env[name] == value):
+            found.append(p)
+    return found
+
+
+def terminate(procs: list[psutil.Process], grace_s: float = 5.0) -> list[psutil.Process]:
+    """SIGTERM, wait `grace_s`, SIGKILL the rest; returns the processes still alive after."""
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=5.0)
+    return alive
+
+
+def kill_run(popen: subprocess.Popen, token: str, grace_s: float = 5.0) -> None:
+    """Kill everything that belongs to one run: its session and every carrier of its token."""
+    pgid = popen.pid  # start_new_session: the launcher leads its own group
+    try:
+        procs = [psutil.Process(popen.pid)] + psutil.Process(popen.pid).children(recursive=True)
+    except psutil.Error:
+        procs = []
+    seen = {p.pid for p in procs}
+    procs += [p for p in processes_with_env(TOKEN_ENV, token) if p.pid not in seen]
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    alive = terminate(procs, grace_s)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        popen.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    # processes that appeared while we were killing (a launcher restarting a rank)
+    alive += processes_with_env(TOKEN_ENV, token)
+    if terminate(alive, 1.0):
+        raise RuntimeError(f"processes of run {token} survived SIGKILL: {[p.pid for p in alive]}")
+
+
+def reap_orphans_of_dead_sweeps(sweep_id: str) -> int:
+    """Kill runs left by an earlier sweep process of `sweep_id` that died (e.g. SIGKILL).
+
+    Returns how many processes were killed.
+    """
+    victims = []
+    for p in processes_with_env(SWEEP_ID_ENV, sweep_id):
+        try:
+            owner = int(p.environ().get(SWEEP_PID_ENV, "0"))
+        except (psutil.Error, ValueError):
+            continue
+        if owner != os.getpid() and not psutil.pid_exists(owner):
+            victims.append(p)
+    terminate(victims, 3.0)
+    return len(victims)
+
+
+# ---------------------------------------------------------------- outcome
+
+def tail(path: str, lines: int = TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 200_000))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def classify_output(text: str, timed_out: bool) -> str:
+    """Status of a run that wrote no record, from what it printed."""
+    if timed_out:
+        return "timeout"
+    if any(p in text for p in OOM_PATTERNS):
+        return "oom"
+    return "failed"
+
+
+def error_excerpt(text: str) -> str:
+    """The lines that explain a failure: the last exception line first, then the tail."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if re.search(r"(Error|Exception|exitcode|Signal|Killed)", ln)]
+    head = errs[-1].strip() if errs else ""
+    body = "\n".join(lines[-TAIL_LINES:])
+    return (head + "\n---\n" + body) if head else body
+
+
+_CUDA_CACHE: list[bool] = []
+
+
+def _has_cuda() -> bool:
+    if not _CUDA_CACHE:
+        try:
+            import torch
+            _CUDA_CACHE.append(bool(torch.cuda.is_available()))
+        except Exception:  # noqa: BLE001 - no torch means no CUDA here
+            _CUDA_CACHE.append(False)
+    return _CUDA_CACHE[0]
+
+
+def run_env(nproc: int, spec_dict: dict, token: str, extra_env: dict | None) -> dict:
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in (extra_env or {}).items()})
+    env[TOKEN_ENV] = token
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    device = (spec_dict.get("workload") or {}).get("device", "auto")
+    on_cpu = device == "cpu" or (device == "auto" and not _has_cuda())
+    if on_cpu and "OMP_NUM_THREADS" not in env:
+        # the deepspeed launcher leaves it unset and torchrun sets 1: both are wrong on CPU
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    return env
+
+
+def _spec_dict(spec) -> dict:
+    return spec if isinstance(spec, dict) else spec.to_dict()
+
+
+def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: float,
+             sweep: str | None = None, point_key: str | None = None, extra_env: dict | None = None,
+             log_dir: str | None = None, nnodes: int = 1, module: str = "harness.cli",
+             run_id: str | None = None) -> dict:
+    """Run one spec to completion or timeout and return its record (always one).
+
+    The record is the runner's (looked up by run_id) or, if it wrote none, one written here.
+    Either way it gets a `launch` section: command, exit code, wall time, log path.
+    """
+    spec_dict = _spec_dict(spec)
+    record = new_record(spec_dict, sweep=sweep, point_key=point_key)
+    if run_id:
+        record["run_id"] = run_id
+    run_id = record["run_id"]
+    log_dir = log_dir or tempfile.mkdtemp(prefix="harness-logs-")
+    os.makedirs(log_dir, exist_ok=True)
+    spec_path = os.path.join(log_dir, f"{run_id}.yaml")
+    log_path = os.path.join(log_dir, f"{run_id}.log")
+    with open(spec_path, "w") as f:
+        yaml.safe_dump(spec_dict, f, sort_keys=False)
+    argv = ["train", spec_path, "--store", os.path.abspath(store_path), "--run-id", run_id]
+    if sweep is not None:
+        argv += ["--sweep", sweep]
+    if point_key is not None:
+        argv += ["--point-key", point_key]
+    cmd = build_command(launcher, nproc, argv, nnodes=nnodes, module=module)
+    env = run_env(nproc, spec_dict, run_id, extra_env)
+    store = ResultsStore(store_path)
+
+    start = time.monotonic()
+    timed_out = False
+    with open(log_path, "wb") as log:
+        log.write((" ".join(cmd) + "\n").encode())
+        log.flush()
+        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=env, start_new_session=True, preexec_fn=_set_parent_death_signal)
+        try:
+            popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:  # also on KeyboardInterrupt: never leave a run behind
+            kill_run(popen, run_id)
+    wall = time.monotonic() - start
+    output = tail(log_path, 400)
+
+    found = store.get(run_id)
+    if found is None or (timed_out and found.get("status") != "ok"):
+        if found is not None:
+            record = found
+        record["status"] = classify_output(output, timed_out)
+        if timed_out:
+            record["error"] = f"timed out after {timeout_s:g} s; last output:\n" + "\n".join(
+                output.splitlines()[-TAIL_LINES:])
+        elif not record.get("error"):
+            record["error"] = error_excerpt(output) or f"exit code {popen.returncode}, no output"
+        record["ended_at"] = now_iso()
+    else:
+        record = found
+    record["launch"] = {"launcher": launcher, "nproc": nproc, "nnodes": nnodes, "command": cmd,
+                        "exit_code": popen.returncode, "wall_s": round(wall, 3), "log": log_path,
+                        "timeout_s": timeout_s, "timed_out": timed_out}
+    store.write(record)
+    return record
+
+
+def which_or_none(name: str) -> str | None:
+    return shutil.which(name)

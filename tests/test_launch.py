@@ -1,0 +1,145 @@
+"""launch.py: commands per launcher, outcome classification, and no survivors after a run.
+
+These tests use a tiny stand-in runner (written to tmp_path) so that they exercise the
+process-tree handling without paying for a model; the sweep tests use the real runner.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from harness import launch
+from harness.store import ResultsStore
+
+FAKE = textwrap.dedent('''
+    """Stand-in for `harness train`: behaves as HARNESS_FAKE says, writes a record like the runner."""
+    import os, sys, time, subprocess
+    from harness.store import ResultsStore, new_record
+    args = sys.argv[1:]
+    store, run_id = args[args.index("--store") + 1], args[args.index("--run-id") + 1]
+    sweep = args[args.index("--sweep") + 1] if "--sweep" in args else None
+    key = args[args.index("--point-key") + 1] if "--point-key" in args else None
+    mode = os.environ.get("HARNESS_FAKE", "ok")
+    rank = int(os.environ.get("RANK", "0"))
+    if mode == "hang-with-grandchild":
+        # a grandchild in its own session, as torchrun does with its workers
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        time.sleep(600)
+    if mode == "kill":
+        os.kill(os.getpid(), 9)
+    if mode == "oom-print":
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
+        sys.exit(1)
+    if mode == "ok-bad-exit":
+        rec = new_record({"workload": {}, "layout": {}}, sweep=sweep, point_key=key)
+        rec.update(run_id=run_id, status="ok", metrics={"tokens_per_s": 1.0})
+        ResultsStore(store).write(rec)
+        os.abort()
+    if rank == 0:
+        rec = new_record({"workload": {}, "layout": {}}, sweep=sweep, point_key=key)
+        rec.update(run_id=run_id, status="ok", metrics={"tokens_per_s": 1.0})
+        ResultsStore(store).write(rec)
+''')
+
+
+@pytest.fixture
+def fake(tmp_path):
+    (tmp_path / "fake_runner.py").write_text(FAKE)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join([str(tmp_path), root, os.environ.get("PYTHONPATH", "")])
+    return tmp_path, {"PYTHONPATH": path}
+
+
+def _run(tmp_path, env, mode, launcher="direct", nproc=1, timeout=60):
+    return launch.run_spec({"workload": {"device": "cpu"}, "layout": {}}, nproc=nproc, launcher=launcher,
+                           store_path=str(tmp_path / "s.sqlite"), timeout_s=timeout,
+                           extra_env={**env, "HARNESS_FAKE": mode}, log_dir=str(tmp_path / "logs"),
+                           module="fake_runner", sweep="t", point_key=mode)
+
+
+def test_build_command_variants():
+    argv = ["train", "x.yaml"]
+    tr = launch.build_command("torchrun", 2, argv, master_port=1234)
+    assert tr[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=2" in tr
+    assert "--master_port=1234" in tr and tr[-4:] == ["-m", "harness.cli", "train", "x.yaml"]
+    ds = launch.build_command("deepspeed", 2, argv, master_port=1234)
+    assert ds[1:3] == ["-m", "deepspeed.launcher.runner"]
+    assert ds[ds.index("--num_gpus") + 1] == "2" and ds[ds.index("--master_port") + 1] == "1234"
+    assert ds[-4:] == ["--module", "harness.cli", "train", "x.yaml"]
+    multi = launch.build_command("deepspeed", 8, argv, nnodes=2, node_rank=1, master_addr="n0")
+    assert "--no_ssh" in multi and multi[multi.index("--node_rank") + 1] == "1"
+    assert launch.build_command("direct", 1, argv)[1:] == ["-m", "harness.cli", "train", "x.yaml"]
+    with pytest.raises(ValueError):
+        launch.build_command("direct", 2, argv)
+    with pytest.raises(ValueError):
+        launch.build_command("mpirun", 2, argv)
+
+
+def test_free_port_differs_and_binds():
+    assert launch.free_port() != launch.free_port() or True  # may coincide; must bind
+    assert 0 < launch.free_port() < 65536
+
+
+def test_classify_output():
+    assert launch.classify_output("x\nCUDA out of memory. Tried", False) == "oom"
+    assert launch.classify_output("torch.OutOfMemoryError: boom", False) == "oom"
+    assert launch.classify_output("RuntimeError: x", False) == "failed"
+    assert launch.classify_output("CUDA out of memory", True) == "timeout"
+
+
+def test_ok_record_from_runner(fake):
+    tmp_path, env = fake
+    rec = _run(tmp_path, env, "ok")
+    assert rec["status"] == "ok" and rec["metrics"]["tokens_per_s"] == 1.0
+    assert rec["launch"]["exit_code"] == 0
+    assert ResultsStore(str(tmp_path / "s.sqlite")).get(rec["run_id"])["launch"]["launcher"] == "direct"
+
+
+def test_success_judged_from_record_not_exit_code(fake):
+    tmp_path, env = fake
+    rec = _run(tmp_path, env, "ok-bad-exit")
+    assert rec["launch"]["exit_code"] != 0 and rec["status"] == "ok"
+
+
+def test_killed_and_oom_without_record(fake):
+    tmp_path, env = fake
+    killed = _run(tmp_path, env, "kill")
+    assert killed["status"] == "failed" and killed["launch"]["exit_code"] == -9
+    oom = _run(tmp_path, env, "oom-print")
+    assert oom["status"] == "oom" and "CUDA out of memory" in oom["error"]
+
+
+def test_timeout_kills_grandchildren_in_other_sessions(fake):
+    tmp_path, env = fake
+    rec = _run(tmp_path, env, "hang-with-grandchild", timeout=3)
+    assert rec["status"] == "timeout" and "timed out after 3" in rec["error"]
+    assert launch.processes_with_env(launch.TOKEN_ENV, rec["run_id"]) == []
+
+
+def test_torchrun_two_ranks(fake):
+    tmp_path, env = fake
+    rec = _run(tmp_path, env, "ok", launcher="torchrun", nproc=2)
+    assert rec["status"] == "ok", rec.get("error")
+    assert launch.processes_with_env(launch.TOKEN_ENV, rec["run_id"]) == []
+
+
+def test_omp_threads_set_on_cpu(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = launch.run_env(2, {"workload": {"device": "cpu"}}, "tok", None)
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    assert env[launch.TOKEN_ENV] == "tok"
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert launch.run_env(2, {"workload": {"device": "cpu"}}, "tok", None)["OMP_NUM_THREADS"] == "7"
+
+
+def test_no_stray_processes_of_this_test_session():
+    mine = [p for p in launch.processes_with_env(launch.TOKEN_ENV) if p.ppid() == os.getpid()]
+    assert mine == []
+    assert psutil.Process().children() == [] or all(
+        c.status() == psutil.STATUS_ZOMBIE for c in psutil.Process().children())
+    assert sys.executable
