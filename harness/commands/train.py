@@ -1,0 +1,33 @@
+"""`harness train [SPEC.yaml]`: one run, on every rank, under any launcher."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(p):
+    p.add_argument("spec", nargs="?", help="YAML spec; without it, the embedded default (tiny model, this machine)")
+    p.add_argument("--store", help="results SQLite file (default: the spec's `store`)")
+    p.add_argument("--run-id", help="record id (launchers pass it so they can find the record)")
+    p.add_argument("--sweep", help="sweep name this run belongs to")
+    p.add_argument("--point-key", help="the sweep point's key")
+    p.add_argument("--peak-tflops", type=float, help="per-device peak for MFU, overriding the datasheet table")
+    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+
+
+def main(args) -> int:
+    from harness import dist
+    from harness.run import run
+    from harness.report_text import summary_lines
+    from harness.spec import load_spec
+
+    spec = load_spec(args.spec)
+    ctx = dist.init(spec.workload.device)
+    try:
+        record = run(spec, ctx, store_path=args.store, run_id=args.run_id, sweep=args.sweep,
+                     point_key=args.point_key, peak_tflops=args.peak_tflops, progress=not args.no_progress)
+        if ctx.is_main:
+            print("\n".join(summary_lines(record, args.store or spec.store)))
+    finally:
+        dist.teardown(ctx)
+    return 0 if record["status"] == "ok" else 1

@@ -1,0 +1,190 @@
+"""Honest measurement: synchronised step timers, distributions, FLOPs/MFU, memory, fingerprint.
+
+A measurement is a distribution: warm-up excluded, every measured step kept, summarised by
+median and spread with a distribution-free 95% confidence interval of the median.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import resource
+import subprocess
+import time
+
+import torch
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, no sparsity).
+DATASHEET_BF16_TFLOPS = (
+    ("A100", 312.0),   # NVIDIA A100 datasheet
+    ("H100", 989.0),   # NVIDIA H100 SXM5 datasheet (PCIe: 756)
+    ("H200", 989.0),   # NVIDIA H200 SXM datasheet
+)
+FINGERPRINT_ENV = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
+                   "NCCL_SOCKET_IFNAME", "NCCL_P2P_DISABLE", "MASTER_ADDR", "SLURM_JOB_ID",
+                   "SLURM_JOB_NODELIST", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Wall time of one step, with the device synchronised on both ends."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        sync(self.device)
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        sync(self.device)
+        self.seconds = time.perf_counter() - self.start
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float:
+    pos = (len(sorted_xs) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+def median_ci95(sorted_xs: list[float]) -> tuple[float, float]:
+    """Distribution-free 95% CI of the median from order statistics (binomial, p = 1/2)."""
+    n = len(sorted_xs)
+    if n < 6:  # no pair of order statistics reaches 95%: report the whole range
+        return sorted_xs[0], sorted_xs[-1]
+    cdf, k = 0.0, 0
+    # largest k with P(Bin(n, 1/2) <= k - 1) <= 0.025
+    for j in range(n + 1):
+        cdf += math.comb(n, j) / 2 ** n
+        if cdf > 0.025:
+            k = j
+            break
+    lo, hi = max(k - 1, 0), min(n - k, n - 1)
+    return sorted_xs[lo], sorted_xs[hi]
+
+
+def summarize(times: list[float]) -> dict:
+    xs = sorted(times)
+    n = len(xs)
+    mean = sum(xs) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    lo, hi = median_ci95(xs)
+    return {"median": _quantile(xs, 0.5), "mean": mean, "p10": _quantile(xs, 0.1), "p90": _quantile(xs, 0.9),
+            "std": std, "ci95_low": lo, "ci95_high": hi, "n": n, "min": xs[0], "max": xs[-1]}
+
+
+# ---------------------------------------------------------------- peaks and MFU
+
+
+def datasheet_peak_tflops(device_name: str) -> float | None:
+    for key, tflops in DATASHEET_BF16_TFLOPS:
+        if key in device_name.upper():
+            if key == "H100" and "PCIE" in device_name.upper():
+                return 756.0
+            return tflops
+    return None
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """The best matmul rate this device reaches now: a short square-GEMM microbenchmark."""
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        with StepTimer(device) as t:
+            for _ in range(5):
+                a @ b
+        best = max(best, 5 * 2 * n ** 3 / t.seconds / 1e12)
+    return best
+
+
+def mfu_table(flops_per_token: dict, tokens_per_s: float, devices: int, peak_tflops: float | None) -> dict | None:
+    if not peak_tflops:
+        return None
+    return {k: v * tokens_per_s / (devices * peak_tflops * 1e12) for k, v in flops_per_token.items()}
+
+
+# ---------------------------------------------------------------- memory
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """CUDA allocator peak, or the process's peak RSS on CPU (cuda stats read 0 on a CPU build)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "peak_rss"
+
+
+# ---------------------------------------------------------------- fingerprint
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        return None
+
+
+def fingerprint(device: torch.device, world_size: int = 1, hosts: list[str] | None = None) -> dict:
+    import socket
+
+    cuda = device.type == "cuda"
+    nccl = None
+    if cuda:
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            nccl = None
+    return {
+        "hosts": sorted(set(hosts or [socket.gethostname()])),
+        "device_type": device.type,
+        "device_name": torch.cuda.get_device_name(device) if cuda else _cpu_model(),
+        "device_count": torch.cuda.device_count() if cuda else 1,
+        "cpu_model": _cpu_model(),
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "world_size": world_size,
+        "driver": _nvidia_driver() if cuda else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "deepspeed": _version("deepspeed"),
+        "transformers": _version("transformers"),
+        "flash_attn": _version("flash-attn"),
+        "python": platform.python_version(),
+        "env": {k: os.environ[k] for k in FINGERPRINT_ENV if k in os.environ},
+    }

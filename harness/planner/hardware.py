@@ -1,0 +1,142 @@
+"""Hardware profiles: datasheet peaks and bandwidths plus efficiency constants, as YAML.
+
+Built-in profiles live beside this file (hardware/*.yaml); a user passes a path to their own.
+`efficiency` holds literature values; a `calibrated` block (written by `harness plan
+--calibrate`) overrides them, so a calibrated profile still says where every number came from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from harness.errors import SpecError
+
+PROFILE_DIR = Path(__file__).with_name("hardware")
+EFFICIENCY_KEYS = ("gemm", "flash2", "flash1", "mem_efficient", "naive_attention", "fused_softmax",
+                   "hbm", "nvlink", "internode", "launch_us")
+ALL_ATTENTION = ("naive", "fused_softmax", "flash1", "flash2", "sdpa", "sdpa_flash",
+                 "sdpa_efficient", "sdpa_cudnn")
+
+
+@dataclass
+class Profile:
+    name: str
+    peak_tflops_bf16: float
+    peak_tflops_fp32: float
+    memory_gib: float
+    hbm_gbps: float
+    nvlink_gbps: float
+    internode_gbps: float
+    gpus_per_node: int
+    efficiency: dict[str, float]
+    device_names: list[str] = field(default_factory=list)
+    attention_kernels: tuple[str, ...] = ALL_ATTENTION
+    calibrated: dict = field(default_factory=dict)
+    source: str = ""
+
+    def eff(self, key: str) -> float:
+        """Calibrated value if there is one, else the literature value."""
+        values = self.calibrated.get("efficiency", {})
+        return float(values.get(key, self.efficiency[key]))
+
+    def peak_flops(self, dtype_bytes: int) -> float:
+        return 1e12 * (self.peak_tflops_bf16 if dtype_bytes == 2 else self.peak_tflops_fp32)
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("name", "device_names", "peak_tflops_bf16", "peak_tflops_fp32",
+                                            "memory_gib", "hbm_gbps", "nvlink_gbps", "internode_gbps",
+                                            "gpus_per_node")}
+        d["attention_kernels"] = list(self.attention_kernels)
+        d["efficiency"] = dict(self.efficiency)
+        if self.calibrated:
+            d["calibrated"] = self.calibrated
+        return d
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def _from_dict(raw: dict, source: str) -> Profile:
+    if not isinstance(raw, dict):
+        raise SpecError("--hardware", f"{source} is not a YAML mapping")
+    need = ("peak_tflops_bf16", "memory_gib", "hbm_gbps", "nvlink_gbps", "internode_gbps", "gpus_per_node")
+    missing = [k for k in need if k not in raw]
+    if missing:
+        raise SpecError("--hardware", f"{source} lacks {', '.join(missing)}")
+    eff = dict(raw.get("efficiency") or {})
+    unknown = set(eff) - set(EFFICIENCY_KEYS)
+    if unknown:
+        raise SpecError("--hardware", f"{source}: unknown efficiency keys {sorted(unknown)}")
+    defaults = yaml.safe_load((PROFILE_DIR / "a100-80gb.yaml").read_text())["efficiency"]
+    for key in EFFICIENCY_KEYS:
+        eff.setdefault(key, defaults[key])
+    for key, value in {**{k: raw[k] for k in need}, **eff}.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise SpecError("--hardware", f"{source}: {key} must be a positive number")
+    kernels = tuple(raw.get("attention_kernels") or ALL_ATTENTION)
+    return Profile(
+        name=str(raw.get("name", Path(source).stem)),
+        peak_tflops_bf16=float(raw["peak_tflops_bf16"]),
+        peak_tflops_fp32=float(raw.get("peak_tflops_fp32", raw["peak_tflops_bf16"] / 16)),
+        memory_gib=float(raw["memory_gib"]), hbm_gbps=float(raw["hbm_gbps"]),
+        nvlink_gbps=float(raw["nvlink_gbps"]), internode_gbps=float(raw["internode_gbps"]),
+        gpus_per_node=int(raw["gpus_per_node"]), efficiency={k: float(v) for k, v in eff.items()},
+        device_names=list(raw.get("device_names") or []), attention_kernels=kernels,
+        calibrated=dict(raw.get("calibrated") or {}), source=source)
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A built-in name (a100-80gb, ...) or a path to a YAML profile."""
+    if name_or_path in profile_names():
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+    elif name_or_path.endswith((".yaml", ".yml")) or os.path.sep in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise SpecError("--hardware", f"profile file {name_or_path!r} does not exist")
+    else:
+        raise SpecError("--hardware", f"unknown hardware {name_or_path!r}; known: {', '.join(profile_names())} "
+                                      "or a path to a profile YAML")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError("--hardware", f"cannot parse {path}: {e}") from None
+    return _from_dict(raw, str(path))
+
+
+def save_profile(profile: Profile, path: str | os.PathLike, header: str = "") -> None:
+    text = yaml.safe_dump(profile.to_dict(), sort_keys=False)
+    Path(path).write_text((header.rstrip() + "\n" if header else "") + text)
+
+
+# CUDA device name fragments -> dense BF16 peak in TFLOP/s (vendor datasheets, no sparsity).
+_PEAKS = (
+    ("H200", 989.0),        # H200 datasheet
+    ("H100 PCIE", 756.0),   # H100 PCIe datasheet: 1,513 with sparsity
+    ("H100 NVL", 835.0),    # H100 NVL datasheet: 1,671 with sparsity
+    ("H100", 989.0),        # H100 SXM datasheet
+    ("H800", 989.0),        # same silicon as H100 SXM
+    ("GH200", 989.0),
+    ("A100", 312.0),        # A100 datasheet (40 and 80 GB, SXM and PCIe)
+    ("A800", 312.0),
+    ("A30", 165.0),         # A30 datasheet
+    ("A10G", 70.0),         # AWS A10G: ~70 dense BF16 (A10: 125 with sparsity on 72 SMs ... 31.2 x 2)
+    ("L40S", 362.0),        # L40S datasheet: 733 with sparsity
+    ("L4", 121.0),          # L4 datasheet: 242 with sparsity
+    ("B200", 2250.0),       # B200 datasheet: 4.5 PFLOP/s with sparsity
+)
+
+
+def peak_bf16_tflops(device_name: str) -> float | None:
+    """Datasheet dense BF16 peak for a CUDA device name such as 'NVIDIA A100-SXM4-80GB', else None."""
+    if not device_name:
+        return None
+    upper = device_name.upper()
+    for fragment, peak in _PEAKS:
+        if fragment in upper:
+            return peak
+    return None

@@ -1,0 +1,197 @@
+"""What each rank does: build, train, time, and write the record.
+
+Success is judged from the record, not from the exit code: a rank that raises writes a
+failure record (status oom for an out-of-memory error) under the same run_id before it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from harness import measure
+from harness.data import token_source
+from harness.dist import RunContext
+from harness.frameworks import build_engine
+from harness.model.flops import flops_per_token
+from harness.model.kernels import check_kernels, rmsnorm_backend_name
+from harness.spec import RunSpec, check_sizes, check_world_size
+from harness.store import ResultsStore, new_record, now_iso
+
+OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "out of memory")
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or any(m in str(exc) for m in OOM_MARKERS)
+
+
+def _fault(step: int, rank: int) -> None:
+    """Test-only fault hook: HARNESS_FAULT=kill|hang|oom|raise:STEP[:RANK]."""
+    fault = os.environ.get("HARNESS_FAULT")
+    if not fault:
+        return
+    kind, at, *who = fault.split(":")
+    if int(at) != step or (who and int(who[0]) != rank):
+        return
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+    if kind == "oom":
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected by HARNESS_FAULT)")
+    raise RuntimeError(f"fault injected by HARNESS_FAULT at step {step}")
+
+
+def preflight(spec: RunSpec, ctx: RunContext):
+    """Every check that needs the machine, before anything is built: sizes, world, kernels."""
+    shape = check_sizes(spec)
+    check_world_size(spec, ctx.world_size)
+    dtype = torch.bfloat16 if spec.workload.precision == "bf16" else torch.float32
+    check_kernels(spec.layout.attention, spec.layout.rmsnorm, ctx.device, dtype, shape.hidden // shape.heads)
+    return shape
+
+
+def _max_across_ranks(values: list[float], ctx: RunContext) -> list[float]:
+    if ctx.backend is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _hosts(ctx: RunContext) -> list[str]:
+    import socket
+
+    if ctx.backend is None:
+        return [socket.gethostname()]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, socket.gethostname())
+    return out
+
+
+class Progress:
+    """A live line on rank 0: step, tokens/s, MFU, loss; at most every `every` seconds."""
+
+    def __init__(self, enabled: bool, total: int, every: float = 2.0):
+        self.enabled, self.total, self.every, self.last = enabled, total, every, 0.0
+        self.tty = sys.stderr.isatty()
+
+    def update(self, step: int, seconds: float, tokens: int, loss: float, mfu: float | None, force=False):
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < self.every and not force):
+            return
+        self.last = now
+        mfu_text = f" | MFU {100 * mfu:5.1f}%" if mfu else ""
+        line = f"step {step + 1}/{self.total} | {tokens / seconds:,.0f} tok/s{mfu_text} | loss {loss:.4f}"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.enabled and self.tty:
+            print(file=sys.stderr)
+
+
+def train(spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = None,
+          measure_matmul: bool = True, progress: bool = True) -> dict:
+    """Run warm-up plus measured steps; return the metrics (the same dict on every rank)."""
+    w, lay = spec.workload, spec.layout
+    engine = build_engine(spec, shape, ctx)
+    data = token_source(w, shape.vocab)
+    total = w.warmup_steps + w.steps
+    tokens_per_step = w.global_batch_size * w.seq_len
+    fpt = flops_per_token(shape, w.seq_len, lay.activation_checkpointing)
+    device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    peak, peak_source = peak_tflops, "override" if peak_tflops else None
+    if peak is None and ctx.device.type == "cuda":
+        peak = measure.datasheet_peak_tflops(device_name)
+        peak_source = f"datasheet dense bf16 ({device_name})" if peak else None
+    bar = Progress(progress and ctx.is_main, total)
+    losses, times, details = [], [], []
+    for step in range(total):
+        batch = data.global_batch_at(step)
+        if step == w.warmup_steps:
+            measure.reset_peak_memory(ctx.device)
+        _fault(step, ctx.rank)
+        with measure.StepTimer(ctx.device) as timer:
+            loss = engine.train_step(batch)
+        losses.append(loss)
+        if step >= w.warmup_steps:
+            times.append(timer.seconds)
+            details.append(engine.last_step_details())
+        mfu = peak and fpt["palm"] * tokens_per_step / timer.seconds / (ctx.world_size * peak * 1e12)
+        bar.update(step, timer.seconds, tokens_per_step, loss, mfu, force=step == total - 1)
+    bar.close()
+
+    times = _max_across_ranks(times, ctx)  # a step lasts until its slowest rank finishes
+    mem, mem_kind = measure.peak_memory(ctx.device)
+    mem_all = _max_across_ranks([float(mem)], ctx)[0]
+    stats = measure.summarize(times)
+    tokens_per_s = tokens_per_step / stats["median"]
+    dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
+    measured_peak = measure.measure_matmul_tflops(ctx.device, dtype) if measure_matmul else None
+    metrics = {
+        "step_time_s": stats,
+        "step_times_s": times,
+        "losses": losses,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / ctx.world_size,
+        "flops_per_token": fpt,
+        "achieved_tflops_per_device": {k: v * tokens_per_s / ctx.world_size / 1e12 for k, v in fpt.items()},
+        "peak_tflops": peak,
+        "peak_tflops_source": peak_source,
+        "mfu": measure.mfu_table(fpt, tokens_per_s, ctx.world_size, peak),
+        "measured_matmul_tflops": measured_peak,
+        "mfu_vs_measured_matmul": measure.mfu_table(fpt, tokens_per_s, ctx.world_size, measured_peak),
+        "peak_memory_bytes": int(mem_all),
+        "memory_kind": mem_kind,
+        "rmsnorm_backend": rmsnorm_backend_name(lay.rmsnorm, ctx.device.type),
+        "engine": engine.describe(),
+    }
+    metrics.update(_summarize_details(details))
+    return metrics
+
+
+def _summarize_details(details: list[dict]) -> dict:
+    """Per-step breakdowns become their medians; comm counts and timeline come from the last step."""
+    out: dict = {}
+    rows = [d["breakdown_s"] for d in details if d and d.get("breakdown_s")]
+    if rows:
+        out["breakdown_s"] = {k: measure.summarize([r[k] for r in rows])["median"] for k in rows[0]}
+    last = details[-1] if details else {}
+    for key in ("comm", "pipeline_timeline"):
+        if last and last.get(key) is not None:
+            out[key] = last[key]
+    return out
+
+
+def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id: str | None = None,
+        sweep: str | None = None, point_key: str | None = None, peak_tflops: float | None = None,
+        progress: bool = True) -> dict:
+    """Preflight (SpecError propagates: exit 2), train, write the record; failures are recorded."""
+    shape = preflight(spec, ctx)
+    record = new_record(spec.to_dict(), sweep=sweep, point_key=point_key)
+    if run_id:
+        record["run_id"] = run_id
+    store = ResultsStore(store_path or spec.store)
+    record["fingerprint"] = measure.fingerprint(ctx.device, ctx.world_size, _hosts(ctx))
+    try:
+        record["metrics"] = train(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress)
+        record["status"] = "ok"
+    except Exception as exc:  # recorded, then re-raised so the launcher sees the failure
+        import traceback
+
+        record["status"] = "oom" if is_oom(exc) else "failed"
+        record["error"] = f"rank {ctx.rank}: {type(exc).__name__}: {exc}\n" + traceback.format_exc()[-2000:]
+        record["ended_at"] = now_iso()
+        store.write(record)
+        raise
+    record["ended_at"] = now_iso()
+    if ctx.is_main:
+        store.write(record)
+    return record
