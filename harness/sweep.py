@@ -207,10 +207,24 @@ def _fmt(coords: dict) -> str:
     return " ".join(f"{k}={one(v)}" for k, v in coords.items())
 
 
+def _defaults() -> dict:
+    from harness.spec import RunSpec
+
+    d = RunSpec().to_dict()
+    return {"workload": d["workload"], "layout": d["layout"]}
+
+
 def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
-    """All valid points of the sweep, in grid order, and every dropped combination with why."""
+    """All valid points of the sweep, in grid order, and every dropped combination with why.
+
+    Filters see each point with the spec defaults filled in (so `exclude: [{attention: sdpa}]`
+    also hits points that leave attention at its default) and run before validation, so a
+    point the user excluded is reported as excluded rather than as invalid.
+    """
     axes = list(sweep.grid)
     combos = [dict(zip(axes, vals)) for vals in itertools.product(*(sweep.grid[a] for a in axes))]
+    if not axes and sweep.points:
+        combos = []  # only the listed points, not also the bare base layout
     candidates = [(c, {}) for c in combos]
     for i, extra in enumerate(sweep.points):
         coords = {k: v for k, v in extra.items() if k != "env"}
@@ -218,20 +232,31 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
             if not isinstance(coords[k], dict):
                 _check_axis_name(k, f"sweep.points[{i}].{k}")
         candidates.append((coords, dict(extra.get("env") or {})))
+    defaults = _defaults()
     points, drops, seen = [], [], {}
     for coords, env in candidates:
         raw = {"name": sweep.name, "store": sweep.store,
                "workload": copy.deepcopy(sweep.workload), "layout": copy.deepcopy(sweep.layout)}
         _apply(raw, coords)
         lay = raw["layout"]
+        filled = {"workload": {**defaults["workload"], **raw["workload"]},
+                  "layout": {**defaults["layout"], **lay}}
         if "dp" not in lay:
-            tp, pp = lay.get("tp", 1), lay.get("pp", 1)
-            if isinstance(tp, int) and isinstance(pp, int) and tp > 0 and pp > 0:
-                if sweep.gpus % (tp * pp):
-                    drops.append(Drop(coords, f"layout: {sweep.gpus} GPUs are not divisible by "
-                                              f"tp x pp = {tp} x {pp}"))
-                    continue
-                lay["dp"] = sweep.gpus // (tp * pp)
+            tp, pp = filled["layout"]["tp"], filled["layout"]["pp"]
+            if isinstance(tp, int) and isinstance(pp, int) and tp > 0 and pp > 0 and sweep.gpus % (tp * pp) == 0:
+                lay["dp"] = filled["layout"]["dp"] = sweep.gpus // (tp * pp)
+        flat = _flat(filled, coords)
+        if sweep.include and not any(matches(flat, r) for r in sweep.include):
+            drops.append(Drop(coords, "not matched by any include filter"))
+            continue
+        hit = next((i for i, r in enumerate(sweep.exclude) if matches(flat, r)), None)
+        if hit is not None:
+            drops.append(Drop(coords, f"excluded by exclude[{hit}] {sweep.exclude[hit]}"))
+            continue
+        if "dp" not in lay:
+            drops.append(Drop(coords, f"layout: {sweep.gpus} GPUs are not divisible by tp x pp = "
+                                      f"{filled['layout']['tp']} x {filled['layout']['pp']}"))
+            continue
         try:
             spec = parse_spec(raw)
             check_world_size(spec, sweep.gpus)
@@ -240,21 +265,12 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
             continue
         spec_dict = spec.to_dict()
         spec_dict["workload"]["optimizer"]["betas"] = list(spec_dict["workload"]["optimizer"]["betas"])
-        flat = _flat(spec_dict, coords)
-        if sweep.include and not any(matches(flat, r) for r in sweep.include):
-            drops.append(Drop(coords, "not matched by any include filter"))
-            continue
-        hit = next((i for i, r in enumerate(sweep.exclude) if matches(flat, r)), None)
-        if hit is not None:
-            drops.append(Drop(coords, f"excluded by exclude[{hit}] {sweep.exclude[hit]}"))
-            continue
         key = point_key(spec_dict)
         if key in seen:
             drops.append(Drop(coords, f"duplicate of point {seen[key]} ({key})"))
             continue
         seen[key] = len(points)
-        env = {**sweep.env, **env}
-        points.append(Point(coords=coords, spec=spec_dict, key=key, env=env))
+        points.append(Point(coords=coords, spec=spec_dict, key=key, env={**sweep.env, **env}))
     return points, drops
 
 
@@ -323,7 +339,8 @@ def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: fl
                                   store_path=store_path, timeout_s=timeout_s, sweep=sweep.name,
                                   point_key=p.key, extra_env=env, log_dir=log_dir)
             counts[rec["status"]] = counts.get(rec["status"], 0) + 1
-            reason = "" if rec["status"] == "ok" else f" - {(rec.get('error') or '').splitlines()[0][:120] if rec.get('error') else ''}"
+            first = (rec.get("error") or "").strip().splitlines()
+            reason = f" - {first[0][:120]}" if rec["status"] != "ok" and first else ""
             bar.write(f"{rec['status']:>7}  {p.label()}{reason}")
             bar.set_postfix({k: v for k, v in counts.items() if v})
             bar.update(1)

@@ -1,0 +1,206 @@
+"""Sweeps: expansion with reasons, faults that must not stop a sweep, SIGKILL and resume, Slurm.
+
+The run tests use the real `harness train` on the tiny model (one process per point, the
+single-device engine, under torchrun so that ranks live in sessions of their own, as on a
+cluster) with the runner's test-only fault hook HARNESS_FAULT.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from harness import launch
+from harness import sweep as sw
+from harness.cli import main as cli_main
+from harness.errors import SpecError
+from harness.store import ResultsStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 3, "warmup_steps": 1, "device": "cpu"}
+
+
+def _write(tmp_path, raw, name="s.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_expand_grid_filters_and_reasons():
+    spec = sw.parse_sweep({
+        "name": "g", "gpus": 2, "workload": TINY, "layout": {"engine": "own"},
+        "grid": {"tp": [1, 2, 3], "pp": [1, 2], "micro_batch_size": [1, 2, 4],
+                 "kernel": [{"attention": "naive", "rmsnorm": "torch"}, {"attention": "sdpa"}]},
+        "exclude": [{"tp": 2, "pp": 2}, {"attention": "sdpa", "micro_batch_size": 1}],
+    })
+    points, drops = sw.expand(spec)
+    assert len(points) + len(drops) == 3 * 2 * 3 * 2
+    for p in points:
+        lay = p.spec["layout"]
+        assert lay["tp"] * lay["pp"] * lay["dp"] == 2
+        assert not (lay["attention"] == "sdpa" and lay["micro_batch_size"] == 1)
+    reasons = [d.reason for d in drops]
+    assert any("excluded by exclude[0]" in r for r in reasons)
+    assert any("excluded by exclude[1]" in r for r in reasons)  # default-valued fields match too
+    assert any("not divisible by tp x pp = 3 x 1" in r for r in reasons)
+    assert any(r.startswith("workload.global_batch_size:") for r in reasons)
+    assert len({p.key for p in points}) == len(points)
+
+
+def test_point_key_is_stable_and_ignores_spelling():
+    a = sw.parse_sweep({"gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [2]}})
+    b = sw.parse_sweep({"gpus": 1, "workload": dict(reversed(list(TINY.items()))),
+                        "layout": {"micro_batch_size": 2, "attention": "sdpa"}, "name": "other"})
+    (pa,), _ = sw.expand(a)
+    (pb,), _ = sw.expand(b)
+    assert pa.key == pb.key and len(pa.key) == 16
+
+
+def test_include_and_duplicates():
+    spec = sw.parse_sweep({"gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [1, 2, 4]},
+                           "include": [{"micro_batch_size": [1, 2]}], "points": [{"micro_batch_size": 1}]})
+    points, drops = sw.expand(spec)
+    assert [p.spec["layout"]["micro_batch_size"] for p in points] == [1, 2]
+    assert sorted(d.reason.split(" ")[0] for d in drops) == ["duplicate", "not"]
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"workload": TINY}, "sweep.gpus"),
+    ({"gpus": 0}, "sweep.gpus"),
+    ({"gpus": 1, "grid": {"tpp": [1]}}, "sweep.grid.tpp"),
+    ({"gpus": 1, "grid": {"tp": []}}, "sweep.grid.tp"),
+    ({"gpus": 1, "bogus": 1}, "sweep.bogus"),
+    ({"gpus": 1, "launcher": "mpi"}, "sweep.launcher"),
+])
+def test_bad_sweep_specs_name_the_field(raw, field):
+    with pytest.raises(SpecError) as e:
+        sw.parse_sweep(raw)
+    assert e.value.field == field
+
+
+def test_dry_run_cli_prints_points_and_drops(tmp_path, capsys):
+    path = _write(tmp_path, {"name": "d", "gpus": 1, "workload": TINY,
+                             "grid": {"micro_batch_size": [1, 2, 8]}})
+    assert cli_main(["sweep", path, "--dry-run", "--store", str(tmp_path / "r.sqlite")]) == 0
+    out = capsys.readouterr().out
+    assert "2 points, 1 dropped" in out and "8 is not divisible" not in out
+    assert "global_batch_size: 4 is not divisible by dp x micro_batch_size = 1 x 8" in out
+    assert cli_main(["sweep", str(tmp_path / "missing.yaml"), "--dry-run"]) == 2
+
+
+def _sweep_procs(spec, store):
+    return launch.processes_with_env(launch.SWEEP_ID_ENV, sw.sweep_id(spec, store))
+
+
+def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path):
+    raw = {"name": "faults", "gpus": 1, "timeout_s": 15, "workload": TINY, "layout": {"engine": "single"},
+           "points": [{"workload.seed": 1},
+                      {"workload.seed": 2, "env": {"HARNESS_FAULT": "kill:1"}},
+                      {"workload.seed": 3, "env": {"HARNESS_FAULT": "hang:1"}},
+                      {"workload.seed": 4, "env": {"HARNESS_FAULT": "oom:1"}}]}
+    spec = sw.parse_sweep(raw)
+    store = str(tmp_path / "r.sqlite")
+    counts = sw.run_sweep(spec, launcher="torchrun", store_path=store, timeout_s=15, progress=False)
+    assert counts == {"ok": 1, "oom": 1, "failed": 1, "timeout": 1}
+    by_seed = {r["spec"]["workload"]["seed"]: r for r in ResultsStore(store).records(sweep="faults")}
+    assert by_seed[1]["status"] == "ok" and by_seed[1]["metrics"]["step_time_s"]["n"] == 3
+    assert by_seed[2]["status"] == "failed" and "SIGKILL" in by_seed[2]["error"]
+    assert by_seed[3]["status"] == "timeout" and by_seed[3]["launch"]["timed_out"]
+    assert by_seed[4]["status"] == "oom" and "CUDA out of memory" in by_seed[4]["error"]
+    for rec in by_seed.values():
+        assert launch.processes_with_env(launch.TOKEN_ENV, rec["run_id"]) == []
+        pid = rec["launch"].get("exit_code")
+        assert pid is not None or rec["status"] == "timeout"
+    assert _sweep_procs(spec, store) == []
+
+
+def test_sigkill_mid_sweep_then_resume_runs_each_point_once(tmp_path):
+    raw = {"name": "resume", "gpus": 1, "timeout_s": 60, "workload": TINY, "layout": {"engine": "single"},
+           "grid": {"workload.seed": [1, 2, 3]}}
+    path = _write(tmp_path, raw)
+    store = str(tmp_path / "r.sqlite")
+    cmd = [sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress",
+           "--launcher", "torchrun"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 90
+    while time.time() < deadline and not (os.path.exists(store) and ResultsStore(store).records(sweep="resume")):
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    done_before = ResultsStore(store).completed_points("resume")
+    assert 1 <= len(done_before) < 3
+    spec = sw.parse_sweep(raw)
+    # the run in flight gets SIGTERM through PR_SET_PDEATHSIG; the rerun reaps anything left
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"{len(done_before)} already recorded" in out.stdout
+    recs = ResultsStore(store).records(sweep="resume")
+    per_key = collections.Counter(r["point_key"] for r in recs)
+    assert len(per_key) == 3 and set(per_key.values()) == {1}
+    assert all(r["status"] == "ok" for r in recs)
+    before = {r["point_key"]: r["run_id"] for r in recs}
+    for key in done_before:  # completed points were not run again
+        assert key in before
+    assert _sweep_procs(spec, store) == []
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert "3 already recorded, 0 to run" in again.stdout
+    assert len(ResultsStore(store).records(sweep="resume")) == 3
+
+
+def test_slurm_script_generation_and_missing_sbatch(tmp_path, monkeypatch, capsys):
+    raw = {"name": "big", "gpus": 16, "nodes": 2, "timeout_s": 900,
+           "workload": {"model": "paper-13b", "seq_len": 2048, "global_batch_size": 64, "precision": "bf16"},
+           "layout": {"engine": "own"}, "grid": {"tp": [1, 2], "pp": [1, 2]},
+           "slurm": {"partition": "gpu", "account": "proj", "setup": ["module load cuda"], "max_parallel": 2},
+           "env": {"NCCL_DEBUG": "WARN"}}
+    path = _write(tmp_path, raw)
+    bash = shutil.which("bash")
+    monkeypatch.setenv("PATH", str(tmp_path / "nobin"))
+    job = tmp_path / "job"
+    rc = cli_main(["sweep", path, "--launcher", "slurm", "--store", str(tmp_path / "r.sqlite"),
+                   "--job-dir", str(job)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: --launcher slurm: sbatch not found on PATH" in err and "sweep.sbatch" in err
+    script = (job / "sweep.sbatch").read_text()
+    assert "#SBATCH --array=0-3%2" in script and "#SBATCH --nodes=2" in script
+    assert "#SBATCH --ntasks-per-node=8" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "#SBATCH --partition=gpu" in script and "#SBATCH --account=proj" in script
+    assert "#SBATCH --time=00:20:00" in script and "module load cuda" in script
+    assert 'export NCCL_DEBUG="WARN"' in script
+    assert "timeout --signal=TERM --kill-after=60 900 srun --kill-on-bad-exit=1" in script
+    assert "-m harness.cli train \"$SPEC\"" in script and "--sweep \"big\"" in script
+    rows = (job / "points.tsv").read_text().splitlines()
+    assert len(rows) == 4
+    idx, key, spec_path = rows[1].split("\t")
+    assert yaml.safe_load(open(spec_path))["layout"]["tp"] * yaml.safe_load(open(spec_path))["layout"]["pp"] \
+        * yaml.safe_load(open(spec_path))["layout"]["dp"] == 16
+    assert subprocess.run([bash, "-n", str(job / "sweep.sbatch")]).returncode == 0
+
+
+def test_slurm_collect_merges_task_stores_and_classifies_logs(tmp_path):
+    spec = sw.parse_sweep({"name": "c", "gpus": 1, "workload": TINY, "grid": {"workload.seed": [1, 2, 3, 4]}})
+    points, _ = sw.expand(spec)
+    job = tmp_path / "job"
+    sw.write_slurm(spec, points, str(job), timeout_s=60)
+    # task 0 wrote its record; task 1 was killed by `timeout`; task 2 printed an OOM; task 3 never ran
+    from harness.store import new_record
+    rec = new_record(points[0].spec, sweep="c", point_key=points[0].key)
+    rec["status"] = "ok"
+    ResultsStore(str(job / "stores" / "task-0.sqlite")).write(rec)
+    (job / "logs" / "77_1.log").write_text("harness-point x y\nstep 1\nharness-exit 124\n")
+    (job / "logs" / "77_2.log").write_text("torch.OutOfMemoryError: CUDA out of memory.\nharness-exit 1\n")
+    store = str(tmp_path / "r.sqlite")
+    assert sw.collect(spec, str(job), store) == {"merged": 1, "classified": 2, "pending": 1}
+    got = {r["point_key"]: r["status"] for r in ResultsStore(store).records(sweep="c")}
+    assert got == {points[0].key: "ok", points[1].key: "timeout", points[2].key: "oom"}
+    sw.collect(spec, str(job), store)  # idempotent: no duplicates
+    assert len(ResultsStore(store).records(sweep="c")) == 3
