@@ -1,0 +1,231 @@
+"""DeepSpeed configs: locate, fill "auto" fields from the workload, refuse contradictions.
+
+A ds_config is DeepSpeed's own JSON schema. Fields the workload decides are "auto" and are
+filled here from the spec; an explicit value that contradicts the workload is refused with
+SpecError(f"{file}: {key}", reason) - the CLI prints `error: <file>: <key>: <reason>` and exits
+with 2 - before anything launches. Knobs the workload does not decide (ZeRO bucket sizes,
+prefetch, persistence threshold, overlap) are taken from the file as written: they are the
+deliberate choices documented in ds_configs/README.md.
+
+Workload-owned keys (explicit values must equal the workload's):
+  train_batch_size                 = global_batch_size
+  train_micro_batch_size_per_gpu   = layout.micro_batch_size
+  gradient_accumulation_steps      = global_batch_size / (dp x micro_batch_size)
+  gradient_clipping                = workload.grad_clip
+  bf16.enabled                     = precision == bf16   (fp16.enabled must be false)
+  optimizer.type                   = AdamW (or Adam with adam_w_mode true)
+  optimizer.params.lr/betas/eps/weight_decay = workload.optimizer
+  optimizer.params.torch_adam      auto: true on CPU (torch.optim.AdamW, the reference's
+                                   optimizer), false on GPU (DeepSpeed's FusedAdam)
+  zero_optimization.stage          = layout.zero_stage
+  scheduler                        refused: the workload's learning rate is constant
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+from harness.errors import SpecError
+
+AUTO = "auto"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
+DEFAULT_FILES = {1: "zero1.json", 2: "zero2.json", 3: "zero3.json"}
+
+# ZeRO knobs that may be "auto": the Hugging Face Trainer's convention from the hidden size.
+_ZERO_AUTO = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def resolve_path(path: str, zero_stage: int) -> str:
+    """The config file a layout means: its ds_config, else ds_configs/zero<stage>.json.
+
+    A relative path is tried against the working directory first, then the repository root
+    (so specs written as `ds_config: ds_configs/zero3.json` work from anywhere).
+    """
+    if not path:
+        if zero_stage not in DEFAULT_FILES:
+            raise SpecError("layout.zero_stage", "deepspeed runs ZeRO stage 1, 2 or 3")
+        return os.path.join(DS_CONFIG_DIR, DEFAULT_FILES[zero_stage])
+    if os.path.isabs(path) or os.path.isfile(path):
+        return os.path.abspath(path)
+    for base in (REPO_ROOT, DS_CONFIG_DIR):
+        candidate = os.path.join(base, path)
+        if os.path.isfile(candidate):
+            return candidate
+    return os.path.abspath(path)
+
+
+def load_raw(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise SpecError("layout.ds_config", f"file {path!r} does not exist")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise SpecError(path, f"not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(path, "top level must be a JSON object")
+    return raw
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or a == b and type(a) is type(b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class _Filler:
+    def __init__(self, name: str, cfg: dict):
+        self.name, self.cfg = name, cfg
+        self.filled: list[str] = []
+
+    def own(self, dotted: str, value, what: str, required: bool = True):
+        """Set a workload-owned key: fill "auto"/missing, refuse an explicit different value."""
+        parent, key = self._parent(dotted, create=required)
+        if parent is None:
+            return
+        if key not in parent or parent[key] == AUTO:
+            if key in parent or required:
+                parent[key] = value
+                self.filled.append(dotted)
+            return
+        if not _same(parent[key], value):
+            raise SpecError(f"{self.name}: {dotted}", f"{parent[key]!r} contradicts the workload's {what} = {value!r}; "
+                                                      f"use \"auto\" or {value!r}")
+
+    def _parent(self, dotted: str, create: bool):
+        node = self.cfg
+        parts = dotted.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part not in node:
+                if not create:
+                    return None, parts[-1]
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise SpecError(f"{self.name}: {'.'.join(parts[:i + 1])}", "must be a JSON object")
+            node = node[part]
+        return node, parts[-1]
+
+
+def _find_auto(node, prefix=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _find_auto(v, f"{prefix}.{k}" if prefix else k)
+    elif node == AUTO:
+        yield prefix
+
+
+def build_config(spec, shape=None, *, world_size: int | None = None, device_type: str | None = None,
+                 path: str | None = None) -> tuple[dict, str, list[str]]:
+    """The DeepSpeed config for this run: (config, file, keys filled from the workload).
+
+    Pure and cheap (no torch, no deepspeed import), so it runs before launch as well as in
+    each rank. `device_type` picks the optimizer implementation ("cpu": torch.optim.AdamW,
+    "cuda": FusedAdam); None means decide from the spec (workload.device, else probe CUDA).
+    """
+    w, lay = spec.workload, spec.layout
+    file = path or resolve_path(lay.ds_config, lay.zero_stage)
+    name = os.path.relpath(file) if not os.path.relpath(file).startswith("..") else file
+    cfg = copy.deepcopy(load_raw(file))
+    dp = world_size or lay.dp
+    f = _Filler(name, cfg)
+
+    f.own("train_batch_size", w.global_batch_size, "global_batch_size")
+    f.own("train_micro_batch_size_per_gpu", lay.micro_batch_size, "layout.micro_batch_size")
+    f.own("gradient_accumulation_steps", w.global_batch_size // (dp * lay.micro_batch_size),
+          f"global_batch_size / (dp x micro_batch_size) = {w.global_batch_size} / ({dp} x {lay.micro_batch_size})")
+    f.own("gradient_clipping", float(w.grad_clip), "grad_clip")
+    f.own("bf16.enabled", w.precision == "bf16", f"precision ({w.precision})")
+    fp16 = cfg.get("fp16", {})
+    if isinstance(fp16, dict) and fp16.get("enabled") not in (None, False, AUTO):
+        raise SpecError(f"{name}: fp16.enabled", f"the workload's precision is {w.precision}; fp16 is not offered")
+    if isinstance(fp16, dict) and fp16.get("enabled") == AUTO:
+        fp16["enabled"] = False
+        f.filled.append("fp16.enabled")
+    if "torch_autocast" in cfg and (cfg["torch_autocast"] or {}).get("enabled") not in (None, False):
+        raise SpecError(f"{name}: torch_autocast", "use bf16.enabled; the workload's precision decides it")
+    if "scheduler" in cfg:
+        raise SpecError(f"{name}: scheduler", "the workload's learning rate is constant; remove the scheduler")
+    if "amp" in cfg:
+        raise SpecError(f"{name}: amp", "not supported; the workload's precision decides bf16")
+
+    # optimizer
+    opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    if not isinstance(opt, dict):
+        raise SpecError(f"{name}: optimizer", "must be a JSON object")
+    otype = opt.get("type", "AdamW")
+    params = opt.setdefault("params", {})
+    if str(otype).lower() == "adam":
+        if params.get("adam_w_mode", True) is not True:
+            raise SpecError(f"{name}: optimizer.params.adam_w_mode", "the workload's optimizer is AdamW")
+    elif str(otype).lower() != "adamw":
+        raise SpecError(f"{name}: optimizer.type", f"{otype!r} contradicts the workload's optimizer AdamW")
+    o = w.optimizer
+    f.own("optimizer.params.lr", float(o.lr), "optimizer.lr")
+    f.own("optimizer.params.betas", [float(b) for b in o.betas], "optimizer.betas")
+    f.own("optimizer.params.eps", float(o.eps), "optimizer.eps")
+    f.own("optimizer.params.weight_decay", float(o.weight_decay), "optimizer.weight_decay")
+    if device_type is None:
+        device_type = _device_type(w.device)
+    zero = cfg.setdefault("zero_optimization", {})
+    offload = isinstance(zero.get("offload_optimizer"), dict) and \
+        zero["offload_optimizer"].get("device", "none") not in ("none", None)
+    if params.get("torch_adam", AUTO) == AUTO:
+        # CPU: the reference's torch.optim.AdamW. GPU: FusedAdam; with optimizer offload,
+        # DeepSpeed's CPUAdam (chosen by DeepSpeed itself when torch_adam is false).
+        params["torch_adam"] = device_type == "cpu" and not offload
+        f.filled.append("optimizer.params.torch_adam")
+
+    # ZeRO
+    if not isinstance(zero, dict):
+        raise SpecError(f"{name}: zero_optimization", "must be a JSON object")
+    f.own("zero_optimization.stage", lay.zero_stage, "layout.zero_stage")
+    hidden = shape.hidden if shape is not None else None
+    for key, rule in _ZERO_AUTO.items():
+        if zero.get(key) == AUTO:
+            if hidden is None:
+                from harness.model.presets import resolve_shape
+
+                hidden = resolve_shape(w.model, w.model_overrides).hidden
+            zero[key] = rule(hidden)
+            f.filled.append(f"zero_optimization.{key}")
+
+    # DeepSpeed activation checkpointing follows the layout; the section holds only its knobs.
+    ac = cfg.get("activation_checkpointing")
+    if ac is not None and not isinstance(ac, dict):
+        raise SpecError(f"{name}: activation_checkpointing", "must be a JSON object")
+
+    left = list(_find_auto(cfg))
+    if left:
+        raise SpecError(f"{name}: {left[0]}", "\"auto\" is not filled from the workload for this key; set a value")
+    cfg.setdefault("steps_per_print", 10 ** 9)
+    cfg.setdefault("wall_clock_breakdown", False)
+    return cfg, file, f.filled
+
+
+def _device_type(requested: str) -> str:
+    if requested in ("cpu", "cuda"):
+        return requested
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover
+        return "cpu"
+
+
+def validate(spec) -> None:
+    """Refuse a contradicting ds_config before launch (no-op for other engines)."""
+    if spec.layout.engine == "deepspeed":
+        build_config(spec)
