@@ -66,13 +66,14 @@ class DeepSpeedEngine:
     name = "deepspeed"
 
     def __init__(self, spec, shape, ctx):
+        w, lay = spec.workload, spec.layout
+        self.spec, self.ctx, self.device = spec, ctx, ctx.device
+        # the config is checked first: a contradiction is a SpecError before DeepSpeed loads
+        self.config, self.config_file, self.filled = build_config(spec, shape, world_size=ctx.world_size,
+                                                                  device_type=ctx.device.type)
         import deepspeed
 
         _quiet_deepspeed()
-        w, lay = spec.workload, spec.layout
-        self.spec, self.ctx, self.device = spec, ctx, ctx.device
-        self.config, self.config_file, self.filled = build_config(spec, shape, world_size=ctx.world_size,
-                                                                  device_type=ctx.device.type)
         self.stage = self.config["zero_optimization"]["stage"]
         _init_deepspeed_comm(ctx)
 

@@ -101,3 +101,35 @@ def run_losses(ctx, runs: list[dict], steps: int, with_state: bool = False) -> l
         out.append({"losses": losses, "state": state, "describe": engine.describe()})
         del engine
     return out
+
+
+def reference_run(workload: dict, steps: int, **layout) -> tuple[list[float], dict]:
+    """The single-device reference in this process: (losses, final fp32 weights)."""
+    from harness.data import token_source
+    from harness.frameworks.single import SingleDeviceEngine
+    from harness.spec import check_sizes, parse_spec
+
+    spec = parse_spec({"workload": dict(workload), "layout": {"engine": "single", **layout}})
+    shape = check_sizes(spec)
+    engine = SingleDeviceEngine(spec, shape, torch.device("cpu"))
+    source = token_source(spec.workload, shape.vocab)
+    losses = [engine.train_step(source.global_batch_at(step)) for step in range(steps)]
+    return losses, engine.full_state_dict()
+
+
+def assert_matches_reference(result: dict, ref_losses: list[float], ref_state: dict | None, label: str,
+                             loss_rtol: float = 1e-5) -> None:
+    """Losses within `loss_rtol` relative at every step; final weights close (fp32)."""
+    losses = result["losses"]
+    if len(losses) != len(ref_losses):
+        raise AssertionError(f"{label}: {len(losses)} losses vs {len(ref_losses)}")
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        if abs(a - b) > loss_rtol * abs(b):
+            raise AssertionError(f"{label}: step {step} loss {a!r} vs reference {b!r} "
+                                 f"(rel {abs(a - b) / abs(b):.2e} > {loss_rtol:g})")
+    if ref_state is not None:
+        state = result["state"]
+        if set(state) != set(ref_state):
+            raise AssertionError(f"{label}: parameter names differ: {sorted(set(state) ^ set(ref_state))[:5]}")
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(state[name], ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label}: {name}: {m}")

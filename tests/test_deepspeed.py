@@ -1,0 +1,153 @@
+"""DeepSpeed ZeRO-1/2/3: configs filled from the workload, contradictions refused, and the
+same losses and weights as the single-device reference (fp32, CPU, 2 gloo processes)."""
+
+import json
+import os
+
+import pytest
+import yaml
+
+from harness.errors import SpecError
+from harness.frameworks.ds_config import DS_CONFIG_DIR, build_config
+from harness.frameworks.mp_check import assert_matches_reference, reference_run, run_losses, spawn
+from harness.spec import parse_spec
+
+STEPS = 5
+WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,
+            "device": "cpu", "precision": "fp32"}
+
+
+def ds_spec(stage=1, ds_config="", **layout):
+    return parse_spec({"workload": dict(WORKLOAD),
+                       "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, "zero_stage": stage,
+                                  "ds_config": ds_config, **layout}})
+
+
+def write_config(tmp_path, edit, base="zero2.json"):
+    with open(os.path.join(DS_CONFIG_DIR, base)) as f:
+        cfg = json.load(f)
+    edit(cfg)
+    path = tmp_path / "my_ds.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+# ------------------------------------------------------------------ config filling (no DeepSpeed)
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_auto_fields_filled_from_workload(stage):
+    cfg, file, filled = build_config(ds_spec(stage), device_type="cpu")
+    assert os.path.basename(file) == f"zero{stage}.json"
+    assert cfg["train_batch_size"] == 8
+    assert cfg["train_micro_batch_size_per_gpu"] == 2
+    assert cfg["gradient_accumulation_steps"] == 2  # 8 / (2 x 2)
+    assert cfg["gradient_clipping"] == 1.0
+    assert cfg["bf16"]["enabled"] is False
+    p = cfg["optimizer"]["params"]
+    assert (p["lr"], p["betas"], p["eps"], p["weight_decay"]) == (3e-4, [0.9, 0.95], 1e-8, 0.1)
+    assert p["torch_adam"] is True  # CPU: torch.optim.AdamW, the reference's optimizer
+    assert cfg["zero_optimization"]["stage"] == stage
+    assert "train_batch_size" in filled
+    if stage == 3:  # "auto" persistence threshold: 10 x hidden, every matrix partitioned
+        assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 640
+
+
+def test_gpu_keeps_fused_adam_and_bf16_follows_precision():
+    spec = ds_spec(3)
+    spec.workload.precision = "bf16"
+    cfg, _, _ = build_config(spec, device_type="cuda")
+    assert cfg["optimizer"]["params"]["torch_adam"] is False
+    assert cfg["bf16"]["enabled"] is True
+
+
+def test_offload_config_uses_deepspeed_cpu_adam():
+    cfg, _, _ = build_config(ds_spec(3, "ds_configs/zero3_offload.json"), device_type="cuda")
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert cfg["optimizer"]["params"]["torch_adam"] is False
+
+
+CONTRADICTIONS = [
+    (lambda c: c.update(train_batch_size=16), "train_batch_size", "global_batch_size"),
+    (lambda c: c.update(train_micro_batch_size_per_gpu=4), "train_micro_batch_size_per_gpu", "micro_batch_size"),
+    (lambda c: c.update(gradient_accumulation_steps=1), "gradient_accumulation_steps", "dp x micro_batch_size"),
+    (lambda c: c.update(gradient_clipping=0.5), "gradient_clipping", "grad_clip"),
+    (lambda c: c["bf16"].update(enabled=True), "bf16.enabled", "precision"),
+    (lambda c: c["fp16"].update(enabled=True), "fp16.enabled", "fp16"),
+    (lambda c: c["optimizer"]["params"].update(lr=1e-3), "optimizer.params.lr", "optimizer.lr"),
+    (lambda c: c["optimizer"]["params"].update(betas=[0.9, 0.999]), "optimizer.params.betas", "betas"),
+    (lambda c: c["optimizer"]["params"].update(weight_decay=0.0), "optimizer.params.weight_decay", "weight_decay"),
+    (lambda c: c["optimizer"].update(type="Lamb"), "optimizer.type", "AdamW"),
+    (lambda c: c["zero_optimization"].update(stage=3), "zero_optimization.stage", "zero_stage"),
+    (lambda c: c.update(scheduler={"type": "WarmupLR"}), "scheduler", "constant"),
+]
+
+
+@pytest.mark.parametrize("edit,key,reason", CONTRADICTIONS, ids=[c[1] for c in CONTRADICTIONS])
+def test_contradicting_value_refused(tmp_path, edit, key, reason):
+    path = write_config(tmp_path, edit)
+    with pytest.raises(SpecError) as e:
+        build_config(ds_spec(2, path), device_type="cpu")
+    assert e.value.field.endswith(f"my_ds.json: {key}")
+    assert reason in e.value.reason
+
+
+def test_explicit_matching_value_accepted(tmp_path):
+    path = write_config(tmp_path, lambda c: c.update(train_batch_size=8, gradient_clipping=1))
+    cfg, _, filled = build_config(ds_spec(2, path), device_type="cpu")
+    assert cfg["train_batch_size"] == 8 and "train_batch_size" not in filled
+
+
+def test_unfillable_auto_refused(tmp_path):
+    path = write_config(tmp_path, lambda c: c["zero_optimization"].update(allgather_bucket_size="auto"))
+    with pytest.raises(SpecError, match="allgather_bucket_size"):
+        build_config(ds_spec(2, path), device_type="cpu")
+
+
+def test_contradicting_config_through_cli(tmp_path, cli):
+    """`harness train` refuses it with one line and exit code 2, before DeepSpeed starts."""
+    path = write_config(tmp_path, lambda c: c.update(train_batch_size=16))
+    spec = {"workload": dict(WORKLOAD), "layout": {"engine": "deepspeed", "dp": 1, "micro_batch_size": 2,
+                                                    "zero_stage": 2, "ds_config": path}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    r = cli("train", "spec.yaml", "--store", str(tmp_path / "r.sqlite"), cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {os.path.relpath(path, tmp_path)}: train_batch_size: ") or \
+        line.startswith(f"error: {path}: train_batch_size: "), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_contradicting_config_through_compare_cli(tmp_path, cli):
+    """`harness compare` checks every layout before launching any."""
+    path = write_config(tmp_path, lambda c: c["optimizer"]["params"].update(lr=1.0))
+    spec = {"workload": dict(WORKLOAD), "nproc": 2,
+            "runs": [{"engine": "deepspeed", "zero_stage": 2, "ds_config": path}]}
+    (tmp_path / "cmp.yaml").write_text(yaml.safe_dump(spec))
+    r = cli("compare", "cmp.yaml", "--store", str(tmp_path / "r.sqlite"), "--out", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        "my_ds.json: optimizer.params.lr: 1.0 contradicts the workload's optimizer.lr = 0.0003; use \"auto\" or 0.0003")
+    assert not os.path.exists(tmp_path / "r.sqlite") or "ok" not in (tmp_path / "r.sqlite").read_bytes().decode(
+        "latin-1")
+
+
+# ------------------------------------------------------------------ equivalence with the reference
+
+def reference():
+    return reference_run(WORKLOAD, STEPS, micro_batch_size=2)
+
+
+def test_zero_stages_match_single_device_reference():
+    """ZeRO-1, 2, 3 (and ZeRO-2 with DeepSpeed checkpointing, ZeRO-3 on transformers' Llama)
+    reproduce the reference's losses within 1e-5 relative and its weights after 5 steps."""
+    layouts = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
+               {"zero_stage": 2, "activation_checkpointing": "full"},
+               {"zero_stage": 3, "model_impl": "hf"}]
+    runs = [{"workload": dict(WORKLOAD),
+             "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, **lay}} for lay in layouts]
+    results = spawn(run_losses, 2, runs, STEPS, True, timeout_s=400)
+    ref_losses, ref_state = reference()
+    for lay, result in zip(layouts, results, strict=True):
+        assert_matches_reference(result, ref_losses, ref_state, str(lay))
+    assert results[0]["describe"]["optimizer"].endswith("AdamW")
+    assert results[2]["describe"]["zero_stage"] == 3
