@@ -7,4 +7,5 @@ cli (`harness plan`). Nothing here imports torch: a plan must answer in about a 
 """
 
 from harness.planner.predict import Prediction, predict  # noqa: F401
-from harness.planner.calibrate import calibrate_from_records  # noqa: F401
+
+from harness.planner.calibrate import calibrate_from_records  # noqa: F401,E402

@@ -124,7 +124,6 @@ _PEAKS = (
     ("A100", 312.0),        # A100 datasheet (40 and 80 GB, SXM and PCIe)
     ("A800", 312.0),
     ("A30", 165.0),         # A30 datasheet
-    ("A10G", 70.0),         # AWS A10G: ~70 dense BF16 (A10: 125 with sparsity on 72 SMs ... 31.2 x 2)
     ("L40S", 362.0),        # L40S datasheet: 733 with sparsity
     ("L4", 121.0),          # L4 datasheet: 242 with sparsity
     ("B200", 2250.0),       # B200 datasheet: 4.5 PFLOP/s with sparsity

@@ -1,0 +1,138 @@
+"""Fit a profile's efficiency constants to measured step times.
+
+The step time is linear in the inverse efficiencies (timing.py), so the fit is least squares on
+relative errors, with a weak pull towards the profile's literature values (so a constant the
+measurements say nothing about keeps its value) and efficiencies capped at 1 (no work runs above
+its datasheet peak). Which stage is slowest and how much data-parallel reduction hides depend on
+the constants, so the fit repeats a few times. Nothing is fitted per row or per sweep.
+"""
+
+from __future__ import annotations
+
+import copy
+import sqlite3
+from dataclasses import dataclass
+
+import numpy as np
+
+from harness.errors import SpecError
+from harness.model.presets import Shape, resolve_shape
+from harness.planner.hardware import EFFICIENCY_KEYS, Profile
+from harness.planner.layout import Layout, Workload
+from harness.planner.timing import step_features, theta_from_profile
+
+RIDGE = 0.01         # weight of the pull towards the literature value, per constant (relative)
+MIN_SHARE = 0.01      # a constant is fitted only if its work is >= 1% of some measured step
+ITERATIONS = 4
+
+
+@dataclass
+class Sample:
+    shape: Shape
+    layout: Layout
+    workload: Workload
+    step_time_s: float
+    label: str = ""
+
+
+def _theta_to_eff(theta: dict) -> dict:
+    return {k: (v if k == "launch_us" else 1.0 / v) for k, v in theta.items()}
+
+
+def fit(samples: list[Sample], base: Profile, label: str = "") -> tuple[Profile, dict]:
+    """A copy of `base` with a `calibrated` block, and a report of the fit error."""
+    if not samples:
+        raise SpecError("--calibrate", "no successful runs with a step time to calibrate on")
+    keys = list(EFFICIENCY_KEYS)
+    theta0 = theta_from_profile(base)
+    theta = dict(theta0)
+    y_obs = np.array([s.step_time_s for s in samples])
+    for _ in range(ITERATIONS):
+        X = np.array([[step_features(s.shape, s.layout, s.workload, base, theta)[0][k] for k in keys]
+                      for s in samples])
+        share = (X * np.array([theta[k] for k in keys])) / y_obs[:, None]
+        free = [i for i, k in enumerate(keys) if share[:, i].max() >= MIN_SHARE]
+        fixed = [i for i in range(len(keys)) if i not in free]
+        while free:
+            A = X[:, free] / y_obs[:, None]
+            rhs = 1.0 - (X[:, fixed] @ np.array([theta[keys[i]] for i in fixed])) / y_obs
+            prior = np.array([theta0[keys[i]] for i in free])
+            A = np.vstack([A, np.sqrt(RIDGE) * np.diag(1.0 / prior)])
+            rhs = np.concatenate([rhs, np.sqrt(RIDGE) * np.ones(len(free))])
+            sol = np.linalg.lstsq(A, rhs, rcond=None)[0]
+            floor = np.array([0.0 if keys[i] == "launch_us" else 1.0 for i in free])
+            low = sol < floor
+            if not low.any():
+                break
+            for j in np.flatnonzero(low)[::-1]:  # pin at the bound, refit the rest
+                theta[keys[free[j]]] = floor[j]
+                fixed.append(free.pop(j))
+        for i, value in zip(free, sol if free else []):
+            theta[keys[i]] = float(value)
+    pred = np.array([sum(theta[k] * v for k, v in step_features(s.shape, s.layout, s.workload, base, theta)[0].items())
+                     for s in samples])
+    rel = (pred - y_obs) / y_obs
+    eff = _theta_to_eff(theta)
+    report = {"samples": len(samples), "fitted": [keys[i] for i in free],
+              "median_abs_error_pct": float(np.median(np.abs(rel)) * 100),
+              "mean_abs_error_pct": float(np.mean(np.abs(rel)) * 100),
+              "max_abs_error_pct": float(np.max(np.abs(rel)) * 100),
+              "efficiency": {k: round(v, 4) for k, v in eff.items()}}
+    prof = copy.deepcopy(base)
+    prof.calibrated = {"efficiency": {k: round(float(eff[k]), 5) for k in keys},
+                       "fitted": report["fitted"], "fitted_on": label or f"{len(samples)} runs",
+                       "samples": len(samples),
+                       "median_abs_error_pct": round(report["median_abs_error_pct"], 2)}
+    prof.name = base.name + "-calibrated"
+    return prof, report
+
+
+# ---------------------------------------------------------------- harness records
+
+def sample_from_record(rec: dict) -> Sample | None:
+    """A Sample from one results-store record (schema_version 1), or None if it has no time."""
+    if rec.get("status") != "ok":
+        return None
+    try:
+        wl = rec["spec"]["workload"]
+        lay = rec["spec"]["layout"]
+        t = rec["metrics"]["step_time_s"]["median"]
+    except (KeyError, TypeError):
+        return None
+    if not t:
+        return None
+    shape = resolve_shape(wl["model"], wl.get("model_overrides") or None)
+    engine = lay.get("engine", "single")
+    single = engine == "single"
+    layout = Layout(tp=1 if single else int(lay.get("tp", 1)), pp=1 if single else int(lay.get("pp", 1)),
+                    dp=1 if single else int(lay.get("dp", 1)),
+                    micro_batch_size=int(lay.get("micro_batch_size", 1)),
+                    activation_checkpointing=lay.get("activation_checkpointing", "none"),
+                    sequence_parallel=bool(lay.get("sequence_parallel", False)),
+                    attention=lay.get("attention", "sdpa"), rmsnorm=lay.get("rmsnorm", "torch"),
+                    zero=int(lay.get("zero_stage", 0) or 0), schedule=lay.get("pipeline_schedule", "1f1b"),
+                    virtual_stages=int(lay.get("virtual_stages", 1) or 1), fsdp=engine == "fsdp")
+    workload = Workload(int(wl["seq_len"]), int(wl["global_batch_size"]),
+                        2 if wl.get("precision") == "bf16" else 4)
+    return Sample(shape, layout, workload, float(t), rec.get("run_id", ""))
+
+
+def calibrate_from_records(records: list[dict], base_profile: Profile) -> tuple[Profile, dict]:
+    """Fit `base_profile`'s efficiencies to harness run records (dicts as the store keeps them)."""
+    samples = [s for s in (sample_from_record(r) for r in records) if s is not None]
+    return fit(samples, base_profile, label=f"{len(samples)} harness runs")
+
+
+def read_store(path: str) -> list[dict]:
+    """Every record in a results store (SQLite table `runs`, column record_json)."""
+    import json
+    import os
+
+    if not os.path.isfile(path):
+        raise SpecError("--calibrate", f"results store {path!r} does not exist")
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+            rows = con.execute("SELECT record_json FROM runs").fetchall()
+    except sqlite3.Error as e:
+        raise SpecError("--calibrate", f"cannot read runs from {path!r}: {e}") from None
+    return [json.loads(r[0]) for r in rows]

@@ -1,0 +1,157 @@
+"""`harness plan`: predict memory, fit and speed of every layout, or calibrate a profile.
+
+Prints a table (or, with --format json, only a JSON list on stdout). --explain adds the memory
+and time breakdown of the shown layouts. --emit-sweep writes a sweep spec of the top layouts
+predicted to fit. --calibrate / --calibrate-csv fit the profile's efficiencies to measurements
+and save the calibrated profile (--calibrate-out, default ./<hardware>-calibrated.yaml).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from harness.errors import SpecError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", help="preset name (see harness.model.presets) or a config.json")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's (8 for DGX)")
+    p.add_argument("--hardware", default="a100-80gb", help="a100-40gb, a100-80gb, h100-sxm, h200, cpu or a YAML path")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage (default 1, as the study)")
+    p.add_argument("--attention", help="comma list; default: naive,fused_softmax,flash1,flash2,sdpa,...")
+    p.add_argument("--rmsnorm", help="comma list of torch,fused")
+    p.add_argument("--micro-batch-sizes", help="comma list, default 1,2,4,8")
+    p.add_argument("--activation-checkpointing", help="comma list of none,full,selective")
+    p.add_argument("--sequence-parallel", help="comma list of off,on")
+    p.add_argument("--top", type=int, default=None, help="show the K fastest (table default 20)")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--emit-sweep", metavar="FILE", help="write a sweep spec of the top layouts that fit")
+    p.add_argument("--explain", action="store_true", help="print memory and time breakdowns")
+    p.add_argument("--calibrate", metavar="RESULTS.sqlite", help="fit efficiencies to harness records")
+    p.add_argument("--calibrate-csv", metavar="FILE", nargs="+", help="fit to sweeps in the study's CSV format")
+    p.add_argument("--calibrate-out", metavar="FILE", help="where to save the calibrated profile")
+
+
+def _need(args, *names):
+    for name in names:
+        if getattr(args, name.replace("-", "_")) is None:
+            raise SpecError(f"--{name}", "is required")
+
+
+def _calibrate(args, profile) -> int:
+    from harness.model.presets import PRESETS
+    from harness.planner import calibrate, paper
+    from harness.planner.hardware import save_profile
+
+    samples, sources = [], []
+    if args.calibrate:
+        recs = calibrate.read_store(args.calibrate)
+        samples += [s for s in map(calibrate.sample_from_record, recs) if s is not None]
+        sources.append(args.calibrate)
+    for path in args.calibrate_csv or []:
+        runs = paper.load_sweep(path)
+        samples += [calibrate.Sample(PRESETS[r.model], r.layout, r.workload, r.step_time_s, r.sweep)
+                    for r in runs if r.status == "ok"]
+        sources.append(path)
+    prof, report = calibrate.fit(samples, profile, label=", ".join(sources))
+    out = args.calibrate_out or f"{profile.name}-calibrated.yaml"
+    save_profile(prof, out, header=f"# Calibrated by `harness plan` from {', '.join(sources)}\n"
+                                    f"# fit: median |error| {report['median_abs_error_pct']:.1f}% over "
+                                    f"{report['samples']} runs")
+    if args.format == "json":
+        print(json.dumps({**report, "profile": out}))
+    else:
+        print(f"calibrated {profile.name} on {report['samples']} runs; fitted: {', '.join(report['fitted']) or 'none'}")
+        print(f"step-time error: median {report['median_abs_error_pct']:.1f}%, mean "
+              f"{report['mean_abs_error_pct']:.1f}%, max {report['max_abs_error_pct']:.1f}%")
+        for k, v in report["efficiency"].items():
+            print(f"  {k:16s} {v:.4g}")
+        print(f"saved calibrated profile to {out} (use it with --hardware {out})")
+    return 0
+
+
+def main(args) -> int:
+    from harness.model.presets import resolve_shape
+    from harness.planner import enumerate as en
+    from harness.planner.hardware import load_profile
+    from harness.planner.layout import CHECKPOINTING, RMSNORMS, Workload
+    from harness.planner.predict import predict
+
+    profile = load_profile(args.hardware)
+    if args.calibrate or args.calibrate_csv:
+        return _calibrate(args, profile)
+    _need(args, "model", "seq-len", "global-batch-size", "gpus")
+    shape = resolve_shape(args.model, field="--model")
+    gpn = args.gpus_per_node or profile.gpus_per_node
+    wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
+    attention = en.parse_list(args.attention, en.PAPER_ATTENTION + en.HARNESS_ATTENTION, "--attention",
+                              [a for a in en.DEFAULTS["attention"] if a in profile.attention_kernels])
+    rmsnorm = en.parse_list(args.rmsnorm, RMSNORMS, "--rmsnorm", en.DEFAULTS["rmsnorm"])
+    mbs = en.parse_list(args.micro_batch_sizes, None, "--micro-batch-sizes", en.DEFAULTS["micro_batch_sizes"], int)
+    if any(m < 1 for m in mbs):
+        raise SpecError("--micro-batch-sizes", "must be positive")
+    ck = en.parse_list(args.activation_checkpointing, CHECKPOINTING, "--activation-checkpointing",
+                       en.DEFAULTS["checkpointing"])
+    sp = en.parse_list(args.sequence_parallel, (False, True), "--sequence-parallel",
+                       en.DEFAULTS["sequence_parallel"], en.parse_bool)
+    if args.top is not None and args.top < 1:
+        raise SpecError("--top", "must be at least 1")
+    preds = [predict(shape, lay, wl, profile) for lay in
+             en.layouts(shape, wl, args.gpus, gpn, attention=attention, rmsnorm=rmsnorm, micro_batch_sizes=mbs,
+                        checkpointing=ck, sequence_parallel=sp, zero=args.zero)]
+    if not preds:
+        raise SpecError("--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} "
+                                  f"(global batch {args.global_batch_size})")
+    preds.sort(key=lambda p: (not (p.fits and p.available), -p.mfu))
+    shown = preds[: args.top] if args.top else (preds if args.format == "json" else preds[:20])
+    if args.emit_sweep:
+        _emit_sweep(args, [p for p in preds if p.fits and p.available][: args.top or 20])
+    if args.format == "json":
+        print(json.dumps([p.row() for p in shown]))
+        return 0
+    fit_n = sum(p.fits and p.available for p in preds)
+    print(f"{args.model} seq {args.seq_len} batch {args.global_batch_size} on {args.gpus} x {profile.name}: "
+          f"{len(preds)} layouts, {fit_n} predicted to fit")
+    print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':14} {'rms':5} "
+          f"{'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}")
+    for p in shown:
+        r = p.row()
+        print(f"{r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} {r['activation_checkpointing']:9} "
+              f"{'on' if r['sequence_parallel'] else 'off':3} {r['attention']:14} {r['rmsnorm']:5} "
+              f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}")
+        if args.explain:
+            mem = ", ".join(f"{k} {v:.1f}" for k, v in p.memory_breakdown_gib.items() if k != "total")
+            t = ", ".join(f"{k} {v:.3g}" for k, v in p.time_breakdown_s.items())
+            print(f"      memory GiB (stage {p.worst_stage}): {mem}")
+            print(f"      time: {t}")
+            if p.why_unavailable:
+                print(f"      unavailable: {p.why_unavailable}")
+    if args.emit_sweep:
+        print(f"wrote {args.emit_sweep}", file=sys.stderr)
+    return 0
+
+
+def _emit_sweep(args, preds) -> None:
+    """A sweep spec: the workload and the explicit list of layouts worth measuring."""
+    import yaml
+
+    spec = {"name": f"plan-{args.model}-{args.gpus}gpus",
+            "workload": {"model": args.model, "seq_len": args.seq_len, "global_batch_size": args.global_batch_size,
+                         "precision": "bf16"},
+            "points": [{"engine": "own", "tp": p.layout.tp, "pp": p.layout.pp, "dp": p.layout.dp,
+                        "micro_batch_size": p.layout.micro_batch_size,
+                        "activation_checkpointing": p.layout.activation_checkpointing,
+                        "sequence_parallel": p.layout.sequence_parallel, "attention": p.layout.attention,
+                        "rmsnorm": p.layout.rmsnorm, "zero_stage": p.layout.zero,
+                        "predicted": {"memory_gib": round(p.memory_gib, 1), "mfu": round(p.mfu, 4)}}
+                       for p in preds]}
+    try:
+        with open(args.emit_sweep, "w") as f:
+            f.write("# Written by `harness plan`: predicted-OOM layouts dropped, the top ones kept.\n")
+            yaml.safe_dump(spec, f, sort_keys=False)
+    except OSError as e:
+        raise SpecError("--emit-sweep", str(e)) from None

@@ -1,0 +1,94 @@
+"""Every valid layout for a model, workload and cluster: tp, pp, dp and the per-layout options.
+
+tp divides the attention heads (and KV heads) and stays within what the node allows or crosses
+nodes in whole nodes; pp is at most the number of layers; tp x pp x dp = GPUs; the micro-batch
+divides the per-replica batch. Sequence parallelism is enumerated only where tp > 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from harness.errors import SpecError
+from harness.model.presets import Shape
+from harness.planner.layout import CHECKPOINTING, RMSNORMS, Layout, Workload
+
+PAPER_ATTENTION = ("naive", "fused_softmax", "flash1", "flash2")
+HARNESS_ATTENTION = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_request(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int) -> None:
+    if gpus < 1:
+        raise SpecError("--gpus", "must be at least 1")
+    if gpus_per_node < 1:
+        raise SpecError("--gpus-per-node", "must be at least 1")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise SpecError("--gpus", f"{gpus} GPUs are not a whole number of {gpus_per_node}-GPU nodes")
+    if wl.seq_len < 1:
+        raise SpecError("--seq-len", "must be at least 1")
+    if wl.global_batch_size < 1:
+        raise SpecError("--global-batch-size", "must be at least 1")
+
+
+def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attention, rmsnorm,
+            micro_batch_sizes, checkpointing, sequence_parallel, zero: int, pp_values=None):
+    """Yield every valid Layout; raise SpecError if an explicit pp choice is impossible."""
+    check_request(shape, wl, gpus, gpus_per_node)
+    for p in pp_values or ():
+        if p > shape.layers:
+            raise SpecError("--pp", f"{p} pipeline stages for {shape.layers} layers")
+    for tp in divisors(gpus):
+        if shape.heads % tp or shape.kv_heads % tp and tp > shape.kv_heads:
+            continue
+        if tp > gpus_per_node and tp % gpus_per_node:
+            continue
+        for pp in divisors(gpus // tp):
+            if pp > shape.layers or (pp_values and pp not in pp_values):
+                continue
+            dp = gpus // (tp * pp)
+            if wl.global_batch_size % dp:
+                continue
+            for mb, ck, sp, att, rms in itertools.product(micro_batch_sizes, checkpointing, sequence_parallel,
+                                                          attention, rmsnorm):
+                if sp and tp == 1:
+                    continue
+                if (wl.global_batch_size // dp) % mb:
+                    continue
+                yield Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, activation_checkpointing=ck,
+                             sequence_parallel=sp, attention=att, rmsnorm=rms, zero=zero)
+
+
+def parse_list(text: str | None, allowed, field: str, default, cast=str):
+    """A comma-separated flag value checked against the allowed values."""
+    if text is None:
+        return list(default)
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = cast(item)
+        except ValueError:
+            raise SpecError(field, f"{item!r} is not valid") from None
+        if allowed is not None and value not in allowed:
+            raise SpecError(field, f"{item!r} is not one of {', '.join(map(str, allowed))}")
+        out.append(value)
+    if not out:
+        raise SpecError(field, "is empty")
+    return out
+
+
+def parse_bool(item: str) -> bool:
+    low = item.lower()
+    if low in ("on", "true", "1", "yes"):
+        return True
+    if low in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(item)
+
+
+DEFAULTS = {"attention": PAPER_ATTENTION + HARNESS_ATTENTION, "rmsnorm": RMSNORMS,
+            "micro_batch_sizes": (1, 2, 4, 8), "checkpointing": CHECKPOINTING,
+            "sequence_parallel": (False, True)}

@@ -1,0 +1,115 @@
+"""The reference study's published sweep sheets: loading them and scoring the planner on them.
+
+Files in the study's format (baselines/paper_sweeps/*.csv, Hagemann et al. 2023, CC BY-NC-SA
+4.0). Facts not in the rows come from the study (baselines/paper_sweeps/README.md): A100 80GB,
+bf16, ZeRO-1, sequence 2048 and 2048 sequences per step unless the file name says otherwise.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from harness.errors import SpecError
+from harness.planner.layout import PAPER_CHECKPOINTING, PAPER_KERNELS, Layout, Workload
+
+REPO_SWEEPS = Path(__file__).resolve().parents[2] / "baselines" / "paper_sweeps"
+
+
+@dataclass
+class PaperRun:
+    sweep: str
+    model: str               # planner preset name (paper-13b, ...)
+    layout: Layout
+    workload: Workload
+    status: str              # ok | oom | other (other error, kernel not available)
+    step_time_s: float | None
+    mfu: float | None
+
+
+def _model_from_name(name: str) -> str:
+    m = re.search(r"llama_(\d+)B", name, re.I)
+    if not m:
+        raise SpecError("--calibrate-csv", f"cannot tell the model from file name {name!r} (want llama_<N>B_...)")
+    return f"paper-{m.group(1).lower()}b"
+
+
+def load_sweep(path: str | Path, seq_len: int = 2048, global_batch_size: int = 2048) -> list[PaperRun]:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError("--calibrate-csv", f"{path} does not exist")
+    model = _model_from_name(path.name)
+    seq = re.search(r"seq(?:uence)?_?(\d+)", path.name)
+    if seq:
+        seq_len = int(seq.group(1))
+    runs = []
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                attention, rmsnorm = PAPER_KERNELS[row["kernel"].strip()]
+                lay = Layout(tp=int(row["model_parallel_size"]), pp=int(row["pipe_parallel_size"]),
+                             dp=int(row["World Size"]) // (int(row["model_parallel_size"]) * int(row["pipe_parallel_size"])),
+                             micro_batch_size=int(row["micro_batch_size"]),
+                             activation_checkpointing=PAPER_CHECKPOINTING[row["activation_checkpointing_type"].strip()],
+                             sequence_parallel=row.get("sequence_parallel", "False").strip() == "True",
+                             attention=attention, rmsnorm=rmsnorm, zero=1)
+            except (KeyError, ValueError) as e:
+                raise SpecError("--calibrate-csv", f"{path.name}: row {row.get('Trial ID')}: {e}") from None
+            value = row["Average Step Time"].strip()
+            if value == "OOM Error":
+                status, t, mfu = "oom", None, None
+            elif value.replace(".", "", 1).isdigit():
+                status, t, mfu = "ok", float(value), float(row["Average MFU"])
+            else:
+                status, t, mfu = "other", None, None
+            runs.append(PaperRun(path.stem, model, lay, Workload(seq_len, global_batch_size, 2), status, t, mfu))
+    return runs
+
+
+def repo_sweeps() -> list[Path]:
+    return sorted(REPO_SWEEPS.glob("*.csv"))
+
+
+def spearman(a, b) -> float:
+    """Spearman rank correlation with average ranks for ties (numpy only)."""
+    def ranks(x):
+        x = np.asarray(x, dtype=float)
+        order = np.argsort(x, kind="mergesort")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for v in np.unique(x):  # average the ranks of ties
+            idx = x == v
+            if idx.sum() > 1:
+                r[idx] = r[idx].mean()
+        return r
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def score(runs: list[PaperRun], predict_fn) -> dict:
+    """The four acceptance figures for one sweep. predict_fn(run) -> Prediction.
+
+    OOM accuracy counts the runs that either finished or ran out of memory (other errors and
+    unavailable kernels say nothing about memory). Spearman, MFU error and the top-3 check use
+    the finished runs; 'top 3' is over finished runs that the planner predicts to fit.
+    """
+    judged = [(r, predict_fn(r)) for r in runs if r.status in ("ok", "oom")]
+    correct = sum((p.fits and p.available) == (r.status == "ok") for r, p in judged)
+    ok = [(r, p) for r, p in judged if r.status == "ok"]
+    measured = np.array([r.mfu for r, _ in ok])
+    predicted = np.array([p.mfu for _, p in ok])
+    best = max(ok, key=lambda rp: rp[0].mfu)[0]
+    fitting = sorted((rp for rp in ok if rp[1].fits), key=lambda rp: -rp[1].mfu)
+    top3 = [r for r, _ in fitting[:3]]
+    return {"runs": len(runs), "judged": len(judged), "finished": len(ok),
+            "oom_accuracy": correct / len(judged),
+            "spearman": spearman(predicted, measured),
+            "best_in_top3": best in top3,
+            "best_rank": next((i + 1 for i, (r, _) in enumerate(fitting) if r is best), None),
+            "median_mfu_error_points": float(np.median(np.abs(predicted - measured)) * 100)}

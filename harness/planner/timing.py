@@ -1,0 +1,188 @@
+"""Seconds per optimizer step, as a sum of kinds of work, each at its own efficiency.
+
+Every term is "ideal seconds" (work at the datasheet peak of the resource it uses) divided by an
+efficiency from the hardware profile: GEMMs and flash attention by tensor-core FLOPs; the score
+matrix of materialised attention, norms, rotary, SwiGLU, residual adds, loss and optimizer by
+HBM bytes; tensor-parallel collectives, pipeline sends and data-parallel reduction by link bytes
+(NVLink inside a node, InfiniBand across); and a launch cost per kernel. Because the step time
+is linear in the inverse efficiencies, calibration is a least-squares fit (calibrate.py).
+
+Schedule: 1F1B over m micro-batches with per-stage times t_i takes sum(t_i) + (m-1) max(t_i)
+(fill and drain pass every stage once; the steady state runs at the slowest stage), i.e. the
+bubble (p-1)/m of Narayanan et al. 2021 when stages are equal; interleaving with v chunks
+divides the fill/drain part by v. Data-parallel reduction overlaps the last backward when there
+is no pipeline (bucketed reduce during backward); a pipeline engine reduces after the flush.
+"""
+
+from __future__ import annotations
+
+from harness.model.presets import Shape
+from harness.planner.hardware import EFFICIENCY_KEYS, Profile
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, Layout, Workload, stage_items
+from harness.planner.memory import stage_params
+
+# GEMMs lose efficiency as their smallest dimension shrinks (tile edges and the K-loop's fixed
+# prologue/epilogue amortise over it): factor d / (d + GEMM_HALF_DIM). 128 is one CUTLASS tile
+# edge on A100/H100; a 5120-wide GEMM runs at 97.6% of the large-GEMM rate, a 640-wide at 83%.
+GEMM_HALF_DIM = 128
+# Flash attention backward does 2.5x the forward's matmul FLOPs (5 matmuls against 2, Dao 2023).
+FLASH_BWD = 2.5
+# HBM bytes per element moved by elementwise work, forward + backward (counted from the kernels):
+RMSNORM_BYTES = {"fused": 10, "torch": 108}  # fused: fwd r+w, bwd r x,dy w dx; eager fp32 chain ~9 kernels
+RESIDUAL_BYTES_PER_B = 6      # per residual add: fwd reads 2 writes 1, bwd passes the gradient on
+SWIGLU_BYTES_PER_B = 13       # silu(gate) * up: fwd ~5 f-sized passes, bwd ~8
+ROTARY_BYTES_PER_B = 4        # q and k read and written, fwd and bwd
+LAYOUT_BYTES_PER_B = 4        # q/k/v split and transposes around the attention kernel
+SCORE_TRAFFIC = {"naive": 90, "fused_softmax": 24}  # bytes per score element fwd+bwd (fp32 chain vs one fused pass)
+LOSS_BYTES_PER_LOGIT = 36     # fp32 upcast, max, exp, sum, log-softmax grad, bf16 cast
+ADAM_BYTES_PER_PARAM = 36     # read fp32 master, m, v, grad (16), write them (12... + 4), write bf16 copy (2), zero grad (2)
+KERNELS_PER_LAYER = 90        # ~30 forward kernels (norms, GEMMs, rotary, attention, SwiGLU, adds), ~2x backward
+
+
+def _gemm_eff(*dims: float) -> float:
+    d = min(dims)
+    return d / (d + GEMM_HALF_DIM)
+
+
+def _link(profile: Profile, group_gpus_span: int) -> str:
+    """NVLink when the group fits in a node, else the inter-node network."""
+    return "nvlink" if group_gpus_span <= profile.gpus_per_node else "internode"
+
+
+def _zeros() -> dict[str, float]:
+    return {k: 0.0 for k in EFFICIENCY_KEYS}
+
+
+def stage_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, stage: int) -> dict[str, float]:
+    """Ideal seconds of each kind of work for one micro-batch (forward + backward) on one stage."""
+    has_emb, layers, has_head = stage_items(shape, lay.pp)[stage]
+    x = _zeros()
+    b, s, h, f, t, B = lay.micro_batch_size, wl.seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
+    n = b * s
+    d = h // shape.heads
+    kv = shape.kv_heads * d
+    peak = prof.peak_flops(B)
+    hbm = prof.hbm_gbps * 1e9
+    ckpt = lay.activation_checkpointing
+    passes = 3 + (1 if ckpt == "full" else 0)  # fwd + bwd (2x fwd) + recomputed fwd
+    # GEMMs of one layer: (N, K) per GEMM, M = n tokens.
+    gemms = [((h + 2 * kv) / t, h), (h, h / t), (2 * f / t, h), (h, f / t)]
+    for N, K in gemms:
+        x["gemm"] += layers * passes * 2 * n * N * K / (peak * _gemm_eff(n, N, K))
+    cls = ATTENTION_CLASS[lay.attention]
+    heads_t = shape.heads / t
+    if cls in MATERIALISED:
+        rec = 1 if ckpt in ("full", "selective") else 0
+        x["gemm"] += layers * (3 + rec) * 4 * b * s * s * heads_t * d / (peak * _gemm_eff(s, s, d))
+        x["naive_attention" if cls == "naive" else cls] += layers * (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * s / hbm
+    else:
+        fwd = 2 * b * s * s * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
+        rec = 1 if ckpt in ("full", "selective") else 0
+        x[cls] += layers * fwd * (1 + FLASH_BWD + rec) / peak
+    # Elementwise work, by HBM bytes; norms and residual adds are split only by sequence parallelism.
+    rep = 1 / t if lay.sequence_parallel else 1.0
+    recf = 4 / 3 if ckpt == "full" else 1.0
+    per_layer = (2 * RMSNORM_BYTES[lay.rmsnorm] * (B / 2) + 2 * RESIDUAL_BYTES_PER_B * B) * n * h * rep
+    per_layer += (SWIGLU_BYTES_PER_B * f + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (h + 2 * kv)) * B * n / t
+    x["hbm"] += layers * per_layer * recf / hbm
+    if has_head:
+        x["gemm"] += 3 * 2 * n * h * shape.vocab / t / (peak * _gemm_eff(n, h, shape.vocab / t))
+        x["hbm"] += n * shape.vocab / t * LOSS_BYTES_PER_LOGIT / hbm
+    # Tensor-parallel collectives: per layer 2 all-reduces forward and 2 backward (all-gather +
+    # reduce-scatter under sequence parallelism: the same bytes), each of n*h elements.
+    if t > 1:
+        colls = layers * (4 + (2 if ckpt == "full" else 0)) + 2 * (has_emb + has_head)
+        key = _link(prof, t)
+        bw = (prof.nvlink_gbps if key == "nvlink" else prof.internode_gbps) * 1e9
+        x[key] += colls * 2 * (t - 1) / t * n * h * B / bw
+    # Pipeline sends: activation forward, its gradient backward (split over tp with scatter-gather).
+    if lay.pp > 1:
+        key = _link(prof, lay.tp * lay.dp * 2)
+        bw = (prof.nvlink_gbps if key == "nvlink" else prof.internode_gbps) * 1e9
+        sends = (1 if stage < lay.pp - 1 else 0) + (1 if stage > 0 else 0)
+        x[key] += sends * 2 * n * h * B / t / bw
+    x["launch_us"] += 1e-6 * (layers * KERNELS_PER_LAYER * (4 / 3 if ckpt == "full" else 1) + 20 * (has_emb + has_head))
+    return x
+
+
+def _dot(theta: dict, x: dict) -> float:
+    return sum(theta[k] * v for k, v in x.items() if v)
+
+
+def theta_from_profile(prof: Profile) -> dict[str, float]:
+    """Inverse efficiencies (seconds per ideal second), and seconds per launch for 'launch_us'."""
+    return {k: (prof.eff(k) if k == "launch_us" else 1.0 / prof.eff(k)) for k in EFFICIENCY_KEYS}
+
+
+def step_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: dict | None = None) -> tuple[dict, dict]:
+    """Ideal seconds per kind of work for one optimizer step, and a breakdown in real seconds.
+
+    The step time is sum(theta[k] * features[k]); theta decides only which stage is slowest and
+    how much of the data-parallel reduction hides behind the backward.
+    """
+    theta = theta or theta_from_profile(prof)
+    m = wl.micro_batches(lay)
+    items = stage_items(shape, lay.pp)
+    cache: dict = {}
+    stages = []
+    for i in range(lay.pp):  # stages with the same items and neighbours cost the same: compute once
+        key = (items[i], i == 0, i == lay.pp - 1)
+        if key not in cache:
+            cache[key] = stage_features(shape, lay, wl, prof, i)
+        stages.append(cache[key])
+    times = [_dot(theta, x) for x in stages]
+    slow = max(range(lay.pp), key=lambda i: times[i])
+    v = lay.virtual_stages if lay.schedule == "interleaved" else 1
+    feats = _zeros()
+    for k in feats:  # m x slowest + fill/drain through the other stages (divided by v chunks)
+        feats[k] = m * stages[slow][k] + (sum(x[k] for x in stages) - stages[slow][k]) / v
+    compute_s = _dot(theta, feats)
+    # Data-parallel gradient reduction (ZeRO-1: reduce-scatter of gradients + all-gather of the
+    # updated weights, the bytes of one all-reduce). Without a pipeline it runs bucket by bucket
+    # during the last backward, over every NIC of the node that holds members of the group
+    # (NCCL rings use one NIC per rail): only what outlasts that backward shows. A pipeline
+    # engine reduces after the flush; the published sweeps show that cost growing with the whole
+    # model per tensor-parallel rank, not with one stage (it grows with pp at a fixed stage
+    # size), so the stages' reductions are modelled as running one after another.
+    dpx, dp_exposed = _zeros(), 0.0
+    phis = [stage_params(shape, *items[i], lay.tp) for i in range(lay.pp)]
+    phi = max(phis)
+    zero = 3 if lay.fsdp else lay.zero
+    if lay.dp > 1:
+        key = _link(prof, lay.tp * lay.dp)
+        per_node = max(1, min(lay.dp, prof.gpus_per_node // lay.tp)) if key == "internode" else 1
+        bw = (prof.nvlink_gbps if key == "nvlink" else prof.internode_gbps * per_node) * 1e9
+        ring = 2 * (lay.dp - 1) / lay.dp * wl.dtype_bytes
+        if lay.pp == 1 and zero < 3:
+            dpx[key] = ring * phi / bw
+            dp_s = _dot(theta, dpx)
+            window = times[slow] * 2 / 3  # the last micro-batch's backward
+            dp_exposed = max(0.0, dp_s - window) / dp_s if dp_s > 0 else 0.0
+        else:
+            bw_flush = (prof.nvlink_gbps if key == "nvlink" else prof.internode_gbps) * 1e9
+            dpx[key] = ring * sum(phis) / bw_flush
+            if zero >= 3:  # weights gathered for forward and backward of every micro-batch
+                dpx[key] += 2 * m * (lay.dp - 1) / lay.dp * phi * wl.dtype_bytes / bw
+            dp_exposed = 1.0
+        for k in feats:
+            feats[k] += dp_exposed * dpx[k]
+    # Optimizer step on this rank's shard of the master weights, Adam (memory bound).
+    opt_params = phi / (lay.dp if zero >= 1 else 1)
+    opt_x = opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
+    feats["hbm"] += opt_x
+    breakdown = {
+        "compute_and_tp_s": compute_s,
+        "bubble_s": sum(times) / v - times[slow] / v if lay.pp > 1 else 0.0,
+        "dp_reduction_exposed_s": dp_exposed * _dot(theta, dpx),
+        "optimizer_s": theta["hbm"] * opt_x,
+        "per_microbatch_slowest_stage_s": times[slow],
+        "micro_batches": m,
+        "slowest_stage": slow,
+    }
+    return feats, breakdown
+
+
+def step_time(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: dict | None = None) -> tuple[float, dict]:
+    theta = theta or theta_from_profile(prof)
+    feats, breakdown = step_features(shape, lay, wl, prof, theta)
+    return _dot(theta, feats), breakdown
