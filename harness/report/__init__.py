@@ -1,0 +1,8 @@
+"""Reports from the results store: Markdown plus a single-file HTML with embedded PNG plots.
+
+data.py flattens records into rows (tolerating missing optional metrics), analysis.py turns
+rows into sections (tables, figures, recommendations with their evidence), plots.py draws
+with matplotlib's Agg backend, render.py writes Markdown and HTML, baselines.py reads the
+published figures in baselines/. Nothing in a report is written in advance: every sentence
+that judges a layout is computed from the rows it cites.
+"""

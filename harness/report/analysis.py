@@ -1,0 +1,283 @@
+"""Rows -> report sections: tables, figures and recommendations computed from the data.
+
+Every section exists in every report; where the data cannot support it (the sweep did not
+vary that axis, no run recorded a breakdown) the section says so instead of disappearing,
+so a reader knows it was looked for. Rankings use one metric (data.choose_metric).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from harness.report import plots
+from harness.report.data import Metric, Row, fmt_bytes, fmt_s
+
+TOP = 10
+MAX_SWEEP_FIGS = 6
+MAX_FAILED_ROWS = 60
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+
+
+@dataclass
+class Section:
+    id: str
+    title: str
+    text: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    images: list[tuple[str, bytes, str]] = field(default_factory=list)  # (name, png, alt)
+
+
+def by_sweep(rows: list[Row]) -> dict[str, list[Row]]:
+    out: dict[str, list[Row]] = defaultdict(list)
+    for r in rows:
+        out[r.sweep].append(r)
+    return dict(out)
+
+
+def ranked(rows: list[Row], metric: Metric) -> list[Row]:
+    ok = [r for r in rows if r.status == "ok" and metric.of(r) is not None]
+    return sorted(ok, key=lambda r: -metric.of(r))
+
+
+def best_per(rows: list[Row], metric: Metric, key) -> dict:
+    """value of key(row) -> the best ok row with that value."""
+    best: dict = {}
+    for r in ranked(rows, metric):
+        best.setdefault(key(r), r)
+    return best
+
+
+def layout_row(r: Row, metric: Metric) -> list[str]:
+    ci = f"[{fmt_s(r.step_ci[0])}, {fmt_s(r.step_ci[1])}]" if r.step_ci else "-"
+    mh = r.mfu if metric.key == "mfu" else r.mfu_measured
+    return [r.variant, str(r.tp), str(r.pp), str(r.dp), str(r.mb), r.ckpt, r.kernel, "yes" if r.sp else "no",
+            fmt_s(r.step_median), ci, f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
+            metric.fmt(metric.of(r)), _pct(mh.get("megatron")), _pct(mh.get("hardware")),
+            fmt_bytes(r.peak_memory), r.run_id[:10]]
+
+
+def layout_headers(metric: Metric) -> list[str]:
+    name = "MFU" if metric.percent else "tok/s/dev"
+    return ["engine", "tp", "pp", "dp", "mb", "ckpt", "kernels", "sp", "step (median)", "95% CI", "tokens/s",
+            name, "MFU megatron", "HFU", "peak mem", "run"]
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _sort_key(v):
+    return (0, v) if isinstance(v, (int, float)) else (1, str(v))
+
+
+# ---------------------------------------------------------------- sections
+
+def overview(rows: list[Row], metric: Metric) -> Section:
+    s = Section("overview", "Overview")
+    sweeps = by_sweep(rows)
+    s.text.append(f"{len(rows)} runs in {len(sweeps)} sweep(s). Layouts are ranked by {metric.title}. "
+                  "Step times are medians over the measured steps (warm-up excluded), with a 95% "
+                  "confidence interval; MFU megatron and HFU are the same run under other FLOP conventions.")
+    table = []
+    for name, rs in sweeps.items():
+        st = Counter(r.status for r in rs)
+        models = sorted({f"{r.model} seq {r.seq_len} batch {r.global_batch_size} {r.precision}" for r in rs})
+        hw = sorted({f"{r.gpus} x {r.device}" for r in rs if r.device}) or ["?"]
+        table.append([name, "; ".join(models), "; ".join(hw), str(len(rs))] +
+                     [str(st.get(k, 0)) for k in ("ok", "oom", "failed", "timeout")])
+    s.tables.append(Table(["sweep", "workload", "devices", "runs", "ok", "oom", "failed", "timeout"], table))
+    hosts = sorted({h for r in rows for h in r.hosts})
+    versions = sorted({v for r in rows for v in r.versions})
+    if hosts or versions:
+        s.text.append(f"Hosts: {', '.join(hosts[:12]) or '-'}{' ...' if len(hosts) > 12 else ''}. "
+                      f"Software: {', '.join(versions) or '-'}.")
+    if len({r.versions for r in rows if r.status == "ok"}) > 1:
+        s.text.append("Warning: the runs differ in library versions; compare with care.")
+    return s
+
+
+def best_layouts(rows: list[Row], metric: Metric) -> Section:
+    s = Section("best", "Best layouts")
+    for name, rs in by_sweep(rows).items():
+        top = ranked(rs, metric)[:TOP]
+        if top:
+            s.tables.append(Table(layout_headers(metric), [layout_row(r, metric) for r in top],
+                                  f"{name}: the {len(top)} best of {len(rs)} runs"))
+    if not s.tables:
+        s.text.append("No run finished ok, so nothing can be ranked.")
+    return s
+
+
+def axis_section(rows: list[Row], metric: Metric, sid: str, title: str, key, axis_name: str, intro: str,
+                 plot: str = "bars", subset=None) -> Section:
+    """Best layout per value of one axis, per sweep: the study's way of showing an ablation."""
+    s = Section(sid, title, [intro])
+    series: dict[str, list[tuple]] = {}
+    shown = 0
+    for name, rs in by_sweep(rows).items():
+        if subset:
+            rs = [r for r in rs if subset(r)]
+        values = {key(r) for r in rs}
+        if len(values) < 2:
+            continue
+        best = best_per(rs, metric, key)
+        status = defaultdict(Counter)
+        for r in rs:
+            status[key(r)][r.status] += 1
+        table = []
+        for v in sorted(values, key=_sort_key):
+            b = best.get(v)
+            counts = ", ".join(f"{k} {n}" for k, n in sorted(status[v].items()))
+            table.append([str(v), metric.fmt(metric.of(b)) if b else "-", fmt_s(b.step_median) if b else "-",
+                          b.label if b else "(no run ok)", counts])
+        s.tables.append(Table([axis_name, "best " + ("MFU" if metric.percent else "tok/s/dev"), "step",
+                               "best layout", "runs"], table, name))
+        if best:
+            series[name] = [(v, metric.of(b)) for v, b in best.items()]
+            if plot == "bars" and shown < MAX_SWEEP_FIGS:
+                labels = sorted(best, key=_sort_key)
+                s.images.append((f"{sid}-{shown}", plots.bars([str(v) for v in labels],
+                                                              [metric.of(best[v]) for v in labels],
+                                                              f"{name}: best per {axis_name}",
+                                                              metric.title.split(" (")[0], metric.percent),
+                                 f"best {metric.title} per {axis_name} in {name}"))
+                shown += 1
+    if plot == "lines" and series:
+        s.images.append((sid, plots.lines(dict(list(series.items())[:MAX_SWEEP_FIGS]), axis_name,
+                                          metric.title.split(" (")[0], f"best layout per {axis_name}",
+                                          metric.percent), f"best {metric.title} against {axis_name}"))
+    if not s.tables:
+        s.text.append(f"No sweep varied {axis_name} among comparable runs, so there is nothing to compare.")
+    return s
+
+
+def tp_pp(rows: list[Row], metric: Metric) -> Section:
+    s = Section("tp-pp", "Tensor x pipeline parallelism",
+                ["Best result per (tp, pp) cell over all other settings; a cell where nothing ran ok "
+                 "shows the most frequent failure."])
+    shown = 0
+    for name, rs in by_sweep(rows).items():
+        if len({(r.tp, r.pp) for r in rs}) < 2:
+            continue
+        best = best_per(rs, metric, lambda r: (r.tp, r.pp))
+        cells: dict = {k: metric.of(v) for k, v in best.items()}
+        for r in rs:
+            if (r.tp, r.pp) not in cells:
+                fails = Counter(x.status for x in rs if (x.tp, x.pp) == (r.tp, r.pp))
+                cells[(r.tp, r.pp)] = fails.most_common(1)[0][0].upper()
+        tps, pps = sorted({k[0] for k in cells}), sorted({k[1] for k in cells})
+        table = [[f"pp {pp}"] + [(metric.fmt(cells[(tp, pp)]) if isinstance(cells.get((tp, pp)), float)
+                                  else str(cells.get((tp, pp), "")))
+                                 for tp in tps] for pp in pps]
+        s.tables.append(Table([""] + [f"tp {t}" for t in tps], table, name))
+        if shown < MAX_SWEEP_FIGS:
+            s.images.append((f"tp-pp-{shown}", plots.heatmap(cells, f"{name}: best per tp x pp", metric.percent),
+                             f"heatmap of best {metric.title} per tp and pp in {name}"))
+            shown += 1
+    if not s.tables:
+        s.text.append("No sweep varied tp or pp.")
+    return s
+
+
+def breakdown(rows: list[Row], metric: Metric) -> Section:
+    s = Section("breakdown", "Where the time goes",
+                ["Per-step medians of compute, tensor-parallel communication, pipeline bubble, "
+                 "data-parallel communication and optimizer, for the best layouts that recorded them "
+                 "(own engine)."])
+    shown = 0
+    for name, rs in by_sweep(rows).items():
+        picked = [r for r in ranked(rs, metric) if r.breakdown][:8]
+        if not picked or shown >= MAX_SWEEP_FIGS:
+            continue
+        labels = [r.label for r in picked]
+        s.images.append((f"breakdown-{shown}", plots.stacked(labels, [r.breakdown for r in picked],
+                                                             f"{name}: time per step"),
+                         f"stacked bars of the time breakdown per layout in {name}"))
+        shown += 1
+        keys = list(dict.fromkeys(k for r in picked for k in r.breakdown))
+        s.tables.append(Table(["layout"] + keys + ["step (median)"],
+                              [[lab] + [fmt_s(r.breakdown.get(k)) for k in keys] + [fmt_s(r.step_median)]
+                               for lab, r in zip(labels, picked)], name))
+    if not shown:
+        s.text.append("No run recorded a time breakdown (only the own engine records one).")
+    return s
+
+
+def pipeline(rows: list[Row], metric: Metric) -> Section:
+    s = Section("timeline", "Pipeline schedule of one step")
+    cands = [r for r in ranked(rows, metric) if r.timeline and r.pp > 1]
+    if not cands:
+        s.text.append("No run with pipeline parallelism recorded its schedule.")
+        return s
+    r = cands[0]
+    bad = [e for e in r.timeline if not {"start_s", "end_s"} <= set(e)]
+    if bad:
+        s.text.append("The recorded schedule lacks start/end times; not drawn.")
+        return s
+    s.text.append(f"The best pipelined run: {r.label} ({r.sweep}, run {r.run_id[:10]}). Forward (F) and "
+                  "backward (B) passes per micro-batch and stage; the white space is the pipeline bubble.")
+    s.images.append(("timeline", plots.timeline(r.timeline, r.label), "pipeline timeline of one step"))
+    return s
+
+
+def failures(rows: list[Row]) -> Section:
+    s = Section("failures", "Failed runs")
+    bad = [r for r in rows if r.status != "ok"]
+    if not bad:
+        s.text.append("Every run finished ok.")
+        return s
+    c = Counter(r.status for r in bad)
+    s.text.append("Status counts: " + ", ".join(f"{k} {n}" for k, n in c.most_common()) +
+                  ". oom: the run raised CUDA out-of-memory; failed: another error (excerpt below); "
+                  "timeout: killed after the per-run limit.")
+    shown = sorted(bad, key=lambda r: (r.sweep, r.status, r.label))[:MAX_FAILED_ROWS]
+    s.tables.append(Table(["sweep", "status", "layout", "reason", "run"],
+                          [[r.sweep, r.status, r.label, r.reason or "-", r.run_id[:10]] for r in shown],
+                          f"{len(shown)} of {len(bad)} shown" if len(bad) > len(shown) else ""))
+    return s
+
+
+def quoted(rows: list[Row], metric: Metric, base: dict) -> Section:
+    s = Section("baselines", "Measured against quoted",
+                ["QUOTED figures come from publications (source in each row); MEASURED figures are runs in "
+                 "this store. They are comparable only where model, sequence length, batch and hardware "
+                 "agree, which the table states."])
+    study = base.get("study") or []
+    if study:
+        table = []
+        for b in study:
+            same = [r for r in ranked(rows, metric) if r.model == b["harness_model"]
+                    and str(r.seq_len) == b["seq_len"]]
+            m = same[0] if same else None
+            meas = (f"MEASURED {metric.fmt(metric.of(m))} on {m.gpus} x {m.device or '?'}: {m.label}"
+                    if m else "no comparable measured run")
+            table.append([b["model"], f"{b['gpus']} x A100 80GB", f"seq {b['seq_len']}, batch {b['global_batch_size']}",
+                          f"QUOTED {100 * float(b['mfu']):.1f}%",
+                          f"tp{b['tp']} pp{b['pp']} mb{b['micro_batch_size']} ckpt {b['activation_checkpointing']} "
+                          f"{b['kernel']}" + (" sp" if b.get("sequence_parallel") == "True" else ""), meas,
+                          f"{b['source_file']} ({b['runs_ok']} ok / {b['runs']} runs)"])
+        s.tables.append(Table(["model", "hardware", "workload", "study's best MFU", "study's best layout",
+                               "measured here", "source data"], table,
+                              "Source: " + study[0]["source"] + "; data licence " + study[0]["license"]))
+    fw = base.get("frameworks") or []
+    if fw:
+        s.tables.append(Table(["framework", "model", "devices", "hardware", "seq", "QUOTED MFU", "convention", "source"],
+                              [[f["framework"], f["model"], f["devices"], f["hardware"], f["seq_len"],
+                                f"{100 * float(f['mfu']):.1f}%", f["convention"], f"{f['source']}, {f['location']}"]
+                               for f in fw], "Other training stacks, as published"))
+    best = ranked(rows, metric)
+    if best:
+        s.tables.append(Table(["sweep", "MEASURED best", "layout", "devices"],
+                              [[n, metric.fmt(metric.of(b[0])), b[0].label, f"{b[0].gpus} x {b[0].device or '?'}"]
+                               for n, b in ((n, ranked(rs, metric)) for n, rs in by_sweep(rows).items()) if b],
+                              "Measured in this store"))
+    if not study and not fw:
+        s.text.append("No baselines directory was found (pass --baselines DIR).")
+    return s

@@ -1,0 +1,21 @@
+"""Published figures (baselines/*.csv) and which measured runs they can stand beside."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "baselines")
+
+
+def load(directory: str | None = None) -> dict[str, list[dict]]:
+    """{'study': rows of hagemann2023_best.csv, 'frameworks': rows of published_mfu.csv}."""
+    directory = directory or DEFAULT_DIR
+    out: dict[str, list[dict]] = {"study": [], "frameworks": []}
+    for key, name in (("study", "hagemann2023_best.csv"), ("frameworks", "published_mfu.csv")):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path, newline="") as f:
+                out[key] = list(csv.DictReader(f))
+    return out

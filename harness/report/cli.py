@@ -1,0 +1,33 @@
+"""`harness report [--sweep NAME] [--store PATH] --out DIR`: argument handling only."""
+
+from __future__ import annotations
+
+import os
+
+from harness.errors import SpecError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--sweep", action="append", help="only this sweep (repeatable; default: every record)")
+    p.add_argument("--store", default="results.sqlite", help="results store (default: results.sqlite)")
+    p.add_argument("--out", required=True, help="directory for report.md, report.html and img/")
+    p.add_argument("--title", help="report title")
+    p.add_argument("--baselines", help="directory of published figures (default: the repository's baselines/)")
+
+
+def main(args) -> int:
+    from harness.report.build import build_report
+    from harness.store import ResultsStore
+
+    if not os.path.isfile(args.store):
+        raise SpecError("--store", f"{args.store!r} does not exist")
+    store = ResultsStore(args.store)
+    records = []
+    for name in args.sweep or [None]:
+        records += store.records(sweep=name)
+    if not records:
+        raise SpecError("--sweep" if args.sweep else "--store", "no records to report on")
+    title = args.title or ("Sweep report: " + ", ".join(args.sweep) if args.sweep else "Layout sweep report")
+    paths = build_report(records, args.out, title=title, baselines_dir=args.baselines)
+    print(f"wrote {paths['markdown']} and {paths['html']} from {len(records)} records")
+    return 0

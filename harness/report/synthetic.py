@@ -1,0 +1,91 @@
+"""Synthetic records with the full metrics schema, for the report's scale benchmark and tests.
+
+The numbers follow a plausible shape (micro-batch 1 and no checkpointing fastest, OOM for
+large micro-batches without model parallelism) only so the plots have something to show;
+they are labelled synthetic wherever they are used and never stored as results.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+SWEEPS = [("syn-13b-seq2048-64gpu", "paper-13b", 2048, 64), ("syn-30b-seq2048-256gpu", "paper-30b", 2048, 256),
+          ("syn-13b-seq8192-128gpu", "paper-13b", 8192, 128), ("syn-65b-seq2048-128gpu", "paper-65b", 2048, 128),
+          ("syn-8gpu-node", "llama2-7b", 4096, 8)]
+
+
+def make_records(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        sweep, model, seq, gpus = SWEEPS[i % len(SWEEPS)]
+        engine = rng.choice(["own"] * 6 + ["deepspeed", "fsdp"])
+        tp, pp = (rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4, 8])) if engine == "own" else (1, 1)
+        dp = max(1, gpus // (tp * pp))
+        mb = rng.choice([1, 2, 4, 8])
+        ckpt = rng.choice(["none", "full", "selective"])
+        attn = rng.choice(["naive", "sdpa", "flash2"])
+        norm = rng.choice(["torch", "fused"])
+        sp = engine == "own" and tp > 1 and rng.random() < 0.5
+        layout = {"engine": engine, "tp": tp, "pp": pp, "dp": dp, "micro_batch_size": mb,
+                  "activation_checkpointing": ckpt, "sequence_parallel": sp, "attention": attn, "rmsnorm": norm,
+                  "zero_stage": rng.choice([1, 2, 3]) if engine == "deepspeed" else (1 if engine == "own" else 0),
+                  "reshard_after_forward": rng.random() < 0.5}
+        workload = {"model": model, "seq_len": seq, "global_batch_size": 2048 if seq == 2048 else 512,
+                    "steps": 20, "warmup_steps": 3, "precision": "bf16"}
+        mem_pressure = mb * (1 if ckpt == "none" else 0.3) / (tp * pp)
+        status = "ok"
+        if mem_pressure > 1.5 and rng.random() < 0.8:
+            status = "oom"
+        elif rng.random() < 0.03:
+            status = rng.choice(["failed", "timeout"])
+        mfu = 0.62 - 0.03 * (mb - 1) ** 0.5 - (0.1 if ckpt == "full" else 0.04 if ckpt == "selective" else 0) \
+            - (0.12 if attn == "naive" else 0.05 if attn == "sdpa" else 0) - (0.02 if norm == "torch" else 0) \
+            - 0.015 * (tp - 1) - 0.008 * (pp - 1) + rng.gauss(0, 0.01)
+        mfu = max(0.05, mfu)
+        step = 1.0 / mfu
+        rec = {"schema_version": 1, "run_id": uuid.UUID(int=rng.getrandbits(128)).hex, "status": status,
+               "error": None, "started_at": f"2026-01-01T00:{i // 60 % 60:02d}:{i % 60:02d}+00:00",
+               "ended_at": None, "sweep": sweep, "point_key": f"{i:016x}",
+               "spec": {"workload": workload, "layout": layout, "name": sweep, "store": "x"},
+               "metrics": {}, "fingerprint": {"world_size": gpus, "device_name": "NVIDIA A100-SXM4-80GB (synthetic)",
+                                               "hosts": [f"node{k}" for k in range(gpus // 8)], "torch": "2.13.0"}}
+        if status == "oom":
+            rec["error"] = "rank 3: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+        elif status != "ok":
+            rec["error"] = "RuntimeError: NCCL watchdog timeout" if status == "failed" else "timed out after 1800 s"
+        else:
+            times = [step * (1 + rng.gauss(0, 0.01)) for _ in range(20)]
+            srt = sorted(times)
+            m = {"step_time_s": {"median": srt[10], "mean": sum(times) / 20, "p10": srt[2], "p90": srt[18],
+                                 "std": step * 0.01, "ci95_low": srt[6], "ci95_high": srt[13], "n": 20},
+                 "step_times_s": times, "tokens_per_step": 4194304, "tokens_per_s": 4194304 / srt[10],
+                 "tokens_per_s_per_device": 4194304 / srt[10] / gpus,
+                 "mfu": {"palm": mfu, "palm_causal": mfu * 0.97, "megatron": mfu * 1.02, "hardware": mfu * 1.1},
+                 "peak_memory_bytes": int(8e10 * min(1, mem_pressure)), "memory_kind": "cuda_max_allocated",
+                 "losses": [10 - 0.1 * k for k in range(20)]}
+            if engine == "own" and rng.random() < 0.9:
+                bub = step * (pp - 1) / (pp - 1 + 2048 / (dp * mb) / 1) * 0.5 if pp > 1 else 0.0
+                m["breakdown_s"] = {"compute": step * 0.7, "tp_comm": step * 0.05 * (tp - 1), "bubble": bub,
+                                    "dp_comm": step * 0.05, "optimizer": step * 0.03}
+            if engine == "own" and pp > 1 and rng.random() < 0.5:
+                m["pipeline_timeline"] = _timeline(pp, 2 * pp)
+            rec["metrics"] = m
+        out.append(rec)
+    return out
+
+
+def _timeline(stages: int, micro: int) -> list[dict]:
+    """A GPipe-shaped schedule: forward waves, then backward waves (times in seconds)."""
+    ev, f, b = [], 0.01, 0.02
+    for s in range(stages):
+        for m in range(micro):
+            start = (s + m) * f
+            ev.append({"stage": s, "kind": "F", "micro": m, "start_s": start, "end_s": start + f})
+    t_end = (stages + micro - 1) * f
+    for s in reversed(range(stages)):
+        for m in range(micro):
+            start = t_end + ((stages - 1 - s) + m) * b
+            ev.append({"stage": s, "kind": "B", "micro": m, "start_s": start, "end_s": start + b})
+    return ev
