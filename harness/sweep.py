@@ -90,6 +90,8 @@ class Point:
         parts = [lay["engine"], f"tp{lay['tp']}", f"pp{lay['pp']}", f"dp{lay['dp']}",
                  f"mb{lay['micro_batch_size']}", f"ckpt={lay['activation_checkpointing']}",
                  f"{lay['attention']}/{lay['rmsnorm']}"]
+        if lay["pp"] > 1:
+            parts.append(lay["pipeline_schedule"])
         if lay["sequence_parallel"]:
             parts.append("sp")
         if lay["engine"] == "deepspeed":

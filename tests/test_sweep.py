@@ -204,3 +204,13 @@ def test_slurm_collect_merges_task_stores_and_classifies_logs(tmp_path):
     assert got == {points[0].key: "ok", points[1].key: "timeout", points[2].key: "oom"}
     sw.collect(spec, str(job), store)  # idempotent: no duplicates
     assert len(ResultsStore(store).records(sweep="c")) == 3
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "sweeps")) if f.endswith(".yaml")))
+def test_ready_made_sweeps_expand(name):
+    spec = sw.load_sweep(os.path.join(ROOT, "sweeps", name))
+    points, drops = sw.expand(spec)
+    assert points, [d.reason for d in drops][:5]
+    for p in points:
+        lay = p.spec["layout"]
+        assert lay["tp"] * lay["pp"] * lay["dp"] == spec.gpus
