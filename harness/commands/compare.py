@@ -1,0 +1,45 @@
+"""`harness compare [SPEC.yaml]`: one workload under several engines, parity-checked, reported.
+
+Without a SPEC it runs the built-in default on this machine: a tiny LLaMA with 2 processes
+under the own engine (dp2, tp2, pp2, where that engine is present), DeepSpeed ZeRO-1/2/3 and
+FSDP2 (both reshard modes), plus the single-device reference. Exit code 0 when every run
+finished and the losses agree, 1 otherwise, 2 for a mistake in the spec (nothing launched).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(p):
+    p.add_argument("spec", nargs="?", help="compare spec YAML (see harness/compare/spec.py); "
+                                           "without it: the built-in CPU default")
+    p.add_argument("--store", help="results SQLite file (default: the spec's `store`, else results.sqlite)")
+    p.add_argument("--out", default="reports", help="directory for the report (default: reports/)")
+    p.add_argument("--logs", help="directory for the runs' logs (default: next to the store)")
+    p.add_argument("--timeout", type=float, help="per-run timeout in seconds (overrides the spec)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args) -> int:
+    from harness.compare import run_comparison
+    from harness.compare.spec import load_compare_spec
+
+    cs = load_compare_spec(args.spec)  # every run is checked here: SpecError -> exit 2, nothing launched
+    if args.timeout:
+        cs.timeout_s = args.timeout
+    store = args.store or cs.store or "results.sqlite"
+    print(f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
+          f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})", file=sys.stderr)
+    summary, paths = run_comparison(cs, store_path=store, out_dir=args.out, log_dir=args.logs,
+                                    progress=not args.no_progress)
+    par = summary["parity"]
+    print(f"verdict: {summary['verdict']} (parity {par['verdict']}, max pairwise relative loss difference "
+          f"{par['max_pairwise_rel_diff']:.2e}, tolerance {par['tolerance']:g}; "
+          f"failed runs: {', '.join(summary['failed_runs']) or 'none'}; "
+          f"fingerprints {'identical' if summary['fingerprints']['same'] else 'DIFFER'})")
+    for p in par["runs"]:
+        if p["verdict"] != "pass":
+            print(f"  parity {p['verdict']}: {p['label']} {p['note']}")
+    print(f"report: {paths['markdown']} {paths['html']}")
+    return 0 if summary["verdict"] == "pass" else 1

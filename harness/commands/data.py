@@ -1,0 +1,22 @@
+"""`harness data prepare`: tokenize local text/JSONL into a memory-mapped token file."""
+
+from __future__ import annotations
+
+
+def add_arguments(p):
+    sub = p.add_subparsers(dest="action", required=True)
+    prep = sub.add_parser("prepare", help="text or JSONL -> .bin token file (+ .bin.json metadata)")
+    prep.add_argument("inputs", nargs="+", help=".txt files or .jsonl files with a text field")
+    prep.add_argument("--out", required=True, help="output .bin")
+    prep.add_argument("--tokenizer", help="local tokenizer.json; without it, byte-level tokens (vocab 256)")
+    prep.add_argument("--text-key", default="text", help="JSONL field holding the text")
+
+
+def main(args) -> int:
+    from harness.tokenize import prepare
+
+    meta = prepare(args.inputs, args.out, args.tokenizer, args.text_key)
+    print(f"wrote {meta['tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "
+          f"tokenizer {meta['tokenizer']}) to {args.out}; set workload.data: "
+          f"{{kind: file, path: {args.out}, dtype: {meta['dtype']}}}")
+    return 0

@@ -1,0 +1,94 @@
+"""The single-device runner end to end: summary, record, export, accumulation, data files, faults."""
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+from harness.data import token_source
+from harness.dist import RunContext
+from harness.run import run
+from harness.spec import parse_spec
+from harness.store import ResultsStore
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = RunContext(0, 1, 0, torch.device("cpu"), None)
+
+
+def tiny(tmp_path, **layout):
+    workload = layout.pop("workload", {})
+    return parse_spec({"workload": {"seq_len": 32, "global_batch_size": 4, "steps": 3, "warmup_steps": 1, **workload},
+                       "layout": layout, "store": str(tmp_path / "r.sqlite")})
+
+
+def test_example_runs_and_exports(tmp_path, cli):
+    r = cli("train", os.path.join(REPO, "examples", "tiny.yaml"), "--no-progress", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert ": ok" in r.stdout and "step time: median" in r.stdout and "tokens/s" in r.stdout
+    out = cli("results", "export", "--format", "jsonl", cwd=tmp_path)
+    rec = json.loads(out.stdout.splitlines()[-1])
+    assert rec["status"] == "ok" and rec["schema_version"] == 1
+    m = rec["metrics"]
+    assert m["step_time_s"]["n"] == 20 and len(m["losses"]) == 23
+    assert m["step_time_s"]["ci95_low"] <= m["step_time_s"]["median"] <= m["step_time_s"]["ci95_high"]
+    assert m["memory_kind"] == "peak_rss" and m["peak_memory_bytes"] > 0
+    assert m["mfu"] is None  # no datasheet peak for a CPU: not invented
+    assert m["mfu_vs_measured_matmul"]["palm"] > 0
+    assert rec["fingerprint"]["torch"] == torch.__version__
+    csv = cli("results", "export", "--format", "csv", cwd=tmp_path).stdout.splitlines()
+    assert csv[0].startswith("run_id,") and len(csv) == 2
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    losses = []
+    for mbs in (1, 2, 4):
+        rec = run(tiny(tmp_path, micro_batch_size=mbs), CPU, progress=False)
+        losses.append(rec["metrics"]["losses"])
+    for other in losses[1:]:
+        assert other == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_bf16_run(tmp_path):
+    rec = run(tiny(tmp_path, workload={"precision": "bf16"}), CPU, progress=False)
+    assert rec["status"] == "ok" and all(l == l for l in rec["metrics"]["losses"])
+
+
+def test_token_file_data(tmp_path, cli):
+    text = tmp_path / "corpus.jsonl"
+    text.write_text("\n".join(json.dumps({"text": f"document {i} " * 20}) for i in range(40)))
+    r = cli("data", "prepare", str(text), "--out", str(tmp_path / "c.bin"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    spec = tiny(tmp_path, workload={"data": {"kind": "file", "path": str(tmp_path / "c.bin")}})
+    batch = token_source(spec.workload, 256).global_batch_at(0)
+    raw = (tmp_path / "c.bin").read_bytes()
+    assert bytes(batch[0].tolist()) == raw[0:66:2]  # uint16 little-endian bytes of the first window
+    assert run(spec, CPU, progress=False)["status"] == "ok"
+
+
+def test_fault_hook_records_oom(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARNESS_FAULT", "oom:2")
+    spec = tiny(tmp_path)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        run(spec, CPU, run_id="abc", progress=False)
+    rec = ResultsStore(spec.store).get("abc")
+    assert rec["status"] == "oom" and "CUDA out of memory" in rec["error"]
+
+
+def test_slurm_environment_is_adopted(monkeypatch):
+    from harness import dist
+
+    env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+           "SLURM_JOB_NODELIST": "gpu[003-004,007],cpu01"}
+    monkeypatch.setattr(os, "environ", env)  # a private environment: nothing leaks to later tests
+    dist.adopt_slurm_env()
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("5", "1", "8")
+    assert os.environ["MASTER_ADDR"] == "gpu003"
+
+
+def test_deepspeed_style_local_rank_argument_is_accepted(tmp_path, cli):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"workload": {"seq_len": 16, "global_batch_size": 2, "steps": 2, "warmup_steps": 0}}))
+    r = cli("train", "--local_rank=0", str(path), "--no-progress", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
