@@ -1,0 +1,114 @@
+"""Loss parity and fingerprint agreement of the runs of one comparison.
+
+Parity: the first N per-step losses (warm-up steps included: they are the ones closest to the
+identical initial weights) of every run must agree with the reference's - the single-device
+engine when it ran, else the first successful run - within a relative tolerance, and with
+each other (the largest pairwise difference is reported). A run without losses (failed,
+oom, timeout) cannot prove parity: its verdict is `no data` and the comparison fails.
+
+Fingerprints: hosts, devices and library versions must be the same for every run; a
+difference is flagged (world size and environment variables are expected to differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PASS, FAIL, NO_DATA = "pass", "FAIL", "no data"
+
+FINGERPRINT_GROUPS = {
+    "hosts": ("hosts",),
+    "devices": ("device_type", "device_name", "device_count", "cpu_model", "cpu_cores", "driver"),
+    "library versions": ("torch", "cuda", "nccl", "deepspeed", "transformers", "flash_attn", "python"),
+}
+FINGERPRINT_IGNORED = ("world_size", "env")
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def max_rel_diff(xs: list[float], ys: list[float], n: int) -> tuple[float, int]:
+    """(largest relative difference over the first n steps, the step where it occurs)."""
+    worst, at = 0.0, 0
+    for i, (a, b) in enumerate(zip(xs[:n], ys[:n])):
+        d = rel_diff(a, b)
+        if d != d:  # NaN
+            return float("inf"), i
+        if d > worst:
+            worst, at = d, i
+    return worst, at
+
+
+@dataclass
+class RunParity:
+    label: str
+    verdict: str
+    max_rel_diff: float | None
+    worst_step: int | None
+    note: str = ""
+
+
+def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
+    """runs: [{label, status, losses, is_reference}] -> verdict per run, pairwise matrix, overall."""
+    usable = [r for r in runs if r["status"] == "ok" and len(r.get("losses") or []) >= n]
+    anchor = next((r for r in usable if r.get("is_reference")), None)
+    anchor_kind = "single-device reference"
+    if anchor is None and usable:
+        anchor, anchor_kind = usable[0], f"first successful run ({usable[0]['label']}); the reference did not run"
+    per_run = []
+    for r in runs:
+        if r not in usable:
+            why = r["status"] if r["status"] != "ok" else f"fewer than {n} losses"
+            per_run.append(RunParity(r["label"], NO_DATA, None, None, why))
+            continue
+        d, at = max_rel_diff(r["losses"], anchor["losses"], n)
+        verdict = PASS if d <= tolerance else FAIL
+        note = "" if verdict == PASS else (f"step {at}: {r['losses'][at]:.7g} vs {anchor['losses'][at]:.7g}")
+        per_run.append(RunParity(r["label"], verdict, d, at, note))
+    labels = [r["label"] for r in usable]
+    matrix = {a["label"]: {b["label"]: max_rel_diff(a["losses"], b["losses"], n)[0] for b in usable}
+              for a in usable}
+    spread = max((v for row in matrix.values() for v in row.values()), default=0.0)
+    ok = bool(usable) and all(p.verdict == PASS for p in per_run)
+    return {
+        "steps": n,
+        "tolerance": tolerance,
+        "anchor": anchor["label"] if anchor else None,
+        "anchor_kind": anchor_kind if anchor else "none: no run finished",
+        "runs": [p.__dict__ for p in per_run],
+        "pairwise_max_rel_diff": matrix,
+        "labels": labels,
+        "max_pairwise_rel_diff": spread,
+        "cross_engine_ok": spread <= tolerance,
+        "verdict": PASS if ok and spread <= tolerance else FAIL,
+    }
+
+
+def _flatten(fp: dict) -> dict:
+    out = {}
+    for k, v in (fp or {}).items():
+        if k in FINGERPRINT_IGNORED:
+            continue
+        out[k] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def compare_fingerprints(runs: list[dict]) -> dict:
+    """runs: [{label, fingerprint}] -> {same: bool, differences: [{group, key, values{label: v}}]}."""
+    flat = {r["label"]: _flatten(r.get("fingerprint") or {}) for r in runs if r.get("fingerprint")}
+    keys = sorted({k for fp in flat.values() for k in fp})
+    group_of = {k: g for g, ks in FINGERPRINT_GROUPS.items() for k in ks}
+    differences = []
+    for key in keys:
+        values = {label: fp.get(key) for label, fp in flat.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            differences.append({"group": group_of.get(key, "other"), "key": key,
+                                "values": {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}})
+    missing = [r["label"] for r in runs if not r.get("fingerprint")]
+    flagged = sorted({d["group"] for d in differences})
+    return {"same": not differences, "differences": differences, "flagged_groups": flagged,
+            "without_fingerprint": missing,
+            "common": {k: (list(v) if isinstance(v, tuple) else v)
+                       for k, v in (next(iter(flat.values()), {}) or {}).items()
+                       if not any(d["key"] == k for d in differences)}}

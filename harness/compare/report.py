@@ -1,0 +1,276 @@
+"""The comparison report: Markdown and a single-file HTML page, from the comparison summary.
+
+The summary (also written as JSON next to the report) holds everything shown: the workload,
+every run's layout, status and metrics, the parity check with its tolerance, and the
+fingerprint check. Nothing here measures; it only lays out what the records say.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+
+from harness.compare.parity import PASS
+
+
+def _ms(x) -> str:
+    return f"{x * 1e3:.1f}" if isinstance(x, (int, float)) else "n/a"
+
+
+def _num(x, fmt="{:,.0f}") -> str:
+    return fmt.format(x) if isinstance(x, (int, float)) else "n/a"
+
+
+def _pct(x) -> str:
+    return f"{100 * x:.2f}%" if isinstance(x, (int, float)) else "n/a"
+
+
+def _mib(x) -> str:
+    return f"{x / 2**20:,.0f} MiB" if isinstance(x, (int, float)) and x else "n/a"
+
+
+def _sci(x) -> str:
+    if x is None:
+        return "-"
+    return "0" if x == 0 else f"{x:.1e}"
+
+
+def layout_text(layout: dict) -> str:
+    e = layout.get("engine")
+    parts = [f"tp{layout.get('tp', 1)} pp{layout.get('pp', 1)} dp{layout.get('dp', 1)}",
+             f"mbs {layout.get('micro_batch_size')}"]
+    if e == "deepspeed":
+        parts.insert(0, f"ZeRO-{layout.get('zero_stage')}")
+        if layout.get("model_impl") == "hf":
+            parts.append("HF model")
+    if e == "fsdp":
+        parts.insert(0, "reshard_after_forward " + ("true" if layout.get("reshard_after_forward") else "false"))
+    if e == "own" and layout.get("pp", 1) > 1:
+        parts.append(f"schedule {layout.get('pipeline_schedule')}")
+    if layout.get("activation_checkpointing", "none") != "none":
+        parts.append(f"ckpt {layout['activation_checkpointing']}")
+    return ", ".join(parts)
+
+
+def table_rows(summary: dict) -> list[dict]:
+    parity = {p["label"]: p for p in summary["parity"]["runs"]}
+    rows = []
+    for r in summary["runs"]:
+        m = r.get("metrics") or {}
+        st = m.get("step_time_s") or {}
+        mfu = (m.get("mfu") or {}).get("palm")
+        mfu_meas = (m.get("mfu_vs_measured_matmul") or {}).get("palm")
+        p = parity.get(r["label"], {})
+        rows.append({
+            "label": r["label"], "engine": r["engine"], "layout": layout_text(r["layout"]),
+            "launcher": r["launcher"], "status": r["status"],
+            "step_ms": f"{_ms(st.get('median'))} [{_ms(st.get('ci95_low'))}, {_ms(st.get('ci95_high'))}]"
+            if st else "n/a",
+            "tokens_s": _num(m.get("tokens_per_s")),
+            "mfu": _pct(mfu), "mfu_measured": _pct(mfu_meas),
+            "memory": _mib(m.get("peak_memory_bytes")) + (f" ({m['memory_kind']})" if m.get("memory_kind") and
+                                                         m.get("peak_memory_bytes") else ""),
+            "parity": p.get("verdict", "-"), "rel_diff": _sci(p.get("max_rel_diff")),
+            "note": "; ".join(x for x in [p.get("note", ""), r.get("override_note", ""), r.get("error_line", "")] if x),
+        })
+    return rows
+
+
+COLUMNS = [("label", "Run"), ("engine", "Engine"), ("layout", "Layout"), ("status", "Status"),
+           ("step_ms", "Step time median [95% CI] (ms)"), ("tokens_s", "Tokens/s"),
+           ("mfu", "MFU (PaLM, datasheet peak)"), ("mfu_measured", "MFU (vs measured matmul peak)"),
+           ("memory", "Peak memory"), ("parity", "Loss parity"), ("rel_diff", "Max rel. diff"), ("note", "Note")]
+
+
+def _workload_text(w: dict) -> str:
+    o = w.get("optimizer") or {}
+    return (f"model `{w.get('model')}`, seq_len {w.get('seq_len')}, global batch {w.get('global_batch_size')} "
+            f"sequences, {w.get('warmup_steps')} warm-up + {w.get('steps')} measured steps, {w.get('precision')}, "
+            f"AdamW lr {o.get('lr')} betas {o.get('betas')} eps {o.get('eps')} wd {o.get('weight_decay')}, "
+            f"clip {w.get('grad_clip')}, seed {w.get('seed')}, data {(w.get('data') or {}).get('kind')}, "
+            f"device {w.get('device')}")
+
+
+def markdown(summary: dict) -> str:
+    par, fp = summary["parity"], summary["fingerprints"]
+    n_failed = len(summary["failed_runs"])
+    failed_text = f", {n_failed} run(s) did not finish" if n_failed else ""
+    out = [f"# Framework comparison: {summary['name']}", "",
+           f"Generated {summary['created_at']} by `harness compare`; results store `{summary['store']}`.", "",
+           f"**Verdict: {'PASS' if summary['verdict'] == PASS else 'FAIL'}** - loss parity "
+           f"{'holds' if par['verdict'] == PASS else 'FAILS'}"
+           f"{failed_text}"
+           f"; fingerprints {'identical' if fp['same'] else 'DIFFER (' + ', '.join(fp['flagged_groups']) + ')'}.",
+           "", "## Workload (identical for every run)", "", _workload_text(summary["workload"]), "",
+           f"{summary['nproc']} processes per run (the reference: 1). Initial weights are generated from the seed, "
+           "bit-identical for every engine; every data-parallel rank takes its contiguous slice of the same global "
+           "batch.", ""]
+    out += ["## Results", "", "| " + " | ".join(h for _, h in COLUMNS) + " |",
+            "|" + "---|" * len(COLUMNS)]
+    for row in table_rows(summary):
+        out.append("| " + " | ".join(str(row[k]).replace("|", "\\|") for k, _ in COLUMNS) + " |")
+    out += ["", "Step time: median over the measured steps (warm-up excluded), each step the slowest rank's, "
+            "with the 95% confidence interval of the median. MFU uses the PaLM convention (6N + 12·L·h·s FLOPs "
+            "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
+            "flops profiler double-counts under ZeRO-3); n/a where the device has no datasheet peak (CPU). "
+            "Peak memory: CUDA allocator peak, or peak RSS per process on CPU.", ""]
+    out += ["## Loss parity", "",
+            f"The first {par['steps']} per-step losses (warm-up included) of every run are compared with the "
+            f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
+            f"**{par['tolerance']:g}** ({summary['tolerance_source']}). Largest difference between any two "
+            f"finished runs: {_sci(par['max_pairwise_rel_diff'])} "
+            f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance).", ""]
+    steps = summary.get("loss_table") or {}
+    if steps:
+        labels = list(steps)
+        out += ["| Step | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        for i in range(par["steps"]):
+            out.append(f"| {i} | " + " | ".join(
+                f"{steps[lab][i]:.7f}" if i < len(steps[lab]) else "-" for lab in labels) + " |")
+        out.append("")
+    fails = [p for p in par["runs"] if p["verdict"] != PASS]
+    if fails:
+        out += ["Parity failures:", ""] + [f"- **{p['label']}**: {p['verdict']}"
+                                           f"{' - ' + p['note'] if p['note'] else ''}" for p in fails] + [""]
+    notes = [(r["label"], r["precision_note"]) for r in summary["runs"] if r.get("precision_note")
+             and "as the reference" not in r["precision_note"]]
+    overrides = [(r["label"], r["workload_override"]) for r in summary["runs"] if r.get("workload_override")]
+    if notes or overrides:
+        out += ["## Where a run does not express the workload exactly", ""]
+        out += [f"- {lab}: {note}" for lab, note in notes]
+        out += [f"- {lab}: workload overridden in the compare spec: `{json.dumps(ov)}`" for lab, ov in overrides]
+        out.append("")
+    out += ["## Engines", ""]
+    for r in summary["runs"]:
+        d = r.get("describe") or {}
+        if d:
+            keep = {k: v for k, v in d.items() if k not in ("ds_config",)}
+            out.append(f"- **{r['label']}** (launcher `{r['launcher']}`): " +
+                       "; ".join(f"{k}: {v}" for k, v in keep.items() if not isinstance(v, (dict, list))))
+    out.append("")
+    if summary["skipped"]:
+        out += ["## Not run", ""] + [f"- {lab}: {why}" for lab, why in summary["skipped"]] + [""]
+    if summary["failed_runs"]:
+        out += ["## Failed runs", ""]
+        for r in summary["runs"]:
+            if r["status"] != "ok":
+                out += [f"- **{r['label']}**: {r['status']} (run {r['run_id']}, log `{r.get('log')}`)", "",
+                        "```", (r.get("error") or "").strip()[-1500:], "```", ""]
+    out += ["## Fingerprints", ""]
+    if fp["same"]:
+        out.append("Every run saw the same hosts, devices and library versions:")
+    else:
+        out.append(f"**Runs differ in {', '.join(fp['flagged_groups'])}** - the comparison is not on identical "
+                   "hardware/software:")
+        out += ["", "| Key | Group | " + " | ".join(d for d in fp["differences"][0]["values"]) + " |",
+                "|---|---|" + "---|" * len(fp["differences"][0]["values"])]
+        for d in fp["differences"]:
+            out.append(f"| {d['key']} | {d['group']} | " + " | ".join(str(v) for v in d["values"].values()) + " |")
+        out += ["", "Common to all runs:"]
+    out += [""] + [f"- {k}: {v}" for k, v in fp["common"].items()] + [""]
+    if fp["without_fingerprint"]:
+        out += [f"Runs without a fingerprint (no record from the runner): {', '.join(fp['without_fingerprint'])}", ""]
+    out += [f"Run ids: " + ", ".join(f"{r['label']} `{r['run_id']}`" for r in summary["runs"]), ""]
+    return "\n".join(out)
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
+table{border-collapse:collapse;margin:1em 0;font-size:0.9em}th,td{border:1px solid #ccc;padding:4px 8px;text-align:left}
+th{background:#f0f0f0}.pass{color:#17692e;font-weight:bold}.FAIL,.fail{color:#b00020;font-weight:bold}
+.nodata{color:#a15c00;font-weight:bold}pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:0.85em}
+.verdict{font-size:1.3em;padding:8px;border-radius:4px;display:inline-block}
+.vpass{background:#e3f5e8}.vfail{background:#fde7ea}code{background:#f3f3f3;padding:0 3px}"""
+
+
+def _h(x) -> str:
+    return html.escape(str(x))
+
+
+def html_page(summary: dict) -> str:
+    par, fp = summary["parity"], summary["fingerprints"]
+    ok = summary["verdict"] == PASS
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Comparison {_h(summary['name'])}</title>"
+             f"<style>{_CSS}</style></head><body>",
+             f"<h1>Framework comparison: {_h(summary['name'])}</h1>",
+             f"<p>Generated {_h(summary['created_at'])} by <code>harness compare</code>; results store "
+             f"<code>{_h(summary['store'])}</code>.</p>",
+             f"<p class='verdict {'vpass' if ok else 'vfail'}'>Verdict: <b>{'PASS' if ok else 'FAIL'}</b> - loss "
+             f"parity {'holds' if par['verdict'] == PASS else 'FAILS'}; {len(summary['failed_runs'])} failed run(s); "
+             f"fingerprints {'identical' if fp['same'] else 'DIFFER: ' + _h(', '.join(fp['flagged_groups']))}</p>",
+             "<h2>Workload (identical for every run)</h2>", f"<p>{_h(_workload_text(summary['workload']))}</p>",
+             "<h2>Results</h2><table><tr>" + "".join(f"<th>{_h(h)}</th>" for _, h in COLUMNS) + "</tr>"]
+    for row in table_rows(summary):
+        cells = []
+        for k, _ in COLUMNS:
+            cls = ""
+            if k == "parity":
+                cls = {"pass": "pass", "FAIL": "fail", "no data": "nodata"}.get(row[k], "")
+            if k == "status" and row[k] != "ok":
+                cls = "fail"
+            cells.append(f"<td class='{cls}'>{_h(row[k])}</td>")
+        parts.append("<tr>" + "".join(cells) + "</tr>")
+    parts.append("</table>")
+    parts.append("<p>Step time: median of the measured steps (warm-up excluded; each step the slowest rank's) "
+                 "with its 95% confidence interval. MFU: PaLM convention, FLOPs counted by the harness from the "
+                 "model shape (not a framework profiler); n/a where the device has no datasheet peak.</p>")
+    parts.append(f"<h2>Loss parity</h2><p>First {par['steps']} losses compared with the {_h(par['anchor_kind'])} "
+                 f"(<code>{_h(par['anchor'])}</code>). Tolerance: max relative difference <b>{par['tolerance']:g}</b> "
+                 f"({_h(summary['tolerance_source'])}). Largest pairwise difference: "
+                 f"{_sci(par['max_pairwise_rel_diff'])}.</p>")
+    steps = summary.get("loss_table") or {}
+    if steps:
+        parts.append("<table><tr><th>Step</th>" + "".join(f"<th>{_h(lab)}</th>" for lab in steps) + "</tr>")
+        for i in range(par["steps"]):
+            parts.append(f"<tr><td>{i}</td>" + "".join(
+                f"<td>{steps[lab][i]:.7f}</td>" if i < len(steps[lab]) else "<td>-</td>" for lab in steps) + "</tr>")
+        parts.append("</table>")
+    fails = [p for p in par["runs"] if p["verdict"] != PASS]
+    if fails:
+        parts.append("<p><b>Parity failures:</b></p><ul>" + "".join(
+            f"<li class='fail'>{_h(p['label'])}: {_h(p['verdict'])} {_h(p['note'])}</li>" for p in fails) + "</ul>")
+    notes = [(r["label"], r["precision_note"]) for r in summary["runs"] if r.get("precision_note")
+             and "as the reference" not in r["precision_note"]]
+    overrides = [(r["label"], json.dumps(r["workload_override"])) for r in summary["runs"] if r.get("workload_override")]
+    if notes or overrides:
+        parts.append("<h2>Where a run does not express the workload exactly</h2><ul>" +
+                     "".join(f"<li>{_h(a)}: {_h(b)}</li>" for a, b in notes) +
+                     "".join(f"<li>{_h(a)}: workload overridden: <code>{_h(b)}</code></li>" for a, b in overrides) +
+                     "</ul>")
+    if summary["skipped"]:
+        parts.append("<h2>Not run</h2><ul>" + "".join(f"<li>{_h(a)}: {_h(b)}</li>" for a, b in summary["skipped"])
+                     + "</ul>")
+    if summary["failed_runs"]:
+        parts.append("<h2>Failed runs</h2>")
+        for r in summary["runs"]:
+            if r["status"] != "ok":
+                parts.append(f"<p><b>{_h(r['label'])}</b>: {_h(r['status'])} (run {_h(r['run_id'])})</p>"
+                             f"<pre>{_h((r.get('error') or '').strip()[-1500:])}</pre>")
+    parts.append("<h2>Fingerprints</h2>")
+    if not fp["same"]:
+        labels = list(fp["differences"][0]["values"])
+        parts.append(f"<p class='fail'>Runs differ in {_h(', '.join(fp['flagged_groups']))}.</p><table><tr><th>Key"
+                     "</th><th>Group</th>" + "".join(f"<th>{_h(lab)}</th>" for lab in labels) + "</tr>")
+        for d in fp["differences"]:
+            parts.append(f"<tr><td>{_h(d['key'])}</td><td>{_h(d['group'])}</td>" +
+                         "".join(f"<td>{_h(v)}</td>" for v in d["values"].values()) + "</tr>")
+        parts.append("</table>")
+    else:
+        parts.append("<p>Every run saw the same hosts, devices and library versions.</p>")
+    parts.append("<table>" + "".join(f"<tr><th>{_h(k)}</th><td>{_h(v)}</td></tr>" for k, v in fp["common"].items())
+                 + "</table>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(summary: dict, out_dir: str) -> dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"compare-{summary['name']}")
+    paths = {"markdown": base + ".md", "html": base + ".html", "json": base + ".json"}
+    with open(paths["markdown"], "w") as f:
+        f.write(markdown(summary))
+    with open(paths["html"], "w") as f:
+        f.write(html_page(summary))
+    with open(paths["json"], "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True, default=str)
+    return paths

@@ -1,0 +1,214 @@
+"""The compare spec: one workload under a list of engines and layouts.
+
+```yaml
+name: my-compare            # report file names and the store's sweep tag
+nproc: 2                    # processes per run (dp = nproc / (tp x pp) unless a run sets it)
+parity_steps: 5             # the first N steps' losses must agree
+tolerance: null             # max relative loss difference; null: 1e-5 for fp32, 5e-3 for bf16
+timeout_s: 600              # per run
+reference: true             # also run the single-device reference (1 process)
+workload: {model: tiny, seq_len: 64, ...}   # harness.spec Workload fields
+runs:                       # harness.spec Layout fields, plus:
+  - {engine: own, dp: 2}                      #   label:    name in the report
+  - {engine: deepspeed, zero_stage: 3}        #   launcher: torchrun | deepspeed (default by engine)
+  - {engine: fsdp, reshard_after_forward: false}
+  - {engine: fsdp, label: planted, workload: {seed: 7}}  # per-run workload override (shown in the report)
+```
+
+Everything is checked before the first launch: each run's spec (harness.spec), world size,
+and its DeepSpeed config (auto fields, contradictions: harness.frameworks.ds_config).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+from harness.errors import SpecError
+
+TOP_KEYS = ("name", "nproc", "parity_steps", "tolerance", "timeout_s", "reference", "workload", "runs", "store")
+RUN_EXTRA = ("label", "launcher", "workload")
+DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-3}
+DEFAULT_LAUNCHER = {"deepspeed": "deepspeed", "own": "torchrun", "fsdp": "torchrun", "single": "direct"}
+
+# The built-in default: a tiny LLaMA on this CPU machine, 2 processes, a few minutes.
+DEFAULT = {
+    "name": "cpu-default",
+    "nproc": 2,
+    "parity_steps": 5,
+    "tolerance": None,
+    "timeout_s": 240,
+    "reference": True,
+    "workload": {"model": "tiny", "seq_len": 64, "global_batch_size": 8, "steps": 8, "warmup_steps": 2,
+                 "precision": "fp32", "device": "cpu", "seed": 1234},
+    "runs": [
+        {"label": "own dp2", "engine": "own", "dp": 2, "micro_batch_size": 2},
+        {"label": "own tp2", "engine": "own", "tp": 2, "micro_batch_size": 2},
+        {"label": "own pp2", "engine": "own", "pp": 2, "micro_batch_size": 2},
+        {"label": "deepspeed ZeRO-1", "engine": "deepspeed", "zero_stage": 1, "micro_batch_size": 2},
+        {"label": "deepspeed ZeRO-2", "engine": "deepspeed", "zero_stage": 2, "micro_batch_size": 2},
+        {"label": "deepspeed ZeRO-3", "engine": "deepspeed", "zero_stage": 3, "micro_batch_size": 2},
+        {"label": "FSDP2 reshard", "engine": "fsdp", "reshard_after_forward": True, "micro_batch_size": 2},
+        {"label": "FSDP2 no reshard", "engine": "fsdp", "reshard_after_forward": False, "micro_batch_size": 2},
+    ],
+}
+
+
+@dataclass
+class PlannedRun:
+    label: str
+    spec: object  # harness.spec.RunSpec
+    nproc: int
+    launcher: str
+    workload_override: dict = field(default_factory=dict)
+    is_reference: bool = False
+
+
+@dataclass
+class CompareSpec:
+    name: str
+    nproc: int
+    parity_steps: int
+    tolerance: float
+    tolerance_source: str
+    timeout_s: float
+    workload: dict
+    runs: list[PlannedRun]
+    skipped: list[tuple[str, str]]  # (label, why)
+    store: str | None = None
+
+
+def engine_available(engine: str) -> bool:
+    from harness.frameworks import ADAPTERS
+
+    return importlib.util.find_spec(ADAPTERS[engine]) is not None
+
+
+def load_compare_spec(path: str | None) -> CompareSpec:
+    if path is None:
+        return parse_compare_spec(copy.deepcopy(DEFAULT))
+    if not os.path.isfile(path):
+        raise SpecError("spec", f"file {path!r} does not exist")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise SpecError(path, f"not valid YAML: {str(e).splitlines()[0]}") from None
+    return parse_compare_spec(raw)
+
+
+def _int(raw: dict, key: str, default):
+    v = raw.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise SpecError(key, f"must be a positive integer, got {v!r}")
+    return v
+
+
+def parse_compare_spec(raw) -> CompareSpec:
+    from harness.frameworks.ds_config import resolve_path, validate
+    from harness.spec import check_world_size, parse_spec
+
+    if not isinstance(raw, dict):
+        raise SpecError("spec", "top level must be a mapping")
+    for key in raw:
+        if key not in TOP_KEYS:
+            raise SpecError(str(key), f"unknown key; allowed: {', '.join(TOP_KEYS)}")
+    name = str(raw.get("name") or "compare")
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise SpecError("name", "letters, digits, '-', '_' and '.' only (it names the report files)")
+    nproc = _int(raw, "nproc", 2)
+    parity_steps = _int(raw, "parity_steps", 5)
+    timeout_s = raw.get("timeout_s", 600)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise SpecError("timeout_s", "must be a positive number")
+    workload = raw.get("workload") or {}
+    if not isinstance(workload, dict):
+        raise SpecError("workload", "must be a mapping")
+    runs_raw = raw.get("runs")
+    if not isinstance(runs_raw, list) or not runs_raw:
+        raise SpecError("runs", "must be a non-empty list of layouts")
+
+    base = parse_spec({"workload": workload})  # checks the workload once, with its own field names
+    precision = base.workload.precision
+    tol = raw.get("tolerance")
+    if tol is None:
+        tolerance, source = DEFAULT_TOLERANCE[precision], f"default for {precision}"
+    elif isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0:
+        raise SpecError("tolerance", "must be a non-negative number (max relative loss difference)")
+    else:
+        tolerance, source = float(tol), "set in the compare spec"
+    total_steps = base.workload.warmup_steps + base.workload.steps
+    if parity_steps > total_steps:
+        raise SpecError("parity_steps", f"{parity_steps} > the {total_steps} steps each run trains "
+                                        "(warm-up steps included)")
+
+    planned, skipped, labels = [], [], set()
+    if raw.get("reference", True):
+        ref = parse_spec({"workload": workload, "layout": {"engine": "single", "micro_batch_size":
+                                                           _ref_micro(runs_raw, base.workload.global_batch_size)}})
+        planned.append(PlannedRun("reference (single device)", ref, 1, "direct", is_reference=True))
+    for i, entry in enumerate(runs_raw):
+        where = f"runs[{i}]"
+        if not isinstance(entry, dict):
+            raise SpecError(where, "must be a mapping of layout fields")
+        layout = {k: v for k, v in entry.items() if k not in RUN_EXTRA}
+        override = entry.get("workload") or {}
+        if not isinstance(override, dict):
+            raise SpecError(f"{where}.workload", "must be a mapping of workload fields to override")
+        engine = layout.get("engine", "single")
+        label = str(entry.get("label") or _auto_label(layout))
+        if label in labels:
+            raise SpecError(f"{where}.label", f"{label!r} is used twice")
+        labels.add(label)
+        tp, pp = layout.get("tp", 1), layout.get("pp", 1)
+        if engine != "single" and "dp" not in layout and isinstance(tp, int) and isinstance(pp, int) \
+                and tp > 0 and pp > 0:
+            layout["dp"] = max(1, nproc // (tp * pp))
+        if engine == "deepspeed" and layout.get("ds_config"):
+            layout["ds_config"] = resolve_path(layout["ds_config"], layout.get("zero_stage", 0))
+        try:
+            spec = parse_spec({"workload": {**workload, **override}, "layout": layout,
+                               "name": f"{name}/{label}"})
+        except SpecError as e:
+            raise SpecError(f"{where}.{e.field.split('.', 1)[1] if e.field.startswith('layout.') else e.field}",
+                            e.reason) from None
+        lay = spec.layout
+        world = 1 if engine == "single" else lay.tp * lay.pp * lay.dp
+        if engine != "single":
+            try:
+                check_world_size(spec, nproc)
+            except SpecError as e:
+                raise SpecError(f"{where}", f"{e.reason} (nproc {nproc})") from None
+        validate(spec)  # ds_config: "error: <file>: <key>: <reason>"
+        launcher = entry.get("launcher", DEFAULT_LAUNCHER[engine])
+        if launcher not in ("torchrun", "deepspeed", "direct"):
+            raise SpecError(f"{where}.launcher", "torchrun, deepspeed or direct")
+        if not engine_available(engine):
+            skipped.append((label, f"engine {engine!r} is not available in this checkout "
+                                   f"({engine} adapter module missing)"))
+            continue
+        planned.append(PlannedRun(label, spec, world, launcher, workload_override=override))
+    store = raw.get("store")
+    return CompareSpec(name, nproc, parity_steps, tolerance, source, float(timeout_s), workload, planned,
+                       skipped, store)
+
+
+def _ref_micro(runs_raw, global_batch: int) -> int:
+    """The reference's micro-batch size: the runs' (when they agree and it divides the batch)."""
+    sizes = {r.get("micro_batch_size", 1) for r in runs_raw if isinstance(r, dict)}
+    size = sizes.pop() if len(sizes) == 1 else 1
+    return size if isinstance(size, int) and size > 0 and global_batch % size == 0 else 1
+
+
+def _auto_label(layout: dict) -> str:
+    engine = layout.get("engine", "single")
+    if engine == "deepspeed":
+        return f"deepspeed ZeRO-{layout.get('zero_stage', '?')}" + (" hf" if layout.get("model_impl") == "hf" else "")
+    if engine == "fsdp":
+        return "FSDP2 " + ("reshard" if layout.get("reshard_after_forward", True) else "no reshard")
+    parts = [f"{k}{layout[k]}" for k in ("tp", "pp", "dp") if layout.get(k, 1) != 1]
+    return f"{engine} " + " ".join(parts or ["dp1"])
