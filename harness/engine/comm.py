@@ -1,0 +1,130 @@
+"""Counted, timed communication: every byte the engine moves goes through here.
+
+Each call records (axis, op) -> count and bytes on this rank, and the seconds it blocked,
+so the per-step report and the closed-form comm model (comm_model.py) can be compared
+exactly. Bytes are the payload of the call on this rank: the tensor for all_reduce and
+p2p, the gathered (full) tensor for all_gather, the input (full) tensor for reduce_scatter.
+A group of size one never calls torch.distributed and records nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class StepClock:
+    """Seconds per category within a step; synchronises the device so GPU timings are real."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def reset(self) -> None:
+        self.seconds = defaultdict(float)
+
+
+class CommStats:
+    def __init__(self, clock: StepClock):
+        self.clock = clock
+        self.counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+
+    def record(self, axis: str, op: str, size: int) -> None:
+        entry = self.counts[axis][op]
+        entry[0] += 1
+        entry[1] += size
+
+    def reset(self) -> None:
+        self.counts = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+
+    def as_dict(self) -> dict:
+        return {axis: {op: {"count": c, "bytes": b} for op, (c, b) in ops.items()}
+                for axis, ops in self.counts.items()}
+
+
+class Axis:
+    """Collectives over one process group, labelled with the axis name they are counted under.
+
+    `time_key` is the breakdown category a blocking call charges its wait to.
+    """
+
+    def __init__(self, name: str, group, ranks: list[int], rank: int, stats: CommStats,
+                 time_key: str):
+        self.name, self.group, self.ranks, self.stats, self.time_key = name, group, ranks, stats, time_key
+        self.size = len(ranks)
+        self.index = ranks.index(rank)
+
+    def labelled(self, name: str, time_key: str | None = None) -> "Axis":
+        """The same group counted under another axis name (SP shares the TP group)."""
+        a = Axis.__new__(Axis)
+        a.__dict__.update(self.__dict__)
+        a.name = name
+        a.time_key = time_key or self.time_key
+        return a
+
+    def _timed(self, fn):
+        clock = self.stats.clock
+        t0 = clock.now()
+        out = fn()
+        clock.seconds[self.time_key] += clock.now() - t0
+        return out
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        if self.size == 1:
+            return None
+        self.stats.record(self.name, "all_reduce", nbytes(t))
+        if async_op:
+            return dist.all_reduce(t, op=op, group=self.group, async_op=True)
+        self._timed(lambda: dist.all_reduce(t, op=op, group=self.group))
+        return None
+
+    def all_gather(self, t: torch.Tensor, out: torch.Tensor | None = None, async_op: bool = False):
+        """Concatenate every rank's t along dim 0."""
+        if self.size == 1:
+            return t
+        if out is None:
+            out = torch.empty((t.shape[0] * self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        self.stats.record(self.name, "all_gather", nbytes(out))
+        if async_op:
+            return _all_gather(out, t.contiguous(), group=self.group, async_op=True)
+        self._timed(lambda: _all_gather(out, t.contiguous(), group=self.group))
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None, async_op: bool = False):
+        """Sum over ranks, then keep this rank's 1/size slice along dim 0."""
+        if self.size == 1:
+            return t
+        if out is None:
+            out = torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        self.stats.record(self.name, "reduce_scatter", nbytes(t))
+        if async_op:
+            return _reduce_scatter(out, t.contiguous(), group=self.group, async_op=True)
+        self._timed(lambda: _reduce_scatter(out, t.contiguous(), group=self.group))
+        return out
+
+    # p2p: peers are indices along this axis
+    def isend(self, t: torch.Tensor, peer: int):
+        self.stats.record(self.name, "send", nbytes(t))
+        return dist.isend(t, dst=self.ranks[peer], group=self.group)
+
+    def recv(self, t: torch.Tensor, peer: int) -> torch.Tensor:
+        self.stats.record(self.name, "recv", nbytes(t))
+        self._timed(lambda: dist.recv(t, src=self.ranks[peer], group=self.group))
+        return t

@@ -1,0 +1,189 @@
+"""The own 3D engine behind the frameworks interface: build, train_step, state, details.
+
+One step: every rank takes the same global batch, keeps its DP slice, runs its pipeline
+program over the micro-batches (TP/SP collectives inside each forward/backward, DP
+reductions starting from gradient hooks), waits for the DP reductions, then one world
+all-reduce of two numbers (loss contribution, squared gradient norm contribution) gives the
+global loss and the global norm for clipping, and AdamW steps on the local (or ZeRO-sharded)
+flat buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from harness.data import dp_slice, micro_batches
+from harness.engine.comm import Axis, CommStats, StepClock
+from harness.engine.data_parallel import GradSync
+from harness.engine.model import build_chunks
+from harness.engine.partition import rank_chunks
+from harness.engine.pipeline import PipelineExecutor
+from harness.engine.schedules import all_programs
+from harness.engine.tensor_parallel import Region
+from harness.engine.topology import Mesh, format_rank_map, rank_map
+from harness.frameworks.single import autocast_for, make_adamw
+from harness.model.llama import reference_state_dict, rotary_tables
+
+log = logging.getLogger("harness.engine")
+
+# Which breakdown category each axis's blocking wait is charged to.
+TIME_KEYS = {"tp": "tp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"}
+
+
+def reference_weights(shape, seed: int, names: set[str]) -> dict:
+    """The reference initial weights this rank needs (the whole dict unless the model offers
+    a per-tensor builder)."""
+    from harness.model import llama
+
+    one = getattr(llama, "reference_tensor", None)
+    if one is not None:
+        return {n: one(shape, seed, n) for n in names}
+    return reference_state_dict(shape, seed)
+
+
+class Engine3D:
+    name = "own"
+
+    def __init__(self, spec, shape, ctx):
+        w, lay = spec.workload, spec.layout
+        self.spec, self.shape, self.device = spec, shape, ctx.device
+        distributed = ctx.backend is not None
+        self.mesh = Mesh.get(lay.tp, lay.pp, lay.dp, ctx.rank, distributed)
+        c = self.mesh.coord
+        self.clock = StepClock(ctx.device)
+        self.stats = CommStats(self.clock)
+        self.axes = {a: Axis(a, self.mesh.groups[a], self.mesh.ranks[a], ctx.rank, self.stats, TIME_KEYS[a])
+                     for a in ("tp", "pp", "dp", "all")}
+        sp = lay.sequence_parallel and lay.tp > 1
+        self.region = Region(self.axes["tp"], sp)
+        self.chunks_per_rank = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
+        self.micro = w.global_batch_size // (lay.dp * lay.micro_batch_size)
+        plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)
+        self.plans = plans
+        needed = set()
+        from harness.engine.partition import stage_params
+        for p in plans:
+            needed |= {s.name for s in stage_params(shape, lay.tp, p.layers, p.first, p.last, p.chunk)}
+        ref = reference_weights(shape, w.seed, needed)
+        self.chunks, self.specs = build_chunks(shape, plans, lay.tp, c.tp, self.region, lay.attention, lay.rmsnorm,
+                                               lay.activation_checkpointing, ref, ctx.device)
+        del ref
+        named = {}
+        for ch in self.chunks:
+            named.update(dict(ch.named_parameters()))
+        self.params = [named[s.name] for s in self.specs]
+        self.grads = GradSync(self.params, self.specs, self.axes["dp"], self.region.sp, lay.zero_stage == 1,
+                              lay.dp_bucket_mb, ctx.device)
+        self.optimizer = make_adamw(self.grads.optimizer_tensors(), w)
+        self.programs = all_programs(lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
+                                     lay.pp, self.micro, self.chunks_per_rank)
+        seq_local = w.seq_len // lay.tp if sp else w.seq_len
+        self.executor = PipelineExecutor(self.chunks, self.programs, self.axes["pp"], self.clock,
+                                         (seq_local, lay.micro_batch_size, shape.hidden), ctx.device,
+                                         lambda: autocast_for(w, ctx.device))
+        cos, sin = rotary_tables(w.seq_len, shape.hidden // shape.heads, shape.rope_theta, ctx.device)
+        self.cos, self.sin = cos, sin
+        self.rank_map = rank_map(lay.tp, lay.pp, lay.dp, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)))
+        if ctx.rank == 0:
+            log.info("own engine rank map (tp innermost):\n%s", format_rank_map(self.rank_map))
+        self._details: dict = {}
+
+    # ---------------------------------------------------------------- step
+
+    def train_step(self, global_batch: torch.Tensor) -> float:
+        w, lay = self.spec.workload, self.spec.layout
+        clock = self.clock
+        clock.reset()
+        self.stats.reset()
+        t_start = clock.now()
+        local = dp_slice(global_batch, self.mesh.coord.dp, lay.dp).to(self.device, non_blocking=True)
+        micro = micro_batches(local, lay.micro_batch_size)
+        self.grads.begin_step(len(micro))
+        tokens = len(micro) * lay.dp * lay.micro_batch_size * w.seq_len   # the reference's mean over the batch
+        loss = self.executor.run(micro, self.cos, self.sin, 1.0 / tokens)
+        self.grads.finish()
+
+        t0 = clock.now()
+        c = self.mesh.coord
+        count_loss = c.tp == 0 and c.pp == lay.pp - 1
+        count_grads = self.grads.zero or c.dp == 0
+        sq = self.grads.grad_sq_sum(count_replicated=c.tp == 0) if count_grads else torch.zeros((), device=self.device)
+        pair = torch.stack([loss if count_loss else torch.zeros_like(loss), sq]).float()
+        ta = clock.now()
+        self.axes["all"].all_reduce(pair)   # its wait is the slowest stage's lag: charged to bubble
+        t1 = clock.now()
+        if w.grad_clip > 0:
+            norm = pair[1].sqrt()
+            coef = torch.clamp(w.grad_clip / (norm + 1e-6), max=1.0)
+            self.grads.scale_grads(coef)
+        self.optimizer.step()
+        t2 = clock.now()
+        self.grads.gather_params()          # ZeRO-1 all-gather, charged to dp_comm by its axis
+        t3 = clock.now()
+        self.grads.zero_grads()
+        t_end = clock.now()
+
+        s = clock.seconds
+        s["optimizer"] += (ta - t0) + (t2 - t1) + (t_end - t3)
+        total = t_end - t_start
+        self._details = {
+            "breakdown_s": {
+                "compute": max(0.0, s["fb"] - s["tp_comm"]),
+                "tp_comm": s["tp_comm"],
+                "bubble": s["bubble"],  # recv waits, send drains, waiting for the slowest stage
+                "dp_comm": s["dp_comm"],
+                "optimizer": s["optimizer"],
+                "total": total,
+            },
+            "comm": self.stats.as_dict(),
+            "pipeline_timeline": [dict(e, rank=self.mesh.rank) for e in self.executor.timeline],
+        }
+        return float(pair[0])
+
+    # ---------------------------------------------------------------- reporting
+
+    def last_step_details(self) -> dict:
+        return self._details
+
+    def full_state_dict(self):
+        """Gather every parameter (TP shards concatenated, pipeline stages collected) on rank 0."""
+        lay = self.spec.layout
+        c = self.mesh.coord
+        tp = self.axes["tp"]
+        mine = {}
+        for spec, p in zip(self.specs, self.params):
+            t = p.detach().float()
+            if spec.shard_dim is not None and tp.size > 1:
+                parts = [torch.empty_like(t) for _ in range(tp.size)]
+                dist.all_gather(parts, t.contiguous(), group=tp.group)
+                t = torch.cat(parts, dim=spec.shard_dim)
+            mine[spec.name] = t.cpu().clone()
+        if self.mesh.size("all") == 1:
+            return mine
+        gathered = [None] * self.mesh.size("all") if self.mesh.rank == 0 else None
+        payload = mine if c.tp == 0 and c.dp == 0 else {}
+        dist.gather_object(payload, gathered, dst=0)
+        if self.mesh.rank != 0:
+            return None
+        out = {}
+        for part in gathered:
+            out.update(part)
+        return out
+
+    def describe(self) -> dict:
+        lay = self.spec.layout
+        return {
+            "engine": "own 3D (Megatron-style TP/SP, instruction-list pipeline, bucketed DP, ZeRO-1)",
+            "mesh": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "order": "pp, dp, tp (tp innermost)"},
+            "coord": dataclasses.asdict(self.mesh.coord),
+            "schedule": lay.pipeline_schedule, "chunks_per_rank": self.chunks_per_rank,
+            "micro_batches": self.micro, "sequence_parallel": self.region.sp is not None,
+            "zero_stage": lay.zero_stage, "dp_buckets": [b.padded for b in self.grads.buckets],
+            "stages": [{"stage": p.stage, "layers": [p.layers.start, p.layers.stop]} for p in self.plans],
+            "rank_map": self.rank_map[:64],
+        }

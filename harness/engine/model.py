@@ -1,0 +1,161 @@
+"""The sharded LLaMA: one module per model chunk, built from the reference weights.
+
+It mirrors harness/model/llama.py block for block (same parameter names, same math) but in
+[seq, batch, hidden] order with explicit TP regions around attention and MLP. Kernels
+(attention_fn, rmsnorm), rotary tables and checkpointing are the plain model's own, so every
+kernel and checkpointing option works in every layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from harness.engine.partition import ChunkPlan, ParamSpec, shard_of, stage_params
+from harness.engine.tensor_parallel import Region, vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_range
+from harness.model.kernels import attention_fn, rmsnorm
+from harness.model.llama import apply_rotary
+from harness.model.presets import Shape
+
+
+class Weight(nn.Module):
+    """A bare (possibly sharded) weight, so parameter names match the plain model's."""
+
+    def __init__(self, *shape):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class Norm(Weight):
+    def __init__(self, dim: int, kernel: str, eps: float = 1e-5):
+        super().__init__(dim)
+        self.kernel, self.eps = kernel, eps
+
+    def forward(self, x):
+        return rmsnorm(self.kernel, x, self.weight, self.eps)
+
+
+class ParallelAttention(nn.Module):
+    """q/k/v column-parallel by heads (each rank keeps whole query groups), wo row-parallel."""
+
+    def __init__(self, shape: Shape, tp: int, kernel: str):
+        super().__init__()
+        self.head_dim = shape.hidden // shape.heads
+        hq, hkv = shape.heads // tp * self.head_dim, shape.kv_heads // tp * self.head_dim
+        self.wq, self.wk, self.wv = Weight(hq, shape.hidden), Weight(hkv, shape.hidden), Weight(hkv, shape.hidden)
+        self.wo = Weight(shape.hidden, hq)
+        self.kernel = kernel
+        self.recompute_core = False
+
+    def core(self, q, k, v):
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return attention_fn(self.kernel)(q, k, v)
+
+    def forward(self, x, cos, sin):
+        """x: [seq, batch, hidden] (full sequence) -> partial sums of wo, [seq, batch, hidden]."""
+        s, b, _ = x.shape
+        q = self.wq(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
+        k = self.wk(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
+        v = self.wv(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            out = self.core(q, k, v)
+        return self.wo(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class ParallelFeedForward(nn.Module):
+    """SwiGLU with w1/w3 column-parallel and w2 row-parallel: no communication in between."""
+
+    def __init__(self, shape: Shape, tp: int):
+        super().__init__()
+        f = shape.ffn // tp
+        self.w1, self.w3, self.w2 = Weight(f, shape.hidden), Weight(f, shape.hidden), Weight(shape.hidden, f)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, shape: Shape, tp: int, region: Region, attention: str, rmsnorm_kind: str):
+        super().__init__()
+        self.attention_norm = Norm(shape.hidden, rmsnorm_kind)
+        self.attention = ParallelAttention(shape, tp, attention)
+        self.ffn_norm = Norm(shape.hidden, rmsnorm_kind)
+        self.feed_forward = ParallelFeedForward(shape, tp)
+        self.region = region
+
+    def forward(self, x, cos, sin):
+        r = self.region
+        h = x + r.leave(self.attention(r.enter(self.attention_norm(x)), cos, sin))
+        return h + r.leave(self.feed_forward(r.enter(self.ffn_norm(h))))
+
+
+class Chunk(nn.Module):
+    """A contiguous run of layers; the first stage adds the embedding, the last the norm and head.
+
+    forward(x) takes tokens [batch, seq] on the first stage, else hidden [seq(/tp), batch, h];
+    returns hidden, or on the last stage the summed per-token loss (the executor scales it).
+    """
+
+    def __init__(self, shape: Shape, plan: ChunkPlan, tp: int, tp_index: int, region: Region,
+                 attention: str, rmsnorm_kind: str, checkpointing: str):
+        super().__init__()
+        self.plan, self.region, self.checkpointing = plan, region, checkpointing
+        self.vocab_start = vocab_range(shape.vocab, tp, tp_index)[0]
+        if plan.first:
+            self.tok_embeddings = nn.Module()
+            self.tok_embeddings.weight = nn.Parameter(torch.empty(shape.vocab // tp, shape.hidden))
+        self.layers = nn.ModuleDict({str(i): ParallelBlock(shape, tp, region, attention, rmsnorm_kind)
+                                     for i in plan.layers})
+        for layer in self.layers.values():
+            layer.attention.recompute_core = checkpointing == "selective"
+        if plan.last:
+            self.norm = Norm(shape.hidden, rmsnorm_kind)
+            self.output = Weight(shape.vocab // tp, shape.hidden)
+
+    def forward(self, x, cos, sin, targets=None):
+        if self.plan.first:
+            x = vocab_parallel_embedding(x.t(), self.tok_embeddings.weight, self.region, self.vocab_start)
+        for layer in self.layers.values():
+            if self.checkpointing == "full" and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        if not self.plan.last:
+            return x
+        logits = self.output(self.region.enter(self.norm(x)))          # [seq, batch, vocab/tp]
+        per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 targets.t().reshape(-1), self.region.tp, self.vocab_start)
+        return per_token.sum()
+
+
+def build_chunks(shape: Shape, plans: list[ChunkPlan], tp: int, tp_index: int, region: Region,
+                 attention: str, rmsnorm_kind: str, checkpointing: str, reference: dict,
+                 device) -> tuple[list[Chunk], list[ParamSpec]]:
+    """The rank's chunks with their shards of the reference weights, and the parameter list."""
+    chunks, specs = [], []
+    for plan in plans:
+        with torch.device("meta"):
+            chunk = Chunk(shape, plan, tp, tp_index, region, attention, rmsnorm_kind, checkpointing)
+        chunk = chunk.to_empty(device=device)
+        mine = stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk)
+        named = dict(chunk.named_parameters())
+        if sorted(named) != sorted(s.name for s in mine):
+            raise AssertionError(f"chunk parameters {sorted(named)} differ from the plan")
+        with torch.no_grad():
+            for spec in mine:
+                full = reference[spec.name]
+                named[spec.name].copy_(shard_of(full, spec, tp_index, tp))
+        chunks.append(chunk)
+        specs += mine
+    return chunks, specs

@@ -1,0 +1,140 @@
+"""Which layers each pipeline stage holds, and which parameter shards each rank owns.
+
+Both are pure functions of the shape and layout, so the model builder, the gradient
+buckets and the closed-form comm model all read the same list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.model.presets import Shape
+
+
+def layer_cost(shape: Shape, seq_len: int) -> float:
+    """Forward FLOPs per token of one block: projections + attention scores and values."""
+    hd = shape.hidden // shape.heads
+    proj = 2 * shape.hidden * hd * (2 * shape.heads + 2 * shape.kv_heads) + 6 * shape.hidden * shape.ffn
+    return proj + 4 * seq_len * shape.hidden
+
+
+def head_cost(shape: Shape) -> float:
+    """The LM head's matmul plus the loss (about 5 FLOPs per logit for softmax and its grad)."""
+    return 2 * shape.hidden * shape.vocab + 5 * shape.vocab
+
+
+def embed_cost(shape: Shape) -> float:
+    """A lookup: no matmul, but a pass over hidden-sized rows (and the vocab mask under TP)."""
+    return 2 * shape.hidden
+
+
+def balanced_partition(shape: Shape, stages: int, seq_len: int) -> list[range]:
+    """Contiguous layer ranges per global stage minimising the most expensive stage.
+
+    Stage 0 also carries the embedding and the last stage the final norm and LM head, so with
+    a large vocabulary the last stage gets fewer layers. Ties go to the earlier boundary.
+    """
+    n = shape.layers
+    if stages > n:
+        raise ValueError(f"{n} layers cannot fill {stages} stages")
+    lc = layer_cost(shape, seq_len)
+
+    def cost(stage: int, a: int, b: int) -> float:
+        c = (b - a) * lc
+        if stage == 0:
+            c += embed_cost(shape)
+        if stage == stages - 1:
+            c += head_cost(shape)
+        return c
+
+    inf = float("inf")
+    # best[s][i]: minimal max cost placing the first i layers in the first s stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                v = max(best[s - 1][j], cost(s - 1, j, i))
+                if v < best[s][i] - 1e-9:
+                    best[s][i], cut[s][i] = v, j
+    bounds, i = [], n
+    for s in range(stages, 0, -1):
+        j = cut[s][i]
+        bounds.append(range(j, i))
+        i = j
+    return bounds[::-1]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str                  # as in the plain Llama's state dict
+    full: tuple[int, ...]      # full shape
+    local: tuple[int, ...]     # this rank's shard
+    shard_dim: int | None      # None: replicated across TP
+    chunk: int                 # which of this rank's model chunks holds it
+
+
+def _sharded(name, full, dim, tp, chunk):
+    local = list(full)
+    local[dim] //= tp
+    return ParamSpec(name, tuple(full), tuple(local), dim, chunk)
+
+
+def stage_params(shape: Shape, tp: int, layers: range, first: bool, last: bool, chunk: int = 0) -> list[ParamSpec]:
+    """Parameters of one model chunk in registration order (the plain model's order)."""
+    h, hd = shape.hidden, shape.hidden // shape.heads
+    out = []
+    if first:
+        out.append(_sharded("tok_embeddings.weight", (shape.vocab, h), 0, tp, chunk))
+    for i in layers:
+        p = f"layers.{i}."
+        out += [
+            ParamSpec(p + "attention_norm.weight", (h,), (h,), None, chunk),
+            _sharded(p + "attention.wq.weight", (shape.heads * hd, h), 0, tp, chunk),
+            _sharded(p + "attention.wk.weight", (shape.kv_heads * hd, h), 0, tp, chunk),
+            _sharded(p + "attention.wv.weight", (shape.kv_heads * hd, h), 0, tp, chunk),
+            _sharded(p + "attention.wo.weight", (h, shape.heads * hd), 1, tp, chunk),
+            ParamSpec(p + "ffn_norm.weight", (h,), (h,), None, chunk),
+            _sharded(p + "feed_forward.w1.weight", (shape.ffn, h), 0, tp, chunk),
+            _sharded(p + "feed_forward.w3.weight", (shape.ffn, h), 0, tp, chunk),
+            _sharded(p + "feed_forward.w2.weight", (h, shape.ffn), 1, tp, chunk),
+        ]
+    if last:
+        out.append(ParamSpec("norm.weight", (h,), (h,), None, chunk))
+        out.append(_sharded("output.weight", (shape.vocab, h), 0, tp, chunk))
+    return out
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    chunk: int
+    stage: int
+    layers: range
+    first: bool
+    last: bool
+
+
+def rank_chunks(shape: Shape, pp: int, chunks: int, pp_rank: int, seq_len: int) -> list[ChunkPlan]:
+    """The model chunks of one pipeline rank: chunk c is global stage c * pp + pp_rank."""
+    stages = pp * chunks
+    parts = balanced_partition(shape, stages, seq_len)
+    out = []
+    for c in range(chunks):
+        s = c * pp + pp_rank
+        out.append(ChunkPlan(c, s, parts[s], s == 0, s == stages - 1))
+    return out
+
+
+def rank_params(shape: Shape, tp: int, pp: int, chunks: int, pp_rank: int, seq_len: int) -> list[ParamSpec]:
+    out = []
+    for plan in rank_chunks(shape, pp, chunks, pp_rank, seq_len):
+        out += stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk)
+    return out
+
+
+def shard_of(full, spec: ParamSpec, tp_index: int, tp: int):
+    """This TP rank's slice of a full tensor."""
+    if spec.shard_dim is None:
+        return full
+    return full.chunk(tp, dim=spec.shard_dim)[tp_index]

@@ -1,0 +1,12 @@
+"""Adapter for the own 3D-parallel engine (harness/engine)."""
+
+from __future__ import annotations
+
+from harness.spec import check_world_size
+
+
+def build(spec, shape, ctx):
+    from harness.engine.engine import Engine3D
+
+    check_world_size(spec, ctx.world_size)
+    return Engine3D(spec, shape, ctx)
