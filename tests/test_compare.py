@@ -1,0 +1,183 @@
+"""`harness compare`: spec checks, parity and fingerprint verdicts, the report, and an end-to-end
+run in which a planted difference (another seed for one engine) fails the comparison."""
+
+import json
+import os
+
+import pytest
+import yaml
+
+from harness.compare import run_comparison
+from harness.compare.parity import FAIL, NO_DATA, PASS, check_parity, compare_fingerprints
+from harness.compare.spec import DEFAULT, parse_compare_spec
+from harness.errors import SpecError
+from harness.store import ResultsStore
+
+WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1,
+            "device": "cpu", "precision": "fp32"}
+REF = [5.5, 5.4, 5.3]
+
+
+# ------------------------------------------------------------------ parity
+
+def test_parity_passes_within_tolerance_and_fails_outside():
+    runs = [{"label": "ref", "status": "ok", "losses": REF, "is_reference": True},
+            {"label": "a", "status": "ok", "losses": [x * (1 + 5e-6) for x in REF]},
+            {"label": "planted", "status": "ok", "losses": [5.5, 5.41, 5.3]}]
+    p = check_parity(runs, 3, 1e-5)
+    verdicts = {r["label"]: r["verdict"] for r in p["runs"]}
+    assert verdicts == {"ref": PASS, "a": PASS, "planted": FAIL}
+    assert p["verdict"] == FAIL
+    assert p["anchor"] == "ref"
+    planted = next(r for r in p["runs"] if r["label"] == "planted")
+    assert planted["worst_step"] == 1 and "5.41 vs 5.4" in planted["note"]
+    assert p["max_pairwise_rel_diff"] == pytest.approx(0.01 / 5.4, rel=1e-3)
+    assert check_parity(runs[:2], 3, 1e-5)["verdict"] == PASS
+
+
+def test_parity_only_first_n_steps_and_failed_runs_have_no_data():
+    runs = [{"label": "ref", "status": "ok", "losses": REF + [1.0], "is_reference": True},
+            {"label": "late", "status": "ok", "losses": REF + [2.0]},
+            {"label": "crashed", "status": "failed", "losses": []}]
+    p = check_parity(runs, 3, 1e-5)
+    verdicts = {r["label"]: r["verdict"] for r in p["runs"]}
+    assert verdicts == {"ref": PASS, "late": PASS, "crashed": NO_DATA}
+    assert p["verdict"] == FAIL  # a run that cannot prove parity fails the comparison
+
+
+def test_parity_without_reference_anchors_on_first_finished_run():
+    runs = [{"label": "x", "status": "timeout", "losses": []},
+            {"label": "a", "status": "ok", "losses": REF}, {"label": "b", "status": "ok", "losses": REF}]
+    p = check_parity(runs, 3, 1e-5)
+    assert p["anchor"] == "a" and "reference did not run" in p["anchor_kind"]
+
+
+def test_fingerprint_differences_flagged_by_group():
+    fp = {"hosts": ["n1"], "device_name": "H100", "torch": "2.13.0", "deepspeed": "0.19.8", "world_size": 2,
+          "env": {"OMP_NUM_THREADS": "1"}}
+    same = compare_fingerprints([{"label": "a", "fingerprint": fp},
+                                 {"label": "b", "fingerprint": {**fp, "world_size": 1, "env": {}}}])
+    assert same["same"] and same["common"]["device_name"] == "H100"
+    diff = compare_fingerprints([{"label": "a", "fingerprint": fp},
+                                 {"label": "b", "fingerprint": {**fp, "hosts": ["n2"], "deepspeed": "0.18.0"}},
+                                 {"label": "c", "fingerprint": {**fp, "device_name": "A100"}}])
+    assert not diff["same"]
+    assert diff["flagged_groups"] == ["devices", "hosts", "library versions"]
+    by_key = {d["key"]: d for d in diff["differences"]}
+    assert by_key["deepspeed"]["values"] == {"a": "0.19.8", "b": "0.18.0", "c": "0.19.8"}
+
+
+# ------------------------------------------------------------------ spec
+
+def compare_raw(runs, **top):
+    return {"name": "t", "nproc": 2, "parity_steps": 2, "workload": dict(WORKLOAD), "runs": runs, **top}
+
+
+def test_default_spec_is_valid_and_covers_the_engines():
+    cs = parse_compare_spec(json.loads(json.dumps(DEFAULT)))
+    engines = [r.spec.layout.engine for r in cs.runs] + [lab.split()[0] for lab, _ in cs.skipped]
+    assert engines.count("deepspeed") == 3 and engines.count("fsdp") == 2 and "single" in engines
+    assert {r.spec.layout.zero_stage for r in cs.runs if r.spec.layout.engine == "deepspeed"} == {1, 2, 3}
+    assert all(r.launcher == "deepspeed" for r in cs.runs if r.spec.layout.engine == "deepspeed")
+    assert cs.tolerance == 1e-5
+
+
+def test_missing_engine_is_skipped_with_a_note(monkeypatch):
+    import harness.compare.spec as cspec
+
+    monkeypatch.setattr(cspec, "engine_available", lambda engine: engine != "own")
+    cs = parse_compare_spec(compare_raw([{"engine": "own", "dp": 2}, {"engine": "fsdp"}]))
+    assert [r.label for r in cs.runs] == ["reference (single device)", "FSDP2 reshard"]
+    assert cs.skipped[0][0] == "own dp2" and "not available" in cs.skipped[0][1]
+
+
+@pytest.mark.parametrize("raw,field,reason", [
+    (compare_raw([{"engine": "fsdp"}], colour=1), "colour", "unknown key"),
+    (compare_raw([]), "runs", "non-empty"),
+    (compare_raw([{"engine": "fsdp", "bogus": 1}]), "runs[0].bogus", "unknown key"),
+    (compare_raw([{"engine": "fsdp", "dp": 4}]), "runs[0]", "world size 2 != tp x pp x dp"),
+    (compare_raw([{"engine": "deepspeed", "zero_stage": 5}]), "runs[0].zero_stage", "1, 2 or 3"),
+    (compare_raw([{"engine": "fsdp"}], parity_steps=9), "parity_steps", "steps each run trains"),
+    (compare_raw([{"engine": "fsdp"}, {"engine": "fsdp"}]), "runs[1].label", "used twice"),
+    ({**compare_raw([{"engine": "fsdp"}]), "workload": {"seq_len": 0}}, "workload.seq_len", "must be positive"),
+])
+def test_invalid_compare_spec(raw, field, reason):
+    with pytest.raises(SpecError) as e:
+        parse_compare_spec(raw)
+    assert e.value.field == field and reason in e.value.reason
+
+
+# ------------------------------------------------------------------ report (fake launches)
+
+def fake_launcher(results):
+    """A stand-in for launch.run_spec that writes the record a runner would have written."""
+
+    def launch(spec, *, nproc, launcher, store_path, timeout_s, sweep, point_key, log_dir):
+        status, losses, fp = results[point_key]
+        rec = {"run_id": f"id-{len(point_key)}-{point_key.replace(' ', '_')}", "schema_version": 1,
+               "status": status, "error": None if status == "ok" else "RuntimeError: boom\nmore",
+               "started_at": "t0", "ended_at": "t1", "sweep": sweep, "point_key": point_key, "spec": spec,
+               "fingerprint": fp, "launch": {"launcher": launcher, "log": "/tmp/x.log", "wall_s": 1.0},
+               "metrics": {} if status != "ok" else {
+                   "losses": losses, "tokens_per_s": 1000.0, "peak_memory_bytes": 2 ** 28, "memory_kind": "peak_rss",
+                   "step_time_s": {"median": 0.01, "ci95_low": 0.009, "ci95_high": 0.012, "n": 2},
+                   "mfu": None, "mfu_vs_measured_matmul": {"palm": 0.05},
+                   "engine": {"precision_note": "fp32 throughout, as the reference", "optimizer": "AdamW"}}}
+        ResultsStore(store_path).write(rec)
+        return rec
+
+    return launch
+
+
+def test_report_shows_failure_fingerprint_difference_and_records_verdict(tmp_path):
+    fp = {"hosts": ["n1"], "device_name": "cpu", "torch": "2.13.0", "deepspeed": "0.19.8"}
+    cs = parse_compare_spec(compare_raw([{"engine": "fsdp"}, {"engine": "deepspeed", "zero_stage": 1},
+                                         {"engine": "deepspeed", "zero_stage": 3}]))
+    results = {"reference (single device)": ("ok", REF, fp), "FSDP2 reshard": ("ok", REF, {**fp, "hosts": ["n2"]}),
+               "deepspeed ZeRO-1": ("ok", [5.5, 5.45, 5.3], fp), "deepspeed ZeRO-3": ("failed", [], {})}
+    store = str(tmp_path / "r.sqlite")
+    summary, paths = run_comparison(cs, store_path=store, out_dir=str(tmp_path), progress=False,
+                                    launch_fn=fake_launcher(results))
+    assert summary["verdict"] == FAIL and summary["failed_runs"] == ["deepspeed ZeRO-3"]
+    md = open(paths["markdown"]).read()
+    html = open(paths["html"]).read()
+    assert "**Verdict: FAIL**" in md and "Parity failures" in md
+    assert "| deepspeed ZeRO-1 |" in md and "FAIL" in md and "step 1: 5.45 vs 5.4" in md
+    assert "Tolerance: max relative difference **1e-05**" in md
+    assert "Runs differ in hosts" in md and "## Failed runs" in md and "RuntimeError: boom" in md
+    assert "<table>" in html and "Verdict: <b>FAIL</b>" in html and "Runs differ in hosts" in html
+    recs = {r["comparison"]["label"]: r["comparison"] for r in ResultsStore(store).records()}
+    assert recs["deepspeed ZeRO-1"]["parity"]["verdict"] == FAIL
+    assert recs["FSDP2 reshard"]["parity"]["verdict"] == PASS and recs["FSDP2 reshard"]["verdict"] == FAIL
+    assert recs["deepspeed ZeRO-3"]["parity"]["verdict"] == NO_DATA
+    assert json.load(open(paths["json"]))["parity"]["tolerance"] == 1e-5
+
+
+# ------------------------------------------------------------------ end to end (real launchers)
+
+def test_planted_seed_difference_fails_comparison_through_cli(tmp_path, cli):
+    """Reference + FSDP2 + DeepSpeed ZeRO-1 (deepspeed launcher) with another seed: parity fails,
+    the report shows it, the records carry it, the exit code is 1."""
+    spec = {"name": "planted", "nproc": 2, "parity_steps": 3, "timeout_s": 240,
+            "workload": {**WORKLOAD, "steps": 2, "warmup_steps": 1},
+            "runs": [{"engine": "fsdp", "micro_batch_size": 2},
+                     {"label": "zero1 planted seed", "engine": "deepspeed", "zero_stage": 1, "micro_batch_size": 2,
+                      "workload": {"seed": 4321}}]}
+    (tmp_path / "cmp.yaml").write_text(yaml.safe_dump(spec))
+    store = tmp_path / "r.sqlite"
+    r = cli("compare", "cmp.yaml", "--store", str(store), "--out", str(tmp_path / "reports"), "--no-progress",
+            cwd=tmp_path, timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "verdict: FAIL" in r.stdout and "parity FAIL: zero1 planted seed" in r.stdout
+    md = (tmp_path / "reports" / "compare-planted.md").read_text()
+    assert "| FSDP2 reshard | fsdp |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| zero1 planted seed |"))
+    assert "| ok |" in row and "| FAIL |" in row and "seed=4321" in row
+    assert "workload overridden in the compare spec" in md
+    records = ResultsStore(str(store)).records()
+    assert len(records) == 3 and all(rec["status"] == "ok" for rec in records)
+    by_label = {rec["comparison"]["label"]: rec for rec in records}
+    assert by_label["FSDP2 reshard"]["comparison"]["parity"]["verdict"] == PASS
+    assert by_label["zero1 planted seed"]["comparison"]["parity"]["verdict"] == FAIL
+    assert by_label["zero1 planted seed"]["launch"]["launcher"] == "deepspeed"
+    assert os.path.isfile(tmp_path / "reports" / "compare-planted.html")
