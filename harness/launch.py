@@ -35,6 +35,7 @@ SWEEP_PID_ENV = "HARNESS_SWEEP_PID"
 SWEEP_ID_ENV = "HARNESS_SWEEP_ID"
 OOM_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
 TAIL_LINES = 30
+LINGER_S = 15.0  # seconds a run may take to exit after its record is written
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -276,18 +277,19 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=env, start_new_session=True, preexec_fn=_set_parent_death_signal)
         try:
-            popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            timed_out, lingered = _wait(popen, store, run_id, timeout_s)
         finally:  # also on KeyboardInterrupt: never leave a run behind
             kill_run(popen, run_id)
     wall = time.monotonic() - start
     output = tail(log_path, 400)
 
     found = store.get(run_id)
-    if found is None or (timed_out and found.get("status") != "ok"):
-        if found is not None:
-            record = found
+    if found is not None:  # the runner's verdict stands, also if its processes then hung
+        record = found
+        if lingered:
+            record["error"] = (record.get("error") or "") + \
+                f"\n(processes did not exit {lingered:g} s after the record was written; killed)"
+    else:
         record["status"] = classify_output(output, timed_out)
         if timed_out:
             record["error"] = f"timed out after {timeout_s:g} s; last output:\n" + "\n".join(
@@ -295,13 +297,38 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
         elif not record.get("error"):
             record["error"] = error_excerpt(output) or f"exit code {popen.returncode}, no output"
         record["ended_at"] = now_iso()
-    else:
-        record = found
     record["launch"] = {"launcher": launcher, "nproc": nproc, "nnodes": nnodes, "command": cmd,
                         "exit_code": popen.returncode, "wall_s": round(wall, 3), "log": log_path,
                         "timeout_s": timeout_s, "timed_out": timed_out}
     store.write(record)
     return record
+
+
+def _wait(popen: subprocess.Popen, store: ResultsStore, run_id: str, timeout_s: float,
+          grace_s: float | None = None, poll_s: float = 1.0) -> tuple[bool, float]:
+    """Wait for the run to exit; returns (timed_out, lingered seconds granted after a record).
+
+    A run whose record is already written is over even if its processes are not: a rank that
+    raised may leave its peers blocked in a collective (and itself in teardown) until gloo's
+    or NCCL's 30-minute timeout. So once the record exists, the processes get `grace_s` to
+    exit and are then killed; this keeps a sweep of mostly-OOM points from stalling.
+    """
+    grace_s = LINGER_S if grace_s is None else grace_s
+    deadline = time.monotonic() + timeout_s
+    linger_until = None
+    while True:
+        try:
+            popen.wait(timeout=poll_s)
+            return False, 0.0
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if linger_until is None and store.get(run_id) is not None:
+            linger_until = now + grace_s
+        if linger_until is not None and now >= linger_until:
+            return False, grace_s
+        if now >= deadline:
+            return True, 0.0
 
 
 def which_or_none(name: str) -> str | None:

@@ -143,3 +143,23 @@ def test_no_stray_processes_of_this_test_session():
     assert psutil.Process().children() == [] or all(
         c.status() == psutil.STATUS_ZOMBIE for c in psutil.Process().children())
     assert sys.executable
+
+
+def test_record_written_then_hung_is_killed_after_grace(fake, monkeypatch):
+    """A rank that wrote its failure record but never exits (peers stuck in a collective)."""
+    tmp_path, env = fake
+    monkeypatch.setattr(launch, "LINGER_S", 2.0)
+    (tmp_path / "fake_runner.py").write_text(FAKE.replace('mode = os.environ.get("HARNESS_FAKE", "ok")', '''mode = os.environ.get("HARNESS_FAKE", "ok")
+if mode == "oom-then-hang":
+    rec = new_record({"workload": {}, "layout": {}}, sweep=sweep, point_key=key)
+    rec.update(run_id=run_id, status="oom", error="CUDA out of memory")
+    ResultsStore(store).write(rec)
+    time.sleep(600)'''))
+    t0 = __import__("time").monotonic()
+    rec = launch.run_spec({"workload": {"device": "cpu"}, "layout": {}}, nproc=1, launcher="direct",
+                          store_path=str(tmp_path / "s.sqlite"), timeout_s=120,
+                          extra_env={**env, "HARNESS_FAKE": "oom-then-hang"}, log_dir=str(tmp_path / "logs"),
+                          module="fake_runner", sweep="t", point_key="x")
+    assert __import__("time").monotonic() - t0 < 60
+    assert rec["status"] == "oom" and "did not exit" in rec["error"] and not rec["launch"]["timed_out"]
+    assert launch.processes_with_env(launch.TOKEN_ENV, rec["run_id"]) == []
