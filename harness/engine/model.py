@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from harness.engine.partition import ChunkPlan, ParamSpec, shard_of, stage_params
 from harness.engine.tensor_parallel import Region, vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_range
@@ -128,7 +128,11 @@ class Chunk(nn.Module):
             x = vocab_parallel_embedding(x.t(), self.tok_embeddings.weight, self.region, self.vocab_start)
         for layer in self.layers.values():
             if self.checkpointing == "full" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                # Early stop (torch's default, pinned here): recomputation ends once the saved
+                # tensors backward needs exist again, so the block's last leave() collective is
+                # not repeated. comm_model counts on exactly this.
+                with set_checkpoint_early_stop(True):
+                    x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
         if not self.plan.last:
