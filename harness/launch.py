@@ -300,6 +300,8 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
     record["launch"] = {"launcher": launcher, "nproc": nproc, "nnodes": nnodes, "command": cmd,
                         "exit_code": popen.returncode, "wall_s": round(wall, 3), "log": log_path,
                         "timeout_s": timeout_s, "timed_out": timed_out}
+    if record["status"] != "ok":  # what the launcher saw (e.g. which rank died by which signal)
+        record["launch"]["output_tail"] = "\n".join(output.splitlines()[-TAIL_LINES:])
     store.write(record)
     return record
 

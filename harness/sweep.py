@@ -25,8 +25,8 @@ Sweep spec (YAML):
         - {attention: flash2, rmsnorm: fused}
     include: [{tp: [1, 2]}]      # keep only points matching one entry (optional)
     exclude: [{tp: 4, pp: 1}]    # drop points matching any entry (a list value = any of)
-    points:                      # extra points beyond the grid; may carry their own env
-      - {tp: 8, pp: 1, env: {NCCL_ALGO: Ring}}
+    points:                      # extra points beyond the grid; may carry their own env, timeout_s
+      - {tp: 8, pp: 1, env: {NCCL_ALGO: Ring}, timeout_s: 600}
     slurm: {partition: gpu, time: "00:30:00", account: x, setup: ["module load cuda"]}
 
 dp is derived as gpus / (tp x pp) unless set. Points that fail harness.spec validation,
@@ -84,6 +84,7 @@ class Point:
     spec: dict
     key: str
     env: dict = field(default_factory=dict)
+    timeout_s: float | None = None  # a point's own limit, else the sweep's
 
     def label(self) -> str:
         lay = self.spec["layout"]
@@ -227,16 +228,16 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
     combos = [dict(zip(axes, vals)) for vals in itertools.product(*(sweep.grid[a] for a in axes))]
     if not axes and sweep.points:
         combos = []  # only the listed points, not also the bare base layout
-    candidates = [(c, {}) for c in combos]
+    candidates = [(c, {"env": {}, "timeout_s": None}) for c in combos]
     for i, extra in enumerate(sweep.points):
-        coords = {k: v for k, v in extra.items() if k != "env"}
+        coords = {k: v for k, v in extra.items() if k not in ("env", "timeout_s")}
         for k in coords:
             if not isinstance(coords[k], dict):
                 _check_axis_name(k, f"sweep.points[{i}].{k}")
-        candidates.append((coords, dict(extra.get("env") or {})))
+        candidates.append((coords, {"env": dict(extra.get("env") or {}), "timeout_s": extra.get("timeout_s")}))
     defaults = _defaults()
     points, drops, seen = [], [], {}
-    for coords, env in candidates:
+    for coords, extra in candidates:
         raw = {"name": sweep.name, "store": sweep.store,
                "workload": copy.deepcopy(sweep.workload), "layout": copy.deepcopy(sweep.layout)}
         _apply(raw, coords)
@@ -272,7 +273,8 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
             drops.append(Drop(coords, f"duplicate of point {seen[key]} ({key})"))
             continue
         seen[key] = len(points)
-        points.append(Point(coords=coords, spec=spec_dict, key=key, env={**sweep.env, **env}))
+        points.append(Point(coords=coords, spec=spec_dict, key=key, env={**sweep.env, **extra["env"]},
+                            timeout_s=extra["timeout_s"]))
     return points, drops
 
 
@@ -338,7 +340,7 @@ def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: fl
         for p in todo:
             env = {**p.env, launch.SWEEP_ID_ENV: sid, launch.SWEEP_PID_ENV: str(os.getpid())}
             rec = launch.run_spec(p.spec, nproc=sweep.gpus_per_node, launcher=launcher,
-                                  store_path=store_path, timeout_s=timeout_s, sweep=sweep.name,
+                                  store_path=store_path, timeout_s=p.timeout_s or timeout_s, sweep=sweep.name,
                                   point_key=p.key, extra_env=env, log_dir=log_dir)
             counts[rec["status"]] = counts.get(rec["status"], 0) + 1
             first = (rec.get("error") or "").strip().splitlines()
