@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 import uuid
 
@@ -59,7 +60,7 @@ def run_comparison(cs: CompareSpec, *, store_path: str, out_dir: str, log_dir: s
         from harness.launch import run_spec as launch_fn
     comparison_id = uuid.uuid4().hex[:12]
     sweep = f"compare:{cs.name}:{comparison_id}"
-    log_dir = log_dir or os.path.join(os.path.dirname(os.path.abspath(store_path)), "logs", f"compare-{cs.name}")
+    log_dir = log_dir or os.path.join(tempfile.gettempdir(), f"harness-compare-{cs.name}-{comparison_id}")
     for label, why in cs.skipped:
         print(f"note: skipping {label}: {why}", file=sys.stderr)
     entries, records = [], []
