@@ -44,7 +44,9 @@ def fit(samples: list[Sample], base: Profile, label: str = "") -> tuple[Profile,
     if not samples:
         raise SpecError("--calibrate", "no successful runs with a step time to calibrate on")
     keys = list(EFFICIENCY_KEYS)
-    theta0 = theta_from_profile(base)
+    literature = copy.deepcopy(base)
+    literature.calibrated = {}  # the prior is the literature values, not an earlier calibration
+    theta0 = theta_from_profile(literature)
     theta = dict(theta0)
     y_obs = np.array([s.step_time_s for s in samples])
     for _ in range(ITERATIONS):

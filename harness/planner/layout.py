@@ -6,6 +6,7 @@ engines cannot run yet, such as the study's kernels (fused_softmax, flash1).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 from harness.model.presets import Shape
@@ -71,13 +72,18 @@ def stage_items(shape: Shape, pp: int) -> list[tuple[bool, int, bool]]:
     stages taking one more when it does not divide (DeepSpeed's `partition_uniform`, which the
     study's ranks used; see ../shared/paper-sweeps/README.md).
     """
-    n_items = shape.layers + 3
+    return list(_stage_items(shape.layers, pp))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_items(n_layers: int, pp: int) -> tuple[tuple[bool, int, bool], ...]:
+    n_items = n_layers + 3
     base, extra = divmod(n_items, pp)
     out, start = [], 0
     for i in range(pp):
         size = base + (1 if i < extra else 0)
-        items = range(start, start + size)
-        layers = sum(1 for j in items if 1 <= j <= shape.layers)
-        out.append((0 in items, layers, (n_items - 1) in items))
-        start += size
-    return out
+        end = start + size  # items [start, end); layers are items 1..n_layers
+        layers = max(0, min(end, n_layers + 1) - max(start, 1))
+        out.append((start == 0 and size > 0, layers, start <= n_items - 1 < end))
+        start = end
+    return tuple(out)

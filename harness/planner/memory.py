@@ -1,10 +1,20 @@
 """Bytes per GPU for the worst pipeline stage: model states, activations, logits, overheads.
 
+The structure follows what a Megatron-style engine of the reference study's kind holds (Hagemann
+et al. 2023 used Aleph Alpha's framework; its open-sourced successor, github.com/Aleph-Alpha/scaling,
+shows the same choices): bf16 weights and bf16 gradients on every data-parallel rank, fp32
+master weights and Adam moments sharded over data parallelism (ZeRO-1); a language-model head
+whose column-parallel output is all-gathered over the tensor-parallel group, so every tensor-
+parallel rank computes the cross-entropy over the full vocabulary (``parallel_output=False``
+and a plain ``torch.nn.functional.cross_entropy`` on ``logits.float()``).
+
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Sec. 4), redone for LLaMA: RMSNorm instead of LayerNorm, SwiGLU (three
-feed-forward matrices), rotary q/k, optional grouped-query attention, no dropout. Flash-style
-kernels keep no s x s matrix; materialised ones do. Every count below is what autograd holds
-between a layer's forward and its backward, in the training dtype unless stated.
+feed-forward matrices), rotary q/k, optional grouped-query attention, and no dropout (LLaMA has
+none, so none of Korthikanti's dropout masks exist). Flash-style kernels keep no s x s matrix;
+materialised ones keep the softmax output. Every count below is what autograd holds between a
+layer's forward and its backward, in units of (tokens x width x training-dtype bytes) unless
+stated. Two constants are calibrated (CONTEXT_GIB, FRAGMENTATION; see their comments).
 """
 
 from __future__ import annotations
@@ -15,32 +25,46 @@ from harness.planner.layout import ATTENTION_CLASS, Layout, Workload, stage_item
 
 GIB = 1024 ** 3
 
-# Bytes per score element (b x heads x s x s) kept by materialised attention. Korthikanti's
-# 5 a s^2 b: softmax output (2), attention-dropout mask (1), dropout output kept for AV (2);
-# Megatron-style code runs dropout even at p=0, so the mask exists. Naive attention keeps
-# the softmax output in fp32 (4) plus the mask (1) and the bf16 dropout output (2).
-SCORE_BYTES = {"naive": 7, "fused_softmax": 5}
+# Bytes per score element (b x heads x s x s) kept by materialised attention until its backward:
+# the fused scale-mask-softmax keeps its bf16 output (Megatron's kernel saves only that); the
+# plain-torch path upcasts to fp32 for the softmax, keeps the fp32 output for the softmax
+# backward (4) and the bf16 cast that feeds the AV product (2).
+SCORE_BYTES = {"naive": 6, "fused_softmax": 2}
 # While a materialised attention runs backward, the gradient of the score matrix exists next to
-# what was kept: fp32 for naive (softmax in fp32), bf16 in place for the fused kernel.
+# what was kept: fp32 for naive (softmax in fp32), bf16 for the fused kernel.
 SCORE_GRAD_BYTES = {"naive": 4, "fused_softmax": 2}
-# Replicated tensors per layer in units of tokens x hidden x dtype bytes: both RMSNorms' inputs
-# and outputs (the outputs are the column-parallel GEMMs' inputs), and the two residual-dropout
-# masks (1 byte each = one unit at bf16; Korthikanti Eq. 1 counts them, p=0 or not).
-REPLICATED_NH = 5
-# Eager RMSNorm as transformers writes it keeps, besides input and output, the fp32 copy of the
-# input (4, saved by pow and mul) and the bf16 normalised tensor (2, saved by the weight mul).
-TORCH_RMSNORM_EXTRA = 6
-# Cross-entropy over a large (vocab-parallel) vocabulary: bf16 logits (2) kept; the loss keeps an
-# fp32 copy (4) and the fp32 softmax (4); during its backward the fp32 gradient (4) and its bf16
-# cast (2) exist at once: 2 + 14 bytes per logit at the peak.
-LOGIT_BYTES_FP32_EXTRA = 14
+# Per RMSNorm, units of tokens x hidden x dtype kept: the fused kernel keeps its input (1) and the
+# next GEMM keeps its output (1). Eager RMSNorm (x.float(), pow, mean, rsqrt, mul, cast, weight
+# mul) keeps the fp32 copy of the input (2 units at bf16) saved by pow and mul, the bf16
+# normalised tensor saved by the weight mul (1) and the output kept by the next GEMM (1).
+RMSNORM_UNITS = {"fused": 2, "torch": 4}
+# Cross-entropy over the all-gathered full vocabulary, bytes per logit (tokens x vocab) at the
+# peak of the loss backward: the gathered bf16 logits the stage output still references (2), the
+# fp32 log-softmax output saved for backward (4), the incoming fp32 gradient (4) and the fp32
+# input gradient being produced (4). (The fp32 upcast is not saved by log_softmax, whose
+# backward needs only its output.)
+LOGIT_BYTES = 14
+# ZeRO-1 gradient reduction (at the optimizer step, after the activations are freed): gradients
+# are flattened into buckets of 500M elements, upcast to fp32 and all-reduced (Aleph Alpha
+# scaling, optimizer/allreduce.py: `allreduce_bucket`, default bucket 5e8 elements).
+REDUCE_BUCKET_ELEMENTS = 5e8
 # Mixed precision keeps fp32 master weights + Adam m and v (4 + 4 + 4 bytes per parameter);
 # fp32 training keeps only m and v (Rajbhandari et al. 2020, ZeRO, Sec. 3.1).
-# Framework overhead: CUDA context, cuBLAS workspaces and NCCL buffers (~2 GiB on A100 with
-# NCCL 2.1x and several communicators), and the caching allocator's fragmentation on dynamic memory (PyTorch
-# memory-snapshot studies put reserved/allocated at ~1.1 for training loops).
-CONTEXT_GIB = 2.0
-FRAGMENTATION = 0.10
+#
+# Calibrated (grid search over the two, globally, on the OOM outcomes of the four published
+# sweeps in baselines/paper_sweeps; leave-one-sweep-out figures in tests/test_planner_paper.py):
+# memory outside PyTorch's tensors: CUDA context with cuBLAS/cuDNN workspaces and NCCL's buffers
+# for the tensor-, pipeline- and data-parallel communicators. The CUDA context of an A100 is
+# ~0.5-0.8 GiB and NCCL's ring/tree buffers with several communicators ~0.5-1 GiB.
+CONTEXT_GIB = 1.0
+# The caching allocator's fragmentation, as a fraction of the dynamic (activation, logit)
+# memory. Without a pipeline, a micro-batch's activations are freed in the reverse order of
+# their allocation (LIFO) and the allocator reuses its blocks cleanly; under 1F1B the stage
+# frees micro-batch i's tensors while micro-batch i+p's are being allocated, interleaving
+# lifetimes, and cached blocks split (reserved/allocated of 1.05-1.3 in PyTorch memory-snapshot
+# studies of pipelined training).
+FRAGMENTATION = 0.05
+FRAGMENTATION_PIPELINED = 0.20
 
 
 def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: int) -> float:
@@ -53,34 +77,34 @@ def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: i
 
 
 def layer_activation_bytes(shape: Shape, lay: Layout, wl: Workload, micro_batch: int | None = None) -> dict:
-    """Bytes one layer keeps for one micro-batch, split into 'layer' and the attention 'scores'."""
+    """Bytes one layer keeps for one micro-batch: 'layer' (kept), 'scores' (kept s x s) and
+    'full_layer' (everything that exists while the layer runs backward, recomputed or not)."""
     b = lay.micro_batch_size if micro_batch is None else micro_batch
     s, h, f, t, B = wl.seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
     n = b * s
     d = h // shape.heads
     kv = shape.kv_heads * d
-    # Replicated across tensor-parallel ranks unless sequence parallel splits them: both
-    # RMSNorms' inputs and outputs (the outputs are the column-parallel GEMMs' inputs).
-    replicated = REPLICATED_NH * n * h * B
-    if lay.rmsnorm == "torch" and B < 4:
-        replicated += 2 * TORCH_RMSNORM_EXTRA * n * h
+    # Replicated across tensor-parallel ranks unless sequence parallel splits them: the two
+    # RMSNorms' kept tensors (their outputs are the column-parallel GEMMs' inputs).
+    norm_units = RMSNORM_UNITS[lay.rmsnorm] if B < 4 else 2
+    replicated = 2 * norm_units * n * h * B
     if lay.sequence_parallel:
         replicated /= t
-    # Split over tensor-parallel ranks: q, k, v (one buffer that v's view keeps alive), rotated
-    # q and k, the attention output; SwiGLU's gate, up, silu(gate) and their product.
-    sharded = n * (h + 2 * kv) * B + n * (h + kv) * B + n * h * B + 4 * n * f * B
-    sharded /= t
+    # Split over tensor-parallel ranks: the fused q/k/v output (kept alive by v, a view of it),
+    # rotated q and k, the attention output; SwiGLU's fused gate/up output, silu(gate), product.
+    sharded = (n * (h + 2 * kv) + n * (h + kv) + n * h + 4 * n * f) * B / t
     cls = ATTENTION_CLASS[lay.attention]
     scores = SCORE_BYTES.get(cls, 0) * b * (shape.heads / t) * s * s
+    score_grad = SCORE_GRAD_BYTES.get(cls, 0) * b * (shape.heads / t) * s * s
     ckpt = lay.activation_checkpointing
     if ckpt == "selective":  # Korthikanti Sec. 4.2: recompute the attention core, keep the rest
         scores = 0.0
         sharded -= n * h * B / t  # the attention output is recomputed too
-    score_grad = SCORE_GRAD_BYTES.get(cls, 0) * b * (shape.heads / t) * s * s
+    full_layer = replicated + sharded + scores + score_grad
     if ckpt == "full":
         kept = n * h * B / (t if lay.sequence_parallel else 1)  # the layer input only
-        return {"layer": kept, "scores": 0.0, "full_layer": replicated + sharded + scores + score_grad}
-    return {"layer": replicated + sharded, "scores": scores, "full_layer": replicated + sharded + scores + score_grad}
+        return {"layer": kept, "scores": 0.0, "full_layer": full_layer}
+    return {"layer": replicated + sharded, "scores": scores, "full_layer": full_layer}
 
 
 def in_flight(lay: Layout, stage: int, m: int) -> float:
@@ -112,19 +136,29 @@ def stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> dict:
     m = wl.micro_batches(lay)
     act = layer_activation_bytes(shape, lay, wl)
     n = lay.micro_batch_size * wl.seq_len
-    held = in_flight(lay, stage, m) * layers * (act["layer"] + act["scores"])
-    # While one layer runs backward its full activations (recomputed under checkpointing) and
-    # their gradients coexist with everything held: one layer's worth on top.
-    working = act["full_layer"] if layers else 0.0
-    if has_emb:
-        held += in_flight(lay, stage, m) * n * shape.hidden * B / (lay.tp if lay.sequence_parallel else 1)
-    logits = 0.0
-    if has_head:
-        logits = n * shape.vocab / lay.tp * (B + LOGIT_BYTES_FP32_EXTRA) + 2 * n * shape.hidden * B
-    dynamic = held + working + logits
-    overhead = CONTEXT_GIB * GIB + FRAGMENTATION * dynamic
+    flight = in_flight(lay, stage, m)
+    held = flight * layers * (act["layer"] + act["scores"])
+    if has_emb:  # the embedding output (the first layer's input), per micro-batch in flight
+        held += flight * n * shape.hidden * B / (lay.tp if lay.sequence_parallel else 1)
+    # The peak is either the loss backward (last stage: full-vocab logits next to everything
+    # held) or a layer's backward (its full activations, recomputed under checkpointing, and
+    # their gradients next to everything held), whichever is larger.
+    working = act["full_layer"] + 2 * n * shape.hidden * B if layers else 0.0
+    logits = n * shape.vocab * LOGIT_BYTES + n * shape.vocab / lay.tp * B if has_head else 0.0
+    peak_extra = max(working, logits)
+    dynamic = held + peak_extra
+    # The optimizer step runs after the activations are freed: fp32 gradient buckets (bf16
+    # flatten + fp32 copy) and the fp32 gradient of this rank's shard.
+    step_extra = min(phi, REDUCE_BUCKET_ELEMENTS) * (B + 4) + (4 * phi / dp if zero >= 1 else 0.0)
+    if step_extra > dynamic:
+        dynamic = step_extra
+        held, peak_extra = 0.0, step_extra
+    frag = FRAGMENTATION_PIPELINED if lay.pp > 1 and m > 1 else FRAGMENTATION
+    overhead = CONTEXT_GIB * GIB + frag * dynamic
+    loss_part = logits if has_head and logits >= working and peak_extra == logits else 0.0
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": held,
-             "backward_working_set": working, "logits_and_loss": logits, "overhead": overhead}
+             "backward_working_set": peak_extra - loss_part, "logits_and_loss": loss_part,
+             "overhead": overhead}
     parts["total"] = sum(parts.values())
     parts["params"] = phi
     return parts

@@ -113,3 +113,43 @@ def score(runs: list[PaperRun], predict_fn) -> dict:
             "best_in_top3": best in top3,
             "best_rank": next((i + 1 for i, (r, _) in enumerate(fitting) if r is best), None),
             "median_mfu_error_points": float(np.median(np.abs(predicted - measured)) * 100)}
+
+
+def figures(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
+    """The acceptance figures per sweep with `profile` as it is (in-sample when its calibrated
+    block was fitted on these sweeps)."""
+    from harness.model.presets import PRESETS
+    from harness.planner.predict import predict
+
+    sweeps = sweeps or {p.stem: load_sweep(p) for p in repo_sweeps()}
+    return {name: score(runs, lambda r: predict(PRESETS[r.model], r.layout, r.workload, profile))
+            for name, runs in sweeps.items()}
+
+
+def leave_one_sweep_out(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
+    """For each sweep: fit the efficiency constants on the other sweeps (from the profile's
+    literature values, ignoring any calibrated block), then score the held-out sweep."""
+    import copy
+
+    from harness.model.presets import PRESETS
+    from harness.planner.calibrate import Sample, fit
+
+    sweeps = sweeps or {p.stem: load_sweep(p) for p in repo_sweeps()}
+    base = copy.deepcopy(profile)
+    base.calibrated = {}
+    out = {}
+    for held in sweeps:
+        train = [Sample(PRESETS[r.model], r.layout, r.workload, r.step_time_s, r.sweep)
+                 for name, runs in sweeps.items() if name != held for r in runs if r.status == "ok"]
+        prof, _ = fit(train, base, label=f"all sweeps but {held}")
+        out[held] = figures(prof, {held: sweeps[held]})[held]
+    return out
+
+
+def summary(figs: dict[str, dict]) -> dict:
+    """The four acceptance figures over the sweeps together."""
+    judged = sum(f["judged"] for f in figs.values())
+    return {"oom_accuracy": sum(f["oom_accuracy"] * f["judged"] for f in figs.values()) / judged,
+            "mean_spearman": float(np.mean([f["spearman"] for f in figs.values()])),
+            "best_in_top3_all": all(f["best_in_top3"] for f in figs.values()),
+            "max_median_mfu_error_points": max(f["median_mfu_error_points"] for f in figs.values())}
