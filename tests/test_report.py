@@ -42,7 +42,7 @@ def test_all_sections_and_images(report_dir):
 
 def test_recommendations_cite_counts_and_evidence():
     recs = sections_for(make_records(300, seed=3))[-1]
-    text = " ".join(recs.text)
+    text = " ".join(t.caption for t in recs.tables)
     assert re.search(r"micro-batch size: 1 was best in \d of 5 sweep", text)
     assert recs.tables and all(t.rows for t in recs.tables)
 
@@ -55,7 +55,7 @@ def test_recommendation_follows_the_data_not_the_paper():
             mb = r["spec"]["layout"]["micro_batch_size"]
             r["metrics"]["mfu"]["palm"] = 0.3 + (0.2 if mb == 4 else 0.0)
     recs = sections_for(records)[-1]
-    assert any(t.startswith("micro-batch size: 4 was best in 5 of 5") for t in recs.text)
+    assert any(t.caption.startswith("micro-batch size: 4 was best in 5 of 5") for t in recs.tables)
 
 
 def test_missing_optional_metrics_and_failures_only(tmp_path):

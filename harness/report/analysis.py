@@ -137,7 +137,7 @@ def axis_section(rows: list[Row], metric: Metric, sid: str, title: str, key, axi
             counts = ", ".join(f"{k} {n}" for k, n in sorted(status[v].items()))
             table.append([str(v), metric.fmt(metric.of(b)) if b else "-", fmt_s(b.step_median) if b else "-",
                           b.label if b else "(no run ok)", counts])
-        s.tables.append(Table([axis_name, "best " + ("MFU" if metric.percent else "tok/s/dev"), "step",
+        s.tables.append(Table([axis_name, "best " + metric.short, "step",
                                "best layout", "runs"], table, name))
         if best:
             series[name] = [(v, metric.of(b)) for v, b in best.items()]
@@ -146,13 +146,13 @@ def axis_section(rows: list[Row], metric: Metric, sid: str, title: str, key, axi
                 s.images.append((f"{sid}-{shown}", plots.bars([str(v) for v in labels],
                                                               [metric.of(best[v]) for v in labels],
                                                               f"{name}: best per {axis_name}",
-                                                              metric.title.split(" (")[0], metric.percent),
-                                 f"best {metric.title} per {axis_name} in {name}"))
+                                                              metric.short, metric.percent),
+                                 f"best {metric.short} per {axis_name} in {name}"))
                 shown += 1
     if plot == "lines" and series:
         s.images.append((sid, plots.lines(dict(list(series.items())[:MAX_SWEEP_FIGS]), axis_name,
-                                          metric.title.split(" (")[0], f"best layout per {axis_name}",
-                                          metric.percent), f"best {metric.title} against {axis_name}"))
+                                          metric.short, f"best layout per {axis_name}",
+                                          metric.percent), f"best {metric.short} against {axis_name}"))
     if not s.tables:
         s.text.append(f"No sweep varied {axis_name} among comparable runs, so there is nothing to compare.")
     return s
@@ -179,7 +179,7 @@ def tp_pp(rows: list[Row], metric: Metric) -> Section:
         s.tables.append(Table([""] + [f"tp {t}" for t in tps], table, name))
         if shown < MAX_SWEEP_FIGS:
             s.images.append((f"tp-pp-{shown}", plots.heatmap(cells, f"{name}: best per tp x pp", metric.percent),
-                             f"heatmap of best {metric.title} per tp and pp in {name}"))
+                             f"heatmap of best {metric.short} per tp and pp in {name}"))
             shown += 1
     if not s.tables:
         s.text.append("No sweep varied tp or pp.")
@@ -197,17 +197,27 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
         if not picked or shown >= MAX_SWEEP_FIGS:
             continue
         labels = [r.label for r in picked]
-        s.images.append((f"breakdown-{shown}", plots.stacked(labels, [r.breakdown for r in picked],
+        parts = [_parts(r) for r in picked]
+        s.images.append((f"breakdown-{shown}", plots.stacked(labels, parts,
                                                              f"{name}: time per step"),
                          f"stacked bars of the time breakdown per layout in {name}"))
         shown += 1
-        keys = list(dict.fromkeys(k for r in picked for k in r.breakdown))
+        keys = list(dict.fromkeys(k for p in parts for k in p))
         s.tables.append(Table(["layout"] + keys + ["step (median)"],
-                              [[lab] + [fmt_s(r.breakdown.get(k)) for k in keys] + [fmt_s(r.step_median)]
-                               for lab, r in zip(labels, picked)], name))
+                              [[lab] + [fmt_s(p.get(k)) for k in keys] + [fmt_s(r.step_median)]
+                               for lab, r, p in zip(labels, picked, parts)], name))
     if not shown:
         s.text.append("No run recorded a time breakdown (only the own engine records one).")
     return s
+
+
+def _parts(r: Row) -> dict:
+    """The components to stack; `total` is not one, and what no component covers is `other`."""
+    parts = {k: float(v) for k, v in r.breakdown.items() if k != "total" and isinstance(v, (int, float))}
+    total = r.breakdown.get("total") or r.step_median
+    if total and total - sum(parts.values()) > 0.02 * total:
+        parts["other"] = total - sum(parts.values())
+    return parts
 
 
 def pipeline(rows: list[Row], metric: Metric) -> Section:
@@ -222,7 +232,11 @@ def pipeline(rows: list[Row], metric: Metric) -> Section:
         s.text.append("The recorded schedule lacks start/end times; not drawn.")
         return s
     s.text.append(f"The best pipelined run: {r.label} ({r.sweep}, run {r.run_id[:10]}). Forward (F) and "
-                  "backward (B) passes per micro-batch and stage; the white space is the pipeline bubble.")
+                  "backward (B) passes per micro-batch and stage; the white space is the pipeline bubble "
+                  "(on that stage: waiting for its neighbours).")
+    stages = sorted({e.get("stage", 0) for e in r.timeline})
+    if len(stages) < r.pp:
+        s.text.append(f"The run recorded stage(s) {', '.join(map(str, stages))} of {r.pp} only.")
     s.images.append(("timeline", plots.timeline(r.timeline, r.label), "pipeline timeline of one step"))
     return s
 

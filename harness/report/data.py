@@ -108,6 +108,7 @@ class Metric:
     key: str
     title: str
     percent: bool
+    short: str = "MFU"
 
     def of(self, r: Row) -> float | None:
         if self.key == "mfu":
@@ -125,11 +126,11 @@ class Metric:
 def choose_metric(rows: list[Row]) -> Metric:
     ok = [r for r in rows if r.status == "ok"]
     if ok and any(r.mfu.get("palm") is not None for r in ok):
-        return Metric("mfu", "MFU (PaLM FLOPs, vs the device's datasheet dense bf16 peak)", True)
+        return Metric("mfu", "MFU (PaLM FLOPs, vs the device's datasheet dense bf16 peak)", True, "MFU")
     if ok and any(r.mfu_measured.get("palm") is not None for r in ok):
         return Metric("mfu_measured", "MFU (PaLM FLOPs) vs the matmul peak measured on this machine "
-                                      "(no datasheet peak is known for it)", True)
-    return Metric("tokens_per_s_dev", "tokens/s per device", False)
+                                      "(no datasheet peak is known for it)", True, "MFU vs measured matmul peak")
+    return Metric("tokens_per_s_dev", "tokens/s per device", False, "tokens/s per device")
 
 
 def fmt_bytes(n) -> str:

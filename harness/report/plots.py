@@ -11,13 +11,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 DPI = 80
 COLORS = {"compute": "#4c72b0", "tp_comm": "#dd8452", "bubble": "#c44e52", "dp_comm": "#55a868",
-          "optimizer": "#8172b3"}
+          "optimizer": "#8172b3", "other": "#b0b0b0"}
 
 
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=DPI)
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
 
@@ -92,7 +92,7 @@ def stacked(labels: list[str], parts: list[dict], title: str) -> bytes:
     ax.invert_yaxis()
     ax.set_xlabel("ms per step (median)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=min(5, len(keys)), loc="lower right", framealpha=0.9)
+    ax.legend(fontsize=7, ncol=len(keys), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     return _png(fig)
 
 

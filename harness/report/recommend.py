@@ -22,6 +22,15 @@ AXES = [
 ]
 
 
+def distinct(win: Row, other: Row, metric: Metric) -> bool:
+    """Is the winner's lead real? At least NOISE, and step-time 95% CIs that do not overlap."""
+    if metric.of(win) / metric.of(other) - 1 < NOISE:
+        return False
+    if win.step_ci and other.step_ci and None not in win.step_ci + other.step_ci:
+        return win.step_ci[1] < other.step_ci[0]
+    return True
+
+
 def _axis(rows: list[Row], metric: Metric, name: str, key, subset) -> tuple[str, Table] | None:
     wins, evidence, sweeps = {}, [], 0
     for sweep, rs in by_sweep(rows).items():
@@ -33,18 +42,24 @@ def _axis(rows: list[Row], metric: Metric, name: str, key, subset) -> tuple[str,
         sweeps += 1
         order = sorted(best.items(), key=lambda kv: -metric.of(kv[1]))
         (win, wrow), (_, second) = order[0], order[1]
-        margin = metric.of(wrow) / metric.of(second) - 1
-        wins.setdefault(win, []).append((sweep, margin))
+        wins.setdefault(win, []).append((sweep, metric.of(wrow) / metric.of(second) - 1,
+                                         distinct(wrow, second, metric)))
         for v, r in order:
             evidence.append([sweep, str(v), metric.fmt(metric.of(r)), fmt_s(r.step_median), r.label,
                              "best" if v == win else f"{100 * (metric.of(r) / metric.of(wrow) - 1):+.1f}%"])
     if not sweeps:
         return None
     top, hits = max(wins.items(), key=lambda kv: len(kv[1]))
-    clear = [m for _, m in hits if m >= NOISE]
-    text = (f"{name}: {top} was best in {len(hits)} of {sweeps} sweep(s)"
-            + (f", by {100 * min(m for _, m in hits):.1f}-{100 * max(m for _, m in hits):.1f}% over the runner-up."
-               if clear else ", but within the ~1% run-to-run noise of the runner-up: treat as a tie."))
+    margins = [m for _, m, _ in hits]
+    span = f"{100 * margins[0]:.1f}%" if len(margins) == 1 else f"{100 * min(margins):.1f}-{100 * max(margins):.1f}%"
+    text = f"{name}: {top} was best in {len(hits)} of {sweeps} sweep(s), by {span} over the runner-up"
+    ties = sum(1 for *_, clear in hits if not clear)
+    if ties == len(hits):
+        text += " - within run-to-run noise (under 1%, or overlapping 95% confidence intervals): a tie."
+    elif ties:
+        text += f"; in {ties} of these the lead is within noise."
+    else:
+        text += "."
     others = {k: len(v) for k, v in wins.items() if k != top}
     if others:
         text += " Elsewhere: " + ", ".join(f"{k} best in {n}" for k, n in others.items()) + "."
@@ -92,17 +107,10 @@ def recommendations(rows: list[Row], metric: Metric) -> Section:
     s.text.append("Each statement below is computed from the runs in this report; the table under it is "
                   "its evidence (per sweep, the best run for each value). Nothing here is written in advance.")
     found = 0
-    for name, key, subset in AXES:
-        got = _axis(rows, metric, name, key, subset)
-        if got:
-            s.text.append(got[0])
+    for got in [_axis(rows, metric, name, key, subset) for name, key, subset in AXES] + [_tp_vs_pp(rows, metric)]:
+        if got:  # the statement is the caption of its evidence table
             s.tables.append(Table(got[1].headers, got[1].rows, got[0]))
             found += 1
-    got = _tp_vs_pp(rows, metric)
-    if got:
-        s.tables.append(Table(got[1].headers, got[1].rows, got[0]))
-        s.text.append(got[0])
-        found += 1
     mem = _checkpointing_memory(rows)
     if mem:
         s.text.append(mem)
