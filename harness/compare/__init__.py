@@ -19,6 +19,14 @@ from harness.compare.report import write_report
 from harness.compare.spec import CompareSpec, PlannedRun
 
 
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load: other work on the machine shows up in step times, so the report says it."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def _first_error_line(error: str | None) -> str:
     if not error:
         return ""
@@ -67,6 +75,7 @@ def run_comparison(cs: CompareSpec, *, store_path: str, out_dir: str, log_dir: s
     bar = tqdm(cs.runs, desc="compare", unit="run", disable=not progress, file=sys.stderr,
                bar_format="{l_bar}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
     started = time.monotonic()
+    load_before = _loadavg()
     for plan in bar:
         bar.set_description(f"compare: {plan.label}")
         spec = plan.spec.to_dict()
@@ -91,7 +100,7 @@ def run_comparison(cs: CompareSpec, *, store_path: str, out_dir: str, log_dir: s
         "store": os.path.abspath(store_path), "sweep_tag": sweep, "nproc": cs.nproc,
         "workload": cs.workload,
         "tolerance_source": cs.tolerance_source, "parity": parity, "fingerprints": fingerprints,
-        "failed_runs": failed, "skipped": cs.skipped, "wall_s": round(time.monotonic() - started, 1),
+        "failed_runs": failed, "skipped": cs.skipped, "load_average": {"before": load_before, "after": _loadavg()}, "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],
         "loss_table": {e["label"]: e["losses"][:cs.parity_steps] for e in entries if e["losses"]},
     }

@@ -115,6 +115,11 @@ def markdown(summary: dict) -> str:
             "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
             "flops profiler double-counts under ZeRO-3); n/a where the device has no datasheet peak (CPU). "
             "Peak memory: CUDA allocator peak, or peak RSS per process on CPU.", ""]
+    load = summary.get("load_average") or {}
+    if load.get("before"):
+        out += [f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
+                f"({os.cpu_count()} logical CPUs here); a load above the core count means other work shared the "
+                "machine and widened the step-time intervals.", ""]
     out += ["## Loss parity", "",
             f"The first {par['steps']} per-step losses (warm-up included) of every run are compared with the "
             f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
@@ -214,6 +219,10 @@ def html_page(summary: dict) -> str:
     parts.append("<p>Step time: median of the measured steps (warm-up excluded; each step the slowest rank's) "
                  "with its 95% confidence interval. MFU: PaLM convention, FLOPs counted by the harness from the "
                  "model shape (not a framework profiler); n/a where the device has no datasheet peak.</p>")
+    load = summary.get("load_average") or {}
+    if load.get("before"):
+        parts.append(f"<p>Machine load average (1/5/15 min) before the runs: {_h(load['before'])}, after: "
+                     f"{_h(load.get('after'))}; above the core count, other work shared the machine.</p>")
     parts.append(f"<h2>Loss parity</h2><p>First {par['steps']} losses compared with the {_h(par['anchor_kind'])} "
                  f"(<code>{_h(par['anchor'])}</code>). Tolerance: max relative difference <b>{par['tolerance']:g}</b> "
                  f"({_h(summary['tolerance_source'])}). Largest pairwise difference: "
