@@ -388,7 +388,10 @@ def write_slurm(sweep: SweepSpec, points: list[Point], job_dir: str, *, timeout_
         path = os.path.join(job_dir, "points", f"{i:05d}.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(p.spec, f, sort_keys=False)
-        rows.append(f"{i}\t{p.key}\t{path}")
+        extra = {k: v for k, v in p.env.items() if k not in sweep.env or sweep.env[k] != v}
+        with open(path[:-5] + ".env", "w") as f:  # the point's own environment, sourced by its task
+            f.writelines(f"export {k}={json.dumps(str(v))}\n" for k, v in extra.items())
+        rows.append(f"{i}\t{p.key}\t{path}\t{int(p.timeout_s or timeout_s)}")
     with open(os.path.join(job_dir, "points.tsv"), "w") as f:
         f.write("\n".join(rows) + "\n")
     cfg = dict(sweep.slurm)
@@ -398,7 +401,7 @@ def write_slurm(sweep: SweepSpec, points: list[Point], job_dir: str, *, timeout_
              f"#SBATCH --array=0-{len(points) - 1}" + (f"%{cfg['max_parallel']}" if cfg.get("max_parallel") else ""),
              f"#SBATCH --nodes={sweep.nodes}", f"#SBATCH --ntasks-per-node={gpn}",
              f"#SBATCH --gpus-per-node={gpn}",
-             f"#SBATCH --time={cfg.get('time') or _hhmmss(timeout_s + 300)}",
+             f"#SBATCH --time={cfg.get('time') or _hhmmss(max(p.timeout_s or timeout_s for p in points) + 300)}",
              f"#SBATCH --output={job_dir}/logs/%A_%a.log"]
     for key in ("partition", "account", "qos", "constraint"):
         if cfg.get(key):
@@ -411,10 +414,12 @@ def write_slurm(sweep: SweepSpec, points: list[Point], job_dir: str, *, timeout_
         f'LINE=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {job_dir}/points.tsv)',
         'KEY=$(printf "%s" "$LINE" | cut -f2)',
         'SPEC=$(printf "%s" "$LINE" | cut -f3)',
+        'LIMIT=$(printf "%s" "$LINE" | cut -f4)',
+        '. "${SPEC%.yaml}.env"',
         'RUN_ID="${KEY}-slurm-${SLURM_ARRAY_JOB_ID}-${SLURM_ARRAY_TASK_ID}"',
         f'STORE="{job_dir}/stores/task-${{SLURM_ARRAY_TASK_ID}}.sqlite"',
         'echo "harness-point $KEY $RUN_ID"',
-        f"timeout --signal=TERM --kill-after=60 {int(timeout_s)} "
+        'timeout --signal=TERM --kill-after=60 "$LIMIT" '
         f"srun --kill-on-bad-exit=1 --ntasks-per-node={gpn} {python} -m harness.cli train \"$SPEC\" "
         f"--store \"$STORE\" --run-id \"$RUN_ID\" --sweep {json.dumps(sweep.name)} --point-key \"$KEY\"",
         "RC=$?",
@@ -464,7 +469,7 @@ def collect(sweep: SweepSpec, job_dir: str, store_path: str) -> dict[str, int]:
     counts = {"merged": 0, "classified": 0, "pending": 0}
     with open(table) as f:
         rows = [ln.rstrip("\n").split("\t") for ln in f if ln.strip()]
-    for idx, key, spec_path in rows:
+    for idx, key, spec_path, *_ in rows:
         task_store = os.path.join(job_dir, "stores", f"task-{idx}.sqlite")
         recs = ResultsStore(task_store).records(sweep=sweep.name) if os.path.isfile(task_store) else []
         recs = [r for r in recs if r.get("point_key") == key]

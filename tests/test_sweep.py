@@ -178,11 +178,12 @@ def test_slurm_script_generation_and_missing_sbatch(tmp_path, monkeypatch, capsy
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --account=proj" in script
     assert "#SBATCH --time=00:20:00" in script and "module load cuda" in script
     assert 'export NCCL_DEBUG="WARN"' in script
-    assert "timeout --signal=TERM --kill-after=60 900 srun --kill-on-bad-exit=1" in script
+    assert 'timeout --signal=TERM --kill-after=60 "$LIMIT" srun --kill-on-bad-exit=1' in script
     assert "-m harness.cli train \"$SPEC\"" in script and "--sweep \"big\"" in script
     rows = (job / "points.tsv").read_text().splitlines()
     assert len(rows) == 4
-    idx, key, spec_path = rows[1].split("\t")
+    idx, key, spec_path, limit = rows[1].split("\t")
+    assert limit == "900"
     assert yaml.safe_load(open(spec_path))["layout"]["tp"] * yaml.safe_load(open(spec_path))["layout"]["pp"] \
         * yaml.safe_load(open(spec_path))["layout"]["dp"] == 16
     assert subprocess.run([bash, "-n", str(job / "sweep.sbatch")]).returncode == 0
@@ -216,3 +217,49 @@ def test_ready_made_sweeps_expand(name):
     for p in points:
         lay = p.spec["layout"]
         assert lay["tp"] * lay["pp"] * lay["dp"] == spec.gpus
+
+
+FAKE_SBATCH = """#!/bin/bash
+# stand-in for sbatch: runs every array task of the script here, one after another
+script="$1"
+last=$(grep -m1 '^#SBATCH --array=' "$script" | sed 's/.*=0-\\([0-9]*\\).*/\\1/')
+out=$(grep -m1 '^#SBATCH --output=' "$script" | cut -d= -f2)
+for i in $(seq 0 "$last"); do
+  log=${out//%A/4242}; log=${log//%a/$i}
+  SLURM_ARRAY_JOB_ID=4242 SLURM_ARRAY_TASK_ID=$i bash "$script" > "$log" 2>&1
+done
+echo "Submitted batch job 4242"
+"""
+FAKE_SRUN = """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+"""
+
+
+def test_slurm_job_array_end_to_end_with_stand_in_sbatch(tmp_path):
+    """The generated script really runs: each task trains, fails or times out; collect sorts them."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    raw = {"name": "arr", "gpus": 1, "timeout_s": 120, "workload": TINY, "layout": {"engine": "single"},
+           "points": [{"workload.seed": 1},
+                      {"workload.seed": 2, "env": {"HARNESS_FAULT": "raise:1"}},
+                      {"workload.seed": 3, "env": {"HARNESS_FAULT": "hang:1"}, "timeout_s": 10}]}
+    path = _write(tmp_path, raw)
+    store = str(tmp_path / "r.sqlite")
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ROOT}
+    base = [sys.executable, "-m", "harness.cli", "sweep"]
+    out = subprocess.run(base + [path, "--launcher", "slurm", "--store", store], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "Submitted batch job 4242" in out.stdout, out.stderr[-2000:]
+    out = subprocess.run(base + ["collect", path, "--store", store], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "2 records merged, 1 classified from logs, 0 still pending" in out.stdout
+    got = {r["spec"]["workload"]["seed"]: r["status"] for r in ResultsStore(store).records(sweep="arr")}
+    assert got == {1: "ok", 2: "failed", 3: "timeout"}, out.stdout
+    dry = subprocess.run(base + [path, "--dry-run", "--store", store], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.stdout.count("skipped]") == 3
