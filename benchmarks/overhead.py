@@ -1,0 +1,76 @@
+"""Runner overhead: the harness's median step time over a minimal hand-written PyTorch loop.
+
+Same process, same model (preset tiny-256: 4 layers, hidden 256), same batch, fp32 on CPU.
+The two alternate in rounds so that machine noise hits both alike. Target: ratio <= 1.03.
+Last line: `ratio: <number>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from harness.data import SyntheticTokens
+from harness.dist import RunContext
+from harness.model.llama import build_model
+from harness.model.presets import resolve_shape
+from harness.run import train
+from harness.spec import parse_spec
+
+
+def minimal_loop(shape, spec, steps: int, warmup: int) -> list[float]:
+    """What a person would write by hand: model, AdamW, accumulate, clip, step."""
+    w = spec.workload
+    model = build_model(shape, w.seed, spec.layout.attention)
+    opt = torch.optim.AdamW(model.parameters(), lr=w.optimizer.lr, betas=w.optimizer.betas,
+                            eps=w.optimizer.eps, weight_decay=w.optimizer.weight_decay)
+    data = SyntheticTokens(shape.vocab, w.seq_len, w.global_batch_size, w.seed)
+    mbs = spec.layout.micro_batch_size
+    times = []
+    for step in range(warmup + steps):
+        batch = data.global_batch_at(step)
+        t0 = time.perf_counter()
+        chunks = batch.split(mbs)
+        for mb in chunks:
+            logits = model(mb[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), mb[:, 1:].flatten()) / len(chunks)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), w.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    spec = parse_spec({"workload": {"model": "tiny-256", "seq_len": 128, "global_batch_size": 8,
+                                    "steps": args.steps, "warmup_steps": 2},
+                       "layout": {"engine": "single", "micro_batch_size": 2, "attention": "sdpa"},
+                       "store": ":memory:"})
+    shape = resolve_shape("tiny-256")
+    ctx = RunContext(0, 1, 0, torch.device("cpu"), None)
+    runner, minimal = [], []
+    for r in range(args.rounds):
+        got = train(spec, ctx, shape, measure_matmul=False, progress=False)["step_times_s"]
+        mine = minimal_loop(shape, spec, args.steps, 2)
+        runner += got
+        minimal += mine
+        print(f"round {r + 1}: runner median {statistics.median(got) * 1e3:.2f} ms, "
+              f"minimal loop median {statistics.median(mine) * 1e3:.2f} ms")
+    a, b = statistics.median(runner), statistics.median(minimal)
+    print(f"runner median {a * 1e3:.2f} ms over {len(runner)} steps; minimal {b * 1e3:.2f} ms over {len(minimal)}")
+    print(f"ratio: {a / b:.3f}")
+
+
+if __name__ == "__main__":
+    main()
