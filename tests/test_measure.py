@@ -37,3 +37,20 @@ def test_conventions_order_and_recompute():
     sel = flops_per_token(shape, 2048, "selective")
     assert full["hardware"] == pytest.approx(none["megatron"] * 4 / 3, rel=0.01)
     assert none["megatron"] < sel["hardware"] < full["hardware"]
+
+
+def test_megatron_convention_matches_torch_flop_counter_on_the_naive_path():
+    # FlopCounterMode counts 0 for CPU SDPA, so the cross-check runs the naive attention.
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from harness.model.llama import build_model, lm_loss
+
+    shape = PRESETS["tiny"]
+    seq, batch = 64, 2
+    model = build_model(shape, 0, attention="naive")
+    tokens = torch.randint(0, shape.vocab, (batch, seq + 1))
+    with FlopCounterMode(display=False) as counter:
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    expected = flops_per_token(shape, seq)["megatron"] * batch * seq
+    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-6)
