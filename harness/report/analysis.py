@@ -56,17 +56,16 @@ def best_per(rows: list[Row], metric: Metric, key) -> dict:
 
 def layout_row(r: Row, metric: Metric) -> list[str]:
     ci = f"[{fmt_s(r.step_ci[0])}, {fmt_s(r.step_ci[1])}]" if r.step_ci else "-"
-    mh = r.mfu if metric.key == "mfu" else r.mfu_measured
     return [r.variant, str(r.tp), str(r.pp), str(r.dp), str(r.mb), r.ckpt, r.kernel, "yes" if r.sp else "no",
             fmt_s(r.step_median), ci, f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
-            metric.fmt(metric.of(r)), _pct(mh.get("megatron")), _pct(mh.get("hardware")),
+            f"{r.tokens_per_s_dev:,.0f}" if r.tokens_per_s_dev else "-", _pct(r.mfu.get("palm")),
+            _pct(r.mfu.get("megatron")), _pct(r.mfu.get("hardware")), _pct(r.mfu_measured.get("palm")),
             fmt_bytes(r.peak_memory), r.run_id[:10]]
 
 
 def layout_headers(metric: Metric) -> list[str]:
-    name = "MFU" if metric.percent else "tok/s/dev"
     return ["engine", "tp", "pp", "dp", "mb", "ckpt", "kernels", "sp", "step (median)", "95% CI", "tokens/s",
-            name, "MFU megatron", "HFU", "peak mem", "run"]
+            "tok/s/device", "MFU", "MFU megatron", "HFU", "MFU vs measured matmul", "peak mem", "run"]
 
 
 def _pct(v) -> str:
@@ -84,7 +83,9 @@ def overview(rows: list[Row], metric: Metric) -> Section:
     sweeps = by_sweep(rows)
     s.text.append(f"{len(rows)} runs in {len(sweeps)} sweep(s). Layouts are ranked by {metric.title}. "
                   "Step times are medians over the measured steps (warm-up excluded), with a 95% "
-                  "confidence interval; MFU megatron and HFU are the same run under other FLOP conventions.")
+                  "confidence interval. MFU is PaLM's convention (the study's); MFU megatron and HFU (counting "
+                  "recomputation) are the same run under other FLOP conventions; MFU vs measured matmul divides "
+                  "by a matmul peak each run measured on its device (noisy on shared machines).")
     table = []
     for name, rs in sweeps.items():
         st = Counter(r.status for r in rs)

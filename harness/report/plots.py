@@ -53,10 +53,14 @@ def heatmap(cells: dict[tuple, float | str], title: str, percent: bool) -> bytes
             grid[pps.index(pp), tps.index(tp)] = v * (100 if percent else 1)
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(tps), 1.0 + 0.6 * len(pps)))
     im = ax.imshow(grid, cmap="viridis", aspect="auto", origin="lower")
+    finite = grid[~np.isnan(grid)]
+    mid = (finite.min() + finite.max()) / 2 if finite.size else 0.0
     for (tp, pp), v in cells.items():
-        text = (f"{v * 100:.1f}" if percent else f"{v:,.0f}") if isinstance(v, (int, float)) else v
+        num = isinstance(v, (int, float))
+        text = (f"{v * 100:.1f}" if percent else f"{v:,.0f}") if num else v
+        dark = num and v * (100 if percent else 1) < mid  # viridis: dark at the low end
         ax.text(tps.index(tp), pps.index(pp), text, ha="center", va="center", fontsize=8,
-                color="white" if isinstance(v, (int, float)) else "black")
+                color="white" if dark else "black")
     ax.set_xticks(range(len(tps)), [str(t) for t in tps])
     ax.set_yticks(range(len(pps)), [str(p) for p in pps])
     ax.set_xlabel("tensor parallel (tp)")

@@ -22,13 +22,14 @@ AXES = [
 ]
 
 
-def distinct(win: Row, other: Row, metric: Metric) -> bool:
-    """Is the winner's lead real? At least NOISE, and step-time 95% CIs that do not overlap."""
+def doubt(win: Row, other: Row, metric: Metric) -> str | None:
+    """Why the winner's lead may not be real (None: it is): under NOISE, or overlapping CIs."""
     if metric.of(win) / metric.of(other) - 1 < NOISE:
-        return False
-    if win.step_ci and other.step_ci and None not in win.step_ci + other.step_ci:
-        return win.step_ci[1] < other.step_ci[0]
-    return True
+        return "under the ~1% run-to-run noise"
+    if win.step_ci and other.step_ci and None not in win.step_ci + other.step_ci \
+            and win.step_ci[1] >= other.step_ci[0]:
+        return "the step-time 95% confidence intervals overlap"
+    return None
 
 
 def _axis(rows: list[Row], metric: Metric, name: str, key, subset) -> tuple[str, Table] | None:
@@ -43,7 +44,7 @@ def _axis(rows: list[Row], metric: Metric, name: str, key, subset) -> tuple[str,
         order = sorted(best.items(), key=lambda kv: -metric.of(kv[1]))
         (win, wrow), (_, second) = order[0], order[1]
         wins.setdefault(win, []).append((sweep, metric.of(wrow) / metric.of(second) - 1,
-                                         distinct(wrow, second, metric)))
+                                         doubt(wrow, second, metric)))
         for v, r in order:
             evidence.append([sweep, str(v), metric.fmt(metric.of(r)), fmt_s(r.step_median), r.label,
                              "best" if v == win else f"{100 * (metric.of(r) / metric.of(wrow) - 1):+.1f}%"])
@@ -53,11 +54,11 @@ def _axis(rows: list[Row], metric: Metric, name: str, key, subset) -> tuple[str,
     margins = [m for _, m, _ in hits]
     span = f"{100 * margins[0]:.1f}%" if len(margins) == 1 else f"{100 * min(margins):.1f}-{100 * max(margins):.1f}%"
     text = f"{name}: {top} was best in {len(hits)} of {sweeps} sweep(s), by {span} over the runner-up"
-    ties = sum(1 for *_, clear in hits if not clear)
-    if ties == len(hits):
-        text += " - within run-to-run noise (under 1%, or overlapping 95% confidence intervals): a tie."
-    elif ties:
-        text += f"; in {ties} of these the lead is within noise."
+    doubts = [d for *_, d in hits if d]
+    if len(doubts) == len(hits) == 1:
+        text += f", but {doubts[0]}: not a clear win."
+    elif doubts:
+        text += f"; in {len(doubts)} of these the lead is not clear ({'; '.join(sorted(set(doubts)))})."
     else:
         text += "."
     others = {k: len(v) for k, v in wins.items() if k != top}
