@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from harness.data import dp_slice
 from harness.frameworks.single import make_adamw
-from harness.model.llama import build_model, lm_loss
+from harness.model.llama import Llama, lm_loss, reference_state_dict
 
 _WRAPPED = "_checkpoint_wrapped_module."
 
@@ -46,8 +46,11 @@ class FSDPEngine:
         w, lay = spec.workload, spec.layout
         self.spec, self.ctx, self.device = spec, ctx, ctx.device
         ckpt = lay.activation_checkpointing
-        model = build_model(shape, w.seed, lay.attention, lay.rmsnorm,
-                            "selective" if ckpt == "selective" else "none", device=ctx.device)
+        # Built on the meta device and sharded before any memory is allocated, so no rank ever
+        # holds the whole model on the device; each rank then copies its shard of the reference
+        # weights in (harness/model/llama.py: reference_state_dict, fp32, CPU, from the seed).
+        with torch.device("meta"):
+            model = Llama(shape, lay.attention, lay.rmsnorm, "selective" if ckpt == "selective" else "none")
         if ckpt == "full":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 CheckpointImpl, checkpoint_wrapper)
@@ -62,9 +65,26 @@ class FSDPEngine:
         for block in model.layers:
             fully_shard(block, mesh=self.mesh, reshard_after_forward=lay.reshard_after_forward, mp_policy=self.mp)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=False, mp_policy=self.mp)
+        model.to_empty(device=ctx.device)
+        self._load_reference_shards(model, reference_state_dict(shape, w.seed))
         self.model = model
         self.optimizer = make_adamw(model.parameters(), w, fused=ctx.device.type == "cuda")
         self._details: dict = {}
+
+    @staticmethod
+    @torch.no_grad()
+    def _load_reference_shards(model, reference: dict) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for name, param in model.named_parameters():
+            full = reference[name.replace(_WRAPPED, "")]
+            if isinstance(param, DTensor):
+                # src_data_rank=None: every rank holds the same full tensor, no communication
+                shard = distribute_tensor(full.to(param.device), param.device_mesh, param.placements,
+                                          src_data_rank=None)
+                param.to_local().copy_(shard.to_local())
+            else:
+                param.copy_(full)
 
     def train_step(self, global_batch: torch.Tensor) -> float:
         w, lay = self.spec.workload, self.spec.layout
