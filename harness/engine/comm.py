@@ -122,7 +122,7 @@ class Axis:
     # p2p: peers are indices along this axis
     def isend(self, t: torch.Tensor, peer: int):
         self.stats.record(self.name, "send", nbytes(t))
-        return dist.isend(t, dst=self.ranks[peer], group=self.group)
+        return self._timed(lambda: dist.isend(t, dst=self.ranks[peer], group=self.group))
 
     def recv(self, t: torch.Tensor, peer: int) -> torch.Tensor:
         self.stats.record(self.name, "recv", nbytes(t))

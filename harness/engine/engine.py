@@ -135,7 +135,7 @@ class Engine3D:
             "breakdown_s": {
                 "compute": max(0.0, s["fb"] - s["tp_comm"]),
                 "tp_comm": s["tp_comm"],
-                "bubble": s["bubble"],  # recv waits, send drains, waiting for the slowest stage
+                "bubble": s["bubble"],  # p2p sends and receive waits, send drains, waiting for the slowest stage
                 "dp_comm": s["dp_comm"],
                 "optimizer": s["optimizer"],
                 "total": total,

@@ -1,0 +1,88 @@
+"""How close the own engine's 1F1B pipeline gets to its ideal on this machine.
+
+pp=2 gloo processes (one thread each) train `tiny-256` (seq 256) with 8 micro-batches per step. Each
+stage measures its own forward+backward compute in the same steps; the ideal 1F1B step is
+(m + p - 1) / m x the slower stage's compute (the textbook bubble, nothing else). Prints
+the medians and, last, `ratio: <measured step / ideal>` (target within 1.15).
+
+    python benchmarks/pipeline_efficiency.py [--schedule 1f1b] [--micro-batches 8] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import torch
+
+
+def _worker(rank, world, port, args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from harness.data import token_source
+    from harness.dist import RunContext
+    from harness.frameworks.own import build
+    from harness.model.presets import resolve_shape
+    from harness.spec import parse_spec
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    spec = parse_spec({"workload": {"model": args.model, "seq_len": args.seq, "global_batch_size": args.micro_batches,
+                                    "precision": "fp32", "device": "cpu"},
+                       "layout": {"engine": "own", "pp": world, "pipeline_schedule": args.schedule}})
+    shape = resolve_shape(args.model)
+    eng = build(spec, shape, RunContext(rank, world, rank, torch.device("cpu"), "gloo"))
+    src = token_source(spec.workload, shape.vocab)
+    rows = []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        eng.train_step(src.global_batch_at(step))
+        if step >= args.warmup:
+            b = eng.last_step_details()["breakdown_s"]
+            rows.append((b["total"], b["compute"], b["bubble"], b["optimizer"], b["dp_comm"], b["tp_comm"]))
+    torch.save({"rows": rows, "stages": eng.describe()["stages"]}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny-256")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch.multiprocessing as mp
+
+    from harness.engine.equivalence import free_port
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_worker, args=(args.pp, free_port(), args, d), nprocs=args.pp, start_method="spawn")
+        ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(args.pp)]
+    m, p = args.micro_batches, args.pp
+    step = [max(r["rows"][i][0] for r in ranks) for i in range(args.steps)]
+    compute = [max(r["rows"][i][1] for r in ranks) for i in range(args.steps)]
+    ratios = [s / ((m + p - 1) / m * c) for s, c in zip(step, compute)]
+    print(f"model {args.model} seq {args.seq} pp {p} micro-batches {m} schedule {args.schedule}; "
+          f"stages {[s['layers'] for s in ranks[0]['stages']]} on rank 0")
+    for r, rk in enumerate(ranks):
+        med = [statistics.median(x[i] for x in rk["rows"]) for i in range(6)]
+        other = statistics.median(x[0] - sum(x[1:]) for x in rk["rows"])
+        print(f"rank {r}: median step {med[0] * 1e3:.1f} ms: compute {med[1] * 1e3:.1f}, "
+              f"pipeline p2p + wait {med[2] * 1e3:.1f}, optimizer {med[3] * 1e3:.1f}, other {other * 1e3:.1f}")
+    ideal = (m + p - 1) / m * statistics.median(compute)
+    print(f"median step {statistics.median(step) * 1e3:.1f} ms; ideal 1F1B {ideal * 1e3:.1f} ms "
+          f"((m+p-1)/m x slower stage's compute); per-step ratios p10..p90 "
+          f"{sorted(ratios)[len(ratios) // 10]:.3f}..{sorted(ratios)[(9 * len(ratios)) // 10]:.3f}")
+    print(f"ratio: {statistics.median(ratios):.4f}")
+
+
+if __name__ == "__main__":
+    main()
