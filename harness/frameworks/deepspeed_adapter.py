@@ -79,14 +79,16 @@ class DeepSpeedEngine:
 
         ckpt = lay.activation_checkpointing
         if lay.model_impl == "hf":
-            from harness.frameworks.hf_llama import build_hf_llama
-
-            model = build_hf_llama(shape, w.seed, lay.attention, device=ctx.device)
             if ckpt == "selective":
                 from harness.errors import SpecError
 
                 raise SpecError("layout.activation_checkpointing",
                                 "selective is not offered by transformers' LlamaForCausalLM; use none or full")
+            from harness.frameworks.hf_llama import build_hf_llama
+
+            model = build_hf_llama(shape, w.seed, lay.attention, device=ctx.device)
+        elif self.stage == 3:
+            model = self._build_partitioned(shape, lay, "selective" if ckpt == "selective" else "none")
         else:
             from harness.model.llama import build_model
 
@@ -106,6 +108,24 @@ class DeepSpeedEngine:
                                                                  config=self.config)
         self.micro = self.engine.gradient_accumulation_steps()
         self._details: dict = {}
+
+    def _build_partitioned(self, shape, lay, checkpointing: str):
+        """ZeRO-3: construct under deepspeed.zero.Init (each parameter partitioned as soon as its
+        module exists), then load the reference weights one gathered parameter at a time from
+        rank 0 - no rank ever holds the whole model on the device."""
+        import deepspeed
+
+        from harness.model.llama import Llama, reference_state_dict
+
+        with deepspeed.zero.Init(config_dict_or_path=self.config):
+            model = Llama(shape, lay.attention, lay.rmsnorm, checkpointing)
+        reference = reference_state_dict(shape, self.spec.workload.seed) if self.ctx.rank == 0 else None
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if self.ctx.rank == 0:
+                    with torch.no_grad():
+                        param.data.copy_(reference[name].to(param.device))
+        return model
 
     # ------------------------------------------------------------------ training
 
