@@ -138,10 +138,12 @@ def reference():
 
 
 def test_zero_stages_match_single_device_reference():
-    """ZeRO-1, 2, 3 (and ZeRO-2 with DeepSpeed checkpointing, ZeRO-3 on transformers' Llama)
+    """ZeRO-1, 2, 3 (and with DeepSpeed's or the model's checkpointing, ZeRO-3 on transformers' Llama)
     reproduce the reference's losses within 1e-5 relative and its weights after 5 steps."""
     layouts = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
                {"zero_stage": 2, "activation_checkpointing": "full"},
+               {"zero_stage": 3, "activation_checkpointing": "full"},
+               {"zero_stage": 1, "activation_checkpointing": "selective"},
                {"zero_stage": 3, "model_impl": "hf"}]
     runs = [{"workload": dict(WORKLOAD),
              "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, **lay}} for lay in layouts]
@@ -157,3 +159,4 @@ def test_zero_stages_match_single_device_reference():
     assert "fp32 master" in results[-1]["describe"]["precision_note"]
     assert results[0]["describe"]["optimizer"].endswith("AdamW")
     assert results[2]["describe"]["zero_stage"] == 3
+    assert results[3]["describe"]["activation_checkpointing"].startswith("deepspeed.checkpointing")
