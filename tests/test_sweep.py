@@ -100,8 +100,9 @@ def _sweep_procs(spec, store):
     return launch.processes_with_env(launch.SWEEP_ID_ENV, sw.sweep_id(spec, store))
 
 
-def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path):
+def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, monkeypatch):
     """Two ranks (own engine, dp 2) per point: a rank is SIGKILLed, a rank hangs, a rank OOMs."""
+    monkeypatch.setattr(launch, "LINGER_S", 5.0)  # after an OOM record, its peers are stuck: kill sooner
     raw = {"name": "faults", "gpus": 2, "timeout_s": 150, "workload": TINY, "layout": {"engine": "own"},
            "points": [{"workload.seed": 1},
                       {"workload.seed": 2, "env": {"HARNESS_FAULT": "kill:1:1"}},
