@@ -264,3 +264,20 @@ def test_slurm_job_array_end_to_end_with_stand_in_sbatch(tmp_path):
     dry = subprocess.run(base + [path, "--dry-run", "--store", store], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     assert dry.stdout.count("skipped]") == 3
+
+
+def test_deepspeed_launcher_points_and_hang_cleanup(tmp_path):
+    """The same sweep through the `deepspeed` launcher (runner -> launch -> ranks): an ok point
+    and a hung one that is killed at its timeout with nothing left behind."""
+    raw = {"name": "dsl", "gpus": 2, "timeout_s": 150, "workload": TINY, "layout": {"engine": "own"},
+           "points": [{"workload.seed": 1},
+                      {"workload.seed": 2, "env": {"HARNESS_FAULT": "hang:1:0"}, "timeout_s": 15}]}
+    spec = sw.parse_sweep(raw)
+    store = str(tmp_path / "r.sqlite")
+    counts = sw.run_sweep(spec, launcher="deepspeed", store_path=store, timeout_s=150, progress=False)
+    recs = ResultsStore(store).records(sweep="dsl")
+    assert counts == {"ok": 1, "oom": 0, "failed": 0, "timeout": 1}, [(r["status"], r["error"]) for r in recs]
+    assert all("deepspeed.launcher.runner" in r["launch"]["command"] for r in recs)
+    for rec in recs:
+        assert launch.processes_with_env(launch.TOKEN_ENV, rec["run_id"]) == []
+    assert _sweep_procs(spec, store) == []
