@@ -8,8 +8,13 @@ Exit codes: 0 when the sweep ran to its end (failed points are results, not erro
 from __future__ import annotations
 
 import os
+import signal
 
 from harness.errors import SpecError
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def add_arguments(p) -> None:
@@ -66,6 +71,7 @@ def main(args) -> int:
             return 0
         print(sw.submit_slurm(script))
         return 0
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` or a scheduler: clean up like Ctrl-C
     try:
         counts = sw.run_sweep(spec, launcher=launcher, store_path=store, timeout_s=timeout, retry=retry,
                               progress=not args.no_progress)

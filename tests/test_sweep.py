@@ -281,3 +281,24 @@ def test_deepspeed_launcher_points_and_hang_cleanup(tmp_path):
     for rec in recs:
         assert launch.processes_with_env(launch.TOKEN_ENV, rec["run_id"]) == []
     assert _sweep_procs(spec, store) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_kills_the_run_in_flight_and_exits_130(tmp_path, sig):
+    raw = {"name": "intr", "gpus": 1, "workload": TINY, "layout": {"engine": "single"},
+           "points": [{"env": {"HARNESS_FAULT": "hang:1"}}]}
+    path = _write(tmp_path, raw)
+    store = str(tmp_path / "r.sqlite")
+    spec = sw.parse_sweep(raw)
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress",
+                             "--launcher", "direct"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not _sweep_procs(spec, store):
+        time.sleep(0.2)
+    assert _sweep_procs(spec, store), "the run never started"
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "run the same command to resume" in out
+    assert _sweep_procs(spec, store) == []
+    assert ResultsStore(store).records(sweep="intr") == []  # an interrupted point is not a result
