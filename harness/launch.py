@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -134,8 +133,12 @@ def terminate(procs: list[psutil.Process], grace_s: float = 5.0) -> list[psutil.
     return alive
 
 
-def kill_run(popen: subprocess.Popen, token: str, grace_s: float = 5.0) -> None:
-    """Kill everything that belongs to one run: its session and every carrier of its token."""
+def kill_run(popen: subprocess.Popen, token: str, grace_s: float = 5.0) -> list[int]:
+    """Kill everything that belongs to one run: its session and every carrier of its token.
+
+    Returns the PIDs that survived SIGKILL (only a process stuck in the kernel can): they are
+    reported in the record rather than stopping the sweep.
+    """
     pgid = popen.pid  # start_new_session: the launcher leads its own group
     try:
         procs = [psutil.Process(popen.pid)] + psutil.Process(popen.pid).children(recursive=True)
@@ -158,8 +161,7 @@ def kill_run(popen: subprocess.Popen, token: str, grace_s: float = 5.0) -> None:
         pass
     # processes that appeared while we were killing (a launcher restarting a rank)
     alive += processes_with_env(TOKEN_ENV, token)
-    if terminate(alive, 1.0):
-        raise RuntimeError(f"processes of run {token} survived SIGKILL: {[p.pid for p in alive]}")
+    return [p.pid for p in terminate(alive, 1.0)]
 
 
 def reap_orphans_of_dead_sweeps(sweep_id: str) -> int:
@@ -270,7 +272,7 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
     store = ResultsStore(store_path)
 
     start = time.monotonic()
-    timed_out = False
+    timed_out, lingered, survivors = False, 0.0, []
     with open(log_path, "wb") as log:
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
@@ -279,7 +281,7 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
         try:
             timed_out, lingered = _wait(popen, store, run_id, timeout_s)
         finally:  # also on KeyboardInterrupt: never leave a run behind
-            kill_run(popen, run_id)
+            survivors = kill_run(popen, run_id)
     wall = time.monotonic() - start
     output = tail(log_path, 400)
 
@@ -300,6 +302,8 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
     record["launch"] = {"launcher": launcher, "nproc": nproc, "nnodes": nnodes, "command": cmd,
                         "exit_code": popen.returncode, "wall_s": round(wall, 3), "log": log_path,
                         "timeout_s": timeout_s, "timed_out": timed_out}
+    if survivors:
+        record["launch"]["survivors"] = survivors
     if record["status"] != "ok":  # what the launcher saw (e.g. which rank died by which signal)
         record["launch"]["output_tail"] = "\n".join(output.splitlines()[-TAIL_LINES:])
     store.write(record)
@@ -332,6 +336,3 @@ def _wait(popen: subprocess.Popen, store: ResultsStore, run_id: str, timeout_s: 
         if now >= deadline:
             return True, 0.0
 
-
-def which_or_none(name: str) -> str | None:
-    return shutil.which(name)
