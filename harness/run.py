@@ -52,6 +52,10 @@ def preflight(spec: RunSpec, ctx: RunContext):
     """Every check that needs the machine, before anything is built: sizes, world, kernels."""
     shape = check_sizes(spec)
     check_world_size(spec, ctx.world_size)
+    if spec.layout.engine == "deepspeed":  # a contradicting ds_config is a spec error, not a failed run
+        from harness.frameworks.ds_config import validate
+
+        validate(spec)
     dtype = torch.bfloat16 if spec.workload.precision == "bf16" else torch.float32
     check_kernels(spec.layout.attention, spec.layout.rmsnorm, ctx.device, dtype, shape.hidden // shape.heads)
     return shape

@@ -1,7 +1,7 @@
 """engine: deepspeed - the same LLaMA under deepspeed.initialize with ZeRO stage 1, 2 or 3.
 
 What is the same as the reference (harness/frameworks/single.py):
-  - initial weights: reference_state_dict(shape, seed), loaded before DeepSpeed partitions them;
+  - initial weights: harness.model.llama.ReferenceWeights(shape, seed), loaded before DeepSpeed partitions them;
   - tokens: every rank builds the step's global batch and takes its contiguous dp slice;
   - the loss: lm_loss on logits, averaged over micro-batches (DeepSpeed divides each
     micro-batch's loss by gradient_accumulation_steps) and over ranks (gradient averaging);
@@ -115,11 +115,11 @@ class DeepSpeedEngine:
         rank 0 - no rank ever holds the whole model on the device."""
         import deepspeed
 
-        from harness.model.llama import Llama, reference_state_dict
+        from harness.model.llama import Llama, ReferenceWeights
 
         with deepspeed.zero.Init(config_dict_or_path=self.config):
             model = Llama(shape, lay.attention, lay.rmsnorm, checkpointing)
-        reference = reference_state_dict(shape, self.spec.workload.seed) if self.ctx.rank == 0 else None
+        reference = ReferenceWeights(shape, self.spec.workload.seed) if self.ctx.rank == 0 else None
         for name, param in model.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if self.ctx.rank == 0:

@@ -7,7 +7,7 @@ false keeps them until the backward (ZeRO-2-like: more memory, one all-gather fe
 root is never resharded after forward (its parameters are needed right away in backward).
 
 Same as the reference (harness/frameworks/single.py): initial weights (the plain model is
-built from reference_state_dict and then sharded), tokens (contiguous dp slice of the step's
+built one tensor at a time from ReferenceWeights and sharded), tokens (contiguous dp slice of the step's
 global batch), loss/len(micro) accumulation (gradients are reduce-scattered with averaging
 over ranks after every micro-batch), torch.optim.AdamW with the workload's hyperparameters
 (fused on GPU, as the reference), global-norm clipping over the sharded gradients.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from harness.data import dp_slice
 from harness.frameworks.single import make_adamw
-from harness.model.llama import Llama, lm_loss, reference_state_dict
+from harness.model.llama import Llama, ReferenceWeights, lm_loss
 
 _WRAPPED = "_checkpoint_wrapped_module."
 
@@ -48,7 +48,7 @@ class FSDPEngine:
         ckpt = lay.activation_checkpointing
         # Built on the meta device and sharded before any memory is allocated, so no rank ever
         # holds the whole model on the device; each rank then copies its shard of the reference
-        # weights in (harness/model/llama.py: reference_state_dict, fp32, CPU, from the seed).
+        # weights in (harness/model/llama.py: ReferenceWeights, fp32, CPU, one tensor at a time).
         with torch.device("meta"):
             model = Llama(shape, lay.attention, lay.rmsnorm, "selective" if ckpt == "selective" else "none")
         if ckpt == "full":
@@ -66,7 +66,7 @@ class FSDPEngine:
             fully_shard(block, mesh=self.mesh, reshard_after_forward=lay.reshard_after_forward, mp_policy=self.mp)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=False, mp_policy=self.mp)
         model.to_empty(device=ctx.device)
-        self._load_reference_shards(model, reference_state_dict(shape, w.seed))
+        self._load_reference_shards(model, ReferenceWeights(shape, w.seed))
         self.model = model
         self.optimizer = make_adamw(model.parameters(), w, fused=ctx.device.type == "cuda")
         self._details: dict = {}

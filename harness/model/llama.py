@@ -9,6 +9,9 @@ embedding -> layers -> norm -> head, and every kernel/checkpointing choice is a 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -145,25 +148,47 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def reference_state_dict(shape: Shape, seed: int) -> dict[str, torch.Tensor]:
-    """The initial weights every engine starts from: fp32, CPU, bit-identical from the seed.
+@functools.lru_cache(maxsize=8)
+def _parameter_table(shape: Shape) -> dict[str, tuple[int, torch.Size]]:
+    """name -> (index, size) of every parameter, in the model's definition order."""
+    with torch.device("meta"):
+        return {n: (i, p.shape) for i, (n, p) in enumerate(Llama(shape).named_parameters())}
+
+
+def reference_tensor(shape: Shape, seed: int, name: str) -> torch.Tensor:
+    """One initial weight, fp32 on CPU, bit-identical from (seed, name) alone.
 
     Each tensor draws from its own generator seeded by (seed, index), so an engine can build
-    any subset and still get the same values. Output projections (wo, w2) are scaled by
-    1/sqrt(2·layers), as GPT-2 and Megatron do.
+    any subset (a shard's parameters, one at a time) and still get the same values. Output
+    projections (wo, w2) are scaled by 1/sqrt(2·layers), as GPT-2 and Megatron do.
     """
-    with torch.device("meta"):
-        names = [(n, p.shape) for n, p in Llama(shape).named_parameters()]
-    out = {}
-    std = 0.02
-    for index, (name, size) in enumerate(names):
-        if name.endswith("norm.weight"):
-            out[name] = torch.ones(size)
-            continue
-        g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        scale = std / (2 * shape.layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
-        out[name] = torch.randn(size, generator=g) * scale
-    return out
+    index, size = _parameter_table(shape)[name]
+    if name.endswith("norm.weight"):
+        return torch.ones(size)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    std = 0.02 / (2 * shape.layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    return torch.randn(size, generator=g) * std
+
+
+class ReferenceWeights(Mapping):
+    """The initial weights as a lazy mapping: a tensor is generated when it is asked for."""
+
+    def __init__(self, shape: Shape, seed: int):
+        self.shape, self.seed = shape, seed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return reference_tensor(self.shape, self.seed, name)
+
+    def __iter__(self):
+        return iter(_parameter_table(self.shape))
+
+    def __len__(self) -> int:
+        return len(_parameter_table(self.shape))
+
+
+def reference_state_dict(shape: Shape, seed: int) -> dict[str, torch.Tensor]:
+    """The initial weights every engine starts from, all at once (see reference_tensor)."""
+    return dict(ReferenceWeights(shape, seed).items())
 
 
 def build_model(shape: Shape, seed: int, attention: str = "sdpa", rmsnorm_kind: str = "torch",
