@@ -270,9 +270,18 @@ def quoted(rows: list[Row], metric: Metric, base: dict) -> Section:
         for b in study:
             same = [r for r in ranked(rows, metric) if r.model == b["harness_model"]
                     and str(r.seq_len) == b["seq_len"]]
+            # prefer the same GPU count and batch; a stable sort keeps the ranking within each group
+            same.sort(key=lambda r: (str(r.gpus) != b["gpus"], str(r.global_batch_size) != b["global_batch_size"]))
             m = same[0] if same else None
-            meas = (f"MEASURED {metric.fmt(metric.of(m))} on {m.gpus} x {m.device or '?'}: {m.label}"
-                    if m else "no comparable measured run")
+            meas = "no measured run of this model and sequence length"
+            if m:
+                meas = f"MEASURED {metric.fmt(metric.of(m))} on {m.gpus} x {m.device or '?'}: {m.label}"
+                diffs = [d for d, bad in (("GPU count", str(m.gpus) != b["gpus"]),
+                                          ("global batch", str(m.global_batch_size) != b["global_batch_size"]),
+                                          ("GPU type", "A100" not in m.device or "80" not in m.device),
+                                          ("metric", metric.key != "mfu")) if bad]
+                if diffs:
+                    meas += f" (not comparable: different {', '.join(diffs)})"
             table.append([b["model"], f"{b['gpus']} x A100 80GB", f"seq {b['seq_len']}, batch {b['global_batch_size']}",
                           f"QUOTED {100 * float(b['mfu']):.1f}%",
                           f"tp{b['tp']} pp{b['pp']} mb{b['micro_batch_size']} ckpt {b['activation_checkpointing']} "
