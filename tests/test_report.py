@@ -79,6 +79,10 @@ def test_report_cli(tmp_path, capsys):
     assert cli_main(["report", "--store", str(tmp_path / "r.sqlite"), "--sweep", "syn-8gpu-node",
                      "--out", str(out)]) == 0
     assert "syn-13b" not in (out / "report.md").read_text().split("## Measured against quoted")[0]
+    pipelined = next(r for r in make_records(40, seed=2) if r["metrics"].get("pipeline_timeline"))
+    assert cli_main(["report", "--store", str(tmp_path / "r.sqlite"), "--out", str(out),
+                     "--timeline-run", pipelined["run_id"][:8]]) == 0
+    assert "The chosen run: " in (out / "report.md").read_text()
     assert cli_main(["report", "--store", str(tmp_path / "nope.sqlite"), "--out", str(out)]) == 2
     assert cli_main(["report", "--store", str(tmp_path / "r.sqlite"), "--sweep", "zzz", "--out", str(out)]) == 2
     assert "error: --sweep: no records" in capsys.readouterr().err

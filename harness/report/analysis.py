@@ -221,9 +221,15 @@ def _parts(r: Row) -> dict:
     return parts
 
 
-def pipeline(rows: list[Row], metric: Metric) -> Section:
+def pipeline(rows: list[Row], metric: Metric, run_id: str | None = None) -> Section:
+    """The chosen run's schedule (by run id prefix), else the best pipelined run's."""
     s = Section("timeline", "Pipeline schedule of one step")
     cands = [r for r in ranked(rows, metric) if r.timeline and r.pp > 1]
+    if run_id:
+        chosen = [r for r in rows if r.run_id.startswith(run_id) and r.timeline]
+        if not chosen:
+            s.text.append(f"Run {run_id} has no recorded pipeline schedule; showing the best pipelined run.")
+        cands = chosen + cands
     if not cands:
         s.text.append("No run with pipeline parallelism recorded its schedule.")
         return s
@@ -232,7 +238,7 @@ def pipeline(rows: list[Row], metric: Metric) -> Section:
     if bad:
         s.text.append("The recorded schedule lacks start/end times; not drawn.")
         return s
-    s.text.append(f"The best pipelined run: {r.label} ({r.sweep}, run {r.run_id[:10]}). Forward (F) and "
+    s.text.append(f"{'The chosen' if run_id and r.run_id.startswith(run_id) else 'The best pipelined'} run: {r.label} ({r.sweep}, run {r.run_id[:10]}). Forward (F) and "
                   "backward (B) passes per micro-batch and stage; the white space is the pipeline bubble "
                   "(on that stage: waiting for its neighbours).")
     stages = sorted({e.get("stage", 0) for e in r.timeline})

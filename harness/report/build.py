@@ -9,7 +9,8 @@ from harness.report.recommend import recommendations
 from harness.report.render import write
 
 
-def sections_for(records: list[dict], baselines_dir: str | None = None) -> list[an.Section]:
+def sections_for(records: list[dict], baselines_dir: str | None = None,
+                 timeline_run: str | None = None) -> list[an.Section]:
     rows = [to_row(r) for r in records]
     m = choose_metric(rows)
     return [
@@ -31,7 +32,7 @@ def sections_for(records: list[dict], baselines_dir: str | None = None) -> list[
                         "The best layout per engine (own 3D engine, DeepSpeed ZeRO stages, FSDP2 modes) "
                         "on the same workload and machines."),
         an.breakdown(rows, m),
-        an.pipeline(rows, m),
+        an.pipeline(rows, m, timeline_run),
         an.failures(rows),
         an.quoted(rows, m, baselines.load(baselines_dir)),
         recommendations(rows, m),
@@ -39,5 +40,5 @@ def sections_for(records: list[dict], baselines_dir: str | None = None) -> list[
 
 
 def build_report(records: list[dict], out_dir: str, *, title: str = "Layout sweep report",
-                 baselines_dir: str | None = None) -> dict[str, str]:
-    return write(out_dir, title, sections_for(records, baselines_dir))
+                 baselines_dir: str | None = None, timeline_run: str | None = None) -> dict[str, str]:
+    return write(out_dir, title, sections_for(records, baselines_dir, timeline_run))

@@ -12,6 +12,8 @@ def add_arguments(p) -> None:
     p.add_argument("--store", default="results.sqlite", help="results store (default: results.sqlite)")
     p.add_argument("--out", required=True, help="directory for report.md, report.html and img/")
     p.add_argument("--title", help="report title")
+    p.add_argument("--timeline-run", metavar="RUN_ID", help="draw this run's pipeline schedule "
+                                                          "(id or prefix; default: the best pipelined run)")
     p.add_argument("--baselines", help="directory of published figures (default: the repository's baselines/)")
 
 
@@ -28,6 +30,7 @@ def main(args) -> int:
     if not records:
         raise SpecError("--sweep" if args.sweep else "--store", "no records to report on")
     title = args.title or ("Sweep report: " + ", ".join(args.sweep) if args.sweep else "Layout sweep report")
-    paths = build_report(records, args.out, title=title, baselines_dir=args.baselines)
+    paths = build_report(records, args.out, title=title, baselines_dir=args.baselines,
+                         timeline_run=args.timeline_run)
     print(f"wrote {paths['markdown']} and {paths['html']} from {len(records)} records")
     return 0
