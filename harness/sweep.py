@@ -333,7 +333,7 @@ def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: fl
     todo = pending(points, done, retry)
     echo(f"sweep {sweep.name}: {len(points)} points, {len(points) - len(todo)} already recorded, "
          f"{len(todo)} to run ({launcher}, {sweep.gpus} processes, timeout {timeout_s:g} s)")
-    log_dir = log_dir or os.path.join(os.path.dirname(os.path.abspath(store_path)), "logs", sweep.name)
+    log_dir = log_dir or os.path.join(os.path.dirname(os.path.abspath(store_path)), "harness-logs", sweep.name)
     counts = {s: 0 for s in ("ok", "oom", "failed", "timeout")}
     bar = _progress(len(todo), sweep.name, progress)
     try:

@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--retry", default="", metavar="STATUSES",
                    help="comma-separated statuses to run again, e.g. failed,timeout (default: none)")
     p.add_argument("--job-dir", help="Slurm: where the job array and its task stores live "
-                                     "(default: <store dir>/slurm/<sweep name>)")
+                                     "(default: <store dir>/harness-slurm/<sweep name>)")
     p.add_argument("--no-submit", action="store_true", help="Slurm: write the job script, do not sbatch it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -83,4 +83,4 @@ def main(args) -> int:
 
 
 def _job_dir(args, spec, store) -> str:
-    return args.job_dir or os.path.join(os.path.dirname(os.path.abspath(store)), "slurm", spec.name)
+    return args.job_dir or os.path.join(os.path.dirname(os.path.abspath(store)), "harness-slurm", spec.name)
