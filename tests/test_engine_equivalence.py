@@ -9,7 +9,8 @@ against the closed-form comm model.
 
 Coverage (each option at least once): (tp, pp, dp) in {1,2}^3 and (2,2,2); SP on/off;
 micro-batch 1/2; checkpointing none/full/selective; ZeRO-1 on/off; GPipe, 1F1B,
-interleaved (also with pp=1); attention naive/sdpa; several DP buckets.
+interleaved (also with pp=1); async and grouped (NCCL-style) pipeline transfers;
+attention naive/sdpa; several DP buckets.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from harness.engine.comm_model import rank_comm
 from harness.model.presets import resolve_shape
 
 FOUR = {"model_overrides": {"layers": 4}}
+GROUPED = {"HARNESS_P2P": "grouped"}  # the NCCL transfer mode, run on gloo
 
 CASES = {
     1: [
@@ -33,13 +35,13 @@ CASES = {
         {"layout": {"tp": 2, "attention": "naive"}},
         {"layout": {"tp": 2, "sequence_parallel": True, "micro_batch_size": 2, "activation_checkpointing": "selective"}},
         {"layout": {"pp": 2, "activation_checkpointing": "full"}},
-        {"layout": {"pp": 2, "pipeline_schedule": "gpipe", "micro_batch_size": 2}},
+        {"layout": {"pp": 2, "pipeline_schedule": "gpipe", "micro_batch_size": 2}, "env": GROUPED},
         {"layout": {"dp": 2, "zero_stage": 1, "dp_bucket_mb": 0.05}},
         {"layout": {"dp": 2, "activation_checkpointing": "selective", "dp_bucket_mb": 0.05}},
     ],
     4: [
         {"layout": {"tp": 2, "pp": 2, "sequence_parallel": True, "pipeline_schedule": "interleaved",
-                    "virtual_stages": 2}, "workload": FOUR},
+                    "virtual_stages": 2}, "workload": FOUR, "env": GROUPED},
         {"layout": {"tp": 2, "dp": 2, "sequence_parallel": True, "zero_stage": 1, "micro_batch_size": 2,
                     "activation_checkpointing": "full"}},
         {"layout": {"pp": 2, "dp": 2, "dp_bucket_mb": 0.05}},

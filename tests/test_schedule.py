@@ -69,3 +69,29 @@ def test_simulator_catches_a_deadlock_and_a_missing_receive():
 def test_draw_shows_each_rank():
     text = S.draw(S.simulate(S.all_programs("1f1b", 2, 4)))
     assert text.count("rank") == 2
+
+
+@pytest.mark.parametrize("schedule,pp,micro,chunks", [c for c in CASES if c[1] > 1])
+def test_grouped_transfers_never_deadlock(schedule, pp, micro, chunks):
+    """NCCL mode: with every group posted at once and waited for as a whole, the step still ends,
+    and each rank's groups carry exactly its program's transfers in FIFO order per peer."""
+    progs = S.all_programs(schedule, pp, micro, chunks)
+    finish = S.simulate_grouped(progs)
+    assert finish >= S.simulate(progs).finish
+    grouped = S.grouped_programs(progs)
+    for r in range(pp):
+        sends = [t for g in grouped[r] if isinstance(g, list) for t in g if t.op == "send"]
+        for peer in range(pp):
+            if peer != r:
+                assert [t.label for t in sends if t.peer == peer] == S.send_order(progs, r, peer)
+        recvs = [t for g in grouped[r] if isinstance(g, list) for t in g if t.op == "recv"]
+        for peer in range(pp):
+            if peer != r:
+                assert [t.label for t in recvs if t.peer == peer] == S.send_order(progs, peer, r)
+        computes = [a for a in grouped[r] if not isinstance(a, list)]
+        assert computes == [a for a in progs[r] if a.kind in ("F", "B", "STEP")]
+
+
+def test_1f1b_grouped_is_as_fast_as_async():
+    progs = S.all_programs("1f1b", 4, 16)
+    assert S.simulate_grouped(progs) == S.simulate(progs).finish

@@ -83,9 +83,10 @@ class Engine3D:
         self.programs = all_programs(lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
                                      lay.pp, self.micro, self.chunks_per_rank)
         seq_local = w.seq_len // lay.tp if sp else w.seq_len
+        p2p_mode = os.environ.get("HARNESS_P2P") or ("grouped" if ctx.backend == "nccl" else "async")
         self.executor = PipelineExecutor(self.chunks, self.programs, self.axes["pp"], self.clock,
                                          (seq_local, lay.micro_batch_size, shape.hidden), ctx.device,
-                                         lambda: autocast_for(w, ctx.device))
+                                         lambda: autocast_for(w, ctx.device), p2p_mode)
         cos, sin = rotary_tables(w.seq_len, shape.hidden // shape.heads, shape.rope_theta, ctx.device)
         self.cos, self.sin = cos, sin
         self.rank_map = rank_map(lay.tp, lay.pp, lay.dp, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)))
@@ -182,6 +183,7 @@ class Engine3D:
             "mesh": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "order": "pp, dp, tp (tp innermost)"},
             "coord": dataclasses.asdict(self.mesh.coord),
             "schedule": lay.pipeline_schedule, "chunks_per_rank": self.chunks_per_rank,
+            "p2p_mode": self.executor.mode,
             "micro_batches": self.micro, "sequence_parallel": self.region.sp is not None,
             "zero_stage": lay.zero_stage, "dp_buckets": [b.padded for b in self.grads.buckets],
             "stages": [{"stage": p.stage, "layers": [p.layers.start, p.layers.stop]} for p in self.plans],

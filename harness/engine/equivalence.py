@@ -23,7 +23,7 @@ BASE = {"workload": {"model": "tiny", "seq_len": 16, "global_batch_size": 8, "st
 def make_spec(case: dict):
     from harness.spec import parse_spec
 
-    raw = {"workload": {**BASE["workload"], **case.get("workload", {})},
+    raw = {"workload": {**BASE["workload"], **case.get("workload", {})},  # "env": variables for the engine
            "layout": {**BASE["layout"], **case.get("layout", {})}}
     return parse_spec(raw)
 
@@ -64,6 +64,8 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], steps: int, out
     results = []
     try:
         for case in cases:
+            os.environ.pop("HARNESS_P2P", None)
+            os.environ.update(case.get("env", {}))
             spec = make_spec(case)
             shape = resolve_shape(spec.workload.model, spec.workload.model_overrides)
             eng = build(spec, shape, ctx)

@@ -1,115 +1,155 @@
 """Runs one pipeline rank's instruction list (schedules.program) for one step.
 
-Sends are non-blocking (isend, waited for at STEP); a receive blocks. Each directed pair of
-ranks is a FIFO: when the message a RECV wants is not the next one the peer sent, the
-executor receives the earlier ones first and keeps them (the peer's send order is known from
-its own program), so no tags are needed and the order is exactly the simulator's. A chunk
-that hands over to a chunk on the same rank (pp=1 with virtual stages) passes the tensor
-directly. All transfers are [seq(/tp under SP), micro_batch, hidden] fp32 activations or
-their gradients.
+Two transfer modes, same compute:
+  async    sends are isend (waited for at STEP), a receive blocks when its compute needs it.
+           Each directed pair of ranks is a FIFO: when the wanted message is not the next one
+           the peer sent, the earlier ones are received first and kept (the peer's send order
+           is known from its own program), so no tags are needed. Fine for gloo.
+  grouped  the transfers between two computes are posted together (batch_isend_irecv) and
+           waited for as a group, as NCCL needs (a lone send to a peer that is itself sending
+           to us can block both); schedules.grouped_programs orders them so that no group
+           waits on another forever. The default on NCCL; HARNESS_P2P=grouped forces it
+           elsewhere (the gloo tests run it too).
+A chunk that hands over to a chunk on the same rank (pp=1 with virtual stages) passes the
+tensor directly. All transfers are [seq(/tp under SP), micro_batch, hidden] fp32 activations
+or their gradients.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
+import torch.distributed as dist
 
-from harness.engine.comm import Axis, StepClock
-from harness.engine.schedules import Action, _label, send_order
+from harness.engine.comm import Axis, StepClock, nbytes
+from harness.engine.schedules import Action, _label, grouped_programs, send_order
 
 
 class PipelineExecutor:
     def __init__(self, chunks, programs: list[list[Action]], pp_axis: Axis, clock: StepClock,
-                 act_shape: tuple[int, ...], device, autocast):
+                 act_shape: tuple[int, ...], device, autocast, mode: str = "async"):
         self.chunks = chunks
         self.pp = len(programs)
-        self.me = pp_axis.index if pp_axis is not None else 0
+        self.me = pp_axis.index
         self.program = programs[self.me]
         self.axis = pp_axis
         self.clock = clock
         self.act_shape, self.device, self.autocast = act_shape, device, autocast
         self.n_chunks = len(chunks)
         self.last_stage = self.pp * self.n_chunks - 1
+        self.mode = mode if self.pp > 1 else "async"
         self.peer_order = {p: send_order(programs, p, self.me) for p in range(self.pp)}
+        self.grouped = grouped_programs(programs)[self.me] if self.mode == "grouped" else None
         self.timeline: list[dict] = []
 
+    # ---------------------------------------------------------------- transfers
+
+    def _buffer(self):
+        return torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+
     def _recv(self, a: Action):
+        """Async mode: the wanted message, draining the peer's earlier ones into the buffer."""
         want = _label(self.me, a, self.pp)
         buf = self.early.setdefault(a.peer, {})
         while want not in buf:
-            if a.peer == self.me:
-                raise AssertionError(f"local message {want} was never produced")
+            if a.peer == self.me or self.mode == "grouped":
+                raise AssertionError(f"message {want} from {a.peer} never arrived")
             label = self.peer_order[a.peer][self.next_from[a.peer]]
             self.next_from[a.peer] += 1
-            t = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
-            buf[label] = self.axis.recv(t, a.peer)
+            buf[label] = self.axis.recv(self._buffer(), a.peer)
         return buf.pop(want)
 
     def _send(self, a: Action, t: torch.Tensor):
         t = t.detach().contiguous()
+        label = _label(self.me, a, self.pp)
         if a.peer == self.me:
-            self.early.setdefault(self.me, {})[_label(self.me, a, self.pp)] = t
-            return
-        self.pending.append((self.axis.isend(t, a.peer), t))
+            self.early.setdefault(self.me, {})[label] = t
+        elif self.mode == "grouped":
+            self.outbox[label] = t
+        else:
+            self.pending.append((self.axis.isend(t, a.peer), t))
+
+    def _group(self, transfers) -> None:
+        """Grouped mode: post a group's sends and receives at once, wait for all of them."""
+        ops = []
+        for t in transfers:
+            peer = self.axis.ranks[t.peer]
+            if t.op == "send":
+                tensor = self.outbox.pop(t.label)
+                self.axis.stats.record(self.axis.name, "send", nbytes(tensor))
+                ops.append(dist.P2POp(dist.isend, tensor, peer, self.axis.group))
+            else:
+                tensor = self._buffer()
+                self.axis.stats.record(self.axis.name, "recv", nbytes(tensor))
+                self.early.setdefault(t.peer, {})[t.label] = tensor
+                ops.append(dist.P2POp(dist.irecv, tensor, peer, self.axis.group))
+        t0 = self.clock.now()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        self.clock.seconds[self.axis.time_key] += self.clock.now() - t0
+
+    # ---------------------------------------------------------------- compute
+
+    def _forward(self, a: Action, micro, cos, sin, loss_scale):
+        stage = a.chunk * self.pp + self.me
+        t0 = self.clock.now()
+        inputs, targets = micro[a.micro]
+        if stage == 0:
+            x = inputs
+        else:
+            x = self._recv(Action("RECV_F", a.chunk, a.micro, (stage - 1) % self.pp)).requires_grad_()
+        with self.autocast():
+            y = self.chunks[a.chunk](x, cos, sin, targets if stage == self.last_stage else None)
+        if stage == self.last_stage:
+            y = y * loss_scale
+            self.loss_sum += y.detach()
+        self.live[(a.chunk, a.micro)] = (x, y)
+        self._mark(stage, "F", a.micro, t0)
+        if stage < self.last_stage:
+            self._send(Action("SEND_F", a.chunk, a.micro, (stage + 1) % self.pp), y)
+
+    def _backward(self, a: Action):
+        stage = a.chunk * self.pp + self.me
+        t0 = self.clock.now()
+        x, y = self.live.pop((a.chunk, a.micro))
+        if stage == self.last_stage:
+            y.backward()
+        else:
+            torch.autograd.backward(y, self._recv(Action("RECV_B", a.chunk, a.micro, (stage + 1) % self.pp)))
+        self._mark(stage, "B", a.micro, t0)
+        if stage > 0:
+            self._send(Action("SEND_B", a.chunk, a.micro, (stage - 1) % self.pp), x.grad)
+
+    def _mark(self, stage, kind, micro, t0):
+        t1 = self.clock.now()
+        self.compute += t1 - t0
+        self.timeline.append({"stage": stage, "kind": kind, "micro": micro,
+                              "start_s": t0 - self.t_step, "end_s": t1 - self.t_step})
+
+    # ---------------------------------------------------------------- step
 
     def run(self, micro: list[tuple[torch.Tensor, torch.Tensor]], cos, sin, loss_scale: float):
         """Forward and backward every micro-batch; returns this rank's scaled loss sum (0 off the last stage)."""
         self.early: dict[int, dict] = {}
         self.next_from = {p: 0 for p in range(self.pp)}
-        self.pending = []
+        self.pending, self.outbox, self.live = [], {}, {}
         self.timeline = []
-        live: dict[tuple[int, int], tuple] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        loss_sum = torch.zeros((), device=self.device)
-        clock, t_step = self.clock, self.clock.now()
-        compute = 0.0
-        for a in self.program:
-            kind = a.kind
-            if kind == "RECV_F" or kind == "RECV_B":
-                outputs[(kind, a.chunk, a.micro)] = self._recv(a)
-            elif kind == "F":
-                stage = a.chunk * self.pp + self.me
-                t0 = clock.now()
-                inputs, targets = micro[a.micro]
-                if stage == 0:
-                    x = inputs
-                else:
-                    x = outputs.pop(("RECV_F", a.chunk, a.micro)).requires_grad_()
-                with self.autocast():
-                    y = self.chunks[a.chunk](x, cos, sin, targets if stage == self.last_stage else None)
-                if stage == self.last_stage:
-                    y = y * loss_scale
-                    loss_sum += y.detach()
-                live[(a.chunk, a.micro)] = (x, y)
-                t1 = clock.now()
-                compute += t1 - t0
-                self.timeline.append({"stage": stage, "kind": "F", "micro": a.micro,
-                                      "start_s": t0 - t_step, "end_s": t1 - t_step})
-            elif kind == "SEND_F":
-                self._send(a, live[(a.chunk, a.micro)][1])
-            elif kind == "B":
-                stage = a.chunk * self.pp + self.me
-                t0 = clock.now()
-                x, y = live.pop((a.chunk, a.micro))
-                if stage == self.last_stage:
-                    y.backward()
-                else:
-                    torch.autograd.backward(y, outputs.pop(("RECV_B", a.chunk, a.micro)))
-                if stage > 0:
-                    outputs[("GRAD", a.chunk, a.micro)] = x.grad
-                del x, y
-                t1 = clock.now()
-                compute += t1 - t0
-                self.timeline.append({"stage": stage, "kind": "B", "micro": a.micro,
-                                      "start_s": t0 - t_step, "end_s": t1 - t_step})
-            elif kind == "SEND_B":
-                self._send(a, outputs.pop(("GRAD", a.chunk, a.micro)))
-            elif kind == "STEP":
-                t0 = clock.now()
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.compute = 0.0
+        self.t_step = self.clock.now()
+        items = self.grouped if self.mode == "grouped" else self.program
+        for a in items:
+            if isinstance(a, list):
+                self._group(a)
+            elif a.kind == "F":
+                self._forward(a, micro, cos, sin, loss_scale)
+            elif a.kind == "B":
+                self._backward(a)
+            elif a.kind == "STEP":
+                t0 = self.clock.now()
                 for work, _ in self.pending:
                     work.wait()
-                clock.seconds["bubble"] += clock.now() - t0
+                self.clock.seconds[self.axis.time_key] += self.clock.now() - t0
                 self.pending = []
-        clock.seconds["fb"] += compute
-        return loss_sum
+            # RECV_* / SEND_* of the async program: done inside _forward/_backward
+        self.clock.seconds["fb"] += self.compute
+        return self.loss_sum

@@ -199,6 +199,148 @@ def simulate(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 
     return Simulation(max(clock), timeline, peak)
 
 
+# ------------------------------------------------------------------ grouped transfers (NCCL)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    op: str        # send | recv
+    peer: int
+    label: tuple   # (direction, sending stage, micro)
+
+
+def grouped_program(programs: list[list[Action]], rank: int) -> list:
+    """The rank's program with the transfers between two computes merged into one group.
+
+    Items are Actions (F, B, STEP) or lists of Transfers. Receives are issued in the sender's
+    order (earlier messages first, kept until needed), so each directed pair is a FIFO on both
+    ends. A group is posted at once (batch_isend_irecv) and completes as a whole: NCCL needs
+    this, because a lone blocking send to a rank that is itself sending to us deadlocks.
+    """
+    pp = len(programs)
+    order = {p: send_order(programs, p, rank) for p in range(pp) if p != rank}
+    nxt = {p: 0 for p in order}
+    have: set = set()
+    out: list = []
+    group: list[Transfer] = []
+    for a in programs[rank]:
+        if a.kind.startswith("SEND"):
+            if a.peer != rank:
+                group.append(Transfer("send", a.peer, _label(rank, a, pp)))
+        elif a.kind.startswith("RECV"):
+            want = _label(rank, a, pp)
+            if a.peer != rank and want not in have:
+                while True:
+                    label = order[a.peer][nxt[a.peer]]
+                    nxt[a.peer] += 1
+                    group.append(Transfer("recv", a.peer, label))
+                    have.add(label)
+                    if label == want:
+                        break
+            have.discard(want)
+        else:
+            if group:
+                out.append(group)
+                group = []
+            out.append(a)
+    if group:
+        out.insert(len(out) - 1, group)  # trailing sends go before STEP
+    return out
+
+
+def _run_grouped(progs: list[list], f_cost: float, b_cost: float):
+    """Strict group semantics: a group finishes only when every transfer in it meets its
+    partner (posted by the peer, now or earlier), and its rank waits for it before going on.
+    Returns (finish time, None) or (None, {rank: (item index, transfers still unmatched)})."""
+    pp = len(progs)
+    pc = [0] * pp
+    clock = [0.0] * pp
+    posted: dict[tuple, float] = {}   # (op, src, dst, label) -> time posted
+
+    def key(r, t):
+        return ("send", r, t.peer, t.label) if t.op == "send" else ("recv", t.peer, r, t.label)
+
+    def partner(k):
+        return ("recv" if k[0] == "send" else "send",) + k[1:]
+
+    while True:
+        progressed = False
+        for r in range(pp):
+            while pc[r] < len(progs[r]):
+                item = progs[r][pc[r]]
+                if isinstance(item, list):
+                    keys = [key(r, t) for t in item]
+                    for k in keys:
+                        posted.setdefault(k, clock[r])
+                    if not all(partner(k) in posted for k in keys):
+                        break
+                    clock[r] = max([clock[r]] + [posted[partner(k)] for k in keys])
+                elif item.kind in ("F", "B"):
+                    clock[r] += f_cost if item.kind == "F" else b_cost
+                pc[r] += 1
+                progressed = True
+        if all(pc[r] == len(progs[r]) for r in range(pp)):
+            return max(clock), None
+        if not progressed:
+            stuck = {}
+            for r in range(pp):
+                if pc[r] < len(progs[r]):
+                    item = progs[r][pc[r]]
+                    stuck[r] = (pc[r], [t for t in item if partner(key(r, t)) not in posted])
+            return None, stuck
+
+
+def grouped_programs(programs: list[list[Action]]) -> list[list]:
+    """Every rank's grouped program, with sends deferred where strict groups would deadlock.
+
+    Interleaved schedules make two neighbours each send the other a message the other does
+    not want yet (Megatron fuses the transfers of a forward and a backward into one group for
+    this reason). Here the simulator finds each such cycle and moves the blocking sends (and
+    later sends to the same peer, keeping the FIFO) into the rank's next group, until the
+    whole step runs. A send is never deferred past STEP. (Pulling the receives earlier
+    instead was tried: it makes receivers wait longer and the step slower.)
+    """
+    pp = len(programs)
+    progs = [grouped_program(programs, r) for r in range(pp)]
+    for _ in range(1_000_000):
+        _, stuck = _run_grouped(progs, 1.0, 2.0)
+        if stuck is None:
+            return [[item for item in prog if not (isinstance(item, list) and not item)] for prog in progs]
+        moved = False
+        for r, (i, missing) in stuck.items():
+            blocked = [t for t in missing if t.op == "send"]
+            if not blocked:
+                continue
+            group = progs[r][i]
+            cut: dict[int, int] = {}
+            for k, t in enumerate(group):
+                if t in blocked and t.peer not in cut:
+                    cut[t.peer] = k
+            defer = [t for k, t in enumerate(group) if t.op == "send" and t.peer in cut and k >= cut[t.peer]]
+            j = i + 1  # the next compute; the deferred sends join the group right after it
+            while j < len(progs[r]) and isinstance(progs[r][j], list):
+                j += 1
+            if j >= len(progs[r]) or progs[r][j].kind == "STEP":
+                raise AssertionError(f"grouped deadlock at rank {r}: cannot defer {defer} past STEP")
+            if j + 1 < len(progs[r]) and isinstance(progs[r][j + 1], list):
+                progs[r][j + 1] = defer + progs[r][j + 1]
+            else:
+                progs[r].insert(j + 1, defer)
+            progs[r][i] = [t for t in group if t not in defer]
+            moved = True
+        if not moved:
+            raise AssertionError(f"grouped deadlock with only receives blocked: {stuck}")
+    raise AssertionError("grouping did not converge")
+
+
+def simulate_grouped(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0) -> float:
+    """Finish time of the grouped programs under strict group semantics (raises on deadlock)."""
+    finish, stuck = _run_grouped(grouped_programs(programs), f_cost, b_cost)
+    if stuck is not None:
+        raise AssertionError(f"grouped deadlock: {stuck}")
+    return finish
+
+
 def draw(sim: Simulation, width_per_unit: int = 1) -> str:
     """ASCII chart of a simulated timeline: one row per rank, F as micro-batch digits, B as letters."""
     rows = []
