@@ -1,0 +1,70 @@
+"""The closed-form comm model and the partition it builds on, without processes.
+
+(The distributed equivalence tests check the model exactly against measured counters on tiny
+layouts; these check it on real shapes, where it is used for planning.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from harness.engine.comm_model import rank_comm, world_comm
+from harness.engine.partition import balanced_partition, rank_params
+from harness.model.presets import PRESETS, param_count
+from harness.spec import Layout
+
+
+def _numel(s):
+    return math.prod(s.local)
+
+
+@pytest.mark.parametrize("name,tp,pp,chunks", [("llama-13b", 8, 4, 1), ("paper-30b", 4, 6, 2),
+                                               ("llama2-70b", 8, 8, 1), ("tiny", 2, 2, 1)])
+def test_shards_add_up_to_the_model(name, tp, pp, chunks):
+    shape = PRESETS[name]
+    total = 0
+    for r in range(pp):
+        for s in rank_params(shape, tp, pp, chunks, r, 2048):
+            total += _numel(s) * (tp if s.shard_dim is not None else 1)
+    assert total == param_count(shape)
+    parts = balanced_partition(shape, pp * chunks, 2048)
+    assert [i for p in parts for i in p] == list(range(shape.layers))
+
+
+def test_last_stage_gets_fewer_layers_with_a_large_vocabulary():
+    parts = balanced_partition(PRESETS["paper-13b"], 8, 2048)
+    assert len(parts[-1]) < len(parts[0])
+
+
+def test_13b_tp8_sp_counts_by_hand():
+    shape = PRESETS["llama-13b"]
+    lay = Layout(engine="own", tp=8, pp=4, dp=16, micro_batch_size=1, sequence_parallel=True, zero_stage=1)
+    seq, gbs = 2048, 256
+    micro = gbs // 16
+    act = seq * 1 * shape.hidden * 4
+    first = rank_comm(shape, lay, seq, gbs, 0)
+    layers = len(balanced_partition(shape, 4, seq)[0])
+    # per micro-batch: 2 regions per layer, each one all-gather and one reduce-scatter per pass,
+    # plus the embedding's reduce-scatter (fwd) / all-gather (bwd)
+    assert first["sp"]["all_gather"] == {"count": micro * (4 * layers + 1), "bytes": micro * (4 * layers + 1) * act}
+    assert first["sp"]["reduce_scatter"]["count"] == micro * (4 * layers + 1)
+    assert "tp" not in first  # no loss on the first stage, no all-reduce under SP
+    assert first["pp"]["send"] == {"count": micro, "bytes": micro * act // 8}
+    last = rank_comm(shape, lay, seq, gbs, 8 * 16 * 3)
+    assert last["tp"]["all_reduce"] == {"count": 2 * micro, "bytes": micro * (seq * 4 + 2 * seq * 4)}
+    # ZeRO-1 moves each local parameter twice (reduce-scatter + all-gather), padded to dp
+    local = sum(_numel(s) for s in rank_params(shape, 8, 4, 1, 0, seq))
+    rs = first["dp"]["reduce_scatter"]["bytes"]
+    assert local * 4 <= rs < local * 4 + 16 * 4 * first["dp"]["reduce_scatter"]["count"]
+    assert first["dp"]["all_gather"]["bytes"] == rs
+
+
+def test_world_totals_scale_with_dp_for_data_parallel_traffic():
+    shape = PRESETS["tiny-4l"]
+    one = world_comm(shape, Layout(engine="own", tp=2, pp=2, dp=2), 128, 16)
+    two = world_comm(shape, Layout(engine="own", tp=2, pp=2, dp=4), 128, 16)
+    # same global batch: TP traffic is the same in total, DP collectives double in count
+    assert one["tp"]["all_reduce"]["bytes"] == two["tp"]["all_reduce"]["bytes"]
+    assert two["dp"]["all_reduce"]["count"] == 2 * one["dp"]["all_reduce"]["count"]
