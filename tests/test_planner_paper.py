@@ -47,9 +47,8 @@ def test_regression_guards():
     for figs in (in_sample(), loso()):
         s = paper.summary(figs)
         assert s["oom_accuracy"] >= 0.955
-        assert s["mean_spearman"] >= 0.78
-        assert s["max_median_mfu_error_points"] <= 3.0
-        assert sum(f["best_in_top3"] for f in figs.values()) >= 3
+        assert s["mean_spearman"] >= 0.84
+        assert s["max_median_mfu_error_points"] <= 2.4
 
 
 @pytest.mark.xfail(reason="not met: 0.959 (374 of 390 judged runs; 0.96 needs 375), in-sample and "
@@ -58,22 +57,23 @@ def test_acceptance_oom_accuracy_together():
     assert paper.summary(in_sample())["oom_accuracy"] >= 0.96
 
 
-@pytest.mark.xfail(reason="not met: mean Spearman 0.837 in-sample, 0.789 leave-one-sweep-out "
-                          "(13B on 32 GPUs ranks at 0.59: 16 runs within 15 MFU points)", strict=False)
+@pytest.mark.xfail(reason="not met: mean Spearman 0.859 in-sample, 0.855 leave-one-sweep-out "
+                          "(0.80/0.91/0.79/0.94 and 0.80/0.91/0.77/0.94 for 13B-32, 13B-64, 30B-256, 30B-64)",
+                   strict=False)
 def test_acceptance_spearman():
     assert paper.summary(in_sample())["mean_spearman"] >= 0.92
     assert paper.summary(loso())["mean_spearman"] >= 0.92
 
 
-@pytest.mark.xfail(reason="not met: 3 of 4 sweeps (13B on 32 GPUs: measured best is predicted 5th)",
-                   strict=False)
 def test_acceptance_best_in_top3():
+    """Met: the measured-best layout is predicted 1st, 1st, 2nd, 1st in-sample and 1st in all four
+    sweeps leave-one-sweep-out."""
     assert all(f["best_in_top3"] for f in in_sample().values())
     assert all(f["best_in_top3"] for f in loso().values())
 
 
-@pytest.mark.xfail(reason="not met: in-sample 2.88/1.43/1.20/1.01 points, leave-one-sweep-out "
-                          "2.70/2.28/2.70/0.97 (13B-32, 13B-64, 30B-256, 30B-64)", strict=False)
+@pytest.mark.xfail(reason="not met in one sweep: in-sample 1.74/2.11/1.57/0.88 points, leave-one-sweep-out "
+                          "1.87/2.26/1.76/1.41 (13B-32, 13B-64, 30B-256, 30B-64)", strict=False)
 def test_acceptance_median_mfu_error():
     assert all(f["median_mfu_error_points"] <= 2.0 for f in in_sample().values())
     assert all(f["median_mfu_error_points"] <= 2.0 for f in loso().values())
