@@ -40,8 +40,13 @@ def _add(out, axis, op, count, size):
         e[1] += count * size
 
 
-def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int) -> dict:
-    """Expected {axis: {op: {count, bytes}}} for one step on one rank."""
+def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, precision: str = "fp32") -> dict:
+    """Expected {axis: {op: {count, bytes}}} for one step on one rank.
+
+    Under bf16 (autocast over fp32 weights) the TP/SP region collectives carry bf16, except
+    the embedding's (its rows are fp32 and feed the fp32 residual stream); the loss, pipeline
+    and DP traffic stays fp32.
+    """
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     c = coord_of(rank, tp, pp, dp)
     sp = layout.sequence_parallel and tp > 1
@@ -49,6 +54,7 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int) 
     mb = layout.micro_batch_size
     micro = global_batch // (dp * mb)
     act = seq_len * mb * shape.hidden * 4
+    region = act // 2 if precision == "bf16" else act
     out = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     full_ckpt = layout.activation_checkpointing == "full"
     stages = pp * chunks
@@ -60,11 +66,17 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int) 
             bwd_enter = regions + (1 if plan.last else 0)
             # full checkpointing recomputes both enters but, stopping early, only the first leave
             redo_enter, redo_leave = (2 * n, n) if full_ckpt else (0, 0)
+            emb = 1 if plan.first else 0      # the embedding's leave: fp32 forward and backward
+            n_rs = fwd_leave + bwd_enter + redo_leave - emb
+            n_ag = fwd_leave + bwd_enter + redo_enter - emb
             if sp:
-                _add(out, "sp", "reduce_scatter", micro * (fwd_leave + bwd_enter + redo_leave), act)
-                _add(out, "sp", "all_gather", micro * (fwd_leave + bwd_enter + redo_enter), act)
+                _add(out, "sp", "reduce_scatter", micro * n_rs, region)
+                _add(out, "sp", "all_gather", micro * n_ag, region)
+                _add(out, "sp", "reduce_scatter", micro * emb, act)
+                _add(out, "sp", "all_gather", micro * emb, act)
             else:
-                _add(out, "tp", "all_reduce", micro * (fwd_leave + bwd_enter + redo_leave), act)
+                _add(out, "tp", "all_reduce", micro * (fwd_leave + bwd_enter + redo_leave - emb), region)
+                _add(out, "tp", "all_reduce", micro * emb, act)
             if plan.last:
                 _add(out, "tp", "all_reduce", micro, seq_len * mb * 4)
                 _add(out, "tp", "all_reduce", micro, 2 * seq_len * mb * 4)
@@ -93,11 +105,11 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int) 
     return {axis: {op: {"count": cnt, "bytes": by} for op, (cnt, by) in ops.items()} for axis, ops in out.items()}
 
 
-def world_comm(shape: Shape, layout, seq_len: int, global_batch: int) -> dict:
+def world_comm(shape: Shape, layout, seq_len: int, global_batch: int, precision: str = "fp32") -> dict:
     """Per-step totals over all ranks (what the planner prices), {axis: {op: {count, bytes}}}."""
     tot = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     for r in range(layout.tp * layout.pp * layout.dp):
-        for axis, ops in rank_comm(shape, layout, seq_len, global_batch, r).items():
+        for axis, ops in rank_comm(shape, layout, seq_len, global_batch, r, precision).items():
             for op, v in ops.items():
                 tot[axis][op][0] += v["count"]
                 tot[axis][op][1] += v["bytes"]

@@ -91,12 +91,12 @@ class PipelineExecutor:
 
     def _forward(self, a: Action, micro, cos, sin, loss_scale):
         stage = a.chunk * self.pp + self.me
-        t0 = self.clock.now()
         inputs, targets = micro[a.micro]
         if stage == 0:
             x = inputs
         else:
             x = self._recv(Action("RECV_F", a.chunk, a.micro, (stage - 1) % self.pp)).requires_grad_()
+        t0 = self.clock.now()  # after the receive: its wait is pipeline time, not compute
         with self.autocast():
             y = self.chunks[a.chunk](x, cos, sin, targets if stage == self.last_stage else None)
         if stage == self.last_stage:
@@ -109,12 +109,14 @@ class PipelineExecutor:
 
     def _backward(self, a: Action):
         stage = a.chunk * self.pp + self.me
-        t0 = self.clock.now()
         x, y = self.live.pop((a.chunk, a.micro))
-        if stage == self.last_stage:
+        grad = None if stage == self.last_stage else \
+            self._recv(Action("RECV_B", a.chunk, a.micro, (stage + 1) % self.pp))
+        t0 = self.clock.now()
+        if grad is None:
             y.backward()
         else:
-            torch.autograd.backward(y, self._recv(Action("RECV_B", a.chunk, a.micro, (stage + 1) % self.pp)))
+            torch.autograd.backward(y, grad)
         self._mark(stage, "B", a.micro, t0)
         if stage > 0:
             self._send(Action("SEND_B", a.chunk, a.micro, (stage - 1) % self.pp), x.grad)
