@@ -10,7 +10,7 @@ ZeRO-1: each bucket is padded to a multiple of dp and split into dp contiguous s
 reduction is a reduce-scatter into this rank's shard, the optimizer (its fp32 weights shard
 and Adam moments) holds only that shard, and an all-gather of the updated shards refreshes
 the full parameters. Without ZeRO the reduction is an all-reduce and the optimizer works on
-the whole flat buffers (one tensor per bucket instead of one per parameter).
+every parameter.
 
 Under sequence parallelism the norm weights are replicated across TP but each rank saw only
 its part of the sequence, so their gradients are partial: they get a bucket of their own that
@@ -147,16 +147,23 @@ class GradSync:
     # ---------------------------------------------------------------- optimizer view
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
-        """What the optimizer updates: whole flat buffers, or this rank's shards under ZeRO-1."""
+        """What the optimizer updates: one 1-D view per parameter (its part of this rank's shard
+        under ZeRO-1), with the matching gradient view attached.
+
+        Per-parameter views rather than one tensor per bucket: AdamW's elementwise passes then
+        run over cache-sized pieces (on CPU a 13 MB flat buffer made the step twice as slow),
+        and padding is never touched. The values are the same either way.
+        """
         out = []
         for b in self.buckets:
-            if self.zero:
-                t = b.param_flat[b.shard[0]:b.shard[1]]
-                t.grad = b.shard_grad
-            else:
-                t = b.param_flat
-                t.grad = b.grad_flat
-            out.append(t)
+            lo, hi = b.shard if self.zero else (0, b.padded)
+            grads = b.shard_grad if self.zero else b.grad_flat
+            for a, e in b.ranges:
+                a2, e2 = max(a, lo), min(e, hi)
+                if a2 < e2:
+                    t = b.param_flat[a2:e2]
+                    t.grad = grads[a2 - lo:e2 - lo]
+                    out.append(t)
         return out
 
     def grad_sq_sum(self, count_replicated: bool) -> torch.Tensor:

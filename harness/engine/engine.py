@@ -79,7 +79,7 @@ class Engine3D:
         self.params = [named[s.name] for s in self.specs]
         self.grads = GradSync(self.params, self.specs, self.axes["dp"], self.region.sp, lay.zero_stage == 1,
                               lay.dp_bucket_mb, ctx.device)
-        self.optimizer = make_adamw(self.grads.optimizer_tensors(), w)
+        self.optimizer = make_adamw(self.grads.optimizer_tensors(), w, fused=ctx.device.type == "cuda")
         self.programs = all_programs(lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
                                      lay.pp, self.micro, self.chunks_per_rank)
         seq_local = w.seq_len // lay.tp if sp else w.seq_len
