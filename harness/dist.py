@@ -88,10 +88,12 @@ def init(requested_device: str = "auto") -> RunContext:
     return RunContext(rank, world, local_rank, device, backend)
 
 
-def teardown(ctx: RunContext) -> None:
+def teardown(ctx: RunContext, barrier: bool = True) -> None:
+    """End of a run: every rank reaches the barrier, then the group is destroyed."""
     if ctx.backend is not None and dist.is_initialized():
         try:
-            dist.barrier()
+            if barrier:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
+
+from harness.errors import SpecError
 
 
 def add_arguments(p):
@@ -26,8 +30,16 @@ def main(args) -> int:
     try:
         record = run(spec, ctx, store_path=args.store, run_id=args.run_id, sweep=args.sweep,
                      point_key=args.point_key, peak_tflops=args.peak_tflops, progress=not args.no_progress)
-        if ctx.is_main:
-            print("\n".join(summary_lines(record, args.store or spec.store)))
-    finally:
-        dist.teardown(ctx)
+    except SpecError:
+        dist.teardown(ctx, barrier=False)
+        raise
+    except BaseException:
+        # The failure record is written. Peers may be stuck in a collective with this rank, so
+        # do not wait for them in a barrier: leave now and let the launcher end the others.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    if ctx.is_main:
+        print("\n".join(summary_lines(record, args.store or spec.store)))
+    dist.teardown(ctx)
     return 0 if record["status"] == "ok" else 1
