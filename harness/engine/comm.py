@@ -26,19 +26,46 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 class StepClock:
-    """Seconds per category within a step; synchronises the device so GPU timings are real."""
+    """Seconds per category within a step, measured where the work runs.
+
+    On CPU a mark is perf_counter(). On CUDA a mark is an event recorded on the current
+    stream, and spans are resolved once at the end of the step (`finish`), so measuring
+    does not synchronise the device in the middle of the step (which would serialise the
+    CPU with the GPU and change what is measured). A span between two marks is the time
+    the compute stream spent there: for a blocking collective, its exposed cost.
+    """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        self.reset()
 
     def reset(self) -> None:
-        self.seconds = defaultdict(float)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._pending: list[tuple[str, object, object]] = []
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def add(self, key: str, start, end) -> None:
+        if self.cuda:
+            self._pending.append((key, start, end))
+        else:
+            self.seconds[key] += end - start
+
+    def elapsed(self, start, end) -> float:
+        """Seconds between two marks (on CUDA only after finish())."""
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            for key, start, end in self._pending:
+                self.seconds[key] += start.elapsed_time(end) / 1e3
+            self._pending = []
 
 
 class CommStats:
@@ -81,9 +108,9 @@ class Axis:
 
     def _timed(self, fn):
         clock = self.stats.clock
-        t0 = clock.now()
+        t0 = clock.mark()
         out = fn()
-        clock.seconds[self.time_key] += clock.now() - t0
+        clock.add(self.time_key, t0, clock.mark())
         return out
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):

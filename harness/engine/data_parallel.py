@@ -134,7 +134,7 @@ class GradSync:
     def finish(self) -> None:
         """Wait for every bucket's reduction (charged to dp_comm)."""
         clock = self.dp.stats.clock
-        t0 = clock.now()
+        t0 = clock.mark()
         for b in self.buckets:
             if b.ready != len(b.params):
                 missing = [s.name for p, s in zip(b.params, b.specs) if self.counts.get(p, 0) != self.expected]
@@ -142,7 +142,7 @@ class GradSync:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-        clock.seconds["dp_comm"] += clock.now() - t0
+        clock.add("dp_comm", t0, clock.mark())
 
     # ---------------------------------------------------------------- optimizer view
 

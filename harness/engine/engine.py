@@ -118,7 +118,7 @@ class Engine3D:
         clock = self.clock
         clock.reset()
         self.stats.reset()
-        t_start = clock.now()
+        t_start = clock.mark()
         local = dp_slice(global_batch, self.mesh.coord.dp, lay.dp).to(self.device, non_blocking=True)
         micro = micro_batches(local, lay.micro_batch_size)
         self.grads.begin_step(len(micro))
@@ -126,40 +126,42 @@ class Engine3D:
         loss = self.executor.run(micro, self.cos, self.sin, 1.0 / tokens)
         self.grads.finish()
 
-        t0 = clock.now()
+        t0 = clock.mark()
         c = self.mesh.coord
         count_loss = c.tp == 0 and c.pp == lay.pp - 1
         count_grads = self.grads.zero or c.dp == 0
         sq = self.grads.grad_sq_sum(count_replicated=c.tp == 0) if count_grads else torch.zeros((), device=self.device)
         pair = torch.stack([loss if count_loss else torch.zeros_like(loss), sq]).float()
-        ta = clock.now()
+        ta = clock.mark()
         self.axes["all"].all_reduce(pair)   # its wait is the slowest stage's lag: charged to bubble
-        t1 = clock.now()
+        t1 = clock.mark()
         if w.grad_clip > 0:
             norm = pair[1].sqrt()
             coef = torch.clamp(w.grad_clip / (norm + 1e-6), max=1.0)
             self.grads.scale_grads(coef)
         self.optimizer.step()
-        t2 = clock.now()
+        t2 = clock.mark()
         self.grads.gather_params()          # ZeRO-1 all-gather, charged to dp_comm by its axis
-        t3 = clock.now()
+        t3 = clock.mark()
         self.grads.zero_grads()
-        t_end = clock.now()
+        t_end = clock.mark()
 
+        clock.add("optimizer", t0, ta)
+        clock.add("optimizer", t1, t2)
+        clock.add("optimizer", t3, t_end)
+        clock.finish()
         s = clock.seconds
-        s["optimizer"] += (ta - t0) + (t2 - t1) + (t_end - t3)
-        total = t_end - t_start
         self._details = {
             "breakdown_s": {
-                "compute": max(0.0, s["fb"] - s["tp_comm"]),
+                "compute": max(0.0, s["fb"] - s["tp_comm"]),   # tp collectives run inside forward/backward
                 "tp_comm": s["tp_comm"],
                 "bubble": s["bubble"],  # p2p sends and receive waits, send drains, waiting for the slowest stage
                 "dp_comm": s["dp_comm"],
                 "optimizer": s["optimizer"],
-                "total": total,
+                "total": clock.elapsed(t_start, t_end),
             },
             "comm": self.stats.as_dict(),
-            "pipeline_timeline": [dict(e, rank=self.mesh.rank) for e in self.executor.timeline],
+            "pipeline_timeline": [dict(e, rank=self.mesh.rank) for e in self.executor.resolve_timeline()],
         }
         return float(pair[0])
 

@@ -39,7 +39,7 @@ class PipelineExecutor:
         self.mode = mode if self.pp > 1 else "async"
         self.peer_order = {p: send_order(programs, p, self.me) for p in range(self.pp)}
         self.grouped = grouped_programs(programs)[self.me] if self.mode == "grouped" else None
-        self.timeline: list[dict] = []
+        self.marks: list[tuple] = []
 
     # ---------------------------------------------------------------- transfers
 
@@ -82,10 +82,10 @@ class PipelineExecutor:
                 self.axis.stats.record(self.axis.name, "recv", nbytes(tensor))
                 self.early.setdefault(t.peer, {})[t.label] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.axis.group))
-        t0 = self.clock.now()
+        t0 = self.clock.mark()
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        self.clock.seconds[self.axis.time_key] += self.clock.now() - t0
+        self.clock.add(self.axis.time_key, t0, self.clock.mark())
 
     # ---------------------------------------------------------------- compute
 
@@ -96,7 +96,7 @@ class PipelineExecutor:
             x = inputs
         else:
             x = self._recv(Action("RECV_F", a.chunk, a.micro, (stage - 1) % self.pp)).requires_grad_()
-        t0 = self.clock.now()  # after the receive: its wait is pipeline time, not compute
+        t0 = self.clock.mark()  # after the receive: its wait is pipeline time, not compute
         with self.autocast():
             y = self.chunks[a.chunk](x, cos, sin, targets if stage == self.last_stage else None)
         if stage == self.last_stage:
@@ -112,7 +112,7 @@ class PipelineExecutor:
         x, y = self.live.pop((a.chunk, a.micro))
         grad = None if stage == self.last_stage else \
             self._recv(Action("RECV_B", a.chunk, a.micro, (stage + 1) % self.pp))
-        t0 = self.clock.now()
+        t0 = self.clock.mark()
         if grad is None:
             y.backward()
         else:
@@ -122,10 +122,15 @@ class PipelineExecutor:
             self._send(Action("SEND_B", a.chunk, a.micro, (stage - 1) % self.pp), x.grad)
 
     def _mark(self, stage, kind, micro, t0):
-        t1 = self.clock.now()
-        self.compute += t1 - t0
-        self.timeline.append({"stage": stage, "kind": kind, "micro": micro,
-                              "start_s": t0 - self.t_step, "end_s": t1 - self.t_step})
+        t1 = self.clock.mark()
+        self.clock.add("fb", t0, t1)
+        self.marks.append((stage, kind, micro, t0, t1))
+
+    def resolve_timeline(self) -> list[dict]:
+        """The step's forwards and backwards in seconds from the step's start (after clock.finish())."""
+        el = self.clock.elapsed
+        return [{"stage": st, "kind": k, "micro": m, "start_s": el(self.t_step, a), "end_s": el(self.t_step, b)}
+                for st, k, m, a, b in self.marks]
 
     # ---------------------------------------------------------------- step
 
@@ -134,10 +139,9 @@ class PipelineExecutor:
         self.early: dict[int, dict] = {}
         self.next_from = {p: 0 for p in range(self.pp)}
         self.pending, self.outbox, self.live = [], {}, {}
-        self.timeline = []
+        self.marks = []
         self.loss_sum = torch.zeros((), device=self.device)
-        self.compute = 0.0
-        self.t_step = self.clock.now()
+        self.t_step = self.clock.mark()
         items = self.grouped if self.mode == "grouped" else self.program
         for a in items:
             if isinstance(a, list):
@@ -147,11 +151,10 @@ class PipelineExecutor:
             elif a.kind == "B":
                 self._backward(a)
             elif a.kind == "STEP":
-                t0 = self.clock.now()
+                t0 = self.clock.mark()
                 for work, _ in self.pending:
                     work.wait()
-                self.clock.seconds[self.axis.time_key] += self.clock.now() - t0
+                self.clock.add(self.axis.time_key, t0, self.clock.mark())
                 self.pending = []
             # RECV_* / SEND_* of the async program: done inside _forward/_backward
-        self.clock.seconds["fb"] += self.compute
         return self.loss_sum
