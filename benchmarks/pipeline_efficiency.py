@@ -6,6 +6,7 @@ stage measures its own forward+backward compute in the same steps; the ideal 1F1
 the medians and, last, `ratio: <measured step / ideal>` (target within 1.15).
 
     python benchmarks/pipeline_efficiency.py [--schedule 1f1b] [--micro-batches 8] [--steps 12]
+    python benchmarks/pipeline_efficiency.py --schedule interleaved --virtual-stages 2
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _worker(rank, world, port, args, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     spec = parse_spec({"workload": {"model": args.model, "seq_len": args.seq, "global_batch_size": args.micro_batches,
                                     "precision": "fp32", "device": "cpu"},
-                       "layout": {"engine": "own", "pp": world, "pipeline_schedule": args.schedule}})
+                       "layout": {"engine": "own", "pp": world, "pipeline_schedule": args.schedule,
+                                  "virtual_stages": args.virtual_stages}})
     shape = resolve_shape(args.model)
     eng = build(spec, shape, RunContext(rank, world, rank, torch.device("cpu"), "gloo"))
     src = token_source(spec.workload, shape.vocab)
@@ -54,7 +56,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
@@ -66,10 +69,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_worker, args=(args.pp, free_port(), args, d), nprocs=args.pp, start_method="spawn")
         ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(args.pp)]
-    m, p = args.micro_batches, args.pp
+    m, p, v = args.micro_batches, args.pp, args.virtual_stages
+    # ideal: the slower stage computes all the time except the fill/drain bubble, which
+    # interleaving divides by the number of chunks per rank (Narayanan et al. 2021)
+    factor = 1 + (p - 1) / (v * m)
     step = [max(r["rows"][i][0] for r in ranks) for i in range(args.steps)]
     compute = [max(r["rows"][i][1] for r in ranks) for i in range(args.steps)]
-    ratios = [s / ((m + p - 1) / m * c) for s, c in zip(step, compute)]
+    ratios = [s / (factor * c) for s, c in zip(step, compute)]
     print(f"model {args.model} seq {args.seq} pp {p} micro-batches {m} schedule {args.schedule}; "
           f"stages {[s['layers'] for s in ranks[0]['stages']]} on rank 0")
     for r, rk in enumerate(ranks):
@@ -77,9 +83,9 @@ def main() -> None:
         other = statistics.median(x[0] - sum(x[1:]) for x in rk["rows"])
         print(f"rank {r}: median step {med[0] * 1e3:.1f} ms: compute {med[1] * 1e3:.1f}, "
               f"pipeline p2p + wait {med[2] * 1e3:.1f}, optimizer {med[3] * 1e3:.1f}, other {other * 1e3:.1f}")
-    ideal = (m + p - 1) / m * statistics.median(compute)
-    print(f"median step {statistics.median(step) * 1e3:.1f} ms; ideal 1F1B {ideal * 1e3:.1f} ms "
-          f"((m+p-1)/m x slower stage's compute); per-step ratios p10..p90 "
+    ideal = factor * statistics.median(compute)
+    print(f"median step {statistics.median(step) * 1e3:.1f} ms; ideal {ideal * 1e3:.1f} ms "
+          f"((m+(p-1)/v)/m x slower stage's compute); per-step ratios p10..p90 "
           f"{sorted(ratios)[len(ratios) // 10]:.3f}..{sorted(ratios)[(9 * len(ratios)) // 10]:.3f}")
     print(f"ratio: {statistics.median(ratios):.4f}")
 
