@@ -171,7 +171,10 @@ class Engine3D:
         return self._details
 
     def full_state_dict(self):
-        """Gather every parameter (TP shards concatenated, pipeline stages collected) on rank 0."""
+        """Gather every parameter (TP shards concatenated, pipeline stages collected) on rank 0.
+
+        Collective: every rank must call it; rank 0 gets the dict, the others None.
+        """
         lay = self.spec.layout
         c = self.mesh.coord
         tp = self.axes["tp"]

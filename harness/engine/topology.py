@@ -97,7 +97,12 @@ class Mesh:
 
     @classmethod
     def get(cls, tp: int, pp: int, dp: int, rank: int, distributed: bool = True) -> "Mesh":
-        key = (tp, pp, dp, rank, distributed)
+        world_id = None
+        if distributed and tp * pp * dp > 1:
+            import torch.distributed as dist
+
+            world_id = id(dist.group.WORLD)  # a new process group must not reuse old subgroups
+        key = (tp, pp, dp, rank, distributed, world_id)
         if key not in cls._cache:
             world = None
             if distributed and tp * pp * dp > 1:
