@@ -7,10 +7,12 @@ group creation are paid once per world size rather than once per layout.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -59,7 +61,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], steps: int, out
     from harness.frameworks.own import build
     from harness.model.presets import resolve_shape
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
     ctx = RunContext(rank, world, rank, torch.device("cpu"), "gloo")
     results = []
     try:
@@ -89,13 +91,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cases: list[dict], world: int, steps: int = 5) -> list[list[dict]]:
+def launch(cases: list[dict], world: int, steps: int = 5, timeout_s: float = 300) -> list[list[dict]]:
     """Spawn `world` gloo processes that run every case; returns per-rank result lists."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world, free_port(), cases, steps, d), nprocs=world,
-                           start_method="spawn", join=True)
+        context = mp.start_processes(_worker, args=(world, free_port(), cases, steps, d), nprocs=world,
+                                     start_method="spawn", join=False)
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=2):
+            if time.monotonic() > deadline:  # a hang (deadlock) must fail the test, not stall the suite
+                for p in context.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{world} processes did not finish {len(cases)} cases in {timeout_s} s")
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
