@@ -4,8 +4,8 @@ One step: every rank takes the same global batch, keeps its DP slice, runs its p
 program over the micro-batches (TP/SP collectives inside each forward/backward, DP
 reductions starting from gradient hooks), waits for the DP reductions, then one world
 all-reduce of two numbers (loss contribution, squared gradient norm contribution) gives the
-global loss and the global norm for clipping, and AdamW steps on the local (or ZeRO-sharded)
-flat buffers.
+global loss and the global norm for clipping, and AdamW steps on this rank's parameters (or
+its ZeRO-1 shard of them, followed by an all-gather).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from harness.data import dp_slice, micro_batches
 from harness.engine.comm import Axis, CommStats, StepClock
 from harness.engine.data_parallel import GradSync
 from harness.engine.model import build_chunks
-from harness.engine.partition import rank_chunks
+from harness.engine.partition import rank_chunks, rank_params
 from harness.engine.pipeline import PipelineExecutor
 from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
@@ -82,10 +82,7 @@ class Engine3D:
         self.micro = w.global_batch_size // (lay.dp * lay.micro_batch_size)
         plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)
         self.plans = plans
-        needed = set()
-        from harness.engine.partition import stage_params
-        for p in plans:
-            needed |= {s.name for s in stage_params(shape, lay.tp, p.layers, p.first, p.last, p.chunk)}
+        needed = {s.name for s in rank_params(shape, lay.tp, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)}
         ref = reference_weights(shape, w.seed, needed)
         self.chunks, self.specs = build_chunks(shape, plans, lay.tp, c.tp, self.region, lay.attention, lay.rmsnorm,
                                                lay.activation_checkpointing, ref, ctx.device)
@@ -101,6 +98,8 @@ class Engine3D:
                                      lay.pp, self.micro, self.chunks_per_rank)
         seq_local = w.seq_len // lay.tp if sp else w.seq_len
         p2p_mode = os.environ.get("HARNESS_P2P") or ("grouped" if ctx.backend == "nccl" else "async")
+        if p2p_mode not in ("async", "grouped"):
+            raise ValueError(f"HARNESS_P2P={p2p_mode!r}: use async or grouped")
         self.executor = PipelineExecutor(self.chunks, self.programs, self.axes["pp"], self.clock,
                                          (seq_local, lay.micro_batch_size, shape.hidden), ctx.device,
                                          lambda: autocast_for(w, ctx.device), p2p_mode)
