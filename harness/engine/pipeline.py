@@ -5,11 +5,13 @@ Two transfer modes, same compute:
            Each directed pair of ranks is a FIFO: when the wanted message is not the next one
            the peer sent, the earlier ones are received first and kept (the peer's send order
            is known from its own program), so no tags are needed. Fine for gloo.
-  grouped  the transfers between two computes are posted together (batch_isend_irecv) and
-           waited for as a group, as NCCL needs (a lone send to a peer that is itself sending
-           to us can block both); schedules.grouped_programs orders them so that no group
-           waits on another forever. The default on NCCL; HARNESS_P2P=grouped forces it
-           elsewhere (the gloo tests run it too).
+  grouped  the transfers between two computes are posted together (batch_isend_irecv), as
+           NCCL needs (a lone send to a peer that is itself sending to us can block both);
+           schedules.grouped_programs orders them so that no group waits on another forever
+           even if each group is waited for as a whole (which NCCL's coalesced work does).
+           Where the backend returns one work per transfer (gloo), only the receives are
+           waited for at once and the sends at STEP. The default on NCCL; HARNESS_P2P=grouped
+           forces it elsewhere (the gloo tests run it too).
 A chunk that hands over to a chunk on the same rank (pp=1 with virtual stages) passes the
 tensor directly. All transfers are [seq(/tp under SP), micro_batch, hidden] fp32 activations
 or their gradients.
@@ -83,8 +85,16 @@ class PipelineExecutor:
                 self.early.setdefault(t.peer, {})[t.label] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.axis.group))
         t0 = self.clock.mark()
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):   # one work per op (gloo): only the receives are needed now
+            for t, work, op in zip(transfers, works, ops):
+                if t.op == "recv":
+                    work.wait()
+                else:
+                    self.pending.append((work, op.tensor))
+        else:                        # one coalesced work for the group (NCCL)
+            for work in works:
+                work.wait()
         self.clock.add(self.axis.time_key, t0, self.clock.mark())
 
     # ---------------------------------------------------------------- compute
