@@ -63,6 +63,17 @@ def reference_weights(shape, seed: int, names: set[str]) -> dict:
     return out
 
 
+def _ranks_per_node(ctx) -> int:
+    """torchrun and deepspeed set LOCAL_WORLD_SIZE; srun says SLURM_NTASKS_PER_NODE (e.g. '8(x2)')."""
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "").split("(")[0].split(",")[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    if ctx.device.type == "cuda":
+        return max(1, torch.cuda.device_count())
+    return ctx.world_size
+
+
 class Engine3D:
     name = "own"
 
@@ -105,7 +116,7 @@ class Engine3D:
                                          lambda: autocast_for(w, ctx.device), p2p_mode)
         cos, sin = rotary_tables(w.seq_len, shape.hidden // shape.heads, shape.rope_theta, ctx.device)
         self.cos, self.sin = cos, sin
-        self.rank_map = rank_map(lay.tp, lay.pp, lay.dp, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)))
+        self.rank_map = rank_map(lay.tp, lay.pp, lay.dp, _ranks_per_node(ctx))
         if ctx.rank == 0 and ctx.world_size > 1:
             print("own engine rank map (tp innermost):\n" + format_rank_map(self.rank_map), file=sys.stderr, flush=True)
         self._details: dict = {}
