@@ -10,7 +10,7 @@ from harness.model.llama import reference_state_dict
 from harness.model.presets import PRESETS
 
 
-def test_reference_weight_replay_is_bit_identical():
+def test_rank_weights_are_the_reference_bits():
     shape = PRESETS["tiny-4l"]
     full = reference_state_dict(shape, 7)
     some = {"tok_embeddings.weight", "layers.2.attention.wo.weight", "layers.3.ffn_norm.weight", "output.weight"}

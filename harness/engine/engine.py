@@ -27,7 +27,7 @@ from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map, rank_map
 from harness.frameworks.single import autocast_for, make_adamw
-from harness.model.llama import rotary_tables
+from harness.model.llama import reference_tensor, rotary_tables
 
 # Which breakdown category each axis's blocking wait is charged to.
 TIME_KEYS = {"tp": "tp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"}
@@ -35,32 +35,8 @@ TIME_KEYS = {"tp": "tp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"}
 
 def reference_weights(shape, seed: int, names: set[str]) -> dict:
     """The reference initial weights of the named tensors only (a 13B model must not be built
-    whole on every rank).
-
-    Uses the model's per-tensor builder when it offers one (`reference_tensor`); otherwise
-    replays reference_state_dict's recipe (one generator per tensor seeded by (seed, index),
-    norms ones, wo/w2 scaled by 1/sqrt(2 layers)). tests/test_engine_units.py checks the replay
-    bit for bit against reference_state_dict, so a change there cannot go unnoticed.
-    """
-    from harness.model import llama
-
-    one = getattr(llama, "reference_tensor", None)
-    if one is not None:
-        return {n: one(shape, seed, n) for n in names}
-    with torch.device("meta"):
-        order = [(n, p.shape) for n, p in llama.Llama(shape).named_parameters()]
-    out = {}
-    std = 0.02
-    for index, (name, size) in enumerate(order):
-        if name not in names:
-            continue
-        if name.endswith("norm.weight"):
-            out[name] = torch.ones(size)
-            continue
-        g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        scale = std / (2 * shape.layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
-        out[name] = torch.randn(size, generator=g) * scale
-    return out
+    whole on every rank); each is bit-identical to reference_state_dict's."""
+    return {n: reference_tensor(shape, seed, n) for n in names}
 
 
 def _ranks_per_node(ctx) -> int:
