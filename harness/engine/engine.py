@@ -21,7 +21,7 @@ from harness.data import dp_slice, micro_batches
 from harness.engine.comm import Axis, CommStats, StepClock
 from harness.engine.data_parallel import GradSync
 from harness.engine.model import build_chunks
-from harness.engine.partition import rank_chunks, rank_params
+from harness.engine.partition import rank_chunks
 from harness.engine.pipeline import PipelineExecutor
 from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
@@ -31,12 +31,6 @@ from harness.model.llama import reference_tensor, rotary_tables
 
 # Which breakdown category each axis's blocking wait is charged to.
 TIME_KEYS = {"tp": "tp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"}
-
-
-def reference_weights(shape, seed: int, names: set[str]) -> dict:
-    """The reference initial weights of the named tensors only (a 13B model must not be built
-    whole on every rank); each is bit-identical to reference_state_dict's."""
-    return {n: reference_tensor(shape, seed, n) for n in names}
 
 
 def _ranks_per_node(ctx) -> int:
@@ -69,11 +63,9 @@ class Engine3D:
         self.micro = w.global_batch_size // (lay.dp * lay.micro_batch_size)
         plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)
         self.plans = plans
-        needed = {s.name for s in rank_params(shape, lay.tp, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)}
-        ref = reference_weights(shape, w.seed, needed)
         self.chunks, self.specs = build_chunks(shape, plans, lay.tp, c.tp, self.region, lay.attention, lay.rmsnorm,
-                                               lay.activation_checkpointing, ref, ctx.device)
-        del ref
+                                               lay.activation_checkpointing,
+                                               lambda name: reference_tensor(shape, w.seed, name), ctx.device)
         named = {}
         for ch in self.chunks:
             named.update(dict(ch.named_parameters()))

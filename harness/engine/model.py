@@ -144,9 +144,13 @@ class Chunk(nn.Module):
 
 
 def build_chunks(shape: Shape, plans: list[ChunkPlan], tp: int, tp_index: int, region: Region,
-                 attention: str, rmsnorm_kind: str, checkpointing: str, reference: dict,
+                 attention: str, rmsnorm_kind: str, checkpointing: str, reference,
                  device) -> tuple[list[Chunk], list[ParamSpec]]:
-    """The rank's chunks with their shards of the reference weights, and the parameter list."""
+    """The rank's chunks with their shards of the reference weights, and the parameter list.
+
+    `reference(name)` gives one full initial tensor; it is sharded and dropped before the
+    next is made, so a rank never holds more than one unsharded weight.
+    """
     chunks, specs = [], []
     for plan in plans:
         with torch.device("meta"):
@@ -158,7 +162,7 @@ def build_chunks(shape: Shape, plans: list[ChunkPlan], tp: int, tp_index: int, r
             raise AssertionError(f"chunk parameters {sorted(named)} differ from the plan")
         with torch.no_grad():
             for spec in mine:
-                full = reference[spec.name]
+                full = reference(spec.name)
                 named[spec.name].copy_(shard_of(full, spec, tp_index, tp))
         chunks.append(chunk)
         specs += mine
