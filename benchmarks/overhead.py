@@ -18,40 +18,41 @@ from harness.data import SyntheticTokens
 from harness.dist import RunContext
 from harness.model.llama import build_model
 from harness.model.presets import resolve_shape
-from harness.run import train
+from harness.run import Trainer
 from harness.spec import parse_spec
 
 
-def minimal_loop(shape, spec, steps: int, warmup: int) -> list[float]:
+class MinimalLoop:
     """What a person would write by hand: model, AdamW, accumulate, clip, step."""
-    w = spec.workload
-    model = build_model(shape, w.seed, spec.layout.attention)
-    opt = torch.optim.AdamW(model.parameters(), lr=w.optimizer.lr, betas=w.optimizer.betas,
-                            eps=w.optimizer.eps, weight_decay=w.optimizer.weight_decay)
-    data = SyntheticTokens(shape.vocab, w.seq_len, w.global_batch_size, w.seed)
-    mbs = spec.layout.micro_batch_size
-    times = []
-    for step in range(warmup + steps):
-        batch = data.global_batch_at(step)
+
+    def __init__(self, shape, spec):
+        w = spec.workload
+        self.spec = spec
+        self.model = build_model(shape, w.seed, spec.layout.attention)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=w.optimizer.lr, betas=w.optimizer.betas,
+                                     eps=w.optimizer.eps, weight_decay=w.optimizer.weight_decay)
+        self.data = SyntheticTokens(shape.vocab, w.seq_len, w.global_batch_size, w.seed)
+
+    def step(self, step: int) -> float:
+        batch = self.data.global_batch_at(step)
         t0 = time.perf_counter()
-        chunks = batch.split(mbs)
+        chunks = batch.split(self.spec.layout.micro_batch_size)
         for mb in chunks:
-            logits = model(mb[:, :-1])
+            logits = self.model(mb[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), mb[:, 1:].flatten()) / len(chunks)
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), w.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.workload.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         loss.item()
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+        return time.perf_counter() - t0
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     spec = parse_spec({"workload": {"model": "tiny-256", "seq_len": 128, "global_batch_size": 8,
                                     "steps": args.steps, "warmup_steps": 2},
@@ -61,8 +62,15 @@ def main():
     ctx = RunContext(0, 1, 0, torch.device("cpu"), None)
     runner, minimal = [], []
     for r in range(args.rounds):
-        got = train(spec, ctx, shape, measure_matmul=False, progress=False)["step_times_s"]
-        mine = minimal_loop(shape, spec, args.steps, 2)
+        # step by step, alternating which goes first, so machine noise hits both alike
+        trainer, loop = Trainer(spec, ctx, shape, progress=False), MinimalLoop(shape, spec)
+        got, mine = [], []
+        for step in range(args.warmup + args.steps):
+            order = (trainer, loop) if step % 2 == 0 else (loop, trainer)
+            seconds = {id(x): x.step(step) for x in order}
+            if step >= args.warmup:
+                got.append(seconds[id(trainer)])
+                mine.append(seconds[id(loop)])
         runner += got
         minimal += mine
         print(f"round {r + 1}: runner median {statistics.median(got) * 1e3:.2f} ms, "

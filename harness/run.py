@@ -100,65 +100,87 @@ class Progress:
             print(file=sys.stderr)
 
 
+class Trainer:
+    """The measured loop, one step at a time (benchmarks interleave it with other loops)."""
+
+    def __init__(self, spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = None,
+                 progress: bool = True):
+        w, lay = spec.workload, spec.layout
+        self.spec, self.ctx = spec, ctx
+        self.engine = build_engine(spec, shape, ctx)
+        self.data = token_source(w, shape.vocab)
+        self.total = w.warmup_steps + w.steps
+        self.tokens_per_step = w.global_batch_size * w.seq_len
+        self.fpt = flops_per_token(shape, w.seq_len, lay.activation_checkpointing)
+        device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+        self.peak, self.peak_source = peak_tflops, "override" if peak_tflops else None
+        if self.peak is None and ctx.device.type == "cuda":
+            self.peak = measure.datasheet_peak_tflops(device_name)
+            self.peak_source = f"datasheet dense bf16 ({device_name})" if self.peak else None
+        self.bar = Progress(progress and ctx.is_main, self.total)
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.details: list[dict] = []
+
+    def step(self, step: int) -> float:
+        w = self.spec.workload
+        batch = self.data.global_batch_at(step)
+        if step == w.warmup_steps:
+            measure.reset_peak_memory(self.ctx.device)
+        _fault(step, self.ctx.rank)
+        with measure.StepTimer(self.ctx.device) as timer:
+            loss = self.engine.train_step(batch)
+        self.losses.append(loss)
+        if step >= w.warmup_steps:
+            self.times.append(timer.seconds)
+            self.details.append(self.engine.last_step_details())
+        mfu = self.peak and self.fpt["palm"] * self.tokens_per_step / timer.seconds / (
+            self.ctx.world_size * self.peak * 1e12)
+        self.bar.update(step, timer.seconds, self.tokens_per_step, loss, mfu, force=step == self.total - 1)
+        return timer.seconds
+
+    def metrics(self, measure_matmul: bool = True) -> dict:
+        """Summaries over the measured steps (the same dict on every rank)."""
+        self.bar.close()
+        ctx, w, lay = self.ctx, self.spec.workload, self.spec.layout
+        times = _max_across_ranks(self.times, ctx)  # a step lasts until its slowest rank finishes
+        mem, mem_kind = measure.peak_memory(ctx.device)
+        mem_all = _max_across_ranks([float(mem)], ctx)[0]
+        stats = measure.summarize(times)
+        tokens_per_s = self.tokens_per_step / stats["median"]
+        dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
+        measured_peak = measure.measure_matmul_tflops(ctx.device, dtype) if measure_matmul else None
+        fpt = self.fpt
+        metrics = {
+            "step_time_s": stats,
+            "step_times_s": times,
+            "losses": self.losses,
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / ctx.world_size,
+            "flops_per_token": fpt,
+            "achieved_tflops_per_device": {k: v * tokens_per_s / ctx.world_size / 1e12 for k, v in fpt.items()},
+            "peak_tflops": self.peak,
+            "peak_tflops_source": self.peak_source,
+            "mfu": measure.mfu_table(fpt, tokens_per_s, ctx.world_size, self.peak),
+            "measured_matmul_tflops": measured_peak,
+            "mfu_vs_measured_matmul": measure.mfu_table(fpt, tokens_per_s, ctx.world_size, measured_peak),
+            "peak_memory_bytes": int(mem_all),
+            "memory_kind": mem_kind,
+            "rmsnorm_backend": rmsnorm_backend_name(lay.rmsnorm, ctx.device.type),
+            "engine": self.engine.describe(),
+        }
+        metrics.update(_summarize_details(self.details))
+        return metrics
+
+
 def train(spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = None,
           measure_matmul: bool = True, progress: bool = True) -> dict:
     """Run warm-up plus measured steps; return the metrics (the same dict on every rank)."""
-    w, lay = spec.workload, spec.layout
-    engine = build_engine(spec, shape, ctx)
-    data = token_source(w, shape.vocab)
-    total = w.warmup_steps + w.steps
-    tokens_per_step = w.global_batch_size * w.seq_len
-    fpt = flops_per_token(shape, w.seq_len, lay.activation_checkpointing)
-    device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
-    peak, peak_source = peak_tflops, "override" if peak_tflops else None
-    if peak is None and ctx.device.type == "cuda":
-        peak = measure.datasheet_peak_tflops(device_name)
-        peak_source = f"datasheet dense bf16 ({device_name})" if peak else None
-    bar = Progress(progress and ctx.is_main, total)
-    losses, times, details = [], [], []
-    for step in range(total):
-        batch = data.global_batch_at(step)
-        if step == w.warmup_steps:
-            measure.reset_peak_memory(ctx.device)
-        _fault(step, ctx.rank)
-        with measure.StepTimer(ctx.device) as timer:
-            loss = engine.train_step(batch)
-        losses.append(loss)
-        if step >= w.warmup_steps:
-            times.append(timer.seconds)
-            details.append(engine.last_step_details())
-        mfu = peak and fpt["palm"] * tokens_per_step / timer.seconds / (ctx.world_size * peak * 1e12)
-        bar.update(step, timer.seconds, tokens_per_step, loss, mfu, force=step == total - 1)
-    bar.close()
-
-    times = _max_across_ranks(times, ctx)  # a step lasts until its slowest rank finishes
-    mem, mem_kind = measure.peak_memory(ctx.device)
-    mem_all = _max_across_ranks([float(mem)], ctx)[0]
-    stats = measure.summarize(times)
-    tokens_per_s = tokens_per_step / stats["median"]
-    dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
-    measured_peak = measure.measure_matmul_tflops(ctx.device, dtype) if measure_matmul else None
-    metrics = {
-        "step_time_s": stats,
-        "step_times_s": times,
-        "losses": losses,
-        "tokens_per_step": tokens_per_step,
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_device": tokens_per_s / ctx.world_size,
-        "flops_per_token": fpt,
-        "achieved_tflops_per_device": {k: v * tokens_per_s / ctx.world_size / 1e12 for k, v in fpt.items()},
-        "peak_tflops": peak,
-        "peak_tflops_source": peak_source,
-        "mfu": measure.mfu_table(fpt, tokens_per_s, ctx.world_size, peak),
-        "measured_matmul_tflops": measured_peak,
-        "mfu_vs_measured_matmul": measure.mfu_table(fpt, tokens_per_s, ctx.world_size, measured_peak),
-        "peak_memory_bytes": int(mem_all),
-        "memory_kind": mem_kind,
-        "rmsnorm_backend": rmsnorm_backend_name(lay.rmsnorm, ctx.device.type),
-        "engine": engine.describe(),
-    }
-    metrics.update(_summarize_details(details))
-    return metrics
+    trainer = Trainer(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress)
+    for step in range(trainer.total):
+        trainer.step(step)
+    return trainer.metrics(measure_matmul)
 
 
 def _summarize_details(details: list[dict]) -> dict:
