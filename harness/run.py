@@ -215,7 +215,7 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
         record["status"] = "oom" if is_oom(exc) else "failed"
         record["error"] = f"rank {ctx.rank}: {type(exc).__name__}: {exc}\n" + traceback.format_exc()[-2000:]
         record["ended_at"] = now_iso()
-        store.write(record)
+        store.write(record, keep_earlier_failure=True)  # a peer's echo must not hide the cause
         raise
     record["ended_at"] = now_iso()
     if ctx.is_main:

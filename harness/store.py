@@ -74,7 +74,9 @@ class ResultsStore:
         db.execute("PRAGMA busy_timeout = 60000")
         return db
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict, *, keep_earlier_failure: bool = False) -> None:
+        """Insert or replace. `keep_earlier_failure`: a failing rank's record does not replace
+        a failure another rank of the same run already wrote (see _keeps_earlier_failure)."""
         if record.get("status") not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {record.get('status')!r}")
         record.setdefault("ended_at", now_iso())
@@ -88,12 +90,24 @@ class ResultsStore:
         db = self._connect()
         try:
             with db:  # one transaction: the old attempt of this point goes, the new one comes
+                if keep_earlier_failure and self._keeps_earlier_failure(db, record):
+                    return
                 if record.get("sweep") is not None and record.get("point_key") is not None:
                     db.execute("DELETE FROM runs WHERE sweep = ? AND point_key = ?",
                                (record["sweep"], record["point_key"]))
                 db.execute("INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?)", row)
         finally:
             db.close()
+
+    @staticmethod
+    def _keeps_earlier_failure(db, record: dict) -> bool:
+        """Several ranks of one run may fail: the first failure is the cause, the others its
+        echo (a peer's lost connection). An out-of-memory error is never overwritten by a
+        plain failure, whichever rank wrote first."""
+        row = db.execute("SELECT status FROM runs WHERE run_id = ?", (record["run_id"],)).fetchone()
+        if row is None or row[0] == "ok":
+            return False
+        return not (row[0] == "failed" and record["status"] == "oom")
 
     def records(self, *, sweep: str | None = None, status: str | None = None) -> list[dict]:
         query, args = "SELECT record_json FROM runs WHERE 1=1", []
