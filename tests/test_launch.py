@@ -140,8 +140,11 @@ def test_omp_threads_set_on_cpu(monkeypatch):
 def test_no_stray_processes_of_this_test_session():
     mine = [p for p in launch.processes_with_env(launch.TOKEN_ENV) if p.ppid() == os.getpid()]
     assert mine == []
-    assert psutil.Process().children() == [] or all(
-        c.status() == psutil.STATUS_ZOMBIE for c in psutil.Process().children())
+    # multiprocessing's resource tracker (started by in-process spawn tests) lives as long as
+    # pytest does by design; anything else still alive here was left behind.
+    alive = [(c.pid, c.cmdline()) for c in psutil.Process().children()
+             if c.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in " ".join(c.cmdline())]
+    assert alive == []
     assert sys.executable
 
 
