@@ -1,0 +1,46 @@
+"""`harness plan --calibrate` on real CPU runs of the harness predicts a held-back run.
+
+Acceptance (issue 6): calibrated on records of this machine's tiny-model runs, the planner
+predicts the step time of a run it has not seen within 15%.
+"""
+
+import json
+
+import pytest
+import torch
+
+from harness.dist import RunContext
+from harness.run import run
+from harness.spec import parse_spec
+
+CALIBRATION = [  # (model, seq_len, global batch, micro-batch)
+    ("tiny-4l", 64, 4, 1), ("tiny-4l", 128, 8, 2), ("tiny-256", 64, 4, 2), ("tiny-256", 128, 4, 1),
+    ("tiny-256", 256, 4, 2), ("tiny-4l", 256, 8, 4), ("tiny", 128, 8, 2), ("tiny-256", 128, 8, 4),
+]
+HELD_BACK = ("tiny-256", 128, 8, 2)
+
+
+def measure(store, model, seq, batch, mbs):
+    spec = parse_spec({"workload": {"model": model, "seq_len": seq, "global_batch_size": batch, "steps": 8,
+                                    "warmup_steps": 2},
+                       "layout": {"engine": "single", "micro_batch_size": mbs}, "store": store})
+    rec = run(spec, RunContext(0, 1, 0, torch.device("cpu"), None), progress=False)
+    return rec["metrics"]["step_time_s"]["median"]
+
+
+def test_calibrated_cpu_profile_predicts_a_held_back_run(tmp_path, cli):
+    store, held_store = str(tmp_path / "cal.sqlite"), str(tmp_path / "held.sqlite")
+    for config in CALIBRATION:
+        measure(store, *config)
+    measured = measure(held_store, *HELD_BACK)
+    profile = tmp_path / "cpu-calibrated.yaml"
+    r = cli("plan", "--calibrate", store, "--hardware", "cpu", "--calibrate-out", str(profile))
+    assert r.returncode == 0, r.stderr
+    model, seq, batch, mbs = HELD_BACK
+    r = cli("plan", "--model", model, "--seq-len", str(seq), "--global-batch-size", str(batch), "--gpus", "1",
+            "--gpus-per-node", "1", "--hardware", str(profile), "--micro-batch-sizes", str(mbs),
+            "--attention", "sdpa", "--rmsnorm", "torch", "--activation-checkpointing", "none",
+            "--zero", "0", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)
+    assert row["step_time_s"] == pytest.approx(measured, rel=0.15), (row["step_time_s"], measured)
