@@ -171,7 +171,24 @@ class Trainer:
             "engine": self.engine.describe(),
         }
         metrics.update(_summarize_details(self.details))
+        if metrics.get("pipeline_timeline") is not None:
+            metrics["pipeline_timeline"] = _timeline_of_every_stage(metrics["pipeline_timeline"], ctx)
         return metrics
+
+
+def _timeline_of_every_stage(mine: list[dict], ctx: RunContext) -> list[dict]:
+    """The last step's forward/backward events of every pipeline stage, one rank per stage
+    (each rank's times count from its own step start, which the step's collectives align)."""
+    if ctx.backend is None:
+        return mine
+    everyone: list = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    owner: dict = {}
+    for events in everyone:
+        for e in events or []:
+            owner.setdefault(e["stage"], e.get("rank"))
+    merged = [e for events in everyone for e in events or [] if owner.get(e["stage"]) == e.get("rank")]
+    return sorted(merged, key=lambda e: (e["stage"], e["start_s"]))
 
 
 def train(spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = None,
