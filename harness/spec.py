@@ -147,18 +147,20 @@ def parse_spec(raw: dict | None) -> RunSpec:
     return spec
 
 
-def load_spec(path: str | None) -> RunSpec:
-    """Load a YAML spec; None gives the embedded default (tiny model, this machine)."""
-    if path is None:
-        return parse_spec({})
+def read_yaml(path: str, field: str = "spec"):
+    """A user's YAML file, or a SpecError naming `field` (missing) or the file (malformed)."""
     if not os.path.isfile(path):
-        raise SpecError("spec", f"file {path!r} does not exist")
+        raise SpecError(field, f"file {path!r} does not exist")
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f)
+            return yaml.safe_load(f)
     except yaml.YAMLError as e:
         raise SpecError(path, f"not valid YAML: {str(e).splitlines()[0]}") from None
-    return parse_spec(raw)
+
+
+def load_spec(path: str | None) -> RunSpec:
+    """Load a YAML spec; None gives the embedded default (tiny model, this machine)."""
+    return parse_spec({} if path is None else read_yaml(path))
 
 
 # ---------------------------------------------------------------- semantic checks

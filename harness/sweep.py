@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from harness.errors import SpecError
-from harness.spec import Layout, Workload, check_world_size, parse_spec
+from harness.spec import Layout, Workload, check_world_size, parse_spec, read_yaml
 
 SWEEP_KEYS = ("name", "gpus", "nodes", "launcher", "timeout_s", "store", "env", "workload", "layout",
               "grid", "include", "exclude", "points", "slurm", "description")
@@ -156,12 +156,7 @@ def _check_axis_name(axis: str, where: str) -> None:
 
 
 def load_sweep(path: str) -> SweepSpec:
-    _require(os.path.isfile(path), "sweep", f"file {path!r} does not exist")
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise SpecError(path, f"not valid YAML: {str(e).splitlines()[0]}") from None
+    raw = read_yaml(path, field="sweep")
     return parse_sweep(raw, os.path.splitext(os.path.basename(path))[0])
 
 

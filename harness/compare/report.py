@@ -176,7 +176,7 @@ def markdown(summary: dict) -> str:
     out += [""] + [f"- {k}: {v}" for k, v in fp["common"].items()] + [""]
     if fp["without_fingerprint"]:
         out += [f"Runs without a fingerprint (no record from the runner): {', '.join(fp['without_fingerprint'])}", ""]
-    out += [f"Run ids: " + ", ".join(f"{r['label']} `{r['run_id']}`" for r in summary["runs"]), ""]
+    out += ["Run ids: " + ", ".join(f"{r['label']} `{r['run_id']}`" for r in summary["runs"]), ""]
     return "\n".join(out)
 
 

@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 from dataclasses import dataclass, field
 
-import yaml
-
 from harness.errors import SpecError
+from harness.spec import read_yaml
 
 TOP_KEYS = ("name", "nproc", "parity_steps", "tolerance", "timeout_s", "reference", "workload", "runs", "store")
 RUN_EXTRA = ("label", "launcher", "workload")
@@ -91,14 +89,7 @@ def engine_available(engine: str) -> bool:
 def load_compare_spec(path: str | None) -> CompareSpec:
     if path is None:
         return parse_compare_spec(copy.deepcopy(DEFAULT))
-    if not os.path.isfile(path):
-        raise SpecError("spec", f"file {path!r} does not exist")
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise SpecError(path, f"not valid YAML: {str(e).splitlines()[0]}") from None
-    return parse_compare_spec(raw)
+    return parse_compare_spec(read_yaml(path))
 
 
 def _int(raw: dict, key: str, default):

@@ -153,7 +153,6 @@ class Engine3D:
 
         Collective: every rank must call it; rank 0 gets the dict, the others None.
         """
-        lay = self.spec.layout
         c = self.mesh.coord
         tp = self.axes["tp"]
         mine = {}

@@ -2,7 +2,7 @@
 
 It mirrors harness/model/llama.py block for block (same parameter names, same math) but in
 [seq, batch, hidden] order with explicit TP regions around attention and MLP. Kernels
-(attention_fn, rmsnorm), rotary tables and checkpointing are the plain model's own, so every
+(attention_core, rmsnorm), rotary tables and checkpointing are the plain model's own, so every
 kernel and checkpointing option works in every layout.
 """
 
@@ -15,8 +15,8 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from harness.engine.partition import ChunkPlan, ParamSpec, shard_of, stage_params
 from harness.engine.tensor_parallel import Region, vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_range
-from harness.model.kernels import attention_fn, rmsnorm
-from harness.model.llama import apply_rotary
+from harness.model.kernels import rmsnorm
+from harness.model.llama import apply_rotary, attention_core
 from harness.model.presets import Shape
 
 
@@ -53,11 +53,7 @@ class ParallelAttention(nn.Module):
         self.recompute_core = False
 
     def core(self, q, k, v):
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        return attention_fn(self.kernel)(q, k, v)
+        return attention_core(q, k, v, self.kernel)
 
     def forward(self, x, cos, sin):
         """x: [seq, batch, hidden] (full sequence) -> partial sums of wo, [seq, batch, hidden]."""

@@ -51,6 +51,16 @@ def apply_rotary(x, cos, sin):
     return (x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype))
 
 
+def attention_core(q, k, v, kernel: str):
+    """softmax(QKᵀ)V on [batch, heads, seq, head_dim], K/V heads repeated for grouped-query
+    attention: the part selective checkpointing recomputes (Korthikanti et al. 2022)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return attention_fn(kernel)(q, k, v)
+
+
 class Attention(nn.Module):
     def __init__(self, shape: Shape, kernel: str = "sdpa"):
         super().__init__()
@@ -63,12 +73,7 @@ class Attention(nn.Module):
         self.recompute_core = False  # selective activation checkpointing
 
     def core(self, q, k, v):
-        """softmax(QKᵀ)V: the part selective checkpointing recomputes (Korthikanti et al. 2022)."""
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        return attention_fn(self.kernel)(q, k, v)
+        return attention_core(q, k, v, self.kernel)
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
