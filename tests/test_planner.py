@@ -66,6 +66,12 @@ def test_study_facts_on_memory():
     assert predict(S13, lay, WL, prof).fits
     assert not predict(S13, Layout(1, 1, 64, 2, attention="flash2", rmsnorm="fused"), WL, prof).fits
     assert not predict(S13, Layout(1, 1, 64, 1, attention="flash2", rmsnorm="torch"), WL, prof).fits
+    # Full checkpointing, 4 x 2048 tokens: the naive kernel's s x s backward transients on top of
+    # the loss peak make it run out of memory where flash attention and the fused softmax fit.
+    full = dict(tp=1, pp=1, dp=64, micro_batch_size=4, activation_checkpointing="full", rmsnorm="torch")
+    assert predict(S13, Layout(**full, attention="flash2"), WL, prof).fits
+    assert predict(S13, Layout(**full, attention="fused_softmax"), WL, prof).fits
+    assert not predict(S13, Layout(**full, attention="naive"), WL, prof).fits
 
 
 def test_time_structure():
