@@ -24,15 +24,26 @@ def measure(store, model, seq, batch, mbs):
     spec = parse_spec({"workload": {"model": model, "seq_len": seq, "global_batch_size": batch, "steps": 8,
                                     "warmup_steps": 2},
                        "layout": {"engine": "single", "micro_batch_size": mbs}, "store": store})
-    rec = run(spec, RunContext(0, 1, 0, torch.device("cpu"), None), progress=False)
-    return rec["metrics"]["step_time_s"]["median"]
+    return run(spec, RunContext(0, 1, 0, torch.device("cpu"), None), progress=False)
 
 
 def test_calibrated_cpu_profile_predicts_a_held_back_run(tmp_path, cli):
-    store, held_store = str(tmp_path / "cal.sqlite"), str(tmp_path / "held.sqlite")
+    from harness.store import ResultsStore
+
+    # Two passes over every configuration, the held-back one among them; each keeps the
+    # less disturbed of its two records, so a burst of other load on the machine does not
+    # decide the verdict (the same rule for the calibration runs and the held-back run).
+    store = str(tmp_path / "cal.sqlite")
+    best: dict = {}
+    for _ in range(2):
+        for config in CALIBRATION + [HELD_BACK]:
+            rec = measure(str(tmp_path / "all.sqlite"), *config)
+            if config not in best or rec["metrics"]["step_time_s"]["median"] < \
+                    best[config]["metrics"]["step_time_s"]["median"]:
+                best[config] = rec
     for config in CALIBRATION:
-        measure(store, *config)
-    measured = measure(held_store, *HELD_BACK)
+        ResultsStore(store).write(best[config])
+    measured = best[HELD_BACK]["metrics"]["step_time_s"]["median"]
     profile = tmp_path / "cpu-calibrated.yaml"
     r = cli("plan", "--calibrate", store, "--hardware", "cpu", "--calibrate-out", str(profile))
     assert r.returncode == 0, r.stderr
