@@ -173,7 +173,21 @@ class Trainer:
         metrics.update(_summarize_details(self.details))
         if metrics.get("pipeline_timeline") is not None:
             metrics["pipeline_timeline"] = _timeline_of_every_stage(metrics["pipeline_timeline"], ctx)
+        if metrics.get("breakdown_s") is not None:
+            metrics.update(_breakdown_over_ranks(metrics["breakdown_s"], ctx))
         return metrics
+
+
+def _breakdown_over_ranks(mine: dict, ctx: RunContext) -> dict:
+    """Each rank's median breakdown, and their mean: where a GPU's step goes on average.
+    Pipeline stages differ (the first waits in the bubble, the last holds the loss), so one
+    rank's view alone would mislead."""
+    if ctx.backend is None:
+        return {"breakdown_s": mine, "breakdown_s_by_rank": [mine]}
+    everyone: list = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    mean = {k: sum(r[k] for r in everyone) / len(everyone) for k in mine}
+    return {"breakdown_s": mean, "breakdown_s_by_rank": everyone}
 
 
 def _timeline_of_every_stage(mine: list[dict], ctx: RunContext) -> list[dict]:
@@ -201,7 +215,8 @@ def train(spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = 
 
 
 def _summarize_details(details: list[dict]) -> dict:
-    """Per-step breakdowns become their medians; comm counts and timeline come from the last step."""
+    """Per-step breakdowns become their medians (this rank's); comm counts and timeline come
+    from the last step."""
     out: dict = {}
     rows = [d["breakdown_s"] for d in details if d and d.get("breakdown_s")]
     if rows:
