@@ -28,10 +28,10 @@ llama.reference_state_dict = functools.lru_cache(maxsize=1)(llama.reference_stat
 BASE = {"attention": "sdpa_flash", "rmsnorm": "torch", "activation_checkpointing": "none", "micro_batch_size": 1}
 
 
-def points():
-    """One factor at a time around BASE, for both sequence lengths, then the paper's best combo."""
+def points(seq_lens=(2048, 8192)):
+    """One factor at a time around BASE, for each sequence length."""
     out = []
-    for seq in (2048, 8192):
+    for seq in seq_lens:
         out.append((seq, dict(BASE)))
         for att in ("naive", "sdpa", "sdpa_efficient", "sdpa_cudnn", "flash2"):
             out.append((seq, {**BASE, "attention": att}))
@@ -51,17 +51,21 @@ def main():
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--model", default="llama-13b", help="shapes of the layers (default: LLaMA-13B's)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of this script")
+    ap.add_argument("--seq-lens", default="2048,8192")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     store_path = os.path.join(args.out, "results.sqlite")
     store = ResultsStore(store_path)
-    ctx = RunContext(0, 1, 0, torch.device("cuda", 0), None)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    ctx = RunContext(0, 1, 0, device, None)
     start, summary = time.monotonic(), []
-    for seq, layout in points():
+    for seq, layout in points(tuple(int(x) for x in args.seq_lens.split(","))):
         raw = {"name": "gpu-matrix", "store": store_path,
-               "workload": {"model": "llama-13b", "model_overrides": {"layers": args.layers}, "seq_len": seq,
+               "workload": {"model": args.model, "model_overrides": {"layers": args.layers}, "seq_len": seq,
                             "global_batch_size": 4 * layout["micro_batch_size"], "steps": args.steps,
-                            "warmup_steps": 2, "precision": "bf16", "device": "cuda"},
+                            "warmup_steps": 2, "precision": "bf16", "device": args.device},
                "layout": {"engine": "single", **layout}}
         row = {"seq_len": seq, **layout}
         if time.monotonic() - start > args.budget_s:
@@ -84,12 +88,14 @@ def main():
         except Exception as e:  # oom / failed records were written by run()
             row.update(status="oom" if "out of memory" in str(e).lower() else "failed", error=str(e)[:300])
         finally:
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         summary.append(row)
         print(json.dumps(row), flush=True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                   "layers": args.layers, "model": "llama-13b layer shapes", "points": summary}, f, indent=2)
+        json.dump({"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                   "torch": torch.__version__, "layers": args.layers, "model": f"{args.model} layer shapes",
+                   "points": summary}, f, indent=2)
 
 
 if __name__ == "__main__":
