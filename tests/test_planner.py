@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from harness.errors import SpecError
 from harness.model.presets import PRESETS
@@ -82,6 +83,22 @@ def test_time_structure():
     assert p(activation_checkpointing="full").step_time_s > 1.2 * p().step_time_s
     assert p(pp=2, dp=32).time_breakdown_s["bubble_s"] > 0
     assert 0.3 < p().mfu < 0.9
+
+
+def test_dp_reduction_aggregates_rails_only_unpipelined_within_the_node_limit(tmp_path):
+    """A group spanning more nodes than rail_aggregation_max_nodes reduces as over one NIC per
+    member (the published 30B runs on 32 nodes), as pipelined runs always do."""
+    prof = load_profile("a100-80gb")
+    s30 = PRESETS["paper-30b"]
+    dp_s = lambda prof, lay: predict(s30, lay, WL, prof).time_breakdown_s["dp_reduction_exposed_s"]
+    lay8, lay32 = Layout(4, 1, 16, 1), Layout(4, 1, 64, 1)  # 8 and 32 nodes, 2 members per node
+    assert dp_s(prof, lay32) == pytest.approx(2 * dp_s(prof, lay8) * (63 / 64) / (15 / 16), rel=1e-6)
+    raw = yaml.safe_load((REPO / "harness/planner/hardware/a100-80gb.yaml").read_text())
+    (tmp_path / "big.yaml").write_text(yaml.safe_dump({**raw, "rail_aggregation_max_nodes": 64}))
+    assert dp_s(load_profile(str(tmp_path / "big.yaml")), lay32) == pytest.approx(dp_s(prof, lay32) / 2, rel=1e-6)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**raw, "rail_aggregation_max_nodes": 0}))
+    with pytest.raises(SpecError, match="rail_aggregation_max_nodes"):
+        load_profile(str(tmp_path / "bad.yaml"))
 
 
 def test_impossible_layouts_are_spec_errors():

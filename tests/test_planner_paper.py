@@ -47,8 +47,8 @@ def test_regression_guards():
     for figs in (in_sample(), loso()):
         s = paper.summary(figs)
         assert s["oom_accuracy"] >= 0.96
-        assert s["mean_spearman"] >= 0.84
-        assert s["max_median_mfu_error_points"] <= 2.4
+        assert s["mean_spearman"] >= 0.87
+        assert s["max_median_mfu_error_points"] <= 2.3
 
 
 def test_acceptance_oom_accuracy_together():
@@ -58,8 +58,8 @@ def test_acceptance_oom_accuracy_together():
     assert paper.summary(loso())["oom_accuracy"] >= 0.96
 
 
-@pytest.mark.xfail(reason="not met: mean Spearman 0.859 in-sample, 0.855 leave-one-sweep-out "
-                          "(0.80/0.91/0.79/0.94 and 0.80/0.91/0.77/0.94 for 13B-32, 13B-64, 30B-256, 30B-64)",
+@pytest.mark.xfail(reason="not met: mean Spearman 0.891 in-sample, 0.879 leave-one-sweep-out "
+                          "(0.80/0.91/0.91/0.94 and 0.80/0.91/0.86/0.94 for 13B-32, 13B-64, 30B-256, 30B-64)",
                    strict=False)
 def test_acceptance_spearman():
     assert paper.summary(in_sample())["mean_spearman"] >= 0.92
@@ -73,8 +73,8 @@ def test_acceptance_best_in_top3():
     assert all(f["best_in_top3"] for f in loso().values())
 
 
-@pytest.mark.xfail(reason="not met in one sweep: in-sample 1.74/2.11/1.57/0.88 points, leave-one-sweep-out "
-                          "1.87/2.26/1.76/1.41 (13B-32, 13B-64, 30B-256, 30B-64)", strict=False)
+@pytest.mark.xfail(reason="not met in two sweeps: in-sample 2.05/2.07/1.24/0.79 points, leave-one-sweep-out "
+                          "2.22/1.90/1.75/0.88 (13B-32, 13B-64, 30B-256, 30B-64)", strict=False)
 def test_acceptance_median_mfu_error():
     assert all(f["median_mfu_error_points"] <= 2.0 for f in in_sample().values())
     assert all(f["median_mfu_error_points"] <= 2.0 for f in loso().values())

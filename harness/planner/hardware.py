@@ -33,6 +33,9 @@ class Profile:
     internode_gbps: float
     gpus_per_node: int
     efficiency: dict[str, float]
+    # Largest number of nodes a non-pipelined data-parallel reduction may span and still drive
+    # one NIC per group member in a node (timing.py); beyond it the reduction runs as over one NIC.
+    rail_aggregation_max_nodes: int = 20
     device_names: list[str] = field(default_factory=list)
     attention_kernels: tuple[str, ...] = ALL_ATTENTION
     calibrated: dict = field(default_factory=dict)
@@ -49,7 +52,7 @@ class Profile:
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("name", "device_names", "peak_tflops_bf16", "peak_tflops_fp32",
                                             "memory_gib", "hbm_gbps", "nvlink_gbps", "internode_gbps",
-                                            "gpus_per_node")}
+                                            "gpus_per_node", "rail_aggregation_max_nodes")}
         d["attention_kernels"] = list(self.attention_kernels)
         d["efficiency"] = dict(self.efficiency)
         if self.calibrated:
@@ -86,8 +89,15 @@ def _from_dict(raw: dict, source: str) -> Profile:
         memory_gib=float(raw["memory_gib"]), hbm_gbps=float(raw["hbm_gbps"]),
         nvlink_gbps=float(raw["nvlink_gbps"]), internode_gbps=float(raw["internode_gbps"]),
         gpus_per_node=int(raw["gpus_per_node"]), efficiency={k: float(v) for k, v in eff.items()},
+        rail_aggregation_max_nodes=_positive_int(raw.get("rail_aggregation_max_nodes", 20), "rail_aggregation_max_nodes", source),
         device_names=list(raw.get("device_names") or []), attention_kernels=kernels,
         calibrated=dict(raw.get("calibrated") or {}), source=source)
+
+
+def _positive_int(value, key: str, source: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecError("--hardware", f"{source}: {key} must be a positive integer")
+    return value
 
 
 def load_profile(name_or_path: str) -> Profile:

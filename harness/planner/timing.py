@@ -40,17 +40,22 @@ ADAM_BYTES_PER_PARAM = 36     # read fp32 master, m, v, grad (16), write them (1
 KERNELS_PER_LAYER = 90        # ~30 forward kernels (norms, GEMMs, rotary, attention, SwiGLU, adds), ~2x backward
 
 
-# Inter-node bandwidth of the data-parallel gradient reduction. Without a pipeline (pp = 1), a
-# data-parallel group with g members in a node drives g NICs (NCCL runs one ring per rail, each
-# on its own NIC): the bus bandwidth is g x the NIC's. In pipelined runs (pp > 1) the reduction
-# runs as if each member had only its own NIC: the group's g rings do not aggregate. This is what
-# the published sweeps say, not a mechanism we have traced (candidates: the pipeline's
-# cross-node p2p communicators holding NCCL channels/NIC queue pairs, per-stage sequential
-# reduction in the study's pipeline engine). Evidence: 13B tp=1 runs with pp=2 cost ~4.5 s per
-# step more than pp=1 on both 32 and 64 GPUs although each stage reduces half the gradients; the
-# structure raises leave-one-sweep-out Spearman 0.789 -> 0.855 and lifts the fitted inter-node
-# efficiency from an implausible 0.16 to ~0.56 (14 of 25 GB/s per HDR NIC) and GEMM from 0.77
-# to 0.85. Setting DP_NIC_AGGREGATION_PIPELINED = True restores the aggregated model.
+# Inter-node bandwidth of the data-parallel gradient reduction. A data-parallel group with g
+# members in a node can drive g NICs (NCCL runs one ring per rail, each on its own NIC): bus
+# bandwidth g x the NIC's. The published sweeps say this happens only in non-pipelined runs whose
+# group spans at most `profile.rail_aggregation_max_nodes` nodes; otherwise the reduction runs as
+# if each member had only its own NIC. This is what the data say, not a mechanism we have traced.
+# Evidence: (1) 13B tp=1 runs with pp=2 cost ~4.5 s per step more than pp=1 on both 32 and 64
+# GPUs although each stage reduces half the gradients (candidates: the pipeline's cross-node p2p
+# communicators holding NCCL channels/NIC queue pairs, per-stage sequential reduction in the
+# study's pipeline engine); (2) 30B runs without a pipeline on 256 GPUs (groups over 32 nodes)
+# were 3-11 s slower than an aggregated reduction allows, while the same layouts over 4-8 nodes
+# (13B on 32 and 64 GPUs, 30B tp=4 on 64) are fast (candidate: rings leaving one rail-optimised
+# leaf group, a 20-node scalable unit of a DGX A100 SuperPOD, and crossing the spine). (1) raises
+# leave-one-sweep-out Spearman 0.789 -> 0.855 and lifts the fitted inter-node efficiency from an
+# implausible 0.16 to ~0.56; (2) raises it 0.855 -> 0.879 (30B-256 alone 0.77 -> 0.86). The
+# sweeps pin the node limit only between 8 and 32. DP_NIC_AGGREGATION_PIPELINED = True restores
+# aggregation for pipelined runs.
 DP_NIC_AGGREGATION = True
 DP_NIC_AGGREGATION_PIPELINED = False
 
@@ -177,7 +182,11 @@ def step_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta:
     if lay.dp > 1:
         key = _link(prof, lay.tp * lay.dp)
         per_node = max(1, min(lay.dp, prof.gpus_per_node // lay.tp)) if key == "internode" else 1
-        aggregate = DP_NIC_AGGREGATION_PIPELINED if lay.pp > 1 else DP_NIC_AGGREGATION
+        nodes = -(-lay.tp * lay.dp // prof.gpus_per_node)
+        if lay.pp > 1:
+            aggregate = DP_NIC_AGGREGATION_PIPELINED
+        else:
+            aggregate = DP_NIC_AGGREGATION and nodes <= prof.rail_aggregation_max_nodes
         bw = min(_bw(prof, key) * (per_node if aggregate else 1), prof.nvlink_gbps * 1e9)
         frac = (lay.dp - 1) / lay.dp
         grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
