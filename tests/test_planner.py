@@ -16,7 +16,7 @@ from harness.model.presets import PRESETS
 from harness.planner import calibrate_from_records, predict
 from harness.planner.hardware import load_profile, peak_bf16_tflops, profile_names
 from harness.planner.layout import Layout, Workload, stage_items
-from harness.planner.memory import GIB, worst_stage_memory
+from harness.planner.memory import worst_stage_memory
 
 WL = Workload(2048, 2048)
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]

@@ -42,6 +42,20 @@ def test_print_figures():
                   f"best_rank {f['best_rank']} median_mfu_error {f['median_mfu_error_points']:.2f} pts")
 
 
+def test_print_per_token_and_per_step_parts():
+    """The same layouts on 2x / 4x the GPUs: what scales with tokens per GPU and what does not."""
+    rows = paper.token_and_step_parts(load_profile("a100-80gb"))
+    assert len(rows) >= 15
+    print("\nper-token part C and per-step constant D (seconds on the larger sweep), measured | predicted")
+    for row in rows:
+        lay = row["layout"]
+        print(f"  {row['pair'].split('_')[1]} tp{lay.tp} pp{lay.pp} dp{lay.dp:3d} mb{lay.micro_batch_size} "
+              f"sp{int(lay.sequence_parallel)}: C {row['per_token_s']:6.2f} D {row['per_step_s']:6.2f} | "
+              f"C {row['per_token_pred_s']:6.2f} D {row['per_step_pred_s']:6.2f}")
+    # The per-token part is what the planner gets right: within 10% on every pair.
+    assert all(abs(r["per_token_pred_s"] - r["per_token_s"]) <= 0.1 * r["per_token_s"] for r in rows)
+
+
 def test_regression_guards():
     """What the model reaches today (in-sample and leave-one-sweep-out); not the acceptance."""
     for figs in (in_sample(), loso()):

@@ -146,6 +146,44 @@ def leave_one_sweep_out(profile, sweeps: dict[str, list[PaperRun]] | None = None
     return out
 
 
+# Pairs of sweeps of one model at one global batch on different GPU counts (ratio of GPUs).
+SCALING_PAIRS = (("llama_13B_bfloat16_32_GPUs_sequence_parallelism", "llama_13B_bfloat16_64_GPUs_all_runs", 2),
+                 ("llama_30B_bfloat16_64_GPUs_sequence_parallelism", "llama_30B_bfloat16_256_GPUs_all_runs", 4))
+
+
+def token_and_step_parts(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> list[dict]:
+    """Split each layout measured in both sweeps of a pair into a per-token part C and a per-step
+    constant D, measured and predicted: t_small = r C + D and t_big = C + D, where r is the ratio
+    of GPUs (per-GPU work scales with tokens per GPU; the gradient reduction, optimizer step and
+    pipeline fill/drain do not). A model-free view of which kind of term the planner gets wrong."""
+    from harness.model.presets import PRESETS
+    from harness.planner.predict import predict
+
+    sweeps = sweeps or {p.stem: load_sweep(p) for p in repo_sweeps()}
+
+    def key(r):
+        lay = r.layout
+        return (lay.tp, lay.pp, lay.micro_batch_size, lay.activation_checkpointing, lay.attention,
+                lay.rmsnorm, lay.sequence_parallel)
+
+    rows = []
+    for small, big, r in SCALING_PAIRS:
+        if small not in sweeps or big not in sweeps:
+            continue
+        on_big = {key(run): run for run in sweeps[big] if run.status == "ok"}
+        for run in sweeps[small]:
+            other = on_big.get(key(run)) if run.status == "ok" else None
+            if other is None:
+                continue
+            t_small = predict(PRESETS[run.model], run.layout, run.workload, profile).step_time_s
+            t_big = predict(PRESETS[other.model], other.layout, other.workload, profile).step_time_s
+            c, c_pred = (run.step_time_s - other.step_time_s) / (r - 1), (t_small - t_big) / (r - 1)
+            rows.append({"pair": f"{small} / {big}", "layout": other.layout,
+                         "per_token_s": c, "per_step_s": other.step_time_s - c,
+                         "per_token_pred_s": c_pred, "per_step_pred_s": t_big - c_pred})
+    return rows
+
+
 def summary(figs: dict[str, dict]) -> dict:
     """The four acceptance figures over the sweeps together."""
     judged = sum(f["judged"] for f in figs.values())
