@@ -112,7 +112,8 @@ def score(runs: list[PaperRun], predict_fn) -> dict:
             "spearman": spearman(predicted, measured),
             "best_in_top3": best in top3,
             "best_rank": next((i + 1 for i, (r, _) in enumerate(fitting) if r is best), None),
-            "median_mfu_error_points": float(np.median(np.abs(predicted - measured)) * 100)}
+            "median_mfu_error_points": float(np.median(np.abs(predicted - measured)) * 100),
+            "mfu_errors_points": np.abs(predicted - measured) * 100}
 
 
 def figures(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
@@ -126,9 +127,10 @@ def figures(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[st
             for name, runs in sweeps.items()}
 
 
-def leave_one_sweep_out(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
-    """For each sweep: fit the efficiency constants on the other sweeps (from the profile's
-    literature values, ignoring any calibrated block), then score the held-out sweep."""
+def _refit_and_score(profile, sweeps: dict[str, list[PaperRun]] | None, trains_on) -> dict[str, dict]:
+    """For each sweep: fit the efficiency constants (from the profile's literature values, ignoring
+    any calibrated block) on the sweeps for which trains_on(held, other) is true, then score the
+    held sweep."""
     import copy
 
     from harness.model.presets import PRESETS
@@ -140,10 +142,29 @@ def leave_one_sweep_out(profile, sweeps: dict[str, list[PaperRun]] | None = None
     out = {}
     for held in sweeps:
         train = [Sample(PRESETS[r.model], r.layout, r.workload, r.step_time_s, r.sweep)
-                 for name, runs in sweeps.items() if name != held for r in runs if r.status == "ok"]
-        prof, _ = fit(train, base, label=f"all sweeps but {held}")
+                 for name, runs in sweeps.items() if trains_on(held, name) for r in runs if r.status == "ok"]
+        prof, _ = fit(train, base, label=f"sweeps for {held}")
         out[held] = figures(prof, {held: sweeps[held]})[held]
     return out
+
+
+def leave_one_sweep_out(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
+    """Each sweep scored with constants fitted on the other sweeps."""
+    return _refit_and_score(profile, sweeps, lambda held, other: other != held)
+
+
+def leave_one_model_out(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
+    """Each sweep scored with constants fitted only on the other model's sweeps: the planner
+    predicting a model nobody has measured yet (the issue's held-aside 65B sweeps are that case)."""
+    return _refit_and_score(profile, sweeps,
+                            lambda held, other: _model_from_name(other) != _model_from_name(held))
+
+
+def per_sweep_fits(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
+    """Each sweep scored with constants fitted on that sweep alone: per-sweep tuning, which the
+    issue forbids. Not a prediction; it bounds what the time model's structure can express with
+    any values of its constants, so a gap that remains here needs structure, not calibration."""
+    return _refit_and_score(profile, sweeps, lambda held, other: other == held)
 
 
 # Pairs of sweeps of one model at one global batch on different GPU counts (ratio of GPUs).
@@ -185,9 +206,12 @@ def token_and_step_parts(profile, sweeps: dict[str, list[PaperRun]] | None = Non
 
 
 def summary(figs: dict[str, dict]) -> dict:
-    """The four acceptance figures over the sweeps together."""
+    """The four acceptance figures over the sweeps together. The median MFU error is given both
+    over all finished runs together (the issue's wording) and as the worst per-sweep median."""
     judged = sum(f["judged"] for f in figs.values())
+    errors = np.concatenate([f["mfu_errors_points"] for f in figs.values()])
     return {"oom_accuracy": sum(f["oom_accuracy"] * f["judged"] for f in figs.values()) / judged,
             "mean_spearman": float(np.mean([f["spearman"] for f in figs.values()])),
             "best_in_top3_all": all(f["best_in_top3"] for f in figs.values()),
+            "median_mfu_error_points": float(np.median(errors)),
             "max_median_mfu_error_points": max(f["median_mfu_error_points"] for f in figs.values())}
