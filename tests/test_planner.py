@@ -145,6 +145,21 @@ def test_emit_sweep_and_explain(tmp_path):
     assert len(spec["points"]) == 3 and spec["workload"]["model"] == "paper-13b"
 
 
+def test_table_marks_layouts_within_the_calibration_error():
+    args = ("--model", "paper-13b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "64",
+            "--attention", "flash2", "--rmsnorm", "fused", "--top", "40")
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
+    marked = [line for line in rows if line.endswith(" *")]
+    # The fastest is always marked; with a 3.7% band not all 40 are.
+    assert rows[0].endswith(" *") and 1 <= len(marked) < len(rows)
+    assert rows[:len(marked)] == marked  # the band is a prefix of the ranking
+    assert f"{len(marked)} layouts within 3.7%" in r.stdout
+    r = run_cli(*args[:-2], "--top", "3", "--hardware", "h100-sxm")
+    assert r.returncode == 0 and "not calibrated" in r.stdout and " *" not in r.stdout
+
+
 def test_65b_over_4096_gpus_is_fast():
     t = time.perf_counter()
     r = run_cli("--model", "paper-65b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "4096",

@@ -116,13 +116,15 @@ def main(args) -> int:
     fit_n = sum(p.fits and p.available for p in preds)
     print(f"{args.model} seq {args.seq_len} batch {args.global_batch_size} on {args.gpus} x {profile.name}: "
           f"{len(preds)} layouts, {fit_n} predicted to fit")
+    near, note = _near_the_fastest(preds, profile)
     print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':14} {'rms':5} "
           f"{'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}")
     for p in shown:
         r = p.row()
         print(f"{r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} {r['activation_checkpointing']:9} "
               f"{'on' if r['sequence_parallel'] else 'off':3} {r['attention']:14} {r['rmsnorm']:5} "
-              f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}")
+              f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
+              f"{' *' if id(p) in near else ''}")
         if args.explain:
             mem = ", ".join(f"{k} {v:.1f}" for k, v in p.memory_breakdown_gib.items() if k != "total")
             t = ", ".join(f"{k} {v:.3g}" for k, v in p.time_breakdown_s.items())
@@ -130,9 +132,28 @@ def main(args) -> int:
             print(f"      time: {t}")
             if p.why_unavailable:
                 print(f"      unavailable: {p.why_unavailable}")
+    print(note)
     if args.emit_sweep:
         print(f"wrote {args.emit_sweep}", file=sys.stderr)
     return 0
+
+
+def _near_the_fastest(preds, profile) -> tuple[set[int], str]:
+    """The layouts this profile cannot tell from the fastest: predicted within its calibration's
+    median step-time error. On the study's sweeps the ranking inside that band is close to a coin
+    toss (tests/test_planner_paper.py), so these are the ones to measure, not to trust."""
+    err = profile.calibrated.get("median_abs_error_pct")
+    fitting = [p for p in preds if p.fits and p.available]
+    if not fitting:
+        return set(), "no layout is predicted to fit"
+    if not err:
+        return set(), (f"{profile.name} is not calibrated (literature constants, error unknown): "
+                       "calibrate it on a few runs of your cluster (--calibrate) before trusting the ranking")
+    best = min(p.step_time_s for p in fitting)
+    near = {id(p) for p in fitting if p.step_time_s <= best * (1 + err / 100)}
+    return near, (f"* {len(near)} layouts within {err:.1f}% (the calibration's median step-time error, "
+                  f"{profile.calibrated.get('samples', '?')} runs) of the fastest: measure them, "
+                  "the model cannot rank them reliably")
 
 
 def _emit_sweep(args, preds) -> None:
