@@ -140,8 +140,8 @@ def main(args) -> int:
 
 def _near_the_fastest(preds, profile) -> tuple[set[int], str]:
     """The layouts this profile cannot tell from the fastest: predicted within its calibration's
-    median step-time error. On the study's sweeps the ranking inside that band is close to a coin
-    toss (tests/test_planner_paper.py), so these are the ones to measure, not to trust."""
+    median step-time error. In the study's sweeps the best and third-best layouts are often 1-2
+    MFU points apart, less than that error, so these are the ones to measure, not to trust."""
     err = profile.calibrated.get("median_abs_error_pct")
     fitting = [p for p in preds if p.fits and p.available]
     if not fitting:

@@ -162,8 +162,9 @@ def leave_one_model_out(profile, sweeps: dict[str, list[PaperRun]] | None = None
 
 def per_sweep_fits(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
     """Each sweep scored with constants fitted on that sweep alone: per-sweep tuning, which the
-    issue forbids. Not a prediction; it bounds what the time model's structure can express with
-    any values of its constants, so a gap that remains here needs structure, not calibration."""
+    issue forbids. Not a prediction; it bounds what calibration can reach with this time model,
+    so a gap that remains here needs new structure (scripts/planner_rank_bound.py searches the
+    constants for rank directly)."""
     return _refit_and_score(profile, sweeps, lambda held, other: other == held)
 
 
