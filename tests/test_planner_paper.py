@@ -59,7 +59,7 @@ def test_print_per_sweep_fit_bound():
     can reach with this time model. Where this too misses a target, calibration cannot close the
     gap; only new structure can (0.903 mean Spearman today)."""
     figs = paper.per_sweep_fits(load_profile("a100-80gb"))
-    print(f"\nper-sweep fits (bound of the structure): {paper.summary(figs)}")
+    print(f"\nper-sweep fits (what calibration can reach): {paper.summary(figs)}")
     for name, f in figs.items():
         print(f"  {name}: {_line(f)}")
     # Fitting each sweep alone must not rank worse on average than one fit shared by all four.
