@@ -88,14 +88,34 @@ def init(requested_device: str = "auto") -> RunContext:
     return RunContext(rank, world, local_rank, device, backend)
 
 
+# How long a finished rank waits at the end for its peers (gloo only; NCCL's barrier has no
+# per-call timeout). The record is written before this point, so a peer that never arrives
+# costs nothing measured; it must not keep this rank, and its launcher, alive for the group's
+# 30-minute default timeout.
+END_BARRIER_TIMEOUT_S = 120
+
+
 def teardown(ctx: RunContext, barrier: bool = True) -> None:
-    """End of a run: every rank reaches the barrier, then the group is destroyed."""
-    if ctx.backend is not None and dist.is_initialized():
+    """End of a run: every rank reaches the barrier, then the group is destroyed. A gloo rank
+    whose peers do not arrive in END_BARRIER_TIMEOUT_S says which and leaves the group as is."""
+    if ctx.backend is None or not dist.is_initialized():
+        return
+    if barrier and ctx.backend == "gloo":
+        from datetime import timedelta
+
         try:
-            if barrier:
-                dist.barrier()
-        finally:
+            dist.monitored_barrier(timeout=timedelta(seconds=END_BARRIER_TIMEOUT_S), wait_all_ranks=True)
+        except RuntimeError as e:
+            first = (str(e).strip().splitlines() or ["no reason given"])[0]
+            print(f"rank {ctx.rank}: peers missing at the end barrier, leaving without it: {first}", flush=True)
+            return
+    elif barrier:
+        try:
+            dist.barrier()
+        except BaseException:
             dist.destroy_process_group()
+            raise
+    dist.destroy_process_group()
 
 
 def hostname() -> str:

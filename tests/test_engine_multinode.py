@@ -8,6 +8,7 @@ losses must equal the single-device reference's.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -37,17 +38,23 @@ def test_two_node_run_on_loopback(tmp_path):
                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
                "-m", "harness.cli", "train", str(spec), "--store", str(store), "--run-id", "two-node",
                "--no-progress"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))  # its own group: a kill ends its workers too
+    outs, timed_out = [], False
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=240)
+            out, _ = p.communicate(timeout=None if timed_out else 240)
         except subprocess.TimeoutExpired:
+            timed_out = True  # end both launchers, then show what each printed
             for q in procs:
-                q.kill()
-            raise
+                try:
+                    os.killpg(q.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            out, _ = p.communicate()
         outs.append(out)
-    assert all(p.returncode == 0 for p in procs), "\n\n".join(o[-3000:] for o in outs)
+    assert not timed_out and all(p.returncode == 0 for p in procs), \
+        "\n\n".join(f"node {i} (rc {p.returncode}):\n{o[-3000:]}" for i, (p, o) in enumerate(zip(procs, outs)))
     record = ResultsStore(str(store)).get("two-node")
     assert record is not None and record["status"] == "ok", record and record.get("error")
     m = record["metrics"]
