@@ -26,6 +26,12 @@ SPEC = textwrap.dedent("""
 """)
 
 
+# The run takes ~10 s. The bound is above torchrun's 300 s exit barrier between the two launchers
+# (a launcher whose peer is late waits that long and then exits with its workers' status) and
+# the harness's own 120 s end barrier, so a slow shutdown is told apart from a hung run.
+LAUNCHER_TIMEOUT_S = 420
+
+
 def test_two_node_run_on_loopback(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC)
@@ -43,7 +49,7 @@ def test_two_node_run_on_loopback(tmp_path):
     outs, timed_out = [], False
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=None if timed_out else 240)
+            out, _ = p.communicate(timeout=None if timed_out else LAUNCHER_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             timed_out = True  # end both launchers, then show what each printed
             for q in procs:
