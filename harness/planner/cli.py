@@ -107,16 +107,16 @@ def main(args) -> int:
         raise SpecError("--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} "
                                   f"(global batch {args.global_batch_size})")
     preds.sort(key=lambda p: (not (p.fits and p.available), -p.mfu))
+    fitting = [p for p in preds if p.fits and p.available]
     shown = preds[: args.top] if args.top else (preds if args.format == "json" else preds[:20])
     if args.emit_sweep:
-        _emit_sweep(args, [p for p in preds if p.fits and p.available][: args.top or 20])
+        _emit_sweep(args, fitting[: args.top or 20])
     if args.format == "json":
         print(json.dumps([p.row() for p in shown]))
         return 0
-    fit_n = sum(p.fits and p.available for p in preds)
     print(f"{args.model} seq {args.seq_len} batch {args.global_batch_size} on {args.gpus} x {profile.name}: "
-          f"{len(preds)} layouts, {fit_n} predicted to fit")
-    near, note = _near_the_fastest(preds, profile)
+          f"{len(preds)} layouts, {len(fitting)} predicted to fit")
+    near, note = _near_the_fastest(fitting, profile)
     print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':14} {'rms':5} "
           f"{'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}")
     for p in shown:
@@ -138,12 +138,11 @@ def main(args) -> int:
     return 0
 
 
-def _near_the_fastest(preds, profile) -> tuple[set[int], str]:
+def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:
     """The layouts this profile cannot tell from the fastest: predicted within its calibration's
     median step-time error. In the study's sweeps the best and third-best layouts are often 1-2
     MFU points apart, less than that error, so these are the ones to measure, not to trust."""
     err = profile.calibrated.get("median_abs_error_pct")
-    fitting = [p for p in preds if p.fits and p.available]
     if not fitting:
         return set(), "no layout is predicted to fit"
     if not err:
