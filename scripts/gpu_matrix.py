@@ -92,6 +92,10 @@ def main():
                 torch.cuda.empty_cache()
         summary.append(row)
         print(json.dumps(row), flush=True)
+        write_summary(args, device, summary)  # after every point: a killed run keeps what it measured
+
+
+def write_summary(args, device, summary):
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                    "torch": torch.__version__, "layers": args.layers, "model": f"{args.model} layer shapes",
