@@ -29,8 +29,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from harness.data import token_source
-    from harness.dist import RunContext
+    from harness.data.source import token_source
+    from harness.runtime import RunContext
     from harness.frameworks.own import build
     from harness.frameworks.single import SingleDeviceEngine
     from harness.model.presets import resolve_shape

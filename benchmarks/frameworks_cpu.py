@@ -29,7 +29,7 @@ def _bench(ctx, args_dict: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from harness.data import token_source
+    from harness.data.source import token_source
     from harness.frameworks import build_engine
     from harness.frameworks.single import SingleDeviceEngine
     from harness.measure import summarize
@@ -85,7 +85,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
 
-    from harness.frameworks.mp_check import spawn
+    from harness.testing.spawn import spawn
 
     own = importlib.util.find_spec("harness.frameworks.own") is not None
     if not own:

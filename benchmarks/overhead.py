@@ -14,8 +14,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from harness.data import SyntheticTokens
-from harness.dist import RunContext
+from harness.data.source import SyntheticTokens
+from harness.runtime import RunContext
 from harness.model.llama import build_model
 from harness.model.presets import resolve_shape
 from harness.run import Trainer

@@ -25,8 +25,8 @@ def _worker(rank, world, port, args, out_dir):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from harness.data import token_source
-    from harness.dist import RunContext
+    from harness.data.source import token_source
+    from harness.runtime import RunContext
     from harness.frameworks.own import build
     from harness.model.presets import resolve_shape
     from harness.spec import parse_spec
@@ -64,7 +64,7 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from harness.engine.equivalence import free_port
+    from harness.launch import free_port
 
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_worker, args=(args.pp, free_port(), args, d), nprocs=args.pp, start_method="spawn")

@@ -22,7 +22,7 @@ def main() -> int:
     p.add_argument("--out", help="report directory (default: a temporary one)")
     a = p.parse_args()
     from harness.report.build import build_report
-    from harness.report.synthetic import make_records
+    from harness.testing.synthetic import make_records
 
     records = make_records(a.records, seed=1)
     out = a.out or tempfile.mkdtemp(prefix="report-scale-")

@@ -19,9 +19,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("harness.commands.data", "prepare memory-mapped token files"),
     "results": ("harness.commands.results", "export the results store"),
     "compare": ("harness.commands.compare", "one workload under several engines, with a parity check"),
-    "sweep": ("harness.sweep_cli", "run a grid of layouts that survives failures"),
-    "report": ("harness.report.cli", "write a Markdown + HTML report from the results store"),
-    "plan": ("harness.planner.cli", "predict memory and speed of every layout"),
+    "sweep": ("harness.commands.sweep", "run a grid of layouts that survives failures"),
+    "report": ("harness.commands.report", "write a Markdown + HTML report from the results store"),
+    "plan": ("harness.commands.plan", "predict memory and speed of every layout"),
 }
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from harness import measure
-from harness.data import token_source
-from harness.dist import RunContext
+from harness.data.source import token_source
+from harness.runtime import RunContext
 from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
 from harness.model.kernels import check_kernels, rmsnorm_backend_name

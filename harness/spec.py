@@ -76,6 +76,9 @@ class Layout:
     # own engine
     pipeline_schedule: str = _choices(*SCHEDULES, default="1f1b")
     virtual_stages: int = 1
+    # how pipeline stages exchange activations: grouped (batch_isend_irecv, what NCCL needs) or
+    # async (isend/irecv); auto picks grouped on NCCL and async on gloo
+    pipeline_p2p: str = _choices("auto", "async", "grouped", default="auto")
     zero_stage: int = 0
     dp_bucket_mb: float = 25.0
     # deepspeed

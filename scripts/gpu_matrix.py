@@ -16,7 +16,7 @@ import time
 import torch
 
 import harness.model.llama as llama
-from harness.dist import RunContext
+from harness.runtime import RunContext
 from harness.errors import SpecError
 from harness.run import run
 from harness.spec import parse_spec

@@ -7,9 +7,10 @@ import os
 import pytest
 import yaml
 
-from harness.compare import run_comparison
+from harness.compare.orchestrate import run_comparison
 from harness.compare.parity import FAIL, NO_DATA, PASS, check_parity, compare_fingerprints
 from harness.compare.spec import DEFAULT, parse_compare_spec
+from harness.report.compare import write_report
 from harness.errors import SpecError
 from harness.store import ResultsStore
 
@@ -136,8 +137,8 @@ def test_report_shows_failure_fingerprint_difference_and_records_verdict(tmp_pat
     results = {"reference (single device)": ("ok", REF, fp), "FSDP2 reshard": ("ok", REF, {**fp, "hosts": ["n2"]}),
                "deepspeed ZeRO-1": ("ok", [5.5, 5.45, 5.3], fp), "deepspeed ZeRO-3": ("failed", [], {})}
     store = str(tmp_path / "r.sqlite")
-    summary, paths = run_comparison(cs, store_path=store, out_dir=str(tmp_path), progress=False,
-                                    launch_fn=fake_launcher(results))
+    summary = run_comparison(cs, store_path=store, progress=False, launch_fn=fake_launcher(results))
+    paths = write_report(summary, str(tmp_path))
     assert summary["verdict"] == FAIL and summary["failed_runs"] == ["deepspeed ZeRO-3"]
     md = open(paths["markdown"]).read()
     html = open(paths["html"]).read()

@@ -9,7 +9,8 @@ import yaml
 
 from harness.errors import SpecError
 from harness.frameworks.ds_config import DS_CONFIG_DIR, build_config
-from harness.frameworks.mp_check import assert_matches_reference, reference_run, run_losses, spawn
+from harness.testing.reference import assert_matches_reference, reference_run
+from harness.testing.spawn import run_losses, spawn
 from harness.spec import parse_spec
 
 STEPS = 5
@@ -155,7 +156,7 @@ def test_zero_stages_match_single_device_reference():
         assert_matches_reference(result, ref_losses, ref_state, str(lay))
     # bf16: DeepSpeed's bf16 weights + fp32 master vs the reference's autocast: close, not equal
     bf16_ref, _ = reference_run({**WORKLOAD, "precision": "bf16"}, STEPS, micro_batch_size=2)
-    assert_matches_reference(results[-1], bf16_ref, None, "ZeRO-3 bf16", loss_rtol=1e-3)
+    assert_matches_reference(results[-1], bf16_ref, None, "ZeRO-3 bf16", rtol=1e-3)
     assert "fp32 master" in results[-1]["describe"]["precision_note"]
     assert results[0]["describe"]["optimizer"].endswith("AdamW")
     assert results[2]["describe"]["zero_stage"] == 3

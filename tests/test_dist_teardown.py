@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness.engine.equivalence import free_port
+from harness.launch import free_port
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    from harness import dist as hd
+    from harness import runtime as hd
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))

@@ -18,12 +18,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.engine import equivalence as E
+from harness.testing import equivalence as E
 from harness.engine.comm_model import rank_comm
 from harness.model.presets import resolve_shape
 
 FOUR = {"model_overrides": {"layers": 4}}
-GROUPED = {"HARNESS_P2P": "grouped"}  # the NCCL transfer mode, run on gloo
 
 CASES = {
     1: [
@@ -36,7 +35,8 @@ CASES = {
         {"layout": {"tp": 2, "sequence_parallel": True, "micro_batch_size": 2, "activation_checkpointing": "selective",
                     "rmsnorm": "fused"}},
         {"layout": {"pp": 2, "activation_checkpointing": "full"}},
-        {"layout": {"pp": 2, "pipeline_schedule": "gpipe", "micro_batch_size": 2}, "env": GROUPED},
+        # grouped: the NCCL transfer mode, run on gloo
+        {"layout": {"pp": 2, "pipeline_schedule": "gpipe", "micro_batch_size": 2, "pipeline_p2p": "grouped"}},
         {"layout": {"dp": 2, "zero_stage": 1, "dp_bucket_mb": 0.05}},
         {"layout": {"dp": 2, "activation_checkpointing": "selective", "dp_bucket_mb": 0.05}},
         # bf16 autocast over fp32 weights: not bit-comparable, so a looser tolerance
@@ -44,7 +44,7 @@ CASES = {
     ],
     4: [
         {"layout": {"tp": 2, "pp": 2, "sequence_parallel": True, "pipeline_schedule": "interleaved",
-                    "virtual_stages": 2}, "workload": FOUR, "env": GROUPED},
+                    "virtual_stages": 2, "pipeline_p2p": "grouped"}, "workload": FOUR},
         {"layout": {"tp": 2, "dp": 2, "sequence_parallel": True, "zero_stage": 1, "micro_batch_size": 2,
                     "activation_checkpointing": "full"}},
         {"layout": {"pp": 2, "dp": 2, "dp_bucket_mb": 0.05}},
@@ -61,7 +61,7 @@ PARAMS = [(world, i) for world, cases in CASES.items() for i in range(len(cases)
 
 
 def _run_in_process(cases):
-    from harness.dist import RunContext
+    from harness.runtime import RunContext
     from harness.frameworks.own import build
 
     ctx = RunContext(0, 1, 0, torch.device("cpu"), None)

@@ -15,7 +15,7 @@ import textwrap
 
 import torch
 
-from harness.engine.equivalence import free_port
+from harness.launch import free_port
 from harness.store import ResultsStore
 
 SPEC = textwrap.dedent("""
@@ -71,7 +71,7 @@ def test_two_node_run_on_loopback(tmp_path):
     assert m["comm"]["pp"]["send"]["count"] > 0
 
     from harness.frameworks.single import SingleDeviceEngine
-    from harness.data import token_source
+    from harness.data.source import token_source
     from harness.model.presets import resolve_shape
     from harness.spec import parse_spec
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from harness.engine import equivalence as E
+from harness.testing import equivalence as E
 
 
 def test_engine_without_parallelism_matches_reference_in_process():
-    from harness.dist import RunContext
+    from harness.runtime import RunContext
     from harness.frameworks.own import build
     from harness.model.presets import resolve_shape
 

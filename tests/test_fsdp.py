@@ -1,7 +1,8 @@
 """FSDP2: both reshard modes (and full checkpointing) reproduce the single-device reference
 (fp32, CPU, 2 gloo processes); bf16 stays close to it."""
 
-from harness.frameworks.mp_check import assert_matches_reference, reference_run, run_losses, spawn
+from harness.testing.reference import assert_matches_reference, reference_run
+from harness.testing.spawn import run_losses, spawn
 
 STEPS = 5
 WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,

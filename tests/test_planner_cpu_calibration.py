@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from harness.dist import RunContext
+from harness.runtime import RunContext
 from harness.run import run
 from harness.spec import parse_spec
 

@@ -12,7 +12,7 @@ import pytest
 
 from harness.cli import main as cli_main
 from harness.report.build import build_report, sections_for
-from harness.report.synthetic import make_records
+from harness.testing.synthetic import make_records
 from harness.store import ResultsStore, new_record
 
 SECTIONS = ["overview", "best", "micro-batch", "tp-pp", "kernels", "checkpointing", "sequence-parallel",

@@ -7,8 +7,8 @@ import pytest
 import torch
 import yaml
 
-from harness.data import token_source
-from harness.dist import RunContext
+from harness.data.source import token_source
+from harness.runtime import RunContext
 from harness.run import run
 from harness.spec import parse_spec
 from harness.store import ResultsStore
@@ -77,12 +77,12 @@ def test_fault_hook_records_oom(tmp_path, monkeypatch):
 
 
 def test_slurm_environment_is_adopted(monkeypatch):
-    from harness import dist
+    from harness import runtime
 
     env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
            "SLURM_JOB_NODELIST": "gpu[003-004,007],cpu01"}
     monkeypatch.setattr(os, "environ", env)  # a private environment: nothing leaks to later tests
-    dist.adopt_slurm_env()
+    runtime.adopt_slurm_env()
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("5", "1", "8")
     assert os.environ["MASTER_ADDR"] == "gpu003"
 

@@ -22,8 +22,9 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from harness.compare import run_comparison
+    from harness.compare.orchestrate import run_comparison
     from harness.compare.spec import load_compare_spec
+    from harness.report.compare import write_report
 
     cs = load_compare_spec(args.spec)  # every run is checked here: SpecError -> exit 2, nothing launched
     if args.timeout:
@@ -31,8 +32,8 @@ def main(args) -> int:
     store = args.store or cs.store or "results.sqlite"
     print(f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
           f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})", file=sys.stderr)
-    summary, paths = run_comparison(cs, store_path=store, out_dir=args.out, log_dir=args.logs,
-                                    progress=not args.no_progress)
+    summary = run_comparison(cs, store_path=store, log_dir=args.logs, progress=not args.no_progress)
+    paths = write_report(summary, args.out)
     par = summary["parity"]
     print(f"verdict: {summary['verdict']} (parity {par['verdict']}, max pairwise relative loss difference "
           f"{par['max_pairwise_rel_diff']:.2e}, tolerance {par['tolerance']:g}; "

@@ -13,7 +13,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from harness.tokenize import prepare
+    from harness.data.prepare import prepare
 
     meta = prepare(args.inputs, args.out, args.tokenizer, args.text_key)
     print(f"wrote {meta['tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "

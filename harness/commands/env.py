@@ -10,7 +10,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from harness.dist import choose_device
+    from harness.runtime import choose_device
     from harness.measure import fingerprint
 
     print(json.dumps(fingerprint(choose_device(args.device, 0)), indent=2))

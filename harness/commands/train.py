@@ -20,18 +20,18 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from harness import dist
+    from harness import runtime
     from harness.run import run
-    from harness.report_text import summary_lines
+    from harness.report.summary import summary_lines
     from harness.spec import load_spec
 
     spec = load_spec(args.spec)
-    ctx = dist.init(spec.workload.device)
+    ctx = runtime.init(spec.workload.device)
     try:
         record = run(spec, ctx, store_path=args.store, run_id=args.run_id, sweep=args.sweep,
                      point_key=args.point_key, peak_tflops=args.peak_tflops, progress=not args.no_progress)
     except SpecError:
-        dist.teardown(ctx, barrier=False)
+        runtime.teardown(ctx, barrier=False)
         raise
     except BaseException:
         # The failure record is written. Peers may be stuck in a collective with this rank, so
@@ -41,5 +41,5 @@ def main(args) -> int:
         os._exit(1)
     if ctx.is_main:
         print("\n".join(summary_lines(record, args.store or spec.store)))
-    dist.teardown(ctx)
+    runtime.teardown(ctx)
     return 0 if record["status"] == "ok" else 1

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from harness.data import dp_slice, micro_batches
+from harness.data.source import dp_slice, micro_batches
 from harness.engine.comm import Axis, CommStats, StepClock
 from harness.engine.data_parallel import GradSync
 from harness.engine.model import build_chunks
@@ -26,7 +26,7 @@ from harness.engine.pipeline import PipelineExecutor
 from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map, rank_map
-from harness.frameworks.single import autocast_for, make_adamw
+from harness.model.training import autocast_for, make_adamw
 from harness.model.llama import reference_tensor, rotary_tables
 
 # Which breakdown category each axis's blocking wait is charged to.
@@ -76,9 +76,7 @@ class Engine3D:
         self.programs = all_programs(lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
                                      lay.pp, self.micro, self.chunks_per_rank)
         seq_local = w.seq_len // lay.tp if sp else w.seq_len
-        p2p_mode = os.environ.get("HARNESS_P2P") or ("grouped" if ctx.backend == "nccl" else "async")
-        if p2p_mode not in ("async", "grouped"):
-            raise ValueError(f"HARNESS_P2P={p2p_mode!r}: use async or grouped")
+        p2p_mode = lay.pipeline_p2p if lay.pipeline_p2p != "auto" else ("grouped" if ctx.backend == "nccl" else "async")
         self.executor = PipelineExecutor(self.chunks, self.programs, self.axes["pp"], self.clock,
                                          (seq_local, lay.micro_batch_size, shape.hidden), ctx.device,
                                          lambda: autocast_for(w, ctx.device), p2p_mode)

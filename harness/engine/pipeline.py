@@ -10,8 +10,8 @@ Two transfer modes, same compute:
            schedules.grouped_programs orders them so that no group waits on another forever
            even if each group is waited for as a whole (which NCCL's coalesced work does).
            Where the backend returns one work per transfer (gloo), only the receives are
-           waited for at once and the sends at STEP. The default on NCCL; HARNESS_P2P=grouped
-           forces it elsewhere (the gloo tests run it too).
+           waited for at once and the sends at STEP. The default on NCCL; layout.pipeline_p2p:
+           grouped forces it elsewhere (the gloo tests run it too).
 A chunk that hands over to a chunk on the same rank (pp=1 with virtual stages) passes the
 tensor directly. All transfers are [seq(/tp under SP), micro_batch, hidden] fp32 activations
 or their gradients.

@@ -23,7 +23,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from harness.data import dp_slice
+from harness.data.source import dp_slice
 from harness.frameworks.ds_config import build_config
 
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.data import dp_slice
-from harness.frameworks.single import make_adamw
+from harness.data.source import dp_slice
+from harness.model.training import make_adamw
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 
 _WRAPPED = "_checkpoint_wrapped_module."

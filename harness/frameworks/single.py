@@ -5,25 +5,11 @@ Every parallel layout and every framework is checked against this engine's losse
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from harness.data import micro_batches
+from harness.data.source import micro_batches
 from harness.model.llama import build_model, lm_loss
-
-
-def make_adamw(params, workload, **kw):
-    o = workload.optimizer
-    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                             weight_decay=o.weight_decay, **kw)
-
-
-def autocast_for(workload, device: torch.device):
-    """bf16 mixed precision keeps fp32 weights (the master copy) and runs matmuls in bf16."""
-    if workload.precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+from harness.model.training import autocast_for, make_adamw
 
 
 class SingleDeviceEngine:

@@ -1,9 +1,10 @@
 """The planner: predict memory, out-of-memory and step time of layouts before running them.
 
 Modules, one job each: hardware (profiles), layout (what a layout is), memory (bytes per GPU),
-timing (seconds per step), enumerate (every valid layout), predict (the two together),
-calibrate (fit efficiency constants from measurements), paper (the published sweeps),
-cli (`harness plan`). Nothing here imports torch: a plan must answer in about a second.
+timing (seconds per step), candidates (every valid layout), predict (the two together),
+calibrate (fit efficiency constants from measurements), paper (the published sweeps). The
+command is harness/commands/plan.py. Nothing here imports torch: a plan must answer in about
+a second.
 """
 
 from harness.planner.predict import Prediction, predict  # noqa: F401

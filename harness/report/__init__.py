@@ -3,6 +3,8 @@
 data.py flattens records into rows (tolerating missing optional metrics), analysis.py turns
 rows into sections (tables, figures, recommendations with their evidence), plots.py draws
 with matplotlib's Agg backend, render.py writes Markdown and HTML, baselines.py reads the
-published figures in baselines/. Nothing in a report is written in advance: every sentence
-that judges a layout is computed from the rows it cites.
+published figures in baselines/, build.py puts a sweep report together. compare.py is the
+report of one `harness compare`, summary.py the lines printed at the end of one run. Nothing
+in a report is written in advance: every sentence that judges a layout is computed from the
+rows it cites.
 """

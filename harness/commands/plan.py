@@ -76,7 +76,7 @@ def _calibrate(args, profile) -> int:
 
 def main(args) -> int:
     from harness.model.presets import resolve_shape
-    from harness.planner import enumerate as en
+    from harness.planner import candidates as en
     from harness.planner.hardware import load_profile
     from harness.planner.layout import CHECKPOINTING, RMSNORMS, Workload
     from harness.planner.predict import predict

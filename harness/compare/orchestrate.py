@@ -1,0 +1,120 @@
+"""Run a comparison: one workload under several engines and layouts, each run in its own
+launcher process group (harness.launch.run_spec), a loss-parity check across all of them and a
+fingerprint check. The report is written from the returned summary (harness.report.compare).
+
+The verdict is recorded twice: in the report's JSON summary, and in every run's record in the
+results store (a `comparison` section: name, id, verdict, this run's parity, tolerance).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import uuid
+
+from harness.compare.parity import PASS, check_parity, compare_fingerprints
+from harness.compare.spec import CompareSpec, PlannedRun
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load: other work on the machine shows up in step times, so the report says it."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _first_error_line(error: str | None) -> str:
+    if not error:
+        return ""
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    return lines[0][:200] if lines else ""
+
+
+def _run_entry(plan: PlannedRun, record: dict) -> dict:
+    m = record.get("metrics") or {}
+    describe = m.get("engine") or {}
+    return {
+        "label": plan.label, "engine": plan.spec.layout.engine, "layout": plan.spec.to_dict()["layout"],
+        "launcher": plan.launcher, "nproc": plan.nproc, "is_reference": plan.is_reference,
+        "status": record.get("status"), "run_id": record.get("run_id"), "error": record.get("error"),
+        "error_line": _first_error_line(record.get("error")) if record.get("status") != "ok" else "",
+        "log": (record.get("launch") or {}).get("log"),
+        "wall_s": (record.get("launch") or {}).get("wall_s"),
+        "losses": m.get("losses") or [],
+        "metrics": {k: m.get(k) for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu",
+                                           "mfu_vs_measured_matmul", "peak_memory_bytes", "memory_kind",
+                                           "peak_tflops", "measured_matmul_tflops")},
+        "describe": describe,
+        "precision_note": describe.get("precision_note"),
+        "workload_override": plan.workload_override,
+        "override_note": ("workload overridden: " + ", ".join(f"{k}={v}" for k, v in plan.workload_override.items())
+                          if plan.workload_override else ""),
+        "fingerprint": record.get("fingerprint") or {},
+    }
+
+
+def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = None,
+                   progress: bool = True, launch_fn=None) -> dict:
+    """Launch every planned run in turn, check parity and fingerprints; the summary the report
+    (harness.report.compare) is written from."""
+    from tqdm import tqdm
+
+    from harness.store import ResultsStore, now_iso
+
+    if launch_fn is None:
+        from harness.launch import run_spec as launch_fn
+    comparison_id = uuid.uuid4().hex[:12]
+    sweep = f"compare:{cs.name}:{comparison_id}"
+    log_dir = log_dir or os.path.join(tempfile.gettempdir(), f"harness-compare-{cs.name}-{comparison_id}")
+    for label, why in cs.skipped:
+        print(f"note: skipping {label}: {why}", file=sys.stderr)
+    entries, records = [], []
+    bar = tqdm(cs.runs, desc="compare", unit="run", disable=not progress, file=sys.stderr,
+               bar_format="{l_bar}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
+    started = time.monotonic()
+    load_before = _loadavg()
+    for plan in bar:
+        bar.set_description(f"compare: {plan.label}")
+        spec = plan.spec.to_dict()
+        spec["store"] = os.path.abspath(store_path)
+        record = launch_fn(spec, nproc=plan.nproc, launcher=plan.launcher, store_path=store_path,
+                           timeout_s=cs.timeout_s, sweep=sweep, point_key=plan.label, log_dir=log_dir)
+        entry = _run_entry(plan, record)
+        entries.append(entry)
+        records.append(record)
+        st = (entry["metrics"].get("step_time_s") or {}).get("median")
+        msg = f"{plan.label}: {entry['status']}" + (f", step {st * 1e3:.1f} ms" if st else "") + \
+              (f" ({entry['error_line']})" if entry["error_line"] else "")
+        bar.write(msg, file=sys.stderr)
+    bar.close()
+
+    parity = check_parity(entries, cs.parity_steps, cs.tolerance)
+    fingerprints = compare_fingerprints(entries)
+    failed = [e["label"] for e in entries if e["status"] != "ok"]
+    verdict = PASS if parity["verdict"] == PASS and not failed else "FAIL"
+    summary = {
+        "name": cs.name, "comparison_id": comparison_id, "created_at": now_iso(), "verdict": verdict,
+        "store": os.path.abspath(store_path), "sweep_tag": sweep, "nproc": cs.nproc,
+        "workload": cs.workload,
+        "tolerance_source": cs.tolerance_source, "parity": parity, "fingerprints": fingerprints,
+        "failed_runs": failed, "skipped": cs.skipped, "load_average": {"before": load_before, "after": _loadavg()}, "wall_s": round(time.monotonic() - started, 1),
+        "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],
+        "loss_table": {e["label"]: e["losses"][:cs.parity_steps] for e in entries if e["losses"]},
+    }
+    # the compared workload is the one without overrides: take it from a run that has none
+    base = next((r for r, e in zip(records, entries) if not e["workload_override"]), None)
+    if base is not None:
+        summary["workload"] = (base.get("spec") or {}).get("workload")
+
+    store = ResultsStore(store_path)
+    by_label = {p["label"]: p for p in parity["runs"]}
+    for record, entry in zip(records, entries):
+        record["comparison"] = {"name": cs.name, "id": comparison_id, "verdict": verdict,
+                                "parity": by_label.get(entry["label"]), "tolerance": cs.tolerance,
+                                "parity_steps": cs.parity_steps, "fingerprints_same": fingerprints["same"],
+                                "label": entry["label"]}
+        store.write(record)
+    return summary

@@ -1,0 +1,78 @@
+"""The own engine's layouts run in one gloo launch per world size, against the reference.
+
+A launch of N processes runs a list of cases (each a small dict of workload/layout overrides)
+one after another, so process start-up and group creation are paid once per world size rather
+than once per layout. Every rank returns its losses, weights, communication counts and details.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from harness.testing.reference import mismatches as compare  # noqa: F401 - the tests' name for it
+from harness.testing.reference import reference_run
+from harness.testing.spawn import spawn
+
+BASE = {"workload": {"model": "tiny", "seq_len": 16, "global_batch_size": 8, "steps": 5, "warmup_steps": 0,
+                     "precision": "fp32", "device": "cpu",
+                     "optimizer": {"lr": 1.0, "eps": 1.0}},
+        "layout": {"engine": "own"}}
+
+
+def workload_of(case: dict) -> dict:
+    return {**BASE["workload"], **case.get("workload", {})}
+
+
+def make_spec(case: dict):
+    from harness.spec import parse_spec
+
+    return parse_spec({"workload": workload_of(case), "layout": {**BASE["layout"], **case.get("layout", {})}})
+
+
+def batches(spec, shape, steps: int):
+    from harness.data.source import token_source
+
+    src = token_source(spec.workload, shape.vocab)
+    return [src.global_batch_at(i) for i in range(steps)]
+
+
+def reference(case: dict, steps: int = 5):
+    """Losses and final weights of the single-device engine on the case's workload."""
+    lay = case.get("layout", {})
+    return reference_run(workload_of(case), steps, micro_batch_size=lay.get("micro_batch_size", 1),
+                         attention=lay.get("attention", "sdpa"))
+
+
+def run_cases(ctx, cases: list[dict], steps: int) -> list[dict]:
+    """On one rank: build the own engine for each case in turn and train `steps` steps."""
+    from harness.frameworks.own import build
+    from harness.model.presets import resolve_shape
+
+    results = []
+    for case in cases:
+        spec = make_spec(case)
+        shape = resolve_shape(spec.workload.model, spec.workload.model_overrides)
+        eng = build(spec, shape, ctx)
+        losses, comms = [], []
+        for b in batches(spec, shape, steps):
+            losses.append(eng.train_step(b))
+            comms.append(eng.last_step_details()["comm"])
+        results.append({"case": case, "losses": losses, "state": eng.full_state_dict(), "comm": comms[-1],
+                        "comm_first": comms[0], "details": eng.last_step_details(), "coord": eng.mesh.coord})
+        del eng
+    return results
+
+
+def launch(cases: list[dict], world: int, steps: int = 5, timeout_s: float = 300) -> list[list[dict]]:
+    """`world` gloo processes, one thread each, run every case; returns per-rank result lists."""
+    return spawn(run_cases, world, cases, steps, timeout_s=timeout_s, threads=1, every_rank=True)
+
+
+if __name__ == "__main__":  # python -m harness.testing.equivalence TP PP DP
+    tp, pp, dp = (int(a) for a in sys.argv[1:4])
+    case = {"layout": {"tp": tp, "pp": pp, "dp": dp}}
+    res = launch([case], tp * pp * dp)
+    ref = reference(case)
+    print("losses", res[0][0]["losses"])
+    print("reference", ref[0])
+    print("mismatches", compare(res[0][0], *ref) or "none")

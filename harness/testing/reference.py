@@ -1,0 +1,54 @@
+"""The single-device reference run and the one comparison every equivalence test makes with it."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_run(workload: dict, steps: int, **layout) -> tuple[list[float], dict]:
+    """The single-device engine in this process on `workload`: (losses, final fp32 weights)."""
+    from harness.data.source import token_source
+    from harness.frameworks.single import SingleDeviceEngine
+    from harness.spec import check_sizes, parse_spec
+
+    spec = parse_spec({"workload": dict(workload), "layout": {"engine": "single", **layout}})
+    shape = check_sizes(spec)
+    engine = SingleDeviceEngine(spec, shape, torch.device("cpu"))
+    source = token_source(spec.workload, shape.vocab)
+    losses = [engine.train_step(source.global_batch_at(step)) for step in range(steps)]
+    return losses, engine.full_state_dict()
+
+
+def mismatches(result: dict, ref_losses: list[float], ref_state: dict | None, rtol: float = 1e-5) -> list[str]:
+    """What differs from the reference (empty when equal within rtol): the loss of every step
+    (relative), and every final parameter (max abs difference relative to the tensor's scale)."""
+    losses = result["losses"]
+    bad = []
+    if len(losses) != len(ref_losses):
+        bad.append(f"{len(losses)} losses vs {len(ref_losses)} in the reference")
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        if abs(a - b) > rtol * abs(b):
+            bad.append(f"step {i}: loss {a!r} vs reference {b!r} (rel {abs(a - b) / abs(b):.2e} > {rtol:g})")
+    if ref_state is None:
+        return bad
+    state = result["state"]
+    if set(state) != set(ref_state):
+        bad.append(f"parameter names differ: {sorted(set(state) ^ set(ref_state))[:5]}")
+    for name, ref in ref_state.items():
+        if name in state:
+            got = state[name]
+            if got.shape != ref.shape:
+                bad.append(f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}")
+                continue
+            err = (got - ref).abs().max().item()
+            scale = ref.abs().max().item()
+            if err > rtol * max(scale, 1e-12):
+                bad.append(f"{name}: max abs diff {err:.3g} (scale {scale:.3g})")
+    return bad
+
+
+def assert_matches_reference(result: dict, ref_losses: list[float], ref_state: dict | None, label: str,
+                             rtol: float = 1e-5) -> None:
+    bad = mismatches(result, ref_losses, ref_state, rtol)
+    if bad:
+        raise AssertionError(f"{label}:\n  " + "\n  ".join(bad))
