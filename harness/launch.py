@@ -26,13 +26,13 @@ import time
 import psutil
 import yaml
 
-from harness.store import ResultsStore, new_record, now_iso
+from harness.store import ResultsStore, mentions_oom, new_record, now_iso
 
 LAUNCHERS = ("torchrun", "deepspeed", "direct", "srun")
+LOCAL_LAUNCHERS = ("torchrun", "deepspeed", "direct")  # start every rank on this machine
 TOKEN_ENV = "HARNESS_RUN_TOKEN"
 SWEEP_PID_ENV = "HARNESS_SWEEP_PID"
 SWEEP_ID_ENV = "HARNESS_SWEEP_ID"
-OOM_PATTERNS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
 TAIL_LINES = 30
 LINGER_S = 15.0  # seconds a run may take to exit after its record is written
 
@@ -198,7 +198,7 @@ def classify_output(text: str, timed_out: bool) -> str:
     """Status of a run that wrote no record, from what it printed."""
     if timed_out:
         return "timeout"
-    if any(p in text for p in OOM_PATTERNS):
+    if mentions_oom(text):
         return "oom"
     return "failed"
 

@@ -21,13 +21,11 @@ from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
 from harness.model.kernels import check_kernels, rmsnorm_backend_name
 from harness.spec import RunSpec, check_sizes, check_world_size
-from harness.store import ResultsStore, new_record, now_iso
-
-OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "out of memory")
+from harness.store import ResultsStore, mentions_oom, new_record, now_iso
 
 
 def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or any(m in str(exc) for m in OOM_MARKERS)
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or mentions_oom(str(exc))
 
 
 def _fault(step: int, rank: int) -> None:

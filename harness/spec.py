@@ -219,7 +219,7 @@ def check_sizes(spec: RunSpec) -> Shape:
     if lay.virtual_stages > 1 and lay.pipeline_schedule != "interleaved":
         raise SpecError("layout.virtual_stages", "needs pipeline_schedule: interleaved")
     if lay.pipeline_schedule == "interleaved" and lay.pp > 1:
-        micro = w.global_batch_size // (lay.dp * lay.micro_batch_size)
+        micro = micro_batches(w.global_batch_size, lay.dp, lay.micro_batch_size)
         if micro % lay.pp:
             raise SpecError("layout.pipeline_schedule",
                             f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}")
@@ -258,7 +258,54 @@ def check_world_size(spec: RunSpec, world_size: int) -> None:
 
 
 def micro_batches_per_step(spec: RunSpec) -> int:
-    return spec.workload.global_batch_size // (spec.layout.dp * spec.layout.micro_batch_size)
+    return micro_batches(spec.workload.global_batch_size, spec.layout.dp, spec.layout.micro_batch_size)
+
+
+def micro_batches(global_batch_size: int, dp: int, micro_batch_size: int) -> int:
+    """Micro-batches each data-parallel rank runs per optimizer step."""
+    return global_batch_size // (dp * micro_batch_size)
+
+
+# ---------------------------------------------------------------- the layout's text label
+
+
+def _layout_dict(layout) -> dict:
+    return dataclasses.asdict(layout) if dataclasses.is_dataclass(layout) else dict(layout or {})
+
+
+def engine_variant(layout) -> str:
+    """The engine and its sharding mode: own, own ZeRO-1, deepspeed ZeRO-3, FSDP2 reshard, ...
+    (tolerates the partial layouts of old or foreign records)."""
+    lay = _layout_dict(layout)
+    engine = lay.get("engine") or "?"
+    if engine == "deepspeed":
+        return f"deepspeed ZeRO-{lay.get('zero_stage', '?')}" + (" hf" if lay.get("model_impl") == "hf" else "")
+    if engine == "fsdp":
+        return "FSDP2 " + ("reshard" if lay.get("reshard_after_forward", True) else "no-reshard")
+    if engine == "own" and lay.get("zero_stage"):
+        return f"own ZeRO-{lay['zero_stage']}"
+    return engine
+
+
+def layout_label(layout, short: bool = False) -> str:
+    """One line naming a layout, used by every view of a run (console, sweep, compare, report).
+
+    short: the engine variant and the parallel degrees other than 1 (what tells a comparison's
+    runs apart); otherwise every field that changes what is measured."""
+    lay = _layout_dict(layout)
+    degrees = {k: int(lay.get(k) or 1) for k in ("tp", "pp", "dp")}
+    if short:
+        parts = [f"{k}{v}" for k, v in degrees.items() if v != 1]
+        return " ".join([engine_variant(lay)] + parts)
+    parts = [engine_variant(lay)] + [f"{k}{v}" for k, v in degrees.items()]
+    parts += [f"mb{lay.get('micro_batch_size', '?')}", f"ckpt={lay.get('activation_checkpointing') or 'none'}",
+              f"{lay.get('attention') or '?'}/{lay.get('rmsnorm') or '?'}"]
+    virtual = int(lay.get("virtual_stages") or 1)
+    if (degrees["pp"] > 1 or virtual > 1) and lay.get("pipeline_schedule"):
+        parts.append(lay["pipeline_schedule"] + (f" v{virtual}" if virtual > 1 else ""))
+    if lay.get("sequence_parallel"):
+        parts.append("sp")
+    return " ".join(parts)
 
 
 def spec_from_dict(d: dict) -> RunSpec:

@@ -21,6 +21,16 @@ from datetime import datetime, timezone
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "failed", "timeout")
+# A comparison's loss-parity verdict, per run and overall (the record's `comparison` section).
+PASS, FAIL, NO_DATA = "pass", "FAIL", "no data"
+# What an out-of-memory failure says, in an exception or in a run's output: PyTorch's CUDA
+# allocator ("CUDA out of memory"), the CUDA runtime ("CUDA error: out of memory") and the
+# exception's class name.
+OOM_MARKERS = ("out of memory", "OutOfMemoryError")
+
+
+def mentions_oom(text: str) -> bool:
+    return any(m in text for m in OOM_MARKERS)
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS runs (

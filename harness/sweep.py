@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from harness.errors import SpecError
-from harness.spec import Layout, Workload, check_world_size, parse_spec, read_yaml
+from harness.spec import Layout, Workload, check_world_size, layout_label, parse_spec, read_yaml
 
 SWEEP_KEYS = ("name", "gpus", "nodes", "launcher", "timeout_s", "store", "env", "workload", "layout",
               "grid", "include", "exclude", "points", "slurm", "description")
@@ -87,20 +87,8 @@ class Point:
     timeout_s: float | None = None  # a point's own limit, else the sweep's
 
     def label(self) -> str:
-        lay = self.spec["layout"]
-        parts = [lay["engine"], f"tp{lay['tp']}", f"pp{lay['pp']}", f"dp{lay['dp']}",
-                 f"mb{lay['micro_batch_size']}", f"ckpt={lay['activation_checkpointing']}",
-                 f"{lay['attention']}/{lay['rmsnorm']}"]
-        if lay["pp"] > 1:
-            parts.append(lay["pipeline_schedule"])
-        if lay["sequence_parallel"]:
-            parts.append("sp")
-        if lay["engine"] == "deepspeed":
-            parts.append(f"zero{lay['zero_stage']}")
-        if lay["engine"] == "fsdp":
-            parts.append("reshard" if lay["reshard_after_forward"] else "noreshard")
         extra = [f"{k}={v}" for k, v in self.coords.items() if k.startswith("workload.")]
-        return " ".join(parts + extra)
+        return " ".join([layout_label(self.spec["layout"])] + extra)
 
 
 @dataclass

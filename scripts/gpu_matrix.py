@@ -20,7 +20,7 @@ from harness.runtime import RunContext
 from harness.errors import SpecError
 from harness.run import run
 from harness.spec import parse_spec
-from harness.store import ResultsStore, new_record, now_iso
+from harness.store import ResultsStore, mentions_oom, new_record, now_iso
 
 # The same 1B-parameter initial weights serve every point: generate them once.
 llama.reference_state_dict = functools.lru_cache(maxsize=1)(llama.reference_state_dict)
@@ -86,7 +86,7 @@ def main():
             store.write(rec)
             row.update(status="unavailable", error=str(e))
         except Exception as e:  # oom / failed records were written by run()
-            row.update(status="oom" if "out of memory" in str(e).lower() else "failed", error=str(e)[:300])
+            row.update(status="oom" if mentions_oom(str(e)) else "failed", error=str(e)[:300])
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -6,6 +6,7 @@ import os
 import sys
 
 from harness.errors import SpecError
+from harness.store import STATUSES
 
 
 def add_arguments(p):
@@ -14,7 +15,7 @@ def add_arguments(p):
     e.add_argument("--store", default="results.sqlite")
     e.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
     e.add_argument("--sweep")
-    e.add_argument("--status", choices=("ok", "oom", "failed", "timeout"))
+    e.add_argument("--status", choices=STATUSES)
     e.add_argument("--out", help="file to write (default: stdout)")
 
 

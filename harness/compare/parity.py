@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PASS, FAIL, NO_DATA = "pass", "FAIL", "no data"
+from harness.store import FAIL, NO_DATA, PASS  # noqa: F401 - the verdicts, recorded with each run
 
 FINGERPRINT_GROUPS = {
     "hosts": ("hosts",),

@@ -26,7 +26,8 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from harness.errors import SpecError
-from harness.spec import read_yaml
+from harness.launch import LOCAL_LAUNCHERS
+from harness.spec import layout_label, read_yaml
 
 TOP_KEYS = ("name", "nproc", "parity_steps", "tolerance", "timeout_s", "reference", "workload", "runs", "store")
 RUN_EXTRA = ("label", "launcher", "workload")
@@ -151,7 +152,7 @@ def parse_compare_spec(raw) -> CompareSpec:
         if not isinstance(override, dict):
             raise SpecError(f"{where}.workload", "must be a mapping of workload fields to override")
         engine = layout.get("engine", "single")
-        label = str(entry.get("label") or _auto_label(layout))
+        label = str(entry.get("label") or layout_label(layout, short=True))
         if label in labels:
             raise SpecError(f"{where}.label", f"{label!r} is used twice")
         labels.add(label)
@@ -176,8 +177,8 @@ def parse_compare_spec(raw) -> CompareSpec:
                 raise SpecError(f"{where}", f"{e.reason} (nproc {nproc})") from None
         validate(spec)  # ds_config: "error: <file>: <key>: <reason>"
         launcher = entry.get("launcher", DEFAULT_LAUNCHER[engine])
-        if launcher not in ("torchrun", "deepspeed", "direct"):
-            raise SpecError(f"{where}.launcher", "torchrun, deepspeed or direct")
+        if launcher not in LOCAL_LAUNCHERS:
+            raise SpecError(f"{where}.launcher", " or ".join(LOCAL_LAUNCHERS))
         if not engine_available(engine):
             skipped.append((label, f"engine {engine!r} is not available in this checkout "
                                    f"({engine} adapter module missing)"))
@@ -193,13 +194,3 @@ def _ref_micro(runs_raw, global_batch: int) -> int:
     sizes = {r.get("micro_batch_size", 1) for r in runs_raw if isinstance(r, dict)}
     size = sizes.pop() if len(sizes) == 1 else 1
     return size if isinstance(size, int) and size > 0 and global_batch % size == 0 else 1
-
-
-def _auto_label(layout: dict) -> str:
-    engine = layout.get("engine", "single")
-    if engine == "deepspeed":
-        return f"deepspeed ZeRO-{layout.get('zero_stage', '?')}" + (" hf" if layout.get("model_impl") == "hf" else "")
-    if engine == "fsdp":
-        return "FSDP2 " + ("reshard" if layout.get("reshard_after_forward", True) else "no reshard")
-    parts = [f"{k}{layout[k]}" for k in ("tp", "pp", "dp") if layout.get(k, 1) != 1]
-    return f"{engine} " + " ".join(parts or ["dp1"])

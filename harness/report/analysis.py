@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from harness.report import plots
 from harness.report.data import Metric, Row, fmt_bytes, fmt_s
+from harness.store import STATUSES
 
 TOP = 10
 MAX_SWEEP_FIGS = 6
@@ -92,8 +93,8 @@ def overview(rows: list[Row], metric: Metric) -> Section:
         models = sorted({f"{r.model} seq {r.seq_len} batch {r.global_batch_size} {r.precision}" for r in rs})
         hw = sorted({f"{r.gpus} x {r.device}" for r in rs if r.device}) or ["?"]
         table.append([name, "; ".join(models), "; ".join(hw), str(len(rs))] +
-                     [str(st.get(k, 0)) for k in ("ok", "oom", "failed", "timeout")])
-    s.tables.append(Table(["sweep", "workload", "devices", "runs", "ok", "oom", "failed", "timeout"], table))
+                     [str(st.get(k, 0)) for k in STATUSES])
+    s.tables.append(Table(["sweep", "workload", "devices", "runs", *STATUSES], table))
     hosts = sorted({h for r in rows for h in r.hosts})
     versions = sorted({v for r in rows for v in r.versions})
     if hosts or versions:

@@ -11,7 +11,8 @@ import html
 import json
 import os
 
-from harness.compare.parity import PASS
+from harness.spec import layout_label
+from harness.store import PASS
 
 
 def _ms(x) -> str:
@@ -36,23 +37,6 @@ def _sci(x) -> str:
     return "0" if x == 0 else f"{x:.1e}"
 
 
-def layout_text(layout: dict) -> str:
-    e = layout.get("engine")
-    parts = [f"tp{layout.get('tp', 1)} pp{layout.get('pp', 1)} dp{layout.get('dp', 1)}",
-             f"mbs {layout.get('micro_batch_size')}"]
-    if e == "deepspeed":
-        parts.insert(0, f"ZeRO-{layout.get('zero_stage')}")
-        if layout.get("model_impl") == "hf":
-            parts.append("HF model")
-    if e == "fsdp":
-        parts.insert(0, "reshard_after_forward " + ("true" if layout.get("reshard_after_forward") else "false"))
-    if e == "own" and layout.get("pp", 1) > 1:
-        parts.append(f"schedule {layout.get('pipeline_schedule')}")
-    if layout.get("activation_checkpointing", "none") != "none":
-        parts.append(f"ckpt {layout['activation_checkpointing']}")
-    return ", ".join(parts)
-
-
 def table_rows(summary: dict) -> list[dict]:
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
     rows = []
@@ -63,7 +47,7 @@ def table_rows(summary: dict) -> list[dict]:
         mfu_meas = (m.get("mfu_vs_measured_matmul") or {}).get("palm")
         p = parity.get(r["label"], {})
         rows.append({
-            "label": r["label"], "engine": r["engine"], "layout": layout_text(r["layout"]),
+            "label": r["label"], "engine": r["engine"], "layout": layout_label(r["layout"]),
             "launcher": r["launcher"], "status": r["status"],
             "step_ms": f"{_ms(st.get('median'))} [{_ms(st.get('ci95_low'))}, {_ms(st.get('ci95_high'))}]"
             if st else "n/a",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harness.spec import engine_variant, layout_label
+
 
 @dataclass
 class Row:
@@ -16,7 +18,8 @@ class Row:
     sweep: str
     status: str
     engine: str
-    variant: str
+    variant: str  # engine and sharding mode (spec.engine_variant)
+    label: str  # spec.layout_label
     model: str
     seq_len: int | None
     global_batch_size: int | None
@@ -52,28 +55,9 @@ class Row:
         return f"{self.attention}+{self.rmsnorm}"
 
     @property
-    def label(self) -> str:
-        parts = [self.variant, f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"mb{self.mb}",
-                 f"ckpt {self.ckpt}", self.kernel]
-        if self.sp:
-            parts.append("sp")
-        return " ".join(parts)
-
-    @property
     def reason(self) -> str:
         lines = [ln.strip() for ln in (self.error or "").splitlines() if ln.strip()]
         return lines[0][:160] if lines else ""
-
-
-def _variant(lay: dict) -> str:
-    eng = lay.get("engine") or "?"
-    if eng == "deepspeed":
-        return f"deepspeed ZeRO-{lay.get('zero_stage')}"
-    if eng == "fsdp":
-        return "fsdp2 reshard" if lay.get("reshard_after_forward", True) else "fsdp2 no-reshard"
-    if eng == "own" and lay.get("zero_stage"):
-        return f"own ZeRO-{lay.get('zero_stage')}"
-    return eng
 
 
 def to_row(rec: dict) -> Row:
@@ -86,7 +70,7 @@ def to_row(rec: dict) -> Row:
     versions = tuple(f"{k} {fp.get(k)}" for k in ("torch", "cuda", "nccl", "deepspeed") if fp.get(k))
     return Row(
         run_id=rec.get("run_id", "?"), sweep=rec.get("sweep") or "(no sweep)", status=rec.get("status", "?"),
-        engine=lay.get("engine") or "?", variant=_variant(lay), model=str(w.get("model")),
+        engine=lay.get("engine") or "?", variant=engine_variant(lay), label=layout_label(lay), model=str(w.get("model")),
         seq_len=w.get("seq_len"), global_batch_size=w.get("global_batch_size"), precision=w.get("precision"),
         gpus=fp.get("world_size") or tp * pp * dp, tp=tp, pp=pp, dp=dp, mb=lay.get("micro_batch_size"),
         ckpt=lay.get("activation_checkpointing") or "none", sp=bool(lay.get("sequence_parallel")),
