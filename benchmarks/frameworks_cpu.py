@@ -33,7 +33,7 @@ def _bench(ctx, args_dict: dict) -> dict:
     from harness.frameworks import build_engine
     from harness.frameworks.single import SingleDeviceEngine
     from harness.measure import summarize
-    from harness.spec import check_sizes, parse_spec
+    from harness.spec import parse_spec
 
     a = args_dict
     workload = {"model": a["model"], "seq_len": a["seq_len"], "global_batch_size": a["global_batch"],
@@ -49,7 +49,7 @@ def _bench(ctx, args_dict: dict) -> dict:
     engines, shape = {}, None
     for label, lay in layouts.items():
         spec = parse_spec({"workload": workload, "layout": lay})
-        shape = check_sizes(spec)
+        shape = spec.shape()
         engines[label] = build_engine(spec, shape, ctx)
     if not a["own_available"]:
         spec = parse_spec({"workload": workload, "layout": {"engine": "single", "micro_batch_size": a["mbs"]}})

@@ -20,7 +20,7 @@ from harness.runtime import RunContext
 from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
 from harness.model.kernels import check_kernels, rmsnorm_backend_name
-from harness.spec import RunSpec, check_sizes, check_world_size
+from harness.spec import RunSpec, check_world_size
 from harness.store import ResultsStore, mentions_oom, new_record, now_iso
 
 
@@ -47,8 +47,9 @@ def _fault(step: int, rank: int) -> None:
 
 
 def preflight(spec: RunSpec, ctx: RunContext):
-    """Every check that needs the machine, before anything is built: sizes, world, kernels."""
-    shape = check_sizes(spec)
+    """Every check that needs the machine, before anything is built: world, kernels (the spec's
+    own checks ran when it was parsed)."""
+    shape = spec.shape()
     check_world_size(spec, ctx.world_size)
     if spec.layout.engine == "deepspeed":  # a contradicting ds_config is a spec error, not a failed run
         from harness.frameworks.ds_config import validate

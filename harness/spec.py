@@ -98,6 +98,10 @@ class RunSpec:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def shape(self) -> Shape:
+        """The model's shape (parse_spec has checked the layout against it)."""
+        return resolve_shape(self.workload.model, self.workload.model_overrides)
+
 
 # ---------------------------------------------------------------- parsing
 
@@ -223,31 +227,35 @@ def check_sizes(spec: RunSpec) -> Shape:
         if micro % lay.pp:
             raise SpecError("layout.pipeline_schedule",
                             f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}")
-    if lay.engine == "single":
-        for name in ("tp", "pp", "dp"):
-            if getattr(lay, name) != 1:
-                raise SpecError(f"layout.{name}", "engine single is one process: set tp=pp=dp=1")
-        if lay.zero_stage != 0:
-            raise SpecError("layout.zero_stage", "engine single has no ZeRO")
-    elif lay.engine == "own":
-        if lay.zero_stage not in (0, 1):
-            raise SpecError("layout.zero_stage", "the own engine has ZeRO stage 0 or 1")
-    else:
-        if lay.tp != 1 or lay.pp != 1:
-            raise SpecError("layout.tp" if lay.tp != 1 else "layout.pp",
-                            f"engine {lay.engine} runs data parallelism only here: set tp=1 and pp=1")
-        if lay.sequence_parallel:
-            raise SpecError("layout.sequence_parallel", f"not available with engine {lay.engine}")
-    if lay.engine == "deepspeed":
-        if lay.zero_stage not in (1, 2, 3):
-            raise SpecError("layout.zero_stage", "deepspeed runs ZeRO stage 1, 2 or 3")
-    elif lay.ds_config:
-        raise SpecError("layout.ds_config", "only for engine deepspeed")
-    if lay.model_impl == "hf" and lay.engine != "deepspeed":
-        raise SpecError("layout.model_impl", "hf (transformers' LlamaForCausalLM) is for engine deepspeed")
-    if lay.engine == "fsdp" and lay.zero_stage not in (0, 3):
-        raise SpecError("layout.zero_stage", "fsdp shards by reshard_after_forward, leave zero_stage unset")
+    check_capabilities(lay)
     return shape
+
+
+# Which engine runs which layout fields: engine -> {field: (values it takes, why not others)}.
+# A field an engine does not list takes any value the field allows. Checked in this order.
+_DP_ONLY = "engine {engine} runs data parallelism only here: set tp=1 and pp=1"
+_NOT_DEEPSPEED = {"ds_config": (("",), "only for engine deepspeed"),
+                  "model_impl": (("own",), "hf (transformers' LlamaForCausalLM) is for engine deepspeed")}
+CAPABILITIES: dict[str, dict[str, tuple[tuple, str]]] = {
+    "single": {"tp": ((1,), "engine single is one process: set tp=pp=dp=1"),
+               "pp": ((1,), "engine single is one process: set tp=pp=dp=1"),
+               "dp": ((1,), "engine single is one process: set tp=pp=dp=1"),
+               "zero_stage": ((0,), "engine single has no ZeRO"), **_NOT_DEEPSPEED},
+    "own": {"zero_stage": ((0, 1), "the own engine has ZeRO stage 0 or 1"), **_NOT_DEEPSPEED},
+    "deepspeed": {"tp": ((1,), _DP_ONLY), "pp": ((1,), _DP_ONLY),
+                  "sequence_parallel": ((False,), "not available with engine {engine}"),
+                  "zero_stage": ((1, 2, 3), "deepspeed runs ZeRO stage 1, 2 or 3")},
+    "fsdp": {"tp": ((1,), _DP_ONLY), "pp": ((1,), _DP_ONLY),
+             "sequence_parallel": ((False,), "not available with engine {engine}"), **_NOT_DEEPSPEED,
+             "zero_stage": ((0, 3), "fsdp shards by reshard_after_forward, leave zero_stage unset")},
+}
+
+
+def check_capabilities(lay: Layout) -> None:
+    """The first layout field the chosen engine cannot run, as a SpecError."""
+    for name, (allowed, why) in CAPABILITIES[lay.engine].items():
+        if getattr(lay, name) not in allowed:
+            raise SpecError(f"layout.{name}", why.format(engine=lay.engine))
 
 
 def check_world_size(spec: RunSpec, world_size: int) -> None:

@@ -20,3 +20,11 @@ def run_cli(*args, cwd=None, env=None, timeout=300):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that runs the CLI or a launcher starts processes: it belongs to the slow tier,
+    marked or not (`fake` is test_launch's stand-in runner, started by the real launchers)."""
+    for item in items:
+        if {"cli", "fake"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -138,6 +138,7 @@ def reference():
     return reference_run(WORKLOAD, STEPS, micro_batch_size=2)
 
 
+@pytest.mark.slow
 def test_zero_stages_match_single_device_reference():
     """ZeRO-1, 2, 3 (and with DeepSpeed's or the model's checkpointing, ZeRO-3 on transformers' Llama)
     reproduce the reference's losses within 1e-5 relative and its weights after 5 steps."""

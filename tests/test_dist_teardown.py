@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness.launch import free_port
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def _rank(rank: int, port: int, out: str) -> None:

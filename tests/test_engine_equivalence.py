@@ -57,7 +57,11 @@ CASES = {
     ],
 }
 
-PARAMS = [(world, i) for world, cases in CASES.items() for i in range(len(cases))]
+def _param(world, index):  # world 1 runs in this process; the others launch gloo ranks
+    return pytest.param(world, index, id=f"w{world}-{index}", marks=[pytest.mark.slow] if world > 1 else [])
+
+
+PARAMS = [_param(world, i) for world, cases in CASES.items() for i in range(len(cases))]
 
 
 def _run_in_process(cases):
@@ -89,7 +93,7 @@ def launched():
     return get
 
 
-@pytest.mark.parametrize("world,index", PARAMS, ids=[f"w{w}-{i}" for w, i in PARAMS])
+@pytest.mark.parametrize("world,index", PARAMS)
 def test_matches_single_device(launched, world, index):
     per_rank = launched(world)
     case = CASES[world][index]
@@ -102,7 +106,7 @@ def test_matches_single_device(launched, world, index):
         assert per_rank[r][index]["losses"] == result["losses"]
 
 
-@pytest.mark.parametrize("world,index", PARAMS, ids=[f"w{w}-{i}" for w, i in PARAMS])
+@pytest.mark.parametrize("world,index", PARAMS)
 def test_comm_counts_match_the_closed_form(launched, world, index):
     per_rank = launched(world)
     case = CASES[world][index]
@@ -115,7 +119,7 @@ def test_comm_counts_match_the_closed_form(launched, world, index):
         assert per_rank[r][index]["comm_first"] == expected, f"rank {r} (first step)"
 
 
-@pytest.mark.parametrize("world,index", [(8, 1), (2, 3), (1, 1)])
+@pytest.mark.parametrize("world,index", [_param(8, 1), _param(2, 3), _param(1, 1)])
 def test_breakdown_and_timeline(launched, world, index):
     per_rank = launched(world)
     spec = E.make_spec(CASES[world][index])

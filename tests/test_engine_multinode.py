@@ -15,8 +15,12 @@ import textwrap
 
 import torch
 
+import pytest
+
 from harness.launch import free_port
 from harness.store import ResultsStore
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 SPEC = textwrap.dedent("""
     name: two-node-sim

@@ -1,8 +1,12 @@
 """FSDP2: both reshard modes (and full checkpointing) reproduce the single-device reference
 (fp32, CPU, 2 gloo processes); bf16 stays close to it."""
 
+import pytest
+
 from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS = 5
 WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,

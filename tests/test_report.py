@@ -97,6 +97,7 @@ def _chromium(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a browser
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
                     reason="chromium is not installed (apt-get install -y chromium); required under CI")
 def test_html_renders_in_headless_chromium(report_dir, tmp_path):
@@ -113,6 +114,7 @@ def test_html_renders_in_headless_chromium(report_dir, tmp_path):
     assert '<div id="js-errors" data-errors="0"></div>' in dom
 
 
+@pytest.mark.slow  # a browser
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="chromium is not installed")
 def test_error_hook_catches_script_errors(tmp_path):
     """The check above is only meaningful if the hook works: plant an error and see it caught."""

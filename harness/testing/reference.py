@@ -9,10 +9,10 @@ def reference_run(workload: dict, steps: int, **layout) -> tuple[list[float], di
     """The single-device engine in this process on `workload`: (losses, final fp32 weights)."""
     from harness.data.source import token_source
     from harness.frameworks.single import SingleDeviceEngine
-    from harness.spec import check_sizes, parse_spec
+    from harness.spec import parse_spec
 
     spec = parse_spec({"workload": dict(workload), "layout": {"engine": "single", **layout}})
-    shape = check_sizes(spec)
+    shape = spec.shape()
     engine = SingleDeviceEngine(spec, shape, torch.device("cpu"))
     source = token_source(spec.workload, shape.vocab)
     losses = [engine.train_step(source.global_batch_at(step)) for step in range(steps)]

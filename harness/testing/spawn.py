@@ -86,12 +86,12 @@ def run_losses(ctx, runs: list[dict], steps: int, with_state: bool = False) -> l
     """Build each spec dict's engine in turn, train `steps` steps; losses (and weights) per run."""
     from harness.data.source import token_source
     from harness.frameworks import build_engine
-    from harness.spec import check_sizes, parse_spec
+    from harness.spec import parse_spec
 
     out = []
     for raw in runs:
         spec = parse_spec(raw)
-        shape = check_sizes(spec)
+        shape = spec.shape()
         engine = build_engine(spec, shape, ctx)
         source = token_source(spec.workload, shape.vocab)
         losses = [engine.train_step(source.global_batch_at(step)) for step in range(steps)]

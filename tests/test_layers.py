@@ -1,0 +1,112 @@
+"""Every import under harness/ points down the layers (README, "Layout of the repository"), so
+that a module can be read, tested and replaced with only what lies below it in mind."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "harness"
+
+# Lowest first. A module may import its own package and any lower layer; packages on the same
+# layer do not import each other.
+LAYERS = [
+    ["harness.errors"],
+    ["harness.model.presets"],                                 # shape facts the spec checks against
+    ["harness.model.flops"],
+    ["harness.spec", "harness.store", "harness.measure"],
+    ["harness.data", "harness.model", "harness.runtime"],      # tokens, the plain model, process setup
+    ["harness.engine"],
+    ["harness.frameworks"],
+    ["harness.run", "harness.launch"],
+    ["harness.compare", "harness.sweep", "harness.report", "harness.planner"],
+    ["harness.commands"],
+    ["harness.cli", "harness.__main__"],
+]
+TESTING = "harness.testing"  # test helpers: may use the product; nothing in the product uses them
+
+
+def unit_of(module: str) -> tuple[int, str]:
+    """(layer, unit): the longest listed prefix of `module`."""
+    best = None
+    for layer, units in enumerate(LAYERS):
+        for unit in units:
+            if (module == unit or module.startswith(unit + ".")) and (best is None or len(unit) > len(best[1])):
+                best = (layer, unit)
+    if best is None:
+        raise KeyError(module)
+    return best
+
+
+def imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("harness"):
+            out += [(node.lineno, f"{node.module}.{a.name}") if node.module == "harness" else (node.lineno, node.module)
+                    for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("harness")]
+    return out
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def violations() -> list[str]:
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        me = module_name(path)
+        if me == "harness":
+            continue
+        for line, target in imports(path):
+            if target == "harness":
+                continue
+            if target.startswith(TESTING):
+                if not me.startswith(TESTING):
+                    bad.append(f"{me}:{line} imports the test helpers {target}")
+                continue
+            if me.startswith(TESTING):
+                if unit_of(target)[0] >= unit_of("harness.commands")[0]:
+                    bad.append(f"{me}:{line} imports {target} (test helpers stay below the commands)")
+                continue
+            (mine, my_unit), (theirs, their_unit) = unit_of(me), unit_of(target)
+            if my_unit == their_unit:
+                continue
+            if theirs >= mine:
+                bad.append(f"{me}:{line} imports {target} (layer {theirs} {their_unit} is not below "
+                           f"layer {mine} {my_unit})")
+    return bad
+
+
+def test_every_import_points_down():
+    assert violations() == []
+
+
+def test_every_module_has_a_layer():
+    for path in ROOT.rglob("*.py"):
+        name = module_name(path)
+        if name not in ("harness",) and not name.startswith(TESTING):
+            unit_of(name)
+
+
+@pytest.mark.parametrize("module,target", [("harness.engine.engine", "harness.frameworks.single"),
+                                           ("harness.spec", "harness.planner.layout"),
+                                           ("harness.report.compare", "harness.compare.parity")])
+def test_an_upward_import_would_be_caught(module, target):
+    assert unit_of(target)[0] >= unit_of(module)[0]
+
+
+def test_commands_hold_every_subcommand_and_the_top_stays_small():
+    from harness.cli import COMMANDS
+
+    assert all(mod == f"harness.commands.{name}" for name, (mod, _) in COMMANDS.items())
+    loose = [p.name for p in ROOT.glob("*.py")]
+    assert len(loose) <= 12, loose
+    for folder in (p for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        init = folder / "__init__.py"
+        assert init.exists() and ast.get_docstring(ast.parse(init.read_text())), f"{folder.name}/__init__.py docstring"
