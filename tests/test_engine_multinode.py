@@ -13,8 +13,6 @@ import subprocess
 import sys
 import textwrap
 
-import torch
-
 import pytest
 
 from harness.launch import free_port
@@ -74,17 +72,8 @@ def test_two_node_run_on_loopback(tmp_path):
     assert set(m["breakdown_s"]) >= {"compute", "tp_comm", "bubble", "dp_comm", "optimizer"}
     assert m["comm"]["pp"]["send"]["count"] > 0
 
-    from harness.frameworks.single import SingleDeviceEngine
-    from harness.data.source import token_source
-    from harness.model.presets import resolve_shape
-    from harness.spec import parse_spec
+    from harness.testing.reference import mismatches, reference_run
 
-    ref_spec = parse_spec({"workload": {"model": "tiny", "seq_len": 16, "global_batch_size": 4, "steps": 3,
-                                        "warmup_steps": 1, "precision": "fp32", "device": "cpu"}})
-    shape = resolve_shape("tiny")
-    eng = SingleDeviceEngine(ref_spec, shape, torch.device("cpu"))
-    src = token_source(ref_spec.workload, shape.vocab)
-    ref = [eng.train_step(src.global_batch_at(i)) for i in range(4)]
-    assert len(m["losses"]) == 4
-    for a, b in zip(m["losses"], ref):
-        assert abs(a - b) <= 1e-5 * abs(b)
+    ref, _ = reference_run({"model": "tiny", "seq_len": 16, "global_batch_size": 4, "steps": 3, "warmup_steps": 1,
+                            "precision": "fp32", "device": "cpu"}, steps=4)
+    assert not mismatches({"losses": m["losses"]}, ref, None)

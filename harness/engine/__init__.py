@@ -11,5 +11,5 @@ Modules, one job each:
   data_parallel flat bucketed gradients, overlapped DP reduction, ZeRO-1 optimizer shards
   comm_model    closed-form per-step communication counts (tested exactly against comm)
   engine        ties them together behind the frameworks interface
-  equivalence   runs layouts in one gloo process group and compares them with the reference
+The equivalence checks against the single-device reference live in harness/testing/.
 """

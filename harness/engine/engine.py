@@ -26,8 +26,9 @@ from harness.engine.pipeline import PipelineExecutor
 from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map, rank_map
-from harness.model.training import autocast_for, make_adamw
 from harness.model.llama import reference_tensor, rotary_tables
+from harness.model.training import autocast_for, make_adamw
+from harness.spec import micro_batches_per_step
 
 # Which breakdown category each axis's blocking wait is charged to.
 TIME_KEYS = {"tp": "tp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"}
@@ -60,7 +61,7 @@ class Engine3D:
         sp = lay.sequence_parallel and lay.tp > 1
         self.region = Region(self.axes["tp"], sp)
         self.chunks_per_rank = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
-        self.micro = w.global_batch_size // (lay.dp * lay.micro_batch_size)
+        self.micro = micro_batches_per_step(spec)
         plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)
         self.plans = plans
         self.chunks, self.specs = build_chunks(shape, plans, lay.tp, c.tp, self.region, lay.attention, lay.rmsnorm,

@@ -1,10 +1,10 @@
 """The plain single-device LLaMA: readable, no parallel code in it.
 
 RMSNorm, rotary embeddings (transformers' rotate-half convention, so HF weights load as is),
-SwiGLU MLP, grouped-query attention, untied embedding and LM head. Parallel engines wrap or
-replace its modules from outside (harness/engine); they rely on three things here: attention
-derives its local head count from the projection shapes, the model is a sequence of
-embedding -> layers -> norm -> head, and every kernel/checkpointing choice is a plain attribute.
+SwiGLU MLP, grouped-query attention, untied embedding and LM head. FSDP2 and DeepSpeed shard
+this very module from outside (harness/frameworks); the own engine mirrors it block for block
+(harness/engine/model.py: the same parameter names, this file's attention core, kernels and
+rotary tables), so every engine starts from the same reference weights (reference_tensor).
 """
 
 from __future__ import annotations
