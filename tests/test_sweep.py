@@ -19,10 +19,13 @@ import pytest
 import yaml
 
 from harness import launch
-from harness import sweep as sw
 from harness.cli import main as cli_main
 from harness.errors import SpecError
 from harness.store import ResultsStore
+from harness.sweep.execute import run_sweep, sweep_id
+from harness.sweep.expand import expand
+from harness.sweep.slurm import collect, write_slurm
+from harness.sweep.spec import load_sweep, parse_sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 3, "warmup_steps": 1, "device": "cpu"}
@@ -35,13 +38,13 @@ def _write(tmp_path, raw, name="s.yaml"):
 
 
 def test_expand_grid_filters_and_reasons():
-    spec = sw.parse_sweep({
+    spec = parse_sweep({
         "name": "g", "gpus": 2, "workload": TINY, "layout": {"engine": "own"},
         "grid": {"tp": [1, 2, 3], "pp": [1, 2], "micro_batch_size": [1, 2, 4],
                  "kernel": [{"attention": "naive", "rmsnorm": "torch"}, {"attention": "sdpa"}]},
         "exclude": [{"tp": 2, "pp": 2}, {"attention": "sdpa", "micro_batch_size": 1}],
     })
-    points, drops = sw.expand(spec)
+    points, drops = expand(spec)
     assert len(points) + len(drops) == 3 * 2 * 3 * 2
     for p in points:
         lay = p.spec["layout"]
@@ -56,18 +59,18 @@ def test_expand_grid_filters_and_reasons():
 
 
 def test_point_key_is_stable_and_ignores_spelling():
-    a = sw.parse_sweep({"gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [2]}})
-    b = sw.parse_sweep({"gpus": 1, "workload": dict(reversed(list(TINY.items()))),
-                        "layout": {"micro_batch_size": 2, "attention": "sdpa"}, "name": "other"})
-    (pa,), _ = sw.expand(a)
-    (pb,), _ = sw.expand(b)
+    a = parse_sweep({"gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [2]}})
+    b = parse_sweep({"gpus": 1, "workload": dict(reversed(list(TINY.items()))),
+                     "layout": {"micro_batch_size": 2, "attention": "sdpa"}, "name": "other"})
+    (pa,), _ = expand(a)
+    (pb,), _ = expand(b)
     assert pa.key == pb.key and len(pa.key) == 16
 
 
 def test_include_and_duplicates():
-    spec = sw.parse_sweep({"gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [1, 2, 4]},
-                           "include": [{"micro_batch_size": [1, 2]}], "points": [{"micro_batch_size": 1}]})
-    points, drops = sw.expand(spec)
+    spec = parse_sweep({"gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [1, 2, 4]},
+                        "include": [{"micro_batch_size": [1, 2]}], "points": [{"micro_batch_size": 1}]})
+    points, drops = expand(spec)
     assert [p.spec["layout"]["micro_batch_size"] for p in points] == [1, 2]
     assert sorted(d.reason.split(" ")[0] for d in drops) == ["duplicate", "not"]
 
@@ -82,7 +85,7 @@ def test_include_and_duplicates():
 ])
 def test_bad_sweep_specs_name_the_field(raw, field):
     with pytest.raises(SpecError) as e:
-        sw.parse_sweep(raw)
+        parse_sweep(raw)
     assert e.value.field == field
 
 
@@ -97,9 +100,10 @@ def test_dry_run_cli_prints_points_and_drops(tmp_path, capsys):
 
 
 def _sweep_procs(spec, store):
-    return launch.processes_with_env(launch.SWEEP_ID_ENV, sw.sweep_id(spec, store))
+    return launch.processes_with_env(launch.SWEEP_ID_ENV, sweep_id(spec, store))
 
 
+@pytest.mark.slow
 def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, monkeypatch):
     """Two ranks (own engine, dp 2) per point: a rank is SIGKILLed, a rank hangs, a rank OOMs."""
     monkeypatch.setattr(launch, "LINGER_S", 5.0)  # after an OOM record, its peers are stuck: kill sooner
@@ -108,9 +112,9 @@ def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, mo
                       {"workload.seed": 2, "env": {"HARNESS_FAULT": "kill:1:1"}},
                       {"workload.seed": 3, "env": {"HARNESS_FAULT": "hang:1:1"}, "timeout_s": 20},
                       {"workload.seed": 4, "env": {"HARNESS_FAULT": "oom:1:0"}}]}
-    spec = sw.parse_sweep(raw)
+    spec = parse_sweep(raw)
     store = str(tmp_path / "r.sqlite")
-    counts = sw.run_sweep(spec, launcher="torchrun", store_path=store, timeout_s=150, progress=False)
+    counts = run_sweep(spec, launcher="torchrun", store_path=store, timeout_s=150, progress=False)
     by_seed = {r["spec"]["workload"]["seed"]: r for r in ResultsStore(store).records(sweep="faults")}
     assert counts == {"ok": 1, "oom": 1, "failed": 1, "timeout": 1}, {k: (r["status"], r["error"]) for k, r in by_seed.items()}
     assert by_seed[1]["status"] == "ok" and by_seed[1]["metrics"]["step_time_s"]["n"] == 3
@@ -125,6 +129,7 @@ def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, mo
     assert _sweep_procs(spec, store) == []
 
 
+@pytest.mark.slow
 def test_sigkill_mid_sweep_then_resume_runs_each_point_once(tmp_path):
     raw = {"name": "resume", "gpus": 1, "timeout_s": 60, "workload": TINY, "layout": {"engine": "single"},
            "grid": {"workload.seed": [1, 2, 3]}}
@@ -141,7 +146,7 @@ def test_sigkill_mid_sweep_then_resume_runs_each_point_once(tmp_path):
     first.wait()
     done_before = ResultsStore(store).completed_points("resume")
     assert 1 <= len(done_before) < 3
-    spec = sw.parse_sweep(raw)
+    spec = parse_sweep(raw)
     # the run in flight gets SIGTERM through PR_SET_PDEATHSIG; the rerun reaps anything left
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -191,10 +196,10 @@ def test_slurm_script_generation_and_missing_sbatch(tmp_path, monkeypatch, capsy
 
 
 def test_slurm_collect_merges_task_stores_and_classifies_logs(tmp_path):
-    spec = sw.parse_sweep({"name": "c", "gpus": 1, "workload": TINY, "grid": {"workload.seed": [1, 2, 3, 4]}})
-    points, _ = sw.expand(spec)
+    spec = parse_sweep({"name": "c", "gpus": 1, "workload": TINY, "grid": {"workload.seed": [1, 2, 3, 4]}})
+    points, _ = expand(spec)
     job = tmp_path / "job"
-    sw.write_slurm(spec, points, str(job), timeout_s=60)
+    write_slurm(spec, points, str(job), timeout_s=60)
     # task 0 wrote its record; task 1 was killed by `timeout`; task 2 printed an OOM; task 3 never ran
     from harness.store import new_record
     rec = new_record(points[0].spec, sweep="c", point_key=points[0].key)
@@ -203,17 +208,17 @@ def test_slurm_collect_merges_task_stores_and_classifies_logs(tmp_path):
     (job / "logs" / "77_1.log").write_text("harness-point x y\nstep 1\nharness-exit 124\n")
     (job / "logs" / "77_2.log").write_text("torch.OutOfMemoryError: CUDA out of memory.\nharness-exit 1\n")
     store = str(tmp_path / "r.sqlite")
-    assert sw.collect(spec, str(job), store) == {"merged": 1, "classified": 2, "pending": 1}
+    assert collect(spec, str(job), store) == {"merged": 1, "classified": 2, "pending": 1}
     got = {r["point_key"]: r["status"] for r in ResultsStore(store).records(sweep="c")}
     assert got == {points[0].key: "ok", points[1].key: "timeout", points[2].key: "oom"}
-    sw.collect(spec, str(job), store)  # idempotent: no duplicates
+    collect(spec, str(job), store)  # idempotent: no duplicates
     assert len(ResultsStore(store).records(sweep="c")) == 3
 
 
 @pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "sweeps")) if f.endswith(".yaml")))
 def test_ready_made_sweeps_expand(name):
-    spec = sw.load_sweep(os.path.join(ROOT, "sweeps", name))
-    points, drops = sw.expand(spec)
+    spec = load_sweep(os.path.join(ROOT, "sweeps", name))
+    points, drops = expand(spec)
     assert points, [d.reason for d in drops][:5]
     for p in points:
         lay = p.spec["layout"]
@@ -237,6 +242,7 @@ exec "$@"
 """
 
 
+@pytest.mark.slow
 def test_slurm_job_array_end_to_end_with_stand_in_sbatch(tmp_path):
     """The generated script really runs: each task trains, fails or times out; collect sorts them."""
     bindir = tmp_path / "bin"
@@ -266,15 +272,16 @@ def test_slurm_job_array_end_to_end_with_stand_in_sbatch(tmp_path):
     assert dry.stdout.count("skipped]") == 3
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_points_and_hang_cleanup(tmp_path):
     """The same sweep through the `deepspeed` launcher (runner -> launch -> ranks): an ok point
     and a hung one that is killed at its timeout with nothing left behind."""
     raw = {"name": "dsl", "gpus": 2, "timeout_s": 150, "workload": TINY, "layout": {"engine": "own"},
            "points": [{"workload.seed": 1},
                       {"workload.seed": 2, "env": {"HARNESS_FAULT": "hang:1:0"}, "timeout_s": 15}]}
-    spec = sw.parse_sweep(raw)
+    spec = parse_sweep(raw)
     store = str(tmp_path / "r.sqlite")
-    counts = sw.run_sweep(spec, launcher="deepspeed", store_path=store, timeout_s=150, progress=False)
+    counts = run_sweep(spec, launcher="deepspeed", store_path=store, timeout_s=150, progress=False)
     recs = ResultsStore(store).records(sweep="dsl")
     assert counts == {"ok": 1, "oom": 0, "failed": 0, "timeout": 1}, [(r["status"], r["error"]) for r in recs]
     assert all("deepspeed.launcher.runner" in r["launch"]["command"] for r in recs)
@@ -283,13 +290,14 @@ def test_deepspeed_launcher_points_and_hang_cleanup(tmp_path):
     assert _sweep_procs(spec, store) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_kills_the_run_in_flight_and_exits_130(tmp_path, sig):
     raw = {"name": "intr", "gpus": 1, "workload": TINY, "layout": {"engine": "single"},
            "points": [{"env": {"HARNESS_FAULT": "hang:1"}}]}
     path = _write(tmp_path, raw)
     store = str(tmp_path / "r.sqlite")
-    spec = sw.parse_sweep(raw)
+    spec = parse_sweep(raw)
     proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress",
                              "--launcher", "direct"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,6 +1,6 @@
 """`harness sweep SPEC.yaml` and `harness sweep collect SPEC.yaml`: argument handling only.
 
-The work is in harness.sweep (expansion, execution, Slurm) and harness.launch (one run).
+The work is in harness/sweep/ (spec, expand, execute, slurm) and harness.launch (one run).
 Exit codes: 0 when the sweep ran to its end (failed points are results, not errors),
 2 for a user mistake, 130 when interrupted (records so far are kept; run again to resume).
 """
@@ -11,6 +11,11 @@ import os
 import signal
 
 from harness.errors import SpecError
+from harness.store import STATUSES, ResultsStore
+from harness.sweep.execute import run_sweep
+from harness.sweep.expand import describe, expand, pending
+from harness.sweep.slurm import collect, submit_slurm, write_slurm
+from harness.sweep.spec import SWEEP_LAUNCHERS, load_sweep
 
 
 def _interrupt(signum, frame):
@@ -21,7 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("target", nargs="+", metavar="SPEC.yaml",
                    help="a sweep spec, or `collect SPEC.yaml` to gather a Slurm job array's records")
     p.add_argument("--dry-run", action="store_true", help="print the points and the dropped combinations")
-    p.add_argument("--launcher", choices=("torchrun", "deepspeed", "direct", "slurm"),
+    p.add_argument("--launcher", choices=SWEEP_LAUNCHERS,
                    help="how each point starts (default: the spec's, else torchrun)")
     p.add_argument("--timeout", type=float, metavar="S", help="per-point timeout in seconds")
     p.add_argument("--store", help="results store (default: the spec's store)")
@@ -34,46 +39,43 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from harness import sweep as sw
-    from harness.store import ResultsStore
-
     if args.target[0] == "collect":
         if len(args.target) != 2:
             raise SpecError("collect", "usage: harness sweep collect SPEC.yaml [--store PATH] [--job-dir DIR]")
-        spec = sw.load_sweep(args.target[1])
+        spec = load_sweep(args.target[1])
         store = args.store or spec.store
-        counts = sw.collect(spec, _job_dir(args, spec, store), store)
+        counts = collect(spec, _job_dir(args, spec, store), store)
         print(f"collected {spec.name}: {counts['merged']} records merged, {counts['classified']} "
               f"classified from logs, {counts['pending']} still pending")
         return 0
     if len(args.target) != 1:
         raise SpecError("sweep", "give one sweep spec")
-    spec = sw.load_sweep(args.target[0])
+    spec = load_sweep(args.target[0])
     store = args.store or spec.store
     launcher = args.launcher or spec.launcher
     timeout = args.timeout if args.timeout is not None else spec.timeout_s
     if timeout <= 0:
         raise SpecError("--timeout", "must be positive")
     retry = tuple(s for s in args.retry.split(",") if s)
-    bad = [s for s in retry if s not in ("ok", "oom", "failed", "timeout")]
+    bad = [s for s in retry if s not in STATUSES]
     if bad:
         raise SpecError("--retry", f"unknown status {bad[0]!r}")
-    points, drops = sw.expand(spec)
+    points, drops = expand(spec)
     done = ResultsStore(store).completed_points(spec.name) if os.path.exists(store) else {}
     if args.dry_run:
-        print(sw.describe(points, drops, {k: v for k, v in done.items() if v not in retry}))
+        print(describe(points, drops, {k: v for k, v in done.items() if v not in retry}))
         return 0
     if launcher == "slurm":
-        todo = sw.pending(points, done, retry)
-        script = sw.write_slurm(spec, todo, _job_dir(args, spec, store), timeout_s=timeout)
+        todo = pending(points, done, retry)
+        script = write_slurm(spec, todo, _job_dir(args, spec, store), timeout_s=timeout)
         print(f"wrote {script} ({len(todo)} array tasks)")
         if args.no_submit:
             return 0
-        print(sw.submit_slurm(script))
+        print(submit_slurm(script))
         return 0
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` or a scheduler: clean up like Ctrl-C
     try:
-        counts = sw.run_sweep(spec, launcher=launcher, store_path=store, timeout_s=timeout, retry=retry,
+        counts = run_sweep(spec, launcher=launcher, store_path=store, timeout_s=timeout, retry=retry,
                               progress=not args.no_progress)
     except KeyboardInterrupt:
         print("\ninterrupted: every finished point is in the store; run the same command to resume")

@@ -1,0 +1,166 @@
+"""The grid into points: every valid point with its stable key, every dropped combination with why.
+
+Invalid points are decided here, before anything launches, so a sweep never spends a run on
+a layout that cannot start; the key lets a re-run skip what the store already holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+
+from harness.errors import SpecError
+from harness.spec import RunSpec, check_world_size, layout_label, parse_spec
+from harness.sweep.spec import SweepSpec, check_axis_name
+
+
+@dataclass
+class Point:
+    """One layout to run: the full validated spec, its coordinates on the grid and its key."""
+
+    coords: dict
+    spec: dict
+    key: str
+    env: dict = field(default_factory=dict)
+    timeout_s: float | None = None  # a point's own limit, else the sweep's
+
+    def label(self) -> str:
+        extra = [f"{k}={v}" for k, v in self.coords.items() if k.startswith("workload.")]
+        return " ".join([layout_label(self.spec["layout"])] + extra)
+
+
+@dataclass
+class Drop:
+    coords: dict
+    reason: str
+
+
+def point_key(spec_dict: dict) -> str:
+    """Stable identity of a point: hash of its normalised workload + layout (not its name)."""
+    ident = {"workload": spec_dict["workload"], "layout": spec_dict["layout"]}
+    blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=list)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _apply(raw_spec: dict, assignments: dict) -> None:
+    for axis, value in assignments.items():
+        if isinstance(value, dict):  # a mapping axis sets several layout (or workload.x) fields
+            _apply(raw_spec, value)
+        elif axis.startswith("workload."):
+            raw_spec["workload"][axis.split(".", 1)[1]] = value
+        else:
+            raw_spec["layout"][axis.split(".", 1)[1] if axis.startswith("layout.") else axis] = value
+
+
+def _flat(spec_dict: dict, coords: dict) -> dict:
+    """Every name a filter may use: layout fields bare, workload fields as workload.x, axes."""
+    flat = {k: v for k, v in coords.items() if not isinstance(v, dict)}
+    flat.update(spec_dict["layout"])
+    flat.update({f"layout.{k}": v for k, v in spec_dict["layout"].items()})
+    flat.update({f"workload.{k}": v for k, v in spec_dict["workload"].items()})
+    return flat
+
+
+def matches(flat: dict, rule: dict) -> bool:
+    for k, want in rule.items():
+        if k == "env":
+            continue
+        have = flat.get(k)
+        options = want if isinstance(want, list) else [want]
+        if have not in options:
+            return False
+    return True
+
+
+def _fmt(coords: dict) -> str:
+    def one(v):
+        return ",".join(f"{a}={b}" for a, b in v.items()) if isinstance(v, dict) else v
+    return " ".join(f"{k}={one(v)}" for k, v in coords.items())
+
+
+def _defaults() -> dict:
+    d = RunSpec().to_dict()
+    return {"workload": d["workload"], "layout": d["layout"]}
+
+
+def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
+    """All valid points of the sweep, in grid order, and every dropped combination with why.
+
+    Filters see each point with the spec defaults filled in (so `exclude: [{attention: sdpa}]`
+    also hits points that leave attention at its default) and run before validation, so a
+    point the user excluded is reported as excluded rather than as invalid.
+    """
+    axes = list(sweep.grid)
+    combos = [dict(zip(axes, vals)) for vals in itertools.product(*(sweep.grid[a] for a in axes))]
+    if not axes and sweep.points:
+        combos = []  # only the listed points, not also the bare base layout
+    candidates = [(c, {"env": {}, "timeout_s": None}) for c in combos]
+    for i, extra in enumerate(sweep.points):
+        coords = {k: v for k, v in extra.items() if k not in ("env", "timeout_s")}
+        for k in coords:
+            if not isinstance(coords[k], dict):
+                check_axis_name(k, f"sweep.points[{i}].{k}")
+        candidates.append((coords, {"env": dict(extra.get("env") or {}), "timeout_s": extra.get("timeout_s")}))
+    defaults = _defaults()
+    points, drops, seen = [], [], {}
+    for coords, extra in candidates:
+        raw = {"name": sweep.name, "store": sweep.store,
+               "workload": copy.deepcopy(sweep.workload), "layout": copy.deepcopy(sweep.layout)}
+        _apply(raw, coords)
+        lay = raw["layout"]
+        filled = {"workload": {**defaults["workload"], **raw["workload"]},
+                  "layout": {**defaults["layout"], **lay}}
+        if "dp" not in lay:
+            tp, pp = filled["layout"]["tp"], filled["layout"]["pp"]
+            if isinstance(tp, int) and isinstance(pp, int) and tp > 0 and pp > 0 and sweep.gpus % (tp * pp) == 0:
+                lay["dp"] = filled["layout"]["dp"] = sweep.gpus // (tp * pp)
+        flat = _flat(filled, coords)
+        if sweep.include and not any(matches(flat, r) for r in sweep.include):
+            drops.append(Drop(coords, "not matched by any include filter"))
+            continue
+        hit = next((i for i, r in enumerate(sweep.exclude) if matches(flat, r)), None)
+        if hit is not None:
+            drops.append(Drop(coords, f"excluded by exclude[{hit}] {sweep.exclude[hit]}"))
+            continue
+        if "dp" not in lay:
+            drops.append(Drop(coords, f"layout: {sweep.gpus} GPUs are not divisible by tp x pp = "
+                                      f"{filled['layout']['tp']} x {filled['layout']['pp']}"))
+            continue
+        try:
+            spec = parse_spec(raw)
+            check_world_size(spec, sweep.gpus)
+        except SpecError as e:
+            drops.append(Drop(coords, str(e)))
+            continue
+        spec_dict = spec.to_dict()
+        spec_dict["workload"]["optimizer"]["betas"] = list(spec_dict["workload"]["optimizer"]["betas"])
+        key = point_key(spec_dict)
+        if key in seen:
+            drops.append(Drop(coords, f"duplicate of point {seen[key]} ({key})"))
+            continue
+        seen[key] = len(points)
+        points.append(Point(coords=coords, spec=spec_dict, key=key, env={**sweep.env, **extra["env"]},
+                            timeout_s=extra["timeout_s"]))
+    return points, drops
+
+
+def describe(points: list[Point], drops: list[Drop], done: dict[str, str] | None = None) -> str:
+    """The dry-run listing: points (with status if already recorded) and drops with reasons."""
+    done = done or {}
+    lines = [f"{len(points)} points, {len(drops)} dropped"]
+    for i, p in enumerate(points):
+        state = f"  [{done[p.key]}, skipped]" if p.key in done else ""
+        lines.append(f"  {i:4d}  {p.key}  {p.label()}{state}")
+    if drops:
+        lines.append("dropped:")
+        for d in drops:
+            lines.append(f"  - {_fmt(d.coords) or '(base)'}: {d.reason}")
+    return "\n".join(lines)
+
+
+def pending(points: list[Point], done: dict[str, str], retry: tuple[str, ...] = ()) -> list[Point]:
+    """Points without a record (or whose recorded status is one the user asked to retry)."""
+    return [p for p in points if p.key not in done or done[p.key] in retry]
