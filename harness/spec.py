@@ -223,7 +223,7 @@ def check_sizes(spec: RunSpec) -> Shape:
     if lay.virtual_stages > 1 and lay.pipeline_schedule != "interleaved":
         raise SpecError("layout.virtual_stages", "needs pipeline_schedule: interleaved")
     if lay.pipeline_schedule == "interleaved" and lay.pp > 1:
-        micro = micro_batches(w.global_batch_size, lay.dp, lay.micro_batch_size)
+        micro = micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
         if micro % lay.pp:
             raise SpecError("layout.pipeline_schedule",
                             f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}")
@@ -266,10 +266,10 @@ def check_world_size(spec: RunSpec, world_size: int) -> None:
 
 
 def micro_batches_per_step(spec: RunSpec) -> int:
-    return micro_batches(spec.workload.global_batch_size, spec.layout.dp, spec.layout.micro_batch_size)
+    return micro_batch_count(spec.workload.global_batch_size, spec.layout.dp, spec.layout.micro_batch_size)
 
 
-def micro_batches(global_batch_size: int, dp: int, micro_batch_size: int) -> int:
+def micro_batch_count(global_batch_size: int, dp: int, micro_batch_size: int) -> int:
     """Micro-batches each data-parallel rank runs per optimizer step."""
     return global_batch_size // (dp * micro_batch_size)
 

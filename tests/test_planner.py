@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from harness.planner import calibrate_from_records, predict
 from harness.planner.hardware import load_profile, peak_bf16_tflops, profile_names
 from harness.planner.layout import Layout, Workload, stage_items
 from harness.planner.memory import worst_stage_memory
+from harness.store import ResultsStore
 
 WL = Workload(2048, 2048)
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def mem(**kw):
 
 
 def test_memory_structure():
-    assert mem(zero=0)["optimizer"] == pytest.approx(64 * mem(zero=1)["optimizer"])
+    assert mem(zero_stage=0)["optimizer"] == pytest.approx(64 * mem(zero_stage=1)["optimizer"])
     assert mem(attention="naive")["activations"] > 1.5 * mem()["activations"]  # the s^2 term
     assert mem(activation_checkpointing="full")["activations"] < 0.1 * mem()["activations"]
     assert mem(tp=2, dp=32, sequence_parallel=True)["activations"] < mem(tp=2, dp=32)["activations"]
@@ -109,6 +109,32 @@ def test_impossible_layouts_are_spec_errors():
         predict(S13, Layout(3, 1, 1, 1), WL, prof)
 
 
+def test_layout_converts_to_and_from_a_spec_layout():
+    """One conversion each way, the fields named as harness.spec names them."""
+    from harness.spec import parse_spec
+
+    lay = Layout(2, 2, 2, 2, activation_checkpointing="selective", sequence_parallel=True, attention="sdpa",
+                 rmsnorm="torch", zero_stage=1, pipeline_schedule="interleaved", virtual_stages=2)
+    raw = lay.to_spec()
+    assert raw["engine"] == "own" and Layout.from_spec(raw) == lay
+    spec = parse_spec({"workload": {"model": "tiny-4l", "global_batch_size": 16}, "layout": raw})
+    assert Layout.from_spec(spec.to_dict()["layout"]) == lay
+    fsdp = Layout(1, 1, 8, 1, zero_stage=0, fsdp=True)
+    assert fsdp.to_spec()["engine"] == "fsdp" and Layout.from_spec(fsdp.to_spec()) == fsdp
+    # engine single is one GPU; a missing or null field takes the spec's default
+    assert Layout.from_spec({"engine": "single", "tp": 4, "virtual_stages": None}) == \
+        Layout(1, 1, 1, 1, attention="sdpa", rmsnorm="torch", zero_stage=0)
+
+
+def test_planner_kernels_are_the_harness_ones_and_the_study_extras():
+    from harness.planner.layout import ATTENTION, ATTENTION_CLASS, EXTRA_ATTENTION
+    from harness.spec import ATTENTION_KERNELS
+
+    assert EXTRA_ATTENTION == ("fused_softmax", "flash1")
+    assert set(ATTENTION) == set(ATTENTION_KERNELS) | set(EXTRA_ATTENTION) == set(ATTENTION_CLASS)
+
+
+@pytest.mark.slow  # runs the CLI in a process
 def test_cli_json_contract():
     r = run_cli("--model", "paper-13b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "64",
                 "--gpus-per-node", "8", "--hardware", "a100-80gb", "--attention", "flash2", "--rmsnorm", "fused",
@@ -121,6 +147,7 @@ def test_cli_json_contract():
     assert all(r_["fits"] for r_ in rows) and rows[0]["mfu"] >= rows[-1]["mfu"]
 
 
+@pytest.mark.slow  # runs the CLI in a process
 def test_cli_errors_exit_2():
     base = ["--model", "paper-13b", "--seq-len", "2048", "--global-batch-size", "2048"]
     r = run_cli(*base, "--gpus", "12", "--gpus-per-node", "8")
@@ -133,6 +160,7 @@ def test_cli_errors_exit_2():
     assert r.returncode == 2 and "error: --model:" in r.stderr
 
 
+@pytest.mark.slow  # runs the CLI in a process
 def test_emit_sweep_and_explain(tmp_path):
     out = tmp_path / "sweep.yaml"
     r = run_cli("--model", "paper-13b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "32",
@@ -145,6 +173,7 @@ def test_emit_sweep_and_explain(tmp_path):
     assert len(spec["points"]) == 3 and spec["workload"]["model"] == "paper-13b"
 
 
+@pytest.mark.slow  # runs the CLI in a process
 def test_table_marks_layouts_within_the_calibration_error():
     args = ("--model", "paper-13b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "64",
             "--attention", "flash2", "--rmsnorm", "fused", "--top", "40")
@@ -160,6 +189,7 @@ def test_table_marks_layouts_within_the_calibration_error():
     assert r.returncode == 0 and "not calibrated" in r.stdout and " *" not in r.stdout
 
 
+@pytest.mark.slow  # runs the CLI in a process
 def test_65b_over_4096_gpus_is_fast():
     t = time.perf_counter()
     r = run_cli("--model", "paper-65b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "4096",
@@ -196,28 +226,32 @@ def test_calibrate_on_synthetic_cpu_store_predicts_held_back_run(tmp_path):
     held_back = ("tiny-256", 2, 2, 1, 1, 256, 8)
     recs = []
     for i, (model, tp, pp, dp, mb, seq, gbs) in enumerate(grid + [held_back]):
-        lay = Layout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero=0)
+        lay = Layout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0)
         t = predict(PRESETS[model], lay, Workload(seq, gbs, 4), base, theta=truth).step_time_s
         recs.append(_record(f"r{i}", model, tp, pp, dp, mb, seq, gbs, t))
     db = tmp_path / "results.sqlite"
-    with sqlite3.connect(db) as con:
-        con.execute("CREATE TABLE runs (run_id TEXT PRIMARY KEY, status TEXT, record_json TEXT)")
-        con.executemany("INSERT INTO runs VALUES (?, ?, ?)", [(r["run_id"], r["status"], json.dumps(r)) for r in recs])
+    store = ResultsStore(str(db))
+    for r in recs:
+        store.write(r)
     records = read_store(str(db))
+    with pytest.raises(SpecError) as e:
+        read_store(str(tmp_path / "missing.sqlite"))
+    assert e.value.field == "--calibrate"
     train = [r for r in records if r["run_id"] != f"r{len(grid)}"]
     prof, report = calibrate_from_records(train, base)
     assert report["samples"] == len(grid) and report["median_abs_error_pct"] < 5
     model, tp, pp, dp, mb, seq, gbs = held_back
-    got = predict(PRESETS[model], Layout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero=0),
+    got = predict(PRESETS[model], Layout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
                   Workload(seq, gbs, 4), prof).step_time_s
     want = recs[-1]["metrics"]["step_time_s"]["median"]
     assert abs(got - want) / want < 0.15
     # the uncalibrated profile is far off, so the test means something
-    raw = predict(PRESETS[model], Layout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero=0),
+    raw = predict(PRESETS[model], Layout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
                   Workload(seq, gbs, 4), base).step_time_s
     assert abs(raw - want) / want > 0.3
 
 
+@pytest.mark.slow  # runs the CLI in a process
 def test_cli_calibrate_writes_profile(tmp_path):
     out = tmp_path / "cal.yaml"
     r = run_cli("--hardware", "a100-80gb", "--calibrate-csv", str(REPO / "baselines/paper_sweeps/llama_13B_bfloat16_32_GPUs_sequence_parallelism.csv"),

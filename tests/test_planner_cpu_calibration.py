@@ -19,6 +19,8 @@ CALIBRATION = [  # (model, seq_len, global batch, micro-batch)
 ]
 HELD_BACK = ("tiny-256", 128, 8, 2)
 
+pytestmark = pytest.mark.slow  # real CPU training runs, and the CLI in processes
+
 
 def measure(store, model, seq, batch, mbs):
     spec = parse_spec({"workload": {"model": model, "seq_len": seq, "global_batch_size": batch, "steps": 8,

@@ -15,6 +15,8 @@ from harness.errors import SpecError
 
 
 def add_arguments(p) -> None:
+    from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
+
     p.add_argument("--model", help="preset name (see harness.model.presets) or a config.json")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
@@ -23,9 +25,9 @@ def add_arguments(p) -> None:
     p.add_argument("--hardware", default="a100-80gb", help="a100-40gb, a100-80gb, h100-sxm, h200, cpu or a YAML path")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage (default 1, as the study)")
     p.add_argument("--attention", help="comma list; default: naive,fused_softmax,flash1,flash2,sdpa,...")
-    p.add_argument("--rmsnorm", help="comma list of torch,fused")
+    p.add_argument("--rmsnorm", help=f"comma list of {','.join(RMSNORM_KERNELS)}")
     p.add_argument("--micro-batch-sizes", help="comma list, default 1,2,4,8")
-    p.add_argument("--activation-checkpointing", help="comma list of none,full,selective")
+    p.add_argument("--activation-checkpointing", help=f"comma list of {','.join(CHECKPOINTING)}")
     p.add_argument("--sequence-parallel", help="comma list of off,on")
     p.add_argument("--top", type=int, default=None, help="show the K fastest (table default 20)")
     p.add_argument("--format", choices=("table", "json"), default="table")
@@ -78,8 +80,9 @@ def main(args) -> int:
     from harness.model.presets import resolve_shape
     from harness.planner import candidates as en
     from harness.planner.hardware import load_profile
-    from harness.planner.layout import CHECKPOINTING, RMSNORMS, Workload
+    from harness.planner.layout import ATTENTION, Workload
     from harness.planner.predict import predict
+    from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
 
     profile = load_profile(args.hardware)
     if args.calibrate or args.calibrate_csv:
@@ -88,9 +91,9 @@ def main(args) -> int:
     shape = resolve_shape(args.model, field="--model")
     gpn = args.gpus_per_node or profile.gpus_per_node
     wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
-    attention = en.parse_list(args.attention, en.PAPER_ATTENTION + en.HARNESS_ATTENTION, "--attention",
+    attention = en.parse_list(args.attention, ATTENTION, "--attention",
                               [a for a in en.DEFAULTS["attention"] if a in profile.attention_kernels])
-    rmsnorm = en.parse_list(args.rmsnorm, RMSNORMS, "--rmsnorm", en.DEFAULTS["rmsnorm"])
+    rmsnorm = en.parse_list(args.rmsnorm, RMSNORM_KERNELS, "--rmsnorm", en.DEFAULTS["rmsnorm"])
     mbs = en.parse_list(args.micro_batch_sizes, None, "--micro-batch-sizes", en.DEFAULTS["micro_batch_sizes"], int)
     if any(m < 1 for m in mbs):
         raise SpecError("--micro-batch-sizes", "must be positive")
@@ -102,7 +105,7 @@ def main(args) -> int:
         raise SpecError("--top", "must be at least 1")
     preds = [predict(shape, lay, wl, profile) for lay in
              en.layouts(shape, wl, args.gpus, gpn, attention=attention, rmsnorm=rmsnorm, micro_batch_sizes=mbs,
-                        checkpointing=ck, sequence_parallel=sp, zero=args.zero)]
+                        checkpointing=ck, sequence_parallel=sp, zero_stage=args.zero)]
     if not preds:
         raise SpecError("--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} "
                                   f"(global batch {args.global_batch_size})")
@@ -162,11 +165,7 @@ def _emit_sweep(args, preds) -> None:
     spec = {"name": f"plan-{args.model}-{args.gpus}gpus",
             "workload": {"model": args.model, "seq_len": args.seq_len, "global_batch_size": args.global_batch_size,
                          "precision": "bf16"},
-            "points": [{"engine": "own", "tp": p.layout.tp, "pp": p.layout.pp, "dp": p.layout.dp,
-                        "micro_batch_size": p.layout.micro_batch_size,
-                        "activation_checkpointing": p.layout.activation_checkpointing,
-                        "sequence_parallel": p.layout.sequence_parallel, "attention": p.layout.attention,
-                        "rmsnorm": p.layout.rmsnorm, "zero_stage": p.layout.zero,
+            "points": [{**p.layout.to_spec(),
                         "predicted": {"memory_gib": round(p.memory_gib, 1), "mfu": round(p.mfu, 4)}}
                        for p in preds]}
     try:

@@ -29,7 +29,7 @@ import math
 import os
 
 from harness.errors import SpecError
-from harness.spec import micro_batches
+from harness.spec import micro_batch_count
 
 AUTO = "auto"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,7 +144,7 @@ def build_config(spec, shape=None, *, world_size: int | None = None, device_type
 
     f.own("train_batch_size", w.global_batch_size, "global_batch_size")
     f.own("train_micro_batch_size_per_gpu", lay.micro_batch_size, "layout.micro_batch_size")
-    f.own("gradient_accumulation_steps", micro_batches(w.global_batch_size, dp, lay.micro_batch_size),
+    f.own("gradient_accumulation_steps", micro_batch_count(w.global_batch_size, dp, lay.micro_batch_size),
           f"global_batch_size / (dp x micro_batch_size) = {w.global_batch_size} / ({dp} x {lay.micro_batch_size})")
     f.own("gradient_clipping", float(w.grad_clip), "grad_clip")
     f.own("bf16.enabled", w.precision == "bf16", f"precision ({w.precision})")

@@ -10,6 +10,7 @@ the constants, so the fit repeats a few times. Nothing is fitted per row or per 
 from __future__ import annotations
 
 import copy
+import os
 import sqlite3
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from harness.model.presets import Shape, resolve_shape
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import Layout, Workload
 from harness.planner.timing import step_features, theta_from_profile
+from harness.store import ResultsStore
 
 RIDGE = 0.01         # weight of the pull towards the literature value, per constant (relative)
 MIN_SHARE = 0.01      # a constant is fitted only if its work is >= 1% of some measured step
@@ -104,16 +106,7 @@ def sample_from_record(rec: dict) -> Sample | None:
     if not t:
         return None
     shape = resolve_shape(wl["model"], wl.get("model_overrides") or None)
-    engine = lay.get("engine", "single")
-    single = engine == "single"
-    layout = Layout(tp=1 if single else int(lay.get("tp", 1)), pp=1 if single else int(lay.get("pp", 1)),
-                    dp=1 if single else int(lay.get("dp", 1)),
-                    micro_batch_size=int(lay.get("micro_batch_size", 1)),
-                    activation_checkpointing=lay.get("activation_checkpointing", "none"),
-                    sequence_parallel=bool(lay.get("sequence_parallel", False)),
-                    attention=lay.get("attention", "sdpa"), rmsnorm=lay.get("rmsnorm", "torch"),
-                    zero=int(lay.get("zero_stage", 0) or 0), schedule=lay.get("pipeline_schedule", "1f1b"),
-                    virtual_stages=int(lay.get("virtual_stages", 1) or 1), fsdp=engine == "fsdp")
+    layout = Layout.from_spec(lay)
     workload = Workload(int(wl["seq_len"]), int(wl["global_batch_size"]),
                         2 if wl.get("precision") == "bf16" else 4)
     return Sample(shape, layout, workload, float(t), rec.get("run_id", ""))
@@ -126,15 +119,10 @@ def calibrate_from_records(records: list[dict], base_profile: Profile) -> tuple[
 
 
 def read_store(path: str) -> list[dict]:
-    """Every record in a results store (SQLite table `runs`, column record_json)."""
-    import json
-    import os
-
+    """The successful records of a results store (the only ones calibration uses)."""
     if not os.path.isfile(path):
         raise SpecError("--calibrate", f"results store {path!r} does not exist")
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
-            rows = con.execute("SELECT record_json FROM runs").fetchall()
+        return ResultsStore(path).records(status="ok")
     except sqlite3.Error as e:
         raise SpecError("--calibrate", f"cannot read runs from {path!r}: {e}") from None
-    return [json.loads(r[0]) for r in rows]

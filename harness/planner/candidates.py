@@ -11,10 +11,8 @@ import itertools
 
 from harness.errors import SpecError
 from harness.model.presets import Shape
-from harness.planner.layout import CHECKPOINTING, RMSNORMS, Layout, Workload
-
-PAPER_ATTENTION = ("naive", "fused_softmax", "flash1", "flash2")
-HARNESS_ATTENTION = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+from harness.planner.layout import ATTENTION, Layout, Workload
+from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
 
 
 def divisors(n: int) -> list[int]:
@@ -35,7 +33,7 @@ def check_request(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int) -> 
 
 
 def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attention, rmsnorm,
-            micro_batch_sizes, checkpointing, sequence_parallel, zero: int, pp_values=None):
+            micro_batch_sizes, checkpointing, sequence_parallel, zero_stage: int, pp_values=None):
     """Yield every valid Layout; raise SpecError if an explicit pp choice is impossible."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
@@ -59,7 +57,7 @@ def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attent
                 if (wl.global_batch_size // dp) % mb:
                     continue
                 yield Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, activation_checkpointing=ck,
-                             sequence_parallel=sp, attention=att, rmsnorm=rms, zero=zero)
+                             sequence_parallel=sp, attention=att, rmsnorm=rms, zero_stage=zero_stage)
 
 
 def parse_list(text: str | None, allowed, field: str, default, cast=str):
@@ -89,6 +87,6 @@ def parse_bool(item: str) -> bool:
     raise ValueError(item)
 
 
-DEFAULTS = {"attention": PAPER_ATTENTION + HARNESS_ATTENTION, "rmsnorm": RMSNORMS,
+DEFAULTS = {"attention": ATTENTION, "rmsnorm": RMSNORM_KERNELS,
             "micro_batch_sizes": (1, 2, 4, 8), "checkpointing": CHECKPOINTING,
             "sequence_parallel": (False, True)}

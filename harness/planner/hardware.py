@@ -14,12 +14,11 @@ from pathlib import Path
 import yaml
 
 from harness.errors import SpecError
+from harness.planner.layout import ATTENTION
 
 PROFILE_DIR = Path(__file__).with_name("hardware")
 EFFICIENCY_KEYS = ("gemm", "flash2", "flash1", "mem_efficient", "naive_attention", "fused_softmax",
                    "hbm", "nvlink", "internode", "launch_us")
-ALL_ATTENTION = ("naive", "fused_softmax", "flash1", "flash2", "sdpa", "sdpa_flash",
-                 "sdpa_efficient", "sdpa_cudnn")
 
 
 @dataclass
@@ -37,7 +36,7 @@ class Profile:
     # one NIC per group member in a node (timing.py); beyond it the reduction runs as over one NIC.
     rail_aggregation_max_nodes: int = 20
     device_names: list[str] = field(default_factory=list)
-    attention_kernels: tuple[str, ...] = ALL_ATTENTION
+    attention_kernels: tuple[str, ...] = ATTENTION
     calibrated: dict = field(default_factory=dict)
     source: str = ""
 
@@ -81,7 +80,7 @@ def _from_dict(raw: dict, source: str) -> Profile:
     for key, value in {**{k: raw[k] for k in need}, **eff}.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise SpecError("--hardware", f"{source}: {key} must be a positive number")
-    kernels = tuple(raw.get("attention_kernels") or ALL_ATTENTION)
+    kernels = tuple(raw.get("attention_kernels") or ATTENTION)
     return Profile(
         name=str(raw.get("name", Path(source).stem)),
         peak_tflops_bf16=float(raw["peak_tflops_bf16"]),

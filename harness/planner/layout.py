@@ -1,28 +1,21 @@
 """What the planner is asked about: one layout and one workload, as plain values.
 
-The planner keeps its own small types (not harness.spec's) so it can describe layouts the
-engines cannot run yet, such as the study's kernels (fused_softmax, flash1).
+The planner keeps its own small types so it can describe layouts the engines cannot run, such as
+the study's kernels (EXTRA_ATTENTION), but it names every field and value as harness.spec does
+and converts to and from a spec layout in one place each (Layout.from_spec, Layout.to_spec).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import asdict, dataclass
 
 from harness.model.presets import Shape
+from harness.spec import ATTENTION_KERNELS, micro_batch_count
+from harness.spec import Layout as SpecLayout
 
-# Attention kernels: the study's (naive = its "torch", fused_softmax = Megatron's fused
-# scale-mask-softmax, flash1, flash2) and the harness's own names. Each maps to a cost class.
-ATTENTION_CLASS = {
-    "naive": "naive", "fused_softmax": "fused_softmax", "flash1": "flash1", "flash2": "flash2",
-    "sdpa": "flash2", "sdpa_flash": "flash2", "sdpa_cudnn": "flash2", "sdpa_efficient": "mem_efficient",
-}
-MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
-RMSNORMS = ("torch", "fused")
-CHECKPOINTING = ("none", "full", "selective")
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
-
-# Names the study's CSVs use, and the checkpointing names.
+# Names the study's CSVs use for its kernels (attention, rmsnorm), and for checkpointing.
 PAPER_KERNELS = {
     "torch": ("naive", "torch"), "fused": ("fused_softmax", "torch"),
     "flash_attention": ("flash1", "torch"), "flash_attentionv1.0.8": ("flash1", "torch"),
@@ -30,9 +23,27 @@ PAPER_KERNELS = {
 }
 PAPER_CHECKPOINTING = {"disabled": "none", "every_layer": "full", "selective": "selective"}
 
+# The study's attention kernels, slowest first: naive (its "torch"), fused_softmax (Megatron's
+# fused scale-mask-softmax), flash1, flash2.
+PAPER_ATTENTION = tuple(dict.fromkeys(attention for attention, _ in PAPER_KERNELS.values()))
+# The planner's own kernels, beyond those the harness runs (harness.spec.ATTENTION_KERNELS):
+# the study's fused_softmax and flash1.
+EXTRA_ATTENTION = tuple(k for k in PAPER_ATTENTION if k not in ATTENTION_KERNELS)
+# Every kernel the planner knows, in the order it lists them: the study's, then the harness's others.
+ATTENTION = PAPER_ATTENTION + tuple(k for k in ATTENTION_KERNELS if k not in PAPER_ATTENTION)
+# Each kernel's cost class.
+ATTENTION_CLASS = {
+    "naive": "naive", "fused_softmax": "fused_softmax", "flash1": "flash1", "flash2": "flash2",
+    "sdpa": "flash2", "sdpa_flash": "flash2", "sdpa_cudnn": "flash2", "sdpa_efficient": "mem_efficient",
+}
+MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
+
 
 @dataclass(frozen=True)
 class Layout:
+    """A layout, its fields named as harness.spec.Layout's (values from harness.spec's lists,
+    attention also from EXTRA_ATTENTION)."""
+
     tp: int
     pp: int
     dp: int
@@ -41,17 +52,43 @@ class Layout:
     sequence_parallel: bool = False
     attention: str = "flash2"
     rmsnorm: str = "fused"
-    zero: int = 1                    # 0-3; the study sharded optimizer states (ZeRO-1)
-    schedule: str = "1f1b"
+    zero_stage: int = 1              # 0-3; the study sharded optimizer states (ZeRO-1)
+    pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1          # interleaved schedule: model chunks per stage
-    fsdp: bool = False               # PyTorch FSDP full sharding: memory like ZeRO-3
+    fsdp: bool = False               # engine fsdp (PyTorch FSDP full sharding): memory like ZeRO-3
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def sharding_stage(self) -> int:
+        """The ZeRO stage whose sharding this layout has: FSDP counts as 3."""
+        return 3 if self.fsdp else self.zero_stage
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_spec(cls, layout: dict) -> Layout:
+        """The planner's view of a spec layout (a harness.spec.Layout as a dict, as records keep
+        it); a missing or null field takes the spec's default, engine single is one GPU."""
+        lay = {**asdict(SpecLayout()), **{k: v for k, v in layout.items() if v is not None}}
+        single = lay["engine"] == "single"
+        return cls(tp=1 if single else int(lay["tp"]), pp=1 if single else int(lay["pp"]),
+                   dp=1 if single else int(lay["dp"]), micro_batch_size=int(lay["micro_batch_size"]),
+                   activation_checkpointing=lay["activation_checkpointing"],
+                   sequence_parallel=bool(lay["sequence_parallel"]), attention=lay["attention"],
+                   rmsnorm=lay["rmsnorm"], zero_stage=int(lay["zero_stage"]),
+                   pipeline_schedule=lay["pipeline_schedule"], virtual_stages=int(lay["virtual_stages"] or 1),
+                   fsdp=lay["engine"] == "fsdp")
+
+    def to_spec(self) -> dict:
+        """This layout as a spec layout dict (engine own, or fsdp), the fields the planner has,
+        in harness.spec.Layout's order. The spec checks it when it is run: the planner also
+        describes layouts no engine runs (EXTRA_ATTENTION, ZeRO-2/3 without fsdp)."""
+        mine = {**asdict(self), "engine": "fsdp" if self.fsdp else "own"}
+        return {f.name: mine[f.name] for f in dataclasses.fields(SpecLayout) if f.name in mine}
 
 
 @dataclass(frozen=True)
@@ -62,15 +99,16 @@ class Workload:
 
     def micro_batches(self, lay: Layout) -> int:
         """Micro-batches per step per data-parallel replica (gradient accumulation x pipeline)."""
-        return self.global_batch_size // (lay.dp * lay.micro_batch_size)
+        return micro_batch_count(self.global_batch_size, lay.dp, lay.micro_batch_size)
 
 
 def stage_items(shape: Shape, pp: int) -> list[tuple[bool, int, bool]]:
     """(has_embedding, layers, has_lm_head) per stage.
 
     A uniform split of the items [embedding, layer_1..layer_L, final norm, LM head], the first
-    stages taking one more when it does not divide (DeepSpeed's `partition_uniform`, which the
-    study's ranks used; see ../shared/paper-sweeps/README.md).
+    stages taking one more when it does not divide (Aleph Alpha scaling's `pipe_partition_uniform`,
+    DeepSpeed's `partition_uniform`): the split the study's ranks used. The study and its
+    published sweeps: baselines/paper_sweeps/README.md.
     """
     return list(_stage_items(shape.layers, pp))
 

@@ -115,9 +115,9 @@ def in_flight(lay: Layout, stage: int, m: int) -> float:
     p = lay.pp
     if p == 1:
         return 1.0
-    if lay.schedule == "gpipe":
+    if lay.pipeline_schedule == "gpipe":
         return float(m)
-    if lay.schedule == "interleaved" and lay.virtual_stages > 1:
+    if lay.pipeline_schedule == "interleaved" and lay.virtual_stages > 1:
         v = lay.virtual_stages  # Megatron's warm-up count, in chunks of 1/v of the stage's layers
         chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
         return chunks / v
@@ -129,7 +129,7 @@ def stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> dict:
     has_emb, layers, has_head = stage_items(shape, lay.pp)[stage]
     phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
     B, dp = wl.dtype_bytes, lay.dp
-    zero = 3 if lay.fsdp else lay.zero
+    zero = lay.sharding_stage
     opt_bytes = 12 if B == 2 else 8
     weights = phi * B / (dp if zero >= 3 else 1)
     grads = phi * B / (dp if zero >= 2 else 1)

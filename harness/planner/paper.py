@@ -56,7 +56,7 @@ def load_sweep(path: str | Path, seq_len: int = 2048, global_batch_size: int = 2
                              micro_batch_size=int(row["micro_batch_size"]),
                              activation_checkpointing=PAPER_CHECKPOINTING[row["activation_checkpointing_type"].strip()],
                              sequence_parallel=row.get("sequence_parallel", "False").strip() == "True",
-                             attention=attention, rmsnorm=rmsnorm, zero=1)
+                             attention=attention, rmsnorm=rmsnorm, zero_stage=1)
             except (KeyError, ValueError) as e:
                 raise SpecError("--calibrate-csv", f"{path.name}: row {row.get('Trial ID')}: {e}") from None
             value = row["Average Step Time"].strip()

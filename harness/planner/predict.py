@@ -15,6 +15,7 @@ from harness.planner.hardware import Profile
 from harness.planner.layout import ATTENTION_CLASS, Layout, Workload
 from harness.planner.memory import GIB, fits, worst_stage_memory
 from harness.planner.timing import step_time, theta_from_profile
+from harness.spec import RMSNORM_KERNELS
 
 # Megatron's fused scale-mask-softmax runs only when (batch x heads per rank) divides into its
 # 4-row blocks and the key length is at most 16384 (FusedScaleMaskSoftmax.is_kernel_available).
@@ -42,7 +43,7 @@ class Prediction:
         return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
                 "activation_checkpointing": lay.activation_checkpointing,
                 "sequence_parallel": bool(lay.sequence_parallel), "attention": lay.attention,
-                "rmsnorm": lay.rmsnorm, "zero": 3 if lay.fsdp else lay.zero, "fits": bool(self.fits and self.available),
+                "rmsnorm": lay.rmsnorm, "zero": lay.sharding_stage, "fits": bool(self.fits and self.available),
                 "memory_gib": round(self.memory_gib, 2), "step_time_s": round(self.step_time_s, 4),
                 "mfu": round(self.mfu, 4)}
 
@@ -73,8 +74,8 @@ def validate(shape: Shape, lay: Layout, wl: Workload) -> None:
                         f"{wl.global_batch_size} is not divisible by dp x micro-batch = {lay.dp * lay.micro_batch_size}")
     if lay.attention not in ATTENTION_CLASS:
         raise SpecError("layout.attention", f"unknown kernel {lay.attention!r}; known: {', '.join(ATTENTION_CLASS)}")
-    if lay.rmsnorm not in ("torch", "fused"):
-        raise SpecError("layout.rmsnorm", f"{lay.rmsnorm!r} is not one of torch, fused")
+    if lay.rmsnorm not in RMSNORM_KERNELS:
+        raise SpecError("layout.rmsnorm", f"{lay.rmsnorm!r} is not one of {', '.join(RMSNORM_KERNELS)}")
 
 
 def predict(shape: Shape, layout: Layout, workload: Workload, profile: Profile,

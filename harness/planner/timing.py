@@ -162,7 +162,7 @@ def step_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta:
         stages.append(cache[key])
     times = [_dot(theta, x) for x in stages]
     slow = max(range(lay.pp), key=lambda i: times[i])
-    v = lay.virtual_stages if lay.schedule == "interleaved" else 1
+    v = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
     feats = _zeros()
     for k in feats:  # m x slowest + fill/drain through the other stages (divided by v chunks)
         feats[k] = m * stages[slow][k] + (sum(x[k] for x in stages) - stages[slow][k]) / v
@@ -178,7 +178,7 @@ def step_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta:
     dpx, dp_exposed = _zeros(), 0.0
     phis = [stage_params(shape, *items[i], lay.tp) for i in range(lay.pp)]
     phi = max(phis)
-    zero = 3 if lay.fsdp else lay.zero
+    zero = lay.sharding_stage
     if lay.dp > 1:
         key = _link(prof, lay.tp * lay.dp)
         per_node = max(1, min(lay.dp, prof.gpus_per_node // lay.tp)) if key == "internode" else 1
