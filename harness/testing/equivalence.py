@@ -7,9 +7,6 @@ than once per layout. Every rank returns its losses, weights, communication coun
 
 from __future__ import annotations
 
-import sys
-
-from harness.testing.reference import mismatches as compare  # noqa: F401 - the tests' name for it
 from harness.testing.reference import reference_run
 from harness.testing.spawn import spawn
 
@@ -67,12 +64,3 @@ def launch(cases: list[dict], world: int, steps: int = 5, timeout_s: float = 300
     """`world` gloo processes, one thread each, run every case; returns per-rank result lists."""
     return spawn(run_cases, world, cases, steps, timeout_s=timeout_s, threads=1, every_rank=True)
 
-
-if __name__ == "__main__":  # python -m harness.testing.equivalence TP PP DP
-    tp, pp, dp = (int(a) for a in sys.argv[1:4])
-    case = {"layout": {"tp": tp, "pp": pp, "dp": dp}}
-    res = launch([case], tp * pp * dp)
-    ref = reference(case)
-    print("losses", res[0][0]["losses"])
-    print("reference", ref[0])
-    print("mismatches", compare(res[0][0], *ref) or "none")
