@@ -231,31 +231,59 @@ def check_sizes(spec: RunSpec) -> Shape:
     return shape
 
 
-# Which engine runs which layout fields: engine -> {field: (values it takes, why not others)}.
-# A field an engine does not list takes any value the field allows. Checked in this order.
-_DP_ONLY = "engine {engine} runs data parallelism only here: set tp=1 and pp=1"
-_NOT_DEEPSPEED = {"ds_config": (("",), "only for engine deepspeed"),
-                  "model_impl": (("own",), "hf (transformers' LlamaForCausalLM) is for engine deepspeed")}
-CAPABILITIES: dict[str, dict[str, tuple[tuple, str]]] = {
-    "single": {"tp": ((1,), "engine single is one process: set tp=pp=dp=1"),
-               "pp": ((1,), "engine single is one process: set tp=pp=dp=1"),
-               "dp": ((1,), "engine single is one process: set tp=pp=dp=1"),
-               "zero_stage": ((0,), "engine single has no ZeRO"), **_NOT_DEEPSPEED},
-    "own": {"zero_stage": ((0, 1), "the own engine has ZeRO stage 0 or 1"), **_NOT_DEEPSPEED},
-    "deepspeed": {"tp": ((1,), _DP_ONLY), "pp": ((1,), _DP_ONLY),
-                  "sequence_parallel": ((False,), "not available with engine {engine}"),
-                  "zero_stage": ((1, 2, 3), "deepspeed runs ZeRO stage 1, 2 or 3")},
-    "fsdp": {"tp": ((1,), _DP_ONLY), "pp": ((1,), _DP_ONLY),
-             "sequence_parallel": ((False,), "not available with engine {engine}"), **_NOT_DEEPSPEED,
-             "zero_stage": ((0, 3), "fsdp shards by reshard_after_forward, leave zero_stage unset")},
+# Which engine runs which layout: per engine, rules checked in order, each (field, takes(layout),
+# why not); the first rule a layout breaks is the error. A field no rule names takes any value
+# the field allows. The compare report's layout-by-engine matrix shows these reasons in its dashes.
+Rule = tuple[str, typing.Callable[["Layout"], bool], str]
+_ONE_PROCESS = "engine single is one process: set tp=pp=dp=1"
+_DEEPSPEED_ONLY: list[Rule] = [
+    ("ds_config", lambda l: not l.ds_config, "only for engine deepspeed"),
+    ("model_impl", lambda l: l.model_impl == "own", "hf (transformers' LlamaForCausalLM) is for engine deepspeed"),
+]
+_OWN_ONLY: list[Rule] = [
+    ("pipeline_p2p", lambda l: l.pipeline_p2p == "auto", "chooses the own engine's pipeline transfers; "
+                                                         "engine {engine} has its own"),
+]
+CAPABILITIES: dict[str, list[Rule]] = {
+    "single": [("tp", lambda l: l.tp == 1, _ONE_PROCESS), ("pp", lambda l: l.pp == 1, _ONE_PROCESS),
+               ("dp", lambda l: l.dp == 1, _ONE_PROCESS),
+               ("zero_stage", lambda l: l.zero_stage == 0, "engine single has no ZeRO"),
+               *_DEEPSPEED_ONLY, *_OWN_ONLY],
+    "own": [("zero_stage", lambda l: l.zero_stage in (0, 1), "the own engine has ZeRO stage 0 or 1"),
+            *_DEEPSPEED_ONLY],
+    "deepspeed": [
+        ("zero_stage", lambda l: l.pp > 1 or l.zero_stage in (1, 2, 3), "deepspeed runs ZeRO stage 1, 2 or 3"),
+        ("zero_stage", lambda l: l.pp == 1 or l.zero_stage in (0, 1),
+         "DeepSpeed's pipeline engine (pp > 1) runs with ZeRO stage 0 or 1 only"),
+        ("tp", lambda l: l.tp == 1 or l.pp == 1,
+         "DeepSpeed's tensor parallelism (AutoTP) does not combine with its pipeline engine: set tp=1 or pp=1"),
+        ("sequence_parallel", lambda l: not l.sequence_parallel,
+         "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights only)"),
+        ("pipeline_schedule", lambda l: l.pp == 1 or l.pipeline_schedule == "1f1b",
+         "DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only"),
+        ("virtual_stages", lambda l: l.virtual_stages == 1, "DeepSpeed's pipeline engine has no virtual stages"),
+        ("model_impl", lambda l: l.model_impl == "own" or l.pp == 1,
+         "hf (transformers' LlamaForCausalLM) is not a pipeline of layers: use model_impl own with pp > 1"),
+        *_OWN_ONLY],
+    "fsdp": [*_DEEPSPEED_ONLY,
+             ("zero_stage", lambda l: l.zero_stage in (0, 3),
+              "fsdp shards by reshard_after_forward, leave zero_stage unset"),
+             *_OWN_ONLY],
 }
 
 
+def capability_error(lay: Layout) -> SpecError | None:
+    """Why the chosen engine cannot run this layout (the first rule it breaks), or None."""
+    for name, takes, why in CAPABILITIES[lay.engine]:
+        if not takes(lay):
+            return SpecError(f"layout.{name}", why.format(engine=lay.engine))
+    return None
+
+
 def check_capabilities(lay: Layout) -> None:
-    """The first layout field the chosen engine cannot run, as a SpecError."""
-    for name, (allowed, why) in CAPABILITIES[lay.engine].items():
-        if getattr(lay, name) not in allowed:
-            raise SpecError(f"layout.{name}", why.format(engine=lay.engine))
+    error = capability_error(lay)
+    if error is not None:
+        raise error
 
 
 def check_world_size(spec: RunSpec, world_size: int) -> None:

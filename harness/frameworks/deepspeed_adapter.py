@@ -201,5 +201,9 @@ class DeepSpeedEngine:
 
 
 def build(spec, shape, ctx):
+    if spec.layout.tp > 1 or spec.layout.pp > 1:  # until AutoTP and the pipeline engine are wired in
+        from harness.errors import SpecError
+
+        raise SpecError("layout.tp" if spec.layout.tp > 1 else "layout.pp", "not built yet for engine deepspeed")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
     return DeepSpeedEngine(spec, shape, ctx)

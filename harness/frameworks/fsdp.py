@@ -133,4 +133,8 @@ class FSDPEngine:
 
 
 def build(spec, shape, ctx):
+    if spec.layout.tp > 1 or spec.layout.pp > 1:  # until DTensor TP/SP and pipelining are wired in
+        from harness.errors import SpecError
+
+        raise SpecError("layout.tp" if spec.layout.tp > 1 else "layout.pp", "not built yet for engine fsdp")
     return FSDPEngine(spec, shape, ctx)
