@@ -8,3 +8,8 @@ class SpecError(ValueError):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+
+
+class CapabilityError(SpecError):
+    """A well-formed layout that the chosen engine cannot run (harness.spec.CAPABILITIES): a
+    comparison shows it as a dash with this reason rather than refusing the whole spec."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from harness.errors import SpecError
+from harness.errors import CapabilityError, SpecError
 from harness.model.presets import Shape, resolve_shape
 
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
@@ -272,11 +272,11 @@ CAPABILITIES: dict[str, list[Rule]] = {
 }
 
 
-def capability_error(lay: Layout) -> SpecError | None:
+def capability_error(lay: Layout) -> CapabilityError | None:
     """Why the chosen engine cannot run this layout (the first rule it breaks), or None."""
     for name, takes, why in CAPABILITIES[lay.engine]:
         if not takes(lay):
-            return SpecError(f"layout.{name}", why.format(engine=lay.engine))
+            return CapabilityError(f"layout.{name}", why.format(engine=lay.engine))
     return None
 
 
@@ -323,16 +323,22 @@ def engine_variant(layout) -> str:
     return engine
 
 
+def parallel_label(layout) -> str:
+    """The parallel degrees other than 1, and SP: 'tp2 pp2', 'dp8', 'tp4 dp2 sp' ('' for none)."""
+    lay = _layout_dict(layout)
+    parts = [f"{k}{int(lay.get(k) or 1)}" for k in ("tp", "pp", "dp") if int(lay.get(k) or 1) != 1]
+    return " ".join(parts + (["sp"] if lay.get("sequence_parallel") else []))
+
+
 def layout_label(layout, short: bool = False) -> str:
     """One line naming a layout, used by every view of a run (console, sweep, compare, report).
 
-    short: the engine variant and the parallel degrees other than 1 (what tells a comparison's
-    runs apart); otherwise every field that changes what is measured."""
+    short: the engine variant and parallel_label (what tells a comparison's runs apart);
+    otherwise every field that changes what is measured."""
     lay = _layout_dict(layout)
-    degrees = {k: int(lay.get(k) or 1) for k in ("tp", "pp", "dp")}
     if short:
-        parts = [f"{k}{v}" for k, v in degrees.items() if v != 1]
-        return " ".join([engine_variant(lay)] + parts)
+        return " ".join(p for p in (engine_variant(lay), parallel_label(lay)) if p)
+    degrees = {k: int(lay.get(k) or 1) for k in ("tp", "pp", "dp")}
     parts = [engine_variant(lay)] + [f"{k}{v}" for k, v in degrees.items()]
     parts += [f"mb{lay.get('micro_batch_size', '?')}", f"ckpt={lay.get('activation_checkpointing') or 'none'}",
               f"{lay.get('attention') or '?'}/{lay.get('rmsnorm') or '?'}"]

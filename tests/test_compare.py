@@ -10,7 +10,7 @@ import yaml
 from harness.compare.orchestrate import run_comparison
 from harness.compare.parity import FAIL, NO_DATA, PASS, check_parity, compare_fingerprints
 from harness.compare.spec import DEFAULT, parse_compare_spec
-from harness.report.compare import write_report
+from harness.report.compare import layout_matrix, write_report
 from harness.errors import SpecError
 from harness.store import ResultsStore
 
@@ -152,6 +152,47 @@ def test_report_shows_failure_fingerprint_difference_and_records_verdict(tmp_pat
     assert recs["FSDP2 reshard"]["parity"]["verdict"] == PASS and recs["FSDP2 reshard"]["verdict"] == FAIL
     assert recs["deepspeed ZeRO-3"]["parity"]["verdict"] == NO_DATA
     assert json.load(open(paths["json"]))["parity"]["tolerance"] == 1e-5
+
+
+def test_matrix_shows_every_layout_under_every_engine_with_reasons(tmp_path):
+    raw = {"name": "m", "nproc": 4, "parity_steps": 2, "reference": False,
+           "workload": {**WORKLOAD, "model_overrides": {"layers": 4}},
+           "matrix": {"engines": [{"engine": "own"}, {"engine": "deepspeed", "zero_stage": 1}, {"engine": "fsdp"}],
+                      "layouts": [{"dp": 4}, {"tp": 2, "pp": 2, "dp": 1}, {"tp": 2, "dp": 2, "sequence_parallel": True}]}}
+    cs = parse_compare_spec(raw)
+    labels = [r.label for r in cs.runs]
+    assert labels == ["own dp4", "deepspeed ZeRO-1 dp4", "FSDP2 reshard dp4", "own tp2 pp2", "FSDP2 reshard tp2 pp2",
+                      "own tp2 dp2 sp", "FSDP2 reshard tp2 dp2 sp"]
+    assert [(n["label"], n["why"].split(":")[0]) for n in cs.not_runnable] == [
+        ("deepspeed ZeRO-1 tp2 pp2", "layout.tp"), ("deepspeed ZeRO-1 tp2 dp2 sp", "layout.sequence_parallel")]
+    fp = {"hosts": ["n1"]}
+    results = {label: ("ok", REF, fp) for label in labels}
+    results["FSDP2 reshard tp2 pp2"] = ("failed", [], {})
+    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
+                             launch_fn=fake_launcher(results))
+    header, rows = layout_matrix(summary)
+    assert header == ["layout", "own", "deepspeed ZeRO-1", "FSDP2 reshard"]
+    by_row = {r[0]: r[1:] for r in rows}
+    assert by_row["dp4 mbs 1"][0] == "10.0 ms [9.0, 12.0] pass"
+    assert by_row["tp2 pp2 mbs 1"][1].startswith("– layout.tp: DeepSpeed's tensor parallelism (AutoTP)")
+    assert by_row["tp2 pp2 mbs 1"][2] == "failed"
+    assert by_row["tp2 dp2 sp mbs 1"][1].startswith("– layout.sequence_parallel:")
+    md = open(write_report(summary, str(tmp_path))["markdown"]).read()
+    assert "## Layouts by engine" in md and "## Where the step goes" in md
+    assert "| own dp4 | not measured | not measured |" in md  # the fake records carry no breakdown
+
+
+def test_matrix_dash_for_a_combination_not_listed(tmp_path):
+    """A plain run list: the cell of an engine that cannot run a row's layout is still explained."""
+    cs = parse_compare_spec(compare_raw([{"engine": "own", "tp": 2, "pp": 2, "dp": 1},
+                                         {"engine": "deepspeed", "zero_stage": 1}], nproc=4, reference=False))
+    results = {r.label: ("ok", REF, {}) for r in cs.runs}
+    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
+                             launch_fn=fake_launcher(results))
+    header, rows = layout_matrix(summary)
+    by_row = {r[0]: dict(zip(header[1:], r[1:])) for r in rows}
+    assert by_row["tp2 pp2 mbs 1"]["deepspeed ZeRO-1"].startswith("– layout.tp:")
+    assert by_row["dp4 mbs 1"]["own"] == "not run"
 
 
 # ------------------------------------------------------------------ end to end (real launchers)

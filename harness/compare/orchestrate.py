@@ -46,7 +46,7 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         "losses": m.get("losses") or [],
         "metrics": {k: m.get(k) for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu",
                                            "mfu_vs_measured_matmul", "peak_memory_bytes", "memory_kind",
-                                           "peak_tflops", "measured_matmul_tflops")},
+                                           "peak_tflops", "measured_matmul_tflops", "breakdown_s", "comm")},
         "describe": describe,
         "precision_note": describe.get("precision_note"),
         "workload_override": plan.workload_override,
@@ -100,7 +100,7 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
         "store": os.path.abspath(store_path), "sweep_tag": sweep, "nproc": cs.nproc,
         "workload": cs.workload,
         "tolerance_source": cs.tolerance_source, "parity": parity, "fingerprints": fingerprints,
-        "failed_runs": failed, "skipped": cs.skipped, "load_average": {"before": load_before, "after": _loadavg()}, "wall_s": round(time.monotonic() - started, 1),
+        "failed_runs": failed, "skipped": cs.skipped, "not_runnable": cs.not_runnable, "load_average": {"before": load_before, "after": _loadavg()}, "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],
         "loss_table": {e["label"]: e["losses"][:cs.parity_steps] for e in entries if e["losses"]},
     }

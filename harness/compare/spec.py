@@ -13,10 +13,15 @@ runs:                       # harness.spec Layout fields, plus:
   - {engine: deepspeed, zero_stage: 3}        #   launcher: torchrun | deepspeed (default by engine)
   - {engine: fsdp, reshard_after_forward: false}
   - {engine: fsdp, label: planted, workload: {seed: 7}}  # per-run workload override (shown in the report)
+matrix:                     # and/or: every layout under every engine (the report's matrix)
+  engines: [{engine: own, zero_stage: 1}, {engine: deepspeed, zero_stage: 1}, {engine: fsdp}]
+  layouts: [{dp: 8}, {tp: 2, dp: 4}, {tp: 2, pp: 2, dp: 2}]
 ```
 
 Everything is checked before the first launch: each run's spec (harness.spec), world size,
-and its DeepSpeed config (auto fields, contradictions: harness.frameworks.ds_config).
+and its DeepSpeed config (auto fields, contradictions: harness.frameworks.ds_config). A matrix
+cell whose engine cannot run its layout (harness.spec.CAPABILITIES) is not an error: it is
+listed as not runnable, with the reason, and the report shows it as a dash.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ import copy
 import importlib.util
 from dataclasses import dataclass, field
 
-from harness.errors import SpecError
+from harness.errors import CapabilityError, SpecError
 from harness.launch import LOCAL_LAUNCHERS
-from harness.spec import layout_label, read_yaml
+from harness.spec import engine_variant, layout_label, parallel_label, read_yaml
 
-TOP_KEYS = ("name", "nproc", "parity_steps", "tolerance", "timeout_s", "reference", "workload", "runs", "store")
+TOP_KEYS = ("name", "nproc", "parity_steps", "tolerance", "timeout_s", "reference", "workload", "runs", "matrix",
+            "store")
 RUN_EXTRA = ("label", "launcher", "workload")
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
 DEFAULT_LAUNCHER = {"deepspeed": "deepspeed", "own": "torchrun", "fsdp": "torchrun", "single": "direct"}
@@ -79,6 +85,7 @@ class CompareSpec:
     runs: list[PlannedRun]
     skipped: list[tuple[str, str]]  # (label, why)
     store: str | None = None
+    not_runnable: list[dict] = field(default_factory=list)  # matrix cells: {label, layout, why}
 
 
 def engine_available(engine: str) -> bool:
@@ -120,9 +127,12 @@ def parse_compare_spec(raw) -> CompareSpec:
     workload = raw.get("workload") or {}
     if not isinstance(workload, dict):
         raise SpecError("workload", "must be a mapping")
-    runs_raw = raw.get("runs")
-    if not isinstance(runs_raw, list) or not runs_raw:
-        raise SpecError("runs", "must be a non-empty list of layouts")
+    runs_raw = raw.get("runs", [])
+    if not isinstance(runs_raw, list):
+        raise SpecError("runs", "must be a list of layouts")
+    matrix_runs = _matrix_runs(raw.get("matrix"))
+    if not runs_raw and not matrix_runs:
+        raise SpecError("runs", "must be a non-empty list of layouts (or give a matrix)")
 
     base = parse_spec({"workload": workload})  # checks the workload once, with its own field names
     precision = base.workload.precision
@@ -138,13 +148,13 @@ def parse_compare_spec(raw) -> CompareSpec:
         raise SpecError("parity_steps", f"{parity_steps} > the {total_steps} steps each run trains "
                                         "(warm-up steps included)")
 
-    planned, skipped, labels = [], [], set()
+    planned, skipped, labels, not_runnable = [], [], set(), []
     if raw.get("reference", True):
         ref = parse_spec({"workload": workload, "layout": {"engine": "single", "micro_batch_size":
                                                            _ref_micro(runs_raw, base.workload.global_batch_size)}})
         planned.append(PlannedRun("reference (single device)", ref, 1, "direct", is_reference=True))
-    for i, entry in enumerate(runs_raw):
-        where = f"runs[{i}]"
+    entries = [(f"runs[{i}]", e) for i, e in enumerate(runs_raw)] + matrix_runs
+    for where, entry in entries:
         if not isinstance(entry, dict):
             raise SpecError(where, "must be a mapping of layout fields")
         layout = {k: v for k, v in entry.items() if k not in RUN_EXTRA}
@@ -165,6 +175,11 @@ def parse_compare_spec(raw) -> CompareSpec:
         try:
             spec = parse_spec({"workload": {**workload, **override}, "layout": layout,
                                "name": f"{name}/{label}"})
+        except CapabilityError as e:
+            if not where.startswith("matrix"):
+                raise SpecError(f"{where}.{e.field.split('.', 1)[1]}", e.reason) from None
+            not_runnable.append({"label": label, "layout": layout, "why": f"{e.field}: {e.reason}"})
+            continue
         except SpecError as e:
             raise SpecError(f"{where}.{e.field.split('.', 1)[1] if e.field.startswith('layout.') else e.field}",
                             e.reason) from None
@@ -186,7 +201,30 @@ def parse_compare_spec(raw) -> CompareSpec:
         planned.append(PlannedRun(label, spec, world, launcher, workload_override=override))
     store = raw.get("store")
     return CompareSpec(name, nproc, parity_steps, tolerance, source, float(timeout_s), workload, planned,
-                       skipped, store)
+                       skipped, store, not_runnable)
+
+
+def _matrix_runs(matrix) -> list[tuple[str, dict]]:
+    """Every layout under every engine, as (where, run entry); labelled '<engine> <layout>'."""
+    if matrix is None:
+        return []
+    if not isinstance(matrix, dict) or set(matrix) - {"engines", "layouts"}:
+        raise SpecError("matrix", "must be a mapping with `engines` and `layouts` (lists of layout fields)")
+    engines, layouts = matrix.get("engines"), matrix.get("layouts")
+    for key, value in (("engines", engines), ("layouts", layouts)):
+        if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
+            raise SpecError(f"matrix.{key}", "must be a non-empty list of mappings of layout fields")
+    out = []
+    for j, layout in enumerate(layouts):
+        if "engine" in layout:
+            raise SpecError(f"matrix.layouts[{j}].engine", "engines are the matrix's other axis")
+        for i, engine in enumerate(engines):
+            if "engine" not in engine:
+                raise SpecError(f"matrix.engines[{i}].engine", "required")
+            entry = {**layout, **engine}
+            entry["label"] = f"{engine_variant(engine)} {parallel_label(layout) or 'one process'}"
+            out.append((f"matrix.engines[{i}] x matrix.layouts[{j}]", entry))
+    return out
 
 
 def _ref_micro(runs_raw, global_batch: int) -> int:

@@ -7,11 +7,12 @@ fingerprint check. Nothing here measures; it only lays out what the records say.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import os
 
-from harness.spec import layout_label
+from harness.spec import Layout, capability_error, engine_variant, layout_label, parallel_label
 from harness.store import PASS
 
 
@@ -35,6 +36,93 @@ def _sci(x) -> str:
     if x is None:
         return "-"
     return "0" if x == 0 else f"{x:.1e}"
+
+
+# What tells a comparison's layouts apart (the matrix's rows); the engine variant is the column.
+ROW_FIELDS = ("tp", "pp", "dp", "sequence_parallel", "micro_batch_size", "activation_checkpointing")
+BREAKDOWN = (("compute", "compute"), ("tp_comm", "exposed TP comm"), ("bubble", "pipeline bubble"),
+             ("dp_comm", "exposed DP comm"), ("optimizer", "optimizer"))
+NOT_MEASURED = "not measured"
+
+
+def _full_layout(layout: dict) -> dict:
+    return {**dataclasses.asdict(Layout()), **(layout or {})}
+
+
+def _row_text(lay: dict) -> str:
+    extra = [f"mbs {lay['micro_batch_size']}"]
+    if lay["activation_checkpointing"] != "none":
+        extra.append(f"ckpt {lay['activation_checkpointing']}")
+    return " ".join([parallel_label(lay) or "one process"] + extra)
+
+
+def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Layouts by engine: per cell the run's median step time [95% CI] and parity verdict, or a
+    dash with the reason the engine cannot run that layout (harness.spec.CAPABILITIES)."""
+    runs = [r for r in summary["runs"] if not r.get("is_reference")]
+    parity = {p["label"]: p["verdict"] for p in summary["parity"]["runs"]}
+    entries = [(_full_layout(r["layout"]), r) for r in runs] + \
+              [(_full_layout(n["layout"]), n) for n in summary.get("not_runnable") or []]
+    rows, cols, cells = {}, {}, {}
+    for lay, entry in entries:
+        row, col = tuple(lay[k] for k in ROW_FIELDS), engine_variant(lay)
+        rows.setdefault(row, lay)
+        cols.setdefault(col, lay)
+        if "why" in entry:
+            cells[row, col] = f"– {entry['why']}"
+        else:
+            st = (entry.get("metrics") or {}).get("step_time_s") or {}
+            cells[row, col] = (f"{_ms(st.get('median'))} ms [{_ms(st.get('ci95_low'))}, {_ms(st.get('ci95_high'))}] "
+                               f"{parity.get(entry['label'], '-')}" if st else f"{entry['status']}")
+    table = []
+    for row, row_lay in rows.items():
+        line = [_row_text(row_lay)]
+        for col, col_lay in cols.items():
+            if (row, col) not in cells:
+                merged = {**col_lay, **{k: row_lay[k] for k in ROW_FIELDS}}
+                error = capability_error(Layout(**merged))
+                cells[row, col] = f"– {error}" if error else "not run"
+            line.append(cells[row, col])
+        table.append(line)
+    return ["layout"] + list(cols), table
+
+
+def _comm_text(comm: dict | None) -> str:
+    if not comm:
+        return NOT_MEASURED if comm is None else "none"
+    return "; ".join(f"{axis}: " + ", ".join(f"{op} x{v['count']} ({v['bytes'] / 2**20:,.1f} MiB)"
+                                             for op, v in ops.items())
+                     for axis, ops in comm.items() if ops) or "none"
+
+
+def breakdown_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Where each run's step goes, per category, and its collectives per step; a framework that
+    does not expose a figure gets 'not measured', never an estimate."""
+    header = ["run"] + [title for _, title in BREAKDOWN] + ["collectives per step (rank 0)"]
+    out = []
+    for r in summary["runs"]:
+        m = r.get("metrics") or {}
+        b = m.get("breakdown_s")
+        out.append([r["label"]] + [_ms(b.get(k)) + " ms" if b and b.get(k) is not None else NOT_MEASURED
+                                   for k, _ in BREAKDOWN] + [_comm_text(m.get("comm"))])
+    return header, out
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    esc = lambda x: str(x).replace("|", "\\|")  # noqa: E731
+    return ["| " + " | ".join(map(esc, header)) + " |", "|" + "---|" * len(header)] + \
+           ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    return ("<table><tr>" + "".join(f"<th>{_h(x)}</th>" for x in header) + "</tr>" +
+            "".join("<tr>" + "".join(f"<td>{_h(x)}</td>" for x in r) + "</tr>" for r in rows) + "</table>")
+
+
+MATRIX_TEXT = ("Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
+               "engine cannot run that layout (checked before launch, harness.spec.CAPABILITIES).")
+BREAKDOWN_TEXT = ("Medians over the measured steps, as each engine reports them (the mean over ranks); "
+                  "'not measured' where the framework does not expose the figure - never estimated.")
 
 
 def table_rows(summary: dict) -> list[dict]:
@@ -99,6 +187,10 @@ def markdown(summary: dict) -> str:
             "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
             "flops profiler double-counts under ZeRO-3); n/a where the device has no datasheet peak (CPU). "
             "Peak memory: CUDA allocator peak, or peak RSS per process on CPU.", ""]
+    header, rows = layout_matrix(summary)
+    out += ["## Layouts by engine", "", MATRIX_TEXT, ""] + _md_table(header, rows) + [""]
+    header, rows = breakdown_rows(summary)
+    out += ["## Where the step goes", "", BREAKDOWN_TEXT, ""] + _md_table(header, rows) + [""]
     load = summary.get("load_average") or {}
     if load.get("before"):
         out += [f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
@@ -203,6 +295,8 @@ def html_page(summary: dict) -> str:
     parts.append("<p>Step time: median of the measured steps (warm-up excluded; each step the slowest rank's) "
                  "with its 95% confidence interval. MFU: PaLM convention, FLOPs counted by the harness from the "
                  "model shape (not a framework profiler); n/a where the device has no datasheet peak.</p>")
+    parts.append(f"<h2>Layouts by engine</h2><p>{_h(MATRIX_TEXT)}</p>" + _html_table(*layout_matrix(summary)))
+    parts.append(f"<h2>Where the step goes</h2><p>{_h(BREAKDOWN_TEXT)}</p>" + _html_table(*breakdown_rows(summary)))
     load = summary.get("load_average") or {}
     if load.get("before"):
         parts.append(f"<p>Machine load average (1/5/15 min) before the runs: {_h(load['before'])}, after: "
