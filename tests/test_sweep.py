@@ -58,6 +58,19 @@ def test_expand_grid_filters_and_reasons():
     assert len({p.key for p in points}) == len(points)
 
 
+def test_grid_over_engines_drops_what_an_engine_cannot_run_with_its_reason():
+    spec = parse_sweep({
+        "name": "engines", "gpus": 4, "workload": {**TINY, "model": "tiny-4l", "global_batch_size": 8},
+        "grid": {"engine": [{"engine": "own"}, {"engine": "deepspeed", "zero_stage": 1}, {"engine": "fsdp"}],
+                 "parallel": [{"tp": 1, "pp": 1}, {"tp": 2, "pp": 2}, {"tp": 2, "sequence_parallel": True}]},
+    })
+    points, drops = expand(spec)
+    assert sorted(p.label().split(" tp")[0] for p in points) == sorted(
+        ["own"] * 3 + ["deepspeed ZeRO-1"] + ["FSDP2 reshard"] * 3)
+    assert sorted(d.reason.split(":")[0] for d in drops) == ["layout.sequence_parallel", "layout.tp"]
+    assert all("DeepSpeed" in d.reason for d in drops)
+
+
 def test_point_key_is_stable_and_ignores_spelling():
     a = parse_sweep({"gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [2]}})
     b = parse_sweep({"gpus": 1, "workload": dict(reversed(list(TINY.items()))),
