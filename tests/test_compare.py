@@ -83,6 +83,16 @@ def test_default_spec_is_valid_and_covers_the_engines():
     assert cs.tolerance == 1e-5
 
 
+@pytest.mark.parametrize("name", ["compare-node8.yaml", "compare-node8-3d.yaml"])
+def test_example_compare_specs_are_valid(name):
+    from harness.compare.spec import load_compare_spec
+
+    cs = load_compare_spec(os.path.join(os.path.dirname(__file__), "..", "examples", name))
+    assert cs.nproc == 8 and all(r.nproc == 8 for r in cs.runs)
+    if name == "compare-node8-3d.yaml":  # five layouts under three engines, two of them DeepSpeed cannot run
+        assert len(cs.runs) + len(cs.not_runnable) == 15 and len(cs.not_runnable) == 2
+
+
 def test_missing_engine_is_skipped_with_a_note(monkeypatch):
     import harness.compare.spec as cspec
 
