@@ -268,6 +268,8 @@ CAPABILITIES: dict[str, list[Rule]] = {
     "fsdp": [*_DEEPSPEED_ONLY,
              ("zero_stage", lambda l: l.zero_stage in (0, 3),
               "fsdp shards by reshard_after_forward, leave zero_stage unset"),
+             ("virtual_stages", lambda l: l.virtual_stages == 1 or l.pp > 1,
+              "engine fsdp places virtual stages on pipeline ranks (torch.distributed.pipelining): needs pp > 1"),
              *_OWN_ONLY],
 }
 

@@ -1,0 +1,123 @@
+"""Pipeline parallelism for engine fsdp: torch.distributed.pipelining stages and schedules.
+
+The plain model (harness/model/llama.py) is cut into stage modules built from its own pieces:
+the blocks of a contiguous layer range (harness.engine.partition.rank_chunks, the same split as
+the own engine), the embedding on the first stage, the final norm and LM head on the last. Their
+parameter names are the plain Llama's ("layers.3.attention.wq.weight"), so weights load and
+gather by name. A rank holds one stage (gpipe, 1f1b) or virtual_stages of them (interleaved:
+global stage c * pp + pp_rank, as Megatron and torch's ScheduleInterleaved1F1B place them).
+
+Each stage's input and output shapes are given to PipelineStage up front (static metadata:
+no inference forward/backward on the first step): tokens [mbs, seq] into the first stage,
+the hidden state [mbs, seq / tp with sequence parallelism else seq, hidden] between stages
+(each tp rank sends its local part to the same tp rank of the next stage), logits
+[mbs, seq, vocab] out of the last.
+
+Loss: loss_fn is lm_loss / micro_batches with scale_grads=False, the reference's accumulation
+(harness/frameworks/single.py) term for term.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from harness.engine.partition import rank_chunks
+from harness.model.llama import lm_loss, rotary_tables
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: some of the plain model's modules, unchanged, under their own names."""
+
+    def __init__(self, model, layers: range, first: bool, last: bool, seq_len: int):
+        super().__init__()
+        shape = model.shape
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        # the whole sequence's rotary tables: under sequence parallelism a stage's input holds
+        # only seq / tp positions, but attention runs on the gathered sequence
+        self.seq_len, self.head_dim, self.theta = seq_len, shape.hidden // shape.heads, shape.rope_theta
+
+    def forward(self, x):
+        cos, sin = rotary_tables(self.seq_len, self.head_dim, self.theta, x.device)
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h)) if self.output is not None else h
+
+
+def _rank_plans(spec, shape, pp_rank: int):
+    lay = spec.layout
+    chunks = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
+    return rank_chunks(shape, lay.pp, chunks, pp_rank, spec.workload.seq_len)
+
+
+def stage_table(spec, shape) -> list[dict]:
+    """Every global stage: the pp rank holding it and its layers [start, stop), in stage order."""
+    rows = [{"stage": p.stage, "pp_rank": r, "layers": [p.layers.start, p.layers.stop]}
+            for r in range(spec.layout.pp) for p in _rank_plans(spec, shape, r)]
+    return sorted(rows, key=lambda row: row["stage"])
+
+
+def split_model(model, spec, pp_rank: int):
+    """This pp rank's stage modules and their plans (global stage index, layers, first/last);
+    the plain model's modules are shared, not copied (the model is on the meta device here)."""
+    plans = _rank_plans(spec, model.shape, pp_rank)
+    modules = [StageModule(model, p.layers, p.first, p.last, spec.workload.seq_len) for p in plans]
+    return modules, plans
+
+
+def _example_io(spec, shape, first: bool, last: bool, dtype: torch.dtype):
+    """Meta tensors with the stage's local input and output shapes (see the module docstring)."""
+    w, lay = spec.workload, spec.layout
+    mbs = lay.micro_batch_size
+    local_seq = w.seq_len // lay.tp if lay.sequence_parallel else w.seq_len
+    hidden = torch.empty(mbs, local_seq, shape.hidden, dtype=dtype, device="meta", requires_grad=True)
+    tokens = torch.empty(mbs, w.seq_len, dtype=torch.long, device="meta")
+    logits = torch.empty(mbs, w.seq_len, shape.vocab, dtype=dtype, device="meta", requires_grad=True)
+    return (tokens if first else hidden), (logits if last else hidden)
+
+
+class Pipeline:
+    """This rank's PipelineStage objects and the schedule that runs them."""
+
+    def __init__(self, modules, plans, spec, shape, pp_group, device, activation_dtype: torch.dtype):
+        from torch.distributed import pipelining
+
+        from harness.spec import micro_batches_per_step
+
+        lay = spec.layout
+        self.micro = micro_batches_per_step(spec)
+        stages_total = lay.pp * len(plans)
+        self.stages = []
+        for module, plan in zip(modules, plans, strict=True):
+            inputs, outputs = _example_io(spec, shape, plan.first, plan.last, activation_dtype)
+            self.stages.append(pipelining.PipelineStage(module, plan.stage, stages_total, device,
+                                                        input_args=inputs, output_args=outputs, group=pp_group))
+        self.has_first = any(p.first for p in plans)
+        self.has_last = any(p.last for p in plans)
+        cls = getattr(pipelining, SCHEDULES[lay.pipeline_schedule])
+        micro = self.micro
+
+        def loss_fn(logits, targets):
+            return lm_loss(logits, targets) / micro
+
+        stages = self.stages if lay.pipeline_schedule == "interleaved" else self.stages[0]
+        self.schedule = cls(stages, n_microbatches=micro, loss_fn=loss_fn, scale_grads=False)
+        self.name = cls.__name__
+        self.table = stage_table(spec, shape)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One forward and backward of every micro-batch; the sum of the last stage's
+        micro-batch losses (the local mean loss) there, zero elsewhere."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        if not losses:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
