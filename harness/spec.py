@@ -227,6 +227,11 @@ def check_sizes(spec: RunSpec) -> Shape:
         if micro % lay.pp:
             raise SpecError("layout.pipeline_schedule",
                             f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}")
+    if lay.engine == "fsdp" and lay.pp > 1 and lay.pipeline_schedule == "1f1b":
+        micro = micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
+        if micro < lay.pp:
+            raise CapabilityError("layout.pipeline_schedule", f"torch's Schedule1F1B needs at least pp={lay.pp} "
+                                                              f"micro-batches, the workload gives {micro}")
     check_capabilities(lay)
     return shape
 
