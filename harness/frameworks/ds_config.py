@@ -17,7 +17,8 @@ Workload-owned keys (explicit values must equal the workload's):
   optimizer.params.lr/betas/eps/weight_decay = workload.optimizer
   optimizer.params.torch_adam      auto: true on CPU (torch.optim.AdamW, the reference's
                                    optimizer), false on GPU (DeepSpeed's FusedAdam)
-  zero_optimization.stage          = layout.zero_stage
+  zero_optimization.stage          = layout.zero_stage (0 only under the pipeline engine, pp > 1)
+  tensor_parallel.autotp_size      = layout.tp (DeepSpeed's AutoTP training; filled when tp > 1)
   scheduler                        refused: the workload's learning rate is constant
 """
 
@@ -34,7 +35,7 @@ from harness.spec import micro_batch_count
 AUTO = "auto"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
-DEFAULT_FILES = {1: "zero1.json", 2: "zero2.json", 3: "zero3.json"}
+DEFAULT_FILES = {0: "zero0.json", 1: "zero1.json", 2: "zero2.json", 3: "zero3.json"}
 
 # ZeRO knobs that may be "auto": the Hugging Face Trainer's convention from the hidden size.
 _ZERO_AUTO = {
@@ -52,7 +53,7 @@ def resolve_path(path: str, zero_stage: int) -> str:
     """
     if not path:
         if zero_stage not in DEFAULT_FILES:
-            raise SpecError("layout.zero_stage", "deepspeed runs ZeRO stage 1, 2 or 3")
+            raise SpecError("layout.zero_stage", "deepspeed runs ZeRO stage 1, 2 or 3 (0 with pp > 1)")
         return os.path.join(DS_CONFIG_DIR, DEFAULT_FILES[zero_stage])
     if os.path.isabs(path) or os.path.isfile(path):
         return os.path.abspath(path)
@@ -127,19 +128,20 @@ def _find_auto(node, prefix=""):
         yield prefix
 
 
-def build_config(spec, shape=None, *, world_size: int | None = None, device_type: str | None = None,
+def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | None = None,
                  path: str | None = None) -> tuple[dict, str, list[str]]:
     """The DeepSpeed config for this run: (config, file, keys filled from the workload).
 
     Pure and cheap (no torch, no deepspeed import), so it runs before launch as well as in
-    each rank. `device_type` picks the optimizer implementation ("cpu": torch.optim.AdamW,
-    "cuda": FusedAdam); None means decide from the spec (workload.device, else probe CUDA).
+    each rank. `dp` is the data-parallel degree (world size / (tp x pp); default layout.dp).
+    `device_type` picks the optimizer implementation ("cpu": torch.optim.AdamW, "cuda":
+    FusedAdam); None means decide from the spec (workload.device, else probe CUDA).
     """
     w, lay = spec.workload, spec.layout
     file = path or resolve_path(lay.ds_config, lay.zero_stage)
     name = os.path.relpath(file) if not os.path.relpath(file).startswith("..") else file
     cfg = copy.deepcopy(load_raw(file))
-    dp = world_size or lay.dp
+    dp = dp or lay.dp
     f = _Filler(name, cfg)
 
     f.own("train_batch_size", w.global_batch_size, "global_batch_size")
@@ -202,10 +204,22 @@ def build_config(spec, shape=None, *, world_size: int | None = None, device_type
             zero[key] = rule(hidden)
             f.filled.append(f"zero_optimization.{key}")
 
+    # AutoTP: its degree is the layout's tp (a file may say nothing, "auto" or the same number)
+    f.own("tensor_parallel.autotp_size", lay.tp, "layout.tp", required=lay.tp > 1)
+
     # DeepSpeed activation checkpointing follows the layout; the section holds only its knobs.
     ac = cfg.get("activation_checkpointing")
     if ac is not None and not isinstance(ac, dict):
         raise SpecError(f"{name}: activation_checkpointing", "must be a JSON object")
+    pipe = cfg.get("pipeline")
+    if pipe is not None and not isinstance(pipe, dict):
+        raise SpecError(f"{name}: pipeline", "must be a JSON object")
+    if pipe and pipe.get("activation_checkpoint_interval") == AUTO:
+        pipe["activation_checkpoint_interval"] = 0  # the pipeline engine is given it by the adapter
+        f.filled.append("pipeline.activation_checkpoint_interval")
+    if pipe and pipe.get("activation_checkpoint_interval", 0) != 0:
+        raise SpecError(f"{name}: pipeline.activation_checkpoint_interval",
+                        "layout.activation_checkpointing decides it (full: every block); use \"auto\" or 0")
 
     left = list(_find_auto(cfg))
     if left:
