@@ -40,10 +40,9 @@ import torch.distributed as dist
 from harness import measure
 from harness.data.source import dp_slice
 from harness.engine.topology import coord_of
-from harness.errors import CapabilityError
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.training import make_adamw
-from harness.spec import check_world_size, micro_batches_per_step
+from harness.spec import check_world_size
 
 _WRAPPED = "_checkpoint_wrapped_module."
 
@@ -231,10 +230,5 @@ def _load_reference_shards(module, reference) -> None:
 
 
 def build(spec, shape, ctx):
-    check_world_size(spec, ctx.world_size)
-    lay = spec.layout
-    micro = micro_batches_per_step(spec)
-    if lay.pp > 1 and lay.pipeline_schedule == "1f1b" and micro < lay.pp:  # torch's Schedule1F1B refuses it
-        raise CapabilityError("layout.pipeline_schedule", f"engine fsdp: torch's Schedule1F1B needs at least "
-                                                          f"pp={lay.pp} micro-batches per step, got {micro}")
+    check_world_size(spec, ctx.world_size)  # (1F1B with too few micro-batches: refused by the spec)
     return FSDPEngine(spec, shape, ctx)
