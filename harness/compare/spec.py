@@ -59,6 +59,11 @@ DEFAULT = {
         {"label": "deepspeed ZeRO-3", "engine": "deepspeed", "zero_stage": 3, "micro_batch_size": 2},
         {"label": "FSDP2 reshard", "engine": "fsdp", "reshard_after_forward": True, "micro_batch_size": 2},
         {"label": "FSDP2 no reshard", "engine": "fsdp", "reshard_after_forward": False, "micro_batch_size": 2},
+        # the same tp2 and pp2 layouts under DeepSpeed (AutoTP; its pipeline engine) and native PyTorch
+        {"label": "deepspeed tp2", "engine": "deepspeed", "tp": 2, "zero_stage": 1, "micro_batch_size": 2},
+        {"label": "deepspeed pp2", "engine": "deepspeed", "pp": 2, "zero_stage": 1, "micro_batch_size": 2},
+        {"label": "FSDP2 tp2", "engine": "fsdp", "tp": 2, "micro_batch_size": 2},
+        {"label": "FSDP2 pp2", "engine": "fsdp", "pp": 2, "micro_batch_size": 2},
     ],
 }
 
