@@ -12,6 +12,7 @@ import platform
 import resource
 import subprocess
 import time
+import weakref
 
 import torch
 
@@ -188,3 +189,99 @@ def fingerprint(device: torch.device, world_size: int = 1, hosts: list[str] | No
         "python": platform.python_version(),
         "env": {k: os.environ[k] for k in FINGERPRINT_ENV if k in os.environ},
     }
+
+
+# ---------------------------------------------------------------- memory census
+
+CENSUS_CATEGORIES = ("parameters", "gradients", "master_parameters", "optimizer_states")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank really holds (a DTensor's local shard)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype).replace("torch.", ""))
+
+
+def tensor_census(categories: dict[str, list]) -> dict[str, dict[str, int]]:
+    """Bytes per category and dtype of the tensors an engine holds, each storage counted once
+    (the first category that names it wins: a parameter that is its own master is a parameter;
+    views into one flat buffer count the buffer once, padding included, as allocated)."""
+    seen: set[int] = set()
+    out: dict[str, dict[str, int]] = {}
+    for category, tensors in categories.items():
+        counts = out.setdefault(category, {})
+        for t in tensors:
+            if t is None:
+                continue
+            t = _local(t)
+            if t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            counts[_dtype_key(t.dtype)] = counts.get(_dtype_key(t.dtype), 0) + storage.nbytes()
+    return out
+
+
+def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
+    """Every tensor in a torch optimizer's state (Adam's moments; the step counter too)."""
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+class SavedActivations:
+    """Bytes autograd saves for backward while this context is open (torch's saved-tensor hooks),
+    each storage once, parameters excluded: what activation memory a step holds. A storage is
+    forgotten when the last saved tensor on it is freed, so an address the allocator reuses later
+    in the step (pipeline schedules interleave forwards and backwards) counts again."""
+
+    def __init__(self, parameters):
+        self.skip = {_local(p).untyped_storage().data_ptr() for p in parameters}
+        self.live: dict[int, int] = {}  # storage address -> saved tensors alive on it
+        self.bytes = 0
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _release(self, key: int) -> None:
+        self.live[key] -= 1
+        if not self.live[key]:
+            del self.live[key]
+
+    def _pack(self, t):
+        t_local = _local(t)
+        if t_local.device.type != "meta":
+            storage = t_local.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self.skip:
+                if key not in self.live:
+                    self.bytes += storage.nbytes()
+                    self.live[key] = 0
+                self.live[key] += 1
+                weakref.finalize(t, self._release, key)
+        return t
+
+    def __enter__(self):
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+class CensusAtStep:
+    """tensor_census(tensors()) taken once, right after `optimizer` first steps: its states exist
+    then and the gradients are not cleared yet, so all four categories are alive (issue: the
+    census 'held at the optimizer step'). `optimizer` is the torch optimizer that updates this
+    rank's master (or only) parameters, also where a framework wraps it."""
+
+    def __init__(self, optimizer, tensors):
+        self.tensors, self.result = tensors, None
+        self._handle = optimizer.register_step_post_hook(self._take)
+
+    def _take(self, optimizer, args, kwargs) -> None:
+        self.result = tensor_census(self.tensors())
+        self._handle.remove()

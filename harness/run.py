@@ -19,8 +19,9 @@ from harness.data.source import token_source
 from harness.runtime import RunContext
 from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
+from harness.model.presets import param_count
 from harness.model.kernels import check_kernels, rmsnorm_backend_name
-from harness.spec import RunSpec, check_world_size
+from harness.spec import RunSpec, check_world_size, micro_batches_per_step
 from harness.store import ResultsStore, mentions_oom, new_record, now_iso
 
 
@@ -120,6 +121,18 @@ class Trainer:
         self.losses: list[float] = []
         self.times: list[float] = []
         self.details: list[dict] = []
+        self.parameter_count = param_count(shape)
+        self.micro = micro_batches_per_step(spec)
+        self.activations_saved_bytes: int | None = None
+
+    def _train_step(self, step: int, batch) -> float:
+        """The engine's step; the first one also counts the activations saved for backward."""
+        if step or not hasattr(self.engine, "activation_exclusions"):
+            return self.engine.train_step(batch)
+        with measure.SavedActivations(self.engine.activation_exclusions()) as saved:
+            loss = self.engine.train_step(batch)
+        self.activations_saved_bytes = saved.bytes // self.micro  # per micro-batch
+        return loss
 
     def step(self, step: int) -> float:
         w = self.spec.workload
@@ -128,7 +141,7 @@ class Trainer:
             measure.reset_peak_memory(self.ctx.device)
         _fault(step, self.ctx.rank)
         with measure.StepTimer(self.ctx.device) as timer:
-            loss = self.engine.train_step(batch)
+            loss = self._train_step(step, batch)
         self.losses.append(loss)
         if step >= w.warmup_steps:
             self.times.append(timer.seconds)
@@ -168,13 +181,30 @@ class Trainer:
             "memory_kind": mem_kind,
             "rmsnorm_backend": rmsnorm_backend_name(lay.rmsnorm, ctx.device.type),
             "engine": self.engine.describe(),
+            "parameter_count": self.parameter_count,
         }
+        metrics.update(_census_over_ranks(self.engine, self.activations_saved_bytes, ctx))
         metrics.update(_summarize_details(self.details))
         if metrics.get("pipeline_timeline") is not None:
             metrics["pipeline_timeline"] = _timeline_of_every_stage(metrics["pipeline_timeline"], ctx)
         if metrics.get("breakdown_s") is not None:
             metrics.update(_breakdown_over_ranks(metrics["breakdown_s"], ctx))
         return metrics
+
+
+def _census_over_ranks(engine, activations: int | None, ctx: RunContext) -> dict:
+    """Rank 0's memory census and saved activations per micro-batch, and every rank's (pipeline
+    stages and ZeRO shards differ); None where the engine does not measure them."""
+    mine = {"memory_census": engine.memory_census() if hasattr(engine, "memory_census") else None,
+            "activations_saved_bytes": activations}
+    everyone = [mine]
+    if ctx.backend is not None:
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, mine)
+    return {"memory_census": everyone[0]["memory_census"],
+            "memory_census_by_rank": [r["memory_census"] for r in everyone],
+            "activations_saved_bytes": everyone[0]["activations_saved_bytes"],
+            "activations_saved_bytes_by_rank": [r["activations_saved_bytes"] for r in everyone]}
 
 
 def _breakdown_over_ranks(mine: dict, ctx: RunContext) -> dict:

@@ -55,6 +55,10 @@ class Workload:
     steps: int = 10
     warmup_steps: int = 2
     precision: str = _choices("fp32", "bf16", default="fp32")
+    # bf16: gradients are summed over micro-batches in grad_accum_dtype and reduced across
+    # data-parallel ranks in grad_reduce_dtype (harness/model/training.py, PrecisionPolicy)
+    grad_accum_dtype: str = _choices("fp32", "bf16", default="fp32")
+    grad_reduce_dtype: str = _choices("fp32", "bf16", default="fp32")
     optimizer: Optimizer = field(default_factory=Optimizer)
     grad_clip: float = 1.0
     seed: int = 1234
@@ -232,7 +236,11 @@ def check_sizes(spec: RunSpec) -> Shape:
         if micro < lay.pp:
             raise CapabilityError("layout.pipeline_schedule", f"torch's Schedule1F1B needs at least pp={lay.pp} "
                                                               f"micro-batches, the workload gives {micro}")
+    for name in ("grad_accum_dtype", "grad_reduce_dtype"):
+        if w.precision == "fp32" and getattr(w, name) != "fp32":
+            raise SpecError(f"workload.{name}", "bf16 gradients need precision: bf16")
     check_capabilities(lay)
+    check_precision_policy(w, lay)
     return shape
 
 
@@ -285,6 +293,18 @@ CAPABILITIES: dict[str, list[Rule]] = {
 }
 
 
+# Where an engine cannot follow the workload's precision policy (PrecisionPolicy): per engine,
+# rules (field, follows(workload, layout), why not), checked after CAPABILITIES.
+PolicyRule = tuple[str, typing.Callable[["Workload", "Layout"], bool], str]
+PRECISION_LIMITS: dict[str, list[PolicyRule]] = {"single": [], "own": [], "deepspeed": [], "fsdp": []}
+
+
+def check_precision_policy(w: Workload, lay: Layout) -> None:
+    for name, follows, why in PRECISION_LIMITS[lay.engine]:
+        if not follows(w, lay):
+            raise CapabilityError(f"workload.{name}", why.format(engine=lay.engine))
+
+
 def capability_error(lay: Layout) -> CapabilityError | None:
     """Why the chosen engine cannot run this layout (the first rule it breaks), or None."""
     for name, takes, why in CAPABILITIES[lay.engine]:
@@ -317,18 +337,22 @@ def micro_batch_count(global_batch_size: int, dp: int, micro_batch_size: int) ->
 
 # ---------------------------------------------------------------- the layout's text label
 
+_DEFAULT_LAYOUT = dataclasses.asdict(Layout())
+
 
 def _layout_dict(layout) -> dict:
-    return dataclasses.asdict(layout) if dataclasses.is_dataclass(layout) else dict(layout or {})
+    """A layout as a dict with every field (a partial one, as a compare spec's run or an old
+    record holds, takes the defaults)."""
+    return dataclasses.asdict(layout) if dataclasses.is_dataclass(layout) else {**_DEFAULT_LAYOUT, **(layout or {})}
 
 
 def engine_variant(layout) -> str:
     """The engine and its sharding mode: own, own ZeRO-1, deepspeed ZeRO-3, FSDP2 reshard, ...
     (tolerates the partial layouts of old or foreign records)."""
     lay = _layout_dict(layout)
-    engine = lay.get("engine") or "?"
+    engine = lay["engine"]
     if engine == "deepspeed":
-        return f"deepspeed ZeRO-{lay.get('zero_stage', '?')}" + (" hf" if lay.get("model_impl") == "hf" else "")
+        return f"deepspeed ZeRO-{lay['zero_stage']}" + (" hf" if lay["model_impl"] == "hf" else "")
     if engine == "fsdp":
         return "FSDP2 " + ("reshard" if lay.get("reshard_after_forward", True) else "no-reshard")
     if engine == "own" and lay.get("zero_stage"):

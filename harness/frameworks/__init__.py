@@ -9,6 +9,15 @@ An engine is built by `build_engine(spec, shape, ctx)` and offers:
   last_step_details() -> dict         optional extras of the last step: breakdown_s, comm,
                                       pipeline_timeline (missing keys mean not measured)
   describe() -> dict                  what the record should say about the engine
+  memory_census() -> dict | None      bytes per category (parameters, gradients, master_parameters,
+                                      optimizer_states) and dtype that this rank held at its first
+                                      optimizer step (harness.measure.CensusAtStep over the tensors
+                                      the engine really holds); None: not measured
+  activation_exclusions() -> list     tensors autograd may save that are not activations (the
+                                      parameters, and any gathered copies of them)
+
+Every engine follows the workload's precision policy (harness.model.training.PrecisionPolicy);
+where a framework cannot, the spec refuses the combination (harness.spec.PRECISION_LIMITS).
 """
 
 from __future__ import annotations

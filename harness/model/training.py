@@ -1,14 +1,55 @@
-"""What every engine shares around the model: the optimizer and the precision context.
+"""What every engine shares around the model: the optimizer, the precision policy, and the
+mixed-precision bookkeeping of the single-device reference.
 
-Kept below the engines and adapters so that the own engine, FSDP2 and the reference build the
-same AdamW from the workload and run under the same autocast, from one definition.
+Kept below the engines and adapters so that the reference, the own engine, DeepSpeed and FSDP2
+take the same AdamW and the same precision policy from the workload, from one definition.
+
+The policy (`workload.precision`, `grad_accum_dtype`, `grad_reduce_dtype`): under fp32 every
+tensor is fp32 and the parameters are their own master copy. Under bf16 the parameters the
+model computes with are bf16; the optimizer keeps fp32 master parameters and fp32 Adam states;
+gradients are summed over micro-batches in grad_accum_dtype and reduced across data-parallel
+ranks in grad_reduce_dtype (both fp32 by default: Megatron's default with its distributed
+optimizer, where bf16 parameters get an fp32 main_grad buffer and fp32 master shards).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    compute: torch.dtype               # the parameters the model computes with
+    master: torch.dtype | None         # the optimizer's copy of them; None: the parameters themselves
+    grad_accum: torch.dtype            # gradients summed over micro-batches
+    grad_reduce: torch.dtype           # gradients reduced across data-parallel ranks
+    optimizer_states: torch.dtype = torch.float32
+
+    def describe(self) -> str:
+        """The policy in one sentence, the same for every engine that runs it."""
+        if self.master is None:
+            return "fp32 throughout: parameters, gradients, optimizer states and every collective"
+        return (f"{dtype_name(self.compute)} parameters for compute, {dtype_name(self.master)} master parameters "
+                f"and {dtype_name(self.optimizer_states)} Adam states, gradients accumulated over micro-batches "
+                f"in {dtype_name(self.grad_accum)} and reduced across data-parallel ranks in "
+                f"{dtype_name(self.grad_reduce)}")
+
+
+def precision_policy(workload) -> PrecisionPolicy:
+    if workload.precision == "fp32":
+        return PrecisionPolicy(torch.float32, None, torch.float32, torch.float32)
+    return PrecisionPolicy(DTYPES[workload.precision], torch.float32, DTYPES[workload.grad_accum_dtype],
+                           DTYPES[workload.grad_reduce_dtype])
 
 
 def make_adamw(params, workload, **kw):
@@ -18,7 +59,72 @@ def make_adamw(params, workload, **kw):
 
 
 def autocast_for(workload, device: torch.device):
-    """bf16 mixed precision keeps fp32 weights (the master copy) and runs matmuls in bf16."""
+    """Kept for engines that still compute under autocast over fp32 weights (none should)."""
     if workload.precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+class MasterWeights:
+    """The reference's mixed precision, Megatron's way, over the model's (compute-dtype) parameters.
+
+    Under a policy with a master copy: fp32 master parameters are what the optimizer updates;
+    after each micro-batch's backward, each parameter's compute-dtype .grad is added into its
+    main gradient (grad_accum dtype) and freed - or, with grad_accum equal to the compute
+    dtype, left to accumulate in .grad; at the step the master's .grad is the main gradient in
+    fp32, and after the step the masters are copied back into the parameters. Under fp32 it is a
+    pass-through: the parameters are the masters and .grad accumulates as usual.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], policy: PrecisionPolicy):
+        self.params, self.policy = list(params), policy
+        self.mixed = policy.master is not None
+        if self.mixed:
+            self.masters = [p.detach().to(policy.master).clone() for p in self.params]
+            self.main_grads = ([torch.zeros_like(p, dtype=policy.grad_accum) for p in self.params]
+                               if policy.grad_accum != policy.compute else None)
+        else:
+            self.masters, self.main_grads = self.params, None
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return self.masters
+
+    def after_backward(self) -> None:
+        """Once per micro-batch: move the fresh gradients into the main gradients."""
+        if self.main_grads is None:
+            return
+        for p, g in zip(self.params, self.main_grads):
+            if p.grad is not None:
+                g.add_(p.grad)
+                p.grad = None
+
+    def grads_to_masters(self) -> None:
+        """Before clipping and the step: the masters' .grad is the accumulated gradient in fp32."""
+        if not self.mixed:
+            return
+        sources = self.main_grads if self.main_grads is not None else [p.grad for p in self.params]
+        for m, g in zip(self.masters, sources):
+            m.grad = None if g is None else g.to(m.dtype)
+
+    def after_step(self) -> None:
+        """After the optimizer step: parameters from the updated masters; gradients cleared."""
+        if not self.mixed:
+            return
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+                p.grad = None
+                m.grad = None
+        if self.main_grads is not None:
+            for g in self.main_grads:
+                g.zero_()
+
+    def census_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this bookkeeping holds, by memory-census category (harness.measure.tensor_census)."""
+        grads = self.main_grads if self.main_grads is not None else [p.grad for p in self.params]
+        if self.mixed:  # at the step the masters' gradients exist too (shared with fp32 main gradients)
+            grads = list(grads) + [m.grad for m in self.masters]
+        out = {"parameters": self.params, "gradients": [g for g in grads if g is not None]}
+        if self.mixed:
+            out["master_parameters"] = self.masters
+        return out
