@@ -17,6 +17,7 @@ from harness.store import ResultsStore
 WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1,
             "device": "cpu", "precision": "fp32"}
 REF = [5.5, 5.4, 5.3]
+POLICY_FP32 = "fp32 throughout: parameters, gradients, optimizer states and every collective"
 
 
 # ------------------------------------------------------------------ parity
@@ -136,7 +137,7 @@ def fake_launcher(results):
                    "losses": losses, "tokens_per_s": 1000.0, "peak_memory_bytes": 2 ** 28, "memory_kind": "peak_rss",
                    "step_time_s": {"median": 0.01, "ci95_low": 0.009, "ci95_high": 0.012, "n": 2},
                    "mfu": None, "mfu_vs_measured_matmul": {"palm": 0.05},
-                   "engine": {"precision_note": "fp32 throughout, as the reference", "optimizer": "AdamW"}}}
+                   "engine": {"precision_policy": POLICY_FP32, "optimizer": "AdamW"}}}
         ResultsStore(store_path).write(rec)
         return rec
 
@@ -193,6 +194,25 @@ def test_matrix_shows_every_layout_under_every_engine_with_reasons(tmp_path):
     md = open(write_report(summary, str(tmp_path))["markdown"]).read()
     assert "## Layouts by engine" in md and "## Where the step goes" in md
     assert "| own dp4 | not measured | not measured |" in md  # the fake records carry no breakdown
+
+
+def test_precision_policy_is_stated_once_and_an_engine_that_differs_is_flagged(tmp_path):
+    cs = parse_compare_spec(compare_raw([{"engine": "fsdp"}, {"engine": "deepspeed", "zero_stage": 1}]))
+    results = {r.label: ("ok", REF, {}) for r in cs.runs}
+    launch = fake_launcher(results)
+
+    def odd_launch(spec, **kw):  # an engine claiming another policy than the workload's
+        rec = launch(spec, **kw)
+        if kw["point_key"] == "deepspeed ZeRO-1":
+            rec["metrics"]["engine"]["precision_policy"] = "bf16 something else"
+        return rec
+
+    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=odd_launch)
+    assert summary["precision_policy"] == POLICY_FP32
+    md = open(write_report(summary, str(tmp_path))["markdown"]).read()
+    assert md.count(POLICY_FP32) == 1 and "Precision policy, the same for every run" in md
+    assert "- deepspeed ZeRO-1: ran another precision policy: bf16 something else" in md
+    assert "FSDP2 reshard: ran another" not in md
 
 
 def test_matrix_dash_for_a_combination_not_listed(tmp_path):

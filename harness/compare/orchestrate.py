@@ -16,6 +16,8 @@ import uuid
 
 from harness.compare.parity import PASS, check_parity, compare_fingerprints
 from harness.compare.spec import CompareSpec, PlannedRun
+from harness.model.training import precision_policy
+from harness.spec import parse_spec
 
 
 def _loadavg() -> list[float] | None:
@@ -48,7 +50,7 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
                                            "mfu_vs_measured_matmul", "peak_memory_bytes", "memory_kind",
                                            "peak_tflops", "measured_matmul_tflops", "breakdown_s", "comm")},
         "describe": describe,
-        "precision_note": describe.get("precision_note"),
+        "precision_policy": describe.get("precision_policy"),
         "workload_override": plan.workload_override,
         "override_note": ("workload overridden: " + ", ".join(f"{k}={v}" for k, v in plan.workload_override.items())
                           if plan.workload_override else ""),
@@ -100,7 +102,8 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
         "store": os.path.abspath(store_path), "sweep_tag": sweep, "nproc": cs.nproc,
         "workload": cs.workload,
         "tolerance_source": cs.tolerance_source, "parity": parity, "fingerprints": fingerprints,
-        "failed_runs": failed, "skipped": cs.skipped, "not_runnable": cs.not_runnable, "load_average": {"before": load_before, "after": _loadavg()}, "wall_s": round(time.monotonic() - started, 1),
+        "failed_runs": failed, "skipped": cs.skipped, "not_runnable": cs.not_runnable,
+        "precision_policy": precision_policy(parse_spec({"workload": cs.workload}).workload).describe(), "load_average": {"before": load_before, "after": _loadavg()}, "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],
         "loss_table": {e["label"]: e["losses"][:cs.parity_steps] for e in entries if e["losses"]},
     }

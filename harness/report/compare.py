@@ -87,6 +87,14 @@ def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
     return ["layout"] + list(cols), table
 
 
+def policy_exceptions(summary: dict) -> list[tuple[str, str]]:
+    """Runs whose engine says it ran another precision policy than the workload's (none should:
+    every engine is configured to it, or the spec refuses the run)."""
+    policy = summary.get("precision_policy")
+    return [(r["label"], f"ran another precision policy: {r['precision_policy']}") for r in summary["runs"]
+            if r.get("precision_policy") and policy and r["precision_policy"] != policy]
+
+
 def _comm_text(comm: dict | None) -> str:
     if not comm:
         return NOT_MEASURED if comm is None else "none"
@@ -175,6 +183,7 @@ def markdown(summary: dict) -> str:
            f"{failed_text}"
            f"; fingerprints {'identical' if fp['same'] else 'DIFFER (' + ', '.join(fp['flagged_groups']) + ')'}.",
            "", "## Workload (identical for every run)", "", _workload_text(summary["workload"]), "",
+           f"Precision policy, the same for every run: {summary.get('precision_policy') or 'not recorded'}.", "",
            f"{summary['nproc']} processes per run (the reference: 1). Initial weights are generated from the seed, "
            "bit-identical for every engine; every data-parallel rank takes its contiguous slice of the same global "
            "batch.", ""]
@@ -214,8 +223,7 @@ def markdown(summary: dict) -> str:
     if fails:
         out += ["Parity failures:", ""] + [f"- **{p['label']}**: {p['verdict']}"
                                            f"{' - ' + p['note'] if p['note'] else ''}" for p in fails] + [""]
-    notes = [(r["label"], r["precision_note"]) for r in summary["runs"] if r.get("precision_note")
-             and "as the reference" not in r["precision_note"]]
+    notes = policy_exceptions(summary)
     overrides = [(r["label"], r["workload_override"]) for r in summary["runs"] if r.get("workload_override")]
     if notes or overrides:
         out += ["## Where a run does not express the workload exactly", ""]
@@ -226,7 +234,7 @@ def markdown(summary: dict) -> str:
     for r in summary["runs"]:
         d = r.get("describe") or {}
         if d:
-            keep = {k: v for k, v in d.items() if k not in ("ds_config",)}
+            keep = {k: v for k, v in d.items() if k not in ("ds_config", "precision_policy")}  # policy: stated once
             out.append(f"- **{r['label']}** (launcher `{r['launcher']}`): " +
                        "; ".join(f"{k}: {v}" for k, v in keep.items() if not isinstance(v, (dict, list))))
     out.append("")
@@ -280,6 +288,7 @@ def html_page(summary: dict) -> str:
              f"parity {'holds' if par['verdict'] == PASS else 'FAILS'}; {len(summary['failed_runs'])} failed run(s); "
              f"fingerprints {'identical' if fp['same'] else 'DIFFER: ' + _h(', '.join(fp['flagged_groups']))}</p>",
              "<h2>Workload (identical for every run)</h2>", f"<p>{_h(_workload_text(summary['workload']))}</p>",
+             f"<p>Precision policy, the same for every run: {_h(summary.get('precision_policy') or 'not recorded')}.</p>",
              "<h2>Results</h2><table><tr>" + "".join(f"<th>{_h(h)}</th>" for _, h in COLUMNS) + "</tr>"]
     for row in table_rows(summary):
         cells = []
@@ -316,8 +325,7 @@ def html_page(summary: dict) -> str:
     if fails:
         parts.append("<p><b>Parity failures:</b></p><ul>" + "".join(
             f"<li class='fail'>{_h(p['label'])}: {_h(p['verdict'])} {_h(p['note'])}</li>" for p in fails) + "</ul>")
-    notes = [(r["label"], r["precision_note"]) for r in summary["runs"] if r.get("precision_note")
-             and "as the reference" not in r["precision_note"]]
+    notes = policy_exceptions(summary)
     overrides = [(r["label"], json.dumps(r["workload_override"])) for r in summary["runs"] if r.get("workload_override")]
     if notes or overrides:
         parts.append("<h2>Where a run does not express the workload exactly</h2><ul>" +
