@@ -296,7 +296,21 @@ CAPABILITIES: dict[str, list[Rule]] = {
 # Where an engine cannot follow the workload's precision policy (PrecisionPolicy): per engine,
 # rules (field, follows(workload, layout), why not), checked after CAPABILITIES.
 PolicyRule = tuple[str, typing.Callable[["Workload", "Layout"], bool], str]
-PRECISION_LIMITS: dict[str, list[PolicyRule]] = {"single": [], "own": [], "deepspeed": [], "fsdp": []}
+PRECISION_LIMITS: dict[str, list[PolicyRule]] = {
+    "single": [],
+    "own": [],
+    "deepspeed": [],
+    "fsdp": [
+        ("grad_accum_dtype", lambda w, l: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),
+         "FSDP2 accumulates gradients over micro-batches either in the fp32 sharded gradient (reducing every "
+         "micro-batch) or unreduced in MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/"
+         "_fsdp_param.py, to_accumulated_grad_if_needed): bf16 accumulation with an fp32 reduction is not offered; "
+         "set grad_reduce_dtype: bf16 or grad_accum_dtype: fp32"),
+        ("grad_reduce_dtype", lambda w, l: l.pp == 1 or w.grad_accum_dtype == w.grad_reduce_dtype,
+         "torch.distributed.pipelining defers FSDP2's reduction to the last micro-batch, and FSDP2 accumulates "
+         "until then in reduce_dtype: with pp > 1 fp32 accumulation needs grad_reduce_dtype: fp32"),
+    ],
+}
 
 
 def check_precision_policy(w: Workload, lay: Layout) -> None:

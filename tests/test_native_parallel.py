@@ -73,6 +73,11 @@ REFUSED = [
     ({"pp": 2, "pipeline_schedule": "interleaved"}, {"global_batch_size": 6},
      "layout.pipeline_schedule", "divisible by pp=2"),
     ({"tp": 2, "zero_stage": 1}, {}, "layout.zero_stage", "reshard_after_forward"),
+    # the precision policy where FSDP2 cannot follow it (harness.spec.PRECISION_LIMITS["fsdp"])
+    ({"dp": 2}, {"precision": "bf16", "grad_accum_dtype": "bf16"},
+     "workload.grad_accum_dtype", "bf16 accumulation with an fp32 reduction is not offered"),
+    ({"pp": 2}, {"precision": "bf16", "grad_reduce_dtype": "bf16"},
+     "workload.grad_reduce_dtype", "fp32 accumulation needs grad_reduce_dtype: fp32"),
 ]
 
 
@@ -92,5 +97,8 @@ def test_one_f_one_b_with_fewer_micro_batches_than_stages_is_refused_before_laun
 def test_every_parallel_layout_of_the_issue_parses_for_fsdp():
     for layout, workload in [({"tp": 2, "sequence_parallel": True}, {}), ({"pp": 2, "pipeline_schedule": "gpipe"}, {}),
                              ({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, FOUR_LAYERS),
-                             ({"tp": 2, "pp": 2, "dp": 2, "activation_checkpointing": "full"}, {})]:
+                             ({"tp": 2, "pp": 2, "dp": 2, "activation_checkpointing": "full"}, {}),
+                             ({"pp": 2}, {"precision": "bf16", "grad_accum_dtype": "bf16",
+                                          "grad_reduce_dtype": "bf16"}),
+                             ({"dp": 2}, {"precision": "bf16", "grad_reduce_dtype": "bf16"})]:
         parse_spec(_run(layout, workload))

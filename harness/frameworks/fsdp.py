@@ -19,20 +19,41 @@ Same as the reference (harness/frameworks/single.py): initial weights (built on 
 sharded, then each rank copies its shard of ReferenceWeights in, one tensor at a time), tokens
 (the step's global batch, the contiguous slice of this rank's dp coordinate: every tp rank and
 pp stage with the same dp coordinate takes the same rows), loss/len(micro) accumulation
-(without pp, gradients are reduce-scattered with averaging over dp after every micro-batch; with
-pp once, after the last),
+(gradients are reduce-scattered with averaging over dp after every micro-batch, or once after the
+last with bf16 accumulation and with pp: see Precision),
 torch.optim.AdamW with the workload's hyperparameters (fused on GPU, as the reference), and
 global-norm clipping: the norm over every DTensor shard (tp, dp) and over the pp stages (their
 squared norms summed across the pp dimension).
 
-Precision: fp32 workloads use no MixedPrecisionPolicy. bf16 uses
-MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): parameters are all-gathered and
-computed in bf16, gradients reduced in fp32, fp32 sharded master weights and optimizer state.
-The reference instead runs fp32 weights under torch.autocast(bf16) (norms and the softmax
-stay fp32 there), so bf16 losses differ slightly; describe() says so.
+Precision: the workload's policy (harness.model.training.PrecisionPolicy), through FSDP2's own
+MixedPrecisionPolicy. fp32: none (every tensor and collective fp32). bf16:
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=grad_reduce_dtype): each block's fp32 shards
+are cast to bf16, all-gathered and computed with (so the DTensor TP collectives and the pipeline
+stage transfers carry bf16 activations and gradients), gradients are reduce-scattered in
+grad_reduce_dtype; the fp32 sharded parameters are the optimizer's master copy, and AdamW's
+states are fp32 beside them. Micro-batch accumulation follows grad_accum_dtype by where FSDP2
+accumulates (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, post_backward;
+_fsdp_collectives.py, foreach_reduce; _fsdp_param.py, to_accumulated_grad_if_needed):
+  fp32  reduce-scatter after every micro-batch: foreach_reduce casts the reduced shard to the
+        parameters' dtype and adds it into the fp32 sharded .grad (FSDP2's default);
+  bf16  set_requires_gradient_sync(False) on all but the last micro-batch: the unsharded bf16
+        .grad accumulates through autograd, reduced once (only with grad_reduce_dtype bf16:
+        without a reduction FSDP2 accumulates in reduce_dtype, so bf16 accumulation with an fp32
+        reduction is not offered). With pp, torch.distributed.pipelining always defers the
+        reduction to the last micro-batch, so accumulation happens in reduce_dtype: the spec
+        refuses pp with differing accumulation and reduction dtypes (harness.spec.PRECISION_LIMITS).
+
+Memory census (memory_census): what this rank holds at its first optimizer step. FSDP2 reshards
+every group after the backward (post_backward, reshard_after_backward), so then only the fp32
+sharded parameters (category parameters: they are the module's parameters and, there being no
+other copy, the master: master_parameters stays empty), the fp32 sharded gradients (views of one
+flat reduce-scatter output per group) and AdamW's states are alive; gathered bf16 parameters and
+unsharded accumulation buffers are walked too and counted if alive (they are not, at the step).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -41,7 +62,7 @@ from harness import measure
 from harness.data.source import dp_slice
 from harness.engine.topology import coord_of
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
-from harness.model.training import make_adamw
+from harness.model.training import dtype_name, make_adamw, precision_policy
 from harness.spec import check_world_size
 
 _WRAPPED = "_checkpoint_wrapped_module."
@@ -62,9 +83,13 @@ class FSDPEngine:
         self.mesh = init_device_mesh(ctx.device.type, (lay.pp, lay.dp, lay.tp), mesh_dim_names=("pp", "dp", "tp"))
         if lay.tp > 1:  # lets DTensor reduce the gradient norm over (dp, tp) in one all-reduce, not two
             self.mesh["dp", "tp"]._flatten()
-        bf16 = w.precision == "bf16"
-        self.mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-            else MixedPrecisionPolicy()
+        self.policy = precision_policy(w)
+        mixed = self.policy.master is not None  # fp32: no policy, the parameters are their own master
+        self.mp = (MixedPrecisionPolicy(param_dtype=self.policy.compute, reduce_dtype=self.policy.grad_reduce)
+                   if mixed else MixedPrecisionPolicy())
+        # fp32 accumulation: reduce-scatter every micro-batch into the fp32 sharded gradient;
+        # compute-dtype accumulation: in the unsharded .grad, reduced after the last micro-batch
+        self.reduce_every_micro_batch = self.policy.grad_accum != self.policy.compute or not mixed
         ckpt = lay.activation_checkpointing
         # Built on the meta device and sharded before any memory is allocated, so no rank ever
         # holds the whole model on the device.
@@ -86,10 +111,11 @@ class FSDPEngine:
             from harness.frameworks.native_pipeline import Pipeline
 
             self.pipeline = Pipeline(self.parts, plans, spec, shape, self.mesh["pp"].get_group(), ctx.device,
-                                     torch.bfloat16 if bf16 else torch.float32)
+                                     self.policy.compute)
         self.is_last_stage = plans is None or any(p.last for p in plans)
         self.params = [p for part in self.parts for p in part.parameters()]
         self.optimizer = make_adamw(self.params, w, fused=ctx.device.type == "cuda")
+        self.census = measure.CensusAtStep(self.optimizer, self._census_tensors)
         self._details: dict = {}
 
     def _parallelize(self, part) -> None:
@@ -118,13 +144,15 @@ class FSDPEngine:
         w, lay = self.spec.workload, self.spec.layout
         with measure.StepTimer(self.device) as step:
             local = dp_slice(global_batch, self.coord.dp, lay.dp).to(self.device, non_blocking=True)
-            with measure.StepTimer(self.device) as fb:
+            with measure.StepTimer(self.device) as fb, self._gathered_parameters_are_not_activations():
                 if self.pipeline is not None:
                     total = self.pipeline.step(local[:, :-1], local[:, 1:])
                 else:
                     chunks = local.split(lay.micro_batch_size)
                     total = torch.zeros((), device=self.device, dtype=torch.float32)
-                    for chunk in chunks:
+                    for i, chunk in enumerate(chunks):
+                        if not self.reduce_every_micro_batch:  # accumulate unreduced until the last
+                            self.parts[0].set_requires_gradient_sync(i == len(chunks) - 1)
                         logits = self.parts[0](chunk[:, :-1])
                         loss = lm_loss(logits, chunk[:, 1:]) / len(chunks)
                         loss.backward()
@@ -159,6 +187,81 @@ class FSDPEngine:
             norm = squared.sqrt()
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
 
+    # ---------------------------------------------------------------- memory
+
+    def _fsdp_params(self) -> list:
+        """Every FSDPParam of this rank (torch's per-parameter FSDP2 state: the sharded fp32
+        parameter, its all-gather outputs, unsharded gradient buffers)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        out = []
+        for part in self.parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    state = module._get_fsdp_state()
+                    groups = getattr(state, "_fsdp_param_groups", None)
+                    if groups is None:  # torch < 2.8: one group per module
+                        groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+                    out.extend(fp for group in groups for fp in group.fsdp_params)
+        return out
+
+    def _census_tensors(self) -> dict:
+        """What this rank holds, by census category. parameters: the module's sharded fp32
+        parameters (padded shards, as FSDP2 allocates them; they are the optimizer's master, so
+        master_parameters has nothing of its own) and any gathered compute-dtype copies still
+        allocated; gradients: the sharded gradients and any unsharded gradient FSDP2 keeps
+        between micro-batches; optimizer_states: AdamW's. Freed storages weigh nothing."""
+        fsdp = self._fsdp_params()
+        gathered = [t for fp in fsdp for t in fp.all_gather_outputs]
+        unsharded_grads = [fp.unsharded_accumulated_grad for fp in fsdp]
+        unsharded_grads += [fp._unsharded_param.grad for fp in fsdp if hasattr(fp, "_unsharded_param")]
+        return {"parameters": list(self.params) + gathered,
+                "gradients": [p.grad for p in self.params] + unsharded_grads,
+                "optimizer_states": measure.optimizer_state_tensors(self.optimizer)}
+
+    def memory_census(self) -> dict | None:
+        return self.census.result
+
+    def activation_exclusions(self) -> list:
+        """The sharded parameters and the gathered (unsharded) parameters FSDP2 has allocated now
+        (none between steps: the gathered ones of a step are kept from the counting by
+        _gathered_parameters_are_not_activations)."""
+        return list(self.params) + [t for fp in self._fsdp_params() for t in fp.all_gather_outputs]
+
+    @contextlib.contextmanager
+    def _gathered_parameters_are_not_activations(self):
+        """While an enclosing saved-tensor hook counts what autograd saves for backward
+        (measure.SavedActivations, on the first step), the gathered parameters that autograd saves
+        bypass it. They cannot be named up front (activation_exclusions): FSDP2 allocates each
+        gathered parameter anew at every all-gather and frees it on reshard (_fsdp_param.py:
+        alloc_storage / free_storage resize one storage object in place), so its address changes
+        from micro-batch to micro-batch; the storage object itself does not, and is matched here.
+        Autograd saves the same tensors either way; without an enclosing hook this is a no-op."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            yield
+            return
+        outer_pack, outer_unpack = top
+        gathered: set[int] = set()  # the storage objects (not addresses) of the gathered parameters
+        pending = self._fsdp_params()  # FSDP2 creates them at each group's first all-gather
+
+        def is_gathered(t: torch.Tensor) -> bool:
+            key = getattr(t, "_local_tensor", t).untyped_storage()._cdata
+            if key not in gathered and pending:
+                gathered.update(o.untyped_storage()._cdata for fp in pending for o in fp.all_gather_outputs)
+                pending[:] = [fp for fp in pending if not fp.all_gather_outputs]
+            return key in gathered
+
+        def pack(t):
+            return (True, t) if is_gathered(t) else (False, outer_pack(t))
+
+        def unpack(packed):
+            passed, value = packed
+            return value if passed else outer_unpack(value)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
     # ---------------------------------------------------------------- reporting
 
     def full_state_dict(self):
@@ -188,8 +291,8 @@ class FSDPEngine:
     def describe(self) -> dict:
         from harness.frameworks.native_tp import describe_plan
 
-        lay, w = self.spec.layout, self.spec.workload
-        d = {
+        lay = self.spec.layout
+        return {
             "framework": "pytorch native: FSDP2 + DTensor TP/SP + torch.distributed.pipelining",
             "torch_version": torch.__version__,
             "mesh": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "order": "pp, dp, tp (tp innermost)"},
@@ -200,18 +303,31 @@ class FSDPEngine:
                 "schedule": self.pipeline.name, "micro_batches": self.pipeline.micro, "stages": self.pipeline.table},
             "sharding": "fully_shard over dp per block + root" + (" (per stage module)" if self.pipeline else ""),
             "reshard_after_forward": lay.reshard_after_forward,
-            "mixed_precision": ("param bf16, reduce fp32" if w.precision == "bf16" else "none (fp32)"),
+            "precision_policy": self.policy.describe(),
+            "mixed_precision": self._mixed_precision(),
             "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
             "grad_clipping": "global norm over dp/tp shards" + (" and pp stages" if lay.pp > 1 else ""),
             "activation_checkpointing": {"none": "none", "full": "torch checkpoint_wrapper per block (non-reentrant)",
                                          "selective": "model's attention-core recomputation (torch checkpoint)"}
             [lay.activation_checkpointing],
-            "precision_note": "fp32 throughout, as the reference",
         }
-        if w.precision == "bf16":
-            d["precision_note"] = ("FSDP2 bf16: parameters gathered and computed in bf16, gradients reduced in fp32, "
-                                   "fp32 master weights; the reference runs fp32 weights under torch.autocast(bf16)")
-        return d
+
+    def _mixed_precision(self) -> str:
+        """How FSDP2 was configured to the precision policy, in words."""
+        if self.policy.master is None:
+            return "no MixedPrecisionPolicy: fp32 parameters, gradients and collectives"
+        compute, reduce = dtype_name(self.policy.compute), dtype_name(self.policy.grad_reduce)
+        text = (f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce}): fp32 shards all-gathered "
+                f"in {compute}, the fp32 sharded parameters are AdamW's master; ")
+        if self.pipeline is not None:
+            return text + (f"torch.distributed.pipelining accumulates the unsharded gradients in {reduce} "
+                           f"(FSDP2 without gradient sync) and reduce-scatters them after the last micro-batch")
+        if self.reduce_every_micro_batch:
+            return text + (f"gradients reduce-scattered in {reduce} after every micro-batch and accumulated in "
+                           f"the fp32 sharded gradient")
+        return text + (f"the unsharded {compute} gradients accumulate over micro-batches "
+                       f"(set_requires_gradient_sync(False) but on the last) and are reduce-scattered in {reduce} "
+                       f"after the last")
 
 
 @torch.no_grad()

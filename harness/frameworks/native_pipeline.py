@@ -11,7 +11,14 @@ Each stage's input and output shapes are given to PipelineStage up front (static
 no inference forward/backward on the first step): tokens [mbs, seq] into the first stage,
 the hidden state [mbs, seq / tp with sequence parallelism else seq, hidden] between stages
 (each tp rank sends its local part to the same tp rank of the next stage), logits
-[mbs, seq, vocab] out of the last.
+[mbs, seq, vocab] out of the last; all in the policy's compute dtype (bf16 under bf16: the
+stages send bf16 activations forward and bf16 gradients back, as the parameters FSDP2 gathers
+are bf16; the receive buffers are allocated from this metadata).
+
+Gradient accumulation: the schedules run every micro-batch's backward with FSDP2's gradient
+sync off and reduce once after the last (PipelineStage.backward_maybe_with_nosync,
+perform_reduce_grad), so FSDP2 accumulates in its reduce_dtype (the spec refuses pp with
+grad_accum_dtype != grad_reduce_dtype: harness.spec.PRECISION_LIMITS).
 
 Loss: loss_fn is lm_loss / micro_batches with scale_grads=False, the reference's accumulation
 (harness/frameworks/single.py) term for term.
