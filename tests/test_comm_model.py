@@ -48,12 +48,14 @@ def test_13b_tp8_sp_counts_by_hand():
     layers = len(balanced_partition(shape, 4, seq)[0])
     # per micro-batch: 2 regions per layer, each one all-gather and one reduce-scatter per pass,
     # plus the embedding's reduce-scatter (fwd) / all-gather (bwd)
-    assert first["sp"]["all_gather"] == {"count": micro * (4 * layers + 1), "bytes": micro * (4 * layers + 1) * act}
+    n = micro * (4 * layers + 1)
+    assert first["sp"]["all_gather"] == {"count": n, "bytes": n * act, "bytes_by_dtype": {"fp32": n * act}}
     assert first["sp"]["reduce_scatter"]["count"] == micro * (4 * layers + 1)
     assert "tp" not in first  # no loss on the first stage, no all-reduce under SP
-    assert first["pp"]["send"] == {"count": micro, "bytes": micro * act // 8}
+    assert first["pp"]["send"] == {"count": micro, "bytes": micro * act // 8, "bytes_by_dtype": {"fp32": micro * act // 8}}
     last = rank_comm(shape, lay, seq, gbs, 8 * 16 * 3)
-    assert last["tp"]["all_reduce"] == {"count": 2 * micro, "bytes": micro * (seq * 4 + 2 * seq * 4)}
+    loss = micro * (seq * 4 + 2 * seq * 4)
+    assert last["tp"]["all_reduce"] == {"count": 2 * micro, "bytes": loss, "bytes_by_dtype": {"fp32": loss}}
     # ZeRO-1 moves each local parameter twice (reduce-scatter + all-gather), padded to dp
     local = sum(_numel(s) for s in rank_params(shape, 8, 4, 1, 0, seq))
     rs = first["dp"]["reduce_scatter"]["bytes"]
@@ -68,3 +70,26 @@ def test_world_totals_scale_with_dp_for_data_parallel_traffic():
     # same global batch: TP traffic is the same in total, DP collectives double in count
     assert one["tp"]["all_reduce"]["bytes"] == two["tp"]["all_reduce"]["bytes"]
     assert two["dp"]["all_reduce"]["count"] == 2 * one["dp"]["all_reduce"]["count"]
+
+
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
+def test_bf16_halves_activations_and_follows_the_policy_for_gradients(reduce):
+    """Under bf16 the activations (TP/SP regions, pipeline) and the ZeRO-1 all-gather of the
+    parameters move bf16; the loss's reductions and the world all-reduce stay fp32; the DP
+    reduction is in grad_reduce_dtype and the SP norm-gradient all-reduce in grad_accum_dtype."""
+    shape = PRESETS["tiny-4l"]
+    lay = Layout(engine="own", tp=2, pp=2, dp=2, sequence_parallel=True, zero_stage=1)
+    fp32 = rank_comm(shape, lay, 128, 16, 7)  # the last stage: loss reductions too
+    bf16 = rank_comm(shape, lay, 128, 16, 7, "bf16", "fp32", reduce)
+    for op in ("all_gather", "reduce_scatter"):
+        assert bf16["sp"][op]["bytes_by_dtype"] == {"bf16": fp32["sp"][op]["bytes"] // 2}
+    for op in ("send", "recv"):
+        assert bf16["pp"][op]["bytes_by_dtype"] == {"bf16": fp32["pp"][op]["bytes"] // 2}
+    assert bf16["tp"] == fp32["tp"] and bf16["all"] == fp32["all"]  # loss and norm: fp32
+    assert bf16["sp"]["all_reduce"] == fp32["sp"]["all_reduce"]     # norm gradients, fp32 main gradients
+    rs = fp32["dp"]["reduce_scatter"]["bytes"]
+    assert bf16["dp"]["reduce_scatter"]["bytes_by_dtype"] == {reduce: rs // (2 if reduce == "bf16" else 1)}
+    assert bf16["dp"]["all_gather"]["bytes_by_dtype"] == {"bf16": rs // 2}
+    for ops in bf16.values():
+        for v in ops.values():
+            assert v["bytes"] == sum(v["bytes_by_dtype"].values())

@@ -8,7 +8,8 @@ Modules, one job each:
   partition     balanced stage partition and the per-rank parameter list (shapes, sharding)
   model         the sharded LLaMA stage modules, built from the reference weights
   pipeline      the executor that runs a rank's instruction list
-  data_parallel flat bucketed gradients, overlapped DP reduction, ZeRO-1 optimizer shards
+  data_parallel flat bucketed gradients, overlapped DP reduction, ZeRO-1 optimizer shards, and
+                the precision policy (bf16 parameters, fp32 main gradients and masters)
   comm_model    closed-form per-step communication counts (tested exactly against comm)
   engine        ties them together behind the frameworks interface
 The equivalence checks against the single-device reference live in harness/testing/.

@@ -1,9 +1,10 @@
 """Counted, timed communication: every byte the engine moves goes through here.
 
-Each call records (axis, op) -> count and bytes on this rank, and the seconds it blocked,
-so the per-step report and the closed-form comm model (comm_model.py) can be compared
-exactly. Bytes are the payload of the call on this rank: the tensor for all_reduce and
-p2p, the gathered (full) tensor for all_gather, the input (full) tensor for reduce_scatter.
+Each call records (axis, op) -> count, bytes and bytes by dtype on this rank, and the seconds
+it blocked, so the per-step report and the closed-form comm model (comm_model.py) can be
+compared exactly. Bytes are the payload of the call on this rank: the tensor for all_reduce
+and p2p, the gathered (full) tensor for all_gather, the input (full) tensor for
+reduce_scatter; its dtype is named as the precision policy names it ("fp32", "bf16").
 A group of size one never calls torch.distributed and records nothing.
 """
 
@@ -14,6 +15,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from harness.model.training import dtype_name
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
@@ -68,22 +71,36 @@ class StepClock:
             self._pending = []
 
 
+def comm_entry() -> list:
+    return [0, 0, defaultdict(int)]  # count, bytes, bytes per dtype name
+
+
+def comm_dict(counts: dict) -> dict:
+    """{axis: {op: [count, bytes, {dtype: bytes}]}} as the record keeps it:
+    {axis: {op: {"count", "bytes", "bytes_by_dtype"}}} (comm_model builds the same)."""
+    return {axis: {op: {"count": c, "bytes": b, "bytes_by_dtype": dict(sorted(by.items()))}
+                   for op, (c, b, by) in ops.items()}
+            for axis, ops in counts.items()}
+
+
 class CommStats:
     def __init__(self, clock: StepClock):
         self.clock = clock
-        self.counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        self.reset()
 
-    def record(self, axis: str, op: str, size: int) -> None:
+    def record(self, axis: str, op: str, t: torch.Tensor) -> None:
+        """One call moving `t`'s payload (what nbytes(t) says, in t's dtype)."""
         entry = self.counts[axis][op]
+        size = nbytes(t)
         entry[0] += 1
         entry[1] += size
+        entry[2][dtype_name(t.dtype)] += size
 
     def reset(self) -> None:
-        self.counts = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        self.counts: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(comm_entry))
 
     def as_dict(self) -> dict:
-        return {axis: {op: {"count": c, "bytes": b} for op, (c, b) in ops.items()}
-                for axis, ops in self.counts.items()}
+        return comm_dict(self.counts)
 
 
 class Axis:
@@ -116,7 +133,7 @@ class Axis:
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.size == 1:
             return None
-        self.stats.record(self.name, "all_reduce", nbytes(t))
+        self.stats.record(self.name, "all_reduce", t)
         if async_op:
             return dist.all_reduce(t, op=op, group=self.group, async_op=True)
         self._timed(lambda: dist.all_reduce(t, op=op, group=self.group))
@@ -128,7 +145,7 @@ class Axis:
             return t
         if out is None:
             out = torch.empty((t.shape[0] * self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        self.stats.record(self.name, "all_gather", nbytes(out))
+        self.stats.record(self.name, "all_gather", out)
         if async_op:
             return _all_gather(out, t.contiguous(), group=self.group, async_op=True)
         self._timed(lambda: _all_gather(out, t.contiguous(), group=self.group))
@@ -140,7 +157,7 @@ class Axis:
             return t
         if out is None:
             out = torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        self.stats.record(self.name, "reduce_scatter", nbytes(t))
+        self.stats.record(self.name, "reduce_scatter", t)
         if async_op:
             return _reduce_scatter(out, t.contiguous(), group=self.group, async_op=True)
         self._timed(lambda: _reduce_scatter(out, t.contiguous(), group=self.group))
@@ -148,10 +165,10 @@ class Axis:
 
     # p2p: peers are indices along this axis
     def isend(self, t: torch.Tensor, peer: int):
-        self.stats.record(self.name, "send", nbytes(t))
+        self.stats.record(self.name, "send", t)
         return self._timed(lambda: dist.isend(t, dst=self.ranks[peer], group=self.group))
 
     def recv(self, t: torch.Tensor, peer: int) -> torch.Tensor:
-        self.stats.record(self.name, "recv", nbytes(t))
+        self.stats.record(self.name, "recv", t)
         self._timed(lambda: dist.recv(t, src=self.ranks[peer], group=self.group))
         return t

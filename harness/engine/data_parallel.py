@@ -12,6 +12,23 @@ and Adam moments) holds only that shard, and an all-gather of the updated shards
 the full parameters. Without ZeRO the reduction is an all-reduce and the optimizer works on
 every parameter.
 
+The precision policy (harness.model.training.PrecisionPolicy), Megatron's way. Per bucket:
+  param_flat   the parameters computed with (policy.compute: fp32, or bf16)
+  grad_flat    the main gradients, summed over micro-batches in policy.grad_accum. When that
+               is the parameters' dtype, each .grad is a view into it and autograd accumulates
+               there; otherwise (bf16 parameters, fp32 main gradients) each fresh bf16 .grad is
+               added into its slice by the post-accumulate hook and freed.
+  reduction    in policy.grad_reduce: grad_flat itself when the dtypes agree, else a copy in
+               the reduction dtype made when the bucket is ready and dropped once reduced (a
+               bf16-reduced sum goes back into an fp32 grad_flat; an fp32-reduced sum of bf16
+               gradients is kept as the optimizer's gradient).
+  shard_grad   ZeRO-1 only: this rank's reduced shard, in the reduction dtype.
+  master       bf16 only: the fp32 master parameters the optimizer updates (its shard under
+               ZeRO-1); the optimizer's gradients are fp32 (a copy at the step where the
+               reduced gradient is bf16). After the step the bf16 parameters are refreshed from
+               the masters (ZeRO-1: this rank's shard, then the all-gather moves bf16 shards).
+Under fp32 the parameters are their own masters and every buffer is fp32, as before.
+
 Under sequence parallelism the norm weights are replicated across TP but each rank saw only
 its part of the sequence, so their gradients are partial: they get a bucket of their own that
 is summed over TP before the DP reduction (once per step, as Megatron does).
@@ -20,9 +37,11 @@ is summed over TP before the DP reduction (once per step, as Megatron does).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from harness.engine.comm import Axis
 from harness.engine.partition import ParamSpec
+from harness.model.training import PrecisionPolicy
 
 
 def padded(n: int, dp: int) -> int:
@@ -64,11 +83,13 @@ def plan_buckets(specs: list[ParamSpec], bucket_elems: int, dp: int, sp: bool) -
 
 
 class Bucket:
-    def __init__(self, params: list[torch.nn.Parameter], specs: list[ParamSpec], plan: dict, dp: Axis, device):
+    def __init__(self, params: list[torch.nn.Parameter], specs: list[ParamSpec], plan: dict, dp: Axis, device,
+                 policy: PrecisionPolicy, zero: bool):
         self.params, self.specs, self.sp = params, specs, plan["sp"]
         self.numel, self.padded = plan["numel"], plan["padded"]
-        self.param_flat = torch.zeros(self.padded, device=device)
-        self.grad_flat = torch.zeros(self.padded, device=device)
+        self.param_flat = torch.zeros(self.padded, dtype=policy.compute, device=device)
+        self.grad_flat = torch.zeros(self.padded, dtype=policy.grad_accum, device=device)
+        self.grads_in_place = policy.grad_accum == policy.compute  # .grad are views of grad_flat
         self.ranges = []
         off = 0
         for p in params:
@@ -76,25 +97,35 @@ class Bucket:
             with torch.no_grad():
                 self.param_flat[off:off + n].copy_(p.detach().reshape(-1))
             p.data = self.param_flat[off:off + n].view_as(p)
-            p.grad = self.grad_flat[off:off + n].view_as(p)
+            p.grad = self.grad_flat[off:off + n].view_as(p) if self.grads_in_place else None
             self.ranges.append((off, off + n))
             off += n
+        self.range_of = {p: r for p, r in zip(params, self.ranges)}
         per = self.padded // dp.size
         self.shard = (dp.index * per, (dp.index + 1) * per)
-        self.shard_grad = torch.zeros(per, device=device) if dp.size > 1 else None
+        self.mine = self.shard if zero else (0, self.padded)   # what this rank's optimizer updates
+        self.shard_grad = torch.zeros(per, dtype=policy.grad_reduce, device=device) if zero else None
+        lo, hi = self.mine
+        self.master = self.param_flat[lo:hi].to(policy.master, copy=True) if policy.master is not None else None
         self.ready = 0
         self.work = None
+        self.reducing = None   # the tensor in flight, when it is a copy of grad_flat in the reduction dtype
+        self.reduced = None    # this rank's reduced gradient (full bucket, or its ZeRO-1 shard)
+        self.main32 = None     # the same in fp32: what the optimizer's gradients are views of
 
 
 class GradSync:
     """Owns the flat buffers, the hooks and the DP (and SP) reductions of one rank."""
 
     def __init__(self, params: list[torch.nn.Parameter], specs: list[ParamSpec], dp: Axis, sp: Axis | None,
-                 zero: bool, bucket_mb: float, device):
+                 zero: bool, bucket_mb: float, device, policy: PrecisionPolicy):
         self.dp, self.sp, self.zero = dp, sp, zero and dp.size > 1
-        elems = max(1, int(bucket_mb * 2 ** 20 / 4))
+        self.policy, self.mixed = policy, policy.master is not None
+        self.params = params
+        elems = max(1, int(bucket_mb * 2 ** 20 / 4))   # elements: the same buckets under every policy
         plans = plan_buckets(specs, elems, dp.size, sp is not None)
-        self.buckets = [Bucket([params[i] for i in pl["indices"]], [specs[i] for i in pl["indices"]], pl, dp, device)
+        self.buckets = [Bucket([params[i] for i in pl["indices"]], [specs[i] for i in pl["indices"]], pl, dp, device,
+                               policy, self.zero)
                         for pl in plans]
         self.owner = {}
         for b in self.buckets:
@@ -103,6 +134,20 @@ class GradSync:
         self.counts: dict = {}
         self.expected = 1
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # what the optimizer updates: one 1-D view per parameter (its part of this rank's shard
+        # under ZeRO-1) of the parameters (fp32) or of the masters (bf16), as (bucket, lo, hi, view).
+        # Per-parameter views rather than one tensor per bucket: AdamW's elementwise passes then
+        # run over cache-sized pieces (on CPU a 13 MB flat buffer made the step twice as slow),
+        # and padding is never touched. The values are the same either way.
+        self.views = []
+        for b in self.buckets:
+            lo, hi = b.mine
+            for a, e in b.ranges:
+                a2, e2 = max(a, lo), min(e, hi)
+                if a2 < e2:
+                    t = b.master[a2 - lo:e2 - lo] if self.mixed else b.param_flat[a2:e2]
+                    self.views.append((b, a2 - lo, e2 - lo, t))
+        self._attach_grads()
 
     # ---------------------------------------------------------------- reduction
 
@@ -113,10 +158,14 @@ class GradSync:
             b.ready, b.work = 0, None
 
     def _on_grad(self, p) -> None:
+        b = self.owner[p]
+        if not b.grads_in_place:   # Megatron: the fresh .grad goes into the main gradient and is freed
+            a, e = b.range_of[p]
+            b.grad_flat[a:e].add_(p.grad.reshape(-1))
+            p.grad = None
         c = self.counts.get(p, 0) + 1
         self.counts[p] = c
         if c == self.expected:
-            b = self.owner[p]
             b.ready += 1
             if b.ready == len(b.params):
                 self._launch(b)
@@ -126,10 +175,13 @@ class GradSync:
             self.sp.all_reduce(b.grad_flat)   # blocking: partial norm gradients over the sequence
         if self.dp.size == 1:
             return
+        reduce_dtype = self.policy.grad_reduce
+        t = b.grad_flat if b.grad_flat.dtype == reduce_dtype else b.grad_flat.to(reduce_dtype)
+        b.reducing = None if t is b.grad_flat else t
         if self.zero:
-            b.work = self.dp.reduce_scatter(b.grad_flat, out=b.shard_grad, async_op=True)
+            b.work = self.dp.reduce_scatter(t, out=b.shard_grad, async_op=True)
         else:
-            b.work = self.dp.all_reduce(b.grad_flat, async_op=True)
+            b.work = self.dp.all_reduce(t, async_op=True)
 
     def finish(self) -> None:
         """Wait for every bucket's reduction (charged to dp_comm)."""
@@ -142,29 +194,34 @@ class GradSync:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
+            b.reduced = b.shard_grad if self.zero else b.grad_flat
+            if b.reducing is not None and not self.zero:
+                if b.grad_flat.dtype == torch.float32:   # a bf16-reduced sum back into the fp32 main gradient
+                    b.grad_flat.copy_(b.reducing)
+                else:                                   # the fp32-reduced sum of bf16 gradients
+                    b.reduced = b.reducing
+            if b.reduced is not b.reducing:
+                b.reducing = None
         clock.add("dp_comm", t0, clock.mark())
 
     # ---------------------------------------------------------------- optimizer view
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
-        """What the optimizer updates: one 1-D view per parameter (its part of this rank's shard
-        under ZeRO-1), with the matching gradient view attached.
+        """What the optimizer updates (the parameters, or the fp32 masters; their ZeRO-1 shard),
+        one 1-D view per parameter; grads_to_masters() attaches the matching gradient views."""
+        return [t for _, _, _, t in self.views]
 
-        Per-parameter views rather than one tensor per bucket: AdamW's elementwise passes then
-        run over cache-sized pieces (on CPU a 13 MB flat buffer made the step twice as slow),
-        and padding is never touched. The values are the same either way.
-        """
-        out = []
+    def _attach_grads(self) -> None:
+        for b, lo, hi, t in self.views:
+            g = b.main32 if b.main32 is not None else (b.shard_grad if self.zero else b.grad_flat)
+            t.grad = g[lo:hi] if g.dtype == t.dtype else None
+
+    def grads_to_masters(self) -> None:
+        """After finish(): the reduced gradients in fp32 (a copy only where they are bf16) become
+        the optimizer's gradients."""
         for b in self.buckets:
-            lo, hi = b.shard if self.zero else (0, b.padded)
-            grads = b.shard_grad if self.zero else b.grad_flat
-            for a, e in b.ranges:
-                a2, e2 = max(a, lo), min(e, hi)
-                if a2 < e2:
-                    t = b.param_flat[a2:e2]
-                    t.grad = grads[a2 - lo:e2 - lo]
-                    out.append(t)
-        return out
+            b.main32 = b.reduced if b.reduced.dtype == torch.float32 else b.reduced.float()
+        self._attach_grads()
 
     def grad_sq_sum(self, count_replicated: bool) -> torch.Tensor:
         """Sum of squared gradients this rank is responsible for in the global norm.
@@ -175,8 +232,8 @@ class GradSync:
         """
         total = torch.zeros((), device=self.buckets[0].grad_flat.device if self.buckets else "cpu")
         for b in self.buckets:
-            lo, hi = b.shard if self.zero else (0, b.padded)
-            g = b.shard_grad if self.zero else b.grad_flat
+            lo, hi = b.mine
+            g = b.main32
             for (a, e), spec in zip(b.ranges, b.specs):
                 if spec.shard_dim is None and not count_replicated:
                     continue
@@ -188,17 +245,54 @@ class GradSync:
 
     def scale_grads(self, coef: torch.Tensor) -> None:
         for b in self.buckets:
-            (b.shard_grad if self.zero else b.grad_flat).mul_(coef)
+            b.main32.mul_(coef)
 
-    def gather_params(self) -> None:
-        """ZeRO-1: every rank's updated shard back into the full flat parameters."""
-        if not self.zero:
-            return
+    def refresh_params(self) -> None:
+        """After the step: the parameters from the updated masters (bf16), and under ZeRO-1 every
+        rank's updated shard back into the full flat parameters (an all-gather in their dtype)."""
         for b in self.buckets:
-            self.dp.all_gather(b.param_flat[b.shard[0]:b.shard[1]].clone(), out=b.param_flat)
+            lo, hi = b.mine
+            if self.mixed:
+                with torch.no_grad():
+                    b.param_flat[lo:hi].copy_(b.master)
+            if self.zero:
+                self.dp.all_gather(b.param_flat[lo:hi].clone(), out=b.param_flat)
 
     def zero_grads(self) -> None:
         for b in self.buckets:
             b.grad_flat.zero_()
             if b.shard_grad is not None:
                 b.shard_grad.zero_()
+            b.reducing = b.reduced = b.main32 = None   # the step's copies go
+        self._attach_grads()
+
+    # ---------------------------------------------------------------- state and census
+
+    def full_masters(self) -> dict | None:
+        """bf16: each parameter's fp32 master, whole (ZeRO-1 shards gathered over dp; not counted:
+        a check, not the step); None under fp32, where the parameters are the masters.
+        Collective under ZeRO-1: every DP rank must call it."""
+        if not self.mixed:
+            return None
+        out = {}
+        for b in self.buckets:
+            full = b.master
+            if self.zero:
+                parts = [torch.empty_like(b.master) for _ in range(self.dp.size)]
+                dist.all_gather(parts, b.master, group=self.dp.group)
+                full = torch.cat(parts)
+            for p, (a, e) in zip(b.params, b.ranges):
+                out[p] = full[a:e].view_as(p)
+        return out
+
+    def census_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds, by memory-census category (harness.measure.tensor_census):
+        flat parameters; main gradients, ZeRO-1 shards and any reduction or fp32 copies alive;
+        fp32 masters (bf16 only)."""
+        out = {"parameters": [b.param_flat for b in self.buckets],
+               "gradients": [t for b in self.buckets for t in (b.grad_flat, b.shard_grad, b.reducing, b.reduced,
+                                                              b.main32)]
+                            + [p.grad for p in self.params]}
+        if self.mixed:
+            out["master_parameters"] = [b.master for b in self.buckets]
+        return out

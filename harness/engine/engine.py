@@ -6,6 +6,11 @@ reductions starting from gradient hooks), waits for the DP reductions, then one 
 all-reduce of two numbers (loss contribution, squared gradient norm contribution) gives the
 global loss and the global norm for clipping, and AdamW steps on this rank's parameters (or
 its ZeRO-1 shard of them, followed by an all-gather).
+
+Precision follows the workload's policy (harness.model.training.PrecisionPolicy) Megatron's
+way, not under autocast: under bf16 the model's parameters are bf16 (so are the activations,
+the pipeline transfers and the TP collectives), the main gradients and the DP reduction are in
+grad_accum_dtype and grad_reduce_dtype, and AdamW updates fp32 masters (data_parallel.py).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map, rank_map
 from harness.model.llama import reference_tensor, rotary_tables
-from harness.model.training import autocast_for, make_adamw
+from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.model.training import make_adamw, precision_policy
 from harness.spec import micro_batches_per_step
 
 # Which breakdown category each axis's blocking wait is charged to.
@@ -51,6 +57,7 @@ class Engine3D:
     def __init__(self, spec, shape, ctx):
         w, lay = spec.workload, spec.layout
         self.spec, self.shape, self.device = spec, shape, ctx.device
+        self.policy = precision_policy(w)
         distributed = ctx.backend is not None
         self.mesh = Mesh.get(lay.tp, lay.pp, lay.dp, ctx.rank, distributed)
         c = self.mesh.coord
@@ -72,15 +79,16 @@ class Engine3D:
             named.update(dict(ch.named_parameters()))
         self.params = [named[s.name] for s in self.specs]
         self.grads = GradSync(self.params, self.specs, self.axes["dp"], self.region.sp, lay.zero_stage == 1,
-                              lay.dp_bucket_mb, ctx.device)
+                              lay.dp_bucket_mb, ctx.device, self.policy)
         self.optimizer = make_adamw(self.grads.optimizer_tensors(), w, fused=ctx.device.type == "cuda")
+        self.census = CensusAtStep(self.optimizer, self._census_tensors)
         self.programs = all_programs(lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
                                      lay.pp, self.micro, self.chunks_per_rank)
         seq_local = w.seq_len // lay.tp if sp else w.seq_len
         p2p_mode = lay.pipeline_p2p if lay.pipeline_p2p != "auto" else ("grouped" if ctx.backend == "nccl" else "async")
         self.executor = PipelineExecutor(self.chunks, self.programs, self.axes["pp"], self.clock,
                                          (seq_local, lay.micro_batch_size, shape.hidden), ctx.device,
-                                         lambda: autocast_for(w, ctx.device), p2p_mode)
+                                         self.policy.compute, p2p_mode)
         cos, sin = rotary_tables(w.seq_len, shape.hidden // shape.heads, shape.rope_theta, ctx.device)
         self.cos, self.sin = cos, sin
         self.rank_map = rank_map(lay.tp, lay.pp, lay.dp, _ranks_per_node(ctx))
@@ -104,6 +112,7 @@ class Engine3D:
         self.grads.finish()
 
         t0 = clock.mark()
+        self.grads.grads_to_masters()
         c = self.mesh.coord
         count_loss = c.tp == 0 and c.pp == lay.pp - 1
         count_grads = self.grads.zero or c.dp == 0
@@ -118,7 +127,7 @@ class Engine3D:
             self.grads.scale_grads(coef)
         self.optimizer.step()
         t2 = clock.mark()
-        self.grads.gather_params()          # ZeRO-1 all-gather, charged to dp_comm by its axis
+        self.grads.refresh_params()         # masters -> bf16 parameters; ZeRO-1 all-gather (dp_comm)
         t3 = clock.mark()
         self.grads.zero_grads()
         t_end = clock.mark()
@@ -148,15 +157,17 @@ class Engine3D:
         return self._details
 
     def full_state_dict(self):
-        """Gather every parameter (TP shards concatenated, pipeline stages collected) on rank 0.
+        """Gather every parameter (TP shards concatenated, pipeline stages collected) on rank 0:
+        the fp32 masters under bf16 (as the reference's), the parameters themselves under fp32.
 
         Collective: every rank must call it; rank 0 gets the dict, the others None.
         """
         c = self.mesh.coord
         tp = self.axes["tp"]
+        masters = self.grads.full_masters()
         mine = {}
         for spec, p in zip(self.specs, self.params):
-            t = p.detach().float()
+            t = (masters[p] if masters is not None else p).detach().float()
             if spec.shard_dim is not None and tp.size > 1:
                 parts = [torch.empty_like(t) for _ in range(tp.size)]
                 dist.all_gather(parts, t.contiguous(), group=tp.group)
@@ -174,6 +185,15 @@ class Engine3D:
             out.update(part)
         return out
 
+    def _census_tensors(self) -> dict:
+        return {**self.grads.census_tensors(), "optimizer_states": optimizer_state_tensors(self.optimizer)}
+
+    def memory_census(self) -> dict | None:
+        return self.census.result
+
+    def activation_exclusions(self) -> list:
+        return list(self.params)
+
     def describe(self) -> dict:
         lay = self.spec.layout
         return {
@@ -184,6 +204,7 @@ class Engine3D:
             "p2p_mode": self.executor.mode,
             "micro_batches": self.micro, "sequence_parallel": self.region.sp is not None,
             "zero_stage": lay.zero_stage, "dp_buckets": [b.padded for b in self.grads.buckets],
+            "precision_policy": self.policy.describe(),
             "stages": [{"stage": p.stage, "layers": [p.layers.start, p.layers.stop]} for p in self.plans],
             "rank_map": self.rank_map[:64],
         }

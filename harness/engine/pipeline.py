@@ -13,8 +13,9 @@ Two transfer modes, same compute:
            waited for at once and the sends at STEP. The default on NCCL; layout.pipeline_p2p:
            grouped forces it elsewhere (the gloo tests run it too).
 A chunk that hands over to a chunk on the same rank (pp=1 with virtual stages) passes the
-tensor directly. All transfers are [seq(/tp under SP), micro_batch, hidden] fp32 activations
-or their gradients.
+tensor directly. All transfers are [seq(/tp under SP), micro_batch, hidden] activations or
+their gradients, in the activation dtype (the parameters' dtype of the precision policy: bf16
+under precision bf16, as Megatron sends them).
 """
 
 from __future__ import annotations
@@ -22,20 +23,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.engine.comm import Axis, StepClock, nbytes
+from harness.engine.comm import Axis, StepClock
 from harness.engine.schedules import Action, _label, grouped_programs, send_order
 
 
 class PipelineExecutor:
     def __init__(self, chunks, programs: list[list[Action]], pp_axis: Axis, clock: StepClock,
-                 act_shape: tuple[int, ...], device, autocast, mode: str = "async"):
+                 act_shape: tuple[int, ...], device, act_dtype: torch.dtype, mode: str = "async"):
         self.chunks = chunks
         self.pp = len(programs)
         self.me = pp_axis.index
         self.program = programs[self.me]
         self.axis = pp_axis
         self.clock = clock
-        self.act_shape, self.device, self.autocast = act_shape, device, autocast
+        self.act_shape, self.device, self.act_dtype = act_shape, device, act_dtype
         self.n_chunks = len(chunks)
         self.last_stage = self.pp * self.n_chunks - 1
         self.mode = mode if self.pp > 1 else "async"
@@ -46,7 +47,7 @@ class PipelineExecutor:
     # ---------------------------------------------------------------- transfers
 
     def _buffer(self):
-        return torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+        return torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
 
     def _recv(self, a: Action):
         """Async mode: the wanted message, draining the peer's earlier ones into the buffer."""
@@ -77,11 +78,11 @@ class PipelineExecutor:
             peer = self.axis.ranks[t.peer]
             if t.op == "send":
                 tensor = self.outbox.pop(t.label)
-                self.axis.stats.record(self.axis.name, "send", nbytes(tensor))
+                self.axis.stats.record(self.axis.name, "send", tensor)
                 ops.append(dist.P2POp(dist.isend, tensor, peer, self.axis.group))
             else:
                 tensor = self._buffer()
-                self.axis.stats.record(self.axis.name, "recv", nbytes(tensor))
+                self.axis.stats.record(self.axis.name, "recv", tensor)
                 self.early.setdefault(t.peer, {})[t.label] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.axis.group))
         t0 = self.clock.mark()
@@ -107,8 +108,7 @@ class PipelineExecutor:
         else:
             x = self._recv(Action("RECV_F", a.chunk, a.micro, (stage - 1) % self.pp)).requires_grad_()
         t0 = self.clock.mark()  # after the receive: its wait is pipeline time, not compute
-        with self.autocast():
-            y = self.chunks[a.chunk](x, cos, sin, targets if stage == self.last_stage else None)
+        y = self.chunks[a.chunk](x, cos, sin, targets if stage == self.last_stage else None)
         if stage == self.last_stage:
             y = y * loss_scale
             self.loss_sum += y.detach()

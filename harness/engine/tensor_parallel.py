@@ -8,7 +8,9 @@ one. Without SP: enter = identity forward / all-reduce backward (Megatron's f), 
 all-reduce forward / identity backward (g). With SP (Korthikanti et al. 2022) the norms and
 residuals hold a 1/tp slice of the sequence: enter = all-gather forward / reduce-scatter
 backward, leave = reduce-scatter forward / all-gather backward. Each is one explicit
-collective through comm.Axis, so it is counted.
+collective through comm.Axis, so it is counted. They move activations (or their gradients) in
+the activation dtype, the parameters' (bf16 under precision bf16); only the vocab-parallel
+loss's reductions are fp32 (its math is).
 """
 
 from __future__ import annotations
@@ -81,10 +83,6 @@ class Region:
     def enter(self, x):
         if not self.active:
             return x
-        if torch.is_autocast_enabled(x.device.type):
-            # the projections would cast to the autocast dtype anyway: cast before the
-            # collective (same numbers forward, half the bytes under bf16)
-            x = x.to(torch.get_autocast_dtype(x.device.type))
         return _Gather.apply(x, self.sp) if self.sp else _Copy.apply(x, self.tp)
 
     def leave(self, x):
@@ -123,6 +121,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, axis: Axis, start: int):
+        dtype = logits.dtype
         logits = logits.float()
         row_max = logits.max(dim=-1).values
         axis.all_reduce(row_max, op=dist.ReduceOp.MAX)
@@ -137,6 +136,7 @@ class _VocabParallelCE(torch.autograd.Function):
         picked, sum_exp = both[0], both[1]
         exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(exp, local, outside)
+        ctx.dtype = dtype
         return torch.log(sum_exp) - picked
 
     @staticmethod
@@ -146,7 +146,7 @@ class _VocabParallelCE(torch.autograd.Function):
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local] -= (~outside).to(grad.dtype)
         grad.mul_(g.unsqueeze(-1))
-        return grad, None, None, None
+        return grad.to(ctx.dtype), None, None, None  # as logits.float()'s backward casts it
 
 
 def vocab_parallel_cross_entropy(logits, target, axis: Axis, start: int):
