@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         return int(module.main(args) or 0)
-    except SpecError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except SpecError as e:  # one line, whatever the message holds
+        print("error: " + "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()), file=sys.stderr)
         return 2
 
 

@@ -13,3 +13,11 @@ class SpecError(ValueError):
 class CapabilityError(SpecError):
     """A well-formed layout that the chosen engine cannot run (harness.spec.CAPABILITIES): a
     comparison shows it as a dash with this reason rather than refusing the whole spec."""
+
+
+class StoreError(SpecError):
+    """The results store cannot be read or written: a missing, foreign, newer or read-only file,
+    or a write that failed (a full disk); printed as `error: store: <reason>`."""
+
+    def __init__(self, reason: str):
+        super().__init__("store", reason)

@@ -8,12 +8,17 @@ torchrun starts its workers in sessions of their own, so killing the process gro
 would leave ranks behind. Success is judged from the record the runner wrote, never from
 the exit code (DeepSpeed launches sometimes abort at exit after finishing). Where no record
 exists, one is written here: timeout, oom (CUDA out-of-memory seen in the output) or failed
-with the last lines of output.
+with the last lines of output; a failed run's record names the rank that failed first and how
+(first_failure), ahead of its peers' echoes.
+
+`python -m harness.launch MODULE ARGS...` runs MODULE (the deepspeed launcher's runner) so that
+every process it starts dies with it (fenced): a killed sweep leaves no launcher or rank behind.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import signal
@@ -26,6 +31,7 @@ import time
 import psutil
 import yaml
 
+from harness.errors import SpecError
 from harness.store import ResultsStore, mentions_oom, new_record, now_iso
 
 LAUNCHERS = ("torchrun", "deepspeed", "direct", "srun")
@@ -81,17 +87,65 @@ def build_command(launcher: str, nproc: int, argv: list[str], *, nnodes: int = 1
 
 # ---------------------------------------------------------------- process trees
 
-def _set_parent_death_signal() -> None:
-    """In the child before exec: get SIGTERM if the sweep process dies (even by SIGKILL).
+def _set_parent_death_signal(parent: int | None = None) -> None:
+    """In the child before exec: get SIGTERM if the process that started it (`parent`) dies,
+    even by SIGKILL; exit at once if it already died between fork and this call.
 
-    The launcher (torchrun, deepspeed) forwards SIGTERM to its ranks, so a killed sweep does
-    not leave a run training on its own. Linux only; elsewhere a no-op.
+    torchrun forwards SIGTERM to its ranks; the deepspeed launcher's runner does not, so it runs
+    fenced (fenced()). A killed sweep thus does not leave a run training on its own. Linux only;
+    elsewhere a no-op.
     """
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
+FENCE_MODULE = "harness.launch"
+RANK_EXIT = re.compile(r"^harness\.launch: local rank (\d+) \(pid \d+\) exited with code (-?\d+)$", re.M)
+
+
+def _report_exit(pid: int, rank: str) -> None:
+    """Wait (without reaping: its parent still collects it) for a rank to end; print how it
+    ended unless it succeeded. The first such line names the rank that failed first."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        return
+    code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+    if code:
+        print(f"harness.launch: local rank {rank} (pid {pid}) exited with code {code}", file=sys.stderr, flush=True)
+
+
+def fenced(argv: list[str]) -> None:
+    """Run module argv[0] as __main__ (with argv[1:]) so that every process it starts gets
+    SIGTERM when it dies. On one node the deepspeed launcher's runner installs no signal handler
+    and its child, the per-node launcher (deepspeed.launcher.launch), is not told when the runner
+    dies: killed, it would leave that launcher and the ranks running. Fenced, the runner's death
+    reaches the launcher (started fenced as well), whose SIGTERM handler ends the ranks; and the
+    launcher prints, in order, how each rank that failed ended (RANK_EXIT), which it does not."""
+    import runpy
+    import threading
+
+    class FencedPopen(subprocess.Popen):
+        def __init__(self, args, *rest, **kwargs):
+            if kwargs.get("preexec_fn") is None:
+                kwargs["preexec_fn"] = functools.partial(_set_parent_death_signal, os.getpid())
+            cmd = [str(a) for a in args] if isinstance(args, (list, tuple)) else []
+            if "deepspeed.launcher.launch" in cmd:
+                cmd.insert(cmd.index("deepspeed.launcher.launch"), FENCE_MODULE)
+                args = cmd
+            super().__init__(args, *rest, **kwargs)
+            rank = next((a.split("=", 1)[1] for a in cmd if a.startswith("--local_rank=")), None)
+            if rank is not None:
+                threading.Thread(target=_report_exit, args=(self.pid, rank), daemon=True).start()
+
+    subprocess.Popen = FencedPopen
+    sys.argv = list(argv)
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 
 
 def processes_with_env(name: str, value: str | None = None) -> list[psutil.Process]:
@@ -212,6 +266,42 @@ def error_excerpt(text: str) -> str:
     return (head + "\n---\n" + body) if head else body
 
 
+def _how(code: int) -> str:
+    """An exit status in words: 'killed by SIGKILL (exit code -9)', 'exit code 137 (128 + SIGKILL)'."""
+    try:
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name} (exit code {code})"
+        if code > 128:
+            return f"exit code {code} (128 + {signal.Signals(code - 128).name})"
+    except ValueError:
+        pass
+    return f"exit code {code}"
+
+
+def first_failure(record: dict, output: str) -> dict | None:
+    """The rank that failed first and how: its own report in the record (an exception or an
+    out-of-memory error that is not the echo of a peer's), else what the launcher saw: torchrun's
+    root cause, or the first rank exit the fenced deepspeed launcher printed (RANK_EXIT); a rank
+    killed by a signal cannot report, its peers' lost connections are only echoes of it."""
+    own = [f for f in record.get("rank_failures") or [] if not f.get("echo")]
+    if own:
+        return {"rank": own[0]["rank"], "how": "out of memory" if own[0]["status"] == "oom" else own[0]["error"],
+                "source": "rank"}
+    root = output.rsplit("Root Cause (first observed failure):", 1)
+    found = re.search(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", root[1], re.S) if len(root) == 2 else None
+    source = "torchrun"
+    if found is None:
+        found, source = RANK_EXIT.search(output), "deepspeed launcher"
+    if found is None:
+        return None
+    return {"rank": int(found[1]), "exit_code": int(found[2]), "how": _how(int(found[2])), "source": source}
+
+
+def first_failure_line(cause: dict) -> str:
+    return (f"rank {cause['rank']} failed first: {cause['how']}, per {cause['source']}; "
+            "the errors of its peers below are echoes of it")
+
+
 _CUDA_CACHE: list[bool] = []
 
 
@@ -257,27 +347,34 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
         record["run_id"] = run_id
     run_id = record["run_id"]
     log_dir = log_dir or tempfile.mkdtemp(prefix="harness-logs-")
-    os.makedirs(log_dir, exist_ok=True)
     spec_path = os.path.join(log_dir, f"{run_id}.yaml")
     log_path = os.path.join(log_dir, f"{run_id}.log")
-    with open(spec_path, "w") as f:
-        yaml.safe_dump(spec_dict, f, sort_keys=False)
     argv = ["train", spec_path, "--store", os.path.abspath(store_path), "--run-id", run_id]
     if sweep is not None:
         argv += ["--sweep", sweep]
     if point_key is not None:
         argv += ["--point-key", point_key]
     cmd = build_command(launcher, nproc, argv, nnodes=nnodes, module=module)
+    if launcher == "deepspeed":  # its runner does not pass its own death on: run it fenced
+        cmd[2:2] = [FENCE_MODULE]
     env = run_env(nproc, spec_dict, run_id, extra_env)
     store = ResultsStore(store_path)
+    try:  # a full disk or a read-only log folder stops here, before anything starts
+        os.makedirs(log_dir, exist_ok=True)
+        with open(spec_path, "w") as f:
+            yaml.safe_dump(spec_dict, f, sort_keys=False)
+        log = open(log_path, "wb")
+        log.write((" ".join(cmd) + "\n").encode())
+        log.flush()
+    except OSError as e:
+        raise SpecError("logs", f"cannot write the run's files in {log_dir}: {e}") from None
 
     start = time.monotonic()
     timed_out, lingered, survivors = False, 0.0, []
-    with open(log_path, "wb") as log:
-        log.write((" ".join(cmd) + "\n").encode())
-        log.flush()
+    with log:
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=env, start_new_session=True, preexec_fn=_set_parent_death_signal)
+                                 env=env, start_new_session=True,
+                                 preexec_fn=functools.partial(_set_parent_death_signal, os.getpid()))
         try:
             timed_out, lingered = _wait(popen, store, run_id, timeout_s)
         finally:  # also on KeyboardInterrupt: never leave a run behind
@@ -299,6 +396,11 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
         elif not record.get("error"):
             record["error"] = error_excerpt(output) or f"exit code {popen.returncode}, no output"
         record["ended_at"] = now_iso()
+    cause = None if record["status"] == "ok" or timed_out else first_failure(record, output)
+    if cause is not None:
+        record["first_failure"] = cause
+        if cause["source"] != "rank":  # a rank's own report already leads the error
+            record["error"] = first_failure_line(cause) + "\n---\n" + (record.get("error") or "")
     record["launch"] = {"launcher": launcher, "nproc": nproc, "nnodes": nnodes, "command": cmd,
                         "exit_code": popen.returncode, "wall_s": round(wall, 3), "log": log_path,
                         "timeout_s": timeout_s, "timed_out": timed_out}
@@ -336,3 +438,6 @@ def _wait(popen: subprocess.Popen, store: ResultsStore, run_id: str, timeout_s: 
         if now >= deadline:
             return True, 0.0
 
+
+if __name__ == "__main__":  # python -m harness.launch MODULE ARGS...
+    fenced(sys.argv[1:])

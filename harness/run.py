@@ -22,7 +22,7 @@ from harness.model.flops import flops_per_token
 from harness.model.presets import param_count
 from harness.model.kernels import check_kernels, rmsnorm_backend_name
 from harness.spec import RunSpec, check_world_size, micro_batches_per_step
-from harness.store import ResultsStore, mentions_oom, new_record, now_iso
+from harness.store import ResultsStore, mentions_oom, mentions_peer_failure, new_record, now_iso
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -276,6 +276,11 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
         record["status"] = "oom" if is_oom(exc) else "failed"
         record["error"] = f"rank {ctx.rank}: {type(exc).__name__}: {exc}\n" + traceback.format_exc()[-2000:]
         record["ended_at"] = now_iso()
+        # which rank failed and whether it is the echo of a peer's failure (a lost connection):
+        # the launcher names the rank that died first from these (harness.launch.first_failure)
+        record["rank_failures"] = [{"rank": ctx.rank, "status": record["status"], "at": record["ended_at"],
+                                    "echo": record["status"] != "oom" and mentions_peer_failure(str(exc)),
+                                    "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}]
         store.write(record, keep_earlier_failure=True)  # a peer's echo must not hide the cause
         raise
     record["ended_at"] = now_iso()

@@ -7,6 +7,8 @@ mistake is one line and exit code 2 before anything launches.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from harness.errors import CapabilityError, SpecError
-from harness.model.presets import Shape, resolve_shape
+from harness.model.presets import Shape, param_count, resolve_shape
 
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
@@ -123,11 +125,28 @@ def _coerce(value, tp, name: str):
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise SpecError(name, f"must be a list of {len(args)} numbers")
         return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+    if tp in (int, float) and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        return _number(value, tp, name)
+    if not isinstance(value, tp):
         raise SpecError(name, f"must be {_TYPE_NAMES.get(tp, tp.__name__)}, got {value!r}")
     return value
+
+
+def _number(value, tp, name: str):
+    """An int or float field's value: a number, or a numeric string, as YAML 1.1 reads what users
+    write (`lr: 1e-4` and `seq_len: 1e12` are strings to it); an int must be whole, every number finite."""
+    number = value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = int(text) if text.lstrip("+-").isdigit() else float(text)
+        except ValueError:
+            raise SpecError(name, f"must be {_TYPE_NAMES[tp]}, got {value!r}") from None
+    if isinstance(number, float) and not math.isfinite(number):
+        raise SpecError(name, f"must be a finite number, got {value!r}")
+    if tp is int and not float(number).is_integer():
+        raise SpecError(name, f"must be {_TYPE_NAMES[tp]}, got {value!r}")
+    return int(number) if tp is int else float(number)
 
 
 def _build(cls, raw: dict, prefix: str):
@@ -154,19 +173,76 @@ def parse_spec(raw: dict | None) -> RunSpec:
     if not isinstance(raw, dict):
         raise SpecError("spec", "top level must be a mapping")
     spec = _build(RunSpec, raw, "")
+    shape_types = typing.get_type_hints(Shape)
+    spec.workload.model_overrides = {  # numbers as in the other fields (`layers: 1e9` is a string to YAML 1.1)
+        k: _coerce(v, shape_types[k], f"workload.model_overrides.{k}") if k in shape_types else v
+        for k, v in spec.workload.model_overrides.items()}
     check_sizes(spec)
     return spec
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: where and what (PyYAML's own text spans several lines)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(e, "problem", None) or (str(e).strip().splitlines() or ["unreadable"])[0]
+    return f"not valid YAML: {where}{problem}"
+
+
 def read_yaml(path: str, field: str = "spec"):
-    """A user's YAML file, or a SpecError naming `field` (missing) or the file (malformed)."""
+    """A user's YAML file, or a SpecError naming `field` (missing) or the file (malformed, empty)."""
     if not os.path.isfile(path):
         raise SpecError(field, f"file {path!r} does not exist")
     try:
         with open(path) as f:
-            return yaml.safe_load(f)
+            raw = yaml.safe_load(f)
     except yaml.YAMLError as e:
-        raise SpecError(path, f"not valid YAML: {str(e).splitlines()[0]}") from None
+        raise SpecError(path, yaml_problem(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(path, f"cannot read it: {e}") from None
+    if raw is None:
+        raise SpecError(path, "is empty (no spec in it)")
+    return raw
+
+
+# ---------------------------------------------------------------- other inputs
+
+NAME_MAX = 255  # bytes in one file name (Linux, macOS)
+
+
+def check_positive(value, field: str):
+    """A positive, finite number (a timeout, a peak), or a SpecError naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise SpecError(field, f"must be a positive number, got {value!r}")
+    return value
+
+
+def check_file_name(name, field: str, reserved: int = 0) -> str:
+    """A name that becomes a file or folder name (logs, reports): no path separator, not '.' or
+    '..', and within the file-name limit less `reserved` bytes the harness adds around it."""
+    if not isinstance(name, str) or not name.strip():
+        raise SpecError(field, f"must be a non-empty string, got {name!r}")
+    if any(c in name for c in "/\\\0") or name in (".", ".."):
+        raise SpecError(field, f"{name!r} names files and folders: no '/', '\\' or NUL, not '.' or '..'")
+    if len(name.encode()) > NAME_MAX - reserved:
+        raise SpecError(field, f"is {len(name.encode())} bytes long; it names files, so at most "
+                               f"{NAME_MAX - reserved} bytes")
+    return name
+
+
+def check_output_path(path: str, field: str, directory: bool) -> None:
+    """Where a command will write (a report folder, an export file): refused before any work if
+    it cannot be written there (a missing folder, a file where a folder goes, or the reverse)."""
+    full = os.path.abspath(path)
+    if directory and os.path.exists(full) and not os.path.isdir(full):
+        raise SpecError(field, f"{path} is a file; give a folder")
+    if not directory and os.path.isdir(full):
+        raise SpecError(field, f"{path} is a folder; give a file name")
+    folder = full if directory and os.path.isdir(full) else os.path.dirname(full)
+    if not os.path.isdir(folder):
+        raise SpecError(field, f"folder {os.path.dirname(path) or folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SpecError(field, f"folder {folder} cannot be written")
 
 
 def load_spec(path: str | None) -> RunSpec:
@@ -236,12 +312,79 @@ def check_sizes(spec: RunSpec) -> Shape:
         if micro < lay.pp:
             raise CapabilityError("layout.pipeline_schedule", f"torch's Schedule1F1B needs at least pp={lay.pp} "
                                                               f"micro-batches, the workload gives {micro}")
+    check_fits_a_machine(spec, shape)
+    if w.data.kind == "file":
+        check_token_file(w, shape)
     for name in ("grad_accum_dtype", "grad_reduce_dtype"):
         if w.precision == "fp32" and getattr(w, name) != "fp32":
             raise SpecError(f"workload.{name}", "bf16 gradients need precision: bf16")
     check_capabilities(lay)
     check_precision_policy(w, lay)
     return shape
+
+
+# More than any one process of any machine holds: a spec beyond it is a typo (seq_len: 1e12), not a run.
+MAX_BYTES_PER_DEVICE = 64 * 2**40
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if n < 1024 or unit == "EiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return ""
+
+
+def check_fits_a_machine(spec: RunSpec, shape: Shape) -> None:
+    """Refuse sizes no machine can hold, with the estimate: the training state (fp32 weights,
+    gradients and Adam's two moments: 16 B a parameter) sharded over every device, plus one
+    micro-batch's activations (34 B per token, hidden unit and layer: Korthikanti et al. 2022),
+    its logits and the global batch of int64 tokens each rank builds. A generous lower bound."""
+    w, lay = spec.workload, spec.layout
+    world, tokens = lay.tp * lay.pp * lay.dp, lay.micro_batch_size * w.seq_len
+    params = param_count(shape)
+    parts = {
+        "workload.model_overrides" if w.model_overrides else "workload.model":
+            (params * 16 // world, f"{params:.3g} parameters x 16 B over {world} devices"),
+        "workload.seq_len": (tokens * shape.hidden * shape.layers * 34 // (lay.tp * lay.pp)
+                             + tokens * shape.vocab * 4 // lay.tp + w.global_batch_size * (w.seq_len + 1) * 8,
+                             f"activations and logits of {lay.micro_batch_size} x {w.seq_len} tokens"),
+    }
+    total = sum(b for b, _ in parts.values())
+    if total > MAX_BYTES_PER_DEVICE:
+        field = max(parts, key=lambda k: parts[k][0])
+        raise SpecError(field, f"needs about {_size(total)} per device ("
+                               + "; ".join(f"{why}: {_size(b)}" for b, why in parts.values())
+                               + f"), more than any machine holds ({_size(MAX_BYTES_PER_DEVICE)})")
+
+
+def check_token_file(w: Workload, shape: Shape) -> None:
+    """A token file that matches its spec: the dtype `harness data prepare` wrote in <file>.json,
+    a whole number of tokens, a vocabulary within the model's, and at least one global batch."""
+    path, dtype = w.data.path, w.data.dtype
+    meta_path = path + ".json"
+    if os.path.isfile(meta_path):
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SpecError("workload.data.path", f"cannot read {meta_path}: {e}") from None
+        meta = meta if isinstance(meta, dict) else {}
+        if meta.get("dtype") not in (None, dtype):
+            raise SpecError("workload.data.dtype", f"{dtype}, but {meta_path} (written by harness data prepare) "
+                                                   f"says the file holds {meta['dtype']} tokens")
+        vocab = meta.get("vocab_size")
+        if isinstance(vocab, int) and vocab > shape.vocab:
+            raise SpecError("workload.data.path", f"its tokens come from a vocabulary of {vocab} ({meta_path}), "
+                                                  f"larger than the model's {shape.vocab}")
+    size, item = os.path.getsize(path), 2 if dtype == "uint16" else 4
+    if size % item:
+        raise SpecError("workload.data.path", f"{path} has {size} bytes, not a whole number of {dtype} tokens "
+                                              f"({item} bytes each): a wrong dtype or a cut-off file")
+    need = w.global_batch_size * (w.seq_len + 1)
+    if size // item < need:
+        raise SpecError("workload.data.path", f"{path} holds {size // item} tokens, fewer than one global batch "
+                                              f"of {w.global_batch_size} x (seq_len {w.seq_len} + 1) = {need}")
 
 
 # Which engine runs which layout: per engine, rules checked in order, each (field, takes(layout),

@@ -25,11 +25,17 @@ def main(args) -> int:
     from harness.compare.orchestrate import run_comparison
     from harness.compare.spec import load_compare_spec
     from harness.report.compare import write_report
+    from harness.spec import check_output_path, check_positive
+    from harness.store import check_store
 
     cs = load_compare_spec(args.spec)  # every run is checked here: SpecError -> exit 2, nothing launched
-    if args.timeout:
-        cs.timeout_s = args.timeout
+    if args.timeout is not None:
+        cs.timeout_s = check_positive(args.timeout, "--timeout")
     store = args.store or cs.store or "results.sqlite"
+    check_store(store)
+    check_output_path(args.out, "--out", directory=True)
+    if args.logs:
+        check_output_path(args.logs, "--logs", directory=True)
     print(f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
           f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})", file=sys.stderr)
     summary = run_comparison(cs, store_path=store, log_dir=args.logs, progress=not args.no_progress)

@@ -14,7 +14,9 @@ def add_arguments(p):
 
 def main(args) -> int:
     from harness.data.prepare import prepare
+    from harness.spec import check_output_path
 
+    check_output_path(args.out, "--out", directory=False)
     meta = prepare(args.inputs, args.out, args.tokenizer, args.text_key)
     print(f"wrote {meta['tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "
           f"tokenizer {meta['tokenizer']}) to {args.out}; set workload.data: "

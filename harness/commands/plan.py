@@ -85,11 +85,15 @@ def main(args) -> int:
     from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
 
     profile = load_profile(args.hardware)
+    if args.calibrate_out:
+        from harness.spec import check_output_path
+
+        check_output_path(args.calibrate_out, "--calibrate-out", directory=False)
     if args.calibrate or args.calibrate_csv:
         return _calibrate(args, profile)
     _need(args, "model", "seq-len", "global-batch-size", "gpus")
     shape = resolve_shape(args.model, field="--model")
-    gpn = args.gpus_per_node or profile.gpus_per_node
+    gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node  # 0 is refused, not the default
     wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
     attention = en.parse_list(args.attention, ATTENTION, "--attention",
                               [a for a in en.DEFAULTS["attention"] if a in profile.attention_kernels])

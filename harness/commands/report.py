@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import sys
 
 from harness.errors import SpecError
 
@@ -19,16 +19,25 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     from harness.report.build import build_report
-    from harness.store import ResultsStore
+    from harness.spec import check_output_path
+    from harness.store import ResultsStore, check_store
 
-    if not os.path.isfile(args.store):
-        raise SpecError("--store", f"{args.store!r} does not exist")
+    check_store(args.store, write=False)
+    check_output_path(args.out, "--out", directory=True)
     store = ResultsStore(args.store)
     records = []
     for name in args.sweep or [None]:
         records += store.records(sweep=name)
+    if store.skipped_note():
+        print(store.skipped_note(), file=sys.stderr)
     if not records:
         raise SpecError("--sweep" if args.sweep else "--store", "no records to report on")
+    if args.timeline_run:
+        chosen = {r["run_id"] for r in records if str(r.get("run_id")).startswith(args.timeline_run)}
+        if len(chosen) != 1:
+            raise SpecError("--timeline-run", f"{args.timeline_run!r} is the start of "
+                                              f"{'no' if not chosen else len(chosen)} run ids of these records"
+                                              + ("" if not chosen else ": give more of it"))
     title = args.title or ("Sweep report: " + ", ".join(args.sweep) if args.sweep else "Layout sweep report")
     paths = build_report(records, args.out, title=title, baselines_dir=args.baselines,
                          timeline_run=args.timeline_run)

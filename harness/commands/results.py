@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from harness.errors import SpecError
@@ -20,14 +19,22 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from harness.store import ResultsStore, export
+    from harness.spec import check_output_path
+    from harness.store import ResultsStore, check_store, export
 
-    if not os.path.isfile(args.store):
-        raise SpecError("--store", f"{args.store!r} does not exist")
-    text = export(ResultsStore(args.store).records(sweep=args.sweep, status=args.status), args.format)
+    check_store(args.store, write=False)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        check_output_path(args.out, "--out", directory=False)
+    store = ResultsStore(args.store)
+    text = export(store.records(sweep=args.sweep, status=args.status), args.format)
+    if store.skipped_note():
+        print(store.skipped_note(), file=sys.stderr)
+    if args.out:
+        try:
+            with open(args.out, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise SpecError("--out", f"cannot write {args.out}: {e}") from None
     else:
         sys.stdout.write(text)
     return 0

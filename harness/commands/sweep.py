@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
-from harness.errors import SpecError
-from harness.store import STATUSES, ResultsStore
+from harness.errors import SpecError, StoreError
+from harness.spec import check_output_path, check_positive
+from harness.store import STATUSES, ResultsStore, check_store
 from harness.sweep.execute import run_sweep
-from harness.sweep.expand import describe, expand, pending
+from harness.sweep.expand import describe, drop_summary, expand, pending
 from harness.sweep.slurm import collect, submit_slurm, write_slurm
 from harness.sweep.spec import SWEEP_LAUNCHERS, load_sweep
 
@@ -32,6 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--store", help="results store (default: the spec's store)")
     p.add_argument("--retry", default="", metavar="STATUSES",
                    help="comma-separated statuses to run again, e.g. failed,timeout (default: none)")
+    p.add_argument("--logs", help="directory for the points' logs (default: <store dir>/harness-logs/<sweep name>)")
     p.add_argument("--job-dir", help="Slurm: where the job array and its task stores live "
                                      "(default: <store dir>/harness-slurm/<sweep name>)")
     p.add_argument("--no-submit", action="store_true", help="Slurm: write the job script, do not sbatch it")
@@ -53,18 +56,25 @@ def main(args) -> int:
     spec = load_sweep(args.target[0])
     store = args.store or spec.store
     launcher = args.launcher or spec.launcher
-    timeout = args.timeout if args.timeout is not None else spec.timeout_s
-    if timeout <= 0:
-        raise SpecError("--timeout", "must be positive")
+    timeout = check_positive(args.timeout, "--timeout") if args.timeout is not None else spec.timeout_s
     retry = tuple(s for s in args.retry.split(",") if s)
     bad = [s for s in retry if s not in STATUSES]
     if bad:
         raise SpecError("--retry", f"unknown status {bad[0]!r}")
+    if not (args.dry_run and not os.path.exists(store)):
+        check_store(store, write=not args.dry_run)
+    if args.logs:
+        check_output_path(args.logs, "--logs", directory=True)
     points, drops = expand(spec)
     done = ResultsStore(store).completed_points(spec.name) if os.path.exists(store) else {}
     if args.dry_run:
         print(describe(points, drops, {k: v for k, v in done.items() if v not in retry}))
         return 0
+    if not points:  # a sweep that would run nothing is a mistake, not a success
+        raise SpecError("sweep", f"all {len(drops)} points were dropped (first: {drops[0].reason if drops else '-'}); "
+                                 "see --dry-run")
+    for line in drop_summary(points, drops):
+        print(line, file=sys.stderr)
     if launcher == "slurm":
         todo = pending(points, done, retry)
         script = write_slurm(spec, todo, _job_dir(args, spec, store), timeout_s=timeout)
@@ -76,10 +86,13 @@ def main(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` or a scheduler: clean up like Ctrl-C
     try:
         counts = run_sweep(spec, launcher=launcher, store_path=store, timeout_s=timeout, retry=retry,
-                              progress=not args.no_progress)
+                           log_dir=args.logs, progress=not args.no_progress)
     except KeyboardInterrupt:
         print("\ninterrupted: every finished point is in the store; run the same command to resume")
         return 130
+    except StoreError as e:  # a full disk: stop, with every finished point kept
+        raise StoreError(f"{e.reason}; the sweep stopped: run the same command to resume once the store "
+                         "can be written (it merges that file back)") from None
     print("done: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + f"  (store {store})")
     return 0
 

@@ -23,9 +23,13 @@ def main(args) -> int:
     from harness import runtime
     from harness.run import run
     from harness.report.summary import summary_lines
-    from harness.spec import load_spec
+    from harness.spec import check_positive, load_spec
+    from harness.store import check_store
 
     spec = load_spec(args.spec)
+    if args.peak_tflops is not None:
+        check_positive(args.peak_tflops, "--peak-tflops")
+    check_store(args.store or spec.store)  # before the process group forms: nothing has started
     ctx = runtime.init(spec.workload.device)
     try:
         record = run(spec, ctx, store_path=args.store, run_id=args.run_id, sweep=args.sweep,

@@ -114,7 +114,7 @@ def _int(raw: dict, key: str, default):
 
 def parse_compare_spec(raw) -> CompareSpec:
     from harness.frameworks.ds_config import resolve_path, validate
-    from harness.spec import check_world_size, parse_spec
+    from harness.spec import check_file_name, check_positive, check_world_size, parse_spec
 
     if not isinstance(raw, dict):
         raise SpecError("spec", "top level must be a mapping")
@@ -124,11 +124,14 @@ def parse_compare_spec(raw) -> CompareSpec:
     name = str(raw.get("name") or "compare")
     if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise SpecError("name", "letters, digits, '-', '_' and '.' only (it names the report files)")
+    check_file_name(name, "name", reserved=len("harness-compare--") + 12)  # its log folder: name + an id
     nproc = _int(raw, "nproc", 2)
     parity_steps = _int(raw, "parity_steps", 5)
-    timeout_s = raw.get("timeout_s", 600)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise SpecError("timeout_s", "must be a positive number")
+    timeout_s = check_positive(raw.get("timeout_s", 600), "timeout_s")
+    if not isinstance(raw.get("reference", True), bool):
+        raise SpecError("reference", f"must be true or false, got {raw['reference']!r}")
+    if raw.get("store") is not None and (not isinstance(raw["store"], str) or not raw["store"].strip()):
+        raise SpecError("store", f"must be a file path, got {raw['store']!r}")
     workload = raw.get("workload") or {}
     if not isinstance(workload, dict):
         raise SpecError("workload", "must be a mapping")

@@ -21,7 +21,7 @@ from harness.model.presets import Shape, resolve_shape
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import Layout, Workload
 from harness.planner.timing import step_features, theta_from_profile
-from harness.store import ResultsStore
+from harness.store import ResultsStore, check_store
 
 RIDGE = 0.01         # weight of the pull towards the literature value, per constant (relative)
 MIN_SHARE = 0.01      # a constant is fitted only if its work is >= 1% of some measured step
@@ -120,8 +120,9 @@ def calibrate_from_records(records: list[dict], base_profile: Profile) -> tuple[
 
 def read_store(path: str) -> list[dict]:
     """The successful records of a results store (the only ones calibration uses)."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise SpecError("--calibrate", f"results store {path!r} does not exist")
+    check_store(path, write=False)  # a directory, a foreign or a newer store: one `error: store:` line
     try:
         return ResultsStore(path).records(status="ok")
     except sqlite3.Error as e:

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from harness.errors import SpecError
+from harness.spec import yaml_problem
 from harness.planner.layout import ATTENTION
 
 PROFILE_DIR = Path(__file__).with_name("hardware")
@@ -113,7 +114,7 @@ def load_profile(name_or_path: str) -> Profile:
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise SpecError("--hardware", f"cannot parse {path}: {e}") from None
+        raise SpecError("--hardware", f"{path}: {yaml_problem(e)}") from None
     return _from_dict(raw, str(path))
 
 

@@ -2,10 +2,14 @@
 
 Every record is committed to the store when its run ends, so killing the sweep loses nothing
 and running it again resumes where it stopped (and, with retry, runs chosen statuses again).
+One sweep runs once per store at a time (sweep_lock); a record the store could not take (a full
+disk) is merged back from its fallback file when the sweep runs again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 
@@ -21,14 +25,54 @@ def sweep_id(sweep: SweepSpec, store_path: str) -> str:
     return hashlib.sha256(f"{sweep.name}\0{os.path.abspath(store_path)}".encode()).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def sweep_lock(sweep: SweepSpec, store_path: str):
+    """Hold an advisory lock (flock) on `<store>.<sweep_id>.lock` while the sweep runs: a second
+    instance of the same sweep on the same store is refused, naming the pid that holds it, since
+    both would run every point, timed while competing for the machine. The lock file is removed
+    when released; one that was removed while being opened is opened again."""
+    path = f"{os.path.abspath(store_path)}.{sweep_id(sweep, store_path)}.lock"
+    while True:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)  # a store in a folder still to be made
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SpecError("store", f"cannot create the sweep's lock file {path}: {e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise SpecError("sweep", f"{sweep.name} is already running on {store_path} (pid {holder})") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass  # the pid is only for the message; the lock holds without it
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
 def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: float,
               retry: tuple[str, ...] = (), log_dir: str | None = None, progress: bool = True,
               echo=print) -> dict[str, int]:
     """Run every pending point, one after another; returns counts per status.
 
     Each point's record is committed by the time its run_spec returns. A failure, OOM or
-    timeout is recorded and the sweep goes on. Orphans of an earlier, killed sweep process
-    of the same sweep and store are killed first, so they cannot write a second attempt.
+    timeout is recorded and the sweep goes on; a record the store cannot take (StoreError: a
+    full disk) stops it, with that record in its fallback file. Orphans of an earlier, killed
+    sweep process of the same sweep and store are killed first, so they cannot write a second
+    attempt; a second instance of the sweep on the store is refused (sweep_lock).
     """
     if launcher not in launch.LOCAL_LAUNCHERS:
         raise SpecError("--launcher", f"{launcher!r} cannot run points from here")
@@ -38,7 +82,17 @@ def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: fl
         raise SpecError("--launcher", "direct runs one process; this sweep needs "
                                       f"{sweep.gpus}: use torchrun or deepspeed")
     points, _ = expand(sweep)
+    with sweep_lock(sweep, store_path):
+        return _run_points(sweep, points, launcher=launcher, store_path=store_path, timeout_s=timeout_s,
+                           retry=retry, log_dir=log_dir, progress=progress, echo=echo)
+
+
+def _run_points(sweep: SweepSpec, points: list, *, launcher: str, store_path: str, timeout_s: float,
+                retry: tuple[str, ...], log_dir: str | None, progress: bool, echo) -> dict[str, int]:
     store = ResultsStore(store_path)
+    merged = store.recover_fallback()
+    if merged:
+        echo(f"merged {merged} records that the store could not take earlier from its fallback file")
     sid = sweep_id(sweep, store_path)
     reaped = launch.reap_orphans_of_dead_sweeps(sid)
     if reaped:

@@ -161,6 +161,19 @@ def describe(points: list[Point], drops: list[Drop], done: dict[str, str] | None
     return "\n".join(lines)
 
 
+def drop_summary(points: list[Point], drops: list[Drop]) -> list[str]:
+    """What a partly dropped sweep says before it starts: one line per kind of reason (the field a
+    check named, an exclude or include rule, a duplicate) with how many and the first of them."""
+    kinds: dict[str, list[str]] = {}
+    for d in drops:
+        head = d.reason.split(":", 1)[0]
+        kinds.setdefault(head if " " not in head else " ".join(d.reason.split()[:3]), []).append(d.reason)
+    total = len(points) + len(drops)
+    return [f"note: sweep: {len(reasons)} of {total} points dropped: {reasons[0]}"
+            + (f" (and {len(reasons) - 1} more like it)" if len(reasons) > 1 else "") + "; see --dry-run"
+            for reasons in kinds.values()]
+
+
 def pending(points: list[Point], done: dict[str, str], retry: tuple[str, ...] = ()) -> list[Point]:
     """Points without a record (or whose recorded status is one the user asked to retry)."""
     return [p for p in points if p.key not in done or done[p.key] in retry]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from harness.errors import SpecError
 from harness.launch import LOCAL_LAUNCHERS
-from harness.spec import Layout, Workload, read_yaml
+from harness.spec import Layout, Workload, check_file_name, check_positive, read_yaml
 
 SWEEP_KEYS = ("name", "gpus", "nodes", "launcher", "timeout_s", "store", "env", "workload", "layout",
               "grid", "include", "exclude", "points", "slurm", "description")
@@ -78,10 +78,12 @@ def parse_sweep(raw, default_name: str = "sweep") -> SweepSpec:
     for key in raw:
         _require(key in SWEEP_KEYS, f"sweep.{key}", f"unknown key; allowed: {', '.join(SWEEP_KEYS)}")
     _require("gpus" in raw, "sweep.gpus", "required: the world size of every point")
-    s = SweepSpec(name=str(raw.get("name") or default_name), gpus=raw["gpus"])
+    s = SweepSpec(name=check_file_name(str(raw.get("name") or default_name), "sweep.name"), gpus=raw["gpus"])
     for key in SWEEP_KEYS[1:]:
         if key in raw and raw[key] is not None:
             setattr(s, key, raw[key])
+    _require(isinstance(s.store, str) and bool(s.store.strip()), "sweep.store",
+             f"must be a file path, got {s.store!r}")
     for key in ("gpus", "nodes"):
         v = getattr(s, key)
         _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"sweep.{key}",
@@ -89,13 +91,17 @@ def parse_sweep(raw, default_name: str = "sweep") -> SweepSpec:
     _require(s.gpus % s.nodes == 0, "sweep.gpus", f"{s.gpus} GPUs do not split over {s.nodes} nodes")
     _require(s.launcher in SWEEP_LAUNCHERS, "sweep.launcher",
              f"{s.launcher!r} is not one of {', '.join(SWEEP_LAUNCHERS)}")
-    _require(isinstance(s.timeout_s, (int, float)) and s.timeout_s > 0, "sweep.timeout_s", "must be positive")
+    check_positive(s.timeout_s, "sweep.timeout_s")
     for key in ("env", "workload", "layout", "grid", "slurm"):
         _require(isinstance(getattr(s, key), dict), f"sweep.{key}", "must be a mapping")
     for key in ("include", "exclude", "points"):
         v = getattr(s, key)
         _require(isinstance(v, list) and all(isinstance(e, dict) for e in v), f"sweep.{key}",
                  "must be a list of mappings")
+    for i, point in enumerate(s.points):  # a point's own limits are checked now, not when it is reached
+        if point.get("timeout_s") is not None:
+            check_positive(point["timeout_s"], f"sweep.points[{i}].timeout_s")
+        _require(isinstance(point.get("env") or {}, dict), f"sweep.points[{i}].env", "must be a mapping")
     for axis, values in s.grid.items():
         _require(isinstance(values, list) and values, f"sweep.grid.{axis}", "must be a non-empty list")
         if not all(isinstance(v, dict) for v in values):
