@@ -442,7 +442,13 @@ PolicyRule = tuple[str, typing.Callable[["Workload", "Layout"], bool], str]
 PRECISION_LIMITS: dict[str, list[PolicyRule]] = {
     "single": [],
     "own": [],
-    "deepspeed": [],
+    "deepspeed": [
+        ("grad_accum_dtype",
+         lambda w, l: w.precision != "bf16" or l.pp == 1 or l.zero_stage != 0 or w.grad_accum_dtype == "bf16",
+         "DeepSpeed's pipeline engine without ZeRO (pp > 1, zero_stage 0) accumulates bf16 parameters' gradients "
+         "in bf16 only (deepspeed/runtime/engine.py, _do_optimizer_sanity_check: 'unsupported mix'); set "
+         "zero_stage: 1 (its BF16_Optimizer accumulates in fp32) or grad_accum_dtype: bf16"),
+    ],
     "fsdp": [
         ("grad_accum_dtype", lambda w, l: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),
          "FSDP2 accumulates gradients over micro-batches either in the fp32 sharded gradient (reducing every "

@@ -80,6 +80,9 @@ CONTRADICTIONS = [
     (lambda c: c["optimizer"].update(type="Lamb"), "optimizer.type", "AdamW"),
     (lambda c: c["zero_optimization"].update(stage=3), "zero_optimization.stage", "zero_stage"),
     (lambda c: c.update(scheduler={"type": "WarmupLR"}), "scheduler", "constant"),
+    (lambda c: c["data_types"].update(grad_accum_dtype="bf16"), "data_types.grad_accum_dtype", "grad_accum_dtype"),
+    (lambda c: c.update(communication_data_type="bf16"), "communication_data_type", "grad_reduce_dtype"),
+    (lambda c: c["data_types"].update(param_dtype="bf16"), "data_types.param_dtype", "precision"),
 ]
 
 
@@ -90,6 +93,71 @@ def test_contradicting_value_refused(tmp_path, edit, key, reason):
         build_config(ds_spec(2, path), device_type="cpu")
     assert e.value.field.endswith(f"my_ds.json: {key}")
     assert reason in e.value.reason
+
+
+def bf16_spec(stage=1, ds_config="", **workload):
+    spec = ds_spec(stage, ds_config)
+    spec.workload.precision = "bf16"
+    for k, v in workload.items():
+        setattr(spec.workload, k, v)
+    return spec
+
+
+@pytest.mark.parametrize("accum,reduce", [("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "fp32"), ("bf16", "bf16")])
+def test_precision_policy_filled(accum, reduce):
+    """bf16: DeepSpeed's keys follow the workload's policy, and no step may be skipped."""
+    cfg, _, filled = build_config(bf16_spec(grad_accum_dtype=accum, grad_reduce_dtype=reduce), device_type="cpu")
+    assert cfg["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    assert cfg["data_types"]["grad_accum_dtype"] == accum
+    assert cfg["communication_data_type"] == reduce
+    assert {"data_types.grad_accum_dtype", "communication_data_type", "bf16.check_grad_overflow"} <= set(filled)
+
+
+def test_fp32_policy_filled():
+    cfg, _, _ = build_config(ds_spec(2), device_type="cpu")
+    assert cfg["data_types"]["grad_accum_dtype"] == "fp32" and cfg["communication_data_type"] == "fp32"
+    assert cfg["bf16"]["enabled"] is False
+
+
+def test_deepspeed_spellings_of_a_dtype_accepted(tmp_path):
+    path = write_config(tmp_path, lambda c: (c["data_types"].update(grad_accum_dtype="float32", param_dtype="bfloat16"),
+                                             c.update(communication_data_type="BF16")))
+    cfg, _, _ = build_config(bf16_spec(2, path, grad_reduce_dtype="bf16"), device_type="cpu")
+    assert cfg["data_types"]["grad_accum_dtype"] == "float32" and cfg["communication_data_type"] == "BF16"
+
+
+def test_contradicting_policy_refused(tmp_path):
+    path = write_config(tmp_path, lambda c: c.update(communication_data_type="fp32"))
+    with pytest.raises(SpecError) as e:
+        build_config(bf16_spec(2, path, grad_reduce_dtype="bf16"), device_type="cpu")
+    assert e.value.field.endswith("my_ds.json: communication_data_type")
+    assert "grad_reduce_dtype = 'bf16'" in e.value.reason
+
+
+def test_skipping_steps_refused_under_bf16(tmp_path):
+    """bf16.check_grad_overflow true would let ZeRO-1/2 skip a step the reference applies."""
+    path = write_config(tmp_path, lambda c: c["bf16"].update(check_grad_overflow=True))
+    with pytest.raises(SpecError) as e:
+        build_config(bf16_spec(2, path), device_type="cpu")
+    assert e.value.field.endswith("my_ds.json: bf16.check_grad_overflow")
+    assert "skip a step" in e.value.reason
+    build_config(ds_spec(2, path), device_type="cpu")  # fp32: bf16 is off, the key does nothing
+
+
+def test_a_skipped_step_stops_the_run():
+    """BF16_Optimizer and ZeRO-3 skip a step with a non-finite gradient norm whatever the config
+    says (measured: ZeRO-1 and ZeRO-3 bf16 with lr 1e36); the adapter raises instead of passing it."""
+    from types import SimpleNamespace
+
+    from harness.frameworks.deepspeed_common import DeepSpeedBase
+
+    engine = object.__new__(DeepSpeedBase)
+    engine.engine, engine.optimizer = SimpleNamespace(skipped_steps=0, global_steps=1), object()
+    engine._skipped_steps = 0
+    engine.check_step_applied()
+    engine.engine.skipped_steps, engine.engine.global_steps = 1, 2
+    with pytest.raises(RuntimeError, match="skipped the optimizer step of step 1"):
+        engine.check_step_applied()
 
 
 def test_explicit_matching_value_accepted(tmp_path):
@@ -155,10 +223,15 @@ def test_zero_stages_match_single_device_reference():
     ref_losses, ref_state = reference()
     for lay, result in zip(layouts, results[:-1], strict=True):
         assert_matches_reference(result, ref_losses, ref_state, str(lay))
-    # bf16: DeepSpeed's bf16 weights + fp32 master vs the reference's autocast: close, not equal
+    # bf16: the same policy on both sides (bf16 parameters, fp32 masters, fp32 accumulation and
+    # reduction); the order of bf16 sums differs: close, not equal
     bf16_ref, _ = reference_run({**WORKLOAD, "precision": "bf16"}, STEPS, micro_batch_size=2)
     assert_matches_reference(results[-1], bf16_ref, None, "ZeRO-3 bf16", rtol=1e-3)
-    assert "fp32 master" in results[-1]["describe"]["precision_note"]
+    d = results[-1]["describe"]
+    assert d["precision_policy"].startswith("bf16 parameters for compute, fp32 master parameters")
+    assert "precision_note" not in d
+    assert d["precision_config"].endswith("communication_data_type fp32, bf16.check_grad_overflow false "
+                                          "-> DeepSpeedZeroOptimizer_Stage3")
     assert results[0]["describe"]["optimizer"].endswith("AdamW")
     assert results[2]["describe"]["zero_stage"] == 3
     assert results[3]["describe"]["activation_checkpointing"].startswith("deepspeed.checkpointing")

@@ -11,7 +11,7 @@ One launch per world size runs all of that world's layouts in sequence.
 
 import pytest
 
-from harness.errors import SpecError
+from harness.errors import CapabilityError, SpecError
 from harness.frameworks.ds_config import build_config
 from harness.spec import parse_spec
 from harness.testing.reference import assert_matches_reference, reference_run
@@ -77,7 +77,8 @@ def test_matches_single_device_reference(launched, reference, world, index):
     d = result["describe"]
     assert (d["tp"], d["pp"], d["dp"]) == (layout.get("tp", 1), layout.get("pp", 1), layout.get("dp", 1))
     assert d["zero_stage"] == layout.get("zero_stage", 0)
-    assert d["precision_note"] == "fp32 throughout, as the reference"
+    assert d["precision_policy"].startswith("fp32 throughout")
+    assert "precision_note" not in d
     assert d["optimizer"].endswith("AdamW")
     if layout.get("pp", 1) > 1:
         assert "balanced_partition" in d["pipeline"]["partition"]
@@ -134,6 +135,33 @@ def test_refused_before_launch(layout, field, reason):
         parse_spec(ds_layout(**layout))
     assert e.value.field == field
     assert reason in e.value.reason
+
+
+def test_pipeline_without_zero_refuses_fp32_accumulation_of_bf16():
+    """DeepSpeed raises 'unsupported mix' for bf16 parameters with fp32 accumulation and no ZeRO:
+    the spec refuses it first, with the way out; bf16 accumulation or ZeRO-1 are accepted."""
+    spec = ds_layout(pp=2)
+    spec["workload"] = {**spec["workload"], "precision": "bf16"}
+    with pytest.raises(CapabilityError) as e:
+        parse_spec(spec)
+    assert e.value.field == "workload.grad_accum_dtype"
+    assert "zero_stage: 1" in e.value.reason and "grad_accum_dtype: bf16" in e.value.reason
+    parse_spec({**spec, "workload": {**spec["workload"], "grad_accum_dtype": "bf16"}})
+    parse_spec({**spec, "layout": {**spec["layout"], "zero_stage": 1}})
+
+
+def test_precision_refusal_through_cli(tmp_path, cli):
+    """One line, exit code 2, before anything launches."""
+    import yaml
+
+    spec = ds_layout(pp=2)
+    spec["workload"] = {**spec["workload"], "precision": "bf16", "device": "cpu"}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    r = cli("train", "spec.yaml", "--store", str(tmp_path / "r.sqlite"), cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: workload.grad_accum_dtype: DeepSpeed's pipeline "
+                                                         "engine without ZeRO"), r.stderr
+    assert "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=2, dp=2, zero_stage=1, activation_checkpointing="full"),

@@ -13,9 +13,16 @@ What is the same as the reference (harness/frameworks/single.py):
   - AdamW with the workload's hyperparameters, global-norm clipping, constant learning rate.
     On CPU the optimizer is torch.optim.AdamW (`torch_adam`), the reference's own; on GPU it is
     DeepSpeed's FusedAdam, DeepSpeed's best (CPUAdam with optimizer offload).
+  - the precision policy (workload.precision, grad_accum_dtype, grad_reduce_dtype): under bf16
+    both compute with bf16 parameters and keep fp32 masters and Adam states; DeepSpeed is
+    configured to it through bf16.enabled, data_types.grad_accum_dtype, communication_data_type
+    and bf16.check_grad_overflow false (ds_config.py), and describe() says how
+    (precision_policy: the reference's sentence; precision_config: DeepSpeed's keys and the
+    wrapper they chose). Losses agree within ~5e-5 relative (tests/test_census_deepspeed.py).
 What differs, and is said in describe():
-  - bf16: DeepSpeed keeps bf16 parameters and gradients with fp32 master weights in the
-    optimizer; the reference runs fp32 weights under torch.autocast. Losses differ ~1e-4.
+  - how much each ZeRO stage holds beside the policy's minimum (memory_census(), by category and
+    dtype; deepspeed_common.py has the closed forms): e.g. BF16_Optimizer at ZeRO-1 keeps every
+    bf16 .grad and an fp32 gradient buffer of the whole model;
   - activation checkpointing `full` uses deepspeed.checkpointing.checkpoint per block;
     `selective` is the model's own attention-core recomputation (DeepSpeed has no such mode).
   - tp > 1: AutoTP shards the block's linears (deepspeed_tp.py); embedding and LM head stay
@@ -85,6 +92,7 @@ class DeepSpeedEngine(DeepSpeedBase):
                 _ds_checkpointed_layers(model, deepspeed.checkpointing.checkpoint)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                                  config=self.config, mpu=mpu)
+        self.after_initialize()
         if ckpt == "full":
             configure_checkpointing(self.config, self.engine.mpu)
         # named after initialize: AutoTP (and ZeRO-3 under it) may have replaced parameters
@@ -132,6 +140,7 @@ class DeepSpeedEngine(DeepSpeedBase):
             self.engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
             self.engine.step()  # the optimizer steps at the accumulation boundary only
             total += loss.detach().float()
+        self.check_step_applied()
         total /= len(micro)
         # every rank of a tp group holds the same loss: the mean over all ranks is the dp mean
         dist.all_reduce(total, op=dist.ReduceOp.SUM)

@@ -1,6 +1,26 @@
 """What both DeepSpeed engines share (deepspeed_adapter: ZeRO with AutoTP; deepspeed_pipe: the
 pipeline engine): the config, DeepSpeed's communication on the harness's process group, this
-rank's micro-batches, the weights gathered on rank 0, and the common part of describe().
+rank's micro-batches, the weights gathered on rank 0, the memory census, the check that no step
+was skipped, and the common part of describe().
+
+The precision policy (harness.model.training.PrecisionPolicy) reaches DeepSpeed through its
+config (ds_config.py): bf16.enabled, data_types.grad_accum_dtype, communication_data_type and
+bf16.check_grad_overflow false. What DeepSpeed 0.19.8 then holds on a rank under bf16 (P
+parameters, d data-parallel ranks; read from runtime/zero/stage_1_and_2.py, bf16_optimizer.py,
+zero/stage3.py):
+  ZeRO-1, grad_accum fp32: BF16_Optimizer - flat bf16 parameters (2P), the bf16 .grad of every
+      parameter (2P, zeroed by backward_prologue, never freed), an fp32 gradient buffer of the
+      whole model (4P, all-reduced in communication_data_type), fp32 master partition 4P/d,
+      Adam 8P/d;
+  ZeRO-1/2, grad_accum bf16, and ZeRO-2 fp32: DeepSpeedZeroOptimizer - flat bf16 parameters
+      2P, at the step the master partition's fp32 gradient (4P/d; ZeRO-1 keeps the bf16 .grad
+      of the partition's parameters until then), fp32 master partition 4P/d, Adam 8P/d;
+  ZeRO-3: DeepSpeedZeroOptimizer_Stage3 - bf16 partitions 2P/d (parameters under
+      stage3_param_persistence_threshold stay whole), a gradient partition buffer in
+      grad_accum_dtype (P/d elements), the master's fp32 gradient (4P/d), the reduce bucket
+      (reduce_bucket_size elements of communication_data_type, held from init), fp32 master
+      4P/d, Adam 8P/d.
+tests/test_census_deepspeed.py checks these closed forms against the census.
 """
 
 from __future__ import annotations
@@ -10,6 +30,34 @@ import torch.distributed as dist
 
 from harness.data.source import dp_slice, micro_batches
 from harness.frameworks.ds_config import build_config
+from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.model.training import precision_policy
+
+# Where DeepSpeed's optimizer wrappers keep what they hold (attributes of BF16_Optimizer,
+# DeepSpeedZeroOptimizer (ZeRO-1/2) and DeepSpeedZeroOptimizer_Stage3), by census category.
+_WRAPPER_PARAMETERS = ("bf16_groups_flat", "bit16_groups_flat", "lp_param_buffer")
+_WRAPPER_GRADIENTS = ("fp32_groups_gradients_flat",                       # BF16_Optimizer
+                      "averaged_gradients", "all_grad_tensors", "grads_in_partition",  # ZeRO-1/2
+                      "grad_partitions_flat_buffer")                      # ZeRO-3
+_WRAPPER_MASTERS = ("fp32_groups_flat_partition", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+
+
+def _tensors(*objs):
+    """Every tensor in tensors, lists, tuples and dicts of them (None skipped); a ZeRO-1/2
+    GradPartitionBufferGroup (a list of views) also gives its flat partition."""
+    for x in objs:
+        if x is None:
+            continue
+        if torch.is_tensor(x):
+            yield x
+            continue
+        flat = getattr(x, "flat_partition", None)
+        if torch.is_tensor(flat):
+            yield flat
+        if isinstance(x, dict):
+            yield from _tensors(*x.values())
+        elif isinstance(x, (list, tuple)):
+            yield from _tensors(*x)
 
 
 def _quiet_deepspeed() -> None:
@@ -87,8 +135,60 @@ class DeepSpeedBase:
                                                                   device_type=ctx.device.type)
         _quiet_deepspeed()
         self.stage = self.config["zero_optimization"]["stage"]
+        self.policy = precision_policy(spec.workload)
         _init_deepspeed_comm(ctx)
         self.engine = self.optimizer = None  # set by the engine built on this
+        self.census = None
+
+    def after_initialize(self) -> None:
+        """Once deepspeed.initialize has built self.engine: the census at the first step of the
+        torch optimizer that updates this rank's fp32 masters (DeepSpeed's basic optimizer,
+        inside its wrapper), and the count of skipped steps so far."""
+        self.census = CensusAtStep(self.engine.basic_optimizer, self.census_tensors)
+        self._skipped_steps = self.engine.skipped_steps
+
+    def check_step_applied(self) -> None:
+        """DeepSpeed skips an optimizer step whose gradient norm is not finite in BF16_Optimizer
+        and ZeRO-3 whatever bf16.check_grad_overflow says (ZeRO-1/2 obey it: false). The
+        reference never skips one, so a skipped step stops the run instead of passing silently."""
+        if self.engine.skipped_steps != self._skipped_steps:
+            raise RuntimeError(f"DeepSpeed skipped the optimizer step of step {self.engine.global_steps - 1} "
+                               f"(counting from 0; {type(self.optimizer).__name__}: the gradient norm was not finite); "
+                               f"the reference applies every step, so the runs would no longer be comparable")
+
+    # ------------------------------------------------------------------ memory census
+
+    def census_tensors(self) -> dict[str, list]:
+        """The tensors DeepSpeed holds on this rank, by census category (harness.measure.
+        tensor_census keeps each storage once, in the first category naming it: a parameter
+        partition that is its own master - fp32 ZeRO-3, the pipeline without ZeRO - counts as a
+        parameter). Module parameters (ZeRO-3: their ds_tensor partitions; a released full
+        parameter holds no storage) and the wrapper's flat bf16 buffers; gradients: every .grad
+        and grad_accum of the module's parameters, the wrapper's accumulation and partition
+        buffers, its reduce buckets, the masters' .grad; the masters; the basic optimizer's state."""
+        opt, basic = self.optimizer, self.engine.basic_optimizer
+        params = list(self.engine.module.parameters())
+        masters = list(_tensors(*(getattr(opt, a, None) for a in _WRAPPER_MASTERS)))
+        masters += [p for group in basic.param_groups for p in group["params"]]
+        parameters = [getattr(p, "ds_tensor", None) for p in params] + params
+        parameters += list(_tensors(*(getattr(opt, a, None) for a in _WRAPPER_PARAMETERS)))
+        gradients = [p.grad for p in params] + [getattr(p, "grad_accum", None) for p in params]
+        gradients += list(_tensors(*(getattr(opt, a, None) for a in _WRAPPER_GRADIENTS)))
+        for bucket in (getattr(opt, "ipg_buckets", None) or {}).values():
+            gradients += list(_tensors(getattr(bucket, "buffer", None)))
+        gradients += [m.grad for m in masters]
+        return {"parameters": parameters, "gradients": gradients, "master_parameters": masters,
+                "optimizer_states": optimizer_state_tensors(basic)}
+
+    def memory_census(self) -> dict | None:
+        return self.census.result if self.census is not None else None
+
+    def activation_exclusions(self) -> list:
+        """The parameters (ZeRO-3: their partitions and the persistent whole ones). ZeRO-3's
+        gathered full parameters exist only inside the forward, after SavedActivations has taken
+        its exclusions: what autograd saves of them counts as activations."""
+        params = list(self.engine.module.parameters())
+        return params + [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]
 
     def local_micro_batches(self, global_batch: torch.Tensor, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(inputs, targets) of this data-parallel rank's micro-batches: its contiguous slice of
@@ -106,7 +206,7 @@ class DeepSpeedBase:
         return {}
 
     def describe_common(self) -> dict:
-        lay, w = self.spec.layout, self.spec.workload
+        lay = self.spec.layout
         opt = getattr(self.engine, "basic_optimizer", None) or self.optimizer
         d = {
             "framework": "deepspeed",
@@ -125,10 +225,17 @@ class DeepSpeedBase:
             "not_measured": "time breakdown, communication counts, pipeline bubble/timeline "
                             "(DeepSpeed exposes them only through its synchronising wall_clock_breakdown timers)",
         }
-        if w.precision == "bf16":
-            d["precision_note"] = ("DeepSpeed bf16: bf16 parameters, activations and gradients, fp32 master "
-                                   "weights and optimizer state; the reference runs fp32 weights under "
-                                   "torch.autocast(bf16)")
-        else:
-            d["precision_note"] = "fp32 throughout, as the reference"
+        d["precision_policy"] = self.policy.describe()
+        d["precision_config"] = self.precision_config()
         return d
+
+    def precision_config(self) -> str:
+        """How DeepSpeed was configured to the policy: its keys as set, and the wrapper they chose."""
+        c = self.config
+        bf16 = c.get("bf16") or {}
+        keys = [f"bf16.enabled {str(bool(bf16.get('enabled'))).lower()}",
+                f"data_types.grad_accum_dtype {c['data_types']['grad_accum_dtype']}",
+                f"communication_data_type {c['communication_data_type']}"]
+        if bf16.get("enabled"):
+            keys.append(f"bf16.check_grad_overflow {str(bf16.get('check_grad_overflow')).lower()}")
+        return f"{', '.join(keys)} -> {type(self.optimizer).__name__}"

@@ -149,6 +149,7 @@ class DeepSpeedPipelineEngine(DeepSpeedBase):
             _count_every_stage_in_clipping(module)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=self.config)
+        self.after_initialize()
         if ckpt == "full":
             configure_checkpointing(self.config, None)  # no tensor parallelism under the pipeline
         self.dp_rank = self.engine.grid.get_data_parallel_rank()
@@ -157,6 +158,7 @@ class DeepSpeedPipelineEngine(DeepSpeedBase):
         micro = self.local_micro_batches(global_batch, self.dp_rank)
         # the mean over micro-batches and data-parallel ranks, broadcast from the last stage
         loss = self.engine.train_batch(data_iter=iter(micro))
+        self.check_step_applied()
         return float(loss)
 
     def full_state_dict(self):

@@ -13,6 +13,20 @@ Workload-owned keys (explicit values must equal the workload's):
   gradient_accumulation_steps      = global_batch_size / (dp x micro_batch_size)
   gradient_clipping                = workload.grad_clip
   bf16.enabled                     = precision == bf16   (fp16.enabled must be false)
+  data_types.grad_accum_dtype      = workload.grad_accum_dtype (fp32 under precision fp32): the
+                                   dtype gradients are summed in over micro-batches. With bf16 at
+                                   ZeRO-1 fp32 selects DeepSpeed's BF16_Optimizer (fp32 gradient
+                                   buffer of the whole model), bf16 its ZeRO optimizer (runtime/
+                                   engine.py, _do_optimizer_sanity_check)
+  communication_data_type          = workload.grad_reduce_dtype (fp32 under precision fp32): the
+                                   dtype of the data-parallel gradient reduction (DeepSpeed's
+                                   default would be the parameters' dtype, bf16)
+  bf16.check_grad_overflow         = false under bf16: DeepSpeed's ZeRO-1/2 optimizer would skip
+                                   a step whose gradients are not finite, which the reference
+                                   never does. (BF16_Optimizer and ZeRO-3 skip such a step
+                                   whatever this says; the adapter then stops the run with an
+                                   error, deepspeed_common.DeepSpeedBase.check_step_applied.)
+  data_types.param_dtype           = the precision, when given (DeepSpeed asserts the same)
   optimizer.type                   = AdamW (or Adam with adam_w_mode true)
   optimizer.params.lr/betas/eps/weight_decay = workload.optimizer
   optimizer.params.torch_adam      auto: true on CPU (torch.optim.AdamW, the reference's
@@ -77,6 +91,16 @@ def load_raw(path: str) -> dict:
     return raw
 
 
+# DeepSpeed's spellings of a dtype (runtime/config.py: DtypeEnum; communication_data_type
+# takes fp32/bf16/fp16 in any case)
+_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+                  "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
+
+
+def _same_dtype(a, b) -> bool:
+    return isinstance(a, str) and _DTYPE_ALIASES.get(a.lower()) == b
+
+
 def _same(a, b) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b or a == b and type(a) is type(b)
@@ -92,8 +116,9 @@ class _Filler:
         self.name, self.cfg = name, cfg
         self.filled: list[str] = []
 
-    def own(self, dotted: str, value, what: str, required: bool = True):
-        """Set a workload-owned key: fill "auto"/missing, refuse an explicit different value."""
+    def own(self, dotted: str, value, what: str, required: bool = True, same=None):
+        """Set a workload-owned key: fill "auto"/missing, refuse an explicit different value
+        (`same(explicit, value)` decides equality where DeepSpeed accepts several spellings)."""
         parent, key = self._parent(dotted, create=required)
         if parent is None:
             return
@@ -102,7 +127,7 @@ class _Filler:
                 parent[key] = value
                 self.filled.append(dotted)
             return
-        if not _same(parent[key], value):
+        if not (same or _same)(parent[key], value):
             raise SpecError(f"{self.name}: {dotted}", f"{parent[key]!r} contradicts the workload's {what} = {value!r}; "
                                                       f"use \"auto\" or {value!r}")
 
@@ -150,6 +175,7 @@ def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | 
           f"global_batch_size / (dp x micro_batch_size) = {w.global_batch_size} / ({dp} x {lay.micro_batch_size})")
     f.own("gradient_clipping", float(w.grad_clip), "grad_clip")
     f.own("bf16.enabled", w.precision == "bf16", f"precision ({w.precision})")
+    _precision_policy(f, cfg, w)
     fp16 = cfg.get("fp16", {})
     if isinstance(fp16, dict) and fp16.get("enabled") not in (None, False, AUTO):
         raise SpecError(f"{name}: fp16.enabled", f"the workload's precision is {w.precision}; fp16 is not offered")
@@ -227,6 +253,28 @@ def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | 
     cfg.setdefault("steps_per_print", 10 ** 9)
     cfg.setdefault("wall_clock_breakdown", False)
     return cfg, file, f.filled
+
+
+def _precision_policy(f: _Filler, cfg: dict, w) -> None:
+    """DeepSpeed's keys for the workload's precision policy (harness/model/training.py,
+    PrecisionPolicy): what gradients accumulate in, what they are reduced in, no skipped steps."""
+    bf16 = w.precision == "bf16"
+    accum = w.grad_accum_dtype if bf16 else "fp32"
+    reduce = w.grad_reduce_dtype if bf16 else "fp32"
+    f.own("data_types.grad_accum_dtype", accum, "grad_accum_dtype", same=_same_dtype)
+    f.own("communication_data_type", reduce, "grad_reduce_dtype", same=_same_dtype)
+    f.own("data_types.param_dtype", w.precision, "precision", required=False, same=_same_dtype)
+    section = cfg.get("bf16")
+    if bf16 or isinstance(section, dict) and section.get("check_grad_overflow") == AUTO:
+        parent, _ = f._parent("bf16.check_grad_overflow", create=True)
+        explicit = parent.get("check_grad_overflow", AUTO)
+        if explicit == AUTO:
+            parent["check_grad_overflow"] = False
+            f.filled.append("bf16.check_grad_overflow")
+        elif explicit is not False:
+            raise SpecError(f"{f.name}: bf16.check_grad_overflow",
+                            f"{explicit!r} would let DeepSpeed skip a step whose gradients are not finite; the "
+                            f"reference never skips one: use \"auto\" or false")
 
 
 def _device_type(requested: str) -> str:
