@@ -253,7 +253,9 @@ class SavedActivations:
 
     def _pack(self, t):
         t_local = _local(t)
-        if t_local.device.type != "meta":
+        # parameters by identity too: ZeRO-3 gathers full parameters into storages that did not
+        # exist when this context opened (DeepSpeed marks them with ds_id)
+        if t_local.device.type != "meta" and not isinstance(t, torch.nn.Parameter) and not hasattr(t, "ds_id"):
             storage = t_local.untyped_storage()
             key = storage.data_ptr()
             if key not in self.skip:
@@ -280,8 +282,10 @@ class CensusAtStep:
 
     def __init__(self, optimizer, tensors):
         self.tensors, self.result = tensors, None
-        self._handle = optimizer.register_step_post_hook(self._take)
+        # kept registered (a no-op after the first step): removing a hook while the optimizer
+        # iterates its hooks would break any hook registered after this one
+        optimizer.register_step_post_hook(self._take)
 
     def _take(self, optimizer, args, kwargs) -> None:
-        self.result = tensor_census(self.tensors())
-        self._handle.remove()
+        if self.result is None:
+            self.result = tensor_census(self.tensors())

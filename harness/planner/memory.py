@@ -194,3 +194,59 @@ def worst_stage_memory(shape: Shape, lay: Layout, wl: Workload) -> tuple[int, di
 
 def fits(total_bytes: float, profile: Profile) -> bool:
     return total_bytes <= profile.memory_gib * GIB
+
+
+def model_states(params: float, engine: str, zero_stage: int, precision: str, dp: int,
+                 grad_accum: str = "fp32", grad_reduce: str = "fp32",
+                 reduce_bucket_elements: float = 0.0) -> dict[str, dict[str, float]]:
+    """Bytes per category and dtype of the model states one rank of `engine` holds at the optimizer
+    step, for `params` parameters on the rank, under the workload's precision policy: the same
+    categories as a run's measured memory census (harness.measure.tensor_census), so a prediction
+    and a census compare term by term (tests/test_planner_census.py). Adam's step counters and
+    alignment padding are left out (under 1%)."""
+    P, d, B = float(params), dp, {"fp32": 4, "bf16": 2}
+    mixed = precision == "bf16"
+    acc, red = (grad_accum, grad_reduce) if mixed else ("fp32", "fp32")
+    out: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "master_parameters": {},
+                                        "optimizer_states": {}}
+
+    def add(category: str, dtype: str, elements: float) -> None:
+        if elements:
+            out[category][dtype] = out[category].get(dtype, 0.0) + elements * B[dtype]
+
+    if engine == "fsdp":  # the sharded fp32 parameters are the master; the gathered bf16 ones are gone
+        add("parameters", "fp32", P / d)
+        add("gradients", "fp32", P / d)
+        add("optimizer_states", "fp32", 2 * P / d)
+        return out
+    if engine in ("own", "single"):  # harness/engine/data_parallel.py (Megatron's layout)
+        shard = P / d if zero_stage >= 1 and d > 1 else P
+        add("parameters", "bf16" if mixed else "fp32", P)
+        add("gradients", acc, P)  # the main gradients
+        if zero_stage >= 1 and d > 1:
+            add("gradients", red, P / d)  # the reduce-scatter output
+            if red != "fp32":
+                add("gradients", "fp32", P / d)  # the optimizer's fp32 copy of it
+        elif acc != "fp32":
+            add("gradients", "fp32", P)  # the fp32 reduced gradient the masters step with
+        if mixed:
+            add("master_parameters", "fp32", shard)
+        add("optimizer_states", "fp32", 2 * shard)
+        return out
+    if engine == "deepspeed" and zero_stage >= 1:  # ds_configs/README.md, "Precision": what each stage holds
+        add("master_parameters", "fp32", P / d)  # a clone of the partition, fp32 workloads too
+        add("optimizer_states", "fp32", 2 * P / d)
+        if zero_stage == 3:
+            add("parameters", "bf16" if mixed else "fp32", P / d)
+            add("gradients", acc, P / d)  # the partition's accumulation buffer
+            add("gradients", "fp32", P / d)  # the fp32 partition gradient the optimizer steps with
+            add("gradients", red, reduce_bucket_elements)  # the reduce bucket, held for the run
+            return out
+        add("parameters", "bf16" if mixed else "fp32", P)
+        if mixed and zero_stage == 1 and acc == "fp32":  # BF16_Optimizer
+            add("gradients", "bf16", P)  # every .grad, zeroed but kept
+            add("gradients", "fp32", P)  # its whole-model fp32 accumulation buffer
+        else:
+            add("gradients", "fp32", P / d)
+        return out
+    raise ValueError(f"no model-state model for engine {engine!r} at ZeRO stage {zero_stage}")
