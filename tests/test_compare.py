@@ -194,6 +194,7 @@ def test_matrix_shows_every_layout_under_every_engine_with_reasons(tmp_path):
     md = open(write_report(summary, str(tmp_path))["markdown"]).read()
     assert "## Layouts by engine" in md and "## Where the step goes" in md
     assert "| own dp4 | not measured | not measured |" in md  # the fake records carry no breakdown
+    assert "## Memory census" in md and md.count("| not measured | not measured | not measured | not measured |") >= 7
 
 
 def test_precision_policy_is_stated_once_and_an_engine_that_differs_is_flagged(tmp_path):
@@ -205,6 +206,8 @@ def test_precision_policy_is_stated_once_and_an_engine_that_differs_is_flagged(t
         rec = launch(spec, **kw)
         if kw["point_key"] == "deepspeed ZeRO-1":
             rec["metrics"]["engine"]["precision_policy"] = "bf16 something else"
+        rec["metrics"].update(parameter_count=2 ** 20, activations_saved_bytes=3 * 2 ** 20,
+                              memory_census={"parameters": {"fp32": 4 * 2 ** 20}, "master_parameters": {}})
         return rec
 
     summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=odd_launch)
@@ -213,6 +216,7 @@ def test_precision_policy_is_stated_once_and_an_engine_that_differs_is_flagged(t
     assert md.count(POLICY_FP32) == 1 and "Precision policy, the same for every run" in md
     assert "- deepspeed ZeRO-1: ran another precision policy: bf16 something else" in md
     assert "FSDP2 reshard: ran another" not in md
+    assert "| FSDP2 reshard | fp32 4.00 MiB (4.00P) | none | none | none | 3.00 MiB |" in md
 
 
 def test_matrix_dash_for_a_combination_not_listed(tmp_path):

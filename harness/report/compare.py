@@ -116,6 +116,33 @@ def breakdown_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     return header, out
 
 
+CENSUS_TEXT = ("Bytes rank 0 held at its first optimizer step, by category and dtype, counted from the tensors "
+               "the engine really holds (each storage once), and in multiples of the model's parameter count P; "
+               "activations: what autograd saved for backward, per micro-batch. What a framework holds beyond the "
+               "policy is shown as it is.")
+
+
+def _census_cell(by_dtype: dict | None, params: int | None) -> str:
+    if not by_dtype:
+        return "none" if by_dtype is not None else NOT_MEASURED
+    return ", ".join(f"{dtype} {n / 2**20:,.2f} MiB" + (f" ({n / params:.2f}P)" if params else "")
+                     for dtype, n in sorted(by_dtype.items()))
+
+
+def census_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Each run's memory census (rank 0) and saved activations; 'not measured' where absent."""
+    categories = ("parameters", "gradients", "master_parameters", "optimizer_states")
+    header = ["run"] + [c.replace("_", " ") for c in categories] + ["activations saved / micro-batch"]
+    rows = []
+    for r in summary["runs"]:
+        m = r.get("metrics") or {}
+        census, params, act = m.get("memory_census"), m.get("parameter_count"), m.get("activations_saved_bytes")
+        rows.append([r["label"]] + [_census_cell(census.get(c, {}) if census is not None else None, params)
+                                    for c in categories]
+                    + [f"{act / 2**20:,.2f} MiB" if act is not None else NOT_MEASURED])
+    return header, rows
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     esc = lambda x: str(x).replace("|", "\\|")  # noqa: E731
     return ["| " + " | ".join(map(esc, header)) + " |", "|" + "---|" * len(header)] + \
@@ -200,6 +227,8 @@ def markdown(summary: dict) -> str:
     out += ["## Layouts by engine", "", MATRIX_TEXT, ""] + _md_table(header, rows) + [""]
     header, rows = breakdown_rows(summary)
     out += ["## Where the step goes", "", BREAKDOWN_TEXT, ""] + _md_table(header, rows) + [""]
+    header, rows = census_rows(summary)
+    out += ["## Memory census", "", CENSUS_TEXT, ""] + _md_table(header, rows) + [""]
     load = summary.get("load_average") or {}
     if load.get("before"):
         out += [f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
@@ -306,6 +335,7 @@ def html_page(summary: dict) -> str:
                  "model shape (not a framework profiler); n/a where the device has no datasheet peak.</p>")
     parts.append(f"<h2>Layouts by engine</h2><p>{_h(MATRIX_TEXT)}</p>" + _html_table(*layout_matrix(summary)))
     parts.append(f"<h2>Where the step goes</h2><p>{_h(BREAKDOWN_TEXT)}</p>" + _html_table(*breakdown_rows(summary)))
+    parts.append(f"<h2>Memory census</h2><p>{_h(CENSUS_TEXT)}</p>" + _html_table(*census_rows(summary)))
     load = summary.get("load_average") or {}
     if load.get("before"):
         parts.append(f"<p>Machine load average (1/5/15 min) before the runs: {_h(load['before'])}, after: "
