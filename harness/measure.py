@@ -197,8 +197,15 @@ CENSUS_CATEGORIES = ("parameters", "gradients", "master_parameters", "optimizer_
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank really holds (a DTensor's local shard)."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    """The tensor this rank really holds: a DTensor's local shard, the result inside a pending
+    functional collective (AsyncCollectiveTensor.elem)."""
+    while True:
+        inner = getattr(t, "_local_tensor", None)
+        if inner is None:
+            inner = getattr(t, "elem", None)
+        if not isinstance(inner, torch.Tensor):
+            return t
+        t = inner
 
 
 def _dtype_key(dtype: torch.dtype) -> str:

@@ -92,3 +92,31 @@ def test_deepspeed_style_local_rank_argument_is_accepted(tmp_path, cli):
     path.write_text(yaml.safe_dump({"workload": {"seq_len": 16, "global_batch_size": 2, "steps": 2, "warmup_steps": 0}}))
     r = cli("train", "--local_rank=0", str(path), "--no-progress", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+
+
+def _trainer_steps(ctx, layouts):
+    from harness.run import Trainer
+
+    out = []
+    for lay in layouts:
+        spec = parse_spec({"workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 1,
+                                        "warmup_steps": 0, "precision": "fp32", "device": "cpu"},
+                           "layout": {"micro_batch_size": 2, **lay}})
+        trainer = Trainer(spec, ctx, spec.shape(), progress=False)
+        trainer.step(0)
+        out.append((trainer.activations_saved_bytes, trainer.engine.memory_census()))
+    return out
+
+
+@pytest.mark.slow
+def test_parallel_layouts_of_every_engine_run_through_the_trainer():
+    """The runner's first step counts saved activations and takes the census: that must work on
+    DTensor (TP/SP), pipelining stages and AutoTP shards, not only on plain tensors."""
+    from harness.testing.spawn import spawn
+
+    layouts = [{"engine": "own", "tp": 2, "sequence_parallel": True}, {"engine": "fsdp", "tp": 2},
+               {"engine": "fsdp", "tp": 2, "sequence_parallel": True}, {"engine": "fsdp", "pp": 2},
+               {"engine": "deepspeed", "tp": 2, "zero_stage": 1}]
+    for lay, (activations, census) in zip(layouts, spawn(_trainer_steps, 2, layouts, timeout_s=300), strict=True):
+        assert activations and activations > 0, lay
+        assert census and census["parameters"]["fp32"] > 0, lay
