@@ -14,7 +14,6 @@ optimizer, where bf16 parameters get an fp32 main_grad buffer and fp32 master sh
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +55,6 @@ def make_adamw(params, workload, **kw):
     o = workload.optimizer
     return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                              weight_decay=o.weight_decay, **kw)
-
-
-def autocast_for(workload, device: torch.device):
-    """Kept for engines that still compute under autocast over fp32 weights (none should)."""
-    if workload.precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 class MasterWeights:
