@@ -1,6 +1,7 @@
 """Argument parsing only: each subcommand lives in its own module, imported when used.
 
-A subcommand module exposes `add_arguments(parser)` and `main(args) -> int`. A SpecError
+A subcommand module exposes `add_arguments(parser)` and `main(args) -> int`, and may set
+DESCRIPTION and EXAMPLES (its --help text above and below the options). A SpecError
 anywhere (a user mistake) becomes one line `error: <field>: <reason>` and exit code 2.
 """
 
@@ -25,15 +26,51 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+EXAMPLES = """\
+examples:
+  harness train --set workload.steps=5             # one run of the tiny default on this machine
+  harness compare                                  # every engine on this machine, parity-checked
+  harness plan --model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64
+  harness COMMAND --help                           # a command's options and examples"""
+
+
+def version() -> str:
+    """The installed distribution's version (whatever the distribution is named), else the source's."""
+    from importlib import metadata
+
+    for dist in metadata.packages_distributions().get("harness", []):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return sys.modules["harness"].__version__  # the package this module is in: loaded already
+
+
+class _Version(argparse.Action):
+    """--version, looked up only when asked for."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=kw.get("help"))
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"harness {version()}")
+        parser.exit()
+
+
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | None]:
-    parser = argparse.ArgumentParser(prog="harness", description=__doc__.splitlines()[0])
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="harness", description=__doc__.splitlines()[0], epilog=EXAMPLES,
+                                     formatter_class=raw)
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     module = None
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (modname, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=raw)
         if name == wanted:  # import only the module that runs: `harness plan` must not pay for torch
             module = importlib.import_module(modname)
+            p.description = getattr(module, "DESCRIPTION", help_text)
+            p.epilog = getattr(module, "EXAMPLES", None)
             module.add_arguments(p)
     return parser, module
 

@@ -257,6 +257,31 @@ def classify_output(text: str, timed_out: bool) -> str:
     return "failed"
 
 
+ERROR_LINE = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s*|\d+:\s*)?(error: .*\S)\s*$", re.M)
+
+
+def first_error_line(text: str | None) -> str:
+    """The first `error: <field>: <reason>` line a run printed (a refusal by its preflight, a
+    user mistake: harness.cli prints it and exits 2), '' if none; a launcher's rank prefix
+    (`[rank0]: `, `0: `) is dropped. This is the cause; the launcher's `exitcode: 2` is not."""
+    found = ERROR_LINE.search(text or "")
+    return found[1][:500] if found else ""
+
+
+def lead_with_error_line(record: dict, output: str) -> None:
+    """A failed run's record: `error_line` is the first `error:` line of its output, and its
+    error starts with that line (every view shows the error's first line)."""
+    if record.get("status") == "ok":
+        return
+    line = first_error_line(output) or first_error_line(record.get("error"))
+    if not line:
+        return
+    record["error_line"] = line
+    error = record.get("error") or ""
+    if not error.startswith(line):
+        record["error"] = line + ("\n---\n" + error if error else "")
+
+
 def error_excerpt(text: str) -> str:
     """The lines that explain a failure: the last exception line first, then the tail."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -315,6 +340,19 @@ def _has_cuda() -> bool:
     return _CUDA_CACHE[0]
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity, e.g. a Slurm allocation), else all."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads_per_process(nproc: int) -> int:
+    """OMP_NUM_THREADS for each of `nproc` ranks sharing this machine's cores."""
+    return max(1, cpu_cores() // max(1, nproc))
+
+
 def run_env(nproc: int, spec_dict: dict, token: str, extra_env: dict | None) -> dict:
     env = dict(os.environ)
     env.update({k: str(v) for k, v in (extra_env or {}).items()})
@@ -324,7 +362,7 @@ def run_env(nproc: int, spec_dict: dict, token: str, extra_env: dict | None) -> 
     on_cpu = device == "cpu" or (device == "auto" and not _has_cuda())
     if on_cpu and "OMP_NUM_THREADS" not in env:
         # the deepspeed launcher leaves it unset and torchrun sets 1: both are wrong on CPU
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        env["OMP_NUM_THREADS"] = str(threads_per_process(nproc))
     return env
 
 
@@ -401,6 +439,7 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
         record["first_failure"] = cause
         if cause["source"] != "rank":  # a rank's own report already leads the error
             record["error"] = first_failure_line(cause) + "\n---\n" + (record.get("error") or "")
+    lead_with_error_line(record, output)
     record["launch"] = {"launcher": launcher, "nproc": nproc, "nnodes": nnodes, "command": cmd,
                         "exit_code": popen.returncode, "wall_s": round(wall, 3), "log": log_path,
                         "timeout_s": timeout_s, "timed_out": timed_out}

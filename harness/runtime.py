@@ -47,7 +47,36 @@ def adopt_slurm_env() -> None:
     os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = _first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("MASTER_PORT", str(slurm_master_port()))
+
+
+# MASTER_PORT of a Slurm job: unprivileged and below Linux's ephemeral range (32768-60999).
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 10000, 22768
+
+
+def slurm_master_port(env=None) -> int:
+    """The rendezvous port of a Slurm job, derived from its job id and array task id so that two
+    jobs, or two tasks of one job array, sharing a node do not collide on one fixed port; every
+    rank of the job derives the same one. 29500 outside a job.
+
+    In an array: SLURM_ARRAY_JOB_ID (the same for every task) + SLURM_ARRAY_TASK_ID, so the tasks
+    of one array get consecutive, distinct ports; otherwise SLURM_JOB_ID."""
+    import zlib
+
+    env = os.environ if env is None else env
+
+    def number(name: str) -> int | None:
+        x = str(env.get(name, "")).strip()
+        return None if not x else int(x) if x.isdigit() else zlib.crc32(x.encode())
+
+    array, task, job = number("SLURM_ARRAY_JOB_ID"), number("SLURM_ARRAY_TASK_ID"), number("SLURM_JOB_ID")
+    if array is not None and task is not None:
+        key = array + task
+    elif job is not None:
+        key = job + (task or 0)
+    else:
+        return 29500
+    return SLURM_PORT_BASE + key % SLURM_PORT_SPAN
 
 
 def set_cpu_threads(local_world: int) -> None:

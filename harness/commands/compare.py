@@ -10,10 +10,21 @@ from __future__ import annotations
 
 import sys
 
+from harness.commands import add_set_argument
+
+DESCRIPTION = __doc__.split(":", 1)[1].strip()
+
+EXAMPLES = """\
+examples:
+  harness compare                                  # the built-in CPU default, a few minutes
+  harness compare --set workload.steps=3 --set parity_steps=2 --out /tmp/cmp
+  harness compare examples/compare-cpu-bf16.yaml --store cmp.sqlite --timeout 300"""
+
 
 def add_arguments(p):
     p.add_argument("spec", nargs="?", help="compare spec YAML (see harness/compare/spec.py); "
                                            "without it: the built-in CPU default")
+    add_set_argument(p, "compare spec")
     p.add_argument("--store", help="results SQLite file (default: the spec's `store`, else results.sqlite)")
     p.add_argument("--out", default="reports", help="directory for the report (default: reports/)")
     p.add_argument("--logs", help="directory for the runs' logs (default: next to the store)")
@@ -23,12 +34,15 @@ def add_arguments(p):
 
 def main(args) -> int:
     from harness.compare.orchestrate import run_comparison
-    from harness.compare.spec import load_compare_spec
+    import copy
+
+    from harness.compare.spec import DEFAULT, parse_compare_spec
     from harness.report.compare import write_report
-    from harness.spec import check_output_path, check_positive
+    from harness.spec import check_output_path, check_positive, parse_with_overrides, read_yaml
     from harness.store import check_store
 
-    cs = load_compare_spec(args.spec)  # every run is checked here: SpecError -> exit 2, nothing launched
+    raw = copy.deepcopy(DEFAULT) if args.spec is None else read_yaml(args.spec)
+    cs = parse_with_overrides(raw, args.overrides, parse_compare_spec)  # every run is checked here: nothing launched
     if args.timeout is not None:
         cs.timeout_s = check_positive(args.timeout, "--timeout")
     store = args.store or cs.store or "results.sqlite"

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+DESCRIPTION = """\
+Tokenize local .txt or .jsonl files into a memory-mapped token file (.bin, uint16 or uint32)
+with its metadata (.bin.json); without --tokenizer the tokens are bytes (vocab 256). Point a
+spec at it with workload.data: {kind: file, path: ..., dtype: ...}."""
+
+EXAMPLES = """\
+examples:
+  harness data prepare corpus.txt --out data.bin
+  harness data prepare part1.jsonl part2.jsonl --text-key content --tokenizer tokenizer.json --out data.bin"""
+
 
 def add_arguments(p):
     sub = p.add_subparsers(dest="action", required=True)
-    prep = sub.add_parser("prepare", help="text or JSONL -> .bin token file (+ .bin.json metadata)")
+    prep = sub.add_parser("prepare", help="text or JSONL -> .bin token file (+ .bin.json metadata)",
+                          description=DESCRIPTION, epilog=EXAMPLES, formatter_class=p.formatter_class)
     prep.add_argument("inputs", nargs="+", help=".txt files or .jsonl files with a text field")
     prep.add_argument("--out", required=True, help="output .bin")
     prep.add_argument("--tokenizer", help="local tokenizer.json; without it, byte-level tokens (vocab 256)")

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import json
 
+DESCRIPTION = """\
+Print, as JSON, the hardware and software fingerprint that every record of this machine
+carries (hosts, devices, CPU, driver and library versions)."""
+
+EXAMPLES = """\
+examples:
+  harness env
+  harness env --device cpu > fingerprint.json"""
+
 
 def add_arguments(p):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

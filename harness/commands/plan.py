@@ -13,6 +13,15 @@ import sys
 
 from harness.errors import SpecError
 
+DESCRIPTION = __doc__.split(":", 1)[1].strip()
+
+EXAMPLES = """\
+examples:
+  harness plan --model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64 --hardware a100-80gb
+  harness plan --model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64 --top 5 --explain
+  harness plan --model paper-30b --seq-len 2048 --global-batch-size 2048 --gpus 64 --emit-sweep top.yaml
+  harness plan --hardware a100-80gb --calibrate results.sqlite --calibrate-out my-cluster.yaml"""
+
 
 def add_arguments(p) -> None:
     from harness.spec import CHECKPOINTING, RMSNORM_KERNELS

@@ -6,6 +6,16 @@ import sys
 
 from harness.errors import SpecError
 
+DESCRIPTION = """\
+Write a Markdown report and a single-file HTML report (plots, ablations, time breakdown,
+failures, quoted published baselines, recommendations) from the records in a results store."""
+
+EXAMPLES = """\
+examples:
+  harness report --out reports/all                 # every record in results.sqlite
+  harness report --sweep cpu-demo --store results.sqlite --out reports/cpu-demo
+  harness report --sweep a --sweep b --title "a against b" --out reports/ab"""
+
 
 def add_arguments(p) -> None:
     p.add_argument("--sweep", action="append", help="only this sweep (repeatable; default: every record)")

@@ -7,10 +7,18 @@ import sys
 from harness.errors import SpecError
 from harness.store import STATUSES
 
+DESCRIPTION = "Export the results store (SQLite) as JSONL (whole records) or CSV (flat rows)."
+
+EXAMPLES = """\
+examples:
+  harness results export > records.jsonl
+  harness results export --format csv --sweep cpu-demo --status ok --out cpu-demo.csv"""
+
 
 def add_arguments(p):
     sub = p.add_subparsers(dest="action", required=True)
-    e = sub.add_parser("export", help="write every record as JSONL or CSV")
+    e = sub.add_parser("export", help="write every record as JSONL or CSV", description=DESCRIPTION,
+                       epilog=EXAMPLES, formatter_class=p.formatter_class)
     e.add_argument("--store", default="results.sqlite")
     e.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
     e.add_argument("--sweep")

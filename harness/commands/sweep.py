@@ -11,13 +11,28 @@ import os
 import signal
 import sys
 
+from harness.commands import add_set_argument
 from harness.errors import SpecError, StoreError
-from harness.spec import check_output_path, check_positive
+from harness.spec import check_output_path, check_positive, parse_with_overrides, read_yaml
 from harness.store import STATUSES, ResultsStore, check_store
 from harness.sweep.execute import run_sweep
 from harness.sweep.expand import describe, drop_summary, expand, pending
 from harness.sweep.slurm import collect, submit_slurm, write_slurm
-from harness.sweep.spec import SWEEP_LAUNCHERS, load_sweep
+from harness.sweep.spec import SWEEP_LAUNCHERS, parse_sweep
+
+DESCRIPTION = """\
+Run a grid of layouts (every point its own launcher process) that survives OOMs, crashes and
+hangs: a failed point is a result, and running the same command again resumes where it
+stopped. With `--launcher slurm` it writes (and submits) a Slurm job array instead; `harness
+sweep collect SPEC.yaml` gathers its records. Exit code 0 when the sweep ran to its end, 2 for
+a mistake in the spec, 130 when interrupted (every finished point is kept)."""
+
+EXAMPLES = """\
+examples:
+  harness sweep sweeps/cpu-demo.yaml --dry-run          # the points, and the combinations dropped
+  harness sweep sweeps/cpu-demo.yaml --set workload.steps=3 --set timeout_s=300
+  harness sweep sweeps/cpu-demo.yaml --retry failed,timeout
+  harness sweep sweeps/cpu-demo.yaml --launcher slurm --no-submit && harness sweep collect sweeps/cpu-demo.yaml"""
 
 
 def _interrupt(signum, frame):
@@ -27,6 +42,7 @@ def _interrupt(signum, frame):
 def add_arguments(p) -> None:
     p.add_argument("target", nargs="+", metavar="SPEC.yaml",
                    help="a sweep spec, or `collect SPEC.yaml` to gather a Slurm job array's records")
+    add_set_argument(p, "sweep spec")
     p.add_argument("--dry-run", action="store_true", help="print the points and the dropped combinations")
     p.add_argument("--launcher", choices=SWEEP_LAUNCHERS,
                    help="how each point starts (default: the spec's, else torchrun)")
@@ -45,7 +61,7 @@ def main(args) -> int:
     if args.target[0] == "collect":
         if len(args.target) != 2:
             raise SpecError("collect", "usage: harness sweep collect SPEC.yaml [--store PATH] [--job-dir DIR]")
-        spec = load_sweep(args.target[1])
+        spec = _load(args.target[1], args.overrides)
         store = args.store or spec.store
         counts = collect(spec, _job_dir(args, spec, store), store)
         print(f"collected {spec.name}: {counts['merged']} records merged, {counts['classified']} "
@@ -53,7 +69,7 @@ def main(args) -> int:
         return 0
     if len(args.target) != 1:
         raise SpecError("sweep", "give one sweep spec")
-    spec = load_sweep(args.target[0])
+    spec = _load(args.target[0], args.overrides)
     store = args.store or spec.store
     launcher = args.launcher or spec.launcher
     timeout = check_positive(args.timeout, "--timeout") if args.timeout is not None else spec.timeout_s
@@ -95,6 +111,13 @@ def main(args) -> int:
                          "can be written (it merges that file back)") from None
     print("done: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + f"  (store {store})")
     return 0
+
+
+def _load(path: str, overrides: list[str]):
+    """The sweep spec at `path` (named after the file unless it says), with the --set overrides."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    return parse_with_overrides(read_yaml(path, field="sweep"), overrides, lambda raw: parse_sweep(raw, name),
+                                prefix="sweep.")
 
 
 def _job_dir(args, spec, store) -> str:

@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import traceback
 
+from harness.commands import add_set_argument
 from harness.errors import SpecError
+
+DESCRIPTION = """\
+Run one training measurement from a spec, on every rank, under any launcher (direct,
+torchrun, deepspeed, srun). Rank 0 shows a live progress line (step, tokens/s, MFU, loss,
+elapsed time and ETA) and writes one record to the results store. Exit code 0 when the run
+finished, 1 when it failed (the failure is recorded), 2 for a mistake in the spec."""
+
+EXAMPLES = """\
+examples:
+  harness train                                    # the embedded default: tiny model, this machine
+  harness train examples/tiny.yaml --set workload.seq_len=256 --set layout.attention=naive
+  torchrun --nproc-per-node 2 -m harness.cli train spec.yaml --store results.sqlite"""
 
 
 def add_arguments(p):
     p.add_argument("spec", nargs="?", help="YAML spec; without it, the embedded default (tiny model, this machine)")
+    add_set_argument(p, "run spec")
     p.add_argument("--store", help="results SQLite file (default: the spec's `store`)")
-    p.add_argument("--run-id", help="record id (launchers pass it so they can find the record)")
-    p.add_argument("--sweep", help="sweep name this run belongs to")
-    p.add_argument("--point-key", help="the sweep point's key")
+    # Set by the launchers (harness.launch) so they can find and group the record: not for users.
+    p.add_argument("--run-id", help=argparse.SUPPRESS)
+    p.add_argument("--sweep", help=argparse.SUPPRESS)
+    p.add_argument("--point-key", help=argparse.SUPPRESS)
     p.add_argument("--peak-tflops", type=float, help="per-device peak for MFU, overriding the datasheet table")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
 
@@ -23,10 +39,10 @@ def main(args) -> int:
     from harness import runtime
     from harness.run import run
     from harness.report.summary import summary_lines
-    from harness.spec import check_positive, load_spec
+    from harness.spec import check_positive, parse_spec, parse_with_overrides, read_yaml
     from harness.store import check_store
 
-    spec = load_spec(args.spec)
+    spec = parse_with_overrides({} if args.spec is None else read_yaml(args.spec), args.overrides, parse_spec)
     if args.peak_tflops is not None:
         check_positive(args.peak_tflops, "--peak-tflops")
     check_store(args.store or spec.store)  # before the process group forms: nothing has started

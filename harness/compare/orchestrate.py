@@ -8,6 +8,7 @@ results store (a `comparison` section: name, id, verdict, this run's parity, tol
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
@@ -28,6 +29,19 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def comparison_threads(cs: CompareSpec) -> int:
+    """Threads per process for every run of a comparison: cores // the comparison's largest
+    process count (OMP_NUM_THREADS where the user set it). The single-device reference then
+    runs with the threads one rank of a multi-process run has, not with every core: otherwise
+    its step time measures another thread count (and, on a shared machine, other load)."""
+    from harness.launch import threads_per_process
+
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return threads_per_process(max([cs.nproc or 1] + [p.nproc for p in cs.runs]))
+
+
 def _first_error_line(error: str | None) -> str:
     if not error:
         return ""
@@ -42,7 +56,8 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         "label": plan.label, "engine": plan.spec.layout.engine, "layout": plan.spec.to_dict()["layout"],
         "launcher": plan.launcher, "nproc": plan.nproc, "is_reference": plan.is_reference,
         "status": record.get("status"), "run_id": record.get("run_id"), "error": record.get("error"),
-        "error_line": _first_error_line(record.get("error")) if record.get("status") != "ok" else "",
+        "error_line": (record.get("error_line") or _first_error_line(record.get("error")))
+        if record.get("status") != "ok" else "",
         "log": (record.get("launch") or {}).get("log"),
         "wall_s": (record.get("launch") or {}).get("wall_s"),
         "losses": m.get("losses") or [],
@@ -67,8 +82,11 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
 
     from harness.store import ResultsStore, now_iso
 
-    if launch_fn is None:
-        from harness.launch import run_spec as launch_fn
+    threads = comparison_threads(cs)
+    if launch_fn is None:  # every run, the 1-process reference included, gets the same threads per process
+        from harness.launch import run_spec
+
+        launch_fn = functools.partial(run_spec, extra_env={"OMP_NUM_THREADS": str(threads)})
     comparison_id = uuid.uuid4().hex[:12]
     sweep = f"compare:{cs.name}:{comparison_id}"
     log_dir = log_dir or os.path.join(tempfile.gettempdir(), f"harness-compare-{cs.name}-{comparison_id}")
@@ -104,7 +122,8 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
         "workload": cs.workload,
         "tolerance_source": cs.tolerance_source, "parity": parity, "fingerprints": fingerprints,
         "failed_runs": failed, "skipped": cs.skipped, "not_runnable": cs.not_runnable,
-        "precision_policy": precision_policy(parse_spec({"workload": cs.workload}).workload).describe(), "load_average": {"before": load_before, "after": _loadavg()}, "wall_s": round(time.monotonic() - started, 1),
+        "precision_policy": precision_policy(parse_spec({"workload": cs.workload}).workload).describe(), "load_average": {"before": load_before, "after": _loadavg()},
+        "threads_per_process": threads, "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],
         "loss_table": {e["label"]: e["losses"][:cs.parity_steps] for e in entries if e["losses"]},
     }

@@ -160,6 +160,11 @@ BREAKDOWN_TEXT = ("Medians over the measured steps, as each engine reports them 
                   "'not measured' where the framework does not expose the figure - never estimated.")
 
 
+THREADS_TEXT = ("Threads per process: {n} (OMP_NUM_THREADS), the same for every run, the single-device "
+                "reference included: cores divided by the comparison's process count, so that step times "
+                "compare layouts rather than thread counts.")
+
+
 def table_rows(summary: dict) -> list[dict]:
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
     rows = []
@@ -229,6 +234,8 @@ def markdown(summary: dict) -> str:
     out += ["## Where the step goes", "", BREAKDOWN_TEXT, ""] + _md_table(header, rows) + [""]
     header, rows = census_rows(summary)
     out += ["## Memory census", "", CENSUS_TEXT, ""] + _md_table(header, rows) + [""]
+    if summary.get("threads_per_process"):
+        out += [THREADS_TEXT.format(n=summary["threads_per_process"]), ""]
     load = summary.get("load_average") or {}
     if load.get("before"):
         out += [f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
@@ -336,6 +343,8 @@ def html_page(summary: dict) -> str:
     parts.append(f"<h2>Layouts by engine</h2><p>{_h(MATRIX_TEXT)}</p>" + _html_table(*layout_matrix(summary)))
     parts.append(f"<h2>Where the step goes</h2><p>{_h(BREAKDOWN_TEXT)}</p>" + _html_table(*breakdown_rows(summary)))
     parts.append(f"<h2>Memory census</h2><p>{_h(CENSUS_TEXT)}</p>" + _html_table(*census_rows(summary)))
+    if summary.get("threads_per_process"):
+        parts.append(f"<p>{_h(THREADS_TEXT.format(n=summary['threads_per_process']))}</p>")
     load = summary.get("load_average") or {}
     if load.get("before"):
         parts.append(f"<p>Machine load average (1/5/15 min) before the runs: {_h(load['before'])}, after: "

@@ -46,6 +46,7 @@ class Row:
     breakdown: dict | None = None
     timeline: list | None = None
     error: str = ""
+    error_line: str = ""  # the run's first `error:` line (launch.first_error_line), if it printed one
     device: str = ""
     hosts: tuple = ()
     versions: tuple = ()
@@ -56,6 +57,8 @@ class Row:
 
     @property
     def reason(self) -> str:
+        if self.error_line:
+            return self.error_line[:160]
         lines = [ln.strip() for ln in (self.error or "").splitlines() if ln.strip()]
         return lines[0][:160] if lines else ""
 
@@ -80,6 +83,7 @@ def to_row(rec: dict) -> Row:
         mfu_measured=dict(m.get("mfu_vs_measured_matmul") or {}), peak_memory=m.get("peak_memory_bytes"),
         memory_kind=m.get("memory_kind"), breakdown=m.get("breakdown_s") or None,
         timeline=m.get("pipeline_timeline") or None, error=rec.get("error") or "",
+        error_line=rec.get("error_line") or "",
         device=str(fp.get("device_name") or ""), hosts=tuple(sorted(set(fp.get("hosts") or []))),
         versions=versions,
     )

@@ -111,8 +111,8 @@ def _run_points(sweep: SweepSpec, points: list, *, launcher: str, store_path: st
                                   store_path=store_path, timeout_s=p.timeout_s or timeout_s, sweep=sweep.name,
                                   point_key=p.key, extra_env=env, log_dir=log_dir)
             counts[rec["status"]] = counts.get(rec["status"], 0) + 1
-            first = (rec.get("error") or "").strip().splitlines()
-            reason = f" - {first[0][:120]}" if rec["status"] != "ok" and first else ""
+            first = [rec["error_line"]] if rec.get("error_line") else (rec.get("error") or "").strip().splitlines()
+            reason = f" - {first[0][:200]}" if rec["status"] != "ok" and first else ""
             bar.write(f"{rec['status']:>7}  {p.label()}{reason}")
             bar.set_postfix({k: v for k, v in counts.items() if v})
             bar.update(1)

@@ -21,7 +21,8 @@ Sweep spec (YAML):
     exclude: [{tp: 4, pp: 1}]    # drop points matching any entry (a list value = any of)
     points:                      # extra points beyond the grid; may carry their own env, timeout_s
       - {tp: 8, pp: 1, env: {NCCL_ALGO: Ring}, timeout_s: 600}
-    slurm: {partition: gpu, time: "00:30:00", account: x, setup: ["module load cuda"]}
+    slurm: {partition: gpu, time: "00:30:00", account: x, setup: ["module load cuda"],
+            exclusive: true, cpus_per_task: 8}  # also qos, constraint, max_parallel, python, extra
 
 dp is derived as gpus / (tp x pp) unless set. Points that fail harness.spec validation,
 whose tp x pp x dp != gpus, or that duplicate an earlier point are dropped with the reason
@@ -41,6 +42,9 @@ SWEEP_KEYS = ("name", "gpus", "nodes", "launcher", "timeout_s", "store", "env", 
               "grid", "include", "exclude", "points", "slurm", "description")
 # How a sweep's points may start: any local launcher, or a Slurm job array (harness/sweep/slurm.py).
 SWEEP_LAUNCHERS = LOCAL_LAUNCHERS + ("slurm",)
+# The `slurm:` mapping (harness/sweep/slurm.py writes them into the job script).
+SLURM_KEYS = ("partition", "account", "qos", "constraint", "time", "max_parallel", "exclusive",
+              "cpus_per_task", "python", "setup", "extra")
 LAYOUT_FIELDS = set(Layout.__dataclass_fields__)
 WORKLOAD_FIELDS = set(Workload.__dataclass_fields__)
 
@@ -94,6 +98,7 @@ def parse_sweep(raw, default_name: str = "sweep") -> SweepSpec:
     check_positive(s.timeout_s, "sweep.timeout_s")
     for key in ("env", "workload", "layout", "grid", "slurm"):
         _require(isinstance(getattr(s, key), dict), f"sweep.{key}", "must be a mapping")
+    check_slurm(s.slurm)
     for key in ("include", "exclude", "points"):
         v = getattr(s, key)
         _require(isinstance(v, list) and all(isinstance(e, dict) for e in v), f"sweep.{key}",
@@ -107,6 +112,24 @@ def parse_sweep(raw, default_name: str = "sweep") -> SweepSpec:
         if not all(isinstance(v, dict) for v in values):
             check_axis_name(axis, f"sweep.grid.{axis}")
     return s
+
+
+def check_slurm(cfg: dict) -> None:
+    """The `slurm:` mapping: known keys of the right types (a typo is refused, not ignored)."""
+    for key, v in cfg.items():
+        where = f"sweep.slurm.{key}"
+        _require(key in SLURM_KEYS, where, f"unknown key; allowed: {', '.join(SLURM_KEYS)}")
+        if v is None:
+            continue
+        if key == "exclusive":
+            _require(isinstance(v, bool), where, f"must be true or false, got {v!r}")
+        elif key in ("cpus_per_task", "max_parallel"):
+            _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, where,
+                     f"must be a positive integer, got {v!r}")
+        elif key in ("setup", "extra"):
+            _require(isinstance(v, list) and all(isinstance(x, str) for x in v), where, "must be a list of strings")
+        else:
+            _require(isinstance(v, str) and "\n" not in v, where, f"must be a string (one line), got {v!r}")
 
 
 def check_axis_name(axis: str, where: str) -> None:
