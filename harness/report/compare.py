@@ -143,6 +143,14 @@ def census_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def loss_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """The first parity_steps losses of every run, side by side ('-' past a run's last step)."""
+    steps, n = summary.get("loss_table") or {}, summary["parity"]["steps"]
+    return (["Step"] + list(steps),
+            [[str(i)] + [f"{losses[i]:.7f}" if i < len(losses) else "-" for losses in steps.values()]
+             for i in range(n)])
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     esc = lambda x: str(x).replace("|", "\\|")  # noqa: E731
     return ["| " + " | ".join(map(esc, header)) + " |", "|" + "---|" * len(header)] + \
@@ -247,14 +255,8 @@ def markdown(summary: dict) -> str:
             f"**{par['tolerance']:g}** ({summary['tolerance_source']}). Largest difference between any two "
             f"finished runs: {_sci(par['max_pairwise_rel_diff'])} "
             f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance).", ""]
-    steps = summary.get("loss_table") or {}
-    if steps:
-        labels = list(steps)
-        out += ["| Step | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
-        for i in range(par["steps"]):
-            out.append(f"| {i} | " + " | ".join(
-                f"{steps[lab][i]:.7f}" if i < len(steps[lab]) else "-" for lab in labels) + " |")
-        out.append("")
+    if summary.get("loss_table"):
+        out += _md_table(*loss_rows(summary)) + [""]
     fails = [p for p in par["runs"] if p["verdict"] != PASS]
     if fails:
         out += ["Parity failures:", ""] + [f"- **{p['label']}**: {p['verdict']}"
@@ -353,13 +355,8 @@ def html_page(summary: dict) -> str:
                  f"(<code>{_h(par['anchor'])}</code>). Tolerance: max relative difference <b>{par['tolerance']:g}</b> "
                  f"({_h(summary['tolerance_source'])}). Largest pairwise difference: "
                  f"{_sci(par['max_pairwise_rel_diff'])}.</p>")
-    steps = summary.get("loss_table") or {}
-    if steps:
-        parts.append("<table><tr><th>Step</th>" + "".join(f"<th>{_h(lab)}</th>" for lab in steps) + "</tr>")
-        for i in range(par["steps"]):
-            parts.append(f"<tr><td>{i}</td>" + "".join(
-                f"<td>{steps[lab][i]:.7f}</td>" if i < len(steps[lab]) else "<td>-</td>" for lab in steps) + "</tr>")
-        parts.append("</table>")
+    if summary.get("loss_table"):
+        parts.append(_html_table(*loss_rows(summary)))
     fails = [p for p in par["runs"] if p["verdict"] != PASS]
     if fails:
         parts.append("<p><b>Parity failures:</b></p><ul>" + "".join(
