@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "harness"
 # Lowest first. A module may import its own package and any lower layer; packages on the same
 # layer do not import each other.
 LAYERS = [
-    ["harness.errors"],
+    ["harness.errors", "harness.resources"],               # user mistakes; the data files shipped
     ["harness.model.presets"],                                 # shape facts the spec checks against
     ["harness.model.flops"],
     ["harness.spec", "harness.store", "harness.measure"],

@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
     p.add_argument("--title", help="report title")
     p.add_argument("--timeline-run", metavar="RUN_ID", help="draw this run's pipeline schedule "
                                                           "(id or prefix; default: the best pipelined run)")
-    p.add_argument("--baselines", help="directory of published figures (default: the repository's baselines/)")
+    p.add_argument("--baselines", help="directory of published figures (default: the baselines/ harness ships)")
 
 
 def main(args) -> int:

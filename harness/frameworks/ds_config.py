@@ -43,12 +43,14 @@ import json
 import math
 import os
 
+from harness import resources
 from harness.errors import SpecError
 from harness.spec import micro_batch_count
 
 AUTO = "auto"
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DS_CONFIG_DIR = os.path.join(REPO_ROOT, "ds_configs")
+# The folder holding ds_configs/: the repository root, or the installed package's copy (harness.resources)
+DATA_ROOT = str(resources.root())
+DS_CONFIG_DIR = str(resources.path("ds_configs"))
 DEFAULT_FILES = {0: "zero0.json", 1: "zero1.json", 2: "zero2.json", 3: "zero3.json"}
 
 # ZeRO knobs that may be "auto": the Hugging Face Trainer's convention from the hidden size.
@@ -62,8 +64,9 @@ _ZERO_AUTO = {
 def resolve_path(path: str, zero_stage: int) -> str:
     """The config file a layout means: its ds_config, else ds_configs/zero<stage>.json.
 
-    A relative path is tried against the working directory first, then the repository root
-    (so specs written as `ds_config: ds_configs/zero3.json` work from anywhere).
+    A relative path is tried against the working directory first, then the folder holding the
+    shipped ds_configs/ (the repository root, or the installed package's copy), then ds_configs/
+    itself (so specs written as `ds_config: ds_configs/zero3.json` work from anywhere).
     """
     if not path:
         if zero_stage not in DEFAULT_FILES:
@@ -71,7 +74,7 @@ def resolve_path(path: str, zero_stage: int) -> str:
         return os.path.join(DS_CONFIG_DIR, DEFAULT_FILES[zero_stage])
     if os.path.isabs(path) or os.path.isfile(path):
         return os.path.abspath(path)
-    for base in (REPO_ROOT, DS_CONFIG_DIR):
+    for base in (DATA_ROOT, DS_CONFIG_DIR):
         candidate = os.path.join(base, path)
         if os.path.isfile(candidate):
             return candidate

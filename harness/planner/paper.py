@@ -14,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from harness import resources
 from harness.errors import SpecError
 from harness.planner.layout import PAPER_CHECKPOINTING, PAPER_KERNELS, Layout, Workload
 
-REPO_SWEEPS = Path(__file__).resolve().parents[2] / "baselines" / "paper_sweeps"
+SHIPPED_SWEEPS = resources.path("baselines/paper_sweeps")  # the repository's, or the installed package's copy
 
 
 @dataclass
@@ -71,7 +72,7 @@ def load_sweep(path: str | Path, seq_len: int = 2048, global_batch_size: int = 2
 
 
 def repo_sweeps() -> list[Path]:
-    return sorted(REPO_SWEEPS.glob("*.csv"))
+    return sorted(SHIPPED_SWEEPS.glob("*.csv"))
 
 
 def spearman(a, b) -> float:

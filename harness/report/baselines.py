@@ -5,8 +5,9 @@ from __future__ import annotations
 import csv
 import os
 
-DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                           "baselines")
+from harness import resources
+
+DEFAULT_DIR = str(resources.path("baselines"))  # the repository's, or the installed package's copy
 
 
 def load(directory: str | None = None) -> dict[str, list[dict]]:
