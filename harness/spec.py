@@ -373,6 +373,7 @@ def check_sizes(spec: RunSpec) -> Shape:
             raise SpecError(f"workload.{name}", "bf16 gradients need precision: bf16")
     check_capabilities(lay)
     check_precision_policy(w, lay)
+    check_model_limits(shape, lay)
     return shape
 
 
@@ -513,6 +514,48 @@ PRECISION_LIMITS: dict[str, list[PolicyRule]] = {
          "until then in reduce_dtype: with pp > 1 fp32 accumulation needs grad_reduce_dtype: fp32"),
     ],
 }
+
+
+# Where an engine cannot build the model's architecture (fields from config.json: tied
+# embeddings, attention biases, rope scaling, RMSNorm epsilon) under a layout: per engine, rules
+# (what, takes(shape, layout), why not), checked after PRECISION_LIMITS; refused as workload.model.
+# Epsilon and Llama 3.1 rope scaling every engine applies (the plain model's RMSNorm and rotary
+# tables); attention biases every engine adds (own engine: q/k/v's sharded, o's after the reduction).
+ModelRule = tuple[str, typing.Callable[[Shape, "Layout"], bool], str]
+_TIED_ACROSS_STAGES = ("needs the embedding gradient all-reduced between the first and the last pipeline stage "
+                       "(Megatron's embedding group), which {engine} does not do here")
+MODEL_LIMITS: dict[str, list[ModelRule]] = {
+    "single": [],
+    "own": [
+        ("tie_word_embeddings", lambda s, l: not s.tie_embeddings or l.pp * l.virtual_stages == 1,
+         "tied embeddings with pp > 1 or virtual stages: the own engine ties the embedding and LM head only when "
+         "one model chunk holds both; splitting them " + _TIED_ACROSS_STAGES.format(engine="the own engine")),
+    ],
+    "deepspeed": [
+        ("tie_word_embeddings", lambda s, l: not s.tie_embeddings or l.pp == 1,
+         "tied embeddings with pp > 1: DeepSpeed's pipeline module here has no TiedLayerSpec; splitting them "
+         + _TIED_ACROSS_STAGES.format(engine="engine deepspeed")),
+    ],
+    "fsdp": [
+        ("tie_word_embeddings", lambda s, l: not s.tie_embeddings or l.pp == 1,
+         "tied embeddings with pp > 1: torch.distributed.pipelining puts the embedding and LM head on different "
+         "stages; splitting them " + _TIED_ACROSS_STAGES.format(engine="engine fsdp")),
+    ],
+}
+
+
+def model_limit_error(shape: Shape, lay: Layout) -> CapabilityError | None:
+    """Why the chosen engine cannot build this model under this layout (the first rule it breaks), or None."""
+    for what, takes, why in MODEL_LIMITS[lay.engine]:
+        if not takes(shape, lay):
+            return CapabilityError("workload.model", f"{what}: {why}")
+    return None
+
+
+def check_model_limits(shape: Shape, lay: Layout) -> None:
+    error = model_limit_error(shape, lay)
+    if error is not None:
+        raise error
 
 
 def check_precision_policy(w: Workload, lay: Layout) -> None:

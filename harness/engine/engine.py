@@ -31,7 +31,7 @@ from harness.engine.pipeline import PipelineExecutor
 from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map, rank_map
-from harness.model.llama import reference_tensor, rotary_tables
+from harness.model.llama import reference_tensor, shape_rotary
 from harness.measure import CensusAtStep, optimizer_state_tensors
 from harness.model.training import make_adamw, precision_policy
 from harness.spec import micro_batches_per_step
@@ -89,7 +89,7 @@ class Engine3D:
         self.executor = PipelineExecutor(self.chunks, self.programs, self.axes["pp"], self.clock,
                                          (seq_local, lay.micro_batch_size, shape.hidden), ctx.device,
                                          self.policy.compute, p2p_mode)
-        cos, sin = rotary_tables(w.seq_len, shape.hidden // shape.heads, shape.rope_theta, ctx.device)
+        cos, sin = shape_rotary(shape, w.seq_len, ctx.device)
         self.cos, self.sin = cos, sin
         self.rank_map = rank_map(lay.tp, lay.pp, lay.dp, _ranks_per_node(ctx))
         if ctx.rank == 0 and ctx.world_size > 1:

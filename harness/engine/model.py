@@ -21,14 +21,21 @@ from harness.model.presets import Shape
 
 
 class Weight(nn.Module):
-    """A bare (possibly sharded) weight, so parameter names match the plain model's."""
+    """A bare (possibly sharded) weight, and optionally a bias of `bias` elements, so parameter
+    names match the plain model's. forward adds the bias only when add_bias (a column-parallel
+    shard's own slice); a row-parallel layer's bias is added once after the reduction instead."""
 
-    def __init__(self, *shape):
+    def __init__(self, *shape, bias: int = 0, add_bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(*shape))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(bias))
+        else:
+            self.bias = None
+        self.add_bias = add_bias
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias if self.add_bias else None)
 
 
 class Norm(Weight):
@@ -41,14 +48,19 @@ class Norm(Weight):
 
 
 class ParallelAttention(nn.Module):
-    """q/k/v column-parallel by heads (each rank keeps whole query groups), wo row-parallel."""
+    """q/k/v column-parallel by heads (each rank keeps whole query groups), wo row-parallel.
+    With attention_bias, q/k/v biases are sharded with their heads and added locally; wo's bias
+    is replicated and added by the block after the region's reduction (once, not tp times)."""
 
     def __init__(self, shape: Shape, tp: int, kernel: str):
         super().__init__()
         self.head_dim = shape.hidden // shape.heads
         hq, hkv = shape.heads // tp * self.head_dim, shape.kv_heads // tp * self.head_dim
-        self.wq, self.wk, self.wv = Weight(hq, shape.hidden), Weight(hkv, shape.hidden), Weight(hkv, shape.hidden)
-        self.wo = Weight(shape.hidden, hq)
+        b = shape.attention_bias
+        self.wq = Weight(hq, shape.hidden, bias=hq if b else 0)
+        self.wk = Weight(hkv, shape.hidden, bias=hkv if b else 0)
+        self.wv = Weight(hkv, shape.hidden, bias=hkv if b else 0)
+        self.wo = Weight(shape.hidden, hq, bias=shape.hidden if b else 0, add_bias=False)
         self.kernel = kernel
         self.recompute_core = False
 
@@ -84,20 +96,28 @@ class ParallelFeedForward(nn.Module):
 class ParallelBlock(nn.Module):
     def __init__(self, shape: Shape, tp: int, region: Region, attention: str, rmsnorm_kind: str):
         super().__init__()
-        self.attention_norm = Norm(shape.hidden, rmsnorm_kind)
+        self.attention_norm = Norm(shape.hidden, rmsnorm_kind, shape.norm_eps)
         self.attention = ParallelAttention(shape, tp, attention)
-        self.ffn_norm = Norm(shape.hidden, rmsnorm_kind)
+        self.ffn_norm = Norm(shape.hidden, rmsnorm_kind, shape.norm_eps)
         self.feed_forward = ParallelFeedForward(shape, tp)
         self.region = region
 
     def forward(self, x, cos, sin):
         r = self.region
-        h = x + r.leave(self.attention(r.enter(self.attention_norm(x)), cos, sin))
+        a = r.leave(self.attention(r.enter(self.attention_norm(x)), cos, sin))
+        if self.attention.wo.bias is not None:  # after the reduction: added once
+            a = a + self.attention.wo.bias
+        h = x + a
         return h + r.leave(self.feed_forward(r.enter(self.ffn_norm(h))))
 
 
 class Chunk(nn.Module):
     """A contiguous run of layers; the first stage adds the embedding, the last the norm and head.
+
+    With tied embeddings (only when one chunk is both first and last: the spec refuses the rest)
+    the head is the embedding's Parameter: both are this TP rank's vocabulary rows
+    [vocab_start, vocab_start + vocab/tp), so one shard serves the lookup and the logits, and its
+    gradient is the sum of both uses, as in the plain model.
 
     forward(x) takes tokens [batch, seq] on the first stage, else hidden [seq(/tp), batch, h];
     returns hidden, or on the last stage the summed per-token loss (the executor scales it).
@@ -116,8 +136,17 @@ class Chunk(nn.Module):
         for layer in self.layers.values():
             layer.attention.recompute_core = checkpointing == "selective"
         if plan.last:
-            self.norm = Norm(shape.hidden, rmsnorm_kind)
+            self.norm = Norm(shape.hidden, rmsnorm_kind, shape.norm_eps)
             self.output = Weight(shape.vocab // tp, shape.hidden)
+        self.tied = shape.tie_embeddings
+        if self.tied and not (plan.first and plan.last):
+            raise ValueError("tied embeddings need the embedding and the LM head in one model chunk "
+                             "(pp=1, virtual_stages=1)")
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tied:
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, x, cos, sin, targets=None):
         if self.plan.first:
@@ -152,6 +181,7 @@ def build_chunks(shape: Shape, plans: list[ChunkPlan], tp: int, tp_index: int, r
         with torch.device("meta"):
             chunk = Chunk(shape, plan, tp, tp_index, region, attention, rmsnorm_kind, checkpointing)
         chunk = chunk.to_empty(device=device)
+        chunk.tie_weights()
         mine = stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk)
         named = dict(chunk.named_parameters())
         if sorted(named) != sorted(s.name for s in mine):

@@ -82,19 +82,26 @@ def _sharded(name, full, dim, tp, chunk):
 
 
 def stage_params(shape: Shape, tp: int, layers: range, first: bool, last: bool, chunk: int = 0) -> list[ParamSpec]:
-    """Parameters of one model chunk in registration order (the plain model's order)."""
+    """Parameters of one model chunk in registration order (the plain model's order).
+
+    Attention biases: q/k/v's sharded with their heads, wo's replicated across TP (added after
+    the reduction; under SP its gradient is a partial sum over the sequence, like the norms').
+    A tied LM head is tok_embeddings.weight: not listed again."""
     h, hd = shape.hidden, shape.hidden // shape.heads
     out = []
     if first:
         out.append(_sharded("tok_embeddings.weight", (shape.vocab, h), 0, tp, chunk))
     for i in layers:
         p = f"layers.{i}."
+        out.append(ParamSpec(p + "attention_norm.weight", (h,), (h,), None, chunk))
+        for name, rows in (("wq", shape.heads * hd), ("wk", shape.kv_heads * hd), ("wv", shape.kv_heads * hd)):
+            out.append(_sharded(p + f"attention.{name}.weight", (rows, h), 0, tp, chunk))
+            if shape.attention_bias:
+                out.append(_sharded(p + f"attention.{name}.bias", (rows,), 0, tp, chunk))
+        out.append(_sharded(p + "attention.wo.weight", (h, shape.heads * hd), 1, tp, chunk))
+        if shape.attention_bias:
+            out.append(ParamSpec(p + "attention.wo.bias", (h,), (h,), None, chunk))
         out += [
-            ParamSpec(p + "attention_norm.weight", (h,), (h,), None, chunk),
-            _sharded(p + "attention.wq.weight", (shape.heads * hd, h), 0, tp, chunk),
-            _sharded(p + "attention.wk.weight", (shape.kv_heads * hd, h), 0, tp, chunk),
-            _sharded(p + "attention.wv.weight", (shape.kv_heads * hd, h), 0, tp, chunk),
-            _sharded(p + "attention.wo.weight", (h, shape.heads * hd), 1, tp, chunk),
             ParamSpec(p + "ffn_norm.weight", (h,), (h,), None, chunk),
             _sharded(p + "feed_forward.w1.weight", (shape.ffn, h), 0, tp, chunk),
             _sharded(p + "feed_forward.w3.weight", (shape.ffn, h), 0, tp, chunk),
@@ -102,7 +109,8 @@ def stage_params(shape: Shape, tp: int, layers: range, first: bool, last: bool, 
         ]
     if last:
         out.append(ParamSpec("norm.weight", (h,), (h,), None, chunk))
-        out.append(_sharded("output.weight", (shape.vocab, h), 0, tp, chunk))
+        if not (shape.tie_embeddings and first):
+            out.append(_sharded("output.weight", (shape.vocab, h), 0, tp, chunk))
     return out
 
 

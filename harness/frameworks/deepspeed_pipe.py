@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from harness.frameworks.deepspeed_common import DeepSpeedBase, configure_checkpointing, fp32_copy, gather_on_rank0
-from harness.model.llama import Block, RMSNorm, lm_loss, reference_tensor, rotary_tables
+from harness.model.llama import Block, RMSNorm, lm_loss, reference_tensor, shape_rotary
 
 PARTITION = "harness.engine.partition.balanced_partition (the own engine's), as explicit layer boundaries"
 
@@ -57,8 +57,8 @@ class EmbeddingPipe(nn.Module):
 
 
 @functools.lru_cache(maxsize=16)
-def _rotary(seq_len: int, head_dim: int, theta: float, device: str):
-    return rotary_tables(seq_len, head_dim, theta, torch.device(device))
+def _rotary(shape, seq_len: int, device: str):
+    return shape_rotary(shape, seq_len, torch.device(device))
 
 
 class BlockPipe(Block):
@@ -69,10 +69,10 @@ class BlockPipe(Block):
             super().__init__(shape, attention, rmsnorm_kind)
         _load_reference(self, shape, seed, f"layers.{index}.")
         self.attention.recompute_core = selective
-        self.head_dim, self.theta = shape.hidden // shape.heads, shape.rope_theta
+        self.shape = shape
 
     def forward(self, h):
-        cos, sin = _rotary(h.shape[1], self.head_dim, self.theta, str(h.device))
+        cos, sin = _rotary(self.shape, h.shape[1], str(h.device))
         return super().forward(h, cos.to(h.dtype), sin.to(h.dtype))
 
 
@@ -80,7 +80,7 @@ class HeadPipe(nn.Module):
     def __init__(self, shape, seed: int, rmsnorm_kind: str):
         super().__init__()
         with torch.device("meta"):
-            self.norm = RMSNorm(shape.hidden, kernel=rmsnorm_kind)
+            self.norm = RMSNorm(shape.hidden, shape.norm_eps, kernel=rmsnorm_kind)
             self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
         _load_reference(self, shape, seed, "")
 

@@ -127,6 +127,10 @@ class FSDPEngine:
             from harness.frameworks.native_tp import apply_tensor_parallel
 
             apply_tensor_parallel(part, self.mesh["tp"], lay.sequence_parallel)
+            if isinstance(part, Llama) and part.shape.tie_embeddings:
+                # the plan made the embedding (RowwiseParallel) and the head (ColwiseParallel) two
+                # DTensors, both Shard(0) over the vocabulary: the same rows, so share one again
+                part.tie_weights()
         if lay.activation_checkpointing == "full":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 CheckpointImpl, checkpoint_wrapper)

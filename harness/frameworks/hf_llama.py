@@ -72,10 +72,12 @@ def build_hf_llama(shape: Shape, seed: int, attention: str, device="cpu") -> HFL
     with torch.device("meta"):
         hf = LlamaForCausalLM(cfg)
     hf = hf.to_empty(device=device)
+    if shape.tie_embeddings:  # to_empty made lm_head a Parameter of its own: share it again
+        hf.lm_head.weight = hf.model.embed_tokens.weight
     ref = reference_state_dict(shape, seed)
     state = {to_hf_name(k): v for k, v in ref.items()}
     missing, unexpected = hf.load_state_dict(state, strict=False)
-    missing = [m for m in missing if "rotary_emb" not in m]
+    missing = [m for m in missing if "rotary_emb" not in m and not (shape.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"HF weight mapping incomplete: missing {missing}, unexpected {unexpected}")
     # non-persistent buffers (rotary inv_freq) were left uninitialised by to_empty: rebuild them

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from harness.engine.partition import rank_chunks
-from harness.model.llama import lm_loss, rotary_tables
+from harness.model.llama import lm_loss, shape_rotary
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 
@@ -47,10 +47,10 @@ class StageModule(nn.Module):
         self.output = model.output if last else None
         # the whole sequence's rotary tables: under sequence parallelism a stage's input holds
         # only seq / tp positions, but attention runs on the gathered sequence
-        self.seq_len, self.head_dim, self.theta = seq_len, shape.hidden // shape.heads, shape.rope_theta
+        self.seq_len, self.shape = seq_len, shape
 
     def forward(self, x):
-        cos, sin = rotary_tables(self.seq_len, self.head_dim, self.theta, x.device)
+        cos, sin = shape_rotary(self.shape, self.seq_len, x.device)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for layer in self.layers.values():
             h = layer(h, cos, sin)

@@ -4,10 +4,12 @@ Published MFU figures disagree partly because they count different FLOPs. We cou
 convention from the shapes, side by side:
 
 - palm:        6·P + 12·L·h·s  (PaLM/Chinchilla; P counts every parameter, embedding
-               included; the reference study's MFU column uses this with its untied 128k vocab)
+               included, a tied LM head once; the reference study's MFU column uses this with
+               its untied 128k vocab)
 - palm_causal: 6·P + 6·L·h·s   (the same, but the causal mask halves the attention matmuls)
 - megatron:    3 × forward matmul FLOPs (Narayanan et al. 2021 generalised to SwiGLU and GQA):
-               projections, SwiGLU, QKᵀ and AV (4·s·h per layer), LM head; no embedding FLOPs
+               projections, SwiGLU, QKᵀ and AV (4·s·h per layer), LM head (tied or not: it is
+               computed either way); no embedding FLOPs, no bias additions
 - hardware:    megatron plus what activation checkpointing recomputes (HFU): a full extra
                forward of every layer for `full`, the attention core (QKᵀ, AV) for `selective`
 """

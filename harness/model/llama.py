@@ -1,7 +1,8 @@
 """The plain single-device LLaMA: readable, no parallel code in it.
 
-RMSNorm, rotary embeddings (transformers' rotate-half convention, so HF weights load as is),
-SwiGLU MLP, grouped-query attention, untied embedding and LM head. FSDP2 and DeepSpeed shard
+RMSNorm, rotary embeddings (transformers' rotate-half convention, so HF weights load as is;
+Llama 3.1 rope scaling), SwiGLU MLP, grouped-query attention with optional q/k/v/o biases,
+embedding and LM head untied or tied (the Shape says which, as config.json does). FSDP2 and DeepSpeed shard
 this very module from outside (harness/frameworks); the own engine mirrors it block for block
 (harness/engine/model.py: the same parameter names, this file's attention core, kernels and
 rotary tables), so every engine starts from the same reference weights (reference_tensor).
@@ -10,6 +11,7 @@ rotary tables), so every engine starts from the same reference weights (referenc
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 
 import torch
@@ -32,13 +34,36 @@ class RMSNorm(nn.Module):
         return rmsnorm(self.kernel, x, self.weight, self.eps)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device, offset: int = 0):
+def rope_inv_freq(head_dim: int, theta: float, device, scaling: tuple | None = None):
+    """The rotary inverse frequencies (fp32), with Llama 3.1's scaling when `scaling` is
+    (factor, low_freq_factor, high_freq_factor, original_max_positions): transformers'
+    _compute_llama3_parameters step for step (long wavelengths divided by factor, short ones
+    kept, the band between interpolated smoothly)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    low_freq_wavelen, high_freq_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device, offset: int = 0, scaling: tuple | None = None):
     """cos and sin, [seq, head_dim], for positions offset..offset+seq_len-1 (fp32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, device, scaling)
     pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
+
+
+def shape_rotary(shape: Shape, seq_len: int, device, offset: int = 0):
+    """The model's rotary tables (theta and rope scaling from the shape): what every engine uses."""
+    return rotary_tables(seq_len, shape.hidden // shape.heads, shape.rope_theta, device, offset, shape.rope_scaling)
 
 
 def _rotate_half(x):
@@ -65,10 +90,11 @@ class Attention(nn.Module):
     def __init__(self, shape: Shape, kernel: str = "sdpa"):
         super().__init__()
         self.head_dim = shape.hidden // shape.heads
-        self.wq = nn.Linear(shape.hidden, shape.heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(shape.hidden, shape.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(shape.hidden, shape.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(shape.heads * self.head_dim, shape.hidden, bias=False)
+        bias = shape.attention_bias
+        self.wq = nn.Linear(shape.hidden, shape.heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(shape.hidden, shape.kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(shape.hidden, shape.kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(shape.heads * self.head_dim, shape.hidden, bias=bias)
         self.kernel = kernel
         self.recompute_core = False  # selective activation checkpointing
 
@@ -104,9 +130,9 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, shape: Shape, attention: str, rmsnorm_kind: str):
         super().__init__()
-        self.attention_norm = RMSNorm(shape.hidden, kernel=rmsnorm_kind)
+        self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernel=rmsnorm_kind)
         self.attention = Attention(shape, attention)
-        self.ffn_norm = RMSNorm(shape.hidden, kernel=rmsnorm_kind)
+        self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernel=rmsnorm_kind)
         self.feed_forward = FeedForward(shape)
 
     def forward(self, x, cos, sin):
@@ -121,9 +147,16 @@ class Llama(nn.Module):
         self.shape = shape
         self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden)
         self.layers = nn.ModuleList(Block(shape, attention, rmsnorm_kind) for _ in range(shape.layers))
-        self.norm = RMSNorm(shape.hidden, kernel=rmsnorm_kind)
+        self.norm = RMSNorm(shape.hidden, shape.norm_eps, kernel=rmsnorm_kind)
         self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        self.tie_weights()
         self.set_checkpointing(checkpointing)
+
+    def tie_weights(self) -> None:
+        """With tied embeddings the LM head is the embedding's Parameter (one tensor, one name:
+        tok_embeddings.weight). Call again after to_empty, which makes a new Parameter per module."""
+        if self.shape.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     def set_checkpointing(self, mode: str) -> None:
         self.checkpointing = mode
@@ -131,7 +164,7 @@ class Llama(nn.Module):
             layer.attention.recompute_core = mode == "selective"
 
     def rotary(self, seq_len: int, device):
-        return rotary_tables(seq_len, self.shape.hidden // self.shape.heads, self.shape.rope_theta, device)
+        return shape_rotary(self.shape, seq_len, device)
 
     def run_layers(self, h, cos, sin):
         for layer in self.layers:
@@ -165,11 +198,14 @@ def reference_tensor(shape: Shape, seed: int, name: str) -> torch.Tensor:
 
     Each tensor draws from its own generator seeded by (seed, index), so an engine can build
     any subset (a shard's parameters, one at a time) and still get the same values. Output
-    projections (wo, w2) are scaled by 1/sqrt(2·layers), as GPT-2 and Megatron do.
+    projections (wo, w2) are scaled by 1/sqrt(2·layers), as GPT-2 and Megatron do; biases start
+    at zero (as transformers and Megatron initialise them). A tied LM head is tok_embeddings.weight.
     """
     index, size = _parameter_table(shape)[name]
     if name.endswith("norm.weight"):
         return torch.ones(size)
+    if name.endswith(".bias"):
+        return torch.zeros(size)
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     std = 0.02 / (2 * shape.layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else 0.02
     return torch.randn(size, generator=g) * std
@@ -201,5 +237,9 @@ def build_model(shape: Shape, seed: int, attention: str = "sdpa", rmsnorm_kind: 
     with torch.device("meta"):
         model = Llama(shape, attention, rmsnorm_kind, checkpointing)
     model = model.to_empty(device=device)
-    model.load_state_dict(reference_state_dict(shape, seed))
+    model.tie_weights()
+    state = reference_state_dict(shape, seed)
+    if shape.tie_embeddings:  # state_dict() names the shared tensor under both modules
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state)
     return model

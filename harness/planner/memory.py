@@ -68,12 +68,17 @@ FRAGMENTATION_PIPELINED = 0.20
 
 
 def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: int) -> float:
-    """Parameters held per GPU of a stage: matrices split over tp (vocab-parallel embedding/head)."""
+    """Parameters held per GPU of a stage: matrices split over tp (vocab-parallel embedding/head;
+    a tied head on the embedding's stage is the same tensor, counted once; attention biases: q/k/v's
+    split over tp, o's replicated)."""
     d = shape.hidden // shape.heads
     attn = shape.hidden * shape.heads * d * 2 + 2 * shape.hidden * shape.kv_heads * d
     per_layer = (attn + 3 * shape.hidden * shape.ffn) / tp + 2 * shape.hidden
+    if shape.attention_bias:
+        per_layer += (shape.heads + 2 * shape.kv_heads) * d / tp + shape.hidden
     vocab = shape.vocab * shape.hidden / tp
-    return layers * per_layer + (vocab if has_emb else 0) + ((vocab + shape.hidden) if has_head else 0)
+    head = 0 if shape.tie_embeddings and has_emb else vocab
+    return layers * per_layer + (vocab if has_emb else 0) + ((head + shape.hidden) if has_head else 0)
 
 
 def layer_activation_bytes(shape: Shape, lay: Layout, wl: Workload, micro_batch: int | None = None) -> dict:
