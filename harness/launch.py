@@ -370,6 +370,12 @@ def _spec_dict(spec) -> dict:
     return spec if isinstance(spec, dict) else spec.to_dict()
 
 
+def recorded_command(cmd: list[str]) -> list[str]:
+    """A launch command as a record keeps it: this interpreter by its name, not its path on this
+    machine (the fingerprint names the Python version; the run's log starts with the full line)."""
+    return ["python", *cmd[1:]] if cmd and cmd[0] == sys.executable else list(cmd)
+
+
 def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: float,
              sweep: str | None = None, point_key: str | None = None, extra_env: dict | None = None,
              log_dir: str | None = None, nnodes: int = 1, module: str = "harness.cli",
@@ -387,7 +393,8 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
     log_dir = log_dir or tempfile.mkdtemp(prefix="harness-logs-")
     spec_path = os.path.join(log_dir, f"{run_id}.yaml")
     log_path = os.path.join(log_dir, f"{run_id}.log")
-    argv = ["train", spec_path, "--store", os.path.abspath(store_path), "--run-id", run_id]
+    # paths as given (relative stays relative): the ranks start in this working directory
+    argv = ["train", spec_path, "--store", store_path, "--run-id", run_id]
     if sweep is not None:
         argv += ["--sweep", sweep]
     if point_key is not None:
@@ -440,7 +447,7 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
         if cause["source"] != "rank":  # a rank's own report already leads the error
             record["error"] = first_failure_line(cause) + "\n---\n" + (record.get("error") or "")
     lead_with_error_line(record, output)
-    record["launch"] = {"launcher": launcher, "nproc": nproc, "nnodes": nnodes, "command": cmd,
+    record["launch"] = {"launcher": launcher, "nproc": nproc, "nnodes": nnodes, "command": recorded_command(cmd),
                         "exit_code": popen.returncode, "wall_s": round(wall, 3), "log": log_path,
                         "timeout_s": timeout_s, "timed_out": timed_out}
     if survivors:

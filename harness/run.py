@@ -21,7 +21,7 @@ from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
 from harness.model.presets import param_count
 from harness.model.kernels import check_kernels, rmsnorm_backend_name
-from harness.spec import RunSpec, check_world_size, micro_batches_per_step
+from harness.spec import RunSpec, check_world_size, layout_label, micro_batches_per_step
 from harness.store import ResultsStore, mentions_oom, mentions_peer_failure, new_record, now_iso
 
 
@@ -115,7 +115,7 @@ class Trainer:
     """The measured loop, one step at a time (benchmarks interleave it with other loops)."""
 
     def __init__(self, spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = None,
-                 progress: bool = True):
+                 progress: bool = True, tensorboard_dir: str | None = None):
         w, lay = spec.workload, spec.layout
         self.spec, self.ctx = spec, ctx
         self.engine = build_engine(spec, shape, ctx)
@@ -129,6 +129,9 @@ class Trainer:
             self.peak = measure.datasheet_peak_tflops(device_name)
             self.peak_source = f"datasheet dense bf16 ({device_name})" if self.peak else None
         self.bar = Progress(progress and ctx.is_main, self.total)
+        # rank 0's per-step metrics to TensorBoard (`--tensorboard DIR`), written as the run goes
+        self.stream = measure.MetricsStream(tensorboard_dir, layout_label(lay)) \
+            if tensorboard_dir and ctx.is_main else None
         self.losses: list[float] = []
         self.times: list[float] = []
         self.details: list[dict] = []
@@ -160,7 +163,15 @@ class Trainer:
         mfu = self.peak and self.fpt["palm"] * self.tokens_per_step / timer.seconds / (
             self.ctx.world_size * self.peak * 1e12)
         self.bar.update(step, timer.seconds, self.tokens_per_step, loss, mfu, force=step == self.total - 1)
+        if self.stream is not None:
+            self.stream.step(step, loss=loss, seconds=timer.seconds, tokens=self.tokens_per_step, mfu=mfu,
+                             device=self.ctx.device)
         return timer.seconds
+
+    def close_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
 
     def metrics(self, measure_matmul: bool = True) -> dict:
         """Summaries over the measured steps (the same dict on every rank)."""
@@ -246,12 +257,26 @@ def _timeline_of_every_stage(mine: list[dict], ctx: RunContext) -> list[dict]:
 
 
 def train(spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = None,
-          measure_matmul: bool = True, progress: bool = True) -> dict:
+          measure_matmul: bool = True, progress: bool = True, tensorboard_dir: str | None = None) -> dict:
     """Run warm-up plus measured steps; return the metrics (the same dict on every rank)."""
-    trainer = Trainer(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress)
-    for step in range(trainer.total):
-        trainer.step(step)
+    trainer = Trainer(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress, tensorboard_dir=tensorboard_dir)
+    try:
+        for step in range(trainer.total):
+            trainer.step(step)
+    finally:  # the steps so far stay readable in TensorBoard, also when a step failed
+        trainer.close_stream()
     return trainer.metrics(measure_matmul)
+
+
+def tensorboard_run_dir(base: str, spec: RunSpec, run_id: str, sweep: str | None) -> str:
+    """One TensorBoard run per record: <base>/<sweep or spec name>/<layout label>-<run id prefix>,
+    each part a plain file name (TensorBoard names the run after its folder)."""
+    import re
+
+    def safe(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._=+-]+", "_", text).strip("_") or "run"
+
+    return os.path.join(base, safe(sweep or spec.name or "train"), safe(f"{layout_label(spec.layout)} {run_id[:8]}"))
 
 
 def _summarize_details(details: list[dict]) -> dict:
@@ -270,7 +295,7 @@ def _summarize_details(details: list[dict]) -> dict:
 
 def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id: str | None = None,
         sweep: str | None = None, point_key: str | None = None, peak_tflops: float | None = None,
-        progress: bool = True) -> dict:
+        progress: bool = True, tensorboard_dir: str | None = None) -> dict:
     """Preflight (SpecError propagates: exit 2), train, write the record; failures are recorded."""
     shape = preflight(spec, ctx)
     record = new_record(spec.to_dict(), sweep=sweep, point_key=point_key)
@@ -278,8 +303,12 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
         record["run_id"] = run_id
     store = ResultsStore(store_path or spec.store)
     record["fingerprint"] = measure.fingerprint(ctx.device, ctx.world_size, _hosts(ctx))
+    tb_dir = None
+    if tensorboard_dir:
+        tb_dir = record["tensorboard_dir"] = tensorboard_run_dir(tensorboard_dir, spec, record["run_id"], sweep)
     try:
-        record["metrics"] = train(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress)
+        record["metrics"] = train(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress,
+                                  tensorboard_dir=tb_dir)
         record["status"] = "ok"
     except Exception as exc:  # recorded, then re-raised so the launcher sees the failure
         import traceback

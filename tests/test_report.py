@@ -31,13 +31,13 @@ def test_all_sections_and_images(report_dir):
     page = (report_dir / "report.html").read_text()
     for sid in SECTIONS:
         assert f"<section id='{sid}'>" in page
-    imgs = re.findall(r"<img id='img-([\w-]+)' alt='[^']*' src='data:image/png;base64,", page)
+    imgs = re.findall(r"<img id='img-([\w-]+)' alt='[^']*' src='data:image/svg\+xml;base64,", page)
     for prefix in ("micro-batch", "tp-pp-0", "kernels-0", "checkpointing-0", "sequence-parallel-0",
                    "frameworks-0", "breakdown-0", "timeline"):
         assert prefix in imgs
     md = (report_dir / "report.md").read_text()
     assert "## Measured against quoted" in md and "QUOTED 70.6%" in md and "arXiv 2311.05610" in md
-    assert all((report_dir / "img" / f"{name}.png").stat().st_size > 1000 for name in imgs)
+    assert all((report_dir / "img" / f"{name}.svg").stat().st_size > 1000 for name in imgs)
 
 
 def test_recommendations_cite_counts_and_evidence():

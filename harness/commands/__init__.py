@@ -7,3 +7,24 @@ def add_set_argument(p, what: str) -> None:
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
                    help=f"override a field of the {what} before it is checked, value as YAML "
                         "(repeatable; e.g. --set workload.seq_len=256)")
+
+
+def add_tensorboard_argument(p, what: str) -> None:
+    """`--tensorboard DIR`: rank 0 of every run streams its per-step metrics there."""
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help=f"rank 0 of {what} writes loss, step time, tokens/s, MFU and memory per step to "
+                        "TensorBoard under DIR (one folder per run; needs the tensorboard package); "
+                        "view with `tensorboard --logdir DIR`")
+
+
+def tensorboard_dir(args) -> str | None:
+    """The --tensorboard folder (checked: the package is installed, the folder can be written), else
+    None. compare and sweep hand it on to the runs they launch (measure.TENSORBOARD_ENV)."""
+    import os
+
+    from harness.measure import TENSORBOARD_ENV, check_tensorboard
+
+    given = getattr(args, "tensorboard", None) or os.environ.get(TENSORBOARD_ENV) or None
+    if given:
+        check_tensorboard(given, "--tensorboard")
+    return given

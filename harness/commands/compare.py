@@ -8,17 +8,28 @@ finished and the losses agree, 1 otherwise, 2 for a mistake in the spec (nothing
 
 from __future__ import annotations
 
+import os
 import sys
 
-from harness.commands import add_set_argument
+from harness.commands import add_set_argument, add_tensorboard_argument, tensorboard_dir
 
 DESCRIPTION = __doc__.split(":", 1)[1].strip()
 
 EXAMPLES = """\
 examples:
-  harness compare                                  # the built-in CPU default, a few minutes
+  harness compare                                  # the built-in CPU default, a few minutes, into harness-out/
   harness compare --set workload.steps=3 --set parity_steps=2 --out /tmp/cmp
   harness compare examples/compare-cpu-bf16.yaml --store cmp.sqlite --timeout 300"""
+
+
+# Where a comparison writes by default: a folder of the working directory that git ignores, so a
+# default run never overwrites the committed example reports under reports/.
+DEFAULT_OUT = "harness-out"
+
+
+def default_log_dir(store: str, name: str) -> str:
+    """The runs' logs by default: next to the store, as given (a relative store keeps them relative)."""
+    return os.path.join(os.path.dirname(store), "harness-logs", f"compare-{name}")
 
 
 def add_arguments(p):
@@ -26,10 +37,12 @@ def add_arguments(p):
                                            "without it: the built-in CPU default")
     add_set_argument(p, "compare spec")
     p.add_argument("--store", help="results SQLite file (default: the spec's `store`, else results.sqlite)")
-    p.add_argument("--out", default="reports", help="directory for the report (default: reports/)")
-    p.add_argument("--logs", help="directory for the runs' logs (default: next to the store)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"directory for the report files compare-<name>.md/.html/.json (default: {DEFAULT_OUT}/)")
+    p.add_argument("--logs", help="directory for the runs' logs (default: harness-logs/compare-<name>/ next to the store)")
     p.add_argument("--timeout", type=float, help="per-run timeout in seconds (overrides the spec)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_tensorboard_argument(p, "every run")
 
 
 def main(args) -> int:
@@ -48,11 +61,17 @@ def main(args) -> int:
     store = args.store or cs.store or "results.sqlite"
     check_store(store)
     check_output_path(args.out, "--out", directory=True)
+    tensorboard = tensorboard_dir(args)  # checked before anything launches
+    if tensorboard:  # every run this command launches inherits it (harness train reads it)
+        from harness.measure import TENSORBOARD_ENV
+
+        os.environ[TENSORBOARD_ENV] = tensorboard
     if args.logs:
         check_output_path(args.logs, "--logs", directory=True)
     print(f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
           f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})", file=sys.stderr)
-    summary = run_comparison(cs, store_path=store, log_dir=args.logs, progress=not args.no_progress)
+    summary = run_comparison(cs, store_path=store, log_dir=args.logs or default_log_dir(store, cs.name),
+                             progress=not args.no_progress)
     paths = write_report(summary, args.out)
     par = summary["parity"]
     print(f"verdict: {summary['verdict']} (parity {par['verdict']}, max pairwise relative loss difference "

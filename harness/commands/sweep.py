@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from harness.commands import add_set_argument
+from harness.commands import add_set_argument, add_tensorboard_argument, tensorboard_dir
 from harness.errors import SpecError, StoreError
 from harness.spec import check_output_path, check_positive, parse_with_overrides, read_yaml
 from harness.store import STATUSES, ResultsStore, check_store
@@ -55,6 +55,7 @@ def add_arguments(p) -> None:
                                      "(default: <store dir>/harness-slurm/<sweep name>)")
     p.add_argument("--no-submit", action="store_true", help="Slurm: write the job script, do not sbatch it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_tensorboard_argument(p, "every point")
 
 
 def main(args) -> int:
@@ -82,6 +83,11 @@ def main(args) -> int:
     if args.logs:
         check_output_path(args.logs, "--logs", directory=True)
     points, drops = expand(spec)
+    tensorboard = tensorboard_dir(args)  # checked before anything launches
+    if tensorboard:  # every run this command launches inherits it (harness train reads it)
+        from harness.measure import TENSORBOARD_ENV
+
+        os.environ[TENSORBOARD_ENV] = tensorboard
     done = ResultsStore(store).completed_points(spec.name) if os.path.exists(store) else {}
     if args.dry_run:
         print(describe(points, drops, {k: v for k, v in done.items() if v not in retry}))

@@ -7,7 +7,7 @@ import os
 import sys
 import traceback
 
-from harness.commands import add_set_argument
+from harness.commands import add_set_argument, add_tensorboard_argument, tensorboard_dir
 from harness.errors import SpecError
 
 DESCRIPTION = """\
@@ -33,6 +33,7 @@ def add_arguments(p):
     p.add_argument("--point-key", help=argparse.SUPPRESS)
     p.add_argument("--peak-tflops", type=float, help="per-device peak for MFU, overriding the datasheet table")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    add_tensorboard_argument(p, "the run")
 
 
 def main(args) -> int:
@@ -46,10 +47,12 @@ def main(args) -> int:
     if args.peak_tflops is not None:
         check_positive(args.peak_tflops, "--peak-tflops")
     check_store(args.store or spec.store)  # before the process group forms: nothing has started
+    tensorboard = tensorboard_dir(args)
     ctx = runtime.init(spec.workload.device)
     try:
         record = run(spec, ctx, store_path=args.store, run_id=args.run_id, sweep=args.sweep,
-                     point_key=args.point_key, peak_tflops=args.peak_tflops, progress=not args.no_progress)
+                     point_key=args.point_key, peak_tflops=args.peak_tflops, progress=not args.no_progress,
+                     tensorboard_dir=tensorboard)
     except SpecError:
         runtime.teardown(ctx, barrier=False)
         raise

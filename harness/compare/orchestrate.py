@@ -64,7 +64,8 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         "metrics": {k: m.get(k) for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu",
                                            "mfu_vs_measured_matmul", "peak_memory_bytes", "memory_kind",
                                            "peak_tflops", "measured_matmul_tflops", "breakdown_s", "comm",
-                                           "parameter_count", "memory_census", "activations_saved_bytes")},
+                                           "parameter_count", "memory_census", "activations_saved_bytes",
+                                           "step_times_s")},
         "describe": describe,
         "precision_policy": describe.get("precision_policy"),
         "workload_override": plan.workload_override,
@@ -100,7 +101,7 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
     for plan in bar:
         bar.set_description(f"compare: {plan.label}")
         spec = plan.spec.to_dict()
-        spec["store"] = os.path.abspath(store_path)
+        spec["store"] = store_path  # as given: relative stays relative (the runs share this cwd)
         record = launch_fn(spec, nproc=plan.nproc, launcher=plan.launcher, store_path=store_path,
                            timeout_s=cs.timeout_s, sweep=sweep, point_key=plan.label, log_dir=log_dir)
         entry = _run_entry(plan, record)
@@ -118,7 +119,7 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
     verdict = PASS if parity["verdict"] == PASS and not failed else "FAIL"
     summary = {
         "name": cs.name, "comparison_id": comparison_id, "created_at": now_iso(), "verdict": verdict,
-        "store": os.path.abspath(store_path), "sweep_tag": sweep, "nproc": cs.nproc,
+        "store": store_path, "sweep_tag": sweep, "nproc": cs.nproc,
         "workload": cs.workload,
         "tolerance_source": cs.tolerance_source, "parity": parity, "fingerprints": fingerprints,
         "failed_runs": failed, "skipped": cs.skipped, "not_runnable": cs.not_runnable,
@@ -126,6 +127,7 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
         "threads_per_process": threads, "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],
         "loss_table": {e["label"]: e["losses"][:cs.parity_steps] for e in entries if e["losses"]},
+        "loss_curves": {e["label"]: e["losses"] for e in entries if e["losses"]},  # every step, for the plot
     }
     # the compared workload is the one without overrides: take it from a run that has none
     base = next((r for r, e in zip(records, entries) if not e["workload_override"]), None)

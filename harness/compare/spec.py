@@ -113,7 +113,7 @@ def _int(raw: dict, key: str, default):
 
 
 def parse_compare_spec(raw) -> CompareSpec:
-    from harness.frameworks.ds_config import resolve_path, validate
+    from harness.frameworks.ds_config import validate
     from harness.spec import check_file_name, check_positive, check_world_size, parse_spec
 
     if not isinstance(raw, dict):
@@ -178,8 +178,6 @@ def parse_compare_spec(raw) -> CompareSpec:
         if engine != "single" and "dp" not in layout and isinstance(tp, int) and isinstance(pp, int) \
                 and tp > 0 and pp > 0:
             layout["dp"] = max(1, nproc // (tp * pp))
-        if engine == "deepspeed" and layout.get("ds_config"):
-            layout["ds_config"] = resolve_path(layout["ds_config"], layout.get("zero_stage", 0))
         try:
             spec = parse_spec({"workload": {**workload, **override}, "layout": layout,
                                "name": f"{name}/{label}"})

@@ -8,10 +8,12 @@ the tokens of the single-device reference.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
-from harness.spec import Workload
+from harness.spec import Workload, check_token_file
 
 
 class SyntheticTokens:
@@ -27,7 +29,12 @@ class TokenFile:
     """A flat memory-mapped token file (nanoGPT/Megatron .bin): consecutive windows, wrapping."""
 
     def __init__(self, path: str, dtype: str, vocab: int, seq_len: int, global_batch: int):
-        self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+        try:  # a wrong dtype or an empty file: numpy's ValueError, said as the spec field it comes from
+            self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+        except (ValueError, OSError) as e:
+            from harness.errors import SpecError
+
+            raise SpecError("workload.data.path", f"{path}: cannot read it as {dtype} tokens ({e})") from None
         self.seq_len, self.global_batch = seq_len, global_batch
         window = seq_len + 1
         self.windows = len(self.tokens) // window
@@ -51,6 +58,9 @@ class TokenFile:
 
 def token_source(workload: Workload, vocab: int):
     if workload.data.kind == "file":
+        # the checks `harness train` makes before launch (its .bin.json's dtype and vocabulary, size),
+        # also for callers that build a source without validating the spec first
+        check_token_file(workload, SimpleNamespace(vocab=vocab))
         return TokenFile(workload.data.path, workload.data.dtype, vocab, workload.seq_len,
                          workload.global_batch_size)
     return SyntheticTokens(vocab, workload.seq_len, workload.global_batch_size, workload.seed)

@@ -81,6 +81,13 @@ def resolve_path(path: str, zero_stage: int) -> str:
     return os.path.abspath(path)
 
 
+def recorded_name(path: str, zero_stage: int) -> str:
+    """What records, reports and messages call a layout's ds_config: the path as the user gave
+    it (relative stays relative), or `ds_configs/zero<stage>.json` for the default, wherever the
+    file itself is read from (resolve_path)."""
+    return path or f"ds_configs/{DEFAULT_FILES.get(zero_stage, f'zero{zero_stage}.json')}"
+
+
 def load_raw(path: str) -> dict:
     if not os.path.isfile(path):
         raise SpecError("layout.ds_config", f"file {path!r} does not exist")
@@ -158,7 +165,8 @@ def _find_auto(node, prefix=""):
 
 def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | None = None,
                  path: str | None = None) -> tuple[dict, str, list[str]]:
-    """The DeepSpeed config for this run: (config, file, keys filled from the workload).
+    """The DeepSpeed config for this run: (config, its file as recorded (recorded_name), keys
+    filled from the workload).
 
     Pure and cheap (no torch, no deepspeed import), so it runs before launch as well as in
     each rank. `dp` is the data-parallel degree (world size / (tp x pp); default layout.dp).
@@ -167,7 +175,7 @@ def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | 
     """
     w, lay = spec.workload, spec.layout
     file = path or resolve_path(lay.ds_config, lay.zero_stage)
-    name = os.path.relpath(file) if not os.path.relpath(file).startswith("..") else file
+    name = path or recorded_name(lay.ds_config, lay.zero_stage)  # as given: no machine paths in records
     cfg = copy.deepcopy(load_raw(file))
     dp = dp or lay.dp
     f = _Filler(name, cfg)
@@ -255,7 +263,7 @@ def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | 
         raise SpecError(f"{name}: {left[0]}", "\"auto\" is not filled from the workload for this key; set a value")
     cfg.setdefault("steps_per_print", 10 ** 9)
     cfg.setdefault("wall_clock_breakdown", False)
-    return cfg, file, f.filled
+    return cfg, name, f.filled
 
 
 def _precision_policy(f: _Filler, cfg: dict, w) -> None:

@@ -1,4 +1,4 @@
-"""Reports from the results store: Markdown plus a single-file HTML with embedded PNG plots.
+"""Reports from the results store: Markdown plus a single-file HTML with embedded SVG figures.
 
 data.py flattens records into rows (tolerating missing optional metrics), analysis.py turns
 rows into sections (tables, figures, recommendations with their evidence), plots.py draws

@@ -32,7 +32,7 @@ class Section:
     title: str
     text: list[str] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
-    images: list[tuple[str, bytes, str]] = field(default_factory=list)  # (name, png, alt)
+    images: list[tuple[str, bytes, str]] = field(default_factory=list)  # (name, svg, alt)
 
 
 def by_sweep(rows: list[Row]) -> dict[str, list[Row]]:
@@ -67,6 +67,21 @@ def layout_row(r: Row, metric: Metric) -> list[str]:
 def layout_headers(metric: Metric) -> list[str]:
     return ["engine", "tp", "pp", "dp", "mb", "ckpt", "kernels", "sp", "step (median)", "95% CI", "tokens/s",
             "tok/s/device", "MFU", "MFU megatron", "HFU", "MFU vs measured matmul", "peak mem", "run"]
+
+
+def rate_ci(value, step_median, step_ci) -> tuple[float, float] | None:
+    """The 95% CI of a rate taken at the median step time (MFU, tokens/s: a constant divided by
+    the median step), from the CI of that median: the interval maps through 1/x, its ends
+    swapped. One definition of the interval everywhere: measure.median_ci95, in the record as
+    step_time_s.ci95_low/high."""
+    if value is None or not step_median or not step_ci or None in step_ci or min(step_ci) <= 0:
+        return None
+    return value * step_median / max(step_ci), value * step_median / min(step_ci)
+
+
+def metric_ci(r: Row, metric: Metric) -> tuple[float, float] | None:
+    """The 95% CI of a run's ranking metric (rate_ci)."""
+    return rate_ci(metric.of(r), r.step_median, r.step_ci)
 
 
 def _pct(v) -> str:
@@ -142,13 +157,14 @@ def axis_section(rows: list[Row], metric: Metric, sid: str, title: str, key, axi
         s.tables.append(Table([axis_name, "best " + metric.short, "step",
                                "best layout", "runs"], table, name))
         if best:
-            series[name] = [(v, metric.of(b)) for v, b in best.items()]
+            series[name] = [(v, metric.of(b), *(metric_ci(b, metric) or (None, None))) for v, b in best.items()]
             if plot == "bars" and shown < MAX_SWEEP_FIGS:
                 labels = sorted(best, key=_sort_key)
                 s.images.append((f"{sid}-{shown}", plots.bars([str(v) for v in labels],
                                                               [metric.of(best[v]) for v in labels],
                                                               f"{name}: best per {axis_name}",
-                                                              metric.short, metric.percent),
+                                                              metric.short, metric.percent,
+                                                              [metric_ci(best[v], metric) for v in labels]),
                                  f"best {metric.short} per {axis_name} in {name}"))
                 shown += 1
     if plot == "lines" and series:

@@ -12,6 +12,9 @@ import html
 import json
 import os
 
+from harness.report import plots
+from harness.report.analysis import rate_ci
+from harness.report.render import img_tag
 from harness.spec import Layout, capability_error, engine_variant, layout_label, parallel_label
 from harness.store import PASS
 
@@ -45,14 +48,67 @@ BREAKDOWN = (("compute", "compute"), ("tp_comm", "exposed TP comm"), ("bubble", 
 NOT_MEASURED = "not measured"
 
 
+# What makes a matrix column (engine_variant); every other field that differs between runs is a row.
+VARIANT_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "model_impl")
+
+
 def _full_layout(layout: dict) -> dict:
     return {**dataclasses.asdict(Layout()), **(layout or {})}
 
 
-def _row_text(lay: dict) -> str:
+def _run_fields(run: dict, workload: dict) -> dict:
+    """Every layout field of a run, and every workload field a run overrides (`workload.<key>`,
+    with the compared workload's value for the runs that do not)."""
+    return {**_full_layout(run.get("layout")),
+            **{f"workload.{k}": v for k, v in (workload or {}).items()},
+            **{f"workload.{k}": v for k, v in (run.get("workload_override") or {}).items()}}
+
+
+def differing_fields(summary: dict) -> list[str]:
+    """The fields whose value is not the same in every run (the engine has its own column),
+    in the Layout's field order: computed from the layouts, not from a list of usual suspects."""
+    fields = [_run_fields(r, summary.get("workload")) for r in summary["runs"]]
+    keys = list(dict.fromkeys(k for f in fields for k in f))
+    return [k for k in keys if k != "engine" and
+            len({json.dumps(f.get(k), sort_keys=True, default=str) for f in fields}) > 1]
+
+
+def _field_value(key: str, value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if key == "ds_config":
+        return os.path.basename(value) if value else "none"
+    return json.dumps(value, default=str) if isinstance(value, (dict, list, tuple)) else str(value)
+
+
+def differs_texts(summary: dict) -> list[str]:
+    """Per run (in order), `field=value` for each field that differs between the compared runs
+    ('-' for none), less the fields that do not apply to that run. Which apply, the layout's label
+    says (spec.layout_label, the one place that knows it): a field the label shows for some run but
+    whose other values would not change this run's label is not this run's (reshard_after_forward
+    under the own engine, zero_stage under FSDP2, the schedule without pipeline stages); a field no
+    label shows (ds_config, a workload override) always applies."""
+    keys = differing_fields(summary)
+    everyone = [_run_fields(r, summary.get("workload")) for r in summary["runs"]]
+    values = {k: [v for v in {json.dumps(f.get(k), sort_keys=True, default=str): f.get(k) for f in everyone}.values()]
+              for k in keys}
+
+    def changes_label(fields: dict, key: str) -> bool:
+        if key.startswith("workload."):
+            return False
+        lay = {k: v for k, v in fields.items() if not k.startswith("workload.")}
+        return any(layout_label({**lay, key: v}) != layout_label(lay) for v in values[key] if v != lay[key])
+
+    labelled = {k: [changes_label(f, k) for f in everyone] for k in keys}
+    return [" ".join(f"{k}={_field_value(k, f.get(k))}" for k in keys if labelled[k][i] or not any(labelled[k]))
+            or "-" for i, f in enumerate(everyone)]
+
+
+def _row_text(lay: dict, extra_fields: tuple = ()) -> str:
     extra = [f"mbs {lay['micro_batch_size']}"]
     if lay["activation_checkpointing"] != "none":
         extra.append(f"ckpt {lay['activation_checkpointing']}")
+    extra += [f"{k}={_field_value(k, lay[k])}" for k in extra_fields]
     return " ".join([parallel_label(lay) or "one process"] + extra)
 
 
@@ -63,9 +119,13 @@ def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
     parity = {p["label"]: p["verdict"] for p in summary["parity"]["runs"]}
     entries = [(_full_layout(r["layout"]), r) for r in runs] + \
               [(_full_layout(n["layout"]), n) for n in summary.get("not_runnable") or []]
+    # a field outside ROW_FIELDS that differs (virtual stages, schedule, kernels...) makes rows too
+    extra = tuple(k for k in _full_layout({}) if k not in ROW_FIELDS + VARIANT_FIELDS
+                  and len({json.dumps(lay[k], default=str) for lay, _ in entries}) > 1)
+    row_fields = ROW_FIELDS + extra
     rows, cols, cells = {}, {}, {}
     for lay, entry in entries:
-        row, col = tuple(lay[k] for k in ROW_FIELDS), engine_variant(lay)
+        row, col = tuple(lay[k] for k in row_fields), engine_variant(lay)
         rows.setdefault(row, lay)
         cols.setdefault(col, lay)
         if "why" in entry:
@@ -76,10 +136,10 @@ def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
                                f"{parity.get(entry['label'], '-')}" if st else f"{entry['status']}")
     table = []
     for row, row_lay in rows.items():
-        line = [_row_text(row_lay)]
+        line = [_row_text(row_lay, extra)]
         for col, col_lay in cols.items():
             if (row, col) not in cells:
-                merged = {**col_lay, **{k: row_lay[k] for k in ROW_FIELDS}}
+                merged = {**col_lay, **{k: row_lay[k] for k in row_fields}}
                 error = capability_error(Layout(**merged))
                 cells[row, col] = f"– {error}" if error else "not run"
             line.append(cells[row, col])
@@ -175,8 +235,9 @@ THREADS_TEXT = ("Threads per process: {n} (OMP_NUM_THREADS), the same for every 
 
 def table_rows(summary: dict) -> list[dict]:
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
+    differs = differs_texts(summary)
     rows = []
-    for r in summary["runs"]:
+    for r, differ in zip(summary["runs"], differs):
         m = r.get("metrics") or {}
         st = m.get("step_time_s") or {}
         mfu = (m.get("mfu") or {}).get("palm")
@@ -184,6 +245,7 @@ def table_rows(summary: dict) -> list[dict]:
         p = parity.get(r["label"], {})
         rows.append({
             "label": r["label"], "engine": r["engine"], "layout": layout_label(r["layout"]),
+            "differs": differ,
             "launcher": r["launcher"], "status": r["status"],
             "step_ms": f"{_ms(st.get('median'))} [{_ms(st.get('ci95_low'))}, {_ms(st.get('ci95_high'))}]"
             if st else "n/a",
@@ -197,10 +259,65 @@ def table_rows(summary: dict) -> list[dict]:
     return rows
 
 
-COLUMNS = [("label", "Run"), ("engine", "Engine"), ("layout", "Layout"), ("status", "Status"),
+COLUMNS = [("label", "Run"), ("engine", "Engine"), ("layout", "Layout"), ("differs", "Fields that differ"),
+           ("status", "Status"),
            ("step_ms", "Step time median [95% CI] (ms)"), ("tokens_s", "Tokens/s"),
            ("mfu", "MFU (PaLM, datasheet peak)"), ("mfu_measured", "MFU (vs measured matmul peak)"),
            ("memory", "Peak memory"), ("parity", "Loss parity"), ("rel_diff", "Max rel. diff"), ("note", "Note")]
+
+
+DIFFERS_TEXT = ("The runs differ in {fields}; the column 'Fields that differ' gives each run's values (a field "
+                "equal in every run is left out, and so is one that does not apply to a run's engine).")
+FIGURES_TEXT = ("First, tokens/s per run at its median step time, drawn from zero, with the 95% confidence "
+                "interval of the median carried through (whiskers); then the distribution of every "
+                "measured step (warm-up excluded; box: quartiles, red: median, black: its 95% CI, dots: the "
+                "steps; this axis does not start at zero, to show the spread).")
+LOSS_FIGURE_TEXT = "The loss of every step of every run (warm-up shaded); runs in parity lie on top of each other."
+
+
+def figures(summary: dict) -> list[tuple[str, bytes, str]]:
+    """The comparison's figures as (name, svg, alt): throughput with CI whiskers, the step-time
+    distribution and the loss curves; a figure without data (no run finished, a summary written
+    before the per-step series were kept) is left out."""
+    ok = [r for r in summary["runs"] if r["status"] == "ok"]
+    out = []
+    rated = [(r, (r.get("metrics") or {}).get("tokens_per_s"), (r.get("metrics") or {}).get("step_time_s") or {})
+             for r in ok]
+    rated = [(r, tps, st) for r, tps, st in rated if isinstance(tps, (int, float))]
+    if rated:
+        out.append(("throughput", plots.bars(
+            [r["label"] for r, _, _ in rated], [tps for _, tps, _ in rated], "Throughput per run (higher is better)",
+            "tokens/s (all ranks, at the median step)", False,
+            [rate_ci(tps, st.get("median"), (st.get("ci95_low"), st.get("ci95_high"))) for _, tps, st in rated]),
+            "tokens/s per run from zero, with 95% CI whiskers"))
+    times = {r["label"]: (r.get("metrics") or {}).get("step_times_s") for r in ok}
+    times = {k: v for k, v in times.items() if v}
+    if times:
+        cis = {r["label"]: ((r["metrics"].get("step_time_s") or {}).get("ci95_low"),
+                            (r["metrics"].get("step_time_s") or {}).get("ci95_high")) for r in ok}
+        out.append(("step-times", plots.distribution(times, "Step time per measured step (warm-up excluded)",
+                                                     "ms per step (each step the slowest rank's)", cis),
+                    "distribution of the measured step times per run"))
+    curves = summary.get("loss_curves") or summary.get("loss_table") or {}
+    if curves:
+        out.append(("loss-curves", plots.loss_curves(curves, int((summary.get("workload") or {}).get("warmup_steps")
+                                                                 or 0), "Loss per step"),
+                    "loss per step of every run"))
+    return out
+
+
+def image_dir(summary: dict) -> str:
+    """The figures' folder, relative to the report (the Markdown links them from there)."""
+    return f"compare-{summary['name']}-img"
+
+
+def _md_figures(figs, names: tuple[str, ...], img_dir: str) -> list[str]:
+    return [line for name, _, alt in figs if name in names
+            for line in (f"![{alt}]({img_dir}/{name}.{plots.FORMAT})", "")]
+
+
+def _html_figures(figs, names: tuple[str, ...]) -> str:
+    return "".join(img_tag(name, image, alt) for name, image, alt in figs if name in names)
 
 
 def _workload_text(w: dict) -> str:
@@ -212,7 +329,8 @@ def _workload_text(w: dict) -> str:
             f"device {w.get('device')}")
 
 
-def markdown(summary: dict) -> str:
+def markdown(summary: dict, figs: list | None = None) -> str:
+    figs = figures(summary) if figs is None else figs
     par, fp = summary["parity"], summary["fingerprints"]
     n_failed = len(summary["failed_runs"])
     failed_text = f", {n_failed} run(s) did not finish" if n_failed else ""
@@ -227,8 +345,11 @@ def markdown(summary: dict) -> str:
            f"{summary['nproc']} processes per run (the reference: 1). Initial weights are generated from the seed, "
            "bit-identical for every engine; every data-parallel rank takes its contiguous slice of the same global "
            "batch.", ""]
-    out += ["## Results", "", "| " + " | ".join(h for _, h in COLUMNS) + " |",
-            "|" + "---|" * len(COLUMNS)]
+    differing = differing_fields(summary)
+    out += ["## Results", ""]
+    if differing:
+        out += [DIFFERS_TEXT.format(fields=", ".join(differing)), ""]
+    out += ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in table_rows(summary):
         out.append("| " + " | ".join(str(row[k]).replace("|", "\\|") for k, _ in COLUMNS) + " |")
     out += ["", "Step time: median over the measured steps (warm-up excluded), each step the slowest rank's, "
@@ -236,6 +357,9 @@ def markdown(summary: dict) -> str:
             "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
             "flops profiler double-counts under ZeRO-3); n/a where the device has no datasheet peak (CPU). "
             "Peak memory: CUDA allocator peak, or peak RSS per process on CPU.", ""]
+    if any(name in ("throughput", "step-times") for name, _, _ in figs):
+        out += ["## Throughput and step times", "", FIGURES_TEXT, ""]
+        out += _md_figures(figs, ("throughput", "step-times"), image_dir(summary))
     header, rows = layout_matrix(summary)
     out += ["## Layouts by engine", "", MATRIX_TEXT, ""] + _md_table(header, rows) + [""]
     header, rows = breakdown_rows(summary)
@@ -255,6 +379,8 @@ def markdown(summary: dict) -> str:
             f"**{par['tolerance']:g}** ({summary['tolerance_source']}). Largest difference between any two "
             f"finished runs: {_sci(par['max_pairwise_rel_diff'])} "
             f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance).", ""]
+    if any(name == "loss-curves" for name, _, _ in figs):
+        out += [LOSS_FIGURE_TEXT, ""] + _md_figures(figs, ("loss-curves",), image_dir(summary))
     if summary.get("loss_table"):
         out += _md_table(*loss_rows(summary)) + [""]
     fails = [p for p in par["runs"] if p["verdict"] != PASS]
@@ -307,14 +433,16 @@ table{border-collapse:collapse;margin:1em 0;font-size:0.9em}th,td{border:1px sol
 th{background:#f0f0f0}.pass{color:#17692e;font-weight:bold}.FAIL,.fail{color:#b00020;font-weight:bold}
 .nodata{color:#a15c00;font-weight:bold}pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:0.85em}
 .verdict{font-size:1.3em;padding:8px;border-radius:4px;display:inline-block}
-.vpass{background:#e3f5e8}.vfail{background:#fde7ea}code{background:#f3f3f3;padding:0 3px}"""
+.vpass{background:#e3f5e8}.vfail{background:#fde7ea}code{background:#f3f3f3;padding:0 3px}
+img{max-width:100%;height:auto;display:block;margin:.6em 0}"""
 
 
 def _h(x) -> str:
     return html.escape(str(x))
 
 
-def html_page(summary: dict) -> str:
+def html_page(summary: dict, figs: list | None = None) -> str:
+    figs = figures(summary) if figs is None else figs
     par, fp = summary["parity"], summary["fingerprints"]
     ok = summary["verdict"] == PASS
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Comparison {_h(summary['name'])}</title>"
@@ -327,7 +455,11 @@ def html_page(summary: dict) -> str:
              f"fingerprints {'identical' if fp['same'] else 'DIFFER: ' + _h(', '.join(fp['flagged_groups']))}</p>",
              "<h2>Workload (identical for every run)</h2>", f"<p>{_h(_workload_text(summary['workload']))}</p>",
              f"<p>Precision policy, the same for every run: {_h(summary.get('precision_policy') or 'not recorded')}.</p>",
-             "<h2>Results</h2><table><tr>" + "".join(f"<th>{_h(h)}</th>" for _, h in COLUMNS) + "</tr>"]
+             "<h2>Results</h2>"]
+    differing = differing_fields(summary)
+    if differing:
+        parts.append(f"<p>{_h(DIFFERS_TEXT.format(fields=', '.join(differing)))}</p>")
+    parts.append("<table><tr>" + "".join(f"<th>{_h(h)}</th>" for _, h in COLUMNS) + "</tr>")
     for row in table_rows(summary):
         cells = []
         for k, _ in COLUMNS:
@@ -342,6 +474,9 @@ def html_page(summary: dict) -> str:
     parts.append("<p>Step time: median of the measured steps (warm-up excluded; each step the slowest rank's) "
                  "with its 95% confidence interval. MFU: PaLM convention, FLOPs counted by the harness from the "
                  "model shape (not a framework profiler); n/a where the device has no datasheet peak.</p>")
+    if any(name in ("throughput", "step-times") for name, _, _ in figs):
+        parts.append(f"<h2>Throughput and step times</h2><p>{_h(FIGURES_TEXT)}</p>"
+                     + _html_figures(figs, ("throughput", "step-times")))
     parts.append(f"<h2>Layouts by engine</h2><p>{_h(MATRIX_TEXT)}</p>" + _html_table(*layout_matrix(summary)))
     parts.append(f"<h2>Where the step goes</h2><p>{_h(BREAKDOWN_TEXT)}</p>" + _html_table(*breakdown_rows(summary)))
     parts.append(f"<h2>Memory census</h2><p>{_h(CENSUS_TEXT)}</p>" + _html_table(*census_rows(summary)))
@@ -355,6 +490,8 @@ def html_page(summary: dict) -> str:
                  f"(<code>{_h(par['anchor'])}</code>). Tolerance: max relative difference <b>{par['tolerance']:g}</b> "
                  f"({_h(summary['tolerance_source'])}). Largest pairwise difference: "
                  f"{_sci(par['max_pairwise_rel_diff'])}.</p>")
+    if any(name == "loss-curves" for name, _, _ in figs):
+        parts.append(f"<p>{_h(LOSS_FIGURE_TEXT)}</p>" + _html_figures(figs, ("loss-curves",)))
     if summary.get("loss_table"):
         parts.append(_html_table(*loss_rows(summary)))
     fails = [p for p in par["runs"] if p["verdict"] != PASS]
@@ -398,10 +535,18 @@ def write_report(summary: dict, out_dir: str) -> dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"compare-{summary['name']}")
     paths = {"markdown": base + ".md", "html": base + ".html", "json": base + ".json"}
+    figs = figures(summary)
+    if figs:  # the Markdown links them; the HTML holds them inline
+        img_dir = os.path.join(out_dir, image_dir(summary))
+        os.makedirs(img_dir, exist_ok=True)
+        for name, image, _ in figs:
+            with open(os.path.join(img_dir, f"{name}.{plots.FORMAT}"), "wb") as f:
+                f.write(image)
+        paths["images"] = img_dir
     with open(paths["markdown"], "w") as f:
-        f.write(markdown(summary))
+        f.write(markdown(summary, figs))
     with open(paths["html"], "w") as f:
-        f.write(html_page(summary))
+        f.write(html_page(summary, figs))
     with open(paths["json"], "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True, default=str)
     return paths

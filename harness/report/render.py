@@ -1,4 +1,4 @@
-"""Sections -> Markdown (images as files) and one self-contained HTML file (images inline).
+"""Sections -> Markdown (figures as SVG files) and one self-contained HTML file (figures inline).
 
 The HTML carries a window.onerror hook that writes any script error into #js-errors, so a
 headless browser's dumped DOM shows whether the page produced console errors.
@@ -10,6 +10,7 @@ import base64
 import html
 import os
 
+from harness.report import plots
 from harness.report.analysis import Section
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
@@ -35,7 +36,7 @@ def markdown(title: str, sections: list[Section], img_dir: str) -> str:
         for t in s.text:
             out += [t, ""]
         for name, _, alt in s.images:
-            out += [f"![{alt}]({img_dir}/{name}.png)", ""]
+            out += [f"![{alt}]({img_dir}/{name}.{plots.FORMAT})", ""]
         for t in s.tables:
             if t.caption:
                 out += [f"*{_md_cell(t.caption)}*", ""]
@@ -53,6 +54,13 @@ def _html_table(t) -> str:
     return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def img_tag(name: str, image: bytes, alt: str) -> str:
+    """A figure inline in a single-file HTML page (the SVG as a data URI: the page's own ids and
+    styles cannot clash with the figure's)."""
+    data = base64.b64encode(image).decode()
+    return f"<img id='img-{html.escape(name)}' alt='{html.escape(alt)}' src='data:{plots.MIME};base64,{data}'>"
+
+
 def html_page(title: str, sections: list[Section]) -> str:
     parts = ["<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
              f"<title>{html.escape(title)}</title>", ERROR_HOOK, f"<style>{CSS}</style></head><body>",
@@ -61,9 +69,8 @@ def html_page(title: str, sections: list[Section]) -> str:
     for s in sections:
         parts.append(f"<section id='{s.id}'><h2>{html.escape(s.title)}</h2>")
         parts += [f"<p>{html.escape(t)}</p>" for t in s.text]
-        for name, png, alt in s.images:
-            data = base64.b64encode(png).decode()
-            parts.append(f"<img id='img-{name}' alt='{html.escape(alt)}' src='data:image/png;base64,{data}'>")
+        for name, image, alt in s.images:
+            parts.append(img_tag(name, image, alt))
         parts += [_html_table(t) for t in s.tables]
         parts.append("</section>")
     parts.append("</body></html>")
@@ -71,13 +78,16 @@ def html_page(title: str, sections: list[Section]) -> str:
 
 
 def write(out_dir: str, title: str, sections: list[Section]) -> dict[str, str]:
-    """Write report.md (+ img/*.png) and report.html into out_dir; returns their paths."""
+    """Write report.md (+ img/*.svg) and report.html into out_dir; returns their paths."""
     img_dir = os.path.join(out_dir, "img")
     os.makedirs(img_dir, exist_ok=True)
     for s in sections:
-        for name, png, _ in s.images:
-            with open(os.path.join(img_dir, f"{name}.png"), "wb") as f:
-                f.write(png)
+        for name, image, _ in s.images:
+            with open(os.path.join(img_dir, f"{name}.{plots.FORMAT}"), "wb") as f:
+                f.write(image)
+            stale = os.path.join(img_dir, f"{name}.png")  # the same figure as an earlier version drew it
+            if os.path.exists(stale):
+                os.remove(stale)
     md, page = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.html")
     with open(md, "w") as f:
         f.write(markdown(title, sections, "img"))

@@ -37,5 +37,7 @@ def summary_lines(record: dict, store_path: str) -> list[str]:
             lines.append(f"  loss: first {losses[0]:.4f} last {losses[-1]:.4f}")
     if record.get("error"):
         lines.append("  error: " + record["error"].splitlines()[0])
+    if record.get("tensorboard_dir"):
+        lines.append(f"  TensorBoard: {record['tensorboard_dir']} (tensorboard --logdir {record['tensorboard_dir']})")
     lines.append(f"  record written to {store_path}")
     return lines

@@ -101,7 +101,8 @@ def _run_points(sweep: SweepSpec, points: list, *, launcher: str, store_path: st
     todo = pending(points, done, retry)
     echo(f"sweep {sweep.name}: {len(points)} points, {len(points) - len(todo)} already recorded, "
          f"{len(todo)} to run ({launcher}, {sweep.gpus} processes, timeout {timeout_s:g} s)")
-    log_dir = log_dir or os.path.join(os.path.dirname(os.path.abspath(store_path)), "harness-logs", sweep.name)
+    # next to the store, as given: a relative store keeps its logs' paths relative in the records
+    log_dir = log_dir or os.path.join(os.path.dirname(store_path), "harness-logs", sweep.name)
     counts = {s: 0 for s in STATUSES}
     bar = _progress(len(todo), sweep.name, progress)
     try:

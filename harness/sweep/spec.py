@@ -32,6 +32,7 @@ whose tp x pp x dp != gpus, or that duplicate an earlier point are dropped with 
 from __future__ import annotations
 
 import os
+import string
 from dataclasses import dataclass, field
 
 from harness.errors import SpecError
@@ -82,7 +83,7 @@ def parse_sweep(raw, default_name: str = "sweep") -> SweepSpec:
     for key in raw:
         _require(key in SWEEP_KEYS, f"sweep.{key}", f"unknown key; allowed: {', '.join(SWEEP_KEYS)}")
     _require("gpus" in raw, "sweep.gpus", "required: the world size of every point")
-    s = SweepSpec(name=check_file_name(str(raw.get("name") or default_name), "sweep.name"), gpus=raw["gpus"])
+    s = SweepSpec(name=check_sweep_name(raw.get("name"), default_name), gpus=raw["gpus"])
     for key in SWEEP_KEYS[1:]:
         if key in raw and raw[key] is not None:
             setattr(s, key, raw[key])
@@ -112,6 +113,23 @@ def parse_sweep(raw, default_name: str = "sweep") -> SweepSpec:
         if not all(isinstance(v, dict) for v in values):
             check_axis_name(axis, f"sweep.grid.{axis}")
     return s
+
+
+NAME_CHARS = frozenset(string.ascii_letters + string.digits + "-_.")
+
+
+def check_sweep_name(name, default_name: str) -> str:
+    """The sweep's name (else the spec file's name): it names the log and job folders, the Slurm
+    job, the records' group and the report's headings, so letters, digits, '-', '_' and '.' only."""
+    given = name is not None and name != ""
+    text = str(name) if given else default_name
+    check_file_name(text, "sweep.name")
+    bad = "".join(sorted({c for c in text if c not in NAME_CHARS}))
+    if bad:
+        raise SpecError("sweep.name", f"{text!r}: letters, digits, '-', '_' and '.' only (it names folders, the "
+                                      f"Slurm job and the report), not {bad!r}"
+                        + ("" if given else "; it comes from the file name: set `name:` in the spec"))
+    return text
 
 
 def check_slurm(cfg: dict) -> None:
