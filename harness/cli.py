@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("harness.commands.sweep", "run a grid of layouts that survives failures"),
     "report": ("harness.commands.report", "write a Markdown + HTML report from the results store"),
     "plan": ("harness.commands.plan", "predict memory and speed of every layout"),
+    "memory": ("harness.commands.memory", "trace a spec's memory per GPU at full size, on this CPU"),
 }
 
 

@@ -22,6 +22,7 @@ LAYERS = [
     ["harness.frameworks"],
     ["harness.run", "harness.launch"],
     ["harness.compare", "harness.sweep", "harness.report", "harness.planner"],
+    ["harness.memtrace"],                                      # runs the engine on fake tensors; reads the planner
     ["harness.commands"],
     ["harness.cli", "harness.__main__"],
 ]

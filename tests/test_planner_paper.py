@@ -1,9 +1,10 @@
 """The planner against the reference study's four published sweeps (in-repo copies).
 
 Data: baselines/paper_sweeps (Hagemann et al. 2023, arXiv 2311.05610, CC BY-NC-SA 4.0).
-The issue's acceptance: on the sweeps together OOM accuracy >= 0.96; mean per-sweep Spearman
->= 0.92; measured-best layout in the top 3 predicted-to-fit in every sweep; median MFU error <= 2
-points (read over all finished runs together; the stricter per-sweep reading is reported too).
+The earlier issue's acceptance: on the sweeps together OOM accuracy >= 0.96; measured-best layout
+in the top 3 predicted-to-fit in every sweep; median MFU error <= 2 points (read over all finished
+runs together; the stricter per-sweep reading is reported too); its in-sample mean Spearman >= 0.92
+is withdrawn. Issue 13's targets (for runs not seen) are asserted on the held-out figures below.
 Figures: in-sample (the shipped a100-80gb profile, whose efficiency constants were fitted on all
 four sweeps), leave-one-sweep-out (constants refitted on three sweeps, the fourth scored) and
 leave-one-model-out (fitted on the other model's two sweeps). Memory has no fitted part, so its
@@ -116,18 +117,10 @@ def test_regression_guard_unmeasured_model():
 
 
 def test_acceptance_oom_accuracy_together():
-    """Met: 0.964 (376 of 390 judged runs), in-sample and leave-one-sweep-out alike (memory has
+    """Met: 0.967 (377 of 390 judged runs), in-sample and leave-one-sweep-out alike (memory has
     no fitted per-sweep part)."""
     assert paper.summary(in_sample())["oom_accuracy"] >= 0.96
     assert paper.summary(loso())["oom_accuracy"] >= 0.96
-
-
-@pytest.mark.xfail(reason="not met: mean Spearman 0.891 in-sample, 0.879 leave-one-sweep-out "
-                          "(0.80/0.91/0.91/0.94 and 0.80/0.91/0.86/0.94 for 13B-32, 13B-64, 30B-256, 30B-64)",
-                   strict=True)
-def test_acceptance_spearman():
-    assert paper.summary(in_sample())["mean_spearman"] >= 0.92
-    assert paper.summary(loso())["mean_spearman"] >= 0.92
 
 
 def test_acceptance_best_in_top3():
@@ -138,14 +131,111 @@ def test_acceptance_best_in_top3():
 
 
 def test_acceptance_median_mfu_error():
-    """Met over all 192 finished runs together: 1.44 points in-sample, 1.76 leave-one-sweep-out."""
+    """Met over all 192 finished runs together: 1.46 points in-sample, 1.68 leave-one-sweep-out."""
     assert paper.summary(in_sample())["median_mfu_error_points"] <= 2.0
     assert paper.summary(loso())["median_mfu_error_points"] <= 2.0
 
 
-@pytest.mark.xfail(reason="stricter per-sweep reading, not met in two sweeps: in-sample 2.05/2.07/1.24/0.79 "
-                          "points, leave-one-sweep-out 2.22/1.90/1.75/0.88 (13B-32, 13B-64, 30B-256, 30B-64)",
+@pytest.mark.xfail(reason="stricter per-sweep reading, not met in two sweeps: in-sample 2.18/2.14/1.19/0.74 "
+                          "points, leave-one-sweep-out 2.11/1.90/1.70/0.96 (13B-32, 13B-64, 30B-256, 30B-64)",
                    strict=True)
 def test_median_mfu_error_per_sweep():
     assert all(f["median_mfu_error_points"] <= 2.0 for f in in_sample().values())
     assert all(f["median_mfu_error_points"] <= 2.0 for f in loso().values())
+
+
+# ---------------------------------------------------------------- issue 13, point 3
+# Targets on runs the planner has not seen: OOM accuracy >= 0.96, mean Spearman >= 0.94, the
+# measured-best layout in the predicted top 3 of every sweep, median MFU error <= 1.5 points. The
+# in-sample Spearman target of the earlier issue is withdrawn; what is asserted here is the held-out
+# figures on the four sweeps we have (by sweep and by model), met or honestly marked not met.
+
+def test_issue13_oom_accuracy_held_out():
+    """Met: 0.967 by sweep and by model (377 of 390)."""
+    assert paper.summary(loso())["oom_accuracy"] >= 0.96
+    assert paper.summary(lomo())["oom_accuracy"] >= 0.96
+
+
+def test_issue13_best_in_top3_held_out():
+    """Met: predicted 1st in every sweep, by sweep and by model."""
+    assert all(f["best_in_top3"] for f in loso().values())
+    assert all(f["best_in_top3"] for f in lomo().values())
+
+
+@pytest.mark.xfail(reason="not met: mean Spearman 0.879 leave-one-sweep-out, 0.869 leave-one-model-out "
+                          "(13B-32 alone 0.80/0.78; even per-sweep fits reach only 0.90)", strict=True)
+def test_issue13_spearman_held_out():
+    assert paper.summary(loso())["mean_spearman"] >= 0.94
+    assert paper.summary(lomo())["mean_spearman"] >= 0.94
+
+
+@pytest.mark.xfail(reason="not met: median MFU error 1.68 points leave-one-sweep-out, 1.79 "
+                          "leave-one-model-out (1.46 in-sample)", strict=True)
+def test_issue13_median_mfu_error_held_out():
+    assert paper.summary(loso())["median_mfu_error_points"] <= 1.5
+    assert paper.summary(lomo())["median_mfu_error_points"] <= 1.5
+
+
+# No sweep at sequence 8192 or of 65B is in the repository; the held-aside ones were
+# under-predicted in memory and, for FlashAttention-2, in MFU. These check that the terms added
+# for it move the predictions the physically right way, and only where they should.
+
+def _pred(model, seq, gbs, **kw):
+    from harness.model.presets import PRESETS
+    from harness.planner.layout import Layout, Workload
+    from harness.planner.predict import predict
+
+    base = dict(tp=2, pp=4, dp=16, micro_batch_size=1, activation_checkpointing="full",
+                attention="flash2", rmsnorm="fused")
+    return predict(PRESETS[model], Layout(**{**base, **kw}), Workload(seq, gbs), load_profile("a100-80gb"))
+
+
+def test_memory_terms_grow_with_model_size_and_sequence(monkeypatch):
+    from harness.model.presets import PRESETS
+    from harness.planner import memory
+
+    # The all-reduce bucket closes only after crossing 5e8 elements: with the 128k x 8192 LM head
+    # (1.05e9 elements at tp=1) a 65B bucket holds more than 5e8 plus the head's gradient.
+    s65, s13 = PRESETS["paper-65b"], PRESETS["paper-13b"]
+    head65 = s65.vocab * s65.hidden
+    assert memory.paper_allreduce_bucket_elements(s65, False, 20, True, 1) > head65
+    assert memory.paper_allreduce_bucket_elements(s65, False, 20, True, 1) <= 5e8 + head65
+    assert memory.paper_allreduce_bucket_elements(s65, False, 20, True, 1) > \
+        memory.paper_allreduce_bucket_elements(s13, False, 20, True, 1)
+    # The stranded fp32 logits block is 4x larger at 8192 than at 2048 tokens per sequence.
+    from harness.planner.layout import Layout, Workload
+
+    lay = Layout(2, 4, 16, 1)
+    assert memory.paper_stranded_block(s13, lay, Workload(8192, 512), True) == \
+        4 * memory.paper_stranded_block(s13, lay, Workload(2048, 2048), True)
+    # Switched off, the pipelined 65B and 8192-token layouts need less memory: the terms add to both.
+    cases = {("paper-65b", 2048, 2048): dict(tp=8, pp=2, dp=8, micro_batch_size=2),
+             ("paper-13b", 8192, 512): {}}
+    with_terms = {k: _pred(*k, **kw).memory_gib for k, kw in cases.items()}
+    monkeypatch.setattr(memory, "STRANDED_BLOCKS", 0.0)
+    for k, kw in cases.items():
+        assert with_terms[k] > _pred(*k, **kw).memory_gib + 0.5
+    # Not pipelined, micro-batches free their tensors in reverse order: no stranded block.
+    assert _pred("paper-13b", 8192, 512, pp=1, dp=64).memory_gib == \
+        pytest.approx(_pred("paper-13b", 8192, 512, pp=1, dp=64).memory_gib)
+
+
+def test_flash2_gains_more_than_flash1_at_long_sequences():
+    from harness.planner import timing
+
+    def ratio(seq, gbs):
+        return _pred("paper-13b", seq, gbs).step_time_s / _pred("paper-13b", seq, gbs, attention="flash1").step_time_s
+
+    # FlashAttention-2 is the faster kernel, and attention is 4x the share of a step at 8192 tokens:
+    # its advantage over FlashAttention-1 grows with the sequence.
+    assert ratio(8192, 512) < ratio(2048, 2048) < 1.0
+    # The flash rate grows with the sequence: at 4x the tokens per sequence the attention work per
+    # token is 4x, its time per token less than that (about 3.4x).
+    from harness.model.presets import PRESETS
+    from harness.planner.layout import Layout, Workload
+
+    lay = Layout(4, 1, 32, 1, attention="flash2")
+    prof = load_profile("a100-80gb")
+    per_token = {seq: timing.stage_features(PRESETS["paper-13b"], lay, Workload(seq, 2048 * 2048 // seq), prof, 0)
+                 ["flash2"] / seq for seq in (2048, 8192)}
+    assert 3.0 < per_token[8192] / per_token[2048] < 3.6

@@ -1,9 +1,13 @@
 """`harness plan`: predict memory, fit and speed of every layout, or calibrate a profile.
 
-Prints a table (or, with --format json, only a JSON list on stdout). --explain adds the memory
-and time breakdown of the shown layouts. --emit-sweep writes a sweep spec of the top layouts
-predicted to fit. --calibrate / --calibrate-csv fit the profile's efficiencies to measurements
-and save the calibrated profile (--calibrate-out, default ./<hardware>-calibrated.yaml).
+Prints a table of distinct layouts (kernels predicted identically share a row), or with
+--format json only a JSON list on stdout (one object per layout). --explain adds the memory and
+time breakdown of the shown layouts. --emit-sweep writes a sweep spec of the top layouts predicted
+to fit that `harness sweep FILE` runs as it is. --export deepspeed|megatron|torchtitan prints the
+best layout predicted to fit that the target can express, as a DeepSpeed JSON config, Megatron-LM
+arguments or a torchtitan TOML section, on stdout (notes on stderr). --calibrate / --calibrate-csv
+fit the profile's efficiencies to measurements and save the calibrated profile (--calibrate-out,
+default ./<hardware>-calibrated.yaml).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ examples:
   harness plan --model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64 --hardware a100-80gb
   harness plan --model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64 --top 5 --explain
   harness plan --model paper-30b --seq-len 2048 --global-batch-size 2048 --gpus 64 --emit-sweep top.yaml
+  harness plan --model paper-13b --seq-len 4096 --global-batch-size 1024 --gpus 64 --export megatron
   harness plan --hardware a100-80gb --calibrate results.sqlite --calibrate-out my-cluster.yaml"""
 
 
@@ -33,6 +38,9 @@ def add_arguments(p) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's (8 for DGX)")
     p.add_argument("--hardware", default="a100-80gb", help="a100-40gb, a100-80gb, h100-sxm, h200, cpu or a YAML path")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage (default 1, as the study)")
+    p.add_argument("--engine", choices=("own", "deepspeed", "fsdp", "paper"), default="own",
+                   help="whose memory to model: the harness's own engine (default), deepspeed (ZeRO stage from "
+                        "--zero), fsdp (FSDP2, fully sharded), or paper (the study's engine, as its sweeps ran)")
     p.add_argument("--attention", help="comma list; default: naive,fused_softmax,flash1,flash2,sdpa,...")
     p.add_argument("--rmsnorm", help=f"comma list of {','.join(RMSNORM_KERNELS)}")
     p.add_argument("--micro-batch-sizes", help="comma list, default 1,2,4,8")
@@ -41,6 +49,8 @@ def add_arguments(p) -> None:
     p.add_argument("--top", type=int, default=None, help="show the K fastest (table default 20)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--emit-sweep", metavar="FILE", help="write a sweep spec of the top layouts that fit")
+    p.add_argument("--export", choices=("deepspeed", "megatron", "torchtitan"),
+                   help="print the best fitting layout as a DeepSpeed config, Megatron-LM arguments or torchtitan TOML")
     p.add_argument("--explain", action="store_true", help="print memory and time breakdowns")
     p.add_argument("--calibrate", metavar="RESULTS.sqlite", help="fit efficiencies to harness records")
     p.add_argument("--calibrate-csv", metavar="FILE", nargs="+", help="fit to sweeps in the study's CSV format")
@@ -90,7 +100,8 @@ def main(args) -> int:
     from harness.planner import candidates as en
     from harness.planner.hardware import load_profile
     from harness.planner.layout import ATTENTION, Workload
-    from harness.planner.predict import predict
+    from harness.planner.output import group
+    from harness.planner.predict import predict_many
     from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
 
     profile = load_profile(args.hardware)
@@ -116,29 +127,34 @@ def main(args) -> int:
                        en.DEFAULTS["sequence_parallel"], en.parse_bool)
     if args.top is not None and args.top < 1:
         raise SpecError("--top", "must be at least 1")
-    preds = [predict(shape, lay, wl, profile) for lay in
-             en.layouts(shape, wl, args.gpus, gpn, attention=attention, rmsnorm=rmsnorm, micro_batch_sizes=mbs,
-                        checkpointing=ck, sequence_parallel=sp, zero_stage=args.zero)]
+    preds = predict_many(shape, en.layouts(shape, wl, args.gpus, gpn, attention=attention, rmsnorm=rmsnorm,
+                                           micro_batch_sizes=mbs, checkpointing=ck, sequence_parallel=sp,
+                                           zero_stage=args.zero, **_on_engine(args)), wl, profile)
     if not preds:
         raise SpecError("--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} "
                                   f"(global batch {args.global_batch_size})")
     preds.sort(key=lambda p: (not (p.fits and p.available), -p.mfu))
     fitting = [p for p in preds if p.fits and p.available]
-    shown = preds[: args.top] if args.top else (preds if args.format == "json" else preds[:20])
+    if args.export:
+        return _export(args, shape, wl, fitting)
     if args.emit_sweep:
-        _emit_sweep(args, fitting[: args.top or 20])
+        _emit_sweep(args, fitting, profile, gpn)
     if args.format == "json":
+        shown = preds[: args.top] if args.top else preds
         print(json.dumps([p.row() for p in shown]))
         return 0
+    rows = group(preds, args.top or 20)
     print(f"{args.model} seq {args.seq_len} batch {args.global_batch_size} on {args.gpus} x {profile.name}: "
           f"{len(preds)} layouts, {len(fitting)} predicted to fit")
     near, note = _near_the_fastest(fitting, profile)
-    print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':14} {'rms':5} "
+    width = max([14] + [len(",".join(row.kernels)) for row in rows])
+    print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':{width}} {'rms':5} "
           f"{'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}")
-    for p in shown:
+    for row in rows:
+        p = row.pred
         r = p.row()
         print(f"{r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} {r['activation_checkpointing']:9} "
-              f"{'on' if r['sequence_parallel'] else 'off':3} {r['attention']:14} {r['rmsnorm']:5} "
+              f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
               f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
               f"{' *' if id(p) in near else ''}")
         if args.explain:
@@ -154,6 +170,15 @@ def main(args) -> int:
     return 0
 
 
+def _on_engine(args) -> dict:
+    """The Layout fields of the candidate layouts under --engine (the memory model of that engine's
+    precision policy and sharding: harness/planner/memory.py); fsdp shards fully whatever --zero
+    says. (Given to candidates.layouts, not set on each layout after: 16,000 copies cost 0.1 s.)"""
+    if args.engine == "own" and args.zero > 1:
+        raise SpecError("--zero", "the own engine has ZeRO stage 0 or 1 (use --engine deepspeed or fsdp for more)")
+    return {"engine": args.engine, "fsdp": args.engine == "fsdp"}
+
+
 def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:
     """The layouts this profile cannot tell from the fastest: predicted within its calibration's
     median step-time error. In the study's sweeps the best and third-best layouts are often 1-2
@@ -166,24 +191,51 @@ def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:
                        "calibrate it on a few runs of your cluster (--calibrate) before trusting the ranking")
     best = min(p.step_time_s for p in fitting)
     near = {id(p) for p in fitting if p.step_time_s <= best * (1 + err / 100)}
-    return near, (f"* {len(near)} layouts within {err:.1f}% (the calibration's median step-time error, "
+    from harness.planner.output import group
+
+    distinct = sum(1 for row in group([p for p in fitting if id(p) in near]))
+    return near, (f"* {distinct} layouts within {err:.1f}% (the calibration's median step-time error, "
                   f"{profile.calibrated.get('samples', '?')} runs) of the fastest: measure them, "
                   "the model cannot rank them reliably")
 
 
-def _emit_sweep(args, preds) -> None:
-    """A sweep spec: the workload and the explicit list of layouts worth measuring."""
-    import yaml
+def _emit_sweep(args, fitting, profile, gpus_per_node) -> None:
+    """A sweep spec of the top distinct layouts predicted to fit (harness/planner/output.py)."""
+    from harness.planner.output import group, sweep_spec
 
-    spec = {"name": f"plan-{args.model}-{args.gpus}gpus",
-            "workload": {"model": args.model, "seq_len": args.seq_len, "global_batch_size": args.global_batch_size,
-                         "precision": "bf16"},
-            "points": [{**p.layout.to_spec(),
-                        "predicted": {"memory_gib": round(p.memory_gib, 1), "mfu": round(p.mfu, 4)}}
-                       for p in preds]}
+    top = args.top or 20
+    text, n, _ = sweep_spec(group(fitting, 5 * top), model=args.model, seq_len=args.seq_len,
+                            global_batch_size=args.global_batch_size, gpus=args.gpus,
+                            gpus_per_node=gpus_per_node, profile=profile, top=top)
     try:
         with open(args.emit_sweep, "w") as f:
-            f.write("# Written by `harness plan`: predicted-OOM layouts dropped, the top ones kept.\n")
-            yaml.safe_dump(spec, f, sort_keys=False)
+            f.write(text)
     except OSError as e:
         raise SpecError("--emit-sweep", str(e)) from None
+    if n == 0:
+        print(f"warning: {args.emit_sweep} has no point: no layout predicted to fit uses a kernel this harness runs",
+              file=sys.stderr)
+
+
+def _export(args, shape, wl, fitting) -> int:
+    """The best layout predicted to fit that the target expresses, in the target's format."""
+    from harness.planner.output import EXPORTERS, exportable
+
+    if not fitting:
+        raise SpecError("--export", "no layout is predicted to fit")
+    chosen = next((p for p in fitting if not exportable(p.layout, args.export)), None)
+    if chosen is None:
+        raise SpecError("--export", f"no layout predicted to fit can be expressed for {args.export}: "
+                                    f"{exportable(fitting[0].layout, args.export)}")
+    text, notes = EXPORTERS[args.export](shape, chosen.layout, wl)
+    print(text)
+    lay = chosen.layout
+    print(f"# {args.export}: tp {lay.tp} pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
+          f"checkpointing {lay.activation_checkpointing}, predicted {chosen.memory_gib:.1f} GiB, "
+          f"{chosen.step_time_s:.3g} s/step, MFU {chosen.mfu:.3f}", file=sys.stderr)
+    if chosen is not fitting[0]:
+        print(f"# the fastest predicted layout cannot be expressed: {exportable(fitting[0].layout, args.export)}",
+              file=sys.stderr)
+    for note in notes:
+        print(f"# note: {note}", file=sys.stderr)
+    return 0

@@ -9,4 +9,11 @@ a second.
 
 from harness.planner.predict import Prediction, predict  # noqa: F401
 
-from harness.planner.calibrate import calibrate_from_records  # noqa: F401,E402
+
+def __getattr__(name: str):
+    """calibrate_from_records, imported when first used: calibration needs numpy, a plan does not."""
+    if name == "calibrate_from_records":
+        from harness.planner.calibrate import calibrate_from_records
+
+        return calibrate_from_records
+    raise AttributeError(f"module 'harness.planner' has no attribute {name!r}")

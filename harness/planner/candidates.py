@@ -33,8 +33,9 @@ def check_request(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int) -> 
 
 
 def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attention, rmsnorm,
-            micro_batch_sizes, checkpointing, sequence_parallel, zero_stage: int, pp_values=None):
-    """Yield every valid Layout; raise SpecError if an explicit pp choice is impossible."""
+            micro_batch_sizes, checkpointing, sequence_parallel, zero_stage: int, pp_values=None, **fields):
+    """Yield every valid Layout; raise SpecError if an explicit pp choice is impossible. `fields`
+    are further Layout fields every layout takes (engine, fsdp)."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
@@ -57,7 +58,7 @@ def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attent
                 if (wl.global_batch_size // dp) % mb:
                     continue
                 yield Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, activation_checkpointing=ck,
-                             sequence_parallel=sp, attention=att, rmsnorm=rms, zero_stage=zero_stage)
+                             sequence_parallel=sp, attention=att, rmsnorm=rms, zero_stage=zero_stage, **fields)
 
 
 def parse_list(text: str | None, allowed, field: str, default, cast=str):

@@ -37,6 +37,9 @@ ATTENTION_CLASS = {
     "sdpa": "flash2", "sdpa_flash": "flash2", "sdpa_cudnn": "flash2", "sdpa_efficient": "mem_efficient",
 }
 MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
+# Engines whose memory the planner models (Layout.engine); `harness plan --engine`.
+ENGINES = ("own", "deepspeed", "fsdp")
+PLANNER_ENGINES = ENGINES + ("paper",)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,10 @@ class Layout:
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1          # interleaved schedule: model chunks per stage
     fsdp: bool = False               # engine fsdp (PyTorch FSDP full sharding): memory like ZeRO-3
+    # Whose memory the planner models (memory.py): paper (the study's engine, Aleph Alpha's
+    # scaling library, as its sweeps ran), or one of the harness's engines (own, deepspeed, fsdp:
+    # their precision policy and sharding as their code holds it).
+    engine: str = "paper"
 
     @property
     def gpus(self) -> int:
@@ -87,7 +94,7 @@ class Layout:
         """This layout as a spec layout dict (engine own, or fsdp), the fields the planner has,
         in harness.spec.Layout's order. The spec checks it when it is run: the planner also
         describes layouts no engine runs (EXTRA_ATTENTION, ZeRO-2/3 without fsdp)."""
-        mine = {**asdict(self), "engine": "fsdp" if self.fsdp else "own"}
+        mine = {**asdict(self), "engine": "fsdp" if self.fsdp else (self.engine if self.engine in ENGINES else "own")}
         return {f.name: mine[f.name] for f in dataclasses.fields(SpecLayout) if f.name in mine}
 
 

@@ -19,9 +19,11 @@ stated. Two constants are calibrated (CONTEXT_GIB, FRAGMENTATION; see their comm
 
 from __future__ import annotations
 
+import functools
+
 from harness.model.presets import Shape
 from harness.planner.hardware import Profile
-from harness.planner.layout import ATTENTION_CLASS, Layout, Workload, stage_items
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, Layout, Workload, stage_items
 
 GIB = 1024 ** 3
 
@@ -130,7 +132,10 @@ def in_flight(lay: Layout, stage: int, m: int) -> float:
 
 
 def stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> dict:
-    """Breakdown in bytes for one stage; 'total' is the sum of the parts."""
+    """Breakdown in bytes for one stage; 'total' is the sum of the parts. The study's engine
+    (Layout.engine paper) here; the harness's engines in engine_stage_memory."""
+    if lay.engine != "paper":
+        return engine_stage_memory(shape, lay, wl, stage)
     has_emb, layers, has_head = stage_items(shape, lay.pp)[stage]
     phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
     B, dp = wl.dtype_bytes, lay.dp
@@ -168,12 +173,14 @@ def stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> dict:
     dynamic = held + peak_extra
     # The optimizer step runs after the activations are freed: fp32 gradient buckets (bf16
     # flatten + fp32 copy) and the fp32 gradient of this rank's shard.
-    step_extra = min(phi, REDUCE_BUCKET_ELEMENTS) * (B + 4) + (4 * phi / dp if zero >= 1 else 0.0)
+    step_extra = paper_step_extra(shape, (has_emb, layers, has_head), lay.tp, dp, phi, B, zero)
     if step_extra > dynamic:
         dynamic = step_extra
         held, peak_extra = 0.0, step_extra
     frag = FRAGMENTATION_PIPELINED if lay.pp > 1 and m > 1 else FRAGMENTATION
     overhead = CONTEXT_GIB * GIB + frag * dynamic
+    if lay.pp > 1 and m > 1 and peak_extra != step_extra:  # interleaved lifetimes, as FRAGMENTATION_PIPELINED
+        overhead += paper_stranded_block(shape, lay, wl, has_head and logits >= working)
     loss_part = logits if has_head and logits >= working and peak_extra == logits else 0.0
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": held,
              "backward_working_set": peak_extra - loss_part, "logits_and_loss": loss_part,
@@ -186,7 +193,7 @@ def stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> dict:
 def worst_stage_memory(shape: Shape, lay: Layout, wl: Workload) -> tuple[int, dict]:
     """The stage with the largest total, and its breakdown."""
     best, seen = None, set()
-    items = stage_items(shape, lay.pp)
+    items = stage_items(shape, lay.pp) if lay.engine == "paper" else engine_stage_items(shape, lay, wl.seq_len)
     for i in range(lay.pp):  # the first stage of each kind holds the most micro-batches
         if (items[i], i == lay.pp - 1) in seen:
             continue
@@ -255,3 +262,252 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
             add("gradients", "fp32", P / d)
         return out
     raise ValueError(f"no model-state model for engine {engine!r} at ZeRO stage {zero_stage}")
+
+
+# ---------------------------------------------------------------- the study's engine (paper)
+#
+# Terms of Aleph Alpha's scaling library (github.com/Aleph-Alpha/scaling, the open-sourced
+# successor of the framework the study ran; src/scaling/core/optimizer/) that the generic model
+# above does not spell out. They grow with model size and with tokens per micro-batch, which is
+# where the study's held-aside 65B and sequence-8192 sweeps ran out of memory while predicted to
+# fit (issue 13).
+
+def paper_allreduce_bucket_elements(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: int) -> float:
+    """Elements of the largest gradient bucket the study's data-parallel all-reduce builds.
+
+    scaling's `allreduce_no_retain` (optimizer/allreduce.py) appends the .grad tensors in parameter
+    order and sends a bucket only once its element count *exceeds* `allreduce_bucket_size` (5e8):
+    a bucket is 5e8 elements plus the tensor that crossed the line, so a vocabulary-parallel
+    embedding or LM head (vocab x hidden / tp: 1.05e9 elements for 65B at tp=1) makes a bucket
+    far larger than 5e8. The order is the module order (embedding; per layer q/k/v, o, SwiGLU's
+    dense_in, siglu_weight, dense_out; the LM head); the norms' few elements are left out."""
+    return _bucket(shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, has_emb, layers, has_head, tp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bucket(h: int, heads: int, kv_heads: int, ffn: int, vocab: int, has_emb: bool, layers: int,
+            has_head: bool, tp: int) -> float:
+    d = h // heads
+    layer = [h * heads * d / tp, 2 * h * kv_heads * d / tp, h * h / tp, h * ffn / tp, h * ffn / tp, h * ffn / tp]
+    tensors = ([vocab * h / tp] if has_emb else []) + layer * layers + ([vocab * h / tp] if has_head else [])
+    largest, numel = 0.0, 0.0
+    for n in tensors:
+        numel += n
+        if numel > REDUCE_BUCKET_ELEMENTS:
+            largest, numel = max(largest, numel), 0.0
+    return max(largest, numel)
+
+
+def paper_step_extra(shape: Shape, items: tuple, tp: int, dp: int, phi: float, dtype_bytes: int, zero: int) -> float:
+    """Bytes above the model states at the optimizer step, after the activations are freed.
+
+    Two moments, never together (scaling's Optimizer.step): the all-reduce, where each bucket is
+    flattened into one bf16 tensor and upcast to an fp32 copy for the fp32 reduction
+    (`allreduce_tensor_in_float32`: bucket x (2 + 4) bytes, the .grad tensors still held); then
+    `step_prequel`, which allocates the fp32 gradient of this rank's ZeRO-1 partition (4 P / dp)
+    while copying the bf16 .grad into it and freeing them one by one. The bf16 parameter
+    all-gather after the update writes into views of the flat parameter buffer."""
+    bucket = paper_allreduce_bucket_elements(shape, *items, tp) if dp > 1 else 0.0
+    return max(bucket * (dtype_bytes + 4), 4 * phi / dp if zero >= 1 else 0.0)
+
+
+# The caching allocator cannot coalesce a block that live tensors split: a multi-GiB block freed
+# by one micro-batch's peak (the fp32 logits, or the largest tensor of a layer's backward) is
+# carved up by the next micro-batch's smaller tensors, and that micro-batch's peak then needs
+# fresh segments for its own block of the same size (the effect `expandable_segments` was added
+# to PyTorch for). Unlike a flat fraction this scales with the largest block: at sequence 8192 a
+# micro-batch's fp32 logits (tokens x 128,000 x 4 bytes) are 4.2 GB per sequence. The constant is
+# the share of one such block left stranded, calibrated with CONTEXT_GIB and the fragmentation
+# fractions on the published OOM outcomes (prior 1: one block).
+STRANDED_BLOCKS = 1.0
+
+
+def paper_stranded_block(shape: Shape, lay: Layout, wl: Workload, loss_peak: bool) -> float:
+    """Bytes of the largest single tensor at the stage's peak, times STRANDED_BLOCKS."""
+    n = lay.micro_batch_size * wl.seq_len
+    if loss_peak:  # one fp32 tensor of tokens x vocab (the log-softmax output or its gradient)
+        block = n * shape.vocab * 4
+    else:  # a layer's largest: SwiGLU's gate/up output, or materialised attention's fp32 scores
+        block = n * shape.ffn * wl.dtype_bytes / lay.tp
+        if ATTENTION_CLASS[lay.attention] == "naive":
+            block = max(block, 4 * lay.micro_batch_size * shape.heads / lay.tp * wl.seq_len ** 2)
+    return STRANDED_BLOCKS * block
+
+
+# ---------------------------------------------------------------- the harness's engines (own, deepspeed, fsdp)
+#
+# What the own engine (harness/engine) holds, term by term from its code, checked against
+# `harness memory` traces of its real step on fake tensors (harness/memtrace; the agreement test is
+# tests/test_memory_trace.py). Everything in bytes; n = micro-batch tokens, B = the parameters'
+# dtype bytes, t = tp, "/t SP" = divided by t under sequence parallelism. Unlike the study's
+# engine above, the own engine
+#   - partitions layers by cost (harness.engine.partition.balanced_partition), not uniformly;
+#   - keeps fp32 main gradients in flat buckets and fp32 masters (harness/engine/data_parallel.py),
+#     the model states of `model_states` below (tested against its census);
+#   - computes the loss vocabulary-parallel (tensor_parallel._VocabParallelCE): no full-vocab logits;
+#   - under SP keeps the all-gathered input of the column-parallel GEMMs (n x h, not /t: autograd
+#     saves what F.linear got), where Megatron re-gathers it in backward;
+#   - holds, per micro-batch in flight on a pipeline stage, the received input and the sent output
+#     (PipelineExecutor.live) besides what autograd saved.
+# DeepSpeed and FSDP: their model states from `model_states` (each tested against its census),
+# activations as the own engine's (they run the same plain model, harness/model/llama.py).
+
+
+def engine_stage_items(shape: Shape, lay: Layout, seq_len: int) -> tuple[tuple[bool, int, bool], ...]:
+    """(has_embedding, layers, has_lm_head) per pipeline rank, as the own engine partitions:
+    balanced by cost over pp x virtual_stages chunks, chunk c of rank r is stage c * pp + r."""
+    chunks = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
+    return _engine_stage_items(shape, lay.pp, chunks, seq_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _engine_stage_items(shape: Shape, pp: int, chunks: int, seq_len: int) -> tuple[tuple[bool, int, bool], ...]:
+    from harness.engine.partition import balanced_partition
+
+    parts = balanced_partition(shape, pp * chunks, seq_len)
+    last = pp * chunks - 1
+    return tuple((r == 0, sum(len(parts[c * pp + r]) for c in range(chunks)), (chunks - 1) * pp + r == last)
+                 for r in range(pp))
+
+
+def _norm_bytes(lay: Layout, n: float, h: int, B: int, sp: bool) -> float:
+    """One RMSNorm and the GEMMs after it, kept for backward. Eager (kernels.rmsnorm_torch): under
+    bf16 the fp32 copy of the input (saved by pow and mul, 4h), the bf16 normalised tensor (saved
+    by the weight mul, 2h) and fp32 1/rms (4); under fp32 the input itself and the normalised
+    tensor (8h + 4). Fused: its input and fp32 1/rms. Then the GEMMs keep the norm's output, or
+    under SP the all-gathered one: n x h, not divided."""
+    if lay.rmsnorm == "fused":
+        local = B * h + 4
+    else:
+        local = (6 * h + 4) if B == 2 else (8 * h + 4)
+    return n * local / (lay.tp if sp else 1) + n * h * B
+
+
+def _attention_bytes(shape: Shape, lay: Layout, wl: Workload, b: int) -> float:
+    """The attention between the q/k/v GEMMs and wo, kept for backward, per rank.
+
+    Flash-style (SDPA flash/efficient/cuDNN, flash-attn): rotated q, k and v as the kernel gets
+    them (k and v repeated to every head under grouped-query attention), its output and fp32
+    log-sum-exp; wo's input is a view of the output (the kernel allocates it in q's memory order,
+    which is [s, b, heads, d] here). Materialised (naive): fp32 copies of q, k, v, the causal mask
+    (1 byte per score), the fp32 softmax, and wo's input, a copy of the [b, heads, s, d] output.
+    Selective checkpointing keeps only the recomputed core's inputs q, k, v and wo's input. The
+    rotary tables cast to bf16 per call (q and k: cos and sin) are kept too."""
+    s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
+    n = b * s
+    d = h // shape.heads
+    hq, kv = h / t, shape.kv_heads * d / t
+    heads = shape.heads / t
+    rot = 4 * s * d * B if B == 2 else 0.0
+    naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
+    if lay.activation_checkpointing == "selective":
+        return n * (hq + 2 * kv) * B + n * hq * B + rot
+    if naive:
+        return 3 * n * hq * 4 + s * s + 4 * b * heads * s * s + n * hq * B + rot
+    kv_kept = 2 * n * (hq if shape.heads != shape.kv_heads else kv) * B
+    return n * hq * B + kv_kept + n * hq * B + 4 * b * heads * s + rot
+
+
+def _attention_backward_bytes(shape: Shape, lay: Layout, wl: Workload, b: int) -> float:
+    """Above what is kept, while the attention core runs backward: under selective checkpointing
+    the recomputed core's own saved tensors; for materialised attention the fp32 gradients of
+    the softmax output and of the scores (2 x 4 bytes per score); the gradient of the attention
+    output. The layer's SwiGLU and its norm have run backward before and freed what they kept."""
+    s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
+    n, heads, hq = b * s, shape.heads / t, h / t
+    naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
+    extra = n * h * B
+    if naive:
+        extra += 2 * 4 * b * heads * s * s
+    if lay.activation_checkpointing == "selective":
+        extra += (3 * n * hq * 4 + s * s + 4 * b * heads * s * s) if naive else (n * hq * B + 4 * b * heads * s)
+    freed = _norm_bytes(lay, n, h, B, lay.sequence_parallel and t > 1) + 4 * n * shape.ffn / t * B
+    return extra - freed
+
+
+@functools.lru_cache(maxsize=1024)  # the same for every stage of a layout (worst_stage_memory asks per stage)
+def engine_layer_bytes(shape: Shape, lay: Layout, wl: Workload) -> dict:
+    """Per layer and micro-batch: 'layer' (kept between forward and backward, the layer input
+    only under full checkpointing), 'full_layer' (what its forward saves, recomputed or not),
+    'working' (what exists above that while its backward runs)."""
+    b, s, t, B = lay.micro_batch_size, wl.seq_len, lay.tp, wl.dtype_bytes
+    n, h, f = b * s, shape.hidden, shape.ffn
+    sp = lay.sequence_parallel and t > 1
+    full = 2 * _norm_bytes(lay, n, h, B, sp) + _attention_bytes(shape, lay, wl, b) + 4 * n * f / t * B
+    # A layer's backward, beyond what it saved: the incoming gradient (n x h), SwiGLU's three
+    # gradients of width ffn / t, and the largest weight gradient in the parameters' dtype before
+    # the gradient hook adds it into the fp32 bucket and frees it (h x ffn / t); or the attention
+    # core's backward, whichever is larger.
+    working = max((n * h + 3 * n * f / t + h * f / t) * B, _attention_backward_bytes(shape, lay, wl, b))
+    kept = n * h * B / (t if sp else 1) if lay.activation_checkpointing == "full" else full
+    return {"layer": kept, "full_layer": full, "working": working}
+
+
+def _loss_bytes(shape: Shape, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """(kept, extra) of the LM head's loss per micro-batch. The own engine's vocabulary-parallel
+    cross-entropy keeps the fp32 softmax (4 n V/t) and the local target ids; at its forward peak
+    the bf16 logits, their fp32 copy (bf16 only) and the fp32 shifted logits exist beside it.
+    Without TP, torch's cross_entropy on logits.float() keeps the fp32 log-softmax; its backward
+    peak holds that, the nll gradient and the log-softmax gradient (fp32 each)."""
+    n, B, V = lay.micro_batch_size * wl.seq_len, wl.dtype_bytes, shape.vocab
+    upcast = 4 if B == 2 else 0
+    if lay.tp > 1 and lay.engine == "own":
+        return 4 * n * V / lay.tp + 9 * n, (B + upcast + 4) * n * V / lay.tp
+    return 4 * n * V, max(B + upcast, 8) * n * V
+
+
+def engine_stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> dict:
+    """stage_memory for the harness's engines (Layout.engine own, deepspeed or fsdp)."""
+    has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
+    phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
+    B, d, t = wl.dtype_bytes, lay.dp, lay.tp
+    precision = "bf16" if B == 2 else "fp32"
+    zero = 3 if lay.engine == "fsdp" else lay.sharding_stage
+    if lay.engine == "deepspeed" and zero == 0:  # its pipeline engine without ZeRO: bf16 .grad, an fp32 optimizer copy
+        census = model_states(phi, "own", 0, precision, d, grad_accum="bf16" if B == 2 else "fp32")
+    else:
+        census = model_states(phi, lay.engine, min(zero, 1) if lay.engine == "own" else zero, precision, d)
+    # The planner's workload has the default policy (fp32 accumulation and reduction): then what
+    # the census counts at the optimizer step (own engine: flat parameters, fp32 main gradients,
+    # the ZeRO-1 reduced shard, masters, Adam states) is held the whole step; the step itself adds
+    # only per-bucket copies (the ZeRO-1 all-gather's shard clone), far below the activations.
+    by_cat = {k: sum(v.values()) for k, v in census.items()}
+    sp = lay.sequence_parallel and t > 1
+    n = lay.micro_batch_size * wl.seq_len
+    h = shape.hidden
+    act = engine_layer_bytes(shape, lay, wl)
+    hidden = n * h * B / (t if sp else 1)  # one [s(/t), b, h] activation
+    m = wl.micro_batches(lay)
+    k = in_flight(lay, stage, m)
+    micro = layers * act["layer"]
+    if lay.pp > 1:  # PipelineExecutor.live: the received input (not on the first stage) and the sent output
+        micro += hidden * ((0 if has_emb else 1) + (0 if has_head else 1))
+    keeps_input = lay.activation_checkpointing == "full" or lay.rmsnorm == "fused" or B == 4
+    if keeps_input and lay.pp > 1 and not has_emb and layers:
+        micro -= hidden  # what the first layer keeps of its input (checkpoint, norm) is the received tensor
+    if has_emb and t > 1:
+        micro += 9 * n  # the vocabulary-parallel lookup's local ids (int64) and mask
+    ce_kept, ce_extra = _loss_bytes(shape, lay, wl) if has_head else (0.0, 0.0)
+    if has_head:
+        micro += _norm_bytes(lay, n, h, B, sp) + ce_kept
+    held = k * micro
+    working = (act["full_layer"] - act["layer"] if lay.activation_checkpointing == "full" else 0.0) + act["working"]
+    candidates = {"backward_working_set": working if layers else 0.0}
+    if has_head:  # the loss's peak with this micro-batch's activations, the others' held
+        candidates["logits_and_loss"] = ce_extra
+    if has_emb:  # the embedding's weight gradient (vocab/t x h, the parameters' dtype) at the stage's last backward
+        candidates["embedding_gradient"] = shape.vocab * h / t * B - micro
+    extra_name = max(candidates, key=candidates.get)
+    extra = max(0.0, candidates[extra_name])
+    dynamic = held + extra
+    frag = FRAGMENTATION_PIPELINED if lay.pp > 1 and m > 1 else FRAGMENTATION
+    overhead = CONTEXT_GIB * GIB + frag * dynamic
+    parts = {"weights": by_cat.get("parameters", 0.0), "gradients": by_cat.get("gradients", 0.0),
+             "optimizer": by_cat.get("master_parameters", 0.0) + by_cat.get("optimizer_states", 0.0),
+             "activations": held, "backward_working_set": extra if extra_name != "logits_and_loss" else 0.0,
+             "logits_and_loss": extra if extra_name == "logits_and_loss" else 0.0, "overhead": overhead}
+    if zero >= 3:  # gathered full layers in flight (current + prefetched), FSDP/ZeRO-3
+        parts["weights"] += 2 * phi / max(layers, 1) * B
+    parts["total"] = sum(parts.values())
+    parts["params"] = phi
+    return parts

@@ -6,13 +6,16 @@ reference study's MFU column uses, against the profile's dense peak.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from harness.errors import SpecError
 from harness.model.flops import flops_per_token
 from harness.model.presets import Shape
 from harness.planner.hardware import Profile
-from harness.planner.layout import ATTENTION_CLASS, Layout, Workload
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, Layout, Workload
 from harness.planner.memory import GIB, fits, worst_stage_memory
 from harness.planner.timing import step_time, theta_from_profile
 from harness.spec import RMSNORM_KERNELS
@@ -78,14 +81,29 @@ def validate(shape: Shape, lay: Layout, wl: Workload) -> None:
         raise SpecError("layout.rmsnorm", f"{lay.rmsnorm!r} is not one of {', '.join(RMSNORM_KERNELS)}")
 
 
+@functools.lru_cache(maxsize=256)
+def _palm_flops_per_token(shape: Shape, seq_len: int) -> float:
+    return flops_per_token(shape, seq_len)["palm"]
+
+
 def predict(shape: Shape, layout: Layout, workload: Workload, profile: Profile,
-            theta: dict | None = None) -> Prediction:
-    """Memory, fit and speed of one layout. `theta` overrides the profile's inverse efficiencies."""
+            theta: dict | None = None, layer_cache: dict | None = None,
+            memory_cache: dict | None = None) -> Prediction:
+    """Memory, fit and speed of one layout. `theta` overrides the profile's inverse efficiencies;
+    `layer_cache` (timing.step_time) and `memory_cache` (memory_key) are for callers predicting
+    many layouts of one shape, workload and profile."""
     validate(shape, layout, workload)
-    stage, parts = worst_stage_memory(shape, layout, workload)
-    t, breakdown = step_time(shape, layout, workload, profile, theta or theta_from_profile(profile))
+    if memory_cache is None:
+        stage, parts = worst_stage_memory(shape, layout, workload)
+    else:
+        mkey = memory_key(layout)
+        hit = memory_cache.get(mkey)
+        if hit is None:
+            hit = memory_cache[mkey] = worst_stage_memory(shape, layout, workload)
+        stage, parts = hit
+    t, breakdown = step_time(shape, layout, workload, profile, theta or theta_from_profile(profile), layer_cache)
     tokens = workload.global_batch_size * workload.seq_len
-    flops = tokens * flops_per_token(shape, workload.seq_len)["palm"]
+    flops = tokens * _palm_flops_per_token(shape, workload.seq_len)
     mfu = flops / (t * layout.gpus * profile.peak_flops(workload.dtype_bytes))
     why = kernel_available(shape, layout, workload, profile)
     return Prediction(layout=layout, fits=fits(parts["total"], profile), available=not why,
@@ -93,3 +111,52 @@ def predict(shape: Shape, layout: Layout, workload: Workload, profile: Profile,
                       worst_stage=stage,
                       memory_breakdown_gib={k: v / GIB for k, v in parts.items() if k != "params"},
                       time_breakdown_s=breakdown, why_unavailable=why)
+
+
+# One kernel per cost class stands for the others: memory.py and timing.py read the attention
+# kernel only through ATTENTION_CLASS, so kernels of one class predict identically (only whether
+# the kernel is available differs).
+CLASS_REPRESENTATIVE = {cls: next(k for k in ATTENTION_CLASS if ATTENTION_CLASS[k] == cls)
+                        for cls in dict.fromkeys(ATTENTION_CLASS.values())}
+
+
+def memory_key(layout: Layout) -> tuple:
+    """Layouts whose memory is the same: memory.py tells attention kernels apart only by whether
+    they materialise the score matrix (naive, fused_softmax) or not (every flash-style kernel keeps
+    no s x s tensor); tests/test_plan_output.py checks it on every engine."""
+    att = layout.attention if ATTENTION_CLASS.get(layout.attention) in MATERIALISED else "flash"
+    return tuple(att if name == "attention" else value for name, value in layout.__dict__.items())
+
+
+def prediction_key(layout: Layout) -> Layout:
+    """The layout whose prediction stands for `layout`: its attention kernel replaced by the first
+    kernel of its cost class."""
+    cls = ATTENTION_CLASS.get(layout.attention)  # an unknown kernel is left to predict()'s check
+    rep = CLASS_REPRESENTATIVE[cls] if cls else layout.attention
+    return layout if rep == layout.attention else dataclasses.replace(layout, attention=rep)
+
+
+def predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None = None,
+                 **kw) -> list[Prediction]:
+    """predict() for every layout, computing each cost class once (`harness plan` over thousands
+    of layouts must answer in well under a second); the same Predictions as one call each."""
+    theta = theta or theta_from_profile(profile)
+    cache: dict = {}
+    layer_cache: dict = {}
+    memory_cache: dict = {}
+    out = []
+    for lay in layouts:
+        cls = ATTENTION_CLASS.get(lay.attention, lay.attention)
+        key = tuple(cls if name == "attention" else value for name, value in lay.__dict__.items())
+        base = cache.get(key)
+        if base is None:
+            base = cache[key] = predict(shape, prediction_key(lay), workload, profile, theta, layer_cache,
+                                        memory_cache, **kw)
+        if base.layout is lay or base.layout == lay:
+            out.append(base)
+        else:  # an alias: the same prediction, its own layout and availability
+            why = kernel_available(shape, lay, workload, profile)
+            alias = copy.copy(base)
+            alias.layout, alias.available, alias.why_unavailable = lay, not why, why
+            out.append(alias)
+    return out

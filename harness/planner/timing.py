@@ -17,9 +17,11 @@ head's output is all-gathered over tp and the loss runs over the full vocabulary
 
 from __future__ import annotations
 
+import functools
+
 from harness.model.presets import Shape
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
-from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, Layout, Workload, stage_items
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, Layout, Workload, _stage_items
 from harness.planner.memory import stage_params
 
 # GEMMs lose efficiency as their smallest dimension shrinks (tile edges and the K-loop's fixed
@@ -28,6 +30,15 @@ from harness.planner.memory import stage_params
 GEMM_HALF_DIM = 128
 # Flash attention backward does 2.5x the forward's matmul FLOPs (5 matmuls against 2, Dao 2023).
 FLASH_BWD = 2.5
+# A flash kernel's rate grows with the sequence: each query block pays a fixed cost (load Q,
+# rescale and write O and the logsumexp) and, under the causal mask, computes its diagonal key
+# block in full, so the useful work per query block is s/2 keys against a fixed ~FLASH_HALF_SEQ/2:
+# rate ~ s / (s + FLASH_HALF_SEQ). 512 = four 128-key blocks reproduces the rise of
+# FlashAttention-2's causal forward+backward throughput from 2k to 8k tokens on A100 (about 20%,
+# Dao 2023, "FlashAttention-2", Fig. 4, head dim 128). The efficiency constants (flash1, flash2,
+# mem_efficient) are the long-sequence limits. Without it, constants fitted at 2048 tokens
+# under-predict flash attention at 8192 (issue 13: FlashAttention-2 MFU at 8192 3-6 points low).
+FLASH_HALF_SEQ = 512
 # HBM bytes per element moved by elementwise work, forward + backward (counted from the kernels):
 RMSNORM_BYTES = {"fused": 10, "torch": 108}  # fused: fwd r+w, bwd r x,dy w dx; eager fp32 chain ~9 kernels
 RESIDUAL_BYTES_PER_B = 6      # per residual add: fwd reads 2 writes 1, bwd passes the gradient on
@@ -60,6 +71,11 @@ DP_NIC_AGGREGATION = True
 DP_NIC_AGGREGATION_PIPELINED = False
 
 
+def _flash_seq_eff(s: int) -> float:
+    """The share of a flash kernel's rate reached at sequence length s: s / (s + FLASH_HALF_SEQ)."""
+    return s / (s + FLASH_HALF_SEQ)
+
+
 def _gemm_eff(*dims: float) -> float:
     d = min(dims)
     return d / (d + GEMM_HALF_DIM)
@@ -78,9 +94,9 @@ def _zeros() -> dict[str, float]:
     return {k: 0.0 for k in EFFICIENCY_KEYS}
 
 
-def stage_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, stage: int) -> dict[str, float]:
-    """Ideal seconds of each kind of work for one micro-batch (forward + backward) on one stage."""
-    has_emb, layers, has_head = stage_items(shape, lay.pp)[stage]
+def layer_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile) -> dict[str, float]:
+    """Ideal seconds of each kind of work of one transformer layer for one micro-batch (forward +
+    backward): the same on every stage, so computed once per layout (stage_features scales it)."""
     x = _zeros()
     b, s, h, f, t, B = lay.micro_batch_size, wl.seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
     n = b * s
@@ -93,46 +109,95 @@ def stage_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, stage
     # GEMMs of one layer: (N, K) per GEMM, M = n tokens.
     gemms = [((h + 2 * kv) / t, h), (h, h / t), (2 * f / t, h), (h, f / t)]
     for N, K in gemms:
-        x["gemm"] += layers * passes * 2 * n * N * K / (peak * _gemm_eff(n, N, K))
+        x["gemm"] += passes * 2 * n * N * K / (peak * _gemm_eff(n, N, K))
     cls = ATTENTION_CLASS[lay.attention]
     heads_t = shape.heads / t
     if cls in MATERIALISED:
         rec = 1 if ckpt in ("full", "selective") else 0
-        x["gemm"] += layers * (3 + rec) * 4 * b * s * s * heads_t * d / (peak * _gemm_eff(s, s, d))
-        x["naive_attention" if cls == "naive" else cls] += layers * (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * s / hbm
+        x["gemm"] += (3 + rec) * 4 * b * s * s * heads_t * d / (peak * _gemm_eff(s, s, d))
+        x["naive_attention" if cls == "naive" else cls] += (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * s / hbm
     else:
         fwd = 2 * b * s * s * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
         rec = 1 if ckpt in ("full", "selective") else 0
-        x[cls] += layers * fwd * (1 + FLASH_BWD + rec) / peak
+        x[cls] += fwd * (1 + FLASH_BWD + rec) / (peak * _flash_seq_eff(s))
     # Elementwise work, by HBM bytes; norms and residual adds are split only by sequence parallelism.
     rep = 1 / t if lay.sequence_parallel else 1.0
     recf = 4 / 3 if ckpt == "full" else 1.0
     per_layer = (2 * RMSNORM_BYTES[lay.rmsnorm] * (B / 2) + 2 * RESIDUAL_BYTES_PER_B * B) * n * h * rep
     per_layer += (SWIGLU_BYTES_PER_B * f + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (h + 2 * kv)) * B * n / t
-    x["hbm"] += layers * per_layer * recf / hbm
+    x["hbm"] += per_layer * recf / hbm
+    # Tensor-parallel collectives: per layer 2 all-reduces forward and 2 backward (all-gather +
+    # reduce-scatter under sequence parallelism: the same bytes), each of n*h elements.
+    if t > 1:
+        key = _link(prof, t)
+        x[key] += (4 + (2 if ckpt == "full" else 0)) * 2 * (t - 1) / t * n * h * B / _bw(prof, key)
+    x["launch_us"] += 1e-6 * KERNELS_PER_LAYER * (4 / 3 if ckpt == "full" else 1)
+    return x
+
+
+def stage_extras(shape: Shape, lay: Layout, wl: Workload, prof: Profile, stage: int) -> dict[str, float]:
+    """Ideal seconds of the work of one stage beyond its layers, for one micro-batch: the LM head
+    with the loss, the embedding's and head's tensor-parallel collectives, the pipeline sends."""
+    has_emb, layers, has_head = _stage_items(shape.layers, lay.pp)[stage]
+    x: dict[str, float] = {}
+    n, h, t, B = lay.micro_batch_size * wl.seq_len, shape.hidden, lay.tp, wl.dtype_bytes
+
+    def add(k: str, v: float) -> None:
+        x[k] = x.get(k, 0.0) + v
+
     if has_head:
         # The LM head is column-parallel but its output is all-gathered (parallel_output=False in
         # the study's framework) and every tensor-parallel rank runs the cross-entropy over the
         # full vocabulary: the GEMM splits over tp, the loss's memory-bound passes do not.
-        x["gemm"] += 3 * 2 * n * h * shape.vocab / t / (peak * _gemm_eff(n, h, shape.vocab / t))
-        x["hbm"] += n * shape.vocab * LOSS_BYTES_PER_LOGIT / hbm
+        peak = prof.peak_flops(B)
+        add("gemm", 3 * 2 * n * h * shape.vocab / t / (peak * _gemm_eff(n, h, shape.vocab / t)))
+        add("hbm", n * shape.vocab * LOSS_BYTES_PER_LOGIT / (prof.hbm_gbps * 1e9))
         if t > 1:
-            x[_link(prof, t)] += (t - 1) / t * n * shape.vocab * B / _bw(prof, _link(prof, t))
-    # Tensor-parallel collectives: per layer 2 all-reduces forward and 2 backward (all-gather +
-    # reduce-scatter under sequence parallelism: the same bytes), each of n*h elements.
-    if t > 1:
-        colls = layers * (4 + (2 if ckpt == "full" else 0)) + 2 * (has_emb + has_head)
+            add(_link(prof, t), (t - 1) / t * n * shape.vocab * B / _bw(prof, _link(prof, t)))
+    # Tensor-parallel collectives of the embedding and the head (the layers' are per layer).
+    if t > 1 and (has_emb or has_head):
         key = _link(prof, t)
-        bw = (prof.nvlink_gbps if key == "nvlink" else prof.internode_gbps) * 1e9
-        x[key] += colls * 2 * (t - 1) / t * n * h * B / bw
+        add(key, 2 * (has_emb + has_head) * 2 * (t - 1) / t * n * h * B / _bw(prof, key))
     # Pipeline sends: activation forward, its gradient backward (split over tp with scatter-gather).
     if lay.pp > 1:
         key = _link(prof, lay.tp * lay.dp * 2)
-        bw = (prof.nvlink_gbps if key == "nvlink" else prof.internode_gbps) * 1e9
         sends = (1 if stage < lay.pp - 1 else 0) + (1 if stage > 0 else 0)
-        x[key] += sends * 2 * n * h * B / t / bw
-    x["launch_us"] += 1e-6 * (layers * KERNELS_PER_LAYER * (4 / 3 if ckpt == "full" else 1) + 20 * (has_emb + has_head))
+        add(key, sends * 2 * n * h * B / t / _bw(prof, key))
+    if has_emb or has_head:
+        add("launch_us", 1e-6 * 20 * (has_emb + has_head))
     return x
+
+
+def stage_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, stage: int,
+                   per_layer: dict | None = None) -> dict[str, float]:
+    """Ideal seconds of each kind of work for one micro-batch (forward + backward) on one stage:
+    its layers (layer_features, passed in when known) and stage_extras."""
+    layers = _stage_items(shape.layers, lay.pp)[stage][1]
+    per_layer = per_layer or layer_features(shape, lay, wl, prof)
+    x = {k: layers * v for k, v in per_layer.items()}
+    for k, v in stage_extras(shape, lay, wl, prof, stage).items():
+        x[k] += v
+    return x
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_params(shape: Shape, items: tuple, tp: int) -> float:
+    return stage_params(shape, *items, tp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_kinds(n_layers: int, pp: int) -> tuple:
+    """Stages that cost the same (same items, same neighbours: first, last): (key, first stage,
+    how many), in stage order. A uniform split has a few kinds however many stages."""
+    items = _stage_items(n_layers, pp)
+    kinds: dict = {}
+    for i in range(pp):
+        key = (items[i], i == 0, i == pp - 1)
+        if key in kinds:
+            kinds[key][1] += 1
+        else:
+            kinds[key] = [i, 1]
+    return tuple((key, first, count) for key, (first, count) in kinds.items())
 
 
 def _dot(theta: dict, x: dict) -> float:
@@ -144,42 +209,39 @@ def theta_from_profile(prof: Profile) -> dict[str, float]:
     return {k: (prof.eff(k) if k == "launch_us" else 1.0 / prof.eff(k)) for k in EFFICIENCY_KEYS}
 
 
-def step_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: dict | None = None) -> tuple[dict, dict]:
-    """Ideal seconds per kind of work for one optimizer step, and a breakdown in real seconds.
+def _per_layer(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: dict,
+               layer_cache: dict | None) -> tuple[dict, float]:
+    """layer_features and their time under theta, from `layer_cache` when the caller keeps one
+    (a dict across layouts of one shape, workload, profile and theta: predict_many)."""
+    if layer_cache is None:
+        per_layer = layer_features(shape, lay, wl, prof)
+        return per_layer, _dot(theta, per_layer)
+    key = (lay.tp, lay.micro_batch_size, lay.activation_checkpointing, lay.sequence_parallel,
+           ATTENTION_CLASS[lay.attention], lay.rmsnorm)
+    hit = layer_cache.get(key)
+    if hit is None:
+        per_layer = layer_features(shape, lay, wl, prof)
+        hit = layer_cache[key] = (per_layer, _dot(theta, per_layer))
+    return hit
 
-    The step time is sum(theta[k] * features[k]); theta decides only which stage is slowest and
-    how much of the data-parallel reduction hides behind the backward.
-    """
-    theta = theta or theta_from_profile(prof)
-    m = wl.micro_batches(lay)
-    items = stage_items(shape, lay.pp)
-    cache: dict = {}
-    stages = []
-    for i in range(lay.pp):  # stages with the same items and neighbours cost the same: compute once
-        key = (items[i], i == 0, i == lay.pp - 1)
-        if key not in cache:
-            cache[key] = stage_features(shape, lay, wl, prof, i)
-        stages.append(cache[key])
-    times = [_dot(theta, x) for x in stages]
-    slow = max(range(lay.pp), key=lambda i: times[i])
-    v = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
-    feats = _zeros()
-    for k in feats:  # m x slowest + fill/drain through the other stages (divided by v chunks)
-        feats[k] = m * stages[slow][k] + (sum(x[k] for x in stages) - stages[slow][k]) / v
-    compute_s = _dot(theta, feats)
-    # Data-parallel gradient reduction, as the study's framework does it (Aleph Alpha scaling,
-    # optimizer.py/allreduce.py): after the last backward (after the pipeline flush), never
-    # overlapped with compute, the bf16 gradients are flattened into buckets, upcast to fp32 and
-    # all-reduced (ring: 2 (n-1)/n x 4 bytes per parameter), then each rank updates its ZeRO-1
-    # shard and the updated bf16 weights are all-gathered ((n-1)/n x 2 bytes per parameter).
-    # Bus bandwidth: NVLink when the group lies in one node; otherwise NCCL runs one ring per NIC
-    # and a node offers one NIC per group member it holds (ranks are ordered pp, dp, tp: a node
-    # holds gpus_per_node / tp members of each data-parallel group).
-    dpx, dp_exposed = _zeros(), 0.0
-    phis = [stage_params(shape, *items[i], lay.tp) for i in range(lay.pp)]
-    phi = max(phis)
+
+def _data_parallel(shape: Shape, lay: Layout, wl: Workload, prof: Profile, kinds) -> tuple[dict, float]:
+    """Ideal seconds of the data-parallel reduction (by link) and of the optimizer step (HBM), once
+    per step, for the stage with the most parameters.
+
+    Data-parallel gradient reduction, as the study's framework does it (Aleph Alpha scaling,
+    optimizer.py/allreduce.py): after the last backward (after the pipeline flush), never
+    overlapped with compute, the bf16 gradients are flattened into buckets, upcast to fp32 and
+    all-reduced (ring: 2 (n-1)/n x 4 bytes per parameter), then each rank updates its ZeRO-1
+    shard and the updated bf16 weights are all-gathered ((n-1)/n x 2 bytes per parameter).
+    Bus bandwidth: NVLink when the group lies in one node; otherwise NCCL runs one ring per NIC
+    and a node offers one NIC per group member it holds (ranks are ordered pp, dp, tp: a node
+    holds gpus_per_node / tp members of each data-parallel group)."""
+    dpx: dict[str, float] = {}
+    phi = max(_stage_params(shape, key[0], lay.tp) for key, _, _ in kinds)
     zero = lay.sharding_stage
     if lay.dp > 1:
+        m = wl.micro_batches(lay)
         key = _link(prof, lay.tp * lay.dp)
         per_node = max(1, min(lay.dp, prof.gpus_per_node // lay.tp)) if key == "internode" else 1
         nodes = -(-lay.tp * lay.dp // prof.gpus_per_node)
@@ -193,26 +255,69 @@ def step_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta:
         dpx[key] = (2 * frac * grad_bytes + (frac * wl.dtype_bytes if zero >= 1 else 0)) * phi / bw
         if zero >= 3:  # weights gathered for forward and backward of every micro-batch
             dpx[key] += 2 * m * frac * phi * wl.dtype_bytes / bw
-        dp_exposed = 1.0
-        for k in feats:
-            feats[k] += dpx[k]
     # Optimizer step on this rank's shard of the master weights, Adam (memory bound).
     opt_params = phi / (lay.dp if zero >= 1 else 1)
-    opt_x = opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
+    return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
+
+
+def step_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: dict | None = None,
+                  layer_cache: dict | None = None) -> tuple[dict, dict]:
+    """Ideal seconds per kind of work for one optimizer step, and a breakdown in real seconds.
+
+    The step time is sum(theta[k] * features[k]) (what calibration fits); theta decides only
+    which stage is slowest. step_time() is the same sum, computed without the features.
+    """
+    theta = theta or theta_from_profile(prof)
+    m = wl.micro_batches(lay)
+    per_layer, _ = _per_layer(shape, lay, wl, prof, theta, layer_cache)
+    # Stages with the same items and neighbours cost the same: each kind is computed once and
+    # counted (a uniform split has at most a few kinds, however many stages).
+    kinds = _stage_kinds(shape.layers, lay.pp)
+    xs = {key: stage_features(shape, lay, wl, prof, first, per_layer) for key, first, _ in kinds}
+    times = {key: _dot(theta, xs[key]) for key, _, _ in kinds}
+    slow_key, slow, _ = max(kinds, key=lambda kind: (times[kind[0]], -kind[1]))  # the first of the slowest
+    x_slow = xs[slow_key]
+    v = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
+    feats = _zeros()
+    for k in feats:  # m x slowest + fill/drain through the other stages (divided by v chunks)
+        total = sum(count * xs[key][k] for key, _, count in kinds)
+        feats[k] = m * x_slow[k] + (total - x_slow[k]) / v
+    compute_s = _dot(theta, feats)
+    dpx, opt_x = _data_parallel(shape, lay, wl, prof, kinds)
+    for k, value in dpx.items():
+        feats[k] += value
     feats["hbm"] += opt_x
-    breakdown = {
+    times_sum = sum(count * times[key] for key, _, count in kinds)
+    return feats, _breakdown(lay, m, v, compute_s, times_sum, times[slow_key], slow, dpx, opt_x, theta)
+
+
+def _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta) -> dict:
+    return {
         "compute_and_tp_s": compute_s,
-        "bubble_s": sum(times) / v - times[slow] / v if lay.pp > 1 else 0.0,
-        "dp_reduction_exposed_s": dp_exposed * _dot(theta, dpx),
+        "bubble_s": times_sum / v - t_slow / v if lay.pp > 1 else 0.0,
+        "dp_reduction_exposed_s": _dot(theta, dpx),  # never overlapped in the study's framework
         "optimizer_s": theta["hbm"] * opt_x,
-        "per_microbatch_slowest_stage_s": times[slow],
+        "per_microbatch_slowest_stage_s": t_slow,
         "micro_batches": m,
         "slowest_stage": slow,
     }
-    return feats, breakdown
 
 
-def step_time(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: dict | None = None) -> tuple[float, dict]:
+def step_time(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: dict | None = None,
+              layer_cache: dict | None = None) -> tuple[float, dict]:
+    """Seconds per optimizer step and their breakdown: sum(theta[k] * step_features[k]) computed
+    per stage kind as layers x (time of a layer) + time of the stage's extras, which a plan over
+    thousands of layouts needs (harness plan answers in under a second)."""
     theta = theta or theta_from_profile(prof)
-    feats, breakdown = step_features(shape, lay, wl, prof, theta)
-    return _dot(theta, feats), breakdown
+    m = wl.micro_batches(lay)
+    _, t_layer = _per_layer(shape, lay, wl, prof, theta, layer_cache)
+    kinds = _stage_kinds(shape.layers, lay.pp)
+    times = [key[0][1] * t_layer + _dot(theta, stage_extras(shape, lay, wl, prof, first)) for key, first, _ in kinds]
+    i_slow = max(range(len(kinds)), key=lambda i: (times[i], -kinds[i][1]))
+    t_slow, slow = times[i_slow], kinds[i_slow][1]
+    v = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
+    times_sum = sum(kind[2] * t for kind, t in zip(kinds, times))
+    compute_s = m * t_slow + (times_sum - t_slow) / v
+    dpx, opt_x = _data_parallel(shape, lay, wl, prof, kinds)
+    breakdown = _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta)
+    return compute_s + breakdown["dp_reduction_exposed_s"] + breakdown["optimizer_s"], breakdown

@@ -1,0 +1,47 @@
+"""`harness memory SPEC.yaml`: trace the memory of the run a spec describes, at full size, on a CPU.
+
+Each pipeline stage of the spec's layout is built and stepped by the own engine on fake tensors
+(shapes, no data) over a fake process group, in this one process: per stage the memory census
+(parameters, gradients, master parameters, optimizer states by dtype), the peak of live tensors
+in a step, and the terms a trace cannot see (CUDA context and workspaces, allocator
+fragmentation), beside the planner's prediction for the same layout and engine.
+"""
+
+from __future__ import annotations
+
+import json
+
+from harness.commands import add_set_argument
+
+DESCRIPTION = __doc__.split(":", 1)[1].strip()
+
+EXAMPLES = """\
+examples:
+  harness memory spec.yaml
+  harness memory spec.yaml --format json
+  harness memory examples/tiny.yaml --set layout.engine=own --set layout.tp=2
+  harness memory spec.yaml --set workload.model=paper-13b --set workload.seq_len=8192 --hardware h100-sxm"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("spec", help="a run spec (as `harness train` takes); its layout's engine must be own")
+    add_set_argument(p, "run spec")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--hardware", default="a100-80gb",
+                   help="profile whose device memory the peak is checked against (a100-80gb, h100-sxm, ... or a YAML)")
+
+
+def main(args) -> int:
+    from harness.planner.hardware import load_profile
+    from harness.spec import parse_spec, parse_with_overrides, read_yaml
+
+    spec = parse_with_overrides(read_yaml(args.spec), args.overrides, parse_spec)
+    profile = load_profile(args.hardware)
+    from harness.memtrace.result import table_lines, trace_spec
+
+    result = trace_spec(spec, profile)
+    if args.format == "json":
+        print(json.dumps(result))
+    else:
+        print("\n".join(table_lines(result)))
+    return 0

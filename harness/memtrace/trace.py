@@ -1,0 +1,425 @@
+"""Trace one rank of the own engine at full size on fake tensors: what it holds, and its peak.
+
+For each pipeline stage (tensor- and data-parallel ranks of a stage hold the same tensors, up to
+a ZeRO-1 shard's padding), `trace_rank` starts a fake process group (torch's FakeStore, backend
+"fake": collectives and transfers are no-ops on shapes) as that stage's first rank, builds
+Engine3D under FakeTensorMode (tensors carry shapes and dtypes, no data: a 65B stage costs no
+memory) and runs its real train_step: the schedule's forwards and backwards of the micro-batches,
+the data-parallel reductions, the optimizer step, the parameter refresh. Three counters run
+alongside:
+
+  live tensors  a TorchDispatchMode that sees every op's outputs and counts each new storage
+                once, with a weakref finalizer on the storage to subtract it when it is freed:
+                the bytes of live tensors at every moment, its peak during the step, and which
+                forward or backward (or the optimizer step) that peak fell in
+  census        the engine's own census tensors (harness.measure.CensusAtStep's list) at the
+                first optimizer step, by category and dtype, each storage once
+  saved         bytes autograd saves for backward (saved-tensor hooks), parameters excluded,
+                as harness.measure.SavedActivations counts them, and those of one forward
+
+Fake storages all report data_ptr 0, so storages are told apart by their StorageImpl
+(untyped_storage()._cdata), which a live storage keeps and which the finalizer releases.
+
+What the target GPU runs and a CPU cannot is substituted by something with the same memory
+behaviour, named in the result (`substitutions`):
+  - attention: every flash-style kernel (sdpa, sdpa_flash, sdpa_efficient, sdpa_cudnn, flash2)
+    runs torch's CPU flash SDPA, which saves q, k, v, the output and the fp32 log-sum-exp, no
+    s x s matrix (on the meta device SDPA would fall back to the math path and save the scores);
+    naive stays naive (it materialises the scores, as on a GPU)
+  - rmsnorm fused: a kernel that saves its input and the fp32 per-row 1/rms and allocates only
+    its outputs (flash-attn's Triton rms_norm_fn); on a CPU the engine would torch.compile one
+  - AdamW fused, as the engine builds it on CUDA (no per-parameter temporaries)
+  - pipeline transfers grouped, each group one coalesced work, as on NCCL (layout.pipeline_p2p
+    auto); an explicit async stays async
+The traced step is a steady-state one: AdamW's states are created before it (module function
+_create_optimizer_states), as the previous step would have left them.
+The micro-batches per step are cut to the fewest that reach the schedule's steady state (its
+largest number of micro-batches in flight): every one for gpipe, min(m, pp - stage + 1) for
+1F1B (stage s holds pp - s; one more passes through the steady state), min(m, 2 pp) for the
+interleaved schedule, min(m, 2) without a pipeline (gradient accumulation). The model states,
+buckets and reductions do not depend on the count, and one more micro-batch repeats the same
+allocations in the same order.
+
+Two mechanics of fake mode, neither changing what is held: Module.to_empty assigns fresh
+parameters instead of swapping tensors (torch.utils.swap_tensors refuses tensors FakeTensorMode
+keeps weak references to), and train_step's last line, float(loss), has no value to read on a
+fake tensor: that error is expected there, after the optimizer step and the refresh have run.
+Sizes are the tensors' storages, not the caching allocator's rounded blocks (its fragmentation is
+a named term).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from harness.errors import SpecError
+
+GIB = 1024 ** 3
+FLASH_STYLE = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage that works on fake tensors (their data_ptr is 0)."""
+    return t.untyped_storage()._cdata
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype).replace("torch.", ""))
+
+
+def census_of(categories: dict[str, list]) -> dict[str, dict[str, int]]:
+    """harness.measure.tensor_census's rule (each storage once, the first category naming it
+    wins, padding counted), keyed by storage identity rather than address."""
+    seen: set[int] = set()
+    out: dict[str, dict[str, int]] = {}
+    for category, tensors in categories.items():
+        counts = out.setdefault(category, {})
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            counts[_dtype_key(t.dtype)] = counts.get(_dtype_key(t.dtype), 0) + storage.nbytes()
+    return out
+
+
+class LiveTensors(TorchDispatchMode):
+    """Bytes of live tensor storages: every op output's storage counted when first seen and
+    subtracted when its StorageImpl is freed. `peak`/`peak_at` since the last reset_peak()."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.bytes = 0
+        self.peak = 0
+        self.peak_at = ""
+        self.where = "build"
+
+    def _free(self, key: int) -> None:
+        self.bytes -= self.live.pop(key, 0)
+
+    def _see(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        n = storage.nbytes()
+        self.live[key] = n
+        self.bytes += n
+        weakref.finalize(storage, self._free, key)
+        if self.bytes > self.peak:
+            self.peak, self.peak_at = self.bytes, self.where
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_at = self.bytes, self.where
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+        return out
+
+
+class SavedBytes:
+    """Bytes autograd saves while open, each storage once while a saved tensor holds it,
+    `skip` storages (the parameters' flat buffers) excluded: harness.measure.SavedActivations'
+    rule keyed by storage identity. `window` counts what one stretch (a forward) saves."""
+
+    def __init__(self, skip: set[int]):
+        self.skip, self.live, self.bytes, self.window = skip, {}, 0, 0
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _release(self, key: int) -> None:
+        self.live[key] -= 1
+        if not self.live[key]:
+            del self.live[key]
+
+    def _pack(self, t):
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key not in self.skip:
+                if key not in self.live:
+                    self.bytes += storage.nbytes()
+                    self.window += storage.nbytes()
+                    self.live[key] = 0
+                self.live[key] += 1
+                weakref.finalize(t, self._release, key)
+        return t
+
+    def __enter__(self):
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+# ---------------------------------------------------------------- stand-ins with the target's memory
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """The memory of a fused RMSNorm kernel (flash-attn's rms_norm_fn): saves its input, the
+    weight and the fp32 per-row 1/rms; allocates only its outputs. Shapes only: no values."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight), None
+
+
+def traced_attention(kernel: str) -> str:
+    """The kernel the trace runs for `kernel`: CPU flash SDPA for every flash-style kernel."""
+    return "sdpa_flash" if kernel in FLASH_STYLE else kernel
+
+
+@contextlib.contextmanager
+def _target_behaviour():
+    """Patch, for the trace only, what differs between this CPU and the GPU the spec targets
+    (see the module docstring)."""
+    from unittest import mock
+
+    import harness.engine.engine as engine_module
+    import harness.engine.model as model_module
+
+    plain_rmsnorm, plain_adamw = model_module.rmsnorm, engine_module.make_adamw
+    plain_batch = dist.batch_isend_irecv
+
+    def rmsnorm(kind, x, weight, eps):
+        return _FusedRMSNorm.apply(x, weight, eps) if kind == "fused" else plain_rmsnorm(kind, x, weight, eps)
+
+    def make_adamw(params, workload, **kw):
+        return plain_adamw(params, workload, **{**kw, "fused": True})
+
+    def batch_isend_irecv(ops):  # NCCL: the group is one coalesced work
+        works = plain_batch(ops)
+        for w in works:
+            w.wait()
+        return works[:1]
+
+    def to_empty(module, *, device, recurse=True):
+        # Module.to_empty swaps each meta parameter for a new one, and torch.utils.swap_tensors
+        # refuses tensors FakeTensorMode keeps weak references to: the same result, assigned.
+        for mod in module.modules() if recurse else [module]:
+            for key, p in mod._parameters.items():
+                if p is not None:
+                    mod._parameters[key] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+            for key, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[key] = torch.empty_like(b, device=device)
+        return module
+
+    with mock.patch.object(model_module, "rmsnorm", rmsnorm), \
+            mock.patch.object(torch.nn.Module, "to_empty", to_empty), \
+            mock.patch.object(engine_module, "make_adamw", make_adamw), \
+            mock.patch.object(dist, "batch_isend_irecv", batch_isend_irecv):
+        yield
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def traced_micro_batches(lay, m: int, stage: int) -> int:
+    """Micro-batches the trace runs on `stage` (module docstring): the fewest that reach the
+    schedule's largest number in flight there, and pass through its steady state once."""
+    if lay.pp == 1 and lay.virtual_stages == 1:
+        return min(m, 2)
+    if lay.pipeline_schedule == "gpipe":
+        return m
+    if lay.pipeline_schedule == "interleaved":
+        return min(m, 2 * lay.pp)
+    return min(m, lay.pp - stage + 1)  # 1F1B: pp - stage in flight after the warm-up
+
+
+def traced_spec(spec, stage: int = 0, full_micro: bool = False):
+    """The spec the trace runs: the substituted kernels, NCCL's transfers, fewer micro-batches.
+    Each stage runs its own program only, so each may run its own count."""
+    from harness.spec import micro_batches_per_step
+
+    lay = spec.layout
+    m = micro_batches_per_step(spec)
+    m_run = m if full_micro else traced_micro_batches(lay, m, stage)
+    new_lay = dataclasses.replace(lay, attention=traced_attention(lay.attention),
+                                  pipeline_p2p="grouped" if lay.pipeline_p2p == "auto" and lay.pp > 1
+                                  else lay.pipeline_p2p)
+    wl = dataclasses.replace(spec.workload, global_batch_size=m_run * lay.dp * lay.micro_batch_size, device="cpu")
+    return dataclasses.replace(spec, layout=new_lay, workload=wl), m, m_run
+
+
+def stage_ranks(lay) -> list[int]:
+    """The first rank (tp 0, dp 0) of each pipeline stage."""
+    from harness.engine.topology import Coord, rank_of
+
+    return [rank_of(Coord(pp=s, dp=0, tp=0), lay.tp, lay.pp, lay.dp) for s in range(lay.pp)]
+
+
+@dataclass
+class RankTrace:
+    rank: int
+    stage: int
+    layers: list
+    census: dict            # category -> dtype -> bytes, at the optimizer step
+    states_bytes: int       # live bytes when the step starts (model states and buffers)
+    live_peak_bytes: int    # the largest live bytes during the step
+    peak_at: str            # where in the step it occurred
+    forward_backward_peak_bytes: int
+    optimizer_peak_bytes: int
+    saved_bytes_step: int   # saved for backward over the step (each storage once while saved)
+    saved_bytes_forward: int  # saved by the first forward of the step
+    micro_batches: int      # per step in the workload
+    micro_batches_traced: int
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+def _create_optimizer_states(optimizer) -> None:
+    """What a previous step leaves behind: AdamW's states exist at the start of every step but
+    the first. One AdamW step on zero gradients creates them (a parameter whose gradient is not
+    attached until the step gets a zero one for it, then none again)."""
+    lent = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+                lent.append(p)
+    optimizer.step()
+    for p in lent:
+        p.grad = None
+
+
+def _is_final_float(exc: BaseException) -> bool:
+    """True when a data-dependent error came from train_step's last line, `float(loss)`: a fake
+    tensor has no value to read; everything of the step ran before it."""
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "train_step":
+            last = tb
+        tb = tb.tb_next
+    return last is not None and last.tb_frame.f_code.co_filename.endswith("engine.py")
+
+
+def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
+    """Build the own engine as global `rank` of the spec's layout on fake tensors and run one step."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from harness.engine.engine import Engine3D
+    from harness.engine.topology import Mesh, coord_of
+    from harness.runtime import RunContext
+
+    coord = coord_of(rank, spec.layout.tp, spec.layout.pp, spec.layout.dp)
+    run_spec, m, m_run = traced_spec(spec, coord.pp, full_micro)
+    lay = run_spec.layout
+    world = lay.tp * lay.pp * lay.dp
+    t0 = time.perf_counter()
+    if dist.is_initialized():
+        raise RuntimeError("harness memory traces in a process without a process group")
+    excepthook = sys.excepthook  # init_process_group prefixes tracebacks with the rank; undone below
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    cached = set(Mesh._cache)
+    try:
+        ctx = RunContext(rank=rank, world_size=world, local_rank=0, device=torch.device("cpu"), backend="fake")
+        Mesh.get(lay.tp, lay.pp, lay.dp, rank, True)  # the process groups, outside fake mode
+        live = LiveTensors()
+        with FakeTensorMode(), _target_behaviour(), live, contextlib.redirect_stderr(io.StringIO()):
+            eng = Engine3D(run_spec, shape, ctx)
+            eng.census.result = {}  # its census keys storages by address, which fake ones lack: ours below
+            _create_optimizer_states(eng.optimizer)
+            census: dict = {}
+            held = eng.census.tensors  # the engine's census list (CensusAtStep's), by category
+            eng.optimizer.register_step_post_hook(lambda *a: census or census.update(census_of(held())))
+            batch = torch.zeros((run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1),
+                                dtype=torch.int64)
+            ex = eng.executor
+            plain_forward, plain_backward, plain_run = ex._forward, ex._backward, ex.run
+            saved = SavedBytes({storage_key(p) for p in eng.activation_exclusions()})
+            first_forward = []
+            phases = {}
+
+            def forward(a, *args):
+                live.where = f"forward chunk {a.chunk} micro-batch {a.micro}"
+                before = saved.window
+                plain_forward(a, *args)
+                if not first_forward:
+                    first_forward.append(saved.window - before)
+
+            def backward(a):
+                live.where = f"backward chunk {a.chunk} micro-batch {a.micro}"
+                plain_backward(a)
+
+            def run(*args):
+                out = plain_run(*args)
+                phases["fb"], phases["fb_at"] = live.peak, live.peak_at
+                live.where = "optimizer step (reductions, AdamW, parameter refresh)"
+                live.reset_peak()
+                return out
+
+            ex._forward, ex._backward, ex.run = forward, backward, run
+            live.where = "step start"
+            live.reset_peak()
+            base = live.bytes
+            with saved:
+                try:
+                    eng.train_step(batch)
+                except DataDependentOutputException as e:
+                    if not _is_final_float(e):
+                        raise
+            peak_opt, peak_fb = live.peak, phases.get("fb", 0)
+            peak = max(peak_fb, peak_opt)
+            where = live.peak_at if peak_opt > peak_fb else phases.get("fb_at", "")
+        layers = [[p.layers.start, p.layers.stop] for p in eng.plans]
+        out = RankTrace(rank=rank, stage=coord.pp, layers=layers, census=census, states_bytes=base,
+                        live_peak_bytes=peak, peak_at=where, forward_backward_peak_bytes=peak_fb,
+                        optimizer_peak_bytes=peak_opt, saved_bytes_step=saved.bytes,
+                        saved_bytes_forward=first_forward[0] if first_forward else 0,
+                        micro_batches=m, micro_batches_traced=m_run, seconds=0.0)
+        del eng
+        out.seconds = time.perf_counter() - t0
+        return out
+    finally:
+        for key in set(Mesh._cache) - cached:
+            Mesh._cache.pop(key, None)
+        dist.destroy_process_group()
+        sys.excepthook = excepthook
+
+
+def substitutions(spec) -> list[str]:
+    lay = spec.layout
+    out = []
+    if traced_attention(lay.attention) != lay.attention:
+        out.append(f"attention {lay.attention}: traced as CPU flash SDPA (same saved tensors: q, k, v, output, "
+                   "fp32 log-sum-exp; no s x s)")
+    if lay.rmsnorm == "fused":
+        out.append("rmsnorm fused: a kernel saving its input and fp32 1/rms, allocating only outputs")
+    out.append("AdamW fused (the engine's CUDA optimizer)")
+    if lay.pp > 1 and lay.pipeline_p2p == "auto":
+        out.append("pipeline transfers grouped, one coalesced work per group (NCCL)")
+    return out
+
+
+def check_traceable(spec) -> None:
+    if spec.layout.engine != "own":
+        raise SpecError("layout.engine", f"harness memory traces the own engine; {spec.layout.engine!r} is not "
+                                          "traced (set engine: own to trace this layout under it)")
