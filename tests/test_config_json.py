@@ -329,6 +329,22 @@ def test_tied_embeddings_refused_where_an_engine_would_untie_them(tmp_path, layo
     spec_with(untied, **layout)  # the rest of the architecture every engine builds
 
 
+def test_the_planner_proposes_no_layout_an_engine_refuses_for_a_tied_model(tmp_path):
+    """A tied model under a harness engine gets no pp > 1 candidates (spec.MODEL_LIMITS refuses
+    them); the study's engine (paper) is left as its sweeps ran."""
+    from harness.planner.candidates import layouts
+    from harness.planner.layout import Workload
+
+    shape = resolve_shape(write_config(tmp_path, {**CONFIGS["llama3.2-1b"], "num_hidden_layers": 4}))
+    wl = Workload(seq_len=16, global_batch_size=8)
+    common = dict(attention=["sdpa"], rmsnorm=["torch"], micro_batch_sizes=[1], checkpointing=["none"],
+                  sequence_parallel=[False], zero_stage=1)
+    for engine in ("own", "deepspeed", "fsdp"):
+        pps = {lay.pp for lay in layouts(shape, wl, 8, 8, engine=engine, **common)}
+        assert pps == {1}, engine
+    assert max(lay.pp for lay in layouts(shape, wl, 8, 8, engine="paper", **common)) > 1
+
+
 def test_own_engine_in_process_matches_the_reference(tmp_path):
     """World 1: the own engine's chunk (Weight/Norm/ParallelBlock, tied head, o-bias after the
     region) against the plain model on the tied + bias + llama3 config."""

@@ -48,6 +48,8 @@ def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attent
         for pp in divisors(gpus // tp):
             if pp > shape.layers or (pp_values and pp not in pp_values):
                 continue
+            if pp > 1 and shape.tie_embeddings and fields.get("engine", "paper") != "paper":
+                continue  # every harness engine refuses tied embeddings across stages (spec.MODEL_LIMITS)
             dp = gpus // (tp * pp)
             if wl.global_batch_size % dp:
                 continue
