@@ -74,14 +74,19 @@ def test_print_figures():
 def test_print_per_sweep_fit_bound():
     """Constants fitted on each sweep alone (forbidden tuning, not a prediction): what calibration
     can reach with this time model. Where this too misses a target, calibration cannot close the
-    gap; only new structure can (0.903 mean Spearman today)."""
+    gap; only new structure can (0.916 mean Spearman today, 0.900 before the allocator-pressure
+    cost per step of timing.py)."""
     figs = paper.per_sweep_fits(load_profile("a100-80gb"))
     print(f"\nper-sweep fits (what calibration can reach): {paper.summary(figs)}")
     for name, f in figs.items():
         print(f"  {name}: {_line(f)}")
     _assert_sane(figs)
-    # Fitting each sweep alone must not rank worse on average than one fit shared by all four.
-    assert paper.summary(figs)["mean_spearman"] >= paper.summary(in_sample())["mean_spearman"]
+    # Fitting each sweep alone must not rank clearly worse on average than one fit shared by all
+    # four. Not exactly: a least-squares fit of one sweep's step times is not a fit of its ranks,
+    # and with the allocator-pressure constant (fitted 3.5 to 6.4 s on each sweep alone, 8.7 on all
+    # four) 30B-64 alone ranks 0.929 against 0.956 with the shared constants (0.916 against 0.918
+    # on average).
+    assert paper.summary(figs)["mean_spearman"] >= paper.summary(in_sample())["mean_spearman"] - 0.01
 
 
 def test_print_per_token_and_per_step_parts():
@@ -103,17 +108,17 @@ def test_regression_guards():
     for figs in (in_sample(), loso()):
         s = paper.summary(figs)
         assert s["oom_accuracy"] >= 0.96
-        assert s["mean_spearman"] >= 0.87
+        assert s["mean_spearman"] >= 0.90
         assert s["max_median_mfu_error_points"] <= 2.3
 
 
 def test_regression_guard_unmeasured_model():
-    """Calibrated on one model, predicting the other (0.868 mean Spearman today, best layout
-    predicted first in all four sweeps): the case of a model nobody has measured yet."""
+    """Calibrated on one model, predicting the other (0.883 mean Spearman today, best layout
+    predicted 1st, 1st, 1st, 2nd): the case of a model nobody has measured yet."""
     s = paper.summary(lomo())
     assert s["best_in_top3_all"]
-    assert s["mean_spearman"] >= 0.85
-    assert s["median_mfu_error_points"] <= 2.0
+    assert s["mean_spearman"] >= 0.87
+    assert s["median_mfu_error_points"] <= 1.8
 
 
 def test_acceptance_oom_accuracy_together():
@@ -124,20 +129,20 @@ def test_acceptance_oom_accuracy_together():
 
 
 def test_acceptance_best_in_top3():
-    """Met: the measured-best layout is predicted 1st, 1st, 2nd, 1st in-sample and 1st in all four
+    """Met: the measured-best layout is predicted 1st, 1st, 1st, 2nd in-sample and 1st in all four
     sweeps leave-one-sweep-out."""
     assert all(f["best_in_top3"] for f in in_sample().values())
     assert all(f["best_in_top3"] for f in loso().values())
 
 
 def test_acceptance_median_mfu_error():
-    """Met over all 192 finished runs together: 1.46 points in-sample, 1.68 leave-one-sweep-out."""
+    """Met over all 192 finished runs together: 1.38 points in-sample, 1.66 leave-one-sweep-out."""
     assert paper.summary(in_sample())["median_mfu_error_points"] <= 2.0
     assert paper.summary(loso())["median_mfu_error_points"] <= 2.0
 
 
-@pytest.mark.xfail(reason="stricter per-sweep reading, not met in two sweeps: in-sample 2.18/2.14/1.19/0.74 "
-                          "points, leave-one-sweep-out 2.11/1.90/1.70/0.96 (13B-32, 13B-64, 30B-256, 30B-64)",
+@pytest.mark.xfail(reason="stricter per-sweep reading, not met in 13B-32: in-sample 2.19/1.97/1.22/1.15 "
+                          "points, leave-one-sweep-out 2.21/1.95/1.47/1.21 (13B-32, 13B-64, 30B-256, 30B-64)",
                    strict=True)
 def test_median_mfu_error_per_sweep():
     assert all(f["median_mfu_error_points"] <= 2.0 for f in in_sample().values())
@@ -150,6 +155,36 @@ def test_median_mfu_error_per_sweep():
 # in-sample Spearman target of the earlier issue is withdrawn; what is asserted here is the held-out
 # figures on the four sweeps we have (by sweep and by model), met or honestly marked not met.
 
+def test_allocator_pressure_costs_per_step_above_the_threshold():
+    """The caching allocator's flushes near a full device (timing.ALLOC_PRESSURE_*): nothing below
+    the threshold, a cost per step growing with the predicted peak above it (capped at a full
+    device), its constant calibrated with the efficiencies and read back from the profile."""
+    from harness.model.presets import PRESETS
+    from harness.planner import timing
+    from harness.planner.layout import Layout, Workload
+    from harness.planner.memory import GIB
+
+    prof = load_profile("a100-80gb")
+    shape, lay, wl = PRESETS["paper-13b"], Layout(2, 2, 8, 1), Workload(2048, 2048)
+    cap = prof.memory_gib * GIB
+    pressure = [timing.alloc_pressure(shape, lay, wl, prof, f * cap) for f in (0.3, 0.65, 0.8, 0.95, 1.0, 1.3)]
+    assert pressure[:2] == [0.0, 0.0]
+    assert 0 < pressure[2] < pressure[3] < pressure[4] == pressure[5] == pytest.approx(1 - timing.ALLOC_PRESSURE_FROM)
+    theta = timing.theta_from_profile(prof)
+    assert theta["alloc_pressure_s"] == prof.calibrated["alloc_pressure_s"] > 0
+    low, _ = timing.step_time(shape, lay, wl, prof, theta, memory_bytes=0.5 * cap)
+    high, parts = timing.step_time(shape, lay, wl, prof, theta, memory_bytes=0.95 * cap)
+    assert high - low == pytest.approx(parts["allocator_pressure_s"]) and parts["allocator_pressure_s"] == \
+        pytest.approx(theta["alloc_pressure_s"] * (0.95 - timing.ALLOC_PRESSURE_FROM))
+    # Per step: the same cost at 4x the tokens per step.
+    _, parts4 = timing.step_time(shape, lay, Workload(2048, 8192), prof, theta, memory_bytes=0.95 * cap)
+    assert parts4["allocator_pressure_s"] == pytest.approx(parts["allocator_pressure_s"])
+    # step_features (what calibration fits) carries it as its own feature, in step_time's sum.
+    feats, _ = timing.step_features(shape, lay, wl, prof, theta, memory_bytes=0.95 * cap)
+    assert feats["alloc_pressure_s"] == pytest.approx(0.95 - timing.ALLOC_PRESSURE_FROM)
+    assert sum(theta[k] * v for k, v in feats.items()) == pytest.approx(high, rel=1e-9)
+
+
 def test_issue13_oom_accuracy_held_out():
     """Met: 0.967 by sweep and by model (377 of 390)."""
     assert paper.summary(loso())["oom_accuracy"] >= 0.96
@@ -157,20 +192,21 @@ def test_issue13_oom_accuracy_held_out():
 
 
 def test_issue13_best_in_top3_held_out():
-    """Met: predicted 1st in every sweep, by sweep and by model."""
+    """Met: predicted 1st in every sweep by sweep; 1st, 1st, 1st, 2nd by model."""
     assert all(f["best_in_top3"] for f in loso().values())
     assert all(f["best_in_top3"] for f in lomo().values())
 
 
-@pytest.mark.xfail(reason="not met: mean Spearman 0.879 leave-one-sweep-out, 0.869 leave-one-model-out "
-                          "(13B-32 alone 0.80/0.78; even per-sweep fits reach only 0.90)", strict=True)
+@pytest.mark.xfail(reason="not met: mean Spearman 0.907 leave-one-sweep-out (0.870/0.913/0.888/0.958), "
+                          "0.883 leave-one-model-out (0.822/0.911/0.881/0.918) for 13B-32, 13B-64, 30B-256, "
+                          "30B-64; even per-sweep fits reach only 0.916", strict=True)
 def test_issue13_spearman_held_out():
     assert paper.summary(loso())["mean_spearman"] >= 0.94
     assert paper.summary(lomo())["mean_spearman"] >= 0.94
 
 
-@pytest.mark.xfail(reason="not met: median MFU error 1.68 points leave-one-sweep-out, 1.79 "
-                          "leave-one-model-out (1.46 in-sample)", strict=True)
+@pytest.mark.xfail(reason="not met: median MFU error 1.66 points leave-one-sweep-out, 1.62 "
+                          "leave-one-model-out (1.38 in-sample)", strict=True)
 def test_issue13_median_mfu_error_held_out():
     assert paper.summary(loso())["median_mfu_error_points"] <= 1.5
     assert paper.summary(lomo())["median_mfu_error_points"] <= 1.5

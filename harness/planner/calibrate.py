@@ -20,7 +20,8 @@ from harness.errors import SpecError
 from harness.model.presets import Shape, resolve_shape
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import Layout, Workload
-from harness.planner.timing import step_features, theta_from_profile
+from harness.planner.memory import worst_stage_memory
+from harness.planner.timing import EXTRA_KEYS, step_features, theta_from_profile
 from harness.store import ResultsStore, check_store
 
 RIDGE = 0.01         # weight of the pull towards the literature value, per constant (relative)
@@ -49,22 +50,29 @@ class Sample:
 
 
 def _theta_to_eff(theta: dict) -> dict:
-    return {k: (v if k == "launch_us" else 1.0 / v) for k, v in theta.items()}
+    """The profile's efficiencies from theta (the extra constants, in seconds, are not efficiencies)."""
+    return {k: (v if k == "launch_us" else 1.0 / v) for k, v in theta.items() if k in EFFICIENCY_KEYS}
 
 
 def fit(samples: list[Sample], base: Profile, label: str = "") -> tuple[Profile, dict]:
     """A copy of `base` with a `calibrated` block, and a report of the fit error."""
     if not samples:
         raise SpecError("--calibrate", "no successful runs with a step time to calibrate on")
-    keys = list(EFFICIENCY_KEYS)
+    keys = list(EFFICIENCY_KEYS) + list(EXTRA_KEYS)  # the extras: seconds, floor 0 (timing.py)
     literature = copy.deepcopy(base)
     literature.calibrated = {}  # the prior is the literature values, not an earlier calibration
     theta0 = theta_from_profile(literature)
     theta = dict(theta0)
     y_obs = np.array([s.step_time_s for s in samples])
+    memory = [None] * len(samples)  # each sample's predicted peak, computed once (allocator pressure)
     for _ in range(ITERATIONS):
-        X = np.array([[step_features(s.shape, s.layout, s.workload, base, theta)[0][k] for k in keys]
-                      for s in samples])
+        rows = []
+        for i, s in enumerate(samples):
+            if memory[i] is None:
+                memory[i] = worst_stage_memory(s.shape, s.layout, s.workload)[1]["total"]
+            f = step_features(s.shape, s.layout, s.workload, base, theta, memory_bytes=memory[i])[0]
+            rows.append([f[k] for k in keys])
+        X = np.array(rows)
         share = (X * np.array([theta[k] for k in keys])) / y_obs[:, None]
         free = [i for i, k in enumerate(keys) if share[:, i].max() >= MIN_SHARE]
         fixed = [i for i in range(len(keys)) if i not in free]
@@ -76,7 +84,7 @@ def fit(samples: list[Sample], base: Profile, label: str = "") -> tuple[Profile,
             A = np.vstack([A, np.diag(w / prior)])
             rhs = np.concatenate([rhs, w])
             sol = np.linalg.lstsq(A, rhs, rcond=None)[0]
-            floor = np.array([0.0 if keys[i] == "launch_us" else 1.0 for i in free])
+            floor = np.array([0.0 if keys[i] == "launch_us" or keys[i] in EXTRA_KEYS else 1.0 for i in free])
             low = sol < floor
             if not low.any():
                 break
@@ -85,17 +93,20 @@ def fit(samples: list[Sample], base: Profile, label: str = "") -> tuple[Profile,
                 fixed.append(free.pop(j))
         for i, value in zip(free, sol if free else []):
             theta[keys[i]] = float(value)
-    pred = np.array([sum(theta[k] * v for k, v in step_features(s.shape, s.layout, s.workload, base, theta)[0].items())
-                     for s in samples])
+    pred = np.array([sum(theta[k] * v for k, v in step_features(s.shape, s.layout, s.workload, base, theta,
+                                                                  memory_bytes=mem)[0].items())
+                     for s, mem in zip(samples, memory)])
     rel = (pred - y_obs) / y_obs
     eff = _theta_to_eff(theta)
     report = {"samples": len(samples), "fitted": [keys[i] for i in free],
               "median_abs_error_pct": float(np.median(np.abs(rel)) * 100),
               "mean_abs_error_pct": float(np.mean(np.abs(rel)) * 100),
               "max_abs_error_pct": float(np.max(np.abs(rel)) * 100),
-              "efficiency": {k: round(v, 4) for k, v in eff.items()}}
+              "efficiency": {k: round(v, 4) for k, v in eff.items()},
+              **{k: round(float(theta[k]), 4) for k in EXTRA_KEYS}}
     prof = copy.deepcopy(base)
-    prof.calibrated = {"efficiency": {k: round(float(eff[k]), 5) for k in keys},
+    prof.calibrated = {"efficiency": {k: round(float(eff[k]), 5) for k in EFFICIENCY_KEYS},
+                       **{k: round(float(theta[k]), 5) for k in EXTRA_KEYS},
                        "fitted": report["fitted"], "fitted_on": label or f"{len(samples)} runs",
                        "samples": len(samples),
                        "median_abs_error_pct": round(report["median_abs_error_pct"], 2)}

@@ -101,7 +101,8 @@ def predict(shape: Shape, layout: Layout, workload: Workload, profile: Profile,
         if hit is None:
             hit = memory_cache[mkey] = worst_stage_memory(shape, layout, workload)
         stage, parts = hit
-    t, breakdown = step_time(shape, layout, workload, profile, theta or theta_from_profile(profile), layer_cache)
+    t, breakdown = step_time(shape, layout, workload, profile, theta or theta_from_profile(profile), layer_cache,
+                             memory_bytes=parts["total"])
     tokens = workload.global_batch_size * workload.seq_len
     flops = tokens * _palm_flops_per_token(shape, workload.seq_len)
     mfu = flops / (t * layout.gpus * profile.peak_flops(workload.dtype_bytes))
