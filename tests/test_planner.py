@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -191,12 +190,13 @@ def test_table_marks_layouts_within_the_calibration_error():
 
 
 @pytest.mark.slow  # runs the CLI in a process
-def test_65b_over_4096_gpus_is_fast():
-    t = time.perf_counter()
+def test_65b_over_4096_gpus_through_the_cli():
+    """The speed target (under 1 s) is a benchmark, benchmarks/plan_speed.py, not a timed test."""
     r = run_cli("--model", "paper-65b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "4096",
                 "--format", "json", "--top", "3")
     assert r.returncode == 0, r.stderr
-    assert time.perf_counter() - t < 5.0
+    rows = json.loads(r.stdout)
+    assert len(rows) == 3 and all(row["tp"] * row["pp"] * row["dp"] == 4096 and row["fits"] for row in rows)
 
 
 # ---------------------------------------------------------------- calibration from records
