@@ -9,6 +9,9 @@ Agreement (slow: full-size traces): for one layout per case, covering 13B/30B/65
 2048 and 8192, no/selective/full checkpointing, SP off and on, the planner's prediction for the
 own engine (planner/memory.py, engine_stage_memory) is within 10% of the trace, stage by stage
 and at the worst stage; the table and the trace times are printed.
+
+Engine fsdp likewise: exact against a real 2-rank gloo run at tiny size (dp2, tp2, tp2 + SP, pp2;
+fp32 and bf16, one launch), and the planner's fsdp branch within 10% of full-size traces.
 """
 
 from __future__ import annotations
@@ -72,6 +75,60 @@ def test_fake_trace_equals_a_real_run():
                 f"{layout} rank {rank}: saved {fake.saved_bytes_step} vs {got['saved']}"
 
 
+FSDP_WORLD = 2
+FSDP_CASES = [  # engine fsdp on 2 ranks (one launch, fp32 and bf16): dp2, tp2, tp2 with SP, pp2 (1F1B)
+    (precision, layout) for precision in ("fp32", "bf16")
+    for layout in (dict(dp=2), dict(tp=2), dict(tp=2, sequence_parallel=True, activation_checkpointing="full"),
+                   dict(pp=2, micro_batch_size=1))
+]
+
+
+def _tiny_fsdp_spec(precision: str, layout: dict):
+    return parse_spec({"workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2,
+                                    "precision": precision, "device": "cpu"},
+                       "layout": {"engine": "fsdp", "micro_batch_size": 2, "rmsnorm": "torch", **layout}})
+
+
+def _real_fsdp(ctx, cases):
+    """On each rank, per case: engine fsdp's census at its first optimizer step (memory_census,
+    as tests/test_census_fsdp.py measures it) and the bytes saved in the next step."""
+    from harness.data.source import token_source
+    from harness.frameworks import build_engine
+    from harness.measure import SavedActivations
+
+    out = []
+    for precision, layout in cases:
+        spec = _tiny_fsdp_spec(precision, layout)
+        eng = build_engine(spec, spec.shape(), ctx)
+        src = token_source(spec.workload, spec.shape().vocab)
+        eng.train_step(src.global_batch_at(0))
+        with SavedActivations(eng.activation_exclusions()) as saved:
+            eng.train_step(src.global_batch_at(1))
+        out.append({"census": eng.memory_census(), "saved": saved.bytes})
+        del eng
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp_fake_trace_equals_a_real_run():
+    """Engine fsdp (FSDP2 over dp, DTensor TP/SP): the census each rank holds at its optimizer
+    step and the bytes autograd saves in a step, traced, equal a real 2-rank gloo run's."""
+    from harness.memtrace.trace import trace_rank
+    from harness.testing.spawn import spawn
+
+    real = spawn(_real_fsdp, FSDP_WORLD, FSDP_CASES, timeout_s=300, threads=1, every_rank=True)
+    for i, (precision, layout) in enumerate(FSDP_CASES):
+        spec = _tiny_fsdp_spec(precision, layout)
+        for rank in range(FSDP_WORLD):
+            fake = trace_rank(spec, spec.shape(), rank, full_micro=True)
+            got = real[rank][i]
+            assert got["census"] and got["saved"] > 0
+            census = {c: by for c, by in fake.census.items() if by}
+            assert census == {c: by for c, by in got["census"].items() if by}, f"{precision} {layout} rank {rank}"
+            assert fake.saved_bytes_step == got["saved"], \
+                f"{precision} {layout} rank {rank}: saved {fake.saved_bytes_step} vs {got['saved']}"
+
+
 # One layout per case; together every model, both sequence lengths, each checkpointing mode, SP
 # off and on (attention sdpa, flash-style; the naive kernel and fused RMSNorm were checked the same
 # way while the model was built: within 0.3%).
@@ -124,6 +181,39 @@ def test_trace_time_per_layout(agreement):
         assert r["seconds"] < 240, (r["layout"], r["seconds"])
 
 
+# Engine fsdp at full size (bf16, sdpa, eager RMSNorm, micro-batch 1, global batch 512): FSDP2 over
+# dp, DTensor TP with and without SP, torch.distributed.pipelining; the planner's fsdp branch
+# (planner/memory.py, fsdp_step_bytes) within 10% of the trace at every stage.
+FSDP_AGREEMENT = [
+    ("llama2-7b", 2048, dict(dp=8, reshard_after_forward=False)),  # every block gathered until its backward
+    ("paper-13b", 2048, dict(dp=8)),
+    ("llama2-7b", 2048, dict(tp=2, dp=4)),
+    ("paper-13b", 2048, dict(tp=2, dp=4, sequence_parallel=True)),
+    ("paper-13b", 2048, dict(tp=2, pp=2, dp=2, sequence_parallel=True)),
+]
+
+
+@pytest.mark.slow
+def test_fsdp_planner_agrees_with_the_trace():
+    from harness.memtrace.result import trace_spec
+
+    print("\nfsdp layout | traced peak GiB | planner GiB | difference | trace s")
+    rows = []
+    for model, seq, layout in FSDP_AGREEMENT:
+        spec = parse_spec({"workload": {"model": model, "seq_len": seq, "global_batch_size": 512, "precision": "bf16"},
+                           "layout": {"engine": "fsdp", "attention": "sdpa", "rmsnorm": "torch", **layout}})
+        r = trace_spec(spec)
+        diff = (r["planner_peak_gib"] - r["traced_peak_gib"]) / r["traced_peak_gib"] * 100
+        print(f"{model} s{seq} {layout} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | {diff:+.1f}% "
+              f"| {r['seconds']:.1f}")
+        rows.append(r)
+    for r in rows:
+        assert r["engine"] == "fsdp" and r["seconds"] < 240, r["layout"]
+        assert abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.10 * r["traced_peak_gib"], r["layout"]
+        for rank in r["ranks"]:
+            assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.10 * rank["total_gib"], (r["layout"], rank)
+
+
 # ---------------------------------------------------------------- fast: the command and the planner
 
 
@@ -150,9 +240,34 @@ def test_memory_command_json(tmp_path, capsys):
     assert "traced peak" in table and "planner" in table and "stage 1" in table
 
 
+def test_memory_command_fsdp(tmp_path, capsys):
+    """Engine fsdp traced in this process (tiny: FSDP2 over dp with DTensor TP/SP): FSDP2's
+    census (fp32 sharded parameters, their gradients, Adam states; no master copy), a live peak
+    above it, both pipeline stages under pp."""
+    from harness.cli import main
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("workload: {model: tiny, seq_len: 32, global_batch_size: 8, precision: bf16}\n"
+                    "layout: {engine: fsdp, tp: 2, dp: 2, sequence_parallel: true}\n")
+    assert main(["memory", str(spec), "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["engine"] == "fsdp" and [r["stage"] for r in out["ranks"]] == [0]
+    (r,) = out["ranks"]
+    assert {c: set(by) for c, by in r["census"].items() if by} == \
+        {"parameters": {"fp32"}, "gradients": {"fp32"}, "optimizer_states": {"fp32"}}
+    assert r["census"]["parameters"]["fp32"] == r["census"]["gradients"]["fp32"]
+    assert r["census"]["parameters"]["fp32"] > 0 and r["live_peak_gib"] >= r["states_gib"]
+    assert out["planner_peak_gib"] > 0
+    assert main(["memory", str(spec), "--set", "layout.pp=2", "--set", "layout.dp=1", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["stage"] for r in out["ranks"]] == [0, 1] and [r["layers"] for r in out["ranks"]] == [[[0, 1]], [[1, 2]]]
+
+
 @pytest.mark.parametrize("argv,field", [
     (["memory", "/no/such/spec.yaml"], "spec"),
     (["memory", "examples/tiny.yaml"], "layout.engine"),
+    (["memory", "examples/tiny.yaml", "--set", "layout.engine=deepspeed", "--set", "layout.zero_stage=1"],
+     "layout.engine"),
     (["memory", "examples/tiny.yaml", "--set", "layout.engine=own", "--set", "layout.tp=3"], "--set"),
 ])
 def test_memory_bad_input_is_one_line_exit_2(argv, field, capsys):

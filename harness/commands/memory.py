@@ -1,7 +1,8 @@
 """`harness memory SPEC.yaml`: trace the memory of the run a spec describes, at full size, on a CPU.
 
-Each pipeline stage of the spec's layout is built and stepped by the own engine on fake tensors
-(shapes, no data) over a fake process group, in this one process: per stage the memory census
+Each pipeline stage of the spec's layout is built and stepped by its engine (own, or fsdp: FSDP2
+with DTensor TP/SP and torch.distributed.pipelining) on fake tensors (shapes, no data) over a fake
+process group, in this one process: per stage the memory census
 (parameters, gradients, master parameters, optimizer states by dtype), the peak of live tensors
 in a step, and the terms a trace cannot see (CUDA context and workspaces, allocator
 fragmentation), beside the planner's prediction for the same layout and engine.
@@ -20,11 +21,13 @@ examples:
   harness memory spec.yaml
   harness memory spec.yaml --format json
   harness memory examples/tiny.yaml --set layout.engine=own --set layout.tp=2
+  harness memory examples/tiny.yaml --set layout.engine=fsdp --set layout.dp=2
   harness memory spec.yaml --set workload.model=paper-13b --set workload.seq_len=8192 --hardware h100-sxm"""
 
 
 def add_arguments(p) -> None:
-    p.add_argument("spec", help="a run spec (as `harness train` takes); its layout's engine must be own")
+    p.add_argument("spec", help="a run spec (as `harness train` takes); its layout's engine must be own or fsdp "
+                                "(DeepSpeed's initialize is not traceable on fake tensors)")
     add_set_argument(p, "run spec")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--hardware", default="a100-80gb",

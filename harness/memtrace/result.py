@@ -53,7 +53,7 @@ def trace_spec(spec, profile=None) -> dict:
         "layout": {k: getattr(spec.layout, k) for k in ("tp", "pp", "dp", "micro_batch_size",
                                                         "activation_checkpointing", "sequence_parallel",
                                                         "attention", "rmsnorm", "pipeline_schedule",
-                                                        "virtual_stages", "zero_stage")},
+                                                        "virtual_stages", "zero_stage", "reshard_after_forward")},
         "traced_peak_gib": worst["total_gib"], "traced_worst_stage": worst["stage"],
         "planner_peak_gib": _gib(planned[worst_stage]["total"]), "planner_worst_stage": worst_stage,
         "substitutions": substitutions(spec),
@@ -72,7 +72,8 @@ def table_lines(result: dict) -> list[str]:
     head = (f"{result['model']} seq {result['seq_len']} batch {result['global_batch_size']} {result['precision']}, "
             f"engine {result['engine']}: tp {lay['tp']} pp {lay['pp']} dp {lay['dp']} mb {lay['micro_batch_size']} "
             f"ckpt {lay['activation_checkpointing']} sp {'on' if lay['sequence_parallel'] else 'off'} "
-            f"{lay['attention']}/{lay['rmsnorm']} zero {lay['zero_stage']}")
+            f"{lay['attention']}/{lay['rmsnorm']} " + (f"reshard_after_forward {lay['reshard_after_forward']}"
+                                                        if result["engine"] == "fsdp" else f"zero {lay['zero_stage']}"))
     lines = [head, f"{'stage':>5} {'layers':>9} {'params':>7} {'grads':>7} {'master':>7} {'adam':>7} "
                    f"{'live pk':>8} {'context':>8} {'frag':>6} {'total':>7} {'planner':>8}  peak at"]
     for r in result["ranks"]:

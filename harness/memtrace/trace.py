@@ -1,4 +1,6 @@
-"""Trace one rank of the own engine at full size on fake tensors: what it holds, and its peak.
+"""Trace one rank of the own engine, or of engine fsdp, at full size on fake tensors: what it
+holds, and its peak. (Engine fsdp: _trace_fsdp_rank, at the end; what follows describes the own
+engine, and the counters and stand-ins serve both.)
 
 For each pipeline stage (tensor- and data-parallel ranks of a stage hold the same tensors, up to
 a ZeRO-1 shard's padding), `trace_rank` starts a fake process group (torch's FakeStore, backend
@@ -18,7 +20,9 @@ alongside:
                 as harness.measure.SavedActivations counts them, and those of one forward
 
 Fake storages all report data_ptr 0, so storages are told apart by their StorageImpl
-(untyped_storage()._cdata), which a live storage keeps and which the finalizer releases.
+(untyped_storage()._cdata), which a live storage keeps and which the finalizer releases. A DTensor
+counts as its local shard (what the rank holds). A storage resized in place (FSDP2 frees each
+gathered parameter by resizing its storage to 0 and re-allocates it so) counts at its new size.
 
 What the target GPU runs and a CPU cannot is substituted by something with the same memory
 behaviour, named in the result (`substitutions`):
@@ -69,9 +73,17 @@ GIB = 1024 ** 3
 FLASH_STYLE = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What a rank really holds of `t`: a DTensor's local shard (a wrapper subclass reports the
+    global size), as harness.measure counts it."""
+    from harness.measure import _local as local
+
+    return local(t)
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Identity of a tensor's storage that works on fake tensors (their data_ptr is 0)."""
-    return t.untyped_storage()._cdata
+    return _local(t).untyped_storage()._cdata
 
 
 def _dtype_key(dtype: torch.dtype) -> str:
@@ -89,6 +101,7 @@ def census_of(categories: dict[str, list]) -> dict[str, dict[str, int]]:
         for t in tensors:
             if t is None:
                 continue
+            t = _local(t)
             storage = t.untyped_storage()
             key = storage._cdata
             if key in seen or storage.nbytes() == 0:
@@ -105,6 +118,7 @@ class LiveTensors(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live: dict[int, int] = {}
+        self.pinned: dict[int, object] = {}  # resized storages (see resized)
         self.bytes = 0
         self.peak = 0
         self.peak_at = ""
@@ -114,6 +128,9 @@ class LiveTensors(TorchDispatchMode):
         self.bytes -= self.live.pop(key, 0)
 
     def _see(self, t: torch.Tensor) -> None:
+        t = _local(t)
+        if t.device.type == "meta":
+            return
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self.live:
@@ -124,6 +141,38 @@ class LiveTensors(TorchDispatchMode):
         weakref.finalize(storage, self._free, key)
         if self.bytes > self.peak:
             self.peak, self.peak_at = self.bytes, self.where
+
+    def resized(self, storage) -> None:
+        """A storage resized in place (FSDP2 frees and re-allocates each gathered parameter so:
+        _fsdp_param.py, free_storage / alloc_storage): its new size counts from now. (A fake
+        tensor's storage is on the meta device: storage.device tells nothing here.)"""
+        key, n = storage._cdata, storage.nbytes()
+        if key not in self.live:  # not an op's output seen here (a real meta tensor, before fake mode)
+            return
+        # A resized storage's Python object no longer outlives its references as a preserved one
+        # does (its weakrefs fire while the StorageImpl lives on): kept here, so the finalizer
+        # cannot subtract it early. FSDP2 keeps these storages as long as the engine anyway.
+        self.pinned[key] = storage
+        self.bytes += n - self.live[key]
+        self.live[key] = n
+        if self.bytes > self.peak:
+            self.peak, self.peak_at = self.bytes, self.where
+
+    @contextlib.contextmanager
+    def counting_resizes(self):
+        """While open, UntypedStorage.resize_ reports to resized() (an in-place resize is no op
+        output: __torch_dispatch__ does not see it)."""
+        from unittest import mock
+
+        plain = torch._C.StorageBase.resize_
+
+        def resize_(storage, size):
+            out = plain(storage, size)
+            self.resized(storage)
+            return out
+
+        with mock.patch.object(torch.UntypedStorage, "resize_", resize_):
+            yield
 
     def reset_peak(self) -> None:
         self.peak, self.peak_at = self.bytes, self.where
@@ -152,7 +201,7 @@ class SavedBytes:
 
     def _pack(self, t):
         if not isinstance(t, torch.nn.Parameter):
-            storage = t.untyped_storage()
+            storage = _local(t).untyped_storage()
             key = storage._cdata
             if key not in self.skip:
                 if key not in self.live:
@@ -195,23 +244,58 @@ def traced_attention(kernel: str) -> str:
     return "sdpa_flash" if kernel in FLASH_STYLE else kernel
 
 
+def _fused_rmsnorm(x, weight, eps):
+    """_FusedRMSNorm on plain tensors, or on the local shards of DTensors (engine fsdp's norms
+    under TP: the kernel runs on what the rank holds; the output keeps the input's placements)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor):
+        return _FusedRMSNorm.apply(x, weight.to_local() if isinstance(weight, DTensor) else weight, eps)
+    local_weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    out = _FusedRMSNorm.apply(x.to_local(), local_weight, eps)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+
+
+def _assigning_to_empty(module, *, device, recurse=True):
+    """Module.to_empty swaps each meta parameter for a new one, and torch.utils.swap_tensors
+    refuses tensors FakeTensorMode keeps weak references to: the same result, assigned (own engine)."""
+    for mod in module.modules() if recurse else [module]:
+        for key, p in mod._parameters.items():
+            if p is not None:
+                mod._parameters[key] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+        for key, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[key] = torch.empty_like(b, device=device)
+    return module
+
+
 @contextlib.contextmanager
-def _target_behaviour():
+def _target_behaviour(to_empty=_assigning_to_empty):
     """Patch, for the trace only, what differs between this CPU and the GPU the spec targets
-    (see the module docstring)."""
+    (see the module docstring); `to_empty` replaces Module.to_empty (engine fsdp: FSDP2's own,
+    under fake mode)."""
     from unittest import mock
 
     import harness.engine.engine as engine_module
     import harness.engine.model as model_module
+    import harness.frameworks.fsdp as fsdp_module
+    import harness.model.llama as llama_module
 
     plain_rmsnorm, plain_adamw = model_module.rmsnorm, engine_module.make_adamw
+    plain_llama_rmsnorm, plain_fsdp_adamw = llama_module.rmsnorm, fsdp_module.make_adamw
     plain_batch = dist.batch_isend_irecv
 
     def rmsnorm(kind, x, weight, eps):
         return _FusedRMSNorm.apply(x, weight, eps) if kind == "fused" else plain_rmsnorm(kind, x, weight, eps)
 
+    def llama_rmsnorm(kind, x, weight, eps):  # the plain model's (engine fsdp)
+        return _fused_rmsnorm(x, weight, eps) if kind == "fused" else plain_llama_rmsnorm(kind, x, weight, eps)
+
     def make_adamw(params, workload, **kw):
         return plain_adamw(params, workload, **{**kw, "fused": True})
+
+    def fsdp_make_adamw(params, workload, **kw):
+        return plain_fsdp_adamw(params, workload, **{**kw, "fused": True})
 
     def batch_isend_irecv(ops):  # NCCL: the group is one coalesced work
         works = plain_batch(ops)
@@ -219,21 +303,11 @@ def _target_behaviour():
             w.wait()
         return works[:1]
 
-    def to_empty(module, *, device, recurse=True):
-        # Module.to_empty swaps each meta parameter for a new one, and torch.utils.swap_tensors
-        # refuses tensors FakeTensorMode keeps weak references to: the same result, assigned.
-        for mod in module.modules() if recurse else [module]:
-            for key, p in mod._parameters.items():
-                if p is not None:
-                    mod._parameters[key] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
-            for key, b in mod._buffers.items():
-                if b is not None:
-                    mod._buffers[key] = torch.empty_like(b, device=device)
-        return module
-
     with mock.patch.object(model_module, "rmsnorm", rmsnorm), \
+            mock.patch.object(llama_module, "rmsnorm", llama_rmsnorm), \
             mock.patch.object(torch.nn.Module, "to_empty", to_empty), \
             mock.patch.object(engine_module, "make_adamw", make_adamw), \
+            mock.patch.object(fsdp_module, "make_adamw", fsdp_make_adamw), \
             mock.patch.object(dist, "batch_isend_irecv", batch_isend_irecv):
         yield
 
@@ -246,6 +320,8 @@ def traced_micro_batches(lay, m: int, stage: int) -> int:
     schedule's largest number in flight there, and pass through its steady state once."""
     if lay.pp == 1 and lay.virtual_stages == 1:
         return min(m, 2)
+    if lay.engine == "fsdp" and lay.pipeline_schedule == "1f1b":  # torch's Schedule1F1B takes at least pp
+        return min(m, lay.pp + 1)
     if lay.pipeline_schedule == "gpipe":
         return m
     if lay.pipeline_schedule == "interleaved":
@@ -310,17 +386,30 @@ def _create_optimizer_states(optimizer) -> None:
 
 
 def _is_final_float(exc: BaseException) -> bool:
-    """True when a data-dependent error came from train_step's last line, `float(loss)`: a fake
-    tensor has no value to read; everything of the step ran before it."""
+    """True when a data-dependent error came from train_step's last line, `float(loss)` (engine
+    fsdp: `.item()`): a fake tensor has no value to read; everything of the step ran before it."""
     tb, last = exc.__traceback__, None
     while tb is not None:
         if tb.tb_frame.f_code.co_name == "train_step":
             last = tb
         tb = tb.tb_next
-    return last is not None and last.tb_frame.f_code.co_filename.endswith("engine.py")
+    if last is None or not last.tb_frame.f_code.co_filename.endswith(("engine.py", "fsdp.py")):
+        return False
+    import linecache
+
+    line = linecache.getline(last.tb_frame.f_code.co_filename, last.tb_lineno)
+    return "float(" in line or ".item()" in line  # own: float(loss); fsdp: (total / lay.dp).item()
 
 
 def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
+    """Build the spec's engine (own or fsdp) as global `rank` of its layout on fake tensors and
+    run one step."""
+    if spec.layout.engine == "fsdp":
+        return _trace_fsdp_rank(spec, shape, rank, full_micro)
+    return _trace_own_rank(spec, shape, rank, full_micro)
+
+
+def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
     """Build the own engine as global `rank` of the spec's layout on fake tensors and run one step."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -405,6 +494,177 @@ def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
         sys.excepthook = excepthook
 
 
+def _label_pipeline_stage(stage, live, saved, first_forward) -> None:
+    """Name each of a torch.distributed.pipelining stage's forwards and backwards where the live
+    peak falls, and count what the first forward saves."""
+    plain_forward, plain_backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(chunk, *args, **kwargs):
+        live.where = f"forward stage {stage.stage_index} micro-batch {chunk}"
+        before = saved.window
+        out = plain_forward(chunk, *args, **kwargs)
+        if not first_forward:
+            first_forward.append(saved.window - before)
+        return out
+
+    def backward_one_chunk(chunk, *args, **kwargs):
+        live.where = f"backward stage {stage.stage_index} micro-batch {chunk}"
+        return plain_backward(chunk, *args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+
+
+@contextlib.contextmanager
+def _static_pipeline_warmup():
+    """torch.distributed.pipelining's first step votes over P2P whether every stage has static
+    shapes and reads the vote with .item(), which a fake tensor cannot answer. Engine fsdp gives
+    every PipelineStage its input and output shapes up front (native_pipeline.py), so the vote
+    of a real run is static: set, without the vote (its 2-rank warm-up transfers carry no memory)."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def warmup(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    with mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", warmup):
+        yield
+
+
+def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
+    """Build engine fsdp (harness/frameworks/fsdp.py) as global `rank` of the spec's layout and
+    run one step on fake tensors.
+
+    Everything up to the parameters' allocation runs as in a real run, outside fake mode: the
+    DeviceMesh over the fake process group (its rank tables are real tensors), the model on the
+    meta device, DTensor TP/SP and fully_shard (FSDP2's sharding bookkeeping, on meta). Module.to_empty
+    (FSDP2's own: its _apply override re-points every FSDPParam at the new sharded storage,
+    reset_sharded_param) then runs under FakeTensorMode, and so does the step: FSDP2's
+    all-gathers and reduce-scatters, DTensor's collectives and the optimizer on fake tensors. The
+    reference weights are not loaded (values only); AdamW fused as the engine builds it on CUDA.
+    FakeTensorMode admits the meta tensors to_empty reads (allow_non_fake_inputs)."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import harness.frameworks.fsdp as fsdp_module
+    from harness.engine.topology import coord_of
+    from harness.runtime import RunContext
+
+    coord = coord_of(rank, spec.layout.tp, spec.layout.pp, spec.layout.dp)
+    run_spec, m, m_run = traced_spec(spec, coord.pp, full_micro)
+    lay = run_spec.layout
+    world = lay.tp * lay.pp * lay.dp
+    t0 = time.perf_counter()
+    if dist.is_initialized():
+        raise RuntimeError("harness memory traces in a process without a process group")
+    excepthook = sys.excepthook  # init_process_group prefixes tracebacks with the rank; undone below
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        ctx = RunContext(rank=rank, world_size=world, local_rank=0, device=torch.device("cpu"), backend="fake")
+        live = LiveTensors()
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        plain_to_empty = torch.nn.Module.to_empty
+
+        def to_empty(module, *, device, recurse=True):
+            with fake, live:
+                return plain_to_empty(module, device=device, recurse=recurse)
+
+        with _target_behaviour(to_empty), contextlib.redirect_stderr(io.StringIO()), live.counting_resizes(), \
+                _static_pipeline_warmup(), \
+                mock.patch.object(fsdp_module, "_load_reference_shards", lambda module, reference: None):
+            eng = fsdp_module.FSDPEngine(run_spec, shape, ctx)
+            eng.census.result = {}  # its census keys storages by address, which fake ones lack: ours below
+            with fake, live:
+                _create_optimizer_states(eng.optimizer)
+                census: dict = {}
+                held = eng._census_tensors  # the engine's census list (CensusAtStep's), by category
+                eng.optimizer.register_step_post_hook(lambda *a: census or census.update(census_of(held())))
+                batch = torch.zeros((run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1),
+                                    dtype=torch.int64)
+                saved = SavedBytes({storage_key(p) for p in eng.activation_exclusions()})
+                first_forward, phases, micro = [], {}, [-1]
+                forward_start = [0]
+
+                def forward_pre(module, args):
+                    micro[0] += 1
+                    live.where = f"forward micro-batch {micro[0]}"
+                    forward_start[0] = saved.window
+
+                plain_loss = fsdp_module.lm_loss
+
+                def loss(logits, targets):
+                    out = plain_loss(logits, targets)
+                    if not first_forward:
+                        first_forward.append(saved.window - forward_start[0])
+                    live.where = f"loss and backward micro-batch {micro[0]}"
+                    return out
+
+                def optimizer_phase(*args):
+                    if "fb" not in phases:
+                        phases["fb"], phases["fb_at"] = live.peak, live.peak_at
+                        live.where = "optimizer step (gradient clipping, AdamW)"
+                        live.reset_peak()
+
+                plain_clip = eng._clip_grad_norm
+
+                def clip(max_norm):
+                    optimizer_phase()
+                    return plain_clip(max_norm)
+
+                eng._clip_grad_norm = clip
+                eng.optimizer.register_step_pre_hook(optimizer_phase)
+                if eng.pipeline is None:
+                    for part in eng.parts:
+                        part.register_forward_pre_hook(forward_pre)
+                for stage in eng.pipeline.stages if eng.pipeline is not None else []:
+                    _label_pipeline_stage(stage, live, saved, first_forward)
+                live.where = "step start"
+                live.reset_peak()
+                base = live.bytes
+                with saved, mock.patch.object(fsdp_module, "lm_loss", loss):
+                    try:
+                        eng.train_step(batch)
+                    except DataDependentOutputException as e:
+                        if not _is_final_float(e):
+                            raise
+                peak_opt, peak_fb = live.peak, phases.get("fb", 0)
+                peak = max(peak_fb, peak_opt)
+                where = live.peak_at if peak_opt > peak_fb else phases.get("fb_at", "")
+        if eng.pipeline is None:
+            layers = [[0, shape.layers]]
+        else:  # the stage modules' blocks, named by their layer numbers
+            layers = [[min(map(int, part.layers.keys())), max(map(int, part.layers.keys())) + 1]
+                      for part in eng.parts if len(part.layers)]
+        out = RankTrace(rank=rank, stage=coord.pp, layers=layers, census=census, states_bytes=base,
+                        live_peak_bytes=peak, peak_at=where, forward_backward_peak_bytes=peak_fb,
+                        optimizer_peak_bytes=peak_opt, saved_bytes_step=saved.bytes,
+                        saved_bytes_forward=first_forward[0] if first_forward else 0,
+                        micro_batches=m, micro_batches_traced=m_run, seconds=0.0)
+        del eng
+        out.seconds = time.perf_counter() - t0
+        return out
+    finally:
+        _clear_dtensor_caches()
+        dist.destroy_process_group()
+        sys.excepthook = excepthook
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding decisions and redistribution plans by mesh; a later trace's mesh
+    with the same shape compares equal to this one's, whose process groups are gone."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    type(prop)._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
 def substitutions(spec) -> list[str]:
     lay = spec.layout
     out = []
@@ -414,12 +674,19 @@ def substitutions(spec) -> list[str]:
     if lay.rmsnorm == "fused":
         out.append("rmsnorm fused: a kernel saving its input and fp32 1/rms, allocating only outputs")
     out.append("AdamW fused (the engine's CUDA optimizer)")
+    if lay.engine == "fsdp":
+        if lay.pp > 1:
+            out.append("torch.distributed.pipelining's P2P shape vote skipped: static (every stage's shapes are given)")
+        return out
     if lay.pp > 1 and lay.pipeline_p2p == "auto":
         out.append("pipeline transfers grouped, one coalesced work per group (NCCL)")
     return out
 
 
 def check_traceable(spec) -> None:
-    if spec.layout.engine != "own":
-        raise SpecError("layout.engine", f"harness memory traces the own engine; {spec.layout.engine!r} is not "
-                                          "traced (set engine: own to trace this layout under it)")
+    if spec.layout.engine == "deepspeed":
+        raise SpecError("layout.engine", "harness memory traces engines own and fsdp; DeepSpeed's initialize is "
+                                          "not traceable on fake tensors (set engine: own or fsdp)")
+    if spec.layout.engine not in ("own", "fsdp"):
+        raise SpecError("layout.engine", f"harness memory traces engines own and fsdp; {spec.layout.engine!r} is "
+                                          "not traced (set engine: own or fsdp to trace this layout under it)")

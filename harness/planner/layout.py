@@ -59,6 +59,7 @@ class Layout:
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1          # interleaved schedule: model chunks per stage
     fsdp: bool = False               # engine fsdp (PyTorch FSDP full sharding): memory like ZeRO-3
+    reshard_after_forward: bool = True  # engine fsdp: False keeps every block gathered until its backward
     # Whose memory the planner models (memory.py): paper (the study's engine, Aleph Alpha's
     # scaling library, as its sweeps ran), or one of the harness's engines (own, deepspeed, fsdp:
     # their precision policy and sharding as their code holds it).
@@ -88,7 +89,7 @@ class Layout:
                    sequence_parallel=bool(lay["sequence_parallel"]), attention=lay["attention"],
                    rmsnorm=lay["rmsnorm"], zero_stage=int(lay["zero_stage"]),
                    pipeline_schedule=lay["pipeline_schedule"], virtual_stages=int(lay["virtual_stages"] or 1),
-                   fsdp=lay["engine"] == "fsdp")
+                   fsdp=lay["engine"] == "fsdp", reshard_after_forward=bool(lay["reshard_after_forward"]))
 
     def to_spec(self) -> dict:
         """This layout as a spec layout dict (engine own, or fsdp), the fields the planner has,

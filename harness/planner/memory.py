@@ -350,7 +350,9 @@ def paper_stranded_block(shape: Shape, lay: Layout, wl: Workload, loss_peak: boo
 #   - holds, per micro-batch in flight on a pipeline stage, the received input and the sent output
 #     (PipelineExecutor.live) besides what autograd saved.
 # DeepSpeed and FSDP: their model states from `model_states` (each tested against its census),
-# activations as the own engine's (they run the same plain model, harness/model/llama.py).
+# activations as the own engine's (they run the same plain model, harness/model/llama.py); FSDP2's
+# gathered parameters, reduce-scatter buffers and pipelined accumulation from fsdp_step_bytes
+# (checked against `harness memory` traces of engine fsdp, tests/test_memory_trace.py).
 
 
 def engine_stage_items(shape: Shape, lay: Layout, seq_len: int) -> tuple[tuple[bool, int, bool], ...]:
@@ -497,17 +499,109 @@ def engine_stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> 
         candidates["logits_and_loss"] = ce_extra
     if has_emb:  # the embedding's weight gradient (vocab/t x h, the parameters' dtype) at the stage's last backward
         candidates["embedding_gradient"] = shape.vocab * h / t * B - micro
+    fsdp = fsdp_step_bytes(shape, lay, wl, has_emb, layers, has_head) if lay.engine == "fsdp" else None
+    if fsdp is not None:
+        # a block's backward runs with its gathered parameters and the next block's (prefetched);
+        # after the loss's backward, with the log-softmax freed, the step's logits still referenced
+        # and the LM head's unsharded weight gradient waiting for the root's reduce-scatter
+        if layers:
+            candidates["backward_working_set"] += (fsdp["backward_blocks"] + fsdp["after_loss"]
+                                                   - (ce_kept if has_head else 0.0))
+        for name in candidates:
+            if name != "backward_working_set":
+                candidates[name] += fsdp["kept_blocks"]
+        if has_emb and t > 1:
+            # DTensor's backward of the RowwiseParallel (vocabulary-sharded) embedding yields the
+            # gradient of the whole table on every tp rank, not its vocab/t rows
+            candidates["embedding_gradient"] = shape.vocab * h * B - micro
+        if lay.pp > 1 and layers:
+            # between two backwards of a pipelined stage: every block gathered (kept since its first
+            # backward), one micro-batch fewer in flight
+            candidates["gathered_between_backwards"] = fsdp["all_blocks"] - micro
     extra_name = max(candidates, key=candidates.get)
     extra = max(0.0, candidates[extra_name])
     dynamic = held + extra
     frag = FRAGMENTATION_PIPELINED if lay.pp > 1 and m > 1 else FRAGMENTATION
-    overhead = CONTEXT_GIB * GIB + frag * dynamic
     parts = {"weights": by_cat.get("parameters", 0.0), "gradients": by_cat.get("gradients", 0.0),
              "optimizer": by_cat.get("master_parameters", 0.0) + by_cat.get("optimizer_states", 0.0),
              "activations": held, "backward_working_set": extra if extra_name != "logits_and_loss" else 0.0,
-             "logits_and_loss": extra if extra_name == "logits_and_loss" else 0.0, "overhead": overhead}
-    if zero >= 3:  # gathered full layers in flight (current + prefetched), FSDP/ZeRO-3
+             "logits_and_loss": extra if extra_name == "logits_and_loss" else 0.0}
+    if fsdp is not None:
+        parts["weights"] += fsdp["gathered"]
+        if fsdp["accumulated"]:  # pipelined: the unsharded accumulation, not yet the sharded gradient
+            parts["gradients"] = fsdp["accumulated"]
+        parts["gradients"] += fsdp["reduce_scatter"]
+        # all of it comes and goes within a step: the gathered parameters at every all-gather, the
+        # reduce-scatter buffers, and the gradients (the sharded ones freed by
+        # zero_grad(set_to_none=True) after every step, allocated again by the first reduce-scatter)
+        dynamic += fsdp["gathered"] + parts["gradients"]
+    elif zero >= 3:  # gathered full layers in flight (current + prefetched), ZeRO-3
         parts["weights"] += 2 * phi / max(layers, 1) * B
+    parts["overhead"] = CONTEXT_GIB * GIB + frag * dynamic
     parts["total"] = sum(parts.values())
     parts["params"] = phi
     return parts
+
+
+def fsdp_step_bytes(shape: Shape, lay: Layout, wl: Workload, has_emb: bool, layers: int, has_head: bool) -> dict:
+    """What engine fsdp (FSDP2 fully_shard per block and on the root, harness/frameworks/fsdp.py)
+    holds during its step beyond the model states and the plain model's activations, per rank,
+    as torch's FSDP2 code allocates it (torch/distributed/fsdp/_fully_shard/) and `harness memory`
+    traces it:
+
+      gathered        the root's unsharded parameters in the compute dtype (embedding, final
+                      norm, LM head; fully_shard(root, reshard_after_forward=False): gathered from
+                      the first forward to the end of the last backward)
+      backward_blocks while a block runs backward, its gathered parameters and the next block's,
+                      whose flat all-gather output exists from when the all-gather is issued ahead
+                      (_fsdp_state backward prefetch; _fsdp_collectives.foreach_all_gather); with
+                      reshard_after_forward true no block is gathered between its forward and
+                      backward (the loss's peak has none)
+      kept_blocks     with reshard_after_forward false every block stays gathered from its
+                      forward to its backward: all of them at the loss's peak and the first
+                      block's backward
+      reduce_scatter  one block's reduce-scatter input in the reduce dtype (foreach_reduce), which
+                      FSDP2 keeps (comm_ctx.reduce_scatter_state) until the next reduce-scatter
+                      waits, so one is alive whenever a block's backward runs
+      after_loss      while the blocks run backward: the step's logits in the compute dtype (the
+                      train step's variable keeps them through loss.backward()) and the LM head's
+                      unsharded weight gradient, reduced only with the root after the last block
+
+    Under pipelining (pp > 1) torch.distributed.pipelining runs every backward but the reduction
+    with set_reshard_after_backward(False) and set_requires_gradient_sync(False)
+    (pipelining/stage.py, backward_maybe_with_nosync; perform_reduce_grad after the last):
+
+      accumulated     the stage's unsharded gradients, accumulated in the reduce dtype from its
+                      first backward to the reduce-scatter after its last (the sharded gradients
+                      exist only after that, with the activations gone); the embedding's is the
+                      whole table's under TP (DTensor's backward of the RowwiseParallel embedding)
+      all_blocks      every block stays gathered from its backward until the next forward of it
+                      reshards it (reshard_after_forward): between two backwards all are gathered
+      reduce_scatter  none while micro-batches are in flight
+
+    The planner's workload carries the default precision policy: compute dtype = the workload's,
+    reduction in fp32."""
+    B, t = wl.dtype_bytes, lay.tp
+    h, V = shape.hidden, shape.vocab
+    d = h // shape.heads
+    attn = h * shape.heads * d * 2 + 2 * h * shape.kv_heads * d
+    block = (attn + 3 * h * shape.ffn) / t + 2 * h
+    if shape.attention_bias:
+        block += (shape.heads + 2 * shape.kv_heads) * d / t + h
+    vocab = V * h / t
+    head = 0.0 if shape.tie_embeddings and has_emb else vocab
+    root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)
+    reshard = lay.reshard_after_forward
+    n = lay.micro_batch_size * wl.seq_len
+    kept = 0.0 if reshard else layers * block * B
+    piped = lay.pp > 1
+    # the embedding's gradient is the whole table's under TP (see engine_stage_memory)
+    emb_grad = V * h if has_emb else 0.0
+    accumulated = root - (vocab if has_emb else 0.0) + emb_grad + layers * block
+    return {"gathered": root * B,
+            "backward_blocks": min(2, layers) * block * B if reshard else kept,
+            "kept_blocks": kept,
+            "all_blocks": layers * block * B,
+            "reduce_scatter": block * 4 if layers and not piped else 0.0,
+            "accumulated": accumulated * 4 if piped else 0.0,
+            "after_loss": (n * V * B + vocab * B) if has_head else 0.0}
