@@ -268,7 +268,18 @@ def _dtype_key(dtype: torch.dtype) -> str:
         dtype, str(dtype).replace("torch.", ""))
 
 
-def tensor_census(categories: dict[str, list]) -> dict[str, dict[str, int]]:
+def storage_address(storage) -> int:
+    """What tells two storages apart on a real device: their address. (Fake tensors, which
+    `harness memory` traces, all have address 0: it passes storage_identity instead.)"""
+    return storage.data_ptr()
+
+
+def storage_identity(storage) -> int:
+    """The storage's StorageImpl: unique while it lives, on fake tensors too."""
+    return storage._cdata
+
+
+def tensor_census(categories: dict[str, list], key=storage_address) -> dict[str, dict[str, int]]:
     """Bytes per category and dtype of the tensors an engine holds, each storage counted once
     (the first category that names it wins: a parameter that is its own master is a parameter;
     views into one flat buffer count the buffer once, padding included, as allocated)."""
@@ -283,10 +294,10 @@ def tensor_census(categories: dict[str, list]) -> dict[str, dict[str, int]]:
             if t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key in seen or storage.nbytes() == 0:
+            k = key(storage)
+            if k in seen or storage.nbytes() == 0:
                 continue
-            seen.add(key)
+            seen.add(k)
             counts[_dtype_key(t.dtype)] = counts.get(_dtype_key(t.dtype), 0) + storage.nbytes()
     return out
 
@@ -302,9 +313,10 @@ class SavedActivations:
     forgotten when the last saved tensor on it is freed, so an address the allocator reuses later
     in the step (pipeline schedules interleave forwards and backwards) counts again."""
 
-    def __init__(self, parameters):
-        self.skip = {_local(p).untyped_storage().data_ptr() for p in parameters}
-        self.live: dict[int, int] = {}  # storage address -> saved tensors alive on it
+    def __init__(self, parameters, key=storage_address):
+        self.key = key
+        self.skip = {key(_local(p).untyped_storage()) for p in parameters}
+        self.live: dict[int, int] = {}  # storage key -> saved tensors alive on it
         self.bytes = 0
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -319,7 +331,7 @@ class SavedActivations:
         # exist when this context opened (DeepSpeed marks them with ds_id)
         if t_local.device.type != "meta" and not isinstance(t, torch.nn.Parameter) and not hasattr(t, "ds_id"):
             storage = t_local.untyped_storage()
-            key = storage.data_ptr()
+            key = self.key(storage)
             if key not in self.skip:
                 if key not in self.live:
                     self.bytes += storage.nbytes()

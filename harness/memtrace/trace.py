@@ -68,47 +68,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from harness.errors import SpecError
+from harness.measure import SavedActivations, _local, storage_identity, tensor_census
 
 GIB = 1024 ** 3
 FLASH_STYLE = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """What a rank really holds of `t`: a DTensor's local shard (a wrapper subclass reports the
-    global size), as harness.measure counts it."""
-    from harness.measure import _local as local
-
-    return local(t)
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage that works on fake tensors (their data_ptr is 0)."""
-    return _local(t).untyped_storage()._cdata
-
-
-def _dtype_key(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-        dtype, str(dtype).replace("torch.", ""))
-
-
-def census_of(categories: dict[str, list]) -> dict[str, dict[str, int]]:
-    """harness.measure.tensor_census's rule (each storage once, the first category naming it
-    wins, padding counted), keyed by storage identity rather than address."""
-    seen: set[int] = set()
-    out: dict[str, dict[str, int]] = {}
-    for category, tensors in categories.items():
-        counts = out.setdefault(category, {})
-        for t in tensors:
-            if t is None:
-                continue
-            t = _local(t)
-            storage = t.untyped_storage()
-            key = storage._cdata
-            if key in seen or storage.nbytes() == 0:
-                continue
-            seen.add(key)
-            counts[_dtype_key(t.dtype)] = counts.get(_dtype_key(t.dtype), 0) + storage.nbytes()
-    return out
 
 
 class LiveTensors(TorchDispatchMode):
@@ -132,7 +95,7 @@ class LiveTensors(TorchDispatchMode):
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()
-        key = storage._cdata
+        key = storage_identity(storage)
         if key in self.live:
             return
         n = storage.nbytes()
@@ -146,7 +109,7 @@ class LiveTensors(TorchDispatchMode):
         """A storage resized in place (FSDP2 frees and re-allocates each gathered parameter so:
         _fsdp_param.py, free_storage / alloc_storage): its new size counts from now. (A fake
         tensor's storage is on the meta device: storage.device tells nothing here.)"""
-        key, n = storage._cdata, storage.nbytes()
+        key, n = storage_identity(storage), storage.nbytes()
         if key not in self.live:  # not an op's output seen here (a real meta tensor, before fake mode)
             return
         # A resized storage's Python object no longer outlives its references as a preserved one
@@ -183,41 +146,6 @@ class LiveTensors(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._see(t)
         return out
-
-
-class SavedBytes:
-    """Bytes autograd saves while open, each storage once while a saved tensor holds it,
-    `skip` storages (the parameters' flat buffers) excluded: harness.measure.SavedActivations'
-    rule keyed by storage identity. `window` counts what one stretch (a forward) saves."""
-
-    def __init__(self, skip: set[int]):
-        self.skip, self.live, self.bytes, self.window = skip, {}, 0, 0
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _release(self, key: int) -> None:
-        self.live[key] -= 1
-        if not self.live[key]:
-            del self.live[key]
-
-    def _pack(self, t):
-        if not isinstance(t, torch.nn.Parameter):
-            storage = _local(t).untyped_storage()
-            key = storage._cdata
-            if key not in self.skip:
-                if key not in self.live:
-                    self.bytes += storage.nbytes()
-                    self.window += storage.nbytes()
-                    self.live[key] = 0
-                self.live[key] += 1
-                weakref.finalize(t, self._release, key)
-        return t
-
-    def __enter__(self):
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
 
 
 # ---------------------------------------------------------------- stand-ins with the target's memory
@@ -401,6 +329,27 @@ def _is_final_float(exc: BaseException) -> bool:
     return "float(" in line or ".item()" in line  # own: float(loss); fsdp: (total / lay.dp).item()
 
 
+@contextlib.contextmanager
+def _fake_world(rank: int, world: int, forget):
+    """This process as global `rank` of `world` over a fake process group (FakeStore, backend
+    "fake": collectives and transfers are no-ops on shapes); the RunContext the engines take.
+    On the way out `forget` drops what the trace cached by process group, and the group goes."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from harness.runtime import RunContext
+
+    if dist.is_initialized():
+        raise RuntimeError("harness memory traces in a process without a process group")
+    excepthook = sys.excepthook  # init_process_group prefixes tracebacks with the rank; undone below
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield RunContext(rank=rank, world_size=world, local_rank=0, device=torch.device("cpu"), backend="fake")
+    finally:
+        forget()
+        dist.destroy_process_group()
+        sys.excepthook = excepthook
+
+
 def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
     """Build the spec's engine (own or fsdp) as global `rank` of its layout on fake tensors and
     run one step."""
@@ -412,24 +361,22 @@ def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
 def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
     """Build the own engine as global `rank` of the spec's layout on fake tensors and run one step."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from harness.engine.engine import Engine3D
     from harness.engine.topology import Mesh, coord_of
-    from harness.runtime import RunContext
 
     coord = coord_of(rank, spec.layout.tp, spec.layout.pp, spec.layout.dp)
     run_spec, m, m_run = traced_spec(spec, coord.pp, full_micro)
     lay = run_spec.layout
     world = lay.tp * lay.pp * lay.dp
     t0 = time.perf_counter()
-    if dist.is_initialized():
-        raise RuntimeError("harness memory traces in a process without a process group")
-    excepthook = sys.excepthook  # init_process_group prefixes tracebacks with the rank; undone below
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     cached = set(Mesh._cache)
-    try:
-        ctx = RunContext(rank=rank, world_size=world, local_rank=0, device=torch.device("cpu"), backend="fake")
+
+    def forget_meshes():
+        for key in set(Mesh._cache) - cached:
+            Mesh._cache.pop(key, None)
+
+    with _fake_world(rank, world, forget_meshes) as ctx:
         Mesh.get(lay.tp, lay.pp, lay.dp, rank, True)  # the process groups, outside fake mode
         live = LiveTensors()
         with FakeTensorMode(), _target_behaviour(), live, contextlib.redirect_stderr(io.StringIO()):
@@ -438,21 +385,21 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
             _create_optimizer_states(eng.optimizer)
             census: dict = {}
             held = eng.census.tensors  # the engine's census list (CensusAtStep's), by category
-            eng.optimizer.register_step_post_hook(lambda *a: census or census.update(census_of(held())))
+            eng.optimizer.register_step_post_hook(lambda *a: census or census.update(tensor_census(held(), key=storage_identity)))
             batch = torch.zeros((run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1),
                                 dtype=torch.int64)
             ex = eng.executor
             plain_forward, plain_backward, plain_run = ex._forward, ex._backward, ex.run
-            saved = SavedBytes({storage_key(p) for p in eng.activation_exclusions()})
+            saved = SavedActivations(eng.activation_exclusions(), key=storage_identity)
             first_forward = []
             phases = {}
 
             def forward(a, *args):
                 live.where = f"forward chunk {a.chunk} micro-batch {a.micro}"
-                before = saved.window
+                before = saved.bytes
                 plain_forward(a, *args)
                 if not first_forward:
-                    first_forward.append(saved.window - before)
+                    first_forward.append(saved.bytes - before)
 
             def backward(a):
                 live.where = f"backward chunk {a.chunk} micro-batch {a.micro}"
@@ -487,11 +434,6 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
         del eng
         out.seconds = time.perf_counter() - t0
         return out
-    finally:
-        for key in set(Mesh._cache) - cached:
-            Mesh._cache.pop(key, None)
-        dist.destroy_process_group()
-        sys.excepthook = excepthook
 
 
 def _label_pipeline_stage(stage, live, saved, first_forward) -> None:
@@ -501,10 +443,10 @@ def _label_pipeline_stage(stage, live, saved, first_forward) -> None:
 
     def forward_one_chunk(chunk, *args, **kwargs):
         live.where = f"forward stage {stage.stage_index} micro-batch {chunk}"
-        before = saved.window
+        before = saved.bytes
         out = plain_forward(chunk, *args, **kwargs)
         if not first_forward:
-            first_forward.append(saved.window - before)
+            first_forward.append(saved.bytes - before)
         return out
 
     def backward_one_chunk(chunk, *args, **kwargs):
@@ -548,23 +490,16 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
     from unittest import mock
 
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import harness.frameworks.fsdp as fsdp_module
     from harness.engine.topology import coord_of
-    from harness.runtime import RunContext
 
     coord = coord_of(rank, spec.layout.tp, spec.layout.pp, spec.layout.dp)
     run_spec, m, m_run = traced_spec(spec, coord.pp, full_micro)
     lay = run_spec.layout
     world = lay.tp * lay.pp * lay.dp
     t0 = time.perf_counter()
-    if dist.is_initialized():
-        raise RuntimeError("harness memory traces in a process without a process group")
-    excepthook = sys.excepthook  # init_process_group prefixes tracebacks with the rank; undone below
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        ctx = RunContext(rank=rank, world_size=world, local_rank=0, device=torch.device("cpu"), backend="fake")
+    with _fake_world(rank, world, _clear_dtensor_caches) as ctx:
         live = LiveTensors()
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         plain_to_empty = torch.nn.Module.to_empty
@@ -582,24 +517,24 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
                 _create_optimizer_states(eng.optimizer)
                 census: dict = {}
                 held = eng._census_tensors  # the engine's census list (CensusAtStep's), by category
-                eng.optimizer.register_step_post_hook(lambda *a: census or census.update(census_of(held())))
+                eng.optimizer.register_step_post_hook(lambda *a: census or census.update(tensor_census(held(), key=storage_identity)))
                 batch = torch.zeros((run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1),
                                     dtype=torch.int64)
-                saved = SavedBytes({storage_key(p) for p in eng.activation_exclusions()})
+                saved = SavedActivations(eng.activation_exclusions(), key=storage_identity)
                 first_forward, phases, micro = [], {}, [-1]
                 forward_start = [0]
 
                 def forward_pre(module, args):
                     micro[0] += 1
                     live.where = f"forward micro-batch {micro[0]}"
-                    forward_start[0] = saved.window
+                    forward_start[0] = saved.bytes
 
                 plain_loss = fsdp_module.lm_loss
 
                 def loss(logits, targets):
                     out = plain_loss(logits, targets)
                     if not first_forward:
-                        first_forward.append(saved.window - forward_start[0])
+                        first_forward.append(saved.bytes - forward_start[0])
                     live.where = f"loss and backward micro-batch {micro[0]}"
                     return out
 
@@ -647,10 +582,6 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
         del eng
         out.seconds = time.perf_counter() - t0
         return out
-    finally:
-        _clear_dtensor_caches()
-        dist.destroy_process_group()
-        sys.excepthook = excepthook
 
 
 def _clear_dtensor_caches() -> None:
