@@ -76,10 +76,10 @@ def test_fake_trace_equals_a_real_run():
 
 
 FSDP_WORLD = 2
-FSDP_CASES = [  # engine fsdp on 2 ranks (one launch, fp32 and bf16): dp2, tp2, tp2 with SP, pp2 (1F1B)
-    (precision, layout) for precision in ("fp32", "bf16")
-    for layout in (dict(dp=2), dict(tp=2), dict(tp=2, sequence_parallel=True, activation_checkpointing="full"),
-                   dict(pp=2, micro_batch_size=1))
+FSDP_CASES = [  # engine fsdp on 2 ranks (one launch): dp2 under both policies, tp2, tp2 with SP, pp2 (1F1B)
+    ("fp32", dict(dp=2)), ("bf16", dict(dp=2)), ("bf16", dict(tp=2)),
+    ("fp32", dict(tp=2, sequence_parallel=True, activation_checkpointing="full")),
+    ("bf16", dict(pp=2, micro_batch_size=1)),
 ]
 
 
@@ -186,8 +186,6 @@ def test_trace_time_per_layout(agreement):
 # (planner/memory.py, fsdp_step_bytes) within 10% of the trace at every stage.
 FSDP_AGREEMENT = [
     ("llama2-7b", 2048, dict(dp=8, reshard_after_forward=False)),  # every block gathered until its backward
-    ("paper-13b", 2048, dict(dp=8)),
-    ("llama2-7b", 2048, dict(tp=2, dp=4)),
     ("paper-13b", 2048, dict(tp=2, dp=4, sequence_parallel=True)),
     ("paper-13b", 2048, dict(tp=2, pp=2, dp=2, sequence_parallel=True)),
 ]
