@@ -36,18 +36,17 @@ def _tiny_spec(layout: dict):
                        "layout": {"engine": "own", "rmsnorm": "torch", **layout}})
 
 
-def _real(ctx, layouts):
-    """On each rank, per layout: the census at the first optimizer step and the bytes saved in
-    the next step (harness.measure's counters, on real tensors)."""
+def _real(ctx, specs):
+    """On each rank, per spec: the census at the first optimizer step and the bytes saved in the
+    next step (harness.measure's counters, on real tensors)."""
     from harness.data.source import token_source
-    from harness.frameworks.own import build
+    from harness.frameworks import build_engine
     from harness.measure import SavedActivations
 
     out = []
-    for layout in layouts:
-        spec = _tiny_spec(layout)
+    for spec in specs:
         shape = spec.shape()
-        eng = build(spec, shape, ctx)
+        eng = build_engine(spec, shape, ctx)
         src = token_source(spec.workload, shape.vocab)
         eng.train_step(src.global_batch_at(0))
         with SavedActivations(eng.activation_exclusions()) as saved:
@@ -62,7 +61,8 @@ def test_fake_trace_equals_a_real_run():
     from harness.memtrace.trace import trace_rank
     from harness.testing.spawn import spawn
 
-    real = spawn(_real, WORLD, TINY_CASES, timeout_s=300, threads=1, every_rank=True)
+    real = spawn(_real, WORLD, [_tiny_spec(layout) for layout in TINY_CASES], timeout_s=300, threads=1,
+                 every_rank=True)
     for i, layout in enumerate(TINY_CASES):
         spec = _tiny_spec(layout)
         for rank in range(WORLD):
@@ -89,26 +89,6 @@ def _tiny_fsdp_spec(precision: str, layout: dict):
                        "layout": {"engine": "fsdp", "micro_batch_size": 2, "rmsnorm": "torch", **layout}})
 
 
-def _real_fsdp(ctx, cases):
-    """On each rank, per case: engine fsdp's census at its first optimizer step (memory_census,
-    as tests/test_census_fsdp.py measures it) and the bytes saved in the next step."""
-    from harness.data.source import token_source
-    from harness.frameworks import build_engine
-    from harness.measure import SavedActivations
-
-    out = []
-    for precision, layout in cases:
-        spec = _tiny_fsdp_spec(precision, layout)
-        eng = build_engine(spec, spec.shape(), ctx)
-        src = token_source(spec.workload, spec.shape().vocab)
-        eng.train_step(src.global_batch_at(0))
-        with SavedActivations(eng.activation_exclusions()) as saved:
-            eng.train_step(src.global_batch_at(1))
-        out.append({"census": eng.memory_census(), "saved": saved.bytes})
-        del eng
-    return out
-
-
 @pytest.mark.slow
 def test_fsdp_fake_trace_equals_a_real_run():
     """Engine fsdp (FSDP2 over dp, DTensor TP/SP): the census each rank holds at its optimizer
@@ -116,7 +96,8 @@ def test_fsdp_fake_trace_equals_a_real_run():
     from harness.memtrace.trace import trace_rank
     from harness.testing.spawn import spawn
 
-    real = spawn(_real_fsdp, FSDP_WORLD, FSDP_CASES, timeout_s=300, threads=1, every_rank=True)
+    real = spawn(_real, FSDP_WORLD, [_tiny_fsdp_spec(*case) for case in FSDP_CASES], timeout_s=300,
+                 threads=1, every_rank=True)
     for i, (precision, layout) in enumerate(FSDP_CASES):
         spec = _tiny_fsdp_spec(precision, layout)
         for rank in range(FSDP_WORLD):

@@ -350,6 +350,26 @@ def _fake_world(rank: int, world: int, forget):
         sys.excepthook = excepthook
 
 
+def _run_step(eng, batch, live, saved, phases) -> tuple[int, int, int, int, str]:
+    """One traced train_step: (live bytes at its start, its peak, the forward/backward peak, the
+    optimizer step's peak, where the peak fell). `phases` gets the forward/backward peak ("fb",
+    "fb_at") from the engine's hook where its schedule ends."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    live.where = "step start"
+    live.reset_peak()
+    base = live.bytes
+    with saved:
+        try:
+            eng.train_step(batch)
+        except DataDependentOutputException as e:
+            if not _is_final_float(e):
+                raise
+    peak_opt, peak_fb = live.peak, phases.get("fb", 0)
+    where = live.peak_at if peak_opt > peak_fb else phases.get("fb_at", "")
+    return base, max(peak_fb, peak_opt), peak_fb, peak_opt, where
+
+
 def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
     """Build the spec's engine (own or fsdp) as global `rank` of its layout on fake tensors and
     run one step."""
@@ -360,7 +380,7 @@ def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
 
 def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
     """Build the own engine as global `rank` of the spec's layout on fake tensors and run one step."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from harness.engine.engine import Engine3D
     from harness.engine.topology import Mesh, coord_of
@@ -413,18 +433,7 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
                 return out
 
             ex._forward, ex._backward, ex.run = forward, backward, run
-            live.where = "step start"
-            live.reset_peak()
-            base = live.bytes
-            with saved:
-                try:
-                    eng.train_step(batch)
-                except DataDependentOutputException as e:
-                    if not _is_final_float(e):
-                        raise
-            peak_opt, peak_fb = live.peak, phases.get("fb", 0)
-            peak = max(peak_fb, peak_opt)
-            where = live.peak_at if peak_opt > peak_fb else phases.get("fb_at", "")
+            base, peak, peak_fb, peak_opt, where = _run_step(eng, batch, live, saved, phases)
         layers = [[p.layers.start, p.layers.stop] for p in eng.plans]
         out = RankTrace(rank=rank, stage=coord.pp, layers=layers, census=census, states_bytes=base,
                         live_peak_bytes=peak, peak_at=where, forward_backward_peak_bytes=peak_fb,
@@ -489,7 +498,7 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
     FakeTensorMode admits the meta tensors to_empty reads (allow_non_fake_inputs)."""
     from unittest import mock
 
-    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     import harness.frameworks.fsdp as fsdp_module
     from harness.engine.topology import coord_of
@@ -557,18 +566,8 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
                         part.register_forward_pre_hook(forward_pre)
                 for stage in eng.pipeline.stages if eng.pipeline is not None else []:
                     _label_pipeline_stage(stage, live, saved, first_forward)
-                live.where = "step start"
-                live.reset_peak()
-                base = live.bytes
-                with saved, mock.patch.object(fsdp_module, "lm_loss", loss):
-                    try:
-                        eng.train_step(batch)
-                    except DataDependentOutputException as e:
-                        if not _is_final_float(e):
-                            raise
-                peak_opt, peak_fb = live.peak, phases.get("fb", 0)
-                peak = max(peak_fb, peak_opt)
-                where = live.peak_at if peak_opt > peak_fb else phases.get("fb_at", "")
+                with mock.patch.object(fsdp_module, "lm_loss", loss):
+                    base, peak, peak_fb, peak_opt, where = _run_step(eng, batch, live, saved, phases)
         if eng.pipeline is None:
             layers = [[0, shape.layers]]
         else:  # the stage modules' blocks, named by their layer numbers
