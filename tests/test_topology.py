@@ -1,46 +1,73 @@
-"""The (pp, dp, tp) mesh is a pure function: check it for large worlds without processes."""
+"""The mesh is a pure function of the degrees (harness.parallel_dims): checked for large worlds
+without processes, and the one rule that derives a degree from a world size."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.engine.topology import Coord, axis_groups, coord_of, rank_map, rank_of, tp_within_node
+from harness.errors import SpecError
+from harness.parallel_dims import AXES, Coord, ParallelDims
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (2, 2, 2), (8, 16, 32), (4, 8, 128), (8, 1, 512)])
 def test_coords_roundtrip_and_groups_partition_the_world(tp, pp, dp):
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp)
     world = tp * pp * dp
+    assert dims.world == world
     seen = set()
     for r in range(world):
-        c = coord_of(r, tp, pp, dp)
-        assert rank_of(c, tp, pp, dp) == r
+        c = dims.coord(r)
+        assert dims.rank(c) == r
         seen.add((c.pp, c.dp, c.tp))
     assert len(seen) == world
-    groups = axis_groups(tp, pp, dp)
+    groups = dims.axis_groups()
     for axis, size in (("tp", tp), ("pp", pp), ("dp", dp)):
         members = [r for g in groups[axis] for r in g]
         assert sorted(members) == list(range(world)), axis
         assert all(len(g) == size for g in groups[axis])
         for g in groups[axis]:  # a group varies only its own axis
-            cs = [coord_of(r, tp, pp, dp) for r in g]
+            cs = [dims.coord(r) for r in g]
             for other in {"tp", "pp", "dp"} - {axis}:
                 assert len({getattr(c, other) for c in cs}) == 1
+        assert dims.group_of(groups[axis][-1][0], axis) == groups[axis][-1]
 
 
 def test_4096_ranks_8_per_node_keeps_tp_inside_a_node():
     tp, pp, dp, per_node = 8, 16, 32, 8
-    rows = rank_map(tp, pp, dp, per_node)
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp)
+    rows = dims.rank_table(per_node)
     assert len(rows) == 4096 and rows[-1]["node"] == 511
-    for g in axis_groups(tp, pp, dp)["tp"]:
+    for g in dims.axis_groups()["tp"]:
         assert len({r // per_node for r in g}) == 1
         assert g == list(range(g[0], g[0] + tp))  # consecutive ranks
     # dp neighbours are one TP group apart; pipeline stages are a whole (dp x tp) block apart
-    assert coord_of(8, tp, pp, dp) == Coord(pp=0, dp=1, tp=0)
-    assert coord_of(256, tp, pp, dp) == Coord(pp=1, dp=0, tp=0)
-    assert tp_within_node(8, 8) and tp_within_node(4, 8) and not tp_within_node(16, 8)
+    assert dims.coord(8) == Coord(pp=0, dp=1, tp=0)
+    assert dims.coord(256) == Coord(pp=1, dp=0, tp=0)
+    assert ParallelDims(tp=8).within_node("tp", 8) and ParallelDims(tp=4).within_node("tp", 8)
+    assert not ParallelDims(tp=16).within_node("tp", 8)
 
 
 def test_tp_smaller_than_node_still_packs_groups_in_nodes():
     tp, pp, dp, per_node = 2, 4, 512, 8
-    for g in axis_groups(tp, pp, dp)["tp"]:
+    for g in ParallelDims(tp=tp, pp=pp, dp=dp).axis_groups()["tp"]:
         assert len({r // per_node for r in g}) == 1
+
+
+def test_axis_order_is_named_once_and_the_last_axis_is_innermost():
+    dims = ParallelDims(tp=2, pp=3, dp=4)
+    assert list(dims.sizes()) == list(AXES) == list(Coord._fields)
+    assert dims.rank(**{AXES[-1]: 1}) == 1
+    assert dims.excluding("dp") == 6 and dims.product("tp", "dp") == 8
+    assert ParallelDims.of({"tp": 2, "pp": None}) == ParallelDims(tp=2)
+
+
+def test_dp_is_derived_by_one_rule_and_a_world_that_does_not_divide_names_the_field():
+    assert ParallelDims.derive(16, tp=2, pp=2) == ParallelDims(tp=2, pp=2, dp=4)
+    with pytest.raises(SpecError) as e:
+        ParallelDims.derive(6, field="nproc", tp=4)
+    assert e.value.field == "nproc" and "not divisible by" in e.value.reason
+    with pytest.raises(SpecError) as e:
+        ParallelDims(tp=2, dp=2).check_world(8)
+    assert e.value.field == "layout" and "world size 8 != tp x pp x dp = 2 x 1 x 2" in e.value.reason
+    with pytest.raises(SpecError):
+        ParallelDims(tp=0)

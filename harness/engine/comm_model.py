@@ -37,9 +37,8 @@ from collections import defaultdict
 from harness.engine.comm import comm_dict, comm_entry
 from harness.engine.data_parallel import plan_buckets
 from harness.engine.partition import rank_chunks, rank_params
-from harness.engine.topology import coord_of
 from harness.model.presets import Shape
-
+from harness.parallel_dims import ParallelDims
 
 SIZE = {"fp32": 4, "bf16": 2}
 
@@ -58,7 +57,8 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, 
     precision policy named by `precision` and the workload's grad_accum_dtype/grad_reduce_dtype
     (both fp32 under precision fp32)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    c = coord_of(rank, tp, pp, dp)
+    dims = ParallelDims.of(layout)
+    c = dims.coord(rank)
     sp = layout.sequence_parallel and tp > 1
     chunks = layout.virtual_stages if layout.pipeline_schedule == "interleaved" else 1
     mb = layout.micro_batch_size
@@ -102,7 +102,7 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, 
                 _add(out, "dp", "all_gather", 1, b["padded"], precision)
             else:
                 _add(out, "dp", "all_reduce", 1, b["padded"], grad_reduce_dtype)
-    if tp * pp * dp > 1:
+    if dims.world > 1:
         _add(out, "all", "all_reduce", 1, 2, "fp32")
     return comm_dict(out)
 
@@ -111,7 +111,7 @@ def world_comm(shape: Shape, layout, seq_len: int, global_batch: int, precision:
                grad_accum_dtype: str = "fp32", grad_reduce_dtype: str = "fp32") -> dict:
     """Per-step totals over all ranks (what the planner prices), {axis: {op: {count, bytes, bytes_by_dtype}}}."""
     tot = defaultdict(lambda: defaultdict(comm_entry))
-    for r in range(layout.tp * layout.pp * layout.dp):
+    for r in range(ParallelDims.of(layout).world):
         for axis, ops in rank_comm(shape, layout, seq_len, global_batch, r, precision, grad_accum_dtype,
                                    grad_reduce_dtype).items():
             for op, v in ops.items():

@@ -15,7 +15,6 @@ grad_accum_dtype and grad_reduce_dtype, and AdamW updates fp32 masters (data_par
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -30,10 +29,11 @@ from harness.engine.partition import rank_chunks
 from harness.engine.pipeline import PipelineExecutor
 from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
-from harness.engine.topology import Mesh, format_rank_map, rank_map
-from harness.model.llama import reference_tensor, shape_rotary
+from harness.engine.topology import Mesh, format_rank_map
 from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.model.llama import reference_tensor, shape_rotary
 from harness.model.training import make_adamw, precision_policy
+from harness.parallel_dims import ParallelDims
 from harness.spec import micro_batches_per_step
 
 # Which breakdown category each axis's blocking wait is charged to.
@@ -59,7 +59,7 @@ class Engine3D:
         self.spec, self.shape, self.device = spec, shape, ctx.device
         self.policy = precision_policy(w)
         distributed = ctx.backend is not None
-        self.mesh = Mesh.get(lay.tp, lay.pp, lay.dp, ctx.rank, distributed)
+        self.mesh = Mesh.get(ParallelDims.of(lay), ctx.rank, distributed)
         c = self.mesh.coord
         self.clock = StepClock(ctx.device)
         self.stats = CommStats(self.clock)
@@ -91,7 +91,7 @@ class Engine3D:
                                          self.policy.compute, p2p_mode)
         cos, sin = shape_rotary(shape, w.seq_len, ctx.device)
         self.cos, self.sin = cos, sin
-        self.rank_map = rank_map(lay.tp, lay.pp, lay.dp, _ranks_per_node(ctx))
+        self.rank_map = self.mesh.dims.rank_table(_ranks_per_node(ctx))
         if ctx.rank == 0 and ctx.world_size > 1:
             print("own engine rank map (tp innermost):\n" + format_rank_map(self.rank_map), file=sys.stderr, flush=True)
         self._details: dict = {}
@@ -199,7 +199,7 @@ class Engine3D:
         return {
             "engine": "own 3D (Megatron-style TP/SP, instruction-list pipeline, bucketed DP, ZeRO-1)",
             "mesh": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "order": "pp, dp, tp (tp innermost)"},
-            "coord": dataclasses.asdict(self.mesh.coord),
+            "coord": self.mesh.coord._asdict(),
             "schedule": lay.pipeline_schedule, "chunks_per_rank": self.chunks_per_rank,
             "p2p_mode": self.executor.mode,
             "micro_batches": self.micro, "sequence_parallel": self.region.sp is not None,

@@ -60,9 +60,9 @@ import torch.distributed as dist
 
 from harness import measure
 from harness.data.source import dp_slice
-from harness.engine.topology import coord_of
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.training import dtype_name, make_adamw, precision_policy
+from harness.parallel_dims import ParallelDims
 from harness.spec import check_world_size
 
 _WRAPPED = "_checkpoint_wrapped_module."
@@ -72,15 +72,15 @@ class FSDPEngine:
     name = "fsdp"
 
     def __init__(self, spec, shape, ctx):
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if ctx.backend is None:
             raise RuntimeError("engine fsdp needs a process group (run it under a launcher)")
         w, lay = spec.workload, spec.layout
         self.spec, self.ctx, self.device = spec, ctx, ctx.device
-        self.coord = coord_of(ctx.rank, lay.tp, lay.pp, lay.dp)
-        self.mesh = init_device_mesh(ctx.device.type, (lay.pp, lay.dp, lay.tp), mesh_dim_names=("pp", "dp", "tp"))
+        dims = ParallelDims.of(lay)
+        self.coord = dims.coord(ctx.rank)
+        self.mesh = dims.device_mesh(ctx.device.type)
         if lay.tp > 1:  # lets DTensor reduce the gradient norm over (dp, tp) in one all-reduce, not two
             self.mesh["dp", "tp"]._flatten()
         self.policy = precision_policy(w)
@@ -133,7 +133,9 @@ class FSDPEngine:
                 part.tie_weights()
         if lay.activation_checkpointing == "full":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                CheckpointImpl, checkpoint_wrapper)
+                CheckpointImpl,
+                checkpoint_wrapper,
+            )
 
             for key, block in list(part.layers.named_children()):
                 part.layers.register_module(key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))

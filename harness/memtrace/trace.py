@@ -69,6 +69,7 @@ from torch.utils._pytree import tree_leaves
 
 from harness.errors import SpecError
 from harness.measure import SavedActivations, _local, storage_identity, tensor_census
+from harness.parallel_dims import ParallelDims
 
 GIB = 1024 ** 3
 FLASH_STYLE = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
@@ -274,9 +275,8 @@ def traced_spec(spec, stage: int = 0, full_micro: bool = False):
 
 def stage_ranks(lay) -> list[int]:
     """The first rank (tp 0, dp 0) of each pipeline stage."""
-    from harness.engine.topology import Coord, rank_of
-
-    return [rank_of(Coord(pp=s, dp=0, tp=0), lay.tp, lay.pp, lay.dp) for s in range(lay.pp)]
+    dims = ParallelDims.of(lay)
+    return [dims.rank(pp=s) for s in range(lay.pp)]
 
 
 @dataclass
@@ -383,12 +383,11 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from harness.engine.engine import Engine3D
-    from harness.engine.topology import Mesh, coord_of
+    from harness.engine.topology import Mesh
 
-    coord = coord_of(rank, spec.layout.tp, spec.layout.pp, spec.layout.dp)
-    run_spec, m, m_run = traced_spec(spec, coord.pp, full_micro)
-    lay = run_spec.layout
-    world = lay.tp * lay.pp * lay.dp
+    dims = ParallelDims.of(spec.layout)
+    run_spec, m, m_run = traced_spec(spec, dims.coord(rank).pp, full_micro)
+    world = dims.world
     t0 = time.perf_counter()
     cached = set(Mesh._cache)
 
@@ -397,7 +396,7 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
             Mesh._cache.pop(key, None)
 
     with _fake_world(rank, world, forget_meshes) as ctx:
-        Mesh.get(lay.tp, lay.pp, lay.dp, rank, True)  # the process groups, outside fake mode
+        Mesh.get(dims, rank, True)  # the process groups, outside fake mode
         live = LiveTensors()
         with FakeTensorMode(), _target_behaviour(), live, contextlib.redirect_stderr(io.StringIO()):
             eng = Engine3D(run_spec, shape, ctx)
@@ -435,7 +434,7 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
             ex._forward, ex._backward, ex.run = forward, backward, run
             base, peak, peak_fb, peak_opt, where = _run_step(eng, batch, live, saved, phases)
         layers = [[p.layers.start, p.layers.stop] for p in eng.plans]
-        out = RankTrace(rank=rank, stage=coord.pp, layers=layers, census=census, states_bytes=base,
+        out = RankTrace(rank=rank, stage=dims.coord(rank).pp, layers=layers, census=census, states_bytes=base,
                         live_peak_bytes=peak, peak_at=where, forward_backward_peak_bytes=peak_fb,
                         optimizer_peak_bytes=peak_opt, saved_bytes_step=saved.bytes,
                         saved_bytes_forward=first_forward[0] if first_forward else 0,
@@ -501,12 +500,10 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import harness.frameworks.fsdp as fsdp_module
-    from harness.engine.topology import coord_of
 
-    coord = coord_of(rank, spec.layout.tp, spec.layout.pp, spec.layout.dp)
-    run_spec, m, m_run = traced_spec(spec, coord.pp, full_micro)
-    lay = run_spec.layout
-    world = lay.tp * lay.pp * lay.dp
+    dims = ParallelDims.of(spec.layout)
+    run_spec, m, m_run = traced_spec(spec, dims.coord(rank).pp, full_micro)
+    world = dims.world
     t0 = time.perf_counter()
     with _fake_world(rank, world, _clear_dtensor_caches) as ctx:
         live = LiveTensors()
@@ -573,7 +570,7 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
         else:  # the stage modules' blocks, named by their layer numbers
             layers = [[min(map(int, part.layers.keys())), max(map(int, part.layers.keys())) + 1]
                       for part in eng.parts if len(part.layers)]
-        out = RankTrace(rank=rank, stage=coord.pp, layers=layers, census=census, states_bytes=base,
+        out = RankTrace(rank=rank, stage=dims.coord(rank).pp, layers=layers, census=census, states_bytes=base,
                         live_peak_bytes=peak, peak_at=where, forward_backward_peak_bytes=peak_fb,
                         optimizer_peak_bytes=peak_opt, saved_bytes_step=saved.bytes,
                         saved_bytes_forward=first_forward[0] if first_forward else 0,

@@ -1,0 +1,143 @@
+"""The parallel degrees: the one owner of their product, their order and the ranks they give.
+
+Every product or quotient of degrees (the world size, dp derived from a GPU count, the ranks a
+stage or a group holds) is computed here and nowhere else, so that a new axis is one more entry
+in AXES and one more field. The mesh is a row-major grid over AXES, the last axis innermost:
+tensor parallelism talks on every layer, so its groups are consecutive ranks (inside one node
+under every launcher's rank order); data parallelism talks once per step and pipeline
+parallelism only at stage boundaries, so they may cross nodes. Everything is a pure function of
+the degrees, testable for thousands of ranks without processes (torchtitan's ParallelDims).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import namedtuple
+from dataclasses import dataclass
+
+from harness.errors import SpecError
+
+AXES = ("pp", "dp", "tp")  # the mesh's order, outermost first
+LABEL_ORDER = ("tp", "pp", "dp")  # how a layout's label names them ('tp2 pp2 dp4')
+
+Coord = namedtuple("Coord", AXES)  # a rank's place on every axis
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        for axis in AXES:
+            value = getattr(self, axis)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise SpecError(f"layout.{axis}", f"must be a positive integer, got {value!r}")
+
+    # ------------------------------------------------------------ building
+
+    @classmethod
+    def of(cls, layout) -> ParallelDims:
+        """The degrees of a Layout, of any object with the axes as attributes, or of a (partial)
+        layout mapping as old records and compare runs hold it (a missing or empty degree is 1)."""
+        get = layout.get if isinstance(layout, dict) else (lambda k, d=None: getattr(layout, k, d))
+        return cls(**{axis: int(get(axis) or 1) for axis in AXES})
+
+    @classmethod
+    def derive(cls, world_size: int, field: str = "layout.dp", derived: str = "dp", **known: int) -> ParallelDims:
+        """The degrees on `world_size` ranks with `derived` filled in from the others: the one rule
+        for every place that derives a degree (compare, sweeps, the planner). A world size the
+        others do not divide is a SpecError naming `field`."""
+        fixed = cls(**{**known, derived: 1})
+        others = fixed.world
+        if world_size <= 0 or world_size % others:
+            named = " x ".join(f"{a}={getattr(fixed, a)}" for a in AXES if a != derived)
+            raise SpecError(field, f"world size {world_size} is not divisible by {named} = {others}")
+        return dataclasses.replace(fixed, **{derived: world_size // others})
+
+    # ------------------------------------------------------------ sizes
+
+    def sizes(self) -> dict[str, int]:
+        """Every degree, in the mesh's order."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    def degree(self, axis: str) -> int:
+        return self.sizes()[axis]
+
+    def product(self, *axes: str) -> int:
+        """The product of the named degrees (all of them: the world size)."""
+        sizes = self.sizes()
+        return math.prod(sizes[a] for a in (axes or AXES))
+
+    def excluding(self, *axes: str) -> int:
+        """The product of every degree but the named ones (tp x pp: the model-parallel size)."""
+        return math.prod(v for a, v in self.sizes().items() if a not in axes)
+
+    @property
+    def world(self) -> int:
+        return self.product()
+
+    def check_world(self, world_size: int, field: str = "layout") -> None:
+        if self.world != world_size:
+            raise SpecError(field, f"world size {world_size} != {' x '.join(LABEL_ORDER)} = "
+                                   + " x ".join(str(self.degree(a)) for a in LABEL_ORDER))
+
+    def label(self) -> str:
+        """The degrees other than 1, 'tp2 pp2' ('' when all are 1)."""
+        return " ".join(f"{a}{self.degree(a)}" for a in LABEL_ORDER if self.degree(a) != 1)
+
+    # ------------------------------------------------------------ ranks
+
+    def _strides(self) -> dict[str, int]:
+        strides, step = {}, 1
+        for axis in reversed(AXES):
+            strides[axis], step = step, step * self.degree(axis)
+        return strides
+
+    def coord(self, rank: int) -> Coord:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside world {self.world}")
+        strides = self._strides()
+        return Coord(**{a: rank // strides[a] % self.degree(a) for a in AXES})
+
+    def rank(self, coord=None, **axes: int) -> int:
+        """The rank at a coordinate (a Coord, or keywords; an axis not given is 0)."""
+        where = {**(coord._asdict() if coord is not None else {}), **axes}
+        strides = self._strides()
+        return sum(where.get(a, 0) * strides[a] for a in AXES)
+
+    def axis_groups(self) -> dict[str, list[list[int]]]:
+        """For each axis, the rank groups that vary along it only (every rank in exactly one),
+        listed in rank order of their first member."""
+        out: dict[str, list[list[int]]] = {}
+        for axis in AXES:
+            groups: dict[tuple, list[int]] = {}
+            for r in range(self.world):
+                c = self.coord(r)
+                groups.setdefault(tuple(v for a, v in c._asdict().items() if a != axis), []).append(r)
+            out[axis] = list(groups.values())
+        return out
+
+    def group_of(self, rank: int, axis: str) -> list[int]:
+        """The ranks that share every coordinate with `rank` but the one on `axis`."""
+        c = self.coord(rank)._asdict()
+        return [self.rank(**{**c, axis: k}) for k in range(self.degree(axis))]
+
+    def rank_table(self, ranks_per_node: int) -> list[dict]:
+        """One row per rank: node, local rank and coordinates (what a run logs at start)."""
+        return [{"rank": r, "node": r // ranks_per_node, "local_rank": r % ranks_per_node, **self.coord(r)._asdict()}
+                for r in range(self.world)]
+
+    def within_node(self, axis: str, ranks_per_node: int) -> bool:
+        """True when every group of `axis` lies inside one node. Only the innermost axes' groups
+        are consecutive ranks, so this holds when their span divides the node's rank count."""
+        span = math.prod(self.degree(a) for a in AXES[AXES.index(axis):])
+        return self.degree(axis) == 1 or ranks_per_node % span == 0
+
+    def device_mesh(self, device_type: str):
+        """torch's DeviceMesh over every axis in the mesh's order, named by the axes."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, tuple(self.sizes().values()), mesh_dim_names=AXES)
