@@ -41,9 +41,10 @@ class ParallelDims:
     @classmethod
     def of(cls, layout) -> ParallelDims:
         """The degrees of a Layout, of any object with the axes as attributes, or of a (partial)
-        layout mapping as old records and compare runs hold it (a missing or empty degree is 1)."""
+        layout mapping as old records and compare runs hold it (a missing or empty degree is 1; a
+        zero is refused, not read as missing)."""
         get = layout.get if isinstance(layout, dict) else (lambda k, d=None: getattr(layout, k, d))
-        return cls(**{axis: int(get(axis) or 1) for axis in AXES})
+        return cls(**{axis: 1 if get(axis) in (None, "") else int(get(axis)) for axis in AXES})
 
     @classmethod
     def derive(cls, world_size: int, field: str = "layout.dp", derived: str = "dp", **known: int) -> ParallelDims:
@@ -51,11 +52,10 @@ class ParallelDims:
         for every place that derives a degree (compare, sweeps, the planner). A world size the
         others do not divide is a SpecError naming `field`."""
         fixed = cls(**{**known, derived: 1})
-        others = fixed.world
-        if world_size <= 0 or world_size % others:
+        if not fixed.divides(world_size):
             named = " x ".join(f"{a}={getattr(fixed, a)}" for a in AXES if a != derived)
-            raise SpecError(field, f"world size {world_size} is not divisible by {named} = {others}")
-        return dataclasses.replace(fixed, **{derived: world_size // others})
+            raise SpecError(field, f"world size {world_size} is not divisible by {named} = {fixed.world}")
+        return dataclasses.replace(fixed, **{derived: world_size // fixed.world})
 
     # ------------------------------------------------------------ sizes
 
@@ -79,6 +79,11 @@ class ParallelDims:
     def world(self) -> int:
         return self.product()
 
+    def divides(self, world_size: int) -> bool:
+        """Whether these degrees tile `world_size` ranks a whole number of times (what derive needs
+        of the degrees it is given; for the callers that skip such a world rather than refuse it)."""
+        return world_size > 0 and world_size % self.world == 0
+
     def check_world(self, world_size: int, field: str = "layout") -> None:
         if self.world != world_size:
             raise SpecError(field, f"world size {world_size} != {' x '.join(LABEL_ORDER)} = "
@@ -95,6 +100,14 @@ class ParallelDims:
         for axis in reversed(AXES):
             strides[axis], step = step, step * self.degree(axis)
         return strides
+
+    def stride(self, axis: str) -> int:
+        """The rank distance between neighbours on `axis`: the product of the axes inside it."""
+        return self._strides()[axis]
+
+    def span(self, axis: str) -> int:
+        """How many consecutive ranks one group of `axis` lies in (its degree times its stride)."""
+        return self.degree(axis) * self.stride(axis)
 
     def coord(self, rank: int) -> Coord:
         if not 0 <= rank < self.world:
@@ -133,8 +146,15 @@ class ParallelDims:
     def within_node(self, axis: str, ranks_per_node: int) -> bool:
         """True when every group of `axis` lies inside one node. Only the innermost axes' groups
         are consecutive ranks, so this holds when their span divides the node's rank count."""
-        span = math.prod(self.degree(a) for a in AXES[AXES.index(axis):])
-        return self.degree(axis) == 1 or ranks_per_node % span == 0
+        return self.degree(axis) == 1 or ranks_per_node % self.span(axis) == 0
+
+    def per_node(self, axis: str, ranks_per_node: int) -> int:
+        """How many members of one group of `axis` a node holds (at least one)."""
+        return max(1, min(self.degree(axis), ranks_per_node // self.stride(axis)))
+
+    def nodes(self, axis: str, ranks_per_node: int) -> int:
+        """How many nodes one group of `axis` reaches over (its span in whole nodes, at least one)."""
+        return -(-self.span(axis) // ranks_per_node)
 
     def device_mesh(self, device_type: str):
         """torch's DeviceMesh over every axis in the mesh's order, named by the axes."""

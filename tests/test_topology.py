@@ -71,3 +71,22 @@ def test_dp_is_derived_by_one_rule_and_a_world_that_does_not_divide_names_the_fi
     assert e.value.field == "layout" and "world size 8 != tp x pp x dp = 2 x 1 x 2" in e.value.reason
     with pytest.raises(SpecError):
         ParallelDims(tp=0)
+    with pytest.raises(SpecError):  # a zero degree is refused, not read as a missing one
+        ParallelDims.of({"tp": 0})
+
+
+def test_strides_spans_and_node_placement_follow_the_axis_order():
+    dims = ParallelDims(tp=4, pp=2, dp=8)
+    assert [dims.stride(a) for a in AXES] == [32, 4, 1] and [dims.span(a) for a in AXES] == [64, 32, 4]
+    assert all(dims.group_of(0, a)[1] - dims.group_of(0, a)[0] == dims.stride(a) for a in AXES)
+    # 8 ranks a node: a dp group (32 consecutive ranks, every 4th) has 2 members in each of 4 nodes
+    assert dims.per_node("dp", 8) == 2 and dims.nodes("dp", 8) == 4
+    for g in dims.axis_groups()["dp"]:
+        assert len({r // 8 for r in g}) == 4 and all(sum(r // 8 == n for r in g) == 2 for n in {r // 8 for r in g})
+    assert dims.per_node("tp", 8) == 4 and dims.nodes("tp", 8) == 1
+    assert ParallelDims(tp=16, dp=4).per_node("dp", 8) == 1  # a tp group wider than a node: one dp member each
+
+
+def test_a_world_the_degrees_do_not_tile_is_not_divided():
+    assert ParallelDims(tp=2, pp=4).divides(16) and not ParallelDims(tp=2, pp=4).divides(12)
+    assert not ParallelDims().divides(0)
