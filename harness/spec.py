@@ -17,6 +17,7 @@ import yaml
 
 from harness.errors import CapabilityError, SpecError
 from harness.model.presets import Shape, param_count, resolve_shape
+from harness.parallel_dims import ParallelDims
 
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
@@ -395,12 +396,13 @@ def check_fits_a_machine(spec: RunSpec, shape: Shape) -> None:
     micro-batch's activations (34 B per token, hidden unit and layer: Korthikanti et al. 2022),
     its logits and the global batch of int64 tokens each rank builds. A generous lower bound."""
     w, lay = spec.workload, spec.layout
-    world, tokens = lay.tp * lay.pp * lay.dp, lay.micro_batch_size * w.seq_len
+    dims, tokens = ParallelDims.of(lay), lay.micro_batch_size * w.seq_len
+    world = dims.world
     params = param_count(shape)
     parts = {
         "workload.model_overrides" if w.model_overrides else "workload.model":
             (params * 16 // world, f"{params:.3g} parameters x 16 B over {world} devices"),
-        "workload.seq_len": (tokens * shape.hidden * shape.layers * 34 // (lay.tp * lay.pp)
+        "workload.seq_len": (tokens * shape.hidden * shape.layers * 34 // dims.excluding("dp")
                              + tokens * shape.vocab * 4 // lay.tp + w.global_batch_size * (w.seq_len + 1) * 8,
                              f"activations and logits of {lay.micro_batch_size} x {w.seq_len} tokens"),
     }
@@ -579,10 +581,7 @@ def check_capabilities(lay: Layout) -> None:
 
 
 def check_world_size(spec: RunSpec, world_size: int) -> None:
-    lay = spec.layout
-    if lay.tp * lay.pp * lay.dp != world_size:
-        raise SpecError("layout", f"world size {world_size} != tp x pp x dp = "
-                                  f"{lay.tp} x {lay.pp} x {lay.dp}")
+    ParallelDims.of(spec.layout).check_world(world_size, "layout")
 
 
 def micro_batches_per_step(spec: RunSpec) -> int:

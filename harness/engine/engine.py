@@ -107,7 +107,7 @@ class Engine3D:
         local = dp_slice(global_batch, self.mesh.coord.dp, lay.dp).to(self.device, non_blocking=True)
         micro = micro_batches(local, lay.micro_batch_size)
         self.grads.begin_step(len(micro))
-        tokens = len(micro) * lay.dp * lay.micro_batch_size * w.seq_len   # the reference's mean over the batch
+        tokens = global_batch.shape[0] * w.seq_len   # the reference's mean over the global batch
         loss = self.executor.run(micro, self.cos, self.sin, 1.0 / tokens)
         self.grads.finish()
 

@@ -32,6 +32,7 @@ from harness.data.source import dp_slice, micro_batches
 from harness.frameworks.ds_config import build_config
 from harness.measure import CensusAtStep, optimizer_state_tensors
 from harness.model.training import precision_policy
+from harness.parallel_dims import ParallelDims
 
 # Where DeepSpeed's optimizer wrappers keep what they hold (attributes of BF16_Optimizer,
 # DeepSpeedZeroOptimizer (ZeRO-1/2) and DeepSpeedZeroOptimizer_Stage3), by census category.
@@ -129,7 +130,7 @@ class DeepSpeedBase:
     def __init__(self, spec, shape, ctx):
         lay = spec.layout
         self.spec, self.shape, self.ctx, self.device = spec, shape, ctx, ctx.device
-        self.dp = ctx.world_size // (lay.tp * lay.pp)
+        self.dp = ParallelDims.derive(ctx.world_size, "layout", tp=lay.tp, pp=lay.pp).dp
         # the config is checked first: a contradiction is a SpecError before DeepSpeed loads
         self.config, self.config_file, self.filled = build_config(spec, shape, dp=self.dp,
                                                                   device_type=ctx.device.type)

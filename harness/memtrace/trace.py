@@ -269,7 +269,8 @@ def traced_spec(spec, stage: int = 0, full_micro: bool = False):
     new_lay = dataclasses.replace(lay, attention=traced_attention(lay.attention),
                                   pipeline_p2p="grouped" if lay.pipeline_p2p == "auto" and lay.pp > 1
                                   else lay.pipeline_p2p)
-    wl = dataclasses.replace(spec.workload, global_batch_size=m_run * lay.dp * lay.micro_batch_size, device="cpu")
+    batch = spec.workload.global_batch_size // m * m_run  # m_run of the step's m micro-batches
+    wl = dataclasses.replace(spec.workload, global_batch_size=batch, device="cpu")
     return dataclasses.replace(spec, layout=new_lay, workload=wl), m, m_run
 
 

@@ -1,8 +1,9 @@
 """Every valid layout for a model, workload and cluster: tp, pp, dp and the per-layout options.
 
 tp divides the attention heads (and KV heads) and stays within what the node allows or crosses
-nodes in whole nodes; pp is at most the number of layers; tp x pp x dp = GPUs; the micro-batch
-divides the per-replica batch. Sequence parallelism is enumerated only where tp > 1.
+nodes in whole nodes; pp is at most the number of layers; tp x pp divides the GPUs and dp follows
+by the one rule (ParallelDims.derive); the micro-batch divides the per-replica batch. Sequence
+parallelism is enumerated only where tp > 1.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import itertools
 
 from harness.errors import SpecError
 from harness.model.presets import Shape
+from harness.parallel_dims import ParallelDims
 from harness.planner.layout import ATTENTION, Layout, Workload
 from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
 
@@ -45,12 +47,14 @@ def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attent
             continue
         if tp > gpus_per_node and tp % gpus_per_node:
             continue
-        for pp in divisors(gpus // tp):
+        for pp in divisors(gpus):
+            if not ParallelDims(tp=tp, pp=pp).divides(gpus):
+                continue
             if pp > shape.layers or (pp_values and pp not in pp_values):
                 continue
             if pp > 1 and shape.tie_embeddings and fields.get("engine", "paper") != "paper":
                 continue  # every harness engine refuses tied embeddings across stages (spec.MODEL_LIMITS)
-            dp = gpus // (tp * pp)
+            dp = ParallelDims.derive(gpus, "--gpus", tp=tp, pp=pp).dp
             if wl.global_batch_size % dp:
                 continue
             for mb, ck, sp, att, rms in itertools.product(micro_batch_sizes, checkpointing, sequence_parallel,

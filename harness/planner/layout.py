@@ -12,6 +12,7 @@ import functools
 from dataclasses import asdict, dataclass
 
 from harness.model.presets import Shape
+from harness.parallel_dims import ParallelDims
 from harness.spec import ATTENTION_KERNELS, micro_batch_count
 from harness.spec import Layout as SpecLayout
 
@@ -66,8 +67,12 @@ class Layout:
     engine: str = "paper"
 
     @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims.of(self)
+
+    @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.dims.world
 
     @property
     def sharding_stage(self) -> int:

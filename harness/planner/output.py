@@ -151,16 +151,12 @@ def exportable(lay: Layout, fmt: str) -> str:
     return ""
 
 
-def _accumulation(lay: Layout, wl: Workload) -> int:
-    return wl.global_batch_size // (lay.dp * lay.micro_batch_size)
-
-
 def export_deepspeed(shape: Shape, lay: Layout, wl: Workload) -> tuple[str, list[str]]:
     """A ds_config (DeepSpeed's JSON config keys) for the layout."""
     bf16 = wl.dtype_bytes == 2
     cfg = {"train_batch_size": wl.global_batch_size,
            "train_micro_batch_size_per_gpu": lay.micro_batch_size,
-           "gradient_accumulation_steps": _accumulation(lay, wl),
+           "gradient_accumulation_steps": wl.micro_batches(lay),
            "gradient_clipping": 1.0,
            "bf16": {"enabled": bf16},
            "zero_optimization": {"stage": lay.sharding_stage}}
@@ -257,9 +253,9 @@ def export_torchtitan(shape: Shape, lay: Layout, wl: Workload) -> tuple[str, lis
     notes = ["torchtitan shards parameters, gradients and optimizer states with FSDP2 (ZeRO-3-like) over "
              f"data_parallel_shard_degree: its memory is below the ZeRO-{lay.sharding_stage} prediction",
              "attention runs through scaled_dot_product_attention; the model's shape is its [model] flavor"]
-    if lay.pp == 1 and _accumulation(lay, wl) > 1:
+    if lay.pp == 1 and wl.micro_batches(lay) > 1:
         notes.append(f"global_batch_size > local_batch_size x dp: torchtitan accumulates "
-                     f"{_accumulation(lay, wl)} micro-batches per step")
+                     f"{wl.micro_batches(lay)} micro-batches per step")
     return text + "\n", notes
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from harness import resources
 from harness.errors import SpecError
+from harness.parallel_dims import ParallelDims
 from harness.planner.layout import PAPER_CHECKPOINTING, PAPER_KERNELS, Layout, Workload
 
 SHIPPED_SWEEPS = resources.path("baselines/paper_sweeps")  # the repository's, or the installed package's copy
@@ -52,9 +53,9 @@ def load_sweep(path: str | Path, seq_len: int = 2048, global_batch_size: int = 2
         for row in csv.DictReader(f):
             try:
                 attention, rmsnorm = PAPER_KERNELS[row["kernel"].strip()]
-                lay = Layout(tp=int(row["model_parallel_size"]), pp=int(row["pipe_parallel_size"]),
-                             dp=int(row["World Size"]) // (int(row["model_parallel_size"]) * int(row["pipe_parallel_size"])),
-                             micro_batch_size=int(row["micro_batch_size"]),
+                dims = ParallelDims.derive(int(row["World Size"]), "World Size", tp=int(row["model_parallel_size"]),
+                                           pp=int(row["pipe_parallel_size"]))
+                lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, micro_batch_size=int(row["micro_batch_size"]),
                              activation_checkpointing=PAPER_CHECKPOINTING[row["activation_checkpointing_type"].strip()],
                              sequence_parallel=row.get("sequence_parallel", "False").strip() == "True",
                              attention=attention, rmsnorm=rmsnorm, zero_stage=1)

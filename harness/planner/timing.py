@@ -192,7 +192,7 @@ def stage_extras(shape: Shape, lay: Layout, wl: Workload, prof: Profile, stage: 
         add(key, 2 * (has_emb + has_head) * 2 * (t - 1) / t * n * h * B / _bw(prof, key))
     # Pipeline sends: activation forward, its gradient backward (split over tp with scatter-gather).
     if lay.pp > 1:
-        key = _link(prof, lay.tp * lay.dp * 2)
+        key = _link(prof, 2 * lay.dims.stride("pp"))  # two neighbouring stages' blocks of ranks
         sends = (1 if stage < lay.pp - 1 else 0) + (1 if stage > 0 else 0)
         add(key, sends * 2 * n * h * B / t / _bw(prof, key))
     if has_emb or has_head:
@@ -288,9 +288,10 @@ def _data_parallel(shape: Shape, lay: Layout, wl: Workload, prof: Profile, kinds
     zero = lay.sharding_stage
     if lay.dp > 1:
         m = wl.micro_batches(lay)
-        key = _link(prof, lay.tp * lay.dp)
-        per_node = max(1, min(lay.dp, prof.gpus_per_node // lay.tp)) if key == "internode" else 1
-        nodes = -(-lay.tp * lay.dp // prof.gpus_per_node)
+        dims = lay.dims
+        key = _link(prof, dims.span("dp"))
+        per_node = dims.per_node("dp", prof.gpus_per_node) if key == "internode" else 1
+        nodes = dims.nodes("dp", prof.gpus_per_node)
         if lay.pp > 1:
             aggregate = DP_NIC_AGGREGATION_PIPELINED
         else:

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from harness.errors import SpecError
+from harness.parallel_dims import ParallelDims
 from harness.spec import RunSpec, check_world_size, layout_label, parse_spec
 from harness.sweep.spec import SweepSpec, check_axis_name
 
@@ -114,9 +115,11 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
         filled = {"workload": {**defaults["workload"], **raw["workload"]},
                   "layout": {**defaults["layout"], **lay}}
         if "dp" not in lay:
-            tp, pp = filled["layout"]["tp"], filled["layout"]["pp"]
-            if isinstance(tp, int) and isinstance(pp, int) and tp > 0 and pp > 0 and sweep.gpus % (tp * pp) == 0:
-                lay["dp"] = filled["layout"]["dp"] = sweep.gpus // (tp * pp)
+            try:
+                tp, pp = filled["layout"]["tp"], filled["layout"]["pp"]
+                lay["dp"] = filled["layout"]["dp"] = ParallelDims.derive(sweep.gpus, "sweep.gpus", tp=tp, pp=pp).dp
+            except SpecError:
+                pass  # dropped below, once the filters have seen the point
         flat = _flat(filled, coords)
         if sweep.include and not any(matches(flat, r) for r in sweep.include):
             drops.append(Drop(coords, "not matched by any include filter"))

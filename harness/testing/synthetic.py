@@ -10,9 +10,16 @@ from __future__ import annotations
 import random
 import uuid
 
+from harness.parallel_dims import ParallelDims
+
 SWEEPS = [("syn-13b-seq2048-64gpu", "paper-13b", 2048, 64), ("syn-30b-seq2048-256gpu", "paper-30b", 2048, 256),
           ("syn-13b-seq8192-128gpu", "paper-13b", 8192, 128), ("syn-65b-seq2048-128gpu", "paper-65b", 2048, 128),
           ("syn-8gpu-node", "llama2-7b", 4096, 8)]
+
+
+def _model_parallel(gpus: int) -> list[tuple[int, int]]:
+    """The (tp, pp) pairs of degrees up to 8 that a sweep's GPUs hold a whole number of times."""
+    return [(tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8) if ParallelDims(tp=tp, pp=pp).divides(gpus)]
 
 
 def make_records(n: int, seed: int = 0) -> list[dict]:
@@ -21,8 +28,9 @@ def make_records(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         sweep, model, seq, gpus = SWEEPS[i % len(SWEEPS)]
         engine = rng.choice(["own"] * 6 + ["deepspeed", "fsdp"])
-        tp, pp = (rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4, 8])) if engine == "own" else (1, 1)
-        dp = max(1, gpus // (tp * pp))
+        tp, pp = rng.choice(_model_parallel(gpus)) if engine == "own" else (1, 1)
+        dims = ParallelDims.derive(gpus, tp=tp, pp=pp)
+        dp = dims.dp
         mb = rng.choice([1, 2, 4, 8])
         ckpt = rng.choice(["none", "full", "selective"])
         attn = rng.choice(["naive", "sdpa", "flash2"])
@@ -34,7 +42,7 @@ def make_records(n: int, seed: int = 0) -> list[dict]:
                   "reshard_after_forward": rng.random() < 0.5}
         workload = {"model": model, "seq_len": seq, "global_batch_size": 2048 if seq == 2048 else 512,
                     "steps": 20, "warmup_steps": 3, "precision": "bf16"}
-        mem_pressure = mb * (1 if ckpt == "none" else 0.3) / (tp * pp)
+        mem_pressure = mb * (1 if ckpt == "none" else 0.3) / dims.excluding("dp")
         status = "ok"
         if mem_pressure > 1.5 and rng.random() < 0.8:
             status = "oom"
