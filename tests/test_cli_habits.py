@@ -14,6 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = list(cli.COMMANDS)
 
 
+@pytest.mark.slow
 def test_python_dash_m_harness_and_version():
     r = subprocess.run([sys.executable, "-m", "harness", "--version"], capture_output=True, text=True,
                        cwd=REPO, timeout=60)

@@ -32,6 +32,7 @@ def _refusing_module(tmp_path) -> dict:
     return {"PYTHONPATH": str(pkg) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
+@pytest.mark.slow  # the stand-in runner is a process
 def test_launch_carries_the_first_error_line_into_the_record(tmp_path):
     store = str(tmp_path / "r.sqlite")
     spec = {"workload": dict(WORKLOAD), "layout": {"attention": "flash2"}}
@@ -193,6 +194,7 @@ def test_slurm_master_port_is_derived_from_the_job_and_array_task(monkeypatch):
     assert os.environ["MASTER_PORT"] == "12345"
 
 
+@pytest.mark.slow  # bash -n checks the script
 def test_slurm_script_exclusive_and_cpus_per_task(tmp_path):
     from harness.sweep.expand import expand
     from harness.sweep.slurm import write_slurm

@@ -245,6 +245,7 @@ def test_emitted_sweep_runs_one_tiny_point(tmp_path):
 
 # ---------------------------------------------------------------- the plan path imports no torch
 
+@pytest.mark.slow  # a fresh Python process
 def test_plan_imports_no_torch():
     """The plan command, run to its end in a fresh interpreter, never imports torch, transformers or
     DeepSpeed (importing torch alone takes longer than the whole plan should)."""
