@@ -1,5 +1,5 @@
-"""Issue 14 point 7: the CLI habits of the field (python -m, --version, help with examples,
-internal flags hidden, --set overrides, progress with elapsed time and ETA)."""
+"""The CLI follows the field's conventions: python -m, --version, help with examples, internal flags
+hidden, --set overrides, progress with elapsed time and ETA."""
 
 import os
 import subprocess

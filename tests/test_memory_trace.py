@@ -8,7 +8,8 @@ equal those of the real engine on real tensors, rank by rank.
 Agreement (slow: full-size traces): for one layout per case, covering 13B/30B/65B, sequence
 2048 and 8192, no/selective/full checkpointing, SP off and on, the planner's prediction for the
 own engine (planner/memory.py, engine_stage_memory) is within 10% of the trace, stage by stage
-and at the worst stage; the table and the trace times are printed.
+and at the worst stage; the table and the trace times are printed (the time target is
+benchmarks/memory_speed.py's).
 
 Engine fsdp likewise: exact against a real 2-rank gloo run at tiny size (dp2, tp2, tp2 + SP, pp2;
 fp32 and bf16, one launch), and the planner's fsdp branch within 10% of full-size traces.
@@ -153,13 +154,6 @@ def test_planner_agrees_with_the_trace(agreement):
             abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.02 * r["traced_peak_gib"]
         for rank in r["ranks"]:
             assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.10 * rank["total_gib"], (r["layout"], rank)
-
-
-@pytest.mark.slow
-def test_trace_time_per_layout(agreement):
-    """The issue asks under 120 s per layout on 2 cores; a loaded machine gets twice that here."""
-    for r in agreement:
-        assert r["seconds"] < 240, (r["layout"], r["seconds"])
 
 
 # Engine fsdp at full size (bf16, sdpa, eager RMSNorm, micro-batch 1, global batch 512): FSDP2 over

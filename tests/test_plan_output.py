@@ -1,4 +1,4 @@
-"""What `harness plan` hands a user to act on (issue 13, points 4 and 5): distinct table rows, a
+"""What `harness plan` hands a user to act on: distinct table rows, a
 sweep that `harness sweep` runs as it is, DeepSpeed / Megatron-LM / torchtitan configs that parse,
 and a plan path that imports no torch."""
 
