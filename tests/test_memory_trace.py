@@ -252,16 +252,16 @@ def test_memory_bad_input_is_one_line_exit_2(argv, field, capsys):
 
 
 def test_planner_engines():
-    """paper stays the study's model (the default of a planner Layout); own, deepspeed and fsdp
+    """paper stays the study's model (the default of a planner PlannerLayout); own, deepspeed and fsdp
     differ by their model states as model_states says."""
     import dataclasses
 
     from harness.model.presets import PRESETS
-    from harness.planner.layout import Layout, Workload
+    from harness.planner.layout import PlannerLayout, Workload
     from harness.planner.memory import GIB, model_states, worst_stage_memory
 
     shape, wl = PRESETS["paper-13b"], Workload(2048, 2048)
-    lay = Layout(2, 4, 8, 1, attention="sdpa", rmsnorm="torch")
+    lay = PlannerLayout(2, 4, 8, 1, attention="sdpa", rmsnorm="torch")
     assert lay.engine == "paper"
     paper = worst_stage_memory(shape, lay, wl)
     assert paper == worst_stage_memory(shape, dataclasses.replace(lay, engine="paper"), wl)

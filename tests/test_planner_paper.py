@@ -161,11 +161,11 @@ def test_allocator_pressure_costs_per_step_above_the_threshold():
     device), its constant calibrated with the efficiencies and read back from the profile."""
     from harness.model.presets import PRESETS
     from harness.planner import timing
-    from harness.planner.layout import Layout, Workload
+    from harness.planner.layout import PlannerLayout, Workload
     from harness.planner.memory import GIB
 
     prof = load_profile("a100-80gb")
-    shape, lay, wl = PRESETS["paper-13b"], Layout(2, 2, 8, 1), Workload(2048, 2048)
+    shape, lay, wl = PRESETS["paper-13b"], PlannerLayout(2, 2, 8, 1), Workload(2048, 2048)
     cap = prof.memory_gib * GIB
     pressure = [timing.alloc_pressure(shape, lay, wl, prof, f * cap) for f in (0.3, 0.65, 0.8, 0.95, 1.0, 1.3)]
     assert pressure[:2] == [0.0, 0.0]
@@ -218,12 +218,12 @@ def test_median_mfu_error_held_out():
 
 def _pred(model, seq, gbs, **kw):
     from harness.model.presets import PRESETS
-    from harness.planner.layout import Layout, Workload
+    from harness.planner.layout import PlannerLayout, Workload
     from harness.planner.predict import predict
 
     base = dict(tp=2, pp=4, dp=16, micro_batch_size=1, activation_checkpointing="full",
                 attention="flash2", rmsnorm="fused")
-    return predict(PRESETS[model], Layout(**{**base, **kw}), Workload(seq, gbs), load_profile("a100-80gb"))
+    return predict(PRESETS[model], PlannerLayout(**{**base, **kw}), Workload(seq, gbs), load_profile("a100-80gb"))
 
 
 def test_memory_terms_grow_with_model_size_and_sequence(monkeypatch):
@@ -239,9 +239,9 @@ def test_memory_terms_grow_with_model_size_and_sequence(monkeypatch):
     assert memory.paper_allreduce_bucket_elements(s65, False, 20, True, 1) > \
         memory.paper_allreduce_bucket_elements(s13, False, 20, True, 1)
     # The stranded fp32 logits block is 4x larger at 8192 than at 2048 tokens per sequence.
-    from harness.planner.layout import Layout, Workload
+    from harness.planner.layout import PlannerLayout, Workload
 
-    lay = Layout(2, 4, 16, 1)
+    lay = PlannerLayout(2, 4, 16, 1)
     assert memory.paper_stranded_block(s13, lay, Workload(8192, 512), True) == \
         4 * memory.paper_stranded_block(s13, lay, Workload(2048, 2048), True)
     # Switched off, the pipelined 65B and 8192-token layouts need less memory: the terms add to both.
@@ -268,9 +268,9 @@ def test_flash2_gains_more_than_flash1_at_long_sequences():
     # The flash rate grows with the sequence: at 4x the tokens per sequence the attention work per
     # token is 4x, its time per token less than that (about 3.4x).
     from harness.model.presets import PRESETS
-    from harness.planner.layout import Layout, Workload
+    from harness.planner.layout import PlannerLayout, Workload
 
-    lay = Layout(4, 1, 32, 1, attention="flash2")
+    lay = PlannerLayout(4, 1, 32, 1, attention="flash2")
     prof = load_profile("a100-80gb")
     per_token = {seq: timing.stage_features(PRESETS["paper-13b"], lay, Workload(seq, 2048 * 2048 // seq), prof, 0)
                  ["flash2"] / seq for seq in (2048, 8192)}
