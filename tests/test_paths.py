@@ -1,4 +1,4 @@
-"""Paths (issue 14, point 4): the main command leaves tracked files alone, and records and reports
+"""Paths: the main command leaves tracked files alone, and records and reports
 keep paths as they were given, so committed ones name no folder of the machine that made them.
 
 - no committed report, record, example or sweep spec holds an absolute path of a machine;

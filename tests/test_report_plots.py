@@ -1,4 +1,4 @@
-"""Outputs people look at (issue 14, point 8): the compare report's loss curves and step-time
+"""Outputs people look at: the compare report's loss curves and step-time
 distribution, figures that read on a laptop (SVG), axes from zero where a ratio or a throughput
 is drawn, 95% CI whiskers on bar charts, the fields that differ between compared runs, and the
 per-run TensorBoard stream with its one-line error when the package is missing."""

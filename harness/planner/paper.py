@@ -16,7 +16,7 @@ import numpy as np
 
 from harness import resources
 from harness.errors import SpecError
-from harness.planner.layout import PAPER_CHECKPOINTING, PAPER_KERNELS, Layout, Workload
+from harness.planner.layout import PAPER_CHECKPOINTING, PAPER_KERNELS, PlannerLayout, Workload
 
 SHIPPED_SWEEPS = resources.path("baselines/paper_sweeps")  # the repository's, or the installed package's copy
 
@@ -25,7 +25,7 @@ SHIPPED_SWEEPS = resources.path("baselines/paper_sweeps")  # the repository's, o
 class PaperRun:
     sweep: str
     model: str               # planner preset name (paper-13b, ...)
-    layout: Layout
+    layout: PlannerLayout
     workload: Workload
     status: str              # ok | oom | other (other error, kernel not available)
     step_time_s: float | None
@@ -52,7 +52,7 @@ def load_sweep(path: str | Path, seq_len: int = 2048, global_batch_size: int = 2
         for row in csv.DictReader(f):
             try:
                 attention, rmsnorm = PAPER_KERNELS[row["kernel"].strip()]
-                lay = Layout(tp=int(row["model_parallel_size"]), pp=int(row["pipe_parallel_size"]),
+                lay = PlannerLayout(tp=int(row["model_parallel_size"]), pp=int(row["pipe_parallel_size"]),
                              dp=int(row["World Size"]) // (int(row["model_parallel_size"]) * int(row["pipe_parallel_size"])),
                              micro_batch_size=int(row["micro_batch_size"]),
                              activation_checkpointing=PAPER_CHECKPOINTING[row["activation_checkpointing_type"].strip()],
