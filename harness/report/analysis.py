@@ -8,31 +8,15 @@ so a reader knows it was looked for. Rankings use one metric (data.choose_metric
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 
 from harness.report import plots
 from harness.report.data import Metric, Row, fmt_bytes, fmt_s
+from harness.report.sections import Section, Table
 from harness.store import STATUSES
 
 TOP = 10
 MAX_SWEEP_FIGS = 6
 MAX_FAILED_ROWS = 60
-
-
-@dataclass
-class Table:
-    headers: list[str]
-    rows: list[list[str]]
-    caption: str = ""
-
-
-@dataclass
-class Section:
-    id: str
-    title: str
-    text: list[str] = field(default_factory=list)
-    tables: list[Table] = field(default_factory=list)
-    images: list[tuple[str, bytes, str]] = field(default_factory=list)  # (name, svg, alt)
 
 
 def by_sweep(rows: list[Row]) -> dict[str, list[Row]]:
