@@ -14,26 +14,15 @@ import os
 
 from harness.report import plots, render
 from harness.report.analysis import rate_ci
+from harness.report.data import measured_columns
 from harness.report.render import save_figures
-from harness.report.sections import Code, Figure, Items, Section, Table
+from harness.report.sections import Code, Column, Figure, Items, Section, Table, table
 from harness.spec import Layout, capability_error, engine_variant, layout_label, parallel_label
 from harness.store import PASS
 
 
 def _ms(x) -> str:
     return f"{x * 1e3:.1f}" if isinstance(x, (int, float)) else "n/a"
-
-
-def _num(x, fmt="{:,.0f}") -> str:
-    return fmt.format(x) if isinstance(x, (int, float)) else "n/a"
-
-
-def _pct(x) -> str:
-    return f"{100 * x:.2f}%" if isinstance(x, (int, float)) else "n/a"
-
-
-def _mib(x) -> str:
-    return f"{x / 2**20:,.0f} MiB" if isinstance(x, (int, float)) and x else "n/a"
 
 
 def _sci(x) -> str:
@@ -223,43 +212,33 @@ THREADS_TEXT = ("Threads per process: {n} (OMP_NUM_THREADS), the same for every 
                 "compare layouts rather than thread counts.")
 
 
-def table_rows(summary: dict) -> list[dict]:
+def _note(item: dict) -> str:
+    run, p = item["run"], item["parity"]
+    return "; ".join(x for x in [p.get("note", ""), run.get("override_note", ""), run.get("error_line", "")] if x)
+
+
+def result_columns() -> list[Column]:
+    """The table of runs: what names a run, every reported measurement (harness.store.fields), its parity."""
+    return [Column("Run", lambda i: i["run"]["label"]), Column("Engine", lambda i: i["run"]["engine"]),
+            Column("Layout", lambda i: layout_label(i["run"]["layout"])),
+            Column("Fields that differ", lambda i: i["differs"]), Column("Status", lambda i: i["run"]["status"]),
+            *measured_columns(lambda i: i["run"].get("row") or {}),
+            Column("Loss parity", lambda i: i["parity"].get("verdict", "-")),
+            Column("Max rel. diff", lambda i: _sci(i["parity"].get("max_rel_diff"))), Column("Note", _note)]
+
+
+def results_table(summary: dict) -> Table:
+    """One row per run (result_columns)."""
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
-    differs = differs_texts(summary)
-    rows = []
-    for r, differ in zip(summary["runs"], differs):
-        m = r.get("metrics") or {}
-        st = m.get("step_time_s") or {}
-        mfu = (m.get("mfu") or {}).get("palm")
-        mfu_meas = (m.get("mfu_vs_measured_matmul") or {}).get("palm")
-        p = parity.get(r["label"], {})
-        rows.append({
-            "label": r["label"], "engine": r["engine"], "layout": layout_label(r["layout"]),
-            "differs": differ,
-            "launcher": r["launcher"], "status": r["status"],
-            "step_ms": f"{_ms(st.get('median'))} [{_ms(st.get('ci95_low'))}, {_ms(st.get('ci95_high'))}]"
-            if st else "n/a",
-            "tokens_s": _num(m.get("tokens_per_s")),
-            "mfu": _pct(mfu), "mfu_measured": _pct(mfu_meas),
-            "memory": _mib(m.get("peak_memory_bytes")) + (f" ({m['memory_kind']})" if m.get("memory_kind") and
-                                                         m.get("peak_memory_bytes") else ""),
-            "parity": p.get("verdict", "-"), "rel_diff": _sci(p.get("max_rel_diff")),
-            "note": "; ".join(x for x in [p.get("note", ""), r.get("override_note", ""), r.get("error_line", "")] if x),
-        })
-    return rows
-
-
-COLUMNS = [("label", "Run"), ("engine", "Engine"), ("layout", "Layout"), ("differs", "Fields that differ"),
-           ("status", "Status"),
-           ("step_ms", "Step time median [95% CI] (ms)"), ("tokens_s", "Tokens/s"),
-           ("mfu", "MFU (PaLM, datasheet peak)"), ("mfu_measured", "MFU (vs measured matmul peak)"),
-           ("memory", "Peak memory"), ("parity", "Loss parity"), ("rel_diff", "Max rel. diff"), ("note", "Note")]
+    items = [{"run": r, "differs": d, "parity": parity.get(r["label"], {})}
+             for r, d in zip(summary["runs"], differs_texts(summary))]
+    return table(result_columns(), items)
 
 
 STEP_TEXT = ("Step time: median over the measured steps (warm-up excluded), each step the slowest rank's, "
              "with the 95% confidence interval of the median. MFU uses the PaLM convention (6N + 12·L·h·s FLOPs "
              "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
-             "flops profiler double-counts under ZeRO-3); n/a where the device has no datasheet peak (CPU). "
+             "flops profiler double-counts under ZeRO-3); '-' where the device has no datasheet peak (CPU). "
              "Peak memory: CUDA allocator peak, or peak RSS per process on CPU.")
 DIFFERS_TEXT = ("The runs differ in {fields}; the column 'Fields that differ' gives each run's values (a field "
                 "equal in every run is left out, and so is one that does not apply to a run's engine).")
@@ -342,7 +321,7 @@ def _workload(summary: dict) -> Section:
 def _results(summary: dict) -> Section:
     differing = differing_fields(summary)
     body = [DIFFERS_TEXT.format(fields=", ".join(differing))] if differing else []
-    body.append(Table([h for _, h in COLUMNS], [[row[k] for k, _ in COLUMNS] for row in table_rows(summary)]))
+    body.append(results_table(summary))
     body.append(STEP_TEXT)
     return Section("results", "Results", body=body)
 

@@ -6,6 +6,7 @@ and `` `code` `` (the HTML renders both)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass
@@ -13,6 +14,19 @@ class Table:
     headers: list[str]
     rows: list[list[str]]
     caption: str = ""
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table's column: its header and how an item's cell is written, in one place."""
+
+    header: str
+    cell: Callable[[Any], str]
+
+
+def table(columns: list[Column], items: list, caption: str = "") -> Table:
+    """A table of items, one row each, its header and its rows from the same columns."""
+    return Table([c.header for c in columns], [[c.cell(i) for c in columns] for i in items], caption)
 
 
 @dataclass
