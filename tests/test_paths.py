@@ -78,6 +78,7 @@ def test_the_path_check_finds_what_it_must():
         assert not ABSOLUTE.search(fine), fine
 
 
+@pytest.mark.slow  # asks git what it tracks and ignores (a process)
 def test_default_compare_output_is_not_a_tracked_file():
     parser, _ = build_parser(["compare"])
     args = parser.parse_args(["compare"])
