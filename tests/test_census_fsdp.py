@@ -1,4 +1,4 @@
-"""FSDP2 under the workload's precision policy (issue 16), on 2 gloo processes in one launch:
+"""FSDP2 under the workload's precision policy, on 2 gloo processes in one launch:
 its memory census at dp=2 against closed forms read from torch's FSDP2 source, the activations it
 saves for backward counted as the reference's are, and bf16 parity with the bf16 reference
 (harness/frameworks/single.py: bf16 parameters, fp32 masters and main gradients) at dp2, tp2, pp2.

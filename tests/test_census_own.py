@@ -26,7 +26,7 @@ most). The forms follow harness/engine/data_parallel.py (Bucket, GradSync):
   bf16       bf16  fp32    0     bf16 2P     bf16 2P, fp32 4P              fp32 4P    fp32 8P
   bf16       bf16  bf16    1     bf16 2P     bf16 2P + 2P/d, fp32 4P/d     fp32 4P/d  fp32 8P/d
 
-(the issue's example, ZeRO-1 at dp=d in bf16 with fp32 accumulation: 2P, 4P + 4P/d, 4P/d, 8P/d.)
+(for example ZeRO-1 at dp=d in bf16 with fp32 accumulation: 2P, 4P + 4P/d, 4P/d, 8P/d.)
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def test_report_shows_failure_fingerprint_difference_and_records_verdict(tmp_pat
     assert "| deepspeed ZeRO-1 |" in md and "FAIL" in md and "step 1: 5.45 vs 5.4" in md
     assert "Tolerance: max relative difference **1e-05**" in md
     assert "Runs differ in hosts" in md and "## Failed runs" in md and "RuntimeError: boom" in md
-    assert "<table>" in html and "Verdict: <b>FAIL</b>" in html and "Runs differ in hosts" in html
+    assert "<table>" in html and "<b>Verdict: FAIL</b>" in html and "Runs differ in hosts" in html
     recs = {r["comparison"]["label"]: r["comparison"] for r in ResultsStore(store).records()}
     assert recs["deepspeed ZeRO-1"]["parity"]["verdict"] == FAIL
     assert recs["FSDP2 reshard"]["parity"]["verdict"] == PASS and recs["FSDP2 reshard"]["verdict"] == FAIL

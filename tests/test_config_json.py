@@ -1,4 +1,4 @@
-"""A Hugging Face config.json read faithfully (issue 14, point 2): every field of the LLaMA family
+"""A Hugging Face config.json read faithfully: every field of the LLaMA family
 that changes the math is honoured (rms_norm_eps, tie_word_embeddings, Llama 3.1 rope scaling,
 attention_bias, GQA, rope_theta, head_dim when consistent) or refused in one line; a model may be
 named by a config.json, a folder holding one, or a hub id in the local Hugging Face cache.

@@ -8,7 +8,8 @@ equal those of the real engine on real tensors, rank by rank.
 Agreement (slow: full-size traces): for one layout per case, covering 13B/30B/65B, sequence
 2048 and 8192, no/selective/full checkpointing, SP off and on, the planner's prediction for the
 own engine (planner/memory.py, engine_stage_memory) is within 10% of the trace, stage by stage
-and at the worst stage; the table and the trace times are printed.
+and at the worst stage; the table and the trace times are printed (the time target is
+benchmarks/memory_speed.py's).
 
 Engine fsdp likewise: exact against a real 2-rank gloo run at tiny size (dp2, tp2, tp2 + SP, pp2;
 fp32 and bf16, one launch), and the planner's fsdp branch within 10% of full-size traces.
@@ -155,13 +156,6 @@ def test_planner_agrees_with_the_trace(agreement):
             assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.10 * rank["total_gib"], (r["layout"], rank)
 
 
-@pytest.mark.slow
-def test_trace_time_per_layout(agreement):
-    """The issue asks under 120 s per layout on 2 cores; a loaded machine gets twice that here."""
-    for r in agreement:
-        assert r["seconds"] < 240, (r["layout"], r["seconds"])
-
-
 # Engine fsdp at full size (bf16, sdpa, eager RMSNorm, micro-batch 1, global batch 512): FSDP2 over
 # dp, DTensor TP with and without SP, torch.distributed.pipelining; the planner's fsdp branch
 # (planner/memory.py, fsdp_step_bytes) within 10% of the trace at every stage.
@@ -258,16 +252,16 @@ def test_memory_bad_input_is_one_line_exit_2(argv, field, capsys):
 
 
 def test_planner_engines():
-    """paper stays the study's model (the default of a planner Layout); own, deepspeed and fsdp
+    """paper stays the study's model (the default of a planner PlannerLayout); own, deepspeed and fsdp
     differ by their model states as model_states says."""
     import dataclasses
 
     from harness.model.presets import PRESETS
-    from harness.planner.layout import Layout, Workload
+    from harness.planner.layout import PlannerLayout, Workload
     from harness.planner.memory import GIB, model_states, worst_stage_memory
 
     shape, wl = PRESETS["paper-13b"], Workload(2048, 2048)
-    lay = Layout(2, 4, 8, 1, attention="sdpa", rmsnorm="torch")
+    lay = PlannerLayout(2, 4, 8, 1, attention="sdpa", rmsnorm="torch")
     assert lay.engine == "paper"
     paper = worst_stage_memory(shape, lay, wl)
     assert paper == worst_stage_memory(shape, dataclasses.replace(lay, engine="paper"), wl)

@@ -83,7 +83,7 @@ def reference():
     ("sdpa", "torch", "none"), ("sdpa_flash", "torch", "none"),
     ("naive", "torch", "full"), ("naive", "torch", "selective"),
     ("sdpa", "torch", "selective"), ("sdpa_flash", "torch", "full"),
-    ("naive", "fused", "none"),
+    pytest.param("naive", "fused", "none", marks=pytest.mark.slow),  # torch.compile runs a C++ compiler
 ])
 def test_kernels_and_checkpointing_match_reference(reference, attention, rmsnorm, checkpointing):
     ref_loss, ref_grads = reference

@@ -94,7 +94,7 @@ def test_one_f_one_b_with_fewer_micro_batches_than_stages_is_refused_before_laun
     assert e.value.field == "layout.pipeline_schedule" and "at least pp=2 micro-batches" in e.value.reason
 
 
-def test_every_parallel_layout_of_the_issue_parses_for_fsdp():
+def test_every_parallel_layout_parses_for_fsdp():
     for layout, workload in [({"tp": 2, "sequence_parallel": True}, {}), ({"pp": 2, "pipeline_schedule": "gpipe"}, {}),
                              ({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, FOUR_LAYERS),
                              ({"tp": 2, "pp": 2, "dp": 2, "activation_checkpointing": "full"}, {}),

@@ -1,4 +1,4 @@
-"""Packaging: what a wheel carries and needs (issue 14, points 1 and 10).
+"""Packaging: what a wheel carries and needs.
 
 Fast: the data files are found through one function (harness.resources), never relative to
 the source tree; the distribution name, the licence and the README's install facts.
@@ -32,7 +32,7 @@ def pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
-# ------------------------------------------------------------------ point 1: data files (fast)
+# ------------------------------------------------------------------ data files (fast)
 
 def test_shipped_files_are_found_through_resources():
     from harness.frameworks import ds_config
@@ -79,7 +79,7 @@ def test_the_build_ships_what_resources_reads():
     assert not (REPO / "harness" / resources.PACKAGED).exists()  # made by the build only
 
 
-# ------------------------------------------------------------------ point 10: name, licence, README (fast)
+# ------------------------------------------------------------------ name, licence, README (fast)
 
 def test_distribution_name_does_not_collide_and_the_command_stays():
     project = pyproject()["project"]
@@ -107,7 +107,7 @@ def test_readme_states_the_packaging_facts():
     assert DIST_NAME in readme and "LICENSE" in readme and "CC BY-NC-SA 4.0" in readme
 
 
-# ------------------------------------------------------------------ point 1: the wheel itself (slow)
+# ------------------------------------------------------------------ the wheel itself (slow)
 
 _NOT_SOURCE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
                                      ".benchmarks", ".venv", "harness-logs", "harness-slurm", "*.sqlite*")

@@ -1,4 +1,4 @@
-"""Paths (issue 14, point 4): the main command leaves tracked files alone, and records and reports
+"""Paths: the main command leaves tracked files alone, and records and reports
 keep paths as they were given, so committed ones name no folder of the machine that made them.
 
 - no committed report, record, example or sweep spec holds an absolute path of a machine;
@@ -78,6 +78,7 @@ def test_the_path_check_finds_what_it_must():
         assert not ABSOLUTE.search(fine), fine
 
 
+@pytest.mark.slow  # asks git what it tracks and ignores (a process)
 def test_default_compare_output_is_not_a_tracked_file():
     parser, _ = build_parser(["compare"])
     args = parser.parse_args(["compare"])

@@ -1,4 +1,4 @@
-"""What `harness plan` hands a user to act on (issue 13, points 4 and 5): distinct table rows, a
+"""What `harness plan` hands a user to act on: distinct table rows, a
 sweep that `harness sweep` runs as it is, DeepSpeed / Megatron-LM / torchtitan configs that parse,
 and a plan path that imports no torch."""
 
@@ -18,7 +18,7 @@ import yaml
 from harness.cli import main as cli
 from harness.model.presets import PRESETS
 from harness.planner.hardware import load_profile
-from harness.planner.layout import Layout, Workload
+from harness.planner.layout import PlannerLayout, Workload
 from harness.planner.output import export_deepspeed, export_megatron, export_torchtitan, exportable, group
 from harness.planner.predict import predict, predict_many
 
@@ -52,7 +52,7 @@ def test_kernels_predicted_alike_share_a_row(capsys):
 
 def test_predict_many_equals_one_call_each():
     prof, wl = load_profile("a100-80gb"), Workload(2048, 2048)
-    lays = [Layout(2, 2, 16, 1, attention=a, rmsnorm="fused") for a in
+    lays = [PlannerLayout(2, 2, 16, 1, attention=a, rmsnorm="fused") for a in
             ("flash2", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash1", "naive", "fused_softmax")]
     for many, lay in zip(predict_many(S13, lays, wl, prof), lays):
         one = predict(S13, lay, wl, prof)
@@ -74,12 +74,12 @@ def test_memory_reads_only_whether_attention_is_materialised():
     for engine in PLANNER_ENGINES:
         for seq, gbs in ((2048, 2048), (8192, 512)):
             for ck in ("none", "full", "selective"):
-                lays = [Layout(2, 2, 16, 1, activation_checkpointing=ck, attention=a, engine=engine,
+                lays = [PlannerLayout(2, 2, 16, 1, activation_checkpointing=ck, attention=a, engine=engine,
                                fsdp=engine == "fsdp") for a in ("flash2", "flash1", "sdpa", "sdpa_efficient")]
                 assert len({memory_key(lay) for lay in lays}) == 1
                 totals = {worst_stage_memory(S13, lay, Workload(seq, gbs))[1]["total"] for lay in lays}
                 assert len(totals) == 1, (engine, seq, ck, totals)
-    assert memory_key(Layout(2, 2, 16, 1, attention="naive")) != memory_key(Layout(2, 2, 16, 1, attention="fused_softmax"))
+    assert memory_key(PlannerLayout(2, 2, 16, 1, attention="naive")) != memory_key(PlannerLayout(2, 2, 16, 1, attention="fused_softmax"))
 
 
 # ---------------------------------------------------------------- --export
@@ -97,16 +97,16 @@ def test_export_deepspeed_cli(capsys):
 
 def test_export_deepspeed_layout_fields():
     wl = Workload(2048, 512)
-    cfg = json.loads(export_deepspeed(S13, Layout(4, 1, 16, 2, activation_checkpointing="full"), wl)[0])
+    cfg = json.loads(export_deepspeed(S13, PlannerLayout(4, 1, 16, 2, activation_checkpointing="full"), wl)[0])
     assert cfg["tensor_parallel"] == {"autotp_size": 4}
     assert cfg["gradient_accumulation_steps"] == 512 // (16 * 2) and "pipeline" not in cfg
     assert "activation_checkpointing" in cfg
-    cfg = json.loads(export_deepspeed(S13, Layout(1, 4, 16, 1, activation_checkpointing="full"), wl)[0])
+    cfg = json.loads(export_deepspeed(S13, PlannerLayout(1, 4, 16, 1, activation_checkpointing="full"), wl)[0])
     assert cfg["pipeline"]["stages"] == 4 and cfg["pipeline"]["activation_checkpoint_interval"] == 1
     assert "tensor_parallel" not in cfg
-    assert exportable(Layout(2, 2, 16, 1), "deepspeed")  # AutoTP with the pipeline engine: no
-    assert exportable(Layout(2, 1, 32, 1, sequence_parallel=True), "deepspeed")
-    assert not exportable(Layout(2, 1, 32, 1), "deepspeed")
+    assert exportable(PlannerLayout(2, 2, 16, 1), "deepspeed")  # AutoTP with the pipeline engine: no
+    assert exportable(PlannerLayout(2, 1, 32, 1, sequence_parallel=True), "deepspeed")
+    assert not exportable(PlannerLayout(2, 1, 32, 1), "deepspeed")
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -136,7 +136,7 @@ def test_export_megatron_cli(capsys):
 
 def test_export_megatron_layout_fields():
     wl = Workload(4096, 1024)
-    lay = Layout(4, 4, 8, 2, activation_checkpointing="full", sequence_parallel=True, attention="flash2",
+    lay = PlannerLayout(4, 4, 8, 2, activation_checkpointing="full", sequence_parallel=True, attention="flash2",
                  pipeline_schedule="interleaved", virtual_stages=2)
     a = megatron_parser().parse_args(shlex.split(export_megatron(S13, lay, wl)[0]))
     assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.micro_batch_size) == (4, 4, 2)
@@ -144,7 +144,8 @@ def test_export_megatron_layout_fields():
     assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == ("full", "uniform", 1)
     assert a.num_layers_per_virtual_pipeline_stage == 40 // (4 * 2)
     a = megatron_parser().parse_args(shlex.split(export_megatron(
-        PRESETS["llama2-70b"], Layout(8, 1, 8, 1, activation_checkpointing="selective", attention="naive"), wl)[0]))
+        PRESETS["llama2-70b"], PlannerLayout(8, 1, 8, 1, activation_checkpointing="selective", attention="naive"),
+        wl)[0]))
     assert a.recompute_granularity == "selective" and not a.use_flash_attn and not a.sequence_parallel
     assert a.group_query_attention and a.num_query_groups == PRESETS["llama2-70b"].kv_heads
 
@@ -175,16 +176,16 @@ def test_export_torchtitan_cli(capsys):
 
 def test_export_torchtitan_layout_fields():
     wl = Workload(2048, 512)
-    cfg = tomllib.loads(export_torchtitan(S13, Layout(2, 4, 8, 2, activation_checkpointing="selective",
+    cfg = tomllib.loads(export_torchtitan(S13, PlannerLayout(2, 4, 8, 2, activation_checkpointing="selective",
                                                       sequence_parallel=True), wl)[0])
     par = cfg["parallelism"]
     assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["data_parallel_shard_degree"]) == (2, 4, 8)
     assert par["pipeline_parallel_schedule"] == "1F1B" and par["pipeline_parallel_microbatch_size"] == 2
     assert cfg["training"]["local_batch_size"] == 512 // 8
     assert cfg["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
-    cfg = tomllib.loads(export_torchtitan(S13, Layout(1, 1, 64, 2), wl)[0])
+    cfg = tomllib.loads(export_torchtitan(S13, PlannerLayout(1, 1, 64, 2), wl)[0])
     assert cfg["training"]["local_batch_size"] == 2 and "pipeline_parallel_microbatch_size" not in cfg["parallelism"]
-    assert exportable(Layout(2, 1, 32, 1), "torchtitan")  # torchtitan's TP always shards the sequence
+    assert exportable(PlannerLayout(2, 1, 32, 1), "torchtitan")  # torchtitan's TP always shards the sequence
 
 
 def test_export_refuses_when_nothing_fits(capsys):
@@ -245,6 +246,7 @@ def test_emitted_sweep_runs_one_tiny_point(tmp_path):
 
 # ---------------------------------------------------------------- the plan path imports no torch
 
+@pytest.mark.slow  # a fresh Python process
 def test_plan_imports_no_torch():
     """The plan command, run to its end in a fresh interpreter, never imports torch, transformers or
     DeepSpeed (importing torch alone takes longer than the whole plan should)."""

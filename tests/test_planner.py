@@ -13,7 +13,7 @@ from harness.errors import SpecError
 from harness.model.presets import PRESETS
 from harness.planner import calibrate_from_records, predict
 from harness.planner.hardware import load_profile, peak_bf16_tflops, profile_names
-from harness.planner.layout import Layout, Workload, stage_items
+from harness.planner.layout import PlannerLayout, Workload, stage_items
 from harness.planner.memory import worst_stage_memory
 from harness.store import ResultsStore
 
@@ -47,7 +47,7 @@ def test_stage_split_is_uniform_over_embedding_layers_norm_head():
 
 def mem(**kw):
     base = dict(tp=1, pp=1, dp=64, micro_batch_size=1, attention="flash2", rmsnorm="fused")
-    return worst_stage_memory(S13, Layout(**{**base, **kw}), WL)[1]
+    return worst_stage_memory(S13, PlannerLayout(**{**base, **kw}), WL)[1]
 
 
 def test_memory_structure():
@@ -62,21 +62,21 @@ def test_memory_structure():
 def test_study_facts_on_memory():
     """Published outcomes (13B, 64 A100-80GB): the fused RMSNorm is what lets tp=pp=1 fit."""
     prof = load_profile("a100-80gb")
-    lay = Layout(1, 2, 32, 1, attention="flash2", rmsnorm="fused")
+    lay = PlannerLayout(1, 2, 32, 1, attention="flash2", rmsnorm="fused")
     assert predict(S13, lay, WL, prof).fits
-    assert not predict(S13, Layout(1, 1, 64, 2, attention="flash2", rmsnorm="fused"), WL, prof).fits
-    assert not predict(S13, Layout(1, 1, 64, 1, attention="flash2", rmsnorm="torch"), WL, prof).fits
+    assert not predict(S13, PlannerLayout(1, 1, 64, 2, attention="flash2", rmsnorm="fused"), WL, prof).fits
+    assert not predict(S13, PlannerLayout(1, 1, 64, 1, attention="flash2", rmsnorm="torch"), WL, prof).fits
     # Full checkpointing, 4 x 2048 tokens: the naive kernel's s x s backward transients on top of
     # the loss peak make it run out of memory where flash attention and the fused softmax fit.
     full = dict(tp=1, pp=1, dp=64, micro_batch_size=4, activation_checkpointing="full", rmsnorm="torch")
-    assert predict(S13, Layout(**full, attention="flash2"), WL, prof).fits
-    assert predict(S13, Layout(**full, attention="fused_softmax"), WL, prof).fits
-    assert not predict(S13, Layout(**full, attention="naive"), WL, prof).fits
+    assert predict(S13, PlannerLayout(**full, attention="flash2"), WL, prof).fits
+    assert predict(S13, PlannerLayout(**full, attention="fused_softmax"), WL, prof).fits
+    assert not predict(S13, PlannerLayout(**full, attention="naive"), WL, prof).fits
 
 
 def test_time_structure():
     prof = load_profile("a100-80gb")
-    p = lambda **kw: predict(S13, Layout(**{**dict(tp=1, pp=1, dp=64, micro_batch_size=1), **kw}), WL, prof)
+    p = lambda **kw: predict(S13, PlannerLayout(**{**dict(tp=1, pp=1, dp=64, micro_batch_size=1), **kw}), WL, prof)
     assert p(attention="naive").step_time_s > p(attention="flash1").step_time_s > p().step_time_s
     assert p(rmsnorm="torch").step_time_s > p().step_time_s
     assert p(activation_checkpointing="full").step_time_s > 1.2 * p().step_time_s
@@ -90,7 +90,7 @@ def test_dp_reduction_aggregates_rails_only_unpipelined_within_the_node_limit(tm
     prof = load_profile("a100-80gb")
     s30 = PRESETS["paper-30b"]
     dp_s = lambda prof, lay: predict(s30, lay, WL, prof).time_breakdown_s["dp_reduction_exposed_s"]
-    lay8, lay32 = Layout(4, 1, 16, 1), Layout(4, 1, 64, 1)  # 8 and 32 nodes, 2 members per node
+    lay8, lay32 = PlannerLayout(4, 1, 16, 1), PlannerLayout(4, 1, 64, 1)  # 8 and 32 nodes, 2 members per node
     assert dp_s(prof, lay32) == pytest.approx(2 * dp_s(prof, lay8) * (63 / 64) / (15 / 16), rel=1e-6)
     raw = yaml.safe_load((REPO / "harness/planner/hardware/a100-80gb.yaml").read_text())
     (tmp_path / "big.yaml").write_text(yaml.safe_dump({**raw, "rail_aggregation_max_nodes": 64}))
@@ -103,26 +103,26 @@ def test_dp_reduction_aggregates_rails_only_unpipelined_within_the_node_limit(tm
 def test_impossible_layouts_are_spec_errors():
     prof = load_profile("a100-80gb")
     with pytest.raises(SpecError, match="pipeline stages"):
-        predict(PRESETS["tiny"], Layout(1, 4, 1, 1), Workload(128, 8), prof)
+        predict(PRESETS["tiny"], PlannerLayout(1, 4, 1, 1), Workload(128, 8), prof)
     with pytest.raises(SpecError):
-        predict(S13, Layout(3, 1, 1, 1), WL, prof)
+        predict(S13, PlannerLayout(3, 1, 1, 1), WL, prof)
 
 
 def test_layout_converts_to_and_from_a_spec_layout():
     """One conversion each way, the fields named as harness.spec names them."""
     from harness.spec import parse_spec
 
-    lay = Layout(2, 2, 2, 2, activation_checkpointing="selective", sequence_parallel=True, attention="sdpa",
+    lay = PlannerLayout(2, 2, 2, 2, activation_checkpointing="selective", sequence_parallel=True, attention="sdpa",
                  rmsnorm="torch", zero_stage=1, pipeline_schedule="interleaved", virtual_stages=2)
     raw = lay.to_spec()
-    assert raw["engine"] == "own" and Layout.from_spec(raw) == lay
+    assert raw["engine"] == "own" and PlannerLayout.from_spec(raw) == lay
     spec = parse_spec({"workload": {"model": "tiny-4l", "global_batch_size": 16}, "layout": raw})
-    assert Layout.from_spec(spec.to_dict()["layout"]) == lay
-    fsdp = Layout(1, 1, 8, 1, zero_stage=0, fsdp=True)
-    assert fsdp.to_spec()["engine"] == "fsdp" and Layout.from_spec(fsdp.to_spec()) == fsdp
+    assert PlannerLayout.from_spec(spec.to_dict()["layout"]) == lay
+    fsdp = PlannerLayout(1, 1, 8, 1, zero_stage=0, fsdp=True)
+    assert fsdp.to_spec()["engine"] == "fsdp" and PlannerLayout.from_spec(fsdp.to_spec()) == fsdp
     # engine single is one GPU; a missing or null field takes the spec's default
-    assert Layout.from_spec({"engine": "single", "tp": 4, "virtual_stages": None}) == \
-        Layout(1, 1, 1, 1, attention="sdpa", rmsnorm="torch", zero_stage=0)
+    assert PlannerLayout.from_spec({"engine": "single", "tp": 4, "virtual_stages": None}) == \
+        PlannerLayout(1, 1, 1, 1, attention="sdpa", rmsnorm="torch", zero_stage=0)
 
 
 def test_planner_kernels_are_the_harness_ones_and_the_study_extras():
@@ -227,7 +227,7 @@ def test_calibrate_on_synthetic_cpu_store_predicts_held_back_run(tmp_path):
     held_back = ("tiny-256", 2, 2, 1, 1, 256, 8)
     recs = []
     for i, (model, tp, pp, dp, mb, seq, gbs) in enumerate(grid + [held_back]):
-        lay = Layout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0)
+        lay = PlannerLayout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0)
         t = predict(PRESETS[model], lay, Workload(seq, gbs, 4), base, theta=truth).step_time_s
         recs.append(_record(f"r{i}", model, tp, pp, dp, mb, seq, gbs, t))
     db = tmp_path / "results.sqlite"
@@ -242,12 +242,12 @@ def test_calibrate_on_synthetic_cpu_store_predicts_held_back_run(tmp_path):
     prof, report = calibrate_from_records(train, base)
     assert report["samples"] == len(grid) and report["median_abs_error_pct"] < 5
     model, tp, pp, dp, mb, seq, gbs = held_back
-    got = predict(PRESETS[model], Layout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
+    got = predict(PRESETS[model], PlannerLayout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
                   Workload(seq, gbs, 4), prof).step_time_s
     want = recs[-1]["metrics"]["step_time_s"]["median"]
     assert abs(got - want) / want < 0.15
     # the uncalibrated profile is far off, so the test means something
-    raw = predict(PRESETS[model], Layout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
+    raw = predict(PRESETS[model], PlannerLayout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
                   Workload(seq, gbs, 4), base).step_time_s
     assert abs(raw - want) / want > 0.3
 

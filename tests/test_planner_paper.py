@@ -1,10 +1,10 @@
 """The planner against the reference study's four published sweeps (in-repo copies).
 
 Data: baselines/paper_sweeps (Hagemann et al. 2023, arXiv 2311.05610, CC BY-NC-SA 4.0).
-The earlier issue's acceptance: on the sweeps together OOM accuracy >= 0.96; measured-best layout
+In-sample targets: on the sweeps together OOM accuracy >= 0.96; measured-best layout
 in the top 3 predicted-to-fit in every sweep; median MFU error <= 2 points (read over all finished
 runs together; the stricter per-sweep reading is reported too); its in-sample mean Spearman >= 0.92
-is withdrawn. Issue 13's targets (for runs not seen) are asserted on the held-out figures below.
+is withdrawn. The targets for runs not seen are asserted on the held-out figures below.
 Figures: in-sample (the shipped a100-80gb profile, whose efficiency constants were fitted on all
 four sweeps), leave-one-sweep-out (constants refitted on three sweeps, the fourth scored) and
 leave-one-model-out (fitted on the other model's two sweeps). Memory has no fitted part, so its
@@ -149,10 +149,10 @@ def test_median_mfu_error_per_sweep():
     assert all(f["median_mfu_error_points"] <= 2.0 for f in loso().values())
 
 
-# ---------------------------------------------------------------- issue 13, point 3
+# ---------------------------------------------------------------- runs the planner has not seen
 # Targets on runs the planner has not seen: OOM accuracy >= 0.96, mean Spearman >= 0.94, the
 # measured-best layout in the predicted top 3 of every sweep, median MFU error <= 1.5 points. The
-# in-sample Spearman target of the earlier issue is withdrawn; what is asserted here is the held-out
+# in-sample Spearman target (>= 0.92) is withdrawn; what is asserted here is the held-out
 # figures on the four sweeps we have (by sweep and by model), met or honestly marked not met.
 
 def test_allocator_pressure_costs_per_step_above_the_threshold():
@@ -161,11 +161,11 @@ def test_allocator_pressure_costs_per_step_above_the_threshold():
     device), its constant calibrated with the efficiencies and read back from the profile."""
     from harness.model.presets import PRESETS
     from harness.planner import timing
-    from harness.planner.layout import Layout, Workload
+    from harness.planner.layout import PlannerLayout, Workload
     from harness.planner.memory import GIB
 
     prof = load_profile("a100-80gb")
-    shape, lay, wl = PRESETS["paper-13b"], Layout(2, 2, 8, 1), Workload(2048, 2048)
+    shape, lay, wl = PRESETS["paper-13b"], PlannerLayout(2, 2, 8, 1), Workload(2048, 2048)
     cap = prof.memory_gib * GIB
     pressure = [timing.alloc_pressure(shape, lay, wl, prof, f * cap) for f in (0.3, 0.65, 0.8, 0.95, 1.0, 1.3)]
     assert pressure[:2] == [0.0, 0.0]
@@ -185,13 +185,13 @@ def test_allocator_pressure_costs_per_step_above_the_threshold():
     assert sum(theta[k] * v for k, v in feats.items()) == pytest.approx(high, rel=1e-9)
 
 
-def test_issue13_oom_accuracy_held_out():
+def test_oom_accuracy_held_out():
     """Met: 0.967 by sweep and by model (377 of 390)."""
     assert paper.summary(loso())["oom_accuracy"] >= 0.96
     assert paper.summary(lomo())["oom_accuracy"] >= 0.96
 
 
-def test_issue13_best_in_top3_held_out():
+def test_best_in_top3_held_out():
     """Met: predicted 1st in every sweep by sweep; 1st, 1st, 1st, 2nd by model."""
     assert all(f["best_in_top3"] for f in loso().values())
     assert all(f["best_in_top3"] for f in lomo().values())
@@ -200,14 +200,14 @@ def test_issue13_best_in_top3_held_out():
 @pytest.mark.xfail(reason="not met: mean Spearman 0.907 leave-one-sweep-out (0.870/0.913/0.888/0.958), "
                           "0.883 leave-one-model-out (0.822/0.911/0.881/0.918) for 13B-32, 13B-64, 30B-256, "
                           "30B-64; even per-sweep fits reach only 0.916", strict=True)
-def test_issue13_spearman_held_out():
+def test_spearman_held_out():
     assert paper.summary(loso())["mean_spearman"] >= 0.94
     assert paper.summary(lomo())["mean_spearman"] >= 0.94
 
 
 @pytest.mark.xfail(reason="not met: median MFU error 1.66 points leave-one-sweep-out, 1.62 "
                           "leave-one-model-out (1.38 in-sample)", strict=True)
-def test_issue13_median_mfu_error_held_out():
+def test_median_mfu_error_held_out():
     assert paper.summary(loso())["median_mfu_error_points"] <= 1.5
     assert paper.summary(lomo())["median_mfu_error_points"] <= 1.5
 
@@ -218,12 +218,12 @@ def test_issue13_median_mfu_error_held_out():
 
 def _pred(model, seq, gbs, **kw):
     from harness.model.presets import PRESETS
-    from harness.planner.layout import Layout, Workload
+    from harness.planner.layout import PlannerLayout, Workload
     from harness.planner.predict import predict
 
     base = dict(tp=2, pp=4, dp=16, micro_batch_size=1, activation_checkpointing="full",
                 attention="flash2", rmsnorm="fused")
-    return predict(PRESETS[model], Layout(**{**base, **kw}), Workload(seq, gbs), load_profile("a100-80gb"))
+    return predict(PRESETS[model], PlannerLayout(**{**base, **kw}), Workload(seq, gbs), load_profile("a100-80gb"))
 
 
 def test_memory_terms_grow_with_model_size_and_sequence(monkeypatch):
@@ -239,9 +239,9 @@ def test_memory_terms_grow_with_model_size_and_sequence(monkeypatch):
     assert memory.paper_allreduce_bucket_elements(s65, False, 20, True, 1) > \
         memory.paper_allreduce_bucket_elements(s13, False, 20, True, 1)
     # The stranded fp32 logits block is 4x larger at 8192 than at 2048 tokens per sequence.
-    from harness.planner.layout import Layout, Workload
+    from harness.planner.layout import PlannerLayout, Workload
 
-    lay = Layout(2, 4, 16, 1)
+    lay = PlannerLayout(2, 4, 16, 1)
     assert memory.paper_stranded_block(s13, lay, Workload(8192, 512), True) == \
         4 * memory.paper_stranded_block(s13, lay, Workload(2048, 2048), True)
     # Switched off, the pipelined 65B and 8192-token layouts need less memory: the terms add to both.
@@ -268,9 +268,9 @@ def test_flash2_gains_more_than_flash1_at_long_sequences():
     # The flash rate grows with the sequence: at 4x the tokens per sequence the attention work per
     # token is 4x, its time per token less than that (about 3.4x).
     from harness.model.presets import PRESETS
-    from harness.planner.layout import Layout, Workload
+    from harness.planner.layout import PlannerLayout, Workload
 
-    lay = Layout(4, 1, 32, 1, attention="flash2")
+    lay = PlannerLayout(4, 1, 32, 1, attention="flash2")
     prof = load_profile("a100-80gb")
     per_token = {seq: timing.stage_features(PRESETS["paper-13b"], lay, Workload(seq, 2048 * 2048 // seq), prof, 0)
                  ["flash2"] / seq for seq in (2048, 8192)}

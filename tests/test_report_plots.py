@@ -1,4 +1,4 @@
-"""Outputs people look at (issue 14, point 8): the compare report's loss curves and step-time
+"""Outputs people look at: the compare report's loss curves and step-time
 distribution, figures that read on a laptop (SVG), axes from zero where a ratio or a throughput
 is drawn, 95% CI whiskers on bar charts, the fields that differ between compared runs, and the
 per-run TensorBoard stream with its one-line error when the package is missing."""
@@ -19,7 +19,7 @@ from harness.compare.orchestrate import run_comparison
 from harness.compare.spec import parse_compare_spec
 from harness.report import analysis, plots
 from harness.report.build import sections_for
-from harness.report.compare import differing_fields, figures, layout_matrix, table_rows, write_report
+from harness.report.compare import differing_fields, figures, layout_matrix, results_table, write_report
 from harness.store import ResultsStore
 from harness.testing.synthetic import make_records
 
@@ -204,11 +204,18 @@ def test_step_time_distribution_marks_the_median_ci(three_runs, drawn):
 
 # ------------------------------------------------------------------ (d): the fields that differ
 
+def differs_by_run(summary: dict) -> dict[str, str]:
+    """The results table's 'Fields that differ' column, by run label."""
+    t = results_table(summary)
+    col = t.headers.index("Fields that differ")
+    return {row[0]: row[col] for row in t.rows}
+
+
 def test_table_names_the_layout_fields_that_differ(tmp_path):
     summary = summary_of(tmp_path, [{"engine": "own", "tp": 2, "sequence_parallel": True, "zero_stage": 1},
                                     {"engine": "own", "tp": 2}], reference=False)
     assert differing_fields(summary) == ["sequence_parallel", "zero_stage"]
-    rows = {r["label"]: r["differs"] for r in table_rows(summary)}
+    rows = differs_by_run(summary)
     assert sorted(rows.values()) == ["sequence_parallel=false zero_stage=0", "sequence_parallel=true zero_stage=1"]
     md = open(write_report(summary, str(tmp_path))["markdown"]).read()
     assert "| Fields that differ |" in md and "The runs differ in sequence_parallel, zero_stage;" in md
@@ -220,7 +227,7 @@ def test_fields_are_shown_where_they_apply_and_overrides_count(tmp_path):
                                     {"engine": "fsdp", "reshard_after_forward": False},
                                     {"engine": "fsdp", "label": "fsdp bf16", "workload": {"precision": "bf16"}}])
     assert differing_fields(summary) == ["dp", "zero_stage", "reshard_after_forward", "workload.precision"]
-    rows = {r["label"]: r["differs"] for r in table_rows(summary)}
+    rows = differs_by_run(summary)
     assert "reshard_after_forward" not in rows["own ZeRO-1 dp2"]  # FSDP2's knob, not the own engine's
     assert "zero_stage" not in rows["FSDP2 no-reshard"] and "reshard_after_forward=false" in rows["FSDP2 no-reshard"]
     assert "zero_stage=1" in rows["own ZeRO-1 dp2"] and "dp=1" in rows["reference (single device)"]

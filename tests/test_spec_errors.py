@@ -1,10 +1,19 @@
-"""Every user mistake is one line `error: <field>: <reason>` and exit code 2, via the real CLI."""
+"""A mistake in a spec is one line `error: <field>: <reason>` and exit code 2: checked by parse_spec,
+through the real CLI (slow tier), and for sweep names in-process (harness.cli.main, as
+tests/test_cli_errors.py). Numbers are read as users write them.
+
+A command's arguments and every command's bad input are tests/test_cli_errors.py; token data,
+tests/test_data_errors.py."""
 
 import pytest
 import yaml
 
+from harness.cli import main as cli_main
 from harness.errors import SpecError
 from harness.spec import parse_spec
+
+TINY = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 2, "warmup_steps": 1, "device": "cpu"}
+SWEEP = {"gpus": 1, "workload": TINY, "grid": {"workload.seed": [1, 2]}}
 
 CASES = [
     ({"workload": {"seqlen": 128}}, "workload.seqlen", "unknown key"),
@@ -77,3 +86,38 @@ def test_unavailable_kernel_is_an_error_before_the_run(tmp_path, cli):
         assert r.stderr.startswith(f"error: {field}: {kernel}"), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "results.sqlite").exists() or "ok" not in r.stdout
+
+
+def test_numbers_as_users_write_them():
+    """YAML 1.1 reads `1e-4` and `1e3` as strings: numeric strings are numbers in number fields."""
+    spec = parse_spec(yaml.safe_load("workload: {optimizer: {lr: 1e-4, eps: 1e-8}, seq_len: 1e2, "
+                                     "model_overrides: {layers: '4'}}"))
+    assert spec.workload.optimizer.lr == 1e-4 and spec.workload.optimizer.eps == 1e-8
+    assert spec.workload.seq_len == 100 and isinstance(spec.workload.seq_len, int)
+    assert spec.workload.model_overrides == {"layers": 4}
+
+
+# ---------------------------------------------------------------- sweep names
+
+def _write_sweep(root, name: str, raw: dict) -> None:
+    (root / name).write_text(yaml.safe_dump(raw))
+
+
+@pytest.mark.parametrize("name, bad", [("a b", "' '"), ("x|y", "'|'"), ("two\nlines", "'\\n'"), ("a:b", "':'"),
+                                       ("*bold*", "'*'")], ids=["space", "pipe", "newline", "colon", "markdown"])
+def test_sweep_name_is_a_plain_folder_and_job_name(no_launch, one_line_error, name, bad):
+    _write_sweep(no_launch, "s.yaml", {**SWEEP, "name": name})
+    line = one_line_error(cli_main(["sweep", "s.yaml", "--dry-run"]))
+    assert line.startswith("error: sweep.name: ") and "letters, digits, '-', '_' and '.' only" in line, line
+    assert f"not {bad}" in line, line
+
+
+def test_sweep_name_from_the_file_name_says_how_to_set_one(no_launch, one_line_error):
+    _write_sweep(no_launch, "my sweep.yaml", SWEEP)
+    line = one_line_error(cli_main(["sweep", "my sweep.yaml", "--dry-run"]))
+    assert line.startswith("error: sweep.name: 'my sweep': ") and "set `name:` in the spec" in line
+
+
+def test_a_plain_sweep_name_passes(no_launch, capsys):
+    _write_sweep(no_launch, "s.yaml", {**SWEEP, "name": "study-13b_seq2048.v2"})
+    assert cli_main(["sweep", "s.yaml", "--dry-run"]) == 0

@@ -177,6 +177,7 @@ def test_sigkill_mid_sweep_then_resume_runs_each_point_once(tmp_path):
     assert len(ResultsStore(store).records(sweep="resume")) == 3
 
 
+@pytest.mark.slow  # bash -n checks the script
 def test_slurm_script_generation_and_missing_sbatch(tmp_path, monkeypatch, capsys):
     raw = {"name": "big", "gpus": 16, "nodes": 2, "timeout_s": 900,
            "workload": {"model": "paper-13b", "seq_len": 2048, "global_batch_size": 64, "precision": "bf16"},

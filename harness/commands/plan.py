@@ -171,7 +171,7 @@ def main(args) -> int:
 
 
 def _on_engine(args) -> dict:
-    """The Layout fields of the candidate layouts under --engine (the memory model of that engine's
+    """The PlannerLayout fields of the candidate layouts under --engine (the memory model of that engine's
     precision policy and sharding: harness/planner/memory.py); fsdp shards fully whatever --zero
     says. (Given to candidates.layouts, not set on each layout after: 16,000 copies cost 0.1 s.)"""
     if args.engine == "own" and args.zero > 1:

@@ -19,6 +19,7 @@ from harness.compare.parity import PASS, check_parity, compare_fingerprints
 from harness.compare.spec import CompareSpec, PlannedRun
 from harness.model.training import precision_policy
 from harness.spec import parse_spec
+from harness.store.fields import row
 
 
 def _loadavg() -> list[float] | None:
@@ -61,11 +62,8 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         "log": (record.get("launch") or {}).get("log"),
         "wall_s": (record.get("launch") or {}).get("wall_s"),
         "losses": m.get("losses") or [],
-        "metrics": {k: m.get(k) for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu",
-                                           "mfu_vs_measured_matmul", "peak_memory_bytes", "memory_kind",
-                                           "peak_tflops", "measured_matmul_tflops", "breakdown_s", "comm",
-                                           "parameter_count", "memory_census", "activations_saved_bytes",
-                                           "step_times_s")},
+        "metrics": {k: v for k, v in m.items() if k not in ("losses", "engine")},  # those two: just above and below
+        "row": row(record),  # what the report's table of runs shows (harness.store.fields)
         "describe": describe,
         "precision_policy": describe.get("precision_policy"),
         "workload_override": plan.workload_override,

@@ -21,10 +21,10 @@ def named_terms(dynamic_bytes: float, pipelined: bool) -> dict[str, float]:
 
 
 def planner_layout(spec):
-    """The planner's Layout and Workload for a run spec (engine own)."""
-    from harness.planner.layout import Layout, Workload
+    """The planner's PlannerLayout and Workload for a run spec (engine own)."""
+    from harness.planner.layout import PlannerLayout, Workload
 
-    lay = Layout.from_spec(dataclasses.asdict(spec.layout))
+    lay = PlannerLayout.from_spec(dataclasses.asdict(spec.layout))
     lay = dataclasses.replace(lay, engine="own" if spec.layout.engine == "single" else spec.layout.engine)
     w = spec.workload
     return lay, Workload(w.seq_len, w.global_batch_size, 2 if w.precision == "bf16" else 4)

@@ -19,7 +19,7 @@ import numpy as np
 from harness.errors import SpecError
 from harness.model.presets import Shape, resolve_shape
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
-from harness.planner.layout import Layout, Workload
+from harness.planner.layout import PlannerLayout, Workload
 from harness.planner.memory import worst_stage_memory
 from harness.planner.timing import EXTRA_KEYS, step_features, theta_from_profile
 from harness.store import ResultsStore, check_store
@@ -43,7 +43,7 @@ ITERATIONS = 4
 @dataclass
 class Sample:
     shape: Shape
-    layout: Layout
+    layout: PlannerLayout
     workload: Workload
     step_time_s: float
     label: str = ""
@@ -129,7 +129,7 @@ def sample_from_record(rec: dict) -> Sample | None:
     if not t:
         return None
     shape = resolve_shape(wl["model"], wl.get("model_overrides") or None)
-    layout = Layout.from_spec(lay)
+    layout = PlannerLayout.from_spec(lay)
     workload = Workload(int(wl["seq_len"]), int(wl["global_batch_size"]),
                         2 if wl.get("precision") == "bf16" else 4)
     return Sample(shape, layout, workload, float(t), rec.get("run_id", ""))

@@ -13,7 +13,7 @@ import itertools
 from harness.errors import SpecError
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
-from harness.planner.layout import ATTENTION, Layout, Workload
+from harness.planner.layout import ATTENTION, PlannerLayout, Workload
 from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
 
 
@@ -36,8 +36,8 @@ def check_request(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int) -> 
 
 def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attention, rmsnorm,
             micro_batch_sizes, checkpointing, sequence_parallel, zero_stage: int, pp_values=None, **fields):
-    """Yield every valid Layout; raise SpecError if an explicit pp choice is impossible. `fields`
-    are further Layout fields every layout takes (engine, fsdp)."""
+    """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
+    are further PlannerLayout fields every layout takes (engine, fsdp)."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
@@ -63,7 +63,7 @@ def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attent
                     continue
                 if (wl.global_batch_size // dp) % mb:
                     continue
-                yield Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, activation_checkpointing=ck,
+                yield PlannerLayout(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, activation_checkpointing=ck,
                              sequence_parallel=sp, attention=att, rmsnorm=rms, zero_stage=zero_stage, **fields)
 
 

@@ -1,8 +1,9 @@
 """What the planner is asked about: one layout and one workload, as plain values.
 
-The planner keeps its own small types so it can describe layouts the engines cannot run, such as
-the study's kernels (EXTRA_ATTENTION), but it names every field and value as harness.spec does
-and converts to and from a spec layout in one place each (Layout.from_spec, Layout.to_spec).
+The planner keeps its own small types (PlannerLayout, Workload) so it can describe layouts the
+engines cannot run, such as the study's kernels (EXTRA_ATTENTION), but it names every field and
+value as harness.spec does and converts to and from a spec layout in one place each
+(PlannerLayout.from_spec, PlannerLayout.to_spec).
 """
 
 from __future__ import annotations
@@ -38,15 +39,16 @@ ATTENTION_CLASS = {
     "sdpa": "flash2", "sdpa_flash": "flash2", "sdpa_cudnn": "flash2", "sdpa_efficient": "mem_efficient",
 }
 MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
-# Engines whose memory the planner models (Layout.engine); `harness plan --engine`.
+# Engines whose memory the planner models (PlannerLayout.engine); `harness plan --engine`.
 ENGINES = ("own", "deepspeed", "fsdp")
 PLANNER_ENGINES = ENGINES + ("paper",)
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A layout, its fields named as harness.spec.Layout's (values from harness.spec's lists,
-    attention also from EXTRA_ATTENTION)."""
+class PlannerLayout:
+    """The planner's description of one layout (a candidate, a record's layout, a row of the study),
+    its fields named as harness.spec.Layout's (values from harness.spec's lists, attention also
+    from EXTRA_ATTENTION); unlike a spec layout it may describe layouts no engine runs."""
 
     tp: int
     pp: int
@@ -83,7 +85,7 @@ class Layout:
         return asdict(self)
 
     @classmethod
-    def from_spec(cls, layout: dict) -> Layout:
+    def from_spec(cls, layout: dict) -> PlannerLayout:
         """The planner's view of a spec layout (a harness.spec.Layout as a dict, as records keep
         it); a missing or null field takes the spec's default, engine single is one GPU."""
         lay = {**asdict(SpecLayout()), **{k: v for k, v in layout.items() if v is not None}}
@@ -110,7 +112,7 @@ class Workload:
     global_batch_size: int           # sequences per optimizer step
     dtype_bytes: int = 2             # bf16 mixed precision (2) or fp32 (4)
 
-    def micro_batches(self, lay: Layout) -> int:
+    def micro_batches(self, lay: PlannerLayout) -> int:
         """Micro-batches per step per data-parallel replica (gradient accumulation x pipeline)."""
         return micro_batch_count(self.global_batch_size, lay.dp, lay.micro_batch_size)
 

@@ -23,7 +23,7 @@ import functools
 
 from harness.model.presets import Shape
 from harness.planner.hardware import Profile
-from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, Layout, Workload, stage_items
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, stage_items
 
 GIB = 1024 ** 3
 
@@ -73,24 +73,24 @@ def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: i
     """Parameters held per GPU of a stage: matrices split over tp (vocab-parallel embedding/head;
     a tied head on the embedding's stage is the same tensor, counted once; attention biases: q/k/v's
     split over tp, o's replicated)."""
-    d = shape.hidden // shape.heads
-    attn = shape.hidden * shape.heads * d * 2 + 2 * shape.hidden * shape.kv_heads * d
+    head_dim = shape.hidden // shape.heads
+    attn = shape.hidden * shape.heads * head_dim * 2 + 2 * shape.hidden * shape.kv_heads * head_dim
     per_layer = (attn + 3 * shape.hidden * shape.ffn) / tp + 2 * shape.hidden
     if shape.attention_bias:
-        per_layer += (shape.heads + 2 * shape.kv_heads) * d / tp + shape.hidden
+        per_layer += (shape.heads + 2 * shape.kv_heads) * head_dim / tp + shape.hidden
     vocab = shape.vocab * shape.hidden / tp
     head = 0 if shape.tie_embeddings and has_emb else vocab
     return layers * per_layer + (vocab if has_emb else 0) + ((head + shape.hidden) if has_head else 0)
 
 
-def layer_activation_bytes(shape: Shape, lay: Layout, wl: Workload, micro_batch: int | None = None) -> dict:
+def layer_activation_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, micro_batch: int | None = None) -> dict:
     """Bytes one layer keeps for one micro-batch: 'layer' (kept), 'scores' (kept s x s) and
     'full_layer' (everything that exists while the layer runs backward, recomputed or not)."""
     b = lay.micro_batch_size if micro_batch is None else micro_batch
     s, h, f, t, B = wl.seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
     n = b * s
-    d = h // shape.heads
-    kv = shape.kv_heads * d
+    head_dim = h // shape.heads
+    kv = shape.kv_heads * head_dim
     # Replicated across tensor-parallel ranks unless sequence parallel splits them: the two
     # RMSNorms' kept tensors (their outputs are the column-parallel GEMMs' inputs).
     norm_units = RMSNORM_UNITS[lay.rmsnorm] if B < 4 else 2
@@ -117,7 +117,7 @@ def layer_activation_bytes(shape: Shape, lay: Layout, wl: Workload, micro_batch:
     return {"layer": replicated + sharded, "scores": scores, "full_layer": full_layer, "s2_transient": s2_transient}
 
 
-def in_flight(lay: Layout, stage: int, m: int) -> float:
+def in_flight(lay: PlannerLayout, stage: int, m: int) -> float:
     """Micro-batches (in units of the stage's layers) whose activations a stage holds at peak."""
     p = lay.pp
     if p == 1:
@@ -131,9 +131,9 @@ def in_flight(lay: Layout, stage: int, m: int) -> float:
     return float(min(p - stage, m))  # 1F1B (Narayanan et al. 2021, Sec. 2.2)
 
 
-def stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> dict:
+def stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> dict:
     """Breakdown in bytes for one stage; 'total' is the sum of the parts. The study's engine
-    (Layout.engine paper) here; the harness's engines in engine_stage_memory."""
+    (PlannerLayout.engine paper) here; the harness's engines in engine_stage_memory."""
     if lay.engine != "paper":
         return engine_stage_memory(shape, lay, wl, stage)
     has_emb, layers, has_head = stage_items(shape, lay.pp)[stage]
@@ -190,7 +190,7 @@ def stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> dict:
     return parts
 
 
-def worst_stage_memory(shape: Shape, lay: Layout, wl: Workload) -> tuple[int, dict]:
+def worst_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[int, dict]:
     """The stage with the largest total, and its breakdown."""
     best, seen = None, set()
     items = stage_items(shape, lay.pp) if lay.engine == "paper" else engine_stage_items(shape, lay, wl.seq_len)
@@ -216,7 +216,7 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
     categories as a run's measured memory census (harness.measure.tensor_census), so a prediction
     and a census compare term by term (tests/test_planner_census.py). Adam's step counters and
     alignment padding are left out (under 1%)."""
-    P, d, B = float(params), dp, {"fp32": 4, "bf16": 2}
+    P, B = float(params), {"fp32": 4, "bf16": 2}
     mixed = precision == "bf16"
     acc, red = (grad_accum, grad_reduce) if mixed else ("fp32", "fp32")
     out: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "master_parameters": {},
@@ -227,18 +227,18 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
             out[category][dtype] = out[category].get(dtype, 0.0) + elements * B[dtype]
 
     if engine == "fsdp":  # the sharded fp32 parameters are the master; the gathered bf16 ones are gone
-        add("parameters", "fp32", P / d)
-        add("gradients", "fp32", P / d)
-        add("optimizer_states", "fp32", 2 * P / d)
+        add("parameters", "fp32", P / dp)
+        add("gradients", "fp32", P / dp)
+        add("optimizer_states", "fp32", 2 * P / dp)
         return out
     if engine in ("own", "single"):  # harness/engine/data_parallel.py (Megatron's layout)
-        shard = P / d if zero_stage >= 1 and d > 1 else P
+        shard = P / dp if zero_stage >= 1 and dp > 1 else P
         add("parameters", "bf16" if mixed else "fp32", P)
         add("gradients", acc, P)  # the main gradients
-        if zero_stage >= 1 and d > 1:
-            add("gradients", red, P / d)  # the reduce-scatter output
+        if zero_stage >= 1 and dp > 1:
+            add("gradients", red, P / dp)  # the reduce-scatter output
             if red != "fp32":
-                add("gradients", "fp32", P / d)  # the optimizer's fp32 copy of it
+                add("gradients", "fp32", P / dp)  # the optimizer's fp32 copy of it
         elif acc != "fp32":
             add("gradients", "fp32", P)  # the fp32 reduced gradient the masters step with
         if mixed:
@@ -246,12 +246,12 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
         add("optimizer_states", "fp32", 2 * shard)
         return out
     if engine == "deepspeed" and zero_stage >= 1:  # ds_configs/README.md, "Precision": what each stage holds
-        add("master_parameters", "fp32", P / d)  # a clone of the partition, fp32 workloads too
-        add("optimizer_states", "fp32", 2 * P / d)
+        add("master_parameters", "fp32", P / dp)  # a clone of the partition, fp32 workloads too
+        add("optimizer_states", "fp32", 2 * P / dp)
         if zero_stage == 3:
-            add("parameters", "bf16" if mixed else "fp32", P / d)
-            add("gradients", acc, P / d)  # the partition's accumulation buffer
-            add("gradients", "fp32", P / d)  # the fp32 partition gradient the optimizer steps with
+            add("parameters", "bf16" if mixed else "fp32", P / dp)
+            add("gradients", acc, P / dp)  # the partition's accumulation buffer
+            add("gradients", "fp32", P / dp)  # the fp32 partition gradient the optimizer steps with
             add("gradients", red, reduce_bucket_elements)  # the reduce bucket, held for the run
             return out
         add("parameters", "bf16" if mixed else "fp32", P)
@@ -259,7 +259,7 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
             add("gradients", "bf16", P)  # every .grad, zeroed but kept
             add("gradients", "fp32", P)  # its whole-model fp32 accumulation buffer
         else:
-            add("gradients", "fp32", P / d)
+            add("gradients", "fp32", P / dp)
         return out
     raise ValueError(f"no model-state model for engine {engine!r} at ZeRO stage {zero_stage}")
 
@@ -287,8 +287,9 @@ def paper_allreduce_bucket_elements(shape: Shape, has_emb: bool, layers: int, ha
 @functools.lru_cache(maxsize=4096)
 def _bucket(h: int, heads: int, kv_heads: int, ffn: int, vocab: int, has_emb: bool, layers: int,
             has_head: bool, tp: int) -> float:
-    d = h // heads
-    layer = [h * heads * d / tp, 2 * h * kv_heads * d / tp, h * h / tp, h * ffn / tp, h * ffn / tp, h * ffn / tp]
+    head_dim = h // heads
+    layer = [h * heads * head_dim / tp, 2 * h * kv_heads * head_dim / tp, h * h / tp,
+             h * ffn / tp, h * ffn / tp, h * ffn / tp]
     tensors = ([vocab * h / tp] if has_emb else []) + layer * layers + ([vocab * h / tp] if has_head else [])
     largest, numel = 0.0, 0.0
     for n in tensors:
@@ -322,7 +323,7 @@ def paper_step_extra(shape: Shape, items: tuple, tp: int, dp: int, phi: float, d
 STRANDED_BLOCKS = 1.0
 
 
-def paper_stranded_block(shape: Shape, lay: Layout, wl: Workload, loss_peak: bool) -> float:
+def paper_stranded_block(shape: Shape, lay: PlannerLayout, wl: Workload, loss_peak: bool) -> float:
     """Bytes of the largest single tensor at the stage's peak, times STRANDED_BLOCKS."""
     n = lay.micro_batch_size * wl.seq_len
     if loss_peak:  # one fp32 tensor of tokens x vocab (the log-softmax output or its gradient)
@@ -355,7 +356,7 @@ def paper_stranded_block(shape: Shape, lay: Layout, wl: Workload, loss_peak: boo
 # (checked against `harness memory` traces of engine fsdp, tests/test_memory_trace.py).
 
 
-def engine_stage_items(shape: Shape, lay: Layout, seq_len: int) -> tuple[tuple[bool, int, bool], ...]:
+def engine_stage_items(shape: Shape, lay: PlannerLayout, seq_len: int) -> tuple[tuple[bool, int, bool], ...]:
     """(has_embedding, layers, has_lm_head) per pipeline rank, as the own engine partitions:
     balanced by cost over pp x virtual_stages chunks, chunk c of rank r is stage c * pp + r."""
     chunks = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
@@ -372,7 +373,7 @@ def _engine_stage_items(shape: Shape, pp: int, chunks: int, seq_len: int) -> tup
                  for r in range(pp))
 
 
-def _norm_bytes(lay: Layout, n: float, h: int, B: int, sp: bool) -> float:
+def _norm_bytes(lay: PlannerLayout, n: float, h: int, B: int, sp: bool) -> float:
     """One RMSNorm and the GEMMs after it, kept for backward. Eager (kernels.rmsnorm_torch): under
     bf16 the fp32 copy of the input (saved by pow and mul, 4h), the bf16 normalised tensor (saved
     by the weight mul, 2h) and fp32 1/rms (4); under fp32 the input itself and the normalised
@@ -385,22 +386,23 @@ def _norm_bytes(lay: Layout, n: float, h: int, B: int, sp: bool) -> float:
     return n * local / (lay.tp if sp else 1) + n * h * B
 
 
-def _attention_bytes(shape: Shape, lay: Layout, wl: Workload, b: int) -> float:
+def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> float:
     """The attention between the q/k/v GEMMs and wo, kept for backward, per rank.
 
     Flash-style (SDPA flash/efficient/cuDNN, flash-attn): rotated q, k and v as the kernel gets
     them (k and v repeated to every head under grouped-query attention), its output and fp32
     log-sum-exp; wo's input is a view of the output (the kernel allocates it in q's memory order,
-    which is [s, b, heads, d] here). Materialised (naive): fp32 copies of q, k, v, the causal mask
-    (1 byte per score), the fp32 softmax, and wo's input, a copy of the [b, heads, s, d] output.
+    which is [s, b, heads, head_dim] here). Materialised (naive): fp32 copies of q, k, v, the causal
+    mask (1 byte per score), the fp32 softmax, and wo's input, a copy of the [b, heads, s, head_dim]
+    output.
     Selective checkpointing keeps only the recomputed core's inputs q, k, v and wo's input. The
     rotary tables cast to bf16 per call (q and k: cos and sin) are kept too."""
     s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
     n = b * s
-    d = h // shape.heads
-    hq, kv = h / t, shape.kv_heads * d / t
+    head_dim = h // shape.heads
+    hq, kv = h / t, shape.kv_heads * head_dim / t
     heads = shape.heads / t
-    rot = 4 * s * d * B if B == 2 else 0.0
+    rot = 4 * s * head_dim * B if B == 2 else 0.0
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
     if lay.activation_checkpointing == "selective":
         return n * (hq + 2 * kv) * B + n * hq * B + rot
@@ -410,7 +412,7 @@ def _attention_bytes(shape: Shape, lay: Layout, wl: Workload, b: int) -> float:
     return n * hq * B + kv_kept + n * hq * B + 4 * b * heads * s + rot
 
 
-def _attention_backward_bytes(shape: Shape, lay: Layout, wl: Workload, b: int) -> float:
+def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> float:
     """Above what is kept, while the attention core runs backward: under selective checkpointing
     the recomputed core's own saved tensors; for materialised attention the fp32 gradients of
     the softmax output and of the scores (2 x 4 bytes per score); the gradient of the attention
@@ -428,7 +430,7 @@ def _attention_backward_bytes(shape: Shape, lay: Layout, wl: Workload, b: int) -
 
 
 @functools.lru_cache(maxsize=1024)  # the same for every stage of a layout (worst_stage_memory asks per stage)
-def engine_layer_bytes(shape: Shape, lay: Layout, wl: Workload) -> dict:
+def engine_layer_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict:
     """Per layer and micro-batch: 'layer' (kept between forward and backward, the layer input
     only under full checkpointing), 'full_layer' (what its forward saves, recomputed or not),
     'working' (what exists above that while its backward runs)."""
@@ -445,7 +447,7 @@ def engine_layer_bytes(shape: Shape, lay: Layout, wl: Workload) -> dict:
     return {"layer": kept, "full_layer": full, "working": working}
 
 
-def _loss_bytes(shape: Shape, lay: Layout, wl: Workload) -> tuple[float, float]:
+def _loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, float]:
     """(kept, extra) of the LM head's loss per micro-batch. The own engine's vocabulary-parallel
     cross-entropy keeps the fp32 softmax (4 n V/t) and the local target ids; at its forward peak
     the bf16 logits, their fp32 copy (bf16 only) and the fp32 shifted logits exist beside it.
@@ -458,17 +460,17 @@ def _loss_bytes(shape: Shape, lay: Layout, wl: Workload) -> tuple[float, float]:
     return 4 * n * V, max(B + upcast, 8) * n * V
 
 
-def engine_stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> dict:
-    """stage_memory for the harness's engines (Layout.engine own, deepspeed or fsdp)."""
+def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> dict:
+    """stage_memory for the harness's engines (PlannerLayout.engine own, deepspeed or fsdp)."""
     has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
     phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
-    B, d, t = wl.dtype_bytes, lay.dp, lay.tp
+    B, dp, t = wl.dtype_bytes, lay.dp, lay.tp
     precision = "bf16" if B == 2 else "fp32"
     zero = 3 if lay.engine == "fsdp" else lay.sharding_stage
     if lay.engine == "deepspeed" and zero == 0:  # its pipeline engine without ZeRO: bf16 .grad, an fp32 optimizer copy
-        census = model_states(phi, "own", 0, precision, d, grad_accum="bf16" if B == 2 else "fp32")
+        census = model_states(phi, "own", 0, precision, dp, grad_accum="bf16" if B == 2 else "fp32")
     else:
-        census = model_states(phi, lay.engine, min(zero, 1) if lay.engine == "own" else zero, precision, d)
+        census = model_states(phi, lay.engine, min(zero, 1) if lay.engine == "own" else zero, precision, dp)
     # The planner's workload has the default policy (fp32 accumulation and reduction): then what
     # the census counts at the optimizer step (own engine: flat parameters, fp32 main gradients,
     # the ZeRO-1 reduced shard, masters, Adam states) is held the whole step; the step itself adds
@@ -543,7 +545,7 @@ def engine_stage_memory(shape: Shape, lay: Layout, wl: Workload, stage: int) -> 
     return parts
 
 
-def fsdp_step_bytes(shape: Shape, lay: Layout, wl: Workload, has_emb: bool, layers: int, has_head: bool) -> dict:
+def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: bool, layers: int, has_head: bool) -> dict:
     """What engine fsdp (FSDP2 fully_shard per block and on the root, harness/frameworks/fsdp.py)
     holds during its step beyond the model states and the plain model's activations, per rank,
     as torch's FSDP2 code allocates it (torch/distributed/fsdp/_fully_shard/) and `harness memory`
@@ -583,11 +585,11 @@ def fsdp_step_bytes(shape: Shape, lay: Layout, wl: Workload, has_emb: bool, laye
     reduction in fp32."""
     B, t = wl.dtype_bytes, lay.tp
     h, V = shape.hidden, shape.vocab
-    d = h // shape.heads
-    attn = h * shape.heads * d * 2 + 2 * h * shape.kv_heads * d
+    head_dim = h // shape.heads
+    attn = h * shape.heads * head_dim * 2 + 2 * h * shape.kv_heads * head_dim
     block = (attn + 3 * h * shape.ffn) / t + 2 * h
     if shape.attention_bias:
-        block += (shape.heads + 2 * shape.kv_heads) * d / t + h
+        block += (shape.heads + 2 * shape.kv_heads) * head_dim / t + h
     vocab = V * h / t
     head = 0.0 if shape.tie_embeddings and has_emb else vocab
     root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)

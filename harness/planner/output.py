@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from harness.model.presets import Shape
-from harness.planner.layout import ATTENTION_CLASS, Layout, Workload
+from harness.planner.layout import ATTENTION_CLASS, PlannerLayout, Workload
 from harness.planner.predict import Prediction
 
 EXPORT_FORMATS = ("deepspeed", "megatron", "torchtitan")
@@ -65,7 +65,7 @@ def group(preds: list[Prediction], limit: int | None = None) -> list[Row]:
 
 # ---------------------------------------------------------------- --emit-sweep
 
-def runnable(lay: Layout) -> bool:
+def runnable(lay: PlannerLayout) -> bool:
     """Whether this harness's engines run the layout's kernels (the planner also knows the study's
     fused_softmax and flash1, which no engine here runs)."""
     from harness.spec import ATTENTION_KERNELS
@@ -73,7 +73,7 @@ def runnable(lay: Layout) -> bool:
     return lay.attention in ATTENTION_KERNELS
 
 
-def spec_layout(lay: Layout) -> dict:
+def spec_layout(lay: PlannerLayout) -> dict:
     """The layout as a harness.spec layout: the planner's engine names mapped to the harness's
     (the study's engine, `paper`, is modelled but not run here: the own engine is its analogue)."""
     out = dict(lay.to_spec())
@@ -135,7 +135,7 @@ def sweep_spec(rows: list[Row], *, model: str, seq_len: int, global_batch_size: 
 
 # ---------------------------------------------------------------- --export
 
-def exportable(lay: Layout, fmt: str) -> str:
+def exportable(lay: PlannerLayout, fmt: str) -> str:
     """Empty when `fmt` can express the layout, else why not."""
     if fmt == "deepspeed":
         if lay.tp > 1 and lay.pp > 1:
@@ -151,7 +151,7 @@ def exportable(lay: Layout, fmt: str) -> str:
     return ""
 
 
-def export_deepspeed(shape: Shape, lay: Layout, wl: Workload) -> tuple[str, list[str]]:
+def export_deepspeed(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[str, list[str]]:
     """A ds_config (DeepSpeed's JSON config keys) for the layout."""
     bf16 = wl.dtype_bytes == 2
     cfg = {"train_batch_size": wl.global_batch_size,
@@ -183,7 +183,7 @@ def export_deepspeed(shape: Shape, lay: Layout, wl: Workload) -> tuple[str, list
     return json.dumps(cfg, indent=2), [n for n in notes if n]
 
 
-def export_megatron(shape: Shape, lay: Layout, wl: Workload) -> tuple[str, list[str]]:
+def export_megatron(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[str, list[str]]:
     """Megatron-LM's pretrain_gpt.py arguments for the layout and the model's shape."""
     args = ["--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp]
     if lay.sequence_parallel:
@@ -224,7 +224,7 @@ def export_megatron(shape: Shape, lay: Layout, wl: Workload) -> tuple[str, list[
     return " ".join(str(a) for a in args), notes
 
 
-def export_torchtitan(shape: Shape, lay: Layout, wl: Workload) -> tuple[str, list[str]]:
+def export_torchtitan(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[str, list[str]]:
     """The [training], [parallelism] and [activation_checkpoint] sections of a torchtitan job config
     (torchtitan/config/job_config.py field names)."""
     schedule = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}[lay.pipeline_schedule]

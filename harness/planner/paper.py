@@ -17,7 +17,7 @@ import numpy as np
 from harness import resources
 from harness.errors import SpecError
 from harness.parallel_dims import ParallelDims
-from harness.planner.layout import PAPER_CHECKPOINTING, PAPER_KERNELS, Layout, Workload
+from harness.planner.layout import PAPER_CHECKPOINTING, PAPER_KERNELS, PlannerLayout, Workload
 
 SHIPPED_SWEEPS = resources.path("baselines/paper_sweeps")  # the repository's, or the installed package's copy
 
@@ -26,7 +26,7 @@ SHIPPED_SWEEPS = resources.path("baselines/paper_sweeps")  # the repository's, o
 class PaperRun:
     sweep: str
     model: str               # planner preset name (paper-13b, ...)
-    layout: Layout
+    layout: PlannerLayout
     workload: Workload
     status: str              # ok | oom | other (other error, kernel not available)
     step_time_s: float | None
@@ -55,10 +55,11 @@ def load_sweep(path: str | Path, seq_len: int = 2048, global_batch_size: int = 2
                 attention, rmsnorm = PAPER_KERNELS[row["kernel"].strip()]
                 dims = ParallelDims.derive(int(row["World Size"]), "World Size", tp=int(row["model_parallel_size"]),
                                            pp=int(row["pipe_parallel_size"]))
-                lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp, micro_batch_size=int(row["micro_batch_size"]),
-                             activation_checkpointing=PAPER_CHECKPOINTING[row["activation_checkpointing_type"].strip()],
-                             sequence_parallel=row.get("sequence_parallel", "False").strip() == "True",
-                             attention=attention, rmsnorm=rmsnorm, zero_stage=1)
+                checkpointing = PAPER_CHECKPOINTING[row["activation_checkpointing_type"].strip()]
+                lay = PlannerLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, micro_batch_size=int(row["micro_batch_size"]),
+                                    activation_checkpointing=checkpointing,
+                                    sequence_parallel=row.get("sequence_parallel", "False").strip() == "True",
+                                    attention=attention, rmsnorm=rmsnorm, zero_stage=1)
             except (KeyError, ValueError) as e:
                 raise SpecError("--calibrate-csv", f"{path.name}: row {row.get('Trial ID')}: {e}") from None
             value = row["Average Step Time"].strip()

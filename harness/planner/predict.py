@@ -15,7 +15,7 @@ from harness.errors import SpecError
 from harness.model.flops import flops_per_token
 from harness.model.presets import Shape
 from harness.planner.hardware import Profile
-from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, Layout, Workload
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
 from harness.planner.memory import GIB, fits, worst_stage_memory
 from harness.planner.timing import step_time, theta_from_profile
 from harness.spec import RMSNORM_KERNELS
@@ -28,7 +28,7 @@ FLASH_MAX_HEAD_DIM = {"flash1": 128, "flash2": 256}
 
 @dataclass
 class Prediction:
-    layout: Layout
+    layout: PlannerLayout
     fits: bool
     available: bool
     memory_gib: float
@@ -51,7 +51,7 @@ class Prediction:
                 "mfu": round(self.mfu, 4)}
 
 
-def kernel_available(shape: Shape, lay: Layout, wl: Workload, prof: Profile) -> str:
+def kernel_available(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile) -> str:
     """Empty when the attention kernel can run this layout on this hardware, else why not."""
     if lay.attention not in prof.attention_kernels:
         return f"{lay.attention} is not available on {prof.name}"
@@ -64,7 +64,7 @@ def kernel_available(shape: Shape, lay: Layout, wl: Workload, prof: Profile) -> 
     return ""
 
 
-def validate(shape: Shape, lay: Layout, wl: Workload) -> None:
+def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
     """SpecError for a layout that cannot exist (as opposed to one that does not fit)."""
     if min(lay.tp, lay.pp, lay.dp, lay.micro_batch_size) < 1:
         raise SpecError("layout", "tp, pp, dp and micro_batch_size must be at least 1")
@@ -86,7 +86,7 @@ def _palm_flops_per_token(shape: Shape, seq_len: int) -> float:
     return flops_per_token(shape, seq_len)["palm"]
 
 
-def predict(shape: Shape, layout: Layout, workload: Workload, profile: Profile,
+def predict(shape: Shape, layout: PlannerLayout, workload: Workload, profile: Profile,
             theta: dict | None = None, layer_cache: dict | None = None,
             memory_cache: dict | None = None) -> Prediction:
     """Memory, fit and speed of one layout. `theta` overrides the profile's inverse efficiencies;
@@ -121,7 +121,7 @@ CLASS_REPRESENTATIVE = {cls: next(k for k in ATTENTION_CLASS if ATTENTION_CLASS[
                         for cls in dict.fromkeys(ATTENTION_CLASS.values())}
 
 
-def memory_key(layout: Layout) -> tuple:
+def memory_key(layout: PlannerLayout) -> tuple:
     """Layouts whose memory is the same: memory.py tells attention kernels apart only by whether
     they materialise the score matrix (naive, fused_softmax) or not (every flash-style kernel keeps
     no s x s tensor); tests/test_plan_output.py checks it on every engine."""
@@ -129,7 +129,7 @@ def memory_key(layout: Layout) -> tuple:
     return tuple(att if name == "attention" else value for name, value in layout.__dict__.items())
 
 
-def prediction_key(layout: Layout) -> Layout:
+def prediction_key(layout: PlannerLayout) -> PlannerLayout:
     """The layout whose prediction stands for `layout`: its attention kernel replaced by the first
     kernel of its cost class."""
     cls = ATTENTION_CLASS.get(layout.attention)  # an unknown kernel is left to predict()'s check

@@ -23,7 +23,7 @@ import functools
 
 from harness.model.presets import Shape
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
-from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, Layout, Workload, _stage_items
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, _stage_items
 from harness.planner.memory import GIB, stage_params, worst_stage_memory
 
 # GEMMs lose efficiency as their smallest dimension shrinks (tile edges and the K-loop's fixed
@@ -126,7 +126,7 @@ def _zeros() -> dict[str, float]:
     return {k: 0.0 for k in THETA_KEYS}
 
 
-def layer_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile) -> dict[str, float]:
+def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile) -> dict[str, float]:
     """Ideal seconds of each kind of work of one transformer layer for one micro-batch (forward +
     backward): the same on every stage, so computed once per layout (stage_features scales it)."""
     x = _zeros()
@@ -167,7 +167,7 @@ def layer_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile) -> di
     return x
 
 
-def stage_extras(shape: Shape, lay: Layout, wl: Workload, prof: Profile, stage: int) -> dict[str, float]:
+def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, stage: int) -> dict[str, float]:
     """Ideal seconds of the work of one stage beyond its layers, for one micro-batch: the LM head
     with the loss, the embedding's and head's tensor-parallel collectives, the pipeline sends."""
     has_emb, layers, has_head = _stage_items(shape.layers, lay.pp)[stage]
@@ -200,7 +200,7 @@ def stage_extras(shape: Shape, lay: Layout, wl: Workload, prof: Profile, stage: 
     return x
 
 
-def stage_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, stage: int,
+def stage_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, stage: int,
                    per_layer: dict | None = None) -> dict[str, float]:
     """Ideal seconds of each kind of work for one micro-batch (forward + backward) on one stage:
     its layers (layer_features, passed in when known) and stage_extras."""
@@ -245,7 +245,7 @@ def theta_from_profile(prof: Profile) -> dict[str, float]:
     return theta
 
 
-def alloc_pressure(shape: Shape, lay: Layout, wl: Workload, prof: Profile,
+def alloc_pressure(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile,
                    memory_bytes: float | None = None) -> float:
     """How far the predicted peak of the fullest stage (memory.py; `memory_bytes` when the caller has
     it) lies above ALLOC_PRESSURE_FROM of the device's memory, as a fraction of it (capped at a full
@@ -255,7 +255,7 @@ def alloc_pressure(shape: Shape, lay: Layout, wl: Workload, prof: Profile,
     return max(0.0, min(1.0, memory_bytes / (prof.memory_gib * GIB)) - ALLOC_PRESSURE_FROM)
 
 
-def _per_layer(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: dict,
+def _per_layer(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict,
                layer_cache: dict | None) -> tuple[dict, float]:
     """layer_features and their time under theta, from `layer_cache` when the caller keeps one
     (a dict across layouts of one shape, workload, profile and theta: predict_many)."""
@@ -271,7 +271,7 @@ def _per_layer(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: di
     return hit
 
 
-def _data_parallel(shape: Shape, lay: Layout, wl: Workload, prof: Profile, kinds) -> tuple[dict, float]:
+def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, kinds) -> tuple[dict, float]:
     """Ideal seconds of the data-parallel reduction (by link) and of the optimizer step (HBM), once
     per step, for the stage with the most parameters.
 
@@ -307,7 +307,7 @@ def _data_parallel(shape: Shape, lay: Layout, wl: Workload, prof: Profile, kinds
     return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
 
 
-def step_features(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: dict | None = None,
+def step_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None = None,
                   layer_cache: dict | None = None, memory_bytes: float | None = None) -> tuple[dict, dict]:
     """Ideal seconds per kind of work for one optimizer step, and a breakdown in real seconds.
 
@@ -353,7 +353,7 @@ def _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta,
     }
 
 
-def step_time(shape: Shape, lay: Layout, wl: Workload, prof: Profile, theta: dict | None = None,
+def step_time(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None = None,
               layer_cache: dict | None = None, memory_bytes: float | None = None) -> tuple[float, dict]:
     """Seconds per optimizer step and their breakdown: sum(theta[k] * step_features[k]) computed
     per stage kind as layers x (time of a layer) + time of the stage's extras, which a plan over

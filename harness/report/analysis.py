@@ -8,31 +8,15 @@ so a reader knows it was looked for. Rankings use one metric (data.choose_metric
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 
 from harness.report import plots
-from harness.report.data import Metric, Row, fmt_bytes, fmt_s
+from harness.report.data import Metric, Row, fmt_s, measured_columns
+from harness.report.sections import Column, Section, Table, table
 from harness.store import STATUSES
 
 TOP = 10
 MAX_SWEEP_FIGS = 6
 MAX_FAILED_ROWS = 60
-
-
-@dataclass
-class Table:
-    headers: list[str]
-    rows: list[list[str]]
-    caption: str = ""
-
-
-@dataclass
-class Section:
-    id: str
-    title: str
-    text: list[str] = field(default_factory=list)
-    tables: list[Table] = field(default_factory=list)
-    images: list[tuple[str, bytes, str]] = field(default_factory=list)  # (name, svg, alt)
 
 
 def by_sweep(rows: list[Row]) -> dict[str, list[Row]]:
@@ -55,18 +39,13 @@ def best_per(rows: list[Row], metric: Metric, key) -> dict:
     return best
 
 
-def layout_row(r: Row, metric: Metric) -> list[str]:
-    ci = f"[{fmt_s(r.step_ci[0])}, {fmt_s(r.step_ci[1])}]" if r.step_ci else "-"
-    return [r.variant, str(r.tp), str(r.pp), str(r.dp), str(r.mb), r.ckpt, r.kernel, "yes" if r.sp else "no",
-            fmt_s(r.step_median), ci, f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
-            f"{r.tokens_per_s_dev:,.0f}" if r.tokens_per_s_dev else "-", _pct(r.mfu.get("palm")),
-            _pct(r.mfu.get("megatron")), _pct(r.mfu.get("hardware")), _pct(r.mfu_measured.get("palm")),
-            fmt_bytes(r.peak_memory), r.run_id[:10]]
-
-
-def layout_headers(metric: Metric) -> list[str]:
-    return ["engine", "tp", "pp", "dp", "mb", "ckpt", "kernels", "sp", "step (median)", "95% CI", "tokens/s",
-            "tok/s/device", "MFU", "MFU megatron", "HFU", "MFU vs measured matmul", "peak mem", "run"]
+def run_columns() -> list[Column]:
+    """The sweep's table of runs: what names a run's layout, every reported measurement, the run id."""
+    return [Column("engine", lambda r: r.variant), Column("tp", lambda r: str(r.tp)),
+            Column("pp", lambda r: str(r.pp)), Column("dp", lambda r: str(r.dp)), Column("mb", lambda r: str(r.mb)),
+            Column("ckpt", lambda r: r.ckpt), Column("kernels", lambda r: r.kernel),
+            Column("sp", lambda r: "yes" if r.sp else "no"), *measured_columns(lambda r: r.values),
+            Column("run", lambda r: r.run_id[:10])]
 
 
 def rate_ci(value, step_median, step_ci) -> tuple[float, float] | None:
@@ -82,10 +61,6 @@ def rate_ci(value, step_median, step_ci) -> tuple[float, float] | None:
 def metric_ci(r: Row, metric: Metric) -> tuple[float, float] | None:
     """The 95% CI of a run's ranking metric (rate_ci)."""
     return rate_ci(metric.of(r), r.step_median, r.step_ci)
-
-
-def _pct(v) -> str:
-    return "-" if v is None else f"{100 * v:.1f}%"
 
 
 def _sort_key(v):
@@ -125,8 +100,7 @@ def best_layouts(rows: list[Row], metric: Metric) -> Section:
     for name, rs in by_sweep(rows).items():
         top = ranked(rs, metric)[:TOP]
         if top:
-            s.tables.append(Table(layout_headers(metric), [layout_row(r, metric) for r in top],
-                                  f"{name}: the {len(top)} best of {len(rs)} runs"))
+            s.tables.append(table(run_columns(), top, f"{name}: the {len(top)} best of {len(rs)} runs"))
     if not s.tables:
         s.text.append("No run finished ok, so nothing can be ranked.")
     return s

@@ -1,4 +1,5 @@
-"""The comparison report: Markdown and a single-file HTML page, from the comparison summary.
+"""The comparison report: one list of sections (sections()), written as Markdown and as a
+single-file HTML page by render.py, from the comparison summary.
 
 The summary (also written as JSON next to the report) holds everything shown: the workload,
 every run's layout, status and metrics, the parity check with its tolerance, and the
@@ -8,31 +9,20 @@ fingerprint check. Nothing here measures; it only lays out what the records say.
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import os
 
-from harness.report import plots
+from harness.report import plots, render
 from harness.report.analysis import rate_ci
-from harness.report.render import img_tag
+from harness.report.data import measured_columns
+from harness.report.render import save_figures
+from harness.report.sections import Code, Column, Figure, Items, Section, Table, table
 from harness.spec import Layout, capability_error, engine_variant, layout_label, parallel_label
 from harness.store import PASS
 
 
 def _ms(x) -> str:
     return f"{x * 1e3:.1f}" if isinstance(x, (int, float)) else "n/a"
-
-
-def _num(x, fmt="{:,.0f}") -> str:
-    return fmt.format(x) if isinstance(x, (int, float)) else "n/a"
-
-
-def _pct(x) -> str:
-    return f"{100 * x:.2f}%" if isinstance(x, (int, float)) else "n/a"
-
-
-def _mib(x) -> str:
-    return f"{x / 2**20:,.0f} MiB" if isinstance(x, (int, float)) and x else "n/a"
 
 
 def _sci(x) -> str:
@@ -211,17 +201,6 @@ def loss_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
              for i in range(n)])
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    esc = lambda x: str(x).replace("|", "\\|")  # noqa: E731
-    return ["| " + " | ".join(map(esc, header)) + " |", "|" + "---|" * len(header)] + \
-           ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
-
-
-def _html_table(header: list[str], rows: list[list[str]]) -> str:
-    return ("<table><tr>" + "".join(f"<th>{_h(x)}</th>" for x in header) + "</tr>" +
-            "".join("<tr>" + "".join(f"<td>{_h(x)}</td>" for x in r) + "</tr>" for r in rows) + "</table>")
-
-
 MATRIX_TEXT = ("Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
                "engine cannot run that layout (checked before launch, harness.spec.CAPABILITIES).")
 BREAKDOWN_TEXT = ("Medians over the measured steps, as each engine reports them (the mean over ranks); "
@@ -233,39 +212,34 @@ THREADS_TEXT = ("Threads per process: {n} (OMP_NUM_THREADS), the same for every 
                 "compare layouts rather than thread counts.")
 
 
-def table_rows(summary: dict) -> list[dict]:
+def _note(item: dict) -> str:
+    run, p = item["run"], item["parity"]
+    return "; ".join(x for x in [p.get("note", ""), run.get("override_note", ""), run.get("error_line", "")] if x)
+
+
+def result_columns() -> list[Column]:
+    """The table of runs: what names a run, every reported measurement (harness.store.fields), its parity."""
+    return [Column("Run", lambda i: i["run"]["label"]), Column("Engine", lambda i: i["run"]["engine"]),
+            Column("Layout", lambda i: layout_label(i["run"]["layout"])),
+            Column("Fields that differ", lambda i: i["differs"]), Column("Status", lambda i: i["run"]["status"]),
+            *measured_columns(lambda i: i["run"].get("row") or {}),
+            Column("Loss parity", lambda i: i["parity"].get("verdict", "-")),
+            Column("Max rel. diff", lambda i: _sci(i["parity"].get("max_rel_diff"))), Column("Note", _note)]
+
+
+def results_table(summary: dict) -> Table:
+    """One row per run (result_columns)."""
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
-    differs = differs_texts(summary)
-    rows = []
-    for r, differ in zip(summary["runs"], differs):
-        m = r.get("metrics") or {}
-        st = m.get("step_time_s") or {}
-        mfu = (m.get("mfu") or {}).get("palm")
-        mfu_meas = (m.get("mfu_vs_measured_matmul") or {}).get("palm")
-        p = parity.get(r["label"], {})
-        rows.append({
-            "label": r["label"], "engine": r["engine"], "layout": layout_label(r["layout"]),
-            "differs": differ,
-            "launcher": r["launcher"], "status": r["status"],
-            "step_ms": f"{_ms(st.get('median'))} [{_ms(st.get('ci95_low'))}, {_ms(st.get('ci95_high'))}]"
-            if st else "n/a",
-            "tokens_s": _num(m.get("tokens_per_s")),
-            "mfu": _pct(mfu), "mfu_measured": _pct(mfu_meas),
-            "memory": _mib(m.get("peak_memory_bytes")) + (f" ({m['memory_kind']})" if m.get("memory_kind") and
-                                                         m.get("peak_memory_bytes") else ""),
-            "parity": p.get("verdict", "-"), "rel_diff": _sci(p.get("max_rel_diff")),
-            "note": "; ".join(x for x in [p.get("note", ""), r.get("override_note", ""), r.get("error_line", "")] if x),
-        })
-    return rows
+    items = [{"run": r, "differs": d, "parity": parity.get(r["label"], {})}
+             for r, d in zip(summary["runs"], differs_texts(summary))]
+    return table(result_columns(), items)
 
 
-COLUMNS = [("label", "Run"), ("engine", "Engine"), ("layout", "Layout"), ("differs", "Fields that differ"),
-           ("status", "Status"),
-           ("step_ms", "Step time median [95% CI] (ms)"), ("tokens_s", "Tokens/s"),
-           ("mfu", "MFU (PaLM, datasheet peak)"), ("mfu_measured", "MFU (vs measured matmul peak)"),
-           ("memory", "Peak memory"), ("parity", "Loss parity"), ("rel_diff", "Max rel. diff"), ("note", "Note")]
-
-
+STEP_TEXT = ("Step time: median over the measured steps (warm-up excluded), each step the slowest rank's, "
+             "with the 95% confidence interval of the median. MFU uses the PaLM convention (6N + 12·L·h·s FLOPs "
+             "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
+             "flops profiler double-counts under ZeRO-3); '-' where the device has no datasheet peak (CPU). "
+             "Peak memory: CUDA allocator peak, or peak RSS per process on CPU.")
 DIFFERS_TEXT = ("The runs differ in {fields}; the column 'Fields that differ' gives each run's values (a field "
                 "equal in every run is left out, and so is one that does not apply to a run's engine).")
 FIGURES_TEXT = ("First, tokens/s per run at its median step time, drawn from zero, with the 95% confidence "
@@ -311,15 +285,6 @@ def image_dir(summary: dict) -> str:
     return f"compare-{summary['name']}-img"
 
 
-def _md_figures(figs, names: tuple[str, ...], img_dir: str) -> list[str]:
-    return [line for name, _, alt in figs if name in names
-            for line in (f"![{alt}]({img_dir}/{name}.{plots.FORMAT})", "")]
-
-
-def _html_figures(figs, names: tuple[str, ...]) -> str:
-    return "".join(img_tag(name, image, alt) for name, image, alt in figs if name in names)
-
-
 def _workload_text(w: dict) -> str:
     o = w.get("optimizer") or {}
     return (f"model `{w.get('model')}`, seq_len {w.get('seq_len')}, global batch {w.get('global_batch_size')} "
@@ -329,224 +294,151 @@ def _workload_text(w: dict) -> str:
             f"device {w.get('device')}")
 
 
-def markdown(summary: dict, figs: list | None = None) -> str:
-    figs = figures(summary) if figs is None else figs
+def _figures(figs, names: tuple[str, ...]) -> list[Figure]:
+    return [Figure(name, image, alt) for name, image, alt in figs if name in names]
+
+
+def _lead(summary: dict) -> Section:
     par, fp = summary["parity"], summary["fingerprints"]
     n_failed = len(summary["failed_runs"])
     failed_text = f", {n_failed} run(s) did not finish" if n_failed else ""
-    out = [f"# Framework comparison: {summary['name']}", "",
-           f"Generated {summary['created_at']} by `harness compare`; results store `{summary['store']}`.", "",
-           f"**Verdict: {'PASS' if summary['verdict'] == PASS else 'FAIL'}** - loss parity "
-           f"{'holds' if par['verdict'] == PASS else 'FAILS'}"
-           f"{failed_text}"
-           f"; fingerprints {'identical' if fp['same'] else 'DIFFER (' + ', '.join(fp['flagged_groups']) + ')'}.",
-           "", "## Workload (identical for every run)", "", _workload_text(summary["workload"]), "",
-           f"Precision policy, the same for every run: {summary.get('precision_policy') or 'not recorded'}.", "",
-           f"{summary['nproc']} processes per run (the reference: 1). Initial weights are generated from the seed, "
-           "bit-identical for every engine; every data-parallel rank takes its contiguous slice of the same global "
-           "batch.", ""]
+    fingerprints = "identical" if fp["same"] else "DIFFER (" + ", ".join(fp["flagged_groups"]) + ")"
+    return Section("lead", "", body=[
+        f"Generated {summary['created_at']} by `harness compare`; results store `{summary['store']}`.",
+        f"**Verdict: {'PASS' if summary['verdict'] == PASS else 'FAIL'}** - loss parity "
+        f"{'holds' if par['verdict'] == PASS else 'FAILS'}{failed_text}; fingerprints {fingerprints}."])
+
+
+def _workload(summary: dict) -> Section:
+    return Section("workload", "Workload (identical for every run)", body=[
+        _workload_text(summary["workload"]),
+        f"Precision policy, the same for every run: {summary.get('precision_policy') or 'not recorded'}.",
+        f"{summary['nproc']} processes per run (the reference: 1). Initial weights are generated from the seed, "
+        "bit-identical for every engine; every data-parallel rank takes its contiguous slice of the same global "
+        "batch."])
+
+
+def _results(summary: dict) -> Section:
     differing = differing_fields(summary)
-    out += ["## Results", ""]
-    if differing:
-        out += [DIFFERS_TEXT.format(fields=", ".join(differing)), ""]
-    out += ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in table_rows(summary):
-        out.append("| " + " | ".join(str(row[k]).replace("|", "\\|") for k, _ in COLUMNS) + " |")
-    out += ["", "Step time: median over the measured steps (warm-up excluded), each step the slowest rank's, "
-            "with the 95% confidence interval of the median. MFU uses the PaLM convention (6N + 12·L·h·s FLOPs "
-            "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
-            "flops profiler double-counts under ZeRO-3); n/a where the device has no datasheet peak (CPU). "
-            "Peak memory: CUDA allocator peak, or peak RSS per process on CPU.", ""]
-    if any(name in ("throughput", "step-times") for name, _, _ in figs):
-        out += ["## Throughput and step times", "", FIGURES_TEXT, ""]
-        out += _md_figures(figs, ("throughput", "step-times"), image_dir(summary))
-    header, rows = layout_matrix(summary)
-    out += ["## Layouts by engine", "", MATRIX_TEXT, ""] + _md_table(header, rows) + [""]
-    header, rows = breakdown_rows(summary)
-    out += ["## Where the step goes", "", BREAKDOWN_TEXT, ""] + _md_table(header, rows) + [""]
-    header, rows = census_rows(summary)
-    out += ["## Memory census", "", CENSUS_TEXT, ""] + _md_table(header, rows) + [""]
-    if summary.get("threads_per_process"):
-        out += [THREADS_TEXT.format(n=summary["threads_per_process"]), ""]
+    body = [DIFFERS_TEXT.format(fields=", ".join(differing))] if differing else []
+    body.append(results_table(summary))
+    body.append(STEP_TEXT)
+    return Section("results", "Results", body=body)
+
+
+def _machine(summary: dict) -> list[str]:
+    """The threads per process and the machine's load: what else shaped the step times."""
+    out = [THREADS_TEXT.format(n=summary["threads_per_process"])] if summary.get("threads_per_process") else []
     load = summary.get("load_average") or {}
     if load.get("before"):
-        out += [f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
-                f"({os.cpu_count()} logical CPUs here); a load above the core count means other work shared the "
-                "machine and widened the step-time intervals.", ""]
-    out += ["## Loss parity", "",
-            f"The first {par['steps']} per-step losses (warm-up included) of every run are compared with the "
+        out.append(f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
+                   f"({os.cpu_count()} logical CPUs here); a load above the core count means other work shared the "
+                   "machine and widened the step-time intervals.")
+    return out
+
+
+def _parity(summary: dict, figs: list) -> Section:
+    par = summary["parity"]
+    body = [f"The first {par['steps']} per-step losses (warm-up included) of every run are compared with the "
             f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
             f"**{par['tolerance']:g}** ({summary['tolerance_source']}). Largest difference between any two "
             f"finished runs: {_sci(par['max_pairwise_rel_diff'])} "
-            f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance).", ""]
+            f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."]
     if any(name == "loss-curves" for name, _, _ in figs):
-        out += [LOSS_FIGURE_TEXT, ""] + _md_figures(figs, ("loss-curves",), image_dir(summary))
+        body += [LOSS_FIGURE_TEXT, *_figures(figs, ("loss-curves",))]
     if summary.get("loss_table"):
-        out += _md_table(*loss_rows(summary)) + [""]
+        body.append(Table(*loss_rows(summary)))
     fails = [p for p in par["runs"] if p["verdict"] != PASS]
     if fails:
-        out += ["Parity failures:", ""] + [f"- **{p['label']}**: {p['verdict']}"
-                                           f"{' - ' + p['note'] if p['note'] else ''}" for p in fails] + [""]
-    notes = policy_exceptions(summary)
-    overrides = [(r["label"], r["workload_override"]) for r in summary["runs"] if r.get("workload_override")]
-    if notes or overrides:
-        out += ["## Where a run does not express the workload exactly", ""]
-        out += [f"- {lab}: {note}" for lab, note in notes]
-        out += [f"- {lab}: workload overridden in the compare spec: `{json.dumps(ov)}`" for lab, ov in overrides]
-        out.append("")
-    out += ["## Engines", ""]
+        body += ["Parity failures:", Items([f"**{p['label']}**: {p['verdict']}{' - ' + p['note'] if p['note'] else ''}"
+                                            for p in fails])]
+    return Section("parity", "Loss parity", body=body)
+
+
+def _exceptions(summary: dict) -> list[Section]:
+    notes = [f"{lab}: {note}" for lab, note in policy_exceptions(summary)]
+    notes += [f"{r['label']}: workload overridden in the compare spec: `{json.dumps(r['workload_override'])}`"
+              for r in summary["runs"] if r.get("workload_override")]
+    return [Section("exceptions", "Where a run does not express the workload exactly", body=[Items(notes)])] \
+        if notes else []
+
+
+def _engines(summary: dict) -> Section:
+    items = []
     for r in summary["runs"]:
         d = r.get("describe") or {}
         if d:
             keep = {k: v for k, v in d.items() if k not in ("ds_config", "precision_policy")}  # policy: stated once
-            out.append(f"- **{r['label']}** (launcher `{r['launcher']}`): " +
-                       "; ".join(f"{k}: {v}" for k, v in keep.items() if not isinstance(v, (dict, list))))
-    out.append("")
-    if summary["skipped"]:
-        out += ["## Not run", ""] + [f"- {lab}: {why}" for lab, why in summary["skipped"]] + [""]
-    if summary["failed_runs"]:
-        out += ["## Failed runs", ""]
-        for r in summary["runs"]:
-            if r["status"] != "ok":
-                out += [f"- **{r['label']}**: {r['status']} (run {r['run_id']}, log `{r.get('log')}`)", "",
-                        "```", (r.get("error") or "").strip()[-1500:], "```", ""]
-    out += ["## Fingerprints", ""]
+            items.append(f"**{r['label']}** (launcher `{r['launcher']}`): " +
+                         "; ".join(f"{k}: {v}" for k, v in keep.items() if not isinstance(v, (dict, list))))
+    return Section("engines", "Engines", body=[Items(items)])
+
+
+def _not_run(summary: dict) -> list[Section]:
+    return [Section("not-run", "Not run", body=[Items([f"{lab}: {why}" for lab, why in summary["skipped"]])])] \
+        if summary["skipped"] else []
+
+
+def _failed(summary: dict) -> list[Section]:
+    if not summary["failed_runs"]:
+        return []
+    body = []
+    for r in summary["runs"]:
+        if r["status"] != "ok":
+            body += [Items([f"**{r['label']}**: {r['status']} (run {r['run_id']}, log `{r.get('log')}`)"]),
+                     Code((r.get("error") or "").strip()[-1500:])]
+    return [Section("failed", "Failed runs", body=body)]
+
+
+def _fingerprints(summary: dict) -> Section:
+    fp = summary["fingerprints"]
     if fp["same"]:
-        out.append("Every run saw the same hosts, devices and library versions:")
+        body = ["Every run saw the same hosts, devices and library versions:"]
     else:
-        out.append(f"**Runs differ in {', '.join(fp['flagged_groups'])}** - the comparison is not on identical "
-                   "hardware/software:")
-        out += ["", "| Key | Group | " + " | ".join(d for d in fp["differences"][0]["values"]) + " |",
-                "|---|---|" + "---|" * len(fp["differences"][0]["values"])]
-        for d in fp["differences"]:
-            out.append(f"| {d['key']} | {d['group']} | " + " | ".join(str(v) for v in d["values"].values()) + " |")
-        out += ["", "Common to all runs:"]
-    out += [""] + [f"- {k}: {v}" for k, v in fp["common"].items()] + [""]
-    if fp["without_fingerprint"]:
-        out += [f"Runs without a fingerprint (no record from the runner): {', '.join(fp['without_fingerprint'])}", ""]
-    out += ["Run ids: " + ", ".join(f"{r['label']} `{r['run_id']}`" for r in summary["runs"]), ""]
-    return "\n".join(out)
-
-
-_CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
-table{border-collapse:collapse;margin:1em 0;font-size:0.9em}th,td{border:1px solid #ccc;padding:4px 8px;text-align:left}
-th{background:#f0f0f0}.pass{color:#17692e;font-weight:bold}.FAIL,.fail{color:#b00020;font-weight:bold}
-.nodata{color:#a15c00;font-weight:bold}pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:0.85em}
-.verdict{font-size:1.3em;padding:8px;border-radius:4px;display:inline-block}
-.vpass{background:#e3f5e8}.vfail{background:#fde7ea}code{background:#f3f3f3;padding:0 3px}
-img{max-width:100%;height:auto;display:block;margin:.6em 0}"""
-
-
-def _h(x) -> str:
-    return html.escape(str(x))
-
-
-def html_page(summary: dict, figs: list | None = None) -> str:
-    figs = figures(summary) if figs is None else figs
-    par, fp = summary["parity"], summary["fingerprints"]
-    ok = summary["verdict"] == PASS
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Comparison {_h(summary['name'])}</title>"
-             f"<style>{_CSS}</style></head><body>",
-             f"<h1>Framework comparison: {_h(summary['name'])}</h1>",
-             f"<p>Generated {_h(summary['created_at'])} by <code>harness compare</code>; results store "
-             f"<code>{_h(summary['store'])}</code>.</p>",
-             f"<p class='verdict {'vpass' if ok else 'vfail'}'>Verdict: <b>{'PASS' if ok else 'FAIL'}</b> - loss "
-             f"parity {'holds' if par['verdict'] == PASS else 'FAILS'}; {len(summary['failed_runs'])} failed run(s); "
-             f"fingerprints {'identical' if fp['same'] else 'DIFFER: ' + _h(', '.join(fp['flagged_groups']))}</p>",
-             "<h2>Workload (identical for every run)</h2>", f"<p>{_h(_workload_text(summary['workload']))}</p>",
-             f"<p>Precision policy, the same for every run: {_h(summary.get('precision_policy') or 'not recorded')}.</p>",
-             "<h2>Results</h2>"]
-    differing = differing_fields(summary)
-    if differing:
-        parts.append(f"<p>{_h(DIFFERS_TEXT.format(fields=', '.join(differing)))}</p>")
-    parts.append("<table><tr>" + "".join(f"<th>{_h(h)}</th>" for _, h in COLUMNS) + "</tr>")
-    for row in table_rows(summary):
-        cells = []
-        for k, _ in COLUMNS:
-            cls = ""
-            if k == "parity":
-                cls = {"pass": "pass", "FAIL": "fail", "no data": "nodata"}.get(row[k], "")
-            if k == "status" and row[k] != "ok":
-                cls = "fail"
-            cells.append(f"<td class='{cls}'>{_h(row[k])}</td>")
-        parts.append("<tr>" + "".join(cells) + "</tr>")
-    parts.append("</table>")
-    parts.append("<p>Step time: median of the measured steps (warm-up excluded; each step the slowest rank's) "
-                 "with its 95% confidence interval. MFU: PaLM convention, FLOPs counted by the harness from the "
-                 "model shape (not a framework profiler); n/a where the device has no datasheet peak.</p>")
-    if any(name in ("throughput", "step-times") for name, _, _ in figs):
-        parts.append(f"<h2>Throughput and step times</h2><p>{_h(FIGURES_TEXT)}</p>"
-                     + _html_figures(figs, ("throughput", "step-times")))
-    parts.append(f"<h2>Layouts by engine</h2><p>{_h(MATRIX_TEXT)}</p>" + _html_table(*layout_matrix(summary)))
-    parts.append(f"<h2>Where the step goes</h2><p>{_h(BREAKDOWN_TEXT)}</p>" + _html_table(*breakdown_rows(summary)))
-    parts.append(f"<h2>Memory census</h2><p>{_h(CENSUS_TEXT)}</p>" + _html_table(*census_rows(summary)))
-    if summary.get("threads_per_process"):
-        parts.append(f"<p>{_h(THREADS_TEXT.format(n=summary['threads_per_process']))}</p>")
-    load = summary.get("load_average") or {}
-    if load.get("before"):
-        parts.append(f"<p>Machine load average (1/5/15 min) before the runs: {_h(load['before'])}, after: "
-                     f"{_h(load.get('after'))}; above the core count, other work shared the machine.</p>")
-    parts.append(f"<h2>Loss parity</h2><p>First {par['steps']} losses compared with the {_h(par['anchor_kind'])} "
-                 f"(<code>{_h(par['anchor'])}</code>). Tolerance: max relative difference <b>{par['tolerance']:g}</b> "
-                 f"({_h(summary['tolerance_source'])}). Largest pairwise difference: "
-                 f"{_sci(par['max_pairwise_rel_diff'])}.</p>")
-    if any(name == "loss-curves" for name, _, _ in figs):
-        parts.append(f"<p>{_h(LOSS_FIGURE_TEXT)}</p>" + _html_figures(figs, ("loss-curves",)))
-    if summary.get("loss_table"):
-        parts.append(_html_table(*loss_rows(summary)))
-    fails = [p for p in par["runs"] if p["verdict"] != PASS]
-    if fails:
-        parts.append("<p><b>Parity failures:</b></p><ul>" + "".join(
-            f"<li class='fail'>{_h(p['label'])}: {_h(p['verdict'])} {_h(p['note'])}</li>" for p in fails) + "</ul>")
-    notes = policy_exceptions(summary)
-    overrides = [(r["label"], json.dumps(r["workload_override"])) for r in summary["runs"] if r.get("workload_override")]
-    if notes or overrides:
-        parts.append("<h2>Where a run does not express the workload exactly</h2><ul>" +
-                     "".join(f"<li>{_h(a)}: {_h(b)}</li>" for a, b in notes) +
-                     "".join(f"<li>{_h(a)}: workload overridden: <code>{_h(b)}</code></li>" for a, b in overrides) +
-                     "</ul>")
-    if summary["skipped"]:
-        parts.append("<h2>Not run</h2><ul>" + "".join(f"<li>{_h(a)}: {_h(b)}</li>" for a, b in summary["skipped"])
-                     + "</ul>")
-    if summary["failed_runs"]:
-        parts.append("<h2>Failed runs</h2>")
-        for r in summary["runs"]:
-            if r["status"] != "ok":
-                parts.append(f"<p><b>{_h(r['label'])}</b>: {_h(r['status'])} (run {_h(r['run_id'])})</p>"
-                             f"<pre>{_h((r.get('error') or '').strip()[-1500:])}</pre>")
-    parts.append("<h2>Fingerprints</h2>")
-    if not fp["same"]:
         labels = list(fp["differences"][0]["values"])
-        parts.append(f"<p class='fail'>Runs differ in {_h(', '.join(fp['flagged_groups']))}.</p><table><tr><th>Key"
-                     "</th><th>Group</th>" + "".join(f"<th>{_h(lab)}</th>" for lab in labels) + "</tr>")
-        for d in fp["differences"]:
-            parts.append(f"<tr><td>{_h(d['key'])}</td><td>{_h(d['group'])}</td>" +
-                         "".join(f"<td>{_h(v)}</td>" for v in d["values"].values()) + "</tr>")
-        parts.append("</table>")
-    else:
-        parts.append("<p>Every run saw the same hosts, devices and library versions.</p>")
-    parts.append("<table>" + "".join(f"<tr><th>{_h(k)}</th><td>{_h(v)}</td></tr>" for k, v in fp["common"].items())
-                 + "</table>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+        body = [f"**Runs differ in {', '.join(fp['flagged_groups'])}** - the comparison is not on identical "
+                "hardware/software:",
+                Table(["Key", "Group", *labels], [[d["key"], d["group"], *map(str, d["values"].values())]
+                                                  for d in fp["differences"]]),
+                "Common to all runs:"]
+    body.append(Items([f"{k}: {v}" for k, v in fp["common"].items()]))
+    if fp["without_fingerprint"]:
+        body.append(f"Runs without a fingerprint (no record from the runner): {', '.join(fp['without_fingerprint'])}")
+    body.append("Run ids: " + ", ".join(f"{r['label']} `{r['run_id']}`" for r in summary["runs"]))
+    return Section("fingerprints", "Fingerprints", body=body)
+
+
+def sections(summary: dict, figs: list | None = None) -> list[Section]:
+    """The comparison report, once: render.py writes it as Markdown and as HTML."""
+    figs = figures(summary) if figs is None else figs
+    out = [_lead(summary), _workload(summary), _results(summary)]
+    if any(name in ("throughput", "step-times") for name, _, _ in figs):
+        out.append(Section("figures", "Throughput and step times",
+                           body=[FIGURES_TEXT, *_figures(figs, ("throughput", "step-times"))]))
+    out += [Section("matrix", "Layouts by engine", body=[MATRIX_TEXT, Table(*layout_matrix(summary))]),
+            Section("breakdown", "Where the step goes", body=[BREAKDOWN_TEXT, Table(*breakdown_rows(summary))]),
+            Section("census", "Memory census", body=[CENSUS_TEXT, Table(*census_rows(summary)), *_machine(summary)]),
+            _parity(summary, figs), *_exceptions(summary), _engines(summary), *_not_run(summary),
+            *_failed(summary), _fingerprints(summary)]
+    return out
 
 
 def write_report(summary: dict, out_dir: str) -> dict[str, str]:
+    """compare-<name>.md (figures as SVG files in compare-<name>-img/), .html (figures inline) and
+    .json (the summary)."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"compare-{summary['name']}")
     paths = {"markdown": base + ".md", "html": base + ".html", "json": base + ".json"}
     figs = figures(summary)
+    secs = sections(summary, figs)
     if figs:  # the Markdown links them; the HTML holds them inline
-        img_dir = os.path.join(out_dir, image_dir(summary))
-        os.makedirs(img_dir, exist_ok=True)
-        for name, image, _ in figs:
-            with open(os.path.join(img_dir, f"{name}.{plots.FORMAT}"), "wb") as f:
-                f.write(image)
-        paths["images"] = img_dir
+        paths["images"] = os.path.join(out_dir, image_dir(summary))
+        save_figures(paths["images"], secs)
+    title = f"Framework comparison: {summary['name']}"
     with open(paths["markdown"], "w") as f:
-        f.write(markdown(summary, figs))
+        f.write(render.markdown(title, secs, image_dir(summary), contents=False))
     with open(paths["html"], "w") as f:
-        f.write(html_page(summary, figs))
+        f.write(render.html_page(title, secs))
     with open(paths["json"], "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True, default=str)
     return paths

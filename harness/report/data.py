@@ -1,4 +1,4 @@
-"""Flatten stored records into rows the report can sort, group and plot.
+"""Stored records as rows the report can sort, group and plot (flattened by harness.store.fields).
 
 Optional metrics (breakdown, timeline, MFU on a machine without a known peak) may be
 missing; every accessor here returns None rather than failing, so one odd record cannot
@@ -8,12 +8,19 @@ break a report of two thousand.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
+from harness.report.sections import Column
 from harness.spec import engine_variant, layout_label
+from harness.store import fields
+from harness.store.fields import MISSING, row
 
 
 @dataclass
 class Row:
+    """One run as the sweep report reads it: its values (harness.store.fields.row) as typed
+    attributes, what spec derives from its layout, and the metrics no table flattens."""
+
     run_id: str
     sweep: str
     status: str
@@ -39,8 +46,6 @@ class Row:
     steps: int | None = None
     tokens_per_s: float | None = None
     tokens_per_s_dev: float | None = None
-    mfu: dict = field(default_factory=dict)
-    mfu_measured: dict = field(default_factory=dict)
     peak_memory: int | None = None
     memory_kind: str | None = None
     breakdown: dict | None = None
@@ -50,6 +55,7 @@ class Row:
     device: str = ""
     hosts: tuple = ()
     versions: tuple = ()
+    values: dict = field(default_factory=dict)  # every field's value (harness.store.fields.row)
 
     @property
     def kernel(self) -> str:
@@ -64,29 +70,30 @@ class Row:
 
 
 def to_row(rec: dict) -> Row:
-    spec = rec.get("spec") or {}
-    w, lay = spec.get("workload") or {}, spec.get("layout") or {}
+    v, lay = row(rec), (rec.get("spec") or {}).get("layout") or {}
     m, fp = rec.get("metrics") or {}, rec.get("fingerprint") or {}
     tp, pp, dp = int(lay.get("tp") or 1), int(lay.get("pp") or 1), int(lay.get("dp") or 1)
-    st = m.get("step_time_s") or {}
-    ci = (st.get("ci95_low"), st.get("ci95_high")) if st.get("ci95_low") is not None else None
     versions = tuple(f"{k} {fp.get(k)}" for k in ("torch", "cuda", "nccl", "deepspeed") if fp.get(k))
     return Row(
-        run_id=rec.get("run_id", "?"), sweep=rec.get("sweep") or "(no sweep)", status=rec.get("status", "?"),
-        engine=lay.get("engine") or "?", variant=engine_variant(lay), label=layout_label(lay), model=str(w.get("model")),
-        seq_len=w.get("seq_len"), global_batch_size=w.get("global_batch_size"), precision=w.get("precision"),
+        run_id=v["run_id"] or "?", sweep=v["sweep"] or "(no sweep)", status=v["status"] or "?",
+        engine=v["engine"] or "?", variant=engine_variant(lay), label=layout_label(lay), model=str(v["model"]),
+        seq_len=v["seq_len"], global_batch_size=v["global_batch_size"], precision=v["precision"],
         gpus=fp.get("world_size") or tp * pp * dp, tp=tp, pp=pp, dp=dp, mb=lay.get("micro_batch_size"),
-        ckpt=lay.get("activation_checkpointing") or "none", sp=bool(lay.get("sequence_parallel")),
-        attention=lay.get("attention") or "?", rmsnorm=lay.get("rmsnorm") or "?", zero=lay.get("zero_stage"),
-        step_median=st.get("median"), step_ci=ci, steps=st.get("n"), tokens_per_s=m.get("tokens_per_s"),
-        tokens_per_s_dev=m.get("tokens_per_s_per_device"), mfu=dict(m.get("mfu") or {}),
-        mfu_measured=dict(m.get("mfu_vs_measured_matmul") or {}), peak_memory=m.get("peak_memory_bytes"),
-        memory_kind=m.get("memory_kind"), breakdown=m.get("breakdown_s") or None,
+        ckpt=v["activation_checkpointing"] or "none", sp=bool(v["sequence_parallel"]),
+        attention=v["attention"] or "?", rmsnorm=v["rmsnorm"] or "?", zero=v["zero_stage"],
+        step_median=v["step_time_median_s"], step_ci=v["step_time_ci95_s"], steps=v["steps_measured"],
+        tokens_per_s=v["tokens_per_s"], tokens_per_s_dev=v["tokens_per_s_per_device"],
+        peak_memory=v["peak_memory_bytes"], memory_kind=v["memory_kind"], breakdown=m.get("breakdown_s") or None,
         timeline=m.get("pipeline_timeline") or None, error=rec.get("error") or "",
         error_line=rec.get("error_line") or "",
         device=str(fp.get("device_name") or ""), hosts=tuple(sorted(set(fp.get("hosts") or []))),
-        versions=versions,
+        versions=versions, values=v,
     )
+
+
+def measured_columns(values: Callable[[Any], dict]) -> list[Column]:
+    """A column per reported field (harness.store.fields.reported), reading an item's row with `values`."""
+    return [Column(f.header, lambda item, f=f: f.cell(values(item).get(f.name))) for f in fields.reported()]
 
 
 @dataclass
@@ -100,9 +107,9 @@ class Metric:
 
     def of(self, r: Row) -> float | None:
         if self.key == "mfu":
-            return r.mfu.get("palm")
+            return r.values.get("mfu_palm")
         if self.key == "mfu_measured":
-            return r.mfu_measured.get("palm")
+            return r.values.get("mfu_vs_measured_matmul")
         return r.tokens_per_s_dev
 
     def fmt(self, v: float | None) -> str:
@@ -120,23 +127,15 @@ def choose_metric(rows: list[Row]) -> Metric:
     device ranks the same way MFU would.
     """
     ok = [r for r in rows if r.status == "ok"]
-    if ok and any(r.mfu.get("palm") is not None for r in ok):
+    if ok and any(r.values.get("mfu_palm") is not None for r in ok):
         return Metric("mfu", "MFU (PaLM FLOPs, vs the device's datasheet dense bf16 peak)", True, "MFU")
     return Metric("tokens_per_s_dev", "tokens/s per device (no datasheet peak is known for this machine, "
                                       "so no MFU)", False, "tokens/s per device")
 
 
 def fmt_bytes(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
+    return MISSING if n is None else fields.fmt_bytes(n)
 
 
 def fmt_s(v) -> str:
-    if v is None:
-        return "-"
-    return f"{v * 1000:.1f} ms" if v < 1 else f"{v:.3f} s"
+    return MISSING if v is None else fields.fmt_s(v)

@@ -1,4 +1,5 @@
-"""Sections -> Markdown (figures as SVG files) and one self-contained HTML file (figures inline).
+"""Sections (sections.py) -> Markdown (figures as SVG files) and one self-contained HTML file (figures
+inline): the only place either format is written, for the sweep and the compare report alike.
 
 The HTML carries a window.onerror hook that writes any script error into #js-errors, so a
 headless browser's dumped DOM shows whether the page produced console errors.
@@ -9,9 +10,10 @@ from __future__ import annotations
 import base64
 import html
 import os
+import re
 
 from harness.report import plots
-from harness.report.analysis import Section
+from harness.report.sections import Code, Figure, Items, Section, Table
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:13px}th,td{border:1px solid #ccc;padding:3px 6px;
@@ -28,23 +30,40 @@ def _md_cell(v: str) -> str:
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(title: str, sections: list[Section], img_dir: str) -> str:
+def _md_block(b, img_dir: str) -> list[str]:
+    if isinstance(b, Figure):
+        return [f"![{b.alt}]({img_dir}/{b.name}.{plots.FORMAT})", ""]
+    if isinstance(b, Table):
+        out = [f"*{_md_cell(b.caption)}*", ""] if b.caption else []
+        out.append("| " + " | ".join(_md_cell(h) for h in b.headers) + " |")
+        out.append("|" + "---|" * len(b.headers))
+        return out + ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in b.rows] + [""]
+    if isinstance(b, Items):
+        return [f"- {item}" for item in b.items] + [""] if b.items else []
+    if isinstance(b, Code):
+        return ["```", b.text, "```", ""]
+    return [b, ""]
+
+
+def markdown(title: str, sections: list[Section], img_dir: str, *, contents: bool = True) -> str:
+    """`contents`: a line of links to the sections, and an anchor before each heading."""
+    titled = [s for s in sections if s.title]
     out = [f"# {title}", ""]
-    out += ["Sections: " + ", ".join(f"[{s.title}](#{s.id})" for s in sections), ""]
+    if contents:
+        out += ["Sections: " + ", ".join(f"[{s.title}](#{s.id})" for s in titled), ""]
     for s in sections:
-        out += [f'<a id="{s.id}"></a>', f"## {s.title}", ""]
-        for t in s.text:
-            out += [t, ""]
-        for name, _, alt in s.images:
-            out += [f"![{alt}]({img_dir}/{name}.{plots.FORMAT})", ""]
-        for t in s.tables:
-            if t.caption:
-                out += [f"*{_md_cell(t.caption)}*", ""]
-            out.append("| " + " | ".join(_md_cell(h) for h in t.headers) + " |")
-            out.append("|" + "---|" * len(t.headers))
-            out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in t.rows]
-            out.append("")
+        if s.title:
+            out += ([f'<a id="{s.id}"></a>'] if contents else []) + [f"## {s.title}", ""]
+        for b in s.blocks():
+            out += _md_block(b, img_dir)
     return "\n".join(out)
+
+
+def _inline(text: str) -> str:
+    """A paragraph's Markdown `**bold**` and `` `code` `` as HTML, the rest escaped."""
+    text = html.escape(text)
+    text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
 
 
 def _html_table(t) -> str:
@@ -61,33 +80,46 @@ def img_tag(name: str, image: bytes, alt: str) -> str:
     return f"<img id='img-{html.escape(name)}' alt='{html.escape(alt)}' src='data:{plots.MIME};base64,{data}'>"
 
 
+def _html_block(b) -> str:
+    if isinstance(b, Figure):
+        return img_tag(b.name, b.image, b.alt)
+    if isinstance(b, Table):
+        return _html_table(b)
+    if isinstance(b, Items):
+        return "<ul>" + "".join(f"<li>{_inline(item)}</li>" for item in b.items) + "</ul>" if b.items else ""
+    if isinstance(b, Code):
+        return f"<pre>{html.escape(b.text)}</pre>"
+    return f"<p>{_inline(b)}</p>"
+
+
 def html_page(title: str, sections: list[Section]) -> str:
     parts = ["<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
              f"<title>{html.escape(title)}</title>", ERROR_HOOK, f"<style>{CSS}</style></head><body>",
              f"<h1>{html.escape(title)}</h1><div id='js-errors' data-errors='0'></div><nav>",
-             "".join(f"<a href='#{s.id}'>{html.escape(s.title)}</a>" for s in sections), "</nav>"]
+             "".join(f"<a href='#{s.id}'>{html.escape(s.title)}</a>" for s in sections if s.title), "</nav>"]
     for s in sections:
-        parts.append(f"<section id='{s.id}'><h2>{html.escape(s.title)}</h2>")
-        parts += [f"<p>{html.escape(t)}</p>" for t in s.text]
-        for name, image, alt in s.images:
-            parts.append(img_tag(name, image, alt))
-        parts += [_html_table(t) for t in s.tables]
+        parts.append(f"<section id='{s.id}'>" + (f"<h2>{html.escape(s.title)}</h2>" if s.title else ""))
+        parts += [_html_block(b) for b in s.blocks()]
         parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
-def write(out_dir: str, title: str, sections: list[Section]) -> dict[str, str]:
-    """Write report.md (+ img/*.svg) and report.html into out_dir; returns their paths."""
-    img_dir = os.path.join(out_dir, "img")
+def save_figures(img_dir: str, sections: list[Section]) -> None:
+    """Each figure as an SVG file in img_dir, where the Markdown links it."""
     os.makedirs(img_dir, exist_ok=True)
     for s in sections:
-        for name, image, _ in s.images:
-            with open(os.path.join(img_dir, f"{name}.{plots.FORMAT}"), "wb") as f:
-                f.write(image)
-            stale = os.path.join(img_dir, f"{name}.png")  # the same figure as an earlier version drew it
+        for fig in s.figures():
+            with open(os.path.join(img_dir, f"{fig.name}.{plots.FORMAT}"), "wb") as f:
+                f.write(fig.image)
+            stale = os.path.join(img_dir, f"{fig.name}.png")  # the same figure as an earlier version drew it
             if os.path.exists(stale):
                 os.remove(stale)
+
+
+def write(out_dir: str, title: str, sections: list[Section]) -> dict[str, str]:
+    """Write report.md (+ img/*.svg) and report.html into out_dir; returns their paths."""
+    save_figures(os.path.join(out_dir, "img"), sections)
     md, page = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.html")
     with open(md, "w") as f:
         f.write(markdown(title, sections, "img"))

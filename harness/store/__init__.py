@@ -1,4 +1,4 @@
-"""The results store: one versioned record per run in a SQLite file.
+"""The results store: one versioned record per run in a SQLite file (fields.py: a record as a flat row).
 
 Records are written in one transaction each, so an interrupted sweep loses nothing that
 completed and never leaves half a record. A record that belongs to a sweep point is unique
@@ -30,6 +30,7 @@ import uuid
 from datetime import datetime, timezone
 
 from harness.errors import StoreError
+from harness.store import fields
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "failed", "timeout")
@@ -355,29 +356,8 @@ class ResultsStore:
 # ---------------------------------------------------------------- export
 
 def flat_row(record: dict) -> dict:
-    """One flat row per record for CSV: the columns people sort and plot by."""
-    spec, m = record.get("spec") or {}, record.get("metrics") or {}
-    w, lay = spec.get("workload") or {}, spec.get("layout") or {}
-    st = m.get("step_time_s") or {}
-    mfu = m.get("mfu") or {}
-    return {
-        "run_id": record.get("run_id"), "sweep": record.get("sweep"), "status": record.get("status"),
-        "engine": lay.get("engine"), "model": w.get("model"), "seq_len": w.get("seq_len"),
-        "global_batch_size": w.get("global_batch_size"), "precision": w.get("precision"),
-        "tp": lay.get("tp"), "pp": lay.get("pp"), "dp": lay.get("dp"),
-        "micro_batch_size": lay.get("micro_batch_size"),
-        "activation_checkpointing": lay.get("activation_checkpointing"),
-        "sequence_parallel": lay.get("sequence_parallel"), "attention": lay.get("attention"),
-        "rmsnorm": lay.get("rmsnorm"), "zero_stage": lay.get("zero_stage"),
-        "step_time_median_s": st.get("median"), "step_time_ci95_low_s": st.get("ci95_low"),
-        "step_time_ci95_high_s": st.get("ci95_high"), "steps_measured": st.get("n"),
-        "tokens_per_s": m.get("tokens_per_s"), "mfu_palm": mfu.get("palm"),
-        "mfu_megatron": mfu.get("megatron"), "hfu": mfu.get("hardware"),
-        "peak_memory_bytes": m.get("peak_memory_bytes"),
-        "final_loss": (m.get("losses") or [None])[-1],
-        "error": (record.get("error") or "")[:200] or None,
-        "started_at": record.get("started_at"), "ended_at": record.get("ended_at"),
-    }
+    """One flat row per record for CSV: the exported fields (harness.store.fields)."""
+    return {f.name: f.read(record) for f in fields.exported()}
 
 
 def export(records: list[dict], fmt: str) -> str:
@@ -386,8 +366,7 @@ def export(records: list[dict], fmt: str) -> str:
     if fmt == "csv":
         rows = [flat_row(r) for r in records]
         buf = io.StringIO()
-        fields = list(rows[0]) if rows else list(flat_row({}))
-        writer = csv.DictWriter(buf, fieldnames=fields)
+        writer = csv.DictWriter(buf, fieldnames=[f.name for f in fields.exported()])
         writer.writeheader()
         writer.writerows(rows)
         return buf.getvalue()

@@ -1,15 +1,17 @@
-"""Faults through the real CLI (issue 15), slow tier: a representative subset of the bad inputs
-of tests/test_faults.py, stores that cannot be used (a read-only folder, a disk that fills mid-
-sweep: a real tmpfs where this machine lets the test mount one), SIGKILL of a sweep during a
-torchrun and a deepspeed point (no process of the run survives; the killed rank is named as the
-first failure, ahead of its peer's "Connection reset by peer"), and a second sweep instance.
+"""What fails while runs and sweeps run: a store that cannot take a record (it goes to a fallback
+file; a disk that fills mid-sweep, on a real tmpfs where this machine lets the test mount one; a
+read-only folder), the first rank to fail named ahead of its peers' echoes (from the records and
+from the launchers' output; SIGKILL of a sweep during a torchrun and a deepspeed point leaves no
+process of the run), and one instance of a sweep per store.
+
+The quick tests work in-process with stand-ins; the slow ones run the real CLI and launchers.
+Bad input refused before anything runs is tests/test_cli_errors.py.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -18,38 +20,30 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 
 import pytest
 import yaml
 
 from harness import launch
-from harness.store import ResultsStore, fallback_paths, new_record
-from harness.sweep.execute import sweep_id
+from harness.cli import main as cli_main
+from harness.errors import StoreError
+from harness.store import ResultsStore, fallback_paths, merge_failures, new_record
+from harness.sweep.execute import run_sweep, sweep_id, sweep_lock
 from harness.sweep.spec import parse_sweep
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 2, "warmup_steps": 1, "device": "cpu"}
-pytestmark = pytest.mark.slow
+SWEEP = {"name": "s", "gpus": 1, "workload": TINY, "grid": {"workload.seed": [1, 2]}}
+
+
+def _record(run_id: str, status: str = "ok", **kw) -> dict:
+    rec = new_record({"workload": {"model": "tiny"}, "layout": {"engine": "single"}}, **kw)
+    rec.update(run_id=run_id, status=status, metrics={"tokens_per_s": 1.0})
+    return rec
 
 
 def _write(path, raw) -> str:
     path.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw))
     return str(path)
-
-
-@pytest.fixture
-def tagged(tmp_path):
-    """The real CLI with a tag in its environment that every process it starts inherits: after
-    a refused input no process carrying it may exist (nothing launched)."""
-    tag = uuid.uuid4().hex
-
-    def run(*args, env=None, timeout=300):
-        out = subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=timeout, env={**os.environ, "HARNESS_TEST_TAG": tag, **(env or {})})
-        return out
-    run.alive = lambda: launch.processes_with_env("HARNESS_TEST_TAG", tag)
-    return run
 
 
 def assert_one_line_error(r, start: str) -> str:
@@ -59,64 +53,68 @@ def assert_one_line_error(r, start: str) -> str:
     return lines[0]
 
 
-CASES = [  # (id, files, argv, line start)
-    ("sweep-all-dropped", {"s.yaml": {"gpus": 1, "workload": {**TINY, "model": "llama-7000b"},
-                                      "grid": {"workload.seed": [1, 2]}}},
-     ["sweep", "s.yaml"], "error: sweep: all 2 points were dropped (first: workload.model: unknown preset"),
-    ("compare-timeout-negative", {"c.yaml": {"workload": {**TINY, "steps": 5}, "runs": [{"engine": "own", "dp": 2}]}},
-     ["compare", "c.yaml", "--timeout", "-1"], "error: --timeout: must be a positive number"),
-    ("sweep-store-int", {"s.yaml": {"gpus": 1, "workload": TINY, "store": 123}}, ["sweep", "s.yaml"],
-     "error: sweep.store: must be a file path"),
-    ("sweep-name-escapes", {"s.yaml": {"gpus": 1, "workload": TINY, "name": "../../x"}}, ["sweep", "s.yaml"],
-     "error: sweep.name: '../../x'"),
-    ("train-seq-len-1e12", {"t.yaml": "workload: {seq_len: 1e12, device: cpu}\n"}, ["train", "t.yaml"],
-     "error: workload.seq_len: needs about "),
-    ("train-empty-spec", {"t.yaml": ""}, ["train", "t.yaml"], "error: t.yaml: is empty"),
-    ("train-wrong-dtype", {"t.yaml": {"workload": {**TINY, "data": {"kind": "file", "path": "d.bin",
-                                                                    "dtype": "uint32"}}},
-                           "d.bin": "ab" * 4096, "d.bin.json": '{"dtype": "uint16", "vocab_size": 256}'},
-     ["train", "t.yaml"], "error: workload.data.dtype: uint32, but d.bin.json"),
-    ("plan-hardware-yaml", {"hw.yaml": "name: x\nmemory_gib: [1, 2\npeak: 3\n"},
-     ["plan", "--model", "tiny", "--seq-len", "128", "--global-batch-size", "8", "--gpus", "8",
-      "--hardware", "hw.yaml"],
-     "error: --hardware: hw.yaml: not valid YAML: line 3, column 5"),
-    ("train-store-not-sqlite", {"t.yaml": {"workload": TINY}, "r.sqlite": "a,b\n" * 100},
-     ["train", "t.yaml", "--store", "r.sqlite"], "error: store: r.sqlite is not a readable results store"),
-    ("sweep-store-directory", {"s.yaml": {"gpus": 1, "workload": TINY}}, ["sweep", "s.yaml", "--store", "."],
-     "error: store: . is a directory"),
-]
+# ---------------------------------------------------------------- a full disk, a read-only folder
+
+def _failing_store(monkeypatch, after: int = 0):
+    """Writes fail as on a full disk once `after` of them succeeded (sqlite's own error)."""
+    real = ResultsStore._insert
+    count = [0]
+
+    def insert(self, record, keep):
+        count[0] += 1
+        if count[0] > after:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(self, record, keep)
+
+    monkeypatch.setattr(ResultsStore, "_insert", insert)
+    return lambda: monkeypatch.setattr(ResultsStore, "_insert", real)
 
 
-@pytest.mark.parametrize("files, argv, start", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_through_the_cli(tmp_path, tagged, files, argv, start):
-    for name, content in files.items():
-        _write(tmp_path / name, content)
-    before = sorted(os.listdir(tmp_path))
-    assert_one_line_error(tagged(*argv), start)
-    assert sorted(os.listdir(tmp_path)) == before and tagged.alive() == []
+def test_a_record_the_store_cannot_take_goes_to_a_fallback_file(tmp_path, monkeypatch):
+    path = str(tmp_path / "r.sqlite")
+    store = ResultsStore(path)
+    heal = _failing_store(monkeypatch)
+    with pytest.raises(StoreError) as e:
+        store.write(_record("r1"))
+    assert e.value.reason == (f"cannot write run r1 to {path} (database or disk is full); the record is saved in "
+                              f"{path}.fallback.jsonl")
+    assert store.get("r1")["status"] == "ok"  # the launcher still finds the runner's verdict
+    heal()
+    assert store.records() == [] and store.recover_fallback() == 1
+    assert [r["run_id"] for r in store.records()] == ["r1"] and "fallback" not in store.get("r1")
+    assert not any(os.path.exists(p) for p in fallback_paths(path))
 
 
-def test_store_of_a_newer_schema_is_refused_before_a_run_and_unknown_records_are_left_out(tmp_path, tagged):
-    store = str(tmp_path / "r.sqlite")
-    ResultsStore(store).write({**new_record({"workload": {}, "layout": {}}), "status": "ok", "run_id": "old"})
-    db = sqlite3.connect(store)
-    db.execute("INSERT INTO runs (run_id, schema_version, status, record_json) VALUES ('new', 3, 'ok', "
-               "'{\"run_id\": \"new\", \"schema_version\": 3, \"status\": \"ok\"}')")
-    db.commit()
-    r = tagged("results", "export", "--store", store)
-    assert r.returncode == 0 and [json.loads(ln)["run_id"] for ln in r.stdout.splitlines()] == ["old"], r.stderr
-    assert r.stderr.strip() == ("warning: store: left out 1 records this harness cannot read (1 with schema_version 3; "
-                                "it reads schema_version 1)")
-    db.execute("ALTER TABLE runs ADD COLUMN energy_j REAL")  # a newer harness's store
-    db.commit()
-    db.close()
-    _write(tmp_path / "t.yaml", {"workload": TINY})
-    line = assert_one_line_error(tagged("train", "t.yaml", "--store", store), "error: store: ")
-    assert "energy_j" in line and tagged.alive() == []
-    assert sqlite3.connect(store).execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 2  # nothing written
+def test_full_disk_stops_the_sweep_with_finished_points_intact_then_resumes(tmp_path, monkeypatch):
+    """The sweep's part, with run_spec replaced by a stand-in that writes what a run writes; the
+    disk fills after the first point (the slow test below does it on a real full tmpfs)."""
+    spec = parse_sweep({**SWEEP, "grid": {"workload.seed": [1, 2, 3]}})
+    path = str(tmp_path / "r.sqlite")
+    ran = []
+
+    def run_spec(spec_dict, *, store_path, sweep, point_key, **kw):
+        ran.append(point_key)
+        rec = new_record(spec_dict, sweep=sweep, point_key=point_key)
+        rec["status"] = "ok"
+        ResultsStore(store_path).write(rec)
+        return rec
+
+    monkeypatch.setattr(launch, "run_spec", run_spec)
+    heal = _failing_store(monkeypatch, after=1)
+    with pytest.raises(StoreError, match="the record is saved in"):
+        run_sweep(spec, launcher="direct", store_path=path, timeout_s=60, progress=False, echo=lambda *a: None)
+    assert len(ran) == 2  # the third point never started
+    assert [r["point_key"] for r in ResultsStore(path).records(sweep="s")] == ran[:1]
+    heal()
+    lines = []
+    assert run_sweep(spec, launcher="direct", store_path=path, timeout_s=60, progress=False,
+                     echo=lines.append)["ok"] == 1
+    assert lines[0] == "merged 1 records that the store could not take earlier from its fallback file"
+    keys = [r["point_key"] for r in ResultsStore(path).records(sweep="s")]
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 3 and len(ran) == 3
 
 
-# ---------------------------------------------------------------- a real tmpfs (root) for disk faults
+# a real tmpfs (root) for disk faults
 
 @contextlib.contextmanager
 def tmpfs(path, size: str):
@@ -134,6 +132,7 @@ def tmpfs(path, size: str):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_read_only_folder(tmp_path, tagged):
     with tmpfs(tmp_path / "ro", "1m") as folder:
         store = str(folder / "r.sqlite")
@@ -150,6 +149,7 @@ def test_read_only_folder(tmp_path, tagged):
         assert tagged.alive() == [] and os.listdir(folder) == ["r.sqlite"]
 
 
+@pytest.mark.slow
 def test_disk_that_fills_mid_sweep_stops_it_cleanly_and_loses_nothing(tmp_path, monkeypatch):
     """The store is on a 1 MiB tmpfs; once the first point's record is complete the test fills the
     disk, so the second point's records (the rank's and the launcher's) cannot be written: they go
@@ -199,7 +199,50 @@ def test_disk_that_fills_mid_sweep_stops_it_cleanly_and_loses_nothing(tmp_path, 
         assert not any(os.path.exists(p) for p in fallback_paths(store))
 
 
-# ---------------------------------------------------------------- kills, first failures, a second instance
+# ---------------------------------------------------------------- the first rank to fail, kills
+
+def _failure(rank, echo, status="failed", error="RuntimeError: x"):
+    rec = _record("run", status=status)
+    rec["rank_failures"] = [{"rank": rank, "status": status, "echo": echo, "error": error}]
+    return rec
+
+
+def test_an_echo_never_hides_the_cause_whichever_rank_writes_first():
+    echo = _failure(1, True, error="RuntimeError: Connection reset by peer")
+    cause = _failure(0, False, error="ValueError: bad")
+    for first, second in ((echo, cause), (cause, echo)):
+        kept = merge_failures(merge_failures(None, first), second)
+        assert kept["rank_failures"][0]["rank"] == first["rank_failures"][0]["rank"]
+        assert len(kept["rank_failures"]) == 2 and not kept["rank_failures"][0 if first is cause else 1]["echo"]
+        assert launch.first_failure(kept, "")["rank"] == 0
+    assert merge_failures(_failure(1, False), _failure(0, False, "oom"))["status"] == "oom"
+
+
+TORCHRUN_TAIL = """
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_14:45:16
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -9 (pid: 24570)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 24570
+"""
+DEEPSPEED_TAIL = ("harness.launch: local rank 1 (pid 12) exited with code 137\n"
+                  "harness.launch: local rank 0 (pid 11) exited with code 1\n"
+                  "[launch.py:259:sigkill_handler] [...'--local_rank=1'...] exits with return code = 1\n")
+
+
+def test_first_failure_from_the_launchers_output():
+    echo = _failure(1, True, error="RuntimeError: Connection reset by peer")
+    assert launch.first_failure(echo, TORCHRUN_TAIL) == {
+        "rank": 0, "exit_code": -9, "how": "killed by SIGKILL (exit code -9)", "source": "torchrun"}
+    got = launch.first_failure(_failure(0, True), DEEPSPEED_TAIL)
+    assert (got["rank"], got["how"]) == (1, "exit code 137 (128 + SIGKILL)")
+    assert launch.first_failure_line(got).startswith("rank 1 failed first: exit code 137 (128 + SIGKILL)")
+    assert launch.first_failure(echo, "RuntimeError: boom") is None
+
+
 
 def _wait_for(cond, timeout: float, what: str):
     deadline = time.time() + timeout
@@ -211,11 +254,12 @@ def _wait_for(cond, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_sigkill_of_a_sweep_leaves_no_process_and_the_killed_rank_is_the_first_failure(tmp_path, launcher):
-    """Point 0: rank 0 is SIGKILLed at step 1; its record must name rank 0 and the signal ahead of
-    rank 1's "Connection reset by peer" (when rank 1 writes it before its launcher ends it).
-    Point 1 hangs; the sweep is SIGKILLed while it runs:
+    """The sweep's first point: rank 0 is SIGKILLed at step 1; its record must name rank 0 and the
+    signal ahead of rank 1's "Connection reset by peer" (when rank 1 writes it before its launcher
+    ends it). The second point hangs; the sweep is SIGKILLed while it runs:
     within a few seconds no process of it may be left (launcher, ranks). A third combination is
     dropped, which the sweep says before it starts."""
     raw = {"name": f"kill-{launcher}", "gpus": 2, "timeout_s": 120, "workload": TINY, "layout": {"engine": "own"},
@@ -256,6 +300,21 @@ def test_sigkill_of_a_sweep_leaves_no_process_and_the_killed_rank_is_the_first_f
                     "micro_batch_size = 2 x 3; see --dry-run"]
 
 
+# ---------------------------------------------------------------- one sweep at a time
+
+def test_second_instance_of_a_sweep_is_refused(no_launch, one_line_error):
+    _write(no_launch / "s.yaml", SWEEP)
+    store = str(no_launch / "r.sqlite")
+    with sweep_lock(parse_sweep(SWEEP), store) as lock:
+        assert open(lock).read().strip() == str(os.getpid())
+        line = one_line_error(cli_main(["sweep", "s.yaml", "--store", store]))
+        assert line == f"error: sweep: s is already running on {store} (pid {os.getpid()})"
+    assert not os.path.exists(lock)  # released and removed
+    with sweep_lock(parse_sweep(SWEEP), store):  # free again
+        pass
+
+
+@pytest.mark.slow
 def test_a_second_instance_of_a_running_sweep_is_refused(tmp_path, tagged):
     raw = {"name": "twice", "gpus": 1, "workload": TINY, "layout": {"engine": "single"},
            "points": [{"env": {"HARNESS_FAULT": "hang:1"}}]}

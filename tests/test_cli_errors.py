@@ -1,11 +1,12 @@
-"""Faults, fast tier (issue 15): every bad input is one line `error: <field>: ...`, exit code 2,
-before anything launches; stores that cannot be used are refused, records they cannot take are
-kept in a fallback file; the first rank to fail is named; one sweep runs once per store.
+"""A command given bad input (its arguments, the spec or data files they name, a store it cannot
+use) says one line `error: <field>: ...`, exits with code 2 and launches and writes nothing;
+records of a schema this harness does not read are left out with a warning.
 
 These call harness.cli.main in-process (the code path of `python -m harness.cli`, without paying
-for a Python start per case) with subprocess.Popen replaced by a trap, so a launch fails the test;
-tests/test_faults_cli.py runs a representative subset, the kills, locks and disk faults through
-the real CLI.
+for a Python start per case); a process start fails a quick test (tests/conftest.py). The slow
+tests at the end run a representative subset through the real CLI. What a spec says is checked
+field by field in tests/test_spec_errors.py, token data in tests/test_data_errors.py, and what
+fails while a run or sweep runs in tests/test_run_faults.py.
 """
 
 from __future__ import annotations
@@ -13,18 +14,13 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
 
 import pytest
 import yaml
 
-from harness import launch
 from harness.cli import main as cli_main
 from harness.errors import SpecError, StoreError
-from harness.spec import parse_spec
-from harness.store import ResultsStore, fallback_paths, merge_failures, new_record
-from harness.sweep.execute import run_sweep, sweep_lock
-from harness.sweep.spec import parse_sweep
+from harness.store import ResultsStore, new_record
 
 TINY = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 2, "warmup_steps": 1, "device": "cpu"}
 COMPARE = {"name": "c", "workload": {**TINY, "steps": 5}, "runs": [{"engine": "own", "dp": 2}]}
@@ -34,12 +30,12 @@ BIG = {"workload": {**TINY, "seq_len": 10**12}}
 
 # (id, argv, files to write, the line's start, a part of the reason)
 BAD_INPUTS = [
-    # 1. a sweep that would run nothing
+    # a sweep that would run nothing
     ("sweep-all-dropped-unknown-model", ["sweep", "s.yaml"], {"s.yaml": {**SWEEP, "workload": {**TINY, "model": "x"}}},
      "error: sweep: all 2 points were dropped (first: workload.model: unknown preset 'x'", "; see --dry-run"),
     ("sweep-all-dropped-typo", ["sweep", "s.yaml"], {"s.yaml": {**SWEEP, "workload": {**TINY, "seqlen": 8}}},
      "error: sweep: all 2 points were dropped (first: workload.seqlen: unknown key", "see --dry-run"),
-    # 6. inputs that passed or crashed
+    # arguments, spec values and input files out of range
     ("compare-timeout-negative", ["compare", "c.yaml", "--timeout", "-1"], {"c.yaml": COMPARE},
      "error: --timeout: ", "must be a positive number"),
     ("compare-timeout-zero", ["compare", "c.yaml", "--timeout", "0"], {"c.yaml": COMPARE},
@@ -91,7 +87,7 @@ BAD_INPUTS = [
     ("plan-hardware-yaml-malformed", PLAN + ["--hardware", "hw.yaml"],
      {"hw.yaml": "name: x\nmemory_gib: [1, 2\npeak: 3\n"},
      "error: --hardware: hw.yaml: not valid YAML: line 3, column 5: ", "expected ','"),
-    # 7. wrong data
+    # token data that does not fit the workload
     ("data-dtype-differs-from-prepare", ["train", "t.yaml"],
      {"t.yaml": {"workload": {**TINY, "data": {"kind": "file", "path": "d.bin", "dtype": "uint32"}}},
       "d.bin": b"\x01\x00" * 4096, "d.bin.json": {"tokens": 4096, "dtype": "uint16", "vocab_size": 256}},
@@ -125,17 +121,6 @@ BAD_INPUTS += [(f"train-{name}", ["train", "t.yaml"], {"t.yaml": text + "\n"}, "
                for name, (text, start, reason) in TRAIN_YAML.items()]
 
 
-@pytest.fixture
-def no_launch(monkeypatch, tmp_path):
-    """Run in tmp_path with every process start trapped: a launch fails the test."""
-    def trap(*args, **kwargs):
-        raise AssertionError(f"a process was started: {args[:1]}")
-
-    monkeypatch.setattr(subprocess, "Popen", trap)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def _write_files(root, files: dict) -> None:
     for name, content in files.items():
         path = root / name
@@ -156,29 +141,13 @@ def _record(run_id: str, status: str = "ok", **kw) -> dict:
     return rec
 
 
-def one_line_error(capsys, rc: int) -> str:
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (rc, captured.err, captured.out[-500:])
-    return lines[0]
-
-
 @pytest.mark.parametrize("argv, files, start, reason", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_is_one_line_and_nothing_launches(no_launch, capsys, argv, files, start, reason):
+def test_bad_input_is_one_line_and_nothing_launches(no_launch, one_line_error, argv, files, start, reason):
     _write_files(no_launch, files)
     before = sorted(os.listdir(no_launch))
-    line = one_line_error(capsys, cli_main(list(argv)))
+    line = one_line_error(cli_main(list(argv)))
     assert line.startswith(start) and reason in line, line
     assert sorted(os.listdir(no_launch)) == before  # no store, no logs, no report: nothing was written
-
-
-def test_numbers_as_users_write_them():
-    """YAML 1.1 reads `1e-4` and `1e3` as strings: numeric strings are numbers in number fields."""
-    spec = parse_spec(yaml.safe_load("workload: {optimizer: {lr: 1e-4, eps: 1e-8}, seq_len: 1e2, "
-                                     "model_overrides: {layers: '4'}}"))
-    assert spec.workload.optimizer.lr == 1e-4 and spec.workload.optimizer.eps == 1e-8
-    assert spec.workload.seq_len == 100 and isinstance(spec.workload.seq_len, int)
-    assert spec.workload.model_overrides == {"layers": 4}
 
 
 def test_partly_dropped_sweep_says_how_many_and_why_before_it_runs(no_launch, capsys, monkeypatch):
@@ -195,7 +164,7 @@ def test_partly_dropped_sweep_says_how_many_and_why_before_it_runs(no_launch, ca
                    "micro_batch_size = 1 x 3 (and 1 more like it); see --dry-run"]
 
 
-# ---------------------------------------------------------------- 3. stores
+# ---------------------------------------------------------------- stores this harness cannot use
 
 def _foreign_sqlite(path):
     db = sqlite3.connect(path)
@@ -239,13 +208,13 @@ STORE_COMMANDS = {
 
 @pytest.mark.parametrize("fault", STORE_FAULTS)
 @pytest.mark.parametrize("command", STORE_COMMANDS)
-def test_unusable_store_is_refused_before_anything_launches(no_launch, capsys, fault, command):
+def test_unusable_store_is_refused_before_anything_launches(no_launch, one_line_error, fault, command):
     make, reason = STORE_FAULTS[fault]
     _write_files(no_launch, {"t.yaml": {"workload": TINY}, "c.yaml": COMPARE, "s.yaml": SWEEP})
     store = str(no_launch / "store.sqlite")
     make(store)
     before = sorted(os.listdir(no_launch))
-    line = one_line_error(capsys, cli_main([store if a == "S" else a for a in STORE_COMMANDS[command]]))
+    line = one_line_error(cli_main([store if a == "S" else a for a in STORE_COMMANDS[command]]))
     assert line.startswith("error: store: ") and reason in line, line
     assert sorted(os.listdir(no_launch)) == before
 
@@ -271,128 +240,80 @@ def test_records_of_an_unknown_schema_version_are_left_out_with_a_warning(no_lau
     assert "Traceback" not in err
 
 
-def _failing_store(monkeypatch, after: int = 0):
-    """Writes fail as on a full disk once `after` of them succeeded (sqlite's own error)."""
-    real = ResultsStore._insert
-    count = [0]
-
-    def insert(self, record, keep):
-        count[0] += 1
-        if count[0] > after:
-            raise sqlite3.OperationalError("database or disk is full")
-        return real(self, record, keep)
-
-    monkeypatch.setattr(ResultsStore, "_insert", insert)
-    return lambda: monkeypatch.setattr(ResultsStore, "_insert", real)
-
-
-def test_a_record_the_store_cannot_take_goes_to_a_fallback_file(tmp_path, monkeypatch):
-    path = str(tmp_path / "r.sqlite")
-    store = ResultsStore(path)
-    heal = _failing_store(monkeypatch)
-    with pytest.raises(StoreError) as e:
-        store.write(_record("r1"))
-    assert e.value.reason == (f"cannot write run r1 to {path} (database or disk is full); the record is saved in "
-                              f"{path}.fallback.jsonl")
-    assert store.get("r1")["status"] == "ok"  # the launcher still finds the runner's verdict
-    heal()
-    assert store.records() == [] and store.recover_fallback() == 1
-    assert [r["run_id"] for r in store.records()] == ["r1"] and "fallback" not in store.get("r1")
-    assert not any(os.path.exists(p) for p in fallback_paths(path))
-
-
-def test_full_disk_stops_the_sweep_with_finished_points_intact_then_resumes(tmp_path, monkeypatch):
-    """The sweep's part, with run_spec replaced by a stand-in that writes what a run writes; the
-    disk fills after the first point (tests/test_faults_cli.py does it on a real full tmpfs)."""
-    spec = parse_sweep({**SWEEP, "grid": {"workload.seed": [1, 2, 3]}})
-    path = str(tmp_path / "r.sqlite")
-    ran = []
-
-    def run_spec(spec_dict, *, store_path, sweep, point_key, **kw):
-        ran.append(point_key)
-        rec = new_record(spec_dict, sweep=sweep, point_key=point_key)
-        rec["status"] = "ok"
-        ResultsStore(store_path).write(rec)
-        return rec
-
-    monkeypatch.setattr(launch, "run_spec", run_spec)
-    heal = _failing_store(monkeypatch, after=1)
-    with pytest.raises(StoreError, match="the record is saved in"):
-        run_sweep(spec, launcher="direct", store_path=path, timeout_s=60, progress=False, echo=lambda *a: None)
-    assert len(ran) == 2  # the third point never started
-    assert [r["point_key"] for r in ResultsStore(path).records(sweep="s")] == ran[:1]
-    heal()
-    lines = []
-    assert run_sweep(spec, launcher="direct", store_path=path, timeout_s=60, progress=False,
-                     echo=lines.append)["ok"] == 1
-    assert lines[0] == "merged 1 records that the store could not take earlier from its fallback file"
-    keys = [r["point_key"] for r in ResultsStore(path).records(sweep="s")]
-    assert sorted(keys) == sorted(set(keys)) and len(keys) == 3 and len(ran) == 3
-
-
-# ---------------------------------------------------------------- 4. the first rank to fail
-
-def _failure(rank, echo, status="failed", error="RuntimeError: x"):
-    rec = _record("run", status=status)
-    rec["rank_failures"] = [{"rank": rank, "status": status, "echo": echo, "error": error}]
-    return rec
-
-
-def test_an_echo_never_hides_the_cause_whichever_rank_writes_first():
-    echo = _failure(1, True, error="RuntimeError: Connection reset by peer")
-    cause = _failure(0, False, error="ValueError: bad")
-    for first, second in ((echo, cause), (cause, echo)):
-        kept = merge_failures(merge_failures(None, first), second)
-        assert kept["rank_failures"][0]["rank"] == first["rank_failures"][0]["rank"]
-        assert len(kept["rank_failures"]) == 2 and not kept["rank_failures"][0 if first is cause else 1]["echo"]
-        assert launch.first_failure(kept, "")["rank"] == 0
-    assert merge_failures(_failure(1, False), _failure(0, False, "oom"))["status"] == "oom"
-
-
-TORCHRUN_TAIL = """
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-30_14:45:16
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : -9 (pid: 24570)  (SIGKILL)
-  error_file: <N/A>
-  traceback : Signal 9 (SIGKILL) received by PID 24570
-"""
-DEEPSPEED_TAIL = ("harness.launch: local rank 1 (pid 12) exited with code 137\n"
-                  "harness.launch: local rank 0 (pid 11) exited with code 1\n"
-                  "[launch.py:259:sigkill_handler] [...'--local_rank=1'...] exits with return code = 1\n")
-
-
-def test_first_failure_from_the_launchers_output():
-    echo = _failure(1, True, error="RuntimeError: Connection reset by peer")
-    assert launch.first_failure(echo, TORCHRUN_TAIL) == {
-        "rank": 0, "exit_code": -9, "how": "killed by SIGKILL (exit code -9)", "source": "torchrun"}
-    got = launch.first_failure(_failure(0, True), DEEPSPEED_TAIL)
-    assert (got["rank"], got["how"]) == (1, "exit code 137 (128 + SIGKILL)")
-    assert launch.first_failure_line(got).startswith("rank 1 failed first: exit code 137 (128 + SIGKILL)")
-    assert launch.first_failure(echo, "RuntimeError: boom") is None
-
-
-# ---------------------------------------------------------------- 5. one sweep at a time
-
-def test_second_instance_of_a_sweep_is_refused(no_launch, capsys):
-    _write_files(no_launch, {"s.yaml": SWEEP})
-    store = str(no_launch / "r.sqlite")
-    with sweep_lock(parse_sweep(SWEEP), store) as lock:
-        assert open(lock).read().strip() == str(os.getpid())
-        line = one_line_error(capsys, cli_main(["sweep", "s.yaml", "--store", store]))
-        assert line == f"error: sweep: s is already running on {store} (pid {os.getpid()})"
-    assert not os.path.exists(lock)  # released and removed
-    with sweep_lock(parse_sweep(SWEEP), store):  # free again
-        pass
-
-
-def test_spec_error_text_with_newlines_is_still_one_line(no_launch, capsys, monkeypatch):
+def test_spec_error_text_with_newlines_is_still_one_line(no_launch, one_line_error, monkeypatch):
     import harness.commands.env as env_cmd
 
     def boom(args):
         raise SpecError("x", "first\n  second\n")
 
     monkeypatch.setattr(env_cmd, "main", boom)
-    assert one_line_error(capsys, cli_main(["env"])) == "error: x: first; second"
+    assert one_line_error(cli_main(["env"])) == "error: x: first; second"
+
+
+# ---------------------------------------------------------------- through the real CLI (slow tier)
+# A representative subset of the cases above, and a store of a newer schema, as a user meets them:
+# after the refusal no process carrying the `tagged` CLI's tag exists (nothing launched).
+
+def assert_one_line_error(r, start: str) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stdout + r.stderr
+    return lines[0]
+
+
+CASES = [  # (id, files, argv, line start)
+    ("sweep-all-dropped", {"s.yaml": {"gpus": 1, "workload": {**TINY, "model": "llama-7000b"},
+                                      "grid": {"workload.seed": [1, 2]}}},
+     ["sweep", "s.yaml"], "error: sweep: all 2 points were dropped (first: workload.model: unknown preset"),
+    ("compare-timeout-negative", {"c.yaml": {"workload": {**TINY, "steps": 5}, "runs": [{"engine": "own", "dp": 2}]}},
+     ["compare", "c.yaml", "--timeout", "-1"], "error: --timeout: must be a positive number"),
+    ("sweep-store-int", {"s.yaml": {"gpus": 1, "workload": TINY, "store": 123}}, ["sweep", "s.yaml"],
+     "error: sweep.store: must be a file path"),
+    ("sweep-name-escapes", {"s.yaml": {"gpus": 1, "workload": TINY, "name": "../../x"}}, ["sweep", "s.yaml"],
+     "error: sweep.name: '../../x'"),
+    ("train-seq-len-1e12", {"t.yaml": "workload: {seq_len: 1e12, device: cpu}\n"}, ["train", "t.yaml"],
+     "error: workload.seq_len: needs about "),
+    ("train-empty-spec", {"t.yaml": ""}, ["train", "t.yaml"], "error: t.yaml: is empty"),
+    ("train-wrong-dtype", {"t.yaml": {"workload": {**TINY, "data": {"kind": "file", "path": "d.bin",
+                                                                    "dtype": "uint32"}}},
+                           "d.bin": "ab" * 4096, "d.bin.json": '{"dtype": "uint16", "vocab_size": 256}'},
+     ["train", "t.yaml"], "error: workload.data.dtype: uint32, but d.bin.json"),
+    ("plan-hardware-yaml", {"hw.yaml": "name: x\nmemory_gib: [1, 2\npeak: 3\n"},
+     ["plan", "--model", "tiny", "--seq-len", "128", "--global-batch-size", "8", "--gpus", "8",
+      "--hardware", "hw.yaml"],
+     "error: --hardware: hw.yaml: not valid YAML: line 3, column 5"),
+    ("train-store-not-sqlite", {"t.yaml": {"workload": TINY}, "r.sqlite": "a,b\n" * 100},
+     ["train", "t.yaml", "--store", "r.sqlite"], "error: store: r.sqlite is not a readable results store"),
+    ("sweep-store-directory", {"s.yaml": {"gpus": 1, "workload": TINY}}, ["sweep", "s.yaml", "--store", "."],
+     "error: store: . is a directory"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("files, argv, start", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_through_the_cli(tmp_path, tagged, files, argv, start):
+    _write_files(tmp_path, files)
+    before = sorted(os.listdir(tmp_path))
+    assert_one_line_error(tagged(*argv), start)
+    assert sorted(os.listdir(tmp_path)) == before and tagged.alive() == []
+
+
+@pytest.mark.slow
+def test_store_of_a_newer_schema_is_refused_before_a_run_and_unknown_records_are_left_out(tmp_path, tagged):
+    store = str(tmp_path / "r.sqlite")
+    ResultsStore(store).write({**new_record({"workload": {}, "layout": {}}), "status": "ok", "run_id": "old"})
+    db = sqlite3.connect(store)
+    db.execute("INSERT INTO runs (run_id, schema_version, status, record_json) VALUES ('new', 3, 'ok', "
+               "'{\"run_id\": \"new\", \"schema_version\": 3, \"status\": \"ok\"}')")
+    db.commit()
+    r = tagged("results", "export", "--store", store)
+    assert r.returncode == 0 and [json.loads(ln)["run_id"] for ln in r.stdout.splitlines()] == ["old"], r.stderr
+    assert r.stderr.strip() == ("warning: store: left out 1 records this harness cannot read (1 with schema_version 3; "
+                                "it reads schema_version 1)")
+    db.execute("ALTER TABLE runs ADD COLUMN energy_j REAL")  # a newer harness's store
+    db.commit()
+    db.close()
+    _write_files(tmp_path, {"t.yaml": {"workload": TINY}})
+    line = assert_one_line_error(tagged("train", "t.yaml", "--store", store), "error: store: ")
+    assert "energy_j" in line and tagged.alive() == []
+    assert sqlite3.connect(store).execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 2  # nothing written

@@ -1,5 +1,5 @@
-"""Issue 14 point 7: the CLI habits of the field (python -m, --version, help with examples,
-internal flags hidden, --set overrides, progress with elapsed time and ETA)."""
+"""The CLI follows the field's conventions: python -m, --version, help with examples, internal flags
+hidden, --set overrides, progress with elapsed time and ETA."""
 
 import os
 import subprocess
@@ -14,6 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = list(cli.COMMANDS)
 
 
+@pytest.mark.slow
 def test_python_dash_m_harness_and_version():
     r = subprocess.run([sys.executable, "-m", "harness", "--version"], capture_output=True, text=True,
                        cwd=REPO, timeout=60)

@@ -1,19 +1,19 @@
-"""Input errors that escaped as tracebacks (issue 14, point 6): each is one line
-`error: <field>: <why>` with exit code 2, and nothing is left half-written.
+"""Bad token data is one line `error: <field>: <why>` with exit code 2, and nothing is left
+half-written.
 
 `harness data prepare` on text that is not UTF-8, on an input holding no text, on JSONL lines
 that are not objects or whose text is not a string, with a tokenizer file it cannot read, with
 --out naming an input; a token file read directly (the testing helpers, benchmarks) with the
-wrong dtype, against its .bin.json, or empty; a sweep name that is not a plain folder and job name.
+wrong dtype, against its .bin.json, or empty.
 
-In-process through harness.cli.main (as tests/test_faults.py), process starts trapped.
+In-process through harness.cli.main (as tests/test_cli_errors.py); a process start fails a
+quick test (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -25,20 +25,8 @@ from harness.errors import SpecError
 from harness.spec import parse_spec
 
 TINY = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 2, "warmup_steps": 1, "device": "cpu"}
-SWEEP = {"gpus": 1, "workload": TINY, "grid": {"workload.seed": [1, 2]}}
 LATIN1 = "café au lait\n".encode("latin-1")  # 0xe9: not UTF-8
 GOOD = "hello world\n" * 50
-
-
-@pytest.fixture
-def here(monkeypatch, tmp_path):
-    """Run in tmp_path with every process start trapped: a launch fails the test."""
-    def trap(*args, **kwargs):
-        raise AssertionError(f"a process was started: {args[:1]}")
-
-    monkeypatch.setattr(subprocess, "Popen", trap)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def _write(root, files: dict) -> None:
@@ -52,14 +40,6 @@ def _write(root, files: dict) -> None:
             path.write_text(yaml.safe_dump(content))
         else:
             path.mkdir()
-
-
-def _one_line(capsys, rc: int) -> str:
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (rc, captured.err)
-    assert "Traceback" not in captured.err
-    return lines[0]
 
 
 # (id, argv, files, the line's start, a part of the reason)
@@ -83,51 +63,51 @@ PREPARE = [
 
 
 @pytest.mark.parametrize("inputs, files, start, reason", [c[1:] for c in PREPARE], ids=[c[0] for c in PREPARE])
-def test_data_prepare_bad_input_is_one_line_and_writes_nothing(here, capsys, inputs, files, start, reason):
-    _write(here, files)
-    before = sorted(os.listdir(here))
-    line = _one_line(capsys, cli_main(["data", "prepare", *inputs, "--out", "out.bin"]))
+def test_data_prepare_bad_input_is_one_line_and_writes_nothing(no_launch, one_line_error, inputs, files, start, reason):
+    _write(no_launch, files)
+    before = sorted(os.listdir(no_launch))
+    line = one_line_error(cli_main(["data", "prepare", *inputs, "--out", "out.bin"]))
     assert line.startswith(start) and reason in line, line
-    assert sorted(os.listdir(here)) == before  # no .bin, no .bin.json, no temporary file
+    assert sorted(os.listdir(no_launch)) == before  # no .bin, no .bin.json, no temporary file
 
 
-def test_a_failed_prepare_leaves_the_earlier_token_file_as_it_was(here, capsys):
-    _write(here, {"a.txt": GOOD, "b.txt": LATIN1})
+def test_a_failed_prepare_leaves_the_earlier_token_file_as_it_was(no_launch, capsys, one_line_error):
+    _write(no_launch, {"a.txt": GOOD, "b.txt": LATIN1})
     assert cli_main(["data", "prepare", "a.txt", "--out", "out.bin"]) == 0
     capsys.readouterr()
-    kept = {n: (here / n).read_bytes() for n in ("out.bin", "out.bin.json")}
-    listing = sorted(os.listdir(here))
-    line = _one_line(capsys, cli_main(["data", "prepare", "a.txt", "b.txt", "--out", "out.bin"]))
+    kept = {n: (no_launch / n).read_bytes() for n in ("out.bin", "out.bin.json")}
+    listing = sorted(os.listdir(no_launch))
+    line = one_line_error(cli_main(["data", "prepare", "a.txt", "b.txt", "--out", "out.bin"]))
     assert line.startswith("error: b.txt: ")
-    assert sorted(os.listdir(here)) == listing
-    assert {n: (here / n).read_bytes() for n in kept} == kept
+    assert sorted(os.listdir(no_launch)) == listing
+    assert {n: (no_launch / n).read_bytes() for n in kept} == kept
 
 
-def test_out_naming_an_input_is_refused_and_the_input_kept(here, capsys):
-    _write(here, {"t.txt": GOOD})
-    line = _one_line(capsys, cli_main(["data", "prepare", "t.txt", "--out", "t.txt"]))
+def test_out_naming_an_input_is_refused_and_the_input_kept(no_launch, one_line_error):
+    _write(no_launch, {"t.txt": GOOD})
+    line = one_line_error(cli_main(["data", "prepare", "t.txt", "--out", "t.txt"]))
     assert line.startswith("error: --out: ") and "is also an input" in line
-    assert (here / "t.txt").read_text() == GOOD
+    assert (no_launch / "t.txt").read_text() == GOOD
 
 
-def test_a_write_that_fails_is_one_line_and_leaves_no_temporary_file(here, capsys, monkeypatch):
-    _write(here, {"t.txt": GOOD})
+def test_a_write_that_fails_is_one_line_and_leaves_no_temporary_file(no_launch, one_line_error, monkeypatch):
+    _write(no_launch, {"t.txt": GOOD})
 
     def full_disk(src, dst):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full_disk)
-    line = _one_line(capsys, cli_main(["data", "prepare", "t.txt", "--out", "out.bin"]))
+    line = one_line_error(cli_main(["data", "prepare", "t.txt", "--out", "out.bin"]))
     assert line == "error: --out: cannot write out.bin: No space left on device"
-    assert sorted(os.listdir(here)) == ["t.txt"]
+    assert sorted(os.listdir(no_launch)) == ["t.txt"]
 
 
-def test_prepare_skips_empty_documents_and_writes_its_metadata(here, capsys):
-    _write(here, {"t.jsonl": '{"text": "ab"}\n{"text": ""}\n{"text": "c"}\n'})
+def test_prepare_skips_empty_documents_and_writes_its_metadata(no_launch, capsys):
+    _write(no_launch, {"t.jsonl": '{"text": "ab"}\n{"text": ""}\n{"text": "c"}\n'})
     assert cli_main(["data", "prepare", "t.jsonl", "--out", "out.bin"]) == 0
-    assert np.fromfile(here / "out.bin", dtype=np.uint16).tolist() == [97, 98, 0, 99, 0]
-    assert json.loads((here / "out.bin.json").read_text()) == {"tokens": 5, "dtype": "uint16", "vocab_size": 256,
-                                                               "tokenizer": "bytes"}
+    assert np.fromfile(no_launch / "out.bin", dtype=np.uint16).tolist() == [97, 98, 0, 99, 0]
+    assert json.loads((no_launch / "out.bin.json").read_text()) == {"tokens": 5, "dtype": "uint16",
+                                                                    "vocab_size": 256, "tokenizer": "bytes"}
 
 
 # ---------------------------------------------------------------- token files read directly
@@ -174,25 +154,3 @@ def test_token_file_read_with_the_wrong_dtype_is_a_spec_error(tmp_path, content,
         TokenFile(str(path), dtype, 256, 32, 4)
     assert e.value.field == "workload.data.path" and f"cannot read it as {dtype} tokens" in e.value.reason
     assert reason in e.value.reason
-
-
-# ---------------------------------------------------------------- sweep names
-
-@pytest.mark.parametrize("name, bad", [("a b", "' '"), ("x|y", "'|'"), ("two\nlines", "'\\n'"), ("a:b", "':'"),
-                                       ("*bold*", "'*'")], ids=["space", "pipe", "newline", "colon", "markdown"])
-def test_sweep_name_is_a_plain_folder_and_job_name(here, capsys, name, bad):
-    _write(here, {"s.yaml": {**SWEEP, "name": name}})
-    line = _one_line(capsys, cli_main(["sweep", "s.yaml", "--dry-run"]))
-    assert line.startswith("error: sweep.name: ") and "letters, digits, '-', '_' and '.' only" in line, line
-    assert f"not {bad}" in line, line
-
-
-def test_sweep_name_from_the_file_name_says_how_to_set_one(here, capsys):
-    _write(here, {"my sweep.yaml": SWEEP})
-    line = _one_line(capsys, cli_main(["sweep", "my sweep.yaml", "--dry-run"]))
-    assert line.startswith("error: sweep.name: 'my sweep': ") and "set `name:` in the spec" in line
-
-
-def test_a_plain_sweep_name_passes(here, capsys):
-    _write(here, {"s.yaml": {**SWEEP, "name": "study-13b_seq2048.v2"}})
-    assert cli_main(["sweep", "s.yaml", "--dry-run"]) == 0

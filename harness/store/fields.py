@@ -1,0 +1,138 @@
+"""A record's fields: the one definition from a stored record to a flat row.
+
+Each field names a column (the CSV export's column and the row's key), gives its header in a
+report's table, how it is read from a record (None where the record lacks it: optional metrics,
+old or foreign records) and how a report writes its value. The export (harness.store.export),
+the comparison's run entries (harness.compare.orchestrate) and the reports (harness.report) all
+flatten records with row(); the reports' tables of runs show every field marked `report`. So a
+metric added here once reaches the export and every report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+MISSING = "-"
+
+
+def at(*path: str) -> Callable[[dict], Any]:
+    """A reader of record[path[0]][path[1]]...; None where any level is missing or not a dict."""
+    def read(record: dict):
+        value: Any = record
+        for key in path:
+            if not isinstance(value, dict):
+                return None
+            value = value.get(key)
+        return value
+    return read
+
+
+def fmt_s(v) -> str:
+    return f"{v * 1000:.1f} ms" if v < 1 else f"{v:.3f} s"
+
+
+def fmt_bytes(n) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def fmt_pct(v) -> str:
+    return f"{100 * v:.1f}%"
+
+
+def fmt_count(v) -> str:
+    return f"{v:,.0f}"
+
+
+def fmt_interval(pair) -> str:
+    return f"[{fmt_s(pair[0])}, {fmt_s(pair[1])}]"
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str  # the export's column and the row's key
+    header: str  # the column's header in a report's table
+    read: Callable[[dict], Any]  # record -> value (None where absent)
+    fmt: Callable[[Any], str] = str  # value (not None) -> a report's cell
+    export: bool = True  # a CSV column: other tools read the export, so its columns change only by addition
+    report: bool = True  # a column of the reports' tables of runs (the measurements; each report lays out
+    # what names the run, its layout, itself)
+
+    def cell(self, value) -> str:
+        """The value as a report writes it; '-' where it is missing or not what the field expects."""
+        if value is None:
+            return MISSING
+        try:
+            return self.fmt(value)
+        except (TypeError, ValueError, IndexError):
+            return str(value)
+
+
+def _final_loss(record: dict):
+    return (at("metrics", "losses")(record) or [None])[-1]
+
+
+def _error(record: dict):
+    return (record.get("error") or "")[:200] or None
+
+
+def _step_ci(record: dict):
+    st = at("metrics", "step_time_s")(record) or {}
+    return (st.get("ci95_low"), st.get("ci95_high")) if st.get("ci95_low") is not None else None
+
+
+def _run(name: str, *path: str) -> Field:
+    """A field that says what the run was (identity, workload, layout): exported, not a measurement."""
+    return Field(name, name, at(*path), report=False)
+
+
+FIELDS: tuple[Field, ...] = (
+    _run("run_id", "run_id"), _run("sweep", "sweep"), _run("status", "status"),
+    _run("engine", "spec", "layout", "engine"), _run("model", "spec", "workload", "model"),
+    _run("seq_len", "spec", "workload", "seq_len"), _run("global_batch_size", "spec", "workload", "global_batch_size"),
+    _run("precision", "spec", "workload", "precision"),
+    _run("tp", "spec", "layout", "tp"), _run("pp", "spec", "layout", "pp"), _run("dp", "spec", "layout", "dp"),
+    _run("micro_batch_size", "spec", "layout", "micro_batch_size"),
+    _run("activation_checkpointing", "spec", "layout", "activation_checkpointing"),
+    _run("sequence_parallel", "spec", "layout", "sequence_parallel"),
+    _run("attention", "spec", "layout", "attention"), _run("rmsnorm", "spec", "layout", "rmsnorm"),
+    _run("zero_stage", "spec", "layout", "zero_stage"),
+    Field("step_time_median_s", "step (median)", at("metrics", "step_time_s", "median"), fmt_s),
+    Field("step_time_ci95_s", "95% CI", _step_ci, fmt_interval, export=False),
+    Field("step_time_ci95_low_s", "95% CI low", at("metrics", "step_time_s", "ci95_low"), fmt_s, report=False),
+    Field("step_time_ci95_high_s", "95% CI high", at("metrics", "step_time_s", "ci95_high"), fmt_s, report=False),
+    Field("steps_measured", "steps", at("metrics", "step_time_s", "n"), report=False),
+    Field("tokens_per_s", "tokens/s", at("metrics", "tokens_per_s"), fmt_count),
+    Field("tokens_per_s_per_device", "tok/s/device", at("metrics", "tokens_per_s_per_device"), fmt_count,
+          export=False),
+    Field("mfu_palm", "MFU", at("metrics", "mfu", "palm"), fmt_pct),
+    Field("mfu_megatron", "MFU megatron", at("metrics", "mfu", "megatron"), fmt_pct),
+    Field("hfu", "HFU", at("metrics", "mfu", "hardware"), fmt_pct),
+    Field("mfu_vs_measured_matmul", "MFU vs measured matmul", at("metrics", "mfu_vs_measured_matmul", "palm"),
+          fmt_pct, export=False),
+    Field("peak_memory_bytes", "peak mem", at("metrics", "peak_memory_bytes"), fmt_bytes),
+    Field("memory_kind", "memory kind", at("metrics", "memory_kind"), export=False, report=False),
+    Field("final_loss", "final loss", _final_loss, report=False),
+    Field("error", "error", _error, report=False),
+    Field("started_at", "started", at("started_at"), report=False),
+    Field("ended_at", "ended", at("ended_at"), report=False),
+)
+
+
+def exported() -> list[Field]:
+    """The CSV export's columns, in order."""
+    return [f for f in FIELDS if f.export]
+
+
+def reported() -> list[Field]:
+    """The measurements every report's table of runs shows, in order."""
+    return [f for f in FIELDS if f.report]
+
+
+def row(record: dict) -> dict:
+    """Every field's value for one record, in FIELDS order."""
+    return {f.name: f.read(record) for f in FIELDS}
