@@ -14,8 +14,8 @@ from harness.parallel_dims import ParallelDims
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "harness"
 DEGREES = {"tp", "pp", "dp", "cp"}
 WORLDS = {"world", "world_size", "gpus", "nproc"}
-# Converted to ParallelDims in their own rewrite (spec declarations; the report's records).
-PENDING = {"compare/spec.py", "report/data.py"}
+# Converted to ParallelDims in its own rewrite (the spec declarations).
+PENDING = {"compare/spec.py"}
 
 
 def _name(node) -> str | None:

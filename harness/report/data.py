@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from harness.parallel_dims import ParallelDims
 from harness.report.sections import Column
 from harness.spec import engine_variant, layout_label
 from harness.store import fields
@@ -72,13 +73,13 @@ class Row:
 def to_row(rec: dict) -> Row:
     v, lay = row(rec), (rec.get("spec") or {}).get("layout") or {}
     m, fp = rec.get("metrics") or {}, rec.get("fingerprint") or {}
-    tp, pp, dp = int(lay.get("tp") or 1), int(lay.get("pp") or 1), int(lay.get("dp") or 1)
+    dims = ParallelDims.of(lay)
     versions = tuple(f"{k} {fp.get(k)}" for k in ("torch", "cuda", "nccl", "deepspeed") if fp.get(k))
     return Row(
         run_id=v["run_id"] or "?", sweep=v["sweep"] or "(no sweep)", status=v["status"] or "?",
         engine=v["engine"] or "?", variant=engine_variant(lay), label=layout_label(lay), model=str(v["model"]),
         seq_len=v["seq_len"], global_batch_size=v["global_batch_size"], precision=v["precision"],
-        gpus=fp.get("world_size") or tp * pp * dp, tp=tp, pp=pp, dp=dp, mb=lay.get("micro_batch_size"),
+        gpus=fp.get("world_size") or dims.world, tp=dims.tp, pp=dims.pp, dp=dims.dp, mb=lay.get("micro_batch_size"),
         ckpt=v["activation_checkpointing"] or "none", sp=bool(v["sequence_parallel"]),
         attention=v["attention"] or "?", rmsnorm=v["rmsnorm"] or "?", zero=v["zero_stage"],
         step_median=v["step_time_median_s"], step_ci=v["step_time_ci95_s"], steps=v["steps_measured"],
