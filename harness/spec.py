@@ -17,11 +17,11 @@ import yaml
 
 from harness.errors import CapabilityError, SpecError
 from harness.model.presets import Shape, param_count, resolve_shape
+from harness import registry
 
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
 CHECKPOINTING = ("none", "full", "selective")
-ENGINES = ("single", "own", "deepspeed", "fsdp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -70,7 +70,7 @@ class Workload:
 
 @dataclass
 class Layout:
-    engine: str = _choices(*ENGINES, default="single")
+    engine: str = field(default="single", metadata={"choices": registry.ENGINES})  # the registry's, as it is now
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -360,11 +360,9 @@ def check_sizes(spec: RunSpec) -> Shape:
         if micro % lay.pp:
             raise SpecError("layout.pipeline_schedule",
                             f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}")
-    if lay.engine == "fsdp" and lay.pp > 1 and lay.pipeline_schedule == "1f1b":
-        micro = micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
-        if micro < lay.pp:
-            raise CapabilityError("layout.pipeline_schedule", f"torch's Schedule1F1B needs at least pp={lay.pp} "
-                                                              f"micro-batches, the workload gives {micro}")
+    for name, takes, why in registry.facts(lay.engine).batch_limits:
+        if not takes(w, lay):
+            raise CapabilityError(f"layout.{name}", why(w, lay))
     check_fits_a_machine(spec, shape)
     if w.data.kind == "file":
         check_token_file(w, shape)
@@ -441,112 +439,15 @@ def check_token_file(w: Workload, shape: Shape) -> None:
                                               f"of {w.global_batch_size} x (seq_len {w.seq_len} + 1) = {need}")
 
 
-# Which engine runs which layout: per engine, rules checked in order, each (field, takes(layout),
-# why not); the first rule a layout breaks is the error. A field no rule names takes any value
-# the field allows. The compare report's layout-by-engine matrix shows these reasons in its dashes.
-Rule = tuple[str, typing.Callable[["Layout"], bool], str]
-_ONE_PROCESS = "engine single is one process: set tp=pp=dp=1"
-_DEEPSPEED_ONLY: list[Rule] = [
-    ("ds_config", lambda l: not l.ds_config, "only for engine deepspeed"),
-    ("model_impl", lambda l: l.model_impl == "own", "hf (transformers' LlamaForCausalLM) is for engine deepspeed"),
-]
-_OWN_ONLY: list[Rule] = [
-    ("pipeline_p2p", lambda l: l.pipeline_p2p == "auto", "chooses the own engine's pipeline transfers; "
-                                                         "engine {engine} has its own"),
-]
-CAPABILITIES: dict[str, list[Rule]] = {
-    "single": [("tp", lambda l: l.tp == 1, _ONE_PROCESS), ("pp", lambda l: l.pp == 1, _ONE_PROCESS),
-               ("dp", lambda l: l.dp == 1, _ONE_PROCESS),
-               ("zero_stage", lambda l: l.zero_stage == 0, "engine single has no ZeRO"),
-               *_DEEPSPEED_ONLY, *_OWN_ONLY],
-    "own": [("zero_stage", lambda l: l.zero_stage in (0, 1), "the own engine has ZeRO stage 0 or 1"),
-            *_DEEPSPEED_ONLY],
-    "deepspeed": [
-        ("zero_stage", lambda l: l.pp > 1 or l.zero_stage in (1, 2, 3), "deepspeed runs ZeRO stage 1, 2 or 3"),
-        ("zero_stage", lambda l: l.pp == 1 or l.zero_stage in (0, 1),
-         "DeepSpeed's pipeline engine (pp > 1) runs with ZeRO stage 0 or 1 only"),
-        ("tp", lambda l: l.tp == 1 or l.pp == 1,
-         "DeepSpeed's tensor parallelism (AutoTP) does not combine with its pipeline engine: set tp=1 or pp=1"),
-        ("sequence_parallel", lambda l: not l.sequence_parallel,
-         "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights only)"),
-        ("pipeline_schedule", lambda l: l.pp == 1 or l.pipeline_schedule == "1f1b",
-         "DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only"),
-        ("virtual_stages", lambda l: l.virtual_stages == 1, "DeepSpeed's pipeline engine has no virtual stages"),
-        ("model_impl", lambda l: l.model_impl == "own" or l.pp == 1,
-         "hf (transformers' LlamaForCausalLM) is not a pipeline of layers: use model_impl own with pp > 1"),
-        ("activation_checkpointing", lambda l: l.model_impl == "own" or l.activation_checkpointing != "selective",
-         "selective is not offered by transformers' LlamaForCausalLM (model_impl hf); use none or full"),
-        ("attention", lambda l: l.model_impl == "own" or l.attention in ("naive", "sdpa"),
-         "model_impl hf runs attention naive (eager) or sdpa"),
-        ("rmsnorm", lambda l: l.model_impl == "own" or l.rmsnorm == "torch",
-         "model_impl hf runs transformers' own RMSNorm: rmsnorm fused needs model_impl own"),
-        *_OWN_ONLY],
-    "fsdp": [*_DEEPSPEED_ONLY,
-             ("zero_stage", lambda l: l.zero_stage in (0, 3),
-              "fsdp shards by reshard_after_forward, leave zero_stage unset"),
-             ("virtual_stages", lambda l: l.virtual_stages == 1 or l.pp > 1,
-              "engine fsdp places virtual stages on pipeline ranks (torch.distributed.pipelining): needs pp > 1"),
-             *_OWN_ONLY],
-}
-
-
-# Where an engine cannot follow the workload's precision policy (PrecisionPolicy): per engine,
-# rules (field, follows(workload, layout), why not), checked after CAPABILITIES.
-PolicyRule = tuple[str, typing.Callable[["Workload", "Layout"], bool], str]
-PRECISION_LIMITS: dict[str, list[PolicyRule]] = {
-    "single": [],
-    "own": [],
-    "deepspeed": [
-        ("grad_accum_dtype",
-         lambda w, l: w.precision != "bf16" or l.pp == 1 or l.zero_stage != 0 or w.grad_accum_dtype == "bf16",
-         "DeepSpeed's pipeline engine without ZeRO (pp > 1, zero_stage 0) accumulates bf16 parameters' gradients "
-         "in bf16 only (deepspeed/runtime/engine.py, _do_optimizer_sanity_check: 'unsupported mix'); set "
-         "zero_stage: 1 (its BF16_Optimizer accumulates in fp32) or grad_accum_dtype: bf16"),
-    ],
-    "fsdp": [
-        ("grad_accum_dtype", lambda w, l: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),
-         "FSDP2 accumulates gradients over micro-batches either in the fp32 sharded gradient (reducing every "
-         "micro-batch) or unreduced in MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/"
-         "_fsdp_param.py, to_accumulated_grad_if_needed): bf16 accumulation with an fp32 reduction is not offered; "
-         "set grad_reduce_dtype: bf16 or grad_accum_dtype: fp32"),
-        ("grad_reduce_dtype", lambda w, l: l.pp == 1 or w.grad_accum_dtype == w.grad_reduce_dtype,
-         "torch.distributed.pipelining defers FSDP2's reduction to the last micro-batch, and FSDP2 accumulates "
-         "until then in reduce_dtype: with pp > 1 fp32 accumulation needs grad_reduce_dtype: fp32"),
-    ],
-}
-
-
-# Where an engine cannot build the model's architecture (fields from config.json: tied
-# embeddings, attention biases, rope scaling, RMSNorm epsilon) under a layout: per engine, rules
-# (what, takes(shape, layout), why not), checked after PRECISION_LIMITS; refused as workload.model.
-# Epsilon and Llama 3.1 rope scaling every engine applies (the plain model's RMSNorm and rotary
-# tables); attention biases every engine adds (own engine: q/k/v's sharded, o's after the reduction).
-ModelRule = tuple[str, typing.Callable[[Shape, "Layout"], bool], str]
-_TIED_ACROSS_STAGES = ("needs the embedding gradient all-reduced between the first and the last pipeline stage "
-                       "(Megatron's embedding group), which {engine} does not do here")
-MODEL_LIMITS: dict[str, list[ModelRule]] = {
-    "single": [],
-    "own": [
-        ("tie_word_embeddings", lambda s, l: not s.tie_embeddings or l.pp * l.virtual_stages == 1,
-         "tied embeddings with pp > 1 or virtual stages: the own engine ties the embedding and LM head only when "
-         "one model chunk holds both; splitting them " + _TIED_ACROSS_STAGES.format(engine="the own engine")),
-    ],
-    "deepspeed": [
-        ("tie_word_embeddings", lambda s, l: not s.tie_embeddings or l.pp == 1,
-         "tied embeddings with pp > 1: DeepSpeed's pipeline module here has no TiedLayerSpec; splitting them "
-         + _TIED_ACROSS_STAGES.format(engine="engine deepspeed")),
-    ],
-    "fsdp": [
-        ("tie_word_embeddings", lambda s, l: not s.tie_embeddings or l.pp == 1,
-         "tied embeddings with pp > 1: torch.distributed.pipelining puts the embedding and LM head on different "
-         "stages; splitting them " + _TIED_ACROSS_STAGES.format(engine="engine fsdp")),
-    ],
-}
+# What an engine runs, where it cannot follow the precision policy and where it cannot build the model: its
+# adapter declares them (harness.registry.EngineFacts); check_sizes asks them last, in that order. Epsilon
+# and Llama 3.1 rope scaling every engine applies (the plain model's RMSNorm and rotary tables); attention
+# biases every engine adds (own engine: q/k/v's sharded, o's after the reduction).
 
 
 def model_limit_error(shape: Shape, lay: Layout) -> CapabilityError | None:
     """Why the chosen engine cannot build this model under this layout (the first rule it breaks), or None."""
-    for what, takes, why in MODEL_LIMITS[lay.engine]:
+    for what, takes, why in registry.facts(lay.engine).model_limits:
         if not takes(shape, lay):
             return CapabilityError("workload.model", f"{what}: {why}")
     return None
@@ -559,14 +460,14 @@ def check_model_limits(shape: Shape, lay: Layout) -> None:
 
 
 def check_precision_policy(w: Workload, lay: Layout) -> None:
-    for name, follows, why in PRECISION_LIMITS[lay.engine]:
+    for name, follows, why in registry.facts(lay.engine).precision_limits:
         if not follows(w, lay):
             raise CapabilityError(f"workload.{name}", why.format(engine=lay.engine))
 
 
 def capability_error(lay: Layout) -> CapabilityError | None:
     """Why the chosen engine cannot run this layout (the first rule it breaks), or None."""
-    for name, takes, why in CAPABILITIES[lay.engine]:
+    for name, takes, why in registry.facts(lay.engine).capabilities:
         if not takes(lay):
             return CapabilityError(f"layout.{name}", why.format(engine=lay.engine))
     return None
@@ -610,13 +511,7 @@ def engine_variant(layout) -> str:
     (tolerates the partial layouts of old or foreign records)."""
     lay = _layout_dict(layout)
     engine = lay["engine"]
-    if engine == "deepspeed":
-        return f"deepspeed ZeRO-{lay['zero_stage']}" + (" hf" if lay["model_impl"] == "hf" else "")
-    if engine == "fsdp":
-        return "FSDP2 " + ("reshard" if lay.get("reshard_after_forward", True) else "no-reshard")
-    if engine == "own" and lay.get("zero_stage"):
-        return f"own ZeRO-{lay['zero_stage']}"
-    return engine
+    return registry.facts(engine).variant(lay) if registry.available(engine) else engine
 
 
 def parallel_label(layout) -> str:

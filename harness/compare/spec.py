@@ -20,16 +20,16 @@ matrix:                     # and/or: every layout under every engine (the repor
 
 Everything is checked before the first launch: each run's spec (harness.spec), world size,
 and its DeepSpeed config (auto fields, contradictions: harness.frameworks.ds_config). A matrix
-cell whose engine cannot run its layout (harness.spec.CAPABILITIES) is not an error: it is
+cell whose engine cannot run its layout (its adapter's ENGINE.capabilities) is not an error: it is
 listed as not runnable, with the reason, and the report shows it as a dash.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 from dataclasses import dataclass, field
 
+from harness import registry
 from harness.errors import CapabilityError, SpecError
 from harness.launch import LOCAL_LAUNCHERS
 from harness.spec import engine_variant, layout_label, parallel_label, read_yaml
@@ -38,7 +38,6 @@ TOP_KEYS = ("name", "nproc", "parity_steps", "tolerance", "timeout_s", "referenc
             "store")
 RUN_EXTRA = ("label", "launcher", "workload")
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
-DEFAULT_LAUNCHER = {"deepspeed": "deepspeed", "own": "torchrun", "fsdp": "torchrun", "single": "direct"}
 
 # The built-in default: a tiny LLaMA on this CPU machine, 2 processes, a few minutes.
 DEFAULT = {
@@ -94,9 +93,7 @@ class CompareSpec:
 
 
 def engine_available(engine: str) -> bool:
-    from harness.frameworks import ADAPTERS
-
-    return importlib.util.find_spec(ADAPTERS[engine]) is not None
+    return registry.available(engine)
 
 
 def load_compare_spec(path: str | None) -> CompareSpec:
@@ -174,8 +171,13 @@ def parse_compare_spec(raw) -> CompareSpec:
         if label in labels:
             raise SpecError(f"{where}.label", f"{label!r} is used twice")
         labels.add(label)
+        if registry.known(engine) and not engine_available(engine):
+            skipped.append((label, f"engine {engine!r} is not available in this checkout "
+                                   f"({engine} adapter module missing)"))
+            continue
+        one_process = registry.known(engine) and registry.facts(engine).one_process
         tp, pp = layout.get("tp", 1), layout.get("pp", 1)
-        if engine != "single" and "dp" not in layout and isinstance(tp, int) and isinstance(pp, int) \
+        if not one_process and "dp" not in layout and isinstance(tp, int) and isinstance(pp, int) \
                 and tp > 0 and pp > 0:
             layout["dp"] = max(1, nproc // (tp * pp))
         try:
@@ -190,20 +192,16 @@ def parse_compare_spec(raw) -> CompareSpec:
             raise SpecError(f"{where}.{e.field.split('.', 1)[1] if e.field.startswith('layout.') else e.field}",
                             e.reason) from None
         lay = spec.layout
-        world = 1 if engine == "single" else lay.tp * lay.pp * lay.dp
-        if engine != "single":
+        world = 1 if one_process else lay.tp * lay.pp * lay.dp
+        if not one_process:
             try:
                 check_world_size(spec, nproc)
             except SpecError as e:
                 raise SpecError(f"{where}", f"{e.reason} (nproc {nproc})") from None
         validate(spec)  # ds_config: "error: <file>: <key>: <reason>"
-        launcher = entry.get("launcher", DEFAULT_LAUNCHER[engine])
+        launcher = entry.get("launcher", registry.facts(engine).launcher)
         if launcher not in LOCAL_LAUNCHERS:
             raise SpecError(f"{where}.launcher", " or ".join(LOCAL_LAUNCHERS))
-        if not engine_available(engine):
-            skipped.append((label, f"engine {engine!r} is not available in this checkout "
-                                   f"({engine} adapter module missing)"))
-            continue
         planned.append(PlannedRun(label, spec, world, launcher, workload_override=override))
     store = raw.get("store")
     return CompareSpec(name, nproc, parity_steps, tolerance, source, float(timeout_s), workload, planned,
