@@ -27,10 +27,11 @@ ENGINES: dict[str, str] = {
 
 # A rule: (field, takes(...), why not). The first rule a spec breaks is the error; `why` may name
 # {engine}. Fields are the Layout's (capabilities, batch limits) or the Workload's (precision limits).
-Rule = tuple[str, typing.Callable[["Layout"], bool], str]
-PolicyRule = tuple[str, typing.Callable[["Workload", "Layout"], bool], str]
-ModelRule = tuple[str, typing.Callable[["Shape", "Layout"], bool], str]
-BatchRule = tuple[str, typing.Callable[["Workload", "Layout"], bool], typing.Callable[["Workload", "Layout"], str]]
+# The arguments are harness.spec's Layout and Workload and harness.model.presets' Shape (above this module).
+Rule = tuple[str, typing.Callable[..., bool], str]  # takes(layout)
+PolicyRule = tuple[str, typing.Callable[..., bool], str]  # follows(workload, layout)
+ModelRule = tuple[str, typing.Callable[..., bool], str]  # takes(shape, layout)
+BatchRule = tuple[str, typing.Callable[..., bool], typing.Callable[..., str]]  # takes(w, layout), why(w, layout)
 
 
 @dataclass(frozen=True)

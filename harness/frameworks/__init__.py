@@ -31,11 +31,11 @@ from harness.registry import ModelRule, Rule
 # Fields only one engine takes: every other engine refuses them (each lists them where its order of
 # checks puts them).
 ONLY_DEEPSPEED: list[Rule] = [
-    ("ds_config", lambda l: not l.ds_config, "only for engine deepspeed"),
-    ("model_impl", lambda l: l.model_impl == "own", "hf (transformers' LlamaForCausalLM) is for engine deepspeed"),
+    ("ds_config", lambda lay: not lay.ds_config, "only for engine deepspeed"),
+    ("model_impl", lambda lay: lay.model_impl == "own", "hf (transformers' LlamaForCausalLM) is for engine deepspeed"),
 ]
 ONLY_OWN: list[Rule] = [
-    ("pipeline_p2p", lambda l: l.pipeline_p2p == "auto", "chooses the own engine's pipeline transfers; "
+    ("pipeline_p2p", lambda lay: lay.pipeline_p2p == "auto", "chooses the own engine's pipeline transfers; "
                                                          "engine {engine} has its own"),
 ]
 

@@ -76,28 +76,28 @@ ENGINE = EngineFacts(
     name="fsdp",
     capabilities=[
         *ONLY_DEEPSPEED,
-        ("zero_stage", lambda l: l.zero_stage in (0, 3),
+        ("zero_stage", lambda lay: lay.zero_stage in (0, 3),
          "fsdp shards by reshard_after_forward, leave zero_stage unset"),
-        ("virtual_stages", lambda l: l.virtual_stages == 1 or l.pp > 1,
+        ("virtual_stages", lambda lay: lay.virtual_stages == 1 or lay.pp > 1,
          "engine fsdp places virtual stages on pipeline ranks (torch.distributed.pipelining): needs pp > 1"),
         *ONLY_OWN],
     precision_limits=[
-        ("grad_accum_dtype", lambda w, l: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),
+        ("grad_accum_dtype", lambda w, lay: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),
          "FSDP2 accumulates gradients over micro-batches either in the fp32 sharded gradient (reducing every "
          "micro-batch) or unreduced in MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/"
          "_fsdp_param.py, to_accumulated_grad_if_needed): bf16 accumulation with an fp32 reduction is not offered; "
          "set grad_reduce_dtype: bf16 or grad_accum_dtype: fp32"),
-        ("grad_reduce_dtype", lambda w, l: l.pp == 1 or w.grad_accum_dtype == w.grad_reduce_dtype,
+        ("grad_reduce_dtype", lambda w, lay: lay.pp == 1 or w.grad_accum_dtype == w.grad_reduce_dtype,
          "torch.distributed.pipelining defers FSDP2's reduction to the last micro-batch, and FSDP2 accumulates "
          "until then in reduce_dtype: with pp > 1 fp32 accumulation needs grad_reduce_dtype: fp32"),
     ],
     model_limits=[tied_across_stages(
         "tied embeddings with pp > 1: torch.distributed.pipelining puts the embedding and LM head on different "
-        "stages", "engine fsdp", lambda s, l: not s.tie_embeddings or l.pp == 1)],
+        "stages", "engine fsdp", lambda s, lay: not s.tie_embeddings or lay.pp == 1)],
     batch_limits=[
-        ("pipeline_schedule", lambda w, l: l.pp == 1 or l.pipeline_schedule != "1f1b" or _micro(w, l) >= l.pp,
-         lambda w, l: f"torch's Schedule1F1B needs at least pp={l.pp} micro-batches, "
-                      f"the workload gives {_micro(w, l)}"),
+        ("pipeline_schedule", lambda w, lay: lay.pp == 1 or lay.pipeline_schedule != "1f1b" or _micro(w, lay) >= lay.pp,
+         lambda w, lay: f"torch's Schedule1F1B needs at least pp={lay.pp} micro-batches, "
+                      f"the workload gives {_micro(w, lay)}"),
     ],
     label=lambda lay: "FSDP2 " + ("reshard" if lay.get("reshard_after_forward", True) else "no-reshard"),
 )

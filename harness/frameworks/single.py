@@ -18,9 +18,9 @@ from harness.registry import EngineFacts
 _ONE_PROCESS = "engine single is one process: set tp=pp=dp=1"
 ENGINE = EngineFacts(
     name="single",
-    capabilities=[("tp", lambda l: l.tp == 1, _ONE_PROCESS), ("pp", lambda l: l.pp == 1, _ONE_PROCESS),
-                  ("dp", lambda l: l.dp == 1, _ONE_PROCESS),
-                  ("zero_stage", lambda l: l.zero_stage == 0, "engine single has no ZeRO"),
+    capabilities=[("tp", lambda lay: lay.tp == 1, _ONE_PROCESS), ("pp", lambda lay: lay.pp == 1, _ONE_PROCESS),
+                  ("dp", lambda lay: lay.dp == 1, _ONE_PROCESS),
+                  ("zero_stage", lambda lay: lay.zero_stage == 0, "engine single has no ZeRO"),
                   *ONLY_DEEPSPEED, *ONLY_OWN],
     launcher="direct",
     one_process=True,
