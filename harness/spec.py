@@ -10,14 +10,16 @@ import dataclasses
 import json
 import math
 import os
+import string
+import types
 import typing
 from dataclasses import dataclass, field
 
 import yaml
 
+from harness import registry
 from harness.errors import CapabilityError, SpecError
 from harness.model.presets import Shape, param_count, resolve_shape
-from harness import registry
 
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
@@ -27,6 +29,14 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 def _choices(*values, **kw):
     return field(metadata={"choices": values}, **kw)
+
+
+def spec_field(default=dataclasses.MISSING, *, factory=dataclasses.MISSING, check=None, required=None, choices=None):
+    """A field of a spec the builder reads (build_spec): `check(value, name)` reads the given value in place
+    of its type (refusing in its own words), `required` is why a missing one is refused, `choices` are
+    the values it takes. A spec class with `NULL_IS_DEFAULT = True` reads `key:` (no value) as not given."""
+    metadata = {k: v for k, v in (("check", check), ("required", required), ("choices", choices)) if v is not None}
+    return field(default=default, default_factory=factory, metadata=metadata)
 
 
 @dataclass
@@ -112,14 +122,25 @@ class RunSpec:
 # ---------------------------------------------------------------- parsing
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
+_PLURALS = {int: "integers", float: "numbers", str: "strings", dict: "mappings"}
 
 
 def _coerce(value, tp, name: str):
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # `X | None`
+        return None if value is None else _coerce(value, next(a for a in typing.get_args(tp) if a is not type(None)),
+                                                   name)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise SpecError(name, "must be a mapping")
-        return _build(tp, value, name)
+        return build_spec(tp, value, name)
+    if tp is list or origin is list:  # elements checked by type, not converted
+        item = (typing.get_args(tp) or (object,))[0]
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise SpecError(name, "must be a list" + (f" of {_PLURALS[item]}" if item in _PLURALS else ""))
+        return value
+    if origin is dict:
+        tp = dict
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -127,6 +148,8 @@ def _coerce(value, tp, name: str):
         return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if tp in (int, float) and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         return _number(value, tp, name)
+    if tp in (int, float) and isinstance(value, bool):
+        raise SpecError(name, f"must be {_TYPE_NAMES[tp]}, got {value!r}")
     if not isinstance(value, tp):
         raise SpecError(name, f"must be {_TYPE_NAMES.get(tp, tp.__name__)}, got {value!r}")
     return value
@@ -149,17 +172,24 @@ def _number(value, tp, name: str):
     return int(number) if tp is int else float(number)
 
 
-def _build(cls, raw: dict, prefix: str):
+def build_spec(cls, raw: dict, prefix: str):
+    """A spec dataclass from its mapping: every key known, every value of its field's type (or
+    through its spec_field check), every required field given; a SpecError names the field."""
     hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in raw:
         if key not in known:
             raise SpecError(f"{prefix}.{key}" if prefix else str(key),
                             f"unknown key; allowed: {', '.join(known)}")
+    given = {k: v for k, v in raw.items() if not (v is None and getattr(cls, "NULL_IS_DEFAULT", False))}
+    for key, f in known.items():
+        if key not in given and "required" in f.metadata:
+            raise SpecError(f"{prefix}.{key}" if prefix else key, f.metadata["required"])
     values = {}
-    for key, value in raw.items():
+    for key, value in given.items():
         name = f"{prefix}.{key}" if prefix else key
-        value = _coerce(value, hints[key], name)
+        check = known[key].metadata.get("check")
+        value = check(value, name) if check else _coerce(value, hints[key], name)
         choices = known[key].metadata.get("choices")
         if choices and value not in choices:
             raise SpecError(name, f"{value!r} is not one of {', '.join(choices)}")
@@ -172,7 +202,7 @@ def parse_spec(raw: dict | None) -> RunSpec:
         raw = {}
     if not isinstance(raw, dict):
         raise SpecError("spec", "top level must be a mapping")
-    spec = _build(RunSpec, raw, "")
+    spec = build_spec(RunSpec, raw, "")
     shape_types = typing.get_type_hints(Shape)
     spec.workload.model_overrides = {  # numbers as in the other fields (`layers: 1e9` is a string to YAML 1.1)
         k: _coerce(v, shape_types[k], f"workload.model_overrides.{k}") if k in shape_types else v
@@ -215,6 +245,33 @@ def check_positive(value, field: str):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise SpecError(field, f"must be a positive number, got {value!r}")
     return value
+
+
+def check_positive_int(value, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(field, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def check_path(value, field: str) -> str:
+    """A file path the harness will write (a results store)."""
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(field, f"must be a file path, got {value!r}")
+    return value
+
+
+NAME_CHARS = frozenset(string.ascii_letters + string.digits + "-_.")
+
+
+def check_name(name, field: str, names: str, reserved: int = 0, hint: str = "") -> str:
+    """A spec's name (a sweep's, a comparison's): a file name (check_file_name) of letters, digits,
+    '-', '_' and '.' only, since it also names jobs, records and headings (`names` says which)."""
+    text = check_file_name(name, field, reserved)
+    bad = "".join(sorted({c for c in text if c not in NAME_CHARS}))
+    if bad:
+        raise SpecError(field, f"{text!r}: letters, digits, '-', '_' and '.' only (it names {names}), "
+                               f"not {bad!r}{hint}")
+    return text
 
 
 def check_file_name(name, field: str, reserved: int = 0) -> str:
