@@ -6,7 +6,9 @@ Adding an engine is its adapter module plus one line in ENGINES. The spec, build
 sweeps and reports ask `facts(name)`; `layout.engine` takes ENGINES' names. The adapters lie above
 the spec (they import torch and the model), yet the spec's checks need their facts: reaching up to
 them by module name, on first use, is this module's one job. It imports no adapter itself, so
-`import harness.spec` stays light; an adapter is imported when a check first needs its facts.
+`import harness.spec` stays light; an adapter is imported when a check or a label first needs its
+facts. single, deepspeed and fsdp import torch at their top (own.py does not: its build imports the
+engine), so the first such lookup in a process without torch costs torch's import (about 1 s).
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ ONLY_DEEPSPEED: list[Rule] = [
     ("model_impl", lambda lay: lay.model_impl == "own", "hf (transformers' LlamaForCausalLM) is for engine deepspeed"),
 ]
 ONLY_OWN: list[Rule] = [
-    ("pipeline_p2p", lambda lay: lay.pipeline_p2p == "auto", "chooses the own engine's pipeline transfers; "
-                                                         "engine {engine} has its own"),
+    ("pipeline_p2p", lambda lay: lay.pipeline_p2p == "auto",
+     "chooses the own engine's pipeline transfers; engine {engine} has its own"),
 ]
 
 
