@@ -2,7 +2,7 @@
 
 ```yaml
 name: my-compare            # report file names and the store's sweep tag
-nproc: 2                    # processes per run (dp = nproc / (tp x pp) unless a run sets it)
+nproc: 2                    # processes per run (dp = nproc / (tp x pp), which must divide, unless a run sets it)
 parity_steps: 5             # the first N steps' losses must agree
 tolerance: null             # max relative loss difference; null: 1e-5 for fp32, 1e-3 for bf16
 timeout_s: 600              # per run
