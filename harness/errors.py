@@ -11,7 +11,7 @@ class SpecError(ValueError):
 
 
 class CapabilityError(SpecError):
-    """A well-formed layout that the chosen engine cannot run (harness.spec.CAPABILITIES): a
+    """A well-formed layout that the chosen engine cannot run (its adapter's ENGINE.capabilities): a
     comparison shows it as a dash with this reason rather than refusing the whole spec."""
 
 

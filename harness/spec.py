@@ -10,11 +10,14 @@ import dataclasses
 import json
 import math
 import os
+import string
+import types
 import typing
 from dataclasses import dataclass, field
 
 import yaml
 
+from harness import registry
 from harness.errors import CapabilityError, SpecError
 from harness.model.presets import Shape, param_count, resolve_shape
 from harness.parallel_dims import ParallelDims
@@ -22,12 +25,19 @@ from harness.parallel_dims import ParallelDims
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
 CHECKPOINTING = ("none", "full", "selective")
-ENGINES = ("single", "own", "deepspeed", "fsdp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def _choices(*values, **kw):
     return field(metadata={"choices": values}, **kw)
+
+
+def spec_field(default=dataclasses.MISSING, *, factory=dataclasses.MISSING, check=None, required=None, choices=None):
+    """A field of a spec the builder reads (build_spec): `check(value, name)` reads the given value in place
+    of its type (refusing in its own words), `required` is why a missing one is refused, `choices` are
+    the values it takes. A spec class with `NULL_IS_DEFAULT = True` reads `key:` (no value) as not given."""
+    metadata = {k: v for k, v in (("check", check), ("required", required), ("choices", choices)) if v is not None}
+    return field(default=default, default_factory=factory, metadata=metadata)
 
 
 @dataclass
@@ -71,7 +81,7 @@ class Workload:
 
 @dataclass
 class Layout:
-    engine: str = _choices(*ENGINES, default="single")
+    engine: str = field(default="single", metadata={"choices": registry.ENGINES})  # the registry's, as it is now
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -113,14 +123,25 @@ class RunSpec:
 # ---------------------------------------------------------------- parsing
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
+_PLURALS = {int: "integers", float: "numbers", str: "strings", dict: "mappings"}
 
 
 def _coerce(value, tp, name: str):
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # `X | None`
+        return None if value is None else _coerce(value, next(a for a in typing.get_args(tp) if a is not type(None)),
+                                                   name)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise SpecError(name, "must be a mapping")
-        return _build(tp, value, name)
+        return build_spec(tp, value, name)
+    if tp is list or origin is list:  # elements checked by type, not converted
+        item = (typing.get_args(tp) or (object,))[0]
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise SpecError(name, "must be a list" + (f" of {_PLURALS[item]}" if item in _PLURALS else ""))
+        return value
+    if origin is dict:
+        tp = dict
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -128,6 +149,8 @@ def _coerce(value, tp, name: str):
         return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if tp in (int, float) and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         return _number(value, tp, name)
+    if tp in (int, float) and isinstance(value, bool):
+        raise SpecError(name, f"must be {_TYPE_NAMES[tp]}, got {value!r}")
     if not isinstance(value, tp):
         raise SpecError(name, f"must be {_TYPE_NAMES.get(tp, tp.__name__)}, got {value!r}")
     return value
@@ -150,17 +173,24 @@ def _number(value, tp, name: str):
     return int(number) if tp is int else float(number)
 
 
-def _build(cls, raw: dict, prefix: str):
+def build_spec(cls, raw: dict, prefix: str):
+    """A spec dataclass from its mapping: every key known, every value of its field's type (or
+    through its spec_field check), every required field given; a SpecError names the field."""
     hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in raw:
         if key not in known:
             raise SpecError(f"{prefix}.{key}" if prefix else str(key),
                             f"unknown key; allowed: {', '.join(known)}")
+    given = {k: v for k, v in raw.items() if not (v is None and getattr(cls, "NULL_IS_DEFAULT", False))}
+    for key, f in known.items():
+        if key not in given and "required" in f.metadata:
+            raise SpecError(f"{prefix}.{key}" if prefix else key, f.metadata["required"])
     values = {}
-    for key, value in raw.items():
+    for key, value in given.items():
         name = f"{prefix}.{key}" if prefix else key
-        value = _coerce(value, hints[key], name)
+        check = known[key].metadata.get("check")
+        value = check(value, name) if check else _coerce(value, hints[key], name)
         choices = known[key].metadata.get("choices")
         if choices and value not in choices:
             raise SpecError(name, f"{value!r} is not one of {', '.join(choices)}")
@@ -173,7 +203,7 @@ def parse_spec(raw: dict | None) -> RunSpec:
         raw = {}
     if not isinstance(raw, dict):
         raise SpecError("spec", "top level must be a mapping")
-    spec = _build(RunSpec, raw, "")
+    spec = build_spec(RunSpec, raw, "")
     shape_types = typing.get_type_hints(Shape)
     spec.workload.model_overrides = {  # numbers as in the other fields (`layers: 1e9` is a string to YAML 1.1)
         k: _coerce(v, shape_types[k], f"workload.model_overrides.{k}") if k in shape_types else v
@@ -216,6 +246,33 @@ def check_positive(value, field: str):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise SpecError(field, f"must be a positive number, got {value!r}")
     return value
+
+
+def check_positive_int(value, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(field, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def check_path(value, field: str) -> str:
+    """A file path the harness will write (a results store)."""
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(field, f"must be a file path, got {value!r}")
+    return value
+
+
+NAME_CHARS = frozenset(string.ascii_letters + string.digits + "-_.")
+
+
+def check_name(name, field: str, names: str, reserved: int = 0, hint: str = "") -> str:
+    """A spec's name (a sweep's, a comparison's): a file name (check_file_name) of letters, digits,
+    '-', '_' and '.' only, since it also names jobs, records and headings (`names` says which)."""
+    text = check_file_name(name, field, reserved)
+    bad = "".join(sorted({c for c in text if c not in NAME_CHARS}))
+    if bad:
+        raise SpecError(field, f"{text!r}: letters, digits, '-', '_' and '.' only (it names {names}), "
+                               f"not {bad!r}{hint}")
+    return text
 
 
 def check_file_name(name, field: str, reserved: int = 0) -> str:
@@ -361,11 +418,9 @@ def check_sizes(spec: RunSpec) -> Shape:
         if micro % lay.pp:
             raise SpecError("layout.pipeline_schedule",
                             f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}")
-    if lay.engine == "fsdp" and lay.pp > 1 and lay.pipeline_schedule == "1f1b":
-        micro = micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
-        if micro < lay.pp:
-            raise CapabilityError("layout.pipeline_schedule", f"torch's Schedule1F1B needs at least pp={lay.pp} "
-                                                              f"micro-batches, the workload gives {micro}")
+    for name, takes, why in registry.facts(lay.engine).batch_limits:
+        if not takes(w, lay):
+            raise CapabilityError(f"layout.{name}", why(w, lay))
     check_fits_a_machine(spec, shape)
     if w.data.kind == "file":
         check_token_file(w, shape)
@@ -443,112 +498,15 @@ def check_token_file(w: Workload, shape: Shape) -> None:
                                               f"of {w.global_batch_size} x (seq_len {w.seq_len} + 1) = {need}")
 
 
-# Which engine runs which layout: per engine, rules checked in order, each (field, takes(layout),
-# why not); the first rule a layout breaks is the error. A field no rule names takes any value
-# the field allows. The compare report's layout-by-engine matrix shows these reasons in its dashes.
-Rule = tuple[str, typing.Callable[["Layout"], bool], str]
-_ONE_PROCESS = "engine single is one process: set tp=pp=dp=1"
-_DEEPSPEED_ONLY: list[Rule] = [
-    ("ds_config", lambda l: not l.ds_config, "only for engine deepspeed"),
-    ("model_impl", lambda l: l.model_impl == "own", "hf (transformers' LlamaForCausalLM) is for engine deepspeed"),
-]
-_OWN_ONLY: list[Rule] = [
-    ("pipeline_p2p", lambda l: l.pipeline_p2p == "auto", "chooses the own engine's pipeline transfers; "
-                                                         "engine {engine} has its own"),
-]
-CAPABILITIES: dict[str, list[Rule]] = {
-    "single": [("tp", lambda l: l.tp == 1, _ONE_PROCESS), ("pp", lambda l: l.pp == 1, _ONE_PROCESS),
-               ("dp", lambda l: l.dp == 1, _ONE_PROCESS),
-               ("zero_stage", lambda l: l.zero_stage == 0, "engine single has no ZeRO"),
-               *_DEEPSPEED_ONLY, *_OWN_ONLY],
-    "own": [("zero_stage", lambda l: l.zero_stage in (0, 1), "the own engine has ZeRO stage 0 or 1"),
-            *_DEEPSPEED_ONLY],
-    "deepspeed": [
-        ("zero_stage", lambda l: l.pp > 1 or l.zero_stage in (1, 2, 3), "deepspeed runs ZeRO stage 1, 2 or 3"),
-        ("zero_stage", lambda l: l.pp == 1 or l.zero_stage in (0, 1),
-         "DeepSpeed's pipeline engine (pp > 1) runs with ZeRO stage 0 or 1 only"),
-        ("tp", lambda l: l.tp == 1 or l.pp == 1,
-         "DeepSpeed's tensor parallelism (AutoTP) does not combine with its pipeline engine: set tp=1 or pp=1"),
-        ("sequence_parallel", lambda l: not l.sequence_parallel,
-         "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights only)"),
-        ("pipeline_schedule", lambda l: l.pp == 1 or l.pipeline_schedule == "1f1b",
-         "DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only"),
-        ("virtual_stages", lambda l: l.virtual_stages == 1, "DeepSpeed's pipeline engine has no virtual stages"),
-        ("model_impl", lambda l: l.model_impl == "own" or l.pp == 1,
-         "hf (transformers' LlamaForCausalLM) is not a pipeline of layers: use model_impl own with pp > 1"),
-        ("activation_checkpointing", lambda l: l.model_impl == "own" or l.activation_checkpointing != "selective",
-         "selective is not offered by transformers' LlamaForCausalLM (model_impl hf); use none or full"),
-        ("attention", lambda l: l.model_impl == "own" or l.attention in ("naive", "sdpa"),
-         "model_impl hf runs attention naive (eager) or sdpa"),
-        ("rmsnorm", lambda l: l.model_impl == "own" or l.rmsnorm == "torch",
-         "model_impl hf runs transformers' own RMSNorm: rmsnorm fused needs model_impl own"),
-        *_OWN_ONLY],
-    "fsdp": [*_DEEPSPEED_ONLY,
-             ("zero_stage", lambda l: l.zero_stage in (0, 3),
-              "fsdp shards by reshard_after_forward, leave zero_stage unset"),
-             ("virtual_stages", lambda l: l.virtual_stages == 1 or l.pp > 1,
-              "engine fsdp places virtual stages on pipeline ranks (torch.distributed.pipelining): needs pp > 1"),
-             *_OWN_ONLY],
-}
-
-
-# Where an engine cannot follow the workload's precision policy (PrecisionPolicy): per engine,
-# rules (field, follows(workload, layout), why not), checked after CAPABILITIES.
-PolicyRule = tuple[str, typing.Callable[["Workload", "Layout"], bool], str]
-PRECISION_LIMITS: dict[str, list[PolicyRule]] = {
-    "single": [],
-    "own": [],
-    "deepspeed": [
-        ("grad_accum_dtype",
-         lambda w, l: w.precision != "bf16" or l.pp == 1 or l.zero_stage != 0 or w.grad_accum_dtype == "bf16",
-         "DeepSpeed's pipeline engine without ZeRO (pp > 1, zero_stage 0) accumulates bf16 parameters' gradients "
-         "in bf16 only (deepspeed/runtime/engine.py, _do_optimizer_sanity_check: 'unsupported mix'); set "
-         "zero_stage: 1 (its BF16_Optimizer accumulates in fp32) or grad_accum_dtype: bf16"),
-    ],
-    "fsdp": [
-        ("grad_accum_dtype", lambda w, l: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),
-         "FSDP2 accumulates gradients over micro-batches either in the fp32 sharded gradient (reducing every "
-         "micro-batch) or unreduced in MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/"
-         "_fsdp_param.py, to_accumulated_grad_if_needed): bf16 accumulation with an fp32 reduction is not offered; "
-         "set grad_reduce_dtype: bf16 or grad_accum_dtype: fp32"),
-        ("grad_reduce_dtype", lambda w, l: l.pp == 1 or w.grad_accum_dtype == w.grad_reduce_dtype,
-         "torch.distributed.pipelining defers FSDP2's reduction to the last micro-batch, and FSDP2 accumulates "
-         "until then in reduce_dtype: with pp > 1 fp32 accumulation needs grad_reduce_dtype: fp32"),
-    ],
-}
-
-
-# Where an engine cannot build the model's architecture (fields from config.json: tied
-# embeddings, attention biases, rope scaling, RMSNorm epsilon) under a layout: per engine, rules
-# (what, takes(shape, layout), why not), checked after PRECISION_LIMITS; refused as workload.model.
-# Epsilon and Llama 3.1 rope scaling every engine applies (the plain model's RMSNorm and rotary
-# tables); attention biases every engine adds (own engine: q/k/v's sharded, o's after the reduction).
-ModelRule = tuple[str, typing.Callable[[Shape, "Layout"], bool], str]
-_TIED_ACROSS_STAGES = ("needs the embedding gradient all-reduced between the first and the last pipeline stage "
-                       "(Megatron's embedding group), which {engine} does not do here")
-MODEL_LIMITS: dict[str, list[ModelRule]] = {
-    "single": [],
-    "own": [
-        ("tie_word_embeddings", lambda s, l: not s.tie_embeddings or l.pp * l.virtual_stages == 1,
-         "tied embeddings with pp > 1 or virtual stages: the own engine ties the embedding and LM head only when "
-         "one model chunk holds both; splitting them " + _TIED_ACROSS_STAGES.format(engine="the own engine")),
-    ],
-    "deepspeed": [
-        ("tie_word_embeddings", lambda s, l: not s.tie_embeddings or l.pp == 1,
-         "tied embeddings with pp > 1: DeepSpeed's pipeline module here has no TiedLayerSpec; splitting them "
-         + _TIED_ACROSS_STAGES.format(engine="engine deepspeed")),
-    ],
-    "fsdp": [
-        ("tie_word_embeddings", lambda s, l: not s.tie_embeddings or l.pp == 1,
-         "tied embeddings with pp > 1: torch.distributed.pipelining puts the embedding and LM head on different "
-         "stages; splitting them " + _TIED_ACROSS_STAGES.format(engine="engine fsdp")),
-    ],
-}
+# What an engine runs, where it cannot follow the precision policy and where it cannot build the model: its
+# adapter declares them (harness.registry.EngineFacts); check_sizes asks them last, in that order. Epsilon
+# and Llama 3.1 rope scaling every engine applies (the plain model's RMSNorm and rotary tables); attention
+# biases every engine adds (own engine: q/k/v's sharded, o's after the reduction).
 
 
 def model_limit_error(shape: Shape, lay: Layout) -> CapabilityError | None:
     """Why the chosen engine cannot build this model under this layout (the first rule it breaks), or None."""
-    for what, takes, why in MODEL_LIMITS[lay.engine]:
+    for what, takes, why in registry.facts(lay.engine).model_limits:
         if not takes(shape, lay):
             return CapabilityError("workload.model", f"{what}: {why}")
     return None
@@ -561,14 +519,14 @@ def check_model_limits(shape: Shape, lay: Layout) -> None:
 
 
 def check_precision_policy(w: Workload, lay: Layout) -> None:
-    for name, follows, why in PRECISION_LIMITS[lay.engine]:
+    for name, follows, why in registry.facts(lay.engine).precision_limits:
         if not follows(w, lay):
             raise CapabilityError(f"workload.{name}", why.format(engine=lay.engine))
 
 
 def capability_error(lay: Layout) -> CapabilityError | None:
     """Why the chosen engine cannot run this layout (the first rule it breaks), or None."""
-    for name, takes, why in CAPABILITIES[lay.engine]:
+    for name, takes, why in registry.facts(lay.engine).capabilities:
         if not takes(lay):
             return CapabilityError(f"layout.{name}", why.format(engine=lay.engine))
     return None
@@ -609,13 +567,7 @@ def engine_variant(layout) -> str:
     (tolerates the partial layouts of old or foreign records)."""
     lay = _layout_dict(layout)
     engine = lay["engine"]
-    if engine == "deepspeed":
-        return f"deepspeed ZeRO-{lay['zero_stage']}" + (" hf" if lay["model_impl"] == "hf" else "")
-    if engine == "fsdp":
-        return "FSDP2 " + ("reshard" if lay.get("reshard_after_forward", True) else "no-reshard")
-    if engine == "own" and lay.get("zero_stage"):
-        return f"own ZeRO-{lay['zero_stage']}"
-    return engine
+    return registry.facts(engine).variant(lay) if registry.available(engine) else engine
 
 
 def parallel_label(layout) -> str:

@@ -330,7 +330,7 @@ def test_tied_embeddings_refused_where_an_engine_would_untie_them(tmp_path, layo
 
 
 def test_the_planner_proposes_no_layout_an_engine_refuses_for_a_tied_model(tmp_path):
-    """A tied model under a harness engine gets no pp > 1 candidates (spec.MODEL_LIMITS refuses
+    """A tied model under a harness engine gets no pp > 1 candidates (each adapter's ENGINE.model_limits refuses
     them); the study's engine (paper) is left as its sweeps ran."""
     from harness.planner.candidates import layouts
     from harness.planner.layout import Workload

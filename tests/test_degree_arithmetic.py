@@ -14,8 +14,6 @@ from harness.parallel_dims import ParallelDims
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "harness"
 DEGREES = {"tp", "pp", "dp", "cp"}
 WORLDS = {"world", "world_size", "gpus", "nproc"}
-# Converted to ParallelDims in its own rewrite (the spec declarations).
-PENDING = {"compare/spec.py"}
 
 
 def _name(node) -> str | None:
@@ -43,7 +41,7 @@ def test_no_code_outside_the_owner_multiplies_or_divides_degrees():
     found = []
     for path in sorted(ROOT.rglob("*.py")):
         where = str(path.relative_to(ROOT))
-        if path.name != "parallel_dims.py" and where not in PENDING:
+        if path.name != "parallel_dims.py":
             found += degree_arithmetic(path.read_text(), where)
     assert not found, "degree arithmetic outside harness/parallel_dims.py:\n" + "\n".join(found)
 

@@ -2,7 +2,7 @@
 
 ```yaml
 name: my-compare            # report file names and the store's sweep tag
-nproc: 2                    # processes per run (dp = nproc / (tp x pp) unless a run sets it)
+nproc: 2                    # processes per run (dp = nproc / (tp x pp), which must divide, unless a run sets it)
 parity_steps: 5             # the first N steps' losses must agree
 tolerance: null             # max relative loss difference; null: 1e-5 for fp32, 1e-3 for bf16
 timeout_s: 600              # per run
@@ -20,25 +20,36 @@ matrix:                     # and/or: every layout under every engine (the repor
 
 Everything is checked before the first launch: each run's spec (harness.spec), world size,
 and its DeepSpeed config (auto fields, contradictions: harness.frameworks.ds_config). A matrix
-cell whose engine cannot run its layout (harness.spec.CAPABILITIES) is not an error: it is
+cell whose engine cannot run its layout (its adapter's ENGINE.capabilities) is not an error: it is
 listed as not runnable, with the reason, and the report shows it as a dash.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 
+from harness import registry
 from harness.errors import CapabilityError, SpecError
 from harness.launch import LOCAL_LAUNCHERS
-from harness.spec import engine_variant, layout_label, parallel_label, read_yaml
+from harness.parallel_dims import ParallelDims
+from harness.spec import (
+    build_spec,
+    check_name,
+    check_path,
+    check_positive,
+    check_positive_int,
+    engine_variant,
+    layout_label,
+    parallel_label,
+    read_yaml,
+    spec_field,
+)
 
-TOP_KEYS = ("name", "nproc", "parity_steps", "tolerance", "timeout_s", "reference", "workload", "runs", "matrix",
-            "store")
 RUN_EXTRA = ("label", "launcher", "workload")
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
-DEFAULT_LAUNCHER = {"deepspeed": "deepspeed", "own": "torchrun", "fsdp": "torchrun", "single": "direct"}
 
 # The built-in default: a tiny LLaMA on this CPU machine, 2 processes, a few minutes.
 DEFAULT = {
@@ -68,6 +79,61 @@ DEFAULT = {
 }
 
 
+def _name(value, field: str) -> str:
+    return check_name(str(value or "compare"), field, "the report files",
+                      reserved=len("harness-compare--") + 12)  # its log folder: name + an id
+
+
+def _tolerance(value, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise SpecError(field, "must be a non-negative number (max relative loss difference)")
+    return float(value)
+
+
+def _runs(value, field: str) -> list:
+    if not isinstance(value, list):
+        raise SpecError(field, "must be a list of layouts")
+    return value
+
+
+_LAYOUTS = "must be a non-empty list of mappings of layout fields"
+
+
+def _layouts(value, field: str) -> list:
+    if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
+        raise SpecError(field, _LAYOUTS)
+    return value
+
+
+@dataclass
+class Matrix:
+    """Every layout under every engine: the report's layout-by-engine matrix."""
+
+    engines: list[dict] = spec_field(check=_layouts, required=_LAYOUTS)  # Layout fields naming an engine
+    layouts: list[dict] = spec_field(check=_layouts, required=_LAYOUTS)  # Layout fields but the engine
+
+
+@dataclass
+class CompareInput:
+    """A compare spec as written (the format above), every field checked by harness.spec's builder;
+    parse_compare_spec plans it into a CompareSpec."""
+
+    NULL_IS_DEFAULT: typing.ClassVar[bool] = True
+    name: str = spec_field("compare", check=_name)  # report file names and the store's sweep tag
+    nproc: int = spec_field(2, check=check_positive_int)  # processes per run; dp = nproc / (tp x pp) unless set
+    parity_steps: int = spec_field(5, check=check_positive_int)  # the first N steps' losses must agree
+    tolerance: float | None = spec_field(None, check=_tolerance)  # max relative loss difference; None: by precision
+    timeout_s: float = spec_field(600.0, check=check_positive)  # per run
+    reference: bool = True  # also run the single-device reference (1 process)
+    workload: dict = spec_field(factory=dict)  # harness.spec Workload fields, checked once
+    runs: list = spec_field(factory=list, check=_runs)  # Layout fields, plus RUN_EXTRA
+    matrix: Matrix | None = None  # and/or every layout under every engine
+    store: str | None = spec_field(None, check=check_path)  # the results store (default: the CLI's)
+
+
+TOP_KEYS = tuple(f.name for f in dataclasses.fields(CompareInput))
+
+
 @dataclass
 class PlannedRun:
     label: str
@@ -80,6 +146,8 @@ class PlannedRun:
 
 @dataclass
 class CompareSpec:
+    """The comparison planned from a CompareInput: every run's checked spec, process count and launcher."""
+
     name: str
     nproc: int
     parity_steps: int
@@ -94,9 +162,7 @@ class CompareSpec:
 
 
 def engine_available(engine: str) -> bool:
-    from harness.frameworks import ADAPTERS
-
-    return importlib.util.find_spec(ADAPTERS[engine]) is not None
+    return registry.available(engine)
 
 
 def load_compare_spec(path: str | None) -> CompareSpec:
@@ -105,59 +171,32 @@ def load_compare_spec(path: str | None) -> CompareSpec:
     return parse_compare_spec(read_yaml(path))
 
 
-def _int(raw: dict, key: str, default):
-    v = raw.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise SpecError(key, f"must be a positive integer, got {v!r}")
-    return v
-
-
 def parse_compare_spec(raw) -> CompareSpec:
     from harness.frameworks.ds_config import validate
-    from harness.spec import check_file_name, check_positive, check_world_size, parse_spec
+    from harness.spec import check_world_size, parse_spec
 
     if not isinstance(raw, dict):
         raise SpecError("spec", "top level must be a mapping")
-    for key in raw:
-        if key not in TOP_KEYS:
-            raise SpecError(str(key), f"unknown key; allowed: {', '.join(TOP_KEYS)}")
-    name = str(raw.get("name") or "compare")
-    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise SpecError("name", "letters, digits, '-', '_' and '.' only (it names the report files)")
-    check_file_name(name, "name", reserved=len("harness-compare--") + 12)  # its log folder: name + an id
-    nproc = _int(raw, "nproc", 2)
-    parity_steps = _int(raw, "parity_steps", 5)
-    timeout_s = check_positive(raw.get("timeout_s", 600), "timeout_s")
-    if not isinstance(raw.get("reference", True), bool):
-        raise SpecError("reference", f"must be true or false, got {raw['reference']!r}")
-    if raw.get("store") is not None and (not isinstance(raw["store"], str) or not raw["store"].strip()):
-        raise SpecError("store", f"must be a file path, got {raw['store']!r}")
-    workload = raw.get("workload") or {}
-    if not isinstance(workload, dict):
-        raise SpecError("workload", "must be a mapping")
-    runs_raw = raw.get("runs", [])
-    if not isinstance(runs_raw, list):
-        raise SpecError("runs", "must be a list of layouts")
-    matrix_runs = _matrix_runs(raw.get("matrix"))
+    given = build_spec(CompareInput, raw, "")
+    name, nproc, parity_steps, workload, runs_raw = (given.name, given.nproc, given.parity_steps, given.workload,
+                                                     given.runs)
+    matrix_runs = _matrix_runs(given.matrix)
     if not runs_raw and not matrix_runs:
         raise SpecError("runs", "must be a non-empty list of layouts (or give a matrix)")
 
     base = parse_spec({"workload": workload})  # checks the workload once, with its own field names
     precision = base.workload.precision
-    tol = raw.get("tolerance")
-    if tol is None:
+    if given.tolerance is None:
         tolerance, source = DEFAULT_TOLERANCE[precision], f"default for {precision}"
-    elif isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0:
-        raise SpecError("tolerance", "must be a non-negative number (max relative loss difference)")
     else:
-        tolerance, source = float(tol), "set in the compare spec"
+        tolerance, source = given.tolerance, "set in the compare spec"
     total_steps = base.workload.warmup_steps + base.workload.steps
     if parity_steps > total_steps:
         raise SpecError("parity_steps", f"{parity_steps} > the {total_steps} steps each run trains "
                                         "(warm-up steps included)")
 
     planned, skipped, labels, not_runnable = [], [], set(), []
-    if raw.get("reference", True):
+    if given.reference:
         ref = parse_spec({"workload": workload, "layout": {"engine": "single", "micro_batch_size":
                                                            _ref_micro(runs_raw, base.workload.global_batch_size)}})
         planned.append(PlannedRun("reference (single device)", ref, 1, "direct", is_reference=True))
@@ -174,11 +213,13 @@ def parse_compare_spec(raw) -> CompareSpec:
         if label in labels:
             raise SpecError(f"{where}.label", f"{label!r} is used twice")
         labels.add(label)
-        tp, pp = layout.get("tp", 1), layout.get("pp", 1)
-        if engine != "single" and "dp" not in layout and isinstance(tp, int) and isinstance(pp, int) \
-                and tp > 0 and pp > 0:
-            layout["dp"] = max(1, nproc // (tp * pp))
+        if registry.known(engine) and not engine_available(engine):
+            skipped.append((label, f"engine {engine!r} is not available in this checkout "
+                                   f"({engine} adapter module missing)"))
+            continue
+        one_process = registry.known(engine) and registry.facts(engine).one_process
         try:
+            layout = layout if one_process else _with_dp(layout, nproc)
             spec = parse_spec({"workload": {**workload, **override}, "layout": layout,
                                "name": f"{name}/{label}"})
         except CapabilityError as e:
@@ -190,38 +231,41 @@ def parse_compare_spec(raw) -> CompareSpec:
             raise SpecError(f"{where}.{e.field.split('.', 1)[1] if e.field.startswith('layout.') else e.field}",
                             e.reason) from None
         lay = spec.layout
-        world = 1 if engine == "single" else lay.tp * lay.pp * lay.dp
-        if engine != "single":
+        world = 1 if one_process else ParallelDims.of(lay).world
+        if not one_process:
             try:
                 check_world_size(spec, nproc)
             except SpecError as e:
                 raise SpecError(f"{where}", f"{e.reason} (nproc {nproc})") from None
         validate(spec)  # ds_config: "error: <file>: <key>: <reason>"
-        launcher = entry.get("launcher", DEFAULT_LAUNCHER[engine])
+        launcher = entry.get("launcher", registry.facts(engine).launcher)
         if launcher not in LOCAL_LAUNCHERS:
             raise SpecError(f"{where}.launcher", " or ".join(LOCAL_LAUNCHERS))
-        if not engine_available(engine):
-            skipped.append((label, f"engine {engine!r} is not available in this checkout "
-                                   f"({engine} adapter module missing)"))
-            continue
         planned.append(PlannedRun(label, spec, world, launcher, workload_override=override))
-    store = raw.get("store")
-    return CompareSpec(name, nproc, parity_steps, tolerance, source, float(timeout_s), workload, planned,
-                       skipped, store, not_runnable)
+    return CompareSpec(name, nproc, parity_steps, tolerance, source, float(given.timeout_s), workload, planned,
+                       skipped, given.store, not_runnable)
 
 
-def _matrix_runs(matrix) -> list[tuple[str, dict]]:
+def _with_dp(layout: dict, nproc: int) -> dict:
+    """A run's layout with dp = nproc / (tp x pp) unless it sets dp (ParallelDims' one rule: an nproc
+    that tp x pp does not divide is an error); a malformed degree is left to the spec's checks."""
+    tp, pp = layout.get("tp", 1), layout.get("pp", 1)
+    if "dp" in layout or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tp, pp)):
+        return layout
+    try:
+        dims = ParallelDims.derive(nproc, field="layout.dp", tp=tp, pp=pp)
+    except SpecError as e:
+        raise SpecError(e.field, f"{e.reason} (nproc {nproc}: a run that does not set dp takes nproc / (tp x pp))") \
+            from None
+    return {**layout, "dp": dims.dp}
+
+
+def _matrix_runs(matrix: Matrix | None) -> list[tuple[str, dict]]:
     """Every layout under every engine, as (where, run entry); labelled '<engine> <layout>'."""
     if matrix is None:
         return []
-    if not isinstance(matrix, dict) or set(matrix) - {"engines", "layouts"}:
-        raise SpecError("matrix", "must be a mapping with `engines` and `layouts` (lists of layout fields)")
-    engines, layouts = matrix.get("engines"), matrix.get("layouts")
-    for key, value in (("engines", engines), ("layouts", layouts)):
-        if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
-            raise SpecError(f"matrix.{key}", "must be a non-empty list of mappings of layout fields")
-    out = []
-    for j, layout in enumerate(layouts):
+    engines, out = matrix.engines, []
+    for j, layout in enumerate(matrix.layouts):
         if "engine" in layout:
             raise SpecError(f"matrix.layouts[{j}].engine", "engines are the matrix's other axis")
         for i, engine in enumerate(engines):

@@ -17,21 +17,35 @@ An engine is built by `build_engine(spec, shape, ctx)` and offers:
                                       parameters, and any gathered copies of them)
 
 Every engine follows the workload's precision policy (harness.model.training.PrecisionPolicy);
-where a framework cannot, the spec refuses the combination (harness.spec.PRECISION_LIMITS).
+where a framework cannot, the spec refuses the combination (the adapter's ENGINE.precision_limits).
+
+Each adapter declares at its top `ENGINE = harness.registry.EngineFacts(...)`: what it runs, its
+precision and model limits, its label. harness.registry maps each engine's name to its adapter.
 """
 
 from __future__ import annotations
 
-import importlib
+from harness import registry
+from harness.registry import ModelRule, Rule
 
-ADAPTERS = {
-    "single": "harness.frameworks.single",
-    "own": "harness.frameworks.own",
-    "deepspeed": "harness.frameworks.deepspeed_adapter",
-    "fsdp": "harness.frameworks.fsdp",
-}
+# Fields only one engine takes: every other engine refuses them (each lists them where its order of
+# checks puts them).
+ONLY_DEEPSPEED: list[Rule] = [
+    ("ds_config", lambda lay: not lay.ds_config, "only for engine deepspeed"),
+    ("model_impl", lambda lay: lay.model_impl == "own", "hf (transformers' LlamaForCausalLM) is for engine deepspeed"),
+]
+ONLY_OWN: list[Rule] = [
+    ("pipeline_p2p", lambda lay: lay.pipeline_p2p == "auto",
+     "chooses the own engine's pipeline transfers; engine {engine} has its own"),
+]
+
+
+def tied_across_stages(what: str, engine: str, takes) -> ModelRule:
+    """An engine's refusal of tied embeddings split over pipeline stages: `what` says how it splits them."""
+    return ("tie_word_embeddings", takes,
+            f"{what}; splitting them needs the embedding gradient all-reduced between the first and the last "
+            f"pipeline stage (Megatron's embedding group), which {engine} does not do here")
 
 
 def build_engine(spec, shape, ctx):
-    module = importlib.import_module(ADAPTERS[spec.layout.engine])
-    return module.build(spec, shape, ctx)
+    return registry.adapter(spec.layout.engine).build(spec, shape, ctx)

@@ -41,7 +41,7 @@ _fsdp_collectives.py, foreach_reduce; _fsdp_param.py, to_accumulated_grad_if_nee
         without a reduction FSDP2 accumulates in reduce_dtype, so bf16 accumulation with an fp32
         reduction is not offered). With pp, torch.distributed.pipelining always defers the
         reduction to the last micro-batch, so accumulation happens in reduce_dtype: the spec
-        refuses pp with differing accumulation and reduction dtypes (harness.spec.PRECISION_LIMITS).
+        refuses pp with differing accumulation and reduction dtypes (ENGINE.precision_limits below).
 
 Memory census (memory_census): what this rank holds at its first optimizer step. FSDP2 reshards
 every group after the backward (post_backward, reshard_after_backward), so then only the fp32
@@ -60,10 +60,47 @@ import torch.distributed as dist
 
 from harness import measure
 from harness.data.source import dp_slice
+from harness.frameworks import ONLY_DEEPSPEED, ONLY_OWN, tied_across_stages
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.training import dtype_name, make_adamw, precision_policy
 from harness.parallel_dims import ParallelDims
-from harness.spec import check_world_size
+from harness.registry import EngineFacts
+from harness.spec import check_world_size, micro_batch_count
+
+
+def _micro(w, lay) -> int:
+    return micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
+
+
+ENGINE = EngineFacts(
+    name="fsdp",
+    capabilities=[
+        *ONLY_DEEPSPEED,
+        ("zero_stage", lambda lay: lay.zero_stage in (0, 3),
+         "fsdp shards by reshard_after_forward, leave zero_stage unset"),
+        ("virtual_stages", lambda lay: lay.virtual_stages == 1 or lay.pp > 1,
+         "engine fsdp places virtual stages on pipeline ranks (torch.distributed.pipelining): needs pp > 1"),
+        *ONLY_OWN],
+    precision_limits=[
+        ("grad_accum_dtype", lambda w, lay: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),
+         "FSDP2 accumulates gradients over micro-batches either in the fp32 sharded gradient (reducing every "
+         "micro-batch) or unreduced in MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/"
+         "_fsdp_param.py, to_accumulated_grad_if_needed): bf16 accumulation with an fp32 reduction is not offered; "
+         "set grad_reduce_dtype: bf16 or grad_accum_dtype: fp32"),
+        ("grad_reduce_dtype", lambda w, lay: lay.pp == 1 or w.grad_accum_dtype == w.grad_reduce_dtype,
+         "torch.distributed.pipelining defers FSDP2's reduction to the last micro-batch, and FSDP2 accumulates "
+         "until then in reduce_dtype: with pp > 1 fp32 accumulation needs grad_reduce_dtype: fp32"),
+    ],
+    model_limits=[tied_across_stages(
+        "tied embeddings with pp > 1: torch.distributed.pipelining puts the embedding and LM head on different "
+        "stages", "engine fsdp", lambda s, lay: not s.tie_embeddings or lay.pp == 1)],
+    batch_limits=[
+        ("pipeline_schedule", lambda w, lay: lay.pp == 1 or lay.pipeline_schedule != "1f1b" or _micro(w, lay) >= lay.pp,
+         lambda w, lay: f"torch's Schedule1F1B needs at least pp={lay.pp} micro-batches, "
+                      f"the workload gives {_micro(w, lay)}"),
+    ],
+    label=lambda lay: "FSDP2 " + ("reshard" if lay.get("reshard_after_forward", True) else "no-reshard"),
+)
 
 _WRAPPED = "_checkpoint_wrapped_module."
 

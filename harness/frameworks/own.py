@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from harness.frameworks import ONLY_DEEPSPEED, tied_across_stages
+from harness.registry import EngineFacts
 from harness.spec import check_world_size
+
+ENGINE = EngineFacts(
+    name="own",
+    capabilities=[("zero_stage", lambda lay: lay.zero_stage in (0, 1), "the own engine has ZeRO stage 0 or 1"),
+                  *ONLY_DEEPSPEED],
+    model_limits=[tied_across_stages(
+        "tied embeddings with pp > 1 or virtual stages: the own engine ties the embedding and LM head only when "
+        "one model chunk holds both", "the own engine",
+        lambda s, lay: not s.tie_embeddings or lay.pp * lay.virtual_stages == 1)],
+    label=lambda lay: f"own ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "own",
+)
 
 
 def build(spec, shape, ctx):

@@ -9,9 +9,22 @@ from __future__ import annotations
 import torch
 
 from harness.data.source import micro_batches
+from harness.frameworks import ONLY_DEEPSPEED, ONLY_OWN
 from harness.measure import CensusAtStep, optimizer_state_tensors
 from harness.model.llama import build_model, lm_loss
 from harness.model.training import MasterWeights, make_adamw, precision_policy
+from harness.registry import EngineFacts
+
+_ONE_PROCESS = "engine single is one process: set tp=pp=dp=1"
+ENGINE = EngineFacts(
+    name="single",
+    capabilities=[("tp", lambda lay: lay.tp == 1, _ONE_PROCESS), ("pp", lambda lay: lay.pp == 1, _ONE_PROCESS),
+                  ("dp", lambda lay: lay.dp == 1, _ONE_PROCESS),
+                  ("zero_stage", lambda lay: lay.zero_stage == 0, "engine single has no ZeRO"),
+                  *ONLY_DEEPSPEED, *ONLY_OWN],
+    launcher="direct",
+    one_process=True,
+)
 
 
 class SingleDeviceEngine:

@@ -31,41 +31,109 @@ whose tp x pp x dp != gpus, or that duplicate an earlier point are dropped with 
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import string
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 
 from harness.errors import SpecError
 from harness.launch import LOCAL_LAUNCHERS
-from harness.spec import Layout, Workload, check_file_name, check_positive, read_yaml
+from harness.spec import (
+    Layout,
+    Workload,
+    build_spec,
+    check_name,
+    check_path,
+    check_positive,
+    check_positive_int,
+    read_yaml,
+    spec_field,
+)
 
-SWEEP_KEYS = ("name", "gpus", "nodes", "launcher", "timeout_s", "store", "env", "workload", "layout",
-              "grid", "include", "exclude", "points", "slurm", "description")
 # How a sweep's points may start: any local launcher, or a Slurm job array (harness/sweep/slurm.py).
 SWEEP_LAUNCHERS = LOCAL_LAUNCHERS + ("slurm",)
-# The `slurm:` mapping (harness/sweep/slurm.py writes them into the job script).
-SLURM_KEYS = ("partition", "account", "qos", "constraint", "time", "max_parallel", "exclusive",
-              "cpus_per_task", "python", "setup", "extra")
 LAYOUT_FIELDS = set(Layout.__dataclass_fields__)
 WORKLOAD_FIELDS = set(Workload.__dataclass_fields__)
 
 
+def _one_line(value, field: str) -> str:
+    if not isinstance(value, str) or "\n" in value:
+        raise SpecError(field, f"must be a string (one line), got {value!r}")
+    return value
+
+
+@dataclass
+class Slurm:
+    """The `slurm:` mapping; harness/sweep/slurm.py writes them into the job script."""
+
+    NULL_IS_DEFAULT: typing.ClassVar[bool] = True
+    partition: str | None = spec_field(None, check=_one_line)
+    account: str | None = spec_field(None, check=_one_line)
+    qos: str | None = spec_field(None, check=_one_line)
+    constraint: str | None = spec_field(None, check=_one_line)
+    time: str | None = spec_field(None, check=_one_line)  # the array task's limit, HH:MM:SS
+    max_parallel: int | None = spec_field(None, check=check_positive_int)  # array tasks at once
+    exclusive: bool | None = None
+    cpus_per_task: int | None = spec_field(None, check=check_positive_int)
+    python: str | None = spec_field(None, check=_one_line)  # the interpreter on the nodes
+    setup: list[str] | None = None  # shell lines before the run (module load ...)
+    extra: list[str] | None = None  # more #SBATCH lines
+
+
+SLURM_KEYS = tuple(f.name for f in dataclasses.fields(Slurm))
+
+
+def check_slurm(cfg: dict, field: str = "sweep.slurm") -> dict:
+    """The `slurm:` mapping: known keys of the right types (a typo is refused, not ignored); kept a mapping."""
+    if not isinstance(cfg, dict):
+        raise SpecError(field, "must be a mapping")
+    built = build_spec(Slurm, cfg, field)
+    return {k: getattr(built, k) for k in cfg}
+
+
+def check_points(points, field: str) -> list:
+    """Extra points: mappings of axes, each with its own env and timeout_s checked now, not when it is reached."""
+    if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+        raise SpecError(field, "must be a list of mappings")
+    for i, point in enumerate(points):
+        if point.get("timeout_s") is not None:
+            check_positive(point["timeout_s"], f"{field}[{i}].timeout_s")
+        if not isinstance(point.get("env") or {}, dict):
+            raise SpecError(f"{field}[{i}].env", "must be a mapping")
+    return points
+
+
+def check_grid(grid, field: str) -> dict:
+    """Axes: each a non-empty list of values, named by check_axis_name unless its values are mappings."""
+    if not isinstance(grid, dict):
+        raise SpecError(field, "must be a mapping")
+    for axis, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise SpecError(f"{field}.{axis}", "must be a non-empty list")
+        if not all(isinstance(v, dict) for v in values):
+            check_axis_name(axis, f"{field}.{axis}")
+    return grid
+
+
 @dataclass
 class SweepSpec:
-    name: str
-    gpus: int
-    nodes: int = 1
-    launcher: str = "torchrun"
-    timeout_s: float = 1800.0
-    store: str = "results.sqlite"
-    env: dict = field(default_factory=dict)
-    workload: dict = field(default_factory=dict)
-    layout: dict = field(default_factory=dict)
-    grid: dict = field(default_factory=dict)
-    include: list = field(default_factory=list)
-    exclude: list = field(default_factory=list)
-    points: list = field(default_factory=list)
-    slurm: dict = field(default_factory=dict)
+    """A sweep spec as written (the format above), every field checked by harness.spec's builder."""
+
+    NULL_IS_DEFAULT: typing.ClassVar[bool] = True
+    name: str  # default: the file name; records are grouped by it (check_sweep_name)
+    gpus: int = spec_field(check=check_positive_int, required="required: the world size of every point")
+    nodes: int = spec_field(1, check=check_positive_int)  # gpus split evenly over them
+    launcher: str = spec_field("torchrun", choices=SWEEP_LAUNCHERS)  # the CLI's --launcher wins
+    timeout_s: float = spec_field(1800.0, check=check_positive)  # per point
+    store: str = spec_field("results.sqlite", check=check_path)
+    env: dict = spec_field(factory=dict)  # extra environment for every point
+    workload: dict = spec_field(factory=dict)  # Workload fields, the same for every point (checked per point)
+    layout: dict = spec_field(factory=dict)  # fixed Layout fields
+    grid: dict = spec_field(factory=dict, check=check_grid)  # axes: their cross product is the points
+    include: list[dict] = spec_field(factory=list)  # keep only points matching one entry
+    exclude: list[dict] = spec_field(factory=list)  # drop points matching any entry
+    points: list[dict] = spec_field(factory=list, check=check_points)  # extra points beyond the grid
+    slurm: dict = spec_field(factory=dict, check=check_slurm)  # Slurm fields (class Slurm)
     description: str = ""
 
     @property
@@ -73,91 +141,35 @@ class SweepSpec:
         return self.gpus // self.nodes
 
 
-def _require(cond: bool, fld: str, reason: str) -> None:
-    if not cond:
-        raise SpecError(fld, reason)
+SWEEP_KEYS = tuple(f.name for f in dataclasses.fields(SweepSpec))
 
 
 def parse_sweep(raw, default_name: str = "sweep") -> SweepSpec:
-    _require(isinstance(raw, dict), "sweep", "top level must be a mapping")
-    for key in raw:
-        _require(key in SWEEP_KEYS, f"sweep.{key}", f"unknown key; allowed: {', '.join(SWEEP_KEYS)}")
-    _require("gpus" in raw, "sweep.gpus", "required: the world size of every point")
-    s = SweepSpec(name=check_sweep_name(raw.get("name"), default_name), gpus=raw["gpus"])
-    for key in SWEEP_KEYS[1:]:
-        if key in raw and raw[key] is not None:
-            setattr(s, key, raw[key])
-    _require(isinstance(s.store, str) and bool(s.store.strip()), "sweep.store",
-             f"must be a file path, got {s.store!r}")
-    for key in ("gpus", "nodes"):
-        v = getattr(s, key)
-        _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"sweep.{key}",
-                 f"must be a positive integer, got {v!r}")
-    _require(s.gpus % s.nodes == 0, "sweep.gpus", f"{s.gpus} GPUs do not split over {s.nodes} nodes")
-    _require(s.launcher in SWEEP_LAUNCHERS, "sweep.launcher",
-             f"{s.launcher!r} is not one of {', '.join(SWEEP_LAUNCHERS)}")
-    check_positive(s.timeout_s, "sweep.timeout_s")
-    for key in ("env", "workload", "layout", "grid", "slurm"):
-        _require(isinstance(getattr(s, key), dict), f"sweep.{key}", "must be a mapping")
-    check_slurm(s.slurm)
-    for key in ("include", "exclude", "points"):
-        v = getattr(s, key)
-        _require(isinstance(v, list) and all(isinstance(e, dict) for e in v), f"sweep.{key}",
-                 "must be a list of mappings")
-    for i, point in enumerate(s.points):  # a point's own limits are checked now, not when it is reached
-        if point.get("timeout_s") is not None:
-            check_positive(point["timeout_s"], f"sweep.points[{i}].timeout_s")
-        _require(isinstance(point.get("env") or {}, dict), f"sweep.points[{i}].env", "must be a mapping")
-    for axis, values in s.grid.items():
-        _require(isinstance(values, list) and values, f"sweep.grid.{axis}", "must be a non-empty list")
-        if not all(isinstance(v, dict) for v in values):
-            check_axis_name(axis, f"sweep.grid.{axis}")
+    if not isinstance(raw, dict):
+        raise SpecError("sweep", "top level must be a mapping")
+    s = build_spec(SweepSpec, {**raw, "name": check_sweep_name(raw.get("name"), default_name)}, "sweep")
+    if s.gpus % s.nodes:
+        raise SpecError("sweep.gpus", f"{s.gpus} GPUs do not split over {s.nodes} nodes")
     return s
-
-
-NAME_CHARS = frozenset(string.ascii_letters + string.digits + "-_.")
 
 
 def check_sweep_name(name, default_name: str) -> str:
     """The sweep's name (else the spec file's name): it names the log and job folders, the Slurm
-    job, the records' group and the report's headings, so letters, digits, '-', '_' and '.' only."""
+    job, the records' group and the report's headings."""
     given = name is not None and name != ""
-    text = str(name) if given else default_name
-    check_file_name(text, "sweep.name")
-    bad = "".join(sorted({c for c in text if c not in NAME_CHARS}))
-    if bad:
-        raise SpecError("sweep.name", f"{text!r}: letters, digits, '-', '_' and '.' only (it names folders, the "
-                                      f"Slurm job and the report), not {bad!r}"
-                        + ("" if given else "; it comes from the file name: set `name:` in the spec"))
-    return text
-
-
-def check_slurm(cfg: dict) -> None:
-    """The `slurm:` mapping: known keys of the right types (a typo is refused, not ignored)."""
-    for key, v in cfg.items():
-        where = f"sweep.slurm.{key}"
-        _require(key in SLURM_KEYS, where, f"unknown key; allowed: {', '.join(SLURM_KEYS)}")
-        if v is None:
-            continue
-        if key == "exclusive":
-            _require(isinstance(v, bool), where, f"must be true or false, got {v!r}")
-        elif key in ("cpus_per_task", "max_parallel"):
-            _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, where,
-                     f"must be a positive integer, got {v!r}")
-        elif key in ("setup", "extra"):
-            _require(isinstance(v, list) and all(isinstance(x, str) for x in v), where, "must be a list of strings")
-        else:
-            _require(isinstance(v, str) and "\n" not in v, where, f"must be a string (one line), got {v!r}")
+    return check_name(str(name) if given else default_name, "sweep.name", "folders, the Slurm job and the report",
+                      hint="" if given else "; it comes from the file name: set `name:` in the spec")
 
 
 def check_axis_name(axis: str, where: str) -> None:
     """A grid axis or point key names a Layout field, `layout.<field>` or `workload.<field>`."""
     if axis.startswith("workload."):
-        _require(axis.split(".", 1)[1] in WORKLOAD_FIELDS, where, "unknown workload field")
+        if axis.split(".", 1)[1] not in WORKLOAD_FIELDS:
+            raise SpecError(where, "unknown workload field")
     else:
         name = axis.split(".", 1)[1] if axis.startswith("layout.") else axis
-        _require(name in LAYOUT_FIELDS, where,
-                 "not a Layout field (use workload.<field> for the workload, or mapping values)")
+        if name not in LAYOUT_FIELDS:
+            raise SpecError(where, "not a Layout field (use workload.<field> for the workload, or mapping values)")
 
 
 def load_sweep(path: str) -> SweepSpec:

@@ -1,0 +1,97 @@
+"""An engine is one adapter module declaring its facts (harness.registry.EngineFacts) plus one
+registry line: the spec checks it, build_engine builds it, compare plans it and its report's
+matrix names it. No processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+import pytest
+
+from harness import registry
+from harness.compare.spec import parse_compare_spec
+from harness.errors import CapabilityError
+from harness.frameworks import build_engine
+from harness.report.compare import layout_matrix
+from harness.spec import Layout, Workload, engine_variant, parse_spec
+
+TOY = '''
+from harness.registry import EngineFacts
+
+ENGINE = EngineFacts(
+    name="toy",
+    capabilities=[("tp", lambda l: l.tp == 1, "engine {engine} has no tensor parallelism")],
+    label=lambda lay: "toy engine",
+)
+
+
+def build(spec, shape, ctx):
+    return ("built", spec.layout.engine, ctx)
+'''
+WORKLOAD = {"model": "tiny", "seq_len": 16, "global_batch_size": 4, "steps": 2, "warmup_steps": 1, "device": "cpu"}
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    """The toy engine: its module on sys.path and its one registry line (both undone afterwards)."""
+    (tmp_path / "toy_engine.py").write_text(textwrap.dedent(TOY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "toy_engine", raising=False)
+    monkeypatch.setitem(registry.ENGINES, "toy", "toy_engine")
+    yield "toy"
+
+
+def test_a_registered_engine_is_a_choice_checked_by_its_own_rules_and_built(toy):
+    spec = parse_spec({"workload": WORKLOAD, "layout": {"engine": "toy", "dp": 2}})  # no precision or model limits
+    assert engine_variant(spec.layout) == "toy engine"
+    with pytest.raises(CapabilityError) as e:
+        parse_spec({"workload": WORKLOAD, "layout": {"engine": "toy", "tp": 2}})
+    assert str(e.value) == "layout.tp: engine toy has no tensor parallelism"
+    assert build_engine(spec, spec.shape(), "ctx") == ("built", "toy", "ctx")
+
+
+def test_a_registered_engine_is_named_in_the_compare_matrix(toy):
+    cs = parse_compare_spec({"name": "m", "nproc": 2, "parity_steps": 1, "reference": False, "workload": WORKLOAD,
+                             "matrix": {"engines": [{"engine": "own"}, {"engine": "toy"}],
+                                        "layouts": [{"dp": 2}, {"tp": 2}]}})
+    assert [r.label for r in cs.runs] == ["own dp2", "toy engine dp2", "own tp2"]
+    assert [r.launcher for r in cs.runs] == ["torchrun"] * 3
+    assert cs.not_runnable[0]["why"] == "layout.tp: engine toy has no tensor parallelism"
+    step = {"median": 0.01, "ci95_low": 0.009, "ci95_high": 0.012}
+    summary = {"runs": [{"label": r.label, "layout": dataclasses.asdict(r.spec.layout), "status": "ok",
+                         "metrics": {"step_time_s": step}} for r in cs.runs],
+               "parity": {"runs": [{"label": r.label, "verdict": "pass"} for r in cs.runs]},
+               "not_runnable": cs.not_runnable}
+    header, rows = layout_matrix(summary)
+    assert header == ["layout", "own", "toy engine"]
+    by_row = {r[0]: r[1:] for r in rows}
+    assert by_row["tp2 mbs 1"][1] == "– layout.tp: engine toy has no tensor parallelism"
+    assert by_row["dp2 mbs 1"] == ["10.0 ms [9.0, 12.0] pass"] * 2
+
+
+def test_the_registry_is_restored_after_a_test_registers_an_engine():
+    assert "toy" not in registry.ENGINES
+    assert set(registry.ENGINES) == {"single", "own", "deepspeed", "fsdp"}
+
+
+@pytest.mark.parametrize("name", sorted(registry.ENGINES))
+def test_every_adapter_declares_its_facts_naming_real_fields(name):
+    facts = registry.facts(name)
+    layout, workload = {f.name for f in dataclasses.fields(Layout)}, {f.name for f in dataclasses.fields(Workload)}
+    assert facts.name == name
+    assert all(rule[0] in layout for rule in facts.capabilities + facts.batch_limits)
+    assert all(rule[0] in workload for rule in facts.precision_limits)
+    assert facts.launcher in ("torchrun", "deepspeed", "direct")
+    assert facts.variant(dataclasses.asdict(Layout(engine=name))).split()[0] in (name, "FSDP2")
+
+
+def test_an_unknown_or_absent_engine_is_a_spec_error_not_a_key_error(monkeypatch):
+    from harness.errors import SpecError
+
+    with pytest.raises(SpecError, match="layout.engine: 'nope' is not one of single, own"):
+        registry.facts("nope")
+    monkeypatch.setitem(registry.ENGINES, "gone", "harness.frameworks.no_such_adapter")
+    assert not registry.available("gone") and engine_variant({"engine": "gone"}) == "gone"
+    with pytest.raises(SpecError, match="not available in this checkout"):
+        registry.facts("gone")
