@@ -61,6 +61,7 @@ import torch.distributed as dist
 from harness import measure
 from harness.data.source import dp_slice
 from harness.engine.topology import coord_of
+from harness.model.kernels import Kernels
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.training import dtype_name, make_adamw, precision_policy
 from harness.spec import check_world_size
@@ -71,7 +72,8 @@ _WRAPPED = "_checkpoint_wrapped_module."
 class FSDPEngine:
     name = "fsdp"
 
-    def __init__(self, spec, shape, ctx):
+    def __init__(self, spec, shape, ctx, kernels: Kernels | None = None):
+        """kernels: the attention and RMSNorm functions (default: those the layout names)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -93,15 +95,16 @@ class FSDPEngine:
         ckpt = lay.activation_checkpointing
         # Built on the meta device and sharded before any memory is allocated, so no rank ever
         # holds the whole model on the device.
-        with torch.device("meta"):
-            model = Llama(shape, lay.attention, lay.rmsnorm, "selective" if ckpt == "selective" else "none")
+        build = {"kernels": kernels or Kernels.of(lay.attention, lay.rmsnorm),
+                 "checkpointing": "selective" if ckpt == "selective" else "none"}
         self.pipeline = None
-        if lay.pp > 1:
-            from harness.frameworks.native_pipeline import split_model
+        with torch.device("meta"):
+            if lay.pp > 1:
+                from harness.frameworks.native_pipeline import split_model
 
-            self.parts, plans = split_model(model, spec, self.coord.pp)
-        else:
-            self.parts, plans = [model], None
+                self.parts, plans = split_model(spec, shape, self.coord.pp, **build)
+            else:
+                self.parts, plans = [Llama(shape, **build)], None
         reference = ReferenceWeights(shape, w.seed)
         for part in self.parts:
             self._parallelize(part)
@@ -127,10 +130,9 @@ class FSDPEngine:
             from harness.frameworks.native_tp import apply_tensor_parallel
 
             apply_tensor_parallel(part, self.mesh["tp"], lay.sequence_parallel)
-            if isinstance(part, Llama) and part.shape.tie_embeddings:
-                # the plan made the embedding (RowwiseParallel) and the head (ColwiseParallel) two
-                # DTensors, both Shard(0) over the vocabulary: the same rows, so share one again
-                part.tie_weights()
+            # with tied embeddings the plan made the embedding (RowwiseParallel) and the head
+            # (ColwiseParallel) two DTensors, both Shard(0) over the vocabulary: the same rows, so share one again
+            part.tie_weights()
         if lay.activation_checkpointing == "full":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 CheckpointImpl, checkpoint_wrapper)
