@@ -7,8 +7,9 @@ holds it with its reference weights (by the plain names, bit-identical); their f
 plain model's:
 
   0            PipeLayer, the embedding                      tokens [b, s] -> h [b, s, hidden]
-  1 .. L       PipeBlock, block i-1; rotary tables made in fp32 for h.shape[1] in its forward
-               (bf16.enabled casts parameters, not buffers, so the tables are no buffers)
+  1 .. L       PipeBlock, block i-1; rotary tables made once in fp32 for h.shape[1] and cast
+               to the activation's dtype in its forward (bf16.enabled casts parameters, not
+               buffers, so the tables are no buffers)
   L + 1        PipeLayer, the final norm and LM head         h -> logits [b, s, vocab]
 
 and the loss is lm_loss(logits, targets) per micro-batch on the last stage. DeepSpeed divides
@@ -27,10 +28,12 @@ the blocks, which it tells by their class, PipeBlock; deepspeed.checkpointing.ch
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from harness.frameworks.deepspeed_common import DeepSpeedBase, configure_checkpointing, fp32_copy, gather_on_rank0
-from harness.model.llama import Llama, ReferenceWeights, lm_loss, load_reference
+from harness.model.llama import Llama, ReferenceWeights, lm_loss, load_reference, shape_rotary
 
 PARTITION = "harness.engine.partition.balanced_partition (the own engine's), as explicit layer boundaries"
 
@@ -45,8 +48,22 @@ class PipeLayer(Llama):
         load_reference(self, ReferenceWeights(shape, seed), "cpu")
 
 
+@functools.lru_cache(maxsize=16)
+def _rotary(shape, seq_len: int, device: str):
+    return shape_rotary(shape, seq_len, torch.device(device))
+
+
 class PipeBlock(PipeLayer):
-    """A PipeLayer holding one block: what activation_checkpoint_interval checkpoints."""
+    """A PipeLayer holding one block: what activation_checkpoint_interval checkpoints. Its rotary
+    tables are made once per sequence length and device, and cast to the activation's dtype once
+    per forward (each block is a forward of its own here, so the plain model's per-forward tables
+    would be made, and kept for backward, once per block)."""
+
+    def rotary(self, seq_len: int, device):
+        return _rotary(self.shape, seq_len, str(device))
+
+    def run_layers(self, h, cos, sin):
+        return super().run_layers(h, cos.to(h.dtype), sin.to(h.dtype))
 
 
 def _pipeline_module(layers, num_stages: int, parts: list[int], **kwargs):
