@@ -346,7 +346,7 @@ def test_the_planner_proposes_no_layout_an_engine_refuses_for_a_tied_model(tmp_p
 
 
 def test_own_engine_in_process_matches_the_reference(tmp_path):
-    """World 1: the own engine's chunk (Weight/Norm/ParallelBlock, tied head, o-bias after the
+    """World 1: the own engine's chunk (Weight/RMSNorm/ParallelBlock, tied head, o-bias after the
     region) against the plain model on the tied + bias + llama3 config."""
     from harness.frameworks.own import build
     from harness.runtime import RunContext

@@ -31,6 +31,7 @@ from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map
 from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.model.kernels import Kernels
 from harness.model.llama import reference_tensor, shape_rotary
 from harness.model.training import make_adamw, precision_policy
 from harness.parallel_dims import ParallelDims
@@ -54,7 +55,8 @@ def _ranks_per_node(ctx) -> int:
 class Engine3D:
     name = "own"
 
-    def __init__(self, spec, shape, ctx):
+    def __init__(self, spec, shape, ctx, kernels: Kernels | None = None):
+        """kernels: the attention and RMSNorm functions (default: those the layout names)."""
         w, lay = spec.workload, spec.layout
         self.spec, self.shape, self.device = spec, shape, ctx.device
         self.policy = precision_policy(w)
@@ -71,7 +73,8 @@ class Engine3D:
         self.micro = micro_batches_per_step(spec)
         plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)
         self.plans = plans
-        self.chunks, self.specs = build_chunks(shape, plans, lay.tp, c.tp, self.region, lay.attention, lay.rmsnorm,
+        self.chunks, self.specs = build_chunks(shape, plans, lay.tp, c.tp, self.region,
+                                               kernels or Kernels.of(lay.attention, lay.rmsnorm),
                                                lay.activation_checkpointing,
                                                lambda name: reference_tensor(shape, w.seed, name), ctx.device)
         named = {}

@@ -1,9 +1,11 @@
 """The sharded LLaMA: one module per model chunk, built from the reference weights.
 
-It mirrors harness/model/llama.py block for block (same parameter names, same math) but in
-[seq, batch, hidden] order with explicit TP regions around attention and MLP. Kernels
-(attention_core, rmsnorm), rotary tables and checkpointing are the plain model's own, so every
-kernel and checkpointing option works in every layout.
+It is harness/model/llama.py's block in [seq, batch, hidden] order with explicit TP regions
+around attention and MLP: the norms and the SwiGLU MLP are the plain model's modules (a rank's
+slice of the MLP is the plain FeedForward at width ffn/tp), attention calls the plain model's
+attend (rotary, core, selective recomputation), the tie is its tie_embeddings; what is the
+engine's own is the head layout, the sharded projections and the communication
+(tensor_parallel.py). The kernels are given at build time (harness.model.kernels.Kernels).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from harness.engine.partition import ChunkPlan, ParamSpec, shard_of, stage_params
 from harness.engine.tensor_parallel import Region, vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_range
-from harness.model.kernels import rmsnorm
-from harness.model.llama import apply_rotary, attention_core
+from harness.model.kernels import Kernels
+from harness.model.llama import FeedForward, RMSNorm, attend, tie_embeddings
 from harness.model.presets import Shape
 
 
@@ -38,21 +40,12 @@ class Weight(nn.Module):
         return F.linear(x, self.weight, self.bias if self.add_bias else None)
 
 
-class Norm(Weight):
-    def __init__(self, dim: int, kernel: str, eps: float = 1e-5):
-        super().__init__(dim)
-        self.kernel, self.eps = kernel, eps
-
-    def forward(self, x):
-        return rmsnorm(self.kernel, x, self.weight, self.eps)
-
-
 class ParallelAttention(nn.Module):
     """q/k/v column-parallel by heads (each rank keeps whole query groups), wo row-parallel.
     With attention_bias, q/k/v biases are sharded with their heads and added locally; wo's bias
     is replicated and added by the block after the region's reduction (once, not tp times)."""
 
-    def __init__(self, shape: Shape, tp: int, kernel: str):
+    def __init__(self, shape: Shape, tp: int, kernel):
         super().__init__()
         self.head_dim = shape.hidden // shape.heads
         hq, hkv = shape.heads // tp * self.head_dim, shape.kv_heads // tp * self.head_dim
@@ -64,42 +57,26 @@ class ParallelAttention(nn.Module):
         self.kernel = kernel
         self.recompute_core = False
 
-    def core(self, q, k, v):
-        return attention_core(q, k, v, self.kernel)
-
     def forward(self, x, cos, sin):
         """x: [seq, batch, hidden] (full sequence) -> partial sums of wo, [seq, batch, hidden]."""
         s, b, _ = x.shape
         q = self.wq(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
         k = self.wk(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
         v = self.wv(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core, q, k, v, use_reentrant=False)
-        else:
-            out = self.core(q, k, v)
+        out = attend(q, k, v, cos, sin, self.kernel, self.recompute_core)
         return self.wo(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
-class ParallelFeedForward(nn.Module):
-    """SwiGLU with w1/w3 column-parallel and w2 row-parallel: no communication in between."""
-
-    def __init__(self, shape: Shape, tp: int):
-        super().__init__()
-        f = shape.ffn // tp
-        self.w1, self.w3, self.w2 = Weight(f, shape.hidden), Weight(f, shape.hidden), Weight(shape.hidden, f)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class ParallelBlock(nn.Module):
-    def __init__(self, shape: Shape, tp: int, region: Region, attention: str, rmsnorm_kind: str):
+    """The plain Block with its attention and MLP inside TP regions. The MLP is the plain
+    FeedForward at width ffn/tp: w1/w3 column-parallel, w2 row-parallel, no communication inside."""
+
+    def __init__(self, shape: Shape, tp: int, region: Region, kernels: Kernels):
         super().__init__()
-        self.attention_norm = Norm(shape.hidden, rmsnorm_kind, shape.norm_eps)
-        self.attention = ParallelAttention(shape, tp, attention)
-        self.ffn_norm = Norm(shape.hidden, rmsnorm_kind, shape.norm_eps)
-        self.feed_forward = ParallelFeedForward(shape, tp)
+        self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
+        self.attention = ParallelAttention(shape, tp, kernels.attention)
+        self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
+        self.feed_forward = FeedForward(shape.hidden, shape.ffn // tp)
         self.region = region
 
     def forward(self, x, cos, sin):
@@ -124,29 +101,20 @@ class Chunk(nn.Module):
     """
 
     def __init__(self, shape: Shape, plan: ChunkPlan, tp: int, tp_index: int, region: Region,
-                 attention: str, rmsnorm_kind: str, checkpointing: str):
+                 kernels: Kernels, checkpointing: str):
         super().__init__()
-        self.plan, self.region, self.checkpointing = plan, region, checkpointing
+        self.shape, self.plan, self.region, self.checkpointing = shape, plan, region, checkpointing
         self.vocab_start = vocab_range(shape.vocab, tp, tp_index)[0]
-        if plan.first:
-            self.tok_embeddings = nn.Module()
-            self.tok_embeddings.weight = nn.Parameter(torch.empty(shape.vocab // tp, shape.hidden))
-        self.layers = nn.ModuleDict({str(i): ParallelBlock(shape, tp, region, attention, rmsnorm_kind)
-                                     for i in plan.layers})
+        self.tok_embeddings = Weight(shape.vocab // tp, shape.hidden) if plan.first else None
+        self.layers = nn.ModuleDict({str(i): ParallelBlock(shape, tp, region, kernels) for i in plan.layers})
         for layer in self.layers.values():
             layer.attention.recompute_core = checkpointing == "selective"
-        if plan.last:
-            self.norm = Norm(shape.hidden, rmsnorm_kind, shape.norm_eps)
-            self.output = Weight(shape.vocab // tp, shape.hidden)
-        self.tied = shape.tie_embeddings
-        if self.tied and not (plan.first and plan.last):
-            raise ValueError("tied embeddings need the embedding and the LM head in one model chunk "
-                             "(pp=1, virtual_stages=1)")
+        self.norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm) if plan.last else None
+        self.output = Weight(shape.vocab // tp, shape.hidden) if plan.last else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.tied:
-            self.output.weight = self.tok_embeddings.weight
+        tie_embeddings(self.shape, self.tok_embeddings, self.output)
 
     def forward(self, x, cos, sin, targets=None):
         if self.plan.first:
@@ -169,8 +137,7 @@ class Chunk(nn.Module):
 
 
 def build_chunks(shape: Shape, plans: list[ChunkPlan], tp: int, tp_index: int, region: Region,
-                 attention: str, rmsnorm_kind: str, checkpointing: str, reference,
-                 device) -> tuple[list[Chunk], list[ParamSpec]]:
+                 kernels: Kernels, checkpointing: str, reference, device) -> tuple[list[Chunk], list[ParamSpec]]:
     """The rank's chunks with their shards of the reference weights, and the parameter list.
 
     `reference(name)` gives one full initial tensor; it is sharded and dropped before the
@@ -179,7 +146,7 @@ def build_chunks(shape: Shape, plans: list[ChunkPlan], tp: int, tp_index: int, r
     chunks, specs = [], []
     for plan in plans:
         with torch.device("meta"):
-            chunk = Chunk(shape, plan, tp, tp_index, region, attention, rmsnorm_kind, checkpointing)
+            chunk = Chunk(shape, plan, tp, tp_index, region, kernels, checkpointing)
         chunk = chunk.to_empty(device=device)
         chunk.tie_weights()
         mine = stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk)

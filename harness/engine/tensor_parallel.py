@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from harness.engine.comm import Axis
+from harness.model.llama import lm_loss
 
 
 class _Copy(torch.autograd.Function):
@@ -152,5 +153,5 @@ class _VocabParallelCE(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits, target, axis: Axis, start: int):
     """Per-token loss; logits [N, V/tp] (fp32 math), target [N] global ids."""
     if axis.size == 1:
-        return torch.nn.functional.cross_entropy(logits.float(), target, reduction="none")
+        return lm_loss(logits, target, reduction="none")
     return _VocabParallelCE.apply(logits, target, axis, start)

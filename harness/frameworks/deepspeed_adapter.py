@@ -32,7 +32,6 @@ What differs, and is said in describe():
 from __future__ import annotations
 
 import os
-import types
 
 import torch
 import torch.distributed as dist
@@ -81,21 +80,6 @@ CHECKPOINTING = {"none": "none", "full": "deepspeed.checkpointing.checkpoint per
                  "selective": "model's attention-core recomputation (torch checkpoint)"}
 
 
-def _ds_checkpointed_layers(model, checkpoint_fn):
-    """Replace Llama.run_layers so each block runs under DeepSpeed's checkpoint (names kept)."""
-
-    def run_layers(self, h, cos, sin):
-        for layer in self.layers:
-            if torch.is_grad_enabled():
-                h = checkpoint_fn(layer, h, cos, sin)
-            else:
-                h = layer(h, cos, sin)
-        return h
-
-    model.checkpointing = "none"
-    model.run_layers = types.MethodType(run_layers, model)
-
-
 class DeepSpeedEngine(DeepSpeedBase):
     def __init__(self, spec, shape, ctx):
         super().__init__(spec, shape, ctx)
@@ -126,8 +110,8 @@ class DeepSpeedEngine(DeepSpeedBase):
                 for module in model.hf.modules():
                     if hasattr(module, "_gradient_checkpointing_func"):
                         module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
-            else:
-                _ds_checkpointed_layers(model, deepspeed.checkpointing.checkpoint)
+            else:  # each block through DeepSpeed's checkpoint
+                model.set_checkpointing("full", deepspeed.checkpointing.checkpoint)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                                  config=self.config, mpu=mpu)
         self.after_initialize()

@@ -1,14 +1,16 @@
 """engine: deepspeed with pp > 1 - the same LLaMA as a deepspeed.pipe.PipelineModule, trained by
 DeepSpeed's PipelineEngine.train_batch() (its TrainSchedule: 1F1B), with ZeRO stage 0 or 1.
 
-The pipeline's layers are the plain model's pieces (harness/model/llama.py), each built on the
-stage that holds it with its reference weights (reference_tensor by name, bit-identical):
+The pipeline's layers are the plain model (harness/model/llama.py) holding one piece each
+(Llama's layers/first/last, as a pipeline stage of engine fsdp), each built on the stage that
+holds it with its reference weights (by the plain names, bit-identical); their forward is the
+plain model's:
 
-  0            EmbeddingPipe: tok_embeddings                 tokens [b, s] -> h [b, s, hidden]
-  1 .. L       BlockPipe i-1: a Block; rotary tables made for h.shape[1] in fp32 and cast to
-               the activation's dtype inside (bf16.enabled casts parameters, not buffers, so
-               the tables are no buffers at all)
-  L + 1        HeadPipe: norm and output                     h -> logits [b, s, vocab]
+  0            PipeLayer, the embedding                      tokens [b, s] -> h [b, s, hidden]
+  1 .. L       PipeBlock, block i-1; rotary tables made once in fp32 for h.shape[1] and cast
+               to the activation's dtype in its forward (bf16.enabled casts parameters, not
+               buffers, so the tables are no buffers)
+  L + 1        PipeLayer, the final norm and LM head         h -> logits [b, s, vocab]
 
 and the loss is lm_loss(logits, targets) per micro-batch on the last stage. DeepSpeed divides
 each micro-batch's loss by the micro-batch count and train_batch() returns their mean averaged
@@ -20,8 +22,8 @@ handed to PipelineModule as explicit layer boundaries - DeepSpeed's own methods 
 "parameters", "type:") count layers or parameters, not FLOPs.
 
 Activation checkpointing: `full` is PipelineModule's own (activation_checkpoint_interval 1 over
-the blocks, deepspeed.checkpointing.checkpoint); `selective` the model's attention-core
-recomputation inside each block.
+the blocks, which it tells by their class, PipeBlock; deepspeed.checkpointing.checkpoint);
+`selective` the model's attention-core recomputation inside each block.
 """
 
 from __future__ import annotations
@@ -29,31 +31,21 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn as nn
 
 from harness.frameworks.deepspeed_common import DeepSpeedBase, configure_checkpointing, fp32_copy, gather_on_rank0
-from harness.model.llama import Block, RMSNorm, lm_loss, reference_tensor, shape_rotary
+from harness.model.llama import Llama, ReferenceWeights, lm_loss, load_reference, shape_rotary
 
 PARTITION = "harness.engine.partition.balanced_partition (the own engine's), as explicit layer boundaries"
 
 
-def _load_reference(module: nn.Module, shape, seed: int, prefix: str) -> None:
-    """Materialise a module built on the meta device with the reference weights (plain names)."""
-    module.to_empty(device="cpu")
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            param.copy_(reference_tensor(shape, seed, prefix + name))
+class PipeLayer(Llama):
+    """One entry of PipelineModule's layer list: the plain model holding one piece (pieces:
+    Llama's layers/first/last), built where DeepSpeed places it, with its reference weights."""
 
-
-class EmbeddingPipe(nn.Module):
-    def __init__(self, shape, seed: int):
-        super().__init__()
+    def __init__(self, shape, seed: int, attention: str, rmsnorm_kind: str, checkpointing: str, **pieces):
         with torch.device("meta"):
-            self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden)
-        _load_reference(self, shape, seed, "")
-
-    def forward(self, tokens):
-        return self.tok_embeddings(tokens)
+            super().__init__(shape, attention, rmsnorm_kind, checkpointing, **pieces)
+        load_reference(self, ReferenceWeights(shape, seed), "cpu")
 
 
 @functools.lru_cache(maxsize=16)
@@ -61,31 +53,17 @@ def _rotary(shape, seq_len: int, device: str):
     return shape_rotary(shape, seq_len, torch.device(device))
 
 
-class BlockPipe(Block):
-    """Block `index` of the plain model, taking and returning the hidden state alone."""
+class PipeBlock(PipeLayer):
+    """A PipeLayer holding one block: what activation_checkpoint_interval checkpoints. Its rotary
+    tables are made once per sequence length and device, and cast to the activation's dtype once
+    per forward (each block is a forward of its own here, so the plain model's per-forward tables
+    would be made, and kept for backward, once per block)."""
 
-    def __init__(self, shape, seed: int, index: int, attention: str, rmsnorm_kind: str, selective: bool):
-        with torch.device("meta"):
-            super().__init__(shape, attention, rmsnorm_kind)
-        _load_reference(self, shape, seed, f"layers.{index}.")
-        self.attention.recompute_core = selective
-        self.shape = shape
+    def rotary(self, seq_len: int, device):
+        return _rotary(self.shape, seq_len, str(device))
 
-    def forward(self, h):
-        cos, sin = _rotary(self.shape, h.shape[1], str(h.device))
-        return super().forward(h, cos.to(h.dtype), sin.to(h.dtype))
-
-
-class HeadPipe(nn.Module):
-    def __init__(self, shape, seed: int, rmsnorm_kind: str):
-        super().__init__()
-        with torch.device("meta"):
-            self.norm = RMSNorm(shape.hidden, shape.norm_eps, kernel=rmsnorm_kind)
-            self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
-        _load_reference(self, shape, seed, "")
-
-    def forward(self, h):
-        return self.output(self.norm(h))
+    def run_layers(self, h, cos, sin):
+        return super().run_layers(h, cos.to(h.dtype), sin.to(h.dtype))
 
 
 def _pipeline_module(layers, num_stages: int, parts: list[int], **kwargs):
@@ -121,11 +99,9 @@ def layer_boundaries(shape, pp: int, seq_len: int) -> list[int]:
     return [0] + [r.start + 1 for r in ranges[1:]] + [shape.layers + 2]
 
 
-def plain_name(name: str, layers: int) -> str:
-    """PipelineModule's '<layer index>.<name>' as the plain Llama's parameter name."""
-    index, rest = name.split(".", 1)
-    index = int(index)
-    return f"layers.{index - 1}.{rest}" if 1 <= index <= layers else rest
+def plain_name(name: str) -> str:
+    """PipelineModule's '<layer index>.<name>' as the plain Llama's parameter name (<name>)."""
+    return name.split(".", 1)[1]
 
 
 class DeepSpeedPipelineEngine(DeepSpeedBase):
@@ -136,14 +112,15 @@ class DeepSpeedPipelineEngine(DeepSpeedBase):
 
         w, lay = spec.workload, spec.layout
         ckpt = lay.activation_checkpointing
-        layers = [LayerSpec(EmbeddingPipe, shape, w.seed)]
-        layers += [LayerSpec(BlockPipe, shape, w.seed, i, lay.attention, lay.rmsnorm, ckpt == "selective")
+        args = (shape, w.seed, lay.attention, lay.rmsnorm, "selective" if ckpt == "selective" else "none")
+        layers = [LayerSpec(PipeLayer, *args, layers=range(0), last=False)]
+        layers += [LayerSpec(PipeBlock, *args, layers=range(i, i + 1), first=False, last=False)
                    for i in range(shape.layers)]
-        layers.append(LayerSpec(HeadPipe, shape, w.seed, lay.rmsnorm))
+        layers.append(LayerSpec(PipeLayer, *args, layers=range(0), first=False))
         self.parts = layer_boundaries(shape, lay.pp, w.seq_len)
         kwargs = {}
         if ckpt == "full":
-            kwargs = {"activation_checkpoint_interval": 1, "checkpointable_layers": [BlockPipe.__name__]}
+            kwargs = {"activation_checkpoint_interval": 1, "checkpointable_layers": [PipeBlock.__name__]}
         module = _pipeline_module(layers, lay.pp, self.parts, loss_fn=lm_loss, **kwargs)
         if self.stage == 0:
             _count_every_stage_in_clipping(module)
@@ -163,8 +140,7 @@ class DeepSpeedPipelineEngine(DeepSpeedBase):
 
     def full_state_dict(self):
         """fp32 master weights of every stage on global rank 0 (None elsewhere); collective."""
-        layers = self.shape.layers
-        mine = {plain_name(n, layers): fp32_copy(p) for n, p in self.engine.module.named_parameters()}
+        mine = {plain_name(n): fp32_copy(p) for n, p in self.engine.module.named_parameters()}
         return gather_on_rank0(mine if self.dp_rank == 0 else None)
 
     def describe(self) -> dict:

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from harness import measure
 from harness.data.source import dp_slice
 from harness.frameworks import ONLY_DEEPSPEED, ONLY_OWN, tied_across_stages
+from harness.model.kernels import Kernels
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.training import dtype_name, make_adamw, precision_policy
 from harness.parallel_dims import ParallelDims
@@ -108,7 +109,8 @@ _WRAPPED = "_checkpoint_wrapped_module."
 class FSDPEngine:
     name = "fsdp"
 
-    def __init__(self, spec, shape, ctx):
+    def __init__(self, spec, shape, ctx, kernels: Kernels | None = None):
+        """kernels: the attention and RMSNorm functions (default: those the layout names)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if ctx.backend is None:
@@ -130,15 +132,16 @@ class FSDPEngine:
         ckpt = lay.activation_checkpointing
         # Built on the meta device and sharded before any memory is allocated, so no rank ever
         # holds the whole model on the device.
-        with torch.device("meta"):
-            model = Llama(shape, lay.attention, lay.rmsnorm, "selective" if ckpt == "selective" else "none")
+        build = {"kernels": kernels or Kernels.of(lay.attention, lay.rmsnorm),
+                 "checkpointing": "selective" if ckpt == "selective" else "none"}
         self.pipeline = None
-        if lay.pp > 1:
-            from harness.frameworks.native_pipeline import split_model
+        with torch.device("meta"):
+            if lay.pp > 1:
+                from harness.frameworks.native_pipeline import split_model
 
-            self.parts, plans = split_model(model, spec, self.coord.pp)
-        else:
-            self.parts, plans = [model], None
+                self.parts, plans = split_model(spec, shape, self.coord.pp, **build)
+            else:
+                self.parts, plans = [Llama(shape, **build)], None
         reference = ReferenceWeights(shape, w.seed)
         for part in self.parts:
             self._parallelize(part)
@@ -164,10 +167,9 @@ class FSDPEngine:
             from harness.frameworks.native_tp import apply_tensor_parallel
 
             apply_tensor_parallel(part, self.mesh["tp"], lay.sequence_parallel)
-            if isinstance(part, Llama) and part.shape.tie_embeddings:
-                # the plan made the embedding (RowwiseParallel) and the head (ColwiseParallel) two
-                # DTensors, both Shard(0) over the vocabulary: the same rows, so share one again
-                part.tie_weights()
+            # with tied embeddings the plan made the embedding (RowwiseParallel) and the head
+            # (ColwiseParallel) two DTensors, both Shard(0) over the vocabulary: the same rows, so share one again
+            part.tie_weights()
         if lay.activation_checkpointing == "full":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 CheckpointImpl,

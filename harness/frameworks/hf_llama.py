@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.model.llama import reference_state_dict
+from harness.model.llama import reference_state_dict, tie_embeddings
 from harness.model.presets import Shape, shape_to_config
 
 _LAYER = {
@@ -72,8 +72,7 @@ def build_hf_llama(shape: Shape, seed: int, attention: str, device="cpu") -> HFL
     with torch.device("meta"):
         hf = LlamaForCausalLM(cfg)
     hf = hf.to_empty(device=device)
-    if shape.tie_embeddings:  # to_empty made lm_head a Parameter of its own: share it again
-        hf.lm_head.weight = hf.model.embed_tokens.weight
+    tie_embeddings(shape, hf.model.embed_tokens, hf.lm_head)  # to_empty made lm_head a Parameter of its own
     ref = reference_state_dict(shape, seed)
     state = {to_hf_name(k): v for k, v in ref.items()}
     missing, unexpected = hf.load_state_dict(state, strict=False)

@@ -1,11 +1,12 @@
 """Pipeline parallelism for engine fsdp: torch.distributed.pipelining stages and schedules.
 
-The plain model (harness/model/llama.py) is cut into stage modules built from its own pieces:
+A stage is the plain model (harness/model/llama.py) holding only its pieces, torchtitan's way:
 the blocks of a contiguous layer range (harness.engine.partition.rank_chunks, the same split as
-the own engine), the embedding on the first stage, the final norm and LM head on the last. Their
-parameter names are the plain Llama's ("layers.3.attention.wq.weight"), so weights load and
-gather by name. A rank holds one stage (gpipe, 1f1b) or virtual_stages of them (interleaved:
-global stage c * pp + pp_rank, as Megatron and torch's ScheduleInterleaved1F1B place them).
+the own engine), the embedding on the first stage, the final norm and LM head on the last, the
+rest None; its forward is the plain model's. Parameter names are the plain Llama's
+("layers.3.attention.wq.weight"), so weights load and gather by name. A rank holds one stage
+(gpipe, 1f1b) or virtual_stages of them (interleaved: global stage c * pp + pp_rank, as Megatron
+and torch's ScheduleInterleaved1F1B place them).
 
 Each stage's input and output shapes are given to PipelineStage up front (static metadata:
 no inference forward/backward on the first step): tokens [mbs, seq] into the first stage,
@@ -27,34 +28,11 @@ Loss: loss_fn is lm_loss / micro_batches with scale_grads=False, the reference's
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from harness.engine.partition import rank_chunks
-from harness.model.llama import lm_loss, shape_rotary
+from harness.model.llama import Llama, lm_loss
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
-
-
-class StageModule(nn.Module):
-    """One pipeline stage: some of the plain model's modules, unchanged, under their own names."""
-
-    def __init__(self, model, layers: range, first: bool, last: bool, seq_len: int):
-        super().__init__()
-        shape = model.shape
-        self.tok_embeddings = model.tok_embeddings if first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
-        self.norm = model.norm if last else None
-        self.output = model.output if last else None
-        # the whole sequence's rotary tables: under sequence parallelism a stage's input holds
-        # only seq / tp positions, but attention runs on the gathered sequence
-        self.seq_len, self.shape = seq_len, shape
-
-    def forward(self, x):
-        cos, sin = shape_rotary(self.shape, self.seq_len, x.device)
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h)) if self.output is not None else h
 
 
 def _rank_plans(spec, shape, pp_rank: int):
@@ -70,11 +48,14 @@ def stage_table(spec, shape) -> list[dict]:
     return sorted(rows, key=lambda row: row["stage"])
 
 
-def split_model(model, spec, pp_rank: int):
-    """This pp rank's stage modules and their plans (global stage index, layers, first/last);
-    the plain model's modules are shared, not copied (the model is on the meta device here)."""
-    plans = _rank_plans(spec, model.shape, pp_rank)
-    modules = [StageModule(model, p.layers, p.first, p.last, spec.workload.seq_len) for p in plans]
+def split_model(spec, shape, pp_rank: int, **build):
+    """This pp rank's stage models (Llama(shape, **build) holding the stage's pieces) and their
+    plans (global stage index, layers, first/last). Each stage's rotary tables cover the whole
+    sequence: under sequence parallelism its input holds seq / tp positions, but attention runs
+    on the gathered sequence."""
+    plans = _rank_plans(spec, shape, pp_rank)
+    modules = [Llama(shape, layers=p.layers, first=p.first, last=p.last, seq_len=spec.workload.seq_len, **build)
+               for p in plans]
     return modules, plans
 
 

@@ -69,6 +69,7 @@ from torch.utils._pytree import tree_leaves
 
 from harness.errors import SpecError
 from harness.measure import SavedActivations, _local, storage_identity, tensor_census
+from harness.model.kernels import Kernels
 from harness.parallel_dims import ParallelDims
 
 GIB = 1024 ** 3
@@ -173,6 +174,13 @@ def traced_attention(kernel: str) -> str:
     return "sdpa_flash" if kernel in FLASH_STYLE else kernel
 
 
+def traced_kernels(lay) -> Kernels:
+    """The kernels the traced engine is built with (its build-time seam): the layout's, with
+    fused RMSNorm replaced by _fused_rmsnorm (attention is substituted in the spec: traced_spec)."""
+    kernels = Kernels.of(lay.attention, lay.rmsnorm)
+    return dataclasses.replace(kernels, rmsnorm=_fused_rmsnorm) if lay.rmsnorm == "fused" else kernels
+
+
 def _fused_rmsnorm(x, weight, eps):
     """_FusedRMSNorm on plain tensors, or on the local shards of DTensors (engine fsdp's norms
     under TP: the kernel runs on what the rank holds; the output keeps the input's placements)."""
@@ -206,19 +214,10 @@ def _target_behaviour(to_empty=_assigning_to_empty):
     from unittest import mock
 
     import harness.engine.engine as engine_module
-    import harness.engine.model as model_module
     import harness.frameworks.fsdp as fsdp_module
-    import harness.model.llama as llama_module
 
-    plain_rmsnorm, plain_adamw = model_module.rmsnorm, engine_module.make_adamw
-    plain_llama_rmsnorm, plain_fsdp_adamw = llama_module.rmsnorm, fsdp_module.make_adamw
+    plain_adamw, plain_fsdp_adamw = engine_module.make_adamw, fsdp_module.make_adamw
     plain_batch = dist.batch_isend_irecv
-
-    def rmsnorm(kind, x, weight, eps):
-        return _FusedRMSNorm.apply(x, weight, eps) if kind == "fused" else plain_rmsnorm(kind, x, weight, eps)
-
-    def llama_rmsnorm(kind, x, weight, eps):  # the plain model's (engine fsdp)
-        return _fused_rmsnorm(x, weight, eps) if kind == "fused" else plain_llama_rmsnorm(kind, x, weight, eps)
 
     def make_adamw(params, workload, **kw):
         return plain_adamw(params, workload, **{**kw, "fused": True})
@@ -232,9 +231,7 @@ def _target_behaviour(to_empty=_assigning_to_empty):
             w.wait()
         return works[:1]
 
-    with mock.patch.object(model_module, "rmsnorm", rmsnorm), \
-            mock.patch.object(llama_module, "rmsnorm", llama_rmsnorm), \
-            mock.patch.object(torch.nn.Module, "to_empty", to_empty), \
+    with mock.patch.object(torch.nn.Module, "to_empty", to_empty), \
             mock.patch.object(engine_module, "make_adamw", make_adamw), \
             mock.patch.object(fsdp_module, "make_adamw", fsdp_make_adamw), \
             mock.patch.object(dist, "batch_isend_irecv", batch_isend_irecv):
@@ -388,6 +385,7 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
 
     dims = ParallelDims.of(spec.layout)
     run_spec, m, m_run = traced_spec(spec, dims.coord(rank).pp, full_micro)
+    lay = run_spec.layout
     world = dims.world
     t0 = time.perf_counter()
     cached = set(Mesh._cache)
@@ -400,7 +398,7 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
         Mesh.get(dims, rank, True)  # the process groups, outside fake mode
         live = LiveTensors()
         with FakeTensorMode(), _target_behaviour(), live, contextlib.redirect_stderr(io.StringIO()):
-            eng = Engine3D(run_spec, shape, ctx)
+            eng = Engine3D(run_spec, shape, ctx, kernels=traced_kernels(lay))
             eng.census.result = {}  # its census keys storages by address, which fake ones lack: ours below
             _create_optimizer_states(eng.optimizer)
             census: dict = {}
@@ -504,6 +502,7 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
 
     dims = ParallelDims.of(spec.layout)
     run_spec, m, m_run = traced_spec(spec, dims.coord(rank).pp, full_micro)
+    lay = run_spec.layout
     world = dims.world
     t0 = time.perf_counter()
     with _fake_world(rank, world, _clear_dtensor_caches) as ctx:
@@ -518,7 +517,7 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
         with _target_behaviour(to_empty), contextlib.redirect_stderr(io.StringIO()), live.counting_resizes(), \
                 _static_pipeline_warmup(), \
                 mock.patch.object(fsdp_module, "_load_reference_shards", lambda module, reference: None):
-            eng = fsdp_module.FSDPEngine(run_spec, shape, ctx)
+            eng = fsdp_module.FSDPEngine(run_spec, shape, ctx, kernels=traced_kernels(lay))
             eng.census.result = {}  # its census keys storages by address, which fake ones lack: ours below
             with fake, live:
                 _create_optimizer_states(eng.optimizer)

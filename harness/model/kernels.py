@@ -11,12 +11,18 @@ all heads) and apply the causal mask.
 when flash-attn is installed and the tensor is on CUDA; otherwise the RMSNorm function
 compiled by torch.compile (Inductor emits one fused Triton kernel on GPU, one C++ loop on CPU).
 `rmsnorm_backend_name` says which was used, and the run record keeps it.
+
+A model takes its kernels when it is built (`Kernels`): the layout's choice by default, or a
+stand-in given by whoever builds it (harness memory's fused RMSNorm with the kernel's memory on
+fake tensors), never swapped inside the modules afterwards.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -102,14 +108,37 @@ def rmsnorm_backend_name(name: str, device_type: str) -> str:
     return "torch.compile (Inductor)"
 
 
-def rmsnorm(name: str, x, weight, eps: float):
-    if name == "torch":
-        return rmsnorm_torch(x, weight, eps)
+def rmsnorm_fused(x, weight, eps: float):
     if x.is_cuda:
         fn = _flash_attn_rmsnorm()
         if fn is not None:
             return fn(x, weight, None, eps=eps)
     return _compiled_rmsnorm()(x, weight, eps)
+
+
+def rmsnorm_fn(name: str):
+    """The RMSNorm function (x, weight, eps) -> normalised x that layout.rmsnorm names."""
+    return {"torch": rmsnorm_torch, "fused": rmsnorm_fused}[name]
+
+
+# ---------------------------------------------------------------- the seam
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The functions a model computes attention and RMSNorm with, fixed at build time.
+
+    attention(q, k, v) on [batch, heads, seq, head_dim], k and v expanded, causal;
+    rmsnorm(x, weight, eps). `Kernels.of` gives the layout's; a builder may pass others
+    (dataclasses.replace) to substitute one without touching the model's code.
+    """
+
+    attention: Callable
+    rmsnorm: Callable
+
+    @classmethod
+    def of(cls, attention: str, rmsnorm: str) -> Kernels:
+        return cls(attention_fn(attention), rmsnorm_fn(rmsnorm))
 
 
 # ---------------------------------------------------------------- availability
@@ -133,7 +162,7 @@ def check_kernels(attention: str, rmsnorm_kind: str, device: torch.device, dtype
     try:
         x = torch.randn(4, 32, device=device, dtype=dtype, requires_grad=True)
         w = torch.ones(32, device=device, dtype=dtype, requires_grad=True)
-        rmsnorm(rmsnorm_kind, x, w, 1e-5).sum().backward()
+        rmsnorm_fn(rmsnorm_kind)(x, w, 1e-5).sum().backward()
     except Exception as e:
         raise SpecError("layout.rmsnorm", f"{rmsnorm_kind} cannot run on {device.type}: "
                                           f"{str(e).splitlines()[0][:160]}") from None

@@ -3,9 +3,11 @@
 RMSNorm, rotary embeddings (transformers' rotate-half convention, so HF weights load as is;
 Llama 3.1 rope scaling), SwiGLU MLP, grouped-query attention with optional q/k/v/o biases,
 embedding and LM head untied or tied (the Shape says which, as config.json does). FSDP2 and DeepSpeed shard
-this very module from outside (harness/frameworks); the own engine mirrors it block for block
-(harness/engine/model.py: the same parameter names, this file's attention core, kernels and
-rotary tables), so every engine starts from the same reference weights (reference_tensor).
+this very module from outside (harness/frameworks), and a pipeline stage is this model holding only
+some of its pieces (Llama's layers/first/last, torchtitan's way). The own engine's Megatron-layout
+blocks (harness/engine/model.py) reuse its modules and functions (RMSNorm, FeedForward, attend,
+lm_loss, tie_embeddings, the rotary tables) under the same parameter names, so every engine starts
+from the same reference weights (reference_tensor) and computes the same math.
 """
 
 from __future__ import annotations
@@ -19,19 +21,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from harness.model.kernels import attention_fn, rmsnorm
+from harness.model.kernels import Kernels, rmsnorm_torch
 from harness.model.presets import Shape
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, kernel: str = "torch"):
+    def __init__(self, dim: int, eps: float = 1e-5, kernel=rmsnorm_torch):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.kernel = kernel
 
     def forward(self, x):
-        return rmsnorm(self.kernel, x, self.weight, self.eps)
+        return self.kernel(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device, scaling: tuple | None = None):
@@ -52,18 +54,25 @@ def rope_inv_freq(head_dim: int, theta: float, device, scaling: tuple | None = N
     return torch.where(medium, smoothed, scaled)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device, offset: int = 0, scaling: tuple | None = None):
-    """cos and sin, [seq, head_dim], for positions offset..offset+seq_len-1 (fp32)."""
-    inv_freq = rope_inv_freq(head_dim, theta, device, scaling)
-    pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(pos, inv_freq)
+def token_positions(seq_len: int, device) -> torch.Tensor:
+    """The positions (fp32) of the tokens a rank computes attention over: today always the whole
+    sequence, 0 .. seq_len-1. Every engine's rotary tables come from here, so a rank holding a shard
+    of the sequence (context parallelism) names its positions in this one place."""
+    return torch.arange(0, seq_len, device=device, dtype=torch.float32)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling: tuple | None = None):
+    """cos and sin, [len(positions), head_dim] (fp32)."""
+    inv_freq = rope_inv_freq(head_dim, theta, positions.device, scaling)
+    freqs = torch.outer(positions, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
 
-def shape_rotary(shape: Shape, seq_len: int, device, offset: int = 0):
+def shape_rotary(shape: Shape, seq_len: int, device):
     """The model's rotary tables (theta and rope scaling from the shape): what every engine uses."""
-    return rotary_tables(seq_len, shape.hidden // shape.heads, shape.rope_theta, device, offset, shape.rope_scaling)
+    positions = token_positions(seq_len, device)
+    return rotary_tables(positions, shape.hidden // shape.heads, shape.rope_theta, shape.rope_scaling)
 
 
 def _rotate_half(x):
@@ -76,18 +85,28 @@ def apply_rotary(x, cos, sin):
     return (x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype))
 
 
-def attention_core(q, k, v, kernel: str):
+def attention_core(q, k, v, kernel):
     """softmax(QKᵀ)V on [batch, heads, seq, head_dim], K/V heads repeated for grouped-query
     attention: the part selective checkpointing recomputes (Korthikanti et al. 2022)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return attention_fn(kernel)(q, k, v)
+    return kernel(q, k, v)
+
+
+def attend(q, k, v, cos, sin, kernel, recompute: bool = False):
+    """Rotary on q and k, then the attention core, [batch, heads, seq, head_dim] in and out, whatever
+    the caller's activation layout. recompute: selective checkpointing (the core runs again in
+    backward instead of keeping its intermediates)."""
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(attention_core, q, k, v, kernel, use_reentrant=False)
+    return attention_core(q, k, v, kernel)
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: Shape, kernel: str = "sdpa"):
+    def __init__(self, shape: Shape, kernel):
         super().__init__()
         self.head_dim = shape.hidden // shape.heads
         bias = shape.attention_bias
@@ -98,92 +117,118 @@ class Attention(nn.Module):
         self.kernel = kernel
         self.recompute_core = False  # selective activation checkpointing
 
-    def core(self, q, k, v):
-        return attention_core(q, k, v, self.kernel)
-
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core, q, k, v, use_reentrant=False)
-        else:
-            out = self.core(q, k, v)
+        out = attend(q, k, v, cos, sin, self.kernel, self.recompute_core)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x). `ffn` is the width held (a tensor-parallel rank's slice)."""
 
-    def __init__(self, shape: Shape):
+    def __init__(self, hidden: int, ffn: int):
         super().__init__()
-        self.w1 = nn.Linear(shape.hidden, shape.ffn, bias=False)
-        self.w3 = nn.Linear(shape.hidden, shape.ffn, bias=False)
-        self.w2 = nn.Linear(shape.ffn, shape.hidden, bias=False)
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
-    def __init__(self, shape: Shape, attention: str, rmsnorm_kind: str):
+    def __init__(self, shape: Shape, kernels: Kernels):
         super().__init__()
-        self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernel=rmsnorm_kind)
-        self.attention = Attention(shape, attention)
-        self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernel=rmsnorm_kind)
-        self.feed_forward = FeedForward(shape)
+        self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
+        self.attention = Attention(shape, kernels.attention)
+        self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
+        self.feed_forward = FeedForward(shape.hidden, shape.ffn)
 
     def forward(self, x, cos, sin):
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def tie_embeddings(shape: Shape, embedding: nn.Module | None, head: nn.Module | None) -> None:
+    """Where every engine ties the LM head to the embedding (config.json's tie_word_embeddings):
+    the head's weight becomes the embedding's Parameter, one tensor under one name
+    (tok_embeddings.weight) whose gradient is the sum of both uses. Call it again after anything
+    that gives modules new Parameters (to_empty, a DTensor plan)."""
+    if not shape.tie_embeddings:
+        return
+    if embedding is None or head is None:
+        raise ValueError("tied embeddings need the embedding and the LM head in one module "
+                         "(one pipeline stage or model chunk: pp=1, virtual_stages=1)")
+    head.weight = embedding.weight
+
+
+def _checkpoint(function, *args):
+    return checkpoint(function, *args, use_reentrant=False)
+
+
 class Llama(nn.Module):
+    """The model, or one pipeline stage of it (torchtitan's way): the blocks of `layers` (global
+    indices; all by default) in a ModuleDict keyed by index, so names stay layers.<i>...; the
+    embedding only when `first`, the final norm and LM head only when `last`, else None, and
+    forward skips what is None. forward takes tokens [batch, seq] (hidden [batch, seq, hidden]
+    without the embedding) and returns logits (hidden without the head).
+
+    kernels: the attention and RMSNorm functions (default: those `attention` and `rmsnorm_kind`
+    name). seq_len: the sequence the attention runs over when the input holds only part of it
+    (a pipeline stage's input under sequence parallelism holds seq/tp positions); None: the input's.
+    """
+
     def __init__(self, shape: Shape, attention: str = "sdpa", rmsnorm_kind: str = "torch",
-                 checkpointing: str = "none"):
+                 checkpointing: str = "none", *, kernels: Kernels | None = None, layers: range | None = None,
+                 first: bool = True, last: bool = True, seq_len: int | None = None):
         super().__init__()
-        self.shape = shape
-        self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden)
-        self.layers = nn.ModuleList(Block(shape, attention, rmsnorm_kind) for _ in range(shape.layers))
-        self.norm = RMSNorm(shape.hidden, shape.norm_eps, kernel=rmsnorm_kind)
-        self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        kernels = kernels or Kernels.of(attention, rmsnorm_kind)
+        self.shape, self.seq_len = shape, seq_len
+        self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden) if first else None
+        held = range(shape.layers) if layers is None else layers
+        self.layers = nn.ModuleDict({str(i): Block(shape, kernels) for i in held})
+        self.norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm) if last else None
+        self.output = nn.Linear(shape.hidden, shape.vocab, bias=False) if last else None
         self.tie_weights()
         self.set_checkpointing(checkpointing)
 
     def tie_weights(self) -> None:
-        """With tied embeddings the LM head is the embedding's Parameter (one tensor, one name:
-        tok_embeddings.weight). Call again after to_empty, which makes a new Parameter per module."""
-        if self.shape.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        tie_embeddings(self.shape, self.tok_embeddings, self.output)
 
-    def set_checkpointing(self, mode: str) -> None:
-        self.checkpointing = mode
-        for layer in self.layers:
+    def set_checkpointing(self, mode: str, checkpoint_fn=_checkpoint) -> None:
+        """`full` runs each block through checkpoint_fn(block, h, cos, sin) (torch's non-reentrant
+        checkpoint unless an engine brings its own); `selective` recomputes the attention core."""
+        self.checkpointing, self.checkpoint_fn = mode, checkpoint_fn
+        for layer in self.layers.values():
             layer.attention.recompute_core = mode == "selective"
 
     def rotary(self, seq_len: int, device):
         return shape_rotary(self.shape, seq_len, device)
 
     def run_layers(self, h, cos, sin):
-        for layer in self.layers:
+        for layer in self.layers.values():
             if self.checkpointing == "full" and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = self.checkpoint_fn(layer, h, cos, sin)
             else:
                 h = layer(h, cos, sin)
         return h
 
-    def forward(self, tokens):
-        """tokens [batch, seq] -> logits [batch, seq, vocab]."""
-        cos, sin = self.rotary(tokens.shape[1], tokens.device)
-        h = self.run_layers(self.tok_embeddings(tokens), cos, sin)
-        return self.output(self.norm(h))
+    def forward(self, x):
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        if len(self.layers):
+            cos, sin = self.rotary(self.seq_len or x.shape[1], x.device)
+            h = self.run_layers(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
 
-def lm_loss(logits, targets):
-    """Mean next-token cross-entropy over every token, computed in fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def lm_loss(logits, targets, reduction: str = "mean"):
+    """Next-token cross-entropy computed in fp32: the mean over every token, or per token ("none")."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
 
 
 @functools.lru_cache(maxsize=8)
@@ -232,14 +277,20 @@ def reference_state_dict(shape: Shape, seed: int) -> dict[str, torch.Tensor]:
     return dict(ReferenceWeights(shape, seed).items())
 
 
-def build_model(shape: Shape, seed: int, attention: str = "sdpa", rmsnorm_kind: str = "torch",
-                checkpointing: str = "none", device="cpu") -> Llama:
-    with torch.device("meta"):
-        model = Llama(shape, attention, rmsnorm_kind, checkpointing)
+def load_reference(model: Llama, reference: Mapping[str, torch.Tensor], device) -> Llama:
+    """Allocate a model (or stage) built on the meta device and fill it with `reference` (the
+    initial weights by plain name: ReferenceWeights, or all of them at once); the head is tied
+    again (to_empty makes a new Parameter per module)."""
     model = model.to_empty(device=device)
     model.tie_weights()
-    state = reference_state_dict(shape, seed)
-    if shape.tie_embeddings:  # state_dict() names the shared tensor under both modules
-        state["output.weight"] = state["tok_embeddings.weight"]
-    model.load_state_dict(state)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(reference[name])
     return model
+
+
+def build_model(shape: Shape, seed: int, attention: str = "sdpa", rmsnorm_kind: str = "torch",
+                checkpointing: str = "none", device="cpu", kernels: Kernels | None = None) -> Llama:
+    with torch.device("meta"):
+        model = Llama(shape, attention, rmsnorm_kind, checkpointing, kernels=kernels)
+    return load_reference(model, reference_state_dict(shape, seed), device)
