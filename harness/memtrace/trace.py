@@ -128,11 +128,12 @@ class LiveTensors(TorchDispatchMode):
     def counting_resizes(self):
         """While open, UntypedStorage.resize_ reports to resized().
 
-        The one override of a torch internal here, for want of a public mechanism: FSDP2 frees and
-        re-allocates each gathered parameter by resizing its storage in place (_fsdp_param.py,
-        free_storage / alloc_storage), which is no operator on a tensor: __torch_dispatch__ and
-        __torch_function__ do not see it, and torch has no storage allocation callback on CPU.
-        The class's method is swapped while the trace runs and restored on the way out."""
+        One of the trace's two overrides of torch (the other: _static_shapes_without_vote), for
+        want of a public mechanism: FSDP2 frees and re-allocates each gathered parameter by
+        resizing its storage in place (_fsdp_param.py, free_storage / alloc_storage), which is no
+        operator on a tensor (__torch_dispatch__ and __torch_function__ do not see it), and a fake
+        storage allocates nothing that an allocator or the profiler could see. The class's method
+        is swapped while the trace runs and restored on the way out."""
         plain = torch._C.StorageBase.resize_
 
         def resize_(storage, size):
@@ -471,9 +472,10 @@ def _static_shapes_without_vote(schedule) -> None:
     every PipelineStage its input and output shapes up front (native_pipeline.py), so the vote of
     a real run is static: set, without the vote (its 2-rank warm-up transfers carry no memory).
 
-    The one override of torch's pipelining here, for want of a public mechanism: the vote runs in
-    the schedule's private _warmup_p2p at every first step, no schedule or stage argument skips
-    it, and the stage's mode it sets is private too. Overridden on this schedule object only."""
+    One of the trace's two overrides of torch (the other: LiveTensors.counting_resizes), for want
+    of a public mechanism: the vote runs in the schedule's private _warmup_p2p at every first
+    step, no schedule or stage argument skips it, and the stage's mode it sets is private too.
+    Overridden on this schedule object only."""
     from torch.distributed.pipelining._utils import InferenceMode
 
     def warmup(stages, has_backward, p2p_done):

@@ -1,5 +1,6 @@
-"""What every engine shares around the model: the optimizer, the precision policy, and the
-mixed-precision bookkeeping of the single-device reference.
+"""What every engine shares around the model: the optimizer, the precision policy, the
+mixed-precision bookkeeping of the single-device reference, and the seams an engine's build
+offers a caller that is not a real run (BuildOptions, StepHooks: harness memory).
 
 Kept below the engines and adapters so that the reference, the own engine, DeepSpeed and FSDP2
 take the same AdamW and the same precision policy from the workload, from one definition.
@@ -83,10 +84,11 @@ class BuildOptions:
     builds engines on fake tensors (harness/memtrace). The defaults are a real run's."""
 
     make_optimizer: Callable = make_adamw   # (params, workload, fused=...) -> the optimizer
-    materialize: Callable | None = None     # (module, device): allocate a meta module; None: module.to_empty
-    batch_isend_irecv: Callable | None = None  # posts a group of transfers; None: torch.distributed's
-    load_weights: bool = True               # copy the reference weights in (values only: a trace skips it)
+    batch_isend_irecv: Callable | None = None  # own engine: posts a transfer group; None: torch.distributed's
     hooks: StepHooks = field(default_factory=StepHooks)
+    # engine fsdp (the own engine allocates and loads its chunks in harness.engine.model.build_chunks):
+    materialize: Callable | None = None     # (module, device): allocates a meta module; None: module.to_empty
+    load_weights: bool = True               # copy the reference weights in (values only: a trace skips it)
 
     def allocate(self, module, device):
         """The meta `module` with its parameters and buffers allocated on `device`."""
