@@ -48,7 +48,7 @@ def test_own_engine_tells_its_phases_and_takes_the_optimizer_factory():
 
     hooks = Recorder()
     ctx = RunContext(0, 1, 0, torch.device("cpu"), None)
-    eng = Engine3D(spec, shape, ctx, BuildOptions(make_optimizer=factory, hooks=hooks))
+    eng = Engine3D(spec, shape, ctx, options=BuildOptions(make_optimizer=factory, hooks=hooks))
     assert made == [{"fused": False}]
     batch = E.batches(spec, shape, 1)[0]
     loss = eng.train_step(batch)

@@ -58,7 +58,7 @@ def _ranks_per_node(ctx) -> int:
 class Engine3D:
     name = "own"
 
-    def __init__(self, spec, shape, ctx, options: BuildOptions | None = None):
+    def __init__(self, spec, shape, ctx, *, options: BuildOptions | None = None):
         w, lay = spec.workload, spec.layout
         options = options or BuildOptions()
         self.spec, self.shape, self.device = spec, shape, ctx.device

@@ -71,7 +71,7 @@ _WRAPPED = "_checkpoint_wrapped_module."
 class FSDPEngine:
     name = "fsdp"
 
-    def __init__(self, spec, shape, ctx, options: BuildOptions | None = None):
+    def __init__(self, spec, shape, ctx, *, options: BuildOptions | None = None):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if ctx.backend is None:

@@ -451,7 +451,7 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
         with FakeTensorMode(allow_non_fake_inputs=True), _target_behaviour(), live, \
                 contextlib.redirect_stderr(io.StringIO()):
             with _MetaStaysReal():
-                eng = Engine3D(run_spec, shape, ctx, _traced_options(phases))
+                eng = Engine3D(run_spec, shape, ctx, options=_traced_options(phases))
             eng.census.result = {}  # its census keys storages by address, which fake ones lack: ours below
             _create_optimizer_states(eng.optimizer)
             census = _census_at_step(eng.optimizer, eng.census.tensors)
@@ -515,7 +515,7 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
                 return module.to_empty(device=device)
 
         with _target_behaviour(), contextlib.redirect_stderr(io.StringIO()), live.counting_resizes():
-            eng = FSDPEngine(run_spec, shape, ctx, _traced_options(phases, materialize))
+            eng = FSDPEngine(run_spec, shape, ctx, options=_traced_options(phases, materialize))
             if eng.pipeline is not None:
                 _static_shapes_without_vote(eng.pipeline.schedule)
             eng.census.result = {}  # its census keys storages by address, which fake ones lack: ours below
