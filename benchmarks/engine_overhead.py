@@ -51,7 +51,7 @@ def main() -> None:
         batch = src.global_batch_at(step)
         for name, eng in (("own", own), ("single", single)) if step % 2 else (("single", single), ("own", own)):
             t0 = time.perf_counter()
-            loss = eng.train_step(batch)
+            loss = float(eng.train_step(batch))
             dt = time.perf_counter() - t0
             if step >= args.warmup:
                 times[name].append(dt)

@@ -58,7 +58,7 @@ def _bench(ctx, a: dict, engines_of_layout: dict) -> dict:
         for name, engine in engines.items():
             dist.barrier()
             t0 = time.perf_counter()
-            losses[name].append(engine.train_step(batch))
+            losses[name].append(float(engine.train_step(batch)))
             if step >= a["warmup"]:
                 times[name].append(time.perf_counter() - t0)
     out = {}

@@ -140,13 +140,14 @@ class Trainer:
         self.activations_saved_bytes: int | None = None
 
     def _train_step(self, step: int, batch) -> float:
-        """The engine's step; the first one also counts the activations saved for backward."""
+        """The engine's step and its loss's value; the first one also counts the activations
+        saved for backward."""
         if step or not hasattr(self.engine, "activation_exclusions"):
-            return self.engine.train_step(batch)
+            return float(self.engine.train_step(batch))
         with measure.SavedActivations(self.engine.activation_exclusions()) as saved:
             loss = self.engine.train_step(batch)
         self.activations_saved_bytes = saved.bytes // self.micro  # per micro-batch
-        return loss
+        return float(loss)
 
     def step(self, step: int) -> float:
         w = self.spec.workload

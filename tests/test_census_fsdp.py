@@ -69,8 +69,8 @@ def _train(engine, spec) -> dict:
 
     source = token_source(spec.workload, spec.shape().vocab)
     with measure.SavedActivations(engine.activation_exclusions()) as saved:
-        losses = [engine.train_step(source.global_batch_at(0))]
-    losses += [engine.train_step(source.global_batch_at(step)) for step in range(1, STEPS)]
+        losses = [float(engine.train_step(source.global_batch_at(0)))]
+    losses += [float(engine.train_step(source.global_batch_at(step))) for step in range(1, STEPS)]
     return {"losses": losses, "census": engine.memory_census(), "describe": engine.describe(),
             "activations": saved.bytes // micro_batches_per_step(spec)}
 

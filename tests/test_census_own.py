@@ -3,7 +3,7 @@
 Two gloo ranks, tiny LLaMA, one launch for every case. P is the rank's parameter count (at
 dp=2 with tp=pp=1, the whole model's), d = 2. One DP bucket here (the default 25 MB), padded to
 a multiple of d, so "P" below is P rounded up to even (padding: under 3%, here one element at
-most). The forms follow harness/engine/data_parallel.py (Bucket, GradSync):
+most). The forms follow harness/engine/data_parallel.py (Bucket, ModelStates):
 
   parameters         param_flat, in the compute dtype
   gradients          grad_flat (grad_accum dtype); under ZeRO-1 shard_grad (grad_reduce dtype,
@@ -80,8 +80,8 @@ def _censuses(ctx, cases):
         with SavedActivations([]) as everything:
             eng.train_step(src.global_batch_at(1))
         out.append({"census": eng.memory_census(), "numel": sum(p.numel() for p in eng.params),
-                    "padded": sum(b.padded for b in eng.grads.buckets),
-                    "param_bytes": sum(b.param_flat.untyped_storage().nbytes() for b in eng.grads.buckets),
+                    "padded": sum(b.padded for b in eng.model_states.buckets),
+                    "param_bytes": sum(b.param_flat.untyped_storage().nbytes() for b in eng.model_states.buckets),
                     "saved": (excluded.bytes, everything.bytes)})
         del eng
     return out

@@ -358,7 +358,7 @@ def test_own_engine_in_process_matches_the_reference(tmp_path):
     spec = make_spec(case)
     shape = spec.shape()
     eng = build(spec, shape, RunContext(0, 1, 0, torch.device("cpu"), None))
-    losses = [eng.train_step(b) for b in batches(spec, shape, 3)]
+    losses = [float(eng.train_step(b)) for b in batches(spec, shape, 3)]
     ref_losses, ref_state = reference_run({**BASE["workload"], "model": path}, 3, micro_batch_size=2)
     assert_matches_reference({"losses": losses, "state": eng.full_state_dict()}, ref_losses, ref_state, "own w1")
     assert "output.weight" not in ref_state and ref_state["layers.0.attention.wo.bias"].abs().max() > 0

@@ -102,7 +102,7 @@ def _run_in_process(cases):
         spec = E.make_spec(case)
         shape = resolve_shape(spec.workload.model, spec.workload.model_overrides)
         eng = build(spec, shape, ctx)
-        losses = [eng.train_step(b) for b in E.batches(spec, shape, 5)]
+        losses = [float(eng.train_step(b)) for b in E.batches(spec, shape, 5)]
         out.append({"case": case, "losses": losses, "state": eng.full_state_dict(),
                     "comm": eng.last_step_details()["comm"], "comm_first": eng.last_step_details()["comm"],
                     "details": eng.last_step_details(), "coord": eng.mesh.coord})

@@ -17,7 +17,7 @@ def test_engine_without_parallelism_matches_reference_in_process():
     spec = E.make_spec(case)
     shape = resolve_shape("tiny")
     eng = build(spec, shape, RunContext(0, 1, 0, torch.device("cpu"), None))
-    losses = [eng.train_step(b) for b in E.batches(spec, shape, 5)]
+    losses = [float(eng.train_step(b)) for b in E.batches(spec, shape, 5)]
     ref_losses, ref_state = E.reference(case)
     assert not mismatches({"losses": losses, "state": eng.full_state_dict()}, ref_losses, ref_state)
     d = eng.last_step_details()
@@ -39,7 +39,7 @@ def test_engine_runs_the_bf16_policy_in_process():
     eng = build(spec, shape, RunContext(0, 1, 0, torch.device("cpu"), None))
     assert {p.dtype for p in eng.params} == {torch.bfloat16}
     assert eng.describe()["precision_policy"] == precision_policy(spec.workload).describe()
-    losses = [eng.train_step(b) for b in E.batches(spec, shape, 2)]
+    losses = [float(eng.train_step(b)) for b in E.batches(spec, shape, 2)]
     ref_losses, _ = E.reference(case, steps=2)
     assert not mismatches({"losses": losses}, ref_losses, None, rtol=1e-4)
     n = param_count(shape)  # one bucket, no padding at dp=1

@@ -99,11 +99,13 @@ def test_kernels_of_the_layout():
 
 def _own_engine(kernels=None, model="tiny-4l"):
     from harness.engine.engine import Engine3D
+    from harness.model.training import BuildOptions
     from harness.runtime import RunContext
     from harness.testing.equivalence import make_spec
 
     spec = make_spec({"workload": {"model": model}, "layout": {"micro_batch_size": 2, "attention": "naive"}})
-    return spec, Engine3D(spec, spec.shape(), RunContext(0, 1, 0, torch.device("cpu"), None), kernels=kernels)
+    return spec, Engine3D(spec, spec.shape(), RunContext(0, 1, 0, torch.device("cpu"), None),
+                        options=BuildOptions(kernels=kernels))
 
 
 def test_the_own_engine_runs_the_kernels_it_is_built_with():

@@ -114,8 +114,10 @@ class Bucket:
         self.main32 = None     # the same in fp32: what the optimizer's gradients are views of
 
 
-class GradSync:
-    """Owns the flat buffers, the hooks and the DP (and SP) reductions of one rank."""
+class ModelStates:
+    """One rank's model states in flat buckets: the parameters, their main gradients, the fp32
+    masters (bf16), the views the optimizer updates, and the gradient hooks and DP (and SP)
+    reductions that fill the gradients."""
 
     def __init__(self, params: list[torch.nn.Parameter], specs: list[ParamSpec], dp: Axis, sp: Axis | None,
                  zero: bool, bucket_mb: float, device, policy: PrecisionPolicy):

@@ -7,6 +7,10 @@ all-reduce of two numbers (loss contribution, squared gradient norm contribution
 global loss and the global norm for clipping, and AdamW steps on this rank's parameters (or
 its ZeRO-1 shard of them, followed by an all-gather).
 
+Built as a real run builds it unless `options` (harness.model.training.BuildOptions) says
+otherwise: the optimizer factory, how pipeline transfer groups are posted, and the hooks the step
+tells its phases to (harness memory's labels).
+
 Precision follows the workload's policy (harness.model.training.PrecisionPolicy) Megatron's
 way, not under autocast: under bf16 the model's parameters are bf16 (so are the activations,
 the pipeline transfers and the TP collectives), the main gradients and the DP reduction are in
@@ -23,7 +27,7 @@ import torch.distributed as dist
 
 from harness.data.source import dp_slice, micro_batches
 from harness.engine.comm import Axis, CommStats, StepClock
-from harness.engine.data_parallel import GradSync
+from harness.engine.data_parallel import ModelStates
 from harness.engine.model import build_chunks
 from harness.engine.partition import rank_chunks
 from harness.engine.pipeline import PipelineExecutor
@@ -33,7 +37,7 @@ from harness.engine.topology import Mesh, format_rank_map
 from harness.measure import CensusAtStep, optimizer_state_tensors
 from harness.model.kernels import Kernels
 from harness.model.llama import reference_tensor, shape_rotary
-from harness.model.training import make_adamw, precision_policy
+from harness.model.training import BuildOptions, precision_policy
 from harness.parallel_dims import ParallelDims
 from harness.spec import micro_batches_per_step
 
@@ -55,10 +59,11 @@ def _ranks_per_node(ctx) -> int:
 class Engine3D:
     name = "own"
 
-    def __init__(self, spec, shape, ctx, kernels: Kernels | None = None):
-        """kernels: the attention and RMSNorm functions (default: those the layout names)."""
+    def __init__(self, spec, shape, ctx, *, options: BuildOptions | None = None):
         w, lay = spec.workload, spec.layout
+        options = options or BuildOptions()
         self.spec, self.shape, self.device = spec, shape, ctx.device
+        self.hooks = options.hooks
         self.policy = precision_policy(w)
         distributed = ctx.backend is not None
         self.mesh = Mesh.get(ParallelDims.of(lay), ctx.rank, distributed)
@@ -73,17 +78,18 @@ class Engine3D:
         self.micro = micro_batches_per_step(spec)
         plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)
         self.plans = plans
-        self.chunks, self.specs = build_chunks(shape, plans, lay.tp, c.tp, self.region,
-                                               kernels or Kernels.of(lay.attention, lay.rmsnorm),
-                                               lay.activation_checkpointing,
-                                               lambda name: reference_tensor(shape, w.seed, name), ctx.device)
+        self.chunks, self.param_specs = build_chunks(shape, plans, lay.tp, c.tp, self.region,
+                                                     options.kernels or Kernels.of(lay.attention, lay.rmsnorm),
+                                                     lay.activation_checkpointing,
+                                                     lambda name: reference_tensor(shape, w.seed, name), ctx.device)
         named = {}
         for ch in self.chunks:
             named.update(dict(ch.named_parameters()))
-        self.params = [named[s.name] for s in self.specs]
-        self.grads = GradSync(self.params, self.specs, self.axes["dp"], self.region.sp, lay.zero_stage == 1,
-                              lay.dp_bucket_mb, ctx.device, self.policy)
-        self.optimizer = make_adamw(self.grads.optimizer_tensors(), w, fused=ctx.device.type == "cuda")
+        self.params = [named[s.name] for s in self.param_specs]
+        self.model_states = ModelStates(self.params, self.param_specs, self.axes["dp"], self.region.sp,
+                                        lay.zero_stage == 1, lay.dp_bucket_mb, ctx.device, self.policy)
+        self.optimizer = options.make_optimizer(self.model_states.optimizer_tensors(), w,
+                                                fused=ctx.device.type == "cuda")
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
         self.programs = all_programs(lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
                                      lay.pp, self.micro, self.chunks_per_rank)
@@ -91,7 +97,8 @@ class Engine3D:
         p2p_mode = lay.pipeline_p2p if lay.pipeline_p2p != "auto" else ("grouped" if ctx.backend == "nccl" else "async")
         self.executor = PipelineExecutor(self.chunks, self.programs, self.axes["pp"], self.clock,
                                          (seq_local, lay.micro_batch_size, shape.hidden), ctx.device,
-                                         self.policy.compute, p2p_mode)
+                                         self.policy.compute, p2p_mode, self.hooks,
+                                         options.batch_isend_irecv or dist.batch_isend_irecv)
         cos, sin = shape_rotary(shape, w.seq_len, ctx.device)
         self.cos, self.sin = cos, sin
         self.rank_map = self.mesh.dims.rank_table(_ranks_per_node(ctx))
@@ -101,7 +108,7 @@ class Engine3D:
 
     # ---------------------------------------------------------------- step
 
-    def train_step(self, global_batch: torch.Tensor) -> float:
+    def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
         w, lay = self.spec.workload, self.spec.layout
         clock = self.clock
         clock.reset()
@@ -109,17 +116,19 @@ class Engine3D:
         t_start = clock.mark()
         local = dp_slice(global_batch, self.mesh.coord.dp, lay.dp).to(self.device, non_blocking=True)
         micro = micro_batches(local, lay.micro_batch_size)
-        self.grads.begin_step(len(micro))
+        states = self.model_states
+        states.begin_step(len(micro))
         tokens = global_batch.shape[0] * w.seq_len   # the reference's mean over the global batch
         loss = self.executor.run(micro, self.cos, self.sin, 1.0 / tokens)
-        self.grads.finish()
+        self.hooks.optimizer("optimizer step (reductions, AdamW, parameter refresh)")
+        states.finish()
 
         t0 = clock.mark()
-        self.grads.grads_to_masters()
+        states.grads_to_masters()
         c = self.mesh.coord
         count_loss = c.tp == 0 and c.pp == lay.pp - 1
-        count_grads = self.grads.zero or c.dp == 0
-        sq = self.grads.grad_sq_sum(count_replicated=c.tp == 0) if count_grads else torch.zeros((), device=self.device)
+        count_grads = states.zero or c.dp == 0
+        sq = states.grad_sq_sum(count_replicated=c.tp == 0) if count_grads else torch.zeros((), device=self.device)
         pair = torch.stack([loss if count_loss else torch.zeros_like(loss), sq]).float()
         ta = clock.mark()
         self.axes["all"].all_reduce(pair)   # its wait is the slowest stage's lag: charged to bubble
@@ -127,12 +136,12 @@ class Engine3D:
         if w.grad_clip > 0:
             norm = pair[1].sqrt()
             coef = torch.clamp(w.grad_clip / (norm + 1e-6), max=1.0)
-            self.grads.scale_grads(coef)
+            states.scale_grads(coef)
         self.optimizer.step()
         t2 = clock.mark()
-        self.grads.refresh_params()         # masters -> bf16 parameters; ZeRO-1 all-gather (dp_comm)
+        states.refresh_params()             # masters -> bf16 parameters; ZeRO-1 all-gather (dp_comm)
         t3 = clock.mark()
-        self.grads.zero_grads()
+        states.zero_grads()
         t_end = clock.mark()
 
         clock.add("optimizer", t0, ta)
@@ -152,7 +161,7 @@ class Engine3D:
             "comm": self.stats.as_dict(),
             "pipeline_timeline": [dict(e, rank=self.mesh.rank) for e in self.executor.resolve_timeline()],
         }
-        return float(pair[0])
+        return pair[0]
 
     # ---------------------------------------------------------------- reporting
 
@@ -167,9 +176,9 @@ class Engine3D:
         """
         c = self.mesh.coord
         tp = self.axes["tp"]
-        masters = self.grads.full_masters()
+        masters = self.model_states.full_masters()
         mine = {}
-        for spec, p in zip(self.specs, self.params):
+        for spec, p in zip(self.param_specs, self.params):
             t = (masters[p] if masters is not None else p).detach().float()
             if spec.shard_dim is not None and tp.size > 1:
                 parts = [torch.empty_like(t) for _ in range(tp.size)]
@@ -189,7 +198,7 @@ class Engine3D:
         return out
 
     def _census_tensors(self) -> dict:
-        return {**self.grads.census_tensors(), "optimizer_states": optimizer_state_tensors(self.optimizer)}
+        return {**self.model_states.census_tensors(), "optimizer_states": optimizer_state_tensors(self.optimizer)}
 
     def memory_census(self) -> dict | None:
         return self.census.result
@@ -206,7 +215,7 @@ class Engine3D:
             "schedule": lay.pipeline_schedule, "chunks_per_rank": self.chunks_per_rank,
             "p2p_mode": self.executor.mode,
             "micro_batches": self.micro, "sequence_parallel": self.region.sp is not None,
-            "zero_stage": lay.zero_stage, "dp_buckets": [b.padded for b in self.grads.buckets],
+            "zero_stage": lay.zero_stage, "dp_buckets": [b.padded for b in self.model_states.buckets],
             "precision_policy": self.policy.describe(),
             "stages": [{"stage": p.stage, "layers": [p.layers.start, p.layers.stop]} for p in self.plans],
             "rank_map": self.rank_map[:64],

@@ -25,11 +25,13 @@ import torch.distributed as dist
 
 from harness.engine.comm import Axis, StepClock
 from harness.engine.schedules import Action, _label, grouped_programs, send_order
+from harness.model.training import StepHooks
 
 
 class PipelineExecutor:
     def __init__(self, chunks, programs: list[list[Action]], pp_axis: Axis, clock: StepClock,
-                 act_shape: tuple[int, ...], device, act_dtype: torch.dtype, mode: str = "async"):
+                 act_shape: tuple[int, ...], device, act_dtype: torch.dtype, mode: str = "async",
+                 hooks: StepHooks | None = None, batch_isend_irecv=dist.batch_isend_irecv):
         self.chunks = chunks
         self.pp = len(programs)
         self.me = pp_axis.index
@@ -43,6 +45,8 @@ class PipelineExecutor:
         self.peer_order = {p: send_order(programs, p, self.me) for p in range(self.pp)}
         self.grouped = grouped_programs(programs)[self.me] if self.mode == "grouped" else None
         self.marks: list[tuple] = []
+        self.hooks = hooks or StepHooks()
+        self.batch_isend_irecv = batch_isend_irecv   # posts one group (NCCL: one coalesced work)
 
     # ---------------------------------------------------------------- transfers
 
@@ -86,7 +90,7 @@ class PipelineExecutor:
                 self.early.setdefault(t.peer, {})[t.label] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.axis.group))
         t0 = self.clock.mark()
-        works = dist.batch_isend_irecv(ops)
+        works = self.batch_isend_irecv(ops)
         if len(works) == len(ops):   # one work per op (gloo): only the receives are needed now
             for t, work, op in zip(transfers, works, ops):
                 if t.op == "recv":
@@ -101,6 +105,7 @@ class PipelineExecutor:
     # ---------------------------------------------------------------- compute
 
     def _forward(self, a: Action, micro, cos, sin, loss_scale):
+        self.hooks.forward(f"forward chunk {a.chunk} micro-batch {a.micro}")
         stage = a.chunk * self.pp + self.me
         inputs, targets = micro[a.micro]
         if stage == 0:
@@ -116,8 +121,10 @@ class PipelineExecutor:
         self._mark(stage, "F", a.micro, t0)
         if stage < self.last_stage:
             self._send(Action("SEND_F", a.chunk, a.micro, (stage + 1) % self.pp), y)
+        self.hooks.forward_end()
 
     def _backward(self, a: Action):
+        self.hooks.backward(f"backward chunk {a.chunk} micro-batch {a.micro}")
         stage = a.chunk * self.pp + self.me
         x, y = self.live.pop((a.chunk, a.micro))
         grad = None if stage == self.last_stage else \

@@ -1,7 +1,7 @@
 """One adapter per engine behind one small interface, so the runner treats them alike.
 
 An engine is built by `build_engine(spec, shape, ctx)` and offers:
-  train_step(global_batch) -> float   one optimizer step on the step's global batch
+  train_step(global_batch) -> Tensor  one optimizer step on the step's global batch
                                       [global_batch_size, seq_len + 1]; returns the global mean
                                       loss (the same number on every rank)
   full_state_dict() -> dict | None    gathered fp32 parameters named as the plain Llama's,

@@ -151,7 +151,7 @@ class DeepSpeedEngine(DeepSpeedBase):
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, global_batch: torch.Tensor) -> float:
+    def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
         from harness.model.llama import lm_loss
 
         micro = self.local_micro_batches(global_batch, self.dp_rank)
@@ -166,7 +166,7 @@ class DeepSpeedEngine(DeepSpeedBase):
         total /= len(micro)
         # every rank of a tp group holds the same loss: the mean over all ranks is the dp mean
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return (total / self.ctx.world_size).item()
+        return total / self.ctx.world_size
 
     # ------------------------------------------------------------------ inspection
 

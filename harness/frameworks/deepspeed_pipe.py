@@ -131,12 +131,12 @@ class DeepSpeedPipelineEngine(DeepSpeedBase):
             configure_checkpointing(self.config, None)  # no tensor parallelism under the pipeline
         self.dp_rank = self.engine.grid.get_data_parallel_rank()
 
-    def train_step(self, global_batch: torch.Tensor) -> float:
+    def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
         micro = self.local_micro_batches(global_batch, self.dp_rank)
         # the mean over micro-batches and data-parallel ranks, broadcast from the last stage
         loss = self.engine.train_batch(data_iter=iter(micro))
         self.check_step_applied()
-        return float(loss)
+        return loss
 
     def full_state_dict(self):
         """fp32 master weights of every stage on global rank 0 (None elsewhere); collective."""

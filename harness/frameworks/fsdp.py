@@ -63,7 +63,7 @@ from harness.data.source import dp_slice
 from harness.frameworks import ONLY_DEEPSPEED, ONLY_OWN, tied_across_stages
 from harness.model.kernels import Kernels
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
-from harness.model.training import dtype_name, make_adamw, precision_policy
+from harness.model.training import BuildOptions, dtype_name, precision_policy
 from harness.parallel_dims import ParallelDims
 from harness.registry import EngineFacts
 from harness.spec import check_world_size, micro_batch_count
@@ -109,14 +109,14 @@ _WRAPPED = "_checkpoint_wrapped_module."
 class FSDPEngine:
     name = "fsdp"
 
-    def __init__(self, spec, shape, ctx, kernels: Kernels | None = None):
-        """kernels: the attention and RMSNorm functions (default: those the layout names)."""
+    def __init__(self, spec, shape, ctx, *, options: BuildOptions | None = None):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if ctx.backend is None:
             raise RuntimeError("engine fsdp needs a process group (run it under a launcher)")
         w, lay = spec.workload, spec.layout
-        self.spec, self.ctx, self.device = spec, ctx, ctx.device
+        options = options or BuildOptions()
+        self.spec, self.ctx, self.device, self.hooks = spec, ctx, ctx.device, options.hooks
         dims = ParallelDims.of(lay)
         self.coord = dims.coord(ctx.rank)
         self.mesh = dims.device_mesh(ctx.device.type)
@@ -132,7 +132,7 @@ class FSDPEngine:
         ckpt = lay.activation_checkpointing
         # Built on the meta device and sharded before any memory is allocated, so no rank ever
         # holds the whole model on the device.
-        build = {"kernels": kernels or Kernels.of(lay.attention, lay.rmsnorm),
+        build = {"kernels": options.kernels or Kernels.of(lay.attention, lay.rmsnorm),
                  "checkpointing": "selective" if ckpt == "selective" else "none"}
         self.pipeline = None
         with torch.device("meta"):
@@ -145,16 +145,19 @@ class FSDPEngine:
         reference = ReferenceWeights(shape, w.seed)
         for part in self.parts:
             self._parallelize(part)
-            part.to_empty(device=ctx.device)
-            _load_reference_shards(part, reference)
+            options.allocate(part, ctx.device)
+            if options.load_weights:
+                _load_reference_shards(part, reference)
         if plans is not None:
             from harness.frameworks.native_pipeline import Pipeline
 
             self.pipeline = Pipeline(self.parts, plans, spec, shape, self.mesh["pp"].get_group(), ctx.device,
                                      self.policy.compute)
+            for stage in self.pipeline.stages:
+                _announce_phases(stage, self.hooks)
         self.is_last_stage = plans is None or any(p.last for p in plans)
         self.params = [p for part in self.parts for p in part.parameters()]
-        self.optimizer = make_adamw(self.params, w, fused=ctx.device.type == "cuda")
+        self.optimizer = options.make_optimizer(self.params, w, fused=ctx.device.type == "cuda")
         self.census = measure.CensusAtStep(self.optimizer, self._census_tensors)
         self._details: dict = {}
 
@@ -185,7 +188,7 @@ class FSDPEngine:
 
     # ---------------------------------------------------------------- training
 
-    def train_step(self, global_batch: torch.Tensor) -> float:
+    def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
         w, lay = self.spec.workload, self.spec.layout
         with measure.StepTimer(self.device) as step:
             local = dp_slice(global_batch, self.coord.dp, lay.dp).to(self.device, non_blocking=True)
@@ -198,10 +201,15 @@ class FSDPEngine:
                     for i, chunk in enumerate(chunks):
                         if not self.reduce_every_micro_batch:  # accumulate unreduced until the last
                             self.parts[0].set_requires_gradient_sync(i == len(chunks) - 1)
+                        self.hooks.forward(f"forward micro-batch {i}")
                         logits = self.parts[0](chunk[:, :-1])
-                        loss = lm_loss(logits, chunk[:, 1:]) / len(chunks)
+                        loss = lm_loss(logits, chunk[:, 1:])
+                        self.hooks.forward_end()
+                        self.hooks.backward(f"loss and backward micro-batch {i}")
+                        loss = loss / len(chunks)
                         loss.backward()
                         total += loss.detach().float()
+            self.hooks.optimizer("optimizer step (gradient clipping, AdamW)")
             with measure.StepTimer(self.device) as opt:
                 if w.grad_clip > 0:
                     self._clip_grad_norm(w.grad_clip)
@@ -211,7 +219,7 @@ class FSDPEngine:
             if not (self.is_last_stage and self.coord.tp == 0):
                 total = torch.zeros((), device=self.device, dtype=torch.float32)
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            loss = (total / lay.dp).item()
+            loss = total / lay.dp
         self._details = {"breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds,
                                          "total": step.seconds}}
         return loss
@@ -388,6 +396,25 @@ def _load_reference_shards(module, reference) -> None:
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
+
+
+def _announce_phases(stage, hooks) -> None:
+    """torch.distributed.pipelining's schedules run each micro-batch through the stage's public
+    forward_one_chunk and backward_one_chunk and call nothing per micro-batch: wrapped here, on
+    this stage only, to tell `hooks` (harness.model.training.StepHooks)."""
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(chunk, *args, **kwargs):
+        hooks.forward(f"forward stage {stage.stage_index} micro-batch {chunk}")
+        out = forward(chunk, *args, **kwargs)
+        hooks.forward_end()
+        return out
+
+    def backward_one_chunk(chunk, *args, **kwargs):
+        hooks.backward(f"backward stage {stage.stage_index} micro-batch {chunk}")
+        return backward(chunk, *args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
 
 
 def build(spec, shape, ctx):

@@ -42,7 +42,7 @@ class SingleDeviceEngine:
         self.optimizer = make_adamw(self.weights.optimizer_params(), w, fused=device.type == "cuda")
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
 
-    def train_step(self, global_batch: torch.Tensor) -> float:
+    def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
         w = self.spec.workload
         micro = micro_batches(global_batch.to(self.device, non_blocking=True), self.spec.layout.micro_batch_size)
         total = torch.zeros((), device=self.device)
@@ -57,7 +57,7 @@ class SingleDeviceEngine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.weights.after_step()
-        return total.item()
+        return total
 
     def full_state_dict(self):
         """The fp32 master weights (the parameters themselves under fp32), named as the model's."""

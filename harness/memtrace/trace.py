@@ -44,10 +44,11 @@ interleaved schedule, min(m, 2) without a pipeline (gradient accumulation). The 
 buckets and reductions do not depend on the count, and one more micro-batch repeats the same
 allocations in the same order.
 
-Two mechanics of fake mode, neither changing what is held: Module.to_empty assigns fresh
-parameters instead of swapping tensors (torch.utils.swap_tensors refuses tensors FakeTensorMode
-keeps weak references to), and train_step's last line, float(loss), has no value to read on a
-fake tensor: that error is expected there, after the optimizer step and the refresh have run.
+The engines are built with harness.model.training.BuildOptions (the fused optimizer, NCCL's
+coalesced transfer groups, weights not loaded, allocation under fake mode) and tell the tracer
+their phases through its StepHooks; train_step's loss is a fake tensor, whose value nobody reads.
+Under the own engine's build, modules on the meta device stay real meta tensors, as outside a
+trace (_MetaStaysReal), so Module.to_empty assigns fresh fake parameters as it does to real ones.
 Sizes are the tensors' storages, not the caching allocator's rounded blocks (its fragmentation is
 a named term).
 """
@@ -70,6 +71,7 @@ from torch.utils._pytree import tree_leaves
 from harness.errors import SpecError
 from harness.measure import SavedActivations, _local, storage_identity, tensor_census
 from harness.model.kernels import Kernels
+from harness.model.training import BuildOptions, StepHooks, make_adamw
 from harness.parallel_dims import ParallelDims
 
 GIB = 1024 ** 3
@@ -125,10 +127,14 @@ class LiveTensors(TorchDispatchMode):
 
     @contextlib.contextmanager
     def counting_resizes(self):
-        """While open, UntypedStorage.resize_ reports to resized() (an in-place resize is no op
-        output: __torch_dispatch__ does not see it)."""
-        from unittest import mock
+        """While open, UntypedStorage.resize_ reports to resized().
 
+        One of the trace's two overrides of torch (the other: _static_shapes_without_vote), for
+        want of a public mechanism: FSDP2 frees and re-allocates each gathered parameter by
+        resizing its storage in place (_fsdp_param.py, free_storage / alloc_storage), which is no
+        operator on a tensor (__torch_dispatch__ and __torch_function__ do not see it), and a fake
+        storage allocates nothing that an allocator or the profiler could see. The class's method
+        is swapped while the trace runs and restored on the way out."""
         plain = torch._C.StorageBase.resize_
 
         def resize_(storage, size):
@@ -136,8 +142,15 @@ class LiveTensors(TorchDispatchMode):
             self.resized(storage)
             return out
 
-        with mock.patch.object(torch.UntypedStorage, "resize_", resize_):
+        own = torch.UntypedStorage.__dict__.get("resize_")  # None: torch._C.StorageBase's
+        torch.UntypedStorage.resize_ = resize_
+        try:
             yield
+        finally:
+            if own is None:
+                del torch.UntypedStorage.resize_
+            else:
+                torch.UntypedStorage.resize_ = own
 
     def reset_peak(self) -> None:
         self.peak, self.peak_at = self.bytes, self.where
@@ -193,49 +206,45 @@ def _fused_rmsnorm(x, weight, eps):
     return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
 
 
-def _assigning_to_empty(module, *, device, recurse=True):
-    """Module.to_empty swaps each meta parameter for a new one, and torch.utils.swap_tensors
-    refuses tensors FakeTensorMode keeps weak references to: the same result, assigned (own engine)."""
-    for mod in module.modules() if recurse else [module]:
-        for key, p in mod._parameters.items():
-            if p is not None:
-                mod._parameters[key] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
-        for key, b in mod._buffers.items():
-            if b is not None:
-                mod._buffers[key] = torch.empty_like(b, device=device)
-    return module
+def _fused_adamw(params, workload, **kw):
+    """AdamW as the engines build it on CUDA: fused."""
+    return make_adamw(params, workload, **{**kw, "fused": True})
 
 
-@contextlib.contextmanager
-def _target_behaviour(to_empty=_assigning_to_empty):
-    """Patch, for the trace only, what differs between this CPU and the GPU the spec targets
-    (see the module docstring); `to_empty` replaces Module.to_empty (engine fsdp: FSDP2's own,
-    under fake mode)."""
-    from unittest import mock
+def _coalesced_batch_isend_irecv(ops):
+    """NCCL's batch_isend_irecv: the group is one coalesced work."""
+    works = dist.batch_isend_irecv(ops)
+    for w in works:
+        w.wait()
+    return works[:1]
 
-    import harness.engine.engine as engine_module
-    import harness.frameworks.fsdp as fsdp_module
 
-    plain_adamw, plain_fsdp_adamw = engine_module.make_adamw, fsdp_module.make_adamw
-    plain_batch = dist.batch_isend_irecv
+def _traced_options(lay, hooks: StepHooks, materialize=None) -> BuildOptions:
+    """How the trace builds an engine: the target's kernels, optimizer and transfers, no weight values."""
+    return BuildOptions(kernels=traced_kernels(lay), make_optimizer=_fused_adamw,
+                        batch_isend_irecv=_coalesced_batch_isend_irecv, materialize=materialize,
+                        load_weights=False, hooks=hooks)
 
-    def make_adamw(params, workload, **kw):
-        return plain_adamw(params, workload, **{**kw, "fused": True})
 
-    def fsdp_make_adamw(params, workload, **kw):
-        return plain_fsdp_adamw(params, workload, **{**kw, "fused": True})
+class _MetaStaysReal(TorchDispatchMode):
+    """Under FakeTensorMode, an op on the meta device (a module built under torch.device("meta"))
+    runs outside it: real meta tensors, as outside a trace. Module.to_empty then assigns each one
+    a fresh fake parameter; a fake meta parameter it would swap, and torch.utils.swap_tensors
+    refuses the tensors FakeTensorMode keeps weak references to. Entered inside FakeTensorMode."""
 
-    def batch_isend_irecv(ops):  # NCCL: the group is one coalesced work
-        works = plain_batch(ops)
-        for w in works:
-            w.wait()
-        return works[:1]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-    with mock.patch.object(torch.nn.Module, "to_empty", to_empty), \
-            mock.patch.object(engine_module, "make_adamw", make_adamw), \
-            mock.patch.object(fsdp_module, "make_adamw", fsdp_make_adamw), \
-            mock.patch.object(dist, "batch_isend_irecv", batch_isend_irecv):
-        yield
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if "device" in kwargs:
+            meta = torch.device(kwargs["device"]).type == "meta"
+        else:
+            meta = bool(tensors) and all(t.device.type == "meta" and not isinstance(t, FakeTensor) for t in tensors)
+        if not meta:
+            return func(*args, **kwargs)
+        with unset_fake_temporarily():
+            return func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- one rank
@@ -311,22 +320,6 @@ def _create_optimizer_states(optimizer) -> None:
         p.grad = None
 
 
-def _is_final_float(exc: BaseException) -> bool:
-    """True when a data-dependent error came from train_step's last line, `float(loss)` (engine
-    fsdp: `.item()`): a fake tensor has no value to read; everything of the step ran before it."""
-    tb, last = exc.__traceback__, None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == "train_step":
-            last = tb
-        tb = tb.tb_next
-    if last is None or not last.tb_frame.f_code.co_filename.endswith(("engine.py", "fsdp.py")):
-        return False
-    import linecache
-
-    line = linecache.getline(last.tb_frame.f_code.co_filename, last.tb_lineno)
-    return "float(" in line or ".item()" in line  # own: float(loss); fsdp: (total / lay.dp).item()
-
-
 @contextlib.contextmanager
 def _fake_world(rank: int, world: int, forget):
     """This process as global `rank` of `world` over a fake process group (FakeStore, backend
@@ -348,24 +341,70 @@ def _fake_world(rank: int, world: int, forget):
         sys.excepthook = excepthook
 
 
-def _run_step(eng, batch, live, saved, phases) -> tuple[int, int, int, int, str]:
-    """One traced train_step: (live bytes at its start, its peak, the forward/backward peak, the
-    optimizer step's peak, where the peak fell). `phases` gets the forward/backward peak ("fb",
-    "fb_at") from the engine's hook where its schedule ends."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException
+class _Phases(StepHooks):
+    """The trace's StepHooks: the live counter's phase named as the engine says, what the first
+    forward saves (saved, set once the engine exists), and the forward/backward peak, kept when
+    the optimizer phase starts."""
 
+    def __init__(self, live: LiveTensors):
+        self.live, self.saved = live, None
+        self.start, self.first_forward = 0, None
+        self.fb, self.fb_at, self.ended = 0, "", False
+
+    def forward(self, where: str) -> None:
+        self.live.where = where
+        self.start = self.saved.bytes
+
+    def forward_end(self) -> None:
+        if self.first_forward is None:
+            self.first_forward = self.saved.bytes - self.start
+
+    def backward(self, where: str) -> None:
+        self.live.where = where
+
+    def optimizer(self, where: str) -> None:
+        if not self.ended:
+            self.ended = True
+            self.fb, self.fb_at = self.live.peak, self.live.peak_at
+            self.live.where = where
+            self.live.reset_peak()
+
+
+def _run_step(eng, batch, live, saved, phases: _Phases) -> tuple[int, int, int, int, str]:
+    """One traced train_step: (live bytes at its start, its peak, the forward/backward peak, the
+    optimizer step's peak, where the peak fell). Its loss, a fake tensor, has no value to read."""
     live.where = "step start"
     live.reset_peak()
     base = live.bytes
+    phases.saved = saved
     with saved:
-        try:
-            eng.train_step(batch)
-        except DataDependentOutputException as e:
-            if not _is_final_float(e):
-                raise
-    peak_opt, peak_fb = live.peak, phases.get("fb", 0)
-    where = live.peak_at if peak_opt > peak_fb else phases.get("fb_at", "")
+        eng.train_step(batch)
+    peak_opt, peak_fb = live.peak, phases.fb
+    where = live.peak_at if peak_opt > peak_fb else phases.fb_at
     return base, max(peak_fb, peak_opt), peak_fb, peak_opt, where
+
+
+def _census_at_step(optimizer, held) -> dict:
+    """The census of what `held()` lists (the engine's census list, CensusAtStep's, by category),
+    taken at the optimizer's first step, by storage identity (fake storages have no address)."""
+    census: dict = {}
+
+    def take(*args):
+        if not census:
+            census.update(tensor_census(held(), key=storage_identity))
+
+    optimizer.register_step_post_hook(take)
+    return census
+
+
+def _rank_trace(rank, stage, layers, census, step, saved, phases, m, m_run) -> RankTrace:
+    """The RankTrace of a traced step: `step` is what _run_step returns."""
+    base, peak, peak_fb, peak_opt, where = step
+    return RankTrace(rank=rank, stage=stage, layers=layers, census=census, states_bytes=base,
+                     live_peak_bytes=peak, peak_at=where, forward_backward_peak_bytes=peak_fb,
+                     optimizer_peak_bytes=peak_opt, saved_bytes_step=saved.bytes,
+                     saved_bytes_forward=phases.first_forward or 0,
+                     micro_batches=m, micro_batches_traced=m_run, seconds=0.0)
 
 
 def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
@@ -397,89 +436,41 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
     with _fake_world(rank, world, forget_meshes) as ctx:
         Mesh.get(dims, rank, True)  # the process groups, outside fake mode
         live = LiveTensors()
-        with FakeTensorMode(), _target_behaviour(), live, contextlib.redirect_stderr(io.StringIO()):
-            eng = Engine3D(run_spec, shape, ctx, kernels=traced_kernels(lay))
+        phases = _Phases(live)
+        with FakeTensorMode(allow_non_fake_inputs=True), live, contextlib.redirect_stderr(io.StringIO()):
+            with _MetaStaysReal():
+                eng = Engine3D(run_spec, shape, ctx, options=_traced_options(lay, phases))
             eng.census.result = {}  # its census keys storages by address, which fake ones lack: ours below
             _create_optimizer_states(eng.optimizer)
-            census: dict = {}
-            held = eng.census.tensors  # the engine's census list (CensusAtStep's), by category
-            eng.optimizer.register_step_post_hook(lambda *a: census or census.update(tensor_census(held(), key=storage_identity)))
+            census = _census_at_step(eng.optimizer, eng.census.tensors)
             batch = torch.zeros((run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1),
                                 dtype=torch.int64)
-            ex = eng.executor
-            plain_forward, plain_backward, plain_run = ex._forward, ex._backward, ex.run
             saved = SavedActivations(eng.activation_exclusions(), key=storage_identity)
-            first_forward = []
-            phases = {}
-
-            def forward(a, *args):
-                live.where = f"forward chunk {a.chunk} micro-batch {a.micro}"
-                before = saved.bytes
-                plain_forward(a, *args)
-                if not first_forward:
-                    first_forward.append(saved.bytes - before)
-
-            def backward(a):
-                live.where = f"backward chunk {a.chunk} micro-batch {a.micro}"
-                plain_backward(a)
-
-            def run(*args):
-                out = plain_run(*args)
-                phases["fb"], phases["fb_at"] = live.peak, live.peak_at
-                live.where = "optimizer step (reductions, AdamW, parameter refresh)"
-                live.reset_peak()
-                return out
-
-            ex._forward, ex._backward, ex.run = forward, backward, run
-            base, peak, peak_fb, peak_opt, where = _run_step(eng, batch, live, saved, phases)
+            step = _run_step(eng, batch, live, saved, phases)
         layers = [[p.layers.start, p.layers.stop] for p in eng.plans]
-        out = RankTrace(rank=rank, stage=dims.coord(rank).pp, layers=layers, census=census, states_bytes=base,
-                        live_peak_bytes=peak, peak_at=where, forward_backward_peak_bytes=peak_fb,
-                        optimizer_peak_bytes=peak_opt, saved_bytes_step=saved.bytes,
-                        saved_bytes_forward=first_forward[0] if first_forward else 0,
-                        micro_batches=m, micro_batches_traced=m_run, seconds=0.0)
+        out = _rank_trace(rank, dims.coord(rank).pp, layers, census, step, saved, phases, m, m_run)
         del eng
         out.seconds = time.perf_counter() - t0
         return out
 
 
-def _label_pipeline_stage(stage, live, saved, first_forward) -> None:
-    """Name each of a torch.distributed.pipelining stage's forwards and backwards where the live
-    peak falls, and count what the first forward saves."""
-    plain_forward, plain_backward = stage.forward_one_chunk, stage.backward_one_chunk
-
-    def forward_one_chunk(chunk, *args, **kwargs):
-        live.where = f"forward stage {stage.stage_index} micro-batch {chunk}"
-        before = saved.bytes
-        out = plain_forward(chunk, *args, **kwargs)
-        if not first_forward:
-            first_forward.append(saved.bytes - before)
-        return out
-
-    def backward_one_chunk(chunk, *args, **kwargs):
-        live.where = f"backward stage {stage.stage_index} micro-batch {chunk}"
-        return plain_backward(chunk, *args, **kwargs)
-
-    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
-
-
-@contextlib.contextmanager
-def _static_pipeline_warmup():
+def _static_shapes_without_vote(schedule) -> None:
     """torch.distributed.pipelining's first step votes over P2P whether every stage has static
     shapes and reads the vote with .item(), which a fake tensor cannot answer. Engine fsdp gives
-    every PipelineStage its input and output shapes up front (native_pipeline.py), so the vote
-    of a real run is static: set, without the vote (its 2-rank warm-up transfers carry no memory)."""
-    from unittest import mock
+    every PipelineStage its input and output shapes up front (native_pipeline.py), so the vote of
+    a real run is static: set, without the vote (its 2-rank warm-up transfers carry no memory).
 
-    from torch.distributed.pipelining import schedules
+    One of the trace's two overrides of torch (the other: LiveTensors.counting_resizes), for want
+    of a public mechanism: the vote runs in the schedule's private _warmup_p2p at every first
+    step, no schedule or stage argument skips it, and the stage's mode it sets is private too.
+    Overridden on this schedule object only."""
     from torch.distributed.pipelining._utils import InferenceMode
 
-    def warmup(self, stages, has_backward, p2p_done):
+    def warmup(stages, has_backward, p2p_done):
         for stage in stages:
             stage._inference_mode = InferenceMode.STATIC
 
-    with mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", warmup):
-        yield
+    schedule._warmup_p2p = warmup
 
 
 def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
@@ -490,15 +481,13 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
     DeviceMesh over the fake process group (its rank tables are real tensors), the model on the
     meta device, DTensor TP/SP and fully_shard (FSDP2's sharding bookkeeping, on meta). Module.to_empty
     (FSDP2's own: its _apply override re-points every FSDPParam at the new sharded storage,
-    reset_sharded_param) then runs under FakeTensorMode, and so does the step: FSDP2's
-    all-gathers and reduce-scatters, DTensor's collectives and the optimizer on fake tensors. The
-    reference weights are not loaded (values only); AdamW fused as the engine builds it on CUDA.
-    FakeTensorMode admits the meta tensors to_empty reads (allow_non_fake_inputs)."""
-    from unittest import mock
-
+    reset_sharded_param) then runs under FakeTensorMode (the build's `materialize`), and so does
+    the step: FSDP2's all-gathers and reduce-scatters, DTensor's collectives and the optimizer on
+    fake tensors. The reference weights are not loaded (values only); AdamW fused as the engine
+    builds it on CUDA. FakeTensorMode admits the meta tensors to_empty reads (allow_non_fake_inputs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import harness.frameworks.fsdp as fsdp_module
+    from harness.frameworks.fsdp import FSDPEngine
 
     dims = ParallelDims.of(spec.layout)
     run_spec, m, m_run = traced_spec(spec, dims.coord(rank).pp, full_micro)
@@ -508,73 +497,30 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
     with _fake_world(rank, world, _clear_dtensor_caches) as ctx:
         live = LiveTensors()
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        plain_to_empty = torch.nn.Module.to_empty
+        phases = _Phases(live)
 
-        def to_empty(module, *, device, recurse=True):
+        def materialize(module, device):
             with fake, live:
-                return plain_to_empty(module, device=device, recurse=recurse)
+                return module.to_empty(device=device)
 
-        with _target_behaviour(to_empty), contextlib.redirect_stderr(io.StringIO()), live.counting_resizes(), \
-                _static_pipeline_warmup(), \
-                mock.patch.object(fsdp_module, "_load_reference_shards", lambda module, reference: None):
-            eng = fsdp_module.FSDPEngine(run_spec, shape, ctx, kernels=traced_kernels(lay))
+        with contextlib.redirect_stderr(io.StringIO()), live.counting_resizes():
+            eng = FSDPEngine(run_spec, shape, ctx, options=_traced_options(lay, phases, materialize))
+            if eng.pipeline is not None:
+                _static_shapes_without_vote(eng.pipeline.schedule)
             eng.census.result = {}  # its census keys storages by address, which fake ones lack: ours below
             with fake, live:
                 _create_optimizer_states(eng.optimizer)
-                census: dict = {}
-                held = eng._census_tensors  # the engine's census list (CensusAtStep's), by category
-                eng.optimizer.register_step_post_hook(lambda *a: census or census.update(tensor_census(held(), key=storage_identity)))
+                census = _census_at_step(eng.optimizer, eng._census_tensors)
                 batch = torch.zeros((run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1),
                                     dtype=torch.int64)
                 saved = SavedActivations(eng.activation_exclusions(), key=storage_identity)
-                first_forward, phases, micro = [], {}, [-1]
-                forward_start = [0]
-
-                def forward_pre(module, args):
-                    micro[0] += 1
-                    live.where = f"forward micro-batch {micro[0]}"
-                    forward_start[0] = saved.bytes
-
-                plain_loss = fsdp_module.lm_loss
-
-                def loss(logits, targets):
-                    out = plain_loss(logits, targets)
-                    if not first_forward:
-                        first_forward.append(saved.bytes - forward_start[0])
-                    live.where = f"loss and backward micro-batch {micro[0]}"
-                    return out
-
-                def optimizer_phase(*args):
-                    if "fb" not in phases:
-                        phases["fb"], phases["fb_at"] = live.peak, live.peak_at
-                        live.where = "optimizer step (gradient clipping, AdamW)"
-                        live.reset_peak()
-
-                plain_clip = eng._clip_grad_norm
-
-                def clip(max_norm):
-                    optimizer_phase()
-                    return plain_clip(max_norm)
-
-                eng._clip_grad_norm = clip
-                eng.optimizer.register_step_pre_hook(optimizer_phase)
-                if eng.pipeline is None:
-                    for part in eng.parts:
-                        part.register_forward_pre_hook(forward_pre)
-                for stage in eng.pipeline.stages if eng.pipeline is not None else []:
-                    _label_pipeline_stage(stage, live, saved, first_forward)
-                with mock.patch.object(fsdp_module, "lm_loss", loss):
-                    base, peak, peak_fb, peak_opt, where = _run_step(eng, batch, live, saved, phases)
+                step = _run_step(eng, batch, live, saved, phases)
         if eng.pipeline is None:
             layers = [[0, shape.layers]]
         else:  # the stage modules' blocks, named by their layer numbers
             layers = [[min(map(int, part.layers.keys())), max(map(int, part.layers.keys())) + 1]
                       for part in eng.parts if len(part.layers)]
-        out = RankTrace(rank=rank, stage=dims.coord(rank).pp, layers=layers, census=census, states_bytes=base,
-                        live_peak_bytes=peak, peak_at=where, forward_backward_peak_bytes=peak_fb,
-                        optimizer_peak_bytes=peak_opt, saved_bytes_step=saved.bytes,
-                        saved_bytes_forward=first_forward[0] if first_forward else 0,
-                        micro_batches=m, micro_batches_traced=m_run, seconds=0.0)
+        out = _rank_trace(rank, dims.coord(rank).pp, layers, census, step, saved, phases, m, m_run)
         del eng
         out.seconds = time.perf_counter() - t0
         return out

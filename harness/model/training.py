@@ -1,5 +1,6 @@
-"""What every engine shares around the model: the optimizer, the precision policy, and the
-mixed-precision bookkeeping of the single-device reference.
+"""What every engine shares around the model: the optimizer, the precision policy, the
+mixed-precision bookkeeping of the single-device reference, and the seams an engine's build
+offers a caller that is not a real run (BuildOptions, StepHooks: harness memory).
 
 Kept below the engines and adapters so that the reference, the own engine, DeepSpeed and FSDP2
 take the same AdamW and the same precision policy from the workload, from one definition.
@@ -14,9 +15,12 @@ optimizer, where bf16 parameters get an fp32 main_grad buffer and fp32 master sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+
+from harness.model.kernels import Kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -55,6 +59,45 @@ def make_adamw(params, workload, **kw):
     o = workload.optimizer
     return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                              weight_decay=o.weight_decay, **kw)
+
+
+class StepHooks:
+    """Where an engine's train_step is, told to an observer (harness memory names its peak by
+    these and counts what the first forward saves), so that none needs the engine's private
+    methods. No-ops here; `where` names the phase in words ("forward chunk 0 micro-batch 1")."""
+
+    def forward(self, where: str) -> None:
+        """A micro-batch's forward starts (on the last stage its loss is part of it)."""
+
+    def forward_end(self) -> None:
+        """That forward has ended: what it saves for backward is saved."""
+
+    def backward(self, where: str) -> None:
+        """A micro-batch's backward starts."""
+
+    def optimizer(self, where: str) -> None:
+        """Every forward and backward has run; the rest of the step (reductions, clipping, the
+        optimizer step) follows."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How an engine is built where a real run's way does not fit the caller: harness memory
+    builds engines on fake tensors (harness/memtrace). The defaults are a real run's."""
+
+    make_optimizer: Callable = make_adamw   # (params, workload, fused=...) -> the optimizer
+    kernels: Kernels | None = None          # attention and RMSNorm functions; None: those the layout names
+    batch_isend_irecv: Callable | None = None  # own engine: posts a transfer group; None: torch.distributed's
+    hooks: StepHooks = field(default_factory=StepHooks)
+    # engine fsdp (the own engine allocates and loads its chunks in harness.engine.model.build_chunks):
+    materialize: Callable | None = None     # (module, device): allocates a meta module; None: module.to_empty
+    load_weights: bool = True               # copy the reference weights in (values only: a trace skips it)
+
+    def allocate(self, module, device):
+        """The meta `module` with its parameters and buffers allocated on `device`."""
+        if self.materialize is None:
+            return module.to_empty(device=device)
+        return self.materialize(module, device)
 
 
 class MasterWeights:

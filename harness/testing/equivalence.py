@@ -52,7 +52,7 @@ def run_cases(ctx, cases: list[dict], steps: int) -> list[dict]:
         eng = build(spec, shape, ctx)
         losses, comms = [], []
         for b in batches(spec, shape, steps):
-            losses.append(eng.train_step(b))
+            losses.append(float(eng.train_step(b)))
             comms.append(eng.last_step_details()["comm"])
         results.append({"case": case, "losses": losses, "state": eng.full_state_dict(), "comm": comms[-1],
                         "comm_first": comms[0], "details": eng.last_step_details(), "coord": eng.mesh.coord})

@@ -15,7 +15,7 @@ def reference_run(workload: dict, steps: int, **layout) -> tuple[list[float], di
     shape = spec.shape()
     engine = SingleDeviceEngine(spec, shape, torch.device("cpu"))
     source = token_source(spec.workload, shape.vocab)
-    losses = [engine.train_step(source.global_batch_at(step)) for step in range(steps)]
+    losses = [float(engine.train_step(source.global_batch_at(step))) for step in range(steps)]
     return losses, engine.full_state_dict()
 
 

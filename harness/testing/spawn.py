@@ -94,7 +94,7 @@ def run_losses(ctx, runs: list[dict], steps: int, with_state: bool = False) -> l
         shape = spec.shape()
         engine = build_engine(spec, shape, ctx)
         source = token_source(spec.workload, shape.vocab)
-        losses = [engine.train_step(source.global_batch_at(step)) for step in range(steps)]
+        losses = [float(engine.train_step(source.global_batch_at(step))) for step in range(steps)]
         state = engine.full_state_dict() if with_state else None
         out.append({"losses": losses, "state": state, "describe": engine.describe()})
         del engine
