@@ -30,10 +30,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from harness.data.source import token_source
-    from harness.runtime import RunContext
     from harness.frameworks.own import build
     from harness.frameworks.single import SingleDeviceEngine
     from harness.model.presets import resolve_shape
+    from harness.runtime import RunContext
     from harness.spec import parse_spec
 
     def spec(engine):

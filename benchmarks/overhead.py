@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from harness.data.source import SyntheticTokens
-from harness.runtime import RunContext
 from harness.model.llama import build_model
 from harness.model.presets import resolve_shape
 from harness.run import Trainer
+from harness.runtime import RunContext
 from harness.spec import parse_spec
 
 

@@ -26,9 +26,9 @@ def _worker(rank, world, port, args, out_dir):
     import torch.distributed as dist
 
     from harness.data.source import token_source
-    from harness.runtime import RunContext
     from harness.frameworks.own import build
     from harness.model.presets import resolve_shape
+    from harness.runtime import RunContext
     from harness.spec import parse_spec
 
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -53,7 +53,8 @@ def predictions_here() -> tuple[float, int]:
     prof = load_profile("a100-80gb")
     shape, wl = resolve_shape("paper-65b"), Workload(2048, 2048)
     t = time.perf_counter()
-    lays = en.layouts(shape, wl, 4096, 8, attention=[a for a in en.DEFAULTS["attention"] if a in prof.attention_kernels],
+    lays = en.layouts(shape, wl, 4096, 8,
+                      attention=[a for a in en.DEFAULTS["attention"] if a in prof.attention_kernels],
                       rmsnorm=en.DEFAULTS["rmsnorm"], micro_batch_sizes=en.DEFAULTS["micro_batch_sizes"],
                       checkpointing=en.DEFAULTS["checkpointing"], sequence_parallel=en.DEFAULTS["sequence_parallel"],
                       zero_stage=1)

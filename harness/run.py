@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from harness import measure
 from harness.data.source import token_source
-from harness.runtime import RunContext
 from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
-from harness.model.presets import param_count
 from harness.model.kernels import check_kernels, rmsnorm_backend_name
+from harness.model.presets import param_count
+from harness.runtime import RunContext
 from harness.spec import RunSpec, check_world_size, layout_label, micro_batches_per_step
 from harness.store import ResultsStore, mentions_oom, mentions_peer_failure, new_record, now_iso
 

@@ -20,7 +20,7 @@ import yaml
 from harness import registry
 from harness.errors import CapabilityError, SpecError
 from harness.model.presets import Shape, param_count, resolve_shape
-from harness.parallel_dims import ParallelDims
+from harness.parallel_dims import AXES, LABEL_ORDER, ParallelDims
 
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
@@ -386,7 +386,7 @@ def check_sizes(spec: RunSpec) -> Shape:
             raise SpecError("workload.data.path", "required when data.kind is file")
         if not os.path.isfile(w.data.path):
             raise SpecError("workload.data.path", f"file {w.data.path!r} does not exist")
-    for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+    for name in (*AXES, "micro_batch_size", "virtual_stages"):
         if getattr(lay, name) <= 0:
             raise SpecError(f"layout.{name}", "must be positive")
     if lay.dp_bucket_mb <= 0:
@@ -573,8 +573,7 @@ def engine_variant(layout) -> str:
 def parallel_label(layout) -> str:
     """The parallel degrees other than 1, and SP: 'tp2 pp2', 'dp8', 'tp4 dp2 sp' ('' for none)."""
     lay = _layout_dict(layout)
-    parts = [f"{k}{int(lay.get(k) or 1)}" for k in ("tp", "pp", "dp") if int(lay.get(k) or 1) != 1]
-    return " ".join(parts + (["sp"] if lay.get("sequence_parallel") else []))
+    return " ".join(p for p in (ParallelDims.of(lay).label(), "sp" if lay.get("sequence_parallel") else "") if p)
 
 
 def layout_label(layout, short: bool = False) -> str:
@@ -585,7 +584,7 @@ def layout_label(layout, short: bool = False) -> str:
     lay = _layout_dict(layout)
     if short:
         return " ".join(p for p in (engine_variant(lay), parallel_label(lay)) if p)
-    degrees = {k: int(lay.get(k) or 1) for k in ("tp", "pp", "dp")}
+    degrees = {k: ParallelDims.of(lay).degree(k) for k in LABEL_ORDER}
     parts = [engine_variant(lay)] + [f"{k}{v}" for k, v in degrees.items()]
     parts += [f"mb{lay.get('micro_batch_size', '?')}", f"ckpt={lay.get('activation_checkpointing') or 'none'}",
               f"{lay.get('attention') or '?'}/{lay.get('rmsnorm') or '?'}"]

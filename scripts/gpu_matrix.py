@@ -16,9 +16,9 @@ import time
 import torch
 
 import harness.model.llama as llama
-from harness.runtime import RunContext
 from harness.errors import SpecError
 from harness.run import run
+from harness.runtime import RunContext
 from harness.spec import parse_spec
 from harness.store import ResultsStore, mentions_oom, new_record, now_iso
 

@@ -63,7 +63,8 @@ def main():
     per_sweep = [search(sweeps, [n], start)[0] for n in names]
     print("(1) per sweep:       ", " ".join(f"{v:.3f}" for v in per_sweep), f"mean {np.mean(per_sweep):.3f}")
     shared, theta = search(sweeps, names, start)
-    print("(2) shared, in-sample", " ".join(f"{spearman_of(theta, *sweeps[n]):.3f}" for n in names), f"mean {shared:.3f}")
+    print("(2) shared, in-sample", " ".join(f"{spearman_of(theta, *sweeps[n]):.3f}" for n in names),
+          f"mean {shared:.3f}")
     gemm = theta[EFFICIENCY_KEYS.index("gemm")]
     print("    efficiencies relative to GEMM's:",
           {k: round(float(gemm / v), 3) for k, v in zip(EFFICIENCY_KEYS, theta) if k != "launch_us"})

@@ -52,7 +52,8 @@ def test_13b_tp8_sp_counts_by_hand():
     assert first["sp"]["all_gather"] == {"count": n, "bytes": n * act, "bytes_by_dtype": {"fp32": n * act}}
     assert first["sp"]["reduce_scatter"]["count"] == micro * (4 * layers + 1)
     assert "tp" not in first  # no loss on the first stage, no all-reduce under SP
-    assert first["pp"]["send"] == {"count": micro, "bytes": micro * act // 8, "bytes_by_dtype": {"fp32": micro * act // 8}}
+    assert first["pp"]["send"] == {"count": micro, "bytes": micro * act // 8,
+                                   "bytes_by_dtype": {"fp32": micro * act // 8}}
     last = rank_comm(shape, lay, seq, gbs, 8 * 16 * 3)
     loss = micro * (seq * 4 + 2 * seq * 4)
     assert last["tp"]["all_reduce"] == {"count": 2 * micro, "bytes": loss, "bytes_by_dtype": {"fp32": loss}}

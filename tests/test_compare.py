@@ -10,8 +10,8 @@ import yaml
 from harness.compare.orchestrate import run_comparison
 from harness.compare.parity import FAIL, NO_DATA, PASS, check_parity, compare_fingerprints
 from harness.compare.spec import DEFAULT, parse_compare_spec
-from harness.report.compare import layout_matrix, write_report
 from harness.errors import SpecError
+from harness.report.compare import layout_matrix, write_report
 from harness.store import ResultsStore
 
 WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1,
@@ -172,7 +172,8 @@ def test_matrix_shows_every_layout_under_every_engine_with_reasons(tmp_path):
     raw = {"name": "m", "nproc": 4, "parity_steps": 2, "reference": False,
            "workload": {**WORKLOAD, "model_overrides": {"layers": 4}},
            "matrix": {"engines": [{"engine": "own"}, {"engine": "deepspeed", "zero_stage": 1}, {"engine": "fsdp"}],
-                      "layouts": [{"dp": 4}, {"tp": 2, "pp": 2, "dp": 1}, {"tp": 2, "dp": 2, "sequence_parallel": True}]}}
+                      "layouts": [{"dp": 4}, {"tp": 2, "pp": 2, "dp": 1},
+                                  {"tp": 2, "dp": 2, "sequence_parallel": True}]}}
     cs = parse_compare_spec(raw)
     labels = [r.label for r in cs.runs]
     assert labels == ["own dp4", "deepspeed ZeRO-1 dp4", "FSDP2 reshard dp4", "own tp2 pp2", "FSDP2 reshard tp2 pp2",

@@ -9,7 +9,6 @@ for configs shaped like real checkpoints (their fields as published, their sizes
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -17,8 +16,8 @@ import torch
 from harness.errors import CapabilityError, SpecError
 from harness.frameworks.hf_llama import to_hf_name
 from harness.model.flops import flops_per_token
-from harness.model.llama import Llama, build_model, lm_loss
-from harness.model.presets import PRESETS, Shape, param_count, resolve_shape, shape_to_config
+from harness.model.llama import Llama, build_model
+from harness.model.presets import Shape, param_count, resolve_shape, shape_to_config
 
 SMALL = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
          "vocab_size": 512}
@@ -50,7 +49,8 @@ CONFIGS = {
                                  "rope_parameters": {"rope_theta": 500000.0, **LLAMA3_SCALING}},
     # everything at once, the shape the engine equivalence test below trains
     "tied-bias-llama3": {**SMALL, "model_type": "llama", "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
-                         "max_position_embeddings": 131072, "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING, "tie_word_embeddings": True,
+                         "max_position_embeddings": 131072, "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING,
+                         "tie_word_embeddings": True,
                          "attention_bias": True},
 }
 

@@ -9,9 +9,9 @@ import yaml
 
 from harness.errors import SpecError
 from harness.frameworks.ds_config import DS_CONFIG_DIR, build_config
+from harness.spec import parse_spec
 from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
-from harness.spec import parse_spec
 
 STEPS = 5
 WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,

@@ -218,4 +218,5 @@ def test_pipeline_checkpoint_interval_follows_the_layout(tmp_path):
     assert "layout.activation_checkpointing" in e.value.reason
     path = config_file(tmp_path, pipeline={"activation_checkpoint_interval": "auto"})
     cfg, _, filled = build_config(parse_spec(ds_layout(pp=2, zero_stage=1, ds_config=path)), device_type="cpu")
-    assert cfg["pipeline"]["activation_checkpoint_interval"] == 0 and "pipeline.activation_checkpoint_interval" in filled
+    assert (cfg["pipeline"]["activation_checkpoint_interval"] == 0
+            and "pipeline.activation_checkpoint_interval" in filled)

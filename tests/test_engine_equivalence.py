@@ -29,10 +29,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.testing import equivalence as E
-from harness.testing.reference import mismatches
 from harness.engine.comm_model import rank_comm
 from harness.model.presets import resolve_shape
+from harness.testing import equivalence as E
+from harness.testing.reference import mismatches
 
 FOUR = {"model_overrides": {"layers": 4}}
 BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL = 1e-4, 1e-2
@@ -93,8 +93,8 @@ PARAMS = [_param(world, i) for world, cases in CASES.items() for i in range(len(
 
 
 def _run_in_process(cases):
-    from harness.runtime import RunContext
     from harness.frameworks.own import build
+    from harness.runtime import RunContext
 
     ctx = RunContext(0, 1, 0, torch.device("cpu"), None)
     out = []

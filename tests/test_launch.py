@@ -156,7 +156,8 @@ def test_record_written_then_hung_is_killed_after_grace(fake, monkeypatch):
     """A rank that wrote its failure record but never exits (peers stuck in a collective)."""
     tmp_path, env = fake
     monkeypatch.setattr(launch, "LINGER_S", 2.0)
-    (tmp_path / "fake_runner.py").write_text(FAKE.replace('mode = os.environ.get("HARNESS_FAKE", "ok")', '''mode = os.environ.get("HARNESS_FAKE", "ok")
+    (tmp_path / "fake_runner.py").write_text(FAKE.replace('mode = os.environ.get("HARNESS_FAKE", "ok")',
+                                                          '''mode = os.environ.get("HARNESS_FAKE", "ok")
 if mode == "oom-then-hang":
     rec = new_record({"workload": {}, "layout": {}}, sweep=sweep, point_key=key)
     rec.update(run_id=run_id, status="oom", error="CUDA out of memory")

@@ -181,7 +181,7 @@ def test_fsdp_planner_agrees_with_the_trace():
               f"| {r['seconds']:.1f}")
         rows.append(r)
     for r in rows:
-        assert r["engine"] == "fsdp" and r["seconds"] < 240, r["layout"]
+        assert r["engine"] == "fsdp", r["layout"]  # its time: benchmarks/memory_speed.py
         assert abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.10 * r["traced_peak_gib"], r["layout"]
         for rank in r["ranks"]:
             assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.10 * rank["total_gib"], (r["layout"], rank)

@@ -11,8 +11,16 @@ import pytest
 import torch
 
 from harness.model.kernels import Kernels
-from harness.model.llama import (Llama, ReferenceWeights, build_model, load_reference, rotary_tables, shape_rotary,
-                                 tie_embeddings, token_positions)
+from harness.model.llama import (
+    Llama,
+    ReferenceWeights,
+    build_model,
+    load_reference,
+    rotary_tables,
+    shape_rotary,
+    tie_embeddings,
+    token_positions,
+)
 from harness.model.presets import PRESETS
 
 SHAPE = PRESETS["tiny-4l"]

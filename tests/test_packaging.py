@@ -60,7 +60,8 @@ def test_installed_copy_is_read_outside_a_source_tree(monkeypatch, tmp_path):
 
 def test_no_module_finds_files_relative_to_the_source_tree():
     """Only harness/resources.py may look next to the package; everything else asks it."""
-    pattern = re.compile(r"parents\[\d\]|dirname\(os\.path\.dirname|\.\./|Path\(__file__\)\.resolve\(\)\.parent\.parent")
+    pattern = re.compile(r"parents\[\d\]|dirname\(os\.path\.dirname|\.\./"
+                         r"|Path\(__file__\)\.resolve\(\)\.parent\.parent")
     bad = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "harness").rglob("*.py"))
            if p.name != "resources.py"
            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]

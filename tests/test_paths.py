@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from harness import launch
-from harness.cli import build_parser, main as cli_main
+from harness.cli import build_parser
+from harness.cli import main as cli_main
 from harness.commands.compare import DEFAULT_OUT, default_log_dir
 from harness.compare.spec import DEFAULT
 from harness.frameworks.ds_config import build_config

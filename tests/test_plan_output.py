@@ -10,9 +10,9 @@ import shlex
 import sqlite3
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 import yaml
 
 from harness.cli import main as cli
@@ -79,7 +79,8 @@ def test_memory_reads_only_whether_attention_is_materialised():
                 assert len({memory_key(lay) for lay in lays}) == 1
                 totals = {worst_stage_memory(S13, lay, Workload(seq, gbs))[1]["total"] for lay in lays}
                 assert len(totals) == 1, (engine, seq, ck, totals)
-    assert memory_key(PlannerLayout(2, 2, 16, 1, attention="naive")) != memory_key(PlannerLayout(2, 2, 16, 1, attention="fused_softmax"))
+    assert (memory_key(PlannerLayout(2, 2, 16, 1, attention="naive"))
+            != memory_key(PlannerLayout(2, 2, 16, 1, attention="fused_softmax")))
 
 
 # ---------------------------------------------------------------- --export
@@ -128,7 +129,8 @@ def test_export_megatron_cli(capsys):
     code, out, err = run(capsys, *PLAN_13B, "--export", "megatron")
     assert code == 0
     a = megatron_parser().parse_args(shlex.split(out))
-    assert (a.global_batch_size, a.seq_length, a.num_layers, a.hidden_size, a.ffn_hidden_size) == (2048, 2048, 40, 5120, 13824)
+    assert ((a.global_batch_size, a.seq_length, a.num_layers, a.hidden_size, a.ffn_hidden_size)
+            == (2048, 2048, 40, 5120, 13824))
     assert a.bf16 and a.swiglu and a.untie_embeddings_and_output_weights and a.normalization == "RMSNorm"
     assert f"tp {a.tensor_model_parallel_size} pp {a.pipeline_model_parallel_size} " in err
     assert f"micro-batch {a.micro_batch_size} " in err
@@ -179,7 +181,8 @@ def test_export_torchtitan_layout_fields():
     cfg = tomllib.loads(export_torchtitan(S13, PlannerLayout(2, 4, 8, 2, activation_checkpointing="selective",
                                                       sequence_parallel=True), wl)[0])
     par = cfg["parallelism"]
-    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["data_parallel_shard_degree"]) == (2, 4, 8)
+    assert ((par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["data_parallel_shard_degree"])
+            == (2, 4, 8))
     assert par["pipeline_parallel_schedule"] == "1F1B" and par["pipeline_parallel_microbatch_size"] == 2
     assert cfg["training"]["local_batch_size"] == 512 // 8
     assert cfg["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}

@@ -76,7 +76,8 @@ def test_study_facts_on_memory():
 
 def test_time_structure():
     prof = load_profile("a100-80gb")
-    p = lambda **kw: predict(S13, PlannerLayout(**{**dict(tp=1, pp=1, dp=64, micro_batch_size=1), **kw}), WL, prof)
+    def p(**kw):
+        return predict(S13, PlannerLayout(**{**dict(tp=1, pp=1, dp=64, micro_batch_size=1), **kw}), WL, prof)
     assert p(attention="naive").step_time_s > p(attention="flash1").step_time_s > p().step_time_s
     assert p(rmsnorm="torch").step_time_s > p().step_time_s
     assert p(activation_checkpointing="full").step_time_s > 1.2 * p().step_time_s
@@ -89,7 +90,8 @@ def test_dp_reduction_aggregates_rails_only_unpipelined_within_the_node_limit(tm
     member (the published 30B runs on 32 nodes), as pipelined runs always do."""
     prof = load_profile("a100-80gb")
     s30 = PRESETS["paper-30b"]
-    dp_s = lambda prof, lay: predict(s30, lay, WL, prof).time_breakdown_s["dp_reduction_exposed_s"]
+    def dp_s(prof, lay):
+        return predict(s30, lay, WL, prof).time_breakdown_s["dp_reduction_exposed_s"]
     lay8, lay32 = PlannerLayout(4, 1, 16, 1), PlannerLayout(4, 1, 64, 1)  # 8 and 32 nodes, 2 members per node
     assert dp_s(prof, lay32) == pytest.approx(2 * dp_s(prof, lay8) * (63 / 64) / (15 / 16), rel=1e-6)
     raw = yaml.safe_load((REPO / "harness/planner/hardware/a100-80gb.yaml").read_text())
@@ -163,7 +165,8 @@ def test_cli_errors_exit_2():
 def test_emit_sweep_and_explain(tmp_path):
     out = tmp_path / "sweep.yaml"
     r = run_cli("--model", "paper-13b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "32",
-                "--attention", "flash2", "--rmsnorm", "fused,torch", "--top", "3", "--explain", "--emit-sweep", str(out))
+                "--attention", "flash2", "--rmsnorm", "fused,torch", "--top", "3", "--explain",
+                "--emit-sweep", str(out))
     assert r.returncode == 0, r.stderr
     assert "memory GiB" in r.stdout
     import yaml
@@ -255,7 +258,8 @@ def test_calibrate_on_synthetic_cpu_store_predicts_held_back_run(tmp_path):
 @pytest.mark.slow  # runs the CLI in a process
 def test_cli_calibrate_writes_profile(tmp_path):
     out = tmp_path / "cal.yaml"
-    r = run_cli("--hardware", "a100-80gb", "--calibrate-csv", str(REPO / "baselines/paper_sweeps/llama_13B_bfloat16_32_GPUs_sequence_parallelism.csv"),
+    r = run_cli("--hardware", "a100-80gb", "--calibrate-csv",
+                str(REPO / "baselines/paper_sweeps/llama_13B_bfloat16_32_GPUs_sequence_parallelism.csv"),
                 "--calibrate-out", str(out))
     assert r.returncode == 0, r.stderr
     assert "median" in r.stdout and out.is_file()

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from harness.runtime import RunContext
 from harness.run import run
+from harness.runtime import RunContext
 from harness.spec import parse_spec
 
 CALIBRATION = [  # (model, seq_len, global batch, micro-batch)

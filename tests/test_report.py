@@ -12,8 +12,8 @@ import pytest
 
 from harness.cli import main as cli_main
 from harness.report.build import build_report, sections_for
-from harness.testing.synthetic import make_records
 from harness.store import ResultsStore, new_record
+from harness.testing.synthetic import make_records
 
 SECTIONS = ["overview", "best", "micro-batch", "tp-pp", "kernels", "checkpointing", "sequence-parallel",
             "frameworks", "breakdown", "timeline", "failures", "baselines", "recommendations"]

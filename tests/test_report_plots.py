@@ -6,10 +6,10 @@ per-run TensorBoard stream with its one-line error when the package is missing."
 from __future__ import annotations
 
 import importlib.util
-import sys
 import os
 import random
 import re
+import sys
 
 import pytest
 import torch

@@ -8,8 +8,8 @@ import torch
 import yaml
 
 from harness.data.source import token_source
-from harness.runtime import RunContext
 from harness.run import run
+from harness.runtime import RunContext
 from harness.spec import parse_spec
 from harness.store import ResultsStore
 
@@ -52,7 +52,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
 
 def test_bf16_run(tmp_path):
     rec = run(tiny(tmp_path, workload={"precision": "bf16"}), CPU, progress=False)
-    assert rec["status"] == "ok" and all(l == l for l in rec["metrics"]["losses"])
+    assert rec["status"] == "ok" and all(loss == loss for loss in rec["metrics"]["losses"])
 
 
 def test_token_file_data(tmp_path, cli):
@@ -89,7 +89,8 @@ def test_slurm_environment_is_adopted(monkeypatch):
 
 def test_deepspeed_style_local_rank_argument_is_accepted(tmp_path, cli):
     path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump({"workload": {"seq_len": 16, "global_batch_size": 2, "steps": 2, "warmup_steps": 0}}))
+    path.write_text(yaml.safe_dump(
+        {"workload": {"seq_len": 16, "global_batch_size": 2, "steps": 2, "warmup_steps": 0}}))
     r = cli("train", "--local_rank=0", str(path), "--no-progress", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
 

@@ -129,7 +129,8 @@ def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, mo
     store = str(tmp_path / "r.sqlite")
     counts = run_sweep(spec, launcher="torchrun", store_path=store, timeout_s=150, progress=False)
     by_seed = {r["spec"]["workload"]["seed"]: r for r in ResultsStore(store).records(sweep="faults")}
-    assert counts == {"ok": 1, "oom": 1, "failed": 1, "timeout": 1}, {k: (r["status"], r["error"]) for k, r in by_seed.items()}
+    assert counts == {"ok": 1, "oom": 1, "failed": 1, "timeout": 1}, (
+        {k: (r["status"], r["error"]) for k, r in by_seed.items()})
     assert by_seed[1]["status"] == "ok" and by_seed[1]["metrics"]["step_time_s"]["n"] == 3
     killed = by_seed[2]
     assert killed["status"] == "failed"  # rank 0 saw its peer vanish; the launcher saw the signal

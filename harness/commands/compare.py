@@ -39,16 +39,17 @@ def add_arguments(p):
     p.add_argument("--store", help="results SQLite file (default: the spec's `store`, else results.sqlite)")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help=f"directory for the report files compare-<name>.md/.html/.json (default: {DEFAULT_OUT}/)")
-    p.add_argument("--logs", help="directory for the runs' logs (default: harness-logs/compare-<name>/ next to the store)")
+    p.add_argument("--logs",
+                   help="directory for the runs' logs (default: harness-logs/compare-<name>/ next to the store)")
     p.add_argument("--timeout", type=float, help="per-run timeout in seconds (overrides the spec)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_tensorboard_argument(p, "every run")
 
 
 def main(args) -> int:
-    from harness.compare.orchestrate import run_comparison
     import copy
 
+    from harness.compare.orchestrate import run_comparison
     from harness.compare.spec import DEFAULT, parse_compare_spec
     from harness.report.compare import write_report
     from harness.spec import check_output_path, check_positive, parse_with_overrides, read_yaml

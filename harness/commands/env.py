@@ -19,8 +19,8 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from harness.runtime import choose_device
     from harness.measure import fingerprint
+    from harness.runtime import choose_device
 
     print(json.dumps(fingerprint(choose_device(args.device, 0)), indent=2))
     return 0

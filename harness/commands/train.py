@@ -38,8 +38,8 @@ def add_arguments(p):
 
 def main(args) -> int:
     from harness import runtime
-    from harness.run import run
     from harness.report.summary import summary_lines
+    from harness.run import run
     from harness.spec import check_positive, parse_spec, parse_with_overrides, read_yaml
     from harness.store import check_store
 

@@ -7,6 +7,7 @@ import time
 
 from harness.memtrace.terms import named_terms, pipelined, planner_stages
 from harness.memtrace.trace import check_traceable, stage_ranks, substitutions, trace_rank
+from harness.parallel_dims import LABEL_ORDER
 
 GIB = 1024 ** 3
 
@@ -50,7 +51,7 @@ def trace_spec(spec, profile=None) -> dict:
         "name": spec.name, "model": spec.workload.model, "seq_len": spec.workload.seq_len,
         "global_batch_size": spec.workload.global_batch_size, "precision": spec.workload.precision,
         "engine": spec.layout.engine,
-        "layout": {k: getattr(spec.layout, k) for k in ("tp", "pp", "dp", "micro_batch_size",
+        "layout": {k: getattr(spec.layout, k) for k in (*LABEL_ORDER, "micro_batch_size",
                                                         "activation_checkpointing", "sequence_parallel",
                                                         "attention", "rmsnorm", "pipeline_schedule",
                                                         "virtual_stages", "zero_stage", "reshard_after_forward")},

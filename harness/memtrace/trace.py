@@ -44,8 +44,8 @@ interleaved schedule, min(m, 2) without a pipeline (gradient accumulation). The 
 buckets and reductions do not depend on the count, and one more micro-batch repeats the same
 allocations in the same order.
 
-The engines are built with harness.model.training.BuildOptions (the fused optimizer, NCCL's
-coalesced transfer groups, weights not loaded, allocation under fake mode) and tell the tracer
+The engines are built with harness.model.training.BuildOptions (the kernels above, the fused
+optimizer, NCCL's coalesced transfer groups, weights not loaded, allocation under fake mode) and tell the tracer
 their phases through its StepHooks; train_step's loss is a fake tensor, whose value nobody reads.
 Under the own engine's build, modules on the meta device stay real meta tensors, as outside a
 trace (_MetaStaysReal), so Module.to_empty assigns fresh fake parameters as it does to real ones.

@@ -105,7 +105,8 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 def _number(raw: dict, key: str, kind, where: str, field: str):
     """raw[key] (or transformers' default) as a positive int or float, or a SpecError."""
     value = raw[key] if raw.get(key) is not None else _HF_DEFAULTS.get(key)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and (kind is float or float(value).is_integer()))
     if not ok or value <= 0:
         raise SpecError(field, f"{key} must be a positive {'integer' if kind is int else 'number'}, got {value!r} "
                                f"({where})")
@@ -149,7 +150,8 @@ def config_dict_to_shape(raw: dict, where: str = "config.json", field: str = "wo
     if dropout != 0:
         raise SpecError(field, f"attention_dropout {dropout} is not supported ({where}); the harness trains "
                                f"without dropout, as LLaMA does")
-    hidden, heads = _number(raw, "hidden_size", int, where, field), _number(raw, "num_attention_heads", int, where, field)
+    hidden, heads = (_number(raw, "hidden_size", int, where, field),
+                     _number(raw, "num_attention_heads", int, where, field))
     if raw.get("num_key_value_heads") is None:
         kv_heads = heads
     else:

@@ -14,8 +14,8 @@ from pathlib import Path
 import yaml
 
 from harness.errors import SpecError
-from harness.spec import yaml_problem
 from harness.planner.layout import ATTENTION
+from harness.spec import yaml_problem
 
 PROFILE_DIR = Path(__file__).with_name("hardware")
 EFFICIENCY_KEYS = ("gemm", "flash2", "flash1", "mem_efficient", "naive_attention", "fused_softmax",
@@ -89,7 +89,9 @@ def _from_dict(raw: dict, source: str) -> Profile:
         memory_gib=float(raw["memory_gib"]), hbm_gbps=float(raw["hbm_gbps"]),
         nvlink_gbps=float(raw["nvlink_gbps"]), internode_gbps=float(raw["internode_gbps"]),
         gpus_per_node=int(raw["gpus_per_node"]), efficiency={k: float(v) for k, v in eff.items()},
-        rail_aggregation_max_nodes=_positive_int(raw.get("rail_aggregation_max_nodes", Profile.rail_aggregation_max_nodes), "rail_aggregation_max_nodes", source),
+        rail_aggregation_max_nodes=_positive_int(
+            raw.get("rail_aggregation_max_nodes", Profile.rail_aggregation_max_nodes),
+            "rail_aggregation_max_nodes", source),
         device_names=list(raw.get("device_names") or []), attention_kernels=kernels,
         calibrated=dict(raw.get("calibrated") or {}), source=source)
 

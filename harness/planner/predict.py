@@ -74,7 +74,8 @@ def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
         raise SpecError("layout.tp", f"{shape.heads} attention heads are not divisible by tp={lay.tp}")
     if wl.global_batch_size % (lay.dp * lay.micro_batch_size):
         raise SpecError("workload.global_batch_size",
-                        f"{wl.global_batch_size} is not divisible by dp x micro-batch = {lay.dp * lay.micro_batch_size}")
+                        f"{wl.global_batch_size} is not divisible by dp x micro-batch = "
+                        f"{lay.dp * lay.micro_batch_size}")
     if lay.attention not in ATTENTION_CLASS:
         raise SpecError("layout.attention", f"unknown kernel {lay.attention!r}; known: {', '.join(ATTENTION_CLASS)}")
     if lay.rmsnorm not in RMSNORM_KERNELS:

@@ -49,7 +49,8 @@ ROTARY_BYTES_PER_B = 4        # q and k read and written, fwd and bwd
 LAYOUT_BYTES_PER_B = 4        # q/k/v split and transposes around the attention kernel
 SCORE_TRAFFIC = {"naive": 90, "fused_softmax": 24}  # bytes per score element fwd+bwd (fp32 chain vs one fused pass)
 LOSS_BYTES_PER_LOGIT = 36     # fp32 upcast, max, exp, sum, log-softmax grad, bf16 cast
-ADAM_BYTES_PER_PARAM = 36     # read fp32 master, m, v, grad (16), write them (12... + 4), write bf16 copy (2), zero grad (2)
+ADAM_BYTES_PER_PARAM = 36     # read fp32 master, m, v, grad (16), write them (12... + 4), write bf16 copy (2),
+                              # zero grad (2)
 KERNELS_PER_LAYER = 90        # ~30 forward kernels (norms, GEMMs, rotary, attention, SwiGLU, adds), ~2x backward
 
 
@@ -147,7 +148,8 @@ def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     if cls in MATERIALISED:
         rec = 1 if ckpt in ("full", "selective") else 0
         x["gemm"] += (3 + rec) * 4 * b * s * s * heads_t * d / (peak * _gemm_eff(s, s, d))
-        x["naive_attention" if cls == "naive" else cls] += (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * s / hbm
+        x["naive_attention" if cls == "naive" else cls] += ((SCORE_TRAFFIC[cls] * (1 + rec / 3))
+                                                            * b * heads_t * s * s / hbm)
     else:
         fwd = 2 * b * s * s * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
         rec = 1 if ckpt in ("full", "selective") else 0

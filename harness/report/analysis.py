@@ -229,7 +229,8 @@ def pipeline(rows: list[Row], metric: Metric, run_id: str | None = None) -> Sect
     if bad:
         s.text.append("The recorded schedule lacks start/end times; not drawn.")
         return s
-    s.text.append(f"{'The chosen' if run_id and r.run_id.startswith(run_id) else 'The best pipelined'} run: {r.label} ({r.sweep}, run {r.run_id[:10]}). Forward (F) and "
+    s.text.append(f"{'The chosen' if run_id and r.run_id.startswith(run_id) else 'The best pipelined'} run: "
+                  f"{r.label} ({r.sweep}, run {r.run_id[:10]}). Forward (F) and "
                   "backward (B) passes per micro-batch and stage; the white space is the pipeline bubble "
                   "(on that stage: waiting for its neighbours).")
     stages = sorted({e.get("stage", 0) for e in r.timeline})
@@ -289,7 +290,8 @@ def quoted(rows: list[Row], metric: Metric, base: dict) -> Section:
                               "Source: " + study[0]["source"] + "; data licence " + study[0]["license"]))
     fw = base.get("frameworks") or []
     if fw:
-        s.tables.append(Table(["framework", "model", "devices", "hardware", "seq", "QUOTED MFU", "convention", "source"],
+        s.tables.append(Table(["framework", "model", "devices", "hardware", "seq", "QUOTED MFU", "convention",
+                               "source"],
                               [[f["framework"], f["model"], f["devices"], f["hardware"], f["seq_len"],
                                 f"{100 * float(f['mfu']):.1f}%", f["convention"], f"{f['source']}, {f['location']}"]
                                for f in fw], "Other training stacks, as published"))

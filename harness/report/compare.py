@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 
+from harness.parallel_dims import LABEL_ORDER
 from harness.report import plots, render
 from harness.report.analysis import rate_ci
 from harness.report.data import measured_columns
@@ -32,7 +33,7 @@ def _sci(x) -> str:
 
 
 # What tells a comparison's layouts apart (the matrix's rows); the engine variant is the column.
-ROW_FIELDS = ("tp", "pp", "dp", "sequence_parallel", "micro_batch_size", "activation_checkpointing")
+ROW_FIELDS = (*LABEL_ORDER, "sequence_parallel", "micro_batch_size", "activation_checkpointing")
 BREAKDOWN = (("compute", "compute"), ("tp_comm", "exposed TP comm"), ("bubble", "pipeline bubble"),
              ("dp_comm", "exposed DP comm"), ("optimizer", "optimizer"))
 NOT_MEASURED = "not measured"

@@ -22,7 +22,8 @@ def summary_lines(record: dict, store_path: str) -> list[str]:
         lines.append(f"  step time: median {st['median'] * 1e3:.1f} ms (95% CI {st['ci95_low'] * 1e3:.1f}-"
                      f"{st['ci95_high'] * 1e3:.1f}, p10 {st['p10'] * 1e3:.1f}, p90 {st['p90'] * 1e3:.1f}, "
                      f"n={st['n']})")
-        lines.append(f"  throughput: {m['tokens_per_s']:,.0f} tokens/s ({m['tokens_per_s_per_device']:,.0f} per device)")
+        lines.append(f"  throughput: {m['tokens_per_s']:,.0f} tokens/s "
+                     f"({m['tokens_per_s_per_device']:,.0f} per device)")
         if m.get("mfu"):
             mfu = m["mfu"]
             lines.append(f"  MFU: palm {100 * mfu['palm']:.1f}% | causal {100 * mfu['palm_causal']:.1f}% | "
