@@ -1,6 +1,6 @@
 """`harness plan --calibrate` on real CPU runs of the harness predicts a held-back run.
 
-Acceptance (issue 6): calibrated on records of this machine's tiny-model runs, the planner
+Calibrated on records of this machine's tiny-model runs, the planner
 predicts the step time of a run it has not seen within 15%.
 """
 

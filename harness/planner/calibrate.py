@@ -32,7 +32,7 @@ RIDGE = 0.01         # weight of the pull towards the literature value, per cons
 # them absorb other residuals (flash2 0.31, at FlashAttention-1's rate, against the measured
 # 50-70% on A100 in Dao 2023, Fig. 4), while attention is 4x the share of a step at 8192 tokens,
 # consistent with the held-aside sequence-8192 sweeps coming out 3-6 MFU points low for
-# FlashAttention-2 (issue 13). At 10x the pull, flash2 fits at 0.46 and flash1 at 0.34 of peak,
+# FlashAttention-2. At 10x the pull, flash2 fits at 0.46 and flash1 at 0.34 of peak,
 # for the same figures on the four published sweeps (mean Spearman within 0.001; median MFU error
 # +0.02 points in-sample, -0.09 held out by sweep, +0.01 by model: tests/test_planner_paper.py).
 PRIOR_WEIGHT: dict[str, float] = {"flash2": 10.0, "flash1": 10.0}

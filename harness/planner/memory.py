@@ -270,7 +270,7 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
 # successor of the framework the study ran; src/scaling/core/optimizer/) that the generic model
 # above does not spell out. They grow with model size and with tokens per micro-batch, which is
 # where the study's held-aside 65B and sequence-8192 sweeps ran out of memory while predicted to
-# fit (issue 13).
+# fit.
 
 def paper_allreduce_bucket_elements(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: int) -> float:
     """Elements of the largest gradient bucket the study's data-parallel all-reduce builds.

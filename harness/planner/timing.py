@@ -39,7 +39,7 @@ FLASH_BWD = 2.5
 # FlashAttention-2's causal forward+backward throughput from 2k to 8k tokens on A100 (about 20%,
 # Dao 2023, "FlashAttention-2", Fig. 4, head dim 128). The efficiency constants (flash1, flash2,
 # mem_efficient) are the long-sequence limits. Without it, constants fitted at 2048 tokens
-# under-predict flash attention at 8192 (issue 13: FlashAttention-2 MFU at 8192 3-6 points low).
+# under-predict flash attention at 8192 (FlashAttention-2 MFU at 8192 3-6 points low).
 FLASH_HALF_SEQ = 512
 # HBM bytes per element moved by elementwise work, forward + backward (counted from the kernels):
 RMSNORM_BYTES = {"fused": 10, "torch": 108}  # fused: fwd r+w, bwd r x,dy w dx; eager fp32 chain ~9 kernels
