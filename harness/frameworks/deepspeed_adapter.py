@@ -93,7 +93,7 @@ class DeepSpeedEngine(DeepSpeedBase):
 
             add_tp_plan(self.config, lay.model_impl)
             mpu = tp_groups(lay.tp)
-        if lay.model_impl == "hf":  # selective checkpointing is refused by the spec (CAPABILITIES)
+        if lay.model_impl == "hf":  # selective checkpointing is refused by the spec (ENGINE.capabilities)
             from harness.frameworks.hf_llama import build_hf_llama
 
             model = build_hf_llama(shape, w.seed, lay.attention, device=ctx.device)

@@ -19,7 +19,7 @@ are bf16; the receive buffers are allocated from this metadata).
 Gradient accumulation: the schedules run every micro-batch's backward with FSDP2's gradient
 sync off and reduce once after the last (PipelineStage.backward_maybe_with_nosync,
 perform_reduce_grad), so FSDP2 accumulates in its reduce_dtype (the spec refuses pp with
-grad_accum_dtype != grad_reduce_dtype: harness.spec.PRECISION_LIMITS).
+grad_accum_dtype != grad_reduce_dtype: fsdp's ENGINE.precision_limits).
 
 Loss: loss_fn is lm_loss / micro_batches with scale_grads=False, the reference's accumulation
 (harness/frameworks/single.py) term for term.

@@ -53,7 +53,7 @@ def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attent
             if pp > shape.layers or (pp_values and pp not in pp_values):
                 continue
             if pp > 1 and shape.tie_embeddings and fields.get("engine", "paper") != "paper":
-                continue  # every harness engine refuses tied embeddings across stages (spec.MODEL_LIMITS)
+                continue  # every harness engine refuses tied embeddings across stages (ENGINE.model_limits)
             dp = ParallelDims.derive(gpus, "--gpus", tp=tp, pp=pp).dp
             if wl.global_batch_size % dp:
                 continue

@@ -105,7 +105,7 @@ def _row_text(lay: dict, extra_fields: tuple = ()) -> str:
 
 def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Layouts by engine: per cell the run's median step time [95% CI] and parity verdict, or a
-    dash with the reason the engine cannot run that layout (harness.spec.CAPABILITIES)."""
+    dash with the reason the engine cannot run that layout (its adapter's ENGINE.capabilities, harness.registry)."""
     runs = [r for r in summary["runs"] if not r.get("is_reference")]
     parity = {p["label"]: p["verdict"] for p in summary["parity"]["runs"]}
     entries = [(_full_layout(r["layout"]), r) for r in runs] + \
@@ -203,7 +203,7 @@ def loss_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 
 MATRIX_TEXT = ("Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
-               "engine cannot run that layout (checked before launch, harness.spec.CAPABILITIES).")
+               "engine cannot run that layout (checked before launch: each adapter's ENGINE.capabilities).")
 BREAKDOWN_TEXT = ("Medians over the measured steps, as each engine reports them (the mean over ranks); "
                   "'not measured' where the framework does not expose the figure - never estimated.")
 
