@@ -31,7 +31,7 @@ def main() -> None:
 
     from harness.data.source import token_source
     from harness.frameworks.own import build
-    from harness.frameworks.single import SingleDeviceEngine
+    from harness.frameworks.single_engine import SingleDeviceEngine
     from harness.model.presets import resolve_shape
     from harness.runtime import RunContext
     from harness.spec import parse_spec

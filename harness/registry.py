@@ -57,6 +57,9 @@ class EngineFacts:
     label: typing.Callable[[dict], str] | None = None
     launcher: str = "torchrun"  # how compare starts its ranks on this machine (harness.launch.LOCAL_LAUNCHERS)
     one_process: bool = False  # runs in one process whatever nproc a comparison gives (the reference)
+    # checks of its own files (spec) -> None, raising SpecError, run by every rank before anything is
+    # built (a ds_config that contradicts the workload is a spec error, not a failed run)
+    preflight: typing.Callable[..., None] | None = None
 
     def variant(self, layout: dict) -> str:
         return self.label(layout) if self.label is not None else self.name

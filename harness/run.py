@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import measure
+from harness import measure, registry
 from harness.data.source import token_source
 from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
@@ -52,10 +52,9 @@ def preflight(spec: RunSpec, ctx: RunContext):
     own checks ran when it was parsed)."""
     shape = spec.shape()
     check_world_size(spec, ctx.world_size)
-    if spec.layout.engine == "deepspeed":  # a contradicting ds_config is a spec error, not a failed run
-        from harness.frameworks.ds_config import validate
-
-        validate(spec)
+    engine = registry.facts(spec.layout.engine)
+    if engine.preflight is not None:  # e.g. a ds_config that contradicts the workload
+        engine.preflight(spec)
     dtype = torch.bfloat16 if spec.workload.precision == "bf16" else torch.float32
     check_kernels(spec.layout.attention, spec.layout.rmsnorm, ctx.device, dtype, shape.hidden // shape.heads)
     return shape

@@ -21,6 +21,9 @@ where a framework cannot, the spec refuses the combination (the adapter's ENGINE
 
 Each adapter declares at its top `ENGINE = harness.registry.EngineFacts(...)`: what it runs, its
 precision and model limits, its label. harness.registry maps each engine's name to its adapter.
+An adapter stays light (no torch at import: the spec and the reports read its facts) and its
+build() imports the engine: own -> harness/engine, single -> single_engine.py, fsdp ->
+fsdp_engine.py, deepspeed -> deepspeed_engine.py and deepspeed_pipe.py.
 """
 
 from __future__ import annotations

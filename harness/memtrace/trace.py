@@ -474,7 +474,7 @@ def _static_shapes_without_vote(schedule) -> None:
 
 
 def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
-    """Build engine fsdp (harness/frameworks/fsdp.py) as global `rank` of the spec's layout and
+    """Build engine fsdp (harness/frameworks/fsdp_engine.py) as global `rank` of the spec's layout and
     run one step on fake tensors.
 
     Everything up to the parameters' allocation runs as in a real run, outside fake mode: the
@@ -487,7 +487,7 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
     builds it on CUDA. FakeTensorMode admits the meta tensors to_empty reads (allow_non_fake_inputs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.frameworks.fsdp import FSDPEngine
+    from harness.frameworks.fsdp_engine import FSDPEngine
 
     dims = ParallelDims.of(spec.layout)
     run_spec, m, m_run = traced_spec(spec, dims.coord(rank).pp, full_micro)

@@ -20,6 +20,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from harness import registry
 from harness.model.presets import Shape
 from harness.planner.layout import ATTENTION_CLASS, PlannerLayout, Workload
 from harness.planner.predict import Prediction
@@ -77,7 +78,7 @@ def spec_layout(lay: PlannerLayout) -> dict:
     """The layout as a harness.spec layout: the planner's engine names mapped to the harness's
     (the study's engine, `paper`, is modelled but not run here: the own engine is its analogue)."""
     out = dict(lay.to_spec())
-    if out.get("engine") not in (None, "own", "deepspeed", "fsdp", "single"):
+    if out.get("engine") is not None and not registry.known(out["engine"]):
         out["engine"] = "own"
     if out.get("engine") == "own" and out.get("zero_stage", 0) > 1:
         out["zero_stage"] = 1  # the own engine shards optimizer states at most (ZeRO-1)

@@ -1,0 +1,163 @@
+"""engine: deepspeed - the same LLaMA under deepspeed.initialize: ZeRO stage 1, 2 or 3, with
+DeepSpeed's AutoTP tensor parallelism when tp > 1; pp > 1 runs DeepSpeed's pipeline engine
+(harness/frameworks/deepspeed_pipe.py).
+
+What is the same as the reference (harness/frameworks/single_engine.py):
+  - initial weights: harness.model.llama.ReferenceWeights(shape, seed), loaded before DeepSpeed
+    partitions (ZeRO) or shards (AutoTP) them;
+  - tokens: every rank builds the step's global batch and takes its contiguous slice by its
+    data-parallel rank (the tp ranks of one group take the same slice);
+  - the loss: lm_loss on logits, averaged over micro-batches (DeepSpeed divides each
+    micro-batch's loss by gradient_accumulation_steps) and over data-parallel ranks (gradient
+    averaging);
+  - AdamW with the workload's hyperparameters, global-norm clipping, constant learning rate.
+    On CPU the optimizer is torch.optim.AdamW (`torch_adam`), the reference's own; on GPU it is
+    DeepSpeed's FusedAdam, DeepSpeed's best (CPUAdam with optimizer offload).
+  - the precision policy (workload.precision, grad_accum_dtype, grad_reduce_dtype): under bf16
+    both compute with bf16 parameters and keep fp32 masters and Adam states; DeepSpeed is
+    configured to it through bf16.enabled, data_types.grad_accum_dtype, communication_data_type
+    and bf16.check_grad_overflow false (ds_config.py), and describe() says how
+    (precision_policy: the reference's sentence; precision_config: DeepSpeed's keys and the
+    wrapper they chose). Losses agree within ~5e-5 relative (tests/test_census_deepspeed.py).
+What differs, and is said in describe():
+  - how much each ZeRO stage holds beside the policy's minimum (memory_census(), by category and
+    dtype; deepspeed_common.py has the closed forms): e.g. BF16_Optimizer at ZeRO-1 keeps every
+    bf16 .grad and an fp32 gradient buffer of the whole model;
+  - activation checkpointing `full` uses deepspeed.checkpointing.checkpoint per block;
+    `selective` is the model's own attention-core recomputation (DeepSpeed has no such mode).
+  - tp > 1: AutoTP shards the block's linears (deepspeed_tp.py); embedding and LM head stay
+    replicated, where the own engine shards them by vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harness.frameworks.deepspeed_common import DeepSpeedBase, configure_checkpointing, fp32_copy, gather_on_rank0
+
+CHECKPOINTING = {"none": "none", "full": "deepspeed.checkpointing.checkpoint per block",
+                 "selective": "model's attention-core recomputation (torch checkpoint)"}
+
+
+class DeepSpeedEngine(DeepSpeedBase):
+    def __init__(self, spec, shape, ctx):
+        super().__init__(spec, shape, ctx)
+        import deepspeed
+
+        w, lay = spec.workload, spec.layout
+        ckpt = lay.activation_checkpointing
+        mpu = None
+        if lay.tp > 1:
+            from harness.frameworks.deepspeed_tp import add_tp_plan, tp_groups
+
+            add_tp_plan(self.config, lay.model_impl)
+            mpu = tp_groups(lay.tp)
+        if lay.model_impl == "hf":  # refused by the spec (deepspeed_adapter.ENGINE)
+            from harness.frameworks.hf_llama import build_hf_llama
+
+            model = build_hf_llama(shape, w.seed, lay.attention, device=ctx.device)
+        elif self.stage == 3:
+            model = self._build_partitioned(shape, lay, "selective" if ckpt == "selective" else "none", mpu)
+        else:
+            from harness.model.llama import build_model
+
+            model = build_model(shape, w.seed, lay.attention, lay.rmsnorm,
+                                "selective" if ckpt == "selective" else "none", device=ctx.device)
+        if ckpt == "full":
+            if lay.model_impl == "hf":
+                model.hf.gradient_checkpointing_enable()
+                for module in model.hf.modules():
+                    if hasattr(module, "_gradient_checkpointing_func"):
+                        module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
+            else:  # each block through DeepSpeed's checkpoint
+                model.set_checkpointing("full", deepspeed.checkpointing.checkpoint)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                                 config=self.config, mpu=mpu)
+        self.after_initialize()
+        if ckpt == "full":
+            configure_checkpointing(self.config, self.engine.mpu)
+        # named after initialize: AutoTP (and ZeRO-3 under it) may have replaced parameters
+        self.params = list(self.engine.module.named_parameters())
+        if lay.tp > 1:
+            from deepspeed.utils import groups
+
+            self.dp_rank = groups.get_data_parallel_rank()
+            self.tp_rank = groups.get_tensor_model_parallel_rank()
+        else:
+            self.dp_rank, self.tp_rank = ctx.rank, 0
+
+    def _build_partitioned(self, shape, lay, checkpointing: str, mpu):
+        """ZeRO-3: construct under deepspeed.zero.Init (each parameter partitioned over the
+        data-parallel group as soon as its module exists), then load the reference weights one
+        gathered parameter at a time from the group's first rank - no rank ever holds the whole
+        model on the device. (With tp > 1 AutoTP gathers each sharded weight once more and cuts
+        its shard, which ZeRO-3 partitions again.)"""
+        import deepspeed
+
+        from harness.model.llama import Llama, ReferenceWeights
+
+        group = mpu.get_data_parallel_group() if mpu is not None else None
+        with deepspeed.zero.Init(config_dict_or_path=self.config, mpu=mpu, data_parallel_group=group):
+            model = Llama(shape, lay.attention, lay.rmsnorm, checkpointing)
+        writer = dist.get_rank(group=group) == 0 if group is not None else self.ctx.rank == 0
+        reference = ReferenceWeights(shape, self.spec.workload.seed) if writer else None
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if writer:
+                    with torch.no_grad():
+                        param.data.copy_(reference[name].to(param.device))
+        return model
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
+        from harness.model.llama import lm_loss
+
+        micro = self.local_micro_batches(global_batch, self.dp_rank)
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        for inputs, targets in micro:
+            logits = self.engine(inputs)
+            loss = lm_loss(logits, targets)
+            self.engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
+            self.engine.step()  # the optimizer steps at the accumulation boundary only
+            total += loss.detach().float()
+        self.check_step_applied()
+        total /= len(micro)
+        # every rank of a tp group holds the same loss: the mean over all ranks is the dp mean
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total / self.ctx.world_size
+
+    # ------------------------------------------------------------------ inspection
+
+    def full_state_dict(self):
+        """fp32 master weights, AutoTP shards put together, on global rank 0 (None elsewhere);
+        every rank takes part in the gathers."""
+        tp = self.spec.layout.tp > 1
+        if tp:
+            from harness.frameworks.deepspeed_tp import gather_tp_shards
+        mine = {}
+        for name, param in self.params:
+            full = fp32_copy(param)
+            if tp:
+                full = gather_tp_shards(param, full)
+            mine[self._plain_name(name)] = full
+        return gather_on_rank0(mine if self.dp_rank == 0 and self.tp_rank == 0 else None)
+
+    def _plain_name(self, name: str) -> str:
+        if self.spec.layout.model_impl == "hf":
+            from harness.frameworks.hf_llama import from_hf_name
+
+            return from_hf_name(name[len("hf."):])
+        return name
+
+    def describe(self) -> dict:
+        lay = self.spec.layout
+        d = self.describe_common()
+        d["activation_checkpointing"] = CHECKPOINTING[lay.activation_checkpointing]
+        if lay.tp > 1:
+            from harness.frameworks.deepspeed_tp import SHARDED, sharded_names
+
+            d["tensor_parallel"] = f"DeepSpeed AutoTP training, autotp_size {lay.tp}: {SHARDED}"
+            d["autotp_sharded_parameters"] = len(sharded_names(self.params))
+        return d

@@ -1,0 +1,379 @@
+"""engine: fsdp - the same LLaMA under PyTorch's own parallelism, the torchtitan way.
+
+One DeviceMesh (pp, dp, tp), tp innermost (the own engine's rank order, harness/engine/topology.py),
+created with init_device_mesh on the existing process group; then, in this order:
+
+  pp  torch.distributed.pipelining: the plain model cut into stage modules of its own pieces,
+      PipelineStage per stage, ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B
+      (virtual_stages stages per rank) over the mesh's pp dimension (native_pipeline.py);
+  tp  DTensor parallelize_module with the Colwise/Rowwise/SequenceParallel plan (native_tp.py);
+  ac  `full` wraps every block with torch's checkpoint_wrapper (non-reentrant); `selective` is
+      the model's own attention-core recomputation;
+  dp  FSDP2 `fully_shard` over the mesh's dp dimension, every block and then the root (the model,
+      or each stage module). reshard_after_forward true frees each block's gathered parameters
+      after its forward and gathers them again for backward (ZeRO-3-like); false keeps them until
+      the backward (ZeRO-2-like). The root is never resharded after forward. Applied at dp=1 too
+      (a one-rank group: nothing crosses ranks) so the mixed-precision policy is the same everywhere.
+
+Same as the reference (harness/frameworks/single_engine.py): initial weights (built on the meta device,
+sharded, then each rank copies its shard of ReferenceWeights in, one tensor at a time), tokens
+(the step's global batch, the contiguous slice of this rank's dp coordinate: every tp rank and
+pp stage with the same dp coordinate takes the same rows), loss/len(micro) accumulation
+(gradients are reduce-scattered with averaging over dp after every micro-batch, or once after the
+last with bf16 accumulation and with pp: see Precision),
+torch.optim.AdamW with the workload's hyperparameters (fused on GPU, as the reference), and
+global-norm clipping: the norm over every DTensor shard (tp, dp) and over the pp stages (their
+squared norms summed across the pp dimension).
+
+Precision: the workload's policy (harness.model.training.PrecisionPolicy), through FSDP2's own
+MixedPrecisionPolicy. fp32: none (every tensor and collective fp32). bf16:
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=grad_reduce_dtype): each block's fp32 shards
+are cast to bf16, all-gathered and computed with (so the DTensor TP collectives and the pipeline
+stage transfers carry bf16 activations and gradients), gradients are reduce-scattered in
+grad_reduce_dtype; the fp32 sharded parameters are the optimizer's master copy, and AdamW's
+states are fp32 beside them. Micro-batch accumulation follows grad_accum_dtype by where FSDP2
+accumulates (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, post_backward;
+_fsdp_collectives.py, foreach_reduce; _fsdp_param.py, to_accumulated_grad_if_needed):
+  fp32  reduce-scatter after every micro-batch: foreach_reduce casts the reduced shard to the
+        parameters' dtype and adds it into the fp32 sharded .grad (FSDP2's default);
+  bf16  set_requires_gradient_sync(False) on all but the last micro-batch: the unsharded bf16
+        .grad accumulates through autograd, reduced once (only with grad_reduce_dtype bf16:
+        without a reduction FSDP2 accumulates in reduce_dtype, so bf16 accumulation with an fp32
+        reduction is not offered). With pp, torch.distributed.pipelining always defers the
+        reduction to the last micro-batch, so accumulation happens in reduce_dtype: the spec
+        refuses pp with differing accumulation and reduction dtypes (fsdp.py, ENGINE.precision_limits).
+
+Memory census (memory_census): what this rank holds at its first optimizer step. FSDP2 reshards
+every group after the backward (post_backward, reshard_after_backward), so then only the fp32
+sharded parameters (category parameters: they are the module's parameters and, there being no
+other copy, the master: master_parameters stays empty), the fp32 sharded gradients (views of one
+flat reduce-scatter output per group) and AdamW's states are alive; gathered bf16 parameters and
+unsharded accumulation buffers are walked too and counted if alive (they are not, at the step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from harness import measure
+from harness.data.source import dp_slice
+from harness.model.kernels import Kernels
+from harness.model.llama import Llama, ReferenceWeights, lm_loss
+from harness.model.training import BuildOptions, dtype_name, precision_policy
+from harness.parallel_dims import ParallelDims
+
+_WRAPPED = "_checkpoint_wrapped_module."
+
+
+class FSDPEngine:
+    name = "fsdp"
+
+    def __init__(self, spec, shape, ctx, *, options: BuildOptions | None = None):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if ctx.backend is None:
+            raise RuntimeError("engine fsdp needs a process group (run it under a launcher)")
+        w, lay = spec.workload, spec.layout
+        options = options or BuildOptions()
+        self.spec, self.ctx, self.device, self.hooks = spec, ctx, ctx.device, options.hooks
+        dims = ParallelDims.of(lay)
+        self.coord = dims.coord(ctx.rank)
+        self.mesh = dims.device_mesh(ctx.device.type)
+        if lay.tp > 1:  # lets DTensor reduce the gradient norm over (dp, tp) in one all-reduce, not two
+            self.mesh["dp", "tp"]._flatten()
+        self.policy = precision_policy(w)
+        mixed = self.policy.master is not None  # fp32: no policy, the parameters are their own master
+        self.mp = (MixedPrecisionPolicy(param_dtype=self.policy.compute, reduce_dtype=self.policy.grad_reduce)
+                   if mixed else MixedPrecisionPolicy())
+        # fp32 accumulation: reduce-scatter every micro-batch into the fp32 sharded gradient;
+        # compute-dtype accumulation: in the unsharded .grad, reduced after the last micro-batch
+        self.reduce_every_micro_batch = self.policy.grad_accum != self.policy.compute or not mixed
+        ckpt = lay.activation_checkpointing
+        # Built on the meta device and sharded before any memory is allocated, so no rank ever
+        # holds the whole model on the device.
+        build = {"kernels": options.kernels or Kernels.of(lay.attention, lay.rmsnorm),
+                 "checkpointing": "selective" if ckpt == "selective" else "none"}
+        self.pipeline = None
+        with torch.device("meta"):
+            if lay.pp > 1:
+                from harness.frameworks.native_pipeline import split_model
+
+                self.parts, plans = split_model(spec, shape, self.coord.pp, **build)
+            else:
+                self.parts, plans = [Llama(shape, **build)], None
+        reference = ReferenceWeights(shape, w.seed)
+        for part in self.parts:
+            self._parallelize(part)
+            options.allocate(part, ctx.device)
+            if options.load_weights:
+                _load_reference_shards(part, reference)
+        if plans is not None:
+            from harness.frameworks.native_pipeline import Pipeline
+
+            self.pipeline = Pipeline(self.parts, plans, spec, shape, self.mesh["pp"].get_group(), ctx.device,
+                                     self.policy.compute)
+            for stage in self.pipeline.stages:
+                _announce_phases(stage, self.hooks)
+        self.is_last_stage = plans is None or any(p.last for p in plans)
+        self.params = [p for part in self.parts for p in part.parameters()]
+        self.optimizer = options.make_optimizer(self.params, w, fused=ctx.device.type == "cuda")
+        self.census = measure.CensusAtStep(self.optimizer, self._census_tensors)
+        self._details: dict = {}
+
+    def _parallelize(self, part) -> None:
+        """TP (when tp > 1), activation checkpointing, then FSDP2 over dp: torchtitan's order."""
+        from torch.distributed.fsdp import fully_shard
+
+        lay = self.spec.layout
+        if lay.tp > 1:
+            from harness.frameworks.native_tp import apply_tensor_parallel
+
+            apply_tensor_parallel(part, self.mesh["tp"], lay.sequence_parallel)
+            # with tied embeddings the plan made the embedding (RowwiseParallel) and the head
+            # (ColwiseParallel) two DTensors, both Shard(0) over the vocabulary: the same rows, so share one again
+            part.tie_weights()
+        if lay.activation_checkpointing == "full":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                CheckpointImpl,
+                checkpoint_wrapper,
+            )
+
+            for key, block in list(part.layers.named_children()):
+                part.layers.register_module(key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        dp_mesh = self.mesh["dp"]
+        for block in part.layers.children():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=lay.reshard_after_forward, mp_policy=self.mp)
+        fully_shard(part, mesh=dp_mesh, reshard_after_forward=False, mp_policy=self.mp)
+
+    # ---------------------------------------------------------------- training
+
+    def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
+        w, lay = self.spec.workload, self.spec.layout
+        with measure.StepTimer(self.device) as step:
+            local = dp_slice(global_batch, self.coord.dp, lay.dp).to(self.device, non_blocking=True)
+            with measure.StepTimer(self.device) as fb, self._gathered_parameters_are_not_activations():
+                if self.pipeline is not None:
+                    total = self.pipeline.step(local[:, :-1], local[:, 1:])
+                else:
+                    chunks = local.split(lay.micro_batch_size)
+                    total = torch.zeros((), device=self.device, dtype=torch.float32)
+                    for i, chunk in enumerate(chunks):
+                        if not self.reduce_every_micro_batch:  # accumulate unreduced until the last
+                            self.parts[0].set_requires_gradient_sync(i == len(chunks) - 1)
+                        self.hooks.forward(f"forward micro-batch {i}")
+                        logits = self.parts[0](chunk[:, :-1])
+                        loss = lm_loss(logits, chunk[:, 1:])
+                        self.hooks.forward_end()
+                        self.hooks.backward(f"loss and backward micro-batch {i}")
+                        loss = loss / len(chunks)
+                        loss.backward()
+                        total += loss.detach().float()
+            self.hooks.optimizer("optimizer step (gradient clipping, AdamW)")
+            with measure.StepTimer(self.device) as opt:
+                if w.grad_clip > 0:
+                    self._clip_grad_norm(w.grad_clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            # each dp group's mean loss, counted once (by its tp rank 0 on the last pipeline stage)
+            if not (self.is_last_stage and self.coord.tp == 0):
+                total = torch.zeros((), device=self.device, dtype=torch.float32)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            loss = total / lay.dp
+        self._details = {"breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds,
+                                         "total": step.seconds}}
+        return loss
+
+    def _clip_grad_norm(self, max_norm: float) -> None:
+        """torch's clip_grad_norm_ over every shard of every stage: the norm of this rank's
+        DTensor gradients is reduced over their (dp, tp) mesh by full_tensor(); the pp stages'
+        squared norms are summed across the pp dimension."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if self.spec.layout.pp > 1:
+            squared = norm.float() ** 2
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.mesh["pp"].get_group())
+            norm = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
+
+    # ---------------------------------------------------------------- memory
+
+    def _fsdp_params(self) -> list:
+        """Every FSDPParam of this rank (torch's per-parameter FSDP2 state: the sharded fp32
+        parameter, its all-gather outputs, unsharded gradient buffers)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        out = []
+        for part in self.parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    state = module._get_fsdp_state()
+                    groups = getattr(state, "_fsdp_param_groups", None)
+                    if groups is None:  # torch < 2.8: one group per module
+                        groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+                    out.extend(fp for group in groups for fp in group.fsdp_params)
+        return out
+
+    def _census_tensors(self) -> dict:
+        """What this rank holds, by census category. parameters: the module's sharded fp32
+        parameters (padded shards, as FSDP2 allocates them; they are the optimizer's master, so
+        master_parameters has nothing of its own) and any gathered compute-dtype copies still
+        allocated; gradients: the sharded gradients and any unsharded gradient FSDP2 keeps
+        between micro-batches; optimizer_states: AdamW's. Freed storages weigh nothing."""
+        fsdp = self._fsdp_params()
+        gathered = [t for fp in fsdp for t in fp.all_gather_outputs]
+        unsharded_grads = [fp.unsharded_accumulated_grad for fp in fsdp]
+        unsharded_grads += [fp._unsharded_param.grad for fp in fsdp if hasattr(fp, "_unsharded_param")]
+        return {"parameters": list(self.params) + gathered,
+                "gradients": [p.grad for p in self.params] + unsharded_grads,
+                "optimizer_states": measure.optimizer_state_tensors(self.optimizer)}
+
+    def memory_census(self) -> dict | None:
+        return self.census.result
+
+    def activation_exclusions(self) -> list:
+        """The sharded parameters and the gathered (unsharded) parameters FSDP2 has allocated now
+        (none between steps: the gathered ones of a step are kept from the counting by
+        _gathered_parameters_are_not_activations)."""
+        return list(self.params) + [t for fp in self._fsdp_params() for t in fp.all_gather_outputs]
+
+    @contextlib.contextmanager
+    def _gathered_parameters_are_not_activations(self):
+        """While an enclosing saved-tensor hook counts what autograd saves for backward
+        (measure.SavedActivations, on the first step), the gathered parameters that autograd saves
+        bypass it. They cannot be named up front (activation_exclusions): FSDP2 allocates each
+        gathered parameter anew at every all-gather and frees it on reshard (_fsdp_param.py:
+        alloc_storage / free_storage resize one storage object in place), so its address changes
+        from micro-batch to micro-batch; the storage object itself does not, and is matched here.
+        Autograd saves the same tensors either way; without an enclosing hook this is a no-op."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            yield
+            return
+        outer_pack, outer_unpack = top
+        gathered: set[int] = set()  # the storage objects (not addresses) of the gathered parameters
+        pending = self._fsdp_params()  # FSDP2 creates them at each group's first all-gather
+
+        def is_gathered(t: torch.Tensor) -> bool:
+            key = getattr(t, "_local_tensor", t).untyped_storage()._cdata
+            if key not in gathered and pending:
+                gathered.update(o.untyped_storage()._cdata for fp in pending for o in fp.all_gather_outputs)
+                pending[:] = [fp for fp in pending if not fp.all_gather_outputs]
+            return key in gathered
+
+        def pack(t):
+            return (True, t) if is_gathered(t) else (False, outer_pack(t))
+
+        def unpack(packed):
+            passed, value = packed
+            return value if passed else outer_unpack(value)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    # ---------------------------------------------------------------- reporting
+
+    def full_state_dict(self):
+        """Every parameter gathered whole (across dp and tp by full_tensor(), a collective of
+        each stage's ranks), the stages collected on global rank 0; None elsewhere."""
+        keep = self.coord.dp == 0 and self.coord.tp == 0
+        mine = {}
+        for part in self.parts:
+            for name, param in part.named_parameters():
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                if keep:
+                    mine[name.replace(_WRAPPED, "")] = full.detach().float().cpu().clone()
+        if self.spec.layout.pp > 1:
+            gathered = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
+            dist.gather_object(mine if keep else {}, gathered, dst=0)
+            if self.ctx.rank == 0:
+                mine = {k: v for part in gathered for k, v in part.items()}
+        return mine if self.ctx.rank == 0 else None
+
+    def last_step_details(self) -> dict:
+        """Measured with the device synchronised: the forward and backward of every micro-batch
+        (collectives and the pipeline bubble included: FSDP2, DTensor and the schedules do not
+        time them apart), the optimizer (clipping with its norm reductions, AdamW, zeroing) and
+        the whole step (the rest: the batch slice and the loss all-reduce)."""
+        return dict(self._details)
+
+    def describe(self) -> dict:
+        from harness.frameworks.native_tp import describe_plan
+
+        lay = self.spec.layout
+        return {
+            "framework": "pytorch native: FSDP2 + DTensor TP/SP + torch.distributed.pipelining",
+            "torch_version": torch.__version__,
+            "mesh": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "order": "pp, dp, tp (tp innermost)"},
+            "coord": {"pp": self.coord.pp, "dp": self.coord.dp, "tp": self.coord.tp},
+            "tensor_parallel": describe_plan(lay.sequence_parallel) if lay.tp > 1 else "none",
+            "sequence_parallel": lay.sequence_parallel,
+            "pipeline": "none" if self.pipeline is None else {
+                "schedule": self.pipeline.name, "micro_batches": self.pipeline.micro, "stages": self.pipeline.table},
+            "sharding": "fully_shard over dp per block + root" + (" (per stage module)" if self.pipeline else ""),
+            "reshard_after_forward": lay.reshard_after_forward,
+            "precision_policy": self.policy.describe(),
+            "mixed_precision": self._mixed_precision(),
+            "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
+            "grad_clipping": "global norm over dp/tp shards" + (" and pp stages" if lay.pp > 1 else ""),
+            "activation_checkpointing": {"none": "none", "full": "torch checkpoint_wrapper per block (non-reentrant)",
+                                         "selective": "model's attention-core recomputation (torch checkpoint)"}
+            [lay.activation_checkpointing],
+        }
+
+    def _mixed_precision(self) -> str:
+        """How FSDP2 was configured to the precision policy, in words."""
+        if self.policy.master is None:
+            return "no MixedPrecisionPolicy: fp32 parameters, gradients and collectives"
+        compute, reduce = dtype_name(self.policy.compute), dtype_name(self.policy.grad_reduce)
+        text = (f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce}): fp32 shards all-gathered "
+                f"in {compute}, the fp32 sharded parameters are AdamW's master; ")
+        if self.pipeline is not None:
+            return text + (f"torch.distributed.pipelining accumulates the unsharded gradients in {reduce} "
+                           f"(FSDP2 without gradient sync) and reduce-scatters them after the last micro-batch")
+        if self.reduce_every_micro_batch:
+            return text + (f"gradients reduce-scattered in {reduce} after every micro-batch and accumulated in "
+                           f"the fp32 sharded gradient")
+        return text + (f"the unsharded {compute} gradients accumulate over micro-batches "
+                       f"(set_requires_gradient_sync(False) but on the last) and are reduce-scattered in {reduce} "
+                       f"after the last")
+
+
+@torch.no_grad()
+def _load_reference_shards(module, reference) -> None:
+    """Each parameter's local shard of the reference weights (same full tensor on every rank:
+    no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, param in module.named_parameters():
+        full = reference[name.replace(_WRAPPED, "")]
+        if isinstance(param, DTensor):
+            shard = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(full)
+
+
+def _announce_phases(stage, hooks) -> None:
+    """torch.distributed.pipelining's schedules run each micro-batch through the stage's public
+    forward_one_chunk and backward_one_chunk and call nothing per micro-batch: wrapped here, on
+    this stage only, to tell `hooks` (harness.model.training.StepHooks)."""
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(chunk, *args, **kwargs):
+        hooks.forward(f"forward stage {stage.stage_index} micro-batch {chunk}")
+        out = forward(chunk, *args, **kwargs)
+        hooks.forward_end()
+        return out
+
+    def backward_one_chunk(chunk, *args, **kwargs):
+        hooks.backward(f"backward stage {stage.stage_index} micro-batch {chunk}")
+        return backward(chunk, *args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk

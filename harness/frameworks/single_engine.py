@@ -1,0 +1,67 @@
+"""The single-device reference: the plain model, AdamW, gradient accumulation, clipping, and
+the workload's precision policy (bf16: Megatron-style fp32 master weights and main gradients).
+
+Every parallel layout and every framework is checked against this engine's losses and weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.data.source import micro_batches
+from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.model.llama import build_model, lm_loss
+from harness.model.training import MasterWeights, make_adamw, precision_policy
+
+
+class SingleDeviceEngine:
+    name = "single"
+
+    def __init__(self, spec, shape, device):
+        w, lay = spec.workload, spec.layout
+        self.spec, self.device = spec, device
+        self.policy = precision_policy(w)
+        self.model = build_model(shape, w.seed, lay.attention, lay.rmsnorm, lay.activation_checkpointing,
+                                 device=device)
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.model.to(self.policy.compute)  # the parameters computed with (buffers too: none hold state)
+        self.weights = MasterWeights(list(self.model.parameters()), self.policy)
+        self.optimizer = make_adamw(self.weights.optimizer_params(), w, fused=device.type == "cuda")
+        self.census = CensusAtStep(self.optimizer, self._census_tensors)
+
+    def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
+        w = self.spec.workload
+        micro = micro_batches(global_batch.to(self.device, non_blocking=True), self.spec.layout.micro_batch_size)
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in micro:
+            loss = lm_loss(self.model(inputs), targets) / len(micro)
+            loss.backward()
+            self.weights.after_backward()
+            total += loss.detach()
+        self.weights.grads_to_masters()
+        if w.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.weights.optimizer_params(), w.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.weights.after_step()
+        return total
+
+    def full_state_dict(self):
+        """The fp32 master weights (the parameters themselves under fp32), named as the model's."""
+        return {n: t.detach().float().cpu().clone() for n, t in zip(self.names, self.weights.optimizer_params())}
+
+    def last_step_details(self) -> dict:
+        return {}
+
+    def _census_tensors(self) -> dict:
+        return {**self.weights.census_tensors(), "optimizer_states": optimizer_state_tensors(self.optimizer)}
+
+    def memory_census(self) -> dict | None:
+        return self.census.result
+
+    def activation_exclusions(self) -> list:
+        return list(self.model.parameters())
+
+    def describe(self) -> dict:
+        return {"optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
+                "precision_policy": self.policy.describe()}
