@@ -15,6 +15,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def heavy_imports_after(code: str) -> list[str]:
+    """The torch, transformers and DeepSpeed modules a fresh interpreter holds after running `code`
+    (which must succeed): what a light path (planning, reading engine facts) must leave empty."""
+    probe = (code + "\nimport sys\nprint('heavy:', *sorted(m for m in sys.modules"
+             " if m.split('.')[0] in ('torch', 'transformers', 'deepspeed')))\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()[-1].split()[1:]  # the probe's line comes last
+
+
 def run_cli(*args, cwd=None, env=None, timeout=300):
     """The real CLI, as a user runs it (python -m harness.cli == the `harness` script)."""
     full_env = {**os.environ, **(env or {})}

@@ -101,17 +101,13 @@ def test_an_unknown_or_absent_engine_is_a_spec_error_not_a_key_error(monkeypatch
 def test_reading_every_engines_facts_imports_no_torch():
     """The spec's checks and every report's labels read the engines' facts: the adapters declare
     them without importing torch or DeepSpeed (their build() imports the engine)."""
-    import subprocess
-    import sys
+    from conftest import heavy_imports_after
 
-    code = ("import sys\n"
-            "from harness import registry\n"
+    code = ("from harness import registry\n"
             "from harness.spec import engine_variant, parse_spec\n"
             "for name in registry.ENGINES:\n"
             "    registry.facts(name)\n"
             "    engine_variant({'engine': name})\n"
-            "parse_spec({'layout': {'engine': 'deepspeed', 'dp': 2, 'zero_stage': 1}})\n"
-            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'deepspeed'))\n"
-            "assert not heavy, heavy[:5]\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+            "parse_spec({'layout': {'engine': 'deepspeed', 'dp': 2, 'zero_stage': 1}})\n")
+    heavy = heavy_imports_after(code)
+    assert not heavy, heavy[:5]
