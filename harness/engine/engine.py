@@ -35,10 +35,9 @@ from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map
 from harness.measure import CensusAtStep, optimizer_state_tensors
-from harness.model.kernels import Kernels
 from harness.model.llama import reference_tensor, shape_rotary
 from harness.model.training import BuildOptions, precision_policy
-from harness.parallel_dims import ParallelDims
+from harness.parallel_dims import AXES, ParallelDims
 from harness.spec import micro_batches_per_step
 
 # Which breakdown category each axis's blocking wait is charged to.
@@ -79,7 +78,7 @@ class Engine3D:
         plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)
         self.plans = plans
         self.chunks, self.param_specs = build_chunks(shape, plans, lay.tp, c.tp, self.region,
-                                                     options.kernels or Kernels.of(lay.attention, lay.rmsnorm),
+                                                     options.kernels_for(lay),
                                                      lay.activation_checkpointing,
                                                      lambda name: reference_tensor(shape, w.seed, name), ctx.device)
         named = {}
@@ -210,7 +209,7 @@ class Engine3D:
         lay = self.spec.layout
         return {
             "engine": "own 3D (Megatron-style TP/SP, instruction-list pipeline, bucketed DP, ZeRO-1)",
-            "mesh": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "order": "pp, dp, tp (tp innermost)"},
+            "mesh": {**self.mesh.dims.sizes(), "order": f"{', '.join(AXES)} ({AXES[-1]} innermost)"},
             "coord": self.mesh.coord._asdict(),
             "schedule": lay.pipeline_schedule, "chunks_per_rank": self.chunks_per_rank,
             "p2p_mode": self.executor.mode,

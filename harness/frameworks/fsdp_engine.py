@@ -60,9 +60,8 @@ import torch.distributed as dist
 
 from harness import measure
 from harness.data.source import dp_slice
-from harness.model.kernels import Kernels
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
-from harness.model.training import BuildOptions, dtype_name, precision_policy
+from harness.model.training import BuildOptions, StepHooks, dtype_name, precision_policy
 from harness.parallel_dims import ParallelDims
 
 _WRAPPED = "_checkpoint_wrapped_module."
@@ -94,7 +93,7 @@ class FSDPEngine:
         ckpt = lay.activation_checkpointing
         # Built on the meta device and sharded before any memory is allocated, so no rank ever
         # holds the whole model on the device.
-        build = {"kernels": options.kernels or Kernels.of(lay.attention, lay.rmsnorm),
+        build = {"kernels": options.kernels_for(lay),
                  "checkpointing": "selective" if ckpt == "selective" else "none"}
         self.pipeline = None
         with torch.device("meta"):
@@ -115,8 +114,9 @@ class FSDPEngine:
 
             self.pipeline = Pipeline(self.parts, plans, spec, shape, self.mesh["pp"].get_group(), ctx.device,
                                      self.policy.compute)
-            for stage in self.pipeline.stages:
-                _announce_phases(stage, self.hooks)
+            if type(self.hooks) is not StepHooks:  # someone listens (harness memory); a real run keeps torch's
+                for stage in self.pipeline.stages:
+                    _announce_phases(stage, self.hooks)
         self.is_last_stage = plans is None or any(p.last for p in plans)
         self.params = [p for part in self.parts for p in part.parameters()]
         self.optimizer = options.make_optimizer(self.params, w, fused=ctx.device.type == "cuda")

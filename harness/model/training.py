@@ -93,6 +93,10 @@ class BuildOptions:
     materialize: Callable | None = None     # (module, device): allocates a meta module; None: module.to_empty
     load_weights: bool = True               # copy the reference weights in (values only: a trace skips it)
 
+    def kernels_for(self, layout) -> Kernels:
+        """The kernels to build with: the given ones, else those the layout names."""
+        return self.kernels or Kernels.of(layout.attention, layout.rmsnorm)
+
     def allocate(self, module, device):
         """The meta `module` with its parameters and buffers allocated on `device`."""
         if self.materialize is None:
