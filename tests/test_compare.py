@@ -79,10 +79,11 @@ def test_default_spec_is_valid_and_covers_the_engines():
     cs = parse_compare_spec(json.loads(json.dumps(DEFAULT)))
     engines = [r.spec.layout.engine for r in cs.runs] + [lab.split()[0] for lab, _ in cs.skipped]
     assert engines.count("deepspeed") == 5 and engines.count("fsdp") == 4 and "single" in engines
+    assert engines.count("megatron") == 3
     assert {r.spec.layout.zero_stage for r in cs.runs if r.spec.layout.engine == "deepspeed"} == {1, 2, 3}
-    for tp, pp in ((2, 1), (1, 2)):  # the same tp2 and pp2 layouts under all three engines
+    for tp, pp in ((2, 1), (1, 2)):  # the same tp2 and pp2 layouts under all four engines
         assert {r.spec.layout.engine for r in cs.runs if (r.spec.layout.tp, r.spec.layout.pp) == (tp, pp)} == \
-            {"own", "deepspeed", "fsdp"}
+            {"own", "deepspeed", "fsdp", "megatron"}
     assert all(r.launcher == "deepspeed" for r in cs.runs if r.spec.layout.engine == "deepspeed")
     assert cs.tolerance == 1e-5
 

@@ -75,6 +75,11 @@ DEFAULT = {
         {"label": "deepspeed pp2", "engine": "deepspeed", "pp": 2, "zero_stage": 1, "micro_batch_size": 2},
         {"label": "FSDP2 tp2", "engine": "fsdp", "tp": 2, "micro_batch_size": 2},
         {"label": "FSDP2 pp2", "engine": "fsdp", "pp": 2, "micro_batch_size": 2},
+        # Megatron-core itself at the own engine's three layouts (its local layer spec has one core
+        # attention, softmax(QK^T)V materialised: naive)
+        {"label": "megatron dp2", "engine": "megatron", "dp": 2, "micro_batch_size": 2, "attention": "naive"},
+        {"label": "megatron tp2", "engine": "megatron", "tp": 2, "micro_batch_size": 2, "attention": "naive"},
+        {"label": "megatron pp2", "engine": "megatron", "pp": 2, "micro_batch_size": 2, "attention": "naive"},
     ],
 }
 
