@@ -95,10 +95,11 @@ class MegatronEngine:
         self.config = config = transformer_config(shape, self.spec, lay.tp, lay.pp, self.vp, compute,
                                                   deallocate=self.ctx.backend == "nccl")
         reduce_fp32 = self.policy.grad_reduce == torch.float32
+        # Megatron-LM's defaults: no overlap, so one bucket per buffer (Megatron drops bucket_size then: the
+        # own engine's dp_bucket_mb has no counterpart here)
         self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=reduce_fp32, overlap_grad_reduce=False, overlap_param_gather=False,
-            use_distributed_optimizer=lay.zero_stage == 1,
-            bucket_size=max(1, int(lay.dp_bucket_mb * 2**20 / (4 if reduce_fp32 else 2))))
+            use_distributed_optimizer=lay.zero_stage == 1)
         reference = ReferenceWeights(shape, w.seed)
         self.chunks = []
         for v in range(self.vp):
@@ -301,7 +302,7 @@ class MegatronEngine:
             "virtual_stages": self.vp,
             "ddp": f"DistributedDataParallel(grad_reduce_in_fp32={self.ddp_config.grad_reduce_in_fp32}, "
                    f"use_distributed_optimizer={self.ddp_config.use_distributed_optimizer}, "
-                   f"bucket_size={self.ddp_config.bucket_size})",
+                   "overlap_grad_reduce=False: one bucket per buffer)",
             "optimizer": f"{type(self.megatron_optimizer).__name__} over {type(self.torch_optimizer).__name__} "
                          "(weight decay on every parameter)",
             "grad_clipping": f"Megatron's global norm over every rank, max {self.spec.workload.grad_clip:g}",
