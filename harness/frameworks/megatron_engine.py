@@ -92,12 +92,14 @@ class MegatronEngine:
         tensor_parallel.model_parallel_cuda_manual_seed(w.seed)
 
         compute = self.policy.compute
-        self.config = config = transformer_config(shape, self.spec, lay.tp, lay.pp, self.vp, compute)
+        self.config = config = transformer_config(shape, self.spec, lay.tp, lay.pp, self.vp, compute,
+                                                  deallocate=self.ctx.backend == "nccl")
         reduce_fp32 = self.policy.grad_reduce == torch.float32
+        # Megatron-LM's defaults: no overlap, so one bucket per buffer (Megatron drops bucket_size then: the
+        # own engine's dp_bucket_mb has no counterpart here)
         self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=reduce_fp32, overlap_grad_reduce=False, overlap_param_gather=False,
-            use_distributed_optimizer=lay.zero_stage == 1,
-            bucket_size=max(1, int(lay.dp_bucket_mb * 2**20 / (4 if reduce_fp32 else 2))))
+            use_distributed_optimizer=lay.zero_stage == 1)
         reference = ReferenceWeights(shape, w.seed)
         self.chunks = []
         for v in range(self.vp):
@@ -122,7 +124,10 @@ class MegatronEngine:
             clip_grad=w.grad_clip, bf16=compute == torch.bfloat16, params_dtype=compute,
             use_distributed_optimizer=lay.zero_stage == 1, decoupled_weight_decay=True)
         self.optimizer = get_megatron_optimizer(self.opt_config, self.chunks, config_overrides={})
-        self.torch_optimizer = self.optimizer.optimizer
+        # a ChainedOptimizer of one (dense parameters only): FP32Optimizer, Float16OptimizerWithFloat16Params or
+        # DistributedOptimizer, around torch's AdamW
+        (self.megatron_optimizer,) = self.optimizer.chained_optimizers
+        self.torch_optimizer = self.megatron_optimizer.optimizer
         self.forward_backward = get_forward_backward_func()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
 
@@ -189,7 +194,7 @@ class MegatronEngine:
     def _masters(self) -> list:
         """The optimizer's fp32 copies that are not the model's parameters (bf16: Float16Optimizer's
         fp32_from_float16_groups, or the DistributedOptimizer's fp32 shards; fp32: none of their own)."""
-        opt = self.optimizer
+        opt = self.megatron_optimizer
         groups = getattr(opt, "shard_fp32_from_float16_groups", None) or getattr(opt, "fp32_from_float16_groups", [])
         shards = getattr(opt, "shard_fp32_groups", [])  # ZeRO-1 fp32: views of the parameters' buffer
         return [t for g in list(groups) + list(shards) for t in g]
@@ -254,7 +259,7 @@ class MegatronEngine:
         """id(model parameter) -> its whole fp32 master, where the optimizer keeps one apart (bf16)."""
         from megatron.core import parallel_state
 
-        opt = self.optimizer
+        opt = self.megatron_optimizer
         if self.policy.master is None:
             return {}
         if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer: a shard per dp rank
@@ -297,8 +302,8 @@ class MegatronEngine:
             "virtual_stages": self.vp,
             "ddp": f"DistributedDataParallel(grad_reduce_in_fp32={self.ddp_config.grad_reduce_in_fp32}, "
                    f"use_distributed_optimizer={self.ddp_config.use_distributed_optimizer}, "
-                   f"bucket_size={self.ddp_config.bucket_size})",
-            "optimizer": f"{type(self.optimizer).__name__} over {type(self.torch_optimizer).__name__} "
+                   "overlap_grad_reduce=False: one bucket per buffer)",
+            "optimizer": f"{type(self.megatron_optimizer).__name__} over {type(self.torch_optimizer).__name__} "
                          "(weight decay on every parameter)",
             "grad_clipping": f"Megatron's global norm over every rank, max {self.spec.workload.grad_clip:g}",
             "activation_checkpointing": {"none": "none",

@@ -12,7 +12,8 @@ each answered here and nowhere else (megatron-core 0.16; harness/frameworks/mega
   sync      torch.cuda.synchronize and empty_cache: nothing to wait for or free;
   factories a literal device="cuda" (optimizer.py's found_inf, clip_grads.py's norm, schedules.py's
             total_num_tokens, transformer/utils.py's causal mask) and .cuda() / .to("cuda"): one
-            TorchFunctionMode maps them to the CPU;
+            TorchFunctionMode maps them to the CPU (and keeps itself on through torch.autograd.backward,
+            where full recomputation runs the forward again);
   types     `param.type() == "torch.cuda.FloatTensor"` checks (optimizer.py, distrib_optimizer.py,
             clip_grads.py): .type() without arguments reports the CUDA type name.
 
@@ -51,6 +52,8 @@ class _CudaToCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.autograd.backward:
+            return self._backward(*args, **kwargs)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -61,6 +64,19 @@ class _CudaToCpu(TorchFunctionMode):
         if func is torch.Tensor.to:
             args = (args[0], *(_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args[1:]))
         return func(*args, **kwargs)
+
+    def _backward(self, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+        """torch.autograd.backward with this mode kept on while the autograd engine runs (a mode is off
+        inside its own handler, and recomputation in backward runs Megatron's forward again): the C++
+        engine called directly, as Megatron's own custom_backward does."""
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        grads = (grad_tensors,) if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) \
+            else tuple(grad_tensors)
+        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads))
+        with self:
+            torch.autograd.Variable._execution_engine.run_backward(
+                tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                tuple(inputs or ()), allow_unreachable=True, accumulate_grad=True)
 
 
 def _replacements() -> dict:

@@ -49,7 +49,8 @@ class ProjectionWithBias(RowParallelLinear):
         super().__init__(*args, bias=True, **kwargs)
 
 
-def transformer_config(shape, spec, tp: int, pp: int, vp: int, dtype: torch.dtype) -> TransformerConfig:
+def transformer_config(shape, spec, tp: int, pp: int, vp: int, dtype: torch.dtype,
+                       deallocate: bool) -> TransformerConfig:
     lay = spec.layout
     return TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn,
@@ -68,9 +69,10 @@ def transformer_config(shape, spec, tp: int, pp: int, vp: int, dtype: torch.dtyp
         # pp=2 sends one direction on another group; batched, pp=2's wrap-around pairs the same two ranks in
         # both directions and gloo matched the wrong transfers), 1F1B batches them
         overlap_p2p_comm=vp > 1, batch_p2p_comm=vp == 1,
-        # Megatron-LM's: a stage's sent output keeps only its graph, and backward calls the C++ autograd engine
-        # directly (custom_backward; torch.autograd.backward would leave megatron_shim's mode while it runs)
-        deallocate_pipeline_outputs=True,
+        # Megatron-LM's: a stage's sent output keeps only its graph (its data freed once sent). Not on gloo: its
+        # sends run on a background thread that still reads the tensor, and the interleaved schedule frees it
+        # before waiting for the send (NaN losses here); NCCL has copied it by then
+        deallocate_pipeline_outputs=deallocate,
         sequence_parallel=lay.sequence_parallel, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, **RECOMPUTE[lay.activation_checkpointing])
 
