@@ -120,8 +120,11 @@ def megatron_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int)
     for name in ("recompute-granularity", "recompute-method", "normalization", "position-embedding-type"):
         p.add_argument(f"--{name}")
+    for name in ("norm-epsilon", "attention-dropout", "hidden-dropout", "rope-scaling-factor"):
+        p.add_argument(f"--{name}", type=float)
     for flag in ("sequence-parallel", "group-query-attention", "swiglu", "untie-embeddings-and-output-weights",
-                 "disable-bias-linear", "bf16", "use-distributed-optimizer", "use-flash-attn"):
+                 "disable-bias-linear", "bf16", "use-distributed-optimizer", "use-flash-attn",
+                 "accumulate-allreduce-grads-in-fp32", "use-rope-scaling", "add-qkv-bias"):
         p.add_argument(f"--{flag}", action="store_true")
     return p
 

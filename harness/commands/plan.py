@@ -38,9 +38,11 @@ def add_arguments(p) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's (8 for DGX)")
     p.add_argument("--hardware", default="a100-80gb", help="a100-40gb, a100-80gb, h100-sxm, h200, cpu or a YAML path")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage (default 1, as the study)")
-    p.add_argument("--engine", choices=("own", "deepspeed", "fsdp", "paper"), default="own",
+    p.add_argument("--engine", choices=("own", "deepspeed", "fsdp", "megatron", "paper"), default="own",
                    help="whose memory to model: the harness's own engine (default), deepspeed (ZeRO stage from "
-                        "--zero), fsdp (FSDP2, fully sharded), or paper (the study's engine, as its sweeps ran)")
+                        "--zero), fsdp (FSDP2, fully sharded), megatron (Megatron-core: --zero 1 is its "
+                        "distributed optimizer; pp dividing the layers), or paper (the study's engine, as its "
+                        "sweeps ran)")
     p.add_argument("--attention", help="comma list; default: naive,fused_softmax,flash1,flash2,sdpa,...")
     p.add_argument("--rmsnorm", help=f"comma list of {','.join(RMSNORM_KERNELS)}")
     p.add_argument("--micro-batch-sizes", help="comma list, default 1,2,4,8")
@@ -129,7 +131,7 @@ def main(args) -> int:
         raise SpecError("--top", "must be at least 1")
     preds = predict_many(shape, en.layouts(shape, wl, args.gpus, gpn, attention=attention, rmsnorm=rmsnorm,
                                            micro_batch_sizes=mbs, checkpointing=ck, sequence_parallel=sp,
-                                           zero_stage=args.zero, **_on_engine(args)), wl, profile)
+                                           zero_stage=args.zero, **_on_engine(args, shape)), wl, profile)
     if not preds:
         raise SpecError("--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} "
                                   f"(global batch {args.global_batch_size})")
@@ -170,13 +172,18 @@ def main(args) -> int:
     return 0
 
 
-def _on_engine(args) -> dict:
+def _on_engine(args, shape) -> dict:
     """The PlannerLayout fields of the candidate layouts under --engine (the memory model of that engine's
     precision policy and sharding: harness/planner/memory.py); fsdp shards fully whatever --zero
-    says. (Given to candidates.layouts, not set on each layout after: 16,000 copies cost 0.1 s.)"""
-    if args.engine == "own" and args.zero > 1:
-        raise SpecError("--zero", "the own engine has ZeRO stage 0 or 1 (use --engine deepspeed or fsdp for more)")
-    return {"engine": args.engine, "fsdp": args.engine == "fsdp"}
+    says; Megatron-core splits the layers evenly over the stages, so only a pp dividing them.
+    (Given to candidates.layouts, not set on each layout after: 16,000 copies cost 0.1 s.)"""
+    if args.engine in ("own", "megatron") and args.zero > 1:
+        raise SpecError("--zero", f"the {args.engine} engine has ZeRO stage 0 or 1 (use --engine deepspeed or "
+                                  "fsdp for more)")
+    fields = {"engine": args.engine, "fsdp": args.engine == "fsdp"}
+    if args.engine == "megatron":
+        fields["pp_values"] = [p for p in range(1, shape.layers + 1) if shape.layers % p == 0]
+    return fields
 
 
 def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:

@@ -40,7 +40,7 @@ ATTENTION_CLASS = {
 }
 MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
 # Engines whose memory the planner models (PlannerLayout.engine); `harness plan --engine`.
-ENGINES = ("own", "deepspeed", "fsdp")
+ENGINES = ("own", "deepspeed", "fsdp", "megatron")
 PLANNER_ENGINES = ENGINES + ("paper",)
 
 
@@ -64,8 +64,8 @@ class PlannerLayout:
     fsdp: bool = False               # engine fsdp (PyTorch FSDP full sharding): memory like ZeRO-3
     reshard_after_forward: bool = True  # engine fsdp: False keeps every block gathered until its backward
     # Whose memory the planner models (memory.py): paper (the study's engine, Aleph Alpha's
-    # scaling library, as its sweeps ran), or one of the harness's engines (own, deepspeed, fsdp:
-    # their precision policy and sharding as their code holds it).
+    # scaling library, as its sweeps ran), or one of the harness's engines (own, deepspeed, fsdp,
+    # megatron: their precision policy, sharding and layer split as their code holds it).
     engine: str = "paper"
 
     @property

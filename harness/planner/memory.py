@@ -245,6 +245,18 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
             add("master_parameters", "fp32", shard)
         add("optimizer_states", "fp32", 2 * shard)
         return out
+    if engine == "megatron":  # Megatron-core's DDP and optimizers (harness/frameworks/megatron_engine.py)
+        shard = P / dp if zero_stage >= 1 else P  # its DistributedOptimizer shards masters and Adam over dp
+        add("parameters", "bf16" if mixed else "fp32", P)
+        # main_grad: the DDP's contiguous buffer, accumulated and reduced in one dtype (grad_reduce_in_fp32);
+        # the DistributedOptimizer reduce-scatters into this rank's view of it
+        add("gradients", red, P)
+        if red != "fp32":  # the fp32 masters' .grad the optimizer copies it into (its shard)
+            add("gradients", "fp32", shard)
+        if mixed:  # Float16OptimizerWithFloat16Params' fp32 copies, or the DistributedOptimizer's shard of them
+            add("master_parameters", "fp32", shard)
+        add("optimizer_states", "fp32", 2 * shard)
+        return out
     if engine == "deepspeed" and zero_stage >= 1:  # ds_configs/README.md, "Precision": what each stage holds
         add("master_parameters", "fp32", P / dp)  # a clone of the partition, fp32 workloads too
         add("optimizer_states", "fp32", 2 * P / dp)
@@ -350,6 +362,10 @@ def paper_stranded_block(shape: Shape, lay: PlannerLayout, wl: Workload, loss_pe
 #     saves what F.linear got), where Megatron re-gathers it in backward;
 #   - holds, per micro-batch in flight on a pipeline stage, the received input and the sent output
 #     (PipelineExecutor.live) besides what autograd saved.
+# Megatron-core: its model states from `model_states` (tested against its census,
+# tests/test_megatron_views.py), its uniform layer split, and activations as the own engine's (its
+# local spec's layers keep what the own engine's Megatron-layout blocks keep) but for its SP GEMMs,
+# which keep their local input and re-gather it in backward.
 # DeepSpeed and FSDP: their model states from `model_states` (each tested against its census),
 # activations as the own engine's (they run the same plain model, harness/model/llama.py); FSDP2's
 # gathered parameters, reduce-scatter buffers and pipelined accumulation from fsdp_step_bytes
@@ -357,10 +373,24 @@ def paper_stranded_block(shape: Shape, lay: PlannerLayout, wl: Workload, loss_pe
 
 
 def engine_stage_items(shape: Shape, lay: PlannerLayout, seq_len: int) -> tuple[tuple[bool, int, bool], ...]:
-    """(has_embedding, layers, has_lm_head) per pipeline rank, as the own engine partitions:
-    balanced by cost over pp x virtual_stages chunks, chunk c of rank r is stage c * pp + r."""
+    """(has_embedding, layers, has_lm_head) per pipeline rank, as the engine partitions: the own
+    engine (and DeepSpeed, FSDP2) balanced by cost over pp x virtual_stages chunks, chunk c of rank r
+    is stage c * pp + r; Megatron-core uniformly, layers / (pp x virtual_stages) per chunk."""
     chunks = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
+    if lay.engine == "megatron":
+        return _uniform_stage_items(shape.layers, lay.pp)
     return _engine_stage_items(shape, lay.pp, chunks, seq_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _uniform_stage_items(n_layers: int, pp: int) -> tuple[tuple[bool, int, bool], ...]:
+    """Megatron-core's split (transformer_block.get_num_layers_to_build): every chunk the same number
+    of layers, so every rank layers / pp, whatever the virtual stages; the embedding on the first
+    rank, the LM head (and a tied embedding's copy) on the last. It refuses a split that is not even
+    (harness plan --engine megatron offers only pp dividing the layers); here the first ranks would
+    take one more."""
+    base, extra = divmod(n_layers, pp)
+    return tuple((r == 0, base + (1 if r < extra else 0), r == pp - 1) for r in range(pp))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -383,7 +413,9 @@ def _norm_bytes(lay: PlannerLayout, n: float, h: int, B: int, sp: bool) -> float
         local = B * h + 4
     else:
         local = (6 * h + 4) if B == 2 else (8 * h + 4)
-    return n * local / (lay.tp if sp else 1) + n * h * B
+    # Megatron's ColumnParallelLinear under SP saves its local input and all-gathers it again in backward
+    gathered = n * h * B / (lay.tp if sp and lay.engine == "megatron" else 1)
+    return n * local / (lay.tp if sp else 1) + gathered
 
 
 def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> float:
@@ -455,7 +487,7 @@ def _loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, 
     peak holds that, the nll gradient and the log-softmax gradient (fp32 each)."""
     n, B, V = lay.micro_batch_size * wl.seq_len, wl.dtype_bytes, shape.vocab
     upcast = 4 if B == 2 else 0
-    if lay.tp > 1 and lay.engine == "own":
+    if lay.tp > 1 and lay.engine in ("own", "megatron"):  # Megatron's vocab_parallel_cross_entropy likewise
         return 4 * n * V / lay.tp + 9 * n, (B + upcast + 4) * n * V / lay.tp
     return 4 * n * V, max(B + upcast, 8) * n * V
 

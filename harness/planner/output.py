@@ -147,6 +147,11 @@ def exportable(lay: PlannerLayout, fmt: str) -> str:
             return "DeepSpeed's pipeline engine takes ZeRO-0/1 only"
         if lay.pipeline_schedule != "1f1b":
             return "DeepSpeed's pipeline engine runs 1F1B only"
+    if fmt == "megatron":
+        if lay.sharding_stage > 1:
+            return "Megatron-LM shards over dp with its distributed optimizer (ZeRO-1); ZeRO-2/3 is Megatron-FSDP"
+        if lay.pp > 1 and lay.pipeline_schedule == "gpipe":
+            return "Megatron-LM runs 1F1B or interleaved 1F1B, not GPipe"
     if fmt == "torchtitan" and lay.tp > 1 and not lay.sequence_parallel:
         return "torchtitan's tensor parallelism always shards the sequence (sequence parallel)"
     return ""
@@ -195,14 +200,18 @@ def export_megatron(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[str
              "--num-attention-heads", shape.heads]
     if shape.kv_heads != shape.heads:
         args += ["--group-query-attention", "--num-query-groups", shape.kv_heads]
-    args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-             "--rotary-base", int(shape.rope_theta)]
+    # LLaMA has no dropout (Megatron-LM's default is 0.1) and no MLP biases
+    args += ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", f"{shape.norm_eps:g}",
+             "--position-embedding-type", "rope", "--rotary-base", int(shape.rope_theta),
+             "--attention-dropout", 0, "--hidden-dropout", 0, "--disable-bias-linear"]
+    if shape.rope_scaling:
+        args += ["--use-rope-scaling", "--rope-scaling-factor", f"{shape.rope_scaling[0]:g}"]
+    if shape.attention_bias:
+        args.append("--add-qkv-bias")
     if not shape.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
-    if not shape.attention_bias:
-        args.append("--disable-bias-linear")
-    if wl.dtype_bytes == 2:
-        args.append("--bf16")
+    if wl.dtype_bytes == 2:  # the planner's policy: main gradients accumulated and reduced in fp32
+        args += ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
     if lay.sharding_stage >= 1 and lay.dp > 1:
         args.append("--use-distributed-optimizer")
     if lay.activation_checkpointing == "full":
@@ -220,6 +229,10 @@ def export_megatron(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[str
     elif lay.pipeline_schedule == "gpipe" and lay.pp > 1:
         notes.append("Megatron-LM runs 1F1B (or interleaved), not GPipe: the memory differs from the prediction")
     notes.append(f"vocabulary {shape.vocab}: set by your tokenizer (--tokenizer-type/--vocab-size)")
+    notes.append(f"data parallel {lay.dp}: Megatron-LM takes it from the world size, {lay.gpus} ranks / (tp x pp)")
+    if shape.attention_bias:
+        notes.append("the output projection's bias (transformers' o_proj) has no Megatron-LM flag: "
+                     "--add-qkv-bias covers q/k/v only")
     if lay.rmsnorm == "torch":
         notes.append("Megatron-LM's RMSNorm is fused (Transformer Engine/Apex): faster than the eager one predicted")
     return " ".join(str(a) for a in args), notes
