@@ -326,3 +326,30 @@ def test_engine_built_from_exported_arguments_has_the_planned_layout(launched, i
                                                          "selective": "recompute_granularity=selective"}
                                                         [lay.activation_checkpointing])
         assert math.isfinite(got["loss"])
+
+
+# ---------------------------------------------------------------- the GPU script, in its CPU mode
+
+@pytest.mark.slow
+def test_gpu_engines_script_runs_on_cpu(tmp_path):
+    """scripts/gpu_engines.sh's smoke test (DEVICE=cpu: a tiny shape, nothing installed): a row per
+    engine with the measured peak beside the traced one (own) and the planner's, in JSON and Markdown."""
+    import json
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "DEVICE": "cpu", "OUT": str(tmp_path), "PYTHONPATH": root}
+    done = subprocess.run(["bash", os.path.join(root, "scripts", "gpu_engines.sh"), "--engines", "own,megatron"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {r["engine"]: r for r in json.loads((tmp_path / "engines.json").read_text())["rows"]}
+    assert set(rows) == {"own", "megatron"} and all(r["status"] == "ok" for r in rows.values()), rows
+    assert rows["own"]["traced_live_peak_gib"] > 0 and "not traced" in rows["megatron"]["traced"]
+    for r in rows.values():
+        assert r["measured_peak_gib"] > 0 and r["planner_tensors_gib"] > 0 and r["memory_kind"] == "peak_rss"
+        # the census the run measured is the planner's model states (and the trace's, for own)
+        planned = r["planner_model_states_gib"]
+        assert abs(r["measured_model_states_gib"] - planned) <= 0.02 * planned
+    assert "megatron-core" in rows["megatron"]["framework"]
+    assert "| megatron | ok |" in (tmp_path / "engines.md").read_text()

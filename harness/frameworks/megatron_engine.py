@@ -113,6 +113,7 @@ class MegatronEngine:
                 rotary_base=shape.rope_theta, rope_scaling=shape.rope_scaling is not None,
                 rope_scaling_factor=shape.rope_scaling[0] if shape.rope_scaling else 8.0, vp_stage=stage)
             self._load(model, reference)
+            model.to(self.device)  # built on the CPU (use_cpu_initialization); Megatron-LM's get_model: .cuda()
             if compute != torch.float32:
                 model = Float16Module(config, model)
             # Megatron-LM's get_model: every chunk after the first in one bucket group
