@@ -2,10 +2,13 @@
 
 Success is judged from the record, not from the exit code: a rank that raises writes a
 failure record (status oom for an out-of-memory error) under the same run_id before it exits.
+A run whose loss becomes non-finite stops at that step and is recorded failed (Diverged), with
+the step, never as a measurement.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -45,6 +48,17 @@ def _fault(step: int, rank: int) -> None:
     if kind == "oom":
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected by HARNESS_FAULT)")
     raise RuntimeError(f"fault injected by HARNESS_FAULT at step {step}")
+
+
+class Diverged(Exception):
+    """The loss became non-finite: the run stops there and is recorded failed, never as a
+    measurement. Every engine returns the global mean loss on every rank (the parity check
+    compares it), so every rank stops at the same step, with no extra collective."""
+
+    def __init__(self, step: int, loss: float, total: int, losses: list[float]):
+        super().__init__(f"diverged: the loss became {loss} at step {step} of {total} (warm-up included), so the "
+                         "run stopped there; a learning rate too high (workload.optimizer.lr) is the usual cause")
+        self.step, self.loss, self.losses = step, loss, list(losses)
 
 
 def preflight(spec: RunSpec, ctx: RunContext):
@@ -157,6 +171,8 @@ class Trainer:
         with measure.StepTimer(self.ctx.device) as timer:
             loss = self._train_step(step, batch)
         self.losses.append(loss)
+        if not math.isfinite(loss):
+            raise Diverged(step + 1, loss, self.total, self.losses)
         if step >= w.warmup_steps:
             self.times.append(timer.seconds)
             self.details.append(self.engine.last_step_details())
@@ -263,6 +279,9 @@ def train(spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = 
     try:
         for step in range(trainer.total):
             trainer.step(step)
+    except Diverged:
+        trainer.bar.close()
+        raise
     finally:  # the steps so far stay readable in TensorBoard, also when a step failed
         trainer.close_stream()
     return trainer.metrics(measure_matmul)
@@ -310,6 +329,8 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
         record["metrics"] = train(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress,
                                   tensorboard_dir=tb_dir)
         record["status"] = "ok"
+    except Diverged as d:  # a result, not a crash: every rank is here, the group ends normally
+        record.update(status="failed", error=str(d), diverged_at_step=d.step, metrics={"losses": d.losses})
     except Exception as exc:  # recorded, then re-raised so the launcher sees the failure
         import traceback
 
