@@ -35,6 +35,14 @@ def check_target(path: str, field: str) -> str:
     return real
 
 
+def check_writable(path: str, field: str) -> None:
+    """Before any work: `path` can be written (its folder exists and takes a new file, also for root
+    on a read-only file system, where permission bits say nothing) and is not a special file."""
+    files = Together(field)
+    files.path(path)  # creates its temporary beside it, or says why not
+    files.discard()
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -59,7 +67,7 @@ class Together:
             try:
                 fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
             except OSError as e:
-                self._discard()
+                self.discard()
                 raise SpecError(self.field, f"cannot write {target}: {e.strerror or e}") from None
             os.close(fd)
             self.temps[real] = tmp
@@ -84,7 +92,7 @@ class Together:
             raise SpecError(self.field, f"cannot write {self.named[0] if self.named else 'its files'}: "
                                         f"{e.strerror or e}") from None
         finally:
-            self._discard()
+            self.discard()
 
     def _commit(self) -> None:
         mode = 0o666 & ~_umask()  # mkstemp makes them private: give them the mode a plain open would
@@ -95,7 +103,7 @@ class Together:
             os.replace(tmp, real)
             del self.temps[real]
 
-    def _discard(self) -> None:
+    def discard(self) -> None:
         for tmp in self.temps.values():
             try:
                 os.unlink(tmp)

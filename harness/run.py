@@ -21,7 +21,7 @@ from harness import measure, registry
 from harness.data.source import token_source
 from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
-from harness.model.kernels import check_kernels, rmsnorm_backend_name
+from harness.model.kernels import rmsnorm_backend_name, run_kernels
 from harness.model.presets import param_count
 from harness.runtime import RunContext
 from harness.spec import RunSpec, check_world_size, layout_label, micro_batches_per_step
@@ -69,8 +69,7 @@ def preflight(spec: RunSpec, ctx: RunContext):
     engine = registry.facts(spec.layout.engine)
     if engine.preflight is not None:  # e.g. a ds_config that contradicts the workload
         engine.preflight(spec)
-    dtype = torch.bfloat16 if spec.workload.precision == "bf16" else torch.float32
-    check_kernels(spec.layout.attention, spec.layout.rmsnorm, ctx.device, dtype, shape.hidden // shape.heads)
+    run_kernels(spec, ctx.device)  # the same check compare and sweep make before they launch (check_machine)
     return shape
 
 

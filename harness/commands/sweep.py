@@ -105,6 +105,10 @@ def main(args) -> int:
             return 0
         print(submit_slurm(script))
         return 0
+    from harness.model.kernels import check_machine  # torch: only where points run here
+
+    # the points run on this machine: their kernels are tried here first (under slurm each node checks its own)
+    check_machine([(f"point {p.label()!r}", p.spec) for p in pending(points, done, retry)])
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` or a scheduler: clean up like Ctrl-C
     try:
         counts = run_sweep(spec, launcher=launcher, store_path=store, timeout_s=timeout, retry=retry,

@@ -166,3 +166,85 @@ def check_kernels(attention: str, rmsnorm_kind: str, device: torch.device, dtype
     except Exception as e:
         raise SpecError("layout.rmsnorm", f"{rmsnorm_kind} cannot run on {device.type}: "
                                           f"{str(e).splitlines()[0][:160]}") from None
+
+
+# ---------------------------------------------------------------- this machine, before any launch
+
+
+def run_kernels(spec, device: torch.device) -> None:
+    """The kernels a run (a RunSpec) computes with, checked on `device`: what a rank's preflight
+    calls, and check_machine for every run before anything launches."""
+    shape = spec.shape()
+    dtype = torch.bfloat16 if spec.workload.precision == "bf16" else torch.float32
+    check_kernels(spec.layout.attention, spec.layout.rmsnorm, device, dtype, shape.hidden // shape.heads)
+
+
+def check_machine(runs) -> None:
+    """Before the first launch (compare, a sweep under a local launcher): every run's kernels run
+    on the device its ranks get on this machine, else one SpecError naming the first run that
+    needs them. `runs`: (name, RunSpec or spec dict) pairs.
+
+    Each distinct need (kernels, device, dtype, head size) is tried once. On CPU in this process;
+    on CUDA in one short child process, so that the launching process holds no CUDA context (on a
+    GPU in exclusive-process mode its ranks could not get one, and elsewhere it takes memory from
+    rank 0 for the whole comparison or sweep)."""
+    from harness.runtime import choose_device
+    from harness.spec import RunSpec, parse_spec
+
+    needs: dict[tuple, list[str]] = {}
+    for name, spec in runs:
+        spec = spec if isinstance(spec, RunSpec) else parse_spec(spec)
+        device = choose_device(spec.workload.device, 0)  # a CUDA device the machine lacks: refused here
+        shape = spec.shape()
+        need = (spec.layout.attention, spec.layout.rmsnorm, device.type, spec.workload.precision,
+                shape.hidden // shape.heads)
+        needs.setdefault(need, []).append(name)
+    cuda = [n for n in needs if n[2] == "cuda"]
+    failed = _probe_in_child(cuda) if cuda else {}
+    for need in needs:
+        if need[2] == "cpu":
+            try:
+                _probe(need)
+            except SpecError as e:
+                failed[need] = (e.field, e.reason)
+    for need, names in needs.items():
+        if need in failed:
+            field, reason = failed[need]
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise SpecError(f"{field} ({names[0]}{more})", f"{reason.rstrip('.')}; nothing was launched")
+
+
+def _probe(need: tuple) -> None:
+    attention, rmsnorm, device, precision, head_dim = need
+    check_kernels(attention, rmsnorm, torch.device(device), torch.bfloat16 if precision == "bf16" else torch.float32,
+                  head_dim)
+
+
+def _probe_in_child(needs: list[tuple]) -> dict[tuple, tuple[str, str]]:
+    """{need: (field, reason)} for the needs that cannot run, tried by `python -m harness.model.kernels`."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(needs), capture_output=True,
+                             text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SpecError("workload.device", f"the kernel check on this machine's GPU did not finish: {e}") from None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        raise SpecError("workload.device", f"the kernel check on this machine's GPU failed: {last[:200]}")
+    return {tuple(need): (field, reason) for need, field, reason in json.loads(out.stdout)}
+
+
+if __name__ == "__main__":  # the child of _probe_in_child: needs as JSON on stdin, failures as JSON on stdout
+    import json
+    import sys
+
+    failures = []
+    for need in json.load(sys.stdin):
+        try:
+            _probe(tuple(need))
+        except SpecError as e:
+            failures.append([need, e.field, e.reason])
+    print(json.dumps(failures))
