@@ -447,7 +447,9 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
         elif not record.get("error"):
             record["error"] = error_excerpt(output) or f"exit code {popen.returncode}, no output"
         record["ended_at"] = now_iso()
-    cause = None if record["status"] == "ok" or timed_out else first_failure(record, output)
+    # a diverged run is the runner's verdict, every rank's exit code 1 its echo: no rank failed first
+    judged = record["status"] == "ok" or record.get("diverged_at_step") is not None
+    cause = None if judged or timed_out else first_failure(record, output)
     if cause is not None:
         record["first_failure"] = cause
         if cause["source"] != "rank":  # a rank's own report already leads the error

@@ -32,14 +32,17 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or mentions_oom(str(exc))
 
 
-def _fault(step: int, rank: int) -> None:
-    """Test-only fault hook: HARNESS_FAULT=kill|hang|oom|raise:STEP[:RANK]."""
+def _fault(step: int, rank: int) -> bool:
+    """Test-only fault hook: HARNESS_FAULT=kill|hang|oom|raise|nan:STEP[:RANK]; True for nan (the
+    step's loss is to become NaN, as a diverging run's does)."""
     fault = os.environ.get("HARNESS_FAULT")
     if not fault:
-        return
+        return False
     kind, at, *who = fault.split(":")
     if int(at) != step or (who and int(who[0]) != rank):
-        return
+        return False
+    if kind == "nan":
+        return True
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
@@ -166,9 +169,10 @@ class Trainer:
         batch = self.data.global_batch_at(step)
         if step == w.warmup_steps:
             measure.reset_peak_memory(self.ctx.device)
-        _fault(step, self.ctx.rank)
+        poisoned = _fault(step, self.ctx.rank)
         with measure.StepTimer(self.ctx.device) as timer:
             loss = self._train_step(step, batch)
+        loss = math.nan if poisoned else loss
         self.losses.append(loss)
         if not math.isfinite(loss):
             raise Diverged(step + 1, loss, self.total, self.losses)

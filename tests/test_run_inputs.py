@@ -319,3 +319,27 @@ def test_a_report_on_a_full_disk_is_one_line_and_leaves_the_earlier_report(store
     assert line.startswith("error: --out: cannot write ") and line.endswith("No space left on device"), line
     assert sorted(os.listdir("rep")) == ["img", "report.html", "report.md"] and os.listdir("rep/img") == []
     assert all(open(os.path.join("rep", n)).read() == "earlier\n" for n in ("report.md", "report.html"))
+
+
+@pytest.mark.slow
+def test_the_kernel_check_in_a_child_process_answers_like_the_one_in_process():
+    """On CUDA the launching process tries the kernels in a child (no CUDA context of its own);
+    here the same protocol on CPU, where the in-process answer is known."""
+    from harness.model.kernels import _probe_in_child
+
+    bad, good = ("sdpa_efficient", "torch", "cpu", "fp32", 16), ("sdpa", "torch", "cpu", "fp32", 16)
+    failed = _probe_in_child([bad, good])
+    assert list(failed) == [bad] and failed[bad][0] == "layout.attention"
+    assert failed[bad][1].startswith("sdpa_efficient cannot run on cpu")
+
+
+@pytest.mark.slow
+def test_a_diverged_two_process_run_stops_on_every_rank_and_leads_with_its_cause(tmp_path):
+    """Real ranks under torchrun: both stop at the step whose loss is NaN (HARNESS_FAULT=nan, as
+    `optimizer.lr: 1e30` does by step 3), the record says so first, not 'rank N failed first'."""
+    spec = {"workload": {**WORKLOAD, "steps": 6}, "layout": {"engine": "own", "dp": 2}}
+    rec = launch.run_spec(spec, nproc=2, launcher="torchrun", store_path=str(tmp_path / "r.sqlite"), timeout_s=240,
+                          log_dir=str(tmp_path / "logs"), extra_env={"HARNESS_FAULT": "nan:2"})
+    assert rec["status"] == "failed" and rec["diverged_at_step"] == 3 and len(rec["metrics"]["losses"]) == 3
+    assert rec["error"].startswith("diverged: the loss became nan at step 3 of 7"), rec["error"]
+    assert "first_failure" not in rec and not rec["launch"]["timed_out"] and rec["launch"]["exit_code"] == 1

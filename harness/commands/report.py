@@ -40,14 +40,14 @@ def main(args) -> int:
     records = []
     for name in args.sweep or [None]:
         records += store.records(sweep=name)
-    if args.sweep:
-        from harness.commands.results import check_sweeps
-
-        check_sweeps(store, args.sweep, "--sweep")
     if store.skipped_note():
         print(store.skipped_note(), file=sys.stderr)
     if not records:
         raise SpecError("--sweep" if args.sweep else "--store", "no records to report on")
+    if args.sweep and len(args.sweep) > 1:  # one misspelt name among several would be left out silently
+        from harness.commands.results import check_sweeps
+
+        check_sweeps(store, args.sweep, "--sweep")
     if args.timeline_run:
         chosen = {r["run_id"] for r in records if str(r.get("run_id")).startswith(args.timeline_run)}
         if len(chosen) != 1:

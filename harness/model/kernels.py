@@ -234,7 +234,8 @@ def _probe_in_child(needs: list[tuple]) -> dict[tuple, tuple[str, str]]:
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
         raise SpecError("workload.device", f"the kernel check on this machine's GPU failed: {last[:200]}")
-    return {tuple(need): (field, reason) for need, field, reason in json.loads(out.stdout)}
+    last = (out.stdout.strip().splitlines() or ["[]"])[-1]  # its answer is the last line it prints
+    return {tuple(need): (field, reason) for need, field, reason in json.loads(last)}
 
 
 if __name__ == "__main__":  # the child of _probe_in_child: needs as JSON on stdin, failures as JSON on stdout

@@ -136,6 +136,7 @@ def write(out_dir: str, title: str, sections: list[Section]) -> dict[str, str]:
 
     md, page = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.html")
     with Together("--out") as files:
+        os.makedirs(os.path.join(out_dir, "img"), exist_ok=True)  # out_dir too, where it is still missing
         files.write(md, markdown(title, sections, "img"))
         files.write(page, html_page(title, sections))
         save_figures(os.path.join(out_dir, "img"), sections, files)
