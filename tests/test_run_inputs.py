@@ -325,10 +325,10 @@ def test_a_report_on_a_full_disk_is_one_line_and_leaves_the_earlier_report(store
 def test_the_kernel_check_in_a_child_process_answers_like_the_one_in_process():
     """On CUDA the launching process tries the kernels in a child (no CUDA context of its own);
     here the same protocol on CPU, where the in-process answer is known."""
-    from harness.model.kernels import _probe_in_child
+    from harness.model.kernels import probe_in_child
 
     bad, good = ("sdpa_efficient", "torch", "cpu", "fp32", 16), ("sdpa", "torch", "cpu", "fp32", 16)
-    failed = _probe_in_child([bad, good])
+    failed = probe_in_child([bad, good])
     assert list(failed) == [bad] and failed[bad][0] == "layout.attention"
     assert failed[bad][1].startswith("sdpa_efficient cannot run on cpu")
 

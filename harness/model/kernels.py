@@ -12,6 +12,9 @@ when flash-attn is installed and the tensor is on CUDA; otherwise the RMSNorm fu
 compiled by torch.compile (Inductor emits one fused Triton kernel on GPU, one C++ loop on CPU).
 `rmsnorm_backend_name` says which was used, and the run record keeps it.
 
+`probe` tries what one run needs (need_of); `probe_in_child` does it in a child process, so that a
+launching process (harness.run.check_machine, before compare and sweep launch) holds no CUDA context.
+
 A model takes its kernels when it is built (`Kernels`): the layout's choice by default, or a
 stand-in given by whoever builds it (harness memory's fused RMSNorm with the kernel's memory on
 fake tensors), never swapped inside the modules afterwards.
@@ -171,57 +174,31 @@ def check_kernels(attention: str, rmsnorm_kind: str, device: torch.device, dtype
 # ---------------------------------------------------------------- this machine, before any launch
 
 
-def run_kernels(spec, device: torch.device) -> None:
-    """The kernels a run (a RunSpec) computes with, checked on `device`: what a rank's preflight
-    calls, and check_machine for every run before anything launches."""
+def need_of(spec, device_type: str) -> tuple:
+    """What a run (a RunSpec) asks of a device: (attention, rmsnorm, device type, precision, head size)."""
     shape = spec.shape()
-    dtype = torch.bfloat16 if spec.workload.precision == "bf16" else torch.float32
-    check_kernels(spec.layout.attention, spec.layout.rmsnorm, device, dtype, shape.hidden // shape.heads)
+    return (spec.layout.attention, spec.layout.rmsnorm, device_type, spec.workload.precision,
+            shape.hidden // shape.heads)
 
 
-def check_machine(runs) -> None:
-    """Before the first launch (compare, a sweep under a local launcher): every run's kernels run
-    on the device its ranks get on this machine, else one SpecError naming the first run that
-    needs them. `runs`: (name, RunSpec or spec dict) pairs.
-
-    Each distinct need (kernels, device, dtype, head size) is tried once. On CPU in this process;
-    on CUDA in one short child process, so that the launching process holds no CUDA context (on a
-    GPU in exclusive-process mode its ranks could not get one, and elsewhere it takes memory from
-    rank 0 for the whole comparison or sweep)."""
-    from harness.runtime import choose_device
-    from harness.spec import RunSpec, parse_spec
-
-    needs: dict[tuple, list[str]] = {}
-    for name, spec in runs:
-        spec = spec if isinstance(spec, RunSpec) else parse_spec(spec)
-        device = choose_device(spec.workload.device, 0)  # a CUDA device the machine lacks: refused here
-        shape = spec.shape()
-        need = (spec.layout.attention, spec.layout.rmsnorm, device.type, spec.workload.precision,
-                shape.hidden // shape.heads)
-        needs.setdefault(need, []).append(name)
-    cuda = [n for n in needs if n[2] == "cuda"]
-    failed = _probe_in_child(cuda) if cuda else {}
-    for need in needs:
-        if need[2] == "cpu":
-            try:
-                _probe(need)
-            except SpecError as e:
-                failed[need] = (e.field, e.reason)
-    for need, names in needs.items():
-        if need in failed:
-            field, reason = failed[need]
-            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-            raise SpecError(f"{field} ({names[0]}{more})", f"{reason.rstrip('.')}; nothing was launched")
+def run_kernels(spec, device: torch.device) -> None:
+    """The kernels a run computes with, checked on `device`: what a rank's preflight calls, and
+    harness.run.check_machine for every run before anything launches."""
+    _, _, _, precision, head_dim = need_of(spec, device.type)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    check_kernels(spec.layout.attention, spec.layout.rmsnorm, device, dtype, head_dim)
 
 
-def _probe(need: tuple) -> None:
+def probe(need: tuple) -> None:
+    """check_kernels for one need: (attention, rmsnorm, device type, precision, head size)."""
     attention, rmsnorm, device, precision, head_dim = need
     check_kernels(attention, rmsnorm, torch.device(device), torch.bfloat16 if precision == "bf16" else torch.float32,
                   head_dim)
 
 
-def _probe_in_child(needs: list[tuple]) -> dict[tuple, tuple[str, str]]:
-    """{need: (field, reason)} for the needs that cannot run, tried by `python -m harness.model.kernels`."""
+def probe_in_child(needs: list[tuple]) -> dict[tuple, tuple[str, str]]:
+    """{need: (field, reason)} for the needs that cannot run, tried by `python -m harness.model.kernels`,
+    so that the process asking holds no CUDA context (harness.run.check_machine)."""
     import json
     import subprocess
     import sys
@@ -238,14 +215,14 @@ def _probe_in_child(needs: list[tuple]) -> dict[tuple, tuple[str, str]]:
     return {tuple(need): (field, reason) for need, field, reason in json.loads(last)}
 
 
-if __name__ == "__main__":  # the child of _probe_in_child: needs as JSON on stdin, failures as JSON on stdout
+if __name__ == "__main__":  # the child of probe_in_child: needs as JSON on stdin, failures as JSON on stdout
     import json
     import sys
 
     failures = []
     for need in json.load(sys.stdin):
         try:
-            _probe(tuple(need))
+            probe(tuple(need))
         except SpecError as e:
             failures.append([need, e.field, e.reason])
     print(json.dumps(failures))
