@@ -25,6 +25,7 @@ ENGINES: dict[str, str] = {
     "own": "harness.frameworks.own",
     "deepspeed": "harness.frameworks.deepspeed_adapter",
     "fsdp": "harness.frameworks.fsdp",
+    "megatron": "harness.frameworks.megatron",
 }
 
 # A rule: (field, takes(...), why not). The first rule a spec breaks is the error; `why` may name

@@ -72,7 +72,7 @@ def test_a_registered_engine_is_named_in_the_compare_matrix(toy):
 
 def test_the_registry_is_restored_after_a_test_registers_an_engine():
     assert "toy" not in registry.ENGINES
-    assert set(registry.ENGINES) == {"single", "own", "deepspeed", "fsdp"}
+    assert set(registry.ENGINES) == {"single", "own", "deepspeed", "fsdp", "megatron"}
 
 
 @pytest.mark.parametrize("name", sorted(registry.ENGINES))

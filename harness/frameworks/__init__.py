@@ -23,7 +23,7 @@ Each adapter declares at its top `ENGINE = harness.registry.EngineFacts(...)`: w
 precision and model limits, its label. harness.registry maps each engine's name to its adapter.
 An adapter stays light (no torch at import: the spec and the reports read its facts) and its
 build() imports the engine: own -> harness/engine, single -> single_engine.py, fsdp ->
-fsdp_engine.py, deepspeed -> deepspeed_engine.py and deepspeed_pipe.py.
+fsdp_engine.py, deepspeed -> deepspeed_engine.py and deepspeed_pipe.py, megatron -> megatron_engine.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,58 @@
+"""Adapter for engine megatron, Megatron-core itself (GPTModel on its local layer spec, parallel_state,
+its schedules, DistributedDataParallel and DistributedOptimizer): what it runs, declared without importing
+torch or Megatron; the engine is harness/frameworks/megatron_engine.py (on CPU through megatron_shim.py)."""
+
+from __future__ import annotations
+
+from harness.frameworks import ONLY_DEEPSPEED, ONLY_OWN
+from harness.registry import EngineFacts
+from harness.spec import check_world_size
+
+# Megatron-core's llama3 rope scaling takes only the factor; the rest is fixed
+# (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling).
+LLAMA3_FIXED = (1.0, 4.0, 8192)
+
+
+def _chunks(lay) -> int:
+    return lay.pp * (lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1)
+
+
+ENGINE = EngineFacts(
+    name="megatron",
+    capabilities=[
+        ("zero_stage", lambda lay: lay.zero_stage in (0, 1),
+         "engine megatron has DistributedDataParallel (zero_stage 0) and its DistributedOptimizer (zero_stage 1); "
+         "ZeRO-2/3 is Megatron-FSDP, not run here"),
+        *ONLY_DEEPSPEED,
+        ("attention", lambda lay: lay.attention == "naive",
+         "Megatron-core's local layer spec (no Transformer Engine) has one core attention, DotProductAttention: "
+         "softmax(QK^T)V materialised, softmax in fp32 (what naive is); set attention: naive"),
+        ("rmsnorm", lambda lay: lay.rmsnorm == "torch",
+         "Megatron-core's fused RMSNorm needs Transformer Engine or Apex; engine megatron runs the eager one (torch)"),
+        ("pipeline_schedule", lambda lay: lay.pipeline_schedule != "gpipe",
+         "Megatron-core's schedules are 1F1B and interleaved 1F1B (get_forward_backward_func): no gpipe"),
+        ("virtual_stages",
+         lambda lay: lay.pipeline_schedule != "interleaved" or (lay.pp > 1 and lay.virtual_stages > 1),
+         "Megatron-core's interleaved schedule needs pp > 1 and virtual_stages > 1 (one chunk per rank is 1F1B)"),
+        *ONLY_OWN],
+    precision_limits=[
+        ("grad_accum_dtype", lambda w, lay: w.grad_accum_dtype == w.grad_reduce_dtype,
+         "Megatron's DDP sums the micro-batches' gradients into its main-gradient buffer and reduces that buffer: "
+         "one dtype for both (grad_reduce_in_fp32); set grad_accum_dtype equal to grad_reduce_dtype"),
+    ],
+    model_limits=[
+        ("rope_scaling", lambda s, lay: s.rope_scaling is None or tuple(s.rope_scaling[1:]) == LLAMA3_FIXED,
+         "Megatron-core's llama3 rope scaling takes only the factor, with low_freq_factor 1, high_freq_factor 4 "
+         "and original_max_position_embeddings 8192 fixed"),
+        ("layers", lambda s, lay: s.layers % _chunks(lay) == 0,
+         "engine megatron splits the layers evenly over pp x virtual_stages model chunks"),
+    ],
+    label=lambda lay: "megatron DistOpt" if lay.get("zero_stage") else "megatron",
+)
+
+
+def build(spec, shape, ctx):
+    from harness.frameworks.megatron_engine import MegatronEngine
+
+    check_world_size(spec, ctx.world_size)
+    return MegatronEngine(spec, shape, ctx)

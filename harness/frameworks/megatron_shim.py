@@ -1,0 +1,142 @@
+"""Megatron-core on CPU: the few CUDA calls it hard-codes, answered by the CPU, while a block runs.
+
+Megatron never runs on CPU in its own tests. On the paths engine megatron takes (GPTModel on the
+local spec, parallel_state, its DDP and optimizers, the schedules), it reaches CUDA in five ways,
+each answered here and nowhere else (megatron-core 0.16; harness/frameworks/megatron_engine.py):
+
+  RNG       tensor_parallel/random.py forks the CUDA RNG tracker (DotProductAttention always does,
+            dropout 0 or not; activation recomputation saves and restores the state): the CPU
+            generator's state in place of the CUDA one (torch.cuda.get/set_rng_state, manual_seed,
+            random.py's _get/_set_cuda_rng_state);
+  device    buffers and receive tensors allocated on torch.cuda.current_device(): it answers "cpu";
+  sync      torch.cuda.synchronize and empty_cache: nothing to wait for or free;
+  factories a literal device="cuda" (optimizer.py's found_inf, clip_grads.py's norm, schedules.py's
+            total_num_tokens, transformer/utils.py's causal mask) and .cuda() / .to("cuda"): one
+            TorchFunctionMode maps them to the CPU (and keeps itself on through torch.autograd.backward,
+            where full recomputation runs the forward again);
+  types     `param.type() == "torch.cuda.FloatTensor"` checks (optimizer.py, distrib_optimizer.py,
+            clip_grads.py): .type() without arguments reports the CUDA type name.
+
+Process-local and scoped: `active()` patches on entry and restores on exit, so only the megatron
+engine's own calls run under it, never on a GPU (the engine does not enter it there), and other
+engines in the same process see torch unchanged. `tripwire()` (tests) records every other torch.cuda
+function called while active: an update of Megatron that reaches one the shim does not cover shows up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# torch.cuda's functions the shim replaces while active (the tripwire watches every other one).
+COVERED = ("current_device", "synchronize", "empty_cache", "get_rng_state", "set_rng_state", "manual_seed",
+           "manual_seed_all")
+# torch.cuda queries that answer truthfully on a CPU build and change nothing: not CUDA work.
+HARMLESS = ("is_available", "device_count", "is_initialized", "is_current_stream_capturing")
+
+
+def _cpu(device):
+    """`device` with a CUDA one replaced by the CPU."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cpu"  # a CUDA ordinal (torch.cuda.current_device()'s usual answer)
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+        return "cpu"
+    return device
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """device="cuda" in any torch function, .cuda(), .to("cuda") -> the CPU; .type() -> the CUDA name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.autograd.backward:
+            return self._backward(*args, **kwargs)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        if func is torch.Tensor.to:
+            args = (args[0], *(_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args[1:]))
+        return func(*args, **kwargs)
+
+    def _backward(self, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+        """torch.autograd.backward with this mode kept on while the autograd engine runs (a mode is off
+        inside its own handler, and recomputation in backward runs Megatron's forward again): the C++
+        engine called directly, as Megatron's own custom_backward does."""
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        grads = (grad_tensors,) if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) \
+            else tuple(grad_tensors)
+        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads))
+        with self:
+            torch.autograd.Variable._execution_engine.run_backward(
+                tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                tuple(inputs or ()), allow_unreachable=True, accumulate_grad=True)
+
+
+def _replacements() -> dict:
+    return {"current_device": lambda: "cpu", "synchronize": lambda *a, **k: None, "empty_cache": lambda: None,
+            "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+            "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
+            "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
+            "manual_seed_all": lambda seed: None}  # torch.manual_seed calls it after seeding the CPU
+
+
+class _Tripwire:
+    def __init__(self):
+        self.calls: set[str] = set()
+
+    def wrap(self, name, fn):
+        def recorded(*args, **kwargs):
+            self.calls.add(name)
+            return fn(*args, **kwargs)
+        return recorded
+
+
+_TRIPWIRE: _Tripwire | None = None
+
+
+@contextlib.contextmanager
+def tripwire():
+    """While open, every `active()` block records the uncovered torch.cuda functions it calls:
+    yields the set of their names (HARMLESS ones included; the test decides)."""
+    global _TRIPWIRE
+    _TRIPWIRE = _Tripwire()
+    try:
+        yield _TRIPWIRE.calls
+    finally:
+        _TRIPWIRE = None
+
+
+@contextlib.contextmanager
+def active():
+    """Megatron's CUDA calls answered by the CPU for the duration of the block (see the module)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved: list[tuple[object, str, object]] = []
+
+    def patch(owner, name, value):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    for name, value in _replacements().items():
+        patch(torch.cuda, name, value)
+    patch(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    patch(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    if _TRIPWIRE is not None:
+        for name, fn in list(vars(torch.cuda).items()):
+            if name.startswith("_") or name in COVERED or not inspect.isfunction(fn):
+                continue
+            patch(torch.cuda, name, _TRIPWIRE.wrap(name, fn))
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
