@@ -32,6 +32,16 @@ def default_log_dir(store: str, name: str) -> str:
     return os.path.join(os.path.dirname(store), "harness-logs", f"compare-{name}")
 
 
+def report_lock(out: str, name: str):
+    """Held while a comparison runs and writes compare-<name>.* in `out`: a second one of the same
+    name into the same folder would overwrite that report, its runs timed against the first one's."""
+    from harness.pidlock import pid_lock
+
+    return pid_lock(os.path.join(out, f"compare-{name}.lock"), "--out",
+                    lambda pid: f"comparison {name} is already running into {out} (pid {pid}); wait for it "
+                                "to end, or give another --out")
+
+
 def add_arguments(p):
     p.add_argument("spec", nargs="?", help="compare spec YAML (see harness/compare/spec.py); "
                                            "without it: the built-in CPU default")
@@ -70,11 +80,12 @@ def main(args) -> int:
     if args.logs:
         check_output_path(args.logs, "--logs", directory=True)
     check_before_launch(cs)  # kernels, launchers, something to compare: still nothing launched
-    print(f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
-          f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})", file=sys.stderr)
-    summary = run_comparison(cs, store_path=store, log_dir=args.logs or default_log_dir(store, cs.name),
-                             progress=not args.no_progress)
-    paths = write_report(summary, args.out)
+    with report_lock(args.out, cs.name):  # refused here, before any launch, while another one writes this report
+        print(f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
+              f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})", file=sys.stderr)
+        summary = run_comparison(cs, store_path=store, log_dir=args.logs or default_log_dir(store, cs.name),
+                                 progress=not args.no_progress)
+        paths = write_report(summary, args.out)
     par = summary["parity"]
     print(f"verdict: {summary['verdict']} (parity {par['verdict']}, max pairwise relative loss difference "
           f"{par['max_pairwise_rel_diff']:.2e}, tolerance {par['tolerance']:g}; "
