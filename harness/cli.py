@@ -135,8 +135,7 @@ def _nearest(value: str, options: list[str], cutoff: float) -> str:
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | None]:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = Parser(prog="harness", description=__doc__.splitlines()[0], epilog=EXAMPLES,
-                                     formatter_class=raw)
+    parser = Parser(prog="harness", description=__doc__.splitlines()[0], epilog=EXAMPLES, formatter_class=raw)
     parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     module = None
