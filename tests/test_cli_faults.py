@@ -178,7 +178,7 @@ def _fake_comparison(monkeypatch, ran: list):
 
 def test_a_second_comparison_into_the_same_report_is_refused_before_it_launches(no_launch, monkeypatch,
                                                                                  one_line_error):
-    from harness.commands.compare import report_lock
+    from harness.compare.report_lock import report_lock
 
     (no_launch / "c.yaml").write_text(yaml.safe_dump(COMPARE))
     ran = []

@@ -32,16 +32,6 @@ def default_log_dir(store: str, name: str) -> str:
     return os.path.join(os.path.dirname(store), "harness-logs", f"compare-{name}")
 
 
-def report_lock(out: str, name: str):
-    """Held while a comparison runs and writes compare-<name>.* in `out`: a second one of the same
-    name into the same folder would overwrite that report, its runs timed against the first one's."""
-    from harness.pidlock import pid_lock
-
-    return pid_lock(os.path.join(out, f"compare-{name}.lock"), "--out",
-                    lambda pid: f"comparison {name} is already running into {out} (pid {pid}); wait for it "
-                                "to end, or give another --out")
-
-
 def add_arguments(p):
     p.add_argument("spec", nargs="?", help="compare spec YAML (see harness/compare/spec.py); "
                                            "without it: the built-in CPU default")
@@ -60,6 +50,7 @@ def main(args) -> int:
     import copy
 
     from harness.compare.orchestrate import check_before_launch, run_comparison
+    from harness.compare.report_lock import report_lock
     from harness.compare.spec import DEFAULT, parse_compare_spec
     from harness.report.compare import write_report
     from harness.spec import check_output_path, check_positive, parse_with_overrides, read_yaml

@@ -1,7 +1,8 @@
-"""An advisory lock (flock) held while a command writes something only one instance may write at a
-time (a comparison's report): a second instance is refused before it launches anything, naming the
-first one's pid. The kernel releases the lock when its holder dies, even by SIGKILL, so a killed
-command never leaves it held. (harness.sweep.execute.sweep_lock is the same, per sweep and store.)"""
+"""One comparison at a time writes a given report: a second `harness compare` of the same name into
+the same --out would overwrite the first one's report, its runs timed against the first one's, so
+it is refused before it launches anything, naming the first one's pid. An advisory lock (flock),
+which the kernel releases when its holder dies, even by SIGKILL: a killed comparison never leaves
+it held. (harness.sweep.execute.sweep_lock is the same, per sweep and store.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ import os
 import typing
 
 from harness.errors import SpecError
+
+
+def report_lock(out: str, name: str):
+    """Held while comparison `name` runs and writes compare-<name>.* in the folder `out`."""
+    return pid_lock(os.path.join(out, f"compare-{name}.lock"), "--out",
+                    lambda pid: f"comparison {name} is already running into {out} (pid {pid}); wait for it "
+                                "to end, or give another --out")
 
 
 @contextlib.contextmanager
