@@ -32,6 +32,7 @@ import psutil
 import yaml
 
 from harness.errors import SpecError
+from harness.frameworks.build_lock import clear_stale as clear_stale_build_locks
 from harness.store import ResultsStore, mentions_oom, new_record, now_iso
 
 LAUNCHERS = ("torchrun", "deepspeed", "direct", "srun")
@@ -409,6 +410,7 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
     if launcher == "deepspeed":  # its runner does not pass its own death on: run it fenced
         cmd[2:2] = [FENCE_MODULE]
     env = run_env(nproc, spec_dict, run_id, extra_env)
+    clear_stale_build_locks()  # one that a killed build left would hang every DeepSpeed run until its timeout
     store = ResultsStore(store_path)
     try:  # a full disk or a read-only log folder stops here, before anything starts
         os.makedirs(log_dir, exist_ok=True)
