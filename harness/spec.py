@@ -272,6 +272,15 @@ def check_positive_int(value, field: str) -> int:
     return value
 
 
+def check_device_count(value, field: str) -> int:
+    """A number of processes or devices (a comparison's nproc, a sweep's gpus and nodes)."""
+    check_positive_int(value, field)
+    if value > MAX_DEVICES:
+        raise SpecError(field, f"must be at most {MAX_DEVICES:,} (more devices than any cluster has), "
+                               f"got {shown(value)}")
+    return value
+
+
 def check_path(value, field: str) -> str:
     """A file path the harness will write (a results store)."""
     if not isinstance(value, str) or not value.strip():
@@ -467,6 +476,9 @@ def check_tokens(shape: Shape, seq_len: int, global_batch_size: int, model: str,
     named by `fields`): a sequence within the model's positions, and a global batch of int64 tokens
     (every rank builds it) that a machine holds."""
     fields = fields or SEQUENCE_FIELDS
+    for name, field_name in fields.items():  # their ranges (already read so in a spec)
+        Workload.__dataclass_fields__[name].metadata["check"]({"seq_len": seq_len, "global_batch_size":
+                                                               global_batch_size}[name], field_name)
     if seq_len > shape.max_positions:
         hint = "; workload.model_overrides.max_positions raises it" if fields is SEQUENCE_FIELDS else ""
         raise SpecError(fields["seq_len"], f"{_count(seq_len)} is beyond the {shape.max_positions} positions of "

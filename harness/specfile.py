@@ -79,8 +79,8 @@ def _expanded(node, memo: dict, open_: set) -> int:
         count = 1
     open_.discard(key)
     if count > MAX_VALUES:
-        raise _TooLarge(None, None, f"its aliases expand it to {count:.3g} values, more than the "
-                                    f"{MAX_VALUES} a spec may hold", node.start_mark)
+        raise _TooLarge(None, None, f"its aliases expand it to more than {MAX_VALUES} values (a spec holds "
+                                    "hundreds)", node.start_mark)
     memo[key] = count
     return count
 
