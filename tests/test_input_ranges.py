@@ -6,6 +6,7 @@ parsers are called directly, the commands through harness.cli.main in-process.""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import typing
 
@@ -255,3 +256,11 @@ def test_the_planners_flags_have_the_ranges_of_a_spec(no_launch, one_line_error,
     for flag, value in zip(flags[::2], flags[1::2]):
         argv[argv.index(flag) + 1] = value
     assert one_line_error(cli_main(argv)).startswith(line)
+
+
+def test_a_non_finite_number_in_a_config_json_is_refused(tmp_path):
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 176,
+              "vocab_size": 256, "max_position_embeddings": 2048, "rope_theta": float("nan")}
+    (tmp_path / "config.json").write_text(json.dumps(config))  # json writes NaN, and reads it back
+    e = refusal(parse_spec, {"workload": {**TINY, "model": str(tmp_path / "config.json")}})
+    assert e.field == "workload.model" and e.reason.startswith("rope_theta must be a positive number, got nan"), str(e)
