@@ -63,7 +63,6 @@ def in_range(tp, low=None, high=None, *, above=False, says=None, why=""):
         else:
             return number
         raise SpecError(name, f"must {'be ' + says if says else words}{why}, got {shown(value)}")
-    check.bounds = (low, high)
     return check
 
 
@@ -476,9 +475,9 @@ def check_tokens(shape: Shape, seq_len: int, global_batch_size: int, model: str,
     named by `fields`): a sequence within the model's positions, and a global batch of int64 tokens
     (every rank builds it) that a machine holds."""
     fields = fields or SEQUENCE_FIELDS
-    for name, field_name in fields.items():  # their ranges (already read so in a spec)
-        Workload.__dataclass_fields__[name].metadata["check"]({"seq_len": seq_len, "global_batch_size":
-                                                               global_batch_size}[name], field_name)
+    given = {"seq_len": seq_len, "global_batch_size": global_batch_size}
+    for name, field_name in fields.items():  # their fields' ranges (a spec's builder has read them already)
+        Workload.__dataclass_fields__[name].metadata["check"](given[name], field_name)
     if seq_len > shape.max_positions:
         hint = "; workload.model_overrides.max_positions raises it" if fields is SEQUENCE_FIELDS else ""
         raise SpecError(fields["seq_len"], f"{_count(seq_len)} is beyond the {shape.max_positions} positions of "
@@ -505,9 +504,10 @@ def check_fits_a_machine(spec: RunSpec, shape: Shape) -> None:
             (params * 16 // world, f"{params:.3g} parameters x 16 B over {world} devices"),
         "workload.seq_len": (tokens * shape.hidden * shape.layers * 34 // dims.excluding("dp")
                              + tokens * shape.vocab * 4 // lay.tp,
-                             f"activations and logits of {lay.micro_batch_size} x {w.seq_len} tokens"),
+                             f"activations and logits of {lay.micro_batch_size} x {_count(w.seq_len)} tokens"),
         "workload.global_batch_size": (w.global_batch_size * (w.seq_len + 1) * 8,
-                                       f"the global batch of {w.global_batch_size} x {w.seq_len + 1} tokens"),
+                                       f"the global batch of {_count(w.global_batch_size)} x "
+                                       f"{_count(w.seq_len + 1)} tokens"),
     }
     total = sum(b for b, _ in parts.values())
     if total > MAX_BYTES_PER_DEVICE:
