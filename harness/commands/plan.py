@@ -119,6 +119,11 @@ def main(args) -> int:
         check_output_path(args.emit_sweep, "--emit-sweep", directory=False)
         check_writable(args.emit_sweep, "--emit-sweep")
     shape = resolve_shape(args.model, field="--model")
+    from harness.spec import check_device_count, check_tokens  # the ranges a spec's workload has
+
+    check_tokens(shape, args.seq_len, args.global_batch_size, args.model,
+                 {"seq_len": "--seq-len", "global_batch_size": "--global-batch-size"})
+    check_device_count(args.gpus, "--gpus")
     gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node  # 0 is refused, not the default
     wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
     attention = en.parse_list(args.attention, ATTENTION, "--attention",
