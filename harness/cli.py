@@ -2,16 +2,24 @@
 
 A subcommand module exposes `add_arguments(parser)` and `main(args) -> int`, and may set
 DESCRIPTION and EXAMPLES (its --help text above and below the options). A SpecError
-anywhere (a user mistake) becomes one line `error: <field>: <reason>` and exit code 2.
+anywhere (a user mistake, a mistyped argument included) becomes one line `error: <field>:
+<reason>` and exit code 2; a Ctrl-C at any moment, even while torch is still importing,
+exits 130 without a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import sys
 
-from harness.errors import SpecError
+try:  # the console script imports this module before main() runs: a Ctrl-C here is one too
+    import argparse
+    import difflib
+    import importlib
+    import re
+
+    from harness.errors import SpecError
+except KeyboardInterrupt:
+    sys.exit(130)
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -58,10 +66,76 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that refuses in one line, `error: <flag>: <reason>` (a SpecError, so exit
+    code 2 through main), not with a usage dump; --help still prints the usage. Every subparser,
+    the commands' own (results export, data prepare) included, is one (add_subparsers' default)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("exit_on_error", False)  # an ArgumentError reaches parse_known_args whole
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse's, but an argument left over is refused here, where the (sub)command that
+        did not take it is known; nothing in harness parses only part of its arguments."""
+        try:
+            namespace, extras = super().parse_known_args(args, namespace)
+        except argparse.ArgumentError as e:
+            raise self.refusal(e.argument_name, e.message) from None
+        if extras:
+            raise self.leftover(extras[0])
+        return namespace, extras
+
+    def error(self, message: str):
+        """What argparse reports by message only (a missing argument, an ambiguous abbreviation)."""
+        named = re.fullmatch(r"argument (.+?): (.*)", message, re.S)
+        if named:
+            raise self.refusal(named.group(1), named.group(2))
+        missing = re.fullmatch(r"the following arguments are required: (.*)", message, re.S)
+        if missing:
+            first, *rest = missing.group(1).split(", ")
+            action = next((a for a in self._actions if first in (a.dest, a.metavar, *a.option_strings)), None)
+            also = f": one of {', '.join(action.choices)}" if action is not None and action.choices else ""
+            also += f" (and {', '.join(rest)})" if rest else ""
+            raise SpecError(_field(first), f"missing{also}; see {self.prog} --help")
+        ambiguous = re.fullmatch(r"ambiguous option: (\S+?)(?:=\S*)? could match (.*)", message, re.S)
+        if ambiguous:
+            raise SpecError(ambiguous.group(1), f"ambiguous: could be {ambiguous.group(2)}")
+        raise SpecError(self.prog, f"{message}; see {self.prog} --help")
+
+    def refusal(self, name: str | None, message: str) -> SpecError:
+        """One argument's refusal; an invalid choice lists the choices plainly, with the nearest."""
+        choice = re.fullmatch(r"invalid choice: (.+?) \(choose from (.*)\)", message, re.S)
+        if choice:
+            value = choice.group(1)
+            options = [c.strip().strip("'\"") for c in choice.group(2).split(",")]
+            message = f"{value} is not one of {', '.join(options)}" + _nearest(value.strip("'\""), options, 0.6)
+        return SpecError(_field(name) if name else self.prog, message)
+
+    def leftover(self, arg: str) -> SpecError:
+        """An argument no parser took: an unknown option, or one positional too many."""
+        if arg.startswith("-") and len(arg) > 1:
+            flag = arg.split("=", 1)[0]
+            known = [o for o in self._option_string_actions if o.startswith("--")]
+            return SpecError(flag, f"not an option of {self.prog}{_nearest(flag, known, 0.75)}; "
+                                   f"see {self.prog} --help")
+        return SpecError(arg, f"one argument too many for {self.prog}; see {self.prog} --help")
+
+
+def _field(name: str) -> str:
+    """An argument's name as a refusal names it: `--seq-len`, `spec`; a metavar in capitals
+    (COMMAND) in lower case."""
+    return name.lower() if name.isupper() else name
+
+
+def _nearest(value: str, options: list[str], cutoff: float) -> str:
+    close = difflib.get_close_matches(value, options, n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | None]:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog="harness", description=__doc__.splitlines()[0], epilog=EXAMPLES,
-                                     formatter_class=raw)
+    parser = Parser(prog="harness", description=__doc__.splitlines()[0], epilog=EXAMPLES, formatter_class=raw)
     parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     module = None
@@ -77,6 +151,14 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # also during the heavy imports (torch takes seconds) a command starts with
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The deepspeed launcher appends --local_rank=N; the environment already carries it.
     argv = [a for a in argv if not a.startswith("--local_rank")]

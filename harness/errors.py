@@ -1,10 +1,34 @@
 """One error type for every user mistake, so the CLI can print one line and exit 2."""
 
+import reprlib
+
+FIELD_MAX, REASON_MAX = 200, 1000  # characters: a message quotes what the user gave, which can be megabytes
+
+_SHORT = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 3, 80, 40, 80
+_SHORT.maxtuple = _SHORT.maxlist = _SHORT.maxdict = _SHORT.maxset = _SHORT.maxfrozenset = _SHORT.maxdeque = 6
+
+
+def shown(value) -> str:
+    """A value as an error message quotes it: its repr, cut short (a list of a million items is not
+    repeated whole)."""
+    return _SHORT.repr(value)
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` within `limit` characters: its start and end, and how much was left out between."""
+    if len(text) <= limit:
+        return text
+    keep = (limit - 40) // 2
+    return f"{text[:keep]} ...[{len(text) - 2 * keep:,} characters cut]... {text[-keep:]}"
+
 
 class SpecError(ValueError):
-    """A user input is wrong; `field` names where (a dotted spec path, a file, a flag)."""
+    """A user input is wrong; `field` names where (a dotted spec path, a file, a flag). Both are cut
+    to a length a terminal shows (whatever value a check quoted), so the error stays one short line."""
 
     def __init__(self, field: str, reason: str):
+        field, reason = cut(str(field), FIELD_MAX), cut(str(reason), REASON_MAX)
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason

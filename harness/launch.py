@@ -32,6 +32,7 @@ import psutil
 import yaml
 
 from harness.errors import SpecError
+from harness.frameworks.build_lock import clear_stale as clear_stale_build_locks
 from harness.store import ResultsStore, mentions_oom, new_record, now_iso
 
 LAUNCHERS = ("torchrun", "deepspeed", "direct", "srun")
@@ -50,6 +51,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def check_launcher(launcher: str, nproc: int, nnodes: int = 1, field: str = "launcher") -> None:
+    """Whether `launcher` can start `nproc` processes on each of `nnodes` nodes: a SpecError line
+    if not. Commands call it for every run before the first launch; build_command calls it too."""
+    if launcher not in LAUNCHERS:
+        raise SpecError(field, f"{launcher!r} is not one of {', '.join(LAUNCHERS)}")
+    if not all(isinstance(n, int) and n >= 1 for n in (nproc, nnodes)):
+        raise SpecError(field, f"needs a positive process and node count, got {nproc!r} and {nnodes!r}")
+    if launcher == "direct" and nproc * nnodes != 1:
+        raise SpecError(field, f"direct starts one process; this run needs {nproc * nnodes}: use torchrun or deepspeed")
+
+
 def build_command(launcher: str, nproc: int, argv: list[str], *, nnodes: int = 1, node_rank: int = 0,
                   master_addr: str = "127.0.0.1", master_port: int | None = None,
                   module: str = "harness.cli") -> list[str]:
@@ -60,15 +72,10 @@ def build_command(launcher: str, nproc: int, argv: list[str], *, nnodes: int = 1
     `deepspeed` script does) so that it uses this interpreter; `--num_gpus` is accepted on a
     CPU-only machine too, where it is the number of CPU ranks.
     """
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
-    if nproc < 1 or nnodes < 1:
-        raise ValueError("nproc and nnodes must be positive")
+    check_launcher(launcher, nproc, nnodes)
     port = master_port or free_port()
     py = sys.executable
     if launcher == "direct":
-        if nproc != 1 or nnodes != 1:
-            raise ValueError("launcher 'direct' runs a single process: nproc and nnodes must be 1")
         return [py, "-m", module, *argv]
     if launcher == "torchrun":
         return [py, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
@@ -403,6 +410,7 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
     if launcher == "deepspeed":  # its runner does not pass its own death on: run it fenced
         cmd[2:2] = [FENCE_MODULE]
     env = run_env(nproc, spec_dict, run_id, extra_env)
+    clear_stale_build_locks()  # one that a killed build left would hang every DeepSpeed run until its timeout
     store = ResultsStore(store_path)
     try:  # a full disk or a read-only log folder stops here, before anything starts
         os.makedirs(log_dir, exist_ok=True)
@@ -441,7 +449,9 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
         elif not record.get("error"):
             record["error"] = error_excerpt(output) or f"exit code {popen.returncode}, no output"
         record["ended_at"] = now_iso()
-    cause = None if record["status"] == "ok" or timed_out else first_failure(record, output)
+    # a diverged run is the runner's verdict, every rank's exit code 1 its echo: no rank failed first
+    judged = record["status"] == "ok" or record.get("diverged_at_step") is not None
+    cause = None if judged or timed_out else first_failure(record, output)
     if cause is not None:
         record["first_failure"] = cause
         if cause["source"] != "rank":  # a rank's own report already leads the error

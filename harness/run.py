@@ -2,10 +2,13 @@
 
 Success is judged from the record, not from the exit code: a rank that raises writes a
 failure record (status oom for an out-of-memory error) under the same run_id before it exits.
+A run whose loss becomes non-finite stops at that step and is recorded failed (Diverged), with
+the step, never as a measurement.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -16,11 +19,12 @@ import torch.distributed as dist
 
 from harness import measure, registry
 from harness.data.source import token_source
+from harness.errors import SpecError
 from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
-from harness.model.kernels import check_kernels, rmsnorm_backend_name
+from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
 from harness.model.presets import param_count
-from harness.runtime import RunContext
+from harness.runtime import RunContext, choose_device
 from harness.spec import RunSpec, check_world_size, layout_label, micro_batches_per_step
 from harness.store import ResultsStore, mentions_oom, mentions_peer_failure, new_record, now_iso
 
@@ -29,14 +33,17 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or mentions_oom(str(exc))
 
 
-def _fault(step: int, rank: int) -> None:
-    """Test-only fault hook: HARNESS_FAULT=kill|hang|oom|raise:STEP[:RANK]."""
+def _fault(step: int, rank: int) -> bool:
+    """Test-only fault hook: HARNESS_FAULT=kill|hang|oom|raise|nan:STEP[:RANK]; True for nan (the
+    step's loss is to become NaN, as a diverging run's does)."""
     fault = os.environ.get("HARNESS_FAULT")
     if not fault:
-        return
+        return False
     kind, at, *who = fault.split(":")
     if int(at) != step or (who and int(who[0]) != rank):
-        return
+        return False
+    if kind == "nan":
+        return True
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
@@ -47,6 +54,17 @@ def _fault(step: int, rank: int) -> None:
     raise RuntimeError(f"fault injected by HARNESS_FAULT at step {step}")
 
 
+class Diverged(Exception):
+    """The loss became non-finite: the run stops there and is recorded failed, never as a
+    measurement. Every engine returns the global mean loss on every rank (the parity check
+    compares it), so every rank stops at the same step, with no extra collective."""
+
+    def __init__(self, step: int, loss: float, total: int, losses: list[float]):
+        super().__init__(f"diverged: the loss became {loss} at step {step} of {total} (warm-up included), so the "
+                         "run stopped there; a learning rate too high (workload.optimizer.lr) is the usual cause")
+        self.step, self.loss, self.losses = step, loss, list(losses)
+
+
 def preflight(spec: RunSpec, ctx: RunContext):
     """Every check that needs the machine, before anything is built: world, kernels (the spec's
     own checks ran when it was parsed)."""
@@ -55,9 +73,39 @@ def preflight(spec: RunSpec, ctx: RunContext):
     engine = registry.facts(spec.layout.engine)
     if engine.preflight is not None:  # e.g. a ds_config that contradicts the workload
         engine.preflight(spec)
-    dtype = torch.bfloat16 if spec.workload.precision == "bf16" else torch.float32
-    check_kernels(spec.layout.attention, spec.layout.rmsnorm, ctx.device, dtype, shape.hidden // shape.heads)
+    run_kernels(spec, ctx.device)  # the same check compare and sweep make before they launch (check_machine)
     return shape
+
+
+def check_machine(runs) -> None:
+    """Before the first launch (compare, a sweep under a local launcher): every run's kernels run
+    on the device its ranks get on this machine (preflight's check), else one SpecError naming the
+    first run that needs them. `runs`: (name, RunSpec or spec dict) pairs.
+
+    Each distinct need (kernels, device, precision, head size) is tried once: on CPU in this
+    process; on CUDA in one short child process (kernels.probe_in_child), so that the launching
+    process holds no CUDA context (on a GPU in exclusive-process mode its ranks could not get one,
+    elsewhere it would take memory from rank 0 for the whole comparison or sweep)."""
+    from harness.spec import parse_spec
+
+    needs: dict[tuple, list[str]] = {}
+    for name, spec in runs:
+        spec = spec if isinstance(spec, RunSpec) else parse_spec(spec)
+        device = choose_device(spec.workload.device, 0)  # a CUDA device the machine lacks: refused here
+        needs.setdefault(need_of(spec, device.type), []).append(name)
+    cuda = [n for n in needs if n[2] == "cuda"]
+    failed = probe_in_child(cuda) if cuda else {}
+    for need in needs:
+        if need[2] == "cpu":
+            try:
+                probe(need)
+            except SpecError as e:
+                failed[need] = (e.field, e.reason)
+    for need, names in needs.items():
+        if need in failed:
+            field, reason = failed[need]
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise SpecError(f"{field} ({names[0]}{more})", f"{reason.rstrip('.')}; nothing was launched")
 
 
 def _max_across_ranks(values: list[float], ctx: RunContext) -> list[float]:
@@ -153,10 +201,13 @@ class Trainer:
         batch = self.data.global_batch_at(step)
         if step == w.warmup_steps:
             measure.reset_peak_memory(self.ctx.device)
-        _fault(step, self.ctx.rank)
+        poisoned = _fault(step, self.ctx.rank)
         with measure.StepTimer(self.ctx.device) as timer:
             loss = self._train_step(step, batch)
+        loss = math.nan if poisoned else loss
         self.losses.append(loss)
+        if not math.isfinite(loss):
+            raise Diverged(step + 1, loss, self.total, self.losses)
         if step >= w.warmup_steps:
             self.times.append(timer.seconds)
             self.details.append(self.engine.last_step_details())
@@ -263,6 +314,9 @@ def train(spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = 
     try:
         for step in range(trainer.total):
             trainer.step(step)
+    except Diverged:
+        trainer.bar.close()
+        raise
     finally:  # the steps so far stay readable in TensorBoard, also when a step failed
         trainer.close_stream()
     return trainer.metrics(measure_matmul)
@@ -310,6 +364,8 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
         record["metrics"] = train(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress,
                                   tensorboard_dir=tb_dir)
         record["status"] = "ok"
+    except Diverged as d:  # a result, not a crash: every rank is here, the group ends normally
+        record.update(status="failed", error=str(d), diverged_at_step=d.step, metrics={"losses": d.losses})
     except Exception as exc:  # recorded, then re-raised so the launcher sees the failure
         import traceback
 

@@ -15,12 +15,11 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-import yaml
-
 from harness import registry
-from harness.errors import CapabilityError, SpecError
+from harness.errors import CapabilityError, SpecError, shown
 from harness.model.presets import Shape, param_count, resolve_shape
-from harness.parallel_dims import AXES, LABEL_ORDER, ParallelDims
+from harness.parallel_dims import LABEL_ORDER, ParallelDims
+from harness.specfile import load_yaml, read_yaml, yaml_problem  # noqa: F401 (the one YAML reader, re-exported)
 
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
@@ -32,22 +31,57 @@ def _choices(*values, **kw):
     return field(metadata={"choices": values}, **kw)
 
 
-def spec_field(default=dataclasses.MISSING, *, factory=dataclasses.MISSING, check=None, required=None, choices=None):
+def spec_field(default=dataclasses.MISSING, *, factory=dataclasses.MISSING, check=None, required=None, choices=None,
+               applies=None):
     """A field of a spec the builder reads (build_spec): `check(value, name)` reads the given value in place
     of its type (refusing in its own words), `required` is why a missing one is refused, `choices` are
-    the values it takes. A spec class with `NULL_IS_DEFAULT = True` reads `key:` (no value) as not given."""
-    metadata = {k: v for k, v in (("check", check), ("required", required), ("choices", choices)) if v is not None}
+    the values it takes, `applies` = (other field, its value) where the field means something (a token
+    file's path with kind: file), refused when given otherwise. A spec class with `NULL_IS_DEFAULT = True`
+    reads `key:` (no value) as not given."""
+    metadata = {k: v for k, v in (("check", check), ("required", required), ("choices", choices),
+                                  ("applies", applies)) if v is not None}
     return field(default=default, default_factory=factory, metadata=metadata)
+
+
+# Bounds beyond which a number is a typo (`steps: 1e30`), not a run.
+MAX_STEPS = 100_000  # a record keeps every step's loss, time and breakdown
+MAX_DEVICES = 2 ** 20  # more devices than any cluster has
+MAX_SEED = 2 ** 32 - 1  # what every generator takes (numpy's limit; torch's is larger)
+
+
+def in_range(tp, low=None, high=None, *, above=False, says=None, why=""):
+    """A spec_field check: a number of type `tp` read as users write it (_number: finite, an int whole),
+    `low` or more (more than `low` with above=True) and `high` or less. `says` replaces the words for
+    the range; `why` follows them."""
+    def check(value, name):
+        number = _coerce(value, tp, name)
+        if low is not None and (number <= low if above else number < low):
+            words = "be positive" if (low == 0 and above) or (low == 1 and tp is int) else \
+                "not be negative" if low == 0 else f"be at least {low}"
+        elif high is not None and number > high:
+            words = f"be at most {high:,}"
+        else:
+            return number
+        raise SpecError(name, f"must {'be ' + says if says else words}{why}, got {shown(value)}")
+    return check
+
+
+def _betas(value, name: str) -> tuple[float, float]:
+    betas = _coerce(value, tuple[float, float], name)
+    for i, b in enumerate(betas):
+        if not 0 <= b < 1:
+            raise SpecError(f"{name}[{i}]", f"must be in [0, 1), got {shown(value[i])}")
+    return betas
 
 
 @dataclass
 class Optimizer:
     """AdamW hyperparameters; every engine gets exactly these."""
 
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = spec_field(3e-4, check=in_range(float, 0, above=True))
+    betas: tuple[float, float] = spec_field((0.9, 0.95), check=_betas)
+    eps: float = spec_field(1e-8, check=in_range(float, 0, above=True))
+    weight_decay: float = spec_field(0.1, check=in_range(float, 0))
 
 
 @dataclass
@@ -55,26 +89,26 @@ class Data:
     """`synthetic`: seeded uniform tokens; `file`: a memory-mapped token file (.bin)."""
 
     kind: str = _choices("synthetic", "file", default="synthetic")
-    path: str = ""
-    dtype: str = _choices("uint16", "uint32", default="uint16")
+    path: str = spec_field("", applies=("kind", "file"))
+    dtype: str = spec_field("uint16", choices=("uint16", "uint32"), applies=("kind", "file"))
 
 
 @dataclass
 class Workload:
     model: str = "tiny"
     model_overrides: dict = field(default_factory=dict)
-    seq_len: int = 128
-    global_batch_size: int = 8
-    steps: int = 10
-    warmup_steps: int = 2
+    seq_len: int = spec_field(128, check=in_range(int, 1))  # at most the model's max_positions (check_tokens)
+    global_batch_size: int = spec_field(8, check=in_range(int, 1))  # sequences per step
+    steps: int = spec_field(10, check=in_range(int, 1, MAX_STEPS))
+    warmup_steps: int = spec_field(2, check=in_range(int, 0, MAX_STEPS))
     precision: str = _choices("fp32", "bf16", default="fp32")
     # bf16: gradients are summed over micro-batches in grad_accum_dtype and reduced across
     # data-parallel ranks in grad_reduce_dtype (harness/model/training.py, PrecisionPolicy)
     grad_accum_dtype: str = _choices("fp32", "bf16", default="fp32")
     grad_reduce_dtype: str = _choices("fp32", "bf16", default="fp32")
     optimizer: Optimizer = field(default_factory=Optimizer)
-    grad_clip: float = 1.0
-    seed: int = 1234
+    grad_clip: float = spec_field(1.0, check=in_range(float, 0, why=" (0 disables clipping)"))
+    seed: int = spec_field(1234, check=in_range(int, 0, MAX_SEED))
     data: Data = field(default_factory=Data)
     device: str = _choices("auto", "cpu", "cuda", default="auto")
 
@@ -82,22 +116,22 @@ class Workload:
 @dataclass
 class Layout:
     engine: str = field(default="single", metadata={"choices": registry.ENGINES})  # the registry's, as it is now
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    micro_batch_size: int = 1
+    tp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
+    pp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
+    dp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
+    micro_batch_size: int = spec_field(1, check=in_range(int, 1))
     activation_checkpointing: str = _choices(*CHECKPOINTING, default="none")
     sequence_parallel: bool = False
     attention: str = _choices(*ATTENTION_KERNELS, default="sdpa")
     rmsnorm: str = _choices(*RMSNORM_KERNELS, default="torch")
     # own engine
     pipeline_schedule: str = _choices(*SCHEDULES, default="1f1b")
-    virtual_stages: int = 1
+    virtual_stages: int = spec_field(1, check=in_range(int, 1))
     # how pipeline stages exchange activations: grouped (batch_isend_irecv, what NCCL needs) or
     # async (isend/irecv); auto picks grouped on NCCL and async on gloo
     pipeline_p2p: str = _choices("auto", "async", "grouped", default="auto")
-    zero_stage: int = 0
-    dp_bucket_mb: float = 25.0
+    zero_stage: int = spec_field(0, check=in_range(int, 0, 3, says="0, 1, 2 or 3 (ZeRO's stages)"))
+    dp_bucket_mb: float = spec_field(25.0, check=in_range(float, 0, above=True))
     # deepspeed
     ds_config: str = ""
     model_impl: str = _choices("own", "hf", default="own")
@@ -152,7 +186,7 @@ def _coerce(value, tp, name: str):
     if tp in (int, float) and isinstance(value, bool):
         raise SpecError(name, f"must be {_TYPE_NAMES[tp]}, got {value!r}")
     if not isinstance(value, tp):
-        raise SpecError(name, f"must be {_TYPE_NAMES.get(tp, tp.__name__)}, got {value!r}")
+        raise SpecError(name, f"must be {_TYPE_NAMES.get(tp, tp.__name__)}, got {shown(value)}")
     return value
 
 
@@ -165,11 +199,11 @@ def _number(value, tp, name: str):
         try:
             number = int(text) if text.lstrip("+-").isdigit() else float(text)
         except ValueError:
-            raise SpecError(name, f"must be {_TYPE_NAMES[tp]}, got {value!r}") from None
+            raise SpecError(name, f"must be {_TYPE_NAMES[tp]}, got {shown(value)}") from None
     if isinstance(number, float) and not math.isfinite(number):
-        raise SpecError(name, f"must be a finite number, got {value!r}")
+        raise SpecError(name, f"must be a finite number, got {shown(value)}")
     if tp is int and not float(number).is_integer():
-        raise SpecError(name, f"must be {_TYPE_NAMES[tp]}, got {value!r}")
+        raise SpecError(name, f"must be {_TYPE_NAMES[tp]}, got {shown(value)}")
     return int(number) if tp is int else float(number)
 
 
@@ -193,8 +227,15 @@ def build_spec(cls, raw: dict, prefix: str):
         value = check(value, name) if check else _coerce(value, hints[key], name)
         choices = known[key].metadata.get("choices")
         if choices and value not in choices:
-            raise SpecError(name, f"{value!r} is not one of {', '.join(choices)}")
+            raise SpecError(name, f"{shown(value)} is not one of {', '.join(map(str, choices))}")
         values[key] = value
+    for key in values:  # a field that means something only beside another's value is not ignored
+        other, wanted = known[key].metadata.get("applies", (None, None))
+        have = values.get(other, known[other].default) if other else wanted
+        if have != wanted:
+            raise SpecError(f"{prefix}.{key}" if prefix else key,
+                            f"applies only with {other}: {wanted}, and {other} is {have}"
+                            + ("" if other in values else " (the default)") + f": set {other}: {wanted}")
     return cls(**values)
 
 
@@ -212,30 +253,6 @@ def parse_spec(raw: dict | None) -> RunSpec:
     return spec
 
 
-def yaml_problem(e: yaml.YAMLError) -> str:
-    """A YAML error in one line: where and what (PyYAML's own text spans several lines)."""
-    mark = getattr(e, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    problem = getattr(e, "problem", None) or (str(e).strip().splitlines() or ["unreadable"])[0]
-    return f"not valid YAML: {where}{problem}"
-
-
-def read_yaml(path: str, field: str = "spec"):
-    """A user's YAML file, or a SpecError naming `field` (missing) or the file (malformed, empty)."""
-    if not os.path.isfile(path):
-        raise SpecError(field, f"file {path!r} does not exist")
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise SpecError(path, yaml_problem(e)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(path, f"cannot read it: {e}") from None
-    if raw is None:
-        raise SpecError(path, "is empty (no spec in it)")
-    return raw
-
-
 # ---------------------------------------------------------------- other inputs
 
 NAME_MAX = 255  # bytes in one file name (Linux, macOS)
@@ -244,20 +261,29 @@ NAME_MAX = 255  # bytes in one file name (Linux, macOS)
 def check_positive(value, field: str):
     """A positive, finite number (a timeout, a peak), or a SpecError naming `field`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise SpecError(field, f"must be a positive number, got {value!r}")
+        raise SpecError(field, f"must be a positive number, got {shown(value)}")
     return value
 
 
 def check_positive_int(value, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise SpecError(field, f"must be a positive integer, got {value!r}")
+        raise SpecError(field, f"must be a positive integer, got {shown(value)}")
+    return value
+
+
+def check_device_count(value, field: str) -> int:
+    """A number of processes or devices (a comparison's nproc, a sweep's gpus and nodes)."""
+    check_positive_int(value, field)
+    if value > MAX_DEVICES:
+        raise SpecError(field, f"must be at most {MAX_DEVICES:,} (more devices than any cluster has), "
+                               f"got {shown(value)}")
     return value
 
 
 def check_path(value, field: str) -> str:
     """A file path the harness will write (a results store)."""
     if not isinstance(value, str) or not value.strip():
-        raise SpecError(field, f"must be a file path, got {value!r}")
+        raise SpecError(field, f"must be a file path, got {shown(value)}")
     return value
 
 
@@ -270,7 +296,7 @@ def check_name(name, field: str, names: str, reserved: int = 0, hint: str = "") 
     text = check_file_name(name, field, reserved)
     bad = "".join(sorted({c for c in text if c not in NAME_CHARS}))
     if bad:
-        raise SpecError(field, f"{text!r}: letters, digits, '-', '_' and '.' only (it names {names}), "
+        raise SpecError(field, f"{shown(text)}: letters, digits, '-', '_' and '.' only (it names {names}), "
                                f"not {bad!r}{hint}")
     return text
 
@@ -279,9 +305,9 @@ def check_file_name(name, field: str, reserved: int = 0) -> str:
     """A name that becomes a file or folder name (logs, reports): no path separator, not '.' or
     '..', and within the file-name limit less `reserved` bytes the harness adds around it."""
     if not isinstance(name, str) or not name.strip():
-        raise SpecError(field, f"must be a non-empty string, got {name!r}")
+        raise SpecError(field, f"must be a non-empty string, got {shown(name)}")
     if any(c in name for c in "/\\\0") or name in (".", ".."):
-        raise SpecError(field, f"{name!r} names files and folders: no '/', '\\' or NUL, not '.' or '..'")
+        raise SpecError(field, f"{shown(name)} names files and folders: no '/', '\\' or NUL, not '.' or '..'")
     if len(name.encode()) > NAME_MAX - reserved:
         raise SpecError(field, f"is {len(name.encode())} bytes long; it names files, so at most "
                                f"{NAME_MAX - reserved} bytes")
@@ -326,9 +352,9 @@ def parse_with_overrides(raw, overrides: list[str] | None, parse, prefix: str = 
         if not eq or not all(p.strip() for p in parts):
             raise SpecError("--set", f"{text!r}: give KEY.PATH=VALUE, e.g. workload.seq_len=256")
         try:
-            value = yaml.safe_load(value_text) if value_text.strip() else None
-        except yaml.YAMLError as e:
-            raise SpecError("--set", f"{path}: {yaml_problem(e)}") from None
+            value = load_yaml(value_text, path) if value_text.strip() else None
+        except SpecError as e:
+            raise SpecError("--set", f"{path}: {e.reason}") from None
         if not isinstance(raw, dict):
             raise SpecError("--set", f"{path}: the spec's top level is not a mapping")
         node, i, walked = raw, 0, []
@@ -366,32 +392,15 @@ def parse_with_overrides(raw, overrides: list[str] | None, parse, prefix: str = 
 
 def check_sizes(spec: RunSpec) -> Shape:
     """Everything that can be decided without launching; returns the model shape."""
-    w, lay = spec.workload, spec.layout
-    for name in ("seq_len", "global_batch_size", "steps"):
-        if getattr(w, name) <= 0:
-            raise SpecError(f"workload.{name}", "must be positive")
-    if w.warmup_steps < 0:
-        raise SpecError("workload.warmup_steps", "must not be negative")
-    if w.grad_clip < 0:
-        raise SpecError("workload.grad_clip", "must not be negative (0 disables clipping)")
-    if w.optimizer.lr <= 0:
-        raise SpecError("workload.optimizer.lr", "must be positive")
-    if w.optimizer.eps <= 0:
-        raise SpecError("workload.optimizer.eps", "must be positive")
-    for i, b in enumerate(w.optimizer.betas):
-        if not 0 <= b < 1:
-            raise SpecError(f"workload.optimizer.betas[{i}]", "must be in [0, 1)")
+    w, lay = spec.workload, spec.layout  # each number is in its field's range (spec_field checks)
     if w.data.kind == "file":
         if not w.data.path:
             raise SpecError("workload.data.path", "required when data.kind is file")
         if not os.path.isfile(w.data.path):
             raise SpecError("workload.data.path", f"file {w.data.path!r} does not exist")
-    for name in (*AXES, "micro_batch_size", "virtual_stages"):
-        if getattr(lay, name) <= 0:
-            raise SpecError(f"layout.{name}", "must be positive")
-    if lay.dp_bucket_mb <= 0:
-        raise SpecError("layout.dp_bucket_mb", "must be positive")
     shape = resolve_shape(w.model, w.model_overrides)
+    check_head_dim(shape, "workload.model_overrides" if {"hidden", "heads"} & set(w.model_overrides)
+                   else "workload.model")
     if w.global_batch_size % (lay.dp * lay.micro_batch_size):
         raise SpecError("workload.global_batch_size",
                         f"{w.global_batch_size} is not divisible by dp x micro_batch_size = "
@@ -422,6 +431,7 @@ def check_sizes(spec: RunSpec) -> Shape:
         if not takes(w, lay):
             raise CapabilityError(f"layout.{name}", why(w, lay))
     check_fits_a_machine(spec, shape)
+    check_tokens(shape, w.seq_len, w.global_batch_size, w.model)
     if w.data.kind == "file":
         check_token_file(w, shape)
     for name in ("grad_accum_dtype", "grad_reduce_dtype"):
@@ -445,11 +455,46 @@ def _size(n: float) -> str:
     return ""
 
 
+def _count(n: int) -> str:
+    return str(n) if n < 10 ** 9 else f"{n:.3g}"  # 1e30 as it was written, not 31 digits
+
+
+def check_head_dim(shape: Shape, field: str) -> None:
+    """Rotary embeddings turn pairs of a head's channels: its width (hidden / heads) must be even."""
+    head_dim = shape.hidden // shape.heads
+    if head_dim % 2:
+        raise SpecError(field, f"hidden {shape.hidden} / heads {shape.heads} = {head_dim} channels a head, an odd "
+                               "number: rotary embeddings need an even head width")
+
+
+SEQUENCE_FIELDS = {"seq_len": "workload.seq_len", "global_batch_size": "workload.global_batch_size"}
+
+
+def check_tokens(shape: Shape, seq_len: int, global_batch_size: int, model: str, fields=None) -> None:
+    """What the model and the batch allow whatever the layout (the spec's, and `harness plan`'s flags
+    named by `fields`): a sequence within the model's positions, and a global batch of int64 tokens
+    (every rank builds it) that a machine holds."""
+    fields = fields or SEQUENCE_FIELDS
+    given = {"seq_len": seq_len, "global_batch_size": global_batch_size}
+    for name, field_name in fields.items():  # their fields' ranges (a spec's builder has read them already)
+        Workload.__dataclass_fields__[name].metadata["check"](given[name], field_name)
+    if seq_len > shape.max_positions:
+        hint = "; workload.model_overrides.max_positions raises it" if fields is SEQUENCE_FIELDS else ""
+        raise SpecError(fields["seq_len"], f"{_count(seq_len)} is beyond the {shape.max_positions} positions of "
+                                           f"{model} (its max_position_embeddings){hint}")
+    need = global_batch_size * (seq_len + 1) * 8
+    if need > MAX_BYTES_PER_DEVICE:
+        raise SpecError(fields["global_batch_size"], f"{_count(global_batch_size)} sequences of {seq_len} tokens need "
+                                                     f"{_size(need)} on every rank, more than any machine holds "
+                                                     f"({_size(MAX_BYTES_PER_DEVICE)})")
+
+
 def check_fits_a_machine(spec: RunSpec, shape: Shape) -> None:
     """Refuse sizes no machine can hold, with the estimate: the training state (fp32 weights,
     gradients and Adam's two moments: 16 B a parameter) sharded over every device, plus one
     micro-batch's activations (34 B per token, hidden unit and layer: Korthikanti et al. 2022),
-    its logits and the global batch of int64 tokens each rank builds. A generous lower bound."""
+    its logits and the global batch of int64 tokens each rank builds. A generous lower bound;
+    the error names the field of the largest part."""
     w, lay = spec.workload, spec.layout
     dims, tokens = ParallelDims.of(lay), lay.micro_batch_size * w.seq_len
     world = dims.world
@@ -458,8 +503,11 @@ def check_fits_a_machine(spec: RunSpec, shape: Shape) -> None:
         "workload.model_overrides" if w.model_overrides else "workload.model":
             (params * 16 // world, f"{params:.3g} parameters x 16 B over {world} devices"),
         "workload.seq_len": (tokens * shape.hidden * shape.layers * 34 // dims.excluding("dp")
-                             + tokens * shape.vocab * 4 // lay.tp + w.global_batch_size * (w.seq_len + 1) * 8,
-                             f"activations and logits of {lay.micro_batch_size} x {w.seq_len} tokens"),
+                             + tokens * shape.vocab * 4 // lay.tp,
+                             f"activations and logits of {lay.micro_batch_size} x {_count(w.seq_len)} tokens"),
+        "workload.global_batch_size": (w.global_batch_size * (w.seq_len + 1) * 8,
+                                       f"the global batch of {_count(w.global_batch_size)} x "
+                                       f"{_count(w.seq_len + 1)} tokens"),
     }
     total = sum(b for b, _ in parts.values())
     if total > MAX_BYTES_PER_DEVICE:

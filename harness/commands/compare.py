@@ -49,7 +49,8 @@ def add_arguments(p):
 def main(args) -> int:
     import copy
 
-    from harness.compare.orchestrate import run_comparison
+    from harness.compare.orchestrate import check_before_launch, run_comparison
+    from harness.compare.report_lock import report_lock
     from harness.compare.spec import DEFAULT, parse_compare_spec
     from harness.report.compare import write_report
     from harness.spec import check_output_path, check_positive, parse_with_overrides, read_yaml
@@ -69,11 +70,13 @@ def main(args) -> int:
         os.environ[TENSORBOARD_ENV] = tensorboard
     if args.logs:
         check_output_path(args.logs, "--logs", directory=True)
-    print(f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
-          f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})", file=sys.stderr)
-    summary = run_comparison(cs, store_path=store, log_dir=args.logs or default_log_dir(store, cs.name),
-                             progress=not args.no_progress)
-    paths = write_report(summary, args.out)
+    check_before_launch(cs)  # kernels, launchers, something to compare: still nothing launched
+    with report_lock(args.out, cs.name):  # refused here, before any launch, while another one writes this report
+        print(f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
+              f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})", file=sys.stderr)
+        summary = run_comparison(cs, store_path=store, log_dir=args.logs or default_log_dir(store, cs.name),
+                                 progress=not args.no_progress)
+        paths = write_report(summary, args.out)
     par = summary["parity"]
     print(f"verdict: {summary['verdict']} (parity {par['verdict']}, max pairwise relative loss difference "
           f"{par['max_pairwise_rel_diff']:.2e}, tolerance {par['tolerance']:g}; "

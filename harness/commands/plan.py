@@ -114,7 +114,18 @@ def main(args) -> int:
     if args.calibrate or args.calibrate_csv:
         return _calibrate(args, profile)
     _need(args, "model", "seq-len", "global-batch-size", "gpus")
+    if args.emit_sweep:  # before the plan is computed: it can take a while
+        from harness.atomic import check_writable
+        from harness.spec import check_output_path
+
+        check_output_path(args.emit_sweep, "--emit-sweep", directory=False)
+        check_writable(args.emit_sweep, "--emit-sweep")
     shape = resolve_shape(args.model, field="--model")
+    from harness.spec import check_device_count, check_tokens  # the ranges a spec's workload has
+
+    check_tokens(shape, args.seq_len, args.global_batch_size, args.model,
+                 {"seq_len": "--seq-len", "global_batch_size": "--global-batch-size"})
+    check_device_count(args.gpus, "--gpus")
     gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node  # 0 is refused, not the default
     wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
     attention = en.parse_list(args.attention, ATTENTION, "--attention",
@@ -214,11 +225,10 @@ def _emit_sweep(args, fitting, profile, gpus_per_node) -> None:
     text, n, _ = sweep_spec(group(fitting, 5 * top), model=args.model, seq_len=args.seq_len,
                             global_batch_size=args.global_batch_size, gpus=args.gpus,
                             gpus_per_node=gpus_per_node, profile=profile, top=top)
-    try:
-        with open(args.emit_sweep, "w") as f:
-            f.write(text)
-    except OSError as e:
-        raise SpecError("--emit-sweep", str(e)) from None
+    from harness.atomic import Together
+
+    with Together("--emit-sweep") as files:  # whole or not at all
+        files.write(args.emit_sweep, text)
     if n == 0:
         print(f"warning: {args.emit_sweep} has no point: no layout predicted to fit uses a kernel this harness runs",
               file=sys.stderr)

@@ -34,6 +34,8 @@ def main(args) -> int:
 
     check_store(args.store, write=False)
     check_output_path(args.out, "--out", directory=True)
+    if args.baselines is not None:
+        _check_baselines(args.baselines)
     store = ResultsStore(args.store)
     records = []
     for name in args.sweep or [None]:
@@ -42,6 +44,10 @@ def main(args) -> int:
         print(store.skipped_note(), file=sys.stderr)
     if not records:
         raise SpecError("--sweep" if args.sweep else "--store", "no records to report on")
+    if args.sweep and len(args.sweep) > 1:  # one misspelt name among several would be left out silently
+        from harness.commands.results import check_sweeps
+
+        check_sweeps(store, args.sweep, "--sweep")
     if args.timeline_run:
         chosen = {r["run_id"] for r in records if str(r.get("run_id")).startswith(args.timeline_run)}
         if len(chosen) != 1:
@@ -53,3 +59,17 @@ def main(args) -> int:
                          timeline_run=args.timeline_run)
     print(f"wrote {paths['markdown']} and {paths['html']} from {len(records)} records")
     return 0
+
+
+def _check_baselines(folder: str) -> None:
+    """A --baselines that would be ignored (missing, a file, a folder without published figures) is refused."""
+    import os
+
+    from harness.report import baselines
+
+    if not os.path.isdir(folder):
+        raise SpecError("--baselines", f"{folder} is {'a file' if os.path.exists(folder) else 'missing'}; "
+                                       "give a folder of published figures")
+    if not any(baselines.load(folder).values()):
+        raise SpecError("--baselines", f"{folder} holds no published figures (hagemann2023_best.csv, "
+                                       "published_mfu.csv, as in the baselines/ folder harness ships)")

@@ -34,15 +34,27 @@ def main(args) -> int:
     if args.out:
         check_output_path(args.out, "--out", directory=False)
     store = ResultsStore(args.store)
-    text = export(store.records(sweep=args.sweep, status=args.status), args.format)
+    records = store.records(sweep=args.sweep, status=args.status)
+    if args.sweep is not None and not records:
+        check_sweeps(store, [args.sweep], "--sweep")  # a sweep the store holds may have no record of --status
+    text = export(records, args.format)
     if store.skipped_note():
         print(store.skipped_note(), file=sys.stderr)
     if args.out:
-        try:
-            with open(args.out, "w") as f:
-                f.write(text)
-        except OSError as e:
-            raise SpecError("--out", f"cannot write {args.out}: {e}") from None
+        from harness.atomic import Together
+
+        with Together("--out") as files:  # whole or not at all
+            files.write(args.out, text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def check_sweeps(store, names: list[str], field: str) -> None:
+    """Every sweep named is in the store: a misspelt name would select nothing, silently."""
+    missing = [n for n in names if not store.records(sweep=n)]
+    if missing:
+        known = sorted({str(r.get("sweep")) for r in store.records() if r.get("sweep") is not None})
+        shown = ", ".join(known[:8]) + (f" and {len(known) - 8} more" if len(known) > 8 else "")
+        raise SpecError(field, f"no sweep {missing[0]!r} in {store.path}; "
+                               + (f"it holds {shown}" if known else "it holds no sweep"))

@@ -16,7 +16,7 @@ from harness.errors import SpecError, StoreError
 from harness.spec import check_output_path, check_positive, parse_with_overrides, read_yaml
 from harness.store import STATUSES, ResultsStore, check_store
 from harness.sweep.execute import run_sweep
-from harness.sweep.expand import describe, drop_summary, expand, pending
+from harness.sweep.expand import check_some_point, describe, drop_summary, expand, pending
 from harness.sweep.slurm import collect, submit_slurm, write_slurm
 from harness.sweep.spec import SWEEP_LAUNCHERS, parse_sweep
 
@@ -91,10 +91,9 @@ def main(args) -> int:
     done = ResultsStore(store).completed_points(spec.name) if os.path.exists(store) else {}
     if args.dry_run:
         print(describe(points, drops, {k: v for k, v in done.items() if v not in retry}))
+    check_some_point(points, drops)
+    if args.dry_run:
         return 0
-    if not points:  # a sweep that would run nothing is a mistake, not a success
-        raise SpecError("sweep", f"all {len(drops)} points were dropped (first: {drops[0].reason if drops else '-'}); "
-                                 "see --dry-run")
     for line in drop_summary(points, drops):
         print(line, file=sys.stderr)
     if launcher == "slurm":
@@ -105,6 +104,10 @@ def main(args) -> int:
             return 0
         print(submit_slurm(script))
         return 0
+    from harness.run import check_machine  # torch: only where points run here
+
+    # the points run on this machine: their kernels are tried here first (under slurm each node checks its own)
+    check_machine([(f"point {p.label()!r}", p.spec) for p in pending(points, done, retry)])
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` or a scheduler: clean up like Ctrl-C
     try:
         counts = run_sweep(spec, launcher=launcher, store_path=store, timeout_s=timeout, retry=retry,

@@ -17,6 +17,7 @@ import uuid
 
 from harness.compare.parity import PASS, check_parity, compare_fingerprints
 from harness.compare.spec import CompareSpec, PlannedRun
+from harness.errors import SpecError
 from harness.model.training import precision_policy
 from harness.spec import parse_spec
 from harness.store.fields import row
@@ -71,6 +72,24 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
                           if plan.workload_override else ""),
         "fingerprint": record.get("fingerprint") or {},
     }
+
+
+def check_before_launch(cs: CompareSpec) -> None:
+    """What the plan can tell before the first launch: that something is compared with the
+    reference (a matrix whose every cell cannot run is a mistake, not a failed comparison), that
+    each run's launcher can start its processes, and that this machine runs every run's kernels
+    (harness.run.check_machine). A SpecError line; nothing launched."""
+    from harness.launch import check_launcher
+    from harness.run import check_machine
+
+    if not [p for p in cs.runs if not p.is_reference]:
+        left = [(c["label"], c["why"]) for c in cs.not_runnable] + list(cs.skipped)
+        first = f": {left[0][0]}: {left[0][1]}" + (f" (and {len(left) - 1} more)" if len(left) > 1 else "") \
+            if left else ""
+        raise SpecError("matrix" if cs.not_runnable else "runs", f"no run can be launched besides the reference{first}")
+    for p in cs.runs:
+        check_launcher(p.launcher, p.nproc, field=f"launcher (run {p.label!r})")
+    check_machine([(f"run {p.label!r}", p.spec) for p in cs.runs])
 
 
 def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = None,

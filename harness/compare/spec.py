@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ from harness.launch import LOCAL_LAUNCHERS
 from harness.parallel_dims import ParallelDims
 from harness.spec import (
     build_spec,
+    check_device_count,
     check_name,
     check_path,
     check_positive,
@@ -92,6 +94,8 @@ def _name(value, field: str) -> str:
 def _tolerance(value, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise SpecError(field, "must be a non-negative number (max relative loss difference)")
+    if not math.isfinite(value):  # .nan compares false with every difference: parity would fail "x vs x"
+        raise SpecError(field, f"must be a finite number, got {value!r}")
     return float(value)
 
 
@@ -125,7 +129,7 @@ class CompareInput:
 
     NULL_IS_DEFAULT: typing.ClassVar[bool] = True
     name: str = spec_field("compare", check=_name)  # report file names and the store's sweep tag
-    nproc: int = spec_field(2, check=check_positive_int)  # processes per run; dp = nproc / (tp x pp) unless set
+    nproc: int = spec_field(2, check=check_device_count)  # processes per run; dp = nproc / (tp x pp) unless set
     parity_steps: int = spec_field(5, check=check_positive_int)  # the first N steps' losses must agree
     tolerance: float | None = spec_field(None, check=_tolerance)  # max relative loss difference; None: by precision
     timeout_s: float = spec_field(600.0, check=check_positive)  # per run

@@ -9,17 +9,18 @@ Every input mistake is a SpecError naming the file (and line) before or while re
 is not UTF-8, a JSONL line that is not an object or whose text is not a string, an input holding no
 text, a tokenizer file the tokenizers library cannot read. The .bin and its .bin.json are written
 to temporary files beside them and renamed into place only when both are complete, so a failed
-run leaves nothing half-written (an earlier token file of that name stays as it was).
+run leaves nothing half-written (an earlier token file of that name stays as it was); an --out
+that exists and is not a regular file (a device, a FIFO, a folder) is refused (harness.atomic).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import numpy as np
 
+from harness.atomic import Together, check_target
 from harness.errors import SpecError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -97,21 +98,15 @@ def _tokenizer(tokenizer_path: str | None):
     return (lambda text: tok.encode(text).ids), vocab, eot
 
 
-def _temp_beside(path: str) -> str:
-    folder, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    return tmp
-
-
 def prepare(inputs: list[str], out: str, tokenizer_path: str | None = None, text_key: str = "text") -> dict:
+    for target in (out, out + ".json"):  # a device, FIFO or folder there is refused: never renamed over
+        check_target(target, "--out")
     _check_inputs(inputs, out)
     encode, vocab, eot = _tokenizer(tokenizer_path)
     dtype = np.uint16 if vocab <= 65536 else np.uint32
-    count, temps = 0, []
-    try:
-        temps.append(_temp_beside(out))
-        with open(temps[0], "wb") as f:
+    count = 0
+    with Together("--out") as files:
+        with open(files.path(out), "wb") as f:
             for path in inputs:
                 docs = 0
                 for doc in iter_documents(path, text_key):
@@ -126,26 +121,5 @@ def prepare(inputs: list[str], out: str, tokenizer_path: str | None = None, text
                                                              if path.endswith(JSONL_SUFFIXES) else ""))
         meta = {"tokens": count, "dtype": np.dtype(dtype).name, "vocab_size": vocab,
                 "tokenizer": tokenizer_path or "bytes"}
-        temps.append(_temp_beside(out + ".json"))
-        with open(temps[1], "w") as f:
-            json.dump(meta, f, indent=2)
-        for tmp in temps:  # mkstemp makes them private: give them the mode a plain open would
-            os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(temps[0], out)
-        os.replace(temps[1], out + ".json")
-        temps = []
-        return meta
-    except OSError as e:
-        raise SpecError("--out", f"cannot write {out}: {e.strerror or e}") from None
-    finally:
-        for tmp in temps:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+        files.write(out + ".json", json.dumps(meta, indent=2))
+    return meta

@@ -140,11 +140,3 @@ def active():
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
 
-
-def covers(fn):
-    """`fn` (a method of the engine) run inside active()."""
-    def wrapped(*args, **kwargs):
-        with active():
-            return fn(*args, **kwargs)
-    wrapped.__doc__, wrapped.__name__ = fn.__doc__, fn.__name__
-    return wrapped

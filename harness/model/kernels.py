@@ -12,6 +12,9 @@ when flash-attn is installed and the tensor is on CUDA; otherwise the RMSNorm fu
 compiled by torch.compile (Inductor emits one fused Triton kernel on GPU, one C++ loop on CPU).
 `rmsnorm_backend_name` says which was used, and the run record keeps it.
 
+`probe` tries what one run needs (need_of); `probe_in_child` does it in a child process, so that a
+launching process (harness.run.check_machine, before compare and sweep launch) holds no CUDA context.
+
 A model takes its kernels when it is built (`Kernels`): the layout's choice by default, or a
 stand-in given by whoever builds it (harness memory's fused RMSNorm with the kernel's memory on
 fake tensors), never swapped inside the modules afterwards.
@@ -166,3 +169,60 @@ def check_kernels(attention: str, rmsnorm_kind: str, device: torch.device, dtype
     except Exception as e:
         raise SpecError("layout.rmsnorm", f"{rmsnorm_kind} cannot run on {device.type}: "
                                           f"{str(e).splitlines()[0][:160]}") from None
+
+
+# ---------------------------------------------------------------- this machine, before any launch
+
+
+def need_of(spec, device_type: str) -> tuple:
+    """What a run (a RunSpec) asks of a device: (attention, rmsnorm, device type, precision, head size)."""
+    shape = spec.shape()
+    return (spec.layout.attention, spec.layout.rmsnorm, device_type, spec.workload.precision,
+            shape.hidden // shape.heads)
+
+
+def run_kernels(spec, device: torch.device) -> None:
+    """The kernels a run computes with, checked on `device`: what a rank's preflight calls, and
+    harness.run.check_machine for every run before anything launches."""
+    _, _, _, precision, head_dim = need_of(spec, device.type)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    check_kernels(spec.layout.attention, spec.layout.rmsnorm, device, dtype, head_dim)
+
+
+def probe(need: tuple) -> None:
+    """check_kernels for one need: (attention, rmsnorm, device type, precision, head size)."""
+    attention, rmsnorm, device, precision, head_dim = need
+    check_kernels(attention, rmsnorm, torch.device(device), torch.bfloat16 if precision == "bf16" else torch.float32,
+                  head_dim)
+
+
+def probe_in_child(needs: list[tuple]) -> dict[tuple, tuple[str, str]]:
+    """{need: (field, reason)} for the needs that cannot run, tried by `python -m harness.model.kernels`,
+    so that the process asking holds no CUDA context (harness.run.check_machine)."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(needs), capture_output=True,
+                             text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SpecError("workload.device", f"the kernel check on this machine's GPU did not finish: {e}") from None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        raise SpecError("workload.device", f"the kernel check on this machine's GPU failed: {last[:200]}")
+    last = (out.stdout.strip().splitlines() or ["[]"])[-1]  # its answer is the last line it prints
+    return {tuple(need): (field, reason) for need, field, reason in json.loads(last)}
+
+
+if __name__ == "__main__":  # the child of probe_in_child: needs as JSON on stdin, failures as JSON on stdout
+    import json
+    import sys
+
+    failures = []
+    for need in json.load(sys.stdin):
+        try:
+            probe(tuple(need))
+        except SpecError as e:
+            failures.append([need, e.field, e.reason])
+    print(json.dumps(failures))

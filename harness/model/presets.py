@@ -9,6 +9,7 @@ PaLM MFU formula reproduces the published MFU column only with these parameter c
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -105,8 +106,8 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 def _number(raw: dict, key: str, kind, where: str, field: str):
     """raw[key] (or transformers' default) as a positive int or float, or a SpecError."""
     value = raw[key] if raw.get(key) is not None else _HF_DEFAULTS.get(key)
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and (kind is float or float(value).is_integer()))
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (kind is float or float(value).is_integer()))  # json reads NaN and Infinity
     if not ok or value <= 0:
         raise SpecError(field, f"{key} must be a positive {'integer' if kind is int else 'number'}, got {value!r} "
                                f"({where})")

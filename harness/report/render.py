@@ -105,24 +105,40 @@ def html_page(title: str, sections: list[Section]) -> str:
     return "\n".join(parts)
 
 
-def save_figures(img_dir: str, sections: list[Section]) -> None:
-    """Each figure as an SVG file in img_dir, where the Markdown links it."""
+def save_figures(img_dir: str, sections: list[Section], files=None) -> None:
+    """Each figure as an SVG file in img_dir, where the Markdown links it. With `files` (a
+    harness.atomic.Together) they go in with the pages; alone, together among themselves."""
+    from harness.atomic import Together
+
+    if files is None:
+        with Together("--out") as files:
+            save_figures(img_dir, sections, files)
+        _remove_stale(img_dir, sections)
+        return
     os.makedirs(img_dir, exist_ok=True)
     for s in sections:
         for fig in s.figures():
-            with open(os.path.join(img_dir, f"{fig.name}.{plots.FORMAT}"), "wb") as f:
-                f.write(fig.image)
+            files.write(os.path.join(img_dir, f"{fig.name}.{plots.FORMAT}"), fig.image)
+
+
+def _remove_stale(img_dir: str, sections: list[Section]) -> None:
+    for s in sections:
+        for fig in s.figures():
             stale = os.path.join(img_dir, f"{fig.name}.png")  # the same figure as an earlier version drew it
             if os.path.exists(stale):
                 os.remove(stale)
 
 
 def write(out_dir: str, title: str, sections: list[Section]) -> dict[str, str]:
-    """Write report.md (+ img/*.svg) and report.html into out_dir; returns their paths."""
-    save_figures(os.path.join(out_dir, "img"), sections)
+    """Write report.md (+ img/*.svg) and report.html into out_dir; returns their paths. They are
+    written whole or not at all (harness.atomic): a full disk leaves the earlier report as it was."""
+    from harness.atomic import Together
+
     md, page = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.html")
-    with open(md, "w") as f:
-        f.write(markdown(title, sections, "img"))
-    with open(page, "w") as f:
-        f.write(html_page(title, sections))
+    with Together("--out") as files:
+        os.makedirs(os.path.join(out_dir, "img"), exist_ok=True)  # out_dir too, where it is still missing
+        files.write(md, markdown(title, sections, "img"))
+        files.write(page, html_page(title, sections))
+        save_figures(os.path.join(out_dir, "img"), sections, files)
+    _remove_stale(os.path.join(out_dir, "img"), sections)
     return {"markdown": md, "html": page}

@@ -120,6 +120,8 @@ FIELDS: tuple[Field, ...] = (
     Field("error", "error", _error, report=False),
     Field("started_at", "started", at("started_at"), report=False),
     Field("ended_at", "ended", at("ended_at"), report=False),
+    # a run whose loss became non-finite is failed, and stopped at this step (1-based, warm-up included)
+    Field("diverged_at_step", "diverged at step", at("diverged_at_step"), report=False),
 )
 
 

@@ -78,9 +78,7 @@ def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: fl
         raise SpecError("--launcher", f"{launcher!r} cannot run points from here")
     if sweep.nodes > 1:
         raise SpecError("sweep.nodes", "a multi-node sweep runs through --launcher slurm")
-    if launcher == "direct" and sweep.gpus != 1:
-        raise SpecError("--launcher", "direct runs one process; this sweep needs "
-                                      f"{sweep.gpus}: use torchrun or deepspeed")
+    launch.check_launcher(launcher, sweep.gpus_per_node, sweep.nodes, "--launcher")
     points, _ = expand(sweep)
     with sweep_lock(sweep, store_path):
         return _run_points(sweep, points, launcher=launcher, store_path=store_path, timeout_s=timeout_s,

@@ -164,6 +164,13 @@ def describe(points: list[Point], drops: list[Drop], done: dict[str, str] | None
     return "\n".join(lines)
 
 
+def check_some_point(points: list[Point], drops: list[Drop]) -> None:
+    """A sweep that would run nothing is a mistake, not a success: refused by a dry run and a run alike."""
+    if not points:
+        raise SpecError("sweep", f"all {len(drops)} points were dropped (first: {drops[0].reason if drops else '-'}); "
+                                 "see --dry-run")
+
+
 def drop_summary(points: list[Point], drops: list[Drop]) -> list[str]:
     """What a partly dropped sweep says before it starts: one line per kind of reason (the field a
     check named, an exclude or include rule, a duplicate) with how many and the first of them."""

@@ -33,15 +33,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import string
 import typing
 from dataclasses import dataclass
 
-from harness.errors import SpecError
+from harness.errors import SpecError, shown
 from harness.launch import LOCAL_LAUNCHERS
 from harness.spec import (
     Layout,
     Workload,
     build_spec,
+    check_device_count,
     check_name,
     check_path,
     check_positive,
@@ -58,7 +61,48 @@ WORKLOAD_FIELDS = set(Workload.__dataclass_fields__)
 
 def _one_line(value, field: str) -> str:
     if not isinstance(value, str) or "\n" in value:
-        raise SpecError(field, f"must be a string (one line), got {value!r}")
+        raise SpecError(field, f"must be a string (one line), got {shown(value)}")
+    return value
+
+
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (or no limit)
+_SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|infinite|unlimited", re.IGNORECASE)
+_SLURM_NAME = frozenset(string.ascii_letters + string.digits + "-_.,+@:")  # partitions, accounts, qos (lists)
+_SLURM_CONSTRAINT = _SLURM_NAME | frozenset("&|[]*")  # node features: AND, OR, counts
+
+
+def _slurm_time(value, field: str) -> str:
+    """A time limit as sbatch reads it; an unquoted 00:30:00 is a number to YAML 1.1 (1800), so numbers are refused."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise SpecError(field, f"give it quoted, e.g. \"00:30:00\" or \"90\" (minutes): YAML reads an unquoted "
+                               f"00:30:00 as the number 1800, got {shown(value)}")
+    if not _SLURM_TIME.fullmatch(_one_line(value, field).strip()):
+        raise SpecError(field, f"{shown(value)} is not a Slurm time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                               "D-HH:MM:SS")
+    return value.strip()
+
+
+def _chars(allowed: frozenset, what: str):
+    def check(value, field: str) -> str:
+        bad = "".join(sorted({c for c in _one_line(value, field) if c not in allowed}))
+        if bad or not value:
+            raise SpecError(field, f"{shown(value)}: {what} only (it is written into an #SBATCH line)"
+                                   + (f", not {bad!r}" if bad else ""))
+        return value
+    return check
+
+
+_slurm_name = _chars(_SLURM_NAME, "letters, digits and '-_.,+@:'")
+_slurm_constraint = _chars(_SLURM_CONSTRAINT, "letters, digits, '-_.,+@:' and the operators '&|[]*'")
+
+
+def _sbatch_options(value, field: str) -> list:
+    """Extra #SBATCH lines: each one option (`--mem=0`), one line."""
+    if not isinstance(value, list):
+        raise SpecError(field, "must be a list of sbatch options, e.g. [--mem=0]")
+    for i, option in enumerate(value):
+        if not _one_line(option, f"{field}[{i}]").startswith("-"):
+            raise SpecError(f"{field}[{i}]", f"{shown(option)} is not an sbatch option (--name=value)")
     return value
 
 
@@ -67,17 +111,17 @@ class Slurm:
     """The `slurm:` mapping; harness/sweep/slurm.py writes them into the job script."""
 
     NULL_IS_DEFAULT: typing.ClassVar[bool] = True
-    partition: str | None = spec_field(None, check=_one_line)
-    account: str | None = spec_field(None, check=_one_line)
-    qos: str | None = spec_field(None, check=_one_line)
-    constraint: str | None = spec_field(None, check=_one_line)
-    time: str | None = spec_field(None, check=_one_line)  # the array task's limit, HH:MM:SS
+    partition: str | None = spec_field(None, check=_slurm_name)
+    account: str | None = spec_field(None, check=_slurm_name)
+    qos: str | None = spec_field(None, check=_slurm_name)
+    constraint: str | None = spec_field(None, check=_slurm_constraint)
+    time: str | None = spec_field(None, check=_slurm_time)  # the array task's limit, HH:MM:SS
     max_parallel: int | None = spec_field(None, check=check_positive_int)  # array tasks at once
     exclusive: bool | None = None
     cpus_per_task: int | None = spec_field(None, check=check_positive_int)
     python: str | None = spec_field(None, check=_one_line)  # the interpreter on the nodes
     setup: list[str] | None = None  # shell lines before the run (module load ...)
-    extra: list[str] | None = None  # more #SBATCH lines
+    extra: list[str] | None = spec_field(None, check=_sbatch_options)  # more #SBATCH lines
 
 
 SLURM_KEYS = tuple(f.name for f in dataclasses.fields(Slurm))
@@ -115,14 +159,40 @@ def check_grid(grid, field: str) -> dict:
     return grid
 
 
+def check_axis_name(axis: str, where: str, hint: str = " (use workload.<field> for the workload, or mapping values)"
+                    ) -> None:
+    """A grid axis, point key or filter key names a Layout field, `layout.<field>` or `workload.<field>`."""
+    if not isinstance(axis, str):
+        raise SpecError(where, "not a Layout field" + hint)
+    if axis.startswith("workload."):
+        if axis.split(".", 1)[1] not in WORKLOAD_FIELDS:
+            raise SpecError(where, "unknown workload field")
+    else:
+        name = axis.split(".", 1)[1] if axis.startswith("layout.") else axis
+        if name not in LAYOUT_FIELDS:
+            raise SpecError(where, "not a Layout field" + hint)
+
+
+def check_filters(rules, field: str) -> list:
+    """include/exclude entries: mappings of a field name to a value or a list of values (any of). A
+    key that names no field would match nothing: an exclude that drops nothing, an include that drops all."""
+    if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
+        raise SpecError(field, "must be a list of mappings")
+    for i, rule in enumerate(rules):
+        for key in rule:
+            check_axis_name(key, f"{field}[{i}].{key}", " (a filter names a Layout field, layout.<field> or "
+                                                         "workload.<field>)")
+    return rules
+
+
 @dataclass
 class SweepSpec:
     """A sweep spec as written (the format above), every field checked by harness.spec's builder."""
 
     NULL_IS_DEFAULT: typing.ClassVar[bool] = True
     name: str  # default: the file name; records are grouped by it (check_sweep_name)
-    gpus: int = spec_field(check=check_positive_int, required="required: the world size of every point")
-    nodes: int = spec_field(1, check=check_positive_int)  # gpus split evenly over them
+    gpus: int = spec_field(check=check_device_count, required="required: the world size of every point")
+    nodes: int = spec_field(1, check=check_device_count)  # gpus split evenly over them
     launcher: str = spec_field("torchrun", choices=SWEEP_LAUNCHERS)  # the CLI's --launcher wins
     timeout_s: float = spec_field(1800.0, check=check_positive)  # per point
     store: str = spec_field("results.sqlite", check=check_path)
@@ -130,8 +200,8 @@ class SweepSpec:
     workload: dict = spec_field(factory=dict)  # Workload fields, the same for every point (checked per point)
     layout: dict = spec_field(factory=dict)  # fixed Layout fields
     grid: dict = spec_field(factory=dict, check=check_grid)  # axes: their cross product is the points
-    include: list[dict] = spec_field(factory=list)  # keep only points matching one entry
-    exclude: list[dict] = spec_field(factory=list)  # drop points matching any entry
+    include: list[dict] = spec_field(factory=list, check=check_filters)  # keep only points matching one entry
+    exclude: list[dict] = spec_field(factory=list, check=check_filters)  # drop points matching any entry
     points: list[dict] = spec_field(factory=list, check=check_points)  # extra points beyond the grid
     slurm: dict = spec_field(factory=dict, check=check_slurm)  # Slurm fields (class Slurm)
     description: str = ""
@@ -159,17 +229,6 @@ def check_sweep_name(name, default_name: str) -> str:
     given = name is not None and name != ""
     return check_name(str(name) if given else default_name, "sweep.name", "folders, the Slurm job and the report",
                       hint="" if given else "; it comes from the file name: set `name:` in the spec")
-
-
-def check_axis_name(axis: str, where: str) -> None:
-    """A grid axis or point key names a Layout field, `layout.<field>` or `workload.<field>`."""
-    if axis.startswith("workload."):
-        if axis.split(".", 1)[1] not in WORKLOAD_FIELDS:
-            raise SpecError(where, "unknown workload field")
-    else:
-        name = axis.split(".", 1)[1] if axis.startswith("layout.") else axis
-        if name not in LAYOUT_FIELDS:
-            raise SpecError(where, "not a Layout field (use workload.<field> for the workload, or mapping values)")
 
 
 def load_sweep(path: str) -> SweepSpec:
