@@ -63,9 +63,10 @@ CASES = [  # (precision, grad_accum_dtype, grad_reduce_dtype, zero_stage): close
 ]
 
 
-def _in_place_reduce_scatter(ctx) -> list[tuple]:
-    """gloo's reduce-scatter with the output aliasing the input's shard (what ZeRO-1 does) against
-    an out-of-place one: (dtype, elements, equal) per case, odd sizes and bucket-sized ones."""
+def _in_place_collectives(ctx) -> list[tuple]:
+    """gloo's reduce-scatter with the output aliasing the input's shard, and its all-gather with the
+    input aliasing the output's shard (what ZeRO-1 does), against out-of-place ones: (op, dtype,
+    elements, equal) per case, odd sizes and bucket-sized ones."""
     import torch
     import torch.distributed as dist
 
@@ -77,13 +78,17 @@ def _in_place_reduce_scatter(ctx) -> list[tuple]:
             ref = torch.empty(n // D, dtype=dtype)
             dist.reduce_scatter_tensor(ref, x.clone())
             dist.reduce_scatter_tensor(x[lo:hi], x, async_op=True).wait()
-            out.append((str(dtype), n, torch.equal(x[lo:hi], ref)))
+            out.append(("reduce_scatter", str(dtype), n, torch.equal(x[lo:hi], ref)))
+            gathered = torch.empty(n, dtype=dtype)
+            dist.all_gather_into_tensor(gathered, x[lo:hi].clone())
+            dist.all_gather_into_tensor(x, x[lo:hi])
+            out.append(("all_gather", str(dtype), n, torch.equal(x, gathered)))
     return out
 
 
 def _censuses(ctx, cases):
     """On each rank: every case's census at its first step, and the saved activations of a step
-    with and without the engine's exclusions (the parameters); then the in-place reduce-scatter
+    with and without the engine's exclusions (the parameters); then the in-place collectives'
     check."""
     from harness.data.source import token_source
     from harness.frameworks.own import build
@@ -108,7 +113,7 @@ def _censuses(ctx, cases):
                     "param_bytes": sum(b.param_flat.untyped_storage().nbytes() for b in eng.model_states.buckets),
                     "saved": (excluded.bytes, everything.bytes)})
         del eng
-    return {"cases": out, "in_place": _in_place_reduce_scatter(ctx)}
+    return {"cases": out, "in_place": _in_place_collectives(ctx)}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +154,6 @@ def test_bf16_zero1_holds_megatrons_4p_of_gradients(measured):
         assert abs(held - 4 * got["padded"]) <= 64, f"rank {rank}: {held} B of gradients vs 4P = {4 * got['padded']} B"
 
 
-def test_gloo_reduce_scatter_in_place_equals_out_of_place(measured):
+def test_gloo_in_place_reduce_scatter_and_all_gather_equal_out_of_place(measured):
     for rank, per_rank in enumerate(measured):
         assert per_rank["in_place"] and all(equal for *_, equal in per_rank["in_place"]), (rank, per_rank["in_place"])

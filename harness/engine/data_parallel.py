@@ -8,11 +8,12 @@ backward continues. `finish` waits for what is still in flight (the exposed DP t
 
 ZeRO-1: each bucket is padded to a multiple of dp and split into dp contiguous shards; the
 reduction is a reduce-scatter in place, into this rank's shard of the very tensor reduced (its
-view of grad_flat, as Megatron's distributed optimizer does; NCCL and gloo both take an output
-that aliases the input's shard, tests/test_census_own.py checks gloo against an out-of-place
-reduce-scatter), the optimizer (its fp32 weights shard and Adam moments) holds only that shard,
-and an all-gather of the updated shards refreshes the full parameters. Without ZeRO the
-reduction is an all-reduce and the optimizer works on every parameter.
+view of grad_flat, as Megatron's distributed optimizer does), the optimizer (its fp32 weights
+shard and Adam moments) holds only that shard, and an all-gather of the updated shards, in place
+too (from this rank's shard of param_flat into param_flat), refreshes the full parameters. NCCL
+and gloo both take such aliased buffers; tests/test_census_own.py checks gloo's results against
+out-of-place collectives. Without ZeRO the reduction is an all-reduce and the optimizer works on
+every parameter.
 
 The precision policy (harness.model.training.PrecisionPolicy), Megatron's way. Per bucket:
   param_flat   the parameters computed with (policy.compute: fp32, or bf16)
@@ -267,8 +268,8 @@ class ModelStates:
             if self.mixed:
                 with torch.no_grad():
                     b.param_flat[lo:hi].copy_(b.master)
-            if self.zero:
-                self.dp.all_gather(b.param_flat[lo:hi].clone(), out=b.param_flat)
+            if self.zero:   # in place, as the reduce-scatter: the input is this rank's shard of the output
+                self.dp.all_gather(b.param_flat[lo:hi], out=b.param_flat)
 
     def zero_grads(self) -> None:
         for b in self.buckets:

@@ -470,8 +470,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     # The planner's workload has the default policy (fp32 accumulation and reduction): then what
     # the census counts at the optimizer step (own engine: flat parameters, fp32 main gradients,
     # ZeRO-1's reduced shard being their view, masters, Adam states) is held the whole step; the
-    # step itself adds only per-bucket copies (the ZeRO-1 all-gather's shard clone), far below the
-    # activations.
+    # ZeRO-1 collectives add nothing (both in place, harness/engine/data_parallel.py).
     by_cat = {k: sum(v.values()) for k, v in census.items()}
     sp = lay.sequence_parallel and t > 1
     n = lay.micro_batch_size * wl.seq_len
