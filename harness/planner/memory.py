@@ -231,25 +231,16 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
         add("gradients", "fp32", P / dp)
         add("optimizer_states", "fp32", 2 * P / dp)
         return out
-    if engine in ("own", "single"):  # harness/engine/data_parallel.py (Megatron's layout)
+    # harness/engine/data_parallel.py, Megatron's layout; Megatron-core's own (engine megatron) holds the same:
+    # main_grad in its DDP's contiguous buffer (one dtype to accumulate and reduce), its DistributedOptimizer
+    # reduce-scattering into this rank's view of it and sharding the fp32 masters and Adam's moments over dp
+    if engine in ("own", "single", "megatron"):
         shard = P / dp if zero_stage >= 1 and dp > 1 else P
         add("parameters", "bf16" if mixed else "fp32", P)
         add("gradients", acc, P)  # the main gradients; ZeRO-1 reduce-scatters in place, into their shard
         if acc != "fp32":  # the fp32 reduced gradient the masters step with (ZeRO-1: this rank's shard)
             add("gradients", "fp32", shard)
         if mixed:
-            add("master_parameters", "fp32", shard)
-        add("optimizer_states", "fp32", 2 * shard)
-        return out
-    if engine == "megatron":  # Megatron-core's DDP and optimizers (harness/frameworks/megatron_engine.py)
-        shard = P / dp if zero_stage >= 1 else P  # its DistributedOptimizer shards masters and Adam over dp
-        add("parameters", "bf16" if mixed else "fp32", P)
-        # main_grad: the DDP's contiguous buffer, accumulated and reduced in one dtype (grad_reduce_in_fp32);
-        # the DistributedOptimizer reduce-scatters into this rank's view of it
-        add("gradients", red, P)
-        if red != "fp32":  # the fp32 masters' .grad the optimizer copies it into (its shard)
-            add("gradients", "fp32", shard)
-        if mixed:  # Float16OptimizerWithFloat16Params' fp32 copies, or the DistributedOptimizer's shard of them
             add("master_parameters", "fp32", shard)
         add("optimizer_states", "fp32", 2 * shard)
         return out
