@@ -1,6 +1,6 @@
-"""Tokens/s of the own engine against DeepSpeed and native PyTorch at the same layouts (dp2, tp2,
-pp2) on one tiny workload, measured in one run; and each dp2 engine against its no-communication
-limit.
+"""Tokens/s of the own engine against DeepSpeed, native PyTorch and Megatron-core at the same layouts
+(dp2, tp2, pp2) on one tiny workload, measured in one run; each dp2 engine against its
+no-communication limit; and what Megatron's CPU device shim costs per step.
 
 For each layout, its engines are built in the same 2 gloo processes and their steps are
 interleaved round-robin (own, DeepSpeed, FSDP2, own, ...), so machine noise (other processes,
@@ -19,10 +19,17 @@ plain model they wrap (engine single, same model code and AdamW): LIMIT says whi
 
     python benchmarks/frameworks_cpu.py [--model tiny-4l] [--seq-len 128] [--steps 20] [--layouts dp2]
 
-Last lines: `ratio own/deepspeed dp2: X tp2: Y pp2: Z  own/fsdp2 dp2: ... ` (tokens/s ratios,
-> 1 means the own engine is faster), then `dp2 / no-communication limit (step time): own: A
-deepspeed: B ...` (target for own: <= 1.05), and the own engine's step breakdown at dp2 and at
-its limit.
+Megatron-core runs Megatron's local layer spec, whose one core attention is naive: it is measured
+against the own engine with the same kernel ("own naive"), the others keep the default (sdpa). On
+a CPU Megatron runs inside harness/frameworks/megatron_shim.py, which cannot be left off there; its
+cost is the torch calls its TorchFunctionMode intercepts in a step (counted in one extra, untimed
+step) times what one intercepted call costs above a plain one (a microbenchmark of small calls in
+and out of the shim), plus entering and leaving it once per step.
+
+Last lines: `ratio own/deepspeed dp2: X tp2: Y pp2: Z  own/fsdp2 dp2: ...  own/megatron (both
+naive attention) dp2: ...` (tokens/s ratios, > 1 means the own engine is faster), the shim's cost
+per layout, then `dp2 / no-communication limit (step time): own: A deepspeed: B ...` (target for
+own: <= 1.05), and the own engine's step breakdown at dp2 and at its limit.
 """
 
 from __future__ import annotations
@@ -34,24 +41,82 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Megatron-core's local layer spec has one core attention (naive): it runs beside the own engine with the
+# same kernel ("own naive"), the pair own/megatron is measured on; the other engines keep the default (sdpa).
+NAIVE = {"attention": "naive"}
 # layout -> engine -> layout fields (the same parallel layout under each engine)
 LAYOUTS = {
     "dp2": {"own": {"dp": 2}, "deepspeed": {"dp": 2, "zero_stage": 1},
             "fsdp2": {"dp": 2, "reshard_after_forward": True},
-            "fsdp2 no-reshard": {"dp": 2, "reshard_after_forward": False}},
-    "tp2": {"own": {"tp": 2}, "deepspeed": {"tp": 2, "zero_stage": 1}, "fsdp2": {"tp": 2}},
-    "pp2": {"own": {"pp": 2}, "deepspeed": {"pp": 2, "zero_stage": 1}, "fsdp2": {"pp": 2}},
+            "fsdp2 no-reshard": {"dp": 2, "reshard_after_forward": False},
+            "own naive": {"dp": 2, **NAIVE}, "megatron": {"dp": 2, **NAIVE}},
+    "tp2": {"own": {"tp": 2}, "deepspeed": {"tp": 2, "zero_stage": 1}, "fsdp2": {"tp": 2},
+            "own naive": {"tp": 2, **NAIVE}, "megatron": {"tp": 2, **NAIVE}},
+    "pp2": {"own": {"pp": 2}, "deepspeed": {"pp": 2, "zero_stage": 1}, "fsdp2": {"pp": 2},
+            "own naive": {"pp": 2, **NAIVE}, "megatron": {"pp": 2, **NAIVE}},
 }
-ENGINE = {"own": "own", "deepspeed": "deepspeed", "fsdp2": "fsdp", "fsdp2 no-reshard": "fsdp"}
+ENGINE = {"own": "own", "deepspeed": "deepspeed", "fsdp2": "fsdp", "fsdp2 no-reshard": "fsdp", "own naive": "own",
+          "megatron": "megatron"}
 # the layout whose engines are set against their no-communication limit
 LIMIT_LAYOUT = "dp2"
-# dp2 engine -> the harness engine its dp=1 limit runs (world of one, no process group)
-LIMIT = {"own": "own", "deepspeed": "single", "fsdp2": "single", "fsdp2 no-reshard": "single"}
+# dp2 engine -> the harness engine its dp=1 limit runs (world of one, no process group) and its attention
+# (None: the default); Megatron needs a process group, so its limit is the plain model, as DeepSpeed's
+LIMIT = {"own": ("own", None), "deepspeed": ("single", None), "fsdp2": ("single", None),
+         "fsdp2 no-reshard": ("single", None), "own naive": ("own", "naive"), "megatron": ("single", "naive")}
 
 
 def _limit_name(engine: str) -> str:
-    """The limit's row: one per harness engine run at dp=1, shared by the dp2 engines it is the limit of."""
-    return f"limit {LIMIT[engine]} dp1"
+    """The limit's row: one per harness engine (and kernel) run at dp=1, shared by the dp2 engines it is
+    the limit of."""
+    limit, attention = LIMIT[engine]
+    return f"limit {limit} dp1" + (f" {attention}" if attention else "")
+
+
+def _shim_calls_per_step(engine, batch) -> int:
+    """The torch calls megatron_shim's TorchFunctionMode intercepts in one of this engine's steps (an
+    untimed step, its handler wrapped by a counter)."""
+    from harness.frameworks import megatron_shim
+
+    original, calls = megatron_shim._CudaToCpu.__torch_function__, [0]
+
+    def counted(self, func, types, args=(), kwargs=None):
+        calls[0] += 1
+        return original(self, func, types, args, kwargs)
+
+    megatron_shim._CudaToCpu.__torch_function__ = counted
+    try:
+        engine.train_step(batch)
+    finally:
+        megatron_shim._CudaToCpu.__torch_function__ = original
+    return calls[0]
+
+
+def _shim_cost_per_call(n: int = 20000, repeats: int = 5) -> dict:
+    """What one intercepted call costs: a loop of small torch calls (a factory with a device, a tensor
+    method, an op) inside megatron_shim.active() against the same loop outside it (best of `repeats`),
+    and what entering and leaving active() costs (the engine does it once per step)."""
+    import torch
+
+    from harness.frameworks import megatron_shim
+
+    x = torch.ones(8)
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.empty(8, device="cpu")
+            x.view(-1)
+            torch.add(x, x)
+        return (time.perf_counter() - t0) / (3 * n)
+
+    plain = min(loop() for _ in range(repeats))
+    with megatron_shim.active():
+        shimmed = min(loop() for _ in range(repeats))
+    t0 = time.perf_counter()
+    for _ in range(200):
+        with megatron_shim.active():
+            pass
+    return {"per_call_s": shimmed - plain, "plain_call_s": plain, "enter_exit_s": (time.perf_counter() - t0) / 200}
 
 
 def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
@@ -77,9 +142,10 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
     source = token_source(spec.workload, spec.shape().vocab)
     dp = spec.layout.dp
     alone = RunContext(0, 1, 0, ctx.device, None)   # a world of one: no process group, no communication
-    for name, engine in limits.items():
+    for name, (engine, attention) in limits.items():
         lim = parse_spec({"workload": {**workload, "global_batch_size": a["global_batch"] // dp},
-                          "layout": {"engine": engine, "micro_batch_size": a["mbs"]}})
+                          "layout": {"engine": engine, "micro_batch_size": a["mbs"],
+                                     **({"attention": attention} if attention else {})}})
         engines[name] = build_engine(lim, lim.shape(), alone)
     times = {k: [] for k in engines}
     losses = {k: [] for k in engines}
@@ -96,7 +162,16 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
                 b = getattr(engine, "last_step_details", lambda: {})().get("breakdown_s")
                 if b:
                     breakdowns[name].append(b)
-    out = {}
+    shim = {}
+    if "megatron" in engines:  # after the timed steps: what the device shim intercepts and costs
+        calls = torch.tensor([float(_shim_calls_per_step(engines["megatron"], batch))], dtype=torch.float64)
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+        cost = _shim_cost_per_call()
+        per_call = torch.tensor([cost["per_call_s"], cost["enter_exit_s"]], dtype=torch.float64)
+        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
+        shim = {"calls_per_step": int(calls.item()), "per_call_s": per_call[0].item(),
+                "enter_exit_s": per_call[1].item(), "plain_call_s": cost["plain_call_s"]}
+    out = {"_shim": shim}
     for name in engines:
         t = torch.tensor(times[name], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
@@ -136,6 +211,7 @@ def main() -> int:
         engines = LAYOUTS[layout]
         limits = {_limit_name(e): LIMIT[e] for e in engines} if layout == LIMIT_LAYOUT else {}
         results[layout] = spawn(_bench, 2, a, engines, limits, timeout_s=900)
+    shims = {layout: res.pop("_shim") for layout, res in results.items()}
     tokens = args.global_batch * args.seq_len
     print(f"workload: {args.model}, seq {args.seq_len}, global batch {args.global_batch}, micro-batch {args.mbs}, "
           f"fp32, 2 gloo processes x {max(1, (os.cpu_count() or 1) // 2)} threads; {args.warmup} warm-up + "
@@ -157,11 +233,22 @@ def main() -> int:
           f"{worst:.1e}")
     ratio = lambda other: " ".join(f"{lay}: {tps[lay, 'own'] / tps[lay, other]:.3f}"  # noqa: E731
                                    for lay in results if (lay, other) in tps)
-    print(f"ratio own/deepspeed {ratio('deepspeed')}  own/fsdp2 {ratio('fsdp2')}")
+    naive = " ".join(f"{lay}: {tps[lay, 'own naive'] / tps[lay, 'megatron']:.3f}" for lay in results
+                     if (lay, "megatron") in tps)
+    print(f"ratio own/deepspeed {ratio('deepspeed')}  own/fsdp2 {ratio('fsdp2')}  own/megatron (both naive "
+          f"attention) {naive}")
+    for layout, shim in shims.items():  # what the CPU's device shim adds to megatron's step
+        if shim:
+            cost = shim["calls_per_step"] * shim["per_call_s"] + shim["enter_exit_s"]
+            print(f"megatron {layout}: its device shim intercepts {shim['calls_per_step']:,} torch calls per step, "
+                  f"{shim['per_call_s'] * 1e6:.2f} us each above a plain call ({shim['plain_call_s'] * 1e6:.2f} us), "
+                  f"{shim['enter_exit_s'] * 1e6:.0f} us to enter and leave: {cost * 1e3:.1f} ms per step, "
+                  f"{cost / median[layout, 'megatron']:.1%} of its step")
     if LIMIT_LAYOUT in results:
         res = results[LIMIT_LAYOUT]
         print(f"{LIMIT_LAYOUT} / no-communication limit (step time; limit engine in brackets): " + "  ".join(
-            f"{e}: {median[LIMIT_LAYOUT, e] / median[LIMIT_LAYOUT, _limit_name(e)]:.3f} [{LIMIT[e]}]"
+            f"{e}: {median[LIMIT_LAYOUT, e] / median[LIMIT_LAYOUT, _limit_name(e)]:.3f} "
+            f"[{_limit_name(e).removeprefix('limit ')}]"
             for e in LAYOUTS[LIMIT_LAYOUT]))
         for name in ("own", _limit_name("own")):   # where the own engine's time goes
             parts = res[name]["breakdown"]
