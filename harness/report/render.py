@@ -107,8 +107,8 @@ def html_page(title: str, sections: list[Section]) -> str:
 
 def save_figures(img_dir: str, sections: list[Section], files=None) -> None:
     """Each figure as an SVG file in img_dir, where the Markdown links it. With `files` (a
-    harness.atomic.Together) they go in with the pages; alone, together among themselves."""
-    from harness.atomic import Together
+    harness.files.atomic.Together) they go in with the pages; alone, together among themselves."""
+    from harness.files.atomic import Together
 
     if files is None:
         with Together("--out") as files:
@@ -131,8 +131,8 @@ def _remove_stale(img_dir: str, sections: list[Section]) -> None:
 
 def write(out_dir: str, title: str, sections: list[Section]) -> dict[str, str]:
     """Write report.md (+ img/*.svg) and report.html into out_dir; returns their paths. They are
-    written whole or not at all (harness.atomic): a full disk leaves the earlier report as it was."""
-    from harness.atomic import Together
+    written whole or not at all (harness.files.atomic): a full disk leaves the earlier report as it was."""
+    from harness.files.atomic import Together
 
     md, page = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.html")
     with Together("--out") as files:
