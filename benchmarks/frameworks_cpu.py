@@ -20,9 +20,12 @@ plain model they wrap (engine single, same model code and AdamW): LIMIT says whi
     python benchmarks/frameworks_cpu.py [--model tiny-4l] [--seq-len 128] [--steps 20] [--layouts dp2]
 
 Last lines: `ratio own/deepspeed dp2: X tp2: Y pp2: Z  own/fsdp2 dp2: ... ` (tokens/s ratios,
-> 1 means the own engine is faster), then `dp2 / no-communication limit (step time): own: A
-deepspeed: B ...` (target for own: <= 1.05), and the own engine's step breakdown at dp2 and at
-its limit.
+> 1 means the own engine is faster; "own" is ZeRO-0, the row "own ZeRO-1" is DeepSpeed's stage),
+then `dp2 / no-communication limit (step time): own: A  own ZeRO-1: B  deepspeed: C ...` (target
+for the own engine: <= 1.05), the same in CPU time per rank (what the step costs the processes,
+not their waits: on a machine shared with other work it moves less), and the own engine's step
+breakdown at dp2 and at its limit. To add an engine: a row in LAYOUTS, its harness engine in
+ENGINE and its limit in LIMIT.
 """
 
 from __future__ import annotations
@@ -36,17 +39,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # layout -> engine -> layout fields (the same parallel layout under each engine)
 LAYOUTS = {
-    "dp2": {"own": {"dp": 2}, "deepspeed": {"dp": 2, "zero_stage": 1},
+    "dp2": {"own": {"dp": 2}, "own ZeRO-1": {"dp": 2, "zero_stage": 1}, "deepspeed": {"dp": 2, "zero_stage": 1},
             "fsdp2": {"dp": 2, "reshard_after_forward": True},
             "fsdp2 no-reshard": {"dp": 2, "reshard_after_forward": False}},
     "tp2": {"own": {"tp": 2}, "deepspeed": {"tp": 2, "zero_stage": 1}, "fsdp2": {"tp": 2}},
     "pp2": {"own": {"pp": 2}, "deepspeed": {"pp": 2, "zero_stage": 1}, "fsdp2": {"pp": 2}},
 }
-ENGINE = {"own": "own", "deepspeed": "deepspeed", "fsdp2": "fsdp", "fsdp2 no-reshard": "fsdp"}
+ENGINE = {"own": "own", "own ZeRO-1": "own", "deepspeed": "deepspeed", "fsdp2": "fsdp", "fsdp2 no-reshard": "fsdp"}
 # the layout whose engines are set against their no-communication limit
 LIMIT_LAYOUT = "dp2"
 # dp2 engine -> the harness engine its dp=1 limit runs (world of one, no process group)
-LIMIT = {"own": "own", "deepspeed": "single", "fsdp2": "single", "fsdp2 no-reshard": "single"}
+LIMIT = {"own": "own", "own ZeRO-1": "own", "deepspeed": "single", "fsdp2": "single", "fsdp2 no-reshard": "single"}
 
 
 def _limit_name(engine: str) -> str:
@@ -82,6 +85,7 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
                           "layout": {"engine": engine, "micro_batch_size": a["mbs"]}})
         engines[name] = build_engine(lim, lim.shape(), alone)
     times = {k: [] for k in engines}
+    cpu = {k: [] for k in engines}   # this process's CPU seconds (every thread: gloo's too), not waits
     losses = {k: [] for k in engines}
     breakdowns = {k: [] for k in engines}
     for step in range(a["warmup"] + a["steps"]):
@@ -89,10 +93,11 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
         mine = dp_slice(batch, ctx.rank, dp)  # this rank's share, what its dp2 engines train on
         for name, engine in engines.items():
             dist.barrier()   # both ranks start each engine's step together, limits too
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             losses[name].append(float(engine.train_step(mine if name in limits else batch)))
             if step >= a["warmup"]:
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
                 b = getattr(engine, "last_step_details", lambda: {})().get("breakdown_s")
                 if b:
                     breakdowns[name].append(b)
@@ -100,14 +105,35 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
     for name in engines:
         t = torch.tensor(times[name], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
+        c = torch.tensor(cpu[name], dtype=torch.float64)
+        dist.all_reduce(c, op=dist.ReduceOp.MAX)
         parts = {}
         for key in (breakdowns[name][0] if breakdowns[name] else {}):
             v = torch.tensor([b[key] for b in breakdowns[name]], dtype=torch.float64)
             dist.all_reduce(v, op=dist.ReduceOp.MAX)
             parts[key] = summarize(v.tolist())["median"]
-        out[name] = {"stats": summarize(t.tolist()), "losses": losses[name], "breakdown": parts,
+        out[name] = {"stats": summarize(t.tolist()), "cpu": summarize(c.tolist())["median"],
+                     "losses": losses[name], "breakdown": parts,
                      "limit": name in limits}
     return out
+
+
+def _print_limits(res: dict, median: dict, cpu: dict) -> None:
+    """Each engine of LIMIT_LAYOUT over its limit, in step time and in CPU time, and where the own
+    engine's time goes (its breakdown at dp2 and at the limit)."""
+    engines = LAYOUTS[LIMIT_LAYOUT]
+
+    def over(table):
+        return "  ".join(f"{e}: {table[LIMIT_LAYOUT, e] / table[LIMIT_LAYOUT, _limit_name(e)]:.3f}" for e in engines)
+
+    print(f"{LIMIT_LAYOUT} / no-communication limit (step time): {over(median)}  "
+          f"(limits: {', '.join(f'{e} [{LIMIT[e]}]' for e in engines)})")
+    print(f"{LIMIT_LAYOUT} / limit in CPU time per rank (every thread, waits excluded; less sensitive to other "
+          f"load): {over(cpu)}")
+    for name in ("own", "own ZeRO-1", _limit_name("own")):
+        if res.get(name, {}).get("breakdown"):
+            print(f"  {name} breakdown, median ms: "
+                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in res[name]["breakdown"].items()))
 
 
 def main() -> int:
@@ -140,33 +166,28 @@ def main() -> int:
     print(f"workload: {args.model}, seq {args.seq_len}, global batch {args.global_batch}, micro-batch {args.mbs}, "
           f"fp32, 2 gloo processes x {max(1, (os.cpu_count() or 1) // 2)} threads; {args.warmup} warm-up + "
           f"{args.steps} measured steps per engine, interleaved within each layout ({time.monotonic() - t0:.0f} s)")
-    print(f"{'layout':7s} {'engine':22s} {'median ms':>10s} {'95% CI ms':>17s} {'tokens/s':>10s}")
-    tps, median, worst = {}, {}, 0.0
+    print(f"{'layout':7s} {'engine':22s} {'median ms':>10s} {'95% CI ms':>17s} {'tokens/s':>10s} {'cpu ms':>8s}")
+    tps, median, cpu, worst = {}, {}, {}, 0.0
     for layout, res in results.items():
         first = next(r for r in res.values() if not r["limit"])["losses"]
         first_limit = next((r["losses"] for r in res.values() if r["limit"]), None)
         for name, r in res.items():
             st = r["stats"]
-            median[layout, name] = st["median"]
+            median[layout, name], cpu[layout, name] = st["median"], r["cpu"]
             tps[layout, name] = tokens / st["median"]   # a limit's tokens: both ranks' shares, the same total
             ref = first_limit if r["limit"] else first
             worst = max([worst] + [abs(x - y) / abs(y) for x, y in zip(r["losses"], ref)])
             print(f"{layout:7s} {name:22s} {st['median'] * 1e3:10.1f} {st['ci95_low'] * 1e3:8.1f}-"
-                  f"{st['ci95_high'] * 1e3:<8.1f} {tps[layout, name]:10,.0f}")
+                  f"{st['ci95_high'] * 1e3:<8.1f} {tps[layout, name]:10,.0f} {r['cpu'] * 1e3:8.1f}")
     print(f"losses agree across engines at each layout (limits among themselves): max relative difference "
           f"{worst:.1e}")
     ratio = lambda other: " ".join(f"{lay}: {tps[lay, 'own'] / tps[lay, other]:.3f}"  # noqa: E731
                                    for lay in results if (lay, other) in tps)
-    print(f"ratio own/deepspeed {ratio('deepspeed')}  own/fsdp2 {ratio('fsdp2')}")
+    print(f"ratio own/deepspeed {ratio('deepspeed')}  own/fsdp2 {ratio('fsdp2')}"
+          + (f"  own ZeRO-1/deepspeed dp2: {tps['dp2', 'own ZeRO-1'] / tps['dp2', 'deepspeed']:.3f}"
+             if ("dp2", "own ZeRO-1") in tps and ("dp2", "deepspeed") in tps else ""))
     if LIMIT_LAYOUT in results:
-        res = results[LIMIT_LAYOUT]
-        print(f"{LIMIT_LAYOUT} / no-communication limit (step time; limit engine in brackets): " + "  ".join(
-            f"{e}: {median[LIMIT_LAYOUT, e] / median[LIMIT_LAYOUT, _limit_name(e)]:.3f} [{LIMIT[e]}]"
-            for e in LAYOUTS[LIMIT_LAYOUT]))
-        for name in ("own", _limit_name("own")):   # where the own engine's time goes
-            parts = res[name]["breakdown"]
-            if parts:
-                print(f"  {name} breakdown, median ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
+        _print_limits(results[LIMIT_LAYOUT], median, cpu)
     return 0
 
 
