@@ -1,5 +1,6 @@
 """Tokens/s of the own engine against DeepSpeed and native PyTorch at the same layouts (dp2, tp2,
-pp2) on one tiny workload, measured in one run.
+pp2) on one tiny workload, measured in one run; and each dp2 engine against its no-communication
+limit.
 
 For each layout, its engines are built in the same 2 gloo processes and their steps are
 interleaved round-robin (own, DeepSpeed, FSDP2, own, ...), so machine noise (other processes,
@@ -8,10 +9,23 @@ tensor-parallel groups once per process). Warm-up steps are excluded; each step'
 slowest rank's; the median is reported with its 95% confidence interval. Losses are checked to
 agree (fp32) so the engines are known to do the same work.
 
-    python benchmarks/frameworks_cpu.py [--model tiny-4l] [--seq-len 128] [--steps 20]
+The no-communication limit of a dp2 engine: in the same launch, interleaved with the dp2 steps,
+both ranks at the same time run a dp=1 engine on their own per-rank batch (the rank's share of
+the global batch) in a world of one, with no process group: every byte the dp2 step moves (and
+every wait on the other rank) is gone, the compute per rank is the same. A dp2 step / limit of
+1.00 means data parallelism costs nothing. The limit runs the engine itself at dp=1 where that
+engine builds without a process group (own); DeepSpeed and FSDP2 need one, so theirs is the
+plain model they wrap (engine single, same model code and AdamW): LIMIT says which.
 
-Last line: `ratio own/deepspeed dp2: X tp2: Y pp2: Z  own/fsdp2 dp2: ... ` (tokens/s ratios,
-> 1 means the own engine is faster).
+    python benchmarks/frameworks_cpu.py [--model tiny-4l] [--seq-len 128] [--steps 20] [--layouts dp2]
+
+Last lines: `ratio own/deepspeed dp2: X tp2: Y pp2: Z  own/fsdp2 dp2: ... ` (tokens/s ratios,
+> 1 means the own engine is faster; "own" is ZeRO-0, the row "own ZeRO-1" is DeepSpeed's stage),
+then `dp2 / no-communication limit (step time): own: A  own ZeRO-1: B  deepspeed: C ...` (target
+for the own engine: <= 1.05), the same in CPU time per rank (what the step costs the processes,
+not their waits: on a machine shared with other work it moves less), and the own engine's step
+breakdown at dp2 and at its limit. To add an engine: a row in LAYOUTS, its harness engine in
+ENGINE and its limit in LIMIT.
 """
 
 from __future__ import annotations
@@ -25,22 +39,35 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # layout -> engine -> layout fields (the same parallel layout under each engine)
 LAYOUTS = {
-    "dp2": {"own": {"dp": 2}, "deepspeed": {"dp": 2, "zero_stage": 1},
+    "dp2": {"own": {"dp": 2}, "own ZeRO-1": {"dp": 2, "zero_stage": 1}, "deepspeed": {"dp": 2, "zero_stage": 1},
             "fsdp2": {"dp": 2, "reshard_after_forward": True},
             "fsdp2 no-reshard": {"dp": 2, "reshard_after_forward": False}},
     "tp2": {"own": {"tp": 2}, "deepspeed": {"tp": 2, "zero_stage": 1}, "fsdp2": {"tp": 2}},
     "pp2": {"own": {"pp": 2}, "deepspeed": {"pp": 2, "zero_stage": 1}, "fsdp2": {"pp": 2}},
 }
-ENGINE = {"own": "own", "deepspeed": "deepspeed", "fsdp2": "fsdp", "fsdp2 no-reshard": "fsdp"}
+ENGINE = {"own": "own", "own ZeRO-1": "own", "deepspeed": "deepspeed", "fsdp2": "fsdp", "fsdp2 no-reshard": "fsdp"}
+# the layout whose engines are set against their no-communication limit
+LIMIT_LAYOUT = "dp2"
+# dp2 engine -> the harness engine its dp=1 limit runs (world of one, no process group)
+LIMIT = {"own": "own", "own ZeRO-1": "own", "deepspeed": "single", "fsdp2": "single", "fsdp2 no-reshard": "single"}
 
 
-def _bench(ctx, a: dict, engines_of_layout: dict) -> dict:
+def _limit_name(engine: str) -> str:
+    """The limit's row: one per harness engine run at dp=1, shared by the dp2 engines it is the limit of."""
+    return f"limit {LIMIT[engine]} dp1"
+
+
+def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
+    """Every engine of one layout, and the limits asked for ({name: harness engine}), stepped
+    round-robin on both ranks; per engine the slowest rank's step times, losses and (own engine)
+    the per-step breakdown."""
     import torch
     import torch.distributed as dist
 
-    from harness.data.source import token_source
+    from harness.data.source import dp_slice, token_source
     from harness.frameworks import build_engine
     from harness.measure import summarize
+    from harness.runtime import RunContext
     from harness.spec import parse_spec
 
     workload = {"model": a["model"], "seq_len": a["seq_len"], "global_batch_size": a["global_batch"],
@@ -51,22 +78,62 @@ def _bench(ctx, a: dict, engines_of_layout: dict) -> dict:
                            "layout": {"engine": ENGINE[name], "micro_batch_size": a["mbs"], **fields}})
         engines[name] = build_engine(spec, spec.shape(), ctx)
     source = token_source(spec.workload, spec.shape().vocab)
+    dp = spec.layout.dp
+    alone = RunContext(0, 1, 0, ctx.device, None)   # a world of one: no process group, no communication
+    for name, engine in limits.items():
+        lim = parse_spec({"workload": {**workload, "global_batch_size": a["global_batch"] // dp},
+                          "layout": {"engine": engine, "micro_batch_size": a["mbs"]}})
+        engines[name] = build_engine(lim, lim.shape(), alone)
     times = {k: [] for k in engines}
+    cpu = {k: [] for k in engines}   # this process's CPU seconds (every thread: gloo's too), not waits
     losses = {k: [] for k in engines}
+    breakdowns = {k: [] for k in engines}
     for step in range(a["warmup"] + a["steps"]):
         batch = source.global_batch_at(step)
+        mine = dp_slice(batch, ctx.rank, dp)  # this rank's share, what its dp2 engines train on
         for name, engine in engines.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses[name].append(float(engine.train_step(batch)))
+            dist.barrier()   # both ranks start each engine's step together, limits too
+            t0, c0 = time.perf_counter(), time.process_time()
+            losses[name].append(float(engine.train_step(mine if name in limits else batch)))
             if step >= a["warmup"]:
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+                b = getattr(engine, "last_step_details", lambda: {})().get("breakdown_s")
+                if b:
+                    breakdowns[name].append(b)
     out = {}
     for name in engines:
         t = torch.tensor(times[name], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
-        out[name] = {"stats": summarize(t.tolist()), "losses": losses[name]}
+        c = torch.tensor(cpu[name], dtype=torch.float64)
+        dist.all_reduce(c, op=dist.ReduceOp.MAX)
+        parts = {}
+        for key in (breakdowns[name][0] if breakdowns[name] else {}):
+            v = torch.tensor([b[key] for b in breakdowns[name]], dtype=torch.float64)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX)
+            parts[key] = summarize(v.tolist())["median"]
+        out[name] = {"stats": summarize(t.tolist()), "cpu": summarize(c.tolist())["median"],
+                     "losses": losses[name], "breakdown": parts,
+                     "limit": name in limits}
     return out
+
+
+def _print_limits(res: dict, median: dict, cpu: dict) -> None:
+    """Each engine of LIMIT_LAYOUT over its limit, in step time and in CPU time, and where the own
+    engine's time goes (its breakdown at dp2 and at the limit)."""
+    engines = LAYOUTS[LIMIT_LAYOUT]
+
+    def over(table):
+        return "  ".join(f"{e}: {table[LIMIT_LAYOUT, e] / table[LIMIT_LAYOUT, _limit_name(e)]:.3f}" for e in engines)
+
+    print(f"{LIMIT_LAYOUT} / no-communication limit (step time): {over(median)}  "
+          f"(limits: {', '.join(f'{e} [{LIMIT[e]}]' for e in engines)})")
+    print(f"{LIMIT_LAYOUT} / limit in CPU time per rank (every thread, waits excluded; less sensitive to other "
+          f"load): {over(cpu)}")
+    for name in ("own", "own ZeRO-1", _limit_name("own")):
+        if res.get(name, {}).get("breakdown"):
+            print(f"  {name} breakdown, median ms: "
+                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in res[name]["breakdown"].items()))
 
 
 def main() -> int:
@@ -77,32 +144,50 @@ def main() -> int:
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of " + ", ".join(LAYOUTS))
     args = p.parse_args()
+    chosen = [x for x in args.layouts.split(",") if x]
+    for lay in chosen:
+        if lay not in LAYOUTS:
+            print(f"error: --layouts: {lay!r} is not one of {', '.join(LAYOUTS)}", file=sys.stderr)
+            return 2
 
     from harness.testing.spawn import spawn
 
     a = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch, "mbs": args.mbs,
          "steps": args.steps, "warmup": args.warmup}
     t0 = time.monotonic()
-    results = {layout: spawn(_bench, 2, a, engines, timeout_s=900) for layout, engines in LAYOUTS.items()}
+    results = {}
+    for layout in chosen:
+        engines = LAYOUTS[layout]
+        limits = {_limit_name(e): LIMIT[e] for e in engines} if layout == LIMIT_LAYOUT else {}
+        results[layout] = spawn(_bench, 2, a, engines, limits, timeout_s=900)
     tokens = args.global_batch * args.seq_len
     print(f"workload: {args.model}, seq {args.seq_len}, global batch {args.global_batch}, micro-batch {args.mbs}, "
           f"fp32, 2 gloo processes x {max(1, (os.cpu_count() or 1) // 2)} threads; {args.warmup} warm-up + "
           f"{args.steps} measured steps per engine, interleaved within each layout ({time.monotonic() - t0:.0f} s)")
-    print(f"{'layout':7s} {'engine':18s} {'median ms':>10s} {'95% CI ms':>17s} {'tokens/s':>10s}")
-    tps, worst = {}, 0.0
+    print(f"{'layout':7s} {'engine':22s} {'median ms':>10s} {'95% CI ms':>17s} {'tokens/s':>10s} {'cpu ms':>8s}")
+    tps, median, cpu, worst = {}, {}, {}, 0.0
     for layout, res in results.items():
-        first = next(iter(res.values()))["losses"]
+        first = next(r for r in res.values() if not r["limit"])["losses"]
+        first_limit = next((r["losses"] for r in res.values() if r["limit"]), None)
         for name, r in res.items():
             st = r["stats"]
-            tps[layout, name] = tokens / st["median"]
-            worst = max([worst] + [abs(x - y) / abs(y) for x, y in zip(r["losses"], first)])
-            print(f"{layout:7s} {name:18s} {st['median'] * 1e3:10.1f} {st['ci95_low'] * 1e3:8.1f}-"
-                  f"{st['ci95_high'] * 1e3:<8.1f} {tps[layout, name]:10,.0f}")
-    print(f"losses agree across engines at each layout: max relative difference {worst:.1e}")
+            median[layout, name], cpu[layout, name] = st["median"], r["cpu"]
+            tps[layout, name] = tokens / st["median"]   # a limit's tokens: both ranks' shares, the same total
+            ref = first_limit if r["limit"] else first
+            worst = max([worst] + [abs(x - y) / abs(y) for x, y in zip(r["losses"], ref)])
+            print(f"{layout:7s} {name:22s} {st['median'] * 1e3:10.1f} {st['ci95_low'] * 1e3:8.1f}-"
+                  f"{st['ci95_high'] * 1e3:<8.1f} {tps[layout, name]:10,.0f} {r['cpu'] * 1e3:8.1f}")
+    print(f"losses agree across engines at each layout (limits among themselves): max relative difference "
+          f"{worst:.1e}")
     ratio = lambda other: " ".join(f"{lay}: {tps[lay, 'own'] / tps[lay, other]:.3f}"  # noqa: E731
-                                   for lay in LAYOUTS if (lay, other) in tps)
-    print(f"ratio own/deepspeed {ratio('deepspeed')}  own/fsdp2 {ratio('fsdp2')}")
+                                   for lay in results if (lay, other) in tps)
+    print(f"ratio own/deepspeed {ratio('deepspeed')}  own/fsdp2 {ratio('fsdp2')}"
+          + (f"  own ZeRO-1/deepspeed dp2: {tps['dp2', 'own ZeRO-1'] / tps['dp2', 'deepspeed']:.3f}"
+             if ("dp2", "own ZeRO-1") in tps and ("dp2", "deepspeed") in tps else ""))
+    if LIMIT_LAYOUT in results:
+        _print_limits(results[LIMIT_LAYOUT], median, cpu)
     return 0
 
 

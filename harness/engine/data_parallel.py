@@ -7,9 +7,12 @@ received its last micro-batch's gradient, the bucket's collective starts asynchr
 backward continues. `finish` waits for what is still in flight (the exposed DP time).
 
 ZeRO-1: each bucket is padded to a multiple of dp and split into dp contiguous shards; the
-reduction is a reduce-scatter into this rank's shard, the optimizer (its fp32 weights shard
-and Adam moments) holds only that shard, and an all-gather of the updated shards refreshes
-the full parameters. Without ZeRO the reduction is an all-reduce and the optimizer works on
+reduction is a reduce-scatter in place, into this rank's shard of the very tensor reduced (its
+view of grad_flat, as Megatron's distributed optimizer does), the optimizer (its fp32 weights
+shard and Adam moments) holds only that shard, and an all-gather of the updated shards, in place
+too (from this rank's shard of param_flat into param_flat), refreshes the full parameters. NCCL
+and gloo both take such aliased buffers; tests/test_census_own.py checks gloo's results against
+out-of-place collectives. Without ZeRO the reduction is an all-reduce and the optimizer works on
 every parameter.
 
 The precision policy (harness.model.training.PrecisionPolicy), Megatron's way. Per bucket:
@@ -21,8 +24,10 @@ The precision policy (harness.model.training.PrecisionPolicy), Megatron's way. P
   reduction    in policy.grad_reduce: grad_flat itself when the dtypes agree, else a copy in
                the reduction dtype made when the bucket is ready and dropped once reduced (a
                bf16-reduced sum goes back into an fp32 grad_flat; an fp32-reduced sum of bf16
-               gradients is kept as the optimizer's gradient).
-  shard_grad   ZeRO-1 only: this rank's reduced shard, in the reduction dtype.
+               gradients is kept as the optimizer's gradient: the whole copy, or under ZeRO-1 a
+               clone of this rank's shard of it, P/dp).
+  reduced      this rank's reduced gradient: grad_flat (or, ZeRO-1, its shard view) wherever the
+               sum ends in grad_flat, so no gradient buffer exists beside the main gradients.
   master       bf16 only: the fp32 master parameters the optimizer updates (its shard under
                ZeRO-1); the optimizer's gradients are fp32 (a copy at the step where the
                reduced gradient is bf16). After the step the bf16 parameters are refreshed from
@@ -104,7 +109,6 @@ class Bucket:
         per = self.padded // dp.size
         self.shard = (dp.index * per, (dp.index + 1) * per)
         self.mine = self.shard if zero else (0, self.padded)   # what this rank's optimizer updates
-        self.shard_grad = torch.zeros(per, dtype=policy.grad_reduce, device=device) if zero else None
         lo, hi = self.mine
         self.master = self.param_flat[lo:hi].to(policy.master, copy=True) if policy.master is not None else None
         self.ready = 0
@@ -112,6 +116,11 @@ class Bucket:
         self.reducing = None   # the tensor in flight, when it is a copy of grad_flat in the reduction dtype
         self.reduced = None    # this rank's reduced gradient (full bucket, or its ZeRO-1 shard)
         self.main32 = None     # the same in fp32: what the optimizer's gradients are views of
+
+    def main_grad(self) -> torch.Tensor:
+        """This rank's part of grad_flat: all of it, or under ZeRO-1 its shard (a view)."""
+        lo, hi = self.mine
+        return self.grad_flat[lo:hi]
 
 
 class ModelStates:
@@ -180,8 +189,9 @@ class ModelStates:
         reduce_dtype = self.policy.grad_reduce
         t = b.grad_flat if b.grad_flat.dtype == reduce_dtype else b.grad_flat.to(reduce_dtype)
         b.reducing = None if t is b.grad_flat else t
-        if self.zero:
-            b.work = self.dp.reduce_scatter(t, out=b.shard_grad, async_op=True)
+        if self.zero:   # in place: the output is this rank's shard of t itself
+            lo, hi = b.shard
+            b.work = self.dp.reduce_scatter(t, out=t[lo:hi], async_op=True)
         else:
             b.work = self.dp.all_reduce(t, async_op=True)
 
@@ -196,13 +206,14 @@ class ModelStates:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-            b.reduced = b.shard_grad if self.zero else b.grad_flat
-            if b.reducing is not None and not self.zero:
+            b.reduced = b.main_grad()
+            if b.reducing is not None:
+                lo, hi = b.mine
+                summed = b.reducing[lo:hi]
                 if b.grad_flat.dtype == torch.float32:   # a bf16-reduced sum back into the fp32 main gradient
-                    b.grad_flat.copy_(b.reducing)
-                else:                                   # the fp32-reduced sum of bf16 gradients
-                    b.reduced = b.reducing
-            if b.reduced is not b.reducing:
+                    b.reduced.copy_(summed)
+                else:   # the fp32-reduced sum of bf16 gradients: kept (ZeRO-1: only this rank's shard of it)
+                    b.reduced = summed.clone() if self.zero else summed
                 b.reducing = None
         clock.add("dp_comm", t0, clock.mark())
 
@@ -215,7 +226,7 @@ class ModelStates:
 
     def _attach_grads(self) -> None:
         for b, lo, hi, t in self.views:
-            g = b.main32 if b.main32 is not None else (b.shard_grad if self.zero else b.grad_flat)
+            g = b.main32 if b.main32 is not None else b.main_grad()
             t.grad = g[lo:hi] if g.dtype == t.dtype else None
 
     def grads_to_masters(self) -> None:
@@ -257,14 +268,12 @@ class ModelStates:
             if self.mixed:
                 with torch.no_grad():
                     b.param_flat[lo:hi].copy_(b.master)
-            if self.zero:
-                self.dp.all_gather(b.param_flat[lo:hi].clone(), out=b.param_flat)
+            if self.zero:   # in place, as the reduce-scatter: the input is this rank's shard of the output
+                self.dp.all_gather(b.param_flat[lo:hi], out=b.param_flat)
 
     def zero_grads(self) -> None:
         for b in self.buckets:
             b.grad_flat.zero_()
-            if b.shard_grad is not None:
-                b.shard_grad.zero_()
             b.reducing = b.reduced = b.main32 = None   # the step's copies go
         self._attach_grads()
 
@@ -289,11 +298,11 @@ class ModelStates:
 
     def census_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds, by memory-census category (harness.measure.tensor_census):
-        flat parameters; main gradients, ZeRO-1 shards and any reduction or fp32 copies alive;
-        fp32 masters (bf16 only)."""
+        flat parameters; main gradients and any reduction or fp32 copies alive (ZeRO-1's reduced
+        shard is a view of grad_flat, counted with it, unless it is such a copy); fp32 masters
+        (bf16 only)."""
         out = {"parameters": [b.param_flat for b in self.buckets],
-               "gradients": [t for b in self.buckets for t in (b.grad_flat, b.shard_grad, b.reducing, b.reduced,
-                                                              b.main32)]
+               "gradients": [t for b in self.buckets for t in (b.grad_flat, b.reducing, b.reduced, b.main32)]
                             + [p.grad for p in self.params]}
         if self.mixed:
             out["master_parameters"] = [b.master for b in self.buckets]

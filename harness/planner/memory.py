@@ -234,13 +234,9 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
     if engine in ("own", "single"):  # harness/engine/data_parallel.py (Megatron's layout)
         shard = P / dp if zero_stage >= 1 and dp > 1 else P
         add("parameters", "bf16" if mixed else "fp32", P)
-        add("gradients", acc, P)  # the main gradients
-        if zero_stage >= 1 and dp > 1:
-            add("gradients", red, P / dp)  # the reduce-scatter output
-            if red != "fp32":
-                add("gradients", "fp32", P / dp)  # the optimizer's fp32 copy of it
-        elif acc != "fp32":
-            add("gradients", "fp32", P)  # the fp32 reduced gradient the masters step with
+        add("gradients", acc, P)  # the main gradients; ZeRO-1 reduce-scatters in place, into their shard
+        if acc != "fp32":  # the fp32 reduced gradient the masters step with (ZeRO-1: this rank's shard)
+            add("gradients", "fp32", shard)
         if mixed:
             add("master_parameters", "fp32", shard)
         add("optimizer_states", "fp32", 2 * shard)
@@ -473,8 +469,8 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
         census = model_states(phi, lay.engine, min(zero, 1) if lay.engine == "own" else zero, precision, dp)
     # The planner's workload has the default policy (fp32 accumulation and reduction): then what
     # the census counts at the optimizer step (own engine: flat parameters, fp32 main gradients,
-    # the ZeRO-1 reduced shard, masters, Adam states) is held the whole step; the step itself adds
-    # only per-bucket copies (the ZeRO-1 all-gather's shard clone), far below the activations.
+    # ZeRO-1's reduced shard being their view, masters, Adam states) is held the whole step; the
+    # ZeRO-1 collectives add nothing (both in place, harness/engine/data_parallel.py).
     by_cat = {k: sum(v.values()) for k, v in census.items()}
     sp = lay.sequence_parallel and t > 1
     n = lay.micro_batch_size * wl.seq_len
