@@ -17,19 +17,23 @@ every wait on the other rank) is gone, the compute per rank is the same. A dp2 s
 engine builds without a process group (own); DeepSpeed and FSDP2 need one, so theirs is the
 plain model they wrap (engine single, same model code and AdamW): LIMIT says which.
 
+Megatron-core runs Megatron's local layer spec, whose one core attention is naive: it is measured
+against the own engine with the same kernel ("own naive"; its limit the plain model with it), the
+others keep the default (sdpa). On a CPU Megatron runs inside harness/frameworks/megatron_shim.py,
+which cannot be left off there; its cost is the torch calls its TorchFunctionMode intercepts in a
+step (counted in one extra, untimed step) times what one intercepted call costs above a plain one
+(a microbenchmark of small calls in and out of the shim), plus entering and leaving it once per step.
+
     python benchmarks/frameworks_cpu.py [--model tiny-4l] [--seq-len 128] [--steps 20] [--layouts dp2]
 
-Megatron-core runs Megatron's local layer spec, whose one core attention is naive: it is measured
-against the own engine with the same kernel ("own naive"), the others keep the default (sdpa). On
-a CPU Megatron runs inside harness/frameworks/megatron_shim.py, which cannot be left off there; its
-cost is the torch calls its TorchFunctionMode intercepts in a step (counted in one extra, untimed
-step) times what one intercepted call costs above a plain one (a microbenchmark of small calls in
-and out of the shim), plus entering and leaving it once per step.
-
-Last lines: `ratio own/deepspeed dp2: X tp2: Y pp2: Z  own/fsdp2 dp2: ...  own/megatron (both
-naive attention) dp2: ...` (tokens/s ratios, > 1 means the own engine is faster), the shim's cost
-per layout, then `dp2 / no-communication limit (step time): own: A deepspeed: B ...` (target for
-own: <= 1.05), and the own engine's step breakdown at dp2 and at its limit.
+Last lines: `ratio own/deepspeed dp2: X tp2: Y pp2: Z  own/fsdp2 dp2: ... ` (tokens/s ratios,
+> 1 means the own engine is faster; "own" is ZeRO-0, the row "own ZeRO-1" is DeepSpeed's stage),
+`own/megatron (both naive attention) dp2: ...`, the shim's cost per layout, then `dp2 /
+no-communication limit (step time): own: A  own ZeRO-1: B  deepspeed: C ...` (target for the own
+engine: <= 1.05), the same in CPU time per rank (what the step costs the processes, not their
+waits: on a machine shared with other work it moves less), and the own engine's step breakdown
+at dp2 and at its limit. To add an engine: a row in LAYOUTS, its harness engine in
+ENGINE and its limit in LIMIT.
 """
 
 from __future__ import annotations
@@ -41,12 +45,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Megatron-core's local layer spec has one core attention (naive): it runs beside the own engine with the
-# same kernel ("own naive"), the pair own/megatron is measured on; the other engines keep the default (sdpa).
-NAIVE = {"attention": "naive"}
+NAIVE = {"attention": "naive"}  # Megatron's local spec's one core attention, for megatron and "own naive"
 # layout -> engine -> layout fields (the same parallel layout under each engine)
 LAYOUTS = {
-    "dp2": {"own": {"dp": 2}, "deepspeed": {"dp": 2, "zero_stage": 1},
+    "dp2": {"own": {"dp": 2}, "own ZeRO-1": {"dp": 2, "zero_stage": 1}, "deepspeed": {"dp": 2, "zero_stage": 1},
             "fsdp2": {"dp": 2, "reshard_after_forward": True},
             "fsdp2 no-reshard": {"dp": 2, "reshard_after_forward": False},
             "own naive": {"dp": 2, **NAIVE}, "megatron": {"dp": 2, **NAIVE}},
@@ -55,21 +57,20 @@ LAYOUTS = {
     "pp2": {"own": {"pp": 2}, "deepspeed": {"pp": 2, "zero_stage": 1}, "fsdp2": {"pp": 2},
             "own naive": {"pp": 2, **NAIVE}, "megatron": {"pp": 2, **NAIVE}},
 }
-ENGINE = {"own": "own", "deepspeed": "deepspeed", "fsdp2": "fsdp", "fsdp2 no-reshard": "fsdp", "own naive": "own",
-          "megatron": "megatron"}
+ENGINE = {"own": "own", "own ZeRO-1": "own", "deepspeed": "deepspeed", "fsdp2": "fsdp", "fsdp2 no-reshard": "fsdp",
+          "own naive": "own", "megatron": "megatron"}
 # the layout whose engines are set against their no-communication limit
 LIMIT_LAYOUT = "dp2"
-# dp2 engine -> the harness engine its dp=1 limit runs (world of one, no process group) and its attention
-# (None: the default); Megatron needs a process group, so its limit is the plain model, as DeepSpeed's
-LIMIT = {"own": ("own", None), "deepspeed": ("single", None), "fsdp2": ("single", None),
-         "fsdp2 no-reshard": ("single", None), "own naive": ("own", "naive"), "megatron": ("single", "naive")}
+# dp2 engine -> the harness engine its dp=1 limit runs (world of one, no process group), and the kernel
+# where it is not the default; Megatron needs a process group, so its limit is the plain model, as DeepSpeed's
+LIMIT = {"own": "own", "own ZeRO-1": "own", "deepspeed": "single", "fsdp2": "single", "fsdp2 no-reshard": "single",
+         "own naive": "own naive", "megatron": "single naive"}
 
 
 def _limit_name(engine: str) -> str:
     """The limit's row: one per harness engine (and kernel) run at dp=1, shared by the dp2 engines it is
     the limit of."""
-    limit, attention = LIMIT[engine]
-    return f"limit {limit} dp1" + (f" {attention}" if attention else "")
+    return f"limit {LIMIT[engine]} dp1"
 
 
 def _shim_calls_per_step(engine, batch) -> int:
@@ -119,6 +120,19 @@ def _shim_cost_per_call(n: int = 20000, repeats: int = 5) -> dict:
     return {"per_call_s": shimmed - plain, "plain_call_s": plain, "enter_exit_s": (time.perf_counter() - t0) / 200}
 
 
+def _shim_cost(engine, batch) -> dict:
+    """megatron_shim's cost in this engine's step, the slowest rank's (after the timed steps)."""
+    import torch
+    import torch.distributed as dist
+
+    cost = _shim_cost_per_call()
+    t = torch.tensor([float(_shim_calls_per_step(engine, batch)), cost["per_call_s"], cost["enter_exit_s"],
+                      cost["plain_call_s"]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {"calls_per_step": int(t[0]), "per_call_s": t[1].item(), "enter_exit_s": t[2].item(),
+            "plain_call_s": t[3].item()}
+
+
 def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
     """Every engine of one layout, and the limits asked for ({name: harness engine}), stepped
     round-robin on both ranks; per engine the slowest rank's step times, losses and (own engine)
@@ -142,12 +156,14 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
     source = token_source(spec.workload, spec.shape().vocab)
     dp = spec.layout.dp
     alone = RunContext(0, 1, 0, ctx.device, None)   # a world of one: no process group, no communication
-    for name, (engine, attention) in limits.items():
+    for name, engine in limits.items():
+        engine, *kernel = engine.split()  # "single naive": the plain model with naive attention
         lim = parse_spec({"workload": {**workload, "global_batch_size": a["global_batch"] // dp},
                           "layout": {"engine": engine, "micro_batch_size": a["mbs"],
-                                     **({"attention": attention} if attention else {})}})
+                                     **({"attention": kernel[0]} if kernel else {})}})
         engines[name] = build_engine(lim, lim.shape(), alone)
     times = {k: [] for k in engines}
+    cpu = {k: [] for k in engines}   # this process's CPU seconds (every thread: gloo's too), not waits
     losses = {k: [] for k in engines}
     breakdowns = {k: [] for k in engines}
     for step in range(a["warmup"] + a["steps"]):
@@ -155,34 +171,47 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
         mine = dp_slice(batch, ctx.rank, dp)  # this rank's share, what its dp2 engines train on
         for name, engine in engines.items():
             dist.barrier()   # both ranks start each engine's step together, limits too
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             losses[name].append(float(engine.train_step(mine if name in limits else batch)))
             if step >= a["warmup"]:
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
                 b = getattr(engine, "last_step_details", lambda: {})().get("breakdown_s")
                 if b:
                     breakdowns[name].append(b)
-    shim = {}
-    if "megatron" in engines:  # after the timed steps: what the device shim intercepts and costs
-        calls = torch.tensor([float(_shim_calls_per_step(engines["megatron"], batch))], dtype=torch.float64)
-        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
-        cost = _shim_cost_per_call()
-        per_call = torch.tensor([cost["per_call_s"], cost["enter_exit_s"]], dtype=torch.float64)
-        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
-        shim = {"calls_per_step": int(calls.item()), "per_call_s": per_call[0].item(),
-                "enter_exit_s": per_call[1].item(), "plain_call_s": cost["plain_call_s"]}
-    out = {"_shim": shim}
+    out = {"_shim": _shim_cost(engines["megatron"], batch) if "megatron" in engines else {}}
     for name in engines:
         t = torch.tensor(times[name], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
+        c = torch.tensor(cpu[name], dtype=torch.float64)
+        dist.all_reduce(c, op=dist.ReduceOp.MAX)
         parts = {}
         for key in (breakdowns[name][0] if breakdowns[name] else {}):
             v = torch.tensor([b[key] for b in breakdowns[name]], dtype=torch.float64)
             dist.all_reduce(v, op=dist.ReduceOp.MAX)
             parts[key] = summarize(v.tolist())["median"]
-        out[name] = {"stats": summarize(t.tolist()), "losses": losses[name], "breakdown": parts,
+        out[name] = {"stats": summarize(t.tolist()), "cpu": summarize(c.tolist())["median"],
+                     "losses": losses[name], "breakdown": parts,
                      "limit": name in limits}
     return out
+
+
+def _print_limits(res: dict, median: dict, cpu: dict) -> None:
+    """Each engine of LIMIT_LAYOUT over its limit, in step time and in CPU time, and where the own
+    engine's time goes (its breakdown at dp2 and at the limit)."""
+    engines = LAYOUTS[LIMIT_LAYOUT]
+
+    def over(table):
+        return "  ".join(f"{e}: {table[LIMIT_LAYOUT, e] / table[LIMIT_LAYOUT, _limit_name(e)]:.3f}" for e in engines)
+
+    print(f"{LIMIT_LAYOUT} / no-communication limit (step time): {over(median)}  "
+          f"(limits: {', '.join(f'{e} [{LIMIT[e]}]' for e in engines)})")
+    print(f"{LIMIT_LAYOUT} / limit in CPU time per rank (every thread, waits excluded; less sensitive to other "
+          f"load): {over(cpu)}")
+    for name in ("own", "own ZeRO-1", _limit_name("own")):
+        if res.get(name, {}).get("breakdown"):
+            print(f"  {name} breakdown, median ms: "
+                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in res[name]["breakdown"].items()))
 
 
 def main() -> int:
@@ -216,27 +245,30 @@ def main() -> int:
     print(f"workload: {args.model}, seq {args.seq_len}, global batch {args.global_batch}, micro-batch {args.mbs}, "
           f"fp32, 2 gloo processes x {max(1, (os.cpu_count() or 1) // 2)} threads; {args.warmup} warm-up + "
           f"{args.steps} measured steps per engine, interleaved within each layout ({time.monotonic() - t0:.0f} s)")
-    print(f"{'layout':7s} {'engine':22s} {'median ms':>10s} {'95% CI ms':>17s} {'tokens/s':>10s}")
-    tps, median, worst = {}, {}, 0.0
+    print(f"{'layout':7s} {'engine':22s} {'median ms':>10s} {'95% CI ms':>17s} {'tokens/s':>10s} {'cpu ms':>8s}")
+    tps, median, cpu, worst = {}, {}, {}, 0.0
     for layout, res in results.items():
         first = next(r for r in res.values() if not r["limit"])["losses"]
         first_limit = next((r["losses"] for r in res.values() if r["limit"]), None)
         for name, r in res.items():
             st = r["stats"]
-            median[layout, name] = st["median"]
+            median[layout, name], cpu[layout, name] = st["median"], r["cpu"]
             tps[layout, name] = tokens / st["median"]   # a limit's tokens: both ranks' shares, the same total
             ref = first_limit if r["limit"] else first
             worst = max([worst] + [abs(x - y) / abs(y) for x, y in zip(r["losses"], ref)])
             print(f"{layout:7s} {name:22s} {st['median'] * 1e3:10.1f} {st['ci95_low'] * 1e3:8.1f}-"
-                  f"{st['ci95_high'] * 1e3:<8.1f} {tps[layout, name]:10,.0f}")
+                  f"{st['ci95_high'] * 1e3:<8.1f} {tps[layout, name]:10,.0f} {r['cpu'] * 1e3:8.1f}")
     print(f"losses agree across engines at each layout (limits among themselves): max relative difference "
           f"{worst:.1e}")
     ratio = lambda other: " ".join(f"{lay}: {tps[lay, 'own'] / tps[lay, other]:.3f}"  # noqa: E731
                                    for lay in results if (lay, other) in tps)
-    naive = " ".join(f"{lay}: {tps[lay, 'own naive'] / tps[lay, 'megatron']:.3f}" for lay in results
-                     if (lay, "megatron") in tps)
-    print(f"ratio own/deepspeed {ratio('deepspeed')}  own/fsdp2 {ratio('fsdp2')}  own/megatron (both naive "
-          f"attention) {naive}")
+    print(f"ratio own/deepspeed {ratio('deepspeed')}  own/fsdp2 {ratio('fsdp2')}"
+          + (f"  own ZeRO-1/deepspeed dp2: {tps['dp2', 'own ZeRO-1'] / tps['dp2', 'deepspeed']:.3f}"
+             if ("dp2", "own ZeRO-1") in tps and ("dp2", "deepspeed") in tps else ""))
+    if any(lay for lay, name in tps if name == "megatron"):
+        print("own/megatron (both naive attention) " + " ".join(
+            f"{lay}: {tps[lay, 'own naive'] / tps[lay, 'megatron']:.3f}" for lay in results
+            if (lay, "megatron") in tps))
     for layout, shim in shims.items():  # what the CPU's device shim adds to megatron's step
         if shim:
             cost = shim["calls_per_step"] * shim["per_call_s"] + shim["enter_exit_s"]
@@ -245,15 +277,7 @@ def main() -> int:
                   f"{shim['enter_exit_s'] * 1e6:.0f} us to enter and leave: {cost * 1e3:.1f} ms per step, "
                   f"{cost / median[layout, 'megatron']:.1%} of its step")
     if LIMIT_LAYOUT in results:
-        res = results[LIMIT_LAYOUT]
-        print(f"{LIMIT_LAYOUT} / no-communication limit (step time; limit engine in brackets): " + "  ".join(
-            f"{e}: {median[LIMIT_LAYOUT, e] / median[LIMIT_LAYOUT, _limit_name(e)]:.3f} "
-            f"[{_limit_name(e).removeprefix('limit ')}]"
-            for e in LAYOUTS[LIMIT_LAYOUT]))
-        for name in ("own", _limit_name("own")):   # where the own engine's time goes
-            parts = res[name]["breakdown"]
-            if parts:
-                print(f"  {name} breakdown, median ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
+        _print_limits(results[LIMIT_LAYOUT], median, cpu)
     return 0
 
 

@@ -45,3 +45,9 @@ class StoreError(SpecError):
 
     def __init__(self, reason: str):
         super().__init__("store", reason)
+
+
+class NonFiniteStep(ArithmeticError):
+    """An engine found a step's gradients non-finite and its framework skipped or refused the update
+    (DeepSpeed's skipped step, Megatron's unsuccessful one). The reference never skips, so the
+    runner records the run as diverged at that step, as it does for a non-finite loss (harness.run)."""

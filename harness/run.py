@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from harness import measure, registry
 from harness.data.source import token_source
-from harness.errors import SpecError
+from harness.errors import NonFiniteStep, SpecError
 from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
 from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
@@ -59,9 +59,10 @@ class Diverged(Exception):
     measurement. Every engine returns the global mean loss on every rank (the parity check
     compares it), so every rank stops at the same step, with no extra collective."""
 
-    def __init__(self, step: int, loss: float, total: int, losses: list[float]):
-        super().__init__(f"diverged: the loss became {loss} at step {step} of {total} (warm-up included), so the "
-                         "run stopped there; a learning rate too high (workload.optimizer.lr) is the usual cause")
+    def __init__(self, step: int, loss: float, total: int, losses: list[float], cause: str | None = None):
+        what = cause or f"the loss became {loss}"
+        super().__init__(f"diverged: {what} at step {step} of {total} (warm-up included), so the run stopped "
+                         "there; a learning rate too high (workload.optimizer.lr) is the usual cause")
         self.step, self.loss, self.losses = step, loss, list(losses)
 
 
@@ -202,8 +203,14 @@ class Trainer:
         if step == w.warmup_steps:
             measure.reset_peak_memory(self.ctx.device)
         poisoned = _fault(step, self.ctx.rank)
+        cause = None
         with measure.StepTimer(self.ctx.device) as timer:
-            loss = self._train_step(step, batch)
+            try:
+                loss = self._train_step(step, batch)
+            except NonFiniteStep as e:  # the framework refused the update (every rank sees the same global norm):
+                cause = str(e)          # the step did not complete, so it has no loss to record
+        if cause:
+            raise Diverged(step + 1, math.nan, self.total, self.losses, cause)
         loss = math.nan if poisoned else loss
         self.losses.append(loss)
         if not math.isfinite(loss):

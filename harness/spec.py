@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from harness import registry
 from harness.errors import CapabilityError, SpecError, shown
+from harness.files.yaml_reader import load_yaml, read_yaml, yaml_problem  # noqa: F401 (the one YAML reader, re-exported)
 from harness.model.presets import Shape, param_count, resolve_shape
 from harness.parallel_dims import LABEL_ORDER, ParallelDims
-from harness.specfile import load_yaml, read_yaml, yaml_problem  # noqa: F401 (the one YAML reader, re-exported)
 
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
@@ -232,7 +232,7 @@ def build_spec(cls, raw: dict, prefix: str):
     for key in values:  # a field that means something only beside another's value is not ignored
         other, wanted = known[key].metadata.get("applies", (None, None))
         have = values.get(other, known[other].default) if other else wanted
-        if have != wanted:
+        if have != wanted and values[key] != known[key].default:  # (to_dict() writes the defaults back)
             raise SpecError(f"{prefix}.{key}" if prefix else key,
                             f"applies only with {other}: {wanted}, and {other} is {have}"
                             + ("" if other in values else " (the default)") + f": set {other}: {wanted}")

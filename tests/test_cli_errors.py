@@ -87,6 +87,13 @@ BAD_INPUTS = [
     ("plan-hardware-yaml-malformed", PLAN + ["--hardware", "hw.yaml"],
      {"hw.yaml": "name: x\nmemory_gib: [1, 2\npeak: 3\n"},
      "error: --hardware: hw.yaml: not valid YAML: line 3, column 5: ", "expected ','"),
+    ("plan-hardware-key-twice", PLAN + ["--hardware", "hw.yaml"],
+     {"hw.yaml": "name: x\nmemory_gib: 80\nmemory_gib: 40\n"},
+     "error: --hardware: hw.yaml: ", "key 'memory_gib' is given twice"),
+    ("plan-hardware-not-finite", PLAN + ["--hardware", "hw.yaml"],
+     {"hw.yaml": "name: x\npeak_tflops_bf16: .nan\nmemory_gib: 80\nhbm_gbps: 1\nnvlink_gbps: 1\n"
+                 "internode_gbps: 1\ngpus_per_node: 8\n"},
+     "error: --hardware: hw.yaml: ", "peak_tflops_bf16 must be a positive number"),
     # token data that does not fit the workload
     ("data-dtype-differs-from-prepare", ["train", "t.yaml"],
      {"t.yaml": {"workload": {**TINY, "data": {"kind": "file", "path": "d.bin", "dtype": "uint32"}}},

@@ -262,3 +262,35 @@ def test_planted_seed_difference_fails_comparison_through_cli(tmp_path, cli):
     assert by_label["zero1 planted seed"]["comparison"]["parity"]["verdict"] == FAIL
     assert by_label["zero1 planted seed"]["launch"]["launcher"] == "deepspeed"
     assert os.path.isfile(tmp_path / "reports" / "compare-planted.html")
+
+
+def test_a_comparison_report_on_a_full_disk_leaves_the_earlier_one_whole(tmp_path):
+    """compare-<name>.md, .html, .json and the figures go in together or not at all."""
+    import builtins
+    import errno
+
+    cs = parse_compare_spec(compare_raw([{"engine": "fsdp"}]))
+    fp = {"hosts": ["n1"], "device_name": "cpu", "torch": "2.13.0"}
+    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
+                             launch_fn=fake_launcher({"reference (single device)": ("ok", REF, fp),
+                                                      "FSDP2 reshard": ("ok", REF, fp)}))
+    out = tmp_path / "out"
+    write_report(summary, str(out))
+    earlier = {n: f"earlier {n}\n" for n in os.listdir(out) if "." in n}  # the .md, .html and .json
+    for name, text in earlier.items():
+        (out / name).write_text(text)
+    real_open = builtins.open
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if "w" in mode and ".html" in os.path.basename(str(path)):
+            def write(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            f.write = write
+        return f
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builtins, "open", full_disk_open)
+        with pytest.raises(SpecError, match="No space left on device"):
+            write_report(summary, str(out))
+    assert {n: (out / n).read_text() for n in os.listdir(out) if "." in n} == earlier  # no temporary left either

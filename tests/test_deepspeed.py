@@ -149,6 +149,7 @@ def test_a_skipped_step_stops_the_run():
     says (measured: ZeRO-1 and ZeRO-3 bf16 with lr 1e36); the adapter raises instead of passing it."""
     from types import SimpleNamespace
 
+    from harness.errors import NonFiniteStep
     from harness.frameworks.deepspeed_common import DeepSpeedBase
 
     engine = object.__new__(DeepSpeedBase)
@@ -156,7 +157,7 @@ def test_a_skipped_step_stops_the_run():
     engine._skipped_steps = 0
     engine.check_step_applied()
     engine.engine.skipped_steps, engine.engine.global_steps = 1, 2
-    with pytest.raises(RuntimeError, match="skipped the optimizer step of step 1"):
+    with pytest.raises(NonFiniteStep, match="skipped the optimizer step"):
         engine.check_step_applied()
 
 

@@ -16,8 +16,8 @@ import yaml
 from harness.cli import main as cli_main
 from harness.compare.spec import CompareInput, parse_compare_spec
 from harness.errors import SpecError
+from harness.files.yaml_reader import MAX_BYTES, MAX_VALUES
 from harness.spec import Data, Layout, Optimizer, Workload, parse_spec
-from harness.specfile import MAX_BYTES, MAX_VALUES
 from harness.sweep.expand import expand
 from harness.sweep.slurm import write_slurm
 from harness.sweep.spec import Slurm, SweepSpec, parse_sweep
@@ -62,7 +62,7 @@ def test_a_key_given_twice_in_a_set_value_is_refused(no_launch, one_line_error):
 
 
 def test_merge_keys_may_still_be_overridden():
-    from harness.specfile import load_yaml
+    from harness.files.yaml_reader import load_yaml
 
     assert load_yaml("base: &b {tp: 1, pp: 2}\nrun: {<<: *b, tp: 4}\n", "f")["run"] == {"tp": 4, "pp": 2}
 

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "harness"
 # layer do not import each other.
 LAYERS = [
     ["harness.errors", "harness.resources"],               # user mistakes; the data files shipped
-    ["harness.atomic", "harness.specfile"],                    # outputs written whole; a user's YAML read strictly
+    ["harness.files"],                                          # outputs written whole; a user's YAML read strictly
     ["harness.parallel_dims"],                                 # the degrees, their order and their ranks
     ["harness.model.presets"],                                 # shape facts the spec checks against
     ["harness.model.flops"],

@@ -123,6 +123,37 @@ def test_a_diverged_run_is_failed_with_its_step_and_train_exits_1(no_launch, cap
     assert table.rows[0][1] == "failed" and table.rows[0][3].startswith("diverged: the loss became")
 
 
+def test_a_skipped_update_is_a_diverged_run_at_that_step(no_launch, monkeypatch):
+    """DeepSpeed (and Megatron) skip an update whose gradient norm is not finite, at a step whose loss
+    was still finite: the run is diverged there, with the framework's reason, not a crash."""
+    import types
+
+    from harness.errors import NonFiniteStep
+    from harness.frameworks.deepspeed_common import DeepSpeedBase
+    from harness.run import Trainer
+
+    skipped = types.SimpleNamespace(engine=types.SimpleNamespace(skipped_steps=1), _skipped_steps=0,
+                                    optimizer=types.SimpleNamespace())
+    with pytest.raises(NonFiniteStep, match="gradient norm was not finite"):
+        DeepSpeedBase.check_step_applied(skipped)
+
+    real = Trainer._train_step
+
+    def step(self, i, batch):
+        if i == 1:
+            DeepSpeedBase.check_step_applied(skipped)
+        return real(self, i, batch)
+
+    monkeypatch.setattr(Trainer, "_train_step", step)
+    store = str(no_launch / "r.sqlite")
+    (no_launch / "t.yaml").write_text(yaml.safe_dump({"workload": {**WORKLOAD, "steps": 6}, "store": store}))
+    assert cli_main(["train", "t.yaml", "--no-progress"]) == 1
+    (rec,) = ResultsStore(store).records()
+    assert rec["status"] == "failed" and rec["diverged_at_step"] == 2 and len(rec["metrics"]["losses"]) == 1
+    assert rec["error"].startswith("diverged: DeepSpeed skipped the optimizer step (SimpleNamespace: the gradient "
+                                   "norm was not finite)"), rec["error"]
+
+
 def _in_process(diverging):
     """A launch function that runs each 1-process spec here (harness.run.run), its loss becoming
     non-finite at step 2 where diverging(spec dict) says so."""

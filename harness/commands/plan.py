@@ -115,7 +115,7 @@ def main(args) -> int:
         return _calibrate(args, profile)
     _need(args, "model", "seq-len", "global-batch-size", "gpus")
     if args.emit_sweep:  # before the plan is computed: it can take a while
-        from harness.atomic import check_writable
+        from harness.files.atomic import check_writable
         from harness.spec import check_output_path
 
         check_output_path(args.emit_sweep, "--emit-sweep", directory=False)
@@ -225,7 +225,7 @@ def _emit_sweep(args, fitting, profile, gpus_per_node) -> None:
     text, n, _ = sweep_spec(group(fitting, 5 * top), model=args.model, seq_len=args.seq_len,
                             global_batch_size=args.global_batch_size, gpus=args.gpus,
                             gpus_per_node=gpus_per_node, profile=profile, top=top)
-    from harness.atomic import Together
+    from harness.files.atomic import Together
 
     with Together("--emit-sweep") as files:  # whole or not at all
         files.write(args.emit_sweep, text)

@@ -41,7 +41,7 @@ def main(args) -> int:
     if store.skipped_note():
         print(store.skipped_note(), file=sys.stderr)
     if args.out:
-        from harness.atomic import Together
+        from harness.files.atomic import Together
 
         with Together("--out") as files:  # whole or not at all
             files.write(args.out, text)

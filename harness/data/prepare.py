@@ -10,7 +10,7 @@ is not UTF-8, a JSONL line that is not an object or whose text is not a string, 
 text, a tokenizer file the tokenizers library cannot read. The .bin and its .bin.json are written
 to temporary files beside them and renamed into place only when both are complete, so a failed
 run leaves nothing half-written (an earlier token file of that name stays as it was); an --out
-that exists and is not a regular file (a device, a FIFO, a folder) is refused (harness.atomic).
+that exists and is not a regular file (a device, a FIFO, a folder) is refused (harness.files.atomic).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import os
 
 import numpy as np
 
-from harness.atomic import Together, check_target
 from harness.errors import SpecError
+from harness.files.atomic import Together, check_target
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from harness.data.source import dp_slice, micro_batches
+from harness.errors import NonFiniteStep
 from harness.frameworks.ds_config import build_config
 from harness.measure import CensusAtStep, optimizer_state_tensors
 from harness.model.training import precision_policy
@@ -153,9 +154,9 @@ class DeepSpeedBase:
         and ZeRO-3 whatever bf16.check_grad_overflow says (ZeRO-1/2 obey it: false). The
         reference never skips one, so a skipped step stops the run instead of passing silently."""
         if self.engine.skipped_steps != self._skipped_steps:
-            raise RuntimeError(f"DeepSpeed skipped the optimizer step of step {self.engine.global_steps - 1} "
-                               f"(counting from 0; {type(self.optimizer).__name__}: the gradient norm was not finite); "
-                               f"the reference applies every step, so the runs would no longer be comparable")
+            raise NonFiniteStep(f"DeepSpeed skipped the optimizer step ({type(self.optimizer).__name__}: the gradient "
+                                "norm was not finite); the reference applies every step, so the runs would no longer "
+                                "be comparable")
 
     # ------------------------------------------------------------------ memory census
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from harness import measure
 from harness.data.source import dp_slice, micro_batches
+from harness.errors import NonFiniteStep
 from harness.frameworks import megatron_shim, megatron_weights
 from harness.model.llama import ReferenceWeights
 from harness.model.training import precision_policy
@@ -173,7 +174,7 @@ class MegatronEngine:
             with measure.StepTimer(self.device) as opt:
                 ok, self._grad_norm, _ = self.optimizer.step()
             if not ok:
-                raise RuntimeError("Megatron's optimizer skipped the step (non-finite gradients)")
+                raise NonFiniteStep("Megatron's optimizer skipped the step (non-finite gradients)")
             # each dp group's mean loss, counted once (by its tp rank 0 on the last pipeline stage)
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             if self.is_last_stage and self.coord.tp == 0:

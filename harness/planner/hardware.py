@@ -7,6 +7,7 @@ Built-in profiles live beside this file (hardware/*.yaml); a user passes a path 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +15,8 @@ from pathlib import Path
 import yaml
 
 from harness.errors import SpecError
+from harness.files.yaml_reader import read_yaml
 from harness.planner.layout import ATTENTION
-from harness.spec import yaml_problem
 
 PROFILE_DIR = Path(__file__).with_name("hardware")
 EFFICIENCY_KEYS = ("gemm", "flash2", "flash1", "mem_efficient", "naive_attention", "fused_softmax",
@@ -79,7 +80,7 @@ def _from_dict(raw: dict, source: str) -> Profile:
     for key in EFFICIENCY_KEYS:
         eff.setdefault(key, defaults[key])
     for key, value in {**{k: raw[k] for k in need}, **eff}.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
             raise SpecError("--hardware", f"{source}: {key} must be a positive number")
     kernels = tuple(raw.get("attention_kernels") or ATTENTION)
     return Profile(
@@ -114,9 +115,9 @@ def load_profile(name_or_path: str) -> Profile:
         raise SpecError("--hardware", f"unknown hardware {name_or_path!r}; known: {', '.join(profile_names())} "
                                       "or a path to a profile YAML")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise SpecError("--hardware", f"{path}: {yaml_problem(e)}") from None
+        raw = read_yaml(str(path), "--hardware")  # a user's file: strict and bounded, as every spec
+    except SpecError as e:
+        raise SpecError("--hardware", e.reason if e.field == "--hardware" else f"{e.field}: {e.reason}") from None
     return _from_dict(raw, str(path))
 
 

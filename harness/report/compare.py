@@ -426,20 +426,22 @@ def sections(summary: dict, figs: list | None = None) -> list[Section]:
 
 def write_report(summary: dict, out_dir: str) -> dict[str, str]:
     """compare-<name>.md (figures as SVG files in compare-<name>-img/), .html (figures inline) and
-    .json (the summary)."""
+    .json (the summary), written whole or not at all (a full disk leaves the earlier report as it was)."""
+    from harness.files.atomic import Together
+
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"compare-{summary['name']}")
     paths = {"markdown": base + ".md", "html": base + ".html", "json": base + ".json"}
     figs = figures(summary)
     secs = sections(summary, figs)
-    if figs:  # the Markdown links them; the HTML holds them inline
-        paths["images"] = os.path.join(out_dir, image_dir(summary))
-        save_figures(paths["images"], secs)
     title = f"Framework comparison: {summary['name']}"
-    with open(paths["markdown"], "w") as f:
-        f.write(render.markdown(title, secs, image_dir(summary), contents=False))
-    with open(paths["html"], "w") as f:
-        f.write(render.html_page(title, secs))
-    with open(paths["json"], "w") as f:
-        json.dump(summary, f, indent=1, sort_keys=True, default=str)
+    with Together("--out") as files:
+        if figs:  # the Markdown links them; the HTML holds them inline
+            paths["images"] = os.path.join(out_dir, image_dir(summary))
+            save_figures(paths["images"], secs, files)
+        files.write(paths["markdown"], render.markdown(title, secs, image_dir(summary), contents=False))
+        files.write(paths["html"], render.html_page(title, secs))
+        files.write(paths["json"], json.dumps(summary, indent=1, sort_keys=True, default=str))
+    if figs:
+        render.remove_stale(paths["images"], secs)
     return paths

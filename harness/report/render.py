@@ -107,13 +107,13 @@ def html_page(title: str, sections: list[Section]) -> str:
 
 def save_figures(img_dir: str, sections: list[Section], files=None) -> None:
     """Each figure as an SVG file in img_dir, where the Markdown links it. With `files` (a
-    harness.atomic.Together) they go in with the pages; alone, together among themselves."""
-    from harness.atomic import Together
+    harness.files.atomic.Together) they go in with the pages; alone, together among themselves."""
+    from harness.files.atomic import Together
 
     if files is None:
         with Together("--out") as files:
             save_figures(img_dir, sections, files)
-        _remove_stale(img_dir, sections)
+        remove_stale(img_dir, sections)
         return
     os.makedirs(img_dir, exist_ok=True)
     for s in sections:
@@ -121,7 +121,7 @@ def save_figures(img_dir: str, sections: list[Section], files=None) -> None:
             files.write(os.path.join(img_dir, f"{fig.name}.{plots.FORMAT}"), fig.image)
 
 
-def _remove_stale(img_dir: str, sections: list[Section]) -> None:
+def remove_stale(img_dir: str, sections: list[Section]) -> None:
     for s in sections:
         for fig in s.figures():
             stale = os.path.join(img_dir, f"{fig.name}.png")  # the same figure as an earlier version drew it
@@ -131,8 +131,8 @@ def _remove_stale(img_dir: str, sections: list[Section]) -> None:
 
 def write(out_dir: str, title: str, sections: list[Section]) -> dict[str, str]:
     """Write report.md (+ img/*.svg) and report.html into out_dir; returns their paths. They are
-    written whole or not at all (harness.atomic): a full disk leaves the earlier report as it was."""
-    from harness.atomic import Together
+    written whole or not at all (harness.files.atomic): a full disk leaves the earlier report as it was."""
+    from harness.files.atomic import Together
 
     md, page = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.html")
     with Together("--out") as files:
@@ -140,5 +140,5 @@ def write(out_dir: str, title: str, sections: list[Section]) -> dict[str, str]:
         files.write(md, markdown(title, sections, "img"))
         files.write(page, html_page(title, sections))
         save_figures(os.path.join(out_dir, "img"), sections, files)
-    _remove_stale(os.path.join(out_dir, "img"), sections)
+    remove_stale(os.path.join(out_dir, "img"), sections)
     return {"markdown": md, "html": page}
