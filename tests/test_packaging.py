@@ -174,12 +174,11 @@ def see_running_env(venv: Path) -> None:
 def test_a_fresh_venv_is_given_the_running_environment_without_this_project():
     """What the wheel's venv is given (see_running_env) holds torch, DeepSpeed and pip wherever this
     interpreter has them (a venv, a conda env, the system), and no .pth of this project's own."""
-    import importlib.util
-
     dirs = running_site_dirs()
-    for module in ("torch", "deepspeed", "pip"):
-        origin = Path(importlib.util.find_spec(module).origin).resolve()
-        assert any(origin.is_relative_to(Path(d).resolve()) for d in dirs), (module, origin, dirs)
+    for name in ("torch", "deepspeed", "pip"):  # where each is installed (not find_spec: for pip,
+        # setuptools' distutils shim would then give up its distutils for the rest of the session)
+        where = Path(importlib.metadata.distribution(name).locate_file("")).resolve()
+        assert where in {Path(d).resolve() for d in dirs}, (name, where, dirs)
     own = own_pth_files(dirs)
     for d in dirs:
         for pth in Path(d).glob("*.pth"):
