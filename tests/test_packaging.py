@@ -247,8 +247,9 @@ def test_wheel_in_a_fresh_venv_runs_deepspeed_zero1_and_report(source_copy, tmp_
         "workload: {model: tiny, seq_len: 32, global_batch_size: 4, steps: 1, warmup_steps: 0, precision: fp32,"
         " device: cpu}\n"
         "layout: {engine: deepspeed, dp: 2, micro_batch_size: 2, zero_stage: 1}\n")
+    # a hang guard: ~30 s with DeepSpeed's CPU op built; ~150 s when it is rebuilt on a busy machine
     _run([py, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", _free_port(),
-          "--module", "harness.cli", "train", "spec.yaml", "--no-progress"], work, venv_env, timeout=240)
+          "--module", "harness.cli", "train", "spec.yaml", "--no-progress"], work, venv_env, timeout=420)
 
     exported = _run([venv / "bin" / "harness", "results", "export", "--format", "jsonl"], work, venv_env).stdout
     (record,) = [json.loads(line) for line in exported.splitlines() if line.strip()]
