@@ -8,10 +8,12 @@ DeepSpeed ZeRO-1 step and `harness report` outside the repository (what .ci/run 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
 import shutil
+import site
 import socket
 import subprocess
 import sys
@@ -125,10 +127,63 @@ def source_copy(tmp_path_factory) -> Path:
 def _clean_env(venv: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")}
     env["OMP_NUM_THREADS"] = "1"
-    if venv is not None:
+    if venv is not None:  # then the running environment's scripts (DeepSpeed's op builder runs `ninja`)
         env["VIRTUAL_ENV"] = str(venv)
-        env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        env["PATH"] = os.pathsep.join([str(venv / "bin"), os.path.dirname(sys.executable), env.get("PATH", "")])
     return env
+
+
+def running_site_dirs() -> list[str]:
+    """The site directories this interpreter imports from: a venv's, a conda env's or the system's
+    (with the base's under --system-site-packages), and the user site when it is on."""
+    dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    on_path = {os.path.realpath(p) for p in sys.path if p}
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d) and os.path.realpath(d) in on_path]
+
+
+def own_pth_files(site_dirs: list[str]) -> set[str]:
+    """The .pth files this project's own installs put there (an editable install's finder or path
+    line, as its RECORD lists them): the venv must import the wheel, not the source tree."""
+    return {str(f.locate().resolve())
+            for dist in importlib.metadata.distributions(name=DIST_NAME, path=site_dirs)
+            for f in dist.files or () if f.suffix == ".pth"}
+
+
+_SEE_RUNNING_ENV = """\
+import os, site, sys
+for d in {dirs!r}:  # after the venv's own site-packages, so that the wheel comes first
+    if d not in sys.path:
+        sys.path.append(d)
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".pth") and os.path.realpath(os.path.join(d, name)) not in {skip!r}:
+            site.addpackage(d, name, None)
+"""
+
+
+def see_running_env(venv: Path) -> None:
+    """Make a plain venv import what the running interpreter imports (torch, DeepSpeed, pip, wherever
+    they are installed), except this project: --system-site-packages would give the base
+    interpreter's site only, which has neither torch nor DeepSpeed when they live in a venv."""
+    dirs = running_site_dirs()
+    code = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    purelib = Path(_run([venv / "bin" / "python", "-c", code], venv, _clean_env()).stdout.strip())
+    (purelib / "_running_env.py").write_text(_SEE_RUNNING_ENV.format(dirs=dirs, skip=own_pth_files(dirs)))
+    (purelib / "_running_env.pth").write_text("import _running_env\n")
+
+
+def test_a_fresh_venv_is_given_the_running_environment_without_this_project():
+    """What the wheel's venv is given (see_running_env) holds torch, DeepSpeed and pip wherever this
+    interpreter has them (a venv, a conda env, the system), and no .pth of this project's own."""
+    dirs = running_site_dirs()
+    for name in ("torch", "deepspeed", "pip"):  # where each is installed (not find_spec: for pip,
+        # setuptools' distutils shim would then give up its distutils for the rest of the session)
+        where = Path(importlib.metadata.distribution(name).locate_file("")).resolve()
+        assert where in {Path(d).resolve() for d in dirs}, (name, where, dirs)
+    own = own_pth_files(dirs)
+    for d in dirs:
+        for pth in Path(d).glob("*.pth"):
+            if DIST_NAME.replace("-", "_") in pth.name or str(REPO) in pth.read_text(errors="replace"):
+                assert str(pth.resolve()) in own, pth
 
 
 def _run(cmd, cwd, env, timeout=300):
@@ -156,9 +211,9 @@ def test_sdist_carries_the_shipped_folders(source_copy, tmp_path):
 
 @pytest.mark.slow
 def test_wheel_in_a_fresh_venv_runs_deepspeed_zero1_and_report(source_copy, tmp_path):
-    """Build the wheel, install it in a fresh venv (torch and DeepSpeed from the system site,
-    harness from the wheel only), and run a DeepSpeed ZeRO-1 step at dp 2 and `harness report`
-    from a folder outside the repository."""
+    """Build the wheel, install it in a fresh venv (torch and DeepSpeed from the running
+    environment, harness from the wheel only), and run a DeepSpeed ZeRO-1 step at dp 2 and
+    `harness report` from a folder outside the repository."""
     env = _clean_env()
     dist = tmp_path / "dist"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, "."],
@@ -172,26 +227,29 @@ def test_wheel_in_a_fresh_venv_runs_deepspeed_zero1_and_report(source_copy, tmp_
     assert all(n.startswith(("harness/", DIST_NAME.replace("-", "_"))) for n in names), "files outside the package"
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], tmp_path, env)
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path, env)
+    see_running_env(venv)
     py = venv / "bin" / "python"
-    # pip from the system site, installing into the venv; --ignore-installed: an editable
-    # install of this repository in the system site must not satisfy the requirement
+    # pip from the running environment, installing into the venv; --ignore-installed: this
+    # project installed there (editable or not) must not satisfy the requirement
     _run([py, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel], tmp_path, env)
 
     work = tmp_path / "work"  # outside the repository, PYTHONPATH unset
     work.mkdir()
     venv_env = _clean_env(venv)
     where = _run([py, "-c", "import harness, importlib.metadata as m; print(harness.__file__); "
-                            f"print(m.version({DIST_NAME!r}))"], work, venv_env).stdout.split()
-    assert Path(where[0]).resolve().is_relative_to(venv.resolve()), f"harness imported from {where[0]}, not the wheel"
+                            f"print(m.distribution({DIST_NAME!r}).locate_file(''))"], work, venv_env).stdout.split()
+    for p in where:  # the package and its metadata: the wheel's
+        assert Path(p).resolve().is_relative_to(venv.resolve()), f"{p} is not the wheel's, in {venv}"
 
     (work / "spec.yaml").write_text(
         "name: wheel-deepspeed-zero1\nstore: results.sqlite\n"
         "workload: {model: tiny, seq_len: 32, global_batch_size: 4, steps: 1, warmup_steps: 0, precision: fp32,"
         " device: cpu}\n"
         "layout: {engine: deepspeed, dp: 2, micro_batch_size: 2, zero_stage: 1}\n")
+    # a hang guard: ~30 s with DeepSpeed's CPU op built; ~150 s when it is rebuilt on a busy machine
     _run([py, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", _free_port(),
-          "--module", "harness.cli", "train", "spec.yaml", "--no-progress"], work, venv_env, timeout=240)
+          "--module", "harness.cli", "train", "spec.yaml", "--no-progress"], work, venv_env, timeout=420)
 
     exported = _run([venv / "bin" / "harness", "results", "export", "--format", "jsonl"], work, venv_env).stdout
     (record,) = [json.loads(line) for line in exported.splitlines() if line.strip()]

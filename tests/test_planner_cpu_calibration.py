@@ -1,59 +1,69 @@
-"""`harness plan --calibrate` on real CPU runs of the harness predicts a held-back run.
+"""`harness plan --calibrate` on recorded CPU runs of the harness predicts a held-back run.
 
-Calibrated on records of this machine's tiny-model runs, the planner
-predicts the step time of a run it has not seen within 15%.
+Calibrated on the records of eight tiny-model runs on this project's CPU machine, the planner
+predicts the step time of a ninth it has not seen within 15%. The step times are recorded
+(data/cpu_calibration_runs.json, written by benchmarks/cpu_calibration.py --record), so the
+verdict is the calibration's and not the machine's load at test time; the benchmark measures
+the same prediction against live runs.
 """
 
+from __future__ import annotations
+
 import json
+from pathlib import Path
 
 import pytest
-import torch
 
-from harness.run import run
-from harness.runtime import RunContext
+from harness.cli import main as cli
 from harness.spec import parse_spec
+from harness.store import ResultsStore, new_record
 
-CALIBRATION = [  # (model, seq_len, global batch, micro-batch)
-    ("tiny-4l", 64, 4, 1), ("tiny-4l", 128, 8, 2), ("tiny-256", 64, 4, 2), ("tiny-256", 128, 4, 1),
-    ("tiny-256", 256, 4, 2), ("tiny-4l", 256, 8, 4), ("tiny", 128, 8, 2), ("tiny-256", 128, 8, 4),
-]
-HELD_BACK = ("tiny-256", 128, 8, 2)
-
-pytestmark = pytest.mark.slow  # real CPU training runs, and the CLI in processes
+DATA = Path(__file__).with_name("data") / "cpu_calibration_runs.json"
+RECORDED = json.loads(DATA.read_text())
+HELD_BACK = next(r for r in RECORDED["runs"] if r["held_back"])
+TOLERANCE = 0.15
 
 
-def measure(store, model, seq, batch, mbs):
-    spec = parse_spec({"workload": {"model": model, "seq_len": seq, "global_batch_size": batch, "steps": 8,
-                                    "warmup_steps": 2},
-                       "layout": {"engine": "single", "micro_batch_size": mbs}, "store": store})
-    return run(spec, RunContext(0, 1, 0, torch.device("cpu"), None), progress=False)
+def record(run: dict) -> dict:
+    """The run's record as harness.run writes it (its parsed spec, status ok), with its recorded time."""
+    spec = parse_spec({"workload": {"model": run["model"], "seq_len": run["seq_len"],
+                                    "global_batch_size": run["global_batch_size"], "steps": RECORDED["steps"],
+                                    "warmup_steps": RECORDED["warmup_steps"]},
+                       "layout": {"engine": "single", "micro_batch_size": run["micro_batch_size"]}})
+    rec = new_record(spec.to_dict())
+    rec.update(status="ok", metrics={"step_time_s": {"median": run["step_time_s"]}})
+    return rec
 
 
-def test_calibrated_cpu_profile_predicts_a_held_back_run(tmp_path, cli):
-    from harness.store import ResultsStore
+def plan(capsys, *argv: str) -> str:
+    code = cli(["plan", *argv])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
 
-    # Two passes over every configuration, the held-back one among them; each keeps the
-    # less disturbed of its two records, so a burst of other load on the machine does not
-    # decide the verdict (the same rule for the calibration runs and the held-back run).
-    store = str(tmp_path / "cal.sqlite")
-    best: dict = {}
-    for _ in range(2):
-        for config in CALIBRATION + [HELD_BACK]:
-            rec = measure(str(tmp_path / "all.sqlite"), *config)
-            if config not in best or rec["metrics"]["step_time_s"]["median"] < \
-                    best[config]["metrics"]["step_time_s"]["median"]:
-                best[config] = rec
-    for config in CALIBRATION:
-        ResultsStore(store).write(best[config])
-    measured = best[HELD_BACK]["metrics"]["step_time_s"]["median"]
+
+def predicted_held_back(capsys, hardware: str) -> float:
+    r = HELD_BACK
+    out = plan(capsys, "--model", r["model"], "--seq-len", str(r["seq_len"]), "--global-batch-size",
+               str(r["global_batch_size"]), "--gpus", "1", "--gpus-per-node", "1", "--hardware", hardware,
+               "--micro-batch-sizes", str(r["micro_batch_size"]), "--attention", "sdpa", "--rmsnorm", "torch",
+               "--activation-checkpointing", "none", "--zero", "0", "--format", "json")
+    (row,) = json.loads(out)
+    return row["step_time_s"]
+
+
+def test_calibrated_cpu_profile_predicts_a_held_back_run(tmp_path, capsys):
+    store = ResultsStore(str(tmp_path / "cal.sqlite"))
+    for run in RECORDED["runs"]:
+        if not run["held_back"]:
+            store.write(record(run))
     profile = tmp_path / "cpu-calibrated.yaml"
-    r = cli("plan", "--calibrate", store, "--hardware", "cpu", "--calibrate-out", str(profile))
-    assert r.returncode == 0, r.stderr
-    model, seq, batch, mbs = HELD_BACK
-    r = cli("plan", "--model", model, "--seq-len", str(seq), "--global-batch-size", str(batch), "--gpus", "1",
-            "--gpus-per-node", "1", "--hardware", str(profile), "--micro-batch-sizes", str(mbs),
-            "--attention", "sdpa", "--rmsnorm", "torch", "--activation-checkpointing", "none",
-            "--zero", "0", "--format", "json")
-    assert r.returncode == 0, r.stderr
-    (row,) = json.loads(r.stdout)
-    assert row["step_time_s"] == pytest.approx(measured, rel=0.15), (row["step_time_s"], measured)
+    out = plan(capsys, "--calibrate", store.path, "--hardware", "cpu", "--calibrate-out", str(profile))
+    assert "calibrated cpu on 8 runs" in out and profile.is_file()
+
+    measured = HELD_BACK["step_time_s"]
+    calibrated = predicted_held_back(capsys, str(profile))
+    assert calibrated == pytest.approx(measured, rel=TOLERANCE)
+    # the shipped profile's literature values alone miss by more, so the check is the calibration's
+    shipped = predicted_held_back(capsys, "cpu")
+    assert shipped != pytest.approx(measured, rel=TOLERANCE) and abs(calibrated - measured) < abs(shipped - measured)
