@@ -71,6 +71,9 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         "override_note": ("workload overridden: " + ", ".join(f"{k}={v}" for k, v in plan.workload_override.items())
                           if plan.workload_override else ""),
         "fingerprint": record.get("fingerprint") or {},
+        # where the step goes, for machines (null where the run did not measure it) and the kept traces
+        **{k: m.get(k) for k in ("breakdown_ms", "breakdown_source", "collectives")},
+        "traces": record.get("traces") or [],
     }
 
 

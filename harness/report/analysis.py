@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from harness.report import plots
-from harness.report.data import Metric, Row, fmt_s, measured_columns
+from harness.report.data import COMPONENTS, Metric, Row, component_title, fmt_s, measured_columns
 from harness.report.sections import Column, Section, Table, table
+from harness.report.why import Case, comparisons, explain
 from harness.store import STATUSES
 
 TOP = 10
@@ -107,8 +108,9 @@ def best_layouts(rows: list[Row], metric: Metric) -> Section:
 
 
 def axis_section(rows: list[Row], metric: Metric, sid: str, title: str, key, axis_name: str, intro: str,
-                 plot: str = "bars", subset=None) -> Section:
-    """Best layout per value of one axis, per sweep: the study's way of showing an ablation."""
+                 plot: str = "bars", subset=None, rest=None) -> Section:
+    """Best layout per value of one axis, per sweep: the study's way of showing an ablation. With
+    `rest` (what else names a layout), also which component of the step moved (ablation_why)."""
     s = Section(sid, title, [intro])
     series: dict[str, list[tuple]] = {}
     shown = 0
@@ -130,6 +132,9 @@ def axis_section(rows: list[Row], metric: Metric, sid: str, title: str, key, axi
                           b.label if b else "(no run ok)", counts])
         s.tables.append(Table([axis_name, "best " + metric.short, "step",
                                "best layout", "runs"], table, name))
+        moved = ablation_why(rs, metric, key, axis_name, rest) if rest else []
+        if moved:
+            s.text.append(f"{name}, what moved: " + " ".join(moved))
         if best:
             series[name] = [(v, metric.of(b), *(metric_ci(b, metric) or (None, None))) for v, b in best.items()]
             if plot == "bars" and shown < MAX_SWEEP_FIGS:
@@ -169,6 +174,11 @@ def tp_pp(rows: list[Row], metric: Metric) -> Section:
                                   else str(cells.get((tp, pp), "")))
                                  for tp in tps] for pp in pps]
         s.tables.append(Table([""] + [f"tp {t}" for t in tps], table, name))
+        for g in sorted({r.tp * r.pp for r in rs if r.tp * r.pp > 1}):
+            moved = ablation_why([r for r in rs if r.tp * r.pp == g], metric, lambda r: f"tp{r.tp} pp{r.pp}", "",
+                                 lambda r: (r.variant, r.dp, r.mb, r.ckpt, r.kernel))
+            if moved:
+                s.text.append(f"{name}, TP against PP at {g} model-parallel GPUs, what moved: " + " ".join(moved))
         if shown < MAX_SWEEP_FIGS:
             s.images.append((f"tp-pp-{shown}", plots.heatmap(cells, f"{name}: best per tp x pp", metric.percent),
                              f"heatmap of best {metric.short} per tp and pp in {name}"))
@@ -180,36 +190,91 @@ def tp_pp(rows: list[Row], metric: Metric) -> Section:
 
 def breakdown(rows: list[Row], metric: Metric) -> Section:
     s = Section("breakdown", "Where the time goes",
-                ["Per-step medians of compute, tensor-parallel communication, pipeline bubble, "
-                 "data-parallel communication and optimizer, for the best layouts that recorded them "
-                 "(own engine)."])
+                ["Per profiled step (after the measured ones; the mean over ranks), for the best layouts of each "
+                 "sweep: compute, exposed communication per axis, pipeline bubble, optimizer and other, in ms and % "
+                 "of the step, with the collectives per step; source 'profiler' (the trace, every engine) or "
+                 "'instrumented' (the engine's own counters). Then why the fastest of them beats the others."])
     shown = 0
     for name, rs in by_sweep(rows).items():
-        picked = [r for r in ranked(rs, metric) if r.breakdown][:8]
+        picked = [r for r in ranked(rs, metric) if r.step_breakdown][:8]
         if not picked or shown >= MAX_SWEEP_FIGS:
             continue
         labels = [r.label for r in picked]
-        parts = [_parts(r) for r in picked]
-        s.images.append((f"breakdown-{shown}", plots.stacked(labels, parts,
-                                                             f"{name}: time per step"),
-                         f"stacked bars of the time breakdown per layout in {name}"))
+        keys = components([r.step_breakdown for r in picked])
+        s.images.append((f"breakdown-{shown}", plots.stacked(labels, [r.step_breakdown.parts for r in picked],
+                                                             f"{name}: ms per profiled step", scale=1.0,
+                                                             names={k: component_title(k) for k in keys}),
+                         f"stacked bars from zero of the time breakdown per layout in {name}"))
         shown += 1
-        keys = list(dict.fromkeys(k for p in parts for k in p))
-        s.tables.append(Table(["layout"] + keys + ["step (median)"],
-                              [[lab] + [fmt_s(p.get(k)) for k in keys] + [fmt_s(r.step_median)]
-                               for lab, r, p in zip(labels, picked, parts)], name))
+        s.tables.append(Table(["layout", "source"] + [component_title(k) for k in keys] + ["step", "collectives"],
+                              [[r.label, r.step_breakdown.source] + [ms_share(r.step_breakdown, k) for k in keys]
+                               + [f"{r.step_breakdown.step_ms:.1f} ms", _collectives_text(r.collectives)]
+                               for r in picked], name))
+        engines, layouts = comparisons(why_cases(picked), limit=MAX_WHY)
+        s.text += [f"{name}, why (the same layout under other engines): "
+                   + (" ".join(engines) or "no layout among these ran under two engines."),
+                   f"{name}, why (the same engine at other layouts): "
+                   + (" ".join(layouts) or "no engine among these ran two layouts.")]
     if not shown:
-        s.text.append("No run recorded a time breakdown (only the own engine records one).")
+        s.text.append("No run recorded a time breakdown.")
     return s
 
 
-def _parts(r: Row) -> dict:
-    """The components to stack; `total` is not one, and what no component covers is `other`."""
-    parts = {k: float(v) for k, v in r.breakdown.items() if k != "total" and isinstance(v, (int, float))}
-    total = r.breakdown.get("total") or r.step_median
-    if total and total - sum(parts.values()) > 0.02 * total:
-        parts["other"] = total - sum(parts.values())
-    return parts
+MAX_WHY = 6
+
+
+def components(breakdowns: list) -> list[str]:
+    """Every component of the breakdowns, in the order they are stacked (data.COMPONENTS)."""
+    keys = {k for b in breakdowns for k in b.parts}
+    return sorted(keys, key=lambda k: (COMPONENTS.index(k) if k in COMPONENTS else len(COMPONENTS), k))
+
+
+def ms_share(b, key: str) -> str:
+    """A component's cell: ms and % of the step, '-' where the run has no such component."""
+    if key not in b.parts:
+        return "-"
+    share = b.share(key)
+    return f"{b.parts[key]:.1f} ms" + (f" ({100 * share:.0f}%)" if share is not None else "")
+
+
+def _collectives_text(found) -> str:
+    if not found:
+        return "not measured"
+    coll, _ = found
+    return "; ".join(f"{c.get('axis')} {c.get('kind')} x{c.get('count')} ({(c.get('bytes') or 0) / 2**20:,.1f} MiB)"
+                     for c in coll) or "none"
+
+
+def why_cases(rows: list[Row], label=None) -> list[Case]:
+    return [Case(label(r) if label else r.label, r.variant, r.layout_key, r.step_median, r.step_breakdown)
+            for r in rows if r.status == "ok" and r.step_breakdown]
+
+
+def ablation_why(rows: list[Row], metric: Metric, key, axis_name: str, rest) -> list[str]:
+    """For one ablation: per other value of the axis, its best run that has a twin (the same `rest` of
+    the layout) at the winning value, against that twin, naming the component that moved; where no
+    twin ran, the two values' best runs (said so)."""
+    best = best_per(rows, metric, key)
+    if len(best) < 2:
+        return []
+    order = ranked(rows, metric)
+    winner = key(order[0])
+    twins: dict = {}
+    for r in order:
+        if key(r) == winner:
+            twins.setdefault(rest(r), r)
+    out = []
+    for v in sorted((v for v in best if v != winner), key=_sort_key):
+        pair = next(((twins[rest(r)], r) for r in order if key(r) == v and rest(r) in twins), None)
+        note = "" if pair else " (no run with the same other settings: the best runs of both)"
+        w, other = pair or (best[winner], best[v])
+        if not (w.step_breakdown and other.step_breakdown):
+            out.append(f"{axis_name} {v} against {winner}: not measured (no step breakdown){note}.".lstrip())
+            continue
+        fast = why_cases([w], lambda r: f"{axis_name} {winner} ({r.label})".lstrip())[0]
+        slow = why_cases([other], lambda r: f"{axis_name} {v} ({r.label})".lstrip())[0]
+        out.append(explain(fast, slow)[:-1] + note + ".")
+    return out
 
 
 def pipeline(rows: list[Row], metric: Metric, run_id: str | None = None) -> Section:

@@ -15,9 +15,18 @@ import os
 from harness.parallel_dims import LABEL_ORDER
 from harness.report import plots, render
 from harness.report.analysis import rate_ci
-from harness.report.data import measured_columns
+from harness.report.data import (
+    COMPONENTS,
+    Breakdown,
+    breakdown_of,
+    collectives_of,
+    component_title,
+    layout_key,
+    measured_columns,
+)
 from harness.report.render import save_figures
 from harness.report.sections import Code, Column, Figure, Items, Section, Table, table
+from harness.report.why import Case, comparisons
 from harness.spec import Layout, capability_error, engine_variant, layout_label, parallel_label
 from harness.store import PASS
 
@@ -34,8 +43,6 @@ def _sci(x) -> str:
 
 # What tells a comparison's layouts apart (the matrix's rows); the engine variant is the column.
 ROW_FIELDS = (*LABEL_ORDER, "sequence_parallel", "micro_batch_size", "activation_checkpointing")
-BREAKDOWN = (("compute", "compute"), ("tp_comm", "exposed TP comm"), ("bubble", "pipeline bubble"),
-             ("dp_comm", "exposed DP comm"), ("optimizer", "optimizer"))
 NOT_MEASURED = "not measured"
 
 
@@ -146,25 +153,104 @@ def policy_exceptions(summary: dict) -> list[tuple[str, str]]:
             if r.get("precision_policy") and policy and r["precision_policy"] != policy]
 
 
-def _comm_text(comm: dict | None) -> str:
-    if not comm:
-        return NOT_MEASURED if comm is None else "none"
-    return "; ".join(f"{axis}: " + ", ".join(f"{op} x{v['count']} ({v['bytes'] / 2**20:,.1f} MiB)"
-                                             for op, v in ops.items())
-                     for axis, ops in comm.items() if ops) or "none"
+def run_metrics(run: dict) -> dict:
+    """A run's metrics with the summary's own breakdown fields (orchestrate._run_entry) on top."""
+    m = dict(run.get("metrics") or {})
+    m.update({k: run[k] for k in ("breakdown_ms", "breakdown_source", "collectives") if run.get(k) is not None})
+    return m
+
+
+def _share(b: Breakdown, key: str) -> str:
+    if key not in b.parts:
+        return "-"
+    share = b.share(key)
+    return f"{b.parts[key]:.1f} ms" + (f" ({100 * share:.0f}%)" if share is not None else "")
 
 
 def breakdown_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    """Where each run's step goes, per category, and its collectives per step; a framework that
-    does not expose a figure gets 'not measured', never an estimate."""
-    header = ["run"] + [title for _, title in BREAKDOWN] + ["collectives per step (rank 0)"]
+    """Where each run's profiled step goes, per component, in ms and % of the step; 'not measured'
+    only for a run that has no breakdown at all, never an estimate."""
+    runs = [(r, breakdown_of(run_metrics(r))) for r in summary["runs"]]
+    keys = sorted_components([b for _, b in runs if b])
+    header = ["run", "source"] + [component_title(k) for k in keys] + ["step"]
+    out = []
+    for r, b in runs:
+        if b is None:
+            out.append([r["label"], NOT_MEASURED] + [NOT_MEASURED] * len(keys) + [NOT_MEASURED])
+        else:
+            out.append([r["label"], b.source] + [_share(b, k) for k in keys] + [f"{b.step_ms:.1f} ms"])
+    return header, out
+
+
+def sorted_components(breakdowns: list[Breakdown]) -> list[str]:
+    """Every component any of the breakdowns has, in the order they are stacked (data.COMPONENTS)."""
+    keys = {k for b in breakdowns for k in b.parts}
+    return sorted(keys, key=lambda k: (COMPONENTS.index(k) if k in COMPONENTS else len(COMPONENTS), k))
+
+
+def _bytes(n) -> str:
+    return f"{n / 2**20:,.2f} MiB" if isinstance(n, (int, float)) else "-"
+
+
+def collective_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Each run's collectives per step: axis, kind, count, bytes (one row each)."""
+    header = ["run", "source", "axis", "kind", "count per step", "bytes per step"]
     out = []
     for r in summary["runs"]:
-        m = r.get("metrics") or {}
-        b = m.get("breakdown_s")
-        out.append([r["label"]] + [_ms(b.get(k)) + " ms" if b and b.get(k) is not None else NOT_MEASURED
-                                   for k, _ in BREAKDOWN] + [_comm_text(m.get("comm"))])
+        found = collectives_of(run_metrics(r))
+        if found is None:
+            out.append([r["label"], NOT_MEASURED, "-", "-", "-", "-"])
+            continue
+        coll, source = found
+        out += [[r["label"], source, str(c.get("axis")), str(c.get("kind")), str(c.get("count", "-")),
+                 _bytes(c.get("bytes"))] for c in coll] or [[r["label"], source, "-", "none", "0", "-"]]
     return header, out
+
+
+TRACES_TEXT = ("Each trace is gzipped Chrome/Perfetto JSON of the profiled steps: open it at "
+               "https://ui.perfetto.dev (Open trace file) or in Chrome at chrome://tracing (Load); both read "
+               "the .json.gz as it is.")
+
+
+def trace_items(summary: dict) -> list[str]:
+    """Per run, a link to each kept trace (rank 0, the slowest rank)."""
+    out = []
+    for r in summary["runs"]:
+        traces = r.get("traces") or []
+        links = ", ".join(f"[{t.get('role') or 'rank ' + str(t.get('rank'))} (rank {t.get('rank')})]({t['path']})"
+                          for t in traces if t.get("path"))
+        out.append(f"**{r['label']}**: {links or 'no trace kept'}")
+    return out
+
+
+def why_cases(summary: dict) -> list[Case]:
+    """The compared runs (not the reference) that finished and have a breakdown."""
+    out = []
+    for r in summary["runs"]:
+        b = breakdown_of(run_metrics(r))
+        if r.get("is_reference") or r.get("status") != "ok" or b is None:
+            continue
+        out.append(Case(r["label"], engine_variant(r["layout"]), layout_key(r["layout"]),
+                        ((r.get("metrics") or {}).get("step_time_s") or {}).get("median"), b))
+    return out
+
+
+WHY_TEXT = ("Computed from the breakdowns above. For each layout, its fastest engine against each other engine; "
+            "for each engine, its fastest layout against each other layout (the fastest run's pairs first). "
+            "Each sentence names the components whose difference covers at least 80% of the difference in "
+            "profiled step time, largest first (at most three).")
+
+
+def why_section(summary: dict) -> Section:
+    cases = why_cases(summary)
+    if len(cases) < 2:
+        return Section("why", "Why", body=["Fewer than two finished runs have a step breakdown: nothing to explain."])
+    fastest = min(cases, key=lambda c: c.step_s if c.step_s is not None else c.breakdown.step_ms / 1e3)
+    engines, layouts = comparisons(cases)
+    body = [WHY_TEXT, f"Fastest run: **{fastest.label}**."]
+    body += ["**The same layout under other engines**", Items(engines or ["No layout ran under two engines."]),
+             "**The same engine at other layouts**", Items(layouts or ["No engine ran two layouts."])]
+    return Section("why", "Why", body=body)
 
 
 CENSUS_TEXT = ("Bytes rank 0 held at its first optimizer step, by category and dtype, counted from the tensors "
@@ -204,8 +290,13 @@ def loss_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 MATRIX_TEXT = ("Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
                "engine cannot run that layout (checked before launch: each adapter's ENGINE.capabilities).")
-BREAKDOWN_TEXT = ("Medians over the measured steps, as each engine reports them (the mean over ranks); "
-                  "'not measured' where the framework does not expose the figure - never estimated.")
+BREAKDOWN_TEXT = ("Per profiled step (steps after the measured ones, not counted in any step time), the mean over "
+                  "ranks, in ms and % of that step; source 'profiler': from the torch.profiler trace, the same way "
+                  "for every engine; 'instrumented': the engine's own counters (older runs: the median over the "
+                  "measured steps). Exposed communication is the time a rank waited on that axis's collectives "
+                  "(what overlapped compute is not counted). 'not measured' where a run has neither.")
+COLLECTIVES_TEXT = ("Collectives issued per step by rank 0, per axis (the process group) and kind; 'instrumented': "
+                    "the own engine's counted communication.")
 
 
 THREADS_TEXT = ("Threads per process: {n} (OMP_NUM_THREADS), the same for every run, the single-device "
@@ -273,6 +364,14 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
         out.append(("step-times", plots.distribution(times, "Step time per measured step (warm-up excluded)",
                                                      "ms per step (each step the slowest rank's)", cis),
                     "distribution of the measured step times per run"))
+    split = [(r["label"], breakdown_of(run_metrics(r))) for r in summary["runs"]]
+    split = [(lab, b) for lab, b in split if b is not None]
+    if split:
+        keys = sorted_components([b for _, b in split])
+        out.append(("breakdown", plots.stacked([lab for lab, _ in split], [b.parts for _, b in split],
+                                               "Where the profiled step goes", scale=1.0,
+                                               names={k: component_title(k) for k in keys}),
+                    "stacked bars from zero: ms per profiled step by component, per run"))
     curves = summary.get("loss_curves") or summary.get("loss_table") or {}
     if curves:
         out.append(("loss-curves", plots.loss_curves(curves, int((summary.get("workload") or {}).get("warmup_steps")
@@ -417,7 +516,11 @@ def sections(summary: dict, figs: list | None = None) -> list[Section]:
         out.append(Section("figures", "Throughput and step times",
                            body=[FIGURES_TEXT, *_figures(figs, ("throughput", "step-times"))]))
     out += [Section("matrix", "Layouts by engine", body=[MATRIX_TEXT, Table(*layout_matrix(summary))]),
-            Section("breakdown", "Where the step goes", body=[BREAKDOWN_TEXT, Table(*breakdown_rows(summary))]),
+            Section("breakdown", "Where the step goes", body=[BREAKDOWN_TEXT, *_figures(figs, ("breakdown",)),
+                                                              Table(*breakdown_rows(summary))]),
+            Section("collectives", "Collectives per step", body=[COLLECTIVES_TEXT, Table(*collective_rows(summary))]),
+            Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary))]),
+            why_section(summary),
             Section("census", "Memory census", body=[CENSUS_TEXT, Table(*census_rows(summary)), *_machine(summary)]),
             _parity(summary, figs), *_exceptions(summary), _engines(summary), *_not_run(summary),
             *_failed(summary), _fingerprints(summary)]

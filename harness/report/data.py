@@ -16,6 +16,83 @@ from harness.spec import engine_variant, layout_label
 from harness.store import fields
 from harness.store.fields import MISSING, row
 
+# ---------------------------------------------------------------- where the step goes
+
+# The components of a step in the order reports stack them; exposed communication is one per axis
+# (`<axis>_comm`), what an old record names otherwise (FSDP2's forward_backward) comes after them.
+COMPONENTS = ("compute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "other")
+TITLES = {"compute": "compute", "bubble": "pipeline bubble", "optimizer": "optimizer",
+          "other": "host overhead and other", "forward_backward": "forward+backward (compute and comm not split)"}
+
+
+def component_title(key: str) -> str:
+    """The words a report uses for a component: `tp_comm` is 'exposed tp communication'."""
+    if key in TITLES:
+        return TITLES[key]
+    return f"exposed {key[:-5]} communication" if key.endswith("_comm") else key.replace("_", " ")
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """One run's profiled step in ms per component (mean over ranks), the step they sum to, and
+    whether a profiler trace or the engine's own counters measured it."""
+
+    parts: dict[str, float]
+    step_ms: float
+    source: str
+
+    def share(self, key: str) -> float | None:
+        return self.parts[key] / self.step_ms if key in self.parts and self.step_ms > 0 else None
+
+
+def _ordered(parts: dict[str, float]) -> dict[str, float]:
+    return {k: parts[k] for k in sorted(parts, key=lambda k: (COMPONENTS.index(k) if k in COMPONENTS
+                                                             else len(COMPONENTS), k))}
+
+
+def breakdown_of(metrics: dict | None) -> Breakdown | None:
+    """The step breakdown of a record's metrics: breakdown_ms where the run has it, else the older
+    breakdown_s (the engine's own counters, in seconds; what its total leaves uncovered is `other`),
+    else None (not measured)."""
+    m = metrics or {}
+    new = m.get("breakdown_ms")
+    if isinstance(new, dict) and new:
+        parts = {f"{axis}_comm": float(ms) for axis, ms in (new.get("exposed_comm") or {}).items() if _num(ms)}
+        parts.update({k: float(v) for k, v in new.items() if k not in ("step", "exposed_comm") and _num(v)})
+        step = float(new["step"]) if _num(new.get("step")) else sum(parts.values())
+        return Breakdown(_ordered(parts), step, m.get("breakdown_source") or "profiler")
+    old = m.get("breakdown_s")
+    if isinstance(old, dict) and old:
+        parts = {k: 1e3 * float(v) for k, v in old.items() if k != "total" and _num(v)}
+        step = 1e3 * float(old["total"]) if _num(old.get("total")) else sum(parts.values())
+        rest = step - sum(parts.values())
+        if rest > 1e-9 * max(step, 1.0):
+            parts["other"] = parts.get("other", 0.0) + rest
+        return Breakdown(_ordered(parts), step, "instrumented")
+    return None
+
+
+def collectives_of(metrics: dict | None) -> tuple[list[dict], str] | None:
+    """Collectives per step as [{axis, kind, count, bytes}] and their source: the profiler's
+    `collectives`, else the own engine's counted `comm` ({axis: {op: {count, bytes}}}), else None."""
+    m = metrics or {}
+    if isinstance(m.get("collectives"), list):
+        return [dict(c) for c in m["collectives"]], m.get("breakdown_source") or "profiler"
+    if isinstance(m.get("comm"), dict):
+        return [{"axis": axis, "kind": op, "count": v.get("count"), "bytes": v.get("bytes")}
+                for axis, ops in m["comm"].items() for op, v in (ops or {}).items()], "instrumented"
+    return None
+
+
+def layout_key(layout) -> str:
+    """Everything that names a layout but its engine (the label less the engine variant): runs
+    with the same key are the same layout under different engines."""
+    return layout_label(layout)[len(engine_variant(layout)):].strip() or "one process"
+
 
 @dataclass
 class Row:
@@ -42,6 +119,7 @@ class Row:
     attention: str
     rmsnorm: str
     zero: int | None
+    layout_key: str = ""  # layout_key: the label without the engine
     step_median: float | None = None
     step_ci: tuple | None = None
     steps: int | None = None
@@ -49,7 +127,9 @@ class Row:
     tokens_per_s_dev: float | None = None
     peak_memory: int | None = None
     memory_kind: str | None = None
-    breakdown: dict | None = None
+    breakdown: dict | None = None  # the record's breakdown_s as it is (old records)
+    step_breakdown: Breakdown | None = None  # breakdown_of(the record's metrics)
+    collectives: tuple | None = None  # collectives_of(the record's metrics): (list, source)
     timeline: list | None = None
     error: str = ""
     error_line: str = ""  # the run's first `error:` line (launch.first_error_line), if it printed one
@@ -77,7 +157,8 @@ def to_row(rec: dict) -> Row:
     versions = tuple(f"{k} {fp.get(k)}" for k in ("torch", "cuda", "nccl", "deepspeed") if fp.get(k))
     return Row(
         run_id=v["run_id"] or "?", sweep=v["sweep"] or "(no sweep)", status=v["status"] or "?",
-        engine=v["engine"] or "?", variant=engine_variant(lay), label=layout_label(lay), model=str(v["model"]),
+        engine=v["engine"] or "?", variant=engine_variant(lay), label=layout_label(lay),
+        layout_key=layout_key(lay), model=str(v["model"]),
         seq_len=v["seq_len"], global_batch_size=v["global_batch_size"], precision=v["precision"],
         gpus=fp.get("world_size") or dims.world, tp=dims.tp, pp=dims.pp, dp=dims.dp, mb=lay.get("micro_batch_size"),
         ckpt=v["activation_checkpointing"] or "none", sp=bool(v["sequence_parallel"]),
@@ -85,6 +166,7 @@ def to_row(rec: dict) -> Row:
         step_median=v["step_time_median_s"], step_ci=v["step_time_ci95_s"], steps=v["steps_measured"],
         tokens_per_s=v["tokens_per_s"], tokens_per_s_dev=v["tokens_per_s_per_device"],
         peak_memory=v["peak_memory_bytes"], memory_kind=v["memory_kind"], breakdown=m.get("breakdown_s") or None,
+        step_breakdown=breakdown_of(m), collectives=collectives_of(m),
         timeline=m.get("pipeline_timeline") or None, error=rec.get("error") or "",
         error_line=rec.get("error_line") or "",
         device=str(fp.get("device_name") or ""), hosts=tuple(sorted(set(fp.get("hosts") or []))),

@@ -22,8 +22,9 @@ FORMAT = "svg"  # file extension of every figure
 MIME = "image/svg+xml"
 matplotlib.rcParams.update({"svg.fonttype": "none",  # text stays text: small files, selectable labels
                             "svg.hashsalt": "harness"})  # stable element ids: the same data, the same file
-COLORS = {"compute": "#4c72b0", "tp_comm": "#dd8452", "bubble": "#c44e52", "dp_comm": "#55a868",
-          "optimizer": "#8172b3", "other": "#b0b0b0"}
+COLORS = {"compute": "#4c72b0", "tp_comm": "#dd8452", "cp_comm": "#da8bc3", "pp_comm": "#937860",
+          "dp_comm": "#55a868", "bubble": "#c44e52", "optimizer": "#8172b3", "other": "#b0b0b0",
+          "forward_backward": "#64b5cd"}
 CI_STYLE = {"fmt": "none", "ecolor": "#222222", "elinewidth": 1.2, "capsize": 4, "zorder": 3}
 
 
@@ -127,22 +128,24 @@ def bars(labels: list[str], values: list[float], title: str, ylabel: str, percen
     return _encode(fig)
 
 
-def stacked(labels: list[str], parts: list[dict], title: str) -> bytes:
-    """Per-layout time breakdown in milliseconds, one stacked horizontal bar each."""
+def stacked(labels: list[str], parts: list[dict], title: str, scale: float = 1000.0,
+            names: dict[str, str] | None = None) -> bytes:
+    """Per-layout time breakdown in milliseconds (parts times `scale`: s -> ms), one stacked
+    horizontal bar each, drawn from zero; `names` gives each component's legend entry."""
     keys = [k for k in COLORS if any(k in p for p in parts)]
     keys += sorted({k for p in parts for k in p} - set(keys))
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.35 * max(3, len(labels))))
     left = [0.0] * len(labels)
     for k in keys:
-        vals = [1000 * float(p.get(k) or 0.0) for p in parts]
-        ax.barh(range(len(labels)), vals, left=left, label=k, color=COLORS.get(k))
+        vals = [scale * float(p.get(k) or 0.0) for p in parts]
+        ax.barh(range(len(labels)), vals, left=left, label=(names or {}).get(k, k), color=COLORS.get(k))
         left = [a + b for a, b in zip(left, vals)]
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlim(left=0)
     ax.set_xlabel("ms per step (median)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=len(keys), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    ax.legend(fontsize=7, ncol=min(len(keys), 4), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     return _encode(fig)
 
 

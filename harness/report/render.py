@@ -60,8 +60,9 @@ def markdown(title: str, sections: list[Section], img_dir: str, *, contents: boo
 
 
 def _inline(text: str) -> str:
-    """A paragraph's Markdown `**bold**` and `` `code` `` as HTML, the rest escaped."""
+    """A paragraph's Markdown `**bold**`, `` `code` `` and `[text](link)` as HTML, the rest escaped."""
     text = html.escape(text)
+    text = re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", r"<a href='\2'>\1</a>", text)
     text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
 

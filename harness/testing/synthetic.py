@@ -79,9 +79,43 @@ def make_records(n: int, seed: int = 0) -> list[dict]:
                                     "dp_comm": step * 0.05, "optimizer": step * 0.03}
             if engine == "own" and pp > 1 and rng.random() < 0.5:
                 m["pipeline_timeline"] = _timeline(pp, 2 * pp)
+            m.update(profiled(engine, tp, pp, dp, zero=layout["zero_stage"], step_ms=1e3 * srt[10]))
             rec["metrics"] = m
+            rec["traces"] = [{"rank": 0, "path": f"traces/{rec['run_id']}-rank0.json.gz", "role": "rank 0"},
+                             {"rank": gpus - 1, "path": f"traces/{rec['run_id']}-rank{gpus - 1}.json.gz",
+                              "role": "slowest rank"}]
         out.append(rec)
     return out
+
+
+# Exposed data-parallel share per engine: FSDP2 overlaps nothing on CPU, DeepSpeed ZeRO a little.
+DP_EXPOSED = {"own": 0.04, "deepspeed": 0.08, "fsdp": 0.15}
+
+
+def profiled(engine: str, tp: int, pp: int, dp: int, zero: int | None, step_ms: float) -> dict:
+    """The profiler's fields of a record (breakdown_ms, breakdown_source, collectives) for a run
+    of this shape: shares of the step that sum to it, drawn from no random numbers (so the
+    records' other fields stay what they were)."""
+    shares = {"tp": 0.03 * (tp - 1), "pp": 0.01 * (pp - 1), "dp": DP_EXPOSED.get(engine, 0.04) if dp > 1 else 0.0,
+              "bubble": 0.1 * (pp - 1) / (pp + 3), "optimizer": 0.03}
+    shares["compute"] = 0.97 - sum(shares.values())
+    ms = {k: round(v * step_ms, 3) for k, v in shares.items()}
+    other = round(step_ms - sum(ms.values()), 3)
+    breakdown = {"compute": ms["compute"], "optimizer": ms["optimizer"],
+                 "exposed_comm": {axis: ms[axis] for axis, n in (("tp", tp), ("pp", pp), ("dp", dp)) if n > 1},
+                 "bubble": ms["bubble"], "other": other, "step": round(step_ms, 3)}
+    grads = 2 ** 27 // max(1, tp * pp)
+    coll = []
+    if tp > 1:
+        coll.append({"axis": "tp", "kind": "all_reduce", "count": 96, "bytes": 96 * 2 ** 20})
+    if pp > 1:
+        coll.append({"axis": "pp", "kind": "send", "count": 8, "bytes": 8 * 2 ** 22})
+    if dp > 1:
+        kinds = {"fsdp": ("reduce_scatter", "all_gather"), "deepspeed": ("reduce_scatter", "all_gather")
+                 if (zero or 0) >= 2 else ("all_reduce",)}.get(engine, ("all_reduce",))
+        coll += [{"axis": "dp", "kind": k, "count": 4, "bytes": grads} for k in kinds]
+    return {"breakdown_ms": breakdown, "breakdown_source": "profiler", "collectives": coll,
+            "breakdown_ms_by_rank": [breakdown]}
 
 
 def _timeline(stages: int, micro: int) -> list[dict]:
