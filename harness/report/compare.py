@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from urllib.parse import quote
 
 from harness.parallel_dims import LABEL_ORDER
 from harness.report import plots, render
@@ -212,13 +213,19 @@ TRACES_TEXT = ("Each trace is gzipped Chrome/Perfetto JSON of the profiled steps
                "the .json.gz as it is.")
 
 
+def _trace_name(trace: dict) -> str:
+    rank = f"rank {trace.get('rank')}"
+    role = trace.get("role") or rank
+    return role if role == rank else f"{role} ({rank})"
+
+
 def trace_items(summary: dict) -> list[str]:
     """Per run, a link to each kept trace (rank 0, the slowest rank)."""
     out = []
     for r in summary["runs"]:
         traces = r.get("traces") or []
-        links = ", ".join(f"[{t.get('role') or 'rank ' + str(t.get('rank'))} (rank {t.get('rank')})]({t['path']})"
-                          for t in traces if t.get("path"))
+        links = ", ".join(f"[{_trace_name(t)}]({quote(str(t['path']), safe='/:._-~')})" for t in traces
+                          if t.get("path"))
         out.append(f"**{r['label']}**: {links or 'no trace kept'}")
     return out
 

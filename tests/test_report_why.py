@@ -1,0 +1,270 @@
+"""Issue 22, reports: where the step goes for every engine (breakdown_ms), collectives per step,
+links to the kept traces, and a Why section whose sentences name the component that explains a
+step-time difference with its numbers; the same for sweeps and their ablations. Synthetic records
+and a comparison summarised from a stand-in launcher: no processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from harness.compare.orchestrate import run_comparison
+from harness.compare.spec import parse_compare_spec
+from harness.report import plots
+from harness.report.build import sections_for
+from harness.report.compare import breakdown_rows, collective_rows, sections, write_report
+from harness.report.data import breakdown_of, layout_key
+from harness.report.why import Case, explain
+from harness.store import ResultsStore, new_record
+from harness.testing.synthetic import make_records
+
+WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 4, "warmup_steps": 1,
+            "device": "cpu", "precision": "fp32"}
+RUNS = [{"engine": "own", "tp": 2}, {"engine": "fsdp", "tp": 2}, {"engine": "own", "dp": 2},
+        {"engine": "deepspeed", "zero_stage": 1}]
+
+
+def bd(step, compute, optimizer, other, bubble=0.0, **comm) -> dict:
+    return {"compute": compute, "optimizer": optimizer, "exposed_comm": comm, "bubble": bubble, "other": other,
+            "step": step}
+
+
+# Per (engine, tp): the profiled breakdown (ms), the collectives; the answers below follow from these.
+PROFILED = {
+    ("own", 2): bd(100.0, 70.0, 10.0, 10.0, tp=10.0),
+    ("fsdp", 2): bd(141.0, 78.1, 10.0, 12.7, tp=40.2),
+    ("own", 1): bd(90.0, 72.0, 10.0, 5.0, dp=3.0),
+    ("deepspeed", 1): bd(120.0, 73.0, 12.0, 5.0, dp=30.0),
+}
+COLLECTIVES = {("fsdp", 2): [{"axis": "tp", "kind": "all_reduce", "count": 24, "bytes": 3 * 2 ** 20}],
+               ("deepspeed", 1): [{"axis": "dp", "kind": "all_reduce", "count": 4, "bytes": 2 ** 21}]}
+
+
+def launcher(old: bool = False):
+    """A stand-in for launch.run_spec writing a runner's record: with the profiler's fields, or
+    (old) with only what records had before them: breakdown_s and comm for the own engine,
+    forward_backward for FSDP2, nothing for DeepSpeed and the reference."""
+
+    def launch(spec, *, nproc, launcher, store_path, timeout_s, sweep, point_key, log_dir):
+        lay = spec["layout"]
+        key = (lay["engine"], lay.get("tp", 1))
+        b = PROFILED.get(key)
+        median = b["step"] / 1e3 if b else 0.2
+        m = {"losses": [5.0 - 0.01 * k for k in range(5)], "step_times_s": [median] * 4,
+             "step_time_s": {"median": median, "ci95_low": median, "ci95_high": median, "n": 4},
+             "tokens_per_s": 256 / median, "engine": {}}
+        rec = {"run_id": f"id-{point_key}", "schema_version": 1, "status": "ok", "error": None, "sweep": sweep,
+               "point_key": point_key, "spec": spec, "fingerprint": {"hosts": ["n1"], "torch": "2.13.0"},
+               "launch": {"launcher": launcher, "log": "x.log", "wall_s": 1.0}, "metrics": m}
+        if old and key[0] == "own":
+            s = {k: v / 1e3 for k, v in b.items() if k in ("compute", "optimizer", "bubble")}
+            m["breakdown_s"] = {**s, **{f"{a}_comm": v / 1e3 for a, v in b["exposed_comm"].items()},
+                                "total": b["step"] / 1e3}
+            m["comm"] = {"tp": {"all_reduce": {"count": 12, "bytes": 2 ** 20}}} if key[1] == 2 else {}
+        elif old and key[0] == "fsdp":
+            m["breakdown_s"] = {"forward_backward": 0.12, "optimizer": 0.01, "total": 0.141}
+        elif not old and b:
+            m.update(breakdown_ms=b, breakdown_source="profiler", collectives=COLLECTIVES.get(key, []))
+            rec["traces"] = [{"rank": 0, "path": f"traces/{point_key}-rank0.json.gz", "role": "rank 0"},
+                             {"rank": 1, "path": f"traces/{point_key}-rank1.json.gz", "role": "slowest rank"}]
+        ResultsStore(store_path).write(rec)
+        return rec
+
+    return launch
+
+
+def summarise(tmp_path, old: bool = False) -> dict:
+    cs = parse_compare_spec({"name": "t", "nproc": 2, "parity_steps": 3, "workload": dict(WORKLOAD), "runs": RUNS})
+    return run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=launcher(old))
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory):
+    return summarise(tmp_path_factory.mktemp("why"))
+
+
+@pytest.fixture(scope="module")
+def report(summary, tmp_path_factory):
+    paths = write_report(summary, str(tmp_path_factory.mktemp("out")))
+    return {k: open(p).read() for k, p in paths.items() if k != "images"}
+
+
+# The sentences the data above implies (the fastest run: own dp2 at 90 ms).
+FSDP_VS_OWN_TP2 = ("FSDP2 reshard tp2 takes 41.0 ms more per profiled step than own tp2 (141.0 against 100.0 ms): "
+                   "exposed tp communication +30.2 ms (74% of the difference), compute +8.1 ms (20% of the "
+                   "difference).")
+DS_VS_OWN_DP2 = ("deepspeed ZeRO-1 takes 30.0 ms more per profiled step than own dp2 (120.0 against 90.0 ms): "
+                 "exposed dp communication +27.0 ms (90% of the difference).")
+OWN_TP2_VS_DP2 = ("own tp2 takes 10.0 ms more per profiled step than own dp2 (100.0 against 90.0 ms): exposed tp "
+                  "communication +10.0 ms (100% of the difference); partly offset by exposed dp communication "
+                  "-3.0 ms, compute -2.0 ms.")
+
+
+def test_why_sentences_name_the_component_with_its_numbers(summary, report):
+    why = next(s for s in sections(summary, []) if s.id == "why")
+    items = [i for b in why.body if hasattr(b, "items") for i in b.items]
+    assert items.index(DS_VS_OWN_DP2) < items.index(FSDP_VS_OWN_TP2)  # the fastest run's layout first
+    assert OWN_TP2_VS_DP2 in items
+    assert "Fastest run: **own dp2**." in why.body
+    for fmt in ("markdown", "html"):
+        assert "exposed tp communication +30.2 ms (74% of the difference)" in report[fmt]
+        assert "exposed dp communication +27.0 ms (90% of the difference)" in report[fmt]
+
+
+def test_explain_says_less_and_same():
+    def case(label, **parts):
+        return Case(label, "own", "x", None, breakdown_of({"breakdown_ms": {**parts, "step": sum(parts.values())}}))
+
+    a, b = case("a", compute=50.0, optimizer=10.0), case("b", compute=45.0, optimizer=9.0)
+    assert explain(a, b) == ("b takes 6.0 ms less per profiled step than a (54.0 against 60.0 ms): compute -5.0 ms "
+                             "(83% of the difference).")
+    assert explain(a, case("c", compute=50.2, optimizer=10.0)).endswith("the same within 0.2 ms; no component "
+                                                                         "explains a difference.")
+
+
+def test_where_the_step_goes_for_every_engine_in_ms_and_percent(summary, report):
+    header, rows = breakdown_rows(summary)
+    assert header == ["run", "source", "compute", "exposed tp communication", "exposed dp communication",
+                      "pipeline bubble", "optimizer", "host overhead and other", "step"]
+    by = {r[0]: r for r in rows}
+    assert by["FSDP2 reshard tp2"] == ["FSDP2 reshard tp2", "profiler", "78.1 ms (55%)", "40.2 ms (29%)", "-",
+                                       "0.0 ms (0%)", "10.0 ms (7%)", "12.7 ms (9%)", "141.0 ms"]
+    assert by["deepspeed ZeRO-1"][3:5] == ["-", "30.0 ms (25%)"]
+    assert set(by["reference (single device)"][1:]) == {"not measured"}  # a run with no breakdown at all
+    for fmt in ("markdown", "html"):
+        assert "40.2 ms (29%)" in report[fmt] and "exposed dp communication" in report[fmt]
+
+
+def test_collectives_and_trace_links(summary, report):
+    _, rows = collective_rows(summary)
+    assert ["FSDP2 reshard tp2", "profiler", "tp", "all_reduce", "24", "3.00 MiB"] in rows
+    assert ["deepspeed ZeRO-1", "profiler", "dp", "all_reduce", "4", "2.00 MiB"] in rows
+    assert ["own tp2", "profiler", "-", "none", "0", "-"] in rows
+    md, page = report["markdown"], report["html"]
+    for text in (md, page):
+        assert "ui.perfetto.dev" in text and "chrome://tracing" in text
+    assert "**own dp2**: [rank 0](traces/own%20dp2-rank0.json.gz), [slowest rank (rank 1)](traces/own%20dp2-rank1" \
+        ".json.gz)" in md
+    assert "<a href='traces/own%20dp2-rank0.json.gz'>rank 0</a>" in page
+    assert "**reference (single device)**: no trace kept" in md
+
+
+def test_compare_json_carries_the_breakdown_fields(summary, report):
+    runs = {r["label"]: r for r in json.loads(report["json"])["runs"]}
+    fsdp = runs["FSDP2 reshard tp2"]
+    assert fsdp["breakdown_ms"] == PROFILED[("fsdp", 2)] and fsdp["breakdown_source"] == "profiler"
+    assert fsdp["collectives"] == COLLECTIVES[("fsdp", 2)]
+    assert fsdp["traces"][1] == {"rank": 1, "path": "traces/FSDP2 reshard tp2-rank1.json.gz", "role": "slowest rank"}
+    ref = runs["reference (single device)"]
+    assert {k: ref[k] for k in ("breakdown_ms", "breakdown_source", "collectives")} == \
+        {"breakdown_ms": None, "breakdown_source": None, "collectives": None}
+
+
+def test_old_records_without_breakdown_ms_still_render(tmp_path):
+    summary = summarise(tmp_path, old=True)
+    paths = write_report(summary, str(tmp_path / "out"))
+    md, page = open(paths["markdown"]).read(), open(paths["html"]).read()
+    header, rows = breakdown_rows(summary)
+    by = {r[0]: dict(zip(header, r)) for r in rows}
+    assert by["own tp2"]["source"] == "instrumented" and by["own tp2"]["compute"] == "70.0 ms (70%)"
+    assert by["own tp2"]["host overhead and other"] == "10.0 ms (10%)"  # what the total leaves uncovered
+    assert by["FSDP2 reshard tp2"]["forward+backward (compute and comm not split)"] == "120.0 ms (85%)"
+    assert set(list(by["deepspeed ZeRO-1"].values())[1:]) == {"not measured"}
+    _, coll = collective_rows(summary)
+    assert ["own tp2", "instrumented", "tp", "all_reduce", "12", "1.00 MiB"] in coll
+    assert "own tp2 takes 10.0 ms more per profiled step than own dp2" in md
+    assert "own tp2 takes 10.0 ms more per profiled step than own dp2" in page
+
+
+# ------------------------------------------------------------------ sweeps
+
+def sweep_record(step, layout, parts) -> dict:
+    lay = {"engine": "own", "tp": 1, "pp": 1, "dp": 2, "micro_batch_size": 1, "activation_checkpointing": "none",
+           **layout}
+    rec = new_record({"workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 8}, "layout": lay},
+                     sweep="s", point_key=json.dumps(layout))
+    rec.update(status="ok", fingerprint={"world_size": 4}, metrics={
+        "step_time_s": {"median": step / 1e3, "ci95_low": step / 1e3, "ci95_high": step / 1e3, "n": 4},
+        "tokens_per_s_per_device": 1e3 / step, "breakdown_ms": {**parts, "step": step},
+        "breakdown_source": "profiler", "collectives": []})
+    return rec
+
+
+SWEEP = [
+    sweep_record(100.0, {"tp": 2}, {"compute": 70.0, "exposed_comm": {"tp": 20.0, "dp": 5.0}, "optimizer": 5.0}),
+    sweep_record(90.0, {"pp": 2}, {"compute": 70.0, "exposed_comm": {"pp": 2.0, "dp": 5.0}, "bubble": 10.0,
+                                   "optimizer": 3.0}),
+    sweep_record(120.0, {"pp": 2, "activation_checkpointing": "full"},
+                 {"compute": 100.0, "exposed_comm": {"pp": 2.0, "dp": 5.0}, "bubble": 10.0, "optimizer": 3.0}),
+    sweep_record(95.0, {"pp": 2, "micro_batch_size": 2},
+                 {"compute": 68.0, "exposed_comm": {"pp": 2.0, "dp": 5.0}, "bubble": 17.0, "optimizer": 3.0}),
+    sweep_record(110.0, {"engine": "deepspeed", "dp": 4, "zero_stage": 1},
+                 {"compute": 70.0, "exposed_comm": {"dp": 30.0}, "optimizer": 5.0, "other": 5.0}),
+]
+
+
+def test_sweep_ablations_name_the_component_that_moved():
+    texts = {s.id: " ".join(s.text) for s in sections_for(SWEEP)}
+    assert ("takes 10.0 ms more per profiled step than tp1 pp2 (own tp1 pp2 dp2 mb1" in texts["tp-pp"])
+    assert ("(100.0 against 90.0 ms): exposed tp communication +20.0 ms (200% of the difference); partly offset by "
+            "pipeline bubble -10.0 ms, exposed pp communication -2.0 ms.") in texts["tp-pp"]
+    assert "takes 30.0 ms more per profiled step than checkpointing none" in texts["checkpointing"]
+    assert "(120.0 against 90.0 ms): compute +30.0 ms (100% of the difference)." in texts["checkpointing"]
+    assert "micro-batch 2 (own tp1 pp2 dp2 mb2" in texts["micro-batch"]
+    assert ("(95.0 against 90.0 ms): pipeline bubble +7.0 ms (140% of the difference); partly offset by compute "
+            "-2.0 ms.") in texts["micro-batch"]
+    assert "no run with the same other settings" not in texts["checkpointing"] + texts["micro-batch"]
+
+
+def test_sweep_breakdown_covers_every_engine_per_point():
+    s = next(s for s in sections_for(SWEEP) if s.id == "breakdown")
+    (t,) = s.tables
+    rows = {r[0].split()[0]: dict(zip(t.headers, r)) for r in t.rows}
+    assert rows["deepspeed"]["exposed dp communication"] == "30.0 ms (27%)"
+    assert rows["deepspeed"]["source"] == "profiler" and len(t.rows) == len(SWEEP)
+    why = " ".join(s.text)
+    assert "takes 10.0 ms more per profiled step than own tp1 pp2" in why
+
+
+# ------------------------------------------------------------------ figures and synthetic records
+
+@pytest.fixture
+def drawn(monkeypatch):
+    seen = []
+    real = plots._encode
+
+    def keep(fig):
+        seen.append((sys._getframe(1).f_code.co_name, fig))
+        return real(fig)
+
+    monkeypatch.setattr(plots, "_encode", keep)
+    return seen
+
+
+def test_every_breakdown_figure_is_drawn_from_zero(summary, tmp_path, drawn):
+    write_report(summary, str(tmp_path))
+    sections_for(SWEEP + make_records(60, seed=4))
+    stacks = [fig for kind, fig in drawn if kind == "stacked"]
+    assert len(stacks) >= 2  # the comparison's and at least one sweep's
+    for fig in stacks:
+        ax = fig.axes[0]
+        assert ax.get_xlim()[0] == 0 and min(p.get_x() for p in ax.patches) == 0
+    compare_fig = stacks[0].axes[0]
+    assert {t.get_text() for t in compare_fig.get_yticklabels()} >= {"own tp2", "FSDP2 reshard tp2"}
+    assert "exposed tp communication" in [t.get_text() for t in compare_fig.get_legend().get_texts()]
+
+
+def test_synthetic_records_carry_the_profiler_fields_for_every_engine():
+    ok = [r for r in make_records(80, seed=1) if r["status"] == "ok"]
+    assert {r["spec"]["layout"]["engine"] for r in ok} == {"own", "deepspeed", "fsdp"}
+    for r in ok:
+        m = r["metrics"]
+        b = m["breakdown_ms"]
+        total = b["compute"] + b["optimizer"] + b["bubble"] + b["other"] + sum(b["exposed_comm"].values())
+        assert total == pytest.approx(b["step"], abs=1e-2) and b["other"] >= 0
+        assert m["breakdown_source"] == "profiler"
+        assert all(set(c) == {"axis", "kind", "count", "bytes"} for c in m["collectives"])
+        assert [t["role"] for t in r["traces"]] == ["rank 0", "slowest rank"]
+        assert layout_key(r["spec"]["layout"])
