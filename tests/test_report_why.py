@@ -268,3 +268,9 @@ def test_synthetic_records_carry_the_profiler_fields_for_every_engine():
         assert all(set(c) == {"axis", "kind", "count", "bytes"} for c in m["collectives"])
         assert [t["role"] for t in r["traces"]] == ["rank 0", "slowest rank"]
         assert layout_key(r["spec"]["layout"])
+
+
+def test_odd_breakdown_fields_read_as_far_as_they_go():
+    b = breakdown_of({"breakdown_ms": {"compute": None, "exposed_comm": 5, "optimizer": 2.0, "step": 10.0}})
+    assert b.parts == {"optimizer": 2.0} and b.step_ms == 10.0 and b.source == "profiler"
+    assert breakdown_of({"breakdown_s": {}}) is None and breakdown_of(None) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from harness.parallel_dims import ParallelDims
 from harness.report import plots
 from harness.report.data import COMPONENTS, Metric, Row, component_title, fmt_s, measured_columns
 from harness.report.sections import Column, Section, Table, table
@@ -155,6 +156,11 @@ def axis_section(rows: list[Row], metric: Metric, sid: str, title: str, key, axi
     return s
 
 
+def _tp_pp(r: Row) -> int:
+    """The GPUs a run's tensor and pipeline degrees span (TP against PP compares runs at equal)."""
+    return ParallelDims(tp=r.tp, pp=r.pp).product("tp", "pp")
+
+
 def tp_pp(rows: list[Row], metric: Metric) -> Section:
     s = Section("tp-pp", "Tensor x pipeline parallelism",
                 ["Best result per (tp, pp) cell over all other settings; a cell where nothing ran ok "
@@ -174,8 +180,8 @@ def tp_pp(rows: list[Row], metric: Metric) -> Section:
                                   else str(cells.get((tp, pp), "")))
                                  for tp in tps] for pp in pps]
         s.tables.append(Table([""] + [f"tp {t}" for t in tps], table, name))
-        for g in sorted({r.tp * r.pp for r in rs if r.tp * r.pp > 1}):
-            moved = ablation_why([r for r in rs if r.tp * r.pp == g], metric, lambda r: f"tp{r.tp} pp{r.pp}", "",
+        for g in sorted({_tp_pp(r) for r in rs if _tp_pp(r) > 1}):
+            moved = ablation_why([r for r in rs if _tp_pp(r) == g], metric, lambda r: f"tp{r.tp} pp{r.pp}", "",
                                  lambda r: (r.variant, r.dp, r.mb, r.ckpt, r.kernel))
             if moved:
                 s.text.append(f"{name}, TP against PP at {g} model-parallel GPUs, what moved: " + " ".join(moved))

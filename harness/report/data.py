@@ -61,7 +61,8 @@ def breakdown_of(metrics: dict | None) -> Breakdown | None:
     m = metrics or {}
     new = m.get("breakdown_ms")
     if isinstance(new, dict) and new:
-        parts = {f"{axis}_comm": float(ms) for axis, ms in (new.get("exposed_comm") or {}).items() if _num(ms)}
+        comm = new.get("exposed_comm") if isinstance(new.get("exposed_comm"), dict) else {}
+        parts = {f"{axis}_comm": float(ms) for axis, ms in comm.items() if _num(ms)}
         parts.update({k: float(v) for k, v in new.items() if k not in ("step", "exposed_comm") and _num(v)})
         step = float(new["step"]) if _num(new.get("step")) else sum(parts.values())
         return Breakdown(_ordered(parts), step, m.get("breakdown_source") or "profiler")

@@ -104,7 +104,7 @@ def profiled(engine: str, tp: int, pp: int, dp: int, zero: int | None, step_ms: 
     breakdown = {"compute": ms["compute"], "optimizer": ms["optimizer"],
                  "exposed_comm": {axis: ms[axis] for axis, n in (("tp", tp), ("pp", pp), ("dp", dp)) if n > 1},
                  "bubble": ms["bubble"], "other": other, "step": round(step_ms, 3)}
-    grads = 2 ** 27 // max(1, tp * pp)
+    grads = 2 ** 27 // ParallelDims(tp=tp, pp=pp).product("tp", "pp")
     coll = []
     if tp > 1:
         coll.append({"axis": "tp", "kind": "all_reduce", "count": 96, "bytes": 96 * 2 ** 20})
