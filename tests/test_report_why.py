@@ -14,7 +14,7 @@ from harness.compare.orchestrate import run_comparison
 from harness.compare.spec import parse_compare_spec
 from harness.report import plots
 from harness.report.build import sections_for
-from harness.report.compare import breakdown_rows, collective_rows, sections, write_report
+from harness.report.compare import breakdown_rows, collective_rows, sections, trace_items, write_report
 from harness.report.data import breakdown_of, layout_key
 from harness.report.why import Case, explain
 from harness.store import ResultsStore, new_record
@@ -149,6 +149,8 @@ def test_collectives_and_trace_links(summary, report):
         ".json.gz)" in md
     assert "<a href='traces/own%20dp2-rank0.json.gz'>rank 0</a>" in page
     assert "**reference (single device)**: no trace kept" in md
+    kept = {**summary, "runs": [{**summary["runs"][1], "traces": [{"rank": 0, "path": "/data/t/x.json.gz"}]}]}
+    assert trace_items(kept, "/data/reports") == ["**own tp2**: [rank 0](../t/x.json.gz)"]  # moves with the report
 
 
 def test_compare_json_carries_the_breakdown_fields(summary, report):

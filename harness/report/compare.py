@@ -219,12 +219,19 @@ def _trace_name(trace: dict) -> str:
     return role if role == rank else f"{role} ({rank})"
 
 
-def trace_items(summary: dict) -> list[str]:
+def _trace_link(path: str, base: str | None) -> str:
+    """An absolute trace path relative to the report's folder (`base`), so the two can move together."""
+    if base and os.path.isabs(path):
+        path = os.path.relpath(path, base)
+    return quote(path, safe="/:._-~")
+
+
+def trace_items(summary: dict, base: str | None = None) -> list[str]:
     """Per run, a link to each kept trace (rank 0, the slowest rank)."""
     out = []
     for r in summary["runs"]:
         traces = r.get("traces") or []
-        links = ", ".join(f"[{_trace_name(t)}]({quote(str(t['path']), safe='/:._-~')})" for t in traces
+        links = ", ".join(f"[{_trace_name(t)}]({_trace_link(str(t['path']), base)})" for t in traces
                           if t.get("path"))
         out.append(f"**{r['label']}**: {links or 'no trace kept'}")
     return out
@@ -515,8 +522,9 @@ def _fingerprints(summary: dict) -> Section:
     return Section("fingerprints", "Fingerprints", body=body)
 
 
-def sections(summary: dict, figs: list | None = None) -> list[Section]:
-    """The comparison report, once: render.py writes it as Markdown and as HTML."""
+def sections(summary: dict, figs: list | None = None, out_dir: str | None = None) -> list[Section]:
+    """The comparison report, once: render.py writes it as Markdown and as HTML (into out_dir: the
+    folder trace links are relative to)."""
     figs = figures(summary) if figs is None else figs
     out = [_lead(summary), _workload(summary), _results(summary)]
     if any(name in ("throughput", "step-times") for name, _, _ in figs):
@@ -526,7 +534,7 @@ def sections(summary: dict, figs: list | None = None) -> list[Section]:
             Section("breakdown", "Where the step goes", body=[BREAKDOWN_TEXT, *_figures(figs, ("breakdown",)),
                                                               Table(*breakdown_rows(summary))]),
             Section("collectives", "Collectives per step", body=[COLLECTIVES_TEXT, Table(*collective_rows(summary))]),
-            Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary))]),
+            Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary, out_dir))]),
             why_section(summary),
             Section("census", "Memory census", body=[CENSUS_TEXT, Table(*census_rows(summary)), *_machine(summary)]),
             _parity(summary, figs), *_exceptions(summary), _engines(summary), *_not_run(summary),
@@ -543,7 +551,7 @@ def write_report(summary: dict, out_dir: str) -> dict[str, str]:
     base = os.path.join(out_dir, f"compare-{summary['name']}")
     paths = {"markdown": base + ".md", "html": base + ".html", "json": base + ".json"}
     figs = figures(summary)
-    secs = sections(summary, figs)
+    secs = sections(summary, figs, os.path.abspath(out_dir))
     title = f"Framework comparison: {summary['name']}"
     with Together("--out") as files:
         if figs:  # the Markdown links them; the HTML holds them inline
