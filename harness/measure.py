@@ -239,6 +239,7 @@ def fingerprint(device: torch.device, world_size: int = 1, hosts: list[str] | No
         "cuda": torch.version.cuda,
         "nccl": nccl,
         "deepspeed": _version("deepspeed"),
+        "megatron_core": _version("megatron-core"),
         "transformers": _version("transformers"),
         "flash_attn": _version("flash-attn"),
         "python": platform.python_version(),

@@ -330,8 +330,8 @@ def test_tied_embeddings_refused_where_an_engine_would_untie_them(tmp_path, layo
 
 
 def test_the_planner_proposes_no_layout_an_engine_refuses_for_a_tied_model(tmp_path):
-    """A tied model under a harness engine gets no pp > 1 candidates (each adapter's ENGINE.model_limits refuses
-    them); the study's engine (paper) is left as its sweeps ran."""
+    """A tied model under own, deepspeed or fsdp gets no pp > 1 candidates (each adapter's ENGINE.model_limits
+    refuses them); megatron (its embedding group) and the study's engine (paper) split them over stages."""
     from harness.planner.candidates import layouts
     from harness.planner.layout import Workload
 
@@ -342,7 +342,8 @@ def test_the_planner_proposes_no_layout_an_engine_refuses_for_a_tied_model(tmp_p
     for engine in ("own", "deepspeed", "fsdp"):
         pps = {lay.pp for lay in layouts(shape, wl, 8, 8, engine=engine, **common)}
         assert pps == {1}, engine
-    assert max(lay.pp for lay in layouts(shape, wl, 8, 8, engine="paper", **common)) > 1
+    for engine in ("paper", "megatron"):
+        assert max(lay.pp for lay in layouts(shape, wl, 8, 8, engine=engine, **common)) > 1, engine
 
 
 def test_own_engine_in_process_matches_the_reference(tmp_path):

@@ -158,3 +158,15 @@ def test_the_tripwire_records_uncovered_cuda_calls():
             torch.cuda.memory_allocated()  # neither: recorded (on a CPU build it quietly answers 0)
     assert reached == {"is_available", "memory_allocated"}
     assert set(reached) - set(megatron_shim.HARMLESS) == {"memory_allocated"}
+
+
+def test_every_record_names_the_megatron_core_it_ran_with():
+    """The fingerprint (every record's) and the report's version column carry megatron-core's version,
+    as they carry DeepSpeed's: two runs on different Megatron releases are flagged, not compared silently."""
+    import importlib.metadata
+
+    import torch
+
+    from harness.measure import fingerprint
+
+    assert fingerprint(torch.device("cpu"), 1)["megatron_core"] == importlib.metadata.version("megatron-core")

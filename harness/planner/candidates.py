@@ -16,6 +16,9 @@ from harness.parallel_dims import ParallelDims
 from harness.planner.layout import ATTENTION, PlannerLayout, Workload
 from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
 
+# Engines that split tied embeddings over pipeline stages (the study's, and Megatron-core's embedding group,
+# which all-reduces the word embeddings' gradient between the first and the last stage).
+TIES_ACROSS_STAGES = ("paper", "megatron")
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -52,8 +55,8 @@ def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attent
                 continue
             if pp > shape.layers or (pp_values and pp not in pp_values):
                 continue
-            if pp > 1 and shape.tie_embeddings and fields.get("engine", "paper") != "paper":
-                continue  # every harness engine refuses tied embeddings across stages (ENGINE.model_limits)
+            if pp > 1 and shape.tie_embeddings and fields.get("engine", "paper") not in TIES_ACROSS_STAGES:
+                continue  # the other engines refuse tied embeddings across stages (ENGINE.model_limits)
             dp = ParallelDims.derive(gpus, "--gpus", tp=tp, pp=pp).dp
             if wl.global_batch_size % dp:
                 continue

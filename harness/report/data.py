@@ -155,7 +155,8 @@ def to_row(rec: dict) -> Row:
     v, lay = row(rec), (rec.get("spec") or {}).get("layout") or {}
     m, fp = rec.get("metrics") or {}, rec.get("fingerprint") or {}
     dims = ParallelDims.of(lay)
-    versions = tuple(f"{k} {fp.get(k)}" for k in ("torch", "cuda", "nccl", "deepspeed") if fp.get(k))
+    versions = tuple(f"{k} {fp.get(k)}" for k in ("torch", "cuda", "nccl", "deepspeed", "megatron_core")
+                     if fp.get(k))
     return Row(
         run_id=v["run_id"] or "?", sweep=v["sweep"] or "(no sweep)", status=v["status"] or "?",
         engine=v["engine"] or "?", variant=engine_variant(lay), label=layout_label(lay),
