@@ -20,6 +20,7 @@ from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
 # which all-reduces the word embeddings' gradient between the first and the last stage).
 TIES_ACROSS_STAGES = ("paper", "megatron")
 
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
