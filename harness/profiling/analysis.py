@@ -165,7 +165,7 @@ def cuda_breakdown(trace: dict) -> dict:
     events = complete_events(trace)
     thread, windows = step_windows(events)
     mine = _thread(events, thread)
-    comm = [(parse_range(str(e["name"])), _span(e)) for e in mine if parse_range(str(e.get("name", "")))]
+    comm = _calls(mine)
     optimizer_spans = [_span(e) for e in mine if str(e.get("name", "")).startswith(OPTIMIZER_PREFIXES)]
     launches = {e.get("args", {}).get("correlation"): _span(e)[0] for e in events
                 if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") is not None}
@@ -192,6 +192,8 @@ def cuda_breakdown(trace: dict) -> dict:
         exposed = {a: length(subtract(clip(nccl.get(a, []), lo, hi), busy)) / 1e3 for a in (*AXES, "other")}
         bubble = exposed.pop("pp")
         exposed["pp"] = 0.0
+        if not exposed["other"]:
+            del exposed["other"]
         steps.append(_assemble(hi - lo, length(subtract(clip(compute, lo, hi), clip(optimizer, lo, hi))),
                                length(clip(optimizer, lo, hi)), exposed, bubble * 1e3))
     _, calls = _blocked(mine)
