@@ -17,9 +17,10 @@ profiled step):
   `host_gaps` says how much of compute it is, outside the sum); other is the step's remainder
   before its first op and after its last. compute + optimizer + exposed + bubble + other = step.
 - cuda: the kernel timeline. NCCL kernels not overlapped by any compute kernel are exposed
-  communication (on the axis of the annotated call that launched them), kernels launched inside
-  the optimizer's ranges are optimizer, other compute kernels compute, the step's remainder
-  (device idle) other. Written for NCCL traces; not yet checked on a GPU.
+  communication (on the axis of the annotated call that launched them; pp and the world's
+  reduction: bubble), kernels launched in the update phase or the optimizer's ranges (as above,
+  on the CPU side) are optimizer, other kernels compute, the step's remainder (device idle)
+  other. Written for NCCL traces and checked on hand-made ones only: not yet run on a GPU.
 
 Collectives per step come from the annotations: the outermost annotated issue of each call
 (waits are not calls), grouped by axis and kind.
@@ -175,6 +176,13 @@ def cuda_breakdown(trace: dict) -> dict:
         ts = launches.get(e.get("args", {}).get("correlation"))
         return ts is not None and any(a <= ts < b for a, b in spans)
 
+    ops = [_span(e) for e in mine if e.get("cat") == "cpu_op"]
+    backward = [_span(e) for e in mine if str(e.get("name", "")).startswith(BACKWARD_PREFIX)]
+    for lo, hi in windows:  # the update phase launches its kernels after the step's last backward
+        ends = [b for _, b in clip(backward, lo, hi)]
+        inside = clip(ops, lo, hi)
+        if ends and inside:
+            optimizer_spans.append((max(ends), max(b for _, b in inside)))
     nccl = defaultdict(list)
     compute, optimizer = [], []
     for k in kernels:
