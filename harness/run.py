@@ -239,6 +239,7 @@ class Trainer:
         if steps <= 0:
             return
         self.memory_before_profile = measure.peak_memory(self.ctx.device)  # the profiler's buffers are not the run's
+        started = time.perf_counter()
         instrumented: list[dict] = []
 
         def one(i: int) -> None:
@@ -247,12 +248,18 @@ class Trainer:
             if "compute" in counted:  # an engine that times its own communication (the own engine)
                 instrumented.append(counted)
 
-        trace = profile_trace.record(one, steps, ParallelDims.of(self.spec.layout), self.ctx.rank, self.ctx.device)
+        try:
+            trace = profile_trace.record(one, steps, ParallelDims.of(self.spec.layout), self.ctx.rank,
+                                         self.ctx.device)
+        except NonFiniteStep as e:  # every rank refuses the same update: the measurement stands, no breakdown
+            self.profile = {"trace": None, "analysis": None, "instrumented": None, "error": f"profiled step: {e}"}
+            return
         self.profile = {"trace": trace, "instrumented": instrumented if len(instrumented) == steps else None}
         try:
             self.profile["analysis"] = trace_breakdown(trace, self.ctx.device.type)
         except (ValueError, KeyError) as e:  # a trace the analysis cannot read: said in the record
             self.profile.update(analysis=None, error=f"{type(e).__name__}: {e}")
+        self.profile["wall_s"] = time.perf_counter() - started  # what profiling adds: steps, export, analysis
 
     def close_stream(self) -> None:
         if self.stream is not None:

@@ -5,7 +5,8 @@ record["metrics"]: breakdown_ms (the mean over ranks of each rank's mean over th
 steps), breakdown_ms_by_rank, breakdown_source ("profiler", or "instrumented" when profiling is
 off and the engine counts its own time), collectives (rank 0's, per step), and, for engines
 that count their own time, breakdown_instrumented_ms over the same profiled steps (the
-reference the profiler is checked against). record["traces"]: [{"rank", "path", "role"}].
+reference the profiler is checked against); profile_wall_s, what the profiled steps, their
+trace's export and its analysis took on the slowest rank. record["traces"]: [{"rank", "path", "role"}].
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ def profile_metrics(profile: dict | None, ctx, trace_dir: str | None, trace_name
     analysis = profile.get("analysis")
     mine = {"breakdown": mean_step(analysis["steps"]) if analysis else None,
             "collectives": analysis["collectives"] if analysis else None,
-            "error": profile.get("error"),
+            "error": profile.get("error"), "wall_s": profile.get("wall_s", 0.0),
             "instrumented": [from_instrumented(s) for s in profile.get("instrumented") or []]}
     everyone = _gather(mine, ctx)
-    metrics: dict = {}
+    metrics: dict = {"profile_steps": len(analysis["steps"]) if analysis else None,
+                     "profile_wall_s": max(e["wall_s"] for e in everyone)}
     errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
     if errors:
         metrics["breakdown_error"] = "; ".join(errors)[:500]
