@@ -410,7 +410,8 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
 
     `profile_steps` extra steps are profiled after the measured ones (None: the default,
     harness.profiling.default_steps()); rank 0's and the slowest rank's traces are written
-    to `trace_dir` (default: harness-traces beside the store) and named in record["traces"]."""
+    to `trace_dir` (default: harness-traces beside the store; none for an in-memory store) and
+    named in record["traces"]."""
     shape = preflight(spec, ctx)
     record = new_record(spec.to_dict(), sweep=sweep, point_key=point_key)
     if run_id:
@@ -423,8 +424,9 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
     try:
         if profile_steps is None:
             profile_steps = profiling.default_steps()
-        if trace_dir is None:
-            trace_dir = os.path.join(os.path.dirname(store_path or spec.store), "harness-traces")
+        store_file = store_path or spec.store
+        if trace_dir is None and store_file != ":memory:":  # an in-memory store keeps no files: nor traces
+            trace_dir = os.path.join(os.path.dirname(store_file), "harness-traces")
         metrics = train(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress, tensorboard_dir=tb_dir,
                         profile_steps=profile_steps, trace_dir=trace_dir, trace_name=record["run_id"])
         traces = metrics.pop("traces", None)
