@@ -61,7 +61,6 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         "error_line": (record.get("error_line") or _first_error_line(record.get("error")))
         if record.get("status") != "ok" else "",
         "log": (record.get("launch") or {}).get("log"),
-        "traces": record.get("traces") or [],  # rank 0's and the slowest rank's profiled steps (gzipped JSON)
         "wall_s": (record.get("launch") or {}).get("wall_s"),
         "losses": m.get("losses") or [],
         "metrics": {k: v for k, v in m.items() if k not in ("losses", "engine")},  # those two: just above and below
