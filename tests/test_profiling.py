@@ -150,6 +150,7 @@ def test_single_run_records_a_profiler_breakdown_and_its_trace(tmp_path):
     m = rec["metrics"]
     assert len(m["losses"]) == 3 and m["step_time_s"]["n"] == 2
     assert m["breakdown_source"] == "profiler" and m["collectives"] == []
+    assert 0 <= m["compute_host_gaps_ms"] < m["breakdown_ms"]["compute"]
     b = m["breakdown_ms"]
     assert b["compute"] > 0 and b["optimizer"] > 0 and b["exposed_comm"] == {"tp": 0.0, "dp": 0.0, "pp": 0.0}
     assert _parts(b) == pytest.approx(b["step"], rel=0.05)

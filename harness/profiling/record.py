@@ -3,7 +3,8 @@ the trace files of rank 0 and of the slowest rank, and the own engine's counters
 
 record["metrics"]: breakdown_ms (the mean over ranks of each rank's mean over the profiled
 steps), breakdown_ms_by_rank, breakdown_source ("profiler", or "instrumented" when profiling is
-off and the engine counts its own time), collectives (rank 0's, per step), and, for engines
+off and the engine counts its own time), collectives (rank 0's, per step), compute_host_gaps_ms
+(how much of compute is host time between ops, the Python of a forward; outside the sum), and, for engines
 that count their own time, breakdown_instrumented_ms over the same profiled steps (the
 reference the profiler is checked against); profile_wall_s, what the profiled steps, their
 trace's export and its analysis took on the slowest rank. record["traces"]: [{"rank", "path", "role"}].
@@ -56,6 +57,8 @@ def profile_metrics(profile: dict | None, ctx, trace_dir: str | None, trace_name
     mine = {"breakdown": mean_step(analysis["steps"]) if analysis else None,
             "collectives": analysis["collectives"] if analysis else None,
             "error": profile.get("error"), "wall_s": profile.get("wall_s", 0.0),
+            "host_gaps": (sum(st.get("host_gaps", 0.0) for st in analysis["steps"]) / len(analysis["steps"])
+                          if analysis else None),
             "instrumented": [from_instrumented(s) for s in profile.get("instrumented") or []]}
     everyone = _gather(mine, ctx)
     metrics: dict = {"profile_steps": len(analysis["steps"]) if analysis else None,
@@ -66,7 +69,8 @@ def profile_metrics(profile: dict | None, ctx, trace_dir: str | None, trace_name
     rows = [e["breakdown"] for e in everyone]
     if all(rows):
         metrics.update(breakdown_ms=_mean_over_ranks(rows), breakdown_ms_by_rank=rows, breakdown_source="profiler",
-                       collectives=everyone[0]["collectives"])
+                       collectives=everyone[0]["collectives"],
+                       compute_host_gaps_ms=sum(e["host_gaps"] for e in everyone) / len(everyone))
     if all(e["instrumented"] for e in everyone):
         per_rank = [_mean_over_ranks(e["instrumented"]) for e in everyone]
         metrics.update(breakdown_instrumented_ms=_mean_over_ranks(per_rank),
