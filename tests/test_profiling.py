@@ -72,14 +72,18 @@ def test_cpu_breakdown_of_a_hand_made_step():
                      ("pp", "recv"): (1, 256), (WORLD, "all_reduce"): (1, 8)}
 
 
-def test_functional_waits_take_the_axis_of_their_collective_and_steps_are_averaged():
+def test_waits_without_their_issue_take_the_latest_collectives_axis_and_steps_are_averaged():
     ev = [_x("harness.step#0", 0, 100), _x("harness.step#1", 100, 100), _x("aten::add", 0, 200, "cpu_op")]
     ev += _call("all_reduce", "tp", "async", 10, 2, 64) + [_x(analysis.FUNCTIONAL_WAIT, 20, 30, "cpu_op")]
     ev += _call("all_reduce", "tp", "async", 110, 2, 64) + [_x(analysis.FUNCTIONAL_WAIT, 120, 10, "cpu_op")]
+    ev += _call("reduce_scatter", "dp", "async", 150, 2, 32) + _call("all_reduce", "?", "wait", 160, 20)
     out = analysis.cpu_breakdown({"traceEvents": ev})
     assert [s["exposed_comm"]["tp"] for s in out["steps"]] == pytest.approx([0.030, 0.010])
+    # a wait on a work no annotated call returned (a coalescing manager's): the latest async call's axis
+    assert [s["exposed_comm"]["dp"] for s in out["steps"]] == pytest.approx([0.0, 0.020])
     assert analysis.mean_step(out["steps"])["exposed_comm"]["tp"] == pytest.approx(0.020)
-    assert out["collectives"] == [{"axis": "tp", "kind": "all_reduce", "count": 1.0, "bytes": 64.0}]
+    assert out["collectives"] == [{"axis": "dp", "kind": "reduce_scatter", "count": 0.5, "bytes": 16.0},
+                                  {"axis": "tp", "kind": "all_reduce", "count": 1.0, "bytes": 64.0}]
 
 
 def test_a_trace_without_step_ranges_is_refused():

@@ -88,7 +88,9 @@ def _blocked(thread_events: list[dict]) -> tuple[dict[str, list], list[tuple[dic
     for fields, span in outermost:
         if fields["mode"] == "async" and fields["axis"] not in BUBBLE_AXES:
             continue  # posting an overlappable tp/dp collective is host work where it runs, not a wait
-        axis = "other" if fields["axis"] == "?" else fields["axis"]  # a wait whose issue was not seen
+        axis = fields["axis"]
+        if axis == "?":  # a wait on a work no annotated call returned (a coalescing manager's): the axis of
+            axis = next((a for ts, a in reversed(issued) if ts <= span[0]), "other")  # the latest async call
         by_axis[axis].append(span)
     for span in waits:  # a functional wait: the axis of the latest functional issue before it
         for ts, axis in issued:
