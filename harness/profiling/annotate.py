@@ -61,7 +61,9 @@ class AxisOf:
     reduction, which every engine (and the own engine's "all" axis) issues without one. A group
     named is the axis of ParallelDims whose group of this rank holds exactly its ranks (the
     degree owner's naming; FSDP2's mesh hands over the default group itself for an axis that
-    spans the world), else WORLD for a whole-world group, else 'other'."""
+    spans the world), else WORLD for a whole-world group, else 'other': a group that is none of
+    the layout's axes, e.g. a one-rank group a framework still reduces over at degree 1 (Megatron's
+    model-parallel norm reductions at dp2: 13 calls, about 6 ms a step on CPU)."""
 
     def __init__(self, dims: ParallelDims, rank: int):
         self.dims, self.rank = dims, rank
