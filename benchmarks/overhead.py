@@ -2,7 +2,10 @@
 
 Same process, same model (preset tiny-256: 4 layers, hidden 256), same batch, fp32 on CPU.
 The two alternate in rounds so that machine noise hits both alike. Target: ratio <= 1.03.
-Last line: `ratio: <number>`.
+Profiling is on as in `harness train`: after each round's measured steps the runner profiles its
+extra steps (--profile-steps, the default), so every later round's measured steps run after a
+profiled stretch, in the same process, as the next run of a sweep would; what the profiled steps
+add to a round's wall time is printed. Last line: `ratio: <number>`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from harness.data.source import SyntheticTokens
 from harness.model.llama import build_model
 from harness.model.presets import resolve_shape
+from harness.profiling import DEFAULT_STEPS
 from harness.run import Trainer
 from harness.runtime import RunContext
 from harness.spec import parse_spec
@@ -53,6 +57,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile-steps", type=int, default=DEFAULT_STEPS, help="profiled steps after each round")
     args = ap.parse_args()
     spec = parse_spec({"workload": {"model": "tiny-256", "seq_len": 128, "global_batch_size": 8,
                                     "steps": args.steps, "warmup_steps": 2},
@@ -60,8 +65,9 @@ def main():
                        "store": ":memory:"})
     shape = resolve_shape("tiny-256")
     ctx = RunContext(0, 1, 0, torch.device("cpu"), None)
-    runner, minimal = [], []
+    runner, minimal, rounds_s, profiled_s = [], [], [], []
     for r in range(args.rounds):
+        started = time.perf_counter()
         # step by step, alternating which goes first, so machine noise hits both alike
         trainer, loop = Trainer(spec, ctx, shape, progress=False), MinimalLoop(shape, spec)
         got, mine = [], []
@@ -73,10 +79,20 @@ def main():
                 mine.append(seconds[id(loop)])
         runner += got
         minimal += mine
+        t0 = time.perf_counter()
+        trainer.profile_steps(args.profile_steps)  # what train() does after the measured steps
+        if args.profile_steps:
+            trainer.metrics(measure_matmul=False)  # the breakdown's assembly (trace files: none here)
+        profiled_s.append(time.perf_counter() - t0)
+        rounds_s.append(time.perf_counter() - started)
+        assert len(trainer.times) == args.steps, "a profiled step was counted as a measured one"
         print(f"round {r + 1}: runner median {statistics.median(got) * 1e3:.2f} ms, "
-              f"minimal loop median {statistics.median(mine) * 1e3:.2f} ms")
+              f"minimal loop median {statistics.median(mine) * 1e3:.2f} ms; "
+              f"{args.profile_steps} profiled steps {profiled_s[-1]:.2f} s of the round's {rounds_s[-1]:.2f} s")
     a, b = statistics.median(runner), statistics.median(minimal)
     print(f"runner median {a * 1e3:.2f} ms over {len(runner)} steps; minimal {b * 1e3:.2f} ms over {len(minimal)}")
+    print(f"profiling added {sum(profiled_s):.2f} s to {sum(rounds_s):.2f} s of rounds "
+          f"({100 * sum(profiled_s) / sum(rounds_s):.1f}%; a round also runs the minimal loop)")
     print(f"ratio: {a / b:.3f}")
 
 

@@ -17,13 +17,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import measure, registry
+from harness import measure, profiling, registry
 from harness.data.source import token_source
 from harness.errors import NonFiniteStep, SpecError
 from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
 from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
 from harness.model.presets import param_count
+from harness.parallel_dims import ParallelDims
+from harness.profiling import record as profile_record
+from harness.profiling import trace as profile_trace
+from harness.profiling.analysis import breakdown as trace_breakdown
 from harness.runtime import RunContext, choose_device
 from harness.spec import RunSpec, check_world_size, layout_label, micro_batches_per_step
 from harness.store import ResultsStore, mentions_oom, mentions_peer_failure, new_record, now_iso
@@ -186,6 +190,8 @@ class Trainer:
         self.parameter_count = param_count(shape)
         self.micro = micro_batches_per_step(spec)
         self.activations_saved_bytes: int | None = None
+        self.profile: dict | None = None
+        self.memory_before_profile: tuple | None = None
 
     def _train_step(self, step: int, batch) -> float:
         """The engine's step and its loss's value; the first one also counts the activations
@@ -226,17 +232,47 @@ class Trainer:
                              device=self.ctx.device)
         return timer.seconds
 
+    def profile_steps(self, steps: int) -> None:
+        """`steps` extra steps under the profiler after the measured ones: no step-time statistic
+        and no loss list counts them. The engine's own counters (where it keeps them) over the
+        same steps are kept beside the trace's breakdown, as its reference."""
+        if steps <= 0:
+            return
+        self.memory_before_profile = measure.peak_memory(self.ctx.device)  # the profiler's buffers are not the run's
+        started = time.perf_counter()
+        instrumented: list[dict] = []
+
+        def one(i: int) -> None:
+            self.engine.train_step(self.data.global_batch_at(self.total + i))
+            counted = (self.engine.last_step_details() or {}).get("breakdown_s") or {}
+            if "compute" in counted:  # an engine that times its own communication (the own engine)
+                instrumented.append(counted)
+
+        try:
+            trace = profile_trace.record(one, steps, ParallelDims.of(self.spec.layout), self.ctx.rank,
+                                         self.ctx.device)
+        except NonFiniteStep as e:  # every rank refuses the same update: the measurement stands, no breakdown
+            self.profile = {"trace": None, "analysis": None, "instrumented": None, "error": f"profiled step: {e}"}
+            return
+        self.profile = {"trace": trace, "instrumented": instrumented if len(instrumented) == steps else None}
+        try:
+            self.profile["analysis"] = trace_breakdown(trace, self.ctx.device.type)
+        except (ValueError, KeyError) as e:  # a trace the analysis cannot read: said in the record
+            self.profile.update(analysis=None, error=f"{type(e).__name__}: {e}")
+        self.profile["wall_s"] = time.perf_counter() - started  # what profiling adds: steps, export, analysis
+
     def close_stream(self) -> None:
         if self.stream is not None:
             self.stream.close()
             self.stream = None
 
-    def metrics(self, measure_matmul: bool = True) -> dict:
-        """Summaries over the measured steps (the same dict on every rank)."""
+    def metrics(self, measure_matmul: bool = True, trace_dir: str | None = None, trace_name: str = "run") -> dict:
+        """Summaries over the measured steps (the same dict on every rank); the profiled steps'
+        breakdown and collectives, and their trace files' entries under "traces"."""
         self.bar.close()
         ctx, w, lay = self.ctx, self.spec.workload, self.spec.layout
         times = _max_across_ranks(self.times, ctx)  # a step lasts until its slowest rank finishes
-        mem, mem_kind = measure.peak_memory(ctx.device)
+        mem, mem_kind = self.memory_before_profile or measure.peak_memory(ctx.device)
         mem_all = _max_across_ranks([float(mem)], ctx)[0]
         stats = measure.summarize(times)
         tokens_per_s = self.tokens_per_step / stats["median"]
@@ -269,6 +305,15 @@ class Trainer:
             metrics["pipeline_timeline"] = _timeline_of_every_stage(metrics["pipeline_timeline"], ctx)
         if metrics.get("breakdown_s") is not None:
             metrics.update(_breakdown_over_ranks(metrics["breakdown_s"], ctx))
+        profiled, traces = profile_record.profile_metrics(self.profile, ctx, trace_dir, trace_name)
+        metrics.update(profiled)
+        if "breakdown_ms" not in metrics and "compute" in (metrics.get("breakdown_s") or {}):  # profiling off
+            metrics.update(breakdown_ms=profile_record.from_instrumented(metrics["breakdown_s"]),
+                           breakdown_ms_by_rank=[profile_record.from_instrumented(r)
+                                                 for r in metrics["breakdown_s_by_rank"]],
+                           breakdown_source="instrumented")
+        if traces:
+            metrics["traces"] = traces
         return metrics
 
 
@@ -315,18 +360,21 @@ def _timeline_of_every_stage(mine: list[dict], ctx: RunContext) -> list[dict]:
 
 
 def train(spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = None,
-          measure_matmul: bool = True, progress: bool = True, tensorboard_dir: str | None = None) -> dict:
-    """Run warm-up plus measured steps; return the metrics (the same dict on every rank)."""
+          measure_matmul: bool = True, progress: bool = True, tensorboard_dir: str | None = None,
+          profile_steps: int = 0, trace_dir: str | None = None, trace_name: str = "run") -> dict:
+    """Run warm-up plus measured steps, then `profile_steps` profiled ones; return the metrics
+    (the same dict on every rank; the trace files' entries under metrics["traces"])."""
     trainer = Trainer(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress, tensorboard_dir=tensorboard_dir)
     try:
         for step in range(trainer.total):
             trainer.step(step)
+        trainer.profile_steps(profile_steps)
     except Diverged:
         trainer.bar.close()
         raise
     finally:  # the steps so far stay readable in TensorBoard, also when a step failed
         trainer.close_stream()
-    return trainer.metrics(measure_matmul)
+    return trainer.metrics(measure_matmul, trace_dir, trace_name)
 
 
 def tensorboard_run_dir(base: str, spec: RunSpec, run_id: str, sweep: str | None) -> str:
@@ -356,8 +404,14 @@ def _summarize_details(details: list[dict]) -> dict:
 
 def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id: str | None = None,
         sweep: str | None = None, point_key: str | None = None, peak_tflops: float | None = None,
-        progress: bool = True, tensorboard_dir: str | None = None) -> dict:
-    """Preflight (SpecError propagates: exit 2), train, write the record; failures are recorded."""
+        progress: bool = True, tensorboard_dir: str | None = None, profile_steps: int | None = None,
+        trace_dir: str | None = None) -> dict:
+    """Preflight (SpecError propagates: exit 2), train, write the record; failures are recorded.
+
+    `profile_steps` extra steps are profiled after the measured ones (None: the default,
+    harness.profiling.default_steps()); rank 0's and the slowest rank's traces are written
+    to `trace_dir` (default: harness-traces beside the store; none for an in-memory store) and
+    named in record["traces"]."""
     shape = preflight(spec, ctx)
     record = new_record(spec.to_dict(), sweep=sweep, point_key=point_key)
     if run_id:
@@ -368,8 +422,17 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
     if tensorboard_dir:
         tb_dir = record["tensorboard_dir"] = tensorboard_run_dir(tensorboard_dir, spec, record["run_id"], sweep)
     try:
-        record["metrics"] = train(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress,
-                                  tensorboard_dir=tb_dir)
+        if profile_steps is None:
+            profile_steps = profiling.default_steps()
+        store_file = store_path or spec.store
+        if trace_dir is None and store_file != ":memory:":  # an in-memory store keeps no files: nor traces
+            trace_dir = os.path.join(os.path.dirname(store_file), "harness-traces")
+        metrics = train(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress, tensorboard_dir=tb_dir,
+                        profile_steps=profile_steps, trace_dir=trace_dir, trace_name=record["run_id"])
+        traces = metrics.pop("traces", None)
+        if traces:
+            record["traces"] = traces
+        record["metrics"] = metrics
         record["status"] = "ok"
     except Diverged as d:  # a result, not a crash: every rank is here, the group ends normally
         record.update(status="failed", error=str(d), diverged_at_step=d.step, metrics={"losses": d.losses})

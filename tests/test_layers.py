@@ -23,6 +23,7 @@ LAYERS = [
     ["harness.data", "harness.model", "harness.runtime"],      # tokens, the plain model, process setup
     ["harness.engine"],
     ["harness.frameworks"],
+    ["harness.profiling"],                                     # profiled steps: annotations, trace, breakdown
     ["harness.run", "harness.launch"],
     ["harness.compare", "harness.sweep", "harness.report", "harness.planner"],
     ["harness.memtrace"],                                      # runs the engine on fake tensors; reads the planner

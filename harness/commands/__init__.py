@@ -28,3 +28,20 @@ def tensorboard_dir(args) -> str | None:
     if given:
         check_tensorboard(given, "--tensorboard")
     return given
+
+
+def add_profile_steps_argument(p, what: str) -> None:
+    """`--profile-steps N`: N profiled steps after the measured ones (0: none)."""
+    import argparse
+
+    from harness.profiling import DEFAULT_STEPS
+
+    def count(text: str) -> int:
+        if not text.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"must be a whole number of steps (0 turns profiling off), got {text!r}")
+        return int(text)
+
+    p.add_argument("--profile-steps", type=count, metavar="N",
+                   help=f"profile N extra steps of {what} after the measured ones (never counted in step-time "
+                        f"statistics) for the step breakdown and the kept traces; 0 turns it off "
+                        f"(default {DEFAULT_STEPS})")

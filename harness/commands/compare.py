@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from harness.commands import add_set_argument, add_tensorboard_argument, tensorboard_dir
+from harness.commands import add_profile_steps_argument, add_set_argument, add_tensorboard_argument, tensorboard_dir
 
 DESCRIPTION = __doc__.split(":", 1)[1].strip()
 
@@ -44,6 +44,7 @@ def add_arguments(p):
     p.add_argument("--timeout", type=float, help="per-run timeout in seconds (overrides the spec)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_tensorboard_argument(p, "every run")
+    add_profile_steps_argument(p, "every run")
 
 
 def main(args) -> int:
@@ -75,7 +76,7 @@ def main(args) -> int:
         print(f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
               f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})", file=sys.stderr)
         summary = run_comparison(cs, store_path=store, log_dir=args.logs or default_log_dir(store, cs.name),
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress, profile_steps=args.profile_steps)
         paths = write_report(summary, args.out)
     par = summary["parity"]
     print(f"verdict: {summary['verdict']} (parity {par['verdict']}, max pairwise relative loss difference "

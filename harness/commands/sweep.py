@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from harness.commands import add_set_argument, add_tensorboard_argument, tensorboard_dir
+from harness.commands import add_profile_steps_argument, add_set_argument, add_tensorboard_argument, tensorboard_dir
 from harness.errors import SpecError, StoreError
 from harness.spec import check_output_path, check_positive, parse_with_overrides, read_yaml
 from harness.store import STATUSES, ResultsStore, check_store
@@ -56,6 +56,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-submit", action="store_true", help="Slurm: write the job script, do not sbatch it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_tensorboard_argument(p, "every point")
+    add_profile_steps_argument(p, "every point")
 
 
 def main(args) -> int:
@@ -111,7 +112,7 @@ def main(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` or a scheduler: clean up like Ctrl-C
     try:
         counts = run_sweep(spec, launcher=launcher, store_path=store, timeout_s=timeout, retry=retry,
-                           log_dir=args.logs, progress=not args.no_progress)
+                           log_dir=args.logs, progress=not args.no_progress, profile_steps=args.profile_steps)
     except KeyboardInterrupt:
         print("\ninterrupted: every finished point is in the store; run the same command to resume")
         return 130

@@ -7,7 +7,7 @@ import os
 import sys
 import traceback
 
-from harness.commands import add_set_argument, add_tensorboard_argument, tensorboard_dir
+from harness.commands import add_profile_steps_argument, add_set_argument, add_tensorboard_argument, tensorboard_dir
 from harness.errors import SpecError
 
 DESCRIPTION = """\
@@ -34,6 +34,7 @@ def add_arguments(p):
     p.add_argument("--peak-tflops", type=float, help="per-device peak for MFU, overriding the datasheet table")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     add_tensorboard_argument(p, "the run")
+    add_profile_steps_argument(p, "the run")
 
 
 def main(args) -> int:
@@ -52,7 +53,8 @@ def main(args) -> int:
     try:
         record = run(spec, ctx, store_path=args.store, run_id=args.run_id, sweep=args.sweep,
                      point_key=args.point_key, peak_tflops=args.peak_tflops, progress=not args.no_progress,
-                     tensorboard_dir=tensorboard)
+                     tensorboard_dir=tensorboard, profile_steps=args.profile_steps,
+                     trace_dir=_trace_dir(args))
     except SpecError:
         runtime.teardown(ctx, barrier=False)
         raise
@@ -66,3 +68,11 @@ def main(args) -> int:
         print("\n".join(summary_lines(record, args.store or spec.store)))
     runtime.teardown(ctx)
     return 0 if record["status"] == "ok" else 1
+
+
+def _trace_dir(args) -> str | None:
+    """Where the kept traces go: beside a launched run's log and spec (the launcher writes the spec
+    into its log folder), else harness-traces beside the store (run's default)."""
+    if args.run_id and args.spec:
+        return os.path.dirname(args.spec)
+    return None

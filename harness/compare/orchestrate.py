@@ -96,9 +96,10 @@ def check_before_launch(cs: CompareSpec) -> None:
 
 
 def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = None,
-                   progress: bool = True, launch_fn=None) -> dict:
+                   progress: bool = True, launch_fn=None, profile_steps: int | None = None) -> dict:
     """Launch every planned run in turn, check parity and fingerprints; the summary the report
-    (harness.report.compare) is written from."""
+    (harness.report.compare) is written from. `profile_steps`: each run's profiled steps after
+    its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS)."""
     from tqdm import tqdm
 
     from harness.store import ResultsStore, now_iso
@@ -106,8 +107,12 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
     threads = comparison_threads(cs)
     if launch_fn is None:  # every run, the 1-process reference included, gets the same threads per process
         from harness.launch import run_spec
+        from harness.profiling import ENV
 
-        launch_fn = functools.partial(run_spec, extra_env={"OMP_NUM_THREADS": str(threads)})
+        env = {"OMP_NUM_THREADS": str(threads)}
+        if profile_steps is not None:
+            env[ENV] = str(profile_steps)
+        launch_fn = functools.partial(run_spec, extra_env=env)
     comparison_id = uuid.uuid4().hex[:12]
     sweep = f"compare:{cs.name}:{comparison_id}"
     log_dir = log_dir or os.path.join(tempfile.gettempdir(), f"harness-compare-{cs.name}-{comparison_id}")

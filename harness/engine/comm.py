@@ -18,9 +18,15 @@ import torch.distributed as dist
 
 from harness.model.training import dtype_name
 
+
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up at each call, so that harness.profiling's annotations see them too.
+def _all_gather(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -111,6 +117,8 @@ class Axis:
     def __init__(self, name: str, group, ranks: list[int], rank: int, stats: CommStats,
                  time_key: str):
         self.name, self.group, self.ranks, self.stats, self.time_key = name, group, ranks, stats, time_key
+        if name == "all":  # the step's world-wide reduction omits its group, as every engine's loss reduction
+            self.group = None  # does: harness.profiling tells it from an axis that is the whole world by that
         self.size = len(ranks)
         self.index = ranks.index(rank)
 

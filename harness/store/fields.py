@@ -85,6 +85,17 @@ def _step_ci(record: dict):
     return (st.get("ci95_low"), st.get("ci95_high")) if st.get("ci95_low") is not None else None
 
 
+def _exposed_comm(record: dict):
+    """Exposed communication summed over the axes (ms per profiled step)."""
+    by_axis = at("metrics", "breakdown_ms", "exposed_comm")(record)
+    return sum(by_axis.values()) if isinstance(by_axis, dict) else None
+
+
+def _ms(name: str, *path: str) -> Field:
+    """A component of the profiled step's breakdown (ms): exported; the reports lay out their own."""
+    return Field(name, name, at("metrics", "breakdown_ms", *path), lambda v: f"{v:.1f} ms", report=False)
+
+
 def _run(name: str, *path: str) -> Field:
     """A field that says what the run was (identity, workload, layout): exported, not a measurement."""
     return Field(name, name, at(*path), report=False)
@@ -120,6 +131,14 @@ FIELDS: tuple[Field, ...] = (
     Field("error", "error", _error, report=False),
     Field("started_at", "started", at("started_at"), report=False),
     Field("ended_at", "ended", at("ended_at"), report=False),
+    Field("breakdown_source", "breakdown from", at("metrics", "breakdown_source"), report=False),
+    _ms("breakdown_step_ms", "step"), _ms("breakdown_compute_ms", "compute"),
+    _ms("breakdown_optimizer_ms", "optimizer"),
+    Field("breakdown_exposed_comm_ms", "breakdown_exposed_comm_ms", _exposed_comm, lambda v: f"{v:.1f} ms",
+          report=False),
+    _ms("breakdown_exposed_tp_ms", "exposed_comm", "tp"), _ms("breakdown_exposed_dp_ms", "exposed_comm", "dp"),
+    _ms("breakdown_exposed_pp_ms", "exposed_comm", "pp"), _ms("breakdown_bubble_ms", "bubble"),
+    _ms("breakdown_other_ms", "other"),
     # a run whose loss became non-finite is failed, and stopped at this step (1-based, warm-up included)
     Field("diverged_at_step", "diverged at step", at("diverged_at_step"), report=False),
 )

@@ -65,14 +65,15 @@ def sweep_lock(sweep: SweepSpec, store_path: str):
 
 def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: float,
               retry: tuple[str, ...] = (), log_dir: str | None = None, progress: bool = True,
-              echo=print) -> dict[str, int]:
+              echo=print, profile_steps: int | None = None) -> dict[str, int]:
     """Run every pending point, one after another; returns counts per status.
 
     Each point's record is committed by the time its run_spec returns. A failure, OOM or
     timeout is recorded and the sweep goes on; a record the store cannot take (StoreError: a
     full disk) stops it, with that record in its fallback file. Orphans of an earlier, killed
     sweep process of the same sweep and store are killed first, so they cannot write a second
-    attempt; a second instance of the sweep on the store is refused (sweep_lock).
+    attempt; a second instance of the sweep on the store is refused (sweep_lock). `profile_steps`:
+    each point's profiled steps after its measured ones (None: the runs' default).
     """
     if launcher not in launch.LOCAL_LAUNCHERS:
         raise SpecError("--launcher", f"{launcher!r} cannot run points from here")
@@ -82,11 +83,13 @@ def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: fl
     points, _ = expand(sweep)
     with sweep_lock(sweep, store_path):
         return _run_points(sweep, points, launcher=launcher, store_path=store_path, timeout_s=timeout_s,
-                           retry=retry, log_dir=log_dir, progress=progress, echo=echo)
+                           retry=retry, log_dir=log_dir, progress=progress, echo=echo,
+                           profile_steps=profile_steps)
 
 
 def _run_points(sweep: SweepSpec, points: list, *, launcher: str, store_path: str, timeout_s: float,
-                retry: tuple[str, ...], log_dir: str | None, progress: bool, echo) -> dict[str, int]:
+                retry: tuple[str, ...], log_dir: str | None, progress: bool, echo,
+                profile_steps: int | None = None) -> dict[str, int]:
     store = ResultsStore(store_path)
     merged = store.recover_fallback()
     if merged:
@@ -106,6 +109,10 @@ def _run_points(sweep: SweepSpec, points: list, *, launcher: str, store_path: st
     try:
         for p in todo:
             env = {**p.env, launch.SWEEP_ID_ENV: sid, launch.SWEEP_PID_ENV: str(os.getpid())}
+            if profile_steps is not None:
+                from harness.profiling import ENV
+
+                env[ENV] = str(profile_steps)
             rec = launch.run_spec(p.spec, nproc=sweep.gpus_per_node, launcher=launcher,
                                   store_path=store_path, timeout_s=p.timeout_s or timeout_s, sweep=sweep.name,
                                   point_key=p.key, extra_env=env, log_dir=log_dir)

@@ -1,0 +1,225 @@
+"""Where a profiled step went, from its Kineto (Chrome JSON) events alone.
+
+Two backends over the same step windows (the `harness.step#N` ranges trace.py puts around each
+profiled step):
+
+- cpu (gloo): the main thread's blocked intervals. Every annotated collective and wait
+  (annotate.py) and every functional wait_tensor is time the thread was blocked on its axis.
+  Blocked on pp (a transfer waiting for its peer) or on the world group (the step's loss and
+  norm reduction, which waits for the slowest rank) is bubble, as the own engine's counters
+  charge it; on tp or dp it is exposed communication (a sync call, a wait; posting an async
+  tp/dp collective is host work where it runs, as the own engine counts it). Optimizer is the
+  update phase: from the end of the step's last autograd function (its last backward) to its
+  last op (gradient norm and clipping, the optimizer, parameter refresh, zeroing), and whatever
+  runs inside the profiler's own Optimizer.step# / Optimizer.zero_grad# ranges. Compute is the
+  rest of the main thread's time from the step's first op to its last, host time between ops
+  included (the Python of a forward: the own engine's forward/backward clocks count it too;
+  `host_gaps` says how much of compute it is, outside the sum); other is the step's remainder
+  before its first op and after its last. compute + optimizer + exposed + bubble + other = step.
+- cuda: the kernel timeline. NCCL kernels not overlapped by any compute kernel are exposed
+  communication (on the axis of the annotated call that launched them; pp and the world's
+  reduction: bubble), kernels launched in the update phase or the optimizer's ranges (as above,
+  on the CPU side) are optimizer, other kernels compute, the step's remainder (device idle)
+  other. Written for NCCL traces and checked on hand-made ones only: not yet run on a GPU.
+
+Collectives per step come from the annotations: the outermost annotated issue of each call
+(waits are not calls), grouped by axis and kind.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+from harness.profiling.annotate import CALL, PREFIX, WORLD, parse_range
+from harness.profiling.intervals import clip, contains, length, subtract, union
+
+STEP_PREFIX = "harness.step#"
+OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+FUNCTIONAL_WAIT = "_c10d_functional::wait_tensor"
+AXES = ("tp", "dp", "pp")
+BUBBLE_AXES = ("pp", WORLD)
+
+
+def _span(e) -> tuple[float, float]:
+    return float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+
+
+def complete_events(trace: dict) -> list[dict]:
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+
+
+def step_windows(events: list[dict]) -> tuple[object, list[tuple[float, float]]]:
+    """The main thread (the one holding the step ranges) and each profiled step's window."""
+    steps = sorted((e for e in events if str(e.get("name", "")).startswith(STEP_PREFIX)), key=lambda e: e["ts"])
+    if not steps:
+        raise ValueError(f"no {STEP_PREFIX} ranges in the trace")
+    return (steps[0].get("pid"), steps[0].get("tid")), [_span(e) for e in steps]
+
+
+def _calls(thread_events: list[dict]) -> list[tuple[dict, tuple]]:
+    """Each annotated call's span (its CALL range) with the fields of the marker inside it."""
+    calls = sorted((_span(e) for e in thread_events if e.get("name") == CALL), key=lambda s: (s[0], -s[1]))
+    markers = sorted(((_span(e)[0], parse_range(str(e["name"]))) for e in thread_events
+                      if str(e.get("name", "")).startswith(PREFIX) and parse_range(str(e["name"]))),
+                     key=lambda m: m[0])
+    out = []
+    starts = [m[0] for m in markers]
+    for span in calls:
+        i = bisect.bisect_left(starts, span[0])
+        if i < len(markers) and markers[i][0] < span[1]:
+            out.append((markers[i][1], span))
+    return out
+
+
+def _blocked(thread_events: list[dict]) -> tuple[dict[str, list], list[tuple[dict, tuple]]]:
+    """Blocked intervals per axis, and the outermost annotated calls (for counting)."""
+    comm = _calls(thread_events)
+    by_axis: dict[str, list] = defaultdict(list)
+    last_functional = "other"
+    waits = sorted((_span(e) for e in thread_events if e.get("name") == FUNCTIONAL_WAIT))
+    issued = [(span[0], f["axis"]) for f, span in comm if f["mode"] == "async"]
+    outermost: list[tuple[dict, tuple]] = []
+    for fields, span in comm:
+        if outermost and contains(outermost[-1][1], span):
+            continue  # nested: a sync call's own wait, a batch's transfers
+        outermost.append((fields, span))
+    for fields, span in outermost:
+        if fields["mode"] == "async" and fields["axis"] not in BUBBLE_AXES:
+            continue  # posting an overlappable tp/dp collective is host work where it runs, not a wait
+        axis = fields["axis"]
+        if axis == "?":  # a wait on a work no annotated call returned (a coalescing manager's): the axis of
+            axis = next((a for ts, a in reversed(issued) if ts <= span[0]), "other")  # the latest async call
+        by_axis[axis].append(span)
+    for span in waits:  # a functional wait: the axis of the latest functional issue before it
+        for ts, axis in issued:
+            if ts <= span[0]:
+                last_functional = axis
+        by_axis[last_functional].append(span)
+        last_functional = "other"
+    return by_axis, outermost
+
+
+def _thread(events: list[dict], thread) -> list[dict]:
+    return [e for e in events if (e.get("pid"), e.get("tid")) == thread]
+
+
+def cpu_breakdown(trace: dict) -> dict:
+    """{"steps": [per-step breakdown in ms], "collectives": [per-step counts]} for a CPU trace."""
+    events = complete_events(trace)
+    thread, windows = step_windows(events)
+    mine = _thread(events, thread)
+    by_axis, calls = _blocked(mine)
+    optimizer_spans = [_span(e) for e in mine if str(e.get("name", "")).startswith(OPTIMIZER_PREFIXES)]
+    ops = [_span(e) for e in mine if e.get("cat") == "cpu_op"]
+    backward = [_span(e) for e in mine if str(e.get("name", "")).startswith(BACKWARD_PREFIX)]
+    steps = []
+    for lo, hi in windows:
+        bubble = union(clip([s for a in BUBBLE_AXES for s in by_axis.get(a, [])], lo, hi))
+        taken = list(bubble)
+        exposed = {}
+        for axis in (*AXES, "other"):
+            if axis == "pp":
+                exposed[axis] = 0.0  # on gloo a transfer's wait cannot be told from its peer's lateness: bubble
+                continue
+            spans = subtract(clip(by_axis.get(axis, []), lo, hi), taken)
+            taken += spans
+            if axis != "other" or spans:
+                exposed[axis] = length(spans) / 1e3
+        inside = clip(ops, lo, hi)
+        busy = [(min(a for a, _ in inside), max(b for _, b in inside))] if inside else []
+        update = [(max(backward_ends), busy[0][1])] if busy and (backward_ends := [
+            b for a, b in clip(backward, lo, hi)]) else []
+        optimizer = subtract(clip(optimizer_spans, lo, hi) + update, taken)
+        taken += optimizer
+        compute = subtract(busy, taken)
+        step = _assemble(hi - lo, length(compute), length(optimizer), exposed, length(bubble))
+        step["host_gaps"] = (length(compute) - length(subtract(inside, taken))) / 1e3
+        steps.append(step)
+    return {"steps": steps, "collectives": count_calls(calls, windows)}
+
+
+def _assemble(step_us: float, compute_us: float, optimizer_us: float, exposed_ms: dict, bubble_us: float) -> dict:
+    out = {"compute": compute_us / 1e3, "optimizer": optimizer_us / 1e3, "exposed_comm": exposed_ms,
+           "bubble": bubble_us / 1e3, "step": step_us / 1e3}
+    out["other"] = max(0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"]
+                       - sum(exposed_ms.values()))
+    return out
+
+
+def count_calls(calls: list[tuple[dict, tuple]], windows) -> list[dict]:
+    """Per-step count and bytes of each (axis, kind): the mean over the profiled steps."""
+    agg: dict[tuple, list] = defaultdict(lambda: [0, 0])
+    for fields, span in calls:
+        if fields["mode"] == "wait" or fields["kind"] == "batch_p2p":
+            continue
+        if any(lo <= span[0] < hi for lo, hi in windows):
+            entry = agg[(fields["axis"], fields["kind"])]
+            entry[0] += 1
+            entry[1] += fields["bytes"]
+    n = max(1, len(windows))
+    return [{"axis": axis, "kind": kind, "count": c / n, "bytes": b / n}
+            for (axis, kind), (c, b) in sorted(agg.items())]
+
+
+def cuda_breakdown(trace: dict) -> dict:
+    """The kernel-timeline breakdown (see the module docstring); untested on a GPU so far."""
+    events = complete_events(trace)
+    thread, windows = step_windows(events)
+    mine = _thread(events, thread)
+    comm = _calls(mine)
+    optimizer_spans = [_span(e) for e in mine if str(e.get("name", "")).startswith(OPTIMIZER_PREFIXES)]
+    launches = {e.get("args", {}).get("correlation"): _span(e)[0] for e in events
+                if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") is not None}
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+
+    def launched_in(e, spans) -> bool:
+        ts = launches.get(e.get("args", {}).get("correlation"))
+        return ts is not None and any(a <= ts < b for a, b in spans)
+
+    ops = [_span(e) for e in mine if e.get("cat") == "cpu_op"]
+    backward = [_span(e) for e in mine if str(e.get("name", "")).startswith(BACKWARD_PREFIX)]
+    for lo, hi in windows:  # the update phase launches its kernels after the step's last backward
+        ends = [b for _, b in clip(backward, lo, hi)]
+        inside = clip(ops, lo, hi)
+        if ends and inside:
+            optimizer_spans.append((max(ends), max(b for _, b in inside)))
+    nccl = defaultdict(list)
+    compute, optimizer = [], []
+    for k in kernels:
+        if "nccl" in str(k.get("name", "")).lower():
+            ts = launches.get(k.get("args", {}).get("correlation"))
+            axis = next((f["axis"] for f, (a, b) in comm if ts is not None and a <= ts < b), "other")
+            nccl["pp" if axis == WORLD else axis].append(_span(k))
+        elif launched_in(k, optimizer_spans):
+            optimizer.append(_span(k))
+        else:
+            compute.append(_span(k))
+    steps = []
+    for lo, hi in windows:
+        busy = union(clip(compute + optimizer, lo, hi))
+        exposed = {a: length(subtract(clip(nccl.get(a, []), lo, hi), busy)) / 1e3 for a in (*AXES, "other")}
+        bubble = exposed.pop("pp")
+        exposed["pp"] = 0.0
+        if not exposed["other"]:
+            del exposed["other"]
+        steps.append(_assemble(hi - lo, length(subtract(clip(compute, lo, hi), clip(optimizer, lo, hi))),
+                               length(clip(optimizer, lo, hi)), exposed, bubble * 1e3))
+    _, calls = _blocked(mine)
+    return {"steps": steps, "collectives": count_calls(calls, windows)}
+
+
+def breakdown(trace: dict, device_type: str = "cpu") -> dict:
+    return cuda_breakdown(trace) if device_type == "cuda" else cpu_breakdown(trace)
+
+
+def mean_step(steps: list[dict]) -> dict:
+    """The mean over profiled steps, component by component."""
+    n = len(steps)
+    axes = sorted({a for s in steps for a in s["exposed_comm"]}, key=lambda a: (a not in AXES, AXES.index(a)
+                                                                                 if a in AXES else 0, a))
+    return {"compute": sum(s["compute"] for s in steps) / n, "optimizer": sum(s["optimizer"] for s in steps) / n,
+            "exposed_comm": {a: sum(s["exposed_comm"].get(a, 0.0) for s in steps) / n for a in axes},
+            "bubble": sum(s["bubble"] for s in steps) / n, "other": sum(s["other"] for s in steps) / n,
+            "step": sum(s["step"] for s in steps) / n}

@@ -1,0 +1,233 @@
+"""While profiling only: name every collective and every wait in the trace.
+
+The Kineto trace of a gloo run shows c10d ops but not the process group they ran on, nor whether
+they were asynchronous, and Work.wait() leaves no event at all. Inside `Annotations` each
+torch.distributed collective (and the functional collectives DTensor issues) runs inside a
+record_function range CALL whose first child, a marker range named
+`comm|<kind>|<axis>|<mode>|<bytes>` (mode sync, async or wait), says what it was, so the analysis
+can tell, from the trace alone, where the main thread was blocked and on which axis. CALL opens
+before the wrapper's own bookkeeping, so that bookkeeping (and the marker) count as the call's
+time, as a caller's clock around the call counts them. Outside `Annotations` nothing is
+wrapped: the measured steps run torch's own functions.
+
+Bytes follow harness.engine.comm: the tensor for all_reduce, broadcast and p2p, the gathered
+(full) tensor for all_gather, the full input for reduce_scatter.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import torch.distributed as dist
+
+from harness.parallel_dims import AXES, ParallelDims
+
+# torch's C++ range (0.7 us a range against record_function's 5 us): less of the wrapper's cost
+# falls outside the range it names
+record_function = getattr(torch._C._profiler, "_RecordFunctionFast", None) or torch.profiler.record_function
+
+PREFIX = "comm|"
+CALL = "comm|call"
+WORLD = "all"  # the step's global loss/norm reduction (no group named): it waits for the slowest rank
+
+
+def range_name(kind: str, axis: str, mode: str, nbytes: int) -> str:
+    return f"{PREFIX}{kind}|{axis}|{mode}|{nbytes}"
+
+
+def parse_range(name: str) -> dict | None:
+    """The fields of an annotation's name; None for any other event."""
+    if not name.startswith(PREFIX):
+        return None
+    parts = name.split("|")
+    if name == CALL or len(parts) != 5:
+        return None
+    _, kind, axis, mode, nbytes = parts
+    return {"kind": kind, "axis": axis, "mode": mode, "bytes": int(nbytes) if nbytes.isdigit() else 0}
+
+
+def _size(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_size(x) for x in t)
+    return 0
+
+
+class AxisOf:
+    """A call's axis. A call that names no group is WORLD: the step's global loss and norm
+    reduction, which every engine (and the own engine's "all" axis) issues without one. A group
+    named is the axis of ParallelDims whose group of this rank holds exactly its ranks (the
+    degree owner's naming; FSDP2's mesh hands over the default group itself for an axis that
+    spans the world), else WORLD for a whole-world group, else 'other': a group that is none of
+    the layout's axes, e.g. a one-rank group a framework still reduces over at degree 1 (Megatron's
+    model-parallel norm reductions at dp2: 13 calls, about 6 ms a step on CPU)."""
+
+    def __init__(self, dims: ParallelDims, rank: int):
+        self.dims, self.rank = dims, rank
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, group) -> str:
+        if group is None:
+            return WORLD
+        key = id(group)
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = self._resolve(group)
+        return found
+
+    def _resolve(self, group) -> str:
+        ranks = sorted(dist.get_process_group_ranks(group))
+        found = [a for a in AXES if self.dims.degree(a) > 1 and ranks == self.dims.group_of(self.rank, a)]
+        return found[0] if found else (WORLD if len(ranks) == self.dims.world else "other")
+
+
+# name -> (kind, index of the group argument, index of async_op (None: always async), the payload's index)
+C10D = {
+    "all_reduce": ("all_reduce", 2, 3, 0),
+    "all_gather_into_tensor": ("all_gather", 2, 3, 0),
+    "all_gather_single": ("all_gather", 2, 3, 0),
+    "_all_gather_base": ("all_gather", 2, 3, 0),
+    "all_gather": ("all_gather", 2, 3, 0),
+    "reduce_scatter_tensor": ("reduce_scatter", 3, 4, 1),
+    "reduce_scatter_single": ("reduce_scatter", 3, 4, 1),
+    "_reduce_scatter_base": ("reduce_scatter", 3, 4, 1),
+    "reduce_scatter": ("reduce_scatter", 3, 4, 1),
+    "all_to_all_single": ("all_to_all", 4, 5, 1),
+    "broadcast": ("broadcast", 2, 3, 0),
+    "send": ("send", 2, -1, 0),
+    "recv": ("recv", 2, -1, 0),
+    "isend": ("send", 2, None, 0),
+    "irecv": ("recv", 2, None, 0),
+    "barrier": ("barrier", 0, 1, -1),
+}
+FUNCTIONAL = {  # torch.distributed._functional_collectives: (kind, group index, payload scale by group size)
+    "all_reduce": ("all_reduce", 2, False),
+    "all_gather_tensor": ("all_gather", 2, True),
+    "reduce_scatter_tensor": ("reduce_scatter", 3, False),
+    "all_to_all_single": ("all_to_all", 3, False),
+}
+
+
+def _arg(args, kwargs, index, name, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if index is not None and 0 <= index < len(args) else default
+
+
+class Annotations:
+    """Context manager: wraps the collectives and Work.wait, restores them on exit."""
+
+    def __init__(self, axis_of: AxisOf):
+        self.axis_of = axis_of
+        self.work_axis: dict[int, tuple[str, str]] = {}
+        self.local = threading.local()
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _patch(self, owner, name: str, new) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def _c10d(self, name: str, fn, kind: str, gi: int, ai: int | None, pi: int):
+        import inspect
+
+        names = list(inspect.signature(fn).parameters)
+        group_name = names[gi] if gi < len(names) else "group"
+        async_name = names[ai] if ai is not None and 0 <= ai < len(names) else "async_op"
+        work_axis = self.work_axis
+
+        payload_name = names[pi] if 0 <= pi < len(names) else "tensor"
+        local = self.local
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with record_function(CALL):
+                axis = self.axis_of(_arg(args, kwargs, gi, group_name))
+                is_async = ai is None or bool(_arg(args, kwargs, ai, async_name, False))
+                payload = _arg(args, kwargs, pi, payload_name) if pi >= 0 else None
+                with record_function(range_name(kind, axis, "async" if is_async else "sync", _size(payload))):
+                    pass
+                local.inside = True  # the call's own waits are its time already: not annotated again
+                try:
+                    out = fn(*args, **kwargs)
+                finally:
+                    local.inside = False
+                if is_async and out is not None:
+                    work_axis[id(out)] = (axis, kind)
+                return out
+        return wrapped
+
+    def _batch(self, fn):
+        """batch_isend_irecv calls the (wrapped) isend/irecv per transfer: this range only groups them."""
+        work_axis = self.work_axis
+
+        @functools.wraps(fn)
+        def wrapped(p2p_op_list):
+            with record_function(CALL):
+                axis = self.axis_of(p2p_op_list[0].group) if p2p_op_list else "other"
+                with record_function(range_name("batch_p2p", axis, "async", 0)):
+                    pass
+                works = fn(p2p_op_list)
+            for w in works or []:
+                work_axis.setdefault(id(w), (axis, "p2p"))
+            return works
+        return wrapped
+
+    def _functional(self, fn, kind: str, gi: int, gathered: bool):
+        from torch.distributed import _functional_collectives as funcol
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with record_function(CALL):
+                group = _arg(args, kwargs, gi, "group")
+                try:
+                    pg = dist.distributed_c10d._resolve_process_group(funcol._resolve_group_name(group))
+                    axis, size = self.axis_of(pg), pg.size()
+                except Exception:  # noqa: BLE001 - a group form this torch cannot resolve: still counted
+                    axis, size = "other", 1
+                nbytes = _size(args[0] if args else None) * (size if gathered else 1)
+                with record_function(range_name(kind, axis, "async", nbytes)):
+                    pass
+                return fn(*args, **kwargs)
+        return wrapped
+
+    def __enter__(self):
+        from torch._C._distributed_c10d import Work
+        from torch.distributed import _functional_collectives as funcol
+        from torch.distributed import distributed_c10d as c10d
+
+        for name, (kind, gi, ai, pi) in C10D.items():
+            fn = getattr(c10d, name, None)
+            if fn is None:
+                continue
+            new = self._c10d(name, fn, kind, gi, ai, pi)
+            self._patch(c10d, name, new)
+            if getattr(dist, name, None) is fn:
+                self._patch(dist, name, new)
+        batch = self._batch(c10d.batch_isend_irecv)
+        self._patch(c10d, "batch_isend_irecv", batch)
+        self._patch(dist, "batch_isend_irecv", batch)
+        for name, (kind, gi, gathered) in FUNCTIONAL.items():
+            if hasattr(funcol, name):
+                self._patch(funcol, name, self._functional(getattr(funcol, name), kind, gi, gathered))
+        wait, work_axis, local = Work.wait, self.work_axis, self.local
+
+        def annotated_wait(work, *args, **kwargs):
+            if getattr(local, "inside", False):
+                return wait(work, *args, **kwargs)
+            with record_function(CALL):
+                axis, kind = work_axis.pop(id(work), ("?", "wait"))
+                with record_function(range_name(kind, axis, "wait", 0)):
+                    pass
+                return wait(work, *args, **kwargs)
+        self._patch(Work, "wait", annotated_wait)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, old in reversed(self._saved):
+            setattr(owner, name, old)
+        self._saved.clear()
+        self.work_axis.clear()
+        return False

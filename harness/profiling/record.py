@@ -1,0 +1,89 @@
+"""A run's profile as its record keeps it: every rank's breakdown, their mean, the collectives,
+the trace files of rank 0 and of the slowest rank, and the own engine's counters beside them.
+
+record["metrics"]: breakdown_ms (the mean over ranks of each rank's mean over the profiled
+steps), breakdown_ms_by_rank, breakdown_source ("profiler", or "instrumented" when profiling is
+off and the engine counts its own time), collectives (rank 0's, per step), compute_host_gaps_ms
+(how much of compute is host time between ops, the Python of a forward; outside the sum), and, for engines
+that count their own time, breakdown_instrumented_ms over the same profiled steps (the
+reference the profiler is checked against); profile_wall_s, what the profiled steps, their
+trace's export and its analysis took on the slowest rank. record["traces"]: [{"rank", "path", "role"}].
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from harness.profiling import trace as trace_files
+from harness.profiling.analysis import AXES, mean_step
+
+
+def from_instrumented(breakdown_s: dict) -> dict:
+    """The own engine's counters (seconds: compute, tp_comm, dp_comm, bubble, optimizer, total)
+    in the breakdown's shape, in ms; other is what they leave of the step."""
+    ms = {k: v * 1e3 for k, v in breakdown_s.items()}
+    out = {"compute": ms.get("compute", 0.0), "optimizer": ms.get("optimizer", 0.0),
+           "exposed_comm": {"tp": ms.get("tp_comm", 0.0), "dp": ms.get("dp_comm", 0.0), "pp": 0.0},
+           "bubble": ms.get("bubble", 0.0), "step": ms.get("total", 0.0)}
+    out["other"] = max(0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"]
+                       - sum(out["exposed_comm"].values()))
+    return out
+
+
+def _gather(mine, ctx) -> list:
+    if ctx.backend is None:
+        return [mine]
+    everyone: list = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _mean_over_ranks(rows: list[dict]) -> dict:
+    axes = [a for a in AXES] + sorted({a for r in rows for a in r["exposed_comm"] if a not in AXES})
+    n = len(rows)
+    out = {k: sum(r[k] for r in rows) / n for k in ("compute", "optimizer", "bubble", "other", "step")}
+    out["exposed_comm"] = {a: sum(r["exposed_comm"].get(a, 0.0) for r in rows) / n for a in axes}
+    return {k: out[k] for k in ("compute", "optimizer", "exposed_comm", "bubble", "other", "step")}
+
+
+def profile_metrics(profile: dict | None, ctx, trace_dir: str | None, trace_name: str) -> tuple[dict, list]:
+    """(metrics, traces) from this rank's profile: {"trace", "analysis", "instrumented": [breakdown_s per
+    step]} or None when profiling was off. Collective: every rank calls it."""
+    if profile is None:
+        return {}, []
+    analysis = profile.get("analysis")
+    mine = {"breakdown": mean_step(analysis["steps"]) if analysis else None,
+            "collectives": analysis["collectives"] if analysis else None,
+            "error": profile.get("error"), "wall_s": profile.get("wall_s", 0.0),
+            "host_gaps": (sum(st.get("host_gaps", 0.0) for st in analysis["steps"]) / len(analysis["steps"])
+                          if analysis else None),
+            "instrumented": [from_instrumented(s) for s in profile.get("instrumented") or []]}
+    everyone = _gather(mine, ctx)
+    metrics: dict = {"profile_steps": len(analysis["steps"]) if analysis else None,
+                     "profile_wall_s": max(e["wall_s"] for e in everyone)}
+    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
+    if errors:
+        metrics["breakdown_error"] = "; ".join(errors)[:500]
+    rows = [e["breakdown"] for e in everyone]
+    if all(rows):
+        metrics.update(breakdown_ms=_mean_over_ranks(rows), breakdown_ms_by_rank=rows, breakdown_source="profiler",
+                       collectives=everyone[0]["collectives"],
+                       compute_host_gaps_ms=sum(e["host_gaps"] for e in everyone) / len(everyone))
+    if all(e["instrumented"] for e in everyone):
+        per_rank = [_mean_over_ranks(e["instrumented"]) for e in everyone]
+        metrics.update(breakdown_instrumented_ms=_mean_over_ranks(per_rank),
+                       breakdown_instrumented_ms_by_rank=per_rank)
+    traces = []
+    if all(rows) and trace_dir is not None:
+        slowest = max(range(len(rows)), key=lambda r: rows[r]["step"])
+        roles = {0: "rank 0"}
+        roles.setdefault(slowest, "slowest rank")
+        for r, role in roles.items():
+            traces.append({"rank": r, "path": os.path.join(trace_dir, f"{trace_name}.rank{r}.trace.json.gz"),
+                           "role": role})
+        for t in traces:
+            if t["rank"] == ctx.rank:
+                trace_files.write(profile["trace"], t["path"])
+    return metrics, traces

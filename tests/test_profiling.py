@@ -1,0 +1,359 @@
+"""The profiled steps' breakdown: interval algebra on hand-made traces (quick), then real gloo runs
+checked against the own engine's counters over the same steps and against what DeepSpeed's and
+FSDP2's configurations imply (slow, two shared launches). No verdict depends on machine load:
+the profiler and the counters see the same steps, and the counts are counts."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import time
+
+import pytest
+import torch
+
+from harness.profiling import analysis, intervals
+from harness.profiling.annotate import CALL, WORLD, AxisOf, range_name
+from harness.profiling.record import from_instrumented
+from harness.profiling.trace import bounded
+
+# ---------------------------------------------------------------- quick: interval algebra
+
+
+def test_union_subtract_clip_length():
+    assert intervals.union([(5, 7), (0, 2), (1, 3), (7, 8), (9, 9)]) == [(0, 3), (5, 8)]
+    assert intervals.subtract([(0, 10)], [(2, 3), (5, 7), (9, 12)]) == [(0, 2), (3, 5), (7, 9)]
+    assert intervals.subtract([(0, 2), (4, 6)], [(1, 5)]) == [(0, 1), (5, 6)]
+    assert intervals.clip([(0, 5), (6, 9), (10, 12)], 3, 11) == [(3, 5), (6, 9), (10, 11)]
+    assert intervals.length([(0, 4), (2, 6), (10, 11)]) == 7
+
+
+def _x(name, ts, dur, cat="user_annotation", tid=1):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "pid": 0, "tid": tid}
+
+
+def _call(kind, axis, mode, ts, dur, nbytes=0):
+    """An annotated call as annotate.py writes it: the CALL range and its marker."""
+    return [_x(CALL, ts, dur), _x(range_name(kind, axis, mode, nbytes), ts + 0.5, 0.1)]
+
+
+def _step_trace():
+    """One 1000 us step: ops 10-900, a sync tp all-reduce (40 us, with its own nested wait), an
+    async dp all-reduce posted at 300 (not a wait) and waited for at 700-760, a pp recv wait at
+    100-150, the world's loss all-reduce at 880-890, backward ending at 800, Optimizer.step
+    810-860; a gloo worker thread's event (another tid) that must not count."""
+    ev = [_x("harness.step#0", 0, 1000), _x("aten::mm", 10, 890, "cpu_op"),
+          _x("autograd::engine::evaluate_function: MmBackward0", 400, 400, "cpu_op"),
+          _x("Optimizer.step#AdamW.step", 810, 50), _x("gloo:all_reduce", 0, 1000, "cpu_op", tid=2)]
+    ev += _call("all_reduce", "tp", "sync", 200, 40, 1024) + _call("all_reduce", "?", "wait", 210, 20)
+    ev += _call("all_reduce", "dp", "async", 300, 5, 4096) + _call("all_reduce", "dp", "wait", 700, 60)
+    ev += _call("recv", "pp", "sync", 100, 50, 256) + _call("all_reduce", WORLD, "sync", 880, 10, 8)
+    return {"traceEvents": ev}
+
+
+def test_cpu_breakdown_of_a_hand_made_step():
+    out = analysis.cpu_breakdown(_step_trace())
+    (s,) = out["steps"]
+    assert s["step"] == pytest.approx(1.0)
+    assert s["exposed_comm"] == pytest.approx({"tp": 0.040, "dp": 0.060, "pp": 0.0})
+    assert s["bubble"] == pytest.approx(0.060)  # the pp wait and the world's reduction
+    # the update phase: from the last backward's end (800) to the last op's end (900), less the
+    # blocked 880-890 (bubble); Optimizer.step lies inside it
+    assert s["optimizer"] == pytest.approx(0.090)
+    # first op to last op (10-900) less everything above; the posting of the dp all-reduce is compute
+    assert s["compute"] == pytest.approx(0.890 - 0.040 - 0.060 - 0.060 - 0.090)
+    assert s["other"] == pytest.approx(0.110)  # 0-10 and 900-1000
+    assert sum([s["compute"], s["optimizer"], s["bubble"], s["other"], *s["exposed_comm"].values()]) \
+        == pytest.approx(s["step"])
+    calls = {(c["axis"], c["kind"]): (c["count"], c["bytes"]) for c in out["collectives"]}
+    # the nested wait is the sync call's own, the dp wait is not a call
+    assert calls == {("tp", "all_reduce"): (1, 1024), ("dp", "all_reduce"): (1, 4096),
+                     ("pp", "recv"): (1, 256), (WORLD, "all_reduce"): (1, 8)}
+
+
+def test_waits_without_their_issue_take_the_latest_collectives_axis_and_steps_are_averaged():
+    ev = [_x("harness.step#0", 0, 100), _x("harness.step#1", 100, 100), _x("aten::add", 0, 200, "cpu_op")]
+    ev += _call("all_reduce", "tp", "async", 10, 2, 64) + [_x(analysis.FUNCTIONAL_WAIT, 20, 30, "cpu_op")]
+    ev += _call("all_reduce", "tp", "async", 110, 2, 64) + [_x(analysis.FUNCTIONAL_WAIT, 120, 10, "cpu_op")]
+    ev += _call("reduce_scatter", "dp", "async", 150, 2, 32) + _call("all_reduce", "?", "wait", 160, 20)
+    out = analysis.cpu_breakdown({"traceEvents": ev})
+    assert [s["exposed_comm"]["tp"] for s in out["steps"]] == pytest.approx([0.030, 0.010])
+    # a wait on a work no annotated call returned (a coalescing manager's): the latest async call's axis
+    assert [s["exposed_comm"]["dp"] for s in out["steps"]] == pytest.approx([0.0, 0.020])
+    assert analysis.mean_step(out["steps"])["exposed_comm"]["tp"] == pytest.approx(0.020)
+    assert out["collectives"] == [{"axis": "dp", "kind": "reduce_scatter", "count": 0.5, "bytes": 16.0},
+                                  {"axis": "tp", "kind": "all_reduce", "count": 1.0, "bytes": 64.0}]
+
+
+def test_a_trace_without_step_ranges_is_refused():
+    with pytest.raises(ValueError, match="harness.step#"):
+        analysis.cpu_breakdown({"traceEvents": [_x("aten::mm", 0, 10, "cpu_op")]})
+
+
+def test_cuda_breakdown_counts_nccl_time_no_compute_kernel_overlaps():
+    """The CUDA backend on a hand-made kernel timeline (not yet checked on a GPU)."""
+    ev = [_x("harness.step#0", 0, 1000), _x("aten::mm", 0, 100, "cpu_op")]
+    ev += _call("all_reduce", "dp", "async", 50, 10)
+    ev += [_x("Optimizer.step#AdamW.step", 80, 10)]
+    ev += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t, "dur": 1, "pid": 0, "tid": 1,
+            "args": {"correlation": c}} for t, c in ((20, 1), (55, 2), (85, 3))]
+    ev += [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d, "pid": 1, "tid": 7, "args": {"correlation": c}}
+           for n, t, d, c in (("sgemm", 100, 300, 1), ("ncclDevKernel_AllReduce", 300, 400, 2),
+                              ("adam", 800, 100, 3))]
+    (s,) = analysis.cuda_breakdown({"traceEvents": ev})["steps"]
+    assert s["compute"] == pytest.approx(0.3) and s["optimizer"] == pytest.approx(0.1)
+    assert s["exposed_comm"]["dp"] == pytest.approx(0.3)  # 400-700: no compute kernel under it
+    assert s["other"] == pytest.approx(0.3)  # the device idle: 0-100, 700-800, 900-1000
+
+
+def test_bounded_trace_keeps_the_ranges_the_analysis_needs():
+    trace = _step_trace()
+    trace["traceEvents"] += [_x("aten::view", 1000 + i, 0.5, "cpu_op") for i in range(50)]
+    small = bounded(trace, max_events=20)
+    names = [e["name"] for e in small["traceEvents"]]
+    assert len(small["traceEvents"]) == 20 and names.count("aten::view") == 20 - 17  # the shortest dropped
+    assert small["harness_trimmed"]["dropped_events"] == len(trace["traceEvents"]) - 20
+    assert analysis.cpu_breakdown(small)["steps"] == analysis.cpu_breakdown(_step_trace())["steps"]
+    assert bounded(trace, max_events=10_000) is trace
+
+
+def test_axis_of_a_group_is_the_degree_owners(monkeypatch):
+    from harness.parallel_dims import ParallelDims
+
+    groups = {"a": [0, 1], "b": [0, 2], "c": [0, 1, 2, 3], "d": [0, 3]}
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: groups[g])
+    axis_of = AxisOf(ParallelDims(dp=2, tp=2), 0)
+    assert [axis_of(g) for g in (None, "a", "b", "c", "d")] == [WORLD, "tp", "dp", WORLD, "other"]
+
+
+def test_instrumented_counters_in_the_breakdowns_shape():
+    b = from_instrumented({"compute": 0.010, "tp_comm": 0.002, "dp_comm": 0.001, "bubble": 0.003,
+                           "optimizer": 0.001, "total": 0.020})
+    assert b["exposed_comm"] == pytest.approx({"tp": 2.0, "dp": 1.0, "pp": 0.0})
+    assert b["other"] == pytest.approx(3.0) and b["step"] == pytest.approx(20.0)
+
+
+def test_profile_steps_flag_refuses_a_negative_count(no_launch, one_line_error):
+    from harness.cli import main as cli_main
+
+    line = one_line_error(cli_main(["train", "--profile-steps", "-1"]))
+    assert line.startswith("error: --profile-steps: ") and "whole number" in line, line
+
+
+def test_single_run_records_a_profiler_breakdown_and_its_trace(tmp_path):
+    """In process, one rank: the profiled steps add no step time, no loss, and name their trace."""
+    from harness.run import run
+    from harness.runtime import RunContext
+    from harness.spec import parse_spec
+
+    cpu = RunContext(0, 1, 0, torch.device("cpu"), None)
+    spec = parse_spec({"workload": {"seq_len": 16, "global_batch_size": 2, "steps": 2, "warmup_steps": 1},
+                       "store": str(tmp_path / "r.sqlite")})
+    rec = run(spec, cpu, progress=False, profile_steps=2, trace_dir=str(tmp_path / "t"))
+    m = rec["metrics"]
+    assert len(m["losses"]) == 3 and m["step_time_s"]["n"] == 2
+    assert m["breakdown_source"] == "profiler" and m["collectives"] == []
+    assert 0 <= m["compute_host_gaps_ms"] < m["breakdown_ms"]["compute"]
+    b = m["breakdown_ms"]
+    assert b["compute"] > 0 and b["optimizer"] > 0 and b["exposed_comm"] == {"tp": 0.0, "dp": 0.0, "pp": 0.0}
+    assert _parts(b) == pytest.approx(b["step"], rel=0.05)
+    (t,) = rec["traces"]
+    assert t["rank"] == 0 and t["role"] == "rank 0" and t["path"].startswith(str(tmp_path / "t"))
+    with gzip.open(t["path"], "rt") as f:
+        assert any(e.get("name") == "harness.step#1" for e in json.load(f)["traceEvents"])
+    off = run(spec, cpu, progress=False, profile_steps=0)
+    assert "breakdown_ms" not in off["metrics"] and "traces" not in off
+
+
+def _parts(b: dict) -> float:
+    return b["compute"] + b["optimizer"] + b["bubble"] + b["other"] + sum(b["exposed_comm"].values())
+
+
+# ---------------------------------------------------------------- slow: real runs, shared launches
+
+TINY = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1, "precision": "fp32",
+        "device": "cpu"}
+SLEEP_S = 0.05
+
+
+def _plant(ctx, case):
+    """The sleep inside one collective on rank 1: the ZeRO-1 parameter all-gather over dp (one
+    synchronous call per step), or every synchronous tp all-reduce (2 ms each)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    plant = case.get("plant")
+    if not plant or ctx.rank != 1:
+        return lambda: None
+    gather = "all_gather_single" if hasattr(c10d, "all_gather_single") else "all_gather_into_tensor"
+    name, seconds = {"dp": (gather, SLEEP_S), "tp": ("all_reduce", 0.002)}[plant]
+    orig = getattr(c10d, name)
+
+    @functools.wraps(orig)
+    def slow(*args, **kwargs):
+        group = kwargs.get("group", args[2] if len(args) > 2 else None)
+        if group is not None and not kwargs.get("async_op", False) and len(dist.get_process_group_ranks(group)) == 2:
+            time.sleep(seconds)
+        return orig(*args, **kwargs)
+    c10d_name = getattr(dist, name)
+    setattr(c10d, name, slow)
+    setattr(dist, name, slow)
+
+    def undo():
+        setattr(c10d, name, orig)
+        setattr(dist, name, c10d_name)
+    return undo
+
+
+def _run_cases(ctx, cases):
+    from harness.run import Trainer
+    from harness.spec import parse_spec
+
+    out = []
+    for case in cases:
+        spec = parse_spec({"workload": TINY, "layout": case["layout"]})
+        undo = _plant(ctx, case)
+        try:
+            trainer = Trainer(spec, ctx, spec.shape(), progress=False)
+            for step in range(trainer.total):
+                trainer.step(step)
+            trainer.profile_steps(2)
+            m = trainer.metrics(measure_matmul=False)
+        finally:
+            undo()
+        numels = [p.numel() for _, p in trainer.engine.params] if case["layout"]["engine"] == "deepspeed" else None
+        out.append({"case": case, "numels": numels, **{k: m.get(k) for k in (
+            "breakdown_ms", "breakdown_ms_by_rank", "breakdown_instrumented_ms", "breakdown_instrumented_ms_by_rank",
+            "breakdown_source", "collectives", "breakdown_error")}})
+        del trainer
+    return out
+
+
+OWN_CASES = [{"layout": {"engine": "own", "dp": 2}}, {"layout": {"engine": "own", "tp": 2}},
+             {"layout": {"engine": "own", "pp": 2}},
+             {"layout": {"engine": "own", "tp": 2, "sequence_parallel": True}},
+             {"layout": {"engine": "own", "dp": 2, "zero_stage": 1}, "plant": "dp"},
+             {"layout": {"engine": "own", "tp": 2}, "plant": "tp"}]
+
+
+@pytest.fixture(scope="module")
+def own_runs():
+    from harness.testing.spawn import spawn
+
+    return spawn(_run_cases, 2, OWN_CASES, timeout_s=600, threads=1)
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= max(1.0, 0.10 * abs(b))
+
+
+def _flat(b: dict) -> dict:
+    return {"compute": b["compute"], "optimizer": b["optimizer"], "bubble": b["bubble"], "step": b["step"],
+            **{f"exposed {a}": v for a, v in b["exposed_comm"].items() if a in ("tp", "dp", "pp")}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(4), ids=["dp2", "tp2", "pp2", "tp2-sp"])
+def test_profiler_agrees_with_the_own_engines_counters(own_runs, index):
+    """Per rank, over the same profiled steps: exposed comm per axis, bubble and the step within
+    10% or 1 ms. The counters' `other` (batch slicing, parameter refresh: work between their
+    clocks) is op time the trace puts where it runs, before the backward (compute) or after it
+    (optimizer); so compute and optimizer each lie between the counters' value and that value plus
+    their other (10% or 1 ms either side), and compute + optimizer + other agree within 10% or 1 ms."""
+    r = own_runs[index]
+    assert r["breakdown_source"] == "profiler" and not r["breakdown_error"]
+    for prof, inst in zip(r["breakdown_ms_by_rank"], r["breakdown_instrumented_ms_by_rank"]):
+        p, i = _flat(prof), _flat(inst)
+        bad = {k: (round(p[k], 2), round(i[k], 2)) for k in i if k not in ("compute", "optimizer")
+               and not _close(p[k], i[k])}
+        for k in ("compute", "optimizer"):
+            tol = max(1.0, 0.10 * i[k])
+            if not i[k] - tol <= p[k] <= i[k] + inst["other"] + tol:
+                bad[k] = (round(p[k], 2), round(i[k], 2), "+ other", round(inst["other"], 2))
+        host = tuple(b["compute"] + b["optimizer"] + b["other"] for b in (prof, inst))
+        if not _close(*host):
+            bad["compute + optimizer + other"] = host
+        assert not bad, (r["case"], bad)
+
+
+@pytest.mark.slow
+def test_components_sum_to_the_profiled_step(own_runs):
+    for r in own_runs:
+        for b in r["breakdown_ms_by_rank"]:
+            assert _parts(b) == pytest.approx(b["step"], rel=0.05), r["case"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index,axis", [(4, "dp"), (5, "tp")])
+def test_a_sleep_inside_a_collective_is_exposed_comm_on_its_axis(own_runs, index, axis):
+    r = own_runs[index]
+    slept = r["breakdown_ms_by_rank"][1]
+    calls = sum(c["count"] for c in r["collectives"] if c["axis"] == axis and c["kind"] in ("all_gather", "all_reduce"))
+    floor = 1e3 * (SLEEP_S * 1 if axis == "dp" else 0.002 * calls)
+    assert slept["exposed_comm"][axis] >= floor, (slept, floor)
+    other = "tp" if axis == "dp" else "dp"
+    assert slept["exposed_comm"][other] < floor and slept["bubble"] < floor
+    inst = r["breakdown_instrumented_ms_by_rank"][1]  # the counters saw it on the same axis
+    assert inst["exposed_comm"][axis] >= floor
+
+
+def _greedy_buckets(numels: list[int], size: int) -> int:
+    """DeepSpeed ZeRO-1/2's gradient buckets: a bucket is reduced when the next gradient would
+    take it past reduce_bucket_size elements (stage_1_and_2.py), and once at the end."""
+    count, filled = 0, 0
+    for n in numels:
+        if filled and filled + n > size:
+            count, filled = count + 1, 0
+        filled += n
+    return count + (1 if filled else 0)
+
+
+@pytest.fixture(scope="module")
+def framework_runs(tmp_path_factory):
+    from harness.frameworks.ds_config import resolve_path
+    from harness.testing.spawn import spawn
+
+    with open(resolve_path("", 1)) as f:
+        cfg = json.load(f)
+    cfg["zero_optimization"]["reduce_bucket_size"] = 20000  # elements: under the tiny model's 125,248 gradients
+    small = tmp_path_factory.mktemp("ds") / "zero1-small-buckets.json"
+    small.write_text(json.dumps(cfg))
+    cases = [{"layout": {"engine": "deepspeed", "dp": 2, "zero_stage": 1}},
+             {"layout": {"engine": "deepspeed", "dp": 2, "zero_stage": 1, "ds_config": str(small)}},
+             {"layout": {"engine": "fsdp", "dp": 2}}]
+    return spawn(_run_cases, 2, cases, timeout_s=600, threads=1), cfg
+
+
+def _counts(r) -> dict:
+    return {(c["axis"], c["kind"]): c["count"] for c in r["collectives"]}
+
+
+@pytest.mark.slow
+def test_deepspeed_zero1_issues_the_collectives_its_config_implies(framework_runs):
+    """One all-reduce per gradient bucket plus the gradient norm's, one parameter all-gather (one
+    bucket of 5e7), and the harness's loss reduction; buckets smaller than the gradients raise the
+    reductions to the count DeepSpeed's bucketing gives."""
+    (default, small, _), cfg = framework_runs
+    total = sum(default["numels"])
+    assert _greedy_buckets(default["numels"], 50_000_000) == 1
+    assert _counts(default) == {("dp", "all_reduce"): 1 + 1, ("dp", "all_gather"): 1, (WORLD, "all_reduce"): 1}
+    buckets = _greedy_buckets(small["numels"], cfg["zero_optimization"]["reduce_bucket_size"])
+    assert buckets >= -(-total // 20000) > 1
+    assert _counts(small) == {("dp", "all_reduce"): buckets + 1, ("dp", "all_gather"): 1, (WORLD, "all_reduce"): 1}
+    for r in (default, small):
+        grads = [c["bytes"] for c in r["collectives"] if c["axis"] == "dp" and c["kind"] == "all_reduce"][0]
+        assert grads == 4 * total + 4  # fp32 gradients, and the norm's one float
+
+
+@pytest.mark.slow
+def test_fsdp2_issues_the_collectives_its_config_implies(framework_runs):
+    """fully_shard on each of the L blocks and the root, fp32 (reduce-scatter every micro-batch),
+    reshard_after_forward on the blocks only: per micro-batch L+1 all-gathers forward, L again in
+    backward, L+1 reduce-scatters; one all-reduce of the per-parameter norms for clipping."""
+    (_, _, fsdp), _ = framework_runs
+    layers, micro = 2, TINY["global_batch_size"] // 2  # tiny: 2 blocks; micro-batch 1 on each of dp2
+    assert _counts(fsdp) == {("dp", "all_gather"): micro * (2 * layers + 1),
+                             ("dp", "reduce_scatter"): micro * (layers + 1),
+                             ("dp", "all_reduce"): 1, (WORLD, "all_reduce"): 1}
+    assert fsdp["breakdown_ms"]["exposed_comm"]["dp"] > 0
