@@ -16,7 +16,7 @@ from harness.report import plots
 from harness.report.build import sections_for
 from harness.report.compare import breakdown_rows, collective_rows, sections, trace_items, write_report
 from harness.report.data import breakdown_of, layout_key
-from harness.report.why import Case, explain
+from harness.report.why import Case, comparisons, explain
 from harness.store import ResultsStore, new_record
 from harness.testing.synthetic import make_records
 
@@ -124,6 +124,23 @@ def test_explain_says_less_and_same():
                                                                          "explains a difference.")
 
 
+def test_within_a_layout_every_framework_is_also_explained_against_the_own_engine():
+    """The fastest engine of a layout is the first yardstick; the own engine, when it is not the fastest,
+    the second: FSDP2 tp2 against own tp2 is explained even where DeepSpeed tp2 measured fastest."""
+    def case(label, engine, step_s, **parts):
+        return Case(label, engine, "tp2", step_s,
+                    breakdown_of({"breakdown_ms": {**parts, "step": sum(parts.values())}}))
+
+    ds, own = case("deepspeed tp2", "deepspeed", 0.090, compute=34.0, tp=79.0), case("own tp2", "own", 0.094,
+                                                                                       compute=32.0, tp=48.0)
+    fsdp = case("FSDP2 tp2", "FSDP2 reshard", 0.150, compute=86.0, tp=60.0)
+    same_layout, _ = comparisons([fsdp, own, ds])
+    assert [s.split(" takes ")[0] + " / " + s.split(" than ")[1].split(" (")[0] for s in same_layout] == [
+        "own tp2 / deepspeed tp2", "FSDP2 tp2 / deepspeed tp2", "FSDP2 tp2 / own tp2"]
+    assert same_layout[2].startswith("FSDP2 tp2 takes 66.0 ms more per profiled step than own tp2 (146.0 against "
+                                     "80.0 ms): compute +54.0 ms (82% of the difference)"), same_layout[2]
+
+
 def test_where_the_step_goes_for_every_engine_in_ms_and_percent(summary, report):
     header, rows = breakdown_rows(summary)
     assert header == ["run", "source", "compute", "exposed tp communication", "exposed dp communication",
@@ -145,12 +162,17 @@ def test_collectives_and_trace_links(summary, report):
     md, page = report["markdown"], report["html"]
     for text in (md, page):
         assert "ui.perfetto.dev" in text and "chrome://tracing" in text
-    assert "**own dp2**: [rank 0](traces/own%20dp2-rank0.json.gz), [slowest rank (rank 1)](traces/own%20dp2-rank1" \
-        ".json.gz)" in md
-    assert "<a href='traces/own%20dp2-rank0.json.gz'>rank 0</a>" in page
+    (own_dp2,) = [line for line in md.splitlines() if line.startswith("- **own dp2**: ")]
+    assert "traces/own%20dp2-rank0.json.gz), [slowest rank (rank 1)](" in own_dp2, own_dp2
+    assert own_dp2.endswith("traces/own%20dp2-rank1.json.gz)"), own_dp2
+    assert "traces/own%20dp2-rank0.json.gz'>rank 0</a>" in page
     assert "**reference (single device)**: no trace kept" in md
     kept = {**summary, "runs": [{**summary["runs"][1], "traces": [{"rank": 0, "path": "/data/t/x.json.gz"}]}]}
     assert trace_items(kept, "/data/reports") == ["**own tp2**: [rank 0](../t/x.json.gz)"]  # moves with the report
+    # a record's relative path is relative to where the comparison ran, as the report's folder is
+    kept = {**summary, "runs": [{**summary["runs"][1], "traces": [{"rank": 0, "path": "logs/x.json.gz"}]}]}
+    assert trace_items(kept, "reports") == ["**own tp2**: [rank 0](../logs/x.json.gz)"]
+    assert trace_items(kept, "harness-out") == ["**own tp2**: [rank 0](../logs/x.json.gz)"]
 
 
 def test_compare_json_carries_the_breakdown_fields(summary, report):

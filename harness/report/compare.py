@@ -220,9 +220,10 @@ def _trace_name(trace: dict) -> str:
 
 
 def _trace_link(path: str, base: str | None) -> str:
-    """An absolute trace path relative to the report's folder (`base`), so the two can move together."""
-    if base and os.path.isabs(path):
-        path = os.path.relpath(path, base)
+    """A trace path relative to the report's folder (`base`), so the two can move together. A relative path
+    in a record is relative to the folder the comparison ran in, as `base` is (one process writes both)."""
+    if base:
+        path = os.path.relpath(os.path.abspath(path), os.path.abspath(base))
     return quote(path, safe="/:._-~")
 
 

@@ -60,20 +60,28 @@ def _rank(c: Case) -> float:
     return c.step_s if c.step_s is not None else c.breakdown.step_ms / 1e3
 
 
-def _grouped(cases: list[Case], by, other, limit: int | None) -> list[str]:
-    """Per group (same `by`), its fastest run against each run of the group that differs in `other`;
-    groups in the order of their fastest run, so the fastest run overall comes first."""
+def _grouped(cases: list[Case], by, other, limit: int | None, yardstick=lambda c: False) -> list[str]:
+    """Per group (same `by`), its fastest run against each run of the group that differs in `other`, then
+    the group's `yardstick` run (when it is not the fastest) against the others; groups in the order of
+    their fastest run, so the fastest run overall comes first."""
     groups: dict = {}
     for c in sorted(cases, key=_rank):
         groups.setdefault(by(c), []).append(c)
     out = []
     for members in groups.values():
-        best = members[0]
-        out += [explain(best, c) for c in members[1:] if other(c) != other(best)]
+        anchors = [members[0], *(c for c in members[1:] if yardstick(c))]
+        done = set()
+        for a in anchors:
+            for c in members:
+                if other(c) != other(a) and frozenset((id(a), id(c))) not in done:
+                    done.add(frozenset((id(a), id(c))))
+                    out.append(explain(a, c))
     return out[:limit] if limit else out
 
 
 def comparisons(cases: list[Case], limit: int | None = None) -> tuple[list[str], list[str]]:
-    """(the same layout under other engines, the same engine at other layouts): one sentence per pair."""
-    return (_grouped(cases, lambda c: c.layout, lambda c: c.engine, limit),
+    """(the same layout under other engines, the same engine at other layouts): one sentence per pair.
+    Within a layout the own engine is the second yardstick: each framework against the harness's explicit
+    Megatron-style implementation of the same layout, whichever engine was fastest."""
+    return (_grouped(cases, lambda c: c.layout, lambda c: c.engine, limit, yardstick=lambda c: c.engine == "own"),
             _grouped(cases, lambda c: c.engine, lambda c: c.layout, limit))
