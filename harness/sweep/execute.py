@@ -9,12 +9,12 @@ disk) is merged back from its fallback file when the sweep runs again.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 
 from harness import launch
 from harness.errors import SpecError
+from harness.files.lock import pid_lock
 from harness.store import STATUSES, ResultsStore
 from harness.sweep.expand import expand, pending
 from harness.sweep.spec import SweepSpec
@@ -32,35 +32,9 @@ def sweep_lock(sweep: SweepSpec, store_path: str):
     both would run every point, timed while competing for the machine. The lock file is removed
     when released; one that was removed while being opened is opened again."""
     path = f"{os.path.abspath(store_path)}.{sweep_id(sweep, store_path)}.lock"
-    while True:
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)  # a store in a folder still to be made
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise SpecError("store", f"cannot create the sweep's lock file {path}: {e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise SpecError("sweep", f"{sweep.name} is already running on {store_path} (pid {holder})") from None
-        try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError:
-        pass  # the pid is only for the message; the lock holds without it
-    try:
+    with pid_lock(path, "sweep", lambda pid: f"{sweep.name} is already running on {store_path} (pid {pid})",
+                  create_field="store"):
         yield path
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        os.close(fd)
 
 
 def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: float,
