@@ -50,5 +50,20 @@ def tied_across_stages(what: str, engine: str, takes) -> ModelRule:
             f"pipeline stage (Megatron's embedding group), which {engine} does not do here")
 
 
+def gather_on_rank0(mine: dict | None) -> dict | None:
+    """Merge every rank's {name: tensor} (None from ranks that own nothing) on global rank 0, for
+    full_state_dict(); None elsewhere. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    everyone: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    if everyone is None:
+        return None
+    out: dict = {}
+    for part in everyone:
+        out.update(part or {})
+    return out
+
+
 def build_engine(spec, shape, ctx):
     return registry.adapter(spec.layout.engine).build(spec, shape, ctx)

@@ -26,7 +26,6 @@ tests/test_census_deepspeed.py checks these closed forms against the census.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from harness.data.source import dp_slice, micro_batches
 from harness.errors import NonFiniteStep
@@ -96,19 +95,6 @@ def configure_checkpointing(config: dict, mpu) -> None:
                             contiguous_checkpointing=ac.contiguous_memory_optimization,
                             num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
                             synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile)
-
-
-def gather_on_rank0(mine: dict | None) -> dict | None:
-    """Merge every rank's {name: tensor} (None from ranks that own nothing) on global rank 0.
-    Collective: every rank calls it."""
-    everyone: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
-    if everyone is None:
-        return None
-    out: dict = {}
-    for part in everyone:
-        out.update(part or {})
-    return out
 
 
 def fp32_copy(param) -> torch.Tensor:

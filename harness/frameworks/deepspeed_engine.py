@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.frameworks.deepspeed_common import DeepSpeedBase, configure_checkpointing, fp32_copy, gather_on_rank0
+from harness.frameworks import gather_on_rank0
+from harness.frameworks.deepspeed_common import DeepSpeedBase, configure_checkpointing, fp32_copy
 
 CHECKPOINTING = {"none": "none", "full": "deepspeed.checkpointing.checkpoint per block",
                  "selective": "model's attention-core recomputation (torch checkpoint)"}

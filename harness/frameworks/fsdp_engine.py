@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from harness import measure
 from harness.data.source import dp_slice
+from harness.frameworks import gather_on_rank0
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.training import BuildOptions, StepHooks, dtype_name, precision_policy
 from harness.parallel_dims import ParallelDims
@@ -289,11 +290,8 @@ class FSDPEngine:
                 full = param.full_tensor() if hasattr(param, "full_tensor") else param
                 if keep:
                     mine[name.replace(_WRAPPED, "")] = full.detach().float().cpu().clone()
-        if self.spec.layout.pp > 1:
-            gathered = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
-            dist.gather_object(mine if keep else {}, gathered, dst=0)
-            if self.ctx.rank == 0:
-                mine = {k: v for part in gathered for k, v in part.items()}
+        if self.spec.layout.pp > 1:  # each stage's part
+            mine = gather_on_rank0(mine if keep else None)
         return mine if self.ctx.rank == 0 else None
 
     def last_step_details(self) -> dict:

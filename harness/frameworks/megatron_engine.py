@@ -39,7 +39,7 @@ import torch.distributed as dist
 from harness import measure
 from harness.data.source import dp_slice, micro_batches
 from harness.errors import NonFiniteStep
-from harness.frameworks import megatron_shim, megatron_weights
+from harness.frameworks import gather_on_rank0, megatron_shim, megatron_weights
 from harness.model.llama import ReferenceWeights
 from harness.model.training import precision_policy
 from harness.parallel_dims import ParallelDims
@@ -250,11 +250,8 @@ class MegatronEngine:
                     names = megatron_weights.plain_names(name, numbers, self.shape.tie_embeddings)
                     for plain, tensor in zip(names, megatron_weights.plain_tensors(name, shards, self.shape)):
                         mine[plain] = tensor.detach().float().cpu().clone()
-        if self.spec.layout.pp > 1:
-            gathered = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
-            dist.gather_object(mine if keep else {}, gathered, dst=0)
-            if self.ctx.rank == 0:
-                mine = {k: v for part in gathered for k, v in part.items()}
+        if self.spec.layout.pp > 1:  # each stage's part
+            mine = gather_on_rank0(mine if keep else None)
         return mine if self.ctx.rank == 0 else None
 
     def _master_of_each_param(self) -> dict[int, torch.Tensor]:
