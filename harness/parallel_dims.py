@@ -18,8 +18,13 @@ from dataclasses import dataclass
 
 from harness.errors import SpecError
 
-AXES = ("pp", "dp", "tp")  # the mesh's order, outermost first
-LABEL_ORDER = ("tp", "pp", "dp")  # how a layout's label names them ('tp2 pp2 dp4')
+AXES = ("pp", "dp", "cp", "tp")  # the mesh's order, outermost first (Megatron's tp-cp-dp-pp, inside out)
+LABEL_ORDER = ("tp", "cp", "pp", "dp")  # how a layout's label names them ('tp2 cp2 pp2 dp4')
+# The axes a parameter is replicated over, whose gradients are summed and whose ranks share the
+# ZeRO-1 shards: context-parallel ranks hold the same weights and see other tokens of the same
+# sequences, so to the optimizer they are data parallelism (Megatron's data-parallel group with
+# context parallelism). Its groups are counted and annotated under the name "dp".
+REPLICA_AXES = ("dp", "cp")
 
 Coord = namedtuple("Coord", AXES)  # a rank's place on every axis
 
@@ -28,6 +33,7 @@ Coord = namedtuple("Coord", AXES)  # a rank's place on every axis
 class ParallelDims:
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     tp: int = 1
 
     def __post_init__(self):
@@ -53,7 +59,7 @@ class ParallelDims:
         others do not divide is a SpecError naming `field`."""
         fixed = cls(**{**known, derived: 1})
         if not fixed.divides(world_size):
-            named = " x ".join(f"{a}={getattr(fixed, a)}" for a in AXES if a != derived)
+            named = " x ".join(f"{a}={getattr(fixed, a)}" for a in AXES if a != derived and getattr(fixed, a) != 1)
             raise SpecError(field, f"world size {world_size} is not divisible by {named} = {fixed.world}")
         return dataclasses.replace(fixed, **{derived: world_size // fixed.world})
 
@@ -137,6 +143,36 @@ class ParallelDims:
         """The ranks that share every coordinate with `rank` but the one on `axis`."""
         c = self.coord(rank)._asdict()
         return [self.rank(**{**c, axis: k}) for k in range(self.degree(axis))]
+
+    def flat_group_of(self, rank: int, axes: tuple[str, ...] = REPLICA_AXES) -> list[int]:
+        """The ranks that share every coordinate with `rank` but those on `axes`, in rank order
+        (the dp x cp group a gradient is reduced over)."""
+        c = self.coord(rank)._asdict()
+        return sorted(r for r in range(self.world)
+                      if all(v == c[a] for a, v in self.coord(r)._asdict().items() if a not in axes))
+
+    def flat_groups(self, axes: tuple[str, ...] = REPLICA_AXES) -> list[list[int]]:
+        """Every group flat_group_of gives (each rank in exactly one), in rank order of their first member."""
+        seen: dict[int, list[int]] = {}
+        for r in range(self.world):
+            group = self.flat_group_of(r, axes)
+            seen.setdefault(group[0], group)
+        return list(seen.values())
+
+    def replicas(self) -> int:
+        """How many ranks hold each parameter shard: the product of REPLICA_AXES' degrees."""
+        return self.product(*REPLICA_AXES)
+
+    def axis_of_group(self, rank: int, ranks: list[int]) -> str | None:
+        """The axis whose group (of `rank`) is exactly `ranks`: one of AXES, "dp" for the replica
+        group when cp > 1 (it carries the gradient reduction), or None."""
+        ranks = sorted(ranks)
+        for axis in AXES:
+            if self.degree(axis) > 1 and ranks == self.group_of(rank, axis):
+                return axis
+        if self.cp > 1 and self.dp > 1 and ranks == self.flat_group_of(rank):
+            return "dp"
+        return None
 
     def rank_table(self, ranks_per_node: int) -> list[dict]:
         """One row per rank: node, local rank and coordinates (what a run logs at start)."""

@@ -24,6 +24,7 @@ from harness.parallel_dims import LABEL_ORDER, ParallelDims
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
 CHECKPOINTING = ("none", "full", "selective")
+CP_IMPLS = ("ring", "allgather", "ulysses")  # K/V blocks passed round a ring, K/V all-gathered, heads all-to-all
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -119,6 +120,10 @@ class Layout:
     tp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
     pp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
     dp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
+    # context parallelism: each sequence split over cp ranks (load-balanced chunks i and 2cp-1-i), and
+    # how their attention meets the other ranks' keys and values
+    cp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
+    cp_impl: str = _choices(*CP_IMPLS, default="ring")
     micro_batch_size: int = spec_field(1, check=in_range(int, 1))
     activation_checkpointing: str = _choices(*CHECKPOINTING, default="none")
     sequence_parallel: bool = False
@@ -418,8 +423,18 @@ def check_sizes(spec: RunSpec) -> Shape:
         raise SpecError("layout.pp", f"{shape.layers} layers cannot fill {stages} pipeline stages")
     if lay.sequence_parallel and lay.tp == 1:
         raise SpecError("layout.sequence_parallel", "needs tp > 1")
-    if lay.sequence_parallel and w.seq_len % lay.tp:
-        raise SpecError("layout.sequence_parallel", f"seq_len {w.seq_len} is not divisible by tp={lay.tp}")
+    if lay.cp > 1 and w.seq_len % (2 * lay.cp):
+        raise SpecError("layout.cp", f"seq_len {w.seq_len} is not divisible by 2 x cp = {2 * lay.cp} "
+                                     f"(each rank holds two load-balanced chunks)")
+    if lay.cp > 1 and lay.cp_impl == "ulysses":
+        for count, what in ((shape.heads, "attention heads"), (shape.kv_heads, "KV heads")):
+            if count % ParallelDims.of(lay).product("cp", "tp"):
+                raise SpecError("layout.cp_impl", f"ulysses needs {what} ({count}) divisible by cp x tp = "
+                                                  f"{lay.cp} x {lay.tp}")
+    if lay.sequence_parallel and (w.seq_len // lay.cp) % lay.tp:
+        raise SpecError("layout.sequence_parallel", f"seq_len {w.seq_len} / cp={lay.cp} is not divisible by "
+                                                    f"tp={lay.tp}" if lay.cp > 1 else
+                        f"seq_len {w.seq_len} is not divisible by tp={lay.tp}")
     if lay.virtual_stages > 1 and lay.pipeline_schedule != "interleaved":
         raise SpecError("layout.virtual_stages", "needs pipeline_schedule: interleaved")
     if lay.pipeline_schedule == "interleaved" and lay.pp > 1:
@@ -619,9 +634,12 @@ def engine_variant(layout) -> str:
 
 
 def parallel_label(layout) -> str:
-    """The parallel degrees other than 1, and SP: 'tp2 pp2', 'dp8', 'tp4 dp2 sp' ('' for none)."""
+    """The parallel degrees other than 1, SP and the CP implementation: 'tp2 pp2', 'dp8', 'tp4 dp2 sp',
+    'cp2 dp2 ring' ('' for none)."""
     lay = _layout_dict(layout)
-    return " ".join(p for p in (ParallelDims.of(lay).label(), "sp" if lay.get("sequence_parallel") else "") if p)
+    dims = ParallelDims.of(lay)
+    impl = (lay.get("cp_impl") or "ring") if dims.cp > 1 else ""
+    return " ".join(p for p in (dims.label(), "sp" if lay.get("sequence_parallel") else "", impl) if p)
 
 
 def layout_label(layout, short: bool = False) -> str:
@@ -633,7 +651,8 @@ def layout_label(layout, short: bool = False) -> str:
     if short:
         return " ".join(p for p in (engine_variant(lay), parallel_label(lay)) if p)
     degrees = {k: ParallelDims.of(lay).degree(k) for k in LABEL_ORDER}
-    parts = [engine_variant(lay)] + [f"{k}{v}" for k, v in degrees.items()]
+    parts = [engine_variant(lay)] + [f"{k}{v}" + (f" {lay.get('cp_impl') or 'ring'}" if k == "cp" else "")
+                                     for k, v in degrees.items() if k != "cp" or v > 1]
     parts += [f"mb{lay.get('micro_batch_size', '?')}", f"ckpt={lay.get('activation_checkpointing') or 'none'}",
               f"{lay.get('attention') or '?'}/{lay.get('rmsnorm') or '?'}"]
     virtual = int(lay.get("virtual_stages") or 1)

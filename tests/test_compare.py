@@ -111,7 +111,7 @@ def test_missing_engine_is_skipped_with_a_note(monkeypatch):
     (compare_raw([{"engine": "fsdp"}], colour=1), "colour", "unknown key"),
     (compare_raw([]), "runs", "non-empty"),
     (compare_raw([{"engine": "fsdp", "bogus": 1}]), "runs[0].bogus", "unknown key"),
-    (compare_raw([{"engine": "fsdp", "dp": 4}]), "runs[0]", "world size 2 != tp x pp x dp"),
+    (compare_raw([{"engine": "fsdp", "dp": 4}]), "runs[0]", "world size 2 != tp x cp x pp x dp"),
     (compare_raw([{"engine": "deepspeed", "zero_stage": 5}]), "runs[0].zero_stage", "1, 2 or 3"),
     (compare_raw([{"engine": "fsdp"}], parity_steps=9), "parity_steps", "steps each run trains"),
     (compare_raw([{"engine": "fsdp"}, {"engine": "fsdp"}]), "runs[1].label", "used twice"),

@@ -56,8 +56,8 @@ def test_a_compare_spec_left_blank_takes_the_defaults():
 
 def test_an_nproc_that_the_run_does_not_divide_is_one_error_naming_its_dp():
     assert refusal(parse_compare_spec, compare([{"engine": "own", "tp": 2}], nproc=3)) == (
-        "runs[0].dp: world size 3 is not divisible by pp=1 x tp=2 = 2 "
-        "(nproc 3: a run that does not set dp takes nproc / (tp x pp))")
+        "runs[0].dp: world size 3 is not divisible by tp=2 = 2 "
+        "(nproc 3: a run that does not set dp takes nproc / (tp x cp x pp))")
     cs = parse_compare_spec(compare([{"engine": "own", "tp": 2}], nproc=4))
     assert [(r.label, r.nproc, r.spec.layout.dp) for r in cs.runs[1:]] == [("own tp2", 4, 2)]
 

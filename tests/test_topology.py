@@ -41,8 +41,8 @@ def test_4096_ranks_8_per_node_keeps_tp_inside_a_node():
         assert len({r // per_node for r in g}) == 1
         assert g == list(range(g[0], g[0] + tp))  # consecutive ranks
     # dp neighbours are one TP group apart; pipeline stages are a whole (dp x tp) block apart
-    assert dims.coord(8) == Coord(pp=0, dp=1, tp=0)
-    assert dims.coord(256) == Coord(pp=1, dp=0, tp=0)
+    assert dims.coord(8) == Coord(pp=0, dp=1, cp=0, tp=0)
+    assert dims.coord(256) == Coord(pp=1, dp=0, cp=0, tp=0)
     assert ParallelDims(tp=8).within_node("tp", 8) and ParallelDims(tp=4).within_node("tp", 8)
     assert not ParallelDims(tp=16).within_node("tp", 8)
 
@@ -68,7 +68,7 @@ def test_dp_is_derived_by_one_rule_and_a_world_that_does_not_divide_names_the_fi
     assert e.value.field == "nproc" and "not divisible by" in e.value.reason
     with pytest.raises(SpecError) as e:
         ParallelDims(tp=2, dp=2).check_world(8)
-    assert e.value.field == "layout" and "world size 8 != tp x pp x dp = 2 x 1 x 2" in e.value.reason
+    assert e.value.field == "layout" and "world size 8 != tp x cp x pp x dp = 2 x 1 x 1 x 2" in e.value.reason
     with pytest.raises(SpecError):
         ParallelDims(tp=0)
     with pytest.raises(SpecError):  # a zero degree is refused, not read as a missing one
@@ -77,8 +77,8 @@ def test_dp_is_derived_by_one_rule_and_a_world_that_does_not_divide_names_the_fi
 
 def test_strides_spans_and_node_placement_follow_the_axis_order():
     dims = ParallelDims(tp=4, pp=2, dp=8)
-    assert [dims.stride(a) for a in AXES] == [32, 4, 1] and [dims.span(a) for a in AXES] == [64, 32, 4]
-    assert all(dims.group_of(0, a)[1] - dims.group_of(0, a)[0] == dims.stride(a) for a in AXES)
+    assert [dims.stride(a) for a in AXES] == [32, 4, 4, 1] and [dims.span(a) for a in AXES] == [64, 32, 4, 4]
+    assert all(dims.group_of(0, a)[1] - dims.group_of(0, a)[0] == dims.stride(a) for a in AXES if dims.degree(a) > 1)
     # 8 ranks a node: a dp group (32 consecutive ranks, every 4th) has 2 members in each of 4 nodes
     assert dims.per_node("dp", 8) == 2 and dims.nodes("dp", 8) == 4
     for g in dims.axis_groups()["dp"]:
@@ -90,3 +90,13 @@ def test_strides_spans_and_node_placement_follow_the_axis_order():
 def test_a_world_the_degrees_do_not_tile_is_not_divided():
     assert ParallelDims(tp=2, pp=4).divides(16) and not ParallelDims(tp=2, pp=4).divides(12)
     assert not ParallelDims().divides(0)
+
+
+def test_cp_sits_between_tp_and_dp_and_its_replica_group_spans_dp_and_cp():
+    dims = ParallelDims(tp=2, cp=2, pp=2, dp=2)
+    assert dims.world == 16 and dims.label() == "tp2 cp2 pp2 dp2"
+    assert dims.group_of(0, "cp") == [0, 2] and dims.group_of(0, "tp") == [0, 1] and dims.group_of(0, "dp") == [0, 4]
+    assert dims.flat_group_of(1) == [1, 3, 5, 7] and dims.replicas() == 4
+    assert sorted(r for g in dims.flat_groups() for r in g) == list(range(16))
+    assert dims.axis_of_group(5, [1, 3, 5, 7]) == "dp" and dims.axis_of_group(5, [5, 7]) == "cp"
+    assert ParallelDims.derive(16, tp=2, cp=2) == ParallelDims(tp=2, cp=2, dp=4)

@@ -2,7 +2,7 @@
 
 ```yaml
 name: my-compare            # report file names and the store's sweep tag
-nproc: 2                    # processes per run (dp = nproc / (tp x pp), which must divide, unless a run sets it)
+nproc: 2                    # processes per run (dp = nproc / (tp x cp x pp), which must divide, unless a run sets it)
 parity_steps: 5             # the first N steps' losses must agree
 tolerance: null             # max relative loss difference; null: 1e-5 for fp32, 1e-3 for bf16
 timeout_s: 600              # per run
@@ -129,7 +129,7 @@ class CompareInput:
 
     NULL_IS_DEFAULT: typing.ClassVar[bool] = True
     name: str = spec_field("compare", check=_name)  # report file names and the store's sweep tag
-    nproc: int = spec_field(2, check=check_device_count)  # processes per run; dp = nproc / (tp x pp) unless set
+    nproc: int = spec_field(2, check=check_device_count)  # processes per run; dp = nproc / (tp x cp x pp) unless set
     parity_steps: int = spec_field(5, check=check_positive_int)  # the first N steps' losses must agree
     tolerance: float | None = spec_field(None, check=_tolerance)  # max relative loss difference; None: by precision
     timeout_s: float = spec_field(600.0, check=check_positive)  # per run
@@ -256,16 +256,16 @@ def parse_compare_spec(raw) -> CompareSpec:
 
 
 def _with_dp(layout: dict, nproc: int) -> dict:
-    """A run's layout with dp = nproc / (tp x pp) unless it sets dp (ParallelDims' one rule: an nproc
-    that tp x pp does not divide is an error); a malformed degree is left to the spec's checks."""
-    tp, pp = layout.get("tp", 1), layout.get("pp", 1)
-    if "dp" in layout or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tp, pp)):
+    """A run's layout with dp = nproc / (tp x cp x pp) unless it sets dp (ParallelDims' one rule: an nproc
+    that tp x cp x pp does not divide is an error); a malformed degree is left to the spec's checks."""
+    tp, pp, cp = layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1)
+    if "dp" in layout or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tp, pp, cp)):
         return layout
     try:
-        dims = ParallelDims.derive(nproc, field="layout.dp", tp=tp, pp=pp)
+        dims = ParallelDims.derive(nproc, field="layout.dp", tp=tp, pp=pp, cp=cp)
     except SpecError as e:
-        raise SpecError(e.field, f"{e.reason} (nproc {nproc}: a run that does not set dp takes nproc / (tp x pp))") \
-            from None
+        raise SpecError(e.field, f"{e.reason} (nproc {nproc}: a run that does not set dp takes "
+                                 f"nproc / (tp x cp x pp))") from None
     return {**layout, "dp": dims.dp}
 
 

@@ -14,6 +14,7 @@ from harness.spec import check_world_size
 ENGINE = EngineFacts(
     name="deepspeed",
     capabilities=[
+        ("cp", lambda lay: lay.cp == 1, "deepspeed's context parallelism (Ulysses) is not built yet"),
         ("zero_stage", lambda lay: lay.pp > 1 or lay.zero_stage in (1, 2, 3), "deepspeed runs ZeRO stage 1, 2 or 3"),
         ("zero_stage", lambda lay: lay.pp == 1 or lay.zero_stage in (0, 1),
          "DeepSpeed's pipeline engine (pp > 1) runs with ZeRO stage 0 or 1 only"),

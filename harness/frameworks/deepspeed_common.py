@@ -117,7 +117,7 @@ class DeepSpeedBase:
     def __init__(self, spec, shape, ctx):
         lay = spec.layout
         self.spec, self.shape, self.ctx, self.device = spec, shape, ctx, ctx.device
-        self.dp = ParallelDims.derive(ctx.world_size, "layout", tp=lay.tp, pp=lay.pp).dp
+        self.dp = ParallelDims.derive(ctx.world_size, "layout", tp=lay.tp, pp=lay.pp, cp=lay.cp).dp
         # the config is checked first: a contradiction is a SpecError before DeepSpeed loads
         self.config, self.config_file, self.filled = build_config(spec, shape, dp=self.dp,
                                                                   device_type=ctx.device.type)

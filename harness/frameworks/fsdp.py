@@ -15,6 +15,7 @@ def _micro(w, lay) -> int:
 ENGINE = EngineFacts(
     name="fsdp",
     capabilities=[
+        ("cp", lambda lay: lay.cp == 1, "engine fsdp's context parallelism (context_parallel) is not built yet"),
         *ONLY_DEEPSPEED,
         ("zero_stage", lambda lay: lay.zero_stage in (0, 3),
          "fsdp shards by reshard_after_forward, leave zero_stage unset"),

@@ -24,6 +24,9 @@ ENGINE = EngineFacts(
          "engine megatron has DistributedDataParallel (zero_stage 0) and its DistributedOptimizer (zero_stage 1); "
          "ZeRO-2/3 is Megatron-FSDP, not run here"),
         *ONLY_DEEPSPEED,
+        ("cp", lambda lay: lay.cp == 1,
+         "Megatron-core's context parallelism (cp_comm_type p2p, all_gather, a2a) runs only in Transformer Engine's "
+         "attention (TEDotProductAttention), not installed here: engine megatron runs cp=1"),
         ("attention", lambda lay: lay.attention == "naive",
          "Megatron-core's local layer spec (no Transformer Engine) has one core attention, DotProductAttention: "
          "softmax(QK^T)V materialised, softmax in fp32 (what naive is); set attention: naive"),

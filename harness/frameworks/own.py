@@ -9,6 +9,7 @@ from harness.spec import check_world_size
 ENGINE = EngineFacts(
     name="own",
     capabilities=[("zero_stage", lambda lay: lay.zero_stage in (0, 1), "the own engine has ZeRO stage 0 or 1"),
+                  ("cp", lambda lay: lay.cp == 1, "the own engine's context parallelism is not built yet"),
                   *ONLY_DEEPSPEED],
     model_limits=[tied_across_stages(
         "tied embeddings with pp > 1 or virtual stages: the own engine ties the embedding and LM head only when "

@@ -38,7 +38,8 @@ STEP_PREFIX = "harness.step#"
 OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 FUNCTIONAL_WAIT = "_c10d_functional::wait_tensor"
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "cp", "dp", "pp")
+OPTIONAL = ("cp", "other")  # reported only where the step had such calls (no cp column for runs without CP)
 BUBBLE_AXES = ("pp", WORLD)
 
 
@@ -125,7 +126,7 @@ def cpu_breakdown(trace: dict) -> dict:
                 continue
             spans = subtract(clip(by_axis.get(axis, []), lo, hi), taken)
             taken += spans
-            if axis != "other" or spans:
+            if axis not in OPTIONAL or spans:
                 exposed[axis] = length(spans) / 1e3
         inside = clip(ops, lo, hi)
         busy = [(min(a for a, _ in inside), max(b for _, b in inside))] if inside else []
@@ -202,8 +203,9 @@ def cuda_breakdown(trace: dict) -> dict:
         exposed = {a: length(subtract(clip(nccl.get(a, []), lo, hi), busy)) / 1e3 for a in (*AXES, "other")}
         bubble = exposed.pop("pp")
         exposed["pp"] = 0.0
-        if not exposed["other"]:
-            del exposed["other"]
+        for axis in OPTIONAL:
+            if not exposed[axis] and not nccl.get(axis):
+                del exposed[axis]
         steps.append(_assemble(hi - lo, length(subtract(clip(compute, lo, hi), clip(optimizer, lo, hi))),
                                length(clip(optimizer, lo, hi)), exposed, bubble * 1e3))
     _, calls = _blocked(mine)

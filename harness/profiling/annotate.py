@@ -22,7 +22,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from harness.parallel_dims import AXES, ParallelDims
+from harness.parallel_dims import ParallelDims
 
 # torch's C++ range (0.7 us a range against record_function's 5 us): less of the wrapper's cost
 # falls outside the range it names
@@ -80,8 +80,8 @@ class AxisOf:
 
     def _resolve(self, group) -> str:
         ranks = sorted(dist.get_process_group_ranks(group))
-        found = [a for a in AXES if self.dims.degree(a) > 1 and ranks == self.dims.group_of(self.rank, a)]
-        return found[0] if found else (WORLD if len(ranks) == self.dims.world else "other")
+        found = self.dims.axis_of_group(self.rank, ranks)
+        return found or (WORLD if len(ranks) == self.dims.world else "other")
 
 
 # name -> (kind, index of the group argument, index of async_op (None: always async), the payload's index)

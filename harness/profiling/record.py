@@ -17,7 +17,7 @@ import os
 import torch.distributed as dist
 
 from harness.profiling import trace as trace_files
-from harness.profiling.analysis import AXES, mean_step
+from harness.profiling.analysis import AXES, OPTIONAL, mean_step
 
 
 def from_instrumented(breakdown_s: dict) -> dict:
@@ -41,7 +41,8 @@ def _gather(mine, ctx) -> list:
 
 
 def _mean_over_ranks(rows: list[dict]) -> dict:
-    axes = [a for a in AXES] + sorted({a for r in rows for a in r["exposed_comm"] if a not in AXES})
+    seen = {a for r in rows for a in r["exposed_comm"]}
+    axes = [a for a in AXES if a not in OPTIONAL or a in seen] + sorted(seen - set(AXES))
     n = len(rows)
     out = {k: sum(r[k] for r in rows) / n for k in ("compute", "optimizer", "bubble", "other", "step")}
     out["exposed_comm"] = {a: sum(r["exposed_comm"].get(a, 0.0) for r in rows) / n for a in axes}

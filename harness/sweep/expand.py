@@ -116,8 +116,9 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
                   "layout": {**defaults["layout"], **lay}}
         if "dp" not in lay:
             try:
-                tp, pp = filled["layout"]["tp"], filled["layout"]["pp"]
-                lay["dp"] = filled["layout"]["dp"] = ParallelDims.derive(sweep.gpus, "sweep.gpus", tp=tp, pp=pp).dp
+                tp, pp, cp = filled["layout"]["tp"], filled["layout"]["pp"], filled["layout"].get("cp", 1)
+                lay["dp"] = filled["layout"]["dp"] = ParallelDims.derive(sweep.gpus, "sweep.gpus", tp=tp, pp=pp,
+                                                                         cp=cp).dp
             except SpecError:
                 pass  # dropped below, once the filters have seen the point
         flat = _flat(filled, coords)

@@ -25,7 +25,7 @@ Sweep spec (YAML):
             exclusive: true, cpus_per_task: 8}  # also qos, constraint, max_parallel, python, extra
 
 dp is derived as gpus / (tp x pp) unless set. Points that fail harness.spec validation,
-whose tp x pp x dp != gpus, or that duplicate an earlier point are dropped with the reason
+whose tp x cp x pp x dp != gpus, or that duplicate an earlier point are dropped with the reason
 (harness/sweep/expand.py).
 """
 
