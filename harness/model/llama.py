@@ -54,11 +54,24 @@ def rope_inv_freq(head_dim: int, theta: float, device, scaling: tuple | None = N
     return torch.where(medium, smoothed, scaled)
 
 
-def token_positions(seq_len: int, device) -> torch.Tensor:
-    """The positions (fp32) of the tokens a rank computes attention over: today always the whole
-    sequence, 0 .. seq_len-1. Every engine's rotary tables come from here, so a rank holding a shard
-    of the sequence (context parallelism) names its positions in this one place."""
-    return torch.arange(0, seq_len, device=device, dtype=torch.float32)
+def cp_token_index(seq_len: int, cp: int = 1, index: int = 0, device=None) -> torch.Tensor:
+    """Which of a sequence's token positions context-parallel rank `index` of `cp` holds, in the order
+    it holds them (int64): the sequence cut into 2·cp equal chunks, the rank keeping chunks index and
+    2·cp-1-index (causal load balancing: every rank gets one early and one late chunk, so the same
+    share of the causal mask's work). The whole sequence when cp is 1. Every engine's CP sharding of
+    tokens, targets and rotary positions comes from here."""
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(index * chunk, (index + 1) * chunk, device=device),
+                      torch.arange((2 * cp - 1 - index) * chunk, (2 * cp - index) * chunk, device=device)])
+
+
+def token_positions(seq_len: int, device, cp: int = 1, index: int = 0) -> torch.Tensor:
+    """The positions (fp32) of the tokens a rank computes attention over: the whole sequence,
+    0 .. seq_len-1, or under context parallelism the rank's chunks (cp_token_index). Every engine's
+    rotary tables come from here."""
+    return cp_token_index(seq_len, cp, index, device).to(torch.float32)
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling: tuple | None = None):
@@ -69,9 +82,10 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling:
     return emb.cos(), emb.sin()
 
 
-def shape_rotary(shape: Shape, seq_len: int, device):
-    """The model's rotary tables (theta and rope scaling from the shape): what every engine uses."""
-    positions = token_positions(seq_len, device)
+def shape_rotary(shape: Shape, seq_len: int, device, cp: int = 1, index: int = 0):
+    """The model's rotary tables (theta and rope scaling from the shape): what every engine uses;
+    under context parallelism those of rank `index`'s positions."""
+    positions = token_positions(seq_len, device, cp, index)
     return rotary_tables(positions, shape.hidden // shape.heads, shape.rope_theta, shape.rope_scaling)
 
 
