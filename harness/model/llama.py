@@ -193,14 +193,18 @@ class Llama(nn.Module):
     kernels: the attention and RMSNorm functions (default: those `attention` and `rmsnorm_kind`
     name). seq_len: the sequence the attention runs over when the input holds only part of it
     (a pipeline stage's input under sequence parallelism holds seq/tp positions); None: the input's.
+    cp, cp_index: a context-parallel rank's model, whose input holds that rank's chunks of each
+    sequence (cp_token_index): its rotary positions are theirs, and its kernels' attention must
+    meet the other ranks' keys and values (the engine gives such kernels).
     """
 
     def __init__(self, shape: Shape, attention: str = "sdpa", rmsnorm_kind: str = "torch",
                  checkpointing: str = "none", *, kernels: Kernels | None = None, layers: range | None = None,
-                 first: bool = True, last: bool = True, seq_len: int | None = None):
+                 first: bool = True, last: bool = True, seq_len: int | None = None, cp: int = 1, cp_index: int = 0):
         super().__init__()
         kernels = kernels or Kernels.of(attention, rmsnorm_kind)
         self.shape, self.seq_len = shape, seq_len
+        self.cp, self.cp_index = cp, cp_index
         self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden) if first else None
         held = range(shape.layers) if layers is None else layers
         self.layers = nn.ModuleDict({str(i): Block(shape, kernels) for i in held})
@@ -220,7 +224,7 @@ class Llama(nn.Module):
             layer.attention.recompute_core = mode == "selective"
 
     def rotary(self, seq_len: int, device):
-        return shape_rotary(self.shape, seq_len, device)
+        return shape_rotary(self.shape, seq_len, device, self.cp, self.cp_index)
 
     def run_layers(self, h, cos, sin):
         for layer in self.layers.values():
@@ -233,7 +237,7 @@ class Llama(nn.Module):
     def forward(self, x):
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         if len(self.layers):
-            cos, sin = self.rotary(self.seq_len or x.shape[1], x.device)
+            cos, sin = self.rotary(self.seq_len or x.shape[1] * self.cp, x.device)
             h = self.run_layers(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
