@@ -12,9 +12,10 @@ Implementations (layout.cp_impl), every byte through the counted Axis (comm.py):
              the next block's transfer is posted before the current block is computed, so it
              overlaps. Blocks are computed in fp32 (naive's math, masks by position) or, when the
              layout's kernel is sdpa on CPU, by torch's CPU flash kernel (what sdpa runs there,
-             bitwise; it returns the LSE), and merged by online softmax (log-sum-exp) in fp32. Backward (flash-attention style) recomputes each block's
-             probabilities from the saved LSE; K/V rotate again, and the fp32 dK/dV accumulator of
-             each block travels with it, so after cp hops every rank's K/V gradient is home.
+             bitwise; it returns the LSE), and merged by online softmax (log-sum-exp) in fp32.
+             Backward (flash-attention style) recomputes each block's probabilities from the saved
+             LSE; K/V rotate again, and the fp32 dK/dV accumulator of each block travels with it,
+             so after cp hops every rank's K/V gradient is home.
              With rank i's chunks (i, 2cp-1-i) and block j's (j, 2cp-1-j): j == i is causal over the
              local 2c tokens; j < i: all local queries against j's first chunk only; j > i: the
              local second chunk's queries against all of j's keys (every other pair is masked out).
@@ -23,9 +24,10 @@ Implementations (layout.cp_impl), every byte through the counted Axis (comm.py):
              accumulator arriving and the one leaving (2 x 2·b·hkv·s_local·d in fp32).
              Saved for backward: q, the local k and v, the fp32 output and LSE (b·hq·s_local).
   allgather  Llama 3's way: K/V (packed) all-gathered, then the ring's blocks (naive or sdpa) cut
-             from the gathered buffer, one per source rank; backward all-gathers them again (only the local K/V are saved, as
-             Transformer Engine does) and reduce-scatters the fp32 dK/dV. In flight: the gathered
-             K/V (2·b·hkv·seq·d) and in backward their fp32 gradient.
+             from the gathered buffer, one per source rank; backward all-gathers them again (only
+             the local K/V are saved, as Transformer Engine does) and reduce-scatters the fp32
+             dK/dV. In flight: the gathered K/V (cp x 2·b·hkv·s_local·d) and in backward their fp32
+             gradient (the same size in fp32).
   ulysses    DeepSpeed's way: one all-to-all swaps the sequence shard of q, k, v (packed) for a
              head shard of the whole sequence, the layout's kernel runs causally on it
              (attention_core: GQA repeat), one all-to-all brings the output back; backward is the
