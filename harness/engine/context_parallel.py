@@ -23,6 +23,8 @@ Implementations (layout.cp_impl), every byte through the counted Axis (comm.py):
              (2 x 2·b·hkv·s_local·d in the activations' dtype); backward those two plus the dK/dV
              accumulator arriving and the one leaving (2 x 2·b·hkv·s_local·d in fp32).
              Saved for backward: q, the local k and v, the fp32 output and LSE (b·hq·s_local).
+             Transient, one block at a time: naive's fp32 scores and probabilities, at most
+             b·hq·s_local² each (the own block; the others are half that), sdpa's none of that size.
   allgather  Llama 3's way: K/V (packed) all-gathered, then the ring's blocks (naive or sdpa) cut
              from the gathered buffer, one per source rank; backward all-gathers them again (only
              the local K/V are saved, as Transformer Engine does) and reduce-scatters the fp32
