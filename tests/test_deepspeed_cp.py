@@ -1,0 +1,67 @@
+"""DeepSpeed Ulysses (cp > 1): its DistributedAttention around the plain model's attention, with
+ZeRO-1/2/3 over DeepSpeed's sequence-data-parallel group, reproduces the single-device reference
+(fp32, CPU, 2 gloo processes); what does not combine with it is refused in one line."""
+
+import pytest
+
+from harness.errors import SpecError
+from harness.frameworks.ds_config import build_config
+from harness.spec import parse_spec
+from harness.testing.reference import assert_matches_reference, mismatches, reference_run
+from harness.testing.spawn import run_losses, spawn
+
+STEPS = 5
+WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,
+            "device": "cpu", "precision": "fp32"}
+
+
+def cp_layout(**layout):
+    return {"engine": "deepspeed", "cp": 2, "cp_impl": "ulysses", "dp": 1, "micro_batch_size": 2, "zero_stage": 1,
+            **layout}
+
+
+def refusal(model="tiny", **layout) -> SpecError:
+    with pytest.raises(SpecError) as e:
+        parse_spec({"workload": {**WORKLOAD, "model": model}, "layout": cp_layout(**layout)})
+    return e.value
+
+
+# ------------------------------------------------------------------ refusals (no processes)
+
+def test_cp_other_than_ulysses_refused():
+    e = refusal(cp_impl="ring")
+    assert e.field == "layout.cp_impl" and "Ulysses (DistributedAttention)" in e.reason
+
+
+@pytest.mark.parametrize("layout,words", [({"pp": 2, "zero_stage": 1}, "pipeline engine"),
+                                          ({"tp": 2, "model": "tiny-4l"}, "AutoTP"),  # 4 KV heads
+                                          ({"model_impl": "hf"}, "model_impl: own")],
+                         ids=["pp", "tp", "hf"])
+def test_what_does_not_combine_with_ulysses_refused(layout, words):
+    e = refusal(**layout)
+    assert e.field == "layout.cp" and words in e.reason and "\n" not in e.reason
+
+
+def test_ulysses_accepted_and_its_reduction_dtype_follows_the_policy():
+    spec = parse_spec({"workload": {**WORKLOAD, "precision": "bf16", "grad_reduce_dtype": "bf16"},
+                       "layout": cp_layout()})
+    cfg, _, filled = build_config(spec, dp=1, device_type="cpu")
+    assert cfg["seq_parallel_communication_data_type"] == "bf16" and "seq_parallel_communication_data_type" in filled
+    assert cfg["gradient_accumulation_steps"] == 4  # 8 sequences / (dp 1 x micro-batch 2): cp ranks share them
+
+
+# ------------------------------------------------------------------ equivalence with the reference
+
+@pytest.mark.slow
+def test_ulysses_with_zero_stages_matches_single_device_reference():
+    """cp2 Ulysses under ZeRO-1, 2 and 3 (one launch of 2 ranks): the reference's losses within 1e-5
+    relative and its weights after 5 steps."""
+    stages = [1, 2, 3]
+    runs = [{"workload": dict(WORKLOAD), "layout": cp_layout(zero_stage=s)} for s in stages]
+    results = spawn(run_losses, 2, runs, STEPS, True, timeout_s=300)
+    ref_losses, ref_state = reference_run(WORKLOAD, STEPS, micro_batch_size=2)
+    for stage, result in zip(stages, results, strict=True):
+        assert_matches_reference(result, ref_losses, ref_state, f"ZeRO-{stage} cp2 ulysses")
+        worst = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses))
+        print(f"ZeRO-{stage} cp2 ulysses: max relative loss error {worst:.2e}")
+    assert not mismatches(results[0], ref_losses, ref_state)
