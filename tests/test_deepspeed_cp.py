@@ -7,7 +7,7 @@ import pytest
 from harness.errors import SpecError
 from harness.frameworks.ds_config import build_config
 from harness.spec import parse_spec
-from harness.testing.reference import assert_matches_reference, mismatches, reference_run
+from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
 
 STEPS = 5
@@ -16,7 +16,7 @@ WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STE
 
 
 def cp_layout(**layout):
-    return {"engine": "deepspeed", "cp": 2, "cp_impl": "ulysses", "dp": 1, "micro_batch_size": 2, "zero_stage": 1,
+    return {"engine": "deepspeed", "cp": 2, "cp_impl": "ulysses", "dp": 1, "micro_batch_size": 4, "zero_stage": 1,
             **layout}
 
 
@@ -47,7 +47,7 @@ def test_ulysses_accepted_and_its_reduction_dtype_follows_the_policy():
                        "layout": cp_layout()})
     cfg, _, filled = build_config(spec, dp=1, device_type="cpu")
     assert cfg["seq_parallel_communication_data_type"] == "bf16" and "seq_parallel_communication_data_type" in filled
-    assert cfg["gradient_accumulation_steps"] == 4  # 8 sequences / (dp 1 x micro-batch 2): cp ranks share them
+    assert cfg["gradient_accumulation_steps"] == 2  # 8 sequences / (dp 1 x micro-batch 4): cp ranks share them
 
 
 # ------------------------------------------------------------------ equivalence with the reference
@@ -59,9 +59,9 @@ def test_ulysses_with_zero_stages_matches_single_device_reference():
     stages = [1, 2, 3]
     runs = [{"workload": dict(WORKLOAD), "layout": cp_layout(zero_stage=s)} for s in stages]
     results = spawn(run_losses, 2, runs, STEPS, True, timeout_s=300)
-    ref_losses, ref_state = reference_run(WORKLOAD, STEPS, micro_batch_size=2)
+    ref_losses, ref_state = reference_run(WORKLOAD, STEPS, micro_batch_size=4)
     for stage, result in zip(stages, results, strict=True):
         assert_matches_reference(result, ref_losses, ref_state, f"ZeRO-{stage} cp2 ulysses")
-        worst = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses))
-        print(f"ZeRO-{stage} cp2 ulysses: max relative loss error {worst:.2e}")
-    assert not mismatches(results[0], ref_losses, ref_state)
+        loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses))
+        weight = max((result["state"][n] - t).abs().max().item() / t.abs().max().item() for n, t in ref_state.items())
+        print(f"ZeRO-{stage} cp2 ulysses: max relative error, losses {loss:.2e}, weights {weight:.2e}")
