@@ -54,14 +54,18 @@ def test_ulysses_accepted_and_its_reduction_dtype_follows_the_policy():
 
 @pytest.mark.slow
 def test_ulysses_with_zero_stages_matches_single_device_reference():
-    """cp2 Ulysses under ZeRO-1, 2 and 3 (one launch of 2 ranks): the reference's losses within 1e-5
-    relative and its weights after 5 steps."""
-    stages = [1, 2, 3]
-    runs = [{"workload": dict(WORKLOAD), "layout": cp_layout(zero_stage=s)} for s in stages]
+    """cp2 Ulysses under ZeRO-1, 2 and 3, and with DeepSpeed's and the model's checkpointing (one
+    launch of 2 ranks): the reference's losses within 1e-5 relative and its weights after 5 steps."""
+    layouts = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
+               {"zero_stage": 3, "activation_checkpointing": "full"},
+               {"zero_stage": 1, "activation_checkpointing": "selective"}]
+    runs = [{"workload": dict(WORKLOAD), "layout": cp_layout(**lay)} for lay in layouts]
     results = spawn(run_losses, 2, runs, STEPS, True, timeout_s=300)
     ref_losses, ref_state = reference_run(WORKLOAD, STEPS, micro_batch_size=4)
-    for stage, result in zip(stages, results, strict=True):
-        assert_matches_reference(result, ref_losses, ref_state, f"ZeRO-{stage} cp2 ulysses")
+    for lay, result in zip(layouts, results, strict=True):
+        assert_matches_reference(result, ref_losses, ref_state, f"{lay} cp2 ulysses")
         loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses))
         weight = max((result["state"][n] - t).abs().max().item() / t.abs().max().item() for n, t in ref_state.items())
-        print(f"ZeRO-{stage} cp2 ulysses: max relative error, losses {loss:.2e}, weights {weight:.2e}")
+        print(f"{lay} cp2 ulysses: max relative error, losses {loss:.2e}, weights {weight:.2e}")
+    assert results[2]["describe"]["context_parallel"].startswith("DeepSpeed Ulysses over cp=2")
+    assert results[2]["describe"]["cp"] == 2 and results[2]["describe"]["dp"] == 1

@@ -202,6 +202,7 @@ class DeepSpeedBase:
             "deepspeed_version": __import__("deepspeed").__version__,
             "zero_stage": self.stage,
             "tp": lay.tp,
+            "cp": lay.cp,
             "pp": lay.pp,
             "dp": self.dp,
             "ds_config_file": self.config_file,

@@ -183,4 +183,8 @@ class DeepSpeedEngine(DeepSpeedBase):
 
             d["tensor_parallel"] = f"DeepSpeed AutoTP training, autotp_size {lay.tp}: {SHARDED}"
             d["autotp_sharded_parameters"] = len(sharded_names(self.params))
+        if lay.cp > 1:
+            from harness.frameworks.deepspeed_ulysses import describe_ulysses
+
+            d["context_parallel"] = describe_ulysses(lay, self.loss_divisor)
         return d

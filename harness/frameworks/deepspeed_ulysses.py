@@ -105,6 +105,14 @@ def ulysses_kernels(layout, shape, seq: int, cp: int, group) -> Kernels:
     return dataclasses.replace(base, attention=UlyssesAttention(base.attention, shape, seq, cp, group))
 
 
+def describe_ulysses(layout, divisor: int) -> str:
+    share = "its tokens' mean / cp" if divisor > 1 else "its tokens' mean"
+    return (f"DeepSpeed Ulysses over cp={layout.cp}: deepspeed.sequence.layer.DistributedAttention (all-to-all of "
+            f"q, k, v and the output; KV heads moved once) around {layout.attention} on the head shard's whole "
+            f"sequence; parallel_state_sp as mpu, ZeRO over its sequence-data-parallel group; tokens: "
+            f"cp_token_index chunks; the rank's loss: {share} (how ZeRO-{layout.zero_stage} averages)")
+
+
 def rank_tokens(inputs: torch.Tensor, targets: torch.Tensor, cp: int, index: int):
     """This cp rank's tokens and targets of a micro-batch [b, seq] (cp_token_index's chunks)."""
     pick = cp_token_index(inputs.shape[1], cp, index, inputs.device)
