@@ -50,6 +50,23 @@ def test_ulysses_accepted_and_its_reduction_dtype_follows_the_policy():
     assert cfg["gradient_accumulation_steps"] == 2  # 8 sequences / (dp 1 x micro-batch 4): cp ranks share them
 
 
+def test_reduce_scatter_off_refused_with_ulysses(tmp_path):
+    import json
+    import os
+
+    from harness.frameworks.ds_config import DS_CONFIG_DIR
+
+    with open(os.path.join(DS_CONFIG_DIR, "zero3.json")) as f:
+        cfg = json.load(f)
+    cfg["zero_optimization"]["reduce_scatter"] = False
+    path = tmp_path / "rs.json"
+    path.write_text(json.dumps(cfg))
+    spec = parse_spec({"workload": dict(WORKLOAD), "layout": cp_layout(zero_stage=3, ds_config=str(path))})
+    with pytest.raises(SpecError) as e:
+        build_config(spec, dp=1, device_type="cpu")
+    assert e.value.field.endswith("rs.json: zero_optimization.reduce_scatter") and "dp x cp" in e.value.reason
+
+
 # ------------------------------------------------------------------ equivalence with the reference
 
 @pytest.mark.slow
@@ -60,8 +77,11 @@ def test_ulysses_with_zero_stages_matches_single_device_reference():
                {"zero_stage": 3, "activation_checkpointing": "full"},
                {"zero_stage": 1, "activation_checkpointing": "selective"}]
     runs = [{"workload": dict(WORKLOAD), "layout": cp_layout(**lay)} for lay in layouts]
-    results = spawn(run_losses, 2, runs, STEPS, True, timeout_s=300)
+    bf16 = {"workload": {**WORKLOAD, "precision": "bf16"}, "layout": cp_layout(zero_stage=3)}
+    results = spawn(run_losses, 2, runs + [bf16], STEPS, True, timeout_s=300)
     ref_losses, ref_state = reference_run(WORKLOAD, STEPS, micro_batch_size=4)
+    bf16_ref, _ = reference_run(bf16["workload"], STEPS, micro_batch_size=4)
+    assert_matches_reference(results.pop(), bf16_ref, None, "ZeRO-3 cp2 ulysses bf16", rtol=1e-3)
     for lay, result in zip(layouts, results, strict=True):
         assert_matches_reference(result, ref_losses, ref_state, f"{lay} cp2 ulysses")
         loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses))

@@ -280,11 +280,11 @@ def _precision_policy(f: _Filler, cfg: dict, w, lay) -> None:
     if lay.cp > 1:  # under Ulysses DeepSpeed reduces the gradients in this dtype instead (runtime/engine.py)
         f.own("seq_parallel_communication_data_type", reduce, "grad_reduce_dtype", same=_same_dtype)
         zero = cfg.get("zero_optimization") or {}
-        if lay.zero_stage == 3 and zero.get("reduce_scatter", True) is False:
+        if zero.get("reduce_scatter", True) is False:
             raise SpecError(f"{f.name}: zero_optimization.reduce_scatter",
-                            "false with cp > 1: ZeRO-3's contiguous reduction divides the gradients by dp, its "
-                            "reduce-scatter by dp x cp (DeepSpeed 0.19.8, stage3.py), the adapter follows the "
-                            "latter; remove the key or set true")
+                            "false with cp > 1: under Ulysses DeepSpeed 0.19.8's all-reduce paths differ from its "
+                            "reduce-scatter (ZeRO-3 divides the gradients by dp instead of dp x cp, ZeRO-1/2 reduce "
+                            "in fp32 whatever communication_data_type says); remove the key or set true")
     section = cfg.get("bf16")
     if bf16 or isinstance(section, dict) and section.get("check_grad_overflow") == AUTO:
         parent, _ = f._parent("bf16.check_grad_overflow", create=True)

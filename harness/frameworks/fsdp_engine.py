@@ -69,7 +69,7 @@ from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.training import BuildOptions, StepHooks, dtype_name, precision_policy
-from harness.parallel_dims import ParallelDims
+from harness.parallel_dims import AXES, ParallelDims
 
 _WRAPPED = "_checkpoint_wrapped_module."
 ROTATE = {"allgather": "allgather", "ring": "alltoall"}  # layout.cp_impl -> torch's set_rotate_method
@@ -337,8 +337,8 @@ class FSDPEngine:
         return {
             "framework": "pytorch native: FSDP2 + DTensor TP/SP + torch.distributed.pipelining",
             "torch_version": torch.__version__,
-            "mesh": {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "order": "pp, dp, cp, tp (tp innermost)"},
-            "coord": {"pp": self.coord.pp, "dp": self.coord.dp, "cp": self.coord.cp, "tp": self.coord.tp},
+            "mesh": self._named(self.dims.sizes(), "order"),
+            "coord": self._named(self.coord._asdict()),
             "context_parallel": "none" if lay.cp == 1 else
             f"torch context_parallel over cp={lay.cp} (head-tail load balancing, rotate {ROTATE[lay.cp_impl]}); "
             "FSDP2 over dp x cp",
@@ -356,6 +356,14 @@ class FSDPEngine:
                                          "selective": "model's attention-core recomputation (torch checkpoint)"}
             [lay.activation_checkpointing],
         }
+
+    def _named(self, degrees: dict, order: str | None = None) -> dict:
+        """The mesh's axes by name (cp only when cp > 1, as records without it read)."""
+        axes = [a for a in AXES if a != "cp" or self.spec.layout.cp > 1]
+        out = {a: degrees[a] for a in axes}
+        if order:
+            out[order] = ", ".join(axes) + " (tp innermost)"
+        return out
 
     def _mixed_precision(self) -> str:
         """How FSDP2 was configured to the precision policy, in words."""
