@@ -1,12 +1,14 @@
 """engine: deepspeed - the same LLaMA under deepspeed.initialize: ZeRO stage 1, 2 or 3, with
-DeepSpeed's AutoTP tensor parallelism when tp > 1; pp > 1 runs DeepSpeed's pipeline engine
-(harness/frameworks/deepspeed_pipe.py).
+DeepSpeed's AutoTP tensor parallelism when tp > 1, its Ulysses sequence parallelism when cp > 1
+(DistributedAttention, harness/frameworks/deepspeed_ulysses.py); pp > 1 runs DeepSpeed's pipeline
+engine (harness/frameworks/deepspeed_pipe.py).
 
 What is the same as the reference (harness/frameworks/single_engine.py):
   - initial weights: harness.model.llama.ReferenceWeights(shape, seed), loaded before DeepSpeed
     partitions (ZeRO) or shards (AutoTP) them;
   - tokens: every rank builds the step's global batch and takes its contiguous slice by its
-    data-parallel rank (the tp ranks of one group take the same slice);
+    data-parallel rank (the tp ranks of one group take the same slice; under cp each rank then
+    keeps its cp_token_index chunks of every sequence);
   - the loss: lm_loss on logits, averaged over micro-batches (DeepSpeed divides each
     micro-batch's loss by gradient_accumulation_steps) and over data-parallel ranks (gradient
     averaging);
