@@ -9,7 +9,10 @@ from harness.spec import check_world_size
 ENGINE = EngineFacts(
     name="own",
     capabilities=[("zero_stage", lambda lay: lay.zero_stage in (0, 1), "the own engine has ZeRO stage 0 or 1"),
-                  ("cp", lambda lay: lay.cp == 1, "the own engine's context parallelism is not built yet"),
+                  # ring and allgather compute attention blockwise in fp32 with explicit masks (naive's math)
+                  ("attention", lambda lay: lay.cp == 1 or lay.cp_impl == "ulysses" or lay.attention == "naive",
+                   "the own engine's context parallelism with cp_impl ring or allgather computes attention in "
+                   "fp32 blocks with explicit masks, as attention naive does: it needs attention naive"),
                   *ONLY_DEEPSPEED],
     model_limits=[tied_across_stages(
         "tied embeddings with pp > 1 or virtual stages: the own engine ties the embedding and LM head only when "
