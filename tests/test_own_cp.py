@@ -1,0 +1,147 @@
+"""The own engine under context parallelism against the single-device reference.
+
+Slow tier: one 2-rank and one 4-rank gloo launch run every case (tiny LLaMA, its 4 heads over 2
+KV heads cover grouped-query attention; seq 32, 3 steps, fp32 at 1e-5 on every loss and final
+weight, bf16 at the bf16 tolerances of tests/test_engine_equivalence.py), and every rank's counted
+communication must equal the closed form (comm_model.rank_comm). Ring and allgather run attention
+naive (the own engine refuses them otherwise: their blocks are naive's fp32 math), so does the
+reference; ulysses runs the layout's kernel (sdpa) on its head shard, as the reference does on the
+whole sequence.
+
+Quick tier (no processes): the refusal's one line, the data slicing that keeps each target with
+its token, and what a cp engine's build says about itself (mesh, replica group, ZeRO-1 padding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL
+
+from harness.engine.comm_model import rank_comm
+from harness.errors import SpecError
+from harness.model.presets import resolve_shape
+from harness.spec import parse_spec
+from harness.testing import equivalence as E
+from harness.testing.reference import mismatches
+
+STEPS = 3
+SHORT = {"seq_len": 32, "global_batch_size": 4}
+
+
+def _case(workload: dict | None = None, **layout) -> dict:
+    attention = "sdpa" if layout.get("cp_impl") == "ulysses" else "naive"
+    return {"layout": {"attention": attention, **layout}, "workload": {**SHORT, **(workload or {})}}
+
+
+BF16 = {"precision": "bf16"}
+CASES = {
+    2: [
+        _case(cp=2, cp_impl="ring"),
+        _case(cp=2, cp_impl="allgather"),
+        _case(cp=2, cp_impl="ulysses"),
+        _case(cp=2, cp_impl="ring", activation_checkpointing="full"),
+        _case(cp=2, cp_impl="ring", activation_checkpointing="selective", micro_batch_size=2),
+        _case(cp=2, cp_impl="allgather", activation_checkpointing="selective"),
+        {**_case(BF16, cp=2, cp_impl="ring"), "rtol": BF16_LOSS_RTOL, "weights_rtol": BF16_WEIGHTS_RTOL},
+    ],
+    4: [
+        _case(cp=2, tp=2, sequence_parallel=True, cp_impl="ring"),
+        _case(cp=2, pp=2, cp_impl="ring"),
+        _case(cp=2, dp=2, zero_stage=1, dp_bucket_mb=0.05, cp_impl="ring"),
+        _case(cp=4, cp_impl="ring"),
+    ],
+}
+PARAMS = [pytest.param(world, i, id=f"w{world}-{i}-" + " ".join(f"{k}={v}" for k, v in c["layout"].items()),
+                       marks=pytest.mark.slow)
+          for world, cases in CASES.items() for i, c in enumerate(cases)]
+
+
+@pytest.fixture(scope="module")
+def launched():
+    cache = {}
+
+    def get(world):   # a failed launch fails every case once, not by relaunching for each
+        if world not in cache:
+            try:
+                cache[world] = E.launch(CASES[world], world, steps=STEPS)
+            except Exception as e:  # noqa: BLE001 - kept and raised again for each case of the launch
+                cache[world] = e
+        if isinstance(cache[world], Exception):
+            raise cache[world]
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world,index", PARAMS)
+def test_matches_single_device(launched, world, index):
+    per_rank = launched(world)
+    case = CASES[world][index]
+    ref_losses, ref_state = E.reference(case, steps=STEPS)
+    result = per_rank[0][index]
+    rtol = case.get("rtol", 1e-5)
+    bad = mismatches({"losses": result["losses"]}, ref_losses, None, rtol)
+    bad += mismatches(result, ref_losses, ref_state, case.get("weights_rtol", rtol))
+    assert not bad, "\n".join(bad)
+    for r in range(world):  # every rank reports the same global loss
+        assert per_rank[r][index]["losses"] == result["losses"], f"rank {r}"
+
+
+@pytest.mark.parametrize("world,index", PARAMS)
+def test_comm_counts_match_the_closed_form(launched, world, index):
+    per_rank = launched(world)
+    spec = E.make_spec(CASES[world][index])
+    w = spec.workload
+    shape = resolve_shape(w.model, w.model_overrides)
+    for r in range(world):
+        expected = rank_comm(shape, spec.layout, w.seq_len, w.global_batch_size, r, w.precision,
+                             w.grad_accum_dtype, w.grad_reduce_dtype)
+        assert per_rank[r][index]["comm"] == expected, f"rank {r}"
+        assert per_rank[r][index]["comm_first"] == expected, f"rank {r} (first step)"
+
+
+# ------------------------------------------------------------------ quick
+
+
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+def test_blockwise_cp_refuses_a_kernel_it_does_not_compute(impl):
+    raw = {"workload": {"model": "tiny", "device": "cpu", **SHORT},
+           "layout": {"engine": "own", "cp": 2, "cp_impl": impl, "attention": "sdpa"}}
+    with pytest.raises(SpecError) as e:
+        parse_spec(raw)
+    assert e.value.field == "layout.attention" and "needs attention naive" in e.value.reason
+    raw["layout"]["cp_impl"] = "ulysses"   # runs the layout's kernel on its head shard
+    assert parse_spec(raw).layout.cp == 2
+
+
+def test_cp_micro_batches_keep_each_target_with_its_token():
+    from harness.data.source import micro_batches
+    from harness.model.llama import cp_token_index
+
+    rows = torch.arange(2 * 17).reshape(2, 17)   # token id = its position (+ 17 on the second row)
+    held = []
+    for index in range(2):
+        positions = cp_token_index(16, 2, index)
+        (inputs, targets), = micro_batches(rows, 2, positions)
+        assert inputs.tolist() == rows[:, positions].tolist() and (targets == inputs + 1).all()
+        held += positions.tolist()
+    assert sorted(held) == list(range(16))
+
+
+def test_a_cp_build_reduces_over_dp_x_cp_and_says_so():
+    """Built as rank 0 of cp2 x dp2 without processes: the gradients' axis is the replica group
+    (dp x cp, 4 ranks), ZeRO-1 buckets are padded to a multiple of 4, activations are seq/cp long."""
+    from harness.engine.engine import Engine3D
+    from harness.runtime import RunContext
+
+    spec = E.make_spec(_case(cp=2, dp=2, zero_stage=1, dp_bucket_mb=0.05, cp_impl="ring"))
+    shape = resolve_shape(spec.workload.model, spec.workload.model_overrides)
+    eng = Engine3D(spec, shape, RunContext(0, 4, 0, torch.device("cpu"), None))
+    d = eng.describe()
+    assert (d["cp"], d["cp_impl"], d["mesh"]["cp"], d["mesh"]["dp"]) == (2, "ring", 2, 2)
+    assert eng.axes["dp"].ranks == eng.mesh.dims.flat_group_of(0) == [0, 1, 2, 3]
+    assert eng.axes["cp"].ranks == [0, 1]
+    assert all(b % 4 == 0 for b in d["dp_buckets"]) and len(d["dp_buckets"]) > 1
+    assert eng.executor.act_shape == (16, 1, shape.hidden)
+    assert eng.cos.shape[0] == 16
