@@ -42,7 +42,7 @@ CASES = {
         _case(cp=2, cp_impl="ulysses"),
         _case(cp=2, cp_impl="ring", activation_checkpointing="full"),
         _case(cp=2, cp_impl="ring", activation_checkpointing="selective", micro_batch_size=2),
-        _case(cp=2, cp_impl="allgather", activation_checkpointing="selective"),
+        _case(cp=2, cp_impl="ulysses", activation_checkpointing="selective"),
         {**_case(BF16, cp=2, cp_impl="ring"), "rtol": BF16_LOSS_RTOL, "weights_rtol": BF16_WEIGHTS_RTOL},
     ],
     4: [
@@ -50,6 +50,7 @@ CASES = {
         _case(cp=2, pp=2, cp_impl="ring"),
         _case(cp=2, dp=2, zero_stage=1, dp_bucket_mb=0.05, cp_impl="ring"),
         _case(cp=4, cp_impl="ring"),
+        _case({"model_overrides": {"kv_heads": 4}}, cp=2, tp=2, cp_impl="ulysses"),   # heads / (cp x tp) = 1
     ],
 }
 PARAMS = [pytest.param(world, i, id=f"w{world}-{i}-" + " ".join(f"{k}={v}" for k, v in c["layout"].items()),

@@ -8,7 +8,7 @@ engine's own is the head layout, the sharded projections and the communication
 (tensor_parallel.py). Under context parallelism (cp > 1) a rank holds its chunks of every
 sequence (seq/cp tokens, cp_token_index order) and its attention is the plain model's rotary
 followed by context_parallel.attention over the cp axis instead of the core (selective
-checkpointing recomputes that instead, collectives included). The kernels are given at build
+checkpointing is its recompute: only rank-local math again, no collective repeated). The kernels are given at build
 time (harness.model.kernels.Kernels).
 """
 
@@ -65,16 +65,11 @@ class ParallelAttention(nn.Module):
         self.recompute_core = False
         self.cp, self.cp_impl = cp, cp_impl
 
-    def _cp_core(self, q, k, v):
-        return context_parallel.attention(q, k, v, self.cp, self.cp_impl)
-
     def _attend(self, q, k, v, cos, sin):
         if self.cp is None:
             return attend(q, k, v, cos, sin, self.kernel, self.recompute_core)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.recompute_core and torch.is_grad_enabled():
-            return checkpoint(self._cp_core, q, k, v, use_reentrant=False)
-        return self._cp_core(q, k, v)
+        return context_parallel.attention(q, k, v, self.cp, self.cp_impl, self.kernel, self.recompute_core)
 
     def forward(self, x, cos, sin):
         """x: [seq, batch, hidden] (the full sequence, or this cp rank's chunks of it) -> partial
