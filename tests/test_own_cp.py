@@ -102,6 +102,18 @@ def test_comm_counts_match_the_closed_form(launched, world, index):
         assert per_rank[r][index]["comm_first"] == expected, f"rank {r} (first step)"
 
 
+@pytest.mark.slow
+def test_breakdown_charges_the_cp_waits_to_cp_comm(launched):
+    """The cp axis's blocking time is its own component (taken out of compute), and the record's
+    breakdown carries it as exposed cp communication."""
+    from harness.profiling.record import from_instrumented
+
+    for rank in launched(2):
+        b = rank[0]["details"]["breakdown_s"]
+        assert b["cp_comm"] >= 0 and b["compute"] > 0
+        assert from_instrumented(b)["exposed_comm"]["cp"] == pytest.approx(1e3 * b["cp_comm"])
+
+
 # ------------------------------------------------------------------ quick
 
 
