@@ -35,8 +35,10 @@ allgather keep no O(s²) tensor anyway (their backward recomputes the probabilit
 changes nothing for them; ulysses runs its kernel under checkpoint between the all-to-alls. No
 communication is repeated. Under full checkpointing (the block re-run by torch's non-reentrant
 checkpoint) the whole forward of `attention` runs again in backward, its communication included:
-ring's cp-1 K/V hops, allgather's gather, ulysses's two all-to-alls. All ranks re-run the same
-block at the same point of their backward, so the repeated P2P and collectives match.
+ring's cp-1 K/V hops, allgather's gather, ulysses's two all-to-alls (the second because the
+block's wo keeps the output; with early stop and nothing keeping it, only the first would rerun).
+All ranks re-run the same block at the same point of their backward, so the repeated P2P and
+collectives match. comm_model.cp_attention_calls is the closed form of all of this.
 """
 
 from __future__ import annotations
