@@ -139,7 +139,8 @@ class Engine3D:
         states.grads_to_masters()
         c = self.mesh.coord
         count_loss = c.tp == 0 and c.pp == lay.pp - 1
-        count_grads = states.zero or (c.dp == 0 and c.cp == 0)   # each replica's shard once
+        # without ZeRO every replica (dp x cp) holds the same reduced gradients: one of them counts
+        count_grads = states.zero or (c.dp == 0 and c.cp == 0)
         sq = states.grad_sq_sum(count_replicated=c.tp == 0) if count_grads else torch.zeros((), device=self.device)
         pair = torch.stack([loss if count_loss else torch.zeros_like(loss), sq]).float()
         ta = clock.mark()

@@ -8,8 +8,8 @@ engine's own is the head layout, the sharded projections and the communication
 (tensor_parallel.py). Under context parallelism (cp > 1) a rank holds its chunks of every
 sequence (seq/cp tokens, cp_token_index order) and its attention is the plain model's rotary
 followed by context_parallel.attention over the cp axis instead of the core (selective
-checkpointing is its recompute: only rank-local math again, no collective repeated). The kernels are given at build
-time (harness.model.kernels.Kernels).
+checkpointing is its recompute: only rank-local math again, no collective repeated). The
+kernels are given at build time (harness.model.kernels.Kernels).
 """
 
 from __future__ import annotations
