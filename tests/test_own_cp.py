@@ -21,7 +21,7 @@ from test_engine_equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL
 from harness.engine.comm_model import rank_comm
 from harness.errors import SpecError
 from harness.model.presets import resolve_shape
-from harness.spec import parse_spec
+from harness.spec import layout_label, parse_spec
 from harness.testing import equivalence as E
 from harness.testing.reference import mismatches
 
@@ -53,8 +53,16 @@ CASES = {
         _case({"model_overrides": {"kv_heads": 4}}, cp=2, tp=2, cp_impl="ulysses"),   # heads / (cp x tp) = 1
     ],
 }
-PARAMS = [pytest.param(world, i, id=f"w{world}-{i}-" + " ".join(f"{k}={v}" for k, v in c["layout"].items()),
-                       marks=pytest.mark.slow)
+
+
+def _id(world: int, index: int, case: dict) -> str:
+    lay, precision = case["layout"], case["workload"].get("precision", "fp32")
+    extras = [lay.get("activation_checkpointing", ""), f"mb{lay.get('micro_batch_size', 1)}", precision]
+    words = layout_label({"engine": "own", **lay}, short=True).split()[1:] + [e for e in extras if e]
+    return f"w{world}-{index}-" + "-".join(words)
+
+
+PARAMS = [pytest.param(world, i, id=_id(world, i, c), marks=pytest.mark.slow)
           for world, cases in CASES.items() for i, c in enumerate(cases)]
 
 
