@@ -4,11 +4,11 @@ Slow tier: one 2-rank and one 4-rank gloo launch run every case (tiny LLaMA, its
 KV heads cover grouped-query attention; seq 32, 3 steps, fp32 at 1e-5 on every loss and final
 weight, bf16 at the bf16 tolerances of tests/test_engine_equivalence.py), and every rank's counted
 communication must equal the closed form (comm_model.rank_comm). Ring and allgather run attention
-naive (the own engine refuses them otherwise: their blocks are naive's fp32 math), so does the
-reference; ulysses runs the layout's kernel (sdpa) on its head shard, as the reference does on the
-whole sequence.
+naive (their blocks are then naive's fp32 math) unless a case says sdpa (torch's CPU flash kernel
+per block), and the reference runs the same kernel on the whole sequence; ulysses runs the layout's
+kernel (sdpa) on its head shard.
 
-Quick tier (no processes): the refusal's one line, the data slicing that keeps each target with
+Quick tier (no processes): the refusals' one line, the data slicing that keeps each target with
 its token, and what a cp engine's build says about itself (mesh, replica group, ZeRO-1 padding).
 """
 
@@ -40,6 +40,8 @@ CASES = {
         _case(cp=2, cp_impl="ring"),
         _case(cp=2, cp_impl="allgather"),
         _case(cp=2, cp_impl="ulysses"),
+        _case(cp=2, cp_impl="ring", attention="sdpa"),        # sdpa blocks: torch's CPU flash kernel
+        _case(cp=2, cp_impl="allgather", attention="sdpa"),
         _case(cp=2, cp_impl="ring", activation_checkpointing="full"),
         _case(cp=2, cp_impl="ring", activation_checkpointing="selective", micro_batch_size=2),
         _case(cp=2, cp_impl="ulysses", activation_checkpointing="selective"),
@@ -57,7 +59,8 @@ CASES = {
 
 def _id(world: int, index: int, case: dict) -> str:
     lay, precision = case["layout"], case["workload"].get("precision", "fp32")
-    extras = [lay.get("activation_checkpointing", ""), f"mb{lay.get('micro_batch_size', 1)}", precision]
+    extras = [lay["attention"], lay.get("activation_checkpointing", ""), f"mb{lay.get('micro_batch_size', 1)}",
+              precision]
     words = layout_label({"engine": "own", **lay}, short=True).split()[1:] + [e for e in extras if e]
     return f"w{world}-{index}-" + "-".join(words)
 
@@ -128,12 +131,24 @@ def test_breakdown_charges_the_cp_waits_to_cp_comm(launched):
 @pytest.mark.parametrize("impl", ["ring", "allgather"])
 def test_blockwise_cp_refuses_a_kernel_it_does_not_compute(impl):
     raw = {"workload": {"model": "tiny", "device": "cpu", **SHORT},
-           "layout": {"engine": "own", "cp": 2, "cp_impl": impl, "attention": "sdpa"}}
+           "layout": {"engine": "own", "cp": 2, "cp_impl": impl, "attention": "flash2"}}
     with pytest.raises(SpecError) as e:
         parse_spec(raw)
-    assert e.value.field == "layout.attention" and "needs attention naive" in e.value.reason
+    assert e.value.field == "layout.attention" and "needs attention naive or sdpa" in e.value.reason
     raw["layout"]["cp_impl"] = "ulysses"   # runs the layout's kernel on its head shard
     assert parse_spec(raw).layout.cp == 2
+
+
+def test_blockwise_cp_with_sdpa_is_refused_off_the_cpu_before_anything_is_built():
+    """sdpa blocks are torch's CPU flash kernel: on a CUDA device (known only to the rank, device auto)
+    the build refuses in one line instead of failing in the first forward."""
+    from harness.frameworks.own import build
+    from harness.runtime import RunContext
+
+    spec = E.make_spec(_case(cp=2, cp_impl="ring", attention="sdpa"))
+    with pytest.raises(SpecError) as e:
+        build(spec, spec.shape(), RunContext(0, 2, 0, torch.device("cuda"), None))
+    assert e.value.field == "layout.attention" and "only on CPU" in e.value.reason
 
 
 def test_cp_micro_batches_keep_each_target_with_its_token():
