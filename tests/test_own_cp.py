@@ -181,3 +181,16 @@ def test_a_cp_build_reduces_over_dp_x_cp_and_says_so():
     assert all(b % 4 == 0 for b in d["dp_buckets"]) and len(d["dp_buckets"]) > 1
     assert eng.executor.act_shape == (16, 1, shape.hidden)
     assert eng.cos.shape[0] == 16
+
+
+def test_the_profiler_names_the_gradient_group_dp_though_it_holds_the_cp_ranks():
+    """At dp1 x cp2 the replica group and the cp group are the same two ranks; the Mesh names the
+    former "dp" (group_desc), and the profiler's axis follows the name, not the ranks."""
+    from types import SimpleNamespace
+
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling.annotate import AxisOf
+
+    dims = ParallelDims(cp=2)
+    assert dims.axis_of_group(0, [0, 1]) == "cp"   # by ranks alone it would be cp
+    assert AxisOf(dims, 0)(SimpleNamespace(group_desc="dp")) == "dp"

@@ -44,7 +44,9 @@ class Mesh:
                 if distributed and len(ranks) > 1:
                     import torch.distributed as dist
 
-                    group = dist.new_group(ranks)
+                    # the axis it serves, for the profiler (harness.profiling.annotate): the replica
+                    # group of dp1 x cp2 holds the cp group's very ranks but carries the gradients
+                    group = dist.new_group(ranks, group_desc="dp" if name == "replica" else name)
                 if rank in ranks:
                     self.groups[name], self.ranks[name] = group, ranks
         if dims.cp == 1:
