@@ -8,8 +8,10 @@ naive (their blocks are then naive's fp32 math) unless a case says sdpa (torch's
 per block), and the reference runs the same kernel on the whole sequence; ulysses runs the layout's
 kernel (sdpa) on its head shard.
 
-Quick tier (no processes): the refusals' one line, the data slicing that keeps each target with
-its token, and what a cp engine's build says about itself (mesh, replica group, ZeRO-1 padding).
+Quick tier (no processes): the refusals' one line (a kernel the blocks do not compute; sdpa blocks
+off the CPU), the data slicing that keeps each target with its token, what a cp engine's build says
+about itself (mesh, replica group, ZeRO-1 padding), and the profiler's name for the gradient group.
+The whole file takes 18 s on this 2-core machine at load 4 (one 2-rank and one 4-rank launch).
 """
 
 from __future__ import annotations
