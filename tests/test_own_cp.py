@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL
 
 from harness.engine.comm_model import rank_comm
 from harness.errors import SpecError
@@ -47,7 +46,7 @@ CASES = {
         _case(cp=2, cp_impl="ring", activation_checkpointing="full"),
         _case(cp=2, cp_impl="ring", activation_checkpointing="selective", micro_batch_size=2),
         _case(cp=2, cp_impl="ulysses", activation_checkpointing="selective"),
-        {**_case(BF16, cp=2, cp_impl="ring"), "rtol": BF16_LOSS_RTOL, "weights_rtol": BF16_WEIGHTS_RTOL},
+        {**_case(BF16, cp=2, cp_impl="ring"), "rtol": E.BF16_LOSS_RTOL, "weights_rtol": E.BF16_WEIGHTS_RTOL},
     ],
     4: [
         _case(cp=2, tp=2, sequence_parallel=True, cp_impl="ring"),
