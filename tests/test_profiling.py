@@ -52,6 +52,20 @@ def _step_trace():
     return {"traceEvents": ev}
 
 
+def test_a_batch_of_transfers_counts_its_sends_and_receives():
+    """batch_isend_irecv (the cp ring's exchange, grouped pipeline transfers): its CALL holds the
+    annotated isend/irecv; they are what the step moved, the batch's own marker is not counted."""
+    ev = [_x("harness.step#0", 0, 1000), _x("aten::mm", 10, 890, "cpu_op")]
+    ev += _call("batch_p2p", "cp", "async", 100, 30)
+    ev[-2]["dur"] = 30
+    ev += _call("send", "cp", "async", 105, 5, 8192) + _call("recv", "cp", "async", 115, 5, 8192)
+    ev += _call("send", "cp", "wait", 300, 40) + _call("recv", "cp", "wait", 340, 10)
+    out = analysis.cpu_breakdown({"traceEvents": ev})
+    assert out["collectives"] == [{"axis": "cp", "kind": "recv", "count": 1.0, "bytes": 8192.0},
+                                  {"axis": "cp", "kind": "send", "count": 1.0, "bytes": 8192.0}]
+    assert out["steps"][0]["exposed_comm"]["cp"] == pytest.approx(0.050)
+
+
 def test_cpu_breakdown_of_a_hand_made_step():
     out = analysis.cpu_breakdown(_step_trace())
     (s,) = out["steps"]

@@ -75,17 +75,22 @@ def _calls(thread_events: list[dict]) -> list[tuple[dict, tuple]]:
 
 
 def _blocked(thread_events: list[dict]) -> tuple[dict[str, list], list[tuple[dict, tuple]]]:
-    """Blocked intervals per axis, and the outermost annotated calls (for counting)."""
+    """Blocked intervals per axis, and the calls to count: the outermost annotated ones, a batch of
+    transfers (batch_isend_irecv) standing for the sends and receives nested in it."""
     comm = _calls(thread_events)
     by_axis: dict[str, list] = defaultdict(list)
     last_functional = "other"
     waits = sorted((_span(e) for e in thread_events if e.get("name") == FUNCTIONAL_WAIT))
     issued = [(span[0], f["axis"]) for f, span in comm if f["mode"] == "async"]
     outermost: list[tuple[dict, tuple]] = []
+    counted: list[tuple[dict, tuple]] = []
     for fields, span in comm:
         if outermost and contains(outermost[-1][1], span):
+            if outermost[-1][0]["kind"] == "batch_p2p" and fields["mode"] != "wait":
+                counted.append((fields, span))  # a batch's transfers: what it moved
             continue  # nested: a sync call's own wait, a batch's transfers
         outermost.append((fields, span))
+        counted.append((fields, span))
     for fields, span in outermost:
         if fields["mode"] == "async" and fields["axis"] not in BUBBLE_AXES:
             continue  # posting an overlappable tp/dp collective is host work where it runs, not a wait
@@ -99,7 +104,7 @@ def _blocked(thread_events: list[dict]) -> tuple[dict[str, list], list[tuple[dic
                 last_functional = axis
         by_axis[last_functional].append(span)
         last_functional = "other"
-    return by_axis, outermost
+    return by_axis, counted
 
 
 def _thread(events: list[dict], thread) -> list[dict]:
