@@ -406,7 +406,8 @@ def _norm_bytes(lay: PlannerLayout, n: float, h: int, B: int, sp: bool) -> float
 
 
 def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> float:
-    """The attention between the q/k/v GEMMs and wo, kept for backward, per rank.
+    """The attention between the q/k/v GEMMs and wo, kept for backward, per rank; `wl` is the rank's
+    workload (Workload.local: seq / cp tokens under context parallelism).
 
     Flash-style (SDPA flash/efficient/cuDNN, flash-attn): rotated q, k and v as the kernel gets
     them (k and v repeated to every head under grouped-query attention), its output and fp32
@@ -415,7 +416,12 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
     mask (1 byte per score), the fp32 softmax, and wo's input, a copy of the [b, heads, s, head_dim]
     output.
     Selective checkpointing keeps only the recomputed core's inputs q, k, v and wo's input. The
-    rotary tables cast to bf16 per call (q and k: cos and sin) are kept too."""
+    rotary tables cast to bf16 per call (q and k: cos and sin) are kept too.
+    Context parallelism (harness/planner/context.py): ring and allgather attend the local queries
+    to every key (s_kv = seq; the K/V of the own engine's core are not repeated under flash, and
+    allgather keeps the gathered ones); ulysses runs the kernel on the full sequence of a head
+    shard (the same bytes as the local heads' rows, but the s x s mask) and keeps its output beside
+    wo's input (the all-to-all back is a copy)."""
     s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
     n = b * s
     head_dim = h // shape.heads
@@ -423,27 +429,42 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
     heads = shape.heads / t
     rot = 4 * s * head_dim * B if B == 2 else 0.0
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
+    cp, impl = lay.cp, lay.cp_impl
+    s_kv = s * cp if cp > 1 and impl != "ulysses" else s        # keys per local query
+    mask = (s * cp) ** 2 if cp > 1 and impl == "ulysses" else s * s_kv
+    ulysses_out = n * hq * B if cp > 1 and impl == "ulysses" else 0.0
     if lay.activation_checkpointing == "selective":
         return n * (hq + 2 * kv) * B + n * hq * B + rot
     if naive:
-        return 3 * n * hq * 4 + s * s + 4 * b * heads * s * s + n * hq * B + rot
-    kv_kept = 2 * n * (hq if shape.heads != shape.kv_heads else kv) * B
-    return n * hq * B + kv_kept + n * hq * B + 4 * b * heads * s + rot
+        return n * hq * 4 + 2 * b * s_kv * hq * 4 + mask + 4 * b * heads * s * s_kv + n * hq * B + rot + ulysses_out
+    if cp > 1 and impl == "ring":
+        kv_kept = 2 * n * kv * B
+    elif cp > 1 and impl == "allgather":
+        kv_kept = 2 * b * s_kv * kv * B
+    else:
+        kv_kept = 2 * n * (hq if shape.heads != shape.kv_heads else kv) * B
+    return n * hq * B + kv_kept + n * hq * B + 4 * b * heads * s + rot + ulysses_out
 
 
 def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> float:
     """Above what is kept, while the attention core runs backward: under selective checkpointing
     the recomputed core's own saved tensors; for materialised attention the fp32 gradients of
     the softmax output and of the scores (2 x 4 bytes per score); the gradient of the attention
-    output. The layer's SwiGLU and its norm have run backward before and freed what they kept."""
+    output; under context parallelism the K/V blocks and gradients in flight (context.py). The
+    layer's SwiGLU and its norm have run backward before and freed what they kept."""
+    from harness.planner.context import in_flight_bytes
+
     s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
     n, heads, hq = b * s, shape.heads / t, h / t
+    s_kv = s * lay.cp if lay.cp > 1 and lay.cp_impl != "ulysses" else s
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
     extra = n * h * B
     if naive:
-        extra += 2 * 4 * b * heads * s * s
+        extra += 2 * 4 * b * heads * s * s_kv
     if lay.activation_checkpointing == "selective":
-        extra += (3 * n * hq * 4 + s * s + 4 * b * heads * s * s) if naive else (n * hq * B + 4 * b * heads * s)
+        extra += ((n * hq * 4 + 2 * b * s_kv * hq * 4 + s * s_kv + 4 * b * heads * s * s_kv) if naive
+                  else (n * hq * B + 4 * b * heads * s))
+    extra += in_flight_bytes(shape, lay, s * lay.cp, B)["backward"]
     freed = _norm_bytes(lay, n, h, B, lay.sequence_parallel and t > 1) + 4 * n * shape.ffn / t * B
     return extra - freed
 
@@ -452,7 +473,9 @@ def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b:
 def engine_layer_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict:
     """Per layer and micro-batch: 'layer' (kept between forward and backward, the layer input
     only under full checkpointing), 'full_layer' (what its forward saves, recomputed or not),
-    'working' (what exists above that while its backward runs)."""
+    'working' (what exists above that while its backward runs); `wl` the whole workload (a rank
+    holds seq / cp of its tokens)."""
+    wl = wl.local(lay)
     b, s, t, B = lay.micro_batch_size, wl.seq_len, lay.tp, wl.dtype_bytes
     n, h, f = b * s, shape.hidden, shape.ffn
     sp = lay.sequence_parallel and t > 1
@@ -472,7 +495,7 @@ def _loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, 
     the bf16 logits, their fp32 copy (bf16 only) and the fp32 shifted logits exist beside it.
     Without TP, torch's cross_entropy on logits.float() keeps the fp32 log-softmax; its backward
     peak holds that, the nll gradient and the log-softmax gradient (fp32 each)."""
-    n, B, V = lay.micro_batch_size * wl.seq_len, wl.dtype_bytes, shape.vocab
+    n, B, V = lay.micro_batch_size * wl.local(lay).seq_len, wl.dtype_bytes, shape.vocab
     upcast = 4 if B == 2 else 0
     if lay.tp > 1 and lay.engine in ("own", "megatron"):  # Megatron's vocab_parallel_cross_entropy likewise
         return 4 * n * V / lay.tp + 9 * n, (B + upcast + 4) * n * V / lay.tp
@@ -483,7 +506,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     """stage_memory for the harness's engines (PlannerLayout.engine own, deepspeed or fsdp)."""
     has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
     phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
-    B, dp, t = wl.dtype_bytes, lay.dp, lay.tp
+    B, dp, t = wl.dtype_bytes, lay.dims.replicas(), lay.tp  # states sharded over dp x cp (REPLICA_AXES)
     precision = "bf16" if B == 2 else "fp32"
     zero = 3 if lay.engine == "fsdp" else lay.sharding_stage
     if lay.engine == "deepspeed" and zero == 0:  # its pipeline engine without ZeRO: bf16 .grad, an fp32 optimizer copy
@@ -496,7 +519,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     # ZeRO-1 collectives add nothing (both in place, harness/engine/data_parallel.py).
     by_cat = {k: sum(v.values()) for k, v in census.items()}
     sp = lay.sequence_parallel and t > 1
-    n = lay.micro_batch_size * wl.seq_len
+    n = lay.micro_batch_size * wl.local(lay).seq_len  # the rank's tokens
     h = shape.hidden
     act = engine_layer_bytes(shape, lay, wl)
     hidden = n * h * B / (t if sp else 1)  # one [s(/t), b, h] activation
@@ -613,7 +636,7 @@ def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: boo
     head = 0.0 if shape.tie_embeddings and has_emb else vocab
     root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)
     reshard = lay.reshard_after_forward
-    n = lay.micro_batch_size * wl.seq_len
+    n = lay.micro_batch_size * wl.local(lay).seq_len
     kept = 0.0 if reshard else layers * block * B
     piped = lay.pp > 1
     # the embedding's gradient is the whole table's under TP (see engine_stage_memory)

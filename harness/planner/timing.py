@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 
 from harness.model.presets import Shape
+from harness.planner.context import exchange_bytes
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, _stage_items
 from harness.planner.memory import GIB, stage_params, worst_stage_memory
@@ -127,11 +128,16 @@ def _zeros() -> dict[str, float]:
     return {k: 0.0 for k in THETA_KEYS}
 
 
-def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile) -> dict[str, float]:
+def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile,
+                   theta: dict | None = None) -> dict[str, float]:
     """Ideal seconds of each kind of work of one transformer layer for one micro-batch (forward +
-    backward): the same on every stage, so computed once per layout (stage_features scales it)."""
+    backward): the same on every stage, so computed once per layout (stage_features scales it).
+    Under context parallelism everything but the attention runs on the rank's seq / cp tokens; the
+    attention attends them to every key (ulysses: every token of 1/cp of the heads), and the cp
+    exchange is priced on its link, the ring's only where its transfers outlast the attention of
+    a block (theta: whose efficiencies decide that, the profile's by default)."""
     x = _zeros()
-    b, s, h, f, t, B = lay.micro_batch_size, wl.seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
+    b, s, h, f, t, B = lay.micro_batch_size, wl.local(lay).seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
     n = b * s
     d = h // shape.heads
     kv = shape.kv_heads * d
@@ -145,15 +151,19 @@ def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
         x["gemm"] += passes * 2 * n * N * K / (peak * _gemm_eff(n, N, K))
     cls = ATTENTION_CLASS[lay.attention]
     heads_t = shape.heads / t
+    s_kv = s * lay.cp  # the keys a local query attends (ring, allgather); ulysses: the same products
+    rec = 1 if ckpt in ("full", "selective") else 0
     if cls in MATERIALISED:
-        rec = 1 if ckpt in ("full", "selective") else 0
-        x["gemm"] += (3 + rec) * 4 * b * s * s * heads_t * d / (peak * _gemm_eff(s, s, d))
-        x["naive_attention" if cls == "naive" else cls] += ((SCORE_TRAFFIC[cls] * (1 + rec / 3))
-                                                            * b * heads_t * s * s / hbm)
+        score_key = "naive_attention" if cls == "naive" else cls
+        attention = {"gemm": (3 + rec) * 4 * b * s * s_kv * heads_t * d / (peak * _gemm_eff(s, s_kv, d)),
+                     score_key: (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * s_kv / hbm}
     else:
-        fwd = 2 * b * s * s * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
-        rec = 1 if ckpt in ("full", "selective") else 0
-        x[cls] += fwd * (1 + FLASH_BWD + rec) / (peak * _flash_seq_eff(s))
+        fwd = 2 * b * s * s_kv * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
+        # the kernel's length: a ring's block (the local chunks), allgather's local queries, Ulysses' sequence
+        kernel_len = s * lay.cp if lay.cp_impl == "ulysses" else s
+        attention = {cls: fwd * (1 + FLASH_BWD + rec) / (peak * _flash_seq_eff(kernel_len))}
+    for k, v in attention.items():
+        x[k] += v
     # Elementwise work, by HBM bytes; norms and residual adds are split only by sequence parallelism.
     rep = 1 / t if lay.sequence_parallel else 1.0
     recf = 4 / 3 if ckpt == "full" else 1.0
@@ -165,8 +175,30 @@ def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     if t > 1:
         key = _link(prof, t)
         x[key] += (4 + (2 if ckpt == "full" else 0)) * 2 * (t - 1) / t * n * h * B / _bw(prof, key)
+    if lay.cp > 1:
+        key, exposed = cp_exchange(shape, lay, wl, prof, theta, attention)
+        x[key] += exposed
     x["launch_us"] += 1e-6 * KERNELS_PER_LAYER * (4 / 3 if ckpt == "full" else 1)
     return x
+
+
+def cp_exchange(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None,
+                attention: dict) -> tuple[str, float]:
+    """The link of the cp group and the ideal seconds of its exchange for one layer and micro-batch
+    that the attention does not hide (harness/planner/context.py for the bytes). The ring overlaps
+    each transfer with one block's attention: per step max(0, transfer - block compute) at the
+    efficiencies of `theta`, expressed in the link's ideal seconds so that the step time stays a
+    sum of theta x features; allgather and ulysses are not overlapped. `attention`: the ideal
+    seconds of the layer's attention core by kind of work."""
+    theta = theta or theta_from_profile(prof)
+    key = _link(prof, lay.dims.span("cp"))
+    ex = exchange_bytes(shape, lay, wl.seq_len, wl.dtype_bytes)
+    if lay.cp_impl != "ring":
+        return key, ex["total"] / _bw(prof, key)
+    steps = ex["steps"]
+    transfer = theta[key] * ex["total"] / steps / _bw(prof, key)  # real seconds per transfer
+    block = _dot(theta, attention) / steps  # the attention of one step's block (real seconds)
+    return key, steps * max(0.0, transfer - block) / theta[key]
 
 
 def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, stage: int) -> dict[str, float]:
@@ -174,7 +206,7 @@ def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, 
     with the loss, the embedding's and head's tensor-parallel collectives, the pipeline sends."""
     has_emb, layers, has_head = _stage_items(shape.layers, lay.pp)[stage]
     x: dict[str, float] = {}
-    n, h, t, B = lay.micro_batch_size * wl.seq_len, shape.hidden, lay.tp, wl.dtype_bytes
+    n, h, t, B = lay.micro_batch_size * wl.local(lay).seq_len, shape.hidden, lay.tp, wl.dtype_bytes
 
     def add(k: str, v: float) -> None:
         x[k] = x.get(k, 0.0) + v
@@ -262,13 +294,14 @@ def _per_layer(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, th
     """layer_features and their time under theta, from `layer_cache` when the caller keeps one
     (a dict across layouts of one shape, workload, profile and theta: predict_many)."""
     if layer_cache is None:
-        per_layer = layer_features(shape, lay, wl, prof)
+        per_layer = layer_features(shape, lay, wl, prof, theta)
         return per_layer, _dot(theta, per_layer)
     key = (lay.tp, lay.micro_batch_size, lay.activation_checkpointing, lay.sequence_parallel,
-           ATTENTION_CLASS[lay.attention], lay.rmsnorm)
+           ATTENTION_CLASS[lay.attention], lay.rmsnorm, lay.cp, lay.cp_impl if lay.cp > 1 else "",
+           lay.dims.span("cp") > prof.gpus_per_node)
     hit = layer_cache.get(key)
     if hit is None:
-        per_layer = layer_features(shape, lay, wl, prof)
+        per_layer = layer_features(shape, lay, wl, prof, theta)
         hit = layer_cache[key] = (per_layer, _dot(theta, per_layer))
     return hit
 
@@ -288,24 +321,27 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     dpx: dict[str, float] = {}
     phi = max(_stage_params(shape, key[0], lay.tp) for key, _, _ in kinds)
     zero = lay.sharding_stage
-    if lay.dp > 1:
+    dims = lay.dims
+    r = dims.replicas()  # the gradients are reduced over dp x cp (harness.parallel_dims.REPLICA_AXES)
+    if r > 1:
         m = wl.micro_batches(lay)
-        dims = lay.dims
-        key = _link(prof, dims.span("dp"))
-        per_node = dims.per_node("dp", prof.gpus_per_node) if key == "internode" else 1
-        nodes = dims.nodes("dp", prof.gpus_per_node)
+        axis = "dp" if lay.dp > 1 else "cp"  # the outermost of the two: the group lies in its span
+        key = _link(prof, dims.span(axis))
+        tp_members = dims.per_node("tp", prof.gpus_per_node)  # a node holds gpus_per_node / tp members
+        per_node = max(1, min(r, prof.gpus_per_node // tp_members)) if key == "internode" else 1
+        nodes = dims.nodes(axis, prof.gpus_per_node)
         if lay.pp > 1:
             aggregate = DP_NIC_AGGREGATION_PIPELINED
         else:
             aggregate = DP_NIC_AGGREGATION and nodes <= prof.rail_aggregation_max_nodes
         bw = min(_bw(prof, key) * (per_node if aggregate else 1), prof.nvlink_gbps * 1e9)
-        frac = (lay.dp - 1) / lay.dp
+        frac = (r - 1) / r
         grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
         dpx[key] = (2 * frac * grad_bytes + (frac * wl.dtype_bytes if zero >= 1 else 0)) * phi / bw
         if zero >= 3:  # weights gathered for forward and backward of every micro-batch
             dpx[key] += 2 * m * frac * phi * wl.dtype_bytes / bw
     # Optimizer step on this rank's shard of the master weights, Adam (memory bound).
-    opt_params = phi / (lay.dp if zero >= 1 else 1)
+    opt_params = phi / (r if zero >= 1 else 1)
     return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
 
 

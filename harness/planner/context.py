@@ -1,0 +1,113 @@
+"""Context parallelism's own terms in the planner: which implementations a layout may use, the K/V
+bytes in flight beside a layer's attention, and the exchange (its bytes, and how much of it the
+attention compute hides).
+
+Every other term of a cp layout is the plain one on the rank's seq / cp tokens (Workload.local):
+the GEMMs, norms, SwiGLU, the kept activations, the logits and the loss. What cp adds is here.
+Notation per rank and micro-batch: b sequences, s_l = s / cp local tokens, kv = the rank's KV width
+(KV heads x head dim / tp), B the activations' bytes.
+
+  ring       cp - 1 steps forward, each sending the K/V block it holds to the next rank while it
+             computes attention against the one it has (exposed: max(0, transfer - block compute)
+             per step); backward the K/V blocks travel again and the dK/dV accumulators come back
+             round, cp - 1 and cp steps, in the activations' dtype. In flight: the block computed
+             on and the one arriving, and in backward the two dK/dV accumulators.
+  allgather  K/V all-gathered before the attention (forward), dK/dV reduce-scattered after it
+             (backward), not overlapped; the gathered full-sequence K/V is kept for backward (the own
+             engine's autograd saves what its core gets, harness/engine/context_parallel.py).
+  ulysses    all-to-all of q, k, v from sequence shards to head shards before the attention and of
+             the output back (backward: their gradients), not overlapped; the head shard's
+             full-sequence q/k/v/out (the same bytes as the local ones) exist while it runs.
+"""
+
+from __future__ import annotations
+
+from harness.model.presets import Shape
+from harness.parallel_dims import ParallelDims
+
+# Engines whose context parallelism the planner offers, and with which implementations: the own
+# engine all three; DeepSpeed runs Ulysses (deepspeed.sequence.layer.DistributedAttention); engine
+# fsdp torch's context_parallel, whose default rotate method all-gathers K/V. Megatron-core's needs
+# Transformer Engine (not installed: harness/frameworks/megatron.py refuses cp > 1), the study's
+# engine had none.
+ENGINE_IMPLS = {"own": ("ring", "allgather", "ulysses"), "deepspeed": ("ulysses",), "fsdp": ("allgather",)}
+NO_CP = {"megatron": "Megatron-core's context parallelism runs only in Transformer Engine's attention, "
+                     "not installed here (harness/frameworks/megatron.py)",
+         "paper": "the study's engine had no context parallelism"}
+
+
+# The fewest tokens a rank keeps of each sequence for the planner to offer a cp degree unasked
+# (`harness plan --cp` names any): below it the GEMMs' rows and the ring's blocks shrink while the
+# exchange stays, and the candidates would multiply where cp is not what a layout lacks (a plan of
+# a 2k-token workload answers in a second, not five).
+MIN_LOCAL_TOKENS = 4096
+
+
+def degrees(seq_len: int, gpus: int, tp: int, wanted=None) -> list[int]:
+    """The cp degrees of `gpus` GPUs at tensor-parallel degree tp: powers of two that the sequence
+    splits into 2 cp equal chunks (cp_token_index) and tp x cp divides the GPUs; 1 first. `wanted`:
+    the degrees asked for (`harness plan --cp`), else those leaving a rank MIN_LOCAL_TOKENS."""
+    out, cp = [1], 2
+    while ParallelDims(cp=cp, tp=tp).divides(gpus) and seq_len % (2 * cp) == 0:
+        if wanted is None and seq_len < cp * MIN_LOCAL_TOKENS:
+            break
+        out.append(cp)
+        cp *= 2
+    return [c for c in out if c in wanted] if wanted is not None else out
+
+
+def impls(shape: Shape, engine: str, tp: int, cp: int) -> tuple[str, ...]:
+    """The cp implementations the planner offers a layout (the spec's default for cp 1): ulysses
+    only where the heads and the KV heads divide by cp x tp (harness.spec's check)."""
+    if cp == 1:
+        return ("ring",)
+    both = ParallelDims(cp=cp, tp=tp).product("cp", "tp")
+    return tuple(i for i in ENGINE_IMPLS.get(engine, ())
+                 if i != "ulysses" or (shape.heads % both == 0 and shape.kv_heads % both == 0))
+
+
+def _widths(shape: Shape, lay) -> tuple[float, float]:
+    """(query width, KV width) per tensor-parallel rank."""
+    d = shape.hidden // shape.heads
+    return shape.heads * d / lay.tp, shape.kv_heads * d / lay.tp
+
+
+def in_flight_bytes(shape: Shape, lay, seq_len: int, B: int) -> dict[str, float]:
+    """Bytes cp adds beside one layer's attention, per micro-batch: 'forward' and 'backward'
+    transients (those of its attention, forward or backward); what is kept for backward is
+    memory.py's _attention_bytes on the local tokens (allgather: with the gathered K/V)."""
+    if lay.cp == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    hq, kv = _widths(shape, lay)
+    n_l = lay.micro_batch_size * seq_len / lay.cp
+    block = 2 * n_l * kv * B  # one rank's K and V
+    if lay.cp_impl == "ring":
+        return {"forward": 2 * block, "backward": 2 * block + 2 * 2 * n_l * kv * B}
+    if lay.cp_impl == "allgather":  # the full-sequence dK/dV before their reduce-scatter
+        return {"forward": 0.0, "backward": lay.cp * 2 * n_l * kv * B}
+    # ulysses: the all-to-all's outputs beside its inputs (q, k, v in; the output back)
+    return {"forward": n_l * (hq + 2 * kv) * B, "backward": n_l * (2 * hq + 2 * kv) * B}
+
+
+def exchange_bytes(shape: Shape, lay, seq_len: int, B: int) -> dict[str, float]:
+    """Bytes one rank sends over its cp group for one layer and micro-batch (forward + backward,
+    with the attention's recomputation under full or selective checkpointing): 'total', and for
+    the ring 'step' (one forward transfer) and 'steps' (transfers per layer)."""
+    cp = lay.cp
+    if cp == 1:
+        return {"total": 0.0, "step": 0.0, "steps": 0}
+    hq, kv = _widths(shape, lay)
+    n_l = lay.micro_batch_size * seq_len / cp
+    fwd_passes = 2 if lay.activation_checkpointing in ("full", "selective") else 1
+    block = 2 * n_l * kv * B
+    if lay.cp_impl == "ring":
+        fwd = (cp - 1) * block
+        bwd = (cp - 1) * block + cp * 2 * n_l * kv * B
+        return {"total": fwd_passes * fwd + bwd, "step": block, "steps": fwd_passes * (cp - 1) + (2 * cp - 1)}
+    frac = (cp - 1) / cp
+    if lay.cp_impl == "allgather":  # all-gather of K and V, reduce-scatter of their gradients
+        fwd = frac * cp * block
+        bwd = frac * cp * 2 * n_l * kv * B
+        return {"total": fwd_passes * fwd + bwd, "step": 0.0, "steps": 0}
+    fwd = frac * n_l * (2 * hq + 2 * kv) * B  # ulysses: q, k, v out and the output back
+    return {"total": (fwd_passes + 1) * fwd, "step": 0.0, "steps": 0}
