@@ -285,7 +285,8 @@ def _export(args, shape, wl, fitting) -> int:
     text, notes = EXPORTERS[args.export](shape, chosen.layout, wl)
     print(text)
     lay = chosen.layout
-    print(f"# {args.export}: tp {lay.tp} pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
+    cp = f"cp {lay.cp} {lay.cp_impl} " if lay.cp > 1 else ""
+    print(f"# {args.export}: tp {lay.tp} {cp}pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
           f"checkpointing {lay.activation_checkpointing}, predicted {chosen.memory_gib:.1f} GiB, "
           f"{chosen.step_time_s:.3g} s/step, MFU {chosen.mfu:.3f}", file=sys.stderr)
     if chosen is not fitting[0]:

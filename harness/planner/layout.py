@@ -74,11 +74,16 @@ class PlannerLayout:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims.of(self)
+        return _dims(self.pp, self.dp, self.cp, self.tp)
 
     @property
     def gpus(self) -> int:
-        return self.dims.world
+        return _world(self.dims)
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold each parameter shard (dp x cp: harness.parallel_dims.REPLICA_AXES)."""
+        return _replicas(self.dims)
 
     @property
     def sharding_stage(self) -> int:
@@ -125,7 +130,27 @@ class Workload:
     def local(self, lay: PlannerLayout) -> Workload:
         """The workload one rank of the layout sees: seq_len / cp tokens of every sequence (its
         load-balanced chunks, harness.model.llama.cp_token_index)."""
-        return self if lay.cp == 1 else dataclasses.replace(self, seq_len=self.seq_len // lay.cp)
+        return self if lay.cp == 1 else _local_workload(self, lay.cp)
+
+
+@functools.lru_cache(maxsize=256)
+def _local_workload(wl: Workload, cp: int) -> Workload:
+    return dataclasses.replace(wl, seq_len=wl.seq_len // cp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _world(dims: ParallelDims) -> int:
+    return dims.world
+
+
+@functools.lru_cache(maxsize=4096)
+def _replicas(dims: ParallelDims) -> int:
+    return dims.replicas()
+
+
+@functools.lru_cache(maxsize=4096)  # a plan asks each layout's degrees many times
+def _dims(pp: int, dp: int, cp: int, tp: int) -> ParallelDims:
+    return ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp)
 
 
 def stage_items(shape: Shape, pp: int) -> list[tuple[bool, int, bool]]:

@@ -506,7 +506,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     """stage_memory for the harness's engines (PlannerLayout.engine own, deepspeed or fsdp)."""
     has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
     phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
-    B, dp, t = wl.dtype_bytes, lay.dims.replicas(), lay.tp  # states sharded over dp x cp (REPLICA_AXES)
+    B, dp, t = wl.dtype_bytes, lay.replicas, lay.tp  # states sharded over dp x cp (REPLICA_AXES)
     precision = "bf16" if B == 2 else "fp32"
     zero = 3 if lay.engine == "fsdp" else lay.sharding_stage
     if lay.engine == "deepspeed" and zero == 0:  # its pipeline engine without ZeRO: bf16 .grad, an fp32 optimizer copy

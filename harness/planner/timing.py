@@ -120,6 +120,13 @@ def _link(profile: Profile, group_gpus_span: int) -> str:
     return "nvlink" if group_gpus_span <= profile.gpus_per_node else "internode"
 
 
+@functools.lru_cache(maxsize=8192)
+def _geometry(dims, what: str, axis: str, *args) -> int:
+    """dims.<what>(axis, *args) (span, stride, per_node, nodes), remembered: a plan asks it of
+    thousands of layouts sharing a few meshes."""
+    return getattr(dims, what)(axis, *args)
+
+
 def _bw(profile: Profile, key: str) -> float:
     return (profile.nvlink_gbps if key == "nvlink" else profile.internode_gbps) * 1e9
 
@@ -149,19 +156,7 @@ def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     gemms = [((h + 2 * kv) / t, h), (h, h / t), (2 * f / t, h), (h, f / t)]
     for N, K in gemms:
         x["gemm"] += passes * 2 * n * N * K / (peak * _gemm_eff(n, N, K))
-    cls = ATTENTION_CLASS[lay.attention]
-    heads_t = shape.heads / t
-    s_kv = s * lay.cp  # the keys a local query attends (ring, allgather); ulysses: the same products
-    rec = 1 if ckpt in ("full", "selective") else 0
-    if cls in MATERIALISED:
-        score_key = "naive_attention" if cls == "naive" else cls
-        attention = {"gemm": (3 + rec) * 4 * b * s * s_kv * heads_t * d / (peak * _gemm_eff(s, s_kv, d)),
-                     score_key: (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * s_kv / hbm}
-    else:
-        fwd = 2 * b * s * s_kv * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
-        # the kernel's length: a ring's block (the local chunks), allgather's local queries, Ulysses' sequence
-        kernel_len = s * lay.cp if lay.cp_impl == "ulysses" else s
-        attention = {cls: fwd * (1 + FLASH_BWD + rec) / (peak * _flash_seq_eff(kernel_len))}
+    attention = attention_features(shape, lay, wl, prof)
     for k, v in attention.items():
         x[k] += v
     # Elementwise work, by HBM bytes; norms and residual adds are split only by sequence parallelism.
@@ -176,29 +171,50 @@ def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
         key = _link(prof, t)
         x[key] += (4 + (2 if ckpt == "full" else 0)) * 2 * (t - 1) / t * n * h * B / _bw(prof, key)
     if lay.cp > 1:
-        key, exposed = cp_exchange(shape, lay, wl, prof, theta, attention)
+        key, exposed, _ = cp_exchange(shape, lay, wl, prof, theta, attention)
         x[key] += exposed
     x["launch_us"] += 1e-6 * KERNELS_PER_LAYER * (4 / 3 if ckpt == "full" else 1)
     return x
 
 
+def attention_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile) -> dict[str, float]:
+    """Ideal seconds of one layer's attention core for one micro-batch (forward, backward and the
+    recomputation), by kind of work; under cp the rank's queries against every key."""
+    b, s, t, B = lay.micro_batch_size, wl.local(lay).seq_len, lay.tp, wl.dtype_bytes
+    d = shape.hidden // shape.heads
+    peak = prof.peak_flops(B)
+    cls = ATTENTION_CLASS[lay.attention]
+    heads_t = shape.heads / t
+    s_kv = s * lay.cp  # the keys a local query attends (ring, allgather); ulysses: the same products
+    rec = 1 if lay.activation_checkpointing in ("full", "selective") else 0
+    if cls in MATERIALISED:
+        score_key = "naive_attention" if cls == "naive" else cls
+        return {"gemm": (3 + rec) * 4 * b * s * s_kv * heads_t * d / (peak * _gemm_eff(s, s_kv, d)),
+                score_key: (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * s_kv / (prof.hbm_gbps * 1e9)}
+    fwd = 2 * b * s * s_kv * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
+    # the kernel's length: a ring's block (the local chunks), allgather's local queries, Ulysses' sequence
+    kernel_len = s * lay.cp if lay.cp > 1 and lay.cp_impl == "ulysses" else s
+    return {cls: fwd * (1 + FLASH_BWD + rec) / (peak * _flash_seq_eff(kernel_len))}
+
+
 def cp_exchange(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None,
-                attention: dict) -> tuple[str, float]:
-    """The link of the cp group and the ideal seconds of its exchange for one layer and micro-batch
-    that the attention does not hide (harness/planner/context.py for the bytes). The ring overlaps
+                attention: dict) -> tuple[str, float, float]:
+    """The link of the cp group, the ideal seconds of its exchange for one layer and micro-batch that
+    the attention does not hide, and those of all of it (harness/planner/context.py for the bytes). The ring overlaps
     each transfer with one block's attention: per step max(0, transfer - block compute) at the
     efficiencies of `theta`, expressed in the link's ideal seconds so that the step time stays a
     sum of theta x features; allgather and ulysses are not overlapped. `attention`: the ideal
     seconds of the layer's attention core by kind of work."""
     theta = theta or theta_from_profile(prof)
-    key = _link(prof, lay.dims.span("cp"))
+    key = _link(prof, _geometry(lay.dims, "span", "cp"))
     ex = exchange_bytes(shape, lay, wl.seq_len, wl.dtype_bytes)
+    total = ex["total"] / _bw(prof, key)
     if lay.cp_impl != "ring":
-        return key, ex["total"] / _bw(prof, key)
+        return key, total, total
     steps = ex["steps"]
-    transfer = theta[key] * ex["total"] / steps / _bw(prof, key)  # real seconds per transfer
+    transfer = theta[key] * total / steps  # real seconds per transfer
     block = _dot(theta, attention) / steps  # the attention of one step's block (real seconds)
-    return key, steps * max(0.0, transfer - block) / theta[key]
+    return key, steps * max(0.0, transfer - block) / theta[key], total
 
 
 def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, stage: int) -> dict[str, float]:
@@ -226,7 +242,7 @@ def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, 
         add(key, 2 * (has_emb + has_head) * 2 * (t - 1) / t * n * h * B / _bw(prof, key))
     # Pipeline sends: activation forward, its gradient backward (split over tp with scatter-gather).
     if lay.pp > 1:
-        key = _link(prof, 2 * lay.dims.stride("pp"))  # two neighbouring stages' blocks of ranks
+        key = _link(prof, 2 * _geometry(lay.dims, "stride", "pp"))  # two neighbouring stages' blocks of ranks
         sends = (1 if stage < lay.pp - 1 else 0) + (1 if stage > 0 else 0)
         add(key, sends * 2 * n * h * B / t / _bw(prof, key))
     if has_emb or has_head:
@@ -298,7 +314,7 @@ def _per_layer(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, th
         return per_layer, _dot(theta, per_layer)
     key = (lay.tp, lay.micro_batch_size, lay.activation_checkpointing, lay.sequence_parallel,
            ATTENTION_CLASS[lay.attention], lay.rmsnorm, lay.cp, lay.cp_impl if lay.cp > 1 else "",
-           lay.dims.span("cp") > prof.gpus_per_node)
+           _geometry(lay.dims, "span", "cp") > prof.gpus_per_node)
     hit = layer_cache.get(key)
     if hit is None:
         per_layer = layer_features(shape, lay, wl, prof, theta)
@@ -322,14 +338,14 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     phi = max(_stage_params(shape, key[0], lay.tp) for key, _, _ in kinds)
     zero = lay.sharding_stage
     dims = lay.dims
-    r = dims.replicas()  # the gradients are reduced over dp x cp (harness.parallel_dims.REPLICA_AXES)
+    r = lay.replicas  # the gradients are reduced over dp x cp (harness.parallel_dims.REPLICA_AXES)
     if r > 1:
         m = wl.micro_batches(lay)
         axis = "dp" if lay.dp > 1 else "cp"  # the outermost of the two: the group lies in its span
-        key = _link(prof, dims.span(axis))
-        tp_members = dims.per_node("tp", prof.gpus_per_node)  # a node holds gpus_per_node / tp members
+        key = _link(prof, _geometry(dims, "span", axis))
+        tp_members = _geometry(dims, "per_node", "tp", prof.gpus_per_node)  # a node holds gpus_per_node / tp
         per_node = max(1, min(r, prof.gpus_per_node // tp_members)) if key == "internode" else 1
-        nodes = dims.nodes(axis, prof.gpus_per_node)
+        nodes = _geometry(dims, "nodes", axis, prof.gpus_per_node)
         if lay.pp > 1:
             aggregate = DP_NIC_AGGREGATION_PIPELINED
         else:
@@ -391,6 +407,18 @@ def _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta,
     }
 
 
+def cp_breakdown(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict,
+                 layer_passes: int) -> dict:
+    """The cp exchange of the slowest stage over a step (`layer_passes`: its layers x micro-batches,
+    part of compute_and_tp_s): the seconds of all its transfers, those the attention does not hide,
+    and the bytes one rank sends."""
+    attention = attention_features(shape, lay, wl, prof)
+    key, exposed, total = cp_exchange(shape, lay, wl, prof, theta, attention)
+    sent = exchange_bytes(shape, lay, wl.seq_len, wl.dtype_bytes)["total"]
+    return {"cp_exchange_s": layer_passes * theta[key] * total, "cp_exposed_s": layer_passes * theta[key] * exposed,
+            "cp_sent_gb": layer_passes * sent / 1e9}
+
+
 def step_time(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None = None,
               layer_cache: dict | None = None, memory_bytes: float | None = None) -> tuple[float, dict]:
     """Seconds per optimizer step and their breakdown: sum(theta[k] * step_features[k]) computed
@@ -410,5 +438,7 @@ def step_time(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, the
     dpx, opt_x = _data_parallel(shape, lay, wl, prof, kinds)
     pressure = alloc_pressure(shape, lay, wl, prof, memory_bytes)
     breakdown = _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta, pressure)
+    if lay.cp > 1:
+        breakdown.update(cp_breakdown(shape, lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
     return (compute_s + breakdown["dp_reduction_exposed_s"] + breakdown["optimizer_s"]
             + breakdown["allocator_pressure_s"]), breakdown
