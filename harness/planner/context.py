@@ -90,24 +90,27 @@ def in_flight_bytes(shape: Shape, lay, seq_len: int, B: int) -> dict[str, float]
 
 
 def exchange_bytes(shape: Shape, lay, seq_len: int, B: int) -> dict[str, float]:
-    """Bytes one rank sends over its cp group for one layer and micro-batch (forward + backward,
-    with the attention's recomputation under full or selective checkpointing): 'total', and for
-    the ring 'step' (one forward transfer) and 'steps' (transfers per layer)."""
+    """What one rank's cp attention moves for one layer and micro-batch, forward and backward, as
+    the own engine's counted communication has it (harness.engine.comm_model.cp_attention_calls,
+    which imports torch: tests/test_cp_planner.py holds the two equal): 'calls' (the bytes of each
+    of its calls' kinds), 'total' (the bytes a rank puts on its link: a ring's sends; (cp-1)/cp of
+    a collective's buffer) and for the ring 'step' (one K/V hop) and 'steps' (the blocks it computes,
+forward and backward, each overlapping a hop). Full
+    checkpointing runs the forward, its exchange included, twice; selective repeats none of it."""
     cp = lay.cp
     if cp == 1:
-        return {"total": 0.0, "step": 0.0, "steps": 0}
+        return {"calls": {}, "total": 0.0, "step": 0.0, "steps": 0}
     hq, kv = _widths(shape, lay)
     n_l = lay.micro_batch_size * seq_len / cp
-    fwd_passes = 2 if lay.activation_checkpointing in ("full", "selective") else 1
-    block = 2 * n_l * kv * B
-    if lay.cp_impl == "ring":
-        fwd = (cp - 1) * block
-        bwd = (cp - 1) * block + cp * 2 * n_l * kv * B
-        return {"total": fwd_passes * fwd + bwd, "step": block, "steps": fwd_passes * (cp - 1) + (2 * cp - 1)}
+    runs = 2 if lay.activation_checkpointing == "full" else 1
+    block = 2 * n_l * kv  # K and V packed, elements
     frac = (cp - 1) / cp
-    if lay.cp_impl == "allgather":  # all-gather of K and V, reduce-scatter of their gradients
-        fwd = frac * cp * block
-        bwd = frac * cp * 2 * n_l * kv * B
-        return {"total": fwd_passes * fwd + bwd, "step": 0.0, "steps": 0}
-    fwd = frac * n_l * (2 * hq + 2 * kv) * B  # ulysses: q, k, v out and the output back
-    return {"total": (fwd_passes + 1) * fwd, "step": 0.0, "steps": 0}
+    if lay.cp_impl == "ring":
+        hops = runs * (cp - 1) + (cp - 1)
+        calls = {"send": hops * block * B + cp * block * 4}  # the K/V hops; the fp32 dK/dV accumulators
+        return {"calls": calls, "total": calls["send"], "step": block * B, "steps": (runs + 1) * cp}
+    if lay.cp_impl == "allgather":
+        calls = {"all_gather": (runs + 1) * cp * block * B, "reduce_scatter": cp * block * 4}
+    else:  # ulysses: q, k, v packed and the output, each way
+        calls = {"all_to_all": (runs + 1) * n_l * ((hq + 2 * kv) + hq) * B}
+    return {"calls": calls, "total": frac * sum(calls.values()), "step": 0.0, "steps": 0}
