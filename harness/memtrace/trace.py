@@ -2,11 +2,14 @@
 holds, and its peak. (Engine fsdp: _trace_fsdp_rank, at the end; what follows describes the own
 engine, and the counters and stand-ins serve both.)
 
-For each pipeline stage (tensor- and data-parallel ranks of a stage hold the same tensors, up to
-a ZeRO-1 shard's padding), `trace_rank` starts a fake process group (torch's FakeStore, backend
-"fake": collectives and transfers are no-ops on shapes) as that stage's first rank, builds
+For each pipeline stage (tensor-, context- and data-parallel ranks of a stage hold the same
+tensors, up to a ZeRO-1 shard's padding), `trace_rank` starts a fake process group (torch's
+FakeStore, backend "fake": collectives and transfers are no-ops on shapes) as that stage's first
+rank, builds
 Engine3D under FakeTensorMode (tensors carry shapes and dtypes, no data: a 65B stage costs no
-memory) and runs its real train_step: the schedule's forwards and backwards of the micro-batches,
+memory) and runs its real train_step: the schedule's forwards and backwards of the micro-batches
+(under context parallelism its attention's K/V exchange too: the fake group's batch_isend_irecv,
+all-gather, reduce-scatter and all_to_all_single return at once, leaving what they write unset),
 the data-parallel reductions, the optimizer step, the parameter refresh. Three counters run
 alongside:
 
@@ -281,7 +284,9 @@ def traced_spec(spec, stage: int = 0, full_micro: bool = False):
 
 
 def stage_ranks(lay) -> list[int]:
-    """The first rank (tp 0, dp 0) of each pipeline stage."""
+    """The first rank (tp 0, cp 0, dp 0) of each pipeline stage: its tensor-, context- and
+    data-parallel ranks hold tensors of the same sizes (cp: every rank seq / cp tokens, two equal
+    chunks; the ring's blocks are the same sizes in another order)."""
     dims = ParallelDims.of(lay)
     return [dims.rank(pp=s) for s in range(lay.pp)]
 

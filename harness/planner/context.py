@@ -72,20 +72,77 @@ def _widths(shape: Shape, lay) -> tuple[float, float]:
     return shape.heads * d / lay.tp, shape.kv_heads * d / lay.tp
 
 
+def cp_attention_bytes(shape: Shape, lay, s: int, b: int, B: int) -> dict[str, float]:
+    """Bytes of one layer's cp attention for one micro-batch per rank, `s` its local tokens: 'kept'
+    for backward (from the rotated q/k/v to wo's input), and 'backward' (what exists above that
+    while it runs backward).
+
+    Materialised kernels under ring and allgather are the own engine's code
+    (harness/engine/context_parallel.py: fp32 blocks, masks by position): kept q, the local k and
+    v, the fp32 output and log-sum-exp, and wo's input (a copy of the output in its dtype). Its
+    backward holds, at the largest block (ring: the rank's own, s x s; allgather: s x seq), four
+    fp32 score-sized tensors (P, dP, dP - delta or P (dP - delta), dS), the fp32 copies of q and the
+    output gradient, the K/V it attends (ring: packed, and the next block arriving; allgather: the
+    whole sequence's, re-gathered, in fp32), their fp32 copies, dq's accumulator, dV and the mask.
+    Flash-style kernels under ring and allgather are a GPU's (Transformer Engine's, one flash
+    kernel per block): kept q, the local k and v, the output and the log-sum-exp; in flight
+    beside them in backward the K/V blocks and the fp32 dK/dV (in_flight_bytes).
+    Ulysses runs the layout's kernel on 1/cp of the heads over the whole sequence: the plain
+    kernel's tensors with s x cp keys (the mask seq x seq), q/k/v as one all-to-all output
+    (flash keeps all of it: q is a view of it), and wo's input beside the kernel's output."""
+    from harness.planner.layout import ATTENTION_CLASS, MATERIALISED
+
+    hq, kv = _widths(shape, lay)
+    heads = shape.heads / lay.tp
+    d = shape.hidden // shape.heads
+    n, cp = b * s, lay.cp
+    seq = s * cp
+    rot = 4 * s * d * B if B == 2 else 0.0
+    up = 4 if B == 2 else 0  # an fp32 copy of a tensor in the activations' dtype (none under fp32)
+    lse = 4 * b * heads * s
+    materialised = ATTENTION_CLASS[lay.attention] in MATERIALISED
+    if lay.cp_impl in ("ring", "allgather"):
+        if not materialised:
+            kept = n * hq * B + 2 * n * kv * B + n * hq * B + lse + rot
+            return {"kept": kept, "backward": in_flight_bytes(shape, lay, seq, B)["backward"] + n * hq * 4}
+        kept = n * hq * B + 2 * n * kv * B + n * hq * 4 + lse + n * hq * B + rot
+        keys = s if lay.cp_impl == "ring" else seq
+        scores = 4 * b * heads * s * keys
+        common = 4 * scores + s * keys + 2 * n * hq * up + lse
+        if lay.cp_impl == "ring":  # dq, K/V packed and arriving, the block's fp32 K/V, dV
+            backward = common + n * hq * 4 + 2 * 2 * n * kv * B + 2 * n * kv * up + n * kv * 4
+        else:  # the re-gathered K/V in fp32, dV of the whole sequence
+            backward = common + cp * 2 * n * kv * 4 + cp * n * kv * 4
+        return {"kept": kept, "backward": backward}
+    gqa = shape.heads != shape.kv_heads
+    qkv = n * (hq + 2 * kv) * B  # the all-to-all's output: the head shard's q, k, v of every token
+    wo_in = n * hq * B
+    if materialised:
+        core = 3 * n * hq * 4 + seq * seq + 4 * b * heads * s * seq  # fp32 q, k, v; mask; softmax
+        core_backward = 2 * 4 * b * heads * s * seq
+    else:
+        core = qkv + (2 * n * hq * B if gqa else 0.0) + n * hq * B + lse  # q a view of the all-to-all's output
+        core_backward = n * hq * 4
+    if lay.activation_checkpointing == "selective":  # the core's inputs kept, the core recomputed in backward
+        return {"kept": qkv + wo_in + rot, "backward": core + core_backward + qkv}
+    return {"kept": core + wo_in + rot, "backward": core_backward + qkv}
+
+
 def in_flight_bytes(shape: Shape, lay, seq_len: int, B: int) -> dict[str, float]:
-    """Bytes cp adds beside one layer's attention, per micro-batch: 'forward' and 'backward'
-    transients (those of its attention, forward or backward); what is kept for backward is
-    memory.py's _attention_bytes on the local tokens (allgather: with the gathered K/V)."""
+    """Bytes of K/V (and their gradients) a flash-style cp attention has in flight beside a layer's
+    attention, per micro-batch: 'forward' and 'backward' (context_parallel.py's docstring: ring,
+    the block computed on and the one arriving, and in backward the two fp32 dK/dV accumulators;
+    allgather, the gathered K/V and in backward their fp32 gradient; ulysses, the all-to-all's
+    outputs beside its inputs)."""
     if lay.cp == 1:
         return {"forward": 0.0, "backward": 0.0}
     hq, kv = _widths(shape, lay)
     n_l = lay.micro_batch_size * seq_len / lay.cp
-    block = 2 * n_l * kv * B  # one rank's K and V
+    block = 2 * n_l * kv  # one rank's K and V, elements
     if lay.cp_impl == "ring":
-        return {"forward": 2 * block, "backward": 2 * block + 2 * 2 * n_l * kv * B}
-    if lay.cp_impl == "allgather":  # the full-sequence dK/dV before their reduce-scatter
-        return {"forward": 0.0, "backward": lay.cp * 2 * n_l * kv * B}
-    # ulysses: the all-to-all's outputs beside its inputs (q, k, v in; the output back)
+        return {"forward": 2 * block * B, "backward": 2 * block * B + 2 * block * 4}
+    if lay.cp_impl == "allgather":
+        return {"forward": lay.cp * block * B, "backward": lay.cp * block * (B + 4)}
     return {"forward": n_l * (hq + 2 * kv) * B, "backward": n_l * (2 * hq + 2 * kv) * B}
 
 

@@ -407,7 +407,7 @@ def _norm_bytes(lay: PlannerLayout, n: float, h: int, B: int, sp: bool) -> float
 
 def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> float:
     """The attention between the q/k/v GEMMs and wo, kept for backward, per rank; `wl` is the rank's
-    workload (Workload.local: seq / cp tokens under context parallelism).
+    workload (Workload.local: seq / cp tokens under context parallelism: context.cp_attention_bytes).
 
     Flash-style (SDPA flash/efficient/cuDNN, flash-attn): rotated q, k and v as the kernel gets
     them (k and v repeated to every head under grouped-query attention), its output and fp32
@@ -416,12 +416,11 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
     mask (1 byte per score), the fp32 softmax, and wo's input, a copy of the [b, heads, s, head_dim]
     output.
     Selective checkpointing keeps only the recomputed core's inputs q, k, v and wo's input. The
-    rotary tables cast to bf16 per call (q and k: cos and sin) are kept too.
-    Context parallelism (harness/planner/context.py): ring and allgather attend the local queries
-    to every key (s_kv = seq; the K/V of the own engine's core are not repeated under flash, and
-    allgather keeps the gathered ones); ulysses runs the kernel on the full sequence of a head
-    shard (the same bytes as the local heads' rows, but the s x s mask) and keeps its output beside
-    wo's input (the all-to-all back is a copy)."""
+    rotary tables cast to bf16 per call (q and k: cos and sin) are kept too."""
+    if lay.cp > 1:
+        from harness.planner.context import cp_attention_bytes
+
+        return cp_attention_bytes(shape, lay, wl.seq_len, b, wl.dtype_bytes)["kept"]
     s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
     n = b * s
     head_dim = h // shape.heads
@@ -429,42 +428,33 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
     heads = shape.heads / t
     rot = 4 * s * head_dim * B if B == 2 else 0.0
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
-    cp, impl = lay.cp, lay.cp_impl
-    s_kv = s * cp if cp > 1 and impl != "ulysses" else s        # keys per local query
-    mask = (s * cp) ** 2 if cp > 1 and impl == "ulysses" else s * s_kv
-    ulysses_out = n * hq * B if cp > 1 and impl == "ulysses" else 0.0
     if lay.activation_checkpointing == "selective":
         return n * (hq + 2 * kv) * B + n * hq * B + rot
     if naive:
-        return n * hq * 4 + 2 * b * s_kv * hq * 4 + mask + 4 * b * heads * s * s_kv + n * hq * B + rot + ulysses_out
-    if cp > 1 and impl == "ring":
-        kv_kept = 2 * n * kv * B
-    elif cp > 1 and impl == "allgather":
-        kv_kept = 2 * b * s_kv * kv * B
-    else:
-        kv_kept = 2 * n * (hq if shape.heads != shape.kv_heads else kv) * B
-    return n * hq * B + kv_kept + n * hq * B + 4 * b * heads * s + rot + ulysses_out
+        return 3 * n * hq * 4 + s * s + 4 * b * heads * s * s + n * hq * B + rot
+    kv_kept = 2 * n * (hq if shape.heads != shape.kv_heads else kv) * B
+    return n * hq * B + kv_kept + n * hq * B + 4 * b * heads * s + rot
 
 
 def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> float:
     """Above what is kept, while the attention core runs backward: under selective checkpointing
     the recomputed core's own saved tensors; for materialised attention the fp32 gradients of
     the softmax output and of the scores (2 x 4 bytes per score); the gradient of the attention
-    output; under context parallelism the K/V blocks and gradients in flight (context.py). The
-    layer's SwiGLU and its norm have run backward before and freed what they kept."""
-    from harness.planner.context import in_flight_bytes
-
+    output (under context parallelism: context.cp_attention_bytes). The layer's SwiGLU and its
+    norm have run backward before and freed what they kept."""
     s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
     n, heads, hq = b * s, shape.heads / t, h / t
-    s_kv = s * lay.cp if lay.cp > 1 and lay.cp_impl != "ulysses" else s
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
     extra = n * h * B
-    if naive:
-        extra += 2 * 4 * b * heads * s * s_kv
-    if lay.activation_checkpointing == "selective":
-        extra += ((n * hq * 4 + 2 * b * s_kv * hq * 4 + s * s_kv + 4 * b * heads * s * s_kv) if naive
-                  else (n * hq * B + 4 * b * heads * s))
-    extra += in_flight_bytes(shape, lay, s * lay.cp, B)["backward"]
+    if lay.cp > 1:
+        from harness.planner.context import cp_attention_bytes
+
+        extra += cp_attention_bytes(shape, lay, s, b, B)["backward"]
+    else:
+        if naive:
+            extra += 2 * 4 * b * heads * s * s
+        if lay.activation_checkpointing == "selective":
+            extra += (3 * n * hq * 4 + s * s + 4 * b * heads * s * s) if naive else (n * hq * B + 4 * b * heads * s)
     freed = _norm_bytes(lay, n, h, B, lay.sequence_parallel and t > 1) + 4 * n * shape.ffn / t * B
     return extra - freed
 
