@@ -103,24 +103,31 @@ def test_activations_are_those_of_seq_over_cp_tokens_and_the_ring_keeps_only_its
         assert _loss_bytes(L8, own(cp=cp), Workload(s, 8)) == _loss_bytes(L8, own(), Workload(s // cp, 8))
 
 
-def test_allgather_keeps_the_gathered_kv_and_ulysses_its_head_shards_output():
+def test_the_own_engines_blocks_keep_no_s_squared_tensor_and_ulysses_keeps_its_all_to_all_output():
     s, cp, B = 65536, 4, 2
-    kv = L8.kv_heads * (L8.hidden // L8.heads)
-    ring = engine_layer_bytes(L8, own(cp=cp), Workload(s, 8))["layer"]
-    gathered = engine_layer_bytes(L8, own(cp=cp, cp_impl="allgather"), Workload(s, 8))["layer"]
-    assert gathered - ring == 2 * (s - s // cp) * kv * B  # the other ranks' K and V, kept for backward
+    d = L8.hidden // L8.heads
+    kv, hq = L8.kv_heads * d, L8.hidden
+    n = s // cp
+    own_ring = context.cp_attention_bytes(L8, own(cp=cp, attention="naive"), n, 1, B)
+    own_gather = context.cp_attention_bytes(L8, own(cp=cp, attention="naive", cp_impl="allgather"), n, 1, B)
+    flash_ring = context.cp_attention_bytes(L8, own(cp=cp), n, 1, B)
+    # q, the local K/V, the output and LSE, wo's input: the fp32 output is the engine's, the rest alike
+    assert own_ring["kept"] == own_gather["kept"] == flash_ring["kept"] + n * hq * 4
+    # backward: four fp32 score blocks, the ring's own (n x n), allgather's against every key (n x s)
+    scores = 4 * L8.heads * n
+    assert own_gather["backward"] - own_ring["backward"] > 4 * scores * (s - n)
     ulysses = engine_layer_bytes(L8, own(cp=cp, cp_impl="ulysses"), Workload(s, 8))["layer"]
     plain = engine_layer_bytes(L8, own(), Workload(s // cp, 8))["layer"]
-    assert ulysses - plain == s // cp * L8.hidden * B  # its output beside wo's (all-to-all'd) input
+    assert ulysses - plain == n * (hq + 2 * kv) * B  # the head shard's q/k/v (flash keeps q, a view of it)
 
 
 def test_kv_blocks_in_flight():
     s, cp, B = 65536, 4, 2
     kv = L8.kv_heads * (L8.hidden // L8.heads)
-    block = 2 * s // cp * kv * B  # one rank's K and V
+    block = 2 * s // cp * kv  # one rank's K and V, elements
     ring = context.in_flight_bytes(L8, own(cp=cp), s, B)
-    assert ring == {"forward": 2 * block, "backward": 4 * block}  # current + next; + dK/dV accumulators
-    assert context.in_flight_bytes(L8, own(cp=cp, cp_impl="allgather"), s, B)["backward"] == cp * block
+    assert ring == {"forward": 2 * block * B, "backward": 2 * block * B + 2 * block * 4}  # + fp32 dK/dV
+    assert context.in_flight_bytes(L8, own(cp=cp, cp_impl="allgather"), s, B)["backward"] == cp * block * (B + 4)
     assert context.in_flight_bytes(L8, own(), s, B) == {"forward": 0.0, "backward": 0.0}
 
 
