@@ -156,6 +156,41 @@ def test_planner_agrees_with_the_trace(agreement):
             assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.10 * rank["total_gib"], (r["layout"], rank)
 
 
+# Context parallelism at full size (issue 23): llama3-8b at 65,536 and 131,072 tokens on cp 8 (a rank
+# holds 8,192 or 16,384 tokens of each sequence), each implementation as the own engine runs it
+# (ring and allgather compute naive's math in fp32 blocks; ulysses the layout's kernel on a head
+# shard), the planner (planner/context.py's cp terms) within 5% of the trace. A trace takes 20-70 s
+# here (printed; issue 23's target, under 120 s, is a time and lives outside the assertions).
+CP_AGREEMENT = [
+    (65536, dict(cp_impl="ring", attention="naive")),
+    (131072, dict(cp_impl="ring", attention="naive")),
+    (65536, dict(cp_impl="allgather", attention="naive")),
+    (65536, dict(cp_impl="ulysses", attention="naive")),
+    (65536, dict(cp_impl="ulysses", attention="sdpa_flash")),
+]
+
+
+@pytest.mark.slow
+def test_cp_planner_agrees_with_the_trace():
+    from harness.memtrace.result import trace_spec
+
+    print("\ncp layout | traced peak GiB | planner GiB | difference | trace s")
+    rows = []
+    for seq, layout in CP_AGREEMENT:
+        spec = parse_spec({"workload": {"model": "llama3-8b", "seq_len": seq, "global_batch_size": 8,
+                                        "precision": "bf16", "model_overrides": {"max_positions": seq}},
+                           "layout": {"engine": "own", "cp": 8, "rmsnorm": "fused", **layout}})
+        r = trace_spec(spec)
+        diff = (r["planner_peak_gib"] - r["traced_peak_gib"]) / r["traced_peak_gib"] * 100
+        print(f"llama3-8b s{seq} cp8 {layout} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | "
+              f"{diff:+.1f}% | {r['seconds']:.1f}")
+        rows.append(r)
+    for r in rows:
+        assert r["layout"]["cp"] == 8
+        assert abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.05 * r["traced_peak_gib"], r["layout"]
+        assert r["ranks"][0]["saved_per_forward_gib"] > 0
+
+
 # Engine fsdp at full size (bf16, sdpa, eager RMSNorm, micro-batch 1, global batch 512): FSDP2 over
 # dp, DTensor TP with and without SP, torch.distributed.pipelining; the planner's fsdp branch
 # (planner/memory.py, fsdp_step_bytes) within 10% of the trace at every stage.
