@@ -218,11 +218,13 @@ def _on_engine(args, shape) -> dict:
 
 def _cp_lines(args, preds, fitting) -> list[str]:
     """What the plan says about context parallelism: that it proposes cp > 1 because no layout fits
-    without it, or why the engine has no cp candidates."""
-    from harness.planner.context import NO_CP
+    without it, why the engine has none, or what a flash ring stands for."""
+    from harness.planner.context import MIN_LOCAL_TOKENS, NO_CP
+    from harness.planner.layout import ATTENTION_CLASS, MATERIALISED
 
     out = []
-    if args.engine in NO_CP and args.cp not in (None, "1"):
+    offered = args.cp not in (None, "1") or args.seq_len >= 2 * MIN_LOCAL_TOKENS  # where cp would be a candidate
+    if args.engine in NO_CP and offered:
         out.append(f"no cp > 1 candidates under engine {args.engine}: {NO_CP[args.engine]}")
     if fitting and fitting[0].layout.cp > 1 and not any(p.layout.cp == 1 for p in fitting):
         lay = fitting[0].layout
@@ -230,8 +232,10 @@ def _cp_lines(args, preds, fitting) -> list[str]:
         why = f" (the smallest without cp needs {smallest.memory_gib:.1f} GiB)" if smallest else ""
         out.append(f"no layout fits without context parallelism{why}: the plan proposes cp {lay.cp} "
                    f"{lay.cp_impl}, {args.seq_len // lay.cp} tokens of each sequence per rank")
-    elif args.engine in NO_CP and fitting == [] and args.seq_len:
-        out.append(f"engine {args.engine} has no context parallelism: {NO_CP[args.engine]}")
+    if args.engine == "own" and any(p.layout.cp > 1 and p.layout.cp_impl != "ulysses"
+                                    and ATTENTION_CLASS[p.layout.attention] not in MATERIALISED for p in fitting[:5]):
+        out.append("cp ring/allgather with a flash kernel is predicted as a GPU's (one flash kernel per block, as "
+                   "Transformer Engine's); the own engine runs them only with attention naive (fp32 blocks)")
     return out
 
 
