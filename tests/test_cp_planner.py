@@ -185,3 +185,18 @@ def test_a_sweep_point_carries_cp():
 def test_from_spec_reads_cp(impl):
     lay = PlannerLayout.from_spec({"engine": "own", "cp": 2, "cp_impl": impl, "dp": 2})
     assert (lay.cp, lay.cp_impl, lay.gpus) == (2, impl, 4)
+
+
+def test_an_emitted_sweep_carries_cp_and_the_harness_takes_it(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    out = tmp_path / "cp.yaml"
+    code, _, _ = run(capsys, "plan", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "8", "--gpus", "4",
+                     "--hardware", "cpu", "--rmsnorm", "torch", "--attention", "naive", "--cp", "2",
+                     "--top", "4", "--emit-sweep", str(out))
+    assert code == 0
+    points = yaml.safe_load(out.read_text())["points"]
+    assert points and all(p["cp"] == 2 and p["cp_impl"] in ("ring", "allgather", "ulysses") for p in points)
+    monkeypatch.chdir(tmp_path)
+    code, text, _ = run(capsys, "sweep", str(out), "--dry-run")
+    assert code == 0 and f"{len(points)} points, 0 dropped" in text
