@@ -189,8 +189,11 @@ def attention_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Pro
     rec = 1 if lay.activation_checkpointing in ("full", "selective") else 0
     if cls in MATERIALISED:
         score_key = "naive_attention" if cls == "naive" else cls
-        return {"gemm": (3 + rec) * 4 * b * s * s_kv * heads_t * d / (peak * _gemm_eff(s, s_kv, d)),
-                score_key: (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * s_kv / (prof.hbm_gbps * 1e9)}
+        # every score computed, masked ones too: the own engine's ring computes its own block whole and
+        # half of each other rank's (context_parallel._ring_rows), allgather and ulysses one block of all keys
+        keys = s * (lay.cp + 1) / 2 if lay.cp > 1 and lay.cp_impl == "ring" else s_kv
+        return {"gemm": (3 + rec) * 4 * b * s * keys * heads_t * d / (peak * _gemm_eff(s, keys, d)),
+                score_key: (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * keys / (prof.hbm_gbps * 1e9)}
     fwd = 2 * b * s * s_kv * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
     # the kernel's length: a ring's block (the local chunks), allgather's local queries, Ulysses' sequence
     kernel_len = s * lay.cp if lay.cp > 1 and lay.cp_impl == "ulysses" else s
