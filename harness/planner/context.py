@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED
 
 # Engines whose context parallelism the planner offers, and with which implementations: the own
 # engine all three; DeepSpeed runs Ulysses (deepspeed.sequence.layer.DistributedAttention); engine
@@ -90,8 +91,6 @@ def cp_attention_bytes(shape: Shape, lay, s: int, b: int, B: int) -> dict[str, f
     Ulysses runs the layout's kernel on 1/cp of the heads over the whole sequence: the plain
     kernel's tensors with s x cp keys (the mask seq x seq), q/k/v as one all-to-all output
     (flash keeps all of it: q is a view of it), and wo's input beside the kernel's output."""
-    from harness.planner.layout import ATTENTION_CLASS, MATERIALISED
-
     hq, kv = _widths(shape, lay)
     heads = shape.heads / lay.tp
     d = shape.hidden // shape.heads

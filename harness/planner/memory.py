@@ -349,6 +349,10 @@ def paper_stranded_block(shape: Shape, lay: PlannerLayout, wl: Workload, loss_pe
 #     saves what F.linear got), where Megatron re-gathers it in backward;
 #   - holds, per micro-batch in flight on a pipeline stage, the received input and the sent output
 #     (PipelineExecutor.live) besides what autograd saved.
+# Under context parallelism (harness/planner/context.py) a rank holds seq / cp tokens of each
+# sequence (Workload.local): every term on them, the attention's from context.cp_attention_bytes (the
+# own engine's fp32 blocks for ring and allgather, checked against traces of llama3-8b at 65,536 and
+# 131,072 tokens), the model states sharded over dp x cp.
 # Megatron-core: its model states from `model_states` (tested against its census,
 # tests/test_megatron_views.py), its uniform layer split, and activations as the own engine's (its
 # local spec's layers keep what the own engine's Megatron-layout blocks keep) but for its SP GEMMs,

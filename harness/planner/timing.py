@@ -15,6 +15,9 @@ bubble (p-1)/m of Narayanan et al. 2021 when stages are equal; interleaving with
 divides the fill/drain part by v. Data-parallel reduction runs after the last backward (after
 the flush), in fp32, not overlapped, as in the study's framework (see step_features). The LM
 head's output is all-gathered over tp and the loss runs over the full vocabulary on every rank.
+Context parallelism (harness/planner/context.py): every term on the rank's seq / cp tokens, the
+attention against every key, the cp exchange on its link (the ring's hidden behind each block's
+attention up to that block's compute), and the data-parallel reduction over dp x cp.
 """
 
 from __future__ import annotations
