@@ -7,17 +7,18 @@ the GEMMs, norms, SwiGLU, the kept activations, the logits and the loss. What cp
 Notation per rank and micro-batch: b sequences, s_l = s / cp local tokens, kv = the rank's KV width
 (KV heads x head dim / tp), B the activations' bytes.
 
-  ring       cp - 1 steps forward, each sending the K/V block it holds to the next rank while it
-             computes attention against the one it has (exposed: max(0, transfer - block compute)
-             per step); backward the K/V blocks travel again and the dK/dV accumulators come back
-             round, cp - 1 and cp steps, in the activations' dtype. In flight: the block computed
-             on and the one arriving, and in backward the two dK/dV accumulators.
-  allgather  K/V all-gathered before the attention (forward), dK/dV reduce-scattered after it
-             (backward), not overlapped; the gathered full-sequence K/V is kept for backward (the own
-             engine's autograd saves what its core gets, harness/engine/context_parallel.py).
+  ring       K/V blocks hop round the ring, each hop posted before the block in hand is computed
+             (exposed: max(0, transfer - block compute) per block); backward the K/V hop again and
+             the fp32 dK/dV accumulators come home. In flight: the block computed on and the one
+             arriving, in backward the two dK/dV accumulators.
+  allgather  K/V all-gathered before the attention (again in backward), the fp32 dK/dV
+             reduce-scattered after it, not overlapped; only the local K/V are kept.
   ulysses    all-to-all of q, k, v from sequence shards to head shards before the attention and of
-             the output back (backward: their gradients), not overlapped; the head shard's
-             full-sequence q/k/v/out (the same bytes as the local ones) exist while it runs.
+             the output back (backward: their gradients), not overlapped; the kernel runs on 1/cp of
+             the heads over the whole sequence.
+The exchange's bytes are the own engine's counted communication (comm_model.cp_attention_calls);
+the kept and transient bytes of its attention (cp_attention_bytes) its code's
+(harness/engine/context_parallel.py), checked against `harness memory` traces.
 """
 
 from __future__ import annotations
