@@ -10,10 +10,12 @@ gradients of the other ranks' keys and values go back to them through the same a
 Implementations (layout.cp_impl), every byte through the counted Axis (comm.py):
   ring       K and V (packed in one buffer, KV heads unexpanded) pass round the cp ring by P2P;
              the next block's transfer is posted before the current block is computed, so it
-             overlaps. Blocks are computed in fp32 (naive's math, masks by position) and merged by
-             online softmax (log-sum-exp). Backward (flash-attention style) recomputes each block's
-             probabilities from the saved LSE; K/V rotate again, and the fp32 dK/dV accumulator of
-             each block travels with it, so after cp hops every rank's K/V gradient is home.
+             overlaps. Blocks are computed in fp32 (naive's math, masks by position) or, when the
+             layout's kernel is sdpa on CPU, by torch's CPU flash kernel (what sdpa runs there,
+             bitwise; it returns the LSE), and merged by online softmax (log-sum-exp) in fp32.
+             Backward (flash-attention style) recomputes each block's probabilities from the saved
+             LSE; K/V rotate again, and the fp32 dK/dV accumulator of each block travels with it,
+             so after cp hops every rank's K/V gradient is home.
              With rank i's chunks (i, 2cp-1-i) and block j's (j, 2cp-1-j): j == i is causal over the
              local 2c tokens; j < i: all local queries against j's first chunk only; j > i: the
              local second chunk's queries against all of j's keys (every other pair is masked out).
@@ -21,10 +23,13 @@ Implementations (layout.cp_impl), every byte through the counted Axis (comm.py):
              (2 x 2·b·hkv·s_local·d in the activations' dtype); backward those two plus the dK/dV
              accumulator arriving and the one leaving (2 x 2·b·hkv·s_local·d in fp32).
              Saved for backward: q, the local k and v, the fp32 output and LSE (b·hq·s_local).
-  allgather  Llama 3's way: K/V (packed) all-gathered, one masked fp32 block against the whole
-             sequence; backward all-gathers them again (only the local K/V are saved, as
-             Transformer Engine does) and reduce-scatters the fp32 dK/dV. In flight: the gathered
-             K/V (2·b·hkv·seq·d) and in backward their fp32 gradient.
+             Transient, one block at a time: naive's fp32 scores and probabilities, at most
+             b·hq·s_local² each (the own block; the others are half that), sdpa's none of that size.
+  allgather  Llama 3's way: K/V (packed) all-gathered, then the ring's blocks (naive or sdpa) cut
+             from the gathered buffer, one per source rank; backward all-gathers them again (only
+             the local K/V are saved, as Transformer Engine does) and reduce-scatters the fp32
+             dK/dV. In flight: the gathered K/V (cp x 2·b·hkv·s_local·d) and in backward their fp32
+             gradient (the same size in fp32).
   ulysses    DeepSpeed's way: one all-to-all swaps the sequence shard of q, k, v (packed) for a
              head shard of the whole sequence, the layout's kernel runs causally on it
              (attention_core: GQA repeat), one all-to-all brings the output back; backward is the
@@ -102,7 +107,7 @@ def _merge(out, lse, rows, b_out, b_lse):
     lse[..., rows] = new
 
 
-# ---------------------------------------------------------------- ring
+# ---------------------------------------------------------------- blocks of one source rank
 
 def _ring_rows(i: int, j: int, c: int):
     """(query rows, key columns) of rank i's queries that can see block j (the module docstring)."""
@@ -116,32 +121,91 @@ def _pack(k, v):
     return torch.stack([k, v]).contiguous()
 
 
+_SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _flat(t):
+    return t.reshape(t.shape[0], -1, *t.shape[-2:])    # [b, hkv, g, s, d] -> [b, hq, s, d]
+
+
+class _Blocks:
+    """Rank i's queries against the K/V block of one source rank j at a time, merged by online
+    softmax: what ring (blocks arriving by P2P) and allgather (blocks cut from the gathered K/V)
+    share. naive: masked fp32 math (block_forward/backward). sdpa: torch's CPU flash kernel, the one
+    F.scaled_dot_product_attention runs on CPU, which returns the LSE; its backward is given the
+    merged output and LSE, so its probabilities are the whole row's."""
+
+    def __init__(self, q, hkv: int, cp: int, i: int, sdpa: bool):
+        self.cp, self.i, self.c, self.seq, self.sdpa = cp, i, q.shape[2] // 2, q.shape[2] * cp, sdpa
+        self.dt, self.dtype, self.hkv = _core_dtype(q.dtype), q.dtype, hkv
+        self.q_pos = cp_token_index(self.seq, cp, i, q.device)
+        self.qg = _grouped(q if sdpa else q.to(self.dt), hkv)   # sdpa computes from the inputs' dtype
+
+    def _pos(self, j, rows, cols):
+        return self.q_pos[rows], cp_token_index(self.seq, self.cp, j, self.q_pos.device)[cols]
+
+    def start(self):
+        out = torch.zeros(self.qg.shape, dtype=self.dt, device=self.qg.device)
+        return out, torch.full(out.shape[:-1], float("-inf"), dtype=self.dt, device=out.device)
+
+    def forward(self, out, lse, j: int, kv) -> None:
+        rows, cols = _ring_rows(self.i, j, self.c)
+        qg, k, v = self.qg[..., rows, :], kv[0, :, :, cols], kv[1, :, :, cols]
+        if self.sdpa:
+            g = qg.shape[2]
+            o, b_lse = _SDPA_CPU(_flat(qg), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), 0.0, j == self.i)
+            b_out, b_lse = o.reshape(qg.shape).to(self.dt), b_lse.reshape(qg.shape[:-1]).to(self.dt)
+        else:
+            b_out, b_lse = block_forward(qg, k.to(self.dt), v.to(self.dt), *self._pos(j, rows, cols))
+        _merge(out, lse, rows, b_out, b_lse)
+
+    def backward_setup(self, grad, out):
+        """What every block's backward needs: dO (grouped) and delta, or for sdpa the output as returned."""
+        if self.sdpa:
+            return _grouped(grad, self.hkv), out.to(self.dtype)
+        dog = _grouped(grad.to(self.dt), self.hkv)
+        return dog, (dog * out).sum(-1)
+
+    def backward(self, dq, j: int, kv, dog, lse, extra):
+        """Adds block j's dQ into dq; returns (key columns, dK, dV) of block j in the core dtype."""
+        rows, cols = _ring_rows(self.i, j, self.c)
+        qg, k, v = self.qg[..., rows, :], kv[0, :, :, cols], kv[1, :, :, cols]
+        if self.sdpa:
+            g = qg.shape[2]
+            lse_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+            bq, bk, bv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _flat(dog[..., rows, :]), _flat(qg), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                _flat(extra[..., rows, :]), _flat(lse[..., rows].unsqueeze(-1)).squeeze(-1).to(lse_dtype), 0.0,
+                j == self.i)
+            bq = bq.reshape(qg.shape).to(self.dt)
+            bk = bk.reshape(k.shape[0], self.hkv, g, *bk.shape[-2:]).sum(2, dtype=self.dt)
+            bv = bv.reshape(v.shape[0], self.hkv, g, *bv.shape[-2:]).sum(2, dtype=self.dt)
+        else:
+            bq, bk, bv = block_backward(qg, k.to(self.dt), v.to(self.dt), *self._pos(j, rows, cols),
+                                        dog[..., rows, :], lse[..., rows], extra[..., rows])
+        dq[..., rows, :] += bq
+        return cols, bk, bv
+
+
+# ---------------------------------------------------------------- ring
+
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, axis: Axis):
+    def forward(ctx, q, k, v, axis: Axis, sdpa: bool):
         cp, i = axis.size, axis.index
-        s_local, hkv = q.shape[2], k.shape[1]
-        c, seq, dt = s_local // 2, s_local * cp, _core_dtype(q.dtype)
         nxt, prv = (i + 1) % cp, (i - 1) % cp
-        q_pos = cp_token_index(seq, cp, i, q.device)
-        qg = _grouped(q.to(dt), hkv)
-        out = torch.zeros_like(qg)
-        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=dt, device=q.device)
+        blocks = _Blocks(q, k.shape[1], cp, i, sdpa)
+        out, lse = blocks.start()
         kv = _pack(k, v)
         for t in range(cp):
-            j = (i - t) % cp
             if t < cp - 1:   # post the next block's transfer before computing on this one
                 incoming = torch.empty_like(kv)
                 works = axis.exchange([(kv, nxt)], [(incoming, prv)], tag=KV)
-            rows, cols = _ring_rows(i, j, c)
-            k_pos = cp_token_index(seq, cp, j, q.device)
-            b_out, b_lse = block_forward(qg[..., rows, :], kv[0, :, :, cols].to(dt), kv[1, :, :, cols].to(dt),
-                                         q_pos[rows], k_pos[cols])
-            _merge(out, lse, rows, b_out, b_lse)
+            blocks.forward(out, lse, (i - t) % cp, kv)
             if t < cp - 1:
                 axis.wait(works)
                 kv = incoming
-        ctx.axis = axis
+        ctx.axis, ctx.sdpa = axis, sdpa
         ctx.save_for_backward(q, k, v, out, lse)
         return out.reshape(q.shape).to(q.dtype)
 
@@ -150,29 +214,19 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         axis = ctx.axis
         cp, i = axis.size, axis.index
-        s_local, hkv = q.shape[2], k.shape[1]
-        c, seq, dt = s_local // 2, s_local * cp, _core_dtype(q.dtype)
         nxt, prv = (i + 1) % cp, (i - 1) % cp
-        q_pos = cp_token_index(seq, cp, i, q.device)
-        qg = _grouped(q.to(dt), hkv)
-        dog = _grouped(grad.to(dt), hkv)
-        delta = (dog * out).sum(-1)
-        dq = torch.zeros_like(qg)
+        blocks = _Blocks(q, k.shape[1], cp, i, ctx.sdpa)
+        dog, extra = blocks.backward_setup(grad, out)
+        dq = torch.zeros(blocks.qg.shape, dtype=blocks.dt, device=q.device)
         kv = _pack(k, v)
         arriving, dkv_works = None, []   # the dK/dV accumulator of this step's block, on its way from rank i-1
         for t in range(cp):
-            j = (i - t) % cp
             if t < cp - 1:
                 incoming = torch.empty_like(kv)
                 kv_works = axis.exchange([(kv, nxt)], [(incoming, prv)], tag=KV)
-            rows, cols = _ring_rows(i, j, c)
-            k_pos = cp_token_index(seq, cp, j, q.device)
-            bq, bk, bv = block_backward(qg[..., rows, :], kv[0, :, :, cols].to(dt), kv[1, :, :, cols].to(dt),
-                                        q_pos[rows], k_pos[cols], dog[..., rows, :], lse[..., rows],
-                                        delta[..., rows])
-            dq[..., rows, :] += bq
+            cols, bk, bv = blocks.backward(dq, (i - t) % cp, kv, dog, lse, extra)
             if arriving is None:
-                dkv = torch.zeros((2, *k.shape), dtype=dt, device=k.device)
+                dkv = torch.zeros((2, *k.shape), dtype=blocks.dt, device=k.device)
             else:
                 axis.wait(dkv_works)
                 dkv = arriving
@@ -184,49 +238,42 @@ class _Ring(torch.autograd.Function):
                 axis.wait(kv_works)
                 kv = incoming
         axis.wait(dkv_works)   # after cp hops the accumulator arriving is this rank's own block's
-        return dq.reshape(q.shape).to(q.dtype), arriving[0].to(k.dtype), arriving[1].to(v.dtype), None
+        return dq.reshape(q.shape).to(q.dtype), arriving[0].to(k.dtype), arriving[1].to(v.dtype), None, None
 
 
 # ---------------------------------------------------------------- allgather
 
-def _seq_first(t: torch.Tensor) -> torch.Tensor:
-    return t.movedim(-2, 0).contiguous()   # [..., s, d] -> [s, ..., d]: the Axis gathers dim 0
-
-
-def _gather_kv(k, v, axis: Axis, order):
-    """The packed K/V [2, b, hkv, seq, d] of the whole sequence in global token order."""
-    gathered = axis.all_gather(_seq_first(_pack(k, v)))      # rank order: every rank's chunks in its order
-    full = torch.empty_like(gathered)
-    full[order] = gathered
-    return full.movedim(0, -2)
+def _gather_kv(k, v, axis: Axis):
+    """Every rank's packed K/V, [cp, 2, b, hkv, s_local, d] in rank order (the Axis gathers dim 0)."""
+    return axis.all_gather(_pack(k, v).unsqueeze(0))
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, axis: Axis):
-        cp, i = axis.size, axis.index
-        seq, hkv, dt = q.shape[2] * cp, k.shape[1], _core_dtype(q.dtype)
-        order = torch.cat([cp_token_index(seq, cp, r, q.device) for r in range(cp)])
-        kv = _gather_kv(k, v, axis, order).to(dt)
-        out, lse = block_forward(_grouped(q.to(dt), hkv), kv[0], kv[1], cp_token_index(seq, cp, i, q.device),
-                                 torch.arange(seq, device=q.device))
-        ctx.axis, ctx.order = axis, order
+    def forward(ctx, q, k, v, axis: Axis, sdpa: bool):
+        blocks = _Blocks(q, k.shape[1], axis.size, axis.index, sdpa)
+        out, lse = blocks.start()
+        for j, kv in enumerate(_gather_kv(k, v, axis)):
+            blocks.forward(out, lse, j, kv)
+        ctx.axis, ctx.sdpa = axis, sdpa
         ctx.save_for_backward(q, k, v, out, lse)
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        axis, order = ctx.axis, ctx.order
-        cp, i = axis.size, axis.index
-        seq, hkv, dt = q.shape[2] * cp, k.shape[1], _core_dtype(q.dtype)
-        kv = _gather_kv(k, v, axis, order).to(dt)
-        dog = _grouped(grad.to(dt), hkv)
-        dq, dk, dv = block_backward(_grouped(q.to(dt), hkv), kv[0], kv[1], cp_token_index(seq, cp, i, q.device),
-                                    torch.arange(seq, device=q.device), dog, lse, (dog * out).sum(-1))
-        dkv = _seq_first(torch.stack([dk, dv]))[order]             # back to rank order
-        mine = axis.reduce_scatter(dkv.contiguous()).movedim(0, -2)
-        return dq.reshape(q.shape).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None
+        axis = ctx.axis
+        blocks = _Blocks(q, k.shape[1], axis.size, axis.index, ctx.sdpa)
+        dog, extra = blocks.backward_setup(grad, out)
+        dq = torch.zeros(blocks.qg.shape, dtype=blocks.dt, device=q.device)
+        gathered = _gather_kv(k, v, axis)                          # again: only the local K/V were saved
+        dkv = torch.zeros(gathered.shape, dtype=blocks.dt, device=k.device)
+        for j, kv in enumerate(gathered):
+            cols, bk, bv = blocks.backward(dq, j, kv, dog, lse, extra)
+            dkv[j, 0, :, :, cols] = bk
+            dkv[j, 1, :, :, cols] = bv
+        mine = axis.reduce_scatter(dkv)[0]
+        return dq.reshape(q.shape).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
 
 
 # ---------------------------------------------------------------- ulysses
@@ -267,6 +314,18 @@ def _ulysses(q, k, v, axis: Axis, kernel, recompute: bool):
 
 # ---------------------------------------------------------------- entry
 
+def _sdpa_blocks(kernel, q) -> bool:
+    """Whether ring/allgather blocks run sdpa (torch's CPU flash kernel) rather than naive's math."""
+    from harness.model.kernels import attention_fn
+
+    if kernel is None or kernel is attention_fn("naive"):
+        return False
+    if kernel is attention_fn("sdpa") and q.device.type == "cpu":
+        return True
+    raise ValueError("ring and allgather blocks compute naive's math, or sdpa's on CPU (torch's flash kernel)")
+
+
+
 def attention(q, k, v, axis: Axis, impl: str, kernel=None, recompute: bool = False):
     """The rank's attention output [b, hq, s_local, d] (see the module docstring). kernel: the
     layout's attention function (ulysses runs it; ring and allgather compute naive's math)."""
@@ -274,10 +333,8 @@ def attention(q, k, v, axis: Axis, impl: str, kernel=None, recompute: bool = Fal
         from harness.model.kernels import attention_naive
 
         return attention_core(q, k, v, kernel or attention_naive)
-    if impl == "ring":
-        return _Ring.apply(q, k, v, axis)
-    if impl == "allgather":
-        return _AllGather.apply(q, k, v, axis)
+    if impl in ("ring", "allgather"):
+        return (_Ring if impl == "ring" else _AllGather).apply(q, k, v, axis, _sdpa_blocks(kernel, q))
     if impl == "ulysses":
         if kernel is None:
             raise ValueError("ulysses runs the layout's attention kernel: pass kernel=")
