@@ -98,7 +98,8 @@ def test_activations_are_those_of_seq_over_cp_tokens_and_the_ring_keeps_only_its
     for cp in (2, 4, 8):
         ring = engine_layer_bytes(MHA, own(cp=cp, dp=1), Workload(s, 8))
         plain = engine_layer_bytes(MHA, own(), Workload(s // cp, 8))
-        assert ring["layer"] == plain["layer"]  # flash: q, k, v, out, lse of the rank's tokens
+        # q, k, v, out, lse of the rank's tokens; the blocks' merged output kept in fp32 beside wo's input
+        assert ring["layer"] == plain["layer"] + s // cp * MHA.hidden * 4
         # the loss and logits of the rank's tokens
         assert _loss_bytes(L8, own(cp=cp), Workload(s, 8)) == _loss_bytes(L8, own(), Workload(s // cp, 8))
 
@@ -111,11 +112,14 @@ def test_the_own_engines_blocks_keep_no_s_squared_tensor_and_ulysses_keeps_its_a
     own_ring = context.cp_attention_bytes(L8, own(cp=cp, attention="naive"), n, 1, B)
     own_gather = context.cp_attention_bytes(L8, own(cp=cp, attention="naive", cp_impl="allgather"), n, 1, B)
     flash_ring = context.cp_attention_bytes(L8, own(cp=cp), n, 1, B)
-    # q, the local K/V, the output and LSE, wo's input: the fp32 output is the engine's, the rest alike
-    assert own_ring["kept"] == own_gather["kept"] == flash_ring["kept"] + n * hq * 4
-    # backward: four fp32 score blocks, the ring's own (n x n), allgather's against every key (n x s)
-    scores = 4 * L8.heads * n
-    assert own_gather["backward"] - own_ring["backward"] > 4 * scores * (s - n)
+    # q, the local K/V, the fp32 output and LSE, wo's input, whatever the blocks run
+    assert own_ring["kept"] == own_gather["kept"] == flash_ring["kept"]
+    rot = 4 * n * 128 * B  # cos and sin for q and k, in bf16
+    assert own_ring["kept"] == n * hq * B + 2 * n * kv * B + n * hq * 4 + 4 * L8.heads * n + n * hq * B + rot
+    # backward: allgather holds every rank's K/V and their fp32 gradient where the ring has two blocks
+    assert own_gather["backward"] - own_ring["backward"] == cp * 2 * n * kv * (B + 4) - 2 * 2 * n * kv * B
+    scores = 4 * L8.heads * n * n  # one fp32 s x s score tensor of the rank's own block
+    assert own_ring["backward"] > 4 * scores > flash_ring["backward"]  # the flash blocks keep none
     ulysses = engine_layer_bytes(L8, own(cp=cp, cp_impl="ulysses"), Workload(s, 8))["layer"]
     plain = engine_layer_bytes(L8, own(), Workload(s // cp, 8))["layer"]
     assert ulysses - plain == n * (hq + 2 * kv) * B  # the head shard's q/k/v (flash keeps q, a view of it)

@@ -234,8 +234,8 @@ def _cp_lines(args, preds, fitting) -> list[str]:
                    f"{lay.cp_impl}, {args.seq_len // lay.cp} tokens of each sequence per rank")
     if args.engine == "own" and any(p.layout.cp > 1 and p.layout.cp_impl != "ulysses"
                                     and ATTENTION_CLASS[p.layout.attention] not in MATERIALISED for p in fitting[:5]):
-        out.append("cp ring/allgather with a flash kernel is predicted as a GPU's (one flash kernel per block, as "
-                   "Transformer Engine's); the own engine runs them only with attention naive (fp32 blocks)")
+        out.append("cp ring/allgather with a flash kernel: predicted as the own engine's blocks (a flash kernel per "
+                   "block, merged in fp32), which it runs with attention naive, or sdpa on CPU only, so far")
     return out
 
 

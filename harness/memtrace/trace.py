@@ -185,8 +185,12 @@ class _FusedRMSNorm(torch.autograd.Function):
         return torch.empty_like(x), torch.empty_like(weight), None
 
 
-def traced_attention(kernel: str) -> str:
-    """The kernel the trace runs for `kernel`: CPU flash SDPA for every flash-style kernel."""
+def traced_attention(kernel: str, lay=None) -> str:
+    """The kernel the trace runs for `kernel`: CPU flash SDPA for every flash-style kernel; under the
+    own engine's context parallelism with cp_impl ring or allgather the layout's own (its blocks run
+    naive's math or, for sdpa, torch's CPU flash kernel: harness/engine/context_parallel.py)."""
+    if lay is not None and lay.cp > 1 and lay.cp_impl != "ulysses":
+        return kernel
     return "sdpa_flash" if kernel in FLASH_STYLE else kernel
 
 
@@ -275,7 +279,7 @@ def traced_spec(spec, stage: int = 0, full_micro: bool = False):
     lay = spec.layout
     m = micro_batches_per_step(spec)
     m_run = m if full_micro else traced_micro_batches(lay, m, stage)
-    new_lay = dataclasses.replace(lay, attention=traced_attention(lay.attention),
+    new_lay = dataclasses.replace(lay, attention=traced_attention(lay.attention, lay),
                                   pipeline_p2p="grouped" if lay.pipeline_p2p == "auto" and lay.pp > 1
                                   else lay.pipeline_p2p)
     batch = spec.workload.global_batch_size // m * m_run  # m_run of the step's m micro-batches
@@ -546,7 +550,7 @@ def _clear_dtensor_caches() -> None:
 def substitutions(spec) -> list[str]:
     lay = spec.layout
     out = []
-    if traced_attention(lay.attention) != lay.attention:
+    if traced_attention(lay.attention, lay) != lay.attention:
         out.append(f"attention {lay.attention}: traced as CPU flash SDPA (same saved tensors: q, k, v, output, "
                    "fp32 log-sum-exp; no s x s)")
     if lay.rmsnorm == "fused":
@@ -562,6 +566,9 @@ def substitutions(spec) -> list[str]:
 
 
 def check_traceable(spec) -> None:
+    if spec.layout.engine == "fsdp" and spec.layout.cp > 1:
+        raise SpecError("layout.cp", "harness memory traces context parallelism under engine own; torch's "
+                                     "context_parallel (engine fsdp) dispatches only CUDA attention kernels")
     if spec.layout.engine == "deepspeed":
         raise SpecError("layout.engine", "harness memory traces engines own and fsdp; DeepSpeed's initialize is "
                                           "not traceable on fake tensors (set engine: own or fsdp)")

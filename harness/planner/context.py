@@ -77,18 +77,17 @@ def _widths(shape: Shape, lay) -> tuple[float, float]:
 def cp_attention_bytes(shape: Shape, lay, s: int, b: int, B: int) -> dict[str, float]:
     """Bytes of one layer's cp attention for one micro-batch per rank, `s` its local tokens: 'kept'
     for backward (from the rotated q/k/v to wo's input), and 'backward' (what exists above that
-    while it runs backward).
+    while it runs backward), as the own engine's code holds them (harness/engine/context_parallel.py).
 
-    Materialised kernels under ring and allgather are the own engine's code
-    (harness/engine/context_parallel.py: fp32 blocks, masks by position): kept q, the local k and
-    v, the fp32 output and log-sum-exp, and wo's input (a copy of the output in its dtype). Its
-    backward holds, at the largest block (ring: the rank's own, s x s; allgather: s x seq), four
-    fp32 score-sized tensors (P, dP, dP - delta or P (dP - delta), dS), the fp32 copies of q and the
-    output gradient, the K/V it attends (ring: packed, and the next block arriving; allgather: the
-    whole sequence's, re-gathered, in fp32), their fp32 copies, dq's accumulator, dV and the mask.
-    Flash-style kernels under ring and allgather are a GPU's (Transformer Engine's, one flash
-    kernel per block): kept q, the local k and v, the output and the log-sum-exp; in flight
-    beside them in backward the K/V blocks and the fp32 dK/dV (in_flight_bytes).
+    Ring and allgather run one block per source rank, merged by online softmax in fp32: kept q, the
+    local k and v, the fp32 output and log-sum-exp, and wo's input (a copy of the output in its
+    dtype). Their backward holds dq's fp32 accumulator, the K/V it attends (ring: its packed block
+    and the next arriving; allgather: the whole sequence's, re-gathered, and the fp32 dK/dV of all
+    of it) and at the largest block (the rank's own, s x s): with a materialised kernel (naive's
+    fp32 math) four fp32 score-sized tensors (P, dP, dP - delta or P (dP - delta), dS), the mask,
+    the fp32 copies of q, of the output gradient and of the block's K/V, and dV; with a flash-style
+    one (torch's flash kernel per block) the output in its dtype, the block's K/V repeated to every
+    query head and the kernel's three gradients, no s x s tensor.
     Ulysses runs the layout's kernel on 1/cp of the heads over the whole sequence: the plain
     kernel's tensors with s x cp keys (the mask seq x seq), q/k/v as one all-to-all output
     (flash keeps all of it: q is a view of it), and wo's input beside the kernel's output."""
@@ -100,21 +99,22 @@ def cp_attention_bytes(shape: Shape, lay, s: int, b: int, B: int) -> dict[str, f
     rot = 4 * s * d * B if B == 2 else 0.0
     up = 4 if B == 2 else 0  # an fp32 copy of a tensor in the activations' dtype (none under fp32)
     lse = 4 * b * heads * s
+    gqa = shape.heads != shape.kv_heads
     materialised = ATTENTION_CLASS[lay.attention] in MATERIALISED
     if lay.cp_impl in ("ring", "allgather"):
-        if not materialised:
-            kept = n * hq * B + 2 * n * kv * B + n * hq * B + lse + rot
-            return {"kept": kept, "backward": in_flight_bytes(shape, lay, seq, B)["backward"] + n * hq * 4}
         kept = n * hq * B + 2 * n * kv * B + n * hq * 4 + lse + n * hq * B + rot
-        keys = s if lay.cp_impl == "ring" else seq
-        scores = 4 * b * heads * s * keys
-        common = 4 * scores + s * keys + 2 * n * hq * up + lse
-        if lay.cp_impl == "ring":  # dq, K/V packed and arriving, the block's fp32 K/V, dV
-            backward = common + n * hq * 4 + 2 * 2 * n * kv * B + 2 * n * kv * up + n * kv * 4
-        else:  # the re-gathered K/V in fp32, dV of the whole sequence
-            backward = common + cp * 2 * n * kv * 4 + cp * n * kv * 4
-        return {"kept": kept, "backward": backward}
-    gqa = shape.heads != shape.kv_heads
+        if lay.cp_impl == "ring":  # its packed K/V block and the next one arriving
+            held = 2 * 2 * n * kv * B
+        else:  # the re-gathered K/V and the fp32 dK/dV of every source rank
+            held = cp * 2 * n * kv * (B + 4)
+        held += n * hq * 4  # dq
+        if materialised:
+            scores = 4 * b * heads * s * s
+            block = 4 * scores + s * s + 2 * n * hq * up + lse + 2 * n * kv * up + n * kv * 4
+        else:  # the output in its dtype; the block's K/V repeated; dq, dk, dv of the kernel
+            repeated = 2 * n * hq * B if gqa else 0.0
+            block = n * hq * (B if B == 2 else 0) + repeated + n * hq * B + 2 * n * (hq if gqa else kv) * B
+        return {"kept": kept, "backward": held + block}
     qkv = n * (hq + 2 * kv) * B  # the all-to-all's output: the head shard's q, k, v of every token
     wo_in = n * hq * B
     if materialised:
