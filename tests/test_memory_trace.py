@@ -32,6 +32,7 @@ TINY_CASES = [  # bf16 on 4 ranks (one launch), each rank traced against the rea
     dict(tp=1, cp=2, dp=2, micro_batch_size=1, zero_stage=1, attention="naive", cp_impl="ring"),
     dict(tp=2, cp=2, micro_batch_size=2, sequence_parallel=True, attention="sdpa_flash", cp_impl="ulysses"),
     dict(cp=4, micro_batch_size=2, attention="naive", cp_impl="allgather", activation_checkpointing="full"),
+    dict(cp=2, dp=2, micro_batch_size=2, attention="sdpa", cp_impl="allgather"),
 ]
 
 
@@ -162,13 +163,14 @@ def test_planner_agrees_with_the_trace(agreement):
 
 # Context parallelism at full size (issue 23): llama3-8b at 65,536 and 131,072 tokens on cp 4 or 8 (a
 # rank holds 8,192 or 16,384 tokens of each sequence), each implementation as the own engine runs it
-# (ring and allgather compute naive's math in fp32 blocks; ulysses the layout's kernel on a head
-# shard), the planner (planner/context.py's cp terms) within 5% of the trace. A trace takes 20-70 s
+# (ring and allgather one block per source rank, naive's fp32 math or torch's CPU flash kernel; ulysses
+# the layout's kernel on a head shard), the planner (planner/context.py's cp terms) within 5% of the trace. A trace takes 20-70 s
 # here (printed; issue 23's target, under 120 s, is a time and lives outside the assertions).
 CP_AGREEMENT = [
     (65536, dict(cp=8, cp_impl="ring", attention="naive")),
     (131072, dict(cp=8, cp_impl="ring", attention="naive")),
     (65536, dict(cp=8, cp_impl="allgather", attention="naive")),
+    (65536, dict(cp=8, cp_impl="ring", attention="sdpa")),  # torch's CPU flash kernel per block
     (65536, dict(cp=8, cp_impl="ulysses", attention="naive")),
     (131072, dict(cp=8, dp=2, zero_stage=1, cp_impl="ulysses", attention="sdpa_flash")),  # ZeRO-1 over dp x cp
     (65536, dict(cp=4, tp=2, sequence_parallel=True, cp_impl="ring", attention="naive")),
