@@ -12,6 +12,7 @@ the degrees, testable for thousands of ranks without processes (torchtitan's Par
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections import namedtuple
 from dataclasses import dataclass
@@ -148,16 +149,17 @@ class ParallelDims:
         """The ranks that share every coordinate with `rank` but those on `axes`, in rank order
         (the dp x cp group a gradient is reduced over)."""
         c = self.coord(rank)._asdict()
-        return sorted(r for r in range(self.world)
-                      if all(v == c[a] for a, v in self.coord(r)._asdict().items() if a not in axes))
+        return sorted(self.rank(**{**c, **dict(zip(axes, values))})
+                      for values in itertools.product(*(range(self.degree(a)) for a in axes)))
 
     def flat_groups(self, axes: tuple[str, ...] = REPLICA_AXES) -> list[list[int]]:
         """Every group flat_group_of gives (each rank in exactly one), in rank order of their first member."""
         seen: dict[int, list[int]] = {}
         for r in range(self.world):
-            group = self.flat_group_of(r, axes)
-            seen.setdefault(group[0], group)
-        return list(seen.values())
+            if r not in seen:
+                group = self.flat_group_of(r, axes)
+                seen.update(dict.fromkeys(group, group))
+        return sorted({id(g): g for g in seen.values()}.values())
 
     def replicas(self) -> int:
         """How many ranks hold each parameter shard: the product of REPLICA_AXES' degrees."""

@@ -35,7 +35,7 @@ from harness.testing import equivalence as E
 from harness.testing.reference import mismatches
 
 FOUR = {"model_overrides": {"layers": 4}}
-BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL = 1e-4, 1e-2
+BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL = E.BF16_LOSS_RTOL, E.BF16_WEIGHTS_RTOL
 
 
 def bf16(case: dict, **dtypes) -> dict:
