@@ -28,6 +28,11 @@ TINY_CASES = [  # bf16 on 4 ranks (one launch), each rank traced against the rea
     dict(tp=2, pp=2, dp=1, micro_batch_size=1, sequence_parallel=True, attention="sdpa_flash"),
     dict(tp=1, pp=1, dp=4, micro_batch_size=2, zero_stage=1, attention="naive", activation_checkpointing="selective"),
     dict(tp=2, pp=1, dp=2, micro_batch_size=2, zero_stage=1, activation_checkpointing="full", attention="sdpa_flash"),
+    # context parallelism: every rank traced (cp index 0 stands for its stage), the exchange on the fake group
+    dict(tp=1, cp=2, dp=2, micro_batch_size=1, zero_stage=1, attention="naive", cp_impl="ring"),
+    dict(tp=2, cp=2, micro_batch_size=2, sequence_parallel=True, attention="sdpa_flash", cp_impl="ulysses"),
+    dict(cp=4, micro_batch_size=2, attention="naive", cp_impl="allgather", activation_checkpointing="full"),
+    dict(cp=2, dp=2, micro_batch_size=2, attention="sdpa", cp_impl="allgather"),
 ]
 
 
@@ -154,6 +159,46 @@ def test_planner_agrees_with_the_trace(agreement):
             abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.02 * r["traced_peak_gib"]
         for rank in r["ranks"]:
             assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.10 * rank["total_gib"], (r["layout"], rank)
+
+
+# Context parallelism at full size (issue 23): llama3-8b at 65,536 and 131,072 tokens on cp 4 or 8 (a
+# rank holds 8,192 or 16,384 tokens of each sequence), each implementation as the own engine runs it
+# (ring and allgather one block per source rank, naive's fp32 math or torch's CPU flash kernel;
+# ulysses the layout's kernel on a head shard), the planner (planner/context.py's cp terms) within 5%
+# of the trace. A trace takes 8-70 s here (printed; issue 23's target, under 120 s, is a time and
+# lives outside the assertions).
+CP_AGREEMENT = [
+    (65536, dict(cp=8, cp_impl="ring", attention="naive")),
+    (131072, dict(cp=8, cp_impl="ring", attention="naive")),
+    (65536, dict(cp=8, cp_impl="allgather", attention="naive")),
+    (65536, dict(cp=8, cp_impl="ring", attention="sdpa")),  # torch's CPU flash kernel per block
+    (65536, dict(cp=8, cp_impl="ulysses", attention="naive")),
+    (131072, dict(cp=8, dp=2, zero_stage=1, cp_impl="ulysses", attention="sdpa_flash")),  # ZeRO-1 over dp x cp
+    (65536, dict(cp=4, tp=2, sequence_parallel=True, cp_impl="ring", attention="naive")),
+    (65536, dict(cp=4, pp=2, cp_impl="ring", attention="naive")),  # 1F1B: two micro-batches in flight on stage 0
+]
+
+
+@pytest.mark.slow
+def test_cp_planner_agrees_with_the_trace():
+    from harness.memtrace.result import trace_spec
+
+    print("\ncp layout | traced peak GiB | planner GiB | difference | trace s")
+    rows = []
+    for seq, layout in CP_AGREEMENT:
+        spec = parse_spec({"workload": {"model": "llama3-8b", "seq_len": seq, "global_batch_size": 8,
+                                        "precision": "bf16", "model_overrides": {"max_positions": seq}},
+                           "layout": {"engine": "own", "rmsnorm": "fused", **layout}})
+        r = trace_spec(spec)
+        diff = (r["planner_peak_gib"] - r["traced_peak_gib"]) / r["traced_peak_gib"] * 100
+        print(f"llama3-8b s{seq} {layout} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | "
+              f"{diff:+.1f}% | {r['seconds']:.1f}")
+        rows.append(r)
+    for r in rows:
+        assert r["layout"]["cp"] > 1
+        assert abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.05 * r["traced_peak_gib"], r["layout"]
+        for rank in r["ranks"]:
+            assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.05 * rank["total_gib"], (r["layout"], rank)
 
 
 # Engine fsdp at full size (bf16, sdpa, eager RMSNorm, micro-batch 1, global batch 512): FSDP2 over

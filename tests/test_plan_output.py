@@ -116,8 +116,9 @@ def megatron_parser() -> argparse.ArgumentParser:
     for name in ("tensor-model-parallel-size", "pipeline-model-parallel-size", "micro-batch-size",
                  "global-batch-size", "seq-length", "max-position-embeddings", "num-layers", "hidden-size",
                  "ffn-hidden-size", "num-attention-heads", "num-query-groups", "rotary-base",
-                 "recompute-num-layers", "num-layers-per-virtual-pipeline-stage"):
+                 "recompute-num-layers", "num-layers-per-virtual-pipeline-stage", "context-parallel-size"):
         p.add_argument(f"--{name}", type=int)
+    p.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
     for name in ("recompute-granularity", "recompute-method", "normalization", "position-embedding-type"):
         p.add_argument(f"--{name}")
     for name in ("norm-epsilon", "attention-dropout", "hidden-dropout", "rope-scaling-factor"):
@@ -154,6 +155,26 @@ def test_export_megatron_layout_fields():
         wl)[0]))
     assert a.recompute_granularity == "selective" and not a.use_flash_attn and not a.sequence_parallel
     assert a.group_query_attention and a.num_query_groups == PRESETS["llama2-70b"].kv_heads
+    assert a.context_parallel_size is None and a.cp_comm_type is None  # no cp: Megatron-LM's default 1
+
+
+@pytest.mark.parametrize("impl, comm", [("ring", "p2p"), ("allgather", "all_gather"), ("ulysses", "a2a")])
+def test_export_megatron_carries_cp(impl, comm):
+    lay = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, cp=4, cp_impl=impl)
+    text, notes = export_megatron(PRESETS["llama3-8b"], lay, Workload(65536, 32))
+    a = megatron_parser().parse_args(shlex.split(text))
+    assert (a.tensor_model_parallel_size, a.context_parallel_size, a.cp_comm_type) == (2, 4, comm)
+    assert any("x cp)" in n for n in notes) and any("Transformer Engine" in n for n in notes)
+
+
+def test_export_megatron_cli_of_a_cp_plan(capsys):
+    code, out, err = run(capsys, "plan", "--model", "llama3-8b", "--seq-len", "65536", "--global-batch-size", "32",
+                         "--gpus", "16", "--hardware", "h100-sxm", "--max-positions", "65536", "--cp", "4",
+                         "--attention", "flash2", "--export", "megatron")
+    assert code == 0
+    a = megatron_parser().parse_args(shlex.split(out))  # strict: an unknown flag fails
+    assert a.context_parallel_size == 4 and a.cp_comm_type in ("p2p", "all_gather", "a2a")
+    assert a.seq_length == 65536 and "cp 4 " in err
 
 
 # torchtitan/config/job_config.py (pytorch/torchtitan): the fields the export may write.
@@ -162,7 +183,8 @@ TORCHTITAN_FIELDS = {
                  "mixed_precision_reduce"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                     "tensor_parallel_degree", "enable_async_tensor_parallel", "pipeline_parallel_degree",
-                    "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size"},
+                    "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size", "context_parallel_degree",
+                    "context_parallel_rotate_method"},
     "activation_checkpoint": {"mode", "selective_ac_option"},
 }
 
@@ -193,6 +215,29 @@ def test_export_torchtitan_layout_fields():
     cfg = tomllib.loads(export_torchtitan(S13, PlannerLayout(1, 1, 64, 2), wl)[0])
     assert cfg["training"]["local_batch_size"] == 2 and "pipeline_parallel_microbatch_size" not in cfg["parallelism"]
     assert exportable(PlannerLayout(2, 1, 32, 1), "torchtitan")  # torchtitan's TP always shards the sequence
+    par = cfg["parallelism"]
+    assert par["context_parallel_degree"] == 1 and "context_parallel_rotate_method" not in par
+
+
+def test_export_torchtitan_carries_cp():
+    wl = Workload(65536, 32)
+    for impl, method in (("ring", "alltoall"), ("allgather", "allgather")):
+        cfg = tomllib.loads(export_torchtitan(S13, PlannerLayout(2, 1, 2, 1, sequence_parallel=True, cp=4,
+                                                                 cp_impl=impl), wl)[0])
+        par = cfg["parallelism"]
+        assert set(par) <= TORCHTITAN_FIELDS["parallelism"]
+        assert (par["context_parallel_degree"], par["context_parallel_rotate_method"]) == (4, method)
+    assert "no ulysses" in exportable(PlannerLayout(1, 1, 2, 1, cp=4, cp_impl="ulysses"), "torchtitan")
+
+
+def test_export_deepspeed_carries_ulysses_only():
+    wl = Workload(65536, 32)
+    cfg = json.loads(export_deepspeed(S13, PlannerLayout(1, 1, 4, 1, cp=4, cp_impl="ulysses"), wl)[0])
+    assert cfg["sequence_parallel_size"] == 4 and cfg["train_batch_size"] == 32
+    assert cfg["gradient_accumulation_steps"] == 32 // 4
+    assert "sequence_parallel_size" not in json.loads(export_deepspeed(S13, PlannerLayout(1, 1, 16, 1), wl)[0])
+    assert "no ring" in exportable(PlannerLayout(1, 1, 4, 1, cp=4), "deepspeed")
+    assert exportable(PlannerLayout(1, 2, 2, 1, cp=4, cp_impl="ulysses"), "deepspeed")  # not with its pipeline
 
 
 def test_export_refuses_when_nothing_fits(capsys):

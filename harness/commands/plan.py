@@ -12,6 +12,7 @@ default ./<hardware>-calibrated.yaml).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -25,6 +26,7 @@ examples:
   harness plan --model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64 --top 5 --explain
   harness plan --model paper-30b --seq-len 2048 --global-batch-size 2048 --gpus 64 --emit-sweep top.yaml
   harness plan --model paper-13b --seq-len 4096 --global-batch-size 1024 --gpus 64 --export megatron
+  harness plan --model llama3-8b --seq-len 131072 --max-positions 131072 --global-batch-size 64 --gpus 64 --cp 1,8
   harness plan --hardware a100-80gb --calibrate results.sqlite --calibrate-out my-cluster.yaml"""
 
 
@@ -48,6 +50,12 @@ def add_arguments(p) -> None:
     p.add_argument("--micro-batch-sizes", help="comma list, default 1,2,4,8")
     p.add_argument("--activation-checkpointing", help=f"comma list of {','.join(CHECKPOINTING)}")
     p.add_argument("--sequence-parallel", help="comma list of off,on")
+    p.add_argument("--cp", help="comma list of context-parallel degrees (default: 1 and the powers of two leaving "
+                                "every rank at least 4096 tokens of a sequence)")
+    p.add_argument("--cp-impl", help="comma list of ring,allgather,ulysses (default: those the engine runs)")
+    p.add_argument("--max-positions", type=int, default=None,
+                   help="the model's positions, raised (as workload.model_overrides.max_positions) for sequences "
+                        "beyond its max_position_embeddings")
     p.add_argument("--top", type=int, default=None, help="show the K fastest (table default 20)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--emit-sweep", metavar="FILE", help="write a sweep spec of the top layouts that fit")
@@ -104,7 +112,7 @@ def main(args) -> int:
     from harness.planner.layout import ATTENTION, Workload
     from harness.planner.output import group
     from harness.planner.predict import predict_many
-    from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
+    from harness.spec import CHECKPOINTING, CP_IMPLS, RMSNORM_KERNELS
 
     profile = load_profile(args.hardware)
     if args.calibrate_out:
@@ -121,6 +129,10 @@ def main(args) -> int:
         check_output_path(args.emit_sweep, "--emit-sweep", directory=False)
         check_writable(args.emit_sweep, "--emit-sweep")
     shape = resolve_shape(args.model, field="--model")
+    if args.max_positions is not None:
+        if args.max_positions < 1:
+            raise SpecError("--max-positions", "must be at least 1")
+        shape = dataclasses.replace(shape, max_positions=args.max_positions)
     from harness.spec import check_device_count, check_tokens  # the ranges a spec's workload has
 
     check_tokens(shape, args.seq_len, args.global_batch_size, args.model,
@@ -138,11 +150,16 @@ def main(args) -> int:
                        en.DEFAULTS["checkpointing"])
     sp = en.parse_list(args.sequence_parallel, (False, True), "--sequence-parallel",
                        en.DEFAULTS["sequence_parallel"], en.parse_bool)
+    cps = en.parse_list(args.cp, None, "--cp", (), int) if args.cp is not None else None
+    if cps is not None and any(c < 1 for c in cps):
+        raise SpecError("--cp", "must be positive")
+    impls = en.parse_list(args.cp_impl, CP_IMPLS, "--cp-impl", ()) if args.cp_impl is not None else None
     if args.top is not None and args.top < 1:
         raise SpecError("--top", "must be at least 1")
     preds = predict_many(shape, en.layouts(shape, wl, args.gpus, gpn, attention=attention, rmsnorm=rmsnorm,
                                            micro_batch_sizes=mbs, checkpointing=ck, sequence_parallel=sp,
-                                           zero_stage=args.zero, **_on_engine(args, shape)), wl, profile)
+                                           zero_stage=args.zero, cp_values=cps, cp_impls=impls,
+                                           **_on_engine(args, shape)), wl, profile)
     if not preds:
         raise SpecError("--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} "
                                   f"(global batch {args.global_batch_size})")
@@ -161,12 +178,13 @@ def main(args) -> int:
           f"{len(preds)} layouts, {len(fitting)} predicted to fit")
     near, note = _near_the_fastest(fitting, profile)
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
-    print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':{width}} {'rms':5} "
-          f"{'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}")
+    print(f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':{width}} "
+          f"{'rms':5} {'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}")
     for row in rows:
         p = row.pred
         r = p.row()
-        print(f"{r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} {r['activation_checkpointing']:9} "
+        print(f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} "
+              f"{r['activation_checkpointing']:9} "
               f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
               f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
               f"{' *' if id(p) in near else ''}")
@@ -178,6 +196,8 @@ def main(args) -> int:
             if p.why_unavailable:
                 print(f"      unavailable: {p.why_unavailable}")
     print(note)
+    for line in _cp_lines(args, preds, fitting):
+        print(line)
     if args.emit_sweep:
         print(f"wrote {args.emit_sweep}", file=sys.stderr)
     return 0
@@ -195,6 +215,29 @@ def _on_engine(args, shape) -> dict:
     if args.engine == "megatron":
         fields["pp_values"] = [p for p in range(1, shape.layers + 1) if shape.layers % p == 0]
     return fields
+
+
+def _cp_lines(args, preds, fitting) -> list[str]:
+    """What the plan says about context parallelism: that it proposes cp > 1 because no layout fits
+    without it, why the engine has none, or what a flash ring stands for."""
+    from harness.planner.context import MIN_LOCAL_TOKENS, NO_CP
+    from harness.planner.layout import ATTENTION_CLASS, MATERIALISED
+
+    out = []
+    offered = args.cp not in (None, "1") or args.seq_len >= 2 * MIN_LOCAL_TOKENS  # where cp would be a candidate
+    if args.engine in NO_CP and offered:
+        out.append(f"no cp > 1 candidates under engine {args.engine}: {NO_CP[args.engine]}")
+    if fitting and fitting[0].layout.cp > 1 and not any(p.layout.cp == 1 for p in fitting):
+        lay = fitting[0].layout
+        smallest = min((p for p in preds if p.layout.cp == 1), key=lambda p: p.memory_gib, default=None)
+        why = f" (the smallest without cp needs {smallest.memory_gib:.1f} GiB)" if smallest else ""
+        out.append(f"no layout fits without context parallelism{why}: the plan proposes cp {lay.cp} "
+                   f"{lay.cp_impl}, {args.seq_len // lay.cp} tokens of each sequence per rank")
+    if args.engine == "own" and any(p.layout.cp > 1 and p.layout.cp_impl != "ulysses"
+                                    and ATTENTION_CLASS[p.layout.attention] not in MATERIALISED for p in fitting[:5]):
+        out.append("cp ring/allgather with a flash kernel: predicted as the own engine's blocks (a flash kernel per "
+                   "block, merged in fp32), which it runs with attention naive, or sdpa on CPU only, so far")
+    return out
 
 
 def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:
@@ -247,7 +290,8 @@ def _export(args, shape, wl, fitting) -> int:
     text, notes = EXPORTERS[args.export](shape, chosen.layout, wl)
     print(text)
     lay = chosen.layout
-    print(f"# {args.export}: tp {lay.tp} pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
+    cp = f"cp {lay.cp} {lay.cp_impl} " if lay.cp > 1 else ""
+    print(f"# {args.export}: tp {lay.tp} {cp}pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
           f"checkpointing {lay.activation_checkpointing}, predicted {chosen.memory_gib:.1f} GiB, "
           f"{chosen.step_time_s:.3g} s/step, MFU {chosen.mfu:.3f}", file=sys.stderr)
     if chosen is not fitting[0]:

@@ -51,7 +51,7 @@ def trace_spec(spec, profile=None) -> dict:
         "name": spec.name, "model": spec.workload.model, "seq_len": spec.workload.seq_len,
         "global_batch_size": spec.workload.global_batch_size, "precision": spec.workload.precision,
         "engine": spec.layout.engine,
-        "layout": {k: getattr(spec.layout, k) for k in (*LABEL_ORDER, "micro_batch_size",
+        "layout": {k: getattr(spec.layout, k) for k in (*LABEL_ORDER, "cp_impl", "micro_batch_size",
                                                         "activation_checkpointing", "sequence_parallel",
                                                         "attention", "rmsnorm", "pipeline_schedule",
                                                         "virtual_stages", "zero_stage", "reshard_after_forward")},
@@ -70,8 +70,9 @@ def trace_spec(spec, profile=None) -> dict:
 
 def table_lines(result: dict) -> list[str]:
     lay = result["layout"]
+    cp = f"cp {lay['cp']} {lay['cp_impl']} " if lay.get("cp", 1) > 1 else ""
     head = (f"{result['model']} seq {result['seq_len']} batch {result['global_batch_size']} {result['precision']}, "
-            f"engine {result['engine']}: tp {lay['tp']} pp {lay['pp']} dp {lay['dp']} mb {lay['micro_batch_size']} "
+            f"engine {result['engine']}: tp {lay['tp']} {cp}pp {lay['pp']} dp {lay['dp']} mb {lay['micro_batch_size']} "
             f"ckpt {lay['activation_checkpointing']} sp {'on' if lay['sequence_parallel'] else 'off'} "
             f"{lay['attention']}/{lay['rmsnorm']} " + (f"reshard_after_forward {lay['reshard_after_forward']}"
                                                         if result["engine"] == "fsdp" else f"zero {lay['zero_stage']}"))

@@ -2,11 +2,14 @@
 holds, and its peak. (Engine fsdp: _trace_fsdp_rank, at the end; what follows describes the own
 engine, and the counters and stand-ins serve both.)
 
-For each pipeline stage (tensor- and data-parallel ranks of a stage hold the same tensors, up to
-a ZeRO-1 shard's padding), `trace_rank` starts a fake process group (torch's FakeStore, backend
-"fake": collectives and transfers are no-ops on shapes) as that stage's first rank, builds
+For each pipeline stage (tensor-, context- and data-parallel ranks of a stage hold the same
+tensors, up to a ZeRO-1 shard's padding), `trace_rank` starts a fake process group (torch's
+FakeStore, backend "fake": collectives and transfers are no-ops on shapes) as that stage's first
+rank, builds
 Engine3D under FakeTensorMode (tensors carry shapes and dtypes, no data: a 65B stage costs no
-memory) and runs its real train_step: the schedule's forwards and backwards of the micro-batches,
+memory) and runs its real train_step: the schedule's forwards and backwards of the micro-batches
+(under context parallelism its attention's K/V exchange too: the fake group's batch_isend_irecv,
+all-gather, reduce-scatter and all_to_all_single return at once, leaving what they write unset),
 the data-parallel reductions, the optimizer step, the parameter refresh. Three counters run
 alongside:
 
@@ -182,8 +185,12 @@ class _FusedRMSNorm(torch.autograd.Function):
         return torch.empty_like(x), torch.empty_like(weight), None
 
 
-def traced_attention(kernel: str) -> str:
-    """The kernel the trace runs for `kernel`: CPU flash SDPA for every flash-style kernel."""
+def traced_attention(kernel: str, lay=None) -> str:
+    """The kernel the trace runs for `kernel`: CPU flash SDPA for every flash-style kernel; under the
+    own engine's context parallelism with cp_impl ring or allgather the layout's own (its blocks run
+    naive's math or, for sdpa, torch's CPU flash kernel: harness/engine/context_parallel.py)."""
+    if lay is not None and lay.cp > 1 and lay.cp_impl != "ulysses":
+        return kernel
     return "sdpa_flash" if kernel in FLASH_STYLE else kernel
 
 
@@ -272,7 +279,7 @@ def traced_spec(spec, stage: int = 0, full_micro: bool = False):
     lay = spec.layout
     m = micro_batches_per_step(spec)
     m_run = m if full_micro else traced_micro_batches(lay, m, stage)
-    new_lay = dataclasses.replace(lay, attention=traced_attention(lay.attention),
+    new_lay = dataclasses.replace(lay, attention=traced_attention(lay.attention, lay),
                                   pipeline_p2p="grouped" if lay.pipeline_p2p == "auto" and lay.pp > 1
                                   else lay.pipeline_p2p)
     batch = spec.workload.global_batch_size // m * m_run  # m_run of the step's m micro-batches
@@ -281,7 +288,9 @@ def traced_spec(spec, stage: int = 0, full_micro: bool = False):
 
 
 def stage_ranks(lay) -> list[int]:
-    """The first rank (tp 0, dp 0) of each pipeline stage."""
+    """The first rank (tp 0, cp 0, dp 0) of each pipeline stage: its tensor-, context- and
+    data-parallel ranks hold tensors of the same sizes (cp: every rank seq / cp tokens, two equal
+    chunks; the ring's blocks are the same sizes in another order)."""
     dims = ParallelDims.of(lay)
     return [dims.rank(pp=s) for s in range(lay.pp)]
 
@@ -541,7 +550,7 @@ def _clear_dtensor_caches() -> None:
 def substitutions(spec) -> list[str]:
     lay = spec.layout
     out = []
-    if traced_attention(lay.attention) != lay.attention:
+    if traced_attention(lay.attention, lay) != lay.attention:
         out.append(f"attention {lay.attention}: traced as CPU flash SDPA (same saved tensors: q, k, v, output, "
                    "fp32 log-sum-exp; no s x s)")
     if lay.rmsnorm == "fused":
@@ -557,6 +566,9 @@ def substitutions(spec) -> list[str]:
 
 
 def check_traceable(spec) -> None:
+    if spec.layout.engine == "fsdp" and spec.layout.cp > 1:
+        raise SpecError("layout.cp", "harness memory traces context parallelism under engine own; torch's "
+                                     "context_parallel (engine fsdp) dispatches only CUDA attention kernels")
     if spec.layout.engine == "deepspeed":
         raise SpecError("layout.engine", "harness memory traces engines own and fsdp; DeepSpeed's initialize is "
                                           "not traceable on fake tensors (set engine: own or fsdp)")

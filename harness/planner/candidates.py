@@ -1,9 +1,11 @@
-"""Every valid layout for a model, workload and cluster: tp, pp, dp and the per-layout options.
+"""Every valid layout for a model, workload and cluster: tp, cp, pp, dp and the per-layout options.
 
 tp divides the attention heads (and KV heads) and stays within what the node allows or crosses
-nodes in whole nodes; pp is at most the number of layers; tp x pp divides the GPUs and dp follows
-by the one rule (ParallelDims.derive); the micro-batch divides the per-replica batch. Sequence
-parallelism is enumerated only where tp > 1.
+nodes in whole nodes; cp is a power of two splitting the sequence into 2 cp chunks, with the
+implementations the engine runs (harness/planner/context.py; none under megatron and paper); pp is
+at most the number of layers; tp x cp x pp divides the GPUs and dp follows by the one rule
+(ParallelDims.derive); the micro-batch divides the per-replica batch. Sequence parallelism is
+enumerated only where tp > 1 (and the rank's seq / cp tokens divide by tp).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import itertools
 from harness.errors import SpecError
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
+from harness.planner import context
 from harness.planner.layout import ATTENTION, PlannerLayout, Workload
 from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
 
@@ -39,36 +42,42 @@ def check_request(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int) -> 
 
 
 def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attention, rmsnorm,
-            micro_batch_sizes, checkpointing, sequence_parallel, zero_stage: int, pp_values=None, **fields):
+            micro_batch_sizes, checkpointing, sequence_parallel, zero_stage: int, pp_values=None,
+            cp_values=None, cp_impls=None, **fields):
     """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
-    are further PlannerLayout fields every layout takes (engine, fsdp)."""
+    are further PlannerLayout fields every layout takes (engine, fsdp); cp_values and cp_impls the cp
+    degrees and implementations asked for (default: context.degrees', the engine's)."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
             raise SpecError("--pp", f"{p} pipeline stages for {shape.layers} layers")
+    engine = fields.get("engine", "paper")
     for tp in divisors(gpus):
         if shape.heads % tp or shape.kv_heads % tp and tp > shape.kv_heads:
             continue
         if tp > gpus_per_node and tp % gpus_per_node:
             continue
-        for pp in divisors(gpus):
-            if not ParallelDims(tp=tp, pp=pp).divides(gpus):
-                continue
-            if pp > shape.layers or (pp_values and pp not in pp_values):
-                continue
-            if pp > 1 and shape.tie_embeddings and fields.get("engine", "paper") not in TIES_ACROSS_STAGES:
-                continue  # the other engines refuse tied embeddings across stages (ENGINE.model_limits)
-            dp = ParallelDims.derive(gpus, "--gpus", tp=tp, pp=pp).dp
-            if wl.global_batch_size % dp:
-                continue
-            for mb, ck, sp, att, rms in itertools.product(micro_batch_sizes, checkpointing, sequence_parallel,
-                                                          attention, rmsnorm):
-                if sp and tp == 1:
+        for cp in context.degrees(wl.seq_len, gpus, tp, cp_values) if engine in context.ENGINE_IMPLS else (1,):
+            impls = [i for i in context.impls(shape, engine, tp, cp) if cp == 1 or not cp_impls or i in cp_impls]
+            for pp in divisors(gpus):
+                if not ParallelDims(tp=tp, cp=cp, pp=pp).divides(gpus):
                     continue
-                if (wl.global_batch_size // dp) % mb:
+                if pp > shape.layers or (pp_values and pp not in pp_values):
                     continue
-                yield PlannerLayout(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, activation_checkpointing=ck,
-                             sequence_parallel=sp, attention=att, rmsnorm=rms, zero_stage=zero_stage, **fields)
+                if pp > 1 and shape.tie_embeddings and engine not in TIES_ACROSS_STAGES:
+                    continue  # the other engines refuse tied embeddings across stages (ENGINE.model_limits)
+                dp = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp).dp
+                if wl.global_batch_size % dp:
+                    continue
+                for mb, ck, sp, att, rms, impl in itertools.product(micro_batch_sizes, checkpointing,
+                                                                    sequence_parallel, attention, rmsnorm, impls):
+                    if sp and (tp == 1 or (wl.seq_len // cp) % tp):
+                        continue
+                    if (wl.global_batch_size // dp) % mb:
+                        continue
+                    yield PlannerLayout(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, activation_checkpointing=ck,
+                                        sequence_parallel=sp, attention=att, rmsnorm=rms, zero_stage=zero_stage,
+                                        cp=cp, cp_impl=impl, **fields)
 
 
 def parse_list(text: str | None, allowed, field: str, default, cast=str):

@@ -67,14 +67,23 @@ class PlannerLayout:
     # scaling library, as its sweeps ran), or one of the harness's engines (own, deepspeed, fsdp,
     # megatron: their precision policy, sharding and layer split as their code holds it).
     engine: str = "paper"
+    # Context parallelism (harness.spec's layout.cp, layout.cp_impl): each sequence split over cp ranks,
+    # cp between tp and dp in the mesh (harness.parallel_dims.AXES); cp_impl only matters when cp > 1.
+    cp: int = 1
+    cp_impl: str = "ring"
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims.of(self)
+        return _dims(self.pp, self.dp, self.cp, self.tp)
 
     @property
     def gpus(self) -> int:
-        return self.dims.world
+        return _world(self.dims)
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold each parameter shard (dp x cp: harness.parallel_dims.REPLICA_AXES)."""
+        return _replicas(self.dims)
 
     @property
     def sharding_stage(self) -> int:
@@ -92,6 +101,7 @@ class PlannerLayout:
         single = lay["engine"] == "single"
         return cls(tp=1 if single else int(lay["tp"]), pp=1 if single else int(lay["pp"]),
                    dp=1 if single else int(lay["dp"]), micro_batch_size=int(lay["micro_batch_size"]),
+                   cp=1 if single else int(lay["cp"]), cp_impl=lay["cp_impl"],
                    activation_checkpointing=lay["activation_checkpointing"],
                    sequence_parallel=bool(lay["sequence_parallel"]), attention=lay["attention"],
                    rmsnorm=lay["rmsnorm"], zero_stage=int(lay["zero_stage"]),
@@ -113,8 +123,34 @@ class Workload:
     dtype_bytes: int = 2             # bf16 mixed precision (2) or fp32 (4)
 
     def micro_batches(self, lay: PlannerLayout) -> int:
-        """Micro-batches per step per data-parallel replica (gradient accumulation x pipeline)."""
+        """Micro-batches per step per data-parallel replica (gradient accumulation x pipeline); the cp
+        ranks of a replica share its sequences."""
         return micro_batch_count(self.global_batch_size, lay.dp, lay.micro_batch_size)
+
+    def local(self, lay: PlannerLayout) -> Workload:
+        """The workload one rank of the layout sees: seq_len / cp tokens of every sequence (its
+        load-balanced chunks, harness.model.llama.cp_token_index)."""
+        return self if lay.cp == 1 else _local_workload(self, lay.cp)
+
+
+@functools.lru_cache(maxsize=256)
+def _local_workload(wl: Workload, cp: int) -> Workload:
+    return dataclasses.replace(wl, seq_len=wl.seq_len // cp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _world(dims: ParallelDims) -> int:
+    return dims.world
+
+
+@functools.lru_cache(maxsize=4096)
+def _replicas(dims: ParallelDims) -> int:
+    return dims.replicas()
+
+
+@functools.lru_cache(maxsize=4096)  # a plan asks each layout's degrees many times
+def _dims(pp: int, dp: int, cp: int, tp: int) -> ParallelDims:
+    return ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp)
 
 
 def stage_items(shape: Shape, pp: int) -> list[tuple[bool, int, bool]]:

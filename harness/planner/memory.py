@@ -349,6 +349,10 @@ def paper_stranded_block(shape: Shape, lay: PlannerLayout, wl: Workload, loss_pe
 #     saves what F.linear got), where Megatron re-gathers it in backward;
 #   - holds, per micro-batch in flight on a pipeline stage, the received input and the sent output
 #     (PipelineExecutor.live) besides what autograd saved.
+# Under context parallelism (harness/planner/context.py) a rank holds seq / cp tokens of each
+# sequence (Workload.local): every term on them, the attention's from context.cp_attention_bytes (the
+# own engine's fp32 blocks for ring and allgather, checked against traces of llama3-8b at 65,536 and
+# 131,072 tokens), the model states sharded over dp x cp.
 # Megatron-core: its model states from `model_states` (tested against its census,
 # tests/test_megatron_views.py), its uniform layer split, and activations as the own engine's (its
 # local spec's layers keep what the own engine's Megatron-layout blocks keep) but for its SP GEMMs,
@@ -406,7 +410,8 @@ def _norm_bytes(lay: PlannerLayout, n: float, h: int, B: int, sp: bool) -> float
 
 
 def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> float:
-    """The attention between the q/k/v GEMMs and wo, kept for backward, per rank.
+    """The attention between the q/k/v GEMMs and wo, kept for backward, per rank; `wl` is the rank's
+    workload (Workload.local: seq / cp tokens under context parallelism: context.cp_attention_bytes).
 
     Flash-style (SDPA flash/efficient/cuDNN, flash-attn): rotated q, k and v as the kernel gets
     them (k and v repeated to every head under grouped-query attention), its output and fp32
@@ -416,6 +421,10 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
     output.
     Selective checkpointing keeps only the recomputed core's inputs q, k, v and wo's input. The
     rotary tables cast to bf16 per call (q and k: cos and sin) are kept too."""
+    if lay.cp > 1:
+        from harness.planner.context import cp_attention_bytes
+
+        return cp_attention_bytes(shape, lay, wl.seq_len, b, wl.dtype_bytes)["kept"]
     s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
     n = b * s
     head_dim = h // shape.heads
@@ -435,15 +444,21 @@ def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b:
     """Above what is kept, while the attention core runs backward: under selective checkpointing
     the recomputed core's own saved tensors; for materialised attention the fp32 gradients of
     the softmax output and of the scores (2 x 4 bytes per score); the gradient of the attention
-    output. The layer's SwiGLU and its norm have run backward before and freed what they kept."""
+    output (under context parallelism: context.cp_attention_bytes). The layer's SwiGLU and its
+    norm have run backward before and freed what they kept."""
     s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
     n, heads, hq = b * s, shape.heads / t, h / t
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
     extra = n * h * B
-    if naive:
-        extra += 2 * 4 * b * heads * s * s
-    if lay.activation_checkpointing == "selective":
-        extra += (3 * n * hq * 4 + s * s + 4 * b * heads * s * s) if naive else (n * hq * B + 4 * b * heads * s)
+    if lay.cp > 1:
+        from harness.planner.context import cp_attention_bytes
+
+        extra += cp_attention_bytes(shape, lay, s, b, B)["backward"]
+    else:
+        if naive:
+            extra += 2 * 4 * b * heads * s * s
+        if lay.activation_checkpointing == "selective":
+            extra += (3 * n * hq * 4 + s * s + 4 * b * heads * s * s) if naive else (n * hq * B + 4 * b * heads * s)
     freed = _norm_bytes(lay, n, h, B, lay.sequence_parallel and t > 1) + 4 * n * shape.ffn / t * B
     return extra - freed
 
@@ -452,7 +467,9 @@ def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b:
 def engine_layer_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict:
     """Per layer and micro-batch: 'layer' (kept between forward and backward, the layer input
     only under full checkpointing), 'full_layer' (what its forward saves, recomputed or not),
-    'working' (what exists above that while its backward runs)."""
+    'working' (what exists above that while its backward runs); `wl` the whole workload (a rank
+    holds seq / cp of its tokens)."""
+    wl = wl.local(lay)
     b, s, t, B = lay.micro_batch_size, wl.seq_len, lay.tp, wl.dtype_bytes
     n, h, f = b * s, shape.hidden, shape.ffn
     sp = lay.sequence_parallel and t > 1
@@ -472,7 +489,7 @@ def _loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, 
     the bf16 logits, their fp32 copy (bf16 only) and the fp32 shifted logits exist beside it.
     Without TP, torch's cross_entropy on logits.float() keeps the fp32 log-softmax; its backward
     peak holds that, the nll gradient and the log-softmax gradient (fp32 each)."""
-    n, B, V = lay.micro_batch_size * wl.seq_len, wl.dtype_bytes, shape.vocab
+    n, B, V = lay.micro_batch_size * wl.local(lay).seq_len, wl.dtype_bytes, shape.vocab
     upcast = 4 if B == 2 else 0
     if lay.tp > 1 and lay.engine in ("own", "megatron"):  # Megatron's vocab_parallel_cross_entropy likewise
         return 4 * n * V / lay.tp + 9 * n, (B + upcast + 4) * n * V / lay.tp
@@ -483,7 +500,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     """stage_memory for the harness's engines (PlannerLayout.engine own, deepspeed or fsdp)."""
     has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
     phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
-    B, dp, t = wl.dtype_bytes, lay.dp, lay.tp
+    B, dp, t = wl.dtype_bytes, lay.replicas, lay.tp  # states sharded over dp x cp (REPLICA_AXES)
     precision = "bf16" if B == 2 else "fp32"
     zero = 3 if lay.engine == "fsdp" else lay.sharding_stage
     if lay.engine == "deepspeed" and zero == 0:  # its pipeline engine without ZeRO: bf16 .grad, an fp32 optimizer copy
@@ -496,7 +513,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     # ZeRO-1 collectives add nothing (both in place, harness/engine/data_parallel.py).
     by_cat = {k: sum(v.values()) for k, v in census.items()}
     sp = lay.sequence_parallel and t > 1
-    n = lay.micro_batch_size * wl.seq_len
+    n = lay.micro_batch_size * wl.local(lay).seq_len  # the rank's tokens
     h = shape.hidden
     act = engine_layer_bytes(shape, lay, wl)
     hidden = n * h * B / (t if sp else 1)  # one [s(/t), b, h] activation
@@ -613,7 +630,7 @@ def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: boo
     head = 0.0 if shape.tie_embeddings and has_emb else vocab
     root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)
     reshard = lay.reshard_after_forward
-    n = lay.micro_batch_size * wl.seq_len
+    n = lay.micro_batch_size * wl.local(lay).seq_len
     kept = 0.0 if reshard else layers * block * B
     piped = lay.pp > 1
     # the embedding's gradient is the whole table's under TP (see engine_stage_memory)

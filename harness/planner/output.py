@@ -26,6 +26,12 @@ from harness.planner.layout import ATTENTION_CLASS, PlannerLayout, Workload
 from harness.planner.predict import Prediction
 
 EXPORT_FORMATS = ("deepspeed", "megatron", "torchtitan")
+# Each target's name for the cp implementations it runs: Megatron-LM's --cp-comm-type (p2p: the
+# ring of K/V blocks; a2a: Ulysses' all-to-all), torchtitan's context_parallel_rotate_method
+# (alltoall: K/V shards passed on per step, the ring; allgather), DeepSpeed's Ulysses only.
+CP_COMM = {"megatron": {"ring": "p2p", "allgather": "all_gather", "ulysses": "a2a"},
+           "torchtitan": {"ring": "alltoall", "allgather": "allgather"},
+           "deepspeed": {"ulysses": "ulysses"}}
 
 
 @dataclass
@@ -138,6 +144,12 @@ def sweep_spec(rows: list[Row], *, model: str, seq_len: int, global_batch_size: 
 
 def exportable(lay: PlannerLayout, fmt: str) -> str:
     """Empty when `fmt` can express the layout, else why not."""
+    if lay.cp > 1 and lay.cp_impl not in CP_COMM[fmt]:
+        return f"{fmt} has no {lay.cp_impl} context parallelism (it runs {', '.join(CP_COMM[fmt])})"
+    if fmt == "deepspeed" and lay.cp > 1 and lay.pp > 1:
+        return "DeepSpeed's Ulysses runs without its pipeline engine"
+    if fmt == "deepspeed" and lay.cp > 1 and lay.tp > 1:
+        return "DeepSpeed's Ulysses runs without AutoTP here (the harness's DeepSpeed adapter)"
     if fmt == "deepspeed":
         if lay.tp > 1 and lay.pp > 1:
             return "DeepSpeed runs AutoTP or its pipeline engine, not both"
@@ -171,13 +183,18 @@ def export_deepspeed(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[st
         cfg["communication_data_type"] = "fp32"
     if lay.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": lay.tp}
+    if lay.cp > 1:  # Ulysses' degree: ZeRO then shards over the dp x cp ranks
+        cfg["sequence_parallel_size"] = lay.cp
     if lay.pp > 1:
         cfg["pipeline"] = {"stages": lay.pp, "partition": "uniform",
                            "activation_checkpoint_interval": 1 if lay.activation_checkpointing == "full" else 0}
     if lay.activation_checkpointing != "none":
         cfg["activation_checkpointing"] = {"partition_activations": False,
                                            "contiguous_memory_optimization": False}
-    notes = [f"data parallel degree {lay.dp} = world size / (tp x pp): launch {lay.gpus} ranks",
+    ulysses = " x sequence_parallel_size" if lay.cp > 1 else ""
+    notes = [f"data parallel degree {lay.dp} = world size / (tp x pp{ulysses}): launch {lay.gpus} ranks",
+             "Ulysses: wrap the attention core in deepspeed.sequence.layer.DistributedAttention over a sequence "
+             f"group of {lay.cp} ranks and feed each its chunks i and 2cp-1-i" if lay.cp > 1 else "",
              "pipeline stages are the PipelineModule's num_stages in your code; the config repeats them"
              if lay.pp > 1 else ""]
     if lay.activation_checkpointing == "selective":
@@ -192,6 +209,8 @@ def export_deepspeed(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[st
 def export_megatron(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[str, list[str]]:
     """Megatron-LM's pretrain_gpt.py arguments for the layout and the model's shape."""
     args = ["--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp]
+    if lay.cp > 1:
+        args += ["--context-parallel-size", lay.cp, "--cp-comm-type", CP_COMM["megatron"][lay.cp_impl]]
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
     args += ["--micro-batch-size", lay.micro_batch_size, "--global-batch-size", wl.global_batch_size,
@@ -229,7 +248,11 @@ def export_megatron(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[str
     elif lay.pipeline_schedule == "gpipe" and lay.pp > 1:
         notes.append("Megatron-LM runs 1F1B (or interleaved), not GPipe: the memory differs from the prediction")
     notes.append(f"vocabulary {shape.vocab}: set by your tokenizer (--tokenizer-type/--vocab-size)")
-    notes.append(f"data parallel {lay.dp}: Megatron-LM takes it from the world size, {lay.gpus} ranks / (tp x pp)")
+    notes.append(f"data parallel {lay.dp}: Megatron-LM takes it from the world size, {lay.gpus} ranks / (tp x pp"
+                 + (" x cp)" if lay.cp > 1 else ")"))
+    if lay.cp > 1:
+        notes.append("Megatron-LM's context parallelism runs in Transformer Engine's attention (--transformer-impl "
+                     "transformer_engine, its default)")
     if shape.attention_bias:
         notes.append("the output projection's bias (transformers' o_proj) has no Megatron-LM flag: "
                      "--add-qkv-bias covers q/k/v only")
@@ -255,11 +278,13 @@ def export_torchtitan(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[s
         "parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": lay.dp,
                         "fsdp_reshard_after_forward": "default", "tensor_parallel_degree": lay.tp,
                         "enable_async_tensor_parallel": False, "pipeline_parallel_degree": lay.pp,
-                        "pipeline_parallel_schedule": schedule},
+                        "pipeline_parallel_schedule": schedule, "context_parallel_degree": lay.cp},
         "activation_checkpoint": {"mode": lay.activation_checkpointing},
     }
     if lay.pp > 1:
         sections["parallelism"]["pipeline_parallel_microbatch_size"] = lay.micro_batch_size
+    if lay.cp > 1:
+        sections["parallelism"]["context_parallel_rotate_method"] = CP_COMM["torchtitan"][lay.cp_impl]
     if lay.activation_checkpointing == "selective":
         sections["activation_checkpoint"]["selective_ac_option"] = "op"
     text = "\n\n".join(f"[{name}]\n" + "\n".join(f"{k} = {val(v)}" for k, v in body.items())

@@ -18,7 +18,7 @@ from harness.planner.hardware import Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
 from harness.planner.memory import GIB, fits, worst_stage_memory
 from harness.planner.timing import step_time, theta_from_profile
-from harness.spec import RMSNORM_KERNELS
+from harness.spec import CP_IMPLS, RMSNORM_KERNELS
 
 # Megatron's fused scale-mask-softmax runs only when (batch x heads per rank) divides into its
 # 4-row blocks and the key length is at most 16384 (FusedScaleMaskSoftmax.is_kernel_available).
@@ -43,7 +43,8 @@ class Prediction:
     def row(self) -> dict:
         """The JSON object `harness plan --format json` prints per layout."""
         lay = self.layout
-        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
+        return {"tp": lay.tp, "cp": lay.cp, "cp_impl": lay.cp_impl if lay.cp > 1 else None, "pp": lay.pp,
+                "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
                 "activation_checkpointing": lay.activation_checkpointing,
                 "sequence_parallel": bool(lay.sequence_parallel), "attention": lay.attention,
                 "rmsnorm": lay.rmsnorm, "zero": lay.sharding_stage, "fits": bool(self.fits and self.available),
@@ -66,8 +67,12 @@ def kernel_available(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profi
 
 def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
     """SpecError for a layout that cannot exist (as opposed to one that does not fit)."""
-    if min(lay.tp, lay.pp, lay.dp, lay.micro_batch_size) < 1:
-        raise SpecError("layout", "tp, pp, dp and micro_batch_size must be at least 1")
+    if min(lay.tp, lay.cp, lay.pp, lay.dp, lay.micro_batch_size) < 1:
+        raise SpecError("layout", "tp, cp, pp, dp and micro_batch_size must be at least 1")
+    if lay.cp > 1 and wl.seq_len % (2 * lay.cp):
+        raise SpecError("layout.cp", f"seq_len {wl.seq_len} is not divisible by 2 x cp = {2 * lay.cp}")
+    if lay.cp > 1 and lay.cp_impl not in CP_IMPLS:
+        raise SpecError("layout.cp_impl", f"{lay.cp_impl!r} is not one of {', '.join(CP_IMPLS)}")
     if lay.pp > shape.layers:
         raise SpecError("layout.pp", f"{lay.pp} pipeline stages for {shape.layers} layers")
     if shape.heads % lay.tp:

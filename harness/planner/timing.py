@@ -15,6 +15,9 @@ bubble (p-1)/m of Narayanan et al. 2021 when stages are equal; interleaving with
 divides the fill/drain part by v. Data-parallel reduction runs after the last backward (after
 the flush), in fp32, not overlapped, as in the study's framework (see step_features). The LM
 head's output is all-gathered over tp and the loss runs over the full vocabulary on every rank.
+Context parallelism (harness/planner/context.py): every term on the rank's seq / cp tokens, the
+attention against every key, the cp exchange on its link (the ring's hidden behind each block's
+attention up to that block's compute), and the data-parallel reduction over dp x cp.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import functools
 
 from harness.model.presets import Shape
+from harness.planner.context import exchange_bytes
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, _stage_items
 from harness.planner.memory import GIB, stage_params, worst_stage_memory
@@ -119,6 +123,13 @@ def _link(profile: Profile, group_gpus_span: int) -> str:
     return "nvlink" if group_gpus_span <= profile.gpus_per_node else "internode"
 
 
+@functools.lru_cache(maxsize=8192)
+def _geometry(dims, what: str, axis: str, *args) -> int:
+    """dims.<what>(axis, *args) (span, stride, per_node, nodes), remembered: a plan asks it of
+    thousands of layouts sharing a few meshes."""
+    return getattr(dims, what)(axis, *args)
+
+
 def _bw(profile: Profile, key: str) -> float:
     return (profile.nvlink_gbps if key == "nvlink" else profile.internode_gbps) * 1e9
 
@@ -127,11 +138,16 @@ def _zeros() -> dict[str, float]:
     return {k: 0.0 for k in THETA_KEYS}
 
 
-def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile) -> dict[str, float]:
+def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile,
+                   theta: dict | None = None) -> dict[str, float]:
     """Ideal seconds of each kind of work of one transformer layer for one micro-batch (forward +
-    backward): the same on every stage, so computed once per layout (stage_features scales it)."""
+    backward): the same on every stage, so computed once per layout (stage_features scales it).
+    Under context parallelism everything but the attention runs on the rank's seq / cp tokens; the
+    attention attends them to every key (ulysses: every token of 1/cp of the heads), and the cp
+    exchange is priced on its link, the ring's only where its transfers outlast the attention of
+    a block (theta: whose efficiencies decide that, the profile's by default)."""
     x = _zeros()
-    b, s, h, f, t, B = lay.micro_batch_size, wl.seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
+    b, s, h, f, t, B = lay.micro_batch_size, wl.local(lay).seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
     n = b * s
     d = h // shape.heads
     kv = shape.kv_heads * d
@@ -143,17 +159,9 @@ def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     gemms = [((h + 2 * kv) / t, h), (h, h / t), (2 * f / t, h), (h, f / t)]
     for N, K in gemms:
         x["gemm"] += passes * 2 * n * N * K / (peak * _gemm_eff(n, N, K))
-    cls = ATTENTION_CLASS[lay.attention]
-    heads_t = shape.heads / t
-    if cls in MATERIALISED:
-        rec = 1 if ckpt in ("full", "selective") else 0
-        x["gemm"] += (3 + rec) * 4 * b * s * s * heads_t * d / (peak * _gemm_eff(s, s, d))
-        x["naive_attention" if cls == "naive" else cls] += ((SCORE_TRAFFIC[cls] * (1 + rec / 3))
-                                                            * b * heads_t * s * s / hbm)
-    else:
-        fwd = 2 * b * s * s * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
-        rec = 1 if ckpt in ("full", "selective") else 0
-        x[cls] += fwd * (1 + FLASH_BWD + rec) / (peak * _flash_seq_eff(s))
+    attention = attention_features(shape, lay, wl, prof)
+    for k, v in attention.items():
+        x[k] += v
     # Elementwise work, by HBM bytes; norms and residual adds are split only by sequence parallelism.
     rep = 1 / t if lay.sequence_parallel else 1.0
     recf = 4 / 3 if ckpt == "full" else 1.0
@@ -165,8 +173,54 @@ def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     if t > 1:
         key = _link(prof, t)
         x[key] += (4 + (2 if ckpt == "full" else 0)) * 2 * (t - 1) / t * n * h * B / _bw(prof, key)
+    if lay.cp > 1:
+        key, exposed, _ = cp_exchange(shape, lay, wl, prof, theta, attention)
+        x[key] += exposed
     x["launch_us"] += 1e-6 * KERNELS_PER_LAYER * (4 / 3 if ckpt == "full" else 1)
     return x
+
+
+def attention_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile) -> dict[str, float]:
+    """Ideal seconds of one layer's attention core for one micro-batch (forward, backward and the
+    recomputation), by kind of work; under cp the rank's queries against every key."""
+    b, s, t, B = lay.micro_batch_size, wl.local(lay).seq_len, lay.tp, wl.dtype_bytes
+    d = shape.hidden // shape.heads
+    peak = prof.peak_flops(B)
+    cls = ATTENTION_CLASS[lay.attention]
+    heads_t = shape.heads / t
+    s_kv = s * lay.cp  # the keys a local query attends (ring, allgather); ulysses: the same products
+    rec = 1 if lay.activation_checkpointing in ("full", "selective") else 0
+    if cls in MATERIALISED:
+        score_key = "naive_attention" if cls == "naive" else cls
+        # every score computed, masked ones too: the own engine's ring computes its own block whole and
+        # half of each other rank's (context_parallel._ring_rows), allgather and ulysses one block of all keys
+        keys = s * (lay.cp + 1) / 2 if lay.cp > 1 and lay.cp_impl == "ring" else s_kv
+        return {"gemm": (3 + rec) * 4 * b * s * keys * heads_t * d / (peak * _gemm_eff(s, keys, d)),
+                score_key: (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * keys / (prof.hbm_gbps * 1e9)}
+    fwd = 2 * b * s * s_kv * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
+    # the kernel's length: a ring's block (the local chunks), allgather's local queries, Ulysses' sequence
+    kernel_len = s * lay.cp if lay.cp > 1 and lay.cp_impl == "ulysses" else s
+    return {cls: fwd * (1 + FLASH_BWD + rec) / (peak * _flash_seq_eff(kernel_len))}
+
+
+def cp_exchange(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None,
+                attention: dict) -> tuple[str, float, float]:
+    """The link of the cp group, the ideal seconds of its exchange for one layer and micro-batch that
+    the attention does not hide, and those of all of it (harness/planner/context.py for the bytes). The ring overlaps
+    each transfer with one block's attention: per step max(0, transfer - block compute) at the
+    efficiencies of `theta`, expressed in the link's ideal seconds so that the step time stays a
+    sum of theta x features; allgather and ulysses are not overlapped. `attention`: the ideal
+    seconds of the layer's attention core by kind of work."""
+    theta = theta or theta_from_profile(prof)
+    key = _link(prof, _geometry(lay.dims, "span", "cp"))
+    ex = exchange_bytes(shape, lay, wl.seq_len, wl.dtype_bytes)
+    total = ex["total"] / _bw(prof, key)
+    if lay.cp_impl != "ring":
+        return key, total, total
+    steps = ex["steps"]
+    transfer = theta[key] * total / steps  # real seconds per transfer
+    block = _dot(theta, attention) / steps  # the attention of one step's block (real seconds)
+    return key, steps * max(0.0, transfer - block) / theta[key], total
 
 
 def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, stage: int) -> dict[str, float]:
@@ -174,7 +228,7 @@ def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, 
     with the loss, the embedding's and head's tensor-parallel collectives, the pipeline sends."""
     has_emb, layers, has_head = _stage_items(shape.layers, lay.pp)[stage]
     x: dict[str, float] = {}
-    n, h, t, B = lay.micro_batch_size * wl.seq_len, shape.hidden, lay.tp, wl.dtype_bytes
+    n, h, t, B = lay.micro_batch_size * wl.local(lay).seq_len, shape.hidden, lay.tp, wl.dtype_bytes
 
     def add(k: str, v: float) -> None:
         x[k] = x.get(k, 0.0) + v
@@ -194,7 +248,7 @@ def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, 
         add(key, 2 * (has_emb + has_head) * 2 * (t - 1) / t * n * h * B / _bw(prof, key))
     # Pipeline sends: activation forward, its gradient backward (split over tp with scatter-gather).
     if lay.pp > 1:
-        key = _link(prof, 2 * lay.dims.stride("pp"))  # two neighbouring stages' blocks of ranks
+        key = _link(prof, 2 * _geometry(lay.dims, "stride", "pp"))  # two neighbouring stages' blocks of ranks
         sends = (1 if stage < lay.pp - 1 else 0) + (1 if stage > 0 else 0)
         add(key, sends * 2 * n * h * B / t / _bw(prof, key))
     if has_emb or has_head:
@@ -262,13 +316,14 @@ def _per_layer(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, th
     """layer_features and their time under theta, from `layer_cache` when the caller keeps one
     (a dict across layouts of one shape, workload, profile and theta: predict_many)."""
     if layer_cache is None:
-        per_layer = layer_features(shape, lay, wl, prof)
+        per_layer = layer_features(shape, lay, wl, prof, theta)
         return per_layer, _dot(theta, per_layer)
     key = (lay.tp, lay.micro_batch_size, lay.activation_checkpointing, lay.sequence_parallel,
-           ATTENTION_CLASS[lay.attention], lay.rmsnorm)
+           ATTENTION_CLASS[lay.attention], lay.rmsnorm, lay.cp, lay.cp_impl if lay.cp > 1 else "",
+           _geometry(lay.dims, "span", "cp") > prof.gpus_per_node)
     hit = layer_cache.get(key)
     if hit is None:
-        per_layer = layer_features(shape, lay, wl, prof)
+        per_layer = layer_features(shape, lay, wl, prof, theta)
         hit = layer_cache[key] = (per_layer, _dot(theta, per_layer))
     return hit
 
@@ -288,24 +343,27 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     dpx: dict[str, float] = {}
     phi = max(_stage_params(shape, key[0], lay.tp) for key, _, _ in kinds)
     zero = lay.sharding_stage
-    if lay.dp > 1:
+    dims = lay.dims
+    r = lay.replicas  # the gradients are reduced over dp x cp (harness.parallel_dims.REPLICA_AXES)
+    if r > 1:
         m = wl.micro_batches(lay)
-        dims = lay.dims
-        key = _link(prof, dims.span("dp"))
-        per_node = dims.per_node("dp", prof.gpus_per_node) if key == "internode" else 1
-        nodes = dims.nodes("dp", prof.gpus_per_node)
+        axis = "dp" if lay.dp > 1 else "cp"  # the outermost of the two: the group lies in its span
+        key = _link(prof, _geometry(dims, "span", axis))
+        tp_members = _geometry(dims, "per_node", "tp", prof.gpus_per_node)  # a node holds gpus_per_node / tp
+        per_node = max(1, min(r, prof.gpus_per_node // tp_members)) if key == "internode" else 1
+        nodes = _geometry(dims, "nodes", axis, prof.gpus_per_node)
         if lay.pp > 1:
             aggregate = DP_NIC_AGGREGATION_PIPELINED
         else:
             aggregate = DP_NIC_AGGREGATION and nodes <= prof.rail_aggregation_max_nodes
         bw = min(_bw(prof, key) * (per_node if aggregate else 1), prof.nvlink_gbps * 1e9)
-        frac = (lay.dp - 1) / lay.dp
+        frac = (r - 1) / r
         grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
         dpx[key] = (2 * frac * grad_bytes + (frac * wl.dtype_bytes if zero >= 1 else 0)) * phi / bw
         if zero >= 3:  # weights gathered for forward and backward of every micro-batch
             dpx[key] += 2 * m * frac * phi * wl.dtype_bytes / bw
     # Optimizer step on this rank's shard of the master weights, Adam (memory bound).
-    opt_params = phi / (lay.dp if zero >= 1 else 1)
+    opt_params = phi / (r if zero >= 1 else 1)
     return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
 
 
@@ -355,6 +413,18 @@ def _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta,
     }
 
 
+def cp_breakdown(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict,
+                 layer_passes: int) -> dict:
+    """The cp exchange of the slowest stage over a step (`layer_passes`: its layers x micro-batches,
+    part of compute_and_tp_s): the seconds of all its transfers, those the attention does not hide,
+    and the bytes one rank sends."""
+    attention = attention_features(shape, lay, wl, prof)
+    key, exposed, total = cp_exchange(shape, lay, wl, prof, theta, attention)
+    sent = exchange_bytes(shape, lay, wl.seq_len, wl.dtype_bytes)["total"]
+    return {"cp_exchange_s": layer_passes * theta[key] * total, "cp_exposed_s": layer_passes * theta[key] * exposed,
+            "cp_sent_gb": layer_passes * sent / 1e9}
+
+
 def step_time(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None = None,
               layer_cache: dict | None = None, memory_bytes: float | None = None) -> tuple[float, dict]:
     """Seconds per optimizer step and their breakdown: sum(theta[k] * step_features[k]) computed
@@ -374,5 +444,7 @@ def step_time(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, the
     dpx, opt_x = _data_parallel(shape, lay, wl, prof, kinds)
     pressure = alloc_pressure(shape, lay, wl, prof, memory_bytes)
     breakdown = _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta, pressure)
+    if lay.cp > 1:
+        breakdown.update(cp_breakdown(shape, lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
     return (compute_s + breakdown["dp_reduction_exposed_s"] + breakdown["optimizer_s"]
             + breakdown["allocator_pressure_s"]), breakdown
