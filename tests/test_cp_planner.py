@@ -38,9 +38,9 @@ def own(**kw) -> PlannerLayout:
 # ---------------------------------------------------------------- acceptance
 
 def test_llama3_8b_at_128k_tokens_on_64_h100_puts_a_cp_layout_on_top(capsys):
-    # issue 23's command; --max-positions because the llama3-8b preset keeps Llama 3's 8192 positions
+    # issue 23's command, as written (the llama3-8b preset is Llama 3.1 8B's config: 131,072 positions)
     code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--seq-len", "131072", "--global-batch-size", "64",
-                       "--gpus", "64", "--hardware", "h100-sxm", "--max-positions", "131072", "--format", "json",
+                       "--gpus", "64", "--hardware", "h100-sxm", "--format", "json",
                        "--top", "1")
     assert code == 0
     top = json.loads(out)[0]

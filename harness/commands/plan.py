@@ -26,7 +26,7 @@ examples:
   harness plan --model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64 --top 5 --explain
   harness plan --model paper-30b --seq-len 2048 --global-batch-size 2048 --gpus 64 --emit-sweep top.yaml
   harness plan --model paper-13b --seq-len 4096 --global-batch-size 1024 --gpus 64 --export megatron
-  harness plan --model llama3-8b --seq-len 131072 --max-positions 131072 --global-batch-size 64 --gpus 64 --cp 1,8
+  harness plan --model llama3-8b --seq-len 131072 --global-batch-size 64 --gpus 64 --cp 1,8
   harness plan --hardware a100-80gb --calibrate results.sqlite --calibrate-out my-cluster.yaml"""
 
 
