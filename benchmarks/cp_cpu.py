@@ -25,11 +25,17 @@ number of exchanges of the same size, one batch_isend_irecv each, waited on) is 
 nothing hides it. Hidden share = 1 - exposed / alone (0: nothing hidden, 1: all of it); on a loaded
 machine a rank's waits also hold its peer's lateness, which counts against the share.
 
-    python benchmarks/cp_cpu.py [--model tiny-256] [--seq-len 4096] [--global-batch 2] [--steps 3] [--impls ring]
+    python benchmarks/cp_cpu.py [--model tiny-256] [--layers 1] [--seq-len 4096] [--global-batch 2] [--steps 3]
+                                [--impls ring,allgather,ulysses]
 
 Attention is naive (materialised, fp32, explicit mask): the own engine's ring and all-gather compute
-its math blockwise and refuse other kernels; cp1 and dp2 run the same kernel. A sequence longer
-than the preset's max_position_embeddings raises it (workload.model_overrides.max_positions).
+its math blockwise and refuse other kernels; cp1 and dp2 run the same kernel. Naive computes the
+whole s x s score matrix and masks half of it; the ring's blocks skip the key blocks wholly in a
+query block's future (at cp2, 6 of the 16 chunk pairs), so cp2 does less attention arithmetic than
+cp1 and dp2: part of its lead over them is that, not parallelism. The model is tiny-256's layer
+shape, one layer by default (--layers): at 4,096 tokens naive attention keeps 512 MiB of scores per
+layer and micro-batch, and this benchmark runs on a 2-core machine whose memory other work shares.
+A sequence longer than the preset's max_position_embeddings raises it (model_overrides.max_positions).
 Last lines: `tokens/s cp2 ring / cp1 ...`, `... / dp2 ...`, and `cp2 ring communication ... hidden ...`.
 """
 
@@ -49,7 +55,7 @@ DP2 = "dp2"
 def _workload(a: dict) -> dict:
     from harness.model.presets import resolve_shape
 
-    overrides = {}
+    overrides = {"layers": a["layers"]} if a["layers"] else {}
     if a["seq_len"] > resolve_shape(a["model"], {}).max_positions:
         overrides["max_positions"] = a["seq_len"]
     return {"model": a["model"], "model_overrides": overrides, "seq_len": a["seq_len"],
@@ -163,6 +169,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-256")
     p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=1, help="the model's layers (0: the preset's); see above")
     p.add_argument("--global-batch", type=int, default=2)
     p.add_argument("--mbs", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
@@ -181,8 +188,9 @@ def main() -> int:
             f"--impls: {', '.join(bad) or 'none'} not of {', '.join(CP_IMPLS)}"
         print(f"error: {what}", file=sys.stderr)
         return 2
-    a = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch, "mbs": args.mbs,
-         "steps": args.steps, "warmup": args.warmup, "impls": impls, "profile_steps": args.profile_steps}
+    a = {"model": args.model, "layers": args.layers, "seq_len": args.seq_len, "global_batch": args.global_batch,
+         "mbs": args.mbs, "steps": args.steps, "warmup": args.warmup, "impls": impls,
+         "profile_steps": args.profile_steps}
     try:
         for impl in impls:  # the spec's own checks (and the engine's refusals), before anything starts
             _spec(a, cp=2, cp_impl=impl)
@@ -197,8 +205,10 @@ def main() -> int:
     t0 = time.monotonic()
     res = spawn(_bench, 2, a, timeout_s=args.timeout_s)
     tokens = args.global_batch * args.seq_len
-    print(f"workload: {args.model}, seq {args.seq_len}, global batch {args.global_batch}, micro-batch {args.mbs}, "
-          f"fp32, attention naive, own engine; 2 gloo processes x {max(1, (os.cpu_count() or 1) // 2)} threads; "
+    layers = f" with {args.layers} layer(s)" if args.layers else ""
+    print(f"workload: {args.model}{layers}, seq {args.seq_len}, global batch {args.global_batch}, "
+          f"micro-batch {args.mbs}, fp32, attention naive, own engine; 2 gloo processes x "
+          f"{max(1, (os.cpu_count() or 1) // 2)} threads; "
           f"{args.warmup} warm-up + {args.steps} measured steps per engine, interleaved; then {args.profile_steps} "
           f"profiled cp2 steps ({time.monotonic() - t0:.0f} s; load average before "
           f"{' '.join(f'{x:.2f}' for x in load)}, after {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
