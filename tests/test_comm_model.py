@@ -11,6 +11,7 @@ import math
 import pytest
 
 from harness.engine.comm_model import rank_comm, world_comm
+from harness.engine.data_parallel import plan_buckets
 from harness.engine.partition import balanced_partition, rank_params
 from harness.model.presets import PRESETS, param_count
 from harness.spec import Layout
@@ -94,3 +95,23 @@ def test_bf16_halves_activations_and_follows_the_policy_for_gradients(reduce):
     for ops in bf16.values():
         for v in ops.values():
             assert v["bytes"] == sum(v["bytes_by_dtype"].values())
+
+
+def test_cp_halves_each_ranks_activation_traffic_and_reduces_gradients_over_dp_x_cp():
+    """cp2 on the same layout: every rank's activations hold seq/2 tokens (SP and PP bytes halve, same
+    counts), the gradient buckets are reduced over the dp x cp replicas (padded to a multiple of 4,
+    not 2), and the world moves as many ZeRO-1 collectives again as it has ranks again."""
+    shape = PRESETS["tiny-4l"]
+    base = dict(engine="own", tp=2, pp=2, dp=2, sequence_parallel=True, zero_stage=1, dp_bucket_mb=0.05)
+    one, two = Layout(**base), Layout(**base, cp=2, cp_impl="ring", attention="naive")
+    r1, r2 = rank_comm(shape, one, 128, 16, 0), rank_comm(shape, two, 128, 16, 0)
+    for axis, op in (("sp", "all_gather"), ("sp", "reduce_scatter"), ("pp", "send"), ("pp", "recv")):
+        assert r2[axis][op]["count"] == r1[axis][op]["count"] and r2[axis][op]["bytes"] * 2 == r1[axis][op]["bytes"]
+    specs = rank_params(shape, 2, 2, 1, 0, 128)
+    padded = [b["padded"] for b in plan_buckets(specs, int(0.05 * 2 ** 20 / 4), 4, True)]
+    assert all(p % 4 == 0 for p in padded)
+    assert r2["dp"]["reduce_scatter"] == {"count": len(padded), "bytes": 4 * sum(padded),
+                                          "bytes_by_dtype": {"fp32": 4 * sum(padded)}}
+    assert set(r2["cp"]) == {"send", "recv"} and "cp" not in r1
+    w1, w2 = world_comm(shape, one, 128, 16), world_comm(shape, two, 128, 16)
+    assert w2["dp"]["reduce_scatter"]["count"] == 2 * w1["dp"]["reduce_scatter"]["count"]

@@ -2,8 +2,8 @@
 
 A step's global batch is a [global_batch_size, seq_len + 1] int64 tensor that depends only
 on (seed, step) for synthetic data, or on the step's position in the token file. Every rank
-builds the same global batch and takes its data-parallel slice, so any layout sees exactly
-the tokens of the single-device reference.
+builds the same global batch and takes its data-parallel slice (and under context parallelism
+its chunks of every sequence), so any layout sees exactly the tokens of the single-device reference.
 """
 
 from __future__ import annotations
@@ -72,6 +72,13 @@ def dp_slice(batch: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
     return batch[dp_rank * per:(dp_rank + 1) * per]
 
 
-def micro_batches(local: torch.Tensor, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(inputs, targets) pairs of micro_batch_size sequences each."""
-    return [(mb[:, :-1], mb[:, 1:]) for mb in local.split(micro_batch_size)]
+def micro_batches(local: torch.Tensor, micro_batch_size: int,
+                  positions: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) pairs of micro_batch_size sequences each. `positions`: only those token
+    positions, the same for inputs and targets so each target stays with the token that predicts
+    it: a context-parallel rank's, which the engine takes from harness.model.llama.cp_token_index
+    (a package this one does not import: same layer); None: every position."""
+    out = [(mb[:, :-1], mb[:, 1:]) for mb in local.split(micro_batch_size)]
+    if positions is None:
+        return out
+    return [(inputs[:, positions], targets[:, positions]) for inputs, targets in out]

@@ -4,7 +4,8 @@ Each call records (axis, op) -> count, bytes and bytes by dtype on this rank, an
 it blocked, so the per-step report and the closed-form comm model (comm_model.py) can be
 compared exactly. Bytes are the payload of the call on this rank: the tensor for all_reduce
 and p2p, the gathered (full) tensor for all_gather, the input (full) tensor for
-reduce_scatter; its dtype is named as the precision policy names it ("fp32", "bf16").
+reduce_scatter, the input (= output) tensor for all_to_all; its dtype is named as the precision
+policy names it ("fp32", "bf16").
 A group of size one never calls torch.distributed and records nothing.
 """
 
@@ -179,3 +180,34 @@ class Axis:
         self.stats.record(self.name, "recv", t)
         self._timed(lambda: dist.recv(t, src=self.ranks[peer], group=self.group))
         return t
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                 tag: int = 0) -> list:
+        """Post sends and receives (peers are indices along this axis) in one batch_isend_irecv,
+        without waiting (`wait` blocks on the returned works): each send counted as "send", each
+        receive as "recv", as isend and recv count them."""
+        ops = []
+        for t, peer in sends:
+            self.stats.record(self.name, "send", t)
+            ops.append(dist.P2POp(dist.isend, t, self.ranks[peer], group=self.group, tag=tag))
+        for t, peer in recvs:
+            self.stats.record(self.name, "recv", t)
+            ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], group=self.group, tag=tag))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self, works: list) -> None:
+        """Block on posted works; the wait is this axis's exposed communication time."""
+        def run():
+            for w in works:
+                w.wait()
+        self._timed(run)
+
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        """Piece r of t along dim 0 (size pieces) goes to rank r; piece r of the result came from rank r.
+        Counted as "all_to_all" with t's payload (the same size as the result's)."""
+        if self.size == 1:
+            return t
+        out = torch.empty_like(t)
+        self.stats.record(self.name, "all_to_all", t)
+        self._timed(lambda: dist.all_to_all_single(out, t.contiguous(), group=self.group))
+        return out

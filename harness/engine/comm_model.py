@@ -10,7 +10,7 @@ precision policy (harness.model.training.PrecisionPolicy): activations, their gr
 parameters are in the compute dtype (bf16 under precision bf16), the main gradients in
 grad_accum_dtype, the DP reduction in grad_reduce_dtype; the loss's reductions are fp32.
 
-Per micro-batch, with A = seq x micro_batch x hidden x (2 under bf16, 4 under fp32) bytes:
+Per micro-batch, with A = seq/cp x micro_batch x hidden x (2 under bf16, 4 under fp32) bytes:
   TP without SP (axis tp): embedding 1 all-reduce fwd; per layer 2 all-reduces fwd (wo, w2)
       and 2 bwd (before wq/wk/wv and w1/w3); LM head 1 all-reduce bwd; full checkpointing
       repeats the attention's forward all-reduce (recomputation stops before the MLP's).
@@ -24,9 +24,23 @@ Per micro-batch, with A = seq x micro_batch x hidden x (2 under bf16, 4 under fp
       floats; target logit and sum of exponentials: 2 x seq x mb floats).
   PP (axis pp): per chunk one send and one recv of A (A / tp under SP) per micro-batch and
       direction at every stage boundary it touches.
-  DP (axis dp): once per step per gradient bucket (buckets padded to a multiple of dp): an
-      all-reduce in grad_reduce_dtype, or under ZeRO-1 a reduce-scatter in grad_reduce_dtype
-      and an all-gather of the updated parameters in their (compute) dtype.
+  CP (axis cp, layout.cp > 1; context_parallel.py): per micro-batch and layer on this rank, with
+      s = seq/cp local tokens, b = micro_batch_size, d = head_dim, hq = heads/tp, hkv = kv_heads/tp,
+      KV = 2·b·hkv·s·d (K and V packed, KV heads unexpanded), e = the activations' dtype and
+      F = the forward's runs (2 under full checkpointing, which re-runs the block in backward;
+      1 otherwise: selective recomputes only rank-local math, no communication):
+        ring       send and recv each: F·(cp-1) + (cp-1) of KV in e (the K/V hops, forward and
+                   backward) and cp of KV in fp32 (the dK/dV accumulators, home after cp hops).
+        allgather  all_gather: F + 1 of cp·KV in e (forward, and again in backward);
+                   reduce_scatter: 1 of cp·KV in fp32 (the dK/dV).
+        ulysses    all_to_all: F + 1 each of b·(hq + 2·hkv)·s·d (q, k, v packed; forward, and
+                   their gradients) and of b·hq·s·d (the output; forward, and its gradient), in e.
+      Every other term's activation A, the loss's rows and the PP messages hold seq/cp tokens.
+  DP (axis dp, the replica group dp x cp, ParallelDims.replicas(); the engine names it "dp"): once
+      per step per gradient bucket (buckets padded to a multiple of the replicas) when there is
+      more than one replica: an all-reduce in grad_reduce_dtype, or under ZeRO-1 (shards over
+      dp x cp) a reduce-scatter in grad_reduce_dtype and an all-gather of the updated parameters
+      in their (compute) dtype.
   all: one all-reduce of two fp32 numbers (loss, squared gradient norm).
 """
 
@@ -51,6 +65,27 @@ def _add(out, axis, op, count, elems, dtype):
         e[2][dtype] += count * elems * SIZE[dtype]
 
 
+def cp_attention_calls(impl: str, cp: int, batch: int, heads: int, kv_heads: int, tokens: int, head_dim: int,
+                       dtype: str, forward_runs: int = 1) -> list[tuple[str, int, int, str]]:
+    """(op, count, elements per call, dtype) of one context-parallel attention call on one rank,
+    forward (run forward_runs times) and backward; heads and kv_heads on this rank, tokens its
+    local ones (the module docstring's CP terms)."""
+    if cp == 1:
+        return []
+    kv = 2 * batch * kv_heads * tokens * head_dim
+    if impl == "ring":
+        hops = forward_runs * (cp - 1) + (cp - 1)
+        return [("send", hops, kv, dtype), ("recv", hops, kv, dtype),
+                ("send", cp, kv, "fp32"), ("recv", cp, kv, "fp32")]
+    if impl == "allgather":
+        return [("all_gather", forward_runs + 1, cp * kv, dtype), ("reduce_scatter", 1, cp * kv, "fp32")]
+    if impl == "ulysses":
+        qkv = batch * (heads + 2 * kv_heads) * tokens * head_dim
+        return [("all_to_all", forward_runs + 1, qkv, dtype),
+                ("all_to_all", forward_runs + 1, batch * heads * tokens * head_dim, dtype)]
+    raise ValueError(f"cp_impl {impl!r}")
+
+
 def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, precision: str = "fp32",
               grad_accum_dtype: str = "fp32", grad_reduce_dtype: str = "fp32") -> dict:
     """Expected {axis: {op: {count, bytes, bytes_by_dtype}}} for one step on one rank, under the
@@ -58,12 +93,15 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, 
     (both fp32 under precision fp32)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     dims = ParallelDims.of(layout)
+    cp = dims.degree("cp")
+    replicas = dims.replicas()
     c = dims.coord(rank)
     sp = layout.sequence_parallel and tp > 1
     chunks = layout.virtual_stages if layout.pipeline_schedule == "interleaved" else 1
     mb = layout.micro_batch_size
     micro = global_batch // (dp * mb)
-    act, adt = seq_len * mb * shape.hidden, precision   # elements and dtype of an activation
+    tokens = seq_len // cp                              # this rank's share of each sequence
+    act, adt = tokens * mb * shape.hidden, precision    # elements and dtype of an activation
     out = defaultdict(lambda: defaultdict(comm_entry))
     full_ckpt = layout.activation_checkpointing == "full"
     stages = pp * chunks
@@ -81,8 +119,12 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, 
             else:
                 _add(out, "tp", "all_reduce", micro * (fwd_leave + bwd_enter + redo_leave), act, adt)
             if plan.last:
-                _add(out, "tp", "all_reduce", micro, seq_len * mb, "fp32")
-                _add(out, "tp", "all_reduce", micro, 2 * seq_len * mb, "fp32")
+                _add(out, "tp", "all_reduce", micro, tokens * mb, "fp32")
+                _add(out, "tp", "all_reduce", micro, 2 * tokens * mb, "fp32")
+        for op, count, elems, dtype in cp_attention_calls(
+                layout.cp_impl, cp, mb, shape.heads // tp, shape.kv_heads // tp, tokens,
+                shape.hidden // shape.heads, adt, 2 if full_ckpt else 1):
+            _add(out, "cp", op, micro * n * count, elems, dtype)
         if pp > 1:
             p2p = act // tp if sp else act
             if plan.stage > 0:
@@ -92,11 +134,11 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, 
                 _add(out, "pp", "send", micro, p2p, adt)
                 _add(out, "pp", "recv", micro, p2p, adt)
     specs = rank_params(shape, tp, pp, chunks, c.pp, seq_len)
-    buckets = plan_buckets(specs, max(1, int(layout.dp_bucket_mb * 2 ** 20 / 4)), dp, sp)
+    buckets = plan_buckets(specs, max(1, int(layout.dp_bucket_mb * 2 ** 20 / 4)), replicas, sp)
     for b in buckets:
         if b["sp"]:
             _add(out, "sp", "all_reduce", 1, b["padded"], grad_accum_dtype)
-        if dp > 1:
+        if replicas > 1:
             if layout.zero_stage == 1:
                 _add(out, "dp", "reduce_scatter", 1, b["padded"], grad_reduce_dtype)
                 _add(out, "dp", "all_gather", 1, b["padded"], precision)

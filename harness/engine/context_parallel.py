@@ -8,8 +8,42 @@ grouped-query attention) and returns the rank's output rows, differentiable in q
 gradients of the other ranks' keys and values go back to them through the same axis.
 
 Implementations (layout.cp_impl), every byte through the counted Axis (comm.py):
-  allgather  Llama 3's way: the K/V shards are all-gathered (forward) and their gradients
-             reduce-scattered (backward); each rank masks its own chunks causally.
+  ring       K and V (packed in one buffer, KV heads unexpanded) pass round the cp ring by P2P;
+             the next block's transfer is posted before the current block is computed, so it
+             overlaps. Blocks are computed in fp32 (naive's math, masks by position) or, when the
+             layout's kernel is sdpa on CPU, by torch's CPU flash kernel (what sdpa runs there,
+             bitwise; it returns the LSE), and merged by online softmax (log-sum-exp) in fp32.
+             Backward (flash-attention style) recomputes each block's probabilities from the saved
+             LSE; K/V rotate again, and the fp32 dK/dV accumulator of each block travels with it,
+             so after cp hops every rank's K/V gradient is home.
+             With rank i's chunks (i, 2cp-1-i) and block j's (j, 2cp-1-j): j == i is causal over the
+             local 2c tokens; j < i: all local queries against j's first chunk only; j > i: the
+             local second chunk's queries against all of j's keys (every other pair is masked out).
+             In flight (the planner's K/V term): forward the current and the next K/V block
+             (2 x 2·b·hkv·s_local·d in the activations' dtype); backward those two plus the dK/dV
+             accumulator arriving and the one leaving (2 x 2·b·hkv·s_local·d in fp32).
+             Saved for backward: q, the local k and v, the fp32 output and LSE (b·hq·s_local).
+             Transient, one block at a time: naive's fp32 scores and probabilities, at most
+             b·hq·s_local² each (the own block; the others are half that), sdpa's none of that size.
+  allgather  Llama 3's way: K/V (packed) all-gathered, then the ring's blocks (naive or sdpa) cut
+             from the gathered buffer, one per source rank; backward all-gathers them again (only
+             the local K/V are saved, as Transformer Engine does) and reduce-scatters the fp32
+             dK/dV. In flight: the gathered K/V (cp x 2·b·hkv·s_local·d) and in backward their fp32
+             gradient (the same size in fp32).
+  ulysses    DeepSpeed's way: one all-to-all swaps the sequence shard of q, k, v (packed) for a
+             head shard of the whole sequence, the layout's kernel runs causally on it
+             (attention_core: GQA repeat), one all-to-all brings the output back; backward is the
+             reverse all-to-all of the gradients, in the activations' dtype.
+
+Checkpointing: `recompute=True` (selective) recomputes only the rank-local math: ring and
+allgather keep no O(s²) tensor anyway (their backward recomputes the probabilities), so it
+changes nothing for them; ulysses runs its kernel under checkpoint between the all-to-alls. No
+communication is repeated. Under full checkpointing (the block re-run by torch's non-reentrant
+checkpoint) the whole forward of `attention` runs again in backward, its communication included:
+ring's cp-1 K/V hops, allgather's gather, ulysses's two all-to-alls (the second because the
+block's wo keeps the output; with early stop and nothing keeping it, only the first would rerun).
+All ranks re-run the same block at the same point of their backward, so the repeated P2P and
+collectives match. comm_model.cp_attention_calls is the closed form of all of this.
 """
 
 from __future__ import annotations
@@ -17,50 +51,292 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from harness.engine.comm import Axis
-from harness.model.llama import cp_token_index
+from harness.model.llama import attention_core, cp_token_index
+
+KV, DKV = 0, 1   # P2P tags: the K/V block and its gradient accumulator travel side by side
 
 
-def _seq_first(t: torch.Tensor) -> torch.Tensor:
-    return t.permute(2, 0, 1, 3).contiguous()   # [b, h, s, d] -> [s, b, h, d]: the Axis gathers dim 0
+def _core_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)   # fp32 (naive's), fp64 only for fp64 inputs
 
 
-class _GatherSequence(torch.autograd.Function):
-    """[b, h, s_local, d] -> [b, h, seq, d] in global token order; backward reduce-scatters."""
+# ---------------------------------------------------------------- blocks (masks by position)
 
+def _grouped(q, hkv):
+    """[b, hq, s, d] -> [b, hkv, g, s, d]: query head h uses KV head h // g (repeat_interleave's map)."""
+    b, hq, s, d = q.shape
+    return q.reshape(b, hkv, hq // hkv, s, d)
+
+
+def _scores(qg, k, q_pos, k_pos):
+    """Masked QKᵀ/√d, [b, hkv, g, sq, sk]: key position > query position is -inf."""
+    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) / math.sqrt(qg.shape[-1])
+    return s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+
+
+def block_forward(qg, k, v, q_pos, k_pos):
+    """One block: its normalised output [b, hkv, g, sq, d] and LSE [b, hkv, g, sq] (core dtype in, out)."""
+    s = _scores(qg, k, q_pos, k_pos)
+    m = s.amax(-1, keepdim=True).detach()   # the result does not depend on m: no gradient through it
+    p = torch.exp(s - m)
+    total = p.sum(-1, keepdim=True)
+    out = torch.matmul(p, v.unsqueeze(2)) / total
+    return out, (m + torch.log(total)).squeeze(-1)
+
+
+def block_backward(qg, k, v, q_pos, k_pos, dog, lse, delta):
+    """dq [b, hkv, g, sq, d], dk and dv [b, hkv, sk, d] of one block from the merged LSE and
+    delta = rowsum(dO·O): P = exp(S - LSE), dS = P·(dP - delta)."""
+    p = torch.exp(_scores(qg, k, q_pos, k_pos) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dog).sum(2)
+    dp = torch.matmul(dog, v.unsqueeze(2).transpose(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1)) / math.sqrt(qg.shape[-1])
+    dq = torch.matmul(ds, k.unsqueeze(2))
+    dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2)
+    return dq, dk, dv
+
+
+def _merge(out, lse, rows, b_out, b_lse):
+    """Online softmax: fold a block's (output, LSE) into the running ones at query rows `rows`."""
+    o, l_ = out[..., rows, :], lse[..., rows]
+    new = torch.logaddexp(l_, b_lse)
+    out[..., rows, :] = o * torch.exp(l_ - new).unsqueeze(-1) + b_out * torch.exp(b_lse - new).unsqueeze(-1)
+    lse[..., rows] = new
+
+
+# ---------------------------------------------------------------- blocks of one source rank
+
+def _ring_rows(i: int, j: int, c: int):
+    """(query rows, key columns) of rank i's queries that can see block j (the module docstring)."""
+    everything = slice(None)
+    if j == i:
+        return everything, everything
+    return (everything, slice(0, c)) if j < i else (slice(c, 2 * c), everything)
+
+
+def _pack(k, v):
+    return torch.stack([k, v]).contiguous()
+
+
+_SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _flat(t):
+    return t.reshape(t.shape[0], -1, *t.shape[-2:])    # [b, hkv, g, s, d] -> [b, hq, s, d]
+
+
+class _Blocks:
+    """Rank i's queries against the K/V block of one source rank j at a time, merged by online
+    softmax: what ring (blocks arriving by P2P) and allgather (blocks cut from the gathered K/V)
+    share. naive: masked fp32 math (block_forward/backward). sdpa: torch's CPU flash kernel, the one
+    F.scaled_dot_product_attention runs on CPU, which returns the LSE; its backward is given the
+    merged output and LSE, so its probabilities are the whole row's."""
+
+    def __init__(self, q, hkv: int, cp: int, i: int, sdpa: bool):
+        self.cp, self.i, self.c, self.seq, self.sdpa = cp, i, q.shape[2] // 2, q.shape[2] * cp, sdpa
+        self.dt, self.dtype, self.hkv = _core_dtype(q.dtype), q.dtype, hkv
+        self.q_pos = cp_token_index(self.seq, cp, i, q.device)
+        self.qg = _grouped(q if sdpa else q.to(self.dt), hkv)   # sdpa computes from the inputs' dtype
+
+    def _pos(self, j, rows, cols):
+        return self.q_pos[rows], cp_token_index(self.seq, self.cp, j, self.q_pos.device)[cols]
+
+    def start(self):
+        out = torch.zeros(self.qg.shape, dtype=self.dt, device=self.qg.device)
+        return out, torch.full(out.shape[:-1], float("-inf"), dtype=self.dt, device=out.device)
+
+    def forward(self, out, lse, j: int, kv) -> None:
+        rows, cols = _ring_rows(self.i, j, self.c)
+        qg, k, v = self.qg[..., rows, :], kv[0, :, :, cols], kv[1, :, :, cols]
+        if self.sdpa:
+            g = qg.shape[2]
+            o, b_lse = _SDPA_CPU(_flat(qg), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), 0.0, j == self.i)
+            b_out, b_lse = o.reshape(qg.shape).to(self.dt), b_lse.reshape(qg.shape[:-1]).to(self.dt)
+        else:
+            b_out, b_lse = block_forward(qg, k.to(self.dt), v.to(self.dt), *self._pos(j, rows, cols))
+        _merge(out, lse, rows, b_out, b_lse)
+
+    def backward_setup(self, grad, out):
+        """What every block's backward needs: dO (grouped) and delta, or for sdpa the output as returned."""
+        if self.sdpa:
+            return _grouped(grad, self.hkv), out.to(self.dtype)
+        dog = _grouped(grad.to(self.dt), self.hkv)
+        return dog, (dog * out).sum(-1)
+
+    def backward(self, dq, j: int, kv, dog, lse, extra):
+        """Adds block j's dQ into dq; returns (key columns, dK, dV) of block j in the core dtype."""
+        rows, cols = _ring_rows(self.i, j, self.c)
+        qg, k, v = self.qg[..., rows, :], kv[0, :, :, cols], kv[1, :, :, cols]
+        if self.sdpa:
+            g = qg.shape[2]
+            lse_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+            bq, bk, bv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _flat(dog[..., rows, :]), _flat(qg), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                _flat(extra[..., rows, :]), _flat(lse[..., rows].unsqueeze(-1)).squeeze(-1).to(lse_dtype), 0.0,
+                j == self.i)
+            bq = bq.reshape(qg.shape).to(self.dt)
+            bk = bk.reshape(k.shape[0], self.hkv, g, *bk.shape[-2:]).sum(2, dtype=self.dt)
+            bv = bv.reshape(v.shape[0], self.hkv, g, *bv.shape[-2:]).sum(2, dtype=self.dt)
+        else:
+            bq, bk, bv = block_backward(qg, k.to(self.dt), v.to(self.dt), *self._pos(j, rows, cols),
+                                        dog[..., rows, :], lse[..., rows], extra[..., rows])
+        dq[..., rows, :] += bq
+        return cols, bk, bv
+
+
+# ---------------------------------------------------------------- ring
+
+class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, axis: Axis, order: torch.Tensor):
-        ctx.axis, ctx.order = axis, order
-        gathered = axis.all_gather(_seq_first(t))          # rank order: every rank's chunks in its order
-        full = torch.empty_like(gathered)
-        full[order] = gathered                              # global order
-        return full.permute(1, 2, 0, 3)
+    def forward(ctx, q, k, v, axis: Axis, sdpa: bool):
+        cp, i = axis.size, axis.index
+        nxt, prv = (i + 1) % cp, (i - 1) % cp
+        blocks = _Blocks(q, k.shape[1], cp, i, sdpa)
+        out, lse = blocks.start()
+        kv = _pack(k, v)
+        for t in range(cp):
+            if t < cp - 1:   # post the next block's transfer before computing on this one
+                incoming = torch.empty_like(kv)
+                works = axis.exchange([(kv, nxt)], [(incoming, prv)], tag=KV)
+            blocks.forward(out, lse, (i - t) % cp, kv)
+            if t < cp - 1:
+                axis.wait(works)
+                kv = incoming
+        ctx.axis, ctx.sdpa = axis, sdpa
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _seq_first(grad)[ctx.order]                  # back to rank order
-        mine = ctx.axis.reduce_scatter(grad.contiguous())
-        return mine.permute(1, 2, 0, 3), None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        axis = ctx.axis
+        cp, i = axis.size, axis.index
+        nxt, prv = (i + 1) % cp, (i - 1) % cp
+        blocks = _Blocks(q, k.shape[1], cp, i, ctx.sdpa)
+        dog, extra = blocks.backward_setup(grad, out)
+        dq = torch.zeros(blocks.qg.shape, dtype=blocks.dt, device=q.device)
+        kv = _pack(k, v)
+        arriving, dkv_works = None, []   # the dK/dV accumulator of this step's block, on its way from rank i-1
+        for t in range(cp):
+            if t < cp - 1:
+                incoming = torch.empty_like(kv)
+                kv_works = axis.exchange([(kv, nxt)], [(incoming, prv)], tag=KV)
+            cols, bk, bv = blocks.backward(dq, (i - t) % cp, kv, dog, lse, extra)
+            if arriving is None:
+                dkv = torch.zeros((2, *k.shape), dtype=blocks.dt, device=k.device)
+            else:
+                axis.wait(dkv_works)
+                dkv = arriving
+            dkv[0, :, :, cols] += bk
+            dkv[1, :, :, cols] += bv
+            arriving = torch.empty_like(dkv)   # block j's accumulator goes on; block j-1's comes in
+            dkv_works = axis.exchange([(dkv, nxt)], [(arriving, prv)], tag=DKV)
+            if t < cp - 1:
+                axis.wait(kv_works)
+                kv = incoming
+        axis.wait(dkv_works)   # after cp hops the accumulator arriving is this rank's own block's
+        return dq.reshape(q.shape).to(q.dtype), arriving[0].to(k.dtype), arriving[1].to(v.dtype), None, None
 
 
-def _masked_core(q, k, v, q_pos, k_pos):
-    """softmax(QKᵀ/√d)V in fp32 with key position <= query position (what naive computes)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+# ---------------------------------------------------------------- allgather
+
+def _gather_kv(k, v, axis: Axis):
+    """Every rank's packed K/V, [cp, 2, b, hkv, s_local, d] in rank order (the Axis gathers dim 0)."""
+    return axis.all_gather(_pack(k, v).unsqueeze(0))
 
 
-def attention(q, k, v, axis: Axis, impl: str):
-    """The rank's attention output [b, hq, s_local, d] (see the module docstring)."""
-    cp, index = axis.size, axis.index
-    seq = q.shape[2] * cp
-    q_pos = cp_token_index(seq, cp, index, q.device)
-    if impl == "allgather":
-        order = torch.cat([cp_token_index(seq, cp, r, q.device) for r in range(cp)])
-        k, v = _GatherSequence.apply(k, axis, order), _GatherSequence.apply(v, axis, order)
-        return _masked_core(q, k, v, q_pos, torch.arange(seq, device=q.device))
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, axis: Axis, sdpa: bool):
+        blocks = _Blocks(q, k.shape[1], axis.size, axis.index, sdpa)
+        out, lse = blocks.start()
+        for j, kv in enumerate(_gather_kv(k, v, axis)):
+            blocks.forward(out, lse, j, kv)
+        ctx.axis, ctx.sdpa = axis, sdpa
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.reshape(q.shape).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        axis = ctx.axis
+        blocks = _Blocks(q, k.shape[1], axis.size, axis.index, ctx.sdpa)
+        dog, extra = blocks.backward_setup(grad, out)
+        dq = torch.zeros(blocks.qg.shape, dtype=blocks.dt, device=q.device)
+        gathered = _gather_kv(k, v, axis)                          # again: only the local K/V were saved
+        dkv = torch.zeros(gathered.shape, dtype=blocks.dt, device=k.device)
+        for j, kv in enumerate(gathered):
+            cols, bk, bv = blocks.backward(dq, j, kv, dog, lse, extra)
+            dkv[j, 0, :, :, cols] = bk
+            dkv[j, 1, :, :, cols] = bv
+        mine = axis.reduce_scatter(dkv)[0]
+        return dq.reshape(q.shape).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
+
+
+# ---------------------------------------------------------------- ulysses
+
+class _AllToAll(torch.autograd.Function):
+    """[cp, ...]: piece r goes to rank r, piece r of the result came from rank r; its own adjoint."""
+
+    @staticmethod
+    def forward(ctx, t, axis: Axis):
+        ctx.axis = axis
+        return axis.all_to_all(t.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.axis.all_to_all(grad.contiguous()), None
+
+
+def _ulysses(q, k, v, axis: Axis, kernel, recompute: bool):
+    cp = axis.size
+    b, hq, s_local, d = q.shape
+    hkv = k.shape[1]
+    seq = s_local * cp
+    order = torch.cat([cp_token_index(seq, cp, r, q.device) for r in range(cp)])
+    to_global = torch.argsort(order)    # global position p sits at rank-order index to_global[p]
+    split = [hq // cp, hkv // cp, hkv // cp]
+    # [b, h, s, d] -> [cp, b, h/cp, s, d]: head shard r of this rank's tokens goes to rank r
+    packed = torch.cat([t.reshape(b, cp, t.shape[1] // cp, s_local, d) for t in (q, k, v)], dim=2).movedim(1, 0)
+    mine = _AllToAll.apply(packed, axis)                      # [cp (source rank), b, H/cp, s_local, d]
+    whole = mine.permute(1, 2, 0, 3, 4).reshape(b, sum(split), seq, d)[:, :, to_global]
+    qh, kh, vh = whole.split(split, dim=1)
+    if recompute and torch.is_grad_enabled():
+        out = checkpoint(attention_core, qh, kh, vh, kernel, use_reentrant=False)
+    else:
+        out = attention_core(qh, kh, vh, kernel)
+    back = out[:, :, order].reshape(b, hq // cp, cp, s_local, d).permute(2, 0, 1, 3, 4)
+    return _AllToAll.apply(back, axis).movedim(0, 1).reshape(b, hq, s_local, d)
+
+
+# ---------------------------------------------------------------- entry
+
+def _sdpa_blocks(kernel, q) -> bool:
+    """Whether ring/allgather blocks run sdpa (torch's CPU flash kernel) rather than naive's math."""
+    from harness.model.kernels import attention_fn
+
+    if kernel is None or kernel is attention_fn("naive"):
+        return False
+    if kernel is attention_fn("sdpa") and q.device.type == "cpu":
+        return True
+    raise ValueError("ring and allgather blocks compute naive's math, or sdpa's on CPU (torch's flash kernel)")
+
+
+
+def attention(q, k, v, axis: Axis, impl: str, kernel=None, recompute: bool = False):
+    """The rank's attention output [b, hq, s_local, d] (see the module docstring). kernel: the
+    layout's attention function (ulysses runs it; ring and allgather compute naive's math)."""
+    if axis.size == 1:
+        from harness.model.kernels import attention_naive
+
+        return attention_core(q, k, v, kernel or attention_naive)
+    if impl in ("ring", "allgather"):
+        return (_Ring if impl == "ring" else _AllGather).apply(q, k, v, axis, _sdpa_blocks(kernel, q))
+    if impl == "ulysses":
+        if kernel is None:
+            raise ValueError("ulysses runs the layout's attention kernel: pass kernel=")
+        return _ulysses(q, k, v, axis, kernel, recompute)
     raise NotImplementedError(f"cp_impl {impl!r}")

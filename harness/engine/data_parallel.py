@@ -6,6 +6,11 @@ post-accumulate hook counts each parameter's gradients; when every parameter of 
 received its last micro-batch's gradient, the bucket's collective starts asynchronously while
 backward continues. `finish` waits for what is still in flight (the exposed DP time).
 
+The "dp" axis here is every rank holding the same parameters: the data-parallel group, or under
+context parallelism the replica group dp x cp (the cp ranks' gradients are partial sums over other
+tokens of the same sequences: reduced like data parallelism, Megatron's data-parallel-with-cp
+group); "dp" below is that axis's size.
+
 ZeRO-1: each bucket is padded to a multiple of dp and split into dp contiguous shards; the
 reduction is a reduce-scatter in place, into this rank's shard of the very tensor reduced (its
 view of grad_flat, as Megatron's distributed optimizer does), the optimizer (its fp32 weights

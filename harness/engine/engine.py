@@ -1,11 +1,18 @@
 """The own 3D engine behind the frameworks interface: build, train_step, state, details.
 
-One step: every rank takes the same global batch, keeps its DP slice, runs its pipeline
-program over the micro-batches (TP/SP collectives inside each forward/backward, DP
-reductions starting from gradient hooks), waits for the DP reductions, then one world
-all-reduce of two numbers (loss contribution, squared gradient norm contribution) gives the
-global loss and the global norm for clipping, and AdamW steps on this rank's parameters (or
-its ZeRO-1 shard of them, followed by an all-gather).
+One step: every rank takes the same global batch, keeps its DP slice (and under context
+parallelism its CP chunks of every sequence: cp_token_index), runs its pipeline program over the
+micro-batches (TP/SP and CP collectives inside each forward/backward, DP reductions starting from
+gradient hooks), waits for the DP reductions, then one world all-reduce of two numbers (loss
+contribution, squared gradient norm contribution) gives the global loss and the global norm for
+clipping, and AdamW steps on this rank's parameters (or its ZeRO-1 shard of them, followed by an
+all-gather).
+
+Context parallelism (layout.cp, cp_impl): the cp ranks of a sequence hold the same parameters, so
+to the gradients they are data parallelism: the "dp" axis here is the replica group (dp x cp,
+Megatron's data-parallel-with-cp group), reduced over and ZeRO-1-sharded over, counted as "dp".
+Each cp rank's loss share is its tokens' summed losses over the global batch's token count, and
+every one counts in the world all-reduce; a gradient shard counts once in the norm.
 
 Built as a real run builds it unless `options` (harness.model.training.BuildOptions) says
 otherwise: the optimizer factory, how pipeline transfer groups are posted, and the hooks the step
@@ -35,13 +42,15 @@ from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map
 from harness.measure import CensusAtStep, optimizer_state_tensors
-from harness.model.llama import reference_tensor, shape_rotary
+from harness.model.llama import cp_token_index, reference_tensor, shape_rotary
 from harness.model.training import BuildOptions, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
 from harness.spec import micro_batches_per_step
 
 # Which breakdown category each axis's blocking wait is charged to.
-TIME_KEYS = {"tp": "tp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"}
+TIME_KEYS = {"tp": "tp_comm", "cp": "cp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"}
+# The process group each axis's collectives run over: the gradients' "dp" is the replica group (dp x cp).
+GROUP_OF = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "replica", "all": "all"}
 
 
 def _ranks_per_node(ctx) -> int:
@@ -69,8 +78,9 @@ class Engine3D:
         c = self.mesh.coord
         self.clock = StepClock(ctx.device)
         self.stats = CommStats(self.clock)
-        self.axes = {a: Axis(a, self.mesh.groups[a], self.mesh.ranks[a], ctx.rank, self.stats, TIME_KEYS[a])
-                     for a in ("tp", "pp", "dp", "all")}
+        self.axes = {a: Axis(a, self.mesh.groups[g], self.mesh.ranks[g], ctx.rank, self.stats, TIME_KEYS[a])
+                     for a, g in GROUP_OF.items()}
+        self.cp = self.axes["cp"] if lay.cp > 1 else None
         sp = lay.sequence_parallel and lay.tp > 1
         self.region = Region(self.axes["tp"], sp)
         self.chunks_per_rank = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
@@ -80,7 +90,8 @@ class Engine3D:
         self.chunks, self.param_specs = build_chunks(shape, plans, lay.tp, c.tp, self.region,
                                                      options.kernels_for(lay),
                                                      lay.activation_checkpointing,
-                                                     lambda name: reference_tensor(shape, w.seed, name), ctx.device)
+                                                     lambda name: reference_tensor(shape, w.seed, name), ctx.device,
+                                                     cp=self.cp, cp_impl=lay.cp_impl)
         named = {}
         for ch in self.chunks:
             named.update(dict(ch.named_parameters()))
@@ -92,14 +103,16 @@ class Engine3D:
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
         self.programs = all_programs(lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
                                      lay.pp, self.micro, self.chunks_per_rank)
-        seq_local = w.seq_len // lay.tp if sp else w.seq_len
+        seq_cp = w.seq_len // lay.cp            # the tokens of each sequence this rank holds
+        seq_local = seq_cp // lay.tp if sp else seq_cp
         p2p_mode = lay.pipeline_p2p if lay.pipeline_p2p != "auto" else ("grouped" if ctx.backend == "nccl" else "async")
         self.executor = PipelineExecutor(self.chunks, self.programs, self.axes["pp"], self.clock,
                                          (seq_local, lay.micro_batch_size, shape.hidden), ctx.device,
                                          self.policy.compute, p2p_mode, self.hooks,
                                          options.batch_isend_irecv or dist.batch_isend_irecv)
-        cos, sin = shape_rotary(shape, w.seq_len, ctx.device)
+        cos, sin = shape_rotary(shape, w.seq_len, ctx.device, lay.cp, c.cp)   # this rank's positions
         self.cos, self.sin = cos, sin
+        self.positions = cp_token_index(w.seq_len, lay.cp, c.cp, ctx.device) if lay.cp > 1 else None
         self.rank_map = self.mesh.dims.rank_table(_ranks_per_node(ctx))
         if ctx.rank == 0 and ctx.world_size > 1:
             print("own engine rank map (tp innermost):\n" + format_rank_map(self.rank_map), file=sys.stderr, flush=True)
@@ -114,10 +127,10 @@ class Engine3D:
         self.stats.reset()
         t_start = clock.mark()
         local = dp_slice(global_batch, self.mesh.coord.dp, lay.dp).to(self.device, non_blocking=True)
-        micro = micro_batches(local, lay.micro_batch_size)
+        micro = micro_batches(local, lay.micro_batch_size, self.positions)
         states = self.model_states
         states.begin_step(len(micro))
-        tokens = global_batch.shape[0] * w.seq_len   # the reference's mean over the global batch
+        tokens = global_batch.shape[0] * w.seq_len   # the reference's mean over the global batch (every cp share)
         loss = self.executor.run(micro, self.cos, self.sin, 1.0 / tokens)
         self.hooks.optimizer("optimizer step (reductions, AdamW, parameter refresh)")
         states.finish()
@@ -126,7 +139,8 @@ class Engine3D:
         states.grads_to_masters()
         c = self.mesh.coord
         count_loss = c.tp == 0 and c.pp == lay.pp - 1
-        count_grads = states.zero or c.dp == 0
+        # without ZeRO every replica (dp x cp) holds the same reduced gradients: one of them counts
+        count_grads = states.zero or (c.dp == 0 and c.cp == 0)
         sq = states.grad_sq_sum(count_replicated=c.tp == 0) if count_grads else torch.zeros((), device=self.device)
         pair = torch.stack([loss if count_loss else torch.zeros_like(loss), sq]).float()
         ta = clock.mark()
@@ -150,8 +164,9 @@ class Engine3D:
         s = clock.seconds
         self._details = {
             "breakdown_s": {
-                "compute": max(0.0, s["fb"] - s["tp_comm"]),   # tp collectives run inside forward/backward
+                "compute": max(0.0, s["fb"] - s["tp_comm"] - s["cp_comm"]),   # they run inside forward/backward
                 "tp_comm": s["tp_comm"],
+                **({"cp_comm": s["cp_comm"]} if self.cp is not None else {}),
                 "bubble": s["bubble"],  # p2p sends and receive waits, send drains, waiting for the slowest stage
                 "dp_comm": s["dp_comm"],
                 "optimizer": s["optimizer"],
@@ -168,7 +183,8 @@ class Engine3D:
         return self._details
 
     def full_state_dict(self):
-        """Gather every parameter (TP shards concatenated, pipeline stages collected) on rank 0:
+        """Gather every parameter (TP shards concatenated, pipeline stages collected from dp and cp
+        index 0, since the other replicas hold the same) on rank 0:
         the fp32 masters under bf16 (as the reference's), the parameters themselves under fp32.
 
         Collective: every rank must call it; rank 0 gets the dict, the others None.
@@ -187,7 +203,7 @@ class Engine3D:
         if self.mesh.size("all") == 1:
             return mine
         gathered = [None] * self.mesh.size("all") if self.mesh.rank == 0 else None
-        payload = mine if c.tp == 0 and c.dp == 0 else {}
+        payload = mine if c.tp == 0 and c.dp == 0 and c.cp == 0 else {}
         dist.gather_object(payload, gathered, dst=0)
         if self.mesh.rank != 0:
             return None
@@ -210,6 +226,7 @@ class Engine3D:
         return {
             "engine": "own 3D (Megatron-style TP/SP, instruction-list pipeline, bucketed DP, ZeRO-1)",
             "mesh": {**self.mesh.dims.sizes(), "order": f"{', '.join(AXES)} ({AXES[-1]} innermost)"},
+            "cp": lay.cp, "cp_impl": lay.cp_impl if lay.cp > 1 else None,
             "coord": self.mesh.coord._asdict(),
             "schedule": lay.pipeline_schedule, "chunks_per_rank": self.chunks_per_rank,
             "p2p_mode": self.executor.mode,

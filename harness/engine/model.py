@@ -5,7 +5,11 @@ around attention and MLP: the norms and the SwiGLU MLP are the plain model's mod
 slice of the MLP is the plain FeedForward at width ffn/tp), attention calls the plain model's
 attend (rotary, core, selective recomputation), the tie is its tie_embeddings; what is the
 engine's own is the head layout, the sharded projections and the communication
-(tensor_parallel.py). The kernels are given at build time (harness.model.kernels.Kernels).
+(tensor_parallel.py). Under context parallelism (cp > 1) a rank holds its chunks of every
+sequence (seq/cp tokens, cp_token_index order) and its attention is the plain model's rotary
+followed by context_parallel.attention over the cp axis instead of the core (selective
+checkpointing is its recompute: only rank-local math again, no collective repeated). The
+kernels are given at build time (harness.model.kernels.Kernels).
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from harness.engine import context_parallel
+from harness.engine.comm import Axis
 from harness.engine.partition import ChunkPlan, ParamSpec, shard_of, stage_params
 from harness.engine.tensor_parallel import Region, vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_range
 from harness.model.kernels import Kernels
-from harness.model.llama import FeedForward, RMSNorm, attend, tie_embeddings
+from harness.model.llama import FeedForward, RMSNorm, apply_rotary, attend, tie_embeddings
 from harness.model.presets import Shape
 
 
@@ -43,9 +49,10 @@ class Weight(nn.Module):
 class ParallelAttention(nn.Module):
     """q/k/v column-parallel by heads (each rank keeps whole query groups), wo row-parallel.
     With attention_bias, q/k/v biases are sharded with their heads and added locally; wo's bias
-    is replicated and added by the block after the region's reduction (once, not tp times)."""
+    is replicated and added by the block after the region's reduction (once, not tp times).
+    `cp`: the context-parallel axis (None without cp) its core meets the other chunks over."""
 
-    def __init__(self, shape: Shape, tp: int, kernel):
+    def __init__(self, shape: Shape, tp: int, kernel, cp: Axis | None = None, cp_impl: str = "ring"):
         super().__init__()
         self.head_dim = shape.hidden // shape.heads
         hq, hkv = shape.heads // tp * self.head_dim, shape.kv_heads // tp * self.head_dim
@@ -56,14 +63,22 @@ class ParallelAttention(nn.Module):
         self.wo = Weight(shape.hidden, hq, bias=shape.hidden if b else 0, add_bias=False)
         self.kernel = kernel
         self.recompute_core = False
+        self.cp, self.cp_impl = cp, cp_impl
+
+    def _attend(self, q, k, v, cos, sin):
+        if self.cp is None:
+            return attend(q, k, v, cos, sin, self.kernel, self.recompute_core)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return context_parallel.attention(q, k, v, self.cp, self.cp_impl, self.kernel, self.recompute_core)
 
     def forward(self, x, cos, sin):
-        """x: [seq, batch, hidden] (full sequence) -> partial sums of wo, [seq, batch, hidden]."""
+        """x: [seq, batch, hidden] (the full sequence, or this cp rank's chunks of it) -> partial
+        sums of wo, [seq, batch, hidden]."""
         s, b, _ = x.shape
         q = self.wq(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
         k = self.wk(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
         v = self.wv(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
-        out = attend(q, k, v, cos, sin, self.kernel, self.recompute_core)
+        out = self._attend(q, k, v, cos, sin)
         return self.wo(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
@@ -71,10 +86,11 @@ class ParallelBlock(nn.Module):
     """The plain Block with its attention and MLP inside TP regions. The MLP is the plain
     FeedForward at width ffn/tp: w1/w3 column-parallel, w2 row-parallel, no communication inside."""
 
-    def __init__(self, shape: Shape, tp: int, region: Region, kernels: Kernels):
+    def __init__(self, shape: Shape, tp: int, region: Region, kernels: Kernels, cp: Axis | None = None,
+                 cp_impl: str = "ring"):
         super().__init__()
         self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
-        self.attention = ParallelAttention(shape, tp, kernels.attention)
+        self.attention = ParallelAttention(shape, tp, kernels.attention, cp, cp_impl)
         self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
         self.feed_forward = FeedForward(shape.hidden, shape.ffn // tp)
         self.region = region
@@ -96,17 +112,18 @@ class Chunk(nn.Module):
     [vocab_start, vocab_start + vocab/tp), so one shard serves the lookup and the logits, and its
     gradient is the sum of both uses, as in the plain model.
 
-    forward(x) takes tokens [batch, seq] on the first stage, else hidden [seq(/tp), batch, h];
+    forward(x) takes tokens [batch, seq(/cp)] on the first stage, else hidden [seq(/cp)(/tp), batch, h];
     returns hidden, or on the last stage the summed per-token loss (the executor scales it).
     """
 
     def __init__(self, shape: Shape, plan: ChunkPlan, tp: int, tp_index: int, region: Region,
-                 kernels: Kernels, checkpointing: str):
+                 kernels: Kernels, checkpointing: str, cp: Axis | None = None, cp_impl: str = "ring"):
         super().__init__()
         self.shape, self.plan, self.region, self.checkpointing = shape, plan, region, checkpointing
         self.vocab_start = vocab_range(shape.vocab, tp, tp_index)[0]
         self.tok_embeddings = Weight(shape.vocab // tp, shape.hidden) if plan.first else None
-        self.layers = nn.ModuleDict({str(i): ParallelBlock(shape, tp, region, kernels) for i in plan.layers})
+        self.layers = nn.ModuleDict({str(i): ParallelBlock(shape, tp, region, kernels, cp, cp_impl)
+                                     for i in plan.layers})
         for layer in self.layers.values():
             layer.attention.recompute_core = checkpointing == "selective"
         self.norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm) if plan.last else None
@@ -137,8 +154,10 @@ class Chunk(nn.Module):
 
 
 def build_chunks(shape: Shape, plans: list[ChunkPlan], tp: int, tp_index: int, region: Region,
-                 kernels: Kernels, checkpointing: str, reference, device) -> tuple[list[Chunk], list[ParamSpec]]:
-    """The rank's chunks with their shards of the reference weights, and the parameter list.
+                 kernels: Kernels, checkpointing: str, reference, device, cp: Axis | None = None,
+                 cp_impl: str = "ring") -> tuple[list[Chunk], list[ParamSpec]]:
+    """The rank's chunks with their shards of the reference weights, and the parameter list
+    (cp: the context-parallel axis when cp > 1, and its cp_impl).
 
     `reference(name)` gives one full initial tensor; it is sharded and dropped before the
     next is made, so a rank never holds more than one unsharded weight.
@@ -146,7 +165,7 @@ def build_chunks(shape: Shape, plans: list[ChunkPlan], tp: int, tp_index: int, r
     chunks, specs = [], []
     for plan in plans:
         with torch.device("meta"):
-            chunk = Chunk(shape, plan, tp, tp_index, region, kernels, checkpointing)
+            chunk = Chunk(shape, plan, tp, tp_index, region, kernels, checkpointing, cp, cp_impl)
         chunk = chunk.to_empty(device=device)
         chunk.tie_weights()
         mine = stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk)

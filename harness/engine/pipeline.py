@@ -13,7 +13,7 @@ Two transfer modes, same compute:
            waited for at once and the sends at STEP. The default on NCCL; layout.pipeline_p2p:
            grouped forces it elsewhere (the gloo tests run it too).
 A chunk that hands over to a chunk on the same rank (pp=1 with virtual stages) passes the
-tensor directly. All transfers are [seq(/tp under SP), micro_batch, hidden] activations or
+tensor directly. All transfers are [seq(/cp)(/tp under SP), micro_batch, hidden] activations or
 their gradients, in the activation dtype (the parameters' dtype of the precision policy: bf16
 under precision bf16, as Megatron sends them).
 """

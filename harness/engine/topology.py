@@ -1,7 +1,9 @@
 """This rank's process groups on the mesh that harness.parallel_dims lays out.
 
 The mapping of ranks to coordinates is the degree owner's (ParallelDims); here each axis's
-groups become torch process groups, built once per degrees and reused.
+groups become torch process groups, built once per degrees and reused. One more group per rank
+is not an axis: "replica", the ranks holding the same parameter shards (dp x cp, REPLICA_AXES),
+over which gradients are reduced and ZeRO-1 shards; without cp it is the dp group itself.
 """
 
 from __future__ import annotations
@@ -33,15 +35,22 @@ class Mesh:
         self.coord = dims.coord(rank)
         self.groups: dict[str, object] = {}
         self.ranks: dict[str, list[int]] = {}
-        for axis, groups in dims.axis_groups().items():
+        named = dict(dims.axis_groups())
+        if dims.cp > 1:
+            named["replica"] = dims.flat_groups()
+        for name, groups in named.items():
             for ranks in groups:
                 group = None
                 if distributed and len(ranks) > 1:
                     import torch.distributed as dist
 
-                    group = dist.new_group(ranks)
+                    # the axis it serves, for the profiler (harness.profiling.annotate): the replica
+                    # group of dp1 x cp2 holds the cp group's very ranks but carries the gradients
+                    group = dist.new_group(ranks, group_desc="dp" if name == "replica" else name)
                 if rank in ranks:
-                    self.groups[axis], self.ranks[axis] = group, ranks
+                    self.groups[name], self.ranks[name] = group, ranks
+        if dims.cp == 1:
+            self.groups["replica"], self.ranks["replica"] = self.groups["dp"], self.ranks["dp"]
         self.groups["all"] = world_group
         self.ranks["all"] = list(range(dims.world))
 

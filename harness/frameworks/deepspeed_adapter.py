@@ -1,6 +1,6 @@
-"""Adapter for engine deepspeed (ZeRO 1/2/3, AutoTP, its pipeline engine): what it runs, declared
-without importing torch or DeepSpeed; the engines are deepspeed_engine.py (ZeRO, AutoTP) and
-deepspeed_pipe.py (PipelineModule)."""
+"""Adapter for engine deepspeed (ZeRO 1/2/3, AutoTP, Ulysses, its pipeline engine): what it runs,
+declared without importing torch or DeepSpeed; the engines are deepspeed_engine.py (ZeRO, AutoTP,
+Ulysses through deepspeed_ulysses.py) and deepspeed_pipe.py (PipelineModule)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ from harness.spec import check_world_size
 ENGINE = EngineFacts(
     name="deepspeed",
     capabilities=[
-        ("cp", lambda lay: lay.cp == 1, "deepspeed's context parallelism (Ulysses) is not built yet"),
+        ("cp_impl", lambda lay: lay.cp == 1 or lay.cp_impl == "ulysses",
+         "DeepSpeed's context parallelism is Ulysses (DistributedAttention): set cp_impl: ulysses"),
+        ("cp", lambda lay: lay.cp == 1 or lay.pp == 1,
+         "DeepSpeed's pipeline engine has no sequence-parallel groups (Ulysses): set pp=1 with cp > 1"),
+        ("cp", lambda lay: lay.cp == 1 or lay.tp == 1,
+         "DeepSpeed's Ulysses and AutoTP each bring their own mpu to deepspeed.initialize: set tp=1 with cp > 1"),
+        ("cp", lambda lay: lay.cp == 1 or lay.model_impl == "own",
+         "DeepSpeed's Ulysses here wraps the harness's own model's attention: set model_impl: own with cp > 1"),
         ("zero_stage", lambda lay: lay.pp > 1 or lay.zero_stage in (1, 2, 3), "deepspeed runs ZeRO stage 1, 2 or 3"),
         ("zero_stage", lambda lay: lay.pp == 1 or lay.zero_stage in (0, 1),
          "DeepSpeed's pipeline engine (pp > 1) runs with ZeRO stage 0 or 1 only"),

@@ -110,14 +110,15 @@ def fp32_copy(param) -> torch.Tensor:
 
 
 class DeepSpeedBase:
-    """The config and process setup of one DeepSpeed run (dp = world / (tp x pp))."""
+    """The config and process setup of one DeepSpeed run (dp = world / (tp x cp x pp))."""
 
     name = "deepspeed"
 
     def __init__(self, spec, shape, ctx):
         lay = spec.layout
         self.spec, self.shape, self.ctx, self.device = spec, shape, ctx, ctx.device
-        self.dp = ParallelDims.derive(ctx.world_size, "layout", tp=lay.tp, pp=lay.pp, cp=lay.cp).dp
+        self.dims = ParallelDims.derive(ctx.world_size, "layout", tp=lay.tp, pp=lay.pp, cp=lay.cp)
+        self.dp = self.dims.dp
         # the config is checked first: a contradiction is a SpecError before DeepSpeed loads
         self.config, self.config_file, self.filled = build_config(spec, shape, dp=self.dp,
                                                                   device_type=ctx.device.type)
@@ -201,6 +202,7 @@ class DeepSpeedBase:
             "deepspeed_version": __import__("deepspeed").__version__,
             "zero_stage": self.stage,
             "tp": lay.tp,
+            "cp": lay.cp,
             "pp": lay.pp,
             "dp": self.dp,
             "ds_config_file": self.config_file,

@@ -1,12 +1,14 @@
 """engine: deepspeed - the same LLaMA under deepspeed.initialize: ZeRO stage 1, 2 or 3, with
-DeepSpeed's AutoTP tensor parallelism when tp > 1; pp > 1 runs DeepSpeed's pipeline engine
-(harness/frameworks/deepspeed_pipe.py).
+DeepSpeed's AutoTP tensor parallelism when tp > 1, its Ulysses sequence parallelism when cp > 1
+(DistributedAttention, harness/frameworks/deepspeed_ulysses.py); pp > 1 runs DeepSpeed's pipeline
+engine (harness/frameworks/deepspeed_pipe.py).
 
 What is the same as the reference (harness/frameworks/single_engine.py):
   - initial weights: harness.model.llama.ReferenceWeights(shape, seed), loaded before DeepSpeed
     partitions (ZeRO) or shards (AutoTP) them;
   - tokens: every rank builds the step's global batch and takes its contiguous slice by its
-    data-parallel rank (the tp ranks of one group take the same slice);
+    data-parallel rank (the tp ranks of one group take the same slice; under cp each rank then
+    keeps its cp_token_index chunks of every sequence);
   - the loss: lm_loss on logits, averaged over micro-batches (DeepSpeed divides each
     micro-batch's loss by gradient_accumulation_steps) and over data-parallel ranks (gradient
     averaging);
@@ -48,7 +50,19 @@ class DeepSpeedEngine(DeepSpeedBase):
 
         w, lay = spec.workload, spec.layout
         ckpt = lay.activation_checkpointing
-        mpu = None
+        mpu, kernels = None, None
+        self.cp, self.cp_index, self.loss_divisor = lay.cp, 0, 1
+        if lay.cp > 1:  # Ulysses (deepspeed_ulysses.py); AutoTP and hf are refused with it (deepspeed_adapter)
+            from harness.frameworks.deepspeed_ulysses import loss_divisor, sequence_groups, ulysses_kernels
+
+            mpu = sequence_groups(self.dims, ctx.rank)
+            self.cp_index = mpu.get_sequence_parallel_rank()
+            kernels = ulysses_kernels(lay, shape, w.seq_len, lay.cp, mpu.get_sequence_parallel_group())
+            self.loss_divisor = loss_divisor(self.stage, lay.cp)
+        else:
+            from harness.frameworks.deepspeed_ulysses import forget_sequence_groups
+
+            forget_sequence_groups()
         if lay.tp > 1:
             from harness.frameworks.deepspeed_tp import add_tp_plan, tp_groups
 
@@ -59,12 +73,14 @@ class DeepSpeedEngine(DeepSpeedBase):
 
             model = build_hf_llama(shape, w.seed, lay.attention, device=ctx.device)
         elif self.stage == 3:
-            model = self._build_partitioned(shape, lay, "selective" if ckpt == "selective" else "none", mpu)
+            model = self._build_partitioned(shape, lay, "selective" if ckpt == "selective" else "none", mpu, kernels)
         else:
-            from harness.model.llama import build_model
+            from harness.model.llama import Llama, ReferenceWeights, load_reference
 
-            model = build_model(shape, w.seed, lay.attention, lay.rmsnorm,
-                                "selective" if ckpt == "selective" else "none", device=ctx.device)
+            with torch.device("meta"):
+                model = Llama(shape, lay.attention, lay.rmsnorm, "selective" if ckpt == "selective" else "none",
+                              kernels=kernels, cp=self.cp, cp_index=self.cp_index)
+            model = load_reference(model, ReferenceWeights(shape, w.seed), ctx.device)
         if ckpt == "full":
             if lay.model_impl == "hf":
                 model.hf.gradient_checkpointing_enable()
@@ -85,10 +101,10 @@ class DeepSpeedEngine(DeepSpeedBase):
 
             self.dp_rank = groups.get_data_parallel_rank()
             self.tp_rank = groups.get_tensor_model_parallel_rank()
-        else:
-            self.dp_rank, self.tp_rank = ctx.rank, 0
+        else:  # the cp ranks of one sequence share its data-parallel coordinate
+            self.dp_rank, self.tp_rank = self.dims.coord(ctx.rank).dp, 0
 
-    def _build_partitioned(self, shape, lay, checkpointing: str, mpu):
+    def _build_partitioned(self, shape, lay, checkpointing: str, mpu, kernels=None):
         """ZeRO-3: construct under deepspeed.zero.Init (each parameter partitioned over the
         data-parallel group as soon as its module exists), then load the reference weights one
         gathered parameter at a time from the group's first rank - no rank ever holds the whole
@@ -98,9 +114,12 @@ class DeepSpeedEngine(DeepSpeedBase):
 
         from harness.model.llama import Llama, ReferenceWeights
 
-        group = mpu.get_data_parallel_group() if mpu is not None else None
+        group = None
+        if mpu is not None:  # ZeRO partitions over DeepSpeed's sequence-data-parallel group under Ulysses
+            group = mpu.get_sequence_data_parallel_group() if self.cp > 1 else mpu.get_data_parallel_group()
         with deepspeed.zero.Init(config_dict_or_path=self.config, mpu=mpu, data_parallel_group=group):
-            model = Llama(shape, lay.attention, lay.rmsnorm, checkpointing)
+            model = Llama(shape, lay.attention, lay.rmsnorm, checkpointing, kernels=kernels, cp=self.cp,
+                          cp_index=self.cp_index)
         writer = dist.get_rank(group=group) == 0 if group is not None else self.ctx.rank == 0
         reference = ReferenceWeights(shape, self.spec.workload.seed) if writer else None
         for name, param in model.named_parameters():
@@ -118,14 +137,19 @@ class DeepSpeedEngine(DeepSpeedBase):
         micro = self.local_micro_batches(global_batch, self.dp_rank)
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         for inputs, targets in micro:
+            if self.cp > 1:
+                from harness.frameworks.deepspeed_ulysses import rank_tokens
+
+                inputs, targets = rank_tokens(inputs, targets, self.cp, self.cp_index)
             logits = self.engine(inputs)
-            loss = lm_loss(logits, targets)
+            loss = lm_loss(logits, targets) / self.loss_divisor
             self.engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
             self.engine.step()  # the optimizer steps at the accumulation boundary only
             total += loss.detach().float()
         self.check_step_applied()
-        total /= len(micro)
-        # every rank of a tp group holds the same loss: the mean over all ranks is the dp mean
+        total *= self.loss_divisor / len(micro)  # the mean over this rank's tokens
+        # every rank of a tp group holds the same loss, the cp ranks of a sequence equal token
+        # counts: the mean over all ranks is the mean over dp
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total / self.ctx.world_size
 
@@ -143,7 +167,7 @@ class DeepSpeedEngine(DeepSpeedBase):
             if tp:
                 full = gather_tp_shards(param, full)
             mine[self._plain_name(name)] = full
-        return gather_on_rank0(mine if self.dp_rank == 0 and self.tp_rank == 0 else None)
+        return gather_on_rank0(mine if self.dp_rank == 0 and self.tp_rank == 0 and self.cp_index == 0 else None)
 
     def _plain_name(self, name: str) -> str:
         if self.spec.layout.model_impl == "hf":
@@ -161,4 +185,8 @@ class DeepSpeedEngine(DeepSpeedBase):
 
             d["tensor_parallel"] = f"DeepSpeed AutoTP training, autotp_size {lay.tp}: {SHARDED}"
             d["autotp_sharded_parameters"] = len(sharded_names(self.params))
+        if lay.cp > 1:
+            from harness.frameworks.deepspeed_ulysses import describe_ulysses
+
+            d["context_parallel"] = describe_ulysses(lay, self.loss_divisor)
         return d

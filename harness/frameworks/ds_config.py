@@ -21,6 +21,8 @@ Workload-owned keys (explicit values must equal the workload's):
   communication_data_type          = workload.grad_reduce_dtype (fp32 under precision fp32): the
                                    dtype of the data-parallel gradient reduction (DeepSpeed's
                                    default would be the parameters' dtype, bf16)
+  seq_parallel_communication_data_type = the same, when cp > 1: under Ulysses DeepSpeed reduces
+                                   the gradients in it instead (runtime/engine.py; default fp32)
   bf16.check_grad_overflow         = false under bf16: DeepSpeed's ZeRO-1/2 optimizer would skip
                                    a step whose gradients are not finite, which the reference
                                    never does. (BF16_Optimizer and ZeRO-3 skip such a step
@@ -186,7 +188,7 @@ def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | 
           f"global_batch_size / (dp x micro_batch_size) = {w.global_batch_size} / ({dp} x {lay.micro_batch_size})")
     f.own("gradient_clipping", float(w.grad_clip), "grad_clip")
     f.own("bf16.enabled", w.precision == "bf16", f"precision ({w.precision})")
-    _precision_policy(f, cfg, w)
+    _precision_policy(f, cfg, w, lay)
     fp16 = cfg.get("fp16", {})
     if isinstance(fp16, dict) and fp16.get("enabled") not in (None, False, AUTO):
         raise SpecError(f"{name}: fp16.enabled", f"the workload's precision is {w.precision}; fp16 is not offered")
@@ -266,7 +268,7 @@ def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | 
     return cfg, name, f.filled
 
 
-def _precision_policy(f: _Filler, cfg: dict, w) -> None:
+def _precision_policy(f: _Filler, cfg: dict, w, lay) -> None:
     """DeepSpeed's keys for the workload's precision policy (harness/model/training.py,
     PrecisionPolicy): what gradients accumulate in, what they are reduced in, no skipped steps."""
     bf16 = w.precision == "bf16"
@@ -275,6 +277,14 @@ def _precision_policy(f: _Filler, cfg: dict, w) -> None:
     f.own("data_types.grad_accum_dtype", accum, "grad_accum_dtype", same=_same_dtype)
     f.own("communication_data_type", reduce, "grad_reduce_dtype", same=_same_dtype)
     f.own("data_types.param_dtype", w.precision, "precision", required=False, same=_same_dtype)
+    if lay.cp > 1:  # under Ulysses DeepSpeed reduces the gradients in this dtype instead (runtime/engine.py)
+        f.own("seq_parallel_communication_data_type", reduce, "grad_reduce_dtype", same=_same_dtype)
+        zero = cfg.get("zero_optimization") or {}
+        if zero.get("reduce_scatter", True) is False:
+            raise SpecError(f"{f.name}: zero_optimization.reduce_scatter",
+                            "false with cp > 1: under Ulysses DeepSpeed 0.19.8's all-reduce paths differ from its "
+                            "reduce-scatter (ZeRO-3 divides the gradients by dp instead of dp x cp, ZeRO-1/2 reduce "
+                            "in fp32 whatever communication_data_type says); remove the key or set true")
     section = cfg.get("bf16")
     if bf16 or isinstance(section, dict) and section.get("check_grad_overflow") == AUTO:
         parent, _ = f._parent("bf16.check_grad_overflow", create=True)

@@ -15,7 +15,15 @@ def _micro(w, lay) -> int:
 ENGINE = EngineFacts(
     name="fsdp",
     capabilities=[
-        ("cp", lambda lay: lay.cp == 1, "engine fsdp's context parallelism (context_parallel) is not built yet"),
+        ("cp_impl", lambda lay: lay.cp == 1 or lay.cp_impl in ("allgather", "ring"),
+         "torch's context_parallel exchanges K/V by all-gather or a ring (all-to-all rotation), not Ulysses: "
+         "set cp_impl allgather or ring"),
+        ("attention", lambda lay: lay.cp == 1 or lay.attention.startswith("sdpa"),
+         "torch's context_parallel replaces F.scaled_dot_product_attention only: set attention sdpa (or sdpa_*)"),
+        ("cp", lambda lay: lay.cp == 1 or lay.pp == 1,
+         "engine fsdp's context parallelism is not built with torch.distributed.pipelining: set pp=1 with cp > 1"),
+        ("cp", lambda lay: lay.cp == 1 or lay.tp == 1,
+         "engine fsdp's context parallelism is not built with DTensor tensor parallelism: set tp=1 with cp > 1"),
         *ONLY_DEEPSPEED,
         ("zero_stage", lambda lay: lay.zero_stage in (0, 3),
          "fsdp shards by reshard_after_forward, leave zero_stage unset"),
@@ -41,7 +49,28 @@ ENGINE = EngineFacts(
                       f"the workload gives {_micro(w, lay)}"),
     ],
     label=lambda lay: "FSDP2 " + ("reshard" if lay.get("reshard_after_forward", True) else "no-reshard"),
+    preflight=lambda spec: check_cp_device(spec),
 )
+
+# What torch 2.13's context_parallel does on CPU (measured here, gloo, 2 ranks): its SDPA dispatch
+# knows only the CUDA kernels, and the CPU one has no DTensor sharding strategy.
+CPU_REFUSAL = ("torch's context_parallel runs on CUDA only: its SDPA dispatch covers the flash, efficient and cuDNN "
+               "kernels, and on CPU aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy "
+               "(torch 2.13); set cp=1 or run on CUDA")
+
+
+def check_cp_device(spec) -> None:
+    """cp > 1 needs the CUDA device its ranks would get (workload.device; auto: CUDA when visible)."""
+    from harness.errors import SpecError
+
+    if spec.layout.cp == 1 or spec.workload.device == "cuda":
+        return
+    if spec.workload.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    raise SpecError("layout.cp", CPU_REFUSAL)
 
 
 def build(spec, shape, ctx):

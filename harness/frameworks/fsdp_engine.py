@@ -1,6 +1,6 @@
 """engine: fsdp - the same LLaMA under PyTorch's own parallelism, the torchtitan way.
 
-One DeviceMesh (pp, dp, tp), tp innermost (the own engine's rank order, harness/engine/topology.py),
+One DeviceMesh (pp, dp, cp, tp), tp innermost (the own engine's rank order, harness/engine/topology.py),
 created with init_device_mesh on the existing process group; then, in this order:
 
   pp  torch.distributed.pipelining: the plain model cut into stage modules of its own pieces,
@@ -14,6 +14,12 @@ created with init_device_mesh on the existing process group; then, in this order
       after its forward and gathers them again for backward (ZeRO-3-like); false keeps them until
       the backward (ZeRO-2-like). The root is never resharded after forward. Applied at dp=1 too
       (a one-rank group: nothing crosses ranks) so the mixed-precision policy is the same everywhere.
+      With cp > 1 it shards over the flattened dp x cp mesh (torchtitan's dp_shard_cp).
+  cp  torch.distributed.tensor.experimental.context_parallel around each micro-batch's forward and
+      backward (CUDA only: fsdp.py refuses it on CPU): inputs and targets cut into the rank's
+      head-tail chunks, which are cp_token_index's (chunks i and 2cp-1-i, in that order), the
+      rotary positions those of the same chunks (Llama(cp=, cp_index=)), the loss the rank's
+      tokens' mean, averaged over dp x cp by FSDP2's reduce-scatter.
 
 Same as the reference (harness/frameworks/single_engine.py): initial weights (built on the meta device,
 sharded, then each rank copies its shard of ReferenceWeights in, one tensor at a time), tokens
@@ -63,9 +69,10 @@ from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.training import BuildOptions, StepHooks, dtype_name, precision_policy
-from harness.parallel_dims import ParallelDims
+from harness.parallel_dims import AXES, ParallelDims
 
 _WRAPPED = "_checkpoint_wrapped_module."
+ROTATE = {"allgather": "allgather", "ring": "alltoall"}  # layout.cp_impl -> torch's set_rotate_method
 
 
 class FSDPEngine:
@@ -82,8 +89,11 @@ class FSDPEngine:
         dims = ParallelDims.of(lay)
         self.coord = dims.coord(ctx.rank)
         self.mesh = dims.device_mesh(ctx.device.type)
+        self.dims = dims
         if lay.tp > 1:  # lets DTensor reduce the gradient norm over (dp, tp) in one all-reduce, not two
             self.mesh["dp", "tp"]._flatten()
+        # FSDP2 shards and averages over dp x cp (torchtitan's dp_shard_cp): cp ranks hold the same weights
+        self.shard_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if lay.cp > 1 else self.mesh["dp"]
         self.policy = precision_policy(w)
         mixed = self.policy.master is not None  # fp32: no policy, the parameters are their own master
         self.mp = (MixedPrecisionPolicy(param_dtype=self.policy.compute, reduce_dtype=self.policy.grad_reduce)
@@ -96,6 +106,8 @@ class FSDPEngine:
         # holds the whole model on the device.
         build = {"kernels": options.kernels_for(lay),
                  "checkpointing": "selective" if ckpt == "selective" else "none"}
+        if lay.cp > 1:  # rotary positions of the rank's head-tail chunks (cp_token_index: the same order)
+            build.update(cp=lay.cp, cp_index=self.coord.cp)
         self.pipeline = None
         with torch.device("meta"):
             if lay.pp > 1:
@@ -144,7 +156,7 @@ class FSDPEngine:
 
             for key, block in list(part.layers.named_children()):
                 part.layers.register_module(key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-        dp_mesh = self.mesh["dp"]
+        dp_mesh = self.shard_mesh
         for block in part.layers.children():
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=lay.reshard_after_forward, mp_policy=self.mp)
         fully_shard(part, mesh=dp_mesh, reshard_after_forward=False, mp_policy=self.mp)
@@ -164,13 +176,15 @@ class FSDPEngine:
                     for i, chunk in enumerate(chunks):
                         if not self.reduce_every_micro_batch:  # accumulate unreduced until the last
                             self.parts[0].set_requires_gradient_sync(i == len(chunks) - 1)
-                        self.hooks.forward(f"forward micro-batch {i}")
-                        logits = self.parts[0](chunk[:, :-1])
-                        loss = lm_loss(logits, chunk[:, 1:])
-                        self.hooks.forward_end()
-                        self.hooks.backward(f"loss and backward micro-batch {i}")
-                        loss = loss / len(chunks)
-                        loss.backward()
+                        inputs, targets = chunk[:, :-1].clone(), chunk[:, 1:].clone()  # cut in place under cp
+                        with self._context_parallel(inputs, targets):  # the rank's chunks (cp > 1)
+                            self.hooks.forward(f"forward micro-batch {i}")
+                            logits = self.parts[0](inputs)
+                            loss = lm_loss(logits, targets)  # this rank's tokens' mean; FSDP2 averages over dp x cp
+                            self.hooks.forward_end()
+                            self.hooks.backward(f"loss and backward micro-batch {i}")
+                            loss = loss / len(chunks)
+                            loss.backward()
                         total += loss.detach().float()
             self.hooks.optimizer("optimizer step (gradient clipping, AdamW)")
             with measure.StepTimer(self.device) as opt:
@@ -182,10 +196,25 @@ class FSDPEngine:
             if not (self.is_last_stage and self.coord.tp == 0):
                 total = torch.zeros((), device=self.device, dtype=torch.float32)
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            loss = total / lay.dp
+            loss = total / self.dims.replicas()  # the cp ranks of a sequence hold equal token counts
         self._details = {"breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds,
                                          "total": step.seconds}}
         return loss
+
+    def _context_parallel(self, inputs, targets):
+        """torch's context_parallel over the mesh's cp dimension (torchtitan's way): the inputs and
+        targets cut in place into the rank's head-tail chunks (chunks i and 2cp-1-i, cp_token_index's
+        order) and F.scaled_dot_product_attention replaced by its K/V exchange for the forward and
+        backward inside. Nothing when cp is 1."""
+        lay = self.spec.layout
+        if lay.cp == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+        set_rotate_method(ROTATE[lay.cp_impl])
+        return context_parallel(self.mesh["cp"], buffers=[inputs, targets], buffer_seq_dims=[1, 1],
+                                no_restore_buffers={inputs, targets})
 
     def _clip_grad_norm(self, max_norm: float) -> None:
         """torch's clip_grad_norm_ over every shard of every stage: the norm of this rank's
@@ -308,8 +337,11 @@ class FSDPEngine:
         return {
             "framework": "pytorch native: FSDP2 + DTensor TP/SP + torch.distributed.pipelining",
             "torch_version": torch.__version__,
-            "mesh": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "order": "pp, dp, tp (tp innermost)"},
-            "coord": {"pp": self.coord.pp, "dp": self.coord.dp, "tp": self.coord.tp},
+            "mesh": self._named(self.dims.sizes(), "order"),
+            "coord": self._named(self.coord._asdict()),
+            "context_parallel": "none" if lay.cp == 1 else
+            f"torch context_parallel over cp={lay.cp} (head-tail load balancing, rotate {ROTATE[lay.cp_impl]}); "
+            "FSDP2 over dp x cp",
             "tensor_parallel": describe_plan(lay.sequence_parallel) if lay.tp > 1 else "none",
             "sequence_parallel": lay.sequence_parallel,
             "pipeline": "none" if self.pipeline is None else {
@@ -324,6 +356,14 @@ class FSDPEngine:
                                          "selective": "model's attention-core recomputation (torch checkpoint)"}
             [lay.activation_checkpointing],
         }
+
+    def _named(self, degrees: dict, order: str | None = None) -> dict:
+        """The mesh's axes by name (cp only when cp > 1, as records without it read)."""
+        axes = [a for a in AXES if a != "cp" or self.spec.layout.cp > 1]
+        out = {a: degrees[a] for a in axes}
+        if order:
+            out[order] = ", ".join(axes) + " (tp innermost)"
+        return out
 
     def _mixed_precision(self) -> str:
         """How FSDP2 was configured to the precision policy, in words."""

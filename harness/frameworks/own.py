@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+from harness.errors import CapabilityError
 from harness.frameworks import ONLY_DEEPSPEED, tied_across_stages
 from harness.registry import EngineFacts
 from harness.spec import check_world_size
 
+BLOCK_KERNELS = ("naive", "sdpa")   # what ring and allgather blocks compute (sdpa: on CPU only)
+
+
+def _blockwise_cp(lay) -> bool:
+    return lay.cp > 1 and lay.cp_impl in ("ring", "allgather")
+
+
 ENGINE = EngineFacts(
     name="own",
     capabilities=[("zero_stage", lambda lay: lay.zero_stage in (0, 1), "the own engine has ZeRO stage 0 or 1"),
-                  ("cp", lambda lay: lay.cp == 1, "the own engine's context parallelism is not built yet"),
+                  # ring and allgather run their blocks with naive's masked fp32 math, or sdpa's CPU flash
+                  # kernel (harness.engine.context_parallel); ulysses runs any kernel on its head shard
+                  ("attention", lambda lay: not _blockwise_cp(lay) or lay.attention in BLOCK_KERNELS,
+                   "the own engine's context parallelism with cp_impl ring or allgather computes attention "
+                   "blocks with naive's fp32 math or sdpa's CPU flash kernel: it needs attention naive or sdpa"),
                   *ONLY_DEEPSPEED],
     model_limits=[tied_across_stages(
         "tied embeddings with pp > 1 or virtual stages: the own engine ties the embedding and LM head only when "
@@ -23,4 +35,10 @@ def build(spec, shape, ctx):
     from harness.engine.engine import Engine3D
 
     check_world_size(spec, ctx.world_size)
+    lay = spec.layout
+    if _blockwise_cp(lay) and lay.attention == "sdpa" and ctx.device.type != "cpu":
+        # the device is known only here (workload.device auto): refused before anything is built
+        raise CapabilityError("layout.attention", f"the own engine's cp_impl {lay.cp_impl} runs sdpa blocks only on "
+                                                  f"CPU (torch's CPU flash kernel); on {ctx.device.type} use "
+                                                  "attention naive or cp_impl ulysses")
     return Engine3D(spec, shape, ctx)

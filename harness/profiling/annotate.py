@@ -63,7 +63,9 @@ class AxisOf:
     degree owner's naming; FSDP2's mesh hands over the default group itself for an axis that
     spans the world), else WORLD for a whole-world group, else 'other': a group that is none of
     the layout's axes, e.g. a one-rank group a framework still reduces over at degree 1 (Megatron's
-    model-parallel norm reductions at dp2: 13 calls, about 6 ms a step on CPU)."""
+    model-parallel norm reductions at dp2: 13 calls, about 6 ms a step on CPU). A group whose
+    group_desc names an axis is that axis (the own engine's Mesh names its groups so: its gradient
+    group at dp1 x cp2 holds the cp group's very ranks)."""
 
     def __init__(self, dims: ParallelDims, rank: int):
         self.dims, self.rank = dims, rank
@@ -79,6 +81,9 @@ class AxisOf:
         return found
 
     def _resolve(self, group) -> str:
+        named = getattr(group, "group_desc", None)   # a group that says its axis (the own engine's Mesh)
+        if named in self.dims.sizes():
+            return named
         ranks = sorted(dist.get_process_group_ranks(group))
         found = self.dims.axis_of_group(self.rank, ranks)
         return found or (WORLD if len(ranks) == self.dims.world else "other")

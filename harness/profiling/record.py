@@ -21,11 +21,13 @@ from harness.profiling.analysis import AXES, OPTIONAL, mean_step
 
 
 def from_instrumented(breakdown_s: dict) -> dict:
-    """The own engine's counters (seconds: compute, tp_comm, dp_comm, bubble, optimizer, total)
-    in the breakdown's shape, in ms; other is what they leave of the step."""
+    """The own engine's counters (seconds: compute, tp_comm, cp_comm under context parallelism,
+    dp_comm, bubble, optimizer, total) in the breakdown's shape, in ms; other is what they leave of
+    the step."""
     ms = {k: v * 1e3 for k, v in breakdown_s.items()}
+    cp = {"cp": ms["cp_comm"]} if "cp_comm" in ms else {}
     out = {"compute": ms.get("compute", 0.0), "optimizer": ms.get("optimizer", 0.0),
-           "exposed_comm": {"tp": ms.get("tp_comm", 0.0), "dp": ms.get("dp_comm", 0.0), "pp": 0.0},
+           "exposed_comm": {"tp": ms.get("tp_comm", 0.0), **cp, "dp": ms.get("dp_comm", 0.0), "pp": 0.0},
            "bubble": ms.get("bubble", 0.0), "step": ms.get("total", 0.0)}
     out["other"] = max(0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"]
                        - sum(out["exposed_comm"].values()))
