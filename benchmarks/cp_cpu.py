@@ -15,15 +15,15 @@ Steps interleave round-robin (cp2, dp2, cp1, cp2, ...), each engine starting on 
 until its slowest rank finishes; the median with its 95% CI. The losses must agree (fp32).
 
 The share hidden: after the timed steps, a few profiled cp2 steps (torch.profiler and the harness's
-analysis, as `harness train` runs them: harness.profiling) and the engine's counters over the same
-steps give the exposed ring waits per step (the time a rank was blocked on K/V or gradient blocks:
-breakdown_s cp_comm) and the ring's traffic (exchanges and bytes, comm["cp"]). The profiler's exposed
-cp figure is printed beside them but not used: at dp 1 the gradients' dp x cp group has the cp
-group's ranks, so the profiler (which tells groups by their ranks) counts the gradient all-reduce
-as cp too. The ring's traffic sent alone between the two ranks with nothing to overlap it (the same
-number of exchanges of the same size, one batch_isend_irecv each, waited on) is what it costs when
-nothing hides it. Hidden share = 1 - exposed / alone (0: nothing hidden, 1: all of it); on a loaded
-machine a rank's waits also hold its peer's lateness, which counts against the share.
+analysis, as `harness train` runs them: harness.profiling) give the exposed cp communication per
+step (the time a rank was blocked on K/V or gradient blocks, the mean over ranks as a record's
+breakdown_ms); the engine's counters over the same steps give the same waits (breakdown_s cp_comm,
+printed beside it as a check) and the ring's traffic (exchanges and bytes, comm["cp"]: the profiler
+counts a batch_isend_irecv as one call, not its bytes). The ring's traffic sent alone between the
+two ranks with nothing to overlap it (the same number of exchanges of the same size, one
+batch_isend_irecv each, waited on) is what it costs when nothing hides it. Hidden share =
+1 - exposed / alone (0: nothing hidden, 1: all of it); on a loaded machine a rank's waits also hold
+its peer's lateness, which counts against the share.
 
     python benchmarks/cp_cpu.py [--model tiny-256] [--layers 1] [--seq-len 4096] [--global-batch 2] [--steps 3]
                                 [--impls ring,allgather,ulysses]
@@ -87,6 +87,7 @@ def _profiled(engine, spec, ctx, source, first: int, steps: int) -> dict:
     found = breakdown(trace, ctx.device.type)
     step = mean_step(found["steps"])
     return {"exposed_cp_ms": step["exposed_comm"].get("cp", 0.0), "step_ms": step["step"],
+            "exposed_dp_ms": step["exposed_comm"].get("dp", 0.0),
             "counted_cp_ms": 1e3 * sum(waits) / len(waits),
             "collectives": [c for c in found["collectives"] if c["axis"] == "cp"]}
 
@@ -152,15 +153,16 @@ def _bench(ctx, a: dict) -> dict:
             sends = counted[name][-1].get("send") or {}
             prof = _profiled(engines[name], specs[name], ctx, source, total, a["profile_steps"])
             # exposed time: the mean over ranks, as a record's breakdown_ms is
-            shared = torch.tensor([prof["exposed_cp_ms"], prof["counted_cp_ms"], prof["step_ms"]],
-                                  dtype=torch.float64)
+            shared = torch.tensor([prof["exposed_cp_ms"], prof["counted_cp_ms"], prof["step_ms"],
+                                   prof["exposed_dp_ms"]], dtype=torch.float64)
             dist.all_reduce(shared)
             shared /= ctx.world_size
             count, nbytes = int(sends.get("count") or 0), int(sends.get("bytes") or 0)
             alone_s = torch.tensor([_alone_exchanges(count, nbytes) if count else 0.0], dtype=torch.float64)
             dist.all_reduce(alone_s, op=dist.ReduceOp.MAX)
-            out[name].update(exchanges=count, bytes=nbytes, profiler_cp_ms=shared[0].item(),
-                             exposed_ms=shared[1].item(), profiled_step_ms=shared[2].item(),
+            out[name].update(exchanges=count, bytes=nbytes, exposed_ms=shared[0].item(),
+                             counted_ms=shared[1].item(), profiled_step_ms=shared[2].item(),
+                             exposed_dp_ms=shared[3].item(),
                              collectives=prof["collectives"], alone_s=alone_s.item())
     return out
 
@@ -235,10 +237,10 @@ def main() -> int:
         print(f"{name} traffic per step (engine counters): {r['exchanges']} exchanges, "
               f"{r['bytes'] / 2**20:,.1f} MiB sent per rank; the same exchanges alone, nothing to overlap them: "
               f"{alone_ms:.1f} ms")
-        print(f"{name} exposed ring waits per profiled step (engine counters, mean over ranks): "
-              f"{r['exposed_ms']:.1f} ms of {r['profiled_step_ms']:.1f} ms; the profiler's exposed cp "
-              f"communication: {r['profiler_cp_ms']:.1f} ms (its cp calls: {coll or 'none'}; at dp 1 the "
-              f"gradients' dp x cp group is the cp group, so it holds their all-reduce too)")
+        print(f"{name} exposed cp communication per profiled step (profiler, mean over ranks): "
+              f"{r['exposed_ms']:.1f} ms of {r['profiled_step_ms']:.1f} ms (its cp calls: {coll or 'none'}; "
+              f"exposed dp, the gradients' reduction: {r['exposed_dp_ms']:.1f} ms); the engine's counted ring "
+              f"waits over the same steps: {r['counted_ms']:.1f} ms")
         print(f"{name} communication hidden behind the attention: "
               + (f"{100 * hidden:.0f}% (1 - exposed waits / the exchanges alone)" if hidden is not None
                  else "n/a (no cp traffic counted)"))
