@@ -244,6 +244,9 @@ def main() -> int:
         print(f"{name} communication hidden behind the attention: "
               + (f"{100 * hidden:.0f}% (1 - exposed waits / the exchanges alone)" if hidden is not None
                  else "n/a (no cp traffic counted)"))
+        if alone_ms and r["exposed_ms"] > alone_ms:  # what else the waits hold
+            print(f"  of the {r['exposed_ms']:.1f} ms exposed, at most {alone_ms:.1f} ms can be moving the bytes; "
+                  f"the rest is a rank waiting for the other to reach the same hop ({r['exchanges']} per step)")
     return 0
 
 
