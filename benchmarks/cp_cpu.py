@@ -26,15 +26,16 @@ batch_isend_irecv each, waited on) is what it costs when nothing hides it. Hidde
 its peer's lateness, which counts against the share.
 
     python benchmarks/cp_cpu.py [--model tiny-256] [--layers 1] [--seq-len 4096] [--global-batch 2] [--steps 3]
-                                [--impls ring,allgather,ulysses]
+                                [--impls ring,allgather,ulysses] [--attention sdpa|naive]
 
-Attention is naive (materialised, fp32, explicit mask): the own engine's ring and all-gather compute
-its math blockwise and refuse other kernels; cp1 and dp2 run the same kernel. Naive computes the
-whole s x s score matrix and masks half of it; the ring's blocks skip the key blocks wholly in a
-query block's future (at cp2, 6 of the 16 chunk pairs), so cp2 does less attention arithmetic than
-cp1 and dp2: part of its lead over them is that, not parallelism. The model is tiny-256's layer
-shape, one layer by default (--layers): at 4,096 tokens naive attention keeps 512 MiB of scores per
-layer and micro-batch, and this benchmark runs on a 2-core machine whose memory other work shares.
+Every engine runs the same attention kernel: sdpa by default (torch's CPU flash kernel; the ring
+runs it per block and merges the blocks by online softmax), or naive (materialised, fp32, explicit
+mask). Naive computes the whole s x s score matrix and masks half of it, while the ring's blocks
+skip the key blocks wholly in a query block's future (at cp2, 6 of the 16 chunk pairs): under naive
+cp2 does less attention arithmetic than cp1 and dp2, and part of its lead is that, not parallelism.
+The model is tiny-256's layer shape, one layer by default (--layers): at 4,096 tokens naive
+attention keeps 512 MiB of scores per layer and micro-batch, and this benchmark runs on a 2-core
+machine whose memory other work shares.
 A sequence longer than the preset's max_position_embeddings raises it (model_overrides.max_positions).
 Last lines: `tokens/s cp2 ring / cp1 ...`, `... / dp2 ...`, and `cp2 ring communication ... hidden ...`.
 """
@@ -66,7 +67,7 @@ def _workload(a: dict) -> dict:
 def _spec(a: dict, **layout):
     from harness.spec import parse_spec
 
-    return parse_spec({"workload": _workload(a), "layout": {"engine": "own", "attention": "naive",
+    return parse_spec({"workload": _workload(a), "layout": {"engine": "own", "attention": a["attention"],
                                                             "micro_batch_size": a["mbs"], **layout}})
 
 
@@ -178,6 +179,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--impls", default="ring", help="comma-separated cp2 implementations: ring, allgather, ulysses")
+    p.add_argument("--attention", default="sdpa", choices=("sdpa", "naive"))
     p.add_argument("--timeout-s", type=float, default=3000)
     args = p.parse_args()
     from harness.errors import SpecError
@@ -191,7 +193,7 @@ def main() -> int:
         print(f"error: {what}", file=sys.stderr)
         return 2
     a = {"model": args.model, "layers": args.layers, "seq_len": args.seq_len, "global_batch": args.global_batch,
-         "mbs": args.mbs, "steps": args.steps, "warmup": args.warmup, "impls": impls,
+         "mbs": args.mbs, "steps": args.steps, "warmup": args.warmup, "impls": impls, "attention": args.attention,
          "profile_steps": args.profile_steps}
     try:
         for impl in impls:  # the spec's own checks (and the engine's refusals), before anything starts
@@ -209,7 +211,7 @@ def main() -> int:
     tokens = args.global_batch * args.seq_len
     layers = f" with {args.layers} layer(s)" if args.layers else ""
     print(f"workload: {args.model}{layers}, seq {args.seq_len}, global batch {args.global_batch}, "
-          f"micro-batch {args.mbs}, fp32, attention naive, own engine; 2 gloo processes x "
+          f"micro-batch {args.mbs}, fp32, attention {args.attention}, own engine; 2 gloo processes x "
           f"{max(1, (os.cpu_count() or 1) // 2)} threads; "
           f"{args.warmup} warm-up + {args.steps} measured steps per engine, interleaved; then {args.profile_steps} "
           f"profiled cp2 steps ({time.monotonic() - t0:.0f} s; load average before "
