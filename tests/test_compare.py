@@ -294,3 +294,54 @@ def test_a_comparison_report_on_a_full_disk_leaves_the_earlier_one_whole(tmp_pat
         with pytest.raises(SpecError, match="No space left on device"):
             write_report(summary, str(out))
     assert {n: (out / n).read_text() for n in os.listdir(out) if "." in n} == earlier  # no temporary left either
+
+
+# ------------------------------------------------------------------ context parallelism (fake launches)
+
+CP_LAYOUTS = [{"dp": 2}, {"cp": 2}, {"cp": 2, "cp_impl": "allgather"}, {"cp": 2, "cp_impl": "ulysses"}]
+
+
+def test_matrix_has_cp_rows_and_a_refusing_engine_shows_its_reason(tmp_path):
+    """cp and cp_impl as a matrix axis: dp derived with cp, a row per implementation, Megatron-core's cells
+    a dash with its one-line reason (Transformer Engine); every cell runs or says why, none is 'not run'."""
+    raw = {"name": "cp", "nproc": 2, "parity_steps": 2, "reference": False,
+           "workload": {**WORKLOAD, "seq_len": 64},
+           "matrix": {"engines": [{"engine": "own", "attention": "naive"},
+                                  {"engine": "megatron", "attention": "naive"}], "layouts": CP_LAYOUTS}}
+    cs = parse_compare_spec(raw)
+    assert all(r.spec.layout.dp * r.spec.layout.cp == 2 for r in cs.runs)
+    megatron = [n for n in cs.not_runnable if n["label"].startswith("megatron")]
+    assert [n["label"] for n in megatron] == ["megatron cp2 ring", "megatron cp2 allgather", "megatron cp2 ulysses"]
+    assert all(n["why"].startswith("layout.cp: ") and "Transformer Engine" in n["why"] for n in megatron)
+    results = {r.label: ("ok", REF, {}) for r in cs.runs}
+    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
+                             launch_fn=fake_launcher(results))
+    header, rows = layout_matrix(summary)
+    assert header == ["layout", "own", "megatron"]
+    by_row = {r[0]: dict(zip(header[1:], r[1:])) for r in rows}
+    assert list(by_row) == ["dp2 mbs 1", "cp2 ring mbs 1", "cp2 allgather mbs 1", "cp2 ulysses mbs 1"]
+    assert by_row["dp2 mbs 1"]["megatron"].endswith(" pass")
+    for impl in ("ring", "allgather", "ulysses"):
+        assert by_row[f"cp2 {impl} mbs 1"]["megatron"].startswith("– layout.cp: ")
+        own = by_row[f"cp2 {impl} mbs 1"]["own"]
+        assert own.endswith(" pass") or own.startswith("– layout.")  # runs, or refuses in one line
+    md = open(write_report(summary, str(tmp_path))["markdown"]).read()
+    assert "| cp2 ring mbs 1 |" in md and "cp_impl=ring" not in md.split("## Layouts by engine")[1]
+
+
+def test_a_cp_impl_at_cp1_changes_no_row_and_old_records_render_as_before(tmp_path):
+    """A run without context parallelism is one row whatever its cp_impl, and a record written before cp
+    existed (no cp, no cp_impl) lands in the same row as a new cp1 run, with no cp field shown as differing."""
+    cs = parse_compare_spec(compare_raw([{"engine": "own", "label": "a"},
+                                         {"engine": "fsdp", "label": "b", "cp_impl": "ulysses"}], reference=False))
+    results = {r.label: ("ok", REF, {}) for r in cs.runs}
+    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
+                             launch_fn=fake_launcher(results))
+    header, rows = layout_matrix(summary)
+    assert [r[0] for r in rows] == ["dp2 mbs 1"]
+    old = json.loads(json.dumps(summary))
+    for run in old["runs"]:
+        run["layout"] = {k: v for k, v in run["layout"].items() if k not in ("cp", "cp_impl")}
+    assert [r[0] for r in layout_matrix(old)[1]] == ["dp2 mbs 1"]
+    from harness.report.compare import differing_fields
+    assert not {"cp", "cp_impl"} & set(differing_fields(old))

@@ -21,6 +21,7 @@ import yaml
 from harness import launch
 from harness.cli import main as cli_main
 from harness.errors import SpecError
+from harness.parallel_dims import ParallelDims
 from harness.store import ResultsStore
 from harness.sweep.execute import run_sweep, sweep_id
 from harness.sweep.expand import expand
@@ -325,3 +326,37 @@ def test_interrupt_kills_the_run_in_flight_and_exits_130(tmp_path, sig):
     assert proc.returncode == 130 and "run the same command to resume" in out
     assert _sweep_procs(spec, store) == []
     assert ResultsStore(store).records(sweep="intr") == []  # an interrupted point is not a result
+
+
+# ------------------------------------------------------------------ context parallelism
+
+def test_cp_and_cp_impl_are_grid_axes_with_dp_derived_and_refusals_dropped_with_reasons():
+    spec = parse_sweep({
+        "name": "cp", "gpus": 4, "workload": {**TINY, "seq_len": 64},
+        "grid": {"engine": [{"engine": "own", "attention": "naive"}, {"engine": "megatron", "attention": "naive"}],
+                 "cp": [1, 2, 3], "layout.cp_impl": ["ring", "ulysses"]},
+    })
+    points, drops = expand(spec)
+    lays = [p.spec["layout"] for p in points]
+    assert all(ParallelDims.of(lay).world == 4 for lay in lays)
+    assert {(lay["cp"], lay["dp"]) for lay in lays} <= {(1, 4), (2, 2)}
+    reasons = [d.reason for d in drops]
+    assert any(r == "layout: 4 GPUs are not divisible by tp x cp x pp = 1 x 3 x 1" for r in reasons)
+    assert any(r.startswith("layout.cp: ") and "Transformer Engine" in r for r in reasons)  # megatron, for good
+    assert any(r.startswith("duplicate of point") for r in reasons)  # cp_impl means nothing at cp 1
+    cp1 = collections.Counter(lay["engine"] for lay in lays if lay["cp"] == 1)
+    assert cp1 == {"own": 1, "megatron": 1}
+    assert all("cp2 ring" in p.label() or "cp2 ulysses" in p.label() for p in points if p.spec["layout"]["cp"] == 2)
+
+
+def test_a_point_without_cp_keeps_the_key_it_had_before_cp_existed():
+    """Keys computed by the harness before layout.cp and layout.cp_impl were fields (a sweep resumed
+    after the update skips the points its store holds)."""
+    spec = parse_sweep({"name": "k", "gpus": 2, "workload": TINY, "layout": {"engine": "own"},
+                        "grid": {"tp": [1, 2]}})
+    assert [p.key for p in expand(spec)[0]] == ["341e63cf1de7c56f", "2613eb35276c4396"]
+    cp2 = parse_sweep({"name": "k", "gpus": 2, "workload": TINY, "grid": {"cp_impl": ["ring", "allgather"]},
+                       "layout": {"engine": "own", "cp": 2, "attention": "naive"}})
+    points, drops = expand(cp2)  # at cp 2 the implementation is part of the key: two points (or two refusals)
+    assert len(points) + len(drops) == 2 and len({p.key for p in points}) == len(points)
+    assert not any(d.reason.startswith("duplicate") for d in drops)

@@ -41,9 +41,16 @@ def best_per(rows: list[Row], metric: Metric, key) -> dict:
     return best
 
 
-def run_columns() -> list[Column]:
-    """The sweep's table of runs: what names a run's layout, every reported measurement, the run id."""
-    return [Column("engine", lambda r: r.variant), Column("tp", lambda r: str(r.tp)),
+def uses_cp(rows: list[Row]) -> bool:
+    """Whether any run has context parallelism: only then do the tables and ablations name it."""
+    return any(r.cp > 1 for r in rows)
+
+
+def run_columns(rows: list[Row] = ()) -> list[Column]:
+    """The sweep's table of runs: what names a run's layout, every reported measurement, the run id;
+    cp and its implementation only where one of `rows` uses it."""
+    cp = [Column("cp", lambda r: str(r.cp)), Column("cp impl", lambda r: r.cp_impl or "-")] if uses_cp(rows) else []
+    return [Column("engine", lambda r: r.variant), Column("tp", lambda r: str(r.tp)), *cp,
             Column("pp", lambda r: str(r.pp)), Column("dp", lambda r: str(r.dp)), Column("mb", lambda r: str(r.mb)),
             Column("ckpt", lambda r: r.ckpt), Column("kernels", lambda r: r.kernel),
             Column("sp", lambda r: "yes" if r.sp else "no"), *measured_columns(lambda r: r.values),
@@ -102,7 +109,7 @@ def best_layouts(rows: list[Row], metric: Metric) -> Section:
     for name, rs in by_sweep(rows).items():
         top = ranked(rs, metric)[:TOP]
         if top:
-            s.tables.append(table(run_columns(), top, f"{name}: the {len(top)} best of {len(rs)} runs"))
+            s.tables.append(table(run_columns(rows), top, f"{name}: the {len(top)} best of {len(rs)} runs"))
     if not s.tables:
         s.text.append("No run finished ok, so nothing can be ranked.")
     return s
@@ -182,7 +189,7 @@ def tp_pp(rows: list[Row], metric: Metric) -> Section:
         s.tables.append(Table([""] + [f"tp {t}" for t in tps], table, name))
         for g in sorted({_tp_pp(r) for r in rs if _tp_pp(r) > 1}):
             moved = ablation_why([r for r in rs if _tp_pp(r) == g], metric, lambda r: f"tp{r.tp} pp{r.pp}", "",
-                                 lambda r: (r.variant, r.dp, r.mb, r.ckpt, r.kernel))
+                                 lambda r: (r.variant, r.context, r.dp, r.mb, r.ckpt, r.kernel))
             if moved:
                 s.text.append(f"{name}, TP against PP at {g} model-parallel GPUs, what moved: " + " ".join(moved))
         if shown < MAX_SWEEP_FIGS:

@@ -13,7 +13,7 @@ import json
 import os
 from urllib.parse import quote
 
-from harness.parallel_dims import LABEL_ORDER
+from harness.parallel_dims import LABEL_ORDER, ParallelDims
 from harness.report import plots, render
 from harness.report.analysis import rate_ci
 from harness.report.data import (
@@ -43,7 +43,7 @@ def _sci(x) -> str:
 
 
 # What tells a comparison's layouts apart (the matrix's rows); the engine variant is the column.
-ROW_FIELDS = (*LABEL_ORDER, "sequence_parallel", "micro_batch_size", "activation_checkpointing")
+ROW_FIELDS = (*LABEL_ORDER, "cp_impl", "sequence_parallel", "micro_batch_size", "activation_checkpointing")
 NOT_MEASURED = "not measured"
 
 
@@ -53,6 +53,13 @@ VARIANT_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "model_impl")
 
 def _full_layout(layout: dict) -> dict:
     return {**dataclasses.asdict(Layout()), **(layout or {})}
+
+
+def _matrix_layout(layout: dict) -> dict:
+    """A run's layout as the matrix groups it: every field (an old record's missing ones at their
+    defaults), cp_impl at its default without context parallelism, where it changes nothing."""
+    lay = _full_layout(layout)
+    return lay if ParallelDims.of(lay).cp > 1 else {**lay, "cp_impl": Layout.cp_impl}
 
 
 def _run_fields(run: dict, workload: dict) -> dict:
@@ -116,8 +123,8 @@ def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
     dash with the reason the engine cannot run that layout (its adapter's ENGINE.capabilities, harness.registry)."""
     runs = [r for r in summary["runs"] if not r.get("is_reference")]
     parity = {p["label"]: p["verdict"] for p in summary["parity"]["runs"]}
-    entries = [(_full_layout(r["layout"]), r) for r in runs] + \
-              [(_full_layout(n["layout"]), n) for n in summary.get("not_runnable") or []]
+    entries = [(_matrix_layout(r["layout"]), r) for r in runs] + \
+              [(_matrix_layout(n["layout"]), n) for n in summary.get("not_runnable") or []]
     # a field outside ROW_FIELDS that differs (virtual stages, schedule, kernels...) makes rows too
     extra = tuple(k for k in _full_layout({}) if k not in ROW_FIELDS + VARIANT_FIELDS
                   and len({json.dumps(lay[k], default=str) for lay, _ in entries}) > 1)

@@ -121,6 +121,8 @@ class Row:
     rmsnorm: str
     zero: int | None
     layout_key: str = ""  # layout_key: the label without the engine
+    cp: int = 1  # context parallelism's degree (records written before it: 1)
+    cp_impl: str = ""  # and its implementation, '' without it
     step_median: float | None = None
     step_ci: tuple | None = None
     steps: int | None = None
@@ -144,6 +146,11 @@ class Row:
         return f"{self.attention}+{self.rmsnorm}"
 
     @property
+    def context(self) -> str:
+        """Context parallelism as an ablation names it: 'cp1' (none), 'cp2 ring'."""
+        return f"cp{self.cp} {self.cp_impl}" if self.cp > 1 else "cp1"
+
+    @property
     def reason(self) -> str:
         if self.error_line:
             return self.error_line[:160]
@@ -160,7 +167,8 @@ def to_row(rec: dict) -> Row:
     return Row(
         run_id=v["run_id"] or "?", sweep=v["sweep"] or "(no sweep)", status=v["status"] or "?",
         engine=v["engine"] or "?", variant=engine_variant(lay), label=layout_label(lay),
-        layout_key=layout_key(lay), model=str(v["model"]),
+        layout_key=layout_key(lay), cp=dims.cp, cp_impl=(lay.get("cp_impl") or "ring") if dims.cp > 1 else "",
+        model=str(v["model"]),
         seq_len=v["seq_len"], global_batch_size=v["global_batch_size"], precision=v["precision"],
         gpus=fp.get("world_size") or dims.world, tp=dims.tp, pp=dims.pp, dp=dims.dp, mb=lay.get("micro_batch_size"),
         ckpt=v["activation_checkpointing"] or "none", sp=bool(v["sequence_parallel"]),

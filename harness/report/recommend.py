@@ -18,6 +18,7 @@ AXES = [
     ("activation checkpointing", lambda r: r.ckpt, None),
     ("attention+rmsnorm kernels", lambda r: r.kernel, None),
     ("sequence parallelism (tp > 1 only)", lambda r: "on" if r.sp else "off", lambda r: r.tp > 1),
+    ("context parallelism", lambda r: r.context, None),
     ("engine", lambda r: r.variant, None),
 ]
 
@@ -94,7 +95,7 @@ def _checkpointing_memory(rows: list[Row]) -> str | None:
     for sweep, rs in by_sweep(rows).items():
         idx = {}
         for r in rs:
-            idx.setdefault((r.variant, r.tp, r.pp, r.dp, r.mb, r.kernel, r.sp), {})[r.ckpt] = r.status
+            idx.setdefault((r.variant, r.tp, r.context, r.pp, r.dp, r.mb, r.kernel, r.sp), {})[r.ckpt] = r.status
         saved += sum(1 for v in idx.values() if v.get("none") == "oom" and any(
             s == "ok" for k, s in v.items() if k != "none"))
     if saved:

@@ -14,7 +14,9 @@ def summary_lines(record: dict, store_path: str) -> list[str]:
     lines = [
         f"run {record['run_id']}: {record['status']}",
         f"  workload: {w['model']} seq {w['seq_len']} global batch {w['global_batch_size']} {w['precision']}",
-        f"  layout:   engine {lay['engine']} tp {lay['tp']} pp {lay['pp']} dp {lay['dp']} "
+        f"  layout:   engine {lay['engine']} tp {lay['tp']} "
+        + (f"cp {lay['cp']} {lay.get('cp_impl') or 'ring'} " if (lay.get("cp") or 1) > 1 else "")
+        + f"pp {lay['pp']} dp {lay['dp']} "
         f"mbs {lay['micro_batch_size']} ckpt {lay['activation_checkpointing']} attn {lay['attention']} "
         f"rmsnorm {lay['rmsnorm']}",
     ]

@@ -91,6 +91,18 @@ def _exposed_comm(record: dict):
     return sum(by_axis.values()) if isinstance(by_axis, dict) else None
 
 
+def _cp(record: dict):
+    """The context-parallel degree: 1 for a record written before it existed (None without a layout)."""
+    layout = at("spec", "layout")(record)
+    return (layout.get("cp") or 1) if isinstance(layout, dict) else None
+
+
+def _cp_impl(record: dict):
+    """The context-parallel implementation where there is context parallelism, else None."""
+    cp = _cp(record)
+    return at("spec", "layout", "cp_impl")(record) if isinstance(cp, int) and cp > 1 else None
+
+
 def _ms(name: str, *path: str) -> Field:
     """A component of the profiled step's breakdown (ms): exported; the reports lay out their own."""
     return Field(name, name, at("metrics", "breakdown_ms", *path), lambda v: f"{v:.1f} ms", report=False)
@@ -141,6 +153,10 @@ FIELDS: tuple[Field, ...] = (
     _ms("breakdown_other_ms", "other"),
     # a run whose loss became non-finite is failed, and stopped at this step (1-based, warm-up included)
     Field("diverged_at_step", "diverged at step", at("diverged_at_step"), report=False),
+    # context parallelism (added after the columns above, which other tools may read by position);
+    # records written before it read cp 1, and no cp_impl or exposed cp communication
+    Field("cp", "cp", _cp, report=False), Field("cp_impl", "cp_impl", _cp_impl, report=False),
+    _ms("breakdown_exposed_cp_ms", "exposed_comm", "cp"),
 )
 
 

@@ -39,9 +39,18 @@ class Drop:
     reason: str
 
 
+# Layout fields that mean nothing without context parallelism: left out of a cp1 point's key, so a
+# cp1 point keeps the key it had before the fields existed (a resumed sweep skips what it ran) and
+# points differing only in cp_impl at cp 1 are one point (a duplicate, dropped).
+CP_FIELDS = ("cp", "cp_impl")
+
+
 def point_key(spec_dict: dict) -> str:
     """Stable identity of a point: hash of its normalised workload + layout (not its name)."""
-    ident = {"workload": spec_dict["workload"], "layout": spec_dict["layout"]}
+    layout = spec_dict["layout"]
+    if ParallelDims.of(layout).cp == 1:
+        layout = {k: v for k, v in layout.items() if k not in CP_FIELDS}
+    ident = {"workload": spec_dict["workload"], "layout": layout}
     blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=list)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -80,6 +89,12 @@ def _fmt(coords: dict) -> str:
     def one(v):
         return ",".join(f"{a}={b}" for a, b in v.items()) if isinstance(v, dict) else v
     return " ".join(f"{k}={one(v)}" for k, v in coords.items())
+
+
+def _fixed(layout: dict) -> str:
+    """The degrees dp is derived from, as a drop names them: 'tp x pp = 3 x 1' ('tp x cp x pp' with cp)."""
+    axes = ("tp", "cp", "pp") if layout.get("cp", 1) != 1 else ("tp", "pp")
+    return f"{' x '.join(axes)} = {' x '.join(str(layout.get(a, 1)) for a in axes)}"
 
 
 def _defaults() -> dict:
@@ -130,8 +145,7 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
             drops.append(Drop(coords, f"excluded by exclude[{hit}] {sweep.exclude[hit]}"))
             continue
         if "dp" not in lay:
-            drops.append(Drop(coords, f"layout: {sweep.gpus} GPUs are not divisible by tp x pp = "
-                                      f"{filled['layout']['tp']} x {filled['layout']['pp']}"))
+            drops.append(Drop(coords, f"layout: {sweep.gpus} GPUs are not divisible by {_fixed(filled['layout'])}"))
             continue
         try:
             spec = parse_spec(raw)

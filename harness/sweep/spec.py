@@ -13,6 +13,7 @@ Sweep spec (YAML):
     layout: {...}                # fixed Layout fields
     grid:                        # the cross product of these axes
       tp: [1, 2, 4]              # a Layout field ...
+      cp: [1, 2]                 #   (context parallelism: cp, and cp_impl: [ring, allgather, ulysses])
       workload.seq_len: [2048]   # ... or a Workload field ...
       kernel:                    # ... or any name whose values are mappings of Layout fields
         - {attention: sdpa, rmsnorm: torch}
@@ -24,7 +25,7 @@ Sweep spec (YAML):
     slurm: {partition: gpu, time: "00:30:00", account: x, setup: ["module load cuda"],
             exclusive: true, cpus_per_task: 8}  # also qos, constraint, max_parallel, python, extra
 
-dp is derived as gpus / (tp x pp) unless set. Points that fail harness.spec validation,
+dp is derived as gpus / (tp x cp x pp) unless set. Points that fail harness.spec validation,
 whose tp x cp x pp x dp != gpus, or that duplicate an earlier point are dropped with the reason
 (harness/sweep/expand.py).
 """
