@@ -66,7 +66,7 @@ def test_two_node_run_on_loopback(tmp_path):
     record = ResultsStore(str(store)).get("two-node")
     assert record is not None and record["status"] == "ok", record and record.get("error")
     m = record["metrics"]
-    assert m["engine"]["mesh"] == {"tp": 2, "pp": 2, "dp": 1, "order": "pp, dp, tp (tp innermost)"}
+    assert m["engine"]["mesh"] == {"tp": 2, "cp": 1, "pp": 2, "dp": 1, "order": "pp, dp, cp, tp (tp innermost)"}
     nodes = {(r["rank"], r["node"]) for r in m["engine"]["rank_map"]}
     assert nodes == {(0, 0), (1, 0), (2, 1), (3, 1)}  # each TP pair on one node
     assert set(m["breakdown_s"]) >= {"compute", "tp_comm", "bubble", "dp_comm", "optimizer"}

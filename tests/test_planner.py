@@ -143,8 +143,9 @@ def test_cli_json_contract():
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert len(rows) == 5
-    assert set(rows[0]) == {"tp", "pp", "dp", "micro_batch_size", "activation_checkpointing", "sequence_parallel",
-                            "attention", "rmsnorm", "zero", "fits", "memory_gib", "step_time_s", "mfu"}
+    assert set(rows[0]) == {"tp", "cp", "cp_impl", "pp", "dp", "micro_batch_size", "activation_checkpointing",
+                            "sequence_parallel", "attention", "rmsnorm", "zero", "fits", "memory_gib", "step_time_s",
+                            "mfu"}
     assert all(r_["fits"] for r_ in rows) and rows[0]["mfu"] >= rows[-1]["mfu"]
 
 

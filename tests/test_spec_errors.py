@@ -65,7 +65,7 @@ def test_world_size_mismatch_through_cli(tmp_path, cli):
     path.write_text(yaml.safe_dump({"layout": {"engine": "own", "dp": 2}, "workload": {"steps": 1}}))
     r = cli("train", str(path), cwd=tmp_path)
     assert r.returncode == 2
-    assert r.stderr.strip() == "error: layout: world size 1 != tp x cp x pp x dp = 1 x 1 x 2"
+    assert r.stderr.strip() == "error: layout: world size 1 != tp x cp x pp x dp = 1 x 1 x 1 x 2"
 
 
 def test_malformed_yaml_and_missing_file(tmp_path, cli):

@@ -85,11 +85,13 @@ class MegatronEngine:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(lay.tp, lay.pp, self.vp if self.vp > 1 else None)
-        megatron_coord = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank(),
-                          parallel_state.get_tensor_model_parallel_rank())
-        if megatron_coord != tuple(self.coord):
-            raise RuntimeError(f"rank {self.ctx.rank}: Megatron's (pp, dp, tp) {megatron_coord} differs from the "
-                               f"harness's {tuple(self.coord)}")
+        megatron_coord = {"pp": parallel_state.get_pipeline_model_parallel_rank(),
+                          "dp": parallel_state.get_data_parallel_rank(),
+                          "cp": parallel_state.get_context_parallel_rank(),
+                          "tp": parallel_state.get_tensor_model_parallel_rank()}
+        if megatron_coord != self.coord._asdict():
+            raise RuntimeError(f"rank {self.ctx.rank}: Megatron's coordinates {megatron_coord} differ from the "
+                               f"harness's {self.coord._asdict()}")
         tensor_parallel.model_parallel_cuda_manual_seed(w.seed)
 
         compute = self.policy.compute
