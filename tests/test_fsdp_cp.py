@@ -60,3 +60,17 @@ def test_torch_head_tail_sharding_is_cp_token_index(cp):
     order = _HeadTailLoadBalancer(seq, cp, "cpu")._generate_indices().reshape(cp, -1)
     for r in range(cp):
         assert order[r].tolist() == cp_token_index(seq, cp, r).tolist()
+
+
+def test_a_comparison_refuses_fsdp_cp_on_cpu_before_it_launches_and_a_matrix_shows_the_dash():
+    from harness.compare.spec import parse_compare_spec
+
+    workload = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 5, "device": "cpu"}
+    with pytest.raises(SpecError) as e:
+        parse_compare_spec({"name": "c", "nproc": 2, "workload": workload, "runs": [{"engine": "fsdp", "cp": 2}]})
+    assert e.value.field == "runs[0].cp" and "CUDA only" in e.value.reason
+    cs = parse_compare_spec({"name": "c", "nproc": 2, "workload": workload,
+                             "matrix": {"engines": [{"engine": "own"}, {"engine": "fsdp"}], "layouts": [{"cp": 2}]}})
+    assert [p.label for p in cs.runs] == ["reference (single device)", "own cp2 ring"]
+    (dash,) = cs.not_runnable
+    assert dash["label"] == "FSDP2 reshard cp2 ring" and dash["why"].startswith("layout.cp: torch's context_parallel")

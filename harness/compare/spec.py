@@ -246,7 +246,18 @@ def parse_compare_spec(raw) -> CompareSpec:
                 check_world_size(spec, nproc)
             except SpecError as e:
                 raise SpecError(f"{where}", f"{e.reason} (nproc {nproc})") from None
-        validate(spec)  # ds_config: "error: <file>: <key>: <reason>"
+        checks = registry.facts(engine).preflight  # a run's own files and this machine (compare runs here):
+        if checks is not None:                     # a ds_config that contradicts the workload, fsdp's cp on a CPU
+            try:
+                checks(spec)
+            except SpecError as e:
+                if checks is validate:
+                    raise  # "error: <file>: <key>: <reason>"
+                if not where.startswith("matrix"):
+                    raise SpecError(f"{where}.{e.field.split('.', 1)[1] if e.field.startswith('layout.') else e.field}",
+                                    e.reason) from None
+                not_runnable.append({"label": label, "layout": layout, "why": f"{e.field}: {e.reason}"})
+                continue
         launcher = entry.get("launcher", registry.facts(engine).launcher)
         if launcher not in LOCAL_LAUNCHERS:
             raise SpecError(f"{where}.launcher", " or ".join(LOCAL_LAUNCHERS))
