@@ -78,6 +78,22 @@ def one_line_error(capsys):
 STARTS_PROCESSES = {"cli", "tagged", "fake"}
 
 
+@pytest.fixture
+def drawn(monkeypatch):
+    """Every report figure drawn, as (plots function, matplotlib Figure), kept open for inspection."""
+    from harness.report import plots
+
+    seen = []
+    real = plots._encode
+
+    def keep(fig):
+        seen.append((sys._getframe(1).f_code.co_name, fig))
+        return real(fig)
+
+    monkeypatch.setattr(plots, "_encode", keep)
+    return seen
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if STARTS_PROCESSES & set(getattr(item, "fixturenames", ())):

@@ -60,18 +60,6 @@ def summary_of(tmp_path, runs: list[dict], step_ms: dict[str, float] | None = No
                           launch_fn=fake_launcher(step_ms or {}))
 
 
-@pytest.fixture
-def drawn(monkeypatch):
-    """Every figure drawn, as (plots function, matplotlib Figure), kept open for inspection."""
-    seen = []
-    real = plots._encode
-
-    def keep(fig):
-        seen.append((sys._getframe(1).f_code.co_name, fig))
-        return real(fig)
-
-    monkeypatch.setattr(plots, "_encode", keep)
-    return seen
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,11 @@ and a comparison summarised from a stand-in launcher: no processes."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from harness.compare.orchestrate import run_comparison
 from harness.compare.spec import parse_compare_spec
-from harness.report import plots
 from harness.report.build import sections_for
 from harness.report.compare import breakdown_rows, collective_rows, sections, trace_items, write_report
 from harness.report.data import breakdown_of, layout_key
@@ -253,19 +251,6 @@ def test_sweep_breakdown_covers_every_engine_per_point():
 
 
 # ------------------------------------------------------------------ figures and synthetic records
-
-@pytest.fixture
-def drawn(monkeypatch):
-    seen = []
-    real = plots._encode
-
-    def keep(fig):
-        seen.append((sys._getframe(1).f_code.co_name, fig))
-        return real(fig)
-
-    monkeypatch.setattr(plots, "_encode", keep)
-    return seen
-
 
 def test_every_breakdown_figure_is_drawn_from_zero(summary, tmp_path, drawn):
     write_report(summary, str(tmp_path))

@@ -189,6 +189,16 @@ class _Blocks:
 
 # ---------------------------------------------------------------- ring
 
+def _backward_start(ctx, grad):
+    """What ring's and allgather's backward both begin with: the saved tensors, the axis, this rank's
+    blocks, the output gradient as the blocks take it, and a zero dq in the core dtype."""
+    q, k, v, out, lse = ctx.saved_tensors
+    blocks = _Blocks(q, k.shape[1], ctx.axis.size, ctx.axis.index, ctx.sdpa)
+    dog, extra = blocks.backward_setup(grad, out)
+    dq = torch.zeros(blocks.qg.shape, dtype=blocks.dt, device=q.device)
+    return q, k, v, lse, ctx.axis, blocks, dog, extra, dq
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, axis: Axis, sdpa: bool):
@@ -211,13 +221,9 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        axis = ctx.axis
+        q, k, v, lse, axis, blocks, dog, extra, dq = _backward_start(ctx, grad)
         cp, i = axis.size, axis.index
         nxt, prv = (i + 1) % cp, (i - 1) % cp
-        blocks = _Blocks(q, k.shape[1], cp, i, ctx.sdpa)
-        dog, extra = blocks.backward_setup(grad, out)
-        dq = torch.zeros(blocks.qg.shape, dtype=blocks.dt, device=q.device)
         kv = _pack(k, v)
         arriving, dkv_works = None, []   # the dK/dV accumulator of this step's block, on its way from rank i-1
         for t in range(cp):
@@ -261,11 +267,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        axis = ctx.axis
-        blocks = _Blocks(q, k.shape[1], axis.size, axis.index, ctx.sdpa)
-        dog, extra = blocks.backward_setup(grad, out)
-        dq = torch.zeros(blocks.qg.shape, dtype=blocks.dt, device=q.device)
+        q, k, v, lse, axis, blocks, dog, extra, dq = _backward_start(ctx, grad)
         gathered = _gather_kv(k, v, axis)                          # again: only the local K/V were saved
         dkv = torch.zeros(gathered.shape, dtype=blocks.dt, device=k.device)
         for j, kv in enumerate(gathered):
