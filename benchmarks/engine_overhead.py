@@ -30,8 +30,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from harness.data.source import token_source
-    from harness.frameworks.own import build
-    from harness.frameworks.single_engine import SingleDeviceEngine
+    from harness.engine.adapter import build
+    from harness.frameworks.single.engine import SingleDeviceEngine
     from harness.model.presets import resolve_shape
     from harness.runtime import RunContext
     from harness.spec import parse_spec

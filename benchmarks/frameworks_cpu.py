@@ -19,7 +19,7 @@ plain model they wrap (engine single, same model code and AdamW): LIMIT says whi
 
 Megatron-core runs Megatron's local layer spec, whose one core attention is naive: it is measured
 against the own engine with the same kernel ("own naive"; its limit the plain model with it), the
-others keep the default (sdpa). On a CPU Megatron runs inside harness/frameworks/megatron_shim.py,
+others keep the default (sdpa). On a CPU Megatron runs inside harness/frameworks/megatron/shim.py,
 which cannot be left off there; its cost is the torch calls its TorchFunctionMode intercepts in a
 step (counted in one extra, untimed step) times what one intercepted call costs above a plain one
 (a microbenchmark of small calls in and out of the shim), plus entering and leaving it once per step.
@@ -76,7 +76,7 @@ def _limit_name(engine: str) -> str:
 def _shim_calls_per_step(engine, batch) -> int:
     """The torch calls megatron_shim's TorchFunctionMode intercepts in one of this engine's steps (an
     untimed step, its handler wrapped by a counter)."""
-    from harness.frameworks import megatron_shim
+    from harness.frameworks.megatron import shim as megatron_shim
 
     original, calls = megatron_shim._CudaToCpu.__torch_function__, [0]
 
@@ -98,7 +98,7 @@ def _shim_cost_per_call(n: int = 20000, repeats: int = 5) -> dict:
     and what entering and leaving active() costs (the engine does it once per step)."""
     import torch
 
-    from harness.frameworks import megatron_shim
+    from harness.frameworks.megatron import shim as megatron_shim
 
     x = torch.ones(8)
 

@@ -26,7 +26,7 @@ def _worker(rank, world, port, args, out_dir):
     import torch.distributed as dist
 
     from harness.data.source import token_source
-    from harness.frameworks.own import build
+    from harness.engine.adapter import build
     from harness.model.presets import resolve_shape
     from harness.runtime import RunContext
     from harness.spec import parse_spec

@@ -22,8 +22,8 @@ from harness.errors import SpecError
 
 ENGINES: dict[str, str] = {
     "single": "harness.frameworks.single",
-    "own": "harness.frameworks.own",
-    "deepspeed": "harness.frameworks.deepspeed_adapter",
+    "own": "harness.engine",
+    "deepspeed": "harness.frameworks.deepspeed",
     "fsdp": "harness.frameworks.fsdp",
     "megatron": "harness.frameworks.megatron",
 }
@@ -73,7 +73,8 @@ def known(name) -> bool:
 
 def available(name) -> bool:
     """Whether `name` is a registered engine whose adapter module is present in this checkout."""
-    return known(name) and importlib.util.find_spec(ENGINES[name]) is not None
+    return known(name) and importlib.util.find_spec(ENGINES[name]) is not None \
+        and importlib.util.find_spec(ENGINES[name] + ".facts") is not None
 
 
 def facts(name: str) -> EngineFacts:
@@ -83,7 +84,7 @@ def facts(name: str) -> EngineFacts:
     if not available(name):
         raise SpecError("layout.engine", f"engine {name!r} is not available in this checkout "
                                          f"({ENGINES[name]} missing)")
-    declared = importlib.import_module(ENGINES[name]).ENGINE
+    declared = importlib.import_module(ENGINES[name] + ".facts").ENGINE
     if declared.name != name:
         raise ValueError(f"{ENGINES[name]} declares engine {declared.name!r}, registered as {name!r}")
     return declared
@@ -92,4 +93,23 @@ def facts(name: str) -> EngineFacts:
 def adapter(name: str):
     """The engine's adapter module (its build(spec, shape, ctx))."""
     facts(name)
-    return importlib.import_module(ENGINES[name])
+    return importlib.import_module(ENGINES[name] + ".adapter")
+
+
+# Fields only one engine takes: every other engine refuses them (each lists them where its order of
+# checks puts them).
+ONLY_DEEPSPEED: list[Rule] = [
+    ("ds_config", lambda lay: not lay.ds_config, "only for engine deepspeed"),
+    ("model_impl", lambda lay: lay.model_impl == "own", "hf (transformers' LlamaForCausalLM) is for engine deepspeed"),
+]
+ONLY_OWN: list[Rule] = [
+    ("pipeline_p2p", lambda lay: lay.pipeline_p2p == "auto",
+     "chooses the own engine's pipeline transfers; engine {engine} has its own"),
+]
+
+
+def tied_across_stages(what: str, engine: str, takes) -> ModelRule:
+    """An engine's refusal of tied embeddings split over pipeline stages: `what` says how it splits them."""
+    return ("tie_word_embeddings", takes,
+            f"{what}; splitting them needs the embedding gradient all-reduced between the first and the last "
+            f"pipeline stage (Megatron's embedding group), which {engine} does not do here")

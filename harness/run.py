@@ -20,7 +20,7 @@ import torch.distributed as dist
 from harness import measure, profiling, registry
 from harness.data.source import token_source
 from harness.errors import NonFiniteStep, SpecError
-from harness.frameworks import build_engine
+from harness.frameworks import TrainingEngine, build_engine
 from harness.model.flops import flops_per_token
 from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
 from harness.model.presets import param_count
@@ -196,7 +196,7 @@ class Trainer:
     def _train_step(self, step: int, batch) -> float:
         """The engine's step and its loss's value; the first one also counts the activations
         saved for backward."""
-        if step or not hasattr(self.engine, "activation_exclusions"):
+        if step:
             return float(self.engine.train_step(batch))
         with measure.SavedActivations(self.engine.activation_exclusions()) as saved:
             loss = self.engine.train_step(batch)
@@ -317,10 +317,10 @@ class Trainer:
         return metrics
 
 
-def _census_over_ranks(engine, activations: int | None, ctx: RunContext) -> dict:
+def _census_over_ranks(engine: TrainingEngine, activations: int | None, ctx: RunContext) -> dict:
     """Rank 0's memory census and saved activations per micro-batch, and every rank's (pipeline
     stages and ZeRO shards differ); None where the engine does not measure them."""
-    mine = {"memory_census": engine.memory_census() if hasattr(engine, "memory_census") else None,
+    mine = {"memory_census": engine.memory_census(),
             "activations_saved_bytes": activations}
     everyone = [mine]
     if ctx.backend is not None:

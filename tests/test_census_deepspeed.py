@@ -22,7 +22,7 @@ import json
 import pytest
 
 from harness.compare.spec import DEFAULT_TOLERANCE
-from harness.frameworks.ds_config import DS_CONFIG_DIR
+from harness.frameworks.deepspeed.config import DS_CONFIG_DIR
 from harness.model.presets import PRESETS, param_count
 from harness.model.training import precision_policy
 from harness.spec import parse_spec

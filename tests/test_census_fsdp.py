@@ -1,7 +1,7 @@
 """FSDP2 under the workload's precision policy, on 2 gloo processes in one launch:
 its memory census at dp=2 against closed forms read from torch's FSDP2 source, the activations it
 saves for backward counted as the reference's are, and bf16 parity with the bf16 reference
-(harness/frameworks/single_engine.py: bf16 parameters, fp32 masters and main gradients) at dp2, tp2, pp2.
+(harness/frameworks/single/engine.py: bf16 parameters, fp32 masters and main gradients) at dp2, tp2, pp2.
 """
 
 import pytest
@@ -97,7 +97,7 @@ def ranks():
 @pytest.fixture(scope="module")
 def references():
     """The single-device reference per workload, in this process."""
-    from harness.frameworks.single_engine import SingleDeviceEngine
+    from harness.frameworks.single.engine import SingleDeviceEngine
     from harness.spec import parse_spec
 
     out = {}

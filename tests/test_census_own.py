@@ -91,7 +91,7 @@ def _censuses(ctx, cases):
     with and without the engine's exclusions (the parameters); then the in-place collectives'
     check."""
     from harness.data.source import token_source
-    from harness.frameworks.own import build
+    from harness.engine.adapter import build
     from harness.measure import SavedActivations
     from harness.spec import parse_spec
 

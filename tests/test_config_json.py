@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness.errors import CapabilityError, SpecError
-from harness.frameworks.hf_llama import to_hf_name
+from harness.frameworks.deepspeed.hf_llama import to_hf_name
 from harness.model.flops import flops_per_token
 from harness.model.llama import Llama, build_model
 from harness.model.presets import Shape, param_count, resolve_shape, shape_to_config
@@ -349,7 +349,7 @@ def test_the_planner_proposes_no_layout_an_engine_refuses_for_a_tied_model(tmp_p
 def test_own_engine_in_process_matches_the_reference(tmp_path):
     """World 1: the own engine's chunk (Weight/RMSNorm/ParallelBlock, tied head, o-bias after the
     region) against the plain model on the tied + bias + llama3 config."""
-    from harness.frameworks.own import build
+    from harness.engine.adapter import build
     from harness.runtime import RunContext
     from harness.testing.equivalence import BASE, batches, make_spec
     from harness.testing.reference import assert_matches_reference, reference_run

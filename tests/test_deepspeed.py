@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from harness.errors import SpecError
-from harness.frameworks.ds_config import DS_CONFIG_DIR, build_config
+from harness.frameworks.deepspeed.config import DS_CONFIG_DIR, build_config
 from harness.spec import parse_spec
 from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
@@ -150,7 +150,7 @@ def test_a_skipped_step_stops_the_run():
     from types import SimpleNamespace
 
     from harness.errors import NonFiniteStep
-    from harness.frameworks.deepspeed_common import DeepSpeedBase
+    from harness.frameworks.deepspeed.common import DeepSpeedBase
 
     engine = object.__new__(DeepSpeedBase)
     engine.engine, engine.optimizer = SimpleNamespace(skipped_steps=0, global_steps=1), object()

@@ -5,7 +5,7 @@ ZeRO-1/2/3 over DeepSpeed's sequence-data-parallel group, reproduces the single-
 import pytest
 
 from harness.errors import SpecError
-from harness.frameworks.ds_config import build_config
+from harness.frameworks.deepspeed.config import build_config
 from harness.spec import parse_spec
 from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
@@ -54,7 +54,7 @@ def test_reduce_scatter_off_refused_with_ulysses(tmp_path):
     import json
     import os
 
-    from harness.frameworks.ds_config import DS_CONFIG_DIR
+    from harness.frameworks.deepspeed.config import DS_CONFIG_DIR
 
     with open(os.path.join(DS_CONFIG_DIR, "zero3.json")) as f:
         cfg = json.load(f)

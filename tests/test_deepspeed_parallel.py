@@ -12,7 +12,7 @@ One launch per world size runs all of that world's layouts in sequence.
 import pytest
 
 from harness.errors import CapabilityError, SpecError
-from harness.frameworks.ds_config import build_config
+from harness.frameworks.deepspeed.config import build_config
 from harness.spec import parse_spec
 from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
@@ -191,7 +191,7 @@ def config_file(tmp_path, **sections) -> str:
     """ds_configs/zero1.json with `sections` set, written to tmp_path."""
     import json
 
-    from harness.frameworks.ds_config import DS_CONFIG_DIR
+    from harness.frameworks.deepspeed.config import DS_CONFIG_DIR
 
     with open(f"{DS_CONFIG_DIR}/zero1.json") as f:
         cfg = json.load(f)

@@ -93,7 +93,7 @@ PARAMS = [_param(world, i) for world, cases in CASES.items() for i in range(len(
 
 
 def _run_in_process(cases):
-    from harness.frameworks.own import build
+    from harness.engine.adapter import build
     from harness.runtime import RunContext
 
     ctx = RunContext(0, 1, 0, torch.device("cpu"), None)

@@ -1,4 +1,4 @@
-"""An engine is one adapter module declaring its facts (harness.registry.EngineFacts) plus one
+"""An engine is one package, its facts (harness.registry.EngineFacts) and its adapter, plus one
 registry line: the spec checks it, build_engine builds it, compare plans it and its report's
 matrix names it. No processes."""
 
@@ -16,7 +16,7 @@ from harness.frameworks import build_engine
 from harness.report.compare import layout_matrix
 from harness.spec import Layout, Workload, engine_variant, parse_spec
 
-TOY = '''
+TOY_FACTS = '''
 from harness.registry import EngineFacts
 
 ENGINE = EngineFacts(
@@ -24,8 +24,8 @@ ENGINE = EngineFacts(
     capabilities=[("tp", lambda l: l.tp == 1, "engine {engine} has no tensor parallelism")],
     label=lambda lay: "toy engine",
 )
-
-
+'''
+TOY_ADAPTER = '''
 def build(spec, shape, ctx):
     return ("built", spec.layout.engine, ctx)
 '''
@@ -34,10 +34,16 @@ WORKLOAD = {"model": "tiny", "seq_len": 16, "global_batch_size": 4, "steps": 2, 
 
 @pytest.fixture
 def toy(tmp_path, monkeypatch):
-    """The toy engine: its module on sys.path and its one registry line (both undone afterwards)."""
-    (tmp_path / "toy_engine.py").write_text(textwrap.dedent(TOY))
+    """The toy engine: its package (facts and adapter) on sys.path and its one registry line (both undone
+    afterwards)."""
+    package = tmp_path / "toy_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "facts.py").write_text(textwrap.dedent(TOY_FACTS))
+    (package / "adapter.py").write_text(textwrap.dedent(TOY_ADAPTER))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(__import__("sys").modules, "toy_engine", raising=False)
+    for module in ("toy_engine", "toy_engine.facts", "toy_engine.adapter"):
+        monkeypatch.delitem(__import__("sys").modules, module, raising=False)
     monkeypatch.setitem(registry.ENGINES, "toy", "toy_engine")
     yield "toy"
 
@@ -91,7 +97,7 @@ def test_an_unknown_or_absent_engine_is_a_spec_error_not_a_key_error(monkeypatch
 
     with pytest.raises(SpecError, match="layout.engine: 'nope' is not one of single, own"):
         registry.facts("nope")
-    monkeypatch.setitem(registry.ENGINES, "gone", "harness.frameworks.no_such_adapter")
+    monkeypatch.setitem(registry.ENGINES, "gone", "harness.frameworks.no_such_engine")
     assert not registry.available("gone") and engine_variant({"engine": "gone"}) == "gone"
     with pytest.raises(SpecError, match="not available in this checkout"):
         registry.facts("gone")

@@ -33,8 +33,8 @@ class Recorder:
 
 
 def test_own_engine_tells_its_phases_and_takes_the_optimizer_factory():
+    from harness.engine.adapter import build
     from harness.engine.engine import Engine3D
-    from harness.frameworks.own import build
     from harness.model.training import BuildOptions, make_adamw
     from harness.runtime import RunContext
 

@@ -9,7 +9,7 @@ from harness.testing.reference import mismatches
 
 
 def test_engine_without_parallelism_matches_reference_in_process():
-    from harness.frameworks.own import build
+    from harness.engine.adapter import build
     from harness.model.presets import resolve_shape
     from harness.runtime import RunContext
 
@@ -28,7 +28,7 @@ def test_engine_without_parallelism_matches_reference_in_process():
 def test_engine_runs_the_bf16_policy_in_process():
     """Megatron-style bf16 at tp=pp=dp=1: bf16 parameters (views of one flat buffer), fp32 main
     gradients, fp32 masters and Adam states; the reference's policy sentence; its losses."""
-    from harness.frameworks.own import build
+    from harness.engine.adapter import build
     from harness.model.presets import param_count, resolve_shape
     from harness.model.training import precision_policy
     from harness.runtime import RunContext

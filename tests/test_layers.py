@@ -99,7 +99,7 @@ def test_every_module_has_a_layer():
             unit_of(name)
 
 
-@pytest.mark.parametrize("module,target", [("harness.engine.engine", "harness.frameworks.single"),
+@pytest.mark.parametrize("module,target", [("harness.engine.engine", "harness.frameworks.single.facts"),
                                            ("harness.spec", "harness.planner.layout"),
                                            ("harness.report.compare", "harness.compare.parity")])
 def test_an_upward_import_would_be_caught(module, target):

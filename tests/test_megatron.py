@@ -99,7 +99,7 @@ def _reference(case):
 
 
 def _check(result, case, label, rtol=1e-5, weights=True):
-    from harness.frameworks.megatron_shim import HARMLESS
+    from harness.frameworks.megatron.shim import HARMLESS
 
     losses, state = _reference(case)
     assert_matches_reference(result, losses, state if weights else None, label, rtol)

@@ -86,7 +86,7 @@ def test_weights_round_trip_through_megatrons_layout_per_tp_rank():
     splits it so)."""
     import torch
 
-    from harness.frameworks.megatron_weights import megatron_shard, plain_tensors
+    from harness.frameworks.megatron.weights import megatron_shard, plain_tensors
     from harness.model.presets import resolve_shape
 
     shape = resolve_shape("tiny", {"attention_bias": True})
@@ -126,7 +126,7 @@ def test_weights_round_trip_through_megatrons_layout_per_tp_rank():
 def test_the_shim_answers_cuda_with_the_cpu_only_while_active():
     import torch
 
-    from harness.frameworks import megatron_shim
+    from harness.frameworks.megatron import shim as megatron_shim
 
     current_device = torch.cuda.current_device
     with megatron_shim.active():
@@ -149,7 +149,7 @@ def test_the_tripwire_records_uncovered_cuda_calls():
     """What tests/test_megatron.py relies on to fail when Megatron reaches a CUDA call the shim does not cover."""
     import torch
 
-    from harness.frameworks import megatron_shim
+    from harness.frameworks.megatron import shim as megatron_shim
 
     with megatron_shim.tripwire() as reached:
         with megatron_shim.active():

@@ -155,7 +155,7 @@ def test_one_function_ties_the_head_to_the_embedding():
 def test_deepspeed_pipeline_layers_are_plain_stages():
     """PipelineModule's layers (embedding, one block each, norm + head) chained give the plain
     model's logits; their names, less PipelineModule's index, are the plain names."""
-    from harness.frameworks.deepspeed_pipe import PipeBlock, PipeLayer, plain_name
+    from harness.frameworks.deepspeed.pipe import PipeBlock, PipeLayer, plain_name
 
     args = (SHAPE, SEED, "sdpa", "torch", "none")
     layers = [PipeLayer(*args, layers=range(0), last=False)]

@@ -73,7 +73,7 @@ REFUSED = [
     ({"pp": 2, "pipeline_schedule": "interleaved"}, {"global_batch_size": 6},
      "layout.pipeline_schedule", "divisible by pp=2"),
     ({"tp": 2, "zero_stage": 1}, {}, "layout.zero_stage", "reshard_after_forward"),
-    # the precision policy where FSDP2 cannot follow it (harness/frameworks/fsdp.py, ENGINE.precision_limits)
+    # the precision policy where FSDP2 cannot follow it (harness/frameworks/fsdp/facts.py, ENGINE.precision_limits)
     ({"dp": 2}, {"precision": "bf16", "grad_accum_dtype": "bf16"},
      "workload.grad_accum_dtype", "bf16 accumulation with an fp32 reduction is not offered"),
     ({"pp": 2}, {"precision": "bf16", "grad_reduce_dtype": "bf16"},

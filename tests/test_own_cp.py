@@ -143,7 +143,7 @@ def test_blockwise_cp_refuses_a_kernel_it_does_not_compute(impl):
 def test_blockwise_cp_with_sdpa_is_refused_off_the_cpu_before_anything_is_built():
     """sdpa blocks are torch's CPU flash kernel: on a CUDA device (known only to the rank, device auto)
     the build refuses in one line instead of failing in the first forward."""
-    from harness.frameworks.own import build
+    from harness.engine.adapter import build
     from harness.runtime import RunContext
 
     spec = E.make_spec(_case(cp=2, cp_impl="ring", attention="sdpa"))

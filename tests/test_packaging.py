@@ -37,7 +37,7 @@ def pyproject() -> dict:
 # ------------------------------------------------------------------ data files (fast)
 
 def test_shipped_files_are_found_through_resources():
-    from harness.frameworks import ds_config
+    from harness.frameworks.deepspeed import config as ds_config
     from harness.planner import paper
     from harness.report import baselines
 

@@ -25,7 +25,7 @@ from harness.cli import build_parser
 from harness.cli import main as cli_main
 from harness.commands.compare import DEFAULT_OUT, default_log_dir
 from harness.compare.spec import DEFAULT
-from harness.frameworks.ds_config import build_config
+from harness.frameworks.deepspeed.config import build_config
 from harness.spec import parse_spec
 from harness.store import ResultsStore, new_record
 

@@ -325,7 +325,7 @@ def _greedy_buckets(numels: list[int], size: int) -> int:
 
 @pytest.fixture(scope="module")
 def framework_runs(tmp_path_factory):
-    from harness.frameworks.ds_config import resolve_path
+    from harness.frameworks.deepspeed.config import resolve_path
     from harness.testing.spawn import spawn
 
     with open(resolve_path("", 1)) as f:

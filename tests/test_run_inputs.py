@@ -129,7 +129,7 @@ def test_a_skipped_update_is_a_diverged_run_at_that_step(no_launch, monkeypatch)
     import types
 
     from harness.errors import NonFiniteStep
-    from harness.frameworks.deepspeed_common import DeepSpeedBase
+    from harness.frameworks.deepspeed.common import DeepSpeedBase
     from harness.run import Trainer
 
     skipped = types.SimpleNamespace(engine=types.SimpleNamespace(skipped_steps=1), _skipped_steps=0,

@@ -19,7 +19,7 @@ matrix:                     # and/or: every layout under every engine (the repor
 ```
 
 Everything is checked before the first launch: each run's spec (harness.spec), world size,
-and its DeepSpeed config (auto fields, contradictions: harness.frameworks.ds_config). A matrix
+and its DeepSpeed config (auto fields, contradictions: harness.frameworks.deepspeed.config). A matrix
 cell whose engine cannot run its layout (its adapter's ENGINE.capabilities) is not an error: it is
 listed as not runnable, with the reason, and the report shows it as a dash.
 """
@@ -181,7 +181,7 @@ def load_compare_spec(path: str | None) -> CompareSpec:
 
 
 def parse_compare_spec(raw) -> CompareSpec:
-    from harness.frameworks.ds_config import validate
+    from harness.frameworks.deepspeed.config import validate
     from harness.spec import check_world_size, parse_spec
 
     if not isinstance(raw, dict):

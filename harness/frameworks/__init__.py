@@ -1,53 +1,43 @@
-"""One adapter per engine behind one small interface, so the runner treats them alike.
-
-An engine is built by `build_engine(spec, shape, ctx)` and offers:
-  train_step(global_batch) -> Tensor  one optimizer step on the step's global batch
-                                      [global_batch_size, seq_len + 1]; returns the global mean
-                                      loss (the same number on every rank)
-  full_state_dict() -> dict | None    gathered fp32 parameters named as the plain Llama's,
-                                      on global rank 0 (None elsewhere); for equivalence checks
-  last_step_details() -> dict         optional extras of the last step: breakdown_s, comm,
-                                      pipeline_timeline (missing keys mean not measured)
-  describe() -> dict                  what the record should say about the engine
-  memory_census() -> dict | None      bytes per category (parameters, gradients, master_parameters,
-                                      optimizer_states) and dtype that this rank held at its first
-                                      optimizer step (harness.measure.CensusAtStep over the tensors
-                                      the engine really holds); None: not measured
-  activation_exclusions() -> list     tensors autograd may save that are not activations (the
-                                      parameters, and any gathered copies of them)
+"""The engines behind one interface (TrainingEngine), so the runner, the comparison and the sweeps
+treat them alike: one package per engine (single, deepspeed, fsdp, megatron here; the own engine's is
+harness/engine), each with facts.py (`ENGINE = harness.registry.EngineFacts(...)`: the fields it
+honours and their values, its rules, label and launcher; no torch at import, since the spec and the
+reports read it), adapter.py (`build(spec, shape, ctx)`, which imports the engine only when called)
+and its heavy modules. harness.registry maps each engine's name to its package.
 
 Every engine follows the workload's precision policy (harness.model.training.PrecisionPolicy);
-where a framework cannot, the spec refuses the combination (the adapter's ENGINE.precision_limits).
-
-Each adapter declares at its top `ENGINE = harness.registry.EngineFacts(...)`: what it runs, its
-precision and model limits, its label. harness.registry maps each engine's name to its adapter.
-An adapter stays light (no torch at import: the spec and the reports read its facts) and its
-build() imports the engine: own -> harness/engine, single -> single_engine.py, fsdp ->
-fsdp_engine.py, deepspeed -> deepspeed_engine.py and deepspeed_pipe.py, megatron -> megatron_engine.py.
+where a framework cannot, the spec refuses the combination (ENGINE.precision_limits).
 """
 
 from __future__ import annotations
 
+import typing
+
 from harness import registry
-from harness.registry import ModelRule, Rule
-
-# Fields only one engine takes: every other engine refuses them (each lists them where its order of
-# checks puts them).
-ONLY_DEEPSPEED: list[Rule] = [
-    ("ds_config", lambda lay: not lay.ds_config, "only for engine deepspeed"),
-    ("model_impl", lambda lay: lay.model_impl == "own", "hf (transformers' LlamaForCausalLM) is for engine deepspeed"),
-]
-ONLY_OWN: list[Rule] = [
-    ("pipeline_p2p", lambda lay: lay.pipeline_p2p == "auto",
-     "chooses the own engine's pipeline transfers; engine {engine} has its own"),
-]
 
 
-def tied_across_stages(what: str, engine: str, takes) -> ModelRule:
-    """An engine's refusal of tied embeddings split over pipeline stages: `what` says how it splits them."""
-    return ("tie_word_embeddings", takes,
-            f"{what}; splitting them needs the embedding gradient all-reduced between the first and the last "
-            f"pipeline stage (Megatron's embedding group), which {engine} does not do here")
+class TrainingEngine(typing.Protocol):
+    """What build_engine returns, whatever the framework."""
+
+    def train_step(self, global_batch) -> typing.Any:
+        """One optimizer step on the step's global batch [global_batch_size, seq_len + 1]; returns the
+        global mean loss as a tensor (the same number on every rank)."""
+
+    def full_state_dict(self) -> dict | None:
+        """Gathered fp32 parameters named as the plain Llama's, on global rank 0 (None elsewhere)."""
+
+    def last_step_details(self) -> dict:
+        """The last step's breakdown: breakdown_s, comm, pipeline_timeline (missing keys: not measured)."""
+
+    def describe(self) -> dict:
+        """What the record says about the engine."""
+
+    def memory_census(self) -> dict | None:
+        """Bytes per category (parameters, gradients, master_parameters, optimizer_states) and dtype this
+        rank held at its first optimizer step (harness.measure.CensusAtStep); None: not measured."""
+
+    def activation_exclusions(self) -> list:
+        """Tensors autograd may save that are not activations (the parameters, gathered copies of them)."""
 
 
 def gather_on_rank0(mine: dict | None) -> dict | None:
@@ -65,5 +55,5 @@ def gather_on_rank0(mine: dict | None) -> dict | None:
     return out
 
 
-def build_engine(spec, shape, ctx):
+def build_engine(spec, shape, ctx) -> TrainingEngine:
     return registry.adapter(spec.layout.engine).build(spec, shape, ctx)

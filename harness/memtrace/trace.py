@@ -466,7 +466,7 @@ def _trace_own_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTra
 def _static_shapes_without_vote(schedule) -> None:
     """torch.distributed.pipelining's first step votes over P2P whether every stage has static
     shapes and reads the vote with .item(), which a fake tensor cannot answer. Engine fsdp gives
-    every PipelineStage its input and output shapes up front (native_pipeline.py), so the vote of
+    every PipelineStage its input and output shapes up front (fsdp/pipeline.py), so the vote of
     a real run is static: set, without the vote (its 2-rank warm-up transfers carry no memory).
 
     One of the trace's two overrides of torch (the other: LiveTensors.counting_resizes), for want
@@ -483,7 +483,7 @@ def _static_shapes_without_vote(schedule) -> None:
 
 
 def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
-    """Build engine fsdp (harness/frameworks/fsdp_engine.py) as global `rank` of the spec's layout and
+    """Build engine fsdp (harness/frameworks/fsdp/engine.py) as global `rank` of the spec's layout and
     run one step on fake tensors.
 
     Everything up to the parameters' allocation runs as in a real run, outside fake mode: the
@@ -496,7 +496,7 @@ def _trace_fsdp_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTr
     builds it on CUDA. FakeTensorMode admits the meta tensors to_empty reads (allow_non_fake_inputs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.frameworks.fsdp_engine import FSDPEngine
+    from harness.frameworks.fsdp.engine import FSDPEngine
 
     dims = ParallelDims.of(spec.layout)
     run_spec, m, m_run = traced_spec(spec, dims.coord(rank).pp, full_micro)

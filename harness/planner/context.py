@@ -30,11 +30,11 @@ from harness.planner.layout import ATTENTION_CLASS, MATERIALISED
 # Engines whose context parallelism the planner offers, and with which implementations: the own
 # engine all three; DeepSpeed runs Ulysses (deepspeed.sequence.layer.DistributedAttention); engine
 # fsdp torch's context_parallel, whose default rotate method all-gathers K/V. Megatron-core's needs
-# Transformer Engine (not installed: harness/frameworks/megatron.py refuses cp > 1), the study's
+# Transformer Engine (not installed: harness/frameworks/megatron/facts.py refuses cp > 1), the study's
 # engine had none.
 ENGINE_IMPLS = {"own": ("ring", "allgather", "ulysses"), "deepspeed": ("ulysses",), "fsdp": ("allgather",)}
 NO_CP = {"megatron": "Megatron-core's context parallelism runs only in Transformer Engine's attention, "
-                     "not installed here (harness/frameworks/megatron.py)",
+                     "not installed here (harness/frameworks/megatron/facts.py)",
          "paper": "the study's engine had no context parallelism"}
 
 

@@ -582,7 +582,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
 
 
 def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: bool, layers: int, has_head: bool) -> dict:
-    """What engine fsdp (FSDP2 fully_shard per block and on the root, harness/frameworks/fsdp_engine.py)
+    """What engine fsdp (FSDP2 fully_shard per block and on the root, harness/frameworks/fsdp/engine.py)
     holds during its step beyond the model states and the plain model's activations, per rank,
     as torch's FSDP2 code allocates it (torch/distributed/fsdp/_fully_shard/) and `harness memory`
     traces it:

@@ -46,7 +46,7 @@ def reference(case: dict, steps: int = 5):
 
 def run_cases(ctx, cases: list[dict], steps: int) -> list[dict]:
     """On one rank: build the own engine for each case in turn and train `steps` steps."""
-    from harness.frameworks.own import build
+    from harness.engine.adapter import build
     from harness.model.presets import resolve_shape
 
     results = []

@@ -8,7 +8,7 @@ import torch
 def reference_run(workload: dict, steps: int, **layout) -> tuple[list[float], dict]:
     """The single-device engine in this process on `workload`: (losses, final fp32 weights)."""
     from harness.data.source import token_source
-    from harness.frameworks.single_engine import SingleDeviceEngine
+    from harness.frameworks.single.engine import SingleDeviceEngine
     from harness.spec import parse_spec
 
     spec = parse_spec({"workload": dict(workload), "layout": {"engine": "single", **layout}})

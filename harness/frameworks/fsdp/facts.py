@@ -1,11 +1,10 @@
 """Adapter for engine fsdp, native PyTorch (FSDP2, DTensor TP/SP, torch.distributed.pipelining):
-what it runs, declared without importing torch; the engine is harness/frameworks/fsdp_engine.py."""
+what it runs, declared without importing torch; the engine is harness/frameworks/fsdp/engine.py."""
 
 from __future__ import annotations
 
-from harness.frameworks import ONLY_DEEPSPEED, ONLY_OWN, tied_across_stages
-from harness.registry import EngineFacts
-from harness.spec import check_world_size, micro_batch_count
+from harness.registry import ONLY_DEEPSPEED, ONLY_OWN, EngineFacts, tied_across_stages
+from harness.spec import micro_batch_count
 
 
 def _micro(w, lay) -> int:
@@ -71,10 +70,3 @@ def check_cp_device(spec) -> None:
         if torch.cuda.is_available():
             return
     raise SpecError("layout.cp", CPU_REFUSAL)
-
-
-def build(spec, shape, ctx):
-    from harness.frameworks.fsdp_engine import FSDPEngine
-
-    check_world_size(spec, ctx.world_size)  # (1F1B with too few micro-batches: refused by the spec)
-    return FSDPEngine(spec, shape, ctx)

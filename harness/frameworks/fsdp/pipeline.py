@@ -22,7 +22,7 @@ perform_reduce_grad), so FSDP2 accumulates in its reduce_dtype (the spec refuses
 grad_accum_dtype != grad_reduce_dtype: fsdp's ENGINE.precision_limits).
 
 Loss: loss_fn is lm_loss / micro_batches with scale_grads=False, the reference's accumulation
-(harness/frameworks/single_engine.py) term for term.
+(harness/frameworks/single/engine.py) term for term.
 """
 
 from __future__ import annotations

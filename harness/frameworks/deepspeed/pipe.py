@@ -33,7 +33,7 @@ import functools
 import torch
 
 from harness.frameworks import gather_on_rank0
-from harness.frameworks.deepspeed_common import DeepSpeedBase, configure_checkpointing, fp32_copy
+from harness.frameworks.deepspeed.common import DeepSpeedBase, configure_checkpointing, fp32_copy
 from harness.model.llama import Llama, ReferenceWeights, lm_loss, load_reference, shape_rotary
 
 PARTITION = "harness.engine.partition.balanced_partition (the own engine's), as explicit layer boundaries"

@@ -1,11 +1,9 @@
 """Adapter for engine single, the one-process reference every layout and framework is checked
-against: what it runs, declared without importing torch; the engine is single_engine.py."""
+against: what it runs, declared without importing torch; the engine is single/engine.py."""
 
 from __future__ import annotations
 
-from harness.errors import SpecError
-from harness.frameworks import ONLY_DEEPSPEED, ONLY_OWN
-from harness.registry import EngineFacts
+from harness.registry import ONLY_DEEPSPEED, ONLY_OWN, EngineFacts
 
 _ONE_PROCESS = "engine single is one process: set tp=cp=pp=dp=1"
 ENGINE = EngineFacts(
@@ -17,11 +15,3 @@ ENGINE = EngineFacts(
     launcher="direct",
     one_process=True,
 )
-
-
-def build(spec, shape, ctx):
-    from harness.frameworks.single_engine import SingleDeviceEngine
-
-    if ctx.world_size != 1:
-        raise SpecError("layout.engine", "single runs in one process; use own, deepspeed or fsdp for more")
-    return SingleDeviceEngine(spec, shape, ctx.device)

@@ -4,7 +4,7 @@ rank's micro-batches, the weights gathered on rank 0, the memory census, the che
 was skipped, and the common part of describe().
 
 The precision policy (harness.model.training.PrecisionPolicy) reaches DeepSpeed through its
-config (ds_config.py): bf16.enabled, data_types.grad_accum_dtype, communication_data_type and
+config (deepspeed/config.py): bf16.enabled, data_types.grad_accum_dtype, communication_data_type and
 bf16.check_grad_overflow false. What DeepSpeed 0.19.8 then holds on a rank under bf16 (P
 parameters, d data-parallel ranks; read from runtime/zero/stage_1_and_2.py, bf16_optimizer.py,
 zero/stage3.py):
@@ -29,7 +29,7 @@ import torch
 
 from harness.data.source import dp_slice, micro_batches
 from harness.errors import NonFiniteStep
-from harness.frameworks.ds_config import build_config
+from harness.frameworks.deepspeed.config import build_config
 from harness.measure import CensusAtStep, optimizer_state_tensors
 from harness.model.training import precision_policy
 from harness.parallel_dims import ParallelDims

@@ -18,7 +18,7 @@ Every parameter becomes a DTensor on the tp mesh (replicated ones included), so 
 shards all of them on one 2-D (dp, tp) mesh and one global gradient norm covers them all.
 
 Precision: the collectives run in the dtype of what they carry. Under bf16 FSDP2 gathers the
-parameters in bf16 (MixedPrecisionPolicy.param_dtype, harness/frameworks/fsdp_engine.py), so the
+parameters in bf16 (MixedPrecisionPolicy.param_dtype, harness/frameworks/fsdp/engine.py), so the
 activations and their gradients are bf16 and so is every TP/SP collective on them (all-reduce,
 reduce-scatter, all-gather), as in Megatron. The sequence-parallel norms' weight gradients
 (partial sums over tp) are all-reduced over tp when FSDP2 takes them for its own reduction

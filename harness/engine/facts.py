@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from harness.errors import CapabilityError
-from harness.frameworks import ONLY_DEEPSPEED, tied_across_stages
-from harness.registry import EngineFacts
-from harness.spec import check_world_size
+from harness.registry import ONLY_DEEPSPEED, EngineFacts, tied_across_stages
 
 BLOCK_KERNELS = ("naive", "sdpa")   # what ring and allgather blocks compute (sdpa: on CPU only)
 
 
-def _blockwise_cp(lay) -> bool:
+def blockwise_cp(lay) -> bool:
     return lay.cp > 1 and lay.cp_impl in ("ring", "allgather")
 
 
@@ -19,7 +16,7 @@ ENGINE = EngineFacts(
     capabilities=[("zero_stage", lambda lay: lay.zero_stage in (0, 1), "the own engine has ZeRO stage 0 or 1"),
                   # ring and allgather run their blocks with naive's masked fp32 math, or sdpa's CPU flash
                   # kernel (harness.engine.context_parallel); ulysses runs any kernel on its head shard
-                  ("attention", lambda lay: not _blockwise_cp(lay) or lay.attention in BLOCK_KERNELS,
+                  ("attention", lambda lay: not blockwise_cp(lay) or lay.attention in BLOCK_KERNELS,
                    "the own engine's context parallelism with cp_impl ring or allgather computes attention "
                    "blocks with naive's fp32 math or sdpa's CPU flash kernel: it needs attention naive or sdpa"),
                   *ONLY_DEEPSPEED],
@@ -29,16 +26,3 @@ ENGINE = EngineFacts(
         lambda s, lay: not s.tie_embeddings or lay.pp * lay.virtual_stages == 1)],
     label=lambda lay: f"own ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "own",
 )
-
-
-def build(spec, shape, ctx):
-    from harness.engine.engine import Engine3D
-
-    check_world_size(spec, ctx.world_size)
-    lay = spec.layout
-    if _blockwise_cp(lay) and lay.attention == "sdpa" and ctx.device.type != "cpu":
-        # the device is known only here (workload.device auto): refused before anything is built
-        raise CapabilityError("layout.attention", f"the own engine's cp_impl {lay.cp_impl} runs sdpa blocks only on "
-                                                  f"CPU (torch's CPU flash kernel); on {ctx.device.type} use "
-                                                  "attention naive or cp_impl ulysses")
-    return Engine3D(spec, shape, ctx)

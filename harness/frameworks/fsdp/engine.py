@@ -5,8 +5,8 @@ created with init_device_mesh on the existing process group; then, in this order
 
   pp  torch.distributed.pipelining: the plain model cut into stage modules of its own pieces,
       PipelineStage per stage, ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B
-      (virtual_stages stages per rank) over the mesh's pp dimension (native_pipeline.py);
-  tp  DTensor parallelize_module with the Colwise/Rowwise/SequenceParallel plan (native_tp.py);
+      (virtual_stages stages per rank) over the mesh's pp dimension (fsdp/pipeline.py);
+  tp  DTensor parallelize_module with the Colwise/Rowwise/SequenceParallel plan (fsdp/tp.py);
   ac  `full` wraps every block with torch's checkpoint_wrapper (non-reentrant); `selective` is
       the model's own attention-core recomputation;
   dp  FSDP2 `fully_shard` over the mesh's dp dimension, every block and then the root (the model,
@@ -21,7 +21,7 @@ created with init_device_mesh on the existing process group; then, in this order
       rotary positions those of the same chunks (Llama(cp=, cp_index=)), the loss the rank's
       tokens' mean, averaged over dp x cp by FSDP2's reduce-scatter.
 
-Same as the reference (harness/frameworks/single_engine.py): initial weights (built on the meta device,
+Same as the reference (harness/frameworks/single/engine.py): initial weights (built on the meta device,
 sharded, then each rank copies its shard of ReferenceWeights in, one tensor at a time), tokens
 (the step's global batch, the contiguous slice of this rank's dp coordinate: every tp rank and
 pp stage with the same dp coordinate takes the same rows), loss/len(micro) accumulation
@@ -111,7 +111,7 @@ class FSDPEngine:
         self.pipeline = None
         with torch.device("meta"):
             if lay.pp > 1:
-                from harness.frameworks.native_pipeline import split_model
+                from harness.frameworks.fsdp.pipeline import split_model
 
                 self.parts, plans = split_model(spec, shape, self.coord.pp, **build)
             else:
@@ -123,7 +123,7 @@ class FSDPEngine:
             if options.load_weights:
                 _load_reference_shards(part, reference)
         if plans is not None:
-            from harness.frameworks.native_pipeline import Pipeline
+            from harness.frameworks.fsdp.pipeline import Pipeline
 
             self.pipeline = Pipeline(self.parts, plans, spec, shape, self.mesh["pp"].get_group(), ctx.device,
                                      self.policy.compute)
@@ -142,7 +142,7 @@ class FSDPEngine:
 
         lay = self.spec.layout
         if lay.tp > 1:
-            from harness.frameworks.native_tp import apply_tensor_parallel
+            from harness.frameworks.fsdp.tp import apply_tensor_parallel
 
             apply_tensor_parallel(part, self.mesh["tp"], lay.sequence_parallel)
             # with tied embeddings the plan made the embedding (RowwiseParallel) and the head
@@ -331,7 +331,7 @@ class FSDPEngine:
         return dict(self._details)
 
     def describe(self) -> dict:
-        from harness.frameworks.native_tp import describe_plan
+        from harness.frameworks.fsdp.tp import describe_plan
 
         lay = self.spec.layout
         return {

@@ -5,7 +5,7 @@ Megatron-core (megatron-core 0.16, its local layer spec, no Transformer Engine) 
   parallel_state.initialize_model_parallel(tp, pp, vp), order tp-cp-ep-dp-pp: tp innermost, then dp,
       then pp, the harness's rank order (harness/parallel_dims.py; checked against it at build);
   GPTModel per model chunk (virtual_stages chunks per pipeline rank under the interleaved schedule), built
-      from megatron_spec.py (TransformerConfig as the workload's LLaMA, the local spec with our RMSNorm);
+      from megatron/layer_spec.py (TransformerConfig as the workload's LLaMA, the local spec with our RMSNorm);
   Float16Module under bf16; DistributedDataParallel around each chunk (no overlap; the main gradients in
       its contiguous buffer), with use_distributed_optimizer for zero_stage 1;
   get_forward_backward_func(): forward_backward_no_pipelining, the 1F1B schedule or the interleaved one,
@@ -14,8 +14,8 @@ Megatron-core (megatron-core 0.16, its local layer spec, no Transformer Engine) 
       Float16OptimizerWithFloat16Params (bf16, ZeRO-0) or DistributedOptimizer (ZeRO-1); it clips by the
       global norm over every rank (Megatron's clip_grad_norm_fp32) before the step.
 
-The same workload as the reference (single_engine.py): the reference weights mapped into each rank's
-parameters (megatron_weights.py), over Megatron's own initialisation;
+The same workload as the reference (single/engine.py): the reference weights mapped into each rank's
+parameters (megatron/weights.py), over Megatron's own initialisation;
 the tokens (every rank takes the step's global batch, its dp coordinate's contiguous rows, micro-batches of
 micro_batch_size in order); the loss, each micro-batch's token mean, divided by the micro-batch count by
 Megatron's schedule and averaged over dp by its DDP: the global token mean; AdamW with the workload's
@@ -78,7 +78,7 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.module import Float16Module
 
-        from harness.frameworks.megatron_spec import block_spec, transformer_config
+        from harness.frameworks.megatron.layer_spec import block_spec, transformer_config
 
         w, lay, shape = self.spec.workload, self.spec.layout, self.shape
         self.vp = lay.virtual_stages if lay.pipeline_schedule == "interleaved" and lay.pp > 1 else 1
@@ -286,7 +286,7 @@ class MegatronEngine:
 
     def describe(self) -> dict:
         lay = self.spec.layout
-        where = "on CPU through the device shim (harness/frameworks/megatron_shim.py)" if self.shimmed else \
+        where = "on CPU through the device shim (harness/frameworks/megatron/shim.py)" if self.shimmed else \
             f"on {self.device.type.upper()}"
         return {
             "framework": f"megatron-core {VERSION} {where}",

@@ -49,7 +49,7 @@ def loss_divisor(zero_stage: int, cp: int) -> int:
     group by its size / sequence_parallel_size (stage_1_and_2.py: average_tensor, allreduce_bucket),
     the sum over dp of the cp ranks' shares: divide by cp. ZeRO-3's reduce-scatter
     (stage3.py: __avg_scatter_grads, the path of reduce_scatter true) divides by the whole group
-    (dp x cp), the mean of the cp ranks' means: divide by 1 (ds_config.py refuses reduce_scatter
+    (dp x cp), the mean of the cp ranks' means: divide by 1 (deepspeed/config.py refuses reduce_scatter
     false with cp: ZeRO-3's contiguous path would divide by dp).
     Measured (tests/test_deepspeed_cp.py): with cp for every stage, ZeRO-3 reports half ZeRO-2's
     gradient norm and misses the reference's weights."""

@@ -1,9 +1,9 @@
 """engine: deepspeed - the same LLaMA under deepspeed.initialize: ZeRO stage 1, 2 or 3, with
 DeepSpeed's AutoTP tensor parallelism when tp > 1, its Ulysses sequence parallelism when cp > 1
-(DistributedAttention, harness/frameworks/deepspeed_ulysses.py); pp > 1 runs DeepSpeed's pipeline
-engine (harness/frameworks/deepspeed_pipe.py).
+(DistributedAttention, harness/frameworks/deepspeed/ulysses.py); pp > 1 runs DeepSpeed's pipeline
+engine (harness/frameworks/deepspeed/pipe.py).
 
-What is the same as the reference (harness/frameworks/single_engine.py):
+What is the same as the reference (harness/frameworks/single/engine.py):
   - initial weights: harness.model.llama.ReferenceWeights(shape, seed), loaded before DeepSpeed
     partitions (ZeRO) or shards (AutoTP) them;
   - tokens: every rank builds the step's global batch and takes its contiguous slice by its
@@ -18,16 +18,16 @@ What is the same as the reference (harness/frameworks/single_engine.py):
   - the precision policy (workload.precision, grad_accum_dtype, grad_reduce_dtype): under bf16
     both compute with bf16 parameters and keep fp32 masters and Adam states; DeepSpeed is
     configured to it through bf16.enabled, data_types.grad_accum_dtype, communication_data_type
-    and bf16.check_grad_overflow false (ds_config.py), and describe() says how
+    and bf16.check_grad_overflow false (deepspeed/config.py), and describe() says how
     (precision_policy: the reference's sentence; precision_config: DeepSpeed's keys and the
     wrapper they chose). Losses agree within ~5e-5 relative (tests/test_census_deepspeed.py).
 What differs, and is said in describe():
   - how much each ZeRO stage holds beside the policy's minimum (memory_census(), by category and
-    dtype; deepspeed_common.py has the closed forms): e.g. BF16_Optimizer at ZeRO-1 keeps every
+    dtype; deepspeed/common.py has the closed forms): e.g. BF16_Optimizer at ZeRO-1 keeps every
     bf16 .grad and an fp32 gradient buffer of the whole model;
   - activation checkpointing `full` uses deepspeed.checkpointing.checkpoint per block;
     `selective` is the model's own attention-core recomputation (DeepSpeed has no such mode).
-  - tp > 1: AutoTP shards the block's linears (deepspeed_tp.py); embedding and LM head stay
+  - tp > 1: AutoTP shards the block's linears (deepspeed/tp.py); embedding and LM head stay
     replicated, where the own engine shards them by vocabulary.
 """
 
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from harness.frameworks import gather_on_rank0
-from harness.frameworks.deepspeed_common import DeepSpeedBase, configure_checkpointing, fp32_copy
+from harness.frameworks.deepspeed.common import DeepSpeedBase, configure_checkpointing, fp32_copy
 
 CHECKPOINTING = {"none": "none", "full": "deepspeed.checkpointing.checkpoint per block",
                  "selective": "model's attention-core recomputation (torch checkpoint)"}
@@ -52,24 +52,24 @@ class DeepSpeedEngine(DeepSpeedBase):
         ckpt = lay.activation_checkpointing
         mpu, kernels = None, None
         self.cp, self.cp_index, self.loss_divisor = lay.cp, 0, 1
-        if lay.cp > 1:  # Ulysses (deepspeed_ulysses.py); AutoTP and hf are refused with it (deepspeed_adapter)
-            from harness.frameworks.deepspeed_ulysses import loss_divisor, sequence_groups, ulysses_kernels
+        if lay.cp > 1:  # Ulysses (deepspeed/ulysses.py); AutoTP and hf are refused with it (deepspeed_adapter)
+            from harness.frameworks.deepspeed.ulysses import loss_divisor, sequence_groups, ulysses_kernels
 
             mpu = sequence_groups(self.dims, ctx.rank)
             self.cp_index = mpu.get_sequence_parallel_rank()
             kernels = ulysses_kernels(lay, shape, w.seq_len, lay.cp, mpu.get_sequence_parallel_group())
             self.loss_divisor = loss_divisor(self.stage, lay.cp)
         else:
-            from harness.frameworks.deepspeed_ulysses import forget_sequence_groups
+            from harness.frameworks.deepspeed.ulysses import forget_sequence_groups
 
             forget_sequence_groups()
         if lay.tp > 1:
-            from harness.frameworks.deepspeed_tp import add_tp_plan, tp_groups
+            from harness.frameworks.deepspeed.tp import add_tp_plan, tp_groups
 
             add_tp_plan(self.config, lay.model_impl)
             mpu = tp_groups(lay.tp)
         if lay.model_impl == "hf":  # refused by the spec (deepspeed_adapter.ENGINE)
-            from harness.frameworks.hf_llama import build_hf_llama
+            from harness.frameworks.deepspeed.hf_llama import build_hf_llama
 
             model = build_hf_llama(shape, w.seed, lay.attention, device=ctx.device)
         elif self.stage == 3:
@@ -138,7 +138,7 @@ class DeepSpeedEngine(DeepSpeedBase):
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         for inputs, targets in micro:
             if self.cp > 1:
-                from harness.frameworks.deepspeed_ulysses import rank_tokens
+                from harness.frameworks.deepspeed.ulysses import rank_tokens
 
                 inputs, targets = rank_tokens(inputs, targets, self.cp, self.cp_index)
             logits = self.engine(inputs)
@@ -160,7 +160,7 @@ class DeepSpeedEngine(DeepSpeedBase):
         every rank takes part in the gathers."""
         tp = self.spec.layout.tp > 1
         if tp:
-            from harness.frameworks.deepspeed_tp import gather_tp_shards
+            from harness.frameworks.deepspeed.tp import gather_tp_shards
         mine = {}
         for name, param in self.params:
             full = fp32_copy(param)
@@ -171,7 +171,7 @@ class DeepSpeedEngine(DeepSpeedBase):
 
     def _plain_name(self, name: str) -> str:
         if self.spec.layout.model_impl == "hf":
-            from harness.frameworks.hf_llama import from_hf_name
+            from harness.frameworks.deepspeed.hf_llama import from_hf_name
 
             return from_hf_name(name[len("hf."):])
         return name
@@ -181,12 +181,12 @@ class DeepSpeedEngine(DeepSpeedBase):
         d = self.describe_common()
         d["activation_checkpointing"] = CHECKPOINTING[lay.activation_checkpointing]
         if lay.tp > 1:
-            from harness.frameworks.deepspeed_tp import SHARDED, sharded_names
+            from harness.frameworks.deepspeed.tp import SHARDED, sharded_names
 
             d["tensor_parallel"] = f"DeepSpeed AutoTP training, autotp_size {lay.tp}: {SHARDED}"
             d["autotp_sharded_parameters"] = len(sharded_names(self.params))
         if lay.cp > 1:
-            from harness.frameworks.deepspeed_ulysses import describe_ulysses
+            from harness.frameworks.deepspeed.ulysses import describe_ulysses
 
             d["context_parallel"] = describe_ulysses(lay, self.loss_divisor)
         return d

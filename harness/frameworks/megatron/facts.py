@@ -1,12 +1,10 @@
 """Adapter for engine megatron, Megatron-core itself (GPTModel on its local layer spec, parallel_state,
 its schedules, DistributedDataParallel and DistributedOptimizer): what it runs, declared without importing
-torch or Megatron; the engine is harness/frameworks/megatron_engine.py (on CPU through megatron_shim.py)."""
+torch or Megatron; the engine is harness/frameworks/megatron/engine.py (on CPU through megatron/shim.py)."""
 
 from __future__ import annotations
 
-from harness.frameworks import ONLY_DEEPSPEED, ONLY_OWN
-from harness.registry import EngineFacts
-from harness.spec import check_world_size
+from harness.registry import ONLY_DEEPSPEED, ONLY_OWN, EngineFacts
 
 # Megatron-core's llama3 rope scaling takes only the factor; the rest is fixed
 # (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling).
@@ -52,10 +50,3 @@ ENGINE = EngineFacts(
     ],
     label=lambda lay: "megatron DistOpt" if lay.get("zero_stage") else "megatron",
 )
-
-
-def build(spec, shape, ctx):
-    from harness.frameworks.megatron_engine import MegatronEngine
-
-    check_world_size(spec, ctx.world_size)
-    return MegatronEngine(spec, shape, ctx)

@@ -1,15 +1,11 @@
 """Adapter for engine deepspeed (ZeRO 1/2/3, AutoTP, Ulysses, its pipeline engine): what it runs,
-declared without importing torch or DeepSpeed; the engines are deepspeed_engine.py (ZeRO, AutoTP,
-Ulysses through deepspeed_ulysses.py) and deepspeed_pipe.py (PipelineModule)."""
+declared without importing torch or DeepSpeed; the engines are deepspeed/engine.py (ZeRO, AutoTP,
+Ulysses through deepspeed/ulysses.py) and deepspeed/pipe.py (PipelineModule)."""
 
 from __future__ import annotations
 
-import os
-
-from harness.frameworks import ONLY_OWN, tied_across_stages
-from harness.frameworks.ds_config import validate
-from harness.registry import EngineFacts
-from harness.spec import check_world_size
+from harness.frameworks.deepspeed.config import validate
+from harness.registry import ONLY_OWN, EngineFacts, tied_across_stages
 
 ENGINE = EngineFacts(
     name="deepspeed",
@@ -55,15 +51,3 @@ ENGINE = EngineFacts(
     launcher="deepspeed",
     preflight=validate,
 )
-
-
-def build(spec, shape, ctx):
-    check_world_size(spec, ctx.world_size)
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
-    if spec.layout.pp > 1:
-        from harness.frameworks.deepspeed_pipe import DeepSpeedPipelineEngine
-
-        return DeepSpeedPipelineEngine(spec, shape, ctx)
-    from harness.frameworks.deepspeed_engine import DeepSpeedEngine
-
-    return DeepSpeedEngine(spec, shape, ctx)

@@ -1,0 +1,1 @@
+"""Engine deepspeed: facts.py (what it runs, no torch import), adapter.py (build), and its heavy modules."""
