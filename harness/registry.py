@@ -1,14 +1,15 @@
-"""The engines: one line per engine (its name and its adapter module), and EngineFacts, what each
-adapter declares at its top as `ENGINE = EngineFacts(...)`: which layouts it runs, where it cannot
-follow the precision policy or build the model, its label, how it is launched.
+"""The engines: one line per engine (its name and its package), and EngineFacts, what each engine
+declares in its package's facts.py as `ENGINE = EngineFacts(...)`: the fields it honours and their
+values (opt-in: any other field not at its default is refused), its defaults where a field must
+differ, which layouts it runs, where it cannot follow the precision policy or build the model, its
+label, how it is launched, whether `harness memory` traces it and whether the planner models it.
 
-Adding an engine is its adapter module plus one line in ENGINES. The spec, build_engine, compare,
-sweeps and reports ask `facts(name)`; `layout.engine` takes ENGINES' names. The adapters lie above
-the spec (they import torch and the model), yet the spec's checks need their facts: reaching up to
-them by module name, on first use, is this module's one job. It imports no adapter itself, so
-`import harness.spec` stays light; an adapter is imported when a check or a label first needs its
-facts. single, deepspeed and fsdp import torch at their top (own.py does not: its build imports the
-engine), so the first such lookup in a process without torch costs torch's import (about 1 s).
+Adding an engine is its package (facts.py, adapter.py with build(), its heavy modules) plus one line
+in ENGINES. The spec, build_engine, compare, sweeps, reports, the planner and the memory trace ask
+`facts(name)`; `layout.engine` takes ENGINES' names. The engines lie above the spec (they import
+torch and the model), yet the spec's checks need their facts: reaching up to them by module name,
+on first use, is this module's one job. It imports no engine itself, and facts.py imports no torch,
+so `import harness.spec` and reading every engine's facts stay light.
 """
 
 from __future__ import annotations
@@ -27,6 +28,44 @@ ENGINES: dict[str, str] = {
     "fsdp": "harness.frameworks.fsdp",
     "megatron": "harness.frameworks.megatron",
 }
+
+@dataclass(frozen=True)
+class Honoured:
+    """A field an engine honours: the values it runs (None: every value the field takes) and, where
+    it runs only some, why. A field at its default is never refused (it asks for nothing)."""
+
+    values: tuple | None = None
+    why: str = ""
+
+
+ANY = Honoured()
+
+
+def only(*values, why: str) -> Honoured:
+    """The field is honoured with these values only; `why` is the one-line reason for the others."""
+    return Honoured(tuple(values), why)
+
+
+# What every engine honours: the workload is the same for every engine (model, batch, steps, optimizer,
+# the precision policy, data, device; where an engine cannot follow the policy, its precision_limits say
+# so), and every engine splits the batch into micro-batches. A field added to harness.spec's Workload or
+# Layout is in no engine's list until an engine declares it: until then, any value but its default is
+# refused in one line.
+EVERY_ENGINE: dict[str, Honoured] = {
+    **{f"workload.{name}": ANY for name in (
+        "model", "model_overrides", "seq_len", "global_batch_size", "steps", "warmup_steps", "precision",
+        "grad_accum_dtype", "grad_reduce_dtype", "optimizer", "grad_clip", "seed", "data", "device")},
+    "layout.engine": ANY, "layout.micro_batch_size": ANY,
+}
+
+
+# Better words than "does not use it" for the fields only one engine has ({engine}: the refusing one).
+ONE_ENGINES_FIELDS: dict[str, str] = {
+    "layout.ds_config": "only for engine deepspeed",
+    "layout.model_impl": "hf (transformers' LlamaForCausalLM) is for engine deepspeed",
+    "layout.pipeline_p2p": "chooses the own engine's pipeline transfers; engine {engine} has its own",
+}
+
 
 # A rule: (field, takes(...), why not). The first rule a spec breaks is the error; `why` may name
 # {engine}. Fields are the Layout's (capabilities, batch limits) or the Workload's (precision limits).
@@ -61,9 +100,46 @@ class EngineFacts:
     # checks of its own files (spec) -> None, raising SpecError, run by every rank before anything is
     # built (a ds_config that contradicts the workload is a spec error, not a failed run)
     preflight: typing.Callable[..., None] | None = None
+    # the fields it honours, "layout.<field>" or "workload.<field>", with the values it runs (opt-in: a
+    # field missing here is refused unless at its default); why_not: a better reason than "does not use
+    # it" for a field it does not honour
+    honours: dict[str, Honoured] = field(default_factory=lambda: dict(EVERY_ENGINE))
+    why_not: dict[str, str] = field(default_factory=dict)
+    # where its default differs from the field's (megatron's attention); a spec that does not give the
+    # field takes this one, and the compare report's differing-fields column shows it
+    defaults: dict[str, typing.Any] = field(default_factory=dict)
+    # the harness.memtrace module that traces one rank of its step on fake tensors (`harness memory`);
+    # None: not traceable, and untraced says why
+    tracer: str | None = None
+    untraced: str = ""
 
     def variant(self, layout: dict) -> str:
         return self.label(layout) if self.label is not None else self.name
+
+    def default(self, path: str, general):
+        """The value a spec that does not give field `path` takes under this engine."""
+        return self.defaults.get(path, general)
+
+    def refuses(self, path: str, value, default) -> str | None:
+        """Why this engine refuses `value` for field `path` ("layout.cp"), whose default is `default`
+        (this engine's); None if it runs it."""
+        if value == default:
+            return None
+        honoured = self.honours.get(path)
+        if honoured is None:
+            why = self.why_not.get(path) or ONE_ENGINES_FIELDS.get(path) or "engine {engine} does not use it"
+            return why.format(engine=self.name)
+        if honoured.values is not None and value not in honoured.values:
+            return (honoured.why or f"engine {self.name} runs {', '.join(map(str, honoured.values))} only"
+                    ).format(engine=self.name)
+        return None
+
+    def runs(self, path: str, values) -> list:
+        """Those of `values` this engine runs for field `path` (the planner's candidates)."""
+        honoured = self.honours.get(path)
+        if honoured is None:
+            return []
+        return [v for v in values if honoured.values is None or v in honoured.values]
 
 
 def known(name) -> bool:
@@ -94,18 +170,6 @@ def adapter(name: str):
     """The engine's adapter module (its build(spec, shape, ctx))."""
     facts(name)
     return importlib.import_module(ENGINES[name] + ".adapter")
-
-
-# Fields only one engine takes: every other engine refuses them (each lists them where its order of
-# checks puts them).
-ONLY_DEEPSPEED: list[Rule] = [
-    ("ds_config", lambda lay: not lay.ds_config, "only for engine deepspeed"),
-    ("model_impl", lambda lay: lay.model_impl == "own", "hf (transformers' LlamaForCausalLM) is for engine deepspeed"),
-]
-ONLY_OWN: list[Rule] = [
-    ("pipeline_p2p", lambda lay: lay.pipeline_p2p == "auto",
-     "chooses the own engine's pipeline transfers; engine {engine} has its own"),
-]
 
 
 def tied_across_stages(what: str, engine: str, takes) -> ModelRule:

@@ -244,12 +244,27 @@ def build_spec(cls, raw: dict, prefix: str):
     return cls(**values)
 
 
+def with_engine_defaults(raw: dict) -> dict:
+    """`raw` with the layout fields it does not give at its engine's defaults where they differ from the
+    field's (EngineFacts.defaults: megatron's attention); an unknown engine is left to the builder."""
+    layout = raw.get("layout")
+    engine = layout.get("engine", Layout.engine) if isinstance(layout, dict) else Layout.engine
+    if not registry.available(engine):
+        return raw
+    own = {path.split(".", 1)[1]: value for path, value in registry.facts(engine).defaults.items()
+           if path.startswith("layout.")}
+    if not own:
+        return raw
+    given = layout if isinstance(layout, dict) else {}
+    return {**raw, "layout": {**{k: v for k, v in own.items() if k not in given}, **given}}
+
+
 def parse_spec(raw: dict | None) -> RunSpec:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise SpecError("spec", "top level must be a mapping")
-    spec = build_spec(RunSpec, raw, "")
+    spec = build_spec(RunSpec, with_engine_defaults(raw), "")
     shape_types = typing.get_type_hints(Shape)
     spec.workload.model_overrides = {  # numbers as in the other fields (`layers: 1e9` is a string to YAML 1.1)
         k: _coerce(v, shape_types[k], f"workload.model_overrides.{k}") if k in shape_types else v
@@ -452,6 +467,7 @@ def check_sizes(spec: RunSpec) -> Shape:
     for name in ("grad_accum_dtype", "grad_reduce_dtype"):
         if w.precision == "fp32" and getattr(w, name) != "fp32":
             raise SpecError(f"workload.{name}", "bf16 gradients need precision: bf16")
+    check_honoured(w, lay)
     check_capabilities(lay)
     check_precision_policy(w, lay)
     check_model_limits(shape, lay)
@@ -587,8 +603,34 @@ def check_precision_policy(w: Workload, lay: Layout) -> None:
             raise CapabilityError(f"workload.{name}", why.format(engine=lay.engine))
 
 
+def honoured_error(w: Workload | None, lay: Layout) -> CapabilityError | None:
+    """The first field the chosen engine does not honour at its value (EngineFacts.honours: opt-in, so a
+    field no engine declares is refused unless at its default), or None; w None: the layout's only."""
+    facts = registry.facts(lay.engine)
+    for prefix, spec_part in (("layout", lay), ("workload", w)):
+        if spec_part is None:
+            continue
+        for f in dataclasses.fields(spec_part):
+            path = f"{prefix}.{f.name}"
+            general = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            why = facts.refuses(path, getattr(spec_part, f.name), facts.default(path, general))
+            if why is not None:
+                return CapabilityError(path, why)
+    return None
+
+
+def check_honoured(w: Workload, lay: Layout) -> None:
+    error = honoured_error(w, lay)
+    if error is not None:
+        raise error
+
+
 def capability_error(lay: Layout) -> CapabilityError | None:
-    """Why the chosen engine cannot run this layout (the first rule it breaks), or None."""
+    """Why the chosen engine cannot run this layout (a field it does not honour, else the first rule it
+    breaks), or None."""
+    error = honoured_error(None, lay)
+    if error is not None:
+        return error
     for name, takes, why in registry.facts(lay.engine).capabilities:
         if not takes(lay):
             return CapabilityError(f"layout.{name}", why.format(engine=lay.engine))

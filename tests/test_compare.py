@@ -333,7 +333,7 @@ def test_a_cp_impl_at_cp1_changes_no_row_and_old_records_render_as_before(tmp_pa
     """A run without context parallelism is one row whatever its cp_impl, and a record written before cp
     existed (no cp, no cp_impl) lands in the same row as a new cp1 run, with no cp field shown as differing."""
     cs = parse_compare_spec(compare_raw([{"engine": "own", "label": "a"},
-                                         {"engine": "fsdp", "label": "b", "cp_impl": "ulysses"}], reference=False))
+                                         {"engine": "fsdp", "label": "b", "cp_impl": "allgather"}], reference=False))
     results = {r.label: ("ok", REF, {}) for r in cs.runs}
     summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
                              launch_fn=fake_launcher(results))

@@ -17,10 +17,11 @@ from harness.report.compare import layout_matrix
 from harness.spec import Layout, Workload, engine_variant, parse_spec
 
 TOY_FACTS = '''
-from harness.registry import EngineFacts
+from harness.registry import ANY, EVERY_ENGINE, EngineFacts
 
 ENGINE = EngineFacts(
     name="toy",
+    honours={**EVERY_ENGINE, "layout.dp": ANY, "layout.tp": ANY},
     capabilities=[("tp", lambda l: l.tp == 1, "engine {engine} has no tensor parallelism")],
     label=lambda lay: "toy engine",
 )

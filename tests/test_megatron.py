@@ -64,7 +64,8 @@ def _train(ctx, runs: list[dict]) -> list[dict]:
     """Each run's engine in turn under the shim's tripwire: losses, final weights, census, describe,
     and the torch.cuda functions reached that the shim does not cover."""
     from harness.data.source import token_source
-    from harness.frameworks import build_engine, megatron_shim
+    from harness.frameworks import build_engine
+    from harness.frameworks.megatron import shim as megatron_shim
     from harness.spec import parse_spec
 
     out = []

@@ -1,4 +1,4 @@
-"""What both DeepSpeed engines share (deepspeed_engine: ZeRO with AutoTP; deepspeed_pipe: the
+"""What both DeepSpeed engines share (engine.py: ZeRO with AutoTP; pipe.py: the
 pipeline engine): the config, DeepSpeed's communication on the harness's process group, this
 rank's micro-batches, the weights gathered on rank 0, the memory census, the check that no step
 was skipped, and the common part of describe().

@@ -52,7 +52,7 @@ class DeepSpeedEngine(DeepSpeedBase):
         ckpt = lay.activation_checkpointing
         mpu, kernels = None, None
         self.cp, self.cp_index, self.loss_divisor = lay.cp, 0, 1
-        if lay.cp > 1:  # Ulysses (deepspeed/ulysses.py); AutoTP and hf are refused with it (deepspeed_adapter)
+        if lay.cp > 1:  # Ulysses (deepspeed/ulysses.py); AutoTP and hf are refused with it (deepspeed/facts.py)
             from harness.frameworks.deepspeed.ulysses import loss_divisor, sequence_groups, ulysses_kernels
 
             mpu = sequence_groups(self.dims, ctx.rank)
@@ -68,7 +68,7 @@ class DeepSpeedEngine(DeepSpeedBase):
 
             add_tp_plan(self.config, lay.model_impl)
             mpu = tp_groups(lay.tp)
-        if lay.model_impl == "hf":  # refused by the spec (deepspeed_adapter.ENGINE)
+        if lay.model_impl == "hf":  # refused by the spec (deepspeed/facts.py)
             from harness.frameworks.deepspeed.hf_llama import build_hf_llama
 
             model = build_hf_llama(shape, w.seed, lay.attention, device=ctx.device)

@@ -1,17 +1,26 @@
-"""Adapter for engine deepspeed (ZeRO 1/2/3, AutoTP, Ulysses, its pipeline engine): what it runs,
-declared without importing torch or DeepSpeed; the engines are deepspeed/engine.py (ZeRO, AutoTP,
-Ulysses through deepspeed/ulysses.py) and deepspeed/pipe.py (PipelineModule)."""
+"""What engine deepspeed (ZeRO 1/2/3, AutoTP, Ulysses, its pipeline engine) runs, declared without
+importing torch or DeepSpeed; adapter.py builds engine.py (ZeRO, AutoTP, Ulysses through ulysses.py)
+or pipe.py (PipelineModule)."""
 
 from __future__ import annotations
 
 from harness.frameworks.deepspeed.config import validate
-from harness.registry import ONLY_OWN, EngineFacts, tied_across_stages
+from harness.registry import ANY, EVERY_ENGINE, EngineFacts, only, tied_across_stages
+
+ULYSSES = "DeepSpeed's context parallelism is Ulysses (DistributedAttention): set cp_impl: ulysses"
 
 ENGINE = EngineFacts(
     name="deepspeed",
+    honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
+        "tp", "pp", "dp", "cp", "activation_checkpointing", "attention", "rmsnorm", "zero_stage", "ds_config",
+        "model_impl")},
+             "layout.cp_impl": only("ulysses", why=ULYSSES),
+             "layout.pipeline_schedule": only("1f1b", why=(
+                 "DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only"))},
+    why_not={"layout.sequence_parallel": "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights "
+                                         "only)"},
     capabilities=[
-        ("cp_impl", lambda lay: lay.cp == 1 or lay.cp_impl == "ulysses",
-         "DeepSpeed's context parallelism is Ulysses (DistributedAttention): set cp_impl: ulysses"),
+        ("cp_impl", lambda lay: lay.cp == 1 or lay.cp_impl == "ulysses", ULYSSES),
         ("cp", lambda lay: lay.cp == 1 or lay.pp == 1,
          "DeepSpeed's pipeline engine has no sequence-parallel groups (Ulysses): set pp=1 with cp > 1"),
         ("cp", lambda lay: lay.cp == 1 or lay.tp == 1,
@@ -23,11 +32,6 @@ ENGINE = EngineFacts(
          "DeepSpeed's pipeline engine (pp > 1) runs with ZeRO stage 0 or 1 only"),
         ("tp", lambda lay: lay.tp == 1 or lay.pp == 1,
          "DeepSpeed's tensor parallelism (AutoTP) does not combine with its pipeline engine: set tp=1 or pp=1"),
-        ("sequence_parallel", lambda lay: not lay.sequence_parallel,
-         "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights only)"),
-        ("pipeline_schedule", lambda lay: lay.pp == 1 or lay.pipeline_schedule == "1f1b",
-         "DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only"),
-        ("virtual_stages", lambda lay: lay.virtual_stages == 1, "DeepSpeed's pipeline engine has no virtual stages"),
         ("model_impl", lambda lay: lay.model_impl == "own" or lay.pp == 1,
          "hf (transformers' LlamaForCausalLM) is not a pipeline of layers: use model_impl own with pp > 1"),
         ("activation_checkpointing", lambda lay: lay.model_impl == "own" or lay.activation_checkpointing != "selective",
@@ -35,8 +39,7 @@ ENGINE = EngineFacts(
         ("attention", lambda lay: lay.model_impl == "own" or lay.attention in ("naive", "sdpa"),
          "model_impl hf runs attention naive (eager) or sdpa"),
         ("rmsnorm", lambda lay: lay.model_impl == "own" or lay.rmsnorm == "torch",
-         "model_impl hf runs transformers' own RMSNorm: rmsnorm fused needs model_impl own"),
-        *ONLY_OWN],
+         "model_impl hf runs transformers' own RMSNorm: rmsnorm fused needs model_impl own")],
     precision_limits=[
         ("grad_accum_dtype",
          lambda w, lay: w.precision != "bf16" or lay.pp == 1 or lay.zero_stage != 0 or w.grad_accum_dtype == "bf16",
@@ -50,4 +53,5 @@ ENGINE = EngineFacts(
     label=lambda lay: f"deepspeed ZeRO-{lay['zero_stage']}" + (" hf" if lay["model_impl"] == "hf" else ""),
     launcher="deepspeed",
     preflight=validate,
+    untraced="DeepSpeed's initialize is not traceable on fake tensors",
 )

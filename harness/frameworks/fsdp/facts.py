@@ -1,9 +1,9 @@
-"""Adapter for engine fsdp, native PyTorch (FSDP2, DTensor TP/SP, torch.distributed.pipelining):
-what it runs, declared without importing torch; the engine is harness/frameworks/fsdp/engine.py."""
+"""What engine fsdp, native PyTorch (FSDP2, DTensor TP/SP, torch.distributed.pipelining), runs:
+declared without importing torch; adapter.py builds engine.py."""
 
 from __future__ import annotations
 
-from harness.registry import ONLY_DEEPSPEED, ONLY_OWN, EngineFacts, tied_across_stages
+from harness.registry import ANY, EVERY_ENGINE, EngineFacts, only, tied_across_stages
 from harness.spec import micro_batch_count
 
 
@@ -11,24 +11,25 @@ def _micro(w, lay) -> int:
     return micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
 
 
+CP_IMPLS = "torch's context_parallel exchanges K/V by all-gather or a ring (all-to-all rotation), not Ulysses: " \
+           "set cp_impl allgather or ring"
+
 ENGINE = EngineFacts(
     name="fsdp",
+    honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
+        "tp", "pp", "dp", "cp", "activation_checkpointing", "sequence_parallel", "attention", "rmsnorm",
+        "pipeline_schedule", "virtual_stages", "reshard_after_forward")},
+             "layout.cp_impl": only("allgather", "ring", why=CP_IMPLS),
+             "layout.zero_stage": only(0, 3, why="fsdp shards by reshard_after_forward, leave zero_stage unset")},
     capabilities=[
-        ("cp_impl", lambda lay: lay.cp == 1 or lay.cp_impl in ("allgather", "ring"),
-         "torch's context_parallel exchanges K/V by all-gather or a ring (all-to-all rotation), not Ulysses: "
-         "set cp_impl allgather or ring"),
         ("attention", lambda lay: lay.cp == 1 or lay.attention.startswith("sdpa"),
          "torch's context_parallel replaces F.scaled_dot_product_attention only: set attention sdpa (or sdpa_*)"),
         ("cp", lambda lay: lay.cp == 1 or lay.pp == 1,
          "engine fsdp's context parallelism is not built with torch.distributed.pipelining: set pp=1 with cp > 1"),
         ("cp", lambda lay: lay.cp == 1 or lay.tp == 1,
          "engine fsdp's context parallelism is not built with DTensor tensor parallelism: set tp=1 with cp > 1"),
-        *ONLY_DEEPSPEED,
-        ("zero_stage", lambda lay: lay.zero_stage in (0, 3),
-         "fsdp shards by reshard_after_forward, leave zero_stage unset"),
         ("virtual_stages", lambda lay: lay.virtual_stages == 1 or lay.pp > 1,
-         "engine fsdp places virtual stages on pipeline ranks (torch.distributed.pipelining): needs pp > 1"),
-        *ONLY_OWN],
+         "engine fsdp places virtual stages on pipeline ranks (torch.distributed.pipelining): needs pp > 1")],
     precision_limits=[
         ("grad_accum_dtype", lambda w, lay: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),
          "FSDP2 accumulates gradients over micro-batches either in the fp32 sharded gradient (reducing every "
@@ -49,6 +50,7 @@ ENGINE = EngineFacts(
     ],
     label=lambda lay: "FSDP2 " + ("reshard" if lay.get("reshard_after_forward", True) else "no-reshard"),
     preflight=lambda spec: check_cp_device(spec),
+    tracer="harness.memtrace.fsdp",
 )
 
 # What torch 2.13's context_parallel does on CPU (measured here, gloo, 2 ranks): its SDPA dispatch

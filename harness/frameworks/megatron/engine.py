@@ -39,7 +39,9 @@ import torch.distributed as dist
 from harness import measure
 from harness.data.source import dp_slice, micro_batches
 from harness.errors import NonFiniteStep
-from harness.frameworks import gather_on_rank0, megatron_shim, megatron_weights
+from harness.frameworks import gather_on_rank0
+from harness.frameworks.megatron import shim as megatron_shim
+from harness.frameworks.megatron import weights as megatron_weights
 from harness.model.llama import ReferenceWeights
 from harness.model.training import precision_policy
 from harness.parallel_dims import ParallelDims

@@ -1,10 +1,10 @@
-"""Adapter for engine megatron, Megatron-core itself (GPTModel on its local layer spec, parallel_state,
-its schedules, DistributedDataParallel and DistributedOptimizer): what it runs, declared without importing
-torch or Megatron; the engine is harness/frameworks/megatron/engine.py (on CPU through megatron/shim.py)."""
+"""What engine megatron, Megatron-core itself (GPTModel on its local layer spec, parallel_state,
+its schedules, DistributedDataParallel and DistributedOptimizer), runs: declared without importing
+torch or Megatron; adapter.py builds engine.py (on CPU through shim.py)."""
 
 from __future__ import annotations
 
-from harness.registry import ONLY_DEEPSPEED, ONLY_OWN, EngineFacts
+from harness.registry import ANY, EVERY_ENGINE, EngineFacts, only
 
 # Megatron-core's llama3 rope scaling takes only the factor; the rest is fixed
 # (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling).
@@ -17,25 +17,31 @@ def _chunks(lay) -> int:
 
 ENGINE = EngineFacts(
     name="megatron",
+    honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
+        "tp", "pp", "dp", "activation_checkpointing", "sequence_parallel", "virtual_stages")},
+             "layout.zero_stage": only(0, 1, why=(
+                 "engine megatron has DistributedDataParallel (zero_stage 0) and its DistributedOptimizer "
+                 "(zero_stage 1); ZeRO-2/3 is Megatron-FSDP, not run here")),
+             "layout.cp": only(1, why=(
+                 "Megatron-core's context parallelism (cp_comm_type p2p, all_gather, a2a) runs only in Transformer "
+                 "Engine's attention (TEDotProductAttention), not installed here: engine megatron runs cp=1")),
+             "layout.attention": only("naive", why=(
+                 "Megatron-core's local layer spec (no Transformer Engine) has one core attention, "
+                 "DotProductAttention: softmax(QK^T)V materialised, softmax in fp32 (what naive is); set attention: "
+                 "naive")),
+             "layout.rmsnorm": only("torch", why=(
+                 "Megatron-core's fused RMSNorm needs Transformer Engine or Apex; engine megatron runs the eager one "
+                 "(torch)")),
+             "layout.pipeline_schedule": only("1f1b", "interleaved", why=(
+                 "Megatron-core's schedules are 1F1B and interleaved 1F1B (get_forward_backward_func): no gpipe"))},
+    why_not={"layout.dp_bucket_mb": "Megatron's DDP here runs without overlap, one bucket per buffer (Megatron-LM's "
+                                    "defaults): the own engine's dp_bucket_mb has no counterpart"},
+    # its one core attention without Transformer Engine is the materialised one (naive)
+    defaults={"layout.attention": "naive"},
     capabilities=[
-        ("zero_stage", lambda lay: lay.zero_stage in (0, 1),
-         "engine megatron has DistributedDataParallel (zero_stage 0) and its DistributedOptimizer (zero_stage 1); "
-         "ZeRO-2/3 is Megatron-FSDP, not run here"),
-        *ONLY_DEEPSPEED,
-        ("cp", lambda lay: lay.cp == 1,
-         "Megatron-core's context parallelism (cp_comm_type p2p, all_gather, a2a) runs only in Transformer Engine's "
-         "attention (TEDotProductAttention), not installed here: engine megatron runs cp=1"),
-        ("attention", lambda lay: lay.attention == "naive",
-         "Megatron-core's local layer spec (no Transformer Engine) has one core attention, DotProductAttention: "
-         "softmax(QK^T)V materialised, softmax in fp32 (what naive is); set attention: naive"),
-        ("rmsnorm", lambda lay: lay.rmsnorm == "torch",
-         "Megatron-core's fused RMSNorm needs Transformer Engine or Apex; engine megatron runs the eager one (torch)"),
-        ("pipeline_schedule", lambda lay: lay.pipeline_schedule != "gpipe",
-         "Megatron-core's schedules are 1F1B and interleaved 1F1B (get_forward_backward_func): no gpipe"),
         ("virtual_stages",
          lambda lay: lay.pipeline_schedule != "interleaved" or (lay.pp > 1 and lay.virtual_stages > 1),
-         "Megatron-core's interleaved schedule needs pp > 1 and virtual_stages > 1 (one chunk per rank is 1F1B)"),
-        *ONLY_OWN],
+         "Megatron-core's interleaved schedule needs pp > 1 and virtual_stages > 1 (one chunk per rank is 1F1B)")],
     precision_limits=[
         ("grad_accum_dtype", lambda w, lay: w.grad_accum_dtype == w.grad_reduce_dtype,
          "Megatron's DDP sums the micro-batches' gradients into its main-gradient buffer and reduces that buffer: "

@@ -1,17 +1,17 @@
-"""Adapter for engine single, the one-process reference every layout and framework is checked
-against: what it runs, declared without importing torch; the engine is single/engine.py."""
+"""What engine single, the one-process reference every layout and framework is checked against, runs:
+declared without importing torch; adapter.py builds it (engine.py)."""
 
 from __future__ import annotations
 
-from harness.registry import ONLY_DEEPSPEED, ONLY_OWN, EngineFacts
+from harness.registry import ANY, EVERY_ENGINE, EngineFacts, only
 
 _ONE_PROCESS = "engine single is one process: set tp=cp=pp=dp=1"
 ENGINE = EngineFacts(
     name="single",
-    capabilities=[("tp", lambda lay: lay.tp == 1, _ONE_PROCESS), ("pp", lambda lay: lay.pp == 1, _ONE_PROCESS),
-                  ("dp", lambda lay: lay.dp == 1, _ONE_PROCESS), ("cp", lambda lay: lay.cp == 1, _ONE_PROCESS),
-                  ("zero_stage", lambda lay: lay.zero_stage == 0, "engine single has no ZeRO"),
-                  *ONLY_DEEPSPEED, *ONLY_OWN],
+    honours={**EVERY_ENGINE,
+             **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
+             **{f"layout.{name}": ANY for name in ("activation_checkpointing", "attention", "rmsnorm")}},
+    why_not={"layout.zero_stage": "engine single has no ZeRO"},
     launcher="direct",
     one_process=True,
 )
