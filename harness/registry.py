@@ -78,8 +78,9 @@ BatchRule = tuple[str, typing.Callable[..., bool], typing.Callable[..., str]]  #
 
 @dataclass(frozen=True)
 class EngineFacts:
-    """What one engine runs, declared once in its adapter. Every list is empty unless given: an
-    engine with no rules of a kind takes whatever the spec's own checks allow."""
+    """What one engine runs, declared once in its package's facts.py. Every list is empty unless given:
+    an engine with no rules of a kind takes whatever the spec's own checks allow of the fields it
+    honours."""
 
     name: str
     # which layouts it runs, checked in order (a field no rule names takes any value the field allows);
@@ -112,6 +113,9 @@ class EngineFacts:
     # None: not traceable, and untraced says why
     tracer: str | None = None
     untraced: str = ""
+    # whether the planner models its memory and time (harness/planner/memory.py has its terms): the engines
+    # `harness plan --engine` offers
+    planned: bool = False
 
     def variant(self, layout: dict) -> str:
         return self.label(layout) if self.label is not None else self.name
@@ -164,6 +168,11 @@ def facts(name: str) -> EngineFacts:
     if declared.name != name:
         raise ValueError(f"{ENGINES[name]} declares engine {declared.name!r}, registered as {name!r}")
     return declared
+
+
+def planned() -> tuple[str, ...]:
+    """The engines the planner models (EngineFacts.planned), in ENGINES' order."""
+    return tuple(name for name in ENGINES if available(name) and facts(name).planned)
 
 
 def adapter(name: str):

@@ -44,7 +44,7 @@ def test_llama3_8b_at_128k_tokens_on_64_h100_puts_a_cp_layout_on_top(capsys):
                        "--top", "1")
     assert code == 0
     top = json.loads(out)[0]
-    assert top["fits"] and top["cp"] > 1 and top["cp_impl"] in context.ENGINE_IMPLS["own"]
+    assert top["fits"] and top["cp"] > 1 and top["cp_impl"] in context.engine_impls("own")
 
 
 def test_where_nothing_fits_without_cp_the_plan_proposes_cp_and_says_so(capsys):
@@ -86,9 +86,17 @@ def test_candidates_range_over_cp_powers_of_two_and_the_engines_implementations(
 
 
 def test_megatron_plan_says_why_it_has_no_cp(capsys):
-    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch-size", "16",
-                       "--gpus", "8", "--hardware", "h100-sxm", "--engine", "megatron", "--cp", "1,2", "--top", "1")
+    """Unasked, the plan says why it offers no cp > 1; asked for cp 2 (or an implementation the engine does
+    not run), it refuses in one line before planning (the reason from the engine's facts)."""
+    args = ("plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch-size", "16", "--gpus", "8",
+            "--hardware", "h100-sxm", "--top", "1")
+    code, out, _ = run(capsys, *args, "--engine", "megatron")
     assert code == 0 and "no cp > 1 candidates under engine megatron: " in out and "Transformer Engine" in out
+    code, out, err = run(capsys, *args, "--engine", "megatron", "--cp", "1,2")
+    assert (code, out) == (2, "") and err.startswith("error: --cp: ") and "Transformer Engine" in err
+    assert len(err.strip().splitlines()) == 1
+    code, out, err = run(capsys, *args, "--engine", "fsdp", "--cp-impl", "ulysses")
+    assert (code, out, err) == (2, "", "error: --cp-impl: engine fsdp runs ring, allgather, not ulysses\n")
 
 
 # ---------------------------------------------------------------- memory terms

@@ -68,11 +68,11 @@ def test_predict_many_equals_one_call_each():
 def test_memory_reads_only_whether_attention_is_materialised():
     """predict_many computes memory once per memory_key: every flash-style kernel alike, on every
     engine the planner models (a kernel-specific memory term must change memory_key too)."""
-    from harness.planner.layout import PLANNER_ENGINES
+    from harness.planner.layout import planner_engines
     from harness.planner.memory import worst_stage_memory
     from harness.planner.predict import memory_key
 
-    for engine in PLANNER_ENGINES:
+    for engine in planner_engines():
         for seq, gbs in ((2048, 2048), (8192, 512)):
             for ck in ("none", "full", "selective"):
                 lays = [PlannerLayout(2, 2, 16, 1, activation_checkpointing=ck, attention=a, engine=engine,

@@ -31,6 +31,7 @@ examples:
 
 
 def add_arguments(p) -> None:
+    from harness.planner.layout import planner_engines
     from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
 
     p.add_argument("--model", help="preset name (see harness.model.presets) or a config.json")
@@ -40,7 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's (8 for DGX)")
     p.add_argument("--hardware", default="a100-80gb", help="a100-40gb, a100-80gb, h100-sxm, h200, cpu or a YAML path")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage (default 1, as the study)")
-    p.add_argument("--engine", choices=("own", "deepspeed", "fsdp", "megatron", "paper"), default="own",
+    p.add_argument("--engine", choices=planner_engines(), default="own",
                    help="whose memory to model: the harness's own engine (default), deepspeed (ZeRO stage from "
                         "--zero), fsdp (FSDP2, fully sharded), megatron (Megatron-core: --zero 1 is its "
                         "distributed optimizer; pp dividing the layers), or paper (the study's engine, as its "
@@ -159,7 +160,7 @@ def main(args) -> int:
     preds = predict_many(shape, en.layouts(shape, wl, args.gpus, gpn, attention=attention, rmsnorm=rmsnorm,
                                            micro_batch_sizes=mbs, checkpointing=ck, sequence_parallel=sp,
                                            zero_stage=args.zero, cp_values=cps, cp_impls=impls,
-                                           **_on_engine(args, shape)), wl, profile)
+                                           **_on_engine(args, shape, cps, impls)), wl, profile)
     if not preds:
         raise SpecError("--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} "
                                   f"(global batch {args.global_batch_size})")
@@ -203,30 +204,44 @@ def main(args) -> int:
     return 0
 
 
-def _on_engine(args, shape) -> dict:
+def _on_engine(args, shape, cps, impls) -> dict:
     """The PlannerLayout fields of the candidate layouts under --engine (the memory model of that engine's
     precision policy and sharding: harness/planner/memory.py); fsdp shards fully whatever --zero
-    says; Megatron-core splits the layers evenly over the stages, so only a pp dividing them.
+    says. An option the engine's facts say it cannot honour is refused here, in one line.
     (Given to candidates.layouts, not set on each layout after: 16,000 copies cost 0.1 s.)"""
-    if args.engine in ("own", "megatron") and args.zero > 1:
-        raise SpecError("--zero", f"the {args.engine} engine has ZeRO stage 0 or 1 (use --engine deepspeed or "
-                                  "fsdp for more)")
-    fields = {"engine": args.engine, "fsdp": args.engine == "fsdp"}
-    if args.engine == "megatron":
-        fields["pp_values"] = [p for p in range(1, shape.layers + 1) if shape.layers % p == 0]
-    return fields
+    from harness import registry
+    from harness.planner import context
+    from harness.planner.layout import PAPER
+    from harness.spec import Layout, model_limit_error
+
+    if args.engine != PAPER:
+        facts = registry.facts(args.engine)
+        # (an engine that runs stage 3 shards fully: fsdp takes any --zero)
+        if args.zero > 1 and not facts.runs("layout.zero_stage", (args.zero, 3)):
+            raise SpecError("--zero", facts.refuses("layout.zero_stage", args.zero, 0))
+        error = model_limit_error(shape, Layout(engine=args.engine))
+        if error is not None:
+            raise SpecError("--engine", f"{args.engine}: {error}")
+    runs = context.engine_impls(args.engine)
+    if cps and max(cps) > 1 and not runs:
+        raise SpecError("--cp", context.no_cp(args.engine))
+    for impl in impls or ():
+        if impl not in runs:
+            raise SpecError("--cp-impl", f"engine {args.engine} runs {', '.join(runs) or 'no context parallelism'}"
+                                         f", not {impl}")
+    return {"engine": args.engine, "fsdp": args.engine == "fsdp"}
 
 
 def _cp_lines(args, preds, fitting) -> list[str]:
     """What the plan says about context parallelism: that it proposes cp > 1 because no layout fits
     without it, why the engine has none, or what a flash ring stands for."""
-    from harness.planner.context import MIN_LOCAL_TOKENS, NO_CP
+    from harness.planner.context import MIN_LOCAL_TOKENS, no_cp
     from harness.planner.layout import ATTENTION_CLASS, MATERIALISED
 
     out = []
     offered = args.cp not in (None, "1") or args.seq_len >= 2 * MIN_LOCAL_TOKENS  # where cp would be a candidate
-    if args.engine in NO_CP and offered:
-        out.append(f"no cp > 1 candidates under engine {args.engine}: {NO_CP[args.engine]}")
+    if no_cp(args.engine) and offered:
+        out.append(f"no cp > 1 candidates under engine {args.engine}: {no_cp(args.engine)}")
     if fitting and fitting[0].layout.cp > 1 and not any(p.layout.cp == 1 for p in fitting):
         lay = fitting[0].layout
         smallest = min((p for p in preds if p.layout.cp == 1), key=lambda p: p.memory_gib, default=None)

@@ -13,6 +13,7 @@ def blockwise_cp(lay) -> bool:
 
 ENGINE = EngineFacts(
     name="own",
+    planned=True,
     honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
         "tp", "pp", "dp", "cp", "cp_impl", "activation_checkpointing", "sequence_parallel", "attention", "rmsnorm",
         "pipeline_schedule", "virtual_stages", "pipeline_p2p", "dp_bucket_mb")},

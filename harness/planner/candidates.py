@@ -2,8 +2,9 @@
 
 tp divides the attention heads (and KV heads) and stays within what the node allows or crosses
 nodes in whole nodes; cp is a power of two splitting the sequence into 2 cp chunks, with the
-implementations the engine runs (harness/planner/context.py; none under megatron and paper); pp is
-at most the number of layers; tp x cp x pp divides the GPUs and dp follows by the one rule
+implementations the engine's facts say it runs (harness/planner/context.py; none under the study's
+engine); pp is at most the number of layers and one the engine builds the model with (its facts'
+model_limits); tp x cp x pp divides the GPUs and dp follows by the one rule
 (ParallelDims.derive); the micro-batch divides the per-replica batch. Sequence parallelism is
 enumerated only where tp > 1 (and the rank's seq / cp tokens divide by tp).
 """
@@ -16,12 +17,9 @@ from harness.errors import SpecError
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
 from harness.planner import context
-from harness.planner.layout import ATTENTION, PlannerLayout, Workload
-from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
-
-# Engines that split tied embeddings over pipeline stages (the study's, and Megatron-core's embedding group,
-# which all-reduces the word embeddings' gradient between the first and the last stage).
-TIES_ACROSS_STAGES = ("paper", "megatron")
+from harness.planner.layout import ATTENTION, PAPER, PlannerLayout, Workload
+from harness.spec import CHECKPOINTING, RMSNORM_KERNELS, model_limit_error
+from harness.spec import Layout as SpecLayout
 
 
 def divisors(n: int) -> list[int]:
@@ -51,21 +49,22 @@ def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attent
     for p in pp_values or ():
         if p > shape.layers:
             raise SpecError("--pp", f"{p} pipeline stages for {shape.layers} layers")
-    engine = fields.get("engine", "paper")
+    engine = fields.get("engine", PAPER)
     for tp in divisors(gpus):
         if shape.heads % tp or shape.kv_heads % tp and tp > shape.kv_heads:
             continue
         if tp > gpus_per_node and tp % gpus_per_node:
             continue
-        for cp in context.degrees(wl.seq_len, gpus, tp, cp_values) if engine in context.ENGINE_IMPLS else (1,):
+        for cp in context.degrees(wl.seq_len, gpus, tp, cp_values) if context.engine_impls(engine) else (1,):
             impls = [i for i in context.impls(shape, engine, tp, cp) if cp == 1 or not cp_impls or i in cp_impls]
             for pp in divisors(gpus):
                 if not ParallelDims(tp=tp, cp=cp, pp=pp).divides(gpus):
                     continue
                 if pp > shape.layers or (pp_values and pp not in pp_values):
                     continue
-                if pp > 1 and shape.tie_embeddings and engine not in TIES_ACROSS_STAGES:
-                    continue  # the other engines refuse tied embeddings across stages (ENGINE.model_limits)
+                if engine != PAPER and model_limit_error(shape, SpecLayout(engine=engine, tp=tp, cp=cp, pp=pp)):
+                    continue  # the engine cannot build the model so split (its facts' model_limits: tied
+                    # embeddings across stages, Megatron-core's even split of the layers)
                 dp = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp).dp
                 if wl.global_batch_size % dp:
                     continue

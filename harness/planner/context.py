@@ -23,19 +23,27 @@ the kept and transient bytes of its attention (cp_attention_bytes) its code's
 
 from __future__ import annotations
 
+from harness import registry
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
-from harness.planner.layout import ATTENTION_CLASS, MATERIALISED
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PAPER
+from harness.spec import CP_IMPLS
 
-# Engines whose context parallelism the planner offers, and with which implementations: the own
-# engine all three; DeepSpeed runs Ulysses (deepspeed.sequence.layer.DistributedAttention); engine
-# fsdp torch's context_parallel, whose default rotate method all-gathers K/V. Megatron-core's needs
-# Transformer Engine (not installed: harness/frameworks/megatron/facts.py refuses cp > 1), the study's
-# engine had none.
-ENGINE_IMPLS = {"own": ("ring", "allgather", "ulysses"), "deepspeed": ("ulysses",), "fsdp": ("allgather",)}
-NO_CP = {"megatron": "Megatron-core's context parallelism runs only in Transformer Engine's attention, "
-                     "not installed here (harness/frameworks/megatron/facts.py)",
-         "paper": "the study's engine had no context parallelism"}
+
+def engine_impls(engine: str) -> tuple[str, ...]:
+    """The cp implementations the planner offers under `engine`: those its facts declare it runs
+    (layout.cp_impl's values where it runs a cp above 1); none under the study's engine."""
+    if engine == PAPER:
+        return ()
+    facts = registry.facts(engine)
+    return tuple(facts.runs("layout.cp_impl", CP_IMPLS)) if facts.runs("layout.cp", (2,)) else ()
+
+
+def no_cp(engine: str) -> str:
+    """Why `engine` has no context parallelism ("" where it has some), in its facts' words."""
+    if engine == PAPER:
+        return "the study's engine had no context parallelism"
+    return registry.facts(engine).refuses("layout.cp", 2, 1) or ""
 
 
 # The fewest tokens a rank keeps of each sequence for the planner to offer a cp degree unasked
@@ -64,7 +72,7 @@ def impls(shape: Shape, engine: str, tp: int, cp: int) -> tuple[str, ...]:
     if cp == 1:
         return ("ring",)
     both = ParallelDims(cp=cp, tp=tp).product("cp", "tp")
-    return tuple(i for i in ENGINE_IMPLS.get(engine, ())
+    return tuple(i for i in engine_impls(engine)
                  if i != "ulysses" or (shape.heads % both == 0 and shape.kv_heads % both == 0))
 
 

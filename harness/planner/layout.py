@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from dataclasses import asdict, dataclass
 
+from harness import registry
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
 from harness.spec import ATTENTION_KERNELS, micro_batch_count
@@ -39,9 +40,14 @@ ATTENTION_CLASS = {
     "sdpa": "flash2", "sdpa_flash": "flash2", "sdpa_cudnn": "flash2", "sdpa_efficient": "mem_efficient",
 }
 MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
-# Engines whose memory the planner models (PlannerLayout.engine); `harness plan --engine`.
-ENGINES = ("own", "deepspeed", "fsdp", "megatron")
-PLANNER_ENGINES = ENGINES + ("paper",)
+# The study's engine (Aleph Alpha's scaling library, as its sweeps ran): modelled, not run here.
+PAPER = "paper"
+
+
+def planner_engines() -> tuple[str, ...]:
+    """Whose memory the planner models (PlannerLayout.engine, `harness plan --engine`): the engines
+    that declare it (harness.registry.planned), and the study's."""
+    return registry.planned() + (PAPER,)
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class PlannerLayout:
     # Whose memory the planner models (memory.py): paper (the study's engine, Aleph Alpha's
     # scaling library, as its sweeps ran), or one of the harness's engines (own, deepspeed, fsdp,
     # megatron: their precision policy, sharding and layer split as their code holds it).
-    engine: str = "paper"
+    engine: str = PAPER
     # Context parallelism (harness.spec's layout.cp, layout.cp_impl): each sequence split over cp ranks,
     # cp between tp and dp in the mesh (harness.parallel_dims.AXES); cp_impl only matters when cp > 1.
     cp: int = 1
@@ -112,7 +118,8 @@ class PlannerLayout:
         """This layout as a spec layout dict (engine own, or fsdp), the fields the planner has,
         in harness.spec.Layout's order. The spec checks it when it is run: the planner also
         describes layouts no engine runs (EXTRA_ATTENTION, ZeRO-2/3 without fsdp)."""
-        mine = {**asdict(self), "engine": "fsdp" if self.fsdp else (self.engine if self.engine in ENGINES else "own")}
+        engine = "fsdp" if self.fsdp else (self.engine if registry.known(self.engine) else "own")
+        mine = {**asdict(self), "engine": engine}
         return {f.name: mine[f.name] for f in dataclasses.fields(SpecLayout) if f.name in mine}
 
 

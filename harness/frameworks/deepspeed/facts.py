@@ -11,6 +11,7 @@ ULYSSES = "DeepSpeed's context parallelism is Ulysses (DistributedAttention): se
 
 ENGINE = EngineFacts(
     name="deepspeed",
+    planned=True,
     honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
         "tp", "pp", "dp", "cp", "activation_checkpointing", "attention", "rmsnorm", "zero_stage", "ds_config",
         "model_impl")},

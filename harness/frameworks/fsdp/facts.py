@@ -16,6 +16,7 @@ CP_IMPLS = "torch's context_parallel exchanges K/V by all-gather or a ring (all-
 
 ENGINE = EngineFacts(
     name="fsdp",
+    planned=True,
     honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
         "tp", "pp", "dp", "cp", "activation_checkpointing", "sequence_parallel", "attention", "rmsnorm",
         "pipeline_schedule", "virtual_stages", "reshard_after_forward")},

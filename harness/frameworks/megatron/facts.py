@@ -17,6 +17,7 @@ def _chunks(lay) -> int:
 
 ENGINE = EngineFacts(
     name="megatron",
+    planned=True,
     honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
         "tp", "pp", "dp", "activation_checkpointing", "sequence_parallel", "virtual_stages")},
              "layout.zero_stage": only(0, 1, why=(
