@@ -35,7 +35,7 @@ class SpecError(ValueError):
 
 
 class CapabilityError(SpecError):
-    """A well-formed layout that the chosen engine cannot run (its adapter's ENGINE.capabilities): a
+    """A well-formed layout that the chosen engine cannot run (its facts: harness.registry.EngineFacts): a
     comparison shows it as a dash with this reason rather than refusing the whole spec."""
 
 

@@ -142,23 +142,24 @@ def sweep_spec(rows: list[Row], *, model: str, seq_len: int, global_batch_size: 
 
 # ---------------------------------------------------------------- --export
 
+def _deepspeed_refuses(lay: PlannerLayout) -> str:
+    """Why engine deepspeed's facts refuse the layout ("" if they do not), its ZeRO stage the
+    layout's sharding (full sharding is stage 3)."""
+    from harness.spec import Layout, capability_error
+
+    layout = {**lay.to_spec(), "engine": "deepspeed", "zero_stage": lay.sharding_stage}
+    if lay.pp == 1 and lay.sharding_stage == 0:
+        layout["zero_stage"] = 1  # DeepSpeed runs stage 0 (plain data parallelism); the harness measures ZeRO
+    error = capability_error(Layout(**layout))
+    return "" if error is None else error.reason
+
+
 def exportable(lay: PlannerLayout, fmt: str) -> str:
     """Empty when `fmt` can express the layout, else why not."""
     if lay.cp > 1 and lay.cp_impl not in CP_COMM[fmt]:
         return f"{fmt} has no {lay.cp_impl} context parallelism (it runs {', '.join(CP_COMM[fmt])})"
-    if fmt == "deepspeed" and lay.cp > 1 and lay.pp > 1:
-        return "DeepSpeed's Ulysses runs without its pipeline engine"
-    if fmt == "deepspeed" and lay.cp > 1 and lay.tp > 1:
-        return "DeepSpeed's Ulysses runs without AutoTP here (the harness's DeepSpeed adapter)"
-    if fmt == "deepspeed":
-        if lay.tp > 1 and lay.pp > 1:
-            return "DeepSpeed runs AutoTP or its pipeline engine, not both"
-        if lay.sequence_parallel:
-            return "DeepSpeed's AutoTP has no sequence parallelism"
-        if lay.pp > 1 and lay.sharding_stage > 1:
-            return "DeepSpeed's pipeline engine takes ZeRO-0/1 only"
-        if lay.pipeline_schedule != "1f1b":
-            return "DeepSpeed's pipeline engine runs 1F1B only"
+    if fmt == "deepspeed":  # what the harness's engine deepspeed runs (its facts): AutoTP or its pipeline
+        return _deepspeed_refuses(lay)  # engine, Ulysses without either, no sequence parallelism, 1F1B only
     if fmt == "megatron":
         if lay.sharding_stage > 1:
             return "Megatron-LM shards over dp with its distributed optimizer (ZeRO-1); ZeRO-2/3 is Megatron-FSDP"
