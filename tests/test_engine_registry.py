@@ -91,6 +91,43 @@ def test_every_adapter_declares_its_facts_naming_real_fields(name):
     assert all(rule[0] in workload for rule in facts.precision_limits)
     assert facts.launcher in ("torchrun", "deepspeed", "direct")
     assert facts.variant(dataclasses.asdict(Layout(engine=name))).split()[0] in (name, "FSDP2")
+    fields = {"layout": layout, "workload": workload}
+    for path in {**facts.honours, **facts.why_not, **facts.defaults}:
+        part, _, field = path.partition(".")
+        assert field in fields.get(part, ()), path
+    assert not set(facts.honours) & set(facts.why_not)  # a reason not to honour a field it honours
+    for path, value in facts.defaults.items():  # its own default is one it runs
+        assert facts.runs(path, [value]) == [value], path
+
+
+RAF = {"own": {}, "single": {}, "deepspeed": {"zero_stage": 1}, "megatron": {}}
+
+
+@pytest.mark.parametrize("engine", sorted(RAF))
+def test_a_field_the_engine_does_not_honour_is_refused_through_harness_train(no_launch, one_line_error, engine):
+    """reshard_after_forward is FSDP2's: any other engine refuses it rather than ignore it."""
+    import yaml
+
+    from harness.cli import main as cli_main
+
+    raw = {"workload": WORKLOAD, "layout": {"engine": engine, "reshard_after_forward": False, **RAF[engine]}}
+    (no_launch / "s.yaml").write_text(yaml.safe_dump(raw))
+    line = one_line_error(cli_main(["train", "s.yaml"]))
+    assert line == f"error: layout.reshard_after_forward: engine {engine} does not use it"
+
+
+def test_a_new_field_no_engine_declares_is_refused_unless_at_its_default():
+    """A field added to the layout is in no engine's facts until one declares it: every engine refuses any
+    value but its default, in one line naming field and engine."""
+    from harness.spec import capability_error
+
+    grown = dataclasses.make_dataclass("GrownLayout", [("ep", int, dataclasses.field(default=1))], bases=(Layout,))
+    for name in registry.ENGINES:
+        extra = {path.split(".")[1]: value for path, value in registry.facts(name).defaults.items()}
+        extra.update({"zero_stage": 1} if name == "deepspeed" else {})  # its own defaults, a ZeRO stage it runs
+        assert capability_error(grown(engine=name, ep=1, **extra)) is None, name
+        error = capability_error(grown(engine=name, ep=4, **extra))
+        assert str(error) == f"layout.ep: engine {name} does not use it"
 
 
 def test_an_unknown_or_absent_engine_is_a_spec_error_not_a_key_error(monkeypatch):
