@@ -1,6 +1,6 @@
 """`harness plan` speed: the whole process (interpreter start, imports, every layout, the table).
 
-The issue-13 case: paper-65b, sequence 2048, 2048 sequences, 4096 A100-80GB in 8-GPU nodes
+The largest published case: paper-65b, sequence 2048, 2048 sequences, 4096 A100-80GB in 8-GPU nodes
 (16,032 layouts). Target: under 1 s for the whole process. Each round runs the command as a user
 does (`python -m harness.cli plan ...`, output discarded) and also in this process, split into
 what the command spends on imports and on predictions. The CPU time of the process is printed

@@ -351,7 +351,7 @@ class SavedActivations:
 
 class CensusAtStep:
     """tensor_census(tensors()) taken once, right after `optimizer` first steps: its states exist
-    then and the gradients are not cleared yet, so all four categories are alive (issue: the
+    then and the gradients are not cleared yet, so all four categories are alive (the
     census 'held at the optimizer step'). `optimizer` is the torch optimizer that updates this
     rank's master (or only) parameters, also where a framework wraps it."""
 

@@ -3,7 +3,7 @@
 Searches the efficiency constants to maximise Spearman directly, the metric itself rather than the
 least-squares step-time fit that calibration uses: (1) per sweep, (2) one set shared by the four
 sweeps, scored in-sample and (3) with each sweep held out of the search. (1) and (2) are tuning
-the issue forbids; they bound what calibration can reach, and (3) says whether chasing the metric
+the planner must not rely on; they bound what calibration can reach, and (3) says whether chasing the metric
 generalises. Which stage is slowest is fixed at the literature constants (a bound, not a fit).
 
     PYTHONPATH=. python scripts/planner_rank_bound.py      # about a minute on 2 cores

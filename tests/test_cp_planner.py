@@ -38,7 +38,7 @@ def own(**kw) -> PlannerLayout:
 # ---------------------------------------------------------------- acceptance
 
 def test_llama3_8b_at_128k_tokens_on_64_h100_puts_a_cp_layout_on_top(capsys):
-    # issue 23's command, as written (the llama3-8b preset is Llama 3.1 8B's config: 131,072 positions)
+    # the command a user with this question runs (the llama3-8b preset is Llama 3.1 8B's config: 131,072 positions)
     code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--seq-len", "131072", "--global-batch-size", "64",
                        "--gpus", "64", "--hardware", "h100-sxm", "--format", "json",
                        "--top", "1")

@@ -1,4 +1,4 @@
-"""Spec input that used to run, crash, run forever or answer in megabytes (issue 24, points 5 and 6):
+"""Spec input that used to run, crash, run forever or answer in megabytes:
 every spec file read strictly and within bounds, every number within its range, no key ignored,
 and every refusal one short line `error: <field>: <reason>` with exit code 2. No processes: the
 parsers are called directly, the commands through harness.cli.main in-process."""

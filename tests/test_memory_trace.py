@@ -160,14 +160,14 @@ def test_planner_agrees_with_the_trace(agreement):
             assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.10 * rank["total_gib"], (r["layout"], rank)
 
 
-# Context parallelism at full size (issue 23): llama3-8b at 65,536 and 131,072 tokens on cp 4 or 8 (a
+# Context parallelism at full size: llama3-8b at 65,536 and 131,072 tokens on cp 4 or 8 (a
 # rank holds 8,192 or 16,384 tokens of each sequence), each implementation as the own engine runs it
 # (ring and allgather one block per source rank, naive's fp32 math or torch's CPU flash kernel;
 # ulysses the layout's kernel on a head shard), the planner (planner/context.py's cp terms) within 5%
-# of the trace. A trace takes 5-13 s here (printed; issue 23's target, under 120 s, is a time and
-# lives outside the assertions). Three layouts, to keep the suite's time: allgather, ring with sdpa,
+# of the trace. A trace takes 5-13 s here (printed; the target, under 120 s, is a time and lives
+# outside the assertions). Three layouts, to keep the suite's time: allgather, ring with sdpa,
 # ulysses with naive, ring at 131,072 tokens and tp2 cp4 SP ring agreed within 2.0%, 0.0%, 0.2%, 2.4%
-# and 2.5% when they were in this list (the #23 note); the tiny exact trace above runs tp2 cp2 SP.
+# and 2.5% when they were in this list; the tiny exact trace above runs tp2 cp2 SP.
 CP_AGREEMENT = [
     (65536, dict(cp=8, cp_impl="ring", attention="naive")),
     (131072, dict(cp=8, dp=2, zero_stage=1, cp_impl="ulysses", attention="sdpa_flash")),  # ZeRO-1 over dp x cp

@@ -1,4 +1,4 @@
-"""Issue 22, reports: where the step goes for every engine (breakdown_ms), collectives per step,
+"""Reports: where the step goes for every engine (breakdown_ms), collectives per step,
 links to the kept traces, and a Why section whose sentences name the component that explains a
 step-time difference with its numbers; the same for sweeps and their ablations. Synthetic records
 and a comparison summarised from a stand-in launcher: no processes."""

@@ -1,4 +1,4 @@
-"""Inputs that ran, crashed or destroyed things (issue 24, point 5, the run-level items).
+"""Inputs that ran, crashed or destroyed things (the run-level items).
 
 - an --out that is a FIFO, a folder or a link to /dev/null is refused, and nothing is renamed over it;
 - a run whose loss becomes non-finite stops there and is recorded failed, with the step;

@@ -158,14 +158,14 @@ def leave_one_sweep_out(profile, sweeps: dict[str, list[PaperRun]] | None = None
 
 def leave_one_model_out(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
     """Each sweep scored with constants fitted only on the other model's sweeps: the planner
-    predicting a model nobody has measured yet (the issue's held-aside 65B sweeps are that case)."""
+    predicting a model nobody has measured yet (the held-aside 65B sweeps are that case)."""
     return _refit_and_score(profile, sweeps,
                             lambda held, other: _model_from_name(other) != _model_from_name(held))
 
 
 def per_sweep_fits(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
     """Each sweep scored with constants fitted on that sweep alone: per-sweep tuning, which the
-    issue forbids. Not a prediction; it bounds what calibration can reach with this time model,
+    planner must not rely on. Not a prediction; it bounds what calibration can reach with this time model,
     so a gap that remains here needs new structure (scripts/planner_rank_bound.py searches the
     constants for rank directly)."""
     return _refit_and_score(profile, sweeps, lambda held, other: other == held)
@@ -211,7 +211,7 @@ def token_and_step_parts(profile, sweeps: dict[str, list[PaperRun]] | None = Non
 
 def summary(figs: dict[str, dict]) -> dict:
     """The four acceptance figures over the sweeps together. The median MFU error is given both
-    over all finished runs together (the issue's wording) and as the worst per-sweep median."""
+    over all finished runs together (the target's wording) and as the worst per-sweep median."""
     judged = sum(f["judged"] for f in figs.values())
     errors = np.concatenate([f["mfu_errors_points"] for f in figs.values()])
     return {"oom_accuracy": sum(f["oom_accuracy"] * f["judged"] for f in figs.values()) / judged,
