@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from harness.engine.comm import Axis, StepClock
-from harness.engine.schedules import Action, _label, grouped_programs, send_order
+from harness.engine.schedules import Action, grouped_programs, send_order, transfer_label
 from harness.model.training import StepHooks
 
 
@@ -55,7 +55,7 @@ class PipelineExecutor:
 
     def _recv(self, a: Action):
         """Async mode: the wanted message, draining the peer's earlier ones into the buffer."""
-        want = _label(self.me, a, self.pp)
+        want = transfer_label(self.me, a, self.pp)
         buf = self.early.setdefault(a.peer, {})
         while want not in buf:
             if a.peer == self.me or self.mode == "grouped":
@@ -67,7 +67,7 @@ class PipelineExecutor:
 
     def _send(self, a: Action, t: torch.Tensor):
         t = t.detach().contiguous()
-        label = _label(self.me, a, self.pp)
+        label = transfer_label(self.me, a, self.pp)
         if a.peer == self.me:
             self.early.setdefault(self.me, {})[label] = t
         elif self.mode == "grouped":

@@ -108,7 +108,7 @@ def all_programs(schedule: str, pp: int, micro: int, chunks: int = 1) -> list[li
     return [program(schedule, pp, r, micro, chunks) for r in range(pp)]
 
 
-def _label(rank: int, a: Action, pp: int) -> tuple:
+def transfer_label(rank: int, a: Action, pp: int) -> tuple:
     """(direction, sending stage, micro): unique per message within a step."""
     stage = a.chunk * pp + rank
     if a.kind == "SEND_F":
@@ -125,7 +125,7 @@ def _label(rank: int, a: Action, pp: int) -> tuple:
 def send_order(programs: list[list[Action]], src: int, dst: int) -> list[tuple]:
     """Labels that pipeline rank src sends to dst, in order: the FIFO a receiver drains."""
     pp = len(programs)
-    return [_label(src, a, pp) for a in programs[src] if a.kind.startswith("SEND") and a.peer == dst]
+    return [transfer_label(src, a, pp) for a in programs[src] if a.kind.startswith("SEND") and a.peer == dst]
 
 
 @dataclass
@@ -152,7 +152,7 @@ def simulate(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 
             while pc[r] < len(programs[r]):
                 a = programs[r][pc[r]]
                 if a.kind.startswith("RECV"):
-                    want = _label(r, a, pp)
+                    want = transfer_label(r, a, pp)
                     key = (a.peer, r)
                     buf = early.setdefault(key, {})
                     chan = channels.setdefault(key, deque())
@@ -163,7 +163,7 @@ def simulate(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 
                         break  # blocked
                     clock[r] = max(clock[r], buf.pop(want))
                 elif a.kind.startswith("SEND"):
-                    channels.setdefault((r, a.peer), deque()).append((_label(r, a, pp), clock[r]))
+                    channels.setdefault((r, a.peer), deque()).append((transfer_label(r, a, pp), clock[r]))
                 elif a.kind in ("F", "B"):
                     item = (a.chunk, a.micro)
                     if a.kind == "F":
@@ -226,9 +226,9 @@ def grouped_program(programs: list[list[Action]], rank: int) -> list:
     for a in programs[rank]:
         if a.kind.startswith("SEND"):
             if a.peer != rank:
-                group.append(Transfer("send", a.peer, _label(rank, a, pp)))
+                group.append(Transfer("send", a.peer, transfer_label(rank, a, pp)))
         elif a.kind.startswith("RECV"):
-            want = _label(rank, a, pp)
+            want = transfer_label(rank, a, pp)
             if a.peer != rank and want not in have:
                 while True:
                     label = order[a.peer][nxt[a.peer]]
