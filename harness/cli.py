@@ -1,4 +1,5 @@
-"""Argument parsing only: each subcommand lives in its own module, imported when used.
+"""The `harness` command line: the argument table; each subcommand lives in its own module
+(harness/commands/), imported when used.
 
 A subcommand module exposes `add_arguments(parser)` and `main(args) -> int`, and may set
 DESCRIPTION and EXAMPLES (its --help text above and below the options). A SpecError
@@ -20,6 +21,10 @@ try:  # the console script imports this module before main() runs: a Ctrl-C here
     from harness.errors import SpecError
 except KeyboardInterrupt:
     sys.exit(130)
+
+# what `harness --help` opens with
+DESCRIPTION = ("Measure LLaMA training under several engines and parallel layouts, plan layouts before "
+               "booking a cluster, and report which wins and why.")
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -135,7 +140,7 @@ def _nearest(value: str, options: list[str], cutoff: float) -> str:
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | None]:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = Parser(prog="harness", description=__doc__.splitlines()[0], epilog=EXAMPLES, formatter_class=raw)
+    parser = Parser(prog="harness", description=DESCRIPTION, epilog=EXAMPLES, formatter_class=raw)
     parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     module = None
