@@ -72,7 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from harness.errors import SpecError
-from harness.measure import SavedActivations, _local, storage_identity, tensor_census
+from harness.measure import SavedActivations, local_tensor, storage_identity, tensor_census
 from harness.model.kernels import Kernels
 from harness.model.training import BuildOptions, StepHooks, make_adamw
 from harness.parallel_dims import ParallelDims
@@ -98,7 +98,7 @@ class LiveTensors(TorchDispatchMode):
         self.bytes -= self.live.pop(key, 0)
 
     def _see(self, t: torch.Tensor) -> None:
-        t = _local(t)
+        t = local_tensor(t)
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()
