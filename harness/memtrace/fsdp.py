@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from harness.errors import SpecError
 from harness.measure import SavedActivations, storage_identity
 from harness.memtrace.live import LiveTensors
 from harness.memtrace.standins import traced_options
@@ -23,10 +24,32 @@ from harness.memtrace.step import (
     create_optimizer_states,
     rank_trace,
     run_step,
+    traced_micro_batches,
     traced_spec,
 )
 from harness.memtrace.world import fake_world
 from harness.parallel_dims import ParallelDims
+
+
+def check_traceable(spec) -> None:
+    """What engine fsdp's trace cannot run: its context parallelism (CUDA kernels only)."""
+    if spec.layout.cp > 1:
+        raise SpecError("layout.cp", "harness memory traces context parallelism under engine own; torch's "
+                                     "context_parallel (engine fsdp) dispatches only CUDA attention kernels")
+
+
+def substitutions(lay) -> list[str]:
+    """What the trace of engine fsdp substitutes beyond the common stand-ins (trace.substitutions)."""
+    if lay.pp > 1:
+        return ["torch.distributed.pipelining's P2P shape vote skipped: static (every stage's shapes are given)"]
+    return []
+
+
+def _micro_batches(lay, m: int, stage: int) -> int:
+    """step.traced_micro_batches, but torch's Schedule1F1B takes at least pp micro-batches."""
+    if lay.pipeline_schedule == "1f1b" and not (lay.pp == 1 and lay.virtual_stages == 1):
+        return min(m, lay.pp + 1)
+    return traced_micro_batches(lay, m, stage)
 
 
 def _static_shapes_without_vote(schedule) -> None:
@@ -65,7 +88,7 @@ def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
     from harness.frameworks.fsdp.engine import FSDPEngine
 
     dims = ParallelDims.of(spec.layout)
-    run_spec, m, m_run = traced_spec(spec, dims.coord(rank).pp, full_micro)
+    run_spec, m, m_run = traced_spec(spec, dims.coord(rank).pp, full_micro, _micro_batches)
     lay = run_spec.layout
     world = dims.world
     t0 = time.perf_counter()

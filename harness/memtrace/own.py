@@ -35,6 +35,17 @@ from harness.memtrace.world import fake_world
 from harness.parallel_dims import ParallelDims
 
 
+def check_traceable(spec) -> None:
+    """The own engine's trace runs every layout the engine runs."""
+
+
+def substitutions(lay) -> list[str]:
+    """What the trace of the own engine substitutes beyond the common stand-ins (trace.substitutions)."""
+    if lay.pp > 1 and lay.pipeline_p2p == "auto":
+        return ["pipeline transfers grouped, one coalesced work per group (NCCL)"]
+    return []
+
+
 class _MetaStaysReal(TorchDispatchMode):
     """Under FakeTensorMode, an op on the meta device (a module built under torch.device("meta"))
     runs outside it: real meta tensors, as outside a trace. Module.to_empty then assigns each one

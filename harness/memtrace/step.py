@@ -35,8 +35,6 @@ def traced_micro_batches(lay, m: int, stage: int) -> int:
     schedule's largest number in flight there, and pass through its steady state once."""
     if lay.pp == 1 and lay.virtual_stages == 1:
         return min(m, 2)
-    if lay.engine == "fsdp" and lay.pipeline_schedule == "1f1b":  # torch's Schedule1F1B takes at least pp
-        return min(m, lay.pp + 1)
     if lay.pipeline_schedule == "gpipe":
         return m
     if lay.pipeline_schedule == "interleaved":
@@ -44,14 +42,15 @@ def traced_micro_batches(lay, m: int, stage: int) -> int:
     return min(m, lay.pp - stage + 1)  # 1F1B: pp - stage in flight after the warm-up
 
 
-def traced_spec(spec, stage: int = 0, full_micro: bool = False):
-    """The spec the trace runs: the substituted kernels, NCCL's transfers, fewer micro-batches.
-    Each stage runs its own program only, so each may run its own count."""
+def traced_spec(spec, stage: int = 0, full_micro: bool = False, micro_batches=traced_micro_batches):
+    """The spec the trace runs: the substituted kernels, NCCL's transfers, fewer micro-batches
+    (`micro_batches(lay, m, stage)`: traced_micro_batches, or an engine's own rule where its
+    schedule differs). Each stage runs its own program only, so each may run its own count."""
     from harness.spec import micro_batches_per_step
 
     lay = spec.layout
     m = micro_batches_per_step(spec)
-    m_run = m if full_micro else traced_micro_batches(lay, m, stage)
+    m_run = m if full_micro else micro_batches(lay, m, stage)
     new_lay = dataclasses.replace(lay, attention=traced_attention(lay.attention, lay),
                                   pipeline_p2p="grouped" if lay.pipeline_p2p == "auto" and lay.pp > 1
                                   else lay.pipeline_p2p)

@@ -9,12 +9,24 @@ no data: a 65B stage costs no memory) with the target's kernels, optimizer and t
 (standins.py), and runs its real train_step while counting every tensor storage alive (live.py),
 the memory census of the model states at the optimizer step and the bytes autograd saves
 (step.py).
+
+Which tracer builds an engine is the engine's facts' word (harness.registry, EngineFacts.tracer:
+a module name); an engine whose tracer is None is not traced, and its facts' `untraced` says why.
+Every tracer module offers the same three functions:
+  trace_rank(spec, shape, rank, full_micro=False) -> step.RankTrace
+                     build the engine as global `rank` of the spec's layout on fake tensors, run one step
+  substitutions(lay) -> list[str]
+                     what it substitutes beyond the common stand-ins (named here, in substitutions)
+  check_traceable(spec) -> None
+                     a SpecError for a layout its trace cannot run
 """
 
 from __future__ import annotations
 
+import importlib
+
+from harness import registry
 from harness.errors import SpecError
-from harness.memtrace import fsdp, own
 from harness.memtrace.standins import traced_attention
 from harness.memtrace.step import RankTrace
 from harness.parallel_dims import ParallelDims
@@ -28,15 +40,34 @@ def stage_ranks(lay) -> list[int]:
     return [dims.rank(pp=s) for s in range(lay.pp)]
 
 
+def traced_engines() -> list[str]:
+    """The engines whose facts name a tracer, in the registry's order."""
+    return [name for name in registry.ENGINES if registry.available(name) and registry.facts(name).tracer is not None]
+
+
+def tracer(engine: str):
+    """The tracer module of `engine` (its facts' tracer); a SpecError if it is not traced."""
+    facts = registry.facts(engine)
+    if facts.tracer is None:
+        traced = traced_engines()
+        either = " or ".join(traced)
+        if facts.untraced:
+            raise SpecError("layout.engine", f"harness memory traces engines {' and '.join(traced)}; "
+                                              f"{facts.untraced} (set engine: {either})")
+        raise SpecError("layout.engine", f"harness memory traces engines {' and '.join(traced)}; {engine!r} is "
+                                          f"not traced (set engine: {either} to trace this layout under it)")
+    return importlib.import_module(facts.tracer)
+
+
 def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
-    """Build the spec's engine (own or fsdp) as global `rank` of its layout on fake tensors and
-    run one step."""
-    if spec.layout.engine == "fsdp":
-        return fsdp.trace_rank(spec, shape, rank, full_micro)
-    return own.trace_rank(spec, shape, rank, full_micro)
+    """Build the spec's engine as global `rank` of its layout on fake tensors (its tracer's
+    trace_rank) and run one step."""
+    return tracer(spec.layout.engine).trace_rank(spec, shape, rank, full_micro)
 
 
 def substitutions(spec) -> list[str]:
+    """What the trace ran in place of what the target runs (standins.py), in words: the common
+    stand-ins, then the engine's tracer's."""
     lay = spec.layout
     out = []
     if traced_attention(lay.attention, lay) != lay.attention:
@@ -45,22 +76,10 @@ def substitutions(spec) -> list[str]:
     if lay.rmsnorm == "fused":
         out.append("rmsnorm fused: a kernel saving its input and fp32 1/rms, allocating only outputs")
     out.append("AdamW fused (the engine's CUDA optimizer)")
-    if lay.engine == "fsdp":
-        if lay.pp > 1:
-            out.append("torch.distributed.pipelining's P2P shape vote skipped: static (every stage's shapes are given)")
-        return out
-    if lay.pp > 1 and lay.pipeline_p2p == "auto":
-        out.append("pipeline transfers grouped, one coalesced work per group (NCCL)")
-    return out
+    return out + tracer(lay.engine).substitutions(lay)
 
 
 def check_traceable(spec) -> None:
-    if spec.layout.engine == "fsdp" and spec.layout.cp > 1:
-        raise SpecError("layout.cp", "harness memory traces context parallelism under engine own; torch's "
-                                     "context_parallel (engine fsdp) dispatches only CUDA attention kernels")
-    if spec.layout.engine == "deepspeed":
-        raise SpecError("layout.engine", "harness memory traces engines own and fsdp; DeepSpeed's initialize is "
-                                          "not traceable on fake tensors (set engine: own or fsdp)")
-    if spec.layout.engine not in ("own", "fsdp"):
-        raise SpecError("layout.engine", f"harness memory traces engines own and fsdp; {spec.layout.engine!r} is "
-                                          "not traced (set engine: own or fsdp to trace this layout under it)")
+    """A SpecError if `harness memory` cannot trace the spec: its engine has no tracer, or the
+    tracer cannot run its layout."""
+    tracer(spec.layout.engine).check_traceable(spec)
