@@ -252,7 +252,7 @@ def fingerprint(device: torch.device, world_size: int = 1, hosts: list[str] | No
 CENSUS_CATEGORIES = ("parameters", "gradients", "master_parameters", "optimizer_states")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank really holds: a DTensor's local shard, the result inside a pending
     functional collective (AsyncCollectiveTensor.elem)."""
     while True:
@@ -291,7 +291,7 @@ def tensor_census(categories: dict[str, list], key=storage_address) -> dict[str,
         for t in tensors:
             if t is None:
                 continue
-            t = _local(t)
+            t = local_tensor(t)
             if t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
@@ -316,7 +316,7 @@ class SavedActivations:
 
     def __init__(self, parameters, key=storage_address):
         self.key = key
-        self.skip = {key(_local(p).untyped_storage()) for p in parameters}
+        self.skip = {key(local_tensor(p).untyped_storage()) for p in parameters}
         self.live: dict[int, int] = {}  # storage key -> saved tensors alive on it
         self.bytes = 0
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -327,7 +327,7 @@ class SavedActivations:
             del self.live[key]
 
     def _pack(self, t):
-        t_local = _local(t)
+        t_local = local_tensor(t)
         # parameters by identity too: ZeRO-3 gathers full parameters into storages that did not
         # exist when this context opened (DeepSpeed marks them with ds_id)
         if t_local.device.type != "meta" and not isinstance(t, torch.nn.Parameter) and not hasattr(t, "ds_id"):
