@@ -42,7 +42,6 @@ def gib(nbytes: float) -> float:
 ENGINES = {"own": {"engine": "own"}, "fsdp": {"engine": "fsdp"}, "megatron": {"engine": "megatron"},
            "deepspeed": {"engine": "deepspeed", "zero_stage": 1}}
 NEEDS = {"megatron": "megatron.core", "deepspeed": "deepspeed"}  # the package an engine imports
-TRACED = ("own", "fsdp")  # what harness memory traces (DeepSpeed's initialize and Megatron are not traceable)
 
 
 def missing(engine: str) -> str:
@@ -76,9 +75,10 @@ def planner(spec) -> dict:
 
 def traced(spec) -> dict:
     from harness.memtrace.result import trace_spec
+    from harness.memtrace.trace import traced_engines
 
-    if spec.layout.engine not in TRACED:
-        return {"traced": f"not traced: harness memory traces engines {' and '.join(TRACED)}"}
+    if spec.layout.engine not in traced_engines():  # what the engines' facts say harness memory traces
+        return {"traced": f"not traced: harness memory traces engines {' and '.join(traced_engines())}"}
     t0 = time.monotonic()
     result = trace_spec(spec)
     (rank,) = result["ranks"]  # world size 1: one stage
