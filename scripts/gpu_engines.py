@@ -130,6 +130,8 @@ def one(args, engine: str, store: str) -> dict:
 
 
 def write(args, rows: list[dict], device: str) -> None:
+    from harness.memtrace.trace import traced_engines
+
     with open(os.path.join(args.out, "engines.json"), "w") as f:
         json.dump({"device": device, "model": f"{args.model} layer shapes, {args.layers} layers",
                    "seq_len": args.seq_len, "global_batch_size": args.global_batch_size, "precision": "bf16",
@@ -141,7 +143,7 @@ def write(args, rows: list[dict], device: str) -> None:
     lines = [f"# Engines at world size 1 on {device}: {args.model} layer shapes ({args.layers} layers), seq "
              f"{args.seq_len}, global batch {args.global_batch_size}, bf16, naive attention", "",
              f"GiB. measured: the run's peak ({kinds}) and its census; traced: `harness memory` (engines "
-             f"{' and '.join(TRACED)}); planner: its "
+             f"{' and '.join(traced_engines())}); planner: its "
              "tensors (total less context and fragmentation) and model states. Totals add the CUDA context and "
              "fragmentation.", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in rows]
