@@ -1,5 +1,6 @@
 """Subcommands: each module has add_arguments(parser) and main(args); DESCRIPTION and EXAMPLES
-(when present) are its --help text above and below the options."""
+(when present) are its --help text above and below the options. What several share: the arguments
+below, --set overrides (overrides.py) and the check of where a command writes (outputs.py)."""
 
 
 def add_set_argument(p, what: str) -> None:

@@ -50,11 +50,13 @@ def add_arguments(p):
 def main(args) -> int:
     import copy
 
+    from harness.commands.outputs import check_output_path
+    from harness.commands.overrides import parse_with_overrides
     from harness.compare.orchestrate import check_before_launch, run_comparison
     from harness.compare.report_lock import report_lock
     from harness.compare.spec import DEFAULT, parse_compare_spec
     from harness.report.compare import write_report
-    from harness.spec import check_output_path, check_positive, parse_with_overrides, read_yaml
+    from harness.spec import check_positive, read_yaml
     from harness.store import check_store
 
     raw = copy.deepcopy(DEFAULT) if args.spec is None else read_yaml(args.spec)

@@ -24,8 +24,8 @@ def add_arguments(p):
 
 
 def main(args) -> int:
+    from harness.commands.outputs import check_output_path
     from harness.data.prepare import prepare
-    from harness.spec import check_output_path
 
     check_output_path(args.out, "--out", directory=False)
     meta = prepare(args.inputs, args.out, args.tokenizer, args.text_key)

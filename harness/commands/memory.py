@@ -35,8 +35,9 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    from harness.commands.overrides import parse_with_overrides
     from harness.planner.hardware import load_profile
-    from harness.spec import parse_spec, parse_with_overrides, read_yaml
+    from harness.spec import parse_spec, read_yaml
 
     spec = parse_with_overrides(read_yaml(args.spec), args.overrides, parse_spec)
     profile = load_profile(args.hardware)

@@ -117,15 +117,15 @@ def main(args) -> int:
 
     profile = load_profile(args.hardware)
     if args.calibrate_out:
-        from harness.spec import check_output_path
+        from harness.commands.outputs import check_output_path
 
         check_output_path(args.calibrate_out, "--calibrate-out", directory=False)
     if args.calibrate or args.calibrate_csv:
         return _calibrate(args, profile)
     _need(args, "model", "seq-len", "global-batch-size", "gpus")
     if args.emit_sweep:  # before the plan is computed: it can take a while
+        from harness.commands.outputs import check_output_path
         from harness.files.atomic import check_writable
-        from harness.spec import check_output_path
 
         check_output_path(args.emit_sweep, "--emit-sweep", directory=False)
         check_writable(args.emit_sweep, "--emit-sweep")

@@ -28,8 +28,8 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    from harness.commands.outputs import check_output_path
     from harness.report.build import build_report
-    from harness.spec import check_output_path
     from harness.store import ResultsStore, check_store
 
     check_store(args.store, write=False)

@@ -27,7 +27,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from harness.spec import check_output_path
+    from harness.commands.outputs import check_output_path
     from harness.store import ResultsStore, check_store, export
 
     check_store(args.store, write=False)

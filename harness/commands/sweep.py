@@ -12,8 +12,10 @@ import signal
 import sys
 
 from harness.commands import add_profile_steps_argument, add_set_argument, add_tensorboard_argument, tensorboard_dir
+from harness.commands.outputs import check_output_path
+from harness.commands.overrides import parse_with_overrides
 from harness.errors import SpecError, StoreError
-from harness.spec import check_output_path, check_positive, parse_with_overrides, read_yaml
+from harness.spec import check_positive, read_yaml
 from harness.store import STATUSES, ResultsStore, check_store
 from harness.sweep.execute import run_sweep
 from harness.sweep.expand import check_some_point, describe, drop_summary, expand, pending

@@ -39,9 +39,10 @@ def add_arguments(p):
 
 def main(args) -> int:
     from harness import runtime
+    from harness.commands.overrides import parse_with_overrides
     from harness.report.summary import summary_lines
     from harness.run import run
-    from harness.spec import check_positive, parse_spec, parse_with_overrides, read_yaml
+    from harness.spec import check_positive, parse_spec, read_yaml
     from harness.store import check_store
 
     spec = parse_with_overrides({} if args.spec is None else read_yaml(args.spec), args.overrides, parse_spec)

@@ -1,0 +1,134 @@
+"""What to run: a Workload (the same for every engine) and a Layout (how it is parallelised),
+with the values their fields take (the kernels, checkpointing modes, CP implementations and
+schedules every view shares) and the bounds beyond which a number is a typo.
+
+Each field says how the builder (build.py) reads it; what the fields mean together is checked in
+checks.py and capabilities.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from harness import registry
+from harness.errors import SpecError, shown
+from harness.model.presets import Shape, resolve_shape
+from harness.spec.build import coerce, in_range, spec_field
+
+ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
+RMSNORM_KERNELS = ("torch", "fused")
+CHECKPOINTING = ("none", "full", "selective")
+CP_IMPLS = ("ring", "allgather", "ulysses")  # K/V blocks passed round a ring, K/V all-gathered, heads all-to-all
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _choices(*values, **kw):
+    return field(metadata={"choices": values}, **kw)
+
+
+# Bounds beyond which a number is a typo (`steps: 1e30`), not a run.
+MAX_STEPS = 100_000  # a record keeps every step's loss, time and breakdown
+MAX_DEVICES = 2 ** 20  # more devices than any cluster has
+MAX_SEED = 2 ** 32 - 1  # what every generator takes (numpy's limit; torch's is larger)
+
+
+def _betas(value, name: str) -> tuple[float, float]:
+    betas = coerce(value, tuple[float, float], name)
+    for i, b in enumerate(betas):
+        if not 0 <= b < 1:
+            raise SpecError(f"{name}[{i}]", f"must be in [0, 1), got {shown(value[i])}")
+    return betas
+
+
+@dataclass
+class Optimizer:
+    """AdamW hyperparameters; every engine gets exactly these."""
+
+    lr: float = spec_field(3e-4, check=in_range(float, 0, above=True))
+    betas: tuple[float, float] = spec_field((0.9, 0.95), check=_betas)
+    eps: float = spec_field(1e-8, check=in_range(float, 0, above=True))
+    weight_decay: float = spec_field(0.1, check=in_range(float, 0))
+
+
+@dataclass
+class Data:
+    """`synthetic`: seeded uniform tokens; `file`: a memory-mapped token file (.bin)."""
+
+    kind: str = _choices("synthetic", "file", default="synthetic")
+    path: str = spec_field("", applies=("kind", "file"))
+    dtype: str = spec_field("uint16", choices=("uint16", "uint32"), applies=("kind", "file"))
+
+
+@dataclass
+class Workload:
+    model: str = "tiny"
+    model_overrides: dict = field(default_factory=dict)
+    seq_len: int = spec_field(128, check=in_range(int, 1))  # at most the model's max_positions (check_tokens)
+    global_batch_size: int = spec_field(8, check=in_range(int, 1))  # sequences per step
+    steps: int = spec_field(10, check=in_range(int, 1, MAX_STEPS))
+    warmup_steps: int = spec_field(2, check=in_range(int, 0, MAX_STEPS))
+    precision: str = _choices("fp32", "bf16", default="fp32")
+    # bf16: gradients are summed over micro-batches in grad_accum_dtype and reduced across
+    # data-parallel ranks in grad_reduce_dtype (harness/model/training.py, PrecisionPolicy)
+    grad_accum_dtype: str = _choices("fp32", "bf16", default="fp32")
+    grad_reduce_dtype: str = _choices("fp32", "bf16", default="fp32")
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    grad_clip: float = spec_field(1.0, check=in_range(float, 0, why=" (0 disables clipping)"))
+    seed: int = spec_field(1234, check=in_range(int, 0, MAX_SEED))
+    data: Data = field(default_factory=Data)
+    device: str = _choices("auto", "cpu", "cuda", default="auto")
+
+
+@dataclass
+class Layout:
+    engine: str = field(default="single", metadata={"choices": registry.ENGINES})  # the registry's, as it is now
+    tp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
+    pp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
+    dp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
+    # context parallelism: each sequence split over cp ranks (load-balanced chunks i and 2cp-1-i), and
+    # how their attention meets the other ranks' keys and values
+    cp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
+    cp_impl: str = _choices(*CP_IMPLS, default="ring")
+    micro_batch_size: int = spec_field(1, check=in_range(int, 1))
+    activation_checkpointing: str = _choices(*CHECKPOINTING, default="none")
+    sequence_parallel: bool = False
+    attention: str = _choices(*ATTENTION_KERNELS, default="sdpa")
+    rmsnorm: str = _choices(*RMSNORM_KERNELS, default="torch")
+    # own engine
+    pipeline_schedule: str = _choices(*SCHEDULES, default="1f1b")
+    virtual_stages: int = spec_field(1, check=in_range(int, 1))
+    # how pipeline stages exchange activations: grouped (batch_isend_irecv, what NCCL needs) or
+    # async (isend/irecv); auto picks grouped on NCCL and async on gloo
+    pipeline_p2p: str = _choices("auto", "async", "grouped", default="auto")
+    zero_stage: int = spec_field(0, check=in_range(int, 0, 3, says="0, 1, 2 or 3 (ZeRO's stages)"))
+    dp_bucket_mb: float = spec_field(25.0, check=in_range(float, 0, above=True))
+    # deepspeed
+    ds_config: str = ""
+    model_impl: str = _choices("own", "hf", default="own")
+    # fsdp
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class RunSpec:
+    workload: Workload = field(default_factory=Workload)
+    layout: Layout = field(default_factory=Layout)
+    name: str = ""
+    store: str = "results.sqlite"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def shape(self) -> Shape:
+        """The model's shape (parse_spec has checked the layout against it)."""
+        return resolve_shape(self.workload.model, self.workload.model_overrides)
+
+
+def micro_batches_per_step(spec: RunSpec) -> int:
+    return micro_batch_count(spec.workload.global_batch_size, spec.layout.dp, spec.layout.micro_batch_size)
+
+
+def micro_batch_count(global_batch_size: int, dp: int, micro_batch_size: int) -> int:
+    """Micro-batches each data-parallel rank runs per optimizer step."""
+    return global_batch_size // (dp * micro_batch_size)
