@@ -16,7 +16,7 @@ import tomllib
 import yaml
 
 from harness import cli, launch
-from harness.frameworks import build_lock
+from harness.launch import build_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,34 +13,56 @@ with the last lines of output; a failed run's record names the rank that failed 
 
 `python -m harness.launch MODULE ARGS...` runs MODULE (the deepspeed launcher's runner) so that
 every process it starts dies with it (fenced): a killed sweep leaves no launcher or rank behind.
+
+The fencing is processes.py, the outcome outcome.py, the stale build locks build_lock.py; this
+module builds the command, starts the run and waits for it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-import psutil
 import yaml
 
 from harness.errors import SpecError
-from harness.frameworks.build_lock import clear_stale as clear_stale_build_locks
-from harness.store import ResultsStore, mentions_oom, new_record, now_iso
+from harness.launch.build_lock import clear_stale as clear_stale_build_locks
+from harness.launch.outcome import (
+    TAIL_LINES,
+    classify_output,
+    error_excerpt,
+    first_error_line,
+    first_failure,
+    first_failure_line,
+    lead_with_error_line,
+    tail,
+)
+from harness.launch.processes import (
+    FENCE_MODULE,
+    RANK_EXIT,
+    SWEEP_ID_ENV,
+    SWEEP_PID_ENV,
+    TOKEN_ENV,
+    fenced,
+    kill_run,
+    processes_with_env,
+    reap_orphans_of_dead_sweeps,
+    set_parent_death_signal,
+    terminate,
+)
+from harness.store import ResultsStore, new_record, now_iso
+
+__all__ = ["TAIL_LINES", "RANK_EXIT", "FENCE_MODULE", "SWEEP_ID_ENV", "SWEEP_PID_ENV", "TOKEN_ENV", "classify_output",
+           "error_excerpt", "fenced", "first_error_line", "first_failure", "first_failure_line", "kill_run",
+           "lead_with_error_line", "processes_with_env", "reap_orphans_of_dead_sweeps", "tail", "terminate"]
 
 LAUNCHERS = ("torchrun", "deepspeed", "direct", "srun")
 LOCAL_LAUNCHERS = ("torchrun", "deepspeed", "direct")  # start every rank on this machine
-TOKEN_ENV = "HARNESS_RUN_TOKEN"
-SWEEP_PID_ENV = "HARNESS_SWEEP_PID"
-SWEEP_ID_ENV = "HARNESS_SWEEP_ID"
-TAIL_LINES = 30
 LINGER_S = 15.0  # seconds a run may take to exit after its record is written
 
 
@@ -92,247 +114,7 @@ def build_command(launcher: str, nproc: int, argv: list[str], *, nnodes: int = 1
             py, "-m", module, *argv]
 
 
-# ---------------------------------------------------------------- process trees
-
-def _set_parent_death_signal(parent: int | None = None) -> None:
-    """In the child before exec: get SIGTERM if the process that started it (`parent`) dies,
-    even by SIGKILL; exit at once if it already died between fork and this call.
-
-    torchrun forwards SIGTERM to its ranks; the deepspeed launcher's runner does not, so it runs
-    fenced (fenced()). A killed sweep thus does not leave a run training on its own. Linux only;
-    elsewhere a no-op.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if parent is not None and os.getppid() != parent:
-        os._exit(1)
-
-
-FENCE_MODULE = "harness.launch"
-RANK_EXIT = re.compile(r"^harness\.launch: local rank (\d+) \(pid \d+\) exited with code (-?\d+)$", re.M)
-
-
-def _report_exit(pid: int, rank: str) -> None:
-    """Wait (without reaping: its parent still collects it) for a rank to end; print how it
-    ended unless it succeeded. The first such line names the rank that failed first."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-    except ChildProcessError:
-        return
-    code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
-    if code:
-        print(f"harness.launch: local rank {rank} (pid {pid}) exited with code {code}", file=sys.stderr, flush=True)
-
-
-def fenced(argv: list[str]) -> None:
-    """Run module argv[0] as __main__ (with argv[1:]) so that every process it starts gets
-    SIGTERM when it dies. On one node the deepspeed launcher's runner installs no signal handler
-    and its child, the per-node launcher (deepspeed.launcher.launch), is not told when the runner
-    dies: killed, it would leave that launcher and the ranks running. Fenced, the runner's death
-    reaches the launcher (started fenced as well), whose SIGTERM handler ends the ranks; and the
-    launcher prints, in order, how each rank that failed ended (RANK_EXIT), which it does not."""
-    import runpy
-    import threading
-
-    class FencedPopen(subprocess.Popen):
-        def __init__(self, args, *rest, **kwargs):
-            if kwargs.get("preexec_fn") is None:
-                kwargs["preexec_fn"] = functools.partial(_set_parent_death_signal, os.getpid())
-            cmd = [str(a) for a in args] if isinstance(args, (list, tuple)) else []
-            if "deepspeed.launcher.launch" in cmd:
-                cmd.insert(cmd.index("deepspeed.launcher.launch"), FENCE_MODULE)
-                args = cmd
-            super().__init__(args, *rest, **kwargs)
-            rank = next((a.split("=", 1)[1] for a in cmd if a.startswith("--local_rank=")), None)
-            if rank is not None:
-                threading.Thread(target=_report_exit, args=(self.pid, rank), daemon=True).start()
-
-    subprocess.Popen = FencedPopen
-    sys.argv = list(argv)
-    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-
-
-def processes_with_env(name: str, value: str | None = None) -> list[psutil.Process]:
-    """Live processes of this user whose environment has `name` (= `value` if given).
-
-    Environment variables are inherited by every descendant, also by ranks that a launcher
-    moved into a session of their own or that were re-parented to init: this finds them all.
-    """
-    found = []
-    me = os.getpid()
-    for p in psutil.process_iter(["pid"]):
-        if p.pid == me:
-            continue
-        try:
-            env = p.environ()
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue
-        except (psutil.Error, OSError):
-            continue
-        if name in env and (value is None or env[name] == value):
-            found.append(p)
-    return found
-
-
-def terminate(procs: list[psutil.Process], grace_s: float = 5.0) -> list[psutil.Process]:
-    """SIGTERM, wait `grace_s`, SIGKILL the rest; returns the processes still alive after."""
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(alive, timeout=5.0)
-    return alive
-
-
-def kill_run(popen: subprocess.Popen, token: str, grace_s: float = 5.0) -> list[int]:
-    """Kill everything that belongs to one run: its session and every carrier of its token.
-
-    Returns the PIDs that survived SIGKILL (only a process stuck in the kernel can): they are
-    reported in the record rather than stopping the sweep.
-    """
-    pgid = popen.pid  # start_new_session: the launcher leads its own group
-    try:
-        procs = [psutil.Process(popen.pid)] + psutil.Process(popen.pid).children(recursive=True)
-    except psutil.Error:
-        procs = []
-    seen = {p.pid for p in procs}
-    procs += [p for p in processes_with_env(TOKEN_ENV, token) if p.pid not in seen]
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    alive = terminate(procs, grace_s)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        popen.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    # processes that appeared while we were killing (a launcher restarting a rank)
-    alive += processes_with_env(TOKEN_ENV, token)
-    return [p.pid for p in terminate(alive, 1.0)]
-
-
-def reap_orphans_of_dead_sweeps(sweep_id: str) -> int:
-    """Kill runs left by an earlier sweep process of `sweep_id` that died (e.g. SIGKILL).
-
-    Returns how many processes were killed.
-    """
-    victims = []
-    for p in processes_with_env(SWEEP_ID_ENV, sweep_id):
-        try:
-            owner = int(p.environ().get(SWEEP_PID_ENV, "0"))
-        except (psutil.Error, ValueError):
-            continue
-        if owner != os.getpid() and not psutil.pid_exists(owner):
-            victims.append(p)
-    terminate(victims, 3.0)
-    return len(victims)
-
-
-# ---------------------------------------------------------------- outcome
-
-def tail(path: str, lines: int = TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 200_000))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def classify_output(text: str, timed_out: bool) -> str:
-    """Status of a run that wrote no record, from what it printed."""
-    if timed_out:
-        return "timeout"
-    if mentions_oom(text):
-        return "oom"
-    return "failed"
-
-
-ERROR_LINE = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s*|\d+:\s*)?(error: .*\S)\s*$", re.M)
-
-
-def first_error_line(text: str | None) -> str:
-    """The first `error: <field>: <reason>` line a run printed (a refusal by its preflight, a
-    user mistake: harness.cli prints it and exits 2), '' if none; a launcher's rank prefix
-    (`[rank0]: `, `0: `) is dropped. This is the cause; the launcher's `exitcode: 2` is not."""
-    found = ERROR_LINE.search(text or "")
-    return found[1][:500] if found else ""
-
-
-def lead_with_error_line(record: dict, output: str) -> None:
-    """A failed run's record: `error_line` is the first `error:` line of its output, and its
-    error starts with that line (every view shows the error's first line)."""
-    if record.get("status") == "ok":
-        return
-    line = first_error_line(output) or first_error_line(record.get("error"))
-    if not line:
-        return
-    record["error_line"] = line
-    error = record.get("error") or ""
-    if not error.startswith(line):
-        record["error"] = line + ("\n---\n" + error if error else "")
-
-
-def error_excerpt(text: str) -> str:
-    """The lines that explain a failure: the last exception line first, then the tail."""
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    errs = [ln for ln in lines if re.search(r"(Error|Exception|exitcode|Signal|Killed)", ln)]
-    head = errs[-1].strip() if errs else ""
-    body = "\n".join(lines[-TAIL_LINES:])
-    return (head + "\n---\n" + body) if head else body
-
-
-def _how(code: int) -> str:
-    """An exit status in words: 'killed by SIGKILL (exit code -9)', 'exit code 137 (128 + SIGKILL)'."""
-    try:
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name} (exit code {code})"
-        if code > 128:
-            return f"exit code {code} (128 + {signal.Signals(code - 128).name})"
-    except ValueError:
-        pass
-    return f"exit code {code}"
-
-
-def first_failure(record: dict, output: str) -> dict | None:
-    """The rank that failed first and how: its own report in the record (an exception or an
-    out-of-memory error that is not the echo of a peer's), else what the launcher saw: torchrun's
-    root cause, or the first rank exit the fenced deepspeed launcher printed (RANK_EXIT); a rank
-    killed by a signal cannot report, its peers' lost connections are only echoes of it."""
-    own = [f for f in record.get("rank_failures") or [] if not f.get("echo")]
-    if own:
-        return {"rank": own[0]["rank"], "how": "out of memory" if own[0]["status"] == "oom" else own[0]["error"],
-                "source": "rank"}
-    root = output.rsplit("Root Cause (first observed failure):", 1)
-    found = re.search(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", root[1], re.S) if len(root) == 2 else None
-    source = "torchrun"
-    if found is None:
-        found, source = RANK_EXIT.search(output), "deepspeed launcher"
-    if found is None:
-        return None
-    return {"rank": int(found[1]), "exit_code": int(found[2]), "how": _how(int(found[2])), "source": source}
-
-
-def first_failure_line(cause: dict) -> str:
-    return (f"rank {cause['rank']} failed first: {cause['how']}, per {cause['source']}; "
-            "the errors of its peers below are echoes of it")
-
+# ---------------------------------------------------------------- one run
 
 _CUDA_CACHE: list[bool] = []
 
@@ -427,7 +209,7 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
     with log:
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=env, start_new_session=True,
-                                 preexec_fn=functools.partial(_set_parent_death_signal, os.getpid()))
+                                 preexec_fn=functools.partial(set_parent_death_signal, os.getpid()))
         try:
             timed_out, lingered = _wait(popen, store, run_id, timeout_s)
         finally:  # also on KeyboardInterrupt: never leave a run behind
@@ -493,7 +275,3 @@ def _wait(popen: subprocess.Popen, store: ResultsStore, run_id: str, timeout_s: 
             return False, grace_s
         if now >= deadline:
             return True, 0.0
-
-
-if __name__ == "__main__":  # python -m harness.launch MODULE ARGS...
-    fenced(sys.argv[1:])
