@@ -15,12 +15,11 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-from harness import measure, profiling, registry
+from harness import gather, measure, profiling, registry
 from harness.data.source import token_source
 from harness.errors import NonFiniteStep, SpecError
-from harness.frameworks import TrainingEngine, build_engine
+from harness.frameworks import build_engine
 from harness.model.flops import flops_per_token
 from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
 from harness.model.presets import param_count
@@ -111,24 +110,6 @@ def check_machine(runs) -> None:
             field, reason = failed[need]
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             raise SpecError(f"{field} ({names[0]}{more})", f"{reason.rstrip('.')}; nothing was launched")
-
-
-def _max_across_ranks(values: list[float], ctx: RunContext) -> list[float]:
-    if ctx.backend is None:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _hosts(ctx: RunContext) -> list[str]:
-    import socket
-
-    if ctx.backend is None:
-        return [socket.gethostname()]
-    out: list = [None] * ctx.world_size
-    dist.all_gather_object(out, socket.gethostname())
-    return out
 
 
 class Progress:
@@ -271,9 +252,9 @@ class Trainer:
         breakdown and collectives, and their trace files' entries under "traces"."""
         self.bar.close()
         ctx, w, lay = self.ctx, self.spec.workload, self.spec.layout
-        times = _max_across_ranks(self.times, ctx)  # a step lasts until its slowest rank finishes
+        times = gather.max_across_ranks(self.times, ctx)  # a step lasts until its slowest rank finishes
         mem, mem_kind = self.memory_before_profile or measure.peak_memory(ctx.device)
-        mem_all = _max_across_ranks([float(mem)], ctx)[0]
+        mem_all = gather.max_across_ranks([float(mem)], ctx)[0]
         stats = measure.summarize(times)
         tokens_per_s = self.tokens_per_step / stats["median"]
         dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
@@ -299,12 +280,12 @@ class Trainer:
             "engine": self.engine.describe(),
             "parameter_count": self.parameter_count,
         }
-        metrics.update(_census_over_ranks(self.engine, self.activations_saved_bytes, ctx))
+        metrics.update(gather.census_over_ranks(self.engine, self.activations_saved_bytes, ctx))
         metrics.update(_summarize_details(self.details))
         if metrics.get("pipeline_timeline") is not None:
-            metrics["pipeline_timeline"] = _timeline_of_every_stage(metrics["pipeline_timeline"], ctx)
+            metrics["pipeline_timeline"] = gather.timeline_of_every_stage(metrics["pipeline_timeline"], ctx)
         if metrics.get("breakdown_s") is not None:
-            metrics.update(_breakdown_over_ranks(metrics["breakdown_s"], ctx))
+            metrics.update(gather.breakdown_over_ranks(metrics["breakdown_s"], ctx))
         profiled, traces = profile_record.profile_metrics(self.profile, ctx, trace_dir, trace_name)
         metrics.update(profiled)
         if "breakdown_ms" not in metrics and "compute" in (metrics.get("breakdown_s") or {}):  # profiling off
@@ -315,48 +296,6 @@ class Trainer:
         if traces:
             metrics["traces"] = traces
         return metrics
-
-
-def _census_over_ranks(engine: TrainingEngine, activations: int | None, ctx: RunContext) -> dict:
-    """Rank 0's memory census and saved activations per micro-batch, and every rank's (pipeline
-    stages and ZeRO shards differ); None where the engine does not measure them."""
-    mine = {"memory_census": engine.memory_census(),
-            "activations_saved_bytes": activations}
-    everyone = [mine]
-    if ctx.backend is not None:
-        everyone = [None] * ctx.world_size
-        dist.all_gather_object(everyone, mine)
-    return {"memory_census": everyone[0]["memory_census"],
-            "memory_census_by_rank": [r["memory_census"] for r in everyone],
-            "activations_saved_bytes": everyone[0]["activations_saved_bytes"],
-            "activations_saved_bytes_by_rank": [r["activations_saved_bytes"] for r in everyone]}
-
-
-def _breakdown_over_ranks(mine: dict, ctx: RunContext) -> dict:
-    """Each rank's median breakdown, and their mean: where a GPU's step goes on average.
-    Pipeline stages differ (the first waits in the bubble, the last holds the loss), so one
-    rank's view alone would mislead."""
-    if ctx.backend is None:
-        return {"breakdown_s": mine, "breakdown_s_by_rank": [mine]}
-    everyone: list = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    mean = {k: sum(r[k] for r in everyone) / len(everyone) for k in mine}
-    return {"breakdown_s": mean, "breakdown_s_by_rank": everyone}
-
-
-def _timeline_of_every_stage(mine: list[dict], ctx: RunContext) -> list[dict]:
-    """The last step's forward/backward events of every pipeline stage, one rank per stage
-    (each rank's times count from its own step start, which the step's collectives align)."""
-    if ctx.backend is None:
-        return mine
-    everyone: list = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    owner: dict = {}
-    for events in everyone:
-        for e in events or []:
-            owner.setdefault(e["stage"], e.get("rank"))
-    merged = [e for events in everyone for e in events or [] if owner.get(e["stage"]) == e.get("rank")]
-    return sorted(merged, key=lambda e: (e["stage"], e["start_s"]))
 
 
 def train(spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = None,
@@ -417,7 +356,7 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
     if run_id:
         record["run_id"] = run_id
     store = ResultsStore(store_path or spec.store)
-    record["fingerprint"] = measure.fingerprint(ctx.device, ctx.world_size, _hosts(ctx))
+    record["fingerprint"] = measure.fingerprint(ctx.device, ctx.world_size, gather.hosts(ctx))
     tb_dir = None
     if tensorboard_dir:
         tb_dir = record["tensorboard_dir"] = tensorboard_run_dir(tensorboard_dir, spec, record["run_id"], sweep)

@@ -24,6 +24,7 @@ LAYERS = [
     ["harness.engine"],
     ["harness.frameworks"],
     ["harness.profiling"],                                     # profiled steps: annotations, trace, breakdown
+    ["harness.gather"],                                        # every rank's results, gathered for the record
     ["harness.run", "harness.launch"],
     ["harness.compare", "harness.sweep", "harness.report", "harness.planner"],
     ["harness.memtrace"],                                      # runs the engine on fake tensors; reads the planner
