@@ -13,7 +13,7 @@ import pytest
 
 from harness.compare.spec import load_compare_spec
 from harness.report.build import sections_for
-from harness.report.compare import breakdown_rows, why_section
+from harness.report.compare_steps import breakdown_rows, why_section
 from harness.report.summary import summary_lines
 from harness.store import export, new_record
 from harness.testing.synthetic import make_records

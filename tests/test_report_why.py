@@ -12,7 +12,8 @@ import pytest
 from harness.compare.orchestrate import run_comparison
 from harness.compare.spec import parse_compare_spec
 from harness.report.build import sections_for
-from harness.report.compare import breakdown_rows, collective_rows, sections, trace_items, write_report
+from harness.report.compare import sections, write_report
+from harness.report.compare_steps import breakdown_rows, collective_rows, trace_items
 from harness.report.data import breakdown_of, layout_key
 from harness.report.why import Case, comparisons, explain
 from harness.store import ResultsStore, new_record
