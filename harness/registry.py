@@ -113,7 +113,7 @@ class EngineFacts:
     # None: not traceable, and untraced says why
     tracer: str | None = None
     untraced: str = ""
-    # whether the planner models its memory and time (harness/planner/memory.py has its terms): the engines
+    # whether the planner models its memory and time (harness/planner/memory_engines.py has its terms): the engines
     # `harness plan --engine` offers
     planned: bool = False
 

@@ -15,7 +15,7 @@ from harness.planner import context
 from harness.planner.candidates import layouts
 from harness.planner.hardware import load_profile
 from harness.planner.layout import PlannerLayout, Workload
-from harness.planner.memory import _loss_bytes, engine_layer_bytes, engine_stage_memory
+from harness.planner.memory_engines import engine_layer_bytes, engine_stage_memory, loss_bytes
 from harness.planner.output import spec_layout
 from harness.planner.timing import step_time
 
@@ -109,7 +109,7 @@ def test_activations_are_those_of_seq_over_cp_tokens_and_the_ring_keeps_only_its
         # q, k, v, out, lse of the rank's tokens; the blocks' merged output kept in fp32 beside wo's input
         assert ring["layer"] == plain["layer"] + s // cp * MHA.hidden * 4
         # the loss and logits of the rank's tokens
-        assert _loss_bytes(L8, own(cp=cp), Workload(s, 8)) == _loss_bytes(L8, own(), Workload(s // cp, 8))
+        assert loss_bytes(L8, own(cp=cp), Workload(s, 8)) == loss_bytes(L8, own(), Workload(s // cp, 8))
 
 
 def test_the_own_engines_blocks_keep_no_s_squared_tensor_and_ulysses_keeps_its_all_to_all_output():

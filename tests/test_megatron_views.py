@@ -15,7 +15,8 @@ import pytest
 
 from harness.model.presets import PRESETS, resolve_shape
 from harness.planner.layout import PlannerLayout, Workload
-from harness.planner.memory import engine_stage_items, engine_stage_memory, model_states, stage_params
+from harness.planner.memory_engines import engine_stage_items, engine_stage_memory, model_states
+from harness.planner.memory_terms import stage_params
 from harness.planner.output import export_megatron
 
 # ---------------------------------------------------------------- sweeps over engines

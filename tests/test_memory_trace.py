@@ -7,7 +7,7 @@ equal those of the real engine on real tensors, rank by rank.
 
 Agreement (slow: full-size traces): for one layout per case, covering 13B/30B/65B, sequence
 2048 and 8192, no/selective/full checkpointing, SP off and on, the planner's prediction for the
-own engine (planner/memory.py, engine_stage_memory) is within 10% of the trace, stage by stage
+own engine (planner/memory_engines.py, engine_stage_memory) is within 10% of the trace, stage by stage
 and at the worst stage; the table and the trace times are printed (the time target is
 benchmarks/memory_speed.py's).
 
@@ -199,7 +199,7 @@ def test_cp_planner_agrees_with_the_trace():
 
 # Engine fsdp at full size (bf16, sdpa, eager RMSNorm, micro-batch 1, global batch 512): FSDP2 over
 # dp, DTensor TP with and without SP, torch.distributed.pipelining; the planner's fsdp branch
-# (planner/memory.py, fsdp_step_bytes) within 10% of the trace at every stage.
+# (planner/memory_engines.py, fsdp_step_bytes) within 10% of the trace at every stage.
 FSDP_AGREEMENT = [
     ("llama2-7b", 2048, dict(dp=8, reshard_after_forward=False)),  # every block gathered until its backward
     ("paper-13b", 2048, dict(tp=2, dp=4, sequence_parallel=True)),
@@ -299,7 +299,8 @@ def test_planner_engines():
 
     from harness.model.presets import PRESETS
     from harness.planner.layout import PlannerLayout, Workload
-    from harness.planner.memory import GIB, model_states, worst_stage_memory
+    from harness.planner.memory import GIB, worst_stage_memory
+    from harness.planner.memory_engines import model_states
 
     shape, wl = PRESETS["paper-13b"], Workload(2048, 2048)
     lay = PlannerLayout(2, 4, 8, 1, attention="sdpa", rmsnorm="torch")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from harness.model.presets import param_count, resolve_shape
-from harness.planner.memory import model_states
+from harness.planner.memory_engines import model_states
 from harness.testing.spawn import spawn
 
 pytestmark = pytest.mark.slow  # starts two processes

@@ -228,27 +228,27 @@ def _pred(model, seq, gbs, **kw):
 
 def test_memory_terms_grow_with_model_size_and_sequence(monkeypatch):
     from harness.model.presets import PRESETS
-    from harness.planner import memory
+    from harness.planner import memory_paper
 
     # The all-reduce bucket closes only after crossing 5e8 elements: with the 128k x 8192 LM head
     # (1.05e9 elements at tp=1) a 65B bucket holds more than 5e8 plus the head's gradient.
     s65, s13 = PRESETS["paper-65b"], PRESETS["paper-13b"]
     head65 = s65.vocab * s65.hidden
-    assert memory.paper_allreduce_bucket_elements(s65, False, 20, True, 1) > head65
-    assert memory.paper_allreduce_bucket_elements(s65, False, 20, True, 1) <= 5e8 + head65
-    assert memory.paper_allreduce_bucket_elements(s65, False, 20, True, 1) > \
-        memory.paper_allreduce_bucket_elements(s13, False, 20, True, 1)
+    assert memory_paper.paper_allreduce_bucket_elements(s65, False, 20, True, 1) > head65
+    assert memory_paper.paper_allreduce_bucket_elements(s65, False, 20, True, 1) <= 5e8 + head65
+    assert memory_paper.paper_allreduce_bucket_elements(s65, False, 20, True, 1) > \
+        memory_paper.paper_allreduce_bucket_elements(s13, False, 20, True, 1)
     # The stranded fp32 logits block is 4x larger at 8192 than at 2048 tokens per sequence.
     from harness.planner.layout import PlannerLayout, Workload
 
     lay = PlannerLayout(2, 4, 16, 1)
-    assert memory.paper_stranded_block(s13, lay, Workload(8192, 512), True) == \
-        4 * memory.paper_stranded_block(s13, lay, Workload(2048, 2048), True)
+    assert memory_paper.paper_stranded_block(s13, lay, Workload(8192, 512), True) == \
+        4 * memory_paper.paper_stranded_block(s13, lay, Workload(2048, 2048), True)
     # Switched off, the pipelined 65B and 8192-token layouts need less memory: the terms add to both.
     cases = {("paper-65b", 2048, 2048): dict(tp=8, pp=2, dp=8, micro_batch_size=2),
              ("paper-13b", 8192, 512): {}}
     with_terms = {k: _pred(*k, **kw).memory_gib for k, kw in cases.items()}
-    monkeypatch.setattr(memory, "STRANDED_BLOCKS", 0.0)
+    monkeypatch.setattr(memory_paper, "STRANDED_BLOCKS", 0.0)
     for k, kw in cases.items():
         assert with_terms[k] > _pred(*k, **kw).memory_gib + 0.5
     # Not pipelined, micro-batches free their tensors in reverse order: no stranded block.

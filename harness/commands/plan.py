@@ -206,7 +206,7 @@ def main(args) -> int:
 
 def _on_engine(args, shape, cps, impls) -> dict:
     """The PlannerLayout fields of the candidate layouts under --engine (the memory model of that engine's
-    precision policy and sharding: harness/planner/memory.py); fsdp shards fully whatever --zero
+    precision policy and sharding: harness/planner/memory_engines.py); fsdp shards fully whatever --zero
     says. An option the engine's facts say it cannot honour is refused here, in one line.
     (Given to candidates.layouts, not set on each layout after: 16,000 copies cost 0.1 s.)"""
     from harness import registry

@@ -93,7 +93,7 @@ def table_lines(result: dict) -> list[str]:
         lines.append(f"{'fits' if result['fits'] else 'does not fit'} on {result['hardware']} "
                      f"({result['device_memory_gib']:.2f} GiB)")
     lines.append("GiB per GPU; census at the optimizer step; live pk: the largest sum of live tensors in the step; "
-                 "context and frag: what the trace cannot see (planner/memory.py)")
+                 "context and frag: what the trace cannot see (planner/memory_terms.py)")
     for s in result["substitutions"]:
         lines.append(f"traced as on the GPU: {s}")
     per_stage = ", ".join(f"stage {r['stage']} {r['seconds']:.1f} s" for r in result["ranks"])

@@ -1,6 +1,6 @@
 """What a trace of tensors cannot see, as named terms, and one traced layout beside the planner.
 
-The terms are the planner's (harness/planner/memory.py, one definition): the CUDA context with
+The terms are the planner's (harness/planner/memory_terms.py, one definition): the CUDA context with
 the cuBLAS/cuDNN workspaces and NCCL's communicator buffers (CONTEXT_GIB), and the caching
 allocator's fragmentation as a fraction of the memory that comes and goes within a step
 (FRAGMENTATION, FRAGMENTATION_PIPELINED when a pipeline interleaves micro-batches' lifetimes).

@@ -1,9 +1,20 @@
 """The planner: predict memory, out-of-memory and step time of layouts before running them.
 
-Modules, one job each: hardware (profiles), layout (what a layout is), memory (bytes per GPU),
-timing (seconds per step), candidates (every valid layout), predict (the two together),
-calibrate (fit efficiency constants from measurements), paper (the published sweeps). The
-command is harness/commands/plan.py. Nothing here imports torch: a plan must answer in about
+Modules, one job each:
+  hardware        the hardware profiles (peaks, links, calibrated efficiencies)
+  layout          what a layout and a workload are (PlannerLayout, Workload), the study's stage split
+  memory          bytes per GPU: the front door (stage_memory, worst_stage_memory, fits)
+  memory_terms    the memory terms every engine shares (GIB, stage_params, in_flight, the overheads)
+  memory_paper    the memory of the study's engine (engine paper)
+  memory_engines  the memory of the harness's engines (own, megatron, deepspeed, fsdp)
+  context         context parallelism's own terms (implementations, K/V bytes, the exchange)
+  timing          seconds per step
+  candidates      every valid layout
+  predict         memory and time together: one prediction per layout
+  output          what a plan hands a user: distinct rows, a sweep, a training config
+  calibrate       fit efficiency constants from measurements
+  paper           the published sweeps, judged
+The command is harness/commands/plan.py. Nothing here imports torch: a plan must answer in about
 a second.
 """
 

@@ -168,11 +168,12 @@ def stage_items(shape: Shape, pp: int) -> list[tuple[bool, int, bool]]:
     DeepSpeed's `partition_uniform`): the split the study's ranks used. The study and its
     published sweeps: baselines/paper_sweeps/README.md.
     """
-    return list(_stage_items(shape.layers, pp))
+    return list(item_split(shape.layers, pp))
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_items(n_layers: int, pp: int) -> tuple[tuple[bool, int, bool], ...]:
+def item_split(n_layers: int, pp: int) -> tuple[tuple[bool, int, bool], ...]:
+    """stage_items by layer count, as a tuple, cached: timing asks it per stage of every layout."""
     n_items = n_layers + 3
     base, extra = divmod(n_items, pp)
     out, start = [], 0

@@ -27,7 +27,7 @@ import functools
 from harness.model.presets import Shape
 from harness.planner.context import exchange_bytes
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
-from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, _stage_items
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, item_split
 from harness.planner.memory import GIB, stage_params, worst_stage_memory
 
 # GEMMs lose efficiency as their smallest dimension shrinks (tile edges and the K-loop's fixed
@@ -226,7 +226,7 @@ def cp_exchange(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, t
 def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, stage: int) -> dict[str, float]:
     """Ideal seconds of the work of one stage beyond its layers, for one micro-batch: the LM head
     with the loss, the embedding's and head's tensor-parallel collectives, the pipeline sends."""
-    has_emb, layers, has_head = _stage_items(shape.layers, lay.pp)[stage]
+    has_emb, layers, has_head = item_split(shape.layers, lay.pp)[stage]
     x: dict[str, float] = {}
     n, h, t, B = lay.micro_batch_size * wl.local(lay).seq_len, shape.hidden, lay.tp, wl.dtype_bytes
 
@@ -260,7 +260,7 @@ def stage_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
                    per_layer: dict | None = None) -> dict[str, float]:
     """Ideal seconds of each kind of work for one micro-batch (forward + backward) on one stage:
     its layers (layer_features, passed in when known) and stage_extras."""
-    layers = _stage_items(shape.layers, lay.pp)[stage][1]
+    layers = item_split(shape.layers, lay.pp)[stage][1]
     per_layer = per_layer or layer_features(shape, lay, wl, prof)
     x = {k: layers * v for k, v in per_layer.items()}
     for k, v in stage_extras(shape, lay, wl, prof, stage).items():
@@ -277,7 +277,7 @@ def _stage_params(shape: Shape, items: tuple, tp: int) -> float:
 def _stage_kinds(n_layers: int, pp: int) -> tuple:
     """Stages that cost the same (same items, same neighbours: first, last): (key, first stage,
     how many), in stage order. A uniform split has a few kinds however many stages."""
-    items = _stage_items(n_layers, pp)
+    items = item_split(n_layers, pp)
     kinds: dict = {}
     for i in range(pp):
         key = (items[i], i == 0, i == pp - 1)

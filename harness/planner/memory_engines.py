@@ -1,0 +1,382 @@
+"""Bytes per GPU of a stage of the harness's engines (own, megatron, deepspeed, fsdp): what each
+engine's code holds, term by term, so that `harness plan` predicts the runs the harness launches.
+
+What the own engine (harness/engine) holds, term by term from its code, checked against
+`harness memory` traces of its real step on fake tensors (harness/memtrace; the agreement test is
+tests/test_memory_trace.py). Everything in bytes; n = micro-batch tokens, B = the parameters'
+dtype bytes, t = tp, "/t SP" = divided by t under sequence parallelism. Unlike the study's
+engine (memory_paper), the own engine
+  - partitions layers by cost (harness.engine.partition.balanced_partition), not uniformly;
+  - keeps fp32 main gradients in flat buckets and fp32 masters (harness/engine/data_parallel.py),
+    the model states of `model_states` below (tested against its census);
+  - computes the loss vocabulary-parallel (tensor_parallel._VocabParallelCE): no full-vocab logits;
+  - under SP keeps the all-gathered input of the column-parallel GEMMs (n x h, not /t: autograd
+    saves what F.linear got), where Megatron re-gathers it in backward;
+  - holds, per micro-batch in flight on a pipeline stage, the received input and the sent output
+    (PipelineExecutor.live) besides what autograd saved.
+Under context parallelism (harness/planner/context.py) a rank holds seq / cp tokens of each
+sequence (Workload.local): every term on them, the attention's from context.cp_attention_bytes (the
+own engine's fp32 blocks for ring and allgather, checked against traces of llama3-8b at 65,536 and
+131,072 tokens), the model states sharded over dp x cp.
+Megatron-core: its model states from `model_states` (tested against its census,
+tests/test_megatron_views.py), its uniform layer split, and activations as the own engine's (its
+local spec's layers keep what the own engine's Megatron-layout blocks keep) but for its SP GEMMs,
+which keep their local input and re-gather it in backward.
+DeepSpeed and FSDP: their model states from `model_states` (each tested against its census),
+activations as the own engine's (they run the same plain model, harness/model/llama.py); FSDP2's
+gathered parameters, reduce-scatter buffers and pipelined accumulation from fsdp_step_bytes
+(checked against `harness memory` traces of engine fsdp, tests/test_memory_trace.py).
+The calibrated overheads and the terms shared with the study's engine: memory_terms.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from harness.model.presets import Shape
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
+from harness.planner.memory_terms import (
+    CONTEXT_GIB,
+    FRAGMENTATION,
+    FRAGMENTATION_PIPELINED,
+    GIB,
+    in_flight,
+    stage_params,
+)
+
+
+def model_states(params: float, engine: str, zero_stage: int, precision: str, dp: int,
+                 grad_accum: str = "fp32", grad_reduce: str = "fp32",
+                 reduce_bucket_elements: float = 0.0) -> dict[str, dict[str, float]]:
+    """Bytes per category and dtype of the model states one rank of `engine` holds at the optimizer
+    step, for `params` parameters on the rank, under the workload's precision policy: the same
+    categories as a run's measured memory census (harness.measure.tensor_census), so a prediction
+    and a census compare term by term (tests/test_planner_census.py). Adam's step counters and
+    alignment padding are left out (under 1%)."""
+    P, B = float(params), {"fp32": 4, "bf16": 2}
+    mixed = precision == "bf16"
+    acc, red = (grad_accum, grad_reduce) if mixed else ("fp32", "fp32")
+    out: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "master_parameters": {},
+                                        "optimizer_states": {}}
+
+    def add(category: str, dtype: str, elements: float) -> None:
+        if elements:
+            out[category][dtype] = out[category].get(dtype, 0.0) + elements * B[dtype]
+
+    if engine == "fsdp":  # the sharded fp32 parameters are the master; the gathered bf16 ones are gone
+        add("parameters", "fp32", P / dp)
+        add("gradients", "fp32", P / dp)
+        add("optimizer_states", "fp32", 2 * P / dp)
+        return out
+    # harness/engine/data_parallel.py, Megatron's layout; Megatron-core's own (engine megatron) holds the same:
+    # main_grad in its DDP's contiguous buffer (one dtype to accumulate and reduce), its DistributedOptimizer
+    # reduce-scattering into this rank's view of it and sharding the fp32 masters and Adam's moments over dp
+    if engine in ("own", "single", "megatron"):
+        shard = P / dp if zero_stage >= 1 and dp > 1 else P
+        add("parameters", "bf16" if mixed else "fp32", P)
+        add("gradients", acc, P)  # the main gradients; ZeRO-1 reduce-scatters in place, into their shard
+        if acc != "fp32":  # the fp32 reduced gradient the masters step with (ZeRO-1: this rank's shard)
+            add("gradients", "fp32", shard)
+        if mixed:
+            add("master_parameters", "fp32", shard)
+        add("optimizer_states", "fp32", 2 * shard)
+        return out
+    if engine == "deepspeed" and zero_stage >= 1:  # ds_configs/README.md, "Precision": what each stage holds
+        add("master_parameters", "fp32", P / dp)  # a clone of the partition, fp32 workloads too
+        add("optimizer_states", "fp32", 2 * P / dp)
+        if zero_stage == 3:
+            add("parameters", "bf16" if mixed else "fp32", P / dp)
+            add("gradients", acc, P / dp)  # the partition's accumulation buffer
+            add("gradients", "fp32", P / dp)  # the fp32 partition gradient the optimizer steps with
+            add("gradients", red, reduce_bucket_elements)  # the reduce bucket, held for the run
+            return out
+        add("parameters", "bf16" if mixed else "fp32", P)
+        if mixed and zero_stage == 1 and acc == "fp32":  # BF16_Optimizer
+            add("gradients", "bf16", P)  # every .grad, zeroed but kept
+            add("gradients", "fp32", P)  # its whole-model fp32 accumulation buffer
+        else:
+            add("gradients", "fp32", P / dp)
+        return out
+    raise ValueError(f"no model-state model for engine {engine!r} at ZeRO stage {zero_stage}")
+
+
+def engine_stage_items(shape: Shape, lay: PlannerLayout, seq_len: int) -> tuple[tuple[bool, int, bool], ...]:
+    """(has_embedding, layers, has_lm_head) per pipeline rank, as the engine partitions: the own
+    engine (and DeepSpeed, FSDP2) balanced by cost over pp x virtual_stages chunks, chunk c of rank r
+    is stage c * pp + r; Megatron-core uniformly, layers / (pp x virtual_stages) per chunk."""
+    chunks = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
+    if lay.engine == "megatron":
+        return _uniform_stage_items(shape.layers, lay.pp)
+    return _engine_stage_items(shape, lay.pp, chunks, seq_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _uniform_stage_items(n_layers: int, pp: int) -> tuple[tuple[bool, int, bool], ...]:
+    """Megatron-core's split (transformer_block.get_num_layers_to_build): every chunk the same number
+    of layers, so every rank layers / pp, whatever the virtual stages; the embedding on the first
+    rank, the LM head (and a tied embedding's copy) on the last. It refuses a split that is not even
+    (harness plan --engine megatron offers only pp dividing the layers); here the first ranks would
+    take one more."""
+    base, extra = divmod(n_layers, pp)
+    return tuple((r == 0, base + (1 if r < extra else 0), r == pp - 1) for r in range(pp))
+
+
+@functools.lru_cache(maxsize=4096)
+def _engine_stage_items(shape: Shape, pp: int, chunks: int, seq_len: int) -> tuple[tuple[bool, int, bool], ...]:
+    from harness.engine.partition import balanced_partition
+
+    parts = balanced_partition(shape, pp * chunks, seq_len)
+    last = pp * chunks - 1
+    return tuple((r == 0, sum(len(parts[c * pp + r]) for c in range(chunks)), (chunks - 1) * pp + r == last)
+                 for r in range(pp))
+
+
+def _norm_bytes(lay: PlannerLayout, n: float, h: int, B: int, sp: bool) -> float:
+    """One RMSNorm and the GEMMs after it, kept for backward. Eager (kernels.rmsnorm_torch): under
+    bf16 the fp32 copy of the input (saved by pow and mul, 4h), the bf16 normalised tensor (saved
+    by the weight mul, 2h) and fp32 1/rms (4); under fp32 the input itself and the normalised
+    tensor (8h + 4). Fused: its input and fp32 1/rms. Then the GEMMs keep the norm's output, or
+    under SP the all-gathered one: n x h, not divided."""
+    if lay.rmsnorm == "fused":
+        local = B * h + 4
+    else:
+        local = (6 * h + 4) if B == 2 else (8 * h + 4)
+    # Megatron's ColumnParallelLinear under SP saves its local input and all-gathers it again in backward
+    gathered = n * h * B / (lay.tp if sp and lay.engine == "megatron" else 1)
+    return n * local / (lay.tp if sp else 1) + gathered
+
+
+def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> float:
+    """The attention between the q/k/v GEMMs and wo, kept for backward, per rank; `wl` is the rank's
+    workload (Workload.local: seq / cp tokens under context parallelism: context.cp_attention_bytes).
+
+    Flash-style (SDPA flash/efficient/cuDNN, flash-attn): rotated q, k and v as the kernel gets
+    them (k and v repeated to every head under grouped-query attention), its output and fp32
+    log-sum-exp; wo's input is a view of the output (the kernel allocates it in q's memory order,
+    which is [s, b, heads, head_dim] here). Materialised (naive): fp32 copies of q, k, v, the causal
+    mask (1 byte per score), the fp32 softmax, and wo's input, a copy of the [b, heads, s, head_dim]
+    output.
+    Selective checkpointing keeps only the recomputed core's inputs q, k, v and wo's input. The
+    rotary tables cast to bf16 per call (q and k: cos and sin) are kept too."""
+    if lay.cp > 1:
+        from harness.planner.context import cp_attention_bytes
+
+        return cp_attention_bytes(shape, lay, wl.seq_len, b, wl.dtype_bytes)["kept"]
+    s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
+    n = b * s
+    head_dim = h // shape.heads
+    hq, kv = h / t, shape.kv_heads * head_dim / t
+    heads = shape.heads / t
+    rot = 4 * s * head_dim * B if B == 2 else 0.0
+    naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
+    if lay.activation_checkpointing == "selective":
+        return n * (hq + 2 * kv) * B + n * hq * B + rot
+    if naive:
+        return 3 * n * hq * 4 + s * s + 4 * b * heads * s * s + n * hq * B + rot
+    kv_kept = 2 * n * (hq if shape.heads != shape.kv_heads else kv) * B
+    return n * hq * B + kv_kept + n * hq * B + 4 * b * heads * s + rot
+
+
+def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> float:
+    """Above what is kept, while the attention core runs backward: under selective checkpointing
+    the recomputed core's own saved tensors; for materialised attention the fp32 gradients of
+    the softmax output and of the scores (2 x 4 bytes per score); the gradient of the attention
+    output (under context parallelism: context.cp_attention_bytes). The layer's SwiGLU and its
+    norm have run backward before and freed what they kept."""
+    s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
+    n, heads, hq = b * s, shape.heads / t, h / t
+    naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
+    extra = n * h * B
+    if lay.cp > 1:
+        from harness.planner.context import cp_attention_bytes
+
+        extra += cp_attention_bytes(shape, lay, s, b, B)["backward"]
+    else:
+        if naive:
+            extra += 2 * 4 * b * heads * s * s
+        if lay.activation_checkpointing == "selective":
+            extra += (3 * n * hq * 4 + s * s + 4 * b * heads * s * s) if naive else (n * hq * B + 4 * b * heads * s)
+    freed = _norm_bytes(lay, n, h, B, lay.sequence_parallel and t > 1) + 4 * n * shape.ffn / t * B
+    return extra - freed
+
+
+@functools.lru_cache(maxsize=1024)  # the same for every stage of a layout (worst_stage_memory asks per stage)
+def engine_layer_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict:
+    """Per layer and micro-batch: 'layer' (kept between forward and backward, the layer input
+    only under full checkpointing), 'full_layer' (what its forward saves, recomputed or not),
+    'working' (what exists above that while its backward runs); `wl` the whole workload (a rank
+    holds seq / cp of its tokens)."""
+    wl = wl.local(lay)
+    b, s, t, B = lay.micro_batch_size, wl.seq_len, lay.tp, wl.dtype_bytes
+    n, h, f = b * s, shape.hidden, shape.ffn
+    sp = lay.sequence_parallel and t > 1
+    full = 2 * _norm_bytes(lay, n, h, B, sp) + _attention_bytes(shape, lay, wl, b) + 4 * n * f / t * B
+    # A layer's backward, beyond what it saved: the incoming gradient (n x h), SwiGLU's three
+    # gradients of width ffn / t, and the largest weight gradient in the parameters' dtype before
+    # the gradient hook adds it into the fp32 bucket and frees it (h x ffn / t); or the attention
+    # core's backward, whichever is larger.
+    working = max((n * h + 3 * n * f / t + h * f / t) * B, _attention_backward_bytes(shape, lay, wl, b))
+    kept = n * h * B / (t if sp else 1) if lay.activation_checkpointing == "full" else full
+    return {"layer": kept, "full_layer": full, "working": working}
+
+
+def loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, float]:
+    """(kept, extra) of the LM head's loss per micro-batch. The own engine's vocabulary-parallel
+    cross-entropy keeps the fp32 softmax (4 n V/t) and the local target ids; at its forward peak
+    the bf16 logits, their fp32 copy (bf16 only) and the fp32 shifted logits exist beside it.
+    Without TP, torch's cross_entropy on logits.float() keeps the fp32 log-softmax; its backward
+    peak holds that, the nll gradient and the log-softmax gradient (fp32 each)."""
+    n, B, V = lay.micro_batch_size * wl.local(lay).seq_len, wl.dtype_bytes, shape.vocab
+    upcast = 4 if B == 2 else 0
+    if lay.tp > 1 and lay.engine in ("own", "megatron"):  # Megatron's vocab_parallel_cross_entropy likewise
+        return 4 * n * V / lay.tp + 9 * n, (B + upcast + 4) * n * V / lay.tp
+    return 4 * n * V, max(B + upcast, 8) * n * V
+
+
+def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> dict:
+    """memory.stage_memory for the harness's engines (PlannerLayout.engine own, deepspeed or fsdp)."""
+    has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
+    phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
+    B, dp, t = wl.dtype_bytes, lay.replicas, lay.tp  # states sharded over dp x cp (REPLICA_AXES)
+    precision = "bf16" if B == 2 else "fp32"
+    zero = 3 if lay.engine == "fsdp" else lay.sharding_stage
+    if lay.engine == "deepspeed" and zero == 0:  # its pipeline engine without ZeRO: bf16 .grad, an fp32 optimizer copy
+        census = model_states(phi, "own", 0, precision, dp, grad_accum="bf16" if B == 2 else "fp32")
+    else:
+        census = model_states(phi, lay.engine, min(zero, 1) if lay.engine == "own" else zero, precision, dp)
+    # The planner's workload has the default policy (fp32 accumulation and reduction): then what
+    # the census counts at the optimizer step (own engine: flat parameters, fp32 main gradients,
+    # ZeRO-1's reduced shard being their view, masters, Adam states) is held the whole step; the
+    # ZeRO-1 collectives add nothing (both in place, harness/engine/data_parallel.py).
+    by_cat = {k: sum(v.values()) for k, v in census.items()}
+    sp = lay.sequence_parallel and t > 1
+    n = lay.micro_batch_size * wl.local(lay).seq_len  # the rank's tokens
+    h = shape.hidden
+    act = engine_layer_bytes(shape, lay, wl)
+    hidden = n * h * B / (t if sp else 1)  # one [s(/t), b, h] activation
+    m = wl.micro_batches(lay)
+    k = in_flight(lay, stage, m)
+    micro = layers * act["layer"]
+    if lay.pp > 1:  # PipelineExecutor.live: the received input (not on the first stage) and the sent output
+        micro += hidden * ((0 if has_emb else 1) + (0 if has_head else 1))
+    keeps_input = lay.activation_checkpointing == "full" or lay.rmsnorm == "fused" or B == 4
+    if keeps_input and lay.pp > 1 and not has_emb and layers:
+        micro -= hidden  # what the first layer keeps of its input (checkpoint, norm) is the received tensor
+    if has_emb and t > 1:
+        micro += 9 * n  # the vocabulary-parallel lookup's local ids (int64) and mask
+    ce_kept, ce_extra = loss_bytes(shape, lay, wl) if has_head else (0.0, 0.0)
+    if has_head:
+        micro += _norm_bytes(lay, n, h, B, sp) + ce_kept
+    held = k * micro
+    working = (act["full_layer"] - act["layer"] if lay.activation_checkpointing == "full" else 0.0) + act["working"]
+    candidates = {"backward_working_set": working if layers else 0.0}
+    if has_head:  # the loss's peak with this micro-batch's activations, the others' held
+        candidates["logits_and_loss"] = ce_extra
+    if has_emb:  # the embedding's weight gradient (vocab/t x h, the parameters' dtype) at the stage's last backward
+        candidates["embedding_gradient"] = shape.vocab * h / t * B - micro
+    fsdp = fsdp_step_bytes(shape, lay, wl, has_emb, layers, has_head) if lay.engine == "fsdp" else None
+    if fsdp is not None:
+        # a block's backward runs with its gathered parameters and the next block's (prefetched);
+        # after the loss's backward, with the log-softmax freed, the step's logits still referenced
+        # and the LM head's unsharded weight gradient waiting for the root's reduce-scatter
+        if layers:
+            candidates["backward_working_set"] += (fsdp["backward_blocks"] + fsdp["after_loss"]
+                                                   - (ce_kept if has_head else 0.0))
+        for name in candidates:
+            if name != "backward_working_set":
+                candidates[name] += fsdp["kept_blocks"]
+        if has_emb and t > 1:
+            # DTensor's backward of the RowwiseParallel (vocabulary-sharded) embedding yields the
+            # gradient of the whole table on every tp rank, not its vocab/t rows
+            candidates["embedding_gradient"] = shape.vocab * h * B - micro
+        if lay.pp > 1 and layers:
+            # between two backwards of a pipelined stage: every block gathered (kept since its first
+            # backward), one micro-batch fewer in flight
+            candidates["gathered_between_backwards"] = fsdp["all_blocks"] - micro
+    extra_name = max(candidates, key=candidates.get)
+    extra = max(0.0, candidates[extra_name])
+    dynamic = held + extra
+    frag = FRAGMENTATION_PIPELINED if lay.pp > 1 and m > 1 else FRAGMENTATION
+    parts = {"weights": by_cat.get("parameters", 0.0), "gradients": by_cat.get("gradients", 0.0),
+             "optimizer": by_cat.get("master_parameters", 0.0) + by_cat.get("optimizer_states", 0.0),
+             "activations": held, "backward_working_set": extra if extra_name != "logits_and_loss" else 0.0,
+             "logits_and_loss": extra if extra_name == "logits_and_loss" else 0.0}
+    if fsdp is not None:
+        parts["weights"] += fsdp["gathered"]
+        if fsdp["accumulated"]:  # pipelined: the unsharded accumulation, not yet the sharded gradient
+            parts["gradients"] = fsdp["accumulated"]
+        parts["gradients"] += fsdp["reduce_scatter"]
+        # all of it comes and goes within a step: the gathered parameters at every all-gather, the
+        # reduce-scatter buffers, and the gradients (the sharded ones freed by
+        # zero_grad(set_to_none=True) after every step, allocated again by the first reduce-scatter)
+        dynamic += fsdp["gathered"] + parts["gradients"]
+    elif zero >= 3:  # gathered full layers in flight (current + prefetched), ZeRO-3
+        parts["weights"] += 2 * phi / max(layers, 1) * B
+    parts["overhead"] = CONTEXT_GIB * GIB + frag * dynamic
+    parts["total"] = sum(parts.values())
+    parts["params"] = phi
+    return parts
+
+
+def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: bool, layers: int, has_head: bool) -> dict:
+    """What engine fsdp (FSDP2 fully_shard per block and on the root, harness/frameworks/fsdp/engine.py)
+    holds during its step beyond the model states and the plain model's activations, per rank,
+    as torch's FSDP2 code allocates it (torch/distributed/fsdp/_fully_shard/) and `harness memory`
+    traces it:
+
+      gathered        the root's unsharded parameters in the compute dtype (embedding, final
+                      norm, LM head; fully_shard(root, reshard_after_forward=False): gathered from
+                      the first forward to the end of the last backward)
+      backward_blocks while a block runs backward, its gathered parameters and the next block's,
+                      whose flat all-gather output exists from when the all-gather is issued ahead
+                      (_fsdp_state backward prefetch; _fsdp_collectives.foreach_all_gather); with
+                      reshard_after_forward true no block is gathered between its forward and
+                      backward (the loss's peak has none)
+      kept_blocks     with reshard_after_forward false every block stays gathered from its
+                      forward to its backward: all of them at the loss's peak and the first
+                      block's backward
+      reduce_scatter  one block's reduce-scatter input in the reduce dtype (foreach_reduce), which
+                      FSDP2 keeps (comm_ctx.reduce_scatter_state) until the next reduce-scatter
+                      waits, so one is alive whenever a block's backward runs
+      after_loss      while the blocks run backward: the step's logits in the compute dtype (the
+                      train step's variable keeps them through loss.backward()) and the LM head's
+                      unsharded weight gradient, reduced only with the root after the last block
+
+    Under pipelining (pp > 1) torch.distributed.pipelining runs every backward but the reduction
+    with set_reshard_after_backward(False) and set_requires_gradient_sync(False)
+    (pipelining/stage.py, backward_maybe_with_nosync; perform_reduce_grad after the last):
+
+      accumulated     the stage's unsharded gradients, accumulated in the reduce dtype from its
+                      first backward to the reduce-scatter after its last (the sharded gradients
+                      exist only after that, with the activations gone); the embedding's is the
+                      whole table's under TP (DTensor's backward of the RowwiseParallel embedding)
+      all_blocks      every block stays gathered from its backward until the next forward of it
+                      reshards it (reshard_after_forward): between two backwards all are gathered
+      reduce_scatter  none while micro-batches are in flight
+
+    The planner's workload carries the default precision policy: compute dtype = the workload's,
+    reduction in fp32."""
+    B, t = wl.dtype_bytes, lay.tp
+    h, V = shape.hidden, shape.vocab
+    head_dim = h // shape.heads
+    attn = h * shape.heads * head_dim * 2 + 2 * h * shape.kv_heads * head_dim
+    block = (attn + 3 * h * shape.ffn) / t + 2 * h
+    if shape.attention_bias:
+        block += (shape.heads + 2 * shape.kv_heads) * head_dim / t + h
+    vocab = V * h / t
+    head = 0.0 if shape.tie_embeddings and has_emb else vocab
+    root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)
+    reshard = lay.reshard_after_forward
+    n = lay.micro_batch_size * wl.local(lay).seq_len
+    kept = 0.0 if reshard else layers * block * B
+    piped = lay.pp > 1
+    # the embedding's gradient is the whole table's under TP (see engine_stage_memory)
+    emb_grad = V * h if has_emb else 0.0
+    accumulated = root - (vocab if has_emb else 0.0) + emb_grad + layers * block
+    return {"gathered": root * B,
+            "backward_blocks": min(2, layers) * block * B if reshard else kept,
+            "kept_blocks": kept,
+            "all_blocks": layers * block * B,
+            "reduce_scatter": block * 4 if layers and not piped else 0.0,
+            "accumulated": accumulated * 4 if piped else 0.0,
+            "after_loss": (n * V * B + vocab * B) if has_head else 0.0}

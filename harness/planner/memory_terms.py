@@ -1,0 +1,58 @@
+"""The memory terms every engine's model shares: bytes per GiB, the parameters a stage holds,
+the micro-batches a stage keeps in flight, and the two calibrated overheads outside PyTorch's
+tensors (CONTEXT_GIB, FRAGMENTATION; see their comments).
+
+One definition for the study's engine (memory_paper), the harness's engines (memory_engines) and
+`harness memory`'s untraced terms (harness/memtrace/terms.py), so that none of them drifts from
+the others; memory.py re-exports them.
+"""
+
+from __future__ import annotations
+
+from harness.model.presets import Shape
+from harness.planner.layout import PlannerLayout
+
+GIB = 1024 ** 3
+
+# Calibrated (grid search over the two, globally, on the OOM outcomes of the four published
+# sweeps in baselines/paper_sweeps; leave-one-sweep-out figures in tests/test_planner_paper.py):
+# memory outside PyTorch's tensors: CUDA context with cuBLAS/cuDNN workspaces and NCCL's buffers
+# for the tensor-, pipeline- and data-parallel communicators. The CUDA context of an A100 is
+# ~0.5-0.8 GiB and NCCL's ring/tree buffers with several communicators ~0.5-1 GiB.
+CONTEXT_GIB = 1.0
+# The caching allocator's fragmentation, as a fraction of the dynamic (activation, logit)
+# memory. Without a pipeline, a micro-batch's activations are freed in the reverse order of
+# their allocation (LIFO) and the allocator reuses its blocks cleanly; under 1F1B the stage
+# frees micro-batch i's tensors while micro-batch i+p's are being allocated, interleaving
+# lifetimes, and cached blocks split (reserved/allocated of 1.05-1.3 in PyTorch memory-snapshot
+# studies of pipelined training).
+FRAGMENTATION = 0.05
+FRAGMENTATION_PIPELINED = 0.20
+
+
+def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: int) -> float:
+    """Parameters held per GPU of a stage: matrices split over tp (vocab-parallel embedding/head;
+    a tied head on the embedding's stage is the same tensor, counted once; attention biases: q/k/v's
+    split over tp, o's replicated)."""
+    head_dim = shape.hidden // shape.heads
+    attn = shape.hidden * shape.heads * head_dim * 2 + 2 * shape.hidden * shape.kv_heads * head_dim
+    per_layer = (attn + 3 * shape.hidden * shape.ffn) / tp + 2 * shape.hidden
+    if shape.attention_bias:
+        per_layer += (shape.heads + 2 * shape.kv_heads) * head_dim / tp + shape.hidden
+    vocab = shape.vocab * shape.hidden / tp
+    head = 0 if shape.tie_embeddings and has_emb else vocab
+    return layers * per_layer + (vocab if has_emb else 0) + ((head + shape.hidden) if has_head else 0)
+
+
+def in_flight(lay: PlannerLayout, stage: int, m: int) -> float:
+    """Micro-batches (in units of the stage's layers) whose activations a stage holds at peak."""
+    p = lay.pp
+    if p == 1:
+        return 1.0
+    if lay.pipeline_schedule == "gpipe":
+        return float(m)
+    if lay.pipeline_schedule == "interleaved" and lay.virtual_stages > 1:
+        v = lay.virtual_stages  # Megatron's warm-up count, in chunks of 1/v of the stage's layers
+        chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+        return chunks / v
+    return float(min(p - stage, m))  # 1F1B (Narayanan et al. 2021, Sec. 2.2)
