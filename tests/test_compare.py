@@ -329,6 +329,25 @@ def test_matrix_has_cp_rows_and_a_refusing_engine_shows_its_reason(tmp_path):
     assert "| cp2 ring mbs 1 |" in md and "cp_impl=ring" not in md.split("## Layouts by engine")[1]
 
 
+def test_an_engines_own_default_is_shown_where_runs_differ_by_it(tmp_path):
+    """Megatron-core's attention default (naive, its facts' defaults) differs from the field's (sdpa): the
+    differing-fields column shows each run's value, also for a record that does not name the field."""
+    from harness.report.compare import differing_fields, differs_texts
+
+    cs = parse_compare_spec(compare_raw([{"engine": "own", "label": "a"}, {"engine": "megatron", "label": "b"}],
+                                        reference=False))
+    assert [r.spec.layout.attention for r in cs.runs] == ["sdpa", "naive"]
+    results = {r.label: ("ok", REF, {}) for r in cs.runs}
+    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
+                             launch_fn=fake_launcher(results))
+    assert differing_fields(summary) == ["attention"]
+    assert differs_texts(summary) == ["attention=sdpa", "attention=naive"]
+    for run in summary["runs"]:  # records that name only what their spec gave
+        run["layout"] = {"engine": run["layout"]["engine"], "dp": run["layout"]["dp"]}
+    assert differing_fields(summary) == ["attention"]
+    assert differs_texts(summary) == ["attention=sdpa", "attention=naive"]
+
+
 def test_a_cp_impl_at_cp1_changes_no_row_and_old_records_render_as_before(tmp_path):
     """A run without context parallelism is one row whatever its cp_impl, and a record written before cp
     existed (no cp, no cp_impl) lands in the same row as a new cp1 run, with no cp field shown as differing."""

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 
+from harness import registry
 from harness.parallel_dims import LABEL_ORDER, ParallelDims
 from harness.report import plots, render
 from harness.report.analysis import rate_ci
@@ -56,7 +57,13 @@ VARIANT_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "model_impl")
 
 
 def _full_layout(layout: dict) -> dict:
-    return {**dataclasses.asdict(Layout()), **(layout or {})}
+    """Every field of a run's layout: an old record's missing ones at their defaults, the engine's own
+    where it declares one (EngineFacts.defaults: megatron's attention)."""
+    layout = layout or {}
+    engine = layout.get("engine", Layout.engine)
+    own = registry.facts(engine).defaults if registry.available(engine) else {}
+    own = {k.split(".", 1)[1]: v for k, v in own.items() if k.startswith("layout.")}
+    return {**dataclasses.asdict(Layout()), **own, **layout}
 
 
 def _matrix_layout(layout: dict) -> dict:
