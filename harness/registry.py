@@ -67,6 +67,22 @@ ONE_ENGINES_FIELDS: dict[str, str] = {
 }
 
 
+@dataclass(frozen=True)
+class MemoryModel:
+    """What the planner's memory model reads of an engine (harness/planner/memory_engines.py): facts of
+    its code, each checked against its census or a `harness memory` trace."""
+
+    # the model states' closed form: "megatron" (bf16 parameters, fp32 main gradients in flat buffers, ZeRO-1
+    # sharding the fp32 masters and Adam's moments), "deepspeed" (its ZeRO stages' partitions) or "fsdp"
+    # (FSDP2: the sharded fp32 parameters are the master)
+    states: str
+    # "balanced": layers split by cost over pp x virtual-stage chunks (harness.engine.partition); "even":
+    # layers / pp per rank (Megatron-core's get_num_layers_to_build)
+    layer_split: str = "balanced"
+    vocab_parallel_loss: bool = False  # the LM head's cross-entropy vocabulary-parallel under tp > 1
+    sp_regathers: bool = False  # under SP a column-parallel GEMM keeps its local input, re-gathered in backward
+
+
 # A rule: (field, takes(...), why not). The first rule a spec breaks is the error; `why` may name
 # {engine}. Fields are the Layout's (capabilities, batch limits) or the Workload's (precision limits).
 # The arguments are harness.spec's Layout and Workload and harness.model.presets' Shape (above this module).
@@ -113,9 +129,9 @@ class EngineFacts:
     # None: not traceable, and untraced says why
     tracer: str | None = None
     untraced: str = ""
-    # whether the planner models its memory and time (harness/planner/memory_engines.py has its terms): the engines
-    # `harness plan --engine` offers
-    planned: bool = False
+    # how the planner models its memory (harness/planner/memory_engines.py); None: not modelled. The engines
+    # `harness plan --engine` offers are those with one that run more than one process.
+    memory: MemoryModel | None = None
 
     def variant(self, layout: dict) -> str:
         return self.label(layout) if self.label is not None else self.name
@@ -171,8 +187,9 @@ def facts(name: str) -> EngineFacts:
 
 
 def planned() -> tuple[str, ...]:
-    """The engines the planner models (EngineFacts.planned), in ENGINES' order."""
-    return tuple(name for name in ENGINES if available(name) and facts(name).planned)
+    """The engines `harness plan --engine` models (a MemoryModel, more than one process), in ENGINES' order."""
+    return tuple(name for name in ENGINES
+                 if available(name) and facts(name).memory is not None and not facts(name).one_process)
 
 
 def adapter(name: str):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts, only, tied_across_stages
+from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only, tied_across_stages
 
 BLOCK_KERNELS = ("naive", "sdpa")   # what ring and allgather blocks compute (sdpa: on CPU only)
 
@@ -13,7 +13,7 @@ def blockwise_cp(lay) -> bool:
 
 ENGINE = EngineFacts(
     name="own",
-    planned=True,
+    memory=MemoryModel("megatron", vocab_parallel_loss=True),
     honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
         "tp", "pp", "dp", "cp", "cp_impl", "activation_checkpointing", "sequence_parallel", "attention", "rmsnorm",
         "pipeline_schedule", "virtual_stages", "pipeline_p2p", "dp_bucket_mb")},

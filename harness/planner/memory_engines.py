@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 
+from harness import registry
 from harness.model.presets import Shape
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
 from harness.planner.memory_terms import (
@@ -43,6 +44,16 @@ from harness.planner.memory_terms import (
     in_flight,
     stage_params,
 )
+from harness.registry import MemoryModel
+
+
+@functools.lru_cache(maxsize=None)
+def memory_model(engine: str) -> MemoryModel:
+    """What the engine's facts say the planner's memory model reads of it (harness.registry.MemoryModel)."""
+    model = registry.facts(engine).memory
+    if model is None:
+        raise ValueError(f"the planner has no memory model of engine {engine!r} (its facts declare none)")
+    return model
 
 
 def model_states(params: float, engine: str, zero_stage: int, precision: str, dp: int,
@@ -52,7 +63,15 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
     step, for `params` parameters on the rank, under the workload's precision policy: the same
     categories as a run's measured memory census (harness.measure.tensor_census), so a prediction
     and a census compare term by term (tests/test_planner_census.py). Adam's step counters and
-    alignment padding are left out (under 1%)."""
+    alignment padding are left out (under 1%). The closed form is the engine's MemoryModel.states."""
+    return states_bytes(params, memory_model(engine).states, zero_stage, precision, dp, grad_accum, grad_reduce,
+                        reduce_bucket_elements)
+
+
+def states_bytes(params: float, states: str, zero_stage: int, precision: str, dp: int,
+                 grad_accum: str = "fp32", grad_reduce: str = "fp32",
+                 reduce_bucket_elements: float = 0.0) -> dict[str, dict[str, float]]:
+    """model_states by the closed form's name (MemoryModel.states)."""
     P, B = float(params), {"fp32": 4, "bf16": 2}
     mixed = precision == "bf16"
     acc, red = (grad_accum, grad_reduce) if mixed else ("fp32", "fp32")
@@ -63,7 +82,7 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
         if elements:
             out[category][dtype] = out[category].get(dtype, 0.0) + elements * B[dtype]
 
-    if engine == "fsdp":  # the sharded fp32 parameters are the master; the gathered bf16 ones are gone
+    if states == "fsdp":  # the sharded fp32 parameters are the master; the gathered bf16 ones are gone
         add("parameters", "fp32", P / dp)
         add("gradients", "fp32", P / dp)
         add("optimizer_states", "fp32", 2 * P / dp)
@@ -71,7 +90,7 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
     # harness/engine/data_parallel.py, Megatron's layout; Megatron-core's own (engine megatron) holds the same:
     # main_grad in its DDP's contiguous buffer (one dtype to accumulate and reduce), its DistributedOptimizer
     # reduce-scattering into this rank's view of it and sharding the fp32 masters and Adam's moments over dp
-    if engine in ("own", "single", "megatron"):
+    if states == "megatron":
         shard = P / dp if zero_stage >= 1 and dp > 1 else P
         add("parameters", "bf16" if mixed else "fp32", P)
         add("gradients", acc, P)  # the main gradients; ZeRO-1 reduce-scatters in place, into their shard
@@ -81,7 +100,7 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
             add("master_parameters", "fp32", shard)
         add("optimizer_states", "fp32", 2 * shard)
         return out
-    if engine == "deepspeed" and zero_stage >= 1:  # ds_configs/README.md, "Precision": what each stage holds
+    if states == "deepspeed" and zero_stage >= 1:  # ds_configs/README.md, "Precision": what each stage holds
         add("master_parameters", "fp32", P / dp)  # a clone of the partition, fp32 workloads too
         add("optimizer_states", "fp32", 2 * P / dp)
         if zero_stage == 3:
@@ -97,7 +116,7 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
         else:
             add("gradients", "fp32", P / dp)
         return out
-    raise ValueError(f"no model-state model for engine {engine!r} at ZeRO stage {zero_stage}")
+    raise ValueError(f"no model-state model {states!r} at ZeRO stage {zero_stage}")
 
 
 def engine_stage_items(shape: Shape, lay: PlannerLayout, seq_len: int) -> tuple[tuple[bool, int, bool], ...]:
@@ -105,7 +124,7 @@ def engine_stage_items(shape: Shape, lay: PlannerLayout, seq_len: int) -> tuple[
     engine (and DeepSpeed, FSDP2) balanced by cost over pp x virtual_stages chunks, chunk c of rank r
     is stage c * pp + r; Megatron-core uniformly, layers / (pp x virtual_stages) per chunk."""
     chunks = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
-    if lay.engine == "megatron":
+    if memory_model(lay.engine).layer_split == "even":
         return _uniform_stage_items(shape.layers, lay.pp)
     return _engine_stage_items(shape, lay.pp, chunks, seq_len)
 
@@ -142,7 +161,7 @@ def _norm_bytes(lay: PlannerLayout, n: float, h: int, B: int, sp: bool) -> float
     else:
         local = (6 * h + 4) if B == 2 else (8 * h + 4)
     # Megatron's ColumnParallelLinear under SP saves its local input and all-gathers it again in backward
-    gathered = n * h * B / (lay.tp if sp and lay.engine == "megatron" else 1)
+    gathered = n * h * B / (lay.tp if sp and memory_model(lay.engine).sp_regathers else 1)
     return n * local / (lay.tp if sp else 1) + gathered
 
 
@@ -228,7 +247,7 @@ def loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, f
     peak holds that, the nll gradient and the log-softmax gradient (fp32 each)."""
     n, B, V = lay.micro_batch_size * wl.local(lay).seq_len, wl.dtype_bytes, shape.vocab
     upcast = 4 if B == 2 else 0
-    if lay.tp > 1 and lay.engine in ("own", "megatron"):  # Megatron's vocab_parallel_cross_entropy likewise
+    if lay.tp > 1 and memory_model(lay.engine).vocab_parallel_loss:  # Megatron's vocab_parallel_cross_entropy too
         return 4 * n * V / lay.tp + 9 * n, (B + upcast + 4) * n * V / lay.tp
     return 4 * n * V, max(B + upcast, 8) * n * V
 
@@ -239,11 +258,12 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
     B, dp, t = wl.dtype_bytes, lay.replicas, lay.tp  # states sharded over dp x cp (REPLICA_AXES)
     precision = "bf16" if B == 2 else "fp32"
-    zero = 3 if lay.engine == "fsdp" else lay.sharding_stage
-    if lay.engine == "deepspeed" and zero == 0:  # its pipeline engine without ZeRO: bf16 .grad, an fp32 optimizer copy
-        census = model_states(phi, "own", 0, precision, dp, grad_accum="bf16" if B == 2 else "fp32")
-    else:
-        census = model_states(phi, lay.engine, min(zero, 1) if lay.engine == "own" else zero, precision, dp)
+    states = memory_model(lay.engine).states
+    zero = 3 if states == "fsdp" else lay.sharding_stage
+    if states == "deepspeed" and zero == 0:  # its pipeline engine without ZeRO: bf16 .grad, an fp32 optimizer copy
+        census = states_bytes(phi, "megatron", 0, precision, dp, grad_accum="bf16" if B == 2 else "fp32")
+    else:  # the Megatron-style engines shard at most the optimizer states (ZeRO-1)
+        census = states_bytes(phi, states, min(zero, 1) if states == "megatron" else zero, precision, dp)
     # The planner's workload has the default policy (fp32 accumulation and reduction): then what
     # the census counts at the optimizer step (own engine: flat parameters, fp32 main gradients,
     # ZeRO-1's reduced shard being their view, masters, Adam states) is held the whole step; the
@@ -274,7 +294,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
         candidates["logits_and_loss"] = ce_extra
     if has_emb:  # the embedding's weight gradient (vocab/t x h, the parameters' dtype) at the stage's last backward
         candidates["embedding_gradient"] = shape.vocab * h / t * B - micro
-    fsdp = fsdp_step_bytes(shape, lay, wl, has_emb, layers, has_head) if lay.engine == "fsdp" else None
+    fsdp = fsdp_step_bytes(shape, lay, wl, has_emb, layers, has_head) if states == "fsdp" else None
     if fsdp is not None:
         # a block's backward runs with its gathered parameters and the next block's (prefetched);
         # after the loss's backward, with the log-softmax freed, the step's logits still referenced

@@ -5,13 +5,13 @@ or pipe.py (PipelineModule)."""
 from __future__ import annotations
 
 from harness.frameworks.deepspeed.config import validate
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts, only, tied_across_stages
+from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only, tied_across_stages
 
 ULYSSES = "DeepSpeed's context parallelism is Ulysses (DistributedAttention): set cp_impl: ulysses"
 
 ENGINE = EngineFacts(
     name="deepspeed",
-    planned=True,
+    memory=MemoryModel("deepspeed"),
     honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
         "tp", "pp", "dp", "cp", "activation_checkpointing", "attention", "rmsnorm", "zero_stage", "ds_config",
         "model_impl")},

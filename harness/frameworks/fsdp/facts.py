@@ -3,7 +3,7 @@ declared without importing torch; adapter.py builds engine.py."""
 
 from __future__ import annotations
 
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts, only, tied_across_stages
+from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only, tied_across_stages
 from harness.spec import micro_batch_count
 
 
@@ -16,7 +16,7 @@ CP_IMPLS = "torch's context_parallel exchanges K/V by all-gather or a ring (all-
 
 ENGINE = EngineFacts(
     name="fsdp",
-    planned=True,
+    memory=MemoryModel("fsdp"),
     honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
         "tp", "pp", "dp", "cp", "activation_checkpointing", "sequence_parallel", "attention", "rmsnorm",
         "pipeline_schedule", "virtual_stages", "reshard_after_forward")},

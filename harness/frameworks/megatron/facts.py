@@ -4,7 +4,7 @@ torch or Megatron; adapter.py builds engine.py (on CPU through shim.py)."""
 
 from __future__ import annotations
 
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts, only
+from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only
 
 # Megatron-core's llama3 rope scaling takes only the factor; the rest is fixed
 # (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling).
@@ -17,7 +17,7 @@ def _chunks(lay) -> int:
 
 ENGINE = EngineFacts(
     name="megatron",
-    planned=True,
+    memory=MemoryModel("megatron", layer_split="even", vocab_parallel_loss=True, sp_regathers=True),
     honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
         "tp", "pp", "dp", "activation_checkpointing", "sequence_parallel", "virtual_stages")},
              "layout.zero_stage": only(0, 1, why=(

@@ -3,7 +3,7 @@ declared without importing torch; adapter.py builds it (engine.py)."""
 
 from __future__ import annotations
 
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts, only
+from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only
 
 _ONE_PROCESS = "engine single is one process: set tp=cp=pp=dp=1"
 ENGINE = EngineFacts(
@@ -13,5 +13,6 @@ ENGINE = EngineFacts(
              **{f"layout.{name}": ANY for name in ("activation_checkpointing", "attention", "rmsnorm")}},
     why_not={"layout.zero_stage": "engine single has no ZeRO"},
     launcher="direct",
+    memory=MemoryModel("megatron"),  # the reference's policy is the own engine's (Megatron-style)
     one_process=True,
 )
