@@ -223,7 +223,7 @@ def main() -> int:
     for name, r in res.items():
         st = r["stats"]
         tps[name] = tokens / st["median"]
-        worst = max([worst] + [abs(x - y) / abs(y) for x, y in zip(r["losses"], first)])
+        worst = max([worst] + [abs(x - y) / abs(y) for x, y in zip(r["losses"], first, strict=False)])
         print(f"{name:14s} {r['world']:5d} {st['median'] * 1e3:10.1f} {st['ci95_low'] * 1e3:9.1f}-"
               f"{st['ci95_high'] * 1e3:<9.1f} {tps[name]:9,.0f} {tps[name] / r['world']:9,.0f}")
     print(f"losses agree (every engine against {ALONE}): max relative difference {worst:.1e}")

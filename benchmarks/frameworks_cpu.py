@@ -255,7 +255,7 @@ def main() -> int:
             median[layout, name], cpu[layout, name] = st["median"], r["cpu"]
             tps[layout, name] = tokens / st["median"]   # a limit's tokens: both ranks' shares, the same total
             ref = first_limit if r["limit"] else first
-            worst = max([worst] + [abs(x - y) / abs(y) for x, y in zip(r["losses"], ref)])
+            worst = max([worst] + [abs(x - y) / abs(y) for x, y in zip(r["losses"], ref, strict=False)])
             print(f"{layout:7s} {name:22s} {st['median'] * 1e3:10.1f} {st['ci95_low'] * 1e3:8.1f}-"
                   f"{st['ci95_high'] * 1e3:<8.1f} {tps[layout, name]:10,.0f} {r['cpu'] * 1e3:8.1f}")
     print(f"losses agree across engines at each layout (limits among themselves): max relative difference "

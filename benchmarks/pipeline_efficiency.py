@@ -75,7 +75,7 @@ def main() -> None:
     factor = 1 + (p - 1) / (v * m)
     step = [max(r["rows"][i][0] for r in ranks) for i in range(args.steps)]
     compute = [max(r["rows"][i][1] for r in ranks) for i in range(args.steps)]
-    ratios = [s / (factor * c) for s, c in zip(step, compute)]
+    ratios = [s / (factor * c) for s, c in zip(step, compute, strict=True)]
     print(f"model {args.model} seq {args.seq} pp {p} micro-batches {m} schedule {args.schedule}; "
           f"stages {[s['layers'] for s in ranks[0]['stages']]} on rank 0")
     for r, rk in enumerate(ranks):

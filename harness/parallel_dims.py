@@ -149,7 +149,7 @@ class ParallelDims:
         """The ranks that share every coordinate with `rank` but those on `axes`, in rank order
         (the dp x cp group a gradient is reduced over)."""
         c = self.coord(rank)._asdict()
-        return sorted(self.rank(**{**c, **dict(zip(axes, values))})
+        return sorted(self.rank(**{**c, **dict(zip(axes, values, strict=True))})
                       for values in itertools.product(*(range(self.degree(a)) for a in axes)))
 
     def flat_groups(self, axes: tuple[str, ...] = REPLICA_AXES) -> list[list[int]]:

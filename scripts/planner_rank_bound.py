@@ -67,7 +67,7 @@ def main():
           f"mean {shared:.3f}")
     gemm = theta[EFFICIENCY_KEYS.index("gemm")]
     print("    efficiencies relative to GEMM's:",
-          {k: round(float(gemm / v), 3) for k, v in zip(EFFICIENCY_KEYS, theta) if k != "launch_us"})
+          {k: round(float(gemm / v), 3) for k, v in zip(EFFICIENCY_KEYS, theta, strict=True) if k != "launch_us"})
     held = [spearman_of(search(sweeps, [m for m in names if m != n], start)[1], *sweeps[n]) for n in names]
     print("(3) shared, held out ", " ".join(f"{v:.3f}" for v in held), f"mean {np.mean(held):.3f}")
 

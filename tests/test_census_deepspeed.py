@@ -115,7 +115,7 @@ CASES = {  # case -> (stage, workload overrides, reduce bucket of a copy of zero
 PARITY = ["zero1-bf16", "zero2-bf16", "zero3-bf16", "zero1-bf16-accum-bf16"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_losses(overrides: tuple) -> list[float]:
     return reference_run({**WORKLOAD, **dict(overrides)}, STEPS, micro_batch_size=2)[0]
 
@@ -149,7 +149,7 @@ def launched(tmp_path_factory):
              "layout": {"engine": "deepspeed", "dp": D, "micro_batch_size": 2, "zero_stage": stage,
                         "ds_config": str(small) if bucket else ""}}
             for stage, overrides, bucket in CASES.values()]
-    return dict(zip(CASES, spawn(census_runs, D, runs, STEPS, timeout_s=300)))
+    return dict(zip(CASES, spawn(census_runs, D, runs, STEPS, timeout_s=300), strict=True))
 
 
 def within(measured: dict, expected: dict, rel: float = 0.03) -> list[str]:

@@ -229,7 +229,7 @@ def test_matrix_dash_for_a_combination_not_listed(tmp_path):
     summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
                              launch_fn=fake_launcher(results))
     header, rows = layout_matrix(summary)
-    by_row = {r[0]: dict(zip(header[1:], r[1:])) for r in rows}
+    by_row = {r[0]: dict(zip(header[1:], r[1:], strict=True)) for r in rows}
     assert by_row["tp2 pp2 mbs 1"]["deepspeed ZeRO-1"].startswith("– layout.tp:")
     assert by_row["dp4 mbs 1"]["own"] == "not run"
 
@@ -318,7 +318,7 @@ def test_matrix_has_cp_rows_and_a_refusing_engine_shows_its_reason(tmp_path):
                              launch_fn=fake_launcher(results))
     header, rows = layout_matrix(summary)
     assert header == ["layout", "own", "megatron"]
-    by_row = {r[0]: dict(zip(header[1:], r[1:])) for r in rows}
+    by_row = {r[0]: dict(zip(header[1:], r[1:], strict=True)) for r in rows}
     assert list(by_row) == ["dp2 mbs 1", "cp2 ring mbs 1", "cp2 allgather mbs 1", "cp2 ulysses mbs 1"]
     assert by_row["dp2 mbs 1"]["megatron"].endswith(" pass")
     for impl in ("ring", "allgather", "ulysses"):

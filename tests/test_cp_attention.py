@@ -78,12 +78,13 @@ def _cases(ctx, cases, seq):
         mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
         axis.stats.reset()
         if ckpt == "full":   # 0·sin(out) keeps out saved, as the block's wo does: the whole forward re-runs
-            got = checkpoint(lambda *t: _consumed(attention(*t, axis, impl, kernel)), *mine, use_reentrant=False)
+            got = checkpoint(lambda *t, impl=impl, kernel=kernel: _consumed(attention(*t, axis, impl, kernel)), *mine,
+                             use_reentrant=False)
         else:
             got = attention(*mine, axis, impl, kernel=kernel, recompute=ckpt == "selective")
         got.backward(go[:, :, idx])
         excess = {"out": _excess(got, ref[:, :, idx], dtype)}
-        for name, m, f in zip("qkv", mine, full):
+        for name, m, f in zip("qkv", mine, full, strict=True):
             excess["d" + name] = _excess(m.grad, f.grad[:, :, idx], dtype)
         out.append({"excess": excess, "dtype": got.dtype == dtype, "comm": axis.stats.as_dict()})
     return {"cases": out, "seconds": time.perf_counter() - start}

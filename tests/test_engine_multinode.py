@@ -62,7 +62,8 @@ def test_two_node_run_on_loopback(tmp_path):
             out, _ = p.communicate()
         outs.append(out)
     assert not timed_out and all(p.returncode == 0 for p in procs), \
-        "\n\n".join(f"node {i} (rc {p.returncode}):\n{o[-3000:]}" for i, (p, o) in enumerate(zip(procs, outs)))
+        "\n\n".join(f"node {i} (rc {p.returncode}):\n{o[-3000:]}"
+                    for i, (p, o) in enumerate(zip(procs, outs, strict=True)))
     record = ResultsStore(str(store)).get("two-node")
     assert record is not None and record["status"] == "ok", record and record.get("error")
     m = record["metrics"]

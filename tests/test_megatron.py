@@ -85,12 +85,12 @@ def _train(ctx, runs: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two():
-    return dict(zip(TWO, spawn(_train, 2, [_run(c) for c in TWO.values()], timeout_s=300, threads=1)))
+    return dict(zip(TWO, spawn(_train, 2, [_run(c) for c in TWO.values()], timeout_s=300, threads=1), strict=True))
 
 
 @pytest.fixture(scope="module")
 def eight():
-    return dict(zip(EIGHT, spawn(_train, 8, [_run(c) for c in EIGHT.values()], timeout_s=300, threads=1)))
+    return dict(zip(EIGHT, spawn(_train, 8, [_run(c) for c in EIGHT.values()], timeout_s=300, threads=1), strict=True))
 
 
 def _reference(case):

@@ -310,7 +310,7 @@ def test_planner_memory_model_equals_megatron_census_on_every_rank(launched, ind
 def test_engine_built_from_exported_arguments_has_the_planned_layout(launched, index):
     ranks, planned = launched
     _, world, lay = planned[index]
-    for rank, result in enumerate(ranks):
+    for result in ranks:
         got = result["exported"][index]
         assert_same_layout(got["layout"], lay)
         d = got["describe"]

@@ -55,7 +55,7 @@ def test_predict_many_equals_one_call_each():
     prof, wl = load_profile("a100-80gb"), Workload(2048, 2048)
     lays = [PlannerLayout(2, 2, 16, 1, attention=a, rmsnorm="fused") for a in
             ("flash2", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash1", "naive", "fused_softmax")]
-    for many, lay in zip(predict_many(S13, lays, wl, prof), lays):
+    for many, lay in zip(predict_many(S13, lays, wl, prof), lays, strict=True):
         one = predict(S13, lay, wl, prof)
         assert many.layout == lay
         assert (many.memory_gib, many.step_time_s, many.fits, many.available) == \

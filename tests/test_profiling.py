@@ -277,7 +277,7 @@ def test_profiler_agrees_with_the_own_engines_counters(own_runs, index):
     their other (10% or 1 ms either side), and compute + optimizer + other agree within 10% or 1 ms."""
     r = own_runs[index]
     assert r["breakdown_source"] == "profiler" and not r["breakdown_error"]
-    for prof, inst in zip(r["breakdown_ms_by_rank"], r["breakdown_instrumented_ms_by_rank"]):
+    for prof, inst in zip(r["breakdown_ms_by_rank"], r["breakdown_instrumented_ms_by_rank"], strict=True):
         p, i = _flat(prof), _flat(inst)
         bad = {k: (round(p[k], 2), round(i[k], 2)) for k in i if k not in ("compute", "optimizer")
                and not _close(p[k], i[k])}

@@ -78,7 +78,7 @@ def sweep_figures():
     finally:
         plots._encode = real
     assert len(images) == len(seen)
-    return [(kind, fig, img) for (kind, fig), img in zip(seen, images)]
+    return [(kind, fig, img) for (kind, fig), img in zip(seen, images, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_bar_charts_carry_ci_whiskers_from_the_median_ci(three_runs, sweep_figur
     ax = dict(drawn)["bars"].axes[0]
     segs = _whisker_segments(ax)
     assert len(segs) == len(three_runs["runs"])
-    for seg, run in zip(segs, three_runs["runs"]):
+    for seg, run in zip(segs, three_runs["runs"], strict=True):
         m = run["metrics"]
         st, tps = m["step_time_s"], m["tokens_per_s"]
         # tokens/s at the median step: the CI of the median step time, through 1/x (one definition)

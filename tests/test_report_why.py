@@ -190,7 +190,7 @@ def test_old_records_without_breakdown_ms_still_render(tmp_path):
     paths = write_report(summary, str(tmp_path / "out"))
     md, page = open(paths["markdown"]).read(), open(paths["html"]).read()
     header, rows = breakdown_rows(summary)
-    by = {r[0]: dict(zip(header, r)) for r in rows}
+    by = {r[0]: dict(zip(header, r, strict=True)) for r in rows}
     assert by["own tp2"]["source"] == "instrumented" and by["own tp2"]["compute"] == "70.0 ms (70%)"
     assert by["own tp2"]["host overhead and other"] == "10.0 ms (10%)"  # what the total leaves uncovered
     assert by["FSDP2 reshard tp2"]["forward+backward (compute and comm not split)"] == "120.0 ms (85%)"
@@ -244,7 +244,7 @@ def test_sweep_ablations_name_the_component_that_moved():
 def test_sweep_breakdown_covers_every_engine_per_point():
     s = next(s for s in sections_for(SWEEP) if s.id == "breakdown")
     (t,) = s.tables
-    rows = {r[0].split()[0]: dict(zip(t.headers, r)) for r in t.rows}
+    rows = {r[0].split()[0]: dict(zip(t.headers, r, strict=True)) for r in t.rows}
     assert rows["deepspeed"]["exposed dp communication"] == "30.0 ms (27%)"
     assert rows["deepspeed"]["source"] == "profiler" and len(t.rows) == len(SWEEP)
     why = " ".join(s.text)

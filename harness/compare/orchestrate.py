@@ -156,13 +156,13 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
         "loss_curves": {e["label"]: e["losses"] for e in entries if e["losses"]},  # every step, for the plot
     }
     # the compared workload is the one without overrides: take it from a run that has none
-    base = next((r for r, e in zip(records, entries) if not e["workload_override"]), None)
+    base = next((r for r, e in zip(records, entries, strict=True) if not e["workload_override"]), None)
     if base is not None:
         summary["workload"] = (base.get("spec") or {}).get("workload")
 
     store = ResultsStore(store_path)
     by_label = {p["label"]: p for p in parity["runs"]}
-    for record, entry in zip(records, entries):
+    for record, entry in zip(records, entries, strict=True):
         record["comparison"] = {"name": cs.name, "id": comparison_id, "verdict": verdict,
                                 "parity": by_label.get(entry["label"]), "tolerance": cs.tolerance,
                                 "parity_steps": cs.parity_steps, "fingerprints_same": fingerprints["same"],

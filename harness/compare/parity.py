@@ -31,7 +31,7 @@ def rel_diff(a: float, b: float) -> float:
 def max_rel_diff(xs: list[float], ys: list[float], n: int) -> tuple[float, int]:
     """(largest relative difference over the first n steps, the step where it occurs)."""
     worst, at = 0.0, 0
-    for i, (a, b) in enumerate(zip(xs[:n], ys[:n])):
+    for i, (a, b) in enumerate(zip(xs[:n], ys[:n], strict=False)):
         d = rel_diff(a, b)
         if d != d:  # NaN
             return float("inf"), i

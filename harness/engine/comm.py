@@ -123,7 +123,7 @@ class Axis:
         self.size = len(ranks)
         self.index = ranks.index(rank)
 
-    def labelled(self, name: str, time_key: str | None = None) -> "Axis":
+    def labelled(self, name: str, time_key: str | None = None) -> Axis:
         """The same group counted under another axis name (SP shares the TP group)."""
         a = Axis.__new__(Axis)
         a.__dict__.update(self.__dict__)

@@ -110,7 +110,7 @@ class Bucket:
             p.grad = self.grad_flat[off:off + n].view_as(p) if self.grads_in_place else None
             self.ranges.append((off, off + n))
             off += n
-        self.range_of = {p: r for p, r in zip(params, self.ranges)}
+        self.range_of = {p: r for p, r in zip(params, self.ranges, strict=True)}
         per = self.padded // dp.size
         self.shard = (dp.index * per, (dp.index + 1) * per)
         self.mine = self.shard if zero else (0, self.padded)   # what this rank's optimizer updates
@@ -206,7 +206,8 @@ class ModelStates:
         t0 = clock.mark()
         for b in self.buckets:
             if b.ready != len(b.params):
-                missing = [s.name for p, s in zip(b.params, b.specs) if self.counts.get(p, 0) != self.expected]
+                missing = [s.name for p, s in zip(b.params, b.specs, strict=True)
+                           if self.counts.get(p, 0) != self.expected]
                 raise AssertionError(f"gradients never arrived for {missing[:4]}")
             if b.work is not None:
                 b.work.wait()
@@ -252,7 +253,7 @@ class ModelStates:
         for b in self.buckets:
             lo, hi = b.mine
             g = b.main32
-            for (a, e), spec in zip(b.ranges, b.specs):
+            for (a, e), spec in zip(b.ranges, b.specs, strict=True):
                 if spec.shard_dim is None and not count_replicated:
                     continue
                 a2, e2 = max(a, lo), min(e, hi)
@@ -297,7 +298,7 @@ class ModelStates:
                 parts = [torch.empty_like(b.master) for _ in range(self.dp.size)]
                 dist.all_gather(parts, b.master, group=self.dp.group)
                 full = torch.cat(parts)
-            for p, (a, e) in zip(b.params, b.ranges):
+            for p, (a, e) in zip(b.params, b.ranges, strict=True):
                 out[p] = full[a:e].view_as(p)
         return out
 

@@ -193,7 +193,7 @@ class Engine3D:
         tp = self.axes["tp"]
         masters = self.model_states.full_masters()
         mine = {}
-        for spec, p in zip(self.param_specs, self.params):
+        for spec, p in zip(self.param_specs, self.params, strict=True):
             t = (masters[p] if masters is not None else p).detach().float()
             if spec.shard_dim is not None and tp.size > 1:
                 parts = [torch.empty_like(t) for _ in range(tp.size)]

@@ -92,7 +92,7 @@ class PipelineExecutor:
         t0 = self.clock.mark()
         works = self.batch_isend_irecv(ops)
         if len(works) == len(ops):   # one work per op (gloo): only the receives are needed now
-            for t, work, op in zip(transfers, works, ops):
+            for t, work, op in zip(transfers, works, ops, strict=True):
                 if t.op == "recv":
                     work.wait()
                 else:

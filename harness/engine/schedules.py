@@ -346,7 +346,7 @@ def draw(sim: Simulation, width_per_unit: int = 1) -> str:
     rows = []
     for r, events in enumerate(sim.timeline):
         line = [" "] * int(sim.finish * width_per_unit)
-        for kind, chunk, micro, start, end in events:
+        for kind, _chunk, micro, start, end in events:
             ch = str(micro % 10) if kind == "F" else "abcdefghij"[micro % 10]
             for t in range(int(start * width_per_unit), int(end * width_per_unit)):
                 line[t] = ch

@@ -132,7 +132,7 @@ class MasterWeights:
         """Once per micro-batch: move the fresh gradients into the main gradients."""
         if self.main_grads is None:
             return
-        for p, g in zip(self.params, self.main_grads):
+        for p, g in zip(self.params, self.main_grads, strict=True):
             if p.grad is not None:
                 g.add_(p.grad)
                 p.grad = None
@@ -142,7 +142,7 @@ class MasterWeights:
         if not self.mixed:
             return
         sources = self.main_grads if self.main_grads is not None else [p.grad for p in self.params]
-        for m, g in zip(self.masters, sources):
+        for m, g in zip(self.masters, sources, strict=True):
             m.grad = None if g is None else g.to(m.dtype)
 
     def after_step(self) -> None:
@@ -150,7 +150,7 @@ class MasterWeights:
         if not self.mixed:
             return
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
+            for p, m in zip(self.params, self.masters, strict=True):
                 p.copy_(m)
                 p.grad = None
                 m.grad = None

@@ -91,11 +91,11 @@ def fit(samples: list[Sample], base: Profile, label: str = "") -> tuple[Profile,
             for j in np.flatnonzero(low)[::-1]:  # pin at the bound, refit the rest
                 theta[keys[free[j]]] = floor[j]
                 fixed.append(free.pop(j))
-        for i, value in zip(free, sol if free else []):
+        for i, value in zip(free, sol if free else [], strict=False):
             theta[keys[i]] = float(value)
     pred = np.array([sum(theta[k] * v for k, v in step_features(s.shape, s.layout, s.workload, base, theta,
                                                                   memory_bytes=mem)[0].items())
-                     for s, mem in zip(samples, memory)])
+                     for s, mem in zip(samples, memory, strict=False)])
     rel = (pred - y_obs) / y_obs
     eff = _theta_to_eff(theta)
     report = {"samples": len(samples), "fitted": [keys[i] for i in free],

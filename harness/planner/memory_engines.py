@@ -47,7 +47,7 @@ from harness.planner.memory_terms import (
 from harness.registry import MemoryModel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def memory_model(engine: str) -> MemoryModel:
     """What the engine's facts say the planner's memory model reads of it (harness.registry.MemoryModel)."""
     model = registry.facts(engine).memory

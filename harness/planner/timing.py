@@ -439,7 +439,7 @@ def step_time(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, the
     i_slow = max(range(len(kinds)), key=lambda i: (times[i], -kinds[i][1]))
     t_slow, slow = times[i_slow], kinds[i_slow][1]
     v = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
-    times_sum = sum(kind[2] * t for kind, t in zip(kinds, times))
+    times_sum = sum(kind[2] * t for kind, t in zip(kinds, times, strict=True))
     compute_s = m * t_slow + (times_sum - t_slow) / v
     dpx, opt_x = _data_parallel(shape, lay, wl, prof, kinds)
     pressure = alloc_pressure(shape, lay, wl, prof, memory_bytes)

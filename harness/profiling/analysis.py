@@ -80,7 +80,7 @@ def _blocked(thread_events: list[dict]) -> tuple[dict[str, list], list[tuple[dic
     comm = _calls(thread_events)
     by_axis: dict[str, list] = defaultdict(list)
     last_functional = "other"
-    waits = sorted((_span(e) for e in thread_events if e.get("name") == FUNCTIONAL_WAIT))
+    waits = sorted(_span(e) for e in thread_events if e.get("name") == FUNCTIONAL_WAIT)
     issued = [(span[0], f["axis"]) for f, span in comm if f["mode"] == "async"]
     outermost: list[tuple[dict, tuple]] = []
     counted: list[tuple[dict, tuple]] = []

@@ -285,7 +285,7 @@ def ablation_why(rows: list[Row], metric: Metric, key, axis_name: str, rest) -> 
             out.append(f"{axis_name} {v} against {winner}: not measured (no step breakdown){note}.".lstrip())
             continue
         fast = why_cases([w], lambda r: f"{axis_name} {winner} ({r.label})".lstrip())[0]
-        slow = why_cases([other], lambda r: f"{axis_name} {v} ({r.label})".lstrip())[0]
+        slow = why_cases([other], lambda r, v=v: f"{axis_name} {v} ({r.label})".lstrip())[0]
         out.append(explain(fast, slow)[:-1] + note + ".")
     return out
 

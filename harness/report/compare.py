@@ -215,7 +215,7 @@ def results_table(summary: dict) -> Table:
     """One row per run (result_columns)."""
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
     items = [{"run": r, "differs": d, "parity": parity.get(r["label"], {})}
-             for r, d in zip(summary["runs"], differs_texts(summary))]
+             for r, d in zip(summary["runs"], differs_texts(summary), strict=True)]
     return table(result_columns(), items)
 
 

@@ -7,8 +7,9 @@ break a report of two thousand.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from harness.parallel_dims import ParallelDims
 from harness.report.sections import Column

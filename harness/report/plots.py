@@ -139,7 +139,7 @@ def stacked(labels: list[str], parts: list[dict], title: str, scale: float = 100
     for k in keys:
         vals = [scale * float(p.get(k) or 0.0) for p in parts]
         ax.barh(range(len(labels)), vals, left=left, label=(names or {}).get(k, k), color=COLORS.get(k))
-        left = [a + b for a, b in zip(left, vals)]
+        left = [a + b for a, b in zip(left, vals, strict=True)]
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlim(left=0)

@@ -92,7 +92,7 @@ def _tp_vs_pp(rows: list[Row], metric: Metric) -> tuple[str, Table] | None:
 def _checkpointing_memory(rows: list[Row]) -> str | None:
     """Where checkpointing only 'wins' because the layout without it ran out of memory."""
     saved = 0
-    for sweep, rs in by_sweep(rows).items():
+    for rs in by_sweep(rows).values():
         idx = {}
         for r in rs:
             idx.setdefault((r.variant, r.tp, r.context, r.pp, r.dp, r.mb, r.kernel, r.sp), {})[r.ckpt] = r.status

@@ -5,8 +5,9 @@ and `` `code` `` (the HTML renders both)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass

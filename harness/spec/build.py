@@ -68,7 +68,7 @@ def coerce(value, tp, name: str):
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise SpecError(name, f"must be a list of {len(args)} numbers")
-        return tuple(coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if tp in (int, float) and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         return _number(value, tp, name)
     if tp in (int, float) and isinstance(value, bool):

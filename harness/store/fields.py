@@ -10,8 +10,9 @@ metric added here once reaches the export and every report.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 MISSING = "-"
 

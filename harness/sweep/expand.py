@@ -110,7 +110,7 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
     point the user excluded is reported as excluded rather than as invalid.
     """
     axes = list(sweep.grid)
-    combos = [dict(zip(axes, vals)) for vals in itertools.product(*(sweep.grid[a] for a in axes))]
+    combos = [dict(zip(axes, vals, strict=True)) for vals in itertools.product(*(sweep.grid[a] for a in axes))]
     if not axes and sweep.points:
         combos = []  # only the listed points, not also the bare base layout
     candidates = [(c, {"env": {}, "timeout_s": None}) for c in combos]

@@ -26,7 +26,7 @@ def mismatches(result: dict, ref_losses: list[float], ref_state: dict | None, rt
     bad = []
     if len(losses) != len(ref_losses):
         bad.append(f"{len(losses)} losses vs {len(ref_losses)} in the reference")
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=False)):
         if abs(a - b) > rtol * abs(b):
             bad.append(f"step {i}: loss {a!r} vs reference {b!r} (rel {abs(a - b) / abs(b):.2e} > {rtol:g})")
     if ref_state is None:

@@ -67,7 +67,7 @@ def spawn(fn, world: int, *args, timeout_s: float = 300.0, threads: int | None =
                     raise TimeoutError(f"{world} ranks did not finish in {timeout_s:g} s") from None
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"rank process exited with {dead[0].exitcode} without a result")
+                    raise RuntimeError(f"rank process exited with {dead[0].exitcode} without a result") from None
                 continue
             if status == "error":
                 raise RuntimeError(value)

@@ -102,7 +102,7 @@ def gather_tp_shards(param, local: torch.Tensor) -> torch.Tensor:
     padded = padded.to(_comm_device())
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
-    return torch.cat([p.cpu().narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+    return torch.cat([p.cpu().narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
 
 
 def _comm_device():

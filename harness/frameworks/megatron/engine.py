@@ -252,7 +252,8 @@ class MegatronEngine:
                     shards = [value]
                 if keep:
                     names = megatron_weights.plain_names(name, numbers, self.shape.tie_embeddings)
-                    for plain, tensor in zip(names, megatron_weights.plain_tensors(name, shards, self.shape)):
+                    tensors = megatron_weights.plain_tensors(name, shards, self.shape)
+                    for plain, tensor in zip(names, tensors, strict=True):
                         mine[plain] = tensor.detach().float().cpu().clone()
         if self.spec.layout.pp > 1:  # each stage's part
             mine = gather_on_rank0(mine if keep else None)
@@ -266,8 +267,9 @@ class MegatronEngine:
         if self.policy.master is None:
             return {}
         if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer: a shard per dp rank
-            shards = {id(p): s for g_model, g_shard in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)
-                      for p, s in zip(g_model, g_shard)}
+            groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
+            shards = {id(p): s for g_model, g_shard in groups
+                      for p, s in zip(g_model, g_shard, strict=True)}
             out, group = {}, parallel_state.get_data_parallel_group()
             for param in self._model_params():  # the same order on every dp rank; a rank fills its part
                 full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
@@ -277,8 +279,9 @@ class MegatronEngine:
                 dist.all_reduce(full, group=group)
                 out[id(param)] = full.view(param.shape)
             return out
-        return {id(p): m.detach() for g_model, g_main in zip(opt.float16_groups, opt.fp32_from_float16_groups)
-                for p, m in zip(g_model, g_main)}
+        groups = zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True)
+        return {id(p): m.detach() for g_model, g_main in groups
+                for p, m in zip(g_model, g_main, strict=True)}
 
     def last_step_details(self) -> dict:
         """Measured with the device synchronised: Megatron's forward_backward_func (every micro-batch's

@@ -72,7 +72,7 @@ class _CudaToCpu(TorchFunctionMode):
         tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         grads = (grad_tensors,) if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) \
             else tuple(grad_tensors)
-        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads))
+        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True))
         with self:
             torch.autograd.Variable._execution_engine.run_backward(
                 tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,

@@ -79,9 +79,9 @@ def plain_tensors(name: str, shards: list[torch.Tensor], shape) -> list[torch.Te
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         hd, per_group = shape.hidden // shape.heads, shape.heads // shape.kv_heads
         parts = [s.reshape(-1, per_group + 2, hd, *s.shape[1:]) for s in shards]
-        q = torch.cat([p[:, :per_group].reshape(-1, *s.shape[1:]) for p, s in zip(parts, shards)])
-        k = torch.cat([p[:, per_group].reshape(-1, *s.shape[1:]) for p, s in zip(parts, shards)])
-        v = torch.cat([p[:, per_group + 1].reshape(-1, *s.shape[1:]) for p, s in zip(parts, shards)])
+        q = torch.cat([p[:, :per_group].reshape(-1, *s.shape[1:]) for p, s in zip(parts, shards, strict=True)])
+        k = torch.cat([p[:, per_group].reshape(-1, *s.shape[1:]) for p, s in zip(parts, shards, strict=True)])
+        v = torch.cat([p[:, per_group + 1].reshape(-1, *s.shape[1:]) for p, s in zip(parts, shards, strict=True)])
         return [q, k, v]
     if name.endswith("linear_fc1.weight"):
         halves = [s.chunk(2) for s in shards]

@@ -48,7 +48,8 @@ class SingleDeviceEngine:
 
     def full_state_dict(self):
         """The fp32 master weights (the parameters themselves under fp32), named as the model's."""
-        return {n: t.detach().float().cpu().clone() for n, t in zip(self.names, self.weights.optimizer_params())}
+        return {n: t.detach().float().cpu().clone()
+                for n, t in zip(self.names, self.weights.optimizer_params(), strict=True)}
 
     def last_step_details(self) -> dict:
         return {}
