@@ -11,7 +11,8 @@ from harness.compare.orchestrate import run_comparison
 from harness.compare.parity import FAIL, NO_DATA, PASS, check_parity, compare_fingerprints
 from harness.compare.spec import DEFAULT, parse_compare_spec
 from harness.errors import SpecError
-from harness.report.compare import layout_matrix, write_report
+from harness.report.compare import write_report
+from harness.report.compare_layouts import layout_matrix
 from harness.store import ResultsStore
 
 WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1,
@@ -332,7 +333,7 @@ def test_matrix_has_cp_rows_and_a_refusing_engine_shows_its_reason(tmp_path):
 def test_an_engines_own_default_is_shown_where_runs_differ_by_it(tmp_path):
     """Megatron-core's attention default (naive, its facts' defaults) differs from the field's (sdpa): the
     differing-fields column shows each run's value, also for a record that does not name the field."""
-    from harness.report.compare import differing_fields, differs_texts
+    from harness.report.compare_layouts import differing_fields, differs_texts
 
     cs = parse_compare_spec(compare_raw([{"engine": "own", "label": "a"}, {"engine": "megatron", "label": "b"}],
                                         reference=False))
@@ -362,5 +363,5 @@ def test_a_cp_impl_at_cp1_changes_no_row_and_old_records_render_as_before(tmp_pa
     for run in old["runs"]:
         run["layout"] = {k: v for k, v in run["layout"].items() if k not in ("cp", "cp_impl")}
     assert [r[0] for r in layout_matrix(old)[1]] == ["dp2 mbs 1"]
-    from harness.report.compare import differing_fields
+    from harness.report.compare_layouts import differing_fields
     assert not {"cp", "cp_impl"} & set(differing_fields(old))

@@ -13,7 +13,7 @@ from harness import registry
 from harness.compare.spec import parse_compare_spec
 from harness.errors import CapabilityError
 from harness.frameworks import build_engine
-from harness.report.compare import layout_matrix
+from harness.report.compare_layouts import layout_matrix
 from harness.spec import Layout, Workload, engine_variant, parse_spec
 
 TOY_FACTS = '''

@@ -19,7 +19,8 @@ from harness.compare.orchestrate import run_comparison
 from harness.compare.spec import parse_compare_spec
 from harness.report import analysis, plots
 from harness.report.build import sections_for
-from harness.report.compare import differing_fields, figures, layout_matrix, results_table, write_report
+from harness.report.compare import figures, results_table, write_report
+from harness.report.compare_layouts import differing_fields, layout_matrix
 from harness.store import ResultsStore
 from harness.testing.synthetic import make_records
 

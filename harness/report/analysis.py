@@ -11,70 +11,21 @@ from collections import Counter, defaultdict
 
 from harness.parallel_dims import ParallelDims
 from harness.report import plots
-from harness.report.data import COMPONENTS, Metric, Row, component_title, fmt_s, measured_columns
-from harness.report.sections import Column, Section, Table, table
-from harness.report.why import Case, comparisons, explain
+from harness.report.breakdown import ablation_why
+from harness.report.data import Metric, Row, fmt_s
+from harness.report.ranking import (
+    MAX_FAILED_ROWS,
+    MAX_SWEEP_FIGS,
+    TOP,
+    best_per,
+    by_sweep,
+    metric_ci,
+    ranked,
+    run_columns,
+    sort_key,
+)
+from harness.report.sections import Section, Table, table
 from harness.store import STATUSES
-
-TOP = 10
-MAX_SWEEP_FIGS = 6
-MAX_FAILED_ROWS = 60
-
-
-def by_sweep(rows: list[Row]) -> dict[str, list[Row]]:
-    out: dict[str, list[Row]] = defaultdict(list)
-    for r in rows:
-        out[r.sweep].append(r)
-    return dict(out)
-
-
-def ranked(rows: list[Row], metric: Metric) -> list[Row]:
-    ok = [r for r in rows if r.status == "ok" and metric.of(r) is not None]
-    return sorted(ok, key=lambda r: -metric.of(r))
-
-
-def best_per(rows: list[Row], metric: Metric, key) -> dict:
-    """value of key(row) -> the best ok row with that value."""
-    best: dict = {}
-    for r in ranked(rows, metric):
-        best.setdefault(key(r), r)
-    return best
-
-
-def uses_cp(rows: list[Row]) -> bool:
-    """Whether any run has context parallelism: only then do the tables and ablations name it."""
-    return any(r.cp > 1 for r in rows)
-
-
-def run_columns(rows: list[Row] = ()) -> list[Column]:
-    """The sweep's table of runs: what names a run's layout, every reported measurement, the run id;
-    cp and its implementation only where one of `rows` uses it."""
-    cp = [Column("cp", lambda r: str(r.cp)), Column("cp impl", lambda r: r.cp_impl or "-")] if uses_cp(rows) else []
-    return [Column("engine", lambda r: r.variant), Column("tp", lambda r: str(r.tp)), *cp,
-            Column("pp", lambda r: str(r.pp)), Column("dp", lambda r: str(r.dp)), Column("mb", lambda r: str(r.mb)),
-            Column("ckpt", lambda r: r.ckpt), Column("kernels", lambda r: r.kernel),
-            Column("sp", lambda r: "yes" if r.sp else "no"), *measured_columns(lambda r: r.values),
-            Column("run", lambda r: r.run_id[:10])]
-
-
-def rate_ci(value, step_median, step_ci) -> tuple[float, float] | None:
-    """The 95% CI of a rate taken at the median step time (MFU, tokens/s: a constant divided by
-    the median step), from the CI of that median: the interval maps through 1/x, its ends
-    swapped. One definition of the interval everywhere: measure.median_ci95, in the record as
-    step_time_s.ci95_low/high."""
-    if value is None or not step_median or not step_ci or None in step_ci or min(step_ci) <= 0:
-        return None
-    return value * step_median / max(step_ci), value * step_median / min(step_ci)
-
-
-def metric_ci(r: Row, metric: Metric) -> tuple[float, float] | None:
-    """The 95% CI of a run's ranking metric (rate_ci)."""
-    return rate_ci(metric.of(r), r.step_median, r.step_ci)
-
-
-def _sort_key(v):
-    return (0, v) if isinstance(v, (int, float)) else (1, str(v))
-
 
 # ---------------------------------------------------------------- sections
 
@@ -133,7 +84,7 @@ def axis_section(rows: list[Row], metric: Metric, sid: str, title: str, key, axi
         for r in rs:
             status[key(r)][r.status] += 1
         table = []
-        for v in sorted(values, key=_sort_key):
+        for v in sorted(values, key=sort_key):
             b = best.get(v)
             counts = ", ".join(f"{k} {n}" for k, n in sorted(status[v].items()))
             table.append([str(v), metric.fmt(metric.of(b)) if b else "-", fmt_s(b.step_median) if b else "-",
@@ -146,7 +97,7 @@ def axis_section(rows: list[Row], metric: Metric, sid: str, title: str, key, axi
         if best:
             series[name] = [(v, metric.of(b), *(metric_ci(b, metric) or (None, None))) for v, b in best.items()]
             if plot == "bars" and shown < MAX_SWEEP_FIGS:
-                labels = sorted(best, key=_sort_key)
+                labels = sorted(best, key=sort_key)
                 s.images.append((f"{sid}-{shown}", plots.bars([str(v) for v in labels],
                                                               [metric.of(best[v]) for v in labels],
                                                               f"{name}: best per {axis_name}",
@@ -199,95 +150,6 @@ def tp_pp(rows: list[Row], metric: Metric) -> Section:
     if not s.tables:
         s.text.append("No sweep varied tp or pp.")
     return s
-
-
-def breakdown(rows: list[Row], metric: Metric) -> Section:
-    s = Section("breakdown", "Where the time goes",
-                ["Per profiled step (after the measured ones; the mean over ranks), for the best layouts of each "
-                 "sweep: compute, exposed communication per axis, pipeline bubble, optimizer and other, in ms and % "
-                 "of the step, with the collectives per step; source 'profiler' (the trace, every engine) or "
-                 "'instrumented' (the engine's own counters). Then why the fastest of them beats the others."])
-    shown = 0
-    for name, rs in by_sweep(rows).items():
-        picked = [r for r in ranked(rs, metric) if r.step_breakdown][:8]
-        if not picked or shown >= MAX_SWEEP_FIGS:
-            continue
-        labels = [r.label for r in picked]
-        keys = components([r.step_breakdown for r in picked])
-        s.images.append((f"breakdown-{shown}", plots.stacked(labels, [r.step_breakdown.parts for r in picked],
-                                                             f"{name}: ms per profiled step", scale=1.0,
-                                                             names={k: component_title(k) for k in keys}),
-                         f"stacked bars from zero of the time breakdown per layout in {name}"))
-        shown += 1
-        s.tables.append(Table(["layout", "source"] + [component_title(k) for k in keys] + ["step", "collectives"],
-                              [[r.label, r.step_breakdown.source] + [ms_share(r.step_breakdown, k) for k in keys]
-                               + [f"{r.step_breakdown.step_ms:.1f} ms", _collectives_text(r.collectives)]
-                               for r in picked], name))
-        engines, layouts = comparisons(why_cases(picked), limit=MAX_WHY)
-        s.text += [f"{name}, why (the same layout under other engines): "
-                   + (" ".join(engines) or "no layout among these ran under two engines."),
-                   f"{name}, why (the same engine at other layouts): "
-                   + (" ".join(layouts) or "no engine among these ran two layouts.")]
-    if not shown:
-        s.text.append("No run recorded a time breakdown.")
-    return s
-
-
-MAX_WHY = 6
-
-
-def components(breakdowns: list) -> list[str]:
-    """Every component of the breakdowns, in the order they are stacked (data.COMPONENTS)."""
-    keys = {k for b in breakdowns for k in b.parts}
-    return sorted(keys, key=lambda k: (COMPONENTS.index(k) if k in COMPONENTS else len(COMPONENTS), k))
-
-
-def ms_share(b, key: str) -> str:
-    """A component's cell: ms and % of the step, '-' where the run has no such component."""
-    if key not in b.parts:
-        return "-"
-    share = b.share(key)
-    return f"{b.parts[key]:.1f} ms" + (f" ({100 * share:.0f}%)" if share is not None else "")
-
-
-def _collectives_text(found) -> str:
-    if not found:
-        return "not measured"
-    coll, _ = found
-    return "; ".join(f"{c.get('axis')} {c.get('kind')} x{c.get('count')} ({(c.get('bytes') or 0) / 2**20:,.1f} MiB)"
-                     for c in coll) or "none"
-
-
-def why_cases(rows: list[Row], label=None) -> list[Case]:
-    return [Case(label(r) if label else r.label, r.variant, r.layout_key, r.step_median, r.step_breakdown)
-            for r in rows if r.status == "ok" and r.step_breakdown]
-
-
-def ablation_why(rows: list[Row], metric: Metric, key, axis_name: str, rest) -> list[str]:
-    """For one ablation: per other value of the axis, its best run that has a twin (the same `rest` of
-    the layout) at the winning value, against that twin, naming the component that moved; where no
-    twin ran, the two values' best runs (said so)."""
-    best = best_per(rows, metric, key)
-    if len(best) < 2:
-        return []
-    order = ranked(rows, metric)
-    winner = key(order[0])
-    twins: dict = {}
-    for r in order:
-        if key(r) == winner:
-            twins.setdefault(rest(r), r)
-    out = []
-    for v in sorted((v for v in best if v != winner), key=_sort_key):
-        pair = next(((twins[rest(r)], r) for r in order if key(r) == v and rest(r) in twins), None)
-        note = "" if pair else " (no run with the same other settings: the best runs of both)"
-        w, other = pair or (best[winner], best[v])
-        if not (w.step_breakdown and other.step_breakdown):
-            out.append(f"{axis_name} {v} against {winner}: not measured (no step breakdown){note}.".lstrip())
-            continue
-        fast = why_cases([w], lambda r: f"{axis_name} {winner} ({r.label})".lstrip())[0]
-        slow = why_cases([other], lambda r, v=v: f"{axis_name} {v} ({r.label})".lstrip())[0]
-        out.append(explain(fast, slow)[:-1] + note + ".")
-    return out
 
 
 def pipeline(rows: list[Row], metric: Metric, run_id: str | None = None) -> Section:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from harness.report import analysis as an
 from harness.report import baselines
+from harness.report.breakdown import breakdown
 from harness.report.data import choose_metric, to_row
+from harness.report.ranking import uses_cp
 from harness.report.recommend import recommendations
 from harness.report.render import write
 
@@ -34,11 +36,11 @@ def sections_for(records: list[dict], baselines_dir: str | None = None,
                            "context parallel", "The best layout per context-parallel degree and implementation "
                            "(cp1: none); with the GPUs fixed, dp shrinks as cp grows. Shown only where a run uses "
                            "context parallelism.", rest=lambda r: (r.variant, r.tp, r.pp, r.mb, r.ckpt, r.sp,
-                                                                   r.kernel))] if an.uses_cp(rows) else []),
+                                                                   r.kernel))] if uses_cp(rows) else []),
         an.axis_section(rows, m, "frameworks", "Framework comparison", lambda r: r.variant, "engine",
                         "The best layout per engine (own 3D engine, DeepSpeed ZeRO stages, FSDP2 modes) "
                         "on the same workload and machines."),
-        an.breakdown(rows, m),
+        breakdown(rows, m),
         an.pipeline(rows, m, timeline_run),
         an.failures(rows),
         an.quoted(rows, m, baselines.load(baselines_dir)),

@@ -8,8 +8,9 @@ Differences under NOISE are called a tie: repeated identical runs differ by abou
 
 from __future__ import annotations
 
-from harness.report.analysis import Section, Table, best_per, by_sweep, ranked
 from harness.report.data import Metric, Row, fmt_s
+from harness.report.ranking import best_per, by_sweep, ranked
+from harness.report.sections import Section, Table
 
 NOISE = 0.01  # relative: below this the winner is not distinguishable from the runner-up
 
