@@ -6,9 +6,10 @@ Modules, one job each:
   memory          bytes per GPU: the front door (stage_memory, worst_stage_memory, fits)
   memory_terms    the memory terms every engine shares (GIB, stage_params, in_flight, the overheads)
   memory_paper    the memory of the study's engine (engine paper)
-  memory_engines  the memory of the harness's engines (own, megatron, deepspeed, fsdp)
+  memory_engines  the memory of the harness's engines, each by its facts (registry.MemoryModel)
   context         context parallelism's own terms (implementations, K/V bytes, the exchange)
-  timing          seconds per step
+  features        the time features of a layer and a stage (ideal seconds of each kind of work)
+  timing          seconds per step: the features at their efficiencies, the schedule, the dp reduction
   candidates      every valid layout
   predict         memory and time together: one prediction per layout
   output          what a plan hands a user: distinct rows, a sweep, a training config

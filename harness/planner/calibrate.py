@@ -18,10 +18,11 @@ import numpy as np
 
 from harness.errors import SpecError
 from harness.model.presets import Shape, resolve_shape
+from harness.planner.features import EXTRA_KEYS, theta_from_profile
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import PlannerLayout, Workload
 from harness.planner.memory import worst_stage_memory
-from harness.planner.timing import EXTRA_KEYS, step_features, theta_from_profile
+from harness.planner.timing import step_features
 from harness.store import ResultsStore, check_store
 
 RIDGE = 0.01         # weight of the pull towards the literature value, per constant (relative)
