@@ -22,8 +22,7 @@ class build_py_with_data(build_py):
         for folder in RESOURCES["SHIPPED"]:
             dst = os.path.join(self.build_lib, "harness", RESOURCES["PACKAGED"], folder)
             shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(os.path.join(HERE, folder), dst,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.py[co]"))
+            shutil.copytree(os.path.join(HERE, folder), dst, ignore=shutil.ignore_patterns("__pycache__", "*.py[co]"))
 
 
 setup(cmdclass={"build_py": build_py_with_data})

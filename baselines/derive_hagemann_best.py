@@ -16,13 +16,38 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = ("Hagemann, Weinbach, Dobler, Schall, de Melo: Efficient Parallelization Layouts for "
-          "Large-Scale Distributed Model Training, arXiv 2311.05610 (2023), published sweep data")
+SOURCE = (
+    "Hagemann, Weinbach, Dobler, Schall, de Melo: Efficient Parallelization Layouts for "
+    "Large-Scale Distributed Model Training, arXiv 2311.05610 (2023), published sweep data"
+)
 HARDWARE = "NVIDIA A100 80GB (DGX A100, 8 GPUs per node), bf16"
-FIELDS = ["sweep", "model", "harness_model", "seq_len", "global_batch_size", "gpus", "hardware", "precision",
-          "tp", "pp", "dp", "micro_batch_size", "activation_checkpointing", "kernel", "sequence_parallel",
-          "step_time_s", "mfu", "mfu_convention", "peak_tflops", "runs", "runs_ok", "runs_oom",
-          "source", "source_file", "license"]
+FIELDS = [
+    "sweep",
+    "model",
+    "harness_model",
+    "seq_len",
+    "global_batch_size",
+    "gpus",
+    "hardware",
+    "precision",
+    "tp",
+    "pp",
+    "dp",
+    "micro_batch_size",
+    "activation_checkpointing",
+    "kernel",
+    "sequence_parallel",
+    "step_time_s",
+    "mfu",
+    "mfu_convention",
+    "peak_tflops",
+    "runs",
+    "runs_ok",
+    "runs_oom",
+    "source",
+    "source_file",
+    "license",
+]
 
 
 def best_of(path: str) -> dict:
@@ -40,15 +65,31 @@ def best_of(path: str) -> dict:
     gpus = int(best["World Size"])
     tp, pp = int(best["model_parallel_size"]), int(best["pipe_parallel_size"])
     return {
-        "sweep": os.path.splitext(name)[0], "model": f"LLaMA {size}B", "harness_model": f"paper-{size.lower()}b",
-        "seq_len": 2048, "global_batch_size": 2048, "gpus": gpus, "hardware": HARDWARE, "precision": "bf16",
-        "tp": tp, "pp": pp, "dp": gpus // (tp * pp), "micro_batch_size": int(best["micro_batch_size"]),
-        "activation_checkpointing": best["activation_checkpointing_type"], "kernel": best["kernel"],
+        "sweep": os.path.splitext(name)[0],
+        "model": f"LLaMA {size}B",
+        "harness_model": f"paper-{size.lower()}b",
+        "seq_len": 2048,
+        "global_batch_size": 2048,
+        "gpus": gpus,
+        "hardware": HARDWARE,
+        "precision": "bf16",
+        "tp": tp,
+        "pp": pp,
+        "dp": gpus // (tp * pp),
+        "micro_batch_size": int(best["micro_batch_size"]),
+        "activation_checkpointing": best["activation_checkpointing_type"],
+        "kernel": best["kernel"],
         "sequence_parallel": best.get("sequence_parallel", "False"),
-        "step_time_s": float(best["Average Step Time"]), "mfu": round(mfu, 4),
-        "mfu_convention": "palm (6P + 12Lhs per token)", "peak_tflops": 312,
-        "runs": len(rows), "runs_ok": len(ok), "runs_oom": sum("OOM" in r["Average MFU"] for r in rows),
-        "source": SOURCE, "source_file": name, "license": "CC BY-NC-SA 4.0",
+        "step_time_s": float(best["Average Step Time"]),
+        "mfu": round(mfu, 4),
+        "mfu_convention": "palm (6P + 12Lhs per token)",
+        "peak_tflops": 312,
+        "runs": len(rows),
+        "runs_ok": len(ok),
+        "runs_oom": sum("OOM" in r["Average MFU"] for r in rows),
+        "source": SOURCE,
+        "source_file": name,
+        "license": "CC BY-NC-SA 4.0",
     }
 
 

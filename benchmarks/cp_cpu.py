@@ -59,16 +59,27 @@ def _workload(a: dict) -> dict:
     overrides = {"layers": a["layers"]} if a["layers"] else {}
     if a["seq_len"] > resolve_shape(a["model"], {}).max_positions:
         overrides["max_positions"] = a["seq_len"]
-    return {"model": a["model"], "model_overrides": overrides, "seq_len": a["seq_len"],
-            "global_batch_size": a["global_batch"], "steps": a["steps"], "warmup_steps": a["warmup"],
-            "device": "cpu", "precision": "fp32"}
+    return {
+        "model": a["model"],
+        "model_overrides": overrides,
+        "seq_len": a["seq_len"],
+        "global_batch_size": a["global_batch"],
+        "steps": a["steps"],
+        "warmup_steps": a["warmup"],
+        "device": "cpu",
+        "precision": "fp32",
+    }
 
 
 def _spec(a: dict, **layout):
     from harness.spec import parse_spec
 
-    return parse_spec({"workload": _workload(a), "layout": {"engine": "own", "attention": a["attention"],
-                                                            "micro_batch_size": a["mbs"], **layout}})
+    return parse_spec(
+        {
+            "workload": _workload(a),
+            "layout": {"engine": "own", "attention": a["attention"], "micro_batch_size": a["mbs"], **layout},
+        }
+    )
 
 
 def _profiled(engine, spec, ctx, source, first: int, steps: int) -> dict:
@@ -87,10 +98,13 @@ def _profiled(engine, spec, ctx, source, first: int, steps: int) -> dict:
     trace = profile_trace.record(one, steps, ParallelDims.of(spec.layout), ctx.rank, ctx.device)
     found = breakdown(trace, ctx.device.type)
     step = mean_step(found["steps"])
-    return {"exposed_cp_ms": step["exposed_comm"].get("cp", 0.0), "step_ms": step["step"],
-            "exposed_dp_ms": step["exposed_comm"].get("dp", 0.0),
-            "counted_cp_ms": 1e3 * sum(waits) / len(waits),
-            "collectives": [c for c in found["collectives"] if c["axis"] == "cp"]}
+    return {
+        "exposed_cp_ms": step["exposed_comm"].get("cp", 0.0),
+        "step_ms": step["step"],
+        "exposed_dp_ms": step["exposed_comm"].get("dp", 0.0),
+        "counted_cp_ms": 1e3 * sum(waits) / len(waits),
+        "collectives": [c for c in found["collectives"] if c["axis"] == "cp"],
+    }
 
 
 def _alone_exchanges(count: int, nbytes: int, repeats: int = 3) -> float:
@@ -108,8 +122,9 @@ def _alone_exchanges(count: int, nbytes: int, repeats: int = 3) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(count):
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % world),
-                                            dist.P2POp(dist.irecv, recv, (rank - 1) % world)])
+            works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+            )
             for w in works:
                 w.wait()
         best = min(best, time.perf_counter() - t0)
@@ -154,17 +169,25 @@ def _bench(ctx, a: dict) -> dict:
             sends = counted[name][-1].get("send") or {}
             prof = _profiled(engines[name], specs[name], ctx, source, total, a["profile_steps"])
             # exposed time: the mean over ranks, as a record's breakdown_ms is
-            shared = torch.tensor([prof["exposed_cp_ms"], prof["counted_cp_ms"], prof["step_ms"],
-                                   prof["exposed_dp_ms"]], dtype=torch.float64)
+            shared = torch.tensor(
+                [prof["exposed_cp_ms"], prof["counted_cp_ms"], prof["step_ms"], prof["exposed_dp_ms"]],
+                dtype=torch.float64,
+            )
             dist.all_reduce(shared)
             shared /= ctx.world_size
             count, nbytes = int(sends.get("count") or 0), int(sends.get("bytes") or 0)
             alone_s = torch.tensor([_alone_exchanges(count, nbytes) if count else 0.0], dtype=torch.float64)
             dist.all_reduce(alone_s, op=dist.ReduceOp.MAX)
-            out[name].update(exchanges=count, bytes=nbytes, exposed_ms=shared[0].item(),
-                             counted_ms=shared[1].item(), profiled_step_ms=shared[2].item(),
-                             exposed_dp_ms=shared[3].item(),
-                             collectives=prof["collectives"], alone_s=alone_s.item())
+            out[name].update(
+                exchanges=count,
+                bytes=nbytes,
+                exposed_ms=shared[0].item(),
+                counted_ms=shared[1].item(),
+                profiled_step_ms=shared[2].item(),
+                exposed_dp_ms=shared[3].item(),
+                collectives=prof["collectives"],
+                alone_s=alone_s.item(),
+            )
     return out
 
 
@@ -188,13 +211,25 @@ def main() -> int:
     impls = [x for x in args.impls.split(",") if x]
     bad = [x for x in impls if x not in CP_IMPLS]
     if bad or not impls or args.profile_steps < 1:
-        what = "--profile-steps: at least 1" if args.profile_steps < 1 else \
-            f"--impls: {', '.join(bad) or 'none'} not of {', '.join(CP_IMPLS)}"
+        what = (
+            "--profile-steps: at least 1"
+            if args.profile_steps < 1
+            else f"--impls: {', '.join(bad) or 'none'} not of {', '.join(CP_IMPLS)}"
+        )
         print(f"error: {what}", file=sys.stderr)
         return 2
-    a = {"model": args.model, "layers": args.layers, "seq_len": args.seq_len, "global_batch": args.global_batch,
-         "mbs": args.mbs, "steps": args.steps, "warmup": args.warmup, "impls": impls, "attention": args.attention,
-         "profile_steps": args.profile_steps}
+    a = {
+        "model": args.model,
+        "layers": args.layers,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "mbs": args.mbs,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "impls": impls,
+        "attention": args.attention,
+        "profile_steps": args.profile_steps,
+    }
     try:
         for impl in impls:  # the spec's own checks (and the engine's refusals), before anything starts
             _spec(a, cp=2, cp_impl=impl)
@@ -210,12 +245,14 @@ def main() -> int:
     res = spawn(_bench, 2, a, timeout_s=args.timeout_s)
     tokens = args.global_batch * args.seq_len
     layers = f" with {args.layers} layer(s)" if args.layers else ""
-    print(f"workload: {args.model}{layers}, seq {args.seq_len}, global batch {args.global_batch}, "
-          f"micro-batch {args.mbs}, fp32, attention {args.attention}, own engine; 2 gloo processes x "
-          f"{max(1, (os.cpu_count() or 1) // 2)} threads; "
-          f"{args.warmup} warm-up + {args.steps} measured steps per engine, interleaved; then {args.profile_steps} "
-          f"profiled cp2 steps ({time.monotonic() - t0:.0f} s; load average before "
-          f"{' '.join(f'{x:.2f}' for x in load)}, after {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
+    print(
+        f"workload: {args.model}{layers}, seq {args.seq_len}, global batch {args.global_batch}, "
+        f"micro-batch {args.mbs}, fp32, attention {args.attention}, own engine; 2 gloo processes x "
+        f"{max(1, (os.cpu_count() or 1) // 2)} threads; "
+        f"{args.warmup} warm-up + {args.steps} measured steps per engine, interleaved; then {args.profile_steps} "
+        f"profiled cp2 steps ({time.monotonic() - t0:.0f} s; load average before "
+        f"{' '.join(f'{x:.2f}' for x in load)}, after {' '.join(f'{x:.2f}' for x in os.getloadavg())})"
+    )
     print(f"{'engine':14s} {'ranks':>5s} {'median ms':>10s} {'95% CI ms':>19s} {'tokens/s':>9s} {'per rank':>9s}")
     tps = {}
     first = res[ALONE]["losses"]
@@ -224,31 +261,46 @@ def main() -> int:
         st = r["stats"]
         tps[name] = tokens / st["median"]
         worst = max([worst] + [abs(x - y) / abs(y) for x, y in zip(r["losses"], first, strict=False)])
-        print(f"{name:14s} {r['world']:5d} {st['median'] * 1e3:10.1f} {st['ci95_low'] * 1e3:9.1f}-"
-              f"{st['ci95_high'] * 1e3:<9.1f} {tps[name]:9,.0f} {tps[name] / r['world']:9,.0f}")
+        print(
+            f"{name:14s} {r['world']:5d} {st['median'] * 1e3:10.1f} {st['ci95_low'] * 1e3:9.1f}-"
+            f"{st['ci95_high'] * 1e3:<9.1f} {tps[name]:9,.0f} {tps[name] / r['world']:9,.0f}"
+        )
     print(f"losses agree (every engine against {ALONE}): max relative difference {worst:.1e}")
     for name, r in res.items():
         if not name.startswith("cp2"):
             continue
-        print(f"tokens/s {name} (2 ranks) / {ALONE}: {tps[name] / tps[ALONE]:.3f} "
-              f"(per rank {tps[name] / 2 / tps[ALONE]:.3f}; 2.000 / 1.000 is perfect scaling)")
+        print(
+            f"tokens/s {name} (2 ranks) / {ALONE}: {tps[name] / tps[ALONE]:.3f} "
+            f"(per rank {tps[name] / 2 / tps[ALONE]:.3f}; 2.000 / 1.000 is perfect scaling)"
+        )
         print(f"tokens/s {name} / {DP2} (both 2 ranks, the same global batch): {tps[name] / tps[DP2]:.3f}")
         alone_ms = r["alone_s"] * 1e3
         hidden = max(0.0, min(1.0, 1 - r["exposed_ms"] / alone_ms)) if alone_ms > 0 else None
         coll = "; ".join(f"{c['kind']} x{c['count']:g} ({c['bytes'] / 2**20:,.1f} MiB)" for c in r["collectives"])
-        print(f"{name} traffic per step (engine counters): {r['exchanges']} exchanges, "
-              f"{r['bytes'] / 2**20:,.1f} MiB sent per rank; the same exchanges alone, nothing to overlap them: "
-              f"{alone_ms:.1f} ms")
-        print(f"{name} exposed cp communication per profiled step (profiler, mean over ranks): "
-              f"{r['exposed_ms']:.1f} ms of {r['profiled_step_ms']:.1f} ms (its cp calls: {coll or 'none'}; "
-              f"exposed dp, the gradients' reduction: {r['exposed_dp_ms']:.1f} ms); the engine's counted ring "
-              f"waits over the same steps: {r['counted_ms']:.1f} ms")
-        print(f"{name} communication hidden behind the attention: "
-              + (f"{100 * hidden:.0f}% (1 - exposed waits / the exchanges alone)" if hidden is not None
-                 else "n/a (no cp traffic counted)"))
+        print(
+            f"{name} traffic per step (engine counters): {r['exchanges']} exchanges, "
+            f"{r['bytes'] / 2**20:,.1f} MiB sent per rank; the same exchanges alone, nothing to overlap them: "
+            f"{alone_ms:.1f} ms"
+        )
+        print(
+            f"{name} exposed cp communication per profiled step (profiler, mean over ranks): "
+            f"{r['exposed_ms']:.1f} ms of {r['profiled_step_ms']:.1f} ms (its cp calls: {coll or 'none'}; "
+            f"exposed dp, the gradients' reduction: {r['exposed_dp_ms']:.1f} ms); the engine's counted ring "
+            f"waits over the same steps: {r['counted_ms']:.1f} ms"
+        )
+        print(
+            f"{name} communication hidden behind the attention: "
+            + (
+                f"{100 * hidden:.0f}% (1 - exposed waits / the exchanges alone)"
+                if hidden is not None
+                else "n/a (no cp traffic counted)"
+            )
+        )
         if alone_ms and r["exposed_ms"] > alone_ms:  # what else the waits hold
-            print(f"  of the {r['exposed_ms']:.1f} ms exposed, at most {alone_ms:.1f} ms can be moving the bytes; "
-                  f"the rest is a rank waiting for the other to reach the same hop ({r['exchanges']} per step)")
+            print(
+                f"  of the {r['exposed_ms']:.1f} ms exposed, at most {alone_ms:.1f} ms can be moving the bytes; "
+                f"the rest is a rank waiting for the other to reach the same hop ({r['exchanges']} per step)"
+            )
     return 0
 
 

@@ -27,8 +27,14 @@ import tempfile
 import time
 
 CALIBRATION = [  # (model, seq_len, global batch, micro-batch)
-    ("tiny-4l", 64, 4, 1), ("tiny-4l", 128, 8, 2), ("tiny-256", 64, 4, 2), ("tiny-256", 128, 4, 1),
-    ("tiny-256", 256, 4, 2), ("tiny-4l", 256, 8, 4), ("tiny", 128, 8, 2), ("tiny-256", 128, 8, 4),
+    ("tiny-4l", 64, 4, 1),
+    ("tiny-4l", 128, 8, 2),
+    ("tiny-256", 64, 4, 2),
+    ("tiny-256", 128, 4, 1),
+    ("tiny-256", 256, 4, 2),
+    ("tiny-4l", 256, 8, 4),
+    ("tiny", 128, 8, 2),
+    ("tiny-256", 128, 8, 4),
 ]
 HELD_BACK = ("tiny-256", 128, 8, 2)
 STEPS, WARMUP = 8, 2
@@ -43,9 +49,19 @@ def measure(store: str, model: str, seq: int, batch: int, mbs: int) -> dict:
     from harness.runtime import RunContext
     from harness.spec import parse_spec
 
-    spec = parse_spec({"workload": {"model": model, "seq_len": seq, "global_batch_size": batch, "steps": STEPS,
-                                    "warmup_steps": WARMUP},
-                       "layout": {"engine": "single", "micro_batch_size": mbs}, "store": store})
+    spec = parse_spec(
+        {
+            "workload": {
+                "model": model,
+                "seq_len": seq,
+                "global_batch_size": batch,
+                "steps": STEPS,
+                "warmup_steps": WARMUP,
+            },
+            "layout": {"engine": "single", "micro_batch_size": mbs},
+            "store": store,
+        }
+    )
     return run(spec, RunContext(0, 1, 0, torch.device("cpu"), None), progress=False)
 
 
@@ -69,9 +85,32 @@ def predict_held_back(store: str, profile: str, held_back: tuple) -> float:
     """Calibrate the cpu profile on the records of `store`, then predict `held_back` with it."""
     plan("--calibrate", store, "--hardware", "cpu", "--calibrate-out", profile)
     model, seq, batch, mbs = held_back
-    out = plan("--model", model, "--seq-len", str(seq), "--global-batch-size", str(batch), "--gpus", "1",
-               "--gpus-per-node", "1", "--hardware", profile, "--micro-batch-sizes", str(mbs), "--attention", "sdpa",
-               "--rmsnorm", "torch", "--activation-checkpointing", "none", "--zero", "0", "--format", "json")
+    out = plan(
+        "--model",
+        model,
+        "--seq-len",
+        str(seq),
+        "--global-batch-size",
+        str(batch),
+        "--gpus",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--hardware",
+        profile,
+        "--micro-batch-sizes",
+        str(mbs),
+        "--attention",
+        "sdpa",
+        "--rmsnorm",
+        "torch",
+        "--activation-checkpointing",
+        "none",
+        "--zero",
+        "0",
+        "--format",
+        "json",
+    )
     (row,) = json.loads(out)
     return row["step_time_s"]
 
@@ -99,16 +138,29 @@ def main() -> int:
     for config in CALIBRATION + [HELD_BACK]:
         print(f"{'held back ' if config == HELD_BACK else 'calibrate '} {config}: {median(best[config]) * 1e3:8.2f} ms")
     measured = median(best[HELD_BACK])
-    print(f"held-back run: predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
-          f"(target: within {TOLERANCE:.0%}); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(
+        f"held-back run: predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
+        f"(target: within {TOLERANCE:.0%}); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+    )
     if args.record:
-        data = {"recorded": f"{time.strftime('%Y-%m-%d')}, benchmarks/cpu_calibration.py --passes {args.passes}, "
-                            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                            f"load average {os.getloadavg()[0]:.2f}, niceness {os.nice(0)}",
-                "steps": STEPS, "warmup_steps": WARMUP,
-                "runs": [{"model": c[0], "seq_len": c[1], "global_batch_size": c[2], "micro_batch_size": c[3],
-                          "step_time_s": round(median(best[c]), 6), "held_back": c == HELD_BACK}
-                         for c in CALIBRATION + [HELD_BACK]]}
+        data = {
+            "recorded": f"{time.strftime('%Y-%m-%d')}, benchmarks/cpu_calibration.py --passes {args.passes}, "
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"load average {os.getloadavg()[0]:.2f}, niceness {os.nice(0)}",
+            "steps": STEPS,
+            "warmup_steps": WARMUP,
+            "runs": [
+                {
+                    "model": c[0],
+                    "seq_len": c[1],
+                    "global_batch_size": c[2],
+                    "micro_batch_size": c[3],
+                    "step_time_s": round(median(best[c]), 6),
+                    "held_back": c == HELD_BACK,
+                }
+                for c in CALIBRATION + [HELD_BACK]
+            ],
+        }
         with open(args.record, "w") as f:
             f.write(json.dumps(data, indent=1) + "\n")
         print(f"wrote {args.record}")

@@ -37,9 +37,18 @@ def main() -> None:
     from harness.spec import parse_spec
 
     def spec(engine):
-        return parse_spec({"workload": {"model": args.model, "seq_len": args.seq, "global_batch_size": args.batch,
-                                        "precision": "fp32", "device": "cpu"},
-                           "layout": {"engine": engine, "micro_batch_size": args.micro}})
+        return parse_spec(
+            {
+                "workload": {
+                    "model": args.model,
+                    "seq_len": args.seq,
+                    "global_batch_size": args.batch,
+                    "precision": "fp32",
+                    "device": "cpu",
+                },
+                "layout": {"engine": engine, "micro_batch_size": args.micro},
+            }
+        )
 
     s_own, s_single = spec("own"), spec("single")
     shape = resolve_shape(args.model)
@@ -56,11 +65,15 @@ def main() -> None:
             if step >= args.warmup:
                 times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"model {args.model} seq {args.seq} batch {args.batch} micro {args.micro} threads {torch.get_num_threads()}"
-          f" steps {args.steps} (last loss {loss:.4f})")
+    print(
+        f"model {args.model} seq {args.seq} batch {args.batch} micro {args.micro} threads {torch.get_num_threads()}"
+        f" steps {args.steps} (last loss {loss:.4f})"
+    )
     for k, v in times.items():
-        print(f"{k:>6}: median {med[k] * 1e3:.1f} ms  p10 {sorted(v)[len(v) // 10] * 1e3:.1f}  "
-              f"p90 {sorted(v)[(9 * len(v)) // 10] * 1e3:.1f}")
+        print(
+            f"{k:>6}: median {med[k] * 1e3:.1f} ms  p10 {sorted(v)[len(v) // 10] * 1e3:.1f}  "
+            f"p90 {sorted(v)[(9 * len(v)) // 10] * 1e3:.1f}"
+        )
     print(f"ratio: {med['own'] / med['single']:.4f}")
 
 

@@ -48,23 +48,52 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAIVE = {"attention": "naive"}  # Megatron's local spec's one core attention, for megatron and "own naive"
 # layout -> engine -> layout fields (the same parallel layout under each engine)
 LAYOUTS = {
-    "dp2": {"own": {"dp": 2}, "own ZeRO-1": {"dp": 2, "zero_stage": 1}, "deepspeed": {"dp": 2, "zero_stage": 1},
-            "fsdp2": {"dp": 2, "reshard_after_forward": True},
-            "fsdp2 no-reshard": {"dp": 2, "reshard_after_forward": False},
-            "own naive": {"dp": 2, **NAIVE}, "megatron": {"dp": 2, **NAIVE}},
-    "tp2": {"own": {"tp": 2}, "deepspeed": {"tp": 2, "zero_stage": 1}, "fsdp2": {"tp": 2},
-            "own naive": {"tp": 2, **NAIVE}, "megatron": {"tp": 2, **NAIVE}},
-    "pp2": {"own": {"pp": 2}, "deepspeed": {"pp": 2, "zero_stage": 1}, "fsdp2": {"pp": 2},
-            "own naive": {"pp": 2, **NAIVE}, "megatron": {"pp": 2, **NAIVE}},
+    "dp2": {
+        "own": {"dp": 2},
+        "own ZeRO-1": {"dp": 2, "zero_stage": 1},
+        "deepspeed": {"dp": 2, "zero_stage": 1},
+        "fsdp2": {"dp": 2, "reshard_after_forward": True},
+        "fsdp2 no-reshard": {"dp": 2, "reshard_after_forward": False},
+        "own naive": {"dp": 2, **NAIVE},
+        "megatron": {"dp": 2, **NAIVE},
+    },
+    "tp2": {
+        "own": {"tp": 2},
+        "deepspeed": {"tp": 2, "zero_stage": 1},
+        "fsdp2": {"tp": 2},
+        "own naive": {"tp": 2, **NAIVE},
+        "megatron": {"tp": 2, **NAIVE},
+    },
+    "pp2": {
+        "own": {"pp": 2},
+        "deepspeed": {"pp": 2, "zero_stage": 1},
+        "fsdp2": {"pp": 2},
+        "own naive": {"pp": 2, **NAIVE},
+        "megatron": {"pp": 2, **NAIVE},
+    },
 }
-ENGINE = {"own": "own", "own ZeRO-1": "own", "deepspeed": "deepspeed", "fsdp2": "fsdp", "fsdp2 no-reshard": "fsdp",
-          "own naive": "own", "megatron": "megatron"}
+ENGINE = {
+    "own": "own",
+    "own ZeRO-1": "own",
+    "deepspeed": "deepspeed",
+    "fsdp2": "fsdp",
+    "fsdp2 no-reshard": "fsdp",
+    "own naive": "own",
+    "megatron": "megatron",
+}
 # the layout whose engines are set against their no-communication limit
 LIMIT_LAYOUT = "dp2"
 # dp2 engine -> the harness engine its dp=1 limit runs (world of one, no process group), and the kernel
 # where it is not the default; Megatron needs a process group, so its limit is the plain model, as DeepSpeed's
-LIMIT = {"own": "own", "own ZeRO-1": "own", "deepspeed": "single", "fsdp2": "single", "fsdp2 no-reshard": "single",
-         "own naive": "own naive", "megatron": "single naive"}
+LIMIT = {
+    "own": "own",
+    "own ZeRO-1": "own",
+    "deepspeed": "single",
+    "fsdp2": "single",
+    "fsdp2 no-reshard": "single",
+    "own naive": "own naive",
+    "megatron": "single naive",
+}
 
 
 def _limit_name(engine: str) -> str:
@@ -126,11 +155,17 @@ def _shim_cost(engine, batch) -> dict:
     import torch.distributed as dist
 
     cost = _shim_cost_per_call()
-    t = torch.tensor([float(_shim_calls_per_step(engine, batch)), cost["per_call_s"], cost["enter_exit_s"],
-                      cost["plain_call_s"]], dtype=torch.float64)
+    t = torch.tensor(
+        [float(_shim_calls_per_step(engine, batch)), cost["per_call_s"], cost["enter_exit_s"], cost["plain_call_s"]],
+        dtype=torch.float64,
+    )
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {"calls_per_step": int(t[0]), "per_call_s": t[1].item(), "enter_exit_s": t[2].item(),
-            "plain_call_s": t[3].item()}
+    return {
+        "calls_per_step": int(t[0]),
+        "per_call_s": t[1].item(),
+        "enter_exit_s": t[2].item(),
+        "plain_call_s": t[3].item(),
+    }
 
 
 def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
@@ -146,31 +181,46 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
     from harness.runtime import RunContext
     from harness.spec import parse_spec
 
-    workload = {"model": a["model"], "seq_len": a["seq_len"], "global_batch_size": a["global_batch"],
-                "steps": a["steps"], "warmup_steps": a["warmup"], "device": "cpu", "precision": "fp32"}
+    workload = {
+        "model": a["model"],
+        "seq_len": a["seq_len"],
+        "global_batch_size": a["global_batch"],
+        "steps": a["steps"],
+        "warmup_steps": a["warmup"],
+        "device": "cpu",
+        "precision": "fp32",
+    }
     engines = {}
     for name, fields in engines_of_layout.items():
-        spec = parse_spec({"workload": workload,
-                           "layout": {"engine": ENGINE[name], "micro_batch_size": a["mbs"], **fields}})
+        spec = parse_spec(
+            {"workload": workload, "layout": {"engine": ENGINE[name], "micro_batch_size": a["mbs"], **fields}}
+        )
         engines[name] = build_engine(spec, spec.shape(), ctx)
     source = token_source(spec.workload, spec.shape().vocab)
     dp = spec.layout.dp
-    alone = RunContext(0, 1, 0, ctx.device, None)   # a world of one: no process group, no communication
+    alone = RunContext(0, 1, 0, ctx.device, None)  # a world of one: no process group, no communication
     for name, engine in limits.items():
         engine, *kernel = engine.split()  # "single naive": the plain model with naive attention
-        lim = parse_spec({"workload": {**workload, "global_batch_size": a["global_batch"] // dp},
-                          "layout": {"engine": engine, "micro_batch_size": a["mbs"],
-                                     **({"attention": kernel[0]} if kernel else {})}})
+        lim = parse_spec(
+            {
+                "workload": {**workload, "global_batch_size": a["global_batch"] // dp},
+                "layout": {
+                    "engine": engine,
+                    "micro_batch_size": a["mbs"],
+                    **({"attention": kernel[0]} if kernel else {}),
+                },
+            }
+        )
         engines[name] = build_engine(lim, lim.shape(), alone)
     times = {k: [] for k in engines}
-    cpu = {k: [] for k in engines}   # this process's CPU seconds (every thread: gloo's too), not waits
+    cpu = {k: [] for k in engines}  # this process's CPU seconds (every thread: gloo's too), not waits
     losses = {k: [] for k in engines}
     breakdowns = {k: [] for k in engines}
     for step in range(a["warmup"] + a["steps"]):
         batch = source.global_batch_at(step)
         mine = dp_slice(batch, ctx.rank, dp)  # this rank's share, what its dp2 engines train on
         for name, engine in engines.items():
-            dist.barrier()   # both ranks start each engine's step together, limits too
+            dist.barrier()  # both ranks start each engine's step together, limits too
             t0, c0 = time.perf_counter(), time.process_time()
             losses[name].append(float(engine.train_step(mine if name in limits else batch)))
             if step >= a["warmup"]:
@@ -186,13 +236,17 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
         c = torch.tensor(cpu[name], dtype=torch.float64)
         dist.all_reduce(c, op=dist.ReduceOp.MAX)
         parts = {}
-        for key in (breakdowns[name][0] if breakdowns[name] else {}):
+        for key in breakdowns[name][0] if breakdowns[name] else {}:
             v = torch.tensor([b[key] for b in breakdowns[name]], dtype=torch.float64)
             dist.all_reduce(v, op=dist.ReduceOp.MAX)
             parts[key] = summarize(v.tolist())["median"]
-        out[name] = {"stats": summarize(t.tolist()), "cpu": summarize(c.tolist())["median"],
-                     "losses": losses[name], "breakdown": parts,
-                     "limit": name in limits}
+        out[name] = {
+            "stats": summarize(t.tolist()),
+            "cpu": summarize(c.tolist())["median"],
+            "losses": losses[name],
+            "breakdown": parts,
+            "limit": name in limits,
+        }
     return out
 
 
@@ -204,14 +258,20 @@ def _print_limits(res: dict, median: dict, cpu: dict) -> None:
     def over(table):
         return "  ".join(f"{e}: {table[LIMIT_LAYOUT, e] / table[LIMIT_LAYOUT, _limit_name(e)]:.3f}" for e in engines)
 
-    print(f"{LIMIT_LAYOUT} / no-communication limit (step time): {over(median)}  "
-          f"(limits: {', '.join(f'{e} [{LIMIT[e]}]' for e in engines)})")
-    print(f"{LIMIT_LAYOUT} / limit in CPU time per rank (every thread, waits excluded; less sensitive to other "
-          f"load): {over(cpu)}")
+    print(
+        f"{LIMIT_LAYOUT} / no-communication limit (step time): {over(median)}  "
+        f"(limits: {', '.join(f'{e} [{LIMIT[e]}]' for e in engines)})"
+    )
+    print(
+        f"{LIMIT_LAYOUT} / limit in CPU time per rank (every thread, waits excluded; less sensitive to other "
+        f"load): {over(cpu)}"
+    )
     for name in ("own", "own ZeRO-1", _limit_name("own")):
         if res.get(name, {}).get("breakdown"):
-            print(f"  {name} breakdown, median ms: "
-                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in res[name]["breakdown"].items()))
+            print(
+                f"  {name} breakdown, median ms: "
+                + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in res[name]["breakdown"].items())
+            )
 
 
 def main() -> int:
@@ -232,8 +292,14 @@ def main() -> int:
 
     from harness.testing.spawn import spawn
 
-    a = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch, "mbs": args.mbs,
-         "steps": args.steps, "warmup": args.warmup}
+    a = {
+        "model": args.model,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "mbs": args.mbs,
+        "steps": args.steps,
+        "warmup": args.warmup,
+    }
     t0 = time.monotonic()
     results = {}
     for layout in chosen:
@@ -242,9 +308,11 @@ def main() -> int:
         results[layout] = spawn(_bench, 2, a, engines, limits, timeout_s=900)
     shims = {layout: res.pop("_shim") for layout, res in results.items()}
     tokens = args.global_batch * args.seq_len
-    print(f"workload: {args.model}, seq {args.seq_len}, global batch {args.global_batch}, micro-batch {args.mbs}, "
-          f"fp32, 2 gloo processes x {max(1, (os.cpu_count() or 1) // 2)} threads; {args.warmup} warm-up + "
-          f"{args.steps} measured steps per engine, interleaved within each layout ({time.monotonic() - t0:.0f} s)")
+    print(
+        f"workload: {args.model}, seq {args.seq_len}, global batch {args.global_batch}, micro-batch {args.mbs}, "
+        f"fp32, 2 gloo processes x {max(1, (os.cpu_count() or 1) // 2)} threads; {args.warmup} warm-up + "
+        f"{args.steps} measured steps per engine, interleaved within each layout ({time.monotonic() - t0:.0f} s)"
+    )
     print(f"{'layout':7s} {'engine':22s} {'median ms':>10s} {'95% CI ms':>17s} {'tokens/s':>10s} {'cpu ms':>8s}")
     tps, median, cpu, worst = {}, {}, {}, 0.0
     for layout, res in results.items():
@@ -253,29 +321,44 @@ def main() -> int:
         for name, r in res.items():
             st = r["stats"]
             median[layout, name], cpu[layout, name] = st["median"], r["cpu"]
-            tps[layout, name] = tokens / st["median"]   # a limit's tokens: both ranks' shares, the same total
+            tps[layout, name] = tokens / st["median"]  # a limit's tokens: both ranks' shares, the same total
             ref = first_limit if r["limit"] else first
             worst = max([worst] + [abs(x - y) / abs(y) for x, y in zip(r["losses"], ref, strict=False)])
-            print(f"{layout:7s} {name:22s} {st['median'] * 1e3:10.1f} {st['ci95_low'] * 1e3:8.1f}-"
-                  f"{st['ci95_high'] * 1e3:<8.1f} {tps[layout, name]:10,.0f} {r['cpu'] * 1e3:8.1f}")
-    print(f"losses agree across engines at each layout (limits among themselves): max relative difference "
-          f"{worst:.1e}")
-    ratio = lambda other: " ".join(f"{lay}: {tps[lay, 'own'] / tps[lay, other]:.3f}"  # noqa: E731
-                                   for lay in results if (lay, other) in tps)
-    print(f"ratio own/deepspeed {ratio('deepspeed')}  own/fsdp2 {ratio('fsdp2')}"
-          + (f"  own ZeRO-1/deepspeed dp2: {tps['dp2', 'own ZeRO-1'] / tps['dp2', 'deepspeed']:.3f}"
-             if ("dp2", "own ZeRO-1") in tps and ("dp2", "deepspeed") in tps else ""))
+            print(
+                f"{layout:7s} {name:22s} {st['median'] * 1e3:10.1f} {st['ci95_low'] * 1e3:8.1f}-"
+                f"{st['ci95_high'] * 1e3:<8.1f} {tps[layout, name]:10,.0f} {r['cpu'] * 1e3:8.1f}"
+            )
+    print(f"losses agree across engines at each layout (limits among themselves): max relative difference {worst:.1e}")
+
+    def ratio(other):
+        return " ".join(f"{lay}: {tps[lay, 'own'] / tps[lay, other]:.3f}" for lay in results if (lay, other) in tps)
+
+    print(
+        f"ratio own/deepspeed {ratio('deepspeed')}  own/fsdp2 {ratio('fsdp2')}"
+        + (
+            f"  own ZeRO-1/deepspeed dp2: {tps['dp2', 'own ZeRO-1'] / tps['dp2', 'deepspeed']:.3f}"
+            if ("dp2", "own ZeRO-1") in tps and ("dp2", "deepspeed") in tps
+            else ""
+        )
+    )
     if any(lay for lay, name in tps if name == "megatron"):
-        print("own/megatron (both naive attention) " + " ".join(
-            f"{lay}: {tps[lay, 'own naive'] / tps[lay, 'megatron']:.3f}" for lay in results
-            if (lay, "megatron") in tps))
+        print(
+            "own/megatron (both naive attention) "
+            + " ".join(
+                f"{lay}: {tps[lay, 'own naive'] / tps[lay, 'megatron']:.3f}"
+                for lay in results
+                if (lay, "megatron") in tps
+            )
+        )
     for layout, shim in shims.items():  # what the CPU's device shim adds to megatron's step
         if shim:
             cost = shim["calls_per_step"] * shim["per_call_s"] + shim["enter_exit_s"]
-            print(f"megatron {layout}: its device shim intercepts {shim['calls_per_step']:,} torch calls per step, "
-                  f"{shim['per_call_s'] * 1e6:.2f} us each above a plain call ({shim['plain_call_s'] * 1e6:.2f} us), "
-                  f"{shim['enter_exit_s'] * 1e6:.0f} us to enter and leave: {cost * 1e3:.1f} ms per step, "
-                  f"{cost / median[layout, 'megatron']:.1%} of its step")
+            print(
+                f"megatron {layout}: its device shim intercepts {shim['calls_per_step']:,} torch calls per step, "
+                f"{shim['per_call_s'] * 1e6:.2f} us each above a plain call ({shim['plain_call_s'] * 1e6:.2f} us), "
+                f"{shim['enter_exit_s'] * 1e6:.0f} us to enter and leave: {cost * 1e3:.1f} ms per step, "
+                f"{cost / median[layout, 'megatron']:.1%} of its step"
+            )
     if LIMIT_LAYOUT in results:
         _print_limits(results[LIMIT_LAYOUT], median, cpu)
     return 0

@@ -24,8 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET_S = 120.0
 LAYOUTS = [  # (model, seq_len, global batch, layout)
     ("paper-65b", 2048, 2048, {"engine": "own", "zero_stage": 1, "tp": 8, "pp": 2, "dp": 8}),
-    ("paper-30b", 8192, 512, {"engine": "own", "zero_stage": 1, "tp": 4, "pp": 2, "dp": 8,
-                              "sequence_parallel": True, "activation_checkpointing": "selective"}),
+    (
+        "paper-30b",
+        8192,
+        512,
+        {
+            "engine": "own",
+            "zero_stage": 1,
+            "tp": 4,
+            "pp": 2,
+            "dp": 8,
+            "sequence_parallel": True,
+            "activation_checkpointing": "selective",
+        },
+    ),
     ("llama2-7b", 2048, 512, {"engine": "fsdp", "dp": 8, "reshard_after_forward": False}),
 ]
 
@@ -34,8 +46,12 @@ def trace_once(model: str, seq: int, gbs: int, layout: dict) -> tuple[float, flo
     from harness.memtrace.result import trace_spec
     from harness.spec import parse_spec
 
-    spec = parse_spec({"workload": {"model": model, "seq_len": seq, "global_batch_size": gbs, "precision": "bf16"},
-                       "layout": {"attention": "sdpa", "rmsnorm": "torch", **layout}})
+    spec = parse_spec(
+        {
+            "workload": {"model": model, "seq_len": seq, "global_batch_size": gbs, "precision": "bf16"},
+            "layout": {"attention": "sdpa", "rmsnorm": "torch", **layout},
+        }
+    )
     before = resource.getrusage(resource.RUSAGE_SELF)
     t = time.perf_counter()
     result = trace_spec(spec)
@@ -59,8 +75,10 @@ def main() -> None:
             cpus.append(cpu)
         stages = ", ".join(f"stage {r['stage']} {r['seconds']:.1f} s" for r in result["ranks"])
         label = " ".join(f"{k}={v}" for k, v in layout.items())
-        print(f"{model} seq {seq} {label}: wall median {statistics.median(walls):.1f} s "
-              f"(max {max(walls):.1f}, {args.rounds} rounds); CPU median {statistics.median(cpus):.1f} s; {stages}")
+        print(
+            f"{model} seq {seq} {label}: wall median {statistics.median(walls):.1f} s "
+            f"(max {max(walls):.1f}, {args.rounds} rounds); CPU median {statistics.median(cpus):.1f} s; {stages}"
+        )
         slowest = max(slowest, statistics.median(walls))
     print(f"target {TARGET_S:.0f} s per layout; ratio: {slowest / TARGET_S:.2f}")
 

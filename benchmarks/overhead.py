@@ -33,8 +33,13 @@ class MinimalLoop:
         w = spec.workload
         self.spec = spec
         self.model = build_model(shape, w.seed, spec.layout.attention)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=w.optimizer.lr, betas=w.optimizer.betas,
-                                     eps=w.optimizer.eps, weight_decay=w.optimizer.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=w.optimizer.lr,
+            betas=w.optimizer.betas,
+            eps=w.optimizer.eps,
+            weight_decay=w.optimizer.weight_decay,
+        )
         self.data = SyntheticTokens(shape.vocab, w.seq_len, w.global_batch_size, w.seed)
 
     def step(self, step: int) -> float:
@@ -59,10 +64,19 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile-steps", type=int, default=DEFAULT_STEPS, help="profiled steps after each round")
     args = ap.parse_args()
-    spec = parse_spec({"workload": {"model": "tiny-256", "seq_len": 128, "global_batch_size": 8,
-                                    "steps": args.steps, "warmup_steps": 2},
-                       "layout": {"engine": "single", "micro_batch_size": 2, "attention": "sdpa"},
-                       "store": ":memory:"})
+    spec = parse_spec(
+        {
+            "workload": {
+                "model": "tiny-256",
+                "seq_len": 128,
+                "global_batch_size": 8,
+                "steps": args.steps,
+                "warmup_steps": 2,
+            },
+            "layout": {"engine": "single", "micro_batch_size": 2, "attention": "sdpa"},
+            "store": ":memory:",
+        }
+    )
     shape = resolve_shape("tiny-256")
     ctx = RunContext(0, 1, 0, torch.device("cpu"), None)
     runner, minimal, rounds_s, profiled_s = [], [], [], []
@@ -86,13 +100,17 @@ def main():
         profiled_s.append(time.perf_counter() - t0)
         rounds_s.append(time.perf_counter() - started)
         assert len(trainer.times) == args.steps, "a profiled step was counted as a measured one"
-        print(f"round {r + 1}: runner median {statistics.median(got) * 1e3:.2f} ms, "
-              f"minimal loop median {statistics.median(mine) * 1e3:.2f} ms; "
-              f"{args.profile_steps} profiled steps {profiled_s[-1]:.2f} s of the round's {rounds_s[-1]:.2f} s")
+        print(
+            f"round {r + 1}: runner median {statistics.median(got) * 1e3:.2f} ms, "
+            f"minimal loop median {statistics.median(mine) * 1e3:.2f} ms; "
+            f"{args.profile_steps} profiled steps {profiled_s[-1]:.2f} s of the round's {rounds_s[-1]:.2f} s"
+        )
     a, b = statistics.median(runner), statistics.median(minimal)
     print(f"runner median {a * 1e3:.2f} ms over {len(runner)} steps; minimal {b * 1e3:.2f} ms over {len(minimal)}")
-    print(f"profiling added {sum(profiled_s):.2f} s to {sum(rounds_s):.2f} s of rounds "
-          f"({100 * sum(profiled_s) / sum(rounds_s):.1f}%; a round also runs the minimal loop)")
+    print(
+        f"profiling added {sum(profiled_s):.2f} s to {sum(rounds_s):.2f} s of rounds "
+        f"({100 * sum(profiled_s) / sum(rounds_s):.1f}%; a round also runs the minimal loop)"
+    )
     print(f"ratio: {a / b:.3f}")
 
 

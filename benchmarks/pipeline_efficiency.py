@@ -20,8 +20,15 @@ import torch
 
 
 def _worker(rank, world, port, args, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -32,10 +39,23 @@ def _worker(rank, world, port, args, out_dir):
     from harness.spec import parse_spec
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    spec = parse_spec({"workload": {"model": args.model, "seq_len": args.seq, "global_batch_size": args.micro_batches,
-                                    "precision": "fp32", "device": "cpu"},
-                       "layout": {"engine": "own", "pp": world, "pipeline_schedule": args.schedule,
-                                  "virtual_stages": args.virtual_stages}})
+    spec = parse_spec(
+        {
+            "workload": {
+                "model": args.model,
+                "seq_len": args.seq,
+                "global_batch_size": args.micro_batches,
+                "precision": "fp32",
+                "device": "cpu",
+            },
+            "layout": {
+                "engine": "own",
+                "pp": world,
+                "pipeline_schedule": args.schedule,
+                "virtual_stages": args.virtual_stages,
+            },
+        }
+    )
     shape = resolve_shape(args.model)
     eng = build(spec, shape, RunContext(rank, world, rank, torch.device("cpu"), "gloo"))
     src = token_source(spec.workload, shape.vocab)
@@ -76,17 +96,23 @@ def main() -> None:
     step = [max(r["rows"][i][0] for r in ranks) for i in range(args.steps)]
     compute = [max(r["rows"][i][1] for r in ranks) for i in range(args.steps)]
     ratios = [s / (factor * c) for s, c in zip(step, compute, strict=True)]
-    print(f"model {args.model} seq {args.seq} pp {p} micro-batches {m} schedule {args.schedule}; "
-          f"stages {[s['layers'] for s in ranks[0]['stages']]} on rank 0")
+    print(
+        f"model {args.model} seq {args.seq} pp {p} micro-batches {m} schedule {args.schedule}; "
+        f"stages {[s['layers'] for s in ranks[0]['stages']]} on rank 0"
+    )
     for r, rk in enumerate(ranks):
         med = [statistics.median(x[i] for x in rk["rows"]) for i in range(6)]
         other = statistics.median(x[0] - sum(x[1:]) for x in rk["rows"])
-        print(f"rank {r}: median step {med[0] * 1e3:.1f} ms: compute {med[1] * 1e3:.1f}, "
-              f"pipeline p2p + wait {med[2] * 1e3:.1f}, optimizer {med[3] * 1e3:.1f}, other {other * 1e3:.1f}")
+        print(
+            f"rank {r}: median step {med[0] * 1e3:.1f} ms: compute {med[1] * 1e3:.1f}, "
+            f"pipeline p2p + wait {med[2] * 1e3:.1f}, optimizer {med[3] * 1e3:.1f}, other {other * 1e3:.1f}"
+        )
     ideal = factor * statistics.median(compute)
-    print(f"median step {statistics.median(step) * 1e3:.1f} ms; ideal {ideal * 1e3:.1f} ms "
-          f"((m+(p-1)/v)/m x slower stage's compute); per-step ratios p10..p90 "
-          f"{sorted(ratios)[len(ratios) // 10]:.3f}..{sorted(ratios)[(9 * len(ratios)) // 10]:.3f}")
+    print(
+        f"median step {statistics.median(step) * 1e3:.1f} ms; ideal {ideal * 1e3:.1f} ms "
+        f"((m+(p-1)/v)/m x slower stage's compute); per-step ratios p10..p90 "
+        f"{sorted(ratios)[len(ratios) // 10]:.3f}..{sorted(ratios)[(9 * len(ratios)) // 10]:.3f}"
+    )
     print(f"ratio: {statistics.median(ratios):.4f}")
 
 

@@ -18,8 +18,21 @@ import subprocess
 import sys
 import time
 
-ARGS = ["plan", "--model", "paper-65b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "4096",
-        "--gpus-per-node", "8", "--hardware", "a100-80gb"]
+ARGS = [
+    "plan",
+    "--model",
+    "paper-65b",
+    "--seq-len",
+    "2048",
+    "--global-batch-size",
+    "2048",
+    "--gpus",
+    "4096",
+    "--gpus-per-node",
+    "8",
+    "--hardware",
+    "a100-80gb",
+]
 TARGET_S = 1.0
 
 
@@ -37,9 +50,11 @@ def whole_process() -> tuple[float, float]:
 
 
 def imports_in_a_fresh_process() -> float:
-    code = ("import time; t = time.perf_counter(); import harness.cli, harness.commands.plan, "
-            "harness.planner.predict, harness.planner.candidates, harness.planner.output; "
-            "print(time.perf_counter() - t)")
+    code = (
+        "import time; t = time.perf_counter(); import harness.cli, harness.commands.plan, "
+        "harness.planner.predict, harness.planner.candidates, harness.planner.output; "
+        "print(time.perf_counter() - t)"
+    )
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
@@ -53,11 +68,18 @@ def predictions_here() -> tuple[float, int]:
     prof = load_profile("a100-80gb")
     shape, wl = resolve_shape("paper-65b"), Workload(2048, 2048)
     t = time.perf_counter()
-    lays = en.layouts(shape, wl, 4096, 8,
-                      attention=[a for a in en.DEFAULTS["attention"] if a in prof.attention_kernels],
-                      rmsnorm=en.DEFAULTS["rmsnorm"], micro_batch_sizes=en.DEFAULTS["micro_batch_sizes"],
-                      checkpointing=en.DEFAULTS["checkpointing"], sequence_parallel=en.DEFAULTS["sequence_parallel"],
-                      zero_stage=1)
+    lays = en.layouts(
+        shape,
+        wl,
+        4096,
+        8,
+        attention=[a for a in en.DEFAULTS["attention"] if a in prof.attention_kernels],
+        rmsnorm=en.DEFAULTS["rmsnorm"],
+        micro_batch_sizes=en.DEFAULTS["micro_batch_sizes"],
+        checkpointing=en.DEFAULTS["checkpointing"],
+        sequence_parallel=en.DEFAULTS["sequence_parallel"],
+        zero_stage=1,
+    )
     preds = predict_many(shape, lays, wl, prof)
     return time.perf_counter() - t, len(preds)
 
@@ -78,8 +100,10 @@ def main() -> None:
         preds.append(t)
     med = statistics.median
     print(f"harness {' '.join(ARGS)}")
-    print(f"whole process:        median {med(totals):.3f} s (min {min(totals):.3f}, max {max(totals):.3f}, "
-          f"{args.rounds} rounds); CPU time median {med(cpu):.3f} s")
+    print(
+        f"whole process:        median {med(totals):.3f} s (min {min(totals):.3f}, max {max(totals):.3f}, "
+        f"{args.rounds} rounds); CPU time median {med(cpu):.3f} s"
+    )
     print(f"imports of the plan path: median {med(imports):.3f} s")
     print(f"{n} predictions:   median {med(preds):.3f} s ({1e6 * med(preds) / n:.0f} us per layout)")
     print(f"target {TARGET_S:.1f} s; ratio: {med(totals) / TARGET_S:.2f}")

@@ -23,8 +23,10 @@ except KeyboardInterrupt:
     sys.exit(130)
 
 # what `harness --help` opens with
-DESCRIPTION = ("Measure LLaMA training under several engines and parallel layouts, plan layouts before "
-               "booking a cluster, and report which wins and why.")
+DESCRIPTION = (
+    "Measure LLaMA training under several engines and parallel layouts, plan layouts before "
+    "booking a cluster, and report which wins and why."
+)
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -122,8 +124,7 @@ class Parser(argparse.ArgumentParser):
         if arg.startswith("-") and len(arg) > 1:
             flag = arg.split("=", 1)[0]
             known = [o for o in self._option_string_actions if o.startswith("--")]
-            return SpecError(flag, f"not an option of {self.prog}{_nearest(flag, known, 0.75)}; "
-                                   f"see {self.prog} --help")
+            return SpecError(flag, f"not an option of {self.prog}{_nearest(flag, known, 0.75)}; see {self.prog} --help")
         return SpecError(arg, f"one argument too many for {self.prog}; see {self.prog} --help")
 
 

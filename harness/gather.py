@@ -32,16 +32,17 @@ def hosts(ctx: RunContext) -> list[str]:
 def census_over_ranks(engine: TrainingEngine, activations: int | None, ctx: RunContext) -> dict:
     """Rank 0's memory census and saved activations per micro-batch, and every rank's (pipeline
     stages and ZeRO shards differ); None where the engine does not measure them."""
-    mine = {"memory_census": engine.memory_census(),
-            "activations_saved_bytes": activations}
+    mine = {"memory_census": engine.memory_census(), "activations_saved_bytes": activations}
     everyone = [mine]
     if ctx.backend is not None:
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, mine)
-    return {"memory_census": everyone[0]["memory_census"],
-            "memory_census_by_rank": [r["memory_census"] for r in everyone],
-            "activations_saved_bytes": everyone[0]["activations_saved_bytes"],
-            "activations_saved_bytes_by_rank": [r["activations_saved_bytes"] for r in everyone]}
+    return {
+        "memory_census": everyone[0]["memory_census"],
+        "memory_census_by_rank": [r["memory_census"] for r in everyone],
+        "activations_saved_bytes": everyone[0]["activations_saved_bytes"],
+        "activations_saved_bytes_by_rank": [r["activations_saved_bytes"] for r in everyone],
+    }
 
 
 def breakdown_over_ranks(mine: dict, ctx: RunContext) -> dict:

@@ -18,13 +18,24 @@ import torch
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, no sparsity).
 DATASHEET_BF16_TFLOPS = (
-    ("A100", 312.0),   # NVIDIA A100 datasheet
-    ("H100", 989.0),   # NVIDIA H100 SXM5 datasheet (PCIe: 756)
-    ("H200", 989.0),   # NVIDIA H200 SXM datasheet
+    ("A100", 312.0),  # NVIDIA A100 datasheet
+    ("H100", 989.0),  # NVIDIA H100 SXM5 datasheet (PCIe: 756)
+    ("H200", 989.0),  # NVIDIA H200 SXM datasheet
 )
-FINGERPRINT_ENV = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
-                   "NCCL_SOCKET_IFNAME", "NCCL_P2P_DISABLE", "MASTER_ADDR", "SLURM_JOB_ID",
-                   "SLURM_JOB_NODELIST", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTORCH_CUDA_ALLOC_CONF")
+FINGERPRINT_ENV = (
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_IB_DISABLE",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_P2P_DISABLE",
+    "MASTER_ADDR",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NODELIST",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "PYTORCH_CUDA_ALLOC_CONF",
+)
 
 
 def sync(device: torch.device) -> None:
@@ -62,7 +73,7 @@ def median_ci95(sorted_xs: list[float]) -> tuple[float, float]:
     cdf, k = 0.0, 0
     # largest k with P(Bin(n, 1/2) <= k - 1) <= 0.025
     for j in range(n + 1):
-        cdf += math.comb(n, j) / 2 ** n
+        cdf += math.comb(n, j) / 2**n
         if cdf > 0.025:
             k = j
             break
@@ -76,8 +87,18 @@ def summarize(times: list[float]) -> dict:
     mean = sum(xs) / n
     std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
     lo, hi = median_ci95(xs)
-    return {"median": _quantile(xs, 0.5), "mean": mean, "p10": _quantile(xs, 0.1), "p90": _quantile(xs, 0.9),
-            "std": std, "ci95_low": lo, "ci95_high": hi, "n": n, "min": xs[0], "max": xs[-1]}
+    return {
+        "median": _quantile(xs, 0.5),
+        "mean": mean,
+        "p10": _quantile(xs, 0.1),
+        "p90": _quantile(xs, 0.9),
+        "std": std,
+        "ci95_low": lo,
+        "ci95_high": hi,
+        "n": n,
+        "min": xs[0],
+        "max": xs[-1],
+    }
 
 
 # ---------------------------------------------------------------- peaks and MFU
@@ -104,7 +125,7 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, seconds: flo
         with StepTimer(device) as t:
             for _ in range(5):
                 a @ b
-        best = max(best, 5 * 2 * n ** 3 / t.seconds / 1e12)
+        best = max(best, 5 * 2 * n**3 / t.seconds / 1e12)
     return best
 
 
@@ -133,8 +154,9 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 # `harness compare/sweep --tensorboard DIR` hand DIR to every run they launch through this variable
 TENSORBOARD_ENV = "HARNESS_TENSORBOARD_DIR"
-TENSORBOARD_MISSING = ("the tensorboard package is not installed; pip install 'tensorboard>=2.14' "
-                       "(the package's `tensorboard` extra)")
+TENSORBOARD_MISSING = (
+    "the tensorboard package is not installed; pip install 'tensorboard>=2.14' (the package's `tensorboard` extra)"
+)
 
 
 def check_tensorboard(log_dir: str, field: str = "--tensorboard") -> None:
@@ -168,8 +190,9 @@ class MetricsStream:
         if description:
             self.writer.add_text("run", description, 0)
 
-    def step(self, step: int, *, loss: float, seconds: float, tokens: int, mfu: float | None,
-             device: torch.device) -> None:
+    def step(
+        self, step: int, *, loss: float, seconds: float, tokens: int, mfu: float | None, device: torch.device
+    ) -> None:
         w = self.writer
         w.add_scalar("train/loss", loss, step)
         w.add_scalar("perf/step_time_ms", seconds * 1e3, step)
@@ -209,8 +232,12 @@ def _cpu_model() -> str:
 
 def _nvidia_driver() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.TimeoutExpired, IndexError):
         return None
@@ -266,7 +293,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _dtype_key(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-        dtype, str(dtype).replace("torch.", ""))
+        dtype, str(dtype).replace("torch.", "")
+    )
 
 
 def storage_address(storage) -> int:

@@ -93,8 +93,11 @@ class ParallelDims:
 
     def check_world(self, world_size: int, field: str = "layout") -> None:
         if self.world != world_size:
-            raise SpecError(field, f"world size {world_size} != {' x '.join(LABEL_ORDER)} = "
-                                   + " x ".join(str(self.degree(a)) for a in LABEL_ORDER))
+            raise SpecError(
+                field,
+                f"world size {world_size} != {' x '.join(LABEL_ORDER)} = "
+                + " x ".join(str(self.degree(a)) for a in LABEL_ORDER),
+            )
 
     def label(self) -> str:
         """The degrees other than 1, 'tp2 pp2' ('' when all are 1)."""
@@ -149,8 +152,10 @@ class ParallelDims:
         """The ranks that share every coordinate with `rank` but those on `axes`, in rank order
         (the dp x cp group a gradient is reduced over)."""
         c = self.coord(rank)._asdict()
-        return sorted(self.rank(**{**c, **dict(zip(axes, values, strict=True))})
-                      for values in itertools.product(*(range(self.degree(a)) for a in axes)))
+        return sorted(
+            self.rank(**{**c, **dict(zip(axes, values, strict=True))})
+            for values in itertools.product(*(range(self.degree(a)) for a in axes))
+        )
 
     def flat_groups(self, axes: tuple[str, ...] = REPLICA_AXES) -> list[list[int]]:
         """Every group flat_group_of gives (each rank in exactly one), in rank order of their first member."""
@@ -178,8 +183,10 @@ class ParallelDims:
 
     def rank_table(self, ranks_per_node: int) -> list[dict]:
         """One row per rank: node, local rank and coordinates (what a run logs at start)."""
-        return [{"rank": r, "node": r // ranks_per_node, "local_rank": r % ranks_per_node, **self.coord(r)._asdict()}
-                for r in range(self.world)]
+        return [
+            {"rank": r, "node": r // ranks_per_node, "local_rank": r % ranks_per_node, **self.coord(r)._asdict()}
+            for r in range(self.world)
+        ]
 
     def within_node(self, axis: str, ranks_per_node: int) -> bool:
         """True when every group of `axis` lies inside one node. Only the innermost axes' groups

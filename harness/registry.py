@@ -29,6 +29,7 @@ ENGINES: dict[str, str] = {
     "megatron": "harness.frameworks.megatron",
 }
 
+
 @dataclass(frozen=True)
 class Honoured:
     """A field an engine honours: the values it runs (None: every value the field takes) and, where
@@ -52,10 +53,27 @@ def only(*values, why: str) -> Honoured:
 # Layout is in no engine's list until an engine declares it: until then, any value but its default is
 # refused in one line.
 EVERY_ENGINE: dict[str, Honoured] = {
-    **{f"workload.{name}": ANY for name in (
-        "model", "model_overrides", "seq_len", "global_batch_size", "steps", "warmup_steps", "precision",
-        "grad_accum_dtype", "grad_reduce_dtype", "optimizer", "grad_clip", "seed", "data", "device")},
-    "layout.engine": ANY, "layout.micro_batch_size": ANY,
+    **{
+        f"workload.{name}": ANY
+        for name in (
+            "model",
+            "model_overrides",
+            "seq_len",
+            "global_batch_size",
+            "steps",
+            "warmup_steps",
+            "precision",
+            "grad_accum_dtype",
+            "grad_reduce_dtype",
+            "optimizer",
+            "grad_clip",
+            "seed",
+            "data",
+            "device",
+        )
+    },
+    "layout.engine": ANY,
+    "layout.micro_batch_size": ANY,
 }
 
 
@@ -150,8 +168,9 @@ class EngineFacts:
             why = self.why_not.get(path) or ONE_ENGINES_FIELDS.get(path) or "engine {engine} does not use it"
             return why.format(engine=self.name)
         if honoured.values is not None and value not in honoured.values:
-            return (honoured.why or f"engine {self.name} runs {', '.join(map(str, honoured.values))} only"
-                    ).format(engine=self.name)
+            return (honoured.why or f"engine {self.name} runs {', '.join(map(str, honoured.values))} only").format(
+                engine=self.name
+            )
         return None
 
     def runs(self, path: str, values) -> list:
@@ -169,8 +188,11 @@ def known(name) -> bool:
 
 def available(name) -> bool:
     """Whether `name` is a registered engine whose adapter module is present in this checkout."""
-    return known(name) and importlib.util.find_spec(ENGINES[name]) is not None \
+    return (
+        known(name)
+        and importlib.util.find_spec(ENGINES[name]) is not None
         and importlib.util.find_spec(ENGINES[name] + ".facts") is not None
+    )
 
 
 def facts(name: str) -> EngineFacts:
@@ -178,8 +200,7 @@ def facts(name: str) -> EngineFacts:
     if not known(name):
         raise SpecError("layout.engine", f"{name!r} is not one of {', '.join(ENGINES)}")
     if not available(name):
-        raise SpecError("layout.engine", f"engine {name!r} is not available in this checkout "
-                                         f"({ENGINES[name]} missing)")
+        raise SpecError("layout.engine", f"engine {name!r} is not available in this checkout ({ENGINES[name]} missing)")
     declared = importlib.import_module(ENGINES[name] + ".facts").ENGINE
     if declared.name != name:
         raise ValueError(f"{ENGINES[name]} declares engine {declared.name!r}, registered as {name!r}")
@@ -188,8 +209,9 @@ def facts(name: str) -> EngineFacts:
 
 def planned() -> tuple[str, ...]:
     """The engines `harness plan --engine` models (a MemoryModel, more than one process), in ENGINES' order."""
-    return tuple(name for name in ENGINES
-                 if available(name) and facts(name).memory is not None and not facts(name).one_process)
+    return tuple(
+        name for name in ENGINES if available(name) and facts(name).memory is not None and not facts(name).one_process
+    )
 
 
 def adapter(name: str):
@@ -200,6 +222,9 @@ def adapter(name: str):
 
 def tied_across_stages(what: str, engine: str, takes) -> ModelRule:
     """An engine's refusal of tied embeddings split over pipeline stages: `what` says how it splits them."""
-    return ("tie_word_embeddings", takes,
-            f"{what}; splitting them needs the embedding gradient all-reduced between the first and the last "
-            f"pipeline stage (Megatron's embedding group), which {engine} does not do here")
+    return (
+        "tie_word_embeddings",
+        takes,
+        f"{what}; splitting them needs the embedding gradient all-reduced between the first and the last "
+        f"pipeline stage (Megatron's embedding group), which {engine} does not do here",
+    )

@@ -17,7 +17,7 @@ import importlib.resources
 from pathlib import Path
 
 SHIPPED = ("ds_configs", "baselines")  # top-level folders of the repository the wheel carries
-PACKAGED = "_data"                     # where the wheel has them: harness/_data/<folder>
+PACKAGED = "_data"  # where the wheel has them: harness/_data/<folder>
 
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
 

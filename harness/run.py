@@ -64,8 +64,10 @@ class Diverged(Exception):
 
     def __init__(self, step: int, loss: float, total: int, losses: list[float], cause: str | None = None):
         what = cause or f"the loss became {loss}"
-        super().__init__(f"diverged: {what} at step {step} of {total} (warm-up included), so the run stopped "
-                         "there; a learning rate too high (workload.optimizer.lr) is the usual cause")
+        super().__init__(
+            f"diverged: {what} at step {step} of {total} (warm-up included), so the run stopped "
+            "there; a learning rate too high (workload.optimizer.lr) is the usual cause"
+        )
         self.step, self.loss, self.losses = step, loss, list(losses)
 
 
@@ -135,8 +137,10 @@ class Progress:
         mfu_text = f" | MFU {100 * mfu:5.1f}%" if mfu else ""
         elapsed = now - self.start
         eta = elapsed / (step + 1) * (self.total - step - 1)
-        line = (f"step {step + 1}/{self.total} | {tokens / seconds:,.0f} tok/s{mfu_text} | loss {loss:.4f}"
-                f" | {self.clock(elapsed)} elapsed, ETA {self.clock(eta)}")
+        line = (
+            f"step {step + 1}/{self.total} | {tokens / seconds:,.0f} tok/s{mfu_text} | loss {loss:.4f}"
+            f" | {self.clock(elapsed)} elapsed, ETA {self.clock(eta)}"
+        )
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
     def close(self):
@@ -147,8 +151,16 @@ class Progress:
 class Trainer:
     """The measured loop, one step at a time (benchmarks interleave it with other loops)."""
 
-    def __init__(self, spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = None,
-                 progress: bool = True, tensorboard_dir: str | None = None):
+    def __init__(
+        self,
+        spec: RunSpec,
+        ctx: RunContext,
+        shape,
+        *,
+        peak_tflops: float | None = None,
+        progress: bool = True,
+        tensorboard_dir: str | None = None,
+    ):
         w, lay = spec.workload, spec.layout
         self.spec, self.ctx = spec, ctx
         self.engine = build_engine(spec, shape, ctx)
@@ -163,8 +175,9 @@ class Trainer:
             self.peak_source = f"datasheet dense bf16 ({device_name})" if self.peak else None
         self.bar = Progress(progress and ctx.is_main, self.total)
         # rank 0's per-step metrics to TensorBoard (`--tensorboard DIR`), written as the run goes
-        self.stream = measure.MetricsStream(tensorboard_dir, layout_label(lay)) \
-            if tensorboard_dir and ctx.is_main else None
+        self.stream = (
+            measure.MetricsStream(tensorboard_dir, layout_label(lay)) if tensorboard_dir and ctx.is_main else None
+        )
         self.losses: list[float] = []
         self.times: list[float] = []
         self.details: list[dict] = []
@@ -195,7 +208,7 @@ class Trainer:
             try:
                 loss = self._train_step(step, batch)
             except NonFiniteStep as e:  # the framework refused the update (every rank sees the same global norm):
-                cause = str(e)          # the step did not complete, so it has no loss to record
+                cause = str(e)  # the step did not complete, so it has no loss to record
         if cause:
             raise Diverged(step + 1, math.nan, self.total, self.losses, cause)
         loss = math.nan if poisoned else loss
@@ -206,11 +219,13 @@ class Trainer:
             self.times.append(timer.seconds)
             self.details.append(self.engine.last_step_details())
         mfu = self.peak and self.fpt["palm"] * self.tokens_per_step / timer.seconds / (
-            self.ctx.world_size * self.peak * 1e12)
+            self.ctx.world_size * self.peak * 1e12
+        )
         self.bar.update(step, timer.seconds, self.tokens_per_step, loss, mfu, force=step == self.total - 1)
         if self.stream is not None:
-            self.stream.step(step, loss=loss, seconds=timer.seconds, tokens=self.tokens_per_step, mfu=mfu,
-                             device=self.ctx.device)
+            self.stream.step(
+                step, loss=loss, seconds=timer.seconds, tokens=self.tokens_per_step, mfu=mfu, device=self.ctx.device
+            )
         return timer.seconds
 
     def profile_steps(self, steps: int) -> None:
@@ -230,8 +245,7 @@ class Trainer:
                 instrumented.append(counted)
 
         try:
-            trace = profile_trace.record(one, steps, ParallelDims.of(self.spec.layout), self.ctx.rank,
-                                         self.ctx.device)
+            trace = profile_trace.record(one, steps, ParallelDims.of(self.spec.layout), self.ctx.rank, self.ctx.device)
         except NonFiniteStep as e:  # every rank refuses the same update: the measurement stands, no breakdown
             self.profile = {"trace": None, "analysis": None, "instrumented": None, "error": f"profiled step: {e}"}
             return
@@ -289,18 +303,29 @@ class Trainer:
         profiled, traces = profile_record.profile_metrics(self.profile, ctx, trace_dir, trace_name)
         metrics.update(profiled)
         if "breakdown_ms" not in metrics and "compute" in (metrics.get("breakdown_s") or {}):  # profiling off
-            metrics.update(breakdown_ms=profile_record.from_instrumented(metrics["breakdown_s"]),
-                           breakdown_ms_by_rank=[profile_record.from_instrumented(r)
-                                                 for r in metrics["breakdown_s_by_rank"]],
-                           breakdown_source="instrumented")
+            metrics.update(
+                breakdown_ms=profile_record.from_instrumented(metrics["breakdown_s"]),
+                breakdown_ms_by_rank=[profile_record.from_instrumented(r) for r in metrics["breakdown_s_by_rank"]],
+                breakdown_source="instrumented",
+            )
         if traces:
             metrics["traces"] = traces
         return metrics
 
 
-def train(spec: RunSpec, ctx: RunContext, shape, *, peak_tflops: float | None = None,
-          measure_matmul: bool = True, progress: bool = True, tensorboard_dir: str | None = None,
-          profile_steps: int = 0, trace_dir: str | None = None, trace_name: str = "run") -> dict:
+def train(
+    spec: RunSpec,
+    ctx: RunContext,
+    shape,
+    *,
+    peak_tflops: float | None = None,
+    measure_matmul: bool = True,
+    progress: bool = True,
+    tensorboard_dir: str | None = None,
+    profile_steps: int = 0,
+    trace_dir: str | None = None,
+    trace_name: str = "run",
+) -> dict:
     """Run warm-up plus measured steps, then `profile_steps` profiled ones; return the metrics
     (the same dict on every rank; the trace files' entries under metrics["traces"])."""
     trainer = Trainer(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress, tensorboard_dir=tensorboard_dir)
@@ -341,10 +366,20 @@ def _summarize_details(details: list[dict]) -> dict:
     return out
 
 
-def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id: str | None = None,
-        sweep: str | None = None, point_key: str | None = None, peak_tflops: float | None = None,
-        progress: bool = True, tensorboard_dir: str | None = None, profile_steps: int | None = None,
-        trace_dir: str | None = None) -> dict:
+def run(
+    spec: RunSpec,
+    ctx: RunContext,
+    *,
+    store_path: str | None = None,
+    run_id: str | None = None,
+    sweep: str | None = None,
+    point_key: str | None = None,
+    peak_tflops: float | None = None,
+    progress: bool = True,
+    tensorboard_dir: str | None = None,
+    profile_steps: int | None = None,
+    trace_dir: str | None = None,
+) -> dict:
     """Preflight (SpecError propagates: exit 2), train, write the record; failures are recorded.
 
     `profile_steps` extra steps are profiled after the measured ones (None: the default,
@@ -366,8 +401,17 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
         store_file = store_path or spec.store
         if trace_dir is None and store_file != ":memory:":  # an in-memory store keeps no files: nor traces
             trace_dir = os.path.join(os.path.dirname(store_file), "harness-traces")
-        metrics = train(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress, tensorboard_dir=tb_dir,
-                        profile_steps=profile_steps, trace_dir=trace_dir, trace_name=record["run_id"])
+        metrics = train(
+            spec,
+            ctx,
+            shape,
+            peak_tflops=peak_tflops,
+            progress=progress,
+            tensorboard_dir=tb_dir,
+            profile_steps=profile_steps,
+            trace_dir=trace_dir,
+            trace_name=record["run_id"],
+        )
         traces = metrics.pop("traces", None)
         if traces:
             record["traces"] = traces
@@ -383,9 +427,15 @@ def run(spec: RunSpec, ctx: RunContext, *, store_path: str | None = None, run_id
         record["ended_at"] = now_iso()
         # which rank failed and whether it is the echo of a peer's failure (a lost connection):
         # the launcher names the rank that died first from these (harness.launch.first_failure)
-        record["rank_failures"] = [{"rank": ctx.rank, "status": record["status"], "at": record["ended_at"],
-                                    "echo": record["status"] != "oom" and mentions_peer_failure(str(exc)),
-                                    "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}]
+        record["rank_failures"] = [
+            {
+                "rank": ctx.rank,
+                "status": record["status"],
+                "at": record["ended_at"],
+                "echo": record["status"] != "oom" and mentions_peer_failure(str(exc)),
+                "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
+            }
+        ]
         store.write(record, keep_earlier_failure=True)  # a peer's echo must not hide the cause
         raise
     record["ended_at"] = now_iso()

@@ -31,16 +31,21 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def gib(nbytes: float) -> float:
     """GiB to 4 significant figures (13B-shaped layers: tens of GiB; the CPU smoke test: a few MiB)."""
     return float(f"{nbytes / GIB:.4g}")
 
+
 # engine -> its layout fields at world size 1
-ENGINES = {"own": {"engine": "own"}, "fsdp": {"engine": "fsdp"}, "megatron": {"engine": "megatron"},
-           "deepspeed": {"engine": "deepspeed", "zero_stage": 1}}
+ENGINES = {
+    "own": {"engine": "own"},
+    "fsdp": {"engine": "fsdp"},
+    "megatron": {"engine": "megatron"},
+    "deepspeed": {"engine": "deepspeed", "zero_stage": 1},
+}
 NEEDS = {"megatron": "megatron.core", "deepspeed": "deepspeed"}  # the package an engine imports
 
 
@@ -53,11 +58,22 @@ def missing(engine: str) -> str:
 
 
 def raw_spec(args, engine: str, store: str) -> dict:
-    return {"name": f"gpu-engines-{engine}", "store": store,
-            "workload": {"model": args.model, "model_overrides": {"layers": args.layers}, "seq_len": args.seq_len,
-                         "global_batch_size": args.global_batch_size, "steps": args.steps, "warmup_steps": 2,
-                         "precision": "bf16", "device": args.device, "seed": 1234},
-            "layout": {**ENGINES[engine], "micro_batch_size": 1, "attention": "naive", "rmsnorm": "torch"}}
+    return {
+        "name": f"gpu-engines-{engine}",
+        "store": store,
+        "workload": {
+            "model": args.model,
+            "model_overrides": {"layers": args.layers},
+            "seq_len": args.seq_len,
+            "global_batch_size": args.global_batch_size,
+            "steps": args.steps,
+            "warmup_steps": 2,
+            "precision": "bf16",
+            "device": args.device,
+            "seed": 1234,
+        },
+        "layout": {**ENGINES[engine], "micro_batch_size": 1, "attention": "naive", "rmsnorm": "torch"},
+    }
 
 
 def planner(spec) -> dict:
@@ -67,10 +83,14 @@ def planner(spec) -> dict:
 
     lay = spec.layout
     planned = dataclasses.replace(PlannerLayout.from_spec(dataclasses.asdict(lay)), engine=lay.engine)
-    _, parts = worst_stage_memory(spec.shape(), planned,
-                                  Workload(spec.workload.seq_len, spec.workload.global_batch_size, 2))
-    return {"planner_tensors_gib": gib(parts["total"] - parts["overhead"]), "planner_total_gib": gib(parts["total"]),
-            "planner_model_states_gib": gib(parts["weights"] + parts["gradients"] + parts["optimizer"])}
+    _, parts = worst_stage_memory(
+        spec.shape(), planned, Workload(spec.workload.seq_len, spec.workload.global_batch_size, 2)
+    )
+    return {
+        "planner_tensors_gib": gib(parts["total"] - parts["overhead"]),
+        "planner_total_gib": gib(parts["total"]),
+        "planner_model_states_gib": gib(parts["weights"] + parts["gradients"] + parts["optimizer"]),
+    }
 
 
 def traced(spec) -> dict:
@@ -84,23 +104,39 @@ def traced(spec) -> dict:
     (rank,) = result["ranks"]  # world size 1: one stage
     live = rank["live_peak_gib"] * GIB  # trace_spec's GiB to 3 decimals (1 MiB): enough at 13B shapes
     states = sum(sum(by.values()) for by in rank["census"].values())  # its census, in bytes
-    return {"traced_live_peak_gib": gib(live), "traced_total_gib": result["traced_peak_gib"],
-            "traced_model_states_gib": gib(states), "trace_s": round(time.monotonic() - t0, 1)}
+    return {
+        "traced_live_peak_gib": gib(live),
+        "traced_total_gib": result["traced_peak_gib"],
+        "traced_model_states_gib": gib(states),
+        "trace_s": round(time.monotonic() - t0, 1),
+    }
 
 
 def measured(spec, raw: dict, store: str, log_dir: str, timeout_s: float) -> dict:
     from harness import launch, registry
 
-    rec = launch.run_spec(raw, nproc=1, launcher=registry.facts(spec.layout.engine).launcher, store_path=store,
-                          timeout_s=timeout_s, log_dir=log_dir, run_id=f"gpu-engines-{spec.layout.engine}")
+    rec = launch.run_spec(
+        raw,
+        nproc=1,
+        launcher=registry.facts(spec.layout.engine).launcher,
+        store_path=store,
+        timeout_s=timeout_s,
+        log_dir=log_dir,
+        run_id=f"gpu-engines-{spec.layout.engine}",
+    )
     if rec.get("status") != "ok":
         return {"status": rec.get("status"), "error": (rec.get("error") or "")[:300]}
     m = rec["metrics"]
     census = m.get("memory_census") or {}
-    return {"status": "ok", "measured_peak_gib": gib(m["peak_memory_bytes"]), "memory_kind": m["memory_kind"],
-            "measured_model_states_gib": gib(sum(sum(v.values()) for v in census.values())),
-            "step_time_ms": round(m["step_time_s"]["median"] * 1e3, 2), "losses": m["losses"][:3],
-            "framework": (m.get("engine") or {}).get("framework") or spec.layout.engine}
+    return {
+        "status": "ok",
+        "measured_peak_gib": gib(m["peak_memory_bytes"]),
+        "memory_kind": m["memory_kind"],
+        "measured_model_states_gib": gib(sum(sum(v.values()) for v in census.values())),
+        "step_time_ms": round(m["step_time_s"]["median"] * 1e3, 2),
+        "losses": m["losses"][:3],
+        "framework": (m.get("engine") or {}).get("framework") or spec.layout.engine,
+    }
 
 
 def one(args, engine: str, store: str) -> dict:
@@ -133,22 +169,50 @@ def write(args, rows: list[dict], device: str) -> None:
     from harness.memtrace.trace import traced_engines
 
     with open(os.path.join(args.out, "engines.json"), "w") as f:
-        json.dump({"device": device, "model": f"{args.model} layer shapes, {args.layers} layers",
-                   "seq_len": args.seq_len, "global_batch_size": args.global_batch_size, "precision": "bf16",
-                   "rows": rows}, f, indent=2)
-    cols = ("engine", "status", "measured_peak_gib", "traced_live_peak_gib", "planner_tensors_gib",
-            "measured_model_states_gib", "traced_model_states_gib", "planner_model_states_gib", "traced_total_gib",
-            "planner_total_gib", "step_time_ms")
+        json.dump(
+            {
+                "device": device,
+                "model": f"{args.model} layer shapes, {args.layers} layers",
+                "seq_len": args.seq_len,
+                "global_batch_size": args.global_batch_size,
+                "precision": "bf16",
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
+    cols = (
+        "engine",
+        "status",
+        "measured_peak_gib",
+        "traced_live_peak_gib",
+        "planner_tensors_gib",
+        "measured_model_states_gib",
+        "traced_model_states_gib",
+        "planner_model_states_gib",
+        "traced_total_gib",
+        "planner_total_gib",
+        "step_time_ms",
+    )
     kinds = ", ".join(sorted({r["memory_kind"] for r in rows if "memory_kind" in r}))
-    lines = [f"# Engines at world size 1 on {device}: {args.model} layer shapes ({args.layers} layers), seq "
-             f"{args.seq_len}, global batch {args.global_batch_size}, bf16, naive attention", "",
-             f"GiB. measured: the run's peak ({kinds}) and its census; traced: `harness memory` (engines "
-             f"{' and '.join(traced_engines())}); planner: its "
-             "tensors (total less context and fragmentation) and model states. Totals add the CUDA context and "
-             "fragmentation.", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = [
+        f"# Engines at world size 1 on {device}: {args.model} layer shapes ({args.layers} layers), seq "
+        f"{args.seq_len}, global batch {args.global_batch_size}, bf16, naive attention",
+        "",
+        f"GiB. measured: the run's peak ({kinds}) and its census; traced: `harness memory` (engines "
+        f"{' and '.join(traced_engines())}); planner: its "
+        "tensors (total less context and fragmentation) and model states. Totals add the CUDA context and "
+        "fragmentation.",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in rows]
-    lines += [""] + [f"- {r['engine']}: {r.get('error') or r.get('traced')}" for r in rows
-                     if r.get("error") or isinstance(r.get("traced"), str)]
+    lines += [""] + [
+        f"- {r['engine']}: {r.get('error') or r.get('traced')}"
+        for r in rows
+        if r.get("error") or isinstance(r.get("traced"), str)
+    ]
     with open(os.path.join(args.out, "engines.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

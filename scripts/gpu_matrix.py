@@ -62,11 +62,21 @@ def main():
     ctx = RunContext(0, 1, 0, device, None)
     start, summary = time.monotonic(), []
     for seq, layout in points(tuple(int(x) for x in args.seq_lens.split(","))):
-        raw = {"name": "gpu-matrix", "store": store_path,
-               "workload": {"model": args.model, "model_overrides": {"layers": args.layers}, "seq_len": seq,
-                            "global_batch_size": 4 * layout["micro_batch_size"], "steps": args.steps,
-                            "warmup_steps": 2, "precision": "bf16", "device": args.device},
-               "layout": {"engine": "single", **layout}}
+        raw = {
+            "name": "gpu-matrix",
+            "store": store_path,
+            "workload": {
+                "model": args.model,
+                "model_overrides": {"layers": args.layers},
+                "seq_len": seq,
+                "global_batch_size": 4 * layout["micro_batch_size"],
+                "steps": args.steps,
+                "warmup_steps": 2,
+                "precision": "bf16",
+                "device": args.device,
+            },
+            "layout": {"engine": "single", **layout},
+        }
         row = {"seq_len": seq, **layout}
         if time.monotonic() - start > args.budget_s:
             summary.append({**row, "status": "not run (time budget)"})
@@ -75,11 +85,17 @@ def main():
         try:
             rec = run(spec, ctx, store_path=store_path, progress=False)
             m = rec["metrics"]
-            row.update(status="ok", step_time_ms=m["step_time_s"]["median"] * 1e3,
-                       ci95_ms=[m["step_time_s"]["ci95_low"] * 1e3, m["step_time_s"]["ci95_high"] * 1e3],
-                       tokens_per_s=m["tokens_per_s"], mfu_palm=(m["mfu"] or {}).get("palm"),
-                       hfu=(m["mfu"] or {}).get("hardware"), peak_memory_gib=m["peak_memory_bytes"] / 2**30,
-                       rmsnorm_backend=m["rmsnorm_backend"], measured_matmul_tflops=m["measured_matmul_tflops"])
+            row.update(
+                status="ok",
+                step_time_ms=m["step_time_s"]["median"] * 1e3,
+                ci95_ms=[m["step_time_s"]["ci95_low"] * 1e3, m["step_time_s"]["ci95_high"] * 1e3],
+                tokens_per_s=m["tokens_per_s"],
+                mfu_palm=(m["mfu"] or {}).get("palm"),
+                hfu=(m["mfu"] or {}).get("hardware"),
+                peak_memory_gib=m["peak_memory_bytes"] / 2**30,
+                rmsnorm_backend=m["rmsnorm_backend"],
+                measured_matmul_tflops=m["measured_matmul_tflops"],
+            )
         except SpecError as e:  # a kernel this machine cannot run: recorded, not hidden
             rec = new_record(spec.to_dict())
             rec.update(status="failed", error=f"not runnable here: {e}", ended_at=now_iso())
@@ -97,9 +113,17 @@ def main():
 
 def write_summary(args, device, summary):
     with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-                   "torch": torch.__version__, "layers": args.layers, "model": f"{args.model} layer shapes",
-                   "points": summary}, f, indent=2)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "layers": args.layers,
+                "model": f"{args.model} layer shapes",
+                "points": summary,
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

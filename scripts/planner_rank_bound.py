@@ -25,8 +25,12 @@ def sweep_features(profile, theta):
     out = {}
     for path in paper.repo_sweeps():
         runs = [r for r in paper.load_sweep(path) if r.status == "ok"]
-        x = np.array([[step_features(PRESETS[r.model], r.layout, r.workload, profile, theta)[0][k]
-                       for k in EFFICIENCY_KEYS] for r in runs])
+        x = np.array(
+            [
+                [step_features(PRESETS[r.model], r.layout, r.workload, profile, theta)[0][k] for k in EFFICIENCY_KEYS]
+                for r in runs
+            ]
+        )
         out[path.stem] = (x, np.array([r.mfu for r in runs]))
     return out
 
@@ -63,11 +67,14 @@ def main():
     per_sweep = [search(sweeps, [n], start)[0] for n in names]
     print("(1) per sweep:       ", " ".join(f"{v:.3f}" for v in per_sweep), f"mean {np.mean(per_sweep):.3f}")
     shared, theta = search(sweeps, names, start)
-    print("(2) shared, in-sample", " ".join(f"{spearman_of(theta, *sweeps[n]):.3f}" for n in names),
-          f"mean {shared:.3f}")
+    print(
+        "(2) shared, in-sample", " ".join(f"{spearman_of(theta, *sweeps[n]):.3f}" for n in names), f"mean {shared:.3f}"
+    )
     gemm = theta[EFFICIENCY_KEYS.index("gemm")]
-    print("    efficiencies relative to GEMM's:",
-          {k: round(float(gemm / v), 3) for k, v in zip(EFFICIENCY_KEYS, theta, strict=True) if k != "launch_us"})
+    print(
+        "    efficiencies relative to GEMM's:",
+        {k: round(float(gemm / v), 3) for k, v in zip(EFFICIENCY_KEYS, theta, strict=True) if k != "launch_us"},
+    )
     held = [spearman_of(search(sweeps, [m for m in names if m != n], start)[1], *sweeps[n]) for n in names]
     print("(3) shared, held out ", " ".join(f"{v:.3f}" for v in held), f"mean {np.mean(held):.3f}")
 

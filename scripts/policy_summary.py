@@ -21,9 +21,11 @@ def main(path: str) -> int:
         losses, P = m.get("losses") or [], m.get("parameter_count")
         census = m.get("memory_census") or {}
         out[run_id] = {
-            "status": rec["status"], "error": (rec.get("error") or "").splitlines()[:1],
-            "max_rel_loss_diff_vs_reference": max((abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=False)),
-                                                  default=None),
+            "status": rec["status"],
+            "error": (rec.get("error") or "").splitlines()[:1],
+            "max_rel_loss_diff_vs_reference": max(
+                (abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=False)), default=None
+            ),
             "census_in_P": {c: {d: round(n / P, 3) for d, n in v.items()} for c, v in census.items()} if P else None,
             "activations_saved_MiB_per_micro_batch": (m.get("activations_saved_bytes") or 0) / 2**20,
             "step_time_ms_median": (m.get("step_time_s") or {}).get("median", 0) * 1e3,

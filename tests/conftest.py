@@ -18,8 +18,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def heavy_imports_after(code: str) -> list[str]:
     """The torch, transformers and DeepSpeed modules a fresh interpreter holds after running `code`
     (which must succeed): what a light path (planning, reading engine facts) must leave empty."""
-    probe = (code + "\nimport sys\nprint('heavy:', *sorted(m for m in sys.modules"
-             " if m.split('.')[0] in ('torch', 'transformers', 'deepspeed')))\n")
+    probe = (
+        code + "\nimport sys\nprint('heavy:', *sorted(m for m in sys.modules"
+        " if m.split('.')[0] in ('torch', 'transformers', 'deepspeed')))\n"
+    )
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()[-1].split()[1:]  # the probe's line comes last
@@ -28,8 +30,14 @@ def heavy_imports_after(code: str) -> list[str]:
 def run_cli(*args, cwd=None, env=None, timeout=300):
     """The real CLI, as a user runs it (python -m harness.cli == the `harness` script)."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -46,9 +54,16 @@ def tagged(tmp_path):
     tag = uuid.uuid4().hex
 
     def run(*args, env=None, timeout=300):
-        out = subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=timeout, env={**os.environ, "HARNESS_TEST_TAG": tag, **(env or {})})
+        out = subprocess.run(
+            [sys.executable, "-m", "harness.cli", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "HARNESS_TEST_TAG": tag, **(env or {})},
+        )
         return out
+
     run.alive = lambda: launch.processes_with_env("HARNESS_TEST_TAG", tag)
     return run
 
@@ -64,12 +79,14 @@ def no_launch(monkeypatch, tmp_path):
 def one_line_error(capsys):
     """check(rc) -> the one line a refused input prints: exit code 2, one stderr line `error: ...`,
     no traceback."""
+
     def check(rc: int) -> str:
         captured = capsys.readouterr()
         lines = captured.err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (rc, captured.err, captured.out[-500:])
         assert "Traceback" not in captured.err
         return lines[0]
+
     return check
 
 
@@ -123,8 +140,12 @@ _REFUSED = pytest.StashKey[list]()
 def _refusal(item, what):
     def refuse(*args, **kwargs):
         item.stash[_REFUSED].append(what)
-        pytest.fail(f"{item.nodeid} starts a process ({what}) in the quick tier: mark it "
-                    "@pytest.mark.slow, or keep the process out of it", pytrace=True)
+        pytest.fail(
+            f"{item.nodeid} starts a process ({what}) in the quick tier: mark it "
+            "@pytest.mark.slow, or keep the process out of it",
+            pytrace=True,
+        )
+
     return refuse
 
 

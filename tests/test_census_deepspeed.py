@@ -33,9 +33,16 @@ STEPS = 5
 D = 2
 P = param_count(PRESETS["tiny"])
 SMALL_BUCKET = 20_000
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,
-            "device": "cpu", "precision": "fp32"}
-BF16 = {"precision": "bf16", "grad_accum_dtype": "fp32", "grad_reduce_dtype": "fp32"}   # the policy's defaults
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": STEPS,
+    "warmup_steps": 0,
+    "device": "cpu",
+    "precision": "fp32",
+}
+BF16 = {"precision": "bf16", "grad_accum_dtype": "fp32", "grad_reduce_dtype": "fp32"}  # the policy's defaults
 BF16_ACCUM = {"precision": "bf16", "grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"}
 
 
@@ -52,10 +59,18 @@ def closed_form(case: str) -> dict:
         #   master_parameters: fp32 4P/d - single_partition_of_fp32_groups, a clone of this rank's
         #     partition (__init__: .detach().clone().to(master_weights_and_grads_dtype)), even in fp32
         #   optimizer_states: fp32 8P/d - AdamW's exp_avg and exp_avg_sq of that partition
-        "zero1-fp32": {"parameters": {"fp32": 4 * p}, "gradients": {"fp32": 4 * p / d},
-                       "master_parameters": {"fp32": 4 * p / d}, "optimizer_states": {"fp32": 8 * p / d}},
-        "zero2-fp32": {"parameters": {"fp32": 4 * p}, "gradients": {"fp32": 4 * p / d},
-                       "master_parameters": {"fp32": 4 * p / d}, "optimizer_states": {"fp32": 8 * p / d}},
+        "zero1-fp32": {
+            "parameters": {"fp32": 4 * p},
+            "gradients": {"fp32": 4 * p / d},
+            "master_parameters": {"fp32": 4 * p / d},
+            "optimizer_states": {"fp32": 8 * p / d},
+        },
+        "zero2-fp32": {
+            "parameters": {"fp32": 4 * p},
+            "gradients": {"fp32": 4 * p / d},
+            "master_parameters": {"fp32": 4 * p / d},
+            "optimizer_states": {"fp32": 8 * p / d},
+        },
         # fp32, ZeRO-3: DeepSpeedZeroOptimizer_Stage3 (runtime/zero/stage3.py).
         #   parameters: fp32 4P/d - lp_param_buffer, the defragmented ds_tensor partitions
         #     (_create_fp16_partitions_with_defragmentation); the full parameters are released
@@ -68,8 +83,12 @@ def closed_form(case: str) -> dict:
         #     that would reuse an fp32 partition compares a torch.device with a device-name string
         #     and is not taken)
         #   optimizer_states: fp32 8P/d
-        "zero3-fp32": {"parameters": {"fp32": 4 * p / d}, "gradients": {"fp32": 8 * p / d + 4 * SMALL_BUCKET},
-                       "master_parameters": {"fp32": 4 * p / d}, "optimizer_states": {"fp32": 8 * p / d}},
+        "zero3-fp32": {
+            "parameters": {"fp32": 4 * p / d},
+            "gradients": {"fp32": 8 * p / d + 4 * SMALL_BUCKET},
+            "master_parameters": {"fp32": 4 * p / d},
+            "optimizer_states": {"fp32": 8 * p / d},
+        },
         # bf16, grad_accum fp32, ZeRO-1: BF16_Optimizer (runtime/engine.py _do_optimizer_sanity_check:
         # bf16 parameters, fp32 accumulation, stage 1, no offload -> BFLOAT16; runtime/bf16_optimizer.py).
         #   parameters: bf16 2P - bf16_groups_flat (_setup_for_real_optimizer)
@@ -79,27 +98,43 @@ def closed_form(case: str) -> dict:
         #     all-reduced, not partitioned; the master's .grad is a view of it (step())
         #   master_parameters: fp32 4P/d - fp32_groups_flat_partition
         #   optimizer_states: fp32 8P/d
-        "zero1-bf16": {"parameters": {"bf16": 2 * p}, "gradients": {"bf16": 2 * p, "fp32": 4 * p},
-                       "master_parameters": {"fp32": 4 * p / d}, "optimizer_states": {"fp32": 8 * p / d}},
+        "zero1-bf16": {
+            "parameters": {"bf16": 2 * p},
+            "gradients": {"bf16": 2 * p, "fp32": 4 * p},
+            "master_parameters": {"fp32": 4 * p / d},
+            "optimizer_states": {"fp32": 8 * p / d},
+        },
         # bf16, grad_accum fp32, ZeRO-2: DeepSpeedZeroOptimizer with gradient_accumulation_dtype fp32.
         #   parameters: bf16 2P (bit16_groups_flat)
         #   gradients: fp32 4P/d - each micro-batch's reduced partition is added into an fp32 flat
         #     partition (_build_compact_grad_partition_buffer, _add_full_reduction_to_compact_grad_partition);
         #     step() passes it to the master as .grad without a copy (.to(fp32) of an fp32 tensor)
         #   master_parameters: fp32 4P/d; optimizer_states: fp32 8P/d
-        "zero2-bf16": {"parameters": {"bf16": 2 * p}, "gradients": {"fp32": 4 * p / d},
-                       "master_parameters": {"fp32": 4 * p / d}, "optimizer_states": {"fp32": 8 * p / d}},
+        "zero2-bf16": {
+            "parameters": {"bf16": 2 * p},
+            "gradients": {"fp32": 4 * p / d},
+            "master_parameters": {"fp32": 4 * p / d},
+            "optimizer_states": {"fp32": 8 * p / d},
+        },
         # bf16, grad_accum fp32, ZeRO-3: as fp32 ZeRO-3 with bf16 partitions: parameters bf16 2P/d;
         # gradients fp32 4P/d (accumulation buffer) + 4P/d (the master's .grad) + 4B (bucket in
         # communication_data_type fp32); master fp32 4P/d; Adam 8P/d.
-        "zero3-bf16": {"parameters": {"bf16": 2 * p / d}, "gradients": {"fp32": 8 * p / d + 4 * SMALL_BUCKET},
-                       "master_parameters": {"fp32": 4 * p / d}, "optimizer_states": {"fp32": 8 * p / d}},
+        "zero3-bf16": {
+            "parameters": {"bf16": 2 * p / d},
+            "gradients": {"fp32": 8 * p / d + 4 * SMALL_BUCKET},
+            "master_parameters": {"fp32": 4 * p / d},
+            "optimizer_states": {"fp32": 8 * p / d},
+        },
         # bf16, grad_accum bf16, ZeRO-1: DeepSpeedZeroOptimizer (not BF16_Optimizer): .grad accumulates
         # in bf16 and step() frees it after flattening this rank's partition, whose fp32 copy is the
         # master's .grad: parameters bf16 2P, gradients fp32 4P/d, master 4P/d, Adam 8P/d - no
         # whole-model buffer.
-        "zero1-bf16-accum-bf16": {"parameters": {"bf16": 2 * p}, "gradients": {"fp32": 4 * p / d},
-                                  "master_parameters": {"fp32": 4 * p / d}, "optimizer_states": {"fp32": 8 * p / d}},
+        "zero1-bf16-accum-bf16": {
+            "parameters": {"bf16": 2 * p},
+            "gradients": {"fp32": 4 * p / d},
+            "master_parameters": {"fp32": 4 * p / d},
+            "optimizer_states": {"fp32": 8 * p / d},
+        },
     }[case]
 
 
@@ -132,8 +167,15 @@ def census_runs(ctx, runs: list[dict], steps: int) -> list[dict]:
         for step in range(steps):
             trainer.step(step)
         m = trainer.metrics(measure_matmul=False)
-        out.append({"losses": m["losses"], "census": m["memory_census"], "describe": m["engine"],
-                    "census_by_rank": m["memory_census_by_rank"], "activations": m["activations_saved_bytes"]})
+        out.append(
+            {
+                "losses": m["losses"],
+                "census": m["memory_census"],
+                "describe": m["engine"],
+                "census_by_rank": m["memory_census_by_rank"],
+                "activations": m["activations_saved_bytes"],
+            }
+        )
         del trainer
     return out
 
@@ -145,10 +187,19 @@ def launched(tmp_path_factory):
     cfg["zero_optimization"]["reduce_bucket_size"] = SMALL_BUCKET
     small = tmp_path_factory.mktemp("ds") / "zero3_small_bucket.json"
     small.write_text(json.dumps(cfg))
-    runs = [{"workload": {**WORKLOAD, **overrides},
-             "layout": {"engine": "deepspeed", "dp": D, "micro_batch_size": 2, "zero_stage": stage,
-                        "ds_config": str(small) if bucket else ""}}
-            for stage, overrides, bucket in CASES.values()]
+    runs = [
+        {
+            "workload": {**WORKLOAD, **overrides},
+            "layout": {
+                "engine": "deepspeed",
+                "dp": D,
+                "micro_batch_size": 2,
+                "zero_stage": stage,
+                "ds_config": str(small) if bucket else "",
+            },
+        }
+        for stage, overrides, bucket in CASES.values()
+    ]
     return dict(zip(CASES, spawn(census_runs, D, runs, STEPS, timeout_s=300), strict=True))
 
 
@@ -203,9 +254,15 @@ def test_bf16_parity_with_reference(launched, case):
 @pytest.mark.slow
 def test_describe_states_the_policy_and_the_config(launched):
     d = launched["zero1-bf16"]["describe"]
-    assert d["precision_policy"] == precision_policy(parse_spec(
-        {"workload": {**WORKLOAD, **BF16}, "layout": {"engine": "single"}}).workload).describe()
+    assert (
+        d["precision_policy"]
+        == precision_policy(
+            parse_spec({"workload": {**WORKLOAD, **BF16}, "layout": {"engine": "single"}}).workload
+        ).describe()
+    )
     assert "precision_note" not in d
-    assert d["precision_config"] == ("bf16.enabled true, data_types.grad_accum_dtype fp32, communication_data_type "
-                                     "fp32, bf16.check_grad_overflow false -> BF16_Optimizer")
+    assert d["precision_config"] == (
+        "bf16.enabled true, data_types.grad_accum_dtype fp32, communication_data_type "
+        "fp32, bf16.check_grad_overflow false -> BF16_Optimizer"
+    )
     assert launched["zero1-fp32"]["describe"]["precision_policy"].startswith("fp32 throughout")

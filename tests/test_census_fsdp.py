@@ -13,8 +13,15 @@ pytestmark = pytest.mark.slow  # every test here shares one launch of 2 processe
 
 STEPS = 3
 MICRO = 2
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": STEPS,
+    "warmup_steps": 0,
+    "device": "cpu",
+    "precision": "fp32",
+}
 BF16 = {**WORKLOAD, "precision": "bf16"}
 SHAPE = resolve_shape("tiny", {})
 P = param_count(SHAPE)  # 125,248; every dim 0 of tiny is even, so no shard is padded at d=2
@@ -42,22 +49,28 @@ D = 2
 #                    unsharded_param.grad = None, unsharded_accumulated_grad = None).
 #  optimizer_states  8P/d fp32 + 4 per parameter tensor: AdamW's exp_avg and exp_avg_sq of every
 #                    (unpadded) local shard and its 0-dim fp32 `step` (torch/optim/adam.py, _init_group).
-CLOSED_FORM = {"parameters": {"fp32": 4 * P // D}, "gradients": {"fp32": 4 * P // D},
-               "optimizer_states": {"fp32": 8 * P // D + 4 * TENSORS}}
+CLOSED_FORM = {
+    "parameters": {"fp32": 4 * P // D},
+    "gradients": {"fp32": 4 * P // D},
+    "optimizer_states": {"fp32": 8 * P // D + 4 * TENSORS},
+}
 
 CENSUS = [(precision, reshard) for precision in ("fp32", "bf16") for reshard in (True, False)]
-PARITY = [({"tp": 2}, {}), ({"pp": 2}, {}),  # bf16 at dp2: CENSUS's bf16 runs
-          ({"dp": 2}, {"grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"}),
-          ({"dp": 2}, {"grad_reduce_dtype": "bf16"})]
+PARITY = [
+    ({"tp": 2}, {}),
+    ({"pp": 2}, {}),  # bf16 at dp2: CENSUS's bf16 runs
+    ({"dp": 2}, {"grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"}),
+    ({"dp": 2}, {"grad_reduce_dtype": "bf16"}),
+]
 
 
 def _spec(workload: dict, layout: dict) -> dict:
     return {"workload": workload, "layout": {"micro_batch_size": MICRO, **layout}}
 
 
-RUNS = ([_spec({**WORKLOAD, "precision": p}, {"engine": "fsdp", "dp": D, "reshard_after_forward": r})
-         for p, r in CENSUS]
-        + [_spec({**BF16, **w}, {"engine": "fsdp", **lay}) for lay, w in PARITY])
+RUNS = [
+    _spec({**WORKLOAD, "precision": p}, {"engine": "fsdp", "dp": D, "reshard_after_forward": r}) for p, r in CENSUS
+] + [_spec({**BF16, **w}, {"engine": "fsdp", **lay}) for lay, w in PARITY]
 
 
 def _train(engine, spec) -> dict:
@@ -71,8 +84,12 @@ def _train(engine, spec) -> dict:
     with measure.SavedActivations(engine.activation_exclusions()) as saved:
         losses = [float(engine.train_step(source.global_batch_at(0)))]
     losses += [float(engine.train_step(source.global_batch_at(step))) for step in range(1, STEPS)]
-    return {"losses": losses, "census": engine.memory_census(), "describe": engine.describe(),
-            "activations": saved.bytes // micro_batches_per_step(spec)}
+    return {
+        "losses": losses,
+        "census": engine.memory_census(),
+        "describe": engine.describe(),
+        "activations": saved.bytes // micro_batches_per_step(spec),
+    }
 
 
 def _run_all(ctx, runs: list[dict]) -> list[dict]:
@@ -137,12 +154,15 @@ def test_saved_activations_exclude_the_gathered_parameters(ranks, references, in
 def _label(index: int) -> str:
     lay, w = RUNS[index]["layout"], RUNS[index]["workload"]
     parallel = "-".join(f"{k}{lay[k]}" for k in ("dp", "tp", "pp") if k in lay)
-    return (f"{parallel}-reshard_{lay.get('reshard_after_forward', True)}-accum_{w.get('grad_accum_dtype', 'fp32')}"
-            f"-reduce_{w.get('grad_reduce_dtype', 'fp32')}")
+    return (
+        f"{parallel}-reshard_{lay.get('reshard_after_forward', True)}-accum_{w.get('grad_accum_dtype', 'fp32')}"
+        f"-reduce_{w.get('grad_reduce_dtype', 'fp32')}"
+    )
 
 
-@pytest.mark.parametrize("index", [i for i, run in enumerate(RUNS) if run["workload"]["precision"] == "bf16"],
-                         ids=_label)
+@pytest.mark.parametrize(
+    "index", [i for i, run in enumerate(RUNS) if run["workload"]["precision"] == "bf16"], ids=_label
+)
 def test_bf16_matches_the_bf16_reference(ranks, references, index):
     """Measured (torch 2.13, CPU): at most 2e-5 relative on every loss, every layout and policy."""
     reference = _reference(references, RUNS[index])

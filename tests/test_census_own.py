@@ -42,24 +42,82 @@ pytestmark = pytest.mark.slow  # starts two processes
 
 D = 2
 CASES = [  # (precision, grad_accum_dtype, grad_reduce_dtype, zero_stage): closed form in units of P
-    (("fp32", "fp32", "fp32", 0), {"parameters": {"fp32": 4}, "gradients": {"fp32": 4},
-                                   "master_parameters": {}, "optimizer_states": {"fp32": 8}}),
-    (("fp32", "fp32", "fp32", 1), {"parameters": {"fp32": 4}, "gradients": {"fp32": 4},
-                                   "master_parameters": {}, "optimizer_states": {"fp32": 8 / D}}),
-    (("bf16", "fp32", "fp32", 0), {"parameters": {"bf16": 2}, "gradients": {"fp32": 4},
-                                   "master_parameters": {"fp32": 4}, "optimizer_states": {"fp32": 8}}),
-    (("bf16", "fp32", "fp32", 1), {"parameters": {"bf16": 2}, "gradients": {"fp32": 4},
-                                   "master_parameters": {"fp32": 4 / D}, "optimizer_states": {"fp32": 8 / D}}),
-    (("bf16", "fp32", "bf16", 0), {"parameters": {"bf16": 2}, "gradients": {"fp32": 4},
-                                   "master_parameters": {"fp32": 4}, "optimizer_states": {"fp32": 8}}),
-    (("bf16", "fp32", "bf16", 1), {"parameters": {"bf16": 2}, "gradients": {"fp32": 4},
-                                   "master_parameters": {"fp32": 4 / D}, "optimizer_states": {"fp32": 8 / D}}),
-    (("bf16", "bf16", "fp32", 0), {"parameters": {"bf16": 2}, "gradients": {"bf16": 2, "fp32": 4},
-                                   "master_parameters": {"fp32": 4}, "optimizer_states": {"fp32": 8}}),
-    (("bf16", "bf16", "fp32", 1), {"parameters": {"bf16": 2}, "gradients": {"bf16": 2, "fp32": 4 / D},
-                                   "master_parameters": {"fp32": 4 / D}, "optimizer_states": {"fp32": 8 / D}}),
-    (("bf16", "bf16", "bf16", 1), {"parameters": {"bf16": 2}, "gradients": {"bf16": 2, "fp32": 4 / D},
-                                   "master_parameters": {"fp32": 4 / D}, "optimizer_states": {"fp32": 8 / D}}),
+    (
+        ("fp32", "fp32", "fp32", 0),
+        {"parameters": {"fp32": 4}, "gradients": {"fp32": 4}, "master_parameters": {}, "optimizer_states": {"fp32": 8}},
+    ),
+    (
+        ("fp32", "fp32", "fp32", 1),
+        {
+            "parameters": {"fp32": 4},
+            "gradients": {"fp32": 4},
+            "master_parameters": {},
+            "optimizer_states": {"fp32": 8 / D},
+        },
+    ),
+    (
+        ("bf16", "fp32", "fp32", 0),
+        {
+            "parameters": {"bf16": 2},
+            "gradients": {"fp32": 4},
+            "master_parameters": {"fp32": 4},
+            "optimizer_states": {"fp32": 8},
+        },
+    ),
+    (
+        ("bf16", "fp32", "fp32", 1),
+        {
+            "parameters": {"bf16": 2},
+            "gradients": {"fp32": 4},
+            "master_parameters": {"fp32": 4 / D},
+            "optimizer_states": {"fp32": 8 / D},
+        },
+    ),
+    (
+        ("bf16", "fp32", "bf16", 0),
+        {
+            "parameters": {"bf16": 2},
+            "gradients": {"fp32": 4},
+            "master_parameters": {"fp32": 4},
+            "optimizer_states": {"fp32": 8},
+        },
+    ),
+    (
+        ("bf16", "fp32", "bf16", 1),
+        {
+            "parameters": {"bf16": 2},
+            "gradients": {"fp32": 4},
+            "master_parameters": {"fp32": 4 / D},
+            "optimizer_states": {"fp32": 8 / D},
+        },
+    ),
+    (
+        ("bf16", "bf16", "fp32", 0),
+        {
+            "parameters": {"bf16": 2},
+            "gradients": {"bf16": 2, "fp32": 4},
+            "master_parameters": {"fp32": 4},
+            "optimizer_states": {"fp32": 8},
+        },
+    ),
+    (
+        ("bf16", "bf16", "fp32", 1),
+        {
+            "parameters": {"bf16": 2},
+            "gradients": {"bf16": 2, "fp32": 4 / D},
+            "master_parameters": {"fp32": 4 / D},
+            "optimizer_states": {"fp32": 8 / D},
+        },
+    ),
+    (
+        ("bf16", "bf16", "bf16", 1),
+        {
+            "parameters": {"bf16": 2},
+            "gradients": {"bf16": 2, "fp32": 4 / D},
+            "master_parameters": {"fp32": 4 / D},
+            "optimizer_states": {"fp32": 8 / D},
+        },
+    ),
 ]
 
 
@@ -72,7 +130,7 @@ def _in_place_collectives(ctx) -> list[tuple]:
 
     out = []
     for dtype in (torch.float32, torch.bfloat16):
-        for n in (2, 1002, 2 ** 20 + 6):
+        for n in (2, 1002, 2**20 + 6):
             x = torch.randn(n, generator=torch.Generator().manual_seed(ctx.rank)).to(dtype)
             lo, hi = ctx.rank * n // D, (ctx.rank + 1) * n // D
             ref = torch.empty(n // D, dtype=dtype)
@@ -97,10 +155,21 @@ def _censuses(ctx, cases):
 
     out = []
     for precision, accum, reduce, zero in cases:
-        spec = parse_spec({"workload": {"model": "tiny", "seq_len": 16, "global_batch_size": 4, "steps": 2,
-                                        "precision": precision, "grad_accum_dtype": accum,
-                                        "grad_reduce_dtype": reduce, "device": "cpu"},
-                           "layout": {"engine": "own", "dp": D, "zero_stage": zero}})
+        spec = parse_spec(
+            {
+                "workload": {
+                    "model": "tiny",
+                    "seq_len": 16,
+                    "global_batch_size": 4,
+                    "steps": 2,
+                    "precision": precision,
+                    "grad_accum_dtype": accum,
+                    "grad_reduce_dtype": reduce,
+                    "device": "cpu",
+                },
+                "layout": {"engine": "own", "dp": D, "zero_stage": zero},
+            }
+        )
         shape = spec.shape()
         eng = build(spec, shape, ctx)
         src = token_source(spec.workload, shape.vocab)
@@ -108,10 +177,15 @@ def _censuses(ctx, cases):
             eng.train_step(src.global_batch_at(0))
         with SavedActivations([]) as everything:
             eng.train_step(src.global_batch_at(1))
-        out.append({"census": eng.memory_census(), "numel": sum(p.numel() for p in eng.params),
-                    "padded": sum(b.padded for b in eng.model_states.buckets),
-                    "param_bytes": sum(b.param_flat.untyped_storage().nbytes() for b in eng.model_states.buckets),
-                    "saved": (excluded.bytes, everything.bytes)})
+        out.append(
+            {
+                "census": eng.memory_census(),
+                "numel": sum(p.numel() for p in eng.params),
+                "padded": sum(b.padded for b in eng.model_states.buckets),
+                "param_bytes": sum(b.param_flat.untyped_storage().nbytes() for b in eng.model_states.buckets),
+                "saved": (excluded.bytes, everything.bytes),
+            }
+        )
         del eng
     return {"cases": out, "in_place": _in_place_collectives(ctx)}
 
@@ -134,8 +208,9 @@ def test_census_matches_the_closed_form(measured, index):
             assert set(held) == set(by_dtype), f"rank {rank} {category}: {held} vs {by_dtype} x P"
             for dtype, units in by_dtype.items():
                 expected = units * p
-                assert abs(held[dtype] - expected) <= 0.03 * expected, \
+                assert abs(held[dtype] - expected) <= 0.03 * expected, (
                     f"rank {rank} {category} {dtype}: {held[dtype]} B vs {units} x P = {expected:.0f} B"
+                )
         assert set(census) <= set(form)
         # the parameters are not activations: without the engine's exclusions, saved views of the
         # parameters' flat buffer (not Parameters themselves, which are always skipped) count

@@ -16,8 +16,9 @@ COMMANDS = list(cli.COMMANDS)
 
 @pytest.mark.slow
 def test_python_dash_m_harness_and_version():
-    r = subprocess.run([sys.executable, "-m", "harness", "--version"], capture_output=True, text=True,
-                       cwd=REPO, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "harness", "--version"], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"harness {cli.version()}"
     assert cli.version().count(".") >= 1
@@ -75,8 +76,18 @@ def test_set_on_train(monkeypatch):
 
     seen, Parsed = _capture_parse(monkeypatch, spec_mod, "parse_spec")
     with pytest.raises(Parsed):
-        cli.main(["train", os.path.join(REPO, "examples", "tiny.yaml"), "--set", "workload.seq_len=256",
-                  "--set", "layout.attention=naive", "--set", "workload.steps=3"])
+        cli.main(
+            [
+                "train",
+                os.path.join(REPO, "examples", "tiny.yaml"),
+                "--set",
+                "workload.seq_len=256",
+                "--set",
+                "layout.attention=naive",
+                "--set",
+                "workload.steps=3",
+            ]
+        )
     s = seen["spec"]
     assert (s.workload.seq_len, s.layout.attention, s.workload.steps) == (256, "naive", 3)
 
@@ -95,8 +106,7 @@ def test_set_on_compare(monkeypatch):
 
     seen, Parsed = _capture_parse(monkeypatch, cspec, "parse_compare_spec")
     with pytest.raises(Parsed):
-        cli.main(["compare", "--set", "workload.steps=3", "--set", "parity_steps=2",
-                  "--set", "runs.0.label=first"])
+        cli.main(["compare", "--set", "workload.steps=3", "--set", "parity_steps=2", "--set", "runs.0.label=first"])
     cs = seen["spec"]
     assert cs.parity_steps == 2
     assert all(r.spec.workload.steps == 3 for r in cs.runs)
@@ -108,25 +118,44 @@ def test_set_on_compare(monkeypatch):
 
 def test_set_on_sweep(capsys):
     path = os.path.join(REPO, "sweeps", "cpu-demo.yaml")
-    assert cli.main(["sweep", path, "--dry-run", "--store", "/nonexistent-dir/x.sqlite",
-                     "--set", "grid.attention=[naive]", "--set", "grid.micro_batch_size=[1]"]) == 0
+    assert (
+        cli.main(
+            [
+                "sweep",
+                path,
+                "--dry-run",
+                "--store",
+                "/nonexistent-dir/x.sqlite",
+                "--set",
+                "grid.attention=[naive]",
+                "--set",
+                "grid.micro_batch_size=[1]",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("9 points, 3 dropped"), out  # 33 points without the overrides
     grid = out.splitlines()[1:4]
     assert all("naive/" in ln and " mb1 " in ln for ln in grid), grid
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["train", "--set", "workload"], "error: --set: 'workload': give KEY.PATH=VALUE"),
-    (["train", "--set", "workload.sq_len=256"], "error: --set: workload.sq_len=256: unknown key"),
-    (["train", "--set", "layout.attention=bogus"], "error: --set: layout.attention=bogus: 'bogus' is not one of"),
-    (["train", "--set", "workload.seq_len=[1"], "error: --set: workload.seq_len: not valid YAML"),
-    (["compare", "--set", "workload.stepz=3"], "error: --set: workload.stepz=3: unknown key"),
-    (["compare", "--set", "runs.99.engine=own"], "error: --set: runs.99.engine: runs is a list of"),
-    (["compare", "--set", "nproc.x=1"], "error: --set: nproc.x: nproc is 2, not a mapping"),
-    (["sweep", os.path.join(REPO, "sweeps", "cpu-demo.yaml"), "--dry-run", "--set", "bogus=1"],
-     "error: --set: bogus=1: unknown key"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["train", "--set", "workload"], "error: --set: 'workload': give KEY.PATH=VALUE"),
+        (["train", "--set", "workload.sq_len=256"], "error: --set: workload.sq_len=256: unknown key"),
+        (["train", "--set", "layout.attention=bogus"], "error: --set: layout.attention=bogus: 'bogus' is not one of"),
+        (["train", "--set", "workload.seq_len=[1"], "error: --set: workload.seq_len: not valid YAML"),
+        (["compare", "--set", "workload.stepz=3"], "error: --set: workload.stepz=3: unknown key"),
+        (["compare", "--set", "runs.99.engine=own"], "error: --set: runs.99.engine: runs is a list of"),
+        (["compare", "--set", "nproc.x=1"], "error: --set: nproc.x: nproc is 2, not a mapping"),
+        (
+            ["sweep", os.path.join(REPO, "sweeps", "cpu-demo.yaml"), "--dry-run", "--set", "bogus=1"],
+            "error: --set: bogus=1: unknown key",
+        ),
+    ],
+)
 def test_bad_set_is_one_line_exit_2(argv, expected, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

@@ -24,8 +24,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ---------------------------------------------------------------- argparse mistakes: one line
 
 ARGPARSE_MISTAKES = [  # (argv, the whole line)
-    (["trian"], "error: command: 'trian' is not one of train, env, data, results, compare, sweep, report, plan, "
-                "memory (did you mean train?)"),
+    (
+        ["trian"],
+        "error: command: 'trian' is not one of train, env, data, results, compare, sweep, report, plan, "
+        "memory (did you mean train?)",
+    ),
     (["train", "a.yaml", "b.yaml"], "error: b.yaml: one argument too many for harness train; see harness train --help"),
     (["compare", "--nproc", "2"], "error: --nproc: not an option of harness compare; see harness compare --help"),
     (["plan", "--seq-len", "2048.0"], "error: --seq-len: invalid int value: '2048.0'"),
@@ -37,8 +40,10 @@ ARGPARSE_MISTAKES = [  # (argv, the whole line)
     (["sweep"], "error: SPEC.yaml: missing; see harness sweep --help"),
     (["plan", "--seq", "8"], "error: --seq: ambiguous: could be --seq-len, --sequence-parallel"),
     (["plan", "--seq-len"], "error: --seq-len: expected one argument"),
-    (["plan", "--seqlen=8"], "error: --seqlen: not an option of harness plan (did you mean --seq-len?); "
-                             "see harness plan --help"),
+    (
+        ["plan", "--seqlen=8"],
+        "error: --seqlen: not an option of harness plan (did you mean --seq-len?); see harness plan --help",
+    ),
     (["compare", "--timeout", "abc"], "error: --timeout: invalid float value: 'abc'"),
     (["env", "--device", "gpu"], "error: --device: 'gpu' is not one of auto, cpu, cuda (did you mean cpu?)"),
     (["sweep", "s.yaml", "--launcher", "mpirun"], "error: --launcher: 'mpirun' is not one of "),
@@ -81,6 +86,7 @@ def test_help_still_prints_the_usage(argv, capsys):
 
 
 # ---------------------------------------------------------------- a stale torch-extension build lock
+
 
 def _lock(root, *parts) -> str:
     folder = os.path.join(root, *parts)
@@ -151,16 +157,32 @@ def test_a_run_is_launched_only_after_a_stale_lock_is_removed(tmp_path, monkeypa
     monkeypatch.setattr(launch.subprocess, "Popen", popen)
     spec = {"workload": {"model": "tiny", "device": "cpu"}, "layout": {"engine": "deepspeed", "dp": 2}}
     with pytest.raises(Launched):
-        launch.run_spec(spec, nproc=2, launcher="deepspeed", store_path=str(tmp_path / "r.sqlite"), timeout_s=60,
-                        log_dir=str(tmp_path / "logs"))
+        launch.run_spec(
+            spec,
+            nproc=2,
+            launcher="deepspeed",
+            store_path=str(tmp_path / "r.sqlite"),
+            timeout_s=60,
+            log_dir=str(tmp_path / "logs"),
+        )
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"warning: removed a stale torch extension build lock {stale} "), err
 
 
 # ---------------------------------------------------------------- one comparison per report
 
-COMPARE = {"name": "c", "workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 5,
-                                     "warmup_steps": 1, "device": "cpu"}, "runs": [{"engine": "own", "dp": 2}]}
+COMPARE = {
+    "name": "c",
+    "workload": {
+        "model": "tiny",
+        "seq_len": 32,
+        "global_batch_size": 4,
+        "steps": 5,
+        "warmup_steps": 1,
+        "device": "cpu",
+    },
+    "runs": [{"engine": "own", "dp": 2}],
+}
 
 
 def _fake_comparison(monkeypatch, ran: list):
@@ -169,15 +191,19 @@ def _fake_comparison(monkeypatch, ran: list):
 
     def run(cs, **kw):  # what the command prints its verdict from
         ran.append(cs.name)
-        return {"name": cs.name, "verdict": "pass", "failed_runs": [], "fingerprints": {"same": True},
-                "parity": {"verdict": "pass", "max_pairwise_rel_diff": 0.0, "tolerance": 1e-3, "runs": []}}
+        return {
+            "name": cs.name,
+            "verdict": "pass",
+            "failed_runs": [],
+            "fingerprints": {"same": True},
+            "parity": {"verdict": "pass", "max_pairwise_rel_diff": 0.0, "tolerance": 1e-3, "runs": []},
+        }
 
     monkeypatch.setattr(orchestrate, "run_comparison", run)
     monkeypatch.setattr(report, "write_report", lambda summary, out: {"markdown": "m", "html": "h"})
 
 
-def test_a_second_comparison_into_the_same_report_is_refused_before_it_launches(no_launch, monkeypatch,
-                                                                                 one_line_error):
+def test_a_second_comparison_into_the_same_report_is_refused_before_it_launches(no_launch, monkeypatch, one_line_error):
     from harness.compare.report_lock import report_lock
 
     (no_launch / "c.yaml").write_text(yaml.safe_dump(COMPARE))
@@ -187,8 +213,10 @@ def test_a_second_comparison_into_the_same_report_is_refused_before_it_launches(
     with report_lock("out", "c") as lock:  # the first comparison, still running
         assert open(lock).read().strip() == str(os.getpid())
         line = one_line_error(cli.main(argv))
-        assert line == f"error: --out: comparison c is already running into out (pid {os.getpid()}); wait for " \
-                       "it to end, or give another --out"
+        assert (
+            line == f"error: --out: comparison c is already running into out (pid {os.getpid()}); wait for "
+            "it to end, or give another --out"
+        )
         assert ran == []  # nothing launched
         # another comparison's report in the same folder has a lock of its own
         assert cli.main(["compare", "c.yaml", "--set", "name=d", "--out", "out", "--store", "r.sqlite"]) == 0
@@ -235,11 +263,20 @@ CASES = [(e, p) for e in ENTRIES for p in POINTS if not (p == "harness.cli" and 
 def test_ctrl_c_while_importing_exits_130_without_a_traceback(entry, point, tmp_path):
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(PAUSE_HOOK)
-    env = {**os.environ, "PAUSE_AT": point,
-           "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), REPO, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, *ENTRIES[entry], "compare", "no-such-spec.yaml"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+    env = {
+        **os.environ,
+        "PAUSE_AT": point,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), REPO, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, *ENTRIES[entry], "compare", "no-such-spec.yaml"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # as in a terminal
     try:
         first = proc.stderr.readline()
         assert first == f"PAUSED {point}\n", first + proc.stderr.read()  # it got there, and waits

@@ -21,8 +21,9 @@ def _numel(s):
     return math.prod(s.local)
 
 
-@pytest.mark.parametrize("name,tp,pp,chunks", [("llama-13b", 8, 4, 1), ("paper-30b", 4, 6, 2),
-                                               ("llama2-70b", 8, 8, 1), ("tiny", 2, 2, 1)])
+@pytest.mark.parametrize(
+    "name,tp,pp,chunks", [("llama-13b", 8, 4, 1), ("paper-30b", 4, 6, 2), ("llama2-70b", 8, 8, 1), ("tiny", 2, 2, 1)]
+)
 def test_shards_add_up_to_the_model(name, tp, pp, chunks):
     shape = PRESETS[name]
     total = 0
@@ -53,8 +54,11 @@ def test_13b_tp8_sp_counts_by_hand():
     assert first["sp"]["all_gather"] == {"count": n, "bytes": n * act, "bytes_by_dtype": {"fp32": n * act}}
     assert first["sp"]["reduce_scatter"]["count"] == micro * (4 * layers + 1)
     assert "tp" not in first  # no loss on the first stage, no all-reduce under SP
-    assert first["pp"]["send"] == {"count": micro, "bytes": micro * act // 8,
-                                   "bytes_by_dtype": {"fp32": micro * act // 8}}
+    assert first["pp"]["send"] == {
+        "count": micro,
+        "bytes": micro * act // 8,
+        "bytes_by_dtype": {"fp32": micro * act // 8},
+    }
     last = rank_comm(shape, lay, seq, gbs, 8 * 16 * 3)
     loss = micro * (seq * 4 + 2 * seq * 4)
     assert last["tp"]["all_reduce"] == {"count": 2 * micro, "bytes": loss, "bytes_by_dtype": {"fp32": loss}}
@@ -88,7 +92,7 @@ def test_bf16_halves_activations_and_follows_the_policy_for_gradients(reduce):
     for op in ("send", "recv"):
         assert bf16["pp"][op]["bytes_by_dtype"] == {"bf16": fp32["pp"][op]["bytes"] // 2}
     assert bf16["tp"] == fp32["tp"] and bf16["all"] == fp32["all"]  # loss and norm: fp32
-    assert bf16["sp"]["all_reduce"] == fp32["sp"]["all_reduce"]     # norm gradients, fp32 main gradients
+    assert bf16["sp"]["all_reduce"] == fp32["sp"]["all_reduce"]  # norm gradients, fp32 main gradients
     rs = fp32["dp"]["reduce_scatter"]["bytes"]
     assert bf16["dp"]["reduce_scatter"]["bytes_by_dtype"] == {reduce: rs // (2 if reduce == "bf16" else 1)}
     assert bf16["dp"]["all_gather"]["bytes_by_dtype"] == {"bf16": rs // 2}
@@ -108,10 +112,13 @@ def test_cp_halves_each_ranks_activation_traffic_and_reduces_gradients_over_dp_x
     for axis, op in (("sp", "all_gather"), ("sp", "reduce_scatter"), ("pp", "send"), ("pp", "recv")):
         assert r2[axis][op]["count"] == r1[axis][op]["count"] and r2[axis][op]["bytes"] * 2 == r1[axis][op]["bytes"]
     specs = rank_params(shape, 2, 2, 1, 0, 128)
-    padded = [b["padded"] for b in plan_buckets(specs, int(0.05 * 2 ** 20 / 4), 4, True)]
+    padded = [b["padded"] for b in plan_buckets(specs, int(0.05 * 2**20 / 4), 4, True)]
     assert all(p % 4 == 0 for p in padded)
-    assert r2["dp"]["reduce_scatter"] == {"count": len(padded), "bytes": 4 * sum(padded),
-                                          "bytes_by_dtype": {"fp32": 4 * sum(padded)}}
+    assert r2["dp"]["reduce_scatter"] == {
+        "count": len(padded),
+        "bytes": 4 * sum(padded),
+        "bytes_by_dtype": {"fp32": 4 * sum(padded)},
+    }
     assert set(r2["cp"]) == {"send", "recv"} and "cp" not in r1
     w1, w2 = world_comm(shape, one, 128, 16), world_comm(shape, two, 128, 16)
     assert w2["dp"]["reduce_scatter"]["count"] == 2 * w1["dp"]["reduce_scatter"]["count"]

@@ -15,18 +15,28 @@ from harness.report.compare import write_report
 from harness.report.compare_layouts import layout_matrix
 from harness.store import ResultsStore
 
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": 2,
+    "warmup_steps": 1,
+    "device": "cpu",
+    "precision": "fp32",
+}
 REF = [5.5, 5.4, 5.3]
 POLICY_FP32 = "fp32 throughout: parameters, gradients, optimizer states and every collective"
 
 
 # ------------------------------------------------------------------ parity
 
+
 def test_parity_passes_within_tolerance_and_fails_outside():
-    runs = [{"label": "ref", "status": "ok", "losses": REF, "is_reference": True},
-            {"label": "a", "status": "ok", "losses": [x * (1 + 5e-6) for x in REF]},
-            {"label": "planted", "status": "ok", "losses": [5.5, 5.41, 5.3]}]
+    runs = [
+        {"label": "ref", "status": "ok", "losses": REF, "is_reference": True},
+        {"label": "a", "status": "ok", "losses": [x * (1 + 5e-6) for x in REF]},
+        {"label": "planted", "status": "ok", "losses": [5.5, 5.41, 5.3]},
+    ]
     p = check_parity(runs, 3, 1e-5)
     verdicts = {r["label"]: r["verdict"] for r in p["runs"]}
     assert verdicts == {"ref": PASS, "a": PASS, "planted": FAIL}
@@ -39,9 +49,11 @@ def test_parity_passes_within_tolerance_and_fails_outside():
 
 
 def test_parity_only_first_n_steps_and_failed_runs_have_no_data():
-    runs = [{"label": "ref", "status": "ok", "losses": REF + [1.0], "is_reference": True},
-            {"label": "late", "status": "ok", "losses": REF + [2.0]},
-            {"label": "crashed", "status": "failed", "losses": []}]
+    runs = [
+        {"label": "ref", "status": "ok", "losses": REF + [1.0], "is_reference": True},
+        {"label": "late", "status": "ok", "losses": REF + [2.0]},
+        {"label": "crashed", "status": "failed", "losses": []},
+    ]
     p = check_parity(runs, 3, 1e-5)
     verdicts = {r["label"]: r["verdict"] for r in p["runs"]}
     assert verdicts == {"ref": PASS, "late": PASS, "crashed": NO_DATA}
@@ -49,21 +61,35 @@ def test_parity_only_first_n_steps_and_failed_runs_have_no_data():
 
 
 def test_parity_without_reference_anchors_on_first_finished_run():
-    runs = [{"label": "x", "status": "timeout", "losses": []},
-            {"label": "a", "status": "ok", "losses": REF}, {"label": "b", "status": "ok", "losses": REF}]
+    runs = [
+        {"label": "x", "status": "timeout", "losses": []},
+        {"label": "a", "status": "ok", "losses": REF},
+        {"label": "b", "status": "ok", "losses": REF},
+    ]
     p = check_parity(runs, 3, 1e-5)
     assert p["anchor"] == "a" and "reference did not run" in p["anchor_kind"]
 
 
 def test_fingerprint_differences_flagged_by_group():
-    fp = {"hosts": ["n1"], "device_name": "H100", "torch": "2.13.0", "deepspeed": "0.19.8", "world_size": 2,
-          "env": {"OMP_NUM_THREADS": "1"}}
-    same = compare_fingerprints([{"label": "a", "fingerprint": fp},
-                                 {"label": "b", "fingerprint": {**fp, "world_size": 1, "env": {}}}])
+    fp = {
+        "hosts": ["n1"],
+        "device_name": "H100",
+        "torch": "2.13.0",
+        "deepspeed": "0.19.8",
+        "world_size": 2,
+        "env": {"OMP_NUM_THREADS": "1"},
+    }
+    same = compare_fingerprints(
+        [{"label": "a", "fingerprint": fp}, {"label": "b", "fingerprint": {**fp, "world_size": 1, "env": {}}}]
+    )
     assert same["same"] and same["common"]["device_name"] == "H100"
-    diff = compare_fingerprints([{"label": "a", "fingerprint": fp},
-                                 {"label": "b", "fingerprint": {**fp, "hosts": ["n2"], "deepspeed": "0.18.0"}},
-                                 {"label": "c", "fingerprint": {**fp, "device_name": "A100"}}])
+    diff = compare_fingerprints(
+        [
+            {"label": "a", "fingerprint": fp},
+            {"label": "b", "fingerprint": {**fp, "hosts": ["n2"], "deepspeed": "0.18.0"}},
+            {"label": "c", "fingerprint": {**fp, "device_name": "A100"}},
+        ]
+    )
     assert not diff["same"]
     assert diff["flagged_groups"] == ["devices", "hosts", "library versions"]
     by_key = {d["key"]: d for d in diff["differences"]}
@@ -71,6 +97,7 @@ def test_fingerprint_differences_flagged_by_group():
 
 
 # ------------------------------------------------------------------ spec
+
 
 def compare_raw(runs, **top):
     return {"name": "t", "nproc": 2, "parity_steps": 2, "workload": dict(WORKLOAD), "runs": runs, **top}
@@ -83,8 +110,12 @@ def test_default_spec_is_valid_and_covers_the_engines():
     assert engines.count("megatron") == 3
     assert {r.spec.layout.zero_stage for r in cs.runs if r.spec.layout.engine == "deepspeed"} == {1, 2, 3}
     for tp, pp in ((2, 1), (1, 2)):  # the same tp2 and pp2 layouts under all four engines
-        assert {r.spec.layout.engine for r in cs.runs if (r.spec.layout.tp, r.spec.layout.pp) == (tp, pp)} == \
-            {"own", "deepspeed", "fsdp", "megatron"}
+        assert {r.spec.layout.engine for r in cs.runs if (r.spec.layout.tp, r.spec.layout.pp) == (tp, pp)} == {
+            "own",
+            "deepspeed",
+            "fsdp",
+            "megatron",
+        }
     assert all(r.launcher == "deepspeed" for r in cs.runs if r.spec.layout.engine == "deepspeed")
     assert cs.tolerance == 1e-5
 
@@ -108,16 +139,19 @@ def test_missing_engine_is_skipped_with_a_note(monkeypatch):
     assert cs.skipped[0][0] == "own dp2" and "not available" in cs.skipped[0][1]
 
 
-@pytest.mark.parametrize("raw,field,reason", [
-    (compare_raw([{"engine": "fsdp"}], colour=1), "colour", "unknown key"),
-    (compare_raw([]), "runs", "non-empty"),
-    (compare_raw([{"engine": "fsdp", "bogus": 1}]), "runs[0].bogus", "unknown key"),
-    (compare_raw([{"engine": "fsdp", "dp": 4}]), "runs[0]", "world size 2 != tp x cp x pp x dp"),
-    (compare_raw([{"engine": "deepspeed", "zero_stage": 5}]), "runs[0].zero_stage", "1, 2 or 3"),
-    (compare_raw([{"engine": "fsdp"}], parity_steps=9), "parity_steps", "steps each run trains"),
-    (compare_raw([{"engine": "fsdp"}, {"engine": "fsdp"}]), "runs[1].label", "used twice"),
-    ({**compare_raw([{"engine": "fsdp"}]), "workload": {"seq_len": 0}}, "workload.seq_len", "must be positive"),
-])
+@pytest.mark.parametrize(
+    "raw,field,reason",
+    [
+        (compare_raw([{"engine": "fsdp"}], colour=1), "colour", "unknown key"),
+        (compare_raw([]), "runs", "non-empty"),
+        (compare_raw([{"engine": "fsdp", "bogus": 1}]), "runs[0].bogus", "unknown key"),
+        (compare_raw([{"engine": "fsdp", "dp": 4}]), "runs[0]", "world size 2 != tp x cp x pp x dp"),
+        (compare_raw([{"engine": "deepspeed", "zero_stage": 5}]), "runs[0].zero_stage", "1, 2 or 3"),
+        (compare_raw([{"engine": "fsdp"}], parity_steps=9), "parity_steps", "steps each run trains"),
+        (compare_raw([{"engine": "fsdp"}, {"engine": "fsdp"}]), "runs[1].label", "used twice"),
+        ({**compare_raw([{"engine": "fsdp"}]), "workload": {"seq_len": 0}}, "workload.seq_len", "must be positive"),
+    ],
+)
 def test_invalid_compare_spec(raw, field, reason):
     with pytest.raises(SpecError) as e:
         parse_compare_spec(raw)
@@ -126,20 +160,37 @@ def test_invalid_compare_spec(raw, field, reason):
 
 # ------------------------------------------------------------------ report (fake launches)
 
+
 def fake_launcher(results):
     """A stand-in for launch.run_spec that writes the record a runner would have written."""
 
     def launch(spec, *, nproc, launcher, store_path, timeout_s, sweep, point_key, log_dir):
         status, losses, fp = results[point_key]
-        rec = {"run_id": f"id-{len(point_key)}-{point_key.replace(' ', '_')}", "schema_version": 1,
-               "status": status, "error": None if status == "ok" else "RuntimeError: boom\nmore",
-               "started_at": "t0", "ended_at": "t1", "sweep": sweep, "point_key": point_key, "spec": spec,
-               "fingerprint": fp, "launch": {"launcher": launcher, "log": "/tmp/x.log", "wall_s": 1.0},
-               "metrics": {} if status != "ok" else {
-                   "losses": losses, "tokens_per_s": 1000.0, "peak_memory_bytes": 2 ** 28, "memory_kind": "peak_rss",
-                   "step_time_s": {"median": 0.01, "ci95_low": 0.009, "ci95_high": 0.012, "n": 2},
-                   "mfu": None, "mfu_vs_measured_matmul": {"palm": 0.05},
-                   "engine": {"precision_policy": POLICY_FP32, "optimizer": "AdamW"}}}
+        rec = {
+            "run_id": f"id-{len(point_key)}-{point_key.replace(' ', '_')}",
+            "schema_version": 1,
+            "status": status,
+            "error": None if status == "ok" else "RuntimeError: boom\nmore",
+            "started_at": "t0",
+            "ended_at": "t1",
+            "sweep": sweep,
+            "point_key": point_key,
+            "spec": spec,
+            "fingerprint": fp,
+            "launch": {"launcher": launcher, "log": "/tmp/x.log", "wall_s": 1.0},
+            "metrics": {}
+            if status != "ok"
+            else {
+                "losses": losses,
+                "tokens_per_s": 1000.0,
+                "peak_memory_bytes": 2**28,
+                "memory_kind": "peak_rss",
+                "step_time_s": {"median": 0.01, "ci95_low": 0.009, "ci95_high": 0.012, "n": 2},
+                "mfu": None,
+                "mfu_vs_measured_matmul": {"palm": 0.05},
+                "engine": {"precision_policy": POLICY_FP32, "optimizer": "AdamW"},
+            },
+        }
         ResultsStore(store_path).write(rec)
         return rec
 
@@ -148,10 +199,17 @@ def fake_launcher(results):
 
 def test_report_shows_failure_fingerprint_difference_and_records_verdict(tmp_path):
     fp = {"hosts": ["n1"], "device_name": "cpu", "torch": "2.13.0", "deepspeed": "0.19.8"}
-    cs = parse_compare_spec(compare_raw([{"engine": "fsdp"}, {"engine": "deepspeed", "zero_stage": 1},
-                                         {"engine": "deepspeed", "zero_stage": 3}]))
-    results = {"reference (single device)": ("ok", REF, fp), "FSDP2 reshard": ("ok", REF, {**fp, "hosts": ["n2"]}),
-               "deepspeed ZeRO-1": ("ok", [5.5, 5.45, 5.3], fp), "deepspeed ZeRO-3": ("failed", [], {})}
+    cs = parse_compare_spec(
+        compare_raw(
+            [{"engine": "fsdp"}, {"engine": "deepspeed", "zero_stage": 1}, {"engine": "deepspeed", "zero_stage": 3}]
+        )
+    )
+    results = {
+        "reference (single device)": ("ok", REF, fp),
+        "FSDP2 reshard": ("ok", REF, {**fp, "hosts": ["n2"]}),
+        "deepspeed ZeRO-1": ("ok", [5.5, 5.45, 5.3], fp),
+        "deepspeed ZeRO-3": ("failed", [], {}),
+    }
     store = str(tmp_path / "r.sqlite")
     summary = run_comparison(cs, store_path=store, progress=False, launch_fn=fake_launcher(results))
     paths = write_report(summary, str(tmp_path))
@@ -171,22 +229,38 @@ def test_report_shows_failure_fingerprint_difference_and_records_verdict(tmp_pat
 
 
 def test_matrix_shows_every_layout_under_every_engine_with_reasons(tmp_path):
-    raw = {"name": "m", "nproc": 4, "parity_steps": 2, "reference": False,
-           "workload": {**WORKLOAD, "model_overrides": {"layers": 4}},
-           "matrix": {"engines": [{"engine": "own"}, {"engine": "deepspeed", "zero_stage": 1}, {"engine": "fsdp"}],
-                      "layouts": [{"dp": 4}, {"tp": 2, "pp": 2, "dp": 1},
-                                  {"tp": 2, "dp": 2, "sequence_parallel": True}]}}
+    raw = {
+        "name": "m",
+        "nproc": 4,
+        "parity_steps": 2,
+        "reference": False,
+        "workload": {**WORKLOAD, "model_overrides": {"layers": 4}},
+        "matrix": {
+            "engines": [{"engine": "own"}, {"engine": "deepspeed", "zero_stage": 1}, {"engine": "fsdp"}],
+            "layouts": [{"dp": 4}, {"tp": 2, "pp": 2, "dp": 1}, {"tp": 2, "dp": 2, "sequence_parallel": True}],
+        },
+    }
     cs = parse_compare_spec(raw)
     labels = [r.label for r in cs.runs]
-    assert labels == ["own dp4", "deepspeed ZeRO-1 dp4", "FSDP2 reshard dp4", "own tp2 pp2", "FSDP2 reshard tp2 pp2",
-                      "own tp2 dp2 sp", "FSDP2 reshard tp2 dp2 sp"]
+    assert labels == [
+        "own dp4",
+        "deepspeed ZeRO-1 dp4",
+        "FSDP2 reshard dp4",
+        "own tp2 pp2",
+        "FSDP2 reshard tp2 pp2",
+        "own tp2 dp2 sp",
+        "FSDP2 reshard tp2 dp2 sp",
+    ]
     assert [(n["label"], n["why"].split(":")[0]) for n in cs.not_runnable] == [
-        ("deepspeed ZeRO-1 tp2 pp2", "layout.tp"), ("deepspeed ZeRO-1 tp2 dp2 sp", "layout.sequence_parallel")]
+        ("deepspeed ZeRO-1 tp2 pp2", "layout.tp"),
+        ("deepspeed ZeRO-1 tp2 dp2 sp", "layout.sequence_parallel"),
+    ]
     fp = {"hosts": ["n1"]}
     results = {label: ("ok", REF, fp) for label in labels}
     results["FSDP2 reshard tp2 pp2"] = ("failed", [], {})
-    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
-                             launch_fn=fake_launcher(results))
+    summary = run_comparison(
+        cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=fake_launcher(results)
+    )
     header, rows = layout_matrix(summary)
     assert header == ["layout", "own", "deepspeed ZeRO-1", "FSDP2 reshard"]
     by_row = {r[0]: r[1:] for r in rows}
@@ -209,8 +283,11 @@ def test_precision_policy_is_stated_once_and_an_engine_that_differs_is_flagged(t
         rec = launch(spec, **kw)
         if kw["point_key"] == "deepspeed ZeRO-1":
             rec["metrics"]["engine"]["precision_policy"] = "bf16 something else"
-        rec["metrics"].update(parameter_count=2 ** 20, activations_saved_bytes=3 * 2 ** 20,
-                              memory_census={"parameters": {"fp32": 4 * 2 ** 20}, "master_parameters": {}})
+        rec["metrics"].update(
+            parameter_count=2**20,
+            activations_saved_bytes=3 * 2**20,
+            memory_census={"parameters": {"fp32": 4 * 2**20}, "master_parameters": {}},
+        )
         return rec
 
     summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=odd_launch)
@@ -224,11 +301,17 @@ def test_precision_policy_is_stated_once_and_an_engine_that_differs_is_flagged(t
 
 def test_matrix_dash_for_a_combination_not_listed(tmp_path):
     """A plain run list: the cell of an engine that cannot run a row's layout is still explained."""
-    cs = parse_compare_spec(compare_raw([{"engine": "own", "tp": 2, "pp": 2, "dp": 1},
-                                         {"engine": "deepspeed", "zero_stage": 1}], nproc=4, reference=False))
+    cs = parse_compare_spec(
+        compare_raw(
+            [{"engine": "own", "tp": 2, "pp": 2, "dp": 1}, {"engine": "deepspeed", "zero_stage": 1}],
+            nproc=4,
+            reference=False,
+        )
+    )
     results = {r.label: ("ok", REF, {}) for r in cs.runs}
-    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
-                             launch_fn=fake_launcher(results))
+    summary = run_comparison(
+        cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=fake_launcher(results)
+    )
     header, rows = layout_matrix(summary)
     by_row = {r[0]: dict(zip(header[1:], r[1:], strict=True)) for r in rows}
     assert by_row["tp2 pp2 mbs 1"]["deepspeed ZeRO-1"].startswith("– layout.tp:")
@@ -237,18 +320,40 @@ def test_matrix_dash_for_a_combination_not_listed(tmp_path):
 
 # ------------------------------------------------------------------ end to end (real launchers)
 
+
 def test_planted_seed_difference_fails_comparison_through_cli(tmp_path, cli):
     """Reference + FSDP2 + DeepSpeed ZeRO-1 (deepspeed launcher) with another seed: parity fails,
     the report shows it, the records carry it, the exit code is 1."""
-    spec = {"name": "planted", "nproc": 2, "parity_steps": 3, "timeout_s": 240,
-            "workload": {**WORKLOAD, "steps": 2, "warmup_steps": 1},
-            "runs": [{"engine": "fsdp", "micro_batch_size": 2},
-                     {"label": "zero1 planted seed", "engine": "deepspeed", "zero_stage": 1, "micro_batch_size": 2,
-                      "workload": {"seed": 4321}}]}
+    spec = {
+        "name": "planted",
+        "nproc": 2,
+        "parity_steps": 3,
+        "timeout_s": 240,
+        "workload": {**WORKLOAD, "steps": 2, "warmup_steps": 1},
+        "runs": [
+            {"engine": "fsdp", "micro_batch_size": 2},
+            {
+                "label": "zero1 planted seed",
+                "engine": "deepspeed",
+                "zero_stage": 1,
+                "micro_batch_size": 2,
+                "workload": {"seed": 4321},
+            },
+        ],
+    }
     (tmp_path / "cmp.yaml").write_text(yaml.safe_dump(spec))
     store = tmp_path / "r.sqlite"
-    r = cli("compare", "cmp.yaml", "--store", str(store), "--out", str(tmp_path / "reports"), "--no-progress",
-            cwd=tmp_path, timeout=600)
+    r = cli(
+        "compare",
+        "cmp.yaml",
+        "--store",
+        str(store),
+        "--out",
+        str(tmp_path / "reports"),
+        "--no-progress",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "verdict: FAIL" in r.stdout and "parity FAIL: zero1 planted seed" in r.stdout
     md = (tmp_path / "reports" / "compare-planted.md").read_text()
@@ -272,9 +377,12 @@ def test_a_comparison_report_on_a_full_disk_leaves_the_earlier_one_whole(tmp_pat
 
     cs = parse_compare_spec(compare_raw([{"engine": "fsdp"}]))
     fp = {"hosts": ["n1"], "device_name": "cpu", "torch": "2.13.0"}
-    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
-                             launch_fn=fake_launcher({"reference (single device)": ("ok", REF, fp),
-                                                      "FSDP2 reshard": ("ok", REF, fp)}))
+    summary = run_comparison(
+        cs,
+        store_path=str(tmp_path / "r.sqlite"),
+        progress=False,
+        launch_fn=fake_launcher({"reference (single device)": ("ok", REF, fp), "FSDP2 reshard": ("ok", REF, fp)}),
+    )
     out = tmp_path / "out"
     write_report(summary, str(out))
     earlier = {n: f"earlier {n}\n" for n in os.listdir(out) if "." in n}  # the .md, .html and .json
@@ -285,8 +393,10 @@ def test_a_comparison_report_on_a_full_disk_leaves_the_earlier_one_whole(tmp_pat
     def full_disk_open(path, mode="r", *args, **kwargs):
         f = real_open(path, mode, *args, **kwargs)
         if "w" in mode and ".html" in os.path.basename(str(path)):
+
             def write(data):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
             f.write = write
         return f
 
@@ -305,18 +415,26 @@ CP_LAYOUTS = [{"dp": 2}, {"cp": 2}, {"cp": 2, "cp_impl": "allgather"}, {"cp": 2,
 def test_matrix_has_cp_rows_and_a_refusing_engine_shows_its_reason(tmp_path):
     """cp and cp_impl as a matrix axis: dp derived with cp, a row per implementation, Megatron-core's cells
     a dash with its one-line reason (Transformer Engine); every cell runs or says why, none is 'not run'."""
-    raw = {"name": "cp", "nproc": 2, "parity_steps": 2, "reference": False,
-           "workload": {**WORKLOAD, "seq_len": 64},
-           "matrix": {"engines": [{"engine": "own", "attention": "naive"},
-                                  {"engine": "megatron", "attention": "naive"}], "layouts": CP_LAYOUTS}}
+    raw = {
+        "name": "cp",
+        "nproc": 2,
+        "parity_steps": 2,
+        "reference": False,
+        "workload": {**WORKLOAD, "seq_len": 64},
+        "matrix": {
+            "engines": [{"engine": "own", "attention": "naive"}, {"engine": "megatron", "attention": "naive"}],
+            "layouts": CP_LAYOUTS,
+        },
+    }
     cs = parse_compare_spec(raw)
     assert all(r.spec.layout.dp * r.spec.layout.cp == 2 for r in cs.runs)
     megatron = [n for n in cs.not_runnable if n["label"].startswith("megatron")]
     assert [n["label"] for n in megatron] == ["megatron cp2 ring", "megatron cp2 allgather", "megatron cp2 ulysses"]
     assert all(n["why"].startswith("layout.cp: ") and "Transformer Engine" in n["why"] for n in megatron)
     results = {r.label: ("ok", REF, {}) for r in cs.runs}
-    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
-                             launch_fn=fake_launcher(results))
+    summary = run_comparison(
+        cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=fake_launcher(results)
+    )
     header, rows = layout_matrix(summary)
     assert header == ["layout", "own", "megatron"]
     by_row = {r[0]: dict(zip(header[1:], r[1:], strict=True)) for r in rows}
@@ -335,12 +453,14 @@ def test_an_engines_own_default_is_shown_where_runs_differ_by_it(tmp_path):
     differing-fields column shows each run's value, also for a record that does not name the field."""
     from harness.report.compare_layouts import differing_fields, differs_texts
 
-    cs = parse_compare_spec(compare_raw([{"engine": "own", "label": "a"}, {"engine": "megatron", "label": "b"}],
-                                        reference=False))
+    cs = parse_compare_spec(
+        compare_raw([{"engine": "own", "label": "a"}, {"engine": "megatron", "label": "b"}], reference=False)
+    )
     assert [r.spec.layout.attention for r in cs.runs] == ["sdpa", "naive"]
     results = {r.label: ("ok", REF, {}) for r in cs.runs}
-    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
-                             launch_fn=fake_launcher(results))
+    summary = run_comparison(
+        cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=fake_launcher(results)
+    )
     assert differing_fields(summary) == ["attention"]
     assert differs_texts(summary) == ["attention=sdpa", "attention=naive"]
     for run in summary["runs"]:  # records that name only what their spec gave
@@ -352,11 +472,15 @@ def test_an_engines_own_default_is_shown_where_runs_differ_by_it(tmp_path):
 def test_a_cp_impl_at_cp1_changes_no_row_and_old_records_render_as_before(tmp_path):
     """A run without context parallelism is one row whatever its cp_impl, and a record written before cp
     existed (no cp, no cp_impl) lands in the same row as a new cp1 run, with no cp field shown as differing."""
-    cs = parse_compare_spec(compare_raw([{"engine": "own", "label": "a"},
-                                         {"engine": "fsdp", "label": "b", "cp_impl": "allgather"}], reference=False))
+    cs = parse_compare_spec(
+        compare_raw(
+            [{"engine": "own", "label": "a"}, {"engine": "fsdp", "label": "b", "cp_impl": "allgather"}], reference=False
+        )
+    )
     results = {r.label: ("ok", REF, {}) for r in cs.runs}
-    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
-                             launch_fn=fake_launcher(results))
+    summary = run_comparison(
+        cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=fake_launcher(results)
+    )
     header, rows = layout_matrix(summary)
     assert [r[0] for r in rows] == ["dp2 mbs 1"]
     old = json.loads(json.dumps(summary))
@@ -364,4 +488,5 @@ def test_a_cp_impl_at_cp1_changes_no_row_and_old_records_render_as_before(tmp_pa
         run["layout"] = {k: v for k, v in run["layout"].items() if k not in ("cp", "cp_impl")}
     assert [r[0] for r in layout_matrix(old)[1]] == ["dp2 mbs 1"]
     from harness.report.compare_layouts import differing_fields
+
     assert not {"cp", "cp_impl"} & set(differing_fields(old))

@@ -19,39 +19,97 @@ from harness.model.flops import flops_per_token
 from harness.model.llama import Llama, build_model
 from harness.model.presets import Shape, param_count, resolve_shape, shape_to_config
 
-SMALL = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "vocab_size": 512}
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}
+SMALL = {
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 512,
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 # As published (meta-llama/*/config.json), sizes scaled down; every math-relevant field kept.
 CONFIGS = {
-    "llama2-7b": {**SMALL, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                  "max_position_embeddings": 4096, "num_key_value_heads": 4, "rms_norm_eps": 1e-05,
-                  "rope_scaling": None, "tie_word_embeddings": False, "torch_dtype": "float16",
-                  "bos_token_id": 1, "eos_token_id": 2, "pretraining_tp": 1, "initializer_range": 0.02},
+    "llama2-7b": {
+        **SMALL,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pretraining_tp": 1,
+        "initializer_range": 0.02,
+    },
     # transformers writes rms_norm_eps 1e-6 by default (LLaMA 1 and many fine-tunes carry it)
     "llama-eps1e-6": {**SMALL, "model_type": "llama", "rms_norm_eps": 1e-06, "num_key_value_heads": 4},
     # no rms_norm_eps at all: transformers' default, 1e-6
     "llama-eps-default": {**SMALL, "model_type": "llama"},
-    "llama3.1-8b": {**SMALL, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                    "num_key_value_heads": 2, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
-                    "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING, "tie_word_embeddings": False,
-                    "attention_bias": False, "mlp_bias": False, "head_dim": 32, "hidden_act": "silu"},
-    "llama3.2-1b": {**SMALL, "model_type": "llama", "num_key_value_heads": 2, "max_position_embeddings": 131072,
-                    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True, "head_dim": 32,
-                    "rope_scaling": {**LLAMA3_SCALING, "factor": 32.0}},
-    "attention-bias": {**SMALL, "model_type": "llama", "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
-                       "attention_bias": True},
+    "llama3.1-8b": {
+        **SMALL,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": LLAMA3_SCALING,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "head_dim": 32,
+        "hidden_act": "silu",
+    },
+    "llama3.2-1b": {
+        **SMALL,
+        "model_type": "llama",
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "head_dim": 32,
+        "rope_scaling": {**LLAMA3_SCALING, "factor": 32.0},
+    },
+    "attention-bias": {
+        **SMALL,
+        "model_type": "llama",
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "attention_bias": True,
+    },
     # transformers >= 5 writes rope_theta and the scaling together as rope_parameters
-    "llama3.1-rope-parameters": {**SMALL, "model_type": "llama", "num_key_value_heads": 2, "rms_norm_eps": 1e-05,
-                                 "max_position_embeddings": 131072,
-                                 "rope_parameters": {"rope_theta": 500000.0, **LLAMA3_SCALING}},
+    "llama3.1-rope-parameters": {
+        **SMALL,
+        "model_type": "llama",
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-05,
+        "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_theta": 500000.0, **LLAMA3_SCALING},
+    },
     # everything at once, the shape the engine equivalence test below trains
-    "tied-bias-llama3": {**SMALL, "model_type": "llama", "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
-                         "max_position_embeddings": 131072, "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING,
-                         "tie_word_embeddings": True,
-                         "attention_bias": True},
+    "tied-bias-llama3": {
+        **SMALL,
+        "model_type": "llama",
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": LLAMA3_SCALING,
+        "tie_word_embeddings": True,
+        "attention_bias": True,
+    },
 }
 
 
@@ -83,7 +141,8 @@ def hf_logits(raw: dict, model: Llama, tokens):
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     assert (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()) == bool(
-        raw.get("tie_word_embeddings"))
+        raw.get("tie_word_embeddings")
+    )
     with torch.no_grad():
         return hf(tokens).logits
 
@@ -101,12 +160,15 @@ def test_logits_match_transformers(tmp_path, name):
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,field,value", [
-    ("llama-eps1e-6", "norm_eps", 1e-5),               # the old forced epsilon
-    ("llama3.1-8b", "rope_factor", 1.0),                # rope scaling ignored
-    ("llama3.2-1b", "rope_factor", 1.0),
-    ("llama3.1-rope-parameters", "rope_theta", 10000.0),
-])
+@pytest.mark.parametrize(
+    "name,field,value",
+    [
+        ("llama-eps1e-6", "norm_eps", 1e-5),  # the old forced epsilon
+        ("llama3.1-8b", "rope_factor", 1.0),  # rope scaling ignored
+        ("llama3.2-1b", "rope_factor", 1.0),
+        ("llama3.1-rope-parameters", "rope_theta", 10000.0),
+    ],
+)
 def test_each_field_shows_in_the_logits(tmp_path, name, field, value):
     """The comparison above is sharp: reading the field wrongly moves the logits far beyond 1e-5."""
     raw = CONFIGS[name]
@@ -123,8 +185,12 @@ def test_each_field_shows_in_the_logits(tmp_path, name, field, value):
 
 def test_fields_are_read():
     shape = resolve_shape("tiny")
-    assert (shape.norm_eps, shape.tie_embeddings, shape.attention_bias, shape.rope_scaling) == (1e-5, False, False,
-                                                                                                 None)
+    assert (shape.norm_eps, shape.tie_embeddings, shape.attention_bias, shape.rope_scaling) == (
+        1e-5,
+        False,
+        False,
+        None,
+    )
 
 
 def test_shape_fields_from_config(tmp_path):
@@ -151,8 +217,14 @@ def test_round_trip_through_transformers_config(tmp_path):
 def test_model_overrides_take_the_new_fields():
     from harness.spec import parse_spec
 
-    spec = parse_spec({"workload": {"model": "tiny", "model_overrides": {
-        "tie_embeddings": True, "attention_bias": True, "norm_eps": 1e-6, "rope_factor": 8}}})
+    spec = parse_spec(
+        {
+            "workload": {
+                "model": "tiny",
+                "model_overrides": {"tie_embeddings": True, "attention_bias": True, "norm_eps": 1e-6, "rope_factor": 8},
+            }
+        }
+    )
     shape = spec.shape()
     assert shape.tie_embeddings and shape.attention_bias and shape.norm_eps == 1e-6
     assert shape.rope_scaling == (8.0, 1.0, 4.0, 8192)
@@ -170,8 +242,10 @@ REFUSED = [
     ({"model_type": "mistral"}, "model_type mistral is not supported"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type linear is not supported"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type dynamic is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}},
-     "rope_type yarn is not supported"),
+    (
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}},
+        "rope_type yarn is not supported",
+    ),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 lacks low_freq_factor, high_freq_factor"),
     ({"mlp_bias": True}, "mlp_bias true is not supported"),
     ({"attention_dropout": 0.1}, "attention_dropout 0.1 is not supported"),
@@ -301,22 +375,26 @@ def test_own_engine_stage_params_name_the_plain_models_parameters(tmp_path):
 def spec_with(model: str, **layout):
     from harness.spec import parse_spec
 
-    return parse_spec({"workload": {"model": model, "seq_len": 16, "global_batch_size": 8, "steps": 2},
-                       "layout": layout})
+    return parse_spec(
+        {"workload": {"model": model, "seq_len": 16, "global_batch_size": 8, "steps": 2}, "layout": layout}
+    )
 
 
-@pytest.mark.parametrize("layout,refused", [
-    ({"engine": "own", "pp": 2}, True),
-    ({"engine": "own", "pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 1}, True),
-    ({"engine": "own", "tp": 2, "dp": 2}, False),
-    ({"engine": "own", "tp": 2, "sequence_parallel": True}, False),
-    ({"engine": "deepspeed", "pp": 2, "zero_stage": 1}, True),
-    ({"engine": "deepspeed", "dp": 2, "zero_stage": 1}, False),
-    ({"engine": "fsdp", "tp": 2}, False),
-    ({"engine": "deepspeed", "tp": 2, "zero_stage": 1}, False),
-    ({"engine": "fsdp", "pp": 2}, True),
-    ({"engine": "fsdp", "dp": 2}, False),
-])
+@pytest.mark.parametrize(
+    "layout,refused",
+    [
+        ({"engine": "own", "pp": 2}, True),
+        ({"engine": "own", "pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 1}, True),
+        ({"engine": "own", "tp": 2, "dp": 2}, False),
+        ({"engine": "own", "tp": 2, "sequence_parallel": True}, False),
+        ({"engine": "deepspeed", "pp": 2, "zero_stage": 1}, True),
+        ({"engine": "deepspeed", "dp": 2, "zero_stage": 1}, False),
+        ({"engine": "fsdp", "tp": 2}, False),
+        ({"engine": "deepspeed", "tp": 2, "zero_stage": 1}, False),
+        ({"engine": "fsdp", "pp": 2}, True),
+        ({"engine": "fsdp", "dp": 2}, False),
+    ],
+)
 def test_tied_embeddings_refused_where_an_engine_would_untie_them(tmp_path, layout, refused):
     path = write_config(tmp_path, CONFIGS["tied-bias-llama3"])
     if refused:
@@ -337,8 +415,14 @@ def test_the_planner_proposes_no_layout_an_engine_refuses_for_a_tied_model(tmp_p
 
     shape = resolve_shape(write_config(tmp_path, {**CONFIGS["llama3.2-1b"], "num_hidden_layers": 4}))
     wl = Workload(seq_len=16, global_batch_size=8)
-    common = dict(attention=["sdpa"], rmsnorm=["torch"], micro_batch_sizes=[1], checkpointing=["none"],
-                  sequence_parallel=[False], zero_stage=1)
+    common = dict(
+        attention=["sdpa"],
+        rmsnorm=["torch"],
+        micro_batch_sizes=[1],
+        checkpointing=["none"],
+        sequence_parallel=[False],
+        zero_stage=1,
+    )
     for engine in ("own", "deepspeed", "fsdp"):
         pps = {lay.pp for lay in layouts(shape, wl, 8, 8, engine=engine, **common)}
         assert pps == {1}, engine
@@ -375,12 +459,22 @@ def test_engines_reproduce_the_reference_on_two_processes(tmp_path):
     from harness.testing.spawn import run_losses, spawn
 
     steps = 3
-    paths = {"tied": write_config(tmp_path / "tied", CONFIGS["tied-bias-llama3"]),
-             "untied": write_config(tmp_path / "untied", {**CONFIGS["tied-bias-llama3"], "tie_word_embeddings": False})}
+    paths = {
+        "tied": write_config(tmp_path / "tied", CONFIGS["tied-bias-llama3"]),
+        "untied": write_config(tmp_path / "untied", {**CONFIGS["tied-bias-llama3"], "tie_word_embeddings": False}),
+    }
 
     def workload(which):
-        return {"model": paths[which], "seq_len": 16, "global_batch_size": 8, "steps": steps, "warmup_steps": 0,
-                "device": "cpu", "precision": "fp32", "optimizer": {"lr": 1.0, "eps": 1.0}}
+        return {
+            "model": paths[which],
+            "seq_len": 16,
+            "global_batch_size": 8,
+            "steps": steps,
+            "warmup_steps": 0,
+            "device": "cpu",
+            "precision": "fp32",
+            "optimizer": {"lr": 1.0, "eps": 1.0},
+        }
 
     layouts = [
         ("tied", {"engine": "own", "tp": 2}),

@@ -24,23 +24,38 @@ from harness.testing.spawn import spawn
 
 B, HQ, HKV, D = 2, 4, 2, 8
 TOL = {torch.float64: (1e-5, 1e-5), torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1.6e-2)}
-NAME = {torch.float64: "float64", torch.float32: "fp32", torch.bfloat16: "bf16"}   # as comm.py names them
+NAME = {torch.float64: "float64", torch.float32: "fp32", torch.bfloat16: "bf16"}  # as comm.py names them
 SIZE_OF = {**SIZE, "float64": 8}
 
 # (impl, dtype, kernel, checkpointing): checkpointing none | selective (recompute=True) | full (the
 # call under torch's non-reentrant checkpoint, as a block re-run)
-CASES2 = [("ring", torch.float64, "naive", "none"), ("allgather", torch.float64, "naive", "none"),
-          ("ulysses", torch.float64, "naive", "none"), ("ulysses", torch.float32, "sdpa", "none"),
-          ("ring", torch.float32, "naive", "none"), ("ring", torch.bfloat16, "naive", "none"),
-          ("allgather", torch.bfloat16, "naive", "none"), ("ulysses", torch.bfloat16, "sdpa", "none"),
-          ("ring", torch.float64, "naive", "full"), ("ring", torch.float64, "naive", "selective"),
-          ("allgather", torch.float64, "naive", "full"), ("ulysses", torch.float32, "sdpa", "full"),
-          ("ulysses", torch.float32, "sdpa", "selective"), ("ring", torch.float32, "sdpa", "none"),
-          ("ring", torch.bfloat16, "sdpa", "none"), ("allgather", torch.float32, "sdpa", "none"),
-          ("ring", torch.float64, "sdpa", "full")]
-CASES4 = [("ring", torch.float64, "naive", "none"), ("ring", torch.float32, "naive", "none"),
-          ("ring", torch.bfloat16, "naive", "none"), ("allgather", torch.float64, "naive", "none"),
-          ("ring", torch.float64, "naive", "full"), ("ring", torch.float32, "sdpa", "none")]
+CASES2 = [
+    ("ring", torch.float64, "naive", "none"),
+    ("allgather", torch.float64, "naive", "none"),
+    ("ulysses", torch.float64, "naive", "none"),
+    ("ulysses", torch.float32, "sdpa", "none"),
+    ("ring", torch.float32, "naive", "none"),
+    ("ring", torch.bfloat16, "naive", "none"),
+    ("allgather", torch.bfloat16, "naive", "none"),
+    ("ulysses", torch.bfloat16, "sdpa", "none"),
+    ("ring", torch.float64, "naive", "full"),
+    ("ring", torch.float64, "naive", "selective"),
+    ("allgather", torch.float64, "naive", "full"),
+    ("ulysses", torch.float32, "sdpa", "full"),
+    ("ulysses", torch.float32, "sdpa", "selective"),
+    ("ring", torch.float32, "sdpa", "none"),
+    ("ring", torch.bfloat16, "sdpa", "none"),
+    ("allgather", torch.float32, "sdpa", "none"),
+    ("ring", torch.float64, "sdpa", "full"),
+]
+CASES4 = [
+    ("ring", torch.float64, "naive", "none"),
+    ("ring", torch.float32, "naive", "none"),
+    ("ring", torch.bfloat16, "naive", "none"),
+    ("allgather", torch.float64, "naive", "none"),
+    ("ring", torch.float64, "naive", "full"),
+    ("ring", torch.float32, "sdpa", "none"),
+]
 
 
 def _excess(got, want, dtype):
@@ -69,17 +84,21 @@ def _cases(ctx, cases, seq):
     for impl, dtype, kname, ckpt in cases:
         kernel = attention_fn(kname)
         g = torch.Generator().manual_seed(len(out))
-        q, k, v, go = (torch.randn(B, h, seq, D, generator=g, dtype=torch.float64).to(dtype)
-                       for h in (HQ, HKV, HKV, HQ))
+        q, k, v, go = (
+            torch.randn(B, h, seq, D, generator=g, dtype=torch.float64).to(dtype) for h in (HQ, HKV, HKV, HQ)
+        )
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         ref = attention_core(*full, kernel)
         ref.backward(go)
         idx = cp_token_index(seq, world, rank)
         mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
         axis.stats.reset()
-        if ckpt == "full":   # 0·sin(out) keeps out saved, as the block's wo does: the whole forward re-runs
-            got = checkpoint(lambda *t, impl=impl, kernel=kernel: _consumed(attention(*t, axis, impl, kernel)), *mine,
-                             use_reentrant=False)
+        if ckpt == "full":  # 0·sin(out) keeps out saved, as the block's wo does: the whole forward re-runs
+            got = checkpoint(
+                lambda *t, impl=impl, kernel=kernel: _consumed(attention(*t, axis, impl, kernel)),
+                *mine,
+                use_reentrant=False,
+            )
         else:
             got = attention(*mine, axis, impl, kernel=kernel, recompute=ckpt == "selective")
         got.backward(go[:, :, idx])
@@ -92,9 +111,10 @@ def _cases(ctx, cases, seq):
 
 def _expected(impl, cp, seq, dtype, ckpt):
     e = defaultdict(lambda: defaultdict(comm_entry))
-    for op, count, elems, dt in cp_attention_calls(impl, cp, B, HQ, HKV, seq // cp, D, NAME[dtype],
-                                                   2 if ckpt == "full" else 1):
-        dt = "float64" if dtype == torch.float64 else dt   # fp64 inputs: the core and its gradients in fp64
+    for op, count, elems, dt in cp_attention_calls(
+        impl, cp, B, HQ, HKV, seq // cp, D, NAME[dtype], 2 if ckpt == "full" else 1
+    ):
+        dt = "float64" if dtype == torch.float64 else dt  # fp64 inputs: the core and its gradients in fp64
         entry = e["cp"][op]
         entry[0] += count
         entry[1] += count * elems * SIZE_OF[dt]
@@ -122,20 +142,23 @@ def _check(results, cases, index, cp, seq):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES2)), ids=["-".join(map(str, c[:1] + (NAME[c[1]],) + c[2:]))
-                                                            for c in CASES2])
+@pytest.mark.parametrize(
+    "index", range(len(CASES2)), ids=["-".join(map(str, c[:1] + (NAME[c[1]],) + c[2:])) for c in CASES2]
+)
 def test_cp2_matches_the_single_device_attention_and_the_closed_form(two, index):
     _check(two, CASES2, index, 2, 16)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES4)), ids=["-".join(map(str, c[:1] + (NAME[c[1]],) + c[2:]))
-                                                            for c in CASES4])
+@pytest.mark.parametrize(
+    "index", range(len(CASES4)), ids=["-".join(map(str, c[:1] + (NAME[c[1]],) + c[2:])) for c in CASES4]
+)
 def test_cp4_matches_the_single_device_attention_and_the_closed_form(four, index):
     _check(four, CASES4, index, 4, 32)
 
 
 # ---------------------------------------------------------------- the closed form's structure (no processes)
+
 
 def _ops(calls):
     out = defaultdict(lambda: [0, 0])
@@ -149,8 +172,8 @@ def _ops(calls):
 def test_ring_sends_each_kv_block_round_the_ring_and_its_gradient_home(cp):
     kv = 2 * 1 * 8 * 512 * 128
     calls = _ops(cp_attention_calls("ring", cp, 1, 32, 8, 512, 128, "bf16"))
-    assert calls[("send", "bf16")] == [2 * (cp - 1), 2 * (cp - 1) * kv]     # forward and backward hops
-    assert calls[("send", "fp32")] == [cp, cp * kv]                         # dK/dV: cp hops to get home
+    assert calls[("send", "bf16")] == [2 * (cp - 1), 2 * (cp - 1) * kv]  # forward and backward hops
+    assert calls[("send", "fp32")] == [cp, cp * kv]  # dK/dV: cp hops to get home
     assert calls[("send", "bf16")] == calls[("recv", "bf16")] and calls[("send", "fp32")] == calls[("recv", "fp32")]
     redo = _ops(cp_attention_calls("ring", cp, 1, 32, 8, 512, 128, "bf16", forward_runs=2))
     assert redo[("send", "bf16")][0] == 3 * (cp - 1)
@@ -159,9 +182,12 @@ def test_ring_sends_each_kv_block_round_the_ring_and_its_gradient_home(cp):
 def test_allgather_and_ulysses_calls():
     kv = 2 * 1 * 8 * 512 * 128
     assert _ops(cp_attention_calls("allgather", 4, 1, 32, 8, 512, 128, "fp32")) == {
-        ("all_gather", "fp32"): [2, 2 * 4 * kv], ("reduce_scatter", "fp32"): [1, 4 * kv]}
+        ("all_gather", "fp32"): [2, 2 * 4 * kv],
+        ("reduce_scatter", "fp32"): [1, 4 * kv],
+    }
     assert _ops(cp_attention_calls("ulysses", 4, 1, 32, 8, 512, 128, "bf16", forward_runs=2)) == {
-        ("all_to_all", "bf16"): [6, 3 * (48 + 32) * 512 * 128]}
+        ("all_to_all", "bf16"): [6, 3 * (48 + 32) * 512 * 128]
+    }
     assert cp_attention_calls("ring", 1, 1, 32, 8, 512, 128, "bf16") == []
 
 
@@ -178,11 +204,17 @@ def test_rank_comm_has_cp_terms_per_layer_and_micro_batch_and_dp_over_the_replic
     tp_ar = rank_comm(shape, Layout(engine="own", tp=2, dp=1, micro_batch_size=2), seq, gbs, 0)["tp"]["all_reduce"]
     assert 2 * got["tp"]["all_reduce"]["bytes"] == tp_ar["bytes"]
     assert got["dp"]["all_reduce"]["count"] >= 1
-    full = rank_comm(shape, Layout(engine="own", tp=2, cp=2, dp=1, micro_batch_size=2,
-                                   activation_checkpointing="full"), seq, gbs, 0)
+    full = rank_comm(
+        shape, Layout(engine="own", tp=2, cp=2, dp=1, micro_batch_size=2, activation_checkpointing="full"), seq, gbs, 0
+    )
     assert full["cp"]["send"]["count"] == got["cp"]["send"]["count"] + n
-    sel = rank_comm(shape, Layout(engine="own", tp=2, cp=2, dp=1, micro_batch_size=2,
-                                  activation_checkpointing="selective"), seq, gbs, 0)
+    sel = rank_comm(
+        shape,
+        Layout(engine="own", tp=2, cp=2, dp=1, micro_batch_size=2, activation_checkpointing="selective"),
+        seq,
+        gbs,
+        0,
+    )
     assert sel["cp"] == got["cp"]
     bf16 = rank_comm(shape, lay, seq, gbs, 0, precision="bf16")["cp"]["send"]["bytes_by_dtype"]
     assert bf16 == {"bf16": n * 2 * kv // 2, "fp32": n * 2 * kv}

@@ -31,26 +31,61 @@ def run(capsys, *argv):
 
 
 def own(**kw) -> PlannerLayout:
-    return PlannerLayout(**{"tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 1, "attention": "flash2",
-                            "engine": "own", **kw})
+    return PlannerLayout(
+        **{"tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 1, "attention": "flash2", "engine": "own", **kw}
+    )
 
 
 # ---------------------------------------------------------------- acceptance
 
+
 def test_llama3_8b_at_128k_tokens_on_64_h100_puts_a_cp_layout_on_top(capsys):
     # the command a user with this question runs (the llama3-8b preset is Llama 3.1 8B's config: 131,072 positions)
-    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--seq-len", "131072", "--global-batch-size", "64",
-                       "--gpus", "64", "--hardware", "h100-sxm", "--format", "json",
-                       "--top", "1")
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--seq-len",
+        "131072",
+        "--global-batch-size",
+        "64",
+        "--gpus",
+        "64",
+        "--hardware",
+        "h100-sxm",
+        "--format",
+        "json",
+        "--top",
+        "1",
+    )
     assert code == 0
     top = json.loads(out)[0]
     assert top["fits"] and top["cp"] > 1 and top["cp_impl"] in context.engine_impls("own")
 
 
 def test_where_nothing_fits_without_cp_the_plan_proposes_cp_and_says_so(capsys):
-    argv = ["plan", "--model", "llama3-8b", "--seq-len", "262144", "--global-batch-size", "8", "--gpus", "16",
-            "--hardware", "h100-sxm", "--max-positions", "262144", "--attention", "flash2", "--rmsnorm", "fused",
-            "--top", "3"]
+    argv = [
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--seq-len",
+        "262144",
+        "--global-batch-size",
+        "8",
+        "--gpus",
+        "16",
+        "--hardware",
+        "h100-sxm",
+        "--max-positions",
+        "262144",
+        "--attention",
+        "flash2",
+        "--rmsnorm",
+        "fused",
+        "--top",
+        "3",
+    ]
     code, out, _ = run(capsys, *argv, "--format", "json")
     rows = json.loads(out)
     assert code == 0 and rows[0]["fits"] and rows[0]["cp"] > 1
@@ -63,10 +98,24 @@ def test_where_nothing_fits_without_cp_the_plan_proposes_cp_and_says_so(capsys):
 
 # ---------------------------------------------------------------- candidates
 
+
 def _cands(engine, seq=65536, gpus=16, **kw):
-    return list(layouts(L8, Workload(seq, 32), gpus, 8, attention=["flash2"], rmsnorm=["fused"],
-                        micro_batch_sizes=[1], checkpointing=["none"], sequence_parallel=[False, True],
-                        zero_stage=1, engine=engine, **kw))
+    return list(
+        layouts(
+            L8,
+            Workload(seq, 32),
+            gpus,
+            8,
+            attention=["flash2"],
+            rmsnorm=["fused"],
+            micro_batch_sizes=[1],
+            checkpointing=["none"],
+            sequence_parallel=[False, True],
+            zero_stage=1,
+            engine=engine,
+            **kw,
+        )
+    )
 
 
 def test_candidates_range_over_cp_powers_of_two_and_the_engines_implementations():
@@ -88,8 +137,21 @@ def test_candidates_range_over_cp_powers_of_two_and_the_engines_implementations(
 def test_megatron_plan_says_why_it_has_no_cp(capsys):
     """Unasked, the plan says why it offers no cp > 1; asked for cp 2 (or an implementation the engine does
     not run), it refuses in one line before planning (the reason from the engine's facts)."""
-    args = ("plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch-size", "16", "--gpus", "8",
-            "--hardware", "h100-sxm", "--top", "1")
+    args = (
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--seq-len",
+        "8192",
+        "--global-batch-size",
+        "16",
+        "--gpus",
+        "8",
+        "--hardware",
+        "h100-sxm",
+        "--top",
+        "1",
+    )
     code, out, _ = run(capsys, *args, "--engine", "megatron")
     assert code == 0 and "no cp > 1 candidates under engine megatron: " in out and "Transformer Engine" in out
     code, out, err = run(capsys, *args, "--engine", "megatron", "--cp", "1,2")
@@ -100,6 +162,7 @@ def test_megatron_plan_says_why_it_has_no_cp(capsys):
 
 
 # ---------------------------------------------------------------- memory terms
+
 
 def test_activations_are_those_of_seq_over_cp_tokens_and_the_ring_keeps_only_its_own_kv():
     s = 65536
@@ -152,6 +215,7 @@ def test_model_states_are_sharded_over_dp_x_cp():
 
 # ---------------------------------------------------------------- time terms
 
+
 @pytest.mark.parametrize("impl", ["ring", "allgather", "ulysses"])
 @pytest.mark.parametrize("ckpt", ["none", "selective", "full"])
 def test_exchange_bytes_are_the_counted_communications(impl, ckpt):
@@ -161,8 +225,17 @@ def test_exchange_bytes_are_the_counted_communications(impl, ckpt):
     lay = own(cp=cp, tp=tp, cp_impl=impl, activation_checkpointing=ckpt, micro_batch_size=2)
     mine = context.exchange_bytes(L8, lay, s, B)["calls"]
     counted: dict = {}
-    for op, count, elems, dtype in cp_attention_calls(impl, cp, 2, L8.heads // tp, L8.kv_heads // tp, s // cp,
-                                                      L8.hidden // L8.heads, "bf16", 2 if ckpt == "full" else 1):
+    for op, count, elems, dtype in cp_attention_calls(
+        impl,
+        cp,
+        2,
+        L8.heads // tp,
+        L8.kv_heads // tp,
+        s // cp,
+        L8.hidden // L8.heads,
+        "bf16",
+        2 if ckpt == "full" else 1,
+    ):
         if op != "recv":
             counted[op] = counted.get(op, 0) + count * elems * SIZE[dtype]
     assert mine == counted
@@ -188,6 +261,7 @@ def test_a_cp_group_across_nodes_prices_the_internode_link():
 
 # ---------------------------------------------------------------- what the plan hands on
 
+
 def test_a_sweep_point_carries_cp():
     lay = spec_layout(own(cp=4, cp_impl="ulysses", dp=2))
     assert lay["cp"] == 4 and lay["cp_impl"] == "ulysses" and lay["engine"] == "own"
@@ -203,9 +277,30 @@ def test_an_emitted_sweep_carries_cp_and_the_harness_takes_it(tmp_path, capsys, 
     import yaml
 
     out = tmp_path / "cp.yaml"
-    code, _, _ = run(capsys, "plan", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "8", "--gpus", "4",
-                     "--hardware", "cpu", "--rmsnorm", "torch", "--attention", "naive", "--cp", "2",
-                     "--top", "4", "--emit-sweep", str(out))
+    code, _, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "64",
+        "--global-batch-size",
+        "8",
+        "--gpus",
+        "4",
+        "--hardware",
+        "cpu",
+        "--rmsnorm",
+        "torch",
+        "--attention",
+        "naive",
+        "--cp",
+        "2",
+        "--top",
+        "4",
+        "--emit-sweep",
+        str(out),
+    )
     assert code == 0
     points = yaml.safe_load(out.read_text())["points"]
     assert points and all(p["cp"] == 2 and p["cp_impl"] in ("ring", "allgather", "ulysses") for p in points)

@@ -8,18 +8,28 @@ from harness.spec import layout_label, parse_spec
 
 
 def _spec(layout, **workload):
-    return {"workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "device": "cpu", **workload},
-            "layout": layout}
+    return {
+        "workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "device": "cpu", **workload},
+        "layout": layout,
+    }
 
 
 CASES = [
     (_spec({"engine": "own", "cp": 3}, seq_len=32), "layout.cp", "not divisible by 2 x cp = 6"),
     (_spec({"engine": "own", "cp": 0}), "layout.cp", "must be positive"),
     (_spec({"engine": "own", "cp": 2, "cp_impl": "p2p"}), "layout.cp_impl", "is not one of"),
-    (_spec({"engine": "own", "cp": 2, "tp": 2, "cp_impl": "ulysses"}, model_overrides={"kv_heads": 2}),
-     "layout.cp_impl", "ulysses needs KV heads (2) divisible by cp x tp = 2 x 2"),
-    (_spec({"engine": "own", "cp": 2, "tp": 4, "sequence_parallel": True}, seq_len=36,
-           model_overrides={"kv_heads": 4}), "layout.sequence_parallel", "seq_len 36 / cp=2 is not divisible by tp=4"),
+    (
+        _spec({"engine": "own", "cp": 2, "tp": 2, "cp_impl": "ulysses"}, model_overrides={"kv_heads": 2}),
+        "layout.cp_impl",
+        "ulysses needs KV heads (2) divisible by cp x tp = 2 x 2",
+    ),
+    (
+        _spec(
+            {"engine": "own", "cp": 2, "tp": 4, "sequence_parallel": True}, seq_len=36, model_overrides={"kv_heads": 4}
+        ),
+        "layout.sequence_parallel",
+        "seq_len 36 / cp=2 is not divisible by tp=4",
+    ),
     (_spec({"engine": "single", "cp": 2}), "layout.cp", "engine single is one process"),
     (_spec({"engine": "megatron", "cp": 2, "attention": "naive"}), "layout.cp", "Transformer Engine"),
 ]

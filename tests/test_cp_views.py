@@ -22,14 +22,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def record(step: float, layout: dict, parts: dict, sweep: str = "cp") -> dict:
-    lay = {"engine": "own", "tp": 1, "pp": 1, "dp": 1, "cp": 1, "cp_impl": "ring", "micro_batch_size": 1,
-           "activation_checkpointing": "none", "attention": "naive", "rmsnorm": "torch", **layout}
-    rec = new_record({"workload": {"model": "tiny-256", "seq_len": 4096, "global_batch_size": 2}, "layout": lay},
-                     sweep=sweep, point_key=json.dumps(layout, sort_keys=True))
-    rec.update(status="ok", fingerprint={"world_size": 2}, metrics={
-        "step_time_s": {"median": step / 1e3, "ci95_low": step / 1e3, "ci95_high": step / 1e3, "n": 4},
-        "tokens_per_s_per_device": 1e6 / step, "breakdown_ms": {**parts, "step": step},
-        "breakdown_source": "profiler", "collectives": []})
+    lay = {
+        "engine": "own",
+        "tp": 1,
+        "pp": 1,
+        "dp": 1,
+        "cp": 1,
+        "cp_impl": "ring",
+        "micro_batch_size": 1,
+        "activation_checkpointing": "none",
+        "attention": "naive",
+        "rmsnorm": "torch",
+        **layout,
+    }
+    rec = new_record(
+        {"workload": {"model": "tiny-256", "seq_len": 4096, "global_batch_size": 2}, "layout": lay},
+        sweep=sweep,
+        point_key=json.dumps(layout, sort_keys=True),
+    )
+    rec.update(
+        status="ok",
+        fingerprint={"world_size": 2},
+        metrics={
+            "step_time_s": {"median": step / 1e3, "ci95_low": step / 1e3, "ci95_high": step / 1e3, "n": 4},
+            "tokens_per_s_per_device": 1e6 / step,
+            "breakdown_ms": {**parts, "step": step},
+            "breakdown_source": "profiler",
+            "collectives": [],
+        },
+    )
     return rec
 
 
@@ -37,8 +58,11 @@ def record(step: float, layout: dict, parts: dict, sweep: str = "cp") -> dict:
 CP_SWEEP = [
     record(100.0, {"dp": 2}, {"compute": 90.0, "exposed_comm": {"dp": 5.0}, "optimizer": 5.0}),
     record(130.0, {"cp": 2}, {"compute": 90.0, "exposed_comm": {"cp": 30.0, "dp": 5.0}, "optimizer": 5.0}),
-    record(110.0, {"cp": 2, "cp_impl": "ulysses"},
-           {"compute": 92.0, "exposed_comm": {"cp": 8.0, "dp": 5.0}, "optimizer": 5.0}),
+    record(
+        110.0,
+        {"cp": 2, "cp_impl": "ulysses"},
+        {"compute": 92.0, "exposed_comm": {"cp": 8.0, "dp": 5.0}, "optimizer": 5.0},
+    ),
 ]
 
 
@@ -55,8 +79,9 @@ def test_sweep_report_names_cp_in_its_tables_ablation_and_recommendations():
     (t,) = ablation.tables
     assert [r[0] for r in t.rows] == ["cp1", "cp2 ring", "cp2 ulysses"]
     moved = " ".join(ablation.text)
-    assert ("context parallel cp2 ring (own tp1 cp2 ring pp1 dp1" in moved
-            and "exposed cp communication +30.0 ms" in moved)
+    assert (
+        "context parallel cp2 ring (own tp1 cp2 ring pp1 dp1" in moved and "exposed cp communication +30.0 ms" in moved
+    )
     bd = secs["breakdown"].tables[0]
     assert "exposed cp communication" in bd.headers
     captions = [t.caption for t in secs["recommendations"].tables]
@@ -77,23 +102,42 @@ def test_sweep_report_without_cp_has_no_cp_column_or_section():
 
 
 def compare_summary(runs: list[tuple[str, dict, float, dict]]) -> dict:
-    return {"runs": [{"label": label, "layout": {"engine": "own", **lay}, "status": "ok", "is_reference": False,
-                      "metrics": {"step_time_s": {"median": step / 1e3}},
-                      "breakdown_ms": {**parts, "step": step}, "breakdown_source": "profiler"}
-                     for label, lay, step, parts in runs]}
+    return {
+        "runs": [
+            {
+                "label": label,
+                "layout": {"engine": "own", **lay},
+                "status": "ok",
+                "is_reference": False,
+                "metrics": {"step_time_s": {"median": step / 1e3}},
+                "breakdown_ms": {**parts, "step": step},
+                "breakdown_source": "profiler",
+            }
+            for label, lay, step, parts in runs
+        ]
+    }
 
 
 def test_compare_breakdown_and_why_name_exposed_cp_communication_only_where_a_run_had_it():
-    summary = compare_summary([
-        ("own dp2", {"dp": 2}, 100.0, {"compute": 90.0, "exposed_comm": {"tp": 0.0, "dp": 5.0}, "optimizer": 5.0}),
-        ("own cp2 ring", {"cp": 2}, 130.0,
-         {"compute": 90.0, "exposed_comm": {"tp": 0.0, "cp": 30.0, "dp": 5.0}, "optimizer": 5.0})])
+    summary = compare_summary(
+        [
+            ("own dp2", {"dp": 2}, 100.0, {"compute": 90.0, "exposed_comm": {"tp": 0.0, "dp": 5.0}, "optimizer": 5.0}),
+            (
+                "own cp2 ring",
+                {"cp": 2},
+                130.0,
+                {"compute": 90.0, "exposed_comm": {"tp": 0.0, "cp": 30.0, "dp": 5.0}, "optimizer": 5.0},
+            ),
+        ]
+    )
     header, rows = breakdown_rows(summary)
     assert header[2:5] == ["compute", "exposed tp communication", "exposed cp communication"]
     assert [r[4] for r in rows] == ["-", "30.0 ms (23%)"]
     why = " ".join(i for b in why_section(summary).body if hasattr(b, "items") for i in b.items)
-    assert ("own cp2 ring takes 30.0 ms more per profiled step than own dp2 (130.0 against 100.0 ms): "
-            "exposed cp communication +30.0 ms (100% of the difference).") in why
+    assert (
+        "own cp2 ring takes 30.0 ms more per profiled step than own dp2 (130.0 against 100.0 ms): "
+        "exposed cp communication +30.0 ms (100% of the difference)."
+    ) in why
     without = compare_summary([("own dp2", {"dp": 2}, 100.0, {"compute": 95.0, "exposed_comm": {"dp": 5.0}})])
     assert "exposed cp communication" not in breakdown_rows(without)[0]
 
@@ -112,9 +156,14 @@ def test_export_carries_cp_and_old_records_read_cp1():
 
 def test_summary_names_cp_only_with_context_parallelism():
     lay = CP_SWEEP[1]["spec"]["layout"]
-    rec = {"run_id": "r", "status": "failed", "spec": {"workload": {"model": "m", "seq_len": 4096,
-                                                                     "global_batch_size": 2, "precision": "fp32"},
-                                                        "layout": lay}}
+    rec = {
+        "run_id": "r",
+        "status": "failed",
+        "spec": {
+            "workload": {"model": "m", "seq_len": 4096, "global_batch_size": 2, "precision": "fp32"},
+            "layout": lay,
+        },
+    }
     assert "  layout:   engine own tp 1 cp 2 ring pp 1 dp 1 mbs 1" in "\n".join(summary_lines(rec, "s"))
     rec["spec"]["layout"] = {k: v for k, v in lay.items() if k not in ("cp", "cp_impl")}
     assert "  layout:   engine own tp 1 pp 1 dp 1 mbs 1" in "\n".join(summary_lines(rec, "s"))

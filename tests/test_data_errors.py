@@ -45,19 +45,34 @@ def _write(root, files: dict) -> None:
 # (id, argv, files, the line's start, a part of the reason)
 PREPARE = [
     ("not-utf8-text", ["t.txt"], {"t.txt": LATIN1}, "error: t.txt: ", "not UTF-8 text (byte 0xe9 at byte offset 3)"),
-    ("not-utf8-jsonl-line", ["t.jsonl"], {"t.jsonl": b'{"text": "ok"}\n{"text": "caf' + b"\xe9" + b'"}\n'},
-     "error: t.jsonl:2: ", "not UTF-8 text"),
+    (
+        "not-utf8-jsonl-line",
+        ["t.jsonl"],
+        {"t.jsonl": b'{"text": "ok"}\n{"text": "caf' + b"\xe9" + b'"}\n'},
+        "error: t.jsonl:2: ",
+        "not UTF-8 text",
+    ),
     ("not-utf8-second-input", ["a.txt", "b.txt"], {"a.txt": GOOD, "b.txt": LATIN1}, "error: b.txt: ", "not UTF-8"),
     ("empty-text-file", ["e.txt"], {"e.txt": ""}, "error: e.txt: ", "holds no text"),
     ("blank-text-file", ["e.txt"], {"e.txt": "\n  \n"}, "error: e.txt: ", "holds no text"),
     ("jsonl-only-empty-texts", ["e.jsonl"], {"e.jsonl": '{"text": ""}\n\n'}, "error: e.jsonl: ", "holds no text"),
     ("jsonl-line-a-list", ["l.jsonl"], {"l.jsonl": '{"text": "a"}\n[1, 2]\n'}, "error: l.jsonl:2: ", "JSON list"),
-    ("jsonl-line-a-number", ["l.jsonl"], {"l.jsonl": '7\n'}, "error: l.jsonl:1: ", "JSON int"),
-    ("jsonl-text-a-number", ["l.jsonl"], {"l.jsonl": '{"text": 5}\n'}, "error: l.jsonl:1: ",
-     "'text' must be a string, got 5"),
+    ("jsonl-line-a-number", ["l.jsonl"], {"l.jsonl": "7\n"}, "error: l.jsonl:1: ", "JSON int"),
+    (
+        "jsonl-text-a-number",
+        ["l.jsonl"],
+        {"l.jsonl": '{"text": 5}\n'},
+        "error: l.jsonl:1: ",
+        "'text' must be a string, got 5",
+    ),
     ("jsonl-text-null", ["l.jsonl"], {"l.jsonl": '{"text": null}\n'}, "error: l.jsonl:1: ", "got None"),
-    ("tokenizer-not-a-tokenizer", ["t.txt", "--tokenizer", "tok.json"], {"t.txt": GOOD, "tok.json": "{}"},
-     "error: --tokenizer: tok.json: ", "not a tokenizer.json"),
+    (
+        "tokenizer-not-a-tokenizer",
+        ["t.txt", "--tokenizer", "tok.json"],
+        {"t.txt": GOOD, "tok.json": "{}"},
+        "error: --tokenizer: tok.json: ",
+        "not a tokenizer.json",
+    ),
     ("input-is-a-folder", ["d"], {"d": None}, "error: input: ", "is a folder"),
 ]
 
@@ -106,11 +121,16 @@ def test_prepare_skips_empty_documents_and_writes_its_metadata(no_launch, capsys
     _write(no_launch, {"t.jsonl": '{"text": "ab"}\n{"text": ""}\n{"text": "c"}\n'})
     assert cli_main(["data", "prepare", "t.jsonl", "--out", "out.bin"]) == 0
     assert np.fromfile(no_launch / "out.bin", dtype=np.uint16).tolist() == [97, 98, 0, 99, 0]
-    assert json.loads((no_launch / "out.bin.json").read_text()) == {"tokens": 5, "dtype": "uint16",
-                                                                    "vocab_size": 256, "tokenizer": "bytes"}
+    assert json.loads((no_launch / "out.bin.json").read_text()) == {
+        "tokens": 5,
+        "dtype": "uint16",
+        "vocab_size": 256,
+        "tokenizer": "bytes",
+    }
 
 
 # ---------------------------------------------------------------- token files read directly
+
 
 def _file_workload(tmp_path, tokens: bytes, dtype: str = "uint16", meta: dict | None = None):
     path = tmp_path / "d.bin"
@@ -142,11 +162,15 @@ def test_token_source_refuses_a_file_shorter_than_a_global_batch(tmp_path):
         token_source(w, 256)
 
 
-@pytest.mark.parametrize("content, dtype, reason", [
-    (b"\x01" * 4097, "uint16", "not a multiple of the data-type size"),
-    (b"\x01\x00" * 4097, "uint32", "not a multiple of the data-type size"),
-    (b"", "uint16", "empty file"),
-], ids=["odd-bytes", "uint16-as-uint32", "empty"])
+@pytest.mark.parametrize(
+    "content, dtype, reason",
+    [
+        (b"\x01" * 4097, "uint16", "not a multiple of the data-type size"),
+        (b"\x01\x00" * 4097, "uint32", "not a multiple of the data-type size"),
+        (b"", "uint16", "empty file"),
+    ],
+    ids=["odd-bytes", "uint16-as-uint32", "empty"],
+)
 def test_token_file_read_with_the_wrong_dtype_is_a_spec_error(tmp_path, content, dtype, reason):
     path = tmp_path / "d.bin"
     path.write_bytes(content)

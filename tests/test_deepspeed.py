@@ -14,14 +14,31 @@ from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
 
 STEPS = 5
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": STEPS,
+    "warmup_steps": 0,
+    "device": "cpu",
+    "precision": "fp32",
+}
 
 
 def ds_spec(stage=1, ds_config="", **layout):
-    return parse_spec({"workload": dict(WORKLOAD),
-                       "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, "zero_stage": stage,
-                                  "ds_config": ds_config, **layout}})
+    return parse_spec(
+        {
+            "workload": dict(WORKLOAD),
+            "layout": {
+                "engine": "deepspeed",
+                "dp": 2,
+                "micro_batch_size": 2,
+                "zero_stage": stage,
+                "ds_config": ds_config,
+                **layout,
+            },
+        }
+    )
 
 
 def write_config(tmp_path, edit, base="zero2.json"):
@@ -34,6 +51,7 @@ def write_config(tmp_path, edit, base="zero2.json"):
 
 
 # ------------------------------------------------------------------ config filling (no DeepSpeed)
+
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_auto_fields_filled_from_workload(stage):
@@ -120,8 +138,13 @@ def test_fp32_policy_filled():
 
 
 def test_deepspeed_spellings_of_a_dtype_accepted(tmp_path):
-    path = write_config(tmp_path, lambda c: (c["data_types"].update(grad_accum_dtype="float32", param_dtype="bfloat16"),
-                                             c.update(communication_data_type="BF16")))
+    path = write_config(
+        tmp_path,
+        lambda c: (
+            c["data_types"].update(grad_accum_dtype="float32", param_dtype="bfloat16"),
+            c.update(communication_data_type="BF16"),
+        ),
+    )
     cfg, _, _ = build_config(bf16_spec(2, path, grad_reduce_dtype="bf16"), device_type="cpu")
     assert cfg["data_types"]["grad_accum_dtype"] == "float32" and cfg["communication_data_type"] == "BF16"
 
@@ -176,32 +199,46 @@ def test_unfillable_auto_refused(tmp_path):
 def test_contradicting_config_through_cli(tmp_path, cli):
     """`harness train` refuses it with one line and exit code 2, before DeepSpeed starts."""
     path = write_config(tmp_path, lambda c: c.update(train_batch_size=16))
-    spec = {"workload": dict(WORKLOAD), "layout": {"engine": "deepspeed", "dp": 1, "micro_batch_size": 2,
-                                                    "zero_stage": 2, "ds_config": path}}
+    spec = {
+        "workload": dict(WORKLOAD),
+        "layout": {"engine": "deepspeed", "dp": 1, "micro_batch_size": 2, "zero_stage": 2, "ds_config": path},
+    }
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     r = cli("train", "spec.yaml", "--store", str(tmp_path / "r.sqlite"), cwd=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr
     line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"error: {os.path.relpath(path, tmp_path)}: train_batch_size: ") or \
-        line.startswith(f"error: {path}: train_batch_size: "), r.stderr
+    assert line.startswith(f"error: {os.path.relpath(path, tmp_path)}: train_batch_size: ") or line.startswith(
+        f"error: {path}: train_batch_size: "
+    ), r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_contradicting_config_through_compare_cli(tmp_path, cli):
     """`harness compare` checks every layout before launching any."""
     path = write_config(tmp_path, lambda c: c["optimizer"]["params"].update(lr=1.0))
-    spec = {"workload": dict(WORKLOAD), "nproc": 2,
-            "runs": [{"engine": "deepspeed", "zero_stage": 2, "ds_config": path}]}
+    spec = {
+        "workload": dict(WORKLOAD),
+        "nproc": 2,
+        "runs": [{"engine": "deepspeed", "zero_stage": 2, "ds_config": path}],
+    }
     (tmp_path / "cmp.yaml").write_text(yaml.safe_dump(spec))
     r = cli("compare", "cmp.yaml", "--store", str(tmp_path / "r.sqlite"), "--out", str(tmp_path), cwd=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert r.stderr.strip().splitlines()[-1].endswith(
-        "my_ds.json: optimizer.params.lr: 1.0 contradicts the workload's optimizer.lr = 0.0003; use \"auto\" or 0.0003")
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "my_ds.json: optimizer.params.lr: 1.0 contradicts the workload's optimizer.lr = 0.0003; "
+            'use "auto" or 0.0003'
+        )
+    )
     assert not os.path.exists(tmp_path / "r.sqlite") or "ok" not in (tmp_path / "r.sqlite").read_bytes().decode(
-        "latin-1")
+        "latin-1"
+    )
 
 
 # ------------------------------------------------------------------ equivalence with the reference
+
 
 def reference():
     return reference_run(WORKLOAD, STEPS, micro_batch_size=2)
@@ -211,15 +248,23 @@ def reference():
 def test_zero_stages_match_single_device_reference():
     """ZeRO-1, 2, 3 (and with DeepSpeed's or the model's checkpointing, ZeRO-3 on transformers' Llama)
     reproduce the reference's losses within 1e-5 relative and its weights after 5 steps."""
-    layouts = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
-               {"zero_stage": 2, "activation_checkpointing": "full"},
-               {"zero_stage": 3, "activation_checkpointing": "full"},
-               {"zero_stage": 1, "activation_checkpointing": "selective"},
-               {"zero_stage": 3, "model_impl": "hf"}]
-    runs = [{"workload": dict(WORKLOAD),
-             "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, **lay}} for lay in layouts]
-    bf16 = {"workload": {**WORKLOAD, "precision": "bf16"},
-            "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, "zero_stage": 3}}
+    layouts = [
+        {"zero_stage": 1},
+        {"zero_stage": 2},
+        {"zero_stage": 3},
+        {"zero_stage": 2, "activation_checkpointing": "full"},
+        {"zero_stage": 3, "activation_checkpointing": "full"},
+        {"zero_stage": 1, "activation_checkpointing": "selective"},
+        {"zero_stage": 3, "model_impl": "hf"},
+    ]
+    runs = [
+        {"workload": dict(WORKLOAD), "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, **lay}}
+        for lay in layouts
+    ]
+    bf16 = {
+        "workload": {**WORKLOAD, "precision": "bf16"},
+        "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, "zero_stage": 3},
+    }
     results = spawn(run_losses, 2, runs + [bf16], STEPS, True, timeout_s=400)
     ref_losses, ref_state = reference()
     for lay, result in zip(layouts, results[:-1], strict=True):
@@ -231,8 +276,9 @@ def test_zero_stages_match_single_device_reference():
     d = results[-1]["describe"]
     assert d["precision_policy"].startswith("bf16 parameters for compute, fp32 master parameters")
     assert "precision_note" not in d
-    assert d["precision_config"].endswith("communication_data_type fp32, bf16.check_grad_overflow false "
-                                          "-> DeepSpeedZeroOptimizer_Stage3")
+    assert d["precision_config"].endswith(
+        "communication_data_type fp32, bf16.check_grad_overflow false -> DeepSpeedZeroOptimizer_Stage3"
+    )
     assert results[0]["describe"]["optimizer"].endswith("AdamW")
     assert results[2]["describe"]["zero_stage"] == 3
     assert results[3]["describe"]["activation_checkpointing"].startswith("deepspeed.checkpointing")

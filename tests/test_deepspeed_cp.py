@@ -11,13 +11,27 @@ from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
 
 STEPS = 5
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": STEPS,
+    "warmup_steps": 0,
+    "device": "cpu",
+    "precision": "fp32",
+}
 
 
 def cp_layout(**layout):
-    return {"engine": "deepspeed", "cp": 2, "cp_impl": "ulysses", "dp": 1, "micro_batch_size": 4, "zero_stage": 1,
-            **layout}
+    return {
+        "engine": "deepspeed",
+        "cp": 2,
+        "cp_impl": "ulysses",
+        "dp": 1,
+        "micro_batch_size": 4,
+        "zero_stage": 1,
+        **layout,
+    }
 
 
 def refusal(model="tiny", **layout) -> SpecError:
@@ -28,23 +42,30 @@ def refusal(model="tiny", **layout) -> SpecError:
 
 # ------------------------------------------------------------------ refusals (no processes)
 
+
 def test_cp_other_than_ulysses_refused():
     e = refusal(cp_impl="ring")
     assert e.field == "layout.cp_impl" and "Ulysses (DistributedAttention)" in e.reason
 
 
-@pytest.mark.parametrize("layout,words", [({"pp": 2, "zero_stage": 1}, "pipeline engine"),
-                                          ({"tp": 2, "model": "tiny-4l"}, "AutoTP"),  # 4 KV heads
-                                          ({"model_impl": "hf"}, "model_impl: own")],
-                         ids=["pp", "tp", "hf"])
+@pytest.mark.parametrize(
+    "layout,words",
+    [
+        ({"pp": 2, "zero_stage": 1}, "pipeline engine"),
+        ({"tp": 2, "model": "tiny-4l"}, "AutoTP"),  # 4 KV heads
+        ({"model_impl": "hf"}, "model_impl: own"),
+    ],
+    ids=["pp", "tp", "hf"],
+)
 def test_what_does_not_combine_with_ulysses_refused(layout, words):
     e = refusal(**layout)
     assert e.field == "layout.cp" and words in e.reason and "\n" not in e.reason
 
 
 def test_ulysses_accepted_and_its_reduction_dtype_follows_the_policy():
-    spec = parse_spec({"workload": {**WORKLOAD, "precision": "bf16", "grad_reduce_dtype": "bf16"},
-                       "layout": cp_layout()})
+    spec = parse_spec(
+        {"workload": {**WORKLOAD, "precision": "bf16", "grad_reduce_dtype": "bf16"}, "layout": cp_layout()}
+    )
     cfg, _, filled = build_config(spec, dp=1, device_type="cpu")
     assert cfg["seq_parallel_communication_data_type"] == "bf16" and "seq_parallel_communication_data_type" in filled
     assert cfg["gradient_accumulation_steps"] == 2  # 8 sequences / (dp 1 x micro-batch 4): cp ranks share them
@@ -69,13 +90,18 @@ def test_reduce_scatter_off_refused_with_ulysses(tmp_path):
 
 # ------------------------------------------------------------------ equivalence with the reference
 
+
 @pytest.mark.slow
 def test_ulysses_with_zero_stages_matches_single_device_reference():
     """cp2 Ulysses under ZeRO-1, 2 and 3, and ZeRO-3 with full checkpointing (one
     launch of 2 ranks): the reference's losses within 1e-5 relative and its weights after 5 steps;
     bf16 ZeRO-3 within the bf16 tolerance; a dp2 run after them in the same processes unchanged."""
-    layouts = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
-               {"zero_stage": 3, "activation_checkpointing": "full"}]
+    layouts = [
+        {"zero_stage": 1},
+        {"zero_stage": 2},
+        {"zero_stage": 3},
+        {"zero_stage": 3, "activation_checkpointing": "full"},
+    ]
     runs = [{"workload": dict(WORKLOAD), "layout": cp_layout(**lay)} for lay in layouts]
     bf16 = {"workload": {**WORKLOAD, "precision": "bf16"}, "layout": cp_layout(zero_stage=3)}
     # then plain dp2 in the same processes: DeepSpeed keeps the last mpu process-wide, the adapter drops it
@@ -86,8 +112,10 @@ def test_ulysses_with_zero_stages_matches_single_device_reference():
     assert_matches_reference(results.pop(), ref_losses, ref_state, "ZeRO-1 dp2 after Ulysses")
     bf16_result = results.pop()
     assert_matches_reference(bf16_result, bf16_ref, None, "ZeRO-3 cp2 ulysses bf16", rtol=1e-3)
-    print("ZeRO-3 cp2 ulysses bf16: max relative loss error "
-          f"{max(abs(a - b) / abs(b) for a, b in zip(bf16_result['losses'], bf16_ref, strict=False)):.2e}")
+    print(
+        "ZeRO-3 cp2 ulysses bf16: max relative loss error "
+        f"{max(abs(a - b) / abs(b) for a, b in zip(bf16_result['losses'], bf16_ref, strict=False)):.2e}"
+    )
     for lay, result in zip(layouts, results, strict=True):
         assert_matches_reference(result, ref_losses, ref_state, f"{lay} cp2 ulysses")
         loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses, strict=False))

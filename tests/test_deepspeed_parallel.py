@@ -18,24 +18,36 @@ from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
 
 STEPS = 5
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,
-            "device": "cpu", "precision": "fp32", "optimizer": {"lr": 1.0, "eps": 1.0}, "grad_clip": 0.5}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": STEPS,
+    "warmup_steps": 0,
+    "device": "cpu",
+    "precision": "fp32",
+    "optimizer": {"lr": 1.0, "eps": 1.0},
+    "grad_clip": 0.5,
+}
 PLANTED_SEED = 4321
 
 # world size -> layouts run in one launch (micro_batch_size 2 unless given)
 LAYOUTS = {
-    2: [{"pp": 2, "activation_checkpointing": "full"},            # ZeRO-0 (the default) under the pipeline
+    2: [
+        {"pp": 2, "activation_checkpointing": "full"},  # ZeRO-0 (the default) under the pipeline
         {"tp": 2, "zero_stage": 1, "activation_checkpointing": "full"},
-        {"tp": 2, "zero_stage": 3, "model_impl": "hf"}],
-    4: [{"pp": 2, "dp": 2, "zero_stage": 1, "activation_checkpointing": "selective"},
+        {"tp": 2, "zero_stage": 3, "model_impl": "hf"},
+    ],
+    4: [
+        {"pp": 2, "dp": 2, "zero_stage": 1, "activation_checkpointing": "selective"},
         {"tp": 2, "dp": 2, "zero_stage": 1},
-        {"tp": 2, "dp": 2, "zero_stage": 3}],
+        {"tp": 2, "dp": 2, "zero_stage": 3},
+    ],
 }
 
 
 def run_dict(layout: dict, **workload) -> dict:
-    return {"workload": {**WORKLOAD, **workload},
-            "layout": {"engine": "deepspeed", "micro_batch_size": 2, **layout}}
+    return {"workload": {**WORKLOAD, **workload}, "layout": {"engine": "deepspeed", "micro_batch_size": 2, **layout}}
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +71,11 @@ def launched():
     return get
 
 
-PARAMS = [pytest.param(world, i, id=f"w{world}-" + "-".join(f"{k}{v}" for k, v in lay.items()))
-          for world, layouts in LAYOUTS.items() for i, lay in enumerate(layouts)]
+PARAMS = [
+    pytest.param(world, i, id=f"w{world}-" + "-".join(f"{k}{v}" for k, v in lay.items()))
+    for world, layouts in LAYOUTS.items()
+    for i, lay in enumerate(layouts)
+]
 
 
 @pytest.mark.slow
@@ -105,9 +120,12 @@ def test_clipping_acts_on_the_equivalence_workload(reference):
 
 # ------------------------------------------------------------------ what DeepSpeed cannot run
 
+
 def ds_layout(**layout):
-    return {"workload": {"model": "tiny", "global_batch_size": 8},
-            "layout": {"engine": "deepspeed", "micro_batch_size": 2, **layout}}
+    return {
+        "workload": {"model": "tiny", "global_batch_size": 8},
+        "layout": {"engine": "deepspeed", "micro_batch_size": 2, **layout},
+    }
 
 
 REFUSED = [
@@ -121,8 +139,11 @@ REFUSED = [
     # virtual stages need the interleaved schedule, which DeepSpeed's pipeline engine does not run
     (dict(zero_stage=1, pipeline_schedule="interleaved", virtual_stages=2), "layout.pipeline_schedule", "1F1B"),
     (dict(pp=2, zero_stage=1, model_impl="hf"), "layout.model_impl", "not a pipeline of layers"),
-    (dict(zero_stage=1, model_impl="hf", activation_checkpointing="selective"), "layout.activation_checkpointing",
-     "selective is not offered"),
+    (
+        dict(zero_stage=1, model_impl="hf", activation_checkpointing="selective"),
+        "layout.activation_checkpointing",
+        "selective is not offered",
+    ),
     (dict(tp=2, zero_stage=1, model_impl="hf", attention="sdpa_flash"), "layout.attention", "naive (eager) or sdpa"),
     (dict(zero_stage=1, model_impl="hf", rmsnorm="fused"), "layout.rmsnorm", "fused needs model_impl own"),
     (dict(pp=2, zero_stage=1, pipeline_p2p="grouped"), "layout.pipeline_p2p", "own engine"),
@@ -159,19 +180,30 @@ def test_precision_refusal_through_cli(tmp_path, cli):
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     r = cli("train", "spec.yaml", "--store", str(tmp_path / "r.sqlite"), cwd=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("error: workload.grad_accum_dtype: DeepSpeed's pipeline "
-                                                         "engine without ZeRO"), r.stderr
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: workload.grad_accum_dtype: DeepSpeed's pipeline engine without ZeRO")
+    ), r.stderr
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=2, dp=2, zero_stage=1, activation_checkpointing="full"),
-                                    dict(tp=2, zero_stage=3), dict(tp=2, dp=2, zero_stage=2, model_impl="hf")],
-                         ids=str)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(pp=2),
+        dict(pp=2, dp=2, zero_stage=1, activation_checkpointing="full"),
+        dict(tp=2, zero_stage=3),
+        dict(tp=2, dp=2, zero_stage=2, model_impl="hf"),
+    ],
+    ids=str,
+)
 def test_accepted(layout):
     parse_spec(ds_layout(**layout))
 
 
 # ------------------------------------------------------------------ configs for pp and tp
+
 
 def test_config_for_tensor_parallel_counts_dp_without_tp():
     spec = parse_spec(ds_layout(tp=2, dp=2, zero_stage=3))
@@ -218,5 +250,6 @@ def test_pipeline_checkpoint_interval_follows_the_layout(tmp_path):
     assert "layout.activation_checkpointing" in e.value.reason
     path = config_file(tmp_path, pipeline={"activation_checkpoint_interval": "auto"})
     cfg, _, filled = build_config(parse_spec(ds_layout(pp=2, zero_stage=1, ds_config=path)), device_type="cpu")
-    assert (cfg["pipeline"]["activation_checkpoint_interval"] == 0
-            and "pipeline.activation_checkpoint_interval" in filled)
+    assert (
+        cfg["pipeline"]["activation_checkpoint_interval"] == 0 and "pipeline.activation_checkpoint_interval" in filled
+    )

@@ -33,8 +33,11 @@ def degree_arithmetic(source: str, where: str = "") -> list[str]:
     """Each `a op b` with op one of * / // % whose two sides are both degrees or world sizes
     (tp * pp, gpus // (tp * pp), world % dp); a tensor dimension over its degree (vocab / tp) passes."""
     ops = (ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)
-    return [f"{where}:{n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(source))
-            if isinstance(n, ast.BinOp) and isinstance(n.op, ops) and _of_degrees(n.left) and _of_degrees(n.right)]
+    return [
+        f"{where}:{n.lineno}: {ast.unparse(n)}"
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ops) and _of_degrees(n.left) and _of_degrees(n.right)
+    ]
 
 
 def test_no_code_outside_the_owner_multiplies_or_divides_degrees():
@@ -49,14 +52,20 @@ def test_no_code_outside_the_owner_multiplies_or_divides_degrees():
 def test_the_guard_sees_degree_products_and_lets_sharding_math_pass():
     probe = "a = lay.tp * lay.pp\nb = gpus // (tp * pp)\nc = vocab // lay.tp\nd = batch // (dp * mb)\ne = -tp * dp\n"
     assert sorted(h.split(": ", 1)[1] for h in degree_arithmetic(probe)) == [
-        "-tp * dp", "gpus // (tp * pp)", "lay.tp * lay.pp", "tp * pp"]
+        "-tp * dp",
+        "gpus // (tp * pp)",
+        "lay.tp * lay.pp",
+        "tp * pp",
+    ]
 
 
 def test_the_study_csvs_world_size_must_divide_by_its_model_parallel_degrees(tmp_path):
     from harness.planner.paper import load_sweep
 
-    header = ("Trial ID,World Size,Average Step Time,Average MFU,activation_checkpointing_type,kernel,"
-              "micro_batch_size,model_parallel_size,pipe_parallel_size\n")
+    header = (
+        "Trial ID,World Size,Average Step Time,Average MFU,activation_checkpointing_type,kernel,"
+        "micro_batch_size,model_parallel_size,pipe_parallel_size\n"
+    )
     path = tmp_path / "llama_13B_seq2048.csv"
     path.write_text(header + "1,32,1.0,0.5,disabled,flash_attention2,1,4,2\n")
     assert load_sweep(path)[0].layout.dp == 4

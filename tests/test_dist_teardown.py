@@ -18,8 +18,9 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 def _rank(rank: int, port: int, out: str) -> None:
     from harness import runtime as hd
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
     hd.END_BARRIER_TIMEOUT_S = 3
     ctx = hd.init("cpu")
     dist.all_reduce(torch.ones(1))  # both ranks in the group

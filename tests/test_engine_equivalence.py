@@ -47,14 +47,28 @@ def bf16(case: dict, **dtypes) -> dict:
 CASES = {
     1: [
         {"layout": {}},
-        {"layout": {"pipeline_schedule": "interleaved", "virtual_stages": 2, "micro_batch_size": 2,
-                    "activation_checkpointing": "full"}, "workload": FOUR},
+        {
+            "layout": {
+                "pipeline_schedule": "interleaved",
+                "virtual_stages": 2,
+                "micro_batch_size": 2,
+                "activation_checkpointing": "full",
+            },
+            "workload": FOUR,
+        },
         bf16({"layout": {"micro_batch_size": 2, "activation_checkpointing": "selective"}}, grad_accum_dtype="bf16"),
     ],
     2: [
         {"layout": {"tp": 2, "attention": "naive"}},
-        {"layout": {"tp": 2, "sequence_parallel": True, "micro_batch_size": 2, "activation_checkpointing": "selective",
-                    "rmsnorm": "fused"}},
+        {
+            "layout": {
+                "tp": 2,
+                "sequence_parallel": True,
+                "micro_batch_size": 2,
+                "activation_checkpointing": "selective",
+                "rmsnorm": "fused",
+            }
+        },
         {"layout": {"pp": 2, "activation_checkpointing": "full"}},
         # grouped: the NCCL transfer mode, run on gloo
         {"layout": {"pp": 2, "pipeline_schedule": "gpipe", "micro_batch_size": 2, "pipeline_p2p": "grouped"}},
@@ -70,20 +84,56 @@ CASES = {
         bf16({"layout": {"dp": 2, "zero_stage": 1}}, grad_accum_dtype="bf16", grad_reduce_dtype="bf16"),
     ],
     4: [
-        {"layout": {"tp": 2, "pp": 2, "sequence_parallel": True, "pipeline_schedule": "interleaved",
-                    "virtual_stages": 2, "pipeline_p2p": "grouped"}, "workload": FOUR},
-        {"layout": {"tp": 2, "dp": 2, "sequence_parallel": True, "zero_stage": 1, "micro_batch_size": 2,
-                    "activation_checkpointing": "full"}},
+        {
+            "layout": {
+                "tp": 2,
+                "pp": 2,
+                "sequence_parallel": True,
+                "pipeline_schedule": "interleaved",
+                "virtual_stages": 2,
+                "pipeline_p2p": "grouped",
+            },
+            "workload": FOUR,
+        },
+        {
+            "layout": {
+                "tp": 2,
+                "dp": 2,
+                "sequence_parallel": True,
+                "zero_stage": 1,
+                "micro_batch_size": 2,
+                "activation_checkpointing": "full",
+            }
+        },
         {"layout": {"pp": 2, "dp": 2, "dp_bucket_mb": 0.05}},
         bf16({"layout": {"tp": 2, "dp": 2, "sequence_parallel": True, "zero_stage": 1}}, grad_reduce_dtype="bf16"),
     ],
     8: [
-        {"layout": {"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True, "zero_stage": 1, "dp_bucket_mb": 0.05,
-                    "activation_checkpointing": "selective"}},
-        {"layout": {"tp": 2, "pp": 2, "dp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2,
-                    "activation_checkpointing": "full"}, "workload": FOUR},
+        {
+            "layout": {
+                "tp": 2,
+                "pp": 2,
+                "dp": 2,
+                "sequence_parallel": True,
+                "zero_stage": 1,
+                "dp_bucket_mb": 0.05,
+                "activation_checkpointing": "selective",
+            }
+        },
+        {
+            "layout": {
+                "tp": 2,
+                "pp": 2,
+                "dp": 2,
+                "pipeline_schedule": "interleaved",
+                "virtual_stages": 2,
+                "activation_checkpointing": "full",
+            },
+            "workload": FOUR,
+        },
     ],
 }
+
 
 def _param(world, index):  # world 1 runs in this process; the others launch gloo ranks
     return pytest.param(world, index, id=f"w{world}-{index}", marks=[pytest.mark.slow] if world > 1 else [])
@@ -103,9 +153,17 @@ def _run_in_process(cases):
         shape = resolve_shape(spec.workload.model, spec.workload.model_overrides)
         eng = build(spec, shape, ctx)
         losses = [float(eng.train_step(b)) for b in E.batches(spec, shape, 5)]
-        out.append({"case": case, "losses": losses, "state": eng.full_state_dict(),
-                    "comm": eng.last_step_details()["comm"], "comm_first": eng.last_step_details()["comm"],
-                    "details": eng.last_step_details(), "coord": eng.mesh.coord})
+        out.append(
+            {
+                "case": case,
+                "losses": losses,
+                "state": eng.full_state_dict(),
+                "comm": eng.last_step_details()["comm"],
+                "comm_first": eng.last_step_details()["comm"],
+                "details": eng.last_step_details(),
+                "coord": eng.mesh.coord,
+            }
+        )
     return [out]
 
 
@@ -144,8 +202,9 @@ def test_comm_counts_match_the_closed_form(launched, world, index):
     shape = resolve_shape(spec.workload.model, spec.workload.model_overrides)
     for r in range(world):
         w = spec.workload
-        expected = rank_comm(shape, spec.layout, w.seq_len, w.global_batch_size, r, w.precision,
-                             w.grad_accum_dtype, w.grad_reduce_dtype)
+        expected = rank_comm(
+            shape, spec.layout, w.seq_len, w.global_batch_size, r, w.precision, w.grad_accum_dtype, w.grad_reduce_dtype
+        )
         assert per_rank[r][index]["comm"] == expected, f"rank {r}"
         assert per_rank[r][index]["comm_first"] == expected, f"rank {r} (first step)"
 

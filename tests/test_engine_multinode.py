@@ -42,12 +42,35 @@ def test_two_node_run_on_loopback(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "harness.cli", "train", str(spec), "--store", str(store), "--run-id", "two-node",
-               "--no-progress"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))  # its own group: a kill ends its workers too
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "harness.cli",
+            "train",
+            str(spec),
+            "--store",
+            str(store),
+            "--run-id",
+            "two-node",
+            "--no-progress",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
+        )  # its own group: a kill ends its workers too
     outs, timed_out = [], False
     for p in procs:
         try:
@@ -61,9 +84,9 @@ def test_two_node_run_on_loopback(tmp_path):
                     pass
             out, _ = p.communicate()
         outs.append(out)
-    assert not timed_out and all(p.returncode == 0 for p in procs), \
-        "\n\n".join(f"node {i} (rc {p.returncode}):\n{o[-3000:]}"
-                    for i, (p, o) in enumerate(zip(procs, outs, strict=True)))
+    assert not timed_out and all(p.returncode == 0 for p in procs), "\n\n".join(
+        f"node {i} (rc {p.returncode}):\n{o[-3000:]}" for i, (p, o) in enumerate(zip(procs, outs, strict=True))
+    )
     record = ResultsStore(str(store)).get("two-node")
     assert record is not None and record["status"] == "ok", record and record.get("error")
     m = record["metrics"]
@@ -75,6 +98,16 @@ def test_two_node_run_on_loopback(tmp_path):
 
     from harness.testing.reference import mismatches, reference_run
 
-    ref, _ = reference_run({"model": "tiny", "seq_len": 16, "global_batch_size": 4, "steps": 3, "warmup_steps": 1,
-                            "precision": "fp32", "device": "cpu"}, steps=4)
+    ref, _ = reference_run(
+        {
+            "model": "tiny",
+            "seq_len": 16,
+            "global_batch_size": 4,
+            "steps": 3,
+            "warmup_steps": 1,
+            "precision": "fp32",
+            "device": "cpu",
+        },
+        steps=4,
+    )
     assert not mismatches({"losses": m["losses"]}, ref, None)

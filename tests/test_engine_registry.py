@@ -16,7 +16,7 @@ from harness.frameworks import build_engine
 from harness.report.compare_layouts import layout_matrix
 from harness.spec import Layout, Workload, engine_variant, parse_spec
 
-TOY_FACTS = '''
+TOY_FACTS = """
 from harness.registry import ANY, EVERY_ENGINE, EngineFacts
 
 ENGINE = EngineFacts(
@@ -25,11 +25,11 @@ ENGINE = EngineFacts(
     capabilities=[("tp", lambda l: l.tp == 1, "engine {engine} has no tensor parallelism")],
     label=lambda lay: "toy engine",
 )
-'''
-TOY_ADAPTER = '''
+"""
+TOY_ADAPTER = """
 def build(spec, shape, ctx):
     return ("built", spec.layout.engine, ctx)
-'''
+"""
 WORKLOAD = {"model": "tiny", "seq_len": 16, "global_batch_size": 4, "steps": 2, "warmup_steps": 1, "device": "cpu"}
 
 
@@ -59,17 +59,33 @@ def test_a_registered_engine_is_a_choice_checked_by_its_own_rules_and_built(toy)
 
 
 def test_a_registered_engine_is_named_in_the_compare_matrix(toy):
-    cs = parse_compare_spec({"name": "m", "nproc": 2, "parity_steps": 1, "reference": False, "workload": WORKLOAD,
-                             "matrix": {"engines": [{"engine": "own"}, {"engine": "toy"}],
-                                        "layouts": [{"dp": 2}, {"tp": 2}]}})
+    cs = parse_compare_spec(
+        {
+            "name": "m",
+            "nproc": 2,
+            "parity_steps": 1,
+            "reference": False,
+            "workload": WORKLOAD,
+            "matrix": {"engines": [{"engine": "own"}, {"engine": "toy"}], "layouts": [{"dp": 2}, {"tp": 2}]},
+        }
+    )
     assert [r.label for r in cs.runs] == ["own dp2", "toy engine dp2", "own tp2"]
     assert [r.launcher for r in cs.runs] == ["torchrun"] * 3
     assert cs.not_runnable[0]["why"] == "layout.tp: engine toy has no tensor parallelism"
     step = {"median": 0.01, "ci95_low": 0.009, "ci95_high": 0.012}
-    summary = {"runs": [{"label": r.label, "layout": dataclasses.asdict(r.spec.layout), "status": "ok",
-                         "metrics": {"step_time_s": step}} for r in cs.runs],
-               "parity": {"runs": [{"label": r.label, "verdict": "pass"} for r in cs.runs]},
-               "not_runnable": cs.not_runnable}
+    summary = {
+        "runs": [
+            {
+                "label": r.label,
+                "layout": dataclasses.asdict(r.spec.layout),
+                "status": "ok",
+                "metrics": {"step_time_s": step},
+            }
+            for r in cs.runs
+        ],
+        "parity": {"runs": [{"label": r.label, "verdict": "pass"} for r in cs.runs]},
+        "not_runnable": cs.not_runnable,
+    }
     header, rows = layout_matrix(summary)
     assert header == ["layout", "own", "toy engine"]
     by_row = {r[0]: r[1:] for r in rows}
@@ -147,11 +163,13 @@ def test_reading_every_engines_facts_imports_no_torch():
     them without importing torch or DeepSpeed (their build() imports the engine)."""
     from conftest import heavy_imports_after
 
-    code = ("from harness import registry\n"
-            "from harness.spec import engine_variant, parse_spec\n"
-            "for name in registry.ENGINES:\n"
-            "    registry.facts(name)\n"
-            "    engine_variant({'engine': name})\n"
-            "parse_spec({'layout': {'engine': 'deepspeed', 'dp': 2, 'zero_stage': 1}})\n")
+    code = (
+        "from harness import registry\n"
+        "from harness.spec import engine_variant, parse_spec\n"
+        "for name in registry.ENGINES:\n"
+        "    registry.facts(name)\n"
+        "    engine_variant({'engine': name})\n"
+        "parse_spec({'layout': {'engine': 'deepspeed', 'dp': 2, 'zero_stage': 1}})\n"
+    )
     heavy = heavy_imports_after(code)
     assert not heavy, heavy[:5]

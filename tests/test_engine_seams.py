@@ -53,8 +53,15 @@ def test_own_engine_tells_its_phases_and_takes_the_optimizer_factory():
     batch = E.batches(spec, shape, 1)[0]
     loss = eng.train_step(batch)
     assert isinstance(loss, torch.Tensor) and loss.dim() == 0
-    assert hooks.calls == ["forward chunk 0 micro-batch 0", "end", "backward chunk 0 micro-batch 0",
-                           "forward chunk 0 micro-batch 1", "end", "backward chunk 0 micro-batch 1", "optimizer"]
+    assert hooks.calls == [
+        "forward chunk 0 micro-batch 0",
+        "end",
+        "backward chunk 0 micro-batch 0",
+        "forward chunk 0 micro-batch 1",
+        "end",
+        "backward chunk 0 micro-batch 1",
+        "optimizer",
+    ]
     plain = build(spec, shape, ctx)  # the default build: the same step, the same loss
     assert float(plain.train_step(batch)) == float(loss)
 

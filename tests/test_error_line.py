@@ -12,8 +12,15 @@ from harness import launch
 from harness.store import SCHEMA_VERSION, ResultsStore
 
 REFUSAL = "error: layout.attention: flash2 needs a CUDA device; this machine has none"
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": 2,
+    "warmup_steps": 1,
+    "device": "cpu",
+    "precision": "fp32",
+}
 
 
 def _refusing_module(tmp_path) -> dict:
@@ -23,7 +30,8 @@ def _refusing_module(tmp_path) -> dict:
     (pkg / "refuse_run.py").write_text(
         "import sys\nprint('loading spec', flush=True)\n"
         f"print({REFUSAL!r}, file=sys.stderr, flush=True)\n"
-        "print('error: a later line, not the cause', file=sys.stderr)\nsys.exit(2)\n")
+        "print('error: a later line, not the cause', file=sys.stderr)\nsys.exit(2)\n"
+    )
     return {"PYTHONPATH": str(pkg) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
@@ -31,9 +39,16 @@ def _refusing_module(tmp_path) -> dict:
 def test_launch_carries_the_first_error_line_into_the_record(tmp_path):
     store = str(tmp_path / "r.sqlite")
     spec = {"workload": dict(WORKLOAD), "layout": {"attention": "flash2"}}
-    rec = launch.run_spec(spec, nproc=1, launcher="direct", store_path=store, timeout_s=60,
-                          extra_env=_refusing_module(tmp_path), log_dir=str(tmp_path / "logs"),
-                          module="refuse_run")
+    rec = launch.run_spec(
+        spec,
+        nproc=1,
+        launcher="direct",
+        store_path=store,
+        timeout_s=60,
+        extra_env=_refusing_module(tmp_path),
+        log_dir=str(tmp_path / "logs"),
+        module="refuse_run",
+    )
     assert rec["status"] == "failed" and rec["launch"]["exit_code"] == 2
     assert rec["error_line"] == REFUSAL
     assert rec["error"].startswith(REFUSAL + "\n")
@@ -60,10 +75,17 @@ def test_every_view_shows_the_error_line(tmp_path, monkeypatch):
     from harness.sweep.spec import parse_sweep
 
     def refused(spec, **kw):  # what run_spec returns for a refused run
-        rec = {"schema_version": SCHEMA_VERSION, "run_id": "r1" + kw["point_key"], "status": "failed", "spec": spec,
-               "sweep": kw["sweep"], "point_key": kw["point_key"], "error_line": REFUSAL,
-               "error": "rank 0 failed first: exit code 2, per torchrun\n---\n" + REFUSAL,
-               "launch": {"exit_code": 2}}
+        rec = {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": "r1" + kw["point_key"],
+            "status": "failed",
+            "spec": spec,
+            "sweep": kw["sweep"],
+            "point_key": kw["point_key"],
+            "error_line": REFUSAL,
+            "error": "rank 0 failed first: exit code 2, per torchrun\n---\n" + REFUSAL,
+            "launch": {"exit_code": 2},
+        }
         ResultsStore(kw["store_path"]).write(rec)
         return rec
 
@@ -71,8 +93,15 @@ def test_every_view_shows_the_error_line(tmp_path, monkeypatch):
     lines = []
     sweep = parse_sweep({"name": "s", "gpus": 1, "workload": dict(WORKLOAD), "layout": {"attention": "flash2"}})
     store = str(tmp_path / "r.sqlite")
-    counts = run_sweep(sweep, launcher="direct", store_path=store, timeout_s=60, progress=False,
-                       echo=lines.append, log_dir=str(tmp_path / "logs"))
+    counts = run_sweep(
+        sweep,
+        launcher="direct",
+        store_path=store,
+        timeout_s=60,
+        progress=False,
+        echo=lines.append,
+        log_dir=str(tmp_path / "logs"),
+    )
     assert counts["failed"] == 1
     (rec,) = [r for r in ResultsStore(store).records() if r.get("sweep") == "s"]
     row = to_row(rec)
@@ -85,8 +114,15 @@ def test_every_view_shows_the_error_line(tmp_path, monkeypatch):
     from harness.compare.spec import parse_compare_spec
     from harness.report.compare import write_report
 
-    cs = parse_compare_spec({"name": "t", "nproc": 2, "parity_steps": 2, "workload": dict(WORKLOAD),
-                             "runs": [{"engine": "own", "attention": "flash2"}]})
+    cs = parse_compare_spec(
+        {
+            "name": "t",
+            "nproc": 2,
+            "parity_steps": 2,
+            "workload": dict(WORKLOAD),
+            "runs": [{"engine": "own", "attention": "flash2"}],
+        }
+    )
 
     def fake(spec, *, nproc, launcher, store_path, timeout_s, sweep, point_key, log_dir):
         return refused(spec, store_path=store_path, sweep=sweep, point_key=point_key)
@@ -102,15 +138,29 @@ def test_sweep_console_line_names_the_error_line(tmp_path, monkeypatch, capsys):
     from harness.sweep.spec import parse_sweep
 
     def refused(spec, **kw):
-        rec = {"run_id": "r1", "status": "failed", "spec": spec, "sweep": kw["sweep"], "point_key": kw["point_key"],
-               "error_line": REFUSAL, "error": "exitcode: 2\n" + REFUSAL}
+        rec = {
+            "run_id": "r1",
+            "status": "failed",
+            "spec": spec,
+            "sweep": kw["sweep"],
+            "point_key": kw["point_key"],
+            "error_line": REFUSAL,
+            "error": "exitcode: 2\n" + REFUSAL,
+        }
         ResultsStore(kw["store_path"]).write(rec)
         return rec
 
     monkeypatch.setattr(launch, "run_spec", refused)
     sweep = parse_sweep({"name": "s", "gpus": 1, "workload": dict(WORKLOAD)})
-    execute.run_sweep(sweep, launcher="direct", store_path=str(tmp_path / "r.sqlite"), timeout_s=60,
-                      progress=True, echo=lambda *_: None, log_dir=str(tmp_path / "logs"))
+    execute.run_sweep(
+        sweep,
+        launcher="direct",
+        store_path=str(tmp_path / "r.sqlite"),
+        timeout_s=60,
+        progress=True,
+        echo=lambda *_: None,
+        log_dir=str(tmp_path / "logs"),
+    )
     out = capsys.readouterr()
     assert "failed  " in out.out + out.err and REFUSAL in out.out + out.err
 
@@ -120,8 +170,9 @@ def test_a_real_refused_run_under_torchrun_records_its_cause(tmp_path):
     """The real runner under torchrun: an attention kernel this CPU machine cannot run."""
     store = str(tmp_path / "r.sqlite")
     spec = {"workload": dict(WORKLOAD), "layout": {"attention": "flash2"}}
-    rec = launch.run_spec(spec, nproc=1, launcher="torchrun", store_path=store, timeout_s=240,
-                          log_dir=str(tmp_path / "logs"))
+    rec = launch.run_spec(
+        spec, nproc=1, launcher="torchrun", store_path=store, timeout_s=240, log_dir=str(tmp_path / "logs")
+    )
     assert rec["status"] == "failed"
     assert rec["error_line"].startswith("error: layout.attention"), rec["error"]
     assert rec["error"].startswith(rec["error_line"])

@@ -10,16 +10,28 @@ from harness.testing.spawn import run_losses, spawn
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS = 5
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": STEPS,
+    "warmup_steps": 0,
+    "device": "cpu",
+    "precision": "fp32",
+}
 
 
 def test_fsdp2_matches_single_device_reference():
-    layouts = [{"reshard_after_forward": True}, {"reshard_after_forward": False},
-               {"reshard_after_forward": True, "activation_checkpointing": "full"},
-               {"reshard_after_forward": False, "activation_checkpointing": "selective"}]
-    runs = [{"workload": dict(WORKLOAD), "layout": {"engine": "fsdp", "dp": 2, "micro_batch_size": 2, **lay}}
-            for lay in layouts]
+    layouts = [
+        {"reshard_after_forward": True},
+        {"reshard_after_forward": False},
+        {"reshard_after_forward": True, "activation_checkpointing": "full"},
+        {"reshard_after_forward": False, "activation_checkpointing": "selective"},
+    ]
+    runs = [
+        {"workload": dict(WORKLOAD), "layout": {"engine": "fsdp", "dp": 2, "micro_batch_size": 2, **lay}}
+        for lay in layouts
+    ]
     results = spawn(run_losses, 2, runs, STEPS, True, timeout_s=300)
     ref_losses, ref_state = reference_run(WORKLOAD, STEPS, micro_batch_size=2)
     for lay, result in zip(layouts, results, strict=True):

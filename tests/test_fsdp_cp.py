@@ -10,14 +10,32 @@ from harness.errors import SpecError
 from harness.model.llama import cp_token_index
 from harness.spec import parse_spec
 
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 2, "warmup_steps": 0,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 4,
+    "steps": 2,
+    "warmup_steps": 0,
+    "device": "cpu",
+    "precision": "fp32",
+}
 
 
 def cp_spec(device="cpu", **layout):
-    return parse_spec({"workload": {**WORKLOAD, "device": device},
-                       "layout": {"engine": "fsdp", "cp": 2, "cp_impl": "allgather", "dp": 1, "micro_batch_size": 2,
-                                  "attention": "sdpa", **layout}})
+    return parse_spec(
+        {
+            "workload": {**WORKLOAD, "device": device},
+            "layout": {
+                "engine": "fsdp",
+                "cp": 2,
+                "cp_impl": "allgather",
+                "dp": 1,
+                "micro_batch_size": 2,
+                "attention": "sdpa",
+                **layout,
+            },
+        }
+    )
 
 
 @pytest.mark.parametrize("device", ["cpu", "auto"])
@@ -36,17 +54,33 @@ def test_cp_passes_the_preflight_on_cuda_and_cp1_on_cpu():
     registry.facts("fsdp").preflight(cp_spec("cpu", cp=1))
 
 
-@pytest.mark.parametrize("layout,field,words", [
-    ({"cp_impl": "ulysses"}, "layout.cp_impl", "not Ulysses"),
-    ({"attention": "naive"}, "layout.attention", "scaled_dot_product_attention only"),
-    ({"pp": 2}, "layout.cp", "pipelining"),
-    ({"tp": 2, "model": "tiny-4l"}, "layout.cp", "tensor parallelism")], ids=["ulysses", "naive", "pp", "tp"])
+@pytest.mark.parametrize(
+    "layout,field,words",
+    [
+        ({"cp_impl": "ulysses"}, "layout.cp_impl", "not Ulysses"),
+        ({"attention": "naive"}, "layout.attention", "scaled_dot_product_attention only"),
+        ({"pp": 2}, "layout.cp", "pipelining"),
+        ({"tp": 2, "model": "tiny-4l"}, "layout.cp", "tensor parallelism"),
+    ],
+    ids=["ulysses", "naive", "pp", "tp"],
+)
 def test_what_does_not_combine_with_context_parallel_refused(layout, field, words):
     model = layout.pop("model", "tiny")
     with pytest.raises(SpecError) as e:
-        parse_spec({"workload": {**WORKLOAD, "model": model},
-                    "layout": {"engine": "fsdp", "cp": 2, "cp_impl": "allgather", "dp": 1, "micro_batch_size": 2,
-                               "attention": "sdpa", **layout}})
+        parse_spec(
+            {
+                "workload": {**WORKLOAD, "model": model},
+                "layout": {
+                    "engine": "fsdp",
+                    "cp": 2,
+                    "cp_impl": "allgather",
+                    "dp": 1,
+                    "micro_batch_size": 2,
+                    "attention": "sdpa",
+                    **layout,
+                },
+            }
+        )
     assert e.value.field == field and words in e.value.reason
 
 
@@ -69,8 +103,14 @@ def test_a_comparison_refuses_fsdp_cp_on_cpu_before_it_launches_and_a_matrix_sho
     with pytest.raises(SpecError) as e:
         parse_compare_spec({"name": "c", "nproc": 2, "workload": workload, "runs": [{"engine": "fsdp", "cp": 2}]})
     assert e.value.field == "runs[0].cp" and "CUDA only" in e.value.reason
-    cs = parse_compare_spec({"name": "c", "nproc": 2, "workload": workload,
-                             "matrix": {"engines": [{"engine": "own"}, {"engine": "fsdp"}], "layouts": [{"cp": 2}]}})
+    cs = parse_compare_spec(
+        {
+            "name": "c",
+            "nproc": 2,
+            "workload": workload,
+            "matrix": {"engines": [{"engine": "own"}, {"engine": "fsdp"}], "layouts": [{"cp": 2}]},
+        }
+    )
     assert [p.label for p in cs.runs] == ["reference (single device)", "own cp2 ring"]
     (dash,) = cs.not_runnable
     assert dash["label"] == "FSDP2 reshard cp2 ring" and dash["why"].startswith("layout.cp: torch's context_parallel")

@@ -43,12 +43,17 @@ def bomb(levels: int, key: str = "name") -> str:
 
 # ---------------------------------------------------------------- every spec file, read strictly
 
-@pytest.mark.parametrize("argv, text", [
-    (["train", "f.yaml"], f"workload: {TINY_YAML}\nlayout: {{engine: single}}\nworkload: {{seq_len: 64}}\n"),
-    (["memory", "f.yaml"], "workload: {model: tiny, seq_len: 32, seq_len: 64}\n"),
-    (["compare", "f.yaml"], f"name: c\nworkload: {TINY_YAML}\nruns: [{{engine: own}}]\nname: d\n"),
-    (["sweep", "f.yaml", "--dry-run"], f"gpus: 1\nworkload: {TINY_YAML}\ngrid: {{tp: [1], tp: [2]}}\n"),
-], ids=["train", "memory", "compare", "sweep"])
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["train", "f.yaml"], f"workload: {TINY_YAML}\nlayout: {{engine: single}}\nworkload: {{seq_len: 64}}\n"),
+        (["memory", "f.yaml"], "workload: {model: tiny, seq_len: 32, seq_len: 64}\n"),
+        (["compare", "f.yaml"], f"name: c\nworkload: {TINY_YAML}\nruns: [{{engine: own}}]\nname: d\n"),
+        (["sweep", "f.yaml", "--dry-run"], f"gpus: 1\nworkload: {TINY_YAML}\ngrid: {{tp: [1], tp: [2]}}\n"),
+    ],
+    ids=["train", "memory", "compare", "sweep"],
+)
 def test_a_key_given_twice_is_refused_in_every_spec_file(no_launch, one_line_error, argv, text):
     (no_launch / "f.yaml").write_text(text)
     line = one_line_error(cli_main(argv))
@@ -67,12 +72,16 @@ def test_merge_keys_may_still_be_overridden():
     assert load_yaml("base: &b {tp: 1, pp: 2}\nrun: {<<: *b, tp: 4}\n", "f")["run"] == {"tp": 4, "pp": 2}
 
 
-@pytest.mark.parametrize("text, reason", [
-    (bomb(9), f"aliases expand it to more than {MAX_VALUES} values"),  # 82 s, then MemoryError
-    (bomb(6), f"aliases expand it to more than {MAX_VALUES} values"),  # an 8 MB error line
-    ("name: &a [*a]\n", "an alias refers to the value that holds it"),
-    ("gpus: " + "[" * 500 + "]" * 500 + "\n", "nested more than 100 levels deep"),
-], ids=["1e9-values", "1e6-values", "recursive", "deep"])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        (bomb(9), f"aliases expand it to more than {MAX_VALUES} values"),  # 82 s, then MemoryError
+        (bomb(6), f"aliases expand it to more than {MAX_VALUES} values"),  # an 8 MB error line
+        ("name: &a [*a]\n", "an alias refers to the value that holds it"),
+        ("gpus: " + "[" * 500 + "]" * 500 + "\n", "nested more than 100 levels deep"),
+    ],
+    ids=["1e9-values", "1e6-values", "recursive", "deep"],
+)
 def test_aliases_and_nesting_are_bounded(no_launch, one_line_error, text, reason):
     (no_launch / "s.yaml").write_text(text)
     line = one_line_error(cli_main(["sweep", "s.yaml", "--dry-run"]))
@@ -86,6 +95,7 @@ def test_a_spec_file_beyond_the_size_limit_is_refused_unread(no_launch, one_line
 
 
 # ---------------------------------------------------------------- a message quotes a value cut short
+
 
 def test_an_error_quotes_a_huge_value_cut_short(no_launch, one_line_error):
     many = "[" + ", ".join(["1"] * 5_000) + "]"  # within MAX_VALUES: refused by the field, not the reader
@@ -105,22 +115,29 @@ def test_every_spec_error_is_cut_to_a_line_a_terminal_shows():
 
 # ---------------------------------------------------------------- no key is ignored
 
-@pytest.mark.parametrize("data, field", [
-    ({"path": "d.bin"}, "workload.data.path"),
-    ({"dtype": "uint32"}, "workload.data.dtype"),
-    ({"kind": "synthetic", "path": "d.bin"}, "workload.data.path"),
-])
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"path": "d.bin"}, "workload.data.path"),
+        ({"dtype": "uint32"}, "workload.data.dtype"),
+        ({"kind": "synthetic", "path": "d.bin"}, "workload.data.path"),
+    ],
+)
 def test_a_token_file_key_without_kind_file_is_refused(data, field):
     e = refusal(parse_spec, {"workload": {**TINY, "data": data}})
     assert e.field == field and e.reason.startswith("applies only with kind: file, and kind is synthetic"), str(e)
     assert e.reason.endswith("set kind: file")
 
 
-@pytest.mark.parametrize("key, rule, field", [
-    ("exclude", {"workload.sed": 1}, "sweep.exclude[0].workload.sed"),
-    ("exclude", {"tp": 1, "mirco_batch_size": 1}, "sweep.exclude[0].mirco_batch_size"),
-    ("include", {"layout.tpp": [1, 2]}, "sweep.include[0].layout.tpp"),
-])
+@pytest.mark.parametrize(
+    "key, rule, field",
+    [
+        ("exclude", {"workload.sed": 1}, "sweep.exclude[0].workload.sed"),
+        ("exclude", {"tp": 1, "mirco_batch_size": 1}, "sweep.exclude[0].mirco_batch_size"),
+        ("include", {"layout.tpp": [1, 2]}, "sweep.include[0].layout.tpp"),
+    ],
+)
 def test_a_filter_key_that_names_no_field_is_refused(key, rule, field):
     e = refusal(parse_sweep, {**SWEEP, key: [rule]})
     assert e.field == field, str(e)
@@ -139,14 +156,16 @@ def test_a_dry_run_refuses_a_sweep_that_would_run_nothing(no_launch, one_line_er
 
 # ---------------------------------------------------------------- every number within its range
 
+
 def _numeric(cls) -> list[str]:
     hints = typing.get_type_hints(cls)
     numeric = (int, float, int | None, float | None, float | None, tuple[float, float])
     return [f.name for f in dataclasses.fields(cls) if f.init and hints[f.name] in numeric]
 
 
-@pytest.mark.parametrize("cls", [Workload, Optimizer, Layout, Data, CompareInput, SweepSpec, Slurm],
-                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", [Workload, Optimizer, Layout, Data, CompareInput, SweepSpec, Slurm], ids=lambda c: c.__name__
+)
 def test_every_numeric_field_declares_its_check(cls):
     assert [n for n in _numeric(cls) if "check" not in cls.__dataclass_fields__[n].metadata] == []
 
@@ -160,8 +179,11 @@ RANGES = [  # (raw spec as YAML reads it, the field, the reason's start)
     ({"workload": {"optimizer": {"lr": 0}}}, "workload.optimizer.lr", "must be positive"),
     ({"workload": {"optimizer": {"betas": [0.9, 1.5]}}}, "workload.optimizer.betas[1]", "must be in [0, 1)"),
     ({"workload": {"grad_clip": -1}}, "workload.grad_clip", "must not be negative (0 disables clipping)"),
-    ({"workload": {"model_overrides": {"hidden": 36, "heads": 4}}}, "workload.model_overrides",
-     "hidden 36 / heads 4 = 9 channels a head, an odd number"),
+    (
+        {"workload": {"model_overrides": {"hidden": 36, "heads": 4}}},
+        "workload.model_overrides",
+        "hidden 36 / heads 4 = 9 channels a head, an odd number",
+    ),
     ({"layout": {"zero_stage": 7}}, "layout.zero_stage", "must be 0, 1, 2 or 3"),
     ({"layout": {"dp_bucket_mb": 0}}, "layout.dp_bucket_mb", "must be positive"),
     ({"layout": {"tp": 2**21}}, "layout.tp", "must be at most 1,048,576"),
@@ -176,11 +198,14 @@ def test_a_number_out_of_its_range_is_refused_naming_its_field(raw, field, reaso
     assert e.field == field and e.reason.startswith(reason), str(e)
 
 
-@pytest.mark.parametrize("text, line", [
-    ("seed: 1e30", "error: workload.seed: must be at most 4,294,967,295, got '1e30'"),
-    ("steps: 1e30", "error: workload.steps: must be at most 100,000, got '1e30'"),
-    ("optimizer: {weight_decay: -0.1}", "error: workload.optimizer.weight_decay: must not be negative, got -0.1"),
-])
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("seed: 1e30", "error: workload.seed: must be at most 4,294,967,295, got '1e30'"),
+        ("steps: 1e30", "error: workload.steps: must be at most 100,000, got '1e30'"),
+        ("optimizer: {weight_decay: -0.1}", "error: workload.optimizer.weight_decay: must not be negative, got -0.1"),
+    ],
+)
 def test_a_number_out_of_range_stops_train_before_the_launch(no_launch, one_line_error, text, line):
     (no_launch / "t.yaml").write_text(f"workload: {{model: tiny, device: cpu, {text}}}\n")
     assert one_line_error(cli_main(["train", "t.yaml"])) == line
@@ -192,14 +217,19 @@ def test_the_compare_and_sweep_counts_have_ranges():
     assert refusal(parse_sweep, {**SWEEP, "nodes": 2**21}).field == "sweep.nodes"
 
 
-@pytest.mark.parametrize("raw, field", [
-    ({**COMPARE, "tolerance": float("nan")}, "tolerance"),
-    ({**COMPARE, "tolerance": float("inf")}, "tolerance"),
-    ({**COMPARE, "timeout_s": float("nan")}, "timeout_s"),
-    ({**COMPARE, "workload": {**TINY, "grad_clip": float("nan")}}, "workload.grad_clip"),
-    ({**COMPARE, "workload": {**TINY, "model_overrides": {"rope_theta": float("inf")}}},
-     "workload.model_overrides.rope_theta"),
-])
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({**COMPARE, "tolerance": float("nan")}, "tolerance"),
+        ({**COMPARE, "tolerance": float("inf")}, "tolerance"),
+        ({**COMPARE, "timeout_s": float("nan")}, "timeout_s"),
+        ({**COMPARE, "workload": {**TINY, "grad_clip": float("nan")}}, "workload.grad_clip"),
+        (
+            {**COMPARE, "workload": {**TINY, "model_overrides": {"rope_theta": float("inf")}}},
+            "workload.model_overrides.rope_theta",
+        ),
+    ],
+)
 def test_a_non_finite_number_is_refused(raw, field):
     e = refusal(parse_compare_spec, raw)
     assert e.field == field and ("finite" in e.reason or "positive number" in e.reason), str(e)
@@ -212,12 +242,15 @@ def test_a_huge_global_batch_is_named_as_itself():
 
 def test_a_sequence_beyond_the_models_positions_is_refused_unless_raised():
     e = refusal(parse_spec, {"workload": {**TINY, "seq_len": 4096}})
-    assert str(e) == ("workload.seq_len: 4096 is beyond the 2048 positions of tiny (its max_position_embeddings); "
-                      "workload.model_overrides.max_positions raises it")
+    assert str(e) == (
+        "workload.seq_len: 4096 is beyond the 2048 positions of tiny (its max_position_embeddings); "
+        "workload.model_overrides.max_positions raises it"
+    )
     parse_spec({"workload": {**TINY, "seq_len": 4096, "model_overrides": {"max_positions": 4096}}})
 
 
 # ---------------------------------------------------------------- Slurm's formats
+
 
 @pytest.mark.parametrize("time", ["30", "30:00", "00:30:00", "1-12", "1-12:30", "1-12:30:00", "UNLIMITED"])
 def test_a_slurm_time_in_each_of_its_formats_is_written(tmp_path, time):
@@ -226,17 +259,20 @@ def test_a_slurm_time_in_each_of_its_formats_is_written(tmp_path, time):
     assert f"#SBATCH --time={time}\n" in script and "#SBATCH --partition=gpu,gpu-long\n" in script
 
 
-@pytest.mark.parametrize("slurm, field, reason", [
-    ({"time": "half an hour"}, "sweep.slurm.time", "'half an hour' is not a Slurm time: minutes, MM:SS"),
-    ({"time": "1:2:3:4"}, "sweep.slurm.time", "is not a Slurm time"),
-    ({"time": 1800}, "sweep.slurm.time", "give it quoted"),  # `time: 00:30:00` unquoted: YAML 1.1's 1800
-    ({"partition": "gpu; rm -rf ~"}, "sweep.slurm.partition", "not ' ;~'"),
-    ({"account": "a b"}, "sweep.slurm.account", "not ' '"),
-    ({"qos": "$(id)"}, "sweep.slurm.qos", "not '$()'"),
-    ({"constraint": "a100`x`"}, "sweep.slurm.constraint", "not '`'"),
-    ({"extra": ["mem=0"]}, "sweep.slurm.extra[0]", "is not an sbatch option"),
-    ({"extra": ["--mem=0\n#SBATCH --x"]}, "sweep.slurm.extra[0]", "one line"),
-])
+@pytest.mark.parametrize(
+    "slurm, field, reason",
+    [
+        ({"time": "half an hour"}, "sweep.slurm.time", "'half an hour' is not a Slurm time: minutes, MM:SS"),
+        ({"time": "1:2:3:4"}, "sweep.slurm.time", "is not a Slurm time"),
+        ({"time": 1800}, "sweep.slurm.time", "give it quoted"),  # `time: 00:30:00` unquoted: YAML 1.1's 1800
+        ({"partition": "gpu; rm -rf ~"}, "sweep.slurm.partition", "not ' ;~'"),
+        ({"account": "a b"}, "sweep.slurm.account", "not ' '"),
+        ({"qos": "$(id)"}, "sweep.slurm.qos", "not '$()'"),
+        ({"constraint": "a100`x`"}, "sweep.slurm.constraint", "not '`'"),
+        ({"extra": ["mem=0"]}, "sweep.slurm.extra[0]", "is not an sbatch option"),
+        ({"extra": ["--mem=0\n#SBATCH --x"]}, "sweep.slurm.extra[0]", "one line"),
+    ],
+)
 def test_a_slurm_value_that_sbatch_would_misread_is_refused(slurm, field, reason):
     e = refusal(parse_sweep, {**SWEEP, "slurm": slurm})
     assert e.field == field and reason in e.reason, str(e)
@@ -244,23 +280,47 @@ def test_a_slurm_value_that_sbatch_would_misread_is_refused(slurm, field, reason
 
 # ---------------------------------------------------------------- the planner's flags, the spec's ranges
 
-@pytest.mark.parametrize("flags, line", [
-    (["--seq-len", "1000000000000"], "error: --seq-len: 1e+12 is beyond the 2048 positions of tiny "
-                                     "(its max_position_embeddings)"),
-    (["--global-batch-size", str(10**16)], "error: --global-batch-size: 1e+16 sequences of 128 tokens need "),
-    (["--gpus", str(2**21), "--global-batch-size", str(2**21)], "error: --gpus: must be at most 1,048,576"),
-])
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--seq-len", "1000000000000"],
+            "error: --seq-len: 1e+12 is beyond the 2048 positions of tiny (its max_position_embeddings)",
+        ),
+        (["--global-batch-size", str(10**16)], "error: --global-batch-size: 1e+16 sequences of 128 tokens need "),
+        (["--gpus", str(2**21), "--global-batch-size", str(2**21)], "error: --gpus: must be at most 1,048,576"),
+    ],
+)
 def test_the_planners_flags_have_the_ranges_of_a_spec(no_launch, one_line_error, flags, line):
-    argv = ["plan", "--model", "tiny", "--seq-len", "128", "--global-batch-size", "8", "--gpus", "8",
-            "--hardware", "cpu"]
+    argv = [
+        "plan",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "128",
+        "--global-batch-size",
+        "8",
+        "--gpus",
+        "8",
+        "--hardware",
+        "cpu",
+    ]
     for flag, value in zip(flags[::2], flags[1::2], strict=True):
         argv[argv.index(flag) + 1] = value
     assert one_line_error(cli_main(argv)).startswith(line)
 
 
 def test_a_non_finite_number_in_a_config_json_is_refused(tmp_path):
-    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 176,
-              "vocab_size": 256, "max_position_embeddings": 2048, "rope_theta": float("nan")}
+    config = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 176,
+        "vocab_size": 256,
+        "max_position_embeddings": 2048,
+        "rope_theta": float("nan"),
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))  # json writes NaN, and reads it back
     e = refusal(parse_spec, {"workload": {**TINY, "model": str(tmp_path / "config.json")}})
     assert e.field == "workload.model" and e.reason.startswith("rope_theta must be a positive number, got nan"), str(e)

@@ -56,10 +56,18 @@ def fake(tmp_path):
 
 
 def _run(tmp_path, env, mode, launcher="direct", nproc=1, timeout=60):
-    return launch.run_spec({"workload": {"device": "cpu"}, "layout": {}}, nproc=nproc, launcher=launcher,
-                           store_path=str(tmp_path / "s.sqlite"), timeout_s=timeout,
-                           extra_env={**env, "HARNESS_FAKE": mode}, log_dir=str(tmp_path / "logs"),
-                           module="fake_runner", sweep="t", point_key=mode)
+    return launch.run_spec(
+        {"workload": {"device": "cpu"}, "layout": {}},
+        nproc=nproc,
+        launcher=launcher,
+        store_path=str(tmp_path / "s.sqlite"),
+        timeout_s=timeout,
+        extra_env={**env, "HARNESS_FAKE": mode},
+        log_dir=str(tmp_path / "logs"),
+        module="fake_runner",
+        sweep="t",
+        point_key=mode,
+    )
 
 
 def test_build_command_variants():
@@ -146,8 +154,11 @@ def test_no_stray_processes_of_this_test_session():
     assert mine == []
     # multiprocessing's resource tracker (started by in-process spawn tests) lives as long as
     # pytest does by design; anything else still alive here was left behind.
-    alive = [(c.pid, c.cmdline()) for c in psutil.Process().children()
-             if c.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in " ".join(c.cmdline())]
+    alive = [
+        (c.pid, c.cmdline())
+        for c in psutil.Process().children()
+        if c.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in " ".join(c.cmdline())
+    ]
     assert alive == []
     assert sys.executable
 
@@ -156,17 +167,29 @@ def test_record_written_then_hung_is_killed_after_grace(fake, monkeypatch):
     """A rank that wrote its failure record but never exits (peers stuck in a collective)."""
     tmp_path, env = fake
     monkeypatch.setattr(launch, "LINGER_S", 2.0)
-    (tmp_path / "fake_runner.py").write_text(FAKE.replace('mode = os.environ.get("HARNESS_FAKE", "ok")',
-                                                          '''mode = os.environ.get("HARNESS_FAKE", "ok")
+    (tmp_path / "fake_runner.py").write_text(
+        FAKE.replace(
+            'mode = os.environ.get("HARNESS_FAKE", "ok")',
+            """mode = os.environ.get("HARNESS_FAKE", "ok")
 if mode == "oom-then-hang":
     rec = new_record({"workload": {}, "layout": {}}, sweep=sweep, point_key=key)
     rec.update(run_id=run_id, status="oom", error="CUDA out of memory")
     ResultsStore(store).write(rec)
-    time.sleep(600)'''))
-    rec = launch.run_spec({"workload": {"device": "cpu"}, "layout": {}}, nproc=1, launcher="direct",
-                          store_path=str(tmp_path / "s.sqlite"), timeout_s=120,
-                          extra_env={**env, "HARNESS_FAKE": "oom-then-hang"}, log_dir=str(tmp_path / "logs"),
-                          module="fake_runner", sweep="t", point_key="x")
+    time.sleep(600)""",
+        )
+    )
+    rec = launch.run_spec(
+        {"workload": {"device": "cpu"}, "layout": {}},
+        nproc=1,
+        launcher="direct",
+        store_path=str(tmp_path / "s.sqlite"),
+        timeout_s=120,
+        extra_env={**env, "HARNESS_FAKE": "oom-then-hang"},
+        log_dir=str(tmp_path / "logs"),
+        module="fake_runner",
+        sweep="t",
+        point_key="x",
+    )
     # ended by the grace after its record (LINGER_S), not by the run's timeout: an event, not a time
     assert rec["status"] == "oom" and "did not exit" in rec["error"] and not rec["launch"]["timed_out"]
     assert launch.processes_with_env(launch.TOKEN_ENV, rec["run_id"]) == []

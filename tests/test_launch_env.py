@@ -14,11 +14,19 @@ from harness import launch
 from harness.errors import SpecError
 from harness.store import ResultsStore
 
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": 2,
+    "warmup_steps": 1,
+    "device": "cpu",
+    "precision": "fp32",
+}
 
 
 # ------------------------------------------------------------------ the same threads per process
+
 
 def test_comparison_gives_every_run_the_same_threads_per_process(tmp_path, monkeypatch):
     from harness.compare.orchestrate import run_comparison
@@ -33,14 +41,21 @@ def test_comparison_gives_every_run_the_same_threads_per_process(tmp_path, monke
     def fake_run_spec(spec, *, nproc, launcher, store_path, timeout_s, sweep, point_key, log_dir, extra_env=None):
         env = launch.run_env(nproc, spec, "tok", extra_env)
         seen[point_key] = (nproc, env.get("OMP_NUM_THREADS"))
-        rec = {"run_id": "id-" + str(len(seen)), "status": "failed", "error": "x", "spec": spec, "sweep": sweep,
-               "point_key": point_key}
+        rec = {
+            "run_id": "id-" + str(len(seen)),
+            "status": "failed",
+            "error": "x",
+            "spec": spec,
+            "sweep": sweep,
+            "point_key": point_key,
+        }
         ResultsStore(store_path).write(rec)
         return rec
 
     monkeypatch.setattr(launch, "run_spec", fake_run_spec)
-    cs = parse_compare_spec({"name": "t", "nproc": 2, "parity_steps": 2, "workload": dict(WORKLOAD),
-                             "runs": [{"engine": "own", "tp": 2}]})
+    cs = parse_compare_spec(
+        {"name": "t", "nproc": 2, "parity_steps": 2, "workload": dict(WORKLOAD), "runs": [{"engine": "own", "tp": 2}]}
+    )
     summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False)
     assert {n for n, _ in seen.values()} == {1, 2}  # the single-device reference and a 2-process run
     assert {t for _, t in seen.values()} == {"4"}  # 8 cores // 2 processes, for the reference too
@@ -57,11 +72,17 @@ def test_comparison_gives_every_run_the_same_threads_per_process(tmp_path, monke
 
 # ------------------------------------------------------------------ Slurm
 
+
 def test_slurm_master_port_is_derived_from_the_job_and_array_task(monkeypatch):
     from harness import runtime
 
-    base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1",
-            "SLURM_ARRAY_JOB_ID": "4711", "SLURM_JOB_ID": "4712"}
+    base = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NODELIST": "n1",
+        "SLURM_ARRAY_JOB_ID": "4711",
+        "SLURM_JOB_ID": "4712",
+    }
     ports = set()
     for task in range(4):
         env = {**base, "SLURM_ARRAY_TASK_ID": str(task), "SLURM_JOB_ID": str(4711 + task)}
@@ -72,8 +93,9 @@ def test_slurm_master_port_is_derived_from_the_job_and_array_task(monkeypatch):
         ports.add(port)
     assert len(ports) == 4  # two array tasks on one node no longer collide
     # every rank of one task derives the same port; a set MASTER_PORT is kept
-    assert runtime.slurm_master_port({**base, "SLURM_ARRAY_TASK_ID": "1"}) == \
-        runtime.slurm_master_port({**base, "SLURM_ARRAY_TASK_ID": "1", "SLURM_PROCID": "1"})
+    assert runtime.slurm_master_port({**base, "SLURM_ARRAY_TASK_ID": "1"}) == runtime.slurm_master_port(
+        {**base, "SLURM_ARRAY_TASK_ID": "1", "SLURM_PROCID": "1"}
+    )
     assert runtime.slurm_master_port({"SLURM_JOB_ID": "1"}) != runtime.slurm_master_port({"SLURM_JOB_ID": "2"})
     monkeypatch.setattr(os, "environ", {**base, "MASTER_PORT": "12345"})
     runtime.adopt_slurm_env()
@@ -86,8 +108,14 @@ def test_slurm_script_exclusive_and_cpus_per_task(tmp_path):
     from harness.sweep.slurm import write_slurm
     from harness.sweep.spec import parse_sweep
 
-    raw = {"name": "big", "gpus": 2, "workload": dict(WORKLOAD), "layout": {"engine": "own"},
-           "grid": {"tp": [1, 2]}, "slurm": {"exclusive": True, "cpus_per_task": 6, "partition": "cpu"}}
+    raw = {
+        "name": "big",
+        "gpus": 2,
+        "workload": dict(WORKLOAD),
+        "layout": {"engine": "own"},
+        "grid": {"tp": [1, 2]},
+        "slurm": {"exclusive": True, "cpus_per_task": 6, "partition": "cpu"},
+    }
     sweep = parse_sweep(raw)
     points, _ = expand(sweep)
     script = open(write_slurm(sweep, points, str(tmp_path / "job"), timeout_s=60)).read()
@@ -98,9 +126,11 @@ def test_slurm_script_exclusive_and_cpus_per_task(tmp_path):
     plain = open(write_slurm(parse_sweep({**raw, "slurm": {}}), points, str(tmp_path / "job2"), timeout_s=60)).read()
     assert "--exclusive" not in plain and "--cpus-per-task" not in plain
 
-    for bad, field in (({"exclusive": "yes"}, "sweep.slurm.exclusive"),
-                       ({"cpus_per_task": 0}, "sweep.slurm.cpus_per_task"),
-                       ({"cpus-per-task": 4}, "sweep.slurm.cpus-per-task")):
+    for bad, field in (
+        ({"exclusive": "yes"}, "sweep.slurm.exclusive"),
+        ({"cpus_per_task": 0}, "sweep.slurm.cpus_per_task"),
+        ({"cpus-per-task": 4}, "sweep.slurm.cpus-per-task"),
+    ):
         with pytest.raises(SpecError) as e:
             parse_sweep({**raw, "slurm": bad})
         assert e.value.field == field

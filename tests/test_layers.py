@@ -13,21 +13,21 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "harness"
 # Lowest first. A module may import its own package and any lower layer; packages on the same
 # layer do not import each other.
 LAYERS = [
-    ["harness.errors", "harness.resources"],               # user mistakes; the data files shipped
-    ["harness.files"],                                          # outputs written whole; a user's YAML read strictly
-    ["harness.parallel_dims"],                                 # the degrees, their order and their ranks
-    ["harness.model.presets"],                                 # shape facts the spec checks against
+    ["harness.errors", "harness.resources"],  # user mistakes; the data files shipped
+    ["harness.files"],  # outputs written whole; a user's YAML read strictly
+    ["harness.parallel_dims"],  # the degrees, their order and their ranks
+    ["harness.model.presets"],  # shape facts the spec checks against
     ["harness.model.flops"],
-    ["harness.registry"],                                      # engine name -> adapter; EngineFacts
+    ["harness.registry"],  # engine name -> adapter; EngineFacts
     ["harness.spec", "harness.store", "harness.measure"],
-    ["harness.data", "harness.model", "harness.runtime"],      # tokens, the plain model, process setup
+    ["harness.data", "harness.model", "harness.runtime"],  # tokens, the plain model, process setup
     ["harness.engine"],
     ["harness.frameworks"],
-    ["harness.profiling"],                                     # profiled steps: annotations, trace, breakdown
-    ["harness.gather"],                                        # every rank's results, gathered for the record
+    ["harness.profiling"],  # profiled steps: annotations, trace, breakdown
+    ["harness.gather"],  # every rank's results, gathered for the record
     ["harness.run", "harness.launch"],
     ["harness.compare", "harness.sweep", "harness.report", "harness.planner"],
-    ["harness.memtrace"],                                      # runs the engine on fake tensors; reads the planner
+    ["harness.memtrace"],  # runs the engine on fake tensors; reads the planner
     ["harness.commands"],
     ["harness.cli", "harness.__main__"],
 ]
@@ -51,8 +51,10 @@ def imports(path: pathlib.Path) -> list[tuple[int, str]]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("harness"):
-            out += [(node.lineno, f"{node.module}.{a.name}") if node.module == "harness" else (node.lineno, node.module)
-                    for a in node.names]
+            out += [
+                (node.lineno, f"{node.module}.{a.name}") if node.module == "harness" else (node.lineno, node.module)
+                for a in node.names
+            ]
         elif isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.startswith("harness")]
     return out
@@ -84,8 +86,9 @@ def violations() -> list[str]:
             if my_unit == their_unit:
                 continue
             if theirs >= mine:
-                bad.append(f"{me}:{line} imports {target} (layer {theirs} {their_unit} is not below "
-                           f"layer {mine} {my_unit})")
+                bad.append(
+                    f"{me}:{line} imports {target} (layer {theirs} {their_unit} is not below layer {mine} {my_unit})"
+                )
     return bad
 
 
@@ -100,9 +103,14 @@ def test_every_module_has_a_layer():
             unit_of(name)
 
 
-@pytest.mark.parametrize("module,target", [("harness.engine.engine", "harness.frameworks.single.facts"),
-                                           ("harness.spec", "harness.planner.layout"),
-                                           ("harness.report.compare", "harness.compare.parity")])
+@pytest.mark.parametrize(
+    "module,target",
+    [
+        ("harness.engine.engine", "harness.frameworks.single.facts"),
+        ("harness.spec", "harness.planner.layout"),
+        ("harness.report.compare", "harness.compare.parity"),
+    ],
+)
 def test_an_upward_import_would_be_caught(module, target):
     assert unit_of(target)[0] >= unit_of(module)[0]
 

@@ -24,14 +24,29 @@ from harness.testing.spawn import spawn
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS = 3
-WORKLOAD = {"model": "tiny", "model_overrides": {"layers": 4}, "seq_len": 16, "global_batch_size": 8,
-            "steps": STEPS, "warmup_steps": 0, "device": "cpu", "precision": "fp32",
-            "optimizer": {"lr": 1.0, "eps": 1.0}}  # as harness/testing/equivalence.py: Adam's step follows the gradient
+WORKLOAD = {
+    "model": "tiny",
+    "model_overrides": {"layers": 4},
+    "seq_len": 16,
+    "global_batch_size": 8,
+    "steps": STEPS,
+    "warmup_steps": 0,
+    "device": "cpu",
+    "precision": "fp32",
+    "optimizer": {"lr": 1.0, "eps": 1.0},
+}  # as harness/testing/equivalence.py: Adam's step follows the gradient
 LAYOUT = {"engine": "megatron", "attention": "naive"}
 
 BF16 = {"precision": "bf16"}
-LLAMA3 = {"model_overrides": {"layers": 4, "attention_bias": True, "rope_factor": 8.0, "rope_theta": 500000.0,
-                              "norm_eps": 1e-6}}
+LLAMA3 = {
+    "model_overrides": {
+        "layers": 4,
+        "attention_bias": True,
+        "rope_factor": 8.0,
+        "rope_theta": 500000.0,
+        "norm_eps": 1e-6,
+    }
+}
 TIED = {"model_overrides": {"layers": 4, "tie_embeddings": True}}
 TWO = {  # id: (layout, workload overrides)
     "tp2": ({"tp": 2}, {}),
@@ -46,8 +61,10 @@ TWO = {  # id: (layout, workload overrides)
     "bf16-dp2-ddp": ({"dp": 2}, BF16),
     "bf16-tp2-sp": ({"tp": 2, "sequence_parallel": True}, BF16),
     "bf16-pp2": ({"pp": 2}, BF16),
-    "bf16-dp2-distopt-bf16-grads": ({"dp": 2, "zero_stage": 1},
-                                    {**BF16, "grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"}),
+    "bf16-dp2-distopt-bf16-grads": (
+        {"dp": 2, "zero_stage": 1},
+        {**BF16, "grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"},
+    ),
     "own-bf16-dp2-zero1": ({"engine": "own", "dp": 2, "zero_stage": 1}, BF16),
 }
 FP32_CASES = [n for n, (lay, w) in TWO.items() if w.get("precision") != "bf16"]
@@ -77,8 +94,15 @@ def _train(ctx, runs: list[dict]) -> list[dict]:
             source = token_source(spec.workload, shape.vocab)
             losses = [float(engine.train_step(source.global_batch_at(step))) for step in range(STEPS)]
             state = engine.full_state_dict()
-        out.append({"losses": losses, "state": state, "census": engine.memory_census(),
-                    "describe": engine.describe(), "uncovered": sorted(reached)})
+        out.append(
+            {
+                "losses": losses,
+                "state": state,
+                "census": engine.memory_census(),
+                "describe": engine.describe(),
+                "uncovered": sorted(reached),
+            }
+        )
         del engine
     return out
 
@@ -95,8 +119,9 @@ def eight():
 
 def _reference(case):
     run = _run(case)
-    return reference_run(run["workload"], STEPS, micro_batch_size=run["layout"].get("micro_batch_size", 1),
-                         attention="naive")
+    return reference_run(
+        run["workload"], STEPS, micro_batch_size=run["layout"].get("micro_batch_size", 1), attention="naive"
+    )
 
 
 def _check(result, case, label, rtol=1e-5, weights=True):
@@ -104,8 +129,9 @@ def _check(result, case, label, rtol=1e-5, weights=True):
 
     losses, state = _reference(case)
     assert_matches_reference(result, losses, state if weights else None, label, rtol)
-    assert set(result["uncovered"]) <= set(HARMLESS), f"{label}: torch.cuda reached beyond the shim: " \
-                                                      f"{result['uncovered']}"
+    assert set(result["uncovered"]) <= set(HARMLESS), (
+        f"{label}: torch.cuda reached beyond the shim: {result['uncovered']}"
+    )
     assert result["describe"]["framework"].startswith("megatron-core 0.16")
     assert "through the device shim" in result["describe"]["framework"]
 
@@ -135,11 +161,21 @@ D = 2
 #   optimizer_states   fp32 8P/d or 8P: AdamW's exp_avg and exp_avg_sq (and a 4-byte step per tensor)
 # the own engine's closed form (tests/test_census_own.py): its ZeRO-1 reduce-scatters in place into its main
 # gradients as the DistributedOptimizer does, so it holds 4P of gradients too.
-CENSUS = {"bf16-dp2-distopt": {"parameters": {"bf16": 2}, "gradients": {"fp32": 4},
-                               "master_parameters": {"fp32": 4 / D}, "optimizer_states": {"fp32": 8 / D}},
-          "bf16-dp2-ddp": {"parameters": {"bf16": 2}, "gradients": {"fp32": 4},
-                           "master_parameters": {"fp32": 4}, "optimizer_states": {"fp32": 8}},
-          "dp2-distopt": {"parameters": {"fp32": 4}, "gradients": {"fp32": 4}, "optimizer_states": {"fp32": 8 / D}}}
+CENSUS = {
+    "bf16-dp2-distopt": {
+        "parameters": {"bf16": 2},
+        "gradients": {"fp32": 4},
+        "master_parameters": {"fp32": 4 / D},
+        "optimizer_states": {"fp32": 8 / D},
+    },
+    "bf16-dp2-ddp": {
+        "parameters": {"bf16": 2},
+        "gradients": {"fp32": 4},
+        "master_parameters": {"fp32": 4},
+        "optimizer_states": {"fp32": 8},
+    },
+    "dp2-distopt": {"parameters": {"fp32": 4}, "gradients": {"fp32": 4}, "optimizer_states": {"fp32": 8 / D}},
+}
 
 
 def _p() -> int:

@@ -12,8 +12,15 @@ from harness.cli import main as cli_main
 from harness.errors import SpecError
 from harness.spec import parse_spec
 
-TINY = {"model": "tiny", "model_overrides": {"layers": 4}, "seq_len": 16, "global_batch_size": 8, "steps": 1,
-        "warmup_steps": 0, "device": "cpu"}
+TINY = {
+    "model": "tiny",
+    "model_overrides": {"layers": 4},
+    "seq_len": 16,
+    "global_batch_size": 8,
+    "steps": 1,
+    "warmup_steps": 0,
+    "device": "cpu",
+}
 OK = {"engine": "megatron", "attention": "naive"}
 
 REFUSED = [  # (layout, workload overrides, field, reason)
@@ -26,10 +33,18 @@ REFUSED = [  # (layout, workload overrides, field, reason)
     ({"model_impl": "hf"}, {}, "layout.model_impl", "for engine deepspeed"),
     ({"pipeline_p2p": "async"}, {}, "layout.pipeline_p2p", "engine megatron has its own"),
     ({}, {"precision": "bf16", "grad_accum_dtype": "bf16"}, "workload.grad_accum_dtype", "one dtype for both"),
-    ({}, {"model_overrides": {"layers": 4, "rope_factor": 8.0, "rope_high_freq_factor": 2.0}}, "workload.model",
-     "high_freq_factor 4"),
-    ({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, {"model_overrides": {"layers": 6}},
-     "workload.model", "layers: engine megatron splits the layers evenly"),
+    (
+        {},
+        {"model_overrides": {"layers": 4, "rope_factor": 8.0, "rope_high_freq_factor": 2.0}},
+        "workload.model",
+        "high_freq_factor 4",
+    ),
+    (
+        {"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2},
+        {"model_overrides": {"layers": 6}},
+        "workload.model",
+        "layers: engine megatron splits the layers evenly",
+    ),
 ]
 
 
@@ -44,21 +59,26 @@ def test_refused_before_launch(layout, workload, field, reason):
     assert e.value.field == field and reason in e.value.reason, (e.value.field, e.value.reason)
 
 
-@pytest.mark.parametrize("layout,workload,field,reason", REFUSED[:2] + REFUSED[8:9], ids=["attention", "rmsnorm",
-                                                                                          "grad-dtypes"])
+@pytest.mark.parametrize(
+    "layout,workload,field,reason", REFUSED[:2] + REFUSED[8:9], ids=["attention", "rmsnorm", "grad-dtypes"]
+)
 def test_refused_through_harness_train(no_launch, one_line_error, layout, workload, field, reason):
     (no_launch / "m.yaml").write_text(yaml.safe_dump(_raw(layout, workload)))
     line = one_line_error(cli_main(["train", "m.yaml"]))
     assert line.startswith(f"error: {field}: ") and reason in line, line
 
 
-@pytest.mark.parametrize("layout,workload", [
-    ({"tp": 2, "sequence_parallel": True, "pp": 2, "dp": 2, "zero_stage": 1}, {}),
-    ({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2, "activation_checkpointing": "full"}, {}),
-    ({"pp": 2}, {"model_overrides": {"layers": 4, "tie_embeddings": True}}),  # Megatron's embedding group
-    ({"dp": 2}, {"precision": "bf16", "grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"}),
-    ({"tp": 2}, {"model_overrides": {"layers": 4, "rope_factor": 8.0, "attention_bias": True}}),
-], ids=["3d", "interleaved-full", "tied-pp2", "bf16-grads", "llama3-bias"])
+@pytest.mark.parametrize(
+    "layout,workload",
+    [
+        ({"tp": 2, "sequence_parallel": True, "pp": 2, "dp": 2, "zero_stage": 1}, {}),
+        ({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2, "activation_checkpointing": "full"}, {}),
+        ({"pp": 2}, {"model_overrides": {"layers": 4, "tie_embeddings": True}}),  # Megatron's embedding group
+        ({"dp": 2}, {"precision": "bf16", "grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"}),
+        ({"tp": 2}, {"model_overrides": {"layers": 4, "rope_factor": 8.0, "attention_bias": True}}),
+    ],
+    ids=["3d", "interleaved-full", "tied-pp2", "bf16-grads", "llama3-bias"],
+)
 def test_taken(layout, workload):
     parse_spec(_raw(layout, workload))
 
@@ -92,18 +112,25 @@ def test_weights_round_trip_through_megatrons_layout_per_tp_rank():
     shape = resolve_shape("tiny", {"attention_bias": True})
     hd, per = shape.hidden // shape.heads, shape.heads // shape.kv_heads
     g = torch.Generator().manual_seed(0)
-    cases = {"decoder.layers.0.self_attention.linear_qkv.weight":
-             [torch.randn(shape.heads * hd, shape.hidden, generator=g), torch.randn(shape.kv_heads * hd, shape.hidden,
-                                                                                    generator=g),
-              torch.randn(shape.kv_heads * hd, shape.hidden, generator=g)],
-             "decoder.layers.0.self_attention.linear_qkv.bias":
-             [torch.randn(shape.heads * hd, generator=g), torch.randn(shape.kv_heads * hd, generator=g),
-              torch.randn(shape.kv_heads * hd, generator=g)],
-             "decoder.layers.0.mlp.linear_fc1.weight": [torch.randn(shape.ffn, shape.hidden, generator=g),
-                                                        torch.randn(shape.ffn, shape.hidden, generator=g)],
-             "decoder.layers.0.mlp.linear_fc2.weight": [torch.randn(shape.hidden, shape.ffn, generator=g)],
-             "decoder.layers.0.self_attention.linear_proj.bias": [torch.randn(shape.hidden, generator=g)],
-             "output_layer.weight": [torch.randn(shape.vocab, shape.hidden, generator=g)]}
+    cases = {
+        "decoder.layers.0.self_attention.linear_qkv.weight": [
+            torch.randn(shape.heads * hd, shape.hidden, generator=g),
+            torch.randn(shape.kv_heads * hd, shape.hidden, generator=g),
+            torch.randn(shape.kv_heads * hd, shape.hidden, generator=g),
+        ],
+        "decoder.layers.0.self_attention.linear_qkv.bias": [
+            torch.randn(shape.heads * hd, generator=g),
+            torch.randn(shape.kv_heads * hd, generator=g),
+            torch.randn(shape.kv_heads * hd, generator=g),
+        ],
+        "decoder.layers.0.mlp.linear_fc1.weight": [
+            torch.randn(shape.ffn, shape.hidden, generator=g),
+            torch.randn(shape.ffn, shape.hidden, generator=g),
+        ],
+        "decoder.layers.0.mlp.linear_fc2.weight": [torch.randn(shape.hidden, shape.ffn, generator=g)],
+        "decoder.layers.0.self_attention.linear_proj.bias": [torch.randn(shape.hidden, generator=g)],
+        "output_layer.weight": [torch.randn(shape.vocab, shape.hidden, generator=g)],
+    }
     for tp in (1, 2):
         for name, plain in cases.items():
             shards = [megatron_shard(name, plain, shape, tp, r) for r in range(tp)]
@@ -112,12 +139,12 @@ def test_weights_round_trip_through_megatrons_layout_per_tp_rank():
     q, k, v = cases["decoder.layers.0.self_attention.linear_qkv.weight"]
     rank1 = megatron_shard("decoder.layers.0.self_attention.linear_qkv.weight", [q, k, v], shape, 2, 1)
     group = shape.kv_heads // 2  # rank 1's first query group
-    assert torch.equal(rank1[:per * hd], q[group * per * hd:(group + 1) * per * hd])
-    assert torch.equal(rank1[per * hd:(per + 1) * hd], k[group * hd:(group + 1) * hd])
-    assert torch.equal(rank1[(per + 1) * hd:(per + 2) * hd], v[group * hd:(group + 1) * hd])
+    assert torch.equal(rank1[: per * hd], q[group * per * hd : (group + 1) * per * hd])
+    assert torch.equal(rank1[per * hd : (per + 1) * hd], k[group * hd : (group + 1) * hd])
+    assert torch.equal(rank1[(per + 1) * hd : (per + 2) * hd], v[group * hd : (group + 1) * hd])
     w1, w3 = cases["decoder.layers.0.mlp.linear_fc1.weight"]
     fc1 = megatron_shard("decoder.layers.0.mlp.linear_fc1.weight", [w1, w3], shape, 2, 1)
-    assert torch.equal(fc1, torch.cat([w1[shape.ffn // 2:], w3[shape.ffn // 2:]]))
+    assert torch.equal(fc1, torch.cat([w1[shape.ffn // 2 :], w3[shape.ffn // 2 :]]))
 
 
 # ---------------------------------------------------------------- the device shim

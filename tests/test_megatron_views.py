@@ -26,16 +26,28 @@ def test_a_sweep_over_engines_expands_and_labels_megatron():
     from harness.sweep.expand import describe, expand
     from harness.sweep.spec import parse_sweep
 
-    sweep = parse_sweep({
-        "name": "engines", "gpus": 2, "layout": {"attention": "naive"},
-        "workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 2, "device": "cpu"},
-        "grid": {"engine": ["own", "megatron"], "tp": [1, 2], "zero_stage": [0, 1]},
-        "points": [{"engine": "megatron", "pp": 2, "pipeline_schedule": "gpipe"}]})
+    sweep = parse_sweep(
+        {
+            "name": "engines",
+            "gpus": 2,
+            "layout": {"attention": "naive"},
+            "workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 2, "device": "cpu"},
+            "grid": {"engine": ["own", "megatron"], "tp": [1, 2], "zero_stage": [0, 1]},
+            "points": [{"engine": "megatron", "pp": 2, "pipeline_schedule": "gpipe"}],
+        }
+    )
     points, drops = expand(sweep)
     labels = {p.label().split(" mb")[0] for p in points}
-    assert labels == {"own tp1 pp1 dp2", "own tp2 pp1 dp1", "own ZeRO-1 tp1 pp1 dp2", "own ZeRO-1 tp2 pp1 dp1",
-                      "megatron tp1 pp1 dp2", "megatron tp2 pp1 dp1", "megatron DistOpt tp1 pp1 dp2",
-                      "megatron DistOpt tp2 pp1 dp1"}
+    assert labels == {
+        "own tp1 pp1 dp2",
+        "own tp2 pp1 dp1",
+        "own ZeRO-1 tp1 pp1 dp2",
+        "own ZeRO-1 tp2 pp1 dp1",
+        "megatron tp1 pp1 dp2",
+        "megatron tp2 pp1 dp1",
+        "megatron DistOpt tp1 pp1 dp2",
+        "megatron DistOpt tp2 pp1 dp1",
+    }
     assert all(p.spec["layout"]["engine"] in ("own", "megatron") for p in points)
     # the one point Megatron cannot run is dropped before launch, with its engine's reason
     (drop,) = drops
@@ -55,12 +67,23 @@ def test_megatron_model_states_are_its_ddp_and_distributed_optimizer():
         states = model_states(P, "megatron", zero, precision, dp, **dtypes)
         return {k: {d: b / P for d, b in v.items()} for k, v in states.items() if v}
 
-    assert multiples(1, "bf16", 4) == {"parameters": {"bf16": 2}, "gradients": {"fp32": 4},
-                                       "master_parameters": {"fp32": 1}, "optimizer_states": {"fp32": 2}}
-    assert multiples(0, "bf16", 4) == {"parameters": {"bf16": 2}, "gradients": {"fp32": 4},
-                                       "master_parameters": {"fp32": 4}, "optimizer_states": {"fp32": 8}}
-    assert multiples(1, "fp32", 2) == {"parameters": {"fp32": 4}, "gradients": {"fp32": 4},
-                                       "optimizer_states": {"fp32": 4}}
+    assert multiples(1, "bf16", 4) == {
+        "parameters": {"bf16": 2},
+        "gradients": {"fp32": 4},
+        "master_parameters": {"fp32": 1},
+        "optimizer_states": {"fp32": 2},
+    }
+    assert multiples(0, "bf16", 4) == {
+        "parameters": {"bf16": 2},
+        "gradients": {"fp32": 4},
+        "master_parameters": {"fp32": 4},
+        "optimizer_states": {"fp32": 8},
+    }
+    assert multiples(1, "fp32", 2) == {
+        "parameters": {"fp32": 4},
+        "gradients": {"fp32": 4},
+        "optimizer_states": {"fp32": 4},
+    }
     # main gradients in bf16 (grad_reduce_in_fp32 off): the masters' fp32 .grad beside them, sharded
     assert multiples(1, "bf16", 2, grad_accum="bf16", grad_reduce="bf16")["gradients"] == {"bf16": 2, "fp32": 2}
 
@@ -86,36 +109,87 @@ def _plan(*argv) -> tuple[int, str, str]:
 
 
 def test_plan_engine_megatron_offers_only_even_splits_and_zero_0_or_1():
-    code, out, _ = _plan("plan", "--model", "tiny-256", "--seq-len", "64", "--global-batch-size", "8", "--gpus", "8",
-                         "--engine", "megatron", "--hardware", "cpu", "--format", "json")
+    code, out, _ = _plan(
+        "plan",
+        "--model",
+        "tiny-256",
+        "--seq-len",
+        "64",
+        "--global-batch-size",
+        "8",
+        "--gpus",
+        "8",
+        "--engine",
+        "megatron",
+        "--hardware",
+        "cpu",
+        "--format",
+        "json",
+    )
     assert code == 0
     import json
 
     rows = json.loads(out)
     assert rows and {r["pp"] for r in rows} <= {1, 2, 4}  # 4 layers: pp 8 would split them unevenly
-    code, _, err = _plan("plan", "--model", "tiny-256", "--seq-len", "64", "--global-batch-size", "8", "--gpus", "2",
-                         "--engine", "megatron", "--zero", "2")
+    code, _, err = _plan(
+        "plan",
+        "--model",
+        "tiny-256",
+        "--seq-len",
+        "64",
+        "--global-batch-size",
+        "8",
+        "--gpus",
+        "2",
+        "--engine",
+        "megatron",
+        "--zero",
+        "2",
+    )
     assert code == 2 and err.startswith("error: --zero:")
 
 
 # ---------------------------------------------------------------- harness plan --export megatron
 
+
 def megatron_args(text: str) -> argparse.Namespace:
     """Megatron-LM's pretrain_gpt.py arguments (megatron/training/arguments.py's names), strictly: an
     argument it does not know fails."""
     p = argparse.ArgumentParser(prog="pretrain_gpt.py", exit_on_error=False)
-    for name in ("tensor-model-parallel-size", "pipeline-model-parallel-size", "micro-batch-size",
-                 "global-batch-size", "seq-length", "max-position-embeddings", "num-layers", "hidden-size",
-                 "ffn-hidden-size", "num-attention-heads", "num-query-groups", "rotary-base",
-                 "recompute-num-layers", "num-layers-per-virtual-pipeline-stage"):
+    for name in (
+        "tensor-model-parallel-size",
+        "pipeline-model-parallel-size",
+        "micro-batch-size",
+        "global-batch-size",
+        "seq-length",
+        "max-position-embeddings",
+        "num-layers",
+        "hidden-size",
+        "ffn-hidden-size",
+        "num-attention-heads",
+        "num-query-groups",
+        "rotary-base",
+        "recompute-num-layers",
+        "num-layers-per-virtual-pipeline-stage",
+    ):
         p.add_argument(f"--{name}", type=int)
     for name in ("recompute-granularity", "recompute-method", "normalization", "position-embedding-type"):
         p.add_argument(f"--{name}")
     for name in ("norm-epsilon", "attention-dropout", "hidden-dropout", "rope-scaling-factor"):
         p.add_argument(f"--{name}", type=float)
-    for flag in ("sequence-parallel", "group-query-attention", "swiglu", "untie-embeddings-and-output-weights",
-                 "disable-bias-linear", "bf16", "use-distributed-optimizer", "use-flash-attn",
-                 "accumulate-allreduce-grads-in-fp32", "use-rope-scaling", "add-qkv-bias"):
+    for flag in (
+        "sequence-parallel",
+        "group-query-attention",
+        "swiglu",
+        "untie-embeddings-and-output-weights",
+        "disable-bias-linear",
+        "bf16",
+        "use-distributed-optimizer",
+        "use-flash-attn",
+        "accumulate-allreduce-grads-in-fp32",
+        "use-rope-scaling",
+        "add-qkv-bias",
+    ):
         p.add_argument(f"--{flag}", action="store_true")
     return p.parse_args(shlex.split(text))
 
@@ -126,11 +200,25 @@ def megatron_spec(text: str, model: str, world: int) -> dict:
     arguments give."""
     a = megatron_args(text)
     shape = resolve_shape(model)
-    assert (a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads,
-            a.num_query_groups or a.num_attention_heads, a.rotary_base, a.norm_epsilon,
-            not a.untie_embeddings_and_output_weights) == \
-        (shape.layers, shape.hidden, shape.ffn, shape.heads, shape.kv_heads, int(shape.rope_theta), shape.norm_eps,
-         shape.tie_embeddings)
+    assert (
+        a.num_layers,
+        a.hidden_size,
+        a.ffn_hidden_size,
+        a.num_attention_heads,
+        a.num_query_groups or a.num_attention_heads,
+        a.rotary_base,
+        a.norm_epsilon,
+        not a.untie_embeddings_and_output_weights,
+    ) == (
+        shape.layers,
+        shape.hidden,
+        shape.ffn,
+        shape.heads,
+        shape.kv_heads,
+        int(shape.rope_theta),
+        shape.norm_eps,
+        shape.tie_embeddings,
+    )
     assert a.swiglu and a.normalization == "RMSNorm" and a.disable_bias_linear
     assert a.attention_dropout == 0 and a.hidden_dropout == 0
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
@@ -138,21 +226,46 @@ def megatron_spec(text: str, model: str, world: int) -> dict:
     vp = a.num_layers // (pp * per_chunk) if per_chunk else 1
     if a.recompute_granularity == "full":
         assert (a.recompute_method, a.recompute_num_layers) == ("uniform", 1)
-    layout = {"engine": "megatron", "tp": tp, "pp": pp, "dp": world // (tp * pp),
-              "micro_batch_size": a.micro_batch_size, "sequence_parallel": a.sequence_parallel,
-              "activation_checkpointing": a.recompute_granularity or "none",
-              "pipeline_schedule": "interleaved" if vp > 1 else "1f1b", "virtual_stages": vp,
-              "zero_stage": 1 if a.use_distributed_optimizer else 0,
-              "attention": "flash2" if a.use_flash_attn else "naive", "rmsnorm": "torch"}
-    workload = {"model": model, "seq_len": a.seq_length, "global_batch_size": a.global_batch_size, "steps": 1,
-                "warmup_steps": 0, "device": "cpu", "precision": "bf16" if a.bf16 else "fp32"}
+    layout = {
+        "engine": "megatron",
+        "tp": tp,
+        "pp": pp,
+        "dp": world // (tp * pp),
+        "micro_batch_size": a.micro_batch_size,
+        "sequence_parallel": a.sequence_parallel,
+        "activation_checkpointing": a.recompute_granularity or "none",
+        "pipeline_schedule": "interleaved" if vp > 1 else "1f1b",
+        "virtual_stages": vp,
+        "zero_stage": 1 if a.use_distributed_optimizer else 0,
+        "attention": "flash2" if a.use_flash_attn else "naive",
+        "rmsnorm": "torch",
+    }
+    workload = {
+        "model": model,
+        "seq_len": a.seq_length,
+        "global_batch_size": a.global_batch_size,
+        "steps": 1,
+        "warmup_steps": 0,
+        "device": "cpu",
+        "precision": "bf16" if a.bf16 else "fp32",
+    }
     if a.bf16:
         assert a.accumulate_allreduce_grads_in_fp32  # the planner's policy
     return {"workload": workload, "layout": layout}
 
 
-PLANNED_FIELDS = ("tp", "pp", "dp", "micro_batch_size", "sequence_parallel", "activation_checkpointing",
-                  "pipeline_schedule", "virtual_stages", "attention", "rmsnorm")
+PLANNED_FIELDS = (
+    "tp",
+    "pp",
+    "dp",
+    "micro_batch_size",
+    "sequence_parallel",
+    "activation_checkpointing",
+    "pipeline_schedule",
+    "virtual_stages",
+    "attention",
+    "rmsnorm",
+)
 
 
 def assert_same_layout(spec_layout: dict, lay: PlannerLayout) -> None:
@@ -167,11 +280,18 @@ def assert_same_layout(spec_layout: dict, lay: PlannerLayout) -> None:
 # Layouts exported by export_megatron (what `harness plan --export megatron` prints) and read back.
 KERNELS = {"attention": "naive", "rmsnorm": "torch", "engine": "megatron"}
 EXPORTED = {  # id: (model, ranks, layout)
-    "tp2-sp-selective": ("tiny", 2, PlannerLayout(2, 1, 1, 2, sequence_parallel=True,
-                                                  activation_checkpointing="selective", **KERNELS)),
-    "pp2-interleaved-full": ("tiny-256", 2, PlannerLayout(1, 2, 1, 1, activation_checkpointing="full",
-                                                          pipeline_schedule="interleaved", virtual_stages=2,
-                                                          **KERNELS)),
+    "tp2-sp-selective": (
+        "tiny",
+        2,
+        PlannerLayout(2, 1, 1, 2, sequence_parallel=True, activation_checkpointing="selective", **KERNELS),
+    ),
+    "pp2-interleaved-full": (
+        "tiny-256",
+        2,
+        PlannerLayout(
+            1, 2, 1, 1, activation_checkpointing="full", pipeline_schedule="interleaved", virtual_stages=2, **KERNELS
+        ),
+    ),
 }
 EXPORT_WORKLOAD = Workload(32, 8, 4)
 
@@ -190,18 +310,43 @@ def test_exported_arguments_read_back_as_the_planned_layout(name):
 def _plan_export() -> tuple[dict, PlannerLayout]:
     """`harness plan --export megatron` on the tiny model at 2 ranks: its arguments as a megatron spec,
     and the layout the planner chose (read from the same plan's JSON, best first)."""
-    args = ["plan", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "8", "--gpus", "2", "--hardware",
-            "cpu", "--engine", "megatron", "--attention", "naive", "--rmsnorm", "torch"]
+    args = [
+        "plan",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "64",
+        "--global-batch-size",
+        "8",
+        "--gpus",
+        "2",
+        "--hardware",
+        "cpu",
+        "--engine",
+        "megatron",
+        "--attention",
+        "naive",
+        "--rmsnorm",
+        "torch",
+    ]
     code, text, _ = _plan(*args, "--export", "megatron")
     assert code == 0
     import json
 
     code, out, _ = _plan(*args, "--format", "json")
     best = next(r for r in json.loads(out) if r["fits"])
-    lay = PlannerLayout(best["tp"], best["pp"], best["dp"], best["micro_batch_size"],
-                        activation_checkpointing=best["activation_checkpointing"],
-                        sequence_parallel=best["sequence_parallel"], attention=best["attention"],
-                        rmsnorm=best["rmsnorm"], zero_stage=best["zero"], engine="megatron")
+    lay = PlannerLayout(
+        best["tp"],
+        best["pp"],
+        best["dp"],
+        best["micro_batch_size"],
+        activation_checkpointing=best["activation_checkpointing"],
+        sequence_parallel=best["sequence_parallel"],
+        attention=best["attention"],
+        rmsnorm=best["rmsnorm"],
+        zero_stage=best["zero"],
+        engine="megatron",
+    )
     return megatron_spec(text.strip().splitlines()[0], "tiny", 2), lay
 
 
@@ -212,8 +357,15 @@ def test_plan_export_megatron_reads_back_as_the_plans_choice():
 
 # ---------------------------------------------------------------- one launch: census and exported builds
 
-CENSUS_WORKLOAD = {"model": "tiny-256", "seq_len": 32, "global_batch_size": 8, "steps": 1, "warmup_steps": 0,
-                   "device": "cpu", "precision": "bf16"}
+CENSUS_WORKLOAD = {
+    "model": "tiny-256",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": 1,
+    "warmup_steps": 0,
+    "device": "cpu",
+    "precision": "bf16",
+}
 CENSUS = {  # id: (layout, workload overrides)
     "dp2-ddp": ({"dp": 2, "zero_stage": 0}, {}),
     "dp2-distopt": ({"dp": 2, "zero_stage": 1}, {}),
@@ -226,8 +378,10 @@ CENSUS = {  # id: (layout, workload overrides)
 
 def _census_raw(case) -> dict:
     layout, workload = case
-    return {"workload": {**CENSUS_WORKLOAD, **workload},
-            "layout": {"engine": "megatron", "attention": "naive", "micro_batch_size": 2, **layout}}
+    return {
+        "workload": {**CENSUS_WORKLOAD, **workload},
+        "layout": {"engine": "megatron", "attention": "naive", "micro_batch_size": 2, **layout},
+    }
 
 
 def _launched(ctx, census_runs: list[dict], exported_runs: list[dict]) -> dict:
@@ -247,8 +401,9 @@ def _launched(ctx, census_runs: list[dict], exported_runs: list[dict]) -> dict:
         spec = parse_spec(raw)
         trainer = Trainer(spec, ctx, spec.shape(), progress=False)
         trainer.step(0)
-        out["exported"].append({"layout": spec.to_dict()["layout"], "describe": trainer.engine.describe(),
-                                "loss": trainer.losses[0]})
+        out["exported"].append(
+            {"layout": spec.to_dict()["layout"], "describe": trainer.engine.describe(), "loss": trainer.losses[0]}
+        )
         del trainer
     return out
 
@@ -257,11 +412,19 @@ def _launched(ctx, census_runs: list[dict], exported_runs: list[dict]) -> dict:
 def launched():
     from harness.testing.spawn import spawn
 
-    exported = [megatron_spec(export_megatron(PRESETS[m], lay, EXPORT_WORKLOAD)[0], m, w)
-                for m, w, lay in EXPORTED.values()]
+    exported = [
+        megatron_spec(export_megatron(PRESETS[m], lay, EXPORT_WORKLOAD)[0], m, w) for m, w, lay in EXPORTED.values()
+    ]
     from_plan, plan_layout = _plan_export()
-    ranks = spawn(_launched, 2, [_census_raw(c) for c in CENSUS.values()], exported + [from_plan],
-                  timeout_s=600, threads=1, every_rank=True)
+    ranks = spawn(
+        _launched,
+        2,
+        [_census_raw(c) for c in CENSUS.values()],
+        exported + [from_plan],
+        timeout_s=600,
+        threads=1,
+        every_rank=True,
+    )
     return ranks, list(EXPORTED.values()) + [("tiny", 2, plan_layout)]
 
 
@@ -272,13 +435,28 @@ def _predicted(case, pp_rank: int) -> tuple[dict, dict]:
     w, lay = raw["workload"], raw["layout"]
     shape = resolve_shape(w["model"], w.get("model_overrides"))
     dp = lay.get("dp", 1)
-    planned = PlannerLayout(lay.get("tp", 1), lay.get("pp", 1), dp, lay["micro_batch_size"], attention="naive",
-                            rmsnorm="torch", zero_stage=lay.get("zero_stage", 0),
-                            pipeline_schedule=lay.get("pipeline_schedule", "1f1b"),
-                            virtual_stages=lay.get("virtual_stages", 1), engine="megatron")
+    planned = PlannerLayout(
+        lay.get("tp", 1),
+        lay.get("pp", 1),
+        dp,
+        lay["micro_batch_size"],
+        attention="naive",
+        rmsnorm="torch",
+        zero_stage=lay.get("zero_stage", 0),
+        pipeline_schedule=lay.get("pipeline_schedule", "1f1b"),
+        virtual_stages=lay.get("virtual_stages", 1),
+        engine="megatron",
+    )
     params = stage_params(shape, *engine_stage_items(shape, planned, w["seq_len"])[pp_rank], planned.tp)
-    states = model_states(params, "megatron", planned.zero_stage, w["precision"], dp,
-                          grad_accum=w.get("grad_accum_dtype", "fp32"), grad_reduce=w.get("grad_reduce_dtype", "fp32"))
+    states = model_states(
+        params,
+        "megatron",
+        planned.zero_stage,
+        w["precision"],
+        dp,
+        grad_accum=w.get("grad_accum_dtype", "fp32"),
+        grad_reduce=w.get("grad_reduce_dtype", "fp32"),
+    )
     wl = Workload(w["seq_len"], w["global_batch_size"], 2 if w["precision"] == "bf16" else 4)
     return states, engine_stage_memory(shape, planned, wl, pp_rank)
 
@@ -318,18 +496,24 @@ def test_engine_built_from_exported_arguments_has_the_planned_layout(launched, i
         assert d["sequence_parallel"] == lay.sequence_parallel
         vp = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
         assert d["virtual_stages"] == vp
-        schedule = {1: "forward_backward_no_pipelining"}.get(lay.pp, "forward_backward_pipelining_without_interleaving"
-                                                              if vp == 1 else
-                                                              "forward_backward_pipelining_with_interleaving")
+        schedule = {1: "forward_backward_no_pipelining"}.get(
+            lay.pp,
+            "forward_backward_pipelining_without_interleaving"
+            if vp == 1
+            else "forward_backward_pipelining_with_interleaving",
+        )
         assert d["schedule"] == schedule
         assert (f"use_distributed_optimizer={lay.zero_stage == 1 and lay.dp > 1}") in d["ddp"]
-        assert d["activation_checkpointing"].startswith({"none": "none", "full": "recompute_granularity=full",
-                                                         "selective": "recompute_granularity=selective"}
-                                                        [lay.activation_checkpointing])
+        assert d["activation_checkpointing"].startswith(
+            {"none": "none", "full": "recompute_granularity=full", "selective": "recompute_granularity=selective"}[
+                lay.activation_checkpointing
+            ]
+        )
         assert math.isfinite(got["loss"])
 
 
 # ---------------------------------------------------------------- the GPU script, in its CPU mode
+
 
 @pytest.mark.slow
 def test_gpu_engines_script_runs_on_cpu(tmp_path):
@@ -341,8 +525,14 @@ def test_gpu_engines_script_runs_on_cpu(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "DEVICE": "cpu", "OUT": str(tmp_path), "PYTHONPATH": root}
-    done = subprocess.run(["bash", os.path.join(root, "scripts", "gpu_engines.sh"), "--engines", "own,megatron"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(
+        ["bash", os.path.join(root, "scripts", "gpu_engines.sh"), "--engines", "own,megatron"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = {r["engine"]: r for r in json.loads((tmp_path / "engines.json").read_text())["rows"]}
     assert set(rows) == {"own", "megatron"} and all(r["status"] == "ok" for r in rows.values()), rows

@@ -36,9 +36,19 @@ TINY_CASES = [  # bf16 on 4 ranks (one launch), each rank traced against the rea
 
 
 def _tiny_spec(layout: dict):
-    return parse_spec({"workload": {"model": "tiny-4l", "seq_len": 32, "global_batch_size": 8, "steps": 2,
-                                    "precision": "bf16", "device": "cpu"},
-                       "layout": {"engine": "own", "rmsnorm": "torch", **layout}})
+    return parse_spec(
+        {
+            "workload": {
+                "model": "tiny-4l",
+                "seq_len": 32,
+                "global_batch_size": 8,
+                "steps": 2,
+                "precision": "bf16",
+                "device": "cpu",
+            },
+            "layout": {"engine": "own", "rmsnorm": "torch", **layout},
+        }
+    )
 
 
 def _real(ctx, specs):
@@ -66,8 +76,7 @@ def test_fake_trace_equals_a_real_run():
     from harness.memtrace.trace import trace_rank
     from harness.testing.spawn import spawn
 
-    real = spawn(_real, WORLD, [_tiny_spec(layout) for layout in TINY_CASES], timeout_s=300, threads=1,
-                 every_rank=True)
+    real = spawn(_real, WORLD, [_tiny_spec(layout) for layout in TINY_CASES], timeout_s=300, threads=1, every_rank=True)
     for i, layout in enumerate(TINY_CASES):
         spec = _tiny_spec(layout)
         for rank in range(WORLD):
@@ -76,22 +85,35 @@ def test_fake_trace_equals_a_real_run():
             assert got["census"] and got["saved"] > 0
             census = {c: by for c, by in fake.census.items() if by}
             assert census == {c: by for c, by in got["census"].items() if by}, f"{layout} rank {rank}"
-            assert fake.saved_bytes_step == got["saved"], \
+            assert fake.saved_bytes_step == got["saved"], (
                 f"{layout} rank {rank}: saved {fake.saved_bytes_step} vs {got['saved']}"
+            )
 
 
 FSDP_WORLD = 2
 FSDP_CASES = [  # engine fsdp on 2 ranks (one launch): dp2 under both policies, tp2, tp2 with SP, pp2 (1F1B)
-    ("fp32", dict(dp=2)), ("bf16", dict(dp=2)), ("bf16", dict(tp=2)),
+    ("fp32", dict(dp=2)),
+    ("bf16", dict(dp=2)),
+    ("bf16", dict(tp=2)),
     ("fp32", dict(tp=2, sequence_parallel=True, activation_checkpointing="full")),
     ("bf16", dict(pp=2, micro_batch_size=1)),
 ]
 
 
 def _tiny_fsdp_spec(precision: str, layout: dict):
-    return parse_spec({"workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2,
-                                    "precision": precision, "device": "cpu"},
-                       "layout": {"engine": "fsdp", "micro_batch_size": 2, "rmsnorm": "torch", **layout}})
+    return parse_spec(
+        {
+            "workload": {
+                "model": "tiny",
+                "seq_len": 32,
+                "global_batch_size": 8,
+                "steps": 2,
+                "precision": precision,
+                "device": "cpu",
+            },
+            "layout": {"engine": "fsdp", "micro_batch_size": 2, "rmsnorm": "torch", **layout},
+        }
+    )
 
 
 @pytest.mark.slow
@@ -101,8 +123,9 @@ def test_fsdp_fake_trace_equals_a_real_run():
     from harness.memtrace.trace import trace_rank
     from harness.testing.spawn import spawn
 
-    real = spawn(_real, FSDP_WORLD, [_tiny_fsdp_spec(*case) for case in FSDP_CASES], timeout_s=300,
-                 threads=1, every_rank=True)
+    real = spawn(
+        _real, FSDP_WORLD, [_tiny_fsdp_spec(*case) for case in FSDP_CASES], timeout_s=300, threads=1, every_rank=True
+    )
     for i, (precision, layout) in enumerate(FSDP_CASES):
         spec = _tiny_fsdp_spec(precision, layout)
         for rank in range(FSDP_WORLD):
@@ -111,8 +134,9 @@ def test_fsdp_fake_trace_equals_a_real_run():
             assert got["census"] and got["saved"] > 0
             census = {c: by for c, by in fake.census.items() if by}
             assert census == {c: by for c, by in got["census"].items() if by}, f"{precision} {layout} rank {rank}"
-            assert fake.saved_bytes_step == got["saved"], \
+            assert fake.saved_bytes_step == got["saved"], (
                 f"{precision} {layout} rank {rank}: saved {fake.saved_bytes_step} vs {got['saved']}"
+            )
 
 
 # One layout per case; together every model, both sequence lengths, each checkpointing mode, SP
@@ -122,15 +146,22 @@ AGREEMENT = [
     ("paper-13b", 2048, 2048, dict(tp=2, pp=4, dp=4)),
     ("paper-30b", 8192, 512, dict(tp=4, pp=2, dp=8, sequence_parallel=True, activation_checkpointing="selective")),
     ("paper-65b", 2048, 2048, dict(tp=8, pp=2, dp=8)),
-    ("paper-13b", 8192, 512, dict(tp=4, pp=2, dp=8, sequence_parallel=True, activation_checkpointing="full",
-                                  rmsnorm="fused")),
+    (
+        "paper-13b",
+        8192,
+        512,
+        dict(tp=4, pp=2, dp=8, sequence_parallel=True, activation_checkpointing="full", rmsnorm="fused"),
+    ),
 ]
 
 
 def _full_spec(model, seq, gbs, layout):
-    return parse_spec({"workload": {"model": model, "seq_len": seq, "global_batch_size": gbs, "precision": "bf16"},
-                       "layout": {"engine": "own", "zero_stage": 1, "attention": "sdpa", "rmsnorm": "torch",
-                                  **layout}})
+    return parse_spec(
+        {
+            "workload": {"model": model, "seq_len": seq, "global_batch_size": gbs, "precision": "bf16"},
+            "layout": {"engine": "own", "zero_stage": 1, "attention": "sdpa", "rmsnorm": "torch", **layout},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +174,10 @@ def agreement():
     print("\nlayout | traced peak GiB | planner GiB | difference | trace s")
     for r in rows:
         lay = r["layout"]
-        label = (f"{r['model']} s{r['seq_len']} tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} "
-                 f"{lay['activation_checkpointing']} sp {'on' if lay['sequence_parallel'] else 'off'} {lay['rmsnorm']}")
+        label = (
+            f"{r['model']} s{r['seq_len']} tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} "
+            f"{lay['activation_checkpointing']} sp {'on' if lay['sequence_parallel'] else 'off'} {lay['rmsnorm']}"
+        )
         diff = (r["planner_peak_gib"] - r["traced_peak_gib"]) / r["traced_peak_gib"] * 100
         print(f"{label} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | {diff:+.1f}% | {r['seconds']:.1f}")
     return rows
@@ -154,8 +187,10 @@ def agreement():
 def test_planner_agrees_with_the_trace(agreement):
     for r in agreement:
         assert abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.10 * r["traced_peak_gib"], r["layout"]
-        assert r["planner_worst_stage"] == r["traced_worst_stage"] or \
-            abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.02 * r["traced_peak_gib"]
+        assert (
+            r["planner_worst_stage"] == r["traced_worst_stage"]
+            or abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.02 * r["traced_peak_gib"]
+        )
         for rank in r["ranks"]:
             assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.10 * rank["total_gib"], (r["layout"], rank)
 
@@ -182,13 +217,24 @@ def test_cp_planner_agrees_with_the_trace():
     print("\ncp layout | traced peak GiB | planner GiB | difference | trace s")
     rows = []
     for seq, layout in CP_AGREEMENT:
-        spec = parse_spec({"workload": {"model": "llama3-8b", "seq_len": seq, "global_batch_size": 8,
-                                        "precision": "bf16", "model_overrides": {"max_positions": seq}},
-                           "layout": {"engine": "own", "rmsnorm": "fused", **layout}})
+        spec = parse_spec(
+            {
+                "workload": {
+                    "model": "llama3-8b",
+                    "seq_len": seq,
+                    "global_batch_size": 8,
+                    "precision": "bf16",
+                    "model_overrides": {"max_positions": seq},
+                },
+                "layout": {"engine": "own", "rmsnorm": "fused", **layout},
+            }
+        )
         r = trace_spec(spec)
         diff = (r["planner_peak_gib"] - r["traced_peak_gib"]) / r["traced_peak_gib"] * 100
-        print(f"llama3-8b s{seq} {layout} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | "
-              f"{diff:+.1f}% | {r['seconds']:.1f}")
+        print(
+            f"llama3-8b s{seq} {layout} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | "
+            f"{diff:+.1f}% | {r['seconds']:.1f}"
+        )
         rows.append(r)
     for r in rows:
         assert r["layout"]["cp"] > 1
@@ -214,12 +260,18 @@ def test_fsdp_planner_agrees_with_the_trace():
     print("\nfsdp layout | traced peak GiB | planner GiB | difference | trace s")
     rows = []
     for model, seq, layout in FSDP_AGREEMENT:
-        spec = parse_spec({"workload": {"model": model, "seq_len": seq, "global_batch_size": 512, "precision": "bf16"},
-                           "layout": {"engine": "fsdp", "attention": "sdpa", "rmsnorm": "torch", **layout}})
+        spec = parse_spec(
+            {
+                "workload": {"model": model, "seq_len": seq, "global_batch_size": 512, "precision": "bf16"},
+                "layout": {"engine": "fsdp", "attention": "sdpa", "rmsnorm": "torch", **layout},
+            }
+        )
         r = trace_spec(spec)
         diff = (r["planner_peak_gib"] - r["traced_peak_gib"]) / r["traced_peak_gib"] * 100
-        print(f"{model} s{seq} {layout} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | {diff:+.1f}% "
-              f"| {r['seconds']:.1f}")
+        print(
+            f"{model} s{seq} {layout} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | {diff:+.1f}% "
+            f"| {r['seconds']:.1f}"
+        )
         rows.append(r)
     for r in rows:
         assert r["engine"] == "fsdp", r["layout"]  # its time: benchmarks/memory_speed.py
@@ -235,8 +287,10 @@ def test_memory_command_json(tmp_path, capsys):
     from harness.cli import main
 
     spec = tmp_path / "s.yaml"
-    spec.write_text("workload: {model: tiny, seq_len: 32, global_batch_size: 4, precision: bf16}\n"
-                    "layout: {engine: own, tp: 2, pp: 2, dp: 1, zero_stage: 0, sequence_parallel: true}\n")
+    spec.write_text(
+        "workload: {model: tiny, seq_len: 32, global_batch_size: 4, precision: bf16}\n"
+        "layout: {engine: own, tp: 2, pp: 2, dp: 1, zero_stage: 0, sequence_parallel: true}\n"
+    )
     assert main(["memory", str(spec), "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"traced_peak_gib", "planner_peak_gib", "ranks"} <= set(out)
@@ -261,14 +315,19 @@ def test_memory_command_fsdp(tmp_path, capsys):
     from harness.cli import main
 
     spec = tmp_path / "s.yaml"
-    spec.write_text("workload: {model: tiny, seq_len: 32, global_batch_size: 8, precision: bf16}\n"
-                    "layout: {engine: fsdp, tp: 2, dp: 2, sequence_parallel: true}\n")
+    spec.write_text(
+        "workload: {model: tiny, seq_len: 32, global_batch_size: 8, precision: bf16}\n"
+        "layout: {engine: fsdp, tp: 2, dp: 2, sequence_parallel: true}\n"
+    )
     assert main(["memory", str(spec), "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["engine"] == "fsdp" and [r["stage"] for r in out["ranks"]] == [0]
     (r,) = out["ranks"]
-    assert {c: set(by) for c, by in r["census"].items() if by} == \
-        {"parameters": {"fp32"}, "gradients": {"fp32"}, "optimizer_states": {"fp32"}}
+    assert {c: set(by) for c, by in r["census"].items() if by} == {
+        "parameters": {"fp32"},
+        "gradients": {"fp32"},
+        "optimizer_states": {"fp32"},
+    }
     assert r["census"]["parameters"]["fp32"] == r["census"]["gradients"]["fp32"]
     assert r["census"]["parameters"]["fp32"] > 0 and r["live_peak_gib"] >= r["states_gib"]
     assert out["planner_peak_gib"] > 0
@@ -277,13 +336,18 @@ def test_memory_command_fsdp(tmp_path, capsys):
     assert [r["stage"] for r in out["ranks"]] == [0, 1] and [r["layers"] for r in out["ranks"]] == [[[0, 1]], [[1, 2]]]
 
 
-@pytest.mark.parametrize("argv,field", [
-    (["memory", "/no/such/spec.yaml"], "spec"),
-    (["memory", "examples/tiny.yaml"], "layout.engine"),
-    (["memory", "examples/tiny.yaml", "--set", "layout.engine=deepspeed", "--set", "layout.zero_stage=1"],
-     "layout.engine"),
-    (["memory", "examples/tiny.yaml", "--set", "layout.engine=own", "--set", "layout.tp=3"], "--set"),
-])
+@pytest.mark.parametrize(
+    "argv,field",
+    [
+        (["memory", "/no/such/spec.yaml"], "spec"),
+        (["memory", "examples/tiny.yaml"], "layout.engine"),
+        (
+            ["memory", "examples/tiny.yaml", "--set", "layout.engine=deepspeed", "--set", "layout.zero_stage=1"],
+            "layout.engine",
+        ),
+        (["memory", "examples/tiny.yaml", "--set", "layout.engine=own", "--set", "layout.tp=3"], "--set"),
+    ],
+)
 def test_memory_bad_input_is_one_line_exit_2(argv, field, capsys):
     from harness.cli import main
 
@@ -320,13 +384,32 @@ def test_planner_engines():
 def test_plan_engine_flag(capsys):
     from harness.cli import main
 
-    base = ["plan", "--model", "paper-13b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "64",
-            "--format", "json", "--attention", "flash2", "--micro-batch-sizes", "1"]
+    base = [
+        "plan",
+        "--model",
+        "paper-13b",
+        "--seq-len",
+        "2048",
+        "--global-batch-size",
+        "2048",
+        "--gpus",
+        "64",
+        "--format",
+        "json",
+        "--attention",
+        "flash2",
+        "--micro-batch-sizes",
+        "1",
+    ]
     got = {}
     for engine in ("own", "paper", "deepspeed", "fsdp"):
         assert main(base + ["--engine", engine]) == 0
-        got[engine] = {(r["tp"], r["pp"], r["dp"], r["activation_checkpointing"], r["sequence_parallel"],
-                        r["rmsnorm"]): r["memory_gib"] for r in json.loads(capsys.readouterr().out)}
+        got[engine] = {
+            (r["tp"], r["pp"], r["dp"], r["activation_checkpointing"], r["sequence_parallel"], r["rmsnorm"]): r[
+                "memory_gib"
+            ]
+            for r in json.loads(capsys.readouterr().out)
+        }
     key = (2, 4, 8, "none", False, "fused")
     assert len({got[e][key] for e in got}) == 4  # each engine its own memory
     assert main(base[:-4] + ["--engine", "own", "--zero", "3"]) == 2

@@ -12,13 +12,20 @@ from harness.model.llama import build_model, lm_loss, reference_state_dict
 from harness.model.presets import PRESETS, param_count, resolve_shape, shape_to_config
 
 HF_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 LAYER_NAMES = {
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 
 
@@ -79,12 +86,18 @@ def reference():
     return loss_and_grads()
 
 
-@pytest.mark.parametrize("attention,rmsnorm,checkpointing", [
-    ("sdpa", "torch", "none"), ("sdpa_flash", "torch", "none"),
-    ("naive", "torch", "full"), ("naive", "torch", "selective"),
-    ("sdpa", "torch", "selective"), ("sdpa_flash", "torch", "full"),
-    pytest.param("naive", "fused", "none", marks=pytest.mark.slow),  # torch.compile runs a C++ compiler
-])
+@pytest.mark.parametrize(
+    "attention,rmsnorm,checkpointing",
+    [
+        ("sdpa", "torch", "none"),
+        ("sdpa_flash", "torch", "none"),
+        ("naive", "torch", "full"),
+        ("naive", "torch", "selective"),
+        ("sdpa", "torch", "selective"),
+        ("sdpa_flash", "torch", "full"),
+        pytest.param("naive", "fused", "none", marks=pytest.mark.slow),  # torch.compile runs a C++ compiler
+    ],
+)
 def test_kernels_and_checkpointing_match_reference(reference, attention, rmsnorm, checkpointing):
     ref_loss, ref_grads = reference
     loss, grads = loss_and_grads(attention, rmsnorm, checkpointing)

@@ -112,8 +112,9 @@ def _own_engine(kernels=None, model="tiny-4l"):
     from harness.testing.equivalence import make_spec
 
     spec = make_spec({"workload": {"model": model}, "layout": {"micro_batch_size": 2, "attention": "naive"}})
-    return spec, Engine3D(spec, spec.shape(), RunContext(0, 1, 0, torch.device("cpu"), None),
-                        options=BuildOptions(kernels=kernels))
+    return spec, Engine3D(
+        spec, spec.shape(), RunContext(0, 1, 0, torch.device("cpu"), None), options=BuildOptions(kernels=kernels)
+    )
 
 
 def test_the_own_engine_runs_the_kernels_it_is_built_with():

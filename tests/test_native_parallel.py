@@ -8,7 +8,6 @@ weight by about lr x sign(gradient), so rounding-level differences in near-zero 
 different summation order across tp shards) would show up as whole-step weight differences.
 """
 
-
 import pytest
 
 from harness.errors import SpecError
@@ -17,14 +16,21 @@ from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
 
 STEPS = 3
-WORKLOAD = {"model": "tiny", "seq_len": 16, "global_batch_size": 8, "steps": STEPS, "warmup_steps": 0,
-            "device": "cpu", "precision": "fp32", "optimizer": {"lr": 1.0, "eps": 1.0}}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 16,
+    "global_batch_size": 8,
+    "steps": STEPS,
+    "warmup_steps": 0,
+    "device": "cpu",
+    "precision": "fp32",
+    "optimizer": {"lr": 1.0, "eps": 1.0},
+}
 FOUR_LAYERS = {"model_overrides": {"layers": 4}}
 
 
 def _run(layout: dict, workload: dict | None = None) -> dict:
-    return {"workload": {**WORKLOAD, **(workload or {})},
-            "layout": {"engine": "fsdp", "micro_batch_size": 2, **layout}}
+    return {"workload": {**WORKLOAD, **(workload or {})}, "layout": {"engine": "fsdp", "micro_batch_size": 2, **layout}}
 
 
 def _check(runs: list[dict], results: list[dict], steps: int = STEPS) -> None:
@@ -38,9 +44,13 @@ def _check(runs: list[dict], results: list[dict], steps: int = STEPS) -> None:
 
 @pytest.mark.slow
 def test_tp_and_pp_on_two_processes():
-    runs = [_run({"tp": 2}), _run({"tp": 2, "sequence_parallel": True}),
-            _run({"pp": 2, "pipeline_schedule": "gpipe"}), _run({"pp": 2, "pipeline_schedule": "1f1b"}),
-            _run({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, FOUR_LAYERS)]
+    runs = [
+        _run({"tp": 2}),
+        _run({"tp": 2, "sequence_parallel": True}),
+        _run({"pp": 2, "pipeline_schedule": "gpipe"}),
+        _run({"pp": 2, "pipeline_schedule": "1f1b"}),
+        _run({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, FOUR_LAYERS),
+    ]
     results = spawn(run_losses, 2, runs, STEPS, True, timeout_s=300)
     _check(runs, results)
     tp, interleaved = results[1]["describe"], results[4]["describe"]
@@ -66,18 +76,33 @@ def test_tp_pp_dp_on_eight_processes():
 # ---------------------------------------------------------------- refused before anything runs
 
 REFUSED = [
-    ({"pp": 1, "pipeline_schedule": "interleaved", "virtual_stages": 2}, {},
-     "layout.virtual_stages", "needs pp > 1"),
-    ({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, {},
-     "layout.pp", "2 layers cannot fill 4 pipeline stages"),
-    ({"pp": 2, "pipeline_schedule": "interleaved"}, {"global_batch_size": 6},
-     "layout.pipeline_schedule", "divisible by pp=2"),
+    ({"pp": 1, "pipeline_schedule": "interleaved", "virtual_stages": 2}, {}, "layout.virtual_stages", "needs pp > 1"),
+    (
+        {"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2},
+        {},
+        "layout.pp",
+        "2 layers cannot fill 4 pipeline stages",
+    ),
+    (
+        {"pp": 2, "pipeline_schedule": "interleaved"},
+        {"global_batch_size": 6},
+        "layout.pipeline_schedule",
+        "divisible by pp=2",
+    ),
     ({"tp": 2, "zero_stage": 1}, {}, "layout.zero_stage", "reshard_after_forward"),
     # the precision policy where FSDP2 cannot follow it (harness/frameworks/fsdp/facts.py, ENGINE.precision_limits)
-    ({"dp": 2}, {"precision": "bf16", "grad_accum_dtype": "bf16"},
-     "workload.grad_accum_dtype", "bf16 accumulation with an fp32 reduction is not offered"),
-    ({"pp": 2}, {"precision": "bf16", "grad_reduce_dtype": "bf16"},
-     "workload.grad_reduce_dtype", "fp32 accumulation needs grad_reduce_dtype: fp32"),
+    (
+        {"dp": 2},
+        {"precision": "bf16", "grad_accum_dtype": "bf16"},
+        "workload.grad_accum_dtype",
+        "bf16 accumulation with an fp32 reduction is not offered",
+    ),
+    (
+        {"pp": 2},
+        {"precision": "bf16", "grad_reduce_dtype": "bf16"},
+        "workload.grad_reduce_dtype",
+        "fp32 accumulation needs grad_reduce_dtype: fp32",
+    ),
 ]
 
 
@@ -95,10 +120,12 @@ def test_one_f_one_b_with_fewer_micro_batches_than_stages_is_refused_before_laun
 
 
 def test_every_parallel_layout_parses_for_fsdp():
-    for layout, workload in [({"tp": 2, "sequence_parallel": True}, {}), ({"pp": 2, "pipeline_schedule": "gpipe"}, {}),
-                             ({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, FOUR_LAYERS),
-                             ({"tp": 2, "pp": 2, "dp": 2, "activation_checkpointing": "full"}, {}),
-                             ({"pp": 2}, {"precision": "bf16", "grad_accum_dtype": "bf16",
-                                          "grad_reduce_dtype": "bf16"}),
-                             ({"dp": 2}, {"precision": "bf16", "grad_reduce_dtype": "bf16"})]:
+    for layout, workload in [
+        ({"tp": 2, "sequence_parallel": True}, {}),
+        ({"pp": 2, "pipeline_schedule": "gpipe"}, {}),
+        ({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, FOUR_LAYERS),
+        ({"tp": 2, "pp": 2, "dp": 2, "activation_checkpointing": "full"}, {}),
+        ({"pp": 2}, {"precision": "bf16", "grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"}),
+        ({"dp": 2}, {"precision": "bf16", "grad_reduce_dtype": "bf16"}),
+    ]:
         parse_spec(_run(layout, workload))

@@ -41,7 +41,7 @@ CASES = {
         _case(cp=2, cp_impl="ring"),
         _case(cp=2, cp_impl="allgather"),
         _case(cp=2, cp_impl="ulysses"),
-        _case(cp=2, cp_impl="ring", attention="sdpa"),        # sdpa blocks: torch's CPU flash kernel
+        _case(cp=2, cp_impl="ring", attention="sdpa"),  # sdpa blocks: torch's CPU flash kernel
         _case(cp=2, cp_impl="allgather", attention="sdpa"),
         _case(cp=2, cp_impl="ring", activation_checkpointing="full"),
         _case(cp=2, cp_impl="ring", activation_checkpointing="selective", micro_batch_size=2),
@@ -53,28 +53,35 @@ CASES = {
         _case(cp=2, pp=2, cp_impl="ring"),
         _case(cp=2, dp=2, zero_stage=1, dp_bucket_mb=0.05, cp_impl="ring"),
         _case(cp=4, cp_impl="ring"),
-        _case({"model_overrides": {"kv_heads": 4}}, cp=2, tp=2, cp_impl="ulysses"),   # heads / (cp x tp) = 1
+        _case({"model_overrides": {"kv_heads": 4}}, cp=2, tp=2, cp_impl="ulysses"),  # heads / (cp x tp) = 1
     ],
 }
 
 
 def _id(world: int, index: int, case: dict) -> str:
     lay, precision = case["layout"], case["workload"].get("precision", "fp32")
-    extras = [lay["attention"], lay.get("activation_checkpointing", ""), f"mb{lay.get('micro_batch_size', 1)}",
-              precision]
+    extras = [
+        lay["attention"],
+        lay.get("activation_checkpointing", ""),
+        f"mb{lay.get('micro_batch_size', 1)}",
+        precision,
+    ]
     words = layout_label({"engine": "own", **lay}, short=True).split()[1:] + [e for e in extras if e]
     return f"w{world}-{index}-" + "-".join(words)
 
 
-PARAMS = [pytest.param(world, i, id=_id(world, i, c), marks=pytest.mark.slow)
-          for world, cases in CASES.items() for i, c in enumerate(cases)]
+PARAMS = [
+    pytest.param(world, i, id=_id(world, i, c), marks=pytest.mark.slow)
+    for world, cases in CASES.items()
+    for i, c in enumerate(cases)
+]
 
 
 @pytest.fixture(scope="module")
 def launched():
     cache = {}
 
-    def get(world):   # a failed launch fails every case once, not by relaunching for each
+    def get(world):  # a failed launch fails every case once, not by relaunching for each
         if world not in cache:
             try:
                 cache[world] = E.launch(CASES[world], world, steps=STEPS)
@@ -108,8 +115,9 @@ def test_comm_counts_match_the_closed_form(launched, world, index):
     w = spec.workload
     shape = resolve_shape(w.model, w.model_overrides)
     for r in range(world):
-        expected = rank_comm(shape, spec.layout, w.seq_len, w.global_batch_size, r, w.precision,
-                             w.grad_accum_dtype, w.grad_reduce_dtype)
+        expected = rank_comm(
+            shape, spec.layout, w.seq_len, w.global_batch_size, r, w.precision, w.grad_accum_dtype, w.grad_reduce_dtype
+        )
         assert per_rank[r][index]["comm"] == expected, f"rank {r}"
         assert per_rank[r][index]["comm_first"] == expected, f"rank {r} (first step)"
 
@@ -131,12 +139,14 @@ def test_breakdown_charges_the_cp_waits_to_cp_comm(launched):
 
 @pytest.mark.parametrize("impl", ["ring", "allgather"])
 def test_blockwise_cp_refuses_a_kernel_it_does_not_compute(impl):
-    raw = {"workload": {"model": "tiny", "device": "cpu", **SHORT},
-           "layout": {"engine": "own", "cp": 2, "cp_impl": impl, "attention": "flash2"}}
+    raw = {
+        "workload": {"model": "tiny", "device": "cpu", **SHORT},
+        "layout": {"engine": "own", "cp": 2, "cp_impl": impl, "attention": "flash2"},
+    }
     with pytest.raises(SpecError) as e:
         parse_spec(raw)
     assert e.value.field == "layout.attention" and "needs attention naive or sdpa" in e.value.reason
-    raw["layout"]["cp_impl"] = "ulysses"   # runs the layout's kernel on its head shard
+    raw["layout"]["cp_impl"] = "ulysses"  # runs the layout's kernel on its head shard
     assert parse_spec(raw).layout.cp == 2
 
 
@@ -156,11 +166,11 @@ def test_cp_micro_batches_keep_each_target_with_its_token():
     from harness.data.source import micro_batches
     from harness.model.llama import cp_token_index
 
-    rows = torch.arange(2 * 17).reshape(2, 17)   # token id = its position (+ 17 on the second row)
+    rows = torch.arange(2 * 17).reshape(2, 17)  # token id = its position (+ 17 on the second row)
     held = []
     for index in range(2):
         positions = cp_token_index(16, 2, index)
-        (inputs, targets), = micro_batches(rows, 2, positions)
+        ((inputs, targets),) = micro_batches(rows, 2, positions)
         assert inputs.tolist() == rows[:, positions].tolist() and (targets == inputs + 1).all()
         held += positions.tolist()
     assert sorted(held) == list(range(16))
@@ -193,5 +203,5 @@ def test_the_profiler_names_the_gradient_group_dp_though_it_holds_the_cp_ranks()
     from harness.profiling.annotate import AxisOf
 
     dims = ParallelDims(cp=2)
-    assert dims.axis_of_group(0, [0, 1]) == "cp"   # by ranks alone it would be cp
+    assert dims.axis_of_group(0, [0, 1]) == "cp"  # by ranks alone it would be cp
     assert AxisOf(dims, 0)(SimpleNamespace(group_desc="dp")) == "dp"

@@ -36,6 +36,7 @@ def pyproject() -> dict:
 
 # ------------------------------------------------------------------ data files (fast)
 
+
 def test_shipped_files_are_found_through_resources():
     from harness.frameworks.deepspeed import config as ds_config
     from harness.planner import paper
@@ -62,11 +63,17 @@ def test_installed_copy_is_read_outside_a_source_tree(monkeypatch, tmp_path):
 
 def test_no_module_finds_files_relative_to_the_source_tree():
     """Only harness/resources.py may look next to the package; everything else asks it."""
-    pattern = re.compile(r"parents\[\d\]|dirname\(os\.path\.dirname|\.\./"
-                         r"|Path\(__file__\)\.resolve\(\)\.parent\.parent")
-    bad = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "harness").rglob("*.py"))
-           if p.name != "resources.py"
-           for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    pattern = re.compile(
+        r"parents\[\d\]|dirname\(os\.path\.dirname|\.\./"
+        r"|Path\(__file__\)\.resolve\(\)\.parent\.parent"
+    )
+    bad = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in sorted((REPO / "harness").rglob("*.py"))
+        if p.name != "resources.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert bad == []
 
 
@@ -83,6 +90,7 @@ def test_the_build_ships_what_resources_reads():
 
 
 # ------------------------------------------------------------------ name, licence, README (fast)
+
 
 def test_distribution_name_does_not_collide_and_the_command_stays():
     project = pyproject()["project"]
@@ -104,16 +112,27 @@ def test_licence_file_matches_pyproject():
 
 def test_readme_states_the_packaging_facts():
     readme = (REPO / "README.md").read_text()
-    assert "https://download.pytorch.org/whl/cpu" in readme           # PyTorch's CPU wheel index
+    assert "https://download.pytorch.org/whl/cpu" in readme  # PyTorch's CPU wheel index
     assert re.search(r"pip install flash-attn[^\n`]*--no-build-isolation", readme)
-    assert "build-essential" in readme and "g++" in readme           # DeepSpeed JIT-builds its CPU ops
+    assert "build-essential" in readme and "g++" in readme  # DeepSpeed JIT-builds its CPU ops
     assert DIST_NAME in readme and "LICENSE" in readme and "CC BY-NC-SA 4.0" in readme
 
 
 # ------------------------------------------------------------------ the wheel itself (slow)
 
-_NOT_SOURCE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                                     ".benchmarks", ".venv", "harness-logs", "harness-slurm", "*.sqlite*")
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".benchmarks",
+    ".venv",
+    "harness-logs",
+    "harness-slurm",
+    "*.sqlite*",
+)
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +163,12 @@ def running_site_dirs() -> list[str]:
 def own_pth_files(site_dirs: list[str]) -> set[str]:
     """The .pth files this project's own installs put there (an editable install's finder or path
     line, as its RECORD lists them): the venv must import the wheel, not the source tree."""
-    return {str(f.locate().resolve())
-            for dist in importlib.metadata.distributions(name=DIST_NAME, path=site_dirs)
-            for f in dist.files or () if f.suffix == ".pth"}
+    return {
+        str(f.locate().resolve())
+        for dist in importlib.metadata.distributions(name=DIST_NAME, path=site_dirs)
+        for f in dist.files or ()
+        if f.suffix == ".pth"
+    }
 
 
 _SEE_RUNNING_ENV = """\
@@ -204,8 +226,15 @@ def test_sdist_carries_the_shipped_folders(source_copy, tmp_path):
     name = _run([sys.executable, "-c", code], source_copy, _clean_env()).stdout.strip().splitlines()[-1]
     with tarfile.open(tmp_path / name) as tar:
         members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
-    for f in ("setup.py", "MANIFEST.in", "LICENSE", "ds_configs/zero1.json", "baselines/hagemann2023_best.csv",
-              "baselines/paper_sweeps/README.md", "harness/resources.py"):
+    for f in (
+        "setup.py",
+        "MANIFEST.in",
+        "LICENSE",
+        "ds_configs/zero1.json",
+        "baselines/hagemann2023_best.csv",
+        "baselines/paper_sweeps/README.md",
+        "harness/resources.py",
+    ):
         assert f in members, f
 
 
@@ -216,8 +245,11 @@ def test_wheel_in_a_fresh_venv_runs_deepspeed_zero1_and_report(source_copy, tmp_
     `harness report` from a folder outside the repository."""
     env = _clean_env()
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, "."],
-         source_copy, env)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, "."],
+        source_copy,
+        env,
+    )
     (wheel,) = dist.glob("*.whl")
     assert wheel.name.startswith(DIST_NAME.replace("-", "_") + "-")
     names = zipfile.ZipFile(wheel).namelist()
@@ -237,8 +269,16 @@ def test_wheel_in_a_fresh_venv_runs_deepspeed_zero1_and_report(source_copy, tmp_
     work = tmp_path / "work"  # outside the repository, PYTHONPATH unset
     work.mkdir()
     venv_env = _clean_env(venv)
-    where = _run([py, "-c", "import harness, importlib.metadata as m; print(harness.__file__); "
-                            f"print(m.distribution({DIST_NAME!r}).locate_file(''))"], work, venv_env).stdout.split()
+    where = _run(
+        [
+            py,
+            "-c",
+            "import harness, importlib.metadata as m; print(harness.__file__); "
+            f"print(m.distribution({DIST_NAME!r}).locate_file(''))",
+        ],
+        work,
+        venv_env,
+    ).stdout.split()
     for p in where:  # the package and its metadata: the wheel's
         assert Path(p).resolve().is_relative_to(venv.resolve()), f"{p} is not the wheel's, in {venv}"
 
@@ -246,10 +286,28 @@ def test_wheel_in_a_fresh_venv_runs_deepspeed_zero1_and_report(source_copy, tmp_
         "name: wheel-deepspeed-zero1\nstore: results.sqlite\n"
         "workload: {model: tiny, seq_len: 32, global_batch_size: 4, steps: 1, warmup_steps: 0, precision: fp32,"
         " device: cpu}\n"
-        "layout: {engine: deepspeed, dp: 2, micro_batch_size: 2, zero_stage: 1}\n")
+        "layout: {engine: deepspeed, dp: 2, micro_batch_size: 2, zero_stage: 1}\n"
+    )
     # a hang guard: ~30 s with DeepSpeed's CPU op built; ~150 s when it is rebuilt on a busy machine
-    _run([py, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", _free_port(),
-          "--module", "harness.cli", "train", "spec.yaml", "--no-progress"], work, venv_env, timeout=420)
+    _run(
+        [
+            py,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            _free_port(),
+            "--module",
+            "harness.cli",
+            "train",
+            "spec.yaml",
+            "--no-progress",
+        ],
+        work,
+        venv_env,
+        timeout=420,
+    )
 
     exported = _run([venv / "bin" / "harness", "results", "export", "--format", "jsonl"], work, venv_env).stdout
     (record,) = [json.loads(line) for line in exported.splitlines() if line.strip()]

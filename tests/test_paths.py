@@ -32,8 +32,10 @@ from harness.store import ResultsStore, new_record
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMITTED = ("reports", "examples", "sweeps")
 # A folder of some machine: Unix temp and home folders, this project's work tree, macOS and Windows.
-ABSOLUTE = re.compile(r"(?<![\w.$~-])(/tmp/|/home/|/work/|/root/|/Users/|/private/var/|/var/folders/|/scratch/)"
-                      r"|\b[A-Za-z]:\\{1,2}[\w.]")
+ABSOLUTE = re.compile(
+    r"(?<![\w.$~-])(/tmp/|/home/|/work/|/root/|/Users/|/private/var/|/var/folders/|/scratch/)"
+    r"|\b[A-Za-z]:\\{1,2}[\w.]"
+)
 # Images embedded in HTML reports: base64 may spell anything, it is not text to check.
 EMBEDDED = re.compile(r"data:[\w/+.-]+;base64,[A-Za-z0-9+/=]+")
 TINY = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 2, "warmup_steps": 1, "device": "cpu"}
@@ -66,16 +68,30 @@ def test_no_committed_file_names_a_folder_of_the_machine_that_made_it():
         for n, line in enumerate(EMBEDDED.sub("data:", text).splitlines(), 1):
             m = ABSOLUTE.search(line)
             if m:
-                found.append(f"{rel}:{n}: ...{line[max(0, m.start() - 40):m.end() + 40]}...")
+                found.append(f"{rel}:{n}: ...{line[max(0, m.start() - 40) : m.end() + 40]}...")
     assert not found, "absolute paths in committed files:\n" + "\n".join(found[:20])
 
 
 def test_the_path_check_finds_what_it_must():
-    for bad in ('"store": "/tmp/default2.sqlite"', "results store `/work/main/x`", '"log": "/root/out/a.log"',
-                "C:\\Users\\me\\x", '"C:\\\\runs\\\\a"', "/home/u/x", "/Users/me/x"):
+    for bad in (
+        '"store": "/tmp/default2.sqlite"',
+        "results store `/work/main/x`",
+        '"log": "/root/out/a.log"',
+        "C:\\Users\\me\\x",
+        '"C:\\\\runs\\\\a"',
+        "/home/u/x",
+        "/Users/me/x",
+    ):
         assert ABSOLUTE.search(bad), bad
-    for fine in ("harness-out/compare-x.md", "ds_configs/zero1.json", "$OUT/results.sqlite", "results.sqlite",
-                 "https://example.org/home/x", "a 1/tmp/ ratio", "tokens/s per device"):
+    for fine in (
+        "harness-out/compare-x.md",
+        "ds_configs/zero1.json",
+        "$OUT/results.sqlite",
+        "results.sqlite",
+        "https://example.org/home/x",
+        "a 1/tmp/ ratio",
+        "tokens/s per device",
+    ):
         assert not ABSOLUTE.search(fine), fine
 
 
@@ -104,6 +120,7 @@ def test_the_committed_example_is_where_a_default_run_does_not_write():
 
 # ---------------------------------------------------------------- paths as given
 
+
 def test_a_relative_store_stays_relative(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     store = ResultsStore(os.path.join("sub", "r.sqlite"))
@@ -118,14 +135,17 @@ def test_default_ds_config_is_recorded_by_its_name_and_a_given_one_as_given(tmp_
     layout = {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2}
     _, name, _ = build_config(parse_spec({"workload": TINY, "layout": {**layout, "zero_stage": 1}}), device_type="cpu")
     assert name == "ds_configs/zero1.json"
-    _, name, _ = build_config(parse_spec({"workload": TINY, "layout": {**layout, "zero_stage": 3,
-                                                                       "ds_config": "ds_configs/zero3.json"}}),
-                              device_type="cpu")
+    _, name, _ = build_config(
+        parse_spec({"workload": TINY, "layout": {**layout, "zero_stage": 3, "ds_config": "ds_configs/zero3.json"}}),
+        device_type="cpu",
+    )
     assert name == "ds_configs/zero3.json"
     monkeypatch.chdir(tmp_path)  # given relative to the working directory: found there, recorded so
     shutil.copy(os.path.join(REPO, "ds_configs", "zero2.json"), tmp_path / "mine.json")
-    _, name, _ = build_config(parse_spec({"workload": TINY, "layout": {**layout, "zero_stage": 2,
-                                                                       "ds_config": "mine.json"}}), device_type="cpu")
+    _, name, _ = build_config(
+        parse_spec({"workload": TINY, "layout": {**layout, "zero_stage": 2, "ds_config": "mine.json"}}),
+        device_type="cpu",
+    )
     assert name == "mine.json"
 
 
@@ -142,8 +162,14 @@ def test_launch_passes_and_records_paths_as_given(tmp_path, monkeypatch):
 
     monkeypatch.setattr(launch, "build_command", build_command)
     with pytest.raises(Stop):
-        launch.run_spec({"workload": TINY, "layout": {"engine": "single"}}, nproc=1, launcher="direct",
-                        store_path="r.sqlite", timeout_s=10, log_dir=os.path.join("logs", "x"))
+        launch.run_spec(
+            {"workload": TINY, "layout": {"engine": "single"}},
+            nproc=1,
+            launcher="direct",
+            store_path="r.sqlite",
+            timeout_s=10,
+            log_dir=os.path.join("logs", "x"),
+        )
     argv = seen["argv"]
     assert argv[argv.index("--store") + 1] == "r.sqlite"
     assert argv[1].startswith(os.path.join("logs", "x") + os.sep)  # the run's spec file
@@ -156,9 +182,17 @@ def test_compare_keeps_store_logs_and_ds_config_as_given(tmp_path, monkeypatch, 
     """`harness compare c.yaml --store r.sqlite` with the launches replaced: the report goes to
     harness-out/, and the store, the logs and a ds_config are named as given everywhere."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
-        "name": "c", "nproc": 2, "parity_steps": 1, "workload": TINY,
-        "runs": [{"engine": "deepspeed", "zero_stage": 2, "ds_config": "ds_configs/zero2.json"}]}))
+    (tmp_path / "c.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "c",
+                "nproc": 2,
+                "parity_steps": 1,
+                "workload": TINY,
+                "runs": [{"engine": "deepspeed", "zero_stage": 2, "ds_config": "ds_configs/zero2.json"}],
+            }
+        )
+    )
     calls = []
 
     def run_spec(spec, *, store_path, sweep, point_key, log_dir, launcher, **kw):
@@ -200,6 +234,12 @@ def test_sweep_logs_go_next_to_a_relative_store_as_given(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "run_spec", run_spec)
     os.mkdir("out")
     spec = parse_sweep({"name": "s", "gpus": 1, "workload": TINY, "grid": {"workload.seed": [1, 2]}})
-    run_sweep(spec, launcher="direct", store_path=os.path.join("out", "r.sqlite"), timeout_s=60, progress=False,
-              echo=lambda *a: None)
+    run_sweep(
+        spec,
+        launcher="direct",
+        store_path=os.path.join("out", "r.sqlite"),
+        timeout_s=60,
+        progress=False,
+        echo=lambda *a: None,
+    )
     assert dirs == [os.path.join("out", "harness-logs", "s")] * 2

@@ -39,6 +39,7 @@ def table_rows(text: str) -> list[str]:
 
 # ---------------------------------------------------------------- distinct rows
 
+
 def test_kernels_predicted_alike_share_a_row(capsys):
     code, out, _ = run(capsys, *PLAN_13B, "--top", "10")
     assert code == 0
@@ -53,13 +54,19 @@ def test_kernels_predicted_alike_share_a_row(capsys):
 
 def test_predict_many_equals_one_call_each():
     prof, wl = load_profile("a100-80gb"), Workload(2048, 2048)
-    lays = [PlannerLayout(2, 2, 16, 1, attention=a, rmsnorm="fused") for a in
-            ("flash2", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash1", "naive", "fused_softmax")]
+    lays = [
+        PlannerLayout(2, 2, 16, 1, attention=a, rmsnorm="fused")
+        for a in ("flash2", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash1", "naive", "fused_softmax")
+    ]
     for many, lay in zip(predict_many(S13, lays, wl, prof), lays, strict=True):
         one = predict(S13, lay, wl, prof)
         assert many.layout == lay
-        assert (many.memory_gib, many.step_time_s, many.fits, many.available) == \
-            (one.memory_gib, one.step_time_s, one.fits, one.available)
+        assert (many.memory_gib, many.step_time_s, many.fits, many.available) == (
+            one.memory_gib,
+            one.step_time_s,
+            one.fits,
+            one.available,
+        )
     rows = group(predict_many(S13, lays, wl, prof))
     assert [r.kernels for r in rows][0] == ["flash2", "sdpa", "sdpa_flash", "sdpa_cudnn"]
     assert len(rows) == 5  # flash2 class, mem_efficient, flash1, naive, fused_softmax
@@ -75,16 +82,22 @@ def test_memory_reads_only_whether_attention_is_materialised():
     for engine in planner_engines():
         for seq, gbs in ((2048, 2048), (8192, 512)):
             for ck in ("none", "full", "selective"):
-                lays = [PlannerLayout(2, 2, 16, 1, activation_checkpointing=ck, attention=a, engine=engine,
-                               fsdp=engine == "fsdp") for a in ("flash2", "flash1", "sdpa", "sdpa_efficient")]
+                lays = [
+                    PlannerLayout(
+                        2, 2, 16, 1, activation_checkpointing=ck, attention=a, engine=engine, fsdp=engine == "fsdp"
+                    )
+                    for a in ("flash2", "flash1", "sdpa", "sdpa_efficient")
+                ]
                 assert len({memory_key(lay) for lay in lays}) == 1
                 totals = {worst_stage_memory(S13, lay, Workload(seq, gbs))[1]["total"] for lay in lays}
                 assert len(totals) == 1, (engine, seq, ck, totals)
-    assert (memory_key(PlannerLayout(2, 2, 16, 1, attention="naive"))
-            != memory_key(PlannerLayout(2, 2, 16, 1, attention="fused_softmax")))
+    assert memory_key(PlannerLayout(2, 2, 16, 1, attention="naive")) != memory_key(
+        PlannerLayout(2, 2, 16, 1, attention="fused_softmax")
+    )
 
 
 # ---------------------------------------------------------------- --export
+
 
 def test_export_deepspeed_cli(capsys):
     code, out, err = run(capsys, *PLAN_13B, "--export", "deepspeed")
@@ -113,19 +126,42 @@ def test_export_deepspeed_layout_fields():
 
 def megatron_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_gpt.py")
-    for name in ("tensor-model-parallel-size", "pipeline-model-parallel-size", "micro-batch-size",
-                 "global-batch-size", "seq-length", "max-position-embeddings", "num-layers", "hidden-size",
-                 "ffn-hidden-size", "num-attention-heads", "num-query-groups", "rotary-base",
-                 "recompute-num-layers", "num-layers-per-virtual-pipeline-stage", "context-parallel-size"):
+    for name in (
+        "tensor-model-parallel-size",
+        "pipeline-model-parallel-size",
+        "micro-batch-size",
+        "global-batch-size",
+        "seq-length",
+        "max-position-embeddings",
+        "num-layers",
+        "hidden-size",
+        "ffn-hidden-size",
+        "num-attention-heads",
+        "num-query-groups",
+        "rotary-base",
+        "recompute-num-layers",
+        "num-layers-per-virtual-pipeline-stage",
+        "context-parallel-size",
+    ):
         p.add_argument(f"--{name}", type=int)
     p.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
     for name in ("recompute-granularity", "recompute-method", "normalization", "position-embedding-type"):
         p.add_argument(f"--{name}")
     for name in ("norm-epsilon", "attention-dropout", "hidden-dropout", "rope-scaling-factor"):
         p.add_argument(f"--{name}", type=float)
-    for flag in ("sequence-parallel", "group-query-attention", "swiglu", "untie-embeddings-and-output-weights",
-                 "disable-bias-linear", "bf16", "use-distributed-optimizer", "use-flash-attn",
-                 "accumulate-allreduce-grads-in-fp32", "use-rope-scaling", "add-qkv-bias"):
+    for flag in (
+        "sequence-parallel",
+        "group-query-attention",
+        "swiglu",
+        "untie-embeddings-and-output-weights",
+        "disable-bias-linear",
+        "bf16",
+        "use-distributed-optimizer",
+        "use-flash-attn",
+        "accumulate-allreduce-grads-in-fp32",
+        "use-rope-scaling",
+        "add-qkv-bias",
+    ):
         p.add_argument(f"--{flag}", action="store_true")
     return p
 
@@ -134,8 +170,13 @@ def test_export_megatron_cli(capsys):
     code, out, err = run(capsys, *PLAN_13B, "--export", "megatron")
     assert code == 0
     a = megatron_parser().parse_args(shlex.split(out))
-    assert ((a.global_batch_size, a.seq_length, a.num_layers, a.hidden_size, a.ffn_hidden_size)
-            == (2048, 2048, 40, 5120, 13824))
+    assert (a.global_batch_size, a.seq_length, a.num_layers, a.hidden_size, a.ffn_hidden_size) == (
+        2048,
+        2048,
+        40,
+        5120,
+        13824,
+    )
     assert a.bf16 and a.swiglu and a.untie_embeddings_and_output_weights and a.normalization == "RMSNorm"
     assert f"tp {a.tensor_model_parallel_size} pp {a.pipeline_model_parallel_size} " in err
     assert f"micro-batch {a.micro_batch_size} " in err
@@ -143,16 +184,31 @@ def test_export_megatron_cli(capsys):
 
 def test_export_megatron_layout_fields():
     wl = Workload(4096, 1024)
-    lay = PlannerLayout(4, 4, 8, 2, activation_checkpointing="full", sequence_parallel=True, attention="flash2",
-                 pipeline_schedule="interleaved", virtual_stages=2)
+    lay = PlannerLayout(
+        4,
+        4,
+        8,
+        2,
+        activation_checkpointing="full",
+        sequence_parallel=True,
+        attention="flash2",
+        pipeline_schedule="interleaved",
+        virtual_stages=2,
+    )
     a = megatron_parser().parse_args(shlex.split(export_megatron(S13, lay, wl)[0]))
     assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.micro_batch_size) == (4, 4, 2)
     assert a.sequence_parallel and a.use_flash_attn and a.use_distributed_optimizer
     assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == ("full", "uniform", 1)
     assert a.num_layers_per_virtual_pipeline_stage == 40 // (4 * 2)
-    a = megatron_parser().parse_args(shlex.split(export_megatron(
-        PRESETS["llama2-70b"], PlannerLayout(8, 1, 8, 1, activation_checkpointing="selective", attention="naive"),
-        wl)[0]))
+    a = megatron_parser().parse_args(
+        shlex.split(
+            export_megatron(
+                PRESETS["llama2-70b"],
+                PlannerLayout(8, 1, 8, 1, activation_checkpointing="selective", attention="naive"),
+                wl,
+            )[0]
+        )
+    )
     assert a.recompute_granularity == "selective" and not a.use_flash_attn and not a.sequence_parallel
     assert a.group_query_attention and a.num_query_groups == PRESETS["llama2-70b"].kv_heads
     assert a.context_parallel_size is None and a.cp_comm_type is None  # no cp: Megatron-LM's default 1
@@ -168,9 +224,28 @@ def test_export_megatron_carries_cp(impl, comm):
 
 
 def test_export_megatron_cli_of_a_cp_plan(capsys):
-    code, out, err = run(capsys, "plan", "--model", "llama3-8b", "--seq-len", "65536", "--global-batch-size", "32",
-                         "--gpus", "16", "--hardware", "h100-sxm", "--max-positions", "65536", "--cp", "4",
-                         "--attention", "flash2", "--export", "megatron")
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--seq-len",
+        "65536",
+        "--global-batch-size",
+        "32",
+        "--gpus",
+        "16",
+        "--hardware",
+        "h100-sxm",
+        "--max-positions",
+        "65536",
+        "--cp",
+        "4",
+        "--attention",
+        "flash2",
+        "--export",
+        "megatron",
+    )
     assert code == 0
     a = megatron_parser().parse_args(shlex.split(out))  # strict: an unknown flag fails
     assert a.context_parallel_size == 4 and a.cp_comm_type in ("p2p", "all_gather", "a2a")
@@ -179,12 +254,26 @@ def test_export_megatron_cli_of_a_cp_plan(capsys):
 
 # torchtitan/config/job_config.py (pytorch/torchtitan): the fields the export may write.
 TORCHTITAN_FIELDS = {
-    "training": {"local_batch_size", "global_batch_size", "seq_len", "max_norm", "mixed_precision_param",
-                 "mixed_precision_reduce"},
-    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
-                    "tensor_parallel_degree", "enable_async_tensor_parallel", "pipeline_parallel_degree",
-                    "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size", "context_parallel_degree",
-                    "context_parallel_rotate_method"},
+    "training": {
+        "local_batch_size",
+        "global_batch_size",
+        "seq_len",
+        "max_norm",
+        "mixed_precision_param",
+        "mixed_precision_reduce",
+    },
+    "parallelism": {
+        "data_parallel_replicate_degree",
+        "data_parallel_shard_degree",
+        "fsdp_reshard_after_forward",
+        "tensor_parallel_degree",
+        "enable_async_tensor_parallel",
+        "pipeline_parallel_degree",
+        "pipeline_parallel_schedule",
+        "pipeline_parallel_microbatch_size",
+        "context_parallel_degree",
+        "context_parallel_rotate_method",
+    },
     "activation_checkpoint": {"mode", "selective_ac_option"},
 }
 
@@ -204,11 +293,17 @@ def test_export_torchtitan_cli(capsys):
 
 def test_export_torchtitan_layout_fields():
     wl = Workload(2048, 512)
-    cfg = tomllib.loads(export_torchtitan(S13, PlannerLayout(2, 4, 8, 2, activation_checkpointing="selective",
-                                                      sequence_parallel=True), wl)[0])
+    cfg = tomllib.loads(
+        export_torchtitan(
+            S13, PlannerLayout(2, 4, 8, 2, activation_checkpointing="selective", sequence_parallel=True), wl
+        )[0]
+    )
     par = cfg["parallelism"]
-    assert ((par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["data_parallel_shard_degree"])
-            == (2, 4, 8))
+    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["data_parallel_shard_degree"]) == (
+        2,
+        4,
+        8,
+    )
     assert par["pipeline_parallel_schedule"] == "1F1B" and par["pipeline_parallel_microbatch_size"] == 2
     assert cfg["training"]["local_batch_size"] == 512 // 8
     assert cfg["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
@@ -222,8 +317,9 @@ def test_export_torchtitan_layout_fields():
 def test_export_torchtitan_carries_cp():
     wl = Workload(65536, 32)
     for impl, method in (("ring", "alltoall"), ("allgather", "allgather")):
-        cfg = tomllib.loads(export_torchtitan(S13, PlannerLayout(2, 1, 2, 1, sequence_parallel=True, cp=4,
-                                                                 cp_impl=impl), wl)[0])
+        cfg = tomllib.loads(
+            export_torchtitan(S13, PlannerLayout(2, 1, 2, 1, sequence_parallel=True, cp=4, cp_impl=impl), wl)[0]
+        )
         par = cfg["parallelism"]
         assert set(par) <= TORCHTITAN_FIELDS["parallelism"]
         assert (par["context_parallel_degree"], par["context_parallel_rotate_method"]) == (4, method)
@@ -241,15 +337,40 @@ def test_export_deepspeed_carries_ulysses_only():
 
 
 def test_export_refuses_when_nothing_fits(capsys):
-    code, _, err = run(capsys, "plan", "--model", "paper-65b", "--seq-len", "2048", "--global-batch-size", "64",
-                       "--gpus", "1", "--export", "megatron")
+    code, _, err = run(
+        capsys,
+        "plan",
+        "--model",
+        "paper-65b",
+        "--seq-len",
+        "2048",
+        "--global-batch-size",
+        "64",
+        "--gpus",
+        "1",
+        "--export",
+        "megatron",
+    )
     assert code == 2 and "error: --export:" in err
 
 
 # ---------------------------------------------------------------- --emit-sweep
 
-TINY = ["plan", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "8", "--gpus", "2", "--hardware", "cpu",
-        "--rmsnorm", "torch"]
+TINY = [
+    "plan",
+    "--model",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--global-batch-size",
+    "8",
+    "--gpus",
+    "2",
+    "--hardware",
+    "cpu",
+    "--rmsnorm",
+    "torch",
+]
 
 
 def test_emitted_sweep_is_a_sweep_this_harness_runs(tmp_path, capsys, monkeypatch):
@@ -268,8 +389,9 @@ def test_emitted_sweep_is_a_sweep_this_harness_runs(tmp_path, capsys, monkeypatc
 
 def test_emitted_sweep_names_only_kernels_the_harness_runs(tmp_path, capsys):
     out = tmp_path / "gpu.yaml"
-    code, _, _ = run(capsys, *PLAN_13B, "--attention", "flash1,fused_softmax,flash2", "--top", "6",
-                     "--emit-sweep", str(out))
+    code, _, _ = run(
+        capsys, *PLAN_13B, "--attention", "flash1,fused_softmax,flash2", "--top", "6", "--emit-sweep", str(out)
+    )
     assert code == 0
     raw = yaml.safe_load(out.read_text())
     from harness.sweep.expand import expand
@@ -285,11 +407,30 @@ def test_emitted_sweep_names_only_kernels_the_harness_runs(tmp_path, capsys):
 @pytest.mark.slow  # starts 2 processes that train for 2 steps
 def test_emitted_sweep_runs_one_tiny_point(tmp_path):
     out = tmp_path / "one.yaml"
-    r = subprocess.run([sys.executable, "-m", "harness.cli", *TINY, "--attention", "sdpa", "--top", "1",
-                        "--emit-sweep", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "harness.cli", *TINY, "--attention", "sdpa", "--top", "1", "--emit-sweep", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "harness.cli", "sweep", str(out), "--set", "workload.steps=2",
-                        "--set", "workload.warmup_steps=1"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "sweep",
+            str(out),
+            "--set",
+            "workload.steps=2",
+            "--set",
+            "workload.warmup_steps=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     with sqlite3.connect(tmp_path / "results.sqlite") as db:
         statuses = [row[0] for row in db.execute("SELECT status FROM runs")]
@@ -298,15 +439,18 @@ def test_emitted_sweep_runs_one_tiny_point(tmp_path):
 
 # ---------------------------------------------------------------- the plan path imports no torch
 
+
 @pytest.mark.slow  # a fresh Python process
 def test_plan_imports_no_torch():
     """The plan command, run to its end in a fresh interpreter, never imports torch, transformers or
     DeepSpeed (importing torch alone takes longer than the whole plan should)."""
-    code = ("from harness.cli import main\n"
-            "import harness.commands.plan, harness.planner.output, harness.planner.predict\n"
-            "assert main(['plan', '--model', 'paper-13b', '--seq-len', '2048', '--global-batch-size', '2048',\n"
-            "             '--gpus', '64', '--top', '3', '--export', 'megatron']) == 0\n"
-            "assert main(['plan', '--model', 'paper-13b', '--seq-len', '2048', '--global-batch-size', '2048',\n"
-            "             '--gpus', '64', '--top', '3']) == 0\n")
+    code = (
+        "from harness.cli import main\n"
+        "import harness.commands.plan, harness.planner.output, harness.planner.predict\n"
+        "assert main(['plan', '--model', 'paper-13b', '--seq-len', '2048', '--global-batch-size', '2048',\n"
+        "             '--gpus', '64', '--top', '3', '--export', 'megatron']) == 0\n"
+        "assert main(['plan', '--model', 'paper-13b', '--seq-len', '2048', '--global-batch-size', '2048',\n"
+        "             '--gpus', '64', '--top', '3']) == 0\n"
+    )
     heavy = heavy_imports_after(code)
     assert not heavy, heavy[:5]

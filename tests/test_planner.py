@@ -76,8 +76,10 @@ def test_study_facts_on_memory():
 
 def test_time_structure():
     prof = load_profile("a100-80gb")
+
     def p(**kw):
         return predict(S13, PlannerLayout(**{**dict(tp=1, pp=1, dp=64, micro_batch_size=1), **kw}), WL, prof)
+
     assert p(attention="naive").step_time_s > p(attention="flash1").step_time_s > p().step_time_s
     assert p(rmsnorm="torch").step_time_s > p().step_time_s
     assert p(activation_checkpointing="full").step_time_s > 1.2 * p().step_time_s
@@ -90,8 +92,10 @@ def test_dp_reduction_aggregates_rails_only_unpipelined_within_the_node_limit(tm
     member (the published 30B runs on 32 nodes), as pipelined runs always do."""
     prof = load_profile("a100-80gb")
     s30 = PRESETS["paper-30b"]
+
     def dp_s(prof, lay):
         return predict(s30, lay, WL, prof).time_breakdown_s["dp_reduction_exposed_s"]
+
     lay8, lay32 = PlannerLayout(4, 1, 16, 1), PlannerLayout(4, 1, 64, 1)  # 8 and 32 nodes, 2 members per node
     assert dp_s(prof, lay32) == pytest.approx(2 * dp_s(prof, lay8) * (63 / 64) / (15 / 16), rel=1e-6)
     raw = yaml.safe_load((REPO / "harness/planner/hardware/a100-80gb.yaml").read_text())
@@ -114,8 +118,19 @@ def test_layout_converts_to_and_from_a_spec_layout():
     """One conversion each way, the fields named as harness.spec names them."""
     from harness.spec import parse_spec
 
-    lay = PlannerLayout(2, 2, 2, 2, activation_checkpointing="selective", sequence_parallel=True, attention="sdpa",
-                 rmsnorm="torch", zero_stage=1, pipeline_schedule="interleaved", virtual_stages=2)
+    lay = PlannerLayout(
+        2,
+        2,
+        2,
+        2,
+        activation_checkpointing="selective",
+        sequence_parallel=True,
+        attention="sdpa",
+        rmsnorm="torch",
+        zero_stage=1,
+        pipeline_schedule="interleaved",
+        virtual_stages=2,
+    )
     raw = lay.to_spec()
     assert raw["engine"] == "own" and PlannerLayout.from_spec(raw) == lay
     spec = parse_spec({"workload": {"model": "tiny-4l", "global_batch_size": 16}, "layout": raw})
@@ -123,8 +138,9 @@ def test_layout_converts_to_and_from_a_spec_layout():
     fsdp = PlannerLayout(1, 1, 8, 1, zero_stage=0, fsdp=True)
     assert fsdp.to_spec()["engine"] == "fsdp" and PlannerLayout.from_spec(fsdp.to_spec()) == fsdp
     # engine single is one GPU; a missing or null field takes the spec's default
-    assert PlannerLayout.from_spec({"engine": "single", "tp": 4, "virtual_stages": None}) == \
-        PlannerLayout(1, 1, 1, 1, attention="sdpa", rmsnorm="torch", zero_stage=0)
+    assert PlannerLayout.from_spec({"engine": "single", "tp": 4, "virtual_stages": None}) == PlannerLayout(
+        1, 1, 1, 1, attention="sdpa", rmsnorm="torch", zero_stage=0
+    )
 
 
 def test_planner_kernels_are_the_harness_ones_and_the_study_extras():
@@ -137,15 +153,48 @@ def test_planner_kernels_are_the_harness_ones_and_the_study_extras():
 
 @pytest.mark.slow  # runs the CLI in a process
 def test_cli_json_contract():
-    r = run_cli("--model", "paper-13b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "64",
-                "--gpus-per-node", "8", "--hardware", "a100-80gb", "--attention", "flash2", "--rmsnorm", "fused",
-                "--format", "json", "--top", "5")
+    r = run_cli(
+        "--model",
+        "paper-13b",
+        "--seq-len",
+        "2048",
+        "--global-batch-size",
+        "2048",
+        "--gpus",
+        "64",
+        "--gpus-per-node",
+        "8",
+        "--hardware",
+        "a100-80gb",
+        "--attention",
+        "flash2",
+        "--rmsnorm",
+        "fused",
+        "--format",
+        "json",
+        "--top",
+        "5",
+    )
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert len(rows) == 5
-    assert set(rows[0]) == {"tp", "cp", "cp_impl", "pp", "dp", "micro_batch_size", "activation_checkpointing",
-                            "sequence_parallel", "attention", "rmsnorm", "zero", "fits", "memory_gib", "step_time_s",
-                            "mfu"}
+    assert set(rows[0]) == {
+        "tp",
+        "cp",
+        "cp_impl",
+        "pp",
+        "dp",
+        "micro_batch_size",
+        "activation_checkpointing",
+        "sequence_parallel",
+        "attention",
+        "rmsnorm",
+        "zero",
+        "fits",
+        "memory_gib",
+        "step_time_s",
+        "mfu",
+    }
     assert all(r_["fits"] for r_ in rows) and rows[0]["mfu"] >= rows[-1]["mfu"]
 
 
@@ -165,9 +214,25 @@ def test_cli_errors_exit_2():
 @pytest.mark.slow  # runs the CLI in a process
 def test_emit_sweep_and_explain(tmp_path):
     out = tmp_path / "sweep.yaml"
-    r = run_cli("--model", "paper-13b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "32",
-                "--attention", "flash2", "--rmsnorm", "fused,torch", "--top", "3", "--explain",
-                "--emit-sweep", str(out))
+    r = run_cli(
+        "--model",
+        "paper-13b",
+        "--seq-len",
+        "2048",
+        "--global-batch-size",
+        "2048",
+        "--gpus",
+        "32",
+        "--attention",
+        "flash2",
+        "--rmsnorm",
+        "fused,torch",
+        "--top",
+        "3",
+        "--explain",
+        "--emit-sweep",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert "memory GiB" in r.stdout
     import yaml
@@ -178,8 +243,22 @@ def test_emit_sweep_and_explain(tmp_path):
 
 @pytest.mark.slow  # runs the CLI in a process
 def test_table_marks_layouts_within_the_calibration_error():
-    args = ("--model", "paper-13b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "64",
-            "--attention", "flash2", "--rmsnorm", "fused", "--top", "40")
+    args = (
+        "--model",
+        "paper-13b",
+        "--seq-len",
+        "2048",
+        "--global-batch-size",
+        "2048",
+        "--gpus",
+        "64",
+        "--attention",
+        "flash2",
+        "--rmsnorm",
+        "fused",
+        "--top",
+        "40",
+    )
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
@@ -187,7 +266,7 @@ def test_table_marks_layouts_within_the_calibration_error():
     # The fastest is always marked; with a band of the calibration's error not all 40 are.
     err = load_profile("a100-80gb").calibrated["median_abs_error_pct"]
     assert rows[0].endswith(" *") and 1 <= len(marked) < len(rows)
-    assert rows[:len(marked)] == marked  # the band is a prefix of the ranking
+    assert rows[: len(marked)] == marked  # the band is a prefix of the ranking
     assert f"{len(marked)} layouts within {err:.1f}%" in r.stdout
     r = run_cli(*args[:-2], "--top", "3", "--hardware", "h100-sxm")
     assert r.returncode == 0 and "not calibrated" in r.stdout and " *" not in r.stdout
@@ -196,8 +275,20 @@ def test_table_marks_layouts_within_the_calibration_error():
 @pytest.mark.slow  # runs the CLI in a process
 def test_65b_over_4096_gpus_through_the_cli():
     """The speed target (under 1 s) is a benchmark, benchmarks/plan_speed.py, not a timed test."""
-    r = run_cli("--model", "paper-65b", "--seq-len", "2048", "--global-batch-size", "2048", "--gpus", "4096",
-                "--format", "json", "--top", "3")
+    r = run_cli(
+        "--model",
+        "paper-65b",
+        "--seq-len",
+        "2048",
+        "--global-batch-size",
+        "2048",
+        "--gpus",
+        "4096",
+        "--format",
+        "json",
+        "--top",
+        "3",
+    )
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert len(rows) == 3 and all(row["tp"] * row["pp"] * row["dp"] == 4096 and row["fits"] for row in rows)
@@ -205,15 +296,39 @@ def test_65b_over_4096_gpus_through_the_cli():
 
 # ---------------------------------------------------------------- calibration from records
 
+
 def _record(run_id, model, tp, pp, dp, mb, seq, gbs, step):
-    return {"schema_version": 1, "run_id": run_id, "status": "ok",
-            "spec": {"workload": {"model": model, "model_overrides": {}, "seq_len": seq, "global_batch_size": gbs,
-                                  "steps": 10, "warmup_steps": 2, "precision": "fp32"},
-                     "layout": {"engine": "own" if tp * pp * dp > 1 else "single", "tp": tp, "pp": pp, "dp": dp,
-                                "micro_batch_size": mb, "activation_checkpointing": "none",
-                                "sequence_parallel": False, "attention": "naive", "rmsnorm": "torch",
-                                "zero_stage": 0, "pipeline_schedule": "1f1b"}},
-            "metrics": {"step_time_s": {"median": step, "mean": step, "n": 8}}, "fingerprint": {}}
+    return {
+        "schema_version": 1,
+        "run_id": run_id,
+        "status": "ok",
+        "spec": {
+            "workload": {
+                "model": model,
+                "model_overrides": {},
+                "seq_len": seq,
+                "global_batch_size": gbs,
+                "steps": 10,
+                "warmup_steps": 2,
+                "precision": "fp32",
+            },
+            "layout": {
+                "engine": "own" if tp * pp * dp > 1 else "single",
+                "tp": tp,
+                "pp": pp,
+                "dp": dp,
+                "micro_batch_size": mb,
+                "activation_checkpointing": "none",
+                "sequence_parallel": False,
+                "attention": "naive",
+                "rmsnorm": "torch",
+                "zero_stage": 0,
+                "pipeline_schedule": "1f1b",
+            },
+        },
+        "metrics": {"step_time_s": {"median": step, "mean": step, "n": 8}},
+        "fingerprint": {},
+    }
 
 
 def test_calibrate_on_synthetic_cpu_store_predicts_held_back_run(tmp_path):
@@ -223,11 +338,24 @@ def test_calibrate_on_synthetic_cpu_store_predicts_held_back_run(tmp_path):
 
     base = load_profile("cpu")
     truth = dict(theta_from_profile(base))
-    truth.update(gemm=truth["gemm"] * 3.0, hbm=truth["hbm"] * 2.0, launch_us=truth["launch_us"] * 0.5,
-                 naive_attention=truth["naive_attention"] * 4.0, nvlink=truth["nvlink"] * 2.5)
-    grid = [("tiny", 1, 1, 1, 1, 128, 8), ("tiny", 1, 1, 1, 2, 256, 8), ("tiny-4l", 1, 1, 1, 1, 128, 8),
-            ("tiny-4l", 2, 1, 1, 2, 128, 8), ("tiny-4l", 1, 2, 1, 1, 128, 8), ("tiny", 1, 1, 2, 1, 128, 8),
-            ("tiny-256", 1, 1, 1, 1, 128, 4), ("tiny-256", 2, 1, 1, 1, 256, 4), ("tiny-4l", 1, 1, 1, 4, 512, 8)]
+    truth.update(
+        gemm=truth["gemm"] * 3.0,
+        hbm=truth["hbm"] * 2.0,
+        launch_us=truth["launch_us"] * 0.5,
+        naive_attention=truth["naive_attention"] * 4.0,
+        nvlink=truth["nvlink"] * 2.5,
+    )
+    grid = [
+        ("tiny", 1, 1, 1, 1, 128, 8),
+        ("tiny", 1, 1, 1, 2, 256, 8),
+        ("tiny-4l", 1, 1, 1, 1, 128, 8),
+        ("tiny-4l", 2, 1, 1, 2, 128, 8),
+        ("tiny-4l", 1, 2, 1, 1, 128, 8),
+        ("tiny", 1, 1, 2, 1, 128, 8),
+        ("tiny-256", 1, 1, 1, 1, 128, 4),
+        ("tiny-256", 2, 1, 1, 1, 256, 4),
+        ("tiny-4l", 1, 1, 1, 4, 512, 8),
+    ]
     held_back = ("tiny-256", 2, 2, 1, 1, 256, 8)
     recs = []
     for i, (model, tp, pp, dp, mb, seq, gbs) in enumerate(grid + [held_back]):
@@ -246,22 +374,35 @@ def test_calibrate_on_synthetic_cpu_store_predicts_held_back_run(tmp_path):
     prof, report = calibrate_from_records(train, base)
     assert report["samples"] == len(grid) and report["median_abs_error_pct"] < 5
     model, tp, pp, dp, mb, seq, gbs = held_back
-    got = predict(PRESETS[model], PlannerLayout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
-                  Workload(seq, gbs, 4), prof).step_time_s
+    got = predict(
+        PRESETS[model],
+        PlannerLayout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
+        Workload(seq, gbs, 4),
+        prof,
+    ).step_time_s
     want = recs[-1]["metrics"]["step_time_s"]["median"]
     assert abs(got - want) / want < 0.15
     # the uncalibrated profile is far off, so the test means something
-    raw = predict(PRESETS[model], PlannerLayout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
-                  Workload(seq, gbs, 4), base).step_time_s
+    raw = predict(
+        PRESETS[model],
+        PlannerLayout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
+        Workload(seq, gbs, 4),
+        base,
+    ).step_time_s
     assert abs(raw - want) / want > 0.3
 
 
 @pytest.mark.slow  # runs the CLI in a process
 def test_cli_calibrate_writes_profile(tmp_path):
     out = tmp_path / "cal.yaml"
-    r = run_cli("--hardware", "a100-80gb", "--calibrate-csv",
-                str(REPO / "baselines/paper_sweeps/llama_13B_bfloat16_32_GPUs_sequence_parallelism.csv"),
-                "--calibrate-out", str(out))
+    r = run_cli(
+        "--hardware",
+        "a100-80gb",
+        "--calibrate-csv",
+        str(REPO / "baselines/paper_sweeps/llama_13B_bfloat16_32_GPUs_sequence_parallelism.csv"),
+        "--calibrate-out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert "median" in r.stdout and out.is_file()
     prof = load_profile(str(out))

@@ -12,11 +12,23 @@ from harness.testing.spawn import spawn
 
 pytestmark = pytest.mark.slow  # starts two processes
 
-WORKLOAD = {"model": "tiny-256", "seq_len": 32, "global_batch_size": 8, "steps": 1, "warmup_steps": 0,
-            "precision": "bf16", "device": "cpu"}
-LAYOUTS = [{"engine": "own", "zero_stage": 0}, {"engine": "own", "zero_stage": 1},
-           {"engine": "deepspeed", "zero_stage": 1}, {"engine": "deepspeed", "zero_stage": 2},
-           {"engine": "deepspeed", "zero_stage": 3}, {"engine": "fsdp"}]
+WORKLOAD = {
+    "model": "tiny-256",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": 1,
+    "warmup_steps": 0,
+    "precision": "bf16",
+    "device": "cpu",
+}
+LAYOUTS = [
+    {"engine": "own", "zero_stage": 0},
+    {"engine": "own", "zero_stage": 1},
+    {"engine": "deepspeed", "zero_stage": 1},
+    {"engine": "deepspeed", "zero_stage": 2},
+    {"engine": "deepspeed", "zero_stage": 3},
+    {"engine": "fsdp"},
+]
 
 
 def _census_of_each(ctx, layouts):
@@ -39,13 +51,15 @@ def measured():
     return spawn(_census_of_each, 2, LAYOUTS, timeout_s=400)
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[f"{lay['engine']}-z{lay.get('zero_stage', 0)}"
-                                                            for lay in LAYOUTS])
+@pytest.mark.parametrize(
+    "index", range(len(LAYOUTS)), ids=[f"{lay['engine']}-z{lay.get('zero_stage', 0)}" for lay in LAYOUTS]
+)
 def test_prediction_equals_census_term_by_term(measured, index):
     lay, got = LAYOUTS[index], measured[index]
     P = param_count(resolve_shape(WORKLOAD["model"]))
-    predicted = model_states(P, lay["engine"], lay.get("zero_stage", 0), "bf16", 2,
-                             reduce_bucket_elements=float(got["reduce_bucket"] or 0))
+    predicted = model_states(
+        P, lay["engine"], lay.get("zero_stage", 0), "bf16", 2, reduce_bucket_elements=float(got["reduce_bucket"] or 0)
+    )
     census = got["census"]
     for category in ("parameters", "gradients", "master_parameters", "optimizer_states"):
         want, have = predicted[category], census.get(category, {})

@@ -26,10 +26,18 @@ TOLERANCE = 0.15
 
 def record(run: dict) -> dict:
     """The run's record as harness.run writes it (its parsed spec, status ok), with its recorded time."""
-    spec = parse_spec({"workload": {"model": run["model"], "seq_len": run["seq_len"],
-                                    "global_batch_size": run["global_batch_size"], "steps": RECORDED["steps"],
-                                    "warmup_steps": RECORDED["warmup_steps"]},
-                       "layout": {"engine": "single", "micro_batch_size": run["micro_batch_size"]}})
+    spec = parse_spec(
+        {
+            "workload": {
+                "model": run["model"],
+                "seq_len": run["seq_len"],
+                "global_batch_size": run["global_batch_size"],
+                "steps": RECORDED["steps"],
+                "warmup_steps": RECORDED["warmup_steps"],
+            },
+            "layout": {"engine": "single", "micro_batch_size": run["micro_batch_size"]},
+        }
+    )
     rec = new_record(spec.to_dict())
     rec.update(status="ok", metrics={"step_time_s": {"median": run["step_time_s"]}})
     return rec
@@ -44,10 +52,33 @@ def plan(capsys, *argv: str) -> str:
 
 def predicted_held_back(capsys, hardware: str) -> float:
     r = HELD_BACK
-    out = plan(capsys, "--model", r["model"], "--seq-len", str(r["seq_len"]), "--global-batch-size",
-               str(r["global_batch_size"]), "--gpus", "1", "--gpus-per-node", "1", "--hardware", hardware,
-               "--micro-batch-sizes", str(r["micro_batch_size"]), "--attention", "sdpa", "--rmsnorm", "torch",
-               "--activation-checkpointing", "none", "--zero", "0", "--format", "json")
+    out = plan(
+        capsys,
+        "--model",
+        r["model"],
+        "--seq-len",
+        str(r["seq_len"]),
+        "--global-batch-size",
+        str(r["global_batch_size"]),
+        "--gpus",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--hardware",
+        hardware,
+        "--micro-batch-sizes",
+        str(r["micro_batch_size"]),
+        "--attention",
+        "sdpa",
+        "--rmsnorm",
+        "torch",
+        "--activation-checkpointing",
+        "none",
+        "--zero",
+        "0",
+        "--format",
+        "json",
+    )
     (row,) = json.loads(out)
     return row["step_time_s"]
 

@@ -7,7 +7,7 @@ import pathlib
 
 CONFTEST = (pathlib.Path(__file__).parent / "conftest.py").read_text()
 
-INNER = '''
+INNER = """
 import multiprocessing
 import multiprocessing.util
 import os
@@ -57,11 +57,14 @@ def test_quick_without_a_process_passes_and_is_guarded():
 @pytest.mark.slow
 def test_slow_is_left_alone():
     assert {name: getattr(os, name) for name in STARTS} == BEFORE
-'''
+"""
 
 REFUSED = {  # inner test -> how the failure names the start
-    "test_subprocess_run": "subprocess.Popen", "test_os_system": "os.system", "test_os_fork": "os.fork",
-    "test_os_posix_spawn": "os.posix_spawn", "test_multiprocessing_spawn": "multiprocessing Process.start",
+    "test_subprocess_run": "subprocess.Popen",
+    "test_os_system": "os.system",
+    "test_os_fork": "os.fork",
+    "test_os_posix_spawn": "os.posix_spawn",
+    "test_multiprocessing_spawn": "multiprocessing Process.start",
     "test_fork_exec": "_posixsubprocess.fork_exec",
 }
 
@@ -73,6 +76,9 @@ def test_a_quick_test_that_starts_a_process_fails_and_a_slow_one_may(pytester, m
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-W", "ignore::pytest.PytestUnknownMarkWarning")
     result.assert_outcomes(passed=2, failed=len(REFUSED) + 1)
     result.stdout.fnmatch_lines_random(
-        [f"*test_inner.py::{name} starts a process ({what}) in the quick tier: mark it @pytest.mark.slow*"
-         for name, what in REFUSED.items()]
-        + ["*test_inner.py::test_caught starts a process (subprocess.Popen) in the quick tier and caught the refusal*"])
+        [
+            f"*test_inner.py::{name} starts a process ({what}) in the quick tier: mark it @pytest.mark.slow*"
+            for name, what in REFUSED.items()
+        ]
+        + ["*test_inner.py::test_caught starts a process (subprocess.Popen) in the quick tier and caught the refusal*"]
+    )

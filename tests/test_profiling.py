@@ -43,9 +43,13 @@ def _step_trace():
     async dp all-reduce posted at 300 (not a wait) and waited for at 700-760, a pp recv wait at
     100-150, the world's loss all-reduce at 880-890, backward ending at 800, Optimizer.step
     810-860; a gloo worker thread's event (another tid) that must not count."""
-    ev = [_x("harness.step#0", 0, 1000), _x("aten::mm", 10, 890, "cpu_op"),
-          _x("autograd::engine::evaluate_function: MmBackward0", 400, 400, "cpu_op"),
-          _x("Optimizer.step#AdamW.step", 810, 50), _x("gloo:all_reduce", 0, 1000, "cpu_op", tid=2)]
+    ev = [
+        _x("harness.step#0", 0, 1000),
+        _x("aten::mm", 10, 890, "cpu_op"),
+        _x("autograd::engine::evaluate_function: MmBackward0", 400, 400, "cpu_op"),
+        _x("Optimizer.step#AdamW.step", 810, 50),
+        _x("gloo:all_reduce", 0, 1000, "cpu_op", tid=2),
+    ]
     ev += _call("all_reduce", "tp", "sync", 200, 40, 1024) + _call("all_reduce", "?", "wait", 210, 20)
     ev += _call("all_reduce", "dp", "async", 300, 5, 4096) + _call("all_reduce", "dp", "wait", 700, 60)
     ev += _call("recv", "pp", "sync", 100, 50, 256) + _call("all_reduce", WORLD, "sync", 880, 10, 8)
@@ -61,8 +65,10 @@ def test_a_batch_of_transfers_counts_its_sends_and_receives():
     ev += _call("send", "cp", "async", 105, 5, 8192) + _call("recv", "cp", "async", 115, 5, 8192)
     ev += _call("send", "cp", "wait", 300, 40) + _call("recv", "cp", "wait", 340, 10)
     out = analysis.cpu_breakdown({"traceEvents": ev})
-    assert out["collectives"] == [{"axis": "cp", "kind": "recv", "count": 1.0, "bytes": 8192.0},
-                                  {"axis": "cp", "kind": "send", "count": 1.0, "bytes": 8192.0}]
+    assert out["collectives"] == [
+        {"axis": "cp", "kind": "recv", "count": 1.0, "bytes": 8192.0},
+        {"axis": "cp", "kind": "send", "count": 1.0, "bytes": 8192.0},
+    ]
     assert out["steps"][0]["exposed_comm"]["cp"] == pytest.approx(0.050)
 
 
@@ -78,12 +84,17 @@ def test_cpu_breakdown_of_a_hand_made_step():
     # first op to last op (10-900) less everything above; the posting of the dp all-reduce is compute
     assert s["compute"] == pytest.approx(0.890 - 0.040 - 0.060 - 0.060 - 0.090)
     assert s["other"] == pytest.approx(0.110)  # 0-10 and 900-1000
-    assert sum([s["compute"], s["optimizer"], s["bubble"], s["other"], *s["exposed_comm"].values()]) \
-        == pytest.approx(s["step"])
+    assert sum([s["compute"], s["optimizer"], s["bubble"], s["other"], *s["exposed_comm"].values()]) == pytest.approx(
+        s["step"]
+    )
     calls = {(c["axis"], c["kind"]): (c["count"], c["bytes"]) for c in out["collectives"]}
     # the nested wait is the sync call's own, the dp wait is not a call
-    assert calls == {("tp", "all_reduce"): (1, 1024), ("dp", "all_reduce"): (1, 4096),
-                     ("pp", "recv"): (1, 256), (WORLD, "all_reduce"): (1, 8)}
+    assert calls == {
+        ("tp", "all_reduce"): (1, 1024),
+        ("dp", "all_reduce"): (1, 4096),
+        ("pp", "recv"): (1, 256),
+        (WORLD, "all_reduce"): (1, 8),
+    }
 
 
 def test_waits_without_their_issue_take_the_latest_collectives_axis_and_steps_are_averaged():
@@ -96,8 +107,10 @@ def test_waits_without_their_issue_take_the_latest_collectives_axis_and_steps_ar
     # a wait on a work no annotated call returned (a coalescing manager's): the latest async call's axis
     assert [s["exposed_comm"]["dp"] for s in out["steps"]] == pytest.approx([0.0, 0.020])
     assert analysis.mean_step(out["steps"])["exposed_comm"]["tp"] == pytest.approx(0.020)
-    assert out["collectives"] == [{"axis": "dp", "kind": "reduce_scatter", "count": 0.5, "bytes": 16.0},
-                                  {"axis": "tp", "kind": "all_reduce", "count": 1.0, "bytes": 64.0}]
+    assert out["collectives"] == [
+        {"axis": "dp", "kind": "reduce_scatter", "count": 0.5, "bytes": 16.0},
+        {"axis": "tp", "kind": "all_reduce", "count": 1.0, "bytes": 64.0},
+    ]
 
 
 def test_a_trace_without_step_ranges_is_refused():
@@ -110,11 +123,23 @@ def test_cuda_breakdown_counts_nccl_time_no_compute_kernel_overlaps():
     ev = [_x("harness.step#0", 0, 1000), _x("aten::mm", 0, 100, "cpu_op")]
     ev += _call("all_reduce", "dp", "async", 50, 10)
     ev += [_x("Optimizer.step#AdamW.step", 80, 10)]
-    ev += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t, "dur": 1, "pid": 0, "tid": 1,
-            "args": {"correlation": c}} for t, c in ((20, 1), (55, 2), (85, 3))]
-    ev += [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d, "pid": 1, "tid": 7, "args": {"correlation": c}}
-           for n, t, d, c in (("sgemm", 100, 300, 1), ("ncclDevKernel_AllReduce", 300, 400, 2),
-                              ("adam", 800, 100, 3))]
+    ev += [
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": t,
+            "dur": 1,
+            "pid": 0,
+            "tid": 1,
+            "args": {"correlation": c},
+        }
+        for t, c in ((20, 1), (55, 2), (85, 3))
+    ]
+    ev += [
+        {"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d, "pid": 1, "tid": 7, "args": {"correlation": c}}
+        for n, t, d, c in (("sgemm", 100, 300, 1), ("ncclDevKernel_AllReduce", 300, 400, 2), ("adam", 800, 100, 3))
+    ]
     (s,) = analysis.cuda_breakdown({"traceEvents": ev})["steps"]
     assert s["compute"] == pytest.approx(0.3) and s["optimizer"] == pytest.approx(0.1)
     assert s["exposed_comm"]["dp"] == pytest.approx(0.3)  # 400-700: no compute kernel under it
@@ -142,8 +167,9 @@ def test_axis_of_a_group_is_the_degree_owners(monkeypatch):
 
 
 def test_instrumented_counters_in_the_breakdowns_shape():
-    b = from_instrumented({"compute": 0.010, "tp_comm": 0.002, "dp_comm": 0.001, "bubble": 0.003,
-                           "optimizer": 0.001, "total": 0.020})
+    b = from_instrumented(
+        {"compute": 0.010, "tp_comm": 0.002, "dp_comm": 0.001, "bubble": 0.003, "optimizer": 0.001, "total": 0.020}
+    )
     assert b["exposed_comm"] == pytest.approx({"tp": 2.0, "dp": 1.0, "pp": 0.0})
     assert b["other"] == pytest.approx(3.0) and b["step"] == pytest.approx(20.0)
 
@@ -162,8 +188,12 @@ def test_single_run_records_a_profiler_breakdown_and_its_trace(tmp_path):
     from harness.spec import parse_spec
 
     cpu = RunContext(0, 1, 0, torch.device("cpu"), None)
-    spec = parse_spec({"workload": {"seq_len": 16, "global_batch_size": 2, "steps": 2, "warmup_steps": 1},
-                       "store": str(tmp_path / "r.sqlite")})
+    spec = parse_spec(
+        {
+            "workload": {"seq_len": 16, "global_batch_size": 2, "steps": 2, "warmup_steps": 1},
+            "store": str(tmp_path / "r.sqlite"),
+        }
+    )
     rec = run(spec, cpu, progress=False, profile_steps=2, trace_dir=str(tmp_path / "t"))
     m = rec["metrics"]
     assert len(m["losses"]) == 3 and m["step_time_s"]["n"] == 2
@@ -186,8 +216,15 @@ def _parts(b: dict) -> float:
 
 # ---------------------------------------------------------------- slow: real runs, shared launches
 
-TINY = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1, "precision": "fp32",
-        "device": "cpu"}
+TINY = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": 2,
+    "warmup_steps": 1,
+    "precision": "fp32",
+    "device": "cpu",
+}
 SLEEP_S = 0.05
 
 
@@ -210,6 +247,7 @@ def _plant(ctx, case):
         if group is not None and not kwargs.get("async_op", False) and len(dist.get_process_group_ranks(group)) == 2:
             time.sleep(seconds)
         return orig(*args, **kwargs)
+
     c10d_name = getattr(dist, name)
     setattr(c10d, name, slow)
     setattr(dist, name, slow)
@@ -217,6 +255,7 @@ def _plant(ctx, case):
     def undo():
         setattr(c10d, name, orig)
         setattr(dist, name, c10d_name)
+
     return undo
 
 
@@ -237,18 +276,36 @@ def _run_cases(ctx, cases):
         finally:
             undo()
         numels = [p.numel() for _, p in trainer.engine.params] if case["layout"]["engine"] == "deepspeed" else None
-        out.append({"case": case, "numels": numels, **{k: m.get(k) for k in (
-            "breakdown_ms", "breakdown_ms_by_rank", "breakdown_instrumented_ms", "breakdown_instrumented_ms_by_rank",
-            "breakdown_source", "collectives", "breakdown_error")}})
+        out.append(
+            {
+                "case": case,
+                "numels": numels,
+                **{
+                    k: m.get(k)
+                    for k in (
+                        "breakdown_ms",
+                        "breakdown_ms_by_rank",
+                        "breakdown_instrumented_ms",
+                        "breakdown_instrumented_ms_by_rank",
+                        "breakdown_source",
+                        "collectives",
+                        "breakdown_error",
+                    )
+                },
+            }
+        )
         del trainer
     return out
 
 
-OWN_CASES = [{"layout": {"engine": "own", "dp": 2}}, {"layout": {"engine": "own", "tp": 2}},
-             {"layout": {"engine": "own", "pp": 2}},
-             {"layout": {"engine": "own", "tp": 2, "sequence_parallel": True}},
-             {"layout": {"engine": "own", "dp": 2, "zero_stage": 1}, "plant": "dp"},
-             {"layout": {"engine": "own", "tp": 2}, "plant": "tp"}]
+OWN_CASES = [
+    {"layout": {"engine": "own", "dp": 2}},
+    {"layout": {"engine": "own", "tp": 2}},
+    {"layout": {"engine": "own", "pp": 2}},
+    {"layout": {"engine": "own", "tp": 2, "sequence_parallel": True}},
+    {"layout": {"engine": "own", "dp": 2, "zero_stage": 1}, "plant": "dp"},
+    {"layout": {"engine": "own", "tp": 2}, "plant": "tp"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +320,13 @@ def _close(a: float, b: float) -> bool:
 
 
 def _flat(b: dict) -> dict:
-    return {"compute": b["compute"], "optimizer": b["optimizer"], "bubble": b["bubble"], "step": b["step"],
-            **{f"exposed {a}": v for a, v in b["exposed_comm"].items() if a in ("tp", "dp", "pp")}}
+    return {
+        "compute": b["compute"],
+        "optimizer": b["optimizer"],
+        "bubble": b["bubble"],
+        "step": b["step"],
+        **{f"exposed {a}": v for a, v in b["exposed_comm"].items() if a in ("tp", "dp", "pp")},
+    }
 
 
 @pytest.mark.slow
@@ -279,8 +341,11 @@ def test_profiler_agrees_with_the_own_engines_counters(own_runs, index):
     assert r["breakdown_source"] == "profiler" and not r["breakdown_error"]
     for prof, inst in zip(r["breakdown_ms_by_rank"], r["breakdown_instrumented_ms_by_rank"], strict=True):
         p, i = _flat(prof), _flat(inst)
-        bad = {k: (round(p[k], 2), round(i[k], 2)) for k in i if k not in ("compute", "optimizer")
-               and not _close(p[k], i[k])}
+        bad = {
+            k: (round(p[k], 2), round(i[k], 2))
+            for k in i
+            if k not in ("compute", "optimizer") and not _close(p[k], i[k])
+        }
         for k in ("compute", "optimizer"):
             tol = max(1.0, 0.10 * i[k])
             if not i[k] - tol <= p[k] <= i[k] + inst["other"] + tol:
@@ -333,9 +398,11 @@ def framework_runs(tmp_path_factory):
     cfg["zero_optimization"]["reduce_bucket_size"] = 20000  # elements: under the tiny model's 125,248 gradients
     small = tmp_path_factory.mktemp("ds") / "zero1-small-buckets.json"
     small.write_text(json.dumps(cfg))
-    cases = [{"layout": {"engine": "deepspeed", "dp": 2, "zero_stage": 1}},
-             {"layout": {"engine": "deepspeed", "dp": 2, "zero_stage": 1, "ds_config": str(small)}},
-             {"layout": {"engine": "fsdp", "dp": 2}}]
+    cases = [
+        {"layout": {"engine": "deepspeed", "dp": 2, "zero_stage": 1}},
+        {"layout": {"engine": "deepspeed", "dp": 2, "zero_stage": 1, "ds_config": str(small)}},
+        {"layout": {"engine": "fsdp", "dp": 2}},
+    ]
     return spawn(_run_cases, 2, cases, timeout_s=600, threads=1), cfg
 
 
@@ -367,7 +434,10 @@ def test_fsdp2_issues_the_collectives_its_config_implies(framework_runs):
     backward, L+1 reduce-scatters; one all-reduce of the per-parameter norms for clipping."""
     (_, _, fsdp), _ = framework_runs
     layers, micro = 2, TINY["global_batch_size"] // 2  # tiny: 2 blocks; micro-batch 1 on each of dp2
-    assert _counts(fsdp) == {("dp", "all_gather"): micro * (2 * layers + 1),
-                             ("dp", "reduce_scatter"): micro * (layers + 1),
-                             ("dp", "all_reduce"): 1, (WORLD, "all_reduce"): 1}
+    assert _counts(fsdp) == {
+        ("dp", "all_gather"): micro * (2 * layers + 1),
+        ("dp", "reduce_scatter"): micro * (layers + 1),
+        ("dp", "all_reduce"): 1,
+        (WORLD, "all_reduce"): 1,
+    }
     assert fsdp["breakdown_ms"]["exposed_comm"]["dp"] > 0

@@ -15,8 +15,21 @@ from harness.report.build import build_report, sections_for
 from harness.store import ResultsStore, new_record
 from harness.testing.synthetic import make_records
 
-SECTIONS = ["overview", "best", "micro-batch", "tp-pp", "kernels", "checkpointing", "sequence-parallel",
-            "frameworks", "breakdown", "timeline", "failures", "baselines", "recommendations"]
+SECTIONS = [
+    "overview",
+    "best",
+    "micro-batch",
+    "tp-pp",
+    "kernels",
+    "checkpointing",
+    "sequence-parallel",
+    "frameworks",
+    "breakdown",
+    "timeline",
+    "failures",
+    "baselines",
+    "recommendations",
+]
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 
 
@@ -32,8 +45,16 @@ def test_all_sections_and_images(report_dir):
     for sid in SECTIONS:
         assert f"<section id='{sid}'>" in page
     imgs = re.findall(r"<img id='img-([\w-]+)' alt='[^']*' src='data:image/svg\+xml;base64,", page)
-    for prefix in ("micro-batch", "tp-pp-0", "kernels-0", "checkpointing-0", "sequence-parallel-0",
-                   "frameworks-0", "breakdown-0", "timeline"):
+    for prefix in (
+        "micro-batch",
+        "tp-pp-0",
+        "kernels-0",
+        "checkpointing-0",
+        "sequence-parallel-0",
+        "frameworks-0",
+        "breakdown-0",
+        "timeline",
+    ):
         assert prefix in imgs
     md = (report_dir / "report.md").read_text()
     assert "## Measured against quoted" in md and "QUOTED 70.6%" in md and "arXiv 2311.05610" in md
@@ -76,12 +97,25 @@ def test_report_cli(tmp_path, capsys):
     for r in make_records(40, seed=2):
         store.write(r)
     out = tmp_path / "rep"
-    assert cli_main(["report", "--store", str(tmp_path / "r.sqlite"), "--sweep", "syn-8gpu-node",
-                     "--out", str(out)]) == 0
+    assert (
+        cli_main(["report", "--store", str(tmp_path / "r.sqlite"), "--sweep", "syn-8gpu-node", "--out", str(out)]) == 0
+    )
     assert "syn-13b" not in (out / "report.md").read_text().split("## Measured against quoted")[0]
     pipelined = next(r for r in make_records(40, seed=2) if r["metrics"].get("pipeline_timeline"))
-    assert cli_main(["report", "--store", str(tmp_path / "r.sqlite"), "--out", str(out),
-                     "--timeline-run", pipelined["run_id"][:8]]) == 0
+    assert (
+        cli_main(
+            [
+                "report",
+                "--store",
+                str(tmp_path / "r.sqlite"),
+                "--out",
+                str(out),
+                "--timeline-run",
+                pipelined["run_id"][:8],
+            ]
+        )
+        == 0
+    )
     assert "The chosen run: " in (out / "report.md").read_text()
     assert cli_main(["report", "--store", str(tmp_path / "nope.sqlite"), "--out", str(out)]) == 2
     assert cli_main(["report", "--store", str(tmp_path / "r.sqlite"), "--sweep", "zzz", "--out", str(out)]) == 2
@@ -91,15 +125,28 @@ def test_report_cli(tmp_path, capsys):
 def _chromium(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     profile = tmp_path / "profile"
     profile.mkdir(exist_ok=True)
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-           "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-           f"--user-data-dir={profile}", "--virtual-time-budget=5000", *args]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=5000",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.slow  # a browser
-@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
-                    reason="chromium is not installed (apt-get install -y chromium); required under CI")
+@pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"),
+    reason="chromium is not installed (apt-get install -y chromium); required under CI",
+)
 def test_html_renders_in_headless_chromium(report_dir, tmp_path):
     assert CHROMIUM, "CI must install Chromium (apt-get install -y chromium)"
     url = (report_dir / "report.html").as_uri()

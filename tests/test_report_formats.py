@@ -20,20 +20,35 @@ from harness.report.data import choose_metric, to_row
 from harness.store import ResultsStore, export, fields, new_record
 from harness.testing.synthetic import make_records
 
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 3, "warmup_steps": 1,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": 3,
+    "warmup_steps": 1,
+    "device": "cpu",
+    "precision": "fp32",
+}
 
 
 def _launch(spec, *, nproc, launcher, store_path, timeout_s, sweep, point_key, log_dir):
     """What a runner records (launch.run_spec's stand-in); the run labelled 'broken' fails."""
     rec = new_record(spec, sweep=sweep, point_key=point_key)
     n, ok = spec["workload"]["steps"], point_key != "broken"
-    rec.update(status="ok" if ok else "failed", error=None if ok else "RuntimeError: boom",
-               fingerprint={"hosts": [point_key]}, launch={"launcher": launcher, "log": f"{point_key}.log"})
+    rec.update(
+        status="ok" if ok else "failed",
+        error=None if ok else "RuntimeError: boom",
+        fingerprint={"hosts": [point_key]},
+        launch={"launcher": launcher, "log": f"{point_key}.log"},
+    )
     if ok:
-        rec["metrics"] = {"losses": [5.0] * (n + 1), "step_times_s": [0.01] * n, "tokens_per_s": 800.0,
-                          "step_time_s": {"median": 0.01, "ci95_low": 0.009, "ci95_high": 0.011, "n": n},
-                          "engine": {"optimizer": "AdamW", "precision_policy": "another policy"}}
+        rec["metrics"] = {
+            "losses": [5.0] * (n + 1),
+            "step_times_s": [0.01] * n,
+            "tokens_per_s": 800.0,
+            "step_time_s": {"median": 0.01, "ci95_low": 0.009, "ci95_high": 0.011, "n": n},
+            "engine": {"optimizer": "AdamW", "precision_policy": "another policy"},
+        }
         rec["metrics"].update(extra_metrics)
     ResultsStore(store_path).write(rec)
     return rec
@@ -43,14 +58,22 @@ extra_metrics: dict = {}  # what every record of _launch also measures
 
 
 def headings(md: str, page: str) -> tuple[list[str], list[str]]:
-    return ([line[3:] for line in md.splitlines() if line.startswith("## ")],
-            [html.unescape(h) for h in re.findall(r"<h2>(.*?)</h2>", page)])
+    return (
+        [line[3:] for line in md.splitlines() if line.startswith("## ")],
+        [html.unescape(h) for h in re.findall(r"<h2>(.*?)</h2>", page)],
+    )
 
 
 def compare_summary(tmp_path) -> dict:
-    cs = parse_compare_spec({"name": "h", "nproc": 2, "parity_steps": 2, "workload": dict(WORKLOAD),
-                             "runs": [{"engine": "own", "dp": 2},
-                                      {"engine": "fsdp", "label": "broken", "workload": {"seed": 7}}]})
+    cs = parse_compare_spec(
+        {
+            "name": "h",
+            "nproc": 2,
+            "parity_steps": 2,
+            "workload": dict(WORKLOAD),
+            "runs": [{"engine": "own", "dp": 2}, {"engine": "fsdp", "label": "broken", "workload": {"seed": 7}}],
+        }
+    )
     return run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=_launch)
 
 
@@ -60,8 +83,16 @@ def test_compare_report_markdown_headings_are_html_headings(tmp_path):
     paths = write_report(summary, str(tmp_path))
     md, page = headings(open(paths["markdown"]).read(), open(paths["html"]).read())
     assert md == page
-    assert {"Results", "Throughput and step times", "Loss parity", "Engines", "Not run", "Failed runs",
-            "Where a run does not express the workload exactly", "Fingerprints"} <= set(md)
+    assert {
+        "Results",
+        "Throughput and step times",
+        "Loss parity",
+        "Engines",
+        "Not run",
+        "Failed runs",
+        "Where a run does not express the workload exactly",
+        "Fingerprints",
+    } <= set(md)
 
 
 def test_sweep_report_markdown_headings_are_html_headings():

@@ -24,8 +24,15 @@ from harness.report.compare_layouts import differing_fields, layout_matrix
 from harness.store import ResultsStore
 from harness.testing.synthetic import make_records
 
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 12, "warmup_steps": 2,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": 12,
+    "warmup_steps": 2,
+    "device": "cpu",
+    "precision": "fp32",
+}
 FP = {"hosts": ["n1"], "device_name": "cpu", "torch": "2.13.0"}
 
 
@@ -40,14 +47,29 @@ def fake_launcher(step_ms: dict[str, float], seed: int = 0):
         times = [median * (1 + rng.gauss(0, 0.05)) for _ in range(w["steps"])]
         srt = sorted(times)
         losses = [5.5 - 0.01 * k for k in range(w["warmup_steps"] + w["steps"])]
-        rec = {"run_id": f"id-{abs(hash(point_key)) % 10**8}", "schema_version": 1, "status": "ok", "error": None,
-               "started_at": "t0", "ended_at": "t1", "sweep": sweep, "point_key": point_key, "spec": spec,
-               "fingerprint": FP, "launch": {"launcher": launcher, "log": "x.log", "wall_s": 1.0},
-               "metrics": {"losses": losses, "step_times_s": times, "tokens_per_s": 256 / srt[len(srt) // 2],
-                           "step_time_s": {"median": srt[len(srt) // 2], "ci95_low": srt[2], "ci95_high": srt[-3],
-                                           "n": len(srt)},
-                           "peak_memory_bytes": 2 ** 28, "memory_kind": "peak_rss", "mfu": None,
-                           "engine": {"optimizer": "AdamW"}}}
+        rec = {
+            "run_id": f"id-{abs(hash(point_key)) % 10**8}",
+            "schema_version": 1,
+            "status": "ok",
+            "error": None,
+            "started_at": "t0",
+            "ended_at": "t1",
+            "sweep": sweep,
+            "point_key": point_key,
+            "spec": spec,
+            "fingerprint": FP,
+            "launch": {"launcher": launcher, "log": "x.log", "wall_s": 1.0},
+            "metrics": {
+                "losses": losses,
+                "step_times_s": times,
+                "tokens_per_s": 256 / srt[len(srt) // 2],
+                "step_time_s": {"median": srt[len(srt) // 2], "ci95_low": srt[2], "ci95_high": srt[-3], "n": len(srt)},
+                "peak_memory_bytes": 2**28,
+                "memory_kind": "peak_rss",
+                "mfu": None,
+                "engine": {"optimizer": "AdamW"},
+            },
+        }
         ResultsStore(store_path).write(rec)
         return rec
 
@@ -55,12 +77,12 @@ def fake_launcher(step_ms: dict[str, float], seed: int = 0):
 
 
 def summary_of(tmp_path, runs: list[dict], step_ms: dict[str, float] | None = None, **top) -> dict:
-    cs = parse_compare_spec({"name": "t", "nproc": 2, "parity_steps": 3, "workload": dict(WORKLOAD),
-                             "runs": runs, **top})
-    return run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
-                          launch_fn=fake_launcher(step_ms or {}))
-
-
+    cs = parse_compare_spec(
+        {"name": "t", "nproc": 2, "parity_steps": 3, "workload": dict(WORKLOAD), "runs": runs, **top}
+    )
+    return run_comparison(
+        cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=fake_launcher(step_ms or {})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +112,7 @@ def three_runs(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ (a), (b): the two new figures
+
 
 def test_compare_report_has_loss_curves_and_step_time_distribution(three_runs, tmp_path, drawn):
     paths = write_report(three_runs, str(tmp_path))
@@ -121,8 +144,12 @@ def test_compare_report_has_loss_curves_and_step_time_distribution(three_runs, t
 
 def test_a_summary_without_per_step_series_still_reports(three_runs, tmp_path):
     """A summary written before the series were kept: no distribution, loss curve from the table."""
-    old = {**three_runs, "runs": [{**r, "metrics": {k: v for k, v in r["metrics"].items() if k != "step_times_s"}}
-                                  for r in three_runs["runs"]]}
+    old = {
+        **three_runs,
+        "runs": [
+            {**r, "metrics": {k: v for k, v in r["metrics"].items() if k != "step_times_s"}} for r in three_runs["runs"]
+        ],
+    }
     old.pop("loss_curves")
     names = [n for n, _, _ in figures(old)]
     assert names == ["throughput", "loss-curves"]
@@ -130,6 +157,7 @@ def test_a_summary_without_per_step_series_still_reports(three_runs, tmp_path):
 
 
 # ------------------------------------------------------------------ (c): resolution, zero, whiskers
+
 
 def test_every_figure_is_svg(three_runs, sweep_figures):
     images = [img for _, _, img in sweep_figures] + [img for _, img, _ in figures(three_runs)]
@@ -174,8 +202,9 @@ def test_bar_charts_carry_ci_whiskers_from_the_median_ci(three_runs, sweep_figur
         m = run["metrics"]
         st, tps = m["step_time_s"], m["tokens_per_s"]
         # tokens/s at the median step: the CI of the median step time, through 1/x (one definition)
-        assert (seg[0][0], seg[1][0]) == pytest.approx((tps * st["median"] / st["ci95_high"],
-                                                         tps * st["median"] / st["ci95_low"]))
+        assert (seg[0][0], seg[1][0]) == pytest.approx(
+            (tps * st["median"] / st["ci95_high"], tps * st["median"] / st["ci95_low"])
+        )
     assert "95% CI" in ax.get_xlabel()
     # the sweep report's ablation bars and the micro-batch lines carry them too
     for kind in ("bars", "lines"):
@@ -193,6 +222,7 @@ def test_step_time_distribution_marks_the_median_ci(three_runs, drawn):
 
 # ------------------------------------------------------------------ (d): the fields that differ
 
+
 def differs_by_run(summary: dict) -> dict[str, str]:
     """The results table's 'Fields that differ' column, by run label."""
     t = results_table(summary)
@@ -201,8 +231,11 @@ def differs_by_run(summary: dict) -> dict[str, str]:
 
 
 def test_table_names_the_layout_fields_that_differ(tmp_path):
-    summary = summary_of(tmp_path, [{"engine": "own", "tp": 2, "sequence_parallel": True, "zero_stage": 1},
-                                    {"engine": "own", "tp": 2}], reference=False)
+    summary = summary_of(
+        tmp_path,
+        [{"engine": "own", "tp": 2, "sequence_parallel": True, "zero_stage": 1}, {"engine": "own", "tp": 2}],
+        reference=False,
+    )
     assert differing_fields(summary) == ["sequence_parallel", "zero_stage"]
     rows = differs_by_run(summary)
     assert sorted(rows.values()) == ["sequence_parallel=false zero_stage=0", "sequence_parallel=true zero_stage=1"]
@@ -212,9 +245,14 @@ def test_table_names_the_layout_fields_that_differ(tmp_path):
 
 
 def test_fields_are_shown_where_they_apply_and_overrides_count(tmp_path):
-    summary = summary_of(tmp_path, [{"engine": "own", "dp": 2, "zero_stage": 1},
-                                    {"engine": "fsdp", "reshard_after_forward": False},
-                                    {"engine": "fsdp", "label": "fsdp bf16", "workload": {"precision": "bf16"}}])
+    summary = summary_of(
+        tmp_path,
+        [
+            {"engine": "own", "dp": 2, "zero_stage": 1},
+            {"engine": "fsdp", "reshard_after_forward": False},
+            {"engine": "fsdp", "label": "fsdp bf16", "workload": {"precision": "bf16"}},
+        ],
+    )
     assert differing_fields(summary) == ["dp", "zero_stage", "reshard_after_forward", "workload.precision"]
     rows = differs_by_run(summary)
     assert "reshard_after_forward" not in rows["own ZeRO-1 dp2"]  # FSDP2's knob, not the own engine's
@@ -227,19 +265,41 @@ def test_matrix_keeps_apart_runs_that_differ_beyond_the_usual_fields(tmp_path):
     """Two own-engine pp2 runs that differ only in the schedule and virtual stages: two rows,
     not one cell overwritten."""
     workload = {**WORKLOAD, "model_overrides": {"layers": 4}}
-    cs = parse_compare_spec({"name": "t", "nproc": 2, "parity_steps": 2, "reference": False, "workload": workload,
-                             "runs": [{"engine": "own", "pp": 2, "label": "1f1b"},
-                                      {"engine": "own", "pp": 2, "label": "interleaved", "virtual_stages": 2,
-                                       "pipeline_schedule": "interleaved"}]})
-    summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False,
-                             launch_fn=fake_launcher({"1f1b": 10.0, "interleaved": 20.0}))
+    cs = parse_compare_spec(
+        {
+            "name": "t",
+            "nproc": 2,
+            "parity_steps": 2,
+            "reference": False,
+            "workload": workload,
+            "runs": [
+                {"engine": "own", "pp": 2, "label": "1f1b"},
+                {
+                    "engine": "own",
+                    "pp": 2,
+                    "label": "interleaved",
+                    "virtual_stages": 2,
+                    "pipeline_schedule": "interleaved",
+                },
+            ],
+        }
+    )
+    summary = run_comparison(
+        cs,
+        store_path=str(tmp_path / "r.sqlite"),
+        progress=False,
+        launch_fn=fake_launcher({"1f1b": 10.0, "interleaved": 20.0}),
+    )
     header, rows = layout_matrix(summary)
     assert header == ["layout", "own"] and len(rows) == 2
-    assert {r[0] for r in rows} == {"pp2 mbs 1 pipeline_schedule=1f1b virtual_stages=1",
-                                    "pp2 mbs 1 pipeline_schedule=interleaved virtual_stages=2"}
+    assert {r[0] for r in rows} == {
+        "pp2 mbs 1 pipeline_schedule=1f1b virtual_stages=1",
+        "pp2 mbs 1 pipeline_schedule=interleaved virtual_stages=2",
+    }
 
 
 # ------------------------------------------------------------------ (e): TensorBoard
+
 
 def test_tensorboard_stream_holds_every_step_of_rank_0(tmp_path):
     pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard")
@@ -249,10 +309,19 @@ def test_tensorboard_stream_holds_every_step_of_rank_0(tmp_path):
     from harness.runtime import RunContext
     from harness.spec import parse_spec
 
-    spec = parse_spec({"workload": {"seq_len": 32, "global_batch_size": 4, "steps": 3, "warmup_steps": 1},
-                       "store": str(tmp_path / "r.sqlite")})
-    rec = run(spec, RunContext(0, 1, 0, torch.device("cpu"), None), progress=False, peak_tflops=1.0,
-              tensorboard_dir=str(tmp_path / "tb"))
+    spec = parse_spec(
+        {
+            "workload": {"seq_len": 32, "global_batch_size": 4, "steps": 3, "warmup_steps": 1},
+            "store": str(tmp_path / "r.sqlite"),
+        }
+    )
+    rec = run(
+        spec,
+        RunContext(0, 1, 0, torch.device("cpu"), None),
+        progress=False,
+        peak_tflops=1.0,
+        tensorboard_dir=str(tmp_path / "tb"),
+    )
     run_dir = rec["tensorboard_dir"]
     assert os.path.dirname(run_dir) == str(tmp_path / "tb" / "train") and rec["run_id"][:8] in run_dir
     events = EventAccumulator(run_dir)
@@ -280,23 +349,30 @@ def _never(*a, **k):
 
 
 @pytest.mark.parametrize("command", [["train"], ["compare"], ["sweep", "sweeps/cpu-demo.yaml"]])
-def test_missing_tensorboard_is_one_line_and_exit_2_before_launch(command, tmp_path, monkeypatch, capsys,
-                                                                  no_tensorboard):
+def test_missing_tensorboard_is_one_line_and_exit_2_before_launch(
+    command, tmp_path, monkeypatch, capsys, no_tensorboard
+):
     import harness.compare.orchestrate as orchestrate
     import harness.run as run_module
     import harness.runtime as runtime
     from harness.sweep import execute
 
-    for module, name in ((runtime, "init"), (run_module, "run"), (orchestrate, "run_comparison"),
-                         (execute, "run_sweep")):
+    for module, name in (
+        (runtime, "init"),
+        (run_module, "run"),
+        (orchestrate, "run_comparison"),
+        (execute, "run_sweep"),
+    ):
         monkeypatch.setattr(module, name, _never)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     argv = [a if not a.endswith(".yaml") else os.path.join(root, a) for a in command]
     extra = ["--out", str(tmp_path)] if command[0] == "compare" else []
     assert cli_main(argv + ["--store", str(tmp_path / "r.sqlite"), "--tensorboard", str(tmp_path / "tb")] + extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --tensorboard: the tensorboard package is not installed; "
-                   "pip install 'tensorboard>=2.14' (the package's `tensorboard` extra)"]
+    assert err == [
+        "error: --tensorboard: the tensorboard package is not installed; "
+        "pip install 'tensorboard>=2.14' (the package's `tensorboard` extra)"
+    ]
 
 
 def test_compare_hands_the_folder_to_every_run(tmp_path, monkeypatch):
@@ -313,8 +389,20 @@ def test_compare_hands_the_folder_to_every_run(tmp_path, monkeypatch):
     monkeypatch.setenv(TENSORBOARD_ENV, "")  # restored to what it was (unset) after the test
     monkeypatch.delenv(TENSORBOARD_ENV)
     monkeypatch.setattr(orchestrate, "run_comparison", fake)
-    assert cli_main(["compare", "--store", str(tmp_path / "r.sqlite"), "--out", str(tmp_path),
-                     "--tensorboard", str(tmp_path / "tb")]) == 130  # the interrupt, as from a Ctrl-C
+    assert (
+        cli_main(
+            [
+                "compare",
+                "--store",
+                str(tmp_path / "r.sqlite"),
+                "--out",
+                str(tmp_path),
+                "--tensorboard",
+                str(tmp_path / "tb"),
+            ]
+        )
+        == 130
+    )  # the interrupt, as from a Ctrl-C
     assert seen["env"] == str(tmp_path / "tb")
 
 
@@ -331,8 +419,7 @@ def test_tensorboard_is_an_optional_extra_and_in_dev():
 
 
 def test_metric_ci_is_the_step_time_ci_through_one_over_x():
-    rows = [analysis.Row(**{**_row_defaults(), "step_median": 2.0, "step_ci": (1.6, 2.5),
-                            "tokens_per_s_dev": 100.0})]
+    rows = [analysis.Row(**{**_row_defaults(), "step_median": 2.0, "step_ci": (1.6, 2.5), "tokens_per_s_dev": 100.0})]
     from harness.report.data import choose_metric
 
     m = choose_metric(rows)
@@ -340,6 +427,25 @@ def test_metric_ci_is_the_step_time_ci_through_one_over_x():
 
 
 def _row_defaults() -> dict:
-    return dict(run_id="r", sweep="s", status="ok", engine="own", variant="own", label="own", model="tiny",
-                seq_len=32, global_batch_size=8, precision="fp32", gpus=1, tp=1, pp=1, dp=1, mb=1, ckpt="none",
-                sp=False, attention="sdpa", rmsnorm="torch", zero=0)
+    return dict(
+        run_id="r",
+        sweep="s",
+        status="ok",
+        engine="own",
+        variant="own",
+        label="own",
+        model="tiny",
+        seq_len=32,
+        global_batch_size=8,
+        precision="fp32",
+        gpus=1,
+        tp=1,
+        pp=1,
+        dp=1,
+        mb=1,
+        ckpt="none",
+        sp=False,
+        attention="sdpa",
+        rmsnorm="torch",
+        zero=0,
+    )

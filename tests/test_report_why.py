@@ -19,15 +19,32 @@ from harness.report.why import Case, comparisons, explain
 from harness.store import ResultsStore, new_record
 from harness.testing.synthetic import make_records
 
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 4, "warmup_steps": 1,
-            "device": "cpu", "precision": "fp32"}
-RUNS = [{"engine": "own", "tp": 2}, {"engine": "fsdp", "tp": 2}, {"engine": "own", "dp": 2},
-        {"engine": "deepspeed", "zero_stage": 1}]
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 8,
+    "steps": 4,
+    "warmup_steps": 1,
+    "device": "cpu",
+    "precision": "fp32",
+}
+RUNS = [
+    {"engine": "own", "tp": 2},
+    {"engine": "fsdp", "tp": 2},
+    {"engine": "own", "dp": 2},
+    {"engine": "deepspeed", "zero_stage": 1},
+]
 
 
 def bd(step, compute, optimizer, other, bubble=0.0, **comm) -> dict:
-    return {"compute": compute, "optimizer": optimizer, "exposed_comm": comm, "bubble": bubble, "other": other,
-            "step": step}
+    return {
+        "compute": compute,
+        "optimizer": optimizer,
+        "exposed_comm": comm,
+        "bubble": bubble,
+        "other": other,
+        "step": step,
+    }
 
 
 # Per (engine, tp): the profiled breakdown (ms), the collectives; the answers below follow from these.
@@ -37,8 +54,10 @@ PROFILED = {
     ("own", 1): bd(90.0, 72.0, 10.0, 5.0, dp=3.0),
     ("deepspeed", 1): bd(120.0, 73.0, 12.0, 5.0, dp=30.0),
 }
-COLLECTIVES = {("fsdp", 2): [{"axis": "tp", "kind": "all_reduce", "count": 24, "bytes": 3 * 2 ** 20}],
-               ("deepspeed", 1): [{"axis": "dp", "kind": "all_reduce", "count": 4, "bytes": 2 ** 21}]}
+COLLECTIVES = {
+    ("fsdp", 2): [{"axis": "tp", "kind": "all_reduce", "count": 24, "bytes": 3 * 2**20}],
+    ("deepspeed", 1): [{"axis": "dp", "kind": "all_reduce", "count": 4, "bytes": 2**21}],
+}
 
 
 def launcher(old: bool = False):
@@ -51,23 +70,41 @@ def launcher(old: bool = False):
         key = (lay["engine"], lay.get("tp", 1))
         b = PROFILED.get(key)
         median = b["step"] / 1e3 if b else 0.2
-        m = {"losses": [5.0 - 0.01 * k for k in range(5)], "step_times_s": [median] * 4,
-             "step_time_s": {"median": median, "ci95_low": median, "ci95_high": median, "n": 4},
-             "tokens_per_s": 256 / median, "engine": {}}
-        rec = {"run_id": f"id-{point_key}", "schema_version": 1, "status": "ok", "error": None, "sweep": sweep,
-               "point_key": point_key, "spec": spec, "fingerprint": {"hosts": ["n1"], "torch": "2.13.0"},
-               "launch": {"launcher": launcher, "log": "x.log", "wall_s": 1.0}, "metrics": m}
+        m = {
+            "losses": [5.0 - 0.01 * k for k in range(5)],
+            "step_times_s": [median] * 4,
+            "step_time_s": {"median": median, "ci95_low": median, "ci95_high": median, "n": 4},
+            "tokens_per_s": 256 / median,
+            "engine": {},
+        }
+        rec = {
+            "run_id": f"id-{point_key}",
+            "schema_version": 1,
+            "status": "ok",
+            "error": None,
+            "sweep": sweep,
+            "point_key": point_key,
+            "spec": spec,
+            "fingerprint": {"hosts": ["n1"], "torch": "2.13.0"},
+            "launch": {"launcher": launcher, "log": "x.log", "wall_s": 1.0},
+            "metrics": m,
+        }
         if old and key[0] == "own":
             s = {k: v / 1e3 for k, v in b.items() if k in ("compute", "optimizer", "bubble")}
-            m["breakdown_s"] = {**s, **{f"{a}_comm": v / 1e3 for a, v in b["exposed_comm"].items()},
-                                "total": b["step"] / 1e3}
-            m["comm"] = {"tp": {"all_reduce": {"count": 12, "bytes": 2 ** 20}}} if key[1] == 2 else {}
+            m["breakdown_s"] = {
+                **s,
+                **{f"{a}_comm": v / 1e3 for a, v in b["exposed_comm"].items()},
+                "total": b["step"] / 1e3,
+            }
+            m["comm"] = {"tp": {"all_reduce": {"count": 12, "bytes": 2**20}}} if key[1] == 2 else {}
         elif old and key[0] == "fsdp":
             m["breakdown_s"] = {"forward_backward": 0.12, "optimizer": 0.01, "total": 0.141}
         elif not old and b:
             m.update(breakdown_ms=b, breakdown_source="profiler", collectives=COLLECTIVES.get(key, []))
-            rec["traces"] = [{"rank": 0, "path": f"traces/{point_key}-rank0.json.gz", "role": "rank 0"},
-                             {"rank": 1, "path": f"traces/{point_key}-rank1.json.gz", "role": "slowest rank"}]
+            rec["traces"] = [
+                {"rank": 0, "path": f"traces/{point_key}-rank0.json.gz", "role": "rank 0"},
+                {"rank": 1, "path": f"traces/{point_key}-rank1.json.gz", "role": "slowest rank"},
+            ]
         ResultsStore(store_path).write(rec)
         return rec
 
@@ -91,14 +128,20 @@ def report(summary, tmp_path_factory):
 
 
 # The sentences the data above implies (the fastest run: own dp2 at 90 ms).
-FSDP_VS_OWN_TP2 = ("FSDP2 reshard tp2 takes 41.0 ms more per profiled step than own tp2 (141.0 against 100.0 ms): "
-                   "exposed tp communication +30.2 ms (74% of the difference), compute +8.1 ms (20% of the "
-                   "difference).")
-DS_VS_OWN_DP2 = ("deepspeed ZeRO-1 takes 30.0 ms more per profiled step than own dp2 (120.0 against 90.0 ms): "
-                 "exposed dp communication +27.0 ms (90% of the difference).")
-OWN_TP2_VS_DP2 = ("own tp2 takes 10.0 ms more per profiled step than own dp2 (100.0 against 90.0 ms): exposed tp "
-                  "communication +10.0 ms (100% of the difference); partly offset by exposed dp communication "
-                  "-3.0 ms, compute -2.0 ms.")
+FSDP_VS_OWN_TP2 = (
+    "FSDP2 reshard tp2 takes 41.0 ms more per profiled step than own tp2 (141.0 against 100.0 ms): "
+    "exposed tp communication +30.2 ms (74% of the difference), compute +8.1 ms (20% of the "
+    "difference)."
+)
+DS_VS_OWN_DP2 = (
+    "deepspeed ZeRO-1 takes 30.0 ms more per profiled step than own dp2 (120.0 against 90.0 ms): "
+    "exposed dp communication +27.0 ms (90% of the difference)."
+)
+OWN_TP2_VS_DP2 = (
+    "own tp2 takes 10.0 ms more per profiled step than own dp2 (100.0 against 90.0 ms): exposed tp "
+    "communication +10.0 ms (100% of the difference); partly offset by exposed dp communication "
+    "-3.0 ms, compute -2.0 ms."
+)
 
 
 def test_why_sentences_name_the_component_with_its_numbers(summary, report):
@@ -117,36 +160,65 @@ def test_explain_says_less_and_same():
         return Case(label, "own", "x", None, breakdown_of({"breakdown_ms": {**parts, "step": sum(parts.values())}}))
 
     a, b = case("a", compute=50.0, optimizer=10.0), case("b", compute=45.0, optimizer=9.0)
-    assert explain(a, b) == ("b takes 6.0 ms less per profiled step than a (54.0 against 60.0 ms): compute -5.0 ms "
-                             "(83% of the difference).")
-    assert explain(a, case("c", compute=50.2, optimizer=10.0)).endswith("the same within 0.2 ms; no component "
-                                                                         "explains a difference.")
+    assert explain(a, b) == (
+        "b takes 6.0 ms less per profiled step than a (54.0 against 60.0 ms): compute -5.0 ms (83% of the difference)."
+    )
+    assert explain(a, case("c", compute=50.2, optimizer=10.0)).endswith(
+        "the same within 0.2 ms; no component explains a difference."
+    )
 
 
 def test_within_a_layout_every_framework_is_also_explained_against_the_own_engine():
     """The fastest engine of a layout is the first yardstick; the own engine, when it is not the fastest,
     the second: FSDP2 tp2 against own tp2 is explained even where DeepSpeed tp2 measured fastest."""
-    def case(label, engine, step_s, **parts):
-        return Case(label, engine, "tp2", step_s,
-                    breakdown_of({"breakdown_ms": {**parts, "step": sum(parts.values())}}))
 
-    ds, own = case("deepspeed tp2", "deepspeed", 0.090, compute=34.0, tp=79.0), case("own tp2", "own", 0.094,
-                                                                                       compute=32.0, tp=48.0)
+    def case(label, engine, step_s, **parts):
+        return Case(
+            label, engine, "tp2", step_s, breakdown_of({"breakdown_ms": {**parts, "step": sum(parts.values())}})
+        )
+
+    ds, own = (
+        case("deepspeed tp2", "deepspeed", 0.090, compute=34.0, tp=79.0),
+        case("own tp2", "own", 0.094, compute=32.0, tp=48.0),
+    )
     fsdp = case("FSDP2 tp2", "FSDP2 reshard", 0.150, compute=86.0, tp=60.0)
     same_layout, _ = comparisons([fsdp, own, ds])
     assert [s.split(" takes ")[0] + " / " + s.split(" than ")[1].split(" (")[0] for s in same_layout] == [
-        "own tp2 / deepspeed tp2", "FSDP2 tp2 / deepspeed tp2", "FSDP2 tp2 / own tp2"]
-    assert same_layout[2].startswith("FSDP2 tp2 takes 66.0 ms more per profiled step than own tp2 (146.0 against "
-                                     "80.0 ms): compute +54.0 ms (82% of the difference)"), same_layout[2]
+        "own tp2 / deepspeed tp2",
+        "FSDP2 tp2 / deepspeed tp2",
+        "FSDP2 tp2 / own tp2",
+    ]
+    assert same_layout[2].startswith(
+        "FSDP2 tp2 takes 66.0 ms more per profiled step than own tp2 (146.0 against "
+        "80.0 ms): compute +54.0 ms (82% of the difference)"
+    ), same_layout[2]
 
 
 def test_where_the_step_goes_for_every_engine_in_ms_and_percent(summary, report):
     header, rows = breakdown_rows(summary)
-    assert header == ["run", "source", "compute", "exposed tp communication", "exposed dp communication",
-                      "pipeline bubble", "optimizer", "host overhead and other", "step"]
+    assert header == [
+        "run",
+        "source",
+        "compute",
+        "exposed tp communication",
+        "exposed dp communication",
+        "pipeline bubble",
+        "optimizer",
+        "host overhead and other",
+        "step",
+    ]
     by = {r[0]: r for r in rows}
-    assert by["FSDP2 reshard tp2"] == ["FSDP2 reshard tp2", "profiler", "78.1 ms (55%)", "40.2 ms (29%)", "-",
-                                       "0.0 ms (0%)", "10.0 ms (7%)", "12.7 ms (9%)", "141.0 ms"]
+    assert by["FSDP2 reshard tp2"] == [
+        "FSDP2 reshard tp2",
+        "profiler",
+        "78.1 ms (55%)",
+        "40.2 ms (29%)",
+        "-",
+        "0.0 ms (0%)",
+        "10.0 ms (7%)",
+        "12.7 ms (9%)",
+        "141.0 ms",
+    ]
     assert by["deepspeed ZeRO-1"][3:5] == ["-", "30.0 ms (25%)"]
     assert set(by["reference (single device)"][1:]) == {"not measured"}  # a run with no breakdown at all
     for fmt in ("markdown", "html"):
@@ -181,8 +253,11 @@ def test_compare_json_carries_the_breakdown_fields(summary, report):
     assert fsdp["collectives"] == COLLECTIVES[("fsdp", 2)]
     assert fsdp["traces"][1] == {"rank": 1, "path": "traces/FSDP2 reshard tp2-rank1.json.gz", "role": "slowest rank"}
     ref = runs["reference (single device)"]
-    assert {k: ref[k] for k in ("breakdown_ms", "breakdown_source", "collectives")} == \
-        {"breakdown_ms": None, "breakdown_source": None, "collectives": None}
+    assert {k: ref[k] for k in ("breakdown_ms", "breakdown_source", "collectives")} == {
+        "breakdown_ms": None,
+        "breakdown_source": None,
+        "collectives": None,
+    }
 
 
 def test_old_records_without_breakdown_ms_still_render(tmp_path):
@@ -203,41 +278,72 @@ def test_old_records_without_breakdown_ms_still_render(tmp_path):
 
 # ------------------------------------------------------------------ sweeps
 
+
 def sweep_record(step, layout, parts) -> dict:
-    lay = {"engine": "own", "tp": 1, "pp": 1, "dp": 2, "micro_batch_size": 1, "activation_checkpointing": "none",
-           **layout}
-    rec = new_record({"workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 8}, "layout": lay},
-                     sweep="s", point_key=json.dumps(layout))
-    rec.update(status="ok", fingerprint={"world_size": 4}, metrics={
-        "step_time_s": {"median": step / 1e3, "ci95_low": step / 1e3, "ci95_high": step / 1e3, "n": 4},
-        "tokens_per_s_per_device": 1e3 / step, "breakdown_ms": {**parts, "step": step},
-        "breakdown_source": "profiler", "collectives": []})
+    lay = {
+        "engine": "own",
+        "tp": 1,
+        "pp": 1,
+        "dp": 2,
+        "micro_batch_size": 1,
+        "activation_checkpointing": "none",
+        **layout,
+    }
+    rec = new_record(
+        {"workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 8}, "layout": lay},
+        sweep="s",
+        point_key=json.dumps(layout),
+    )
+    rec.update(
+        status="ok",
+        fingerprint={"world_size": 4},
+        metrics={
+            "step_time_s": {"median": step / 1e3, "ci95_low": step / 1e3, "ci95_high": step / 1e3, "n": 4},
+            "tokens_per_s_per_device": 1e3 / step,
+            "breakdown_ms": {**parts, "step": step},
+            "breakdown_source": "profiler",
+            "collectives": [],
+        },
+    )
     return rec
 
 
 SWEEP = [
     sweep_record(100.0, {"tp": 2}, {"compute": 70.0, "exposed_comm": {"tp": 20.0, "dp": 5.0}, "optimizer": 5.0}),
-    sweep_record(90.0, {"pp": 2}, {"compute": 70.0, "exposed_comm": {"pp": 2.0, "dp": 5.0}, "bubble": 10.0,
-                                   "optimizer": 3.0}),
-    sweep_record(120.0, {"pp": 2, "activation_checkpointing": "full"},
-                 {"compute": 100.0, "exposed_comm": {"pp": 2.0, "dp": 5.0}, "bubble": 10.0, "optimizer": 3.0}),
-    sweep_record(95.0, {"pp": 2, "micro_batch_size": 2},
-                 {"compute": 68.0, "exposed_comm": {"pp": 2.0, "dp": 5.0}, "bubble": 17.0, "optimizer": 3.0}),
-    sweep_record(110.0, {"engine": "deepspeed", "dp": 4, "zero_stage": 1},
-                 {"compute": 70.0, "exposed_comm": {"dp": 30.0}, "optimizer": 5.0, "other": 5.0}),
+    sweep_record(
+        90.0, {"pp": 2}, {"compute": 70.0, "exposed_comm": {"pp": 2.0, "dp": 5.0}, "bubble": 10.0, "optimizer": 3.0}
+    ),
+    sweep_record(
+        120.0,
+        {"pp": 2, "activation_checkpointing": "full"},
+        {"compute": 100.0, "exposed_comm": {"pp": 2.0, "dp": 5.0}, "bubble": 10.0, "optimizer": 3.0},
+    ),
+    sweep_record(
+        95.0,
+        {"pp": 2, "micro_batch_size": 2},
+        {"compute": 68.0, "exposed_comm": {"pp": 2.0, "dp": 5.0}, "bubble": 17.0, "optimizer": 3.0},
+    ),
+    sweep_record(
+        110.0,
+        {"engine": "deepspeed", "dp": 4, "zero_stage": 1},
+        {"compute": 70.0, "exposed_comm": {"dp": 30.0}, "optimizer": 5.0, "other": 5.0},
+    ),
 ]
 
 
 def test_sweep_ablations_name_the_component_that_moved():
     texts = {s.id: " ".join(s.text) for s in sections_for(SWEEP)}
-    assert ("takes 10.0 ms more per profiled step than tp1 pp2 (own tp1 pp2 dp2 mb1" in texts["tp-pp"])
-    assert ("(100.0 against 90.0 ms): exposed tp communication +20.0 ms (200% of the difference); partly offset by "
-            "pipeline bubble -10.0 ms, exposed pp communication -2.0 ms.") in texts["tp-pp"]
+    assert "takes 10.0 ms more per profiled step than tp1 pp2 (own tp1 pp2 dp2 mb1" in texts["tp-pp"]
+    assert (
+        "(100.0 against 90.0 ms): exposed tp communication +20.0 ms (200% of the difference); partly offset by "
+        "pipeline bubble -10.0 ms, exposed pp communication -2.0 ms."
+    ) in texts["tp-pp"]
     assert "takes 30.0 ms more per profiled step than checkpointing none" in texts["checkpointing"]
     assert "(120.0 against 90.0 ms): compute +30.0 ms (100% of the difference)." in texts["checkpointing"]
     assert "micro-batch 2 (own tp1 pp2 dp2 mb2" in texts["micro-batch"]
-    assert ("(95.0 against 90.0 ms): pipeline bubble +7.0 ms (140% of the difference); partly offset by compute "
-            "-2.0 ms.") in texts["micro-batch"]
+    assert (
+        "(95.0 against 90.0 ms): pipeline bubble +7.0 ms (140% of the difference); partly offset by compute -2.0 ms."
+    ) in texts["micro-batch"]
     assert "no run with the same other settings" not in texts["checkpointing"] + texts["micro-batch"]
 
 
@@ -252,6 +358,7 @@ def test_sweep_breakdown_covers_every_engine_per_point():
 
 
 # ------------------------------------------------------------------ figures and synthetic records
+
 
 def test_every_breakdown_figure_is_drawn_from_zero(summary, tmp_path, drawn):
     write_report(summary, str(tmp_path))

@@ -55,6 +55,7 @@ def assert_one_line_error(r, start: str) -> str:
 
 # ---------------------------------------------------------------- a full disk, a read-only folder
 
+
 def _failing_store(monkeypatch, after: int = 0):
     """Writes fail as on a full disk once `after` of them succeeded (sqlite's own error)."""
     real = ResultsStore._insert
@@ -76,8 +77,9 @@ def test_a_record_the_store_cannot_take_goes_to_a_fallback_file(tmp_path, monkey
     heal = _failing_store(monkeypatch)
     with pytest.raises(StoreError) as e:
         store.write(_record("r1"))
-    assert e.value.reason == (f"cannot write run r1 to {path} (database or disk is full); the record is saved in "
-                              f"{path}.fallback.jsonl")
+    assert e.value.reason == (
+        f"cannot write run r1 to {path} (database or disk is full); the record is saved in {path}.fallback.jsonl"
+    )
     assert store.get("r1")["status"] == "ok"  # the launcher still finds the runner's verdict
     heal()
     assert store.records() == [] and store.recover_fallback() == 1
@@ -107,8 +109,9 @@ def test_full_disk_stops_the_sweep_with_finished_points_intact_then_resumes(tmp_
     assert [r["point_key"] for r in ResultsStore(path).records(sweep="s")] == ran[:1]
     heal()
     lines = []
-    assert run_sweep(spec, launcher="direct", store_path=path, timeout_s=60, progress=False,
-                     echo=lines.append)["ok"] == 1
+    assert (
+        run_sweep(spec, launcher="direct", store_path=path, timeout_s=60, progress=False, echo=lines.append)["ok"] == 1
+    )
     assert lines[0] == "merged 1 records that the store could not take earlier from its fallback file"
     keys = [r["point_key"] for r in ResultsStore(path).records(sweep="s")]
     assert sorted(keys) == sorted(set(keys)) and len(keys) == 3 and len(ran) == 3
@@ -116,14 +119,16 @@ def test_full_disk_stops_the_sweep_with_finished_points_intact_then_resumes(tmp_
 
 # a real tmpfs (root) for disk faults
 
+
 @contextlib.contextmanager
 def tmpfs(path, size: str):
     """A small tmpfs at `path`; skips the test where this machine does not let it mount one."""
     if shutil.which("mount") is None:
         pytest.skip("no mount command")
     path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     try:
@@ -140,12 +145,13 @@ def test_read_only_folder(tmp_path, tagged):
         subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
         _write(tmp_path / "t.yaml", {"workload": TINY})
         _write(tmp_path / "s.yaml", {"gpus": 1, "workload": TINY})
-        assert_one_line_error(tagged("train", "t.yaml", "--store", store),
-                              f"error: store: {store} is read-only")
-        assert_one_line_error(tagged("sweep", "s.yaml", "--store", str(folder / "new.sqlite")),
-                              f"error: store: cannot create {folder}/new.sqlite: the folder {folder} is read-only")
+        assert_one_line_error(tagged("train", "t.yaml", "--store", store), f"error: store: {store} is read-only")
+        assert_one_line_error(
+            tagged("sweep", "s.yaml", "--store", str(folder / "new.sqlite")),
+            f"error: store: cannot create {folder}/new.sqlite: the folder {folder} is read-only",
+        )
         r = tagged("results", "export", "--store", store)  # reading a read-only store works
-        assert r.returncode == 0 and "\"r1\"" in r.stdout, r.stderr
+        assert r.returncode == 0 and '"r1"' in r.stdout, r.stderr
         assert tagged.alive() == [] and os.listdir(folder) == ["r.sqlite"]
 
 
@@ -155,22 +161,44 @@ def test_disk_that_fills_mid_sweep_stops_it_cleanly_and_loses_nothing(tmp_path, 
     disk, so the second point's records (the rank's and the launcher's) cannot be written: they go
     to the fallback file (in TMPDIR: next to the store is full too), the sweep stops with one error
     line, and after space is freed the same command merges them and runs nothing twice."""
-    raw = {"name": "full", "gpus": 1, "timeout_s": 120, "workload": TINY, "layout": {"engine": "single"},
-           "grid": {"workload.seed": [1, 2]}}
+    raw = {
+        "name": "full",
+        "gpus": 1,
+        "timeout_s": 120,
+        "workload": TINY,
+        "layout": {"engine": "single"},
+        "grid": {"workload.seed": [1, 2]},
+    }
     path = _write(tmp_path / "s.yaml", raw)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where this process looks for the fallback file too
     with tmpfs(tmp_path / "disk", "1m") as disk:
         store = str(disk / "r.sqlite")
-        args = ["sweep", path, "--store", store, "--launcher", "direct", "--no-progress",
-                "--logs", str(tmp_path / "logs")]
+        args = [
+            "sweep",
+            path,
+            "--store",
+            store,
+            "--launcher",
+            "direct",
+            "--no-progress",
+            "--logs",
+            str(tmp_path / "logs"),
+        ]
         env = {**os.environ, "TMPDIR": str(tmp)}
-        proc = subprocess.Popen([sys.executable, "-m", "harness.cli", *args], cwd=tmp_path, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "harness.cli", *args],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.time() + 120
         while time.time() < deadline and not any(
-                "launch" in r for r in (ResultsStore(store).records() if os.path.exists(store) else [])):
+            "launch" in r for r in (ResultsStore(store).records() if os.path.exists(store) else [])
+        ):
             time.sleep(0.1)
         fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
         with contextlib.suppress(OSError):
@@ -189,8 +217,14 @@ def test_disk_that_fills_mid_sweep_stops_it_cleanly_and_loses_nothing(tmp_path, 
         spec = parse_sweep(raw)
         assert launch.processes_with_env(launch.SWEEP_ID_ENV, sweep_id(spec, store)) == []
         os.remove(disk / "filler")
-        again = subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=120)
+        again = subprocess.run(
+            [sys.executable, "-m", "harness.cli", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert again.returncode == 0, again.stderr[-2000:]
         assert "merged 1 records" in again.stdout and "2 already recorded, 0 to run" in again.stdout
         recs = ResultsStore(store).records(sweep="full")
@@ -200,6 +234,7 @@ def test_disk_that_fills_mid_sweep_stops_it_cleanly_and_loses_nothing(tmp_path, 
 
 
 # ---------------------------------------------------------------- the first rank to fail, kills
+
 
 def _failure(rank, echo, status="failed", error="RuntimeError: x"):
     rec = _record("run", status=status)
@@ -228,20 +263,25 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : Signal 9 (SIGKILL) received by PID 24570
 """
-DEEPSPEED_TAIL = ("harness.launch: local rank 1 (pid 12) exited with code 137\n"
-                  "harness.launch: local rank 0 (pid 11) exited with code 1\n"
-                  "[launch.py:259:sigkill_handler] [...'--local_rank=1'...] exits with return code = 1\n")
+DEEPSPEED_TAIL = (
+    "harness.launch: local rank 1 (pid 12) exited with code 137\n"
+    "harness.launch: local rank 0 (pid 11) exited with code 1\n"
+    "[launch.py:259:sigkill_handler] [...'--local_rank=1'...] exits with return code = 1\n"
+)
 
 
 def test_first_failure_from_the_launchers_output():
     echo = _failure(1, True, error="RuntimeError: Connection reset by peer")
     assert launch.first_failure(echo, TORCHRUN_TAIL) == {
-        "rank": 0, "exit_code": -9, "how": "killed by SIGKILL (exit code -9)", "source": "torchrun"}
+        "rank": 0,
+        "exit_code": -9,
+        "how": "killed by SIGKILL (exit code -9)",
+        "source": "torchrun",
+    }
     got = launch.first_failure(_failure(0, True), DEEPSPEED_TAIL)
     assert (got["rank"], got["how"]) == (1, "exit code 137 (128 + SIGKILL)")
     assert launch.first_failure_line(got).startswith("rank 1 failed first: exit code 137 (128 + SIGKILL)")
     assert launch.first_failure(echo, "RuntimeError: boom") is None
-
 
 
 def _wait_for(cond, timeout: float, what: str):
@@ -262,22 +302,43 @@ def test_sigkill_of_a_sweep_leaves_no_process_and_the_killed_rank_is_the_first_f
     ends it). The second point hangs; the sweep is SIGKILLed while it runs: no process of it may be
     left (launcher, ranks), with nothing but the signals of its death to end them. A third
     combination is dropped, which the sweep says before it starts."""
-    raw = {"name": f"kill-{launcher}", "gpus": 2, "timeout_s": 120, "workload": TINY, "layout": {"engine": "own"},
-           "points": [{"workload.seed": 1, "env": {"HARNESS_FAULT": "kill:1:0"}},
-                      {"workload.seed": 2, "env": {"HARNESS_FAULT": "hang:1"}},
-                      {"workload.seed": 3, "micro_batch_size": 3}]}
+    raw = {
+        "name": f"kill-{launcher}",
+        "gpus": 2,
+        "timeout_s": 120,
+        "workload": TINY,
+        "layout": {"engine": "own"},
+        "points": [
+            {"workload.seed": 1, "env": {"HARNESS_FAULT": "kill:1:0"}},
+            {"workload.seed": 2, "env": {"HARNESS_FAULT": "hang:1"}},
+            {"workload.seed": 3, "micro_batch_size": 3},
+        ],
+    }
     path = _write(tmp_path / "s.yaml", raw)
     store = str(tmp_path / "r.sqlite")
     sid = sweep_id(parse_sweep(raw), store)
     err = open(tmp_path / "err.txt", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress",
-                             "--launcher", launcher], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress", "--launcher", launcher],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+    )
     try:
-        _wait_for(lambda: os.path.exists(store) and any("launch" in r for r in ResultsStore(store).records()),
-                  150, "the first point's record")
-        _wait_for(lambda: [p for p in launch.processes_with_env("HARNESS_FAULT", "hang:1")
-                           if p.environ().get(launch.SWEEP_ID_ENV) == sid and "RANK" in p.environ()][1:],
-                  90, "the second point's two ranks")
+        _wait_for(
+            lambda: os.path.exists(store) and any("launch" in r for r in ResultsStore(store).records()),
+            150,
+            "the first point's record",
+        )
+        _wait_for(
+            lambda: [
+                p
+                for p in launch.processes_with_env("HARNESS_FAULT", "hang:1")
+                if p.environ().get(launch.SWEEP_ID_ENV) == sid and "RANK" in p.environ()
+            ][1:],
+            90,
+            "the second point's two ranks",
+        )
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         # The run's processes end on signals (the parent-death SIGTERM, passed down the tree:
@@ -299,11 +360,14 @@ def test_sigkill_of_a_sweep_leaves_no_process_and_the_killed_rank_is_the_first_f
     assert recs[0]["first_failure"]["rank"] == 0  # rank 1's echo, if it wrote one before it was ended, follows
     err.seek(0)
     note = [ln for ln in err.read().splitlines() if ln.startswith("note: sweep: ")]
-    assert note == ["note: sweep: 1 of 3 points dropped: workload.global_batch_size: 4 is not divisible by dp x "
-                    "micro_batch_size = 2 x 3; see --dry-run"]
+    assert note == [
+        "note: sweep: 1 of 3 points dropped: workload.global_batch_size: 4 is not divisible by dp x "
+        "micro_batch_size = 2 x 3; see --dry-run"
+    ]
 
 
 # ---------------------------------------------------------------- one sweep at a time
+
 
 def test_second_instance_of_a_sweep_is_refused(no_launch, one_line_error):
     _write(no_launch / "s.yaml", SWEEP)
@@ -319,14 +383,23 @@ def test_second_instance_of_a_sweep_is_refused(no_launch, one_line_error):
 
 @pytest.mark.slow
 def test_a_second_instance_of_a_running_sweep_is_refused(tmp_path, tagged):
-    raw = {"name": "twice", "gpus": 1, "workload": TINY, "layout": {"engine": "single"},
-           "points": [{"env": {"HARNESS_FAULT": "hang:1"}}]}
+    raw = {
+        "name": "twice",
+        "gpus": 1,
+        "workload": TINY,
+        "layout": {"engine": "single"},
+        "points": [{"env": {"HARNESS_FAULT": "hang:1"}}],
+    }
     path = _write(tmp_path / "s.yaml", raw)
     store = str(tmp_path / "r.sqlite")
     sid = sweep_id(parse_sweep(raw), store)
-    first = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress",
-                              "--launcher", "direct"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress", "--launcher", "direct"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_for(lambda: launch.processes_with_env(launch.SWEEP_ID_ENV, sid), 60, "the first instance's run")
         second = tagged("sweep", path, "--store", store, "--launcher", "direct")

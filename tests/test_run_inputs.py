@@ -27,8 +27,15 @@ from harness import launch
 from harness.cli import main as cli_main
 from harness.store import ResultsStore
 
-WORKLOAD = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 2, "warmup_steps": 1,
-            "device": "cpu", "precision": "fp32"}
+WORKLOAD = {
+    "model": "tiny",
+    "seq_len": 32,
+    "global_batch_size": 4,
+    "steps": 2,
+    "warmup_steps": 1,
+    "device": "cpu",
+    "precision": "fp32",
+}
 GOOD = "hello world\n" * 50
 
 
@@ -132,8 +139,9 @@ def test_a_skipped_update_is_a_diverged_run_at_that_step(no_launch, monkeypatch)
     from harness.frameworks.deepspeed.common import DeepSpeedBase
     from harness.run import Trainer
 
-    skipped = types.SimpleNamespace(engine=types.SimpleNamespace(skipped_steps=1), _skipped_steps=0,
-                                    optimizer=types.SimpleNamespace())
+    skipped = types.SimpleNamespace(
+        engine=types.SimpleNamespace(skipped_steps=1), _skipped_steps=0, optimizer=types.SimpleNamespace()
+    )
     with pytest.raises(NonFiniteStep, match="gradient norm was not finite"):
         DeepSpeedBase.check_step_applied(skipped)
 
@@ -150,8 +158,9 @@ def test_a_skipped_update_is_a_diverged_run_at_that_step(no_launch, monkeypatch)
     assert cli_main(["train", "t.yaml", "--no-progress"]) == 1
     (rec,) = ResultsStore(store).records()
     assert rec["status"] == "failed" and rec["diverged_at_step"] == 2 and len(rec["metrics"]["losses"]) == 1
-    assert rec["error"].startswith("diverged: DeepSpeed skipped the optimizer step (SimpleNamespace: the gradient "
-                                   "norm was not finite)"), rec["error"]
+    assert rec["error"].startswith(
+        "diverged: DeepSpeed skipped the optimizer step (SimpleNamespace: the gradient norm was not finite)"
+    ), rec["error"]
 
 
 def _in_process(diverging):
@@ -169,8 +178,15 @@ def _in_process(diverging):
         with pytest.MonkeyPatch.context() as mp:
             if diverging(spec):
                 mp.setattr(Trainer, "_train_step", lambda self, i, batch: math.nan if i == 1 else real(self, i, batch))
-            return run(parse_spec(spec), RunContext(0, 1, 0, torch.device("cpu"), None), store_path=store_path,
-                       sweep=sweep, point_key=point_key, progress=False)
+            return run(
+                parse_spec(spec),
+                RunContext(0, 1, 0, torch.device("cpu"), None),
+                store_path=store_path,
+                sweep=sweep,
+                point_key=point_key,
+                progress=False,
+            )
+
     return launch_fn
 
 
@@ -180,8 +196,14 @@ def test_a_diverged_run_fails_its_comparison_and_is_a_failed_sweep_point(no_laun
     from harness.sweep.execute import run_sweep
     from harness.sweep.spec import parse_sweep
 
-    cs = parse_compare_spec({"name": "d", "parity_steps": 2, "workload": WORKLOAD,
-                             "runs": [{"engine": "single", "label": "hot", "attention": "naive"}]})
+    cs = parse_compare_spec(
+        {
+            "name": "d",
+            "parity_steps": 2,
+            "workload": WORKLOAD,
+            "runs": [{"engine": "single", "label": "hot", "attention": "naive"}],
+        }
+    )
     hot = _in_process(lambda spec: spec["layout"]["attention"] == "naive")
     summary = run_comparison(cs, store_path=str(no_launch / "c.sqlite"), progress=False, launch_fn=hot)
     assert summary["verdict"] == "FAIL" and summary["failed_runs"] == ["hot"]
@@ -193,8 +215,15 @@ def test_a_diverged_run_fails_its_comparison_and_is_a_failed_sweep_point(no_laun
     launch_run_spec = launch.run_spec
     try:
         launch.run_spec = hot
-        counts = run_sweep(sweep, launcher="direct", store_path=store, timeout_s=60, progress=False,
-                           echo=lambda *_: None, log_dir=str(no_launch / "logs"))
+        counts = run_sweep(
+            sweep,
+            launcher="direct",
+            store_path=store,
+            timeout_s=60,
+            progress=False,
+            echo=lambda *_: None,
+            log_dir=str(no_launch / "logs"),
+        )
     finally:
         launch.run_spec = launch_run_spec
     assert counts["failed"] == 1 and counts["ok"] == 1
@@ -207,15 +236,29 @@ def test_a_diverged_run_fails_its_comparison_and_is_a_failed_sweep_point(no_laun
 COMPARE = {"name": "c", "nproc": 2, "parity_steps": 2, "workload": WORKLOAD}
 
 
-@pytest.mark.parametrize("case, extra, start", [
-    ("kernel this machine cannot run", {"runs": [{"engine": "own", "dp": 2, "attention": "sdpa_efficient"}]},
-     "error: layout.attention (run 'own dp2'): sdpa_efficient cannot run on cpu"),
-    ("direct launcher for 2 processes", {"runs": [{"engine": "own", "dp": 2, "launcher": "direct"}]},
-     "error: launcher (run 'own dp2'): direct starts one process; this run needs 2"),
-    ("the only matrix cell cannot run", {"nproc": 4, "matrix": {"engines": [{"engine": "deepspeed", "zero_stage": 1}],
-                                                                "layouts": [{"tp": 2, "pp": 2}]}},
-     "error: matrix: no run can be launched besides the reference: deepspeed ZeRO-1 tp2 pp2: layout.tp: "),
-])
+@pytest.mark.parametrize(
+    "case, extra, start",
+    [
+        (
+            "kernel this machine cannot run",
+            {"runs": [{"engine": "own", "dp": 2, "attention": "sdpa_efficient"}]},
+            "error: layout.attention (run 'own dp2'): sdpa_efficient cannot run on cpu",
+        ),
+        (
+            "direct launcher for 2 processes",
+            {"runs": [{"engine": "own", "dp": 2, "launcher": "direct"}]},
+            "error: launcher (run 'own dp2'): direct starts one process; this run needs 2",
+        ),
+        (
+            "the only matrix cell cannot run",
+            {
+                "nproc": 4,
+                "matrix": {"engines": [{"engine": "deepspeed", "zero_stage": 1}], "layouts": [{"tp": 2, "pp": 2}]},
+            },
+            "error: matrix: no run can be launched besides the reference: deepspeed ZeRO-1 tp2 pp2: layout.tp: ",
+        ),
+    ],
+)
 def test_compare_refuses_before_the_first_launch(nothing_launches, one_line_error, case, extra, start):
     (nothing_launches / "c.yaml").write_text(yaml.safe_dump({**COMPARE, **extra}))
     line = one_line_error(cli_main(["compare", "c.yaml", "--out", "out", "--store", "r.sqlite", "--no-progress"]))
@@ -223,8 +266,13 @@ def test_compare_refuses_before_the_first_launch(nothing_launches, one_line_erro
     assert not os.path.exists(nothing_launches / "out" / "compare-c.md")
 
 
-SWEEP = {"name": "s", "gpus": 1, "launcher": "direct", "workload": WORKLOAD,
-         "grid": {"attention": ["sdpa", "sdpa_efficient"]}}
+SWEEP = {
+    "name": "s",
+    "gpus": 1,
+    "launcher": "direct",
+    "workload": WORKLOAD,
+    "grid": {"attention": ["sdpa", "sdpa_efficient"]},
+}
 
 
 def test_sweep_with_a_kernel_this_machine_cannot_run_is_refused_before_any_point(nothing_launches, one_line_error):
@@ -249,8 +297,21 @@ def test_launching_direct_for_two_processes_is_one_line():
         launch.build_command("direct", 2, ["train"])
 
 
-TINY_PLAN = ["plan", "--model", "tiny", "--seq-len", "64", "--global-batch-size", "8", "--gpus", "2",
-             "--hardware", "cpu", "--rmsnorm", "torch"]
+TINY_PLAN = [
+    "plan",
+    "--model",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--global-batch-size",
+    "8",
+    "--gpus",
+    "2",
+    "--hardware",
+    "cpu",
+    "--rmsnorm",
+    "torch",
+]
 
 
 @pytest.fixture
@@ -267,8 +328,9 @@ def test_emit_sweep_into_a_missing_folder_is_refused_before_the_plan(plan_never_
     assert line.startswith("error: --emit-sweep: ") and "nope" in line, line
 
 
-def test_emit_sweep_on_a_read_only_file_system_is_refused_before_the_plan(plan_never_computed, one_line_error,
-                                                                          monkeypatch):
+def test_emit_sweep_on_a_read_only_file_system_is_refused_before_the_plan(
+    plan_never_computed, one_line_error, monkeypatch
+):
     """As root, permission bits say nothing: only creating a file tells (here a read-only file system)."""
     import tempfile
 
@@ -300,13 +362,16 @@ def store_of_records(no_launch):
     return store
 
 
-@pytest.mark.parametrize("args, start", [
-    (["report", "--out", "rep", "--baselines", "nope"], "error: --baselines: nope is missing"),
-    (["report", "--out", "rep", "--baselines", "r.sqlite"], "error: --baselines: r.sqlite is a file"),
-    (["report", "--out", "rep", "--baselines", "rep"], "error: --baselines: rep holds no published figures"),
-    (["report", "--out", "rep", "--sweep", "syn-8gpu-node", "--sweep", "nope"], "error: --sweep: no sweep 'nope'"),
-    (["results", "export", "--sweep", "nope"], "error: --sweep: no sweep 'nope' in r.sqlite; it holds syn-"),
-])
+@pytest.mark.parametrize(
+    "args, start",
+    [
+        (["report", "--out", "rep", "--baselines", "nope"], "error: --baselines: nope is missing"),
+        (["report", "--out", "rep", "--baselines", "r.sqlite"], "error: --baselines: r.sqlite is a file"),
+        (["report", "--out", "rep", "--baselines", "rep"], "error: --baselines: rep holds no published figures"),
+        (["report", "--out", "rep", "--sweep", "syn-8gpu-node", "--sweep", "nope"], "error: --sweep: no sweep 'nope'"),
+        (["results", "export", "--sweep", "nope"], "error: --sweep: no sweep 'nope' in r.sqlite; it holds syn-"),
+    ],
+)
 def test_an_option_that_would_be_ignored_is_refused(store_of_records, one_line_error, args, start):
     os.makedirs("rep")
     line = one_line_error(cli_main([*args, "--store", "r.sqlite"]))
@@ -340,6 +405,7 @@ def test_a_report_on_a_full_disk_is_one_line_and_leaves_the_earlier_report(store
                 real_write(data[: len(data) // 2])
                 f.flush()
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
             f.write = write
         return f
 
@@ -369,8 +435,15 @@ def test_a_diverged_two_process_run_stops_on_every_rank_and_leads_with_its_cause
     """Real ranks under torchrun: both stop at the step whose loss is NaN (HARNESS_FAULT=nan, as
     `optimizer.lr: 1e30` does by step 3), the record says so first, not 'rank N failed first'."""
     spec = {"workload": {**WORKLOAD, "steps": 6}, "layout": {"engine": "own", "dp": 2}}
-    rec = launch.run_spec(spec, nproc=2, launcher="torchrun", store_path=str(tmp_path / "r.sqlite"), timeout_s=240,
-                          log_dir=str(tmp_path / "logs"), extra_env={"HARNESS_FAULT": "nan:2"})
+    rec = launch.run_spec(
+        spec,
+        nproc=2,
+        launcher="torchrun",
+        store_path=str(tmp_path / "r.sqlite"),
+        timeout_s=240,
+        log_dir=str(tmp_path / "logs"),
+        extra_env={"HARNESS_FAULT": "nan:2"},
+    )
     assert rec["status"] == "failed" and rec["diverged_at_step"] == 3 and len(rec["metrics"]["losses"]) == 3
     assert rec["error"].startswith("diverged: the loss became nan at step 3 of 7"), rec["error"]
     assert "first_failure" not in rec and not rec["launch"]["timed_out"] and rec["launch"]["exit_code"] == 1

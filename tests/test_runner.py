@@ -19,8 +19,13 @@ CPU = RunContext(0, 1, 0, torch.device("cpu"), None)
 
 def tiny(tmp_path, **layout):
     workload = layout.pop("workload", {})
-    return parse_spec({"workload": {"seq_len": 32, "global_batch_size": 4, "steps": 3, "warmup_steps": 1, **workload},
-                       "layout": layout, "store": str(tmp_path / "r.sqlite")})
+    return parse_spec(
+        {
+            "workload": {"seq_len": 32, "global_batch_size": 4, "steps": 3, "warmup_steps": 1, **workload},
+            "layout": layout,
+            "store": str(tmp_path / "r.sqlite"),
+        }
+    )
 
 
 def test_example_runs_and_exports(tmp_path, cli):
@@ -79,8 +84,12 @@ def test_fault_hook_records_oom(tmp_path, monkeypatch):
 def test_slurm_environment_is_adopted(monkeypatch):
     from harness import runtime
 
-    env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
-           "SLURM_JOB_NODELIST": "gpu[003-004,007],cpu01"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "8",
+        "SLURM_JOB_NODELIST": "gpu[003-004,007],cpu01",
+    }
     monkeypatch.setattr(os, "environ", env)  # a private environment: nothing leaks to later tests
     runtime.adopt_slurm_env()
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("5", "1", "8")
@@ -89,8 +98,9 @@ def test_slurm_environment_is_adopted(monkeypatch):
 
 def test_deepspeed_style_local_rank_argument_is_accepted(tmp_path, cli):
     path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump(
-        {"workload": {"seq_len": 16, "global_batch_size": 2, "steps": 2, "warmup_steps": 0}}))
+    path.write_text(
+        yaml.safe_dump({"workload": {"seq_len": 16, "global_batch_size": 2, "steps": 2, "warmup_steps": 0}})
+    )
     r = cli("train", "--local_rank=0", str(path), "--no-progress", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
 
@@ -100,9 +110,20 @@ def _trainer_steps(ctx, layouts):
 
     out = []
     for lay in layouts:
-        spec = parse_spec({"workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 8, "steps": 1,
-                                        "warmup_steps": 0, "precision": "fp32", "device": "cpu"},
-                           "layout": {"micro_batch_size": 2, **lay}})
+        spec = parse_spec(
+            {
+                "workload": {
+                    "model": "tiny",
+                    "seq_len": 32,
+                    "global_batch_size": 8,
+                    "steps": 1,
+                    "warmup_steps": 0,
+                    "precision": "fp32",
+                    "device": "cpu",
+                },
+                "layout": {"micro_batch_size": 2, **lay},
+            }
+        )
         trainer = Trainer(spec, ctx, spec.shape(), progress=False)
         trainer.step(0)
         out.append((trainer.activations_saved_bytes, trainer.engine.memory_census()))
@@ -115,9 +136,13 @@ def test_parallel_layouts_of_every_engine_run_through_the_trainer():
     DTensor (TP/SP), pipelining stages and AutoTP shards, not only on plain tensors."""
     from harness.testing.spawn import spawn
 
-    layouts = [{"engine": "own", "tp": 2, "sequence_parallel": True}, {"engine": "fsdp", "tp": 2},
-               {"engine": "fsdp", "tp": 2, "sequence_parallel": True}, {"engine": "fsdp", "pp": 2},
-               {"engine": "deepspeed", "tp": 2, "zero_stage": 1}]
+    layouts = [
+        {"engine": "own", "tp": 2, "sequence_parallel": True},
+        {"engine": "fsdp", "tp": 2},
+        {"engine": "fsdp", "tp": 2, "sequence_parallel": True},
+        {"engine": "fsdp", "pp": 2},
+        {"engine": "deepspeed", "tp": 2, "zero_stage": 1},
+    ]
     for lay, (activations, census) in zip(layouts, spawn(_trainer_steps, 2, layouts, timeout_s=300), strict=True):
         assert activations and activations > 0, lay
         assert census and census["parameters"]["fp32"] > 0, lay

@@ -6,9 +6,11 @@ import pytest
 
 from harness.engine import schedules as S
 
-CASES = [("gpipe", pp, m, 1) for pp in (1, 2, 4) for m in (1, 3, 8)] + \
-        [("1f1b", pp, m, 1) for pp in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 16)] + \
-        [("interleaved", pp, m, v) for pp in (1, 2, 4) for m in (pp, 2 * pp, 4 * pp) for v in (1, 2, 3)]
+CASES = (
+    [("gpipe", pp, m, 1) for pp in (1, 2, 4) for m in (1, 3, 8)]
+    + [("1f1b", pp, m, 1) for pp in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 16)]
+    + [("interleaved", pp, m, v) for pp in (1, 2, 4) for m in (pp, 2 * pp, 4 * pp) for v in (1, 2, 3)]
+)
 
 
 @pytest.mark.parametrize("schedule,pp,micro,chunks", CASES)
@@ -47,8 +49,7 @@ def test_1f1b_meets_the_ideal_bubble(pp, micro):
 def test_interleaving_shrinks_the_bubble(pp, micro, chunks):
     """Chunks cost 1/chunks of a stage; the bubble shrinks by about the number of chunks."""
     plain = S.simulate(S.all_programs("1f1b", pp, micro)).finish
-    inter = S.simulate(S.all_programs("interleaved", pp, micro, chunks),
-                       f_cost=1 / chunks, b_cost=2 / chunks).finish
+    inter = S.simulate(S.all_programs("interleaved", pp, micro, chunks), f_cost=1 / chunks, b_cost=2 / chunks).finish
     ideal = micro * 3
     assert inter < plain
     assert inter - ideal <= (plain - ideal) / chunks + 1e-9 + 3 * (pp - 1) / chunks

@@ -23,28 +23,39 @@ def refusal(parse, raw) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("top,line", [
-    ({"nproc": 0}, "nproc: must be a positive integer, got 0"),
-    ({"nproc": True}, "nproc: must be a positive integer, got True"),
-    ({"parity_steps": "5"}, "parity_steps: must be a positive integer, got '5'"),
-    ({"tolerance": -1}, "tolerance: must be a non-negative number (max relative loss difference)"),
-    ({"timeout_s": 0}, "timeout_s: must be a positive number, got 0"),
-    ({"reference": "no"}, "reference: must be true or false, got 'no'"),
-    ({"store": 123}, "store: must be a file path, got 123"),
-    ({"workload": 5}, "workload: must be a mapping, got 5"),
-    ({"runs": "own"}, "runs: must be a list of layouts"),
-    ({"runs": []}, "runs: must be a non-empty list of layouts (or give a matrix)"),
-    ({"runs": [], "matrix": {"engines": [{"engine": "own"}]}},
-     "matrix.layouts: must be a non-empty list of mappings of layout fields"),
-    ({"runs": [], "matrix": {"engines": [], "layouts": [{}]}},
-     "matrix.engines: must be a non-empty list of mappings of layout fields"),
-    ({"matrix": {"engines": [{"engine": "own"}], "layouts": [{}], "cells": 1}},
-     "matrix.cells: unknown key; allowed: engines, layouts"),
-    ({"bogus": 1}, "bogus: unknown key; allowed: " + ", ".join(f.name for f in
-                                                                __import__("dataclasses").fields(CompareInput))),
-    ({"name": "a b"}, "name: 'a b': letters, digits, '-', '_' and '.' only (it names the report files), not ' '"),
-    ({"name": "a/b"}, "name: 'a/b' names files and folders: no '/', '\\' or NUL, not '.' or '..'"),
-])
+@pytest.mark.parametrize(
+    "top,line",
+    [
+        ({"nproc": 0}, "nproc: must be a positive integer, got 0"),
+        ({"nproc": True}, "nproc: must be a positive integer, got True"),
+        ({"parity_steps": "5"}, "parity_steps: must be a positive integer, got '5'"),
+        ({"tolerance": -1}, "tolerance: must be a non-negative number (max relative loss difference)"),
+        ({"timeout_s": 0}, "timeout_s: must be a positive number, got 0"),
+        ({"reference": "no"}, "reference: must be true or false, got 'no'"),
+        ({"store": 123}, "store: must be a file path, got 123"),
+        ({"workload": 5}, "workload: must be a mapping, got 5"),
+        ({"runs": "own"}, "runs: must be a list of layouts"),
+        ({"runs": []}, "runs: must be a non-empty list of layouts (or give a matrix)"),
+        (
+            {"runs": [], "matrix": {"engines": [{"engine": "own"}]}},
+            "matrix.layouts: must be a non-empty list of mappings of layout fields",
+        ),
+        (
+            {"runs": [], "matrix": {"engines": [], "layouts": [{}]}},
+            "matrix.engines: must be a non-empty list of mappings of layout fields",
+        ),
+        (
+            {"matrix": {"engines": [{"engine": "own"}], "layouts": [{}], "cells": 1}},
+            "matrix.cells: unknown key; allowed: engines, layouts",
+        ),
+        (
+            {"bogus": 1},
+            "bogus: unknown key; allowed: " + ", ".join(f.name for f in __import__("dataclasses").fields(CompareInput)),
+        ),
+        ({"name": "a b"}, "name: 'a b': letters, digits, '-', '_' and '.' only (it names the report files), not ' '"),
+        ({"name": "a/b"}, "name: 'a/b' names files and folders: no '/', '\\' or NUL, not '.' or '..'"),
+    ],
+)
 def test_a_compare_spec_is_refused_naming_the_field(top, line):
     assert refusal(parse_compare_spec, compare(**top)) == line
 
@@ -57,7 +68,8 @@ def test_a_compare_spec_left_blank_takes_the_defaults():
 def test_an_nproc_that_the_run_does_not_divide_is_one_error_naming_its_dp():
     assert refusal(parse_compare_spec, compare([{"engine": "own", "tp": 2}], nproc=3)) == (
         "runs[0].dp: world size 3 is not divisible by tp=2 = 2 "
-        "(nproc 3: a run that does not set dp takes nproc / (tp x cp x pp))")
+        "(nproc 3: a run that does not set dp takes nproc / (tp x cp x pp))"
+    )
     cs = parse_compare_spec(compare([{"engine": "own", "tp": 2}], nproc=4))
     assert [(r.label, r.nproc, r.spec.layout.dp) for r in cs.runs[1:]] == [("own tp2", 4, 2)]
 
@@ -65,28 +77,36 @@ def test_an_nproc_that_the_run_does_not_divide_is_one_error_naming_its_dp():
 SWEEP = {"name": "s", "gpus": 2, "workload": WORKLOAD}
 
 
-@pytest.mark.parametrize("top,line", [
-    ({"gpus": None}, "sweep.gpus: required: the world size of every point"),
-    ({"gpus": 0}, "sweep.gpus: must be a positive integer, got 0"),
-    ({"gpus": 3, "nodes": 2}, "sweep.gpus: 3 GPUs do not split over 2 nodes"),
-    ({"launcher": "mpi"}, "sweep.launcher: 'mpi' is not one of torchrun, deepspeed, direct, slurm"),
-    ({"store": " "}, "sweep.store: must be a file path, got ' '"),
-    ({"timeout_s": "fast"}, "sweep.timeout_s: must be a positive number, got 'fast'"),
-    ({"env": [1]}, "sweep.env: must be a mapping, got [1]"),
-    ({"include": [1]}, "sweep.include: must be a list of mappings"),
-    ({"grid": {"tp": []}}, "sweep.grid.tp: must be a non-empty list"),
-    ({"grid": {"tpp": [1]}}, "sweep.grid.tpp: not a Layout field (use workload.<field> for the workload, or "
-                             "mapping values)"),
-    ({"points": [{"tp": 2, "env": 1}]}, "sweep.points[0].env: must be a mapping"),
-    ({"slurm": {"cpus_per_task": 0}}, "sweep.slurm.cpus_per_task: must be a positive integer, got 0"),
-    ({"slurm": {"exclusive": "yes"}}, "sweep.slurm.exclusive: must be true or false, got 'yes'"),
-    ({"slurm": {"setup": "module load cuda"}}, "sweep.slurm.setup: must be a list of strings"),
-    ({"slurm": {"time": "1\n2"}}, "sweep.slurm.time: must be a string (one line), got '1\\n2'"),
-    ({"slurm": {"cpus-per-task": 4}}, "sweep.slurm.cpus-per-task: unknown key; allowed: " + ", ".join(SLURM_KEYS)),
-    ({"bogus": 1}, "sweep.bogus: unknown key; allowed: " + ", ".join(SWEEP_KEYS)),
-    ({"name": "a b"}, "sweep.name: 'a b': letters, digits, '-', '_' and '.' only (it names folders, the Slurm job "
-                      "and the report), not ' '"),
-])
+@pytest.mark.parametrize(
+    "top,line",
+    [
+        ({"gpus": None}, "sweep.gpus: required: the world size of every point"),
+        ({"gpus": 0}, "sweep.gpus: must be a positive integer, got 0"),
+        ({"gpus": 3, "nodes": 2}, "sweep.gpus: 3 GPUs do not split over 2 nodes"),
+        ({"launcher": "mpi"}, "sweep.launcher: 'mpi' is not one of torchrun, deepspeed, direct, slurm"),
+        ({"store": " "}, "sweep.store: must be a file path, got ' '"),
+        ({"timeout_s": "fast"}, "sweep.timeout_s: must be a positive number, got 'fast'"),
+        ({"env": [1]}, "sweep.env: must be a mapping, got [1]"),
+        ({"include": [1]}, "sweep.include: must be a list of mappings"),
+        ({"grid": {"tp": []}}, "sweep.grid.tp: must be a non-empty list"),
+        (
+            {"grid": {"tpp": [1]}},
+            "sweep.grid.tpp: not a Layout field (use workload.<field> for the workload, or mapping values)",
+        ),
+        ({"points": [{"tp": 2, "env": 1}]}, "sweep.points[0].env: must be a mapping"),
+        ({"slurm": {"cpus_per_task": 0}}, "sweep.slurm.cpus_per_task: must be a positive integer, got 0"),
+        ({"slurm": {"exclusive": "yes"}}, "sweep.slurm.exclusive: must be true or false, got 'yes'"),
+        ({"slurm": {"setup": "module load cuda"}}, "sweep.slurm.setup: must be a list of strings"),
+        ({"slurm": {"time": "1\n2"}}, "sweep.slurm.time: must be a string (one line), got '1\\n2'"),
+        ({"slurm": {"cpus-per-task": 4}}, "sweep.slurm.cpus-per-task: unknown key; allowed: " + ", ".join(SLURM_KEYS)),
+        ({"bogus": 1}, "sweep.bogus: unknown key; allowed: " + ", ".join(SWEEP_KEYS)),
+        (
+            {"name": "a b"},
+            "sweep.name: 'a b': letters, digits, '-', '_' and '.' only (it names folders, the Slurm job "
+            "and the report), not ' '",
+        ),
+    ],
+)
 def test_a_sweep_spec_is_refused_naming_the_field(top, line):
     assert refusal(parse_sweep, {**SWEEP, **top}) == line
 

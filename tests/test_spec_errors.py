@@ -27,11 +27,17 @@ CASES = [
     ({"layout": {"micro_batch_size": 0}}, "layout.micro_batch_size", "must be positive"),
     ({"workload": {"model": "llama-7000b"}}, "workload.model", "unknown preset"),
     ({"workload": {"model": "/nonexistent/config.json"}}, "workload.model", "does not exist"),
-    ({"workload": {"global_batch_size": 6}, "layout": {"engine": "own", "dp": 2, "micro_batch_size": 2}},
-     "workload.global_batch_size", "not divisible by dp x micro_batch_size"),
+    (
+        {"workload": {"global_batch_size": 6}, "layout": {"engine": "own", "dp": 2, "micro_batch_size": 2}},
+        "workload.global_batch_size",
+        "not divisible by dp x micro_batch_size",
+    ),
     ({"layout": {"engine": "own", "tp": 3}}, "layout.tp", "attention heads are not divisible"),
-    ({"workload": {"model": "tiny", "model_overrides": {"kv_heads": 1}}, "layout": {"engine": "own", "tp": 2}},
-     "layout.tp", "KV heads are not divisible"),
+    (
+        {"workload": {"model": "tiny", "model_overrides": {"kv_heads": 1}}, "layout": {"engine": "own", "tp": 2}},
+        "layout.tp",
+        "KV heads are not divisible",
+    ),
     ({"layout": {"engine": "own", "pp": 4}}, "layout.pp", "layers cannot fill 4 pipeline stages"),
     ({"layout": {"attention": "magic"}}, "layout.attention", "is not one of"),
     ({"workload": {"precision": "fp8"}}, "workload.precision", "is not one of"),
@@ -90,8 +96,9 @@ def test_unavailable_kernel_is_an_error_before_the_run(tmp_path, cli):
 
 def test_numbers_as_users_write_them():
     """YAML 1.1 reads `1e-4` and `1e3` as strings: numeric strings are numbers in number fields."""
-    spec = parse_spec(yaml.safe_load("workload: {optimizer: {lr: 1e-4, eps: 1e-8}, seq_len: 1e2, "
-                                     "model_overrides: {layers: '4'}}"))
+    spec = parse_spec(
+        yaml.safe_load("workload: {optimizer: {lr: 1e-4, eps: 1e-8}, seq_len: 1e2, model_overrides: {layers: '4'}}")
+    )
     assert spec.workload.optimizer.lr == 1e-4 and spec.workload.optimizer.eps == 1e-8
     assert spec.workload.seq_len == 100 and isinstance(spec.workload.seq_len, int)
     assert spec.workload.model_overrides == {"layers": 4}
@@ -99,12 +106,16 @@ def test_numbers_as_users_write_them():
 
 # ---------------------------------------------------------------- sweep names
 
+
 def _write_sweep(root, name: str, raw: dict) -> None:
     (root / name).write_text(yaml.safe_dump(raw))
 
 
-@pytest.mark.parametrize("name, bad", [("a b", "' '"), ("x|y", "'|'"), ("two\nlines", "'\\n'"), ("a:b", "':'"),
-                                       ("*bold*", "'*'")], ids=["space", "pipe", "newline", "colon", "markdown"])
+@pytest.mark.parametrize(
+    "name, bad",
+    [("a b", "' '"), ("x|y", "'|'"), ("two\nlines", "'\\n'"), ("a:b", "':'"), ("*bold*", "'*'")],
+    ids=["space", "pipe", "newline", "colon", "markdown"],
+)
 def test_sweep_name_is_a_plain_folder_and_job_name(no_launch, one_line_error, name, bad):
     _write_sweep(no_launch, "s.yaml", {**SWEEP, "name": name})
     line = one_line_error(cli_main(["sweep", "s.yaml", "--dry-run"]))

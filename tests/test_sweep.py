@@ -39,12 +39,21 @@ def _write(tmp_path, raw, name="s.yaml"):
 
 
 def test_expand_grid_filters_and_reasons():
-    spec = parse_sweep({
-        "name": "g", "gpus": 2, "workload": TINY, "layout": {"engine": "own"},
-        "grid": {"tp": [1, 2, 3], "pp": [1, 2], "micro_batch_size": [1, 2, 4],
-                 "kernel": [{"attention": "naive", "rmsnorm": "torch"}, {"attention": "sdpa"}]},
-        "exclude": [{"tp": 2, "pp": 2}, {"attention": "sdpa", "micro_batch_size": 1}],
-    })
+    spec = parse_sweep(
+        {
+            "name": "g",
+            "gpus": 2,
+            "workload": TINY,
+            "layout": {"engine": "own"},
+            "grid": {
+                "tp": [1, 2, 3],
+                "pp": [1, 2],
+                "micro_batch_size": [1, 2, 4],
+                "kernel": [{"attention": "naive", "rmsnorm": "torch"}, {"attention": "sdpa"}],
+            },
+            "exclude": [{"tp": 2, "pp": 2}, {"attention": "sdpa", "micro_batch_size": 1}],
+        }
+    )
     points, drops = expand(spec)
     assert len(points) + len(drops) == 3 * 2 * 3 * 2
     for p in points:
@@ -60,43 +69,66 @@ def test_expand_grid_filters_and_reasons():
 
 
 def test_grid_over_engines_drops_what_an_engine_cannot_run_with_its_reason():
-    spec = parse_sweep({
-        "name": "engines", "gpus": 4, "workload": {**TINY, "model": "tiny-4l", "global_batch_size": 8},
-        "grid": {"engine": [{"engine": "own"}, {"engine": "deepspeed", "zero_stage": 1}, {"engine": "fsdp"}],
-                 "parallel": [{"tp": 1, "pp": 1}, {"tp": 2, "pp": 2}, {"tp": 2, "sequence_parallel": True}]},
-    })
+    spec = parse_sweep(
+        {
+            "name": "engines",
+            "gpus": 4,
+            "workload": {**TINY, "model": "tiny-4l", "global_batch_size": 8},
+            "grid": {
+                "engine": [{"engine": "own"}, {"engine": "deepspeed", "zero_stage": 1}, {"engine": "fsdp"}],
+                "parallel": [{"tp": 1, "pp": 1}, {"tp": 2, "pp": 2}, {"tp": 2, "sequence_parallel": True}],
+            },
+        }
+    )
     points, drops = expand(spec)
     assert sorted(p.label().split(" tp")[0] for p in points) == sorted(
-        ["own"] * 3 + ["deepspeed ZeRO-1"] + ["FSDP2 reshard"] * 3)
+        ["own"] * 3 + ["deepspeed ZeRO-1"] + ["FSDP2 reshard"] * 3
+    )
     assert sorted(d.reason.split(":")[0] for d in drops) == ["layout.sequence_parallel", "layout.tp"]
     assert all("DeepSpeed" in d.reason for d in drops)
 
 
 def test_point_key_is_stable_and_ignores_spelling():
     a = parse_sweep({"gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [2]}})
-    b = parse_sweep({"gpus": 1, "workload": dict(reversed(list(TINY.items()))),
-                     "layout": {"micro_batch_size": 2, "attention": "sdpa"}, "name": "other"})
+    b = parse_sweep(
+        {
+            "gpus": 1,
+            "workload": dict(reversed(list(TINY.items()))),
+            "layout": {"micro_batch_size": 2, "attention": "sdpa"},
+            "name": "other",
+        }
+    )
     (pa,), _ = expand(a)
     (pb,), _ = expand(b)
     assert pa.key == pb.key and len(pa.key) == 16
 
 
 def test_include_and_duplicates():
-    spec = parse_sweep({"gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [1, 2, 4]},
-                        "include": [{"micro_batch_size": [1, 2]}], "points": [{"micro_batch_size": 1}]})
+    spec = parse_sweep(
+        {
+            "gpus": 1,
+            "workload": TINY,
+            "grid": {"micro_batch_size": [1, 2, 4]},
+            "include": [{"micro_batch_size": [1, 2]}],
+            "points": [{"micro_batch_size": 1}],
+        }
+    )
     points, drops = expand(spec)
     assert [p.spec["layout"]["micro_batch_size"] for p in points] == [1, 2]
     assert sorted(d.reason.split(" ")[0] for d in drops) == ["duplicate", "not"]
 
 
-@pytest.mark.parametrize("raw, field", [
-    ({"workload": TINY}, "sweep.gpus"),
-    ({"gpus": 0}, "sweep.gpus"),
-    ({"gpus": 1, "grid": {"tpp": [1]}}, "sweep.grid.tpp"),
-    ({"gpus": 1, "grid": {"tp": []}}, "sweep.grid.tp"),
-    ({"gpus": 1, "bogus": 1}, "sweep.bogus"),
-    ({"gpus": 1, "launcher": "mpi"}, "sweep.launcher"),
-])
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"workload": TINY}, "sweep.gpus"),
+        ({"gpus": 0}, "sweep.gpus"),
+        ({"gpus": 1, "grid": {"tpp": [1]}}, "sweep.grid.tpp"),
+        ({"gpus": 1, "grid": {"tp": []}}, "sweep.grid.tp"),
+        ({"gpus": 1, "bogus": 1}, "sweep.bogus"),
+        ({"gpus": 1, "launcher": "mpi"}, "sweep.launcher"),
+    ],
+)
 def test_bad_sweep_specs_name_the_field(raw, field):
     with pytest.raises(SpecError) as e:
         parse_sweep(raw)
@@ -104,8 +136,7 @@ def test_bad_sweep_specs_name_the_field(raw, field):
 
 
 def test_dry_run_cli_prints_points_and_drops(tmp_path, capsys):
-    path = _write(tmp_path, {"name": "d", "gpus": 1, "workload": TINY,
-                             "grid": {"micro_batch_size": [1, 2, 8]}})
+    path = _write(tmp_path, {"name": "d", "gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [1, 2, 8]}})
     assert cli_main(["sweep", path, "--dry-run", "--store", str(tmp_path / "r.sqlite")]) == 0
     out = capsys.readouterr().out
     assert "2 points, 1 dropped" in out and "8 is not divisible" not in out
@@ -121,17 +152,26 @@ def _sweep_procs(spec, store):
 def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, monkeypatch):
     """Two ranks (own engine, dp 2) per point: a rank is SIGKILLed, a rank hangs, a rank OOMs."""
     monkeypatch.setattr(launch, "LINGER_S", 5.0)  # after an OOM record, its peers are stuck: kill sooner
-    raw = {"name": "faults", "gpus": 2, "timeout_s": 150, "workload": TINY, "layout": {"engine": "own"},
-           "points": [{"workload.seed": 1},
-                      {"workload.seed": 2, "env": {"HARNESS_FAULT": "kill:1:1"}},
-                      {"workload.seed": 3, "env": {"HARNESS_FAULT": "hang:1:1"}, "timeout_s": 20},
-                      {"workload.seed": 4, "env": {"HARNESS_FAULT": "oom:1:0"}}]}
+    raw = {
+        "name": "faults",
+        "gpus": 2,
+        "timeout_s": 150,
+        "workload": TINY,
+        "layout": {"engine": "own"},
+        "points": [
+            {"workload.seed": 1},
+            {"workload.seed": 2, "env": {"HARNESS_FAULT": "kill:1:1"}},
+            {"workload.seed": 3, "env": {"HARNESS_FAULT": "hang:1:1"}, "timeout_s": 20},
+            {"workload.seed": 4, "env": {"HARNESS_FAULT": "oom:1:0"}},
+        ],
+    }
     spec = parse_sweep(raw)
     store = str(tmp_path / "r.sqlite")
     counts = run_sweep(spec, launcher="torchrun", store_path=store, timeout_s=150, progress=False)
     by_seed = {r["spec"]["workload"]["seed"]: r for r in ResultsStore(store).records(sweep="faults")}
-    assert counts == {"ok": 1, "oom": 1, "failed": 1, "timeout": 1}, (
-        {k: (r["status"], r["error"]) for k, r in by_seed.items()})
+    assert counts == {"ok": 1, "oom": 1, "failed": 1, "timeout": 1}, {
+        k: (r["status"], r["error"]) for k, r in by_seed.items()
+    }
     assert by_seed[1]["status"] == "ok" and by_seed[1]["metrics"]["step_time_s"]["n"] == 3
     killed = by_seed[2]
     assert killed["status"] == "failed"  # rank 0 saw its peer vanish; the launcher saw the signal
@@ -146,12 +186,28 @@ def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, mo
 
 @pytest.mark.slow
 def test_sigkill_mid_sweep_then_resume_runs_each_point_once(tmp_path):
-    raw = {"name": "resume", "gpus": 1, "timeout_s": 60, "workload": TINY, "layout": {"engine": "single"},
-           "grid": {"workload.seed": [1, 2, 3]}}
+    raw = {
+        "name": "resume",
+        "gpus": 1,
+        "timeout_s": 60,
+        "workload": TINY,
+        "layout": {"engine": "single"},
+        "grid": {"workload.seed": [1, 2, 3]},
+    }
     path = _write(tmp_path, raw)
     store = str(tmp_path / "r.sqlite")
-    cmd = [sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress",
-           "--launcher", "torchrun"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "sweep",
+        path,
+        "--store",
+        store,
+        "--no-progress",
+        "--launcher",
+        "torchrun",
+    ]
     env = {**os.environ, "PYTHONPATH": ROOT}
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 90
@@ -181,17 +237,22 @@ def test_sigkill_mid_sweep_then_resume_runs_each_point_once(tmp_path):
 
 @pytest.mark.slow  # bash -n checks the script
 def test_slurm_script_generation_and_missing_sbatch(tmp_path, monkeypatch, capsys):
-    raw = {"name": "big", "gpus": 16, "nodes": 2, "timeout_s": 900,
-           "workload": {"model": "paper-13b", "seq_len": 2048, "global_batch_size": 64, "precision": "bf16"},
-           "layout": {"engine": "own"}, "grid": {"tp": [1, 2], "pp": [1, 2]},
-           "slurm": {"partition": "gpu", "account": "proj", "setup": ["module load cuda"], "max_parallel": 2},
-           "env": {"NCCL_DEBUG": "WARN"}}
+    raw = {
+        "name": "big",
+        "gpus": 16,
+        "nodes": 2,
+        "timeout_s": 900,
+        "workload": {"model": "paper-13b", "seq_len": 2048, "global_batch_size": 64, "precision": "bf16"},
+        "layout": {"engine": "own"},
+        "grid": {"tp": [1, 2], "pp": [1, 2]},
+        "slurm": {"partition": "gpu", "account": "proj", "setup": ["module load cuda"], "max_parallel": 2},
+        "env": {"NCCL_DEBUG": "WARN"},
+    }
     path = _write(tmp_path, raw)
     bash = shutil.which("bash")
     monkeypatch.setenv("PATH", str(tmp_path / "nobin"))
     job = tmp_path / "job"
-    rc = cli_main(["sweep", path, "--launcher", "slurm", "--store", str(tmp_path / "r.sqlite"),
-                   "--job-dir", str(job)])
+    rc = cli_main(["sweep", path, "--launcher", "slurm", "--store", str(tmp_path / "r.sqlite"), "--job-dir", str(job)])
     err = capsys.readouterr().err
     assert rc == 2 and "error: --launcher slurm: sbatch not found on PATH" in err and "sweep.sbatch" in err
     script = (job / "sweep.sbatch").read_text()
@@ -201,13 +262,17 @@ def test_slurm_script_generation_and_missing_sbatch(tmp_path, monkeypatch, capsy
     assert "#SBATCH --time=00:20:00" in script and "module load cuda" in script
     assert 'export NCCL_DEBUG="WARN"' in script
     assert 'timeout --signal=TERM --kill-after=60 "$LIMIT" srun --kill-on-bad-exit=1' in script
-    assert "-m harness.cli train \"$SPEC\"" in script and "--sweep \"big\"" in script
+    assert '-m harness.cli train "$SPEC"' in script and '--sweep "big"' in script
     rows = (job / "points.tsv").read_text().splitlines()
     assert len(rows) == 4
     idx, key, spec_path, limit = rows[1].split("\t")
     assert limit == "900"
-    assert yaml.safe_load(open(spec_path))["layout"]["tp"] * yaml.safe_load(open(spec_path))["layout"]["pp"] \
-        * yaml.safe_load(open(spec_path))["layout"]["dp"] == 16
+    assert (
+        yaml.safe_load(open(spec_path))["layout"]["tp"]
+        * yaml.safe_load(open(spec_path))["layout"]["pp"]
+        * yaml.safe_load(open(spec_path))["layout"]["dp"]
+        == 16
+    )
     assert subprocess.run([bash, "-n", str(job / "sweep.sbatch")]).returncode == 0
 
 
@@ -218,6 +283,7 @@ def test_slurm_collect_merges_task_stores_and_classifies_logs(tmp_path):
     write_slurm(spec, points, str(job), timeout_s=60)
     # task 0 wrote its record; task 1 was killed by `timeout`; task 2 printed an OOM; task 3 never ran
     from harness.store import new_record
+
     rec = new_record(points[0].spec, sweep="c", point_key=points[0].key)
     rec["status"] = "ok"
     ResultsStore(str(job / "stores" / "task-0.sqlite")).write(rec)
@@ -266,25 +332,41 @@ def test_slurm_job_array_end_to_end_with_stand_in_sbatch(tmp_path):
     for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN)):
         (bindir / name).write_text(text)
         (bindir / name).chmod(0o755)
-    raw = {"name": "arr", "gpus": 1, "timeout_s": 120, "workload": TINY, "layout": {"engine": "single"},
-           "points": [{"workload.seed": 1},
-                      {"workload.seed": 2, "env": {"HARNESS_FAULT": "raise:1"}},
-                      {"workload.seed": 3, "env": {"HARNESS_FAULT": "hang:1"}, "timeout_s": 10}]}
+    raw = {
+        "name": "arr",
+        "gpus": 1,
+        "timeout_s": 120,
+        "workload": TINY,
+        "layout": {"engine": "single"},
+        "points": [
+            {"workload.seed": 1},
+            {"workload.seed": 2, "env": {"HARNESS_FAULT": "raise:1"}},
+            {"workload.seed": 3, "env": {"HARNESS_FAULT": "hang:1"}, "timeout_s": 10},
+        ],
+    }
     path = _write(tmp_path, raw)
     store = str(tmp_path / "r.sqlite")
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ROOT}
     base = [sys.executable, "-m", "harness.cli", "sweep"]
-    out = subprocess.run(base + [path, "--launcher", "slurm", "--store", store], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        base + [path, "--launcher", "slurm", "--store", store],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and "Submitted batch job 4242" in out.stdout, out.stderr[-2000:]
-    out = subprocess.run(base + ["collect", path, "--store", store], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        base + ["collect", path, "--store", store], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "2 records merged, 1 classified from logs, 0 still pending" in out.stdout
     got = {r["spec"]["workload"]["seed"]: r["status"] for r in ResultsStore(store).records(sweep="arr")}
     assert got == {1: "ok", 2: "failed", 3: "timeout"}, out.stdout
-    dry = subprocess.run(base + [path, "--dry-run", "--store", store], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)
+    dry = subprocess.run(
+        base + [path, "--dry-run", "--store", store], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert dry.stdout.count("skipped]") == 3
 
 
@@ -292,9 +374,14 @@ def test_slurm_job_array_end_to_end_with_stand_in_sbatch(tmp_path):
 def test_deepspeed_launcher_points_and_hang_cleanup(tmp_path):
     """The same sweep through the `deepspeed` launcher (runner -> launch -> ranks): an ok point
     and a hung one that is killed at its timeout with nothing left behind."""
-    raw = {"name": "dsl", "gpus": 2, "timeout_s": 150, "workload": TINY, "layout": {"engine": "own"},
-           "points": [{"workload.seed": 1},
-                      {"workload.seed": 2, "env": {"HARNESS_FAULT": "hang:1:0"}, "timeout_s": 15}]}
+    raw = {
+        "name": "dsl",
+        "gpus": 2,
+        "timeout_s": 150,
+        "workload": TINY,
+        "layout": {"engine": "own"},
+        "points": [{"workload.seed": 1}, {"workload.seed": 2, "env": {"HARNESS_FAULT": "hang:1:0"}, "timeout_s": 15}],
+    }
     spec = parse_sweep(raw)
     store = str(tmp_path / "r.sqlite")
     counts = run_sweep(spec, launcher="deepspeed", store_path=store, timeout_s=150, progress=False)
@@ -309,14 +396,24 @@ def test_deepspeed_launcher_points_and_hang_cleanup(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_kills_the_run_in_flight_and_exits_130(tmp_path, sig):
-    raw = {"name": "intr", "gpus": 1, "workload": TINY, "layout": {"engine": "single"},
-           "points": [{"env": {"HARNESS_FAULT": "hang:1"}}]}
+    raw = {
+        "name": "intr",
+        "gpus": 1,
+        "workload": TINY,
+        "layout": {"engine": "single"},
+        "points": [{"env": {"HARNESS_FAULT": "hang:1"}}],
+    }
     path = _write(tmp_path, raw)
     store = str(tmp_path / "r.sqlite")
     spec = parse_sweep(raw)
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress",
-                             "--launcher", "direct"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress", "--launcher", "direct"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 60
     while time.time() < deadline and not _sweep_procs(spec, store):
         time.sleep(0.2)
@@ -330,12 +427,20 @@ def test_interrupt_kills_the_run_in_flight_and_exits_130(tmp_path, sig):
 
 # ------------------------------------------------------------------ context parallelism
 
+
 def test_cp_and_cp_impl_are_grid_axes_with_dp_derived_and_refusals_dropped_with_reasons():
-    spec = parse_sweep({
-        "name": "cp", "gpus": 4, "workload": {**TINY, "seq_len": 64},
-        "grid": {"engine": [{"engine": "own", "attention": "naive"}, {"engine": "megatron", "attention": "naive"}],
-                 "cp": [1, 2, 3], "layout.cp_impl": ["ring", "ulysses"]},
-    })
+    spec = parse_sweep(
+        {
+            "name": "cp",
+            "gpus": 4,
+            "workload": {**TINY, "seq_len": 64},
+            "grid": {
+                "engine": [{"engine": "own", "attention": "naive"}, {"engine": "megatron", "attention": "naive"}],
+                "cp": [1, 2, 3],
+                "layout.cp_impl": ["ring", "ulysses"],
+            },
+        }
+    )
     points, drops = expand(spec)
     lays = [p.spec["layout"] for p in points]
     assert all(ParallelDims.of(lay).world == 4 for lay in lays)
@@ -352,11 +457,17 @@ def test_cp_and_cp_impl_are_grid_axes_with_dp_derived_and_refusals_dropped_with_
 def test_a_point_without_cp_keeps_the_key_it_had_before_cp_existed():
     """Keys computed by the harness before layout.cp and layout.cp_impl were fields (a sweep resumed
     after the update skips the points its store holds)."""
-    spec = parse_sweep({"name": "k", "gpus": 2, "workload": TINY, "layout": {"engine": "own"},
-                        "grid": {"tp": [1, 2]}})
+    spec = parse_sweep({"name": "k", "gpus": 2, "workload": TINY, "layout": {"engine": "own"}, "grid": {"tp": [1, 2]}})
     assert [p.key for p in expand(spec)[0]] == ["341e63cf1de7c56f", "2613eb35276c4396"]
-    cp2 = parse_sweep({"name": "k", "gpus": 2, "workload": TINY, "grid": {"cp_impl": ["ring", "allgather"]},
-                       "layout": {"engine": "own", "cp": 2, "attention": "naive"}})
+    cp2 = parse_sweep(
+        {
+            "name": "k",
+            "gpus": 2,
+            "workload": TINY,
+            "grid": {"cp_impl": ["ring", "allgather"]},
+            "layout": {"engine": "own", "cp": 2, "attention": "naive"},
+        }
+    )
     points, drops = expand(cp2)  # at cp 2 the implementation is part of the key: two points (or two refusals)
     assert len(points) + len(drops) == 2 and len({p.key for p in points}) == len(points)
     assert not any(d.reason.startswith("duplicate") for d in drops)

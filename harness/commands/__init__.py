@@ -5,17 +5,26 @@ below, --set overrides (overrides.py) and the check of where a command writes (o
 
 def add_set_argument(p, what: str) -> None:
     """`--set key.path=value` (repeatable): override the raw spec before it is checked."""
-    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
-                   help=f"override a field of the {what} before it is checked, value as YAML "
-                        "(repeatable; e.g. --set workload.seq_len=256)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY.PATH=VALUE",
+        help=f"override a field of the {what} before it is checked, value as YAML "
+        "(repeatable; e.g. --set workload.seq_len=256)",
+    )
 
 
 def add_tensorboard_argument(p, what: str) -> None:
     """`--tensorboard DIR`: rank 0 of every run streams its per-step metrics there."""
-    p.add_argument("--tensorboard", metavar="DIR",
-                   help=f"rank 0 of {what} writes loss, step time, tokens/s, MFU and memory per step to "
-                        "TensorBoard under DIR (one folder per run; needs the tensorboard package); "
-                        "view with `tensorboard --logdir DIR`")
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help=f"rank 0 of {what} writes loss, step time, tokens/s, MFU and memory per step to "
+        "TensorBoard under DIR (one folder per run; needs the tensorboard package); "
+        "view with `tensorboard --logdir DIR`",
+    )
 
 
 def tensorboard_dir(args) -> str | None:
@@ -42,7 +51,11 @@ def add_profile_steps_argument(p, what: str) -> None:
             raise argparse.ArgumentTypeError(f"must be a whole number of steps (0 turns profiling off), got {text!r}")
         return int(text)
 
-    p.add_argument("--profile-steps", type=count, metavar="N",
-                   help=f"profile N extra steps of {what} after the measured ones (never counted in step-time "
-                        f"statistics) for the step breakdown and the kept traces; 0 turns it off "
-                        f"(default {DEFAULT_STEPS})")
+    p.add_argument(
+        "--profile-steps",
+        type=count,
+        metavar="N",
+        help=f"profile N extra steps of {what} after the measured ones (never counted in step-time "
+        f"statistics) for the step breakdown and the kept traces; 0 turns it off "
+        f"(default {DEFAULT_STEPS})",
+    )

@@ -33,14 +33,19 @@ def default_log_dir(store: str, name: str) -> str:
 
 
 def add_arguments(p):
-    p.add_argument("spec", nargs="?", help="compare spec YAML (see harness/compare/spec.py); "
-                                           "without it: the built-in CPU default")
+    p.add_argument(
+        "spec", nargs="?", help="compare spec YAML (see harness/compare/spec.py); without it: the built-in CPU default"
+    )
     add_set_argument(p, "compare spec")
     p.add_argument("--store", help="results SQLite file (default: the spec's `store`, else results.sqlite)")
-    p.add_argument("--out", default=DEFAULT_OUT,
-                   help=f"directory for the report files compare-<name>.md/.html/.json (default: {DEFAULT_OUT}/)")
-    p.add_argument("--logs",
-                   help="directory for the runs' logs (default: harness-logs/compare-<name>/ next to the store)")
+    p.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"directory for the report files compare-<name>.md/.html/.json (default: {DEFAULT_OUT}/)",
+    )
+    p.add_argument(
+        "--logs", help="directory for the runs' logs (default: harness-logs/compare-<name>/ next to the store)"
+    )
     p.add_argument("--timeout", type=float, help="per-run timeout in seconds (overrides the spec)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_tensorboard_argument(p, "every run")
@@ -75,16 +80,26 @@ def main(args) -> int:
         check_output_path(args.logs, "--logs", directory=True)
     check_before_launch(cs)  # kernels, launchers, something to compare: still nothing launched
     with report_lock(args.out, cs.name):  # refused here, before any launch, while another one writes this report
-        print(f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
-              f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})", file=sys.stderr)
-        summary = run_comparison(cs, store_path=store, log_dir=args.logs or default_log_dir(store, cs.name),
-                                 progress=not args.no_progress, profile_steps=args.profile_steps)
+        print(
+            f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
+            f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})",
+            file=sys.stderr,
+        )
+        summary = run_comparison(
+            cs,
+            store_path=store,
+            log_dir=args.logs or default_log_dir(store, cs.name),
+            progress=not args.no_progress,
+            profile_steps=args.profile_steps,
+        )
         paths = write_report(summary, args.out)
     par = summary["parity"]
-    print(f"verdict: {summary['verdict']} (parity {par['verdict']}, max pairwise relative loss difference "
-          f"{par['max_pairwise_rel_diff']:.2e}, tolerance {par['tolerance']:g}; "
-          f"failed runs: {', '.join(summary['failed_runs']) or 'none'}; "
-          f"fingerprints {'identical' if summary['fingerprints']['same'] else 'DIFFER'})")
+    print(
+        f"verdict: {summary['verdict']} (parity {par['verdict']}, max pairwise relative loss difference "
+        f"{par['max_pairwise_rel_diff']:.2e}, tolerance {par['tolerance']:g}; "
+        f"failed runs: {', '.join(summary['failed_runs']) or 'none'}; "
+        f"fingerprints {'identical' if summary['fingerprints']['same'] else 'DIFFER'})"
+    )
     for p in par["runs"]:
         if p["verdict"] != "pass":
             print(f"  parity {p['verdict']}: {p['label']} {p['note']}")

@@ -15,8 +15,13 @@ examples:
 
 def add_arguments(p):
     sub = p.add_subparsers(dest="action", required=True)
-    prep = sub.add_parser("prepare", help="text or JSONL -> .bin token file (+ .bin.json metadata)",
-                          description=DESCRIPTION, epilog=EXAMPLES, formatter_class=p.formatter_class)
+    prep = sub.add_parser(
+        "prepare",
+        help="text or JSONL -> .bin token file (+ .bin.json metadata)",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=p.formatter_class,
+    )
     prep.add_argument("inputs", nargs="+", help=".txt files or .jsonl files with a text field")
     prep.add_argument("--out", required=True, help="output .bin")
     prep.add_argument("--tokenizer", help="local tokenizer.json; without it, byte-level tokens (vocab 256)")
@@ -29,7 +34,9 @@ def main(args) -> int:
 
     check_output_path(args.out, "--out", directory=False)
     meta = prepare(args.inputs, args.out, args.tokenizer, args.text_key)
-    print(f"wrote {meta['tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "
-          f"tokenizer {meta['tokenizer']}) to {args.out}; set workload.data: "
-          f"{{kind: file, path: {args.out}, dtype: {meta['dtype']}}}")
+    print(
+        f"wrote {meta['tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "
+        f"tokenizer {meta['tokenizer']}) to {args.out}; set workload.data: "
+        f"{{kind: file, path: {args.out}, dtype: {meta['dtype']}}}"
+    )
     return 0

@@ -26,12 +26,18 @@ examples:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("spec", help="a run spec (as `harness train` takes); its layout's engine must be own or fsdp "
-                                "(DeepSpeed's initialize is not traceable on fake tensors)")
+    p.add_argument(
+        "spec",
+        help="a run spec (as `harness train` takes); its layout's engine must be own or fsdp "
+        "(DeepSpeed's initialize is not traceable on fake tensors)",
+    )
     add_set_argument(p, "run spec")
     p.add_argument("--format", choices=("table", "json"), default="table")
-    p.add_argument("--hardware", default="a100-80gb",
-                   help="profile whose device memory the peak is checked against (a100-80gb, h100-sxm, ... or a YAML)")
+    p.add_argument(
+        "--hardware",
+        default="a100-80gb",
+        help="profile whose device memory the peak is checked against (a100-80gb, h100-sxm, ... or a YAML)",
+    )
 
 
 def main(args) -> int:

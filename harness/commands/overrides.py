@@ -39,8 +39,9 @@ def parse_with_overrides(raw, overrides: list[str] | None, parse, prefix: str = 
             elif isinstance(node, list):
                 j, key = i + 1, parts[i]
                 if not key.isdigit() or int(key) >= len(node):
-                    raise SpecError("--set", f"{path}: {'.'.join(walked)} is a list of {len(node)}; "
-                                             f"{key!r} is not an index into it")
+                    raise SpecError(
+                        "--set", f"{path}: {'.'.join(walked)} is a list of {len(node)}; {key!r} is not an index into it"
+                    )
                 key = int(key)
             else:
                 raise SpecError("--set", f"{path}: {'.'.join(walked)} is {node!r}, not a mapping")

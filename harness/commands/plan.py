@@ -41,27 +41,41 @@ def add_arguments(p) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's (8 for DGX)")
     p.add_argument("--hardware", default="a100-80gb", help="a100-40gb, a100-80gb, h100-sxm, h200, cpu or a YAML path")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage (default 1, as the study)")
-    p.add_argument("--engine", choices=planner_engines(), default="own",
-                   help="whose memory to model: the harness's own engine (default), deepspeed (ZeRO stage from "
-                        "--zero), fsdp (FSDP2, fully sharded), megatron (Megatron-core: --zero 1 is its "
-                        "distributed optimizer; pp dividing the layers), or paper (the study's engine, as its "
-                        "sweeps ran)")
+    p.add_argument(
+        "--engine",
+        choices=planner_engines(),
+        default="own",
+        help="whose memory to model: the harness's own engine (default), deepspeed (ZeRO stage from "
+        "--zero), fsdp (FSDP2, fully sharded), megatron (Megatron-core: --zero 1 is its "
+        "distributed optimizer; pp dividing the layers), or paper (the study's engine, as its "
+        "sweeps ran)",
+    )
     p.add_argument("--attention", help="comma list; default: naive,fused_softmax,flash1,flash2,sdpa,...")
     p.add_argument("--rmsnorm", help=f"comma list of {','.join(RMSNORM_KERNELS)}")
     p.add_argument("--micro-batch-sizes", help="comma list, default 1,2,4,8")
     p.add_argument("--activation-checkpointing", help=f"comma list of {','.join(CHECKPOINTING)}")
     p.add_argument("--sequence-parallel", help="comma list of off,on")
-    p.add_argument("--cp", help="comma list of context-parallel degrees (default: 1 and the powers of two leaving "
-                                "every rank at least 4096 tokens of a sequence)")
+    p.add_argument(
+        "--cp",
+        help="comma list of context-parallel degrees (default: 1 and the powers of two leaving "
+        "every rank at least 4096 tokens of a sequence)",
+    )
     p.add_argument("--cp-impl", help="comma list of ring,allgather,ulysses (default: those the engine runs)")
-    p.add_argument("--max-positions", type=int, default=None,
-                   help="the model's positions, raised (as workload.model_overrides.max_positions) for sequences "
-                        "beyond its max_position_embeddings")
+    p.add_argument(
+        "--max-positions",
+        type=int,
+        default=None,
+        help="the model's positions, raised (as workload.model_overrides.max_positions) for sequences "
+        "beyond its max_position_embeddings",
+    )
     p.add_argument("--top", type=int, default=None, help="show the K fastest (table default 20)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--emit-sweep", metavar="FILE", help="write a sweep spec of the top layouts that fit")
-    p.add_argument("--export", choices=("deepspeed", "megatron", "torchtitan"),
-                   help="print the best fitting layout as a DeepSpeed config, Megatron-LM arguments or torchtitan TOML")
+    p.add_argument(
+        "--export",
+        choices=("deepspeed", "megatron", "torchtitan"),
+        help="print the best fitting layout as a DeepSpeed config, Megatron-LM arguments or torchtitan TOML",
+    )
     p.add_argument("--explain", action="store_true", help="print memory and time breakdowns")
     p.add_argument("--calibrate", metavar="RESULTS.sqlite", help="fit efficiencies to harness records")
     p.add_argument("--calibrate-csv", metavar="FILE", nargs="+", help="fit to sweeps in the study's CSV format")
@@ -86,20 +100,29 @@ def _calibrate(args, profile) -> int:
         sources.append(args.calibrate)
     for path in args.calibrate_csv or []:
         runs = paper.load_sweep(path)
-        samples += [calibrate.Sample(PRESETS[r.model], r.layout, r.workload, r.step_time_s, r.sweep)
-                    for r in runs if r.status == "ok"]
+        samples += [
+            calibrate.Sample(PRESETS[r.model], r.layout, r.workload, r.step_time_s, r.sweep)
+            for r in runs
+            if r.status == "ok"
+        ]
         sources.append(path)
     prof, report = calibrate.fit(samples, profile, label=", ".join(sources))
     out = args.calibrate_out or f"{profile.name}-calibrated.yaml"
-    save_profile(prof, out, header=f"# Calibrated by `harness plan` from {', '.join(sources)}\n"
-                                    f"# fit: median |error| {report['median_abs_error_pct']:.1f}% over "
-                                    f"{report['samples']} runs")
+    save_profile(
+        prof,
+        out,
+        header=f"# Calibrated by `harness plan` from {', '.join(sources)}\n"
+        f"# fit: median |error| {report['median_abs_error_pct']:.1f}% over "
+        f"{report['samples']} runs",
+    )
     if args.format == "json":
         print(json.dumps({**report, "profile": out}))
     else:
         print(f"calibrated {profile.name} on {report['samples']} runs; fitted: {', '.join(report['fitted']) or 'none'}")
-        print(f"step-time error: median {report['median_abs_error_pct']:.1f}%, mean "
-              f"{report['mean_abs_error_pct']:.1f}%, max {report['max_abs_error_pct']:.1f}%")
+        print(
+            f"step-time error: median {report['median_abs_error_pct']:.1f}%, mean "
+            f"{report['mean_abs_error_pct']:.1f}%, max {report['max_abs_error_pct']:.1f}%"
+        )
         for k, v in report["efficiency"].items():
             print(f"  {k:16s} {v:.4g}")
         print(f"saved calibrated profile to {out} (use it with --hardware {out})")
@@ -136,34 +159,62 @@ def main(args) -> int:
         shape = dataclasses.replace(shape, max_positions=args.max_positions)
     from harness.spec import check_device_count, check_tokens  # the ranges a spec's workload has
 
-    check_tokens(shape, args.seq_len, args.global_batch_size, args.model,
-                 {"seq_len": "--seq-len", "global_batch_size": "--global-batch-size"})
+    check_tokens(
+        shape,
+        args.seq_len,
+        args.global_batch_size,
+        args.model,
+        {"seq_len": "--seq-len", "global_batch_size": "--global-batch-size"},
+    )
     check_device_count(args.gpus, "--gpus")
     gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node  # 0 is refused, not the default
     wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
-    attention = en.parse_list(args.attention, ATTENTION, "--attention",
-                              [a for a in en.DEFAULTS["attention"] if a in profile.attention_kernels])
+    attention = en.parse_list(
+        args.attention,
+        ATTENTION,
+        "--attention",
+        [a for a in en.DEFAULTS["attention"] if a in profile.attention_kernels],
+    )
     rmsnorm = en.parse_list(args.rmsnorm, RMSNORM_KERNELS, "--rmsnorm", en.DEFAULTS["rmsnorm"])
     mbs = en.parse_list(args.micro_batch_sizes, None, "--micro-batch-sizes", en.DEFAULTS["micro_batch_sizes"], int)
     if any(m < 1 for m in mbs):
         raise SpecError("--micro-batch-sizes", "must be positive")
-    ck = en.parse_list(args.activation_checkpointing, CHECKPOINTING, "--activation-checkpointing",
-                       en.DEFAULTS["checkpointing"])
-    sp = en.parse_list(args.sequence_parallel, (False, True), "--sequence-parallel",
-                       en.DEFAULTS["sequence_parallel"], en.parse_bool)
+    ck = en.parse_list(
+        args.activation_checkpointing, CHECKPOINTING, "--activation-checkpointing", en.DEFAULTS["checkpointing"]
+    )
+    sp = en.parse_list(
+        args.sequence_parallel, (False, True), "--sequence-parallel", en.DEFAULTS["sequence_parallel"], en.parse_bool
+    )
     cps = en.parse_list(args.cp, None, "--cp", (), int) if args.cp is not None else None
     if cps is not None and any(c < 1 for c in cps):
         raise SpecError("--cp", "must be positive")
     impls = en.parse_list(args.cp_impl, CP_IMPLS, "--cp-impl", ()) if args.cp_impl is not None else None
     if args.top is not None and args.top < 1:
         raise SpecError("--top", "must be at least 1")
-    preds = predict_many(shape, en.layouts(shape, wl, args.gpus, gpn, attention=attention, rmsnorm=rmsnorm,
-                                           micro_batch_sizes=mbs, checkpointing=ck, sequence_parallel=sp,
-                                           zero_stage=args.zero, cp_values=cps, cp_impls=impls,
-                                           **_on_engine(args, shape, cps, impls)), wl, profile)
+    preds = predict_many(
+        shape,
+        en.layouts(
+            shape,
+            wl,
+            args.gpus,
+            gpn,
+            attention=attention,
+            rmsnorm=rmsnorm,
+            micro_batch_sizes=mbs,
+            checkpointing=ck,
+            sequence_parallel=sp,
+            zero_stage=args.zero,
+            cp_values=cps,
+            cp_impls=impls,
+            **_on_engine(args, shape, cps, impls),
+        ),
+        wl,
+        profile,
+    )
     if not preds:
-        raise SpecError("--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} "
-                                  f"(global batch {args.global_batch_size})")
+        raise SpecError(
+            "--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} (global batch {args.global_batch_size})"
+        )
     preds.sort(key=lambda p: (not (p.fits and p.available), -p.mfu))
     fitting = [p for p in preds if p.fits and p.available]
     if args.export:
@@ -175,20 +226,26 @@ def main(args) -> int:
         print(json.dumps([p.row() for p in shown]))
         return 0
     rows = group(preds, args.top or 20)
-    print(f"{args.model} seq {args.seq_len} batch {args.global_batch_size} on {args.gpus} x {profile.name}: "
-          f"{len(preds)} layouts, {len(fitting)} predicted to fit")
+    print(
+        f"{args.model} seq {args.seq_len} batch {args.global_batch_size} on {args.gpus} x {profile.name}: "
+        f"{len(preds)} layouts, {len(fitting)} predicted to fit"
+    )
     near, note = _near_the_fastest(fitting, profile)
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
-    print(f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':{width}} "
-          f"{'rms':5} {'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}")
+    print(
+        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':{width}} "
+        f"{'rms':5} {'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
+    )
     for row in rows:
         p = row.pred
         r = p.row()
-        print(f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} "
-              f"{r['activation_checkpointing']:9} "
-              f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
-              f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
-              f"{' *' if id(p) in near else ''}")
+        print(
+            f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} "
+            f"{r['activation_checkpointing']:9} "
+            f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
+            f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
+            f"{' *' if id(p) in near else ''}"
+        )
         if args.explain:
             mem = ", ".join(f"{k} {v:.1f}" for k, v in p.memory_breakdown_gib.items() if k != "total")
             t = ", ".join(f"{k} {v:.3g}" for k, v in p.time_breakdown_s.items())
@@ -227,8 +284,9 @@ def _on_engine(args, shape, cps, impls) -> dict:
         raise SpecError("--cp", context.no_cp(args.engine))
     for impl in impls or ():
         if impl not in runs:
-            raise SpecError("--cp-impl", f"engine {args.engine} runs {', '.join(runs) or 'no context parallelism'}"
-                                         f", not {impl}")
+            raise SpecError(
+                "--cp-impl", f"engine {args.engine} runs {', '.join(runs) or 'no context parallelism'}, not {impl}"
+            )
     return {"engine": args.engine, "fsdp": args.engine == "fsdp"}
 
 
@@ -246,12 +304,18 @@ def _cp_lines(args, preds, fitting) -> list[str]:
         lay = fitting[0].layout
         smallest = min((p for p in preds if p.layout.cp == 1), key=lambda p: p.memory_gib, default=None)
         why = f" (the smallest without cp needs {smallest.memory_gib:.1f} GiB)" if smallest else ""
-        out.append(f"no layout fits without context parallelism{why}: the plan proposes cp {lay.cp} "
-                   f"{lay.cp_impl}, {args.seq_len // lay.cp} tokens of each sequence per rank")
-    if args.engine == "own" and any(p.layout.cp > 1 and p.layout.cp_impl != "ulysses"
-                                    and ATTENTION_CLASS[p.layout.attention] not in MATERIALISED for p in fitting[:5]):
-        out.append("cp ring/allgather with a flash kernel: predicted as the own engine's blocks (a flash kernel per "
-                   "block, merged in fp32), which it runs with attention naive, or sdpa on CPU only, so far")
+        out.append(
+            f"no layout fits without context parallelism{why}: the plan proposes cp {lay.cp} "
+            f"{lay.cp_impl}, {args.seq_len // lay.cp} tokens of each sequence per rank"
+        )
+    if args.engine == "own" and any(
+        p.layout.cp > 1 and p.layout.cp_impl != "ulysses" and ATTENTION_CLASS[p.layout.attention] not in MATERIALISED
+        for p in fitting[:5]
+    ):
+        out.append(
+            "cp ring/allgather with a flash kernel: predicted as the own engine's blocks (a flash kernel per "
+            "block, merged in fp32), which it runs with attention naive, or sdpa on CPU only, so far"
+        )
     return out
 
 
@@ -263,16 +327,20 @@ def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:
     if not fitting:
         return set(), "no layout is predicted to fit"
     if not err:
-        return set(), (f"{profile.name} is not calibrated (literature constants, error unknown): "
-                       "calibrate it on a few runs of your cluster (--calibrate) before trusting the ranking")
+        return set(), (
+            f"{profile.name} is not calibrated (literature constants, error unknown): "
+            "calibrate it on a few runs of your cluster (--calibrate) before trusting the ranking"
+        )
     best = min(p.step_time_s for p in fitting)
     near = {id(p) for p in fitting if p.step_time_s <= best * (1 + err / 100)}
     from harness.planner.output import group
 
     distinct = sum(1 for row in group([p for p in fitting if id(p) in near]))
-    return near, (f"* {distinct} layouts within {err:.1f}% (the calibration's median step-time error, "
-                  f"{profile.calibrated.get('samples', '?')} runs) of the fastest: measure them, "
-                  "the model cannot rank them reliably")
+    return near, (
+        f"* {distinct} layouts within {err:.1f}% (the calibration's median step-time error, "
+        f"{profile.calibrated.get('samples', '?')} runs) of the fastest: measure them, "
+        "the model cannot rank them reliably"
+    )
 
 
 def _emit_sweep(args, fitting, profile, gpus_per_node) -> None:
@@ -280,16 +348,25 @@ def _emit_sweep(args, fitting, profile, gpus_per_node) -> None:
     from harness.planner.output import group, sweep_spec
 
     top = args.top or 20
-    text, n, _ = sweep_spec(group(fitting, 5 * top), model=args.model, seq_len=args.seq_len,
-                            global_batch_size=args.global_batch_size, gpus=args.gpus,
-                            gpus_per_node=gpus_per_node, profile=profile, top=top)
+    text, n, _ = sweep_spec(
+        group(fitting, 5 * top),
+        model=args.model,
+        seq_len=args.seq_len,
+        global_batch_size=args.global_batch_size,
+        gpus=args.gpus,
+        gpus_per_node=gpus_per_node,
+        profile=profile,
+        top=top,
+    )
     from harness.files.atomic import Together
 
     with Together("--emit-sweep") as files:  # whole or not at all
         files.write(args.emit_sweep, text)
     if n == 0:
-        print(f"warning: {args.emit_sweep} has no point: no layout predicted to fit uses a kernel this harness runs",
-              file=sys.stderr)
+        print(
+            f"warning: {args.emit_sweep} has no point: no layout predicted to fit uses a kernel this harness runs",
+            file=sys.stderr,
+        )
 
 
 def _export(args, shape, wl, fitting) -> int:
@@ -300,18 +377,26 @@ def _export(args, shape, wl, fitting) -> int:
         raise SpecError("--export", "no layout is predicted to fit")
     chosen = next((p for p in fitting if not exportable(p.layout, args.export)), None)
     if chosen is None:
-        raise SpecError("--export", f"no layout predicted to fit can be expressed for {args.export}: "
-                                    f"{exportable(fitting[0].layout, args.export)}")
+        raise SpecError(
+            "--export",
+            f"no layout predicted to fit can be expressed for {args.export}: "
+            f"{exportable(fitting[0].layout, args.export)}",
+        )
     text, notes = EXPORTERS[args.export](shape, chosen.layout, wl)
     print(text)
     lay = chosen.layout
     cp = f"cp {lay.cp} {lay.cp_impl} " if lay.cp > 1 else ""
-    print(f"# {args.export}: tp {lay.tp} {cp}pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
-          f"checkpointing {lay.activation_checkpointing}, predicted {chosen.memory_gib:.1f} GiB, "
-          f"{chosen.step_time_s:.3g} s/step, MFU {chosen.mfu:.3f}", file=sys.stderr)
+    print(
+        f"# {args.export}: tp {lay.tp} {cp}pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
+        f"checkpointing {lay.activation_checkpointing}, predicted {chosen.memory_gib:.1f} GiB, "
+        f"{chosen.step_time_s:.3g} s/step, MFU {chosen.mfu:.3f}",
+        file=sys.stderr,
+    )
     if chosen is not fitting[0]:
-        print(f"# the fastest predicted layout cannot be expressed: {exportable(fitting[0].layout, args.export)}",
-              file=sys.stderr)
+        print(
+            f"# the fastest predicted layout cannot be expressed: {exportable(fitting[0].layout, args.export)}",
+            file=sys.stderr,
+        )
     for note in notes:
         print(f"# note: {note}", file=sys.stderr)
     return 0

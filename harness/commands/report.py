@@ -22,8 +22,11 @@ def add_arguments(p) -> None:
     p.add_argument("--store", default="results.sqlite", help="results store (default: results.sqlite)")
     p.add_argument("--out", required=True, help="directory for report.md, report.html and img/")
     p.add_argument("--title", help="report title")
-    p.add_argument("--timeline-run", metavar="RUN_ID", help="draw this run's pipeline schedule "
-                                                          "(id or prefix; default: the best pipelined run)")
+    p.add_argument(
+        "--timeline-run",
+        metavar="RUN_ID",
+        help="draw this run's pipeline schedule (id or prefix; default: the best pipelined run)",
+    )
     p.add_argument("--baselines", help="directory of published figures (default: the baselines/ harness ships)")
 
 
@@ -51,12 +54,14 @@ def main(args) -> int:
     if args.timeline_run:
         chosen = {r["run_id"] for r in records if str(r.get("run_id")).startswith(args.timeline_run)}
         if len(chosen) != 1:
-            raise SpecError("--timeline-run", f"{args.timeline_run!r} is the start of "
-                                              f"{'no' if not chosen else len(chosen)} run ids of these records"
-                                              + ("" if not chosen else ": give more of it"))
+            raise SpecError(
+                "--timeline-run",
+                f"{args.timeline_run!r} is the start of "
+                f"{'no' if not chosen else len(chosen)} run ids of these records"
+                + ("" if not chosen else ": give more of it"),
+            )
     title = args.title or ("Sweep report: " + ", ".join(args.sweep) if args.sweep else "Layout sweep report")
-    paths = build_report(records, args.out, title=title, baselines_dir=args.baselines,
-                         timeline_run=args.timeline_run)
+    paths = build_report(records, args.out, title=title, baselines_dir=args.baselines, timeline_run=args.timeline_run)
     print(f"wrote {paths['markdown']} and {paths['html']} from {len(records)} records")
     return 0
 
@@ -68,8 +73,13 @@ def _check_baselines(folder: str) -> None:
     from harness.report import baselines
 
     if not os.path.isdir(folder):
-        raise SpecError("--baselines", f"{folder} is {'a file' if os.path.exists(folder) else 'missing'}; "
-                                       "give a folder of published figures")
+        raise SpecError(
+            "--baselines",
+            f"{folder} is {'a file' if os.path.exists(folder) else 'missing'}; give a folder of published figures",
+        )
     if not any(baselines.load(folder).values()):
-        raise SpecError("--baselines", f"{folder} holds no published figures (hagemann2023_best.csv, "
-                                       "published_mfu.csv, as in the baselines/ folder harness ships)")
+        raise SpecError(
+            "--baselines",
+            f"{folder} holds no published figures (hagemann2023_best.csv, "
+            "published_mfu.csv, as in the baselines/ folder harness ships)",
+        )

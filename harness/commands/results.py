@@ -17,8 +17,13 @@ examples:
 
 def add_arguments(p):
     sub = p.add_subparsers(dest="action", required=True)
-    e = sub.add_parser("export", help="write every record as JSONL or CSV", description=DESCRIPTION,
-                       epilog=EXAMPLES, formatter_class=p.formatter_class)
+    e = sub.add_parser(
+        "export",
+        help="write every record as JSONL or CSV",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=p.formatter_class,
+    )
     e.add_argument("--store", default="results.sqlite")
     e.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
     e.add_argument("--sweep")
@@ -56,5 +61,7 @@ def check_sweeps(store, names: list[str], field: str) -> None:
     if missing:
         known = sorted({str(r.get("sweep")) for r in store.records() if r.get("sweep") is not None})
         shown = ", ".join(known[:8]) + (f" and {len(known) - 8} more" if len(known) > 8 else "")
-        raise SpecError(field, f"no sweep {missing[0]!r} in {store.path}; "
-                               + (f"it holds {shown}" if known else "it holds no sweep"))
+        raise SpecError(
+            field,
+            f"no sweep {missing[0]!r} in {store.path}; " + (f"it holds {shown}" if known else "it holds no sweep"),
+        )

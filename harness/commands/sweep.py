@@ -42,19 +42,30 @@ def _interrupt(signum, frame):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("target", nargs="+", metavar="SPEC.yaml",
-                   help="a sweep spec, or `collect SPEC.yaml` to gather a Slurm job array's records")
+    p.add_argument(
+        "target",
+        nargs="+",
+        metavar="SPEC.yaml",
+        help="a sweep spec, or `collect SPEC.yaml` to gather a Slurm job array's records",
+    )
     add_set_argument(p, "sweep spec")
     p.add_argument("--dry-run", action="store_true", help="print the points and the dropped combinations")
-    p.add_argument("--launcher", choices=SWEEP_LAUNCHERS,
-                   help="how each point starts (default: the spec's, else torchrun)")
+    p.add_argument(
+        "--launcher", choices=SWEEP_LAUNCHERS, help="how each point starts (default: the spec's, else torchrun)"
+    )
     p.add_argument("--timeout", type=float, metavar="S", help="per-point timeout in seconds")
     p.add_argument("--store", help="results store (default: the spec's store)")
-    p.add_argument("--retry", default="", metavar="STATUSES",
-                   help="comma-separated statuses to run again, e.g. failed,timeout (default: none)")
+    p.add_argument(
+        "--retry",
+        default="",
+        metavar="STATUSES",
+        help="comma-separated statuses to run again, e.g. failed,timeout (default: none)",
+    )
     p.add_argument("--logs", help="directory for the points' logs (default: <store dir>/harness-logs/<sweep name>)")
-    p.add_argument("--job-dir", help="Slurm: where the job array and its task stores live "
-                                     "(default: <store dir>/harness-slurm/<sweep name>)")
+    p.add_argument(
+        "--job-dir",
+        help="Slurm: where the job array and its task stores live (default: <store dir>/harness-slurm/<sweep name>)",
+    )
     p.add_argument("--no-submit", action="store_true", help="Slurm: write the job script, do not sbatch it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_tensorboard_argument(p, "every point")
@@ -68,8 +79,10 @@ def main(args) -> int:
         spec = _load(args.target[1], args.overrides)
         store = args.store or spec.store
         counts = collect(spec, _job_dir(args, spec, store), store)
-        print(f"collected {spec.name}: {counts['merged']} records merged, {counts['classified']} "
-              f"classified from logs, {counts['pending']} still pending")
+        print(
+            f"collected {spec.name}: {counts['merged']} records merged, {counts['classified']} "
+            f"classified from logs, {counts['pending']} still pending"
+        )
         return 0
     if len(args.target) != 1:
         raise SpecError("sweep", "give one sweep spec")
@@ -113,14 +126,24 @@ def main(args) -> int:
     check_machine([(f"point {p.label()!r}", p.spec) for p in pending(points, done, retry)])
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` or a scheduler: clean up like Ctrl-C
     try:
-        counts = run_sweep(spec, launcher=launcher, store_path=store, timeout_s=timeout, retry=retry,
-                           log_dir=args.logs, progress=not args.no_progress, profile_steps=args.profile_steps)
+        counts = run_sweep(
+            spec,
+            launcher=launcher,
+            store_path=store,
+            timeout_s=timeout,
+            retry=retry,
+            log_dir=args.logs,
+            progress=not args.no_progress,
+            profile_steps=args.profile_steps,
+        )
     except KeyboardInterrupt:
         print("\ninterrupted: every finished point is in the store; run the same command to resume")
         return 130
     except StoreError as e:  # a full disk: stop, with every finished point kept
-        raise StoreError(f"{e.reason}; the sweep stopped: run the same command to resume once the store "
-                         "can be written (it merges that file back)") from None
+        raise StoreError(
+            f"{e.reason}; the sweep stopped: run the same command to resume once the store "
+            "can be written (it merges that file back)"
+        ) from None
     print("done: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + f"  (store {store})")
     return 0
 
@@ -128,8 +151,9 @@ def main(args) -> int:
 def _load(path: str, overrides: list[str]):
     """The sweep spec at `path` (named after the file unless it says), with the --set overrides."""
     name = os.path.splitext(os.path.basename(path))[0]
-    return parse_with_overrides(read_yaml(path, field="sweep"), overrides, lambda raw: parse_sweep(raw, name),
-                                prefix="sweep.")
+    return parse_with_overrides(
+        read_yaml(path, field="sweep"), overrides, lambda raw: parse_sweep(raw, name), prefix="sweep."
+    )
 
 
 def _job_dir(args, spec, store) -> str:

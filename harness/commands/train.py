@@ -52,10 +52,19 @@ def main(args) -> int:
     tensorboard = tensorboard_dir(args)
     ctx = runtime.init(spec.workload.device)
     try:
-        record = run(spec, ctx, store_path=args.store, run_id=args.run_id, sweep=args.sweep,
-                     point_key=args.point_key, peak_tflops=args.peak_tflops, progress=not args.no_progress,
-                     tensorboard_dir=tensorboard, profile_steps=args.profile_steps,
-                     trace_dir=_trace_dir(args))
+        record = run(
+            spec,
+            ctx,
+            store_path=args.store,
+            run_id=args.run_id,
+            sweep=args.sweep,
+            point_key=args.point_key,
+            peak_tflops=args.peak_tflops,
+            progress=not args.no_progress,
+            tensorboard_dir=tensorboard,
+            profile_steps=args.profile_steps,
+            trace_dir=_trace_dir(args),
+        )
     except SpecError:
         runtime.teardown(ctx, barrier=False)
         raise

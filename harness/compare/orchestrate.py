@@ -55,11 +55,18 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
     m = record.get("metrics") or {}
     describe = m.get("engine") or {}
     return {
-        "label": plan.label, "engine": plan.spec.layout.engine, "layout": plan.spec.to_dict()["layout"],
-        "launcher": plan.launcher, "nproc": plan.nproc, "is_reference": plan.is_reference,
-        "status": record.get("status"), "run_id": record.get("run_id"), "error": record.get("error"),
+        "label": plan.label,
+        "engine": plan.spec.layout.engine,
+        "layout": plan.spec.to_dict()["layout"],
+        "launcher": plan.launcher,
+        "nproc": plan.nproc,
+        "is_reference": plan.is_reference,
+        "status": record.get("status"),
+        "run_id": record.get("run_id"),
+        "error": record.get("error"),
         "error_line": (record.get("error_line") or _first_error_line(record.get("error")))
-        if record.get("status") != "ok" else "",
+        if record.get("status") != "ok"
+        else "",
         "log": (record.get("launch") or {}).get("log"),
         "wall_s": (record.get("launch") or {}).get("wall_s"),
         "losses": m.get("losses") or [],
@@ -68,8 +75,11 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         "describe": describe,
         "precision_policy": describe.get("precision_policy"),
         "workload_override": plan.workload_override,
-        "override_note": ("workload overridden: " + ", ".join(f"{k}={v}" for k, v in plan.workload_override.items())
-                          if plan.workload_override else ""),
+        "override_note": (
+            "workload overridden: " + ", ".join(f"{k}={v}" for k, v in plan.workload_override.items())
+            if plan.workload_override
+            else ""
+        ),
         "fingerprint": record.get("fingerprint") or {},
         # where the step goes, for machines (null where the run did not measure it) and the kept traces
         **{k: m.get(k) for k in ("breakdown_ms", "breakdown_source", "collectives")},
@@ -87,16 +97,24 @@ def check_before_launch(cs: CompareSpec) -> None:
 
     if not [p for p in cs.runs if not p.is_reference]:
         left = [(c["label"], c["why"]) for c in cs.not_runnable] + list(cs.skipped)
-        first = f": {left[0][0]}: {left[0][1]}" + (f" (and {len(left) - 1} more)" if len(left) > 1 else "") \
-            if left else ""
+        first = (
+            f": {left[0][0]}: {left[0][1]}" + (f" (and {len(left) - 1} more)" if len(left) > 1 else "") if left else ""
+        )
         raise SpecError("matrix" if cs.not_runnable else "runs", f"no run can be launched besides the reference{first}")
     for p in cs.runs:
         check_launcher(p.launcher, p.nproc, field=f"launcher (run {p.label!r})")
     check_machine([(f"run {p.label!r}", p.spec) for p in cs.runs])
 
 
-def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = None,
-                   progress: bool = True, launch_fn=None, profile_steps: int | None = None) -> dict:
+def run_comparison(
+    cs: CompareSpec,
+    *,
+    store_path: str,
+    log_dir: str | None = None,
+    progress: bool = True,
+    launch_fn=None,
+    profile_steps: int | None = None,
+) -> dict:
     """Launch every planned run in turn, check parity and fingerprints; the summary the report
     (harness.report.compare) is written from. `profile_steps`: each run's profiled steps after
     its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS)."""
@@ -119,22 +137,39 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
     for label, why in cs.skipped:
         print(f"note: skipping {label}: {why}", file=sys.stderr)
     entries, records = [], []
-    bar = tqdm(cs.runs, desc="compare", unit="run", disable=not progress, file=sys.stderr,
-               bar_format="{l_bar}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
+    bar = tqdm(
+        cs.runs,
+        desc="compare",
+        unit="run",
+        disable=not progress,
+        file=sys.stderr,
+        bar_format="{l_bar}{bar:20}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]",
+    )
     started = time.monotonic()
     load_before = _loadavg()
     for plan in bar:
         bar.set_description(f"compare: {plan.label}")
         spec = plan.spec.to_dict()
         spec["store"] = store_path  # as given: relative stays relative (the runs share this cwd)
-        record = launch_fn(spec, nproc=plan.nproc, launcher=plan.launcher, store_path=store_path,
-                           timeout_s=cs.timeout_s, sweep=sweep, point_key=plan.label, log_dir=log_dir)
+        record = launch_fn(
+            spec,
+            nproc=plan.nproc,
+            launcher=plan.launcher,
+            store_path=store_path,
+            timeout_s=cs.timeout_s,
+            sweep=sweep,
+            point_key=plan.label,
+            log_dir=log_dir,
+        )
         entry = _run_entry(plan, record)
         entries.append(entry)
         records.append(record)
         st = (entry["metrics"].get("step_time_s") or {}).get("median")
-        msg = f"{plan.label}: {entry['status']}" + (f", step {st * 1e3:.1f} ms" if st else "") + \
-              (f" ({entry['error_line']})" if entry["error_line"] else "")
+        msg = (
+            f"{plan.label}: {entry['status']}"
+            + (f", step {st * 1e3:.1f} ms" if st else "")
+            + (f" ({entry['error_line']})" if entry["error_line"] else "")
+        )
         bar.write(msg, file=sys.stderr)
     bar.close()
 
@@ -143,16 +178,26 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
     failed = [e["label"] for e in entries if e["status"] != "ok"]
     verdict = PASS if parity["verdict"] == PASS and not failed else "FAIL"
     summary = {
-        "name": cs.name, "comparison_id": comparison_id, "created_at": now_iso(), "verdict": verdict,
-        "store": store_path, "sweep_tag": sweep, "nproc": cs.nproc,
+        "name": cs.name,
+        "comparison_id": comparison_id,
+        "created_at": now_iso(),
+        "verdict": verdict,
+        "store": store_path,
+        "sweep_tag": sweep,
+        "nproc": cs.nproc,
         "workload": cs.workload,
-        "tolerance_source": cs.tolerance_source, "parity": parity, "fingerprints": fingerprints,
-        "failed_runs": failed, "skipped": cs.skipped, "not_runnable": cs.not_runnable,
+        "tolerance_source": cs.tolerance_source,
+        "parity": parity,
+        "fingerprints": fingerprints,
+        "failed_runs": failed,
+        "skipped": cs.skipped,
+        "not_runnable": cs.not_runnable,
         "precision_policy": precision_policy(parse_spec({"workload": cs.workload}).workload).describe(),
         "load_average": {"before": load_before, "after": _loadavg()},
-        "threads_per_process": threads, "wall_s": round(time.monotonic() - started, 1),
+        "threads_per_process": threads,
+        "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],
-        "loss_table": {e["label"]: e["losses"][:cs.parity_steps] for e in entries if e["losses"]},
+        "loss_table": {e["label"]: e["losses"][: cs.parity_steps] for e in entries if e["losses"]},
         "loss_curves": {e["label"]: e["losses"] for e in entries if e["losses"]},  # every step, for the plot
     }
     # the compared workload is the one without overrides: take it from a run that has none
@@ -163,9 +208,15 @@ def run_comparison(cs: CompareSpec, *, store_path: str, log_dir: str | None = No
     store = ResultsStore(store_path)
     by_label = {p["label"]: p for p in parity["runs"]}
     for record, entry in zip(records, entries, strict=True):
-        record["comparison"] = {"name": cs.name, "id": comparison_id, "verdict": verdict,
-                                "parity": by_label.get(entry["label"]), "tolerance": cs.tolerance,
-                                "parity_steps": cs.parity_steps, "fingerprints_same": fingerprints["same"],
-                                "label": entry["label"]}
+        record["comparison"] = {
+            "name": cs.name,
+            "id": comparison_id,
+            "verdict": verdict,
+            "parity": by_label.get(entry["label"]),
+            "tolerance": cs.tolerance,
+            "parity_steps": cs.parity_steps,
+            "fingerprints_same": fingerprints["same"],
+            "label": entry["label"],
+        }
         store.write(record)
     return summary

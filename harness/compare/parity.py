@@ -67,8 +67,7 @@ def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
         note = "" if verdict == PASS else (f"step {at}: {r['losses'][at]:.7g} vs {anchor['losses'][at]:.7g}")
         per_run.append(RunParity(r["label"], verdict, d, at, note))
     labels = [r["label"] for r in usable]
-    matrix = {a["label"]: {b["label"]: max_rel_diff(a["losses"], b["losses"], n)[0] for b in usable}
-              for a in usable}
+    matrix = {a["label"]: {b["label"]: max_rel_diff(a["losses"], b["losses"], n)[0] for b in usable} for a in usable}
     spread = max((v for row in matrix.values() for v in row.values()), default=0.0)
     ok = bool(usable) and all(p.verdict == PASS for p in per_run)
     return {
@@ -103,12 +102,23 @@ def compare_fingerprints(runs: list[dict]) -> dict:
     for key in keys:
         values = {label: fp.get(key) for label, fp in flat.items()}
         if len({repr(v) for v in values.values()}) > 1:
-            differences.append({"group": group_of.get(key, "other"), "key": key,
-                                "values": {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}})
+            differences.append(
+                {
+                    "group": group_of.get(key, "other"),
+                    "key": key,
+                    "values": {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()},
+                }
+            )
     missing = [r["label"] for r in runs if not r.get("fingerprint")]
     flagged = sorted({d["group"] for d in differences})
-    return {"same": not differences, "differences": differences, "flagged_groups": flagged,
-            "without_fingerprint": missing,
-            "common": {k: (list(v) if isinstance(v, tuple) else v)
-                       for k, v in (next(iter(flat.values()), {}) or {}).items()
-                       if not any(d["key"] == k for d in differences)}}
+    return {
+        "same": not differences,
+        "differences": differences,
+        "flagged_groups": flagged,
+        "without_fingerprint": missing,
+        "common": {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in (next(iter(flat.values()), {}) or {}).items()
+            if not any(d["key"] == k for d in differences)
+        },
+    }

@@ -13,6 +13,10 @@ from harness.files.lock import pid_lock
 
 def report_lock(out: str, name: str):
     """Held while comparison `name` runs and writes compare-<name>.* in the folder `out`."""
-    return pid_lock(os.path.join(out, f"compare-{name}.lock"), "--out",
-                    lambda pid: f"comparison {name} is already running into {out} (pid {pid}); wait for it "
-                                "to end, or give another --out")
+    return pid_lock(
+        os.path.join(out, f"compare-{name}.lock"),
+        "--out",
+        lambda pid: (
+            f"comparison {name} is already running into {out} (pid {pid}); wait for it to end, or give another --out"
+        ),
+    )

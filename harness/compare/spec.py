@@ -61,8 +61,16 @@ DEFAULT = {
     "tolerance": None,
     "timeout_s": 240,
     "reference": True,
-    "workload": {"model": "tiny", "seq_len": 64, "global_batch_size": 8, "steps": 8, "warmup_steps": 2,
-                 "precision": "fp32", "device": "cpu", "seed": 1234},
+    "workload": {
+        "model": "tiny",
+        "seq_len": 64,
+        "global_batch_size": 8,
+        "steps": 8,
+        "warmup_steps": 2,
+        "precision": "fp32",
+        "device": "cpu",
+        "seed": 1234,
+    },
     "runs": [
         {"label": "own dp2", "engine": "own", "dp": 2, "micro_batch_size": 2},
         {"label": "own tp2", "engine": "own", "tp": 2, "micro_batch_size": 2},
@@ -87,8 +95,9 @@ DEFAULT = {
 
 
 def _name(value, field: str) -> str:
-    return check_name(str(value or "compare"), field, "the report files",
-                      reserved=len("harness-compare--") + 12)  # its log folder: name + an id
+    return check_name(
+        str(value or "compare"), field, "the report files", reserved=len("harness-compare--") + 12
+    )  # its log folder: name + an id
 
 
 def _tolerance(value, field: str) -> float:
@@ -187,8 +196,13 @@ def parse_compare_spec(raw) -> CompareSpec:
     if not isinstance(raw, dict):
         raise SpecError("spec", "top level must be a mapping")
     given = build_spec(CompareInput, raw, "")
-    name, nproc, parity_steps, workload, runs_raw = (given.name, given.nproc, given.parity_steps, given.workload,
-                                                     given.runs)
+    name, nproc, parity_steps, workload, runs_raw = (
+        given.name,
+        given.nproc,
+        given.parity_steps,
+        given.workload,
+        given.runs,
+    )
     matrix_runs = _matrix_runs(given.matrix)
     if not runs_raw and not matrix_runs:
         raise SpecError("runs", "must be a non-empty list of layouts (or give a matrix)")
@@ -201,13 +215,21 @@ def parse_compare_spec(raw) -> CompareSpec:
         tolerance, source = given.tolerance, "set in the compare spec"
     total_steps = base.workload.warmup_steps + base.workload.steps
     if parity_steps > total_steps:
-        raise SpecError("parity_steps", f"{parity_steps} > the {total_steps} steps each run trains "
-                                        "(warm-up steps included)")
+        raise SpecError(
+            "parity_steps", f"{parity_steps} > the {total_steps} steps each run trains (warm-up steps included)"
+        )
 
     planned, skipped, labels, not_runnable = [], [], set(), []
     if given.reference:
-        ref = parse_spec({"workload": workload, "layout": {"engine": "single", "micro_batch_size":
-                                                           _ref_micro(runs_raw, base.workload.global_batch_size)}})
+        ref = parse_spec(
+            {
+                "workload": workload,
+                "layout": {
+                    "engine": "single",
+                    "micro_batch_size": _ref_micro(runs_raw, base.workload.global_batch_size),
+                },
+            }
+        )
         planned.append(PlannedRun("reference (single device)", ref, 1, "direct", is_reference=True))
     entries = [(f"runs[{i}]", e) for i, e in enumerate(runs_raw)] + matrix_runs
     for where, entry in entries:
@@ -223,22 +245,23 @@ def parse_compare_spec(raw) -> CompareSpec:
             raise SpecError(f"{where}.label", f"{label!r} is used twice")
         labels.add(label)
         if registry.known(engine) and not engine_available(engine):
-            skipped.append((label, f"engine {engine!r} is not available in this checkout "
-                                   f"({engine} adapter module missing)"))
+            skipped.append(
+                (label, f"engine {engine!r} is not available in this checkout ({engine} adapter module missing)")
+            )
             continue
         one_process = registry.known(engine) and registry.facts(engine).one_process
         try:
             layout = layout if one_process else _with_dp(layout, nproc)
-            spec = parse_spec({"workload": {**workload, **override}, "layout": layout,
-                               "name": f"{name}/{label}"})
+            spec = parse_spec({"workload": {**workload, **override}, "layout": layout, "name": f"{name}/{label}"})
         except CapabilityError as e:
             if not where.startswith("matrix"):
                 raise SpecError(f"{where}.{e.field.split('.', 1)[1]}", e.reason) from None
             not_runnable.append({"label": label, "layout": layout, "why": f"{e.field}: {e.reason}"})
             continue
         except SpecError as e:
-            raise SpecError(f"{where}.{e.field.split('.', 1)[1] if e.field.startswith('layout.') else e.field}",
-                            e.reason) from None
+            raise SpecError(
+                f"{where}.{e.field.split('.', 1)[1] if e.field.startswith('layout.') else e.field}", e.reason
+            ) from None
         lay = spec.layout
         world = 1 if one_process else ParallelDims.of(lay).world
         if not one_process:
@@ -247,23 +270,35 @@ def parse_compare_spec(raw) -> CompareSpec:
             except SpecError as e:
                 raise SpecError(f"{where}", f"{e.reason} (nproc {nproc})") from None
         checks = registry.facts(engine).preflight  # a run's own files and this machine (compare runs here):
-        if checks is not None:                     # a ds_config that contradicts the workload, fsdp's cp on a CPU
+        if checks is not None:  # a ds_config that contradicts the workload, fsdp's cp on a CPU
             try:
                 checks(spec)
             except SpecError as e:
                 if checks is validate:
                     raise  # "error: <file>: <key>: <reason>"
                 if not where.startswith("matrix"):
-                    raise SpecError(f"{where}.{e.field.split('.', 1)[1] if e.field.startswith('layout.') else e.field}",
-                                    e.reason) from None
+                    raise SpecError(
+                        f"{where}.{e.field.split('.', 1)[1] if e.field.startswith('layout.') else e.field}", e.reason
+                    ) from None
                 not_runnable.append({"label": label, "layout": layout, "why": f"{e.field}: {e.reason}"})
                 continue
         launcher = entry.get("launcher", registry.facts(engine).launcher)
         if launcher not in LOCAL_LAUNCHERS:
             raise SpecError(f"{where}.launcher", " or ".join(LOCAL_LAUNCHERS))
         planned.append(PlannedRun(label, spec, world, launcher, workload_override=override))
-    return CompareSpec(name, nproc, parity_steps, tolerance, source, float(given.timeout_s), workload, planned,
-                       skipped, given.store, not_runnable)
+    return CompareSpec(
+        name,
+        nproc,
+        parity_steps,
+        tolerance,
+        source,
+        float(given.timeout_s),
+        workload,
+        planned,
+        skipped,
+        given.store,
+        not_runnable,
+    )
 
 
 def _with_dp(layout: dict, nproc: int) -> dict:
@@ -275,8 +310,9 @@ def _with_dp(layout: dict, nproc: int) -> dict:
     try:
         dims = ParallelDims.derive(nproc, field="layout.dp", tp=tp, pp=pp, cp=cp)
     except SpecError as e:
-        raise SpecError(e.field, f"{e.reason} (nproc {nproc}: a run that does not set dp takes "
-                                 f"nproc / (tp x cp x pp))") from None
+        raise SpecError(
+            e.field, f"{e.reason} (nproc {nproc}: a run that does not set dp takes nproc / (tp x cp x pp))"
+        ) from None
     return {**layout, "dp": dims.dp}
 
 

@@ -30,8 +30,11 @@ def _decode(raw: bytes, where: str, offset: int = 0) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SpecError(where, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at byte offset {offset + e.start}); "
-                               "convert it first, e.g. iconv -f latin1 -t utf-8") from None
+        raise SpecError(
+            where,
+            f"not UTF-8 text (byte 0x{raw[e.start]:02x} at byte offset {offset + e.start}); "
+            "convert it first, e.g. iconv -f latin1 -t utf-8",
+        ) from None
 
 
 def iter_documents(path: str, text_key: str):
@@ -50,8 +53,9 @@ def iter_documents(path: str, text_key: str):
                     except json.JSONDecodeError as e:
                         raise SpecError(f"{path}:{n}", f"not valid JSON: {e.msg}") from None
                     if not isinstance(obj, dict):
-                        raise SpecError(f"{path}:{n}", f"a JSON {type(obj).__name__}, not an object with a "
-                                                       f"{text_key!r} field")
+                        raise SpecError(
+                            f"{path}:{n}", f"a JSON {type(obj).__name__}, not an object with a {text_key!r} field"
+                        )
                     if text_key not in obj:
                         raise SpecError(f"{path}:{n}", f"no {text_key!r} field (--text-key names it)")
                     if not isinstance(obj[text_key], str):
@@ -89,8 +93,9 @@ def _tokenizer(tokenizer_path: str | None):
         tok = Tokenizer.from_file(tokenizer_path)
     except Exception as e:  # the Rust library raises plain Exception for any malformed file
         why = (str(e).strip().splitlines() or ["unreadable"])[0]
-        raise SpecError("--tokenizer", f"{tokenizer_path}: not a tokenizer.json the tokenizers library reads "
-                                       f"({why})") from None
+        raise SpecError(
+            "--tokenizer", f"{tokenizer_path}: not a tokenizer.json the tokenizers library reads ({why})"
+        ) from None
     vocab = tok.get_vocab_size()
     if vocab < 1:
         raise SpecError("--tokenizer", f"{tokenizer_path}: its vocabulary is empty")
@@ -117,9 +122,16 @@ def prepare(inputs: list[str], out: str, tokenizer_path: str | None = None, text
                     count += len(ids)
                     docs += 1
                 if docs == 0:
-                    raise SpecError(path, "holds no text" + (f" (no non-empty {text_key!r} field)"
-                                                             if path.endswith(JSONL_SUFFIXES) else ""))
-        meta = {"tokens": count, "dtype": np.dtype(dtype).name, "vocab_size": vocab,
-                "tokenizer": tokenizer_path or "bytes"}
+                    raise SpecError(
+                        path,
+                        "holds no text"
+                        + (f" (no non-empty {text_key!r} field)" if path.endswith(JSONL_SUFFIXES) else ""),
+                    )
+        meta = {
+            "tokens": count,
+            "dtype": np.dtype(dtype).name,
+            "vocab_size": vocab,
+            "tokenizer": tokenizer_path or "bytes",
+        }
         files.write(out + ".json", json.dumps(meta, indent=2))
     return meta

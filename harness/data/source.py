@@ -47,7 +47,7 @@ class TokenFile:
     def global_batch_at(self, step: int) -> torch.Tensor:
         window = self.seq_len + 1
         idx = (np.arange(self.global_batch) + step * self.global_batch) % self.windows
-        rows = np.stack([self.tokens[i * window:(i + 1) * window] for i in idx]).astype(np.int64)
+        rows = np.stack([self.tokens[i * window : (i + 1) * window] for i in idx]).astype(np.int64)
         out = torch.from_numpy(rows)
         if int(out.max()) >= self.vocab:
             from harness.errors import SpecError
@@ -61,19 +61,19 @@ def token_source(workload: Workload, vocab: int):
         # the checks `harness train` makes before launch (its .bin.json's dtype and vocabulary, size),
         # also for callers that build a source without validating the spec first
         check_token_file(workload, SimpleNamespace(vocab=vocab))
-        return TokenFile(workload.data.path, workload.data.dtype, vocab, workload.seq_len,
-                         workload.global_batch_size)
+        return TokenFile(workload.data.path, workload.data.dtype, vocab, workload.seq_len, workload.global_batch_size)
     return SyntheticTokens(vocab, workload.seq_len, workload.global_batch_size, workload.seed)
 
 
 def dp_slice(batch: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
     """Data-parallel rank r takes rows [r·B/dp, (r+1)·B/dp): contiguous, like the reference order."""
     per = batch.shape[0] // dp
-    return batch[dp_rank * per:(dp_rank + 1) * per]
+    return batch[dp_rank * per : (dp_rank + 1) * per]
 
 
-def micro_batches(local: torch.Tensor, micro_batch_size: int,
-                  positions: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def micro_batches(
+    local: torch.Tensor, micro_batch_size: int, positions: torch.Tensor | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, targets) pairs of micro_batch_size sequences each. `positions`: only those token
     positions, the same for inputs and targets so each target stays with the token that predicts
     it: a context-parallel rank's, which the engine takes from harness.model.llama.cp_token_index

@@ -15,7 +15,10 @@ def build(spec, shape, ctx):
     lay = spec.layout
     if blockwise_cp(lay) and lay.attention == "sdpa" and ctx.device.type != "cpu":
         # the device is known only here (workload.device auto): refused before anything is built
-        raise CapabilityError("layout.attention", f"the own engine's cp_impl {lay.cp_impl} runs sdpa blocks only on "
-                                                  f"CPU (torch's CPU flash kernel); on {ctx.device.type} use "
-                                                  "attention naive or cp_impl ulysses")
+        raise CapabilityError(
+            "layout.attention",
+            f"the own engine's cp_impl {lay.cp_impl} runs sdpa blocks only on "
+            f"CPU (torch's CPU flash kernel); on {ctx.device.type} use "
+            "attention naive or cp_impl ulysses",
+        )
     return Engine3D(spec, shape, ctx)

@@ -84,9 +84,12 @@ def comm_entry() -> list:
 def comm_dict(counts: dict) -> dict:
     """{axis: {op: [count, bytes, {dtype: bytes}]}} as the record keeps it:
     {axis: {op: {"count", "bytes", "bytes_by_dtype"}}} (comm_model builds the same)."""
-    return {axis: {op: {"count": c, "bytes": b, "bytes_by_dtype": dict(sorted(by.items()))}
-                   for op, (c, b, by) in ops.items()}
-            for axis, ops in counts.items()}
+    return {
+        axis: {
+            op: {"count": c, "bytes": b, "bytes_by_dtype": dict(sorted(by.items()))} for op, (c, b, by) in ops.items()
+        }
+        for axis, ops in counts.items()
+    }
 
 
 class CommStats:
@@ -115,8 +118,7 @@ class Axis:
     `time_key` is the breakdown category a blocking call charges its wait to.
     """
 
-    def __init__(self, name: str, group, ranks: list[int], rank: int, stats: CommStats,
-                 time_key: str):
+    def __init__(self, name: str, group, ranks: list[int], rank: int, stats: CommStats, time_key: str):
         self.name, self.group, self.ranks, self.stats, self.time_key = name, group, ranks, stats, time_key
         if name == "all":  # the step's world-wide reduction omits its group, as every engine's loss reduction
             self.group = None  # does: harness.profiling tells it from an axis that is the whole world by that
@@ -181,8 +183,9 @@ class Axis:
         self._timed(lambda: dist.recv(t, src=self.ranks[peer], group=self.group))
         return t
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-                 tag: int = 0) -> list:
+    def exchange(
+        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], tag: int = 0
+    ) -> list:
         """Post sends and receives (peers are indices along this axis) in one batch_isend_irecv,
         without waiting (`wait` blocks on the returned works): each send counted as "send", each
         receive as "recv", as isend and recv count them."""
@@ -197,9 +200,11 @@ class Axis:
 
     def wait(self, works: list) -> None:
         """Block on posted works; the wait is this axis's exposed communication time."""
+
         def run():
             for w in works:
                 w.wait()
+
         self._timed(run)
 
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:

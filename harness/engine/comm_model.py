@@ -65,8 +65,17 @@ def _add(out, axis, op, count, elems, dtype):
         e[2][dtype] += count * elems * SIZE[dtype]
 
 
-def cp_attention_calls(impl: str, cp: int, batch: int, heads: int, kv_heads: int, tokens: int, head_dim: int,
-                       dtype: str, forward_runs: int = 1) -> list[tuple[str, int, int, str]]:
+def cp_attention_calls(
+    impl: str,
+    cp: int,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    tokens: int,
+    head_dim: int,
+    dtype: str,
+    forward_runs: int = 1,
+) -> list[tuple[str, int, int, str]]:
     """(op, count, elements per call, dtype) of one context-parallel attention call on one rank,
     forward (run forward_runs times) and backward; heads and kv_heads on this rank, tokens its
     local ones (the module docstring's CP terms)."""
@@ -75,19 +84,33 @@ def cp_attention_calls(impl: str, cp: int, batch: int, heads: int, kv_heads: int
     kv = 2 * batch * kv_heads * tokens * head_dim
     if impl == "ring":
         hops = forward_runs * (cp - 1) + (cp - 1)
-        return [("send", hops, kv, dtype), ("recv", hops, kv, dtype),
-                ("send", cp, kv, "fp32"), ("recv", cp, kv, "fp32")]
+        return [
+            ("send", hops, kv, dtype),
+            ("recv", hops, kv, dtype),
+            ("send", cp, kv, "fp32"),
+            ("recv", cp, kv, "fp32"),
+        ]
     if impl == "allgather":
         return [("all_gather", forward_runs + 1, cp * kv, dtype), ("reduce_scatter", 1, cp * kv, "fp32")]
     if impl == "ulysses":
         qkv = batch * (heads + 2 * kv_heads) * tokens * head_dim
-        return [("all_to_all", forward_runs + 1, qkv, dtype),
-                ("all_to_all", forward_runs + 1, batch * heads * tokens * head_dim, dtype)]
+        return [
+            ("all_to_all", forward_runs + 1, qkv, dtype),
+            ("all_to_all", forward_runs + 1, batch * heads * tokens * head_dim, dtype),
+        ]
     raise ValueError(f"cp_impl {impl!r}")
 
 
-def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, precision: str = "fp32",
-              grad_accum_dtype: str = "fp32", grad_reduce_dtype: str = "fp32") -> dict:
+def rank_comm(
+    shape: Shape,
+    layout,
+    seq_len: int,
+    global_batch: int,
+    rank: int,
+    precision: str = "fp32",
+    grad_accum_dtype: str = "fp32",
+    grad_reduce_dtype: str = "fp32",
+) -> dict:
     """Expected {axis: {op: {count, bytes, bytes_by_dtype}}} for one step on one rank, under the
     precision policy named by `precision` and the workload's grad_accum_dtype/grad_reduce_dtype
     (both fp32 under precision fp32)."""
@@ -100,17 +123,17 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, 
     chunks = layout.virtual_stages if layout.pipeline_schedule == "interleaved" else 1
     mb = layout.micro_batch_size
     micro = global_batch // (dp * mb)
-    tokens = seq_len // cp                              # this rank's share of each sequence
-    act, adt = tokens * mb * shape.hidden, precision    # elements and dtype of an activation
+    tokens = seq_len // cp  # this rank's share of each sequence
+    act, adt = tokens * mb * shape.hidden, precision  # elements and dtype of an activation
     out = defaultdict(lambda: defaultdict(comm_entry))
     full_ckpt = layout.activation_checkpointing == "full"
     stages = pp * chunks
     for plan in rank_chunks(shape, pp, chunks, c.pp, seq_len):
         n = len(plan.layers)
         if tp > 1:
-            regions = 2 * n              # attention and MLP: one enter and one leave each
-            fwd_leave = regions + (1 if plan.first else 0)   # the embedding's leave too
-            bwd_enter = regions + (1 if plan.last else 0)    # the head's enter too
+            regions = 2 * n  # attention and MLP: one enter and one leave each
+            fwd_leave = regions + (1 if plan.first else 0)  # the embedding's leave too
+            bwd_enter = regions + (1 if plan.last else 0)  # the head's enter too
             # full checkpointing recomputes both enters but, stopping early, only the first leave
             redo_enter, redo_leave = (2 * n, n) if full_ckpt else (0, 0)
             if sp:
@@ -122,8 +145,16 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, 
                 _add(out, "tp", "all_reduce", micro, tokens * mb, "fp32")
                 _add(out, "tp", "all_reduce", micro, 2 * tokens * mb, "fp32")
         for op, count, elems, dtype in cp_attention_calls(
-                layout.cp_impl, cp, mb, shape.heads // tp, shape.kv_heads // tp, tokens,
-                shape.hidden // shape.heads, adt, 2 if full_ckpt else 1):
+            layout.cp_impl,
+            cp,
+            mb,
+            shape.heads // tp,
+            shape.kv_heads // tp,
+            tokens,
+            shape.hidden // shape.heads,
+            adt,
+            2 if full_ckpt else 1,
+        ):
             _add(out, "cp", op, micro * n * count, elems, dtype)
         if pp > 1:
             p2p = act // tp if sp else act
@@ -134,7 +165,7 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, 
                 _add(out, "pp", "send", micro, p2p, adt)
                 _add(out, "pp", "recv", micro, p2p, adt)
     specs = rank_params(shape, tp, pp, chunks, c.pp, seq_len)
-    buckets = plan_buckets(specs, max(1, int(layout.dp_bucket_mb * 2 ** 20 / 4)), replicas, sp)
+    buckets = plan_buckets(specs, max(1, int(layout.dp_bucket_mb * 2**20 / 4)), replicas, sp)
     for b in buckets:
         if b["sp"]:
             _add(out, "sp", "all_reduce", 1, b["padded"], grad_accum_dtype)
@@ -149,13 +180,21 @@ def rank_comm(shape: Shape, layout, seq_len: int, global_batch: int, rank: int, 
     return comm_dict(out)
 
 
-def world_comm(shape: Shape, layout, seq_len: int, global_batch: int, precision: str = "fp32",
-               grad_accum_dtype: str = "fp32", grad_reduce_dtype: str = "fp32") -> dict:
+def world_comm(
+    shape: Shape,
+    layout,
+    seq_len: int,
+    global_batch: int,
+    precision: str = "fp32",
+    grad_accum_dtype: str = "fp32",
+    grad_reduce_dtype: str = "fp32",
+) -> dict:
     """Per-step totals over all ranks (what the planner prices), {axis: {op: {count, bytes, bytes_by_dtype}}}."""
     tot = defaultdict(lambda: defaultdict(comm_entry))
     for r in range(ParallelDims.of(layout).world):
-        for axis, ops in rank_comm(shape, layout, seq_len, global_batch, r, precision, grad_accum_dtype,
-                                   grad_reduce_dtype).items():
+        for axis, ops in rank_comm(
+            shape, layout, seq_len, global_batch, r, precision, grad_accum_dtype, grad_reduce_dtype
+        ).items():
             for op, v in ops.items():
                 e = tot[axis][op]
                 e[0] += v["count"]

@@ -56,14 +56,15 @@ from torch.utils.checkpoint import checkpoint
 from harness.engine.comm import Axis
 from harness.model.llama import attention_core, cp_token_index
 
-KV, DKV = 0, 1   # P2P tags: the K/V block and its gradient accumulator travel side by side
+KV, DKV = 0, 1  # P2P tags: the K/V block and its gradient accumulator travel side by side
 
 
 def _core_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)   # fp32 (naive's), fp64 only for fp64 inputs
+    return torch.promote_types(dtype, torch.float32)  # fp32 (naive's), fp64 only for fp64 inputs
 
 
 # ---------------------------------------------------------------- blocks (masks by position)
+
 
 def _grouped(q, hkv):
     """[b, hq, s, d] -> [b, hkv, g, s, d]: query head h uses KV head h // g (repeat_interleave's map)."""
@@ -80,7 +81,7 @@ def _scores(qg, k, q_pos, k_pos):
 def block_forward(qg, k, v, q_pos, k_pos):
     """One block: its normalised output [b, hkv, g, sq, d] and LSE [b, hkv, g, sq] (core dtype in, out)."""
     s = _scores(qg, k, q_pos, k_pos)
-    m = s.amax(-1, keepdim=True).detach()   # the result does not depend on m: no gradient through it
+    m = s.amax(-1, keepdim=True).detach()  # the result does not depend on m: no gradient through it
     p = torch.exp(s - m)
     total = p.sum(-1, keepdim=True)
     out = torch.matmul(p, v.unsqueeze(2)) / total
@@ -109,6 +110,7 @@ def _merge(out, lse, rows, b_out, b_lse):
 
 # ---------------------------------------------------------------- blocks of one source rank
 
+
 def _ring_rows(i: int, j: int, c: int):
     """(query rows, key columns) of rank i's queries that can see block j (the module docstring)."""
     everything = slice(None)
@@ -125,7 +127,7 @@ _SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _flat(t):
-    return t.reshape(t.shape[0], -1, *t.shape[-2:])    # [b, hkv, g, s, d] -> [b, hq, s, d]
+    return t.reshape(t.shape[0], -1, *t.shape[-2:])  # [b, hkv, g, s, d] -> [b, hq, s, d]
 
 
 class _Blocks:
@@ -139,7 +141,7 @@ class _Blocks:
         self.cp, self.i, self.c, self.seq, self.sdpa = cp, i, q.shape[2] // 2, q.shape[2] * cp, sdpa
         self.dt, self.dtype, self.hkv = _core_dtype(q.dtype), q.dtype, hkv
         self.q_pos = cp_token_index(self.seq, cp, i, q.device)
-        self.qg = _grouped(q if sdpa else q.to(self.dt), hkv)   # sdpa computes from the inputs' dtype
+        self.qg = _grouped(q if sdpa else q.to(self.dt), hkv)  # sdpa computes from the inputs' dtype
 
     def _pos(self, j, rows, cols):
         return self.q_pos[rows], cp_token_index(self.seq, self.cp, j, self.q_pos.device)[cols]
@@ -174,20 +176,34 @@ class _Blocks:
             g = qg.shape[2]
             lse_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
             bq, bk, bv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                _flat(dog[..., rows, :]), _flat(qg), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
-                _flat(extra[..., rows, :]), _flat(lse[..., rows].unsqueeze(-1)).squeeze(-1).to(lse_dtype), 0.0,
-                j == self.i)
+                _flat(dog[..., rows, :]),
+                _flat(qg),
+                k.repeat_interleave(g, 1),
+                v.repeat_interleave(g, 1),
+                _flat(extra[..., rows, :]),
+                _flat(lse[..., rows].unsqueeze(-1)).squeeze(-1).to(lse_dtype),
+                0.0,
+                j == self.i,
+            )
             bq = bq.reshape(qg.shape).to(self.dt)
             bk = bk.reshape(k.shape[0], self.hkv, g, *bk.shape[-2:]).sum(2, dtype=self.dt)
             bv = bv.reshape(v.shape[0], self.hkv, g, *bv.shape[-2:]).sum(2, dtype=self.dt)
         else:
-            bq, bk, bv = block_backward(qg, k.to(self.dt), v.to(self.dt), *self._pos(j, rows, cols),
-                                        dog[..., rows, :], lse[..., rows], extra[..., rows])
+            bq, bk, bv = block_backward(
+                qg,
+                k.to(self.dt),
+                v.to(self.dt),
+                *self._pos(j, rows, cols),
+                dog[..., rows, :],
+                lse[..., rows],
+                extra[..., rows],
+            )
         dq[..., rows, :] += bq
         return cols, bk, bv
 
 
 # ---------------------------------------------------------------- ring
+
 
 def _backward_start(ctx, grad):
     """What ring's and allgather's backward both begin with: the saved tensors, the axis, this rank's
@@ -208,7 +224,7 @@ class _Ring(torch.autograd.Function):
         out, lse = blocks.start()
         kv = _pack(k, v)
         for t in range(cp):
-            if t < cp - 1:   # post the next block's transfer before computing on this one
+            if t < cp - 1:  # post the next block's transfer before computing on this one
                 incoming = torch.empty_like(kv)
                 works = axis.exchange([(kv, nxt)], [(incoming, prv)], tag=KV)
             blocks.forward(out, lse, (i - t) % cp, kv)
@@ -225,7 +241,7 @@ class _Ring(torch.autograd.Function):
         cp, i = axis.size, axis.index
         nxt, prv = (i + 1) % cp, (i - 1) % cp
         kv = _pack(k, v)
-        arriving, dkv_works = None, []   # the dK/dV accumulator of this step's block, on its way from rank i-1
+        arriving, dkv_works = None, []  # the dK/dV accumulator of this step's block, on its way from rank i-1
         for t in range(cp):
             if t < cp - 1:
                 incoming = torch.empty_like(kv)
@@ -238,16 +254,17 @@ class _Ring(torch.autograd.Function):
                 dkv = arriving
             dkv[0, :, :, cols] += bk
             dkv[1, :, :, cols] += bv
-            arriving = torch.empty_like(dkv)   # block j's accumulator goes on; block j-1's comes in
+            arriving = torch.empty_like(dkv)  # block j's accumulator goes on; block j-1's comes in
             dkv_works = axis.exchange([(dkv, nxt)], [(arriving, prv)], tag=DKV)
             if t < cp - 1:
                 axis.wait(kv_works)
                 kv = incoming
-        axis.wait(dkv_works)   # after cp hops the accumulator arriving is this rank's own block's
+        axis.wait(dkv_works)  # after cp hops the accumulator arriving is this rank's own block's
         return dq.reshape(q.shape).to(q.dtype), arriving[0].to(k.dtype), arriving[1].to(v.dtype), None, None
 
 
 # ---------------------------------------------------------------- allgather
+
 
 def _gather_kv(k, v, axis: Axis):
     """Every rank's packed K/V, [cp, 2, b, hkv, s_local, d] in rank order (the Axis gathers dim 0)."""
@@ -268,7 +285,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, lse, axis, blocks, dog, extra, dq = _backward_start(ctx, grad)
-        gathered = _gather_kv(k, v, axis)                          # again: only the local K/V were saved
+        gathered = _gather_kv(k, v, axis)  # again: only the local K/V were saved
         dkv = torch.zeros(gathered.shape, dtype=blocks.dt, device=k.device)
         for j, kv in enumerate(gathered):
             cols, bk, bv = blocks.backward(dq, j, kv, dog, lse, extra)
@@ -279,6 +296,7 @@ class _AllGather(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------- ulysses
+
 
 class _AllToAll(torch.autograd.Function):
     """[cp, ...]: piece r goes to rank r, piece r of the result came from rank r; its own adjoint."""
@@ -299,11 +317,11 @@ def _ulysses(q, k, v, axis: Axis, kernel, recompute: bool):
     hkv = k.shape[1]
     seq = s_local * cp
     order = torch.cat([cp_token_index(seq, cp, r, q.device) for r in range(cp)])
-    to_global = torch.argsort(order)    # global position p sits at rank-order index to_global[p]
+    to_global = torch.argsort(order)  # global position p sits at rank-order index to_global[p]
     split = [hq // cp, hkv // cp, hkv // cp]
     # [b, h, s, d] -> [cp, b, h/cp, s, d]: head shard r of this rank's tokens goes to rank r
     packed = torch.cat([t.reshape(b, cp, t.shape[1] // cp, s_local, d) for t in (q, k, v)], dim=2).movedim(1, 0)
-    mine = _AllToAll.apply(packed, axis)                      # [cp (source rank), b, H/cp, s_local, d]
+    mine = _AllToAll.apply(packed, axis)  # [cp (source rank), b, H/cp, s_local, d]
     whole = mine.permute(1, 2, 0, 3, 4).reshape(b, sum(split), seq, d)[:, :, to_global]
     qh, kh, vh = whole.split(split, dim=1)
     if recompute and torch.is_grad_enabled():
@@ -316,6 +334,7 @@ def _ulysses(q, k, v, axis: Axis, kernel, recompute: bool):
 
 # ---------------------------------------------------------------- entry
 
+
 def _sdpa_blocks(kernel, q) -> bool:
     """Whether ring/allgather blocks run sdpa (torch's CPU flash kernel) rather than naive's math."""
     from harness.model.kernels import attention_fn
@@ -325,7 +344,6 @@ def _sdpa_blocks(kernel, q) -> bool:
     if kernel is attention_fn("sdpa") and q.device.type == "cpu":
         return True
     raise ValueError("ring and allgather blocks compute naive's math, or sdpa's on CPU (torch's flash kernel)")
-
 
 
 def attention(q, k, v, axis: Axis, impl: str, kernel=None, recompute: bool = False):

@@ -63,6 +63,7 @@ def plan_buckets(specs: list[ParamSpec], bucket_elems: int, dp: int, sp: bool) -
 
     With sp, TP-replicated parameters (norm weights) go to one separate bucket, reduced last.
     """
+
     def numel(s):
         n = 1
         for d in s.local:
@@ -93,8 +94,16 @@ def plan_buckets(specs: list[ParamSpec], bucket_elems: int, dp: int, sp: bool) -
 
 
 class Bucket:
-    def __init__(self, params: list[torch.nn.Parameter], specs: list[ParamSpec], plan: dict, dp: Axis, device,
-                 policy: PrecisionPolicy, zero: bool):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        specs: list[ParamSpec],
+        plan: dict,
+        dp: Axis,
+        device,
+        policy: PrecisionPolicy,
+        zero: bool,
+    ):
         self.params, self.specs, self.sp = params, specs, plan["sp"]
         self.numel, self.padded = plan["numel"], plan["padded"]
         self.param_flat = torch.zeros(self.padded, dtype=policy.compute, device=device)
@@ -105,22 +114,22 @@ class Bucket:
         for p in params:
             n = p.numel()
             with torch.no_grad():
-                self.param_flat[off:off + n].copy_(p.detach().reshape(-1))
-            p.data = self.param_flat[off:off + n].view_as(p)
-            p.grad = self.grad_flat[off:off + n].view_as(p) if self.grads_in_place else None
+                self.param_flat[off : off + n].copy_(p.detach().reshape(-1))
+            p.data = self.param_flat[off : off + n].view_as(p)
+            p.grad = self.grad_flat[off : off + n].view_as(p) if self.grads_in_place else None
             self.ranges.append((off, off + n))
             off += n
         self.range_of = {p: r for p, r in zip(params, self.ranges, strict=True)}
         per = self.padded // dp.size
         self.shard = (dp.index * per, (dp.index + 1) * per)
-        self.mine = self.shard if zero else (0, self.padded)   # what this rank's optimizer updates
+        self.mine = self.shard if zero else (0, self.padded)  # what this rank's optimizer updates
         lo, hi = self.mine
         self.master = self.param_flat[lo:hi].to(policy.master, copy=True) if policy.master is not None else None
         self.ready = 0
         self.work = None
-        self.reducing = None   # the tensor in flight, when it is a copy of grad_flat in the reduction dtype
-        self.reduced = None    # this rank's reduced gradient (full bucket, or its ZeRO-1 shard)
-        self.main32 = None     # the same in fp32: what the optimizer's gradients are views of
+        self.reducing = None  # the tensor in flight, when it is a copy of grad_flat in the reduction dtype
+        self.reduced = None  # this rank's reduced gradient (full bucket, or its ZeRO-1 shard)
+        self.main32 = None  # the same in fp32: what the optimizer's gradients are views of
 
     def main_grad(self) -> torch.Tensor:
         """This rank's part of grad_flat: all of it, or under ZeRO-1 its shard (a view)."""
@@ -133,16 +142,28 @@ class ModelStates:
     masters (bf16), the views the optimizer updates, and the gradient hooks and DP (and SP)
     reductions that fill the gradients."""
 
-    def __init__(self, params: list[torch.nn.Parameter], specs: list[ParamSpec], dp: Axis, sp: Axis | None,
-                 zero: bool, bucket_mb: float, device, policy: PrecisionPolicy):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        specs: list[ParamSpec],
+        dp: Axis,
+        sp: Axis | None,
+        zero: bool,
+        bucket_mb: float,
+        device,
+        policy: PrecisionPolicy,
+    ):
         self.dp, self.sp, self.zero = dp, sp, zero and dp.size > 1
         self.policy, self.mixed = policy, policy.master is not None
         self.params = params
-        elems = max(1, int(bucket_mb * 2 ** 20 / 4))   # elements: the same buckets under every policy
+        elems = max(1, int(bucket_mb * 2**20 / 4))  # elements: the same buckets under every policy
         plans = plan_buckets(specs, elems, dp.size, sp is not None)
-        self.buckets = [Bucket([params[i] for i in pl["indices"]], [specs[i] for i in pl["indices"]], pl, dp, device,
-                               policy, self.zero)
-                        for pl in plans]
+        self.buckets = [
+            Bucket(
+                [params[i] for i in pl["indices"]], [specs[i] for i in pl["indices"]], pl, dp, device, policy, self.zero
+            )
+            for pl in plans
+        ]
         self.owner = {}
         for b in self.buckets:
             for p in b.params:
@@ -161,7 +182,7 @@ class ModelStates:
             for a, e in b.ranges:
                 a2, e2 = max(a, lo), min(e, hi)
                 if a2 < e2:
-                    t = b.master[a2 - lo:e2 - lo] if self.mixed else b.param_flat[a2:e2]
+                    t = b.master[a2 - lo : e2 - lo] if self.mixed else b.param_flat[a2:e2]
                     self.views.append((b, a2 - lo, e2 - lo, t))
         self._attach_grads()
 
@@ -175,7 +196,7 @@ class ModelStates:
 
     def _on_grad(self, p) -> None:
         b = self.owner[p]
-        if not b.grads_in_place:   # Megatron: the fresh .grad goes into the main gradient and is freed
+        if not b.grads_in_place:  # Megatron: the fresh .grad goes into the main gradient and is freed
             a, e = b.range_of[p]
             b.grad_flat[a:e].add_(p.grad.reshape(-1))
             p.grad = None
@@ -188,13 +209,13 @@ class ModelStates:
 
     def _launch(self, b: Bucket) -> None:
         if b.sp:
-            self.sp.all_reduce(b.grad_flat)   # blocking: partial norm gradients over the sequence
+            self.sp.all_reduce(b.grad_flat)  # blocking: partial norm gradients over the sequence
         if self.dp.size == 1:
             return
         reduce_dtype = self.policy.grad_reduce
         t = b.grad_flat if b.grad_flat.dtype == reduce_dtype else b.grad_flat.to(reduce_dtype)
         b.reducing = None if t is b.grad_flat else t
-        if self.zero:   # in place: the output is this rank's shard of t itself
+        if self.zero:  # in place: the output is this rank's shard of t itself
             lo, hi = b.shard
             b.work = self.dp.reduce_scatter(t, out=t[lo:hi], async_op=True)
         else:
@@ -206,8 +227,9 @@ class ModelStates:
         t0 = clock.mark()
         for b in self.buckets:
             if b.ready != len(b.params):
-                missing = [s.name for p, s in zip(b.params, b.specs, strict=True)
-                           if self.counts.get(p, 0) != self.expected]
+                missing = [
+                    s.name for p, s in zip(b.params, b.specs, strict=True) if self.counts.get(p, 0) != self.expected
+                ]
                 raise AssertionError(f"gradients never arrived for {missing[:4]}")
             if b.work is not None:
                 b.work.wait()
@@ -216,9 +238,9 @@ class ModelStates:
             if b.reducing is not None:
                 lo, hi = b.mine
                 summed = b.reducing[lo:hi]
-                if b.grad_flat.dtype == torch.float32:   # a bf16-reduced sum back into the fp32 main gradient
+                if b.grad_flat.dtype == torch.float32:  # a bf16-reduced sum back into the fp32 main gradient
                     b.reduced.copy_(summed)
-                else:   # the fp32-reduced sum of bf16 gradients: kept (ZeRO-1: only this rank's shard of it)
+                else:  # the fp32-reduced sum of bf16 gradients: kept (ZeRO-1: only this rank's shard of it)
                     b.reduced = summed.clone() if self.zero else summed
                 b.reducing = None
         clock.add("dp_comm", t0, clock.mark())
@@ -258,7 +280,7 @@ class ModelStates:
                     continue
                 a2, e2 = max(a, lo), min(e, hi)
                 if a2 < e2:
-                    seg = g[a2 - lo:e2 - lo]
+                    seg = g[a2 - lo : e2 - lo]
                     total += torch.dot(seg, seg)
         return total
 
@@ -274,13 +296,13 @@ class ModelStates:
             if self.mixed:
                 with torch.no_grad():
                     b.param_flat[lo:hi].copy_(b.master)
-            if self.zero:   # in place, as the reduce-scatter: the input is this rank's shard of the output
+            if self.zero:  # in place, as the reduce-scatter: the input is this rank's shard of the output
                 self.dp.all_gather(b.param_flat[lo:hi], out=b.param_flat)
 
     def zero_grads(self) -> None:
         for b in self.buckets:
             b.grad_flat.zero_()
-            b.reducing = b.reduced = b.main32 = None   # the step's copies go
+            b.reducing = b.reduced = b.main32 = None  # the step's copies go
         self._attach_grads()
 
     # ---------------------------------------------------------------- state and census
@@ -307,9 +329,11 @@ class ModelStates:
         flat parameters; main gradients and any reduction or fp32 copies alive (ZeRO-1's reduced
         shard is a view of grad_flat, counted with it, unless it is such a copy); fp32 masters
         (bf16 only)."""
-        out = {"parameters": [b.param_flat for b in self.buckets],
-               "gradients": [t for b in self.buckets for t in (b.grad_flat, b.reducing, b.reduced, b.main32)]
-                            + [p.grad for p in self.params]}
+        out = {
+            "parameters": [b.param_flat for b in self.buckets],
+            "gradients": [t for b in self.buckets for t in (b.grad_flat, b.reducing, b.reduced, b.main32)]
+            + [p.grad for p in self.params],
+        }
         if self.mixed:
             out["master_parameters"] = [b.master for b in self.buckets]
         return out

@@ -78,8 +78,10 @@ class Engine3D:
         c = self.mesh.coord
         self.clock = StepClock(ctx.device)
         self.stats = CommStats(self.clock)
-        self.axes = {a: Axis(a, self.mesh.groups[g], self.mesh.ranks[g], ctx.rank, self.stats, TIME_KEYS[a])
-                     for a, g in GROUP_OF.items()}
+        self.axes = {
+            a: Axis(a, self.mesh.groups[g], self.mesh.ranks[g], ctx.rank, self.stats, TIME_KEYS[a])
+            for a, g in GROUP_OF.items()
+        }
         self.cp = self.axes["cp"] if lay.cp > 1 else None
         sp = lay.sequence_parallel and lay.tp > 1
         self.region = Region(self.axes["tp"], sp)
@@ -87,30 +89,59 @@ class Engine3D:
         self.micro = micro_batches_per_step(spec)
         plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)
         self.plans = plans
-        self.chunks, self.param_specs = build_chunks(shape, plans, lay.tp, c.tp, self.region,
-                                                     options.kernels_for(lay),
-                                                     lay.activation_checkpointing,
-                                                     lambda name: reference_tensor(shape, w.seed, name), ctx.device,
-                                                     cp=self.cp, cp_impl=lay.cp_impl)
+        self.chunks, self.param_specs = build_chunks(
+            shape,
+            plans,
+            lay.tp,
+            c.tp,
+            self.region,
+            options.kernels_for(lay),
+            lay.activation_checkpointing,
+            lambda name: reference_tensor(shape, w.seed, name),
+            ctx.device,
+            cp=self.cp,
+            cp_impl=lay.cp_impl,
+        )
         named = {}
         for ch in self.chunks:
             named.update(dict(ch.named_parameters()))
         self.params = [named[s.name] for s in self.param_specs]
-        self.model_states = ModelStates(self.params, self.param_specs, self.axes["dp"], self.region.sp,
-                                        lay.zero_stage == 1, lay.dp_bucket_mb, ctx.device, self.policy)
-        self.optimizer = options.make_optimizer(self.model_states.optimizer_tensors(), w,
-                                                fused=ctx.device.type == "cuda")
+        self.model_states = ModelStates(
+            self.params,
+            self.param_specs,
+            self.axes["dp"],
+            self.region.sp,
+            lay.zero_stage == 1,
+            lay.dp_bucket_mb,
+            ctx.device,
+            self.policy,
+        )
+        self.optimizer = options.make_optimizer(
+            self.model_states.optimizer_tensors(), w, fused=ctx.device.type == "cuda"
+        )
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
-        self.programs = all_programs(lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
-                                     lay.pp, self.micro, self.chunks_per_rank)
-        seq_cp = w.seq_len // lay.cp            # the tokens of each sequence this rank holds
+        self.programs = all_programs(
+            lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
+            lay.pp,
+            self.micro,
+            self.chunks_per_rank,
+        )
+        seq_cp = w.seq_len // lay.cp  # the tokens of each sequence this rank holds
         seq_local = seq_cp // lay.tp if sp else seq_cp
         p2p_mode = lay.pipeline_p2p if lay.pipeline_p2p != "auto" else ("grouped" if ctx.backend == "nccl" else "async")
-        self.executor = PipelineExecutor(self.chunks, self.programs, self.axes["pp"], self.clock,
-                                         (seq_local, lay.micro_batch_size, shape.hidden), ctx.device,
-                                         self.policy.compute, p2p_mode, self.hooks,
-                                         options.batch_isend_irecv or dist.batch_isend_irecv)
-        cos, sin = shape_rotary(shape, w.seq_len, ctx.device, lay.cp, c.cp)   # this rank's positions
+        self.executor = PipelineExecutor(
+            self.chunks,
+            self.programs,
+            self.axes["pp"],
+            self.clock,
+            (seq_local, lay.micro_batch_size, shape.hidden),
+            ctx.device,
+            self.policy.compute,
+            p2p_mode,
+            self.hooks,
+            options.batch_isend_irecv or dist.batch_isend_irecv,
+        )
+        cos, sin = shape_rotary(shape, w.seq_len, ctx.device, lay.cp, c.cp)  # this rank's positions
         self.cos, self.sin = cos, sin
         self.positions = cp_token_index(w.seq_len, lay.cp, c.cp, ctx.device) if lay.cp > 1 else None
         self.rank_map = self.mesh.dims.rank_table(_ranks_per_node(ctx))
@@ -130,7 +161,7 @@ class Engine3D:
         micro = micro_batches(local, lay.micro_batch_size, self.positions)
         states = self.model_states
         states.begin_step(len(micro))
-        tokens = global_batch.shape[0] * w.seq_len   # the reference's mean over the global batch (every cp share)
+        tokens = global_batch.shape[0] * w.seq_len  # the reference's mean over the global batch (every cp share)
         loss = self.executor.run(micro, self.cos, self.sin, 1.0 / tokens)
         self.hooks.optimizer("optimizer step (reductions, AdamW, parameter refresh)")
         states.finish()
@@ -144,7 +175,7 @@ class Engine3D:
         sq = states.grad_sq_sum(count_replicated=c.tp == 0) if count_grads else torch.zeros((), device=self.device)
         pair = torch.stack([loss if count_loss else torch.zeros_like(loss), sq]).float()
         ta = clock.mark()
-        self.axes["all"].all_reduce(pair)   # its wait is the slowest stage's lag: charged to bubble
+        self.axes["all"].all_reduce(pair)  # its wait is the slowest stage's lag: charged to bubble
         t1 = clock.mark()
         if w.grad_clip > 0:
             norm = pair[1].sqrt()
@@ -152,7 +183,7 @@ class Engine3D:
             states.scale_grads(coef)
         self.optimizer.step()
         t2 = clock.mark()
-        states.refresh_params()             # masters -> bf16 parameters; ZeRO-1 all-gather (dp_comm)
+        states.refresh_params()  # masters -> bf16 parameters; ZeRO-1 all-gather (dp_comm)
         t3 = clock.mark()
         states.zero_grads()
         t_end = clock.mark()
@@ -164,7 +195,7 @@ class Engine3D:
         s = clock.seconds
         self._details = {
             "breakdown_s": {
-                "compute": max(0.0, s["fb"] - s["tp_comm"] - s["cp_comm"]),   # they run inside forward/backward
+                "compute": max(0.0, s["fb"] - s["tp_comm"] - s["cp_comm"]),  # they run inside forward/backward
                 "tp_comm": s["tp_comm"],
                 **({"cp_comm": s["cp_comm"]} if self.cp is not None else {}),
                 "bubble": s["bubble"],  # p2p sends and receive waits, send drains, waiting for the slowest stage
@@ -226,12 +257,16 @@ class Engine3D:
         return {
             "engine": "own 3D (Megatron-style TP/SP, instruction-list pipeline, bucketed DP, ZeRO-1)",
             "mesh": {**self.mesh.dims.sizes(), "order": f"{', '.join(AXES)} ({AXES[-1]} innermost)"},
-            "cp": lay.cp, "cp_impl": lay.cp_impl if lay.cp > 1 else None,
+            "cp": lay.cp,
+            "cp_impl": lay.cp_impl if lay.cp > 1 else None,
             "coord": self.mesh.coord._asdict(),
-            "schedule": lay.pipeline_schedule, "chunks_per_rank": self.chunks_per_rank,
+            "schedule": lay.pipeline_schedule,
+            "chunks_per_rank": self.chunks_per_rank,
             "p2p_mode": self.executor.mode,
-            "micro_batches": self.micro, "sequence_parallel": self.region.sp is not None,
-            "zero_stage": lay.zero_stage, "dp_buckets": [b.padded for b in self.model_states.buckets],
+            "micro_batches": self.micro,
+            "sequence_parallel": self.region.sp is not None,
+            "zero_stage": lay.zero_stage,
+            "dp_buckets": [b.padded for b in self.model_states.buckets],
             "precision_policy": self.policy.describe(),
             "stages": [{"stage": p.stage, "layers": [p.layers.start, p.layers.stop]} for p in self.plans],
             "rank_map": self.rank_map[:64],

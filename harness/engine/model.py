@@ -86,8 +86,9 @@ class ParallelBlock(nn.Module):
     """The plain Block with its attention and MLP inside TP regions. The MLP is the plain
     FeedForward at width ffn/tp: w1/w3 column-parallel, w2 row-parallel, no communication inside."""
 
-    def __init__(self, shape: Shape, tp: int, region: Region, kernels: Kernels, cp: Axis | None = None,
-                 cp_impl: str = "ring"):
+    def __init__(
+        self, shape: Shape, tp: int, region: Region, kernels: Kernels, cp: Axis | None = None, cp_impl: str = "ring"
+    ):
         super().__init__()
         self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
         self.attention = ParallelAttention(shape, tp, kernels.attention, cp, cp_impl)
@@ -116,14 +117,25 @@ class Chunk(nn.Module):
     returns hidden, or on the last stage the summed per-token loss (the executor scales it).
     """
 
-    def __init__(self, shape: Shape, plan: ChunkPlan, tp: int, tp_index: int, region: Region,
-                 kernels: Kernels, checkpointing: str, cp: Axis | None = None, cp_impl: str = "ring"):
+    def __init__(
+        self,
+        shape: Shape,
+        plan: ChunkPlan,
+        tp: int,
+        tp_index: int,
+        region: Region,
+        kernels: Kernels,
+        checkpointing: str,
+        cp: Axis | None = None,
+        cp_impl: str = "ring",
+    ):
         super().__init__()
         self.shape, self.plan, self.region, self.checkpointing = shape, plan, region, checkpointing
         self.vocab_start = vocab_range(shape.vocab, tp, tp_index)[0]
         self.tok_embeddings = Weight(shape.vocab // tp, shape.hidden) if plan.first else None
-        self.layers = nn.ModuleDict({str(i): ParallelBlock(shape, tp, region, kernels, cp, cp_impl)
-                                     for i in plan.layers})
+        self.layers = nn.ModuleDict(
+            {str(i): ParallelBlock(shape, tp, region, kernels, cp, cp_impl) for i in plan.layers}
+        )
         for layer in self.layers.values():
             layer.attention.recompute_core = checkpointing == "selective"
         self.norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm) if plan.last else None
@@ -147,15 +159,26 @@ class Chunk(nn.Module):
                 x = layer(x, cos, sin)
         if not self.plan.last:
             return x
-        logits = self.output(self.region.enter(self.norm(x)))          # [seq, batch, vocab/tp]
-        per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 targets.t().reshape(-1), self.region.tp, self.vocab_start)
+        logits = self.output(self.region.enter(self.norm(x)))  # [seq, batch, vocab/tp]
+        per_token = vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.t().reshape(-1), self.region.tp, self.vocab_start
+        )
         return per_token.sum()
 
 
-def build_chunks(shape: Shape, plans: list[ChunkPlan], tp: int, tp_index: int, region: Region,
-                 kernels: Kernels, checkpointing: str, reference, device, cp: Axis | None = None,
-                 cp_impl: str = "ring") -> tuple[list[Chunk], list[ParamSpec]]:
+def build_chunks(
+    shape: Shape,
+    plans: list[ChunkPlan],
+    tp: int,
+    tp_index: int,
+    region: Region,
+    kernels: Kernels,
+    checkpointing: str,
+    reference,
+    device,
+    cp: Axis | None = None,
+    cp_impl: str = "ring",
+) -> tuple[list[Chunk], list[ParamSpec]]:
     """The rank's chunks with their shards of the reference weights, and the parameter list
     (cp: the context-parallel axis when cp > 1, and its cp_impl).
 

@@ -68,11 +68,11 @@ def balanced_partition(shape: Shape, stages: int, seq_len: int) -> list[range]:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    name: str                  # as in the plain Llama's state dict
-    full: tuple[int, ...]      # full shape
-    local: tuple[int, ...]     # this rank's shard
-    shard_dim: int | None      # None: replicated across TP
-    chunk: int                 # which of this rank's model chunks holds it
+    name: str  # as in the plain Llama's state dict
+    full: tuple[int, ...]  # full shape
+    local: tuple[int, ...]  # this rank's shard
+    shard_dim: int | None  # None: replicated across TP
+    chunk: int  # which of this rank's model chunks holds it
 
 
 def _sharded(name, full, dim, tp, chunk):

@@ -29,9 +29,19 @@ from harness.model.training import StepHooks
 
 
 class PipelineExecutor:
-    def __init__(self, chunks, programs: list[list[Action]], pp_axis: Axis, clock: StepClock,
-                 act_shape: tuple[int, ...], device, act_dtype: torch.dtype, mode: str = "async",
-                 hooks: StepHooks | None = None, batch_isend_irecv=dist.batch_isend_irecv):
+    def __init__(
+        self,
+        chunks,
+        programs: list[list[Action]],
+        pp_axis: Axis,
+        clock: StepClock,
+        act_shape: tuple[int, ...],
+        device,
+        act_dtype: torch.dtype,
+        mode: str = "async",
+        hooks: StepHooks | None = None,
+        batch_isend_irecv=dist.batch_isend_irecv,
+    ):
         self.chunks = chunks
         self.pp = len(programs)
         self.me = pp_axis.index
@@ -46,7 +56,7 @@ class PipelineExecutor:
         self.grouped = grouped_programs(programs)[self.me] if self.mode == "grouped" else None
         self.marks: list[tuple] = []
         self.hooks = hooks or StepHooks()
-        self.batch_isend_irecv = batch_isend_irecv   # posts one group (NCCL: one coalesced work)
+        self.batch_isend_irecv = batch_isend_irecv  # posts one group (NCCL: one coalesced work)
 
     # ---------------------------------------------------------------- transfers
 
@@ -91,13 +101,13 @@ class PipelineExecutor:
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.axis.group))
         t0 = self.clock.mark()
         works = self.batch_isend_irecv(ops)
-        if len(works) == len(ops):   # one work per op (gloo): only the receives are needed now
+        if len(works) == len(ops):  # one work per op (gloo): only the receives are needed now
             for t, work, op in zip(transfers, works, ops, strict=True):
                 if t.op == "recv":
                     work.wait()
                 else:
                     self.pending.append((work, op.tensor))
-        else:                        # one coalesced work for the group (NCCL)
+        else:  # one coalesced work for the group (NCCL)
             for work in works:
                 work.wait()
         self.clock.add(self.axis.time_key, t0, self.clock.mark())
@@ -127,8 +137,9 @@ class PipelineExecutor:
         self.hooks.backward(f"backward chunk {a.chunk} micro-batch {a.micro}")
         stage = a.chunk * self.pp + self.me
         x, y = self.live.pop((a.chunk, a.micro))
-        grad = None if stage == self.last_stage else \
-            self._recv(Action("RECV_B", a.chunk, a.micro, (stage + 1) % self.pp))
+        grad = (
+            None if stage == self.last_stage else self._recv(Action("RECV_B", a.chunk, a.micro, (stage + 1) % self.pp))
+        )
         t0 = self.clock.mark()
         if grad is None:
             y.backward()
@@ -146,8 +157,10 @@ class PipelineExecutor:
     def resolve_timeline(self) -> list[dict]:
         """The step's forwards and backwards in seconds from the step's start (after clock.finish())."""
         el = self.clock.elapsed
-        return [{"stage": st, "kind": k, "micro": m, "start_s": el(self.t_step, a), "end_s": el(self.t_step, b)}
-                for st, k, m, a, b in self.marks]
+        return [
+            {"stage": st, "kind": k, "micro": m, "start_s": el(self.t_step, a), "end_s": el(self.t_step, b)}
+            for st, k, m, a, b in self.marks
+        ]
 
     # ---------------------------------------------------------------- step
 

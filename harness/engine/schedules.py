@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Action:
-    kind: str          # F, B, SEND_F, RECV_F, SEND_B, RECV_B, STEP
+    kind: str  # F, B, SEND_F, RECV_F, SEND_B, RECV_B, STEP
     chunk: int = 0
     micro: int = 0
-    peer: int = -1     # pipeline rank on the other end of a transfer
+    peer: int = -1  # pipeline rank on the other end of a transfer
 
     def __str__(self):
         if self.kind == "STEP":
@@ -130,9 +130,9 @@ def send_order(programs: list[list[Action]], src: int, dst: int) -> list[tuple]:
 
 @dataclass
 class Simulation:
-    finish: float                         # time of the last STEP with unit costs
-    timeline: list[list[tuple]]           # per rank: (kind, chunk, micro, start, end)
-    peak_in_flight: list[int]             # per rank: most (chunk, micro) activations held at once
+    finish: float  # time of the last STEP with unit costs
+    timeline: list[list[tuple]]  # per rank: (kind, chunk, micro, start, end)
+    peak_in_flight: list[int]  # per rank: most (chunk, micro) activations held at once
 
 
 def simulate(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0) -> Simulation:
@@ -204,9 +204,9 @@ def simulate(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 
 
 @dataclass(frozen=True)
 class Transfer:
-    op: str        # send | recv
+    op: str  # send | recv
     peer: int
-    label: tuple   # (direction, sending stage, micro)
+    label: tuple  # (direction, sending stage, micro)
 
 
 def grouped_program(programs: list[list[Action]], rank: int) -> list:
@@ -255,7 +255,7 @@ def _run_grouped(progs: list[list], f_cost: float, b_cost: float):
     pp = len(progs)
     pc = [0] * pp
     clock = [0.0] * pp
-    posted: dict[tuple, float] = {}   # (op, src, dst, label) -> time posted
+    posted: dict[tuple, float] = {}  # (op, src, dst, label) -> time posted
 
     def key(r, t):
         return ("send", r, t.peer, t.label) if t.op == "send" else ("recv", t.peer, r, t.label)

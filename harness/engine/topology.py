@@ -13,8 +13,10 @@ from harness.parallel_dims import ParallelDims
 
 def format_rank_map(rows: list[dict], limit: int = 64) -> str:
     axes = [k for k in rows[0] if k not in ("rank", "node", "local_rank")] if rows else []
-    lines = [f"rank {r['rank']:>5} node {r['node']:>4} local {r['local_rank']:>2}  "
-             + " ".join(f"{a} {r[a]}" for a in axes) for r in rows[:limit]]
+    lines = [
+        f"rank {r['rank']:>5} node {r['node']:>4} local {r['local_rank']:>2}  " + " ".join(f"{a} {r[a]}" for a in axes)
+        for r in rows[:limit]
+    ]
     if len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more ranks")
     return "\n".join(lines)

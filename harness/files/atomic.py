@@ -27,9 +27,17 @@ def check_target(path: str, field: str) -> str:
     except OSError as e:
         raise SpecError(field, f"cannot check {path}: {e.strerror or e}") from None
     if not stat.S_ISREG(mode):
-        what = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) \
+        what = (
+            "a folder"
+            if stat.S_ISDIR(mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
             else "not a regular file"
+        )
         named = f" (a link to {real})" if real != os.path.abspath(path) else ""
         raise SpecError(field, f"{path}{named} is {what}, not a file: nothing is written over it")
     return real
@@ -89,8 +97,9 @@ class Together:
                 raise exc
             return False
         except OSError as e:  # named after the first target: the rest go with it
-            raise SpecError(self.field, f"cannot write {self.named[0] if self.named else 'its files'}: "
-                                        f"{e.strerror or e}") from None
+            raise SpecError(
+                self.field, f"cannot write {self.named[0] if self.named else 'its files'}: {e.strerror or e}"
+            ) from None
         finally:
             self.discard()
 

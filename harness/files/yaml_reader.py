@@ -57,8 +57,11 @@ class StrictLoader(yaml.SafeLoader):
                     continue
                 if earlier is not key_node:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} is given twice (first on line {earlier.start_mark.line + 1})",
-                        key_node.start_mark)
+                        None,
+                        None,
+                        f"key {key!r} is given twice (first on line {earlier.start_mark.line + 1})",
+                        key_node.start_mark,
+                    )
         return super().construct_mapping(node, deep=deep)
 
 
@@ -79,8 +82,12 @@ def _expanded(node, memo: dict, open_: set) -> int:
         count = 1
     open_.discard(key)
     if count > MAX_VALUES:
-        raise _TooLarge(None, None, f"its aliases expand it to more than {MAX_VALUES} values (a spec holds "
-                                    "hundreds)", node.start_mark)
+        raise _TooLarge(
+            None,
+            None,
+            f"its aliases expand it to more than {MAX_VALUES} values (a spec holds hundreds)",
+            node.start_mark,
+        )
     memo[key] = count
     return count
 

@@ -57,9 +57,26 @@ from harness.launch.processes import (
 )
 from harness.store import ResultsStore, new_record, now_iso
 
-__all__ = ["TAIL_LINES", "RANK_EXIT", "FENCE_MODULE", "SWEEP_ID_ENV", "SWEEP_PID_ENV", "TOKEN_ENV", "classify_output",
-           "error_excerpt", "fenced", "first_error_line", "first_failure", "first_failure_line", "kill_run",
-           "lead_with_error_line", "processes_with_env", "reap_orphans_of_dead_sweeps", "tail", "terminate"]
+__all__ = [
+    "TAIL_LINES",
+    "RANK_EXIT",
+    "FENCE_MODULE",
+    "SWEEP_ID_ENV",
+    "SWEEP_PID_ENV",
+    "TOKEN_ENV",
+    "classify_output",
+    "error_excerpt",
+    "fenced",
+    "first_error_line",
+    "first_failure",
+    "first_failure_line",
+    "kill_run",
+    "lead_with_error_line",
+    "processes_with_env",
+    "reap_orphans_of_dead_sweeps",
+    "tail",
+    "terminate",
+]
 
 LAUNCHERS = ("torchrun", "deepspeed", "direct", "srun")
 LOCAL_LAUNCHERS = ("torchrun", "deepspeed", "direct")  # start every rank on this machine
@@ -84,9 +101,17 @@ def check_launcher(launcher: str, nproc: int, nnodes: int = 1, field: str = "lau
         raise SpecError(field, f"direct starts one process; this run needs {nproc * nnodes}: use torchrun or deepspeed")
 
 
-def build_command(launcher: str, nproc: int, argv: list[str], *, nnodes: int = 1, node_rank: int = 0,
-                  master_addr: str = "127.0.0.1", master_port: int | None = None,
-                  module: str = "harness.cli") -> list[str]:
+def build_command(
+    launcher: str,
+    nproc: int,
+    argv: list[str],
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    module: str = "harness.cli",
+) -> list[str]:
     """The command line that starts `python -m <module> <argv>` on `nproc` ranks per node.
 
     `argv` are the harness CLI arguments (e.g. ["train", "spec.yaml", "--store", ...]).
@@ -100,18 +125,36 @@ def build_command(launcher: str, nproc: int, argv: list[str], *, nnodes: int = 1
     if launcher == "direct":
         return [py, "-m", module, *argv]
     if launcher == "torchrun":
-        return [py, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
-                f"--node_rank={node_rank}", f"--master_addr={master_addr}", f"--master_port={port}",
-                "-m", module, *argv]
+        return [
+            py,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--nnodes={nnodes}",
+            f"--node_rank={node_rank}",
+            f"--master_addr={master_addr}",
+            f"--master_port={port}",
+            "-m",
+            module,
+            *argv,
+        ]
     if launcher == "deepspeed":
-        cmd = [py, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-               "--master_addr", master_addr, "--master_port", str(port)]
+        cmd = [
+            py,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            str(nproc),
+            "--master_addr",
+            master_addr,
+            "--master_port",
+            str(port),
+        ]
         if nnodes > 1:  # one launcher per node, started by the caller (e.g. srun), no ssh
             cmd += ["--num_nodes", str(nnodes), "--node_rank", str(node_rank), "--no_ssh"]
         return cmd + ["--module", module, *argv]
     # srun: one task per rank; the runner maps SLURM_PROCID etc. itself
-    return ["srun", f"--nodes={nnodes}", f"--ntasks-per-node={nproc}", "--kill-on-bad-exit=1",
-            py, "-m", module, *argv]
+    return ["srun", f"--nodes={nnodes}", f"--ntasks-per-node={nproc}", "--kill-on-bad-exit=1", py, "-m", module, *argv]
 
 
 # ---------------------------------------------------------------- one run
@@ -123,6 +166,7 @@ def _has_cuda() -> bool:
     if not _CUDA_CACHE:
         try:
             import torch
+
             _CUDA_CACHE.append(bool(torch.cuda.is_available()))
         except Exception:  # noqa: BLE001 - no torch means no CUDA here
             _CUDA_CACHE.append(False)
@@ -165,10 +209,21 @@ def recorded_command(cmd: list[str]) -> list[str]:
     return ["python", *cmd[1:]] if cmd and cmd[0] == sys.executable else list(cmd)
 
 
-def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: float,
-             sweep: str | None = None, point_key: str | None = None, extra_env: dict | None = None,
-             log_dir: str | None = None, nnodes: int = 1, module: str = "harness.cli",
-             run_id: str | None = None) -> dict:
+def run_spec(
+    spec,
+    *,
+    nproc: int,
+    launcher: str,
+    store_path: str,
+    timeout_s: float,
+    sweep: str | None = None,
+    point_key: str | None = None,
+    extra_env: dict | None = None,
+    log_dir: str | None = None,
+    nnodes: int = 1,
+    module: str = "harness.cli",
+    run_id: str | None = None,
+) -> dict:
     """Run one spec to completion or timeout and return its record (always one).
 
     The record is the runner's (looked up by run_id) or, if it wrote none, one written here.
@@ -207,9 +262,15 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
     start = time.monotonic()
     timed_out, lingered, survivors = False, 0.0, []
     with log:
-        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=env, start_new_session=True,
-                                 preexec_fn=functools.partial(set_parent_death_signal, os.getpid()))
+        popen = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=functools.partial(set_parent_death_signal, os.getpid()),
+        )
         try:
             timed_out, lingered = _wait(popen, store, run_id, timeout_s)
         finally:  # also on KeyboardInterrupt: never leave a run behind
@@ -221,13 +282,15 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
     if found is not None:  # the runner's verdict stands, also if its processes then hung
         record = found
         if lingered:
-            record["error"] = (record.get("error") or "") + \
-                f"\n(processes did not exit {lingered:g} s after the record was written; killed)"
+            record["error"] = (
+                record.get("error") or ""
+            ) + f"\n(processes did not exit {lingered:g} s after the record was written; killed)"
     else:
         record["status"] = classify_output(output, timed_out)
         if timed_out:
             record["error"] = f"timed out after {timeout_s:g} s; last output:\n" + "\n".join(
-                output.splitlines()[-TAIL_LINES:])
+                output.splitlines()[-TAIL_LINES:]
+            )
         elif not record.get("error"):
             record["error"] = error_excerpt(output) or f"exit code {popen.returncode}, no output"
         record["ended_at"] = now_iso()
@@ -239,9 +302,17 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
         if cause["source"] != "rank":  # a rank's own report already leads the error
             record["error"] = first_failure_line(cause) + "\n---\n" + (record.get("error") or "")
     lead_with_error_line(record, output)
-    record["launch"] = {"launcher": launcher, "nproc": nproc, "nnodes": nnodes, "command": recorded_command(cmd),
-                        "exit_code": popen.returncode, "wall_s": round(wall, 3), "log": log_path,
-                        "timeout_s": timeout_s, "timed_out": timed_out}
+    record["launch"] = {
+        "launcher": launcher,
+        "nproc": nproc,
+        "nnodes": nnodes,
+        "command": recorded_command(cmd),
+        "exit_code": popen.returncode,
+        "wall_s": round(wall, 3),
+        "log": log_path,
+        "timeout_s": timeout_s,
+        "timed_out": timed_out,
+    }
     if survivors:
         record["launch"]["survivors"] = survivors
     if record["status"] != "ok":  # what the launcher saw (e.g. which rank died by which signal)
@@ -250,8 +321,14 @@ def run_spec(spec, *, nproc: int, launcher: str, store_path: str, timeout_s: flo
     return record
 
 
-def _wait(popen: subprocess.Popen, store: ResultsStore, run_id: str, timeout_s: float,
-          grace_s: float | None = None, poll_s: float = 1.0) -> tuple[bool, float]:
+def _wait(
+    popen: subprocess.Popen,
+    store: ResultsStore,
+    run_id: str,
+    timeout_s: float,
+    grace_s: float | None = None,
+    poll_s: float = 1.0,
+) -> tuple[bool, float]:
     """Wait for the run to exit; returns (timed_out, lingered seconds granted after a record).
 
     A run whose record is already written is over even if its processes are not: a rank that

@@ -96,18 +96,26 @@ def clear_stale(root: str | None = None, depth: int | None = None, echo=None) ->
         except OSError:
             continue
         if owner != os.geteuid() and os.geteuid() != 0:
-            raise SpecError(path, "a torch extension build lock of another user, which a build of theirs may hold; "
-                                  f"every run that loads this extension waits on it: remove it (rm {path}) once "
-                                  "no build is running")
+            raise SpecError(
+                path,
+                "a torch extension build lock of another user, which a build of theirs may hold; "
+                f"every run that loads this extension waits on it: remove it (rm {path}) once "
+                "no build is running",
+            )
         try:
             os.remove(path)
         except FileNotFoundError:
             continue
         except OSError as e:
-            raise SpecError(path, f"a stale torch extension build lock (no process holds it) that cannot be "
-                                  f"removed ({e.strerror}); every run that loads this extension waits on it: "
-                                  f"remove it (rm {path})") from None
+            raise SpecError(
+                path,
+                f"a stale torch extension build lock (no process holds it) that cannot be "
+                f"removed ({e.strerror}); every run that loads this extension waits on it: "
+                f"remove it (rm {path})",
+            ) from None
         removed.append(path)
-        echo(f"warning: removed a stale torch extension build lock {path} (no process holds it: a killed build "
-             "left it, and the next DeepSpeed run would have waited on it until its timeout)")
+        echo(
+            f"warning: removed a stale torch extension build lock {path} (no process holds it: a killed build "
+            "left it, and the next DeepSpeed run would have waited on it until its timeout)"
+        )
     return removed

@@ -86,8 +86,11 @@ def first_failure(record: dict, output: str) -> dict | None:
     killed by a signal cannot report, its peers' lost connections are only echoes of it."""
     own = [f for f in record.get("rank_failures") or [] if not f.get("echo")]
     if own:
-        return {"rank": own[0]["rank"], "how": "out of memory" if own[0]["status"] == "oom" else own[0]["error"],
-                "source": "rank"}
+        return {
+            "rank": own[0]["rank"],
+            "how": "out of memory" if own[0]["status"] == "oom" else own[0]["error"],
+            "source": "rank",
+        }
     root = output.rsplit("Root Cause (first observed failure):", 1)
     found = re.search(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", root[1], re.S) if len(root) == 2 else None
     source = "torchrun"
@@ -99,5 +102,7 @@ def first_failure(record: dict, output: str) -> dict | None:
 
 
 def first_failure_line(cause: dict) -> str:
-    return (f"rank {cause['rank']} failed first: {cause['how']}, per {cause['source']}; "
-            "the errors of its peers below are echoes of it")
+    return (
+        f"rank {cause['rank']} failed first: {cause['how']}, per {cause['source']}; "
+        "the errors of its peers below are echoes of it"
+    )

@@ -34,8 +34,11 @@ from harness.parallel_dims import ParallelDims
 def check_traceable(spec) -> None:
     """What engine fsdp's trace cannot run: its context parallelism (CUDA kernels only)."""
     if spec.layout.cp > 1:
-        raise SpecError("layout.cp", "harness memory traces context parallelism under engine own; torch's "
-                                     "context_parallel (engine fsdp) dispatches only CUDA attention kernels")
+        raise SpecError(
+            "layout.cp",
+            "harness memory traces context parallelism under engine own; torch's "
+            "context_parallel (engine fsdp) dispatches only CUDA attention kernels",
+        )
 
 
 def substitutions(lay) -> list[str]:
@@ -109,15 +112,19 @@ def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
             with fake, live:
                 create_optimizer_states(eng.optimizer)
                 census = census_at_step(eng.optimizer, eng.census.tensors)
-                batch = torch.zeros((run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1),
-                                    dtype=torch.int64)
+                batch = torch.zeros(
+                    (run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1), dtype=torch.int64
+                )
                 saved = SavedActivations(eng.activation_exclusions(), key=storage_identity)
                 step = run_step(eng, batch, live, saved, phases)
         if eng.pipeline is None:
             layers = [[0, shape.layers]]
         else:  # the stage modules' blocks, named by their layer numbers
-            layers = [[min(map(int, part.layers.keys())), max(map(int, part.layers.keys())) + 1]
-                      for part in eng.parts if len(part.layers)]
+            layers = [
+                [min(map(int, part.layers.keys())), max(map(int, part.layers.keys())) + 1]
+                for part in eng.parts
+                if len(part.layers)
+            ]
         out = rank_trace(rank, dims.coord(rank).pp, layers, census, step, saved, phases, m, m_run)
         del eng
         out.seconds = time.perf_counter() - t0

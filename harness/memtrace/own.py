@@ -95,8 +95,7 @@ def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
             eng.census.result = {}  # its census keys storages by address, which fake ones lack: ours below
             create_optimizer_states(eng.optimizer)
             census = census_at_step(eng.optimizer, eng.census.tensors)
-            batch = torch.zeros((run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1),
-                                dtype=torch.int64)
+            batch = torch.zeros((run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1), dtype=torch.int64)
             saved = SavedActivations(eng.activation_exclusions(), key=storage_identity)
             step = run_step(eng, batch, live, saved, phases)
         layers = [[p.layers.start, p.layers.stop] for p in eng.plans]

@@ -88,6 +88,11 @@ def _coalesced_batch_isend_irecv(ops):
 
 def traced_options(lay, hooks: StepHooks, materialize=None) -> BuildOptions:
     """How the trace builds an engine: the target's kernels, optimizer and transfers, no weight values."""
-    return BuildOptions(kernels=traced_kernels(lay), make_optimizer=_fused_adamw,
-                        batch_isend_irecv=_coalesced_batch_isend_irecv, materialize=materialize,
-                        load_weights=False, hooks=hooks)
+    return BuildOptions(
+        kernels=traced_kernels(lay),
+        make_optimizer=_fused_adamw,
+        batch_isend_irecv=_coalesced_batch_isend_irecv,
+        materialize=materialize,
+        load_weights=False,
+        hooks=hooks,
+    )

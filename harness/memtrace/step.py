@@ -51,9 +51,11 @@ def traced_spec(spec, stage: int = 0, full_micro: bool = False, micro_batches=tr
     lay = spec.layout
     m = micro_batches_per_step(spec)
     m_run = m if full_micro else micro_batches(lay, m, stage)
-    new_lay = dataclasses.replace(lay, attention=traced_attention(lay.attention, lay),
-                                  pipeline_p2p="grouped" if lay.pipeline_p2p == "auto" and lay.pp > 1
-                                  else lay.pipeline_p2p)
+    new_lay = dataclasses.replace(
+        lay,
+        attention=traced_attention(lay.attention, lay),
+        pipeline_p2p="grouped" if lay.pipeline_p2p == "auto" and lay.pp > 1 else lay.pipeline_p2p,
+    )
     batch = spec.workload.global_batch_size // m * m_run  # m_run of the step's m micro-batches
     wl = dataclasses.replace(spec.workload, global_batch_size=batch, device="cpu")
     return dataclasses.replace(spec, layout=new_lay, workload=wl), m, m_run
@@ -64,15 +66,15 @@ class RankTrace:
     rank: int
     stage: int
     layers: list
-    census: dict            # category -> dtype -> bytes, at the optimizer step
-    states_bytes: int       # live bytes when the step starts (model states and buffers)
-    live_peak_bytes: int    # the largest live bytes during the step
-    peak_at: str            # where in the step it occurred
+    census: dict  # category -> dtype -> bytes, at the optimizer step
+    states_bytes: int  # live bytes when the step starts (model states and buffers)
+    live_peak_bytes: int  # the largest live bytes during the step
+    peak_at: str  # where in the step it occurred
     forward_backward_peak_bytes: int
     optimizer_peak_bytes: int
-    saved_bytes_step: int   # saved for backward over the step (each storage once while saved)
+    saved_bytes_step: int  # saved for backward over the step (each storage once while saved)
     saved_bytes_forward: int  # saved by the first forward of the step
-    micro_batches: int      # per step in the workload
+    micro_batches: int  # per step in the workload
     micro_batches_traced: int
     seconds: float
     extra: dict = field(default_factory=dict)
@@ -152,8 +154,19 @@ def census_at_step(optimizer, held) -> dict:
 def rank_trace(rank, stage, layers, census, step, saved, phases, m, m_run) -> RankTrace:
     """The RankTrace of a traced step: `step` is what run_step returns."""
     base, peak, peak_fb, peak_opt, where = step
-    return RankTrace(rank=rank, stage=stage, layers=layers, census=census, states_bytes=base,
-                     live_peak_bytes=peak, peak_at=where, forward_backward_peak_bytes=peak_fb,
-                     optimizer_peak_bytes=peak_opt, saved_bytes_step=saved.bytes,
-                     saved_bytes_forward=phases.first_forward or 0,
-                     micro_batches=m, micro_batches_traced=m_run, seconds=0.0)
+    return RankTrace(
+        rank=rank,
+        stage=stage,
+        layers=layers,
+        census=census,
+        states_bytes=base,
+        live_peak_bytes=peak,
+        peak_at=where,
+        forward_backward_peak_bytes=peak_fb,
+        optimizer_peak_bytes=peak_opt,
+        saved_bytes_step=saved.bytes,
+        saved_bytes_forward=phases.first_forward or 0,
+        micro_batches=m,
+        micro_batches_traced=m_run,
+        seconds=0.0,
+    )

@@ -52,10 +52,15 @@ def tracer(engine: str):
         traced = traced_engines()
         either = " or ".join(traced)
         if facts.untraced:
-            raise SpecError("layout.engine", f"harness memory traces engines {' and '.join(traced)}; "
-                                              f"{facts.untraced} (set engine: {either})")
-        raise SpecError("layout.engine", f"harness memory traces engines {' and '.join(traced)}; {engine!r} is "
-                                          f"not traced (set engine: {either} to trace this layout under it)")
+            raise SpecError(
+                "layout.engine",
+                f"harness memory traces engines {' and '.join(traced)}; {facts.untraced} (set engine: {either})",
+            )
+        raise SpecError(
+            "layout.engine",
+            f"harness memory traces engines {' and '.join(traced)}; {engine!r} is "
+            f"not traced (set engine: {either} to trace this layout under it)",
+        )
     return importlib.import_module(facts.tracer)
 
 
@@ -71,8 +76,10 @@ def substitutions(spec) -> list[str]:
     lay = spec.layout
     out = []
     if traced_attention(lay.attention, lay) != lay.attention:
-        out.append(f"attention {lay.attention}: traced as CPU flash SDPA (same saved tensors: q, k, v, output, "
-                   "fp32 log-sum-exp; no s x s)")
+        out.append(
+            f"attention {lay.attention}: traced as CPU flash SDPA (same saved tensors: q, k, v, output, "
+            "fp32 log-sum-exp; no s x s)"
+        )
     if lay.rmsnorm == "fused":
         out.append("rmsnorm fused: a kernel saving its input and fp32 1/rms, allocating only outputs")
     out.append("AdamW fused (the engine's CUDA optimizer)")

@@ -147,28 +147,30 @@ class Kernels:
 # ---------------------------------------------------------------- availability
 
 
-def check_kernels(attention: str, rmsnorm_kind: str, device: torch.device, dtype: torch.dtype,
-                  head_dim: int) -> None:
+def check_kernels(attention: str, rmsnorm_kind: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
     """Run each chosen kernel once, forward and backward; raise SpecError if it cannot run."""
     if attention == "flash2":
         try:
             import flash_attn  # noqa: F401
         except Exception as e:
-            raise SpecError("layout.attention", f"flash2 needs the flash-attn package "
-                                                f"(pip install '.[flash]', CUDA only): {e}") from None
+            raise SpecError(
+                "layout.attention", f"flash2 needs the flash-attn package (pip install '.[flash]', CUDA only): {e}"
+            ) from None
     try:
         q = torch.randn(1, 2, 16, head_dim, device=device, dtype=dtype, requires_grad=True)
         attention_fn(attention)(q, q, q).sum().backward()
     except Exception as e:
-        raise SpecError("layout.attention", f"{attention} cannot run on {device.type} with {dtype}: "
-                                            f"{str(e).splitlines()[0][:160]}") from None
+        raise SpecError(
+            "layout.attention", f"{attention} cannot run on {device.type} with {dtype}: {str(e).splitlines()[0][:160]}"
+        ) from None
     try:
         x = torch.randn(4, 32, device=device, dtype=dtype, requires_grad=True)
         w = torch.ones(32, device=device, dtype=dtype, requires_grad=True)
         rmsnorm_fn(rmsnorm_kind)(x, w, 1e-5).sum().backward()
     except Exception as e:
-        raise SpecError("layout.rmsnorm", f"{rmsnorm_kind} cannot run on {device.type}: "
-                                          f"{str(e).splitlines()[0][:160]}") from None
+        raise SpecError(
+            "layout.rmsnorm", f"{rmsnorm_kind} cannot run on {device.type}: {str(e).splitlines()[0][:160]}"
+        ) from None
 
 
 # ---------------------------------------------------------------- this machine, before any launch
@@ -177,8 +179,13 @@ def check_kernels(attention: str, rmsnorm_kind: str, device: torch.device, dtype
 def need_of(spec, device_type: str) -> tuple:
     """What a run (a RunSpec) asks of a device: (attention, rmsnorm, device type, precision, head size)."""
     shape = spec.shape()
-    return (spec.layout.attention, spec.layout.rmsnorm, device_type, spec.workload.precision,
-            shape.hidden // shape.heads)
+    return (
+        spec.layout.attention,
+        spec.layout.rmsnorm,
+        device_type,
+        spec.workload.precision,
+        shape.hidden // shape.heads,
+    )
 
 
 def run_kernels(spec, device: torch.device) -> None:
@@ -192,8 +199,9 @@ def run_kernels(spec, device: torch.device) -> None:
 def probe(need: tuple) -> None:
     """check_kernels for one need: (attention, rmsnorm, device type, precision, head size)."""
     attention, rmsnorm, device, precision, head_dim = need
-    check_kernels(attention, rmsnorm, torch.device(device), torch.bfloat16 if precision == "bf16" else torch.float32,
-                  head_dim)
+    check_kernels(
+        attention, rmsnorm, torch.device(device), torch.bfloat16 if precision == "bf16" else torch.float32, head_dim
+    )
 
 
 def probe_in_child(needs: list[tuple]) -> dict[tuple, tuple[str, str]]:
@@ -204,8 +212,9 @@ def probe_in_child(needs: list[tuple]) -> dict[tuple, tuple[str, str]]:
     import sys
 
     try:
-        out = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(needs), capture_output=True,
-                             text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-m", __name__], input=json.dumps(needs), capture_output=True, text=True, timeout=600
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SpecError("workload.device", f"the kernel check on this machine's GPU did not finish: {e}") from None
     if out.returncode != 0:

@@ -63,8 +63,12 @@ def cp_token_index(seq_len: int, cp: int = 1, index: int = 0, device=None) -> to
     if cp == 1:
         return torch.arange(seq_len, device=device)
     chunk = seq_len // (2 * cp)
-    return torch.cat([torch.arange(index * chunk, (index + 1) * chunk, device=device),
-                      torch.arange((2 * cp - 1 - index) * chunk, (2 * cp - index) * chunk, device=device)])
+    return torch.cat(
+        [
+            torch.arange(index * chunk, (index + 1) * chunk, device=device),
+            torch.arange((2 * cp - 1 - index) * chunk, (2 * cp - index) * chunk, device=device),
+        ]
+    )
 
 
 def token_positions(seq_len: int, device, cp: int = 1, index: int = 0) -> torch.Tensor:
@@ -96,7 +100,7 @@ def _rotate_half(x):
 
 def apply_rotary(x, cos, sin):
     """x: [batch, heads, seq, head_dim]."""
-    return (x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype))
+    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
 
 
 def attention_core(q, k, v, kernel):
@@ -174,8 +178,10 @@ def tie_embeddings(shape: Shape, embedding: nn.Module | None, head: nn.Module | 
     if not shape.tie_embeddings:
         return
     if embedding is None or head is None:
-        raise ValueError("tied embeddings need the embedding and the LM head in one module "
-                         "(one pipeline stage or model chunk: pp=1, virtual_stages=1)")
+        raise ValueError(
+            "tied embeddings need the embedding and the LM head in one module "
+            "(one pipeline stage or model chunk: pp=1, virtual_stages=1)"
+        )
     head.weight = embedding.weight
 
 
@@ -198,9 +204,21 @@ class Llama(nn.Module):
     meet the other ranks' keys and values (the engine gives such kernels).
     """
 
-    def __init__(self, shape: Shape, attention: str = "sdpa", rmsnorm_kind: str = "torch",
-                 checkpointing: str = "none", *, kernels: Kernels | None = None, layers: range | None = None,
-                 first: bool = True, last: bool = True, seq_len: int | None = None, cp: int = 1, cp_index: int = 0):
+    def __init__(
+        self,
+        shape: Shape,
+        attention: str = "sdpa",
+        rmsnorm_kind: str = "torch",
+        checkpointing: str = "none",
+        *,
+        kernels: Kernels | None = None,
+        layers: range | None = None,
+        first: bool = True,
+        last: bool = True,
+        seq_len: int | None = None,
+        cp: int = 1,
+        cp_index: int = 0,
+    ):
         super().__init__()
         kernels = kernels or Kernels.of(attention, rmsnorm_kind)
         self.shape, self.seq_len = shape, seq_len
@@ -307,8 +325,15 @@ def load_reference(model: Llama, reference: Mapping[str, torch.Tensor], device) 
     return model
 
 
-def build_model(shape: Shape, seed: int, attention: str = "sdpa", rmsnorm_kind: str = "torch",
-                checkpointing: str = "none", device="cpu", kernels: Kernels | None = None) -> Llama:
+def build_model(
+    shape: Shape,
+    seed: int,
+    attention: str = "sdpa",
+    rmsnorm_kind: str = "torch",
+    checkpointing: str = "none",
+    device="cpu",
+    kernels: Kernels | None = None,
+) -> Llama:
     with torch.device("meta"):
         model = Llama(shape, attention, rmsnorm_kind, checkpointing, kernels=kernels)
     return load_reference(model, reference_state_dict(shape, seed), device)

@@ -27,9 +27,9 @@ class Shape:
     vocab: int
     rope_theta: float = 10000.0
     max_positions: int = 8192
-    norm_eps: float = 1e-5                  # RMSNorm epsilon (config.json: rms_norm_eps)
-    tie_embeddings: bool = False            # LM head shares the embedding's weight (tie_word_embeddings)
-    attention_bias: bool = False            # biases on q/k/v/o projections (attention_bias)
+    norm_eps: float = 1e-5  # RMSNorm epsilon (config.json: rms_norm_eps)
+    tie_embeddings: bool = False  # LM head shares the embedding's weight (tie_word_embeddings)
+    attention_bias: bool = False  # biases on q/k/v/o projections (attention_bias)
     # Llama 3.1 rope scaling (rope_scaling / rope_parameters with rope_type llama3); factor 1: none
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
@@ -41,8 +41,12 @@ class Shape:
         """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), or None."""
         if self.rope_factor == 1.0:
             return None
-        return (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                self.rope_original_max_positions)
+        return (
+            self.rope_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max_positions,
+        )
 
 
 PRESETS: dict[str, Shape] = {
@@ -59,8 +63,7 @@ PRESETS: dict[str, Shape] = {
     "llama2-70b": Shape(80, 8192, 28672, 64, 8, 32000),
     # llama3-8b is Llama 3.1 8B's config.json: Llama 3 8B's shape with the llama3 rope scaling and
     # 131,072 positions (the 128k-context release long-sequence layouts are planned for).
-    "llama3-8b": Shape(32, 4096, 14336, 32, 8, 128256, rope_theta=500000.0, max_positions=131072,
-                       rope_factor=8.0),
+    "llama3-8b": Shape(32, 4096, 14336, 32, 8, 128256, rope_theta=500000.0, max_positions=131072, rope_factor=8.0),
     # Tiny shapes for CPU tests and demos (grouped-query attention on purpose).
     "tiny": Shape(2, 64, 176, 4, 2, 256, max_positions=2048),
     "tiny-4l": Shape(4, 128, 352, 8, 4, 512, max_positions=2048),
@@ -73,9 +76,14 @@ def shape_to_config(shape: Shape):
 
     rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
     if shape.rope_scaling is not None:
-        rope = {"rope_type": "llama3", "rope_theta": shape.rope_theta, "factor": shape.rope_factor,
-                "low_freq_factor": shape.rope_low_freq_factor, "high_freq_factor": shape.rope_high_freq_factor,
-                "original_max_position_embeddings": shape.rope_original_max_positions}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": shape.rope_theta,
+            "factor": shape.rope_factor,
+            "low_freq_factor": shape.rope_low_freq_factor,
+            "high_freq_factor": shape.rope_high_freq_factor,
+            "original_max_position_embeddings": shape.rope_original_max_positions,
+        }
     kwargs = dict(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
@@ -99,9 +107,16 @@ def shape_to_config(shape: Shape):
 
 
 # What transformers' LlamaConfig assumes when config.json leaves a field out.
-_HF_DEFAULTS = {"hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-                "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-                "attention_dropout": 0.0, "rope_theta": 10000.0}
+_HF_DEFAULTS = {
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "attention_dropout": 0.0,
+    "rope_theta": 10000.0,
+}
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -109,11 +124,16 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 def _number(raw: dict, key: str, kind, where: str, field: str):
     """raw[key] (or transformers' default) as a positive int or float, or a SpecError."""
     value = raw[key] if raw.get(key) is not None else _HF_DEFAULTS.get(key)
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-          and (kind is float or float(value).is_integer()))  # json reads NaN and Infinity
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (kind is float or float(value).is_integer())
+    )  # json reads NaN and Infinity
     if not ok or value <= 0:
-        raise SpecError(field, f"{key} must be a positive {'integer' if kind is int else 'number'}, got {value!r} "
-                               f"({where})")
+        raise SpecError(
+            field, f"{key} must be a positive {'integer' if kind is int else 'number'}, got {value!r} ({where})"
+        )
     return kind(value)
 
 
@@ -152,10 +172,15 @@ def config_dict_to_shape(raw: dict, where: str = "config.json", field: str = "wo
         raise SpecError(field, f"mlp_bias true is not supported ({where}); no LLaMA checkpoint has MLP biases")
     dropout = raw.get("attention_dropout") or 0.0
     if dropout != 0:
-        raise SpecError(field, f"attention_dropout {dropout} is not supported ({where}); the harness trains "
-                               f"without dropout, as LLaMA does")
-    hidden, heads = (_number(raw, "hidden_size", int, where, field),
-                     _number(raw, "num_attention_heads", int, where, field))
+        raise SpecError(
+            field,
+            f"attention_dropout {dropout} is not supported ({where}); the harness trains "
+            f"without dropout, as LLaMA does",
+        )
+    hidden, heads = (
+        _number(raw, "hidden_size", int, where, field),
+        _number(raw, "num_attention_heads", int, where, field),
+    )
     if raw.get("num_key_value_heads") is None:
         kv_heads = heads
     else:
@@ -163,8 +188,11 @@ def config_dict_to_shape(raw: dict, where: str = "config.json", field: str = "wo
     if raw.get("head_dim") is not None:
         head_dim = _number(raw, "head_dim", int, where, field)
         if head_dim * heads != hidden:
-            raise SpecError(field, f"head_dim {head_dim} x num_attention_heads {heads} != hidden_size {hidden} "
-                                   f"({where}); only head_dim = hidden_size / num_attention_heads is supported")
+            raise SpecError(
+                field,
+                f"head_dim {head_dim} x num_attention_heads {heads} != hidden_size {hidden} "
+                f"({where}); only head_dim = hidden_size / num_attention_heads is supported",
+            )
     rope = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
@@ -172,8 +200,9 @@ def config_dict_to_shape(raw: dict, where: str = "config.json", field: str = "wo
     rope.update(scaling or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise SpecError(field, f"rope_scaling rope_type {rope_type} is not supported ({where}); "
-                               f"only llama3 (Llama 3.1) or none")
+        raise SpecError(
+            field, f"rope_scaling rope_type {rope_type} is not supported ({where}); only llama3 (Llama 3.1) or none"
+        )
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise SpecError(field, f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported ({where})")
     theta = _number(rope if "rope_theta" in rope else raw, "rope_theta", float, where, field)
@@ -185,12 +214,21 @@ def config_dict_to_shape(raw: dict, where: str = "config.json", field: str = "wo
         if absent:
             raise SpecError(field, f"rope_scaling llama3 lacks {', '.join(absent)} ({where})")
         vals = {k: _number(rope, k, float, where, field) for k in _LLAMA3_KEYS[:3]}
-        orig = _number({"original_max_position_embeddings": max_positions, **rope},
-                       "original_max_position_embeddings", int, where, field)
+        orig = _number(
+            {"original_max_position_embeddings": max_positions, **rope},
+            "original_max_position_embeddings",
+            int,
+            where,
+            field,
+        )
         if vals["high_freq_factor"] <= vals["low_freq_factor"]:
             raise SpecError(field, f"rope_scaling llama3 needs high_freq_factor > low_freq_factor ({where})")
-        extra = dict(rope_factor=vals["factor"], rope_low_freq_factor=vals["low_freq_factor"],
-                     rope_high_freq_factor=vals["high_freq_factor"], rope_original_max_positions=orig)
+        extra = dict(
+            rope_factor=vals["factor"],
+            rope_low_freq_factor=vals["low_freq_factor"],
+            rope_high_freq_factor=vals["high_freq_factor"],
+            rope_original_max_positions=orig,
+        )
     return Shape(
         layers=_number(raw, "num_hidden_layers", int, where, field),
         hidden=hidden,
@@ -238,8 +276,11 @@ def find_config(model: str, field: str = "workload.model") -> str | None:
         if not os.path.isfile(path):
             raise SpecError(field, f"folder {model!r} holds no config.json")
         return path
-    looks_like_path = model.endswith(".json") or model.startswith((".", "~", os.path.sep)) or \
-        (os.path.sep != "/" and os.path.sep in model)
+    looks_like_path = (
+        model.endswith(".json")
+        or model.startswith((".", "~", os.path.sep))
+        or (os.path.sep != "/" and os.path.sep in model)
+    )
     if looks_like_path:
         raise SpecError(field, f"config file {model!r} does not exist")
     if not _HUB_ID.match(model):
@@ -252,9 +293,12 @@ def find_config(model: str, field: str = "workload.model") -> str | None:
     except Exception:  # noqa: BLE001 - an id huggingface_hub finds malformed ("a/b..c") is not there either
         found = None
     if not isinstance(found, str) or not os.path.isfile(found):
-        raise SpecError(field, f"{model!r} is no local file or folder, and not in the local Hugging Face cache "
-                               f"{cache} (offline: nothing is downloaded; fetch it once with "
-                               f"`hf download {model} config.json`)")
+        raise SpecError(
+            field,
+            f"{model!r} is no local file or folder, and not in the local Hugging Face cache "
+            f"{cache} (offline: nothing is downloaded; fetch it once with "
+            f"`hf download {model} config.json`)",
+        )
     return found
 
 
@@ -278,8 +322,11 @@ def resolve_shape(model: str, overrides: dict | None = None, field: str = "workl
     else:
         path = find_config(model, field)
         if path is None:
-            raise SpecError(field, f"unknown preset {model!r}; known: {', '.join(sorted(PRESETS))} "
-                                   f"(or a config.json, a folder holding one, or a hub id in the local cache)")
+            raise SpecError(
+                field,
+                f"unknown preset {model!r}; known: {', '.join(sorted(PRESETS))} "
+                f"(or a config.json, a folder holding one, or a hub id in the local cache)",
+            )
         shape = read_config(path, field)
     if overrides:
         names = set(Shape.__dataclass_fields__)
@@ -304,8 +351,11 @@ def resolve_shape(model: str, overrides: dict | None = None, field: str = "workl
 def param_count(shape: Shape) -> int:
     """Parameters of the LLaMA: embedding + layers + final norm + LM head (counted once when tied)."""
     head_dim = shape.hidden // shape.heads
-    attn = shape.hidden * (shape.heads * head_dim) + 2 * shape.hidden * (shape.kv_heads * head_dim) \
+    attn = (
+        shape.hidden * (shape.heads * head_dim)
+        + 2 * shape.hidden * (shape.kv_heads * head_dim)
         + (shape.heads * head_dim) * shape.hidden
+    )
     if shape.attention_bias:
         attn += (shape.heads + 2 * shape.kv_heads) * head_dim + shape.hidden
     mlp = 3 * shape.hidden * shape.ffn

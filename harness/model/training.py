@@ -32,33 +32,35 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    compute: torch.dtype               # the parameters the model computes with
-    master: torch.dtype | None         # the optimizer's copy of them; None: the parameters themselves
-    grad_accum: torch.dtype            # gradients summed over micro-batches
-    grad_reduce: torch.dtype           # gradients reduced across data-parallel ranks
+    compute: torch.dtype  # the parameters the model computes with
+    master: torch.dtype | None  # the optimizer's copy of them; None: the parameters themselves
+    grad_accum: torch.dtype  # gradients summed over micro-batches
+    grad_reduce: torch.dtype  # gradients reduced across data-parallel ranks
     optimizer_states: torch.dtype = torch.float32
 
     def describe(self) -> str:
         """The policy in one sentence, the same for every engine that runs it."""
         if self.master is None:
             return "fp32 throughout: parameters, gradients, optimizer states and every collective"
-        return (f"{dtype_name(self.compute)} parameters for compute, {dtype_name(self.master)} master parameters "
-                f"and {dtype_name(self.optimizer_states)} Adam states, gradients accumulated over micro-batches "
-                f"in {dtype_name(self.grad_accum)} and reduced across data-parallel ranks in "
-                f"{dtype_name(self.grad_reduce)}")
+        return (
+            f"{dtype_name(self.compute)} parameters for compute, {dtype_name(self.master)} master parameters "
+            f"and {dtype_name(self.optimizer_states)} Adam states, gradients accumulated over micro-batches "
+            f"in {dtype_name(self.grad_accum)} and reduced across data-parallel ranks in "
+            f"{dtype_name(self.grad_reduce)}"
+        )
 
 
 def precision_policy(workload) -> PrecisionPolicy:
     if workload.precision == "fp32":
         return PrecisionPolicy(torch.float32, None, torch.float32, torch.float32)
-    return PrecisionPolicy(DTYPES[workload.precision], torch.float32, DTYPES[workload.grad_accum_dtype],
-                           DTYPES[workload.grad_reduce_dtype])
+    return PrecisionPolicy(
+        DTYPES[workload.precision], torch.float32, DTYPES[workload.grad_accum_dtype], DTYPES[workload.grad_reduce_dtype]
+    )
 
 
 def make_adamw(params, workload, **kw):
     o = workload.optimizer
-    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                             weight_decay=o.weight_decay, **kw)
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **kw)
 
 
 class StepHooks:
@@ -85,13 +87,13 @@ class BuildOptions:
     """How an engine is built where a real run's way does not fit the caller: harness memory
     builds engines on fake tensors (harness/memtrace). The defaults are a real run's."""
 
-    make_optimizer: Callable = make_adamw   # (params, workload, fused=...) -> the optimizer
-    kernels: Kernels | None = None          # attention and RMSNorm functions; None: those the layout names
+    make_optimizer: Callable = make_adamw  # (params, workload, fused=...) -> the optimizer
+    kernels: Kernels | None = None  # attention and RMSNorm functions; None: those the layout names
     batch_isend_irecv: Callable | None = None  # own engine: posts a transfer group; None: torch.distributed's
     hooks: StepHooks = field(default_factory=StepHooks)
     # engine fsdp (the own engine allocates and loads its chunks in harness.engine.model.build_chunks):
-    materialize: Callable | None = None     # (module, device): allocates a meta module; None: module.to_empty
-    load_weights: bool = True               # copy the reference weights in (values only: a trace skips it)
+    materialize: Callable | None = None  # (module, device): allocates a meta module; None: module.to_empty
+    load_weights: bool = True  # copy the reference weights in (values only: a trace skips it)
 
     def kernels_for(self, layout) -> Kernels:
         """The kernels to build with: the given ones, else those the layout names."""
@@ -120,8 +122,11 @@ class MasterWeights:
         self.mixed = policy.master is not None
         if self.mixed:
             self.masters = [p.detach().to(policy.master).clone() for p in self.params]
-            self.main_grads = ([torch.zeros_like(p, dtype=policy.grad_accum) for p in self.params]
-                               if policy.grad_accum != policy.compute else None)
+            self.main_grads = (
+                [torch.zeros_like(p, dtype=policy.grad_accum) for p in self.params]
+                if policy.grad_accum != policy.compute
+                else None
+            )
         else:
             self.masters, self.main_grads = self.params, None
 

@@ -25,7 +25,7 @@ from harness.planner.memory import worst_stage_memory
 from harness.planner.timing import step_features
 from harness.store import ResultsStore, check_store
 
-RIDGE = 0.01         # weight of the pull towards the literature value, per constant (relative)
+RIDGE = 0.01  # weight of the pull towards the literature value, per constant (relative)
 # Constants held near their literature value more firmly than RIDGE (multipliers of it): the flash
 # kernels' rates. At 2048 tokens flash attention is ~5% of a step, so the published sweeps leave
 # them unidentified: fitting flash2 anywhere from 0.17 to 0.53 of peak moves the fit's median
@@ -37,7 +37,7 @@ RIDGE = 0.01         # weight of the pull towards the literature value, per cons
 # for the same figures on the four published sweeps (mean Spearman within 0.001; median MFU error
 # +0.02 points in-sample, -0.09 held out by sweep, +0.01 by model: tests/test_planner_paper.py).
 PRIOR_WEIGHT: dict[str, float] = {"flash2": 10.0, "flash1": 10.0}
-MIN_SHARE = 0.01      # a constant is fitted only if its work is >= 1% of some measured step
+MIN_SHARE = 0.01  # a constant is fitted only if its work is >= 1% of some measured step
 ITERATIONS = 4
 
 
@@ -94,28 +94,41 @@ def fit(samples: list[Sample], base: Profile, label: str = "") -> tuple[Profile,
                 fixed.append(free.pop(j))
         for i, value in zip(free, sol if free else [], strict=False):
             theta[keys[i]] = float(value)
-    pred = np.array([sum(theta[k] * v for k, v in step_features(s.shape, s.layout, s.workload, base, theta,
-                                                                  memory_bytes=mem)[0].items())
-                     for s, mem in zip(samples, memory, strict=False)])
+    pred = np.array(
+        [
+            sum(
+                theta[k] * v
+                for k, v in step_features(s.shape, s.layout, s.workload, base, theta, memory_bytes=mem)[0].items()
+            )
+            for s, mem in zip(samples, memory, strict=False)
+        ]
+    )
     rel = (pred - y_obs) / y_obs
     eff = _theta_to_eff(theta)
-    report = {"samples": len(samples), "fitted": [keys[i] for i in free],
-              "median_abs_error_pct": float(np.median(np.abs(rel)) * 100),
-              "mean_abs_error_pct": float(np.mean(np.abs(rel)) * 100),
-              "max_abs_error_pct": float(np.max(np.abs(rel)) * 100),
-              "efficiency": {k: round(v, 4) for k, v in eff.items()},
-              **{k: round(float(theta[k]), 4) for k in EXTRA_KEYS}}
+    report = {
+        "samples": len(samples),
+        "fitted": [keys[i] for i in free],
+        "median_abs_error_pct": float(np.median(np.abs(rel)) * 100),
+        "mean_abs_error_pct": float(np.mean(np.abs(rel)) * 100),
+        "max_abs_error_pct": float(np.max(np.abs(rel)) * 100),
+        "efficiency": {k: round(v, 4) for k, v in eff.items()},
+        **{k: round(float(theta[k]), 4) for k in EXTRA_KEYS},
+    }
     prof = copy.deepcopy(base)
-    prof.calibrated = {"efficiency": {k: round(float(eff[k]), 5) for k in EFFICIENCY_KEYS},
-                       **{k: round(float(theta[k]), 5) for k in EXTRA_KEYS},
-                       "fitted": report["fitted"], "fitted_on": label or f"{len(samples)} runs",
-                       "samples": len(samples),
-                       "median_abs_error_pct": round(report["median_abs_error_pct"], 2)}
+    prof.calibrated = {
+        "efficiency": {k: round(float(eff[k]), 5) for k in EFFICIENCY_KEYS},
+        **{k: round(float(theta[k]), 5) for k in EXTRA_KEYS},
+        "fitted": report["fitted"],
+        "fitted_on": label or f"{len(samples)} runs",
+        "samples": len(samples),
+        "median_abs_error_pct": round(report["median_abs_error_pct"], 2),
+    }
     prof.name = base.name + "-calibrated"
     return prof, report
 
 
 # ---------------------------------------------------------------- harness records
+
 
 def sample_from_record(rec: dict) -> Sample | None:
     """A Sample from one results-store record (schema_version 1), or None if it has no time."""
@@ -131,8 +144,7 @@ def sample_from_record(rec: dict) -> Sample | None:
         return None
     shape = resolve_shape(wl["model"], wl.get("model_overrides") or None)
     layout = PlannerLayout.from_spec(lay)
-    workload = Workload(int(wl["seq_len"]), int(wl["global_batch_size"]),
-                        2 if wl.get("precision") == "bf16" else 4)
+    workload = Workload(int(wl["seq_len"]), int(wl["global_batch_size"]), 2 if wl.get("precision") == "bf16" else 4)
     return Sample(shape, layout, workload, float(t), rec.get("run_id", ""))
 
 

@@ -39,9 +39,23 @@ def check_request(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int) -> 
         raise SpecError("--global-batch-size", "must be at least 1")
 
 
-def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attention, rmsnorm,
-            micro_batch_sizes, checkpointing, sequence_parallel, zero_stage: int, pp_values=None,
-            cp_values=None, cp_impls=None, **fields):
+def layouts(
+    shape: Shape,
+    wl: Workload,
+    gpus: int,
+    gpus_per_node: int,
+    *,
+    attention,
+    rmsnorm,
+    micro_batch_sizes,
+    checkpointing,
+    sequence_parallel,
+    zero_stage: int,
+    pp_values=None,
+    cp_values=None,
+    cp_impls=None,
+    **fields,
+):
     """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
     are further PlannerLayout fields every layout takes (engine, fsdp); cp_values and cp_impls the cp
     degrees and implementations asked for (default: context.degrees', the engine's)."""
@@ -68,15 +82,27 @@ def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, *, attent
                 dp = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp).dp
                 if wl.global_batch_size % dp:
                     continue
-                for mb, ck, sp, att, rms, impl in itertools.product(micro_batch_sizes, checkpointing,
-                                                                    sequence_parallel, attention, rmsnorm, impls):
+                for mb, ck, sp, att, rms, impl in itertools.product(
+                    micro_batch_sizes, checkpointing, sequence_parallel, attention, rmsnorm, impls
+                ):
                     if sp and (tp == 1 or (wl.seq_len // cp) % tp):
                         continue
                     if (wl.global_batch_size // dp) % mb:
                         continue
-                    yield PlannerLayout(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, activation_checkpointing=ck,
-                                        sequence_parallel=sp, attention=att, rmsnorm=rms, zero_stage=zero_stage,
-                                        cp=cp, cp_impl=impl, **fields)
+                    yield PlannerLayout(
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        micro_batch_size=mb,
+                        activation_checkpointing=ck,
+                        sequence_parallel=sp,
+                        attention=att,
+                        rmsnorm=rms,
+                        zero_stage=zero_stage,
+                        cp=cp,
+                        cp_impl=impl,
+                        **fields,
+                    )
 
 
 def parse_list(text: str | None, allowed, field: str, default, cast=str):
@@ -106,6 +132,10 @@ def parse_bool(item: str) -> bool:
     raise ValueError(item)
 
 
-DEFAULTS = {"attention": ATTENTION, "rmsnorm": RMSNORM_KERNELS,
-            "micro_batch_sizes": (1, 2, 4, 8), "checkpointing": CHECKPOINTING,
-            "sequence_parallel": (False, True)}
+DEFAULTS = {
+    "attention": ATTENTION,
+    "rmsnorm": RMSNORM_KERNELS,
+    "micro_batch_sizes": (1, 2, 4, 8),
+    "checkpointing": CHECKPOINTING,
+    "sequence_parallel": (False, True),
+}

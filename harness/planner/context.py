@@ -72,8 +72,9 @@ def impls(shape: Shape, engine: str, tp: int, cp: int) -> tuple[str, ...]:
     if cp == 1:
         return ("ring",)
     both = ParallelDims(cp=cp, tp=tp).product("cp", "tp")
-    return tuple(i for i in engine_impls(engine)
-                 if i != "ulysses" or (shape.heads % both == 0 and shape.kv_heads % both == 0))
+    return tuple(
+        i for i in engine_impls(engine) if i != "ulysses" or (shape.heads % both == 0 and shape.kv_heads % both == 0)
+    )
 
 
 def _widths(shape: Shape, lay) -> tuple[float, float]:
@@ -156,12 +157,12 @@ def in_flight_bytes(shape: Shape, lay, seq_len: int, B: int) -> dict[str, float]
 
 def exchange_bytes(shape: Shape, lay, seq_len: int, B: int) -> dict[str, float]:
     """What one rank's cp attention moves for one layer and micro-batch, forward and backward, as
-    the own engine's counted communication has it (harness.engine.comm_model.cp_attention_calls,
-    which imports torch: tests/test_cp_planner.py holds the two equal): 'calls' (the bytes of each
-    of its calls' kinds), 'total' (the bytes a rank puts on its link: a ring's sends; (cp-1)/cp of
-    a collective's buffer) and for the ring 'step' (one K/V hop) and 'steps' (the blocks it computes,
-forward and backward, each overlapping a hop). Full
-    checkpointing runs the forward, its exchange included, twice; selective repeats none of it."""
+        the own engine's counted communication has it (harness.engine.comm_model.cp_attention_calls,
+        which imports torch: tests/test_cp_planner.py holds the two equal): 'calls' (the bytes of each
+        of its calls' kinds), 'total' (the bytes a rank puts on its link: a ring's sends; (cp-1)/cp of
+        a collective's buffer) and for the ring 'step' (one K/V hop) and 'steps' (the blocks it computes,
+    forward and backward, each overlapping a hop). Full
+        checkpointing runs the forward, its exchange included, twice; selective repeats none of it."""
     cp = lay.cp
     if cp == 1:
         return {"calls": {}, "total": 0.0, "step": 0.0, "steps": 0}

@@ -29,15 +29,15 @@ FLASH_BWD = 2.5
 FLASH_HALF_SEQ = 512
 # HBM bytes per element moved by elementwise work, forward + backward (counted from the kernels):
 RMSNORM_BYTES = {"fused": 10, "torch": 108}  # fused: fwd r+w, bwd r x,dy w dx; eager fp32 chain ~9 kernels
-RESIDUAL_BYTES_PER_B = 6      # per residual add: fwd reads 2 writes 1, bwd passes the gradient on
-SWIGLU_BYTES_PER_B = 13       # silu(gate) * up: fwd ~5 f-sized passes, bwd ~8
-ROTARY_BYTES_PER_B = 4        # q and k read and written, fwd and bwd
-LAYOUT_BYTES_PER_B = 4        # q/k/v split and transposes around the attention kernel
+RESIDUAL_BYTES_PER_B = 6  # per residual add: fwd reads 2 writes 1, bwd passes the gradient on
+SWIGLU_BYTES_PER_B = 13  # silu(gate) * up: fwd ~5 f-sized passes, bwd ~8
+ROTARY_BYTES_PER_B = 4  # q and k read and written, fwd and bwd
+LAYOUT_BYTES_PER_B = 4  # q/k/v split and transposes around the attention kernel
 SCORE_TRAFFIC = {"naive": 90, "fused_softmax": 24}  # bytes per score element fwd+bwd (fp32 chain vs one fused pass)
-LOSS_BYTES_PER_LOGIT = 36     # fp32 upcast, max, exp, sum, log-softmax grad, bf16 cast
-ADAM_BYTES_PER_PARAM = 36     # read fp32 master, m, v, grad (16), write them (12... + 4), write bf16 copy (2),
-                              # zero grad (2)
-KERNELS_PER_LAYER = 90        # ~30 forward kernels (norms, GEMMs, rotary, attention, SwiGLU, adds), ~2x backward
+LOSS_BYTES_PER_LOGIT = 36  # fp32 upcast, max, exp, sum, log-softmax grad, bf16 cast
+ADAM_BYTES_PER_PARAM = 36  # read fp32 master, m, v, grad (16), write them (12... + 4), write bf16 copy (2),
+# zero grad (2)
+KERNELS_PER_LAYER = 90  # ~30 forward kernels (norms, GEMMs, rotary, attention, SwiGLU, adds), ~2x backward
 
 
 # Inter-node bandwidth of the data-parallel gradient reduction. A data-parallel group with g
@@ -120,8 +120,9 @@ def zero_features() -> dict[str, float]:
     return {k: 0.0 for k in THETA_KEYS}
 
 
-def layer_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile,
-                   theta: dict | None = None) -> dict[str, float]:
+def layer_features(
+    shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None = None
+) -> dict[str, float]:
     """Ideal seconds of each kind of work of one transformer layer for one micro-batch (forward +
     backward): the same on every stage, so computed once per layout (stage_features scales it).
     Under context parallelism everything but the attention runs on the rank's seq / cp tokens; the
@@ -177,16 +178,19 @@ def attention_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Pro
         # every score computed, masked ones too: the own engine's ring computes its own block whole and
         # half of each other rank's (context_parallel._ring_rows), allgather and ulysses one block of all keys
         keys = s * (lay.cp + 1) / 2 if lay.cp > 1 and lay.cp_impl == "ring" else s_kv
-        return {"gemm": (3 + rec) * 4 * b * s * keys * heads_t * d / (peak * _gemm_eff(s, keys, d)),
-                score_key: (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * keys / (prof.hbm_gbps * 1e9)}
+        return {
+            "gemm": (3 + rec) * 4 * b * s * keys * heads_t * d / (peak * _gemm_eff(s, keys, d)),
+            score_key: (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * keys / (prof.hbm_gbps * 1e9),
+        }
     fwd = 2 * b * s * s_kv * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
     # the kernel's length: a ring's block (the local chunks), allgather's local queries, Ulysses' sequence
     kernel_len = s * lay.cp if lay.cp > 1 and lay.cp_impl == "ulysses" else s
     return {cls: fwd * (1 + FLASH_BWD + rec) / (peak * _flash_seq_eff(kernel_len))}
 
 
-def cp_exchange(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None,
-                attention: dict) -> tuple[str, float, float]:
+def cp_exchange(
+    shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None, attention: dict
+) -> tuple[str, float, float]:
     """The link of the cp group, the ideal seconds of its exchange for one layer and micro-batch that
     the attention does not hide, and those of all of it (harness/planner/context.py for the bytes). The ring overlaps
     each transfer with one block's attention: per step max(0, transfer - block compute) at the
@@ -238,8 +242,9 @@ def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, 
     return x
 
 
-def stage_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, stage: int,
-                   per_layer: dict | None = None) -> dict[str, float]:
+def stage_features(
+    shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, stage: int, per_layer: dict | None = None
+) -> dict[str, float]:
     """Ideal seconds of each kind of work for one micro-batch (forward + backward) on one stage:
     its layers (layer_features, passed in when known) and stage_extras."""
     layers = item_split(shape.layers, lay.pp)[stage][1]

@@ -19,8 +19,18 @@ from harness.files.yaml_reader import read_yaml
 from harness.planner.layout import ATTENTION
 
 PROFILE_DIR = Path(__file__).with_name("hardware")
-EFFICIENCY_KEYS = ("gemm", "flash2", "flash1", "mem_efficient", "naive_attention", "fused_softmax",
-                   "hbm", "nvlink", "internode", "launch_us")
+EFFICIENCY_KEYS = (
+    "gemm",
+    "flash2",
+    "flash1",
+    "mem_efficient",
+    "naive_attention",
+    "fused_softmax",
+    "hbm",
+    "nvlink",
+    "internode",
+    "launch_us",
+)
 
 
 @dataclass
@@ -51,9 +61,21 @@ class Profile:
         return 1e12 * (self.peak_tflops_bf16 if dtype_bytes == 2 else self.peak_tflops_fp32)
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("name", "device_names", "peak_tflops_bf16", "peak_tflops_fp32",
-                                            "memory_gib", "hbm_gbps", "nvlink_gbps", "internode_gbps",
-                                            "gpus_per_node", "rail_aggregation_max_nodes")}
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "name",
+                "device_names",
+                "peak_tflops_bf16",
+                "peak_tflops_fp32",
+                "memory_gib",
+                "hbm_gbps",
+                "nvlink_gbps",
+                "internode_gbps",
+                "gpus_per_node",
+                "rail_aggregation_max_nodes",
+            )
+        }
         d["attention_kernels"] = list(self.attention_kernels)
         d["efficiency"] = dict(self.efficiency)
         if self.calibrated:
@@ -87,14 +109,22 @@ def _from_dict(raw: dict, source: str) -> Profile:
         name=str(raw.get("name", Path(source).stem)),
         peak_tflops_bf16=float(raw["peak_tflops_bf16"]),
         peak_tflops_fp32=float(raw.get("peak_tflops_fp32", raw["peak_tflops_bf16"] / 16)),
-        memory_gib=float(raw["memory_gib"]), hbm_gbps=float(raw["hbm_gbps"]),
-        nvlink_gbps=float(raw["nvlink_gbps"]), internode_gbps=float(raw["internode_gbps"]),
-        gpus_per_node=int(raw["gpus_per_node"]), efficiency={k: float(v) for k, v in eff.items()},
+        memory_gib=float(raw["memory_gib"]),
+        hbm_gbps=float(raw["hbm_gbps"]),
+        nvlink_gbps=float(raw["nvlink_gbps"]),
+        internode_gbps=float(raw["internode_gbps"]),
+        gpus_per_node=int(raw["gpus_per_node"]),
+        efficiency={k: float(v) for k, v in eff.items()},
         rail_aggregation_max_nodes=_positive_int(
             raw.get("rail_aggregation_max_nodes", Profile.rail_aggregation_max_nodes),
-            "rail_aggregation_max_nodes", source),
-        device_names=list(raw.get("device_names") or []), attention_kernels=kernels,
-        calibrated=dict(raw.get("calibrated") or {}), source=source)
+            "rail_aggregation_max_nodes",
+            source,
+        ),
+        device_names=list(raw.get("device_names") or []),
+        attention_kernels=kernels,
+        calibrated=dict(raw.get("calibrated") or {}),
+        source=source,
+    )
 
 
 def _positive_int(value, key: str, source: str) -> int:
@@ -112,8 +142,10 @@ def load_profile(name_or_path: str) -> Profile:
         if not path.is_file():
             raise SpecError("--hardware", f"profile file {name_or_path!r} does not exist")
     else:
-        raise SpecError("--hardware", f"unknown hardware {name_or_path!r}; known: {', '.join(profile_names())} "
-                                      "or a path to a profile YAML")
+        raise SpecError(
+            "--hardware",
+            f"unknown hardware {name_or_path!r}; known: {', '.join(profile_names())} or a path to a profile YAML",
+        )
     try:
         raw = read_yaml(str(path), "--hardware")  # a user's file: strict and bounded, as every spec
     except SpecError as e:
@@ -128,18 +160,18 @@ def save_profile(profile: Profile, path: str | os.PathLike, header: str = "") ->
 
 # CUDA device name fragments -> dense BF16 peak in TFLOP/s (vendor datasheets, no sparsity).
 _PEAKS = (
-    ("H200", 989.0),        # H200 datasheet
-    ("H100 PCIE", 756.0),   # H100 PCIe datasheet: 1,513 with sparsity
-    ("H100 NVL", 835.0),    # H100 NVL datasheet: 1,671 with sparsity
-    ("H100", 989.0),        # H100 SXM datasheet
-    ("H800", 989.0),        # same silicon as H100 SXM
+    ("H200", 989.0),  # H200 datasheet
+    ("H100 PCIE", 756.0),  # H100 PCIe datasheet: 1,513 with sparsity
+    ("H100 NVL", 835.0),  # H100 NVL datasheet: 1,671 with sparsity
+    ("H100", 989.0),  # H100 SXM datasheet
+    ("H800", 989.0),  # same silicon as H100 SXM
     ("GH200", 989.0),
-    ("A100", 312.0),        # A100 datasheet (40 and 80 GB, SXM and PCIe)
+    ("A100", 312.0),  # A100 datasheet (40 and 80 GB, SXM and PCIe)
     ("A800", 312.0),
-    ("A30", 165.0),         # A30 datasheet
-    ("L40S", 362.0),        # L40S datasheet: 733 with sparsity
-    ("L4", 121.0),          # L4 datasheet: 242 with sparsity
-    ("B200", 2250.0),       # B200 datasheet: 4.5 PFLOP/s with sparsity
+    ("A30", 165.0),  # A30 datasheet
+    ("L40S", 362.0),  # L40S datasheet: 733 with sparsity
+    ("L4", 121.0),  # L4 datasheet: 242 with sparsity
+    ("B200", 2250.0),  # B200 datasheet: 4.5 PFLOP/s with sparsity
 )
 
 

@@ -20,9 +20,12 @@ from harness.spec import Layout as SpecLayout
 
 # Names the study's CSVs use for its kernels (attention, rmsnorm), and for checkpointing.
 PAPER_KERNELS = {
-    "torch": ("naive", "torch"), "fused": ("fused_softmax", "torch"),
-    "flash_attention": ("flash1", "torch"), "flash_attentionv1.0.8": ("flash1", "torch"),
-    "flash_attention2": ("flash2", "torch"), "flash_attention2 + RMS kernel": ("flash2", "fused"),
+    "torch": ("naive", "torch"),
+    "fused": ("fused_softmax", "torch"),
+    "flash_attention": ("flash1", "torch"),
+    "flash_attentionv1.0.8": ("flash1", "torch"),
+    "flash_attention2": ("flash2", "torch"),
+    "flash_attention2 + RMS kernel": ("flash2", "fused"),
 }
 PAPER_CHECKPOINTING = {"disabled": "none", "every_layer": "full", "selective": "selective"}
 
@@ -36,8 +39,14 @@ EXTRA_ATTENTION = tuple(k for k in PAPER_ATTENTION if k not in ATTENTION_KERNELS
 ATTENTION = PAPER_ATTENTION + tuple(k for k in ATTENTION_KERNELS if k not in PAPER_ATTENTION)
 # Each kernel's cost class.
 ATTENTION_CLASS = {
-    "naive": "naive", "fused_softmax": "fused_softmax", "flash1": "flash1", "flash2": "flash2",
-    "sdpa": "flash2", "sdpa_flash": "flash2", "sdpa_cudnn": "flash2", "sdpa_efficient": "mem_efficient",
+    "naive": "naive",
+    "fused_softmax": "fused_softmax",
+    "flash1": "flash1",
+    "flash2": "flash2",
+    "sdpa": "flash2",
+    "sdpa_flash": "flash2",
+    "sdpa_cudnn": "flash2",
+    "sdpa_efficient": "mem_efficient",
 }
 MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
 # The study's engine (Aleph Alpha's scaling library, as its sweeps ran): modelled, not run here.
@@ -64,10 +73,10 @@ class PlannerLayout:
     sequence_parallel: bool = False
     attention: str = "flash2"
     rmsnorm: str = "fused"
-    zero_stage: int = 1              # 0-3; the study sharded optimizer states (ZeRO-1)
+    zero_stage: int = 1  # 0-3; the study sharded optimizer states (ZeRO-1)
     pipeline_schedule: str = "1f1b"
-    virtual_stages: int = 1          # interleaved schedule: model chunks per stage
-    fsdp: bool = False               # engine fsdp (PyTorch FSDP full sharding): memory like ZeRO-3
+    virtual_stages: int = 1  # interleaved schedule: model chunks per stage
+    fsdp: bool = False  # engine fsdp (PyTorch FSDP full sharding): memory like ZeRO-3
     reshard_after_forward: bool = True  # engine fsdp: False keeps every block gathered until its backward
     # Whose memory the planner models (memory.py): paper (the study's engine, Aleph Alpha's
     # scaling library, as its sweeps ran), or one of the harness's engines (own, deepspeed, fsdp,
@@ -105,14 +114,23 @@ class PlannerLayout:
         it); a missing or null field takes the spec's default, engine single is one GPU."""
         lay = {**asdict(SpecLayout()), **{k: v for k, v in layout.items() if v is not None}}
         single = lay["engine"] == "single"
-        return cls(tp=1 if single else int(lay["tp"]), pp=1 if single else int(lay["pp"]),
-                   dp=1 if single else int(lay["dp"]), micro_batch_size=int(lay["micro_batch_size"]),
-                   cp=1 if single else int(lay["cp"]), cp_impl=lay["cp_impl"],
-                   activation_checkpointing=lay["activation_checkpointing"],
-                   sequence_parallel=bool(lay["sequence_parallel"]), attention=lay["attention"],
-                   rmsnorm=lay["rmsnorm"], zero_stage=int(lay["zero_stage"]),
-                   pipeline_schedule=lay["pipeline_schedule"], virtual_stages=int(lay["virtual_stages"] or 1),
-                   fsdp=lay["engine"] == "fsdp", reshard_after_forward=bool(lay["reshard_after_forward"]))
+        return cls(
+            tp=1 if single else int(lay["tp"]),
+            pp=1 if single else int(lay["pp"]),
+            dp=1 if single else int(lay["dp"]),
+            micro_batch_size=int(lay["micro_batch_size"]),
+            cp=1 if single else int(lay["cp"]),
+            cp_impl=lay["cp_impl"],
+            activation_checkpointing=lay["activation_checkpointing"],
+            sequence_parallel=bool(lay["sequence_parallel"]),
+            attention=lay["attention"],
+            rmsnorm=lay["rmsnorm"],
+            zero_stage=int(lay["zero_stage"]),
+            pipeline_schedule=lay["pipeline_schedule"],
+            virtual_stages=int(lay["virtual_stages"] or 1),
+            fsdp=lay["engine"] == "fsdp",
+            reshard_after_forward=bool(lay["reshard_after_forward"]),
+        )
 
     def to_spec(self) -> dict:
         """This layout as a spec layout dict (engine own, or fsdp), the fields the planner has,
@@ -126,8 +144,8 @@ class PlannerLayout:
 @dataclass(frozen=True)
 class Workload:
     seq_len: int
-    global_batch_size: int           # sequences per optimizer step
-    dtype_bytes: int = 2             # bf16 mixed precision (2) or fp32 (4)
+    global_batch_size: int  # sequences per optimizer step
+    dtype_bytes: int = 2  # bf16 mixed precision (2) or fp32 (4)
 
     def micro_batches(self, lay: PlannerLayout) -> int:
         """Micro-batches per step per data-parallel replica (gradient accumulation x pipeline); the cp

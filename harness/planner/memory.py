@@ -17,8 +17,16 @@ from harness.planner.memory_engines import engine_stage_items, engine_stage_memo
 from harness.planner.memory_paper import paper_stage_memory
 from harness.planner.memory_terms import CONTEXT_GIB, FRAGMENTATION, FRAGMENTATION_PIPELINED, GIB, stage_params
 
-__all__ = ["CONTEXT_GIB", "FRAGMENTATION", "FRAGMENTATION_PIPELINED", "GIB", "fits", "stage_memory", "stage_params",
-           "worst_stage_memory"]
+__all__ = [
+    "CONTEXT_GIB",
+    "FRAGMENTATION",
+    "FRAGMENTATION_PIPELINED",
+    "GIB",
+    "fits",
+    "stage_memory",
+    "stage_params",
+    "worst_stage_memory",
+]
 
 
 def stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> dict:
@@ -45,4 +53,3 @@ def worst_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[
 
 def fits(total_bytes: float, profile: Profile) -> bool:
     return total_bytes <= profile.memory_gib * GIB
-

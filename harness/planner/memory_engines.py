@@ -56,27 +56,46 @@ def memory_model(engine: str) -> MemoryModel:
     return model
 
 
-def model_states(params: float, engine: str, zero_stage: int, precision: str, dp: int,
-                 grad_accum: str = "fp32", grad_reduce: str = "fp32",
-                 reduce_bucket_elements: float = 0.0) -> dict[str, dict[str, float]]:
+def model_states(
+    params: float,
+    engine: str,
+    zero_stage: int,
+    precision: str,
+    dp: int,
+    grad_accum: str = "fp32",
+    grad_reduce: str = "fp32",
+    reduce_bucket_elements: float = 0.0,
+) -> dict[str, dict[str, float]]:
     """Bytes per category and dtype of the model states one rank of `engine` holds at the optimizer
     step, for `params` parameters on the rank, under the workload's precision policy: the same
     categories as a run's measured memory census (harness.measure.tensor_census), so a prediction
     and a census compare term by term (tests/test_planner_census.py). Adam's step counters and
     alignment padding are left out (under 1%). The closed form is the engine's MemoryModel.states."""
-    return states_bytes(params, memory_model(engine).states, zero_stage, precision, dp, grad_accum, grad_reduce,
-                        reduce_bucket_elements)
+    return states_bytes(
+        params, memory_model(engine).states, zero_stage, precision, dp, grad_accum, grad_reduce, reduce_bucket_elements
+    )
 
 
-def states_bytes(params: float, states: str, zero_stage: int, precision: str, dp: int,
-                 grad_accum: str = "fp32", grad_reduce: str = "fp32",
-                 reduce_bucket_elements: float = 0.0) -> dict[str, dict[str, float]]:
+def states_bytes(
+    params: float,
+    states: str,
+    zero_stage: int,
+    precision: str,
+    dp: int,
+    grad_accum: str = "fp32",
+    grad_reduce: str = "fp32",
+    reduce_bucket_elements: float = 0.0,
+) -> dict[str, dict[str, float]]:
     """model_states by the closed form's name (MemoryModel.states)."""
     P, B = float(params), {"fp32": 4, "bf16": 2}
     mixed = precision == "bf16"
     acc, red = (grad_accum, grad_reduce) if mixed else ("fp32", "fp32")
-    out: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "master_parameters": {},
-                                        "optimizer_states": {}}
+    out: dict[str, dict[str, float]] = {
+        "parameters": {},
+        "gradients": {},
+        "master_parameters": {},
+        "optimizer_states": {},
+    }
 
     def add(category: str, dtype: str, elements: float) -> None:
         if elements:
@@ -146,8 +165,9 @@ def _engine_stage_items(shape: Shape, pp: int, chunks: int, seq_len: int) -> tup
 
     parts = balanced_partition(shape, pp * chunks, seq_len)
     last = pp * chunks - 1
-    return tuple((r == 0, sum(len(parts[c * pp + r]) for c in range(chunks)), (chunks - 1) * pp + r == last)
-                 for r in range(pp))
+    return tuple(
+        (r == 0, sum(len(parts[c * pp + r]) for c in range(chunks)), (chunks - 1) * pp + r == last) for r in range(pp)
+    )
 
 
 def _norm_bytes(lay: PlannerLayout, n: float, h: int, B: int, sp: bool) -> float:
@@ -300,8 +320,9 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
         # after the loss's backward, with the log-softmax freed, the step's logits still referenced
         # and the LM head's unsharded weight gradient waiting for the root's reduce-scatter
         if layers:
-            candidates["backward_working_set"] += (fsdp["backward_blocks"] + fsdp["after_loss"]
-                                                   - (ce_kept if has_head else 0.0))
+            candidates["backward_working_set"] += (
+                fsdp["backward_blocks"] + fsdp["after_loss"] - (ce_kept if has_head else 0.0)
+            )
         for name in candidates:
             if name != "backward_working_set":
                 candidates[name] += fsdp["kept_blocks"]
@@ -317,10 +338,14 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     extra = max(0.0, candidates[extra_name])
     dynamic = held + extra
     frag = FRAGMENTATION_PIPELINED if lay.pp > 1 and m > 1 else FRAGMENTATION
-    parts = {"weights": by_cat.get("parameters", 0.0), "gradients": by_cat.get("gradients", 0.0),
-             "optimizer": by_cat.get("master_parameters", 0.0) + by_cat.get("optimizer_states", 0.0),
-             "activations": held, "backward_working_set": extra if extra_name != "logits_and_loss" else 0.0,
-             "logits_and_loss": extra if extra_name == "logits_and_loss" else 0.0}
+    parts = {
+        "weights": by_cat.get("parameters", 0.0),
+        "gradients": by_cat.get("gradients", 0.0),
+        "optimizer": by_cat.get("master_parameters", 0.0) + by_cat.get("optimizer_states", 0.0),
+        "activations": held,
+        "backward_working_set": extra if extra_name != "logits_and_loss" else 0.0,
+        "logits_and_loss": extra if extra_name == "logits_and_loss" else 0.0,
+    }
     if fsdp is not None:
         parts["weights"] += fsdp["gathered"]
         if fsdp["accumulated"]:  # pipelined: the unsharded accumulation, not yet the sharded gradient
@@ -393,10 +418,12 @@ def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: boo
     # the embedding's gradient is the whole table's under TP (see engine_stage_memory)
     emb_grad = V * h if has_emb else 0.0
     accumulated = root - (vocab if has_emb else 0.0) + emb_grad + layers * block
-    return {"gathered": root * B,
-            "backward_blocks": min(2, layers) * block * B if reshard else kept,
-            "kept_blocks": kept,
-            "all_blocks": layers * block * B,
-            "reduce_scatter": block * 4 if layers and not piped else 0.0,
-            "accumulated": accumulated * 4 if piped else 0.0,
-            "after_loss": (n * V * B + vocab * B) if has_head else 0.0}
+    return {
+        "gathered": root * B,
+        "backward_blocks": min(2, layers) * block * B if reshard else kept,
+        "kept_blocks": kept,
+        "all_blocks": layers * block * B,
+        "reduce_scatter": block * 4 if layers and not piped else 0.0,
+        "accumulated": accumulated * 4 if piped else 0.0,
+        "after_loss": (n * V * B + vocab * B) if has_head else 0.0,
+    }

@@ -92,7 +92,6 @@ def layer_activation_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, micro
     return {"layer": replicated + sharded, "scores": scores, "full_layer": full_layer, "s2_transient": s2_transient}
 
 
-
 def paper_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> dict:
     """Breakdown in bytes for one stage of the study's engine; 'total' is the sum of the parts."""
     has_emb, layers, has_head = stage_items(shape, lay.pp)[stage]
@@ -143,9 +142,15 @@ def paper_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: in
     if lay.pp > 1 and m > 1 and peak_extra != step_extra:  # interleaved lifetimes, as FRAGMENTATION_PIPELINED
         overhead += paper_stranded_block(shape, lay, wl, has_head and logits >= working)
     loss_part = logits if has_head and logits >= working and peak_extra == logits else 0.0
-    parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": held,
-             "backward_working_set": peak_extra - loss_part, "logits_and_loss": loss_part,
-             "overhead": overhead}
+    parts = {
+        "weights": weights,
+        "gradients": grads,
+        "optimizer": optimizer,
+        "activations": held,
+        "backward_working_set": peak_extra - loss_part,
+        "logits_and_loss": loss_part,
+        "overhead": overhead,
+    }
     parts["total"] = sum(parts.values())
     parts["params"] = phi
     return parts
@@ -156,6 +161,7 @@ def paper_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: in
 # above does not spell out. They grow with model size and with tokens per micro-batch, which is
 # where the study's held-aside 65B and sequence-8192 sweeps ran out of memory while predicted to
 # fit.
+
 
 def paper_allreduce_bucket_elements(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: int) -> float:
     """Elements of the largest gradient bucket the study's data-parallel all-reduce builds.
@@ -170,11 +176,18 @@ def paper_allreduce_bucket_elements(shape: Shape, has_emb: bool, layers: int, ha
 
 
 @functools.lru_cache(maxsize=4096)
-def _bucket(h: int, heads: int, kv_heads: int, ffn: int, vocab: int, has_emb: bool, layers: int,
-            has_head: bool, tp: int) -> float:
+def _bucket(
+    h: int, heads: int, kv_heads: int, ffn: int, vocab: int, has_emb: bool, layers: int, has_head: bool, tp: int
+) -> float:
     head_dim = h // heads
-    layer = [h * heads * head_dim / tp, 2 * h * kv_heads * head_dim / tp, h * h / tp,
-             h * ffn / tp, h * ffn / tp, h * ffn / tp]
+    layer = [
+        h * heads * head_dim / tp,
+        2 * h * kv_heads * head_dim / tp,
+        h * h / tp,
+        h * ffn / tp,
+        h * ffn / tp,
+        h * ffn / tp,
+    ]
     tensors = ([vocab * h / tp] if has_emb else []) + layer * layers + ([vocab * h / tp] if has_head else [])
     largest, numel = 0.0, 0.0
     for n in tensors:
@@ -216,6 +229,5 @@ def paper_stranded_block(shape: Shape, lay: PlannerLayout, wl: Workload, loss_pe
     else:  # a layer's largest: SwiGLU's gate/up output, or materialised attention's fp32 scores
         block = n * shape.ffn * wl.dtype_bytes / lay.tp
         if ATTENTION_CLASS[lay.attention] == "naive":
-            block = max(block, 4 * lay.micro_batch_size * shape.heads / lay.tp * wl.seq_len ** 2)
+            block = max(block, 4 * lay.micro_batch_size * shape.heads / lay.tp * wl.seq_len**2)
     return STRANDED_BLOCKS * block
-

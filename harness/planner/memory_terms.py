@@ -12,7 +12,7 @@ from __future__ import annotations
 from harness.model.presets import Shape
 from harness.planner.layout import PlannerLayout
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 # Calibrated (grid search over the two, globally, on the OOM outcomes of the four published
 # sweeps in baselines/paper_sweeps; leave-one-sweep-out figures in tests/test_planner_paper.py):

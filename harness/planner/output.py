@@ -29,9 +29,11 @@ EXPORT_FORMATS = ("deepspeed", "megatron", "torchtitan")
 # Each target's name for the cp implementations it runs: Megatron-LM's --cp-comm-type (p2p: the
 # ring of K/V blocks; a2a: Ulysses' all-to-all), torchtitan's context_parallel_rotate_method
 # (alltoall: K/V shards passed on per step, the ring; allgather), DeepSpeed's Ulysses only.
-CP_COMM = {"megatron": {"ring": "p2p", "allgather": "all_gather", "ulysses": "a2a"},
-           "torchtitan": {"ring": "alltoall", "allgather": "allgather"},
-           "deepspeed": {"ulysses": "ulysses"}}
+CP_COMM = {
+    "megatron": {"ring": "p2p", "allgather": "all_gather", "ulysses": "a2a"},
+    "torchtitan": {"ring": "alltoall", "allgather": "allgather"},
+    "deepspeed": {"ulysses": "ulysses"},
+}
 
 
 @dataclass
@@ -44,8 +46,12 @@ class Row:
 
 
 def _row_key(p: Prediction) -> tuple:
-    return (dataclasses.replace(p.layout, attention=""), p.fits and p.available, round(p.memory_gib, 3),
-            round(p.step_time_s, 6))
+    return (
+        dataclasses.replace(p.layout, attention=""),
+        p.fits and p.available,
+        round(p.memory_gib, 3),
+        round(p.step_time_s, 6),
+    )
 
 
 def group(preds: list[Prediction], limit: int | None = None) -> list[Row]:
@@ -72,6 +78,7 @@ def group(preds: list[Prediction], limit: int | None = None) -> list[Row]:
 
 # ---------------------------------------------------------------- --emit-sweep
 
+
 def runnable(lay: PlannerLayout) -> bool:
     """Whether this harness's engines run the layout's kernels (the planner also knows the study's
     fused_softmax and flash1, which no engine here runs)."""
@@ -91,8 +98,17 @@ def spec_layout(lay: PlannerLayout) -> dict:
     return out
 
 
-def sweep_spec(rows: list[Row], *, model: str, seq_len: int, global_batch_size: int, gpus: int,
-               gpus_per_node: int, profile, top: int) -> tuple[str, int, list[str]]:
+def sweep_spec(
+    rows: list[Row],
+    *,
+    model: str,
+    seq_len: int,
+    global_batch_size: int,
+    gpus: int,
+    gpus_per_node: int,
+    profile,
+    top: int,
+) -> tuple[str, int, list[str]]:
     """The YAML text of a sweep over the first `top` rows predicted to fit (per row the first
     kernel this harness runs), how many points it has, and the rows left out and why."""
     import yaml
@@ -102,8 +118,13 @@ def sweep_spec(rows: list[Row], *, model: str, seq_len: int, global_batch_size: 
     cpu = profile.name.startswith("cpu")
     nodes = gpus // gpus_per_node if gpus > gpus_per_node else 1
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"plan-{model.split('/')[-1]}-seq{seq_len}-{gpus}gpus").strip("-")
-    workload = {"model": model, "seq_len": seq_len, "global_batch_size": global_batch_size,
-                "precision": "fp32" if cpu else "bf16", "device": "cpu" if cpu else "cuda"}
+    workload = {
+        "model": model,
+        "seq_len": seq_len,
+        "global_batch_size": global_batch_size,
+        "precision": "fp32" if cpu else "bf16",
+        "device": "cpu" if cpu else "cuda",
+    }
     points, left_out = [], []
     for row in rows:
         if len(points) >= top:
@@ -112,8 +133,10 @@ def sweep_spec(rows: list[Row], *, model: str, seq_len: int, global_batch_size: 
             continue
         lay = next((m.layout for m in row.members if runnable(m.layout)), None)
         if lay is None:
-            left_out.append(f"{row.pred.layout.tp}/{row.pred.layout.pp}/{row.pred.layout.dp} "
-                            f"{'/'.join(row.kernels)}: no kernel this harness runs")
+            left_out.append(
+                f"{row.pred.layout.tp}/{row.pred.layout.pp}/{row.pred.layout.dp} "
+                f"{'/'.join(row.kernels)}: no kernel this harness runs"
+            )
             continue
         layout = spec_layout(lay)
         try:
@@ -122,25 +145,35 @@ def sweep_spec(rows: list[Row], *, model: str, seq_len: int, global_batch_size: 
             left_out.append(f"{layout}: {e}")
             continue
         points.append((layout, row.pred))
-    header = [f"# Written by `harness plan`: the {len(points)} fastest distinct layouts predicted to fit "
-              f"{model} (seq {seq_len}, batch {global_batch_size}) on {gpus} x {profile.name}.",
-              "# Run it with `harness sweep FILE` (--launcher slurm for several nodes); the planner's",
-              "# prediction is the comment beside each point."]
+    header = [
+        f"# Written by `harness plan`: the {len(points)} fastest distinct layouts predicted to fit "
+        f"{model} (seq {seq_len}, batch {global_batch_size}) on {gpus} x {profile.name}.",
+        "# Run it with `harness sweep FILE` (--launcher slurm for several nodes); the planner's",
+        "# prediction is the comment beside each point.",
+    ]
     header += [f"# left out: {why}" for why in left_out]
-    body = {"name": name, "gpus": gpus, "nodes": nodes, "launcher": "slurm" if nodes > 1 else "torchrun",
-            "store": "results.sqlite", "workload": workload}
+    body = {
+        "name": name,
+        "gpus": gpus,
+        "nodes": nodes,
+        "launcher": "slurm" if nodes > 1 else "torchrun",
+        "store": "results.sqlite",
+        "workload": workload,
+    }
     text = "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False)
     text += "points:\n"
     for layout, pred in points:
         flow = yaml.safe_dump(layout, default_flow_style=True, sort_keys=False, width=10_000).strip()
-        text += (f"  - {flow}  # predicted {pred.memory_gib:.1f} GiB, {pred.step_time_s:.3g} s/step, "
-                 f"MFU {pred.mfu:.3f}\n")
+        text += (
+            f"  - {flow}  # predicted {pred.memory_gib:.1f} GiB, {pred.step_time_s:.3g} s/step, MFU {pred.mfu:.3f}\n"
+        )
     if not points:
         text += "  []\n"
     return text, len(points), left_out
 
 
 # ---------------------------------------------------------------- --export
+
 
 def _deepspeed_refuses(lay: PlannerLayout) -> str:
     """Why engine deepspeed's facts refuse the layout ("" if they do not), its ZeRO stage the
@@ -173,12 +206,14 @@ def exportable(lay: PlannerLayout, fmt: str) -> str:
 def export_deepspeed(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[str, list[str]]:
     """A ds_config (DeepSpeed's JSON config keys) for the layout."""
     bf16 = wl.dtype_bytes == 2
-    cfg = {"train_batch_size": wl.global_batch_size,
-           "train_micro_batch_size_per_gpu": lay.micro_batch_size,
-           "gradient_accumulation_steps": wl.micro_batches(lay),
-           "gradient_clipping": 1.0,
-           "bf16": {"enabled": bf16},
-           "zero_optimization": {"stage": lay.sharding_stage}}
+    cfg = {
+        "train_batch_size": wl.global_batch_size,
+        "train_micro_batch_size_per_gpu": lay.micro_batch_size,
+        "gradient_accumulation_steps": wl.micro_batches(lay),
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": lay.sharding_stage},
+    }
     if bf16:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
         cfg["communication_data_type"] = "fp32"
@@ -187,20 +222,29 @@ def export_deepspeed(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[st
     if lay.cp > 1:  # Ulysses' degree: ZeRO then shards over the dp x cp ranks
         cfg["sequence_parallel_size"] = lay.cp
     if lay.pp > 1:
-        cfg["pipeline"] = {"stages": lay.pp, "partition": "uniform",
-                           "activation_checkpoint_interval": 1 if lay.activation_checkpointing == "full" else 0}
+        cfg["pipeline"] = {
+            "stages": lay.pp,
+            "partition": "uniform",
+            "activation_checkpoint_interval": 1 if lay.activation_checkpointing == "full" else 0,
+        }
     if lay.activation_checkpointing != "none":
-        cfg["activation_checkpointing"] = {"partition_activations": False,
-                                           "contiguous_memory_optimization": False}
+        cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
     ulysses = " x sequence_parallel_size" if lay.cp > 1 else ""
-    notes = [f"data parallel degree {lay.dp} = world size / (tp x pp{ulysses}): launch {lay.gpus} ranks",
-             "Ulysses: wrap the attention core in deepspeed.sequence.layer.DistributedAttention over a sequence "
-             f"group of {lay.cp} ranks and feed each its chunks i and 2cp-1-i" if lay.cp > 1 else "",
-             "pipeline stages are the PipelineModule's num_stages in your code; the config repeats them"
-             if lay.pp > 1 else ""]
+    notes = [
+        f"data parallel degree {lay.dp} = world size / (tp x pp{ulysses}): launch {lay.gpus} ranks",
+        "Ulysses: wrap the attention core in deepspeed.sequence.layer.DistributedAttention over a sequence "
+        f"group of {lay.cp} ranks and feed each its chunks i and 2cp-1-i"
+        if lay.cp > 1
+        else "",
+        "pipeline stages are the PipelineModule's num_stages in your code; the config repeats them"
+        if lay.pp > 1
+        else "",
+    ]
     if lay.activation_checkpointing == "selective":
-        notes.append("DeepSpeed has no selective recomputation: wrap the attention core in "
-                     "deepspeed.checkpointing.checkpoint yourself")
+        notes.append(
+            "DeepSpeed has no selective recomputation: wrap the attention core in "
+            "deepspeed.checkpointing.checkpoint yourself"
+        )
     elif lay.activation_checkpointing == "full" and lay.pp == 1:
         notes.append("full checkpointing: wrap each block in deepspeed.checkpointing.checkpoint")
     notes.append(f"attention {lay.attention}, rmsnorm {lay.rmsnorm}: kernels are chosen in the model code")
@@ -214,16 +258,43 @@ def export_megatron(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[str
         args += ["--context-parallel-size", lay.cp, "--cp-comm-type", CP_COMM["megatron"][lay.cp_impl]]
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
-    args += ["--micro-batch-size", lay.micro_batch_size, "--global-batch-size", wl.global_batch_size,
-             "--seq-length", wl.seq_len, "--max-position-embeddings", max(wl.seq_len, shape.max_positions),
-             "--num-layers", shape.layers, "--hidden-size", shape.hidden, "--ffn-hidden-size", shape.ffn,
-             "--num-attention-heads", shape.heads]
+    args += [
+        "--micro-batch-size",
+        lay.micro_batch_size,
+        "--global-batch-size",
+        wl.global_batch_size,
+        "--seq-length",
+        wl.seq_len,
+        "--max-position-embeddings",
+        max(wl.seq_len, shape.max_positions),
+        "--num-layers",
+        shape.layers,
+        "--hidden-size",
+        shape.hidden,
+        "--ffn-hidden-size",
+        shape.ffn,
+        "--num-attention-heads",
+        shape.heads,
+    ]
     if shape.kv_heads != shape.heads:
         args += ["--group-query-attention", "--num-query-groups", shape.kv_heads]
     # LLaMA has no dropout (Megatron-LM's default is 0.1) and no MLP biases
-    args += ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", f"{shape.norm_eps:g}",
-             "--position-embedding-type", "rope", "--rotary-base", int(shape.rope_theta),
-             "--attention-dropout", 0, "--hidden-dropout", 0, "--disable-bias-linear"]
+    args += [
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--norm-epsilon",
+        f"{shape.norm_eps:g}",
+        "--position-embedding-type",
+        "rope",
+        "--rotary-base",
+        int(shape.rope_theta),
+        "--attention-dropout",
+        0,
+        "--hidden-dropout",
+        0,
+        "--disable-bias-linear",
+    ]
     if shape.rope_scaling:
         args += ["--use-rope-scaling", "--rope-scaling-factor", f"{shape.rope_scaling[0]:g}"]
     if shape.attention_bias:
@@ -249,14 +320,20 @@ def export_megatron(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[str
     elif lay.pipeline_schedule == "gpipe" and lay.pp > 1:
         notes.append("Megatron-LM runs 1F1B (or interleaved), not GPipe: the memory differs from the prediction")
     notes.append(f"vocabulary {shape.vocab}: set by your tokenizer (--tokenizer-type/--vocab-size)")
-    notes.append(f"data parallel {lay.dp}: Megatron-LM takes it from the world size, {lay.gpus} ranks / (tp x pp"
-                 + (" x cp)" if lay.cp > 1 else ")"))
+    notes.append(
+        f"data parallel {lay.dp}: Megatron-LM takes it from the world size, {lay.gpus} ranks / (tp x pp"
+        + (" x cp)" if lay.cp > 1 else ")")
+    )
     if lay.cp > 1:
-        notes.append("Megatron-LM's context parallelism runs in Transformer Engine's attention (--transformer-impl "
-                     "transformer_engine, its default)")
+        notes.append(
+            "Megatron-LM's context parallelism runs in Transformer Engine's attention (--transformer-impl "
+            "transformer_engine, its default)"
+        )
     if shape.attention_bias:
-        notes.append("the output projection's bias (transformers' o_proj) has no Megatron-LM flag: "
-                     "--add-qkv-bias covers q/k/v only")
+        notes.append(
+            "the output projection's bias (transformers' o_proj) has no Megatron-LM flag: "
+            "--add-qkv-bias covers q/k/v only"
+        )
     if lay.rmsnorm == "torch":
         notes.append("Megatron-LM's RMSNorm is fused (Transformer Engine/Apex): faster than the eager one predicted")
     return " ".join(str(a) for a in args), notes
@@ -272,14 +349,24 @@ def export_torchtitan(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[s
         return ("true" if v else "false") if isinstance(v, bool) else (f'"{v}"' if isinstance(v, str) else str(v))
 
     sections = {
-        "training": {"local_batch_size": local, "global_batch_size": wl.global_batch_size,
-                     "seq_len": wl.seq_len, "max_norm": 1.0,
-                     "mixed_precision_param": "bfloat16" if wl.dtype_bytes == 2 else "float32",
-                     "mixed_precision_reduce": "float32"},
-        "parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": lay.dp,
-                        "fsdp_reshard_after_forward": "default", "tensor_parallel_degree": lay.tp,
-                        "enable_async_tensor_parallel": False, "pipeline_parallel_degree": lay.pp,
-                        "pipeline_parallel_schedule": schedule, "context_parallel_degree": lay.cp},
+        "training": {
+            "local_batch_size": local,
+            "global_batch_size": wl.global_batch_size,
+            "seq_len": wl.seq_len,
+            "max_norm": 1.0,
+            "mixed_precision_param": "bfloat16" if wl.dtype_bytes == 2 else "float32",
+            "mixed_precision_reduce": "float32",
+        },
+        "parallelism": {
+            "data_parallel_replicate_degree": 1,
+            "data_parallel_shard_degree": lay.dp,
+            "fsdp_reshard_after_forward": "default",
+            "tensor_parallel_degree": lay.tp,
+            "enable_async_tensor_parallel": False,
+            "pipeline_parallel_degree": lay.pp,
+            "pipeline_parallel_schedule": schedule,
+            "context_parallel_degree": lay.cp,
+        },
         "activation_checkpoint": {"mode": lay.activation_checkpointing},
     }
     if lay.pp > 1:
@@ -288,14 +375,19 @@ def export_torchtitan(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[s
         sections["parallelism"]["context_parallel_rotate_method"] = CP_COMM["torchtitan"][lay.cp_impl]
     if lay.activation_checkpointing == "selective":
         sections["activation_checkpoint"]["selective_ac_option"] = "op"
-    text = "\n\n".join(f"[{name}]\n" + "\n".join(f"{k} = {val(v)}" for k, v in body.items())
-                       for name, body in sections.items())
-    notes = ["torchtitan shards parameters, gradients and optimizer states with FSDP2 (ZeRO-3-like) over "
-             f"data_parallel_shard_degree: its memory is below the ZeRO-{lay.sharding_stage} prediction",
-             "attention runs through scaled_dot_product_attention; the model's shape is its [model] flavor"]
+    text = "\n\n".join(
+        f"[{name}]\n" + "\n".join(f"{k} = {val(v)}" for k, v in body.items()) for name, body in sections.items()
+    )
+    notes = [
+        "torchtitan shards parameters, gradients and optimizer states with FSDP2 (ZeRO-3-like) over "
+        f"data_parallel_shard_degree: its memory is below the ZeRO-{lay.sharding_stage} prediction",
+        "attention runs through scaled_dot_product_attention; the model's shape is its [model] flavor",
+    ]
     if lay.pp == 1 and wl.micro_batches(lay) > 1:
-        notes.append(f"global_batch_size > local_batch_size x dp: torchtitan accumulates "
-                     f"{wl.micro_batches(lay)} micro-batches per step")
+        notes.append(
+            f"global_batch_size > local_batch_size x dp: torchtitan accumulates "
+            f"{wl.micro_batches(lay)} micro-batches per step"
+        )
     return text + "\n", notes
 
 

@@ -25,10 +25,10 @@ SHIPPED_SWEEPS = resources.path("baselines/paper_sweeps")  # the repository's, o
 @dataclass
 class PaperRun:
     sweep: str
-    model: str               # planner preset name (paper-13b, ...)
+    model: str  # planner preset name (paper-13b, ...)
     layout: PlannerLayout
     workload: Workload
-    status: str              # ok | oom | other (other error, kernel not available)
+    status: str  # ok | oom | other (other error, kernel not available)
     step_time_s: float | None
     mfu: float | None
 
@@ -53,13 +53,24 @@ def load_sweep(path: str | Path, seq_len: int = 2048, global_batch_size: int = 2
         for row in csv.DictReader(f):
             try:
                 attention, rmsnorm = PAPER_KERNELS[row["kernel"].strip()]
-                dims = ParallelDims.derive(int(row["World Size"]), "World Size", tp=int(row["model_parallel_size"]),
-                                           pp=int(row["pipe_parallel_size"]))
+                dims = ParallelDims.derive(
+                    int(row["World Size"]),
+                    "World Size",
+                    tp=int(row["model_parallel_size"]),
+                    pp=int(row["pipe_parallel_size"]),
+                )
                 checkpointing = PAPER_CHECKPOINTING[row["activation_checkpointing_type"].strip()]
-                lay = PlannerLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, micro_batch_size=int(row["micro_batch_size"]),
-                                    activation_checkpointing=checkpointing,
-                                    sequence_parallel=row.get("sequence_parallel", "False").strip() == "True",
-                                    attention=attention, rmsnorm=rmsnorm, zero_stage=1)
+                lay = PlannerLayout(
+                    tp=dims.tp,
+                    pp=dims.pp,
+                    dp=dims.dp,
+                    micro_batch_size=int(row["micro_batch_size"]),
+                    activation_checkpointing=checkpointing,
+                    sequence_parallel=row.get("sequence_parallel", "False").strip() == "True",
+                    attention=attention,
+                    rmsnorm=rmsnorm,
+                    zero_stage=1,
+                )
             except (KeyError, ValueError) as e:
                 raise SpecError("--calibrate-csv", f"{path.name}: row {row.get('Trial ID')}: {e}") from None
             value = row["Average Step Time"].strip()
@@ -79,6 +90,7 @@ def repo_sweeps() -> list[Path]:
 
 def spearman(a, b) -> float:
     """Spearman rank correlation with average ranks for ties (numpy only)."""
+
     def ranks(x):
         x = np.asarray(x, dtype=float)
         order = np.argsort(x, kind="mergesort")
@@ -89,6 +101,7 @@ def spearman(a, b) -> float:
             if idx.sum() > 1:
                 r[idx] = r[idx].mean()
         return r
+
     ra, rb = ranks(a), ranks(b)
     if ra.std() == 0 or rb.std() == 0:
         return float("nan")
@@ -110,13 +123,17 @@ def score(runs: list[PaperRun], predict_fn) -> dict:
     best = max(ok, key=lambda rp: rp[0].mfu)[0]
     fitting = sorted((rp for rp in ok if rp[1].fits), key=lambda rp: -rp[1].mfu)
     top3 = [r for r, _ in fitting[:3]]
-    return {"runs": len(runs), "judged": len(judged), "finished": len(ok),
-            "oom_accuracy": correct / len(judged),
-            "spearman": spearman(predicted, measured),
-            "best_in_top3": best in top3,
-            "best_rank": next((i + 1 for i, (r, _) in enumerate(fitting) if r is best), None),
-            "median_mfu_error_points": float(np.median(np.abs(predicted - measured)) * 100),
-            "mfu_errors_points": np.abs(predicted - measured) * 100}
+    return {
+        "runs": len(runs),
+        "judged": len(judged),
+        "finished": len(ok),
+        "oom_accuracy": correct / len(judged),
+        "spearman": spearman(predicted, measured),
+        "best_in_top3": best in top3,
+        "best_rank": next((i + 1 for i, (r, _) in enumerate(fitting) if r is best), None),
+        "median_mfu_error_points": float(np.median(np.abs(predicted - measured)) * 100),
+        "mfu_errors_points": np.abs(predicted - measured) * 100,
+    }
 
 
 def figures(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
@@ -126,8 +143,10 @@ def figures(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[st
     from harness.planner.predict import predict
 
     sweeps = sweeps or {p.stem: load_sweep(p) for p in repo_sweeps()}
-    return {name: score(runs, lambda r: predict(PRESETS[r.model], r.layout, r.workload, profile))
-            for name, runs in sweeps.items()}
+    return {
+        name: score(runs, lambda r: predict(PRESETS[r.model], r.layout, r.workload, profile))
+        for name, runs in sweeps.items()
+    }
 
 
 def _refit_and_score(profile, sweeps: dict[str, list[PaperRun]] | None, trains_on) -> dict[str, dict]:
@@ -144,8 +163,13 @@ def _refit_and_score(profile, sweeps: dict[str, list[PaperRun]] | None, trains_o
     base.calibrated = {}
     out = {}
     for held in sweeps:
-        train = [Sample(PRESETS[r.model], r.layout, r.workload, r.step_time_s, r.sweep)
-                 for name, runs in sweeps.items() if trains_on(held, name) for r in runs if r.status == "ok"]
+        train = [
+            Sample(PRESETS[r.model], r.layout, r.workload, r.step_time_s, r.sweep)
+            for name, runs in sweeps.items()
+            if trains_on(held, name)
+            for r in runs
+            if r.status == "ok"
+        ]
         prof, _ = fit(train, base, label=f"sweeps for {held}")
         out[held] = figures(prof, {held: sweeps[held]})[held]
     return out
@@ -159,8 +183,7 @@ def leave_one_sweep_out(profile, sweeps: dict[str, list[PaperRun]] | None = None
 def leave_one_model_out(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
     """Each sweep scored with constants fitted only on the other model's sweeps: the planner
     predicting a model nobody has measured yet (the held-aside 65B sweeps are that case)."""
-    return _refit_and_score(profile, sweeps,
-                            lambda held, other: _model_from_name(other) != _model_from_name(held))
+    return _refit_and_score(profile, sweeps, lambda held, other: _model_from_name(other) != _model_from_name(held))
 
 
 def per_sweep_fits(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> dict[str, dict]:
@@ -172,8 +195,10 @@ def per_sweep_fits(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> 
 
 
 # Pairs of sweeps of one model at one global batch on different GPU counts (ratio of GPUs).
-SCALING_PAIRS = (("llama_13B_bfloat16_32_GPUs_sequence_parallelism", "llama_13B_bfloat16_64_GPUs_all_runs", 2),
-                 ("llama_30B_bfloat16_64_GPUs_sequence_parallelism", "llama_30B_bfloat16_256_GPUs_all_runs", 4))
+SCALING_PAIRS = (
+    ("llama_13B_bfloat16_32_GPUs_sequence_parallelism", "llama_13B_bfloat16_64_GPUs_all_runs", 2),
+    ("llama_30B_bfloat16_64_GPUs_sequence_parallelism", "llama_30B_bfloat16_256_GPUs_all_runs", 4),
+)
 
 
 def token_and_step_parts(profile, sweeps: dict[str, list[PaperRun]] | None = None) -> list[dict]:
@@ -188,8 +213,15 @@ def token_and_step_parts(profile, sweeps: dict[str, list[PaperRun]] | None = Non
 
     def key(r):
         lay = r.layout
-        return (lay.tp, lay.pp, lay.micro_batch_size, lay.activation_checkpointing, lay.attention,
-                lay.rmsnorm, lay.sequence_parallel)
+        return (
+            lay.tp,
+            lay.pp,
+            lay.micro_batch_size,
+            lay.activation_checkpointing,
+            lay.attention,
+            lay.rmsnorm,
+            lay.sequence_parallel,
+        )
 
     rows = []
     for small, big, r in SCALING_PAIRS:
@@ -203,9 +235,16 @@ def token_and_step_parts(profile, sweeps: dict[str, list[PaperRun]] | None = Non
             t_small = predict(PRESETS[run.model], run.layout, run.workload, profile).step_time_s
             t_big = predict(PRESETS[other.model], other.layout, other.workload, profile).step_time_s
             c, c_pred = (run.step_time_s - other.step_time_s) / (r - 1), (t_small - t_big) / (r - 1)
-            rows.append({"pair": f"{small} / {big}", "layout": other.layout,
-                         "per_token_s": c, "per_step_s": other.step_time_s - c,
-                         "per_token_pred_s": c_pred, "per_step_pred_s": t_big - c_pred})
+            rows.append(
+                {
+                    "pair": f"{small} / {big}",
+                    "layout": other.layout,
+                    "per_token_s": c,
+                    "per_step_s": other.step_time_s - c,
+                    "per_token_pred_s": c_pred,
+                    "per_step_pred_s": t_big - c_pred,
+                }
+            )
     return rows
 
 
@@ -214,8 +253,10 @@ def summary(figs: dict[str, dict]) -> dict:
     over all finished runs together (the target's wording) and as the worst per-sweep median."""
     judged = sum(f["judged"] for f in figs.values())
     errors = np.concatenate([f["mfu_errors_points"] for f in figs.values()])
-    return {"oom_accuracy": sum(f["oom_accuracy"] * f["judged"] for f in figs.values()) / judged,
-            "mean_spearman": float(np.mean([f["spearman"] for f in figs.values()])),
-            "best_in_top3_all": all(f["best_in_top3"] for f in figs.values()),
-            "median_mfu_error_points": float(np.median(errors)),
-            "max_median_mfu_error_points": max(f["median_mfu_error_points"] for f in figs.values())}
+    return {
+        "oom_accuracy": sum(f["oom_accuracy"] * f["judged"] for f in figs.values()) / judged,
+        "mean_spearman": float(np.mean([f["spearman"] for f in figs.values()])),
+        "best_in_top3_all": all(f["best_in_top3"] for f in figs.values()),
+        "median_mfu_error_points": float(np.median(errors)),
+        "max_median_mfu_error_points": max(f["median_mfu_error_points"] for f in figs.values()),
+    }

@@ -43,13 +43,23 @@ class Prediction:
     def row(self) -> dict:
         """The JSON object `harness plan --format json` prints per layout."""
         lay = self.layout
-        return {"tp": lay.tp, "cp": lay.cp, "cp_impl": lay.cp_impl if lay.cp > 1 else None, "pp": lay.pp,
-                "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
-                "activation_checkpointing": lay.activation_checkpointing,
-                "sequence_parallel": bool(lay.sequence_parallel), "attention": lay.attention,
-                "rmsnorm": lay.rmsnorm, "zero": lay.sharding_stage, "fits": bool(self.fits and self.available),
-                "memory_gib": round(self.memory_gib, 2), "step_time_s": round(self.step_time_s, 4),
-                "mfu": round(self.mfu, 4)}
+        return {
+            "tp": lay.tp,
+            "cp": lay.cp,
+            "cp_impl": lay.cp_impl if lay.cp > 1 else None,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "micro_batch_size": lay.micro_batch_size,
+            "activation_checkpointing": lay.activation_checkpointing,
+            "sequence_parallel": bool(lay.sequence_parallel),
+            "attention": lay.attention,
+            "rmsnorm": lay.rmsnorm,
+            "zero": lay.sharding_stage,
+            "fits": bool(self.fits and self.available),
+            "memory_gib": round(self.memory_gib, 2),
+            "step_time_s": round(self.step_time_s, 4),
+            "mfu": round(self.mfu, 4),
+        }
 
 
 def kernel_available(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile) -> str:
@@ -78,9 +88,10 @@ def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
     if shape.heads % lay.tp:
         raise SpecError("layout.tp", f"{shape.heads} attention heads are not divisible by tp={lay.tp}")
     if wl.global_batch_size % (lay.dp * lay.micro_batch_size):
-        raise SpecError("workload.global_batch_size",
-                        f"{wl.global_batch_size} is not divisible by dp x micro-batch = "
-                        f"{lay.dp * lay.micro_batch_size}")
+        raise SpecError(
+            "workload.global_batch_size",
+            f"{wl.global_batch_size} is not divisible by dp x micro-batch = {lay.dp * lay.micro_batch_size}",
+        )
     if lay.attention not in ATTENTION_CLASS:
         raise SpecError("layout.attention", f"unknown kernel {lay.attention!r}; known: {', '.join(ATTENTION_CLASS)}")
     if lay.rmsnorm not in RMSNORM_KERNELS:
@@ -92,9 +103,15 @@ def _palm_flops_per_token(shape: Shape, seq_len: int) -> float:
     return flops_per_token(shape, seq_len)["palm"]
 
 
-def predict(shape: Shape, layout: PlannerLayout, workload: Workload, profile: Profile,
-            theta: dict | None = None, layer_cache: dict | None = None,
-            memory_cache: dict | None = None) -> Prediction:
+def predict(
+    shape: Shape,
+    layout: PlannerLayout,
+    workload: Workload,
+    profile: Profile,
+    theta: dict | None = None,
+    layer_cache: dict | None = None,
+    memory_cache: dict | None = None,
+) -> Prediction:
     """Memory, fit and speed of one layout. `theta` overrides the profile's inverse efficiencies;
     `layer_cache` (timing.step_time) and `memory_cache` (memory_key) are for callers predicting
     many layouts of one shape, workload and profile."""
@@ -107,24 +124,35 @@ def predict(shape: Shape, layout: PlannerLayout, workload: Workload, profile: Pr
         if hit is None:
             hit = memory_cache[mkey] = worst_stage_memory(shape, layout, workload)
         stage, parts = hit
-    t, breakdown = step_time(shape, layout, workload, profile, theta or theta_from_profile(profile), layer_cache,
-                             memory_bytes=parts["total"])
+    t, breakdown = step_time(
+        shape, layout, workload, profile, theta or theta_from_profile(profile), layer_cache, memory_bytes=parts["total"]
+    )
     tokens = workload.global_batch_size * workload.seq_len
     flops = tokens * _palm_flops_per_token(shape, workload.seq_len)
     mfu = flops / (t * layout.gpus * profile.peak_flops(workload.dtype_bytes))
     why = kernel_available(shape, layout, workload, profile)
-    return Prediction(layout=layout, fits=fits(parts["total"], profile), available=not why,
-                      memory_gib=parts["total"] / GIB, step_time_s=t, mfu=mfu, tokens_per_s=tokens / t,
-                      worst_stage=stage,
-                      memory_breakdown_gib={k: v / GIB for k, v in parts.items() if k != "params"},
-                      time_breakdown_s=breakdown, why_unavailable=why)
+    return Prediction(
+        layout=layout,
+        fits=fits(parts["total"], profile),
+        available=not why,
+        memory_gib=parts["total"] / GIB,
+        step_time_s=t,
+        mfu=mfu,
+        tokens_per_s=tokens / t,
+        worst_stage=stage,
+        memory_breakdown_gib={k: v / GIB for k, v in parts.items() if k != "params"},
+        time_breakdown_s=breakdown,
+        why_unavailable=why,
+    )
 
 
 # One kernel per cost class stands for the others: memory.py and timing.py read the attention
 # kernel only through ATTENTION_CLASS, so kernels of one class predict identically (only whether
 # the kernel is available differs).
-CLASS_REPRESENTATIVE = {cls: next(k for k in ATTENTION_CLASS if ATTENTION_CLASS[k] == cls)
-                        for cls in dict.fromkeys(ATTENTION_CLASS.values())}
+CLASS_REPRESENTATIVE = {
+    cls: next(k for k in ATTENTION_CLASS if ATTENTION_CLASS[k] == cls)
+    for cls in dict.fromkeys(ATTENTION_CLASS.values())
+}
 
 
 def memory_key(layout: PlannerLayout) -> tuple:
@@ -143,8 +171,9 @@ def prediction_key(layout: PlannerLayout) -> PlannerLayout:
     return layout if rep == layout.attention else dataclasses.replace(layout, attention=rep)
 
 
-def predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None = None,
-                 **kw) -> list[Prediction]:
+def predict_many(
+    shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None = None, **kw
+) -> list[Prediction]:
     """predict() for every layout, computing each cost class once (`harness plan` over thousands
     of layouts must answer in well under a second); the same Predictions as one call each."""
     theta = theta or theta_from_profile(profile)
@@ -157,8 +186,9 @@ def predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, th
         key = tuple(cls if name == "attention" else value for name, value in lay.__dict__.items())
         base = cache.get(key)
         if base is None:
-            base = cache[key] = predict(shape, prediction_key(lay), workload, profile, theta, layer_cache,
-                                        memory_cache, **kw)
+            base = cache[key] = predict(
+                shape, prediction_key(lay), workload, profile, theta, layer_cache, memory_cache, **kw
+            )
         if base.layout is lay or base.layout == lay:
             out.append(base)
         else:  # an alias: the same prediction, its own layout and availability

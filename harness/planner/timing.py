@@ -69,8 +69,9 @@ def _stage_kinds(n_layers: int, pp: int) -> tuple:
     return tuple((key, first, count) for key, (first, count) in kinds.items())
 
 
-def alloc_pressure(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile,
-                   memory_bytes: float | None = None) -> float:
+def alloc_pressure(
+    shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, memory_bytes: float | None = None
+) -> float:
     """How far the predicted peak of the fullest stage (memory.py; `memory_bytes` when the caller has
     it) lies above ALLOC_PRESSURE_FROM of the device's memory, as a fraction of it (capped at a full
     device): the feature of 'alloc_pressure_s'."""
@@ -79,16 +80,25 @@ def alloc_pressure(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     return max(0.0, min(1.0, memory_bytes / (prof.memory_gib * GIB)) - ALLOC_PRESSURE_FROM)
 
 
-def _per_layer(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict,
-               layer_cache: dict | None) -> tuple[dict, float]:
+def _per_layer(
+    shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict, layer_cache: dict | None
+) -> tuple[dict, float]:
     """layer_features and their time under theta, from `layer_cache` when the caller keeps one
     (a dict across layouts of one shape, workload, profile and theta: predict_many)."""
     if layer_cache is None:
         per_layer = layer_features(shape, lay, wl, prof, theta)
         return per_layer, dot(theta, per_layer)
-    key = (lay.tp, lay.micro_batch_size, lay.activation_checkpointing, lay.sequence_parallel,
-           ATTENTION_CLASS[lay.attention], lay.rmsnorm, lay.cp, lay.cp_impl if lay.cp > 1 else "",
-           group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node)
+    key = (
+        lay.tp,
+        lay.micro_batch_size,
+        lay.activation_checkpointing,
+        lay.sequence_parallel,
+        ATTENTION_CLASS[lay.attention],
+        lay.rmsnorm,
+        lay.cp,
+        lay.cp_impl if lay.cp > 1 else "",
+        group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node,
+    )
     hit = layer_cache.get(key)
     if hit is None:
         per_layer = layer_features(shape, lay, wl, prof, theta)
@@ -135,8 +145,15 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
 
 
-def step_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None = None,
-                  layer_cache: dict | None = None, memory_bytes: float | None = None) -> tuple[dict, dict]:
+def step_features(
+    shape: Shape,
+    lay: PlannerLayout,
+    wl: Workload,
+    prof: Profile,
+    theta: dict | None = None,
+    layer_cache: dict | None = None,
+    memory_bytes: float | None = None,
+) -> tuple[dict, dict]:
     """Ideal seconds per kind of work for one optimizer step, and a breakdown in real seconds.
 
     The step time is sum(theta[k] * features[k]) (what calibration fits); theta decides only
@@ -181,20 +198,29 @@ def _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta,
     }
 
 
-def cp_breakdown(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict,
-                 layer_passes: int) -> dict:
+def cp_breakdown(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict, layer_passes: int) -> dict:
     """The cp exchange of the slowest stage over a step (`layer_passes`: its layers x micro-batches,
     part of compute_and_tp_s): the seconds of all its transfers, those the attention does not hide,
     and the bytes one rank sends."""
     attention = attention_features(shape, lay, wl, prof)
     key, exposed, total = cp_exchange(shape, lay, wl, prof, theta, attention)
     sent = exchange_bytes(shape, lay, wl.seq_len, wl.dtype_bytes)["total"]
-    return {"cp_exchange_s": layer_passes * theta[key] * total, "cp_exposed_s": layer_passes * theta[key] * exposed,
-            "cp_sent_gb": layer_passes * sent / 1e9}
+    return {
+        "cp_exchange_s": layer_passes * theta[key] * total,
+        "cp_exposed_s": layer_passes * theta[key] * exposed,
+        "cp_sent_gb": layer_passes * sent / 1e9,
+    }
 
 
-def step_time(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict | None = None,
-              layer_cache: dict | None = None, memory_bytes: float | None = None) -> tuple[float, dict]:
+def step_time(
+    shape: Shape,
+    lay: PlannerLayout,
+    wl: Workload,
+    prof: Profile,
+    theta: dict | None = None,
+    layer_cache: dict | None = None,
+    memory_bytes: float | None = None,
+) -> tuple[float, dict]:
     """Seconds per optimizer step and their breakdown: sum(theta[k] * step_features[k]) computed
     per stage kind as layers x (time of a layer) + time of the stage's extras, which a plan over
     thousands of layouts needs (harness plan answers in under a second). `memory_bytes`: the
@@ -214,5 +240,6 @@ def step_time(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, the
     breakdown = _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta, pressure)
     if lay.cp > 1:
         breakdown.update(cp_breakdown(shape, lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
-    return (compute_s + breakdown["dp_reduction_exposed_s"] + breakdown["optimizer_s"]
-            + breakdown["allocator_pressure_s"]), breakdown
+    return (
+        compute_s + breakdown["dp_reduction_exposed_s"] + breakdown["optimizer_s"] + breakdown["allocator_pressure_s"]
+    ), breakdown

@@ -62,9 +62,14 @@ def step_windows(events: list[dict]) -> tuple[object, list[tuple[float, float]]]
 def _calls(thread_events: list[dict]) -> list[tuple[dict, tuple]]:
     """Each annotated call's span (its CALL range) with the fields of the marker inside it."""
     calls = sorted((_span(e) for e in thread_events if e.get("name") == CALL), key=lambda s: (s[0], -s[1]))
-    markers = sorted(((_span(e)[0], parse_range(str(e["name"]))) for e in thread_events
-                      if str(e.get("name", "")).startswith(PREFIX) and parse_range(str(e["name"]))),
-                     key=lambda m: m[0])
+    markers = sorted(
+        (
+            (_span(e)[0], parse_range(str(e["name"])))
+            for e in thread_events
+            if str(e.get("name", "")).startswith(PREFIX) and parse_range(str(e["name"]))
+        ),
+        key=lambda m: m[0],
+    )
     out = []
     starts = [m[0] for m in markers]
     for span in calls:
@@ -135,8 +140,11 @@ def cpu_breakdown(trace: dict) -> dict:
                 exposed[axis] = length(spans) / 1e3
         inside = clip(ops, lo, hi)
         busy = [(min(a for a, _ in inside), max(b for _, b in inside))] if inside else []
-        update = [(max(backward_ends), busy[0][1])] if busy and (backward_ends := [
-            b for a, b in clip(backward, lo, hi)]) else []
+        update = (
+            [(max(backward_ends), busy[0][1])]
+            if busy and (backward_ends := [b for a, b in clip(backward, lo, hi)])
+            else []
+        )
         optimizer = subtract(clip(optimizer_spans, lo, hi) + update, taken)
         taken += optimizer
         compute = subtract(busy, taken)
@@ -147,10 +155,14 @@ def cpu_breakdown(trace: dict) -> dict:
 
 
 def _assemble(step_us: float, compute_us: float, optimizer_us: float, exposed_ms: dict, bubble_us: float) -> dict:
-    out = {"compute": compute_us / 1e3, "optimizer": optimizer_us / 1e3, "exposed_comm": exposed_ms,
-           "bubble": bubble_us / 1e3, "step": step_us / 1e3}
-    out["other"] = max(0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"]
-                       - sum(exposed_ms.values()))
+    out = {
+        "compute": compute_us / 1e3,
+        "optimizer": optimizer_us / 1e3,
+        "exposed_comm": exposed_ms,
+        "bubble": bubble_us / 1e3,
+        "step": step_us / 1e3,
+    }
+    out["other"] = max(0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"] - sum(exposed_ms.values()))
     return out
 
 
@@ -165,8 +177,9 @@ def count_calls(calls: list[tuple[dict, tuple]], windows) -> list[dict]:
             entry[0] += 1
             entry[1] += fields["bytes"]
     n = max(1, len(windows))
-    return [{"axis": axis, "kind": kind, "count": c / n, "bytes": b / n}
-            for (axis, kind), (c, b) in sorted(agg.items())]
+    return [
+        {"axis": axis, "kind": kind, "count": c / n, "bytes": b / n} for (axis, kind), (c, b) in sorted(agg.items())
+    ]
 
 
 def cuda_breakdown(trace: dict) -> dict:
@@ -176,8 +189,11 @@ def cuda_breakdown(trace: dict) -> dict:
     mine = _thread(events, thread)
     comm = _calls(mine)
     optimizer_spans = [_span(e) for e in mine if str(e.get("name", "")).startswith(OPTIMIZER_PREFIXES)]
-    launches = {e.get("args", {}).get("correlation"): _span(e)[0] for e in events
-                if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") is not None}
+    launches = {
+        e.get("args", {}).get("correlation"): _span(e)[0]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") is not None
+    }
     kernels = [e for e in events if e.get("cat") == "kernel"]
 
     def launched_in(e, spans) -> bool:
@@ -211,8 +227,15 @@ def cuda_breakdown(trace: dict) -> dict:
         for axis in OPTIONAL:
             if not exposed[axis] and not nccl.get(axis):
                 del exposed[axis]
-        steps.append(_assemble(hi - lo, length(subtract(clip(compute, lo, hi), clip(optimizer, lo, hi))),
-                               length(clip(optimizer, lo, hi)), exposed, bubble * 1e3))
+        steps.append(
+            _assemble(
+                hi - lo,
+                length(subtract(clip(compute, lo, hi), clip(optimizer, lo, hi))),
+                length(clip(optimizer, lo, hi)),
+                exposed,
+                bubble * 1e3,
+            )
+        )
     _, calls = _blocked(mine)
     return {"steps": steps, "collectives": count_calls(calls, windows)}
 
@@ -224,9 +247,15 @@ def breakdown(trace: dict, device_type: str = "cpu") -> dict:
 def mean_step(steps: list[dict]) -> dict:
     """The mean over profiled steps, component by component."""
     n = len(steps)
-    axes = sorted({a for s in steps for a in s["exposed_comm"]}, key=lambda a: (a not in AXES, AXES.index(a)
-                                                                                 if a in AXES else 0, a))
-    return {"compute": sum(s["compute"] for s in steps) / n, "optimizer": sum(s["optimizer"] for s in steps) / n,
-            "exposed_comm": {a: sum(s["exposed_comm"].get(a, 0.0) for s in steps) / n for a in axes},
-            "bubble": sum(s["bubble"] for s in steps) / n, "other": sum(s["other"] for s in steps) / n,
-            "step": sum(s["step"] for s in steps) / n}
+    axes = sorted(
+        {a for s in steps for a in s["exposed_comm"]},
+        key=lambda a: (a not in AXES, AXES.index(a) if a in AXES else 0, a),
+    )
+    return {
+        "compute": sum(s["compute"] for s in steps) / n,
+        "optimizer": sum(s["optimizer"] for s in steps) / n,
+        "exposed_comm": {a: sum(s["exposed_comm"].get(a, 0.0) for s in steps) / n for a in axes},
+        "bubble": sum(s["bubble"] for s in steps) / n,
+        "other": sum(s["other"] for s in steps) / n,
+        "step": sum(s["step"] for s in steps) / n,
+    }

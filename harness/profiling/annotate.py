@@ -81,7 +81,7 @@ class AxisOf:
         return found
 
     def _resolve(self, group) -> str:
-        named = getattr(group, "group_desc", None)   # a group that says its axis (the own engine's Mesh)
+        named = getattr(group, "group_desc", None)  # a group that says its axis (the own engine's Mesh)
         if named in self.dims.sizes():
             return named
         ranks = sorted(dist.get_process_group_ranks(group))
@@ -162,6 +162,7 @@ class Annotations:
                 if is_async and out is not None:
                     work_axis[id(out)] = (axis, kind)
                 return out
+
         return wrapped
 
     def _batch(self, fn):
@@ -178,6 +179,7 @@ class Annotations:
             for w in works or []:
                 work_axis.setdefault(id(w), (axis, "p2p"))
             return works
+
         return wrapped
 
     def _functional(self, fn, kind: str, gi: int, gathered: bool):
@@ -196,6 +198,7 @@ class Annotations:
                 with record_function(range_name(kind, axis, "async", nbytes)):
                     pass
                 return fn(*args, **kwargs)
+
         return wrapped
 
     def __enter__(self):
@@ -227,6 +230,7 @@ class Annotations:
                 with record_function(range_name(kind, axis, "wait", 0)):
                     pass
                 return wait(work, *args, **kwargs)
+
         self._patch(Work, "wait", annotated_wait)
         return self
 

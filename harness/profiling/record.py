@@ -26,11 +26,16 @@ def from_instrumented(breakdown_s: dict) -> dict:
     the step."""
     ms = {k: v * 1e3 for k, v in breakdown_s.items()}
     cp = {"cp": ms["cp_comm"]} if "cp_comm" in ms else {}
-    out = {"compute": ms.get("compute", 0.0), "optimizer": ms.get("optimizer", 0.0),
-           "exposed_comm": {"tp": ms.get("tp_comm", 0.0), **cp, "dp": ms.get("dp_comm", 0.0), "pp": 0.0},
-           "bubble": ms.get("bubble", 0.0), "step": ms.get("total", 0.0)}
-    out["other"] = max(0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"]
-                       - sum(out["exposed_comm"].values()))
+    out = {
+        "compute": ms.get("compute", 0.0),
+        "optimizer": ms.get("optimizer", 0.0),
+        "exposed_comm": {"tp": ms.get("tp_comm", 0.0), **cp, "dp": ms.get("dp_comm", 0.0), "pp": 0.0},
+        "bubble": ms.get("bubble", 0.0),
+        "step": ms.get("total", 0.0),
+    }
+    out["other"] = max(
+        0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"] - sum(out["exposed_comm"].values())
+    )
     return out
 
 
@@ -57,35 +62,45 @@ def profile_metrics(profile: dict | None, ctx, trace_dir: str | None, trace_name
     if profile is None:
         return {}, []
     analysis = profile.get("analysis")
-    mine = {"breakdown": mean_step(analysis["steps"]) if analysis else None,
-            "collectives": analysis["collectives"] if analysis else None,
-            "error": profile.get("error"), "wall_s": profile.get("wall_s", 0.0),
-            "host_gaps": (sum(st.get("host_gaps", 0.0) for st in analysis["steps"]) / len(analysis["steps"])
-                          if analysis else None),
-            "instrumented": [from_instrumented(s) for s in profile.get("instrumented") or []]}
+    mine = {
+        "breakdown": mean_step(analysis["steps"]) if analysis else None,
+        "collectives": analysis["collectives"] if analysis else None,
+        "error": profile.get("error"),
+        "wall_s": profile.get("wall_s", 0.0),
+        "host_gaps": (
+            sum(st.get("host_gaps", 0.0) for st in analysis["steps"]) / len(analysis["steps"]) if analysis else None
+        ),
+        "instrumented": [from_instrumented(s) for s in profile.get("instrumented") or []],
+    }
     everyone = _gather(mine, ctx)
-    metrics: dict = {"profile_steps": len(analysis["steps"]) if analysis else None,
-                     "profile_wall_s": max(e["wall_s"] for e in everyone)}
+    metrics: dict = {
+        "profile_steps": len(analysis["steps"]) if analysis else None,
+        "profile_wall_s": max(e["wall_s"] for e in everyone),
+    }
     errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
     if errors:
         metrics["breakdown_error"] = "; ".join(errors)[:500]
     rows = [e["breakdown"] for e in everyone]
     if all(rows):
-        metrics.update(breakdown_ms=_mean_over_ranks(rows), breakdown_ms_by_rank=rows, breakdown_source="profiler",
-                       collectives=everyone[0]["collectives"],
-                       compute_host_gaps_ms=sum(e["host_gaps"] for e in everyone) / len(everyone))
+        metrics.update(
+            breakdown_ms=_mean_over_ranks(rows),
+            breakdown_ms_by_rank=rows,
+            breakdown_source="profiler",
+            collectives=everyone[0]["collectives"],
+            compute_host_gaps_ms=sum(e["host_gaps"] for e in everyone) / len(everyone),
+        )
     if all(e["instrumented"] for e in everyone):
         per_rank = [_mean_over_ranks(e["instrumented"]) for e in everyone]
-        metrics.update(breakdown_instrumented_ms=_mean_over_ranks(per_rank),
-                       breakdown_instrumented_ms_by_rank=per_rank)
+        metrics.update(breakdown_instrumented_ms=_mean_over_ranks(per_rank), breakdown_instrumented_ms_by_rank=per_rank)
     traces = []
     if all(rows) and trace_dir is not None:
         slowest = max(range(len(rows)), key=lambda r: rows[r]["step"])
         roles = {0: "rank 0"}
         roles.setdefault(slowest, "slowest rank")
         for r, role in roles.items():
-            traces.append({"rank": r, "path": os.path.join(trace_dir, f"{trace_name}.rank{r}.trace.json.gz"),
-                           "role": role})
+            traces.append(
+                {"rank": r, "path": os.path.join(trace_dir, f"{trace_name}.rank{r}.trace.json.gz"), "role": role}
+            )
         for t in traces:
             if t["rank"] == ctx.rank:
                 trace_files.write(profile["trace"], t["path"])

@@ -58,10 +58,13 @@ def bounded(trace: dict, max_events: int = MAX_EVENTS) -> dict:
     rest = [e for e in events if e.get("ph") != "X"]
     first = [e for e in complete if _keep_first(e)]
     others = sorted((e for e in complete if not _keep_first(e)), key=lambda e: -float(e.get("dur", 0)))
-    kept = first + others[:max(0, max_events - len(first))]
+    kept = first + others[: max(0, max_events - len(first))]
     out = dict(trace, traceEvents=rest + sorted(kept, key=lambda e: e.get("ts", 0)))
-    out["harness_trimmed"] = {"dropped_events": len(complete) - len(kept), "max_events": max_events,
-                              "rule": "the shortest events beyond the limit were dropped"}
+    out["harness_trimmed"] = {
+        "dropped_events": len(complete) - len(kept),
+        "max_events": max_events,
+        "rule": "the shortest events beyond the limit were dropped",
+    }
     return out
 
 

@@ -11,11 +11,16 @@ from harness.report.why import Case, comparisons, explain
 
 
 def breakdown(rows: list[Row], metric: Metric) -> Section:
-    s = Section("breakdown", "Where the time goes",
-                ["Per profiled step (after the measured ones; the mean over ranks), for the best layouts of each "
-                 "sweep: compute, exposed communication per axis, pipeline bubble, optimizer and other, in ms and % "
-                 "of the step, with the collectives per step; source 'profiler' (the trace, every engine) or "
-                 "'instrumented' (the engine's own counters). Then why the fastest of them beats the others."])
+    s = Section(
+        "breakdown",
+        "Where the time goes",
+        [
+            "Per profiled step (after the measured ones; the mean over ranks), for the best layouts of each "
+            "sweep: compute, exposed communication per axis, pipeline bubble, optimizer and other, in ms and % "
+            "of the step, with the collectives per step; source 'profiler' (the trace, every engine) or "
+            "'instrumented' (the engine's own counters). Then why the fastest of them beats the others."
+        ],
+    )
     shown = 0
     for name, rs in by_sweep(rows).items():
         picked = [r for r in ranked(rs, metric) if r.step_breakdown][:8]
@@ -23,20 +28,39 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
             continue
         labels = [r.label for r in picked]
         keys = components([r.step_breakdown for r in picked])
-        s.images.append((f"breakdown-{shown}", plots.stacked(labels, [r.step_breakdown.parts for r in picked],
-                                                             f"{name}: ms per profiled step", scale=1.0,
-                                                             names={k: component_title(k) for k in keys}),
-                         f"stacked bars from zero of the time breakdown per layout in {name}"))
+        s.images.append(
+            (
+                f"breakdown-{shown}",
+                plots.stacked(
+                    labels,
+                    [r.step_breakdown.parts for r in picked],
+                    f"{name}: ms per profiled step",
+                    scale=1.0,
+                    names={k: component_title(k) for k in keys},
+                ),
+                f"stacked bars from zero of the time breakdown per layout in {name}",
+            )
+        )
         shown += 1
-        s.tables.append(Table(["layout", "source"] + [component_title(k) for k in keys] + ["step", "collectives"],
-                              [[r.label, r.step_breakdown.source] + [ms_share(r.step_breakdown, k) for k in keys]
-                               + [f"{r.step_breakdown.step_ms:.1f} ms", _collectives_text(r.collectives)]
-                               for r in picked], name))
+        s.tables.append(
+            Table(
+                ["layout", "source"] + [component_title(k) for k in keys] + ["step", "collectives"],
+                [
+                    [r.label, r.step_breakdown.source]
+                    + [ms_share(r.step_breakdown, k) for k in keys]
+                    + [f"{r.step_breakdown.step_ms:.1f} ms", _collectives_text(r.collectives)]
+                    for r in picked
+                ],
+                name,
+            )
+        )
         engines, layouts = comparisons(why_cases(picked), limit=MAX_WHY)
-        s.text += [f"{name}, why (the same layout under other engines): "
-                   + (" ".join(engines) or "no layout among these ran under two engines."),
-                   f"{name}, why (the same engine at other layouts): "
-                   + (" ".join(layouts) or "no engine among these ran two layouts.")]
+        s.text += [
+            f"{name}, why (the same layout under other engines): "
+            + (" ".join(engines) or "no layout among these ran under two engines."),
+            f"{name}, why (the same engine at other layouts): "
+            + (" ".join(layouts) or "no engine among these ran two layouts."),
+        ]
     if not shown:
         s.text.append("No run recorded a time breakdown.")
     return s
@@ -63,13 +87,21 @@ def _collectives_text(found) -> str:
     if not found:
         return "not measured"
     coll, _ = found
-    return "; ".join(f"{c.get('axis')} {c.get('kind')} x{c.get('count')} ({(c.get('bytes') or 0) / 2**20:,.1f} MiB)"
-                     for c in coll) or "none"
+    return (
+        "; ".join(
+            f"{c.get('axis')} {c.get('kind')} x{c.get('count')} ({(c.get('bytes') or 0) / 2**20:,.1f} MiB)"
+            for c in coll
+        )
+        or "none"
+    )
 
 
 def why_cases(rows: list[Row], label=None) -> list[Case]:
-    return [Case(label(r) if label else r.label, r.variant, r.layout_key, r.step_median, r.step_breakdown)
-            for r in rows if r.status == "ok" and r.step_breakdown]
+    return [
+        Case(label(r) if label else r.label, r.variant, r.layout_key, r.step_median, r.step_breakdown)
+        for r in rows
+        if r.status == "ok" and r.step_breakdown
+    ]
 
 
 def ablation_why(rows: list[Row], metric: Metric, key, axis_name: str, rest) -> list[str]:

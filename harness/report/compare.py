@@ -24,11 +24,7 @@ from harness.report.compare_steps import (
     trace_items,
     why_section,
 )
-from harness.report.data import (
-    breakdown_of,
-    component_title,
-    measured_columns,
-)
+from harness.report.data import breakdown_of, component_title, measured_columns
 from harness.report.ranking import rate_ci
 from harness.report.render import save_figures
 from harness.report.sections import Code, Column, Figure, Items, Section, Table, table
@@ -46,32 +42,44 @@ def policy_exceptions(summary: dict) -> list[tuple[str, str]]:
     """Runs whose engine says it ran another precision policy than the workload's (none should:
     every engine is configured to it, or the spec refuses the run)."""
     policy = summary.get("precision_policy")
-    return [(r["label"], f"ran another precision policy: {r['precision_policy']}") for r in summary["runs"]
-            if r.get("precision_policy") and policy and r["precision_policy"] != policy]
+    return [
+        (r["label"], f"ran another precision policy: {r['precision_policy']}")
+        for r in summary["runs"]
+        if r.get("precision_policy") and policy and r["precision_policy"] != policy
+    ]
 
 
 def loss_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """The first parity_steps losses of every run, side by side ('-' past a run's last step)."""
     steps, n = summary.get("loss_table") or {}, summary["parity"]["steps"]
-    return (["Step"] + list(steps),
-            [[str(i)] + [f"{losses[i]:.7f}" if i < len(losses) else "-" for losses in steps.values()]
-             for i in range(n)])
+    return (
+        ["Step"] + list(steps),
+        [[str(i)] + [f"{losses[i]:.7f}" if i < len(losses) else "-" for losses in steps.values()] for i in range(n)],
+    )
 
 
-MATRIX_TEXT = ("Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
-               "engine cannot run that layout (checked before launch: each adapter's ENGINE.capabilities).")
-BREAKDOWN_TEXT = ("Per profiled step (steps after the measured ones, not counted in any step time), the mean over "
-                  "ranks, in ms and % of that step; source 'profiler': from the torch.profiler trace, the same way "
-                  "for every engine; 'instrumented': the engine's own counters (older runs: the median over the "
-                  "measured steps). Exposed communication is the time a rank waited on that axis's collectives "
-                  "(what overlapped compute is not counted). 'not measured' where a run has neither.")
-COLLECTIVES_TEXT = ("Collectives issued per step by rank 0, per axis (the process group) and kind; 'instrumented': "
-                    "the own engine's counted communication.")
+MATRIX_TEXT = (
+    "Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
+    "engine cannot run that layout (checked before launch: each adapter's ENGINE.capabilities)."
+)
+BREAKDOWN_TEXT = (
+    "Per profiled step (steps after the measured ones, not counted in any step time), the mean over "
+    "ranks, in ms and % of that step; source 'profiler': from the torch.profiler trace, the same way "
+    "for every engine; 'instrumented': the engine's own counters (older runs: the median over the "
+    "measured steps). Exposed communication is the time a rank waited on that axis's collectives "
+    "(what overlapped compute is not counted). 'not measured' where a run has neither."
+)
+COLLECTIVES_TEXT = (
+    "Collectives issued per step by rank 0, per axis (the process group) and kind; 'instrumented': "
+    "the own engine's counted communication."
+)
 
 
-THREADS_TEXT = ("Threads per process: {n} (OMP_NUM_THREADS), the same for every run, the single-device "
-                "reference included: cores divided by the comparison's process count, so that step times "
-                "compare layouts rather than thread counts.")
+THREADS_TEXT = (
+    "Threads per process: {n} (OMP_NUM_THREADS), the same for every run, the single-device "
+    "reference included: cores divided by the comparison's process count, so that step times "
+    "compare layouts rather than thread counts."
+)
 
 
 def _note(item: dict) -> str:
@@ -81,33 +89,46 @@ def _note(item: dict) -> str:
 
 def result_columns() -> list[Column]:
     """The table of runs: what names a run, every reported measurement (harness.store.fields), its parity."""
-    return [Column("Run", lambda i: i["run"]["label"]), Column("Engine", lambda i: i["run"]["engine"]),
-            Column("Layout", lambda i: layout_label(i["run"]["layout"])),
-            Column("Fields that differ", lambda i: i["differs"]), Column("Status", lambda i: i["run"]["status"]),
-            *measured_columns(lambda i: i["run"].get("row") or {}),
-            Column("Loss parity", lambda i: i["parity"].get("verdict", "-")),
-            Column("Max rel. diff", lambda i: _sci(i["parity"].get("max_rel_diff"))), Column("Note", _note)]
+    return [
+        Column("Run", lambda i: i["run"]["label"]),
+        Column("Engine", lambda i: i["run"]["engine"]),
+        Column("Layout", lambda i: layout_label(i["run"]["layout"])),
+        Column("Fields that differ", lambda i: i["differs"]),
+        Column("Status", lambda i: i["run"]["status"]),
+        *measured_columns(lambda i: i["run"].get("row") or {}),
+        Column("Loss parity", lambda i: i["parity"].get("verdict", "-")),
+        Column("Max rel. diff", lambda i: _sci(i["parity"].get("max_rel_diff"))),
+        Column("Note", _note),
+    ]
 
 
 def results_table(summary: dict) -> Table:
     """One row per run (result_columns)."""
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
-    items = [{"run": r, "differs": d, "parity": parity.get(r["label"], {})}
-             for r, d in zip(summary["runs"], differs_texts(summary), strict=True)]
+    items = [
+        {"run": r, "differs": d, "parity": parity.get(r["label"], {})}
+        for r, d in zip(summary["runs"], differs_texts(summary), strict=True)
+    ]
     return table(result_columns(), items)
 
 
-STEP_TEXT = ("Step time: median over the measured steps (warm-up excluded), each step the slowest rank's, "
-             "with the 95% confidence interval of the median. MFU uses the PaLM convention (6N + 12·L·h·s FLOPs "
-             "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
-             "flops profiler double-counts under ZeRO-3); '-' where the device has no datasheet peak (CPU). "
-             "Peak memory: CUDA allocator peak, or peak RSS per process on CPU.")
-DIFFERS_TEXT = ("The runs differ in {fields}; the column 'Fields that differ' gives each run's values (a field "
-                "equal in every run is left out, and so is one that does not apply to a run's engine).")
-FIGURES_TEXT = ("First, tokens/s per run at its median step time, drawn from zero, with the 95% confidence "
-                "interval of the median carried through (whiskers); then the distribution of every "
-                "measured step (warm-up excluded; box: quartiles, red: median, black: its 95% CI, dots: the "
-                "steps; this axis does not start at zero, to show the spread).")
+STEP_TEXT = (
+    "Step time: median over the measured steps (warm-up excluded), each step the slowest rank's, "
+    "with the 95% confidence interval of the median. MFU uses the PaLM convention (6N + 12·L·h·s FLOPs "
+    "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
+    "flops profiler double-counts under ZeRO-3); '-' where the device has no datasheet peak (CPU). "
+    "Peak memory: CUDA allocator peak, or peak RSS per process on CPU."
+)
+DIFFERS_TEXT = (
+    "The runs differ in {fields}; the column 'Fields that differ' gives each run's values (a field "
+    "equal in every run is left out, and so is one that does not apply to a run's engine)."
+)
+FIGURES_TEXT = (
+    "First, tokens/s per run at its median step time, drawn from zero, with the 95% confidence "
+    "interval of the median carried through (whiskers); then the distribution of every "
+    "measured step (warm-up excluded; box: quartiles, red: median, black: its 95% CI, dots: the "
+    "steps; this axis does not start at zero, to show the spread)."
+)
 LOSS_FIGURE_TEXT = "The loss of every step of every run (warm-up shaded); runs in parity lie on top of each other."
 
 
@@ -117,36 +138,75 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
     before the per-step series were kept) is left out."""
     ok = [r for r in summary["runs"] if r["status"] == "ok"]
     out = []
-    rated = [(r, (r.get("metrics") or {}).get("tokens_per_s"), (r.get("metrics") or {}).get("step_time_s") or {})
-             for r in ok]
+    rated = [
+        (r, (r.get("metrics") or {}).get("tokens_per_s"), (r.get("metrics") or {}).get("step_time_s") or {}) for r in ok
+    ]
     rated = [(r, tps, st) for r, tps, st in rated if isinstance(tps, (int, float))]
     if rated:
-        out.append(("throughput", plots.bars(
-            [r["label"] for r, _, _ in rated], [tps for _, tps, _ in rated], "Throughput per run (higher is better)",
-            "tokens/s (all ranks, at the median step)", False,
-            [rate_ci(tps, st.get("median"), (st.get("ci95_low"), st.get("ci95_high"))) for _, tps, st in rated]),
-            "tokens/s per run from zero, with 95% CI whiskers"))
+        out.append(
+            (
+                "throughput",
+                plots.bars(
+                    [r["label"] for r, _, _ in rated],
+                    [tps for _, tps, _ in rated],
+                    "Throughput per run (higher is better)",
+                    "tokens/s (all ranks, at the median step)",
+                    False,
+                    [rate_ci(tps, st.get("median"), (st.get("ci95_low"), st.get("ci95_high"))) for _, tps, st in rated],
+                ),
+                "tokens/s per run from zero, with 95% CI whiskers",
+            )
+        )
     times = {r["label"]: (r.get("metrics") or {}).get("step_times_s") for r in ok}
     times = {k: v for k, v in times.items() if v}
     if times:
-        cis = {r["label"]: ((r["metrics"].get("step_time_s") or {}).get("ci95_low"),
-                            (r["metrics"].get("step_time_s") or {}).get("ci95_high")) for r in ok}
-        out.append(("step-times", plots.distribution(times, "Step time per measured step (warm-up excluded)",
-                                                     "ms per step (each step the slowest rank's)", cis),
-                    "distribution of the measured step times per run"))
+        cis = {
+            r["label"]: (
+                (r["metrics"].get("step_time_s") or {}).get("ci95_low"),
+                (r["metrics"].get("step_time_s") or {}).get("ci95_high"),
+            )
+            for r in ok
+        }
+        out.append(
+            (
+                "step-times",
+                plots.distribution(
+                    times,
+                    "Step time per measured step (warm-up excluded)",
+                    "ms per step (each step the slowest rank's)",
+                    cis,
+                ),
+                "distribution of the measured step times per run",
+            )
+        )
     split = [(r["label"], breakdown_of(run_metrics(r))) for r in summary["runs"]]
     split = [(lab, b) for lab, b in split if b is not None]
     if split:
         keys = sorted_components([b for _, b in split])
-        out.append(("breakdown", plots.stacked([lab for lab, _ in split], [b.parts for _, b in split],
-                                               "Where the profiled step goes", scale=1.0,
-                                               names={k: component_title(k) for k in keys}),
-                    "stacked bars from zero: ms per profiled step by component, per run"))
+        out.append(
+            (
+                "breakdown",
+                plots.stacked(
+                    [lab for lab, _ in split],
+                    [b.parts for _, b in split],
+                    "Where the profiled step goes",
+                    scale=1.0,
+                    names={k: component_title(k) for k in keys},
+                ),
+                "stacked bars from zero: ms per profiled step by component, per run",
+            )
+        )
     curves = summary.get("loss_curves") or summary.get("loss_table") or {}
     if curves:
-        out.append(("loss-curves", plots.loss_curves(curves, int((summary.get("workload") or {}).get("warmup_steps")
-                                                                 or 0), "Loss per step"),
-                    "loss per step of every run"))
+        out.append(
+            (
+                "loss-curves",
+                plots.loss_curves(
+                    curves, int((summary.get("workload") or {}).get("warmup_steps") or 0), "Loss per step"
+                ),
+                "loss per step of every run",
+            )
+        )
     return out
 
 
@@ -157,11 +217,13 @@ def image_dir(summary: dict) -> str:
 
 def _workload_text(w: dict) -> str:
     o = w.get("optimizer") or {}
-    return (f"model `{w.get('model')}`, seq_len {w.get('seq_len')}, global batch {w.get('global_batch_size')} "
-            f"sequences, {w.get('warmup_steps')} warm-up + {w.get('steps')} measured steps, {w.get('precision')}, "
-            f"AdamW lr {o.get('lr')} betas {o.get('betas')} eps {o.get('eps')} wd {o.get('weight_decay')}, "
-            f"clip {w.get('grad_clip')}, seed {w.get('seed')}, data {(w.get('data') or {}).get('kind')}, "
-            f"device {w.get('device')}")
+    return (
+        f"model `{w.get('model')}`, seq_len {w.get('seq_len')}, global batch {w.get('global_batch_size')} "
+        f"sequences, {w.get('warmup_steps')} warm-up + {w.get('steps')} measured steps, {w.get('precision')}, "
+        f"AdamW lr {o.get('lr')} betas {o.get('betas')} eps {o.get('eps')} wd {o.get('weight_decay')}, "
+        f"clip {w.get('grad_clip')}, seed {w.get('seed')}, data {(w.get('data') or {}).get('kind')}, "
+        f"device {w.get('device')}"
+    )
 
 
 def _figures(figs, names: tuple[str, ...]) -> list[Figure]:
@@ -173,19 +235,29 @@ def _lead(summary: dict) -> Section:
     n_failed = len(summary["failed_runs"])
     failed_text = f", {n_failed} run(s) did not finish" if n_failed else ""
     fingerprints = "identical" if fp["same"] else "DIFFER (" + ", ".join(fp["flagged_groups"]) + ")"
-    return Section("lead", "", body=[
-        f"Generated {summary['created_at']} by `harness compare`; results store `{summary['store']}`.",
-        f"**Verdict: {'PASS' if summary['verdict'] == PASS else 'FAIL'}** - loss parity "
-        f"{'holds' if par['verdict'] == PASS else 'FAILS'}{failed_text}; fingerprints {fingerprints}."])
+    return Section(
+        "lead",
+        "",
+        body=[
+            f"Generated {summary['created_at']} by `harness compare`; results store `{summary['store']}`.",
+            f"**Verdict: {'PASS' if summary['verdict'] == PASS else 'FAIL'}** - loss parity "
+            f"{'holds' if par['verdict'] == PASS else 'FAILS'}{failed_text}; fingerprints {fingerprints}.",
+        ],
+    )
 
 
 def _workload(summary: dict) -> Section:
-    return Section("workload", "Workload (identical for every run)", body=[
-        _workload_text(summary["workload"]),
-        f"Precision policy, the same for every run: {summary.get('precision_policy') or 'not recorded'}.",
-        f"{summary['nproc']} processes per run (the reference: 1). Initial weights are generated from the seed, "
-        "bit-identical for every engine; every data-parallel rank takes its contiguous slice of the same global "
-        "batch."])
+    return Section(
+        "workload",
+        "Workload (identical for every run)",
+        body=[
+            _workload_text(summary["workload"]),
+            f"Precision policy, the same for every run: {summary.get('precision_policy') or 'not recorded'}.",
+            f"{summary['nproc']} processes per run (the reference: 1). Initial weights are generated from the seed, "
+            "bit-identical for every engine; every data-parallel rank takes its contiguous slice of the same global "
+            "batch.",
+        ],
+    )
 
 
 def _results(summary: dict) -> Section:
@@ -201,36 +273,48 @@ def _machine(summary: dict) -> list[str]:
     out = [THREADS_TEXT.format(n=summary["threads_per_process"])] if summary.get("threads_per_process") else []
     load = summary.get("load_average") or {}
     if load.get("before"):
-        out.append(f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
-                   f"({os.cpu_count()} logical CPUs here); a load above the core count means other work shared the "
-                   "machine and widened the step-time intervals.")
+        out.append(
+            f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
+            f"({os.cpu_count()} logical CPUs here); a load above the core count means other work shared the "
+            "machine and widened the step-time intervals."
+        )
     return out
 
 
 def _parity(summary: dict, figs: list) -> Section:
     par = summary["parity"]
-    body = [f"The first {par['steps']} per-step losses (warm-up included) of every run are compared with the "
-            f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
-            f"**{par['tolerance']:g}** ({summary['tolerance_source']}). Largest difference between any two "
-            f"finished runs: {_sci(par['max_pairwise_rel_diff'])} "
-            f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."]
+    body = [
+        f"The first {par['steps']} per-step losses (warm-up included) of every run are compared with the "
+        f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
+        f"**{par['tolerance']:g}** ({summary['tolerance_source']}). Largest difference between any two "
+        f"finished runs: {_sci(par['max_pairwise_rel_diff'])} "
+        f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."
+    ]
     if any(name == "loss-curves" for name, _, _ in figs):
         body += [LOSS_FIGURE_TEXT, *_figures(figs, ("loss-curves",))]
     if summary.get("loss_table"):
         body.append(Table(*loss_rows(summary)))
     fails = [p for p in par["runs"] if p["verdict"] != PASS]
     if fails:
-        body += ["Parity failures:", Items([f"**{p['label']}**: {p['verdict']}{' - ' + p['note'] if p['note'] else ''}"
-                                            for p in fails])]
+        body += [
+            "Parity failures:",
+            Items([f"**{p['label']}**: {p['verdict']}{' - ' + p['note'] if p['note'] else ''}" for p in fails]),
+        ]
     return Section("parity", "Loss parity", body=body)
 
 
 def _exceptions(summary: dict) -> list[Section]:
     notes = [f"{lab}: {note}" for lab, note in policy_exceptions(summary)]
-    notes += [f"{r['label']}: workload overridden in the compare spec: `{json.dumps(r['workload_override'])}`"
-              for r in summary["runs"] if r.get("workload_override")]
-    return [Section("exceptions", "Where a run does not express the workload exactly", body=[Items(notes)])] \
-        if notes else []
+    notes += [
+        f"{r['label']}: workload overridden in the compare spec: `{json.dumps(r['workload_override'])}`"
+        for r in summary["runs"]
+        if r.get("workload_override")
+    ]
+    return (
+        [Section("exceptions", "Where a run does not express the workload exactly", body=[Items(notes)])]
+        if notes
+        else []
+    )
 
 
 def _engines(summary: dict) -> Section:
@@ -239,14 +323,19 @@ def _engines(summary: dict) -> Section:
         d = r.get("describe") or {}
         if d:
             keep = {k: v for k, v in d.items() if k not in ("ds_config", "precision_policy")}  # policy: stated once
-            items.append(f"**{r['label']}** (launcher `{r['launcher']}`): " +
-                         "; ".join(f"{k}: {v}" for k, v in keep.items() if not isinstance(v, (dict, list))))
+            items.append(
+                f"**{r['label']}** (launcher `{r['launcher']}`): "
+                + "; ".join(f"{k}: {v}" for k, v in keep.items() if not isinstance(v, (dict, list)))
+            )
     return Section("engines", "Engines", body=[Items(items)])
 
 
 def _not_run(summary: dict) -> list[Section]:
-    return [Section("not-run", "Not run", body=[Items([f"{lab}: {why}" for lab, why in summary["skipped"]])])] \
-        if summary["skipped"] else []
+    return (
+        [Section("not-run", "Not run", body=[Items([f"{lab}: {why}" for lab, why in summary["skipped"]])])]
+        if summary["skipped"]
+        else []
+    )
 
 
 def _failed(summary: dict) -> list[Section]:
@@ -255,8 +344,10 @@ def _failed(summary: dict) -> list[Section]:
     body = []
     for r in summary["runs"]:
         if r["status"] != "ok":
-            body += [Items([f"**{r['label']}**: {r['status']} (run {r['run_id']}, log `{r.get('log')}`)"]),
-                     Code((r.get("error") or "").strip()[-1500:])]
+            body += [
+                Items([f"**{r['label']}**: {r['status']} (run {r['run_id']}, log `{r.get('log')}`)"]),
+                Code((r.get("error") or "").strip()[-1500:]),
+            ]
     return [Section("failed", "Failed runs", body=body)]
 
 
@@ -266,11 +357,15 @@ def _fingerprints(summary: dict) -> Section:
         body = ["Every run saw the same hosts, devices and library versions:"]
     else:
         labels = list(fp["differences"][0]["values"])
-        body = [f"**Runs differ in {', '.join(fp['flagged_groups'])}** - the comparison is not on identical "
-                "hardware/software:",
-                Table(["Key", "Group", *labels], [[d["key"], d["group"], *map(str, d["values"].values())]
-                                                  for d in fp["differences"]]),
-                "Common to all runs:"]
+        body = [
+            f"**Runs differ in {', '.join(fp['flagged_groups'])}** - the comparison is not on identical "
+            "hardware/software:",
+            Table(
+                ["Key", "Group", *labels],
+                [[d["key"], d["group"], *map(str, d["values"].values())] for d in fp["differences"]],
+            ),
+            "Common to all runs:",
+        ]
     body.append(Items([f"{k}: {v}" for k, v in fp["common"].items()]))
     if fp["without_fingerprint"]:
         body.append(f"Runs without a fingerprint (no record from the runner): {', '.join(fp['without_fingerprint'])}")
@@ -284,17 +379,31 @@ def sections(summary: dict, figs: list | None = None, out_dir: str | None = None
     figs = figures(summary) if figs is None else figs
     out = [_lead(summary), _workload(summary), _results(summary)]
     if any(name in ("throughput", "step-times") for name, _, _ in figs):
-        out.append(Section("figures", "Throughput and step times",
-                           body=[FIGURES_TEXT, *_figures(figs, ("throughput", "step-times"))]))
-    out += [Section("matrix", "Layouts by engine", body=[MATRIX_TEXT, Table(*layout_matrix(summary))]),
-            Section("breakdown", "Where the step goes", body=[BREAKDOWN_TEXT, *_figures(figs, ("breakdown",)),
-                                                              Table(*breakdown_rows(summary))]),
-            Section("collectives", "Collectives per step", body=[COLLECTIVES_TEXT, Table(*collective_rows(summary))]),
-            Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary, out_dir))]),
-            why_section(summary),
-            Section("census", "Memory census", body=[CENSUS_TEXT, Table(*census_rows(summary)), *_machine(summary)]),
-            _parity(summary, figs), *_exceptions(summary), _engines(summary), *_not_run(summary),
-            *_failed(summary), _fingerprints(summary)]
+        out.append(
+            Section(
+                "figures",
+                "Throughput and step times",
+                body=[FIGURES_TEXT, *_figures(figs, ("throughput", "step-times"))],
+            )
+        )
+    out += [
+        Section("matrix", "Layouts by engine", body=[MATRIX_TEXT, Table(*layout_matrix(summary))]),
+        Section(
+            "breakdown",
+            "Where the step goes",
+            body=[BREAKDOWN_TEXT, *_figures(figs, ("breakdown",)), Table(*breakdown_rows(summary))],
+        ),
+        Section("collectives", "Collectives per step", body=[COLLECTIVES_TEXT, Table(*collective_rows(summary))]),
+        Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary, out_dir))]),
+        why_section(summary),
+        Section("census", "Memory census", body=[CENSUS_TEXT, Table(*census_rows(summary)), *_machine(summary)]),
+        _parity(summary, figs),
+        *_exceptions(summary),
+        _engines(summary),
+        *_not_run(summary),
+        *_failed(summary),
+        _fingerprints(summary),
+    ]
     return out
 
 

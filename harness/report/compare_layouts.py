@@ -45,9 +45,11 @@ def _matrix_layout(layout: dict) -> dict:
 def _run_fields(run: dict, workload: dict) -> dict:
     """Every layout field of a run, and every workload field a run overrides (`workload.<key>`,
     with the compared workload's value for the runs that do not)."""
-    return {**_full_layout(run.get("layout")),
-            **{f"workload.{k}": v for k, v in (workload or {}).items()},
-            **{f"workload.{k}": v for k, v in (run.get("workload_override") or {}).items()}}
+    return {
+        **_full_layout(run.get("layout")),
+        **{f"workload.{k}": v for k, v in (workload or {}).items()},
+        **{f"workload.{k}": v for k, v in (run.get("workload_override") or {}).items()},
+    }
 
 
 def differing_fields(summary: dict) -> list[str]:
@@ -55,8 +57,11 @@ def differing_fields(summary: dict) -> list[str]:
     in the Layout's field order: computed from the layouts, not from a list of usual suspects."""
     fields = [_run_fields(r, summary.get("workload")) for r in summary["runs"]]
     keys = list(dict.fromkeys(k for f in fields for k in f))
-    return [k for k in keys if k != "engine" and
-            len({json.dumps(f.get(k), sort_keys=True, default=str) for f in fields}) > 1]
+    return [
+        k
+        for k in keys
+        if k != "engine" and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in fields}) > 1
+    ]
 
 
 def _field_value(key: str, value) -> str:
@@ -76,8 +81,10 @@ def differs_texts(summary: dict) -> list[str]:
     label shows (ds_config, a workload override) always applies."""
     keys = differing_fields(summary)
     everyone = [_run_fields(r, summary.get("workload")) for r in summary["runs"]]
-    values = {k: [v for v in {json.dumps(f.get(k), sort_keys=True, default=str): f.get(k) for f in everyone}.values()]
-              for k in keys}
+    values = {
+        k: [v for v in {json.dumps(f.get(k), sort_keys=True, default=str): f.get(k) for f in everyone}.values()]
+        for k in keys
+    }
 
     def changes_label(fields: dict, key: str) -> bool:
         if key.startswith("workload."):
@@ -86,8 +93,10 @@ def differs_texts(summary: dict) -> list[str]:
         return any(layout_label({**lay, key: v}) != layout_label(lay) for v in values[key] if v != lay[key])
 
     labelled = {k: [changes_label(f, k) for f in everyone] for k in keys}
-    return [" ".join(f"{k}={_field_value(k, f.get(k))}" for k in keys if labelled[k][i] or not any(labelled[k]))
-            or "-" for i, f in enumerate(everyone)]
+    return [
+        " ".join(f"{k}={_field_value(k, f.get(k))}" for k in keys if labelled[k][i] or not any(labelled[k])) or "-"
+        for i, f in enumerate(everyone)
+    ]
 
 
 def _row_text(lay: dict, extra_fields: tuple = ()) -> str:
@@ -103,11 +112,15 @@ def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
     dash with the reason the engine cannot run that layout (its adapter's ENGINE.capabilities, harness.registry)."""
     runs = [r for r in summary["runs"] if not r.get("is_reference")]
     parity = {p["label"]: p["verdict"] for p in summary["parity"]["runs"]}
-    entries = [(_matrix_layout(r["layout"]), r) for r in runs] + \
-              [(_matrix_layout(n["layout"]), n) for n in summary.get("not_runnable") or []]
+    entries = [(_matrix_layout(r["layout"]), r) for r in runs] + [
+        (_matrix_layout(n["layout"]), n) for n in summary.get("not_runnable") or []
+    ]
     # a field outside ROW_FIELDS that differs (virtual stages, schedule, kernels...) makes rows too
-    extra = tuple(k for k in _full_layout({}) if k not in ROW_FIELDS + VARIANT_FIELDS
-                  and len({json.dumps(lay[k], default=str) for lay, _ in entries}) > 1)
+    extra = tuple(
+        k
+        for k in _full_layout({})
+        if k not in ROW_FIELDS + VARIANT_FIELDS and len({json.dumps(lay[k], default=str) for lay, _ in entries}) > 1
+    )
     row_fields = ROW_FIELDS + extra
     rows, cols, cells = {}, {}, {}
     for lay, entry in entries:
@@ -118,8 +131,12 @@ def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
             cells[row, col] = f"– {entry['why']}"
         else:
             st = (entry.get("metrics") or {}).get("step_time_s") or {}
-            cells[row, col] = (f"{_ms(st.get('median'))} ms [{_ms(st.get('ci95_low'))}, {_ms(st.get('ci95_high'))}] "
-                               f"{parity.get(entry['label'], '-')}" if st else f"{entry['status']}")
+            cells[row, col] = (
+                f"{_ms(st.get('median'))} ms [{_ms(st.get('ci95_low'))}, {_ms(st.get('ci95_high'))}] "
+                f"{parity.get(entry['label'], '-')}"
+                if st
+                else f"{entry['status']}"
+            )
     table = []
     for row, row_lay in rows.items():
         line = [_row_text(row_lay, extra)]

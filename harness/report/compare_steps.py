@@ -7,14 +7,7 @@ from __future__ import annotations
 import os
 from urllib.parse import quote
 
-from harness.report.data import (
-    COMPONENTS,
-    Breakdown,
-    breakdown_of,
-    collectives_of,
-    component_title,
-    layout_key,
-)
+from harness.report.data import COMPONENTS, Breakdown, breakdown_of, collectives_of, component_title, layout_key
 from harness.report.sections import Items, Section
 from harness.report.why import Case, comparisons
 from harness.spec import engine_variant
@@ -71,14 +64,25 @@ def collective_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
             out.append([r["label"], NOT_MEASURED, "-", "-", "-", "-"])
             continue
         coll, source = found
-        out += [[r["label"], source, str(c.get("axis")), str(c.get("kind")), str(c.get("count", "-")),
-                 _bytes(c.get("bytes"))] for c in coll] or [[r["label"], source, "-", "none", "0", "-"]]
+        out += [
+            [
+                r["label"],
+                source,
+                str(c.get("axis")),
+                str(c.get("kind")),
+                str(c.get("count", "-")),
+                _bytes(c.get("bytes")),
+            ]
+            for c in coll
+        ] or [[r["label"], source, "-", "none", "0", "-"]]
     return header, out
 
 
-TRACES_TEXT = ("Each trace is gzipped Chrome/Perfetto JSON of the profiled steps: open it at "
-               "https://ui.perfetto.dev (Open trace file) or in Chrome at chrome://tracing (Load); both read "
-               "the .json.gz as it is.")
+TRACES_TEXT = (
+    "Each trace is gzipped Chrome/Perfetto JSON of the profiled steps: open it at "
+    "https://ui.perfetto.dev (Open trace file) or in Chrome at chrome://tracing (Load); both read "
+    "the .json.gz as it is."
+)
 
 
 def _trace_name(trace: dict) -> str:
@@ -100,8 +104,7 @@ def trace_items(summary: dict, base: str | None = None) -> list[str]:
     out = []
     for r in summary["runs"]:
         traces = r.get("traces") or []
-        links = ", ".join(f"[{_trace_name(t)}]({_trace_link(str(t['path']), base)})" for t in traces
-                          if t.get("path"))
+        links = ", ".join(f"[{_trace_name(t)}]({_trace_link(str(t['path']), base)})" for t in traces if t.get("path"))
         out.append(f"**{r['label']}**: {links or 'no trace kept'}")
     return out
 
@@ -113,15 +116,24 @@ def why_cases(summary: dict) -> list[Case]:
         b = breakdown_of(run_metrics(r))
         if r.get("is_reference") or r.get("status") != "ok" or b is None:
             continue
-        out.append(Case(r["label"], engine_variant(r["layout"]), layout_key(r["layout"]),
-                        ((r.get("metrics") or {}).get("step_time_s") or {}).get("median"), b))
+        out.append(
+            Case(
+                r["label"],
+                engine_variant(r["layout"]),
+                layout_key(r["layout"]),
+                ((r.get("metrics") or {}).get("step_time_s") or {}).get("median"),
+                b,
+            )
+        )
     return out
 
 
-WHY_TEXT = ("Computed from the breakdowns above. For each layout, its fastest engine against each other engine; "
-            "for each engine, its fastest layout against each other layout (the fastest run's pairs first). "
-            "Each sentence names the components whose difference covers at least 80% of the difference in "
-            "profiled step time, largest first (at most three).")
+WHY_TEXT = (
+    "Computed from the breakdowns above. For each layout, its fastest engine against each other engine; "
+    "for each engine, its fastest layout against each other layout (the fastest run's pairs first). "
+    "Each sentence names the components whose difference covers at least 80% of the difference in "
+    "profiled step time, largest first (at most three)."
+)
 
 
 def why_section(summary: dict) -> Section:
@@ -131,22 +143,30 @@ def why_section(summary: dict) -> Section:
     fastest = min(cases, key=lambda c: c.step_s if c.step_s is not None else c.breakdown.step_ms / 1e3)
     engines, layouts = comparisons(cases)
     body = [WHY_TEXT, f"Fastest run: **{fastest.label}**."]
-    body += ["**The same layout under other engines**", Items(engines or ["No layout ran under two engines."]),
-             "**The same engine at other layouts**", Items(layouts or ["No engine ran two layouts."])]
+    body += [
+        "**The same layout under other engines**",
+        Items(engines or ["No layout ran under two engines."]),
+        "**The same engine at other layouts**",
+        Items(layouts or ["No engine ran two layouts."]),
+    ]
     return Section("why", "Why", body=body)
 
 
-CENSUS_TEXT = ("Bytes rank 0 held at its first optimizer step, by category and dtype, counted from the tensors "
-               "the engine really holds (each storage once), and in multiples of the model's parameter count P; "
-               "activations: what autograd saved for backward, per micro-batch. What a framework holds beyond the "
-               "policy is shown as it is.")
+CENSUS_TEXT = (
+    "Bytes rank 0 held at its first optimizer step, by category and dtype, counted from the tensors "
+    "the engine really holds (each storage once), and in multiples of the model's parameter count P; "
+    "activations: what autograd saved for backward, per micro-batch. What a framework holds beyond the "
+    "policy is shown as it is."
+)
 
 
 def _census_cell(by_dtype: dict | None, params: int | None) -> str:
     if not by_dtype:
         return "none" if by_dtype is not None else NOT_MEASURED
-    return ", ".join(f"{dtype} {n / 2**20:,.2f} MiB" + (f" ({n / params:.2f}P)" if params else "")
-                     for dtype, n in sorted(by_dtype.items()))
+    return ", ".join(
+        f"{dtype} {n / 2**20:,.2f} MiB" + (f" ({n / params:.2f}P)" if params else "")
+        for dtype, n in sorted(by_dtype.items())
+    )
 
 
 def census_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
@@ -157,7 +177,9 @@ def census_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     for r in summary["runs"]:
         m = r.get("metrics") or {}
         census, params, act = m.get("memory_census"), m.get("parameter_count"), m.get("activations_saved_bytes")
-        rows.append([r["label"]] + [_census_cell(census.get(c, {}) if census is not None else None, params)
-                                    for c in categories]
-                    + [f"{act / 2**20:,.2f} MiB" if act is not None else NOT_MEASURED])
+        rows.append(
+            [r["label"]]
+            + [_census_cell(census.get(c, {}) if census is not None else None, params) for c in categories]
+            + [f"{act / 2**20:,.2f} MiB" if act is not None else NOT_MEASURED]
+        )
     return header, rows

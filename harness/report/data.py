@@ -22,8 +22,13 @@ from harness.store.fields import MISSING, row
 # The components of a step in the order reports stack them; exposed communication is one per axis
 # (`<axis>_comm`), what an old record names otherwise (FSDP2's forward_backward) comes after them.
 COMPONENTS = ("compute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "other")
-TITLES = {"compute": "compute", "bubble": "pipeline bubble", "optimizer": "optimizer",
-          "other": "host overhead and other", "forward_backward": "forward+backward (compute and comm not split)"}
+TITLES = {
+    "compute": "compute",
+    "bubble": "pipeline bubble",
+    "optimizer": "optimizer",
+    "other": "host overhead and other",
+    "forward_backward": "forward+backward (compute and comm not split)",
+}
 
 
 def component_title(key: str) -> str:
@@ -51,8 +56,10 @@ class Breakdown:
 
 
 def _ordered(parts: dict[str, float]) -> dict[str, float]:
-    return {k: parts[k] for k in sorted(parts, key=lambda k: (COMPONENTS.index(k) if k in COMPONENTS
-                                                             else len(COMPONENTS), k))}
+    return {
+        k: parts[k]
+        for k in sorted(parts, key=lambda k: (COMPONENTS.index(k) if k in COMPONENTS else len(COMPONENTS), k))
+    }
 
 
 def breakdown_of(metrics: dict | None) -> Breakdown | None:
@@ -85,15 +92,18 @@ def collectives_of(metrics: dict | None) -> tuple[list[dict], str] | None:
     if isinstance(m.get("collectives"), list):
         return [dict(c) for c in m["collectives"]], m.get("breakdown_source") or "profiler"
     if isinstance(m.get("comm"), dict):
-        return [{"axis": axis, "kind": op, "count": v.get("count"), "bytes": v.get("bytes")}
-                for axis, ops in m["comm"].items() for op, v in (ops or {}).items()], "instrumented"
+        return [
+            {"axis": axis, "kind": op, "count": v.get("count"), "bytes": v.get("bytes")}
+            for axis, ops in m["comm"].items()
+            for op, v in (ops or {}).items()
+        ], "instrumented"
     return None
 
 
 def layout_key(layout) -> str:
     """Everything that names a layout but its engine (the label less the engine variant): runs
     with the same key are the same layout under different engines."""
-    return layout_label(layout)[len(engine_variant(layout)):].strip() or "one process"
+    return layout_label(layout)[len(engine_variant(layout)) :].strip() or "one process"
 
 
 @dataclass
@@ -163,25 +173,48 @@ def to_row(rec: dict) -> Row:
     v, lay = row(rec), (rec.get("spec") or {}).get("layout") or {}
     m, fp = rec.get("metrics") or {}, rec.get("fingerprint") or {}
     dims = ParallelDims.of(lay)
-    versions = tuple(f"{k} {fp.get(k)}" for k in ("torch", "cuda", "nccl", "deepspeed", "megatron_core")
-                     if fp.get(k))
+    versions = tuple(f"{k} {fp.get(k)}" for k in ("torch", "cuda", "nccl", "deepspeed", "megatron_core") if fp.get(k))
     return Row(
-        run_id=v["run_id"] or "?", sweep=v["sweep"] or "(no sweep)", status=v["status"] or "?",
-        engine=v["engine"] or "?", variant=engine_variant(lay), label=layout_label(lay),
-        layout_key=layout_key(lay), cp=dims.cp, cp_impl=(lay.get("cp_impl") or "ring") if dims.cp > 1 else "",
+        run_id=v["run_id"] or "?",
+        sweep=v["sweep"] or "(no sweep)",
+        status=v["status"] or "?",
+        engine=v["engine"] or "?",
+        variant=engine_variant(lay),
+        label=layout_label(lay),
+        layout_key=layout_key(lay),
+        cp=dims.cp,
+        cp_impl=(lay.get("cp_impl") or "ring") if dims.cp > 1 else "",
         model=str(v["model"]),
-        seq_len=v["seq_len"], global_batch_size=v["global_batch_size"], precision=v["precision"],
-        gpus=fp.get("world_size") or dims.world, tp=dims.tp, pp=dims.pp, dp=dims.dp, mb=lay.get("micro_batch_size"),
-        ckpt=v["activation_checkpointing"] or "none", sp=bool(v["sequence_parallel"]),
-        attention=v["attention"] or "?", rmsnorm=v["rmsnorm"] or "?", zero=v["zero_stage"],
-        step_median=v["step_time_median_s"], step_ci=v["step_time_ci95_s"], steps=v["steps_measured"],
-        tokens_per_s=v["tokens_per_s"], tokens_per_s_dev=v["tokens_per_s_per_device"],
-        peak_memory=v["peak_memory_bytes"], memory_kind=v["memory_kind"], breakdown=m.get("breakdown_s") or None,
-        step_breakdown=breakdown_of(m), collectives=collectives_of(m),
-        timeline=m.get("pipeline_timeline") or None, error=rec.get("error") or "",
+        seq_len=v["seq_len"],
+        global_batch_size=v["global_batch_size"],
+        precision=v["precision"],
+        gpus=fp.get("world_size") or dims.world,
+        tp=dims.tp,
+        pp=dims.pp,
+        dp=dims.dp,
+        mb=lay.get("micro_batch_size"),
+        ckpt=v["activation_checkpointing"] or "none",
+        sp=bool(v["sequence_parallel"]),
+        attention=v["attention"] or "?",
+        rmsnorm=v["rmsnorm"] or "?",
+        zero=v["zero_stage"],
+        step_median=v["step_time_median_s"],
+        step_ci=v["step_time_ci95_s"],
+        steps=v["steps_measured"],
+        tokens_per_s=v["tokens_per_s"],
+        tokens_per_s_dev=v["tokens_per_s_per_device"],
+        peak_memory=v["peak_memory_bytes"],
+        memory_kind=v["memory_kind"],
+        breakdown=m.get("breakdown_s") or None,
+        step_breakdown=breakdown_of(m),
+        collectives=collectives_of(m),
+        timeline=m.get("pipeline_timeline") or None,
+        error=rec.get("error") or "",
         error_line=rec.get("error_line") or "",
-        device=str(fp.get("device_name") or ""), hosts=tuple(sorted(set(fp.get("hosts") or []))),
-        versions=versions, values=v,
+        device=str(fp.get("device_name") or ""),
+        hosts=tuple(sorted(set(fp.get("hosts") or []))),
+        versions=versions,
+        values=v,
     )
 
 
@@ -223,8 +256,12 @@ def choose_metric(rows: list[Row]) -> Metric:
     ok = [r for r in rows if r.status == "ok"]
     if ok and any(r.values.get("mfu_palm") is not None for r in ok):
         return Metric("mfu", "MFU (PaLM FLOPs, vs the device's datasheet dense bf16 peak)", True, "MFU")
-    return Metric("tokens_per_s_dev", "tokens/s per device (no datasheet peak is known for this machine, "
-                                      "so no MFU)", False, "tokens/s per device")
+    return Metric(
+        "tokens_per_s_dev",
+        "tokens/s per device (no datasheet peak is known for this machine, so no MFU)",
+        False,
+        "tokens/s per device",
+    )
 
 
 def fmt_bytes(n) -> str:

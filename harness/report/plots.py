@@ -20,11 +20,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 FORMAT = "svg"  # file extension of every figure
 MIME = "image/svg+xml"
-matplotlib.rcParams.update({"svg.fonttype": "none",  # text stays text: small files, selectable labels
-                            "svg.hashsalt": "harness"})  # stable element ids: the same data, the same file
-COLORS = {"compute": "#4c72b0", "tp_comm": "#dd8452", "cp_comm": "#da8bc3", "pp_comm": "#937860",
-          "dp_comm": "#55a868", "bubble": "#c44e52", "optimizer": "#8172b3", "other": "#b0b0b0",
-          "forward_backward": "#64b5cd"}
+matplotlib.rcParams.update(
+    {
+        "svg.fonttype": "none",  # text stays text: small files, selectable labels
+        "svg.hashsalt": "harness",
+    }
+)  # stable element ids: the same data, the same file
+COLORS = {
+    "compute": "#4c72b0",
+    "tp_comm": "#dd8452",
+    "cp_comm": "#da8bc3",
+    "pp_comm": "#937860",
+    "dp_comm": "#55a868",
+    "bubble": "#c44e52",
+    "optimizer": "#8172b3",
+    "other": "#b0b0b0",
+    "forward_backward": "#64b5cd",
+}
 CI_STYLE = {"fmt": "none", "ecolor": "#222222", "elinewidth": 1.2, "capsize": 4, "zorder": 3}
 
 
@@ -40,8 +52,10 @@ def _encode(fig) -> bytes:
 def _whiskers(values: list[float], intervals: list) -> tuple[list[int], list[float], list[list[float]]]:
     """The positions, values and asymmetric errors of the entries that have a (low, high) interval."""
     idx = [i for i, ci in enumerate(intervals) if ci and None not in ci and values[i] is not None]
-    errs = [[max(0.0, values[i] - min(intervals[i])) for i in idx],
-            [max(0.0, max(intervals[i]) - values[i]) for i in idx]]
+    errs = [
+        [max(0.0, values[i] - min(intervals[i])) for i in idx],
+        [max(0.0, max(intervals[i]) - values[i]) for i in idx],
+    ]
     return idx, [values[i] for i in idx], errs
 
 
@@ -94,8 +108,9 @@ def heatmap(cells: dict[tuple, float | str], title: str, percent: bool) -> bytes
         num = isinstance(v, (int, float))
         text = (f"{v * 100:.1f}" if percent else f"{v:,.0f}") if num else v
         dark = num and v * (100 if percent else 1) < mid  # viridis: dark at the low end
-        ax.text(tps.index(tp), pps.index(pp), text, ha="center", va="center", fontsize=8,
-                color="white" if dark else "black")
+        ax.text(
+            tps.index(tp), pps.index(pp), text, ha="center", va="center", fontsize=8, color="white" if dark else "black"
+        )
     ax.set_xticks(range(len(tps)), [str(t) for t in tps])
     ax.set_yticks(range(len(pps)), [str(p) for p in pps])
     ax.set_xlabel("tensor parallel (tp)")
@@ -105,8 +120,9 @@ def heatmap(cells: dict[tuple, float | str], title: str, percent: bool) -> bytes
     return _encode(fig)
 
 
-def bars(labels: list[str], values: list[float], title: str, ylabel: str, percent: bool,
-         intervals: list | None = None) -> bytes:
+def bars(
+    labels: list[str], values: list[float], title: str, ylabel: str, percent: bool, intervals: list | None = None
+) -> bytes:
     """One horizontal bar per label from zero, with the whisker of its 95% CI where `intervals`
     gives one ((low, high) in the values' unit, or None)."""
     scale = 100 if percent else 1
@@ -128,8 +144,9 @@ def bars(labels: list[str], values: list[float], title: str, ylabel: str, percen
     return _encode(fig)
 
 
-def stacked(labels: list[str], parts: list[dict], title: str, scale: float = 1000.0,
-            names: dict[str, str] | None = None) -> bytes:
+def stacked(
+    labels: list[str], parts: list[dict], title: str, scale: float = 1000.0, names: dict[str, str] | None = None
+) -> bytes:
     """Per-layout time breakdown in milliseconds (parts times `scale`: s -> ms), one stacked
     horizontal bar each, drawn from zero; `names` gives each component's legend entry."""
     keys = [k for k in COLORS if any(k in p for p in parts)]
@@ -159,8 +176,15 @@ def timeline(events: list[dict], title: str) -> bytes:
         color = "#4c72b0" if e.get("kind") == "F" else "#55a868"
         ax.barh(stages.index(s), (b - a) * 1000, left=a * 1000, color=color, edgecolor="white")
         if len(events) <= 96:
-            ax.text((a + b) / 2 * 1000, stages.index(s), f"{e.get('kind')}{e.get('micro')}", ha="center",
-                    va="center", fontsize=6, color="white")
+            ax.text(
+                (a + b) / 2 * 1000,
+                stages.index(s),
+                f"{e.get('kind')}{e.get('micro')}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
     ax.set_yticks(range(len(stages)), [f"stage {s}" for s in stages])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step began (blue: forward, green: backward, gaps: bubble)")
@@ -178,9 +202,16 @@ def loss_curves(series: dict[str, list[float]], warmup_steps: int, title: str) -
     markers = "os^vD<>ph*"
     longest = max((len(v) for v in series.values()), default=0)
     for i, (name, losses) in enumerate(series.items()):
-        ax.plot(range(len(losses)), losses, label=name, linestyle=LINESTYLES[i % len(LINESTYLES)],
-                marker=markers[i % len(markers)] if longest <= 60 else None, markersize=4, linewidth=1.3,
-                alpha=0.85)
+        ax.plot(
+            range(len(losses)),
+            losses,
+            label=name,
+            linestyle=LINESTYLES[i % len(LINESTYLES)],
+            marker=markers[i % len(markers)] if longest <= 60 else None,
+            markersize=4,
+            linewidth=1.3,
+            alpha=0.85,
+        )
     if warmup_steps:
         ax.axvspan(-0.5, warmup_steps - 0.5, color="#999999", alpha=0.15, lw=0, label="warm-up")
     ax.set_xlabel("step (0 = first step, warm-up included)")
@@ -191,16 +222,26 @@ def loss_curves(series: dict[str, list[float]], warmup_steps: int, title: str) -
     return _encode(fig)
 
 
-def distribution(series: dict[str, list[float]], title: str, xlabel: str,
-                 intervals: dict[str, tuple] | None = None, scale: float = 1000.0) -> bytes:
+def distribution(
+    series: dict[str, list[float]],
+    title: str,
+    xlabel: str,
+    intervals: dict[str, tuple] | None = None,
+    scale: float = 1000.0,
+) -> bytes:
     """One box per run over its measured steps (box: quartiles, line: median, whiskers: 1.5 IQR,
     dots: every step), and in black the 95% CI of the median (values times `scale`: s -> ms)."""
     names = list(series)
     data = [[x * scale for x in series[n]] for n in names]
     fig, ax = plt.subplots(figsize=(8, 1.0 + 0.42 * max(3, len(names))))
-    style = dict(positions=range(len(names)), widths=0.55, showfliers=False, patch_artist=True,
-                 boxprops={"facecolor": "#c6d4ea", "edgecolor": "#4c72b0"},
-                 medianprops={"color": "#c44e52", "linewidth": 1.5})
+    style = dict(
+        positions=range(len(names)),
+        widths=0.55,
+        showfliers=False,
+        patch_artist=True,
+        boxprops={"facecolor": "#c6d4ea", "edgecolor": "#4c72b0"},
+        medianprops={"color": "#c44e52", "linewidth": 1.5},
+    )
     try:
         ax.boxplot(data, orientation="horizontal", **style)
     except TypeError:  # matplotlib < 3.10
@@ -209,8 +250,10 @@ def distribution(series: dict[str, list[float]], title: str, xlabel: str,
     for i, xs in enumerate(data):
         ax.scatter(xs, [i + jitter.uniform(-0.18, 0.18) for _ in xs], s=7, color="#4c72b0", alpha=0.45, zorder=2)
     if intervals:
-        cis = [tuple(v * scale for v in intervals[n]) if intervals.get(n) and None not in intervals[n] else None
-               for n in names]
+        cis = [
+            tuple(v * scale for v in intervals[n]) if intervals.get(n) and None not in intervals[n] else None
+            for n in names
+        ]
         meds = [statistics.median(xs) if xs else None for xs in data]
         idx, vals, errs = _whiskers(meds, cis)
         if idx:
@@ -227,11 +270,18 @@ def distribution(series: dict[str, list[float]], title: str, xlabel: str,
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Patch(facecolor="#c6d4ea", edgecolor="#4c72b0", label="quartiles"),
-               Line2D([], [], color="#c44e52", lw=1.5, label="median"),
-               Line2D([], [], ls="", marker="o", ms=3, color="#4c72b0", alpha=0.6, label="one step")]
-    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), frameon=False)
+    handles = [
+        Patch(facecolor="#c6d4ea", edgecolor="#4c72b0", label="quartiles"),
+        Line2D([], [], color="#c44e52", lw=1.5, label="median"),
+        Line2D([], [], ls="", marker="o", ms=3, color="#4c72b0", alpha=0.6, label="one step"),
+    ]
+    ax.legend(
+        handles=handles + ax.get_legend_handles_labels()[0],
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        frameon=False,
+    )
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(xlabel + (" (log scale)" if log else ""))

@@ -42,11 +42,19 @@ def run_columns(rows: list[Row] = ()) -> list[Column]:
     """The sweep's table of runs: what names a run's layout, every reported measurement, the run id;
     cp and its implementation only where one of `rows` uses it."""
     cp = [Column("cp", lambda r: str(r.cp)), Column("cp impl", lambda r: r.cp_impl or "-")] if uses_cp(rows) else []
-    return [Column("engine", lambda r: r.variant), Column("tp", lambda r: str(r.tp)), *cp,
-            Column("pp", lambda r: str(r.pp)), Column("dp", lambda r: str(r.dp)), Column("mb", lambda r: str(r.mb)),
-            Column("ckpt", lambda r: r.ckpt), Column("kernels", lambda r: r.kernel),
-            Column("sp", lambda r: "yes" if r.sp else "no"), *measured_columns(lambda r: r.values),
-            Column("run", lambda r: r.run_id[:10])]
+    return [
+        Column("engine", lambda r: r.variant),
+        Column("tp", lambda r: str(r.tp)),
+        *cp,
+        Column("pp", lambda r: str(r.pp)),
+        Column("dp", lambda r: str(r.dp)),
+        Column("mb", lambda r: str(r.mb)),
+        Column("ckpt", lambda r: r.ckpt),
+        Column("kernels", lambda r: r.kernel),
+        Column("sp", lambda r: "yes" if r.sp else "no"),
+        *measured_columns(lambda r: r.values),
+        Column("run", lambda r: r.run_id[:10]),
+    ]
 
 
 def rate_ci(value, step_median, step_ci) -> tuple[float, float] | None:

@@ -28,8 +28,7 @@ def doubt(win: Row, other: Row, metric: Metric) -> str | None:
     """Why the winner's lead may not be real (None: it is): under NOISE, or overlapping CIs."""
     if metric.of(win) / metric.of(other) - 1 < NOISE:
         return "under the ~1% run-to-run noise"
-    if win.step_ci and other.step_ci and None not in win.step_ci + other.step_ci \
-            and win.step_ci[1] >= other.step_ci[0]:
+    if win.step_ci and other.step_ci and None not in win.step_ci + other.step_ci and win.step_ci[1] >= other.step_ci[0]:
         return "the step-time 95% confidence intervals overlap"
     return None
 
@@ -45,11 +44,18 @@ def _axis(rows: list[Row], metric: Metric, name: str, key, subset) -> tuple[str,
         sweeps += 1
         order = sorted(best.items(), key=lambda kv: -metric.of(kv[1]))
         (win, wrow), (_, second) = order[0], order[1]
-        wins.setdefault(win, []).append((sweep, metric.of(wrow) / metric.of(second) - 1,
-                                         doubt(wrow, second, metric)))
+        wins.setdefault(win, []).append((sweep, metric.of(wrow) / metric.of(second) - 1, doubt(wrow, second, metric)))
         for v, r in order:
-            evidence.append([sweep, str(v), metric.fmt(metric.of(r)), fmt_s(r.step_median), r.label,
-                             "best" if v == win else f"{100 * (metric.of(r) / metric.of(wrow) - 1):+.1f}%"])
+            evidence.append(
+                [
+                    sweep,
+                    str(v),
+                    metric.fmt(metric.of(r)),
+                    fmt_s(r.step_median),
+                    r.label,
+                    "best" if v == win else f"{100 * (metric.of(r) / metric.of(wrow) - 1):+.1f}%",
+                ]
+            )
     if not sweeps:
         return None
     top, hits = max(wins.items(), key=lambda kv: len(kv[1]))
@@ -81,12 +87,16 @@ def _tp_vs_pp(rows: list[Row], metric: Metric) -> tuple[str, Table] | None:
         total += 1
         a, b = pp_heavy[0], tp_heavy[0]
         pp_wins += metric.of(a) > metric.of(b)
-        evidence += [[sweep, "pipeline-heavier (pp > tp)", metric.fmt(metric.of(a)), a.label],
-                     [sweep, "tensor-heavier (tp > pp)", metric.fmt(metric.of(b)), b.label]]
+        evidence += [
+            [sweep, "pipeline-heavier (pp > tp)", metric.fmt(metric.of(a)), a.label],
+            [sweep, "tensor-heavier (tp > pp)", metric.fmt(metric.of(b)), b.label],
+        ]
     if not total:
         return None
-    text = (f"pipeline vs tensor parallelism: the best pipeline-heavier layout beat the best tensor-heavier "
-            f"one in {pp_wins} of {total} sweep(s).")
+    text = (
+        f"pipeline vs tensor parallelism: the best pipeline-heavier layout beat the best tensor-heavier "
+        f"one in {pp_wins} of {total} sweep(s)."
+    )
     return text, Table(["sweep", "split", "best", "layout"], evidence)
 
 
@@ -97,18 +107,23 @@ def _checkpointing_memory(rows: list[Row]) -> str | None:
         idx = {}
         for r in rs:
             idx.setdefault((r.variant, r.tp, r.context, r.pp, r.dp, r.mb, r.kernel, r.sp), {})[r.ckpt] = r.status
-        saved += sum(1 for v in idx.values() if v.get("none") == "oom" and any(
-            s == "ok" for k, s in v.items() if k != "none"))
+        saved += sum(
+            1 for v in idx.values() if v.get("none") == "oom" and any(s == "ok" for k, s in v.items() if k != "none")
+        )
     if saved:
-        return (f"activation checkpointing made {saved} layout(s) fit that ran out of memory without it; "
-                "elsewhere compare the ablation above.")
+        return (
+            f"activation checkpointing made {saved} layout(s) fit that ran out of memory without it; "
+            "elsewhere compare the ablation above."
+        )
     return None
 
 
 def recommendations(rows: list[Row], metric: Metric) -> Section:
     s = Section("recommendations", "Recommendations (derived from these runs)")
-    s.text.append("Each statement below is computed from the runs in this report; the table under it is "
-                  "its evidence (per sweep, the best run for each value). Nothing here is written in advance.")
+    s.text.append(
+        "Each statement below is computed from the runs in this report; the table under it is "
+        "its evidence (per sweep, the best run for each value). Nothing here is written in advance."
+    )
     found = 0
     for got in [_axis(rows, metric, name, key, subset) for name, key, subset in AXES] + [_tp_vs_pp(rows, metric)]:
         if got:  # the statement is the caption of its evidence table

@@ -94,10 +94,15 @@ def _html_block(b) -> str:
 
 
 def html_page(title: str, sections: list[Section]) -> str:
-    parts = ["<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
-             f"<title>{html.escape(title)}</title>", ERROR_HOOK, f"<style>{CSS}</style></head><body>",
-             f"<h1>{html.escape(title)}</h1><div id='js-errors' data-errors='0'></div><nav>",
-             "".join(f"<a href='#{s.id}'>{html.escape(s.title)}</a>" for s in sections if s.title), "</nav>"]
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title>",
+        ERROR_HOOK,
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1><div id='js-errors' data-errors='0'></div><nav>",
+        "".join(f"<a href='#{s.id}'>{html.escape(s.title)}</a>" for s in sections if s.title),
+        "</nav>",
+    ]
     for s in sections:
         parts.append(f"<section id='{s.id}'>" + (f"<h2>{html.escape(s.title)}</h2>" if s.title else ""))
         parts += [_html_block(b) for b in s.blocks()]

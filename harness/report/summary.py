@@ -21,19 +21,26 @@ def summary_lines(record: dict, store_path: str) -> list[str]:
         f"rmsnorm {lay['rmsnorm']}",
     ]
     if st:
-        lines.append(f"  step time: median {st['median'] * 1e3:.1f} ms (95% CI {st['ci95_low'] * 1e3:.1f}-"
-                     f"{st['ci95_high'] * 1e3:.1f}, p10 {st['p10'] * 1e3:.1f}, p90 {st['p90'] * 1e3:.1f}, "
-                     f"n={st['n']})")
-        lines.append(f"  throughput: {m['tokens_per_s']:,.0f} tokens/s "
-                     f"({m['tokens_per_s_per_device']:,.0f} per device)")
+        lines.append(
+            f"  step time: median {st['median'] * 1e3:.1f} ms (95% CI {st['ci95_low'] * 1e3:.1f}-"
+            f"{st['ci95_high'] * 1e3:.1f}, p10 {st['p10'] * 1e3:.1f}, p90 {st['p90'] * 1e3:.1f}, "
+            f"n={st['n']})"
+        )
+        lines.append(
+            f"  throughput: {m['tokens_per_s']:,.0f} tokens/s ({m['tokens_per_s_per_device']:,.0f} per device)"
+        )
         if m.get("mfu"):
             mfu = m["mfu"]
-            lines.append(f"  MFU: palm {100 * mfu['palm']:.1f}% | causal {100 * mfu['palm_causal']:.1f}% | "
-                         f"megatron {100 * mfu['megatron']:.1f}% | HFU {100 * mfu['hardware']:.1f}% "
-                         f"(peak {m['peak_tflops']} TFLOP/s, {m['peak_tflops_source']})")
+            lines.append(
+                f"  MFU: palm {100 * mfu['palm']:.1f}% | causal {100 * mfu['palm_causal']:.1f}% | "
+                f"megatron {100 * mfu['megatron']:.1f}% | HFU {100 * mfu['hardware']:.1f}% "
+                f"(peak {m['peak_tflops']} TFLOP/s, {m['peak_tflops_source']})"
+            )
         if m.get("mfu_vs_measured_matmul"):
-            lines.append(f"  vs measured matmul peak {m['measured_matmul_tflops']:.2f} TFLOP/s: "
-                         f"{100 * m['mfu_vs_measured_matmul']['palm']:.1f}% (palm convention)")
+            lines.append(
+                f"  vs measured matmul peak {m['measured_matmul_tflops']:.2f} TFLOP/s: "
+                f"{100 * m['mfu_vs_measured_matmul']['palm']:.1f}% (palm convention)"
+            )
         lines.append(f"  peak memory: {_gib(m.get('peak_memory_bytes'))} ({m.get('memory_kind')})")
         losses = m.get("losses") or []
         if losses:

@@ -46,11 +46,16 @@ def explain(fast: Case, slow: Case) -> str:
             break
         named.append(k)
         covered += abs(deltas[k])
-    against = [k for k in sorted(keys, key=lambda k: -abs(deltas[k]))
-               if deltas[k] * diff < 0 and abs(deltas[k]) >= 0.1 * abs(diff)]
-    text = (f"{slow.label} takes {abs(diff):.1f} ms {'more' if diff > 0 else 'less'} per profiled step than "
-            f"{fast.label} ({b.step_ms:.1f} against {a.step_ms:.1f} ms): "
-            + ", ".join(_delta_text(k, deltas[k], diff) for k in named))
+    against = [
+        k
+        for k in sorted(keys, key=lambda k: -abs(deltas[k]))
+        if deltas[k] * diff < 0 and abs(deltas[k]) >= 0.1 * abs(diff)
+    ]
+    text = (
+        f"{slow.label} takes {abs(diff):.1f} ms {'more' if diff > 0 else 'less'} per profiled step than "
+        f"{fast.label} ({b.step_ms:.1f} against {a.step_ms:.1f} ms): "
+        + ", ".join(_delta_text(k, deltas[k], diff) for k in named)
+    )
     if against:
         text += "; partly offset by " + ", ".join(f"{component_title(k)} {deltas[k]:+.1f} ms" for k in against)
     return text + "."
@@ -83,5 +88,7 @@ def comparisons(cases: list[Case], limit: int | None = None) -> tuple[list[str],
     """(the same layout under other engines, the same engine at other layouts): one sentence per pair.
     Within a layout the own engine is the second yardstick: each framework against the harness's explicit
     Megatron-style implementation of the same layout, whichever engine was fastest."""
-    return (_grouped(cases, lambda c: c.layout, lambda c: c.engine, limit, yardstick=lambda c: c.engine == "own"),
-            _grouped(cases, lambda c: c.engine, lambda c: c.layout, limit))
+    return (
+        _grouped(cases, lambda c: c.layout, lambda c: c.engine, limit, yardstick=lambda c: c.engine == "own"),
+        _grouped(cases, lambda c: c.engine, lambda c: c.layout, limit),
+    )

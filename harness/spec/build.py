@@ -15,15 +15,19 @@ from dataclasses import field
 from harness.errors import SpecError, shown
 
 
-def spec_field(default=dataclasses.MISSING, *, factory=dataclasses.MISSING, check=None, required=None, choices=None,
-               applies=None):
+def spec_field(
+    default=dataclasses.MISSING, *, factory=dataclasses.MISSING, check=None, required=None, choices=None, applies=None
+):
     """A field of a spec the builder reads (build_spec): `check(value, name)` reads the given value in place
     of its type (refusing in its own words), `required` is why a missing one is refused, `choices` are
     the values it takes, `applies` = (other field, its value) where the field means something (a token
     file's path with kind: file), refused when given otherwise. A spec class with `NULL_IS_DEFAULT = True`
     reads `key:` (no value) as not given."""
-    metadata = {k: v for k, v in (("check", check), ("required", required), ("choices", choices),
-                                  ("applies", applies)) if v is not None}
+    metadata = {
+        k: v
+        for k, v in (("check", check), ("required", required), ("choices", choices), ("applies", applies))
+        if v is not None
+    }
     return field(default=default, default_factory=factory, metadata=metadata)
 
 
@@ -31,16 +35,23 @@ def in_range(tp, low=None, high=None, *, above=False, says=None, why=""):
     """A spec_field check: a number of type `tp` read as users write it (_number: finite, an int whole),
     `low` or more (more than `low` with above=True) and `high` or less. `says` replaces the words for
     the range; `why` follows them."""
+
     def check(value, name):
         number = coerce(value, tp, name)
         if low is not None and (number <= low if above else number < low):
-            words = "be positive" if (low == 0 and above) or (low == 1 and tp is int) else \
-                "not be negative" if low == 0 else f"be at least {low}"
+            words = (
+                "be positive"
+                if (low == 0 and above) or (low == 1 and tp is int)
+                else "not be negative"
+                if low == 0
+                else f"be at least {low}"
+            )
         elif high is not None and number > high:
             words = f"be at most {high:,}"
         else:
             return number
         raise SpecError(name, f"must {'be ' + says if says else words}{why}, got {shown(value)}")
+
     return check
 
 
@@ -51,8 +62,9 @@ _PLURALS = {int: "integers", float: "numbers", str: "strings", dict: "mappings"}
 def coerce(value, tp, name: str):
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):  # `X | None`
-        return None if value is None else coerce(value, next(a for a in typing.get_args(tp) if a is not type(None)),
-                                                  name)
+        return (
+            None if value is None else coerce(value, next(a for a in typing.get_args(tp) if a is not type(None)), name)
+        )
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise SpecError(name, "must be a mapping")
@@ -102,8 +114,7 @@ def build_spec(cls, raw: dict, prefix: str):
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in raw:
         if key not in known:
-            raise SpecError(f"{prefix}.{key}" if prefix else str(key),
-                            f"unknown key; allowed: {', '.join(known)}")
+            raise SpecError(f"{prefix}.{key}" if prefix else str(key), f"unknown key; allowed: {', '.join(known)}")
     given = {k: v for k, v in raw.items() if not (v is None and getattr(cls, "NULL_IS_DEFAULT", False))}
     for key, f in known.items():
         if key not in given and "required" in f.metadata:
@@ -121,7 +132,10 @@ def build_spec(cls, raw: dict, prefix: str):
         other, wanted = known[key].metadata.get("applies", (None, None))
         have = values.get(other, known[other].default) if other else wanted
         if have != wanted and values[key] != known[key].default:  # (to_dict() writes the defaults back)
-            raise SpecError(f"{prefix}.{key}" if prefix else key,
-                            f"applies only with {other}: {wanted}, and {other} is {have}"
-                            + ("" if other in values else " (the default)") + f": set {other}: {wanted}")
+            raise SpecError(
+                f"{prefix}.{key}" if prefix else key,
+                f"applies only with {other}: {wanted}, and {other} is {have}"
+                + ("" if other in values else " (the default)")
+                + f": set {other}: {wanted}",
+            )
     return cls(**values)

@@ -26,12 +26,14 @@ def check_sizes(spec: RunSpec) -> Shape:
         if not os.path.isfile(w.data.path):
             raise SpecError("workload.data.path", f"file {w.data.path!r} does not exist")
     shape = resolve_shape(w.model, w.model_overrides)
-    check_head_dim(shape, "workload.model_overrides" if {"hidden", "heads"} & set(w.model_overrides)
-                   else "workload.model")
+    check_head_dim(
+        shape, "workload.model_overrides" if {"hidden", "heads"} & set(w.model_overrides) else "workload.model"
+    )
     if w.global_batch_size % (lay.dp * lay.micro_batch_size):
-        raise SpecError("workload.global_batch_size",
-                        f"{w.global_batch_size} is not divisible by dp x micro_batch_size = "
-                        f"{lay.dp} x {lay.micro_batch_size}")
+        raise SpecError(
+            "workload.global_batch_size",
+            f"{w.global_batch_size} is not divisible by dp x micro_batch_size = {lay.dp} x {lay.micro_batch_size}",
+        )
     if shape.heads % lay.tp:
         raise SpecError("layout.tp", f"{shape.heads} attention heads are not divisible by tp={lay.tp}")
     if shape.kv_heads % lay.tp:
@@ -46,24 +48,31 @@ def check_sizes(spec: RunSpec) -> Shape:
     if lay.sequence_parallel and lay.tp == 1:
         raise SpecError("layout.sequence_parallel", "needs tp > 1")
     if lay.cp > 1 and w.seq_len % (2 * lay.cp):
-        raise SpecError("layout.cp", f"seq_len {w.seq_len} is not divisible by 2 x cp = {2 * lay.cp} "
-                                     f"(each rank holds two load-balanced chunks)")
+        raise SpecError(
+            "layout.cp",
+            f"seq_len {w.seq_len} is not divisible by 2 x cp = {2 * lay.cp} (each rank holds two load-balanced chunks)",
+        )
     if lay.cp > 1 and lay.cp_impl == "ulysses":
         for count, what in ((shape.heads, "attention heads"), (shape.kv_heads, "KV heads")):
             if count % ParallelDims.of(lay).product("cp", "tp"):
-                raise SpecError("layout.cp_impl", f"ulysses needs {what} ({count}) divisible by cp x tp = "
-                                                  f"{lay.cp} x {lay.tp}")
+                raise SpecError(
+                    "layout.cp_impl", f"ulysses needs {what} ({count}) divisible by cp x tp = {lay.cp} x {lay.tp}"
+                )
     if lay.sequence_parallel and (w.seq_len // lay.cp) % lay.tp:
-        raise SpecError("layout.sequence_parallel", f"seq_len {w.seq_len} / cp={lay.cp} is not divisible by "
-                                                    f"tp={lay.tp}" if lay.cp > 1 else
-                        f"seq_len {w.seq_len} is not divisible by tp={lay.tp}")
+        raise SpecError(
+            "layout.sequence_parallel",
+            f"seq_len {w.seq_len} / cp={lay.cp} is not divisible by tp={lay.tp}"
+            if lay.cp > 1
+            else f"seq_len {w.seq_len} is not divisible by tp={lay.tp}",
+        )
     if lay.virtual_stages > 1 and lay.pipeline_schedule != "interleaved":
         raise SpecError("layout.virtual_stages", "needs pipeline_schedule: interleaved")
     if lay.pipeline_schedule == "interleaved" and lay.pp > 1:
         micro = micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
         if micro % lay.pp:
-            raise SpecError("layout.pipeline_schedule",
-                            f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}")
+            raise SpecError(
+                "layout.pipeline_schedule", f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}"
+            )
     for name, takes, why in registry.facts(lay.engine).batch_limits:
         if not takes(w, lay):
             raise CapabilityError(f"layout.{name}", why(w, lay))
@@ -94,15 +103,18 @@ def _size(n: float) -> str:
 
 
 def _count(n: int) -> str:
-    return str(n) if n < 10 ** 9 else f"{n:.3g}"  # 1e30 as it was written, not 31 digits
+    return str(n) if n < 10**9 else f"{n:.3g}"  # 1e30 as it was written, not 31 digits
 
 
 def check_head_dim(shape: Shape, field: str) -> None:
     """Rotary embeddings turn pairs of a head's channels: its width (hidden / heads) must be even."""
     head_dim = shape.hidden // shape.heads
     if head_dim % 2:
-        raise SpecError(field, f"hidden {shape.hidden} / heads {shape.heads} = {head_dim} channels a head, an odd "
-                               "number: rotary embeddings need an even head width")
+        raise SpecError(
+            field,
+            f"hidden {shape.hidden} / heads {shape.heads} = {head_dim} channels a head, an odd "
+            "number: rotary embeddings need an even head width",
+        )
 
 
 SEQUENCE_FIELDS = {"seq_len": "workload.seq_len", "global_batch_size": "workload.global_batch_size"}
@@ -118,13 +130,19 @@ def check_tokens(shape: Shape, seq_len: int, global_batch_size: int, model: str,
         Workload.__dataclass_fields__[name].metadata["check"](given[name], field_name)
     if seq_len > shape.max_positions:
         hint = "; workload.model_overrides.max_positions raises it" if fields is SEQUENCE_FIELDS else ""
-        raise SpecError(fields["seq_len"], f"{_count(seq_len)} is beyond the {shape.max_positions} positions of "
-                                           f"{model} (its max_position_embeddings){hint}")
+        raise SpecError(
+            fields["seq_len"],
+            f"{_count(seq_len)} is beyond the {shape.max_positions} positions of "
+            f"{model} (its max_position_embeddings){hint}",
+        )
     need = global_batch_size * (seq_len + 1) * 8
     if need > MAX_BYTES_PER_DEVICE:
-        raise SpecError(fields["global_batch_size"], f"{_count(global_batch_size)} sequences of {seq_len} tokens need "
-                                                     f"{_size(need)} on every rank, more than any machine holds "
-                                                     f"({_size(MAX_BYTES_PER_DEVICE)})")
+        raise SpecError(
+            fields["global_batch_size"],
+            f"{_count(global_batch_size)} sequences of {seq_len} tokens need "
+            f"{_size(need)} on every rank, more than any machine holds "
+            f"({_size(MAX_BYTES_PER_DEVICE)})",
+        )
 
 
 def check_fits_a_machine(spec: RunSpec, shape: Shape) -> None:
@@ -138,21 +156,28 @@ def check_fits_a_machine(spec: RunSpec, shape: Shape) -> None:
     world = dims.world
     params = param_count(shape)
     parts = {
-        "workload.model_overrides" if w.model_overrides else "workload.model":
-            (params * 16 // world, f"{params:.3g} parameters x 16 B over {world} devices"),
-        "workload.seq_len": (tokens * shape.hidden * shape.layers * 34 // dims.excluding("dp")
-                             + tokens * shape.vocab * 4 // lay.tp,
-                             f"activations and logits of {lay.micro_batch_size} x {_count(w.seq_len)} tokens"),
-        "workload.global_batch_size": (w.global_batch_size * (w.seq_len + 1) * 8,
-                                       f"the global batch of {_count(w.global_batch_size)} x "
-                                       f"{_count(w.seq_len + 1)} tokens"),
+        "workload.model_overrides" if w.model_overrides else "workload.model": (
+            params * 16 // world,
+            f"{params:.3g} parameters x 16 B over {world} devices",
+        ),
+        "workload.seq_len": (
+            tokens * shape.hidden * shape.layers * 34 // dims.excluding("dp") + tokens * shape.vocab * 4 // lay.tp,
+            f"activations and logits of {lay.micro_batch_size} x {_count(w.seq_len)} tokens",
+        ),
+        "workload.global_batch_size": (
+            w.global_batch_size * (w.seq_len + 1) * 8,
+            f"the global batch of {_count(w.global_batch_size)} x {_count(w.seq_len + 1)} tokens",
+        ),
     }
     total = sum(b for b, _ in parts.values())
     if total > MAX_BYTES_PER_DEVICE:
         field = max(parts, key=lambda k: parts[k][0])
-        raise SpecError(field, f"needs about {_size(total)} per device ("
-                               + "; ".join(f"{why}: {_size(b)}" for b, why in parts.values())
-                               + f"), more than any machine holds ({_size(MAX_BYTES_PER_DEVICE)})")
+        raise SpecError(
+            field,
+            f"needs about {_size(total)} per device ("
+            + "; ".join(f"{why}: {_size(b)}" for b, why in parts.values())
+            + f"), more than any machine holds ({_size(MAX_BYTES_PER_DEVICE)})",
+        )
 
 
 def check_token_file(w: Workload, shape: Shape) -> None:
@@ -168,20 +193,31 @@ def check_token_file(w: Workload, shape: Shape) -> None:
             raise SpecError("workload.data.path", f"cannot read {meta_path}: {e}") from None
         meta = meta if isinstance(meta, dict) else {}
         if meta.get("dtype") not in (None, dtype):
-            raise SpecError("workload.data.dtype", f"{dtype}, but {meta_path} (written by harness data prepare) "
-                                                   f"says the file holds {meta['dtype']} tokens")
+            raise SpecError(
+                "workload.data.dtype",
+                f"{dtype}, but {meta_path} (written by harness data prepare) "
+                f"says the file holds {meta['dtype']} tokens",
+            )
         vocab = meta.get("vocab_size")
         if isinstance(vocab, int) and vocab > shape.vocab:
-            raise SpecError("workload.data.path", f"its tokens come from a vocabulary of {vocab} ({meta_path}), "
-                                                  f"larger than the model's {shape.vocab}")
+            raise SpecError(
+                "workload.data.path",
+                f"its tokens come from a vocabulary of {vocab} ({meta_path}), larger than the model's {shape.vocab}",
+            )
     size, item = os.path.getsize(path), 2 if dtype == "uint16" else 4
     if size % item:
-        raise SpecError("workload.data.path", f"{path} has {size} bytes, not a whole number of {dtype} tokens "
-                                              f"({item} bytes each): a wrong dtype or a cut-off file")
+        raise SpecError(
+            "workload.data.path",
+            f"{path} has {size} bytes, not a whole number of {dtype} tokens "
+            f"({item} bytes each): a wrong dtype or a cut-off file",
+        )
     need = w.global_batch_size * (w.seq_len + 1)
     if size // item < need:
-        raise SpecError("workload.data.path", f"{path} holds {size // item} tokens, fewer than one global batch "
-                                              f"of {w.global_batch_size} x (seq_len {w.seq_len} + 1) = {need}")
+        raise SpecError(
+            "workload.data.path",
+            f"{path} holds {size // item} tokens, fewer than one global batch "
+            f"of {w.global_batch_size} x (seq_len {w.seq_len} + 1) = {need}",
+        )
 
 
 def check_world_size(spec: RunSpec, world_size: int) -> None:

@@ -31,8 +31,9 @@ def check_device_count(value, field: str) -> int:
     """A number of processes or devices (a comparison's nproc, a sweep's gpus and nodes)."""
     check_positive_int(value, field)
     if value > MAX_DEVICES:
-        raise SpecError(field, f"must be at most {MAX_DEVICES:,} (more devices than any cluster has), "
-                               f"got {shown(value)}")
+        raise SpecError(
+            field, f"must be at most {MAX_DEVICES:,} (more devices than any cluster has), got {shown(value)}"
+        )
     return value
 
 
@@ -52,8 +53,9 @@ def check_name(name, field: str, names: str, reserved: int = 0, hint: str = "") 
     text = check_file_name(name, field, reserved)
     bad = "".join(sorted({c for c in text if c not in NAME_CHARS}))
     if bad:
-        raise SpecError(field, f"{shown(text)}: letters, digits, '-', '_' and '.' only (it names {names}), "
-                               f"not {bad!r}{hint}")
+        raise SpecError(
+            field, f"{shown(text)}: letters, digits, '-', '_' and '.' only (it names {names}), not {bad!r}{hint}"
+        )
     return text
 
 
@@ -65,6 +67,7 @@ def check_file_name(name, field: str, reserved: int = 0) -> str:
     if any(c in name for c in "/\\\0") or name in (".", ".."):
         raise SpecError(field, f"{shown(name)} names files and folders: no '/', '\\' or NUL, not '.' or '..'")
     if len(name.encode()) > NAME_MAX - reserved:
-        raise SpecError(field, f"is {len(name.encode())} bytes long; it names files, so at most "
-                               f"{NAME_MAX - reserved} bytes")
+        raise SpecError(
+            field, f"is {len(name.encode())} bytes long; it names files, so at most {NAME_MAX - reserved} bytes"
+        )
     return name

@@ -46,10 +46,16 @@ def layout_label(layout, short: bool = False) -> str:
     if short:
         return " ".join(p for p in (engine_variant(lay), parallel_label(lay)) if p)
     degrees = {k: ParallelDims.of(lay).degree(k) for k in LABEL_ORDER}
-    parts = [engine_variant(lay)] + [f"{k}{v}" + (f" {lay.get('cp_impl') or 'ring'}" if k == "cp" else "")
-                                     for k, v in degrees.items() if k != "cp" or v > 1]
-    parts += [f"mb{lay.get('micro_batch_size', '?')}", f"ckpt={lay.get('activation_checkpointing') or 'none'}",
-              f"{lay.get('attention') or '?'}/{lay.get('rmsnorm') or '?'}"]
+    parts = [engine_variant(lay)] + [
+        f"{k}{v}" + (f" {lay.get('cp_impl') or 'ring'}" if k == "cp" else "")
+        for k, v in degrees.items()
+        if k != "cp" or v > 1
+    ]
+    parts += [
+        f"mb{lay.get('micro_batch_size', '?')}",
+        f"ckpt={lay.get('activation_checkpointing') or 'none'}",
+        f"{lay.get('attention') or '?'}/{lay.get('rmsnorm') or '?'}",
+    ]
     virtual = int(lay.get("virtual_stages") or 1)
     if (degrees["pp"] > 1 or virtual > 1) and lay.get("pipeline_schedule"):
         parts.append(lay["pipeline_schedule"] + (f" v{virtual}" if virtual > 1 else ""))

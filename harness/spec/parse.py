@@ -22,8 +22,11 @@ def with_engine_defaults(raw: dict) -> dict:
     engine = layout.get("engine", Layout.engine) if isinstance(layout, dict) else Layout.engine
     if not registry.available(engine):
         return raw
-    own = {path.split(".", 1)[1]: value for path, value in registry.facts(engine).defaults.items()
-           if path.startswith("layout.")}
+    own = {
+        path.split(".", 1)[1]: value
+        for path, value in registry.facts(engine).defaults.items()
+        if path.startswith("layout.")
+    }
     if not own:
         return raw
     given = layout if isinstance(layout, dict) else {}
@@ -39,7 +42,8 @@ def parse_spec(raw: dict | None) -> RunSpec:
     shape_types = typing.get_type_hints(Shape)
     spec.workload.model_overrides = {  # numbers as in the other fields (`layers: 1e9` is a string to YAML 1.1)
         k: coerce(v, shape_types[k], f"workload.model_overrides.{k}") if k in shape_types else v
-        for k, v in spec.workload.model_overrides.items()}
+        for k, v in spec.workload.model_overrides.items()
+    }
     check_sizes(spec)
     return spec
 

@@ -29,8 +29,8 @@ def _choices(*values, **kw):
 
 # Bounds beyond which a number is a typo (`steps: 1e30`), not a run.
 MAX_STEPS = 100_000  # a record keeps every step's loss, time and breakdown
-MAX_DEVICES = 2 ** 20  # more devices than any cluster has
-MAX_SEED = 2 ** 32 - 1  # what every generator takes (numpy's limit; torch's is larger)
+MAX_DEVICES = 2**20  # more devices than any cluster has
+MAX_SEED = 2**32 - 1  # what every generator takes (numpy's limit; torch's is larger)
 
 
 def _betas(value, name: str) -> tuple[float, float]:

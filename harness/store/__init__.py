@@ -43,11 +43,28 @@ OOM_MARKERS = ("out of memory", "OutOfMemoryError")
 
 
 # What a rank sees when a peer died or hung first (gloo, NCCL, sockets): its failure is an echo.
-PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
-                        "remote process exited", "NCCL communicator was aborted", "Timed out waiting",
-                        "collective operation timeout")
-COLUMNS = ("run_id", "schema_version", "sweep", "point_key", "status", "engine", "model", "started_at",
-           "ended_at", "record_json")
+PEER_FAILURE_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Connection refused",
+    "remote process exited",
+    "NCCL communicator was aborted",
+    "Timed out waiting",
+    "collective operation timeout",
+)
+COLUMNS = (
+    "run_id",
+    "schema_version",
+    "sweep",
+    "point_key",
+    "status",
+    "engine",
+    "model",
+    "started_at",
+    "ended_at",
+    "record_json",
+)
 FALLBACK_SUFFIX = ".fallback.jsonl"
 
 
@@ -57,6 +74,7 @@ def mentions_oom(text: str) -> bool:
 
 def mentions_peer_failure(text: str) -> bool:
     return any(m in text for m in PEER_FAILURE_MARKERS)
+
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -101,8 +119,10 @@ def fallback_paths(path: str) -> list[str]:
     """Where records go that the store at `path` cannot take: next to it, else the temp directory."""
     full = os.path.abspath(path)
     tag = hashlib.sha256(full.encode()).hexdigest()[:12]
-    return [full + FALLBACK_SUFFIX,
-            os.path.join(tempfile.gettempdir(), f"harness-{tag}-{os.path.basename(full)[:100]}{FALLBACK_SUFFIX}")]
+    return [
+        full + FALLBACK_SUFFIX,
+        os.path.join(tempfile.gettempdir(), f"harness-{tag}-{os.path.basename(full)[:100]}{FALLBACK_SUFFIX}"),
+    ]
 
 
 def _schema(db: sqlite3.Connection) -> tuple[int, set[str], list[str]]:
@@ -115,14 +135,18 @@ def _schema(db: sqlite3.Connection) -> tuple[int, set[str], list[str]]:
 def _refuse_foreign(path: str, version: int, tables: set[str], columns: list[str]) -> None:
     """A store this harness must not write: not a results store, or one of a newer schema."""
     if version > SCHEMA_VERSION:
-        raise StoreError(f"{path} was written by a newer harness (store schema {version}, this harness knows "
-                         f"{SCHEMA_VERSION}): use another store or upgrade")
+        raise StoreError(
+            f"{path} was written by a newer harness (store schema {version}, this harness knows "
+            f"{SCHEMA_VERSION}): use another store or upgrade"
+        )
     if tables and "runs" not in tables:
         raise StoreError(f"{path} is a SQLite file without a runs table, not a results store")
     extra = [c for c in columns if c not in COLUMNS]
     if extra:
-        raise StoreError(f"{path} has columns this harness does not know ({', '.join(extra)}): written by a newer "
-                         "harness; use another store or upgrade")
+        raise StoreError(
+            f"{path} has columns this harness does not know ({', '.join(extra)}): written by a newer "
+            "harness; use another store or upgrade"
+        )
     missing = [c for c in COLUMNS if columns and c not in columns]
     if missing:
         raise StoreError(f"{path} lacks the columns {', '.join(missing)}: not a results store of this harness")
@@ -214,14 +238,17 @@ class ResultsStore:
         except (sqlite3.Error, OSError, StoreError) as e:
             why = e.reason if isinstance(e, StoreError) else str(e)
             saved = self._save_fallback(record, keep_earlier_failure)
-            raise StoreError(f"cannot write run {record.get('run_id')} to {self.path} ({why}); " + (
-                f"the record is saved in {saved}" if saved else "no fallback file could be written either")) from None
+            raise StoreError(
+                f"cannot write run {record.get('run_id')} to {self.path} ({why}); "
+                + (f"the record is saved in {saved}" if saved else "no fallback file could be written either")
+            ) from None
 
     def _insert(self, record: dict, keep_earlier_failure: bool) -> None:
         version = record.get("schema_version", SCHEMA_VERSION)
         if version != SCHEMA_VERSION:
-            raise StoreError(f"record {record.get('run_id')} has schema_version {version!r}; this harness writes "
-                             f"{SCHEMA_VERSION}")
+            raise StoreError(
+                f"record {record.get('run_id')} has schema_version {version!r}; this harness writes {SCHEMA_VERSION}"
+            )
         db = self._connect()
         try:
             _refuse_foreign(self.path, *_schema(db))
@@ -232,21 +259,35 @@ class ResultsStore:
                     record = merge_failures(json.loads(row[0]) if row else None, record)
                 spec = record.get("spec") or {}
                 values = (
-                    record["run_id"], version, record.get("sweep"), record.get("point_key"), record["status"],
-                    (spec.get("layout") or {}).get("engine"), (spec.get("workload") or {}).get("model"),
-                    record.get("started_at"), record.get("ended_at"), json.dumps(record, sort_keys=True),
+                    record["run_id"],
+                    version,
+                    record.get("sweep"),
+                    record.get("point_key"),
+                    record["status"],
+                    (spec.get("layout") or {}).get("engine"),
+                    (spec.get("workload") or {}).get("model"),
+                    record.get("started_at"),
+                    record.get("ended_at"),
+                    json.dumps(record, sort_keys=True),
                 )
                 if record.get("sweep") is not None and record.get("point_key") is not None:
-                    db.execute("DELETE FROM runs WHERE sweep = ? AND point_key = ?",
-                               (record["sweep"], record["point_key"]))
-                db.execute(f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) VALUES "
-                           f"({', '.join('?' * len(COLUMNS))})", values)
+                    db.execute(
+                        "DELETE FROM runs WHERE sweep = ? AND point_key = ?", (record["sweep"], record["point_key"])
+                    )
+                db.execute(
+                    f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+                    values,
+                )
         finally:
             db.close()
 
     def _save_fallback(self, record: dict, keep_earlier_failure: bool) -> str | None:
-        line = json.dumps({**record, "fallback": {"keep_earlier_failure": keep_earlier_failure, "at": now_iso()}},
-                          sort_keys=True) + "\n"
+        line = (
+            json.dumps(
+                {**record, "fallback": {"keep_earlier_failure": keep_earlier_failure, "at": now_iso()}}, sort_keys=True
+            )
+            + "\n"
+        )
         for path in fallback_paths(self.path):
             try:
                 with open(path, "a") as f:
@@ -284,8 +325,10 @@ class ResultsStore:
             try:
                 self._insert(rec, False)
             except (sqlite3.Error, OSError, StoreError) as e:
-                raise StoreError(f"cannot move the records of {' or '.join(fallback_paths(self.path))} into "
-                                 f"{self.path} ({getattr(e, 'reason', e)}); they stay there") from None
+                raise StoreError(
+                    f"cannot move the records of {' or '.join(fallback_paths(self.path))} into "
+                    f"{self.path} ({getattr(e, 'reason', e)}); they stay there"
+                ) from None
         for path in fallback_paths(self.path):
             if os.path.exists(path):
                 os.remove(path)
@@ -326,8 +369,10 @@ class ResultsStore:
         if not self.skipped:
             return None
         what = ", ".join(f"{n} with {k}" for k, n in sorted(self.skipped.items()))
-        return (f"warning: store: left out {sum(self.skipped.values())} records this harness cannot read ({what}; "
-                f"it reads schema_version {SCHEMA_VERSION})")
+        return (
+            f"warning: store: left out {sum(self.skipped.values())} records this harness cannot read ({what}; "
+            f"it reads schema_version {SCHEMA_VERSION})"
+        )
 
     def get(self, run_id: str) -> dict | None:
         """The record of `run_id`, from the store or, if the store could not take it, its fallback file."""
@@ -346,14 +391,16 @@ class ResultsStore:
         """point_key -> status for every point of a sweep that has a record."""
         db = self._connect()
         try:
-            rows = db.execute("SELECT point_key, status FROM runs WHERE sweep = ? AND point_key IS NOT NULL",
-                              (sweep,)).fetchall()
+            rows = db.execute(
+                "SELECT point_key, status FROM runs WHERE sweep = ? AND point_key IS NOT NULL", (sweep,)
+            ).fetchall()
         finally:
             db.close()
         return dict(rows)
 
 
 # ---------------------------------------------------------------- export
+
 
 def flat_row(record: dict) -> dict:
     """One flat row per record for CSV: the exported fields (harness.store.fields)."""

@@ -19,6 +19,7 @@ MISSING = "-"
 
 def at(*path: str) -> Callable[[dict], Any]:
     """A reader of record[path[0]][path[1]]...; None where any level is missing or not a dict."""
+
     def read(record: dict):
         value: Any = record
         for key in path:
@@ -26,6 +27,7 @@ def at(*path: str) -> Callable[[dict], Any]:
                 return None
             value = value.get(key)
         return value
+
     return read
 
 
@@ -115,15 +117,22 @@ def _run(name: str, *path: str) -> Field:
 
 
 FIELDS: tuple[Field, ...] = (
-    _run("run_id", "run_id"), _run("sweep", "sweep"), _run("status", "status"),
-    _run("engine", "spec", "layout", "engine"), _run("model", "spec", "workload", "model"),
-    _run("seq_len", "spec", "workload", "seq_len"), _run("global_batch_size", "spec", "workload", "global_batch_size"),
+    _run("run_id", "run_id"),
+    _run("sweep", "sweep"),
+    _run("status", "status"),
+    _run("engine", "spec", "layout", "engine"),
+    _run("model", "spec", "workload", "model"),
+    _run("seq_len", "spec", "workload", "seq_len"),
+    _run("global_batch_size", "spec", "workload", "global_batch_size"),
     _run("precision", "spec", "workload", "precision"),
-    _run("tp", "spec", "layout", "tp"), _run("pp", "spec", "layout", "pp"), _run("dp", "spec", "layout", "dp"),
+    _run("tp", "spec", "layout", "tp"),
+    _run("pp", "spec", "layout", "pp"),
+    _run("dp", "spec", "layout", "dp"),
     _run("micro_batch_size", "spec", "layout", "micro_batch_size"),
     _run("activation_checkpointing", "spec", "layout", "activation_checkpointing"),
     _run("sequence_parallel", "spec", "layout", "sequence_parallel"),
-    _run("attention", "spec", "layout", "attention"), _run("rmsnorm", "spec", "layout", "rmsnorm"),
+    _run("attention", "spec", "layout", "attention"),
+    _run("rmsnorm", "spec", "layout", "rmsnorm"),
     _run("zero_stage", "spec", "layout", "zero_stage"),
     Field("step_time_median_s", "step (median)", at("metrics", "step_time_s", "median"), fmt_s),
     Field("step_time_ci95_s", "95% CI", _step_ci, fmt_interval, export=False),
@@ -131,13 +140,17 @@ FIELDS: tuple[Field, ...] = (
     Field("step_time_ci95_high_s", "95% CI high", at("metrics", "step_time_s", "ci95_high"), fmt_s, report=False),
     Field("steps_measured", "steps", at("metrics", "step_time_s", "n"), report=False),
     Field("tokens_per_s", "tokens/s", at("metrics", "tokens_per_s"), fmt_count),
-    Field("tokens_per_s_per_device", "tok/s/device", at("metrics", "tokens_per_s_per_device"), fmt_count,
-          export=False),
+    Field("tokens_per_s_per_device", "tok/s/device", at("metrics", "tokens_per_s_per_device"), fmt_count, export=False),
     Field("mfu_palm", "MFU", at("metrics", "mfu", "palm"), fmt_pct),
     Field("mfu_megatron", "MFU megatron", at("metrics", "mfu", "megatron"), fmt_pct),
     Field("hfu", "HFU", at("metrics", "mfu", "hardware"), fmt_pct),
-    Field("mfu_vs_measured_matmul", "MFU vs measured matmul", at("metrics", "mfu_vs_measured_matmul", "palm"),
-          fmt_pct, export=False),
+    Field(
+        "mfu_vs_measured_matmul",
+        "MFU vs measured matmul",
+        at("metrics", "mfu_vs_measured_matmul", "palm"),
+        fmt_pct,
+        export=False,
+    ),
     Field("peak_memory_bytes", "peak mem", at("metrics", "peak_memory_bytes"), fmt_bytes),
     Field("memory_kind", "memory kind", at("metrics", "memory_kind"), export=False, report=False),
     Field("final_loss", "final loss", _final_loss, report=False),
@@ -145,18 +158,23 @@ FIELDS: tuple[Field, ...] = (
     Field("started_at", "started", at("started_at"), report=False),
     Field("ended_at", "ended", at("ended_at"), report=False),
     Field("breakdown_source", "breakdown from", at("metrics", "breakdown_source"), report=False),
-    _ms("breakdown_step_ms", "step"), _ms("breakdown_compute_ms", "compute"),
+    _ms("breakdown_step_ms", "step"),
+    _ms("breakdown_compute_ms", "compute"),
     _ms("breakdown_optimizer_ms", "optimizer"),
-    Field("breakdown_exposed_comm_ms", "breakdown_exposed_comm_ms", _exposed_comm, lambda v: f"{v:.1f} ms",
-          report=False),
-    _ms("breakdown_exposed_tp_ms", "exposed_comm", "tp"), _ms("breakdown_exposed_dp_ms", "exposed_comm", "dp"),
-    _ms("breakdown_exposed_pp_ms", "exposed_comm", "pp"), _ms("breakdown_bubble_ms", "bubble"),
+    Field(
+        "breakdown_exposed_comm_ms", "breakdown_exposed_comm_ms", _exposed_comm, lambda v: f"{v:.1f} ms", report=False
+    ),
+    _ms("breakdown_exposed_tp_ms", "exposed_comm", "tp"),
+    _ms("breakdown_exposed_dp_ms", "exposed_comm", "dp"),
+    _ms("breakdown_exposed_pp_ms", "exposed_comm", "pp"),
+    _ms("breakdown_bubble_ms", "bubble"),
     _ms("breakdown_other_ms", "other"),
     # a run whose loss became non-finite is failed, and stopped at this step (1-based, warm-up included)
     Field("diverged_at_step", "diverged at step", at("diverged_at_step"), report=False),
     # context parallelism (added after the columns above, which other tools may read by position);
     # records written before it read cp 1, and no cp_impl or exposed cp communication
-    Field("cp", "cp", _cp, report=False), Field("cp_impl", "cp_impl", _cp_impl, report=False),
+    Field("cp", "cp", _cp, report=False),
+    Field("cp_impl", "cp_impl", _cp_impl, report=False),
     _ms("breakdown_exposed_cp_ms", "exposed_comm", "cp"),
 )
 

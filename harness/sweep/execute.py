@@ -32,14 +32,24 @@ def sweep_lock(sweep: SweepSpec, store_path: str):
     both would run every point, timed while competing for the machine. The lock file is removed
     when released; one that was removed while being opened is opened again."""
     path = f"{os.path.abspath(store_path)}.{sweep_id(sweep, store_path)}.lock"
-    with pid_lock(path, "sweep", lambda pid: f"{sweep.name} is already running on {store_path} (pid {pid})",
-                  create_field="store"):
+    with pid_lock(
+        path, "sweep", lambda pid: f"{sweep.name} is already running on {store_path} (pid {pid})", create_field="store"
+    ):
         yield path
 
 
-def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: float,
-              retry: tuple[str, ...] = (), log_dir: str | None = None, progress: bool = True,
-              echo=print, profile_steps: int | None = None) -> dict[str, int]:
+def run_sweep(
+    sweep: SweepSpec,
+    *,
+    launcher: str,
+    store_path: str,
+    timeout_s: float,
+    retry: tuple[str, ...] = (),
+    log_dir: str | None = None,
+    progress: bool = True,
+    echo=print,
+    profile_steps: int | None = None,
+) -> dict[str, int]:
     """Run every pending point, one after another; returns counts per status.
 
     Each point's record is committed by the time its run_spec returns. A failure, OOM or
@@ -56,14 +66,33 @@ def run_sweep(sweep: SweepSpec, *, launcher: str, store_path: str, timeout_s: fl
     launch.check_launcher(launcher, sweep.gpus_per_node, sweep.nodes, "--launcher")
     points, _ = expand(sweep)
     with sweep_lock(sweep, store_path):
-        return _run_points(sweep, points, launcher=launcher, store_path=store_path, timeout_s=timeout_s,
-                           retry=retry, log_dir=log_dir, progress=progress, echo=echo,
-                           profile_steps=profile_steps)
+        return _run_points(
+            sweep,
+            points,
+            launcher=launcher,
+            store_path=store_path,
+            timeout_s=timeout_s,
+            retry=retry,
+            log_dir=log_dir,
+            progress=progress,
+            echo=echo,
+            profile_steps=profile_steps,
+        )
 
 
-def _run_points(sweep: SweepSpec, points: list, *, launcher: str, store_path: str, timeout_s: float,
-                retry: tuple[str, ...], log_dir: str | None, progress: bool, echo,
-                profile_steps: int | None = None) -> dict[str, int]:
+def _run_points(
+    sweep: SweepSpec,
+    points: list,
+    *,
+    launcher: str,
+    store_path: str,
+    timeout_s: float,
+    retry: tuple[str, ...],
+    log_dir: str | None,
+    progress: bool,
+    echo,
+    profile_steps: int | None = None,
+) -> dict[str, int]:
     store = ResultsStore(store_path)
     merged = store.recover_fallback()
     if merged:
@@ -74,8 +103,10 @@ def _run_points(sweep: SweepSpec, points: list, *, launcher: str, store_path: st
         echo(f"killed {reaped} processes left by an earlier, interrupted run of this sweep")
     done = store.completed_points(sweep.name)
     todo = pending(points, done, retry)
-    echo(f"sweep {sweep.name}: {len(points)} points, {len(points) - len(todo)} already recorded, "
-         f"{len(todo)} to run ({launcher}, {sweep.gpus} processes, timeout {timeout_s:g} s)")
+    echo(
+        f"sweep {sweep.name}: {len(points)} points, {len(points) - len(todo)} already recorded, "
+        f"{len(todo)} to run ({launcher}, {sweep.gpus} processes, timeout {timeout_s:g} s)"
+    )
     # next to the store, as given: a relative store keeps its logs' paths relative in the records
     log_dir = log_dir or os.path.join(os.path.dirname(store_path), "harness-logs", sweep.name)
     counts = {s: 0 for s in STATUSES}
@@ -87,9 +118,17 @@ def _run_points(sweep: SweepSpec, points: list, *, launcher: str, store_path: st
                 from harness.profiling import ENV
 
                 env[ENV] = str(profile_steps)
-            rec = launch.run_spec(p.spec, nproc=sweep.gpus_per_node, launcher=launcher,
-                                  store_path=store_path, timeout_s=p.timeout_s or timeout_s, sweep=sweep.name,
-                                  point_key=p.key, extra_env=env, log_dir=log_dir)
+            rec = launch.run_spec(
+                p.spec,
+                nproc=sweep.gpus_per_node,
+                launcher=launcher,
+                store_path=store_path,
+                timeout_s=p.timeout_s or timeout_s,
+                sweep=sweep.name,
+                point_key=p.key,
+                extra_env=env,
+                log_dir=log_dir,
+            )
             counts[rec["status"]] = counts.get(rec["status"], 0) + 1
             first = [rec["error_line"]] if rec.get("error_line") else (rec.get("error") or "").strip().splitlines()
             reason = f" - {first[0][:200]}" if rec["status"] != "ok" and first else ""
@@ -104,6 +143,11 @@ def _run_points(sweep: SweepSpec, points: list, *, launcher: str, store_path: st
 def _progress(total: int, name: str, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=name, unit="run", disable=not enabled or total == 0,
-                dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
-                                               "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+    return tqdm(
+        total=total,
+        desc=name,
+        unit="run",
+        disable=not enabled or total == 0,
+        dynamic_ncols=True,
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]",
+    )

@@ -88,6 +88,7 @@ def matches(flat: dict, rule: dict) -> bool:
 def _fmt(coords: dict) -> str:
     def one(v):
         return ",".join(f"{a}={b}" for a, b in v.items()) if isinstance(v, dict) else v
+
     return " ".join(f"{k}={one(v)}" for k, v in coords.items())
 
 
@@ -123,17 +124,21 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
     defaults = _defaults()
     points, drops, seen = [], [], {}
     for coords, extra in candidates:
-        raw = {"name": sweep.name, "store": sweep.store,
-               "workload": copy.deepcopy(sweep.workload), "layout": copy.deepcopy(sweep.layout)}
+        raw = {
+            "name": sweep.name,
+            "store": sweep.store,
+            "workload": copy.deepcopy(sweep.workload),
+            "layout": copy.deepcopy(sweep.layout),
+        }
         _apply(raw, coords)
         lay = raw["layout"]
-        filled = {"workload": {**defaults["workload"], **raw["workload"]},
-                  "layout": {**defaults["layout"], **lay}}
+        filled = {"workload": {**defaults["workload"], **raw["workload"]}, "layout": {**defaults["layout"], **lay}}
         if "dp" not in lay:
             try:
                 tp, pp, cp = filled["layout"]["tp"], filled["layout"]["pp"], filled["layout"].get("cp", 1)
-                lay["dp"] = filled["layout"]["dp"] = ParallelDims.derive(sweep.gpus, "sweep.gpus", tp=tp, pp=pp,
-                                                                         cp=cp).dp
+                lay["dp"] = filled["layout"]["dp"] = ParallelDims.derive(
+                    sweep.gpus, "sweep.gpus", tp=tp, pp=pp, cp=cp
+                ).dp
             except SpecError:
                 pass  # dropped below, once the filters have seen the point
         flat = _flat(filled, coords)
@@ -160,8 +165,11 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
             drops.append(Drop(coords, f"duplicate of point {seen[key]} ({key})"))
             continue
         seen[key] = len(points)
-        points.append(Point(coords=coords, spec=spec_dict, key=key, env={**sweep.env, **extra["env"]},
-                            timeout_s=extra["timeout_s"]))
+        points.append(
+            Point(
+                coords=coords, spec=spec_dict, key=key, env={**sweep.env, **extra["env"]}, timeout_s=extra["timeout_s"]
+            )
+        )
     return points, drops
 
 
@@ -182,8 +190,9 @@ def describe(points: list[Point], drops: list[Drop], done: dict[str, str] | None
 def check_some_point(points: list[Point], drops: list[Drop]) -> None:
     """A sweep that would run nothing is a mistake, not a success: refused by a dry run and a run alike."""
     if not points:
-        raise SpecError("sweep", f"all {len(drops)} points were dropped (first: {drops[0].reason if drops else '-'}); "
-                                 "see --dry-run")
+        raise SpecError(
+            "sweep", f"all {len(drops)} points were dropped (first: {drops[0].reason if drops else '-'}); see --dry-run"
+        )
 
 
 def drop_summary(points: list[Point], drops: list[Drop]) -> list[str]:
@@ -194,9 +203,12 @@ def drop_summary(points: list[Point], drops: list[Drop]) -> list[str]:
         head = d.reason.split(":", 1)[0]
         kinds.setdefault(head if " " not in head else " ".join(d.reason.split()[:3]), []).append(d.reason)
     total = len(points) + len(drops)
-    return [f"note: sweep: {len(reasons)} of {total} points dropped: {reasons[0]}"
-            + (f" (and {len(reasons) - 1} more like it)" if len(reasons) > 1 else "") + "; see --dry-run"
-            for reasons in kinds.values()]
+    return [
+        f"note: sweep: {len(reasons)} of {total} points dropped: {reasons[0]}"
+        + (f" (and {len(reasons) - 1} more like it)" if len(reasons) > 1 else "")
+        + "; see --dry-run"
+        for reasons in kinds.values()
+    ]
 
 
 def pending(points: list[Point], done: dict[str, str], retry: tuple[str, ...] = ()) -> list[Point]:

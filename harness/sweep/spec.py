@@ -75,11 +75,15 @@ _SLURM_CONSTRAINT = _SLURM_NAME | frozenset("&|[]*")  # node features: AND, OR, 
 def _slurm_time(value, field: str) -> str:
     """A time limit as sbatch reads it; an unquoted 00:30:00 is a number to YAML 1.1 (1800), so numbers are refused."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        raise SpecError(field, f"give it quoted, e.g. \"00:30:00\" or \"90\" (minutes): YAML reads an unquoted "
-                               f"00:30:00 as the number 1800, got {shown(value)}")
+        raise SpecError(
+            field,
+            f'give it quoted, e.g. "00:30:00" or "90" (minutes): YAML reads an unquoted '
+            f"00:30:00 as the number 1800, got {shown(value)}",
+        )
     if not _SLURM_TIME.fullmatch(_one_line(value, field).strip()):
-        raise SpecError(field, f"{shown(value)} is not a Slurm time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
-                               "D-HH:MM:SS")
+        raise SpecError(
+            field, f"{shown(value)} is not a Slurm time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+        )
     return value.strip()
 
 
@@ -87,9 +91,12 @@ def _chars(allowed: frozenset, what: str):
     def check(value, field: str) -> str:
         bad = "".join(sorted({c for c in _one_line(value, field) if c not in allowed}))
         if bad or not value:
-            raise SpecError(field, f"{shown(value)}: {what} only (it is written into an #SBATCH line)"
-                                   + (f", not {bad!r}" if bad else ""))
+            raise SpecError(
+                field,
+                f"{shown(value)}: {what} only (it is written into an #SBATCH line)" + (f", not {bad!r}" if bad else ""),
+            )
         return value
+
     return check
 
 
@@ -160,8 +167,9 @@ def check_grid(grid, field: str) -> dict:
     return grid
 
 
-def check_axis_name(axis: str, where: str, hint: str = " (use workload.<field> for the workload, or mapping values)"
-                    ) -> None:
+def check_axis_name(
+    axis: str, where: str, hint: str = " (use workload.<field> for the workload, or mapping values)"
+) -> None:
     """A grid axis, point key or filter key names a Layout field, `layout.<field>` or `workload.<field>`."""
     if not isinstance(axis, str):
         raise SpecError(where, "not a Layout field" + hint)
@@ -181,8 +189,9 @@ def check_filters(rules, field: str) -> list:
         raise SpecError(field, "must be a list of mappings")
     for i, rule in enumerate(rules):
         for key in rule:
-            check_axis_name(key, f"{field}[{i}].{key}", " (a filter names a Layout field, layout.<field> or "
-                                                         "workload.<field>)")
+            check_axis_name(
+                key, f"{field}[{i}].{key}", " (a filter names a Layout field, layout.<field> or workload.<field>)"
+            )
     return rules
 
 
@@ -228,8 +237,12 @@ def check_sweep_name(name, default_name: str) -> str:
     """The sweep's name (else the spec file's name): it names the log and job folders, the Slurm
     job, the records' group and the report's headings."""
     given = name is not None and name != ""
-    return check_name(str(name) if given else default_name, "sweep.name", "folders, the Slurm job and the report",
-                      hint="" if given else "; it comes from the file name: set `name:` in the spec")
+    return check_name(
+        str(name) if given else default_name,
+        "sweep.name",
+        "folders, the Slurm job and the report",
+        hint="" if given else "; it comes from the file name: set `name:` in the spec",
+    )
 
 
 def load_sweep(path: str) -> SweepSpec:

@@ -14,10 +14,19 @@ from harness.testing.spawn import spawn
 # engine's bf16 cases (tests/test_engine_equivalence.py's docstring says where the largest came from)
 BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL = 1e-4, 1e-2
 
-BASE = {"workload": {"model": "tiny", "seq_len": 16, "global_batch_size": 8, "steps": 5, "warmup_steps": 0,
-                     "precision": "fp32", "device": "cpu",
-                     "optimizer": {"lr": 1.0, "eps": 1.0}},
-        "layout": {"engine": "own"}}
+BASE = {
+    "workload": {
+        "model": "tiny",
+        "seq_len": 16,
+        "global_batch_size": 8,
+        "steps": 5,
+        "warmup_steps": 0,
+        "precision": "fp32",
+        "device": "cpu",
+        "optimizer": {"lr": 1.0, "eps": 1.0},
+    },
+    "layout": {"engine": "own"},
+}
 
 
 def workload_of(case: dict) -> dict:
@@ -40,8 +49,12 @@ def batches(spec, shape, steps: int):
 def reference(case: dict, steps: int = 5):
     """Losses and final weights of the single-device engine on the case's workload."""
     lay = case.get("layout", {})
-    return reference_run(workload_of(case), steps, micro_batch_size=lay.get("micro_batch_size", 1),
-                         attention=lay.get("attention", "sdpa"))
+    return reference_run(
+        workload_of(case),
+        steps,
+        micro_batch_size=lay.get("micro_batch_size", 1),
+        attention=lay.get("attention", "sdpa"),
+    )
 
 
 def run_cases(ctx, cases: list[dict], steps: int) -> list[dict]:
@@ -58,8 +71,17 @@ def run_cases(ctx, cases: list[dict], steps: int) -> list[dict]:
         for b in batches(spec, shape, steps):
             losses.append(float(eng.train_step(b)))
             comms.append(eng.last_step_details()["comm"])
-        results.append({"case": case, "losses": losses, "state": eng.full_state_dict(), "comm": comms[-1],
-                        "comm_first": comms[0], "details": eng.last_step_details(), "coord": eng.mesh.coord})
+        results.append(
+            {
+                "case": case,
+                "losses": losses,
+                "state": eng.full_state_dict(),
+                "comm": comms[-1],
+                "comm_first": comms[0],
+                "details": eng.last_step_details(),
+                "coord": eng.mesh.coord,
+            }
+        )
         del eng
     return results
 
@@ -67,4 +89,3 @@ def run_cases(ctx, cases: list[dict], steps: int) -> list[dict]:
 def launch(cases: list[dict], world: int, steps: int = 5, timeout_s: float = 300) -> list[list[dict]]:
     """`world` gloo processes, one thread each, run every case; returns per-rank result lists."""
     return spawn(run_cases, world, cases, steps, timeout_s=timeout_s, threads=1, every_rank=True)
-

@@ -47,8 +47,9 @@ def mismatches(result: dict, ref_losses: list[float], ref_state: dict | None, rt
     return bad
 
 
-def assert_matches_reference(result: dict, ref_losses: list[float], ref_state: dict | None, label: str,
-                             rtol: float = 1e-5) -> None:
+def assert_matches_reference(
+    result: dict, ref_losses: list[float], ref_state: dict | None, label: str, rtol: float = 1e-5
+) -> None:
     bad = mismatches(result, ref_losses, ref_state, rtol)
     if bad:
         raise AssertionError(f"{label}:\n  " + "\n  ".join(bad))

@@ -21,8 +21,15 @@ from harness.launch import free_port
 
 
 def _worker(rank, world, port, threads, q, every_rank, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS=str(threads),
+    )
     from harness import runtime
 
     ctx = runtime.init("cpu")
@@ -51,8 +58,10 @@ def spawn(fn, world: int, *args, timeout_s: float = 300.0, threads: int | None =
     mctx = mp.get_context("spawn")
     q = mctx.Queue()
     port = free_port()
-    procs = [mctx.Process(target=_worker, args=(r, world, port, threads, q, every_rank, fn, args), daemon=False)
-             for r in range(world)]
+    procs = [
+        mctx.Process(target=_worker, args=(r, world, port, threads, q, every_rank, fn, args), daemon=False)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

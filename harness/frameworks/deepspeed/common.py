@@ -37,9 +37,13 @@ from harness.parallel_dims import ParallelDims
 # Where DeepSpeed's optimizer wrappers keep what they hold (attributes of BF16_Optimizer,
 # DeepSpeedZeroOptimizer (ZeRO-1/2) and DeepSpeedZeroOptimizer_Stage3), by census category.
 _WRAPPER_PARAMETERS = ("bf16_groups_flat", "bit16_groups_flat", "lp_param_buffer")
-_WRAPPER_GRADIENTS = ("fp32_groups_gradients_flat",                       # BF16_Optimizer
-                      "averaged_gradients", "all_grad_tensors", "grads_in_partition",  # ZeRO-1/2
-                      "grad_partitions_flat_buffer")                      # ZeRO-3
+_WRAPPER_GRADIENTS = (
+    "fp32_groups_gradients_flat",  # BF16_Optimizer
+    "averaged_gradients",
+    "all_grad_tensors",
+    "grads_in_partition",  # ZeRO-1/2
+    "grad_partitions_flat_buffer",
+)  # ZeRO-3
 _WRAPPER_MASTERS = ("fp32_groups_flat_partition", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
 
 
@@ -91,10 +95,15 @@ def configure_checkpointing(config: dict, mpu) -> None:
 
     ac = DeepSpeedActivationCheckpointingConfig(config)
     checkpointing.mpu = mpu  # configure(None) would keep a previous engine's unit in this process
-    checkpointing.configure(mpu, partition_activations=ac.partition_activations,
-                            contiguous_checkpointing=ac.contiguous_memory_optimization,
-                            num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
-                            synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile)
+    checkpointing.configure(
+        mpu,
+        partition_activations=ac.partition_activations,
+        contiguous_checkpointing=ac.contiguous_memory_optimization,
+        num_checkpoints=ac.number_checkpoints,
+        checkpoint_in_cpu=ac.cpu_checkpointing,
+        synchronize=ac.synchronize_checkpoint_boundary,
+        profile=ac.profile,
+    )
 
 
 def fp32_copy(param) -> torch.Tensor:
@@ -120,8 +129,7 @@ class DeepSpeedBase:
         self.dims = ParallelDims.derive(ctx.world_size, "layout", tp=lay.tp, pp=lay.pp, cp=lay.cp)
         self.dp = self.dims.dp
         # the config is checked first: a contradiction is a SpecError before DeepSpeed loads
-        self.config, self.config_file, self.filled = build_config(spec, shape, dp=self.dp,
-                                                                  device_type=ctx.device.type)
+        self.config, self.config_file, self.filled = build_config(spec, shape, dp=self.dp, device_type=ctx.device.type)
         _quiet_deepspeed()
         self.stage = self.config["zero_optimization"]["stage"]
         self.policy = precision_policy(spec.workload)
@@ -141,9 +149,11 @@ class DeepSpeedBase:
         and ZeRO-3 whatever bf16.check_grad_overflow says (ZeRO-1/2 obey it: false). The
         reference never skips one, so a skipped step stops the run instead of passing silently."""
         if self.engine.skipped_steps != self._skipped_steps:
-            raise NonFiniteStep(f"DeepSpeed skipped the optimizer step ({type(self.optimizer).__name__}: the gradient "
-                                "norm was not finite); the reference applies every step, so the runs would no longer "
-                                "be comparable")
+            raise NonFiniteStep(
+                f"DeepSpeed skipped the optimizer step ({type(self.optimizer).__name__}: the gradient "
+                "norm was not finite); the reference applies every step, so the runs would no longer "
+                "be comparable"
+            )
 
     # ------------------------------------------------------------------ memory census
 
@@ -166,8 +176,12 @@ class DeepSpeedBase:
         for bucket in (getattr(opt, "ipg_buckets", None) or {}).values():
             gradients += list(_tensors(getattr(bucket, "buffer", None)))
         gradients += [m.grad for m in masters]
-        return {"parameters": parameters, "gradients": gradients, "master_parameters": masters,
-                "optimizer_states": optimizer_state_tensors(basic)}
+        return {
+            "parameters": parameters,
+            "gradients": gradients,
+            "master_parameters": masters,
+            "optimizer_states": optimizer_state_tensors(basic),
+        }
 
     def memory_census(self) -> dict | None:
         return self.census.result if self.census is not None else None
@@ -213,7 +227,7 @@ class DeepSpeedBase:
             "model_impl": lay.model_impl,
             "flops_counted_by": "harness (analytic); DeepSpeed's flops profiler double-counts under ZeRO-3",
             "not_measured": "time breakdown, communication counts, pipeline bubble/timeline "
-                            "(DeepSpeed exposes them only through its synchronising wall_clock_breakdown timers)",
+            "(DeepSpeed exposes them only through its synchronising wall_clock_breakdown timers)",
         }
         d["precision_policy"] = self.policy.describe()
         d["precision_config"] = self.precision_config()
@@ -223,9 +237,11 @@ class DeepSpeedBase:
         """How DeepSpeed was configured to the policy: its keys as set, and the wrapper they chose."""
         c = self.config
         bf16 = c.get("bf16") or {}
-        keys = [f"bf16.enabled {str(bool(bf16.get('enabled'))).lower()}",
-                f"data_types.grad_accum_dtype {c['data_types']['grad_accum_dtype']}",
-                f"communication_data_type {c['communication_data_type']}"]
+        keys = [
+            f"bf16.enabled {str(bool(bf16.get('enabled'))).lower()}",
+            f"data_types.grad_accum_dtype {c['data_types']['grad_accum_dtype']}",
+            f"communication_data_type {c['communication_data_type']}",
+        ]
         if bf16.get("enabled"):
             keys.append(f"bf16.check_grad_overflow {str(bf16.get('check_grad_overflow')).lower()}")
         return f"{', '.join(keys)} -> {type(self.optimizer).__name__}"

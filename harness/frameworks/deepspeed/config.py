@@ -105,8 +105,15 @@ def load_raw(path: str) -> dict:
 
 # DeepSpeed's spellings of a dtype (runtime/config.py: DtypeEnum; communication_data_type
 # takes fp32/bf16/fp16 in any case)
-_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-                  "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
+_DTYPE_ALIASES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+}
 
 
 def _same_dtype(a, b) -> bool:
@@ -140,8 +147,10 @@ class _Filler:
                 self.filled.append(dotted)
             return
         if not (same or _same)(parent[key], value):
-            raise SpecError(f"{self.name}: {dotted}", f"{parent[key]!r} contradicts the workload's {what} = {value!r}; "
-                                                      f"use \"auto\" or {value!r}")
+            raise SpecError(
+                f"{self.name}: {dotted}",
+                f'{parent[key]!r} contradicts the workload\'s {what} = {value!r}; use "auto" or {value!r}',
+            )
 
     def _parent(self, dotted: str, create: bool):
         node = self.cfg
@@ -152,7 +161,7 @@ class _Filler:
                     return None, parts[-1]
                 node[part] = {}
             if not isinstance(node[part], dict):
-                raise SpecError(f"{self.name}: {'.'.join(parts[:i + 1])}", "must be a JSON object")
+                raise SpecError(f"{self.name}: {'.'.join(parts[: i + 1])}", "must be a JSON object")
             node = node[part]
         return node, parts[-1]
 
@@ -165,8 +174,9 @@ def _find_auto(node, prefix=""):
         yield prefix
 
 
-def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | None = None,
-                 path: str | None = None) -> tuple[dict, str, list[str]]:
+def build_config(
+    spec, shape=None, *, dp: int | None = None, device_type: str | None = None, path: str | None = None
+) -> tuple[dict, str, list[str]]:
     """The DeepSpeed config for this run: (config, its file as recorded (recorded_name), keys
     filled from the workload).
 
@@ -184,8 +194,11 @@ def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | 
 
     f.own("train_batch_size", w.global_batch_size, "global_batch_size")
     f.own("train_micro_batch_size_per_gpu", lay.micro_batch_size, "layout.micro_batch_size")
-    f.own("gradient_accumulation_steps", micro_batch_count(w.global_batch_size, dp, lay.micro_batch_size),
-          f"global_batch_size / (dp x micro_batch_size) = {w.global_batch_size} / ({dp} x {lay.micro_batch_size})")
+    f.own(
+        "gradient_accumulation_steps",
+        micro_batch_count(w.global_batch_size, dp, lay.micro_batch_size),
+        f"global_batch_size / (dp x micro_batch_size) = {w.global_batch_size} / ({dp} x {lay.micro_batch_size})",
+    )
     f.own("gradient_clipping", float(w.grad_clip), "grad_clip")
     f.own("bf16.enabled", w.precision == "bf16", f"precision ({w.precision})")
     _precision_policy(f, cfg, w, lay)
@@ -221,8 +234,9 @@ def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | 
     if device_type is None:
         device_type = _device_type(w.device)
     zero = cfg.setdefault("zero_optimization", {})
-    offload = isinstance(zero.get("offload_optimizer"), dict) and \
-        zero["offload_optimizer"].get("device", "none") not in ("none", None)
+    offload = isinstance(zero.get("offload_optimizer"), dict) and zero["offload_optimizer"].get(
+        "device", "none"
+    ) not in ("none", None)
     if params.get("torch_adam", AUTO) == AUTO:
         # CPU: the reference's torch.optim.AdamW. GPU: FusedAdam; with optimizer offload,
         # DeepSpeed's CPUAdam (chosen by DeepSpeed itself when torch_adam is false).
@@ -257,13 +271,15 @@ def build_config(spec, shape=None, *, dp: int | None = None, device_type: str | 
         pipe["activation_checkpoint_interval"] = 0  # the pipeline engine is given it by the adapter
         f.filled.append("pipeline.activation_checkpoint_interval")
     if pipe and pipe.get("activation_checkpoint_interval", 0) != 0:
-        raise SpecError(f"{name}: pipeline.activation_checkpoint_interval",
-                        "layout.activation_checkpointing decides it (full: every block); use \"auto\" or 0")
+        raise SpecError(
+            f"{name}: pipeline.activation_checkpoint_interval",
+            'layout.activation_checkpointing decides it (full: every block); use "auto" or 0',
+        )
 
     left = list(_find_auto(cfg))
     if left:
-        raise SpecError(f"{name}: {left[0]}", "\"auto\" is not filled from the workload for this key; set a value")
-    cfg.setdefault("steps_per_print", 10 ** 9)
+        raise SpecError(f"{name}: {left[0]}", '"auto" is not filled from the workload for this key; set a value')
+    cfg.setdefault("steps_per_print", 10**9)
     cfg.setdefault("wall_clock_breakdown", False)
     return cfg, name, f.filled
 
@@ -281,10 +297,12 @@ def _precision_policy(f: _Filler, cfg: dict, w, lay) -> None:
         f.own("seq_parallel_communication_data_type", reduce, "grad_reduce_dtype", same=_same_dtype)
         zero = cfg.get("zero_optimization") or {}
         if zero.get("reduce_scatter", True) is False:
-            raise SpecError(f"{f.name}: zero_optimization.reduce_scatter",
-                            "false with cp > 1: under Ulysses DeepSpeed 0.19.8's all-reduce paths differ from its "
-                            "reduce-scatter (ZeRO-3 divides the gradients by dp instead of dp x cp, ZeRO-1/2 reduce "
-                            "in fp32 whatever communication_data_type says); remove the key or set true")
+            raise SpecError(
+                f"{f.name}: zero_optimization.reduce_scatter",
+                "false with cp > 1: under Ulysses DeepSpeed 0.19.8's all-reduce paths differ from its "
+                "reduce-scatter (ZeRO-3 divides the gradients by dp instead of dp x cp, ZeRO-1/2 reduce "
+                "in fp32 whatever communication_data_type says); remove the key or set true",
+            )
     section = cfg.get("bf16")
     if bf16 or isinstance(section, dict) and section.get("check_grad_overflow") == AUTO:
         parent, _ = f._parent("bf16.check_grad_overflow", create=True)
@@ -293,9 +311,11 @@ def _precision_policy(f: _Filler, cfg: dict, w, lay) -> None:
             parent["check_grad_overflow"] = False
             f.filled.append("bf16.check_grad_overflow")
         elif explicit is not False:
-            raise SpecError(f"{f.name}: bf16.check_grad_overflow",
-                            f"{explicit!r} would let DeepSpeed skip a step whose gradients are not finite; the "
-                            f"reference never skips one: use \"auto\" or false")
+            raise SpecError(
+                f"{f.name}: bf16.check_grad_overflow",
+                f"{explicit!r} would let DeepSpeed skip a step whose gradients are not finite; the "
+                f'reference never skips one: use "auto" or false',
+            )
 
 
 def _device_type(requested: str) -> str:

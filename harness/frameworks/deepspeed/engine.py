@@ -39,8 +39,11 @@ import torch.distributed as dist
 from harness.frameworks import gather_on_rank0
 from harness.frameworks.deepspeed.common import DeepSpeedBase, configure_checkpointing, fp32_copy
 
-CHECKPOINTING = {"none": "none", "full": "deepspeed.checkpointing.checkpoint per block",
-                 "selective": "model's attention-core recomputation (torch checkpoint)"}
+CHECKPOINTING = {
+    "none": "none",
+    "full": "deepspeed.checkpointing.checkpoint per block",
+    "selective": "model's attention-core recomputation (torch checkpoint)",
+}
 
 
 class DeepSpeedEngine(DeepSpeedBase):
@@ -78,8 +81,15 @@ class DeepSpeedEngine(DeepSpeedBase):
             from harness.model.llama import Llama, ReferenceWeights, load_reference
 
             with torch.device("meta"):
-                model = Llama(shape, lay.attention, lay.rmsnorm, "selective" if ckpt == "selective" else "none",
-                              kernels=kernels, cp=self.cp, cp_index=self.cp_index)
+                model = Llama(
+                    shape,
+                    lay.attention,
+                    lay.rmsnorm,
+                    "selective" if ckpt == "selective" else "none",
+                    kernels=kernels,
+                    cp=self.cp,
+                    cp_index=self.cp_index,
+                )
             model = load_reference(model, ReferenceWeights(shape, w.seed), ctx.device)
         if ckpt == "full":
             if lay.model_impl == "hf":
@@ -89,8 +99,9 @@ class DeepSpeedEngine(DeepSpeedBase):
                         module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
             else:  # each block through DeepSpeed's checkpoint
                 model.set_checkpointing("full", deepspeed.checkpointing.checkpoint)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                                 config=self.config, mpu=mpu)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=self.config, mpu=mpu
+        )
         self.after_initialize()
         if ckpt == "full":
             configure_checkpointing(self.config, self.engine.mpu)
@@ -118,8 +129,9 @@ class DeepSpeedEngine(DeepSpeedBase):
         if mpu is not None:  # ZeRO partitions over DeepSpeed's sequence-data-parallel group under Ulysses
             group = mpu.get_sequence_data_parallel_group() if self.cp > 1 else mpu.get_data_parallel_group()
         with deepspeed.zero.Init(config_dict_or_path=self.config, mpu=mpu, data_parallel_group=group):
-            model = Llama(shape, lay.attention, lay.rmsnorm, checkpointing, kernels=kernels, cp=self.cp,
-                          cp_index=self.cp_index)
+            model = Llama(
+                shape, lay.attention, lay.rmsnorm, checkpointing, kernels=kernels, cp=self.cp, cp_index=self.cp_index
+            )
         writer = dist.get_rank(group=group) == 0 if group is not None else self.ctx.rank == 0
         reference = ReferenceWeights(shape, self.spec.workload.seed) if writer else None
         for name, param in model.named_parameters():
@@ -173,7 +185,7 @@ class DeepSpeedEngine(DeepSpeedBase):
         if self.spec.layout.model_impl == "hf":
             from harness.frameworks.deepspeed.hf_llama import from_hf_name
 
-            return from_hf_name(name[len("hf."):])
+            return from_hf_name(name[len("hf.") :])
         return name
 
     def describe(self) -> dict:

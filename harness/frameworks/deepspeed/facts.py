@@ -12,45 +12,94 @@ ULYSSES = "DeepSpeed's context parallelism is Ulysses (DistributedAttention): se
 ENGINE = EngineFacts(
     name="deepspeed",
     memory=MemoryModel("deepspeed"),
-    honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
-        "tp", "pp", "dp", "cp", "activation_checkpointing", "attention", "rmsnorm", "zero_stage", "ds_config",
-        "model_impl")},
-             "layout.cp_impl": only("ulysses", why=ULYSSES),
-             "layout.pipeline_schedule": only("1f1b", why=(
-                 "DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only"))},
-    why_not={"layout.sequence_parallel": "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights "
-                                         "only)"},
+    honours={
+        **EVERY_ENGINE,
+        **{
+            f"layout.{name}": ANY
+            for name in (
+                "tp",
+                "pp",
+                "dp",
+                "cp",
+                "activation_checkpointing",
+                "attention",
+                "rmsnorm",
+                "zero_stage",
+                "ds_config",
+                "model_impl",
+            )
+        },
+        "layout.cp_impl": only("ulysses", why=ULYSSES),
+        "layout.pipeline_schedule": only("1f1b", why=("DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only")),
+    },
+    why_not={
+        "layout.sequence_parallel": "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights only)"
+    },
     capabilities=[
         ("cp_impl", lambda lay: lay.cp == 1 or lay.cp_impl == "ulysses", ULYSSES),
-        ("cp", lambda lay: lay.cp == 1 or lay.pp == 1,
-         "DeepSpeed's pipeline engine has no sequence-parallel groups (Ulysses): set pp=1 with cp > 1"),
-        ("cp", lambda lay: lay.cp == 1 or lay.tp == 1,
-         "DeepSpeed's Ulysses and AutoTP each bring their own mpu to deepspeed.initialize: set tp=1 with cp > 1"),
-        ("cp", lambda lay: lay.cp == 1 or lay.model_impl == "own",
-         "DeepSpeed's Ulysses here wraps the harness's own model's attention: set model_impl: own with cp > 1"),
+        (
+            "cp",
+            lambda lay: lay.cp == 1 or lay.pp == 1,
+            "DeepSpeed's pipeline engine has no sequence-parallel groups (Ulysses): set pp=1 with cp > 1",
+        ),
+        (
+            "cp",
+            lambda lay: lay.cp == 1 or lay.tp == 1,
+            "DeepSpeed's Ulysses and AutoTP each bring their own mpu to deepspeed.initialize: set tp=1 with cp > 1",
+        ),
+        (
+            "cp",
+            lambda lay: lay.cp == 1 or lay.model_impl == "own",
+            "DeepSpeed's Ulysses here wraps the harness's own model's attention: set model_impl: own with cp > 1",
+        ),
         ("zero_stage", lambda lay: lay.pp > 1 or lay.zero_stage in (1, 2, 3), "deepspeed runs ZeRO stage 1, 2 or 3"),
-        ("zero_stage", lambda lay: lay.pp == 1 or lay.zero_stage in (0, 1),
-         "DeepSpeed's pipeline engine (pp > 1) runs with ZeRO stage 0 or 1 only"),
-        ("tp", lambda lay: lay.tp == 1 or lay.pp == 1,
-         "DeepSpeed's tensor parallelism (AutoTP) does not combine with its pipeline engine: set tp=1 or pp=1"),
-        ("model_impl", lambda lay: lay.model_impl == "own" or lay.pp == 1,
-         "hf (transformers' LlamaForCausalLM) is not a pipeline of layers: use model_impl own with pp > 1"),
-        ("activation_checkpointing", lambda lay: lay.model_impl == "own" or lay.activation_checkpointing != "selective",
-         "selective is not offered by transformers' LlamaForCausalLM (model_impl hf); use none or full"),
-        ("attention", lambda lay: lay.model_impl == "own" or lay.attention in ("naive", "sdpa"),
-         "model_impl hf runs attention naive (eager) or sdpa"),
-        ("rmsnorm", lambda lay: lay.model_impl == "own" or lay.rmsnorm == "torch",
-         "model_impl hf runs transformers' own RMSNorm: rmsnorm fused needs model_impl own")],
-    precision_limits=[
-        ("grad_accum_dtype",
-         lambda w, lay: w.precision != "bf16" or lay.pp == 1 or lay.zero_stage != 0 or w.grad_accum_dtype == "bf16",
-         "DeepSpeed's pipeline engine without ZeRO (pp > 1, zero_stage 0) accumulates bf16 parameters' gradients "
-         "in bf16 only (deepspeed/runtime/engine.py, _do_optimizer_sanity_check: 'unsupported mix'); set "
-         "zero_stage: 1 (its BF16_Optimizer accumulates in fp32) or grad_accum_dtype: bf16"),
+        (
+            "zero_stage",
+            lambda lay: lay.pp == 1 or lay.zero_stage in (0, 1),
+            "DeepSpeed's pipeline engine (pp > 1) runs with ZeRO stage 0 or 1 only",
+        ),
+        (
+            "tp",
+            lambda lay: lay.tp == 1 or lay.pp == 1,
+            "DeepSpeed's tensor parallelism (AutoTP) does not combine with its pipeline engine: set tp=1 or pp=1",
+        ),
+        (
+            "model_impl",
+            lambda lay: lay.model_impl == "own" or lay.pp == 1,
+            "hf (transformers' LlamaForCausalLM) is not a pipeline of layers: use model_impl own with pp > 1",
+        ),
+        (
+            "activation_checkpointing",
+            lambda lay: lay.model_impl == "own" or lay.activation_checkpointing != "selective",
+            "selective is not offered by transformers' LlamaForCausalLM (model_impl hf); use none or full",
+        ),
+        (
+            "attention",
+            lambda lay: lay.model_impl == "own" or lay.attention in ("naive", "sdpa"),
+            "model_impl hf runs attention naive (eager) or sdpa",
+        ),
+        (
+            "rmsnorm",
+            lambda lay: lay.model_impl == "own" or lay.rmsnorm == "torch",
+            "model_impl hf runs transformers' own RMSNorm: rmsnorm fused needs model_impl own",
+        ),
     ],
-    model_limits=[tied_across_stages(
-        "tied embeddings with pp > 1: DeepSpeed's pipeline module here has no TiedLayerSpec", "engine deepspeed",
-        lambda s, lay: not s.tie_embeddings or lay.pp == 1)],
+    precision_limits=[
+        (
+            "grad_accum_dtype",
+            lambda w, lay: w.precision != "bf16" or lay.pp == 1 or lay.zero_stage != 0 or w.grad_accum_dtype == "bf16",
+            "DeepSpeed's pipeline engine without ZeRO (pp > 1, zero_stage 0) accumulates bf16 parameters' gradients "
+            "in bf16 only (deepspeed/runtime/engine.py, _do_optimizer_sanity_check: 'unsupported mix'); set "
+            "zero_stage: 1 (its BF16_Optimizer accumulates in fp32) or grad_accum_dtype: bf16",
+        )
+    ],
+    model_limits=[
+        tied_across_stages(
+            "tied embeddings with pp > 1: DeepSpeed's pipeline module here has no TiedLayerSpec",
+            "engine deepspeed",
+            lambda s, lay: not s.tie_embeddings or lay.pp == 1,
+        )
+    ],
     label=lambda lay: f"deepspeed ZeRO-{lay['zero_stage']}" + (" hf" if lay["model_impl"] == "hf" else ""),
     launcher="deepspeed",
     preflight=validate,

@@ -20,13 +20,21 @@ from harness.model.llama import reference_state_dict, tie_embeddings
 from harness.model.presets import Shape, shape_to_config
 
 _LAYER = {
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _ATTN_IMPL = {"naive": "eager", "sdpa": "sdpa"}
 
 
@@ -42,7 +50,7 @@ def from_hf_name(name: str) -> str:
     for k, v in _TOP.items():
         if v == name:
             return k
-    rest = name[len("model.layers."):]
+    rest = name[len("model.layers.") :]
     idx, rest = rest.split(".", 1)
     module, leaf = rest.rsplit(".", 1)
     inverse = {v: k for k, v in _LAYER.items()}

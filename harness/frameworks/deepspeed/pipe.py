@@ -115,8 +115,9 @@ class DeepSpeedPipelineEngine(DeepSpeedBase):
         ckpt = lay.activation_checkpointing
         args = (shape, w.seed, lay.attention, lay.rmsnorm, "selective" if ckpt == "selective" else "none")
         layers = [LayerSpec(PipeLayer, *args, layers=range(0), last=False)]
-        layers += [LayerSpec(PipeBlock, *args, layers=range(i, i + 1), first=False, last=False)
-                   for i in range(shape.layers)]
+        layers += [
+            LayerSpec(PipeBlock, *args, layers=range(i, i + 1), first=False, last=False) for i in range(shape.layers)
+        ]
         layers.append(LayerSpec(PipeLayer, *args, layers=range(0), first=False))
         self.parts = layer_boundaries(shape, lay.pp, w.seq_len)
         kwargs = {}
@@ -126,7 +127,8 @@ class DeepSpeedPipelineEngine(DeepSpeedBase):
         if self.stage == 0:
             _count_every_stage_in_clipping(module)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=self.config)
+            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=self.config
+        )
         self.after_initialize()
         if ckpt == "full":
             configure_checkpointing(self.config, None)  # no tensor parallelism under the pipeline

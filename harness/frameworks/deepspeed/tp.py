@@ -27,15 +27,18 @@ OWN_LLAMA_PLAN = {
     "use_default_specs": False,
     "strict_mode": False,
     "layer_specs": [
-        {"patterns": [r".*\.attention\.w[qkv]\.weight$", r".*\.feed_forward\.w[13]\.weight$"],
-         "partition_type": "column"},
-        {"patterns": [r".*\.attention\.wo\.weight$", r".*\.feed_forward\.w2\.weight$"],
-         "partition_type": "row"},
+        {
+            "patterns": [r".*\.attention\.w[qkv]\.weight$", r".*\.feed_forward\.w[13]\.weight$"],
+            "partition_type": "column",
+        },
+        {"patterns": [r".*\.attention\.wo\.weight$", r".*\.feed_forward\.w2\.weight$"], "partition_type": "row"},
     ],
 }
-SHARDED = ("column-parallel: attention wq/wk/wv, feed-forward w1/w3 (hf: q/k/v_proj, gate/up_proj); "
-           "row-parallel: attention wo, feed-forward w2 (hf: o_proj, down_proj); "
-           "replicated: embedding, RMSNorm weights, LM head")
+SHARDED = (
+    "column-parallel: attention wq/wk/wv, feed-forward w1/w3 (hf: q/k/v_proj, gate/up_proj); "
+    "row-parallel: attention wo, feed-forward w2 (hf: o_proj, down_proj); "
+    "replicated: embedding, RMSNorm weights, LM head"
+)
 
 
 def add_tp_plan(config: dict, model_impl: str) -> None:

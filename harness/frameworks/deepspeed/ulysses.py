@@ -37,8 +37,10 @@ def sequence_groups(dims, rank: int):
     made = mpu.get_sequence_parallel_world_size()
     if made != dims.cp:
         raise RuntimeError(f"DeepSpeed's sequence-parallel groups of this process have size {made}, not cp={dims.cp}")
-    if mpu.get_sequence_parallel_rank() != dims.coord(rank).cp or \
-            mpu.get_sequence_data_parallel_world_size() != dims.replicas():
+    if (
+        mpu.get_sequence_parallel_rank() != dims.coord(rank).cp
+        or mpu.get_sequence_data_parallel_world_size() != dims.replicas()
+    ):
         raise RuntimeError("DeepSpeed's sequence groups do not match the harness's mesh (cp innermost)")
     return mpu
 
@@ -96,7 +98,7 @@ class UlyssesAttention:
 
     def __call__(self, q, k, v):
         if self.groups > 1 and k.shape[1] == q.shape[1]:
-            k, v = k[:, ::self.groups], v[:, ::self.groups]
+            k, v = k[:, :: self.groups], v[:, :: self.groups]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return self.attention(q, k, v, 0).transpose(1, 2)
 
@@ -109,10 +111,12 @@ def ulysses_kernels(layout, shape, seq: int, cp: int, group) -> Kernels:
 
 def describe_ulysses(layout, divisor: int) -> str:
     share = "its tokens' mean / cp" if divisor > 1 else "its tokens' mean"
-    return (f"DeepSpeed Ulysses over cp={layout.cp}: deepspeed.sequence.layer.DistributedAttention (all-to-all of "
-            f"q, k, v and the output; KV heads moved once) around {layout.attention} on the head shard's whole "
-            f"sequence; parallel_state_sp as mpu, ZeRO over its sequence-data-parallel group; tokens: "
-            f"cp_token_index chunks; the rank's loss: {share} (how ZeRO-{layout.zero_stage} averages)")
+    return (
+        f"DeepSpeed Ulysses over cp={layout.cp}: deepspeed.sequence.layer.DistributedAttention (all-to-all of "
+        f"q, k, v and the output; KV heads moved once) around {layout.attention} on the head shard's whole "
+        f"sequence; parallel_state_sp as mpu, ZeRO over its sequence-data-parallel group; tokens: "
+        f"cp_token_index chunks; the rank's loss: {share} (how ZeRO-{layout.zero_stage} averages)"
+    )
 
 
 def rank_tokens(inputs: torch.Tensor, targets: torch.Tensor, cp: int, index: int):

@@ -96,16 +96,18 @@ class FSDPEngine:
         self.shard_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if lay.cp > 1 else self.mesh["dp"]
         self.policy = precision_policy(w)
         mixed = self.policy.master is not None  # fp32: no policy, the parameters are their own master
-        self.mp = (MixedPrecisionPolicy(param_dtype=self.policy.compute, reduce_dtype=self.policy.grad_reduce)
-                   if mixed else MixedPrecisionPolicy())
+        self.mp = (
+            MixedPrecisionPolicy(param_dtype=self.policy.compute, reduce_dtype=self.policy.grad_reduce)
+            if mixed
+            else MixedPrecisionPolicy()
+        )
         # fp32 accumulation: reduce-scatter every micro-batch into the fp32 sharded gradient;
         # compute-dtype accumulation: in the unsharded .grad, reduced after the last micro-batch
         self.reduce_every_micro_batch = self.policy.grad_accum != self.policy.compute or not mixed
         ckpt = lay.activation_checkpointing
         # Built on the meta device and sharded before any memory is allocated, so no rank ever
         # holds the whole model on the device.
-        build = {"kernels": options.kernels_for(lay),
-                 "checkpointing": "selective" if ckpt == "selective" else "none"}
+        build = {"kernels": options.kernels_for(lay), "checkpointing": "selective" if ckpt == "selective" else "none"}
         if lay.cp > 1:  # rotary positions of the rank's head-tail chunks (cp_token_index: the same order)
             build.update(cp=lay.cp, cp_index=self.coord.cp)
         self.pipeline = None
@@ -125,8 +127,9 @@ class FSDPEngine:
         if plans is not None:
             from harness.frameworks.fsdp.pipeline import Pipeline
 
-            self.pipeline = Pipeline(self.parts, plans, spec, shape, self.mesh["pp"].get_group(), ctx.device,
-                                     self.policy.compute)
+            self.pipeline = Pipeline(
+                self.parts, plans, spec, shape, self.mesh["pp"].get_group(), ctx.device, self.policy.compute
+            )
             if type(self.hooks) is not StepHooks:  # someone listens (harness memory); a real run keeps torch's
                 for stage in self.pipeline.stages:
                     _announce_phases(stage, self.hooks)
@@ -149,10 +152,7 @@ class FSDPEngine:
             # (ColwiseParallel) two DTensors, both Shard(0) over the vocabulary: the same rows, so share one again
             part.tie_weights()
         if lay.activation_checkpointing == "full":
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                CheckpointImpl,
-                checkpoint_wrapper,
-            )
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
             for key, block in list(part.layers.named_children()):
                 part.layers.register_module(key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
@@ -197,8 +197,9 @@ class FSDPEngine:
                 total = torch.zeros((), device=self.device, dtype=torch.float32)
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
             loss = total / self.dims.replicas()  # the cp ranks of a sequence hold equal token counts
-        self._details = {"breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds,
-                                         "total": step.seconds}}
+        self._details = {
+            "breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds, "total": step.seconds}
+        }
         return loss
 
     def _context_parallel(self, inputs, targets):
@@ -213,8 +214,9 @@ class FSDPEngine:
         from torch.distributed.tensor.experimental._attention import set_rotate_method
 
         set_rotate_method(ROTATE[lay.cp_impl])
-        return context_parallel(self.mesh["cp"], buffers=[inputs, targets], buffer_seq_dims=[1, 1],
-                                no_restore_buffers={inputs, targets})
+        return context_parallel(
+            self.mesh["cp"], buffers=[inputs, targets], buffer_seq_dims=[1, 1], no_restore_buffers={inputs, targets}
+        )
 
     def _clip_grad_norm(self, max_norm: float) -> None:
         """torch's clip_grad_norm_ over every shard of every stage: the norm of this rank's
@@ -260,9 +262,11 @@ class FSDPEngine:
         gathered = [t for fp in fsdp for t in fp.all_gather_outputs]
         unsharded_grads = [fp.unsharded_accumulated_grad for fp in fsdp]
         unsharded_grads += [fp._unsharded_param.grad for fp in fsdp if hasattr(fp, "_unsharded_param")]
-        return {"parameters": list(self.params) + gathered,
-                "gradients": [p.grad for p in self.params] + unsharded_grads,
-                "optimizer_states": measure.optimizer_state_tensors(self.optimizer)}
+        return {
+            "parameters": list(self.params) + gathered,
+            "gradients": [p.grad for p in self.params] + unsharded_grads,
+            "optimizer_states": measure.optimizer_state_tensors(self.optimizer),
+        }
 
     def memory_census(self) -> dict | None:
         return self.census.result
@@ -339,22 +343,26 @@ class FSDPEngine:
             "torch_version": torch.__version__,
             "mesh": self._named(self.dims.sizes(), "order"),
             "coord": self._named(self.coord._asdict()),
-            "context_parallel": "none" if lay.cp == 1 else
-            f"torch context_parallel over cp={lay.cp} (head-tail load balancing, rotate {ROTATE[lay.cp_impl]}); "
+            "context_parallel": "none"
+            if lay.cp == 1
+            else f"torch context_parallel over cp={lay.cp} (head-tail load balancing, rotate {ROTATE[lay.cp_impl]}); "
             "FSDP2 over dp x cp",
             "tensor_parallel": describe_plan(lay.sequence_parallel) if lay.tp > 1 else "none",
             "sequence_parallel": lay.sequence_parallel,
-            "pipeline": "none" if self.pipeline is None else {
-                "schedule": self.pipeline.name, "micro_batches": self.pipeline.micro, "stages": self.pipeline.table},
+            "pipeline": "none"
+            if self.pipeline is None
+            else {"schedule": self.pipeline.name, "micro_batches": self.pipeline.micro, "stages": self.pipeline.table},
             "sharding": "fully_shard over dp per block + root" + (" (per stage module)" if self.pipeline else ""),
             "reshard_after_forward": lay.reshard_after_forward,
             "precision_policy": self.policy.describe(),
             "mixed_precision": self._mixed_precision(),
             "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
             "grad_clipping": "global norm over dp/tp shards" + (" and pp stages" if lay.pp > 1 else ""),
-            "activation_checkpointing": {"none": "none", "full": "torch checkpoint_wrapper per block (non-reentrant)",
-                                         "selective": "model's attention-core recomputation (torch checkpoint)"}
-            [lay.activation_checkpointing],
+            "activation_checkpointing": {
+                "none": "none",
+                "full": "torch checkpoint_wrapper per block (non-reentrant)",
+                "selective": "model's attention-core recomputation (torch checkpoint)",
+            }[lay.activation_checkpointing],
         }
 
     def _named(self, degrees: dict, order: str | None = None) -> dict:
@@ -370,17 +378,25 @@ class FSDPEngine:
         if self.policy.master is None:
             return "no MixedPrecisionPolicy: fp32 parameters, gradients and collectives"
         compute, reduce = dtype_name(self.policy.compute), dtype_name(self.policy.grad_reduce)
-        text = (f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce}): fp32 shards all-gathered "
-                f"in {compute}, the fp32 sharded parameters are AdamW's master; ")
+        text = (
+            f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce}): fp32 shards all-gathered "
+            f"in {compute}, the fp32 sharded parameters are AdamW's master; "
+        )
         if self.pipeline is not None:
-            return text + (f"torch.distributed.pipelining accumulates the unsharded gradients in {reduce} "
-                           f"(FSDP2 without gradient sync) and reduce-scatters them after the last micro-batch")
+            return text + (
+                f"torch.distributed.pipelining accumulates the unsharded gradients in {reduce} "
+                f"(FSDP2 without gradient sync) and reduce-scatters them after the last micro-batch"
+            )
         if self.reduce_every_micro_batch:
-            return text + (f"gradients reduce-scattered in {reduce} after every micro-batch and accumulated in "
-                           f"the fp32 sharded gradient")
-        return text + (f"the unsharded {compute} gradients accumulate over micro-batches "
-                       f"(set_requires_gradient_sync(False) but on the last) and are reduce-scattered in {reduce} "
-                       f"after the last")
+            return text + (
+                f"gradients reduce-scattered in {reduce} after every micro-batch and accumulated in "
+                f"the fp32 sharded gradient"
+            )
+        return text + (
+            f"the unsharded {compute} gradients accumulate over micro-batches "
+            f"(set_requires_gradient_sync(False) but on the last) and are reduce-scattered in {reduce} "
+            f"after the last"
+        )
 
 
 @torch.no_grad()

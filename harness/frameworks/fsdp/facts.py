@@ -11,43 +11,89 @@ def _micro(w, lay) -> int:
     return micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
 
 
-CP_IMPLS = "torch's context_parallel exchanges K/V by all-gather or a ring (all-to-all rotation), not Ulysses: " \
-           "set cp_impl allgather or ring"
+CP_IMPLS = (
+    "torch's context_parallel exchanges K/V by all-gather or a ring (all-to-all rotation), not Ulysses: "
+    "set cp_impl allgather or ring"
+)
 
 ENGINE = EngineFacts(
     name="fsdp",
     memory=MemoryModel("fsdp"),
-    honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
-        "tp", "pp", "dp", "cp", "activation_checkpointing", "sequence_parallel", "attention", "rmsnorm",
-        "pipeline_schedule", "virtual_stages", "reshard_after_forward")},
-             "layout.cp_impl": only("allgather", "ring", why=CP_IMPLS),
-             "layout.zero_stage": only(0, 3, why="fsdp shards by reshard_after_forward, leave zero_stage unset")},
+    honours={
+        **EVERY_ENGINE,
+        **{
+            f"layout.{name}": ANY
+            for name in (
+                "tp",
+                "pp",
+                "dp",
+                "cp",
+                "activation_checkpointing",
+                "sequence_parallel",
+                "attention",
+                "rmsnorm",
+                "pipeline_schedule",
+                "virtual_stages",
+                "reshard_after_forward",
+            )
+        },
+        "layout.cp_impl": only("allgather", "ring", why=CP_IMPLS),
+        "layout.zero_stage": only(0, 3, why="fsdp shards by reshard_after_forward, leave zero_stage unset"),
+    },
     capabilities=[
-        ("attention", lambda lay: lay.cp == 1 or lay.attention.startswith("sdpa"),
-         "torch's context_parallel replaces F.scaled_dot_product_attention only: set attention sdpa (or sdpa_*)"),
-        ("cp", lambda lay: lay.cp == 1 or lay.pp == 1,
-         "engine fsdp's context parallelism is not built with torch.distributed.pipelining: set pp=1 with cp > 1"),
-        ("cp", lambda lay: lay.cp == 1 or lay.tp == 1,
-         "engine fsdp's context parallelism is not built with DTensor tensor parallelism: set tp=1 with cp > 1"),
-        ("virtual_stages", lambda lay: lay.virtual_stages == 1 or lay.pp > 1,
-         "engine fsdp places virtual stages on pipeline ranks (torch.distributed.pipelining): needs pp > 1")],
-    precision_limits=[
-        ("grad_accum_dtype", lambda w, lay: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),
-         "FSDP2 accumulates gradients over micro-batches either in the fp32 sharded gradient (reducing every "
-         "micro-batch) or unreduced in MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/"
-         "_fsdp_param.py, to_accumulated_grad_if_needed): bf16 accumulation with an fp32 reduction is not offered; "
-         "set grad_reduce_dtype: bf16 or grad_accum_dtype: fp32"),
-        ("grad_reduce_dtype", lambda w, lay: lay.pp == 1 or w.grad_accum_dtype == w.grad_reduce_dtype,
-         "torch.distributed.pipelining defers FSDP2's reduction to the last micro-batch, and FSDP2 accumulates "
-         "until then in reduce_dtype: with pp > 1 fp32 accumulation needs grad_reduce_dtype: fp32"),
+        (
+            "attention",
+            lambda lay: lay.cp == 1 or lay.attention.startswith("sdpa"),
+            "torch's context_parallel replaces F.scaled_dot_product_attention only: set attention sdpa (or sdpa_*)",
+        ),
+        (
+            "cp",
+            lambda lay: lay.cp == 1 or lay.pp == 1,
+            "engine fsdp's context parallelism is not built with torch.distributed.pipelining: set pp=1 with cp > 1",
+        ),
+        (
+            "cp",
+            lambda lay: lay.cp == 1 or lay.tp == 1,
+            "engine fsdp's context parallelism is not built with DTensor tensor parallelism: set tp=1 with cp > 1",
+        ),
+        (
+            "virtual_stages",
+            lambda lay: lay.virtual_stages == 1 or lay.pp > 1,
+            "engine fsdp places virtual stages on pipeline ranks (torch.distributed.pipelining): needs pp > 1",
+        ),
     ],
-    model_limits=[tied_across_stages(
-        "tied embeddings with pp > 1: torch.distributed.pipelining puts the embedding and LM head on different "
-        "stages", "engine fsdp", lambda s, lay: not s.tie_embeddings or lay.pp == 1)],
+    precision_limits=[
+        (
+            "grad_accum_dtype",
+            lambda w, lay: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),
+            "FSDP2 accumulates gradients over micro-batches either in the fp32 sharded gradient (reducing every "
+            "micro-batch) or unreduced in MixedPrecisionPolicy.reduce_dtype (torch/distributed/fsdp/_fully_shard/"
+            "_fsdp_param.py, to_accumulated_grad_if_needed): bf16 accumulation with an fp32 reduction is not offered; "
+            "set grad_reduce_dtype: bf16 or grad_accum_dtype: fp32",
+        ),
+        (
+            "grad_reduce_dtype",
+            lambda w, lay: lay.pp == 1 or w.grad_accum_dtype == w.grad_reduce_dtype,
+            "torch.distributed.pipelining defers FSDP2's reduction to the last micro-batch, and FSDP2 accumulates "
+            "until then in reduce_dtype: with pp > 1 fp32 accumulation needs grad_reduce_dtype: fp32",
+        ),
+    ],
+    model_limits=[
+        tied_across_stages(
+            "tied embeddings with pp > 1: torch.distributed.pipelining puts the embedding and LM head on different "
+            "stages",
+            "engine fsdp",
+            lambda s, lay: not s.tie_embeddings or lay.pp == 1,
+        )
+    ],
     batch_limits=[
-        ("pipeline_schedule", lambda w, lay: lay.pp == 1 or lay.pipeline_schedule != "1f1b" or _micro(w, lay) >= lay.pp,
-         lambda w, lay: f"torch's Schedule1F1B needs at least pp={lay.pp} micro-batches, "
-                      f"the workload gives {_micro(w, lay)}"),
+        (
+            "pipeline_schedule",
+            lambda w, lay: lay.pp == 1 or lay.pipeline_schedule != "1f1b" or _micro(w, lay) >= lay.pp,
+            lambda w, lay: (
+                f"torch's Schedule1F1B needs at least pp={lay.pp} micro-batches, the workload gives {_micro(w, lay)}"
+            ),
+        )
     ],
     label=lambda lay: "FSDP2 " + ("reshard" if lay.get("reshard_after_forward", True) else "no-reshard"),
     preflight=lambda spec: check_cp_device(spec),
@@ -56,9 +102,11 @@ ENGINE = EngineFacts(
 
 # What torch 2.13's context_parallel does on CPU (measured here, gloo, 2 ranks): its SDPA dispatch
 # knows only the CUDA kernels, and the CPU one has no DTensor sharding strategy.
-CPU_REFUSAL = ("torch's context_parallel runs on CUDA only: its SDPA dispatch covers the flash, efficient and cuDNN "
-               "kernels, and on CPU aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy "
-               "(torch 2.13); set cp=1 or run on CUDA")
+CPU_REFUSAL = (
+    "torch's context_parallel runs on CUDA only: its SDPA dispatch covers the flash, efficient and cuDNN "
+    "kernels, and on CPU aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy "
+    "(torch 2.13); set cp=1 or run on CUDA"
+)
 
 
 def check_cp_device(spec) -> None:

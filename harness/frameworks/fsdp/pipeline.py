@@ -43,8 +43,11 @@ def _rank_plans(spec, shape, pp_rank: int):
 
 def stage_table(spec, shape) -> list[dict]:
     """Every global stage: the pp rank holding it and its layers [start, stop), in stage order."""
-    rows = [{"stage": p.stage, "pp_rank": r, "layers": [p.layers.start, p.layers.stop]}
-            for r in range(spec.layout.pp) for p in _rank_plans(spec, shape, r)]
+    rows = [
+        {"stage": p.stage, "pp_rank": r, "layers": [p.layers.start, p.layers.stop]}
+        for r in range(spec.layout.pp)
+        for p in _rank_plans(spec, shape, r)
+    ]
     return sorted(rows, key=lambda row: row["stage"])
 
 
@@ -54,8 +57,9 @@ def split_model(spec, shape, pp_rank: int, **build):
     sequence: under sequence parallelism its input holds seq / tp positions, but attention runs
     on the gathered sequence."""
     plans = _rank_plans(spec, shape, pp_rank)
-    modules = [Llama(shape, layers=p.layers, first=p.first, last=p.last, seq_len=spec.workload.seq_len, **build)
-               for p in plans]
+    modules = [
+        Llama(shape, layers=p.layers, first=p.first, last=p.last, seq_len=spec.workload.seq_len, **build) for p in plans
+    ]
     return modules, plans
 
 
@@ -84,8 +88,11 @@ class Pipeline:
         self.stages = []
         for module, plan in zip(modules, plans, strict=True):
             inputs, outputs = _example_io(spec, shape, plan.first, plan.last, activation_dtype)
-            self.stages.append(pipelining.PipelineStage(module, plan.stage, stages_total, device,
-                                                        input_args=inputs, output_args=outputs, group=pp_group))
+            self.stages.append(
+                pipelining.PipelineStage(
+                    module, plan.stage, stages_total, device, input_args=inputs, output_args=outputs, group=pp_group
+                )
+            )
         self.has_first = any(p.first for p in plans)
         self.has_last = any(p.last for p in plans)
         cls = getattr(pipelining, SCHEDULES[lay.pipeline_schedule])

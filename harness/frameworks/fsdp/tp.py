@@ -46,8 +46,12 @@ class ReplicatedParameters(ParallelStyle):
 
     def _apply(self, module, device_mesh):
         def wrap_inputs(_module, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
-                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+            return tuple(
+                DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
 
         def unwrap_output(_module, output, _mesh):
             return output.to_local() if isinstance(output, DTensor) else output
@@ -80,8 +84,9 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
     if sequence_parallel:  # all-gather the sequence before attention and the MLP (x, cos, sin / x)
-        plan["attention"] = PrepareModuleInput(input_layouts=(seq, None, None),
-                                               desired_input_layouts=(Replicate(), None, None))
+        plan["attention"] = PrepareModuleInput(
+            input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+        )
         plan["feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     return plan
 

@@ -87,36 +87,50 @@ class MegatronEngine:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(lay.tp, lay.pp, self.vp if self.vp > 1 else None)
-        megatron_coord = {"pp": parallel_state.get_pipeline_model_parallel_rank(),
-                          "dp": parallel_state.get_data_parallel_rank(),
-                          "cp": parallel_state.get_context_parallel_rank(),
-                          "tp": parallel_state.get_tensor_model_parallel_rank()}
+        megatron_coord = {
+            "pp": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp": parallel_state.get_data_parallel_rank(),
+            "cp": parallel_state.get_context_parallel_rank(),
+            "tp": parallel_state.get_tensor_model_parallel_rank(),
+        }
         if megatron_coord != self.coord._asdict():
-            raise RuntimeError(f"rank {self.ctx.rank}: Megatron's coordinates {megatron_coord} differ from the "
-                               f"harness's {self.coord._asdict()}")
+            raise RuntimeError(
+                f"rank {self.ctx.rank}: Megatron's coordinates {megatron_coord} differ from the "
+                f"harness's {self.coord._asdict()}"
+            )
         tensor_parallel.model_parallel_cuda_manual_seed(w.seed)
 
         compute = self.policy.compute
-        self.config = config = transformer_config(shape, self.spec, lay.tp, lay.pp, self.vp, compute,
-                                                  deallocate=self.ctx.backend == "nccl")
+        self.config = config = transformer_config(
+            shape, self.spec, lay.tp, lay.pp, self.vp, compute, deallocate=self.ctx.backend == "nccl"
+        )
         reduce_fp32 = self.policy.grad_reduce == torch.float32
         # Megatron-LM's defaults: no overlap, so one bucket per buffer (Megatron drops bucket_size then: the
         # own engine's dp_bucket_mb has no counterpart here)
         self.ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=reduce_fp32, overlap_grad_reduce=False, overlap_param_gather=False,
-            use_distributed_optimizer=lay.zero_stage == 1)
+            grad_reduce_in_fp32=reduce_fp32,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            use_distributed_optimizer=lay.zero_stage == 1,
+        )
         reference = ReferenceWeights(shape, w.seed)
         self.chunks = []
         for v in range(self.vp):
             stage = v if self.vp > 1 else None
             model = GPTModel(
-                config, block_spec(config, shape.attention_bias, stage), vocab_size=shape.vocab,
+                config,
+                block_spec(config, shape.attention_bias, stage),
+                vocab_size=shape.vocab,
                 max_sequence_length=w.seq_len,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                share_embeddings_and_output_weights=shape.tie_embeddings, position_embedding_type="rope",
-                rotary_base=shape.rope_theta, rope_scaling=shape.rope_scaling is not None,
-                rope_scaling_factor=shape.rope_scaling[0] if shape.rope_scaling else 8.0, vp_stage=stage)
+                share_embeddings_and_output_weights=shape.tie_embeddings,
+                position_embedding_type="rope",
+                rotary_base=shape.rope_theta,
+                rope_scaling=shape.rope_scaling is not None,
+                rope_scaling_factor=shape.rope_scaling[0] if shape.rope_scaling else 8.0,
+                vp_stage=stage,
+            )
             self._load(model, reference)
             model.to(self.device)  # built on the CPU (use_cpu_initialization); Megatron-LM's get_model: .cuda()
             if compute != torch.float32:
@@ -125,10 +139,19 @@ class MegatronEngine:
             self.chunks.append(DistributedDataParallel(config, self.ddp_config, model, disable_bucketing=v > 0))
         config.finalize_model_grads_func = finalize_model_grads
         self.opt_config = OptimizerConfig(
-            optimizer="adam", lr=w.optimizer.lr, min_lr=w.optimizer.lr, weight_decay=w.optimizer.weight_decay,
-            adam_beta1=w.optimizer.betas[0], adam_beta2=w.optimizer.betas[1], adam_eps=w.optimizer.eps,
-            clip_grad=w.grad_clip, bf16=compute == torch.bfloat16, params_dtype=compute,
-            use_distributed_optimizer=lay.zero_stage == 1, decoupled_weight_decay=True)
+            optimizer="adam",
+            lr=w.optimizer.lr,
+            min_lr=w.optimizer.lr,
+            weight_decay=w.optimizer.weight_decay,
+            adam_beta1=w.optimizer.betas[0],
+            adam_beta2=w.optimizer.betas[1],
+            adam_eps=w.optimizer.eps,
+            clip_grad=w.grad_clip,
+            bf16=compute == torch.bfloat16,
+            params_dtype=compute,
+            use_distributed_optimizer=lay.zero_stage == 1,
+            decoupled_weight_decay=True,
+        )
         self.optimizer = get_megatron_optimizer(self.opt_config, self.chunks, config_overrides={})
         # a ChainedOptimizer of one (dense parameters only): FP32Optimizer, Float16OptimizerWithFloat16Params or
         # DistributedOptimizer, around torch's AdamW
@@ -172,9 +195,14 @@ class MegatronEngine:
             iterators = [iter(micro) for _ in self.chunks]
             with measure.StepTimer(self.device) as fb:
                 reduced = self.forward_backward(
-                    forward_step_func=_forward_step, data_iterator=iterators if self.vp > 1 else iterators[0],
-                    model=self.chunks, num_microbatches=len(micro), seq_length=w.seq_len,
-                    micro_batch_size=lay.micro_batch_size, forward_only=False)
+                    forward_step_func=_forward_step,
+                    data_iterator=iterators if self.vp > 1 else iterators[0],
+                    model=self.chunks,
+                    num_microbatches=len(micro),
+                    seq_length=w.seq_len,
+                    micro_batch_size=lay.micro_batch_size,
+                    forward_only=False,
+                )
             with measure.StepTimer(self.device) as opt:
                 ok, self._grad_norm, _ = self.optimizer.step()
             if not ok:
@@ -185,8 +213,9 @@ class MegatronEngine:
                 total += sum(float(r["loss"]) for r in reduced) / len(micro)
             dist.all_reduce(total)
             loss = total / lay.dp
-        self._details = {"breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds,
-                                         "total": step.seconds}}
+        self._details = {
+            "breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds, "total": step.seconds}
+        }
         return loss
 
     # ---------------------------------------------------------------- memory
@@ -210,11 +239,15 @@ class MegatronEngine:
         param buffer they are views of), the main gradients (the DDP's grad buffer, and any .grad or
         main_grad outside it), the master parameters and AdamW's states."""
         buffers, params = self._buffers(), self._model_params()
-        return {"parameters": [b.param_data for b in buffers if b.param_data is not None] + params,
-                "gradients": [b.grad_data for b in buffers] + [getattr(p, "main_grad", None) for p in params]
-                + [p.grad for p in params] + [m.grad for m in self._masters()],
-                "master_parameters": self._masters(),
-                "optimizer_states": measure.optimizer_state_tensors(self.torch_optimizer)}
+        return {
+            "parameters": [b.param_data for b in buffers if b.param_data is not None] + params,
+            "gradients": [b.grad_data for b in buffers]
+            + [getattr(p, "main_grad", None) for p in params]
+            + [p.grad for p in params]
+            + [m.grad for m in self._masters()],
+            "master_parameters": self._masters(),
+            "optimizer_states": measure.optimizer_state_tensors(self.torch_optimizer),
+        }
 
     def memory_census(self) -> dict | None:
         return self.census.result
@@ -268,20 +301,18 @@ class MegatronEngine:
             return {}
         if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer: a shard per dp rank
             groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
-            shards = {id(p): s for g_model, g_shard in groups
-                      for p, s in zip(g_model, g_shard, strict=True)}
+            shards = {id(p): s for g_model, g_shard in groups for p, s in zip(g_model, g_shard, strict=True)}
             out, group = {}, parallel_state.get_data_parallel_group()
             for param in self._model_params():  # the same order on every dp rank; a rank fills its part
                 full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
                 if id(param) in shards:
                     where = opt._get_model_param_range_map(param)["param"]
-                    full[where.start:where.end] = shards[id(param)]
+                    full[where.start : where.end] = shards[id(param)]
                 dist.all_reduce(full, group=group)
                 out[id(param)] = full.view(param.shape)
             return out
         groups = zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True)
-        return {id(p): m.detach() for g_model, g_main in groups
-                for p, m in zip(g_model, g_main, strict=True)}
+        return {id(p): m.detach() for g_model, g_main in groups for p, m in zip(g_model, g_main, strict=True)}
 
     def last_step_details(self) -> dict:
         """Measured with the device synchronised: Megatron's forward_backward_func (every micro-batch's
@@ -291,8 +322,11 @@ class MegatronEngine:
 
     def describe(self) -> dict:
         lay = self.spec.layout
-        where = "on CPU through the device shim (harness/frameworks/megatron/shim.py)" if self.shimmed else \
-            f"on {self.device.type.upper()}"
+        where = (
+            "on CPU through the device shim (harness/frameworks/megatron/shim.py)"
+            if self.shimmed
+            else f"on {self.device.type.upper()}"
+        )
         return {
             "framework": f"megatron-core {VERSION} {where}",
             "megatron_core_version": VERSION,
@@ -301,21 +335,22 @@ class MegatronEngine:
             "mesh": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "order": "tp-cp-ep-dp-pp (tp innermost)"},
             "coord": {"pp": self.coord.pp, "dp": self.coord.dp, "tp": self.coord.tp},
             "layer_spec": "local (no Transformer Engine): ColumnParallelLinear/RowParallelLinear, DotProductAttention, "
-                          "SwiGLU MLP; the harness's RMSNorm",
+            "SwiGLU MLP; the harness's RMSNorm",
             "vocab_padding": "none",
             "sequence_parallel": lay.sequence_parallel,
             "schedule": self.forward_backward.__name__,
             "virtual_stages": self.vp,
             "ddp": f"DistributedDataParallel(grad_reduce_in_fp32={self.ddp_config.grad_reduce_in_fp32}, "
-                   f"use_distributed_optimizer={self.ddp_config.use_distributed_optimizer}, "
-                   "overlap_grad_reduce=False: one bucket per buffer)",
+            f"use_distributed_optimizer={self.ddp_config.use_distributed_optimizer}, "
+            "overlap_grad_reduce=False: one bucket per buffer)",
             "optimizer": f"{type(self.megatron_optimizer).__name__} over {type(self.torch_optimizer).__name__} "
-                         "(weight decay on every parameter)",
+            "(weight decay on every parameter)",
             "grad_clipping": f"Megatron's global norm over every rank, max {self.spec.workload.grad_clip:g}",
-            "activation_checkpointing": {"none": "none",
-                                         "full": "recompute_granularity=full, uniform, 1 layer per checkpoint",
-                                         "selective": "recompute_granularity=selective, core_attn"}
-            [lay.activation_checkpointing],
+            "activation_checkpointing": {
+                "none": "none",
+                "full": "recompute_granularity=full, uniform, 1 layer per checkpoint",
+                "selective": "recompute_granularity=selective, core_attn",
+            }[lay.activation_checkpointing],
             "precision_policy": self.policy.describe(),
         }
 

@@ -18,42 +18,81 @@ def _chunks(lay) -> int:
 ENGINE = EngineFacts(
     name="megatron",
     memory=MemoryModel("megatron", layer_split="even", vocab_parallel_loss=True, sp_regathers=True),
-    honours={**EVERY_ENGINE, **{f"layout.{name}": ANY for name in (
-        "tp", "pp", "dp", "activation_checkpointing", "sequence_parallel", "virtual_stages")},
-             "layout.zero_stage": only(0, 1, why=(
-                 "engine megatron has DistributedDataParallel (zero_stage 0) and its DistributedOptimizer "
-                 "(zero_stage 1); ZeRO-2/3 is Megatron-FSDP, not run here")),
-             "layout.cp": only(1, why=(
-                 "Megatron-core's context parallelism (cp_comm_type p2p, all_gather, a2a) runs only in Transformer "
-                 "Engine's attention (TEDotProductAttention), not installed here: engine megatron runs cp=1")),
-             "layout.attention": only("naive", why=(
-                 "Megatron-core's local layer spec (no Transformer Engine) has one core attention, "
-                 "DotProductAttention: softmax(QK^T)V materialised, softmax in fp32 (what naive is); set attention: "
-                 "naive")),
-             "layout.rmsnorm": only("torch", why=(
-                 "Megatron-core's fused RMSNorm needs Transformer Engine or Apex; engine megatron runs the eager one "
-                 "(torch)")),
-             "layout.pipeline_schedule": only("1f1b", "interleaved", why=(
-                 "Megatron-core's schedules are 1F1B and interleaved 1F1B (get_forward_backward_func): no gpipe"))},
-    why_not={"layout.dp_bucket_mb": "Megatron's DDP here runs without overlap, one bucket per buffer (Megatron-LM's "
-                                    "defaults): the own engine's dp_bucket_mb has no counterpart"},
+    honours={
+        **EVERY_ENGINE,
+        **{
+            f"layout.{name}": ANY
+            for name in ("tp", "pp", "dp", "activation_checkpointing", "sequence_parallel", "virtual_stages")
+        },
+        "layout.zero_stage": only(
+            0,
+            1,
+            why=(
+                "engine megatron has DistributedDataParallel (zero_stage 0) and its DistributedOptimizer "
+                "(zero_stage 1); ZeRO-2/3 is Megatron-FSDP, not run here"
+            ),
+        ),
+        "layout.cp": only(
+            1,
+            why=(
+                "Megatron-core's context parallelism (cp_comm_type p2p, all_gather, a2a) runs only in Transformer "
+                "Engine's attention (TEDotProductAttention), not installed here: engine megatron runs cp=1"
+            ),
+        ),
+        "layout.attention": only(
+            "naive",
+            why=(
+                "Megatron-core's local layer spec (no Transformer Engine) has one core attention, "
+                "DotProductAttention: softmax(QK^T)V materialised, softmax in fp32 (what naive is); set attention: "
+                "naive"
+            ),
+        ),
+        "layout.rmsnorm": only(
+            "torch",
+            why=(
+                "Megatron-core's fused RMSNorm needs Transformer Engine or Apex; engine megatron runs the eager one "
+                "(torch)"
+            ),
+        ),
+        "layout.pipeline_schedule": only(
+            "1f1b",
+            "interleaved",
+            why=("Megatron-core's schedules are 1F1B and interleaved 1F1B (get_forward_backward_func): no gpipe"),
+        ),
+    },
+    why_not={
+        "layout.dp_bucket_mb": "Megatron's DDP here runs without overlap, one bucket per buffer (Megatron-LM's "
+        "defaults): the own engine's dp_bucket_mb has no counterpart"
+    },
     # its one core attention without Transformer Engine is the materialised one (naive)
     defaults={"layout.attention": "naive"},
     capabilities=[
-        ("virtual_stages",
-         lambda lay: lay.pipeline_schedule != "interleaved" or (lay.pp > 1 and lay.virtual_stages > 1),
-         "Megatron-core's interleaved schedule needs pp > 1 and virtual_stages > 1 (one chunk per rank is 1F1B)")],
+        (
+            "virtual_stages",
+            lambda lay: lay.pipeline_schedule != "interleaved" or (lay.pp > 1 and lay.virtual_stages > 1),
+            "Megatron-core's interleaved schedule needs pp > 1 and virtual_stages > 1 (one chunk per rank is 1F1B)",
+        )
+    ],
     precision_limits=[
-        ("grad_accum_dtype", lambda w, lay: w.grad_accum_dtype == w.grad_reduce_dtype,
-         "Megatron's DDP sums the micro-batches' gradients into its main-gradient buffer and reduces that buffer: "
-         "one dtype for both (grad_reduce_in_fp32); set grad_accum_dtype equal to grad_reduce_dtype"),
+        (
+            "grad_accum_dtype",
+            lambda w, lay: w.grad_accum_dtype == w.grad_reduce_dtype,
+            "Megatron's DDP sums the micro-batches' gradients into its main-gradient buffer and reduces that buffer: "
+            "one dtype for both (grad_reduce_in_fp32); set grad_accum_dtype equal to grad_reduce_dtype",
+        )
     ],
     model_limits=[
-        ("rope_scaling", lambda s, lay: s.rope_scaling is None or tuple(s.rope_scaling[1:]) == LLAMA3_FIXED,
-         "Megatron-core's llama3 rope scaling takes only the factor, with low_freq_factor 1, high_freq_factor 4 "
-         "and original_max_position_embeddings 8192 fixed"),
-        ("layers", lambda s, lay: s.layers % _chunks(lay) == 0,
-         "engine megatron splits the layers evenly over pp x virtual_stages model chunks"),
+        (
+            "rope_scaling",
+            lambda s, lay: s.rope_scaling is None or tuple(s.rope_scaling[1:]) == LLAMA3_FIXED,
+            "Megatron-core's llama3 rope scaling takes only the factor, with low_freq_factor 1, high_freq_factor 4 "
+            "and original_max_position_embeddings 8192 fixed",
+        ),
+        (
+            "layers",
+            lambda s, lay: s.layers % _chunks(lay) == 0,
+            "engine megatron splits the layers evenly over pp x virtual_stages model chunks",
+        ),
     ],
     label=lambda lay: "megatron DistOpt" if lay.get("zero_stage") else "megatron",
 )

@@ -24,9 +24,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from harness.model.kernels import rmsnorm_torch
 
-RECOMPUTE = {"none": {}, "full": {"recompute_granularity": "full", "recompute_method": "uniform",
-                                  "recompute_num_layers": 1},
-             "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}}
+RECOMPUTE = {
+    "none": {},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+}
 
 
 class RMSNorm(torch.nn.Module):
@@ -49,32 +51,56 @@ class ProjectionWithBias(RowParallelLinear):
         super().__init__(*args, bias=True, **kwargs)
 
 
-def transformer_config(shape, spec, tp: int, pp: int, vp: int, dtype: torch.dtype,
-                       deallocate: bool) -> TransformerConfig:
+def transformer_config(
+    shape, spec, tp: int, pp: int, vp: int, dtype: torch.dtype, deallocate: bool
+) -> TransformerConfig:
     lay = spec.layout
     return TransformerConfig(
-        num_layers=shape.layers, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn,
-        num_attention_heads=shape.heads, num_query_groups=shape.kv_heads, kv_channels=shape.hidden // shape.heads,
-        normalization="RMSNorm", layernorm_epsilon=shape.norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=shape.attention_bias, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
-        persist_layer_norm=False, cross_entropy_loss_fusion=False,
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        ffn_hidden_size=shape.ffn,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads,
+        kv_channels=shape.hidden // shape.heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.attention_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
         # initialised by Megatron (on the CPU: no device RNG), then overwritten by the reference weights; its
         # initialisation also marks the tp-split parameters (tensor_model_parallel), which its gradient norm reads
-        use_cpu_initialization=True, perform_initialization=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         # Megatron-LM's defaults: the interleaved schedule overlaps unbatched transfers (_p2p_ops, which at
         # pp=2 sends one direction on another group; batched, pp=2's wrap-around pairs the same two ranks in
         # both directions and gloo matched the wrong transfers), 1F1B batches them
-        overlap_p2p_comm=vp > 1, batch_p2p_comm=vp == 1,
+        overlap_p2p_comm=vp > 1,
+        batch_p2p_comm=vp == 1,
         # Megatron-LM's: a stage's sent output keeps only its graph (its data freed once sent). Not on gloo: its
         # sends run on a background thread that still reads the tensor, and the interleaved schedule frees it
         # before waiting for the send (NaN losses here); NCCL has copied it by then
         deallocate_pipeline_outputs=deallocate,
-        sequence_parallel=lay.sequence_parallel, params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16, **RECOMPUTE[lay.activation_checkpointing])
+        sequence_parallel=lay.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        **RECOMPUTE[lay.activation_checkpointing],
+    )
 
 
 def block_spec(config: TransformerConfig, attention_bias: bool, vp_stage: int | None) -> TransformerBlockSubmodules:
@@ -85,5 +111,6 @@ def block_spec(config: TransformerConfig, attention_bias: bool, vp_stage: int | 
     layer.submodules.pre_mlp_layernorm = norm
     if attention_bias:
         layer.submodules.self_attention.submodules.linear_proj = ProjectionWithBias
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                      layer_norm=norm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm
+    )

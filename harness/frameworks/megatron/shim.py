@@ -32,8 +32,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 # torch.cuda's functions the shim replaces while active (the tripwire watches every other one).
-COVERED = ("current_device", "synchronize", "empty_cache", "get_rng_state", "set_rng_state", "manual_seed",
-           "manual_seed_all")
+COVERED = (
+    "current_device",
+    "synchronize",
+    "empty_cache",
+    "get_rng_state",
+    "set_rng_state",
+    "manual_seed",
+    "manual_seed_all",
+)
 # torch.cuda queries that answer truthfully on a CPU build and change nothing: not CUDA work.
 HARMLESS = ("is_available", "device_count", "is_initialized", "is_current_stream_capturing")
 
@@ -70,21 +77,32 @@ class _CudaToCpu(TorchFunctionMode):
         inside its own handler, and recomputation in backward runs Megatron's forward again): the C++
         engine called directly, as Megatron's own custom_backward does."""
         tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-        grads = (grad_tensors,) if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) \
-            else tuple(grad_tensors)
+        grads = (
+            (grad_tensors,) if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) else tuple(grad_tensors)
+        )
         grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True))
         with self:
             torch.autograd.Variable._execution_engine.run_backward(
-                tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
-                tuple(inputs or ()), allow_unreachable=True, accumulate_grad=True)
+                tensors,
+                grads,
+                create_graph if retain_graph is None else retain_graph,
+                create_graph,
+                tuple(inputs or ()),
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
 
 
 def _replacements() -> dict:
-    return {"current_device": lambda: "cpu", "synchronize": lambda *a, **k: None, "empty_cache": lambda: None,
-            "get_rng_state": lambda *a, **k: torch.get_rng_state(),
-            "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
-            "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
-            "manual_seed_all": lambda seed: None}  # torch.manual_seed calls it after seeding the CPU
+    return {
+        "current_device": lambda: "cpu",
+        "synchronize": lambda *a, **k: None,
+        "empty_cache": lambda: None,
+        "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+        "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
+        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
+        "manual_seed_all": lambda seed: None,
+    }  # torch.manual_seed calls it after seeding the CPU
 
 
 class _Tripwire:
@@ -95,6 +113,7 @@ class _Tripwire:
         def recorded(*args, **kwargs):
             self.calls.add(name)
             return fn(*args, **kwargs)
+
         return recorded
 
 
@@ -139,4 +158,3 @@ def active():
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
-

@@ -27,17 +27,21 @@ import re
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_PLAIN_IN_LAYER = {"input_layernorm.weight": ["attention_norm.weight"],
-                   "self_attention.linear_qkv.weight": ["attention.wq.weight", "attention.wk.weight",
-                                                        "attention.wv.weight"],
-                   "self_attention.linear_qkv.bias": ["attention.wq.bias", "attention.wk.bias", "attention.wv.bias"],
-                   "self_attention.linear_proj.weight": ["attention.wo.weight"],
-                   "self_attention.linear_proj.bias": ["attention.wo.bias"],
-                   "pre_mlp_layernorm.weight": ["ffn_norm.weight"],
-                   "mlp.linear_fc1.weight": ["feed_forward.w1.weight", "feed_forward.w3.weight"],
-                   "mlp.linear_fc2.weight": ["feed_forward.w2.weight"]}
-_PLAIN_OUTSIDE = {"embedding.word_embeddings.weight": "tok_embeddings.weight",
-                  "decoder.final_layernorm.weight": "norm.weight", "output_layer.weight": "output.weight"}
+_PLAIN_IN_LAYER = {
+    "input_layernorm.weight": ["attention_norm.weight"],
+    "self_attention.linear_qkv.weight": ["attention.wq.weight", "attention.wk.weight", "attention.wv.weight"],
+    "self_attention.linear_qkv.bias": ["attention.wq.bias", "attention.wk.bias", "attention.wv.bias"],
+    "self_attention.linear_proj.weight": ["attention.wo.weight"],
+    "self_attention.linear_proj.bias": ["attention.wo.bias"],
+    "pre_mlp_layernorm.weight": ["ffn_norm.weight"],
+    "mlp.linear_fc1.weight": ["feed_forward.w1.weight", "feed_forward.w3.weight"],
+    "mlp.linear_fc2.weight": ["feed_forward.w2.weight"],
+}
+_PLAIN_OUTSIDE = {
+    "embedding.word_embeddings.weight": "tok_embeddings.weight",
+    "decoder.final_layernorm.weight": "norm.weight",
+    "output_layer.weight": "output.weight",
+}
 
 
 def plain_names(name: str, layer_number: dict[int, int], tied: bool) -> list[str]:
@@ -54,8 +58,9 @@ def plain_names(name: str, layer_number: dict[int, int], tied: bool) -> list[str
 def _qkv_groups(shape, q, k, v):
     """[groups, (heads/groups + 2) * head_dim, ...]: each query group's queries, key, value."""
     g = shape.kv_heads
-    return torch.cat([q.reshape(g, -1, *q.shape[1:]), k.reshape(g, -1, *k.shape[1:]),
-                      v.reshape(g, -1, *v.shape[1:])], dim=1)
+    return torch.cat(
+        [q.reshape(g, -1, *q.shape[1:]), k.reshape(g, -1, *k.shape[1:]), v.reshape(g, -1, *v.shape[1:])], dim=1
+    )
 
 
 def megatron_shard(name: str, plain: list[torch.Tensor], shape, tp: int, rank: int) -> torch.Tensor:
@@ -64,7 +69,7 @@ def megatron_shard(name: str, plain: list[torch.Tensor], shape, tp: int, rank: i
     if key.endswith("linear_qkv.weight") or key.endswith("linear_qkv.bias"):
         groups = _qkv_groups(shape, *plain)
         per = shape.kv_heads // tp
-        return groups[rank * per:(rank + 1) * per].reshape(-1, *plain[0].shape[1:])
+        return groups[rank * per : (rank + 1) * per].reshape(-1, *plain[0].shape[1:])
     if key.endswith("linear_fc1.weight"):
         return torch.cat([plain[0].chunk(tp)[rank], plain[1].chunk(tp)[rank]])
     if key.endswith(("linear_fc2.weight", "linear_proj.weight")):

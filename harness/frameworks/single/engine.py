@@ -21,8 +21,7 @@ class SingleDeviceEngine:
         w, lay = spec.workload, spec.layout
         self.spec, self.device = spec, device
         self.policy = precision_policy(w)
-        self.model = build_model(shape, w.seed, lay.attention, lay.rmsnorm, lay.activation_checkpointing,
-                                 device=device)
+        self.model = build_model(shape, w.seed, lay.attention, lay.rmsnorm, lay.activation_checkpointing, device=device)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.model.to(self.policy.compute)  # the parameters computed with (buffers too: none hold state)
         self.weights = MasterWeights(list(self.model.parameters()), self.policy)
@@ -48,8 +47,10 @@ class SingleDeviceEngine:
 
     def full_state_dict(self):
         """The fp32 master weights (the parameters themselves under fp32), named as the model's."""
-        return {n: t.detach().float().cpu().clone()
-                for n, t in zip(self.names, self.weights.optimizer_params(), strict=True)}
+        return {
+            n: t.detach().float().cpu().clone()
+            for n, t in zip(self.names, self.weights.optimizer_params(), strict=True)
+        }
 
     def last_step_details(self) -> dict:
         return {}
@@ -64,5 +65,7 @@ class SingleDeviceEngine:
         return list(self.model.parameters())
 
     def describe(self) -> dict:
-        return {"optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
-                "precision_policy": self.policy.describe()}
+        return {
+            "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
+            "precision_policy": self.policy.describe(),
+        }

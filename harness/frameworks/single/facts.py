@@ -8,9 +8,11 @@ from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only
 _ONE_PROCESS = "engine single is one process: set tp=cp=pp=dp=1"
 ENGINE = EngineFacts(
     name="single",
-    honours={**EVERY_ENGINE,
-             **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
-             **{f"layout.{name}": ANY for name in ("activation_checkpointing", "attention", "rmsnorm")}},
+    honours={
+        **EVERY_ENGINE,
+        **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
+        **{f"layout.{name}": ANY for name in ("activation_checkpointing", "attention", "rmsnorm")},
+    },
     why_not={"layout.zero_stage": "engine single has no ZeRO"},
     launcher="direct",
     memory=MemoryModel("megatron"),  # the reference's policy is the own engine's (Megatron-style)
