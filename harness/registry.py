@@ -47,6 +47,30 @@ def only(*values, why: str) -> Honoured:
     return Honoured(tuple(values), why)
 
 
+# The values each choice field of harness.spec takes today. An engine that runs them all declares
+# every_value(path), not ANY: a value added to the spec's vocabulary later (an fp8 precision, a new
+# pipeline schedule or kernel) is then in no engine's facts until one lists it, and refused until then.
+TODAYS_VALUES: dict[str, tuple] = {
+    "workload.precision": ("fp32", "bf16"),
+    "workload.grad_accum_dtype": ("fp32", "bf16"),
+    "workload.grad_reduce_dtype": ("fp32", "bf16"),
+    "layout.cp_impl": ("ring", "allgather", "ulysses"),
+    "layout.activation_checkpointing": ("none", "full", "selective"),
+    "layout.attention": ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2"),
+    "layout.rmsnorm": ("torch", "fused"),
+    "layout.pipeline_schedule": ("gpipe", "1f1b", "interleaved"),
+    "layout.pipeline_p2p": ("auto", "async", "grouped"),
+    "layout.model_impl": ("own", "hf"),
+}
+
+
+def every_value(path: str) -> Honoured:
+    """Honoured with every value field `path` takes today (TODAYS_VALUES), or any value where it is not
+    a choice (a size, a degree)."""
+    values = TODAYS_VALUES.get(path)
+    return ANY if values is None else Honoured(values)
+
+
 # What every engine honours: the workload is the same for every engine (model, batch, steps, optimizer,
 # the precision policy, data, device; where an engine cannot follow the policy, its precision_limits say
 # so), and every engine splits the batch into micro-batches. A field added to harness.spec's Workload or
@@ -54,7 +78,7 @@ def only(*values, why: str) -> Honoured:
 # refused in one line.
 EVERY_ENGINE: dict[str, Honoured] = {
     **{
-        f"workload.{name}": ANY
+        f"workload.{name}": every_value(f"workload.{name}")
         for name in (
             "model",
             "model_overrides",

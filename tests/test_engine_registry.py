@@ -173,3 +173,19 @@ def test_reading_every_engines_facts_imports_no_torch():
     )
     heavy = heavy_imports_after(code)
     assert not heavy, heavy[:5]
+
+
+def test_a_new_value_of_a_choice_field_is_refused_until_an_engine_lists_it():
+    """Engines that run every value of a choice field declare today's values (registry.every_value), not
+    any: a value added to the spec's vocabulary later (a new pipeline schedule) is refused by every engine,
+    in one line naming the field, until one lists it."""
+    from harness.spec import capability_error
+
+    fields = {f"layout.{f.name}": f for f in dataclasses.fields(Layout)}
+    fields.update({f"workload.{f.name}": f for f in dataclasses.fields(Workload)})
+    for path, values in registry.TODAYS_VALUES.items():  # each a value the spec's field takes today
+        assert set(values) <= set(fields[path].metadata["choices"]), path
+    for name in registry.ENGINES:
+        extra = {path.split(".")[1]: value for path, value in registry.facts(name).defaults.items()}
+        error = capability_error(Layout(engine=name, **extra, pipeline_schedule="zero_bubble"))
+        assert str(error).startswith("layout.pipeline_schedule: "), (name, error)

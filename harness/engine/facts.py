@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only, tied_across_stages
+from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only, tied_across_stages
 
 BLOCK_KERNELS = ("naive", "sdpa")  # what ring and allgather blocks compute (sdpa: on CPU only)
 
@@ -17,7 +17,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **{
-            f"layout.{name}": ANY
+            f"layout.{name}": every_value(f"layout.{name}")
             for name in (
                 "tp",
                 "pp",

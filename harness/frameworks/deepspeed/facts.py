@@ -5,7 +5,7 @@ or pipe.py (PipelineModule)."""
 from __future__ import annotations
 
 from harness.frameworks.deepspeed.config import validate
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only, tied_across_stages
+from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only, tied_across_stages
 
 ULYSSES = "DeepSpeed's context parallelism is Ulysses (DistributedAttention): set cp_impl: ulysses"
 
@@ -15,7 +15,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **{
-            f"layout.{name}": ANY
+            f"layout.{name}": every_value(f"layout.{name}")
             for name in (
                 "tp",
                 "pp",

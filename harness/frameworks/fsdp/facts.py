@@ -3,7 +3,7 @@ declared without importing torch; adapter.py builds engine.py."""
 
 from __future__ import annotations
 
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only, tied_across_stages
+from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only, tied_across_stages
 from harness.spec import micro_batch_count
 
 
@@ -22,7 +22,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **{
-            f"layout.{name}": ANY
+            f"layout.{name}": every_value(f"layout.{name}")
             for name in (
                 "tp",
                 "pp",

@@ -4,7 +4,7 @@ torch or Megatron; adapter.py builds engine.py (on CPU through shim.py)."""
 
 from __future__ import annotations
 
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only
+from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only
 
 # Megatron-core's llama3 rope scaling takes only the factor; the rest is fixed
 # (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling).
@@ -21,7 +21,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **{
-            f"layout.{name}": ANY
+            f"layout.{name}": every_value(f"layout.{name}")
             for name in ("tp", "pp", "dp", "activation_checkpointing", "sequence_parallel", "virtual_stages")
         },
         "layout.zero_stage": only(

@@ -3,7 +3,7 @@ declared without importing torch; adapter.py builds it (engine.py)."""
 
 from __future__ import annotations
 
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts, MemoryModel, only
+from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only
 
 _ONE_PROCESS = "engine single is one process: set tp=cp=pp=dp=1"
 ENGINE = EngineFacts(
@@ -11,7 +11,10 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
-        **{f"layout.{name}": ANY for name in ("activation_checkpointing", "attention", "rmsnorm")},
+        **{
+            f"layout.{name}": every_value(f"layout.{name}")
+            for name in ("activation_checkpointing", "attention", "rmsnorm")
+        },
     },
     why_not={"layout.zero_stage": "engine single has no ZeRO"},
     launcher="direct",
