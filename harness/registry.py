@@ -80,21 +80,9 @@ EVERY_ENGINE: dict[str, Honoured] = {
     **{
         f"workload.{name}": every_value(f"workload.{name}")
         for name in (
-            "model",
-            "model_overrides",
-            "seq_len",
-            "global_batch_size",
-            "steps",
-            "warmup_steps",
-            "precision",
-            "grad_accum_dtype",
-            "grad_reduce_dtype",
-            "optimizer",
-            "grad_clip",
-            "seed",
-            "data",
-            "device",
-        )
+            "model model_overrides seq_len global_batch_size steps warmup_steps precision grad_accum_dtype "
+            "grad_reduce_dtype optimizer grad_clip seed data device"
+        ).split()
     },
     "layout.engine": ANY,
     "layout.micro_batch_size": ANY,
@@ -242,6 +230,11 @@ def adapter(name: str):
     """The engine's adapter module (its build(spec, shape, ctx))."""
     facts(name)
     return importlib.import_module(ENGINES[name] + ".adapter")
+
+
+def not_both(field: str, other: str, why: str) -> Rule:
+    """A rule refusing `field` above 1 together with `other` above 1 (cp with pp, say), as layout.<field>."""
+    return (field, lambda lay: getattr(lay, field) == 1 or getattr(lay, other) == 1, why)
 
 
 def tied_across_stages(what: str, engine: str, takes) -> ModelRule:

@@ -15,18 +15,9 @@ import torch
 
 from harness.errors import SpecError
 from harness.measure import SavedActivations, storage_identity
+from harness.memtrace import step
 from harness.memtrace.live import LiveTensors
 from harness.memtrace.standins import traced_options
-from harness.memtrace.step import (
-    Phases,
-    RankTrace,
-    census_at_step,
-    create_optimizer_states,
-    rank_trace,
-    run_step,
-    traced_micro_batches,
-    traced_spec,
-)
 from harness.memtrace.world import fake_world
 from harness.parallel_dims import ParallelDims
 
@@ -52,7 +43,7 @@ def _micro_batches(lay, m: int, stage: int) -> int:
     """step.traced_micro_batches, but torch's Schedule1F1B takes at least pp micro-batches."""
     if lay.pipeline_schedule == "1f1b" and not (lay.pp == 1 and lay.virtual_stages == 1):
         return min(m, lay.pp + 1)
-    return traced_micro_batches(lay, m, stage)
+    return step.traced_micro_batches(lay, m, stage)
 
 
 def _static_shapes_without_vote(schedule) -> None:
@@ -74,7 +65,7 @@ def _static_shapes_without_vote(schedule) -> None:
     schedule._warmup_p2p = warmup
 
 
-def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
+def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> step.RankTrace:
     """Build engine fsdp (harness/frameworks/fsdp/engine.py) as global `rank` of the spec's layout and
     run one step on fake tensors.
 
@@ -91,14 +82,14 @@ def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
     from harness.frameworks.fsdp.engine import FSDPEngine
 
     dims = ParallelDims.of(spec.layout)
-    run_spec, m, m_run = traced_spec(spec, dims.coord(rank).pp, full_micro, _micro_batches)
+    run_spec, m, m_run = step.traced_spec(spec, dims.coord(rank).pp, full_micro, _micro_batches)
     lay = run_spec.layout
     world = dims.world
     t0 = time.perf_counter()
     with fake_world(rank, world, _clear_dtensor_caches) as ctx:
         live = LiveTensors()
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        phases = Phases(live)
+        phases = step.Phases(live)
 
         def materialize(module, device):
             with fake, live:
@@ -110,13 +101,13 @@ def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
                 _static_shapes_without_vote(eng.pipeline.schedule)
             eng.census.result = {}  # its census keys storages by address, which fake ones lack: ours below
             with fake, live:
-                create_optimizer_states(eng.optimizer)
-                census = census_at_step(eng.optimizer, eng.census.tensors)
+                step.create_optimizer_states(eng.optimizer)
+                census = step.census_at_step(eng.optimizer, eng.census.tensors)
                 batch = torch.zeros(
                     (run_spec.workload.global_batch_size, run_spec.workload.seq_len + 1), dtype=torch.int64
                 )
                 saved = SavedActivations(eng.activation_exclusions(), key=storage_identity)
-                step = run_step(eng, batch, live, saved, phases)
+                stepped = step.run_step(eng, batch, live, saved, phases)
         if eng.pipeline is None:
             layers = [[0, shape.layers]]
         else:  # the stage modules' blocks, named by their layer numbers
@@ -125,7 +116,7 @@ def trace_rank(spec, shape, rank: int, full_micro: bool = False) -> RankTrace:
                 for part in eng.parts
                 if len(part.layers)
             ]
-        out = rank_trace(rank, dims.coord(rank).pp, layers, census, step, saved, phases, m, m_run)
+        out = step.rank_trace(rank, dims.coord(rank).pp, layers, census, stepped, saved, phases, m, m_run)
         del eng
         out.seconds = time.perf_counter() - t0
         return out

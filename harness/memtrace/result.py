@@ -64,16 +64,10 @@ def trace_spec(spec, profile=None) -> dict:
             k: getattr(spec.layout, k)
             for k in (
                 *LABEL_ORDER,
-                "cp_impl",
-                "micro_batch_size",
-                "activation_checkpointing",
-                "sequence_parallel",
-                "attention",
-                "rmsnorm",
-                "pipeline_schedule",
-                "virtual_stages",
-                "zero_stage",
-                "reshard_after_forward",
+                *(
+                    "cp_impl micro_batch_size activation_checkpointing sequence_parallel attention rmsnorm "
+                    "pipeline_schedule virtual_stages zero_stage reshard_after_forward"
+                ).split(),
             )
         },
         "traced_peak_gib": worst["total_gib"],

@@ -20,16 +20,7 @@ from harness.planner.layout import ATTENTION
 
 PROFILE_DIR = Path(__file__).with_name("hardware")
 EFFICIENCY_KEYS = (
-    "gemm",
-    "flash2",
-    "flash1",
-    "mem_efficient",
-    "naive_attention",
-    "fused_softmax",
-    "hbm",
-    "nvlink",
-    "internode",
-    "launch_us",
+    *"gemm flash2 flash1 mem_efficient naive_attention fused_softmax hbm nvlink internode launch_us".split(),
 )
 
 
@@ -64,17 +55,9 @@ class Profile:
         d = {
             k: getattr(self, k)
             for k in (
-                "name",
-                "device_names",
-                "peak_tflops_bf16",
-                "peak_tflops_fp32",
-                "memory_gib",
-                "hbm_gbps",
-                "nvlink_gbps",
-                "internode_gbps",
-                "gpus_per_node",
-                "rail_aggregation_max_nodes",
-            )
+                "name device_names peak_tflops_bf16 peak_tflops_fp32 memory_gib hbm_gbps nvlink_gbps "
+                "internode_gbps gpus_per_node rail_aggregation_max_nodes"
+            ).split()
         }
         d["attention_kernels"] = list(self.attention_kernels)
         d["efficiency"] = dict(self.efficiency)

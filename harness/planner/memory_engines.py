@@ -35,15 +35,8 @@ import functools
 
 from harness import registry
 from harness.model.presets import Shape
+from harness.planner import memory_terms as terms
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
-from harness.planner.memory_terms import (
-    CONTEXT_GIB,
-    FRAGMENTATION,
-    FRAGMENTATION_PIPELINED,
-    GIB,
-    in_flight,
-    stage_params,
-)
 from harness.registry import MemoryModel
 
 
@@ -56,24 +49,14 @@ def memory_model(engine: str) -> MemoryModel:
     return model
 
 
-def model_states(
-    params: float,
-    engine: str,
-    zero_stage: int,
-    precision: str,
-    dp: int,
-    grad_accum: str = "fp32",
-    grad_reduce: str = "fp32",
-    reduce_bucket_elements: float = 0.0,
-) -> dict[str, dict[str, float]]:
+def model_states(params: float, engine: str, zero_stage: int, precision: str, dp: int, **policy) -> dict[str, dict]:
     """Bytes per category and dtype of the model states one rank of `engine` holds at the optimizer
-    step, for `params` parameters on the rank, under the workload's precision policy: the same
-    categories as a run's measured memory census (harness.measure.tensor_census), so a prediction
-    and a census compare term by term (tests/test_planner_census.py). Adam's step counters and
-    alignment padding are left out (under 1%). The closed form is the engine's MemoryModel.states."""
-    return states_bytes(
-        params, memory_model(engine).states, zero_stage, precision, dp, grad_accum, grad_reduce, reduce_bucket_elements
-    )
+    step, for `params` parameters on the rank, under the workload's precision policy (`policy`:
+    states_bytes' grad_accum, grad_reduce, reduce_bucket_elements): the same categories as a run's
+    measured memory census (harness.measure.tensor_census), so a prediction and a census compare term
+    by term (tests/test_planner_census.py). Adam's step counters and alignment padding are left out
+    (under 1%). The closed form is the engine's MemoryModel.states."""
+    return states_bytes(params, memory_model(engine).states, zero_stage, precision, dp, **policy)
 
 
 def states_bytes(
@@ -275,7 +258,7 @@ def loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, f
 def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> dict:
     """memory.stage_memory for the harness's engines (PlannerLayout.engine own, deepspeed or fsdp)."""
     has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
-    phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
+    phi = terms.stage_params(shape, has_emb, layers, has_head, lay.tp)
     B, dp, t = wl.dtype_bytes, lay.replicas, lay.tp  # states sharded over dp x cp (REPLICA_AXES)
     precision = "bf16" if B == 2 else "fp32"
     states = memory_model(lay.engine).states
@@ -295,7 +278,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     act = engine_layer_bytes(shape, lay, wl)
     hidden = n * h * B / (t if sp else 1)  # one [s(/t), b, h] activation
     m = wl.micro_batches(lay)
-    k = in_flight(lay, stage, m)
+    k = terms.in_flight(lay, stage, m)
     micro = layers * act["layer"]
     if lay.pp > 1:  # PipelineExecutor.live: the received input (not on the first stage) and the sent output
         micro += hidden * ((0 if has_emb else 1) + (0 if has_head else 1))
@@ -337,7 +320,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     extra_name = max(candidates, key=candidates.get)
     extra = max(0.0, candidates[extra_name])
     dynamic = held + extra
-    frag = FRAGMENTATION_PIPELINED if lay.pp > 1 and m > 1 else FRAGMENTATION
+    frag = terms.FRAGMENTATION_PIPELINED if lay.pp > 1 and m > 1 else terms.FRAGMENTATION
     parts = {
         "weights": by_cat.get("parameters", 0.0),
         "gradients": by_cat.get("gradients", 0.0),
@@ -357,7 +340,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
         dynamic += fsdp["gathered"] + parts["gradients"]
     elif zero >= 3:  # gathered full layers in flight (current + prefetched), ZeRO-3
         parts["weights"] += 2 * phi / max(layers, 1) * B
-    parts["overhead"] = CONTEXT_GIB * GIB + frag * dynamic
+    parts["overhead"] = terms.CONTEXT_GIB * terms.GIB + frag * dynamic
     parts["total"] = sum(parts.values())
     parts["params"] = phi
     return parts

@@ -5,7 +5,7 @@ or pipe.py (PipelineModule)."""
 from __future__ import annotations
 
 from harness.frameworks.deepspeed.config import validate
-from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only, tied_across_stages
+from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, not_both, only, tied_across_stages
 
 ULYSSES = "DeepSpeed's context parallelism is Ulysses (DistributedAttention): set cp_impl: ulysses"
 
@@ -16,18 +16,7 @@ ENGINE = EngineFacts(
         **EVERY_ENGINE,
         **{
             f"layout.{name}": every_value(f"layout.{name}")
-            for name in (
-                "tp",
-                "pp",
-                "dp",
-                "cp",
-                "activation_checkpointing",
-                "attention",
-                "rmsnorm",
-                "zero_stage",
-                "ds_config",
-                "model_impl",
-            )
+            for name in "tp pp dp cp activation_checkpointing attention rmsnorm zero_stage ds_config model_impl".split()
         },
         "layout.cp_impl": only("ulysses", why=ULYSSES),
         "layout.pipeline_schedule": only("1f1b", why=("DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only")),
@@ -37,14 +26,12 @@ ENGINE = EngineFacts(
     },
     capabilities=[
         ("cp_impl", lambda lay: lay.cp == 1 or lay.cp_impl == "ulysses", ULYSSES),
-        (
-            "cp",
-            lambda lay: lay.cp == 1 or lay.pp == 1,
-            "DeepSpeed's pipeline engine has no sequence-parallel groups (Ulysses): set pp=1 with cp > 1",
+        not_both(
+            "cp", "pp", "DeepSpeed's pipeline engine has no sequence-parallel groups (Ulysses): set pp=1 with cp > 1"
         ),
-        (
+        not_both(
             "cp",
-            lambda lay: lay.cp == 1 or lay.tp == 1,
+            "tp",
             "DeepSpeed's Ulysses and AutoTP each bring their own mpu to deepspeed.initialize: set tp=1 with cp > 1",
         ),
         (
@@ -58,9 +45,9 @@ ENGINE = EngineFacts(
             lambda lay: lay.pp == 1 or lay.zero_stage in (0, 1),
             "DeepSpeed's pipeline engine (pp > 1) runs with ZeRO stage 0 or 1 only",
         ),
-        (
+        not_both(
             "tp",
-            lambda lay: lay.tp == 1 or lay.pp == 1,
+            "pp",
             "DeepSpeed's tensor parallelism (AutoTP) does not combine with its pipeline engine: set tp=1 or pp=1",
         ),
         (

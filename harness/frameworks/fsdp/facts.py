@@ -3,7 +3,7 @@ declared without importing torch; adapter.py builds engine.py."""
 
 from __future__ import annotations
 
-from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only, tied_across_stages
+from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, not_both, only, tied_across_stages
 from harness.spec import micro_batch_count
 
 
@@ -24,18 +24,9 @@ ENGINE = EngineFacts(
         **{
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
-                "tp",
-                "pp",
-                "dp",
-                "cp",
-                "activation_checkpointing",
-                "sequence_parallel",
-                "attention",
-                "rmsnorm",
-                "pipeline_schedule",
-                "virtual_stages",
-                "reshard_after_forward",
-            )
+                "tp pp dp cp activation_checkpointing sequence_parallel attention rmsnorm pipeline_schedule "
+                "virtual_stages reshard_after_forward"
+            ).split()
         },
         "layout.cp_impl": only("allgather", "ring", why=CP_IMPLS),
         "layout.zero_stage": only(0, 3, why="fsdp shards by reshard_after_forward, leave zero_stage unset"),
@@ -46,14 +37,14 @@ ENGINE = EngineFacts(
             lambda lay: lay.cp == 1 or lay.attention.startswith("sdpa"),
             "torch's context_parallel replaces F.scaled_dot_product_attention only: set attention sdpa (or sdpa_*)",
         ),
-        (
+        not_both(
             "cp",
-            lambda lay: lay.cp == 1 or lay.pp == 1,
+            "pp",
             "engine fsdp's context parallelism is not built with torch.distributed.pipelining: set pp=1 with cp > 1",
         ),
-        (
+        not_both(
             "cp",
-            lambda lay: lay.cp == 1 or lay.tp == 1,
+            "tp",
             "engine fsdp's context parallelism is not built with DTensor tensor parallelism: set tp=1 with cp > 1",
         ),
         (
