@@ -218,18 +218,8 @@ def main() -> int:
         )
         print(f"error: {what}", file=sys.stderr)
         return 2
-    a = {
-        "model": args.model,
-        "layers": args.layers,
-        "seq_len": args.seq_len,
-        "global_batch": args.global_batch,
-        "mbs": args.mbs,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "impls": impls,
-        "attention": args.attention,
-        "profile_steps": args.profile_steps,
-    }
+    passed = ("model", "layers", "seq_len", "global_batch", "mbs", "steps", "warmup", "attention", "profile_steps")
+    a = {**{key: getattr(args, key) for key in passed}, "impls": impls}
     try:
         for impl in impls:  # the spec's own checks (and the engine's refusals), before anything starts
             _spec(a, cp=2, cp_impl=impl)

@@ -100,16 +100,7 @@ def predict_held_back(store: str, profile: str, held_back: tuple) -> float:
         profile,
         "--micro-batch-sizes",
         str(mbs),
-        "--attention",
-        "sdpa",
-        "--rmsnorm",
-        "torch",
-        "--activation-checkpointing",
-        "none",
-        "--zero",
-        "0",
-        "--format",
-        "json",
+        *"--attention sdpa --rmsnorm torch --activation-checkpointing none --zero 0 --format json".split(),
     )
     (row,) = json.loads(out)
     return row["step_time_s"]

@@ -46,7 +46,20 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NAIVE = {"attention": "naive"}  # Megatron's local spec's one core attention, for megatron and "own naive"
+
+
 # layout -> engine -> layout fields (the same parallel layout under each engine)
+def _model_parallel(axis: str) -> dict:
+    """Each engine's layout at 2 ranks of `axis` (tp or pp); DeepSpeed's needs ZeRO-1."""
+    return {
+        "own": {axis: 2},
+        "deepspeed": {axis: 2, "zero_stage": 1},
+        "fsdp2": {axis: 2},
+        "own naive": {axis: 2, **NAIVE},
+        "megatron": {axis: 2, **NAIVE},
+    }
+
+
 LAYOUTS = {
     "dp2": {
         "own": {"dp": 2},
@@ -57,20 +70,8 @@ LAYOUTS = {
         "own naive": {"dp": 2, **NAIVE},
         "megatron": {"dp": 2, **NAIVE},
     },
-    "tp2": {
-        "own": {"tp": 2},
-        "deepspeed": {"tp": 2, "zero_stage": 1},
-        "fsdp2": {"tp": 2},
-        "own naive": {"tp": 2, **NAIVE},
-        "megatron": {"tp": 2, **NAIVE},
-    },
-    "pp2": {
-        "own": {"pp": 2},
-        "deepspeed": {"pp": 2, "zero_stage": 1},
-        "fsdp2": {"pp": 2},
-        "own naive": {"pp": 2, **NAIVE},
-        "megatron": {"pp": 2, **NAIVE},
-    },
+    "tp2": _model_parallel("tp"),
+    "pp2": _model_parallel("pp"),
 }
 ENGINE = {
     "own": "own",
@@ -292,14 +293,7 @@ def main() -> int:
 
     from harness.testing.spawn import spawn
 
-    a = {
-        "model": args.model,
-        "seq_len": args.seq_len,
-        "global_batch": args.global_batch,
-        "mbs": args.mbs,
-        "steps": args.steps,
-        "warmup": args.warmup,
-    }
+    a = {key: getattr(args, key) for key in ("model", "seq_len", "global_batch", "mbs", "steps", "warmup")}
     t0 = time.monotonic()
     results = {}
     for layout in chosen:

@@ -19,19 +19,10 @@ import sys
 import time
 
 ARGS = [
-    "plan",
-    "--model",
-    "paper-65b",
-    "--seq-len",
-    "2048",
-    "--global-batch-size",
-    "2048",
-    "--gpus",
-    "4096",
-    "--gpus-per-node",
-    "8",
-    "--hardware",
-    "a100-80gb",
+    *(
+        "plan --model paper-65b --seq-len 2048 --global-batch-size 2048 --gpus 4096 --gpus-per-node 8 --hardware "
+        "a100-80gb"
+    ).split()
 ]
 TARGET_S = 1.0
 

@@ -182,17 +182,10 @@ def write(args, rows: list[dict], device: str) -> None:
             indent=2,
         )
     cols = (
-        "engine",
-        "status",
-        "measured_peak_gib",
-        "traced_live_peak_gib",
-        "planner_tensors_gib",
-        "measured_model_states_gib",
-        "traced_model_states_gib",
-        "planner_model_states_gib",
-        "traced_total_gib",
-        "planner_total_gib",
-        "step_time_ms",
+        *(
+            "engine status measured_peak_gib traced_live_peak_gib planner_tensors_gib measured_model_states_gib "
+            "traced_model_states_gib planner_model_states_gib traced_total_gib planner_total_gib step_time_ms"
+        ).split(),
     )
     kinds = ", ".join(sorted({r["memory_kind"] for r in rows if "memory_kind" in r}))
     lines = [

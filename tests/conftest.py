@@ -1,4 +1,5 @@
 import _posixsubprocess
+import argparse
 import multiprocessing.process
 import os
 import subprocess
@@ -40,6 +41,101 @@ def run_cli(*args, cwd=None, env=None, timeout=300):
     )
 
 
+def start_cli(*args, **popen):
+    """The real CLI started in the background (subprocess.Popen's keywords: cwd, env, stdout...)."""
+    return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], **popen)
+
+
+def profiled_record(spec: dict, step: float, parts: dict, world_size: int, tokens_per_s_per_device: float, **kw):
+    """An ok record (new_record(spec, **kw)) whose profiler split its step of `step` ms into
+    parts (compute, exposed_comm, ...), with no collectives."""
+    from harness.store import new_record
+
+    rec = new_record(spec, **kw)
+    rec.update(
+        status="ok",
+        fingerprint={"world_size": world_size},
+        metrics={
+            "step_time_s": {"median": step / 1e3, "ci95_low": step / 1e3, "ci95_high": step / 1e3, "n": 4},
+            "tokens_per_s_per_device": tokens_per_s_per_device,
+            "breakdown_ms": {**parts, "step": step},
+            "breakdown_source": "profiler",
+            "collectives": [],
+        },
+    )
+    return rec
+
+
+def megatron_parser(context_parallel: bool = True, **parser_kw) -> argparse.ArgumentParser:
+    """Megatron-LM's pretrain_gpt.py arguments (megatron/training/arguments.py's names) that an
+    export may carry; context_parallel adds --context-parallel-size and --cp-comm-type."""
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py", **parser_kw)
+    for name in (
+        "tensor-model-parallel-size pipeline-model-parallel-size micro-batch-size global-batch-size seq-length "
+        "max-position-embeddings num-layers hidden-size ffn-hidden-size num-attention-heads num-query-groups "
+        "rotary-base recompute-num-layers num-layers-per-virtual-pipeline-stage"
+    ).split():
+        p.add_argument(f"--{name}", type=int)
+    if context_parallel:
+        p.add_argument("--context-parallel-size", type=int)
+        p.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
+    for name in ("recompute-granularity", "recompute-method", "normalization", "position-embedding-type"):
+        p.add_argument(f"--{name}")
+    for name in ("norm-epsilon", "attention-dropout", "hidden-dropout", "rope-scaling-factor"):
+        p.add_argument(f"--{name}", type=float)
+    for flag in (
+        "sequence-parallel group-query-attention swiglu untie-embeddings-and-output-weights disable-bias-linear "
+        "bf16 use-distributed-optimizer use-flash-attn accumulate-allreduce-grads-in-fp32 use-rope-scaling "
+        "add-qkv-bias"
+    ).split():
+        p.add_argument(f"--{flag}", action="store_true")
+    return p
+
+
+def assert_case_matches_reference(per_rank: list, world: int, index: int, case: dict, ref_losses, ref_state):
+    """Rank 0's result of an equivalence case (harness.testing.equivalence) against the single-device
+    reference: its losses within the case's rtol (1e-5 unless it says), then losses and final weights
+    within its weights_rtol (rtol unless it says); and every rank reports rank 0's losses."""
+    from harness.testing.reference import mismatches
+
+    result = per_rank[0][index]
+    rtol = case.get("rtol", 1e-5)
+    bad = mismatches({"losses": result["losses"]}, ref_losses, None, rtol)
+    bad += mismatches(result, ref_losses, ref_state, case.get("weights_rtol", rtol))
+    assert not bad, "\n".join(bad)
+    for r in range(world):  # every rank reports the same global loss
+        assert per_rank[r][index]["losses"] == result["losses"], f"rank {r}"
+
+
+# run_sweep's keywords for a sweep run from this process: the direct launcher, 60 s a point, no progress line
+IN_PROCESS_SWEEP = dict(launcher="direct", timeout_s=60, progress=False)
+
+
+def ok_run_spec(seen: list, keyword: str = "point_key"):
+    """A stand-in for harness.launch.run_spec that starts nothing: it appends the keyword it is
+    called with (point_key, log_dir...) to `seen` and writes the ok record a finished run writes."""
+    from harness.store import ResultsStore, new_record
+
+    def run_spec(spec, *, store_path, sweep, point_key, **kw):
+        seen.append({"point_key": point_key, **kw}[keyword])
+        rec = new_record(spec, sweep=sweep, point_key=point_key)
+        rec["status"] = "ok"
+        ResultsStore(store_path).write(rec)
+        return rec
+
+    return run_spec
+
+
+def run_spec_in(folder, spec: dict, nproc: int, launcher: str, timeout_s: float, **kw) -> dict:
+    """harness.launch.run_spec with its store (r.sqlite) and its logs (logs/) in folder."""
+    from harness import launch
+
+    store, logs = str(folder / "r.sqlite"), str(folder / "logs")
+    return launch.run_spec(
+        spec, nproc=nproc, launcher=launcher, store_path=store, timeout_s=timeout_s, log_dir=logs, **kw
+    )
+
+
 @pytest.fixture
 def cli():
     return run_cli
@@ -54,15 +150,7 @@ def tagged(tmp_path):
     tag = uuid.uuid4().hex
 
     def run(*args, env=None, timeout=300):
-        out = subprocess.run(
-            [sys.executable, "-m", "harness.cli", *args],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, "HARNESS_TEST_TAG": tag, **(env or {})},
-        )
-        return out
+        return run_cli(*args, cwd=tmp_path, env={"HARNESS_TEST_TAG": tag, **(env or {})}, timeout=timeout)
 
     run.alive = lambda: launch.processes_with_env("HARNESS_TEST_TAG", tag)
     return run

@@ -28,22 +28,26 @@ from harness.model.training import precision_policy
 from harness.spec import parse_spec
 from harness.testing.reference import reference_run
 from harness.testing.spawn import spawn
+from harness.testing.workloads import tiny_workload
 
 STEPS = 5
 D = 2
 P = param_count(PRESETS["tiny"])
 SMALL_BUCKET = 20_000
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": STEPS,
-    "warmup_steps": 0,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload(steps=STEPS, warmup_steps=0)
 BF16 = {"precision": "bf16", "grad_accum_dtype": "fp32", "grad_reduce_dtype": "fp32"}  # the policy's defaults
 BF16_ACCUM = {"precision": "bf16", "grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"}
+
+
+def partitioned_master(parameters: dict, gradients: dict) -> dict:
+    """A census whose master parameters (fp32 4P/d) and AdamW states (fp32 8P/d) are this rank's
+    partition, as every case here has them."""
+    return {
+        "parameters": parameters,
+        "gradients": gradients,
+        "master_parameters": {"fp32": 4 * P / D},
+        "optimizer_states": {"fp32": 8 * P / D},
+    }
 
 
 def closed_form(case: str) -> dict:
@@ -59,18 +63,8 @@ def closed_form(case: str) -> dict:
         #   master_parameters: fp32 4P/d - single_partition_of_fp32_groups, a clone of this rank's
         #     partition (__init__: .detach().clone().to(master_weights_and_grads_dtype)), even in fp32
         #   optimizer_states: fp32 8P/d - AdamW's exp_avg and exp_avg_sq of that partition
-        "zero1-fp32": {
-            "parameters": {"fp32": 4 * p},
-            "gradients": {"fp32": 4 * p / d},
-            "master_parameters": {"fp32": 4 * p / d},
-            "optimizer_states": {"fp32": 8 * p / d},
-        },
-        "zero2-fp32": {
-            "parameters": {"fp32": 4 * p},
-            "gradients": {"fp32": 4 * p / d},
-            "master_parameters": {"fp32": 4 * p / d},
-            "optimizer_states": {"fp32": 8 * p / d},
-        },
+        "zero1-fp32": partitioned_master({"fp32": 4 * p}, {"fp32": 4 * p / d}),
+        "zero2-fp32": partitioned_master({"fp32": 4 * p}, {"fp32": 4 * p / d}),
         # fp32, ZeRO-3: DeepSpeedZeroOptimizer_Stage3 (runtime/zero/stage3.py).
         #   parameters: fp32 4P/d - lp_param_buffer, the defragmented ds_tensor partitions
         #     (_create_fp16_partitions_with_defragmentation); the full parameters are released
@@ -83,12 +77,7 @@ def closed_form(case: str) -> dict:
         #     that would reuse an fp32 partition compares a torch.device with a device-name string
         #     and is not taken)
         #   optimizer_states: fp32 8P/d
-        "zero3-fp32": {
-            "parameters": {"fp32": 4 * p / d},
-            "gradients": {"fp32": 8 * p / d + 4 * SMALL_BUCKET},
-            "master_parameters": {"fp32": 4 * p / d},
-            "optimizer_states": {"fp32": 8 * p / d},
-        },
+        "zero3-fp32": partitioned_master({"fp32": 4 * p / d}, {"fp32": 8 * p / d + 4 * SMALL_BUCKET}),
         # bf16, grad_accum fp32, ZeRO-1: BF16_Optimizer (runtime/engine.py _do_optimizer_sanity_check:
         # bf16 parameters, fp32 accumulation, stage 1, no offload -> BFLOAT16; runtime/bf16_optimizer.py).
         #   parameters: bf16 2P - bf16_groups_flat (_setup_for_real_optimizer)
@@ -98,43 +87,23 @@ def closed_form(case: str) -> dict:
         #     all-reduced, not partitioned; the master's .grad is a view of it (step())
         #   master_parameters: fp32 4P/d - fp32_groups_flat_partition
         #   optimizer_states: fp32 8P/d
-        "zero1-bf16": {
-            "parameters": {"bf16": 2 * p},
-            "gradients": {"bf16": 2 * p, "fp32": 4 * p},
-            "master_parameters": {"fp32": 4 * p / d},
-            "optimizer_states": {"fp32": 8 * p / d},
-        },
+        "zero1-bf16": partitioned_master({"bf16": 2 * p}, {"bf16": 2 * p, "fp32": 4 * p}),
         # bf16, grad_accum fp32, ZeRO-2: DeepSpeedZeroOptimizer with gradient_accumulation_dtype fp32.
         #   parameters: bf16 2P (bit16_groups_flat)
         #   gradients: fp32 4P/d - each micro-batch's reduced partition is added into an fp32 flat
         #     partition (_build_compact_grad_partition_buffer, _add_full_reduction_to_compact_grad_partition);
         #     step() passes it to the master as .grad without a copy (.to(fp32) of an fp32 tensor)
         #   master_parameters: fp32 4P/d; optimizer_states: fp32 8P/d
-        "zero2-bf16": {
-            "parameters": {"bf16": 2 * p},
-            "gradients": {"fp32": 4 * p / d},
-            "master_parameters": {"fp32": 4 * p / d},
-            "optimizer_states": {"fp32": 8 * p / d},
-        },
+        "zero2-bf16": partitioned_master({"bf16": 2 * p}, {"fp32": 4 * p / d}),
         # bf16, grad_accum fp32, ZeRO-3: as fp32 ZeRO-3 with bf16 partitions: parameters bf16 2P/d;
         # gradients fp32 4P/d (accumulation buffer) + 4P/d (the master's .grad) + 4B (bucket in
         # communication_data_type fp32); master fp32 4P/d; Adam 8P/d.
-        "zero3-bf16": {
-            "parameters": {"bf16": 2 * p / d},
-            "gradients": {"fp32": 8 * p / d + 4 * SMALL_BUCKET},
-            "master_parameters": {"fp32": 4 * p / d},
-            "optimizer_states": {"fp32": 8 * p / d},
-        },
+        "zero3-bf16": partitioned_master({"bf16": 2 * p / d}, {"fp32": 8 * p / d + 4 * SMALL_BUCKET}),
         # bf16, grad_accum bf16, ZeRO-1: DeepSpeedZeroOptimizer (not BF16_Optimizer): .grad accumulates
         # in bf16 and step() frees it after flattening this rank's partition, whose fp32 copy is the
         # master's .grad: parameters bf16 2P, gradients fp32 4P/d, master 4P/d, Adam 8P/d - no
         # whole-model buffer.
-        "zero1-bf16-accum-bf16": {
-            "parameters": {"bf16": 2 * p},
-            "gradients": {"fp32": 4 * p / d},
-            "master_parameters": {"fp32": 4 * p / d},
-            "optimizer_states": {"fp32": 8 * p / d},
-        },
+        "zero1-bf16-accum-bf16": partitioned_master({"bf16": 2 * p}, {"fp32": 4 * p / d}),
     }[case]
 
 

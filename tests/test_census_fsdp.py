@@ -8,20 +8,13 @@ import pytest
 import torch
 
 from harness.model.presets import param_count, resolve_shape
+from harness.testing.workloads import tiny_workload
 
 pytestmark = pytest.mark.slow  # every test here shares one launch of 2 processes
 
 STEPS = 3
 MICRO = 2
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": STEPS,
-    "warmup_steps": 0,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload(steps=STEPS, warmup_steps=0)
 BF16 = {**WORKLOAD, "precision": "bf16"}
 SHAPE = resolve_shape("tiny", {})
 P = param_count(SHAPE)  # 125,248; every dim 0 of tiny is even, so no shard is padded at d=2

@@ -41,83 +41,28 @@ from harness.testing.spawn import spawn
 pytestmark = pytest.mark.slow  # starts two processes
 
 D = 2
+
+
+def form(parameters: dict, gradients: dict, master_parameters: dict, optimizer_states: dict) -> dict:
+    """A closed form: bytes per dtype of each census category, in units of P."""
+    return {
+        "parameters": parameters,
+        "gradients": gradients,
+        "master_parameters": master_parameters,
+        "optimizer_states": optimizer_states,
+    }
+
+
 CASES = [  # (precision, grad_accum_dtype, grad_reduce_dtype, zero_stage): closed form in units of P
-    (
-        ("fp32", "fp32", "fp32", 0),
-        {"parameters": {"fp32": 4}, "gradients": {"fp32": 4}, "master_parameters": {}, "optimizer_states": {"fp32": 8}},
-    ),
-    (
-        ("fp32", "fp32", "fp32", 1),
-        {
-            "parameters": {"fp32": 4},
-            "gradients": {"fp32": 4},
-            "master_parameters": {},
-            "optimizer_states": {"fp32": 8 / D},
-        },
-    ),
-    (
-        ("bf16", "fp32", "fp32", 0),
-        {
-            "parameters": {"bf16": 2},
-            "gradients": {"fp32": 4},
-            "master_parameters": {"fp32": 4},
-            "optimizer_states": {"fp32": 8},
-        },
-    ),
-    (
-        ("bf16", "fp32", "fp32", 1),
-        {
-            "parameters": {"bf16": 2},
-            "gradients": {"fp32": 4},
-            "master_parameters": {"fp32": 4 / D},
-            "optimizer_states": {"fp32": 8 / D},
-        },
-    ),
-    (
-        ("bf16", "fp32", "bf16", 0),
-        {
-            "parameters": {"bf16": 2},
-            "gradients": {"fp32": 4},
-            "master_parameters": {"fp32": 4},
-            "optimizer_states": {"fp32": 8},
-        },
-    ),
-    (
-        ("bf16", "fp32", "bf16", 1),
-        {
-            "parameters": {"bf16": 2},
-            "gradients": {"fp32": 4},
-            "master_parameters": {"fp32": 4 / D},
-            "optimizer_states": {"fp32": 8 / D},
-        },
-    ),
-    (
-        ("bf16", "bf16", "fp32", 0),
-        {
-            "parameters": {"bf16": 2},
-            "gradients": {"bf16": 2, "fp32": 4},
-            "master_parameters": {"fp32": 4},
-            "optimizer_states": {"fp32": 8},
-        },
-    ),
-    (
-        ("bf16", "bf16", "fp32", 1),
-        {
-            "parameters": {"bf16": 2},
-            "gradients": {"bf16": 2, "fp32": 4 / D},
-            "master_parameters": {"fp32": 4 / D},
-            "optimizer_states": {"fp32": 8 / D},
-        },
-    ),
-    (
-        ("bf16", "bf16", "bf16", 1),
-        {
-            "parameters": {"bf16": 2},
-            "gradients": {"bf16": 2, "fp32": 4 / D},
-            "master_parameters": {"fp32": 4 / D},
-            "optimizer_states": {"fp32": 8 / D},
-        },
-    ),
+    (("fp32", "fp32", "fp32", 0), form({"fp32": 4}, {"fp32": 4}, {}, {"fp32": 8})),
+    (("fp32", "fp32", "fp32", 1), form({"fp32": 4}, {"fp32": 4}, {}, {"fp32": 8 / D})),
+    (("bf16", "fp32", "fp32", 0), form({"bf16": 2}, {"fp32": 4}, {"fp32": 4}, {"fp32": 8})),
+    (("bf16", "fp32", "fp32", 1), form({"bf16": 2}, {"fp32": 4}, {"fp32": 4 / D}, {"fp32": 8 / D})),
+    (("bf16", "fp32", "bf16", 0), form({"bf16": 2}, {"fp32": 4}, {"fp32": 4}, {"fp32": 8})),
+    (("bf16", "fp32", "bf16", 1), form({"bf16": 2}, {"fp32": 4}, {"fp32": 4 / D}, {"fp32": 8 / D})),
+    (("bf16", "bf16", "fp32", 0), form({"bf16": 2}, {"bf16": 2, "fp32": 4}, {"fp32": 4}, {"fp32": 8})),
+    (("bf16", "bf16", "fp32", 1), form({"bf16": 2}, {"bf16": 2, "fp32": 4 / D}, {"fp32": 4 / D}, {"fp32": 8 / D})),
+    (("bf16", "bf16", "bf16", 1), form({"bf16": 2}, {"bf16": 2, "fp32": 4 / D}, {"fp32": 4 / D}, {"fp32": 8 / D})),
 ]
 
 

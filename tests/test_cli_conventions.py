@@ -80,12 +80,7 @@ def test_set_on_train(monkeypatch):
             [
                 "train",
                 os.path.join(REPO, "examples", "tiny.yaml"),
-                "--set",
-                "workload.seq_len=256",
-                "--set",
-                "layout.attention=naive",
-                "--set",
-                "workload.steps=3",
+                *"--set workload.seq_len=256 --set layout.attention=naive --set workload.steps=3".split(),
             ]
         )
     s = seen["spec"]
@@ -123,13 +118,10 @@ def test_set_on_sweep(capsys):
             [
                 "sweep",
                 path,
-                "--dry-run",
-                "--store",
-                "/nonexistent-dir/x.sqlite",
-                "--set",
-                "grid.attention=[naive]",
-                "--set",
-                "grid.micro_batch_size=[1]",
+                *(
+                    "--dry-run --store /nonexistent-dir/x.sqlite --set grid.attention=[naive] --set "
+                    "grid.micro_batch_size=[1]"
+                ).split(),
             ]
         )
         == 0

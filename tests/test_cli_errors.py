@@ -472,19 +472,7 @@ CASES = [  # (id, files, argv, line start)
     (
         "plan-hardware-yaml",
         {"hw.yaml": "name: x\nmemory_gib: [1, 2\npeak: 3\n"},
-        [
-            "plan",
-            "--model",
-            "tiny",
-            "--seq-len",
-            "128",
-            "--global-batch-size",
-            "8",
-            "--gpus",
-            "8",
-            "--hardware",
-            "hw.yaml",
-        ],
+        [*"plan --model tiny --seq-len 128 --global-batch-size 8 --gpus 8 --hardware hw.yaml".split()],
         "error: --hardware: hw.yaml: not valid YAML: line 3, column 5",
     ),
     (

@@ -14,6 +14,7 @@ import sys
 import pytest
 import tomllib
 import yaml
+from conftest import run_spec_in
 
 from harness import cli, launch
 from harness.launch import build_lock
@@ -157,14 +158,7 @@ def test_a_run_is_launched_only_after_a_stale_lock_is_removed(tmp_path, monkeypa
     monkeypatch.setattr(launch.subprocess, "Popen", popen)
     spec = {"workload": {"model": "tiny", "device": "cpu"}, "layout": {"engine": "deepspeed", "dp": 2}}
     with pytest.raises(Launched):
-        launch.run_spec(
-            spec,
-            nproc=2,
-            launcher="deepspeed",
-            store_path=str(tmp_path / "r.sqlite"),
-            timeout_s=60,
-            log_dir=str(tmp_path / "logs"),
-        )
+        run_spec_in(tmp_path, spec, 2, "deepspeed", 60)
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"warning: removed a stale torch extension build lock {stale} "), err
 

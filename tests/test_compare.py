@@ -14,16 +14,9 @@ from harness.errors import SpecError
 from harness.report.compare import write_report
 from harness.report.compare_layouts import layout_matrix
 from harness.store import ResultsStore
+from harness.testing.workloads import tiny_workload
 
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": 2,
-    "warmup_steps": 1,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload()
 REF = [5.5, 5.4, 5.3]
 POLICY_FP32 = "fp32 throughout: parameters, gradients, optimizer states and every collective"
 
@@ -463,6 +456,8 @@ def test_an_engines_own_default_is_shown_where_runs_differ_by_it(tmp_path):
     )
     assert differing_fields(summary) == ["attention"]
     assert differs_texts(summary) == ["attention=sdpa", "attention=naive"]
+    header, rows = layout_matrix(summary)  # one layout, each engine at its own default: one row, no dash
+    assert len(rows) == 1 and all(cell.endswith(" pass") for cell in rows[0][1:]), rows
     for run in summary["runs"]:  # records that name only what their spec gave
         run["layout"] = {"engine": run["layout"]["engine"], "dp": run["layout"]["dp"]}
     assert differing_fields(summary) == ["attention"]

@@ -43,21 +43,10 @@ def test_llama3_8b_at_128k_tokens_on_64_h100_puts_a_cp_layout_on_top(capsys):
     # the command a user with this question runs (the llama3-8b preset is Llama 3.1 8B's config: 131,072 positions)
     code, out, _ = run(
         capsys,
-        "plan",
-        "--model",
-        "llama3-8b",
-        "--seq-len",
-        "131072",
-        "--global-batch-size",
-        "64",
-        "--gpus",
-        "64",
-        "--hardware",
-        "h100-sxm",
-        "--format",
-        "json",
-        "--top",
-        "1",
+        *(
+            "plan --model llama3-8b --seq-len 131072 --global-batch-size 64 --gpus 64 --hardware h100-sxm --format "
+            "json --top 1"
+        ).split(),
     )
     assert code == 0
     top = json.loads(out)[0]
@@ -66,25 +55,10 @@ def test_llama3_8b_at_128k_tokens_on_64_h100_puts_a_cp_layout_on_top(capsys):
 
 def test_where_nothing_fits_without_cp_the_plan_proposes_cp_and_says_so(capsys):
     argv = [
-        "plan",
-        "--model",
-        "llama3-8b",
-        "--seq-len",
-        "262144",
-        "--global-batch-size",
-        "8",
-        "--gpus",
-        "16",
-        "--hardware",
-        "h100-sxm",
-        "--max-positions",
-        "262144",
-        "--attention",
-        "flash2",
-        "--rmsnorm",
-        "fused",
-        "--top",
-        "3",
+        *(
+            "plan --model llama3-8b --seq-len 262144 --global-batch-size 8 --gpus 16 --hardware h100-sxm "
+            "--max-positions 262144 --attention flash2 --rmsnorm fused --top 3"
+        ).split()
     ]
     code, out, _ = run(capsys, *argv, "--format", "json")
     rows = json.loads(out)
@@ -138,19 +112,7 @@ def test_megatron_plan_says_why_it_has_no_cp(capsys):
     """Unasked, the plan says why it offers no cp > 1; asked for cp 2 (or an implementation the engine does
     not run), it refuses in one line before planning (the reason from the engine's facts)."""
     args = (
-        "plan",
-        "--model",
-        "llama3-8b",
-        "--seq-len",
-        "8192",
-        "--global-batch-size",
-        "16",
-        "--gpus",
-        "8",
-        "--hardware",
-        "h100-sxm",
-        "--top",
-        "1",
+        *"plan --model llama3-8b --seq-len 8192 --global-batch-size 16 --gpus 8 --hardware h100-sxm --top 1".split(),
     )
     code, out, _ = run(capsys, *args, "--engine", "megatron")
     assert code == 0 and "no cp > 1 candidates under engine megatron: " in out and "Transformer Engine" in out
@@ -279,26 +241,10 @@ def test_an_emitted_sweep_carries_cp_and_the_harness_takes_it(tmp_path, capsys, 
     out = tmp_path / "cp.yaml"
     code, _, _ = run(
         capsys,
-        "plan",
-        "--model",
-        "tiny",
-        "--seq-len",
-        "64",
-        "--global-batch-size",
-        "8",
-        "--gpus",
-        "4",
-        "--hardware",
-        "cpu",
-        "--rmsnorm",
-        "torch",
-        "--attention",
-        "naive",
-        "--cp",
-        "2",
-        "--top",
-        "4",
-        "--emit-sweep",
+        *(
+            "plan --model tiny --seq-len 64 --global-batch-size 8 --gpus 4 --hardware cpu --rmsnorm torch "
+            "--attention naive --cp 2 --top 4 --emit-sweep"
+        ).split(),
         str(out),
     )
     assert code == 0

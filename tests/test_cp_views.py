@@ -10,12 +10,13 @@ import json
 import os
 
 import pytest
+from conftest import profiled_record
 
 from harness.compare.spec import load_compare_spec
 from harness.report.build import sections_for
 from harness.report.compare_steps import breakdown_rows, why_section
 from harness.report.summary import summary_lines
-from harness.store import export, new_record
+from harness.store import export
 from harness.testing.synthetic import make_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,23 +36,8 @@ def record(step: float, layout: dict, parts: dict, sweep: str = "cp") -> dict:
         "rmsnorm": "torch",
         **layout,
     }
-    rec = new_record(
-        {"workload": {"model": "tiny-256", "seq_len": 4096, "global_batch_size": 2}, "layout": lay},
-        sweep=sweep,
-        point_key=json.dumps(layout, sort_keys=True),
-    )
-    rec.update(
-        status="ok",
-        fingerprint={"world_size": 2},
-        metrics={
-            "step_time_s": {"median": step / 1e3, "ci95_low": step / 1e3, "ci95_high": step / 1e3, "n": 4},
-            "tokens_per_s_per_device": 1e6 / step,
-            "breakdown_ms": {**parts, "step": step},
-            "breakdown_source": "profiler",
-            "collectives": [],
-        },
-    )
-    return rec
+    spec = {"workload": {"model": "tiny-256", "seq_len": 4096, "global_batch_size": 2}, "layout": lay}
+    return profiled_record(spec, step, parts, 2, 1e6 / step, sweep=sweep, point_key=json.dumps(layout, sort_keys=True))
 
 
 # dp2 against cp2 ring and cp2 ulysses at two ranks; the ring's step carries 30 ms of exposed cp traffic

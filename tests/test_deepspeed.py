@@ -12,17 +12,10 @@ from harness.frameworks.deepspeed.config import DS_CONFIG_DIR, build_config
 from harness.spec import parse_spec
 from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
+from harness.testing.workloads import tiny_workload
 
 STEPS = 5
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": STEPS,
-    "warmup_steps": 0,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload(steps=STEPS, warmup_steps=0)
 
 
 def ds_spec(stage=1, ds_config="", **layout):

@@ -16,19 +16,10 @@ from harness.frameworks.deepspeed.config import build_config
 from harness.spec import parse_spec
 from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
+from harness.testing.workloads import tiny_workload
 
 STEPS = 5
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": STEPS,
-    "warmup_steps": 0,
-    "device": "cpu",
-    "precision": "fp32",
-    "optimizer": {"lr": 1.0, "eps": 1.0},
-    "grad_clip": 0.5,
-}
+WORKLOAD = tiny_workload(steps=STEPS, warmup_steps=0, optimizer={"lr": 1.0, "eps": 1.0}, grad_clip=0.5)
 PLANTED_SEED = 4321
 
 # world size -> layouts run in one launch (micro_batch_size 2 unless given)

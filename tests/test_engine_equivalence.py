@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_case_matches_reference
 
 from harness.engine.comm_model import rank_comm
 from harness.model.presets import resolve_shape
 from harness.testing import equivalence as E
-from harness.testing.reference import mismatches
 
 FOUR = {"model_overrides": {"layers": 4}}
 BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL = E.BF16_LOSS_RTOL, E.BF16_WEIGHTS_RTOL
@@ -184,14 +184,8 @@ def test_matches_single_device(launched, world, index):
     per_rank = launched(world)
     case = CASES[world][index]
     ref_losses, ref_state = E.reference(case)
-    result = per_rank[0][index]
-    assert result["state"] is not None
-    rtol = case.get("rtol", 1e-5)
-    bad = mismatches({"losses": result["losses"]}, ref_losses, None, rtol)
-    bad += mismatches(result, ref_losses, ref_state, case.get("weights_rtol", rtol))
-    assert not bad, "\n".join(bad)
-    for r in range(world):  # every rank reports the same global loss
-        assert per_rank[r][index]["losses"] == result["losses"]
+    assert per_rank[0][index]["state"] is not None
+    assert_case_matches_reference(per_rank, world, index, case, ref_losses, ref_state)
 
 
 @pytest.mark.parametrize("world,index", PARAMS)

@@ -7,20 +7,14 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import IN_PROCESS_SWEEP
 
 from harness import launch
 from harness.store import SCHEMA_VERSION, ResultsStore
+from harness.testing.workloads import tiny_workload
 
 REFUSAL = "error: layout.attention: flash2 needs a CUDA device; this machine has none"
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": 2,
-    "warmup_steps": 1,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload()
 
 
 def _refusing_module(tmp_path) -> dict:
@@ -93,15 +87,7 @@ def test_every_view_shows_the_error_line(tmp_path, monkeypatch):
     lines = []
     sweep = parse_sweep({"name": "s", "gpus": 1, "workload": dict(WORKLOAD), "layout": {"attention": "flash2"}})
     store = str(tmp_path / "r.sqlite")
-    counts = run_sweep(
-        sweep,
-        launcher="direct",
-        store_path=store,
-        timeout_s=60,
-        progress=False,
-        echo=lines.append,
-        log_dir=str(tmp_path / "logs"),
-    )
+    counts = run_sweep(sweep, store_path=store, echo=lines.append, log_dir=str(tmp_path / "logs"), **IN_PROCESS_SWEEP)
     assert counts["failed"] == 1
     (rec,) = [r for r in ResultsStore(store).records() if r.get("sweep") == "s"]
     row = to_row(rec)

@@ -6,19 +6,12 @@ import pytest
 
 from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
+from harness.testing.workloads import tiny_workload
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS = 5
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": STEPS,
-    "warmup_steps": 0,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload(steps=STEPS, warmup_steps=0)
 
 
 def test_fsdp2_matches_single_device_reference():

@@ -9,33 +9,21 @@ from harness import registry
 from harness.errors import SpecError
 from harness.model.llama import cp_token_index
 from harness.spec import parse_spec
+from harness.testing.workloads import tiny_workload
 
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 4,
-    "steps": 2,
-    "warmup_steps": 0,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload(global_batch_size=4, warmup_steps=0)
+
+
+CP_LAYOUT = dict(engine="fsdp", cp=2, cp_impl="allgather", dp=1, micro_batch_size=2, attention="sdpa")
+
+
+def cp_layout(**layout) -> dict:
+    """CP_LAYOUT (engine fsdp at cp 2, allgather, sdpa) with `layout` changed or added."""
+    return {**CP_LAYOUT, **layout}
 
 
 def cp_spec(device="cpu", **layout):
-    return parse_spec(
-        {
-            "workload": {**WORKLOAD, "device": device},
-            "layout": {
-                "engine": "fsdp",
-                "cp": 2,
-                "cp_impl": "allgather",
-                "dp": 1,
-                "micro_batch_size": 2,
-                "attention": "sdpa",
-                **layout,
-            },
-        }
-    )
+    return parse_spec({"workload": {**WORKLOAD, "device": device}, "layout": cp_layout(**layout)})
 
 
 @pytest.mark.parametrize("device", ["cpu", "auto"])
@@ -67,20 +55,7 @@ def test_cp_passes_the_preflight_on_cuda_and_cp1_on_cpu():
 def test_what_does_not_combine_with_context_parallel_refused(layout, field, words):
     model = layout.pop("model", "tiny")
     with pytest.raises(SpecError) as e:
-        parse_spec(
-            {
-                "workload": {**WORKLOAD, "model": model},
-                "layout": {
-                    "engine": "fsdp",
-                    "cp": 2,
-                    "cp_impl": "allgather",
-                    "dp": 1,
-                    "micro_batch_size": 2,
-                    "attention": "sdpa",
-                    **layout,
-                },
-            }
-        )
+        parse_spec({"workload": {**WORKLOAD, "model": model}, "layout": cp_layout(**layout)})
     assert e.value.field == field and words in e.value.reason
 
 

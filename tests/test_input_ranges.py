@@ -293,19 +293,7 @@ def test_a_slurm_value_that_sbatch_would_misread_is_refused(slurm, field, reason
     ],
 )
 def test_the_planners_flags_have_the_ranges_of_a_spec(no_launch, one_line_error, flags, line):
-    argv = [
-        "plan",
-        "--model",
-        "tiny",
-        "--seq-len",
-        "128",
-        "--global-batch-size",
-        "8",
-        "--gpus",
-        "8",
-        "--hardware",
-        "cpu",
-    ]
+    argv = [*"plan --model tiny --seq-len 128 --global-batch-size 8 --gpus 8 --hardware cpu".split()]
     for flag, value in zip(flags[::2], flags[1::2], strict=True):
         argv[argv.index(flag) + 1] = value
     assert one_line_error(cli_main(argv)).startswith(line)

@@ -13,16 +13,9 @@ import pytest
 from harness import launch
 from harness.errors import SpecError
 from harness.store import ResultsStore
+from harness.testing.workloads import tiny_workload
 
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": 2,
-    "warmup_steps": 1,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload()
 
 
 # ------------------------------------------------------------------ the same threads per process

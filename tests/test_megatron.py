@@ -20,21 +20,14 @@ import pytest
 
 from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import spawn
+from harness.testing.workloads import tiny_workload
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS = 3
-WORKLOAD = {
-    "model": "tiny",
-    "model_overrides": {"layers": 4},
-    "seq_len": 16,
-    "global_batch_size": 8,
-    "steps": STEPS,
-    "warmup_steps": 0,
-    "device": "cpu",
-    "precision": "fp32",
-    "optimizer": {"lr": 1.0, "eps": 1.0},
-}  # as harness/testing/equivalence.py: Adam's step follows the gradient
+WORKLOAD = tiny_workload(
+    model_overrides={"layers": 4}, seq_len=16, steps=STEPS, warmup_steps=0, optimizer={"lr": 1.0, "eps": 1.0}
+)  # as harness/testing/equivalence.py: Adam's step follows the gradient
 LAYOUT = {"engine": "megatron", "attention": "naive"}
 
 BF16 = {"precision": "bf16"}

@@ -12,6 +12,7 @@ import math
 import shlex
 
 import pytest
+from conftest import megatron_parser
 
 from harness.model.presets import PRESETS, resolve_shape
 from harness.planner.layout import PlannerLayout, Workload
@@ -110,21 +111,10 @@ def _plan(*argv) -> tuple[int, str, str]:
 
 def test_plan_engine_megatron_offers_only_even_splits_and_zero_0_or_1():
     code, out, _ = _plan(
-        "plan",
-        "--model",
-        "tiny-256",
-        "--seq-len",
-        "64",
-        "--global-batch-size",
-        "8",
-        "--gpus",
-        "8",
-        "--engine",
-        "megatron",
-        "--hardware",
-        "cpu",
-        "--format",
-        "json",
+        *(
+            "plan --model tiny-256 --seq-len 64 --global-batch-size 8 --gpus 8 --engine megatron --hardware cpu "
+            "--format json"
+        ).split()
     )
     assert code == 0
     import json
@@ -132,19 +122,7 @@ def test_plan_engine_megatron_offers_only_even_splits_and_zero_0_or_1():
     rows = json.loads(out)
     assert rows and {r["pp"] for r in rows} <= {1, 2, 4}  # 4 layers: pp 8 would split them unevenly
     code, _, err = _plan(
-        "plan",
-        "--model",
-        "tiny-256",
-        "--seq-len",
-        "64",
-        "--global-batch-size",
-        "8",
-        "--gpus",
-        "2",
-        "--engine",
-        "megatron",
-        "--zero",
-        "2",
+        *"plan --model tiny-256 --seq-len 64 --global-batch-size 8 --gpus 2 --engine megatron --zero 2".split()
     )
     assert code == 2 and err.startswith("error: --zero:")
 
@@ -155,43 +133,7 @@ def test_plan_engine_megatron_offers_only_even_splits_and_zero_0_or_1():
 def megatron_args(text: str) -> argparse.Namespace:
     """Megatron-LM's pretrain_gpt.py arguments (megatron/training/arguments.py's names), strictly: an
     argument it does not know fails."""
-    p = argparse.ArgumentParser(prog="pretrain_gpt.py", exit_on_error=False)
-    for name in (
-        "tensor-model-parallel-size",
-        "pipeline-model-parallel-size",
-        "micro-batch-size",
-        "global-batch-size",
-        "seq-length",
-        "max-position-embeddings",
-        "num-layers",
-        "hidden-size",
-        "ffn-hidden-size",
-        "num-attention-heads",
-        "num-query-groups",
-        "rotary-base",
-        "recompute-num-layers",
-        "num-layers-per-virtual-pipeline-stage",
-    ):
-        p.add_argument(f"--{name}", type=int)
-    for name in ("recompute-granularity", "recompute-method", "normalization", "position-embedding-type"):
-        p.add_argument(f"--{name}")
-    for name in ("norm-epsilon", "attention-dropout", "hidden-dropout", "rope-scaling-factor"):
-        p.add_argument(f"--{name}", type=float)
-    for flag in (
-        "sequence-parallel",
-        "group-query-attention",
-        "swiglu",
-        "untie-embeddings-and-output-weights",
-        "disable-bias-linear",
-        "bf16",
-        "use-distributed-optimizer",
-        "use-flash-attn",
-        "accumulate-allreduce-grads-in-fp32",
-        "use-rope-scaling",
-        "add-qkv-bias",
-    ):
-        p.add_argument(f"--{flag}", action="store_true")
-    return p.parse_args(shlex.split(text))
+    return megatron_parser(context_parallel=False, exit_on_error=False).parse_args(shlex.split(text))
 
 
 def megatron_spec(text: str, model: str, world: int) -> dict:
@@ -255,16 +197,10 @@ def megatron_spec(text: str, model: str, world: int) -> dict:
 
 
 PLANNED_FIELDS = (
-    "tp",
-    "pp",
-    "dp",
-    "micro_batch_size",
-    "sequence_parallel",
-    "activation_checkpointing",
-    "pipeline_schedule",
-    "virtual_stages",
-    "attention",
-    "rmsnorm",
+    *(
+        "tp pp dp micro_batch_size sequence_parallel activation_checkpointing pipeline_schedule virtual_stages "
+        "attention rmsnorm"
+    ).split(),
 )
 
 
@@ -311,23 +247,10 @@ def _plan_export() -> tuple[dict, PlannerLayout]:
     """`harness plan --export megatron` on the tiny model at 2 ranks: its arguments as a megatron spec,
     and the layout the planner chose (read from the same plan's JSON, best first)."""
     args = [
-        "plan",
-        "--model",
-        "tiny",
-        "--seq-len",
-        "64",
-        "--global-batch-size",
-        "8",
-        "--gpus",
-        "2",
-        "--hardware",
-        "cpu",
-        "--engine",
-        "megatron",
-        "--attention",
-        "naive",
-        "--rmsnorm",
-        "torch",
+        *(
+            "plan --model tiny --seq-len 64 --global-batch-size 8 --gpus 2 --hardware cpu --engine megatron "
+            "--attention naive --rmsnorm torch"
+        ).split()
     ]
     code, text, _ = _plan(*args, "--export", "megatron")
     assert code == 0

@@ -35,20 +35,11 @@ TINY_CASES = [  # bf16 on 4 ranks (one launch), each rank traced against the rea
 ]
 
 
-def _tiny_spec(layout: dict):
-    return parse_spec(
-        {
-            "workload": {
-                "model": "tiny-4l",
-                "seq_len": 32,
-                "global_batch_size": 8,
-                "steps": 2,
-                "precision": "bf16",
-                "device": "cpu",
-            },
-            "layout": {"engine": "own", "rmsnorm": "torch", **layout},
-        }
-    )
+def _tiny_spec(layout: dict, model: str = "tiny-4l", precision: str = "bf16"):
+    """A spec for the real and the traced run: 2 steps of 8 sequences of 32 tokens on the CPU,
+    the torch RMSNorm; layout names the engine (own when it does not)."""
+    workload = dict(model=model, seq_len=32, global_batch_size=8, steps=2, precision=precision, device="cpu")
+    return parse_spec({"workload": workload, "layout": {"engine": "own", "rmsnorm": "torch", **layout}})
 
 
 def _real(ctx, specs):
@@ -71,23 +62,30 @@ def _real(ctx, specs):
     return out
 
 
-@pytest.mark.slow
-def test_fake_trace_equals_a_real_run():
+def _assert_traces_equal_real_runs(world: int, specs: list, labels: list[str]):
+    """Each spec run for real on `world` gloo ranks (one launch) and traced rank by rank: the
+    census and the saved bytes of every rank equal the real rank's."""
     from harness.memtrace.trace import trace_rank
     from harness.testing.spawn import spawn
 
-    real = spawn(_real, WORLD, [_tiny_spec(layout) for layout in TINY_CASES], timeout_s=300, threads=1, every_rank=True)
-    for i, layout in enumerate(TINY_CASES):
-        spec = _tiny_spec(layout)
-        for rank in range(WORLD):
+    real = spawn(_real, world, specs, timeout_s=300, threads=1, every_rank=True)
+    for i, (spec, label) in enumerate(zip(specs, labels, strict=True)):
+        for rank in range(world):
             fake = trace_rank(spec, spec.shape(), rank, full_micro=True)
             got = real[rank][i]
             assert got["census"] and got["saved"] > 0
             census = {c: by for c, by in fake.census.items() if by}
-            assert census == {c: by for c, by in got["census"].items() if by}, f"{layout} rank {rank}"
+            assert census == {c: by for c, by in got["census"].items() if by}, f"{label} rank {rank}"
             assert fake.saved_bytes_step == got["saved"], (
-                f"{layout} rank {rank}: saved {fake.saved_bytes_step} vs {got['saved']}"
+                f"{label} rank {rank}: saved {fake.saved_bytes_step} vs {got['saved']}"
             )
+
+
+@pytest.mark.slow
+def test_fake_trace_equals_a_real_run():
+    _assert_traces_equal_real_runs(
+        WORLD, [_tiny_spec(layout) for layout in TINY_CASES], [f"{layout}" for layout in TINY_CASES]
+    )
 
 
 FSDP_WORLD = 2
@@ -101,42 +99,18 @@ FSDP_CASES = [  # engine fsdp on 2 ranks (one launch): dp2 under both policies, 
 
 
 def _tiny_fsdp_spec(precision: str, layout: dict):
-    return parse_spec(
-        {
-            "workload": {
-                "model": "tiny",
-                "seq_len": 32,
-                "global_batch_size": 8,
-                "steps": 2,
-                "precision": precision,
-                "device": "cpu",
-            },
-            "layout": {"engine": "fsdp", "micro_batch_size": 2, "rmsnorm": "torch", **layout},
-        }
-    )
+    return _tiny_spec({"engine": "fsdp", "micro_batch_size": 2, **layout}, model="tiny", precision=precision)
 
 
 @pytest.mark.slow
 def test_fsdp_fake_trace_equals_a_real_run():
     """Engine fsdp (FSDP2 over dp, DTensor TP/SP): the census each rank holds at its optimizer
     step and the bytes autograd saves in a step, traced, equal a real 2-rank gloo run's."""
-    from harness.memtrace.trace import trace_rank
-    from harness.testing.spawn import spawn
-
-    real = spawn(
-        _real, FSDP_WORLD, [_tiny_fsdp_spec(*case) for case in FSDP_CASES], timeout_s=300, threads=1, every_rank=True
+    _assert_traces_equal_real_runs(
+        FSDP_WORLD,
+        [_tiny_fsdp_spec(*case) for case in FSDP_CASES],
+        [f"{precision} {layout}" for precision, layout in FSDP_CASES],
     )
-    for i, (precision, layout) in enumerate(FSDP_CASES):
-        spec = _tiny_fsdp_spec(precision, layout)
-        for rank in range(FSDP_WORLD):
-            fake = trace_rank(spec, spec.shape(), rank, full_micro=True)
-            got = real[rank][i]
-            assert got["census"] and got["saved"] > 0
-            census = {c: by for c, by in fake.census.items() if by}
-            assert census == {c: by for c, by in got["census"].items() if by}, f"{precision} {layout} rank {rank}"
-            assert fake.saved_bytes_step == got["saved"], (
-                f"{precision} {layout} rank {rank}: saved {fake.saved_bytes_step} vs {got['saved']}"
-            )
 
 
 # One layout per case; together every model, both sequence lengths, each checkpointing mode, SP
@@ -210,14 +184,32 @@ CP_AGREEMENT = [
 ]
 
 
-@pytest.mark.slow
-def test_cp_planner_agrees_with_the_trace():
+def _traced(header: str, cases: list[tuple[str, dict]]) -> list[dict]:
+    """Each (label, raw spec) parsed and traced at full size, a table row printed per trace."""
     from harness.memtrace.result import trace_spec
 
-    print("\ncp layout | traced peak GiB | planner GiB | difference | trace s")
+    print(f"\n{header} | traced peak GiB | planner GiB | difference | trace s")
     rows = []
-    for seq, layout in CP_AGREEMENT:
-        spec = parse_spec(
+    for label, raw in cases:
+        r = trace_spec(parse_spec(raw))
+        diff = (r["planner_peak_gib"] - r["traced_peak_gib"]) / r["traced_peak_gib"] * 100
+        print(f"{label} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | {diff:+.1f}% | {r['seconds']:.1f}")
+        rows.append(r)
+    return rows
+
+
+def _assert_planner_within(r: dict, rel: float):
+    """The planner's peak within rel of the traced peak, and each rank's total of its trace."""
+    assert abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= rel * r["traced_peak_gib"], r["layout"]
+    for rank in r["ranks"]:
+        assert abs(rank["planner_gib"] - rank["total_gib"]) <= rel * rank["total_gib"], (r["layout"], rank)
+
+
+@pytest.mark.slow
+def test_cp_planner_agrees_with_the_trace():
+    cases = [
+        (
+            f"llama3-8b s{seq} {layout}",
             {
                 "workload": {
                     "model": "llama3-8b",
@@ -227,20 +219,13 @@ def test_cp_planner_agrees_with_the_trace():
                     "model_overrides": {"max_positions": seq},
                 },
                 "layout": {"engine": "own", "rmsnorm": "fused", **layout},
-            }
+            },
         )
-        r = trace_spec(spec)
-        diff = (r["planner_peak_gib"] - r["traced_peak_gib"]) / r["traced_peak_gib"] * 100
-        print(
-            f"llama3-8b s{seq} {layout} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | "
-            f"{diff:+.1f}% | {r['seconds']:.1f}"
-        )
-        rows.append(r)
-    for r in rows:
+        for seq, layout in CP_AGREEMENT
+    ]
+    for r in _traced("cp layout", cases):
         assert r["layout"]["cp"] > 1
-        assert abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.05 * r["traced_peak_gib"], r["layout"]
-        for rank in r["ranks"]:
-            assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.05 * rank["total_gib"], (r["layout"], rank)
+        _assert_planner_within(r, 0.05)
 
 
 # Engine fsdp at full size (bf16, sdpa, eager RMSNorm, micro-batch 1, global batch 512): FSDP2 over
@@ -255,44 +240,39 @@ FSDP_AGREEMENT = [
 
 @pytest.mark.slow
 def test_fsdp_planner_agrees_with_the_trace():
-    from harness.memtrace.result import trace_spec
-
-    print("\nfsdp layout | traced peak GiB | planner GiB | difference | trace s")
-    rows = []
-    for model, seq, layout in FSDP_AGREEMENT:
-        spec = parse_spec(
+    cases = [
+        (
+            f"{model} s{seq} {layout}",
             {
                 "workload": {"model": model, "seq_len": seq, "global_batch_size": 512, "precision": "bf16"},
                 "layout": {"engine": "fsdp", "attention": "sdpa", "rmsnorm": "torch", **layout},
-            }
+            },
         )
-        r = trace_spec(spec)
-        diff = (r["planner_peak_gib"] - r["traced_peak_gib"]) / r["traced_peak_gib"] * 100
-        print(
-            f"{model} s{seq} {layout} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | {diff:+.1f}% "
-            f"| {r['seconds']:.1f}"
-        )
-        rows.append(r)
-    for r in rows:
+        for model, seq, layout in FSDP_AGREEMENT
+    ]
+    for r in _traced("fsdp layout", cases):
         assert r["engine"] == "fsdp", r["layout"]  # its time: benchmarks/memory_speed.py
-        assert abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.10 * r["traced_peak_gib"], r["layout"]
-        for rank in r["ranks"]:
-            assert abs(rank["planner_gib"] - rank["total_gib"]) <= 0.10 * rank["total_gib"], (r["layout"], rank)
+        _assert_planner_within(r, 0.10)
 
 
 # ---------------------------------------------------------------- fast: the command and the planner
 
 
-def test_memory_command_json(tmp_path, capsys):
+def _memory_json(capsys, spec, *sets: str) -> dict:
+    """`harness memory SPEC [--set ...] --format json`, in this process: what it prints."""
     from harness.cli import main
 
+    assert main(["memory", str(spec), *sets, "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_memory_command_json(tmp_path, capsys):
     spec = tmp_path / "s.yaml"
     spec.write_text(
         "workload: {model: tiny, seq_len: 32, global_batch_size: 4, precision: bf16}\n"
         "layout: {engine: own, tp: 2, pp: 2, dp: 1, zero_stage: 0, sequence_parallel: true}\n"
     )
-    assert main(["memory", str(spec), "--format", "json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = _memory_json(capsys, spec)
     assert {"traced_peak_gib", "planner_peak_gib", "ranks"} <= set(out)
     assert [r["stage"] for r in out["ranks"]] == [0, 1]
     for r in out["ranks"]:
@@ -312,15 +292,12 @@ def test_memory_command_fsdp(tmp_path, capsys):
     """Engine fsdp traced in this process (tiny: FSDP2 over dp with DTensor TP/SP): FSDP2's
     census (fp32 sharded parameters, their gradients, Adam states; no master copy), a live peak
     above it, both pipeline stages under pp."""
-    from harness.cli import main
-
     spec = tmp_path / "s.yaml"
     spec.write_text(
         "workload: {model: tiny, seq_len: 32, global_batch_size: 8, precision: bf16}\n"
         "layout: {engine: fsdp, tp: 2, dp: 2, sequence_parallel: true}\n"
     )
-    assert main(["memory", str(spec), "--format", "json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = _memory_json(capsys, spec)
     assert out["engine"] == "fsdp" and [r["stage"] for r in out["ranks"]] == [0]
     (r,) = out["ranks"]
     assert {c: set(by) for c, by in r["census"].items() if by} == {
@@ -331,8 +308,7 @@ def test_memory_command_fsdp(tmp_path, capsys):
     assert r["census"]["parameters"]["fp32"] == r["census"]["gradients"]["fp32"]
     assert r["census"]["parameters"]["fp32"] > 0 and r["live_peak_gib"] >= r["states_gib"]
     assert out["planner_peak_gib"] > 0
-    assert main(["memory", str(spec), "--set", "layout.pp=2", "--set", "layout.dp=1", "--format", "json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = _memory_json(capsys, spec, "--set", "layout.pp=2", "--set", "layout.dp=1")
     assert [r["stage"] for r in out["ranks"]] == [0, 1] and [r["layers"] for r in out["ranks"]] == [[[0, 1]], [[1, 2]]]
 
 
@@ -385,21 +361,10 @@ def test_plan_engine_flag(capsys):
     from harness.cli import main
 
     base = [
-        "plan",
-        "--model",
-        "paper-13b",
-        "--seq-len",
-        "2048",
-        "--global-batch-size",
-        "2048",
-        "--gpus",
-        "64",
-        "--format",
-        "json",
-        "--attention",
-        "flash2",
-        "--micro-batch-sizes",
-        "1",
+        *(
+            "plan --model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64 --format json --attention "
+            "flash2 --micro-batch-sizes 1"
+        ).split()
     ]
     got = {}
     for engine in ("own", "paper", "deepspeed", "fsdp"):

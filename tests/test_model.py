@@ -7,34 +7,10 @@ import pytest
 import torch
 
 from harness.errors import SpecError
+from harness.frameworks.deepspeed.hf_llama import to_hf_name  # the harness's own name mapping
 from harness.model.kernels import check_kernels
 from harness.model.llama import build_model, lm_loss, reference_state_dict
 from harness.model.presets import PRESETS, param_count, resolve_shape, shape_to_config
-
-HF_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-LAYER_NAMES = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def to_hf_name(name: str) -> str:
-    if name in HF_NAMES:
-        return HF_NAMES[name]
-    for ours, theirs in LAYER_NAMES.items():
-        name = name.replace(ours, theirs)
-    return "model." + name
 
 
 def test_logits_match_transformers():

@@ -14,18 +14,10 @@ from harness.errors import SpecError
 from harness.spec import parse_spec
 from harness.testing.reference import assert_matches_reference, reference_run
 from harness.testing.spawn import run_losses, spawn
+from harness.testing.workloads import tiny_workload
 
 STEPS = 3
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 16,
-    "global_batch_size": 8,
-    "steps": STEPS,
-    "warmup_steps": 0,
-    "device": "cpu",
-    "precision": "fp32",
-    "optimizer": {"lr": 1.0, "eps": 1.0},
-}
+WORKLOAD = tiny_workload(seq_len=16, steps=STEPS, warmup_steps=0, optimizer={"lr": 1.0, "eps": 1.0})
 FOUR_LAYERS = {"model_overrides": {"layers": 4}}
 
 

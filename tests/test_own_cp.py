@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_case_matches_reference
 
 from harness.engine.comm_model import rank_comm
 from harness.errors import SpecError
 from harness.model.presets import resolve_shape
 from harness.spec import layout_label, parse_spec
 from harness.testing import equivalence as E
-from harness.testing.reference import mismatches
 
 STEPS = 3
 SHORT = {"seq_len": 32, "global_batch_size": 4}
@@ -99,13 +99,7 @@ def test_matches_single_device(launched, world, index):
     per_rank = launched(world)
     case = CASES[world][index]
     ref_losses, ref_state = E.reference(case, steps=STEPS)
-    result = per_rank[0][index]
-    rtol = case.get("rtol", 1e-5)
-    bad = mismatches({"losses": result["losses"]}, ref_losses, None, rtol)
-    bad += mismatches(result, ref_losses, ref_state, case.get("weights_rtol", rtol))
-    assert not bad, "\n".join(bad)
-    for r in range(world):  # every rank reports the same global loss
-        assert per_rank[r][index]["losses"] == result["losses"], f"rank {r}"
+    assert_case_matches_reference(per_rank, world, index, case, ref_losses, ref_state)
 
 
 @pytest.mark.parametrize("world,index", PARAMS)

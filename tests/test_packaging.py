@@ -121,17 +121,9 @@ def test_readme_states_the_packaging_facts():
 # ------------------------------------------------------------------ the wheel itself (slow)
 
 _NOT_SOURCE = shutil.ignore_patterns(
-    ".git",
-    "build",
-    "dist",
-    "*.egg-info",
-    "__pycache__",
-    ".pytest_cache",
-    ".benchmarks",
-    ".venv",
-    "harness-logs",
-    "harness-slurm",
-    "*.sqlite*",
+    *(
+        ".git build dist *.egg-info __pycache__ .pytest_cache .benchmarks .venv harness-logs harness-slurm *.sqlite*"
+    ).split()
 )
 
 
@@ -227,14 +219,9 @@ def test_sdist_carries_the_shipped_folders(source_copy, tmp_path):
     with tarfile.open(tmp_path / name) as tar:
         members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
     for f in (
-        "setup.py",
-        "MANIFEST.in",
-        "LICENSE",
-        "ds_configs/zero1.json",
-        "baselines/hagemann2023_best.csv",
-        "baselines/paper_sweeps/README.md",
-        "harness/resources.py",
-    ):
+        "setup.py MANIFEST.in LICENSE ds_configs/zero1.json baselines/hagemann2023_best.csv "
+        "baselines/paper_sweeps/README.md harness/resources.py"
+    ).split():
         assert f in members, f
 
 

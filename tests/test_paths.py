@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import yaml
+from conftest import IN_PROCESS_SWEEP, ok_run_spec
 
 from harness import launch
 from harness.cli import build_parser
@@ -223,23 +224,8 @@ def test_sweep_logs_go_next_to_a_relative_store_as_given(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     dirs = []
-
-    def run_spec(spec, *, store_path, sweep, point_key, log_dir, **kw):
-        dirs.append(log_dir)
-        rec = new_record(spec, sweep=sweep, point_key=point_key)
-        rec["status"] = "ok"
-        ResultsStore(store_path).write(rec)
-        return rec
-
-    monkeypatch.setattr(launch, "run_spec", run_spec)
+    monkeypatch.setattr(launch, "run_spec", ok_run_spec(dirs, "log_dir"))
     os.mkdir("out")
     spec = parse_sweep({"name": "s", "gpus": 1, "workload": TINY, "grid": {"workload.seed": [1, 2]}})
-    run_sweep(
-        spec,
-        launcher="direct",
-        store_path=os.path.join("out", "r.sqlite"),
-        timeout_s=60,
-        progress=False,
-        echo=lambda *a: None,
-    )
+    run_sweep(spec, store_path=os.path.join("out", "r.sqlite"), echo=lambda *a: None, **IN_PROCESS_SWEEP)
     assert dirs == [os.path.join("out", "harness-logs", "s")] * 2

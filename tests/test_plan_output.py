@@ -4,7 +4,6 @@ and a plan path that imports no torch."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sqlite3
@@ -14,7 +13,7 @@ import sys
 import pytest
 import tomllib
 import yaml
-from conftest import heavy_imports_after
+from conftest import heavy_imports_after, megatron_parser
 
 from harness.cli import main as cli
 from harness.model.presets import PRESETS
@@ -124,48 +123,6 @@ def test_export_deepspeed_layout_fields():
     assert not exportable(PlannerLayout(2, 1, 32, 1), "deepspeed")
 
 
-def megatron_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pretrain_gpt.py")
-    for name in (
-        "tensor-model-parallel-size",
-        "pipeline-model-parallel-size",
-        "micro-batch-size",
-        "global-batch-size",
-        "seq-length",
-        "max-position-embeddings",
-        "num-layers",
-        "hidden-size",
-        "ffn-hidden-size",
-        "num-attention-heads",
-        "num-query-groups",
-        "rotary-base",
-        "recompute-num-layers",
-        "num-layers-per-virtual-pipeline-stage",
-        "context-parallel-size",
-    ):
-        p.add_argument(f"--{name}", type=int)
-    p.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
-    for name in ("recompute-granularity", "recompute-method", "normalization", "position-embedding-type"):
-        p.add_argument(f"--{name}")
-    for name in ("norm-epsilon", "attention-dropout", "hidden-dropout", "rope-scaling-factor"):
-        p.add_argument(f"--{name}", type=float)
-    for flag in (
-        "sequence-parallel",
-        "group-query-attention",
-        "swiglu",
-        "untie-embeddings-and-output-weights",
-        "disable-bias-linear",
-        "bf16",
-        "use-distributed-optimizer",
-        "use-flash-attn",
-        "accumulate-allreduce-grads-in-fp32",
-        "use-rope-scaling",
-        "add-qkv-bias",
-    ):
-        p.add_argument(f"--{flag}", action="store_true")
-    return p
-
-
 def test_export_megatron_cli(capsys):
     code, out, err = run(capsys, *PLAN_13B, "--export", "megatron")
     assert code == 0
@@ -226,25 +183,10 @@ def test_export_megatron_carries_cp(impl, comm):
 def test_export_megatron_cli_of_a_cp_plan(capsys):
     code, out, err = run(
         capsys,
-        "plan",
-        "--model",
-        "llama3-8b",
-        "--seq-len",
-        "65536",
-        "--global-batch-size",
-        "32",
-        "--gpus",
-        "16",
-        "--hardware",
-        "h100-sxm",
-        "--max-positions",
-        "65536",
-        "--cp",
-        "4",
-        "--attention",
-        "flash2",
-        "--export",
-        "megatron",
+        *(
+            "plan --model llama3-8b --seq-len 65536 --global-batch-size 32 --gpus 16 --hardware h100-sxm "
+            "--max-positions 65536 --cp 4 --attention flash2 --export megatron"
+        ).split(),
     )
     assert code == 0
     a = megatron_parser().parse_args(shlex.split(out))  # strict: an unknown flag fails
@@ -255,24 +197,15 @@ def test_export_megatron_cli_of_a_cp_plan(capsys):
 # torchtitan/config/job_config.py (pytorch/torchtitan): the fields the export may write.
 TORCHTITAN_FIELDS = {
     "training": {
-        "local_batch_size",
-        "global_batch_size",
-        "seq_len",
-        "max_norm",
-        "mixed_precision_param",
-        "mixed_precision_reduce",
+        *"local_batch_size global_batch_size seq_len max_norm mixed_precision_param mixed_precision_reduce".split()
     },
     "parallelism": {
-        "data_parallel_replicate_degree",
-        "data_parallel_shard_degree",
-        "fsdp_reshard_after_forward",
-        "tensor_parallel_degree",
-        "enable_async_tensor_parallel",
-        "pipeline_parallel_degree",
-        "pipeline_parallel_schedule",
-        "pipeline_parallel_microbatch_size",
-        "context_parallel_degree",
-        "context_parallel_rotate_method",
+        *(
+            "data_parallel_replicate_degree data_parallel_shard_degree fsdp_reshard_after_forward "
+            "tensor_parallel_degree enable_async_tensor_parallel pipeline_parallel_degree "
+            "pipeline_parallel_schedule pipeline_parallel_microbatch_size context_parallel_degree "
+            "context_parallel_rotate_method"
+        ).split()
     },
     "activation_checkpoint": {"mode", "selective_ac_option"},
 }
@@ -338,39 +271,14 @@ def test_export_deepspeed_carries_ulysses_only():
 
 def test_export_refuses_when_nothing_fits(capsys):
     code, _, err = run(
-        capsys,
-        "plan",
-        "--model",
-        "paper-65b",
-        "--seq-len",
-        "2048",
-        "--global-batch-size",
-        "64",
-        "--gpus",
-        "1",
-        "--export",
-        "megatron",
+        capsys, *"plan --model paper-65b --seq-len 2048 --global-batch-size 64 --gpus 1 --export megatron".split()
     )
     assert code == 2 and "error: --export:" in err
 
 
 # ---------------------------------------------------------------- --emit-sweep
 
-TINY = [
-    "plan",
-    "--model",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--global-batch-size",
-    "8",
-    "--gpus",
-    "2",
-    "--hardware",
-    "cpu",
-    "--rmsnorm",
-    "torch",
-]
+TINY = [*"plan --model tiny --seq-len 64 --global-batch-size 8 --gpus 2 --hardware cpu --rmsnorm torch".split()]
 
 
 def test_emitted_sweep_is_a_sweep_this_harness_runs(tmp_path, capsys, monkeypatch):

@@ -154,46 +154,19 @@ def test_planner_kernels_are_the_harness_ones_and_the_study_extras():
 @pytest.mark.slow  # runs the CLI in a process
 def test_cli_json_contract():
     r = run_cli(
-        "--model",
-        "paper-13b",
-        "--seq-len",
-        "2048",
-        "--global-batch-size",
-        "2048",
-        "--gpus",
-        "64",
-        "--gpus-per-node",
-        "8",
-        "--hardware",
-        "a100-80gb",
-        "--attention",
-        "flash2",
-        "--rmsnorm",
-        "fused",
-        "--format",
-        "json",
-        "--top",
-        "5",
+        *(
+            "--model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64 --gpus-per-node 8 --hardware "
+            "a100-80gb --attention flash2 --rmsnorm fused --format json --top 5"
+        ).split()
     )
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert len(rows) == 5
     assert set(rows[0]) == {
-        "tp",
-        "cp",
-        "cp_impl",
-        "pp",
-        "dp",
-        "micro_batch_size",
-        "activation_checkpointing",
-        "sequence_parallel",
-        "attention",
-        "rmsnorm",
-        "zero",
-        "fits",
-        "memory_gib",
-        "step_time_s",
-        "mfu",
+        *(
+            "tp cp cp_impl pp dp micro_batch_size activation_checkpointing sequence_parallel attention rmsnorm zero "
+            "fits memory_gib step_time_s mfu"
+        ).split()
     }
     assert all(r_["fits"] for r_ in rows) and rows[0]["mfu"] >= rows[-1]["mfu"]
 
@@ -215,22 +188,10 @@ def test_cli_errors_exit_2():
 def test_emit_sweep_and_explain(tmp_path):
     out = tmp_path / "sweep.yaml"
     r = run_cli(
-        "--model",
-        "paper-13b",
-        "--seq-len",
-        "2048",
-        "--global-batch-size",
-        "2048",
-        "--gpus",
-        "32",
-        "--attention",
-        "flash2",
-        "--rmsnorm",
-        "fused,torch",
-        "--top",
-        "3",
-        "--explain",
-        "--emit-sweep",
+        *(
+            "--model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 32 --attention flash2 --rmsnorm "
+            "fused,torch --top 3 --explain --emit-sweep"
+        ).split(),
         str(out),
     )
     assert r.returncode == 0, r.stderr
@@ -244,20 +205,10 @@ def test_emit_sweep_and_explain(tmp_path):
 @pytest.mark.slow  # runs the CLI in a process
 def test_table_marks_layouts_within_the_calibration_error():
     args = (
-        "--model",
-        "paper-13b",
-        "--seq-len",
-        "2048",
-        "--global-batch-size",
-        "2048",
-        "--gpus",
-        "64",
-        "--attention",
-        "flash2",
-        "--rmsnorm",
-        "fused",
-        "--top",
-        "40",
+        *(
+            "--model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64 --attention flash2 --rmsnorm fused "
+            "--top 40"
+        ).split(),
     )
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr
@@ -275,20 +226,7 @@ def test_table_marks_layouts_within_the_calibration_error():
 @pytest.mark.slow  # runs the CLI in a process
 def test_65b_over_4096_gpus_through_the_cli():
     """The speed target (under 1 s) is a benchmark, benchmarks/plan_speed.py, not a timed test."""
-    r = run_cli(
-        "--model",
-        "paper-65b",
-        "--seq-len",
-        "2048",
-        "--global-batch-size",
-        "2048",
-        "--gpus",
-        "4096",
-        "--format",
-        "json",
-        "--top",
-        "3",
-    )
+    r = run_cli(*"--model paper-65b --seq-len 2048 --global-batch-size 2048 --gpus 4096 --format json --top 3".split())
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert len(rows) == 3 and all(row["tp"] * row["pp"] * row["dp"] == 4096 and row["fits"] for row in rows)
@@ -374,21 +312,12 @@ def test_calibrate_on_synthetic_cpu_store_predicts_held_back_run(tmp_path):
     prof, report = calibrate_from_records(train, base)
     assert report["samples"] == len(grid) and report["median_abs_error_pct"] < 5
     model, tp, pp, dp, mb, seq, gbs = held_back
-    got = predict(
-        PRESETS[model],
-        PlannerLayout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
-        Workload(seq, gbs, 4),
-        prof,
-    ).step_time_s
+    held_lay = PlannerLayout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0)
+    got = predict(PRESETS[model], held_lay, Workload(seq, gbs, 4), prof).step_time_s
     want = recs[-1]["metrics"]["step_time_s"]["median"]
     assert abs(got - want) / want < 0.15
     # the uncalibrated profile is far off, so the test means something
-    raw = predict(
-        PRESETS[model],
-        PlannerLayout(tp, pp, dp, mb, attention="naive", rmsnorm="torch", zero_stage=0),
-        Workload(seq, gbs, 4),
-        base,
-    ).step_time_s
+    raw = predict(PRESETS[model], held_lay, Workload(seq, gbs, 4), base).step_time_s
     assert abs(raw - want) / want > 0.3
 
 

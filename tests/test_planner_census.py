@@ -9,18 +9,11 @@ import pytest
 from harness.model.presets import param_count, resolve_shape
 from harness.planner.memory_engines import model_states
 from harness.testing.spawn import spawn
+from harness.testing.workloads import tiny_workload
 
 pytestmark = pytest.mark.slow  # starts two processes
 
-WORKLOAD = {
-    "model": "tiny-256",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": 1,
-    "warmup_steps": 0,
-    "precision": "bf16",
-    "device": "cpu",
-}
+WORKLOAD = tiny_workload(model="tiny-256", steps=1, warmup_steps=0, precision="bf16")
 LAYOUTS = [
     {"engine": "own", "zero_stage": 0},
     {"engine": "own", "zero_stage": 1},

@@ -68,16 +68,7 @@ def predicted_held_back(capsys, hardware: str) -> float:
         hardware,
         "--micro-batch-sizes",
         str(r["micro_batch_size"]),
-        "--attention",
-        "sdpa",
-        "--rmsnorm",
-        "torch",
-        "--activation-checkpointing",
-        "none",
-        "--zero",
-        "0",
-        "--format",
-        "json",
+        *"--attention sdpa --rmsnorm torch --activation-checkpointing none --zero 0 --format json".split(),
     )
     (row,) = json.loads(out)
     return row["step_time_s"]

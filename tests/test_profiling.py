@@ -17,6 +17,7 @@ from harness.profiling import analysis, intervals
 from harness.profiling.annotate import CALL, WORLD, AxisOf, range_name
 from harness.profiling.record import from_instrumented
 from harness.profiling.trace import bounded
+from harness.testing.workloads import tiny_workload
 
 # ---------------------------------------------------------------- quick: interval algebra
 
@@ -216,15 +217,7 @@ def _parts(b: dict) -> float:
 
 # ---------------------------------------------------------------- slow: real runs, shared launches
 
-TINY = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": 2,
-    "warmup_steps": 1,
-    "precision": "fp32",
-    "device": "cpu",
-}
+TINY = tiny_workload()
 SLEEP_S = 0.05
 
 
@@ -283,14 +276,9 @@ def _run_cases(ctx, cases):
                 **{
                     k: m.get(k)
                     for k in (
-                        "breakdown_ms",
-                        "breakdown_ms_by_rank",
-                        "breakdown_instrumented_ms",
-                        "breakdown_instrumented_ms_by_rank",
-                        "breakdown_source",
-                        "collectives",
-                        "breakdown_error",
-                    )
+                        "breakdown_ms breakdown_ms_by_rank breakdown_instrumented_ms "
+                        "breakdown_instrumented_ms_by_rank breakdown_source collectives breakdown_error"
+                    ).split()
                 },
             }
         )

@@ -16,19 +16,10 @@ from harness.store import ResultsStore, new_record
 from harness.testing.synthetic import make_records
 
 SECTIONS = [
-    "overview",
-    "best",
-    "micro-batch",
-    "tp-pp",
-    "kernels",
-    "checkpointing",
-    "sequence-parallel",
-    "frameworks",
-    "breakdown",
-    "timeline",
-    "failures",
-    "baselines",
-    "recommendations",
+    *(
+        "overview best micro-batch tp-pp kernels checkpointing sequence-parallel frameworks breakdown timeline "
+        "failures baselines recommendations"
+    ).split()
 ]
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 
@@ -45,16 +36,9 @@ def test_all_sections_and_images(report_dir):
     for sid in SECTIONS:
         assert f"<section id='{sid}'>" in page
     imgs = re.findall(r"<img id='img-([\w-]+)' alt='[^']*' src='data:image/svg\+xml;base64,", page)
-    for prefix in (
-        "micro-batch",
-        "tp-pp-0",
-        "kernels-0",
-        "checkpointing-0",
-        "sequence-parallel-0",
-        "frameworks-0",
-        "breakdown-0",
-        "timeline",
-    ):
+    for (
+        prefix
+    ) in "micro-batch tp-pp-0 kernels-0 checkpointing-0 sequence-parallel-0 frameworks-0 breakdown-0 timeline".split():
         assert prefix in imgs
     md = (report_dir / "report.md").read_text()
     assert "## Measured against quoted" in md and "QUOTED 70.6%" in md and "arXiv 2311.05610" in md
@@ -127,14 +111,10 @@ def _chromium(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     profile.mkdir(exist_ok=True)
     cmd = [
         CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--disable-dev-shm-usage",
+        *(
+            "--headless --no-sandbox --disable-gpu --disable-background-networking --disable-component-update "
+            "--disable-sync --no-first-run --disable-dev-shm-usage"
+        ).split(),
         f"--user-data-dir={profile}",
         "--virtual-time-budget=5000",
         *args,

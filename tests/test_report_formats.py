@@ -19,16 +19,9 @@ from harness.report.compare import results_table, write_report
 from harness.report.data import choose_metric, to_row
 from harness.store import ResultsStore, export, fields, new_record
 from harness.testing.synthetic import make_records
+from harness.testing.workloads import tiny_workload
 
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": 3,
-    "warmup_steps": 1,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload(steps=3)
 
 
 def _launch(spec, *, nproc, launcher, store_path, timeout_s, sweep, point_key, log_dir):

@@ -23,16 +23,9 @@ from harness.report.compare import figures, results_table, write_report
 from harness.report.compare_layouts import differing_fields, layout_matrix
 from harness.store import ResultsStore
 from harness.testing.synthetic import make_records
+from harness.testing.workloads import tiny_workload
 
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": 12,
-    "warmup_steps": 2,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload(steps=12, warmup_steps=2)
 FP = {"hosts": ["n1"], "device_name": "cpu", "torch": "2.13.0"}
 
 

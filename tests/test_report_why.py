@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import profiled_record
 
 from harness.compare.orchestrate import run_comparison
 from harness.compare.spec import parse_compare_spec
@@ -16,18 +17,11 @@ from harness.report.compare import sections, write_report
 from harness.report.compare_steps import breakdown_rows, collective_rows, trace_items
 from harness.report.data import breakdown_of, layout_key
 from harness.report.why import Case, comparisons, explain
-from harness.store import ResultsStore, new_record
+from harness.store import ResultsStore
 from harness.testing.synthetic import make_records
+from harness.testing.workloads import tiny_workload
 
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 8,
-    "steps": 4,
-    "warmup_steps": 1,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload(steps=4)
 RUNS = [
     {"engine": "own", "tp": 2},
     {"engine": "fsdp", "tp": 2},
@@ -289,23 +283,8 @@ def sweep_record(step, layout, parts) -> dict:
         "activation_checkpointing": "none",
         **layout,
     }
-    rec = new_record(
-        {"workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 8}, "layout": lay},
-        sweep="s",
-        point_key=json.dumps(layout),
-    )
-    rec.update(
-        status="ok",
-        fingerprint={"world_size": 4},
-        metrics={
-            "step_time_s": {"median": step / 1e3, "ci95_low": step / 1e3, "ci95_high": step / 1e3, "n": 4},
-            "tokens_per_s_per_device": 1e3 / step,
-            "breakdown_ms": {**parts, "step": step},
-            "breakdown_source": "profiler",
-            "collectives": [],
-        },
-    )
-    return rec
+    spec = {"workload": {"model": "tiny", "seq_len": 32, "global_batch_size": 8}, "layout": lay}
+    return profiled_record(spec, step, parts, 4, 1e3 / step, sweep="s", point_key=json.dumps(layout))
 
 
 SWEEP = [

@@ -17,12 +17,12 @@ import shutil
 import signal
 import sqlite3
 import subprocess
-import sys
 import tempfile
 import time
 
 import pytest
 import yaml
+from conftest import IN_PROCESS_SWEEP, ok_run_spec, run_cli, start_cli
 
 from harness import launch
 from harness.cli import main as cli_main
@@ -93,25 +93,15 @@ def test_full_disk_stops_the_sweep_with_finished_points_intact_then_resumes(tmp_
     spec = parse_sweep({**SWEEP, "grid": {"workload.seed": [1, 2, 3]}})
     path = str(tmp_path / "r.sqlite")
     ran = []
-
-    def run_spec(spec_dict, *, store_path, sweep, point_key, **kw):
-        ran.append(point_key)
-        rec = new_record(spec_dict, sweep=sweep, point_key=point_key)
-        rec["status"] = "ok"
-        ResultsStore(store_path).write(rec)
-        return rec
-
-    monkeypatch.setattr(launch, "run_spec", run_spec)
+    monkeypatch.setattr(launch, "run_spec", ok_run_spec(ran))
     heal = _failing_store(monkeypatch, after=1)
     with pytest.raises(StoreError, match="the record is saved in"):
-        run_sweep(spec, launcher="direct", store_path=path, timeout_s=60, progress=False, echo=lambda *a: None)
+        run_sweep(spec, store_path=path, echo=lambda *a: None, **IN_PROCESS_SWEEP)
     assert len(ran) == 2  # the third point never started
     assert [r["point_key"] for r in ResultsStore(path).records(sweep="s")] == ran[:1]
     heal()
     lines = []
-    assert (
-        run_sweep(spec, launcher="direct", store_path=path, timeout_s=60, progress=False, echo=lines.append)["ok"] == 1
-    )
+    assert run_sweep(spec, store_path=path, echo=lines.append, **IN_PROCESS_SWEEP)["ok"] == 1
     assert lines[0] == "merged 1 records that the store could not take earlier from its fallback file"
     keys = [r["point_key"] for r in ResultsStore(path).records(sweep="s")]
     assert sorted(keys) == sorted(set(keys)) and len(keys) == 3 and len(ran) == 3
@@ -187,14 +177,7 @@ def test_disk_that_fills_mid_sweep_stops_it_cleanly_and_loses_nothing(tmp_path, 
             str(tmp_path / "logs"),
         ]
         env = {**os.environ, "TMPDIR": str(tmp)}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.cli", *args],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        proc = start_cli(*args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 120
         while time.time() < deadline and not any(
             "launch" in r for r in (ResultsStore(store).records() if os.path.exists(store) else [])
@@ -217,14 +200,7 @@ def test_disk_that_fills_mid_sweep_stops_it_cleanly_and_loses_nothing(tmp_path, 
         spec = parse_sweep(raw)
         assert launch.processes_with_env(launch.SWEEP_ID_ENV, sweep_id(spec, store)) == []
         os.remove(disk / "filler")
-        again = subprocess.run(
-            [sys.executable, "-m", "harness.cli", *args],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        again = run_cli(*args, cwd=tmp_path, env=env, timeout=120)
         assert again.returncode == 0, again.stderr[-2000:]
         assert "merged 1 records" in again.stdout and "2 already recorded, 0 to run" in again.stdout
         recs = ResultsStore(store).records(sweep="full")
@@ -318,12 +294,8 @@ def test_sigkill_of_a_sweep_leaves_no_process_and_the_killed_rank_is_the_first_f
     store = str(tmp_path / "r.sqlite")
     sid = sweep_id(parse_sweep(raw), store)
     err = open(tmp_path / "err.txt", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress", "--launcher", launcher],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-    )
+    args = ["sweep", path, "--store", store, "--no-progress", "--launcher", launcher]
+    proc = start_cli(*args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err)
     try:
         _wait_for(
             lambda: os.path.exists(store) and any("launch" in r for r in ResultsStore(store).records()),
@@ -393,13 +365,8 @@ def test_a_second_instance_of_a_running_sweep_is_refused(tmp_path, tagged):
     path = _write(tmp_path / "s.yaml", raw)
     store = str(tmp_path / "r.sqlite")
     sid = sweep_id(parse_sweep(raw), store)
-    first = subprocess.Popen(
-        [sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress", "--launcher", "direct"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    args = ["sweep", path, "--store", store, "--no-progress", "--launcher", "direct"]
+    first = start_cli(*args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(lambda: launch.processes_with_env(launch.SWEEP_ID_ENV, sid), 60, "the first instance's run")
         second = tagged("sweep", path, "--store", store, "--launcher", "direct")

@@ -22,20 +22,14 @@ import stat
 
 import pytest
 import yaml
+from conftest import IN_PROCESS_SWEEP, run_spec_in
 
 from harness import launch
 from harness.cli import main as cli_main
 from harness.store import ResultsStore
+from harness.testing.workloads import tiny_workload
 
-WORKLOAD = {
-    "model": "tiny",
-    "seq_len": 32,
-    "global_batch_size": 4,
-    "steps": 2,
-    "warmup_steps": 1,
-    "device": "cpu",
-    "precision": "fp32",
-}
+WORKLOAD = tiny_workload(global_batch_size=4)
 GOOD = "hello world\n" * 50
 
 
@@ -216,13 +210,7 @@ def test_a_diverged_run_fails_its_comparison_and_is_a_failed_sweep_point(no_laun
     try:
         launch.run_spec = hot
         counts = run_sweep(
-            sweep,
-            launcher="direct",
-            store_path=store,
-            timeout_s=60,
-            progress=False,
-            echo=lambda *_: None,
-            log_dir=str(no_launch / "logs"),
+            sweep, store_path=store, echo=lambda *_: None, log_dir=str(no_launch / "logs"), **IN_PROCESS_SWEEP
         )
     finally:
         launch.run_spec = launch_run_spec
@@ -297,21 +285,7 @@ def test_launching_direct_for_two_processes_is_one_line():
         launch.build_command("direct", 2, ["train"])
 
 
-TINY_PLAN = [
-    "plan",
-    "--model",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--global-batch-size",
-    "8",
-    "--gpus",
-    "2",
-    "--hardware",
-    "cpu",
-    "--rmsnorm",
-    "torch",
-]
+TINY_PLAN = [*"plan --model tiny --seq-len 64 --global-batch-size 8 --gpus 2 --hardware cpu --rmsnorm torch".split()]
 
 
 @pytest.fixture
@@ -435,15 +409,7 @@ def test_a_diverged_two_process_run_stops_on_every_rank_and_leads_with_its_cause
     """Real ranks under torchrun: both stop at the step whose loss is NaN (HARNESS_FAULT=nan, as
     `optimizer.lr: 1e30` does by step 3), the record says so first, not 'rank N failed first'."""
     spec = {"workload": {**WORKLOAD, "steps": 6}, "layout": {"engine": "own", "dp": 2}}
-    rec = launch.run_spec(
-        spec,
-        nproc=2,
-        launcher="torchrun",
-        store_path=str(tmp_path / "r.sqlite"),
-        timeout_s=240,
-        log_dir=str(tmp_path / "logs"),
-        extra_env={"HARNESS_FAULT": "nan:2"},
-    )
+    rec = run_spec_in(tmp_path, spec, 2, "torchrun", 240, extra_env={"HARNESS_FAULT": "nan:2"})
     assert rec["status"] == "failed" and rec["diverged_at_step"] == 3 and len(rec["metrics"]["losses"]) == 3
     assert rec["error"].startswith("diverged: the loss became nan at step 3 of 7"), rec["error"]
     assert "first_failure" not in rec and not rec["launch"]["timed_out"] and rec["launch"]["exit_code"] == 1

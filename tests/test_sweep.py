@@ -12,11 +12,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import yaml
+from conftest import run_cli, start_cli
 
 from harness import launch
 from harness.cli import main as cli_main
@@ -30,6 +30,16 @@ from harness.sweep.spec import load_sweep, parse_sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"model": "tiny", "seq_len": 32, "global_batch_size": 4, "steps": 3, "warmup_steps": 1, "device": "cpu"}
+
+
+def tiny_sweep(name: str, gpus: int, engine: str, **fields) -> dict:
+    """A sweep of TINY under one engine; fields adds the rest (timeout_s, grid, points)."""
+    return {"name": name, "gpus": gpus, "workload": TINY, "layout": {"engine": engine}, **fields}
+
+
+def fault_point(seed: int, fault: str, **fields) -> dict:
+    """A point with its own seed that the runner's fault hook HARNESS_FAULT makes fail."""
+    return {"workload.seed": seed, "env": {"HARNESS_FAULT": fault}, **fields}
 
 
 def _write(tmp_path, raw, name="s.yaml"):
@@ -152,19 +162,13 @@ def _sweep_procs(spec, store):
 def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, monkeypatch):
     """Two ranks (own engine, dp 2) per point: a rank is SIGKILLed, a rank hangs, a rank OOMs."""
     monkeypatch.setattr(launch, "LINGER_S", 5.0)  # after an OOM record, its peers are stuck: kill sooner
-    raw = {
-        "name": "faults",
-        "gpus": 2,
-        "timeout_s": 150,
-        "workload": TINY,
-        "layout": {"engine": "own"},
-        "points": [
-            {"workload.seed": 1},
-            {"workload.seed": 2, "env": {"HARNESS_FAULT": "kill:1:1"}},
-            {"workload.seed": 3, "env": {"HARNESS_FAULT": "hang:1:1"}, "timeout_s": 20},
-            {"workload.seed": 4, "env": {"HARNESS_FAULT": "oom:1:0"}},
-        ],
-    }
+    points = [
+        {"workload.seed": 1},
+        fault_point(2, "kill:1:1"),
+        fault_point(3, "hang:1:1", timeout_s=20),
+        fault_point(4, "oom:1:0"),
+    ]
+    raw = tiny_sweep("faults", 2, "own", timeout_s=150, points=points)
     spec = parse_sweep(raw)
     store = str(tmp_path / "r.sqlite")
     counts = run_sweep(spec, launcher="torchrun", store_path=store, timeout_s=150, progress=False)
@@ -186,30 +190,12 @@ def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, mo
 
 @pytest.mark.slow
 def test_sigkill_mid_sweep_then_resume_runs_each_point_once(tmp_path):
-    raw = {
-        "name": "resume",
-        "gpus": 1,
-        "timeout_s": 60,
-        "workload": TINY,
-        "layout": {"engine": "single"},
-        "grid": {"workload.seed": [1, 2, 3]},
-    }
+    raw = tiny_sweep("resume", 1, "single", timeout_s=60, grid={"workload.seed": [1, 2, 3]})
     path = _write(tmp_path, raw)
     store = str(tmp_path / "r.sqlite")
-    cmd = [
-        sys.executable,
-        "-m",
-        "harness.cli",
-        "sweep",
-        path,
-        "--store",
-        store,
-        "--no-progress",
-        "--launcher",
-        "torchrun",
-    ]
+    args = ["sweep", path, "--store", store, "--no-progress", "--launcher", "torchrun"]
     env = {**os.environ, "PYTHONPATH": ROOT}
-    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = start_cli(*args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 90
     while time.time() < deadline and not (os.path.exists(store) and ResultsStore(store).records(sweep="resume")):
         time.sleep(0.2)
@@ -219,7 +205,7 @@ def test_sigkill_mid_sweep_then_resume_runs_each_point_once(tmp_path):
     assert 1 <= len(done_before) < 3
     spec = parse_sweep(raw)
     # the run in flight gets SIGTERM through PR_SET_PDEATHSIG; the rerun reaps anything left
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = run_cli(*args, cwd=ROOT, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"{len(done_before)} already recorded" in out.stdout
     recs = ResultsStore(store).records(sweep="resume")
@@ -230,7 +216,7 @@ def test_sigkill_mid_sweep_then_resume_runs_each_point_once(tmp_path):
     for key in done_before:  # completed points were not run again
         assert key in before
     assert _sweep_procs(spec, store) == []
-    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    again = run_cli(*args, cwd=ROOT, env=env, timeout=60)
     assert "3 already recorded, 0 to run" in again.stdout
     assert len(ResultsStore(store).records(sweep="resume")) == 3
 
@@ -332,41 +318,19 @@ def test_slurm_job_array_end_to_end_with_stand_in_sbatch(tmp_path):
     for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN)):
         (bindir / name).write_text(text)
         (bindir / name).chmod(0o755)
-    raw = {
-        "name": "arr",
-        "gpus": 1,
-        "timeout_s": 120,
-        "workload": TINY,
-        "layout": {"engine": "single"},
-        "points": [
-            {"workload.seed": 1},
-            {"workload.seed": 2, "env": {"HARNESS_FAULT": "raise:1"}},
-            {"workload.seed": 3, "env": {"HARNESS_FAULT": "hang:1"}, "timeout_s": 10},
-        ],
-    }
+    points = [{"workload.seed": 1}, fault_point(2, "raise:1"), fault_point(3, "hang:1", timeout_s=10)]
+    raw = tiny_sweep("arr", 1, "single", timeout_s=120, points=points)
     path = _write(tmp_path, raw)
     store = str(tmp_path / "r.sqlite")
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ROOT}
-    base = [sys.executable, "-m", "harness.cli", "sweep"]
-    out = subprocess.run(
-        base + [path, "--launcher", "slurm", "--store", store],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_cli("sweep", path, "--launcher", "slurm", "--store", store, cwd=ROOT, env=env, timeout=300)
     assert out.returncode == 0 and "Submitted batch job 4242" in out.stdout, out.stderr[-2000:]
-    out = subprocess.run(
-        base + ["collect", path, "--store", store], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-    )
+    out = run_cli("sweep", "collect", path, "--store", store, cwd=ROOT, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "2 records merged, 1 classified from logs, 0 still pending" in out.stdout
     got = {r["spec"]["workload"]["seed"]: r["status"] for r in ResultsStore(store).records(sweep="arr")}
     assert got == {1: "ok", 2: "failed", 3: "timeout"}, out.stdout
-    dry = subprocess.run(
-        base + [path, "--dry-run", "--store", store], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-    )
+    dry = run_cli("sweep", path, "--dry-run", "--store", store, cwd=ROOT, env=env, timeout=60)
     assert dry.stdout.count("skipped]") == 3
 
 
@@ -374,14 +338,8 @@ def test_slurm_job_array_end_to_end_with_stand_in_sbatch(tmp_path):
 def test_deepspeed_launcher_points_and_hang_cleanup(tmp_path):
     """The same sweep through the `deepspeed` launcher (runner -> launch -> ranks): an ok point
     and a hung one that is killed at its timeout with nothing left behind."""
-    raw = {
-        "name": "dsl",
-        "gpus": 2,
-        "timeout_s": 150,
-        "workload": TINY,
-        "layout": {"engine": "own"},
-        "points": [{"workload.seed": 1}, {"workload.seed": 2, "env": {"HARNESS_FAULT": "hang:1:0"}, "timeout_s": 15}],
-    }
+    points = [{"workload.seed": 1}, fault_point(2, "hang:1:0", timeout_s=15)]
+    raw = tiny_sweep("dsl", 2, "own", timeout_s=150, points=points)
     spec = parse_sweep(raw)
     store = str(tmp_path / "r.sqlite")
     counts = run_sweep(spec, launcher="deepspeed", store_path=store, timeout_s=150, progress=False)
@@ -396,18 +354,13 @@ def test_deepspeed_launcher_points_and_hang_cleanup(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_kills_the_run_in_flight_and_exits_130(tmp_path, sig):
-    raw = {
-        "name": "intr",
-        "gpus": 1,
-        "workload": TINY,
-        "layout": {"engine": "single"},
-        "points": [{"env": {"HARNESS_FAULT": "hang:1"}}],
-    }
+    raw = tiny_sweep("intr", 1, "single", points=[{"env": {"HARNESS_FAULT": "hang:1"}}])
     path = _write(tmp_path, raw)
     store = str(tmp_path / "r.sqlite")
     spec = parse_sweep(raw)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "harness.cli", "sweep", path, "--store", store, "--no-progress", "--launcher", "direct"],
+    args = ["sweep", path, "--store", store, "--no-progress", "--launcher", "direct"]
+    proc = start_cli(
+        *args,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT},
         stdout=subprocess.PIPE,

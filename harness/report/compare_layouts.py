@@ -25,14 +25,17 @@ ROW_FIELDS = (*LABEL_ORDER, "cp_impl", "sequence_parallel", "micro_batch_size", 
 VARIANT_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "model_impl")
 
 
+def _own_defaults(engine: str) -> dict:
+    """The layout fields an engine defaults differently (EngineFacts.defaults: megatron's attention)."""
+    own = registry.facts(engine).defaults if registry.available(engine) else {}
+    return {k.split(".", 1)[1]: v for k, v in own.items() if k.startswith("layout.")}
+
+
 def _full_layout(layout: dict) -> dict:
     """Every field of a run's layout: an old record's missing ones at their defaults, the engine's own
-    where it declares one (EngineFacts.defaults: megatron's attention)."""
+    where it declares one."""
     layout = layout or {}
-    engine = layout.get("engine", Layout.engine)
-    own = registry.facts(engine).defaults if registry.available(engine) else {}
-    own = {k.split(".", 1)[1]: v for k, v in own.items() if k.startswith("layout.")}
-    return {**dataclasses.asdict(Layout()), **own, **layout}
+    return {**dataclasses.asdict(Layout()), **_own_defaults(layout.get("engine", Layout.engine)), **layout}
 
 
 def _matrix_layout(layout: dict) -> dict:
@@ -40,6 +43,13 @@ def _matrix_layout(layout: dict) -> dict:
     defaults), cp_impl at its default without context parallelism, where it changes nothing."""
     lay = _full_layout(layout)
     return lay if ParallelDims.of(lay).cp > 1 else {**lay, "cp_impl": Layout.cp_impl}
+
+
+def _at_defaults(key: str, layouts: list[dict]) -> bool:
+    """Whether every layout has field `key` at its engine's default (its own, else the field's): then
+    the values differ by engine, which the columns already show, not by layout."""
+    general = dataclasses.asdict(Layout())
+    return all(lay[key] == _own_defaults(lay["engine"]).get(key, general[key]) for lay in layouts)
 
 
 def _run_fields(run: dict, workload: dict) -> dict:
@@ -109,7 +119,7 @@ def _row_text(lay: dict, extra_fields: tuple = ()) -> str:
 
 def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Layouts by engine: per cell the run's median step time [95% CI] and parity verdict, or a
-    dash with the reason the engine cannot run that layout (its adapter's ENGINE.capabilities, harness.registry)."""
+    dash with the reason the engine cannot run that layout (its facts, harness.registry)."""
     runs = [r for r in summary["runs"] if not r.get("is_reference")]
     parity = {p["label"]: p["verdict"] for p in summary["parity"]["runs"]}
     entries = [(_matrix_layout(r["layout"]), r) for r in runs] + [
@@ -119,7 +129,9 @@ def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
     extra = tuple(
         k
         for k in _full_layout({})
-        if k not in ROW_FIELDS + VARIANT_FIELDS and len({json.dumps(lay[k], default=str) for lay, _ in entries}) > 1
+        if k not in ROW_FIELDS + VARIANT_FIELDS
+        and len({json.dumps(lay[k], default=str) for lay, _ in entries}) > 1
+        and not _at_defaults(k, [lay for lay, _ in entries])
     )
     row_fields = ROW_FIELDS + extra
     rows, cols, cells = {}, {}, {}
