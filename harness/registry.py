@@ -219,6 +219,14 @@ def facts(name: str) -> EngineFacts:
     return declared
 
 
+def layout_defaults(name) -> dict:
+    """The layout fields engine `name` defaults differently from the fields (EngineFacts.defaults, by field
+    name: megatron's attention); none for an engine not available here."""
+    if not available(name):
+        return {}
+    return {path.split(".", 1)[1]: v for path, v in facts(name).defaults.items() if path.startswith("layout.")}
+
+
 def planned() -> tuple[str, ...]:
     """The engines `harness plan --engine` models (a MemoryModel, more than one process), in ENGINES' order."""
     return tuple(

@@ -25,17 +25,11 @@ ROW_FIELDS = (*LABEL_ORDER, "cp_impl", "sequence_parallel", "micro_batch_size", 
 VARIANT_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "model_impl")
 
 
-def _own_defaults(engine: str) -> dict:
-    """The layout fields an engine defaults differently (EngineFacts.defaults: megatron's attention)."""
-    own = registry.facts(engine).defaults if registry.available(engine) else {}
-    return {k.split(".", 1)[1]: v for k, v in own.items() if k.startswith("layout.")}
-
-
 def _full_layout(layout: dict) -> dict:
     """Every field of a run's layout: an old record's missing ones at their defaults, the engine's own
     where it declares one."""
     layout = layout or {}
-    return {**dataclasses.asdict(Layout()), **_own_defaults(layout.get("engine", Layout.engine)), **layout}
+    return {**dataclasses.asdict(Layout()), **registry.layout_defaults(layout.get("engine", Layout.engine)), **layout}
 
 
 def _matrix_layout(layout: dict) -> dict:
@@ -49,7 +43,7 @@ def _at_defaults(key: str, layouts: list[dict]) -> bool:
     """Whether every layout has field `key` at its engine's default (its own, else the field's): then
     the values differ by engine, which the columns already show, not by layout."""
     general = dataclasses.asdict(Layout())
-    return all(lay[key] == _own_defaults(lay["engine"]).get(key, general[key]) for lay in layouts)
+    return all(lay[key] == registry.layout_defaults(lay["engine"]).get(key, general[key]) for lay in layouts)
 
 
 def _run_fields(run: dict, workload: dict) -> dict:

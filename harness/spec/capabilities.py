@@ -1,6 +1,6 @@
 """What the chosen engine runs: a field it does not honour at its value, a layout rule it breaks,
 where it cannot follow the precision policy and where it cannot build the model. Each engine's
-adapter declares these (harness.registry.EngineFacts); this module only asks them, so a layout
+facts.py declares these (harness.registry.EngineFacts); this module only asks them, so a layout
 no engine can run is refused before anything launches.
 """
 
@@ -14,7 +14,7 @@ from harness.model.presets import Shape
 from harness.spec.schema import Layout, Workload
 
 # What an engine runs, where it cannot follow the precision policy and where it cannot build the model: its
-# adapter declares them (harness.registry.EngineFacts); check_sizes asks them last, in that order. Epsilon
+# facts declare them (harness.registry.EngineFacts); check_sizes asks them last, in that order. Epsilon
 # and Llama 3.1 rope scaling every engine applies (the plain model's RMSNorm and rotary tables); attention
 # biases every engine adds (own engine: q/k/v's sharded, o's after the reduction).
 
@@ -61,19 +61,28 @@ def check_honoured(w: Workload, lay: Layout) -> None:
         raise error
 
 
-def capability_error(lay: Layout) -> CapabilityError | None:
-    """Why the chosen engine cannot run this layout (a field it does not honour, else the first rule it
-    breaks), or None."""
-    error = honoured_error(None, lay)
-    if error is not None:
-        return error
+def rule_error(lay: Layout) -> CapabilityError | None:
+    """The first of the chosen engine's capability rules this layout breaks, or None."""
     for name, takes, why in registry.facts(lay.engine).capabilities:
         if not takes(lay):
             return CapabilityError(f"layout.{name}", why.format(engine=lay.engine))
     return None
 
 
+def capability_error(lay: Layout) -> CapabilityError | None:
+    """Why the chosen engine cannot run this layout (a field it does not honour, else the first rule it
+    breaks), or None."""
+    return honoured_error(None, lay) or rule_error(lay)
+
+
 def check_capabilities(lay: Layout) -> None:
     error = capability_error(lay)
+    if error is not None:
+        raise error
+
+
+def check_rules(lay: Layout) -> None:
+    """The capability rules alone, where check_honoured has run (check_sizes)."""
+    error = rule_error(lay)
     if error is not None:
         raise error

@@ -13,7 +13,7 @@ from harness import registry
 from harness.errors import CapabilityError, SpecError
 from harness.model.presets import Shape, param_count, resolve_shape
 from harness.parallel_dims import ParallelDims
-from harness.spec.capabilities import check_capabilities, check_honoured, check_model_limits, check_precision_policy
+from harness.spec.capabilities import check_honoured, check_model_limits, check_precision_policy, check_rules
 from harness.spec.schema import RunSpec, Workload, micro_batch_count
 
 
@@ -84,7 +84,7 @@ def check_sizes(spec: RunSpec) -> Shape:
         if w.precision == "fp32" and getattr(w, name) != "fp32":
             raise SpecError(f"workload.{name}", "bf16 gradients need precision: bf16")
     check_honoured(w, lay)
-    check_capabilities(lay)
+    check_rules(lay)
     check_precision_policy(w, lay)
     check_model_limits(shape, lay)
     return shape

@@ -20,13 +20,7 @@ def with_engine_defaults(raw: dict) -> dict:
     field's (EngineFacts.defaults: megatron's attention); an unknown engine is left to the builder."""
     layout = raw.get("layout")
     engine = layout.get("engine", Layout.engine) if isinstance(layout, dict) else Layout.engine
-    if not registry.available(engine):
-        return raw
-    own = {
-        path.split(".", 1)[1]: value
-        for path, value in registry.facts(engine).defaults.items()
-        if path.startswith("layout.")
-    }
+    own = registry.layout_defaults(engine)
     if not own:
         return raw
     given = layout if isinstance(layout, dict) else {}
