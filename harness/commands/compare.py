@@ -61,7 +61,7 @@ def main(args) -> int:
     from harness.compare.report_lock import report_lock
     from harness.compare.spec import DEFAULT, parse_compare_spec
     from harness.report.compare import write_report
-    from harness.spec import check_positive, read_yaml
+    from harness.spec import check_positive, process_counts, read_yaml
     from harness.store import check_store
 
     raw = copy.deepcopy(DEFAULT) if args.spec is None else read_yaml(args.spec)
@@ -81,7 +81,7 @@ def main(args) -> int:
     check_before_launch(cs)  # kernels, launchers, something to compare: still nothing launched
     with report_lock(args.out, cs.name):  # refused here, before any launch, while another one writes this report
         print(
-            f"compare {cs.name}: {len(cs.runs)} runs, {cs.nproc} processes each; parity over the first "
+            f"compare {cs.name}: {process_counts([p.nproc for p in cs.runs])}; parity over the first "
             f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})",
             file=sys.stderr,
         )

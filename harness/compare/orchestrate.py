@@ -44,6 +44,38 @@ def comparison_threads(cs: CompareSpec) -> int:
     return threads_per_process(max([cs.nproc or 1] + [p.nproc for p in cs.runs]))
 
 
+def comparison_matmul_peak(workload: dict, threads: int) -> dict | None:
+    """The one matmul peak every run's "MFU vs measured matmul" divides by, measured once per
+    comparison before its runs, in a fresh process with the runs' threads per process and compute
+    dtype: a peak each run measured for itself moved with the load of its moment, so runs could not
+    be compared on it. None where the microbenchmark could not run (the column is then left out)."""
+    import subprocess
+
+    dtype = "bfloat16" if workload.get("precision") == "bf16" else "float32"
+    device = workload.get("device") or "cpu"
+    code = (
+        "import torch; from harness.measure import measure_matmul_tflops; "
+        f"print(measure_matmul_tflops(torch.device({device!r}), torch.{dtype}))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        tflops = float(out.stdout.strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+    return {"tflops": tflops, "dtype": dtype, "device": device, "threads": threads}
+
+
+def with_comparison_peak(entry: dict, peak: dict | None) -> dict:
+    """The run's table row with "MFU vs measured matmul" against the comparison's one peak (PaLM
+    FLOPs, per device: a run's tokens/s over its processes)."""
+    m = entry["metrics"]
+    fpt, tps = (m.get("flops_per_token") or {}).get("palm"), m.get("tokens_per_s")
+    ok = peak and fpt and tps and entry["status"] == "ok"
+    entry["row"]["mfu_vs_measured_matmul"] = fpt * tps / (entry["nproc"] * peak["tflops"] * 1e12) if ok else None
+    return entry
+
+
 def _first_error_line(error: str | None) -> str:
     if not error:
         return ""
@@ -123,6 +155,7 @@ def run_comparison(
     from harness.store import ResultsStore, now_iso
 
     threads = comparison_threads(cs)
+    peak = comparison_matmul_peak(cs.workload, threads) if launch_fn is None else None
     if launch_fn is None:  # every run, the 1-process reference included, gets the same threads per process
         from harness.launch import run_spec
         from harness.profiling import ENV
@@ -161,7 +194,7 @@ def run_comparison(
             point_key=plan.label,
             log_dir=log_dir,
         )
-        entry = _run_entry(plan, record)
+        entry = with_comparison_peak(_run_entry(plan, record), peak)
         entries.append(entry)
         records.append(record)
         st = (entry["metrics"].get("step_time_s") or {}).get("median")
@@ -195,6 +228,7 @@ def run_comparison(
         "precision_policy": precision_policy(parse_spec({"workload": cs.workload}).workload).describe(),
         "load_average": {"before": load_before, "after": _loadavg()},
         "threads_per_process": threads,
+        "matmul_peak": peak,
         "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],
         "loss_table": {e["label"]: e["losses"][: cs.parity_steps] for e in entries if e["losses"]},

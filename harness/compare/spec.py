@@ -90,6 +90,8 @@ DEFAULT = {
         {"label": "megatron dp2", "engine": "megatron", "dp": 2, "micro_batch_size": 2, "attention": "naive"},
         {"label": "megatron tp2", "engine": "megatron", "tp": 2, "micro_batch_size": 2, "attention": "naive"},
         {"label": "megatron pp2", "engine": "megatron", "pp": 2, "micro_batch_size": 2, "attention": "naive"},
+        # the own engine at Megatron's kernel and layout: one like-for-like pair of the two Megatron-style engines
+        {"label": "own tp2 naive", "engine": "own", "tp": 2, "micro_batch_size": 2, "attention": "naive"},
     ],
 }
 

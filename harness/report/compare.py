@@ -28,7 +28,7 @@ from harness.report.data import breakdown_of, component_title, measured_columns
 from harness.report.ranking import rate_ci
 from harness.report.render import save_figures
 from harness.report.sections import Code, Column, Figure, Items, Section, Table, table
-from harness.spec import layout_label
+from harness.spec import layout_label, process_counts
 from harness.store import PASS
 
 
@@ -50,11 +50,15 @@ def policy_exceptions(summary: dict) -> list[tuple[str, str]]:
 
 
 def loss_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    """The first parity_steps losses of every run, side by side ('-' past a run's last step)."""
+    """The first parity_steps losses of every run, one row per run ('-' past a run's last step):
+    a column per run would run off the page once a comparison has more than a few runs."""
     steps, n = summary.get("loss_table") or {}, summary["parity"]["steps"]
     return (
-        ["Step"] + list(steps),
-        [[str(i)] + [f"{losses[i]:.7f}" if i < len(losses) else "-" for losses in steps.values()] for i in range(n)],
+        ["Run"] + [f"step {i}" for i in range(n)],
+        [
+            [label] + [f"{losses[i]:.7f}" if i < len(losses) else "-" for i in range(n)]
+            for label, losses in steps.items()
+        ],
     )
 
 
@@ -103,21 +107,30 @@ def result_columns() -> list[Column]:
 
 
 def results_table(summary: dict) -> Table:
-    """One row per run (result_columns)."""
+    """One row per run (result_columns); a measurement no run has (MFU against a datasheet peak
+    on a CPU) is left out rather than shown as a column of dashes."""
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
     items = [
         {"run": r, "differs": d, "parity": parity.get(r["label"], {})}
         for r, d in zip(summary["runs"], differs_texts(summary), strict=True)
     ]
-    return table(result_columns(), items)
+    measured = {c.header for c in measured_columns(lambda i: i)}
+    columns = [c for c in result_columns() if c.header not in measured or any(c.cell(i) != "-" for i in items)]
+    return table(columns, items)
 
 
 STEP_TEXT = (
     "Step time: median over the measured steps (warm-up excluded), each step the slowest rank's, "
     "with the 95% confidence interval of the median. MFU uses the PaLM convention (6N + 12·L·h·s FLOPs "
     "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
-    "flops profiler double-counts under ZeRO-3); '-' where the device has no datasheet peak (CPU). "
-    "Peak memory: CUDA allocator peak, or peak RSS per process on CPU."
+    "flops profiler double-counts under ZeRO-3), per device; the MFU columns against a datasheet peak "
+    "are left out where the device has none (a CPU). Peak memory: CUDA allocator peak, or peak RSS per "
+    "process on CPU."
+)
+PEAK_TEXT = (
+    "MFU vs measured matmul divides by one peak for the whole comparison: {tflops:.3f} TFLOP/s, the best "
+    "{dtype} square-GEMM rate measured once before the runs on {device} with {threads} threads (one "
+    "process's share), so every run is divided by the same number."
 )
 DIFFERS_TEXT = (
     "The runs differ in {fields}; the column 'Fields that differ' gives each run's values (a field "
@@ -253,7 +266,7 @@ def _workload(summary: dict) -> Section:
         body=[
             _workload_text(summary["workload"]),
             f"Precision policy, the same for every run: {summary.get('precision_policy') or 'not recorded'}.",
-            f"{summary['nproc']} processes per run (the reference: 1). Initial weights are generated from the seed, "
+            f"{process_counts([r['nproc'] for r in summary['runs']])}. Initial weights are generated from the seed, "
             "bit-identical for every engine; every data-parallel rank takes its contiguous slice of the same global "
             "batch.",
         ],
@@ -265,6 +278,8 @@ def _results(summary: dict) -> Section:
     body = [DIFFERS_TEXT.format(fields=", ".join(differing))] if differing else []
     body.append(results_table(summary))
     body.append(STEP_TEXT)
+    if summary.get("matmul_peak"):
+        body.append(PEAK_TEXT.format(**summary["matmul_peak"]))
     return Section("results", "Results", body=body)
 
 

@@ -19,7 +19,7 @@ CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;
 table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:13px}th,td{border:1px solid #ccc;padding:3px 6px;
 text-align:left;vertical-align:top}th{background:#f1f3f5}caption{caption-side:top;text-align:left;
 font-weight:600;padding:4px 0}img{max-width:100%;display:block;margin:.5em 0}section{margin-bottom:2em}
-nav a{margin-right:1em}.quoted{color:#8a4b00}"""
+nav a{margin-right:1em}.quoted{color:#8a4b00}.wide{overflow-x:auto;max-width:100%}"""
 
 ERROR_HOOK = """<script>window.__errors=[];window.onerror=function(m){window.__errors.push(String(m));
 var d=document.getElementById('js-errors');if(d){d.setAttribute('data-errors',window.__errors.length);
@@ -71,7 +71,8 @@ def _html_table(t) -> str:
     cap = f"<caption>{html.escape(t.caption)}</caption>" if t.caption else ""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in t.headers)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in t.rows)
-    return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    # a wide table scrolls inside its own box instead of running off the page
+    return f"<div class='wide'><table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
 def img_tag(name: str, image: bytes, alt: str) -> str:

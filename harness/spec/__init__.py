@@ -45,7 +45,7 @@ from harness.spec.inputs import (
     check_positive,
     check_positive_int,
 )
-from harness.spec.labels import engine_variant, layout_label, parallel_label
+from harness.spec.labels import engine_variant, layout_label, parallel_label, process_counts
 from harness.spec.parse import load_spec, parse_spec, spec_from_dict, with_engine_defaults
 from harness.spec.schema import (
     ATTENTION_KERNELS,
@@ -113,6 +113,7 @@ __all__ = [
     "model_limit_error",
     "parallel_label",
     "parse_spec",
+    "process_counts",
     "read_yaml",
     "spec_field",
     "spec_from_dict",

@@ -62,3 +62,15 @@ def layout_label(layout, short: bool = False) -> str:
     if lay.get("sequence_parallel"):
         parts.append("sp")
     return " ".join(parts)
+
+
+def process_counts(nprocs: list[int]) -> str:
+    """How many runs and on how many processes each, in one phrase ("16 runs: 15 on 2 processes,
+    1 on 1 process"): a comparison's runs need not all run the same count (the reference runs one)."""
+    counts: dict[int, int] = {}
+    for n in nprocs:
+        counts[n] = counts.get(n, 0) + 1
+    each = ", ".join(
+        f"{k} on {n} process{'es' if n != 1 else ''}" for n, k in sorted(counts.items(), key=lambda kv: -kv[1])
+    )
+    return f"{len(nprocs)} run{'s' if len(nprocs) != 1 else ''}: {each}"

@@ -226,8 +226,6 @@ class DeepSpeedBase:
             "optimizer_wrapper": type(self.optimizer).__name__,
             "model_impl": lay.model_impl,
             "flops_counted_by": "harness (analytic); DeepSpeed's flops profiler double-counts under ZeRO-3",
-            "not_measured": "time breakdown, communication counts, pipeline bubble/timeline "
-            "(DeepSpeed exposes them only through its synchronising wall_clock_breakdown timers)",
         }
         d["precision_policy"] = self.policy.describe()
         d["precision_config"] = self.precision_config()
