@@ -129,8 +129,8 @@ STEP_TEXT = (
 )
 PEAK_TEXT = (
     "MFU vs measured matmul divides by one peak for the whole comparison: {tflops:.3f} TFLOP/s, the best "
-    "{dtype} square-GEMM rate measured once before the runs on {device} with {threads} threads (one "
-    "process's share), so every run is divided by the same number."
+    "{dtype} square-GEMM rate measured once before the runs on {device} with the threads of one process "
+    "({threads}), so every run is divided by the same number."
 )
 DIFFERS_TEXT = (
     "The runs differ in {fields}; the column 'Fields that differ' gives each run's values (a field "
