@@ -46,23 +46,35 @@ def comparison_threads(cs: CompareSpec) -> int:
 
 def comparison_matmul_peak(workload: dict, threads: int) -> dict | None:
     """The one matmul peak every run's "MFU vs measured matmul" divides by, measured once per
-    comparison before its runs, in a fresh process with the runs' threads per process and compute
-    dtype: a peak each run measured for itself moved with the load of its moment, so runs could not
-    be compared on it. None where the microbenchmark could not run (the column is then left out)."""
-    import subprocess
+    comparison before its runs with the runs' threads per process and compute dtype: a peak each
+    run measured for itself moved with the load of its moment, so runs could not be compared on
+    it. On a GPU in a fresh process (this one must hold no CUDA context while the runs use the
+    devices); None where the microbenchmark could not run (the column is then left out)."""
+    import torch
+
+    from harness.measure import measure_matmul_tflops
 
     dtype = "bfloat16" if workload.get("precision") == "bf16" else "float32"
     device = workload.get("device") or "cpu"
-    code = (
-        "import torch; from harness.measure import measure_matmul_tflops; "
-        f"print(measure_matmul_tflops(torch.device({device!r}), torch.{dtype}))"
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    try:
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        tflops = float(out.stdout.strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
+    if device == "cpu":
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            tflops = measure_matmul_tflops(torch.device("cpu"), getattr(torch, dtype))
+        finally:
+            torch.set_num_threads(before)
+    else:
+        import subprocess
+
+        code = (
+            "import torch; from harness.measure import measure_matmul_tflops; "
+            f"print(measure_matmul_tflops(torch.device({device!r}), torch.{dtype}))"
+        )
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+            tflops = float(out.stdout.strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
     return {"tflops": tflops, "dtype": dtype, "device": device, "threads": threads}
 
 
