@@ -155,3 +155,135 @@ def test_spec_errors_str_is_one_line_each():
     e = SpecErrors([SpecError("a.json: x", "first"), SpecError("a.json: y", "second")])
     assert str(e).splitlines() == ["a.json: x: first", "a.json: y: second"]
     assert (e.field, e.reason) == ("a.json: x", "first")
+
+
+# ------------------------------------------------------------------ the report: from each run's census
+
+
+P = 2**20  # a stand-in parameter count
+
+
+def census(params, grads, states, masters=None, buffers=None) -> dict:
+    """A memory census in bytes per parameter (xP) by dtype."""
+    out = {
+        "parameters": {d: int(x * P) for d, x in params.items()},
+        "gradients": {d: int(x * P) for d, x in grads.items()},
+        "optimizer_states": {d: int(x * P) for d, x in states.items()},
+        "master_parameters": {d: int(x * P) for d, x in (masters or {}).items()},
+    }
+    if buffers:
+        out["buffers"] = buffers
+    return out
+
+
+MIXED = census({"bf16": 2}, {"fp32": 4}, {"fp32": 8}, masters={"fp32": 4})  # the own engine, the reference
+FSDP_BF16 = census({"fp32": 2, "bf16": 2}, {"fp32": 2}, {"fp32": 4})  # shards + gathered copies, no masters
+BF16_FULL = census({"bf16": 1}, {"bf16": 1}, {"bf16": 4, "fp32": 1e-4}, masters={"bf16": 1})  # bf16_full.json
+
+
+def compared(tmp_path, runs: dict, precision: str = "bf16"):
+    """run_comparison with a stand-in launcher: runs = {label: census, or an error text (a failed run)}."""
+    from harness.compare.orchestrate import run_comparison
+    from harness.compare.spec import parse_compare_spec
+    from harness.report.compare import write_report
+
+    layouts = {"own dp2": {"engine": "own"}, "FSDP2 reshard": {"engine": "fsdp"}}
+    layouts.update({f"deepspeed ZeRO-{z}": {"engine": "deepspeed", "zero_stage": z} for z in (1, 2, 3)})
+    raw = {
+        "name": "t",
+        "nproc": 2,
+        "parity_steps": 2,
+        "workload": {**WORKLOAD, "precision": precision},
+        "runs": [{**layouts[label], "label": label} for label in runs if label in layouts],
+    }
+
+    def launch(spec, *, point_key, **kw):
+        given = runs[point_key]
+        failed = isinstance(given, str)
+        rec = {"run_id": point_key, "status": "failed" if failed else "ok", "spec": spec, "fingerprint": {}}
+        rec["error"] = given if failed else None
+        rec["metrics"] = {} if failed else {"losses": [5.5, 5.4, 5.3], "memory_census": given, "parameter_count": P}
+        return rec
+
+    summary = run_comparison(
+        parse_compare_spec(raw), store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=launch
+    )
+    return summary, open(write_report(summary, str(tmp_path))["markdown"]).read()
+
+
+REF = "reference (single device)"
+
+
+def test_a_run_that_held_bf16_masters_fails_the_verdict_and_the_sentence_says_so(tmp_path):
+    """What main reported for bf16_full.json: 'Precision policy, the same for every run: ... fp32
+    master parameters and fp32 Adam states' and PASS. The census said otherwise."""
+    summary, md = compared(tmp_path, {REF: MIXED, "own dp2": MIXED, "deepspeed ZeRO-3": BF16_FULL})
+    assert summary["verdict"] == "FAIL" and summary["parity"]["verdict"] == "pass"
+    assert "Precision policy, the same for every run" not in md
+    assert (
+        "Precision policy: the runs DIFFER. The workload's: bf16 parameters for compute, fp32 master parameters "
+        "and fp32 Adam states" in md
+    )
+    assert (
+        "these runs held another: deepspeed ZeRO-3: master weights bf16, gradients at the optimizer step bf16, "
+        "optimizer states bf16." in md
+    )
+    assert "**Verdict: FAIL** - runs differ in precision policy (deepspeed ZeRO-3); loss parity holds" in md
+
+
+def test_the_same_policy_is_read_from_every_census(tmp_path):
+    """FSDP2 keeps no masters of its own (its fp32 shards are) and, not resharded, bf16 gathered
+    copies of the same size beside them: still the same policy, and the sentence says why."""
+    summary, md = compared(tmp_path, {REF: MIXED, "own dp2": MIXED, "FSDP2 reshard": FSDP_BF16})
+    assert summary["verdict"] == "pass"
+    assert (
+        "Precision policy, the same for every run (read from each run's memory census at its first optimizer "
+        "step): bf16 parameters for compute, fp32 master weights, fp32 gradients at the optimizer step and fp32 "
+        "optimizer states; FSDP2 reshard held no separate bf16 copy at that step (their parameters are the fp32 "
+        "masters). Configured, which no census shows: gradients accumulated over micro-batches and reduced "
+        "across data-parallel ranks in fp32." in md
+    )
+
+
+def test_a_failed_run_says_run_failed_with_its_cause_never_a_parity_figure(tmp_path):
+    """main: 'parity FAIL, max pairwise relative loss difference 0.00e+00' for ZenFlow's TypeError."""
+    from harness.report.policy import verdict_text
+
+    cause = "TypeError: AdamW.__init__() got an unexpected keyword argument 'torch_adam'"
+    fp32 = census({"fp32": 4}, {"fp32": 4}, {"fp32": 8})
+    summary, md = compared(
+        tmp_path, {REF: fp32, "deepspeed ZeRO-2": f"{cause}\nTraceback (most recent call last):"}, "fp32"
+    )
+    assert summary["parity"]["max_pairwise_rel_diff"] is None  # one finished run: no difference to give
+    lead = f"deepspeed ZeRO-2: run failed: {cause}; loss parity not checked: 1 run(s) finished, two are needed"
+    assert verdict_text(summary).startswith(f"FAIL - {lead}")
+    assert f"**Verdict: FAIL** - {lead}; fingerprints identical." in md
+    row = next(ln for ln in md.splitlines() if ln.startswith("| deepspeed ZeRO-2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert f"run failed: {cause}" in cells and "pass" not in cells and "0" not in cells
+    assert "0.00e+00" not in md and "within tolerance" not in md
+    assert "Precision policy, the same for every run with a census (none for deepspeed ZeRO-2) (read" in md
+
+
+def test_buckets_are_a_census_category_of_their_own():
+    """DeepSpeed ZeRO-3's 5e7-element reduce bucket: main counted it as gradients, 1600.83P for a
+    0.12M-parameter model. Now a column of its own, in elements (its size is the config's)."""
+    from harness.planner.memory_engines import model_states
+    from harness.report.compare_steps import census_rows, census_text
+
+    bucket = {"fp32": 4 * 50_000_000}
+    run = {
+        "label": "deepspeed ZeRO-3",
+        "metrics": {
+            "parameter_count": P,
+            "memory_census": census({"fp32": 2}, {"fp32": 4}, {"fp32": 4}, masters={"fp32": 2}, buffers=bucket),
+        },
+    }
+    plain = {"label": "own dp2", "metrics": {"parameter_count": P, "memory_census": MIXED}}
+    header, rows = census_rows({"runs": [run, plain]})
+    assert header[5] == "communication buffers"
+    assert rows[0][2] == "fp32 4.00 MiB (4.00P)" and rows[0][5] == "fp32 190.73 MiB (50,000,000 elements)"
+    assert rows[1][5] == "-"
+    assert len(census_text({"runs": [run]})) == 2 and len(census_text({"runs": [plain]})) == 1
+    states = model_states(1e5, "deepspeed", 3, "fp32", 2, reduce_bucket_elements=5e7)
+    assert states["buffers"] == {"fp32": 2e8} and states["gradients"] == {"fp32": 4e5}
