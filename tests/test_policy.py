@@ -225,7 +225,7 @@ def test_a_run_that_held_bf16_masters_fails_the_verdict_and_the_sentence_says_so
         "and fp32 Adam states" in md
     )
     assert (
-        "these runs held another: deepspeed ZeRO-3: master weights bf16, gradients at the optimizer step bf16, "
+        "these runs held another: deepspeed ZeRO-3: master weights bf16, gradients held at the optimizer step bf16, "
         "optimizer states bf16." in md
     )
     assert "**Verdict: FAIL** - runs differ in precision policy (deepspeed ZeRO-3); loss parity holds" in md
@@ -238,7 +238,7 @@ def test_the_same_policy_is_read_from_every_census(tmp_path):
     assert summary["verdict"] == "pass"
     assert (
         "Precision policy, the same for every run (read from each run's memory census at its first optimizer "
-        "step): bf16 parameters for compute, fp32 master weights, fp32 gradients at the optimizer step and fp32 "
+        "step): bf16 parameters for compute, fp32 master weights, fp32 gradients held at the optimizer step and fp32 "
         "optimizer states; FSDP2 reshard held no separate bf16 copy at that step (their parameters are the fp32 "
         "masters). Configured, which no census shows: gradients accumulated over micro-batches and reduced "
         "across data-parallel ranks in fp32." in md
@@ -287,3 +287,50 @@ def test_buckets_are_a_census_category_of_their_own():
     assert len(census_text({"runs": [run]})) == 2 and len(census_text({"runs": [plain]})) == 1
     states = model_states(1e5, "deepspeed", 3, "fp32", 2, reduce_bucket_elements=5e7)
     assert states["buffers"] == {"fp32": 2e8} and states["gradients"] == {"fp32": 4e5}
+
+
+# ------------------------------------------------------------------ real DeepSpeed runs (2 gloo processes)
+
+
+def _censuses(ctx, runs: list[dict]) -> list[dict]:
+    """Each run's rank-0 census after one step. The second run's config would be refused: its refusal
+    is switched off here, in these processes only, to see what such a run holds (what main ran)."""
+    from harness.frameworks.deepspeed import config
+    from harness.run import Trainer
+
+    config.policy_switches = lambda f, cfg: None
+    out = []
+    for raw in runs:
+        spec = parse_spec(raw)
+        trainer = Trainer(spec, ctx, spec.shape(), progress=False)
+        trainer.step(0)
+        out.append(trainer.engine.memory_census())
+        del trainer
+    return out
+
+
+@pytest.mark.slow
+def test_real_censuses_tell_the_policy_and_the_bucket(tmp_path):
+    """DeepSpeed ZeRO-3 under bf16 on zero3.json as shipped (a 5e7-element reduce bucket), and on
+    bf16_full.json's keys: the first reads as the workload's policy with its bucket a buffer, the
+    second as bf16 master weights and optimizer states."""
+    from harness.compare.policy import census_policy
+    from harness.frameworks.deepspeed.config import DS_CONFIG_DIR
+    from harness.testing.spawn import spawn
+
+    with open(os.path.join(DS_CONFIG_DIR, "zero3.json")) as f:
+        cfg = json.load(f)
+    cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    full = tmp_path / "bf16_full_keys.json"
+    full.write_text(json.dumps(cfg))
+    runs = [spec("", 3).to_dict(), spec(str(full), 3).to_dict()]
+    plain, bf16_full = spawn(_censuses, 2, runs, timeout_s=400)
+    assert plain["buffers"] == {"fp32": 4 * 50_000_000}  # zero3.json's reduce_bucket_size, communication_data_type
+    assert sum(plain["gradients"].values()) < 4 * 50_000_000 / 100  # the bucket is not a gradient any more
+    runs = [
+        {"label": label, "status": "ok", "metrics": {"memory_census": c}}
+        for label, c in (("a", plain), ("b", bf16_full))
+    ]
+    policy = census_policy(runs, "bf16")
+    assert policy["facts"]["masters"] == {"fp32": ["a"], "bf16": ["b"]}
+    assert dict(policy["differ"]["b"])["optimizer_states"] == "bf16" and "a" not in policy["differ"]

@@ -9,8 +9,9 @@ From a census (bytes per category and dtype, harness.measure.tensor_census) four
   master weights   the widest dtype of master_parameters; where an engine keeps none of its own
                    (fp32 runs, FSDP2's sharded parameters) the widest of its parameters: the
                    weights the optimizer updates (a narrower gathered copy is not them)
-  gradients        the widest dtype of the gradients: torch's optimizers step a weight with a
-                   gradient of its own dtype, so this is the gradient the update used
+  gradients        the widest dtype of the gradients held: fp32 where any gradient is accumulated or
+                   stepped in fp32 (torch's optimizers step fp32 masters with fp32 gradients); a
+                   narrower one alone means none was
   optimizer states every dtype holding at least 10% of the states' bytes (Adam's fp32 step
                    counters beside bf16 moments are not a policy)
   compute          every dtype holding at least 10% of the parameters' bytes, for runs that keep
@@ -23,12 +24,6 @@ from __future__ import annotations
 WIDTH = {"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2}  # wider first where two dtypes compare
 MAIN_SHARE = 0.1
 FACTS = ("compute", "masters", "gradients", "optimizer_states")
-FACT_NAMES = {
-    "compute": "parameters for compute",
-    "masters": "master weights",
-    "gradients": "gradients at the optimizer step",
-    "optimizer_states": "optimizer states",
-}
 
 
 def _widest(by_dtype: dict) -> str | None:

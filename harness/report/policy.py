@@ -14,7 +14,7 @@ from harness.store import PASS, failure
 FACT_NAMES = {
     "compute": "parameters for compute",
     "masters": "master weights",
-    "gradients": "gradients at the optimizer step",
+    "gradients": "gradients held at the optimizer step",
     "optimizer_states": "optimizer states",
 }
 
