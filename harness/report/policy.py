@@ -83,7 +83,7 @@ def policy_sentence(summary: dict) -> str:
 def reasons(summary: dict) -> list[str]:
     """Every reason the verdict gives, in order: failed runs with their cause, runs that held another
     precision policy, loss parity among the finished runs, fingerprints."""
-    par, runs = summary["parity"], summary["runs"]
+    par, runs = summary["parity"], summary.get("runs") or []
     out = [f"{r['label']}: {failure(r)}" for r in runs if r["status"] != "ok"]
     pol = summary.get("policy")
     if pol and not pol["same"]:
@@ -98,13 +98,15 @@ def reasons(summary: dict) -> list[str]:
     if par.get("max_pairwise_rel_diff") is None:
         out.append(f"loss parity not checked: {len(finished)} run(s) finished, two are needed")
     else:
-        holds = all(p["verdict"] == PASS for p in finished) and par["cross_engine_ok"]
+        holds = all(p["verdict"] == PASS for p in finished) and par.get("cross_engine_ok", True)
         out.append(
             f"loss parity {'holds' if holds else 'FAILS'} across the {len(finished)} finished runs "
             f"(max pairwise relative difference {sci(par['max_pairwise_rel_diff'])}, tolerance {par['tolerance']:g})"
         )
     fp = summary["fingerprints"]
-    out.append("fingerprints " + ("identical" if fp["same"] else "DIFFER (" + ", ".join(fp["flagged_groups"]) + ")"))
+    out.append(
+        "fingerprints " + ("identical" if fp["same"] else "DIFFER (" + ", ".join(fp.get("flagged_groups", [])) + ")")
+    )
     return out
 
 
