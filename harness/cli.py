@@ -175,8 +175,9 @@ def _main(argv: list[str] | None) -> int:
             parser.print_help()
             return 2
         return int(module.main(args) or 0)
-    except SpecError as e:  # one line, whatever the message holds
-        print("error: " + "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()), file=sys.stderr)
+    except SpecError as e:  # one line per mistake (SpecErrors: several), whatever the message holds
+        for one in getattr(e, "errors", [e]):
+            print("error: " + "; ".join(ln.strip() for ln in str(one).splitlines() if ln.strip()), file=sys.stderr)
         return 2
 
 

@@ -34,6 +34,26 @@ class SpecError(ValueError):
         self.reason = reason
 
 
+class SpecErrors(SpecError):
+    """Every mistake a check found in one input (a ds_config's every contradiction), so that a user
+    fixes them in one go: the CLI prints one `error: <field>: <reason>` line for each, exit code 2."""
+
+    def __init__(self, errors: list[SpecError]):
+        super().__init__(errors[0].field, errors[0].reason)
+        self.errors = list(errors)
+
+    def __str__(self) -> str:
+        return "\n".join(f"{e.field}: {e.reason}" for e in self.errors)
+
+
+def raise_all(errors: list[SpecError]) -> None:
+    """Raise the one error, or all of them at once (SpecErrors); nothing when the list is empty."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise SpecErrors(errors)
+
+
 class CapabilityError(SpecError):
     """A well-formed layout that the chosen engine cannot run (its facts: harness.registry.EngineFacts): a
     comparison shows it as a dash with this reason rather than refusing the whole spec."""

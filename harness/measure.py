@@ -276,7 +276,9 @@ def fingerprint(device: torch.device, world_size: int = 1, hosts: list[str] | No
 
 # ---------------------------------------------------------------- memory census
 
-CENSUS_CATEGORIES = ("parameters", "gradients", "master_parameters", "optimizer_states")
+# buffers: communication scratch a framework keeps (DeepSpeed's reduce buckets), sized by its
+# config, not by the model: not gradients, though gradients pass through them
+CENSUS_CATEGORIES = ("parameters", "buffers", "gradients", "master_parameters", "optimizer_states")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,8 @@ stage3_param_persistence_threshold (the RMSNorm weights): within 3%.
 
 The ZeRO-3 runs take a copy of ds_configs/zero3.json with a reduce bucket of 20,000 elements
 (the largest tiny parameter has 16,384): the bucket is held for the whole run, and zero3.json's
-5e7 elements (200 MB in fp32) would hide every other gradient term of a 125k-parameter model
-inside 3%. (tests/test_deepspeed.py runs bf16 ZeRO-3 on zero3.json as it is against the same
-reference.)
+5e7 elements (200 MB in fp32) would dwarf every other term of a 125k-parameter model.
+(tests/test_deepspeed.py runs bf16 ZeRO-3 on zero3.json as it is against the same reference.)
 """
 
 import functools
@@ -39,11 +38,12 @@ BF16 = {"precision": "bf16", "grad_accum_dtype": "fp32", "grad_reduce_dtype": "f
 BF16_ACCUM = {"precision": "bf16", "grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"}
 
 
-def partitioned_master(parameters: dict, gradients: dict) -> dict:
+def partitioned_master(parameters: dict, gradients: dict, buffers: dict | None = None) -> dict:
     """A census whose master parameters (fp32 4P/d) and AdamW states (fp32 8P/d) are this rank's
     partition, as every case here has them."""
     return {
         "parameters": parameters,
+        "buffers": buffers or {},
         "gradients": gradients,
         "master_parameters": {"fp32": 4 * P / D},
         "optimizer_states": {"fp32": 8 * P / D},
@@ -69,15 +69,17 @@ def closed_form(case: str) -> dict:
         #   parameters: fp32 4P/d - lp_param_buffer, the defragmented ds_tensor partitions
         #     (_create_fp16_partitions_with_defragmentation); the full parameters are released
         #     (_partition_all_parameters at the start of step())
-        #   gradients: fp32 4P/d + 4P/d + 4B - grad_partitions_flat_buffer in gradient_accumulation_dtype
+        #   gradients: fp32 4P/d + 4P/d - grad_partitions_flat_buffer in gradient_accumulation_dtype
         #     (_setup_for_real_optimizer), the master's .grad, a flattened copy of the averaged
-        #     gradients (_prepare_fp32_grad_for_sub_group), and the ipg bucket of reduce_bucket_size
-        #     elements in communication_data_type, allocated in _setup_for_real_optimizer and kept
+        #     gradients (_prepare_fp32_grad_for_sub_group)
+        #   buffers: fp32 4B - the ipg bucket of reduce_bucket_size elements in communication_data_type,
+        #     allocated in _setup_for_real_optimizer and kept (a category of its own: its size is the
+        #     config's, not the model's)
         #   master_parameters: fp32 4P/d - _create_fp32_partitions clones the partition (the branch
         #     that would reuse an fp32 partition compares a torch.device with a device-name string
         #     and is not taken)
         #   optimizer_states: fp32 8P/d
-        "zero3-fp32": partitioned_master({"fp32": 4 * p / d}, {"fp32": 8 * p / d + 4 * SMALL_BUCKET}),
+        "zero3-fp32": partitioned_master({"fp32": 4 * p / d}, {"fp32": 8 * p / d}, {"fp32": 4 * SMALL_BUCKET}),
         # bf16, grad_accum fp32, ZeRO-1: BF16_Optimizer (runtime/engine.py _do_optimizer_sanity_check:
         # bf16 parameters, fp32 accumulation, stage 1, no offload -> BFLOAT16; runtime/bf16_optimizer.py).
         #   parameters: bf16 2P - bf16_groups_flat (_setup_for_real_optimizer)
@@ -96,9 +98,9 @@ def closed_form(case: str) -> dict:
         #   master_parameters: fp32 4P/d; optimizer_states: fp32 8P/d
         "zero2-bf16": partitioned_master({"bf16": 2 * p}, {"fp32": 4 * p / d}),
         # bf16, grad_accum fp32, ZeRO-3: as fp32 ZeRO-3 with bf16 partitions: parameters bf16 2P/d;
-        # gradients fp32 4P/d (accumulation buffer) + 4P/d (the master's .grad) + 4B (bucket in
-        # communication_data_type fp32); master fp32 4P/d; Adam 8P/d.
-        "zero3-bf16": partitioned_master({"bf16": 2 * p / d}, {"fp32": 8 * p / d + 4 * SMALL_BUCKET}),
+        # gradients fp32 4P/d (accumulation buffer) + 4P/d (the master's .grad); buffers 4B (the bucket
+        # in communication_data_type fp32); master fp32 4P/d; Adam 8P/d.
+        "zero3-bf16": partitioned_master({"bf16": 2 * p / d}, {"fp32": 8 * p / d}, {"fp32": 4 * SMALL_BUCKET}),
         # bf16, grad_accum bf16, ZeRO-1: DeepSpeedZeroOptimizer (not BF16_Optimizer): .grad accumulates
         # in bf16 and step() frees it after flattening this rank's partition, whose fp32 copy is the
         # master's .grad: parameters bf16 2P, gradients fp32 4P/d, master 4P/d, Adam 8P/d - no
@@ -174,7 +176,7 @@ def launched(tmp_path_factory):
 
 def within(measured: dict, expected: dict, rel: float = 0.03) -> list[str]:
     bad = []
-    for category in ("parameters", "gradients", "master_parameters", "optimizer_states"):
+    for category in ("parameters", "buffers", "gradients", "master_parameters", "optimizer_states"):
         got, want = measured.get(category, {}), expected.get(category, {})
         for dtype in sorted(set(got) | set(want)):
             g, w = got.get(dtype, 0), want.get(dtype, 0)

@@ -286,7 +286,12 @@ def test_precision_policy_is_stated_once_and_an_engine_that_differs_is_flagged(t
     summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=odd_launch)
     assert summary["precision_policy"] == POLICY_FP32
     md = open(write_report(summary, str(tmp_path))["markdown"]).read()
-    assert md.count(POLICY_FP32) == 1 and "Precision policy, the same for every run" in md
+    assert md.count("Precision policy") == 1 and POLICY_FP32 not in md  # stated once, from the census
+    assert (
+        "Precision policy, the same for every run (read from each run's memory census at its first optimizer "
+        "step): fp32 parameters. Configured, which no census shows: gradients accumulated over micro-batches "
+        "and reduced across data-parallel ranks in fp32." in md
+    )
     assert "- deepspeed ZeRO-1: ran another precision policy: bf16 something else" in md
     assert "FSDP2 reshard: ran another" not in md
     assert "| FSDP2 reshard | fp32 4.00 MiB (4.00P) | none | none | none | 3.00 MiB |" in md

@@ -61,6 +61,7 @@ def main(args) -> int:
     from harness.compare.report_lock import report_lock
     from harness.compare.spec import DEFAULT, parse_compare_spec
     from harness.report.compare import write_report
+    from harness.report.policy import verdict_text
     from harness.spec import check_positive, process_counts, read_yaml
     from harness.store import check_store
 
@@ -93,15 +94,9 @@ def main(args) -> int:
             profile_steps=args.profile_steps,
         )
         paths = write_report(summary, args.out)
-    par = summary["parity"]
-    print(
-        f"verdict: {summary['verdict']} (parity {par['verdict']}, max pairwise relative loss difference "
-        f"{par['max_pairwise_rel_diff']:.2e}, tolerance {par['tolerance']:g}; "
-        f"failed runs: {', '.join(summary['failed_runs']) or 'none'}; "
-        f"fingerprints {'identical' if summary['fingerprints']['same'] else 'DIFFER'})"
-    )
-    for p in par["runs"]:
-        if p["verdict"] != "pass":
-            print(f"  parity {p['verdict']}: {p['label']} {p['note']}")
+    print(f"verdict: {verdict_text(summary)}")  # failed runs with their cause, policy, parity, fingerprints
+    for p in summary["parity"]["runs"]:
+        if p["verdict"] == "FAIL":
+            print(f"  parity FAIL: {p['label']} {p['note']}")
     print(f"report: {paths['markdown']} {paths['html']}")
     return 0 if summary["verdict"] == "pass" else 1

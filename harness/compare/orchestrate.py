@@ -16,6 +16,7 @@ import time
 import uuid
 
 from harness.compare.parity import PASS, check_parity, compare_fingerprints
+from harness.compare.policy import census_policy
 from harness.compare.spec import CompareSpec, PlannedRun
 from harness.errors import SpecError
 from harness.model.training import precision_policy
@@ -221,7 +222,9 @@ def run_comparison(
     parity = check_parity(entries, cs.parity_steps, cs.tolerance)
     fingerprints = compare_fingerprints(entries)
     failed = [e["label"] for e in entries if e["status"] != "ok"]
-    verdict = PASS if parity["verdict"] == PASS and not failed else "FAIL"
+    workload = parse_spec({"workload": cs.workload}).workload
+    policy = census_policy(entries, workload.precision)  # what each run held, not what the spec asked for
+    verdict = PASS if parity["verdict"] == PASS and not failed and policy["same"] else "FAIL"
     summary = {
         "name": cs.name,
         "comparison_id": comparison_id,
@@ -237,7 +240,8 @@ def run_comparison(
         "failed_runs": failed,
         "skipped": cs.skipped,
         "not_runnable": cs.not_runnable,
-        "precision_policy": precision_policy(parse_spec({"workload": cs.workload}).workload).describe(),
+        "precision_policy": precision_policy(workload).describe(),
+        "policy": policy,
         "load_average": {"before": load_before, "after": _loadavg()},
         "threads_per_process": threads,
         "matmul_peak": peak,

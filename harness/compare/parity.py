@@ -4,7 +4,8 @@ Parity: the first N per-step losses (warm-up steps included: they are the ones c
 identical initial weights) of every run must agree with the reference's - the single-device
 engine when it ran, else the first successful run - within a relative tolerance, and with
 each other (the largest pairwise difference is reported). A run without losses (failed,
-oom, timeout) cannot prove parity: its verdict is `no data` and the comparison fails.
+oom, timeout) cannot prove parity: its verdict is `no data`, its note "run failed: <cause>",
+and the comparison fails; the pairwise difference needs two finished runs (None otherwise).
 
 Fingerprints: hosts, devices and library versions must be the same for every run; a
 difference is flagged (world size and environment variables are expected to differ).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.store import FAIL, NO_DATA, PASS  # noqa: F401 - the verdicts, recorded with each run
+from harness.store import FAIL, NO_DATA, PASS, failure  # noqa: F401 - the verdicts, recorded with each run
 
 FINGERPRINT_GROUPS = {
     "hosts": ("hosts",),
@@ -59,7 +60,7 @@ def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
     per_run = []
     for r in runs:
         if r not in usable:
-            why = r["status"] if r["status"] != "ok" else f"fewer than {n} losses"
+            why = failure(r) if r["status"] != "ok" else f"fewer than {n} losses"
             per_run.append(RunParity(r["label"], NO_DATA, None, None, why))
             continue
         d, at = max_rel_diff(r["losses"], anchor["losses"], n)
@@ -68,7 +69,8 @@ def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
         per_run.append(RunParity(r["label"], verdict, d, at, note))
     labels = [r["label"] for r in usable]
     matrix = {a["label"]: {b["label"]: max_rel_diff(a["losses"], b["losses"], n)[0] for b in usable} for a in usable}
-    spread = max((v for row in matrix.values() for v in row.values()), default=0.0)
+    # between two finished runs at least: one run alone (the others failed) is no agreement of 0
+    spread = max((v for row in matrix.values() for v in row.values()), default=0.0) if len(usable) > 1 else None
     ok = bool(usable) and all(p.verdict == PASS for p in per_run)
     return {
         "steps": n,
@@ -79,8 +81,8 @@ def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
         "pairwise_max_rel_diff": matrix,
         "labels": labels,
         "max_pairwise_rel_diff": spread,
-        "cross_engine_ok": spread <= tolerance,
-        "verdict": PASS if ok and spread <= tolerance else FAIL,
+        "cross_engine_ok": spread is None or spread <= tolerance,
+        "verdict": PASS if ok and (spread is None or spread <= tolerance) else FAIL,
     }
 
 

@@ -109,7 +109,9 @@ def states_bytes(
             add("parameters", "bf16" if mixed else "fp32", P / dp)
             add("gradients", acc, P / dp)  # the partition's accumulation buffer
             add("gradients", "fp32", P / dp)  # the fp32 partition gradient the optimizer steps with
-            add("gradients", red, reduce_bucket_elements)  # the reduce bucket, held for the run
+            if reduce_bucket_elements:  # the reduce bucket, held for the run: a census category of its own
+                out["buffers"] = {}
+                add("buffers", red, reduce_bucket_elements)
             return out
         add("parameters", "bf16" if mixed else "fp32", P)
         if mixed and zero_stage == 1 and acc == "fp32":  # BF16_Optimizer

@@ -14,10 +14,10 @@ import os
 from harness.report import plots, render
 from harness.report.compare_layouts import differing_fields, differs_texts, layout_matrix
 from harness.report.compare_steps import (
-    CENSUS_TEXT,
     TRACES_TEXT,
     breakdown_rows,
     census_rows,
+    census_text,
     collective_rows,
     run_metrics,
     sorted_components,
@@ -25,6 +25,8 @@ from harness.report.compare_steps import (
     why_section,
 )
 from harness.report.data import breakdown_of, component_title, measured_columns
+from harness.report.policy import held_text, parity_cell, policy_sentence, verdict_text
+from harness.report.policy import sci as _sci
 from harness.report.ranking import rate_ci
 from harness.report.render import save_figures
 from harness.report.sections import Code, Column, Figure, Items, Section, Table, table
@@ -32,20 +34,18 @@ from harness.spec import layout_label, process_counts
 from harness.store import PASS
 
 
-def _sci(x) -> str:
-    if x is None:
-        return "-"
-    return "0" if x == 0 else f"{x:.1e}"
-
-
 def policy_exceptions(summary: dict) -> list[tuple[str, str]]:
-    """Runs whose engine says it ran another precision policy than the workload's (none should:
-    every engine is configured to it, or the spec refuses the run)."""
+    """Runs whose engine says it ran another precision policy than the workload's, or whose census
+    shows it held another (none should: every engine is configured to it, or the spec refuses the run)."""
     policy = summary.get("precision_policy")
-    return [
+    out = [
         (r["label"], f"ran another precision policy: {r['precision_policy']}")
         for r in summary["runs"]
         if r.get("precision_policy") and policy and r["precision_policy"] != policy
+    ]
+    held = (summary.get("policy") or {}).get("differ") or {}
+    return out + [
+        (label, f"held another precision policy (memory census): {held_text(items)}") for label, items in held.items()
     ]
 
 
@@ -88,6 +88,8 @@ THREADS_TEXT = (
 
 def _note(item: dict) -> str:
     run, p = item["run"], item["parity"]
+    if run["status"] != "ok":  # its cause is the loss-parity cell (parity_cell)
+        return run.get("override_note", "")
     return "; ".join(x for x in [p.get("note", ""), run.get("override_note", ""), run.get("error_line", "")] if x)
 
 
@@ -100,7 +102,7 @@ def result_columns() -> list[Column]:
         Column("Fields that differ", lambda i: i["differs"]),
         Column("Status", lambda i: i["run"]["status"]),
         *measured_columns(lambda i: i["run"].get("row") or {}),
-        Column("Loss parity", lambda i: i["parity"].get("verdict", "-")),
+        Column("Loss parity", lambda i: parity_cell(i["run"], i["parity"])),
         Column("Max rel. diff", lambda i: _sci(i["parity"].get("max_rel_diff"))),
         Column("Note", _note),
     ]
@@ -244,17 +246,13 @@ def _figures(figs, names: tuple[str, ...]) -> list[Figure]:
 
 
 def _lead(summary: dict) -> Section:
-    par, fp = summary["parity"], summary["fingerprints"]
-    n_failed = len(summary["failed_runs"])
-    failed_text = f", {n_failed} run(s) did not finish" if n_failed else ""
-    fingerprints = "identical" if fp["same"] else "DIFFER (" + ", ".join(fp["flagged_groups"]) + ")"
+    verdict, why = verdict_text(summary).split(" - ", 1)
     return Section(
         "lead",
         "",
         body=[
             f"Generated {summary['created_at']} by `harness compare`; results store `{summary['store']}`.",
-            f"**Verdict: {'PASS' if summary['verdict'] == PASS else 'FAIL'}** - loss parity "
-            f"{'holds' if par['verdict'] == PASS else 'FAILS'}{failed_text}; fingerprints {fingerprints}.",
+            f"**Verdict: {verdict}** - {why}.",
         ],
     )
 
@@ -265,7 +263,7 @@ def _workload(summary: dict) -> Section:
         "Workload (identical for every run)",
         body=[
             _workload_text(summary["workload"]),
-            f"Precision policy, the same for every run: {summary.get('precision_policy') or 'not recorded'}.",
+            policy_sentence(summary),
             f"{process_counts([r['nproc'] for r in summary['runs']])}. Initial weights are generated from the seed, "
             "bit-identical for every engine; every data-parallel rank takes its contiguous slice of the same global "
             "batch.",
@@ -301,9 +299,13 @@ def _parity(summary: dict, figs: list) -> Section:
     body = [
         f"The first {par['steps']} per-step losses (warm-up included) of every run are compared with the "
         f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
-        f"**{par['tolerance']:g}** ({summary['tolerance_source']}). Largest difference between any two "
-        f"finished runs: {_sci(par['max_pairwise_rel_diff'])} "
-        f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."
+        f"**{par['tolerance']:g}** ({summary['tolerance_source']}). "
+        + (
+            "Fewer than two runs finished: no difference between runs to give."
+            if par["max_pairwise_rel_diff"] is None
+            else f"Largest difference between any two finished runs: {_sci(par['max_pairwise_rel_diff'])} "
+            f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."
+        )
     ]
     if any(name == "loss-curves" for name, _, _ in figs):
         body += [LOSS_FIGURE_TEXT, *_figures(figs, ("loss-curves",))]
@@ -411,7 +413,9 @@ def sections(summary: dict, figs: list | None = None, out_dir: str | None = None
         Section("collectives", "Collectives per step", body=[COLLECTIVES_TEXT, Table(*collective_rows(summary))]),
         Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary, out_dir))]),
         why_section(summary),
-        Section("census", "Memory census", body=[CENSUS_TEXT, Table(*census_rows(summary)), *_machine(summary)]),
+        Section(
+            "census", "Memory census", body=[*census_text(summary), Table(*census_rows(summary)), *_machine(summary)]
+        ),
         _parity(summary, figs),
         *_exceptions(summary),
         _engines(summary),

@@ -154,10 +154,32 @@ def why_section(summary: dict) -> Section:
 
 CENSUS_TEXT = (
     "Bytes rank 0 held at its first optimizer step, by category and dtype, counted from the tensors "
-    "the engine really holds (each storage once), and in multiples of the model's parameter count P; "
-    "activations: what autograd saved for backward, per micro-batch. What a framework holds beyond the "
-    "policy is shown as it is."
+    "the engine really holds (each storage once), and in bytes per parameter of the model (xP: fp32 "
+    "parameters are 4.00P, a shard of them over 2 ranks 2.00P); activations: what autograd saved for "
+    "backward, per micro-batch. What a framework holds beyond the policy is shown as it is."
 )
+BUFFERS_TEXT = (
+    "Communication buffers: the buckets a framework keeps for its collectives (DeepSpeed ZeRO-3's reduce "
+    "bucket of zero_optimization.reduce_bucket_size elements, held for the whole run), sized by its "
+    "config, not by the model: given in elements, not per parameter; '-' where the engine keeps none "
+    "at the step."
+)
+
+
+def census_text(summary: dict) -> list[str]:
+    """What the census table shows: its buffers column explained only where it is shown."""
+    shown = any(((r.get("metrics") or {}).get("memory_census") or {}).get("buffers") for r in summary["runs"])
+    return [CENSUS_TEXT, BUFFERS_TEXT] if shown else [CENSUS_TEXT]
+
+
+def _buffer_cell(by_dtype: dict | None) -> str:
+    size = {"fp32": 4, "bf16": 2, "fp16": 2}
+    if not by_dtype:
+        return "-"
+    return ", ".join(
+        f"{dtype} {n / 2**20:,.2f} MiB" + (f" ({n // size[dtype]:,} elements)" if dtype in size else "")
+        for dtype, n in sorted(by_dtype.items())
+    )
 
 
 def _census_cell(by_dtype: dict | None, params: int | None) -> str:
@@ -172,14 +194,18 @@ def _census_cell(by_dtype: dict | None, params: int | None) -> str:
 def census_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Each run's memory census (rank 0) and saved activations; 'not measured' where absent."""
     categories = ("parameters", "gradients", "master_parameters", "optimizer_states")
-    header = ["run"] + [c.replace("_", " ") for c in categories] + ["activations saved / micro-batch"]
+    censuses = [(r.get("metrics") or {}).get("memory_census") for r in summary["runs"]]
+    buffers = any((c or {}).get("buffers") for c in censuses)  # the column only where some run keeps one
+    header = ["run"] + [c.replace("_", " ") for c in categories]
+    header += ["communication buffers"] * buffers + ["activations saved / micro-batch"]
     rows = []
-    for r in summary["runs"]:
+    for r, census in zip(summary["runs"], censuses, strict=True):
         m = r.get("metrics") or {}
-        census, params, act = m.get("memory_census"), m.get("parameter_count"), m.get("activations_saved_bytes")
+        params, act = m.get("parameter_count"), m.get("activations_saved_bytes")
         rows.append(
             [r["label"]]
             + [_census_cell(census.get(c, {}) if census is not None else None, params) for c in categories]
+            + ([_buffer_cell(census.get("buffers")) if census is not None else NOT_MEASURED] if buffers else [])
             + [f"{act / 2**20:,.2f} MiB" if act is not None else NOT_MEASURED]
         )
     return header, rows

@@ -36,6 +36,16 @@ SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "failed", "timeout")
 # A comparison's loss-parity verdict, per run and overall (the record's `comparison` section).
 PASS, FAIL, NO_DATA = "pass", "FAIL", "no data"
+_CAUSES = {"oom": "out of memory", "timeout": "timed out"}
+
+
+def failure(run: dict) -> str:
+    """'run failed: <cause>' for a run (record or comparison entry) that did not finish: its error
+    line (the exception, or the `error:` line it printed), else what its status says."""
+    cause = run.get("error_line") or _CAUSES.get(run.get("status"), "") or str(run.get("status"))
+    return f"run failed: {cause}"
+
+
 # What an out-of-memory failure says, in an exception or in a run's output: PyTorch's CUDA
 # allocator ("CUDA out of memory"), the CUDA runtime ("CUDA error: out of memory") and the
 # exception's class name.

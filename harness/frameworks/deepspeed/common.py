@@ -17,9 +17,9 @@ zero/stage3.py):
       of the partition's parameters until then), fp32 master partition 4P/d, Adam 8P/d;
   ZeRO-3: DeepSpeedZeroOptimizer_Stage3 - bf16 partitions 2P/d (parameters under
       stage3_param_persistence_threshold stay whole), a gradient partition buffer in
-      grad_accum_dtype (P/d elements), the master's fp32 gradient (4P/d), the reduce bucket
-      (reduce_bucket_size elements of communication_data_type, held from init), fp32 master
-      4P/d, Adam 8P/d.
+      grad_accum_dtype (P/d elements), the master's fp32 gradient (4P/d), fp32 master 4P/d,
+      Adam 8P/d; and, a census category of its own (buffers), the reduce bucket
+      (reduce_bucket_size elements of communication_data_type, held from init).
 tests/test_census_deepspeed.py checks these closed forms against the census.
 """
 
@@ -162,9 +162,12 @@ class DeepSpeedBase:
         tensor_census keeps each storage once, in the first category naming it: a parameter
         partition that is its own master - fp32 ZeRO-3, the pipeline without ZeRO - counts as a
         parameter). Module parameters (ZeRO-3: their ds_tensor partitions; a released full
-        parameter holds no storage) and the wrapper's flat bf16 buffers; gradients: every .grad
-        and grad_accum of the module's parameters, the wrapper's accumulation and partition
-        buffers, its reduce buckets, the masters' .grad; the masters; the basic optimizer's state."""
+        parameter holds no storage) and the wrapper's flat bf16 buffers; buffers: the wrapper's
+        reduce buckets (communication scratch of reduce_bucket_size elements, whatever the model's
+        size: ZeRO-3 keeps its bucket for the run), listed before the gradients so that a gradient
+        still viewing a bucket leaves it a buffer; gradients: every .grad and grad_accum of the
+        module's parameters, the wrapper's accumulation and partition buffers, the masters' .grad;
+        the masters; the basic optimizer's state."""
         opt, basic = self.optimizer, self.engine.basic_optimizer
         params = list(self.engine.module.parameters())
         masters = list(_tensors(*(getattr(opt, a, None) for a in _WRAPPER_MASTERS)))
@@ -173,11 +176,13 @@ class DeepSpeedBase:
         parameters += list(_tensors(*(getattr(opt, a, None) for a in _WRAPPER_PARAMETERS)))
         gradients = [p.grad for p in params] + [getattr(p, "grad_accum", None) for p in params]
         gradients += list(_tensors(*(getattr(opt, a, None) for a in _WRAPPER_GRADIENTS)))
-        for bucket in (getattr(opt, "ipg_buckets", None) or {}).values():
-            gradients += list(_tensors(getattr(bucket, "buffer", None)))
+        buffers = [
+            t for b in (getattr(opt, "ipg_buckets", None) or {}).values() for t in _tensors(getattr(b, "buffer", None))
+        ]
         gradients += [m.grad for m in masters]
         return {
             "parameters": parameters,
+            "buffers": buffers,
             "gradients": gradients,
             "master_parameters": masters,
             "optimizer_states": optimizer_state_tensors(basic),

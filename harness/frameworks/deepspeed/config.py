@@ -3,9 +3,12 @@
 A ds_config is DeepSpeed's own JSON schema. Fields the workload decides are "auto" and are
 filled here from the spec; an explicit value that contradicts the workload is refused with
 SpecError(f"{file}: {key}", reason) - the CLI prints `error: <file>: <key>: <reason>` and exits
-with 2 - before anything launches. Knobs the workload does not decide (ZeRO bucket sizes,
-prefetch, persistence threshold, overlap) are taken from the file as written: they are the
-deliberate choices documented in ds_configs/README.md.
+with 2 - before anything launches. Every contradiction of a file is listed at once (SpecErrors,
+one line each), and so is every key that would change the precision policy (policy_keys.py:
+bf16 master weights or optimizer states, fp16, torch_autocast, quantized ZeRO, ZenFlow, ...).
+Knobs the workload does not decide (ZeRO bucket sizes, prefetch, persistence threshold, overlap)
+are taken from the file as written: they are the deliberate choices documented in
+ds_configs/README.md.
 
 Workload-owned keys (explicit values must equal the workload's):
   train_batch_size                 = global_batch_size
@@ -32,7 +35,8 @@ Workload-owned keys (explicit values must equal the workload's):
   optimizer.type                   = AdamW (or Adam with adam_w_mode true)
   optimizer.params.lr/betas/eps/weight_decay = workload.optimizer
   optimizer.params.torch_adam      auto: true on CPU (torch.optim.AdamW, the reference's
-                                   optimizer), false on GPU (DeepSpeed's FusedAdam)
+                                   optimizer), left out on GPU (DeepSpeed's FusedAdam; with
+                                   optimizer offload its CPUAdam)
   zero_optimization.stage          = layout.zero_stage (0 only under the pipeline engine, pp > 1)
   tensor_parallel.autotp_size      = layout.tp (DeepSpeed's AutoTP training; filled when tp > 1)
   scheduler                        refused: the workload's learning rate is constant
@@ -46,7 +50,8 @@ import math
 import os
 
 from harness import resources
-from harness.errors import SpecError
+from harness.errors import SpecError, raise_all
+from harness.frameworks.deepspeed.policy_keys import policy_switches
 from harness.spec import micro_batch_count
 
 AUTO = "auto"
@@ -131,9 +136,22 @@ def _same(a, b) -> bool:
 
 
 class _Filler:
+    """Fills a config's workload-owned keys and collects every contradiction (not only the first:
+    a user fixes a file in one go), raised together at the end of build_config."""
+
     def __init__(self, name: str, cfg: dict):
         self.name, self.cfg = name, cfg
         self.filled: list[str] = []
+        self.errors: list[SpecError] = []
+
+    def refuse(self, dotted: str, reason: str) -> None:
+        self.errors.append(SpecError(f"{self.name}: {dotted}", reason))
+
+    def fatal(self, dotted: str, reason: str) -> None:
+        """A contradiction that stops the reading here (a section that is not a JSON object): it
+        is raised at once, with those found before it."""
+        self.refuse(dotted, reason)
+        raise_all(self.errors)
 
     def own(self, dotted: str, value, what: str, required: bool = True, same=None):
         """Set a workload-owned key: fill "auto"/missing, refuse an explicit different value
@@ -147,9 +165,8 @@ class _Filler:
                 self.filled.append(dotted)
             return
         if not (same or _same)(parent[key], value):
-            raise SpecError(
-                f"{self.name}: {dotted}",
-                f'{parent[key]!r} contradicts the workload\'s {what} = {value!r}; use "auto" or {value!r}',
+            self.refuse(
+                dotted, f'{parent[key]!r} contradicts the workload\'s {what} = {value!r}; use "auto" or {value!r}'
             )
 
     def _parent(self, dotted: str, create: bool):
@@ -161,7 +178,7 @@ class _Filler:
                     return None, parts[-1]
                 node[part] = {}
             if not isinstance(node[part], dict):
-                raise SpecError(f"{self.name}: {'.'.join(parts[: i + 1])}", "must be a JSON object")
+                self.fatal(".".join(parts[: i + 1]), "must be a JSON object")
             node = node[part]
         return node, parts[-1]
 
@@ -202,30 +219,23 @@ def build_config(
     f.own("gradient_clipping", float(w.grad_clip), "grad_clip")
     f.own("bf16.enabled", w.precision == "bf16", f"precision ({w.precision})")
     _precision_policy(f, cfg, w, lay)
-    fp16 = cfg.get("fp16", {})
-    if isinstance(fp16, dict) and fp16.get("enabled") not in (None, False, AUTO):
-        raise SpecError(f"{name}: fp16.enabled", f"the workload's precision is {w.precision}; fp16 is not offered")
-    if isinstance(fp16, dict) and fp16.get("enabled") == AUTO:
-        fp16["enabled"] = False
-        f.filled.append("fp16.enabled")
-    if "torch_autocast" in cfg and (cfg["torch_autocast"] or {}).get("enabled") not in (None, False):
-        raise SpecError(f"{name}: torch_autocast", "use bf16.enabled; the workload's precision decides it")
+    policy_switches(f, cfg)
     if "scheduler" in cfg:
-        raise SpecError(f"{name}: scheduler", "the workload's learning rate is constant; remove the scheduler")
-    if "amp" in cfg:
-        raise SpecError(f"{name}: amp", "not supported; the workload's precision decides bf16")
+        f.refuse("scheduler", "the workload's learning rate is constant; remove the scheduler")
 
     # optimizer
     opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
     if not isinstance(opt, dict):
-        raise SpecError(f"{name}: optimizer", "must be a JSON object")
+        f.fatal("optimizer", "must be a JSON object")
     otype = opt.get("type", "AdamW")
     params = opt.setdefault("params", {})
+    if not isinstance(params, dict):
+        f.fatal("optimizer.params", "must be a JSON object")
     if str(otype).lower() == "adam":
         if params.get("adam_w_mode", True) is not True:
-            raise SpecError(f"{name}: optimizer.params.adam_w_mode", "the workload's optimizer is AdamW")
+            f.refuse("optimizer.params.adam_w_mode", "the workload's optimizer is AdamW")
     elif str(otype).lower() != "adamw":
-        raise SpecError(f"{name}: optimizer.type", f"{otype!r} contradicts the workload's optimizer AdamW")
+        f.refuse("optimizer.type", f"{otype!r} contradicts the workload's optimizer AdamW")
     o = w.optimizer
     f.own("optimizer.params.lr", float(o.lr), "optimizer.lr")
     f.own("optimizer.params.betas", [float(b) for b in o.betas], "optimizer.betas")
@@ -234,18 +244,22 @@ def build_config(
     if device_type is None:
         device_type = _device_type(w.device)
     zero = cfg.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        f.fatal("zero_optimization", "must be a JSON object")
     offload = isinstance(zero.get("offload_optimizer"), dict) and zero["offload_optimizer"].get(
         "device", "none"
     ) not in ("none", None)
     if params.get("torch_adam", AUTO) == AUTO:
         # CPU: the reference's torch.optim.AdamW. GPU: FusedAdam; with optimizer offload,
-        # DeepSpeed's CPUAdam (chosen by DeepSpeed itself when torch_adam is false).
-        params["torch_adam"] = device_type == "cpu" and not offload
+        # DeepSpeed's CPUAdam (chosen by DeepSpeed itself when torch_adam is false). Written only
+        # when true: false is DeepSpeed's default, and a key DeepSpeed does not take out itself
+        # reaches whatever optimizer a config's section builds from these params.
+        params.pop("torch_adam", None)
+        if device_type == "cpu" and not offload:
+            params["torch_adam"] = True
         f.filled.append("optimizer.params.torch_adam")
 
     # ZeRO
-    if not isinstance(zero, dict):
-        raise SpecError(f"{name}: zero_optimization", "must be a JSON object")
     f.own("zero_optimization.stage", lay.zero_stage, "layout.zero_stage")
     hidden = shape.hidden if shape is not None else None
     for key, rule in _ZERO_AUTO.items():
@@ -263,22 +277,22 @@ def build_config(
     # DeepSpeed activation checkpointing follows the layout; the section holds only its knobs.
     ac = cfg.get("activation_checkpointing")
     if ac is not None and not isinstance(ac, dict):
-        raise SpecError(f"{name}: activation_checkpointing", "must be a JSON object")
+        f.fatal("activation_checkpointing", "must be a JSON object")
     pipe = cfg.get("pipeline")
     if pipe is not None and not isinstance(pipe, dict):
-        raise SpecError(f"{name}: pipeline", "must be a JSON object")
+        f.fatal("pipeline", "must be a JSON object")
     if pipe and pipe.get("activation_checkpoint_interval") == AUTO:
         pipe["activation_checkpoint_interval"] = 0  # the pipeline engine is given it by the adapter
         f.filled.append("pipeline.activation_checkpoint_interval")
     if pipe and pipe.get("activation_checkpoint_interval", 0) != 0:
-        raise SpecError(
-            f"{name}: pipeline.activation_checkpoint_interval",
+        f.refuse(
+            "pipeline.activation_checkpoint_interval",
             'layout.activation_checkpointing decides it (full: every block); use "auto" or 0',
         )
 
-    left = list(_find_auto(cfg))
-    if left:
-        raise SpecError(f"{name}: {left[0]}", '"auto" is not filled from the workload for this key; set a value')
+    for key in _find_auto(cfg):
+        f.refuse(key, '"auto" is not filled from the workload for this key; set a value')
+    raise_all(f.errors)
     cfg.setdefault("steps_per_print", 10**9)
     cfg.setdefault("wall_clock_breakdown", False)
     return cfg, name, f.filled
@@ -297,8 +311,8 @@ def _precision_policy(f: _Filler, cfg: dict, w, lay) -> None:
         f.own("seq_parallel_communication_data_type", reduce, "grad_reduce_dtype", same=_same_dtype)
         zero = cfg.get("zero_optimization") or {}
         if zero.get("reduce_scatter", True) is False:
-            raise SpecError(
-                f"{f.name}: zero_optimization.reduce_scatter",
+            f.refuse(
+                "zero_optimization.reduce_scatter",
                 "false with cp > 1: under Ulysses DeepSpeed 0.19.8's all-reduce paths differ from its "
                 "reduce-scatter (ZeRO-3 divides the gradients by dp instead of dp x cp, ZeRO-1/2 reduce "
                 "in fp32 whatever communication_data_type says); remove the key or set true",
@@ -311,8 +325,8 @@ def _precision_policy(f: _Filler, cfg: dict, w, lay) -> None:
             parent["check_grad_overflow"] = False
             f.filled.append("bf16.check_grad_overflow")
         elif explicit is not False:
-            raise SpecError(
-                f"{f.name}: bf16.check_grad_overflow",
+            f.refuse(
+                "bf16.check_grad_overflow",
                 f"{explicit!r} would let DeepSpeed skip a step whose gradients are not finite; the "
                 f'reference never skips one: use "auto" or false',
             )

@@ -1,0 +1,120 @@
+"""The comparison's verdict and its precision-policy sentence, in words, from the summary.
+
+The policy sentence says what every run held at its first optimizer step (the summary's `policy`,
+harness/compare/policy.py: derived from each run's memory census), not what the spec asked for;
+the verdict names every reason it is not PASS: a run that failed (with its cause, never a parity
+figure), runs that held another precision policy, loss parity among the finished runs, and
+fingerprints.
+"""
+
+from __future__ import annotations
+
+from harness.store import PASS, failure
+
+FACT_NAMES = {
+    "compute": "parameters for compute",
+    "masters": "master weights",
+    "gradients": "gradients held at the optimizer step",
+    "optimizer_states": "optimizer states",
+}
+
+
+def sci(x) -> str:
+    """A relative difference as the report prints it ('-' for none)."""
+    return "-" if x is None else "0" if x == 0 else f"{x:.1e}"
+
+
+def configured_text(workload: dict) -> str:
+    """What the workload asks of gradients, which no census shows."""
+    bf16 = workload.get("precision") == "bf16"
+    accum = (workload.get("grad_accum_dtype") or "fp32") if bf16 else "fp32"
+    reduce = (workload.get("grad_reduce_dtype") or "fp32") if bf16 else "fp32"
+    if accum == reduce:
+        return f"gradients accumulated over micro-batches and reduced across data-parallel ranks in {accum}"
+    return f"gradients accumulated over micro-batches in {accum} and reduced across data-parallel ranks in {reduce}"
+
+
+def held_text(items: list) -> str:
+    """[(fact, dtype)] of one run, in words: 'master weights bf16, optimizer states bf16'."""
+    return ", ".join(f"{FACT_NAMES[fact]} {dtype}" for fact, dtype in items)
+
+
+def _held(one: dict[str, str]) -> str:
+    compute, masters = one.get("compute"), one.get("masters")
+    parts = []
+    if compute and compute != masters:
+        parts += [f"{compute} {FACT_NAMES['compute']}", f"{masters} {FACT_NAMES['masters']}"]
+    elif masters:
+        parts.append(f"{masters} parameters")
+    parts += [f"{one[k]} {FACT_NAMES[k]}" for k in ("gradients", "optimizer_states") if one.get(k)]
+    return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1] if parts else "nothing"
+
+
+def policy_sentence(summary: dict) -> str:
+    """The workload section's policy sentence: from every run's census (summary['policy'])."""
+    pol, configured = summary.get("policy"), summary.get("precision_policy") or "not recorded"
+    if not pol:
+        return f"Precision policy, as configured (this summary predates the census check): {configured}."
+    if not pol["checked"]:
+        return f"Precision policy: not checked, no run recorded a memory census; configured: {configured}."
+    gradients = configured_text(summary.get("workload") or {})
+    if not pol["same"]:
+        runs = "; ".join(f"{label}: {held_text(items)}" for label, items in pol["differ"].items())
+        return (
+            f"Precision policy: the runs DIFFER. The workload's: {configured}; read from each run's memory census "
+            f"at its first optimizer step, these runs held another: {runs}."
+        )
+    one = {fact: next(iter(by), None) for fact, by in pol["facts"].items()}
+    without = pol["without_census"]
+    every = f"every run with a census (none for {', '.join(without)})" if without else "every run"
+    out = (
+        f"Precision policy, the same for {every} (read from each run's memory census at its first optimizer "
+        f"step): {_held(one)}"
+    )
+    compute, masters = one.get("compute"), one.get("masters")
+    if compute and compute != masters and pol["parameters_are_masters"]:
+        out += (
+            f"; {', '.join(pol['parameters_are_masters'])} held no separate {compute} copy at that step (their "
+            f"parameters are the {masters} masters)"
+        )
+    return f"{out}. Configured, which no census shows: {gradients}."
+
+
+def reasons(summary: dict) -> list[str]:
+    """Every reason the verdict gives, in order: failed runs with their cause, runs that held another
+    precision policy, loss parity among the finished runs, fingerprints."""
+    par, runs = summary["parity"], summary.get("runs") or []
+    out = [f"{r['label']}: {failure(r)}" for r in runs if r["status"] != "ok"]
+    pol = summary.get("policy")
+    if pol and not pol["same"]:
+        out.append("runs differ in precision policy (" + ", ".join(pol["differ"]) + ")")
+    status = {r["label"]: r["status"] for r in runs}
+    out += [
+        f"{p['label']}: no loss parity ({p['note']})"
+        for p in par["runs"]
+        if p.get("max_rel_diff") is None and status.get(p["label"]) == "ok"
+    ]
+    finished = [p for p in par["runs"] if p.get("max_rel_diff") is not None]
+    if par.get("max_pairwise_rel_diff") is None:
+        out.append(f"loss parity not checked: {len(finished)} run(s) finished, two are needed")
+    else:
+        holds = all(p["verdict"] == PASS for p in finished) and par.get("cross_engine_ok", True)
+        out.append(
+            f"loss parity {'holds' if holds else 'FAILS'} across the {len(finished)} finished runs "
+            f"(max pairwise relative difference {sci(par['max_pairwise_rel_diff'])}, tolerance {par['tolerance']:g})"
+        )
+    fp = summary["fingerprints"]
+    out.append(
+        "fingerprints " + ("identical" if fp["same"] else "DIFFER (" + ", ".join(fp.get("flagged_groups", [])) + ")")
+    )
+    return out
+
+
+def verdict_text(summary: dict) -> str:
+    """'PASS' or 'FAIL', then every reason (reasons())."""
+    return f"{'PASS' if summary['verdict'] == PASS else 'FAIL'} - " + "; ".join(reasons(summary))
+
+
+def parity_cell(run: dict, parity: dict) -> str:
+    """The results table's loss-parity cell: the verdict, or 'run failed: <cause>' (no figure)."""
+    return failure(run) if run["status"] != "ok" else parity.get("verdict", "-")
