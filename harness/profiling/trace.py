@@ -22,12 +22,13 @@ from harness.profiling.annotate import PREFIX, Annotations, AxisOf
 MAX_EVENTS = 200_000  # a kept trace's complete events at most (about 20-30 MB of JSON before gzip)
 
 
-def record(step_fn, steps: int, dims: ParallelDims, rank: int, device: torch.device) -> dict:
-    """Run step_fn(i) for i < steps under the profiler; the Chrome trace as a dict."""
+def record(step_fn, steps: int, dims: ParallelDims, rank: int, device: torch.device, axis_of=None) -> dict:
+    """Run step_fn(i) for i < steps under the profiler; the Chrome trace as a dict. `axis_of`: the
+    run's AxisOf (the engine's own groups declared), else one from the degrees."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with Annotations(AxisOf(dims, rank)), profile(activities=activities) as prof:
+    with Annotations(axis_of or AxisOf(dims, rank)), profile(activities=activities) as prof:
         for i in range(steps):
             with record_function(f"{STEP_PREFIX}{i}"):
                 step_fn(i)
