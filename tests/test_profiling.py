@@ -201,6 +201,24 @@ def test_without_a_pipeline_the_wait_at_the_world_reduction_is_not_a_bubble():
     assert analysis.mean_step([s, s])["wait"] == pytest.approx(0.060)
 
 
+def test_a_coalesced_wait_is_on_the_axis_of_the_calls_it_waits_for():
+    """Megatron's gradient buckets: calls with async_op False inside a coalescing manager, then one
+    wait on a work no call returned; it waits for them (before: 'other', 6 ms at megatron dp2)."""
+    ev = [_x("harness.step#0", 0, 1000), _x("aten::mm", 10, 890, "cpu_op")]
+    ev += _call("all_reduce", "dp", "sync", 100, 2, 4096) + _call("all_reduce", "?", "wait", 110, 30)
+    (s,) = analysis.cpu_breakdown({"traceEvents": ev})["steps"]
+    assert s["exposed_comm"]["dp"] == pytest.approx(0.032) and "other" not in s["exposed_comm"]
+
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling.counters import Counters
+
+    counters = Counters(AxisOf(ParallelDims(dp=2), 0), pp=1)
+    with counters:
+        counters.add("dp", "sync", 0.002)
+        counters.add("?", "wait", 0.030)
+    assert counters.parts(0.1)["exposed_comm"]["dp"] == pytest.approx(32.0)
+
+
 def test_the_harness_loss_reduction_is_its_own_axis():
     """A collective inside the harness's HARNESS_SYNC range is the harness's, not the engine's world
     reduction: counted under HARNESS, its blocked time waiting for other ranks."""

@@ -14,7 +14,7 @@ from harness.compare.orchestrate import run_comparison
 from harness.compare.spec import parse_compare_spec
 from harness.report.build import sections_for
 from harness.report.compare import sections, write_report
-from harness.report.compare_steps import breakdown_rows, collective_rows, trace_items
+from harness.report.compare_steps import BREAKDOWN_AXIS, COLLECTIVES_TEXT, breakdown_rows, collective_rows, trace_items
 from harness.report.data import breakdown_of, layout_key
 from harness.report.why import Case, comparisons, explain
 from harness.store import ResultsStore
@@ -421,6 +421,76 @@ def test_every_breakdown_figure_is_drawn_from_zero(summary, tmp_path, drawn):
     compare_fig = stacks[0].axes[0]
     assert {t.get_text() for t in compare_fig.get_yticklabels()} >= {"own tp2", "FSDP2 reshard tp2"}
     assert "exposed tp communication" in [t.get_text() for t in compare_fig.get_legend().get_texts()]
+    # the axis says what the numbers are (before: 'ms per step (median)' under profiled steps' means)
+    assert compare_fig.get_xlabel() == BREAKDOWN_AXIS and "mean over ranks" in BREAKDOWN_AXIS
+
+
+def _with_run(summary: dict, label: str, **changes) -> dict:
+    """The summary with one run's metrics changed (a copy)."""
+    runs = []
+    for r in summary["runs"]:
+        if r["label"] == label:
+            r = {**r, "metrics": {**r["metrics"], **changes}}
+            for k in changes:  # the summary's own copy of a field (orchestrate._run_entry) would win
+                r.pop(k, None)
+        runs.append(r)
+    return {**summary, "runs": runs}
+
+
+def test_a_breakdown_off_its_median_is_flagged_with_both_numbers(summary):
+    """own pp2 in the committed default report: 18.8 ms profiled against 10.7 ms measured, unflagged."""
+    stats = {"median": 0.0107, "ci95_low": 0.0097, "ci95_high": 0.0153, "n": 8}
+    off = _with_run(summary, "own tp2", step_time_s=stats, breakdown_ms=bd(18.8, 8.3, 0.8, 0.0, 9.7, tp=0.0))
+    header, rows = breakdown_rows(off)
+    row = dict(zip(header, next(r for r in rows if r[0] == "own tp2"), strict=True))
+    assert (row["step (their sum)"], row["measured median"]) == ("18.8 ms", "10.7 ms")
+    assert row["sum against median"] == "+76%: off by more than 10%, not used by Why"
+    fsdp = dict(zip(header, next(r for r in rows if r[0] == "FSDP2 reshard tp2"), strict=True))
+    assert fsdp["sum against median"] == "+0%"
+    why = next(s for s in sections(off, []) if s.id == "why")
+    items = [i for b in why.body if hasattr(b, "items") for i in b.items]
+    assert any("own tp2's breakdown totals 18.8 ms against its measured median 10.7 ms" in i for i in items)
+    assert not any("own tp2" in i and "% of the difference" in i for i in items), items
+
+
+def test_the_harness_loss_reduction_is_not_listed_as_the_engines(summary):
+    coll = [{"axis": "harness", "kind": "all_reduce", "count": 1.0, "bytes": 4.0}] + COLLECTIVES[("fsdp", 2)]
+    _, rows = collective_rows(_with_run(summary, "FSDP2 reshard tp2", collectives=coll))
+    mine = [r for r in rows if r[0] == "FSDP2 reshard tp2"]
+    assert mine == [["FSDP2 reshard tp2", "profiler", "tp", "all_reduce", "24", "3.00 MiB"]]
+    alone = _with_run(summary, "FSDP2 reshard tp2", collectives=coll[:1])
+    assert ["FSDP2 reshard tp2", "profiler", "-", "none", "0", "-"] in collective_rows(alone)[1]
+    assert "harness's own loss reduction" in COLLECTIVES_TEXT
+
+
+def test_own_and_megatron_at_the_same_layout_are_paired():
+    """Both with naive attention at pp2: the same layout, so Why sets one against the other."""
+    base = {"tp": 1, "pp": 2, "dp": 1, "micro_batch_size": 2, "attention": "naive"}
+    own, meg = {"engine": "own", **base}, {"engine": "megatron", **base}
+    assert layout_key(own) == layout_key(meg)
+    cases = [
+        Case(
+            "own pp2 naive",
+            "own",
+            layout_key(own),
+            0.020,
+            breakdown_of({"breakdown_measured_ms": bd(20.0, 12.0, 1.0, 0.0, 7.0)}),
+            (0.019, 0.021),
+        ),
+        Case(
+            "megatron pp2",
+            "megatron",
+            layout_key(meg),
+            0.030,
+            breakdown_of({"breakdown_measured_ms": bd(30.0, 20.0, 2.0, 0.0, 8.0)}),
+            (0.029, 0.031),
+        ),
+    ]
+    engines, _ = comparisons(cases)
+    assert engines == [
+        "megatron pp2 takes 10.0 ms more per measured step than own pp2 naive (median 30.0 against 20.0 ms); by the "
+        "breakdowns (30.0 against 20.0 ms): compute +8.0 ms (80% of the difference)."
+    ]
 
 
 def test_synthetic_records_carry_the_profiler_fields_for_every_engine():

@@ -104,6 +104,9 @@ def _blocked(thread_events: list[dict]) -> tuple[dict[str, list], list[tuple[dic
     last_functional = "other"
     waits = sorted(_span(e) for e in thread_events if e.get("name") == FUNCTIONAL_WAIT)
     issued = [(span[0], f["axis"]) for f, span in comm if f["mode"] == "async"]
+    # a coalescing manager (Megatron's gradient buckets) runs its calls with async_op False and returns
+    # one work for them all: a wait no call returned is on the latest call's axis, whatever its mode
+    called = [(span[0], f["axis"]) for f, span in comm if f["mode"] != "wait"]
     outermost: list[tuple[dict, tuple]] = []
     counted: list[tuple[dict, tuple]] = []
     for fields, span in comm:
@@ -118,7 +121,7 @@ def _blocked(thread_events: list[dict]) -> tuple[dict[str, list], list[tuple[dic
             continue  # posting an overlappable tp/dp collective is host work where it runs, not a wait
         axis = fields["axis"]
         if axis == "?":  # a wait on a work no annotated call returned (a coalescing manager's): the axis of
-            axis = next((a for ts, a in reversed(issued) if ts <= span[0]), "other")  # the latest async call
+            axis = next((a for ts, a in reversed(called) if ts <= span[0]), "other")  # the latest call
         by_axis[axis].append(span)
     for span in waits:  # a functional wait: the axis of the latest functional issue before it
         for ts, axis in issued:

@@ -61,11 +61,13 @@ class Counters(Annotations):
         return _Clock(self)
 
     def add(self, axis: str, mode: str, seconds: float) -> None:
-        if axis == "?":  # a wait on a work no wrapped call returned: the latest asynchronous call's
-            axis = self.last_async
+        if axis == "?":  # a wait on a work no wrapped call returned (a coalescing manager's): the latest call's
+            axis = self.last_call
         if in_harness_sync():
             axis = HARNESS
         self.calls += 1
+        if mode != "wait":
+            self.last_call = axis
         if mode == "async":
             self.last_async = axis
             if axis not in BUBBLE_AXES:
@@ -104,7 +106,7 @@ class Counters(Annotations):
 
         self.blocked: dict[str, float] = defaultdict(float)
         self.depth = self.opt_depth = self.calls = 0
-        self.optimizer_s, self.last_async = 0.0, "other"
+        self.optimizer_s, self.last_async, self.last_call = 0.0, "other", "other"
         self.handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
         return super().__enter__()
 

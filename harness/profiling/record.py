@@ -4,10 +4,13 @@ the trace files of rank 0 and of the slowest rank, and the own engine's counters
 record["metrics"]: breakdown_ms (the mean over ranks of each rank's mean over the profiled
 steps), breakdown_ms_by_rank, breakdown_source ("profiler", or "instrumented" when profiling is
 off and the engine counts its own time), collectives (rank 0's, per step), compute_host_gaps_ms
-(how much of compute is host time between ops, the Python of a forward; outside the sum), and, for engines
-that count their own time, breakdown_instrumented_ms over the same profiled steps (the
-reference the profiler is checked against); profile_wall_s, what the profiled steps, their
-trace's export and its analysis took on the slowest rank. record["traces"]: [{"rank", "path", "role"}].
+(how much of compute is host time between ops, the Python of a forward; outside the sum), and,
+for engines that count their own time, breakdown_instrumented_ms over the same profiled steps
+(the reference the profiler is checked against); breakdown_measured_ms (counters.py: the median
+measured step's, the mean over ranks; what the report explains with), its _by_rank, the step
+indices it is of (breakdown_measured_steps) and the most clocked calls a measured step made
+(breakdown_measured_calls_per_step); profile_wall_s, what the profiled steps, their trace's
+export and its analysis took on the slowest rank. record["traces"]: [{"rank", "path", "role"}].
 """
 
 from __future__ import annotations
