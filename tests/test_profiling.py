@@ -399,7 +399,8 @@ def _run_cases(ctx, cases):
                     k: m.get(k)
                     for k in (
                         "breakdown_ms breakdown_ms_by_rank breakdown_instrumented_ms "
-                        "breakdown_instrumented_ms_by_rank breakdown_source collectives breakdown_error"
+                        "breakdown_instrumented_ms_by_rank breakdown_source collectives breakdown_error "
+                        "breakdown_measured_ms breakdown_measured_ms_by_rank step_time_s"
                     ).split()
                 },
             }
@@ -485,6 +486,23 @@ def test_a_sleep_inside_a_collective_is_exposed_comm_on_its_axis(own_runs, index
     assert slept["exposed_comm"][other] < floor and _waiting(slept) < floor
     inst = r["breakdown_instrumented_ms_by_rank"][1]  # the counters saw it on the same axis
     assert inst["exposed_comm"][axis] >= floor
+    measured = r["breakdown_measured_ms_by_rank"][1]  # and so did the measured steps' clocks (it slept there too)
+    assert measured["exposed_comm"][axis] >= floor and measured["exposed_comm"][other] < floor
+
+
+@pytest.mark.slow
+def test_the_measured_breakdown_is_of_the_median_measured_step(own_runs):
+    """Its sum is the mean over ranks of their own times at the median step(s), each at most that
+    step's slowest rank's, whose mean is the median: so never above the median (the bound; how far
+    below depends on how the ranks started the step, so no lower bound is asserted). No bubble
+    without a pipeline; the parts sum to each rank's step."""
+    for r in own_runs[:4]:
+        mb, median_ms = r["breakdown_measured_ms"], 1e3 * r["step_time_s"]["median"]
+        assert mb["step"] <= median_ms * (1 + 1e-9), (r["case"], mb["step"], median_ms)
+        pipelined = r["case"]["layout"].get("pp", 1) > 1
+        for b in r["breakdown_measured_ms_by_rank"]:
+            assert ("bubble" in b, "wait" in b) == (pipelined, not pipelined), r["case"]
+            assert _parts(b) == pytest.approx(b["step"]), r["case"]
 
 
 def _greedy_buckets(numels: list[int], size: int) -> int:
