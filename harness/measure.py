@@ -6,6 +6,7 @@ median and spread with a distribution-free 95% confidence interval of the median
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -36,6 +37,30 @@ FINGERPRINT_ENV = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "PYTORCH_CUDA_ALLOC_CONF",
 )
+
+
+# The range around the harness's own loss reduction inside an engine's step (the global mean loss
+# every engine returns for the parity check): a report keeps its collective apart from the engine's.
+HARNESS_SYNC = "harness.loss_reduction"
+
+
+_in_harness_sync = [0]  # how deep the main thread is in harness_sync() (the step counters read it)
+
+
+@contextlib.contextmanager
+def harness_sync():
+    """Around the harness's own collectives inside a step: a HARNESS_SYNC range for the profiler's
+    trace and a flag for the measured steps' counters (harness.profiling), a few microseconds."""
+    _in_harness_sync[0] += 1
+    try:
+        with torch.profiler.record_function(HARNESS_SYNC):
+            yield
+    finally:
+        _in_harness_sync[0] -= 1
+
+
+def in_harness_sync() -> bool:
+    return _in_harness_sync[0] > 0
 
 
 def sync(device: torch.device) -> None:

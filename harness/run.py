@@ -27,6 +27,7 @@ from harness.parallel_dims import ParallelDims
 from harness.profiling import record as profile_record
 from harness.profiling import trace as profile_trace
 from harness.profiling.analysis import breakdown as trace_breakdown
+from harness.profiling.counters import MeasuredSteps
 from harness.runtime import RunContext, choose_device
 from harness.spec import RunSpec, check_world_size, layout_label, micro_batches_per_step
 from harness.store import ResultsStore, mentions_oom, mentions_peer_failure, new_record, now_iso
@@ -163,6 +164,7 @@ class Trainer:
     ):
         w, lay = spec.workload, spec.layout
         self.spec, self.ctx = spec, ctx
+        self.dims = ParallelDims.of(lay)
         self.engine = build_engine(spec, shape, ctx)
         self.data = token_source(w, shape.vocab)
         self.total = w.warmup_steps + w.steps
@@ -186,6 +188,7 @@ class Trainer:
         self.activations_saved_bytes: int | None = None
         self.profile: dict | None = None
         self.memory_before_profile: tuple | None = None
+        self.clocks = MeasuredSteps(self.dims, ctx.rank, self.engine)  # the measured steps' breakdown
 
     def _train_step(self, step: int, batch) -> float:
         """The engine's step and its loss's value; the first one also counts the activations
@@ -204,11 +207,12 @@ class Trainer:
             measure.reset_peak_memory(self.ctx.device)
         poisoned = _fault(step, self.ctx.rank)
         cause = None
-        with measure.StepTimer(self.ctx.device) as timer:
+        with self.clocks.clock(step >= w.warmup_steps), measure.StepTimer(self.ctx.device) as timer:
             try:
                 loss = self._train_step(step, batch)
             except NonFiniteStep as e:  # the framework refused the update (every rank sees the same global norm):
                 cause = str(e)  # the step did not complete, so it has no loss to record
+        self.clocks.add(timer.seconds)  # a measured step's breakdown (nothing for a warm-up step)
         if cause:
             raise Diverged(step + 1, math.nan, self.total, self.losses, cause)
         loss = math.nan if poisoned else loss
@@ -245,13 +249,13 @@ class Trainer:
                 instrumented.append(counted)
 
         try:
-            trace = profile_trace.record(one, steps, ParallelDims.of(self.spec.layout), self.ctx.rank, self.ctx.device)
+            trace = profile_trace.record(one, steps, self.dims, self.ctx.rank, self.ctx.device, self.clocks.axis_of)
         except NonFiniteStep as e:  # every rank refuses the same update: the measurement stands, no breakdown
             self.profile = {"trace": None, "analysis": None, "instrumented": None, "error": f"profiled step: {e}"}
             return
         self.profile = {"trace": trace, "instrumented": instrumented if len(instrumented) == steps else None}
         try:
-            self.profile["analysis"] = trace_breakdown(trace, self.ctx.device.type)
+            self.profile["analysis"] = trace_breakdown(trace, self.ctx.device.type, self.dims.pp)
         except (ValueError, KeyError) as e:  # a trace the analysis cannot read: said in the record
             self.profile.update(analysis=None, error=f"{type(e).__name__}: {e}")
         self.profile["wall_s"] = time.perf_counter() - started  # what profiling adds: steps, export, analysis
@@ -302,9 +306,10 @@ class Trainer:
             metrics.update(gather.breakdown_over_ranks(metrics["breakdown_s"], ctx))
         profiled, traces = profile_record.profile_metrics(self.profile, ctx, trace_dir, trace_name)
         metrics.update(profiled)
+        metrics.update(profile_record.measured_metrics(self.clocks.counted, times, self.clocks.calls, ctx))
         if "breakdown_ms" not in metrics and "compute" in (metrics.get("breakdown_s") or {}):  # profiling off
             metrics.update(
-                breakdown_ms=profile_record.from_instrumented(metrics["breakdown_s"]),
+                breakdown_ms=profile_record.from_instrumented(metrics["breakdown_s"], self.dims.pp),
                 breakdown_ms_by_rank=[profile_record.from_instrumented(r) for r in metrics["breakdown_s_by_rank"]],
                 breakdown_source="instrumented",
             )

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from harness.profiling import analysis, intervals
+from harness.profiling.analysis import HARNESS
 from harness.profiling.annotate import CALL, WORLD, AxisOf, range_name
 from harness.profiling.record import from_instrumented
 from harness.profiling.trace import bounded
@@ -74,7 +75,7 @@ def test_a_batch_of_transfers_counts_its_sends_and_receives():
 
 
 def test_cpu_breakdown_of_a_hand_made_step():
-    out = analysis.cpu_breakdown(_step_trace())
+    out = analysis.cpu_breakdown(_step_trace(), pp=2)
     (s,) = out["steps"]
     assert s["step"] == pytest.approx(1.0)
     assert s["exposed_comm"] == pytest.approx({"tp": 0.040, "dp": 0.060, "pp": 0.0})
@@ -164,7 +165,119 @@ def test_axis_of_a_group_is_the_degree_owners(monkeypatch):
     groups = {"a": [0, 1], "b": [0, 2], "c": [0, 1, 2, 3], "d": [0, 3]}
     monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: groups[g])
     axis_of = AxisOf(ParallelDims(dp=2, tp=2), 0)
-    assert [axis_of(g) for g in (None, "a", "b", "c", "d")] == [WORLD, "tp", "dp", WORLD, "other"]
+    assert [axis_of(g) for g in (None, "a", "b", "c", "d")] == [WORLD, "tp", "dp", WORLD, "other [0,3]"]
+
+
+def test_every_collective_is_on_the_axis_its_group_belongs_to(monkeypatch):
+    """A send or receive without a group (DeepSpeed's pipeline: before, under 'all') is on the axis to
+    its peer; Megatron's groups by their group_desc where their ranks are no axis of degree > 1 (its
+    one-rank model-parallel group at dp2: before, 'other'); a group the engine declares (DeepSpeed's
+    one-rank ZeRO group at pp2); 'other' only for a group that is none of them, named by its ranks."""
+    from types import SimpleNamespace
+
+    from harness.parallel_dims import ParallelDims
+
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: g.ranks)
+    pp2 = AxisOf(ParallelDims(pp=2), 0)
+    assert pp2.peer(None, 1) == "pp" and AxisOf(ParallelDims(pp=2), 1).peer(None, 0) == "pp"
+    assert AxisOf(ParallelDims(pp=2, dp=2), 0).peer(None, 3) == "other [0,3]"  # differs on pp and dp
+    dp2 = AxisOf(ParallelDims(dp=2), 0)
+    groups = [  # kept alive: AxisOf knows a group by its id
+        SimpleNamespace(ranks=[0], group_desc=d)
+        for d in ("MODEL_PARALLEL_GROUP", "EMBEDDING_GROUP", "undefined", "undefined")
+    ] + [SimpleNamespace(ranks=[0, 1], group_desc=d) for d in ("DATA_PARALLEL_GROUP_WITH_CP", "EMBEDDING_GROUP")]
+    model, embedding, zero, unknown, data, pipe_embedding = groups
+    assert dp2(model) == "tp+pp" and dp2(data) == "dp" and dp2(embedding) == "embedding"
+    assert pp2(pipe_embedding) == "pp"  # its ranks are the pp group's
+    assert AxisOf(ParallelDims(pp=2), 0, {"dp": [zero, None]})(zero) == "dp"
+    assert pp2(unknown) == "other [0]"
+
+
+def test_without_a_pipeline_the_wait_at_the_world_reduction_is_not_a_bubble():
+    """The same step at pp 1: no bubble (megatron dp2 showed 'pipeline bubble 62.1 ms'), the blocked
+    time is waiting for other ranks."""
+    (s,) = analysis.cpu_breakdown(_step_trace(), pp=1)["steps"]
+    assert "bubble" not in s and s["wait"] == pytest.approx(0.060)
+    assert analysis.mean_step([s, s])["wait"] == pytest.approx(0.060)
+
+
+def test_a_coalesced_wait_is_on_the_axis_of_the_calls_it_waits_for():
+    """Megatron's gradient buckets: calls with async_op False inside a coalescing manager, then one
+    wait on a work no call returned; it waits for them (before: 'other', 6 ms at megatron dp2)."""
+    ev = [_x("harness.step#0", 0, 1000), _x("aten::mm", 10, 890, "cpu_op")]
+    ev += _call("all_reduce", "dp", "sync", 100, 2, 4096) + _call("all_reduce", "?", "wait", 110, 30)
+    (s,) = analysis.cpu_breakdown({"traceEvents": ev})["steps"]
+    assert s["exposed_comm"]["dp"] == pytest.approx(0.032) and "other" not in s["exposed_comm"]
+
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling.counters import Counters
+
+    counters = Counters(AxisOf(ParallelDims(dp=2), 0), pp=1)
+    with counters:
+        counters.add("dp", "sync", 0.002)
+        counters.add("?", "wait", 0.030)
+    assert counters.parts(0.1)["exposed_comm"]["dp"] == pytest.approx(32.0)
+
+
+def test_the_harness_loss_reduction_is_its_own_axis():
+    """A collective inside the harness's HARNESS_SYNC range is the harness's, not the engine's world
+    reduction: counted under HARNESS, its blocked time waiting for other ranks."""
+    from harness.measure import HARNESS_SYNC
+
+    ev = [_x("harness.step#0", 0, 1000), _x("aten::mm", 10, 890, "cpu_op"), _x(HARNESS_SYNC, 870, 25)]
+    ev += _call("all_reduce", WORLD, "sync", 875, 15, 4)
+    out = analysis.cpu_breakdown({"traceEvents": ev}, pp=1)
+    assert out["collectives"] == [{"axis": HARNESS, "kind": "all_reduce", "count": 1.0, "bytes": 4.0}]
+    assert out["steps"][0]["wait"] == pytest.approx(0.015)
+
+
+def test_counters_split_a_measured_step_by_what_blocked_it():
+    """The clocks of the measured steps: a synchronous dp call and the harness's loss reduction
+    each block at least as long as they slept (a lower bound whatever the load), an asynchronous tp
+    call blocks nothing, torch's optimizer step is the optimizer; the parts sum to the step; the
+    wrappers are gone after the step."""
+    import torch.distributed as dist
+
+    from harness.measure import harness_sync
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling.counters import Counters
+
+    before = dist.all_reduce
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.ones(4)
+    opt = torch.optim.AdamW([p])
+    counters = Counters(AxisOf(ParallelDims(dp=2), 0), pp=1)
+    with counters:
+        assert dist.all_reduce is not before
+        with counters._call() as call:
+            call.mark("all_reduce", "dp", "sync", 64)
+            time.sleep(0.010)
+        with harness_sync(), counters._call() as call:
+            call.mark("all_reduce", WORLD, "sync", 4)
+            time.sleep(0.005)
+        with counters._call() as call:
+            call.mark("all_reduce", "tp", "async", 64)
+            time.sleep(0.003)
+        opt.step()
+    assert dist.all_reduce is before
+    b = counters.parts(0.100)
+    assert b["exposed_comm"]["dp"] >= 10.0 and b["exposed_comm"]["tp"] == 0.0 and b["wait"] >= 5.0
+    assert "bubble" not in b and b["optimizer"] > 0 and b["step"] == pytest.approx(100.0)
+    assert b["compute"] + b["optimizer"] + b["wait"] + sum(b["exposed_comm"].values()) == pytest.approx(100.0)
+    assert counters.calls == 3
+
+
+def test_the_measured_breakdown_is_of_the_median_step():
+    from harness.profiling.record import measured_metrics, middle
+    from harness.runtime import RunContext
+
+    assert middle([3.0, 1.0, 2.0]) == [2] and middle([4.0, 1.0, 3.0, 2.0]) == [2, 3] and middle([]) == []
+    steps = [
+        {"compute": t, "optimizer": 0.0, "exposed_comm": {"dp": 0.0}, "wait": 0.0, "step": t} for t in (4, 1, 3, 2)
+    ]
+    m = measured_metrics(steps, [0.004, 0.001, 0.003, 0.002], 7, RunContext(0, 1, 0, torch.device("cpu"), None))
+    assert m["breakdown_measured_ms"]["step"] == pytest.approx(2.5)  # the median of the four
+    assert m["breakdown_measured_steps"] == [2, 3] and m["breakdown_measured_calls_per_step"] == 7
 
 
 def test_instrumented_counters_in_the_breakdowns_shape():
@@ -203,6 +316,10 @@ def test_single_run_records_a_profiler_breakdown_and_its_trace(tmp_path):
     b = m["breakdown_ms"]
     assert b["compute"] > 0 and b["optimizer"] > 0 and b["exposed_comm"] == {"tp": 0.0, "dp": 0.0, "pp": 0.0}
     assert _parts(b) == pytest.approx(b["step"], rel=0.05)
+    # the measured steps' breakdown: of the median step, its sum that median (one rank: its own times)
+    mb = m["breakdown_measured_ms"]
+    assert mb["step"] == pytest.approx(1e3 * m["step_time_s"]["median"]) and _parts(mb) == pytest.approx(mb["step"])
+    assert mb["optimizer"] > 0 and "bubble" not in mb and "bubble" not in b
     (t,) = rec["traces"]
     assert t["rank"] == 0 and t["role"] == "rank 0" and t["path"].startswith(str(tmp_path / "t"))
     with gzip.open(t["path"], "rt") as f:
@@ -212,7 +329,12 @@ def test_single_run_records_a_profiler_breakdown_and_its_trace(tmp_path):
 
 
 def _parts(b: dict) -> float:
-    return b["compute"] + b["optimizer"] + b["bubble"] + b["other"] + sum(b["exposed_comm"].values())
+    return b["compute"] + b["optimizer"] + _waiting(b) + b.get("other", 0.0) + sum(b["exposed_comm"].values())
+
+
+def _waiting(b: dict) -> float:
+    """Pipeline bubble (pp > 1) or waiting for other ranks (pp 1): a breakdown has one of them."""
+    return b.get("bubble", 0.0) + b.get("wait", 0.0)
 
 
 # ---------------------------------------------------------------- slow: real runs, shared launches
@@ -277,7 +399,8 @@ def _run_cases(ctx, cases):
                     k: m.get(k)
                     for k in (
                         "breakdown_ms breakdown_ms_by_rank breakdown_instrumented_ms "
-                        "breakdown_instrumented_ms_by_rank breakdown_source collectives breakdown_error"
+                        "breakdown_instrumented_ms_by_rank breakdown_source collectives breakdown_error "
+                        "breakdown_measured_ms breakdown_measured_ms_by_rank step_time_s"
                     ).split()
                 },
             }
@@ -311,7 +434,7 @@ def _flat(b: dict) -> dict:
     return {
         "compute": b["compute"],
         "optimizer": b["optimizer"],
-        "bubble": b["bubble"],
+        "bubble or wait": _waiting(b),
         "step": b["step"],
         **{f"exposed {a}": v for a, v in b["exposed_comm"].items() if a in ("tp", "dp", "pp")},
     }
@@ -360,9 +483,26 @@ def test_a_sleep_inside_a_collective_is_exposed_comm_on_its_axis(own_runs, index
     floor = 1e3 * (SLEEP_S * 1 if axis == "dp" else 0.002 * calls)
     assert slept["exposed_comm"][axis] >= floor, (slept, floor)
     other = "tp" if axis == "dp" else "dp"
-    assert slept["exposed_comm"][other] < floor and slept["bubble"] < floor
+    assert slept["exposed_comm"][other] < floor and _waiting(slept) < floor
     inst = r["breakdown_instrumented_ms_by_rank"][1]  # the counters saw it on the same axis
     assert inst["exposed_comm"][axis] >= floor
+    measured = r["breakdown_measured_ms_by_rank"][1]  # and so did the measured steps' clocks (it slept there too)
+    assert measured["exposed_comm"][axis] >= floor and measured["exposed_comm"][other] < floor
+
+
+@pytest.mark.slow
+def test_the_measured_breakdown_is_of_the_median_measured_step(own_runs):
+    """Its sum is the mean over ranks of their own times at the median step(s), each at most that
+    step's slowest rank's, whose mean is the median: so never above the median (the bound; how far
+    below depends on how the ranks started the step, so no lower bound is asserted). No bubble
+    without a pipeline; the parts sum to each rank's step."""
+    for r in own_runs[:4]:
+        mb, median_ms = r["breakdown_measured_ms"], 1e3 * r["step_time_s"]["median"]
+        assert mb["step"] <= median_ms * (1 + 1e-9), (r["case"], mb["step"], median_ms)
+        pipelined = r["case"]["layout"].get("pp", 1) > 1
+        for b in r["breakdown_measured_ms_by_rank"]:
+            assert ("bubble" in b, "wait" in b) == (pipelined, not pipelined), r["case"]
+            assert _parts(b) == pytest.approx(b["step"]), r["case"]
 
 
 def _greedy_buckets(numels: list[int], size: int) -> int:
@@ -406,10 +546,10 @@ def test_deepspeed_zero1_issues_the_collectives_its_config_implies(framework_run
     (default, small, _), cfg = framework_runs
     total = sum(default["numels"])
     assert _greedy_buckets(default["numels"], 50_000_000) == 1
-    assert _counts(default) == {("dp", "all_reduce"): 1 + 1, ("dp", "all_gather"): 1, (WORLD, "all_reduce"): 1}
+    assert _counts(default) == {("dp", "all_reduce"): 1 + 1, ("dp", "all_gather"): 1, (HARNESS, "all_reduce"): 1}
     buckets = _greedy_buckets(small["numels"], cfg["zero_optimization"]["reduce_bucket_size"])
     assert buckets >= -(-total // 20000) > 1
-    assert _counts(small) == {("dp", "all_reduce"): buckets + 1, ("dp", "all_gather"): 1, (WORLD, "all_reduce"): 1}
+    assert _counts(small) == {("dp", "all_reduce"): buckets + 1, ("dp", "all_gather"): 1, (HARNESS, "all_reduce"): 1}
     for r in (default, small):
         grads = [c["bytes"] for c in r["collectives"] if c["axis"] == "dp" and c["kind"] == "all_reduce"][0]
         assert grads == 4 * total + 4  # fp32 gradients, and the norm's one float
@@ -426,6 +566,6 @@ def test_fsdp2_issues_the_collectives_its_config_implies(framework_runs):
         ("dp", "all_gather"): micro * (2 * layers + 1),
         ("dp", "reduce_scatter"): micro * (layers + 1),
         ("dp", "all_reduce"): 1,
-        (WORLD, "all_reduce"): 1,
+        (HARNESS, "all_reduce"): 1,
     }
     assert fsdp["breakdown_ms"]["exposed_comm"]["dp"] > 0

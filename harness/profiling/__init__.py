@@ -1,8 +1,12 @@
-"""Why a step takes what it takes: a few profiled steps after the measured ones, their trace
-broken down (compute, optimizer, exposed communication per axis, bubble, other) and kept.
+"""Why a step takes what it takes: the measured steps clocked as they run (counters.py: compute,
+optimizer, exposed communication per axis, bubble or waiting for other ranks, of the median
+measured step), and a few profiled steps after them whose trace is broken down the same way,
+counts the collectives and is kept (the profiler's own cost makes its steps longer than the
+measured ones, so the report explains with the counters and sets either sum against the median).
 
-annotate.py names collectives in the trace, trace.py records and keeps it, analysis.py (with
-intervals.py) reads the breakdown and the collectives from it, record.py puts them in a record.
+annotate.py names collectives (in the trace, or for the counters), trace.py records and keeps the
+trace, analysis.py (with intervals.py) reads the breakdown and the collectives from it, record.py
+puts both breakdowns in a record.
 This file stays free of torch: compare and sweep read ENV.
 """
 

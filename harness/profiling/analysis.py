@@ -6,8 +6,11 @@ profiled step):
 - cpu (gloo): the main thread's blocked intervals. Every annotated collective and wait
   (annotate.py) and every functional wait_tensor is time the thread was blocked on its axis.
   Blocked on pp (a transfer waiting for its peer) or on the world group (the step's loss and
-  norm reduction, which waits for the slowest rank) is bubble, as the own engine's counters
-  charge it; on tp or dp it is exposed communication (a sync call, a wait; posting an async
+  norm reduction, which waits for the slowest rank) is bubble where the layout has a pipeline
+  (pp > 1), as the own engine's counters charge it; without one there is no bubble and that time
+  is WAIT, waiting for other ranks (a faster rank at the world-wide reduction). The harness's own
+  loss reduction (inside measure.HARNESS_SYNC) counts as the world's. On tp or dp it is exposed
+  communication (a sync call, a wait; posting an async
   tp/dp collective is host work where it runs, as the own engine counts it). Optimizer is the
   update phase: from the end of the step's last autograd function (its last backward) to its
   last op (gradient norm and clipping, the optimizer, parameter refresh, zeroing), and whatever
@@ -15,15 +18,17 @@ profiled step):
   rest of the main thread's time from the step's first op to its last, host time between ops
   included (the Python of a forward: the own engine's forward/backward clocks count it too;
   `host_gaps` says how much of compute it is, outside the sum); other is the step's remainder
-  before its first op and after its last. compute + optimizer + exposed + bubble + other = step.
+  before its first op and after its last. compute + optimizer + exposed + bubble
+  (or wait) + other = step.
 - cuda: the kernel timeline. NCCL kernels not overlapped by any compute kernel are exposed
   communication (on the axis of the annotated call that launched them; pp and the world's
-  reduction: bubble), kernels launched in the update phase or the optimizer's ranges (as above,
-  on the CPU side) are optimizer, other kernels compute, the step's remainder (device idle)
-  other. Written for NCCL traces and checked on hand-made ones only: not yet run on a GPU.
+  reduction: bubble, or wait without a pipeline), kernels launched in the update phase or the
+  optimizer's ranges (as above, on the CPU side) are optimizer, other kernels compute, the step's
+  remainder (device idle) other. Written for NCCL traces and checked on hand-made ones only: not yet run on a GPU.
 
 Collectives per step come from the annotations: the outermost annotated issue of each call
-(waits are not calls), grouped by axis and kind.
+(waits are not calls), grouped by axis and kind; the harness's own loss reduction under HARNESS
+(it is not the engine's).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
+from harness.measure import HARNESS_SYNC
 from harness.profiling.annotate import CALL, PREFIX, WORLD, parse_range
 from harness.profiling.intervals import clip, contains, length, subtract, union
 
@@ -40,7 +46,14 @@ BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 FUNCTIONAL_WAIT = "_c10d_functional::wait_tensor"
 AXES = ("tp", "cp", "dp", "pp")
 OPTIONAL = ("cp", "other")  # reported only where the step had such calls (no cp column for runs without CP)
-BUBBLE_AXES = ("pp", WORLD)
+HARNESS = "harness"  # the axis of the harness's own loss reduction (every engine's step returns the global loss)
+BUBBLE_AXES = ("pp", WORLD, HARNESS)  # blocked here: waiting for another stage or rank (bubble, or WAIT)
+WAIT = "wait"  # without a pipeline: the time blocked at the world-wide reductions, waiting for other ranks
+
+
+def waiting_key(pp: int) -> str:
+    """What time blocked on BUBBLE_AXES is: pipeline bubble only where there is a pipeline."""
+    return "bubble" if pp > 1 else WAIT
 
 
 def _span(e) -> tuple[float, float]:
@@ -70,12 +83,16 @@ def _calls(thread_events: list[dict]) -> list[tuple[dict, tuple]]:
         ),
         key=lambda m: m[0],
     )
+    harness = [_span(e) for e in thread_events if e.get("name") == HARNESS_SYNC]
     out = []
     starts = [m[0] for m in markers]
     for span in calls:
         i = bisect.bisect_left(starts, span[0])
         if i < len(markers) and markers[i][0] < span[1]:
-            out.append((markers[i][1], span))
+            fields = markers[i][1]
+            if any(contains(h, span) for h in harness):
+                fields = dict(fields, axis=HARNESS)
+            out.append((fields, span))
     return out
 
 
@@ -87,6 +104,9 @@ def _blocked(thread_events: list[dict]) -> tuple[dict[str, list], list[tuple[dic
     last_functional = "other"
     waits = sorted(_span(e) for e in thread_events if e.get("name") == FUNCTIONAL_WAIT)
     issued = [(span[0], f["axis"]) for f, span in comm if f["mode"] == "async"]
+    # a coalescing manager (Megatron's gradient buckets) runs its calls with async_op False and returns
+    # one work for them all: a wait no call returned is on the latest call's axis, whatever its mode
+    called = [(span[0], f["axis"]) for f, span in comm if f["mode"] != "wait"]
     outermost: list[tuple[dict, tuple]] = []
     counted: list[tuple[dict, tuple]] = []
     for fields, span in comm:
@@ -101,7 +121,7 @@ def _blocked(thread_events: list[dict]) -> tuple[dict[str, list], list[tuple[dic
             continue  # posting an overlappable tp/dp collective is host work where it runs, not a wait
         axis = fields["axis"]
         if axis == "?":  # a wait on a work no annotated call returned (a coalescing manager's): the axis of
-            axis = next((a for ts, a in reversed(issued) if ts <= span[0]), "other")  # the latest async call
+            axis = next((a for ts, a in reversed(called) if ts <= span[0]), "other")  # the latest call
         by_axis[axis].append(span)
     for span in waits:  # a functional wait: the axis of the latest functional issue before it
         for ts, axis in issued:
@@ -116,8 +136,9 @@ def _thread(events: list[dict], thread) -> list[dict]:
     return [e for e in events if (e.get("pid"), e.get("tid")) == thread]
 
 
-def cpu_breakdown(trace: dict) -> dict:
-    """{"steps": [per-step breakdown in ms], "collectives": [per-step counts]} for a CPU trace."""
+def cpu_breakdown(trace: dict, pp: int = 1) -> dict:
+    """{"steps": [per-step breakdown in ms], "collectives": [per-step counts]} for a CPU trace of a
+    layout with `pp` pipeline stages."""
     events = complete_events(trace)
     thread, windows = step_windows(events)
     mine = _thread(events, thread)
@@ -125,18 +146,19 @@ def cpu_breakdown(trace: dict) -> dict:
     optimizer_spans = [_span(e) for e in mine if str(e.get("name", "")).startswith(OPTIMIZER_PREFIXES)]
     ops = [_span(e) for e in mine if e.get("cat") == "cpu_op"]
     backward = [_span(e) for e in mine if str(e.get("name", "")).startswith(BACKWARD_PREFIX)]
+    extra = sorted(set(by_axis) - set(AXES) - set(BUBBLE_AXES))  # Megatron's tp+pp, embedding; other [..]
     steps = []
     for lo, hi in windows:
         bubble = union(clip([s for a in BUBBLE_AXES for s in by_axis.get(a, [])], lo, hi))
         taken = list(bubble)
         exposed = {}
-        for axis in (*AXES, "other"):
+        for axis in (*AXES, *extra):
             if axis == "pp":
                 exposed[axis] = 0.0  # on gloo a transfer's wait cannot be told from its peer's lateness: bubble
                 continue
             spans = subtract(clip(by_axis.get(axis, []), lo, hi), taken)
             taken += spans
-            if axis not in OPTIONAL or spans:
+            if axis in AXES and axis not in OPTIONAL or spans:
                 exposed[axis] = length(spans) / 1e3
         inside = clip(ops, lo, hi)
         busy = [(min(a for a, _ in inside), max(b for _, b in inside))] if inside else []
@@ -148,21 +170,24 @@ def cpu_breakdown(trace: dict) -> dict:
         optimizer = subtract(clip(optimizer_spans, lo, hi) + update, taken)
         taken += optimizer
         compute = subtract(busy, taken)
-        step = _assemble(hi - lo, length(compute), length(optimizer), exposed, length(bubble))
+        step = _assemble(hi - lo, length(compute), length(optimizer), exposed, length(bubble), waiting_key(pp))
         step["host_gaps"] = (length(compute) - length(subtract(inside, taken))) / 1e3
         steps.append(step)
     return {"steps": steps, "collectives": count_calls(calls, windows)}
 
 
-def _assemble(step_us: float, compute_us: float, optimizer_us: float, exposed_ms: dict, bubble_us: float) -> dict:
+def _assemble(
+    step_us: float, compute_us: float, optimizer_us: float, exposed_ms: dict, waiting_us: float, waiting: str
+) -> dict:
+    """One step's components in ms; `waiting` names the time blocked on BUBBLE_AXES (waiting_key)."""
     out = {
         "compute": compute_us / 1e3,
         "optimizer": optimizer_us / 1e3,
         "exposed_comm": exposed_ms,
-        "bubble": bubble_us / 1e3,
+        waiting: waiting_us / 1e3,
         "step": step_us / 1e3,
     }
-    out["other"] = max(0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"] - sum(exposed_ms.values()))
+    out["other"] = max(0.0, out["step"] - out["compute"] - out["optimizer"] - out[waiting] - sum(exposed_ms.values()))
     return out
 
 
@@ -182,7 +207,7 @@ def count_calls(calls: list[tuple[dict, tuple]], windows) -> list[dict]:
     ]
 
 
-def cuda_breakdown(trace: dict) -> dict:
+def cuda_breakdown(trace: dict, pp: int = 1) -> dict:
     """The kernel-timeline breakdown (see the module docstring); untested on a GPU so far."""
     events = complete_events(trace)
     thread, windows = step_windows(events)
@@ -213,7 +238,7 @@ def cuda_breakdown(trace: dict) -> dict:
         if "nccl" in str(k.get("name", "")).lower():
             ts = launches.get(k.get("args", {}).get("correlation"))
             axis = next((f["axis"] for f, (a, b) in comm if ts is not None and a <= ts < b), "other")
-            nccl["pp" if axis == WORLD else axis].append(_span(k))
+            nccl["pp" if axis in BUBBLE_AXES else axis].append(_span(k))
         elif launched_in(k, optimizer_spans):
             optimizer.append(_span(k))
         else:
@@ -221,11 +246,12 @@ def cuda_breakdown(trace: dict) -> dict:
     steps = []
     for lo, hi in windows:
         busy = union(clip(compute + optimizer, lo, hi))
-        exposed = {a: length(subtract(clip(nccl.get(a, []), lo, hi), busy)) / 1e3 for a in (*AXES, "other")}
+        named = (*AXES, *sorted(set(nccl) - set(AXES)))
+        exposed = {a: length(subtract(clip(nccl.get(a, []), lo, hi), busy)) / 1e3 for a in named}
         bubble = exposed.pop("pp")
         exposed["pp"] = 0.0
-        for axis in OPTIONAL:
-            if not exposed[axis] and not nccl.get(axis):
+        for axis in named:
+            if (axis in OPTIONAL or axis not in AXES) and not exposed[axis] and not nccl.get(axis):
                 del exposed[axis]
         steps.append(
             _assemble(
@@ -234,14 +260,15 @@ def cuda_breakdown(trace: dict) -> dict:
                 length(clip(optimizer, lo, hi)),
                 exposed,
                 bubble * 1e3,
+                waiting_key(pp),
             )
         )
     _, calls = _blocked(mine)
     return {"steps": steps, "collectives": count_calls(calls, windows)}
 
 
-def breakdown(trace: dict, device_type: str = "cpu") -> dict:
-    return cuda_breakdown(trace) if device_type == "cuda" else cpu_breakdown(trace)
+def breakdown(trace: dict, device_type: str = "cpu", pp: int = 1) -> dict:
+    return cuda_breakdown(trace, pp) if device_type == "cuda" else cpu_breakdown(trace, pp)
 
 
 def mean_step(steps: list[dict]) -> dict:
@@ -251,11 +278,8 @@ def mean_step(steps: list[dict]) -> dict:
         {a for s in steps for a in s["exposed_comm"]},
         key=lambda a: (a not in AXES, AXES.index(a) if a in AXES else 0, a),
     )
-    return {
-        "compute": sum(s["compute"] for s in steps) / n,
-        "optimizer": sum(s["optimizer"] for s in steps) / n,
-        "exposed_comm": {a: sum(s["exposed_comm"].get(a, 0.0) for s in steps) / n for a in axes},
-        "bubble": sum(s["bubble"] for s in steps) / n,
-        "other": sum(s["other"] for s in steps) / n,
-        "step": sum(s["step"] for s in steps) / n,
-    }
+    waiting = [k for k in ("bubble", WAIT) if any(k in s for s in steps)]
+    out = {"compute": sum(s["compute"] for s in steps) / n, "optimizer": sum(s["optimizer"] for s in steps) / n}
+    out["exposed_comm"] = {a: sum(s["exposed_comm"].get(a, 0.0) for s in steps) / n for a in axes}
+    out.update({k: sum(s.get(k, 0.0) for s in steps) / n for k in (*waiting, "other", "step")})
+    return out

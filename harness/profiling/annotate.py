@@ -7,8 +7,9 @@ record_function range CALL whose first child, a marker range named
 `comm|<kind>|<axis>|<mode>|<bytes>` (mode sync, async or wait), says what it was, so the analysis
 can tell, from the trace alone, where the main thread was blocked and on which axis. CALL opens
 before the wrapper's own bookkeeping, so that bookkeeping (and the marker) count as the call's
-time, as a caller's clock around the call counts them. Outside `Annotations` nothing is
-wrapped: the measured steps run torch's own functions.
+time, as a caller's clock around the call counts them. The same wrappers clock the measured
+steps (counters.Counters: a clock instead of the ranges, a few microseconds a call); outside
+both nothing is wrapped.
 
 Bytes follow harness.engine.comm: the tensor for all_reduce, broadcast and p2p, the gathered
 (full) tensor for all_gather, the full input for reduce_scatter.
@@ -56,20 +57,43 @@ def _size(t) -> int:
     return 0
 
 
+# Megatron-core's groups say what they are (parallel_state's group_desc): the name a report gives
+# a group whose ranks are no axis of degree > 1 (a one-rank group at degree 1, the embedding group)
+GROUP_DESC = {
+    "TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "PIPELINE_MODEL_PARALLEL_GROUP": "pp",
+    "DATA_PARALLEL_GROUP": "dp",
+    "DATA_PARALLEL_GROUP_WITH_CP": "dp",  # the replica group (parallel_dims.REPLICA_AXES)
+    "CONTEXT_PARALLEL_GROUP": "cp",
+    "MODEL_PARALLEL_GROUP": "tp+pp",  # Megatron's model-parallel group: its norm and found-inf reductions
+    "TENSOR_AND_DATA_PARALLEL_GROUP": "tp+dp",
+    "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp+dp",
+    "TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp+cp",
+    "EMBEDDING_GROUP": "embedding",  # the first and last pipeline stage: tied embedding gradients
+    "POSITION_EMBEDDING_GROUP": "embedding",
+}
+
+
+def other(ranks) -> str:
+    """A group that is none of the layout's axes, named by its ranks: 'other [0]'."""
+    return f"other [{','.join(str(r) for r in ranks)}]"
+
+
 class AxisOf:
     """A call's axis. A call that names no group is WORLD: the step's global loss and norm
-    reduction, which every engine (and the own engine's "all" axis) issues without one. A group
-    named is the axis of ParallelDims whose group of this rank holds exactly its ranks (the
-    degree owner's naming; FSDP2's mesh hands over the default group itself for an axis that
-    spans the world), else WORLD for a whole-world group, else 'other': a group that is none of
-    the layout's axes, e.g. a one-rank group a framework still reduces over at degree 1 (Megatron's
-    model-parallel norm reductions at dp2: 13 calls, about 6 ms a step on CPU). A group whose
-    group_desc names an axis is that axis (the own engine's Mesh names its groups so: its gradient
-    group at dp1 x cp2 holds the cp group's very ranks)."""
+    reduction, which every engine (and the own engine's "all" axis) issues without one; a send or
+    receive that names no group (DeepSpeed's pipeline) is on the axis along which its peer differs
+    from this rank. A group named is the axis of ParallelDims whose group of this rank holds exactly
+    its ranks (the degree owner's naming; FSDP2's mesh hands over the default group itself for an
+    axis that spans the world); else the name the group gives itself (the own engine's Mesh names
+    its groups by axis, Megatron's by GROUP_DESC); else the axis the engine declares it for
+    (`declared`: {axis: [group, ...]}, e.g. DeepSpeed's ZeRO group at dp 1); else WORLD for a
+    whole-world group; else other(ranks)."""
 
-    def __init__(self, dims: ParallelDims, rank: int):
+    def __init__(self, dims: ParallelDims, rank: int, declared: dict | None = None):
         self.dims, self.rank = dims, rank
         self._cache: dict[int, str] = {}
+        self._declared = {id(g): axis for axis, groups in (declared or {}).items() for g in groups if g is not None}
 
     def __call__(self, group) -> str:
         if group is None:
@@ -80,13 +104,28 @@ class AxisOf:
             found = self._cache[key] = self._resolve(group)
         return found
 
+    def peer(self, group, peer) -> str:
+        """The axis of a send or receive: its group's, or where it names none (the default group,
+        global peer ranks) the one axis along which `peer` differs from this rank."""
+        if group is not None or not isinstance(peer, int) or not 0 <= peer < self.dims.world:
+            return self(group)
+        mine, theirs = self.dims.coord(self.rank)._asdict(), self.dims.coord(peer)._asdict()
+        differ = [a for a in mine if mine[a] != theirs[a]]
+        return differ[0] if len(differ) == 1 else other(sorted({self.rank, peer}))
+
     def _resolve(self, group) -> str:
         named = getattr(group, "group_desc", None)  # a group that says its axis (the own engine's Mesh)
         if named in self.dims.sizes():
             return named
         ranks = sorted(dist.get_process_group_ranks(group))
         found = self.dims.axis_of_group(self.rank, ranks)
-        return found or (WORLD if len(ranks) == self.dims.world else "other")
+        if found:
+            return found
+        if named in GROUP_DESC:
+            return GROUP_DESC[named]
+        if id(group) in self._declared:
+            return self._declared[id(group)]
+        return WORLD if len(ranks) == self.dims.world else other(ranks)
 
 
 # name -> (kind, index of the group argument, index of async_op (None: always async), the payload's index)
@@ -122,8 +161,29 @@ def _arg(args, kwargs, index, name, default=None):
     return args[index] if index is not None and 0 <= index < len(args) else default
 
 
+class _Range:
+    """An annotated call in the trace: the CALL range, with the marker that says what it was inside."""
+
+    def __enter__(self):
+        self.rf = record_function(CALL)
+        self.rf.__enter__()
+        return self
+
+    def mark(self, kind: str, axis: str, mode: str, nbytes: int) -> None:
+        with record_function(range_name(kind, axis, mode, nbytes)):
+            pass
+
+    def __exit__(self, *exc):
+        self.rf.__exit__(*exc)
+        return False
+
+
 class Annotations:
-    """Context manager: wraps the collectives and Work.wait, restores them on exit."""
+    """Context manager: wraps the collectives and Work.wait, restores them on exit. Each wrapped
+    call runs inside self._call() (a CALL range here; counters.Counters clocks it instead)."""
+
+    def _call(self):
+        return _Range()
 
     def __init__(self, axis_of: AxisOf):
         self.axis_of = axis_of
@@ -148,12 +208,15 @@ class Annotations:
 
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
-            with record_function(CALL):
-                axis = self.axis_of(_arg(args, kwargs, gi, group_name))
+            with self._call() as call:
+                group = _arg(args, kwargs, gi, group_name)
+                if kind in ("send", "recv"):  # the peer (dst, src) is the argument after the tensor
+                    axis = self.axis_of.peer(group, _arg(args, kwargs, 1, names[1] if len(names) > 1 else "peer"))
+                else:
+                    axis = self.axis_of(group)
                 is_async = ai is None or bool(_arg(args, kwargs, ai, async_name, False))
                 payload = _arg(args, kwargs, pi, payload_name) if pi >= 0 else None
-                with record_function(range_name(kind, axis, "async" if is_async else "sync", _size(payload))):
-                    pass
+                call.mark(kind, axis, "async" if is_async else "sync", _size(payload))
                 local.inside = True  # the call's own waits are its time already: not annotated again
                 try:
                     out = fn(*args, **kwargs)
@@ -171,10 +234,10 @@ class Annotations:
 
         @functools.wraps(fn)
         def wrapped(p2p_op_list):
-            with record_function(CALL):
-                axis = self.axis_of(p2p_op_list[0].group) if p2p_op_list else "other"
-                with record_function(range_name("batch_p2p", axis, "async", 0)):
-                    pass
+            with self._call() as call:
+                first = p2p_op_list[0] if p2p_op_list else None
+                axis = self.axis_of.peer(first.group, first.peer) if first is not None else "other"
+                call.mark("batch_p2p", axis, "async", 0)
                 works = fn(p2p_op_list)
             for w in works or []:
                 work_axis.setdefault(id(w), (axis, "p2p"))
@@ -187,7 +250,7 @@ class Annotations:
 
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
-            with record_function(CALL):
+            with self._call() as call:
                 group = _arg(args, kwargs, gi, "group")
                 try:
                     pg = dist.distributed_c10d._resolve_process_group(funcol._resolve_group_name(group))
@@ -195,8 +258,7 @@ class Annotations:
                 except Exception:  # noqa: BLE001 - a group form this torch cannot resolve: still counted
                     axis, size = "other", 1
                 nbytes = _size(args[0] if args else None) * (size if gathered else 1)
-                with record_function(range_name(kind, axis, "async", nbytes)):
-                    pass
+                call.mark(kind, axis, "async", nbytes)
                 return fn(*args, **kwargs)
 
         return wrapped
@@ -225,14 +287,17 @@ class Annotations:
         def annotated_wait(work, *args, **kwargs):
             if getattr(local, "inside", False):
                 return wait(work, *args, **kwargs)
-            with record_function(CALL):
+            with self._call() as call:
                 axis, kind = work_axis.pop(id(work), ("?", "wait"))
-                with record_function(range_name(kind, axis, "wait", 0)):
-                    pass
+                call.mark(kind, axis, "wait", 0)
                 return wait(work, *args, **kwargs)
 
         self._patch(Work, "wait", annotated_wait)
+        self._more_patches()
         return self
+
+    def _more_patches(self) -> None:
+        """What a subclass wraps besides (the trace shows functional waits as wait_tensor ops)."""
 
     def __exit__(self, *exc):
         for owner, name, old in reversed(self._saved):

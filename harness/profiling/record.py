@@ -4,10 +4,13 @@ the trace files of rank 0 and of the slowest rank, and the own engine's counters
 record["metrics"]: breakdown_ms (the mean over ranks of each rank's mean over the profiled
 steps), breakdown_ms_by_rank, breakdown_source ("profiler", or "instrumented" when profiling is
 off and the engine counts its own time), collectives (rank 0's, per step), compute_host_gaps_ms
-(how much of compute is host time between ops, the Python of a forward; outside the sum), and, for engines
-that count their own time, breakdown_instrumented_ms over the same profiled steps (the
-reference the profiler is checked against); profile_wall_s, what the profiled steps, their
-trace's export and its analysis took on the slowest rank. record["traces"]: [{"rank", "path", "role"}].
+(how much of compute is host time between ops, the Python of a forward; outside the sum), and,
+for engines that count their own time, breakdown_instrumented_ms over the same profiled steps
+(the reference the profiler is checked against); breakdown_measured_ms (counters.py: the median
+measured step's, the mean over ranks; what the report explains with), its _by_rank, the step
+indices it is of (breakdown_measured_steps) and the most clocked calls a measured step made
+(breakdown_measured_calls_per_step); profile_wall_s, what the profiled steps, their trace's
+export and its analysis took on the slowest rank. record["traces"]: [{"rank", "path", "role"}].
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from harness.profiling import trace as trace_files
 from harness.profiling.analysis import AXES, OPTIONAL, mean_step
 
 
-def from_instrumented(breakdown_s: dict) -> dict:
+def from_instrumented(breakdown_s: dict, pp: int | None = None) -> dict:
     """The own engine's counters (seconds: compute, tp_comm, cp_comm under context parallelism,
     dp_comm, bubble, optimizer, total) in the breakdown's shape, in ms; other is what they leave of
-    the step."""
+    the step. With `pp` 1 the engine's 'bubble' (its wait at the world-wide reduction) is 'wait'."""
     ms = {k: v * 1e3 for k, v in breakdown_s.items()}
     cp = {"cp": ms["cp_comm"]} if "cp_comm" in ms else {}
     out = {
@@ -36,6 +39,8 @@ def from_instrumented(breakdown_s: dict) -> dict:
     out["other"] = max(
         0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"] - sum(out["exposed_comm"].values())
     )
+    if pp == 1:
+        out = {("wait" if k == "bubble" else k): v for k, v in out.items()}
     return out
 
 
@@ -47,13 +52,44 @@ def _gather(mine, ctx) -> list:
     return everyone
 
 
+ORDER = ("compute", "optimizer", "exposed_comm", "bubble", "wait", "other", "step")
+
+
 def _mean_over_ranks(rows: list[dict]) -> dict:
+    """Component by component, the mean of breakdowns (of ranks, or of steps); a component some
+    rows lack counts 0 there."""
     seen = {a for r in rows for a in r["exposed_comm"]}
     axes = [a for a in AXES if a not in OPTIONAL or a in seen] + sorted(seen - set(AXES))
     n = len(rows)
-    out = {k: sum(r[k] for r in rows) / n for k in ("compute", "optimizer", "bubble", "other", "step")}
+    keys = [k for k in ORDER if any(k in r for r in rows)]
+    out = {k: sum(r.get(k, 0.0) for r in rows) / n for k in keys if k != "exposed_comm"}
     out["exposed_comm"] = {a: sum(r["exposed_comm"].get(a, 0.0) for r in rows) / n for a in axes}
-    return {k: out[k] for k in ("compute", "optimizer", "exposed_comm", "bubble", "other", "step")}
+    return {k: out[k] for k in keys}
+
+
+def middle(times: list[float]) -> list[int]:
+    """The measured step(s) whose time is the median: the middle one, or the middle two (the
+    median is their mean), ranked by time (each step the slowest rank's, as the statistics take it)."""
+    order = sorted(range(len(times)), key=lambda i: times[i])
+    n = len(order)
+    return [] if not n else [order[n // 2]] if n % 2 else sorted(order[n // 2 - 1 : n // 2 + 1])
+
+
+def measured_metrics(counted: list[dict], times: list[float], calls: float, ctx) -> dict:
+    """The measured steps' breakdown (counters.Counters): per rank, the mean of its median step(s)
+    (middle()), then the mean over ranks; every rank calls it (collective)."""
+    picked = middle(times)
+    mine = _mean_over_ranks([counted[i] for i in picked]) if picked and len(counted) == len(times) else None
+    everyone = _gather({"breakdown": mine, "calls": calls}, ctx)
+    rows = [e["breakdown"] for e in everyone]
+    if not all(rows):
+        return {}
+    return {
+        "breakdown_measured_ms": _mean_over_ranks(rows),
+        "breakdown_measured_ms_by_rank": rows,
+        "breakdown_measured_steps": picked,
+        "breakdown_measured_calls_per_step": max(e["calls"] for e in everyone),
+    }
 
 
 def profile_metrics(profile: dict | None, ctx, trace_dir: str | None, trace_name: str) -> tuple[dict, list]:

@@ -7,7 +7,7 @@ from harness.report import plots
 from harness.report.data import COMPONENTS, Metric, Row, component_title
 from harness.report.ranking import MAX_SWEEP_FIGS, best_per, by_sweep, ranked, sort_key
 from harness.report.sections import Section, Table
-from harness.report.why import Case, comparisons, explain
+from harness.report.why import Case, against_median, comparisons, explain
 
 
 def breakdown(rows: list[Row], metric: Metric) -> Section:
@@ -15,10 +15,13 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
         "breakdown",
         "Where the time goes",
         [
-            "Per profiled step (after the measured ones; the mean over ranks), for the best layouts of each "
-            "sweep: compute, exposed communication per axis, pipeline bubble, optimizer and other, in ms and % "
-            "of the step, with the collectives per step; source 'profiler' (the trace, every engine) or "
-            "'instrumented' (the engine's own counters). Then why the fastest of them beats the others."
+            "For the best layouts of each sweep, the mean over ranks: compute, exposed communication per "
+            "axis, pipeline bubble (pp > 1) or waiting for other ranks (without a pipeline), optimizer and "
+            "other, in ms and % of their sum, with the collectives per step; source 'measured steps' (clocked "
+            "during the median measured step, every engine), 'profiler' (the trace of extra profiled steps, "
+            "older runs) or 'instrumented' (the engine's own counters); the sum against the measured median "
+            "(more than 10% off: not used by Why). Then why the fastest of them beats the others, where the "
+            "measured steps tell them apart."
         ],
     )
     shown = 0
@@ -34,9 +37,10 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
                 plots.stacked(
                     labels,
                     [r.step_breakdown.parts for r in picked],
-                    f"{name}: ms per profiled step",
+                    f"{name}: where the step goes",
                     scale=1.0,
                     names={k: component_title(k) for k in keys},
+                    xlabel="ms per step, mean over ranks (the table's source column says which steps)",
                 ),
                 f"stacked bars from zero of the time breakdown per layout in {name}",
             )
@@ -44,11 +48,14 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
         shown += 1
         s.tables.append(
             Table(
-                ["layout", "source"] + [component_title(k) for k in keys] + ["step", "collectives"],
+                ["layout", "source"]
+                + [component_title(k) for k in keys]
+                + ["step (their sum)", "sum against median", "collectives"],
                 [
                     [r.label, r.step_breakdown.source]
                     + [ms_share(r.step_breakdown, k) for k in keys]
-                    + [f"{r.step_breakdown.step_ms:.1f} ms", _collectives_text(r.collectives)]
+                    + [f"{r.step_breakdown.step_ms:.1f} ms", against_median(r.step_breakdown, r.step_median)]
+                    + [_collectives_text(r.collectives)]
                     for r in picked
                 ],
                 name,
@@ -67,6 +74,7 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
 
 
 MAX_WHY = 6
+HARNESS_AXIS = "harness"  # profiling.analysis.HARNESS: the harness's own loss reduction, not the engine's
 
 
 def components(breakdowns: list) -> list[str]:
@@ -91,6 +99,7 @@ def _collectives_text(found) -> str:
         "; ".join(
             f"{c.get('axis')} {c.get('kind')} x{c.get('count')} ({(c.get('bytes') or 0) / 2**20:,.1f} MiB)"
             for c in coll
+            if c.get("axis") != HARNESS_AXIS
         )
         or "none"
     )
@@ -98,10 +107,15 @@ def _collectives_text(found) -> str:
 
 def why_cases(rows: list[Row], label=None) -> list[Case]:
     return [
-        Case(label(r) if label else r.label, r.variant, r.layout_key, r.step_median, r.step_breakdown)
+        Case(label(r) if label else r.label, r.variant, r.layout_key, r.step_median, r.step_breakdown, _ci(r))
         for r in rows
         if r.status == "ok" and r.step_breakdown
     ]
+
+
+def _ci(r: Row) -> tuple | None:
+    ci = r.step_ci
+    return (float(ci[0]), float(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None
 
 
 def ablation_why(rows: list[Row], metric: Metric, key, axis_name: str, rest) -> list[str]:

@@ -14,17 +14,20 @@ import os
 from harness.report import plots, render
 from harness.report.compare_layouts import differing_fields, differs_texts, layout_matrix
 from harness.report.compare_steps import (
+    BREAKDOWN_AXIS,
+    BREAKDOWN_TEXT,
+    COLLECTIVES_TEXT,
     TRACES_TEXT,
     breakdown_rows,
     census_rows,
     census_text,
     collective_rows,
-    run_metrics,
+    run_breakdown,
     sorted_components,
     trace_items,
     why_section,
 )
-from harness.report.data import breakdown_of, component_title, measured_columns
+from harness.report.data import component_title, measured_columns
 from harness.report.policy import held_text, parity_cell, policy_sentence, verdict_text
 from harness.report.policy import sci as _sci
 from harness.report.ranking import rate_ci
@@ -66,19 +69,6 @@ MATRIX_TEXT = (
     "Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
     "engine cannot run that layout (checked before launch: each adapter's ENGINE.capabilities)."
 )
-BREAKDOWN_TEXT = (
-    "Per profiled step (steps after the measured ones, not counted in any step time), the mean over "
-    "ranks, in ms and % of that step; source 'profiler': from the torch.profiler trace, the same way "
-    "for every engine; 'instrumented': the engine's own counters (older runs: the median over the "
-    "measured steps). Exposed communication is the time a rank waited on that axis's collectives "
-    "(what overlapped compute is not counted). 'not measured' where a run has neither."
-)
-COLLECTIVES_TEXT = (
-    "Collectives issued per step by rank 0, per axis (the process group) and kind; 'instrumented': "
-    "the own engine's counted communication."
-)
-
-
 THREADS_TEXT = (
     "Threads per process: {n} (OMP_NUM_THREADS), the same for every run, the single-device "
     "reference included: cores divided by the comparison's process count, so that step times "
@@ -194,7 +184,7 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
                 "distribution of the measured step times per run",
             )
         )
-    split = [(r["label"], breakdown_of(run_metrics(r))) for r in summary["runs"]]
+    split = [(r["label"], run_breakdown(r)) for r in summary["runs"]]
     split = [(lab, b) for lab, b in split if b is not None]
     if split:
         keys = sorted_components([b for _, b in split])
@@ -204,11 +194,12 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
                 plots.stacked(
                     [lab for lab, _ in split],
                     [b.parts for _, b in split],
-                    "Where the profiled step goes",
+                    "Where the step goes",
                     scale=1.0,
                     names={k: component_title(k) for k in keys},
+                    xlabel=BREAKDOWN_AXIS,
                 ),
-                "stacked bars from zero: ms per profiled step by component, per run",
+                "stacked bars from zero: ms per step by component, per run (the source column says which steps)",
             )
         )
     curves = summary.get("loss_curves") or summary.get("loss_table") or {}

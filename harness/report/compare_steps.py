@@ -7,12 +7,40 @@ from __future__ import annotations
 import os
 from urllib.parse import quote
 
+from harness.parallel_dims import ParallelDims
+from harness.report.breakdown import HARNESS_AXIS
 from harness.report.data import COMPONENTS, Breakdown, breakdown_of, collectives_of, component_title, layout_key
 from harness.report.sections import Items, Section
-from harness.report.why import Case, comparisons
+from harness.report.why import Case, against_median, comparisons
 from harness.spec import engine_variant
 
 NOT_MEASURED = "not measured"
+
+BREAKDOWN_TEXT = (
+    "In ms and % of their sum, the mean over ranks. Source 'measured steps': clocked during the "
+    "measured steps themselves, the same way for every engine (a clock around each collective, wait "
+    "and optimizer step), over the median measured step (the middle one or two by time); there "
+    "exposed communication is the time a rank was blocked on that axis's collectives (what overlapped "
+    "compute is not counted), pipeline bubble (pp > 1 only) or waiting for other ranks (without a "
+    "pipeline) the time blocked on the pipeline's transfers and the world-wide reductions, optimizer "
+    "the time inside the optimizer's step, compute the rest of the step. Source 'profiler': from the "
+    "torch.profiler trace of extra steps after the measured ones, whose own cost lengthens them "
+    "(older runs); 'instrumented': the engine's own counters. Each sum is set against its run's "
+    "measured median: one more than 10% off describes other steps than the measured ones and is not "
+    "used by Why. 'not measured' where a run has none."
+)
+COLLECTIVES_TEXT = (
+    "Collectives issued per step by rank 0 (counted in the profiled steps), per axis and kind: the "
+    "axis whose process group the call ran on (a send or receive without a group: the axis to its "
+    "peer; tp+pp, tp+dp: Megatron's model-parallel and tensor-and-data groups; embedding: its "
+    "embedding group; 'other [ranks]': a group that is none of these, named by its ranks); "
+    "'instrumented': the own engine's counted communication. The harness's own loss reduction (one "
+    "all_reduce of the step's loss over every rank, for the parity check) is not the engine's and is "
+    "left out."
+)
+
+
+BREAKDOWN_AXIS = "ms per step, mean over ranks (measured steps: the median step; profiler: the profiled steps)"
 
 
 def run_metrics(run: dict) -> dict:
@@ -20,6 +48,15 @@ def run_metrics(run: dict) -> dict:
     m = dict(run.get("metrics") or {})
     m.update({k: run[k] for k in ("breakdown_ms", "breakdown_source", "collectives") if run.get(k) is not None})
     return m
+
+
+def run_breakdown(run: dict) -> Breakdown | None:
+    """The run's breakdown, its waiting named for its layout (no bubble without a pipeline)."""
+    return breakdown_of(run_metrics(run), ParallelDims.of(run.get("layout") or {}).pp)
+
+
+def _median_s(run: dict) -> float | None:
+    return ((run.get("metrics") or {}).get("step_time_s") or {}).get("median")
 
 
 def _share(b: Breakdown, key: str) -> str:
@@ -32,15 +69,19 @@ def _share(b: Breakdown, key: str) -> str:
 def breakdown_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Where each run's profiled step goes, per component, in ms and % of the step; 'not measured'
     only for a run that has no breakdown at all, never an estimate."""
-    runs = [(r, breakdown_of(run_metrics(r))) for r in summary["runs"]]
+    runs = [(r, run_breakdown(r)) for r in summary["runs"]]
     keys = sorted_components([b for _, b in runs if b])
-    header = ["run", "source"] + [component_title(k) for k in keys] + ["step"]
+    header = ["run", "source"] + [component_title(k) for k in keys]
+    header += ["step (their sum)", "measured median", "sum against median"]
     out = []
     for r, b in runs:
+        median = _median_s(r)
+        shown = f"{1e3 * median:.1f} ms" if median else "-"
         if b is None:
-            out.append([r["label"], NOT_MEASURED] + [NOT_MEASURED] * len(keys) + [NOT_MEASURED])
+            out.append([r["label"], NOT_MEASURED] + [NOT_MEASURED] * len(keys) + [NOT_MEASURED, shown, "-"])
         else:
-            out.append([r["label"], b.source] + [_share(b, k) for k in keys] + [f"{b.step_ms:.1f} ms"])
+            row = [r["label"], b.source] + [_share(b, k) for k in keys]
+            out.append(row + [f"{b.step_ms:.1f} ms", shown, against_median(b, median)])
     return header, out
 
 
@@ -55,7 +96,8 @@ def _bytes(n) -> str:
 
 
 def collective_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    """Each run's collectives per step: axis, kind, count, bytes (one row each)."""
+    """Each run's collectives per step: axis, kind, count, bytes (one row each); the harness's own
+    loss reduction left out (COLLECTIVES_TEXT says so)."""
     header = ["run", "source", "axis", "kind", "count per step", "bytes per step"]
     out = []
     for r in summary["runs"]:
@@ -74,6 +116,7 @@ def collective_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
                 _bytes(c.get("bytes")),
             ]
             for c in coll
+            if c.get("axis") != HARNESS_AXIS
         ] or [[r["label"], source, "-", "none", "0", "-"]]
     return header, out
 
@@ -113,26 +156,24 @@ def why_cases(summary: dict) -> list[Case]:
     """The compared runs (not the reference) that finished and have a breakdown."""
     out = []
     for r in summary["runs"]:
-        b = breakdown_of(run_metrics(r))
+        b = run_breakdown(r)
         if r.get("is_reference") or r.get("status") != "ok" or b is None:
             continue
-        out.append(
-            Case(
-                r["label"],
-                engine_variant(r["layout"]),
-                layout_key(r["layout"]),
-                ((r.get("metrics") or {}).get("step_time_s") or {}).get("median"),
-                b,
-            )
-        )
+        stats = (r.get("metrics") or {}).get("step_time_s") or {}
+        ci = (stats["ci95_low"], stats["ci95_high"]) if "ci95_low" in stats and "ci95_high" in stats else None
+        out.append(Case(r["label"], engine_variant(r["layout"]), layout_key(r["layout"]), stats.get("median"), b, ci))
     return out
 
 
 WHY_TEXT = (
-    "Computed from the breakdowns above. For each layout, its fastest engine against each other engine; "
-    "for each engine, its fastest layout against each other layout (the fastest run's pairs first). "
-    "Each sentence names the components whose difference covers at least 80% of the difference in "
-    "profiled step time, largest first (at most three)."
+    "For each layout, its fastest engine against each other engine (and the own engine against the "
+    "others); for each engine, its fastest layout against each other layout; the fastest run's pairs "
+    "first. Which run is slower is the measured medians' call: two runs whose 95% confidence intervals "
+    "of the median overlap are not distinguishable and are not explained. A difference is explained "
+    "only from breakdowns whose sum lies within 10% of their run's measured median, by the components "
+    "whose difference covers at least 80% of the difference between the breakdowns, largest first (at "
+    "most three), each with its share; where components moved both ways by more than that difference, "
+    "no share is given."
 )
 
 
@@ -140,9 +181,10 @@ def why_section(summary: dict) -> Section:
     cases = why_cases(summary)
     if len(cases) < 2:
         return Section("why", "Why", body=["Fewer than two finished runs have a step breakdown: nothing to explain."])
-    fastest = min(cases, key=lambda c: c.step_s if c.step_s is not None else c.breakdown.step_ms / 1e3)
+    timed = [r for r in summary["runs"] if not r.get("is_reference") and r.get("status") == "ok" and _median_s(r)]
+    fastest = min(timed, key=_median_s)  # by the measured median, as the verdict ranks them
     engines, layouts = comparisons(cases)
-    body = [WHY_TEXT, f"Fastest run: **{fastest.label}**."]
+    body = [WHY_TEXT, f"Fastest run (measured median): **{fastest['label']}**."]
     body += [
         "**The same layout under other engines**",
         Items(engines or ["No layout ran under two engines."]),

@@ -21,10 +21,11 @@ from harness.store.fields import MISSING, row
 
 # The components of a step in the order reports stack them; exposed communication is one per axis
 # (`<axis>_comm`), what an old record names otherwise (FSDP2's forward_backward) comes after them.
-COMPONENTS = ("compute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "optimizer", "other")
+COMPONENTS = ("compute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "wait", "optimizer", "other")
 TITLES = {
     "compute": "compute",
     "bubble": "pipeline bubble",
+    "wait": "waiting for other ranks",  # blocked at the world-wide reductions, without a pipeline
     "optimizer": "optimizer",
     "other": "host overhead and other",
     "forward_backward": "forward+backward (compute and comm not split)",
@@ -62,18 +63,38 @@ def _ordered(parts: dict[str, float]) -> dict[str, float]:
     }
 
 
-def breakdown_of(metrics: dict | None) -> Breakdown | None:
+def breakdown_of(metrics: dict | None, pp: int | None = None) -> Breakdown | None:
     """The step breakdown of a record's metrics: breakdown_ms where the run has it, else the older
     breakdown_s (the engine's own counters, in seconds; what its total leaves uncovered is `other`),
-    else None (not measured)."""
-    m = metrics or {}
+    else None (not measured). With `pp` 1 a 'bubble' (what records before the fix called the wait
+    at the world-wide reductions) is 'wait': there is no pipeline to have a bubble."""
+    found = _breakdown_of(metrics or {})
+    if found is not None and pp == 1 and "bubble" in found.parts:
+        parts = {("wait" if k == "bubble" else k): v for k, v in found.parts.items()}
+        found = Breakdown(_ordered(parts), found.step_ms, found.source)
+    return found
+
+
+MEASURED = "measured steps"  # the source of a breakdown clocked during the measured steps themselves
+
+
+def _from_ms(new: dict, source: str) -> Breakdown:
+    comm = new.get("exposed_comm") if isinstance(new.get("exposed_comm"), dict) else {}
+    parts = {f"{axis}_comm": float(ms) for axis, ms in comm.items() if _num(ms)}
+    parts.update({k: float(v) for k, v in new.items() if k not in ("step", "exposed_comm") and _num(v)})
+    step = float(new["step"]) if _num(new.get("step")) else sum(parts.values())
+    return Breakdown(_ordered(parts), step, source)
+
+
+def _breakdown_of(m: dict) -> Breakdown | None:
+    """The measured steps' breakdown (breakdown_measured_ms) where the run has it, else the profiled
+    steps' (breakdown_ms), else the engine's counters of old records (breakdown_s)."""
+    measured = m.get("breakdown_measured_ms")
+    if isinstance(measured, dict) and measured:
+        return _from_ms(measured, MEASURED)
     new = m.get("breakdown_ms")
     if isinstance(new, dict) and new:
-        comm = new.get("exposed_comm") if isinstance(new.get("exposed_comm"), dict) else {}
-        parts = {f"{axis}_comm": float(ms) for axis, ms in comm.items() if _num(ms)}
-        parts.update({k: float(v) for k, v in new.items() if k not in ("step", "exposed_comm") and _num(v)})
-        step = float(new["step"]) if _num(new.get("step")) else sum(parts.values())
-        return Breakdown(_ordered(parts), step, m.get("breakdown_source") or "profiler")
+        return _from_ms(new, m.get("breakdown_source") or "profiler")
     old = m.get("breakdown_s")
     if isinstance(old, dict) and old:
         parts = {k: 1e3 * float(v) for k, v in old.items() if k != "total" and _num(v)}
@@ -206,7 +227,7 @@ def to_row(rec: dict) -> Row:
         peak_memory=v["peak_memory_bytes"],
         memory_kind=v["memory_kind"],
         breakdown=m.get("breakdown_s") or None,
-        step_breakdown=breakdown_of(m),
+        step_breakdown=breakdown_of(m, dims.pp),
         collectives=collectives_of(m),
         timeline=m.get("pipeline_timeline") or None,
         error=rec.get("error") or "",

@@ -145,10 +145,16 @@ def bars(
 
 
 def stacked(
-    labels: list[str], parts: list[dict], title: str, scale: float = 1000.0, names: dict[str, str] | None = None
+    labels: list[str],
+    parts: list[dict],
+    title: str,
+    scale: float = 1000.0,
+    names: dict[str, str] | None = None,
+    xlabel: str = "ms per step",
 ) -> bytes:
     """Per-layout time breakdown in milliseconds (parts times `scale`: s -> ms), one stacked
-    horizontal bar each, drawn from zero; `names` gives each component's legend entry."""
+    horizontal bar each, drawn from zero; `names` gives each component's legend entry, `xlabel`
+    which steps the milliseconds are of (the caller knows)."""
     keys = [k for k in COLORS if any(k in p for p in parts)]
     keys += sorted({k for p in parts for k in p} - set(keys))
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.35 * max(3, len(labels))))
@@ -160,7 +166,7 @@ def stacked(
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlim(left=0)
-    ax.set_xlabel("ms per step (median)")
+    ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=min(len(keys), 4), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     return _encode(fig)

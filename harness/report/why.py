@@ -1,6 +1,13 @@
 """Why one run is slower than another, in numbers: the components of the step breakdown whose
 difference covers most of the step-time difference. One logic for the compare and the sweep
 reports, so both explain a winner the same way.
+
+Which run is slower, and whether it is slower at all, is the measurement's call, never the
+breakdown's: runs whose 95% confidence intervals of the median step overlap are "not
+distinguishable" and get no explanation; a breakdown whose total is off its run's measured median
+by more than TOLERANCE describes other steps than the measured ones and explains nothing; a share
+of the difference is printed only where every named component moved the way the step did by no
+more than the whole difference (no share above 100% or below 0).
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from harness.report.data import Breakdown, component_title
 
 COVER = 0.8  # name components, largest first, until they cover this share of the difference
 MAX_NAMED = 3
-SAME = 0.01  # steps within 1% (and 0.05 ms) count as the same time
+TOLERANCE = 0.10  # a breakdown explains its run's measured steps only if its total is this close to their median
 
 
 @dataclass(frozen=True)
@@ -23,38 +30,96 @@ class Case:
     layout: str  # everything but the engine (data.layout_key)
     step_s: float | None  # the measured median step: which run is faster
     breakdown: Breakdown
+    ci_s: tuple | None = None  # the 95% confidence interval of that median (low, high), seconds
 
 
-def _delta_text(key: str, delta: float, diff: float) -> str:
-    return f"{component_title(key)} {delta:+.1f} ms ({100 * delta / diff:.0f}% of the difference)"
+def off_median(b: Breakdown, median_s: float | None) -> float | None:
+    """How far the breakdown's total is from the measured median, as a fraction of it (None: no median)."""
+    if not median_s or median_s <= 0:
+        return None
+    return b.step_ms / (1e3 * median_s) - 1.0
 
 
-def explain(fast: Case, slow: Case) -> str:
-    """One sentence: how much longer `slow`'s profiled step is than `fast`'s, and the components
-    whose difference explains most of it (with the ones that moved the other way, if they matter)."""
-    a, b = fast.breakdown, slow.breakdown
-    diff = b.step_ms - a.step_ms
-    head = f"{slow.label} ({b.step_ms:.1f} ms per profiled step) against {fast.label} ({a.step_ms:.1f} ms)"
-    if abs(diff) < max(0.05, SAME * a.step_ms):
-        return f"{head}: the same within {abs(diff):.1f} ms; no component explains a difference."
-    keys = list(dict.fromkeys([*a.parts, *b.parts]))
-    deltas = {k: b.parts.get(k, 0.0) - a.parts.get(k, 0.0) for k in keys}
-    along = sorted((k for k in keys if deltas[k] * diff > 0), key=lambda k: -abs(deltas[k]))
+def representative(b: Breakdown, median_s: float | None) -> bool:
+    """Whether the breakdown describes the measured steps: its total within TOLERANCE of their median."""
+    off = off_median(b, median_s)
+    return off is not None and abs(off) <= TOLERANCE
+
+
+def against_median(b: Breakdown, median_s: float | None) -> str:
+    """How the breakdown's sum compares with its run's measured median; flagged beyond TOLERANCE."""
+    off = off_median(b, median_s)
+    if off is None:
+        return "no measured median"
+    flag = f": off by more than {100 * TOLERANCE:.0f}%, not used by Why" if abs(off) > TOLERANCE else ""
+    return f"{100 * off:+.0f}%{flag}"
+
+
+def _ms(c: Case) -> str:
+    text = f"{1e3 * c.step_s:.1f} ms"
+    return text + (f" [{1e3 * c.ci_s[0]:.1f}, {1e3 * c.ci_s[1]:.1f}]" if c.ci_s else "")
+
+
+def distinguishable(fast: Case, slow: Case) -> bool:
+    """The slower median's interval lies wholly above the faster one's (without intervals: the medians differ)."""
+    if fast.ci_s and slow.ci_s:
+        return slow.ci_s[0] > fast.ci_s[1]
+    return slow.step_s > fast.step_s
+
+
+def _not_representative(c: Case) -> str:
+    return (
+        f"{c.label}'s breakdown totals {c.breakdown.step_ms:.1f} ms against its measured median "
+        f"{1e3 * c.step_s:.1f} ms (off by more than {100 * TOLERANCE:.0f}%)"
+    )
+
+
+def explain(a: Case, b: Case) -> str:
+    """One sentence on two runs, the slower by measured median named first: not distinguishable,
+    not explained (and why), or the components whose difference explains most of it."""
+    if a.step_s is None or b.step_s is None:
+        missing = a if a.step_s is None else b
+        return f"{b.label} against {a.label}: not explained ({missing.label} has no measured median)."
+    fast, slow = sorted((a, b), key=lambda c: c.step_s)
+    if not distinguishable(fast, slow):
+        return (
+            f"{slow.label} ({_ms(slow)}) and {fast.label} ({_ms(fast)}): not distinguishable "
+            "(the 95% confidence intervals of the median step overlap); nothing to explain."
+        )
+    head = (
+        f"{slow.label} takes {1e3 * (slow.step_s - fast.step_s):.1f} ms more per measured step than "
+        f"{fast.label} (median {1e3 * slow.step_s:.1f} against {1e3 * fast.step_s:.1f} ms)"
+    )
+    off = [c for c in (slow, fast) if not representative(c.breakdown, c.step_s)]
+    if off:
+        return f"{head}; not explained: " + "; ".join(_not_representative(c) for c in off) + "."
+    x, y = fast.breakdown, slow.breakdown
+    diff = y.step_ms - x.step_ms
+    keys = list(dict.fromkeys([*x.parts, *y.parts]))
+    deltas = {k: y.parts.get(k, 0.0) - x.parts.get(k, 0.0) for k in keys}
+    moved = ", ".join(
+        f"{component_title(k)} {deltas[k]:+.1f} ms"
+        for k in sorted(keys, key=lambda k: -abs(deltas[k]))
+        if abs(deltas[k]) >= 0.05  # what rounds to +0.0 ms did not move
+    )
+    if diff <= 0:
+        return f"{head}; not explained: the breakdowns differ by {diff:+.1f} ms, the other way ({moved})."
+    along = sorted((k for k in keys if deltas[k] > 0), key=lambda k: -deltas[k])
+    if along and deltas[along[0]] > diff:
+        return (
+            f"{head}; the components moved both ways, by more than the {diff:.1f} ms between the breakdowns "
+            f"({y.step_ms:.1f} against {x.step_ms:.1f} ms): {moved}; no share of the difference is any one "
+            "component's."
+        )
     named, covered = [], 0.0
     for k in along:
-        if len(named) == MAX_NAMED or covered >= COVER * abs(diff):
+        if len(named) == MAX_NAMED or covered >= COVER * diff:
             break
         named.append(k)
-        covered += abs(deltas[k])
-    against = [
-        k
-        for k in sorted(keys, key=lambda k: -abs(deltas[k]))
-        if deltas[k] * diff < 0 and abs(deltas[k]) >= 0.1 * abs(diff)
-    ]
-    text = (
-        f"{slow.label} takes {abs(diff):.1f} ms {'more' if diff > 0 else 'less'} per profiled step than "
-        f"{fast.label} ({b.step_ms:.1f} against {a.step_ms:.1f} ms): "
-        + ", ".join(_delta_text(k, deltas[k], diff) for k in named)
+        covered += deltas[k]
+    against = [k for k in sorted(keys, key=lambda k: deltas[k]) if deltas[k] < 0 and -deltas[k] >= 0.1 * diff]
+    text = f"{head}; by the breakdowns ({y.step_ms:.1f} against {x.step_ms:.1f} ms): " + ", ".join(
+        f"{component_title(k)} {deltas[k]:+.1f} ms ({100 * deltas[k] / diff:.0f}% of the difference)" for k in named
     )
     if against:
         text += "; partly offset by " + ", ".join(f"{component_title(k)} {deltas[k]:+.1f} ms" for k in against)
@@ -62,7 +127,7 @@ def explain(fast: Case, slow: Case) -> str:
 
 
 def _rank(c: Case) -> float:
-    return c.step_s if c.step_s is not None else c.breakdown.step_ms / 1e3
+    return c.step_s if c.step_s is not None else float("inf")
 
 
 def _grouped(cases: list[Case], by, other, limit: int | None, yardstick=lambda c: False) -> list[str]:

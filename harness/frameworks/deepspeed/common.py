@@ -213,6 +213,14 @@ class DeepSpeedBase:
         # is measured): nothing is reported, nothing is estimated.
         return {}
 
+    def process_groups(self) -> dict:
+        """The groups ZeRO reduces over, for the profiler's axis names: at dp 1 a one-rank group,
+        which its ranks alone cannot tell from the other axes of degree 1."""
+        opt = self.optimizer
+        dp = [getattr(self.engine, "data_parallel_group", None), getattr(self.engine, "seq_data_parallel_group", None)]
+        dp += [getattr(opt, "dp_process_group", None), *(getattr(opt, "real_dp_process_group", None) or [])]
+        return {"dp": dp}
+
     def describe_common(self) -> dict:
         lay = self.spec.layout
         opt = getattr(self.engine, "basic_optimizer", None) or self.optimizer

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from harness import measure
 from harness.frameworks import gather_on_rank0
 from harness.frameworks.deepspeed.common import DeepSpeedBase, configure_checkpointing, fp32_copy
 
@@ -162,7 +163,8 @@ class DeepSpeedEngine(DeepSpeedBase):
         total *= self.loss_divisor / len(micro)  # the mean over this rank's tokens
         # every rank of a tp group holds the same loss, the cp ranks of a sequence equal token
         # counts: the mean over all ranks is the mean over dp
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        with measure.harness_sync():  # the harness's loss for the parity check, not the engine's
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total / self.ctx.world_size
 
     # ------------------------------------------------------------------ inspection

@@ -195,7 +195,8 @@ class FSDPEngine:
             # each dp group's mean loss, counted once (by its tp rank 0 on the last pipeline stage)
             if not (self.is_last_stage and self.coord.tp == 0):
                 total = torch.zeros((), device=self.device, dtype=torch.float32)
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            with measure.harness_sync():  # the harness's loss for the parity check, not the engine's
+                dist.all_reduce(total, op=dist.ReduceOp.SUM)
             loss = total / self.dims.replicas()  # the cp ranks of a sequence hold equal token counts
         self._details = {
             "breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds, "total": step.seconds}
