@@ -12,6 +12,7 @@ import json
 import os
 
 from harness.report import plots, render
+from harness.report.baseline import baseline_sections
 from harness.report.compare_layouts import differing_fields, differs_texts, layout_matrix
 from harness.report.compare_steps import (
     CENSUS_TEXT,
@@ -398,6 +399,7 @@ def sections(summary: dict, figs: list | None = None, out_dir: str | None = None
         why_section(summary),
         Section("census", "Memory census", body=[CENSUS_TEXT, Table(*census_rows(summary)), *_machine(summary)]),
         _parity(summary, figs),
+        *baseline_sections(summary),
         *_exceptions(summary),
         _engines(summary),
         *_not_run(summary),
