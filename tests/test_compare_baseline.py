@@ -143,6 +143,7 @@ def test_runs_added_dropped_failed_or_changed_under_their_label_are_each_a_line(
         (json.dumps([1, 2]), "not a `harness compare` JSON report"),
         (json.dumps({"runs": [{"status": "ok"}]}), "runs[0] has no label or status"),
         (json.dumps({"runs": [], "loss_curves": {"a": "x"}}), "loss_curves must map run labels to lists"),
+        (json.dumps({"runs": [{"label": "a", "status": "ok", "layout": {"tp": "x"}}]}), "runs[0] (a): layout: "),
     ],
 )
 def test_a_malformed_baseline_is_one_line_and_nothing_launches(no_launch, one_line_error, content, reason):

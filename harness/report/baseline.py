@@ -44,6 +44,10 @@ def load_baseline(path: str) -> dict:
             raise SpecError(FIELD, f"{path}: runs[{i}] has no label or status")
         if not isinstance(r.get("metrics") or {}, dict) or not isinstance(r.get("layout") or {}, dict):
             raise SpecError(FIELD, f"{path}: runs[{i}] ({r['label']}): metrics and layout must be mappings")
+        try:
+            _layout(r)
+        except Exception as e:  # a layout this harness cannot name: the comparison could not match it
+            raise SpecError(FIELD, f"{path}: runs[{i}] ({r['label']}): layout: {e}") from None
     for key in ("loss_curves", "loss_table"):
         curves = data.get(key) or {}
         if not isinstance(curves, dict) or not all(
@@ -64,15 +68,24 @@ def _losses(summary: dict, label: str) -> list:
     return (summary.get("loss_curves") or summary.get("loss_table") or {}).get(label) or []
 
 
+def _mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
 def _median(run: dict) -> float | None:
-    m = ((run.get("metrics") or {}).get("step_time_s") or {}).get("median")
+    m = _mapping(_mapping(run.get("metrics")).get("step_time_s")).get("median")
     return m if isinstance(m, (int, float)) and m > 0 else None
 
 
 def _census(run: dict) -> dict:
-    """{(category, dtype): bytes} of a run's memory census (rank 0's view, as the report shows it)."""
-    census = (run.get("metrics") or {}).get("memory_census") or {}
+    """{(category, dtype): bytes} of a run's memory census (the summary's, as the report shows it)."""
+    census = _mapping(_mapping(run.get("metrics")).get("memory_census"))
     return {(c, d): n for c, by in census.items() if isinstance(by, dict) for d, n in by.items()}
+
+
+def _layout(run: dict) -> str:
+    """What names a run's layout (its engine variant and every field that changes what is measured)."""
+    return layout_label({"engine": run.get("engine"), **(run.get("layout") or {})})
 
 
 def time_reference(old: dict, new: dict) -> str | None:
@@ -157,7 +170,7 @@ def compare_with_baseline(
             rows.append(_row(label, "run", "absent", after[label]["status"], f"{label}: not in the baseline"))
             continue
         o, r = before[label], after[label]
-        layouts = [layout_label({"engine": x.get("engine"), **(x.get("layout") or {})}) for x in (o, r)]
+        layouts = [_layout(o), _layout(r)]
         if layouts[0] != layouts[1]:
             rows.append(_row(label, "layout", *layouts, f"{label}: layout {layouts[0]} -> {layouts[1]}"))
             continue
