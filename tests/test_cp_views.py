@@ -71,7 +71,7 @@ def test_sweep_report_names_cp_in_its_tables_ablation_and_recommendations():
     bd = secs["breakdown"].tables[0]
     assert "exposed cp communication" in bd.headers
     captions = [t.caption for t in secs["recommendations"].tables]
-    assert any(c.startswith("context parallelism: cp1 was best in 1 of 1 sweep(s)") for c in captions)
+    assert any(c.startswith("context parallelism: cp1 was best in 1 of 1 comparison(s)") for c in captions)
 
 
 def test_sweep_report_without_cp_has_no_cp_column_or_section():

@@ -48,19 +48,30 @@ def test_all_sections_and_images(report_dir):
 def test_recommendations_cite_counts_and_evidence():
     recs = sections_for(make_records(300, seed=3))[-1]
     text = " ".join(t.caption for t in recs.tables)
-    assert re.search(r"micro-batch size: 1 was best in \d of 5 sweep", text)
+    assert re.search(r"micro-batch size: 1 was best in \d of \d+ comparison\(s\) of runs that differ in", text)
     assert recs.tables and all(t.rows for t in recs.tables)
 
 
 def test_recommendation_follows_the_data_not_the_paper():
-    """Invert the data: micro-batch 4 fastest everywhere -> the report must say 4, not 1."""
+    """Invert the data: micro-batch 4 fastest everywhere -> the report must say 4, not 1 (every run
+    that is not at micro-batch 4 gets a twin that is, its other fields the same)."""
+    import copy
+
     records = make_records(200, seed=5)
+    twins = []
     for r in records:
+        if r["status"] == "ok" and r["spec"]["layout"]["micro_batch_size"] != 4:
+            twin = copy.deepcopy(r)
+            twin["run_id"] += "-mb4"
+            twin["spec"]["layout"]["micro_batch_size"] = 4
+            twins.append(twin)
+    for r in records + twins:
         if r["status"] == "ok":
             mb = r["spec"]["layout"]["micro_batch_size"]
             r["metrics"]["mfu"]["palm"] = 0.3 + (0.2 if mb == 4 else 0.0)
-    recs = sections_for(records)[-1]
-    assert any(t.caption.startswith("micro-batch size: 4 was best in 5 of 5") for t in recs.tables)
+    recs = sections_for(records + twins)[-1]
+    caption = next(t.caption for t in recs.tables if t.caption.startswith("micro-batch size:"))
+    assert re.match(r"micro-batch size: 4 was best in (\d+) of \1 comparison", caption), caption
 
 
 def test_missing_optional_metrics_and_failures_only(tmp_path):

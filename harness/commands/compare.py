@@ -4,6 +4,7 @@ Without a SPEC it runs the built-in default on this machine: a tiny LLaMA with 2
 under the own engine (dp2, tp2, pp2, where that engine is present), DeepSpeed ZeRO-1/2/3 and
 FSDP2 (both reshard modes), plus the single-device reference. Exit code 0 when every run
 finished and the losses agree, 1 otherwise, 2 for a mistake in the spec (nothing launched).
+With --baseline OLD.json (an earlier compare's JSON report) it also exits 1 when a run drifted from it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ EXAMPLES = """\
 examples:
   harness compare                                  # the built-in CPU default, a few minutes, into harness-out/
   harness compare --set workload.steps=3 --set parity_steps=2 --out /tmp/cmp
-  harness compare examples/compare-cpu-bf16.yaml --store cmp.sqlite --timeout 300"""
+  harness compare examples/compare-cpu-bf16.yaml --store cmp.sqlite --timeout 300
+  harness compare examples/ci/tiny-compare.yaml --baseline examples/ci/baseline.json   # a CI check"""
 
 
 # Where a comparison writes by default: a folder of the working directory that git ignores, so a
@@ -50,6 +52,19 @@ def add_arguments(p):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_tensorboard_argument(p, "every run")
     add_profile_steps_argument(p, "every run")
+    p.add_argument(
+        "--baseline",
+        metavar="OLD.json",
+        help="an earlier compare's JSON report: exit 1 with one line per drift (a loss beyond the parity "
+        "tolerance, a census byte count, a step-time ratio to the reference beyond --time-tolerance)",
+    )
+    p.add_argument(
+        "--time-tolerance",
+        type=float,
+        metavar="FRACTION",
+        help="with --baseline: how far a run's step time / the reference's may move (default 0.1: 10%%; inf: "
+        "step times not compared)",
+    )
 
 
 def main(args) -> int:
@@ -79,6 +94,7 @@ def main(args) -> int:
         os.environ[TENSORBOARD_ENV] = tensorboard
     if args.logs:
         check_output_path(args.logs, "--logs", directory=True)
+    baseline, time_tolerance = _baseline(args)  # read and checked before anything launches
     check_before_launch(cs)  # kernels, launchers, something to compare: still nothing launched
     with report_lock(args.out, cs.name):  # refused here, before any launch, while another one writes this report
         print(
@@ -93,10 +109,33 @@ def main(args) -> int:
             progress=not args.no_progress,
             profile_steps=args.profile_steps,
         )
+        if baseline is not None:
+            from harness.report.baseline import compare_with_baseline
+
+            summary["baseline"] = compare_with_baseline(baseline, summary, time_tolerance, args.baseline)
         paths = write_report(summary, args.out)
     print(f"verdict: {verdict_text(summary)}")  # failed runs with their cause, policy, parity, fingerprints
     for p in summary["parity"]["runs"]:
         if p["verdict"] == "FAIL":
             print(f"  parity FAIL: {p['label']} {p['note']}")
+    drifts = (summary.get("baseline") or {}).get("drifts") or []
+    if baseline is not None:
+        print(f"baseline {args.baseline}: {len(drifts)} drift(s)")
+        for line in drifts:
+            print(f"  drift: {line}")
     print(f"report: {paths['markdown']} {paths['html']}")
-    return 0 if summary["verdict"] == "pass" else 1
+    return 0 if summary["verdict"] == "pass" and not drifts else 1
+
+
+def _baseline(args) -> tuple[dict | None, float | None]:
+    """(the --baseline report, the time tolerance): a one-line error (exit 2) for an unreadable or
+    malformed file, or a tolerance without a baseline."""
+    from harness.errors import SpecError
+    from harness.report.baseline import DEFAULT_TIME_TOLERANCE, check_time_tolerance, load_baseline
+
+    if args.baseline is None:
+        if args.time_tolerance is not None:
+            raise SpecError("--time-tolerance", "only with --baseline (the step times it compares)")
+        return None, None
+    given = DEFAULT_TIME_TOLERANCE if args.time_tolerance is None else args.time_tolerance
+    return load_baseline(args.baseline), check_time_tolerance(given)

@@ -23,11 +23,17 @@ from harness.report.ranking import (
     ranked,
     run_columns,
     sort_key,
+    with_unit,
 )
 from harness.report.sections import Section, Table, table
 from harness.store import STATUSES
 
 # ---------------------------------------------------------------- sections
+
+FREE = (
+    " Each row is the best run with that value, whatever its other settings: not a like-for-like "
+    "comparison (the recommendations compare runs that differ in this field alone)."
+)
 
 
 def overview(rows: list[Row], metric: Metric) -> Section:
@@ -84,7 +90,7 @@ def axis_section(
 ) -> Section:
     """Best layout per value of one axis, per sweep: the study's way of showing an ablation. With
     `rest` (what else names a layout), also which component of the step moved (ablation_why)."""
-    s = Section(sid, title, [intro])
+    s = Section(sid, title, [intro + FREE])
     series: dict[str, list[tuple]] = {}
     shown = 0
     for name, rs in by_sweep(rows).items():
@@ -189,7 +195,7 @@ def tp_pp(rows: list[Row], metric: Metric) -> Section:
             ]
             for pp in pps
         ]
-        s.tables.append(Table([""] + [f"tp {t}" for t in tps], table, name))
+        s.tables.append(Table([""] + [f"tp {t}" for t in tps], table, f"{name}: best {metric.short} per cell"))
         for g in sorted({_tp_pp(r) for r in rs if _tp_pp(r) > 1}):
             moved = ablation_why(
                 [r for r in rs if _tp_pp(r) == g],
@@ -288,7 +294,7 @@ def quoted(rows: list[Row], metric: Metric, base: dict) -> Section:
             m = same[0] if same else None
             meas = "no measured run of this model and sequence length"
             if m:
-                meas = f"MEASURED {metric.fmt(metric.of(m))} on {m.gpus} x {m.device or '?'}: {m.label}"
+                meas = f"MEASURED {with_unit(metric, metric.of(m))} on {m.gpus} x {m.device or '?'}: {m.label}"
                 diffs = [
                     d
                     for d, bad in (
@@ -355,7 +361,7 @@ def quoted(rows: list[Row], metric: Metric, base: dict) -> Section:
             Table(
                 ["sweep", "MEASURED best", "layout", "devices"],
                 [
-                    [n, metric.fmt(metric.of(b[0])), b[0].label, f"{b[0].gpus} x {b[0].device or '?'}"]
+                    [n, with_unit(metric, metric.of(b[0])), b[0].label, f"{b[0].gpus} x {b[0].device or '?'}"]
                     for n, b in ((n, ranked(rs, metric)) for n, rs in by_sweep(rows).items())
                     if b
                 ],

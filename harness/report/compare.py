@@ -12,6 +12,7 @@ import json
 import os
 
 from harness.report import plots, render
+from harness.report.baseline import baseline_sections
 from harness.report.compare_layouts import differing_fields, differs_texts, layout_matrix
 from harness.report.compare_steps import (
     BREAKDOWN_AXIS,
@@ -408,6 +409,7 @@ def sections(summary: dict, figs: list | None = None, out_dir: str | None = None
             "census", "Memory census", body=[*census_text(summary), Table(*census_rows(summary)), *_machine(summary)]
         ),
         _parity(summary, figs),
+        *baseline_sections(summary),
         *_exceptions(summary),
         _engines(summary),
         *_not_run(summary),

@@ -172,6 +172,7 @@ class Row:
     hosts: tuple = ()
     versions: tuple = ()
     values: dict = field(default_factory=dict)  # every field's value (harness.store.fields.row)
+    layout: dict = field(default_factory=dict)  # the record's layout as it is (an ablation matches the others)
 
     @property
     def kernel(self) -> str:
@@ -236,6 +237,7 @@ def to_row(rec: dict) -> Row:
         hosts=tuple(sorted(set(fp.get("hosts") or []))),
         versions=versions,
         values=v,
+        layout=lay,
     )
 
 

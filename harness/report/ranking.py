@@ -1,12 +1,17 @@
 """What the sweep report's sections share: rows grouped by sweep, ranked by the report's metric,
-the best run per key, the run table's columns and a rate's confidence interval."""
+the best run per key, the runs that differ in one field alone, the run table's columns, a figure
+with its unit and a rate's confidence interval."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 from harness.report.data import Metric, Row, measured_columns
 from harness.report.sections import Column
+from harness.spec.schema import Layout
+
+_DEFAULT_LAYOUT = dataclasses.asdict(Layout())  # what an old record's partial layout leaves out
 
 TOP = 10
 MAX_SWEEP_FIGS = 6
@@ -31,6 +36,37 @@ def best_per(rows: list[Row], metric: Metric, key) -> dict:
     for r in ranked(rows, metric):
         best.setdefault(key(r), r)
     return best
+
+
+def with_unit(metric: Metric, value) -> str:
+    """A figure of the ranking metric with its unit: '5,287 tokens/s per device', '41.2% MFU'."""
+    return "-" if value is None else f"{metric.fmt(value)} {metric.short}"
+
+
+def other_fields(r: Row, drop: tuple[str, ...]) -> tuple:
+    """Every layout field of a run but `drop` (the field an ablation varies), and but those that do
+    nothing at its degrees (a schedule without a pipeline, a cp implementation without cp): two runs
+    with the same tuple differ in the dropped fields alone."""
+    lay = {**_DEFAULT_LAYOUT, **r.layout}
+    inert = set(drop)
+    if int(lay.get("pp") or 1) == 1 and int(lay.get("virtual_stages") or 1) == 1:
+        inert |= {"pipeline_schedule", "pipeline_p2p", "virtual_stages"}
+    if int(lay.get("cp") or 1) == 1:
+        inert.add("cp_impl")
+    return tuple((k, repr(v)) for k, v in sorted(lay.items()) if k not in inert)
+
+
+def matched(rows: list[Row], metric: Metric, key, drop: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """Per sweep, the groups of ok runs equal in every layout field but `drop` that hold two or more
+    values of key(run): [(sweep, {value: the group's best run with it})], the like-for-like
+    comparisons an ablation may draw."""
+    out = []
+    for sweep, rs in by_sweep(rows).items():
+        groups: dict = defaultdict(list)
+        for r in ranked(rs, metric):
+            groups[other_fields(r, drop)].append(r)
+        out += [(sweep, best) for best in (best_per(g, metric, key) for g in groups.values()) if len(best) > 1]
+    return out
 
 
 def uses_cp(rows: list[Row]) -> bool:

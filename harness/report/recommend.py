@@ -1,27 +1,40 @@
 """Recommendations computed from the rows, each with the evidence rows it rests on.
 
-The rule: a sentence is only produced when the data has a comparison to make (the axis
-varied in at least one sweep and at least two values ran ok); its wording states the count
-("in 3 of 4 sweeps") and the evidence table lists, per sweep, the best run for each value.
-Differences under NOISE are called a tie: repeated identical runs differ by about 1%.
+The rule: an ablation compares only runs that differ in its one field, every other layout field
+equal (ranking.matched); a sentence is only produced when the data has such a comparison to make,
+and says so where the field varied but no two runs differ in it alone. Its wording states the count
+("in 3 of 4 comparisons") and the evidence table lists every compared run. Differences under NOISE
+are called a tie: repeated identical runs differ by about 1%. Every figure carries its unit.
 """
 
 from __future__ import annotations
 
 from harness.report.data import Metric, Row, fmt_s
-from harness.report.ranking import best_per, by_sweep, ranked
+from harness.report.ranking import by_sweep, matched, other_fields, ranked, with_unit
 from harness.report.sections import Section, Table
 
 NOISE = 0.01  # relative: below this the winner is not distinguishable from the runner-up
 
+# The layout fields that name an engine and its own settings: the engine ablation compares runs
+# equal in every other field.
+ENGINE_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "ds_config", "dp_bucket_mb", "model_impl")
+
+# (name, value of a run, which runs it applies to, the layout fields the value is made of)
 AXES = [
-    ("micro-batch size", lambda r: r.mb, None),
-    ("activation checkpointing", lambda r: r.ckpt, None),
-    ("attention+rmsnorm kernels", lambda r: r.kernel, None),
-    ("sequence parallelism (tp > 1 only)", lambda r: "on" if r.sp else "off", lambda r: r.tp > 1),
-    ("context parallelism", lambda r: r.context, None),
-    ("engine", lambda r: r.variant, None),
+    ("micro-batch size", lambda r: r.mb, None, ("micro_batch_size",)),
+    ("activation checkpointing", lambda r: r.ckpt, None, ("activation_checkpointing",)),
+    ("attention+rmsnorm kernels", lambda r: r.kernel, None, ("attention", "rmsnorm")),
+    (
+        "sequence parallelism (tp > 1 only)",
+        lambda r: "on" if r.sp else "off",
+        lambda r: r.tp > 1,
+        ("sequence_parallel",),
+    ),
+    ("context parallelism", lambda r: r.context, None, ("cp", "cp_impl", "dp")),  # the GPUs fixed: dp shrinks
+    ("engine", lambda r: r.variant, None, ENGINE_FIELDS),
 ]
+# TP against PP: the same model-parallel GPUs split the other way (sp and the schedule belong to one side)
+SPLIT_FIELDS = ("tp", "pp", "sequence_parallel", "pipeline_schedule", "pipeline_p2p", "virtual_stages")
 
 
 def doubt(win: Row, other: Row, metric: Metric) -> str | None:
@@ -33,15 +46,33 @@ def doubt(win: Row, other: Row, metric: Metric) -> str | None:
     return None
 
 
-def _axis(rows: list[Row], metric: Metric, name: str, key, subset) -> tuple[str, Table] | None:
-    wins, evidence, sweeps = {}, [], 0
-    for sweep, rs in by_sweep(rows).items():
-        if subset:
-            rs = [r for r in rs if subset(r)]
-        best = best_per(rs, metric, key)
-        if len(best) < 2:
-            continue
-        sweeps += 1
+def _lead(metric: Metric, span: str) -> str:
+    """'by 47.1% more tokens/s per device than the runner-up' (MFU: a relative margin, said so)."""
+    relative = " (relative, not percentage points)" if metric.percent else ""
+    return f"by {span} more {metric.short}{relative} than the runner-up"
+
+
+def _varied(rows: list[Row], metric: Metric, key, subset) -> bool:
+    """Whether some sweep has ok runs with two values of the field (a comparison was looked for)."""
+    return any(
+        len({key(r) for r in ranked(rs, metric) if not subset or subset(r)}) > 1 for rs in by_sweep(rows).values()
+    )
+
+
+def _axis(rows: list[Row], metric: Metric, name: str, key, subset, drop) -> tuple[str, Table | None] | None:
+    """The value that won most comparisons of runs differing in this field alone, with its margin."""
+    rows = [r for r in rows if not subset or subset(r)]
+    groups = matched(rows, metric, key, drop)
+    if not groups:
+        if not _varied(rows, metric, key, subset):
+            return None
+        return (
+            f"{name}: no two runs that finished differ in {name} alone (every other layout field equal), "
+            "so no value is compared.",
+            None,
+        )
+    wins, evidence = {}, []
+    for i, (sweep, best) in enumerate(groups, 1):
         order = sorted(best.items(), key=lambda kv: -metric.of(kv[1]))
         (win, wrow), (_, second) = order[0], order[1]
         wins.setdefault(win, []).append((sweep, metric.of(wrow) / metric.of(second) - 1, doubt(wrow, second, metric)))
@@ -49,19 +80,22 @@ def _axis(rows: list[Row], metric: Metric, name: str, key, subset) -> tuple[str,
             evidence.append(
                 [
                     sweep,
+                    f"#{i}",
                     str(v),
-                    metric.fmt(metric.of(r)),
+                    with_unit(metric, metric.of(r)),
                     fmt_s(r.step_median),
                     r.label,
                     "best" if v == win else f"{100 * (metric.of(r) / metric.of(wrow) - 1):+.1f}%",
                 ]
             )
-    if not sweeps:
-        return None
     top, hits = max(wins.items(), key=lambda kv: len(kv[1]))
     margins = [m for _, m, _ in hits]
     span = f"{100 * margins[0]:.1f}%" if len(margins) == 1 else f"{100 * min(margins):.1f}-{100 * max(margins):.1f}%"
-    text = f"{name}: {top} was best in {len(hits)} of {sweeps} sweep(s), by {span} over the runner-up"
+    sweeps = len({s for s, _ in groups})
+    text = (
+        f"{name}: {top} was best in {len(hits)} of {len(groups)} comparison(s) of runs that differ in {name} "
+        f"alone (every other layout field equal; {sweeps} sweep(s)), {_lead(metric, span)}"
+    )
     doubts = [d for *_, d in hits if d]
     if len(doubts) == len(hits) == 1:
         text += f", but {doubts[0]}: not a clear win."
@@ -72,32 +106,42 @@ def _axis(rows: list[Row], metric: Metric, name: str, key, subset) -> tuple[str,
     others = {k: len(v) for k, v in wins.items() if k != top}
     if others:
         text += " Elsewhere: " + ", ".join(f"{k} best in {n}" for k, n in others.items()) + "."
-    return text, Table(["sweep", name, "best", "step", "layout", "vs winner"], evidence)
+    headers = ["sweep", "comparison", name, metric.short, "step", "layout", "vs best of its comparison"]
+    return text, Table(headers, evidence)
 
 
-def _tp_vs_pp(rows: list[Row], metric: Metric) -> tuple[str, Table] | None:
-    """Same model-parallel degree, split towards pipeline or towards tensor parallelism."""
+def _tp_vs_pp(rows: list[Row], metric: Metric) -> tuple[str, Table | None] | None:
+    """Same model-parallel GPUs (tp x pp), split towards pipeline or towards tensor parallelism,
+    every other layout field equal."""
     pp_wins, total, evidence = 0, 0, []
-    for sweep, rs in by_sweep(rows).items():
-        ok = ranked(rs, metric)
-        tp_heavy = [r for r in ok if r.tp > r.pp]
-        pp_heavy = [r for r in ok if r.pp > r.tp]
-        if not tp_heavy or not pp_heavy:
-            continue
-        total += 1
-        a, b = pp_heavy[0], tp_heavy[0]
-        pp_wins += metric.of(a) > metric.of(b)
-        evidence += [
-            [sweep, "pipeline-heavier (pp > tp)", metric.fmt(metric.of(a)), a.label],
-            [sweep, "tensor-heavier (tp > pp)", metric.fmt(metric.of(b)), b.label],
-        ]
+    split = [r for r in rows if r.tp != r.pp]
+    for sweep, rs in by_sweep(split).items():
+        groups: dict = {}
+        for r in ranked(rs, metric):
+            groups.setdefault((r.tp * r.pp, other_fields(r, SPLIT_FIELDS)), {}).setdefault(r.pp > r.tp, r)
+        for pair in groups.values():
+            if len(pair) < 2:
+                continue
+            total += 1
+            a, b = pair[True], pair[False]
+            pp_wins += metric.of(a) > metric.of(b)
+            evidence += [
+                [sweep, f"#{total}", "pipeline-heavier (pp > tp)", with_unit(metric, metric.of(a)), a.label],
+                [sweep, f"#{total}", "tensor-heavier (tp > pp)", with_unit(metric, metric.of(b)), b.label],
+            ]
     if not total:
-        return None
+        if not any(r.tp > r.pp for r in ranked(split, metric)) or not any(r.pp > r.tp for r in ranked(split, metric)):
+            return None
+        return (
+            "pipeline vs tensor parallelism: no pipeline-heavier and tensor-heavier runs that finished share the "
+            "model-parallel GPUs and every other layout field, so the split is not compared.",
+            None,
+        )
     text = (
-        f"pipeline vs tensor parallelism: the best pipeline-heavier layout beat the best tensor-heavier "
-        f"one in {pp_wins} of {total} sweep(s)."
+        f"pipeline vs tensor parallelism: the best pipeline-heavier layout beat the best tensor-heavier one on "
+        f"the same model-parallel GPUs, every other layout field equal, in {pp_wins} of {total} comparison(s)."
     )
-    return text, Table(["sweep", "split", "best", "layout"], evidence)
+    return text, Table(["sweep", "comparison", "split", metric.short, "layout"], evidence)
 
 
 def _checkpointing_memory(rows: list[Row]) -> str | None:
@@ -106,7 +150,7 @@ def _checkpointing_memory(rows: list[Row]) -> str | None:
     for rs in by_sweep(rows).values():
         idx = {}
         for r in rs:
-            idx.setdefault((r.variant, r.tp, r.context, r.pp, r.dp, r.mb, r.kernel, r.sp), {})[r.ckpt] = r.status
+            idx.setdefault(other_fields(r, ("activation_checkpointing",)), {})[r.ckpt] = r.status
         saved += sum(
             1 for v in idx.values() if v.get("none") == "oom" and any(s == "ok" for k, s in v.items() if k != "none")
         )
@@ -122,16 +166,19 @@ def recommendations(rows: list[Row], metric: Metric) -> Section:
     s = Section("recommendations", "Recommendations (derived from these runs)")
     s.text.append(
         "Each statement below is computed from the runs in this report; the table under it is "
-        "its evidence (per sweep, the best run for each value). Nothing here is written in advance."
+        "its evidence: the runs compared, in comparisons (#) of runs that differ in that field alone, every "
+        "other layout field equal. Nothing here is written in advance."
     )
     found = 0
-    for got in [_axis(rows, metric, name, key, subset) for name, key, subset in AXES] + [_tp_vs_pp(rows, metric)]:
-        if got:  # the statement is the caption of its evidence table
+    for got in [_axis(rows, metric, *axis) for axis in AXES] + [_tp_vs_pp(rows, metric)]:
+        if got and got[1] is None:  # the field varied, but never alone
+            s.text.append(got[0])
+        elif got:  # the statement is the caption of its evidence table
             s.tables.append(Table(got[1].headers, got[1].rows, got[0]))
             found += 1
     mem = _checkpointing_memory(rows)
     if mem:
         s.text.append(mem)
     if not found:
-        s.text.append("Too few successful runs vary any axis to recommend anything.")
+        s.text.append("Too few successful runs vary any axis alone to recommend anything.")
     return s

@@ -1,0 +1,222 @@
+"""A comparison against an earlier one's JSON report (`harness compare SPEC --baseline OLD.json`): what
+a user's CI checks after each change. Not harness/report/baselines.py (figures quoted from publications).
+
+Runs are matched by their label (the name a compare spec gives each run); a run in one report and not
+the other, or whose engine and layout changed under the same label, is a drift of its own. For each
+matched run three things are compared:
+
+- its losses over the parity window (the first parity_steps steps, the window the parity tolerance is
+  set for) within that tolerance, relative to the baseline's loss;
+- its memory census (bytes per category and dtype: exact, a count does not vary between runs);
+- its median step time as a ratio to the reference run's median in the same comparison, so that a
+  machine uniformly faster or slower than the baseline's moves both and not the verdict (load that
+  changes between the runs still moves it); a ratio that moved by more than the time tolerance
+  (relative) is a drift.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from harness.errors import SpecError
+from harness.report.sections import Items, Section, Table
+from harness.spec import layout_label
+
+DEFAULT_TIME_TOLERANCE = 0.10  # relative change of a step-time ratio; Megatron's golden values use 0.05-0.10
+FIELD = "--baseline"
+
+
+def load_baseline(path: str) -> dict:
+    """An earlier `harness compare` JSON report, checked for what the comparison reads (a SpecError
+    naming --baseline otherwise: exit 2, before anything launches)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise SpecError(FIELD, f"{path}: cannot be read ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SpecError(FIELD, f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise SpecError(FIELD, f"{path}: not a `harness compare` JSON report (no list of runs)")
+    for i, r in enumerate(data["runs"]):
+        if not isinstance(r, dict) or not isinstance(r.get("label"), str) or not isinstance(r.get("status"), str):
+            raise SpecError(FIELD, f"{path}: runs[{i}] has no label or status")
+        if not isinstance(r.get("metrics") or {}, dict) or not isinstance(r.get("layout") or {}, dict):
+            raise SpecError(FIELD, f"{path}: runs[{i}] ({r['label']}): metrics and layout must be mappings")
+        try:
+            _layout(r)
+        except Exception as e:  # a layout this harness cannot name: the comparison could not match it
+            raise SpecError(FIELD, f"{path}: runs[{i}] ({r['label']}): layout: {e}") from None
+    for key in ("loss_curves", "loss_table"):
+        curves = data.get(key) or {}
+        if not isinstance(curves, dict) or not all(
+            isinstance(v, list) and all(isinstance(x, (int, float)) for x in v) for v in curves.values()
+        ):
+            raise SpecError(FIELD, f"{path}: {key} must map run labels to lists of losses")
+    return data
+
+
+def check_time_tolerance(value: float) -> float | None:
+    """A relative tolerance: non-negative; inf: step times not compared (None)."""
+    if value != value or value < 0:
+        raise SpecError("--time-tolerance", f"must be a non-negative fraction (0.1 = 10%), got {value}")
+    return None if value == math.inf else float(value)
+
+
+def _losses(summary: dict, label: str) -> list:
+    return (summary.get("loss_curves") or summary.get("loss_table") or {}).get(label) or []
+
+
+def _mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _median(run: dict) -> float | None:
+    m = _mapping(_mapping(run.get("metrics")).get("step_time_s")).get("median")
+    return m if isinstance(m, (int, float)) and m > 0 else None
+
+
+def _census(run: dict) -> dict:
+    """{(category, dtype): bytes} of a run's memory census (the summary's, as the report shows it)."""
+    census = _mapping(_mapping(run.get("metrics")).get("memory_census"))
+    return {(c, d): n for c, by in census.items() if isinstance(by, dict) for d, n in by.items()}
+
+
+def _layout(run: dict) -> str:
+    """What names a run's layout (its engine variant and every field that changes what is measured)."""
+    return layout_label({"engine": run.get("engine"), **(run.get("layout") or {})})
+
+
+def time_reference(old: dict, new: dict) -> str | None:
+    """The run every step time is divided by: the single-device reference where it finished in both
+    comparisons, else the first run (in the new order) with a step time in both."""
+    before = {r["label"]: r for r in old["runs"]}
+    both = [r for r in new["runs"] if _median(r) and r["label"] in before and _median(before[r["label"]])]
+    ref = next((r for r in both if r.get("is_reference")), both[0] if both else None)
+    return ref["label"] if ref else None
+
+
+def _row(run: str, what: str, before: str, after: str, drift: str | None) -> dict:
+    return {"run": run, "what": what, "before": before, "after": after, "drift": drift}
+
+
+def _loss_rows(label: str, old: dict, new: dict, n: int, tol: float) -> list[dict]:
+    a, b = _losses(new, label)[:n], _losses(old, label)[:n]
+    if not a and not b:
+        return []
+    if len(a) != len(b):
+        drift = f"{label}: losses: {len(b)} of the first {n} steps in the baseline, {len(a)} now"
+        return [_row(label, "losses", f"{len(b)} steps", f"{len(a)} steps", drift)]
+    worst, at = 0.0, 0
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        d = abs(x - y) / max(abs(y), 1e-12)
+        if not d <= worst:  # NaN included: it is the worst
+            worst, at = d, i
+            if d != d:
+                break
+    what = f"loss, first {n} steps (tolerance {tol:g})"
+    before, after = f"{b[at]:.7g} at step {at}", f"{a[at]:.7g} (rel. diff {worst:.1e})"
+    drift = None
+    if not worst <= tol:
+        drift = f"{label}: loss at step {at}: {b[at]:.7g} -> {a[at]:.7g} (rel. diff {worst:.1e} > tolerance {tol:g})"
+    return [_row(label, what, before, after, drift)]
+
+
+def _census_rows(label: str, old_run: dict, new_run: dict) -> list[dict]:
+    before, after = _census(old_run), _census(new_run)
+    rows = []
+    for c, d in sorted(set(before) | set(after)):
+        x, y = before.get((c, d)), after.get((c, d))
+        shown = [f"{v:,} B" if isinstance(v, (int, float)) else "none" for v in (x, y)]
+        drift = None if x == y else f"{label}: census {c} {d}: {shown[0]} -> {shown[1]}"
+        rows.append(_row(label, f"census {c} {d}", *shown, drift))
+    return rows
+
+
+def _time_row(label: str, old_run: dict, new_run: dict, ref: tuple[dict, dict], tol: float) -> list[dict]:
+    pairs = zip((old_run, new_run), ref, strict=True)  # (a run, the reference) in the baseline, then now
+    ratios = [_median(r) / _median(x) if _median(r) and _median(x) else None for r, x in pairs]
+    if None in ratios:
+        return []
+    moved = ratios[1] / ratios[0] - 1
+    drift = None
+    if not abs(moved) <= tol:
+        drift = (
+            f"{label}: median step time relative to {ref[1]['label']}'s: {ratios[0]:.3f}x -> {ratios[1]:.3f}x "
+            f"({100 * moved:+.1f}%, tolerance {100 * tol:g}%)"
+        )
+    what = f"median step time relative to {ref[1]['label']}'s (tolerance {100 * tol:g}%)"
+    return [_row(label, what, f"{ratios[0]:.3f}x", f"{ratios[1]:.3f}x ({100 * moved:+.1f}%)", drift)]
+
+
+def compare_with_baseline(
+    old: dict, new: dict, time_tolerance: float | None = DEFAULT_TIME_TOLERANCE, path: str = ""
+) -> dict:
+    """{path, time_reference, time_tolerance, rows: [{run, what, before, after, drift}], drifts: [one
+    line each]} for the new comparison's summary against the baseline's (both as `harness compare`
+    writes them); time_tolerance None: step times not compared."""
+    before, after = {r["label"]: r for r in old["runs"]}, {r["label"]: r for r in new["runs"]}
+    par = new.get("parity") or {}
+    n, tol = int(par.get("steps") or 0), float(par.get("tolerance") or 0.0)
+    ref_label = time_reference(old, new)
+    ref = (before[ref_label], after[ref_label]) if ref_label else None
+    rows = []
+    for label in list(after) + [lab for lab in before if lab not in after]:
+        if label not in after:
+            rows.append(_row(label, "run", before[label]["status"], "absent", f"{label}: in the baseline, not run now"))
+            continue
+        if label not in before:
+            rows.append(_row(label, "run", "absent", after[label]["status"], f"{label}: not in the baseline"))
+            continue
+        o, r = before[label], after[label]
+        layouts = [_layout(o), _layout(r)]
+        if layouts[0] != layouts[1]:
+            rows.append(_row(label, "layout", *layouts, f"{label}: layout {layouts[0]} -> {layouts[1]}"))
+            continue
+        if o["status"] != r["status"] or r["status"] != "ok":
+            drift = None if o["status"] == r["status"] else f"{label}: status {o['status']} -> {r['status']}"
+            rows.append(_row(label, "status", o["status"], r["status"], drift))
+            continue
+        rows += _loss_rows(label, old, new, n, tol) + _census_rows(label, o, r)
+        if ref and label != ref_label and time_tolerance is not None:
+            rows += _time_row(label, o, r, ref, time_tolerance)
+    return {
+        "path": path,
+        "time_reference": ref_label,
+        "time_tolerance": time_tolerance,
+        "rows": rows,
+        "drifts": [x["drift"] for x in rows if x["drift"]],
+    }
+
+
+BASELINE_TEXT = (
+    "This comparison against the earlier report `{path}`, run by run (matched by label): the losses over "
+    "the parity window within the parity tolerance (relative), the memory census byte for byte, and the "
+    "median step time as a ratio to {ref}'s in the same comparison, so that a machine uniformly faster or "
+    "slower than the baseline's does not move the verdict (load that changes while the runs run still "
+    "does){time}."
+)
+
+
+def baseline_sections(summary: dict) -> list[Section]:
+    """The report's Baseline section where the comparison was given one (--baseline), else nothing."""
+    b = summary.get("baseline")
+    if not b:
+        return []
+    if b.get("time_tolerance") is None:
+        time = " (step times not compared: --time-tolerance inf)"
+    elif b.get("time_reference"):
+        time = f" (drift: a ratio that moved by more than {100 * b['time_tolerance']:g}%)"
+    else:
+        time = " (no run has a step time in both: step times not compared)"
+    drifts = b["drifts"]
+    body = [
+        BASELINE_TEXT.format(path=b["path"], ref=f"`{b.get('time_reference')}`", time=time),
+        f"**{len(drifts)} drift(s)**" + (":" if drifts else ": the runs match the baseline."),
+    ]
+    if drifts:
+        body.append(Items(drifts))
+    rows = [[x["run"], x["what"], x["before"], x["after"], "DRIFT" if x["drift"] else "same"] for x in b["rows"]]
+    body.append(Table(["Run", "Compared", "Baseline", "Now", "Verdict"], rows))
+    return [Section("baseline", "Baseline", body=body)]
