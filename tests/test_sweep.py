@@ -146,10 +146,11 @@ def test_bad_sweep_specs_name_the_field(raw, field):
 
 
 def test_dry_run_cli_prints_points_and_drops(tmp_path, capsys):
-    path = _write(tmp_path, {"name": "d", "gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [1, 2, 8]}})
+    grid = {"micro_batch_size": [1, 2, 8], "workload.global_batch_size": [4, 8]}  # mb 8 runs with 8 sequences
+    path = _write(tmp_path, {"name": "d", "gpus": 1, "workload": TINY, "grid": grid})
     assert cli_main(["sweep", path, "--dry-run", "--store", str(tmp_path / "r.sqlite")]) == 0
     out = capsys.readouterr().out
-    assert "2 points, 1 dropped" in out and "8 is not divisible" not in out
+    assert "5 points, 1 dropped" in out and "8 is not divisible" not in out
     assert "global_batch_size: 4 is not divisible by dp x micro_batch_size = 1 x 8" in out
     assert cli_main(["sweep", str(tmp_path / "missing.yaml"), "--dry-run"]) == 2
 
