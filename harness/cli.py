@@ -176,9 +176,37 @@ def _main(argv: list[str] | None) -> int:
             return 2
         return int(module.main(args) or 0)
     except SpecError as e:  # one line per mistake (SpecErrors: several), whatever the message holds
-        for one in getattr(e, "errors", [e]):
-            print("error: " + "; ".join(ln.strip() for ln in str(one).splitlines() if ln.strip()), file=sys.stderr)
+        lines = [
+            "error: " + "; ".join(ln.strip() for ln in str(one).splitlines() if ln.strip())
+            for one in getattr(e, "errors", [e])
+        ]
+        if first_to_say("\n".join(lines)):  # every rank of a launch makes the same mistake: said once
+            print("\n".join(lines), file=sys.stderr)
         return 2
+
+
+def first_to_say(line: str, env=None) -> bool:
+    """Whether this process prints `line`: always, unless it is one rank of several that a launcher
+    started (torchrun, deepspeed, srun), where every rank reaches the same mistake (a world size the
+    layout does not fit) and the line would repeat once per rank. Then the first rank of the launch
+    on this machine to get there says it: the one that creates a marker named after the launch (its
+    launcher process, port and run id) and the line."""
+    import hashlib
+    import os
+    import tempfile
+
+    env = os.environ if env is None else env
+    if int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")) or 1) <= 1:
+        return True
+    launch = [str(os.getppid())] + [env.get(k, "") for k in ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID")]
+    key = hashlib.sha256("\0".join([*launch, line]).encode()).hexdigest()[:16]
+    try:
+        os.close(os.open(os.path.join(tempfile.gettempdir(), f"harness-said-{key}"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    except OSError:  # no marker can be written: better twice than never
+        return True
+    return True
 
 
 if __name__ == "__main__":

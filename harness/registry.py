@@ -144,6 +144,8 @@ class EngineFacts:
     label: typing.Callable[[dict], str] | None = None
     launcher: str = "torchrun"  # how compare starts its ranks on this machine (harness.launch.LOCAL_LAUNCHERS)
     one_process: bool = False  # runs in one process whatever nproc a comparison gives (the reference)
+    # needs a torch.distributed process group even as one process: `harness train` refuses it without a launcher
+    process_group: bool = False
     # checks of its own files (spec) -> None, raising SpecError, run by every rank before anything is
     # built (a ds_config that contradicts the workload is a spec error, not a failed run)
     preflight: typing.Callable[..., None] | None = None

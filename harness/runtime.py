@@ -98,6 +98,27 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def launched(env=None) -> bool:
+    """Whether init forms a process group: a launcher (torchrun, deepspeed, srun) set this rank's
+    variables, or WORLD_SIZE asks for more than one process."""
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1"))
+    return world > 1 or "MASTER_ADDR" in env and "RANK" in env or "SLURM_PROCID" in env
+
+
+def check_launched(engine: str) -> None:
+    """An engine that needs a process group (its facts' process_group), started without a launcher:
+    one line naming how to start it, before anything is built."""
+    from harness import registry
+
+    if registry.known(engine) and registry.facts(engine).process_group and not launched():
+        raise SpecError(
+            "layout.engine",
+            f"engine {engine} needs a process group, even for one process: start harness train under a launcher, "
+            "e.g. `torchrun --nproc-per-node 1 -m harness.cli train SPEC`, or run it with harness compare",
+        )
+
+
 def init(requested_device: str = "auto") -> RunContext:
     adopt_slurm_env()
     rank = int(os.environ.get("RANK", "0"))
@@ -109,7 +130,7 @@ def init(requested_device: str = "auto") -> RunContext:
     else:
         torch.cuda.set_device(device)
     backend = None
-    if world > 1 or "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+    if launched():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if not dist.is_initialized():
             kwargs = {"device_id": device} if device.type == "cuda" else {}

@@ -256,6 +256,49 @@ BAD_INPUTS = [
         "error: sweep: all 2 points were dropped (first: workload.data.path: ",
         "11 bytes",
     ),
+    # mistakes that used to launch, or to blame another field (issue 30, item 8)
+    (
+        "train-deepspeed-without-launcher",  # was a 26-line traceback, exit 1 and a failed record
+        ["train", "t.yaml"],
+        {"t.yaml": {"workload": TINY, "layout": {"engine": "deepspeed", "zero_stage": 1}}},
+        "error: layout.engine: engine deepspeed needs a process group",
+        "torchrun --nproc-per-node 1 -m harness.cli train",
+    ),
+    (
+        "memory-deepspeed",  # blamed layout.zero_stage
+        ["memory", "t.yaml"],
+        {"t.yaml": {"workload": TINY, "layout": {"engine": "deepspeed"}}},
+        "error: layout.engine: harness memory traces engines own and fsdp; ",
+        "DeepSpeed's initialize is not traceable",
+    ),
+    (
+        "memory-deepspeed-set",
+        ["memory", "t.yaml", "--set", "layout.engine=deepspeed"],
+        {"t.yaml": {"workload": TINY}},
+        "error: --set: layout.engine=deepspeed: harness memory traces engines own and fsdp; ",
+        "(set engine: own or fsdp)",
+    ),
+    (
+        "plan-seq-len-beyond-positions",  # did not say how to raise them
+        [*PLAN[:3], "--seq-len", "4096", *PLAN[5:]],
+        {},
+        "error: --seq-len: 4096 is beyond the 2048 positions of tiny",
+        "; --max-positions 4096 raises it",
+    ),
+    (
+        "sweep-grid-value-invalid-everywhere",  # ran the rest, exit 0
+        ["sweep", "s.yaml"],
+        {"s.yaml": {**SWEEP, "grid": {"attention": ["sdpa", "flash"]}}},
+        "error: sweep.grid.attention: flash is invalid in every point it is part of (1; first: layout.attention: ",
+        "remove it from the grid",
+    ),
+    (
+        "sweep-grid-tp3-on-2-gpus",
+        ["sweep", "s.yaml", "--dry-run"],
+        {"s.yaml": {**SWEEP, "gpus": 2, "layout": {"engine": "own"}, "grid": {"parallel": [{"tp": 1}, {"tp": 3}]}}},
+        "error: sweep.grid.parallel[1]: tp=3 is invalid in every point it is part of (1; first: layout: 2 GPUs ",
+        "remove it from the grid",
+    ),
 ]
 
 # `harness train t.yaml` with t.yaml as written: (its text, the line's start, a part of the reason)
@@ -313,14 +356,21 @@ def test_partly_dropped_sweep_says_how_many_and_why_before_it_runs(no_launch, ca
     monkeypatch.setattr(sweep_cmd, "run_sweep", lambda spec, **kw: ran.append(spec.name) or {"ok": 2})
     _write_files(
         no_launch,
-        {"s.yaml": {**SWEEP, "grid": {"micro_batch_size": [1, 2, 3, 8]}, "exclude": [{"micro_batch_size": 2}]}},
+        {
+            "s.yaml": {
+                **SWEEP,  # micro-batch 4 runs with 4 sequences, not with 2 or 6: dropped, not refused
+                "grid": {"micro_batch_size": [1, 2, 4], "workload.global_batch_size": [4, 2, 6]},
+                "exclude": [{"micro_batch_size": 2}],
+            }
+        },
     )
     assert cli_main(["sweep", "s.yaml"]) == 0 and ran == ["s"]
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "note: sweep: 1 of 4 points dropped: excluded by exclude[0] {'micro_batch_size': 2}; see --dry-run",
-        "note: sweep: 2 of 4 points dropped: workload.global_batch_size: 4 is not divisible by dp x "
-        "micro_batch_size = 1 x 3 (and 1 more like it); see --dry-run",
+        "note: sweep: 3 of 9 points dropped: excluded by exclude[0] {'micro_batch_size': 2} (and 2 more like it); "
+        "see --dry-run",
+        "note: sweep: 2 of 9 points dropped: workload.global_batch_size: 2 is not divisible by dp x "
+        "micro_batch_size = 1 x 4 (and 1 more like it); see --dry-run",
     ]
 
 

@@ -69,6 +69,33 @@ def _parsers(parser):
             yield from _parsers(sub)
 
 
+def test_a_mistake_every_rank_makes_is_said_by_one_of_them(monkeypatch, tmp_path):
+    """Ranks of one launch (same launcher process, port and run id) that reach the same mistake say it
+    once between them; a single process, another launch or another mistake is said as usual."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the markers go here
+    launch_env = {"WORLD_SIZE": "2", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "a"}
+    line = "error: layout: world size 2 != tp x cp x pp x dp = 1 x 1 x 1 x 4"
+    assert cli.first_to_say(line, launch_env) and not cli.first_to_say(line, launch_env)  # rank 0, then rank 1
+    assert cli.first_to_say(line, {**launch_env, "TORCHELASTIC_RUN_ID": "b"})  # the next launch
+    assert cli.first_to_say(line + "!", launch_env)
+    assert cli.first_to_say(line, {}) and cli.first_to_say(line, {})  # one process: every time
+
+
+@pytest.mark.slow
+def test_a_world_size_mistake_under_torchrun_is_one_line_from_exit_2_ranks(tmp_path):
+    """Two ranks under torchrun given a layout for four: the line once (it was once per rank), every rank
+    exits 2 (torchrun's own summary of failed ranks, and its exit status 1, are torchrun's)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "harness.cli", "train"]
+    cmd += "--set layout.engine=own --set layout.dp=4 --set workload.device=cpu --store r.sqlite".split()
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    said = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert said == ["error: layout: world size 2 != tp x cp x pp x dp = 1 x 1 x 1 x 4"], out.stderr[-3000:]
+    assert "exitcode: 2" in out.stderr and "exitcode: 1 " not in out.stderr
+    assert not os.path.exists(tmp_path / "r.sqlite")  # refused before the run: no record
+
+
 @pytest.mark.parametrize("command", list(cli.COMMANDS))
 def test_every_parser_refuses_in_one_line(command):
     """The class, not only the cases above: every (sub)parser a command builds is the one-line Parser."""
@@ -161,6 +188,58 @@ def test_a_run_is_launched_only_after_a_stale_lock_is_removed(tmp_path, monkeypa
         run_spec_in(tmp_path, spec, 2, "deepspeed", 60)
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"warning: removed a stale torch extension build lock {stale} "), err
+
+
+# ---------------------------------------------------------------- extensions per environment
+
+
+def test_each_environment_builds_into_its_own_folder_unless_told(monkeypatch, tmp_path):
+    """Two environments sharing torch's default folder rebuilt each other's DeepSpeed op at every run:
+    a launched run (and harness train, under any launcher) gets a folder keyed by its environment;
+    TORCH_EXTENSIONS_DIR, where set, stands."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    mine = build_lock.environment_dir()
+    assert os.path.dirname(mine) == os.path.realpath(tmp_path / "torch_extensions")
+    assert os.path.basename(mine).startswith(os.path.basename(os.path.realpath(sys.prefix)) + "-")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "other-venv"))
+    assert build_lock.environment_dir() != mine  # another environment, another folder
+    env = launch.run_env(2, {"workload": {"device": "cpu"}}, "tok", None)
+    assert env["TORCH_EXTENSIONS_DIR"] == build_lock.environment_dir()
+    given = launch.run_env(2, {"workload": {"device": "cpu"}}, "tok", {"TORCH_EXTENSIONS_DIR": "/x"})
+    assert given["TORCH_EXTENSIONS_DIR"] == "/x"
+    root, depth = build_lock.extensions_root()  # the stale-lock sweep still sees every environment's builds
+    stale = _lock(os.path.join(mine, "deepspeed_shm_comm"))
+    assert stale in build_lock.build_locks(root, depth)
+
+
+# ---------------------------------------------------------------- what the README's commands leave behind
+
+
+def _readme_commands() -> list[str]:
+    lines = []
+    for name in ("README.md", os.path.join("sweeps", "README.md")):
+        with open(os.path.join(REPO, name)) as f:
+            lines += [ln.strip() for ln in f if ln.strip().startswith(("harness ", "torchrun ", "deepspeed "))]
+    return lines
+
+
+def test_the_readmes_commands_write_no_committed_file():
+    """Every `--out` of a README command goes where git ignores it (harness-out/), or to a file that
+    is not in the checkout: `harness report --sweep cpu-demo --out reports/cpu-demo` rewrote the
+    committed demo report."""
+    outs = [(c, c.split("--out ", 1)[1].split()[0]) for c in _readme_commands() if "--out " in c]
+    assert outs
+    for command, out in outs:
+        assert out.startswith("harness-out/") or not os.path.exists(os.path.join(REPO, out)), command
+
+
+def test_the_default_stores_traces_are_ignored_like_the_store():
+    """harness train with the default store (results.sqlite, ignored) keeps its traces in
+    harness-traces/ beside it: ignored too, as harness-logs/ beside a store is."""
+    with open(os.path.join(REPO, ".gitignore")) as f:
+        ignored = {ln.strip() for ln in f}
+    assert {"/results.sqlite", "harness-logs/", "harness-traces/"} <= ignored
 
 
 # ---------------------------------------------------------------- one comparison per report

@@ -127,3 +127,29 @@ def test_slurm_script_exclusive_and_cpus_per_task(tmp_path):
         with pytest.raises(SpecError) as e:
             parse_sweep({**raw, "slurm": bad})
         assert e.value.field == field
+
+
+# ------------------------------------------------------------------ a DeepSpeed op's build, said
+
+
+def test_a_deepspeed_op_build_is_said_before_and_after(tmp_path, monkeypatch, capsys):
+    """The first local rank says that DeepSpeed's op is being built, where, and how long it took;
+    a load of the built op says nothing; another local rank says nothing (the op's builder stands in
+    for DeepSpeed's: its library appears during the block, as torch's load() writes it)."""
+    from types import SimpleNamespace
+
+    from harness.frameworks.deepspeed import extensions
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(extensions, "jit_op", lambda: "deepspeed_shm_comm")
+    library = tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    with extensions.announce_build(SimpleNamespace(local_rank=0)):
+        library.parent.mkdir(exist_ok=True)
+        library.write_bytes(b"")
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 2 and said[0].startswith(f"building DeepSpeed's deepspeed_shm_comm op in {library.parent} ")
+    assert said[1].startswith("built DeepSpeed's deepspeed_shm_comm op in ")
+    for rank in (0, 1):  # built: a load is silent; a second local rank is silent
+        with extensions.announce_build(SimpleNamespace(local_rank=rank)):
+            pass
+    assert capsys.readouterr().out == ""

@@ -319,7 +319,7 @@ def test_memory_command_fsdp(tmp_path, capsys):
         (["memory", "examples/tiny.yaml"], "layout.engine"),
         (
             ["memory", "examples/tiny.yaml", "--set", "layout.engine=deepspeed", "--set", "layout.zero_stage=1"],
-            "layout.engine",
+            "--set: layout.engine=deepspeed: harness memory traces engines own and fsdp",  # the override named
         ),
         (["memory", "examples/tiny.yaml", "--set", "layout.engine=own", "--set", "layout.tp=3"], "--set"),
     ],

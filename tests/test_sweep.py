@@ -24,7 +24,7 @@ from harness.errors import SpecError
 from harness.parallel_dims import ParallelDims
 from harness.store import ResultsStore
 from harness.sweep.execute import run_sweep, sweep_id
-from harness.sweep.expand import expand
+from harness.sweep.expand import check_grid_values, expand
 from harness.sweep.slurm import collect, write_slurm
 from harness.sweep.spec import load_sweep, parse_sweep
 
@@ -98,6 +98,24 @@ def test_grid_over_engines_drops_what_an_engine_cannot_run_with_its_reason():
     assert all("DeepSpeed" in d.reason for d in drops)
 
 
+def test_a_grid_value_no_point_runs_is_refused_and_blamed_not_its_neighbours():
+    """attention: [flash] leaves every combination invalid, and so every value of every axis without a
+    point: the value blamed is the one whose reasons name its own field. A value whose combinations
+    were all filtered out, or are duplicates of points kept, is not a mistake."""
+    raw = {"name": "g", "gpus": 2, "workload": TINY, "layout": {"engine": "own"}, "points": [{"tp": 2}]}
+    grid = {"parallel": [{"tp": 1}, {"tp": 2}], "micro_batch_size": [1, 2], "attention": ["flash"]}
+    spec = parse_sweep({**raw, "grid": grid})
+    with pytest.raises(SpecError) as e:
+        check_grid_values(spec, *expand(spec))
+    assert e.value.field == "sweep.grid.attention" and e.value.reason.startswith(
+        "flash is invalid in every point it is part of (4; first: layout.attention: 'flash' is not one of "
+    )
+    filtered = parse_sweep({**raw, "grid": {"micro_batch_size": [1, 2]}, "exclude": [{"micro_batch_size": 2}]})
+    check_grid_values(filtered, *expand(filtered))
+    duplicate = parse_sweep({**raw, "grid": {"tp": [2]}})  # the listed point again
+    check_grid_values(duplicate, *expand(duplicate))
+
+
 def test_point_key_is_stable_and_ignores_spelling():
     a = parse_sweep({"gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [2]}})
     b = parse_sweep(
@@ -146,10 +164,11 @@ def test_bad_sweep_specs_name_the_field(raw, field):
 
 
 def test_dry_run_cli_prints_points_and_drops(tmp_path, capsys):
-    path = _write(tmp_path, {"name": "d", "gpus": 1, "workload": TINY, "grid": {"micro_batch_size": [1, 2, 8]}})
+    grid = {"micro_batch_size": [1, 2, 8], "workload.global_batch_size": [4, 8]}  # mb 8 runs with 8 sequences
+    path = _write(tmp_path, {"name": "d", "gpus": 1, "workload": TINY, "grid": grid})
     assert cli_main(["sweep", path, "--dry-run", "--store", str(tmp_path / "r.sqlite")]) == 0
     out = capsys.readouterr().out
-    assert "2 points, 1 dropped" in out and "8 is not divisible" not in out
+    assert "5 points, 1 dropped" in out and "8 is not divisible" not in out
     assert "global_batch_size: 4 is not divisible by dp x micro_batch_size = 1 x 8" in out
     assert cli_main(["sweep", str(tmp_path / "missing.yaml"), "--dry-run"]) == 2
 
@@ -288,6 +307,7 @@ def test_ready_made_sweeps_expand(name):
     spec = load_sweep(os.path.join(ROOT, "sweeps", name))
     points, drops = expand(spec)
     assert points, [d.reason for d in drops][:5]
+    check_grid_values(spec, points, drops)  # no grid value that no point runs: the command would refuse it
     for p in points:
         lay = p.spec["layout"]
         assert lay["tp"] * lay["pp"] * lay["dp"] == spec.gpus

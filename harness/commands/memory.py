@@ -40,12 +40,25 @@ def add_arguments(p) -> None:
     )
 
 
+def traced_engine(raw):
+    """The raw spec, once its engine is one harness memory traces (memtrace's tracer): an engine it
+    does not trace is named as such, before the layout is checked against that engine's rules (which
+    would blame a field, e.g. deepspeed's zero_stage)."""
+    from harness import registry
+    from harness.memtrace.trace import tracer
+
+    engine = ((raw or {}).get("layout") or {}).get("engine") if isinstance(raw, dict) else None
+    if registry.available(engine):
+        tracer(engine)
+    return raw
+
+
 def main(args) -> int:
     from harness.commands.overrides import parse_with_overrides
     from harness.planner.hardware import load_profile
     from harness.spec import parse_spec, read_yaml
 
-    spec = parse_with_overrides(read_yaml(args.spec), args.overrides, parse_spec)
+    spec = parse_with_overrides(read_yaml(args.spec), args.overrides, lambda raw: parse_spec(traced_engine(raw)))
     profile = load_profile(args.hardware)
     from harness.memtrace.result import table_lines, trace_spec
 

@@ -165,6 +165,7 @@ def main(args) -> int:
         args.global_batch_size,
         args.model,
         {"seq_len": "--seq-len", "global_batch_size": "--global-batch-size"},
+        positions=f"--max-positions {args.seq_len}",
     )
     check_device_count(args.gpus, "--gpus")
     gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node  # 0 is refused, not the default

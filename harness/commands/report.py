@@ -13,7 +13,7 @@ failures, quoted published baselines, recommendations) from the records in a res
 EXAMPLES = """\
 examples:
   harness report --out reports/all                 # every record in results.sqlite
-  harness report --sweep cpu-demo --store results.sqlite --out reports/cpu-demo
+  harness report --sweep cpu-demo --store results.sqlite --out harness-out/cpu-demo
   harness report --sweep a --sweep b --title "a against b" --out reports/ab"""
 
 

@@ -18,7 +18,7 @@ from harness.errors import SpecError, StoreError
 from harness.spec import check_positive, read_yaml
 from harness.store import STATUSES, ResultsStore, check_store
 from harness.sweep.execute import run_sweep
-from harness.sweep.expand import check_some_point, describe, drop_summary, expand, pending
+from harness.sweep.expand import check_grid_values, check_some_point, describe, drop_summary, expand, pending
 from harness.sweep.slurm import collect, submit_slurm, write_slurm
 from harness.sweep.spec import SWEEP_LAUNCHERS, parse_sweep
 
@@ -108,6 +108,7 @@ def main(args) -> int:
     if args.dry_run:
         print(describe(points, drops, {k: v for k, v in done.items() if v not in retry}))
     check_some_point(points, drops)
+    check_grid_values(spec, points, drops)
     if args.dry_run:
         return 0
     for line in drop_summary(points, drops):

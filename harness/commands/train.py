@@ -40,6 +40,7 @@ def add_arguments(p):
 def main(args) -> int:
     from harness import runtime
     from harness.commands.overrides import parse_with_overrides
+    from harness.launch.build_lock import use_environment_dir
     from harness.report.summary import summary_lines
     from harness.run import run
     from harness.spec import check_positive, parse_spec, read_yaml
@@ -49,6 +50,8 @@ def main(args) -> int:
     if args.peak_tflops is not None:
         check_positive(args.peak_tflops, "--peak-tflops")
     check_store(args.store or spec.store)  # before the process group forms: nothing has started
+    runtime.check_launched(spec.layout.engine)
+    use_environment_dir()  # before DeepSpeed builds an op: this environment's folder, whatever the launcher
     tensorboard = tensorboard_dir(args)
     ctx = runtime.init(spec.workload.device)
     try:

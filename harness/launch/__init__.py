@@ -32,6 +32,7 @@ import yaml
 
 from harness.errors import SpecError
 from harness.launch.build_lock import clear_stale as clear_stale_build_locks
+from harness.launch.build_lock import use_environment_dir
 from harness.launch.outcome import (
     TAIL_LINES,
     classify_output,
@@ -191,6 +192,7 @@ def run_env(nproc: int, spec_dict: dict, token: str, extra_env: dict | None) -> 
     env.update({k: str(v) for k, v in (extra_env or {}).items()})
     env[TOKEN_ENV] = token
     env.setdefault("PYTHONUNBUFFERED", "1")
+    use_environment_dir(env)  # this environment's torch extensions: another's would be rebuilt at every run
     device = (spec_dict.get("workload") or {}).get("device", "auto")
     on_cpu = device == "cpu" or (device == "auto" and not _has_cuda())
     if on_cpu and "OMP_NUM_THREADS" not in env:

@@ -6,6 +6,11 @@ waits while that file exists, with no timeout. A builder killed with SIGKILL (a 
 a run past its timeout) leaves the file behind, and every later DeepSpeed run then hangs until its
 own timeout, with no output. So before a run is launched, a lock that no live process holds open
 is removed, with a one-line warning. Found without torch: the launching process stays light.
+
+Two virtual environments building into one folder (torch's default, ~/.cache/torch_extensions)
+rebuild each other's extension at every run: torch keeps one build per name and rebuilds when the
+sources, flags or include paths (the environment's) differ. So a run started by harness gets a
+folder of its environment's own (environment_dir), unless TORCH_EXTENSIONS_DIR says otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +25,36 @@ from harness.errors import SpecError
 SETTLE_S = 0.2  # a lock seen without a holder is looked at again after this, in case it was being released
 
 
+def environment_dir() -> str:
+    """This environment's own extensions folder, below torch's default root: named after the
+    environment (sys.prefix) and keyed by its path and its torch and deepspeed versions, so that
+    environments, or versions, never share a build."""
+    import hashlib
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "-"
+
+    ident = "\0".join([os.path.realpath(sys.prefix), version("torch"), version("deepspeed")])
+    name = os.path.basename(os.path.realpath(sys.prefix)) or "python"
+    return os.path.join(_default_root(), f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}")
+
+
+def use_environment_dir(env=None) -> str:
+    """TORCH_EXTENSIONS_DIR in `env` (default: this process's, which the ranks it starts inherit):
+    as set, else this environment's own folder (environment_dir). Returns it."""
+    env = os.environ if env is None else env
+    return env.setdefault("TORCH_EXTENSIONS_DIR", environment_dir())
+
+
+def _default_root() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")  # torch._appdirs on Linux
+    return os.path.realpath(os.path.join(cache, "torch_extensions"))
+
+
 def extensions_root() -> tuple[str, int]:
     """Where torch builds JIT extensions, and how deep below it the build folders are: its
     TORCH_EXTENSIONS_DIR as given (build folders right below), else its cache folder with one
@@ -28,8 +63,7 @@ def extensions_root() -> tuple[str, int]:
     given = os.environ.get("TORCH_EXTENSIONS_DIR")
     if given is not None:
         return given, 1
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")  # torch._appdirs on Linux
-    return os.path.realpath(os.path.join(cache, "torch_extensions")), 2
+    return _default_root(), 2  # environment_dir's folders are at that depth too
 
 
 def build_locks(root: str | None = None, depth: int | None = None) -> list[str]:

@@ -120,20 +120,26 @@ def check_head_dim(shape: Shape, field: str) -> None:
 SEQUENCE_FIELDS = {"seq_len": "workload.seq_len", "global_batch_size": "workload.global_batch_size"}
 
 
-def check_tokens(shape: Shape, seq_len: int, global_batch_size: int, model: str, fields=None) -> None:
+def check_tokens(
+    shape: Shape,
+    seq_len: int,
+    global_batch_size: int,
+    model: str,
+    fields=None,
+    positions: str = "workload.model_overrides.max_positions",
+) -> None:
     """What the model and the batch allow whatever the layout (the spec's, and `harness plan`'s flags
-    named by `fields`): a sequence within the model's positions, and a global batch of int64 tokens
-    (every rank builds it) that a machine holds."""
+    named by `fields`): a sequence within the model's positions (`positions` names what raises them),
+    and a global batch of int64 tokens (every rank builds it) that a machine holds."""
     fields = fields or SEQUENCE_FIELDS
     given = {"seq_len": seq_len, "global_batch_size": global_batch_size}
     for name, field_name in fields.items():  # their fields' ranges (a spec's builder has read them already)
         Workload.__dataclass_fields__[name].metadata["check"](given[name], field_name)
     if seq_len > shape.max_positions:
-        hint = "; workload.model_overrides.max_positions raises it" if fields is SEQUENCE_FIELDS else ""
         raise SpecError(
             fields["seq_len"],
             f"{_count(seq_len)} is beyond the {shape.max_positions} positions of "
-            f"{model} (its max_position_embeddings){hint}",
+            f"{model} (its max_position_embeddings); {positions} raises it",
         )
     need = global_batch_size * (seq_len + 1) * 8
     if need > MAX_BYTES_PER_DEVICE:

@@ -27,6 +27,7 @@ class Point:
     key: str
     env: dict = field(default_factory=dict)
     timeout_s: float | None = None  # a point's own limit, else the sweep's
+    grid: bool = True  # a combination of the grid's values, not one of the spec's listed points
 
     def label(self) -> str:
         extra = [f"{k}={v}" for k, v in self.coords.items() if k.startswith("workload.")]
@@ -37,6 +38,8 @@ class Point:
 class Drop:
     coords: dict
     reason: str
+    kind: str = "invalid"  # or "filter" (include/exclude) or "duplicate" (of a point kept)
+    grid: bool = True
 
 
 # Layout fields that mean nothing without context parallelism: left out of a cp1 point's key, so a
@@ -114,13 +117,14 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
     combos = [dict(zip(axes, vals, strict=True)) for vals in itertools.product(*(sweep.grid[a] for a in axes))]
     if not axes and sweep.points:
         combos = []  # only the listed points, not also the bare base layout
-    candidates = [(c, {"env": {}, "timeout_s": None}) for c in combos]
+    candidates = [(c, {"env": {}, "timeout_s": None, "grid": True}) for c in combos]
     for i, extra in enumerate(sweep.points):
         coords = {k: v for k, v in extra.items() if k not in ("env", "timeout_s")}
         for k in coords:
             if not isinstance(coords[k], dict):
                 check_axis_name(k, f"sweep.points[{i}].{k}")
-        candidates.append((coords, {"env": dict(extra.get("env") or {}), "timeout_s": extra.get("timeout_s")}))
+        extra = {"env": dict(extra.get("env") or {}), "timeout_s": extra.get("timeout_s"), "grid": False}
+        candidates.append((coords, extra))
     defaults = _defaults()
     points, drops, seen = [], [], {}
     for coords, extra in candidates:
@@ -143,31 +147,37 @@ def expand(sweep: SweepSpec) -> tuple[list[Point], list[Drop]]:
                 pass  # dropped below, once the filters have seen the point
         flat = _flat(filled, coords)
         if sweep.include and not any(matches(flat, r) for r in sweep.include):
-            drops.append(Drop(coords, "not matched by any include filter"))
+            drops.append(Drop(coords, "not matched by any include filter", "filter", extra["grid"]))
             continue
         hit = next((i for i, r in enumerate(sweep.exclude) if matches(flat, r)), None)
         if hit is not None:
-            drops.append(Drop(coords, f"excluded by exclude[{hit}] {sweep.exclude[hit]}"))
+            drops.append(Drop(coords, f"excluded by exclude[{hit}] {sweep.exclude[hit]}", "filter", extra["grid"]))
             continue
         if "dp" not in lay:
-            drops.append(Drop(coords, f"layout: {sweep.gpus} GPUs are not divisible by {_fixed(filled['layout'])}"))
+            why = f"layout: {sweep.gpus} GPUs are not divisible by {_fixed(filled['layout'])}"
+            drops.append(Drop(coords, why, grid=extra["grid"]))
             continue
         try:
             spec = parse_spec(raw)
             check_world_size(spec, sweep.gpus)
         except SpecError as e:
-            drops.append(Drop(coords, str(e)))
+            drops.append(Drop(coords, str(e), grid=extra["grid"]))
             continue
         spec_dict = spec.to_dict()
         spec_dict["workload"]["optimizer"]["betas"] = list(spec_dict["workload"]["optimizer"]["betas"])
         key = point_key(spec_dict)
         if key in seen:
-            drops.append(Drop(coords, f"duplicate of point {seen[key]} ({key})"))
+            drops.append(Drop(coords, f"duplicate of point {seen[key]} ({key})", "duplicate", extra["grid"]))
             continue
         seen[key] = len(points)
         points.append(
             Point(
-                coords=coords, spec=spec_dict, key=key, env={**sweep.env, **extra["env"]}, timeout_s=extra["timeout_s"]
+                coords=coords,
+                spec=spec_dict,
+                key=key,
+                env={**sweep.env, **extra["env"]},
+                timeout_s=extra["timeout_s"],
+                grid=extra["grid"],
             )
         )
     return points, drops
@@ -193,6 +203,42 @@ def check_some_point(points: list[Point], drops: list[Drop]) -> None:
         raise SpecError(
             "sweep", f"all {len(drops)} points were dropped (first: {drops[0].reason if drops else '-'}); see --dry-run"
         )
+
+
+def check_grid_values(sweep: SweepSpec, points: list[Point], drops: list[Drop]) -> None:
+    """A value of a grid axis that is invalid in every combination it is part of (attention: flash
+    where no kernel of that name exists, tp 3 on 2 GPUs) is a mistake in the spec, not a smaller
+    sweep: refused, naming the axis and the first reason, before anything launches. A value whose
+    combinations were all filtered out (include, exclude) is the user's choice and passes. Where
+    one bad value leaves every combination invalid (and so every other value with it), the value
+    blamed is one whose reasons name its own field, else one beside a valid value of its axis."""
+    bad = []  # (axis, index, value, its invalid drops, how many of its points were filtered out)
+    for axis, values in sweep.grid.items():
+        for i, value in enumerate(values):
+            mine = [x for x in (*points, *drops) if x.grid and x.coords.get(axis) == value]
+            invalid = [d for d in mine if isinstance(d, Drop) and d.kind == "invalid"]
+            if invalid and not any(isinstance(x, Point) or x.kind == "duplicate" for x in mine):
+                bad.append((axis, i, value, invalid, len(mine) - len(invalid)))
+    if not bad:
+        return
+
+    def names_itself(b) -> bool:
+        fields = {k.split(".")[-1] for k in (b[2] if isinstance(b[2], dict) else {b[0]: b[2]})}
+        return all(d.reason.split(":", 1)[0].split(".")[-1] in fields for d in b[3])
+
+    def beside_a_valid_value(b) -> bool:
+        return sum(1 for x in bad if x[0] == b[0]) < len(sweep.grid[b[0]])
+
+    axis, i, value, invalid, filtered = next(
+        (b for b in bad if names_itself(b)), next((b for b in bad if beside_a_valid_value(b)), bad[0])
+    )
+    raise SpecError(
+        f"sweep.grid.{axis}" + (f"[{i}]" if isinstance(value, dict) else ""),
+        f"{_fmt({axis: value}).split('=', 1)[1]} is invalid in every point it is part of "
+        f"({len(invalid)}; first: {invalid[0].reason})"
+        + (f", the other {filtered} filtered out" if filtered else "")
+        + "; remove it from the grid",
+    )
 
 
 def drop_summary(points: list[Point], drops: list[Drop]) -> list[str]:

@@ -80,9 +80,12 @@ def _init_deepspeed_comm(ctx) -> None:
     """Make DeepSpeed use the process group harness.runtime.init already created."""
     import deepspeed
 
+    from harness.frameworks.deepspeed.extensions import announce_build
+
     if ctx.backend is None:
         raise RuntimeError("engine deepspeed needs a process group (run it under a launcher)")
-    deepspeed.init_distributed(dist_backend=ctx.backend, dist_init_required=False)
+    with announce_build(ctx):  # the op it compiles on CPU, said on the console
+        deepspeed.init_distributed(dist_backend=ctx.backend, dist_init_required=False)
 
 
 def configure_checkpointing(config: dict, mpu) -> None:

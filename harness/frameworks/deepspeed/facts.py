@@ -89,6 +89,7 @@ ENGINE = EngineFacts(
     ],
     label=lambda lay: f"deepspeed ZeRO-{lay['zero_stage']}" + (" hf" if lay["model_impl"] == "hf" else ""),
     launcher="deepspeed",
+    process_group=True,
     preflight=validate,
     untraced="DeepSpeed's initialize is not traceable on fake tensors",
 )

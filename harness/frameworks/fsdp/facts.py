@@ -19,6 +19,7 @@ CP_IMPLS = (
 ENGINE = EngineFacts(
     name="fsdp",
     memory=MemoryModel("fsdp"),
+    process_group=True,
     honours={
         **EVERY_ENGINE,
         **{

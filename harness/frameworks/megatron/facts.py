@@ -18,6 +18,7 @@ def _chunks(lay) -> int:
 ENGINE = EngineFacts(
     name="megatron",
     memory=MemoryModel("megatron", layer_split="even", vocab_parallel_loss=True, sp_regathers=True),
+    process_group=True,
     honours={
         **EVERY_ENGINE,
         **{
