@@ -109,6 +109,21 @@ def test_step_times_are_compared_as_ratios_to_the_reference_of_the_same_comparis
     assert drifts(summary(), summary(dp_s=1.0), None) == []  # --time-tolerance inf: not compared
 
 
+def test_a_step_time_drift_on_a_busy_machine_says_so():
+    busy = summary(ref_s=0.008)
+    busy.update(
+        load_average={"before": [1.2, 1.0, 1.0], "after": [4.84, 3.0, 2.0]}, fingerprints={"common": {"cpu_cores": 2}}
+    )
+    b = compare_with_baseline(summary(), busy, 0.10)
+    assert b["drifts"][0].endswith("(+25.0%, tolerance 10%); the machine was busy (now: load 4.84 on 2 cores)")
+    (section,) = baseline_sections({"baseline": b})
+    assert any(
+        isinstance(x, str) and x.startswith("The machine was busy (now: load 4.84 on 2 cores") for x in section.body
+    )
+    busy["load_average"]["after"][0] = 2.0  # at the core count: not busy
+    assert "busy" not in compare_with_baseline(summary(), busy, 0.10)["drifts"][0]
+
+
 def test_without_a_reference_the_first_run_in_both_is_the_time_reference():
     old, new = summary(), summary(dp_s=0.030, tp_s=0.045)  # tp2 / dp2 = 1.5 in both
     for s in (old, new):

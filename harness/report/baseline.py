@@ -97,6 +97,18 @@ def time_reference(old: dict, new: dict) -> str | None:
     return ref["label"] if ref else None
 
 
+def busy(summary: dict) -> str | None:
+    """'load 4.8 on 2 cores' where a comparison's 1-minute load average (before or after its runs)
+    exceeded the machine's cores: other work shared it, which a ratio to the reference does not cancel
+    when it changes between runs."""
+    load = _mapping(summary.get("load_average"))
+    cores = _mapping(_mapping(summary.get("fingerprints")).get("common")).get("cpu_cores")
+    peak = max((x[0] for x in (load.get("before"), load.get("after")) if isinstance(x, list) and x), default=None)
+    if isinstance(cores, int) and isinstance(peak, (int, float)) and peak > cores:
+        return f"load {peak:g} on {cores} cores"
+    return None
+
+
 def _row(run: str, what: str, before: str, after: str, drift: str | None) -> dict:
     return {"run": run, "what": what, "before": before, "after": after, "drift": drift}
 
@@ -134,7 +146,7 @@ def _census_rows(label: str, old_run: dict, new_run: dict) -> list[dict]:
     return rows
 
 
-def _time_row(label: str, old_run: dict, new_run: dict, ref: tuple[dict, dict], tol: float) -> list[dict]:
+def _time_row(label: str, old_run: dict, new_run: dict, ref: tuple, tol: float, loads: str) -> list[dict]:
     pairs = zip((old_run, new_run), ref, strict=True)  # (a run, the reference) in the baseline, then now
     ratios = [_median(r) / _median(x) if _median(r) and _median(x) else None for r, x in pairs]
     if None in ratios:
@@ -146,6 +158,8 @@ def _time_row(label: str, old_run: dict, new_run: dict, ref: tuple[dict, dict], 
             f"{label}: median step time relative to {ref[1]['label']}'s: {ratios[0]:.3f}x -> {ratios[1]:.3f}x "
             f"({100 * moved:+.1f}%, tolerance {100 * tol:g}%)"
         )
+        if loads:
+            drift += f"; the machine was busy ({loads})"
     what = f"median step time relative to {ref[1]['label']}'s (tolerance {100 * tol:g}%)"
     return [_row(label, what, f"{ratios[0]:.3f}x", f"{ratios[1]:.3f}x ({100 * moved:+.1f}%)", drift)]
 
@@ -161,6 +175,7 @@ def compare_with_baseline(
     n, tol = int(par.get("steps") or 0), float(par.get("tolerance") or 0.0)
     ref_label = time_reference(old, new)
     ref = (before[ref_label], after[ref_label]) if ref_label else None
+    loads = "; ".join(f"{when}: {b}" for when, b in (("baseline", busy(old)), ("now", busy(new))) if b)
     rows = []
     for label in list(after) + [lab for lab in before if lab not in after]:
         if label not in after:
@@ -180,11 +195,12 @@ def compare_with_baseline(
             continue
         rows += _loss_rows(label, old, new, n, tol) + _census_rows(label, o, r)
         if ref and label != ref_label and time_tolerance is not None:
-            rows += _time_row(label, o, r, ref, time_tolerance)
+            rows += _time_row(label, o, r, ref, time_tolerance, loads)
     return {
         "path": path,
         "time_reference": ref_label,
         "time_tolerance": time_tolerance,
+        "busy": loads,
         "rows": rows,
         "drifts": [x["drift"] for x in rows if x["drift"]],
     }
@@ -212,7 +228,17 @@ def baseline_sections(summary: dict) -> list[Section]:
         time = " (no run has a step time in both: step times not compared)"
     drifts = b["drifts"]
     body = [
-        BASELINE_TEXT.format(path=b["path"], ref=f"`{b.get('time_reference')}`", time=time),
+        BASELINE_TEXT.format(
+            path=b["path"], ref=f"`{b['time_reference']}`" if b.get("time_reference") else "a reference run", time=time
+        ),
+        *(
+            [
+                f"The machine was busy ({b['busy']}: a load average above the core count): a step-time "
+                "drift may be other work, not the change."
+            ]
+            if b.get("busy") and b.get("time_tolerance") is not None
+            else []
+        ),
         f"**{len(drifts)} drift(s)**" + (":" if drifts else ": the runs match the baseline."),
     ]
     if drifts:
