@@ -9,6 +9,7 @@ are called a tie: repeated identical runs differ by about 1%. Every figure carri
 
 from __future__ import annotations
 
+from harness.parallel_dims import ParallelDims
 from harness.report.data import Metric, Row, fmt_s
 from harness.report.ranking import by_sweep, matched, other_fields, ranked, with_unit
 from harness.report.sections import Section, Table
@@ -118,7 +119,9 @@ def _tp_vs_pp(rows: list[Row], metric: Metric) -> tuple[str, Table | None] | Non
     for sweep, rs in by_sweep(split).items():
         groups: dict = {}
         for r in ranked(rs, metric):
-            groups.setdefault((r.tp * r.pp, other_fields(r, SPLIT_FIELDS)), {}).setdefault(r.pp > r.tp, r)
+            groups.setdefault(
+                (ParallelDims(tp=r.tp, pp=r.pp).product("tp", "pp"), other_fields(r, SPLIT_FIELDS)), {}
+            ).setdefault(r.pp > r.tp, r)
         for pair in groups.values():
             if len(pair) < 2:
                 continue
