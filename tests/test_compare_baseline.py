@@ -59,7 +59,7 @@ def test_the_same_figures_are_no_drift_and_the_section_says_so():
     assert {(r["run"], r["what"].split(" (tolerance")[0]) for r in b["rows"]} >= {
         ("own dp2", "loss, first 3 steps"),
         ("own dp2", "census parameters fp32"),
-        ("own dp2", "median step time relative to reference (single device)'s"),
+        ("own dp2", "median step time relative to reference (single device)'s [95% CI]"),
     }
     (section,) = baseline_sections({"baseline": b})
     assert section.title == "Baseline" and "**0 drift(s)**: the runs match the baseline." in section.body
@@ -98,15 +98,37 @@ def test_step_times_are_compared_as_ratios_to_the_reference_of_the_same_comparis
     # the same absolute step time while the reference got faster: own dp2's ratio 2.0 -> 2.5 (+25%)
     moved = drifts(summary(), summary(ref_s=0.008, dp_s=0.020, tp_s=0.024))
     assert moved == [
-        "own dp2: median step time relative to reference (single device)'s: 2.000x -> 2.500x (+25.0%, tolerance 10%)"
+        "own dp2: median step time relative to reference (single device)'s: 2.000x [2.000, 2.000] -> "
+        "2.500x [2.500, 2.500] (beyond both 95% CIs by +25.0%, tolerance 10%)"
     ]
     # +5% is inside 10% and outside 4%: the tolerance is the user's
     slower = summary(dp_s=0.021)
     assert drifts(summary(), slower) == []
     assert drifts(summary(), slower, 0.04) == [
-        "own dp2: median step time relative to reference (single device)'s: 2.000x -> 2.100x (+5.0%, tolerance 4%)"
+        "own dp2: median step time relative to reference (single device)'s: 2.000x [2.000, 2.000] -> "
+        "2.100x [2.100, 2.100] (beyond both 95% CIs by +5.0%, tolerance 4%)"
     ]
     assert drifts(summary(), summary(dp_s=1.0), None) == []  # --time-tolerance inf: not compared
+
+
+def with_ci(s: dict, label: str, low: float, high: float) -> dict:
+    run = next(r for r in s["runs"] if r["label"] == label)
+    run["metrics"]["step_time_s"].update(ci95_low=low, ci95_high=high)
+    return s
+
+
+def test_a_ratio_is_carried_with_its_confidence_interval():
+    # own dp2 measured 2.5x on a busy rerun, but its median's CI (18-30 ms) reaches back to 2.0x:
+    # noise, not a drift
+    noisy = with_ci(summary(ref_s=0.008, dp_s=0.020, tp_s=0.024), "own dp2", 0.0144, 0.030)
+    assert drifts(summary(), noisy) == []
+    # the same median with a tight CI (19.6-20.4 ms: ratio 2.45-2.55) is 22.5% beyond the baseline's 2.0x
+    tight = with_ci(summary(ref_s=0.008, dp_s=0.020, tp_s=0.024), "own dp2", 0.0196, 0.0204)
+    assert drifts(summary(), tight)[0].endswith("(beyond both 95% CIs by +22.5%, tolerance 10%)")
+    # a run that got 2x slower with noisy CIs on both sides still drifts
+    old = with_ci(summary(), "own dp2", 0.018, 0.022)
+    slow = with_ci(summary(dp_s=0.040), "own dp2", 0.032, 0.048)
+    assert drifts(old, slow)[0].endswith("(beyond both 95% CIs by +45.5%, tolerance 10%)")
 
 
 def test_a_step_time_drift_on_a_busy_machine_says_so():
@@ -115,7 +137,7 @@ def test_a_step_time_drift_on_a_busy_machine_says_so():
         load_average={"before": [1.2, 1.0, 1.0], "after": [4.84, 3.0, 2.0]}, fingerprints={"common": {"cpu_cores": 2}}
     )
     b = compare_with_baseline(summary(), busy, 0.10)
-    assert b["drifts"][0].endswith("(+25.0%, tolerance 10%); the machine was busy (now: load 4.84 on 2 cores)")
+    assert b["drifts"][0].endswith("by +25.0%, tolerance 10%); the machine was busy (now: load 4.84 on 2 cores)")
     (section,) = baseline_sections({"baseline": b})
     assert any(
         isinstance(x, str) and x.startswith("The machine was busy (now: load 4.84 on 2 cores") for x in section.body

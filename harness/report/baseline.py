@@ -9,9 +9,10 @@ matched run three things are compared:
   set for) within that tolerance, relative to the baseline's loss;
 - its memory census (bytes per category and dtype: exact, a count does not vary between runs);
 - its median step time as a ratio to the reference run's median in the same comparison, so that a
-  machine uniformly faster or slower than the baseline's moves both and not the verdict (load that
-  changes between the runs still moves it); a ratio that moved by more than the time tolerance
-  (relative) is a drift.
+  machine uniformly faster or slower than the baseline's moves both and not the verdict; load that
+  changes between the runs widens the medians' confidence intervals, so the ratio is carried with
+  the interval the two CIs allow, and a drift is a ratio that moved by more than the time tolerance
+  (relative) beyond both intervals: noise cannot make one, a busy machine cannot flip the verdict.
 """
 
 from __future__ import annotations
@@ -146,22 +147,52 @@ def _census_rows(label: str, old_run: dict, new_run: dict) -> list[dict]:
     return rows
 
 
+def _interval(run: dict) -> tuple[float, float] | None:
+    """The 95% CI of a run's median step time (the median alone where a record has no CI)."""
+    st, m = _mapping(_mapping(run.get("metrics")).get("step_time_s")), _median(run)
+    low, high = st.get("ci95_low"), st.get("ci95_high")
+    if m is None:
+        return None
+    ok = isinstance(low, (int, float)) and isinstance(high, (int, float)) and 0 < low <= m <= high
+    return (low, high) if ok else (m, m)
+
+
+def ratio_interval(run: dict, ref: dict) -> tuple[float, float, float] | None:
+    """(low, median, high) of a run's step time over the reference's: the median ratio, and the
+    widest ratio the two medians' 95% CIs allow (run low / reference high, run high / reference low)."""
+    a, b = _interval(run), _interval(ref)
+    if a is None or b is None:
+        return None
+    return a[0] / b[1], _median(run) / _median(ref), a[1] / b[0]
+
+
+def time_moved(before: tuple, now: tuple, tol: float) -> float:
+    """How far the ratio moved beyond what the two comparisons' intervals allow: the smallest
+    relative change between any ratio inside the baseline's interval and any inside this one's
+    (0 where the intervals meet). A drift is this beyond the tolerance: noise that widened a CI (a
+    busy machine) cannot make one, a change larger than the noise and the tolerance together does."""
+    if now[0] > before[2]:
+        return now[0] / before[2] - 1
+    if now[2] < before[0]:
+        return now[2] / before[0] - 1
+    return 0.0
+
+
 def _time_row(label: str, old_run: dict, new_run: dict, ref: tuple, tol: float, loads: str) -> list[dict]:
-    pairs = zip((old_run, new_run), ref, strict=True)  # (a run, the reference) in the baseline, then now
-    ratios = [_median(r) / _median(x) if _median(r) and _median(x) else None for r, x in pairs]
+    ratios = [ratio_interval(r, x) for r, x in zip((old_run, new_run), ref, strict=True)]
     if None in ratios:
         return []
-    moved = ratios[1] / ratios[0] - 1
+    moved, shown = time_moved(ratios[0], ratios[1], tol), [f"{x[1]:.3f}x [{x[0]:.3f}, {x[2]:.3f}]" for x in ratios]
     drift = None
-    if not abs(moved) <= tol:
+    if abs(moved) > tol:
         drift = (
-            f"{label}: median step time relative to {ref[1]['label']}'s: {ratios[0]:.3f}x -> {ratios[1]:.3f}x "
-            f"({100 * moved:+.1f}%, tolerance {100 * tol:g}%)"
+            f"{label}: median step time relative to {ref[1]['label']}'s: {shown[0]} -> {shown[1]} "
+            f"(beyond both 95% CIs by {100 * moved:+.1f}%, tolerance {100 * tol:g}%)"
         )
         if loads:
             drift += f"; the machine was busy ({loads})"
-    what = f"median step time relative to {ref[1]['label']}'s (tolerance {100 * tol:g}%)"
-    return [_row(label, what, f"{ratios[0]:.3f}x", f"{ratios[1]:.3f}x ({100 * moved:+.1f}%)", drift)]
+    what = f"median step time relative to {ref[1]['label']}'s [95% CI] (tolerance {100 * tol:g}% beyond the CIs)"
+    return [_row(label, what, shown[0], shown[1], drift)]
 
 
 def compare_with_baseline(
@@ -210,8 +241,8 @@ BASELINE_TEXT = (
     "This comparison against the earlier report `{path}`, run by run (matched by label): the losses over "
     "the parity window within the parity tolerance (relative), the memory census byte for byte, and the "
     "median step time as a ratio to {ref}'s in the same comparison, so that a machine uniformly faster or "
-    "slower than the baseline's does not move the verdict (load that changes while the runs run still "
-    "does){time}."
+    "slower than the baseline's does not move the verdict, with the interval the two medians' 95% CIs allow, "
+    "so that load which changes while the runs run widens the interval rather than flipping the verdict{time}."
 )
 
 
@@ -223,7 +254,7 @@ def baseline_sections(summary: dict) -> list[Section]:
     if b.get("time_tolerance") is None:
         time = " (step times not compared: --time-tolerance inf)"
     elif b.get("time_reference"):
-        time = f" (drift: a ratio that moved by more than {100 * b['time_tolerance']:g}%)"
+        time = f" (drift: a ratio that moved by more than {100 * b['time_tolerance']:g}% beyond both intervals)"
     else:
         time = " (no run has a step time in both: step times not compared)"
     drifts = b["drifts"]
