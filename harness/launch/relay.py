@@ -14,12 +14,19 @@ PREFIX = "note: "
 NOTE = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s*|\d+:\s*)?(note: .*\S)\s*$")
 
 
+def _echo(line: str) -> None:
+    """On stderr, above the launching command's progress bar (tqdm's write clears and redraws it)."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
 class LogRelay:
     """Echoes the `note: ` lines written to `path` since the last poll (whole lines only)."""
 
     def __init__(self, path: str, offset: int = 0, echo=None):
         self.path, self.offset, self.partial = path, offset, b""
-        self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.echo = echo or _echo
 
     def poll(self) -> None:
         try:
