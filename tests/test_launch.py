@@ -32,6 +32,9 @@ FAKE = textwrap.dedent('''
         time.sleep(600)
     if mode == "kill":
         os.kill(os.getpid(), 9)
+    if mode == "note":
+        print("note: building an op (stand-in)", flush=True)
+        print("a line for the log only", flush=True)
     if mode == "oom-print":
         print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
         sys.exit(1)
@@ -68,6 +71,37 @@ def _run(tmp_path, env, mode, launcher="direct", nproc=1, timeout=60):
         sweep="t",
         point_key=mode,
     )
+
+
+def test_a_runs_notes_reach_the_launching_console(fake, capsys):
+    """What a rank says for the user while it runs (DeepSpeed building an op for minutes) is in its
+    log, and on the console of the command that launched it; its other lines stay in the log."""
+    tmp_path, env = fake
+    rec = _run(tmp_path, env, "note")
+    assert rec["status"] == "ok"
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["note: building an op (stand-in)"]
+    assert "a line for the log only" in open(rec["launch"]["log"]).read()
+
+
+def test_log_relay_echoes_whole_note_lines_once():
+    """Lines are echoed when whole, once, without a launcher's rank prefix."""
+    import tempfile
+
+    from harness.launch.relay import LogRelay
+
+    with tempfile.NamedTemporaryFile("wb", suffix=".log") as f:
+        said = []
+        relay = LogRelay(f.name, offset=0, echo=said.append)
+        f.write(b"cmd line\n[rank0]: note: building X\nnote: bui")
+        f.flush()
+        relay.poll()
+        assert said == ["note: building X"]
+        f.write(b"lt X in 3 s\n0: notes are not this\n")
+        f.flush()
+        relay.poll()
+        relay.poll()
+        assert said == ["note: building X", "note: built X in 3 s"]
 
 
 def test_build_command_variants():

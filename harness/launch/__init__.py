@@ -56,6 +56,7 @@ from harness.launch.processes import (
     set_parent_death_signal,
     terminate,
 )
+from harness.launch.relay import LogRelay
 from harness.store import ResultsStore, new_record, now_iso
 
 __all__ = [
@@ -258,6 +259,7 @@ def run_spec(
         log = open(log_path, "wb")
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
+        relay = LogRelay(log_path, offset=log.tell())  # the run's `note:` lines, on this console
     except OSError as e:
         raise SpecError("logs", f"cannot write the run's files in {log_dir}: {e}") from None
 
@@ -274,7 +276,7 @@ def run_spec(
             preexec_fn=functools.partial(set_parent_death_signal, os.getpid()),
         )
         try:
-            timed_out, lingered = _wait(popen, store, run_id, timeout_s)
+            timed_out, lingered = _wait(popen, store, run_id, timeout_s, relay=relay.poll)
         finally:  # also on KeyboardInterrupt: never leave a run behind
             survivors = kill_run(popen, run_id)
     wall = time.monotonic() - start
@@ -330,23 +332,27 @@ def _wait(
     timeout_s: float,
     grace_s: float | None = None,
     poll_s: float = 1.0,
+    relay=None,
 ) -> tuple[bool, float]:
     """Wait for the run to exit; returns (timed_out, lingered seconds granted after a record).
 
     A run whose record is already written is over even if its processes are not: a rank that
     raised may leave its peers blocked in a collective (and itself in teardown) until gloo's
     or NCCL's 30-minute timeout. So once the record exists, the processes get `grace_s` to
-    exit and are then killed; this keeps a sweep of mostly-OOM points from stalling.
+    exit and are then killed; this keeps a sweep of mostly-OOM points from stalling. `relay` is
+    called at every poll, and once at the end (LogRelay.poll: the run's notes to the console).
     """
     grace_s = LINGER_S if grace_s is None else grace_s
     deadline = time.monotonic() + timeout_s
     linger_until = None
+    relay = relay or (lambda: None)
     while True:
         try:
             popen.wait(timeout=poll_s)
+            relay()
             return False, 0.0
         except subprocess.TimeoutExpired:
-            pass
+            relay()
         now = time.monotonic()
         if linger_until is None and store.get(run_id) is not None:
             linger_until = now + grace_s

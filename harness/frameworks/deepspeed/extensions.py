@@ -1,6 +1,8 @@
 """The op DeepSpeed compiles when its communication starts (on CPU its shared-memory collectives,
 deepspeed_shm_comm), said on the console: the first run in an environment waits minutes for the
-compiler, silently otherwise (DeepSpeed loads it with verbose=False)."""
+compiler, silently otherwise (DeepSpeed loads it with verbose=False). The lines are `note:` lines,
+which a launching command (compare, sweep) passes from the run's log to its console
+(harness/launch/relay.py)."""
 
 from __future__ import annotations
 
@@ -43,9 +45,9 @@ def announce_build(ctx):
     before, start = _built(folder, name), time.monotonic()
     if before is None:
         print(
-            f"building DeepSpeed's {name} op in {folder} (once for this environment; minutes on a small CPU)",
+            f"note: building DeepSpeed's {name} op in {folder} (once for this environment; minutes on a small CPU)",
             flush=True,
         )
     yield
     if _built(folder, name) != before:
-        print(f"built DeepSpeed's {name} op in {time.monotonic() - start:.0f} s ({folder})", flush=True)
+        print(f"note: built DeepSpeed's {name} op in {time.monotonic() - start:.0f} s ({folder})", flush=True)
