@@ -267,6 +267,18 @@ def test_counters_split_a_measured_step_by_what_blocked_it():
     assert counters.calls == 3
 
 
+def test_no_clocks_on_a_gpu_where_a_collective_does_not_block_the_thread():
+    import contextlib
+
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling.counters import MeasuredSteps
+
+    gpu, cpu = (MeasuredSteps(ParallelDims(dp=2), 0, object(), kind) for kind in ("cuda", "cpu"))
+    assert isinstance(gpu.clock(True), contextlib.nullcontext) and cpu.clock(True) is cpu.counters
+    gpu.add(0.1)
+    assert gpu.counted == []
+
+
 def test_the_measured_breakdown_is_of_the_median_step():
     from harness.profiling.record import measured_metrics, middle
     from harness.runtime import RunContext

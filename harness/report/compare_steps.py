@@ -27,7 +27,8 @@ BREAKDOWN_TEXT = (
     "the time inside the optimizer's step, compute the rest of the rank's step, host overhead and other "
     "what of the measured step (the slowest rank's) a rank spent outside its own. Source 'profiler': from the "
     "torch.profiler trace of extra steps after the measured ones, whose own cost lengthens them "
-    "(older runs); 'instrumented': the engine's own counters. Each sum is set against its run's "
+    "(runs on a GPU, where a collective's wait happens on the device, out of the clocks' sight, and "
+    "older runs); 'instrumented': the engine's own counters. Each sum is set against its run's "
     "measured median: one more than 10% off describes other steps than the measured ones and is not "
     "used by Why. 'not measured' where a run has none."
 )
