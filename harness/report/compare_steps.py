@@ -35,7 +35,8 @@ BREAKDOWN_TEXT = (
 COLLECTIVES_TEXT = (
     "Collectives issued per step by rank 0 (counted in the profiled steps), per axis and kind: the "
     "axis whose process group the call ran on (a send or receive without a group: the axis to its "
-    "peer; tp+pp, tp+dp: Megatron's model-parallel and tensor-and-data groups; embedding: its "
+    "peer; all: every rank, a call that names no group, as the own engine's loss and gradient-norm "
+    "reduction; tp+pp, tp+dp: Megatron's model-parallel and tensor-and-data groups; embedding: its "
     "embedding group; 'other [ranks]': a group that is none of these, named by its ranks; '(one "
     "rank)': a group of this run's degrees that holds one rank, a call that moves nothing between ranks); "
     "'instrumented': the own engine's counted communication. The harness's own loss reduction (one "
