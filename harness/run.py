@@ -188,7 +188,7 @@ class Trainer:
         self.activations_saved_bytes: int | None = None
         self.profile: dict | None = None
         self.memory_before_profile: tuple | None = None
-        self.clocks = MeasuredSteps(self.dims, ctx.rank, self.engine)  # the measured steps' breakdown
+        self.clocks = MeasuredSteps(self.dims, ctx.rank, self.engine, ctx.device.type)  # the measured steps' breakdown
 
     def _train_step(self, step: int, batch) -> float:
         """The engine's step and its loss's value; the first one also counts the activations

@@ -121,8 +121,8 @@ def test_compare_breakdown_and_why_name_exposed_cp_communication_only_where_a_ru
     assert [r[4] for r in rows] == ["-", "30.0 ms (23%)"]
     why = " ".join(i for b in why_section(summary).body if hasattr(b, "items") for i in b.items)
     assert (
-        "own cp2 ring takes 30.0 ms more per profiled step than own dp2 (130.0 against 100.0 ms): "
-        "exposed cp communication +30.0 ms (100% of the difference)."
+        "own cp2 ring takes 30.0 ms more per measured step than own dp2 (median 130.0 against 100.0 ms); by the "
+        "breakdowns (130.0 against 100.0 ms): exposed cp communication +30.0 ms (100% of the difference)."
     ) in why
     without = compare_summary([("own dp2", {"dp": 2}, 100.0, {"compute": 95.0, "exposed_comm": {"dp": 5.0}})])
     assert "exposed cp communication" not in breakdown_rows(without)[0]

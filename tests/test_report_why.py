@@ -463,6 +463,18 @@ def test_the_harness_loss_reduction_is_not_listed_as_the_engines(summary):
     assert "harness's own loss reduction" in COLLECTIVES_TEXT
 
 
+def test_a_group_of_one_rank_says_so(summary):
+    """Megatron at dp2 reduces over its tensor-parallel and model-parallel groups of one rank each
+    (before: 'other all_reduce 7.0'): named as the groups they are, and as holding one rank."""
+    coll = [
+        {"axis": "tp", "kind": "all_reduce", "count": 6.0, "bytes": 24.0},
+        {"axis": "tp+pp", "kind": "all_reduce", "count": 1.0, "bytes": 4.0},
+        {"axis": "dp", "kind": "all_reduce", "count": 1.0, "bytes": 2.0**20},
+    ]
+    _, rows = collective_rows(_with_run(summary, "deepspeed ZeRO-1", collectives=coll))  # dp2
+    assert [r[2] for r in rows if r[0] == "deepspeed ZeRO-1"] == ["tp (one rank)", "tp+pp (one rank)", "dp"]
+
+
 def test_own_and_megatron_at_the_same_layout_are_paired():
     """Both with naive attention at pp2: the same layout, so Why sets one against the other."""
     base = {"tp": 1, "pp": 2, "dp": 1, "micro_batch_size": 2, "attention": "naive"}

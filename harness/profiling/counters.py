@@ -135,19 +135,25 @@ class Counters(Annotations):
 
 
 class MeasuredSteps:
-    """The counters over one run's measured steps: clock(counting) around each step, add() after it."""
+    """The counters over one run's measured steps: clock(counting) around each step, add() after it.
 
-    def __init__(self, dims, rank: int, engine):
+    On CPU only: there a collective blocks the thread that issued it (gloo), so the clocks see the
+    waits; on a GPU a collective returns once its kernel is queued, the wait happens on the device,
+    and the clocks would call it compute. There the report takes the profiled steps' kernel
+    timeline (analysis.cuda_breakdown) and sets its sum against the measured median."""
+
+    def __init__(self, dims, rank: int, engine, device_type: str = "cpu"):
         groups = getattr(engine, "process_groups", dict)()  # the groups whose ranks alone do not name them
         self.axis_of = AxisOf(dims, rank, groups)
+        self.enabled = device_type == "cpu"
         self.counters = Counters(self.axis_of, dims.pp)
         self.counted: list[dict] = []
         self.counting = False
         self.calls = 0  # the most wrapped calls a measured step made (what the clocks cost is per call)
 
     def clock(self, counting: bool):
-        self.counting = counting
-        return self.counters if counting else contextlib.nullcontext()
+        self.counting = counting and self.enabled
+        return self.counters if self.counting else contextlib.nullcontext()
 
     def add(self, step_s: float) -> None:
         """After the step clock() was entered for: its breakdown, if it was a measured one."""

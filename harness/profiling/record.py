@@ -75,11 +75,19 @@ def middle(times: list[float]) -> list[int]:
     return [] if not n else [order[n // 2]] if n % 2 else sorted(order[n // 2 - 1 : n // 2 + 1])
 
 
+def _in_window(row: dict, step_s: float) -> dict:
+    """A rank's breakdown of a measured step as the statistics time it, the slowest rank's `step_s`:
+    what of it this rank spent outside its own step (it started later or finished sooner) is other."""
+    return {**row, "other": row.get("other", 0.0) + max(0.0, 1e3 * step_s - row["step"]), "step": 1e3 * step_s}
+
+
 def measured_metrics(counted: list[dict], times: list[float], calls: float, ctx) -> dict:
     """The measured steps' breakdown (counters.Counters): per rank, the mean of its median step(s)
-    (middle()), then the mean over ranks; every rank calls it (collective)."""
+    (middle()), each as long as its slowest rank's (_in_window), then the mean over ranks; so its
+    sum is the measured median. Every rank calls it (collective)."""
     picked = middle(times)
-    mine = _mean_over_ranks([counted[i] for i in picked]) if picked and len(counted) == len(times) else None
+    ok = picked and len(counted) == len(times)
+    mine = _mean_over_ranks([_in_window(counted[i], times[i]) for i in picked]) if ok else None
     everyone = _gather({"breakdown": mine, "calls": calls}, ctx)
     rows = [e["breakdown"] for e in everyone]
     if not all(rows):

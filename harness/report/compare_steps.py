@@ -21,19 +21,24 @@ BREAKDOWN_TEXT = (
     "measured steps themselves, the same way for every engine (a clock around each collective, wait "
     "and optimizer step), over the median measured step (the middle one or two by time); there "
     "exposed communication is the time a rank was blocked on that axis's collectives (what overlapped "
-    "compute is not counted), pipeline bubble (pp > 1 only) or waiting for other ranks (without a "
+    "compute is not counted; a call over a group of one rank, as Megatron's tensor-parallel group at tp "
+    "1, counts under its group's axis too), pipeline bubble (pp > 1 only) or waiting for other ranks (without a "
     "pipeline) the time blocked on the pipeline's transfers and the world-wide reductions, optimizer "
-    "the time inside the optimizer's step, compute the rest of the step. Source 'profiler': from the "
+    "the time inside the optimizer's step, compute the rest of the rank's step, host overhead and other "
+    "what of the measured step (the slowest rank's) a rank spent outside its own. Source 'profiler': from the "
     "torch.profiler trace of extra steps after the measured ones, whose own cost lengthens them "
-    "(older runs); 'instrumented': the engine's own counters. Each sum is set against its run's "
+    "(runs on a GPU, where a collective's wait happens on the device, out of the clocks' sight, and "
+    "older runs); 'instrumented': the engine's own counters. Each sum is set against its run's "
     "measured median: one more than 10% off describes other steps than the measured ones and is not "
     "used by Why. 'not measured' where a run has none."
 )
 COLLECTIVES_TEXT = (
     "Collectives issued per step by rank 0 (counted in the profiled steps), per axis and kind: the "
     "axis whose process group the call ran on (a send or receive without a group: the axis to its "
-    "peer; tp+pp, tp+dp: Megatron's model-parallel and tensor-and-data groups; embedding: its "
-    "embedding group; 'other [ranks]': a group that is none of these, named by its ranks); "
+    "peer; all: every rank, a call that names no group, as the own engine's loss and gradient-norm "
+    "reduction; tp+pp, tp+dp: Megatron's model-parallel and tensor-and-data groups; embedding: its "
+    "embedding group; 'other [ranks]': a group that is none of these, named by its ranks; '(one "
+    "rank)': a group of this run's degrees that holds one rank, a call that moves nothing between ranks); "
     "'instrumented': the own engine's counted communication. The harness's own loss reduction (one "
     "all_reduce of the step's loss over every rank, for the parity check) is not the engine's and is "
     "left out."
@@ -95,6 +100,15 @@ def _bytes(n) -> str:
     return f"{n / 2**20:,.2f} MiB" if isinstance(n, (int, float)) else "-"
 
 
+def axis_text(axis, dims: ParallelDims) -> str:
+    """An axis as the table names it: 'tp (one rank)' where the run's degrees make its group one
+    rank (Megatron's tensor-parallel group at tp 1 still takes its cross-entropy reductions)."""
+    parts = str(axis).split("+")
+    if all(p in dims.sizes() for p in parts) and dims.product(*parts) == 1:
+        return f"{axis} (one rank)"
+    return str(axis)
+
+
 def collective_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Each run's collectives per step: axis, kind, count, bytes (one row each); the harness's own
     loss reduction left out (COLLECTIVES_TEXT says so)."""
@@ -106,11 +120,12 @@ def collective_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
             out.append([r["label"], NOT_MEASURED, "-", "-", "-", "-"])
             continue
         coll, source = found
+        dims = ParallelDims.of(r.get("layout") or {})
         out += [
             [
                 r["label"],
                 source,
-                str(c.get("axis")),
+                axis_text(c.get("axis"), dims),
                 str(c.get("kind")),
                 str(c.get("count", "-")),
                 _bytes(c.get("bytes")),
