@@ -245,7 +245,7 @@ def test_a_rerun_matches_its_baseline_and_another_learning_rate_drifts(tmp_path,
     lr = ("--set", "workload.optimizer.lr=0.01")
     changed = cli("compare", "c.yaml", *common, "--out", "c", *again, *lr, cwd=tmp_path, timeout=600)
     assert changed.returncode == 1, changed.stdout + changed.stderr
-    assert "verdict: pass" in changed.stdout  # the runs agree with each other, not with the baseline
+    assert "verdict: PASS" in changed.stdout  # the runs agree with each other, not with the baseline
     assert "drift: own dp2: loss at step 1: " in changed.stdout
     assert "drift: reference (single device): loss at step 1: " in changed.stdout
     md = (tmp_path / "c" / "compare-ci.md").read_text()
