@@ -11,7 +11,9 @@ import subprocess
 import pytest
 
 from harness.cli import main as cli_main
-from harness.report.build import build_report, sections_for
+from harness.report.build import build_report
+from harness.report.data import choose_metric, to_row
+from harness.report.recommend import recommendations
 from harness.store import ResultsStore, new_record
 from harness.testing.synthetic import make_records
 
@@ -45,8 +47,14 @@ def test_all_sections_and_images(report_dir):
     assert all((report_dir / "img" / f"{name}.svg").stat().st_size > 1000 for name in imgs)
 
 
+def recommendations_of(records: list[dict]):
+    """The report's last section alone (the recommendations), without drawing every figure."""
+    rows = [to_row(r) for r in records]
+    return recommendations(rows, choose_metric(rows))
+
+
 def test_recommendations_cite_counts_and_evidence():
-    recs = sections_for(make_records(300, seed=3))[-1]
+    recs = recommendations_of(make_records(300, seed=3))
     text = " ".join(t.caption for t in recs.tables)
     assert re.search(r"micro-batch size: 1 was best in \d of \d+ comparison\(s\) of runs that differ in", text)
     assert recs.tables and all(t.rows for t in recs.tables)
@@ -69,7 +77,7 @@ def test_recommendation_follows_the_data_not_the_paper():
         if r["status"] == "ok":
             mb = r["spec"]["layout"]["micro_batch_size"]
             r["metrics"]["mfu"]["palm"] = 0.3 + (0.2 if mb == 4 else 0.0)
-    recs = sections_for(records + twins)[-1]
+    recs = recommendations_of(records + twins)
     caption = next(t.caption for t in recs.tables if t.caption.startswith("micro-batch size:"))
     assert re.match(r"micro-batch size: 4 was best in (\d+) of \1 comparison", caption), caption
 
