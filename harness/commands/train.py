@@ -38,7 +38,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from harness import runtime
+    from harness import registry, runtime
     from harness.commands.overrides import parse_with_overrides
     from harness.launch.build_lock import use_environment_dir
     from harness.report.summary import summary_lines
@@ -50,6 +50,9 @@ def main(args) -> int:
     if args.peak_tflops is not None:
         check_positive(args.peak_tflops, "--peak-tflops")
     check_store(args.store or spec.store)  # before the process group forms: nothing has started
+    facts = registry.facts(spec.layout.engine)
+    if facts.preflight is not None:  # the spec's own mistakes (a ds_config that contradicts it) before how it started
+        facts.preflight(spec)
     runtime.check_launched(spec.layout.engine)
     use_environment_dir()  # before DeepSpeed builds an op: this environment's folder, whatever the launcher
     tensorboard = tensorboard_dir(args)
