@@ -20,7 +20,7 @@ matrix:                     # and/or: every layout under every engine (the repor
 
 Everything is checked before the first launch: each run's spec (harness.spec), world size,
 and its DeepSpeed config (auto fields, contradictions: harness.frameworks.deepspeed.config). A matrix
-cell whose engine cannot run its layout (its adapter's ENGINE.capabilities) is not an error: it is
+cell whose engine cannot run its layout (its engine's facts) is not an error: it is
 listed as not runnable, with the reason, and the report shows it as a dash.
 """
 

@@ -68,7 +68,7 @@ def loss_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 MATRIX_TEXT = (
     "Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
-    "engine cannot run that layout (checked before launch: each adapter's ENGINE.capabilities)."
+    "engine cannot run that layout (checked before launch: each engine's facts, harness/frameworks/*/facts.py)."
 )
 THREADS_TEXT = (
     "Threads per process: {n} (OMP_NUM_THREADS), the same for every run, the single-device "
