@@ -101,3 +101,15 @@ def test_the_default_comparison_runs_own_and_megatron_at_one_layout_and_kernel()
 
     own = {key(r) for r in cs.runs if r.spec.layout.engine == "own"}
     assert own & {key(r) for r in cs.runs if r.spec.layout.engine == "megatron"}
+
+
+def test_the_jsons_breakdown_is_the_one_the_report_sets_against_the_median():
+    from harness.compare.orchestrate import _breakdown_fields
+
+    measured, profiled = {"compute": 9.0, "step": 10.0}, {"compute": 15.0, "step": 19.0}
+    m = {"breakdown_measured_ms": measured, "breakdown_ms": profiled, "breakdown_source": "profiler", "collectives": []}
+    got = _breakdown_fields(m)
+    assert got["breakdown_ms"] == measured and got["breakdown_source"] == "measured steps"
+    assert got["breakdown_profiled_ms"] == profiled  # kept apart, named for what it is
+    only_profiled = _breakdown_fields({"breakdown_ms": profiled, "breakdown_source": "profiler"})
+    assert only_profiled["breakdown_ms"] == profiled and only_profiled["breakdown_source"] == "profiler"

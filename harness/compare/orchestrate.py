@@ -20,6 +20,7 @@ from harness.compare.policy import census_policy
 from harness.compare.spec import CompareSpec, PlannedRun
 from harness.errors import SpecError
 from harness.model.training import precision_policy
+from harness.profiling import MEASURED_SOURCE
 from harness.spec import parse_spec
 from harness.store.fields import row
 
@@ -96,6 +97,19 @@ def _first_error_line(error: str | None) -> str:
     return lines[0][:200] if lines else ""
 
 
+def _breakdown_fields(m: dict) -> dict:
+    """A run's breakdown for the summary: the measured steps' where the run has it, so that the
+    JSON's `breakdown_ms` sums to the measured median the report sets it against, not to the
+    profiled steps' longer ones (kept as `breakdown_profiled_ms`)."""
+    measured = m.get("breakdown_measured_ms")
+    return {
+        "breakdown_ms": measured or m.get("breakdown_ms"),
+        "breakdown_source": MEASURED_SOURCE if measured else m.get("breakdown_source"),
+        "breakdown_profiled_ms": m.get("breakdown_ms") if measured else None,
+        "collectives": m.get("collectives"),
+    }
+
+
 def _run_entry(plan: PlannedRun, record: dict) -> dict:
     m = record.get("metrics") or {}
     describe = m.get("engine") or {}
@@ -126,8 +140,10 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
             else ""
         ),
         "fingerprint": record.get("fingerprint") or {},
-        # where the step goes, for machines (null where the run did not measure it) and the kept traces
-        **{k: m.get(k) for k in ("breakdown_ms", "breakdown_source", "collectives")},
+        # where the step goes, for machines (null where the run did not measure it): the breakdown the
+        # report shows (the measured steps' where the run clocked them, else the profiled steps'), the
+        # profiled steps' apart, the collectives and the kept traces
+        **_breakdown_fields(m),
         "traces": record.get("traces") or [],
     }
 

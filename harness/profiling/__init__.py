@@ -13,6 +13,7 @@ This file stays free of torch: compare and sweep read ENV.
 import os
 
 DEFAULT_STEPS = 2
+MEASURED_SOURCE = "measured steps"  # a breakdown clocked during the measured steps themselves (counters.py)
 ENV = "HARNESS_PROFILE_STEPS"  # how compare and sweep hand --profile-steps to the ranks they launch
 
 

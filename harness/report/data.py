@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.parallel_dims import ParallelDims
+from harness.profiling import MEASURED_SOURCE
 from harness.report.sections import Column
 from harness.spec import engine_variant, layout_label
 from harness.store import fields
@@ -75,7 +76,7 @@ def breakdown_of(metrics: dict | None, pp: int | None = None) -> Breakdown | Non
     return found
 
 
-MEASURED = "measured steps"  # the source of a breakdown clocked during the measured steps themselves
+MEASURED = MEASURED_SOURCE  # the source of a breakdown clocked during the measured steps themselves
 
 
 def _from_ms(new: dict, source: str) -> Breakdown:
@@ -111,7 +112,7 @@ def collectives_of(metrics: dict | None) -> tuple[list[dict], str] | None:
     `collectives`, else the own engine's counted `comm` ({axis: {op: {count, bytes}}}), else None."""
     m = metrics or {}
     if isinstance(m.get("collectives"), list):
-        return [dict(c) for c in m["collectives"]], m.get("breakdown_source") or "profiler"
+        return [dict(c) for c in m["collectives"]], "profiler"  # counted in the profiled steps' trace
     if isinstance(m.get("comm"), dict):
         return [
             {"axis": axis, "kind": op, "count": v.get("count"), "bytes": v.get("bytes")}
