@@ -256,7 +256,7 @@ BAD_INPUTS = [
         "error: sweep: all 2 points were dropped (first: workload.data.path: ",
         "11 bytes",
     ),
-    # mistakes that used to launch, or to blame another field (issue 30, item 8)
+    # mistakes that used to launch, or to blame another field, refused before anything starts
     (
         "train-deepspeed-without-launcher",  # was a 26-line traceback, exit 1 and a failed record
         ["train", "t.yaml"],

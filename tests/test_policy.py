@@ -1,5 +1,5 @@
 """One precision policy for every run: a DeepSpeed config that would run another one is refused
-before launch, naming every key at once (issue 30, item 1). Configs only: nothing launched."""
+before launch, naming every key at once. Configs only: nothing launched."""
 
 import json
 import os
