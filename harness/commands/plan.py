@@ -88,47 +88,6 @@ def _need(args, *names):
             raise SpecError(f"--{name}", "is required")
 
 
-def _calibrate(args, profile) -> int:
-    from harness.model.presets import PRESETS
-    from harness.planner import calibrate, paper
-    from harness.planner.hardware import save_profile
-
-    samples, sources = [], []
-    if args.calibrate:
-        recs = calibrate.read_store(args.calibrate)
-        samples += [s for s in map(calibrate.sample_from_record, recs) if s is not None]
-        sources.append(args.calibrate)
-    for path in args.calibrate_csv or []:
-        runs = paper.load_sweep(path)
-        samples += [
-            calibrate.Sample(PRESETS[r.model], r.layout, r.workload, r.step_time_s, r.sweep)
-            for r in runs
-            if r.status == "ok"
-        ]
-        sources.append(path)
-    prof, report = calibrate.fit(samples, profile, label=", ".join(sources))
-    out = args.calibrate_out or f"{profile.name}-calibrated.yaml"
-    save_profile(
-        prof,
-        out,
-        header=f"# Calibrated by `harness plan` from {', '.join(sources)}\n"
-        f"# fit: median |error| {report['median_abs_error_pct']:.1f}% over "
-        f"{report['samples']} runs",
-    )
-    if args.format == "json":
-        print(json.dumps({**report, "profile": out}))
-    else:
-        print(f"calibrated {profile.name} on {report['samples']} runs; fitted: {', '.join(report['fitted']) or 'none'}")
-        print(
-            f"step-time error: median {report['median_abs_error_pct']:.1f}%, mean "
-            f"{report['mean_abs_error_pct']:.1f}%, max {report['max_abs_error_pct']:.1f}%"
-        )
-        for k, v in report["efficiency"].items():
-            print(f"  {k:16s} {v:.4g}")
-        print(f"saved calibrated profile to {out} (use it with --hardware {out})")
-    return 0
-
-
 def main(args) -> int:
     from harness.model.presets import resolve_shape
     from harness.planner import candidates as en
@@ -144,7 +103,9 @@ def main(args) -> int:
 
         check_output_path(args.calibrate_out, "--calibrate-out", directory=False)
     if args.calibrate or args.calibrate_csv:
-        return _calibrate(args, profile)
+        from harness.commands.plan_outputs import calibrate_profile
+
+        return calibrate_profile(args, profile)
     _need(args, "model", "seq-len", "global-batch-size", "gpus")
     if args.emit_sweep:  # before the plan is computed: it can take a while
         from harness.commands.outputs import check_output_path
@@ -219,9 +180,13 @@ def main(args) -> int:
     preds.sort(key=lambda p: (not (p.fits and p.available), -p.mfu))
     fitting = [p for p in preds if p.fits and p.available]
     if args.export:
-        return _export(args, shape, wl, fitting)
+        from harness.commands.plan_outputs import export
+
+        return export(args, shape, wl, fitting)
     if args.emit_sweep:
-        _emit_sweep(args, fitting, profile, gpn)
+        from harness.commands.plan_outputs import emit_sweep
+
+        emit_sweep(args, fitting, profile, gpn)
     if args.format == "json":
         shown = preds[: args.top] if args.top else preds
         print(json.dumps([p.row() for p in shown]))
@@ -342,62 +307,3 @@ def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:
         f"{profile.calibrated.get('samples', '?')} runs) of the fastest: measure them, "
         "the model cannot rank them reliably"
     )
-
-
-def _emit_sweep(args, fitting, profile, gpus_per_node) -> None:
-    """A sweep spec of the top distinct layouts predicted to fit (harness/planner/output.py)."""
-    from harness.planner.output import group, sweep_spec
-
-    top = args.top or 20
-    text, n, _ = sweep_spec(
-        group(fitting, 5 * top),
-        model=args.model,
-        seq_len=args.seq_len,
-        global_batch_size=args.global_batch_size,
-        gpus=args.gpus,
-        gpus_per_node=gpus_per_node,
-        profile=profile,
-        top=top,
-    )
-    from harness.files.atomic import Together
-
-    with Together("--emit-sweep") as files:  # whole or not at all
-        files.write(args.emit_sweep, text)
-    if n == 0:
-        print(
-            f"warning: {args.emit_sweep} has no point: no layout predicted to fit uses a kernel this harness runs",
-            file=sys.stderr,
-        )
-
-
-def _export(args, shape, wl, fitting) -> int:
-    """The best layout predicted to fit that the target expresses, in the target's format."""
-    from harness.planner.output import EXPORTERS, exportable
-
-    if not fitting:
-        raise SpecError("--export", "no layout is predicted to fit")
-    chosen = next((p for p in fitting if not exportable(p.layout, args.export)), None)
-    if chosen is None:
-        raise SpecError(
-            "--export",
-            f"no layout predicted to fit can be expressed for {args.export}: "
-            f"{exportable(fitting[0].layout, args.export)}",
-        )
-    text, notes = EXPORTERS[args.export](shape, chosen.layout, wl)
-    print(text)
-    lay = chosen.layout
-    cp = f"cp {lay.cp} {lay.cp_impl} " if lay.cp > 1 else ""
-    print(
-        f"# {args.export}: tp {lay.tp} {cp}pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
-        f"checkpointing {lay.activation_checkpointing}, predicted {chosen.memory_gib:.1f} GiB, "
-        f"{chosen.step_time_s:.3g} s/step, MFU {chosen.mfu:.3f}",
-        file=sys.stderr,
-    )
-    if chosen is not fitting[0]:
-        print(
-            f"# the fastest predicted layout cannot be expressed: {exportable(fitting[0].layout, args.export)}",
-            file=sys.stderr,
-        )
-    for note in notes:
-        print(f"# note: {note}", file=sys.stderr)
-    return 0
