@@ -62,6 +62,16 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--cp-impl", help="comma list of ring,allgather,ulysses (default: those the engine runs)")
     p.add_argument(
+        "--pipeline-schedule",
+        help="comma list of 1f1b,interleaved,gpipe,zero_bubble,zbv,dualpipev for pp > 1 (default: 1f1b, and "
+        "interleaved where the engine runs it)",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        help="comma list of model chunks per rank of the interleaved schedules (default: every v >= 2 with pp x v "
+        "dividing the layers)",
+    )
+    p.add_argument(
         "--max-positions",
         type=int,
         default=None,
@@ -95,6 +105,7 @@ def main(args) -> int:
     from harness.planner.layout import ATTENTION, Workload
     from harness.planner.output import group
     from harness.planner.predict import predict_many
+    from harness.planner.schedules import SCHEDULES, schedule_label
     from harness.spec import CHECKPOINTING, CP_IMPLS, RMSNORM_KERNELS
 
     profile = load_profile(args.hardware)
@@ -151,6 +162,12 @@ def main(args) -> int:
     if cps is not None and any(c < 1 for c in cps):
         raise SpecError("--cp", "must be positive")
     impls = en.parse_list(args.cp_impl, CP_IMPLS, "--cp-impl", ()) if args.cp_impl is not None else None
+    scheds = en.parse_list(args.pipeline_schedule, SCHEDULES, "--pipeline-schedule", ()) or None
+    if scheds and args.engine == "paper" and scheds != ["1f1b"]:
+        raise SpecError("--pipeline-schedule", "the study's engine ran 1f1b only")
+    virtual = en.parse_list(args.virtual_stages, None, "--virtual-stages", (), int) or None
+    if virtual and min(virtual) < 1:
+        raise SpecError("--virtual-stages", "must be positive")
     if args.top is not None and args.top < 1:
         raise SpecError("--top", "must be at least 1")
     preds = predict_many(
@@ -168,6 +185,8 @@ def main(args) -> int:
             zero_stage=args.zero,
             cp_values=cps,
             cp_impls=impls,
+            pipeline_schedules=scheds,
+            virtual_stages=virtual,
             **_on_engine(args, shape, cps, impls),
         ),
         wl,
@@ -199,14 +218,16 @@ def main(args) -> int:
     near, note = _near_the_fastest(fitting, profile)
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
     print(
-        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':{width}} "
+        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'sched':5} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} "
+        f"{'attention':{width}} "
         f"{'rms':5} {'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
     )
     for row in rows:
         p = row.pred
         r = p.row()
         print(
-            f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} "
+            f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {schedule_label(p.layout):5} "
+            f"{r['dp']:>5} {r['micro_batch_size']:>3} "
             f"{r['activation_checkpointing']:9} "
             f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
             f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
