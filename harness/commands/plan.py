@@ -103,7 +103,6 @@ def _need(args, *names):
 
 def main(args) -> int:
     from harness.model.presets import resolve_shape
-    from harness.planner.output import group
 
     profiles = _profiles(args)
     profile = profiles[0]
@@ -144,7 +143,73 @@ def main(args) -> int:
         return show_findings(
             args, {p.name: plan_of(args, shape, p)[2] for p in profiles}, {p.name: p for p in profiles}
         )
-    wl, gpn, preds = plan_of(args, shape, profile)
+    return _table(args, shape, profile, *plan_of(args, shape, profile))
+
+
+def plan_of(args, shape, profile) -> tuple:
+    """(workload, GPUs per node, predictions ranked: fitting first, fastest first) of the candidate
+    layouts the flags ask for on one hardware profile."""
+    from harness.planner import candidates as en
+    from harness.planner.layout import ATTENTION, Workload
+    from harness.planner.predict import predict_many
+    from harness.spec import CHECKPOINTING, CP_IMPLS, RMSNORM_KERNELS
+
+    gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node  # 0 is refused, not the default
+    wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
+    attention = en.parse_list(
+        args.attention,
+        ATTENTION,
+        "--attention",
+        [a for a in en.DEFAULTS["attention"] if a in profile.attention_kernels],
+    )
+    rmsnorm = en.parse_list(args.rmsnorm, RMSNORM_KERNELS, "--rmsnorm", en.DEFAULTS["rmsnorm"])
+    mbs = en.parse_list(args.micro_batch_sizes, None, "--micro-batch-sizes", en.DEFAULTS["micro_batch_sizes"], int)
+    if any(m < 1 for m in mbs):
+        raise SpecError("--micro-batch-sizes", "must be positive")
+    ck = en.parse_list(
+        args.activation_checkpointing, CHECKPOINTING, "--activation-checkpointing", en.DEFAULTS["checkpointing"]
+    )
+    sp = en.parse_list(
+        args.sequence_parallel, (False, True), "--sequence-parallel", en.DEFAULTS["sequence_parallel"], en.parse_bool
+    )
+    cps = en.parse_list(args.cp, None, "--cp", (), int) if args.cp is not None else None
+    if cps is not None and any(c < 1 for c in cps):
+        raise SpecError("--cp", "must be positive")
+    impls = en.parse_list(args.cp_impl, CP_IMPLS, "--cp-impl", ()) if args.cp_impl is not None else None
+    if args.top is not None and args.top < 1:
+        raise SpecError("--top", "must be at least 1")
+    preds = predict_many(
+        shape,
+        en.layouts(
+            shape,
+            wl,
+            args.gpus,
+            gpn,
+            attention=attention,
+            rmsnorm=rmsnorm,
+            micro_batch_sizes=mbs,
+            checkpointing=ck,
+            sequence_parallel=sp,
+            zero_stage=args.zero,
+            cp_values=cps,
+            cp_impls=impls,
+            **_on_engine(args, shape, cps, impls),
+        ),
+        wl,
+        profile,
+    )
+    if not preds:
+        raise SpecError(
+            "--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} (global batch {args.global_batch_size})"
+        )
+    preds.sort(key=lambda p: (not (p.fits and p.available), -p.mfu))
+    return wl, gpn, preds
+
+
+def _table(args, shape, profile, wl, gpn, preds) -> int:
+    """The plan's outputs for one profile: an export, a sweep, the JSON list or the table."""
+    from harness.planner.output import group
+
     fitting = [p for p in preds if p.fits and p.available]
     if args.export:
         from harness.commands.plan_outputs import export
@@ -215,66 +280,6 @@ def _profiles(args) -> list:
         if seen.count(name) > 1:
             raise SpecError("--hardware", f"names profile {name} twice")
     return profiles
-
-
-def plan_of(args, shape, profile) -> tuple:
-    """(workload, GPUs per node, predictions ranked: fitting first, fastest first) of the candidate
-    layouts the flags ask for on one hardware profile."""
-    from harness.planner import candidates as en
-    from harness.planner.layout import ATTENTION, Workload
-    from harness.planner.predict import predict_many
-    from harness.spec import CHECKPOINTING, CP_IMPLS, RMSNORM_KERNELS
-
-    gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node  # 0 is refused, not the default
-    wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
-    attention = en.parse_list(
-        args.attention,
-        ATTENTION,
-        "--attention",
-        [a for a in en.DEFAULTS["attention"] if a in profile.attention_kernels],
-    )
-    rmsnorm = en.parse_list(args.rmsnorm, RMSNORM_KERNELS, "--rmsnorm", en.DEFAULTS["rmsnorm"])
-    mbs = en.parse_list(args.micro_batch_sizes, None, "--micro-batch-sizes", en.DEFAULTS["micro_batch_sizes"], int)
-    if any(m < 1 for m in mbs):
-        raise SpecError("--micro-batch-sizes", "must be positive")
-    ck = en.parse_list(
-        args.activation_checkpointing, CHECKPOINTING, "--activation-checkpointing", en.DEFAULTS["checkpointing"]
-    )
-    sp = en.parse_list(
-        args.sequence_parallel, (False, True), "--sequence-parallel", en.DEFAULTS["sequence_parallel"], en.parse_bool
-    )
-    cps = en.parse_list(args.cp, None, "--cp", (), int) if args.cp is not None else None
-    if cps is not None and any(c < 1 for c in cps):
-        raise SpecError("--cp", "must be positive")
-    impls = en.parse_list(args.cp_impl, CP_IMPLS, "--cp-impl", ()) if args.cp_impl is not None else None
-    if args.top is not None and args.top < 1:
-        raise SpecError("--top", "must be at least 1")
-    preds = predict_many(
-        shape,
-        en.layouts(
-            shape,
-            wl,
-            args.gpus,
-            gpn,
-            attention=attention,
-            rmsnorm=rmsnorm,
-            micro_batch_sizes=mbs,
-            checkpointing=ck,
-            sequence_parallel=sp,
-            zero_stage=args.zero,
-            cp_values=cps,
-            cp_impls=impls,
-            **_on_engine(args, shape, cps, impls),
-        ),
-        wl,
-        profile,
-    )
-    if not preds:
-        raise SpecError(
-            "--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} (global batch {args.global_batch_size})"
-        )
-    preds.sort(key=lambda p: (not (p.fits and p.available), -p.mfu))
-    return wl, gpn, preds
 
 
 def _on_engine(args, shape, cps, impls) -> dict:
