@@ -260,7 +260,7 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
 
 
 # What --findings does not combine with: each prints its own output of one plan.
-NOT_WITH_FINDINGS = ("calibrate", "calibrate_csv", "export", "emit_sweep", "explain", "top")
+NOT_WITH_FINDINGS = ("calibrate", "calibrate_csv", "calibrate_out", "export", "emit_sweep", "explain", "top")
 
 
 def _profiles(args) -> list:

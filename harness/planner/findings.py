@@ -14,9 +14,9 @@ The findings (the study's wording in DESIGN.md, "Reference study"):
   no_checkpointing     "avoid activation checkpointing where memory allows": with
                        activation_checkpointing none, without: full or selective.
   flash_attention      "FlashAttention-2 helps a lot": with a FlashAttention kernel (its cost class
-                       flash1 or flash2: FlashAttention-1, FlashAttention-2 and the SDPA backends that
-                       run it, harness.planner.layout.ATTENTION_CLASS), without: every other kernel
-                       (naive, fused_softmax, sdpa_efficient). The gain is with's MFU / without's.
+                       flash1, flash2 or a later flash*: FlashAttention-1, -2 and the SDPA backends
+                       that run it, harness.planner.layout.ATTENTION_CLASS), without: every other
+                       kernel (naive, fused_softmax, sdpa_efficient). The gain is with's MFU / without's.
   pipeline_over_tensor "pipeline parallelism beats tensor parallelism": with pp > tp, without
                        tp > pp (the split the report's recommendations compare,
                        harness/report/recommend.py; tp == pp, no model parallelism included, is
@@ -95,7 +95,8 @@ def label(lay: PlannerLayout) -> str:
 
 
 def _flash(lay: PlannerLayout) -> bool:
-    return ATTENTION_CLASS[lay.attention] in ("flash1", "flash2")
+    """A FlashAttention kernel: its cost class is flash1, flash2 or a later flash* one."""
+    return ATTENTION_CLASS[lay.attention].startswith("flash")
 
 
 # key -> (question, with, without, what each side is called when no fitting layout has it)
