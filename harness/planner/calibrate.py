@@ -48,6 +48,7 @@ class Sample:
     workload: Workload
     step_time_s: float
     label: str = ""
+    profile: Profile | None = None  # the sample's own device, where it differs from the fitted profile's (memory)
 
 
 def _theta_to_eff(theta: dict) -> dict:
@@ -71,7 +72,7 @@ def fit(samples: list[Sample], base: Profile, label: str = "") -> tuple[Profile,
         for i, s in enumerate(samples):
             if memory[i] is None:
                 memory[i] = worst_stage_memory(s.shape, s.layout, s.workload)[1]["total"]
-            f = step_features(s.shape, s.layout, s.workload, base, theta, memory_bytes=memory[i])[0]
+            f = step_features(s.shape, s.layout, s.workload, s.profile or base, theta, memory_bytes=memory[i])[0]
             rows.append([f[k] for k in keys])
         X = np.array(rows)
         share = (X * np.array([theta[k] for k in keys])) / y_obs[:, None]
@@ -98,7 +99,9 @@ def fit(samples: list[Sample], base: Profile, label: str = "") -> tuple[Profile,
         [
             sum(
                 theta[k] * v
-                for k, v in step_features(s.shape, s.layout, s.workload, base, theta, memory_bytes=mem)[0].items()
+                for k, v in step_features(s.shape, s.layout, s.workload, s.profile or base, theta, memory_bytes=mem)[
+                    0
+                ].items()
             )
             for s, mem in zip(samples, memory, strict=False)
         ]

@@ -1,0 +1,187 @@
+"""Published GPU training runs (baselines/published_runs/runs.csv) as planner samples.
+
+Each row is a measured tokens/s per GPU at a stated layout. This module reads that format and
+turns a row into what the planner predicts: a preset shape, a PlannerLayout, a Workload and a
+profile, or says in one line why the planner cannot express the row. What a row leaves out is
+filled by the rules below, the same for every row, each from the data's README or the source:
+
+- sequence: torchtitan's tables omit it; its Llama 3 8B default is 8192.
+- batch: torchtitan rows give the local batch per data-parallel rank (mbs), no accumulation, so
+  the global batch is mbs x dp when not stated; a row with neither trains one sequence per rank.
+  With a pipeline torchtitan splits the local batch into micro-batches of one sequence (its
+  pipeline_parallel_microbatch_size default); its sharding group is its fsdp column x cp (it shards
+  over the dp_shard x cp mesh).
+- recompute: empty means none (Megatron-Bridge's recipes set none for 70B/405B; its 8B FP8
+  recipe recomputes 5 layers fully, which the planner cannot express: that row is planned without).
+  torchtitan's and torchao's selective / per-op SAC are the planner's selective.
+- kernels: NVIDIA's stacks (Megatron-Bridge, NeMo, the DGX Cloud recipes) run Transformer Engine:
+  its fused attention (te_fused) and fused RMSNorm. torchtitan and torchao run SDPA (the flash
+  backend on H100: sdpa) and, with torch.compile, fused elementwise work (rmsnorm fused), eager
+  otherwise (rmsnorm torch).
+- engine: Megatron's distributed optimizer (fsdp 0 or empty) is engine megatron at ZeRO-1; a
+  sharding group (fsdp > 0) is engine fsdp sharded over that group; torchtitan is engine fsdp.
+- pipeline: vp > 1 is interleaved 1F1B; a torchtitan row whose note says "Interleaved" with no vp
+  runs two stages per rank (its default for interleaved schedules).
+- precision: BF16 is bf16; FP8 of every recipe (FP8-CS, Float8 tensorwise or rowwise) is fp8; a row
+  whose precision is not stated is not planned.
+- system: DGX-H100, H100 SXM and H100 are h100-sxm; DGX-B200 b200; DGX-GB200 gb200; torchtitan's
+  "H100 96GB HBM2e 500W" is h100-sxm with 96 GB (its peak is not published: SXM's is kept).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import SpecError
+from harness.model.presets import PRESETS, Shape
+from harness.planner.hardware import Profile, load_profile
+from harness.planner.layout import PlannerLayout, Workload
+
+RUNS_CSV = Path(__file__).resolve().parents[2] / "baselines" / "published_runs" / "runs.csv"
+COLUMNS = ("source", "system", "model", "gpus", "precision", "tp", "pp", "tokens_per_s_per_gpu")
+MODELS = {
+    "LLAMA3_8B": "llama3-8b",
+    "LLAMA3-8B": "llama3-8b",
+    "LLAMA3.1_8B": "llama3-8b",
+    "LLAMA3_70B": "llama3-70b",
+    "LLAMA3-70B": "llama3-70b",
+    "LLAMA3.1_405B": "llama3-405b",
+    "LLAMA2-7B": "llama2-7b",
+    "LLAMA2-13B": "llama2-13b",
+    "LLAMA2-70B": "llama2-70b",
+}
+SYSTEMS = {"DGX-H100": "h100-sxm", "H100 SXM": "h100-sxm", "H100": "h100-sxm", "DGX-B200": "b200", "DGX-GB200": "gb200"}
+MEMORY_GIB = {"H100 96GB HBM2e 500W": 96e9 / 2**30}  # torchtitan's H100 variant
+NVIDIA = ("megatron-bridge", "nemo", "dgxc-benchmarking")
+DEFAULT_SEQ = 8192  # torchtitan's Llama 3 8B default
+
+
+@dataclass
+class PublishedRun:
+    """One row: what the planner is asked (shape, layout, workload, profile) and what was measured;
+    `why_not` says why the planner cannot express it (then the rest may be None)."""
+
+    row: dict
+    label: str
+    tokens_per_s_per_gpu: float
+    shape: Shape | None = None
+    layout: PlannerLayout | None = None
+    workload: Workload | None = None
+    profile: Profile | None = None
+    why_not: str = ""
+
+    @property
+    def step_time_s(self) -> float:
+        """The measured seconds per optimizer step: the global batch's tokens at the measured rate."""
+        wl, lay = self.workload, self.layout
+        return wl.global_batch_size * wl.seq_len / (self.tokens_per_s_per_gpu * lay.gpus)
+
+
+def _int(row: dict, key: str, default: int) -> int:
+    text = (row.get(key) or "").strip()
+    return int(float(text)) if text else default
+
+
+def load(path: str | Path = RUNS_CSV, field: str = "--calibrate-csv") -> list[PublishedRun]:
+    """Every row of a runs.csv-format file, in order."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(field, f"{path} does not exist")
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    missing = [c for c in COLUMNS if rows and c not in rows[0]]
+    if missing:
+        raise SpecError(field, f"{path}: no column {', '.join(missing)} (the published runs' format)")
+    return [from_row(row, i + 2) for i, row in enumerate(rows)]
+
+
+def is_published_format(path: str | Path) -> bool:
+    """Whether a CSV has the published runs' header (else it is one of the study's sweeps)."""
+    with Path(path).open(newline="") as f:
+        header = next(csv.reader(f), [])
+    return "tokens_per_s_per_gpu" in header
+
+
+_profiles: dict[tuple, Profile] = {}
+
+
+def _profile(system: str) -> Profile:
+    key = (system,)
+    if key not in _profiles:
+        prof = load_profile(SYSTEMS.get(system, "h100-sxm"))
+        if system in MEMORY_GIB:
+            prof = dataclasses.replace(prof, memory_gib=MEMORY_GIB[system])
+        _profiles[key] = prof
+    return _profiles[key]
+
+
+def from_row(row: dict, line: int = 0) -> PublishedRun:
+    """A PublishedRun from one CSV row (the module docstring's rules)."""
+    row = {k: (v or "").strip() for k, v in row.items()}
+    system, note = row["system"], row.get("note", "")
+    label = f"{row['source']} {row.get('version', '')} {system} {row['model']} {row['gpus']} GPUs {row['precision']}"
+    run = PublishedRun(row, " ".join(label.split()), float(row["tokens_per_s_per_gpu"]))
+    model = MODELS.get(row["model"])
+    if model is None:
+        run.why_not = (
+            "mixture of experts: the planner has no experts yet"
+            if "experts" in note
+            else f"no preset for {row['model']}"
+        )
+        return run
+    if system not in SYSTEMS and system not in MEMORY_GIB:
+        run.why_not = f"no profile for system {system!r}"
+        return run
+    precision = row["precision"].upper()
+    if precision.startswith(("FP8", "FLOAT8")):
+        precision = "fp8"
+    elif precision == "BF16":
+        precision = "bf16"
+    else:
+        run.why_not = f"precision {row['precision']!r}: not planned"
+        return run
+    gpus, tp, pp, cp = int(row["gpus"]), _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
+    dp = gpus // (tp * pp * cp)
+    vp = _int(row, "vp", 2 if "interleaved" in note.lower() else 1)
+    nvidia = row["source"] in NVIDIA
+    mbs = _int(row, "mbs", 1)
+    gbs = _int(row, "gbs", mbs * dp)
+    if pp > 1 and not nvidia:
+        mbs = 1  # torchtitan splits the local batch into micro-batches of pipeline_parallel_microbatch_size (1)
+    shard = _int(row, "fsdp", 0)
+    if shard and not nvidia:
+        shard *= cp  # torchtitan shards over its dp_shard x cp mesh
+    recompute = row.get("recompute", "").lower()
+    ckpt = "full" if recompute == "full" else ("selective" if recompute in ("selective", "per-op sac") else "none")
+    fields = {
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "cp": cp,
+        "cp_impl": "ring",
+        "micro_batch_size": mbs,
+        "activation_checkpointing": ckpt,
+        "sequence_parallel": tp > 1,
+        "attention": "te_fused" if nvidia else "sdpa",
+        "rmsnorm": "fused" if nvidia or "compile" in note.lower() else "torch",
+        "zero_stage": 1,
+        "pipeline_schedule": "interleaved" if vp > 1 and pp > 1 else "1f1b",
+        "virtual_stages": vp if pp > 1 else 1,
+        "engine": "fsdp" if shard or not nvidia else "megatron",
+        "fsdp": bool(shard or not nvidia),
+        "precision": precision,
+        "dp_shard": shard if 0 < shard < dp * cp else 0,
+    }
+    known = {f.name for f in dataclasses.fields(PlannerLayout)}
+    absent = [k for k in ("precision", "dp_shard") if k not in known and fields[k] not in ("bf16", 0)]
+    if absent:
+        run.why_not = f"the planner has no {', '.join(absent)}"
+        return run
+    run.shape = PRESETS[model]
+    run.layout = PlannerLayout(**{k: v for k, v in fields.items() if k in known})
+    run.workload = Workload(_int(row, "seq", DEFAULT_SEQ), gbs)
+    run.profile = _profile(system)
+    return run
