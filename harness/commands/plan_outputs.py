@@ -13,7 +13,7 @@ from harness.errors import SpecError
 
 def calibrate_profile(args, profile) -> int:
     from harness.model.presets import PRESETS
-    from harness.planner import calibrate, paper
+    from harness.planner import calibrate, paper, published
     from harness.planner.hardware import save_profile
 
     samples, sources = [], []
@@ -22,6 +22,15 @@ def calibrate_profile(args, profile) -> int:
         samples += [s for s in map(calibrate.sample_from_record, recs) if s is not None]
         sources.append(args.calibrate)
     for path in args.calibrate_csv or []:
+        if published.is_published_format(path):  # published GPU runs: the rows of this profile's device
+            rows = [r for r in published.load(path) if not r.why_not and r.profile.name == profile.name]
+            if not rows:
+                raise SpecError("--calibrate-csv", f"{path}: no row the planner can express runs on {profile.name}")
+            samples += [
+                calibrate.Sample(r.shape, r.layout, r.workload, r.step_time_s, r.label, profile=r.profile) for r in rows
+            ]
+            sources.append(f"{path} ({len(rows)} rows on {profile.name})")
+            continue
         runs = paper.load_sweep(path)
         samples += [
             calibrate.Sample(PRESETS[r.model], r.layout, r.workload, r.step_time_s, r.sweep)
