@@ -39,10 +39,11 @@ CP_COMM = {
     "deepspeed": {"ulysses": "ulysses"},
 }
 # Megatron-LM's --attention-backend (megatron.core.transformer.enums.AttnBackend) for each kernel:
-# flash, fused (cuDNN) and unfused run in Transformer Engine; local is Megatron's own core attention
-# (its fused scale-mask-softmax). xformers-style memory-efficient attention has none.
+# flash and fused (cuDNN) run in Transformer Engine; local is Megatron's own core attention
+# (DotProductAttention, the score matrix materialised as naive and fused_softmax do; the harness's
+# engine megatron runs it). xformers-style memory-efficient attention has none.
 MEGATRON_ATTENTION = {
-    "naive": "unfused",
+    "naive": "local",
     "fused_softmax": "local",
     "flash1": "flash",
     "flash2": "flash",

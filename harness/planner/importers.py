@@ -40,6 +40,12 @@ MEGATRON_FLAGS = {
     *"overlap-param-gather use-rope-scaling add-qkv-bias use-flash-attn".split(),
 }
 CP_OF_COMM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses"}
+# ds_config keys carried (or listed by name below)
+DEEPSPEED_KEYS = {
+    *"train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps gradient_clipping bf16".split(),
+    *"optimizer zero_optimization data_types communication_data_type tensor_parallel pipeline".split(),
+    *"sequence_parallel_size activation_checkpointing scheduler".split(),
+}
 # A Megatron-LM or torchrun launch line's world size, when it says it.
 TORCHRUN = {"--nproc-per-node", "--nproc_per_node", "--nnodes"}
 
@@ -107,6 +113,7 @@ def import_megatron(text: str, gpus: int | None = None) -> tuple[dict, list[str]
     a = {f[2:]: _megatron_value(args, f[2:]) for f in args if f[2:] in MEGATRON_INT | MEGATRON_FLOAT | MEGATRON_STR}
     a.update({f[2:]: _megatron_value(args, f[2:]) for f in args if f[2:] in MEGATRON_FLAGS})
     lost += [f"{f}: not carried: the harness has no such setting" for f in args if f[2:] not in a]
+    lost += _megatron_model_lost(a)
     for need in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size"):
         if a.get(need) is None:
             raise SpecError(f"--{need}", "missing: the spec needs it")
@@ -180,6 +187,26 @@ def import_megatron(text: str, gpus: int | None = None) -> tuple[dict, list[str]
     return _spec("megatron", workload, layout, lost)
 
 
+def _megatron_model_lost(a: dict) -> list[str]:
+    """The flags (given, or their Megatron-LM defaults) that describe another model than the harness's
+    LLaMA (RMSNorm, SwiGLU, RoPE, no linear biases, no dropout)."""
+    lost = []
+    for flag, want, default in (
+        ("normalization", "RMSNorm", "LayerNorm"),
+        ("position-embedding-type", "rope", "learned_absolute"),
+    ):
+        if a.get(flag, default) != want:
+            lost.append(f"--{flag}: not carried: {a.get(flag, default)}; the harness's LLaMA has {want}")
+    if not a.get("swiglu"):
+        lost.append("--swiglu: not carried: absent (a GeLU MLP); the harness's LLaMA has SwiGLU")
+    if not a.get("disable-bias-linear"):
+        lost.append("--disable-bias-linear: not carried: absent (linear biases); the harness's LLaMA has none")
+    for flag in ("attention-dropout", "hidden-dropout"):
+        if a.get(flag, 0.1) != 0:
+            lost.append(f"--{flag}: not carried: {a.get(flag, 0.1)}; the harness's LLaMA has no dropout")
+    return lost
+
+
 def _megatron_optimizer(a: dict, workload: dict, lost: list[str]) -> None:
     opt = workload["optimizer"]
     if a.get("optimizer", "adam") != "adam":
@@ -210,7 +237,7 @@ def import_deepspeed(text: str, model: str | None, seq_len: int | None) -> tuple
     def need(key, kind=int):
         v = cfg.get(key)
         if not isinstance(v, kind) or isinstance(v, bool):
-            raise SpecError(key, f"needs a {kind.__name__}, got {v!r}")
+            raise SpecError(key, f"needs a whole number, got {v!r}")
         return v
 
     micro, accum = need("train_micro_batch_size_per_gpu"), need("gradient_accumulation_steps")
@@ -249,6 +276,19 @@ def import_deepspeed(text: str, model: str | None, seq_len: int | None) -> tuple
         "precision": "bf16" if (cfg.get("bf16") or {}).get("enabled") else "fp32",
         "optimizer": {k: params[k] for k in ("lr", "betas", "eps", "weight_decay") if k in params},
     }
+    for key, field in (("grad_accum_dtype", "grad_accum_dtype"), ("communication_data_type", "grad_reduce_dtype")):
+        value = (cfg.get("data_types") or {}).get(key) if key == "grad_accum_dtype" else cfg.get(key)
+        if value in ("fp32", "bf16"):
+            workload[field] = value
+        elif value is not None:
+            lost.append(f"{key}: not carried: {value}; the harness accumulates and reduces in fp32 or bf16")
+    lost.append("attention: not carried: a ds_config has none (the model code chooses); written as sdpa")
+    lost += [f"{k}: not carried: the harness has no such setting" for k in cfg if k not in DEEPSPEED_KEYS]
+    lost += [
+        f"zero_optimization.{k}: not carried: engine deepspeed runs the harness's ds_configs/"
+        for k in zero
+        if k != "stage"
+    ]
     if "gradient_clipping" in cfg:
         workload["grad_clip"] = cfg["gradient_clipping"]
     if model is None:
@@ -257,9 +297,6 @@ def import_deepspeed(text: str, model: str | None, seq_len: int | None) -> tuple
         lost.append("seq_len: not carried: a ds_config has none; written as 128 (give --seq-len)")
     if cfg.get("scheduler"):
         lost.append("scheduler: not carried: the harness trains at a constant learning rate")
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
-        if key in zero:
-            lost.append(f"zero_optimization.{key}: not carried: engine deepspeed runs the harness's ds_configs/")
     return _spec("deepspeed", workload, layout, lost)
 
 
