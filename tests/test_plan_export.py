@@ -172,15 +172,15 @@ def test_deepspeed_export_is_read_by_deepspeed_config_as_the_plan(name, monkeypa
 
 # ---------------------------------------------------------------- torchtitan
 
-# torchtitan at TT_COMMIT (b5bcd76c66d0, read in its source): torchtitan/config/configs.py's
-# TrainingConfig and ParallelismConfig fields
-# (their Literal choices), the names the recipe imports and where they are defined, default_adamw's
-# AdamW kwargs, LRSchedulersContainer.Config's fields, the llama3 flavors and LM attention backends.
+# torchtitan 0.3.0 (TT_COMMIT; the wheel on PyPI, read in its source): torchtitan/config/configs.py's
+# TrainingConfig and ParallelismConfig fields (their Literal choices), the names the recipe imports and
+# where they are defined, default_adamw's AdamW kwargs, LRSchedulersContainer.Config's fields, the
+# llama3 flavors and language-model attention backends (models/common/config_utils.py).
 TT_FIELDS = {
     "training": {
         **dict.fromkeys(
-            "num_tokens_per_microbatch_per_dp_rank num_tokens_per_train_step max_context_length max_norm steps "
-            "enable_cpu_offload disable_cuda_graphs gc_freq gc_debug".split()
+            "local_batch_size global_batch_size seq_len max_norm steps enable_cpu_offload disable_cuda_graphs "
+            "gc_freq gc_debug".split()
         ),
         "dtype": ("bfloat16", "float32"),
         "mixed_precision_param": ("bfloat16", "float32"),
@@ -192,11 +192,11 @@ TT_FIELDS = {
             "enable_sequence_parallel pipeline_parallel_degree module_fqns_per_model_part "
             "pipeline_parallel_first_stage_less_layers pipeline_parallel_last_stage_less_layers "
             "pipeline_parallel_layers_per_stage pipeline_parallel_schedule pipeline_parallel_schedule_csv "
-            "num_pp_microbatches context_parallel_degree context_parallel_load_balancer "
+            "pipeline_parallel_microbatch_size context_parallel_degree context_parallel_load_balancer "
             "context_parallel_ptrr_mask_key expert_parallel_degree".split()
         ),
         "fsdp_reshard_after_forward": ("default", "always", "never"),
-        "spmd_backend": ("partial_dtensor", "spmd_types"),
+        "spmd_backend": ("partial_dtensor", "full_dtensor", "spmd_types"),
     },
 }
 TT_IMPORTS = {
@@ -283,7 +283,7 @@ def test_torchtitan_export_is_a_recipe_of_the_plan(name):
         "cp": par["context_parallel_degree"],
         "dp": dp,
         "virtual_stages": L8.layers // (lay.pp * layers_per_stage) if layers_per_stage else 1,
-        "micro_batch_size": tr["num_tokens_per_microbatch_per_dp_rank"] // tr["max_context_length"],
+        "micro_batch_size": par["pipeline_parallel_microbatch_size"] if lay.pp > 1 else tr["local_batch_size"],
         "activation_checkpointing": {"FullAC.Config()": "full", "SelectiveAC.Config()": "selective", "None": "none"}[
             r["ac"]
         ],
@@ -291,9 +291,11 @@ def test_torchtitan_export_is_a_recipe_of_the_plan(name):
     }
     assert got == planned(lay)
     assert (r["recipe"], r["flavor"]) == ("llama3_8b", "8B")
-    assert tr["num_tokens_per_train_step"] == 64 * 8192 and tr["max_context_length"] == 8192
-    if lay.pp > 1:  # every micro-batch of the step in the pipeline
-        assert par["num_pp_microbatches"] == 64 // (lay.dp * lay.micro_batch_size) and tr["disable_cuda_graphs"]
+    assert tr["global_batch_size"] == 64 and tr["seq_len"] == 8192
+    # per data-parallel rank and accumulation step; with pp, every micro-batch of the step in the pipeline
+    assert tr["local_batch_size"] == (64 // lay.dp if lay.pp > 1 else lay.micro_batch_size)
+    if lay.pp > 1:
+        assert tr["disable_cuda_graphs"]  # torchtitan refuses CUDA graphs with pp
     assert r["optimizer"] == {"lr": 1.5e-4, "betas": (0.85, 0.99), "eps": 1e-6, "weight_decay": 0.05}
     assert tr["max_norm"] == CLIP and r["lr_scheduler"] == {"warmup_steps": 0, "decay_ratio": 0.0}
-    assert f"pytorch/torchtitan {TT_COMMIT}" in text and any("February 2026" in n for n in notes)
+    assert f"torchtitan {TT_COMMIT}" in text and TT_COMMIT == "0.3.0" and any("February 2026" in n for n in notes)

@@ -42,6 +42,37 @@ def test_import_round_trips_an_export_into_a_spec(name, tmp_path, capsys):
     assert w.grad_clip == CLIP
 
 
+TORCHTITAN_MAIN = """\
+def mine() -> Trainer.Config:
+    config = llama3_8b()
+    config.parallelism.tensor_parallel_degree = 2
+    config.parallelism.data_parallel_shard_degree = 4
+    config.parallelism.pipeline_parallel_degree = 2
+    config.parallelism.num_pp_microbatches = 8
+    config.training.num_tokens_per_microbatch_per_dp_rank = 16384
+    config.training.max_context_length = 8192
+    config.activation_checkpoint = FullAC.Config()
+    config.optimizer = default_adamw(lr=3e-4)
+    config.compile.enable = True
+    return config
+"""
+
+
+def test_import_torchtitan_main_names_the_batch_in_tokens(tmp_path, capsys):
+    """torchtitan's main branch (b5bcd76) spells the batch as token budgets: read as the same layout."""
+    src = tmp_path / "mine.py"
+    src.write_text(TORCHTITAN_MAIN)
+    code, out, err = run(capsys, "import", "torchtitan", str(src), "--out", str(tmp_path / "s.yaml"))
+    assert code == 0, err
+    spec = load_spec(str(tmp_path / "s.yaml"))
+    lay = spec.layout
+    assert (lay.tp, lay.pp, lay.dp, lay.micro_batch_size, lay.activation_checkpointing) == (2, 2, 4, 2, "full")
+    # num_tokens_per_train_step unset: one micro-batch of 2 sequences x 8 pipeline micro-batches x dp 4
+    assert (spec.workload.seq_len, spec.workload.global_batch_size) == (8192, 64)
+    assert (spec.workload.optimizer.lr, tuple(spec.workload.optimizer.betas)) == (3e-4, (0.9, 0.95))  # default_adamw's
+    assert "import: config.compile.enable: not carried: " in err
+
+
 MEGATRON_SCRIPT = """\
 #!/bin/bash
 # a user's launch script

@@ -5,7 +5,7 @@
 - export_megatron(): Megatron-LM's pretrain_gpt.py arguments as megatron/training/arguments.py reads
   them at commit MEGATRON_LM (layout, model shape, AdamW, constant LR, overlap, attention backend).
 - export_torchtitan(): a torchtitan recipe (a Python function returning Trainer.Config, the config
-  system that replaced the TOML files) for commit TORCHTITAN (harness/planner/export_torchtitan.py).
+  system that replaced the TOML files) for torchtitan TORCHTITAN (harness/planner/export_torchtitan.py).
 
 exportable() says why a target cannot run a layout; a layout it refuses is never exported. Each
 exporter returns (text, notes): the notes say what the target does differently from the prediction.
@@ -28,11 +28,11 @@ MEGATRON_LM = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"  # NVIDIA/Megatron-LM m
 VERSIONS = {
     "deepspeed": f"DeepSpeed {DEEPSPEED}",
     "megatron": f"Megatron-LM {MEGATRON_LM[:12]} (megatron/training/arguments.py)",
-    "torchtitan": f"torchtitan {TORCHTITAN[:12]} (Trainer.Config recipe)",
+    "torchtitan": f"torchtitan {TORCHTITAN} (Trainer.Config recipe)",
 }
 # Each target's name for the cp implementations it runs: Megatron-LM's --cp-comm-type (p2p: the
 # ring of K/V blocks; a2a: Ulysses' all-to-all), torchtitan's (its own choice: no option names it
-# at TORCHTITAN), DeepSpeed's Ulysses only.
+# in TORCHTITAN), DeepSpeed's Ulysses only.
 CP_COMM = {
     "megatron": {"ring": "p2p", "allgather": "all_gather", "ulysses": "a2a"},
     "torchtitan": {"ring": "ring", "allgather": "allgather"},

@@ -1,4 +1,4 @@
-"""The chosen layout as a torchtitan recipe, for the torchtitan commit TORCHTITAN.
+"""The chosen layout as a torchtitan recipe, for torchtitan TORCHTITAN (the release on PyPI).
 
 torchtitan dropped its TOML job configs in February 2026: a run is now a Python function returning
 a complete `Trainer.Config` (torchtitan/config/README.md, "Configuration"), selected with
@@ -6,8 +6,9 @@ a complete `Trainer.Config` (torchtitan/config/README.md, "Configuration"), sele
 the model's flavor (torchtitan/models/llama3/config_registry.py) and sets, by assignment, the
 fields of torchtitan/config/configs.py (TrainingConfig, ParallelismConfig), the optimizer
 (default_adamw), a constant learning rate (LRSchedulersContainer.Config) and the activation
-checkpointing policy (FullAC / SelectiveAC / None) at that commit. harness/planner/importers.py
-reads the same form back. Nothing here imports torch.
+checkpointing policy (FullAC / SelectiveAC / None) as that release has them. torchtitan's main
+branch (TORCHTITAN_MAIN) has renamed the batch fields to token budgets (MAIN_FIELDS);
+harness/planner/import_torchtitan.py reads both. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from harness.model.presets import Shape
 from harness.planner.layout import PlannerLayout, Workload
 from harness.spec import Optimizer
 
-TORCHTITAN = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"  # pytorch/torchtitan main, 2026-08-21
+TORCHTITAN = "0.3.0"  # torchtitan on PyPI, 2026-09-03
+TORCHTITAN_MAIN = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"  # pytorch/torchtitan main, 2026-08-21
+# main's names for what the release calls training.local_batch_size, global_batch_size, seq_len and
+# parallelism.pipeline_parallel_microbatch_size (in tokens per micro-batch / step, pipeline micro-batches)
+MAIN_FIELDS = (
+    "training.num_tokens_per_microbatch_per_dp_rank",
+    "training.num_tokens_per_train_step",
+    "training.max_context_length",
+    "parallelism.num_pp_microbatches",
+)
 # torchtitan's llama3 flavors (torchtitan/models/llama3/__init__.py): layers, dim, ffn hidden
 # (compute_ffn_hidden_dim), heads, kv heads, vocabulary.
 FLAVORS = {
@@ -85,16 +95,17 @@ def export_torchtitan(
         "enable_sequence_parallel": lay.sequence_parallel or lay.tp == 1,
         "pipeline_parallel_degree": lay.pp,
         "pipeline_parallel_schedule": SCHEDULES.get(lay.pipeline_schedule, "1F1B"),
-        "num_pp_microbatches": micro if lay.pp > 1 else 1,
+        "pipeline_parallel_microbatch_size": lay.micro_batch_size,
         "context_parallel_degree": lay.cp,
     }
     if lay.pp > 1 and lay.pipeline_schedule == "interleaved":
         parallelism["pipeline_parallel_layers_per_stage"] = shape.layers // (lay.pp * lay.virtual_stages)
     bf16 = wl.dtype_bytes == 2
     training = {
-        "num_tokens_per_microbatch_per_dp_rank": lay.micro_batch_size * wl.seq_len,
-        "num_tokens_per_train_step": wl.global_batch_size * wl.seq_len,
-        "max_context_length": wl.seq_len,
+        # per data-parallel rank and accumulation step: with pp, every micro-batch of the step
+        "local_batch_size": lay.micro_batch_size * micro if lay.pp > 1 else lay.micro_batch_size,
+        "global_batch_size": wl.global_batch_size,
+        "seq_len": wl.seq_len,
         "max_norm": clip,
         "dtype": "float32",
         "mixed_precision_param": "bfloat16" if bf16 else "float32",
@@ -104,10 +115,14 @@ def export_torchtitan(
         training["disable_cuda_graphs"] = True  # torchtitan's CUDA graphs refuse pipeline parallelism
     adamw = f"lr={opt.lr!r}, betas={_literal(opt.betas)}, eps={opt.eps!r}, weight_decay={opt.weight_decay!r}"
     lines = [
-        f'"""torchtitan recipe written by `harness plan`, for pytorch/torchtitan {TORCHTITAN}.',
+        f'"""torchtitan recipe written by `harness plan`, for torchtitan {TORCHTITAN}',
+        f"(pip install torchtitan=={TORCHTITAN}).",
         "",
-        f"Save as {FUNCTION}.py where Python finds it and run (NGPU = {lay.gpus} ranks):",
-        f"    NGPU={lay.gpus} MODULE={FUNCTION} CONFIG={FUNCTION} ./run_train.sh",
+        f"Save as {FUNCTION}.py where Python finds it and launch {lay.gpus} ranks (8 a node):",
+        f"    torchrun --nproc-per-node 8 --nnodes {max(1, lay.gpus // 8)} -m torchtitan.train "
+        f"--module {FUNCTION} --config {FUNCTION}"
+        if lay.gpus > 8 and lay.gpus % 8 == 0
+        else f"    torchrun --nproc-per-node {lay.gpus} -m torchtitan.train --module {FUNCTION} --config {FUNCTION}",
         '"""',
         "",
         "from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw",
@@ -130,19 +145,20 @@ def export_torchtitan(
         "    return config",
     ]
     notes = [
-        f"for torchtitan {TORCHTITAN[:12]}: a recipe (Trainer.Config), torchtitan's config system since its "
+        f"for torchtitan {TORCHTITAN}: a recipe (Trainer.Config), torchtitan's config system since its "
         "TOML files ended in February 2026",
+        f"torchtitan main ({TORCHTITAN_MAIN[:12]}) names the batch in tokens instead: {', '.join(MAIN_FIELDS)}",
         "torchtitan shards parameters, gradients and optimizer states with FSDP2 (ZeRO-3-like) over "
         f"data_parallel_shard_degree x context_parallel_degree: its memory is below the ZeRO-{lay.sharding_stage} "
         "prediction"
         if lay.sharding_stage < 3
         else "",
         f"attention {lay.attention}: torchtitan's {ATTENTION[lay.attention]} backend",
-        "the context-parallel exchange is torchtitan's own (no option names it at this commit)" if lay.cp > 1 else "",
+        "the context-parallel exchange is torchtitan's own (no option names it in this release)" if lay.cp > 1 else "",
         f"{shape.layers} layers do not split evenly into {lay.pp} x {lay.virtual_stages} chunks"
         if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and shape.layers % (lay.pp * lay.virtual_stages)
         else "",
     ]
     if lay.pp == 1 and micro > 1:
-        notes.append(f"torchtitan accumulates {micro} micro-batches per step (num_tokens_per_train_step)")
+        notes.append(f"torchtitan accumulates {micro} micro-batches per step (global_batch_size)")
     return "\n".join(lines) + "\n", [n for n in notes if n]

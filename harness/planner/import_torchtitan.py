@@ -3,8 +3,8 @@
 The recipe is the form harness/planner/export_torchtitan.py writes for torchtitan TORCHTITAN: one
 function that starts from a llama3 recipe and assigns fields. It is read as text with ast, never
 run: only literal values are taken; any other statement is listed as not carried. Field names are
-torchtitan/config/configs.py's (TrainingConfig, ParallelismConfig) at that commit, unset fields
-their defaults there.
+torchtitan/config/configs.py's (TrainingConfig, ParallelismConfig) in that release, or main's
+token-budget names (TORCHTITAN_MAIN, MAIN_FIELDS); unset fields take their defaults there.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from __future__ import annotations
 import ast
 
 from harness.errors import SpecError
-from harness.planner.export_torchtitan import ATTENTION, FLAVORS, RECIPES, SCHEDULES
+from harness.planner.export_torchtitan import FLAVORS, MAIN_FIELDS, RECIPES, SCHEDULES
 
-# torchtitan/config/configs.py at TORCHTITAN: the defaults of the fields the harness carries.
+# torchtitan/config/configs.py in TORCHTITAN and at TORCHTITAN_MAIN (main's names last): the
+# defaults of the fields the harness carries.
 PARALLELISM = {
     "data_parallel_replicate_degree": 1,
     "data_parallel_shard_degree": -1,
@@ -23,11 +24,15 @@ PARALLELISM = {
     "enable_sequence_parallel": True,
     "pipeline_parallel_degree": 1,
     "pipeline_parallel_schedule": "1F1B",
-    "num_pp_microbatches": 1,
     "context_parallel_degree": 1,
     "pipeline_parallel_layers_per_stage": None,
+    "pipeline_parallel_microbatch_size": 1,
+    "num_pp_microbatches": 1,
 }
 TRAINING = {
+    "local_batch_size": 8,
+    "global_batch_size": -1,
+    "seq_len": 2048,
     "num_tokens_per_microbatch_per_dp_rank": 16384,
     "num_tokens_per_train_step": -1,
     "max_context_length": 2048,
@@ -76,7 +81,7 @@ def _recipe_body(text: str) -> list:
 def read_recipe(text: str) -> tuple[dict, list[str]]:
     """The recipe's settings: {"recipe", "flavor", "attn_backend", "parallelism", "training",
     "optimizer", "lr_scheduler", "activation_checkpoint"}, and the statements not carried."""
-    got = {"parallelism": dict(PARALLELISM), "training": dict(TRAINING), "optimizer": dict(ADAMW)}
+    got = {"parallelism": dict(PARALLELISM), "training": dict(TRAINING), "optimizer": dict(ADAMW), "set": set()}
     lost = []
     for st in _recipe_body(text):
         if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant):
@@ -110,6 +115,7 @@ def read_recipe(text: str) -> tuple[dict, list[str]]:
                 lost.append(f"{name}: not carried: the harness has no such setting")
             else:
                 got[section][key] = _literal(value, name)
+                got["set"].add(name)
         elif name == "optimizer":
             if _call_name(value) != "default_adamw":
                 raise SpecError("optimizer", f"not default_adamw(...): {ast.unparse(value)}")
@@ -146,18 +152,8 @@ def read_torchtitan(text: str, gpus: int | None) -> tuple[dict, dict, list[str]]
         if gpus is None:
             raise SpecError("parallelism.data_parallel_shard_degree", "-1 (the ranks left over): give --gpus")
         shard = gpus // (rep * tp * pp * cp)
-    seq = tr["max_context_length"]
-    per_micro = tr["num_tokens_per_microbatch_per_dp_rank"]
-    if per_micro % seq:
-        raise SpecError(
-            "training.num_tokens_per_microbatch_per_dp_rank", f"{per_micro} is not whole sequences of {seq}"
-        )
-    micro, dp = per_micro // seq, rep * shard
-    step = tr["num_tokens_per_train_step"]
-    if step == -1:
-        step = per_micro * (par["num_pp_microbatches"] if pp > 1 else 1) * dp
-    if step % seq:
-        raise SpecError("training.num_tokens_per_train_step", f"{step} is not whole sequences of {seq}")
+    dp = rep * shard
+    seq, micro, batch = _batch(got, pp, dp)
     schedule = {v: k for k, v in SCHEDULES.items()}.get(par["pipeline_parallel_schedule"])
     if schedule is None:
         raise SpecError(
@@ -176,7 +172,6 @@ def read_torchtitan(text: str, gpus: int | None) -> tuple[dict, dict, list[str]]
     attention = {"varlen": "flash2", "flex": "sdpa_efficient", "flex_flash": "flash2"}.get(backend)
     if attention is None:
         raise SpecError("model_spec.attn_backend", f"{backend!r} is not one of varlen, flex, flex_flash")
-    assert attention in ATTENTION
     if rep > 1:
         lost.append(
             "parallelism.data_parallel_replicate_degree: not carried: "
@@ -193,9 +188,9 @@ def read_torchtitan(text: str, gpus: int | None) -> tuple[dict, dict, list[str]]
         )
     opt = got["optimizer"]
     workload = {
-        "model": "llama3-8b" if flavor == "8B" else "tiny",
+        "model": "llama3-8b",  # the 8B flavor; the others its shape overridden below
         "seq_len": seq,
-        "global_batch_size": step // seq,
+        "global_batch_size": batch,
         "precision": "bf16" if tr["mixed_precision_param"] == "bfloat16" or tr["dtype"] == "bfloat16" else "fp32",
         "optimizer": {
             "lr": opt["lr"],
@@ -207,7 +202,6 @@ def read_torchtitan(text: str, gpus: int | None) -> tuple[dict, dict, list[str]]
     }
     if flavor != "8B":
         layers, hidden, ffn, heads, kv, vocab = FLAVORS[flavor]
-        workload["model"] = "llama3-8b"
         workload["model_overrides"] = {"layers": layers, "hidden": hidden, "ffn": ffn, "heads": heads, "kv_heads": kv}
     layout = {
         "tp": tp,
@@ -223,3 +217,31 @@ def read_torchtitan(text: str, gpus: int | None) -> tuple[dict, dict, list[str]]
         "reshard_after_forward": par["fsdp_reshard_after_forward"] != "never",
     }
     return workload, layout, lost
+
+
+def _batch(got: dict, pp: int, dp: int) -> tuple[int, int, int]:
+    """(sequence length, micro-batch size, global batch in sequences), from the release's fields or
+    main's token budgets (whichever the recipe sets; not both)."""
+    par, tr = got["parallelism"], got["training"]
+    main = got["set"] & set(MAIN_FIELDS)
+    if main and got["set"] & {"training.local_batch_size", "training.global_batch_size", "training.seq_len"}:
+        raise SpecError(sorted(main)[0], "mixes torchtitan main's token budgets with the release's batch fields")
+    if main:
+        seq, per_micro = tr["max_context_length"], tr["num_tokens_per_microbatch_per_dp_rank"]
+        if per_micro % seq:
+            raise SpecError(
+                "training.num_tokens_per_microbatch_per_dp_rank", f"{per_micro} is not whole sequences of {seq}"
+            )
+        micro, step = per_micro // seq, tr["num_tokens_per_train_step"]
+        if step == -1:
+            step = per_micro * (par["num_pp_microbatches"] if pp > 1 else 1) * dp
+        if step % seq:
+            raise SpecError("training.num_tokens_per_train_step", f"{step} is not whole sequences of {seq}")
+        return seq, micro, step // seq
+    local, micro = tr["local_batch_size"], tr["local_batch_size"]
+    if pp > 1:
+        micro = par["pipeline_parallel_microbatch_size"]
+        if local % micro:
+            raise SpecError("training.local_batch_size", f"{local} is not whole pipeline micro-batches of {micro}")
+    batch = tr["global_batch_size"]
+    return tr["seq_len"], micro, local * dp if batch == -1 else batch
