@@ -170,7 +170,7 @@ def megatron_spec(text: str, model: str, world: int) -> dict:
     if a.bf16:
         assert a.accumulate_allreduce_grads_in_fp32  # the planner's policy
     raw, _ = import_megatron(text, world)
-    assert raw["workload"]["model"] == model
+    assert raw["workload"]["model"] == model and raw["layout"]["engine"] == "megatron"
     raw["workload"].update(steps=1, warmup_steps=0, device="cpu")
     return raw
 
