@@ -94,6 +94,8 @@ def test_import_megatron_script_lists_what_it_cannot_carry(tmp_path, capsys):
     spec = load_spec(str(tmp_path / "s.yaml"))
     assert (spec.layout.tp, spec.layout.pp, spec.layout.dp, spec.layout.sequence_parallel) == (2, 2, 4, True)
     assert spec.workload.model == "llama3-8b" and spec.workload.global_batch_size == 128
+    # --bf16 without --accumulate-allreduce-grads-in-fp32: Megatron-LM accumulates and reduces in bf16
+    assert (spec.workload.grad_accum_dtype, spec.workload.grad_reduce_dtype) == ("bf16", "bf16")
     lines = err.splitlines()
     for field in ("--data-path", "--fp8-format", "--lr-decay-style"):
         assert sum(line.startswith(f"import: {field}: not carried: ") for line in lines) == 1, err

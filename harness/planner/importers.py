@@ -142,6 +142,7 @@ def import_megatron(text: str, gpus: int | None = None) -> tuple[dict, list[str]
             shape[key] = float(a[flag]) if key == "rope_theta" else a[flag]
     shape["kv_heads"] = a.get("num-query-groups") if a.get("group-query-attention") else a["num-attention-heads"]
     shape["tie_embeddings"] = not a.get("untie-embeddings-and-output-weights")
+    shape["attention_bias"] = bool(a.get("add-qkv-bias"))
     if a.get("vocab-size"):
         shape["vocab"] = a["vocab-size"]
     model, overrides = match_model(shape)
@@ -168,6 +169,8 @@ def import_megatron(text: str, gpus: int | None = None) -> tuple[dict, list[str]
         if comm not in CP_OF_COMM:
             raise SpecError("--cp-comm-type", f"{comm!r} is not one of {', '.join(CP_OF_COMM)}")
         layout["cp_impl"] = CP_OF_COMM[comm]
+        if len(args["--cp-comm-type"]) > 1:
+            lost.append("--cp-comm-type: not carried: one type per layer; written as the first layer's")
     if a.get("recompute-granularity") == "full" and (a.get("recompute-method"), a.get("recompute-num-layers")) not in (
         ("uniform", 1),
         (None, None),
@@ -181,6 +184,13 @@ def import_megatron(text: str, gpus: int | None = None) -> tuple[dict, list[str]
         "precision": "bf16" if a.get("bf16") else "fp32",
         "optimizer": {},
     }
+    if a.get("bf16") and not a.get("accumulate-allreduce-grads-in-fp32"):  # Megatron-LM then keeps bf16 grads
+        workload.update(grad_accum_dtype="bf16", grad_reduce_dtype="bf16")
+    lost += [
+        f"--{f}: not carried: the harness has no such setting"
+        for f in ("overlap-grad-reduce", "overlap-param-gather")
+        if a.get(f)
+    ]
     if a.get("global-batch-size") is None:
         lost.append("--global-batch-size: not carried: absent; written as micro-batch x dp")
     _megatron_optimizer(a, workload, lost)
