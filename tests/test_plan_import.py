@@ -81,7 +81,7 @@ torchrun --nproc-per-node 8 --nnodes 2 pretrain_gpt.py \\
     --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 \\
     --group-query-attention --num-query-groups 8 --seq-length 4096 --max-position-embeddings 131072 \\
     --micro-batch-size 1 --global-batch-size 128 --rotary-base 500000 --untie-embeddings-and-output-weights \\
-    --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --bf16 \\
+    --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --bf16 --grad-reduce-in-bf16 \\
     --use-distributed-optimizer --attention-backend flash --data-path /data/tokens --fp8-format hybrid
 """
 
@@ -94,7 +94,7 @@ def test_import_megatron_script_lists_what_it_cannot_carry(tmp_path, capsys):
     spec = load_spec(str(tmp_path / "s.yaml"))
     assert (spec.layout.tp, spec.layout.pp, spec.layout.dp, spec.layout.sequence_parallel) == (2, 2, 4, True)
     assert spec.workload.model == "llama3-8b" and spec.workload.global_batch_size == 128
-    # --bf16 without --accumulate-allreduce-grads-in-fp32: Megatron-LM accumulates and reduces in bf16
+    # --bf16 --grad-reduce-in-bf16: Megatron-LM's validate_args drops fp32 accumulation and reduction
     assert (spec.workload.grad_accum_dtype, spec.workload.grad_reduce_dtype) == ("bf16", "bf16")
     lines = err.splitlines()
     for field in ("--data-path", "--fp8-format", "--lr-decay-style"):

@@ -37,7 +37,7 @@ MEGATRON_STR = {
 MEGATRON_FLAGS = {
     *"sequence-parallel group-query-attention swiglu disable-bias-linear untie-embeddings-and-output-weights".split(),
     *"bf16 accumulate-allreduce-grads-in-fp32 use-distributed-optimizer overlap-grad-reduce".split(),
-    *"overlap-param-gather use-rope-scaling add-qkv-bias use-flash-attn".split(),
+    *"overlap-param-gather use-rope-scaling add-qkv-bias use-flash-attn grad-reduce-in-bf16".split(),
 }
 CP_OF_COMM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses"}
 # ds_config keys carried (or listed by name below)
@@ -184,7 +184,7 @@ def import_megatron(text: str, gpus: int | None = None) -> tuple[dict, list[str]
         "precision": "bf16" if a.get("bf16") else "fp32",
         "optimizer": {},
     }
-    if a.get("bf16") and not a.get("accumulate-allreduce-grads-in-fp32"):  # Megatron-LM then keeps bf16 grads
+    if a.get("bf16") and a.get("grad-reduce-in-bf16"):  # Megatron-LM's main grads then bf16 (validate_args)
         workload.update(grad_accum_dtype="bf16", grad_reduce_dtype="bf16")
     lost += [
         f"--{f}: not carried: the harness has no such setting"
