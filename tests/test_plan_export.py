@@ -299,3 +299,15 @@ def test_torchtitan_export_is_a_recipe_of_the_plan(name):
     assert r["optimizer"] == {"lr": 1.5e-4, "betas": (0.85, 0.99), "eps": 1e-6, "weight_decay": 0.05}
     assert tr["max_norm"] == CLIP and r["lr_scheduler"] == {"warmup_steps": 0, "decay_ratio": 0.0}
     assert f"torchtitan {TT_COMMIT}" in text and TT_COMMIT == "0.3.0" and any("February 2026" in n for n in notes)
+
+
+def test_plan_export_torchtitan_needs_a_llama3_flavor(capsys):
+    plan = "plan --seq-len 8192 --global-batch-size 64 --gpus 16 --hardware h100-sxm --export torchtitan".split()
+    code, out, err = run(capsys, *plan, "--model", "llama3-8b")
+    assert code == 0
+    r = torchtitan_recipe(out)
+    par = r["parallelism"]
+    world = par["data_parallel_shard_degree"] * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"]
+    assert world * par["context_parallel_degree"] == 16 and r["flavor"] == "8B"
+    code, out, err = run(capsys, *plan, "--model", "paper-13b")  # no torchtitan flavor has its shape
+    assert code == 2 and err.startswith("error: --export:") and "no flavor" in err
