@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("harness.commands.report", "write a Markdown + HTML report from the results store"),
     "plan": ("harness.commands.plan", "predict memory and speed of every layout"),
     "memory": ("harness.commands.memory", "trace a spec's memory per GPU at full size, on this CPU"),
+    "import": ("harness.commands.import", "a Megatron-LM, torchtitan or DeepSpeed launch config as a run spec"),
 }
 
 

@@ -66,29 +66,32 @@ def profiled_record(spec: dict, step: float, parts: dict, world_size: int, token
     return rec
 
 
-def megatron_parser(context_parallel: bool = True, **parser_kw) -> argparse.ArgumentParser:
-    """Megatron-LM's pretrain_gpt.py arguments (megatron/training/arguments.py's names) that an
-    export may carry; context_parallel adds --context-parallel-size and --cp-comm-type."""
-    p = argparse.ArgumentParser(prog="pretrain_gpt.py", **parser_kw)
-    for name in (
-        "tensor-model-parallel-size pipeline-model-parallel-size micro-batch-size global-batch-size seq-length "
-        "max-position-embeddings num-layers hidden-size ffn-hidden-size num-attention-heads num-query-groups "
-        "rotary-base recompute-num-layers num-layers-per-virtual-pipeline-stage"
-    ).split():
-        p.add_argument(f"--{name}", type=int)
-    if context_parallel:
-        p.add_argument("--context-parallel-size", type=int)
-        p.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
-    for name in ("recompute-granularity", "recompute-method", "normalization", "position-embedding-type"):
-        p.add_argument(f"--{name}")
-    for name in ("norm-epsilon", "attention-dropout", "hidden-dropout", "rope-scaling-factor"):
-        p.add_argument(f"--{name}", type=float)
-    for flag in (
-        "sequence-parallel group-query-attention swiglu untie-embeddings-and-output-weights disable-bias-linear "
-        "bf16 use-distributed-optimizer use-flash-attn accumulate-allreduce-grads-in-fp32 use-rope-scaling "
-        "add-qkv-bias"
-    ).split():
-        p.add_argument(f"--{flag}", action="store_true")
+def megatron_parser(**parser_kw) -> argparse.ArgumentParser:
+    """Megatron-LM's own argument parser, strictly: every option of add_megatron_arguments() in
+    megatron/training/arguments.py at the commit tests/data/megatron_lm_arguments.json names (dumped
+    from the parser that function builds, as name, dest, action, nargs, type, choices), and no other.
+    Megatron-LM's training package is not in the megatron-core wheel installed here."""
+    import json
+    import pathlib
+    from collections import defaultdict
+
+    table = json.loads((pathlib.Path(__file__).parent / "data" / "megatron_lm_arguments.json").read_text())
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False, **parser_kw)
+    actions = defaultdict(list)
+    for flag, entry in table["options"].items():
+        actions[json.dumps(entry)].append(flag)
+    types = {"int": int, "float": float, "str": str, None: None}
+    for key, flags in actions.items():
+        dest, kind, nargs, typ, choices = json.loads(key)
+        if kind == "true":
+            p.add_argument(*flags, dest=dest, action="store_true")
+        elif kind == "false":
+            p.add_argument(*flags, dest=dest, action="store_false")
+        elif kind == "bool":  # argparse adds the --no- form itself
+            flags = [f for f in flags if not any(f == "--no-" + g[2:] for g in flags)]
+            p.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction)
+        else:
+            p.add_argument(*flags, dest=dest, type=types[typ], nargs=nargs, choices=choices)
     return p
 
 

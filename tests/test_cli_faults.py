@@ -28,7 +28,7 @@ ARGPARSE_MISTAKES = [  # (argv, the whole line)
     (
         ["trian"],
         "error: command: 'trian' is not one of train, env, data, results, compare, sweep, report, plan, "
-        "memory (did you mean train?)",
+        "memory, import (did you mean train?)",
     ),
     (["train", "a.yaml", "b.yaml"], "error: b.yaml: one argument too many for harness train; see harness train --help"),
     (["compare", "--nproc", "2"], "error: --nproc: not an option of harness compare; see harness compare --help"),

@@ -15,10 +15,10 @@ import pytest
 from conftest import megatron_parser
 
 from harness.model.presets import PRESETS, resolve_shape
+from harness.planner.export import export_megatron
 from harness.planner.layout import PlannerLayout, Workload
 from harness.planner.memory_engines import engine_stage_items, engine_stage_memory, model_states
 from harness.planner.memory_terms import stage_params
-from harness.planner.output import export_megatron
 
 # ---------------------------------------------------------------- sweeps over engines
 
@@ -131,15 +131,17 @@ def test_plan_engine_megatron_offers_only_even_splits_and_zero_0_or_1():
 
 
 def megatron_args(text: str) -> argparse.Namespace:
-    """Megatron-LM's pretrain_gpt.py arguments (megatron/training/arguments.py's names), strictly: an
+    """Megatron-LM's pretrain_gpt.py arguments (megatron/training/arguments.py's parser), strictly: an
     argument it does not know fails."""
-    return megatron_parser(context_parallel=False, exit_on_error=False).parse_args(shlex.split(text))
+    return megatron_parser(exit_on_error=False).parse_args(shlex.split(text))
 
 
 def megatron_spec(text: str, model: str, world: int) -> dict:
-    """A run spec for engine megatron from exported Megatron-LM arguments (dp: the world size over
-    tp x pp, as Megatron-LM derives it). The model is the named preset, checked against the shape the
-    arguments give."""
+    """A run spec for engine megatron from exported Megatron-LM arguments, as `harness import megatron`
+    reads them (dp: the world size over tp x pp, as Megatron-LM derives it). The model is the named
+    preset, checked against the shape the arguments give."""
+    from harness.planner.importers import import_megatron
+
     a = megatron_args(text)
     shape = resolve_shape(model)
     assert (
@@ -149,7 +151,7 @@ def megatron_spec(text: str, model: str, world: int) -> dict:
         a.num_attention_heads,
         a.num_query_groups or a.num_attention_heads,
         a.rotary_base,
-        a.norm_epsilon,
+        a.layernorm_epsilon,
         not a.untie_embeddings_and_output_weights,
     ) == (
         shape.layers,
@@ -161,39 +163,16 @@ def megatron_spec(text: str, model: str, world: int) -> dict:
         shape.norm_eps,
         shape.tie_embeddings,
     )
-    assert a.swiglu and a.normalization == "RMSNorm" and a.disable_bias_linear
+    assert a.swiglu and a.normalization == "RMSNorm" and not a.add_bias_linear
     assert a.attention_dropout == 0 and a.hidden_dropout == 0
-    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    per_chunk = a.num_layers_per_virtual_pipeline_stage
-    vp = a.num_layers // (pp * per_chunk) if per_chunk else 1
     if a.recompute_granularity == "full":
         assert (a.recompute_method, a.recompute_num_layers) == ("uniform", 1)
-    layout = {
-        "engine": "megatron",
-        "tp": tp,
-        "pp": pp,
-        "dp": world // (tp * pp),
-        "micro_batch_size": a.micro_batch_size,
-        "sequence_parallel": a.sequence_parallel,
-        "activation_checkpointing": a.recompute_granularity or "none",
-        "pipeline_schedule": "interleaved" if vp > 1 else "1f1b",
-        "virtual_stages": vp,
-        "zero_stage": 1 if a.use_distributed_optimizer else 0,
-        "attention": "flash2" if a.use_flash_attn else "naive",
-        "rmsnorm": "torch",
-    }
-    workload = {
-        "model": model,
-        "seq_len": a.seq_length,
-        "global_batch_size": a.global_batch_size,
-        "steps": 1,
-        "warmup_steps": 0,
-        "device": "cpu",
-        "precision": "bf16" if a.bf16 else "fp32",
-    }
     if a.bf16:
         assert a.accumulate_allreduce_grads_in_fp32  # the planner's policy
-    return {"workload": workload, "layout": layout}
+    raw, _ = import_megatron(text, world)
+    assert raw["workload"]["model"] == model and raw["layout"]["engine"] == "megatron"
+    raw["workload"].update(steps=1, warmup_steps=0, device="cpu")
+    return raw
 
 
 PLANNED_FIELDS = (

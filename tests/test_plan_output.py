@@ -1,6 +1,6 @@
-"""What `harness plan` hands a user to act on: distinct table rows, a
-sweep that `harness sweep` runs as it is, DeepSpeed / Megatron-LM / torchtitan configs that parse,
-and a plan path that imports no torch."""
+"""What `harness plan` hands a user to act on: distinct table rows, a sweep that `harness sweep` runs
+as it is, DeepSpeed / Megatron-LM configs that parse (tests/test_plan_export.py reads each format back
+with its tool's parser), and a plan path that imports no torch."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import subprocess
 import sys
 
 import pytest
-import tomllib
 import yaml
 from conftest import heavy_imports_after, megatron_parser
 
 from harness.cli import main as cli
 from harness.model.presets import PRESETS
+from harness.planner.export import export_deepspeed, export_megatron, exportable
 from harness.planner.hardware import load_profile
 from harness.planner.layout import PlannerLayout, Workload
-from harness.planner.output import export_deepspeed, export_megatron, export_torchtitan, exportable, group
+from harness.planner.output import group
 from harness.planner.predict import predict, predict_many
 
 S13 = PRESETS["paper-13b"]
@@ -154,9 +154,9 @@ def test_export_megatron_layout_fields():
     )
     a = megatron_parser().parse_args(shlex.split(export_megatron(S13, lay, wl)[0]))
     assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.micro_batch_size) == (4, 4, 2)
-    assert a.sequence_parallel and a.use_flash_attn and a.use_distributed_optimizer
+    assert a.sequence_parallel and a.attention_backend == "flash" and a.use_distributed_optimizer
     assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == ("full", "uniform", 1)
-    assert a.num_layers_per_virtual_pipeline_stage == 40 // (4 * 2)
+    assert a.num_virtual_stages_per_pipeline_rank == 2
     a = megatron_parser().parse_args(
         shlex.split(
             export_megatron(
@@ -166,7 +166,7 @@ def test_export_megatron_layout_fields():
             )[0]
         )
     )
-    assert a.recompute_granularity == "selective" and not a.use_flash_attn and not a.sequence_parallel
+    assert a.recompute_granularity == "selective" and a.attention_backend == "local" and not a.sequence_parallel
     assert a.group_query_attention and a.num_query_groups == PRESETS["llama2-70b"].kv_heads
     assert a.context_parallel_size is None and a.cp_comm_type is None  # no cp: Megatron-LM's default 1
 
@@ -176,7 +176,7 @@ def test_export_megatron_carries_cp(impl, comm):
     lay = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, cp=4, cp_impl=impl)
     text, notes = export_megatron(PRESETS["llama3-8b"], lay, Workload(65536, 32))
     a = megatron_parser().parse_args(shlex.split(text))
-    assert (a.tensor_model_parallel_size, a.context_parallel_size, a.cp_comm_type) == (2, 4, comm)
+    assert (a.tensor_model_parallel_size, a.context_parallel_size, a.cp_comm_type) == (2, 4, [comm])
     assert any("x cp)" in n for n in notes) and any("Transformer Engine" in n for n in notes)
 
 
@@ -190,73 +190,9 @@ def test_export_megatron_cli_of_a_cp_plan(capsys):
     )
     assert code == 0
     a = megatron_parser().parse_args(shlex.split(out))  # strict: an unknown flag fails
-    assert a.context_parallel_size == 4 and a.cp_comm_type in ("p2p", "all_gather", "a2a")
+    assert a.context_parallel_size == 4 and a.cp_comm_type[0] in ("p2p", "all_gather", "a2a")
+    assert a.transformer_impl == "transformer_engine" and a.attention_backend != "local"  # cp runs in TE
     assert a.seq_length == 65536 and "cp 4 " in err
-
-
-# torchtitan/config/job_config.py (pytorch/torchtitan): the fields the export may write.
-TORCHTITAN_FIELDS = {
-    "training": {
-        *"local_batch_size global_batch_size seq_len max_norm mixed_precision_param mixed_precision_reduce".split()
-    },
-    "parallelism": {
-        *(
-            "data_parallel_replicate_degree data_parallel_shard_degree fsdp_reshard_after_forward "
-            "tensor_parallel_degree enable_async_tensor_parallel pipeline_parallel_degree "
-            "pipeline_parallel_schedule pipeline_parallel_microbatch_size context_parallel_degree "
-            "context_parallel_rotate_method"
-        ).split()
-    },
-    "activation_checkpoint": {"mode", "selective_ac_option"},
-}
-
-
-def test_export_torchtitan_cli(capsys):
-    code, out, err = run(capsys, *PLAN_13B, "--export", "torchtitan")
-    assert code == 0
-    cfg = tomllib.loads(out)
-    for section, fields in cfg.items():
-        assert set(fields) <= TORCHTITAN_FIELDS[section], section
-    par, tr = cfg["parallelism"], cfg["training"]
-    assert tr["global_batch_size"] == 2048 and tr["seq_len"] == 2048
-    assert par["data_parallel_shard_degree"] * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"] == 64
-    assert cfg["activation_checkpoint"]["mode"] in ("none", "full", "selective")
-    assert f"tp {par['tensor_parallel_degree']} pp {par['pipeline_parallel_degree']} " in err
-
-
-def test_export_torchtitan_layout_fields():
-    wl = Workload(2048, 512)
-    cfg = tomllib.loads(
-        export_torchtitan(
-            S13, PlannerLayout(2, 4, 8, 2, activation_checkpointing="selective", sequence_parallel=True), wl
-        )[0]
-    )
-    par = cfg["parallelism"]
-    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["data_parallel_shard_degree"]) == (
-        2,
-        4,
-        8,
-    )
-    assert par["pipeline_parallel_schedule"] == "1F1B" and par["pipeline_parallel_microbatch_size"] == 2
-    assert cfg["training"]["local_batch_size"] == 512 // 8
-    assert cfg["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
-    cfg = tomllib.loads(export_torchtitan(S13, PlannerLayout(1, 1, 64, 2), wl)[0])
-    assert cfg["training"]["local_batch_size"] == 2 and "pipeline_parallel_microbatch_size" not in cfg["parallelism"]
-    assert exportable(PlannerLayout(2, 1, 32, 1), "torchtitan")  # torchtitan's TP always shards the sequence
-    par = cfg["parallelism"]
-    assert par["context_parallel_degree"] == 1 and "context_parallel_rotate_method" not in par
-
-
-def test_export_torchtitan_carries_cp():
-    wl = Workload(65536, 32)
-    for impl, method in (("ring", "alltoall"), ("allgather", "allgather")):
-        cfg = tomllib.loads(
-            export_torchtitan(S13, PlannerLayout(2, 1, 2, 1, sequence_parallel=True, cp=4, cp_impl=impl), wl)[0]
-        )
-        par = cfg["parallelism"]
-        assert set(par) <= TORCHTITAN_FIELDS["parallelism"]
-        assert (par["context_parallel_degree"], par["context_parallel_rotate_method"]) == (4, method)
-    assert "no ulysses" in exportable(PlannerLayout(1, 1, 2, 1, cp=4, cp_impl="ulysses"), "torchtitan")
 
 
 def test_export_deepspeed_carries_ulysses_only():

@@ -4,8 +4,9 @@ Prints a table of distinct layouts (kernels predicted identically share a row), 
 --format json only a JSON list on stdout (one object per layout). --explain adds the memory and
 time breakdown of the shown layouts. --emit-sweep writes a sweep spec of the top layouts predicted
 to fit that `harness sweep FILE` runs as it is. --export deepspeed|megatron|torchtitan prints the
-best layout predicted to fit that the target can express, as a DeepSpeed JSON config, Megatron-LM
-arguments or a torchtitan TOML section, on stdout (notes on stderr). --findings prints what the plan
+best layout predicted to fit that the target runs, as a DeepSpeed JSON config, Megatron-LM
+arguments or a torchtitan recipe (Trainer.Config), each for a named version, on stdout (notes on
+stderr); `harness import` reads them back as a spec. --findings prints what the plan
 predicts of the reference study's findings on each --hardware profile (a comma list with it only):
 harness/planner/findings.py, printed by plan_findings.py. --calibrate / --calibrate-csv
 fit the profile's efficiencies to measurements and save the calibrated profile (--calibrate-out,
@@ -92,7 +93,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--export",
         choices=("deepspeed", "megatron", "torchtitan"),
-        help="print the best fitting layout as a DeepSpeed config, Megatron-LM arguments or torchtitan TOML",
+        help="print the best fitting layout as a DeepSpeed config, Megatron-LM arguments or a torchtitan recipe",
     )
     p.add_argument("--explain", action="store_true", help="print memory and time breakdowns")
     p.add_argument(

@@ -89,16 +89,16 @@ def emit_sweep(args, fitting, profile, gpus_per_node) -> None:
 
 def export(args, shape, wl, fitting) -> int:
     """The best layout predicted to fit that the target expresses, in the target's format."""
-    from harness.planner.output import EXPORTERS, exportable
+    from harness.planner.export import EXPORTERS, VERSIONS, exportable
 
     if not fitting:
         raise SpecError("--export", "no layout is predicted to fit")
-    chosen = next((p for p in fitting if not exportable(p.layout, args.export)), None)
+    chosen = next((p for p in fitting if not exportable(p.layout, args.export, shape)), None)
     if chosen is None:
         raise SpecError(
             "--export",
-            f"no layout predicted to fit can be expressed for {args.export}: "
-            f"{exportable(fitting[0].layout, args.export)}",
+            f"no layout predicted to fit can be expressed for {VERSIONS[args.export]}: "
+            f"{exportable(fitting[0].layout, args.export, shape)}",
         )
     text, notes = EXPORTERS[args.export](shape, chosen.layout, wl)
     print(text)
@@ -112,7 +112,7 @@ def export(args, shape, wl, fitting) -> int:
     )
     if chosen is not fitting[0]:
         print(
-            f"# the fastest predicted layout cannot be expressed: {exportable(fitting[0].layout, args.export)}",
+            f"# the fastest predicted layout cannot be expressed: {exportable(fitting[0].layout, args.export, shape)}",
             file=sys.stderr,
         )
     for note in notes:

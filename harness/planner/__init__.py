@@ -12,7 +12,9 @@ Modules, one job each:
   timing          seconds per step: the features at their efficiencies, the schedule, the dp reduction
   candidates      every valid layout
   predict         memory and time together: one prediction per layout
-  output          what a plan hands a user: distinct rows, a sweep, a training config
+  output          what a plan hands a user: distinct rows, a sweep
+  export          the chosen layout as a DeepSpeed, Megatron-LM or torchtitan launch configuration
+                  (export_torchtitan: the torchtitan recipe); importers reads them back as a spec
   calibrate       fit efficiency constants from measurements
   paper           the published sweeps, judged
   findings        the study's findings as one plan predicts them (harness plan --findings)

@@ -1,0 +1,164 @@
+"""The chosen layout as a torchtitan recipe, for torchtitan TORCHTITAN (the release on PyPI).
+
+torchtitan dropped its TOML job configs in February 2026: a run is now a Python function returning
+a complete `Trainer.Config` (torchtitan/config/README.md, "Configuration"), selected with
+`--module` and `--config`. The recipe written here starts from torchtitan's own llama3 recipe of
+the model's flavor (torchtitan/models/llama3/config_registry.py) and sets, by assignment, the
+fields of torchtitan/config/configs.py (TrainingConfig, ParallelismConfig), the optimizer
+(default_adamw), a constant learning rate (LRSchedulersContainer.Config) and the activation
+checkpointing policy (FullAC / SelectiveAC / None) as that release has them. torchtitan's main
+branch (TORCHTITAN_MAIN) has renamed the batch fields to token budgets (MAIN_FIELDS);
+harness/planner/import_torchtitan.py reads both. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from harness.model.presets import Shape
+from harness.planner.layout import PlannerLayout, Workload
+from harness.spec import Optimizer
+
+TORCHTITAN = "0.3.0"  # torchtitan on PyPI, 2026-09-03
+TORCHTITAN_MAIN = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"  # pytorch/torchtitan main, 2026-08-21
+# main's names for what the release calls training.local_batch_size, global_batch_size, seq_len and
+# parallelism.pipeline_parallel_microbatch_size (in tokens per micro-batch / step, pipeline micro-batches)
+MAIN_FIELDS = (
+    "training.num_tokens_per_microbatch_per_dp_rank",
+    "training.num_tokens_per_train_step",
+    "training.max_context_length",
+    "parallelism.num_pp_microbatches",
+)
+# torchtitan's llama3 flavors (torchtitan/models/llama3/__init__.py): layers, dim, ffn hidden
+# (compute_ffn_hidden_dim), heads, kv heads, vocabulary.
+FLAVORS = {
+    "8B": (32, 4096, 14336, 32, 8, 128256),
+    "70B": (80, 8192, 28672, 64, 8, 128256),
+    "405B": (126, 16384, 53248, 128, 8, 128256),
+}
+RECIPES = {"8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"}
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+# torchtitan's language-model attention backends (models/common/config_utils.get_attention_config):
+# varlen is FlashAttention's varlen kernel, flex is FlexAttention (tiled, memory-efficient).
+ATTENTION = {
+    "flash1": "varlen",
+    "flash2": "varlen",
+    "sdpa": "varlen",
+    "sdpa_flash": "varlen",
+    "sdpa_cudnn": "varlen",
+    "sdpa_efficient": "flex",
+}
+AC = {"full": "FullAC.Config()", "selective": "SelectiveAC.Config()", "none": "None"}
+FUNCTION = "harness_plan"
+
+
+def torchtitan_flavor(shape: Shape) -> str | None:
+    """The llama3 flavor with this shape, or None."""
+    key = (shape.layers, shape.hidden, shape.ffn, shape.heads, shape.kv_heads, shape.vocab)
+    return next((name for name, dims in FLAVORS.items() if dims == key), None)
+
+
+def torchtitan_refuses(shape: Shape | None, lay: PlannerLayout) -> str:
+    """Why torchtitan at TORCHTITAN cannot run the layout ("" if it can)."""
+    if lay.tp > 1 and not lay.sequence_parallel:
+        return "torchtitan's tensor parallelism always shards the sequence (sequence parallel)"
+    if lay.attention not in ATTENTION:
+        return f"torchtitan's llama3 runs varlen (FlashAttention) or flex attention, not {lay.attention}"
+    if lay.pp > 1 and lay.pipeline_schedule not in SCHEDULES:
+        return f"torchtitan has no {lay.pipeline_schedule} pipeline schedule here"
+    if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and lay.virtual_stages < 2:
+        return "torchtitan's Interleaved1F1B needs at least 2 stages per rank"
+    if shape is not None and torchtitan_flavor(shape) is None:
+        return f"torchtitan's llama3 has no flavor of this shape (it has {', '.join(FLAVORS)})"
+    return ""
+
+
+def _literal(v) -> str:
+    return repr(tuple(v)) if isinstance(v, (list, tuple)) else repr(v)
+
+
+def export_torchtitan(
+    shape: Shape, lay: PlannerLayout, wl: Workload, optimizer: Optimizer | None = None, grad_clip: float | None = None
+) -> tuple[str, list[str]]:
+    """A torchtitan recipe module: one function, FUNCTION, returning the run's Trainer.Config."""
+    from harness.spec import Workload as SpecWorkload
+
+    opt = optimizer or Optimizer()
+    clip = SpecWorkload().grad_clip if grad_clip is None else grad_clip
+    flavor = torchtitan_flavor(shape)
+    if flavor is None:  # exportable() refuses it first; a direct call says so here
+        raise ValueError(f"torchtitan's llama3 has no flavor of this shape (it has {', '.join(FLAVORS)})")
+    micro = wl.micro_batches(lay)
+    parallelism = {
+        "data_parallel_replicate_degree": 1,
+        "data_parallel_shard_degree": lay.dp,
+        "fsdp_reshard_after_forward": "default" if lay.reshard_after_forward else "never",
+        "tensor_parallel_degree": lay.tp,
+        "enable_sequence_parallel": lay.sequence_parallel or lay.tp == 1,
+        "pipeline_parallel_degree": lay.pp,
+        "pipeline_parallel_schedule": SCHEDULES.get(lay.pipeline_schedule, "1F1B"),
+        "pipeline_parallel_microbatch_size": lay.micro_batch_size,
+        "context_parallel_degree": lay.cp,
+    }
+    if lay.pp > 1 and lay.pipeline_schedule == "interleaved":
+        parallelism["pipeline_parallel_layers_per_stage"] = shape.layers // (lay.pp * lay.virtual_stages)
+    bf16 = wl.dtype_bytes == 2
+    training = {
+        # per data-parallel rank and accumulation step: with pp, every micro-batch of the step
+        "local_batch_size": lay.micro_batch_size * micro if lay.pp > 1 else lay.micro_batch_size,
+        "global_batch_size": wl.global_batch_size,
+        "seq_len": wl.seq_len,
+        "max_norm": clip,
+        "dtype": "float32",
+        "mixed_precision_param": "bfloat16" if bf16 else "float32",
+        "mixed_precision_reduce": "float32",
+    }
+    if lay.pp > 1:
+        training["disable_cuda_graphs"] = True  # torchtitan's CUDA graphs refuse pipeline parallelism
+    adamw = f"lr={opt.lr!r}, betas={_literal(opt.betas)}, eps={opt.eps!r}, weight_decay={opt.weight_decay!r}"
+    lines = [
+        f'"""torchtitan recipe written by `harness plan`, for torchtitan {TORCHTITAN}',
+        f"(pip install torchtitan=={TORCHTITAN}).",
+        "",
+        f"Save as {FUNCTION}.py where Python finds it and launch {lay.gpus} ranks (8 a node):",
+        f"    torchrun --nproc-per-node 8 --nnodes {max(1, lay.gpus // 8)} -m torchtitan.train "
+        f"--module {FUNCTION} --config {FUNCTION}"
+        if lay.gpus > 8 and lay.gpus % 8 == 0
+        else f"    torchrun --nproc-per-node {lay.gpus} -m torchtitan.train --module {FUNCTION} --config {FUNCTION}",
+        '"""',
+        "",
+        "from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw",
+        "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401",
+        "from torchtitan.models.llama3 import model_registry",
+        f"from torchtitan.models.llama3.config_registry import {RECIPES[flavor]}",
+        "from torchtitan.trainer import Trainer",
+        "",
+        "",
+        f"def {FUNCTION}() -> Trainer.Config:",
+        f"    config = {RECIPES[flavor]}()",
+        f'    config.model_spec = model_registry("{flavor}", attn_backend="{ATTENTION[lay.attention]}")',
+    ]
+    lines += [f"    config.parallelism.{k} = {_literal(v)}" for k, v in parallelism.items()]
+    lines += [f"    config.training.{k} = {_literal(v)}" for k, v in training.items()]
+    lines += [
+        f"    config.optimizer = default_adamw({adamw})",
+        "    config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0)",
+        f"    config.activation_checkpoint = {AC[lay.activation_checkpointing]}",
+        "    return config",
+    ]
+    notes = [
+        f"for torchtitan {TORCHTITAN}: a recipe (Trainer.Config), torchtitan's config system since its "
+        "TOML files ended in February 2026",
+        f"torchtitan main ({TORCHTITAN_MAIN[:12]}) names the batch in tokens instead: {', '.join(MAIN_FIELDS)}",
+        "torchtitan shards parameters, gradients and optimizer states with FSDP2 (ZeRO-3-like) over "
+        f"data_parallel_shard_degree x context_parallel_degree: its memory is below the ZeRO-{lay.sharding_stage} "
+        "prediction"
+        if lay.sharding_stage < 3
+        else "",
+        f"attention {lay.attention}: torchtitan's {ATTENTION[lay.attention]} backend",
+        "the context-parallel exchange is torchtitan's own (no option names it in this release)" if lay.cp > 1 else "",
+        f"{shape.layers} layers do not split evenly into {lay.pp} x {lay.virtual_stages} chunks"
+        if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and shape.layers % (lay.pp * lay.virtual_stages)
+        else "",
+    ]
+    if lay.pp == 1 and micro > 1:
+        notes.append(f"torchtitan accumulates {micro} micro-batches per step (global_batch_size)")
+    return "\n".join(lines) + "\n", [n for n in notes if n]
