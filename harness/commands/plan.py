@@ -27,6 +27,7 @@ examples:
   harness plan --model paper-30b --seq-len 2048 --global-batch-size 2048 --gpus 64 --emit-sweep top.yaml
   harness plan --model paper-13b --seq-len 4096 --global-batch-size 1024 --gpus 64 --export megatron
   harness plan --model llama3-8b --seq-len 131072 --global-batch-size 64 --gpus 64 --cp 1,8
+  harness plan --model llama3-8b --seq-len 8192 --global-batch-size 128 --gpus 8 --hardware h200 --precision bf16,fp8
   harness plan --hardware a100-80gb --calibrate results.sqlite --calibrate-out my-cluster.yaml"""
 
 
@@ -62,6 +63,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--cp-impl", help="comma list of ring,allgather,ulysses (default: those the engine runs)")
     p.add_argument(
+        "--precision",
+        help="comma list of bf16,fp8 (default bf16): fp8 runs the linear layers' GEMMs in FP8 (torchao's "
+        "tensorwise recipe; Transformer Engine's current scaling under megatron), attention and norms in bf16",
+    )
+    p.add_argument(
         "--max-positions",
         type=int,
         default=None,
@@ -92,7 +98,7 @@ def main(args) -> int:
     from harness.model.presets import resolve_shape
     from harness.planner import candidates as en
     from harness.planner.hardware import load_profile
-    from harness.planner.layout import ATTENTION, Workload
+    from harness.planner.layout import ATTENTION, PRECISIONS, Workload
     from harness.planner.output import group
     from harness.planner.predict import predict_many
     from harness.spec import CHECKPOINTING, CP_IMPLS, RMSNORM_KERNELS
@@ -151,6 +157,9 @@ def main(args) -> int:
     if cps is not None and any(c < 1 for c in cps):
         raise SpecError("--cp", "must be positive")
     impls = en.parse_list(args.cp_impl, CP_IMPLS, "--cp-impl", ()) if args.cp_impl is not None else None
+    precisions = en.parse_list(args.precision, PRECISIONS, "--precision", ("bf16",))
+    if "fp8" in precisions and not profile.fp8:
+        raise SpecError("--precision", f"fp8: {profile.name} has no FP8 tensor cores (its profile says fp8: false)")
     if args.top is not None and args.top < 1:
         raise SpecError("--top", "must be at least 1")
     preds = predict_many(
@@ -168,6 +177,7 @@ def main(args) -> int:
             zero_stage=args.zero,
             cp_values=cps,
             cp_impls=impls,
+            precisions=precisions,
             **_on_engine(args, shape, cps, impls),
         ),
         wl,
@@ -198,9 +208,10 @@ def main(args) -> int:
     )
     near, note = _near_the_fastest(fitting, profile)
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
+    prec = len(precisions) > 1  # a precision column only when more than one is asked
     print(
         f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':{width}} "
-        f"{'rms':5} {'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
+        f"{'rms':5} {'prec ' if prec else ''}{'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
     )
     for row in rows:
         p = row.pred
@@ -209,6 +220,7 @@ def main(args) -> int:
             f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} "
             f"{r['activation_checkpointing']:9} "
             f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
+            f"{r['precision'].ljust(5) + ' ' if prec else ''}"
             f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
             f"{' *' if id(p) in near else ''}"
         )

@@ -54,11 +54,13 @@ def layouts(
     pp_values=None,
     cp_values=None,
     cp_impls=None,
+    precisions=("bf16",),
     **fields,
 ):
     """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
     are further PlannerLayout fields every layout takes (engine, fsdp); cp_values and cp_impls the cp
-    degrees and implementations asked for (default: context.degrees', the engine's)."""
+    degrees and implementations asked for (default: context.degrees', the engine's); precisions the
+    PlannerLayout.precision values (default bf16 only)."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
@@ -82,8 +84,8 @@ def layouts(
                 dp = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp).dp
                 if wl.global_batch_size % dp:
                     continue
-                for mb, ck, sp, att, rms, impl in itertools.product(
-                    micro_batch_sizes, checkpointing, sequence_parallel, attention, rmsnorm, impls
+                for mb, ck, sp, att, rms, impl, prec in itertools.product(
+                    micro_batch_sizes, checkpointing, sequence_parallel, attention, rmsnorm, impls, precisions
                 ):
                     if sp and (tp == 1 or (wl.seq_len // cp) % tp):
                         continue
@@ -101,6 +103,7 @@ def layouts(
                         zero_stage=zero_stage,
                         cp=cp,
                         cp_impl=impl,
+                        precision=prec,
                         **fields,
                     )
 
