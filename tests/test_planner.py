@@ -143,11 +143,11 @@ def test_layout_converts_to_and_from_a_spec_layout():
     )
 
 
-def test_planner_kernels_are_the_harness_ones_and_the_study_extras():
+def test_planner_kernels_are_the_harness_ones_the_study_extras_and_the_gpu_kernels():
     from harness.planner.layout import ATTENTION, ATTENTION_CLASS, EXTRA_ATTENTION
     from harness.spec import ATTENTION_KERNELS
 
-    assert EXTRA_ATTENTION == ("fused_softmax", "flash1")
+    assert EXTRA_ATTENTION == ("fused_softmax", "flash1", "flash3", "te_fused")
     assert set(ATTENTION) == set(ATTENTION_KERNELS) | set(EXTRA_ATTENTION) == set(ATTENTION_CLASS)
 
 
@@ -336,3 +336,21 @@ def test_cli_calibrate_writes_profile(tmp_path):
     assert "median" in r.stdout and out.is_file()
     prof = load_profile(str(out))
     assert prof.calibrated["samples"] == 16
+
+
+def test_hopper_attention_is_its_own_class_and_absent_before_hopper():
+    """FlashAttention-3 and cuDNN's fused attention (TE, SDPA's cudnn backend) run at their own
+    rate on Hopper; A100 offers neither FA3 nor TE's fused kernel; Blackwell has no FA3."""
+    from harness.model.presets import PRESETS
+    from harness.planner.hardware import load_profile
+    from harness.planner.layout import ATTENTION_CLASS, PlannerLayout, Workload
+    from harness.planner.predict import predict
+
+    assert ATTENTION_CLASS["sdpa_cudnn"] == ATTENTION_CLASS["te_fused"] == ATTENTION_CLASS["flash3"] == "flash3"
+    assert ATTENTION_CLASS["sdpa_flash"] == "flash2"
+    assert "flash3" not in load_profile("a100-80gb").attention_kernels
+    assert "flash3" not in load_profile("b200").attention_kernels
+    assert "te_fused" in load_profile("b200").attention_kernels
+    prof, shape, wl = load_profile("h100-sxm"), PRESETS["llama3-8b"], Workload(8192, 64)
+    t = {a: predict(shape, PlannerLayout(1, 1, 8, 1, attention=a), wl, prof).step_time_s for a in ("flash2", "flash3")}
+    assert prof.eff("flash3") > prof.eff("flash2") and t["flash3"] < t["flash2"]

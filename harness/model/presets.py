@@ -64,6 +64,11 @@ PRESETS: dict[str, Shape] = {
     # llama3-8b is Llama 3.1 8B's config.json: Llama 3 8B's shape with the llama3 rope scaling and
     # 131,072 positions (the 128k-context release long-sequence layouts are planned for).
     "llama3-8b": Shape(32, 4096, 14336, 32, 8, 128256, rope_theta=500000.0, max_positions=131072, rope_factor=8.0),
+    # Llama 2 13B and Llama 3.1 70B / 405B (their config.json files), the published runs' models
+    # (baselines/published_runs).
+    "llama2-13b": Shape(40, 5120, 13824, 40, 40, 32000),
+    "llama3-70b": Shape(80, 8192, 28672, 64, 8, 128256, rope_theta=500000.0, max_positions=131072, rope_factor=8.0),
+    "llama3-405b": Shape(126, 16384, 53248, 128, 8, 128256, rope_theta=500000.0, max_positions=131072, rope_factor=8.0),
     # Tiny shapes for CPU tests and demos (grouped-query attention on purpose).
     "tiny": Shape(2, 64, 176, 4, 2, 256, max_positions=2048),
     "tiny-4l": Shape(4, 128, 352, 8, 4, 512, max_positions=2048),

@@ -20,7 +20,7 @@ from harness.planner.layout import ATTENTION
 
 PROFILE_DIR = Path(__file__).with_name("hardware")
 EFFICIENCY_KEYS = (
-    *"gemm flash2 flash1 mem_efficient naive_attention fused_softmax hbm nvlink internode launch_us".split(),
+    *"gemm flash3 flash2 flash1 mem_efficient naive_attention fused_softmax hbm nvlink internode launch_us".split(),
     "gemm_fp8",
 )
 # Literature priors for keys a profile may lack (its own value wins; otherwise a100-80gb.yaml's):
@@ -176,6 +176,7 @@ _PEAKS = (
     ("A30", 165.0),  # A30 datasheet
     ("L40S", 362.0),  # L40S datasheet: 733 with sparsity
     ("L4", 121.0),  # L4 datasheet: 242 with sparsity
+    ("GB200", 2500.0),  # GB200 NVL72 datasheet: 360 PFLOP/s with sparsity for 72 GPUs
     ("B200", 2250.0),  # B200 datasheet: 4.5 PFLOP/s with sparsity
 )
 

@@ -32,12 +32,20 @@ PAPER_CHECKPOINTING = {"disabled": "none", "every_layer": "full", "selective": "
 # The study's attention kernels, slowest first: naive (its "torch"), fused_softmax (Megatron's
 # fused scale-mask-softmax), flash1, flash2.
 PAPER_ATTENTION = tuple(dict.fromkeys(attention for attention, _ in PAPER_KERNELS.values()))
+# Kernels the published runs of Hopper and Blackwell use, which neither the study nor this harness
+# runs: FlashAttention-3 (Shah et al. 2024; Hopper only) and Transformer Engine's fused attention
+# (its cuDNN backend, as NeMo and Megatron-Bridge run it).
+GPU_ATTENTION = ("flash3", "te_fused")
 # The planner's own kernels, beyond those the harness runs (harness.spec.ATTENTION_KERNELS):
-# the study's fused_softmax and flash1.
-EXTRA_ATTENTION = tuple(k for k in PAPER_ATTENTION if k not in ATTENTION_KERNELS)
-# Every kernel the planner knows, in the order it lists them: the study's, then the harness's others.
-ATTENTION = PAPER_ATTENTION + tuple(k for k in ATTENTION_KERNELS if k not in PAPER_ATTENTION)
-# Each kernel's cost class.
+# the study's fused_softmax and flash1, and GPU_ATTENTION.
+EXTRA_ATTENTION = tuple(k for k in PAPER_ATTENTION if k not in ATTENTION_KERNELS) + GPU_ATTENTION
+# Every kernel the planner knows, in the order it lists them: the study's, then the harness's others,
+# then GPU_ATTENTION.
+ATTENTION = PAPER_ATTENTION + tuple(k for k in ATTENTION_KERNELS if k not in PAPER_ATTENTION) + GPU_ATTENTION
+# Each kernel's cost class. "flash3" is the class of the kernels written for Hopper's asynchronous
+# tensor cores (wgmma, TMA): FlashAttention-3 and cuDNN's fused attention, whether Transformer
+# Engine (te_fused) or SDPA's cudnn backend calls it. SDPA's flash backend is FlashAttention-2; its
+# default (sdpa) picks the flash backend first on CUDA (torch's sdp_utils priority order).
 ATTENTION_CLASS = {
     "naive": "naive",
     "fused_softmax": "fused_softmax",
@@ -45,8 +53,10 @@ ATTENTION_CLASS = {
     "flash2": "flash2",
     "sdpa": "flash2",
     "sdpa_flash": "flash2",
-    "sdpa_cudnn": "flash2",
+    "sdpa_cudnn": "flash3",
     "sdpa_efficient": "mem_efficient",
+    "flash3": "flash3",
+    "te_fused": "flash3",
 }
 MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
 # The study's engine (Aleph Alpha's scaling library, as its sweeps ran): modelled, not run here.

@@ -24,7 +24,7 @@ from harness.spec import CP_IMPLS, RMSNORM_KERNELS
 # Megatron's fused scale-mask-softmax runs only when (batch x heads per rank) divides into its
 # 4-row blocks and the key length is at most 16384 (FusedScaleMaskSoftmax.is_kernel_available).
 FUSED_SOFTMAX_MAX_SEQ = 16384
-FLASH_MAX_HEAD_DIM = {"flash1": 128, "flash2": 256}
+FLASH_MAX_HEAD_DIM = {"flash1": 128, "flash2": 256, "flash3": 256}
 
 
 @dataclass
