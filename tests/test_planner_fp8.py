@@ -172,3 +172,10 @@ def test_a_profile_without_an_fp8_peak_takes_twice_bf16(tmp_path):
     )
     prof = load_profile(str(path))
     assert prof.fp8 and prof.peak_tflops_fp8 == 2000 and prof.eff("gemm_fp8") == 0.63
+
+
+def test_an_emitted_sweep_leaves_out_fp8_rows_and_says_why(no_launch, capsys):
+    """A sweep's points share one workload, bf16: an fp8 row would run as bf16, so it is left out, named."""
+    assert cli([*PLAN, "--hardware", "h100-sxm", "--precision", "fp8", "--emit-sweep", "top.yaml"]) == 0
+    text = (no_launch / "top.yaml").read_text()
+    assert "fp8: not a bf16 workload" in text and "points:\n  []" in text
