@@ -5,7 +5,9 @@ Prints a table of distinct layouts (kernels predicted identically share a row), 
 time breakdown of the shown layouts. --emit-sweep writes a sweep spec of the top layouts predicted
 to fit that `harness sweep FILE` runs as it is. --export deepspeed|megatron|torchtitan prints the
 best layout predicted to fit that the target can express, as a DeepSpeed JSON config, Megatron-LM
-arguments or a torchtitan TOML section, on stdout (notes on stderr). --calibrate / --calibrate-csv
+arguments or a torchtitan TOML section, on stdout (notes on stderr). --findings prints what the plan
+predicts of the reference study's findings on each --hardware profile (a comma list with it only):
+harness/planner/findings.py, printed by plan_findings.py. --calibrate / --calibrate-csv
 fit the profile's efficiencies to measurements and save the calibrated profile (--calibrate-out,
 default ./<hardware>-calibrated.yaml).
 """
@@ -26,6 +28,8 @@ examples:
   harness plan --model paper-13b --seq-len 2048 --global-batch-size 2048 --gpus 64 --top 5 --explain
   harness plan --model paper-30b --seq-len 2048 --global-batch-size 2048 --gpus 64 --emit-sweep top.yaml
   harness plan --model paper-13b --seq-len 4096 --global-batch-size 1024 --gpus 64 --export megatron
+  harness plan --findings --hardware a100-80gb,h100-sxm,h200 --model paper-13b --seq-len 2048 \\
+      --global-batch-size 2048 --gpus 64
   harness plan --model llama3-8b --seq-len 131072 --global-batch-size 64 --gpus 64 --cp 1,8
   harness plan --model llama3-8b --seq-len 8192 --global-batch-size 128 --gpus 8 --hardware h200 --precision bf16,fp8
   harness plan --hardware a100-80gb --calibrate results.sqlite --calibrate-out my-cluster.yaml"""
@@ -40,7 +44,11 @@ def add_arguments(p) -> None:
     p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
     p.add_argument("--gpus", type=int)
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's (8 for DGX)")
-    p.add_argument("--hardware", default="a100-80gb", help="a100-40gb, a100-80gb, h100-sxm, h200, cpu or a YAML path")
+    p.add_argument(
+        "--hardware",
+        default="a100-80gb",
+        help="a100-40gb, a100-80gb, h100-sxm, h200, cpu or a YAML path (with --findings a comma list)",
+    )
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage (default 1, as the study)")
     p.add_argument(
         "--engine",
@@ -68,6 +76,16 @@ def add_arguments(p) -> None:
         "tensorwise recipe; Transformer Engine's current scaling under megatron), attention and norms in bf16",
     )
     p.add_argument(
+        "--pipeline-schedule",
+        help="comma list of 1f1b,interleaved,gpipe,zero_bubble,zbv,dualpipev for pp > 1 (default: 1f1b, and "
+        "interleaved where the engine runs it)",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        help="comma list of model chunks per rank of the interleaved schedules (default: every v >= 2 with pp x v "
+        "dividing the layers)",
+    )
+    p.add_argument(
         "--max-positions",
         type=int,
         default=None,
@@ -83,6 +101,11 @@ def add_arguments(p) -> None:
         help="print the best fitting layout as a DeepSpeed config, Megatron-LM arguments or torchtitan TOML",
     )
     p.add_argument("--explain", action="store_true", help="print memory and time breakdowns")
+    p.add_argument(
+        "--findings",
+        action="store_true",
+        help="the reference study's findings as the plan predicts them, per --hardware profile",
+    )
     p.add_argument("--calibrate", metavar="RESULTS.sqlite", help="fit efficiencies to harness records")
     p.add_argument("--calibrate-csv", metavar="FILE", nargs="+", help="fit to sweeps in the study's CSV format")
     p.add_argument("--calibrate-out", metavar="FILE", help="where to save the calibrated profile")
@@ -96,14 +119,9 @@ def _need(args, *names):
 
 def main(args) -> int:
     from harness.model.presets import resolve_shape
-    from harness.planner import candidates as en
-    from harness.planner.hardware import load_profile
-    from harness.planner.layout import ATTENTION, PRECISIONS, Workload
-    from harness.planner.output import group
-    from harness.planner.predict import predict_many
-    from harness.spec import CHECKPOINTING, CP_IMPLS, RMSNORM_KERNELS
 
-    profile = load_profile(args.hardware)
+    profiles = _profiles(args)
+    profile = profiles[0]
     if args.calibrate_out:
         from harness.commands.outputs import check_output_path
 
@@ -135,6 +153,24 @@ def main(args) -> int:
         positions=f"--max-positions {args.seq_len}",
     )
     check_device_count(args.gpus, "--gpus")
+    if args.findings:
+        from harness.commands.plan_findings import show_findings
+
+        return show_findings(
+            args, {p.name: plan_of(args, shape, p)[2] for p in profiles}, {p.name: p for p in profiles}
+        )
+    return _table(args, shape, profile, *plan_of(args, shape, profile))
+
+
+def plan_of(args, shape, profile) -> tuple:
+    """(workload, GPUs per node, predictions ranked: fitting first, fastest first) of the candidate
+    layouts the flags ask for on one hardware profile."""
+    from harness.planner import candidates as en
+    from harness.planner.layout import ATTENTION, PRECISIONS, Workload
+    from harness.planner.predict import predict_many
+    from harness.planner.schedules import SCHEDULES
+    from harness.spec import CHECKPOINTING, CP_IMPLS, RMSNORM_KERNELS
+
     gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node  # 0 is refused, not the default
     wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
     attention = en.parse_list(
@@ -157,6 +193,12 @@ def main(args) -> int:
     if cps is not None and any(c < 1 for c in cps):
         raise SpecError("--cp", "must be positive")
     impls = en.parse_list(args.cp_impl, CP_IMPLS, "--cp-impl", ()) if args.cp_impl is not None else None
+    scheds = en.parse_list(args.pipeline_schedule, SCHEDULES, "--pipeline-schedule", ()) or None
+    if scheds and args.engine == "paper" and scheds != ["1f1b"]:
+        raise SpecError("--pipeline-schedule", "the study's engine ran 1f1b only")
+    virtual = en.parse_list(args.virtual_stages, None, "--virtual-stages", (), int) or None
+    if virtual and min(virtual) < 1:
+        raise SpecError("--virtual-stages", "must be positive")
     precisions = en.parse_list(args.precision, PRECISIONS, "--precision", ("bf16",))
     if "fp8" in precisions and not profile.fp8:
         raise SpecError("--precision", f"fp8: {profile.name} has no FP8 tensor cores (its profile says fp8: false)")
@@ -177,6 +219,8 @@ def main(args) -> int:
             zero_stage=args.zero,
             cp_values=cps,
             cp_impls=impls,
+            pipeline_schedules=scheds,
+            virtual_stages=virtual,
             precisions=precisions,
             **_on_engine(args, shape, cps, impls),
         ),
@@ -188,6 +232,14 @@ def main(args) -> int:
             "--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} (global batch {args.global_batch_size})"
         )
     preds.sort(key=lambda p: (not (p.fits and p.available), -p.mfu))
+    return wl, gpn, preds
+
+
+def _table(args, shape, profile, wl, gpn, preds) -> int:
+    """The plan's outputs for one profile: an export, a sweep, the JSON list or the table."""
+    from harness.planner.output import group
+    from harness.planner.schedules import schedule_label
+
     fitting = [p for p in preds if p.fits and p.available]
     if args.export:
         from harness.commands.plan_outputs import export
@@ -208,16 +260,18 @@ def main(args) -> int:
     )
     near, note = _near_the_fastest(fitting, profile)
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
-    prec = len(precisions) > 1  # a precision column only when more than one is asked
+    prec = len({p.layout.precision for p in preds}) > 1  # a precision column only when several are asked
     print(
-        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':{width}} "
+        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'sched':5} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} "
+        f"{'attention':{width}} "
         f"{'rms':5} {'prec ' if prec else ''}{'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
     )
     for row in rows:
         p = row.pred
         r = p.row()
         print(
-            f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} "
+            f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {schedule_label(p.layout):5} "
+            f"{r['dp']:>5} {r['micro_batch_size']:>3} "
             f"{r['activation_checkpointing']:9} "
             f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
             f"{r['precision'].ljust(5) + ' ' if prec else ''}"
@@ -237,6 +291,29 @@ def main(args) -> int:
     if args.emit_sweep:
         print(f"wrote {args.emit_sweep}", file=sys.stderr)
     return 0
+
+
+# What --findings does not combine with: each prints its own output of one plan.
+NOT_WITH_FINDINGS = ("calibrate", "calibrate_csv", "calibrate_out", "export", "emit_sweep", "explain", "top")
+
+
+def _profiles(args) -> list:
+    """The --hardware profiles: one, or with --findings a comma list of distinct ones."""
+    from harness.planner.hardware import load_profile
+
+    names = [n.strip() for n in args.hardware.split(",")]
+    if len(names) > 1 and not args.findings:
+        raise SpecError("--hardware", f"{args.hardware!r}: a comma list of profiles needs --findings; name one")
+    if args.findings:
+        for name in NOT_WITH_FINDINGS:
+            if getattr(args, name) not in (None, False):
+                raise SpecError("--findings", f"does not combine with --{name.replace('_', '-')}")
+    profiles = [load_profile(n) for n in names]
+    seen = [p.name for p in profiles]
+    for name in seen:
+        if seen.count(name) > 1:
+            raise SpecError("--hardware", f"names profile {name} twice")
+    return profiles
 
 
 def _on_engine(args, shape, cps, impls) -> dict:

@@ -16,6 +16,7 @@ Modules, one job each:
   output          what a plan hands a user: distinct rows, a sweep, a training config
   calibrate       fit efficiency constants from measurements
   paper           the published sweeps, judged
+  findings        the study's findings as one plan predicts them (harness plan --findings)
 The command is harness/commands/plan.py. Nothing here imports torch: a plan must answer in about
 a second.
 """

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import itertools
 
+from harness import registry
 from harness.errors import SpecError
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
-from harness.planner import context
+from harness.planner import context, schedules
 from harness.planner.layout import ATTENTION, PAPER, PlannerLayout, Workload
 from harness.spec import CHECKPOINTING, RMSNORM_KERNELS, model_limit_error
 from harness.spec import Layout as SpecLayout
@@ -54,18 +55,24 @@ def layouts(
     pp_values=None,
     cp_values=None,
     cp_impls=None,
+    pipeline_schedules=None,
+    virtual_stages=None,
     precisions=("bf16",),
     **fields,
 ):
     """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
     are further PlannerLayout fields every layout takes (engine, fsdp); cp_values and cp_impls the cp
-    degrees and implementations asked for (default: context.degrees', the engine's); precisions the
+    degrees and implementations asked for (default: context.degrees', the engine's);
+    pipeline_schedules and virtual_stages the schedules of pp > 1 layouts and the chunks per rank of
+    the interleaved ones (default: schedules_of, schedules.virtual_stage_choices); precisions the
     PlannerLayout.precision values (default bf16 only)."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
             raise SpecError("--pp", f"{p} pipeline stages for {shape.layers} layers")
     engine = fields.get("engine", PAPER)
+    scheds = list(pipeline_schedules) if pipeline_schedules else schedules_of(engine)
+    even = engine != PAPER and registry.facts(engine).memory.layer_split == "even"
     for tp in divisors(gpus):
         if shape.heads % tp or shape.kv_heads % tp and tp > shape.kv_heads:
             continue
@@ -84,13 +91,16 @@ def layouts(
                 dp = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp).dp
                 if wl.global_batch_size % dp:
                     continue
-                for mb, ck, sp, att, rms, impl, prec in itertools.product(
-                    micro_batch_sizes, checkpointing, sequence_parallel, attention, rmsnorm, impls, precisions
+                pipes = _pipelines(shape.layers, pp, scheds, virtual_stages, even)
+                for mb, (sched, v), ck, sp, att, rms, impl, prec in itertools.product(
+                    micro_batch_sizes, pipes, checkpointing, sequence_parallel, attention, rmsnorm, impls, precisions
                 ):
                     if sp and (tp == 1 or (wl.seq_len // cp) % tp):
                         continue
                     if (wl.global_batch_size // dp) % mb:
                         continue
+                    if sched in schedules.INTERLEAVED and (wl.global_batch_size // dp // mb) % pp:
+                        continue  # Megatron's interleaved schedule (and the spec's): micro-batches divisible by pp
                     yield PlannerLayout(
                         tp=tp,
                         pp=pp,
@@ -103,9 +113,36 @@ def layouts(
                         zero_stage=zero_stage,
                         cp=cp,
                         cp_impl=impl,
+                        pipeline_schedule=sched,
+                        virtual_stages=v,
                         precision=prec,
                         **fields,
                     )
+
+
+def schedules_of(engine: str) -> list[str]:
+    """The default schedules of pp > 1 candidates: 1F1B, and interleaved 1F1B where the engine runs
+    it (its facts; the study's engine did not). The zero-bubble schedules only when asked for
+    (`harness plan --pipeline-schedule`): no engine here runs them yet."""
+    if engine == PAPER:
+        return ["1f1b"]
+    return ["1f1b", *registry.facts(engine).runs("layout.pipeline_schedule", ["interleaved"])]
+
+
+def _pipelines(layers: int, pp: int, scheds: list[str], virtual, even: bool) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) of the layouts at this pp: one chunk per rank when pp is 1."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = []
+    for sched in scheds:
+        if sched in schedules.INTERLEAVED:
+            out += [(sched, v) for v in schedules.virtual_stage_choices(layers, pp, virtual, even)]
+        elif sched in schedules.V_SCHEDULES:
+            if 2 * pp <= layers:
+                out.append((sched, 1))
+        else:
+            out.append((sched, 1))
+    return out
 
 
 def parse_list(text: str | None, allowed, field: str, default, cast=str):

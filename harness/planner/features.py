@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from harness.model.presets import Shape
-from harness.planner import fp8
+from harness.planner import fp8, schedules
 from harness.planner.context import exchange_bytes
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, item_split
@@ -240,7 +240,7 @@ def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, 
     # Pipeline sends: activation forward, its gradient backward (split over tp with scatter-gather).
     if lay.pp > 1:
         key = link_of(prof, 2 * group_geometry(lay.dims, "stride", "pp"))  # two neighbouring stages' blocks of ranks
-        sends = (1 if stage < lay.pp - 1 else 0) + (1 if stage > 0 else 0)
+        sends = schedules.sends_per_micro_batch(lay.pipeline_schedule, lay.virtual_stages, lay.pp, stage)
         add(key, sends * 2 * n * h * B / t / link_bandwidth(prof, key))
     if has_emb or has_head:
         add("launch_us", 1e-6 * 20 * (has_emb + has_head))

@@ -35,7 +35,7 @@ import functools
 
 from harness import registry
 from harness.model.presets import Shape
-from harness.planner import fp8
+from harness.planner import fp8, schedules
 from harness.planner import memory_terms as terms
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
 from harness.registry import MemoryModel
@@ -128,10 +128,15 @@ def engine_stage_items(shape: Shape, lay: PlannerLayout, seq_len: int) -> tuple[
     """(has_embedding, layers, has_lm_head) per pipeline rank, as the engine partitions: the own
     engine (and DeepSpeed, FSDP2) balanced by cost over pp x virtual_stages chunks, chunk c of rank r
     is stage c * pp + r; Megatron-core uniformly, layers / (pp x virtual_stages) per chunk."""
-    chunks = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
-    if memory_model(lay.engine).layer_split == "even":
-        return _uniform_stage_items(shape.layers, lay.pp)
-    return _engine_stage_items(shape, lay.pp, chunks, seq_len)
+    return _stage_items_of(shape, lay.engine, lay.pp, lay.pipeline_schedule, lay.virtual_stages, seq_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_items_of(shape: Shape, engine: str, pp: int, schedule: str, virtual_stages: int, seq_len: int) -> tuple:
+    if memory_model(engine).layer_split == "even":
+        return _uniform_stage_items(shape.layers, pp)
+    chunks = schedules.chunks(schedule, virtual_stages)
+    return _engine_stage_items(shape, pp, chunks, seq_len, schedule in schedules.V_SCHEDULES)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -146,11 +151,17 @@ def _uniform_stage_items(n_layers: int, pp: int) -> tuple[tuple[bool, int, bool]
 
 
 @functools.lru_cache(maxsize=4096)
-def _engine_stage_items(shape: Shape, pp: int, chunks: int, seq_len: int) -> tuple[tuple[bool, int, bool], ...]:
+def _engine_stage_items(
+    shape: Shape, pp: int, chunks: int, seq_len: int, v_shape: bool = False
+) -> tuple[tuple[bool, int, bool], ...]:
+    """Chunk c of rank r is stage c * pp + r (interleaved), or in a V (v_shape: two chunks, rank r
+    holding stages r and 2 pp - 1 - r, so the first rank holds the embedding and the LM head)."""
     from harness.engine.partition import balanced_partition
 
     parts = balanced_partition(shape, pp * chunks, seq_len)
     last = pp * chunks - 1
+    if v_shape:
+        return tuple((r == 0, len(parts[r]) + len(parts[last - r]), r == 0) for r in range(pp))
     return tuple(
         (r == 0, sum(len(parts[c * pp + r]) for c in range(chunks)), (chunks - 1) * pp + r == last) for r in range(pp)
     )
@@ -260,6 +271,16 @@ def loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, f
     return 4 * n * V, max(B + upcast, 8) * n * V
 
 
+@functools.lru_cache(maxsize=4096)  # a plan asks it of every variant of one split
+def _states_by_category(phi: float, states: str, zero: int, precision: str, dp: int) -> dict[str, float]:
+    """Bytes of the model states by census category, as engine_stage_memory holds them."""
+    if states == "deepspeed" and zero == 0:  # its pipeline engine without ZeRO: bf16 .grad, an fp32 optimizer copy
+        census = states_bytes(phi, "megatron", 0, precision, dp, grad_accum="bf16" if precision == "bf16" else "fp32")
+    else:  # the Megatron-style engines shard at most the optimizer states (ZeRO-1)
+        census = states_bytes(phi, states, min(zero, 1) if states == "megatron" else zero, precision, dp)
+    return {k: sum(v.values()) for k, v in census.items()}
+
+
 def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> dict:
     """memory.stage_memory for the harness's engines (PlannerLayout.engine own, deepspeed or fsdp)."""
     has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
@@ -268,15 +289,11 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     precision = "bf16" if B == 2 else "fp32"
     states = memory_model(lay.engine).states
     zero = 3 if states == "fsdp" else lay.sharding_stage
-    if states == "deepspeed" and zero == 0:  # its pipeline engine without ZeRO: bf16 .grad, an fp32 optimizer copy
-        census = states_bytes(phi, "megatron", 0, precision, dp, grad_accum="bf16" if B == 2 else "fp32")
-    else:  # the Megatron-style engines shard at most the optimizer states (ZeRO-1)
-        census = states_bytes(phi, states, min(zero, 1) if states == "megatron" else zero, precision, dp)
     # The planner's workload has the default policy (fp32 accumulation and reduction): then what
     # the census counts at the optimizer step (own engine: flat parameters, fp32 main gradients,
     # ZeRO-1's reduced shard being their view, masters, Adam states) is held the whole step; the
     # ZeRO-1 collectives add nothing (both in place, harness/engine/data_parallel.py).
-    by_cat = {k: sum(v.values()) for k, v in census.items()}
+    by_cat = _states_by_category(phi, states, zero, precision, dp)
     sp = lay.sequence_parallel and t > 1
     n = lay.micro_batch_size * wl.local(lay).seq_len  # the rank's tokens
     h = shape.hidden

@@ -10,6 +10,7 @@ the others; memory.py re-exports them.
 from __future__ import annotations
 
 from harness.model.presets import Shape
+from harness.planner import schedules
 from harness.planner.layout import PlannerLayout
 
 GIB = 1024**3
@@ -45,14 +46,6 @@ def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: i
 
 
 def in_flight(lay: PlannerLayout, stage: int, m: int) -> float:
-    """Micro-batches (in units of the stage's layers) whose activations a stage holds at peak."""
-    p = lay.pp
-    if p == 1:
-        return 1.0
-    if lay.pipeline_schedule == "gpipe":
-        return float(m)
-    if lay.pipeline_schedule == "interleaved" and lay.virtual_stages > 1:
-        v = lay.virtual_stages  # Megatron's warm-up count, in chunks of 1/v of the stage's layers
-        chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-        return chunks / v
-    return float(min(p - stage, m))  # 1F1B (Narayanan et al. 2021, Sec. 2.2)
+    """Micro-batches (in units of the stage's layers) whose activations a stage holds at peak
+    (the schedule's: harness/planner/schedules.py)."""
+    return schedules.in_flight(lay.pipeline_schedule, lay.virtual_stages, lay.pp, stage, m)

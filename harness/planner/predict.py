@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from harness.errors import SpecError
 from harness.model.flops import flops_per_token
 from harness.model.presets import Shape
+from harness.planner import schedules
 from harness.planner.hardware import Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PRECISIONS, PlannerLayout, Workload
 from harness.planner.memory import GIB, fits, worst_stage_memory
@@ -49,6 +50,8 @@ class Prediction:
             "cp": lay.cp,
             "cp_impl": lay.cp_impl if lay.cp > 1 else None,
             "pp": lay.pp,
+            "pipeline_schedule": lay.pipeline_schedule if lay.pp > 1 else None,
+            "virtual_stages": schedules.chunks(lay.pipeline_schedule, lay.virtual_stages) if lay.pp > 1 else 1,
             "dp": lay.dp,
             "micro_batch_size": lay.micro_batch_size,
             "activation_checkpointing": lay.activation_checkpointing,

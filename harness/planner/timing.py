@@ -11,8 +11,9 @@ time is linear in the inverse efficiencies and that cost, calibration is a least
 
 Schedule: 1F1B over m micro-batches with per-stage times t_i takes sum(t_i) + (m-1) max(t_i)
 (fill and drain pass every stage once; the steady state runs at the slowest stage), i.e. the
-bubble (p-1)/m of Narayanan et al. 2021 when stages are equal; interleaving with v chunks
-divides the fill/drain part by v. Data-parallel reduction runs after the last backward (after
+bubble (p-1)/m of Narayanan et al. 2021 when stages are equal; the other schedules take a share
+of the fill/drain part (interleaving with v chunks 1/v; the zero-bubble schedules less:
+harness/planner/schedules.py). Data-parallel reduction runs after the last backward (after
 the flush), in fp32, not overlapped, as in the study's framework (see step_features). The LM
 head's output is all-gathered over tp and the loss runs over the full vocabulary on every rank.
 Context parallelism (harness/planner/context.py): every term on the rank's seq / cp tokens, the
@@ -25,7 +26,7 @@ from __future__ import annotations
 import functools
 
 from harness.model.presets import Shape
-from harness.planner import fp8
+from harness.planner import fp8, schedules
 from harness.planner.context import exchange_bytes
 from harness.planner.features import (
     ADAM_BYTES_PER_PARAM,
@@ -109,6 +110,28 @@ def _per_layer(
     return hit
 
 
+# Fields of a layout that neither the stages' extras (stage_extras) nor the data-parallel reduction
+# read: layouts differing only in them share those terms (_per_stage).
+_NOT_PER_STAGE = frozenset(("activation_checkpointing", "sequence_parallel", "attention", "rmsnorm"))
+
+
+def _per_stage(shape, lay, wl, prof, theta, kinds, cache) -> tuple[list[float], tuple[dict, float]]:
+    """Seconds of each stage kind's extras under theta, and _data_parallel's terms, from `cache` (the
+    caller's layer_cache) when it has them: a plan asks them of every kernel, checkpointing and
+    sequence-parallel variant of one split."""
+    key = None
+    if cache is not None:
+        key = ("per_stage", *(None if k in _NOT_PER_STAGE else v for k, v in lay.__dict__.items()))
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    extras = [dot(theta, stage_extras(shape, lay, wl, prof, first)) for _, first, _ in kinds]
+    out = extras, _data_parallel(shape, lay, wl, prof, kinds)
+    if key is not None:
+        cache[key] = out
+    return out
+
+
 def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, kinds) -> tuple[dict, float]:
     """Ideal seconds of the data-parallel reduction (by link) and of the optimizer step (HBM), once
     per step, for the stage with the most parameters.
@@ -176,11 +199,11 @@ def step_features(
     times = {key: dot(theta, xs[key]) for key, _, _ in kinds}
     slow_key, slow, _ = max(kinds, key=lambda kind: (times[kind[0]], -kind[1]))  # the first of the slowest
     x_slow = xs[slow_key]
-    v = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
+    f = _bubble_factor(lay, theta, per_layer)
     feats = zero_features()
-    for k in feats:  # m x slowest + fill/drain through the other stages (divided by v chunks)
+    for k in feats:  # m x slowest + fill/drain through the other stages (the schedule's share of it)
         total = sum(count * xs[key][k] for key, _, count in kinds)
-        feats[k] = m * x_slow[k] + (total - x_slow[k]) / v
+        feats[k] = m * x_slow[k] + (total - x_slow[k]) * f
     compute_s = dot(theta, feats)
     dpx, opt_x = _data_parallel(shape, lay, wl, prof, kinds)
     for k, value in dpx.items():
@@ -189,13 +212,25 @@ def step_features(
     pressure = alloc_pressure(shape, lay, wl, prof, memory_bytes)
     feats["alloc_pressure_s"] += pressure
     times_sum = sum(count * times[key] for key, _, count in kinds)
-    return feats, _breakdown(lay, m, v, compute_s, times_sum, times[slow_key], slow, dpx, opt_x, theta, pressure)
+    return feats, _breakdown(lay, m, f, compute_s, times_sum, times[slow_key], slow, dpx, opt_x, theta, pressure)
 
 
-def _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta, pressure) -> dict:
+def _bubble_factor(lay: PlannerLayout, theta: dict, per_layer: dict) -> float:
+    """The schedule's bubble as a fraction of 1F1B's (harness/planner/schedules.py), the GEMMs'
+    share taken from a layer's time."""
+    if lay.pp == 1 or lay.pipeline_schedule in ("1f1b", "gpipe"):
+        return 1.0
+    share = 0.0
+    if lay.pipeline_schedule != "interleaved":  # only the zero-bubble schedules read it
+        total = dot(theta, per_layer)
+        share = theta["gemm"] * per_layer.get("gemm", 0.0) / total if total else 0.0
+    return schedules.bubble_factor(lay.pipeline_schedule, lay.virtual_stages, lay.pp, share)
+
+
+def _breakdown(lay, m, f, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta, pressure) -> dict:
     return {
         "compute_and_tp_s": compute_s,
-        "bubble_s": times_sum / v - t_slow / v if lay.pp > 1 else 0.0,
+        "bubble_s": (times_sum - t_slow) * f if lay.pp > 1 else 0.0,
         "dp_reduction_exposed_s": dot(theta, dpx),  # never overlapped in the study's framework
         "optimizer_s": theta["hbm"] * opt_x,
         "allocator_pressure_s": theta.get("alloc_pressure_s", ALLOC_PRESSURE_S) * pressure,
@@ -234,17 +269,17 @@ def step_time(
     predicted peak of the fullest stage, when the caller has it (allocator pressure)."""
     theta = theta or theta_from_profile(prof)
     m = wl.micro_batches(lay)
-    _, t_layer = _per_layer(shape, lay, wl, prof, theta, layer_cache)
+    per_layer, t_layer = _per_layer(shape, lay, wl, prof, theta, layer_cache)
     kinds = _stage_kinds(shape.layers, lay.pp)
-    times = [key[0][1] * t_layer + dot(theta, stage_extras(shape, lay, wl, prof, first)) for key, first, _ in kinds]
+    extras, (dpx, opt_x) = _per_stage(shape, lay, wl, prof, theta, kinds, layer_cache)
+    times = [key[0][1] * t_layer + extra for (key, _, _), extra in zip(kinds, extras, strict=True)]
     i_slow = max(range(len(kinds)), key=lambda i: (times[i], -kinds[i][1]))
     t_slow, slow = times[i_slow], kinds[i_slow][1]
-    v = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
+    f = _bubble_factor(lay, theta, per_layer)
     times_sum = sum(kind[2] * t for kind, t in zip(kinds, times, strict=True))
-    compute_s = m * t_slow + (times_sum - t_slow) / v
-    dpx, opt_x = _data_parallel(shape, lay, wl, prof, kinds)
+    compute_s = m * t_slow + (times_sum - t_slow) * f
     pressure = alloc_pressure(shape, lay, wl, prof, memory_bytes)
-    breakdown = _breakdown(lay, m, v, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta, pressure)
+    breakdown = _breakdown(lay, m, f, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta, pressure)
     if lay.cp > 1:
         breakdown.update(cp_breakdown(shape, lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
     return (
