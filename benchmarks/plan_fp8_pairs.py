@@ -5,7 +5,9 @@
 Each pair as its source ran it: dgxc (NeMo 24.09, Transformer Engine: engine megatron, cuDNN fused
 attention, tp1 cp2 dp4, micro-batch 1, batch 128); torchtitan (FSDP2 over 8, local batch 2, selective
 checkpointing, seq 8192: its 8B default; bf16 with torch.compile against Float8 with compile); torchao's
-float8 README (FSDP2 over 8, local batch 1, per-op SAC as selective, tensorwise with fp8 all-gather).
+float8 README (FSDP2 over 8, local batch 1, per-op SAC as selective, tensorwise with fp8 all-gather; and
+rowwise, predicted with the planner's fp8.RECIPE set to rowwise: its casts, no fp8 all-gather, the same
+gemm_fp8, since the planner has no efficiency of rowwise-scaled GEMMs).
 Printed twice: with the allocator-pressure term (its prior was fitted on the study's A100 sweeps) and
 without it, since at these small batches it is a large share of the predicted step.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from harness.model.presets import resolve_shape
+from harness.planner import fp8
 from harness.planner.features import theta_from_profile
 from harness.planner.hardware import load_profile
 from harness.planner.layout import PlannerLayout, Workload
@@ -44,6 +47,13 @@ PAIRS = (  # label, layout, workload, published bf16 and fp8 tokens/s per GPU
         6150,
         7689.5,
     ),
+    (
+        "torchao 8B fsdp8 mb1 SAC rowwise",
+        PlannerLayout(1, 1, 8, 1, activation_checkpointing="selective", engine="fsdp", fsdp=True, attention="sdpa"),
+        Workload(8192, 8),
+        6150,
+        6768,
+    ),
 )
 
 
@@ -53,6 +63,7 @@ def main() -> None:
     no_pressure = {**theta_from_profile(prof), "alloc_pressure_s": 0.0}
     print(f"{'pair':44} {'bf16 tok/s/GPU':>15} {'fp8':>7} {'ratio':>6} {'w/o alloc':>9} {'published':>9}")
     for label, lay, wl, pub_bf16, pub_fp8 in PAIRS:
+        fp8.RECIPE = "rowwise" if "rowwise" in label else "tensorwise"
         f8 = dataclasses.replace(lay, precision="fp8")
         b, f = predict(shape, lay, wl, prof), predict(shape, f8, wl, prof)
         b0, f0 = predict(shape, lay, wl, prof, no_pressure), predict(shape, f8, wl, prof, no_pressure)

@@ -40,7 +40,8 @@ from harness.model.presets import Shape
 from harness.planner.layout import PlannerLayout
 
 # The recipe the planner's "fp8" stands for: torchao's and torchtitan's default (Float8LinearConfig),
-# and per-tensor like Transformer Engine's current scaling (FP8-CS).
+# and per-tensor like Transformer Engine's current scaling (FP8-CS). benchmarks/plan_fp8_pairs.py sets it
+# to rowwise for torchao's rowwise row (its casts; the GEMMs keep gemm_fp8, there is no rowwise efficiency).
 RECIPE = "tensorwise"
 # bytes per element, forward + backward, as functions of the bf16 bytes B (module docstring)
 CAST_BYTES = {
@@ -73,17 +74,18 @@ def weight_elements(shape: Shape, tp: int) -> float:
     return sum(N * K for N, K in linears(shape, tp))
 
 
-def activation_cast_bytes(shape: Shape, lay: PlannerLayout, n: float, B: int, recipe: str = RECIPE) -> float:
+def activation_cast_bytes(shape: Shape, lay: PlannerLayout, n: float, B: int, recipe: str | None = None) -> float:
     """HBM bytes of one layer's activation casts for one micro-batch of n tokens (forward + backward):
-    each linear's input (n x K) and output gradient (n x N)."""
-    per = CAST_BYTES[recipe]["activation"](B)
+    each linear's input (n x K) and output gradient (n x N); `recipe` RECIPE unless given."""
+    per = CAST_BYTES[recipe or RECIPE]["activation"](B)
     return per * n * sum(N + K for N, K in linears(shape, lay.tp, fused(lay.engine)))
 
 
-def weight_cast_bytes(shape: Shape, lay: PlannerLayout, micro_batches: int, B: int, recipe: str = RECIPE) -> float:
+def weight_cast_bytes(shape: Shape, lay: PlannerLayout, micro_batches: int, B: int, recipe: str | None = None) -> float:
     """HBM bytes of one layer's weight casts, per micro-batch: every forward and backward (torchao), once
     per all-gather of the shard (FSDP2's fp8 all-gather: forward, and backward when resharded after
-    forward, plus the step's amax), or once per step (Transformer Engine)."""
+    forward, plus the step's amax; tensorwise only), or once per step (Transformer Engine)."""
+    recipe = recipe or RECIPE
     w = weight_elements(shape, lay.tp)
     if lay.engine == "megatron":
         return (2 * B + 2) * w / micro_batches
@@ -112,5 +114,5 @@ def weight_copy_bytes(shape: Shape, lay: PlannerLayout, layers: int) -> float:
 
 def gathered_block_saving(shape: Shape, lay: PlannerLayout, B: int) -> float:
     """Bytes per gathered block that FSDP2's fp8 all-gather saves against the compute dtype: its linear
-    weights arrive in fp8 (1 byte), the norms in B."""
-    return (B - 1) * weight_elements(shape, lay.tp) if lay.fsdp else 0.0
+    weights arrive in fp8 (1 byte), the norms in B. torchao gathers fp8 under tensorwise scaling only."""
+    return (B - 1) * weight_elements(shape, lay.tp) if lay.fsdp and RECIPE == "tensorwise" else 0.0
