@@ -32,6 +32,7 @@ examples:
   harness plan --findings --hardware a100-80gb,h100-sxm,h200 --model paper-13b --seq-len 2048 \\
       --global-batch-size 2048 --gpus 64
   harness plan --model llama3-8b --seq-len 131072 --global-batch-size 64 --gpus 64 --cp 1,8
+  harness plan --model llama3-8b --seq-len 8192 --global-batch-size 128 --gpus 8 --hardware h200 --precision bf16,fp8
   harness plan --hardware a100-80gb --calibrate results.sqlite --calibrate-out my-cluster.yaml"""
 
 
@@ -70,6 +71,11 @@ def add_arguments(p) -> None:
         "every rank at least 4096 tokens of a sequence)",
     )
     p.add_argument("--cp-impl", help="comma list of ring,allgather,ulysses (default: those the engine runs)")
+    p.add_argument(
+        "--precision",
+        help="comma list of bf16,fp8 (default bf16): fp8 runs the linear layers' GEMMs in FP8 (torchao's "
+        "tensorwise recipe; Transformer Engine's current scaling under megatron), attention and norms in bf16",
+    )
     p.add_argument(
         "--pipeline-schedule",
         help="comma list of 1f1b,interleaved,gpipe,zero_bubble,zbv,dualpipev for pp > 1 (default: 1f1b, and "
@@ -161,7 +167,7 @@ def plan_of(args, shape, profile) -> tuple:
     """(workload, GPUs per node, predictions ranked: fitting first, fastest first) of the candidate
     layouts the flags ask for on one hardware profile."""
     from harness.planner import candidates as en
-    from harness.planner.layout import ATTENTION, Workload
+    from harness.planner.layout import ATTENTION, PRECISIONS, Workload
     from harness.planner.predict import predict_many
     from harness.planner.schedules import SCHEDULES
     from harness.spec import CHECKPOINTING, CP_IMPLS, RMSNORM_KERNELS
@@ -194,6 +200,9 @@ def plan_of(args, shape, profile) -> tuple:
     virtual = en.parse_list(args.virtual_stages, None, "--virtual-stages", (), int) or None
     if virtual and min(virtual) < 1:
         raise SpecError("--virtual-stages", "must be positive")
+    precisions = en.parse_list(args.precision, PRECISIONS, "--precision", ("bf16",))
+    if "fp8" in precisions and not profile.fp8:
+        raise SpecError("--precision", f"fp8: {profile.name} has no FP8 tensor cores (its profile says fp8: false)")
     if args.top is not None and args.top < 1:
         raise SpecError("--top", "must be at least 1")
     preds = predict_many(
@@ -213,6 +222,7 @@ def plan_of(args, shape, profile) -> tuple:
             cp_impls=impls,
             pipeline_schedules=scheds,
             virtual_stages=virtual,
+            precisions=precisions,
             **_on_engine(args, shape, cps, impls),
         ),
         wl,
@@ -251,10 +261,11 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
     )
     near, note = _near_the_fastest(fitting, profile)
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
+    prec = len({p.layout.precision for p in preds}) > 1  # a precision column only when several are asked
     print(
         f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'sched':5} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} "
         f"{'attention':{width}} "
-        f"{'rms':5} {'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
+        f"{'rms':5} {'prec ' if prec else ''}{'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
     )
     for row in rows:
         p = row.pred
@@ -264,6 +275,7 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
             f"{r['dp']:>5} {r['micro_batch_size']:>3} "
             f"{r['activation_checkpointing']:9} "
             f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
+            f"{r['precision'].ljust(5) + ' ' if prec else ''}"
             f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
             f"{' *' if id(p) in near else ''}"
         )

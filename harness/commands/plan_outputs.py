@@ -115,6 +115,8 @@ def export(args, shape, wl, fitting) -> int:
             f"# the fastest predicted layout cannot be expressed: {exportable(fitting[0].layout, args.export, shape)}",
             file=sys.stderr,
         )
+    if lay.precision != "bf16":
+        notes = [*notes, f"the layout was planned in {lay.precision}; this export does not set FP8"]
     for note in notes:
         print(f"# note: {note}", file=sys.stderr)
     return 0

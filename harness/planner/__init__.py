@@ -8,6 +8,7 @@ Modules, one job each:
   memory_paper    the memory of the study's engine (engine paper)
   memory_engines  the memory of the harness's engines, each by its facts (registry.MemoryModel)
   context         context parallelism's own terms (implementations, K/V bytes, the exchange)
+  fp8             FP8 as the engines run it: the FP8 linears, their casts' bytes, the weight copies
   features        the time features of a layer and a stage (ideal seconds of each kind of work)
   timing          seconds per step: the features at their efficiencies, the schedule, the dp reduction
   candidates      every valid layout

@@ -146,8 +146,10 @@ def sample_from_record(rec: dict) -> Sample | None:
     if not t:
         return None
     shape = resolve_shape(wl["model"], wl.get("model_overrides") or None)
-    layout = PlannerLayout.from_spec(lay)
-    workload = Workload(int(wl["seq_len"]), int(wl["global_batch_size"]), 2 if wl.get("precision") == "bf16" else 4)
+    layout = PlannerLayout.from_spec(lay, wl.get("precision", "fp32"))
+    workload = Workload(
+        int(wl["seq_len"]), int(wl["global_batch_size"]), 2 if wl.get("precision") in ("bf16", "fp8") else 4
+    )
     return Sample(shape, layout, workload, float(t), rec.get("run_id", ""))
 
 

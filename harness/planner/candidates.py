@@ -57,13 +57,15 @@ def layouts(
     cp_impls=None,
     pipeline_schedules=None,
     virtual_stages=None,
+    precisions=("bf16",),
     **fields,
 ):
     """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
     are further PlannerLayout fields every layout takes (engine, fsdp); cp_values and cp_impls the cp
     degrees and implementations asked for (default: context.degrees', the engine's);
     pipeline_schedules and virtual_stages the schedules of pp > 1 layouts and the chunks per rank of
-    the interleaved ones (default: schedules_of, schedules.virtual_stage_choices)."""
+    the interleaved ones (default: schedules_of, schedules.virtual_stage_choices); precisions the
+    PlannerLayout.precision values (default bf16 only)."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
@@ -90,8 +92,8 @@ def layouts(
                 if wl.global_batch_size % dp:
                     continue
                 pipes = _pipelines(shape.layers, pp, scheds, virtual_stages, even)
-                for mb, (sched, v), ck, sp, att, rms, impl in itertools.product(
-                    micro_batch_sizes, pipes, checkpointing, sequence_parallel, attention, rmsnorm, impls
+                for mb, (sched, v), ck, sp, att, rms, impl, prec in itertools.product(
+                    micro_batch_sizes, pipes, checkpointing, sequence_parallel, attention, rmsnorm, impls, precisions
                 ):
                     if sp and (tp == 1 or (wl.seq_len // cp) % tp):
                         continue
@@ -113,6 +115,7 @@ def layouts(
                         cp_impl=impl,
                         pipeline_schedule=sched,
                         virtual_stages=v,
+                        precision=prec,
                         **fields,
                     )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from harness.model.presets import Shape
-from harness.planner import schedules
+from harness.planner import fp8, schedules
 from harness.planner.context import exchange_bytes
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, item_split
@@ -139,10 +139,11 @@ def layer_features(
     hbm = prof.hbm_gbps * 1e9
     ckpt = lay.activation_checkpointing
     passes = 3 + (1 if ckpt == "full" else 0)  # fwd + bwd (2x fwd) + recomputed fwd
-    # GEMMs of one layer: (N, K) per GEMM, M = n tokens.
+    # GEMMs of one layer: (N, K) per GEMM, M = n tokens; under fp8 at the FP8 peak, their own efficiency.
     gemms = [((h + 2 * kv) / t, h), (h, h / t), (2 * f / t, h), (h, f / t)]
+    gemm_key, gemm_peak = ("gemm_fp8", prof.peak_flops_fp8()) if lay.precision == "fp8" else ("gemm", peak)
     for N, K in gemms:
-        x["gemm"] += passes * 2 * n * N * K / (peak * _gemm_eff(n, N, K))
+        x[gemm_key] += passes * 2 * n * N * K / (gemm_peak * _gemm_eff(n, N, K))
     attention = attention_features(shape, lay, wl, prof)
     for k, v in attention.items():
         x[k] += v
@@ -151,6 +152,9 @@ def layer_features(
     recf = 4 / 3 if ckpt == "full" else 1.0
     per_layer = (2 * RMSNORM_BYTES[lay.rmsnorm] * (B / 2) + 2 * RESIDUAL_BYTES_PER_B * B) * n * h * rep
     per_layer += (SWIGLU_BYTES_PER_B * f + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (h + 2 * kv)) * B * n / t
+    if lay.precision == "fp8":  # the casts to fp8 and their amax (fp8.py), recomputed under full checkpointing
+        m = wl.micro_batches(lay)
+        per_layer += fp8.activation_cast_bytes(shape, lay, n, B) + fp8.weight_cast_bytes(shape, lay, m, B)
     x["hbm"] += per_layer * recf / hbm
     # Tensor-parallel collectives: per layer 2 all-reduces forward and 2 backward (all-gather +
     # reduce-scatter under sequence parallelism: the same bytes), each of n*h elements.

@@ -21,7 +21,15 @@ from harness.planner.layout import ATTENTION
 PROFILE_DIR = Path(__file__).with_name("hardware")
 EFFICIENCY_KEYS = (
     *"gemm flash3 flash2 flash1 mem_efficient naive_attention fused_softmax hbm nvlink internode launch_us".split(),
+    "gemm_fp8",
 )
+# Literature priors for keys a profile may lack (its own value wins; otherwise a100-80gb.yaml's):
+# gemm_fp8, the share of the FP8 peak the linear layers' FP8 GEMMs reach. torchao's roofline
+# (torchao/testing/training/roofline_utils.py) assumes one share for bf16 and fp8 GEMMs on H100 (78%,
+# "experimental observation with sample large inputs"); at training shapes an FP8 GEMM finishes in
+# half a bf16 one's time, so its fixed per-tile costs (prologue, the scaled epilogue) weigh twice and
+# the share is lower: the H100 bf16 prior (0.70) x 0.9, an assumption until fitted (calibrate.py).
+EFFICIENCY_DEFAULTS = {"gemm_fp8": 0.63}
 
 
 @dataclass
@@ -42,6 +50,11 @@ class Profile:
     attention_kernels: tuple[str, ...] = ATTENTION
     calibrated: dict = field(default_factory=dict)
     source: str = ""
+    # Dense FP8 tensor-core peak (TFLOP/s; profile key peak_tflops_fp8, default 2 x bf16, the
+    # datasheet ratio on Hopper and Blackwell) and whether the device has FP8 tensor cores at all
+    # (profile key fp8, default true; false on A100 and the CPU: `harness plan --precision fp8` refuses).
+    peak_tflops_fp8: float = 0.0
+    fp8: bool = True
 
     def eff(self, key: str) -> float:
         """Calibrated value if there is one, else the literature value."""
@@ -51,12 +64,15 @@ class Profile:
     def peak_flops(self, dtype_bytes: int) -> float:
         return 1e12 * (self.peak_tflops_bf16 if dtype_bytes == 2 else self.peak_tflops_fp32)
 
+    def peak_flops_fp8(self) -> float:
+        return 1e12 * (self.peak_tflops_fp8 or 2 * self.peak_tflops_bf16)
+
     def to_dict(self) -> dict:
         d = {
             k: getattr(self, k)
             for k in (
                 "name device_names peak_tflops_bf16 peak_tflops_fp32 memory_gib hbm_gbps nvlink_gbps "
-                "internode_gbps gpus_per_node rail_aggregation_max_nodes"
+                "internode_gbps gpus_per_node rail_aggregation_max_nodes peak_tflops_fp8 fp8"
             ).split()
         }
         d["attention_kernels"] = list(self.attention_kernels)
@@ -83,8 +99,12 @@ def _from_dict(raw: dict, source: str) -> Profile:
         raise SpecError("--hardware", f"{source}: unknown efficiency keys {sorted(unknown)}")
     defaults = yaml.safe_load((PROFILE_DIR / "a100-80gb.yaml").read_text())["efficiency"]
     for key in EFFICIENCY_KEYS:
-        eff.setdefault(key, defaults[key])
-    for key, value in {**{k: raw[k] for k in need}, **eff}.items():
+        eff.setdefault(key, defaults.get(key, EFFICIENCY_DEFAULTS.get(key)))
+    fp8 = raw.get("fp8", True)
+    if not isinstance(fp8, bool):
+        raise SpecError("--hardware", f"{source}: fp8 must be true or false")
+    given = {"peak_tflops_fp8": raw["peak_tflops_fp8"]} if fp8 and "peak_tflops_fp8" in raw else {}
+    for key, value in {**{k: raw[k] for k in need}, **eff, **given}.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
             raise SpecError("--hardware", f"{source}: {key} must be a positive number")
     kernels = tuple(raw.get("attention_kernels") or ATTENTION)
@@ -107,6 +127,8 @@ def _from_dict(raw: dict, source: str) -> Profile:
         attention_kernels=kernels,
         calibrated=dict(raw.get("calibrated") or {}),
         source=source,
+        peak_tflops_fp8=float(raw.get("peak_tflops_fp8", 2 * raw["peak_tflops_bf16"])) if fp8 else 0.0,
+        fp8=fp8,
     )
 
 

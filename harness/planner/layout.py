@@ -61,6 +61,7 @@ ATTENTION_CLASS = {
 MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
 # The study's engine (Aleph Alpha's scaling library, as its sweeps ran): modelled, not run here.
 PAPER = "paper"
+PRECISIONS = ("bf16", "fp8")  # PlannerLayout.precision
 
 
 def planner_engines() -> tuple[str, ...]:
@@ -96,6 +97,9 @@ class PlannerLayout:
     # cp between tp and dp in the mesh (harness.parallel_dims.AXES); cp_impl only matters when cp > 1.
     cp: int = 1
     cp_impl: str = "ring"
+    # "bf16" or "fp8": the linear layers' GEMMs in FP8 as the engines run it (harness/planner/fp8.py),
+    # parameters bf16, masters and Adam fp32; a spec holds it as workload.precision.
+    precision: str = "bf16"
 
     @property
     def dims(self) -> ParallelDims:
@@ -119,9 +123,10 @@ class PlannerLayout:
         return asdict(self)
 
     @classmethod
-    def from_spec(cls, layout: dict) -> PlannerLayout:
+    def from_spec(cls, layout: dict, precision: str = "bf16") -> PlannerLayout:
         """The planner's view of a spec layout (a harness.spec.Layout as a dict, as records keep
-        it); a missing or null field takes the spec's default, engine single is one GPU."""
+        it); a missing or null field takes the spec's default, engine single is one GPU.
+        `precision`: the workload's (fp8 is the planner's fp8, anything else its bf16 time model)."""
         lay = {**asdict(SpecLayout()), **{k: v for k, v in layout.items() if v is not None}}
         single = lay["engine"] == "single"
         return cls(
@@ -140,6 +145,7 @@ class PlannerLayout:
             virtual_stages=int(lay["virtual_stages"] or 1),
             fsdp=lay["engine"] == "fsdp",
             reshard_after_forward=bool(lay["reshard_after_forward"]),
+            precision="fp8" if precision == "fp8" else "bf16",
         )
 
     def to_spec(self) -> dict:

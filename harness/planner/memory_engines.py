@@ -35,8 +35,8 @@ import functools
 
 from harness import registry
 from harness.model.presets import Shape
+from harness.planner import fp8, schedules
 from harness.planner import memory_terms as terms
-from harness.planner import schedules
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
 from harness.registry import MemoryModel
 
@@ -252,6 +252,8 @@ def engine_layer_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict:
     # the gradient hook adds it into the fp32 bucket and frees it (h x ffn / t); or the attention
     # core's backward, whichever is larger.
     working = max((n * h + 3 * n * f / t + h * f / t) * B, _attention_backward_bytes(shape, lay, wl, b))
+    if lay.precision == "fp8":  # the fp8 operands of the linear running backward (fp8.py: torchao saves bf16)
+        working += fp8.backward_operand_bytes(shape, lay, n)
     kept = n * h * B / (t if sp else 1) if lay.activation_checkpointing == "full" else full
     return {"layer": kept, "full_layer": full, "working": working}
 
@@ -360,6 +362,10 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
         dynamic += fsdp["gathered"] + parts["gradients"]
     elif zero >= 3:  # gathered full layers in flight (current + prefetched), ZeRO-3
         parts["weights"] += 2 * phi / max(layers, 1) * B
+    if lay.precision == "fp8":  # Transformer Engine's fp8 weight copies; the scales (fp8.py)
+        parts["fp8_weights_and_scales"] = fp8.weight_copy_bytes(shape, lay, layers) + fp8.scale_bytes(
+            shape, lay, layers
+        )
     parts["overhead"] = terms.CONTEXT_GIB * terms.GIB + frag * dynamic
     parts["total"] = sum(parts.values())
     parts["params"] = phi
@@ -403,7 +409,7 @@ def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: boo
       reduce_scatter  none while micro-batches are in flight
 
     The planner's workload carries the default precision policy: compute dtype = the workload's,
-    reduction in fp32."""
+    reduction in fp32; under fp8 the blocks' linear weights are gathered in fp8 (fp8.py)."""
     B, t = wl.dtype_bytes, lay.tp
     h, V = shape.hidden, shape.vocab
     head_dim = h // shape.heads
@@ -416,16 +422,17 @@ def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: boo
     root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)
     reshard = lay.reshard_after_forward
     n = lay.micro_batch_size * wl.local(lay).seq_len
-    kept = 0.0 if reshard else layers * block * B
+    block_bytes = block * B - (fp8.gathered_block_saving(shape, lay, B) if lay.precision == "fp8" else 0.0)
+    kept = 0.0 if reshard else layers * block_bytes
     piped = lay.pp > 1
     # the embedding's gradient is the whole table's under TP (see engine_stage_memory)
     emb_grad = V * h if has_emb else 0.0
     accumulated = root - (vocab if has_emb else 0.0) + emb_grad + layers * block
     return {
         "gathered": root * B,
-        "backward_blocks": min(2, layers) * block * B if reshard else kept,
+        "backward_blocks": min(2, layers) * block_bytes if reshard else kept,
         "kept_blocks": kept,
-        "all_blocks": layers * block * B,
+        "all_blocks": layers * block_bytes,
         "reduce_scatter": block * 4 if layers and not piped else 0.0,
         "accumulated": accumulated * 4 if piped else 0.0,
         "after_loss": (n * V * B + vocab * B) if has_head else 0.0,

@@ -1,7 +1,8 @@
 """One prediction: memory of the worst stage, whether it fits, step time, MFU, and why.
 
 MFU uses the PaLM convention (6P + 12Lhs FLOPs per token, harness.model.flops), the one the
-reference study's MFU column uses, against the profile's dense peak.
+reference study's MFU column uses, against the profile's dense peak (BF16's under fp8 too, as torchtitan
+reports it: MFU then ranks layouts of both precisions as tokens/s does).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from harness.model.flops import flops_per_token
 from harness.model.presets import Shape
 from harness.planner import schedules
 from harness.planner.hardware import Profile
-from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PRECISIONS, PlannerLayout, Workload
 from harness.planner.memory import GIB, fits, worst_stage_memory
 from harness.planner.timing import step_time, theta_from_profile
 from harness.spec import CP_IMPLS, RMSNORM_KERNELS
@@ -58,6 +59,7 @@ class Prediction:
             "attention": lay.attention,
             "rmsnorm": lay.rmsnorm,
             "zero": lay.sharding_stage,
+            "precision": lay.precision,
             "fits": bool(self.fits and self.available),
             "memory_gib": round(self.memory_gib, 2),
             "step_time_s": round(self.step_time_s, 4),
@@ -67,6 +69,8 @@ class Prediction:
 
 def kernel_available(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile) -> str:
     """Empty when the attention kernel can run this layout on this hardware, else why not."""
+    if lay.precision == "fp8" and not prof.fp8:
+        return f"{prof.name} has no FP8 tensor cores (its profile says fp8: false)"
     if lay.attention not in prof.attention_kernels:
         return f"{lay.attention} is not available on {prof.name}"
     cls = ATTENTION_CLASS[lay.attention]
@@ -99,6 +103,8 @@ def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
         raise SpecError("layout.attention", f"unknown kernel {lay.attention!r}; known: {', '.join(ATTENTION_CLASS)}")
     if lay.rmsnorm not in RMSNORM_KERNELS:
         raise SpecError("layout.rmsnorm", f"{lay.rmsnorm!r} is not one of {', '.join(RMSNORM_KERNELS)}")
+    if lay.precision not in PRECISIONS:
+        raise SpecError("precision", f"{lay.precision!r} is not one of {', '.join(PRECISIONS)}")
 
 
 @functools.lru_cache(maxsize=256)

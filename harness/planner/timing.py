@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 
 from harness.model.presets import Shape
-from harness.planner import schedules
+from harness.planner import fp8, schedules
 from harness.planner.context import exchange_bytes
 from harness.planner.features import (
     ADAM_BYTES_PER_PARAM,
@@ -101,6 +101,8 @@ def _per_layer(
         lay.cp_impl if lay.cp > 1 else "",
         group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node,
     )
+    if lay.precision != "bf16":  # the weight casts depend on the engine, the shard and the micro-batches (fp8.py)
+        key += (lay.precision, lay.engine, lay.fsdp, lay.reshard_after_forward, lay.replicas, wl.micro_batches(lay))
     hit = layer_cache.get(key)
     if hit is None:
         per_layer = layer_features(shape, lay, wl, prof, theta)
@@ -163,7 +165,11 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
         grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
         dpx[key] = (2 * frac * grad_bytes + (frac * wl.dtype_bytes if zero >= 1 else 0)) * phi / bw
         if zero >= 3:  # weights gathered for forward and backward of every micro-batch
-            dpx[key] += 2 * m * frac * phi * wl.dtype_bytes / bw
+            gathered = phi * wl.dtype_bytes
+            if lay.precision == "fp8" and lay.fsdp:  # FSDP2's fp8 all-gather: the blocks' linear weights in fp8
+                layers = max(kind[0][1] for kind, _, _ in kinds)
+                gathered -= layers * fp8.gathered_block_saving(shape, lay, wl.dtype_bytes)
+            dpx[key] += 2 * m * frac * gathered / bw
     # Optimizer step on this rank's shard of the master weights, Adam (memory bound).
     opt_params = phi / (r if zero >= 1 else 1)
     return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
