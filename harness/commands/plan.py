@@ -62,6 +62,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--cp-impl", help="comma list of ring,allgather,ulysses (default: those the engine runs)")
     p.add_argument(
+        "--dp-shard",
+        help="engine fsdp: comma list of sharding group sizes (HSDP; 0 or dp x cp: full sharding; default: "
+        "full sharding and the powers of two from 2 dividing dp x cp)",
+    )
+    p.add_argument(
         "--max-positions",
         type=int,
         default=None,
@@ -151,6 +156,9 @@ def main(args) -> int:
     if cps is not None and any(c < 1 for c in cps):
         raise SpecError("--cp", "must be positive")
     impls = en.parse_list(args.cp_impl, CP_IMPLS, "--cp-impl", ()) if args.cp_impl is not None else None
+    shards = en.parse_list(args.dp_shard, None, "--dp-shard", (), int) if args.dp_shard is not None else None
+    if shards is not None and (args.engine != "fsdp" or any(v < 0 for v in shards)):
+        raise SpecError("--dp-shard", "takes sizes >= 0 under --engine fsdp only (its sharding groups)")
     if args.top is not None and args.top < 1:
         raise SpecError("--top", "must be at least 1")
     preds = predict_many(
@@ -168,6 +176,7 @@ def main(args) -> int:
             zero_stage=args.zero,
             cp_values=cps,
             cp_impls=impls,
+            dp_shards=shards,
             **_on_engine(args, shape, cps, impls),
         ),
         wl,
@@ -198,16 +207,18 @@ def main(args) -> int:
     )
     near, note = _near_the_fastest(fitting, profile)
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
+    fsdp = args.engine == "fsdp"  # a column of the sharding group's ranks (HSDP below dp x cp)
     print(
-        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} {'attention':{width}} "
-        f"{'rms':5} {'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
+        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'dp':>5} {'shard ' if fsdp else ''}{'mb':>3} {'ckpt':9} "
+        f"{'sp':3} {'attention':{width}} {'rms':5} {'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
     )
     for row in rows:
         p = row.pred
         r = p.row()
+        shard = f"{r['dp_shard']:>5} " if fsdp else ""
         print(
-            f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {r['dp']:>5} {r['micro_batch_size']:>3} "
-            f"{r['activation_checkpointing']:9} "
+            f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {r['dp']:>5} {shard}"
+            f"{r['micro_batch_size']:>3} {r['activation_checkpointing']:9} "
             f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
             f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
             f"{' *' if id(p) in near else ''}"

@@ -54,11 +54,13 @@ def layouts(
     pp_values=None,
     cp_values=None,
     cp_impls=None,
+    dp_shards=None,
     **fields,
 ):
     """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
     are further PlannerLayout fields every layout takes (engine, fsdp); cp_values and cp_impls the cp
-    degrees and implementations asked for (default: context.degrees', the engine's)."""
+    degrees and implementations asked for (default: context.degrees', the engine's); dp_shards the
+    fsdp sharding groups asked for (shard_groups)."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
@@ -82,8 +84,9 @@ def layouts(
                 dp = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp).dp
                 if wl.global_batch_size % dp:
                     continue
-                for mb, ck, sp, att, rms, impl in itertools.product(
-                    micro_batch_sizes, checkpointing, sequence_parallel, attention, rmsnorm, impls
+                shards = shard_groups(dp * cp, dp_shards) if fields.get("fsdp") else (0,)
+                for mb, ck, sp, att, rms, impl, shard in itertools.product(
+                    micro_batch_sizes, checkpointing, sequence_parallel, attention, rmsnorm, impls, shards
                 ):
                     if sp and (tp == 1 or (wl.seq_len // cp) % tp):
                         continue
@@ -101,8 +104,20 @@ def layouts(
                         zero_stage=zero_stage,
                         cp=cp,
                         cp_impl=impl,
+                        dp_shard=shard,
                         **fields,
                     )
+
+
+def shard_groups(replicas: int, asked=None) -> tuple[int, ...]:
+    """The fsdp sharding groups (PlannerLayout.dp_shard) of a layout with `replicas` = dp x cp ranks:
+    0 (full sharding) and, by default, the powers of two from 2 below it that divide it (hybrid
+    sharding in groups of 2, 4, 8, ... ranks; a group of 1 is plain replication, left out), a few
+    per layout; `asked` (--dp-shard), those of its values that divide it (its dp x cp itself
+    meaning 0)."""
+    if asked is None:
+        return (0,) + tuple(2**k for k in range(1, replicas.bit_length()) if replicas % 2**k == 0 and 2**k < replicas)
+    return tuple(dict.fromkeys(0 if v in (0, replicas) else v for v in asked if v == 0 or replicas % v == 0))
 
 
 def parse_list(text: str | None, allowed, field: str, default, cast=str):

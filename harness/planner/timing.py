@@ -39,6 +39,7 @@ from harness.planner.features import (
     layer_features,
     link_bandwidth,
     link_of,
+    replica_groups,
     stage_extras,
     stage_features,
     theta_from_profile,
@@ -121,28 +122,59 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     dpx: dict[str, float] = {}
     phi = max(_stage_params(shape, key[0], lay.tp) for key, _, _ in kinds)
     zero = lay.sharding_stage
-    dims = lay.dims
     r = lay.replicas  # the gradients are reduced over dp x cp (harness.parallel_dims.REPLICA_AXES)
-    if r > 1:
+    grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
+    if r > 1 and lay.fsdp:
+        _fsdp_reduction(lay, wl, prof, phi, grad_bytes, dpx)
+    elif r > 1:
         m = wl.micro_batches(lay)
-        axis = "dp" if lay.dp > 1 else "cp"  # the outermost of the two: the group lies in its span
-        key = link_of(prof, group_geometry(dims, "span", axis))
-        tp_members = group_geometry(dims, "per_node", "tp", prof.gpus_per_node)  # a node holds gpus_per_node / tp
-        per_node = max(1, min(r, prof.gpus_per_node // tp_members)) if key == "internode" else 1
-        nodes = group_geometry(dims, "nodes", axis, prof.gpus_per_node)
-        if lay.pp > 1:
-            aggregate = DP_NIC_AGGREGATION_PIPELINED
-        else:
-            aggregate = DP_NIC_AGGREGATION and nodes <= prof.rail_aggregation_max_nodes
-        bw = min(link_bandwidth(prof, key) * (per_node if aggregate else 1), prof.nvlink_gbps * 1e9)
+        key, bw = _group_link(lay, prof, replica_groups(lay.dims, r, prof.gpus_per_node)[0])
         frac = (r - 1) / r
-        grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
         dpx[key] = (2 * frac * grad_bytes + (frac * wl.dtype_bytes if zero >= 1 else 0)) * phi / bw
         if zero >= 3:  # weights gathered for forward and backward of every micro-batch
             dpx[key] += 2 * m * frac * phi * wl.dtype_bytes / bw
     # Optimizer step on this rank's shard of the master weights, Adam (memory bound).
-    opt_params = phi / (r if zero >= 1 else 1)
+    opt_params = phi / (lay.shard_group if zero >= 1 else 1)
     return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
+
+
+def _group_link(lay: PlannerLayout, prof: Profile, geometry: tuple[int, int, int, int]) -> tuple[str, float]:
+    """The link and bus bandwidth of a collective over a group of replica ranks (features.replica_groups'
+    geometry): NVLink when the group lies in one node; otherwise NCCL runs one ring per NIC and a
+    node offers one NIC per group member it holds, aggregated as DP_NIC_AGGREGATION says."""
+    members, span, per_node, nodes = geometry
+    key = link_of(prof, span)
+    if key != "internode":
+        per_node = 1
+    if lay.pp > 1:
+        aggregate = DP_NIC_AGGREGATION_PIPELINED
+    else:
+        aggregate = DP_NIC_AGGREGATION and nodes <= prof.rail_aggregation_max_nodes
+    return key, min(link_bandwidth(prof, key) * (per_node if aggregate else 1), prof.nvlink_gbps * 1e9)
+
+
+def _fsdp_reduction(lay: PlannerLayout, wl: Workload, prof: Profile, phi: float, grad_bytes: int, dpx: dict) -> None:
+    """Add FSDP2's collectives for one step to `dpx` (ideal seconds by link), under full or hybrid
+    sharding (PlannerLayout.shard_group: s ranks; R = dp x cp / s replicate groups). Within the
+    sharding group, on the link it spans: every block's weights all-gathered for the forward and
+    again for the backward of every micro-batch ((s-1)/s x the compute dtype's bytes per
+    parameter each), and its gradients reduce-scattered ((s-1)/s x 4 bytes, the fp32 reduction);
+    across the replicate groups, on theirs: the reduced 1/s shard all-reduced (2 (R-1)/R x 4 / s,
+    FSDP2's foreach_reduce after each reduce-scatter). A reduction after every micro-batch's backward
+    (FSDP2's default accumulation, engine fsdp's in fp32), under pp once after the last (pipelining
+    defers it: harness/frameworks/fsdp/engine.py). Not overlapped, as the rest of this model."""
+    s = lay.shard_group
+    m = wl.micro_batches(lay)
+    reductions = m if lay.pp == 1 else 1
+    shard_geo, replicate_geo = replica_groups(lay.dims, s, prof.gpus_per_node)
+    if s > 1:
+        key, bw = _group_link(lay, prof, shard_geo)
+        frac = (s - 1) / s
+        dpx[key] = dpx.get(key, 0.0) + (2 * m * wl.dtype_bytes + reductions * grad_bytes) * frac * phi / bw
+    n_rep = lay.replicas // s
+    if n_rep > 1:
+        key, bw = _group_link(lay, prof, replicate_geo)
+        dpx[key] = dpx.get(key, 0.0) + reductions * 2 * (n_rep - 1) / n_rep * grad_bytes * phi / s / bw
 
 
 def step_features(
