@@ -84,7 +84,7 @@ def layouts(
                 dp = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp).dp
                 if wl.global_batch_size % dp:
                     continue
-                shards = shard_groups(dp * cp, dp_shards) if fields.get("fsdp") else (0,)
+                shards = shard_groups(dp * cp, dp_shards, tp, gpus_per_node) if fields.get("fsdp") else (0,)
                 for mb, ck, sp, att, rms, impl, shard in itertools.product(
                     micro_batch_sizes, checkpointing, sequence_parallel, attention, rmsnorm, impls, shards
                 ):
@@ -109,14 +109,19 @@ def layouts(
                     )
 
 
-def shard_groups(replicas: int, asked=None) -> tuple[int, ...]:
-    """The fsdp sharding groups (PlannerLayout.dp_shard) of a layout with `replicas` = dp x cp ranks:
-    0 (full sharding) and, by default, the powers of two from 2 below it that divide it (hybrid
-    sharding in groups of 2, 4, 8, ... ranks; a group of 1 is plain replication, left out), a few
-    per layout; `asked` (--dp-shard), those of its values that divide it (its dp x cp itself
-    meaning 0)."""
+def shard_groups(replicas: int, asked=None, inner: int = 1, gpus_per_node: int = 1) -> tuple[int, ...]:
+    """The fsdp sharding groups (PlannerLayout.dp_shard) of a layout with `replicas` = dp x cp ranks,
+    `inner` ranks apart (tp: the flattened replica group's stride): 0 (full sharding) and, by
+    default, every power of two below dp x cp that divides it and spans at least one node (hybrid
+    sharding in groups of 1, 2, 4, ... nodes). A smaller group saves no link (its all-gathers run
+    on NVLink as a node's would) and holds more: the model ranks it below the node's group, so it
+    is left out to keep the candidates few (at most log2 of the nodes per layout). `asked`
+    (--dp-shard): those of its values that divide dp x cp (dp x cp itself meaning 0)."""
     if asked is None:
-        return (0,) + tuple(2**k for k in range(1, replicas.bit_length()) if replicas % 2**k == 0 and 2**k < replicas)
+        least = max(2, -(-gpus_per_node // inner))
+        return (0,) + tuple(
+            2**k for k in range(1, replicas.bit_length()) if least <= 2**k < replicas and replicas % 2**k == 0
+        )
     return tuple(dict.fromkeys(0 if v in (0, replicas) else v for v in asked if v == 0 or replicas % v == 0))
 
 

@@ -244,6 +244,19 @@ def cp_breakdown(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, 
     }
 
 
+def _extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict, kinds, cache) -> tuple:
+    """The time of each stage kind's stage_extras under theta, from `cache` (step_time's layer_cache)
+    when the caller keeps one: they depend only on the degrees and the micro-batch, which many
+    layouts share (the checkpointing, kernels and fsdp sharding groups of one mesh)."""
+    key = ("extras", lay.pp, lay.tp, lay.dp, lay.cp, lay.micro_batch_size)
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        hit = tuple(dot(theta, stage_extras(shape, lay, wl, prof, first)) for _, first, _ in kinds)
+        if cache is not None:
+            cache[key] = hit
+    return hit
+
+
 def step_time(
     shape: Shape,
     lay: PlannerLayout,
@@ -261,7 +274,10 @@ def step_time(
     m = wl.micro_batches(lay)
     _, t_layer = _per_layer(shape, lay, wl, prof, theta, layer_cache)
     kinds = _stage_kinds(shape.layers, lay.pp)
-    times = [key[0][1] * t_layer + dot(theta, stage_extras(shape, lay, wl, prof, first)) for key, first, _ in kinds]
+    times = [
+        key[0][1] * t_layer + extra
+        for (key, _, _), extra in zip(kinds, _extras(shape, lay, wl, prof, theta, kinds, layer_cache), strict=True)
+    ]
     i_slow = max(range(len(kinds)), key=lambda i: (times[i], -kinds[i][1]))
     t_slow, slow = times[i_slow], kinds[i_slow][1]
     v = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
