@@ -131,6 +131,12 @@ def sweep_spec(
             break
         if not (row.pred.fits and row.pred.available):
             continue
+        if row.pred.layout.shard_group < row.pred.layout.replicas:
+            left_out.append(
+                f"{row.pred.layout.tp}/{row.pred.layout.pp}/{row.pred.layout.dp} dp_shard {row.pred.layout.dp_shard}: "
+                "hybrid sharding, which engine fsdp here does not run (it shards over all of dp x cp)"
+            )
+            continue
         lay = next((m.layout for m in row.members if runnable(m.layout)), None)
         if lay is None:
             left_out.append(
@@ -191,6 +197,9 @@ def exportable(lay: PlannerLayout, fmt: str) -> str:
     """Empty when `fmt` can express the layout, else why not."""
     if lay.cp > 1 and lay.cp_impl not in CP_COMM[fmt]:
         return f"{fmt} has no {lay.cp_impl} context parallelism (it runs {', '.join(CP_COMM[fmt])})"
+    if lay.shard_group < lay.replicas and (fmt != "torchtitan" or lay.shard_group % lay.cp):
+        # torchtitan's FSDP mesh is data_parallel_shard_degree x cp: a group of whole cp groups
+        return f"{fmt} has no sharding group of {lay.shard_group} of the dp x cp = {lay.replicas} ranks (HSDP)"
     if fmt == "deepspeed":  # what the harness's engine deepspeed runs (its facts): AutoTP or its pipeline
         return _deepspeed_refuses(lay)  # engine, Ulysses without either, no sequence parallelism, 1F1B only
     if fmt == "megatron":
@@ -358,8 +367,8 @@ def export_torchtitan(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[s
             "mixed_precision_reduce": "float32",
         },
         "parallelism": {
-            "data_parallel_replicate_degree": 1,
-            "data_parallel_shard_degree": lay.dp,
+            "data_parallel_replicate_degree": lay.replicas // lay.shard_group,  # HSDP: the sharding groups
+            "data_parallel_shard_degree": lay.shard_group // lay.cp,
             "fsdp_reshard_after_forward": "default",
             "tensor_parallel_degree": lay.tp,
             "enable_async_tensor_parallel": False,
