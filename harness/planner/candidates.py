@@ -81,10 +81,11 @@ def layouts(
                 if engine != PAPER and model_limit_error(shape, SpecLayout(engine=engine, tp=tp, cp=cp, pp=pp)):
                     continue  # the engine cannot build the model so split (its facts' model_limits: tied
                     # embeddings across stages, Megatron-core's even split of the layers)
-                dp = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp).dp
+                dims = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp)
+                dp = dims.dp
                 if wl.global_batch_size % dp:
                     continue
-                shards = shard_groups(dp * cp, dp_shards, tp, gpus_per_node) if fields.get("fsdp") else (0,)
+                shards = shard_groups(dims.replicas(), dp_shards, tp, gpus_per_node) if fields.get("fsdp") else (0,)
                 for mb, ck, sp, att, rms, impl, shard in itertools.product(
                     micro_batch_sizes, checkpointing, sequence_parallel, attention, rmsnorm, impls, shards
                 ):
