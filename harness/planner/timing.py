@@ -17,7 +17,9 @@ the flush), in fp32, not overlapped, as in the study's framework (see step_featu
 head's output is all-gathered over tp and the loss runs over the full vocabulary on every rank.
 Context parallelism (harness/planner/context.py): every term on the rank's seq / cp tokens, the
 attention against every key, the cp exchange on its link (the ring's hidden behind each block's
-attention up to that block's compute), and the data-parallel reduction over dp x cp.
+attention up to that block's compute), and the data-parallel reduction over dp x cp. FSDP (and
+hybrid sharding, PlannerLayout.dp_shard): its all-gathers and reduce-scatters within the sharding
+group, the all-reduce across the replicate groups, each on the link its group spans.
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     shard and the updated bf16 weights are all-gathered ((n-1)/n x 2 bytes per parameter).
     Bus bandwidth: NVLink when the group lies in one node; otherwise NCCL runs one ring per NIC
     and a node offers one NIC per group member it holds (ranks are ordered pp, dp, tp: a node
-    holds gpus_per_node / tp members of each data-parallel group)."""
+    holds gpus_per_node / tp members of each data-parallel group). Engine fsdp's collectives, full
+    or hybrid sharding: _fsdp_reduction; its optimizer steps on its sharding group's shard."""
     dpx: dict[str, float] = {}
     phi = max(_stage_params(shape, key[0], lay.tp) for key, _, _ in kinds)
     zero = lay.sharding_stage
