@@ -164,7 +164,7 @@ def test_cli_json_contract():
     assert len(rows) == 5
     assert set(rows[0]) == {
         *(
-            "tp cp cp_impl pp dp micro_batch_size activation_checkpointing sequence_parallel attention rmsnorm zero "
+            "tp cp cp_impl pp dp micro_batch_size activation_checkpointing sequence_parallel attention rmsnorm zero dp_shard "
             "fits memory_gib step_time_s mfu"
         ).split()
     }
