@@ -126,6 +126,8 @@ def test_plan_flag_and_outputs_name_the_sharding_group(capsys):
     assert cli([*argv, "--dp-shard", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--dp-shard" in err and "fsdp" in err
+    assert cli([*argv, "--engine", "fsdp", "--dp-shard", "3"]) == 2
+    assert capsys.readouterr().err == "error: --dp-shard: 3 divides the dp x cp of no layout of 64 GPUs\n"
     assert cli([*argv, "--engine", "fsdp", "--dp-shard", "8", "--format", "json", "--top", "50"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {r["dp_shard"] for r in rows} <= {8} | {r["dp"] for r in rows}

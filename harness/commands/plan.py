@@ -182,6 +182,8 @@ def main(args) -> int:
         wl,
         profile,
     )
+    if not preds and shards:
+        raise SpecError("--dp-shard", f"{args.dp_shard} divides the dp x cp of no layout of {args.gpus} GPUs")
     if not preds:
         raise SpecError(
             "--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} (global batch {args.global_batch_size})"
