@@ -247,11 +247,29 @@ def cp_breakdown(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, 
     }
 
 
+# Layout fields stage_extras does not read (its cache key leaves them out).
+EXTRAS_IGNORE = frozenset(
+    {
+        "activation_checkpointing",
+        "sequence_parallel",
+        "attention",
+        "rmsnorm",
+        "zero_stage",
+        "fsdp",
+        "reshard_after_forward",
+        "engine",
+        "cp_impl",
+        "dp_shard",
+    }
+)
+
+
 def _extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict, kinds, cache) -> tuple:
     """The time of each stage kind's stage_extras under theta, from `cache` (step_time's layer_cache)
-    when the caller keeps one: they depend only on the degrees and the micro-batch, which many
-    layouts share (the checkpointing, kernels and fsdp sharding groups of one mesh)."""
-    key = ("extras", lay.pp, lay.tp, lay.dp, lay.cp, lay.micro_batch_size)
+    when the caller keeps one: keyed by every layout field but those stage_extras does not read
+    (EXTRAS_IGNORE: the checkpointing, kernels, sharding of one mesh share it; a new field is in
+    the key until someone adds it there)."""
+    key = ("extras", *(v for k, v in lay.__dict__.items() if k not in EXTRAS_IGNORE))
     hit = cache.get(key) if cache is not None else None
     if hit is None:
         hit = tuple(dot(theta, stage_extras(shape, lay, wl, prof, first)) for _, first, _ in kinds)
