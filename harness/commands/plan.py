@@ -87,6 +87,11 @@ def add_arguments(p) -> None:
         "dividing the layers)",
     )
     p.add_argument(
+        "--dp-shard",
+        help="engine fsdp: comma list of sharding group sizes (HSDP; 0 or dp x cp: full sharding; default: "
+        "full sharding and the powers of two from 2 dividing dp x cp)",
+    )
+    p.add_argument(
         "--max-positions",
         type=int,
         default=None,
@@ -203,6 +208,9 @@ def plan_of(args, shape, profile) -> tuple:
     precisions = en.parse_list(args.precision, PRECISIONS, "--precision", ("bf16",))
     if "fp8" in precisions and not profile.fp8:
         raise SpecError("--precision", f"fp8: {profile.name} has no FP8 tensor cores (its profile says fp8: false)")
+    shards = en.parse_list(args.dp_shard, None, "--dp-shard", (), int) if args.dp_shard is not None else None
+    if shards is not None and (args.engine != "fsdp" or any(v < 0 for v in shards)):
+        raise SpecError("--dp-shard", "takes sizes >= 0 under --engine fsdp only (its sharding groups)")
     if args.top is not None and args.top < 1:
         raise SpecError("--top", "must be at least 1")
     preds = predict_many(
@@ -223,11 +231,14 @@ def plan_of(args, shape, profile) -> tuple:
             pipeline_schedules=scheds,
             virtual_stages=virtual,
             precisions=precisions,
+            dp_shards=shards,
             **_on_engine(args, shape, cps, impls),
         ),
         wl,
         profile,
     )
+    if not preds and shards:
+        raise SpecError("--dp-shard", f"{args.dp_shard} divides the dp x cp of no layout of {args.gpus} GPUs")
     if not preds:
         raise SpecError(
             "--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} (global batch {args.global_batch_size})"
@@ -262,17 +273,19 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
     near, note = _near_the_fastest(fitting, profile)
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
     prec = len({p.layout.precision for p in preds}) > 1  # a precision column only when several are asked
+    fsdp = args.engine == "fsdp"  # a column of the sharding group's ranks (HSDP below dp x cp)
     print(
-        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'sched':5} {'dp':>5} {'mb':>3} {'ckpt':9} {'sp':3} "
-        f"{'attention':{width}} "
+        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'sched':5} {'dp':>5} {'shard ' if fsdp else ''}{'mb':>3} "
+        f"{'ckpt':9} {'sp':3} {'attention':{width}} "
         f"{'rms':5} {'prec ' if prec else ''}{'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
     )
     for row in rows:
         p = row.pred
         r = p.row()
+        shard = f"{r['dp_shard']:>5} " if fsdp else ""
         print(
             f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {schedule_label(p.layout):5} "
-            f"{r['dp']:>5} {r['micro_batch_size']:>3} "
+            f"{r['dp']:>5} {shard}{r['micro_batch_size']:>3} "
             f"{r['activation_checkpointing']:9} "
             f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
             f"{r['precision'].ljust(5) + ' ' if prec else ''}"

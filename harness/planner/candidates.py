@@ -58,6 +58,7 @@ def layouts(
     pipeline_schedules=None,
     virtual_stages=None,
     precisions=("bf16",),
+    dp_shards=None,
     **fields,
 ):
     """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
@@ -65,7 +66,8 @@ def layouts(
     degrees and implementations asked for (default: context.degrees', the engine's);
     pipeline_schedules and virtual_stages the schedules of pp > 1 layouts and the chunks per rank of
     the interleaved ones (default: schedules_of, schedules.virtual_stage_choices); precisions the
-    PlannerLayout.precision values (default bf16 only)."""
+    PlannerLayout.precision values (default bf16 only); dp_shards the fsdp sharding groups asked for
+    (shard_groups)."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
@@ -88,12 +90,22 @@ def layouts(
                 if engine != PAPER and model_limit_error(shape, SpecLayout(engine=engine, tp=tp, cp=cp, pp=pp)):
                     continue  # the engine cannot build the model so split (its facts' model_limits: tied
                     # embeddings across stages, Megatron-core's even split of the layers)
-                dp = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp).dp
+                dims = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp)
+                dp = dims.dp
                 if wl.global_batch_size % dp:
                     continue
                 pipes = _pipelines(shape.layers, pp, scheds, virtual_stages, even)
-                for mb, (sched, v), ck, sp, att, rms, impl, prec in itertools.product(
-                    micro_batch_sizes, pipes, checkpointing, sequence_parallel, attention, rmsnorm, impls, precisions
+                shards = shard_groups(dims.replicas(), dp_shards, tp, gpus_per_node) if fields.get("fsdp") else (0,)
+                for mb, (sched, v), ck, sp, att, rms, impl, prec, shard in itertools.product(
+                    micro_batch_sizes,
+                    pipes,
+                    checkpointing,
+                    sequence_parallel,
+                    attention,
+                    rmsnorm,
+                    impls,
+                    precisions,
+                    shards,
                 ):
                     if sp and (tp == 1 or (wl.seq_len // cp) % tp):
                         continue
@@ -116,6 +128,7 @@ def layouts(
                         pipeline_schedule=sched,
                         virtual_stages=v,
                         precision=prec,
+                        dp_shard=shard,
                         **fields,
                     )
 
@@ -143,6 +156,22 @@ def _pipelines(layers: int, pp: int, scheds: list[str], virtual, even: bool) -> 
         else:
             out.append((sched, 1))
     return out
+
+
+def shard_groups(replicas: int, asked=None, inner: int = 1, gpus_per_node: int = 1) -> tuple[int, ...]:
+    """The fsdp sharding groups (PlannerLayout.dp_shard) of a layout with `replicas` = dp x cp ranks,
+    `inner` ranks apart (tp: the flattened replica group's stride): 0 (full sharding) and, by
+    default, every power of two below dp x cp that divides it and spans at least one node (hybrid
+    sharding in groups of 1, 2, 4, ... nodes). A smaller group saves no link (its all-gathers run
+    on NVLink as a node's would) and holds more: the model ranks it below the node's group, so it
+    is left out to keep the candidates few (at most log2 of the nodes per layout). `asked`
+    (--dp-shard): those of its values that divide dp x cp (dp x cp itself meaning 0)."""
+    if asked is None:
+        least = max(2, -(-gpus_per_node // inner))
+        return (0,) + tuple(
+            2**k for k in range(1, replicas.bit_length()) if least <= 2**k < replicas and replicas % 2**k == 0
+        )
+    return tuple(dict.fromkeys(0 if v in (0, replicas) else v for v in asked if v == 0 or replicas % v == 0))
 
 
 def parse_list(text: str | None, allowed, field: str, default, cast=str):

@@ -72,6 +72,9 @@ def exportable(lay: PlannerLayout, fmt: str, shape: Shape | None = None) -> str:
     """Empty when `fmt` runs the layout (and, given, the model's shape), else why not."""
     if lay.cp > 1 and lay.cp_impl not in CP_COMM[fmt]:
         return f"{fmt} has no {lay.cp_impl} context parallelism (it runs {', '.join(CP_COMM[fmt])})"
+    if lay.shard_group < lay.replicas and (fmt != "torchtitan" or lay.shard_group % lay.cp):
+        # torchtitan's FSDP mesh is data_parallel_shard_degree x cp: a group of whole cp groups
+        return f"{fmt} has no sharding group of {lay.shard_group} of the dp x cp = {lay.replicas} ranks (HSDP)"
     if fmt == "deepspeed":  # what the harness's engine deepspeed runs (its facts): AutoTP or its pipeline
         return _deepspeed_refuses(lay)  # engine, Ulysses without either, no sequence parallelism, 1F1B only
     if fmt == "megatron":

@@ -88,8 +88,8 @@ def export_torchtitan(
         raise ValueError(f"torchtitan's llama3 has no flavor of this shape (it has {', '.join(FLAVORS)})")
     micro = wl.micro_batches(lay)
     parallelism = {
-        "data_parallel_replicate_degree": 1,
-        "data_parallel_shard_degree": lay.dp,
+        "data_parallel_replicate_degree": lay.replicas // lay.shard_group,  # HSDP: the sharding groups
+        "data_parallel_shard_degree": lay.shard_group // lay.cp,
         "fsdp_reshard_after_forward": "default" if lay.reshard_after_forward else "never",
         "tensor_parallel_degree": lay.tp,
         "enable_sequence_parallel": lay.sequence_parallel or lay.tp == 1,

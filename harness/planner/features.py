@@ -113,6 +113,23 @@ def group_geometry(dims, what: str, axis: str, *args) -> int:
     return getattr(dims, what)(axis, *args)
 
 
+@functools.lru_cache(maxsize=8192)
+def replica_groups(dims, shard: int, gpus_per_node: int) -> tuple[tuple[int, int, int, int], ...]:
+    """(members, span, members per node, nodes) of the two groups hybrid sharding splits the replica
+    ranks into (dp x cp flattened, dp outer: harness.parallel_dims.REPLICA_AXES): the sharding group,
+    `shard` consecutive members of it (innermost, as torchtitan's dp_shard inside dp_replicate), then
+    the replicate group, one member of each sharding group. shard = dp x cp is the whole replica
+    group (its geometry that of group_geometry over the outermost replica axis); span as
+    ParallelDims.span, the consecutive ranks one group lies in."""
+    inner = dims.stride("cp")  # rank distance between neighbours of the flattened replica group
+
+    def geometry(members: int, stride: int) -> tuple[int, int, int, int]:
+        span = members * stride
+        return members, span, max(1, min(members, gpus_per_node // stride)), -(-span // gpus_per_node)
+
+    return geometry(shard, inner), geometry(dims.replicas() // shard, shard * inner)
+
+
 def link_bandwidth(profile: Profile, key: str) -> float:
     return (profile.nvlink_gbps if key == "nvlink" else profile.internode_gbps) * 1e9
 

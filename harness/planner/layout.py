@@ -100,6 +100,11 @@ class PlannerLayout:
     # "bf16" or "fp8": the linear layers' GEMMs in FP8 as the engines run it (harness/planner/fp8.py),
     # parameters bf16, masters and Adam fp32; a spec holds it as workload.precision.
     precision: str = "bf16"
+    # Engine fsdp: the ranks of one sharding group. 0: every replica rank (dp x cp), full sharding;
+    # 0 < dp_shard < dp x cp: hybrid sharding (HSDP; torchtitan's data_parallel_shard_degree inside
+    # data_parallel_replicate_degree, Megatron-FSDP's sharding group): states sharded within a group
+    # of dp_shard ranks, innermost in the flattened dp x cp mesh, replicated across the others.
+    dp_shard: int = 0
 
     @property
     def dims(self) -> ParallelDims:
@@ -113,6 +118,12 @@ class PlannerLayout:
     def replicas(self) -> int:
         """How many ranks hold each parameter shard (dp x cp: harness.parallel_dims.REPLICA_AXES)."""
         return _replicas(self.dims)
+
+    @property
+    def shard_group(self) -> int:
+        """How many ranks share the sharding of the states: dp_shard, or every replica rank when it is
+        0 (ZeRO and full FSDP shard over dp x cp)."""
+        return self.dp_shard or self.replicas
 
     @property
     def sharding_stage(self) -> int:

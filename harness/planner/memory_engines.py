@@ -17,7 +17,8 @@ engine (memory_paper), the own engine
 Under context parallelism (harness/planner/context.py) a rank holds seq / cp tokens of each
 sequence (Workload.local): every term on them, the attention's from context.cp_attention_bytes (the
 own engine's fp32 blocks for ring and allgather, checked against traces of llama3-8b at 65,536 and
-131,072 tokens), the model states sharded over dp x cp.
+131,072 tokens), the model states sharded over dp x cp (under engine fsdp over its sharding group,
+PlannerLayout.shard_group: dp x cp, or dp_shard ranks under hybrid sharding).
 Megatron-core: its model states from `model_states` (tested against its census,
 tests/test_megatron_views.py), its uniform layer split, and activations as the own engine's (its
 local spec's layers keep what the own engine's Megatron-layout blocks keep) but for its SP GEMMs,
@@ -285,9 +286,10 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     """memory.stage_memory for the harness's engines (PlannerLayout.engine own, deepspeed or fsdp)."""
     has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
     phi = terms.stage_params(shape, has_emb, layers, has_head, lay.tp)
-    B, dp, t = wl.dtype_bytes, lay.replicas, lay.tp  # states sharded over dp x cp (REPLICA_AXES)
-    precision = "bf16" if B == 2 else "fp32"
     states = memory_model(lay.engine).states
+    # states sharded over dp x cp (REPLICA_AXES); FSDP's over its sharding group (HSDP: dp_shard ranks)
+    B, dp, t = wl.dtype_bytes, lay.shard_group if states == "fsdp" else lay.replicas, lay.tp
+    precision = "bf16" if B == 2 else "fp32"
     zero = 3 if states == "fsdp" else lay.sharding_stage
     # The planner's workload has the default policy (fp32 accumulation and reduction): then what
     # the census counts at the optimizer step (own engine: flat parameters, fp32 main gradients,

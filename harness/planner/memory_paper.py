@@ -96,7 +96,7 @@ def paper_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: in
     """Breakdown in bytes for one stage of the study's engine; 'total' is the sum of the parts."""
     has_emb, layers, has_head = stage_items(shape, lay.pp)[stage]
     phi = stage_params(shape, has_emb, layers, has_head, lay.tp)
-    B, dp = wl.dtype_bytes, lay.dp
+    B, dp = wl.dtype_bytes, lay.shard_group if lay.fsdp else lay.dp  # fsdp: its sharding group (HSDP)
     zero = lay.sharding_stage
     # Mixed precision keeps fp32 master weights + Adam m and v (4 + 4 + 4 bytes per parameter);
     # fp32 training keeps only m and v (Rajbhandari et al. 2020, ZeRO, Sec. 3.1).

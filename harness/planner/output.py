@@ -121,6 +121,12 @@ def sweep_spec(
         if row.pred.layout.precision != "bf16":  # the sweep's one workload is bf16 (fp32 on a CPU)
             left_out.append(f"{row.pred.layout.tp}/{row.pred.layout.pp}/{row.pred.layout.dp} fp8: not a bf16 workload")
             continue
+        if row.pred.layout.shard_group < row.pred.layout.replicas:
+            left_out.append(
+                f"{row.pred.layout.tp}/{row.pred.layout.pp}/{row.pred.layout.dp} dp_shard {row.pred.layout.dp_shard}: "
+                "hybrid sharding, which engine fsdp here does not run (it shards over all of dp x cp)"
+            )
+            continue
         lay = next((m.layout for m in row.members if runnable(m.layout)), None)
         if lay is None:
             left_out.append(

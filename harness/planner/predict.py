@@ -60,6 +60,7 @@ class Prediction:
             "rmsnorm": lay.rmsnorm,
             "zero": lay.sharding_stage,
             "precision": lay.precision,
+            "dp_shard": lay.shard_group if lay.fsdp else None,  # ranks per sharding group (fsdp)
             "fits": bool(self.fits and self.available),
             "memory_gib": round(self.memory_gib, 2),
             "step_time_s": round(self.step_time_s, 4),
@@ -90,6 +91,10 @@ def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
         raise SpecError("layout.cp", f"seq_len {wl.seq_len} is not divisible by 2 x cp = {2 * lay.cp}")
     if lay.cp > 1 and lay.cp_impl not in CP_IMPLS:
         raise SpecError("layout.cp_impl", f"{lay.cp_impl!r} is not one of {', '.join(CP_IMPLS)}")
+    if lay.dp_shard and not lay.fsdp:
+        raise SpecError("layout.dp_shard", "sharding groups (HSDP) are engine fsdp's: 0 under the others")
+    if lay.dp_shard < 0 or lay.dp_shard and lay.replicas % lay.dp_shard:
+        raise SpecError("layout.dp_shard", f"{lay.dp_shard} does not divide dp x cp = {lay.replicas}")
     if lay.pp > shape.layers:
         raise SpecError("layout.pp", f"{lay.pp} pipeline stages for {shape.layers} layers")
     if shape.heads % lay.tp:

@@ -18,7 +18,9 @@ the flush), in fp32, not overlapped, as in the study's framework (see step_featu
 head's output is all-gathered over tp and the loss runs over the full vocabulary on every rank.
 Context parallelism (harness/planner/context.py): every term on the rank's seq / cp tokens, the
 attention against every key, the cp exchange on its link (the ring's hidden behind each block's
-attention up to that block's compute), and the data-parallel reduction over dp x cp.
+attention up to that block's compute), and the data-parallel reduction over dp x cp. FSDP (and
+hybrid sharding, PlannerLayout.dp_shard): its all-gathers and reduce-scatters within the sharding
+group, the all-reduce across the replicate groups, each on the link its group spans.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from harness.planner.features import (
     layer_features,
     link_bandwidth,
     link_of,
+    replica_groups,
     stage_extras,
     stage_features,
     theta_from_profile,
@@ -110,26 +113,21 @@ def _per_layer(
     return hit
 
 
-# Fields of a layout that neither the stages' extras (stage_extras) nor the data-parallel reduction
-# read: layouts differing only in them share those terms (_per_stage).
-_NOT_PER_STAGE = frozenset(("activation_checkpointing", "sequence_parallel", "attention", "rmsnorm"))
+# Fields of a layout the data-parallel reduction and the optimizer step do not read: layouts
+# differing only in them share those terms (_dp_terms).
+_NOT_DATA_PARALLEL = frozenset(("activation_checkpointing", "sequence_parallel", "attention", "rmsnorm"))
 
 
-def _per_stage(shape, lay, wl, prof, theta, kinds, cache) -> tuple[list[float], tuple[dict, float]]:
-    """Seconds of each stage kind's extras under theta, and _data_parallel's terms, from `cache` (the
-    caller's layer_cache) when it has them: a plan asks them of every kernel, checkpointing and
-    sequence-parallel variant of one split."""
-    key = None
-    if cache is not None:
-        key = ("per_stage", *(None if k in _NOT_PER_STAGE else v for k, v in lay.__dict__.items()))
-        hit = cache.get(key)
-        if hit is not None:
-            return hit
-    extras = [dot(theta, stage_extras(shape, lay, wl, prof, first)) for _, first, _ in kinds]
-    out = extras, _data_parallel(shape, lay, wl, prof, kinds)
-    if key is not None:
-        cache[key] = out
-    return out
+def _dp_terms(shape, lay, wl, prof, kinds, cache) -> tuple[dict, float]:
+    """_data_parallel's terms, from `cache` (the caller's layer_cache) when it has them: a plan asks
+    them of every kernel, checkpointing and sequence-parallel variant of one split."""
+    if cache is None:
+        return _data_parallel(shape, lay, wl, prof, kinds)
+    key = ("data_parallel", *(None if k in _NOT_DATA_PARALLEL else v for k, v in lay.__dict__.items()))
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = _data_parallel(shape, lay, wl, prof, kinds)
+    return hit
 
 
 def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, kinds) -> tuple[dict, float]:
@@ -143,36 +141,70 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     shard and the updated bf16 weights are all-gathered ((n-1)/n x 2 bytes per parameter).
     Bus bandwidth: NVLink when the group lies in one node; otherwise NCCL runs one ring per NIC
     and a node offers one NIC per group member it holds (ranks are ordered pp, dp, tp: a node
-    holds gpus_per_node / tp members of each data-parallel group)."""
+    holds gpus_per_node / tp members of each data-parallel group). Engine fsdp's collectives, full
+    or hybrid sharding: _fsdp_reduction; its optimizer steps on its sharding group's shard."""
     dpx: dict[str, float] = {}
     phi = max(_stage_params(shape, key[0], lay.tp) for key, _, _ in kinds)
     zero = lay.sharding_stage
-    dims = lay.dims
     r = lay.replicas  # the gradients are reduced over dp x cp (harness.parallel_dims.REPLICA_AXES)
-    if r > 1:
+    grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
+    if r > 1 and lay.fsdp:
+        gathered = phi * wl.dtype_bytes  # bytes of the weights one all-gather of the whole stage moves
+        if lay.precision == "fp8":  # FSDP2's fp8 all-gather: the blocks' linear weights in fp8
+            layers = max(kind[0][1] for kind, _, _ in kinds)
+            gathered -= layers * fp8.gathered_block_saving(shape, lay, wl.dtype_bytes)
+        _fsdp_reduction(lay, wl, prof, phi, gathered, grad_bytes, dpx)
+    elif r > 1:
         m = wl.micro_batches(lay)
-        axis = "dp" if lay.dp > 1 else "cp"  # the outermost of the two: the group lies in its span
-        key = link_of(prof, group_geometry(dims, "span", axis))
-        tp_members = group_geometry(dims, "per_node", "tp", prof.gpus_per_node)  # a node holds gpus_per_node / tp
-        per_node = max(1, min(r, prof.gpus_per_node // tp_members)) if key == "internode" else 1
-        nodes = group_geometry(dims, "nodes", axis, prof.gpus_per_node)
-        if lay.pp > 1:
-            aggregate = DP_NIC_AGGREGATION_PIPELINED
-        else:
-            aggregate = DP_NIC_AGGREGATION and nodes <= prof.rail_aggregation_max_nodes
-        bw = min(link_bandwidth(prof, key) * (per_node if aggregate else 1), prof.nvlink_gbps * 1e9)
+        key, bw = _group_link(lay, prof, replica_groups(lay.dims, r, prof.gpus_per_node)[0])
         frac = (r - 1) / r
-        grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
         dpx[key] = (2 * frac * grad_bytes + (frac * wl.dtype_bytes if zero >= 1 else 0)) * phi / bw
         if zero >= 3:  # weights gathered for forward and backward of every micro-batch
-            gathered = phi * wl.dtype_bytes
-            if lay.precision == "fp8" and lay.fsdp:  # FSDP2's fp8 all-gather: the blocks' linear weights in fp8
-                layers = max(kind[0][1] for kind, _, _ in kinds)
-                gathered -= layers * fp8.gathered_block_saving(shape, lay, wl.dtype_bytes)
-            dpx[key] += 2 * m * frac * gathered / bw
+            dpx[key] += 2 * m * frac * phi * wl.dtype_bytes / bw
     # Optimizer step on this rank's shard of the master weights, Adam (memory bound).
-    opt_params = phi / (r if zero >= 1 else 1)
+    opt_params = phi / (lay.shard_group if zero >= 1 else 1)
     return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
+
+
+def _group_link(lay: PlannerLayout, prof: Profile, geometry: tuple[int, int, int, int]) -> tuple[str, float]:
+    """The link and bus bandwidth of a collective over a group of replica ranks (features.replica_groups'
+    geometry): NVLink when the group lies in one node; otherwise NCCL runs one ring per NIC and a
+    node offers one NIC per group member it holds, aggregated as DP_NIC_AGGREGATION says."""
+    members, span, per_node, nodes = geometry
+    key = link_of(prof, span)
+    if key != "internode":
+        per_node = 1
+    if lay.pp > 1:
+        aggregate = DP_NIC_AGGREGATION_PIPELINED
+    else:
+        aggregate = DP_NIC_AGGREGATION and nodes <= prof.rail_aggregation_max_nodes
+    return key, min(link_bandwidth(prof, key) * (per_node if aggregate else 1), prof.nvlink_gbps * 1e9)
+
+
+def _fsdp_reduction(
+    lay: PlannerLayout, wl: Workload, prof: Profile, phi: float, gathered: float, grad_bytes: int, dpx: dict
+) -> None:
+    """Add FSDP2's collectives for one step to `dpx` (ideal seconds by link), under full or hybrid
+    sharding (PlannerLayout.shard_group: s ranks; R = dp x cp / s replicate groups). Within the
+    sharding group, on the link it spans: every block's weights all-gathered for the forward and
+    again for the backward of every micro-batch ((s-1)/s x `gathered`, the stage's bytes in the
+    compute dtype, fp8 for the linear weights under fp8 all-gather), and its gradients
+    reduce-scattered ((s-1)/s x 4 bytes, the fp32 reduction); across the replicate groups, on theirs: the reduced 1/s shard all-reduced (2 (R-1)/R x 4 / s,
+    FSDP2's foreach_reduce after each reduce-scatter). A reduction after every micro-batch's backward
+    (FSDP2's default accumulation, engine fsdp's in fp32), under pp once after the last (pipelining
+    defers it: harness/frameworks/fsdp/engine.py). Not overlapped, as the rest of this model."""
+    s = lay.shard_group
+    m = wl.micro_batches(lay)
+    reductions = m if lay.pp == 1 else 1
+    shard_geo, replicate_geo = replica_groups(lay.dims, s, prof.gpus_per_node)
+    if s > 1:
+        key, bw = _group_link(lay, prof, shard_geo)
+        frac = (s - 1) / s
+        dpx[key] = dpx.get(key, 0.0) + (2 * m * gathered + reductions * grad_bytes * phi) * frac / bw
+    n_rep = lay.replicas // s
+    if n_rep > 1:
+        key, bw = _group_link(lay, prof, replicate_geo)
+        dpx[key] = dpx.get(key, 0.0) + reductions * 2 * (n_rep - 1) / n_rep * grad_bytes * phi / s / bw
 
 
 def step_features(
@@ -254,6 +286,37 @@ def cp_breakdown(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, 
     }
 
 
+# Layout fields stage_extras does not read (its cache key leaves them out).
+EXTRAS_IGNORE = frozenset(
+    {
+        "activation_checkpointing",
+        "sequence_parallel",
+        "attention",
+        "rmsnorm",
+        "zero_stage",
+        "fsdp",
+        "reshard_after_forward",
+        "engine",
+        "cp_impl",
+        "dp_shard",
+    }
+)
+
+
+def _extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict, kinds, cache) -> tuple:
+    """The time of each stage kind's stage_extras under theta, from `cache` (step_time's layer_cache)
+    when the caller keeps one: keyed by every layout field but those stage_extras does not read
+    (EXTRAS_IGNORE: the checkpointing, kernels, sharding of one mesh share it; a new field is in
+    the key until someone adds it there)."""
+    key = ("extras", *(v for k, v in lay.__dict__.items() if k not in EXTRAS_IGNORE))
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        hit = tuple(dot(theta, stage_extras(shape, lay, wl, prof, first)) for _, first, _ in kinds)
+        if cache is not None:
+            cache[key] = hit
+    return hit
+
+
 def step_time(
     shape: Shape,
     lay: PlannerLayout,
@@ -271,8 +334,11 @@ def step_time(
     m = wl.micro_batches(lay)
     per_layer, t_layer = _per_layer(shape, lay, wl, prof, theta, layer_cache)
     kinds = _stage_kinds(shape.layers, lay.pp)
-    extras, (dpx, opt_x) = _per_stage(shape, lay, wl, prof, theta, kinds, layer_cache)
-    times = [key[0][1] * t_layer + extra for (key, _, _), extra in zip(kinds, extras, strict=True)]
+    times = [
+        key[0][1] * t_layer + extra
+        for (key, _, _), extra in zip(kinds, _extras(shape, lay, wl, prof, theta, kinds, layer_cache), strict=True)
+    ]
+    dpx, opt_x = _dp_terms(shape, lay, wl, prof, kinds, layer_cache)
     i_slow = max(range(len(kinds)), key=lambda i: (times[i], -kinds[i][1]))
     t_slow, slow = times[i_slow], kinds[i_slow][1]
     f = _bubble_factor(lay, theta, per_layer)
