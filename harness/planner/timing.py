@@ -189,10 +189,11 @@ def _fsdp_reduction(
     sharding group, on the link it spans: every block's weights all-gathered for the forward and
     again for the backward of every micro-batch ((s-1)/s x `gathered`, the stage's bytes in the
     compute dtype, fp8 for the linear weights under fp8 all-gather), and its gradients
-    reduce-scattered ((s-1)/s x 4 bytes, the fp32 reduction); across the replicate groups, on theirs: the reduced 1/s shard all-reduced (2 (R-1)/R x 4 / s,
-    FSDP2's foreach_reduce after each reduce-scatter). A reduction after every micro-batch's backward
-    (FSDP2's default accumulation, engine fsdp's in fp32), under pp once after the last (pipelining
-    defers it: harness/frameworks/fsdp/engine.py). Not overlapped, as the rest of this model."""
+    reduce-scattered ((s-1)/s x 4 bytes, the fp32 reduction); across the replicate groups, on
+    theirs: the reduced 1/s shard all-reduced (2 (R-1)/R x 4 / s, FSDP2's foreach_reduce after each
+    reduce-scatter). A reduction after every micro-batch's backward (FSDP2's default accumulation,
+    engine fsdp's in fp32), under pp once after the last (pipelining defers it:
+    harness/frameworks/fsdp/engine.py). Not overlapped, as the rest of this model."""
     s = lay.shard_group
     m = wl.micro_batches(lay)
     reductions = m if lay.pp == 1 else 1
