@@ -18,7 +18,7 @@ import statistics
 from harness.planner.calibrate import Sample, fit
 from harness.planner.hardware import load_profile
 from harness.planner.predict import predict
-from harness.planner.published import RUNS_CSV, load
+from harness.planner.published import RUNS_CSV, load, why_it_ran
 
 
 def literature(profile):
@@ -68,6 +68,8 @@ def main() -> None:
                 held.append(abs(err_h))
             line += f" {tok_h:9.0f} {100 * err_h:+6.1f}%"
         print(f"{line} {p.memory_gib:6.1f} {'yes' if p.fits else 'NO'}")
+        if not p.fits:
+            print(f"    ran, predicted not to fit: {why_it_ran(run, p.memory_gib)}")
     print(f"rows planned: {len(planned)} of {len(runs)}")
     print(f"median |error|, committed profiles (fitted to these rows): {100 * statistics.median(errors):.1f}%")
     if held:

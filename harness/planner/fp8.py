@@ -28,8 +28,9 @@ What is saved for backward. torchao's matmul_with_hp_or_float8_args saves the bf
 (ctx.save_for_backward(input_hp, weight_hp_t)) and casts them again in backward: the activations a
 layer keeps are bf16's; only the fp8 operands of the linear running backward exist above them
 (backward_operand_bytes). Transformer Engine keeps fp8 weight copies (2 bytes per linear parameter,
-weight_copy_bytes); its saved fp8 inputs are not modelled (the planner's megatron activations are its
-local spec's, in bf16: an upper bound). Scales: one fp32 per cast tensor (tensorwise), counted.
+weight_copy_bytes) and saves its linears' inputs as the fp8 casts it computed (te.Linear and
+LayerNormLinear save inputmat / ln_out in fp8 under fp8 autocast), not in bf16: saved_input_saving.
+Scales: one fp32 per cast tensor (tensorwise), counted.
 """
 
 from __future__ import annotations
@@ -116,3 +117,15 @@ def gathered_block_saving(shape: Shape, lay: PlannerLayout, B: int) -> float:
     """Bytes per gathered block that FSDP2's fp8 all-gather saves against the compute dtype: its linear
     weights arrive in fp8 (1 byte), the norms in B. torchao gathers fp8 under tensorwise scaling only."""
     return (B - 1) * weight_elements(shape, lay.tp) if lay.fsdp and RECIPE == "tensorwise" else 0.0
+
+
+def saved_input_saving(shape: Shape, lay: PlannerLayout, n: float, B: int) -> float:
+    """Bytes of one layer's saved activations that Transformer Engine keeps in fp8 rather than B (engine
+    megatron under fp8): the inputs of its four linears, QKV's and FC1's the normalised hidden state
+    (sharded over tp under sequence parallelism), the projection's the attention output, FC2's SwiGLU's
+    output; torchao saves them in bf16 (nothing saved)."""
+    if lay.engine != "megatron" or lay.precision != "fp8":
+        return 0.0
+    t = lay.tp
+    sp = t if lay.sequence_parallel and t > 1 else 1
+    return (B - 1) * n * (2 * shape.hidden / sp + shape.hidden / t + shape.ffn / t)

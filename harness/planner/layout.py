@@ -105,6 +105,12 @@ class PlannerLayout:
     # data_parallel_replicate_degree, Megatron-FSDP's sharding group): states sharded within a group
     # of dp_shard ranks, innermost in the flattened dp x cp mesh, replicated across the others.
     dp_shard: int = 0
+    # Whether the data-parallel collectives overlap compute: FSDP2's prefetched all-gathers and
+    # reduce-scatters in their own stream (engine fsdp, torchtitan), Megatron-LM's
+    # --overlap-grad-reduce/--overlap-param-gather (as NeMo and Megatron-Bridge run it; the harness's
+    # megatron engine runs without). The study's engine and the own engine reduce after the backward.
+    # None: the engine's (fsdp overlaps; the others do not).
+    dp_overlap: bool | None = None
 
     @property
     def dims(self) -> ParallelDims:
@@ -124,6 +130,11 @@ class PlannerLayout:
         """How many ranks share the sharding of the states: dp_shard, or every replica rank when it is
         0 (ZeRO and full FSDP shard over dp x cp)."""
         return self.dp_shard or self.replicas
+
+    @property
+    def overlaps_dp(self) -> bool:
+        """Whether the data-parallel collectives overlap compute (dp_overlap, else the engine's)."""
+        return self.fsdp if self.dp_overlap is None else self.dp_overlap
 
     @property
     def sharding_stage(self) -> int:

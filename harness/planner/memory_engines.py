@@ -248,6 +248,7 @@ def engine_layer_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict:
     n, h, f = b * s, shape.hidden, shape.ffn
     sp = lay.sequence_parallel and t > 1
     full = 2 * _norm_bytes(lay, n, h, B, sp) + _attention_bytes(shape, lay, wl, b) + 4 * n * f / t * B
+    full -= fp8.saved_input_saving(shape, lay, n, B)  # Transformer Engine saves its linears' inputs in fp8
     # A layer's backward, beyond what it saved: the incoming gradient (n x h), SwiGLU's three
     # gradients of width ffn / t, and the largest weight gradient in the parameters' dtype before
     # the gradient hook adds it into the fp32 bucket and frees it (h x ffn / t); or the attention
