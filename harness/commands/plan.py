@@ -396,8 +396,10 @@ def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:
     if not fitting:
         return set(), "no layout is predicted to fit"
     if not err:
+        fitted = profile.calibrated.get("fitted_on")
+        what = f"constants from elsewhere: {fitted}" if fitted else "literature constants"
         return set(), (
-            f"{profile.name} is not calibrated (literature constants, error unknown): "
+            f"{profile.name} is not calibrated on its own runs ({what}; error unknown): "
             "calibrate it on a few runs of your cluster (--calibrate) before trusting the ranking"
         )
     best = min(p.step_time_s for p in fitting)
