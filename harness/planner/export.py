@@ -222,7 +222,7 @@ def export_megatron(
     args += ["--clip-grad", f"{clip:g}"]
     if wl.dtype_bytes == 2:  # the planner's policy: main gradients accumulated and reduced in fp32
         args += ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
-    if lay.dp * lay.cp > 1:
+    if lay.replicas > 1:
         args.append("--overlap-grad-reduce")
         if lay.sharding_stage >= 1:
             args += ["--use-distributed-optimizer", "--overlap-param-gather"]

@@ -14,6 +14,7 @@ import shlex
 
 from harness.errors import SpecError
 from harness.model.presets import PRESETS
+from harness.parallel_dims import ParallelDims
 from harness.planner.import_torchtitan import read_torchtitan
 
 IMPORT_FORMATS = ("megatron", "torchtitan", "deepspeed")
@@ -123,9 +124,7 @@ def import_megatron(text: str, gpus: int | None = None) -> tuple[dict, list[str]
     tp, pp, cp = (
         a.get(k) or 1 for k in ("tensor-model-parallel-size", "pipeline-model-parallel-size", "context-parallel-size")
     )
-    if world % (tp * pp * cp):
-        raise SpecError("--gpus", f"{world} ranks do not divide into tp {tp} x pp {pp} x cp {cp}")
-    dp = world // (tp * pp * cp)
+    dp = ParallelDims.derive(world, "--gpus", tp=tp, pp=pp, cp=cp).dp
     vp = a.get("num-virtual-stages-per-pipeline-rank")
     if vp is None and a.get("num-layers-per-virtual-pipeline-stage"):
         vp = a["num-layers"] // (pp * a["num-layers-per-virtual-pipeline-stage"])

@@ -173,8 +173,10 @@ def memory_key(layout: PlannerLayout) -> tuple:
     """Layouts whose memory is the same: memory.py tells attention kernels apart only by whether
     they materialise the score matrix (naive, fused_softmax) or not (every flash-style kernel keeps
     no s x s tensor); tests/test_plan_output.py checks it on every engine."""
-    att = layout.attention if ATTENTION_CLASS.get(layout.attention) in MATERIALISED else "flash"
-    return tuple(att if name == "attention" else value for name, value in layout.__dict__.items())
+    fields = dict(layout.__dict__)  # a copy at C speed: a plan builds a key per layout
+    if ATTENTION_CLASS.get(layout.attention) not in MATERIALISED:
+        fields["attention"] = "flash"
+    return tuple(fields.values())
 
 
 def prediction_key(layout: PlannerLayout) -> PlannerLayout:
@@ -196,8 +198,9 @@ def predict_many(
     memory_cache: dict = {}
     out = []
     for lay in layouts:
-        cls = ATTENTION_CLASS.get(lay.attention, lay.attention)
-        key = tuple(cls if name == "attention" else value for name, value in lay.__dict__.items())
+        fields = dict(lay.__dict__)
+        fields["attention"] = ATTENTION_CLASS.get(lay.attention, lay.attention)
+        key = tuple(fields.values())
         base = cache.get(key)
         if base is None:
             base = cache[key] = predict(

@@ -37,12 +37,14 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness import resources
 from harness.errors import SpecError
 from harness.model.presets import PRESETS, Shape
+from harness.parallel_dims import ParallelDims
 from harness.planner.hardware import Profile, load_profile
 from harness.planner.layout import PlannerLayout, Workload
 
-RUNS_CSV = Path(__file__).resolve().parents[2] / "baselines" / "published_runs" / "runs.csv"
+RUNS_CSV = resources.path("baselines/published_runs/runs.csv")  # the repository's, or the installed package's copy
 COLUMNS = ("source", "system", "model", "gpus", "precision", "tp", "pp", "tokens_per_s_per_gpu")
 MODELS = {
     "LLAMA3_8B": "llama3-8b",
@@ -146,7 +148,8 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
         run.why_not = f"precision {row['precision']!r}: not planned"
         return run
     gpus, tp, pp, cp = int(row["gpus"]), _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
-    dp = gpus // (tp * pp * cp)
+    dims = ParallelDims.derive(gpus, "gpus", tp=tp, pp=pp, cp=cp)
+    dp = dims.dp
     vp = _int(row, "vp", 2 if "interleaved" in note.lower() else 1)
     nvidia = row["source"] in NVIDIA
     mbs = _int(row, "mbs", 1)
@@ -175,16 +178,11 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
         "engine": "fsdp" if shard or not nvidia else "megatron",
         "fsdp": bool(shard or not nvidia),
         "precision": precision,
-        "dp_shard": shard if 0 < shard < dp * cp else 0,
+        "dp_shard": shard if 0 < shard < dims.replicas() else 0,
         "dp_overlap": True,  # NeMo's and Megatron-Bridge's overlapped reduction and gather; FSDP2's prefetch
     }
-    known = {f.name for f in dataclasses.fields(PlannerLayout)}
-    absent = [k for k in ("precision", "dp_shard") if k not in known and fields[k] not in ("bf16", 0)]
-    if absent:
-        run.why_not = f"the planner has no {', '.join(absent)}"
-        return run
     run.shape = PRESETS[model]
-    run.layout = PlannerLayout(**{k: v for k, v in fields.items() if k in known})
+    run.layout = PlannerLayout(**fields)
     run.workload = Workload(_int(row, "seq", DEFAULT_SEQ), gbs)
     run.profile = _profile(system)
     return run

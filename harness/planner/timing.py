@@ -123,7 +123,10 @@ def _dp_terms(shape, lay, wl, prof, kinds, cache) -> tuple[dict, float]:
     them of every kernel, checkpointing and sequence-parallel variant of one split."""
     if cache is None:
         return _data_parallel(shape, lay, wl, prof, kinds)
-    key = ("data_parallel", *(None if k in _NOT_DATA_PARALLEL else v for k, v in lay.__dict__.items()))
+    fields = dict(lay.__dict__)
+    for k in _NOT_DATA_PARALLEL:
+        fields[k] = None
+    key = ("data_parallel", *fields.values())
     hit = cache.get(key)
     if hit is None:
         hit = cache[key] = _data_parallel(shape, lay, wl, prof, kinds)
@@ -325,7 +328,10 @@ def _extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta
     when the caller keeps one: keyed by every layout field but those stage_extras does not read
     (EXTRAS_IGNORE: the checkpointing, kernels, sharding of one mesh share it; a new field is in
     the key until someone adds it there)."""
-    key = ("extras", *(v for k, v in lay.__dict__.items() if k not in EXTRAS_IGNORE))
+    fields = dict(lay.__dict__)
+    for k in EXTRAS_IGNORE:
+        fields[k] = None
+    key = ("extras", *fields.values())
     hit = cache.get(key) if cache is not None else None
     if hit is None:
         hit = tuple(dot(theta, stage_extras(shape, lay, wl, prof, first)) for _, first, _ in kinds)
