@@ -1,5 +1,5 @@
 """The planner's FP8 / BF16 speed-up at the layouts of the published FP8-BF16 pairs in
-../shared/published-runs/runs.csv (Llama 3 8B on 8 H100), beside the published ratio: a check, not a fit
+baselines/published_runs/runs.csv (Llama 3 8B on 8 H100), beside the published ratio: a check, not a fit
 (the profile's literature constants; the efficiencies are fitted elsewhere across all rows).
 
 Each pair as its source ran it: dgxc (NeMo 24.09, Transformer Engine: engine megatron, cuDNN fused
