@@ -311,3 +311,17 @@ def test_plan_export_torchtitan_needs_a_llama3_flavor(capsys):
     assert world * par["context_parallel_degree"] == 16 and r["flavor"] == "8B"
     code, out, err = run(capsys, *plan, "--model", "paper-13b")  # no torchtitan flavor has its shape
     assert code == 2 and err.startswith("error: --export:") and "no flavor" in err
+
+
+def test_an_fp8_plan_exports_megatron_fp8_arguments_and_the_others_refuse_it():
+    """Megatron-LM's FP8 is its arguments (Transformer Engine's current scaling: hybrid formats, the
+    tensorwise recipe), read by its parser; DeepSpeed's config and the torchtitan recipe written here
+    hold no FP8 setting, so an fp8 layout is not theirs to export."""
+    lay = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, attention="te_fused", engine="megatron", precision="fp8")
+    text, _ = export_megatron(L8, lay, WL, OPT, CLIP)
+    a = megatron_parser(exit_on_error=False).parse_args(shlex.split(text))
+    assert (a.fp8, a.fp8_recipe, a.transformer_impl) == ("hybrid", "tensorwise", "transformer_engine")
+    bf16 = export_megatron(L8, PlannerLayout(2, 1, 4, 1, sequence_parallel=True, attention="te_fused"), WL)[0]
+    assert "--fp8" not in bf16
+    for fmt in ("deepspeed", "torchtitan"):
+        assert "FP8 is not a setting this export writes" in exportable(lay, fmt)

@@ -90,6 +90,7 @@ def emit_sweep(args, fitting, profile, gpus_per_node) -> None:
 def export(args, shape, wl, fitting) -> int:
     """The best layout predicted to fit that the target expresses, in the target's format."""
     from harness.planner.export import EXPORTERS, VERSIONS, exportable
+    from harness.planner.schedules import schedule_label
 
     if not fitting:
         raise SpecError("--export", "no layout is predicted to fit")
@@ -105,8 +106,9 @@ def export(args, shape, wl, fitting) -> int:
     lay = chosen.layout
     cp = f"cp {lay.cp} {lay.cp_impl} " if lay.cp > 1 else ""
     print(
-        f"# {args.export}: tp {lay.tp} {cp}pp {lay.pp} dp {lay.dp} micro-batch {lay.micro_batch_size} "
-        f"checkpointing {lay.activation_checkpointing}, predicted {chosen.memory_gib:.1f} GiB, "
+        f"# {args.export}: tp {lay.tp} {cp}pp {lay.pp} {schedule_label(lay)} dp {lay.dp} micro-batch "
+        f"{lay.micro_batch_size} checkpointing {lay.activation_checkpointing} {lay.precision}, predicted "
+        f"{chosen.memory_gib:.1f} GiB, "
         f"{chosen.step_time_s:.3g} s/step, MFU {chosen.mfu:.3f}",
         file=sys.stderr,
     )
@@ -115,8 +117,6 @@ def export(args, shape, wl, fitting) -> int:
             f"# the fastest predicted layout cannot be expressed: {exportable(fitting[0].layout, args.export, shape)}",
             file=sys.stderr,
         )
-    if lay.precision != "bf16":
-        notes = [*notes, f"the layout was planned in {lay.precision}; this export does not set FP8"]
     for note in notes:
         print(f"# note: {note}", file=sys.stderr)
     return 0

@@ -50,6 +50,8 @@ MEGATRON_ATTENTION = {
     "sdpa": "flash",
     "sdpa_flash": "flash",
     "sdpa_cudnn": "fused",
+    "te_fused": "fused",  # Transformer Engine's cuDNN fused attention: AttnBackend.fused
+    "flash3": "flash",  # Transformer Engine's flash backend runs FlashAttention-3 on Hopper where installed
 }
 # DeepSpeed's ZeRO settings as the harness's ds_configs/zeroN.json run them (bucket sizes in elements).
 ZERO_BUCKET = 50_000_000
@@ -75,6 +77,11 @@ def exportable(lay: PlannerLayout, fmt: str, shape: Shape | None = None) -> str:
     if lay.shard_group < lay.replicas and (fmt != "torchtitan" or lay.shard_group % lay.cp):
         # torchtitan's FSDP mesh is data_parallel_shard_degree x cp: a group of whole cp groups
         return f"{fmt} has no sharding group of {lay.shard_group} of the dp x cp = {lay.replicas} ranks (HSDP)"
+    if lay.precision == "fp8" and fmt != "megatron":  # Megatron-LM's FP8 is its --fp8-* arguments
+        return (
+            f"{fmt}: FP8 is not a setting this export writes (DeepSpeed's config has none: torchao converts "
+            "the model before deepspeed.initialize; torchtitan's Float8 converter is written for main, not 0.3.0)"
+        )
     if fmt == "deepspeed":  # what the harness's engine deepspeed runs (its facts): AutoTP or its pipeline
         return _deepspeed_refuses(lay)  # engine, Ulysses without either, no sequence parallelism, 1F1B only
     if fmt == "megatron":
@@ -222,6 +229,8 @@ def export_megatron(
     args += ["--clip-grad", f"{clip:g}"]
     if wl.dtype_bytes == 2:  # the planner's policy: main gradients accumulated and reduced in fp32
         args += ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
+    if lay.precision == "fp8":  # Transformer Engine's current scaling (FP8-CS): e4m3 forward, e5m2 gradients
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
     if lay.replicas > 1:
         args.append("--overlap-grad-reduce")
         if lay.sharding_stage >= 1:
