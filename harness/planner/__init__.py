@@ -8,6 +8,7 @@ Modules, one job each:
   memory_paper    the memory of the study's engine (engine paper)
   memory_engines  the memory of the harness's engines, each by its facts (registry.MemoryModel)
   context         context parallelism's own terms (implementations, K/V bytes, the exchange)
+  schedules       pipeline schedules: chunks per rank, the bubble, the sends, activations in flight
   fp8             FP8 as the engines run it: the FP8 linears, their casts' bytes, the weight copies
   features        the time features of a layer and a stage (ideal seconds of each kind of work)
   timing          seconds per step: the features at their efficiencies, the schedule, the dp reduction
@@ -18,8 +19,9 @@ Modules, one job each:
                   (export_torchtitan: the torchtitan recipe); importers reads them back as a spec
   calibrate       fit efficiency constants from measurements
   paper           the published sweeps, judged
+  published       published GPU runs (baselines/published_runs) as samples: fit and check
   findings        the study's findings as one plan predicts them (harness plan --findings)
-The command is harness/commands/plan.py. Nothing here imports torch: a plan must answer in about
+The command is harness/commands/plan.py (harness import: harness/commands/import.py). Nothing here imports torch: a plan must answer in about
 a second.
 """
 
