@@ -21,8 +21,8 @@ Modules, one job each:
   paper           the published sweeps, judged
   published       published GPU runs (baselines/published_runs) as samples: fit and check
   findings        the study's findings as one plan predicts them (harness plan --findings)
-The command is harness/commands/plan.py (harness import: harness/commands/import.py). Nothing here imports torch: a plan must answer in about
-a second.
+The command is harness/commands/plan.py (harness import: harness/commands/import.py). Nothing
+here imports torch: a plan must answer in about a second.
 """
 
 from harness.planner.predict import Prediction, predict  # noqa: F401

@@ -187,25 +187,40 @@ def prediction_key(layout: PlannerLayout) -> PlannerLayout:
     return layout if rep == layout.attention else dataclasses.replace(layout, attention=rep)
 
 
+def _same_rate_classes(theta: dict) -> dict[str, str]:
+    """Flash-style cost classes whose rate under theta is another's: the same formula at the same
+    efficiency (features.attention_features), so the same prediction; each mapped to the first such
+    class (on A100 the flash3 class, cuDNN's attention, runs at FlashAttention-2's assumed rate)."""
+    out: dict[str, str] = {}
+    first: dict[float, str] = {}
+    for cls in CLASS_REPRESENTATIVE:
+        if cls in MATERIALISED or cls not in theta:
+            continue
+        out[cls] = first.setdefault(theta[cls], cls)
+    return out
+
+
 def predict_many(
     shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None = None, **kw
 ) -> list[Prediction]:
     """predict() for every layout, computing each cost class once (`harness plan` over thousands
     of layouts must answer in well under a second); the same Predictions as one call each."""
     theta = theta or theta_from_profile(profile)
+    same = _same_rate_classes(theta)
     cache: dict = {}
     layer_cache: dict = {}
     memory_cache: dict = {}
     out = []
     for lay in layouts:
         fields = dict(lay.__dict__)
-        fields["attention"] = ATTENTION_CLASS.get(lay.attention, lay.attention)
+        cls = ATTENTION_CLASS.get(lay.attention, lay.attention)
+        fields["attention"] = same.get(cls, cls)
         key = tuple(fields.values())
         base = cache.get(key)
         if base is None:
-            base = cache[key] = predict(
-                shape, prediction_key(lay), workload, profile, theta, layer_cache, memory_cache, **kw
-            )
+            rep = CLASS_REPRESENTATIVE.get(fields["attention"], lay.attention)
+            stand_in = lay if rep == lay.attention else dataclasses.replace(lay, attention=rep)
+            base = cache[key] = predict(shape, stand_in, workload, profile, theta, layer_cache, memory_cache, **kw)
         if base.layout is lay or base.layout == lay:
             out.append(base)
         else:  # an alias: the same prediction, its own layout and availability
