@@ -111,6 +111,10 @@ class PlannerLayout:
     # megatron engine runs without). The study's engine and the own engine reduce after the backward.
     # None: the engine's (fsdp overlaps; the others do not).
     dp_overlap: bool | None = None
+    # Whether the LM head's cross-entropy runs vocabulary-parallel under tp > 1 (Megatron's
+    # vocab_parallel_cross_entropy, torchtitan's loss_parallel): its memory is the logits' 1/tp.
+    # None: the engine's (registry.MemoryModel.vocab_parallel_loss).
+    vocab_parallel_loss: bool | None = None
 
     @property
     def dims(self) -> ParallelDims:

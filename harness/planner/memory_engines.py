@@ -268,7 +268,10 @@ def loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, f
     peak holds that, the nll gradient and the log-softmax gradient (fp32 each)."""
     n, B, V = lay.micro_batch_size * wl.local(lay).seq_len, wl.dtype_bytes, shape.vocab
     upcast = 4 if B == 2 else 0
-    if lay.tp > 1 and memory_model(lay.engine).vocab_parallel_loss:  # Megatron's vocab_parallel_cross_entropy too
+    parallel = lay.vocab_parallel_loss
+    if parallel is None:  # the engine's
+        parallel = memory_model(lay.engine).vocab_parallel_loss
+    if lay.tp > 1 and parallel:  # Megatron's vocab_parallel_cross_entropy too
         return 4 * n * V / lay.tp + 9 * n, (B + upcast + 4) * n * V / lay.tp
     return 4 * n * V, max(B + upcast, 8) * n * V
 
@@ -313,9 +316,13 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     if has_emb and t > 1:
         micro += 9 * n  # the vocabulary-parallel lookup's local ids (int64) and mask
     ce_kept, ce_extra = loss_bytes(shape, lay, wl) if has_head else (0.0, 0.0)
-    if has_head:
-        micro += _norm_bytes(lay, n, h, B, sp) + ce_kept
+    head = _norm_bytes(lay, n, h, B, sp) + ce_kept if has_head else 0.0
+    micro += head
     held = k * micro
+    if head and k > 1 and lay.pipeline_schedule != "gpipe":
+        # the LM head's state lives for one micro-batch: the last chunk's forward is followed at once by
+        # its backward (interleaved: after the warm-up of the other chunks; the V schedules' rank 0)
+        held -= (k - 1) * head
     working = (act["full_layer"] - act["layer"] if lay.activation_checkpointing == "full" else 0.0) + act["working"]
     candidates = {"backward_working_set": working if layers else 0.0}
     if has_head:  # the loss's peak with this micro-batch's activations, the others' held

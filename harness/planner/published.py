@@ -21,7 +21,8 @@ filled by the rules below, the same for every row, each from the data's README o
 - engine: Megatron's distributed optimizer (fsdp 0 or empty) is engine megatron at ZeRO-1; a
   sharding group (fsdp > 0) is engine fsdp sharded over that group; torchtitan is engine fsdp. Every
   row overlaps its data-parallel collectives with compute (dp_overlap): NeMo's and Megatron-Bridge's
-  recipes set Megatron's overlap_grad_reduce and overlap_param_gather, FSDP2 prefetches.
+  recipes set Megatron's overlap_grad_reduce and overlap_param_gather, FSDP2 prefetches; and computes
+  the loss vocabulary-parallel under tp (Megatron's cross-entropy, torchtitan's loss_parallel default).
 - pipeline: vp > 1 is interleaved 1F1B; a torchtitan row whose note says "Interleaved" with no vp
   runs two stages per rank (its default for interleaved schedules).
 - precision: BF16 is bf16; FP8 of every recipe (FP8-CS, Float8 tensorwise or rowwise) is fp8; a row
@@ -180,6 +181,7 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
         "precision": precision,
         "dp_shard": shard if 0 < shard < dims.replicas() else 0,
         "dp_overlap": True,  # NeMo's and Megatron-Bridge's overlapped reduction and gather; FSDP2's prefetch
+        "vocab_parallel_loss": True,  # Megatron's vocab-parallel cross-entropy, torchtitan's loss_parallel default
     }
     run.shape = PRESETS[model]
     run.layout = PlannerLayout(**fields)
@@ -217,11 +219,6 @@ def why_it_ran(run: PublishedRun, memory_gib: float) -> str:
         reasons.append(
             "torchtitan's selective checkpointing is per-op (it keeps every other matmul's output and recomputes "
             "the rest), which keeps less than Megatron's selective recomputation the planner models"
-        )
-    if run.row["source"] not in NVIDIA and lay.tp > 1:
-        reasons.append(
-            "torchtitan computes the loss vocabulary-parallel (loss_parallel); the planner's fsdp engine "
-            "all-gathers the logits"
         )
     if not reasons:
         reasons.append("no term the planner is known to lack: its memory model is wrong for this layout")
