@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # also during the heavy imports (torch takes seconds) a command starts with
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`harness plan ... | head`): what it read was whole lines
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141  # a shell's exit status for SIGPIPE
 
 
 def _main(argv: list[str] | None) -> int:

@@ -360,3 +360,17 @@ def test_ctrl_c_while_importing_exits_130_without_a_traceback(entry, point, tmp_
         proc.wait()
     assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err)
     assert err.strip() in ("", "interrupted"), err
+
+
+@pytest.mark.slow  # runs the CLI in a process, its stdout a pipe the reader closes early
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`harness plan ... | head`: the lines read are whole, and the command ends quietly (no
+    BrokenPipeError traceback) with the shell's status for SIGPIPE."""
+    cmd = [sys.executable, "-m", "harness.cli", "plan", "--model", "paper-13b", "--seq-len", "2048"]
+    cmd += ["--global-batch-size", "2048", "--gpus", "64", "--hardware", "a100-80gb", "--format", "json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.read(100)  # megabytes follow: far more than a pipe holds, so the writer meets the close
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert first.startswith(b'[{"tp": ') and err == ""
