@@ -128,6 +128,10 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
     row = {k: (v or "").strip() for k, v in row.items()}
     system, note = row["system"], row.get("note", "")
     label = f"{row['source']} {row.get('version', '')} {system} {row['model']} {row['gpus']} GPUs {row['precision']}"
+    if row.get("seq"):
+        label += f" seq {row['seq']}"
+    if row["source"] not in NVIDIA and note:  # torchtitan's rows differ by what their note says (compile, ...)
+        label += f" ({note.split(';')[0]})"
     run = PublishedRun(row, " ".join(label.split()), float(row["tokens_per_s_per_gpu"]))
     model = MODELS.get(row["model"])
     if model is None:
