@@ -165,7 +165,7 @@ def test_cli_json_contract():
     assert set(rows[0]) == {
         *(
             "tp cp cp_impl pp dp micro_batch_size activation_checkpointing sequence_parallel attention rmsnorm zero "
-            "dp_shard fits memory_gib step_time_s mfu"
+            "precision pipeline_schedule virtual_stages dp_shard fits memory_gib step_time_s mfu"
         ).split()
     }
     assert all(r_["fits"] for r_ in rows) and rows[0]["mfu"] >= rows[-1]["mfu"]
@@ -219,7 +219,7 @@ def test_table_marks_layouts_within_the_calibration_error():
     assert rows[0].endswith(" *") and 1 <= len(marked) < len(rows)
     assert rows[: len(marked)] == marked  # the band is a prefix of the ranking
     assert f"{len(marked)} layouts within {err:.1f}%" in r.stdout
-    r = run_cli(*args[:-2], "--top", "3", "--hardware", "h100-sxm")
+    r = run_cli(*args[:-2], "--top", "3", "--hardware", "a100-40gb")
     assert r.returncode == 0 and "not calibrated" in r.stdout and " *" not in r.stdout
 
 
