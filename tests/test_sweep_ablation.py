@@ -11,7 +11,7 @@ from conftest import profiled_record
 from harness.report.build import sections_for
 
 
-def record(tokens_per_s: float, **layout) -> dict:
+def record(tokens_per_s: float, precision: str = "bf16", **layout) -> dict:
     """An ok run of the tiny model on 2 CPU processes at `tokens_per_s` per device."""
     lay = {
         "engine": "own",
@@ -24,10 +24,12 @@ def record(tokens_per_s: float, **layout) -> dict:
         "rmsnorm": "torch",
         **layout,
     }
-    spec = {"workload": {"model": "tiny", "seq_len": 64, "global_batch_size": 8}, "layout": lay}
+    spec = {"workload": {"model": "tiny", "seq_len": 64, "global_batch_size": 8, "precision": precision}, "layout": lay}
     step = 1e3 * 512 / tokens_per_s / 2  # ms
     parts = {"compute": step}
-    return profiled_record(spec, step, parts, 2, tokens_per_s, sweep="s", point_key=json.dumps(lay, sort_keys=True))
+    return profiled_record(
+        spec, step, parts, 2, tokens_per_s, sweep="s", point_key=json.dumps([lay, precision], sort_keys=True)
+    )
 
 
 def recommendations(records) -> dict:
@@ -92,3 +94,40 @@ def test_the_measured_best_figure_has_its_unit():
     quoted = {s.id: s for s in sections_for(FASTEST_ELSEWHERE)}["baselines"]
     measured = next(t for t in quoted.tables if t.caption == "Measured in this store")
     assert measured.rows[0][1] == "6,000 tokens/s per device"
+
+
+def test_the_levers_are_compared_one_at_a_time():
+    """FP8 (a workload field), torch.compile and the pipeline schedule each pair runs that differ in that
+    field alone: an FP8 run that also compiles, or also gathers in FP8, has no bf16 twin."""
+    runs = [
+        record(2000.0),
+        record(3000.0, precision="fp8"),
+        record(2600.0, compile="blocks"),
+        record(4000.0, precision="fp8", compile="blocks", micro_batch_size=2),
+        record(2100.0, micro_batch_size=2),
+        record(3500.0, precision="fp8", fp8_all_gather=True, micro_batch_size=2),
+    ]
+    tables, text = recommendations(runs)
+    fp8, compiled = tables["precision (bf16 or fp8)"], tables["torch.compile"]
+    assert fp8.caption.startswith("precision (bf16 or fp8): fp8 was best in 1 of 1 comparison(s)")
+    assert fp8.caption.split(", by ")[1].startswith("50.0% more tokens/s per device")
+    # bf16 mb1 eager against compiled; never fp8 compiled mb2 against bf16 eager mb2 (precision differs too)
+    assert compiled.caption.startswith("torch.compile: blocks was best in 1 of 1 comparison(s)")
+    assert compiled.caption.split(", by ")[1].startswith("30.0% more tokens/s per device")
+    assert [r[3] for r in compiled.rows] == ["2,600 tokens/s per device", "2,000 tokens/s per device"]
+    assert "pipeline schedule" not in " ".join(tables) and "pipeline schedule" not in text  # no pipeline ran
+
+
+def test_pipeline_schedules_are_compared_where_there_is_a_pipeline():
+    runs = [
+        record(3000.0, pp=2, dp=1, micro_batch_size=2),
+        record(3300.0, pp=2, dp=1, micro_batch_size=2, pipeline_schedule="zbv"),
+        record(9000.0, micro_batch_size=2),  # no pipeline: outside the comparison
+    ]
+    tables, _ = recommendations(runs)
+    sched = tables["pipeline schedule (pp > 1 only)"]
+    assert sched.caption.startswith("pipeline schedule (pp > 1 only): zbv was best in 1 of 1 comparison(s)")
+    assert {r[2] for r in sched.rows} == {"1f1b", "zbv"}
+    sections = {s.id: s for s in sections_for(runs)}
+    assert [row[0] for row in sections["schedules"].tables[0].rows] == ["1f1b", "zbv"]
+    assert "No sweep varied compile" in " ".join(sections["compile"].text)

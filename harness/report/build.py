@@ -10,6 +10,14 @@ from harness.report.ranking import uses_cp
 from harness.report.recommend import recommendations
 from harness.report.render import write
 
+# What names a run besides the axis an ablation varies (ablation_why pairs a run with its twin on these).
+_NAMES = ("variant", "tp", "context", "pp", "dp", "mb", "ckpt", "sp", "kernel", "precision", "compiled", "schedule")
+
+
+def _rest(*axes: str):
+    names = tuple(n for n in _NAMES if n not in axes)
+    return lambda r: tuple(getattr(r, n) for n in names)
+
 
 def sections_for(
     records: list[dict], baselines_dir: str | None = None, timeline_run: str | None = None
@@ -28,7 +36,7 @@ def sections_for(
             "micro-batch",
             "The best layout for each micro-batch size (all other settings free), as in the study's figures.",
             plot="lines",
-            rest=lambda r: (r.variant, r.tp, r.context, r.pp, r.dp, r.ckpt, r.sp, r.kernel),
+            rest=_rest("mb"),
         ),
         an.tp_pp(rows, m),
         an.axis_section(
@@ -48,7 +56,7 @@ def sections_for(
             lambda r: r.ckpt,
             "checkpointing",
             "The best layout per checkpointing mode; the run counts show which modes ran out of memory.",
-            rest=lambda r: (r.variant, r.tp, r.context, r.pp, r.dp, r.mb, r.sp, r.kernel),
+            rest=_rest("ckpt"),
         ),
         an.axis_section(
             rows,
@@ -72,11 +80,46 @@ def sections_for(
                     "The best layout per context-parallel degree and implementation "
                     "(cp1: none); with the GPUs fixed, dp shrinks as cp grows. Shown only where a run uses "
                     "context parallelism.",
-                    rest=lambda r: (r.variant, r.tp, r.pp, r.mb, r.ckpt, r.sp, r.kernel),
+                    rest=_rest("context", "dp"),  # the GPUs fixed: dp shrinks as cp grows
                 )
             ]
             if uses_cp(rows)
             else []
+        ),
+        an.axis_section(
+            rows,
+            m,
+            "fp8",
+            "FP8 ablation",
+            lambda r: r.precision,
+            "precision",
+            "The best layout per precision policy where a sweep ran bf16 and fp8 (workload.precision: the linear "
+            "layers' GEMMs in FP8 through torchao, their casts and scales included in the step).",
+            subset=lambda r: r.precision in ("bf16", "fp8"),
+            rest=_rest("precision"),
+        ),
+        an.axis_section(
+            rows,
+            m,
+            "compile",
+            "torch.compile ablation",
+            lambda r: r.compiled,
+            "compile",
+            "The best layout with and without torch.compile (layout.compile: blocks compiles each transformer "
+            "block; compilation happens in the warm-up steps and is recorded apart, never in a step time).",
+            rest=_rest("compiled"),
+        ),
+        an.axis_section(
+            rows,
+            m,
+            "schedules",
+            "Pipeline schedule ablation",
+            lambda r: r.schedule,
+            "schedule",
+            "The best layout per pipeline schedule, among layouts with a pipeline (pp > 1): the bubble is what a "
+            "schedule moves.",
+            subset=lambda r: r.pp > 1,
+            rest=_rest("schedule"),
         ),
         an.axis_section(
             rows,

@@ -174,6 +174,7 @@ class Row:
     versions: tuple = ()
     values: dict = field(default_factory=dict)  # every field's value (harness.store.fields.row)
     layout: dict = field(default_factory=dict)  # the record's layout as it is (an ablation matches the others)
+    workload: dict = field(default_factory=dict)  # and its workload (a sweep may vary workload fields too)
 
     @property
     def kernel(self) -> str:
@@ -183,6 +184,17 @@ class Row:
     def context(self) -> str:
         """Context parallelism as an ablation names it: 'cp1' (none), 'cp2 ring'."""
         return f"cp{self.cp} {self.cp_impl}" if self.cp > 1 else "cp1"
+
+    @property
+    def compiled(self) -> str:
+        """torch.compile as an ablation names it: 'none' (eager; records written before it too), 'blocks'."""
+        return str(self.layout.get("compile") or "none")
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule as an ablation names it: '1f1b', 'interleaved v2', 'zbv'."""
+        v = int(self.layout.get("virtual_stages") or 1)
+        return str(self.layout.get("pipeline_schedule") or "1f1b") + (f" v{v}" if v > 1 else "")
 
     @property
     def reason(self) -> str:
@@ -239,6 +251,7 @@ def to_row(rec: dict) -> Row:
         versions=versions,
         values=v,
         layout=lay,
+        workload=(rec.get("spec") or {}).get("workload") or {},
     )
 
 

@@ -44,16 +44,20 @@ def with_unit(metric: Metric, value) -> str:
 
 
 def other_fields(r: Row, drop: tuple[str, ...]) -> tuple:
-    """Every layout field of a run but `drop` (the field an ablation varies), and but those that do
-    nothing at its degrees (a schedule without a pipeline, a cp implementation without cp): two runs
-    with the same tuple differ in the dropped fields alone."""
+    """Every layout and workload field of a run but `drop` (the fields an ablation varies; a workload
+    field as `workload.<name>`), and but those that do nothing at its degrees (a schedule without a
+    pipeline, a cp implementation without cp, an FP8 recipe without FP8): two runs with the same
+    tuple differ in the dropped fields alone (a sweep may vary workload.precision beside the layout)."""
     lay = {**_DEFAULT_LAYOUT, **r.layout}
     inert = set(drop)
     if int(lay.get("pp") or 1) == 1 and int(lay.get("virtual_stages") or 1) == 1:
         inert |= {"pipeline_schedule", "pipeline_p2p", "virtual_stages"}
     if int(lay.get("cp") or 1) == 1:
         inert.add("cp_impl")
-    return tuple((k, repr(v)) for k, v in sorted(lay.items()) if k not in inert)
+    if r.workload.get("precision") != "fp8":
+        inert.add("workload.fp8_recipe")
+    named = {**lay, **{f"workload.{k}": v for k, v in r.workload.items()}}
+    return tuple((k, repr(v)) for k, v in sorted(named.items()) if k not in inert)
 
 
 def matched(rows: list[Row], metric: Metric, key, drop: tuple[str, ...]) -> list[tuple[str, dict]]:

@@ -33,6 +33,20 @@ AXES = [
     ),
     ("context parallelism", lambda r: r.context, None, ("cp", "cp_impl", "dp")),  # the GPUs fixed: dp shrinks
     ("engine", lambda r: r.variant, None, ENGINE_FIELDS),
+    # the levers of today's training: FP8 GEMMs (a workload field), torch.compile, the schedule
+    (
+        "precision (bf16 or fp8)",
+        lambda r: r.precision,
+        lambda r: r.precision in ("bf16", "fp8"),
+        ("workload.precision", "workload.fp8_recipe"),  # not fp8_all_gather: that is a second change
+    ),
+    ("torch.compile", lambda r: r.compiled, None, ("compile",)),
+    (
+        "pipeline schedule (pp > 1 only)",
+        lambda r: r.schedule,
+        lambda r: r.pp > 1,
+        ("pipeline_schedule", "virtual_stages"),
+    ),
 ]
 # TP against PP: the same model-parallel GPUs split the other way (sp and the schedule belong to one side)
 SPLIT_FIELDS = ("tp", "pp", "sequence_parallel", "pipeline_schedule", "pipeline_p2p", "virtual_stages")
