@@ -105,7 +105,8 @@ def test_a_row_becomes_the_layout_it_states():
         }
     )
     assert (tt.layout.dp, tt.layout.micro_batch_size, tt.workload.global_batch_size) == (16, 2, 32)
-    assert tt.workload.seq_len == 8192 and tt.layout.shard_group == 32 and tt.layout.rmsnorm == "fused"
+    assert tt.workload.seq_len == 8192 and tt.layout.shard_group == 32
+    assert (tt.layout.compile, tt.layout.rmsnorm, tt.layout.norm_kernel) == ("blocks", "torch", "fused")
     assert round(tt.profile.memory_gib, 1) == 89.4
 
 

@@ -33,6 +33,7 @@ examples:
       --global-batch-size 2048 --gpus 64
   harness plan --model llama3-8b --seq-len 131072 --global-batch-size 64 --gpus 64 --cp 1,8
   harness plan --model llama3-8b --seq-len 8192 --global-batch-size 128 --gpus 8 --hardware h200 --precision bf16,fp8
+  harness plan --model llama3-8b --seq-len 8192 --global-batch-size 128 --gpus 8 --engine fsdp --compile blocks
   harness plan --hardware a100-80gb --calibrate results.sqlite --calibrate-out my-cluster.yaml"""
 
 
@@ -75,6 +76,13 @@ def add_arguments(p) -> None:
         "--precision",
         help="comma list of bf16,fp8 (default bf16): fp8 runs the linear layers' GEMMs in FP8 (torchao's "
         "tensorwise recipe; Transformer Engine's current scaling under megatron), attention and norms in bf16",
+    )
+    p.add_argument(
+        "--compile",
+        choices=("none", "blocks"),
+        default="none",
+        help="torch.compile of every layout (layout.compile): blocks fuses each block's elementwise work "
+        "(norms as one kernel, fewer launches: harness/planner/features.py)",
     )
     p.add_argument(
         "--pipeline-schedule",
@@ -269,6 +277,7 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
     print(
         f"{args.model} seq {args.seq_len} batch {args.global_batch_size} on {args.gpus} x {profile.name}: "
         f"{len(preds)} layouts, {len(fitting)} predicted to fit"
+        + ("; every block compiled (torch.compile: the rms column does not apply)" if args.compile != "none" else "")
     )
     near, note = _near_the_fastest(fitting, profile)
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
@@ -348,6 +357,8 @@ def _on_engine(args, shape, cps, impls) -> dict:
         error = model_limit_error(shape, Layout(engine=args.engine))
         if error is not None:
             raise SpecError("--engine", f"{args.engine}: {error}")
+        if args.compile != "none" and facts.refuses("layout.compile", args.compile, "none"):
+            raise SpecError("--compile", facts.refuses("layout.compile", args.compile, "none"))
     runs = context.engine_impls(args.engine)
     if cps and max(cps) > 1 and not runs:
         raise SpecError("--cp", context.no_cp(args.engine))
@@ -356,7 +367,7 @@ def _on_engine(args, shape, cps, impls) -> dict:
             raise SpecError(
                 "--cp-impl", f"engine {args.engine} runs {', '.join(runs) or 'no context parallelism'}, not {impl}"
             )
-    return {"engine": args.engine, "fsdp": args.engine == "fsdp"}
+    return {"engine": args.engine, "fsdp": args.engine == "fsdp", "compile": args.compile}
 
 
 def _cp_lines(args, preds, fitting) -> list[str]:

@@ -39,6 +39,14 @@ LOSS_BYTES_PER_LOGIT = 36  # fp32 upcast, max, exp, sum, log-softmax grad, bf16 
 ADAM_BYTES_PER_PARAM = 36  # read fp32 master, m, v, grad (16), write them (12... + 4), write bf16 copy (2),
 # zero grad (2)
 KERNELS_PER_LAYER = 90  # ~30 forward kernels (norms, GEMMs, rotary, attention, SwiGLU, adds), ~2x backward
+# A compiled block (PlannerLayout.compile "blocks", torch.compile's Inductor) fuses each elementwise chain
+# into one kernel: its norm is a fused norm (PlannerLayout.norm_kernel, memory too), and what remains to
+# launch is ~7 GEMMs, the attention kernel and ~5 fused kernels forward, ~2x backward (counted from the
+# graph). SwiGLU's traffic stays eager's: a fused SwiGLU (8 f-sized passes, not 13) is what Inductor emits,
+# but with it the published compile rows (torchtitan, torchao) fit only with hbm pinned at its bound of 1.0
+# and a worse median (4.7% against 4.3%), so the data do not support that term on top of the others yet.
+SWIGLU_BYTES_COMPILED = SWIGLU_BYTES_PER_B
+KERNELS_PER_LAYER_COMPILED = 40
 
 
 # Inter-node bandwidth of the data-parallel gradient reduction. A data-parallel group with g
@@ -167,8 +175,10 @@ def layer_features(
     # Elementwise work, by HBM bytes; norms and residual adds are split only by sequence parallelism.
     rep = 1 / t if lay.sequence_parallel else 1.0
     recf = 4 / 3 if ckpt == "full" else 1.0
-    per_layer = (2 * RMSNORM_BYTES[lay.rmsnorm] * (B / 2) + 2 * RESIDUAL_BYTES_PER_B * B) * n * h * rep
-    per_layer += (SWIGLU_BYTES_PER_B * f + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (h + 2 * kv)) * B * n / t
+    compiled = lay.compile == "blocks"
+    swiglu = SWIGLU_BYTES_COMPILED if compiled else SWIGLU_BYTES_PER_B
+    per_layer = (2 * RMSNORM_BYTES[lay.norm_kernel] * (B / 2) + 2 * RESIDUAL_BYTES_PER_B * B) * n * h * rep
+    per_layer += (swiglu * f + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (h + 2 * kv)) * B * n / t
     if lay.precision == "fp8":  # the casts to fp8 and their amax (fp8.py), recomputed under full checkpointing
         m = wl.micro_batches(lay)
         per_layer += fp8.activation_cast_bytes(shape, lay, n, B) + fp8.weight_cast_bytes(shape, lay, m, B)
@@ -181,7 +191,8 @@ def layer_features(
     if lay.cp > 1:
         key, exposed, _ = cp_exchange(shape, lay, wl, prof, theta, attention)
         x[key] += exposed
-    x["launch_us"] += 1e-6 * KERNELS_PER_LAYER * (4 / 3 if ckpt == "full" else 1)
+    kernels = KERNELS_PER_LAYER_COMPILED if compiled else KERNELS_PER_LAYER
+    x["launch_us"] += 1e-6 * kernels * (4 / 3 if ckpt == "full" else 1)
     return x
 
 

@@ -105,6 +105,9 @@ class PlannerLayout:
     # data_parallel_replicate_degree, Megatron-FSDP's sharding group): states sharded within a group
     # of dp_shard ranks, innermost in the flattened dp x cp mesh, replicated across the others.
     dp_shard: int = 0
+    # torch.compile (harness.spec's layout.compile): "blocks" compiles each transformer block, which fuses
+    # its elementwise chains (norms, SwiGLU, rotary) and launches fewer kernels (features.py); "none": eager.
+    compile: str = "none"
     # Whether the data-parallel collectives overlap compute: FSDP2's prefetched all-gathers and
     # reduce-scatters in their own stream (engine fsdp, torchtitan), Megatron-LM's
     # --overlap-grad-reduce/--overlap-param-gather (as NeMo and Megatron-Bridge run it; the harness's
@@ -141,6 +144,11 @@ class PlannerLayout:
         return self.fsdp if self.dp_overlap is None else self.dp_overlap
 
     @property
+    def norm_kernel(self) -> str:
+        """The RMSNorm that runs: a compiled block's norm is one fused kernel, whatever `rmsnorm` says."""
+        return "fused" if self.compile == "blocks" else self.rmsnorm
+
+    @property
     def sharding_stage(self) -> int:
         """The ZeRO stage whose sharding this layout has: FSDP counts as 3."""
         return 3 if self.fsdp else self.zero_stage
@@ -172,6 +180,7 @@ class PlannerLayout:
             fsdp=lay["engine"] == "fsdp",
             reshard_after_forward=bool(lay["reshard_after_forward"]),
             precision="fp8" if precision == "fp8" else "bf16",
+            compile=str(lay.get("compile") or "none"),
         )
 
     def to_spec(self) -> dict:

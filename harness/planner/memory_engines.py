@@ -174,7 +174,7 @@ def _norm_bytes(lay: PlannerLayout, n: float, h: int, B: int, sp: bool) -> float
     by the weight mul, 2h) and fp32 1/rms (4); under fp32 the input itself and the normalised
     tensor (8h + 4). Fused: its input and fp32 1/rms. Then the GEMMs keep the norm's output, or
     under SP the all-gathered one: n x h, not divided."""
-    if lay.rmsnorm == "fused":
+    if lay.norm_kernel == "fused":
         local = B * h + 4
     else:
         local = (6 * h + 4) if B == 2 else (8 * h + 4)
@@ -310,7 +310,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     micro = layers * act["layer"]
     if lay.pp > 1:  # PipelineExecutor.live: the received input (not on the first stage) and the sent output
         micro += hidden * ((0 if has_emb else 1) + (0 if has_head else 1))
-    keeps_input = lay.activation_checkpointing == "full" or lay.rmsnorm == "fused" or B == 4
+    keeps_input = lay.activation_checkpointing == "full" or lay.norm_kernel == "fused" or B == 4
     if keeps_input and lay.pp > 1 and not has_emb and layers:
         micro -= hidden  # what the first layer keeps of its input (checkpoint, norm) is the received tensor
     if has_emb and t > 1:

@@ -68,7 +68,7 @@ def layer_activation_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, micro
     kv = shape.kv_heads * head_dim
     # Replicated across tensor-parallel ranks unless sequence parallel splits them: the two
     # RMSNorms' kept tensors (their outputs are the column-parallel GEMMs' inputs).
-    norm_units = RMSNORM_UNITS[lay.rmsnorm] if B < 4 else 2
+    norm_units = RMSNORM_UNITS[lay.norm_kernel] if B < 4 else 2
     replicated = 2 * norm_units * n * h * B
     if lay.sequence_parallel:
         replicated /= t

@@ -60,6 +60,7 @@ class Prediction:
             "rmsnorm": lay.rmsnorm,
             "zero": lay.sharding_stage,
             "precision": lay.precision,
+            "compile": lay.compile,
             "dp_shard": lay.shard_group if lay.fsdp else None,  # ranks per sharding group (fsdp)
             "fits": bool(self.fits and self.available),
             "memory_gib": round(self.memory_gib, 2),

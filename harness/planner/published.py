@@ -16,8 +16,8 @@ filled by the rules below, the same for every row, each from the data's README o
   torchtitan's and torchao's selective / per-op SAC are the planner's selective.
 - kernels: NVIDIA's stacks (Megatron-Bridge, NeMo, the DGX Cloud recipes) run Transformer Engine:
   its fused attention (te_fused) and fused RMSNorm. torchtitan and torchao run SDPA (the flash
-  backend on H100: sdpa) and, with torch.compile, fused elementwise work (rmsnorm fused), eager
-  otherwise (rmsnorm torch).
+  backend on H100: sdpa) and the eager RMSNorm (rmsnorm torch); a row whose note names compile
+  compiles its blocks (compile blocks: the planner's fused elementwise work, features.py).
 - engine: Megatron's distributed optimizer (fsdp 0 or empty) is engine megatron at ZeRO-1; a
   sharding group (fsdp > 0) is engine fsdp sharded over that group; torchtitan is engine fsdp. Every
   row overlaps its data-parallel collectives with compute (dp_overlap): NeMo's and Megatron-Bridge's
@@ -176,7 +176,8 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
         "activation_checkpointing": ckpt,
         "sequence_parallel": tp > 1,
         "attention": "te_fused" if nvidia else "sdpa",
-        "rmsnorm": "fused" if nvidia or "compile" in note.lower() else "torch",
+        "rmsnorm": "fused" if nvidia else "torch",
+        "compile": "blocks" if "compile" in note.lower() else "none",
         "zero_stage": 1,
         "pipeline_schedule": "interleaved" if vp > 1 and pp > 1 else "1f1b",
         "virtual_stages": vp if pp > 1 else 1,

@@ -100,6 +100,7 @@ def _per_layer(
         lay.sequence_parallel,
         ATTENTION_CLASS[lay.attention],
         lay.rmsnorm,
+        lay.compile,
         lay.cp,
         lay.cp_impl if lay.cp > 1 else "",
         group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node,
@@ -115,7 +116,7 @@ def _per_layer(
 
 # Fields of a layout the data-parallel reduction and the optimizer step do not read: layouts
 # differing only in them share those terms (_dp_terms).
-_NOT_DATA_PARALLEL = frozenset(("activation_checkpointing", "sequence_parallel", "attention", "rmsnorm"))
+_NOT_DATA_PARALLEL = frozenset(("activation_checkpointing", "sequence_parallel", "attention", "rmsnorm", "compile"))
 
 
 def _dp_terms(shape, lay, wl, prof, kinds, cache) -> tuple[dict, float]:
@@ -313,6 +314,7 @@ EXTRAS_IGNORE = frozenset(
         "sequence_parallel",
         "attention",
         "rmsnorm",
+        "compile",  # the blocks only: embedding, head and loss stay eager (torchtitan compiles the blocks)
         "zero_stage",
         "fsdp",
         "reshard_after_forward",
