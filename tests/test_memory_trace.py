@@ -312,6 +312,25 @@ def test_memory_command_fsdp(tmp_path, capsys):
     assert [r["stage"] for r in out["ranks"]] == [0, 1] and [r["layers"] for r in out["ranks"]] == [[[0, 1]], [[1, 2]]]
 
 
+def test_memory_command_traces_a_ring_layout_with_flash_blocks(tmp_path, capsys):
+    """Own-engine cp4 ring with attention sdpa_flash (blocks: torch's flash op with its LSE) at full
+    width (llama3-8b, 2 layers, 8,192 tokens): traced with no attention stand-in, the planner within
+    the 5% of the full-size cp agreement above; sdpa_efficient (a CUDA op) traces as the CPU flash op,
+    said so, with the same bytes (both save q, k, v, output and LSE per block, no s x s)."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(
+        "workload: {model: llama3-8b, seq_len: 8192, global_batch_size: 2, precision: bf16,\n"
+        "           model_overrides: {layers: 2, max_positions: 8192}}\n"
+        "layout: {engine: own, cp: 4, cp_impl: ring, attention: sdpa_flash, rmsnorm: fused}\n"
+    )
+    out = _memory_json(capsys, spec)
+    assert out["layout"]["cp"] == 4 and not any(s.startswith("attention") for s in out["substitutions"])
+    assert abs(out["planner_peak_gib"] - out["traced_peak_gib"]) <= 0.05 * out["traced_peak_gib"]
+    gpu = _memory_json(capsys, spec, "--set", "layout.attention=sdpa_efficient")
+    assert any(s.startswith("attention sdpa_efficient: traced as CPU flash") for s in gpu["substitutions"])
+    assert gpu["traced_peak_gib"] == out["traced_peak_gib"]
+
+
 @pytest.mark.parametrize(
     "argv,field",
     [
