@@ -121,3 +121,18 @@ def test_every_ranks_blocks_in_one_process_are_the_whole_sequences_attention(ker
     got = blockwise_attention(q, k, v, grad, cp, kernel)
     for a, b in zip(got, [want] + [t.grad for t in leaves], strict=True):
         assert a.dtype == dtype and (a.double() - b.double()).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn"])
+@pytest.mark.parametrize("causal,sq,sk", [(True, 48, 48), (False, 24, 48), (False, 48, 24)])
+def test_the_cuda_adapters_call_their_ops_as_torch_declares_them(kernel, causal, sq, sk):
+    """No GPU here: on meta tensors (torch's meta kernels of the same ops) each CUDA adapter's forward and
+    backward take the arguments in the ops' schema order and give [b, h, sq] LSE (efficient's padding cut,
+    cuDNN's trailing 1 dropped) and gradients of the inputs' shapes. Their numbers: scripts/gpu_variants.py."""
+    op = OPS[(kernel, "cuda")]
+    q = torch.empty(2, 4, sq, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 4, sk, 64, device="meta", dtype=torch.bfloat16)
+    out, lse, aux = op.forward(q, k, k, causal)
+    assert out.shape == q.shape and lse.shape == (2, 4, sq)
+    grads = op.backward(out, q, k, k, out, torch.empty(2, 4, sq, device="meta"), causal, aux)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]

@@ -24,7 +24,9 @@ Implementations (layout.cp_impl), every byte through the counted Axis (comm.py):
              In flight (the planner's K/V term): forward the current and the next K/V block
              (2 x 2·b·hkv·s_local·d in the activations' dtype); backward those two plus the dK/dV
              accumulator arriving and the one leaving (2 x 2·b·hkv·s_local·d in fp32).
-             Saved for backward: q, the local k and v, the fp32 output and LSE (b·hq·s_local).
+             Saved for backward: q, the local k and v, the fp32 output and LSE (b·hq·s_local); for
+             the CUDA ops also what each block's forward returned for its backward op (RNG state,
+             a few scalars). Each op block takes K/V repeated to the query heads (transient).
              Transient, one block at a time: naive's fp32 scores and probabilities, at most
              b·hq·s_local² each (the own block; the others are half that), the ops' none of that size.
   allgather  Llama 3's way: K/V (packed) all-gathered, then the ring's blocks (naive or an op) cut
