@@ -32,6 +32,7 @@ TINY_CASES = [  # bf16 on 4 ranks (one launch), each rank traced against the rea
     dict(tp=1, cp=2, dp=2, micro_batch_size=1, zero_stage=1, attention="naive", cp_impl="ring"),
     dict(tp=2, cp=2, micro_batch_size=2, sequence_parallel=True, attention="sdpa_flash", cp_impl="ulysses"),
     dict(cp=2, dp=2, micro_batch_size=2, attention="sdpa", cp_impl="allgather", activation_checkpointing="full"),
+    dict(cp=4, micro_batch_size=1, attention="sdpa_flash", cp_impl="ring"),  # ring blocks: torch's flash op
 ]
 
 
