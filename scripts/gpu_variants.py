@@ -7,10 +7,11 @@ allocator peak of `harness train` on LLaMA-13B-shaped layers (4 layers, seq 2048
   world size 2   own cp2 ring with attention naive (its fp32 blocks), sdpa_flash and sdpa_efficient (torch's
                  LSE ops per block: harness/engine/lse_attention.py); own and fsdp pp2 1F1B and zero-bubble
                  (layout.pipeline_schedule zbv)
-  one process    the cp2 ring's blocks of both ranks (harness.testing.cp_blocks) on the GPU for every
-                 block op (flash, efficient, cuDNN, sdpa's choice, naive) against the whole sequence's
-                 fp32 attention, with each op's time and peak: the CUDA adapters' check where two ranks
-                 cannot run (NCCL takes one rank per GPU: world size 2 needs 2 GPUs)
+  one process    first, in a child process (this one keeps no CUDA memory): the cp2 ring's blocks of
+                 both ranks (harness.testing.cp_blocks) for every block op (flash, efficient, cuDNN,
+                 sdpa's choice, naive) against the whole sequence's fp32 attention, with each op's time
+                 and peak: the CUDA adapters' check where two ranks cannot run (NCCL takes one rank
+                 per GPU: world size 2 needs 2 GPUs)
 
 A row the spec refuses (a field not there yet, an engine that does not run it) is printed with the
 refusal and skipped; so is a world-size-2 row on a machine with one GPU, and any row once the deadline
@@ -161,7 +162,9 @@ def cp_blocks(args) -> list[dict]:
     for kernel in BLOCK_KERNELS:
         row = {"name": f"cp2 ring blocks {kernel} (one process)", "kernel": kernel}
         if not cuda and kernel in ("sdpa_efficient", "sdpa_cudnn"):
-            rows.append({**row, "status": "skipped", "why": "a CUDA op"})
+            row.update(status="skipped", why="a CUDA op")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
             continue
         try:
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -186,6 +189,28 @@ def cp_blocks(args) -> list[dict]:
             row.update(status="failed", why=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         rows.append(row)
         print(json.dumps(row), flush=True)
+    return rows
+
+
+def blocks_in_child(args, timeout_s: float) -> list[dict]:
+    """cp_blocks in a child process (--blocks-only), so that this one holds no CUDA context or cached
+    memory while the runs' ranks use the GPU; its rows as it printed them, or why there are none."""
+    import subprocess
+
+    if timeout_s < 20:
+        return [{"name": "cp2 ring blocks", "kernel": "-", "status": "skipped", "why": "time budget"}]
+    cmd = [sys.executable, os.path.abspath(__file__), "--blocks-only", "--out", args.out, "--device", args.device]
+    cmd += ["--cp-seq-len", str(args.cp_seq_len)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [{"name": "cp2 ring blocks", "kernel": "-", "status": "timed out", "why": f"after {timeout_s:.0f} s"}]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        rows.append({"name": "cp2 ring blocks", "kernel": "-", "status": "failed", "why": last[:300]})
     return rows
 
 
@@ -226,6 +251,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=300, help="no run starts with less than 60 s left of this")
     ap.add_argument("--deadline", type=float, help="the same as an epoch time (overrides --budget-s)")
     ap.add_argument("--timeout-s", type=float, default=150, help="per run")
+    ap.add_argument("--blocks-only", action="store_true", help="only the cp blocks check, rows on stdout")
     args = ap.parse_args()
     cpu = args.device == "cpu"
     args.model = args.model or ("tiny" if cpu else "llama-13b")
@@ -237,7 +263,13 @@ def main() -> int:
     gpus = torch.cuda.device_count() if not cpu else 2  # gloo: any number of ranks on a CPU
     device = "cpu" if cpu else torch.cuda.get_device_name(0)
     words = [w for w in args.only.split(",") if w]
+    if args.blocks_only:  # the child of blocks_in_child: its rows as JSON lines
+        cp_blocks(args)
+        return 0
     rows: list[dict] = []
+    if not words or any(w in "cp2 ring blocks" for w in words):  # first: the CUDA ops' check, short
+        rows += blocks_in_child(args, min(180.0, deadline - time.time() - 10))
+        write(args, rows, device)
     for name, world, layout, workload, base in VARIANTS:
         if words and not any(w in name for w in words):
             continue
@@ -260,12 +292,6 @@ def main() -> int:
             row["peak_vs_base"] = round(row["peak_gib"] / baseline["peak_gib"], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        write(args, rows, device)
-    if not words or any(w in "cp2 ring blocks" for w in words):
-        if deadline - time.time() >= 30:
-            rows += cp_blocks(args)
-        else:
-            rows.append({"name": "cp2 ring blocks", "kernel": "-", "status": "skipped", "why": "time budget"})
         write(args, rows, device)
     print(f"wrote {os.path.join(args.out, 'variants.json')} and variants.md")
     return 0
