@@ -15,6 +15,9 @@ local spec has). A row is written after each engine (a killed run keeps what it 
 not started once the time budget is spent. `--device cpu` is this script's smoke test (a tiny shape; the
 peak is then the process's RSS, not comparable).
 
+The variants (FP8, compile, cp ring blocks, zero-bubble), each beside its baseline, are
+scripts/gpu_variants.py: scripts/gpu_engines.sh runs it after this one, within one deadline.
+
     python scripts/gpu_engines.py --out gpu-out                    # on the GPU (scripts/gpu_engines.sh)
     python scripts/gpu_engines.py --out /tmp/x --device cpu         # smoke test, tiny shape
 """

@@ -47,6 +47,8 @@ CASES2 = [
     ("ring", torch.bfloat16, "sdpa", "none"),
     ("allgather", torch.float32, "sdpa", "none"),
     ("ring", torch.float64, "sdpa", "full"),
+    ("ring", torch.float32, "sdpa_flash", "none"),  # the same CPU flash op, named
+    ("allgather", torch.float32, "sdpa_flash", "none"),
 ]
 CASES4 = [
     ("ring", torch.float64, "naive", "none"),
@@ -218,14 +220,3 @@ def test_rank_comm_has_cp_terms_per_layer_and_micro_batch_and_dp_over_the_replic
     assert sel["cp"] == got["cp"]
     bf16 = rank_comm(shape, lay, seq, gbs, 0, precision="bf16")["cp"]["send"]["bytes_by_dtype"]
     assert bf16 == {"bf16": n * 2 * kv // 2, "fp32": n * 2 * kv}
-
-
-def test_ring_and_allgather_blocks_run_naive_or_cpu_sdpa_only():
-    from harness.engine.context_parallel import _sdpa_blocks
-    from harness.model.kernels import attention_fn
-
-    q = torch.zeros(1, 1, 2, 2)
-    assert not _sdpa_blocks(None, q) and not _sdpa_blocks(attention_fn("naive"), q)
-    assert _sdpa_blocks(attention_fn("sdpa"), q)
-    with pytest.raises(ValueError):
-        _sdpa_blocks(attention_fn("sdpa_flash"), q)

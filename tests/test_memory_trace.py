@@ -32,6 +32,7 @@ TINY_CASES = [  # bf16 on 4 ranks (one launch), each rank traced against the rea
     dict(tp=1, cp=2, dp=2, micro_batch_size=1, zero_stage=1, attention="naive", cp_impl="ring"),
     dict(tp=2, cp=2, micro_batch_size=2, sequence_parallel=True, attention="sdpa_flash", cp_impl="ulysses"),
     dict(cp=2, dp=2, micro_batch_size=2, attention="sdpa", cp_impl="allgather", activation_checkpointing="full"),
+    dict(cp=4, micro_batch_size=1, attention="sdpa_flash", cp_impl="ring"),  # ring blocks: torch's flash op
 ]
 
 
@@ -310,6 +311,25 @@ def test_memory_command_fsdp(tmp_path, capsys):
     assert out["planner_peak_gib"] > 0
     out = _memory_json(capsys, spec, "--set", "layout.pp=2", "--set", "layout.dp=1")
     assert [r["stage"] for r in out["ranks"]] == [0, 1] and [r["layers"] for r in out["ranks"]] == [[[0, 1]], [[1, 2]]]
+
+
+def test_memory_command_traces_a_ring_layout_with_flash_blocks(tmp_path, capsys):
+    """Own-engine cp4 ring with attention sdpa_flash (blocks: torch's flash op with its LSE) at full
+    width (llama3-8b, 2 layers, 8,192 tokens): traced with no attention stand-in, the planner within
+    the 5% of the full-size cp agreement above; sdpa_efficient (a CUDA op) traces as the CPU flash op,
+    said so, with the same bytes (both save q, k, v, output and LSE per block, no s x s)."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(
+        "workload: {model: llama3-8b, seq_len: 8192, global_batch_size: 2, precision: bf16,\n"
+        "           model_overrides: {layers: 2, max_positions: 8192}}\n"
+        "layout: {engine: own, cp: 4, cp_impl: ring, attention: sdpa_flash, rmsnorm: fused}\n"
+    )
+    out = _memory_json(capsys, spec)
+    assert out["layout"]["cp"] == 4 and not any(s.startswith("attention") for s in out["substitutions"])
+    assert abs(out["planner_peak_gib"] - out["traced_peak_gib"]) <= 0.05 * out["traced_peak_gib"]
+    gpu = _memory_json(capsys, spec, "--set", "layout.attention=sdpa_efficient")
+    assert any(s.startswith("attention sdpa_efficient: traced as CPU flash") for s in gpu["substitutions"])
+    assert gpu["traced_peak_gib"] == out["traced_peak_gib"]
 
 
 @pytest.mark.parametrize(

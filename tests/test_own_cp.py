@@ -4,12 +4,12 @@ Slow tier: one 2-rank and one 4-rank gloo launch run every case (tiny LLaMA, its
 KV heads cover grouped-query attention; seq 32, 3 steps, fp32 at 1e-5 on every loss and final
 weight, bf16 at the bf16 tolerances of tests/test_engine_equivalence.py), and every rank's counted
 communication must equal the closed form (comm_model.rank_comm). Ring and allgather run attention
-naive (their blocks are then naive's fp32 math) unless a case says sdpa (torch's CPU flash kernel
-per block), and the reference runs the same kernel on the whole sequence; ulysses runs the layout's
-kernel (sdpa) on its head shard.
+naive (their blocks are then naive's fp32 math) unless a case says sdpa or sdpa_flash (torch's CPU
+flash op per block, harness/engine/lse_attention.py), and the reference runs the same kernel on
+the whole sequence; ulysses runs the layout's kernel (sdpa) on its head shard.
 
-Quick tier (no processes): the refusals' one line (a kernel the blocks do not compute; sdpa blocks
-off the CPU), the data slicing that keeps each target with its token, what a cp engine's build says
+Quick tier (no processes): the refusals' one line (a kernel the blocks do not compute; one the CPU
+has no op for, before launch), the data slicing that keeps each target with its token, what a cp engine's build says
 about itself (mesh, replica group, ZeRO-1 padding), and the profiler's name for the gradient group.
 The whole file takes 18 s on this 2-core machine at load 4 (one 2-rank and one 4-rank launch).
 """
@@ -43,6 +43,8 @@ CASES = {
         _case(cp=2, cp_impl="ulysses"),
         _case(cp=2, cp_impl="ring", attention="sdpa"),  # sdpa blocks: torch's CPU flash kernel
         _case(cp=2, cp_impl="allgather", attention="sdpa"),
+        _case(cp=2, cp_impl="ring", attention="sdpa_flash"),  # the same op, named: accepted on CPU
+        _case(cp=2, cp_impl="allgather", attention="sdpa_flash"),
         _case(cp=2, cp_impl="ring", activation_checkpointing="full"),
         _case(cp=2, cp_impl="ring", activation_checkpointing="selective", micro_batch_size=2),
         _case(cp=2, cp_impl="ulysses", activation_checkpointing="selective"),
@@ -139,21 +141,22 @@ def test_blockwise_cp_refuses_a_kernel_it_does_not_compute(impl):
     }
     with pytest.raises(SpecError) as e:
         parse_spec(raw)
-    assert e.value.field == "layout.attention" and "needs attention naive or sdpa" in e.value.reason
+    assert e.value.field == "layout.attention" and "needs attention naive, sdpa, sdpa_flash" in e.value.reason
     raw["layout"]["cp_impl"] = "ulysses"  # runs the layout's kernel on its head shard
     assert parse_spec(raw).layout.cp == 2
 
 
-def test_blockwise_cp_with_sdpa_is_refused_off_the_cpu_before_anything_is_built():
-    """sdpa blocks are torch's CPU flash kernel: on a CUDA device (known only to the rank, device auto)
-    the build refuses in one line instead of failing in the first forward."""
-    from harness.engine.adapter import build
-    from harness.runtime import RunContext
+@pytest.mark.parametrize("attention", ["sdpa_efficient", "sdpa_cudnn"])
+def test_blockwise_cp_with_a_cuda_only_kernel_is_refused_on_the_cpu_before_launch(attention):
+    """The spec takes them (CUDA has their ops); on this CPU the kernel check that compare, sweep and
+    every rank's preflight make before anything is built refuses them in one line."""
+    from harness.model.kernels import run_kernels
 
-    spec = E.make_spec(_case(cp=2, cp_impl="ring", attention="sdpa"))
+    spec = E.make_spec(_case(cp=2, cp_impl="ring", attention=attention))
     with pytest.raises(SpecError) as e:
-        build(spec, spec.shape(), RunContext(0, 2, 0, torch.device("cuda"), None))
-    assert e.value.field == "layout.attention" and "only on CPU" in e.value.reason
+        run_kernels(spec, torch.device("cpu"))
+    assert e.value.field == "layout.attention" and e.value.reason.startswith(f"{attention} cannot run on cpu")
+    assert len(str(e.value).splitlines()) == 1
 
 
 def test_cp_micro_batches_keep_each_target_with_its_token():

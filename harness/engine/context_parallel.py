@@ -10,9 +10,11 @@ gradients of the other ranks' keys and values go back to them through the same a
 Implementations (layout.cp_impl), every byte through the counted Axis (comm.py):
   ring       K and V (packed in one buffer, KV heads unexpanded) pass round the cp ring by P2P;
              the next block's transfer is posted before the current block is computed, so it
-             overlaps. Blocks are computed in fp32 (naive's math, masks by position) or, when the
-             layout's kernel is sdpa on CPU, by torch's CPU flash kernel (what sdpa runs there,
-             bitwise; it returns the LSE), and merged by online softmax (log-sum-exp) in fp32.
+             overlaps. Blocks are computed in fp32 (naive's math, masks by position) or, for the
+             layout's sdpa kernels, by torch's attention op that returns the LSE (lse_attention.py:
+             flash on CPU, what sdpa runs there, bitwise; flash, efficient or cuDNN on CUDA; sdpa:
+             the one torch's dispatcher picks), the diagonal block with is_causal, the others with no
+             mask, and merged by online softmax (log-sum-exp) in fp32.
              Backward (flash-attention style) recomputes each block's probabilities from the saved
              LSE; K/V rotate again, and the fp32 dK/dV accumulator of each block travels with it,
              so after cp hops every rank's K/V gradient is home.
@@ -22,10 +24,12 @@ Implementations (layout.cp_impl), every byte through the counted Axis (comm.py):
              In flight (the planner's K/V term): forward the current and the next K/V block
              (2 x 2·b·hkv·s_local·d in the activations' dtype); backward those two plus the dK/dV
              accumulator arriving and the one leaving (2 x 2·b·hkv·s_local·d in fp32).
-             Saved for backward: q, the local k and v, the fp32 output and LSE (b·hq·s_local).
+             Saved for backward: q, the local k and v, the fp32 output and LSE (b·hq·s_local); for
+             the CUDA ops also what each block's forward returned for its backward op (RNG state,
+             a few scalars). Each op block takes K/V repeated to the query heads (transient).
              Transient, one block at a time: naive's fp32 scores and probabilities, at most
-             b·hq·s_local² each (the own block; the others are half that), sdpa's none of that size.
-  allgather  Llama 3's way: K/V (packed) all-gathered, then the ring's blocks (naive or sdpa) cut
+             b·hq·s_local² each (the own block; the others are half that), the ops' none of that size.
+  allgather  Llama 3's way: K/V (packed) all-gathered, then the ring's blocks (naive or an op) cut
              from the gathered buffer, one per source rank; backward all-gathers them again (only
              the local K/V are saved, as Transformer Engine does) and reduce-scatters the fp32
              dK/dV. In flight: the gathered K/V (cp x 2·b·hkv·s_local·d) and in backward their fp32
@@ -54,6 +58,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from harness.engine.comm import Axis
+from harness.engine.lse_attention import LSE_KERNELS, lse_op
 from harness.model.llama import attention_core, cp_token_index
 
 KV, DKV = 0, 1  # P2P tags: the K/V block and its gradient accumulator travel side by side
@@ -123,9 +128,6 @@ def _pack(k, v):
     return torch.stack([k, v]).contiguous()
 
 
-_SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
 def _flat(t):
     return t.reshape(t.shape[0], -1, *t.shape[-2:])  # [b, hkv, g, s, d] -> [b, hq, s, d]
 
@@ -133,15 +135,17 @@ def _flat(t):
 class _Blocks:
     """Rank i's queries against the K/V block of one source rank j at a time, merged by online
     softmax: what ring (blocks arriving by P2P) and allgather (blocks cut from the gathered K/V)
-    share. naive: masked fp32 math (block_forward/backward). sdpa: torch's CPU flash kernel, the one
-    F.scaled_dot_product_attention runs on CPU, which returns the LSE; its backward is given the
-    merged output and LSE, so its probabilities are the whole row's."""
+    share. naive (op None): masked fp32 math (block_forward/backward). Otherwise `op`, one of
+    lse_attention's adapters (torch's flash, efficient or cuDNN op, which return the LSE): is_causal
+    for the diagonal block, no mask for the others (their rows and columns are cut by _ring_rows),
+    K/V repeated to the query heads; its backward is given the merged output and LSE, so its
+    probabilities are the whole row's. `aux`: what each block's forward returned for its backward."""
 
-    def __init__(self, q, hkv: int, cp: int, i: int, sdpa: bool):
-        self.cp, self.i, self.c, self.seq, self.sdpa = cp, i, q.shape[2] // 2, q.shape[2] * cp, sdpa
-        self.dt, self.dtype, self.hkv = _core_dtype(q.dtype), q.dtype, hkv
+    def __init__(self, q, hkv: int, cp: int, i: int, op, aux=None):
+        self.cp, self.i, self.c, self.seq, self.op = cp, i, q.shape[2] // 2, q.shape[2] * cp, op
+        self.dt, self.dtype, self.hkv, self.aux = _core_dtype(q.dtype), q.dtype, hkv, {} if aux is None else aux
         self.q_pos = cp_token_index(self.seq, cp, i, q.device)
-        self.qg = _grouped(q if sdpa else q.to(self.dt), hkv)  # sdpa computes from the inputs' dtype
+        self.qg = _grouped(q if op else q.to(self.dt), hkv)  # the ops compute from the inputs' dtype
 
     def _pos(self, j, rows, cols):
         return self.q_pos[rows], cp_token_index(self.seq, self.cp, j, self.q_pos.device)[cols]
@@ -150,20 +154,24 @@ class _Blocks:
         out = torch.zeros(self.qg.shape, dtype=self.dt, device=self.qg.device)
         return out, torch.full(out.shape[:-1], float("-inf"), dtype=self.dt, device=out.device)
 
+    def _kv(self, kv, cols):
+        g = self.qg.shape[2]
+        return kv[0, :, :, cols].repeat_interleave(g, 1), kv[1, :, :, cols].repeat_interleave(g, 1)
+
     def forward(self, out, lse, j: int, kv) -> None:
         rows, cols = _ring_rows(self.i, j, self.c)
-        qg, k, v = self.qg[..., rows, :], kv[0, :, :, cols], kv[1, :, :, cols]
-        if self.sdpa:
-            g = qg.shape[2]
-            o, b_lse = _SDPA_CPU(_flat(qg), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), 0.0, j == self.i)
+        qg = self.qg[..., rows, :]
+        if self.op:
+            o, b_lse, self.aux[j] = self.op.forward(_flat(qg), *self._kv(kv, cols), j == self.i)
             b_out, b_lse = o.reshape(qg.shape).to(self.dt), b_lse.reshape(qg.shape[:-1]).to(self.dt)
         else:
-            b_out, b_lse = block_forward(qg, k.to(self.dt), v.to(self.dt), *self._pos(j, rows, cols))
+            k, v = kv[0, :, :, cols].to(self.dt), kv[1, :, :, cols].to(self.dt)
+            b_out, b_lse = block_forward(qg, k, v, *self._pos(j, rows, cols))
         _merge(out, lse, rows, b_out, b_lse)
 
     def backward_setup(self, grad, out):
-        """What every block's backward needs: dO (grouped) and delta, or for sdpa the output as returned."""
-        if self.sdpa:
+        """What every block's backward needs: dO (grouped) and delta, or for an op the output as returned."""
+        if self.op:
             return _grouped(grad, self.hkv), out.to(self.dtype)
         dog = _grouped(grad.to(self.dt), self.hkv)
         return dog, (dog * out).sum(-1)
@@ -171,32 +179,26 @@ class _Blocks:
     def backward(self, dq, j: int, kv, dog, lse, extra):
         """Adds block j's dQ into dq; returns (key columns, dK, dV) of block j in the core dtype."""
         rows, cols = _ring_rows(self.i, j, self.c)
-        qg, k, v = self.qg[..., rows, :], kv[0, :, :, cols], kv[1, :, :, cols]
-        if self.sdpa:
+        qg = self.qg[..., rows, :]
+        if self.op:
             g = qg.shape[2]
-            lse_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-            bq, bk, bv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            lse_rows = _flat(lse[..., rows].unsqueeze(-1)).squeeze(-1)
+            bq, bk, bv = self.op.backward(
                 _flat(dog[..., rows, :]),
                 _flat(qg),
-                k.repeat_interleave(g, 1),
-                v.repeat_interleave(g, 1),
+                *self._kv(kv, cols),
                 _flat(extra[..., rows, :]),
-                _flat(lse[..., rows].unsqueeze(-1)).squeeze(-1).to(lse_dtype),
-                0.0,
+                lse_rows,
                 j == self.i,
+                self.aux[j],
             )
             bq = bq.reshape(qg.shape).to(self.dt)
-            bk = bk.reshape(k.shape[0], self.hkv, g, *bk.shape[-2:]).sum(2, dtype=self.dt)
-            bv = bv.reshape(v.shape[0], self.hkv, g, *bv.shape[-2:]).sum(2, dtype=self.dt)
+            bk = bk.reshape(bk.shape[0], self.hkv, g, *bk.shape[-2:]).sum(2, dtype=self.dt)
+            bv = bv.reshape(bv.shape[0], self.hkv, g, *bv.shape[-2:]).sum(2, dtype=self.dt)
         else:
+            k, v = kv[0, :, :, cols].to(self.dt), kv[1, :, :, cols].to(self.dt)
             bq, bk, bv = block_backward(
-                qg,
-                k.to(self.dt),
-                v.to(self.dt),
-                *self._pos(j, rows, cols),
-                dog[..., rows, :],
-                lse[..., rows],
-                extra[..., rows],
+                qg, k, v, *self._pos(j, rows, cols), dog[..., rows, :], lse[..., rows], extra[..., rows]
             )
         dq[..., rows, :] += bq
         return cols, bk, bv
@@ -209,7 +211,7 @@ def _backward_start(ctx, grad):
     """What ring's and allgather's backward both begin with: the saved tensors, the axis, this rank's
     blocks, the output gradient as the blocks take it, and a zero dq in the core dtype."""
     q, k, v, out, lse = ctx.saved_tensors
-    blocks = _Blocks(q, k.shape[1], ctx.axis.size, ctx.axis.index, ctx.sdpa)
+    blocks = _Blocks(q, k.shape[1], ctx.axis.size, ctx.axis.index, ctx.op, ctx.aux)
     dog, extra = blocks.backward_setup(grad, out)
     dq = torch.zeros(blocks.qg.shape, dtype=blocks.dt, device=q.device)
     return q, k, v, lse, ctx.axis, blocks, dog, extra, dq
@@ -217,10 +219,10 @@ def _backward_start(ctx, grad):
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, axis: Axis, sdpa: bool):
+    def forward(ctx, q, k, v, axis: Axis, op):
         cp, i = axis.size, axis.index
         nxt, prv = (i + 1) % cp, (i - 1) % cp
-        blocks = _Blocks(q, k.shape[1], cp, i, sdpa)
+        blocks = _Blocks(q, k.shape[1], cp, i, op)
         out, lse = blocks.start()
         kv = _pack(k, v)
         for t in range(cp):
@@ -231,7 +233,7 @@ class _Ring(torch.autograd.Function):
             if t < cp - 1:
                 axis.wait(works)
                 kv = incoming
-        ctx.axis, ctx.sdpa = axis, sdpa
+        ctx.axis, ctx.op, ctx.aux = axis, op, blocks.aux
         ctx.save_for_backward(q, k, v, out, lse)
         return out.reshape(q.shape).to(q.dtype)
 
@@ -273,12 +275,12 @@ def _gather_kv(k, v, axis: Axis):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, axis: Axis, sdpa: bool):
-        blocks = _Blocks(q, k.shape[1], axis.size, axis.index, sdpa)
+    def forward(ctx, q, k, v, axis: Axis, op):
+        blocks = _Blocks(q, k.shape[1], axis.size, axis.index, op)
         out, lse = blocks.start()
         for j, kv in enumerate(_gather_kv(k, v, axis)):
             blocks.forward(out, lse, j, kv)
-        ctx.axis, ctx.sdpa = axis, sdpa
+        ctx.axis, ctx.op, ctx.aux = axis, op, blocks.aux
         ctx.save_for_backward(q, k, v, out, lse)
         return out.reshape(q.shape).to(q.dtype)
 
@@ -335,26 +337,28 @@ def _ulysses(q, k, v, axis: Axis, kernel, recompute: bool):
 # ---------------------------------------------------------------- entry
 
 
-def _sdpa_blocks(kernel, q) -> bool:
-    """Whether ring/allgather blocks run sdpa (torch's CPU flash kernel) rather than naive's math."""
+def block_op(kernel, q):
+    """The op ring/allgather blocks run for the layout's attention function `kernel` on q's device:
+    None for naive's math, else lse_attention's adapter (ValueError where there is none)."""
     from harness.model.kernels import attention_fn
 
     if kernel is None or kernel is attention_fn("naive"):
-        return False
-    if kernel is attention_fn("sdpa") and q.device.type == "cpu":
-        return True
-    raise ValueError("ring and allgather blocks compute naive's math, or sdpa's on CPU (torch's flash kernel)")
+        return None
+    name = next((n for n in LSE_KERNELS if attention_fn(n) is kernel), None)
+    if name is None:
+        raise ValueError("ring and allgather blocks compute naive's math or torch's attention ops that return the LSE")
+    return lse_op(name, q)
 
 
 def attention(q, k, v, axis: Axis, impl: str, kernel=None, recompute: bool = False):
     """The rank's attention output [b, hq, s_local, d] (see the module docstring). kernel: the
-    layout's attention function (ulysses runs it; ring and allgather compute naive's math)."""
+    layout's attention function (ulysses runs it; ring and allgather run block_op's op for it)."""
     if axis.size == 1:
         from harness.model.kernels import attention_naive
 
         return attention_core(q, k, v, kernel or attention_naive)
     if impl in ("ring", "allgather"):
-        return (_Ring if impl == "ring" else _AllGather).apply(q, k, v, axis, _sdpa_blocks(kernel, q))
+        return (_Ring if impl == "ring" else _AllGather).apply(q, k, v, axis, block_op(kernel, q))
     if impl == "ulysses":
         if kernel is None:
             raise ValueError("ulysses runs the layout's attention kernel: pass kernel=")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only, tied_across_stages
 
-BLOCK_KERNELS = ("naive", "sdpa")  # what ring and allgather blocks compute (sdpa: on CPU only)
+# what ring and allgather blocks compute: naive's math, or torch's attention ops that return the LSE
+# (harness.engine.lse_attention: flash on CPU; flash, efficient, cuDNN on CUDA; whether the device runs
+# the kernel is the kernel check's verdict before launch, harness.model.kernels.check_kernels)
+BLOCK_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 
 
 def blockwise_cp(lay) -> bool:
@@ -26,13 +29,14 @@ ENGINE = EngineFacts(
         "layout.zero_stage": only(0, 1, why="the own engine has ZeRO stage 0 or 1"),
     },
     capabilities=[
-        # ring and allgather run their blocks with naive's masked fp32 math, or sdpa's CPU flash
-        # kernel (harness.engine.context_parallel); ulysses runs any kernel on its head shard
+        # ring and allgather run their blocks with naive's masked fp32 math or an op that returns the
+        # LSE (harness.engine.context_parallel); ulysses runs any kernel on its head shard
         (
             "attention",
             lambda lay: not blockwise_cp(lay) or lay.attention in BLOCK_KERNELS,
             "the own engine's context parallelism with cp_impl ring or allgather computes attention "
-            "blocks with naive's fp32 math or sdpa's CPU flash kernel: it needs attention naive or sdpa",
+            "blocks with naive's fp32 math or torch's SDPA ops that return the log-sum-exp: it needs "
+            "attention naive, sdpa, sdpa_flash, sdpa_efficient or sdpa_cudnn (or cp_impl ulysses)",
         )
     ],
     model_limits=[

@@ -45,12 +45,11 @@ class _FusedRMSNorm(torch.autograd.Function):
         return torch.empty_like(x), torch.empty_like(weight), None
 
 
-def traced_attention(kernel: str, lay=None) -> str:
-    """The kernel the trace runs for `kernel`: CPU flash SDPA for every flash-style kernel; under the
-    own engine's context parallelism with cp_impl ring or allgather the layout's own (its blocks run
-    naive's math or, for sdpa, torch's CPU flash kernel: harness/engine/context_parallel.py)."""
-    if lay is not None and lay.cp > 1 and lay.cp_impl != "ulysses":
-        return kernel
+def traced_attention(kernel: str) -> str:
+    """The kernel the trace runs for `kernel`: CPU flash SDPA for every flash-style kernel, also
+    under the own engine's context parallelism with cp_impl ring or allgather, whose blocks then run
+    torch's CPU flash op (with the LSE, as CUDA's flash, efficient and cuDNN ops: saved q, k, v, output
+    and LSE, no s x s; harness/engine/lse_attention.py); naive stays naive (its blocks' fp32 math)."""
     return "sdpa_flash" if kernel in FLASH_STYLE else kernel
 
 

@@ -53,7 +53,7 @@ def traced_spec(spec, stage: int = 0, full_micro: bool = False, micro_batches=tr
     m_run = m if full_micro else micro_batches(lay, m, stage)
     new_lay = dataclasses.replace(
         lay,
-        attention=traced_attention(lay.attention, lay),
+        attention=traced_attention(lay.attention),
         pipeline_p2p="grouped" if lay.pipeline_p2p == "auto" and lay.pp > 1 else lay.pipeline_p2p,
     )
     batch = spec.workload.global_batch_size // m * m_run  # m_run of the step's m micro-batches

@@ -75,7 +75,7 @@ def substitutions(spec) -> list[str]:
     stand-ins, then the engine's tracer's."""
     lay = spec.layout
     out = []
-    if traced_attention(lay.attention, lay) != lay.attention:
+    if traced_attention(lay.attention) != lay.attention:
         out.append(
             f"attention {lay.attention}: traced as CPU flash SDPA (same saved tensors: q, k, v, output, "
             "fp32 log-sum-exp; no s x s)"
