@@ -72,6 +72,29 @@ class PrecisionPolicy:
 
         return float8.convert(module, self.fp8, device_type, fsdp_all_gather)
 
+    def fp8_persistent_bytes(self, fp8_linears: int, fsdp_all_gather: bool = False) -> int:
+        """What FP8 adds to a rank's memory census at the optimizer step (census category fp8), given how
+        many linears it converted: nothing where the casts are transient (torchao's dynamic scaling keeps
+        no FP8 weight copy between steps and saves the bf16 input and weight for backward), one fp32
+        scale per converted weight under FSDP2's FP8 all-gather (precompute_float8_dynamic_scale_for_fsdp's
+        _precomputed_scale; the all-gathered FP8 weights are freed at reshard, as bf16 ones are)."""
+        return 4 * fp8_linears if self.fp8 and fsdp_all_gather else 0
+
+    def reference_census(self, params: int, tensors: int) -> dict[str, dict[str, int]]:
+        """The closed form of the reference's census at its first optimizer step (MasterWeights and AdamW
+        over `params` elements in `tensors` parameter tensors): parameters in the compute dtype, fp32
+        masters and main gradients (the masters' .grad are those), AdamW's two fp32 moments and a 0-dim
+        fp32 step per tensor; plus what FP8 keeps (nothing: fp8_persistent_bytes)."""
+        width = {torch.float32: 4, torch.bfloat16: 2}
+        out = {
+            "parameters": {dtype_name(self.compute): width[self.compute] * params},
+            "gradients": {"fp32": 4 * params},
+            "optimizer_states": {"fp32": 8 * params + 4 * tensors},
+        }
+        if self.master is not None:
+            out["master_parameters"] = {"fp32": 4 * params}
+        return out
+
     def fp8_backend(self, device_type: str) -> str | None:
         """How this machine runs the FP8 GEMMs (harness.model.float8.backend), None without FP8."""
         if not self.fp8:
