@@ -159,12 +159,15 @@ def test_fp8_engines_match_the_fp8_reference(tmp_path):
       equivariant under a power of two, so the FP8 values are bit-identical; what remains is bf16's
       difference (the fp32 reduction order), bounded by bf16's 1e-3.
     - FSDP2's FP8 all-gather casts the fp32 shard with the fp32 weight's amax (torchao's
-      fsdp_pre_all_gather), the reference the bf16 parameter with its amax: the two differ where that
-      scale ratio (within 1 +- 2^-8) or the double rounding moves an element across an e4m3 rounding
-      boundary, by one e4m3 step on about 2^-8 / 2^-4 = 1/16 of the elements: less than the weight
-      quantization every FP8 run carries against bf16 (up to 2^-4 on every element). So its distance to
-      the reference is at most the fp8-vs-bf16 distance, which the comparison measures (its bf16
-      reference) and which must itself be under the tolerance: asserted here, as the bound's premise.
+      fsdp_pre_all_gather), the reference the bf16 parameter with its amax: a second quantization of the
+      weights, differing where the scale ratio (within 1 +- 2^-8) or the double rounding moves an element
+      across an e4m3 rounding boundary: one e4m3 step s on about 2^-8 / 2^-4 = 1/16 of the elements,
+      variance s^2/16 per element, against s^2/12 for the quantization error of every element of each of
+      the three casts (input, weight, output gradient) that make the fp8-vs-bf16 difference d. Rounding
+      errors of independent sign add in variance, so the all-gather run's loss deviation is about
+      sqrt((1/16) / (3/12)) = 1/2 of d; over 5 steps the worst at most ~3 sigma: 1.5 d. The bound holds
+      where 2 d < tolerance: asserted here as its premise, d measured by the comparison's bf16 reference
+      (here d = 5.9e-5, the all-gather run 8.7e-5, own 2.6e-7, DeepSpeed 8.6e-8).
     Its census is FSDP2's closed form at dp=2 (tests/test_census_fsdp.py) plus one fp32 scale per
     converted weight (PrecisionPolicy.fp8_persistent_bytes), within 3%.
     """
@@ -177,7 +180,7 @@ def test_fp8_engines_match_the_fp8_reference(tmp_path):
     summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False, log_dir=str(tmp_path))
     assert summary["verdict"] == "PASS", [(r["label"], r["status"], r.get("error_line")) for r in summary["runs"]]
     cost = summary["fp8_vs_bf16"]
-    assert 0 < cost["max_rel_diff"] < cs.tolerance  # FP8 ran (its losses are not bf16's), within the bound
+    assert 0 < 2 * cost["max_rel_diff"] < cs.tolerance  # FP8 ran (its losses are not bf16's); the bound's premise
     shape = resolve_shape("tiny", {})
     p, tensors, d, linears = param_count(shape), 2 + 9 * shape.layers + 1, 2, 7 * shape.layers
     policy = precision_policy(parse_spec({"workload": cs.workload}).workload)
