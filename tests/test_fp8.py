@@ -197,3 +197,13 @@ def test_fp8_engines_match_the_fp8_reference(tmp_path):
         for dtype, n in by_dtype.items():
             assert abs(census[category][dtype] - n) <= 0.03 * n, (category, dtype, census[category], n)
     assert all(r["describe"]["fp8_backend"] for r in summary["runs"] if not r["baseline"])
+
+
+def test_harness_memory_refuses_fp8_in_one_line():
+    """The memory trace builds engines on fake tensors, where torchao's Float8Linear is not built here."""
+    from harness.memtrace.trace import check_traceable
+
+    spec = parse_spec({"workload": FP8, "layout": {"engine": "own", "dp": 2}})
+    with pytest.raises(SpecError) as e:
+        check_traceable(spec)
+    assert str(e.value).startswith("workload.precision: harness memory does not trace fp8")
