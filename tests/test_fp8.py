@@ -132,7 +132,7 @@ def test_an_fp8_comparison_plans_a_bf16_reference_beside_it_outside_parity():
         "fsdp",
         "deepspeed",
     }
-    assert cs.tolerance == 1e-3
+    assert cs.tolerance == 5.7e-3
 
 
 def test_the_record_names_the_fp8_recipe_and_backend():
@@ -150,14 +150,19 @@ def test_the_record_names_the_fp8_recipe_and_backend():
 def test_fp8_engines_match_the_fp8_reference(tmp_path):
     """One comparison (examples/compare-cpu-fp8.yaml, 2 processes): own dp2, FSDP2 dp2 with the FP8
     all-gather and DeepSpeed ZeRO-1 under tensorwise FP8 against the single-device reference under the
-    same recipe, at the tolerance the example derives (bf16's, 1e-3):
+    same recipe, at the tolerance 5.7e-3 = bf16's 1e-3 x sqrt(2^5), derived so:
 
-    - own and DeepSpeed cast exactly the reference's tensors: the reference runs the same micro-batches
+    - every engine casts the reference's tensors: the reference runs the same micro-batches
       (micro_batch_size 2, 4 of them; each rank 2), so each dynamic scale is the amax of the same
-      activation, weight (replicated) or output gradient, the latter up to the factor 2 between a rank's
-      loss scaling (1/2 micro-batches, averaged over dp=2) and the reference's (1/4): amax scales are
-      equivariant under a power of two, so the FP8 values are bit-identical; what remains is bf16's
-      difference (the fp32 reduction order), bounded by bf16's 1e-3.
+      activation, weight (replicated; FSDP2's gathered bf16 one) or output gradient, the latter up to the
+      factor 2 between a rank's loss scaling (1/2 micro-batches, averaged over dp=2) and the reference's
+      (1/4): amax scales are equivariant under a power of two, so the FP8 values are bit-identical as
+      long as the bf16 tensors are. What differs is bf16's difference (the fp32 reduction order, within
+      bf16's 1e-3), and e4m3 amplifies it: where a bf16 value moves by one bf16 step u (2^-8 relative)
+      its FP8 cast moves by one e4m3 step (2^-3 = 2^5 u) with probability 2^-5, else not at all: the
+      same mean, and 2^5 times bf16's variance; rounding errors of independent sign add in variance,
+      so the loss deviation is sqrt(2^5) = 5.7 times bf16's (measured: FSDP2 dp2 1.3e-5 under bf16,
+      3.8e-5 to 8.6e-5 under fp8; own 2.6e-7, DeepSpeed 8.6e-8).
     - FSDP2's FP8 all-gather casts the fp32 shard with the fp32 weight's amax (torchao's
       fsdp_pre_all_gather), the reference the bf16 parameter with its amax: a second quantization of the
       weights, differing where the scale ratio (within 1 +- 2^-8) or the double rounding moves an element
@@ -165,9 +170,9 @@ def test_fp8_engines_match_the_fp8_reference(tmp_path):
       variance s^2/16 per element, against s^2/12 for the quantization error of every element of each of
       the three casts (input, weight, output gradient) that make the fp8-vs-bf16 difference d. Rounding
       errors of independent sign add in variance, so the all-gather run's loss deviation is about
-      sqrt((1/16) / (3/12)) = 1/2 of d; over 5 steps the worst at most ~3 sigma: 1.5 d. The bound holds
-      where 2 d < tolerance: asserted here as its premise, d measured by the comparison's bf16 reference
-      (here d = 5.9e-5, the all-gather run 8.7e-5, own 2.6e-7, DeepSpeed 8.6e-8).
+      sqrt((1/16) / (3/12)) = 1/2 of d; over 5 steps the worst at most ~3 sigma: 1.5 d, on top of the
+      amplified bf16 difference above. The bound holds where 2 d < tolerance: asserted here as its
+      premise, d measured by the comparison's bf16 reference (d = 5.9e-5; the all-gather run 8.7e-5).
     Its census is FSDP2's closed form at dp=2 (tests/test_census_fsdp.py) plus one fp32 scale per
     converted weight (PrecisionPolicy.fp8_persistent_bytes), within 3%.
     """

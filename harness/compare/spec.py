@@ -52,7 +52,8 @@ from harness.spec import (
 
 RUN_EXTRA = ("label", "launcher", "workload")
 BF16_BASELINE = "reference bf16 (single device)"
-DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp8": 1e-3}  # fp8: bf16's, see examples/compare-cpu-fp8.yaml
+# fp8: bf16's x sqrt(2^5), e4m3's amplification of bf16's rounding differences (tests/test_fp8.py derives it)
+DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp8": 5.7e-3}
 
 # The built-in default: a tiny LLaMA on this CPU machine, 2 processes, a few minutes.
 DEFAULT = {
