@@ -180,10 +180,11 @@ def test_fp8_engines_match_the_fp8_reference(tmp_path):
     from harness.compare.spec import load_compare_spec
     from harness.model.presets import param_count, resolve_shape
     from harness.model.training import precision_policy
+    from harness.store import PASS
 
     cs = load_compare_spec(os.path.join(os.path.dirname(__file__), "..", "examples", "compare-cpu-fp8.yaml"))
     summary = run_comparison(cs, store_path=str(tmp_path / "r.sqlite"), progress=False, log_dir=str(tmp_path))
-    assert summary["verdict"] == "PASS", [(r["label"], r["status"], r.get("error_line")) for r in summary["runs"]]
+    assert summary["verdict"] == PASS, [(r["label"], r["status"], r.get("error_line")) for r in summary["runs"]]
     cost = summary["fp8_vs_bf16"]
     assert 0 < 2 * cost["max_rel_diff"] < cs.tolerance  # FP8 ran (its losses are not bf16's); the bound's premise
     shape = resolve_shape("tiny", {})
