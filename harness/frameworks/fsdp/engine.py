@@ -396,9 +396,8 @@ class FSDPEngine:
         compute, reduce = dtype_name(self.policy.compute), dtype_name(self.policy.grad_reduce)
         text = (
             f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce}): fp32 shards all-gathered "
-            f"in {compute}"
-            + (" (the FP8 linears' weights in FP8)" if self.spec.layout.fp8_all_gather else "")
-            + ", the fp32 sharded parameters are AdamW's master; "
+            f"in {compute}{' (the FP8 linears in FP8)' if self.spec.layout.fp8_all_gather else ''}, "
+            "the fp32 sharded parameters are AdamW's master; "
         )
         if self.pipeline is not None:
             return text + (
