@@ -303,16 +303,24 @@ def fingerprint(device: torch.device, world_size: int = 1, hosts: list[str] | No
 
 # buffers: communication scratch a framework keeps (DeepSpeed's reduce buckets), sized by its
 # config, not by the model: not gradients, though gradients pass through them
-CENSUS_CATEGORIES = ("parameters", "buffers", "gradients", "master_parameters", "optimizer_states")
+# fp8: what persists of FP8 training between steps (FP8 weight copies, their scales: harness/model/float8.py)
+CENSUS_CATEGORIES = ("parameters", "buffers", "gradients", "master_parameters", "optimizer_states", "fp8")
+
+
+# torchao.float8's tensor subclasses (no storage of their own) -> the attribute holding their data: the
+# weight FSDP2 all-gathers in FP8 (its bf16/fp32 shard), and an FP8 tensor (its float8 bytes; the scale apart)
+TORCHAO_INNER = {"WeightWithDynamicFloat8CastTensor": "_tensor", "Float8TrainingTensor": "_data"}
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank really holds: a DTensor's local shard, the result inside a pending
-    functional collective (AsyncCollectiveTensor.elem)."""
+    functional collective (AsyncCollectiveTensor.elem), torchao's FP8 wrappers' data (TORCHAO_INNER)."""
     while True:
         inner = getattr(t, "_local_tensor", None)
         if inner is None:
             inner = getattr(t, "elem", None)
+        if inner is None and type(t).__name__ in TORCHAO_INNER:
+            inner = getattr(t, TORCHAO_INNER[type(t).__name__], None)
         if not isinstance(inner, torch.Tensor):
             return t
         t = inner

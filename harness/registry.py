@@ -94,7 +94,11 @@ ONE_ENGINES_FIELDS: dict[str, str] = {
     "layout.ds_config": "only for engine deepspeed",
     "layout.model_impl": "hf (transformers' LlamaForCausalLM) is for engine deepspeed",
     "layout.pipeline_p2p": "chooses the own engine's pipeline transfers; engine {engine} has its own",
+    "layout.fp8_all_gather": "FSDP2's FP8 all-gather (torchao enable_fsdp_float8_all_gather) is for engine fsdp",
 }
+
+# What an engine that runs FP8 (torchao, harness/model/float8.py) declares: the precision with fp8 and the recipe.
+FP8: dict[str, Honoured] = {"workload.precision": Honoured(("fp32", "bf16", "fp8")), "workload.fp8_recipe": ANY}
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ CASES = [
     ),
     ({"layout": {"engine": "own", "pp": 4}}, "layout.pp", "layers cannot fill 4 pipeline stages"),
     ({"layout": {"attention": "magic"}}, "layout.attention", "is not one of"),
-    ({"workload": {"precision": "fp8"}}, "workload.precision", "is not one of"),
+    ({"workload": {"precision": "fp16"}}, "workload.precision", "is not one of"),
     ({"layout": {"engine": "own", "sequence_parallel": True}}, "layout.sequence_parallel", "needs tp > 1"),
     ({"layout": {"engine": "deepspeed", "zero_stage": 4}}, "layout.zero_stage", "1, 2 or 3"),
 ]

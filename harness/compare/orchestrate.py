@@ -15,7 +15,7 @@ import tempfile
 import time
 import uuid
 
-from harness.compare.parity import PASS, check_parity, compare_fingerprints
+from harness.compare.parity import PASS, check_parity, compare_fingerprints, max_rel_diff
 from harness.compare.policy import census_policy
 from harness.compare.spec import CompareSpec, PlannedRun
 from harness.errors import SpecError
@@ -56,7 +56,7 @@ def comparison_matmul_peak(workload: dict, threads: int) -> dict | None:
 
     from harness.measure import measure_matmul_tflops
 
-    dtype = "bfloat16" if workload.get("precision") == "bf16" else "float32"
+    dtype = "bfloat16" if workload.get("precision") in ("bf16", "fp8") else "float32"
     device = workload.get("device") or "cpu"
     if device == "cpu":
         before = torch.get_num_threads()
@@ -120,6 +120,7 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         "launcher": plan.launcher,
         "nproc": plan.nproc,
         "is_reference": plan.is_reference,
+        "baseline": plan.baseline,
         "status": record.get("status"),
         "run_id": record.get("run_id"),
         "error": record.get("error"),
@@ -148,6 +149,18 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
     }
 
 
+def fp8_vs_bf16(entries: list[dict], cs: CompareSpec) -> dict | None:
+    """What FP8 costs, measured: the fp8 reference's losses against the bf16 reference's (the same
+    workload, weights and batches) over the parity steps; None without an fp8 workload's bf16 baseline."""
+    ref = next((e for e, p in zip(entries, cs.runs, strict=True) if p.is_reference), None)
+    base = next((e for e, p in zip(entries, cs.runs, strict=True) if p.baseline), None)
+    if ref is None or base is None or not ref["losses"] or not base["losses"]:
+        return None
+    n = min(cs.parity_steps, len(ref["losses"]), len(base["losses"]))
+    worst, at = max_rel_diff(ref["losses"], base["losses"], n)
+    return {"max_rel_diff": worst, "worst_step": at, "steps": n, "fp8": ref["label"], "bf16": base["label"]}
+
+
 def check_before_launch(cs: CompareSpec) -> None:
     """What the plan can tell before the first launch: that something is compared with the
     reference (a matrix whose every cell cannot run is a mistake, not a failed comparison), that
@@ -156,7 +169,7 @@ def check_before_launch(cs: CompareSpec) -> None:
     from harness.launch import check_launcher
     from harness.run import check_machine
 
-    if not [p for p in cs.runs if not p.is_reference]:
+    if not [p for p in cs.runs if not p.is_reference and not p.baseline]:
         left = [(c["label"], c["why"]) for c in cs.not_runnable] + list(cs.skipped)
         first = (
             f": {left[0][0]}: {left[0][1]}" + (f" (and {len(left) - 1} more)" if len(left) > 1 else "") if left else ""
@@ -235,11 +248,12 @@ def run_comparison(
         bar.write(msg, file=sys.stderr)
     bar.close()
 
-    parity = check_parity(entries, cs.parity_steps, cs.tolerance)
+    compared = [e for e, p in zip(entries, cs.runs, strict=True) if not p.baseline]
+    parity = check_parity(compared, cs.parity_steps, cs.tolerance)
     fingerprints = compare_fingerprints(entries)
-    failed = [e["label"] for e in entries if e["status"] != "ok"]
+    failed = [e["label"] for e in compared if e["status"] != "ok"]
     workload = parse_spec({"workload": cs.workload}).workload
-    policy = census_policy(entries, workload.precision)  # what each run held, not what the spec asked for
+    policy = census_policy(compared, workload.precision)  # what each run held, not what the spec asked for
     verdict = PASS if parity["verdict"] == PASS and not failed and policy["same"] else "FAIL"
     summary = {
         "name": cs.name,
@@ -258,6 +272,7 @@ def run_comparison(
         "not_runnable": cs.not_runnable,
         "precision_policy": precision_policy(workload).describe(),
         "policy": policy,
+        "fp8_vs_bf16": fp8_vs_bf16(entries, cs),
         "load_average": {"before": load_before, "after": _loadavg()},
         "threads_per_process": threads,
         "matmul_peak": peak,

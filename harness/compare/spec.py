@@ -51,7 +51,9 @@ from harness.spec import (
 )
 
 RUN_EXTRA = ("label", "launcher", "workload")
-DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
+BF16_BASELINE = "reference bf16 (single device)"
+# fp8: bf16's x sqrt(2^5), e4m3's amplification of bf16's rounding differences (tests/test_fp8.py derives it)
+DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp8": 5.7e-3}
 
 # The built-in default: a tiny LLaMA on this CPU machine, 2 processes, a few minutes.
 DEFAULT = {
@@ -162,6 +164,9 @@ class PlannedRun:
     launcher: str
     workload_override: dict = field(default_factory=dict)
     is_reference: bool = False
+    # beside the comparison, in no parity or policy check: the bf16 reference of an fp8 workload, whose
+    # losses against the fp8 reference's are the measured cost of FP8 (summary["fp8_vs_bf16"])
+    baseline: bool = False
 
 
 @dataclass
@@ -233,6 +238,11 @@ def parse_compare_spec(raw) -> CompareSpec:
             }
         )
         planned.append(PlannedRun("reference (single device)", ref, 1, "direct", is_reference=True))
+        if precision == "fp8":
+            bf16 = {**workload, "precision": "bf16"}
+            bf16.pop("fp8_recipe", None)
+            ref = parse_spec({"workload": bf16, "layout": ref.to_dict()["layout"]})
+            planned.append(PlannedRun(BF16_BASELINE, ref, 1, "direct", {"precision": "bf16"}, baseline=True))
     entries = [(f"runs[{i}]", e) for i, e in enumerate(runs_raw)] + matrix_runs
     for where, entry in entries:
         if not isinstance(entry, dict):

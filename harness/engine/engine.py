@@ -35,7 +35,7 @@ import torch.distributed as dist
 from harness.data.source import dp_slice, micro_batches
 from harness.engine.comm import Axis, CommStats, StepClock
 from harness.engine.data_parallel import ModelStates
-from harness.engine.model import build_chunks
+from harness.engine.model import build_chunks, use_fp8
 from harness.engine.partition import rank_chunks
 from harness.engine.pipeline import PipelineExecutor
 from harness.engine.schedules import all_programs
@@ -102,6 +102,7 @@ class Engine3D:
             cp=self.cp,
             cp_impl=lay.cp_impl,
         )
+        use_fp8(self.chunks, self.policy, ctx.device.type)
         named = {}
         for ch in self.chunks:
             named.update(dict(ch.named_parameters()))
@@ -268,6 +269,7 @@ class Engine3D:
             "zero_stage": lay.zero_stage,
             "dp_buckets": [b.padded for b in self.model_states.buckets],
             "precision_policy": self.policy.describe(),
+            **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
             "stages": [{"stage": p.stage, "layers": [p.layers.start, p.layers.stop]} for p in self.plans],
             "rank_map": self.rank_map[:64],
         }

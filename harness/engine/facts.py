@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only, tied_across_stages
+from harness.registry import EVERY_ENGINE, FP8, EngineFacts, MemoryModel, every_value, only, tied_across_stages
 
 # what ring and allgather blocks compute: naive's math, or torch's attention ops that return the LSE
 # (harness.engine.lse_attention: flash on CPU; flash, efficient, cuDNN on CUDA; whether the device runs
@@ -14,11 +14,22 @@ def blockwise_cp(lay) -> bool:
     return lay.cp > 1 and lay.cp_impl in ("ring", "allgather")
 
 
+def fp8_misaligned_shards(w, lay) -> list[str]:
+    """The sharded widths of the linears under tp that are not multiples of 16 (torch._scaled_mm's)."""
+    from harness.model.presets import resolve_shape
+
+    s = resolve_shape(w.model, w.model_overrides)
+    head_dim = s.hidden // s.heads
+    widths = {"ffn": s.ffn, "q heads": s.heads * head_dim, "kv heads": s.kv_heads * head_dim}
+    return [k for k, v in widths.items() if v % 16 == 0 and (v // lay.tp) % 16]
+
+
 ENGINE = EngineFacts(
     name="own",
     memory=MemoryModel("megatron", vocab_parallel_loss=True),
     honours={
         **EVERY_ENGINE,
+        **FP8,
         **{
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
@@ -45,6 +56,16 @@ ENGINE = EngineFacts(
             "one model chunk holds both",
             "the own engine",
             lambda s, lay: not s.tie_embeddings or lay.pp * lay.virtual_stages == 1,
+        )
+    ],
+    precision_limits=[
+        (
+            "precision",
+            lambda w, lay: w.precision != "fp8" or lay.tp == 1 or not fp8_misaligned_shards(w, lay),
+            "fp8 with tp > 1: the own engine's FP8 GEMMs run on each rank's shard, and torch._scaled_mm needs its "
+            "dims multiples of 16 (harness/model/float8.py); a shard that is not would leave a linear the "
+            "reference runs in FP8 in bf16: choose tp so that ffn/tp and the q/k/v head widths / tp are multiples "
+            "of 16",
         )
     ],
     label=lambda lay: f"own ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "own",

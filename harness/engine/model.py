@@ -41,9 +41,14 @@ class Weight(nn.Module):
         else:
             self.bias = None
         self.add_bias = add_bias
+        self.matmul = None  # precision fp8: torchao's FP8 matmul (use_fp8); None: F.linear
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias if self.add_bias else None)
+        bias = self.bias if self.add_bias else None
+        if self.matmul is None:
+            return F.linear(x, self.weight, bias)
+        out = self.matmul(x, self.weight)
+        return out if bias is None else out + bias.to(out.dtype)
 
 
 class ParallelAttention(nn.Module):
@@ -164,6 +169,34 @@ class Chunk(nn.Module):
             logits.reshape(-1, logits.shape[-1]), targets.t().reshape(-1), self.region.tp, self.vocab_start
         )
         return per_token.sum()
+
+
+def use_fp8(chunks: list[Chunk], policy, device_type: str) -> None:
+    """Precision fp8: each rank's column- and row-parallel GEMMs run torchao's FP8 matmul on the rank's
+    shard, the TP regions' collectives around them unchanged (explicit, counted, in bf16: Megatron's
+    TP with FP8 GEMMs moves bf16 activations too). The MLP's shards are plain nn.Linear modules:
+    torchao's convert_to_float8_training swaps them (PrecisionPolicy.convert_fp8); the attention
+    projections are this module's Weight, whose forward takes torchao's matmul_with_hp_or_float8_args
+    under the configs torchao builds for the recipe (harness.model.float8.matmul). The LM head stays bf16.
+
+    Scales are dynamic over what the rank holds: a column-parallel GEMM's input is the whole
+    activation (the same amax as the reference's), its weight and output gradient the rank's shard;
+    a row-parallel GEMM's input is the rank's shard. A shard's amax is at most the full tensor's, so
+    each shard's FP8 values are as fine or finer than the reference's: under tp > 1 the casts differ
+    from the reference's by at most e4m3's rounding (2^-4 relative per element); at tp=1 they are
+    the reference's."""
+    from harness.model import float8
+
+    if not policy.fp8:
+        return
+    matmul = float8.matmul(policy.fp8, device_type)
+    for chunk in chunks:
+        policy.convert_fp8(chunk, device_type)
+        for layer in chunk.layers.values():
+            a = layer.attention
+            for w in (a.wq, a.wk, a.wv, a.wo):
+                if all(d % float8.ALIGN == 0 for d in w.weight.shape):
+                    w.matmul = matmul
 
 
 def build_chunks(

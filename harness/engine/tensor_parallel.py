@@ -38,7 +38,9 @@ class _Copy(torch.autograd.Function):
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis: Axis):
-        if x.is_contiguous():  # a row-parallel output nobody else holds: sum it in place
+        # a row-parallel output nobody else holds: sum it in place (not a view: torchao's FP8 matmul returns
+        # its output as a view of the 2-D GEMM's, which autograd does not let be modified in place)
+        if x.is_contiguous() and not x._is_view():
             axis.all_reduce(x)
             ctx.mark_dirty(x)
             return x

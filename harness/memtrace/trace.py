@@ -89,4 +89,10 @@ def substitutions(spec) -> list[str]:
 def check_traceable(spec) -> None:
     """A SpecError if `harness memory` cannot trace the spec: its engine has no tracer, or the
     tracer cannot run its layout."""
+    if spec.workload.precision == "fp8":
+        raise SpecError(
+            "workload.precision",
+            "harness memory does not trace fp8: torchao's Float8Linear is not built on fake tensors here; "
+            "trace precision bf16 (FP8 adds no persistent state outside FSDP2's FP8 all-gather scales)",
+        )
     tracer(spec.layout.engine).check_traceable(spec)

@@ -183,7 +183,7 @@ def need_of(spec, device_type: str) -> tuple:
         spec.layout.attention,
         spec.layout.rmsnorm,
         device_type,
-        spec.workload.precision,
+        "bf16" if spec.workload.precision == "fp8" else spec.workload.precision,  # fp8: attention and norms bf16
         shape.hidden // shape.heads,
     )
 

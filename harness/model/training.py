@@ -11,6 +11,13 @@ model computes with are bf16; the optimizer keeps fp32 master parameters and fp3
 gradients are summed over micro-batches in grad_accum_dtype and reduced across data-parallel
 ranks in grad_reduce_dtype (both fp32 by default: Megatron's default with its distributed
 optimizer, where bf16 parameters get an fp32 main_grad buffer and fp32 master shards).
+
+Under fp8 (torchtitan's policy) everything is bf16's, and the GEMMs of the linear layers run in
+FP8: torchao's convert_to_float8_training with the workload's fp8_recipe (tensorwise or rowwise,
+dynamic scales) over the linears harness.model.float8.converts accepts (not the LM head; dims
+multiples of 16). Attention's core, the norms, the embedding and the head stay bf16; the FP8
+casts are transient (torchao saves the bf16 input and weight for backward), so nothing FP8
+persists between steps except, under FSDP2's FP8 all-gather, each weight's precomputed scale.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 from harness.model.kernels import Kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # precision -> parameters' dtype
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -37,24 +45,74 @@ class PrecisionPolicy:
     grad_accum: torch.dtype  # gradients summed over micro-batches
     grad_reduce: torch.dtype  # gradients reduced across data-parallel ranks
     optimizer_states: torch.dtype = torch.float32
+    fp8: str | None = None  # torchao's recipe for the linear layers' GEMMs (tensorwise, rowwise); None: no FP8
 
     def describe(self) -> str:
         """The policy in one sentence, the same for every engine that runs it."""
         if self.master is None:
             return "fp32 throughout: parameters, gradients, optimizer states and every collective"
+        fp8 = (
+            f"; the linear layers' GEMMs in FP8 (torchao convert_to_float8_training, {self.fp8} dynamic scaling, "
+            "not the LM head), attention and norms in bf16"
+            if self.fp8
+            else ""
+        )
         return (
             f"{dtype_name(self.compute)} parameters for compute, {dtype_name(self.master)} master parameters "
             f"and {dtype_name(self.optimizer_states)} Adam states, gradients accumulated over micro-batches "
             f"in {dtype_name(self.grad_accum)} and reduced across data-parallel ranks in "
-            f"{dtype_name(self.grad_reduce)}"
+            f"{dtype_name(self.grad_reduce)}{fp8}"
         )
+
+    def convert_fp8(self, module, device_type: str, fsdp_all_gather: bool = False):
+        """`module` with its linears converted to FP8 training under this policy (a no-op without FP8)."""
+        if not self.fp8:
+            return module
+        from harness.model import float8
+
+        return float8.convert(module, self.fp8, device_type, fsdp_all_gather)
+
+    def fp8_persistent_bytes(self, fp8_linears: int, fsdp_all_gather: bool = False) -> int:
+        """What FP8 adds to a rank's memory census at the optimizer step (census category fp8), given how
+        many linears it converted: nothing where the casts are transient (torchao's dynamic scaling keeps
+        no FP8 weight copy between steps and saves the bf16 input and weight for backward), one fp32
+        scale per converted weight under FSDP2's FP8 all-gather (precompute_float8_dynamic_scale_for_fsdp's
+        _precomputed_scale; the all-gathered FP8 weights are freed at reshard, as bf16 ones are)."""
+        return 4 * fp8_linears if self.fp8 and fsdp_all_gather else 0
+
+    def reference_census(self, params: int, tensors: int) -> dict[str, dict[str, int]]:
+        """The closed form of the reference's census at its first optimizer step (MasterWeights and AdamW
+        over `params` elements in `tensors` parameter tensors): parameters in the compute dtype, fp32
+        masters and main gradients (the masters' .grad are those), AdamW's two fp32 moments and a 0-dim
+        fp32 step per tensor; plus what FP8 keeps (nothing: fp8_persistent_bytes)."""
+        width = {torch.float32: 4, torch.bfloat16: 2}
+        out = {
+            "parameters": {dtype_name(self.compute): width[self.compute] * params},
+            "gradients": {"fp32": 4 * params},
+            "optimizer_states": {"fp32": 8 * params + 4 * tensors},
+        }
+        if self.master is not None:
+            out["master_parameters"] = {"fp32": 4 * params}
+        return out
+
+    def fp8_backend(self, device_type: str) -> str | None:
+        """How this machine runs the FP8 GEMMs (harness.model.float8.backend), None without FP8."""
+        if not self.fp8:
+            return None
+        from harness.model import float8
+
+        return float8.backend(device_type)
 
 
 def precision_policy(workload) -> PrecisionPolicy:
     if workload.precision == "fp32":
         return PrecisionPolicy(torch.float32, None, torch.float32, torch.float32)
     return PrecisionPolicy(
-        DTYPES[workload.precision], torch.float32, DTYPES[workload.grad_accum_dtype], DTYPES[workload.grad_reduce_dtype]
+        COMPUTE[workload.precision],
+        torch.float32,
+        DTYPES[workload.grad_accum_dtype],
+        DTYPES[workload.grad_reduce_dtype],
+        fp8=workload.fp8_recipe if workload.precision == "fp8" else None,
     )
 
 

@@ -45,7 +45,7 @@ def policy_exceptions(summary: dict) -> list[tuple[str, str]]:
     out = [
         (r["label"], f"ran another precision policy: {r['precision_policy']}")
         for r in summary["runs"]
-        if r.get("precision_policy") and policy and r["precision_policy"] != policy
+        if r.get("precision_policy") and policy and r["precision_policy"] != policy and not r.get("baseline")
     ]
     held = (summary.get("policy") or {}).get("differ") or {}
     return out + [

@@ -26,7 +26,7 @@ def sci(x) -> str:
 
 def configured_text(workload: dict) -> str:
     """What the workload asks of gradients, which no census shows."""
-    bf16 = workload.get("precision") == "bf16"
+    bf16 = workload.get("precision") in ("bf16", "fp8")
     accum = (workload.get("grad_accum_dtype") or "fp32") if bf16 else "fp32"
     reduce = (workload.get("grad_reduce_dtype") or "fp32") if bf16 else "fp32"
     if accum == reduce:
@@ -77,7 +77,18 @@ def policy_sentence(summary: dict) -> str:
             f"; {', '.join(pol['parameters_are_masters'])} held no separate {compute} copy at that step (their "
             f"parameters are the {masters} masters)"
         )
-    return f"{out}. Configured, which no census shows: {gradients}."
+    return f"{out}. Configured, which no census shows: {gradients}.{fp8_text(summary)}"
+
+
+def fp8_text(summary: dict) -> str:
+    """The measured cost of FP8: the fp8 reference's losses against the bf16 reference's ('' without)."""
+    d = summary.get("fp8_vs_bf16")
+    if not d:
+        return ""
+    return (
+        f" FP8 against bf16, measured (single-device references, the same weights and batches): max relative loss "
+        f"difference {sci(d['max_rel_diff'])} over the first {d['steps']} steps (step {d['worst_step']})."
+    )
 
 
 def reasons(summary: dict) -> list[str]:

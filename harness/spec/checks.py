@@ -82,12 +82,28 @@ def check_sizes(spec: RunSpec) -> Shape:
         check_token_file(w, shape)
     for name in ("grad_accum_dtype", "grad_reduce_dtype"):
         if w.precision == "fp32" and getattr(w, name) != "fp32":
-            raise SpecError(f"workload.{name}", "bf16 gradients need precision: bf16")
+            raise SpecError(f"workload.{name}", "bf16 gradients need precision: bf16 (or fp8)")
+    check_fp8(w, lay)
     check_honoured(w, lay)
     check_rules(lay)
     check_precision_policy(w, lay)
     check_model_limits(shape, lay)
     return shape
+
+
+def check_fp8(w: Workload, lay) -> None:
+    """FSDP2's FP8 all-gather casts each weight with one dynamic scale (torchao's
+    WeightWithDynamicFloat8CastTensor): it needs precision fp8 with the tensorwise recipe."""
+    if not lay.fp8_all_gather:
+        return
+    if w.precision != "fp8":
+        raise SpecError("layout.fp8_all_gather", f"needs precision: fp8, and precision is {w.precision}")
+    if w.fp8_recipe != "tensorwise":
+        raise SpecError(
+            "layout.fp8_all_gather",
+            f"needs fp8_recipe: tensorwise (torchao all-gathers FP8 weights with one scale per tensor; "
+            f"{w.fp8_recipe} scales per row)",
+        )
 
 
 # More than any one process of any machine holds: a spec beyond it is a typo (seq_len: 1e12), not a run.

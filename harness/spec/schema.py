@@ -21,6 +21,7 @@ RMSNORM_KERNELS = ("torch", "fused")
 CHECKPOINTING = ("none", "full", "selective")
 CP_IMPLS = ("ring", "allgather", "ulysses")  # K/V blocks passed round a ring, K/V all-gathered, heads all-to-all
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name
 
 
 def _choices(*values, **kw):
@@ -68,8 +69,10 @@ class Workload:
     global_batch_size: int = spec_field(8, check=in_range(int, 1))  # sequences per step
     steps: int = spec_field(10, check=in_range(int, 1, MAX_STEPS))
     warmup_steps: int = spec_field(2, check=in_range(int, 0, MAX_STEPS))
-    precision: str = _choices("fp32", "bf16", default="fp32")
-    # bf16: gradients are summed over micro-batches in grad_accum_dtype and reduced across
+    # fp8: bf16's policy with the linear layers' GEMMs in FP8 (torchao, harness/model/float8.py)
+    precision: str = _choices("fp32", "bf16", "fp8", default="fp32")
+    fp8_recipe: str = spec_field("tensorwise", choices=FP8_RECIPES, applies=("precision", "fp8"))
+    # bf16 and fp8: gradients are summed over micro-batches in grad_accum_dtype and reduced across
     # data-parallel ranks in grad_reduce_dtype (harness/model/training.py, PrecisionPolicy)
     grad_accum_dtype: str = _choices("fp32", "bf16", default="fp32")
     grad_reduce_dtype: str = _choices("fp32", "bf16", default="fp32")
@@ -108,6 +111,9 @@ class Layout:
     model_impl: str = _choices("own", "hf", default="own")
     # fsdp
     reshard_after_forward: bool = True
+    # FSDP2 all-gathers the FP8 linears' weights in FP8 (torchao's enable_fsdp_float8_all_gather; precision fp8,
+    # fp8_recipe tensorwise)
+    fp8_all_gather: bool = False
 
 
 @dataclass

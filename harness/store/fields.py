@@ -106,6 +106,13 @@ def _cp_impl(record: dict):
     return at("spec", "layout", "cp_impl")(record) if isinstance(cp, int) and cp > 1 else None
 
 
+def _fp8_recipe(record: dict):
+    """The FP8 recipe of an fp8 run, else None."""
+    if at("spec", "workload", "precision")(record) != "fp8":
+        return None
+    return at("spec", "workload", "fp8_recipe")(record)
+
+
 def _ms(name: str, *path: str) -> Field:
     """A component of the profiled step's breakdown (ms): exported; the reports lay out their own."""
     return Field(name, name, at("metrics", "breakdown_ms", *path), lambda v: f"{v:.1f} ms", report=False)
@@ -176,6 +183,9 @@ FIELDS: tuple[Field, ...] = (
     Field("cp", "cp", _cp, report=False),
     Field("cp_impl", "cp_impl", _cp_impl, report=False),
     _ms("breakdown_exposed_cp_ms", "exposed_comm", "cp"),
+    # precision fp8 (added after cp): torchao's recipe, and how the FP8 GEMMs ran (torch._scaled_mm or emulated)
+    Field("fp8_recipe", "fp8 recipe", _fp8_recipe, report=False),
+    Field("fp8_backend", "fp8 GEMMs", at("metrics", "engine", "fp8_backend"), report=False),
 )
 
 

@@ -244,6 +244,8 @@ class DeepSpeedBase:
             "flops_counted_by": "harness (analytic); DeepSpeed's flops profiler double-counts under ZeRO-3",
         }
         d["precision_policy"] = self.policy.describe()
+        if self.policy.fp8:
+            d["fp8_backend"] = self.policy.fp8_backend(self.ctx.device.type)
         d["precision_config"] = self.precision_config()
         return d
 

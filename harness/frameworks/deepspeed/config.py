@@ -217,7 +217,7 @@ def build_config(
         f"global_batch_size / (dp x micro_batch_size) = {w.global_batch_size} / ({dp} x {lay.micro_batch_size})",
     )
     f.own("gradient_clipping", float(w.grad_clip), "grad_clip")
-    f.own("bf16.enabled", w.precision == "bf16", f"precision ({w.precision})")
+    f.own("bf16.enabled", w.precision in ("bf16", "fp8"), f"precision ({w.precision})")  # fp8: bf16 + FP8 GEMMs
     _precision_policy(f, cfg, w, lay)
     policy_switches(f, cfg)
     if "scheduler" in cfg:
@@ -301,12 +301,12 @@ def build_config(
 def _precision_policy(f: _Filler, cfg: dict, w, lay) -> None:
     """DeepSpeed's keys for the workload's precision policy (harness/model/training.py,
     PrecisionPolicy): what gradients accumulate in, what they are reduced in, no skipped steps."""
-    bf16 = w.precision == "bf16"
+    bf16 = w.precision in ("bf16", "fp8")  # fp8: bf16 parameters, FP8 GEMMs inside the linears (torchao)
     accum = w.grad_accum_dtype if bf16 else "fp32"
     reduce = w.grad_reduce_dtype if bf16 else "fp32"
     f.own("data_types.grad_accum_dtype", accum, "grad_accum_dtype", same=_same_dtype)
     f.own("communication_data_type", reduce, "grad_reduce_dtype", same=_same_dtype)
-    f.own("data_types.param_dtype", w.precision, "precision", required=False, same=_same_dtype)
+    f.own("data_types.param_dtype", "bf16" if bf16 else "fp32", "precision", required=False, same=_same_dtype)
     if lay.cp > 1:  # under Ulysses DeepSpeed reduces the gradients in this dtype instead (runtime/engine.py)
         f.own("seq_parallel_communication_data_type", reduce, "grad_reduce_dtype", same=_same_dtype)
         zero = cfg.get("zero_optimization") or {}

@@ -92,6 +92,9 @@ class DeepSpeedEngine(DeepSpeedBase):
                     cp_index=self.cp_index,
                 )
             model = load_reference(model, ReferenceWeights(shape, w.seed), ctx.device)
+        # fp8: torchao's Float8Linear swapped in before deepspeed.initialize, which then casts the module to bf16
+        # (its Parameters kept) and wraps it; DeepSpeed's optimizer keeps the fp32 masters as under bf16
+        self.policy.convert_fp8(model, ctx.device.type)
         if ckpt == "full":
             if lay.model_impl == "hf":
                 model.hf.gradient_checkpointing_enable()

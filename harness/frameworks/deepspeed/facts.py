@@ -5,7 +5,16 @@ or pipe.py (PipelineModule)."""
 from __future__ import annotations
 
 from harness.frameworks.deepspeed.config import validate
-from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, not_both, only, tied_across_stages
+from harness.registry import (
+    EVERY_ENGINE,
+    FP8,
+    EngineFacts,
+    MemoryModel,
+    every_value,
+    not_both,
+    only,
+    tied_across_stages,
+)
 
 ULYSSES = "DeepSpeed's context parallelism is Ulysses (DistributedAttention): set cp_impl: ulysses"
 
@@ -14,6 +23,7 @@ ENGINE = EngineFacts(
     memory=MemoryModel("deepspeed"),
     honours={
         **EVERY_ENGINE,
+        **FP8,
         **{
             f"layout.{name}": every_value(f"layout.{name}")
             for name in "tp pp dp cp activation_checkpointing attention rmsnorm zero_stage ds_config model_impl".split()
@@ -73,12 +83,19 @@ ENGINE = EngineFacts(
     ],
     precision_limits=[
         (
+            "precision",
+            lambda w, lay: w.precision != "fp8" or (lay.tp == 1 and lay.pp == 1 and lay.model_impl == "own"),
+            "fp8 under engine deepspeed converts the harness's own model's linears (torchao) before "
+            "deepspeed.initialize: with tp=1 and pp=1 and model_impl own only (AutoTP would replace the FP8 "
+            "linears with its own bf16 ones; the pipeline module and transformers' model are not converted here)",
+        ),
+        (
             "grad_accum_dtype",
             lambda w, lay: w.precision != "bf16" or lay.pp == 1 or lay.zero_stage != 0 or w.grad_accum_dtype == "bf16",
             "DeepSpeed's pipeline engine without ZeRO (pp > 1, zero_stage 0) accumulates bf16 parameters' gradients "
             "in bf16 only (deepspeed/runtime/engine.py, _do_optimizer_sanity_check: 'unsupported mix'); set "
             "zero_stage: 1 (its BF16_Optimizer accumulates in fp32) or grad_accum_dtype: bf16",
-        )
+        ),
     ],
     model_limits=[
         tied_across_stages(

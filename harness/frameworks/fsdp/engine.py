@@ -67,6 +67,7 @@ import torch.distributed as dist
 from harness import measure
 from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
+from harness.model import float8
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.training import BuildOptions, StepHooks, dtype_name, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
@@ -134,6 +135,7 @@ class FSDPEngine:
                 for stage in self.pipeline.stages:
                     _announce_phases(stage, self.hooks)
         self.is_last_stage = plans is None or any(p.last for p in plans)
+        self._precompute_fp8_scales()
         self.params = [p for part in self.parts for p in part.parameters()]
         self.optimizer = options.make_optimizer(self.params, w, fused=ctx.device.type == "cuda")
         self.census = measure.CensusAtStep(self.optimizer, self._census_tensors)
@@ -151,6 +153,9 @@ class FSDPEngine:
             # with tied embeddings the plan made the embedding (RowwiseParallel) and the head
             # (ColwiseParallel) two DTensors, both Shard(0) over the vocabulary: the same rows, so share one again
             part.tie_weights()
+        # fp8: torchao's Float8Linear swapped in before fully_shard (torchtitan's order), on the meta module;
+        # fp8_all_gather: its weights become WeightWithDynamicFloat8CastTensor, all-gathered by FSDP2 in FP8
+        self.policy.convert_fp8(part, self.device.type, fsdp_all_gather=lay.fp8_all_gather)
         if lay.activation_checkpointing == "full":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
@@ -192,6 +197,7 @@ class FSDPEngine:
                     self._clip_grad_norm(w.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                self._precompute_fp8_scales()
             # each dp group's mean loss, counted once (by its tp rank 0 on the last pipeline stage)
             if not (self.is_last_stage and self.coord.tp == 0):
                 total = torch.zeros((), device=self.device, dtype=torch.float32)
@@ -253,6 +259,13 @@ class FSDPEngine:
                     out.extend(fp for group in groups for fp in group.fsdp_params)
         return out
 
+    def _precompute_fp8_scales(self) -> None:
+        """fp8_all_gather: the FP8 weights' scales for the next all-gather (torchao's precompute, after each
+        step as torchtitan calls it, and once at build: the whole weight's amax the first all-gather would take)."""
+        if self.spec.layout.fp8_all_gather and self.policy.fp8:
+            for part in self.parts:
+                float8.precompute_fsdp_scales(part)
+
     def _census_tensors(self) -> dict:
         """What this rank holds, by census category. parameters: the module's sharded fp32
         parameters (padded shards, as FSDP2 allocates them; they are the optimizer's master, so
@@ -267,6 +280,7 @@ class FSDPEngine:
             "parameters": list(self.params) + gathered,
             "gradients": [p.grad for p in self.params] + unsharded_grads,
             "optimizer_states": measure.optimizer_state_tensors(self.optimizer),
+            "fp8": [t for part in self.parts for t in float8.fsdp_scale_tensors(part)] if self.policy.fp8 else [],
         }
 
     def memory_census(self) -> dict | None:
@@ -296,7 +310,7 @@ class FSDPEngine:
         pending = self._fsdp_params()  # FSDP2 creates them at each group's first all-gather
 
         def is_gathered(t: torch.Tensor) -> bool:
-            key = getattr(t, "_local_tensor", t).untyped_storage()._cdata
+            key = measure.local_tensor(t).untyped_storage()._cdata
             if key not in gathered and pending:
                 gathered.update(o.untyped_storage()._cdata for fp in pending for o in fp.all_gather_outputs)
                 pending[:] = [fp for fp in pending if not fp.all_gather_outputs]
@@ -356,6 +370,7 @@ class FSDPEngine:
             "sharding": "fully_shard over dp per block + root" + (" (per stage module)" if self.pipeline else ""),
             "reshard_after_forward": lay.reshard_after_forward,
             "precision_policy": self.policy.describe(),
+            **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
             "mixed_precision": self._mixed_precision(),
             "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
             "grad_clipping": "global norm over dp/tp shards" + (" and pp stages" if lay.pp > 1 else ""),
@@ -381,7 +396,8 @@ class FSDPEngine:
         compute, reduce = dtype_name(self.policy.compute), dtype_name(self.policy.grad_reduce)
         text = (
             f"MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce}): fp32 shards all-gathered "
-            f"in {compute}, the fp32 sharded parameters are AdamW's master; "
+            f"in {compute}{' (the FP8 linears in FP8)' if self.spec.layout.fp8_all_gather else ''}, "
+            "the fp32 sharded parameters are AdamW's master; "
         )
         if self.pipeline is not None:
             return text + (

@@ -3,7 +3,16 @@ declared without importing torch; adapter.py builds engine.py."""
 
 from __future__ import annotations
 
-from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, not_both, only, tied_across_stages
+from harness.registry import (
+    EVERY_ENGINE,
+    FP8,
+    EngineFacts,
+    MemoryModel,
+    every_value,
+    not_both,
+    only,
+    tied_across_stages,
+)
 from harness.spec import micro_batch_count
 
 
@@ -22,11 +31,12 @@ ENGINE = EngineFacts(
     process_group=True,
     honours={
         **EVERY_ENGINE,
+        **FP8,
         **{
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
                 "tp pp dp cp activation_checkpointing sequence_parallel attention rmsnorm pipeline_schedule "
-                "virtual_stages reshard_after_forward"
+                "virtual_stages reshard_after_forward fp8_all_gather"
             ).split()
         },
         "layout.cp_impl": only("allgather", "ring", why=CP_IMPLS),
@@ -55,6 +65,12 @@ ENGINE = EngineFacts(
         ),
     ],
     precision_limits=[
+        (
+            "precision",
+            lambda w, lay: w.precision != "fp8" or lay.tp == 1,
+            "fp8 with tp > 1 under engine fsdp needs torchao's Float8 tensor-parallel styles in the DTensor plan "
+            "(Float8ColwiseParallel, Float8RowwiseParallel), not wired here: set tp=1",
+        ),
         (
             "grad_accum_dtype",
             lambda w, lay: not (w.grad_accum_dtype == "bf16" and w.grad_reduce_dtype == "fp32"),

@@ -4,6 +4,8 @@ torch or Megatron; adapter.py builds engine.py (on CPU through shim.py)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only
 
 # Megatron-core's llama3 rope scaling takes only the factor; the rest is fixed
@@ -15,12 +17,20 @@ def _chunks(lay) -> int:
     return lay.pp * (lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1)
 
 
+_TE = "importable here, not wired" if importlib.util.find_spec("transformer_engine") else "not importable here"
+
 ENGINE = EngineFacts(
     name="megatron",
     memory=MemoryModel("megatron", layer_split="even", vocab_parallel_loss=True, sp_regathers=True),
     process_group=True,
     honours={
         **EVERY_ENGINE,
+        "workload.precision": only(
+            "fp32",
+            "bf16",
+            why="Megatron-core runs FP8 only through Transformer Engine's layers (fp8_autocast), and engine megatron "
+            f"builds its local layer spec without them (Transformer Engine {_TE}): engine megatron runs fp32 or bf16",
+        ),
         **{
             f"layout.{name}": every_value(f"layout.{name}")
             for name in ("tp", "pp", "dp", "activation_checkpointing", "sequence_parallel", "virtual_stages")

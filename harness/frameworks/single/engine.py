@@ -24,6 +24,7 @@ class SingleDeviceEngine:
         self.model = build_model(shape, w.seed, lay.attention, lay.rmsnorm, lay.activation_checkpointing, device=device)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.model.to(self.policy.compute)  # the parameters computed with (buffers too: none hold state)
+        self.policy.convert_fp8(self.model, device.type)  # fp8: the linears' GEMMs (same Parameters, same names)
         self.weights = MasterWeights(list(self.model.parameters()), self.policy)
         self.optimizer = make_adamw(self.weights.optimizer_params(), w, fused=device.type == "cuda")
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
@@ -68,4 +69,5 @@ class SingleDeviceEngine:
         return {
             "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
             "precision_policy": self.policy.describe(),
+            **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
         }

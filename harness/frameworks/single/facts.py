@@ -3,13 +3,14 @@ declared without importing torch; adapter.py builds it (engine.py)."""
 
 from __future__ import annotations
 
-from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only
+from harness.registry import EVERY_ENGINE, FP8, EngineFacts, MemoryModel, every_value, only
 
 _ONE_PROCESS = "engine single is one process: set tp=cp=pp=dp=1"
 ENGINE = EngineFacts(
     name="single",
     honours={
         **EVERY_ENGINE,
+        **FP8,
         **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
         **{
             f"layout.{name}": every_value(f"layout.{name}")

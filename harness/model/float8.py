@@ -1,0 +1,147 @@
+"""FP8 GEMMs in the linear layers, through torchao.float8 (precision fp8; the policy itself is
+harness/model/training.py's PrecisionPolicy): which linears are converted, the torchao config
+of a recipe, the backend this machine runs the FP8 matmul with, and the conversion.
+
+torchao is imported here only, lazily (a run that asks for no FP8 never imports it), with its
+import-time noise silenced: on a CPU-only or older-torch machine it logs failed loads of its CUDA
+extensions, which the FP8 training path does not use (float8 is pure PyTorch over torch._scaled_mm).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import warnings
+
+import torch
+import torch.nn as nn
+
+RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values the harness offers
+ALIGN = 16  # torch._scaled_mm: both dims of each FP8 operand a multiple of 16
+HEAD_NAME = "output"  # the LM head (harness.model.llama.Llama.output)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torchao's import logs failed .so loads and torch's pytree deprecation notices: not errors of
+    the FP8 path, kept out of the run's output."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+@functools.cache
+def torchao_float8():
+    """torchao.float8, imported once, quietly."""
+    with _quiet():
+        import torchao.float8 as f8
+        import torchao.float8.float8_linear  # noqa: F401  (matmul_with_hp_or_float8_args)
+        import torchao.float8.fsdp_utils  # noqa: F401
+    return f8
+
+
+@functools.cache
+def backend(device_type: str) -> str:
+    """How FP8 matmuls run on `device_type`: "scaled_mm" (torch._scaled_mm, the real FP8 GEMM) where
+    torch offers it for e4m3 x e4m3 on that device (probed once), else "emulated" (torchao's emulate:
+    the FP8 values upcast and multiplied in high precision). On CUDA torch._scaled_mm is the path
+    (a GPU without FP8 tensor cores fails in it, loudly, not silently emulated)."""
+    if device_type == "cuda":
+        return "scaled_mm"
+    try:
+        a = torch.ones(ALIGN, ALIGN, device=device_type).to(torch.float8_e4m3fn)
+        b = torch.ones(ALIGN, ALIGN, device=device_type).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device_type)
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return "emulated"
+    return "scaled_mm"
+
+
+def config(recipe: str, device_type: str, fsdp_all_gather: bool = False):
+    """torchao's Float8LinearConfig for `recipe` (Float8LinearConfig.from_recipe_name), emulated where
+    backend() says so, with FSDP2's FP8 all-gather when asked (tensorwise only: torchao's weight
+    wrapper casts with one dynamic scale per tensor)."""
+    f8 = torchao_float8()
+    cfg = f8.Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(
+        cfg, emulate=backend(device_type) == "emulated", enable_fsdp_float8_all_gather=fsdp_all_gather
+    )
+
+
+def converts(module: nn.Module, fqn: str) -> bool:
+    """Which linears run their GEMMs in FP8 (torchtitan's float8 converter's filter):
+
+    - not the LM head: its output is the logits, whose softmax cross-entropy over the whole vocabulary
+      needs more than e4m3's 3 mantissa bits (torchtitan's Float8 converter leaves `output` out too);
+    - only linears whose in and out features are multiples of 16: torch._scaled_mm (cuBLASLt's FP8
+      GEMM) needs both dims of each FP8 operand divisible by 16, and padding them would change the
+      GEMM's shape from the one the reference and the planner count.
+    Attention's core and the norms are no linears: they stay in bf16.
+    """
+    return (
+        isinstance(module, nn.Linear)
+        and fqn.split(".")[-1] != HEAD_NAME
+        and module.in_features % ALIGN == 0
+        and module.out_features % ALIGN == 0
+    )
+
+
+def convert(module: nn.Module, recipe: str, device_type: str, fsdp_all_gather: bool = False) -> nn.Module:
+    """torchao's convert_to_float8_training over `module` (in place; returns it): every linear
+    `converts` accepts becomes a Float8Linear sharing its weight Parameter (names and values kept)."""
+    f8 = torchao_float8()
+    return f8.convert_to_float8_training(
+        module, config=config(recipe, device_type, fsdp_all_gather), module_filter_fn=converts
+    )
+
+
+def float8_linears(module: nn.Module) -> list[nn.Module]:
+    """The converted linears in `module` (none before torchao is imported: nothing was converted)."""
+    f8 = torchao_float8()
+    return [m for m in module.modules() if isinstance(m, f8.float8_linear.Float8Linear)]
+
+
+def matmul(recipe: str, device_type: str):
+    """x @ weight.t() with torchao's FP8 autograd function (matmul_with_hp_or_float8_args: dynamic
+    casts of the input, the weight and, in backward, the output gradient), for linears that are not
+    nn.Linear modules (the own engine's sharded Weight). Its configs are a Float8Linear's own, built by
+    torchao from `recipe` on a meta Linear, so the matmul is exactly what a converted nn.Linear runs."""
+    f8 = torchao_float8()
+    with torch.device("meta"):
+        linear = nn.Linear(ALIGN, ALIGN, bias=False)
+        template = f8.float8_linear.Float8Linear.from_float(linear, config(recipe, device_type))
+    mm, mm_config, cfg = f8.float8_linear.matmul_with_hp_or_float8_args, template.linear_mm_config, template.config
+
+    def fp8_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return mm.apply(x, weight.t(), mm_config, cfg)
+
+    return fp8_matmul
+
+
+def precompute_fsdp_scales(module: nn.Module) -> None:
+    """torchao's precompute_float8_dynamic_scale_for_fsdp: one all-reduce of every FP8-all-gathered
+    weight's amax, the scales its next all-gather casts with (torchtitan calls it after each step)."""
+    torchao_float8().precompute_float8_dynamic_scale_for_fsdp(module)
+
+
+def fsdp_scale_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The precomputed scales FSDP2's FP8 all-gather keeps on each weight between steps (one fp32 scalar
+    per converted weight, on each rank): what persists of FP8 at the optimizer step under fp8_all_gather."""
+    out = []
+    for m in float8_linears(module):
+        local = getattr(m.weight, "_local_tensor", m.weight)
+        scale = getattr(local, "_precomputed_scale", None)
+        if scale is not None:
+            out.append(scale)
+    return out
