@@ -44,6 +44,11 @@ FINGERPRINT_ENV = (
 HARNESS_SYNC = "harness.loss_reduction"
 
 
+# The range around each FP8 cast of torchao's float8 matmul (an input, a weight or an output gradient
+# to e4m3/e5m2 with its amax and scale: harness.model.float8): the profiled step's FP8 cast time, a
+# part of its compute.
+FP8_CAST = "harness.fp8_cast"
+
 _in_harness_sync = [0]  # how deep the main thread is in harness_sync() (the step counters read it)
 
 

@@ -310,6 +310,24 @@ def test_profile_steps_flag_refuses_a_negative_count(no_launch, one_line_error):
     assert line.startswith("error: --profile-steps: ") and "whole number" in line, line
 
 
+def test_an_fp8_run_says_how_much_of_its_compute_the_casts_took(tmp_path):
+    """In process, one rank, precision fp8: torchao's casts run inside FP8_CAST ranges, so the profiled
+    step's breakdown carries their time, a part of compute (the record, the compare report's column)."""
+    from harness.run import run
+    from harness.runtime import RunContext
+    from harness.spec import parse_spec
+
+    cpu = RunContext(0, 1, 0, torch.device("cpu"), None)
+    spec = parse_spec(
+        {
+            "workload": {"seq_len": 16, "global_batch_size": 2, "steps": 1, "warmup_steps": 1, "precision": "fp8"},
+            "store": str(tmp_path / "r.sqlite"),
+        }
+    )
+    m = run(spec, cpu, progress=False, profile_steps=1, trace_dir=None)["metrics"]
+    assert 0 < m["compute_fp8_cast_ms"] < m["breakdown_ms"]["compute"]
+
+
 def test_single_run_records_a_profiler_breakdown_and_its_trace(tmp_path):
     """In process, one rank: the profiled steps add no step time, no loss, and name their trace."""
     from harness.run import run

@@ -18,6 +18,8 @@ import warnings
 import torch
 import torch.nn as nn
 
+from harness.measure import FP8_CAST
+
 RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values the harness offers
 ALIGN = 16  # torch._scaled_mm: both dims of each FP8 operand a multiple of 16
 HEAD_NAME = "output"  # the LM head (harness.model.llama.Llama.output)
@@ -47,7 +49,22 @@ def torchao_float8():
         import torchao.float8 as f8
         import torchao.float8.float8_linear  # noqa: F401  (matmul_with_hp_or_float8_args)
         import torchao.float8.fsdp_utils  # noqa: F401
+    linear = f8.float8_linear
+    linear.hp_tensor_to_float8_dynamic = _ranged(linear.hp_tensor_to_float8_dynamic)
     return f8
+
+
+def _ranged(cast):
+    """torchao's dynamic cast (every cast its float8 matmul makes, forward and backward, goes through
+    this name in float8_linear) inside an FP8_CAST profiler range, so that a profiled step says how much
+    of its compute the casts took (harness.profiling.analysis); a record_function costs microseconds."""
+
+    @functools.wraps(cast)
+    def ranged_cast(*args, **kwargs):
+        with torch.profiler.record_function(FP8_CAST):
+            return cast(*args, **kwargs)
+
+    return ranged_cast
 
 
 @functools.cache

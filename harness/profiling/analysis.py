@@ -17,7 +17,8 @@ profiled step):
   runs inside the profiler's own Optimizer.step# / Optimizer.zero_grad# ranges. Compute is the
   rest of the main thread's time from the step's first op to its last, host time between ops
   included (the Python of a forward: the own engine's forward/backward clocks count it too;
-  `host_gaps` says how much of compute it is, outside the sum); other is the step's remainder
+  `host_gaps` says how much of compute it is, outside the sum; under FP8 `fp8_cast` the time inside
+  torchao's casts, measure.FP8_CAST, also a part of compute); other is the step's remainder
   before its first op and after its last. compute + optimizer + exposed + bubble
   (or wait) + other = step.
 - cuda: the kernel timeline. NCCL kernels not overlapped by any compute kernel are exposed
@@ -36,7 +37,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from harness.measure import HARNESS_SYNC
+from harness.measure import FP8_CAST, HARNESS_SYNC
 from harness.profiling.annotate import CALL, PREFIX, WORLD, parse_range
 from harness.profiling.intervals import clip, contains, length, subtract, union
 
@@ -146,6 +147,7 @@ def cpu_breakdown(trace: dict, pp: int = 1) -> dict:
     optimizer_spans = [_span(e) for e in mine if str(e.get("name", "")).startswith(OPTIMIZER_PREFIXES)]
     ops = [_span(e) for e in mine if e.get("cat") == "cpu_op"]
     backward = [_span(e) for e in mine if str(e.get("name", "")).startswith(BACKWARD_PREFIX)]
+    casts = [_span(e) for e in mine if e.get("name") == FP8_CAST]
     extra = sorted(set(by_axis) - set(AXES) - set(BUBBLE_AXES))  # Megatron's tp+pp, embedding; other [..]
     steps = []
     for lo, hi in windows:
@@ -172,6 +174,8 @@ def cpu_breakdown(trace: dict, pp: int = 1) -> dict:
         compute = subtract(busy, taken)
         step = _assemble(hi - lo, length(compute), length(optimizer), exposed, length(bubble), waiting_key(pp))
         step["host_gaps"] = (length(compute) - length(subtract(inside, taken))) / 1e3
+        if casts:  # FP8: its casts' share of compute (outside the sum, as host_gaps)
+            step["fp8_cast"] = length(subtract(union(clip(casts, lo, hi)), taken)) / 1e3
         steps.append(step)
     return {"steps": steps, "collectives": count_calls(calls, windows)}
 

@@ -115,6 +115,11 @@ def profile_metrics(profile: dict | None, ctx, trace_dir: str | None, trace_name
             sum(st.get("host_gaps", 0.0) for st in analysis["steps"]) / len(analysis["steps"]) if analysis else None
         ),
         "instrumented": [from_instrumented(s) for s in profile.get("instrumented") or []],
+        "fp8_cast": (
+            sum(st["fp8_cast"] for st in analysis["steps"]) / len(analysis["steps"])
+            if analysis and all("fp8_cast" in st for st in analysis["steps"])
+            else None
+        ),
     }
     everyone = _gather(mine, ctx)
     metrics: dict = {
@@ -133,6 +138,8 @@ def profile_metrics(profile: dict | None, ctx, trace_dir: str | None, trace_name
             collectives=everyone[0]["collectives"],
             compute_host_gaps_ms=sum(e["host_gaps"] for e in everyone) / len(everyone),
         )
+        if all(e["fp8_cast"] is not None for e in everyone):
+            metrics["compute_fp8_cast_ms"] = sum(e["fp8_cast"] for e in everyone) / len(everyone)
     if all(e["instrumented"] for e in everyone):
         per_rank = [_mean_over_ranks(e["instrumented"]) for e in everyone]
         metrics.update(breakdown_instrumented_ms=_mean_over_ranks(per_rank), breakdown_instrumented_ms_by_rank=per_rank)

@@ -77,15 +77,20 @@ def breakdown_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     runs = [(r, run_breakdown(r)) for r in summary["runs"]]
     keys = sorted_components([b for _, b in runs if b])
     header = ["run", "source"] + [component_title(k) for k in keys]
+    casts = any(run_metrics(r).get("compute_fp8_cast_ms") is not None for r, _ in runs)
+    header += ["of compute: FP8 casts"] if casts else []
     header += ["step (their sum)", "measured median", "sum against median"]
     out = []
     for r, b in runs:
         median = _median_s(r)
         shown = f"{1e3 * median:.1f} ms" if median else "-"
         if b is None:
-            out.append([r["label"], NOT_MEASURED] + [NOT_MEASURED] * len(keys) + [NOT_MEASURED, shown, "-"])
+            out.append([r["label"], NOT_MEASURED] + [NOT_MEASURED] * (len(keys) + casts) + [NOT_MEASURED, shown, "-"])
         else:
             row = [r["label"], b.source] + [_share(b, k) for k in keys]
+            if casts:
+                cast = run_metrics(r).get("compute_fp8_cast_ms")
+                row.append("-" if cast is None else f"{cast:.1f} ms")
             out.append(row + [f"{b.step_ms:.1f} ms", shown, against_median(b, median)])
     return header, out
 

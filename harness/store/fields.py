@@ -186,6 +186,14 @@ FIELDS: tuple[Field, ...] = (
     # precision fp8 (added after cp): torchao's recipe, and how the FP8 GEMMs ran (torch._scaled_mm or emulated)
     Field("fp8_recipe", "fp8 recipe", _fp8_recipe, report=False),
     Field("fp8_backend", "fp8 GEMMs", at("metrics", "engine", "fp8_backend"), report=False),
+    # the profiled step's time inside torchao's FP8 casts (a part of compute; CPU traces)
+    Field(
+        "breakdown_fp8_cast_ms",
+        "fp8 casts",
+        at("metrics", "compute_fp8_cast_ms"),
+        lambda v: f"{v:.1f} ms",
+        report=False,
+    ),
 )
 
 
