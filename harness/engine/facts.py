@@ -20,9 +20,17 @@ ENGINE = EngineFacts(
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
                 "tp pp dp cp cp_impl activation_checkpointing sequence_parallel attention rmsnorm "
-                "pipeline_schedule virtual_stages pipeline_p2p dp_bucket_mb"
+                "virtual_stages pipeline_p2p dp_bucket_mb"
             ).split()
         },
+        "layout.pipeline_schedule": only(
+            "gpipe",
+            "1f1b",
+            "interleaved",
+            "zbv",
+            why="the own engine's instruction lists (harness/engine/schedules.py) are gpipe, 1f1b, interleaved and "
+            "zbv: no zero_bubble (interleaved) or dualpipev; engine fsdp runs them (torch.distributed.pipelining)",
+        ),
         "layout.zero_stage": only(0, 1, why="the own engine has ZeRO stage 0 or 1"),
     },
     capabilities=[
