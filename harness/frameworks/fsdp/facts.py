@@ -11,6 +11,39 @@ def _micro(w, lay) -> int:
     return micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
 
 
+# harness names of the torch.distributed.pipelining schedules engine fsdp runs (fsdp/pipeline.py maps them)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
+
+
+def schedule_takes(w, lay) -> bool:
+    """Whether torch's schedule takes this many micro-batches (what its constructor checks, checked before
+    launch): Schedule1F1B at least pp; ScheduleInterleavedZeroBubble a multiple of its rounds, max(1, m // pp);
+    ScheduleDualPipeV at least its 2 pp stages. ScheduleZBVZeroBubble plans max(2pp - 1, m) and drops the rest:
+    any m (run here from 1 to 4 at pp 2)."""
+    m, pp = _micro(w, lay), lay.pp
+    if pp == 1:
+        return True
+    if lay.pipeline_schedule == "1f1b":
+        return m >= pp
+    if lay.pipeline_schedule == "zero_bubble":
+        return m % max(1, m // pp) == 0
+    if lay.pipeline_schedule == "dualpipev":
+        return m >= 2 * pp
+    return True
+
+
+def schedule_needs(w, lay) -> str:
+    m, pp = _micro(w, lay), lay.pp
+    if lay.pipeline_schedule == "zero_bubble":
+        return (
+            f"torch's ScheduleInterleavedZeroBubble needs micro-batches divisible by its rounds, max(1, m // pp) = "
+            f"{max(1, m // pp)}; the workload gives m={m}"
+        )
+    if lay.pipeline_schedule == "dualpipev":
+        return f"torch's ScheduleDualPipeV needs at least 2 x pp = {2 * pp} micro-batches, the workload gives {m}"
+    return f"torch's Schedule1F1B needs at least pp={pp} micro-batches, the workload gives {m}"
+
+
 CP_IMPLS = (
     "torch's context_parallel exchanges K/V by all-gather or a ring (all-to-all rotation), not Ulysses: "
     "set cp_impl allgather or ring"
@@ -25,10 +58,13 @@ ENGINE = EngineFacts(
         **{
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
-                "tp pp dp cp activation_checkpointing sequence_parallel attention rmsnorm pipeline_schedule "
+                "tp pp dp cp activation_checkpointing sequence_parallel attention rmsnorm "
                 "virtual_stages reshard_after_forward"
             ).split()
         },
+        "layout.pipeline_schedule": only(
+            *SCHEDULES, why="torch.distributed.pipelining's schedules here: " + ", ".join(SCHEDULES)
+        ),
         "layout.cp_impl": only("allgather", "ring", why=CP_IMPLS),
         "layout.zero_stage": only(0, 3, why="fsdp shards by reshard_after_forward, leave zero_stage unset"),
     },
@@ -78,15 +114,7 @@ ENGINE = EngineFacts(
             lambda s, lay: not s.tie_embeddings or lay.pp == 1,
         )
     ],
-    batch_limits=[
-        (
-            "pipeline_schedule",
-            lambda w, lay: lay.pp == 1 or lay.pipeline_schedule != "1f1b" or _micro(w, lay) >= lay.pp,
-            lambda w, lay: (
-                f"torch's Schedule1F1B needs at least pp={lay.pp} micro-batches, the workload gives {_micro(w, lay)}"
-            ),
-        )
-    ],
+    batch_limits=[("pipeline_schedule", schedule_takes, schedule_needs)],
     label=lambda lay: "FSDP2 " + ("reshard" if lay.get("reshard_after_forward", True) else "no-reshard"),
     preflight=lambda spec: check_cp_device(spec),
     tracer="harness.memtrace.fsdp",

@@ -1,0 +1,82 @@
+"""The own engine's zbv programs (zero-bubble V, backward split into B and W), checked by the simulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.engine import schedules as S
+
+ZBV = [(pp, m) for pp in (2, 4) for m in (1, 2, 3, 4, 7, 8, 16)]
+
+
+@pytest.mark.parametrize("pp,micro", ZBV)
+def test_zbv_programs_run_every_micro_batch_through_every_stage_once(pp, micro):
+    """simulate raises on a deadlock, an unreceived message, a compute repeated or missing, a B before its F
+    or a W before its B; here also the V: rank r holds stages r and 2pp-1-r, every (chunk, micro) has its
+    F, B and W on its rank."""
+    progs = S.all_programs("zbv", pp, micro)
+    S.simulate(progs)
+    S.simulate_grouped(progs)
+    for r, prog in enumerate(progs):
+        computes = sorted((a.kind, a.chunk, a.micro) for a in prog if a.kind in "FBW")
+        assert computes == sorted((k, c, m) for k in "FBW" for c in (0, 1) for m in range(micro))
+        assert {(a.chunk, a.stage) for a in prog if a.kind == "F"} == {(0, r), (1, 2 * pp - 1 - r)}
+        assert prog[-1].kind == "STEP"
+    # the embedding's stage (0) and the loss's (2pp-1) are rank 0's: nothing comes before or after them
+    assert not any(a.kind == "RECV_F" and a.stage == 0 for a in progs[0])
+    assert not any(a.kind == "RECV_B" and a.stage == 2 * pp - 1 for a in progs[0])
+    # the V's turn (stage pp-1 to pp) stays on rank pp-1
+    assert {a.peer for a in progs[pp - 1] if a.kind == "SEND_F" and a.stage == pp - 1} == {pp - 1}
+
+
+def test_placement_of_a_v():
+    place = S.Placement.of("zbv", 4)
+    assert [place.stage(r, c) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    assert [place.rank(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    inter = S.Placement.of("interleaved", 4, 2)
+    assert [inter.rank(s) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("extra", [0, 1, 5])
+def test_zbv_bubble_against_1f1b_with_w_split_out(pp, extra):
+    """Same work per micro-batch: a stage's F = 1 and whole backward = 2 under 1F1B; each of zbv's two chunks
+    (half the layers) F = 0.5 and backward 1, split into B (input gradient) and W (weight gradients).
+
+    At F = B = W (0.5 each, the zero-bubble papers' balanced case) the simulated zbv step beats the ideal
+    (m x 3) by exactly (pp - 1) x 0.5, a sixth of 1F1B's (pp - 1) x 3: torch's ZBV order (which this is)
+    keeps one W-sized slot per hop of the warm-up. With a smaller W (0.25: the GEMMs' weight part of a backward
+    whose attention has none) the saving shrinks, but zbv stays ahead of 1F1B; with no W to defer (0) it still
+    does, by the V's halved chunks. Exact values: unit costs and no transfer time make every time a multiple of
+    0.25, so equality holds to 1e-9."""
+    micro = 2 * pp - 1 + extra  # torch's ZBV fills its pipeline from 2pp - 1 micro-batches on
+    ideal = micro * 3
+    one_f_one_b = S.simulate(S.all_programs("1f1b", pp, micro)).finish - ideal
+    assert one_f_one_b == pytest.approx((pp - 1) * 3, abs=1e-9)
+    balanced = S.simulate(S.all_programs("zbv", pp, micro), 0.5, 1.0, 0.5).finish - ideal
+    assert balanced == pytest.approx((pp - 1) * 0.5, abs=1e-9)
+    bubbles = [S.simulate(S.all_programs("zbv", pp, micro), 0.5, 1.0, w).finish - ideal for w in (0.5, 0.25, 0.0)]
+    assert bubbles == sorted(bubbles) and bubbles[-1] < one_f_one_b
+
+
+def test_zbv_holds_1f1b_s_activations_on_the_first_rank():
+    """Peak (chunk, micro) activations held (F to W), each half a stage's: rank 0 holds 2pp halves = pp stages'
+    worth, 1F1B's first rank's pp; the turn's rank holds as many."""
+    for pp in (2, 4):
+        sim = S.simulate(S.all_programs("zbv", pp, 4 * pp), 0.5, 1.0, 0.5)
+        assert sim.peak_in_flight == [2 * pp] * pp
+
+
+def test_the_simulator_catches_a_w_before_its_b():
+    progs = S.all_programs("zbv", 2, 4)
+    prog = list(progs[1])
+    b = next(i for i, a in enumerate(prog) if a.kind == "B")
+    w = next(i for i, a in enumerate(prog) if a.kind == "W" and (a.chunk, a.micro) == (prog[b].chunk, prog[b].micro))
+    prog.insert(b, prog.pop(w))
+    with pytest.raises(AssertionError, match="weight gradient .* before its input gradient"):
+        S.simulate([progs[0], prog])
+
+
+def test_a_chart_shows_w_as_capitals():
+    text = S.draw(S.simulate(S.all_programs("zbv", 2, 4), 1, 2, 1))
+    assert "A" in text and "a" in text and "0" in text
