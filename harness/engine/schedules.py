@@ -170,9 +170,12 @@ class Simulation:
     peak_in_flight: list[int]  # per rank: most (chunk, micro) activations held at once
 
 
-def compute_cost(a: Action, split: bool, f_cost: float, b_cost: float, w_cost: float | None) -> float:
+def compute_cost(a: Action, split: bool, f_cost: float, b_cost: float, w_cost: float | None, costs=None) -> float:
     """F costs f_cost; b_cost is the whole backward, of which a split B (input gradient only) takes all
-    but w_cost and its W the rest (w_cost None: half of it)."""
+    but w_cost and its W the rest (w_cost None: half of it). `costs` ({(kind, stage): seconds}, e.g.
+    measured) overrides them where it has the action's kind and stage."""
+    if costs is not None and (a.kind, a.stage) in costs:
+        return costs[(a.kind, a.stage)]
     w = b_cost / 2 if w_cost is None else w_cost
     if a.kind == "F":
         return f_cost
@@ -187,7 +190,11 @@ def split_items(program: list[Action]) -> set[tuple[int, int]]:
 
 
 def simulate(
-    programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0, w_cost: float | None = None
+    programs: list[list[Action]],
+    f_cost: float = 1.0,
+    b_cost: float = 2.0,
+    w_cost: float | None = None,
+    costs: dict | None = None,
 ) -> Simulation:
     """Run the programs with non-blocking sends and FIFO channels; raise on any inconsistency.
 
@@ -242,7 +249,7 @@ def simulate(
                         held[r].remove(item)
                     k = (a.kind, a.stage, a.micro)
                     seen[k] = seen.get(k, 0) + 1
-                    cost = compute_cost(a, split, f_cost, b_cost, w_cost)
+                    cost = compute_cost(a, split, f_cost, b_cost, w_cost, costs)
                     timeline[r].append((a.kind, a.chunk, a.micro, clock[r], clock[r] + cost))
                     clock[r] += cost
                 pc[r] += 1
