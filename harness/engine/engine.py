@@ -123,6 +123,7 @@ class Engine3D:
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
         schedule = lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b"
         self.programs = all_programs(schedule, lay.pp, self.micro, self.chunks_per_rank)
+        self.schedule = schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "none (no pipeline)"
         seq_cp = w.seq_len // lay.cp  # the tokens of each sequence this rank holds
         seq_local = seq_cp // lay.tp if sp else seq_cp
         p2p_mode = lay.pipeline_p2p if lay.pipeline_p2p != "auto" else ("grouped" if ctx.backend == "nccl" else "async")
@@ -258,7 +259,10 @@ class Engine3D:
             "cp": lay.cp,
             "cp_impl": lay.cp_impl if lay.cp > 1 else None,
             "coord": self.mesh.coord._asdict(),
-            "schedule": lay.pipeline_schedule,
+            "schedule": self.schedule,
+            "backward": "split: B input gradient, W weight gradients"
+            if any(a.kind == "W" for a in self.executor.program)
+            else "whole",
             "chunks_per_rank": self.chunks_per_rank,
             "p2p_mode": self.executor.mode,
             "micro_batches": self.micro,
