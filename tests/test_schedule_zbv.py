@@ -1,4 +1,5 @@
-"""The own engine's zbv programs (zero-bubble V, backward split into B and W), checked by the simulator."""
+"""The own engine's zero-bubble programs (zbv's V and interleaved zero_bubble, the backward split into B and W),
+checked by the simulator."""
 
 from __future__ import annotations
 
@@ -80,3 +81,33 @@ def test_the_simulator_catches_a_w_before_its_b():
 def test_a_chart_shows_w_as_capitals():
     text = S.draw(S.simulate(S.all_programs("zbv", 2, 4), 1, 2, 1))
     assert "A" in text and "a" in text and "0" in text
+
+
+ZB = [
+    (pp, v, m) for pp in (2, 3, 4) for v in (2, 3) for m in (1, pp, pp + 1, 2 * pp, 4 * pp) if m % max(1, m // pp) == 0
+]
+
+
+@pytest.mark.parametrize("pp,chunks,micro", ZB)
+def test_zero_bubble_programs_run_to_the_end(pp, chunks, micro):
+    """torch's ScheduleInterleavedZeroBubble order as the own engine's programs: deadlock-free in both transfer
+    modes, each (chunk, micro-batch) F, B and W once on its rank, chunk c at stage c * pp + rank."""
+    progs = S.all_programs("zero_bubble", pp, micro, chunks)
+    S.simulate(progs)
+    S.simulate_grouped(progs)
+    for r, prog in enumerate(progs):
+        computes = sorted((a.kind, a.chunk, a.micro) for a in prog if a.kind in "FBW")
+        assert computes == sorted((k, c, m) for k in "FBW" for c in range(chunks) for m in range(micro))
+        assert {(a.chunk, a.stage) for a in prog if a.kind == "F"} == {(c, c * pp + r) for c in range(chunks)}
+
+
+@pytest.mark.parametrize("pp,micro,chunks", [(2, 8, 2), (4, 8, 2), (4, 16, 4)])
+def test_zero_bubble_fills_the_interleaved_bubble_with_w(pp, micro, chunks):
+    """Chunks of 1/v of a stage, F = B (input gradient) = W = 1/v: the deferred W fills two thirds of interleaved
+    1F1B's bubble, (pp - 1) x 3 / v, leaving (pp - 1) / v (exact: multiples of 1/4)."""
+    v = chunks
+    ideal = micro * 3
+    inter = S.simulate(S.all_programs("interleaved", pp, micro, v), 1 / v, 2 / v).finish - ideal
+    zb = S.simulate(S.all_programs("zero_bubble", pp, micro, v), 1 / v, 2 / v, 1 / v).finish - ideal
+    assert inter == pytest.approx((pp - 1) * 3 / v, abs=1e-9)
+    assert zb == pytest.approx((pp - 1) / v, abs=1e-9)

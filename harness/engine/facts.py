@@ -28,8 +28,9 @@ ENGINE = EngineFacts(
             "1f1b",
             "interleaved",
             "zbv",
-            why="the own engine's instruction lists (harness/engine/schedules.py) are gpipe, 1f1b, interleaved and "
-            "zbv: no zero_bubble (interleaved) or dualpipev; engine fsdp runs them (torch.distributed.pipelining)",
+            "zero_bubble",
+            why="the own engine's instruction lists (harness/engine/schedules.py) are gpipe, 1f1b, interleaved, "
+            "zero_bubble and zbv: no dualpipev; engine fsdp runs it (torch.distributed.pipelining)",
         ),
         "layout.zero_stage": only(0, 1, why="the own engine has ZeRO stage 0 or 1"),
     },

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from harness.engine.zero_bubble import zbv_order
+from harness.engine.zero_bubble import zbv_order, zero_bubble_order
 from harness.spec import V_SCHEDULES
 
 
@@ -109,6 +109,8 @@ def compute_order(schedule: str, pp: int, rank: int, micro: int, chunks: int = 1
         return interleaved_order(pp, rank, micro, chunks)
     if schedule == "zbv":
         return zbv_order(pp, rank, micro)
+    if schedule == "zero_bubble":
+        return zero_bubble_order(pp, rank, micro, chunks)
     raise ValueError(f"unknown schedule {schedule!r}")
 
 

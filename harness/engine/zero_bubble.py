@@ -69,3 +69,52 @@ def zbv_order(pp: int, rank: int, micro: int) -> list[Op]:
     if not (w0 == b0 == f0 and w1 == b1 == f1):
         raise AssertionError(f"zbv order of rank {rank}: F, B and W counts differ")
     return [op for op in ops if op[2] < micro]
+
+
+def zero_bubble_rounds(pp: int, micro: int) -> int:
+    """Rounds of torch's ScheduleInterleavedZeroBubble: micro-batches go through the chunks in rounds of
+    micro / rounds, which must divide evenly."""
+    return max(1, micro // pp)
+
+
+def zero_bubble_order(pp: int, rank: int, micro: int, chunks: int) -> list[Op]:
+    """torch.distributed.pipelining's ScheduleInterleavedZeroBubble (ZB-H1 per chunk, interleaved chunks:
+    chunk c is stage c * pp + rank): _get_warmup_ops and _get_1f1b_rank_ops with enable_zero_bubble, without
+    the idle slots torch pads its table with (here a rank waits on its receives instead)."""
+    rounds = zero_bubble_rounds(pp, micro)
+    if micro % rounds:
+        raise ValueError(f"zero_bubble needs micro-batches ({micro}) divisible by its rounds ({rounds})")
+    per_round = micro // rounds
+    warmup = min((chunks - 1) * per_round + (pp - 1 - rank), micro * chunks)
+    steady = micro * chunks - warmup
+    total = warmup + steady + warmup
+
+    def fwd_chunk(step):
+        return (step // per_round) % chunks
+
+    def bwd_chunk(step):
+        return chunks - 1 - ((step - warmup) // per_round) % chunks
+
+    count = {("F", c): 0 for c in range(chunks)} | {("B", c): 0 for c in range(chunks)}
+    count |= {("W", c): 0 for c in range(chunks)}
+    ops: list[Op] = []
+
+    def add(kind, chunk):
+        ops.append((kind, chunk, count[(kind, chunk)]))
+        count[(kind, chunk)] += 1
+
+    backward_steps: list[int] = []
+    weights = 0
+    for step in range(total):
+        if step < warmup + steady:
+            add("F", fwd_chunk(step))
+        if step >= warmup:
+            add("B", bwd_chunk(step))
+            backward_steps.append(step)
+            if step - warmup >= rank:  # the first `rank` weight gradients wait for the cool-down
+                add("W", bwd_chunk(backward_steps[weights]))
+                weights += 1
+    while weights < len(backward_steps):
+        add("W", bwd_chunk(backward_steps[weights]))
+        weights += 1
+    return ops

@@ -79,6 +79,14 @@ def check_sizes(spec: RunSpec) -> Shape:
             raise SpecError(
                 "layout.pipeline_schedule", f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}"
             )
+    if lay.pipeline_schedule == "zero_bubble" and lay.pp > 1:
+        micro = micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
+        rounds = max(1, micro // lay.pp)  # torch's ScheduleInterleavedZeroBubble's order, which every engine runs
+        if micro % rounds:
+            raise SpecError(
+                "layout.pipeline_schedule",
+                f"zero_bubble runs micro-batches in rounds of max(1, m // pp) = {rounds}: m={micro} does not divide",
+            )
     for name, takes, why in registry.facts(lay.engine).batch_limits:
         if not takes(w, lay):
             raise CapabilityError(f"layout.{name}", why(w, lay))
