@@ -36,6 +36,7 @@ SCHEDULES = [
     ("own", "1f1b", 1),
     ("own", "interleaved", 2),
     ("own", "zbv", 1),
+    ("own", "zero_bubble", 2),
     ("fsdp", "1f1b", 1),
     ("fsdp", "interleaved", 2),
     ("fsdp", "zbv", 1),
@@ -145,14 +146,11 @@ def main() -> int:
             for k in range(args.steps)
         )
         own_sim[(schedule, v)] = finish + rest
-        kinds = sorted({k for k, _s in costs})
-        per_kind = ", ".join(
-            f"{k} {statistics.median(c for (kk, _s), c in costs.items() if kk == k) * 1e3:.1f}" for k in kinds
-        )
+        per_kind = " ".join(f"{k}{s} {c * 1e3:.1f}" for (k, s), c in sorted(costs.items(), key=lambda x: x[0][::-1]))
         print(
             f"  {schedule + (f' v{v}' if v > 1 else ''):14s} step {step[i] * 1e3:7.1f} ms  bubble rank0/rank1 "
             f"{measured[0] * 1e3:6.1f}/{measured[1] * 1e3:6.1f} ms | simulated {sim_bubble[0] * 1e3:6.1f}/"
-            f"{sim_bubble[1] * 1e3:6.1f} ms  (median ms per chunk: {per_kind})"
+            f"{sim_bubble[1] * 1e3:6.1f} ms\n      median ms per (kind, stage): {per_kind}"
         )
     print("\nschedule step time / the same engine's 1F1B: measured | predicted (simulator, own engine's costs)")
     for engine in ("own", "fsdp"):
@@ -163,7 +161,10 @@ def main() -> int:
             pred = own_sim.get((schedule, v))
             shown = f"{pred / own_sim[('1f1b', 1)]:.3f}" if pred is not None else "-"
             name = schedule + (f" v{v}" if v > 1 else "")
-            print(f"{engine} {name}/1f1b: measured {step[i] / step[base]:.3f} predicted {shown}")
+            print(
+                f"{engine} {name}/1f1b: measured {step[i] / step[base]:.3f} predicted {shown}  "
+                f"({step[i] * 1e3:.1f} / {step[base] * 1e3:.1f} ms)"
+            )
     return 0
 
 
