@@ -18,7 +18,9 @@ program (1f1b, interleaved, zbv: torch's ZBV order is the one harness/engine/zer
 
     python benchmarks/schedules_cpu.py [--model tiny-256] [--seq-len 128] [--steps 8] [--micro-batches 8]
 
-Last lines: `own <schedule>/1f1b: measured X predicted Y` and `fsdp <schedule>/1f1b: measured X predicted Y`.
+Then `own <schedule>/1f1b: measured X predicted Y` and `fsdp <schedule>/1f1b: measured X predicted Y`, and
+last the planner's bubble factors (harness/planner/schedules.py) beside the simulator's at the planner's
+convention (F = t/3, backward 2t/3, W = g t/3, g the GEMMs' share): no processes, exact.
 """
 
 from __future__ import annotations
@@ -165,6 +167,21 @@ def main() -> int:
                 f"{engine} {name}/1f1b: measured {step[i] / step[base]:.3f} predicted {shown}  "
                 f"({step[i] * 1e3:.1f} / {step[base] * 1e3:.1f} ms)"
             )
+    print(
+        "\nbubble as a fraction of 1F1B's, pp 4, 32 micro-batches, F = t/3, backward 2t/3, W = g t/3: "
+        "planner | simulator"
+    )
+    from harness.engine.schedules import all_programs, simulate
+    from harness.planner.schedules import bubble_factor
+
+    base = simulate(all_programs("1f1b", 4, 32), 1 / 3, 2 / 3).finish - 32
+    for g in (0.5, 0.75, 1.0):
+        cells = []
+        for schedule, v in (("interleaved", 2), ("zero_bubble", 2), ("zbv", 1)):
+            c = 2 if schedule == "zbv" else v
+            sim = simulate(all_programs(schedule, 4, 32, c), 1 / 3 / c, 2 / 3 / c, g / 3 / c).finish - 32
+            cells.append(f"{schedule} {bubble_factor(schedule, v, 4, g):.3f} | {sim / base:.3f}")
+        print(f"  g {g}: " + ";  ".join(cells))
     return 0
 
 

@@ -111,3 +111,26 @@ def test_zero_bubble_fills_the_interleaved_bubble_with_w(pp, micro, chunks):
     zb = S.simulate(S.all_programs("zero_bubble", pp, micro, v), 1 / v, 2 / v, 1 / v).finish - ideal
     assert inter == pytest.approx((pp - 1) * 3 / v, abs=1e-9)
     assert zb == pytest.approx((pp - 1) / v, abs=1e-9)
+
+
+@pytest.mark.parametrize("gemm_share", [0.5, 0.75, 1.0])
+def test_the_planner_s_bubble_factors_against_the_simulator(gemm_share):
+    """The planner's convention (harness/planner/schedules.py): a stage's F = t/3, whole backward 2t/3, W = g t/3
+    (g: the GEMMs' share), each of v chunks 1/v of it. Interleaved and zero_bubble: the planner's bubble factor
+    (of 1F1B's) is the simulated one exactly (pp 4, 32 micro-batches: steady state dominates, the factors are
+    ratios of multiples of t/24, hence 1e-9). zbv: the planner takes the paper's ideal ZB-V (no bubble at
+    F = B = W); torch's ZBV order, which both engines run, keeps more (here at least 1/12 of 1F1B's bubble more),
+    so the planner's factor is a lower bound."""
+    from harness.planner.schedules import bubble_factor
+
+    pp, micro, g = 4, 32, gemm_share
+    base = S.simulate(S.all_programs("1f1b", pp, micro), 1 / 3, 2 / 3).finish - micro
+
+    def simulated(schedule, chunks):
+        f, b, w = 1 / 3 / chunks, 2 / 3 / chunks, g / 3 / chunks
+        progs = S.all_programs(schedule, pp, micro, chunks)
+        return (S.simulate(progs, f, b, w).finish - micro) / base
+
+    assert simulated("interleaved", 2) == pytest.approx(bubble_factor("interleaved", 2, pp, g), abs=1e-9)
+    assert simulated("zero_bubble", 2) == pytest.approx(bubble_factor("zero_bubble", 2, pp, g), abs=1e-9)
+    assert simulated("zbv", 2) - bubble_factor("zbv", 1, pp, g) >= 1 / 12 - 1e-9
