@@ -14,7 +14,7 @@ of a rank is the simulated pipeline time less that rank's compute. Then each sch
 measured, and predicted (simulated pipeline time plus the measured optimizer and reduction time).
 Engine fsdp (torch.distributed.pipelining): step time against its 1F1B; its prediction is the own
 engine's simulation of the same schedule at the own engine's measured costs where the own engine has the
-program (1f1b, interleaved, zbv: torch's ZBV order is the one harness/engine/zero_bubble.py follows), else "-".
+program (every schedule here: harness/engine/zero_bubble.py follows torch's orders).
 
     python benchmarks/schedules_cpu.py [--model tiny-256] [--seq-len 128] [--steps 8] [--micro-batches 8]
 
@@ -39,6 +39,7 @@ SCHEDULES = [
     ("own", "interleaved", 2),
     ("own", "zbv", 1),
     ("own", "zero_bubble", 2),
+    ("own", "dualpipev", 1),
     ("fsdp", "1f1b", 1),
     ("fsdp", "interleaved", 2),
     ("fsdp", "zbv", 1),

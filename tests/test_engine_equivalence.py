@@ -11,7 +11,8 @@ Coverage (each option at least once): (tp, pp, dp) in {1,2}^3 and (2,2,2); SP on
 micro-batch 1/2; checkpointing none/full/selective; ZeRO-1 on/off; GPipe, 1F1B,
 interleaved (also with pp=1), zbv (the V with the backward split into B and W: with pp2 alone, with
 full recomputation and grouped transfers, with dp2's bucket reductions and with tp2 SP), zero_bubble
-(torch's interleaved zero-bubble order, split backward, 2 chunks per rank); async and
+(torch's interleaved zero-bubble order, split backward, 2 chunks per rank), dualpipev (torch's DualPipeV
+order, whole and split backwards mixed; grouped transfers); async and
 grouped (NCCL-style) pipeline transfers;
 attention naive/sdpa; rmsnorm torch/fused; several DP buckets; precision bf16 under TP, SP, PP,
 DP and ZeRO-1 with every grad_accum_dtype/grad_reduce_dtype combination, against the reference
@@ -97,6 +98,7 @@ CASES = {
             "workload": FOUR,
         },
         {"layout": {"pp": 2, "pipeline_schedule": "zero_bubble", "virtual_stages": 2}, "workload": FOUR},
+        {"layout": {"pp": 2, "pipeline_schedule": "dualpipev", "pipeline_p2p": "grouped"}, "workload": FOUR},
     ],
     4: [
         {

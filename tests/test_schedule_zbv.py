@@ -134,3 +134,18 @@ def test_the_planner_s_bubble_factors_against_the_simulator(gemm_share):
     assert simulated("interleaved", 2) == pytest.approx(bubble_factor("interleaved", 2, pp, g), abs=1e-9)
     assert simulated("zero_bubble", 2) == pytest.approx(bubble_factor("zero_bubble", 2, pp, g), abs=1e-9)
     assert simulated("zbv", 2) - bubble_factor("zbv", 1, pp, g) >= 1 / 12 - 1e-9
+
+
+@pytest.mark.parametrize("pp,micro", [(pp, m) for pp in (2, 3, 4) for m in (2 * pp, 2 * pp + 1, 4 * pp)])
+def test_dualpipev_programs_run_to_the_end(pp, micro):
+    """torch's ScheduleDualPipeV order (its overlapped F and B pairs one after the other): deadlock-free in both
+    transfer modes; each (chunk, micro-batch) F and B once on its V's rank, a W exactly for the backwards it
+    splits (the simulator checks each W follows its B)."""
+    progs = S.all_programs("dualpipev", pp, micro)
+    S.simulate(progs)
+    S.simulate_grouped(progs)
+    for r, prog in enumerate(progs):
+        computes = sorted((a.kind, a.chunk, a.micro) for a in prog if a.kind in "FB")
+        assert computes == sorted((k, c, m) for k in "FB" for c in (0, 1) for m in range(micro))
+        assert {(a.chunk, a.stage) for a in prog if a.kind == "F"} == {(0, r), (1, 2 * pp - 1 - r)}
+    assert any(a.kind == "W" for a in progs[0])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only, tied_across_stages
 
+# its instruction lists (harness/engine/schedules.py; the zero-bubble ones in torch's orders, zero_bubble.py)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
 BLOCK_KERNELS = ("naive", "sdpa")  # what ring and allgather blocks compute (sdpa: on CPU only)
 
 
@@ -24,13 +26,8 @@ ENGINE = EngineFacts(
             ).split()
         },
         "layout.pipeline_schedule": only(
-            "gpipe",
-            "1f1b",
-            "interleaved",
-            "zbv",
-            "zero_bubble",
-            why="the own engine's instruction lists (harness/engine/schedules.py) are gpipe, 1f1b, interleaved, "
-            "zero_bubble and zbv: no dualpipev; engine fsdp runs it (torch.distributed.pipelining)",
+            *SCHEDULES,
+            why="the own engine's instruction lists (harness/engine/schedules.py) are " + ", ".join(SCHEDULES),
         ),
         "layout.zero_stage": only(0, 1, why="the own engine has ZeRO stage 0 or 1"),
     },

@@ -10,8 +10,9 @@ and every micro-batch passes forward and backward through every stage exactly on
 
 Chunk c of pipeline rank r holds global stage c * pp + r (Megatron's interleaving), so with
 one chunk per rank stage == rank; the V schedules (zbv) place chunk 0 at stage r and chunk 1 at
-stage 2pp - 1 - r (Placement). zbv splits the backward: B computes the input gradient only (the
-one the previous stage waits for), W later the weight gradients (harness/engine/zero_bubble.py).
+stage 2pp - 1 - r (Placement). The zero-bubble schedules (zero_bubble, zbv, dualpipev) split the
+backward: B computes the input gradient only (the one the previous stage waits for), W later the
+weight gradients (harness/engine/zero_bubble.py); a (chunk, micro-batch) without a W has a whole B.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from harness.engine.zero_bubble import zbv_order, zero_bubble_order
+from harness.engine.zero_bubble import dualpipev_order, zbv_order, zero_bubble_order
 from harness.spec import V_SCHEDULES
 
 
@@ -111,6 +112,8 @@ def compute_order(schedule: str, pp: int, rank: int, micro: int, chunks: int = 1
         return zbv_order(pp, rank, micro)
     if schedule == "zero_bubble":
         return zero_bubble_order(pp, rank, micro, chunks)
+    if schedule == "dualpipev":
+        return dualpipev_order(pp, rank, micro)
     raise ValueError(f"unknown schedule {schedule!r}")
 
 

@@ -7,7 +7,8 @@ is stage 2pp - 1 - r, so the first rank holds the first stage (the embedding) an
 and the loss). The order is torch.distributed.pipelining's ScheduleZBVZeroBubble
 (_calculate_single_rank_operations) as a list of (kind, chunk, micro-batch): the same schedule as engine
 fsdp runs, here on the own engine's executor. Like torch, it plans max(2pp - 1, m) micro-batches and drops
-the ones beyond m, so any m >= 1 runs.
+the ones beyond m, so any m >= 1 runs. zero_bubble (torch's ScheduleInterleavedZeroBubble, interleaved
+chunks) and dualpipev (torch's ScheduleDualPipeV, a V) follow torch's orders the same way.
 """
 
 from __future__ import annotations
@@ -117,4 +118,64 @@ def zero_bubble_order(pp: int, rank: int, micro: int, chunks: int) -> list[Op]:
     while weights < len(backward_steps):
         add("W", bwd_chunk(backward_steps[weights]))
         weights += 1
+    return ops
+
+
+def dualpipev_order(pp: int, rank: int, micro: int) -> list[Op]:
+    """torch.distributed.pipelining's ScheduleDualPipeV (DeepSeek's DualPipe folded into a V, chunk 0 at
+    stage rank, chunk 1 at 2pp - 1 - rank; _calculate_single_rank_operations). Its overlapped forward and
+    backward pairs (F of one chunk with the whole backward of the other, to hide MoE all-to-alls) run here one
+    after the other, forward first; a whole backward is B with no W. Needs m >= 2 pp."""
+    if micro < 2 * pp:
+        raise ValueError(f"dualpipev needs at least 2 x pp = {2 * pp} micro-batches, got {micro}")
+    ops: list[Op] = []
+    count: dict[tuple[str, int], int] = {}
+    weights: list[tuple[int, int]] = []  # (chunk, micro) whose W is pending, oldest first
+
+    def add(kind: str, chunk: int, whole: bool = False):
+        key = ("B" if kind == "B" else kind, chunk)
+        m = count.get(key, 0)
+        count[key] = m + 1
+        ops.append((kind, chunk, m))
+        if kind == "B" and not whole:
+            weights.append((chunk, m))
+
+    def weight():
+        if weights:
+            chunk, m = weights.pop(0)
+            ops.append(("W", chunk, m))
+
+    for _ in range((pp - rank - 1) * 2):  # 1: F0
+        add("F", 0)
+    for _ in range(rank + 1):  # 2: F0 F1
+        add("F", 0)
+        add("F", 1)
+    for _ in range(pp - rank - 1):  # 3: I1 W1 F1
+        add("B", 1)
+        weight()
+        add("F", 1)
+    for _ in range(micro - 2 * pp + rank + 1):  # 4: F0 B1, F1 B0 (overlapped pairs)
+        add("F", 0)
+        add("B", 1, whole=True)
+        add("F", 1)
+        add("B", 0, whole=True)
+    for _ in range(pp - rank - 1):  # 5: B1, F1 B0
+        add("B", 1, whole=True)
+        add("F", 1)
+        add("B", 0, whole=True)
+    split = False
+    for i in range(rank + 1):  # 6: B1 B0, the second half split
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        add("B", 1, whole=not split)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        add("B", 0, whole=not split)
+    for _ in range(pp - rank - 1):  # 7: W0 B0
+        weight()
+        add("B", 0, whole=not split)
+    for _ in range(rank + 1):  # 8: W0
+        weight()
+    while weights:
+        weight()
     return ops

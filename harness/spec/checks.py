@@ -87,6 +87,12 @@ def check_sizes(spec: RunSpec) -> Shape:
                 "layout.pipeline_schedule",
                 f"zero_bubble runs micro-batches in rounds of max(1, m // pp) = {rounds}: m={micro} does not divide",
             )
+    if lay.pipeline_schedule == "dualpipev" and lay.pp > 1:
+        micro = micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
+        if micro < 2 * lay.pp:  # torch's ScheduleDualPipeV's order, which every engine runs
+            raise SpecError(
+                "layout.pipeline_schedule", f"dualpipev needs at least 2 x pp = {2 * lay.pp} micro-batches, got {micro}"
+            )
     for name, takes, why in registry.facts(lay.engine).batch_limits:
         if not takes(w, lay):
             raise CapabilityError(f"layout.{name}", why(w, lay))
