@@ -92,3 +92,18 @@ def test_chunks_per_rank_and_labels():
     assert layout_label(zbv).endswith("zbv")
     zb = parse_spec(_spec("fsdp", {"pp": 2, "pipeline_schedule": "zero_bubble", "virtual_stages": 2, **KEEP})).layout
     assert layout_label(zb).endswith("zero_bubble v2")
+
+
+def test_a_run_s_summary_names_the_schedule_only_with_a_pipeline():
+    from harness.report.summary import summary_lines
+
+    def line(layout):
+        lay = {"engine": "own", "tp": 1, "dp": 1, "micro_batch_size": 1, "activation_checkpointing": "none"}
+        lay |= {"attention": "sdpa", "rmsnorm": "torch", "pipeline_schedule": "1f1b", "virtual_stages": 1, **layout}
+        w = {"model": "tiny", "seq_len": 16, "global_batch_size": 8, "precision": "fp32"}
+        rec = {"run_id": "r", "status": "ok", "spec": {"workload": w, "layout": lay}}
+        return summary_lines(rec, "s")[2]
+
+    assert "pp 2 zbv dp 1" in line({"pp": 2, "pipeline_schedule": "zbv"})
+    assert "pp 2 zero_bubble v2 dp 1" in line({"pp": 2, "pipeline_schedule": "zero_bubble", "virtual_stages": 2})
+    assert "pp 1 dp 1" in line({"pp": 1})
