@@ -9,7 +9,11 @@ against the closed-form comm model.
 
 Coverage (each option at least once): (tp, pp, dp) in {1,2}^3 and (2,2,2); SP on/off;
 micro-batch 1/2; checkpointing none/full/selective; ZeRO-1 on/off; GPipe, 1F1B,
-interleaved (also with pp=1); async and grouped (NCCL-style) pipeline transfers;
+interleaved (also with pp=1), zbv (the V with the backward split into B and W: with pp2 alone, with
+full recomputation and grouped transfers, with dp2's bucket reductions and with tp2 SP), zero_bubble
+(torch's interleaved zero-bubble order, split backward, 2 chunks per rank), dualpipev (torch's DualPipeV
+order, whole and split backwards mixed; grouped transfers); async and
+grouped (NCCL-style) pipeline transfers;
 attention naive/sdpa; rmsnorm torch/fused; several DP buckets; precision bf16 under TP, SP, PP,
 DP and ZeRO-1 with every grad_accum_dtype/grad_reduce_dtype combination, against the reference
 running the same policy (harness.model.training.PrecisionPolicy) and with the exact comm check.
@@ -82,6 +86,19 @@ CASES = {
         bf16({"layout": {"dp": 2}}, grad_accum_dtype="bf16"),
         bf16({"layout": {"dp": 2, "zero_stage": 1}}, grad_accum_dtype="bf16"),
         bf16({"layout": {"dp": 2, "zero_stage": 1}}, grad_accum_dtype="bf16", grad_reduce_dtype="bf16"),
+        {"layout": {"pp": 2, "pipeline_schedule": "zbv"}, "workload": FOUR},
+        {
+            "layout": {
+                "pp": 2,
+                "pipeline_schedule": "zbv",
+                "micro_batch_size": 2,
+                "activation_checkpointing": "full",
+                "pipeline_p2p": "grouped",
+            },
+            "workload": FOUR,
+        },
+        {"layout": {"pp": 2, "pipeline_schedule": "zero_bubble", "virtual_stages": 2}, "workload": FOUR},
+        {"layout": {"pp": 2, "pipeline_schedule": "dualpipev", "pipeline_p2p": "grouped"}, "workload": FOUR},
     ],
     4: [
         {
@@ -107,6 +124,8 @@ CASES = {
         },
         {"layout": {"pp": 2, "dp": 2, "dp_bucket_mb": 0.05}},
         bf16({"layout": {"tp": 2, "dp": 2, "sequence_parallel": True, "zero_stage": 1}}, grad_reduce_dtype="bf16"),
+        {"layout": {"pp": 2, "dp": 2, "pipeline_schedule": "zbv", "dp_bucket_mb": 0.05}, "workload": FOUR},
+        {"layout": {"tp": 2, "pp": 2, "sequence_parallel": True, "pipeline_schedule": "zbv"}, "workload": FOUR},
     ],
     8: [
         {

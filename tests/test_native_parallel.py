@@ -19,6 +19,7 @@ from harness.testing.workloads import tiny_workload
 STEPS = 3
 WORKLOAD = tiny_workload(seq_len=16, steps=STEPS, warmup_steps=0, optimizer={"lr": 1.0, "eps": 1.0})
 FOUR_LAYERS = {"model_overrides": {"layers": 4}}
+KEEP = {"reshard_after_forward": False}
 
 
 def _run(layout: dict, workload: dict | None = None) -> dict:
@@ -42,9 +43,18 @@ def test_tp_and_pp_on_two_processes():
         _run({"pp": 2, "pipeline_schedule": "gpipe"}),
         _run({"pp": 2, "pipeline_schedule": "1f1b"}),
         _run({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, FOUR_LAYERS),
+        # the zero-bubble schedules (4 micro-batches: ScheduleDualPipeV's least at pp 2), which need the
+        # blocks kept gathered (fsdp facts)
+        _run({"pp": 2, "pipeline_schedule": "zbv", **KEEP}, FOUR_LAYERS),
+        _run({"pp": 2, "pipeline_schedule": "zero_bubble", "virtual_stages": 2, **KEEP}, FOUR_LAYERS),
+        _run({"pp": 2, "pipeline_schedule": "dualpipev", **KEEP}, FOUR_LAYERS),
     ]
     results = spawn(run_losses, 2, runs, STEPS, True, timeout_s=300)
     _check(runs, results)
+    for i, name in ((5, "ScheduleZBVZeroBubble"), (6, "ScheduleInterleavedZeroBubble"), (7, "ScheduleDualPipeV")):
+        assert results[i]["describe"]["pipeline"]["schedule"] == name
+    # the V: rank 0 holds stages 0 and 3 (the embedding and the head), rank 1 stages 1 and 2
+    assert [s["pp_rank"] for s in results[5]["describe"]["pipeline"]["stages"]] == [0, 1, 1, 0]
     tp, interleaved = results[1]["describe"], results[4]["describe"]
     assert tp["mesh"] == {"pp": 1, "dp": 1, "tp": 2, "order": "pp, dp, tp (tp innermost)"}
     assert "SequenceParallel" in tp["tensor_parallel"]["norms"]

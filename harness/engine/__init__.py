@@ -4,7 +4,9 @@ Modules, one job each:
   facts         what it runs (harness.registry.EngineFacts), declared without importing torch
   adapter       build(): the engine behind the frameworks' TrainingEngine interface
   topology      (pp, dp, cp, tp) mesh with tp innermost; process groups per axis; rank map
-  schedules     GPipe / 1F1B / interleaved 1F1B as pure per-rank instruction lists + a simulator
+  schedules     GPipe / 1F1B / interleaved 1F1B / zero-bubble as pure per-rank instruction lists + a simulator
+  zero_bubble   the zero-bubble compute orders (zbv's V, interleaved zero_bubble): backward split into B and W
+  split_backward  B (the input gradient only, torch's stage_backward_input) and W (the weight gradients later)
   comm          counted, timed collectives and p2p per axis (tp, sp, pp, dp, all)
   tensor_parallel  Megatron-style region functions, vocab-parallel embedding and cross-entropy
   context_parallel attention over a sequence split on cp ranks: ring, allgather and ulysses

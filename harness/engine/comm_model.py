@@ -51,8 +51,10 @@ from collections import defaultdict
 from harness.engine.comm import comm_dict, comm_entry
 from harness.engine.data_parallel import plan_buckets
 from harness.engine.partition import rank_chunks, rank_params
+from harness.engine.schedules import Placement
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
+from harness.spec import V_SCHEDULES, model_chunks
 
 SIZE = {"fp32": 4, "bf16": 2}
 
@@ -120,7 +122,9 @@ def rank_comm(
     replicas = dims.replicas()
     c = dims.coord(rank)
     sp = layout.sequence_parallel and tp > 1
-    chunks = layout.virtual_stages if layout.pipeline_schedule == "interleaved" else 1
+    chunks = model_chunks(layout.pipeline_schedule, layout.virtual_stages)
+    v_shape = layout.pipeline_schedule in V_SCHEDULES
+    place = Placement.of(layout.pipeline_schedule, pp, chunks)
     mb = layout.micro_batch_size
     micro = global_batch // (dp * mb)
     tokens = seq_len // cp  # this rank's share of each sequence
@@ -128,7 +132,7 @@ def rank_comm(
     out = defaultdict(lambda: defaultdict(comm_entry))
     full_ckpt = layout.activation_checkpointing == "full"
     stages = pp * chunks
-    for plan in rank_chunks(shape, pp, chunks, c.pp, seq_len):
+    for plan in rank_chunks(shape, pp, chunks, c.pp, seq_len, v_shape):
         n = len(plan.layers)
         if tp > 1:
             regions = 2 * n  # attention and MLP: one enter and one leave each
@@ -158,13 +162,14 @@ def rank_comm(
             _add(out, "cp", op, micro * n * count, elems, dtype)
         if pp > 1:
             p2p = act // tp if sp else act
-            if plan.stage > 0:
+            # a neighbour on this rank (a V's turn, interleaving at pp 1) is handed over, not sent
+            if plan.stage > 0 and place.rank(plan.stage - 1) != c.pp:
                 _add(out, "pp", "recv", micro, p2p, adt)
                 _add(out, "pp", "send", micro, p2p, adt)
-            if plan.stage < stages - 1:
+            if plan.stage < stages - 1 and place.rank(plan.stage + 1) != c.pp:
                 _add(out, "pp", "send", micro, p2p, adt)
                 _add(out, "pp", "recv", micro, p2p, adt)
-    specs = rank_params(shape, tp, pp, chunks, c.pp, seq_len)
+    specs = rank_params(shape, tp, pp, chunks, c.pp, seq_len, v_shape)
     buckets = plan_buckets(specs, max(1, int(layout.dp_bucket_mb * 2**20 / 4)), replicas, sp)
     for b in buckets:
         if b["sp"]:

@@ -38,14 +38,14 @@ from harness.engine.data_parallel import ModelStates
 from harness.engine.model import build_chunks, use_fp8
 from harness.engine.partition import rank_chunks
 from harness.engine.pipeline import PipelineExecutor
-from harness.engine.schedules import all_programs
+from harness.engine.schedules import Placement, all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map
 from harness.measure import CensusAtStep, optimizer_state_tensors
 from harness.model.llama import cp_token_index, reference_tensor, shape_rotary
 from harness.model.training import BuildOptions, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
-from harness.spec import micro_batches_per_step
+from harness.spec import V_SCHEDULES, micro_batches_per_step, model_chunks
 
 # Which breakdown category each axis's blocking wait is charged to.
 TIME_KEYS = {"tp": "tp_comm", "cp": "cp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"}
@@ -85,9 +85,10 @@ class Engine3D:
         self.cp = self.axes["cp"] if lay.cp > 1 else None
         sp = lay.sequence_parallel and lay.tp > 1
         self.region = Region(self.axes["tp"], sp)
-        self.chunks_per_rank = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
+        self.chunks_per_rank = model_chunks(lay.pipeline_schedule, lay.virtual_stages)
         self.micro = micro_batches_per_step(spec)
-        plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len)
+        v_shape = lay.pipeline_schedule in V_SCHEDULES
+        plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len, v_shape)
         self.plans = plans
         self.chunks, self.param_specs = build_chunks(
             shape,
@@ -121,12 +122,9 @@ class Engine3D:
             self.model_states.optimizer_tensors(), w, fused=ctx.device.type == "cuda"
         )
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
-        self.programs = all_programs(
-            lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
-            lay.pp,
-            self.micro,
-            self.chunks_per_rank,
-        )
+        schedule = lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b"
+        self.programs = all_programs(schedule, lay.pp, self.micro, self.chunks_per_rank)
+        self.schedule = schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "none (no pipeline)"
         seq_cp = w.seq_len // lay.cp  # the tokens of each sequence this rank holds
         seq_local = seq_cp // lay.tp if sp else seq_cp
         p2p_mode = lay.pipeline_p2p if lay.pipeline_p2p != "auto" else ("grouped" if ctx.backend == "nccl" else "async")
@@ -141,6 +139,7 @@ class Engine3D:
             p2p_mode,
             self.hooks,
             options.batch_isend_irecv or dist.batch_isend_irecv,
+            Placement.of(schedule, lay.pp, self.chunks_per_rank),
         )
         cos, sin = shape_rotary(shape, w.seq_len, ctx.device, lay.cp, c.cp)  # this rank's positions
         self.cos, self.sin = cos, sin
@@ -170,7 +169,7 @@ class Engine3D:
         t0 = clock.mark()
         states.grads_to_masters()
         c = self.mesh.coord
-        count_loss = c.tp == 0 and c.pp == lay.pp - 1
+        count_loss = c.tp == 0 and any(p.last for p in self.plans)  # the last stage: rank 0 in a V
         # without ZeRO every replica (dp x cp) holds the same reduced gradients: one of them counts
         count_grads = states.zero or (c.dp == 0 and c.cp == 0)
         sq = states.grad_sq_sum(count_replicated=c.tp == 0) if count_grads else torch.zeros((), device=self.device)
@@ -261,7 +260,10 @@ class Engine3D:
             "cp": lay.cp,
             "cp_impl": lay.cp_impl if lay.cp > 1 else None,
             "coord": self.mesh.coord._asdict(),
-            "schedule": lay.pipeline_schedule,
+            "schedule": self.schedule,
+            "backward": "split: B input gradient, W weight gradients"
+            if any(a.kind == "W" for a in self.executor.program)
+            else "whole",
             "chunks_per_rank": self.chunks_per_rank,
             "p2p_mode": self.executor.mode,
             "micro_batches": self.micro,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from harness.registry import EVERY_ENGINE, FP8, EngineFacts, MemoryModel, every_value, only, tied_across_stages
 
+# its instruction lists (harness/engine/schedules.py; the zero-bubble ones in torch's orders, zero_bubble.py)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
 # what ring and allgather blocks compute: naive's math, or torch's attention ops that return the LSE
 # (harness.engine.lse_attention: flash on CPU; flash, efficient, cuDNN on CUDA; whether the device runs
 # the kernel is the kernel check's verdict before launch, harness.model.kernels.check_kernels)
@@ -34,9 +36,13 @@ ENGINE = EngineFacts(
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
                 "tp pp dp cp cp_impl activation_checkpointing sequence_parallel attention rmsnorm "
-                "pipeline_schedule virtual_stages pipeline_p2p dp_bucket_mb"
+                "virtual_stages pipeline_p2p dp_bucket_mb"
             ).split()
         },
+        "layout.pipeline_schedule": only(
+            *SCHEDULES,
+            why="the own engine's instruction lists (harness/engine/schedules.py) are " + ", ".join(SCHEDULES),
+        ),
         "layout.zero_stage": only(0, 1, why="the own engine has ZeRO stage 0 or 1"),
     },
     capabilities=[

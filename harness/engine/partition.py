@@ -122,20 +122,23 @@ class ChunkPlan:
     last: bool
 
 
-def rank_chunks(shape: Shape, pp: int, chunks: int, pp_rank: int, seq_len: int) -> list[ChunkPlan]:
-    """The model chunks of one pipeline rank: chunk c is global stage c * pp + pp_rank."""
+def rank_chunks(shape: Shape, pp: int, chunks: int, pp_rank: int, seq_len: int, v: bool = False) -> list[ChunkPlan]:
+    """The model chunks of one pipeline rank: chunk c is global stage c * pp + pp_rank, or in a V (v, two
+    chunks) stages pp_rank and 2 pp - 1 - pp_rank."""
     stages = pp * chunks
     parts = balanced_partition(shape, stages, seq_len)
     out = []
     for c in range(chunks):
-        s = c * pp + pp_rank
+        s = stages - 1 - pp_rank if v and c == 1 else c * pp + pp_rank
         out.append(ChunkPlan(c, s, parts[s], s == 0, s == stages - 1))
     return out
 
 
-def rank_params(shape: Shape, tp: int, pp: int, chunks: int, pp_rank: int, seq_len: int) -> list[ParamSpec]:
+def rank_params(
+    shape: Shape, tp: int, pp: int, chunks: int, pp_rank: int, seq_len: int, v: bool = False
+) -> list[ParamSpec]:
     out = []
-    for plan in rank_chunks(shape, pp, chunks, pp_rank, seq_len):
+    for plan in rank_chunks(shape, pp, chunks, pp_rank, seq_len, v):
         out += stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk)
     return out
 

@@ -9,7 +9,10 @@ eventually satisfied (no deadlock), the messages of every pair arrive in a consi
 and every micro-batch passes forward and backward through every stage exactly once.
 
 Chunk c of pipeline rank r holds global stage c * pp + r (Megatron's interleaving), so with
-one chunk per rank stage == rank.
+one chunk per rank stage == rank; the V schedules (zbv) place chunk 0 at stage r and chunk 1 at
+stage 2pp - 1 - r (Placement). The zero-bubble schedules (zero_bubble, zbv, dualpipev) split the
+backward: B computes the input gradient only (the one the previous stage waits for), W later the
+weight gradients (harness/engine/zero_bubble.py); a (chunk, micro-batch) without a W has a whole B.
 """
 
 from __future__ import annotations
@@ -17,19 +20,48 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from harness.engine.zero_bubble import dualpipev_order, zbv_order, zero_bubble_order
+from harness.spec import V_SCHEDULES
+
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # F, B, SEND_F, RECV_F, SEND_B, RECV_B, STEP
+    kind: str  # F, B, W, SEND_F, RECV_F, SEND_B, RECV_B, STEP
     chunk: int = 0
     micro: int = 0
     peer: int = -1  # pipeline rank on the other end of a transfer
+    stage: int = -1  # the global stage of (rank, chunk)
 
     def __str__(self):
         if self.kind == "STEP":
             return "STEP"
         peer = f"@{self.peer}" if self.peer >= 0 else ""
         return f"{self.kind}{self.chunk}.{self.micro}{peer}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which global stage each (pipeline rank, chunk) holds: interleaved (stage c * pp + r) or a V
+    (two chunks, stage r and 2pp - 1 - r: the first rank holds the first and the last stage)."""
+
+    pp: int
+    chunks: int = 1
+    v: bool = False
+
+    @classmethod
+    def of(cls, schedule: str, pp: int, chunks: int = 1) -> Placement:
+        v = schedule in V_SCHEDULES
+        return cls(pp, 2 if v else chunks, v)
+
+    @property
+    def last(self) -> int:
+        return self.pp * self.chunks - 1
+
+    def stage(self, rank: int, chunk: int) -> int:
+        return self.last - rank if self.v and chunk == 1 else chunk * self.pp + rank
+
+    def rank(self, stage: int) -> int:
+        return self.last - stage if self.v and stage >= self.pp else stage % self.pp
 
 
 # ------------------------------------------------------------------ compute orders
@@ -76,6 +108,12 @@ def compute_order(schedule: str, pp: int, rank: int, micro: int, chunks: int = 1
         return one_f_one_b_order(pp, rank, micro)
     if schedule == "interleaved":
         return interleaved_order(pp, rank, micro, chunks)
+    if schedule == "zbv":
+        return zbv_order(pp, rank, micro)
+    if schedule == "zero_bubble":
+        return zero_bubble_order(pp, rank, micro, chunks)
+    if schedule == "dualpipev":
+        return dualpipev_order(pp, rank, micro)
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
@@ -84,22 +122,25 @@ def compute_order(schedule: str, pp: int, rank: int, micro: int, chunks: int = 1
 
 def program(schedule: str, pp: int, rank: int, micro: int, chunks: int = 1) -> list[Action]:
     """The instruction list of one pipeline rank."""
-    last_stage = pp * chunks - 1
+    place = Placement.of(schedule, pp, chunks)
+    last_stage = place.last
     out: list[Action] = []
     for kind, c, m in compute_order(schedule, pp, rank, micro, chunks):
-        stage = c * pp + rank
+        stage = place.stage(rank, c)
         if kind == "F":
             if stage > 0:
-                out.append(Action("RECV_F", c, m, (stage - 1) % pp))
-            out.append(Action("F", c, m))
+                out.append(Action("RECV_F", c, m, place.rank(stage - 1), stage))
+            out.append(Action("F", c, m, -1, stage))
             if stage < last_stage:
-                out.append(Action("SEND_F", c, m, (stage + 1) % pp))
+                out.append(Action("SEND_F", c, m, place.rank(stage + 1), stage))
+        elif kind == "W":
+            out.append(Action("W", c, m, -1, stage))
         else:
             if stage < last_stage:
-                out.append(Action("RECV_B", c, m, (stage + 1) % pp))
-            out.append(Action("B", c, m))
+                out.append(Action("RECV_B", c, m, place.rank(stage + 1), stage))
+            out.append(Action("B", c, m, -1, stage))
             if stage > 0:
-                out.append(Action("SEND_B", c, m, (stage - 1) % pp))
+                out.append(Action("SEND_B", c, m, place.rank(stage - 1), stage))
     out.append(Action("STEP"))
     return out
 
@@ -108,9 +149,9 @@ def all_programs(schedule: str, pp: int, micro: int, chunks: int = 1) -> list[li
     return [program(schedule, pp, r, micro, chunks) for r in range(pp)]
 
 
-def transfer_label(rank: int, a: Action, pp: int) -> tuple:
+def transfer_label(a: Action) -> tuple:
     """(direction, sending stage, micro): unique per message within a step."""
-    stage = a.chunk * pp + rank
+    stage = a.stage
     if a.kind == "SEND_F":
         return ("F", stage, a.micro)
     if a.kind == "SEND_B":
@@ -124,8 +165,7 @@ def transfer_label(rank: int, a: Action, pp: int) -> tuple:
 
 def send_order(programs: list[list[Action]], src: int, dst: int) -> list[tuple]:
     """Labels that pipeline rank src sends to dst, in order: the FIFO a receiver drains."""
-    pp = len(programs)
-    return [transfer_label(src, a, pp) for a in programs[src] if a.kind.startswith("SEND") and a.peer == dst]
+    return [transfer_label(a) for a in programs[src] if a.kind.startswith("SEND") and a.peer == dst]
 
 
 @dataclass
@@ -135,9 +175,40 @@ class Simulation:
     peak_in_flight: list[int]  # per rank: most (chunk, micro) activations held at once
 
 
-def simulate(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0) -> Simulation:
-    """Run the programs with non-blocking sends and FIFO channels; raise on any inconsistency."""
+def compute_cost(a: Action, split: bool, f_cost: float, b_cost: float, w_cost: float | None, costs=None) -> float:
+    """F costs f_cost; b_cost is the whole backward, of which a split B (input gradient only) takes all
+    but w_cost and its W the rest (w_cost None: half of it). `costs` ({(kind, stage): seconds}, e.g.
+    measured) overrides them where it has the action's kind and stage."""
+    if costs is not None and (a.kind, a.stage) in costs:
+        return costs[(a.kind, a.stage)]
+    w = b_cost / 2 if w_cost is None else w_cost
+    if a.kind == "F":
+        return f_cost
+    if a.kind == "W":
+        return w
+    return b_cost - w if split else b_cost
+
+
+def split_items(program: list[Action]) -> set[tuple[int, int]]:
+    """The (chunk, micro) whose backward the program splits into B and W."""
+    return {(a.chunk, a.micro) for a in program if a.kind == "W"}
+
+
+def simulate(
+    programs: list[list[Action]],
+    f_cost: float = 1.0,
+    b_cost: float = 2.0,
+    w_cost: float | None = None,
+    costs: dict | None = None,
+) -> Simulation:
+    """Run the programs with non-blocking sends and FIFO channels; raise on any inconsistency.
+
+    Checked: no deadlock, every message received, every (stage, micro-batch) forward and backward
+    exactly once, each backward after its forward and each W after its B. An item's activations are
+    held from its F to its B, or to its W where the backward is split (W needs the saved inputs)."""
     pp = len(programs)
+    splits = [split_items(p) for p in programs]
+    waiting_w = [set() for _ in range(pp)]
     channels: dict[tuple[int, int], deque] = {}
     early: dict[tuple[int, int], dict] = {}
     pc = [0] * pp
@@ -152,7 +223,7 @@ def simulate(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 
             while pc[r] < len(programs[r]):
                 a = programs[r][pc[r]]
                 if a.kind.startswith("RECV"):
-                    want = transfer_label(r, a, pp)
+                    want = transfer_label(a)
                     key = (a.peer, r)
                     buf = early.setdefault(key, {})
                     chan = channels.setdefault(key, deque())
@@ -163,21 +234,27 @@ def simulate(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 
                         break  # blocked
                     clock[r] = max(clock[r], buf.pop(want))
                 elif a.kind.startswith("SEND"):
-                    channels.setdefault((r, a.peer), deque()).append((transfer_label(r, a, pp), clock[r]))
-                elif a.kind in ("F", "B"):
+                    channels.setdefault((r, a.peer), deque()).append((transfer_label(a), clock[r]))
+                elif a.kind in ("F", "B", "W"):
                     item = (a.chunk, a.micro)
+                    split = item in splits[r]
                     if a.kind == "F":
                         if item in held[r]:
                             raise AssertionError(f"rank {r}: forward {item} twice")
                         held[r].add(item)
                         peak[r] = max(peak[r], len(held[r]))
-                    else:
-                        if item not in held[r]:
+                    elif a.kind == "B":
+                        if item not in held[r] or item in waiting_w[r]:
                             raise AssertionError(f"rank {r}: backward {item} before its forward")
+                        (waiting_w[r].add if split else held[r].remove)(item)
+                    else:
+                        if item not in waiting_w[r]:
+                            raise AssertionError(f"rank {r}: weight gradient {item} before its input gradient")
+                        waiting_w[r].remove(item)
                         held[r].remove(item)
-                    k = (a.kind, a.chunk * pp + r, a.micro)
+                    k = (a.kind, a.stage, a.micro)
                     seen[k] = seen.get(k, 0) + 1
-                    cost = f_cost if a.kind == "F" else b_cost
+                    cost = compute_cost(a, split, f_cost, b_cost, w_cost, costs)
                     timeline[r].append((a.kind, a.chunk, a.micro, clock[r], clock[r] + cost))
                     clock[r] += cost
                 pc[r] += 1
@@ -193,6 +270,11 @@ def simulate(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 
     bad = {k: n for k, n in seen.items() if n != 1}
     if bad:
         raise AssertionError(f"computed more than once: {bad}")
+    stages = 1 + max((k[1] for k in seen), default=-1)
+    micro = 1 + max((k[2] for k in seen), default=-1)
+    missing = [(k, s, m) for k in "FB" for s in range(stages) for m in range(micro) if (k, s, m) not in seen]
+    if missing:
+        raise AssertionError(f"never computed: {missing[:8]}")
     for r in range(pp):
         if held[r]:
             raise AssertionError(f"rank {r}: forwards without backward {sorted(held[r])}")
@@ -226,9 +308,9 @@ def grouped_program(programs: list[list[Action]], rank: int) -> list:
     for a in programs[rank]:
         if a.kind.startswith("SEND"):
             if a.peer != rank:
-                group.append(Transfer("send", a.peer, transfer_label(rank, a, pp)))
+                group.append(Transfer("send", a.peer, transfer_label(a)))
         elif a.kind.startswith("RECV"):
-            want = transfer_label(rank, a, pp)
+            want = transfer_label(a)
             if a.peer != rank and want not in have:
                 while True:
                     label = order[a.peer][nxt[a.peer]]
@@ -248,7 +330,7 @@ def grouped_program(programs: list[list[Action]], rank: int) -> list:
     return out
 
 
-def _run_grouped(progs: list[list], f_cost: float, b_cost: float):
+def _run_grouped(progs: list[list], f_cost: float, b_cost: float, w_cost: float | None = None):
     """Strict group semantics: a group finishes only when every transfer in it meets its
     partner (posted by the peer, now or earlier), and its rank waits for it before going on.
     Returns (finish time, None) or (None, {rank: (item index, transfers still unmatched)})."""
@@ -259,6 +341,8 @@ def _run_grouped(progs: list[list], f_cost: float, b_cost: float):
 
     def key(r, t):
         return ("send", r, t.peer, t.label) if t.op == "send" else ("recv", t.peer, r, t.label)
+
+    splits = [{(a.chunk, a.micro) for a in prog if isinstance(a, Action) and a.kind == "W"} for prog in progs]
 
     def partner(k):
         return ("recv" if k[0] == "send" else "send",) + k[1:]
@@ -275,8 +359,8 @@ def _run_grouped(progs: list[list], f_cost: float, b_cost: float):
                     if not all(partner(k) in posted for k in keys):
                         break
                     clock[r] = max([clock[r]] + [posted[partner(k)] for k in keys])
-                elif item.kind in ("F", "B"):
-                    clock[r] += f_cost if item.kind == "F" else b_cost
+                elif item.kind in ("F", "B", "W"):
+                    clock[r] += compute_cost(item, (item.chunk, item.micro) in splits[r], f_cost, b_cost, w_cost)
                 pc[r] += 1
                 progressed = True
         if all(pc[r] == len(progs[r]) for r in range(pp)):
@@ -333,21 +417,24 @@ def grouped_programs(programs: list[list[Action]]) -> list[list]:
     raise AssertionError("grouping did not converge")
 
 
-def simulate_grouped(programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0) -> float:
+def simulate_grouped(
+    programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0, w_cost: float | None = None
+) -> float:
     """Finish time of the grouped programs under strict group semantics (raises on deadlock)."""
-    finish, stuck = _run_grouped(grouped_programs(programs), f_cost, b_cost)
+    finish, stuck = _run_grouped(grouped_programs(programs), f_cost, b_cost, w_cost)
     if stuck is not None:
         raise AssertionError(f"grouped deadlock: {stuck}")
     return finish
 
 
 def draw(sim: Simulation, width_per_unit: int = 1) -> str:
-    """ASCII chart of a simulated timeline: one row per rank, F as micro-batch digits, B as letters."""
+    """ASCII chart of a simulated timeline: one row per rank, F as micro-batch digits, B as letters, W as
+    capitals."""
     rows = []
     for r, events in enumerate(sim.timeline):
         line = [" "] * int(sim.finish * width_per_unit)
         for kind, _chunk, micro, start, end in events:
-            ch = str(micro % 10) if kind == "F" else "abcdefghij"[micro % 10]
+            ch = str(micro % 10) if kind == "F" else ("abcdefghij" if kind == "B" else "ABCDEFGHIJ")[micro % 10]
             for t in range(int(start * width_per_unit), int(end * width_per_unit)):
                 line[t] = ch
         rows.append(f"rank {r}: " + "".join(line))

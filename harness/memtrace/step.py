@@ -37,7 +37,9 @@ def traced_micro_batches(lay, m: int, stage: int) -> int:
         return min(m, 2)
     if lay.pipeline_schedule == "gpipe":
         return m
-    if lay.pipeline_schedule == "interleaved":
+    if lay.pipeline_schedule in ("interleaved", "zero_bubble", "zbv", "dualpipev"):
+        # zbv: every rank reaches its peak (2 pp half-stage chunks) within 2 pp - 1 (the simulator's count);
+        # 2 pp also meets torch's ScheduleDualPipeV (at least 2 pp) and ScheduleInterleavedZeroBubble (rounds)
         return min(m, 2 * lay.pp)
     return min(m, lay.pp - stage + 1)  # 1F1B: pp - stage in flight after the warm-up
 

@@ -136,7 +136,7 @@ def layouts(
 def schedules_of(engine: str) -> list[str]:
     """The default schedules of pp > 1 candidates: 1F1B, and interleaved 1F1B where the engine runs
     it (its facts; the study's engine did not). The zero-bubble schedules only when asked for
-    (`harness plan --pipeline-schedule`): no engine here runs them yet."""
+    (`harness plan --pipeline-schedule`): engines own and fsdp run them."""
     if engine == PAPER:
         return ["1f1b"]
     return ["1f1b", *registry.facts(engine).runs("layout.pipeline_schedule", ["interleaved"])]

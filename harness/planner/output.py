@@ -67,8 +67,7 @@ def group(preds: list[Prediction], limit: int | None = None) -> list[Row]:
 
 def runnable(lay: PlannerLayout) -> bool:
     """Whether this harness's engines run the layout's kernels and schedule (the planner also knows
-    the study's fused_softmax and flash1, the GPU kernels and the zero-bubble schedules, which no
-    engine here runs)."""
+    the study's fused_softmax and flash1, which no engine here runs)."""
     from harness.spec import ATTENTION_KERNELS, SCHEDULES
 
     return lay.attention in ATTENTION_KERNELS and (lay.pp == 1 or lay.pipeline_schedule in SCHEDULES)

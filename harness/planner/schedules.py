@@ -26,11 +26,10 @@ slowest rank's layers as the even split gives them), its memory the V placement 
 
 from __future__ import annotations
 
+from harness.spec import INTERLEAVED_SCHEDULES as INTERLEAVED  # chunks per rank: virtual_stages (at least 2)
+from harness.spec import V_SCHEDULES, model_chunks  # V: two chunks per rank, the first rank the first and last
+
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zero_bubble", "zbv", "dualpipev")
-# Schedules with exactly two chunks per rank in a V (the first rank holds the first and last).
-V_SCHEDULES = ("zbv", "dualpipev")
-# Schedules whose chunks per rank are the layout's virtual_stages (at least 2).
-INTERLEAVED = ("interleaved", "zero_bubble")
 # In-flight micro-batches beyond 1F1B's: DualPipeV holds p + 1 (its README's table).
 EXTRA_IN_FLIGHT = {"dualpipev": 1}
 
@@ -48,10 +47,8 @@ def schedule_label(lay) -> str:
 
 
 def chunks(schedule: str, virtual_stages: int) -> int:
-    """Model chunks per pipeline rank."""
-    if schedule in V_SCHEDULES:
-        return 2
-    return virtual_stages if schedule in INTERLEAVED else 1
+    """Model chunks per pipeline rank (the spec's rule, harness.spec.model_chunks)."""
+    return model_chunks(schedule, virtual_stages)
 
 
 def bubble_factor(schedule: str, virtual_stages: int, pp: int, gemm_share: float) -> float:

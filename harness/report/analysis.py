@@ -240,10 +240,20 @@ def pipeline(rows: list[Row], metric: Metric, run_id: str | None = None) -> Sect
     s.text.append(
         f"{'The chosen' if run_id and r.run_id.startswith(run_id) else 'The best pipelined'} run: "
         f"{r.label} ({r.sweep}, run {r.run_id[:10]}). Forward (F) and "
-        "backward (B) passes per micro-batch and stage; the white space is the pipeline bubble "
-        "(on that stage: waiting for its neighbours)."
+        "backward (B) passes per micro-batch and stage"
+        + (
+            ", the weight gradients (W) apart where the schedule splits the backward"
+            if any(e.get("kind") == "W" for e in r.timeline)
+            else ""
+        )
+        + "; the white space is the pipeline bubble (on that stage: waiting for its neighbours)."
     )
     stages = sorted({e.get("stage", 0) for e in r.timeline})
+    if len(stages) > r.pp:
+        s.text.append(
+            f"Each of the {r.pp} pipeline ranks holds {len(stages) // r.pp} of the {len(stages)} stages: a rank "
+            "waits only where none of its stages computes."
+        )
     if len(stages) < r.pp:
         s.text.append(f"The run recorded stage(s) {', '.join(map(str, stages))} of {r.pp} only.")
     s.images.append(("timeline", plots.timeline(r.timeline, r.label), "pipeline timeline of one step"))

@@ -173,13 +173,13 @@ def stacked(
 
 
 def timeline(events: list[dict], title: str) -> bytes:
-    """Pipeline schedule of one step: a row per stage, F and B boxes labelled by micro-batch."""
+    """Pipeline schedule of one step: a row per stage, F, B (and W) boxes labelled by micro-batch."""
     stages = sorted({int(e.get("stage", 0)) for e in events})
     t0 = min(float(e["start_s"]) for e in events)
     fig, ax = plt.subplots(figsize=(8, 0.8 + 0.5 * len(stages)))
     for e in events:
         s, a, b = int(e.get("stage", 0)), float(e["start_s"]) - t0, float(e["end_s"]) - t0
-        color = "#4c72b0" if e.get("kind") == "F" else "#55a868"
+        color = {"F": "#4c72b0", "W": "#dd8452"}.get(e.get("kind"), "#55a868")
         ax.barh(stages.index(s), (b - a) * 1000, left=a * 1000, color=color, edgecolor="white")
         if len(events) <= 96:
             ax.text(
@@ -193,7 +193,12 @@ def timeline(events: list[dict], title: str) -> bytes:
             )
     ax.set_yticks(range(len(stages)), [f"stage {s}" for s in stages])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the step began (blue: forward, green: backward, gaps: bubble)")
+    split = any(e.get("kind") == "W" for e in events)
+    ax.set_xlabel(
+        "ms since the step began (blue: forward, green: backward"
+        + (" (input gradient), orange: weight gradients" if split else "")
+        + ", gaps: bubble)"
+    )
     ax.set_title(title, fontsize=10)
     return _encode(fig)
 

@@ -7,6 +7,11 @@ def _gib(n) -> str:
     return f"{n / 2**30:.2f} GiB" if n is not None else "n/a"
 
 
+def _schedule(lay: dict) -> str:
+    virtual = int(lay.get("virtual_stages") or 1)
+    return (lay.get("pipeline_schedule") or "1f1b") + (f" v{virtual}" if virtual > 1 else "")
+
+
 def summary_lines(record: dict, store_path: str) -> list[str]:
     m, lay = record.get("metrics") or {}, record["spec"]["layout"]
     w = record["spec"]["workload"]
@@ -16,7 +21,9 @@ def summary_lines(record: dict, store_path: str) -> list[str]:
         f"  workload: {w['model']} seq {w['seq_len']} global batch {w['global_batch_size']} {w['precision']}",
         f"  layout:   engine {lay['engine']} tp {lay['tp']} "
         + (f"cp {lay['cp']} {lay.get('cp_impl') or 'ring'} " if (lay.get("cp") or 1) > 1 else "")
-        + f"pp {lay['pp']} dp {lay['dp']} "
+        + f"pp {lay['pp']} "
+        + (f"{_schedule(lay)} " if (lay.get("pp") or 1) > 1 else "")  # no schedule without a pipeline
+        + f"dp {lay['dp']} "
         f"mbs {lay['micro_batch_size']} ckpt {lay['activation_checkpointing']} attn {lay['attention']} "
         f"rmsnorm {lay['rmsnorm']}",
     ]

@@ -14,7 +14,7 @@ from harness.errors import CapabilityError, SpecError
 from harness.model.presets import Shape, param_count, resolve_shape
 from harness.parallel_dims import ParallelDims
 from harness.spec.capabilities import check_honoured, check_model_limits, check_precision_policy, check_rules
-from harness.spec.schema import RunSpec, Workload, micro_batch_count
+from harness.spec.schema import INTERLEAVED_SCHEDULES, V_SCHEDULES, RunSpec, Workload, micro_batch_count, model_chunks
 
 
 def check_sizes(spec: RunSpec) -> Shape:
@@ -42,7 +42,7 @@ def check_sizes(spec: RunSpec) -> Shape:
         raise SpecError("layout.tp", f"vocabulary {shape.vocab} is not divisible by tp={lay.tp}")
     if shape.ffn % lay.tp:
         raise SpecError("layout.tp", f"feed-forward width {shape.ffn} is not divisible by tp={lay.tp}")
-    stages = lay.pp * lay.virtual_stages
+    stages = lay.pp * model_chunks(lay.pipeline_schedule, lay.virtual_stages)
     if shape.layers < stages:
         raise SpecError("layout.pp", f"{shape.layers} layers cannot fill {stages} pipeline stages")
     if lay.sequence_parallel and lay.tp == 1:
@@ -65,13 +65,33 @@ def check_sizes(spec: RunSpec) -> Shape:
             if lay.cp > 1
             else f"seq_len {w.seq_len} is not divisible by tp={lay.tp}",
         )
-    if lay.virtual_stages > 1 and lay.pipeline_schedule != "interleaved":
-        raise SpecError("layout.virtual_stages", "needs pipeline_schedule: interleaved")
+    if lay.virtual_stages > 1 and lay.pipeline_schedule not in INTERLEAVED_SCHEDULES:
+        raise SpecError("layout.virtual_stages", "needs pipeline_schedule: interleaved or zero_bubble")
+    if lay.pipeline_schedule in (*V_SCHEDULES, "zero_bubble") and lay.pp == 1:
+        raise SpecError("layout.pipeline_schedule", f"{lay.pipeline_schedule} schedules pipeline stages: needs pp > 1")
+    if lay.pipeline_schedule == "zero_bubble" and lay.virtual_stages < 2:
+        raise SpecError(
+            "layout.virtual_stages", "zero_bubble (interleaved zero bubble) needs virtual_stages >= 2 chunks per rank"
+        )
     if lay.pipeline_schedule == "interleaved" and lay.pp > 1:
         micro = micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
         if micro % lay.pp:
             raise SpecError(
                 "layout.pipeline_schedule", f"interleaved needs micro-batches ({micro}) divisible by pp={lay.pp}"
+            )
+    if lay.pipeline_schedule == "zero_bubble" and lay.pp > 1:
+        micro = micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
+        rounds = max(1, micro // lay.pp)  # torch's ScheduleInterleavedZeroBubble's order, which every engine runs
+        if micro % rounds:
+            raise SpecError(
+                "layout.pipeline_schedule",
+                f"zero_bubble runs micro-batches in rounds of max(1, m // pp) = {rounds}: m={micro} does not divide",
+            )
+    if lay.pipeline_schedule == "dualpipev" and lay.pp > 1:
+        micro = micro_batch_count(w.global_batch_size, lay.dp, lay.micro_batch_size)
+        if micro < 2 * lay.pp:  # torch's ScheduleDualPipeV's order, which every engine runs
+            raise SpecError(
+                "layout.pipeline_schedule", f"dualpipev needs at least 2 x pp = {2 * lay.pp} micro-batches, got {micro}"
             )
     for name, takes, why in registry.facts(lay.engine).batch_limits:
         if not takes(w, lay):

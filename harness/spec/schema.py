@@ -20,8 +20,20 @@ ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudn
 RMSNORM_KERNELS = ("torch", "fused")
 CHECKPOINTING = ("none", "full", "selective")
 CP_IMPLS = ("ring", "allgather", "ulysses")  # K/V blocks passed round a ring, K/V all-gathered, heads all-to-all
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name
+# Two model chunks per pipeline rank in a V (rank r holds stages r and 2pp-1-r: the first rank the first and last).
+V_SCHEDULES = ("zbv", "dualpipev")
+# virtual_stages chunks per rank, stage c * pp + r (Megatron's interleaving); zero_bubble: torch's
+# ScheduleInterleavedZeroBubble.
+INTERLEAVED_SCHEDULES = ("interleaved", "zero_bubble")
+
+
+def model_chunks(schedule: str, virtual_stages: int) -> int:
+    """Model chunks (pipeline stages) per pipeline rank."""
+    if schedule in V_SCHEDULES:
+        return 2
+    return virtual_stages if schedule in INTERLEAVED_SCHEDULES else 1
 
 
 def _choices(*values, **kw):

@@ -5,8 +5,10 @@ the blocks of a contiguous layer range (harness.engine.partition.rank_chunks, th
 the own engine), the embedding on the first stage, the final norm and LM head on the last, the
 rest None; its forward is the plain model's. Parameter names are the plain Llama's
 ("layers.3.attention.wq.weight"), so weights load and gather by name. A rank holds one stage
-(gpipe, 1f1b) or virtual_stages of them (interleaved: global stage c * pp + pp_rank, as Megatron
-and torch's ScheduleInterleaved1F1B place them).
+(gpipe, 1f1b), virtual_stages of them (interleaved, zero_bubble: global stage c * pp + pp_rank, as
+Megatron and torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble place them) or two
+in a V (zbv, dualpipev: stages pp_rank and 2 pp - 1 - pp_rank, torch's "v" stage-to-rank mapping,
+so the first rank holds the embedding and the LM head, and computes the loss).
 
 Each stage's input and output shapes are given to PipelineStage up front (static metadata:
 no inference forward/backward on the first step): tokens [mbs, seq] into the first stage,
@@ -31,14 +33,24 @@ import torch
 
 from harness.engine.partition import rank_chunks
 from harness.model.llama import Llama, lm_loss
+from harness.spec import V_SCHEDULES, model_chunks
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+SINGLE_STAGE = ("gpipe", "1f1b")  # the schedules that take one stage per rank, not a list
 
 
 def _rank_plans(spec, shape, pp_rank: int):
     lay = spec.layout
-    chunks = lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1
-    return rank_chunks(shape, lay.pp, chunks, pp_rank, spec.workload.seq_len)
+    chunks = model_chunks(lay.pipeline_schedule, lay.virtual_stages)
+    v_shape = lay.pipeline_schedule in V_SCHEDULES
+    return rank_chunks(shape, lay.pp, chunks, pp_rank, spec.workload.seq_len, v_shape)
 
 
 def stage_table(spec, shape) -> list[dict]:
@@ -101,7 +113,7 @@ class Pipeline:
         def loss_fn(logits, targets):
             return lm_loss(logits, targets) / micro
 
-        stages = self.stages if lay.pipeline_schedule == "interleaved" else self.stages[0]
+        stages = self.stages[0] if lay.pipeline_schedule in SINGLE_STAGE else self.stages
         self.schedule = cls(stages, n_microbatches=micro, loss_fn=loss_fn, scale_grads=False)
         self.name = cls.__name__
         self.table = stage_table(spec, shape)

@@ -68,7 +68,10 @@ ENGINE = EngineFacts(
         "layout.pipeline_schedule": only(
             "1f1b",
             "interleaved",
-            why=("Megatron-core's schedules are 1F1B and interleaved 1F1B (get_forward_backward_func): no gpipe"),
+            why=(
+                "Megatron-core's schedules are 1F1B and interleaved 1F1B (get_forward_backward_func): no gpipe, "
+                "no zero-bubble or V schedules"
+            ),
         ),
     },
     why_not={
