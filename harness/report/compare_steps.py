@@ -78,7 +78,7 @@ def breakdown_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     keys = sorted_components([b for _, b in runs if b])
     header = ["run", "source"] + [component_title(k) for k in keys]
     casts = any(run_metrics(r).get("compute_fp8_cast_ms") is not None for r, _ in runs)
-    header += ["of compute: FP8 casts"] if casts else []
+    header += ["of compute: FP8 casts (profiled steps)"] if casts else []
     header += ["step (their sum)", "measured median", "sum against median"]
     out = []
     for r, b in runs:
