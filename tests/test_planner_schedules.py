@@ -36,9 +36,12 @@ def test_interleaving_divides_the_bubble_by_the_chunks_and_sends_v_times(monkeyp
 def test_zero_bubble_schedules_order_their_bubbles_by_the_deferred_weight_gradient():
     g = 0.8  # GEMMs' share of a stage's time
     assert schedules.bubble_factor("zero_bubble", 2, 8, g) == pytest.approx((1 - 2 * g / 3) / 2)
-    assert schedules.bubble_factor("zbv", 1, 8, g) == pytest.approx((1 - g) / 2)
-    assert schedules.bubble_factor("zbv", 1, 8, 1.0) == 0.0  # F = B_input = W: no bubble
-    assert schedules.bubble_factor("dualpipev", 1, 8, g) == pytest.approx(3 / 7 * (5 / 3 - g) / 2)
+    # torch's ZBV order (the simulator's, tests/test_schedule_zbv.py): 2/3 (1 - g) up to g = 2/3, then 1/3 - g/6
+    assert schedules.bubble_factor("zbv", 1, 8, g) == pytest.approx(1 / 3 - g / 6)
+    assert schedules.bubble_factor("zbv", 1, 8, 0.5) == pytest.approx(1 / 3)
+    assert schedules.bubble_factor("zbv", 1, 8, 1.0) == pytest.approx(1 / 6)  # not the ZB-V paper's zero
+    assert schedules.bubble_factor("zbv", 1, 8, g) < schedules.bubble_factor("interleaved", 2, 8, g) == 1 / 2
+    assert 0 < schedules.bubble_factor("dualpipev", 1, 8, g) < 1
     bubbles = {s: _pred(pipeline_schedule=s, virtual_stages=2).time_breakdown_s["bubble_s"] for s in ("zbv", "1f1b")}
     assert 0 <= bubbles["zbv"] < bubbles["1f1b"] / 2
 

@@ -118,9 +118,8 @@ def test_the_planner_s_bubble_factors_against_the_simulator(gemm_share):
     """The planner's convention (harness/planner/schedules.py): a stage's F = t/3, whole backward 2t/3, W = g t/3
     (g: the GEMMs' share), each of v chunks 1/v of it. Interleaved and zero_bubble: the planner's bubble factor
     (of 1F1B's) is the simulated one exactly (pp 4, 32 micro-batches: steady state dominates, the factors are
-    ratios of multiples of t/24, hence 1e-9). zbv: the planner takes the paper's ideal ZB-V (no bubble at
-    F = B = W); torch's ZBV order, which both engines run, keeps more (here at least 1/12 of 1F1B's bubble more),
-    so the planner's factor is a lower bound."""
+    ratios of multiples of t/24, hence 1e-9). zbv: the planner's closed form of torch's ZBV order (which both
+    engines run), exactly too; dualpipev: the planner simulates it (at 4pp micro-batches, the same steady state)."""
     from harness.planner.schedules import bubble_factor
 
     pp, micro, g = 4, 32, gemm_share
@@ -133,7 +132,8 @@ def test_the_planner_s_bubble_factors_against_the_simulator(gemm_share):
 
     assert simulated("interleaved", 2) == pytest.approx(bubble_factor("interleaved", 2, pp, g), abs=1e-9)
     assert simulated("zero_bubble", 2) == pytest.approx(bubble_factor("zero_bubble", 2, pp, g), abs=1e-9)
-    assert simulated("zbv", 2) - bubble_factor("zbv", 1, pp, g) >= 1 / 12 - 1e-9
+    assert simulated("zbv", 2) == pytest.approx(bubble_factor("zbv", 1, pp, g), abs=1e-9)
+    assert simulated("dualpipev", 2) == pytest.approx(bubble_factor("dualpipev", 1, pp, g), abs=1e-9)
 
 
 @pytest.mark.parametrize("pp,micro", [(pp, m) for pp in (2, 3, 4) for m in (2 * pp, 2 * pp + 1, 4 * pp)])

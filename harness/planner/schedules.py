@@ -11,11 +11,13 @@ t = F + B, the planner's bubble is (stages other than the slowest) x `bubble_fac
 - interleaved (Narayanan et al. 2021): 1 / v with v chunks per rank.
 - zero_bubble (torch's ScheduleInterleavedZeroBubble: ZB-H1 per chunk, Qi et al. 2024): (F + B - 2W)
   / (F + B) / v: the deferred W fills part of the bubble, at 1F1B's memory.
-- zbv (ScheduleZBVZeroBubble, two chunks in a V): max(0, F + B - 3W) / (F + B) / 2: zero when F, B's
-  input part and W take the same time.
-- dualpipev (ScheduleDualPipeV): (p/2 - 1) / (p - 1) x max(0, F + 2B - 3W) / (F + B) / 2, with the
-  README's F&B (one chunk's forward overlapped with another's backward) taken as F + B: no
-  communication to hide in a dense model.
+- zbv (torch's ScheduleZBVZeroBubble, two chunks in a V): max(2/3 (1 - g), 1/3 - g/6) with g below,
+  whatever p (from 2 micro-batches per rank on): what its order leaves in the own engine's simulator
+  (harness/engine/schedules.py runs torch's order, zero_bubble.py), exactly. The ZB-V paper's ideal
+  (no bubble at F = B = W) is not what torch's order reaches: at g = 1 it keeps 1/6 of 1F1B's bubble.
+- dualpipev (torch's ScheduleDualPipeV): no closed form here; the simulator's factor for torch's order
+  (its overlapped forward-backward pairs run one after the other: a dense model has no all-to-all to
+  hide), cached per p and g on a grid of 1/24, at 4p micro-batches (its steady state).
 
 The split of a stage's time: F = t / 3 and B = 2t / 3 (backward twice the forward), W = g t / 3
 where g is the share of the stage's time in GEMMs (the weight gradient is one of a linear's three
@@ -25,6 +27,8 @@ slowest rank's layers as the even split gives them), its memory the V placement 
 """
 
 from __future__ import annotations
+
+import functools
 
 from harness.spec import INTERLEAVED_SCHEDULES as INTERLEAVED  # chunks per rank: virtual_stages (at least 2)
 from harness.spec import V_SCHEDULES, model_chunks  # V: two chunks per rank, the first rank the first and last
@@ -60,10 +64,25 @@ def bubble_factor(schedule: str, virtual_stages: int, pp: int, gemm_share: float
     if schedule == "zero_bubble":
         return (1.0 - 2 * w) / virtual_stages
     if schedule == "zbv":
-        return max(0.0, 1.0 - 3 * w) / 2
+        return max(2 * (1 - 3 * w) / 3, 1 / 3 - 3 * w / 6)
     if schedule == "dualpipev":
-        return (pp / 2 - 1) / (pp - 1) * max(0.0, 5 / 3 - 3 * w) / 2 if pp > 1 else 0.0
+        return simulated_factor(schedule, pp, round(3 * w * GRID)) if pp > 1 else 0.0
     return 1.0
+
+
+GRID = 24  # simulated_factor's steps of the GEMM share g
+
+
+@functools.cache
+def simulated_factor(schedule: str, pp: int, g_steps: int) -> float:
+    """The bubble of torch's `schedule` order over 1F1B's, simulated (harness.engine.schedules: pure
+    Python, no torch) with two chunks per rank, F = 1/6, the whole backward 1/3 and W = g/6 of a stage's
+    time (g = g_steps / GRID), at 4pp micro-batches."""
+    from harness.engine.schedules import all_programs, simulate
+
+    m, g = 4 * pp, g_steps / GRID
+    base = simulate(all_programs("1f1b", pp, m), 1 / 3, 2 / 3).finish - m
+    return (simulate(all_programs(schedule, pp, m, 2), 1 / 6, 1 / 3, g / 6).finish - m) / base
 
 
 def in_flight(schedule: str, virtual_stages: int, pp: int, stage: int, m: int) -> float:
