@@ -42,6 +42,7 @@ from harness.engine.schedules import all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map
 from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.model.compiled import compile_blocks
 from harness.model.llama import cp_token_index, reference_tensor, shape_rotary
 from harness.model.training import BuildOptions, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
@@ -120,6 +121,8 @@ class Engine3D:
             self.model_states.optimizer_tensors(), w, fused=ctx.device.type == "cuda"
         )
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
+        # each block compiled around its explicit TP regions: a collective in one breaks the graph there
+        compile_blocks((block for ch in self.chunks for block in ch.layers.values()), lay.compile)
         self.programs = all_programs(
             lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
             lay.pp,
@@ -268,6 +271,7 @@ class Engine3D:
             "zero_stage": lay.zero_stage,
             "dp_buckets": [b.padded for b in self.model_states.buckets],
             "precision_policy": self.policy.describe(),
+            "compile": lay.compile,
             "stages": [{"stage": p.stage, "layers": [p.layers.start, p.layers.stop]} for p in self.plans],
             "rank_map": self.rank_map[:64],
         }

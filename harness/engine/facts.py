@@ -20,7 +20,7 @@ ENGINE = EngineFacts(
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
                 "tp pp dp cp cp_impl activation_checkpointing sequence_parallel attention rmsnorm "
-                "pipeline_schedule virtual_stages pipeline_p2p dp_bucket_mb"
+                "pipeline_schedule virtual_stages pipeline_p2p dp_bucket_mb compile"
             ).split()
         },
         "layout.zero_stage": only(0, 1, why="the own engine has ZeRO stage 0 or 1"),

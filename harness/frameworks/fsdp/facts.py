@@ -26,7 +26,7 @@ ENGINE = EngineFacts(
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
                 "tp pp dp cp activation_checkpointing sequence_parallel attention rmsnorm pipeline_schedule "
-                "virtual_stages reshard_after_forward"
+                "virtual_stages reshard_after_forward compile"
             ).split()
         },
         "layout.cp_impl": only("allgather", "ring", why=CP_IMPLS),
