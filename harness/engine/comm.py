@@ -216,3 +216,10 @@ class Axis:
         self.stats.record(self.name, "all_to_all", t)
         self._timed(lambda: dist.all_to_all_single(out, t.contiguous(), group=self.group))
         return out
+
+
+# Compiled blocks (layout.compile: blocks) call these inside their TP and CP regions: dynamo runs each
+# as one opaque call, so a collective breaks the graph there (counted in the record) and its
+# bookkeeping (counts, clocks: Python numbers that would become guards) never enters a graph.
+for _op in ("all_reduce", "all_gather", "reduce_scatter", "isend", "recv", "exchange", "wait", "all_to_all"):
+    setattr(Axis, _op, torch.compiler.disable(getattr(Axis, _op)))

@@ -43,6 +43,9 @@ def _counts() -> dict:
         "frames": int(counters["frames"]["total"]),
         "graphs": int(counters["stats"]["unique_graphs"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
+        # inductor's on-disk FX graph cache (shared by every process of this user): hits are graphs not compiled again
+        "cache_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+        "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"]),
     }
 
 
@@ -86,8 +89,9 @@ class CompileWatch:
         now = _counts()
         at_arm = self.at_arm if self.armed else now
         seconds = self.at_arm_s if self.armed else _seconds()
-        compile_s, breaks, graphs = max_over_ranks(
-            [seconds - self.start_s] + [float(now[k] - self.start[k]) for k in ("graph_breaks", "graphs")]
+        compile_s, breaks, graphs, hits, misses = max_over_ranks(
+            [seconds - self.start_s]
+            + [float(at_arm[k] - self.start[k]) for k in ("graph_breaks", "graphs", "cache_hits", "cache_misses")]
         )
         return {
             "compile": {
@@ -95,6 +99,8 @@ class CompileWatch:
                 "graphs": int(graphs),
                 "graph_breaks": int(breaks),
                 "frames_compiled": at_arm["frames"] - self.start["frames"],
+                "inductor_cache_hits": int(hits),
+                "inductor_cache_misses": int(misses),
                 "recompiles_after_warmup": now["frames"] - at_arm["frames"],
             }
         }
