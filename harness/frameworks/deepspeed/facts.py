@@ -16,7 +16,9 @@ ENGINE = EngineFacts(
         **EVERY_ENGINE,
         **{
             f"layout.{name}": every_value(f"layout.{name}")
-            for name in "tp pp dp cp activation_checkpointing attention rmsnorm zero_stage ds_config model_impl compile".split()
+            for name in (
+                "tp pp dp cp activation_checkpointing attention rmsnorm zero_stage ds_config model_impl compile"
+            ).split()
         },
         "layout.cp_impl": only("ulysses", why=ULYSSES),
         "layout.pipeline_schedule": only("1f1b", why=("DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only")),
