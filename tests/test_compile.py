@@ -18,6 +18,7 @@ from harness.errors import SpecError
 from harness.spec import layout_label, parse_spec
 
 TINY = {"model": "tiny", "seq_len": 16, "global_batch_size": 8, "steps": 2, "warmup_steps": 1, "device": "cpu"}
+HF = {"engine": "deepspeed", "model_impl": "hf", "zero_stage": 1}
 
 
 def spec(layout: dict, **workload):
@@ -31,7 +32,12 @@ def spec(layout: dict, **workload):
         ({"compile": "all"}, {}, "layout.compile", "none, blocks"),
         ({"engine": "megatron", "compile": "blocks"}, {}, "layout.compile", "engine megatron runs Megatron-core"),
         ({"engine": "deepspeed", "pp": 2, "compile": "blocks"}, {}, "layout.compile", "needs pp=1"),
-        ({"engine": "deepspeed", "model_impl": "hf", "zero_stage": 1, "compile": "blocks"}, {}, "layout.compile", "own"),
+        (
+            {"engine": "deepspeed", "model_impl": "hf", "zero_stage": 1, "compile": "blocks"},
+            {},
+            "layout.compile",
+            "_impl",
+        ),
     ],
 )
 def test_a_compile_the_engine_or_workload_cannot_take_is_one_line(layout, workload, field, says):
