@@ -2,8 +2,8 @@
 every engine that compiles: the step-time speed-up and what compiling cost, per engine, in one run.
 
 For each engine, its eager and its compiled run are built in the same processes (one for single, 2 gloo
-processes for the others, each process with half the CPU's cores) through the runner's Trainer, and their steps are interleaved (eager,
-compiled, eager, ...), so machine noise hits both alike. The compiled run compiles in its warm-up step
+processes for the others, each process with half the CPU's cores) through the runner's Trainer, and their
+steps are interleaved (eager, compiled, eager, ...), so machine noise hits both alike. The compiled run compiles in its warm-up step
 (the spec requires one); its compile time is dynamo's and inductor's own wall time in that step
 (CompileWatch's compile_s, the slowest rank's), reported apart and never in a measured step. Each
 measured step's time is the slowest rank's; medians with their 95% confidence interval. The losses of
@@ -112,7 +112,8 @@ def main() -> int:
         results[name] = spawn(_pair, world, a, fields, timeout_s=1800, threads=threads)
     print(
         f"workload: {args.model}, seq {args.seq_len}, global batch {args.global_batch}, micro-batch {args.mbs}, "
-        f"fp32, {threads} thread(s) a process; {args.warmup} warm-up + {args.steps} measured steps per run, eager and compiled interleaved "
+        f"fp32, {threads} thread(s) a process; {args.warmup} warm-up + {args.steps} measured steps per run, "
+        "eager and compiled interleaved "
         f"({time.monotonic() - t0:.0f} s; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})"
     )
     print(
