@@ -3,8 +3,8 @@ every engine that compiles: the step-time speed-up and what compiling cost, per 
 
 For each engine, its eager and its compiled run are built in the same processes (one for single, 2 gloo
 processes for the others, each process with half the CPU's cores) through the runner's Trainer, and their
-steps are interleaved (eager, compiled, eager, ...), so machine noise hits both alike. The compiled run compiles in its warm-up step
-(the spec requires one); its compile time is dynamo's and inductor's own wall time in that step
+steps are interleaved (eager, compiled, eager, ...), so machine noise hits both alike. The compiled run
+compiles in its warm-up step (the spec requires one); its compile time is dynamo's and inductor's own wall time in that step
 (CompileWatch's compile_s, the slowest rank's), reported apart and never in a measured step. Each
 measured step's time is the slowest rank's; medians with their 95% confidence interval. The losses of
 the two runs are checked to agree (fp32, 1e-5 relative: tests/test_compile.py derives it), so both do
