@@ -2,14 +2,15 @@
 every engine that compiles: the step-time speed-up and what compiling cost, per engine, in one run.
 
 For each engine, its eager and its compiled run are built in the same processes (one for single, 2 gloo
-processes for the others, each process with half the CPU's cores) through the runner's Trainer, and their
-steps are interleaved (eager, compiled, eager, ...), so machine noise hits both alike. The compiled run
-compiles in its warm-up step (the spec requires one); its compile time is dynamo's and inductor's own wall time in that step
-(CompileWatch's compile_s, the slowest rank's), reported apart and never in a measured step. Each
-measured step's time is the slowest rank's; medians with their 95% confidence interval. The losses of
-the two runs are checked to agree (fp32, 1e-5 relative: tests/test_compile.py derives it), so both do
-the same work. Inductor's on-disk cache is this user's (TORCHINDUCTOR_CACHE_DIR): a graph compiled by an
-earlier run is loaded, so compile_s depends on what ran before (its cache hits and misses are shown).
+processes for the others, each process with half the CPU's cores) through the runner's Trainer, and
+their steps are interleaved (eager, compiled, eager, ...), so machine noise hits both alike. The
+compiled run compiles in its warm-up step (the spec requires one); its compile time is dynamo's and
+inductor's own wall time in that step (CompileWatch's compile_s, the slowest rank's), reported apart and
+never in a measured step. Each measured step's time is the slowest rank's; medians with their 95%
+confidence interval. The losses of the two runs are checked to agree (fp32, 1e-5 relative:
+tests/test_compile.py derives it), so both do the same work. Inductor's on-disk cache is this user's
+(TORCHINDUCTOR_CACHE_DIR): a graph compiled by an earlier run is loaded, so compile_s depends on what
+ran before (its cache hits and misses are shown).
 
     python benchmarks/compile_cpu.py [--model tiny-4l] [--seq-len 64] [--steps 10] [--engines single,fsdp]
 
@@ -55,9 +56,7 @@ def _pair(ctx, a: dict, fields: dict) -> dict:
     }
     trainers = {}
     for mode in MODES:
-        spec = parse_spec(
-            {"workload": workload, "layout": {**fields, "micro_batch_size": a["mbs"], "compile": mode}}
-        )
+        spec = parse_spec({"workload": workload, "layout": {**fields, "micro_batch_size": a["mbs"], "compile": mode}})
         trainers[mode] = Trainer(spec, ctx, spec.shape(), progress=False)
     warm = {mode: [] for mode in MODES}
     try:
@@ -132,9 +131,7 @@ def main() -> int:
                 if c
                 else ""
             )
-            print(
-                f"{name:22s} {mode:8s} {1e3 * st['median']:10.1f} {ci:>17s} {r['warmup_s'][0]:13.2f} {compiled}"
-            )
+            print(f"{name:22s} {mode:8s} {1e3 * st['median']:10.1f} {ci:>17s} {r['warmup_s'][0]:13.2f} {compiled}")
         eager, comp = res["none"], res["blocks"]
         speedups[name] = eager["stats"]["median"] / comp["stats"]["median"]
         for x, y in zip(eager["losses"], comp["losses"], strict=True):
