@@ -126,3 +126,37 @@ def test_compiled_blocks_match_the_eager_reference_in_one_launch():
             assert c["graph_breaks"] > 0, (label, c)
         else:
             assert c["graph_breaks"] == 0, (label, c)
+
+
+@pytest.mark.slow
+def test_a_recompile_in_a_measured_step_fails_the_run_and_is_recorded(tmp_path, monkeypatch):
+    """In this process (engine single, no launcher): after the warm-up step a block's Python attribute
+    that its compiled graph was guarded on changes (selective recomputation switched on), so the next
+    step would recompile. The run stops there and the store holds it failed with dynamo's
+    RecompileError naming the guard, not a measurement that timed the compiler."""
+    import torch
+
+    from harness.run import Trainer, run
+    from harness.runtime import RunContext
+    from harness.store import ResultsStore
+
+    original = Trainer.step
+
+    def step(self, i):
+        if i == self.spec.workload.warmup_steps:
+            self.engine.model.layers["0"].attention.recompute_core = True
+        return original(self, i)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    torch._dynamo.reset()
+    store = str(tmp_path / "r.sqlite")
+    with pytest.raises(Exception, match="RecompileError|Recompiling"):
+        run(
+            spec({"compile": "blocks"}),
+            RunContext(0, 1, 0, torch.device("cpu"), None),
+            store_path=store,
+            profile_steps=0,
+        )
+    (record,) = ResultsStore(store).records()
+    assert record["status"] == "failed" and "RecompileError" in record["error"], record.get("error")
+    assert not torch._dynamo.config.error_on_recompile  # restored for whatever runs next in this process
