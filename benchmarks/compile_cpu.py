@@ -14,8 +14,11 @@ ran before (its cache hits and misses are shown).
 
     python benchmarks/compile_cpu.py [--model tiny-4l] [--seq-len 64] [--steps 10] [--engines single,fsdp]
 
-Last line: `speed-up (eager / compiled step time): single: X  own pp2: Y ...` (> 1: compiled is faster),
-after one row per engine and mode with the median step, its CI, compile_s, graphs and graph breaks.
+One row per engine and mode: the median measured step, its CI, the first (warm-up) step's wall time, and
+for the compiled run compile_s, graphs, graph breaks and inductor cache hits/misses (in a pipeline the
+first step exceeds compile_s: each stage compiles while the others wait for it). Last lines: the losses'
+largest difference, `speed-up (eager / compiled step time): single: X  own pp2: Y ...` (> 1: compiled is
+faster), and the compile time per engine. Exit 1 when the losses differ beyond 1e-5.
 """
 
 from __future__ import annotations
