@@ -218,8 +218,17 @@ class Axis:
         return out
 
 
-# Compiled blocks (layout.compile: blocks) call these inside their TP and CP regions: dynamo runs each
-# as one opaque call, so a collective breaks the graph there (counted in the record) and its
-# bookkeeping (counts, clocks: Python numbers that would become guards) never enters a graph.
-for _op in ("all_reduce", "all_gather", "reduce_scatter", "isend", "recv", "exchange", "wait", "all_to_all"):
-    setattr(Axis, _op, torch.compiler.disable(getattr(Axis, _op)))
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "isend", "recv", "exchange", "wait", "all_to_all")
+
+
+def opaque_to_compile() -> None:
+    """Compiled blocks (layout.compile: blocks) call Axis's collectives inside their TP and CP regions:
+    from now on in this process dynamo runs each as one opaque call, so a collective breaks the graph
+    there (counted in the record) and its bookkeeping (counts, clocks: Python numbers that would become
+    guards and recompile every step) never enters a graph. Called only when a run compiles: importing
+    dynamo costs seconds that an eager run need not pay."""
+    if getattr(Axis, "_opaque_to_compile", False):
+        return
+    for op in _OPS:
+        setattr(Axis, op, torch.compiler.disable(getattr(Axis, op)))
+    Axis._opaque_to_compile = True

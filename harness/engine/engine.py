@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from harness.data.source import dp_slice, micro_batches
-from harness.engine.comm import Axis, CommStats, StepClock
+from harness.engine.comm import Axis, CommStats, StepClock, opaque_to_compile
 from harness.engine.data_parallel import ModelStates
 from harness.engine.model import build_chunks
 from harness.engine.partition import rank_chunks
@@ -122,6 +122,8 @@ class Engine3D:
         )
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
         # each block compiled around its explicit TP regions: a collective in one breaks the graph there
+        if lay.compile != "none":
+            opaque_to_compile()
         compile_blocks((block for ch in self.chunks for block in ch.layers.values()), lay.compile)
         self.programs = all_programs(
             lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b",
