@@ -32,12 +32,9 @@ def spec(layout: dict, **workload):
         ({"compile": "all"}, {}, "layout.compile", "none, blocks"),
         ({"engine": "megatron", "compile": "blocks"}, {}, "layout.compile", "engine megatron runs Megatron-core"),
         ({"engine": "deepspeed", "pp": 2, "compile": "blocks"}, {}, "layout.compile", "needs pp=1"),
-        (
-            {"engine": "deepspeed", "model_impl": "hf", "zero_stage": 1, "compile": "blocks"},
-            {},
-            "layout.compile",
-            "_impl",
-        ),
+        ({**HF, "compile": "blocks"}, {}, "layout.compile", "model_impl own"),
+        ({"engine": "deepspeed", "tp": 2, "zero_stage": 1, "compile": "blocks"}, {}, "layout.compile", "tp=1"),
+        ({"engine": "fsdp", "tp": 2, "compile": "blocks"}, {}, "layout.compile", "does not reproduce the reference"),
     ],
 )
 def test_a_compile_the_engine_or_workload_cannot_take_is_one_line(layout, workload, field, says):
