@@ -61,6 +61,7 @@ TODAYS_VALUES: dict[str, tuple] = {
     "layout.pipeline_schedule": ("gpipe", "1f1b", "interleaved"),
     "layout.pipeline_p2p": ("auto", "async", "grouped"),
     "layout.model_impl": ("own", "hf"),
+    "layout.compile": ("none", "blocks"),
 }
 
 

@@ -20,6 +20,7 @@ from harness import gather, measure, profiling, registry
 from harness.data.source import token_source
 from harness.errors import NonFiniteStep, SpecError
 from harness.frameworks import build_engine
+from harness.model.compiled import CompileWatch
 from harness.model.flops import flops_per_token
 from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
 from harness.model.presets import param_count
@@ -166,6 +167,7 @@ class Trainer:
         self.spec, self.ctx = spec, ctx
         self.dims = ParallelDims.of(lay)
         self.engine = build_engine(spec, shape, ctx)
+        self.compiled = CompileWatch(lay.compile)  # compile time apart; a recompilation after warm-up fails the run
         self.data = token_source(w, shape.vocab)
         self.total = w.warmup_steps + w.steps
         self.tokens_per_step = w.global_batch_size * w.seq_len
@@ -180,11 +182,8 @@ class Trainer:
         self.stream = (
             measure.MetricsStream(tensorboard_dir, layout_label(lay)) if tensorboard_dir and ctx.is_main else None
         )
-        self.losses: list[float] = []
-        self.times: list[float] = []
-        self.details: list[dict] = []
-        self.parameter_count = param_count(shape)
-        self.micro = micro_batches_per_step(spec)
+        self.losses, self.times, self.details = [], [], []  # every step's loss; the measured steps' times, details
+        self.parameter_count, self.micro = param_count(shape), micro_batches_per_step(spec)
         self.activations_saved_bytes: int | None = None
         self.profile: dict | None = None
         self.memory_before_profile: tuple | None = None
@@ -205,6 +204,7 @@ class Trainer:
         batch = self.data.global_batch_at(step)
         if step == w.warmup_steps:
             measure.reset_peak_memory(self.ctx.device)
+            self.compiled.arm()
         poisoned = _fault(step, self.ctx.rank)
         cause = None
         with self.clocks.clock(step >= w.warmup_steps), measure.StepTimer(self.ctx.device) as timer:
@@ -261,6 +261,7 @@ class Trainer:
         self.profile["wall_s"] = time.perf_counter() - started  # what profiling adds: steps, export, analysis
 
     def close_stream(self) -> None:
+        self.compiled.close()
         if self.stream is not None:
             self.stream.close()
             self.stream = None
@@ -300,6 +301,7 @@ class Trainer:
         }
         metrics.update(gather.census_over_ranks(self.engine, self.activations_saved_bytes, ctx))
         metrics.update(_summarize_details(self.details))
+        metrics.update(self.compiled.metrics(lambda values: gather.max_across_ranks(values, ctx)))
         if metrics.get("pipeline_timeline") is not None:
             metrics["pipeline_timeline"] = gather.timeline_of_every_stage(metrics["pipeline_timeline"], ctx)
         if metrics.get("breakdown_s") is not None:
@@ -401,8 +403,7 @@ def run(
     if tensorboard_dir:
         tb_dir = record["tensorboard_dir"] = tensorboard_run_dir(tensorboard_dir, spec, record["run_id"], sweep)
     try:
-        if profile_steps is None:
-            profile_steps = profiling.default_steps()
+        profile_steps = profiling.default_steps() if profile_steps is None else profile_steps
         store_file = store_path or spec.store
         if trace_dir is None and store_file != ":memory:":  # an in-memory store keeps no files: nor traces
             trace_dir = os.path.join(os.path.dirname(store_file), "harness-traces")

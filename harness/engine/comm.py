@@ -216,3 +216,19 @@ class Axis:
         self.stats.record(self.name, "all_to_all", t)
         self._timed(lambda: dist.all_to_all_single(out, t.contiguous(), group=self.group))
         return out
+
+
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "isend", "recv", "exchange", "wait", "all_to_all")
+
+
+def opaque_to_compile() -> None:
+    """Compiled blocks (layout.compile: blocks) call Axis's collectives inside their TP and CP regions:
+    from now on in this process dynamo runs each as one opaque call, so a collective breaks the graph
+    there (counted in the record) and its bookkeeping (counts, clocks: Python numbers that would become
+    guards and recompile every step) never enters a graph. Called only when a run compiles: importing
+    dynamo costs seconds that an eager run need not pay."""
+    if getattr(Axis, "_opaque_to_compile", False):
+        return
+    for op in _OPS:
+        setattr(Axis, op, torch.compiler.disable(getattr(Axis, op)))
+    Axis._opaque_to_compile = True

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from harness.data.source import dp_slice, micro_batches
-from harness.engine.comm import Axis, CommStats, StepClock
+from harness.engine.comm import Axis, CommStats, StepClock, opaque_to_compile
 from harness.engine.data_parallel import ModelStates
 from harness.engine.model import build_chunks, use_fp8
 from harness.engine.partition import rank_chunks
@@ -42,6 +42,7 @@ from harness.engine.schedules import Placement, all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map
 from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.model.compiled import compile_blocks
 from harness.model.llama import cp_token_index, reference_tensor, shape_rotary
 from harness.model.training import BuildOptions, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
@@ -122,6 +123,10 @@ class Engine3D:
             self.model_states.optimizer_tensors(), w, fused=ctx.device.type == "cuda"
         )
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
+        # each block compiled around its explicit TP regions: a collective in one breaks the graph there
+        if lay.compile != "none":
+            opaque_to_compile()
+        compile_blocks((block for ch in self.chunks for block in ch.layers.values()), lay.compile)
         schedule = lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b"
         self.programs = all_programs(schedule, lay.pp, self.micro, self.chunks_per_rank)
         self.schedule = schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "none (no pipeline)"
@@ -272,6 +277,7 @@ class Engine3D:
             "dp_buckets": [b.padded for b in self.model_states.buckets],
             "precision_policy": self.policy.describe(),
             **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
+            "compile": lay.compile,
             "stages": [{"stage": p.stage, "layers": [p.layers.start, p.layers.stop]} for p in self.plans],
             "rank_map": self.rank_map[:64],
         }

@@ -36,7 +36,7 @@ ENGINE = EngineFacts(
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
                 "tp pp dp cp cp_impl activation_checkpointing sequence_parallel attention rmsnorm "
-                "virtual_stages pipeline_p2p dp_bucket_mb"
+                "virtual_stages pipeline_p2p dp_bucket_mb compile"
             ).split()
         },
         "layout.pipeline_schedule": only(

@@ -93,6 +93,8 @@ def check_sizes(spec: RunSpec) -> Shape:
             raise SpecError(
                 "layout.pipeline_schedule", f"dualpipev needs at least 2 x pp = {2 * lay.pp} micro-batches, got {micro}"
             )
+    if lay.compile != "none" and w.warmup_steps < 1:
+        raise SpecError("layout.compile", f"{lay.compile} compiles in the first step: needs workload.warmup_steps >= 1")
     for name, takes, why in registry.facts(lay.engine).batch_limits:
         if not takes(w, lay):
             raise CapabilityError(f"layout.{name}", why(w, lay))

@@ -43,8 +43,9 @@ def layout_label(layout, short: bool = False) -> str:
     short: the engine variant and parallel_label (what tells a comparison's runs apart);
     otherwise every field that changes what is measured."""
     lay = _layout_dict(layout)
+    compiled = "compiled" if (lay.get("compile") or "none") != "none" else ""
     if short:
-        return " ".join(p for p in (engine_variant(lay), parallel_label(lay)) if p)
+        return " ".join(p for p in (engine_variant(lay), parallel_label(lay), compiled) if p)
     degrees = {k: ParallelDims.of(lay).degree(k) for k in LABEL_ORDER}
     parts = [engine_variant(lay)] + [
         f"{k}{v}" + (f" {lay.get('cp_impl') or 'ring'}" if k == "cp" else "")
@@ -61,7 +62,7 @@ def layout_label(layout, short: bool = False) -> str:
         parts.append(lay["pipeline_schedule"] + (f" v{virtual}" if virtual > 1 else ""))
     if lay.get("sequence_parallel"):
         parts.append("sp")
-    return " ".join(parts)
+    return " ".join(parts + [compiled] if compiled else parts)
 
 
 def process_counts(nprocs: list[int]) -> str:

@@ -21,6 +21,7 @@ RMSNORM_KERNELS = ("torch", "fused")
 CHECKPOINTING = ("none", "full", "selective")
 CP_IMPLS = ("ring", "allgather", "ulysses")  # K/V blocks passed round a ring, K/V all-gathered, heads all-to-all
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
+COMPILE = ("none", "blocks")  # torch.compile: nothing, or each transformer block (torchtitan's apply_compile)
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name
 # Two model chunks per pipeline rank in a V (rank r holds stages r and 2pp-1-r: the first rank the first and last).
 V_SCHEDULES = ("zbv", "dualpipev")
@@ -110,6 +111,7 @@ class Layout:
     sequence_parallel: bool = False
     attention: str = _choices(*ATTENTION_KERNELS, default="sdpa")
     rmsnorm: str = _choices(*RMSNORM_KERNELS, default="torch")
+    compile: str = _choices(*COMPILE, default="none")  # blocks: compiled in warm-up, recompiling after it fails
     # own engine
     pipeline_schedule: str = _choices(*SCHEDULES, default="1f1b")
     virtual_stages: int = spec_field(1, check=in_range(int, 1))

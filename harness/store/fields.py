@@ -113,6 +113,12 @@ def _fp8_recipe(record: dict):
     return at("spec", "workload", "fp8_recipe")(record)
 
 
+def _compile(record: dict):
+    """layout.compile; none for a record written before the field (None without a layout)."""
+    layout = at("spec", "layout")(record)
+    return (layout.get("compile") or "none") if isinstance(layout, dict) else None
+
+
 def _ms(name: str, *path: str) -> Field:
     """A component of the profiled step's breakdown (ms): exported; the reports lay out their own."""
     return Field(name, name, at("metrics", "breakdown_ms", *path), lambda v: f"{v:.1f} ms", report=False)
@@ -194,6 +200,10 @@ FIELDS: tuple[Field, ...] = (
         lambda v: f"{v:.1f} ms",
         report=False,
     ),
+    # torch.compile (layout.compile, added after cp); records written before it read none and no compile fields
+    Field("compile", "compile", _compile, report=False),
+    Field("compile_s", "compile s", at("metrics", "compile", "compile_s"), fmt_s, report=False),
+    Field("graph_breaks", "graph breaks", at("metrics", "compile", "graph_breaks"), report=False),
 )
 
 

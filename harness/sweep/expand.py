@@ -46,6 +46,9 @@ class Drop:
 # cp1 point keeps the key it had before the fields existed (a resumed sweep skips what it ran) and
 # points differing only in cp_impl at cp 1 are one point (a duplicate, dropped).
 CP_FIELDS = ("cp", "cp_impl")
+# Layout and workload fields added later, left out of a point's key at their default for the same reason
+LATER_DEFAULTS = {"compile": "none", "fp8_all_gather": False}
+LATER_WORKLOAD_DEFAULTS = {"fp8_recipe": "tensorwise"}
 
 
 def point_key(spec_dict: dict) -> str:
@@ -53,7 +56,13 @@ def point_key(spec_dict: dict) -> str:
     layout = spec_dict["layout"]
     if ParallelDims.of(layout).cp == 1:
         layout = {k: v for k, v in layout.items() if k not in CP_FIELDS}
-    ident = {"workload": spec_dict["workload"], "layout": layout}
+    layout = {k: v for k, v in layout.items() if k not in LATER_DEFAULTS or v != LATER_DEFAULTS[k]}
+    workload = {
+        k: v
+        for k, v in spec_dict["workload"].items()
+        if k not in LATER_WORKLOAD_DEFAULTS or v != LATER_WORKLOAD_DEFAULTS[k]
+    }
+    ident = {"workload": workload, "layout": layout}
     blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=list)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

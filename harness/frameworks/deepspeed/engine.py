@@ -103,6 +103,10 @@ class DeepSpeedEngine(DeepSpeedBase):
                         module._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
             else:  # each block through DeepSpeed's checkpoint
                 model.set_checkpointing("full", deepspeed.checkpointing.checkpoint)
+        if lay.compile != "none":  # each block in place, before initialize (the spec refuses model_impl hf)
+            from harness.model.compiled import compile_blocks
+
+            compile_blocks(model.layers.values(), lay.compile)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.config, mpu=mpu
         )
@@ -197,6 +201,7 @@ class DeepSpeedEngine(DeepSpeedBase):
         lay = self.spec.layout
         d = self.describe_common()
         d["activation_checkpointing"] = CHECKPOINTING[lay.activation_checkpointing]
+        d["compile"] = "torch.compile per block before deepspeed.initialize" if lay.compile != "none" else "none"
         if lay.tp > 1:
             from harness.frameworks.deepspeed.tp import SHARDED, sharded_names
 

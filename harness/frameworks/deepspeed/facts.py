@@ -26,7 +26,9 @@ ENGINE = EngineFacts(
         **FP8,
         **{
             f"layout.{name}": every_value(f"layout.{name}")
-            for name in "tp pp dp cp activation_checkpointing attention rmsnorm zero_stage ds_config model_impl".split()
+            for name in (
+                "tp pp dp cp activation_checkpointing attention rmsnorm zero_stage ds_config model_impl compile"
+            ).split()
         },
         "layout.cp_impl": only("ulysses", why=ULYSSES),
         "layout.pipeline_schedule": only("1f1b", why=("DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only")),
@@ -79,6 +81,13 @@ ENGINE = EngineFacts(
             "rmsnorm",
             lambda lay: lay.model_impl == "own" or lay.rmsnorm == "torch",
             "model_impl hf runs transformers' own RMSNorm: rmsnorm fused needs model_impl own",
+        ),
+        (
+            "compile",
+            lambda lay: lay.compile == "none" or (lay.pp == 1 and lay.tp == 1 and lay.model_impl == "own"),
+            "engine deepspeed compiles the own model's blocks before deepspeed.initialize: needs pp=1 (its pipeline "
+            "engine builds its own layers), tp=1 (dynamo fails on the all_reduce in AutoTP's ColumnParallel "
+            "backward, torch 2.13) and model_impl own",
         ),
     ],
     precision_limits=[

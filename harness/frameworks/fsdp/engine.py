@@ -142,8 +142,10 @@ class FSDPEngine:
         self._details: dict = {}
 
     def _parallelize(self, part) -> None:
-        """TP (when tp > 1), activation checkpointing, then FSDP2 over dp: torchtitan's order."""
+        """TP (when tp > 1), activation checkpointing, compile, then FSDP2 over dp: torchtitan's order."""
         from torch.distributed.fsdp import fully_shard
+
+        from harness.model.compiled import compile_blocks
 
         lay = self.spec.layout
         if lay.tp > 1:
@@ -161,6 +163,7 @@ class FSDPEngine:
 
             for key, block in list(part.layers.named_children()):
                 part.layers.register_module(key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        compile_blocks(part.layers.children(), lay.compile)  # before fully_shard, as torchtitan
         dp_mesh = self.shard_mesh
         for block in part.layers.children():
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=lay.reshard_after_forward, mp_policy=self.mp)
@@ -369,6 +372,7 @@ class FSDPEngine:
             else {"schedule": self.pipeline.name, "micro_batches": self.pipeline.micro, "stages": self.pipeline.table},
             "sharding": "fully_shard over dp per block + root" + (" (per stage module)" if self.pipeline else ""),
             "reshard_after_forward": lay.reshard_after_forward,
+            "compile": lay.compile,
             "precision_policy": self.policy.describe(),
             **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
             "mixed_precision": self._mixed_precision(),

@@ -41,7 +41,7 @@ ENGINE = EngineFacts(
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
                 "tp pp dp cp activation_checkpointing sequence_parallel attention rmsnorm "
-                "virtual_stages reshard_after_forward fp8_all_gather"
+                "virtual_stages reshard_after_forward fp8_all_gather compile"
             ).split()
         },
         "layout.pipeline_schedule": only(
@@ -51,6 +51,14 @@ ENGINE = EngineFacts(
         "layout.zero_stage": only(0, 3, why="fsdp shards by reshard_after_forward, leave zero_stage unset"),
     },
     capabilities=[
+        (
+            "compile",
+            lambda lay: lay.compile == "none" or lay.tp == 1,
+            "compile: blocks with DTensor tensor parallelism (tp > 1) does not reproduce the reference here: its "
+            "losses drift from the second step (1.6e-3 relative at the third, fp32, torch 2.13 on CPU; AOTAutograd's, "
+            "as backend aot_eager drifts alike and dynamo alone does not) while dp2 and pp2 match to 1e-7; set tp=1 "
+            "or compile: none",
+        ),
         (
             "attention",
             lambda lay: lay.cp == 1 or lay.attention.startswith("sdpa"),

@@ -75,8 +75,10 @@ ENGINE = EngineFacts(
         ),
     },
     why_not={
+        "layout.compile": "engine megatron runs Megatron-core's layers as it builds them (its own fusions only): "
+        "compiling its blocks from outside is not done here",
         "layout.dp_bucket_mb": "Megatron's DDP here runs without overlap, one bucket per buffer (Megatron-LM's "
-        "defaults): the own engine's dp_bucket_mb has no counterpart"
+        "defaults): the own engine's dp_bucket_mb has no counterpart",
     },
     # its one core attention without Transformer Engine is the materialised one (naive)
     defaults={"layout.attention": "naive"},

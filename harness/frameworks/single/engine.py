@@ -10,6 +10,7 @@ import torch
 
 from harness.data.source import micro_batches
 from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.model.compiled import compile_blocks
 from harness.model.llama import build_model, lm_loss
 from harness.model.training import MasterWeights, make_adamw, precision_policy
 
@@ -25,6 +26,7 @@ class SingleDeviceEngine:
         self.names = [n for n, _ in self.model.named_parameters()]
         self.model.to(self.policy.compute)  # the parameters computed with (buffers too: none hold state)
         self.policy.convert_fp8(self.model, device.type)  # fp8: the linears' GEMMs (same Parameters, same names)
+        compile_blocks(self.model.layers.values(), lay.compile)
         self.weights = MasterWeights(list(self.model.parameters()), self.policy)
         self.optimizer = make_adamw(self.weights.optimizer_params(), w, fused=device.type == "cuda")
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
@@ -70,4 +72,5 @@ class SingleDeviceEngine:
             "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
             "precision_policy": self.policy.describe(),
             **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
+            **({"compile": "torch.compile per block (inductor)"} if self.spec.layout.compile == "blocks" else {}),
         }

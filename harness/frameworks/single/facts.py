@@ -14,7 +14,7 @@ ENGINE = EngineFacts(
         **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
         **{
             f"layout.{name}": every_value(f"layout.{name}")
-            for name in ("activation_checkpointing", "attention", "rmsnorm")
+            for name in ("activation_checkpointing", "attention", "rmsnorm", "compile")
         },
     },
     why_not={"layout.zero_stage": "engine single has no ZeRO"},
