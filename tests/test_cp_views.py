@@ -137,7 +137,9 @@ def test_export_carries_cp_and_old_records_read_cp1():
     flat = [{k: r[k] for k in ("cp", "cp_impl", "breakdown_exposed_cp_ms")} for r in rows]
     assert flat[0] == {"cp": "2", "cp_impl": "ring", "breakdown_exposed_cp_ms": "30.0"}
     assert flat[1] == flat[2] == {"cp": "1", "cp_impl": "", "breakdown_exposed_cp_ms": ""}
-    assert list(rows[0])[-3:] == ["cp", "cp_impl", "breakdown_exposed_cp_ms"]  # after the earlier columns
+    cols = list(rows[0])  # after the columns before them (later fields, fp8 and compile, come after)
+    at = cols.index("cp")
+    assert cols[at - 1 : at + 3] == ["diverged_at_step", "cp", "cp_impl", "breakdown_exposed_cp_ms"]
 
 
 def test_summary_names_cp_only_with_context_parallelism():
