@@ -201,12 +201,14 @@ TT_FIELDS = {
 }
 TT_IMPORTS = {
     "torchtitan.components.optimizer": {"LRSchedulersContainer", "default_adamw"},
+    "torchtitan.config": {"CompileConfig"},
     "torchtitan.distributed.activation_checkpoint": {"FullAC", "SelectiveAC"},
     "torchtitan.models.llama3": {"model_registry"},
     "torchtitan.models.llama3.config_registry": {"llama3_8b", "llama3_70b", "llama3_405b"},
     "torchtitan.trainer": {"Trainer"},
 }
 TT_ADAMW = {"lr", "betas", "eps", "weight_decay"}
+TT_COMPILE = {"enable", "enable_async_tensor_parallel", "components", "backend"}  # CompileConfig's fields
 TT_LR_SCHEDULER = {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"}
 TT_FLAVORS, TT_BACKENDS = {"debugmodel", "1B", "3B", "8B", "70B", "405B"}, {"flex", "flex_flash", "varlen"}
 
@@ -243,6 +245,10 @@ def torchtitan_recipe(text: str) -> dict:
             assert ast.unparse(st.value.func) == "LRSchedulersContainer.Config"
             out["lr_scheduler"] = {k.arg: ast.literal_eval(k.value) for k in st.value.keywords}
             assert set(out["lr_scheduler"]) <= TT_LR_SCHEDULER
+        elif path[1] == "compile":
+            assert ast.unparse(st.value.func) == "CompileConfig"
+            out["compile"] = {k.arg: ast.literal_eval(k.value) for k in st.value.keywords}
+            assert set(out["compile"]) <= TT_COMPILE
         else:
             assert path[1] == "activation_checkpoint", path
             out["ac"] = ast.unparse(st.value)
@@ -263,6 +269,7 @@ TORCHTITAN = {
         virtual_stages=2,
     ),
     "cp4-ring": PlannerLayout(1, 1, 4, 1, cp=4, fsdp=True),
+    "fsdp16-compiled": PlannerLayout(1, 1, 16, 2, fsdp=True, compile="blocks"),
 }
 
 
@@ -290,6 +297,7 @@ def test_torchtitan_export_is_a_recipe_of_the_plan(name):
         "sequence_parallel": lay.tp > 1 and par["enable_sequence_parallel"],
     }
     assert got == planned(lay)
+    assert ("blocks" if r["compile"]["enable"] and r["compile"]["components"] == ["model"] else "none") == lay.compile
     assert (r["recipe"], r["flavor"]) == ("llama3_8b", "8B")
     assert tr["global_batch_size"] == 64 and tr["seq_len"] == 8192
     # per data-parallel rank and accumulation step; with pp, every micro-batch of the step in the pipeline

@@ -31,6 +31,7 @@ def test_import_round_trips_an_export_into_a_spec(name, tmp_path, capsys):
     spec = load_spec(str(out))  # harness.spec's loader: every field checked
     got = {k: getattr(spec.layout, k) for k in planned(lay)}
     assert got == planned(lay)
+    assert spec.layout.compile == (lay.compile if fmt == "torchtitan" else "none")  # the others write no compile
     w = spec.workload
     assert (w.model, w.seq_len, w.global_batch_size, w.precision) == ("llama3-8b", 8192, 64, "bf16")
     assert (w.optimizer.lr, tuple(w.optimizer.betas), w.optimizer.eps, w.optimizer.weight_decay) == (
@@ -70,7 +71,8 @@ def test_import_torchtitan_main_names_the_batch_in_tokens(tmp_path, capsys):
     # num_tokens_per_train_step unset: one micro-batch of 2 sequences x 8 pipeline micro-batches x dp 4
     assert (spec.workload.seq_len, spec.workload.global_batch_size) == (8192, 64)
     assert (spec.workload.optimizer.lr, tuple(spec.workload.optimizer.betas)) == (3e-4, (0.9, 0.95))  # default_adamw's
-    assert "import: config.compile.enable: not carried: " in err
+    assert lay.compile == "blocks"  # compile.enable with CompileConfig's default components (model, loss)
+    assert "import: compile.components: not carried: loss" in err
 
 
 MEGATRON_SCRIPT = """\

@@ -171,6 +171,8 @@ def export_deepspeed(
     elif lay.activation_checkpointing == "full" and lay.pp == 1:
         notes.append("full checkpointing: wrap each block in deepspeed.checkpointing.checkpoint")
     notes.append(f"attention {lay.attention}, rmsnorm {lay.rmsnorm}: kernels are chosen in the model code")
+    if lay.compile == "blocks":
+        notes.append("compile blocks: compile each block before deepspeed.initialize (a ds_config has no such setting)")
     return json.dumps(cfg, indent=2), [n for n in notes if n]
 
 
@@ -262,6 +264,8 @@ def export_megatron(
         )
     if lay.rmsnorm == "torch":
         notes.append("Megatron-LM's RMSNorm is fused (Transformer Engine/Apex): faster than the eager one predicted")
+    if lay.compile == "blocks":
+        notes.append("compile blocks: Megatron-LM compiles no block; Transformer Engine's fused kernels stand in")
     return " ".join(str(a) for a in args), notes
 
 

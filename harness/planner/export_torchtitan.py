@@ -126,6 +126,7 @@ def export_torchtitan(
         '"""',
         "",
         "from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw",
+        "from torchtitan.config import CompileConfig",
         "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401",
         "from torchtitan.models.llama3 import model_registry",
         f"from torchtitan.models.llama3.config_registry import {RECIPES[flavor]}",
@@ -142,6 +143,8 @@ def export_torchtitan(
         f"    config.optimizer = default_adamw({adamw})",
         "    config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0)",
         f"    config.activation_checkpoint = {AC[lay.activation_checkpointing]}",
+        # each TransformerBlock compiled (torchtitan's apply_compile), as layout.compile blocks; the loss eager
+        f'    config.compile = CompileConfig(enable={lay.compile == "blocks"}, components=["model"])',
         "    return config",
     ]
     notes = [

@@ -80,7 +80,7 @@ def _recipe_body(text: str) -> list:
 
 def read_recipe(text: str) -> tuple[dict, list[str]]:
     """The recipe's settings: {"recipe", "flavor", "attn_backend", "parallelism", "training",
-    "optimizer", "lr_scheduler", "activation_checkpoint"}, and the statements not carried."""
+    "optimizer", "lr_scheduler", "activation_checkpoint", "compile"}, and the statements not carried."""
     got = {"parallelism": dict(PARALLELISM), "training": dict(TRAINING), "optimizer": dict(ADAMW), "set": set()}
     lost = []
     for st in _recipe_body(text):
@@ -126,6 +126,12 @@ def read_recipe(text: str) -> tuple[dict, list[str]]:
                     got["optimizer"][kw.arg] = _literal(kw.value, f"optimizer.{kw.arg}")
         elif name == "lr_scheduler":
             got["lr_scheduler"] = {kw.arg: _literal(kw.value, f"lr_scheduler.{kw.arg}") for kw in value.keywords}
+        elif name == "compile":
+            if _call_name(value) != "CompileConfig":
+                raise SpecError("compile", f"not CompileConfig(...): {ast.unparse(value)}")
+            got["compile"] = {kw.arg: _literal(kw.value, f"compile.{kw.arg}") for kw in value.keywords}
+        elif name in ("compile.enable", "compile.components"):
+            got.setdefault("compile", {})[name.split(".")[1]] = _literal(value, name)
         elif name == "activation_checkpoint":
             call = _call_name(value).removesuffix(".Config")
             if isinstance(value, ast.Constant) and value.value is None:
@@ -186,6 +192,10 @@ def read_torchtitan(text: str, gpus: int | None) -> tuple[dict, dict, list[str]]
             "activation_checkpoint: not carried: unset (the recipe's own); "
             "written as selective, Trainer.Config's default"
         )
+    compiled = got.get("compile") or {}
+    components = compiled.get("components", ["model", "loss"])  # CompileConfig's default
+    if compiled.get("enable") and "loss" in components:
+        lost.append("compile.components: not carried: loss (the harness compiles the transformer blocks only)")
     opt = got["optimizer"]
     workload = {
         "model": "llama3-8b",  # the 8B flavor; the others its shape overridden below
@@ -215,6 +225,7 @@ def read_torchtitan(text: str, gpus: int | None) -> tuple[dict, dict, list[str]]
         "pipeline_schedule": schedule if pp > 1 else "1f1b",
         "virtual_stages": vp,
         "reshard_after_forward": par["fsdp_reshard_after_forward"] != "never",
+        "compile": "blocks" if compiled.get("enable") and "model" in components else "none",
     }
     return workload, layout, lost
 
