@@ -178,8 +178,14 @@ def test_a_profile_without_an_fp8_peak_takes_twice_bf16(tmp_path):
     assert prof.fp8 and prof.peak_tflops_fp8 == 2000 and prof.eff("gemm_fp8") == 0.63
 
 
-def test_an_emitted_sweep_leaves_out_fp8_rows_and_says_why(no_launch, capsys):
-    """A sweep's points share one workload, bf16: an fp8 row would run as bf16, so it is left out, named."""
-    assert cli([*PLAN, "--hardware", "h100-sxm", "--precision", "fp8", "--emit-sweep", "top.yaml"]) == 0
+def test_an_emitted_sweep_runs_fp8_rows_as_fp8_points(no_launch, capsys):
+    """A sweep's workload is bf16; an fp8 row is a point that sets its own workload.precision, and the
+    sweep expands it into an fp8 run (the spec runs fp8 under own, fsdp, deepspeed)."""
+    from harness.sweep.expand import expand
+    from harness.sweep.spec import load_sweep
+
+    assert cli([*PLAN, "--hardware", "h100-sxm", "--precision", "bf16,fp8", "--emit-sweep", "top.yaml"]) == 0
     text = (no_launch / "top.yaml").read_text()
-    assert "fp8: not a bf16 workload" in text and "points:\n  []" in text
+    assert "workload.precision: fp8" in text
+    points, _ = expand(load_sweep(str(no_launch / "top.yaml")))
+    assert {p.spec["workload"]["precision"] for p in points} == {"bf16", "fp8"}

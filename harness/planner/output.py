@@ -117,9 +117,6 @@ def sweep_spec(
             break
         if not (row.pred.fits and row.pred.available):
             continue
-        if row.pred.layout.precision != "bf16":  # the sweep's one workload is bf16 (fp32 on a CPU)
-            left_out.append(f"{row.pred.layout.tp}/{row.pred.layout.pp}/{row.pred.layout.dp} fp8: not a bf16 workload")
-            continue
         if row.pred.layout.shard_group < row.pred.layout.replicas:
             left_out.append(
                 f"{row.pred.layout.tp}/{row.pred.layout.pp}/{row.pred.layout.dp} dp_shard {row.pred.layout.dp_shard}: "
@@ -134,12 +131,13 @@ def sweep_spec(
             )
             continue
         layout = spec_layout(lay)
+        fp8 = {"workload.precision": "fp8"} if lay.precision == "fp8" else {}  # the point's own workload field
         try:
-            parse_spec({"workload": workload, "layout": layout})
+            parse_spec({"workload": {**workload, **({"precision": "fp8"} if fp8 else {})}, "layout": layout})
         except Exception as e:  # a SpecError: a layout the harness refuses
-            left_out.append(f"{layout}: {e}")
+            left_out.append(f"{layout}{' fp8' if fp8 else ''}: {e}")
             continue
-        points.append((layout, row.pred))
+        points.append(({**layout, **fp8}, row.pred))
     header = [
         f"# Written by `harness plan`: the {len(points)} fastest distinct layouts predicted to fit "
         f"{model} (seq {seq_len}, batch {global_batch_size}) on {gpus} x {profile.name}.",
