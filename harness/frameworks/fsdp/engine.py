@@ -126,14 +126,14 @@ class FSDPEngine:
             if options.load_weights:
                 _load_reference_shards(part, reference)
         if plans is not None:
-            from harness.frameworks.fsdp.pipeline import Pipeline
+            from harness.frameworks.fsdp.pipeline import Pipeline, announce_phases
 
             self.pipeline = Pipeline(
                 self.parts, plans, spec, shape, self.mesh["pp"].get_group(), ctx.device, self.policy.compute
             )
             if type(self.hooks) is not StepHooks:  # someone listens (harness memory); a real run keeps torch's
                 for stage in self.pipeline.stages:
-                    _announce_phases(stage, self.hooks)
+                    announce_phases(stage, self.hooks)
         self.is_last_stage = plans is None or any(p.last for p in plans)
         self._precompute_fp8_scales()
         self.params = [p for part in self.parts for p in part.parameters()]
@@ -433,22 +433,3 @@ def _load_reference_shards(module, reference) -> None:
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
-
-
-def _announce_phases(stage, hooks) -> None:
-    """torch.distributed.pipelining's schedules run each micro-batch through the stage's public
-    forward_one_chunk and backward_one_chunk and call nothing per micro-batch: wrapped here, on
-    this stage only, to tell `hooks` (harness.model.training.StepHooks)."""
-    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
-
-    def forward_one_chunk(chunk, *args, **kwargs):
-        hooks.forward(f"forward stage {stage.stage_index} micro-batch {chunk}")
-        out = forward(chunk, *args, **kwargs)
-        hooks.forward_end()
-        return out
-
-    def backward_one_chunk(chunk, *args, **kwargs):
-        hooks.backward(f"backward stage {stage.stage_index} micro-batch {chunk}")
-        return backward(chunk, *args, **kwargs)
-
-    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk

@@ -128,3 +128,22 @@ class Pipeline:
         if not losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()
+
+
+def announce_phases(stage, hooks) -> None:
+    """torch.distributed.pipelining's schedules run each micro-batch through the stage's public
+    forward_one_chunk and backward_one_chunk and call nothing per micro-batch: wrapped here, on
+    this stage only, to tell `hooks` (harness.model.training.StepHooks)."""
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(chunk, *args, **kwargs):
+        hooks.forward(f"forward stage {stage.stage_index} micro-batch {chunk}")
+        out = forward(chunk, *args, **kwargs)
+        hooks.forward_end()
+        return out
+
+    def backward_one_chunk(chunk, *args, **kwargs):
+        hooks.backward(f"backward stage {stage.stage_index} micro-batch {chunk}")
+        return backward(chunk, *args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
