@@ -36,9 +36,14 @@ class ParallelDims:
     dp: int = 1
     cp: int = 1
     tp: int = 1
+    # Expert parallelism: not an axis of its own but a split of the replica (dp x cp) ranks, as Megatron
+    # carves it: each replica group is cut into ep-rank groups of consecutive members that share out the
+    # experts (an all-to-all between them), and the members at the same place in each such group hold the
+    # same experts and reduce their gradients together (the expert-data-parallel group, replicas / ep).
+    ep: int = 1
 
     def __post_init__(self):
-        for axis in AXES:
+        for axis in (*AXES, "ep"):
             value = getattr(self, axis)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise SpecError(f"layout.{axis}", f"must be a positive integer, got {value!r}")
@@ -51,7 +56,7 @@ class ParallelDims:
         layout mapping as old records and compare runs hold it (a missing or empty degree is 1; a
         zero is refused, not read as missing)."""
         get = layout.get if isinstance(layout, dict) else (lambda k, d=None: getattr(layout, k, d))
-        return cls(**{axis: 1 if get(axis) in (None, "") else int(get(axis)) for axis in AXES})
+        return cls(**{axis: 1 if get(axis) in (None, "") else int(get(axis)) for axis in (*AXES, "ep")})
 
     @classmethod
     def derive(cls, world_size: int, field: str = "layout.dp", derived: str = "dp", **known: int) -> ParallelDims:
@@ -100,8 +105,43 @@ class ParallelDims:
             )
 
     def label(self) -> str:
-        """The degrees other than 1, 'tp2 pp2' ('' when all are 1)."""
-        return " ".join(f"{a}{self.degree(a)}" for a in LABEL_ORDER if self.degree(a) != 1)
+        """The degrees other than 1, 'tp2 pp2' ('' when all are 1), expert parallelism after them ('dp4 ep2')."""
+        names = [f"{a}{self.degree(a)}" for a in LABEL_ORDER if self.degree(a) != 1]
+        return " ".join(names + ([f"ep{self.ep}"] if self.ep != 1 else []))
+
+    # ------------------------------------------------------------ experts
+
+    def check_ep(self, field: str = "layout.ep") -> None:
+        """ep must divide the replica ranks (dp x cp) it is carved from."""
+        if self.replicas() % self.ep:
+            raise SpecError(field, f"ep={self.ep} does not divide dp x cp = {self.dp} x {self.cp} = {self.replicas()}")
+
+    def expert_data_parallel(self) -> int:
+        """How many ranks hold each expert shard: the replicas over ep."""
+        return self.replicas() // self.ep
+
+    def expert_group_of(self, rank: int) -> list[int]:
+        """The ep ranks `rank` shares the experts out with: consecutive members of its replica group."""
+        group = self.flat_group_of(rank)
+        start = group.index(rank) // self.ep * self.ep
+        return group[start : start + self.ep]
+
+    def expert_index(self, rank: int) -> int:
+        """Which of the ep shares of the experts `rank` holds (its place in its expert group)."""
+        return self.flat_group_of(rank).index(rank) % self.ep
+
+    def expert_data_group_of(self, rank: int) -> list[int]:
+        """The ranks that hold the same experts as `rank` and sum their gradients (every ep-th member
+        of its replica group)."""
+        group = self.flat_group_of(rank)
+        return group[group.index(rank) % self.ep :: self.ep]
+
+    def expert_groups(self) -> list[list[int]]:
+        """Every expert group, each rank in one, in rank order of their first member."""
+        return [list(g) for g in sorted({tuple(self.expert_group_of(r)) for r in range(self.world)})]
+
+    def expert_data_groups(self) -> list[list[int]]:
+        return [list(g) for g in sorted({tuple(self.expert_data_group_of(r)) for r in range(self.world)})]
 
     # ------------------------------------------------------------ ranks
 

@@ -102,6 +102,10 @@ ONE_ENGINES_FIELDS: dict[str, str] = {
 FP8: dict[str, Honoured] = {"workload.precision": Honoured(("fp32", "bf16", "fp8")), "workload.fp8_recipe": ANY}
 
 
+# What an engine that runs mixture-of-experts models declares (with runs_moe): the router's two loss coefficients.
+MOE: dict[str, Honoured] = {"workload.moe_aux_loss_coeff": ANY, "workload.moe_z_loss_coeff": ANY}
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """What the planner's memory model reads of an engine (harness/planner/memory_engines.py): facts of
@@ -169,6 +173,8 @@ class EngineFacts:
     # how the planner models its memory (harness/planner/memory_engines.py); None: not modelled. The engines
     # `harness plan --engine` offers are those with one that run more than one process.
     memory: MemoryModel | None = None
+    # builds mixture-of-experts models (Shape.experts > 0); else such a model is refused as workload.model
+    runs_moe: bool = False
 
     def variant(self, layout: dict) -> str:
         return self.label(layout) if self.label is not None else self.name

@@ -155,7 +155,7 @@ def rank_comm(
             shape.heads // tp,
             shape.kv_heads // tp,
             tokens,
-            shape.hidden // shape.heads,
+            shape.head_dim,
             adt,
             2 if full_ckpt else 1,
         ):

@@ -21,7 +21,7 @@ def fp8_misaligned_shards(w, lay) -> list[str]:
     from harness.model.presets import resolve_shape
 
     s = resolve_shape(w.model, w.model_overrides)
-    head_dim = s.hidden // s.heads
+    head_dim = s.head_dim
     widths = {"ffn": s.ffn, "q heads": s.heads * head_dim, "kv heads": s.kv_heads * head_dim}
     return [k for k, v in widths.items() if v % 16 == 0 and (v // lay.tp) % 16]
 

@@ -59,7 +59,7 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, shape: Shape, tp: int, kernel, cp: Axis | None = None, cp_impl: str = "ring"):
         super().__init__()
-        self.head_dim = shape.hidden // shape.heads
+        self.head_dim = shape.head_dim
         hq, hkv = shape.heads // tp * self.head_dim, shape.kv_heads // tp * self.head_dim
         b = shape.attention_bias
         self.wq = Weight(hq, shape.hidden, bias=hq if b else 0)

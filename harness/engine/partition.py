@@ -13,7 +13,7 @@ from harness.model.presets import Shape
 
 def layer_cost(shape: Shape, seq_len: int) -> float:
     """Forward FLOPs per token of one block: projections + attention scores and values."""
-    hd = shape.hidden // shape.heads
+    hd = shape.head_dim
     proj = 2 * shape.hidden * hd * (2 * shape.heads + 2 * shape.kv_heads) + 6 * shape.hidden * shape.ffn
     return proj + 4 * seq_len * shape.hidden
 
@@ -86,7 +86,7 @@ def stage_params(shape: Shape, tp: int, layers: range, first: bool, last: bool, 
     Attention biases: q/k/v's sharded with their heads, wo's replicated across TP (added after
     the reduction; under SP its gradient is a partial sum over the sequence, like the norms').
     A tied LM head is tok_embeddings.weight: not listed again."""
-    h, hd = shape.hidden, shape.hidden // shape.heads
+    h, hd = shape.hidden, shape.head_dim
     out = []
     if first:
         out.append(_sharded("tok_embeddings.weight", (shape.vocab, h), 0, tp, chunk))

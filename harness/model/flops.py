@@ -22,7 +22,7 @@ CONVENTIONS = ("palm", "palm_causal", "megatron", "hardware")
 
 
 def layer_matmul_params(shape: Shape) -> int:
-    head_dim = shape.hidden // shape.heads
+    head_dim = shape.head_dim
     q_o = 2 * shape.hidden * shape.heads * head_dim
     kv = 2 * shape.hidden * shape.kv_heads * head_dim
     return q_o + kv + 3 * shape.hidden * shape.ffn

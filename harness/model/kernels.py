@@ -184,7 +184,7 @@ def need_of(spec, device_type: str) -> tuple:
         spec.layout.rmsnorm,
         device_type,
         "bf16" if spec.workload.precision == "fp8" else spec.workload.precision,  # fp8: attention and norms bf16
-        shape.hidden // shape.heads,
+        shape.head_dim,
     )
 
 

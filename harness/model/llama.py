@@ -1,7 +1,8 @@
 """The plain single-device LLaMA: readable, no parallel code in it.
 
 RMSNorm, rotary embeddings (transformers' rotate-half convention, so HF weights load as is;
-Llama 3.1 rope scaling), SwiGLU MLP, grouped-query attention with optional q/k/v/o biases,
+Llama 3.1 rope scaling), SwiGLU MLP (or a mixture of SwiGLU experts, harness/model/moe.py),
+grouped-query attention with optional q/k/v/o biases,
 embedding and LM head untied or tied (the Shape says which, as config.json does). FSDP2 and DeepSpeed shard
 this very module from outside (harness/frameworks), and a pipeline stage is this model holding only
 some of its pieces (Llama's layers/first/last, torchtitan's way). The own engine's Megatron-layout
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from harness.model.kernels import Kernels, rmsnorm_torch
+from harness.model.moe import MoEFeedForward
 from harness.model.presets import Shape
 
 
@@ -90,7 +92,7 @@ def shape_rotary(shape: Shape, seq_len: int, device, cp: int = 1, index: int = 0
     """The model's rotary tables (theta and rope scaling from the shape): what every engine uses;
     under context parallelism those of rank `index`'s positions."""
     positions = token_positions(seq_len, device, cp, index)
-    return rotary_tables(positions, shape.hidden // shape.heads, shape.rope_theta, shape.rope_scaling)
+    return rotary_tables(positions, shape.head_dim, shape.rope_theta, shape.rope_scaling)
 
 
 def _rotate_half(x):
@@ -126,7 +128,7 @@ def attend(q, k, v, cos, sin, kernel, recompute: bool = False):
 class Attention(nn.Module):
     def __init__(self, shape: Shape, kernel):
         super().__init__()
-        self.head_dim = shape.hidden // shape.heads
+        self.head_dim = shape.head_dim
         bias = shape.attention_bias
         self.wq = nn.Linear(shape.hidden, shape.heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(shape.hidden, shape.kv_heads * self.head_dim, bias=bias)
@@ -163,7 +165,8 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
         self.attention = Attention(shape, kernels.attention)
         self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
-        self.feed_forward = FeedForward(shape.hidden, shape.ffn)
+        # a MoE's routed experts (harness/model/moe.py), else the dense SwiGLU
+        self.feed_forward = MoEFeedForward(shape) if shape.moe else FeedForward(shape.hidden, shape.ffn)
 
     def forward(self, x, cos, sin):
         h = x + self.attention(self.attention_norm(x), cos, sin)

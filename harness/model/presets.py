@@ -8,13 +8,10 @@ PaLM MFU formula reproduces the published MFU column only with these parameter c
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import re
 from dataclasses import dataclass
 
 from harness.errors import SpecError
+from harness.model.config_json import config_fields, find_config, read_config_fields
 
 
 @dataclass(frozen=True)
@@ -35,6 +32,22 @@ class Shape:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    # A head's width (config.json head_dim, Megatron's kv_channels); 0: hidden / heads. Qwen3 sets it apart.
+    kv_channels: int = 0
+    # Mixture of experts (Mixtral, Qwen3-MoE): every block's feed-forward is `experts` SwiGLU experts of
+    # width moe_ffn, each token routed to experts_per_token of them (harness/model/moe.py); 0 experts: dense.
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn: int = 0
+    norm_topk: bool = True  # the top-k routing weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden // self.heads
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def rope_scaling(self) -> tuple[float, float, float, int] | None:
@@ -73,6 +86,53 @@ PRESETS: dict[str, Shape] = {
     "tiny": Shape(2, 64, 176, 4, 2, 256, max_positions=2048),
     "tiny-4l": Shape(4, 128, 352, 8, 4, 512, max_positions=2048),
     "tiny-256": Shape(4, 256, 688, 8, 4, 1024, max_positions=2048),
+    # Mixture of experts. tiny-moe: a CPU-sized Mixtral (8 experts, top-2, renormalised).
+    "tiny-moe": Shape(2, 64, 176, 4, 2, 256, max_positions=2048, experts=8, experts_per_token=2, moe_ffn=96),
+    # Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B as their config.json files give them (Qwen3-MoE:
+    # head_dim 128 apart from hidden / heads, norm_topk_prob true, untied).
+    "mixtral-8x7b": Shape(
+        32,
+        4096,
+        14336,
+        32,
+        8,
+        32000,
+        rope_theta=1e6,
+        max_positions=32768,
+        experts=8,
+        experts_per_token=2,
+        moe_ffn=14336,
+    ),
+    "qwen3-30b-a3b": Shape(
+        48,
+        2048,
+        6144,
+        32,
+        4,
+        151936,
+        rope_theta=1e6,
+        max_positions=40960,
+        norm_eps=1e-6,
+        kv_channels=128,
+        experts=128,
+        experts_per_token=8,
+        moe_ffn=768,
+    ),
+    "qwen3-235b-a22b": Shape(
+        94,
+        4096,
+        12288,
+        64,
+        4,
+        151936,
+        rope_theta=1e6,
+        max_positions=40960,
+        norm_eps=1e-6,
+        kv_channels=128,
+        experts=128,
+        experts_per_token=8,
+        moe_ffn=1536,
+    ),
 }
 
 
@@ -111,212 +171,18 @@ def shape_to_config(shape: Shape):
     return LlamaConfig(**kwargs, rope_theta=shape.rope_theta, rope_scaling=scaling)
 
 
-# What transformers' LlamaConfig assumes when config.json leaves a field out.
-_HF_DEFAULTS = {
-    "hidden_act": "silu",
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "attention_dropout": 0.0,
-    "rope_theta": 10000.0,
-}
-_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def _number(raw: dict, key: str, kind, where: str, field: str):
-    """raw[key] (or transformers' default) as a positive int or float, or a SpecError."""
-    value = raw[key] if raw.get(key) is not None else _HF_DEFAULTS.get(key)
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (kind is float or float(value).is_integer())
-    )  # json reads NaN and Infinity
-    if not ok or value <= 0:
-        raise SpecError(
-            field, f"{key} must be a positive {'integer' if kind is int else 'number'}, got {value!r} ({where})"
-        )
-    return kind(value)
-
-
-def _flag(raw: dict, key: str, where: str, field: str) -> bool:
-    value = raw.get(key, _HF_DEFAULTS[key])
-    if not isinstance(value, bool):
-        raise SpecError(field, f"{key} must be true or false, got {value!r} ({where})")
-    return value
+_BOOL_FIELDS = ("tie_embeddings", "attention_bias", "norm_topk")
+_ZERO_FIELDS = ("kv_channels", "experts", "experts_per_token", "moe_ffn")  # 0 means "none" / "derived"
 
 
 def config_dict_to_shape(raw: dict, where: str = "config.json", field: str = "workload.model") -> Shape:
-    """A Hugging Face LLaMA config.json (as a dict) as a Shape, every field that changes the
-    model's math either honoured or refused (SpecError naming `field`), none silently dropped:
-
-    honoured: sizes, num_key_value_heads, head_dim (= hidden_size / num_attention_heads only),
-    rms_norm_eps, rope_theta, rope_scaling / rope_parameters of rope_type default or llama3,
-    tie_word_embeddings, attention_bias, max_position_embeddings;
-    refused: model_type other than llama, hidden_act other than silu, mlp_bias, attention_dropout,
-    other rope types (linear, dynamic, yarn, longrope, ...), partial_rotary_factor != 1.
-    Missing fields take transformers' LlamaConfig defaults (rms_norm_eps 1e-6, no tying, no bias).
-    Fields that do not change the math (token ids, torch_dtype, use_cache, initializer_range,
-    pretraining_tp, which transformers itself no longer reads) are ignored.
-    """
-    if not isinstance(raw, dict):
-        raise SpecError(field, f"{where} does not hold a JSON object")
-    model_type = raw.get("model_type", "llama")
-    if model_type != "llama":
-        raise SpecError(field, f"model_type {model_type} is not supported ({where}); only llama")
-    missing = [k for k in _REQUIRED if k not in raw]
-    if missing:
-        raise SpecError(field, f"{where} lacks {', '.join(missing)}")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise SpecError(field, f"hidden_act {act} is not supported ({where}); LLaMA's SwiGLU uses silu")
-    if _flag(raw, "mlp_bias", where, field):
-        raise SpecError(field, f"mlp_bias true is not supported ({where}); no LLaMA checkpoint has MLP biases")
-    dropout = raw.get("attention_dropout") or 0.0
-    if dropout != 0:
-        raise SpecError(
-            field,
-            f"attention_dropout {dropout} is not supported ({where}); the harness trains "
-            f"without dropout, as LLaMA does",
-        )
-    hidden, heads = (
-        _number(raw, "hidden_size", int, where, field),
-        _number(raw, "num_attention_heads", int, where, field),
-    )
-    if raw.get("num_key_value_heads") is None:
-        kv_heads = heads
-    else:
-        kv_heads = _number(raw, "num_key_value_heads", int, where, field)
-    if raw.get("head_dim") is not None:
-        head_dim = _number(raw, "head_dim", int, where, field)
-        if head_dim * heads != hidden:
-            raise SpecError(
-                field,
-                f"head_dim {head_dim} x num_attention_heads {heads} != hidden_size {hidden} "
-                f"({where}); only head_dim = hidden_size / num_attention_heads is supported",
-            )
-    rope = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling")
-    if scaling is not None and not isinstance(scaling, dict):
-        raise SpecError(field, f"rope_scaling must be a mapping or null ({where}), got {scaling!r}")
-    rope.update(scaling or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise SpecError(
-            field, f"rope_scaling rope_type {rope_type} is not supported ({where}); only llama3 (Llama 3.1) or none"
-        )
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise SpecError(field, f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported ({where})")
-    theta = _number(rope if "rope_theta" in rope else raw, "rope_theta", float, where, field)
-    max_positions = _number(raw, "max_position_embeddings", int, where, field)
-    eps = _number(raw, "rms_norm_eps", float, where, field)
-    extra = {}
-    if rope_type == "llama3":
-        absent = [k for k in _LLAMA3_KEYS[:3] if k not in rope]
-        if absent:
-            raise SpecError(field, f"rope_scaling llama3 lacks {', '.join(absent)} ({where})")
-        vals = {k: _number(rope, k, float, where, field) for k in _LLAMA3_KEYS[:3]}
-        orig = _number(
-            {"original_max_position_embeddings": max_positions, **rope},
-            "original_max_position_embeddings",
-            int,
-            where,
-            field,
-        )
-        if vals["high_freq_factor"] <= vals["low_freq_factor"]:
-            raise SpecError(field, f"rope_scaling llama3 needs high_freq_factor > low_freq_factor ({where})")
-        extra = dict(
-            rope_factor=vals["factor"],
-            rope_low_freq_factor=vals["low_freq_factor"],
-            rope_high_freq_factor=vals["high_freq_factor"],
-            rope_original_max_positions=orig,
-        )
-    return Shape(
-        layers=_number(raw, "num_hidden_layers", int, where, field),
-        hidden=hidden,
-        ffn=_number(raw, "intermediate_size", int, where, field),
-        heads=heads,
-        kv_heads=kv_heads,
-        vocab=_number(raw, "vocab_size", int, where, field),
-        rope_theta=theta,
-        max_positions=max_positions,
-        norm_eps=eps,
-        tie_embeddings=_flag(raw, "tie_word_embeddings", where, field),
-        attention_bias=_flag(raw, "attention_bias", where, field),
-        **extra,
-    )
+    """A Hugging Face config.json (as a dict) as a Shape (harness/model/config_json.py reads it)."""
+    return Shape(**config_fields(raw, where, field))
 
 
 def config_to_shape(cfg) -> Shape:
     """A transformers config object as a Shape (through its dict, with the same checks)."""
     return config_dict_to_shape(cfg.to_dict(), where=type(cfg).__name__)
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def _hub_cache_dir() -> str:
-    """The Hugging Face hub cache, read from the environment now (huggingface_hub reads it once,
-    at import): HF_HUB_CACHE, else HF_HOME/hub, else huggingface_hub's default."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    if os.environ.get("HF_HOME"):
-        return os.path.join(os.environ["HF_HOME"], "hub")
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
-
-
-def find_config(model: str, field: str = "workload.model") -> str | None:
-    """Where `model`'s config.json is: the file itself, a folder holding it, or a hub id
-    ("meta-llama/Llama-2-7b-hf") found in the local Hugging Face cache (never downloaded).
-    None when `model` is neither a path nor a hub id (a preset name, or a typo of one)."""
-    if os.path.isfile(model):
-        return model
-    if os.path.isdir(model):
-        path = os.path.join(model, "config.json")
-        if not os.path.isfile(path):
-            raise SpecError(field, f"folder {model!r} holds no config.json")
-        return path
-    looks_like_path = (
-        model.endswith(".json")
-        or model.startswith((".", "~", os.path.sep))
-        or (os.path.sep != "/" and os.path.sep in model)
-    )
-    if looks_like_path:
-        raise SpecError(field, f"config file {model!r} does not exist")
-    if not _HUB_ID.match(model):
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    cache = _hub_cache_dir()
-    try:
-        found = try_to_load_from_cache(model, "config.json", cache_dir=cache)
-    except Exception:  # noqa: BLE001 - an id huggingface_hub finds malformed ("a/b..c") is not there either
-        found = None
-    if not isinstance(found, str) or not os.path.isfile(found):
-        raise SpecError(
-            field,
-            f"{model!r} is no local file or folder, and not in the local Hugging Face cache "
-            f"{cache} (offline: nothing is downloaded; fetch it once with "
-            f"`hf download {model} config.json`)",
-        )
-    return found
-
-
-def read_config(path: str, field: str = "workload.model") -> Shape:
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SpecError(field, f"cannot read {path!r}: {e}") from None
-    return config_dict_to_shape(raw, where=path, field=field)
-
-
-_BOOL_FIELDS = ("tie_embeddings", "attention_bias")
 
 
 def resolve_shape(model: str, overrides: dict | None = None, field: str = "workload.model") -> Shape:
@@ -332,7 +198,7 @@ def resolve_shape(model: str, overrides: dict | None = None, field: str = "workl
                 f"unknown preset {model!r}; known: {', '.join(sorted(PRESETS))} "
                 f"(or a config.json, a folder holding one, or a hub id in the local cache)",
             )
-        shape = read_config(path, field)
+        shape = Shape(**read_config_fields(path, field))
     if overrides:
         names = set(Shape.__dataclass_fields__)
         for key, value in overrides.items():
@@ -341,6 +207,9 @@ def resolve_shape(model: str, overrides: dict | None = None, field: str = "workl
             if key in _BOOL_FIELDS:
                 if not isinstance(value, bool):
                     raise SpecError(f"workload.model_overrides.{key}", "must be true or false")
+            elif key in _ZERO_FIELDS:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise SpecError(f"workload.model_overrides.{key}", "must be a non-negative integer")
             elif not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise SpecError(f"workload.model_overrides.{key}", "must be a positive number")
         shape = Shape(**{**shape.__dict__, **overrides})
@@ -350,12 +219,37 @@ def resolve_shape(model: str, overrides: dict | None = None, field: str = "workl
         raise SpecError(field, f"heads {shape.heads} not divisible by KV heads {shape.kv_heads}")
     if shape.rope_scaling is not None and shape.rope_high_freq_factor <= shape.rope_low_freq_factor:
         raise SpecError(field, "llama3 rope scaling needs rope_high_freq_factor > rope_low_freq_factor")
+    check_moe_shape(shape, field)
     return shape
+
+
+def check_moe_shape(shape: Shape, field: str) -> None:
+    """A MoE shape names all three of experts, experts_per_token and moe_ffn, with 1 <= k <= experts."""
+    moe = (shape.experts, shape.experts_per_token, shape.moe_ffn)
+    if any(moe) and not all(moe):
+        raise SpecError(field, f"experts {moe[0]}, experts_per_token {moe[1]}, moe_ffn {moe[2]}: a MoE needs all three")
+    if shape.experts_per_token > shape.experts:
+        raise SpecError(field, f"experts_per_token {shape.experts_per_token} > experts {shape.experts}")
+
+
+def expert_params(shape: Shape) -> int:
+    """One expert's parameters (a SwiGLU of width moe_ffn)."""
+    return 3 * shape.hidden * shape.moe_ffn
+
+
+def active_param_count(shape: Shape) -> int:
+    """Parameters a token passes through: param_count with experts_per_token experts a layer, not all
+    (the convention MoE MFU is computed with: 6 x active parameters per token, as Megatron and
+    DeepSeek report it)."""
+    total = param_count(shape)
+    if not shape.moe:
+        return total
+    return total - shape.layers * (shape.experts - shape.experts_per_token) * expert_params(shape)
 
 
 def param_count(shape: Shape) -> int:
     """Parameters of the LLaMA: embedding + layers + final norm + LM head (counted once when tied)."""
-    head_dim = shape.hidden // shape.heads
+    head_dim = shape.head_dim
     attn = (
         shape.hidden * (shape.heads * head_dim)
         + 2 * shape.hidden * (shape.kv_heads * head_dim)
@@ -363,7 +257,11 @@ def param_count(shape: Shape) -> int:
     )
     if shape.attention_bias:
         attn += (shape.heads + 2 * shape.kv_heads) * head_dim + shape.hidden
-    mlp = 3 * shape.hidden * shape.ffn
+    mlp = (
+        expert_params(shape) * shape.experts + shape.experts * shape.hidden
+        if shape.moe
+        else 3 * shape.hidden * shape.ffn
+    )
     norms = 2 * shape.hidden
     embeddings = (1 if shape.tie_embeddings else 2) * shape.vocab * shape.hidden
     return embeddings + shape.layers * (attn + mlp + norms) + shape.hidden

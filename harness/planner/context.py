@@ -79,7 +79,7 @@ def impls(shape: Shape, engine: str, tp: int, cp: int) -> tuple[str, ...]:
 
 def _widths(shape: Shape, lay) -> tuple[float, float]:
     """(query width, KV width) per tensor-parallel rank."""
-    d = shape.hidden // shape.heads
+    d = shape.head_dim
     return shape.heads * d / lay.tp, shape.kv_heads * d / lay.tp
 
 
@@ -102,7 +102,7 @@ def cp_attention_bytes(shape: Shape, lay, s: int, b: int, B: int) -> dict[str, f
     (flash keeps all of it: q is a view of it), and wo's input beside the kernel's output."""
     hq, kv = _widths(shape, lay)
     heads = shape.heads / lay.tp
-    d = shape.hidden // shape.heads
+    d = shape.head_dim
     n, cp = b * s, lay.cp
     seq = s * cp
     rot = 4 * s * d * B if B == 2 else 0.0

@@ -158,7 +158,7 @@ def layer_features(
     x = zero_features()
     b, s, h, f, t, B = lay.micro_batch_size, wl.local(lay).seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
     n = b * s
-    d = h // shape.heads
+    d = shape.head_dim
     kv = shape.kv_heads * d
     peak = prof.peak_flops(B)
     hbm = prof.hbm_gbps * 1e9
@@ -200,7 +200,7 @@ def attention_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Pro
     """Ideal seconds of one layer's attention core for one micro-batch (forward, backward and the
     recomputation), by kind of work; under cp the rank's queries against every key."""
     b, s, t, B = lay.micro_batch_size, wl.local(lay).seq_len, lay.tp, wl.dtype_bytes
-    d = shape.hidden // shape.heads
+    d = shape.head_dim
     peak = prof.peak_flops(B)
     cls = ATTENTION_CLASS[lay.attention]
     heads_t = shape.heads / t

@@ -201,7 +201,7 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
         return cp_attention_bytes(shape, lay, wl.seq_len, b, wl.dtype_bytes)["kept"]
     s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
     n = b * s
-    head_dim = h // shape.heads
+    head_dim = shape.head_dim
     hq, kv = h / t, shape.kv_heads * head_dim / t
     heads = shape.heads / t
     rot = 4 * s * head_dim * B if B == 2 else 0.0
@@ -422,7 +422,7 @@ def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: boo
     reduction in fp32; under fp8 the blocks' linear weights are gathered in fp8 (fp8.py)."""
     B, t = wl.dtype_bytes, lay.tp
     h, V = shape.hidden, shape.vocab
-    head_dim = h // shape.heads
+    head_dim = shape.head_dim
     attn = h * shape.heads * head_dim * 2 + 2 * h * shape.kv_heads * head_dim
     block = (attn + 3 * h * shape.ffn) / t + 2 * h
     if shape.attention_bias:

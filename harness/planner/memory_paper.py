@@ -64,7 +64,7 @@ def layer_activation_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, micro
     b = lay.micro_batch_size if micro_batch is None else micro_batch
     s, h, f, t, B = wl.seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
     n = b * s
-    head_dim = h // shape.heads
+    head_dim = shape.head_dim
     kv = shape.kv_heads * head_dim
     # Replicated across tensor-parallel ranks unless sequence parallel splits them: the two
     # RMSNorms' kept tensors (their outputs are the column-parallel GEMMs' inputs).

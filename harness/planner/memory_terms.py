@@ -35,7 +35,7 @@ def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: i
     """Parameters held per GPU of a stage: matrices split over tp (vocab-parallel embedding/head;
     a tied head on the embedding's stage is the same tensor, counted once; attention biases: q/k/v's
     split over tp, o's replicated)."""
-    head_dim = shape.hidden // shape.heads
+    head_dim = shape.head_dim
     attn = shape.hidden * shape.heads * head_dim * 2 + 2 * shape.hidden * shape.kv_heads * head_dim
     per_layer = (attn + 3 * shape.hidden * shape.ffn) / tp + 2 * shape.hidden
     if shape.attention_bias:

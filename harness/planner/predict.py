@@ -79,7 +79,7 @@ def kernel_available(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profi
     if cls == "fused_softmax":
         if (lay.micro_batch_size * shape.heads // lay.tp) % 4 or wl.seq_len > FUSED_SOFTMAX_MAX_SEQ or wl.seq_len % 4:
             return "fused softmax needs micro-batch x heads per rank divisible by 4 and seq <= 16384"
-    if cls in FLASH_MAX_HEAD_DIM and shape.hidden // shape.heads > FLASH_MAX_HEAD_DIM[cls]:
+    if cls in FLASH_MAX_HEAD_DIM and shape.head_dim > FLASH_MAX_HEAD_DIM[cls]:
         return f"{lay.attention} supports head dim up to {FLASH_MAX_HEAD_DIM[cls]}"
     return ""
 

@@ -21,6 +21,8 @@ from harness.spec.schema import Layout, Workload
 
 def model_limit_error(shape: Shape, lay: Layout) -> CapabilityError | None:
     """Why the chosen engine cannot build this model under this layout (the first rule it breaks), or None."""
+    if shape.moe and not registry.facts(lay.engine).runs_moe:
+        return CapabilityError("workload.model", f"mixture of experts: engine {lay.engine} does not build MoE models")
     for what, takes, why in registry.facts(lay.engine).model_limits:
         if not takes(shape, lay):
             return CapabilityError("workload.model", f"{what}: {why}")

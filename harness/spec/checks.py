@@ -42,6 +42,7 @@ def check_sizes(spec: RunSpec) -> Shape:
         raise SpecError("layout.tp", f"vocabulary {shape.vocab} is not divisible by tp={lay.tp}")
     if shape.ffn % lay.tp:
         raise SpecError("layout.tp", f"feed-forward width {shape.ffn} is not divisible by tp={lay.tp}")
+    check_experts(shape, lay)
     stages = lay.pp * model_chunks(lay.pipeline_schedule, lay.virtual_stages)
     if shape.layers < stages:
         raise SpecError("layout.pp", f"{shape.layers} layers cannot fill {stages} pipeline stages")
@@ -144,9 +145,20 @@ def _count(n: int) -> str:
     return str(n) if n < 10**9 else f"{n:.3g}"  # 1e30 as it was written, not 31 digits
 
 
+def check_experts(shape: Shape, lay) -> None:
+    """ep shares out a MoE's experts over ranks carved from dp x cp: it needs experts, whole ones per rank."""
+    if lay.ep == 1:
+        return
+    if not shape.moe:
+        raise SpecError("layout.ep", f"ep={lay.ep} shares out experts, and this model has none")
+    if shape.experts % lay.ep:
+        raise SpecError("layout.ep", f"{shape.experts} experts are not divisible by ep={lay.ep}")
+    ParallelDims.of(lay).check_ep()
+
+
 def check_head_dim(shape: Shape, field: str) -> None:
-    """Rotary embeddings turn pairs of a head's channels: its width (hidden / heads) must be even."""
-    head_dim = shape.hidden // shape.heads
+    """Rotary embeddings turn pairs of a head's channels: its width (head_dim) must be even."""
+    head_dim = shape.head_dim
     if head_dim % 2:
         raise SpecError(
             field,

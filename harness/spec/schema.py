@@ -93,6 +93,10 @@ class Workload:
     grad_clip: float = spec_field(1.0, check=in_range(float, 0, why=" (0 disables clipping)"))
     seed: int = spec_field(1234, check=in_range(int, 0, MAX_SEED))
     data: Data = field(default_factory=Data)
+    # mixture of experts (harness/model/moe.py): the load-balancing loss (Switch/GShard, Megatron's
+    # normalisation: 1 when balanced) and the router z-loss (ST-MoE), each per micro-batch, times these
+    moe_aux_loss_coeff: float = spec_field(0.0, check=in_range(float, 0))
+    moe_z_loss_coeff: float = spec_field(0.0, check=in_range(float, 0))
     device: str = _choices("auto", "cpu", "cuda", default="auto")
 
 
@@ -106,6 +110,9 @@ class Layout:
     # how their attention meets the other ranks' keys and values
     cp: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
     cp_impl: str = _choices(*CP_IMPLS, default="ring")
+    # expert parallelism: a MoE's experts shared out over ep ranks carved from the dp x cp ranks
+    # (harness/parallel_dims.py), tokens sent to their experts and back by all-to-all
+    ep: int = spec_field(1, check=in_range(int, 1, MAX_DEVICES))
     micro_batch_size: int = spec_field(1, check=in_range(int, 1))
     activation_checkpointing: str = _choices(*CHECKPOINTING, default="none")
     sequence_parallel: bool = False

@@ -61,7 +61,7 @@ def transformer_config(
         ffn_hidden_size=shape.ffn,
         num_attention_heads=shape.heads,
         num_query_groups=shape.kv_heads,
-        kv_channels=shape.hidden // shape.heads,
+        kv_channels=shape.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=shape.norm_eps,
         gated_linear_unit=True,

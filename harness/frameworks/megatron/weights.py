@@ -82,7 +82,7 @@ def megatron_shard(name: str, plain: list[torch.Tensor], shape, tp: int, rank: i
 def plain_tensors(name: str, shards: list[torch.Tensor], shape) -> list[torch.Tensor]:
     """The plain tensors (in plain_names' order) from every tp rank's part of Megatron parameter `name`."""
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-        hd, per_group = shape.hidden // shape.heads, shape.heads // shape.kv_heads
+        hd, per_group = shape.head_dim, shape.heads // shape.kv_heads
         parts = [s.reshape(-1, per_group + 2, hd, *s.shape[1:]) for s in shards]
         q = torch.cat([p[:, :per_group].reshape(-1, *s.shape[1:]) for p, s in zip(parts, shards, strict=True)])
         k = torch.cat([p[:, per_group].reshape(-1, *s.shape[1:]) for p, s in zip(parts, shards, strict=True)])

@@ -12,7 +12,9 @@ from harness.data.source import micro_batches
 from harness.measure import CensusAtStep, optimizer_state_tensors
 from harness.model.compiled import compile_blocks
 from harness.model.llama import build_model, lm_loss
+from harness.model.moe import set_router_losses, take_router_stats
 from harness.model.training import MasterWeights, make_adamw, precision_policy
+from harness.spec import micro_batches_per_step as spec_micro_batches
 
 
 class SingleDeviceEngine:
@@ -27,6 +29,7 @@ class SingleDeviceEngine:
         self.model.to(self.policy.compute)  # the parameters computed with (buffers too: none hold state)
         self.policy.convert_fp8(self.model, device.type)  # fp8: the linears' GEMMs (same Parameters, same names)
         compile_blocks(self.model.layers.values(), lay.compile)
+        set_router_losses(self.model, w.moe_aux_loss_coeff, w.moe_z_loss_coeff, spec_micro_batches(spec))
         self.weights = MasterWeights(list(self.model.parameters()), self.policy)
         self.optimizer = make_adamw(self.weights.optimizer_params(), w, fused=device.type == "cuda")
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
@@ -57,6 +60,10 @@ class SingleDeviceEngine:
 
     def last_step_details(self) -> dict:
         return {}
+
+    def router_stats(self) -> dict:
+        """Each MoE layer's routing statistics over the last step (every token is this process's)."""
+        return take_router_stats(self.model)
 
     def _census_tensors(self) -> dict:
         return {**self.weights.census_tensors(), "optimizer_states": optimizer_state_tensors(self.optimizer)}

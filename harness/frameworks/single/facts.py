@@ -3,7 +3,7 @@ declared without importing torch; adapter.py builds it (engine.py)."""
 
 from __future__ import annotations
 
-from harness.registry import EVERY_ENGINE, FP8, EngineFacts, MemoryModel, every_value, only
+from harness.registry import EVERY_ENGINE, FP8, MOE, EngineFacts, MemoryModel, every_value, only
 
 _ONE_PROCESS = "engine single is one process: set tp=cp=pp=dp=1"
 ENGINE = EngineFacts(
@@ -11,6 +11,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **FP8,
+        **MOE,
         **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
         **{
             f"layout.{name}": every_value(f"layout.{name}")
@@ -21,4 +22,5 @@ ENGINE = EngineFacts(
     launcher="direct",
     memory=MemoryModel("megatron"),  # the reference's policy is the own engine's (Megatron-style)
     one_process=True,
+    runs_moe=True,
 )
