@@ -22,7 +22,7 @@ from harness.store.fields import MISSING, row
 
 # The components of a step in the order reports stack them; exposed communication is one per axis
 # (`<axis>_comm`), what an old record names otherwise (FSDP2's forward_backward) comes after them.
-COMPONENTS = ("compute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "wait", "optimizer", "other")
+COMPONENTS = ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble", "wait", "optimizer", "other")
 TITLES = {
     "compute": "compute",
     "bubble": "pipeline bubble",
