@@ -187,3 +187,17 @@ def test_a_moe_shape_needs_all_three_fields():
 
 def test_the_reference_runs_a_moe():
     assert parse_spec(_spec()).shape().moe
+
+
+def test_why_names_the_expert_load_of_moe_runs_and_not_of_dense_ones():
+    from harness.report.data import Breakdown
+    from harness.report.why import Case, explain
+
+    def case(label, ms, imbalance):
+        b = Breakdown({"compute": ms * 0.5, "ep_comm": ms * 0.5}, ms, "measured steps")
+        return Case(label, "own", label, ms / 1e3, b, (ms / 1e3 * 0.99, ms / 1e3 * 1.01), imbalance)
+
+    text = explain(case("ep2", 120.0, 1.62), case("ep1", 100.0, 1.31))
+    assert "exposed ep communication +10.0 ms" in text
+    assert "Expert load (tokens per expert, max over mean, worst layer): ep2 1.62, ep1 1.31." in text
+    assert "Expert load" not in explain(case("a", 120.0, None), case("b", 100.0, None))

@@ -186,6 +186,16 @@ class Row:
         return f"cp{self.cp} {self.cp_impl}" if self.cp > 1 else "cp1"
 
     @property
+    def ep(self) -> int:
+        """The expert-parallel degree (records written before it, and dense models: 1)."""
+        return int(self.layout.get("ep") or 1)
+
+    @property
+    def expert(self) -> str:
+        """Expert parallelism as an ablation names it: 'ep1' (every rank holds every expert), 'ep4'."""
+        return f"ep{self.ep}"
+
+    @property
     def compiled(self) -> str:
         """torch.compile as an ablation names it: 'none' (eager; records written before it too), 'blocks'."""
         return str(self.layout.get("compile") or "none")
