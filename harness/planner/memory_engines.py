@@ -301,7 +301,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     # ZeRO-1's reduced shard being their view, masters, Adam states) is held the whole step; the
     # ZeRO-1 collectives add nothing (both in place, harness/engine/data_parallel.py).
     by_cat = dict(_states_by_category(phi - phi_e, states, zero, precision, dp))
-    e_dp = lay.dims.expert_data_parallel() if states != "fsdp" or lay.shard_group == lay.replicas else dp
+    e_dp = moe.expert_data_parallel(lay.dims) if states != "fsdp" or lay.shard_group == lay.replicas else dp
     for k, v in (_states_by_category(phi_e, states, zero, precision, e_dp) if phi_e else {}).items():
         by_cat[k] = by_cat.get(k, 0.0) + v
     sp = lay.sequence_parallel and t > 1

@@ -48,6 +48,19 @@ KERNELS_PER_MOE_LAYER = 30  # router GEMM, softmax, top-k, permute, all-to-all, 
 ALL_TO_ALLS = 4  # dispatch and combine forward, their gradients backward
 
 
+@functools.lru_cache(maxsize=4096)  # a plan asks them of thousands of layouts sharing a few meshes
+def expert_geometry(dims, gpus_per_node: int) -> tuple[int, int, int]:
+    """dims.expert_geometry(gpus_per_node), remembered."""
+    return dims.expert_geometry(gpus_per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def expert_data_parallel(dims) -> int:
+    """dims.expert_data_parallel(), remembered (checked: ep divides dp x cp)."""
+    dims.check_ep()
+    return dims.expert_data_parallel()
+
+
 def busiest(lay: PlannerLayout) -> float:
     """The factor on the tokens of the slowest expert-parallel rank (1 without expert parallelism)."""
     return IMBALANCE if lay.ep > 1 else 1.0
@@ -120,7 +133,7 @@ def all_to_all(shape: Shape, lay: PlannerLayout, n: float, B: int, gpus_per_node
     sp = t if lay.sequence_parallel and t > 1 else 1
     count = ALL_TO_ALLS + (2 if lay.activation_checkpointing == "full" else 0)
     per = n / sp * shape.experts_per_token * shape.hidden * B * busiest(lay)
-    _, per_node, _ = lay.dims.expert_geometry(gpus_per_node)
+    _, per_node, _ = expert_geometry(lay.dims, gpus_per_node)
     out = {"nvlink": count * per * (per_node - 1) / lay.ep}
     if per_node < lay.ep:
         out["internode"] = count * per * (lay.ep - per_node) / lay.ep
@@ -171,7 +184,7 @@ def all_to_all_breakdown(shape: Shape, lay: PlannerLayout, wl, prof, theta: dict
     n, B = lay.micro_batch_size * wl.local(lay).seq_len, wl.dtype_bytes
     sent = all_to_all(shape, lay, n, B, prof.gpus_per_node)
     seconds = sum(theta[key] * v / link_bandwidth(prof, key) for key, v in sent.items())
-    _, per_node, nodes = lay.dims.expert_geometry(prof.gpus_per_node)
+    _, per_node, nodes = expert_geometry(lay.dims, prof.gpus_per_node)
     return {
         "ep_all_to_all_s": layer_passes * seconds,
         "ep_all_to_all_gb": layer_passes * sum(sent.values()) / 1e9,
@@ -188,7 +201,7 @@ def reduction_terms(lay: PlannerLayout, prof, phi_experts: float, grad_bytes: in
     from harness.planner.features import replica_groups
     from harness.planner.timing import _group_link
 
-    r = lay.dims.expert_data_parallel()
+    r = expert_data_parallel(lay.dims)
     if r == 1 or not phi_experts:
         return
     geometry = replica_groups(lay.dims, lay.ep, prof.gpus_per_node)[1]

@@ -174,7 +174,7 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
             dpx[key] += 2 * m * frac * phi * wl.dtype_bytes / bw
     # Optimizer step on this rank's shard of the master weights, Adam (memory bound).
     opt_params = phi / (lay.shard_group if zero >= 1 else 1)
-    opt_params += phi_e / (lay.dims.expert_data_parallel() if zero >= 1 else 1)
+    opt_params += phi_e / (moe.expert_data_parallel(lay.dims) if zero >= 1 else 1)
     return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
 
 
