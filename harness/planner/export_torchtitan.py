@@ -58,6 +58,11 @@ def torchtitan_flavor(shape: Shape) -> str | None:
 
 def torchtitan_refuses(shape: Shape | None, lay: PlannerLayout) -> str:
     """Why torchtitan at TORCHTITAN cannot run the layout ("" if it can)."""
+    if shape is not None and shape.moe:
+        return (
+            "torchtitan's llama3 recipe has no experts: its MoE models (qwen3, deepseek_v3, llama4) are recipes of "
+            "their own, with parallelism.expert_parallel_degree, which this export does not write"
+        )
     if lay.tp > 1 and not lay.sequence_parallel:
         return "torchtitan's tensor parallelism always shards the sequence (sequence parallel)"
     if lay.attention not in ATTENTION:
@@ -66,11 +71,6 @@ def torchtitan_refuses(shape: Shape | None, lay: PlannerLayout) -> str:
         return f"torchtitan has no {lay.pipeline_schedule} pipeline schedule here"
     if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and lay.virtual_stages < 2:
         return "torchtitan's Interleaved1F1B needs at least 2 stages per rank"
-    if shape is not None and shape.moe:
-        return (
-            "torchtitan's llama3 recipe has no experts: its MoE models (qwen3, deepseek_v3, llama4) are recipes of "
-            "their own, with parallelism.expert_parallel_degree, which this export does not write"
-        )
     if shape is not None and torchtitan_flavor(shape) is None:
         return f"torchtitan's llama3 has no flavor of this shape (it has {', '.join(FLAVORS)})"
     return ""
