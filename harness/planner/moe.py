@@ -192,25 +192,26 @@ def all_to_all_breakdown(shape: Shape, lay: PlannerLayout, wl, prof, theta: dict
     }
 
 
-def reduction_terms(lay: PlannerLayout, prof, phi_experts: float, grad_bytes: int, dtype_bytes: int, dpx: dict):
+def reduction_terms(lay: PlannerLayout, wl, prof, phi_experts: float, dpx: dict) -> None:
     """Add the expert gradients' reduction over the expert-data-parallel group (dp x cp / ep members, every
     ep-th member of the replica group: features.replica_groups' replicate group of ep-member shards) to
-    `dpx` (ideal seconds by link): an fp32 all-reduce, and the updated weights all-gathered under ZeRO-1
-    (Megatron's distributed optimizer over that group); under ZeRO-3 / FSDP their gathers per micro-batch
-    are left out (the same bytes as the dense part's per parameter, over the smaller group)."""
+    `dpx` (ideal seconds by link): an fp32 all-reduce (bf16 workloads: fp32 main gradients), the updated
+    weights all-gathered under ZeRO-1 (Megatron's distributed optimizer over that group), and under ZeRO-3 /
+    FSDP the experts gathered for the forward and backward of every micro-batch, as the dense part's."""
     from harness.planner.features import replica_groups
     from harness.planner.timing import _group_link
 
     r = expert_data_parallel(lay.dims)
     if r == 1 or not phi_experts:
         return
-    geometry = replica_groups(lay.dims, lay.ep, prof.gpus_per_node)[1]
-    key, bw = _group_link(lay, prof, geometry)
+    B = wl.dtype_bytes
+    key, bw = _group_link(lay, prof, replica_groups(lay.dims, lay.ep, prof.gpus_per_node)[1])
     frac = (r - 1) / r
-    dpx[key] = (
-        dpx.get(key, 0.0)
-        + (2 * frac * grad_bytes + (frac * dtype_bytes if lay.sharding_stage >= 1 else 0)) * phi_experts / bw
-    )
+    stage = lay.sharding_stage
+    moved = 2 * frac * (4 if B == 2 else B) + (frac * B if stage >= 1 else 0)
+    if stage >= 3:
+        moved += 2 * wl.micro_batches(lay) * frac * B
+    dpx[key] = dpx.get(key, 0.0) + moved * phi_experts / bw
 
 
 def ep_degrees(shape: Shape, replicas: int, asked=None) -> list[int]:

@@ -20,7 +20,9 @@ Context parallelism (harness/planner/context.py): every term on the rank's seq /
 attention against every key, the cp exchange on its link (the ring's hidden behind each block's
 attention up to that block's compute), and the data-parallel reduction over dp x cp. FSDP (and
 hybrid sharding, PlannerLayout.dp_shard): its all-gathers and reduce-scatters within the sharding
-group, the all-reduce across the replicate groups, each on the link its group spans.
+group, the all-reduce across the replicate groups, each on the link its group spans. Mixture of
+experts (harness/planner/moe.py): the experts' GEMMs, the router and the exposed expert all-to-all in
+each layer, the experts' gradients reduced over the expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -104,8 +106,7 @@ def _per_layer(
         lay.cp,
         lay.cp_impl if lay.cp > 1 else "",
         group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node,
-        lay.ep,
-        lay.replicas if lay.ep > 1 else 0,  # the expert group's geometry (moe.all_to_all)
+        lay.ep,  # with tp, the expert group's geometry (ParallelDims.expert_geometry: its span is ep x tp)
     )
     if lay.precision != "bf16":  # the weight casts depend on the engine, the shard and the micro-batches (fp8.py)
         key += (lay.precision, lay.engine, lay.fsdp, lay.reshard_after_forward, lay.replicas, wl.micro_batches(lay))
@@ -155,7 +156,7 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     phi_e = moe.expert_stage_params(shape, max(kind[0][1] for kind, _, _ in kinds), lay.tp, lay.ep)
     if phi_e:
         phi -= phi_e
-        moe.reduction_terms(lay, prof, phi_e, 4 if wl.dtype_bytes == 2 else wl.dtype_bytes, wl.dtype_bytes, dpx)
+        moe.reduction_terms(lay, wl, prof, phi_e, dpx)
     zero = lay.sharding_stage
     r = lay.replicas  # the gradients are reduced over dp x cp (harness.parallel_dims.REPLICA_AXES)
     grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
@@ -329,6 +330,7 @@ EXTRAS_IGNORE = frozenset(
         "engine",
         "cp_impl",
         "dp_shard",
+        "ep",  # the all-to-all is the layers' (moe.layer_features)
     }
 )
 
