@@ -59,6 +59,16 @@ def test_expert_geometry_is_where_the_expert_groups_lie(dims):
         assert (max(by_node), len(by_node)) == (per_node, nodes)
 
 
+@pytest.mark.parametrize("name", ["tiny-moe", "mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b"])
+def test_a_ranks_parameters_add_up_to_the_model(name):
+    """One rank without parallelism holds param_count; the ep ranks of a group hold the experts once."""
+    shape = PRESETS[name]
+    assert stage_params(shape, True, shape.layers, True, 1) == param_count(shape)
+    ep = 2
+    shared = stage_params(shape, True, shape.layers, True, 1, ep) - moe.expert_stage_params(shape, shape.layers, 1, ep)
+    assert shared + ep * moe.expert_stage_params(shape, shape.layers, 1, ep) == param_count(shape)
+
+
 def test_expert_states_are_sharded_over_the_expert_data_parallel_group():
     """Megatron's distributed optimizer: fp32 masters and Adam's moments (12 bytes) of the dense part over
     dp x cp, of the experts over dp x cp / ep; bf16 weights and fp32 main gradients whole."""
