@@ -165,7 +165,8 @@ def layer_features(
     ckpt = lay.activation_checkpointing
     passes = 3 + (1 if ckpt == "full" else 0)  # fwd + bwd (2x fwd) + recomputed fwd
     # GEMMs of one layer: (N, K) per GEMM, M = n tokens; under fp8 at the FP8 peak, their own efficiency.
-    gemms = [((h + 2 * kv) / t, h), (h, h / t)] + ([] if shape.moe else [(2 * f / t, h), (h, f / t)])
+    q = shape.heads * d  # the query width (hidden unless the head width is set apart: Qwen3's kv_channels)
+    gemms = [((q + 2 * kv) / t, h), (h, q / t)] + ([] if shape.moe else [(2 * f / t, h), (h, f / t)])
     gemm_key, gemm_peak = ("gemm_fp8", prof.peak_flops_fp8()) if lay.precision == "fp8" else ("gemm", peak)
     for N, K in gemms:
         x[gemm_key] += passes * 2 * n * N * K / (gemm_peak * _gemm_eff(n, N, K))
@@ -179,7 +180,7 @@ def layer_features(
     swiglu = SWIGLU_BYTES_COMPILED if compiled else SWIGLU_BYTES_PER_B
     per_layer = (2 * RMSNORM_BYTES[lay.norm_kernel] * (B / 2) + 2 * RESIDUAL_BYTES_PER_B * B) * n * h * rep
     per_layer += (
-        (swiglu * (0 if shape.moe else f) + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (h + 2 * kv)) * B * n / t
+        (swiglu * (0 if shape.moe else f) + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (q + 2 * kv)) * B * n / t
     )
     if lay.precision == "fp8":  # the casts to fp8 and their amax (fp8.py), recomputed under full checkpointing
         m = wl.micro_batches(lay)  # (a MoE layer's: its tokens' expert width, its rank's experts' weights)

@@ -199,10 +199,10 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
         from harness.planner.context import cp_attention_bytes
 
         return cp_attention_bytes(shape, lay, wl.seq_len, b, wl.dtype_bytes)["kept"]
-    s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
+    s, t, B = wl.seq_len, lay.tp, wl.dtype_bytes
     n = b * s
     head_dim = shape.head_dim
-    hq, kv = h / t, shape.kv_heads * head_dim / t
+    hq, kv = shape.heads * head_dim / t, shape.kv_heads * head_dim / t  # query width: heads x head_dim
     heads = shape.heads / t
     rot = 4 * s * head_dim * B if B == 2 else 0.0
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
@@ -221,7 +221,7 @@ def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b:
     output (under context parallelism: context.cp_attention_bytes). The layer's SwiGLU and its
     norm have run backward before and freed what they kept."""
     s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
-    n, heads, hq = b * s, shape.heads / t, h / t
+    n, heads, hq = b * s, shape.heads / t, shape.heads * shape.head_dim / t
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
     extra = n * h * B
     if lay.cp > 1:
