@@ -143,6 +143,16 @@ class ParallelDims:
     def expert_data_groups(self) -> list[list[int]]:
         return [list(g) for g in sorted({tuple(self.expert_data_group_of(r)) for r in range(self.world)})]
 
+    def expert_geometry(self, ranks_per_node: int) -> tuple[int, int, int]:
+        """(span, members per node, nodes) of one expert group: its ep members are consecutive members
+        of the flattened dp x cp group, which lie stride("cp") ranks apart (tp), so the group covers
+        ep x stride("cp") consecutive ranks, aligned to that span (the replica group's first member is
+        below stride("cp") and every ep-th member starts a group). Inside one node when ranks_per_node
+        is a multiple of the span (the planner's all-to-all link)."""
+        inner = self.stride("cp")
+        span = self.ep * inner
+        return span, max(1, min(self.ep, ranks_per_node // inner)), -(-span // ranks_per_node)
+
     # ------------------------------------------------------------ ranks
 
     def _strides(self) -> dict[str, int]:

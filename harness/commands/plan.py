@@ -99,6 +99,7 @@ def add_arguments(p) -> None:
         help="engine fsdp: comma list of sharding group sizes (HSDP; 0 or dp x cp: full sharding; default: "
         "full sharding and the powers of two from 2 dividing dp x cp)",
     )
+    p.add_argument("--ep", help="comma list of expert-parallel degrees of a MoE model (default: every one dividing it)")
     p.add_argument(
         "--max-positions",
         type=int,
@@ -219,6 +220,9 @@ def plan_of(args, shape, profile) -> tuple:
     shards = en.parse_list(args.dp_shard, None, "--dp-shard", (), int) if args.dp_shard is not None else None
     if shards is not None and (args.engine != "fsdp" or any(v < 0 for v in shards)):
         raise SpecError("--dp-shard", "takes sizes >= 0 under --engine fsdp only (its sharding groups)")
+    eps = en.parse_list(args.ep, None, "--ep", (), int) if args.ep is not None else None
+    if eps is not None and (min(eps) < 1 or not shape.moe and eps != [1]):
+        raise SpecError("--ep", "takes positive degrees, above 1 for a mixture-of-experts model only")
     if args.top is not None and args.top < 1:
         raise SpecError("--top", "must be at least 1")
     preds = predict_many(
@@ -240,6 +244,7 @@ def plan_of(args, shape, profile) -> tuple:
             virtual_stages=virtual,
             precisions=precisions,
             dp_shards=shards,
+            ep_values=eps,
             **_on_engine(args, shape, cps, impls),
         ),
         wl,
@@ -283,8 +288,10 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
     prec = len({p.layout.precision for p in preds}) > 1  # a precision column only when several are asked
     fsdp = args.engine == "fsdp"  # a column of the sharding group's ranks (HSDP below dp x cp)
+    ep = shape.moe  # a column of the expert-parallel degree
     print(
-        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'sched':5} {'dp':>5} {'shard ' if fsdp else ''}{'mb':>3} "
+        f"{'tp':>3} {'cp':>3} {'impl':9} {'pp':>3} {'sched':5} {'dp':>5} {' ep ' if ep else ''}"
+        f"{'shard ' if fsdp else ''}{'mb':>3} "
         f"{'ckpt':9} {'sp':3} {'attention':{width}} "
         f"{'rms':5} {'prec ' if prec else ''}{'mem GiB':>8} {'fits':4} {'step s':>8} {'MFU':>6}"
     )
@@ -294,7 +301,7 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
         shard = f"{r['dp_shard']:>5} " if fsdp else ""
         print(
             f"{r['tp']:>3} {r['cp']:>3} {r['cp_impl'] or '-':9} {r['pp']:>3} {schedule_label(p.layout):5} "
-            f"{r['dp']:>5} {shard}{r['micro_batch_size']:>3} "
+            f"{r['dp']:>5} {format(r['ep'], '>3') + ' ' if ep else ''}{shard}{r['micro_batch_size']:>3} "
             f"{r['activation_checkpointing']:9} "
             f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
             f"{r['precision'].ljust(5) + ' ' if prec else ''}"
@@ -309,7 +316,7 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
             if p.why_unavailable:
                 print(f"      unavailable: {p.why_unavailable}")
     print(note)
-    for line in _cp_lines(args, preds, fitting):
+    for line in _cp_lines(args, preds, fitting) + _moe_lines(args, shape):
         print(line)
     if args.emit_sweep:
         print(f"wrote {args.emit_sweep}", file=sys.stderr)
@@ -355,7 +362,7 @@ def _on_engine(args, shape, cps, impls) -> dict:
         if args.zero > 1 and not facts.runs("layout.zero_stage", (args.zero, 3)):
             raise SpecError("--zero", facts.refuses("layout.zero_stage", args.zero, 0))
         error = model_limit_error(shape, Layout(engine=args.engine))
-        if error is not None:
+        if error is not None and not (shape.moe and not facts.runs_moe):  # MoE: planned all the same (_moe_lines)
             raise SpecError("--engine", f"{args.engine}: {error}")
         if args.compile != "none" and facts.refuses("layout.compile", args.compile, "none"):
             raise SpecError("--compile", facts.refuses("layout.compile", args.compile, "none"))
@@ -368,6 +375,23 @@ def _on_engine(args, shape, cps, impls) -> dict:
                 "--cp-impl", f"engine {args.engine} runs {', '.join(runs) or 'no context parallelism'}, not {impl}"
             )
     return {"engine": args.engine, "fsdp": args.engine == "fsdp", "compile": args.compile}
+
+
+def _moe_lines(args, shape) -> list[str]:
+    """What the plan says of a mixture of experts: its conventions, and an engine that runs no MoE or ep yet."""
+    if not shape.moe:
+        return []
+    from harness import registry
+    from harness.planner.moe import IMBALANCE
+
+    out = [
+        f"MoE: MFU from active parameters (6 x active params per token plus attention); ep all-to-all exposed, "
+        f"the busiest ep rank at {IMBALANCE}x the mean tokens (harness/planner/moe.py)"
+    ]
+    facts = registry.facts(args.engine)
+    if not facts.runs_moe or facts.refuses("layout.ep", 2, 1):
+        out.append(f"engine {args.engine} runs no MoE / ep yet (its facts): predicted as its memory model holds it")
+    return out
 
 
 def _cp_lines(args, preds, fitting) -> list[str]:

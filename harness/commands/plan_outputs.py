@@ -106,7 +106,8 @@ def export(args, shape, wl, fitting) -> int:
     lay = chosen.layout
     cp = f"cp {lay.cp} {lay.cp_impl} " if lay.cp > 1 else ""
     print(
-        f"# {args.export}: tp {lay.tp} {cp}pp {lay.pp} {schedule_label(lay)} dp {lay.dp} micro-batch "
+        f"# {args.export}: tp {lay.tp} {cp}pp {lay.pp} {schedule_label(lay)} dp {lay.dp}"
+        f"{f' ep {lay.ep}' if lay.ep > 1 else ''} micro-batch "
         f"{lay.micro_batch_size} checkpointing {lay.activation_checkpointing} {lay.precision}, predicted "
         f"{chosen.memory_gib:.1f} GiB, "
         f"{chosen.step_time_s:.3g} s/step, MFU {chosen.mfu:.3f}",

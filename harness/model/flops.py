@@ -12,26 +12,35 @@ convention from the shapes, side by side:
                computed either way); no embedding FLOPs, no bias additions
 - hardware:    megatron plus what activation checkpointing recomputes (HFU): a full extra
                forward of every layer for `full`, the attention core (QKᵀ, AV) for `selective`
+
+Mixture of experts (Shape.moe): a token passes through experts_per_token experts of a layer, not all
+of them, and through the router (an h x E GEMM: 2·h·E forward FLOPs). Every convention counts the
+active experts only: palm's P is the active parameters (presets.active_param_count, the router
+included), i.e. MFU = 6 x active parameters per token plus attention, the convention Megatron-LM and
+DeepSeek report MoE MFU with; megatron's layer GEMMs are k expert SwiGLUs and the router.
 """
 
 from __future__ import annotations
 
-from harness.model.presets import Shape, param_count
+from harness.model.presets import Shape, active_param_count, expert_params
 
 CONVENTIONS = ("palm", "palm_causal", "megatron", "hardware")
 
 
 def layer_matmul_params(shape: Shape) -> int:
+    """The GEMM weights one token passes through in one layer (under MoE its k experts and the router)."""
     head_dim = shape.head_dim
     q_o = 2 * shape.hidden * shape.heads * head_dim
     kv = 2 * shape.hidden * shape.kv_heads * head_dim
+    if shape.moe:  # the experts a token is routed to, and the router
+        return q_o + kv + shape.experts_per_token * expert_params(shape) + shape.hidden * shape.experts
     return q_o + kv + 3 * shape.hidden * shape.ffn
 
 
 def flops_per_token(shape: Shape, seq_len: int, checkpointing: str = "none") -> dict[str, float]:
     """Training FLOPs (forward + backward) per token, per convention."""
     L, h, s = shape.layers, shape.hidden, seq_len
-    P = param_count(shape)
+    P = active_param_count(shape)  # every parameter of a dense model
     attn_core_fwd = 4 * s * h  # QKᵀ and AV per layer per token, 2 FLOPs per MAC
     layer_fwd = 2 * layer_matmul_params(shape) + attn_core_fwd
     head_fwd = 2 * h * shape.vocab

@@ -10,6 +10,7 @@ Modules, one job each:
   context         context parallelism's own terms (implementations, K/V bytes, the exchange)
   schedules       pipeline schedules: chunks per rank, the bubble, the sends, activations in flight
   fp8             FP8 as the engines run it: the FP8 linears, their casts' bytes, the weight copies
+  moe             mixture of experts and expert parallelism: expert states, dispatch, the all-to-all
   features        the time features of a layer and a stage (ideal seconds of each kind of work)
   timing          seconds per step: the features at their efficiencies, the schedule, the dp reduction
   candidates      every valid layout

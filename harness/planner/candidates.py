@@ -6,7 +6,8 @@ implementations the engine's facts say it runs (harness/planner/context.py; none
 engine); pp is at most the number of layers and one the engine builds the model with (its facts'
 model_limits); tp x cp x pp divides the GPUs and dp follows by the one rule
 (ParallelDims.derive); the micro-batch divides the per-replica batch. Sequence parallelism is
-enumerated only where tp > 1 (and the rank's seq / cp tokens divide by tp).
+enumerated only where tp > 1 (and the rank's seq / cp tokens divide by tp). A mixture-of-experts model
+ranges over ep too: every divisor of dp x cp that divides the experts (harness/planner/moe.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from harness import registry
 from harness.errors import SpecError
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
-from harness.planner import context, schedules
+from harness.planner import context, moe, schedules
 from harness.planner.layout import ATTENTION, PAPER, PlannerLayout, Workload
 from harness.spec import CHECKPOINTING, RMSNORM_KERNELS, model_limit_error
 from harness.spec import Layout as SpecLayout
@@ -59,6 +60,7 @@ def layouts(
     virtual_stages=None,
     precisions=("bf16",),
     dp_shards=None,
+    ep_values=None,
     **fields,
 ):
     """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
@@ -67,7 +69,7 @@ def layouts(
     pipeline_schedules and virtual_stages the schedules of pp > 1 layouts and the chunks per rank of
     the interleaved ones (default: schedules_of, schedules.virtual_stage_choices); precisions the
     PlannerLayout.precision values (default bf16 only); dp_shards the fsdp sharding groups asked for
-    (shard_groups)."""
+    (shard_groups); ep_values the expert-parallel degrees asked for (default: moe.ep_degrees')."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
@@ -87,7 +89,7 @@ def layouts(
                     continue
                 if pp > shape.layers or (pp_values and pp not in pp_values):
                     continue
-                if engine != PAPER and model_limit_error(shape, SpecLayout(engine=engine, tp=tp, cp=cp, pp=pp)):
+                if engine != PAPER and cannot_build(shape, engine, tp=tp, cp=cp, pp=pp):
                     continue  # the engine cannot build the model so split (its facts' model_limits: tied
                     # embeddings across stages, Megatron-core's even split of the layers)
                 dims = ParallelDims.derive(gpus, "--gpus", tp=tp, cp=cp, pp=pp)
@@ -96,7 +98,8 @@ def layouts(
                     continue
                 pipes = _pipelines(shape.layers, pp, scheds, virtual_stages, even)
                 shards = shard_groups(dims.replicas(), dp_shards, tp, gpus_per_node) if fields.get("fsdp") else (0,)
-                for mb, (sched, v), ck, sp, att, rms, impl, prec, shard in itertools.product(
+                eps = moe.ep_degrees(shape, dims.replicas(), ep_values)
+                for mb, (sched, v), ck, sp, att, rms, impl, prec, shard, ep in itertools.product(
                     micro_batch_sizes,
                     pipes,
                     checkpointing,
@@ -106,6 +109,7 @@ def layouts(
                     impls,
                     precisions,
                     shards,
+                    eps,
                 ):
                     if sp and (tp == 1 or (wl.seq_len // cp) % tp):
                         continue
@@ -129,8 +133,20 @@ def layouts(
                         virtual_stages=v,
                         precision=prec,
                         dp_shard=shard,
+                        ep=ep,
                         **fields,
                     )
+
+
+def cannot_build(shape: Shape, engine: str, **degrees) -> bool:
+    """Whether the engine's facts say it cannot build the model so split (model_limits: tied embeddings
+    across stages, Megatron-core's even split). A MoE model under an engine that builds none yet
+    (EngineFacts.runs_moe) is planned as its memory model and moe.py would hold it: the plan says so."""
+    lay = SpecLayout(engine=engine, **degrees)
+    facts = registry.facts(engine)
+    if shape.moe and not facts.runs_moe:
+        return any(not takes(shape, lay) for _, takes, _ in facts.model_limits)
+    return model_limit_error(shape, lay) is not None
 
 
 def schedules_of(engine: str) -> list[str]:

@@ -85,6 +85,8 @@ def exportable(lay: PlannerLayout, fmt: str, shape: Shape | None = None) -> str:
     if fmt == "deepspeed":  # what the harness's engine deepspeed runs (its facts): AutoTP or its pipeline
         return _deepspeed_refuses(lay)  # engine, Ulysses without either, no sequence parallelism, 1F1B only
     if fmt == "megatron":
+        if shape is not None and shape.moe and lay.tp > 1 and not lay.sequence_parallel:
+            return "Megatron-LM runs MoE with tensor parallelism only under sequence parallelism"
         if lay.sharding_stage > 1:
             return "Megatron-LM shards over dp with its distributed optimizer (ZeRO-1); ZeRO-2/3 is Megatron-FSDP"
         if lay.pp > 1 and lay.pipeline_schedule not in ("1f1b", "interleaved"):
@@ -173,6 +175,11 @@ def export_deepspeed(
     notes.append(f"attention {lay.attention}, rmsnorm {lay.rmsnorm}: kernels are chosen in the model code")
     if lay.compile == "blocks":
         notes.append("compile blocks: compile each block before deepspeed.initialize (a ds_config has no such setting)")
+    if shape.moe:  # DeepSpeed-MoE's experts and their parallelism are the model code's
+        notes.append(
+            f"MoE: a ds_config has no expert setting: build each layer's experts as deepspeed.moe.layer.MoE("
+            f"num_experts={shape.experts}, ep_size={lay.ep}, k={shape.experts_per_token}) in the model code"
+        )
     return json.dumps(cfg, indent=2), [n for n in notes if n]
 
 
@@ -192,6 +199,8 @@ def _megatron_shape(shape: Shape, wl: Workload) -> list:
         "--num-attention-heads",
         shape.heads,
     ]
+    if shape.kv_channels:
+        args += ["--kv-channels", shape.kv_channels]
     if shape.kv_heads != shape.heads:
         args += ["--group-query-attention", "--num-query-groups", shape.kv_heads]
     args += ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", f"{shape.norm_eps:g}"]
@@ -203,6 +212,22 @@ def _megatron_shape(shape: Shape, wl: Workload) -> list:
         args.append("--add-qkv-bias")
     if not shape.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
+    return args
+
+
+def _megatron_moe(shape: Shape, lay: PlannerLayout, notes: list) -> list:
+    """A MoE model's experts and their parallelism as Megatron-LM arguments, as the planner predicts them
+    (harness/planner/moe.py): every layer MoE, the alltoall dispatcher, grouped GEMM, experts tp-sharded."""
+    args = ["--num-experts", shape.experts, "--moe-router-topk", shape.experts_per_token]
+    args += ["--moe-ffn-hidden-size", shape.moe_ffn, "--expert-model-parallel-size", lay.ep]
+    args += ["--expert-tensor-parallel-size", lay.tp, "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+    if not shape.norm_topk:  # Megatron's default is the softmax over the top-k logits: renormalised
+        args.append("--moe-router-pre-softmax")
+    args += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", 0]
+    notes.append(
+        "MoE: the auxiliary load-balancing loss coefficient is the workload's (0 here): set yours; the plan "
+        "assumed the busiest expert-parallel rank at 1.1x the mean tokens, which a balanced router gives"
+    )
     return args
 
 
@@ -218,6 +243,8 @@ def export_megatron(
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
     notes = [f"for {VERSIONS['megatron']}"]
+    if shape.moe:
+        args += _megatron_moe(shape, lay, notes)
     if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and lay.virtual_stages > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", lay.virtual_stages]
         if shape.layers % (lay.pp * lay.virtual_stages):

@@ -58,6 +58,11 @@ def torchtitan_flavor(shape: Shape) -> str | None:
 
 def torchtitan_refuses(shape: Shape | None, lay: PlannerLayout) -> str:
     """Why torchtitan at TORCHTITAN cannot run the layout ("" if it can)."""
+    if shape is not None and shape.moe:
+        return (
+            "torchtitan's llama3 recipe has no experts: its MoE models (qwen3, deepseek_v3, llama4) are recipes of "
+            "their own, with parallelism.expert_parallel_degree, which this export does not write"
+        )
     if lay.tp > 1 and not lay.sequence_parallel:
         return "torchtitan's tensor parallelism always shards the sequence (sequence parallel)"
     if lay.attention not in ATTENTION:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from harness.model.presets import Shape
-from harness.planner import fp8, schedules
+from harness.planner import fp8, moe, schedules
 from harness.planner.context import exchange_bytes
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, item_split
@@ -165,7 +165,8 @@ def layer_features(
     ckpt = lay.activation_checkpointing
     passes = 3 + (1 if ckpt == "full" else 0)  # fwd + bwd (2x fwd) + recomputed fwd
     # GEMMs of one layer: (N, K) per GEMM, M = n tokens; under fp8 at the FP8 peak, their own efficiency.
-    gemms = [((h + 2 * kv) / t, h), (h, h / t), (2 * f / t, h), (h, f / t)]
+    q = shape.heads * d  # the query width (hidden unless the head width is set apart: Qwen3's kv_channels)
+    gemms = [((q + 2 * kv) / t, h), (h, q / t)] + ([] if shape.moe else [(2 * f / t, h), (h, f / t)])
     gemm_key, gemm_peak = ("gemm_fp8", prof.peak_flops_fp8()) if lay.precision == "fp8" else ("gemm", peak)
     for N, K in gemms:
         x[gemm_key] += passes * 2 * n * N * K / (gemm_peak * _gemm_eff(n, N, K))
@@ -178,11 +179,17 @@ def layer_features(
     compiled = lay.compile == "blocks"
     swiglu = SWIGLU_BYTES_COMPILED if compiled else SWIGLU_BYTES_PER_B
     per_layer = (2 * RMSNORM_BYTES[lay.norm_kernel] * (B / 2) + 2 * RESIDUAL_BYTES_PER_B * B) * n * h * rep
-    per_layer += (swiglu * f + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (h + 2 * kv)) * B * n / t
+    per_layer += (
+        (swiglu * (0 if shape.moe else f) + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (q + 2 * kv)) * B * n / t
+    )
     if lay.precision == "fp8":  # the casts to fp8 and their amax (fp8.py), recomputed under full checkpointing
-        m = wl.micro_batches(lay)
-        per_layer += fp8.activation_cast_bytes(shape, lay, n, B) + fp8.weight_cast_bytes(shape, lay, m, B)
+        m = wl.micro_batches(lay)  # (a MoE layer's: its tokens' expert width, its rank's experts' weights)
+        per_layer += fp8.activation_cast_bytes(moe.token_shape(shape, moe.busiest(lay)), lay, n, B)
+        per_layer += fp8.weight_cast_bytes(moe.weight_shape(shape, lay.ep), lay, m, B)
     x["hbm"] += per_layer * recf / hbm
+    if shape.moe:  # the router, the experts and the all-to-all in place of the dense SwiGLU (moe.py)
+        for k, v in moe.layer_features(shape, lay, n, B, prof, gemm_key, gemm_peak).items():
+            x[k] += v
     # Tensor-parallel collectives: per layer 2 all-reduces forward and 2 backward (all-gather +
     # reduce-scatter under sequence parallelism: the same bytes), each of n*h elements.
     if t > 1:

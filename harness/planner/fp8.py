@@ -64,10 +64,10 @@ def linears(shape: Shape, tp: int, is_fused: bool = False) -> tuple[tuple[float,
     input width. Unfused, as harness/model/llama.py (and torchtitan) build them; fused, as Megatron with
     Transformer Engine does. The GEMM FLOPs are the same either way."""
     h, f, t = shape.hidden, shape.ffn, tp
-    kv = shape.kv_heads * (shape.head_dim)
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim  # query width: heads x head_dim
     if is_fused:
-        return ((h + 2 * kv) / t, h), (h, h / t), (2 * f / t, h), (h, f / t)
-    return (h / t, h), (kv / t, h), (kv / t, h), (h, h / t), (f / t, h), (f / t, h), (h, f / t)
+        return ((q + 2 * kv) / t, h), (h, q / t), (2 * f / t, h), (h, f / t)
+    return (q / t, h), (kv / t, h), (kv / t, h), (h, q / t), (f / t, h), (f / t, h), (h, f / t)
 
 
 def weight_elements(shape: Shape, tp: int) -> float:

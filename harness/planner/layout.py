@@ -118,10 +118,13 @@ class PlannerLayout:
     # vocab_parallel_cross_entropy, torchtitan's loss_parallel): its memory is the logits' 1/tp.
     # None: the engine's (registry.MemoryModel.vocab_parallel_loss).
     vocab_parallel_loss: bool | None = None
+    # Expert parallelism (harness.spec's layout.ep; a MoE model only): the experts shared out over groups of
+    # ep consecutive dp x cp ranks (harness.parallel_dims.ParallelDims.ep); harness/planner/moe.py.
+    ep: int = 1
 
     @property
     def dims(self) -> ParallelDims:
-        return _dims(self.pp, self.dp, self.cp, self.tp)
+        return _dims(self.pp, self.dp, self.cp, self.tp, self.ep)
 
     @property
     def gpus(self) -> int:
@@ -181,6 +184,7 @@ class PlannerLayout:
             reshard_after_forward=bool(lay["reshard_after_forward"]),
             precision="fp8" if precision == "fp8" else "bf16",
             compile=str(lay.get("compile") or "none"),
+            ep=1 if single else int(lay.get("ep") or 1),
         )
 
     def to_spec(self) -> dict:
@@ -225,8 +229,8 @@ def _replicas(dims: ParallelDims) -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # a plan asks each layout's degrees many times
-def _dims(pp: int, dp: int, cp: int, tp: int) -> ParallelDims:
-    return ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp)
+def _dims(pp: int, dp: int, cp: int, tp: int, ep: int = 1) -> ParallelDims:
+    return ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
 
 
 def stage_items(shape: Shape, pp: int) -> list[tuple[bool, int, bool]]:

@@ -27,7 +27,7 @@ DeepSpeed and FSDP: their model states from `model_states` (each tested against 
 activations as the own engine's (they run the same plain model, harness/model/llama.py); FSDP2's
 gathered parameters, reduce-scatter buffers and pipelined accumulation from fsdp_step_bytes
 (checked against `harness memory` traces of engine fsdp, tests/test_memory_trace.py).
-The calibrated overheads and the terms shared with the study's engine: memory_terms.
+The calibrated overheads and the terms shared with the study's engine: memory_terms. MoE: moe.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import functools
 
 from harness import registry
 from harness.model.presets import Shape
-from harness.planner import fp8, schedules
+from harness.planner import fp8, moe, schedules
 from harness.planner import memory_terms as terms
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
 from harness.registry import MemoryModel
@@ -199,10 +199,10 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
         from harness.planner.context import cp_attention_bytes
 
         return cp_attention_bytes(shape, lay, wl.seq_len, b, wl.dtype_bytes)["kept"]
-    s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
+    s, t, B = wl.seq_len, lay.tp, wl.dtype_bytes
     n = b * s
     head_dim = shape.head_dim
-    hq, kv = h / t, shape.kv_heads * head_dim / t
+    hq, kv = shape.heads * head_dim / t, shape.kv_heads * head_dim / t  # query width: heads x head_dim
     heads = shape.heads / t
     rot = 4 * s * head_dim * B if B == 2 else 0.0
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
@@ -221,7 +221,7 @@ def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b:
     output (under context parallelism: context.cp_attention_bytes). The layer's SwiGLU and its
     norm have run backward before and freed what they kept."""
     s, t, B, h = wl.seq_len, lay.tp, wl.dtype_bytes, shape.hidden
-    n, heads, hq = b * s, shape.heads / t, h / t
+    n, heads, hq = b * s, shape.heads / t, shape.heads * shape.head_dim / t
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
     extra = n * h * B
     if lay.cp > 1:
@@ -233,7 +233,7 @@ def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b:
             extra += 2 * 4 * b * heads * s * s
         if lay.activation_checkpointing == "selective":
             extra += (3 * n * hq * 4 + s * s + 4 * b * heads * s * s) if naive else (n * hq * B + 4 * b * heads * s)
-    freed = _norm_bytes(lay, n, h, B, lay.sequence_parallel and t > 1) + 4 * n * shape.ffn / t * B
+    freed = _norm_bytes(lay, n, h, B, lay.sequence_parallel and t > 1) + moe.ffn_kept_bytes(shape, lay, n, B)
     return extra - freed
 
 
@@ -245,17 +245,17 @@ def engine_layer_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict:
     holds seq / cp of its tokens)."""
     wl = wl.local(lay)
     b, s, t, B = lay.micro_batch_size, wl.seq_len, lay.tp, wl.dtype_bytes
-    n, h, f = b * s, shape.hidden, shape.ffn
+    n, h = b * s, shape.hidden
     sp = lay.sequence_parallel and t > 1
-    full = 2 * _norm_bytes(lay, n, h, B, sp) + _attention_bytes(shape, lay, wl, b) + 4 * n * f / t * B
-    full -= fp8.saved_input_saving(shape, lay, n, B)  # Transformer Engine saves its linears' inputs in fp8
-    # A layer's backward, beyond what it saved: the incoming gradient (n x h), SwiGLU's three
-    # gradients of width ffn / t, and the largest weight gradient in the parameters' dtype before
-    # the gradient hook adds it into the fp32 bucket and frees it (h x ffn / t); or the attention
-    # core's backward, whichever is larger.
-    working = max((n * h + 3 * n * f / t + h * f / t) * B, _attention_backward_bytes(shape, lay, wl, b))
+    full = 2 * _norm_bytes(lay, n, h, B, sp) + _attention_bytes(shape, lay, wl, b)
+    full += moe.ffn_kept_bytes(shape, lay, n, B)  # SwiGLU's, or a MoE layer's (moe.py)
+    tokens = moe.token_shape(shape, moe.busiest(lay))  # a MoE layer's linears as a token sees them
+    full -= fp8.saved_input_saving(tokens, lay, n, B)  # Transformer Engine saves its linears' inputs in fp8
+    # A layer's backward, beyond what it saved: its feed-forward's gradients and its largest weight gradient
+    # before the hook adds it into the fp32 bucket (moe.ffn_working_bytes), or the attention core's backward.
+    working = max(moe.ffn_working_bytes(shape, lay, n, B), _attention_backward_bytes(shape, lay, wl, b))
     if lay.precision == "fp8":  # the fp8 operands of the linear running backward (fp8.py: torchao saves bf16)
-        working += fp8.backward_operand_bytes(shape, lay, n)
+        working += fp8.backward_operand_bytes(tokens, lay, n)
     kept = n * h * B / (t if sp else 1) if lay.activation_checkpointing == "full" else full
     return {"layer": kept, "full_layer": full, "working": working}
 
@@ -289,7 +289,8 @@ def _states_by_category(phi: float, states: str, zero: int, precision: str, dp: 
 def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> dict:
     """memory.stage_memory for the harness's engines (PlannerLayout.engine own, deepspeed or fsdp)."""
     has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
-    phi = terms.stage_params(shape, has_emb, layers, has_head, lay.tp)
+    phi = terms.stage_params(shape, has_emb, layers, has_head, lay.tp, lay.ep)
+    phi_e = moe.expert_stage_params(shape, layers, lay.tp, lay.ep)  # sharded over the expert-data-parallel group
     states = memory_model(lay.engine).states
     # states sharded over dp x cp (REPLICA_AXES); FSDP's over its sharding group (HSDP: dp_shard ranks)
     B, dp, t = wl.dtype_bytes, lay.shard_group if states == "fsdp" else lay.replicas, lay.tp
@@ -299,7 +300,10 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     # the census counts at the optimizer step (own engine: flat parameters, fp32 main gradients,
     # ZeRO-1's reduced shard being their view, masters, Adam states) is held the whole step; the
     # ZeRO-1 collectives add nothing (both in place, harness/engine/data_parallel.py).
-    by_cat = _states_by_category(phi, states, zero, precision, dp)
+    by_cat = dict(_states_by_category(phi - phi_e, states, zero, precision, dp))
+    e_dp = moe.expert_data_parallel(lay.dims) if states != "fsdp" or lay.shard_group == lay.replicas else dp
+    for k, v in (_states_by_category(phi_e, states, zero, precision, e_dp) if phi_e else {}).items():
+        by_cat[k] = by_cat.get(k, 0.0) + v
     sp = lay.sequence_parallel and t > 1
     n = lay.micro_batch_size * wl.local(lay).seq_len  # the rank's tokens
     h = shape.hidden
@@ -373,9 +377,8 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     elif zero >= 3:  # gathered full layers in flight (current + prefetched), ZeRO-3
         parts["weights"] += 2 * phi / max(layers, 1) * B
     if lay.precision == "fp8":  # Transformer Engine's fp8 weight copies; the scales (fp8.py)
-        parts["fp8_weights_and_scales"] = fp8.weight_copy_bytes(shape, lay, layers) + fp8.scale_bytes(
-            shape, lay, layers
-        )
+        w = moe.weight_shape(shape, lay.ep)  # a MoE layer's: its rank's experts
+        parts["fp8_weights_and_scales"] = fp8.weight_copy_bytes(w, lay, layers) + fp8.scale_bytes(w, lay, layers)
     parts["overhead"] = terms.CONTEXT_GIB * terms.GIB + frag * dynamic
     parts["total"] = sum(parts.values())
     parts["params"] = phi
@@ -422,17 +425,14 @@ def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: boo
     reduction in fp32; under fp8 the blocks' linear weights are gathered in fp8 (fp8.py)."""
     B, t = wl.dtype_bytes, lay.tp
     h, V = shape.hidden, shape.vocab
-    head_dim = shape.head_dim
-    attn = h * shape.heads * head_dim * 2 + 2 * h * shape.kv_heads * head_dim
-    block = (attn + 3 * h * shape.ffn) / t + 2 * h
-    if shape.attention_bias:
-        block += (shape.heads + 2 * shape.kv_heads) * head_dim / t + h
+    block = terms.stage_params(shape, False, 1, False, t, lay.ep)  # one block's parameters (its experts E / ep)
     vocab = V * h / t
     head = 0.0 if shape.tie_embeddings and has_emb else vocab
     root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)
     reshard = lay.reshard_after_forward
     n = lay.micro_batch_size * wl.local(lay).seq_len
-    block_bytes = block * B - (fp8.gathered_block_saving(shape, lay, B) if lay.precision == "fp8" else 0.0)
+    fp8_saving = fp8.gathered_block_saving(moe.weight_shape(shape, lay.ep), lay, B) if lay.precision == "fp8" else 0
+    block_bytes = block * B - fp8_saving
     kept = 0.0 if reshard else layers * block_bytes
     piped = lay.pp > 1
     # the embedding's gradient is the whole table's under TP (see engine_stage_memory)

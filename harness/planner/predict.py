@@ -1,8 +1,10 @@
 """One prediction: memory of the worst stage, whether it fits, step time, MFU, and why.
 
 MFU uses the PaLM convention (6P + 12Lhs FLOPs per token, harness.model.flops), the one the
-reference study's MFU column uses, against the profile's dense peak (BF16's under fp8 too, as torchtitan
-reports it: MFU then ranks layouts of both precisions as tokens/s does).
+reference study's MFU column uses (for a mixture of experts P is the active parameters: 6 x active
+parameters per token plus attention, as Megatron and DeepSeek report MoE MFU), against the profile's
+dense peak (BF16's under fp8 too, as torchtitan reports it: MFU then ranks layouts of both precisions
+as tokens/s does).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from harness.errors import SpecError
 from harness.model.flops import flops_per_token
 from harness.model.presets import Shape
-from harness.planner import schedules
+from harness.planner import moe, schedules
 from harness.planner.hardware import Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PRECISIONS, PlannerLayout, Workload
 from harness.planner.memory import GIB, fits, worst_stage_memory
@@ -53,6 +55,7 @@ class Prediction:
             "pipeline_schedule": lay.pipeline_schedule if lay.pp > 1 else None,
             "virtual_stages": schedules.chunks(lay.pipeline_schedule, lay.virtual_stages) if lay.pp > 1 else 1,
             "dp": lay.dp,
+            "ep": lay.ep,
             "micro_batch_size": lay.micro_batch_size,
             "activation_checkpointing": lay.activation_checkpointing,
             "sequence_parallel": bool(lay.sequence_parallel),
@@ -96,6 +99,13 @@ def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
         raise SpecError("layout.dp_shard", "sharding groups (HSDP) are engine fsdp's: 0 under the others")
     if lay.dp_shard < 0 or lay.dp_shard and lay.replicas % lay.dp_shard:
         raise SpecError("layout.dp_shard", f"{lay.dp_shard} does not divide dp x cp = {lay.replicas}")
+    if shape.moe and lay.engine == "paper":
+        raise SpecError("--engine", "paper: the study's engine ran no mixture of experts; plan it under another engine")
+    if lay.ep > 1 and not shape.moe:
+        raise SpecError("layout.ep", f"ep={lay.ep} needs a mixture-of-experts model")
+    if shape.experts % lay.ep:
+        raise SpecError("layout.ep", f"{shape.experts} experts are not divisible by ep={lay.ep}")
+    moe.expert_data_parallel(lay.dims)  # ep divides dp x cp
     if lay.pp > shape.layers:
         raise SpecError("layout.pp", f"{lay.pp} pipeline stages for {shape.layers} layers")
     if shape.heads % lay.tp:

@@ -20,7 +20,9 @@ Context parallelism (harness/planner/context.py): every term on the rank's seq /
 attention against every key, the cp exchange on its link (the ring's hidden behind each block's
 attention up to that block's compute), and the data-parallel reduction over dp x cp. FSDP (and
 hybrid sharding, PlannerLayout.dp_shard): its all-gathers and reduce-scatters within the sharding
-group, the all-reduce across the replicate groups, each on the link its group spans.
+group, the all-reduce across the replicate groups, each on the link its group spans. Mixture of
+experts (harness/planner/moe.py): the experts' GEMMs, the router and the exposed expert all-to-all in
+each layer, the experts' gradients reduced over the expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import functools
 
 from harness.model.presets import Shape
-from harness.planner import fp8, schedules
+from harness.planner import fp8, moe, schedules
 from harness.planner.context import exchange_bytes
 from harness.planner.features import (
     ADAM_BYTES_PER_PARAM,
@@ -55,8 +57,8 @@ from harness.planner.memory import GIB, stage_params, worst_stage_memory
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_params(shape: Shape, items: tuple, tp: int) -> float:
-    return stage_params(shape, *items, tp)
+def _stage_params(shape: Shape, items: tuple, tp: int, ep: int = 1) -> float:
+    return stage_params(shape, *items, tp, ep)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -104,6 +106,7 @@ def _per_layer(
         lay.cp,
         lay.cp_impl if lay.cp > 1 else "",
         group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node,
+        lay.ep,  # with tp, the expert group's geometry (ParallelDims.expert_geometry: its span is ep x tp)
     )
     if lay.precision != "bf16":  # the weight casts depend on the engine, the shard and the micro-batches (fp8.py)
         key += (lay.precision, lay.engine, lay.fsdp, lay.reshard_after_forward, lay.replicas, wl.micro_batches(lay))
@@ -148,7 +151,12 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     holds gpus_per_node / tp members of each data-parallel group). Engine fsdp's collectives, full
     or hybrid sharding: _fsdp_reduction; its optimizer steps on its sharding group's shard."""
     dpx: dict[str, float] = {}
-    phi = max(_stage_params(shape, key[0], lay.tp) for key, _, _ in kinds)
+    phi = max(_stage_params(shape, key[0], lay.tp, lay.ep) for key, _, _ in kinds)
+    # MoE: the experts' gradients are reduced over the expert-data-parallel group instead (moe.reduction_terms)
+    phi_e = moe.expert_stage_params(shape, max(kind[0][1] for kind, _, _ in kinds), lay.tp, lay.ep)
+    if phi_e:
+        phi -= phi_e
+        moe.reduction_terms(lay, wl, prof, phi_e, dpx)
     zero = lay.sharding_stage
     r = lay.replicas  # the gradients are reduced over dp x cp (harness.parallel_dims.REPLICA_AXES)
     grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
@@ -162,11 +170,12 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
         m = wl.micro_batches(lay)
         key, bw = _group_link(lay, prof, replica_groups(lay.dims, r, prof.gpus_per_node)[0])
         frac = (r - 1) / r
-        dpx[key] = (2 * frac * grad_bytes + (frac * wl.dtype_bytes if zero >= 1 else 0)) * phi / bw
+        dpx[key] = dpx.get(key, 0.0) + (2 * frac * grad_bytes + (frac * wl.dtype_bytes if zero >= 1 else 0)) * phi / bw
         if zero >= 3:  # weights gathered for forward and backward of every micro-batch
             dpx[key] += 2 * m * frac * phi * wl.dtype_bytes / bw
     # Optimizer step on this rank's shard of the master weights, Adam (memory bound).
     opt_params = phi / (lay.shard_group if zero >= 1 else 1)
+    opt_params += phi_e / (moe.expert_data_parallel(lay.dims) if zero >= 1 else 1)
     return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
 
 
@@ -321,6 +330,7 @@ EXTRAS_IGNORE = frozenset(
         "engine",
         "cp_impl",
         "dp_shard",
+        "ep",  # the all-to-all is the layers' (moe.layer_features)
     }
 )
 
@@ -373,6 +383,8 @@ def step_time(
     breakdown = _breakdown(lay, m, f, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta, pressure)
     if lay.cp > 1:
         breakdown.update(cp_breakdown(shape, lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
+    if shape.moe and lay.ep > 1:  # exposed: part of compute_and_tp_s (moe.py)
+        breakdown.update(moe.all_to_all_breakdown(shape, lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
     return (
         compute_s + breakdown["dp_reduction_exposed_s"] + breakdown["optimizer_s"] + breakdown["allocator_pressure_s"]
     ), breakdown
