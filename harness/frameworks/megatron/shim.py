@@ -1,8 +1,8 @@
 """Megatron-core on CPU: the few CUDA calls it hard-codes, answered by the CPU, while a block runs.
 
 Megatron never runs on CPU in its own tests. On the paths engine megatron takes (GPTModel on the
-local spec, parallel_state, its DDP and optimizers, the schedules), it reaches CUDA in five ways,
-each answered here and nowhere else (megatron-core 0.16; harness/frameworks/megatron/engine.py):
+local spec, parallel_state, its DDP and optimizers, the schedules, the MoE layer), it reaches CUDA in
+these ways, each answered here and nowhere else (megatron-core 0.16; harness/frameworks/megatron/engine.py):
 
   RNG       tensor_parallel/random.py forks the CUDA RNG tracker (DotProductAttention always does,
             dropout 0 or not; activation recomputation saves and restores the state): the CPU
@@ -15,7 +15,16 @@ each answered here and nowhere else (megatron-core 0.16; harness/frameworks/mega
             TorchFunctionMode maps them to the CPU (and keeps itself on through torch.autograd.backward,
             where full recomputation runs the forward again);
   types     `param.type() == "torch.cuda.FloatTensor"` checks (optimizer.py, distrib_optimizer.py,
-            clip_grads.py): .type() without arguments reports the CUDA type name.
+            clip_grads.py): .type() without arguments reports the CUDA type name;
+  streams   the MoE alltoall dispatcher copies its split sizes to the host on a side stream
+            (token_dispatcher.py: torch.cuda.Stream(), current_stream(), torch.cuda.stream(), its
+            wait_stream and record_event().synchronize()): one in-order stand-in stream, whose waits
+            and events have nothing to wait for;
+  host      moe_utils.maybe_move_tensor_to_cpu turns the split sizes into numpy only from a CUDA tensor,
+            so on the CPU all_to_all_single got tensors (a TypeError): CPU tensors become numpy as CUDA
+            ones do;
+  no TE     moe_utils' router gating reads te_general_gemm, bound only when Transformer Engine imports
+            (a NameError without it): None there, Megatron's own torch.mm path.
 
 Process-local and scoped: `active()` patches on entry and restores on exit, so only the megatron
 engine's own calls run under it, never on a GPU (the engine does not enter it there), and other
@@ -40,6 +49,8 @@ COVERED = (
     "set_rng_state",
     "manual_seed",
     "manual_seed_all",
+    "current_stream",
+    "stream",
 )
 # torch.cuda queries that answer truthfully on a CPU build and change nothing: not CUDA work.
 HARMLESS = ("is_available", "device_count", "is_initialized", "is_current_stream_capturing")
@@ -93,8 +104,59 @@ class _CudaToCpu(TorchFunctionMode):
             )
 
 
+class _Event:
+    """What the stand-in stream records: the CPU has done the work by the time anyone asks."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    """torch.cuda.Stream on the CPU: work runs in order on one device, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _Stream()
+
+
+def _host_copy(original):
+    """moe_utils.maybe_move_tensor_to_cpu answering a CPU tensor as it answers a CUDA one (numpy when asked)."""
+
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move
+
+
 def _replacements() -> dict:
     return {
+        "current_stream": lambda *a, **k: _CURRENT_STREAM,
+        "stream": lambda *a, **k: contextlib.nullcontext(),
         "current_device": lambda: "cpu",
         "synchronize": lambda *a, **k: None,
         "empty_cache": lambda: None,
@@ -136,17 +198,26 @@ def tripwire():
 def active():
     """Megatron's CUDA calls answered by the CPU for the duration of the block (see the module)."""
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     saved: list[tuple[object, str, object]] = []
+    absent = object()
 
     def patch(owner, name, value):
-        saved.append((owner, name, getattr(owner, name)))
+        saved.append((owner, name, getattr(owner, name, absent)))
         setattr(owner, name, value)
 
     for name, value in _replacements().items():
         patch(torch.cuda, name, value)
     patch(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
     patch(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    patch(torch.cuda, "Stream", _Stream)
+    patch(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _Stream())
+    host_copy = _host_copy(moe_utils.maybe_move_tensor_to_cpu)
+    for module in (moe_utils, token_dispatcher):  # token_dispatcher imported the function by name
+        patch(module, "maybe_move_tensor_to_cpu", host_copy)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        patch(moe_utils, "te_general_gemm", None)
     if _TRIPWIRE is not None:
         for name, fn in list(vars(torch.cuda).items()):
             if name.startswith("_") or name in COVERED or not inspect.isfunction(fn):
@@ -157,4 +228,7 @@ def active():
             yield
     finally:
         for owner, name, value in reversed(saved):
-            setattr(owner, name, value)
+            if value is absent:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
