@@ -32,6 +32,10 @@ CASES = {  # id: (layout, workload overrides)
     "dp2-ep1": ({"dp": 2}, {}),
     "dp2-ep2-losses-mb2": ({"dp": 2, "ep": 2, "micro_batch_size": 2}, LOSSES),
 }
+FOUR = {  # world 4
+    "tp2-sp-dp2-ep2-losses": ({"tp": 2, "sequence_parallel": True, "dp": 2, "ep": 2}, LOSSES),
+    "pp2-dp2-ep2": ({"pp": 2, "dp": 2, "ep": 2}, {}),
+}
 
 
 def _run(case) -> dict:
@@ -82,6 +86,12 @@ def results():
     return dict(zip(CASES, spawn(_train, 2, runs, timeout_s=300, threads=1), strict=True))
 
 
+@pytest.fixture(scope="module")
+def four():
+    runs = [_run(c) for c in FOUR.values()]
+    return dict(zip(FOUR, spawn(_train, 4, runs, timeout_s=300, threads=1), strict=True))
+
+
 def _reference(case):
     """The reference's losses, final weights and last step's router statistics."""
     from harness.data.source import token_source
@@ -105,21 +115,32 @@ def _reference(case):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_matches_the_reference(results, name):
+    _check(results[name], CASES[name], name)
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_moe_on_four_ranks_matches_the_reference(four, name):
+    """Under tp2 with sequence parallelism each tp rank routes half of each sequence: the router
+    statistics are summed over tp before the losses; pp2: each stage reports its own layer."""
+    _check(four[name], FOUR[name], name)
+
+
+def _check(result, case, name):
     from harness.frameworks.megatron.shim import HARMLESS
 
-    result = results[name]
-    losses, state, ref_stats = _reference(CASES[name])
+    losses, state, ref_stats = _reference(case)
     assert_matches_reference(result, losses, state, name, 1e-5)
     uncovered = result["uncovered"]
     assert set(uncovered) <= set(HARMLESS), f"{name}: torch.cuda reached beyond the shim: {uncovered}"
     assert "SequentialMLP" in result["describe"]["moe"]
     # the runner's sum over ranks: slots and forwards add up; each rank's losses are its micro-batches' mean
     by_rank = [s for s in result["router_stats"] if s]
-    assert set(ref_stats) == set(by_rank[0]), (sorted(ref_stats), sorted(by_rank[0]))
+    assert set(ref_stats) == {layer for s in by_rank for layer in s}, (sorted(ref_stats), by_rank)
     for layer, ref in ref_stats.items():
-        counts = [sum(s[layer]["counts"][e] for s in by_rank) for e in range(len(ref["counts"]))]
+        held = [s[layer] for s in by_rank if layer in s]
+        counts = [sum(s["counts"][e] for s in held) for e in range(len(ref["counts"]))]
         assert counts == ref["counts"], (layer, counts, ref["counts"])
-        assert sum(s[layer]["forwards"] for s in by_rank) == ref["forwards"]
+        assert sum(s["forwards"] for s in held) == ref["forwards"]
         for loss in ("aux", "z"):
-            mean = sum(s[layer][loss] * s[layer]["forwards"] for s in by_rank) / ref["forwards"]
+            mean = sum(s[loss] * s["forwards"] for s in held) / ref["forwards"]
             assert mean == pytest.approx(ref[loss], rel=1e-5), (layer, loss)

@@ -24,7 +24,11 @@ these ways, each answered here and nowhere else (megatron-core 0.16; harness/fra
             so on the CPU all_to_all_single got tensors (a TypeError): CPU tensors become numpy as CUDA
             ones do;
   no TE     moe_utils' router gating reads te_general_gemm, bound only when Transformer Engine imports
-            (a NameError without it): None there, Megatron's own torch.mm path.
+            (a NameError without it): None there, Megatron's own torch.mm path;
+  gloo      under tp > 1 the alltoall dispatcher gathers and reduce-scatters over tp the tokens each rank
+            received, in uneven parts (mappings.py: torch.distributed.all_gather of a list of different
+            sizes, torch.distributed.reduce_scatter of a list): gloo takes equal parts only, so those two
+            run as the same sums on equal parts (padded all-gather; all-reduce, then this rank's part).
 
 Process-local and scoped: `active()` patches on entry and restores on exit, so only the megatron
 engine's own calls run under it, never on a GPU (the engine does not enter it there), and other
@@ -38,6 +42,7 @@ import contextlib
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 # torch.cuda's functions the shim replaces while active (the tripwire watches every other one).
@@ -153,6 +158,43 @@ def _host_copy(original):
     return move
 
 
+def _uneven_all_gather(original):
+    """torch.distributed.all_gather whose parts differ in their first dimension, on gloo: each padded to
+    the largest, gathered, cut back."""
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rest = {tuple(t.shape[1:]) for t in tensor_list} | {tuple(tensor.shape[1:])}
+        even = len({t.shape for t in tensor_list} | {tensor.shape}) == 1
+        if even or async_op or len(rest) != 1 or dist.get_backend(group) != "gloo":
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in [*tensor_list, tensor])
+        mine = tensor.new_zeros((rows, *tensor.shape[1:]))
+        mine[: tensor.shape[0]] = tensor
+        padded = [torch.empty_like(mine) for _ in tensor_list]
+        original(padded, mine, group=group)
+        for out, part in zip(tensor_list, padded, strict=True):
+            out.copy_(part[: out.shape[0]])
+        return None
+
+    return all_gather
+
+
+def _listed_reduce_scatter(original):
+    """torch.distributed.reduce_scatter of a list of parts on gloo: the whole summed, this rank's part kept."""
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op or op != dist.ReduceOp.SUM or dist.get_backend(group) != "gloo":
+            return original(output, input_list, op=op, group=group, async_op=async_op)
+        whole = torch.cat([t.reshape(t.shape[0], -1) for t in input_list])
+        dist.all_reduce(whole, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.shape[0] for t in input_list[:rank])
+        output.copy_(whole[start : start + input_list[rank].shape[0]].view_as(output))
+        return None
+
+    return reduce_scatter
+
+
 def _replacements() -> dict:
     return {
         "current_stream": lambda *a, **k: _CURRENT_STREAM,
@@ -216,6 +258,8 @@ def active():
     host_copy = _host_copy(moe_utils.maybe_move_tensor_to_cpu)
     for module in (moe_utils, token_dispatcher):  # token_dispatcher imported the function by name
         patch(module, "maybe_move_tensor_to_cpu", host_copy)
+    patch(dist, "all_gather", _uneven_all_gather(dist.all_gather))
+    patch(dist, "reduce_scatter", _listed_reduce_scatter(dist.reduce_scatter))
     if not hasattr(moe_utils, "te_general_gemm"):
         patch(moe_utils, "te_general_gemm", None)
     if _TRIPWIRE is not None:
