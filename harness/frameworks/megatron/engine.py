@@ -2,8 +2,9 @@
 
 Megatron-core (megatron-core 0.16, its local layer spec, no Transformer Engine) on the workload:
 
-  parallel_state.initialize_model_parallel(tp, pp, vp), order tp-cp-ep-dp-pp: tp innermost, then dp,
-      then pp, the harness's rank order (harness/parallel_dims.py; checked against it at build);
+  parallel_state.initialize_model_parallel(tp, pp, vp, ep), order tp-cp-ep-dp-pp: tp innermost, then dp,
+      then pp, the harness's rank order (harness/parallel_dims.py; checked against it at build, and the
+      expert-parallel rank against ParallelDims.expert_index: ep carved from dp as the harness carves it);
   GPTModel per model chunk (virtual_stages chunks per pipeline rank under the interleaved schedule), built
       from megatron/layer_spec.py (TransformerConfig as the workload's LLaMA, the local spec with our RMSNorm);
   Float16Module under bf16; DistributedDataParallel around each chunk (no overlap; the main gradients in
@@ -12,7 +13,9 @@ Megatron-core (megatron-core 0.16, its local layer spec, no Transformer Engine) 
       with finalize_model_grads (the DP reduction, SP norms' tp all-reduce, tied embeddings' pp all-reduce);
   get_megatron_optimizer: torch.optim.AdamW (Megatron's fallback without TE/Apex) inside FP32Optimizer,
       Float16OptimizerWithFloat16Params (bf16, ZeRO-0) or DistributedOptimizer (ZeRO-1); it clips by the
-      global norm over every rank (Megatron's clip_grad_norm_fp32) before the step.
+      global norm over every rank (Megatron's clip_grad_norm_fp32) before the step; with ep > 1 a second
+      one for the experts' parameters over the expert-data-parallel group (Megatron's ChainedOptimizer);
+  a MoE model: Megatron's MoELayer (layer_spec.moe_config), its routing read by megatron/routers.py.
 
 The same workload as the reference (single/engine.py): the reference weights mapped into each rank's
 parameters (megatron/weights.py), over Megatron's own initialisation;
