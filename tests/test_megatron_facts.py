@@ -197,3 +197,34 @@ def test_every_record_names_the_megatron_core_it_ran_with():
     from harness.measure import fingerprint
 
     assert fingerprint(torch.device("cpu"), 1)["megatron_core"] == importlib.metadata.version("megatron-core")
+
+
+def test_the_shim_answers_the_moe_dispatchers_streams_and_host_copies():
+    """The alltoall dispatcher's side stream (torch.cuda.Stream, current_stream, stream, wait_stream,
+    record_event().synchronize()), its split sizes made numpy from CPU tensors as from CUDA ones, and the
+    router's te_general_gemm bound to None without Transformer Engine: only while active."""
+    import numpy as np
+    import torch
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    from harness.frameworks.megatron import shim as megatron_shim
+
+    had_gemm = hasattr(moe_utils, "te_general_gemm")
+    with megatron_shim.active():
+        side = torch.cuda.Stream()
+        assert torch.cuda.current_stream() is not side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+        side.record_event().synchronize()
+        assert isinstance(splits, np.ndarray) and splits.tolist() == [3, 1]
+        counts = torch.tensor([2, 2])
+        assert moe_utils.maybe_move_tensor_to_cpu(counts) is counts  # tensors stay tensors unless asked
+        assert token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is not None
+        if not had_gemm:
+            assert moe_utils.te_general_gemm is None
+            logits = moe_utils.router_gating_linear(torch.ones(3, 4), torch.ones(2, 4), None, torch.float32)
+            assert torch.equal(logits, torch.full((3, 2), 4.0))
+    assert hasattr(moe_utils, "te_general_gemm") == had_gemm
+    assert token_dispatcher.maybe_move_tensor_to_cpu is moe_utils.maybe_move_tensor_to_cpu
+    assert not isinstance(moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1]), as_numpy=True), np.ndarray)

@@ -2,8 +2,9 @@
 
 Megatron-core (megatron-core 0.16, its local layer spec, no Transformer Engine) on the workload:
 
-  parallel_state.initialize_model_parallel(tp, pp, vp), order tp-cp-ep-dp-pp: tp innermost, then dp,
-      then pp, the harness's rank order (harness/parallel_dims.py; checked against it at build);
+  parallel_state.initialize_model_parallel(tp, pp, vp, ep), order tp-cp-ep-dp-pp: tp innermost, then dp,
+      then pp, the harness's rank order (harness/parallel_dims.py; checked against it at build, and the
+      expert-parallel rank against ParallelDims.expert_index: ep carved from dp as the harness carves it);
   GPTModel per model chunk (virtual_stages chunks per pipeline rank under the interleaved schedule), built
       from megatron/layer_spec.py (TransformerConfig as the workload's LLaMA, the local spec with our RMSNorm);
   Float16Module under bf16; DistributedDataParallel around each chunk (no overlap; the main gradients in
@@ -12,7 +13,9 @@ Megatron-core (megatron-core 0.16, its local layer spec, no Transformer Engine) 
       with finalize_model_grads (the DP reduction, SP norms' tp all-reduce, tied embeddings' pp all-reduce);
   get_megatron_optimizer: torch.optim.AdamW (Megatron's fallback without TE/Apex) inside FP32Optimizer,
       Float16OptimizerWithFloat16Params (bf16, ZeRO-0) or DistributedOptimizer (ZeRO-1); it clips by the
-      global norm over every rank (Megatron's clip_grad_norm_fp32) before the step.
+      global norm over every rank (Megatron's clip_grad_norm_fp32) before the step; with ep > 1 a second
+      one for the experts' parameters over the expert-data-parallel group (Megatron's ChainedOptimizer);
+  a MoE model: Megatron's MoELayer (layer_spec.moe_config), its routing read by megatron/routers.py.
 
 The same workload as the reference (single/engine.py): the reference weights mapped into each rank's
 parameters (megatron/weights.py), over Megatron's own initialisation;
@@ -42,6 +45,7 @@ from harness.errors import NonFiniteStep
 from harness.frameworks import gather_on_rank0
 from harness.frameworks.megatron import shim as megatron_shim
 from harness.frameworks.megatron import weights as megatron_weights
+from harness.frameworks.megatron.routers import RouterTaps
 from harness.model.llama import ReferenceWeights
 from harness.model.training import precision_policy
 from harness.parallel_dims import ParallelDims
@@ -86,7 +90,13 @@ class MegatronEngine:
         self.vp = lay.virtual_stages if lay.pipeline_schedule == "interleaved" and lay.pp > 1 else 1
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(lay.tp, lay.pp, self.vp if self.vp > 1 else None)
+        parallel_state.initialize_model_parallel(
+            lay.tp,
+            lay.pp,
+            self.vp if self.vp > 1 else None,
+            expert_model_parallel_size=lay.ep,
+            expert_tensor_parallel_size=lay.tp,  # Megatron's default (layer_spec.moe_config)
+        )
         megatron_coord = {
             "pp": parallel_state.get_pipeline_model_parallel_rank(),
             "dp": parallel_state.get_data_parallel_rank(),
@@ -97,6 +107,13 @@ class MegatronEngine:
             raise RuntimeError(
                 f"rank {self.ctx.rank}: Megatron's coordinates {megatron_coord} differ from the "
                 f"harness's {self.coord._asdict()}"
+            )
+        dims = ParallelDims.of(lay)
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        if self.ep_rank != dims.expert_index(self.ctx.rank):
+            raise RuntimeError(
+                f"rank {self.ctx.rank}: Megatron's expert-parallel rank {self.ep_rank} differs from the "
+                f"harness's {dims.expert_index(self.ctx.rank)}"
             )
         tensor_parallel.model_parallel_cuda_manual_seed(w.seed)
 
@@ -153,18 +170,28 @@ class MegatronEngine:
             decoupled_weight_decay=True,
         )
         self.optimizer = get_megatron_optimizer(self.opt_config, self.chunks, config_overrides={})
-        # a ChainedOptimizer of one (dense parameters only): FP32Optimizer, Float16OptimizerWithFloat16Params or
-        # DistributedOptimizer, around torch's AdamW
-        (self.megatron_optimizer,) = self.optimizer.chained_optimizers
-        self.torch_optimizer = self.megatron_optimizer.optimizer
+        # a ChainedOptimizer of FP32Optimizer, Float16OptimizerWithFloat16Params or DistributedOptimizer around
+        # torch's AdamW: one for the dense parameters, and with ep > 1 one for the experts' (over the
+        # expert-data-parallel group); it steps them in this order
+        self.megatron_optimizers = list(self.optimizer.chained_optimizers)
+        self.megatron_optimizer = self.megatron_optimizers[0]
+        self.torch_optimizer = self.megatron_optimizers[-1].optimizer  # the last to step (the census)
         self.forward_backward = get_forward_backward_func()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self.routers = RouterTaps(
+            [self._gpt(c) for c in self.chunks], shape, parallel_state.get_tensor_model_parallel_group()
+        )
 
     def _gpt(self, chunk):
         """The GPTModel inside a chunk's DDP (and Float16Module) wrappers."""
         while hasattr(chunk, "module"):
             chunk = chunk.module
         return chunk
+
+    @property
+    def _first_expert(self) -> int:
+        """The global index of this rank's local expert 0."""
+        return self.ep_rank * (self.shape.experts // self.spec.layout.ep) if self.shape.moe else 0
 
     def _layer_numbers(self, gpt) -> dict[int, int]:
         return {j: layer.layer_number for j, layer in enumerate(gpt.decoder.layers)}
@@ -175,7 +202,7 @@ class MegatronEngine:
         numbers, tied = self._layer_numbers(gpt), self.shape.tie_embeddings
         tp, rank = self.spec.layout.tp, self.coord.tp
         for name, param in gpt.named_parameters():
-            plain = [reference[n] for n in megatron_weights.plain_names(name, numbers, tied)]
+            plain = [reference[n] for n in megatron_weights.plain_names(name, numbers, tied, self._first_expert)]
             param.copy_(megatron_weights.megatron_shard(name, plain, self.shape, tp, rank))
 
     # ---------------------------------------------------------------- step
@@ -207,6 +234,7 @@ class MegatronEngine:
                 ok, self._grad_norm, _ = self.optimizer.step()
             if not ok:
                 raise NonFiniteStep("Megatron's optimizer skipped the step (non-finite gradients)")
+            self.routers.step_done()
             # each dp group's mean loss, counted once (by its tp rank 0 on the last pipeline stage)
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             if self.is_last_stage and self.coord.tp == 0:
@@ -230,10 +258,14 @@ class MegatronEngine:
     def _masters(self) -> list:
         """The optimizer's fp32 copies that are not the model's parameters (bf16: Float16Optimizer's
         fp32_from_float16_groups, or the DistributedOptimizer's fp32 shards; fp32: none of their own)."""
-        opt = self.megatron_optimizer
-        groups = getattr(opt, "shard_fp32_from_float16_groups", None) or getattr(opt, "fp32_from_float16_groups", [])
-        shards = getattr(opt, "shard_fp32_groups", [])  # ZeRO-1 fp32: views of the parameters' buffer
-        return [t for g in list(groups) + list(shards) for t in g]
+        out = []
+        for opt in self.megatron_optimizers:
+            groups = getattr(opt, "shard_fp32_from_float16_groups", None) or getattr(
+                opt, "fp32_from_float16_groups", []
+            )
+            shards = getattr(opt, "shard_fp32_groups", [])  # ZeRO-1 fp32: views of the parameters' buffer
+            out += [t for g in list(groups) + list(shards) for t in g]
+        return out
 
     def _census_tensors(self) -> dict:
         """What this rank holds, by census category: the parameters (with ZeRO-1 the DDP's contiguous
@@ -247,7 +279,9 @@ class MegatronEngine:
             + [p.grad for p in params]
             + [m.grad for m in self._masters()],
             "master_parameters": self._masters(),
-            "optimizer_states": measure.optimizer_state_tensors(self.torch_optimizer),
+            "optimizer_states": [
+                t for opt in self.megatron_optimizers for t in measure.optimizer_state_tensors(opt.optimizer)
+            ],
         }
 
     def memory_census(self) -> dict | None:
@@ -265,12 +299,15 @@ class MegatronEngine:
     def _full_state_dict(self):
         """Every parameter whole, named as the plain Llama's, on global rank 0 (None elsewhere): under
         bf16 the fp32 masters (the reference's), gathered over dp from a DistributedOptimizer's shards;
-        tp parts all-gathered, the pp stages collected on rank 0."""
+        tp parts all-gathered, the pp stages' and the expert-parallel ranks' experts collected on rank 0."""
         from megatron.core import parallel_state
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
         masters = self._master_of_each_param()
+        lay = self.spec.layout
         keep = self.coord.dp == 0 and self.coord.tp == 0
+        # each expert's keeper: tp rank 0 of the first of the ranks that hold it (expert-data-parallel rank 0)
+        keep_experts = self.coord.tp == 0 and (lay.ep == 1 or parallel_state.get_expert_data_parallel_rank() == 0)
         mine = {}
         for chunk in self.chunks:
             gpt = self._gpt(chunk)
@@ -279,41 +316,69 @@ class MegatronEngine:
                 if getattr(param, "shared", False):  # the last stage's copy of a tied embedding
                     continue
                 value = masters.get(id(param), param.detach().float())
-                if getattr(param, "tensor_model_parallel", False) and self.spec.layout.tp > 1:
-                    shards = [torch.empty_like(value) for _ in range(self.spec.layout.tp)]
+                if getattr(param, "tensor_model_parallel", False) and lay.tp > 1:  # experts: expert tp = tp
+                    shards = [torch.empty_like(value) for _ in range(lay.tp)]
                     dist.all_gather(shards, value.contiguous(), group=tp_group)
                 else:
                     shards = [value]
-                if keep:
-                    names = megatron_weights.plain_names(name, numbers, self.shape.tie_embeddings)
+                if keep_experts if megatron_weights.is_expert(name) else keep:
+                    names = megatron_weights.plain_names(name, numbers, self.shape.tie_embeddings, self._first_expert)
                     tensors = megatron_weights.plain_tensors(name, shards, self.shape)
                     for plain, tensor in zip(names, tensors, strict=True):
                         mine[plain] = tensor.detach().float().cpu().clone()
-        if self.spec.layout.pp > 1:  # each stage's part
-            mine = gather_on_rank0(mine if keep else None)
+        if lay.pp > 1 or lay.ep > 1:  # each stage's part, each expert-parallel rank's experts
+            mine = gather_on_rank0(mine or None)
         return mine if self.ctx.rank == 0 else None
 
     def _master_of_each_param(self) -> dict[int, torch.Tensor]:
         """id(model parameter) -> its whole fp32 master, where the optimizer keeps one apart (bf16)."""
         from megatron.core import parallel_state
 
-        opt = self.megatron_optimizer
         if self.policy.master is None:
             return {}
-        if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer: a shard per dp rank
-            groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
-            shards = {id(p): s for g_model, g_shard in groups for p, s in zip(g_model, g_shard, strict=True)}
-            out, group = {}, parallel_state.get_data_parallel_group()
-            for param in self._model_params():  # the same order on every dp rank; a rank fills its part
-                full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-                if id(param) in shards:
-                    where = opt._get_model_param_range_map(param)["param"]
-                    full[where.start : where.end] = shards[id(param)]
-                dist.all_reduce(full, group=group)
-                out[id(param)] = full.view(param.shape)
-            return out
-        groups = zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True)
-        return {id(p): m.detach() for g_model, g_main in groups for p, m in zip(g_model, g_main, strict=True)}
+        out = {}
+        for opt in self.megatron_optimizers:
+            if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer: a shard per dp rank
+                groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
+                shards = {id(p): s for g_model, g_shard in groups for p, s in zip(g_model, g_shard, strict=True)}
+                expert = opt is not self.megatron_optimizer  # the experts' optimizer (ep > 1)
+                group = (
+                    parallel_state.get_expert_data_parallel_group()
+                    if expert
+                    else parallel_state.get_data_parallel_group()
+                )
+                # the same order on every rank of the group; a rank fills its part
+                for param in self._model_params():
+                    if getattr(param, "allreduce", True) == expert:
+                        continue
+                    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+                    if id(param) in shards:
+                        where = opt._get_model_param_range_map(param)["param"]
+                        full[where.start : where.end] = shards[id(param)]
+                    dist.all_reduce(full, group=group)
+                    out[id(param)] = full.view(param.shape)
+            else:
+                groups = zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True)
+                out.update(
+                    {id(p): m.detach() for g_model, g_main in groups for p, m in zip(g_model, g_main, strict=True)}
+                )
+        return out
+
+    def _describe_moe(self) -> dict:
+        if not self.shape.moe:
+            return {}
+        c = self.config
+        return {
+            "moe": f"MoELayer: TopKRouter (top-{c.moe_router_topk} of {c.num_moe_experts}, softmax, "
+            f"pre_softmax={c.moe_router_pre_softmax}, router fp32, dropless), alltoall token dispatcher, "
+            "SequentialMLP experts (no grouped GEMM: neither grouped_gemm nor Transformer Engine here), "
+            f"expert_model_parallel_size={self.spec.layout.ep}, expert_tensor_parallel_size={self.spec.layout.tp}, "
+            f"aux_loss coeff {c.moe_aux_loss_coeff:g}, z-loss coeff {c.moe_z_loss_coeff or 0:g}"
+        }
+
+    def router_stats(self) -> dict:
+        """Each MoE layer's routing since the last call, in the harness's format (megatron/routers.py)."""
+        return self.routers.take()
 
     def last_step_details(self) -> dict:
         """Measured with the device synchronised: Megatron's forward_backward_func (every micro-batch's
@@ -333,11 +398,12 @@ class MegatronEngine:
             "megatron_core_version": VERSION,
             "device_shim": self.shimmed,
             "torch_version": torch.__version__,
-            "mesh": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "order": "tp-cp-ep-dp-pp (tp innermost)"},
+            "mesh": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "ep": lay.ep, "order": "tp-cp-ep-dp-pp (tp innermost)"},
             "coord": {"pp": self.coord.pp, "dp": self.coord.dp, "tp": self.coord.tp},
             "layer_spec": "local (no Transformer Engine): ColumnParallelLinear/RowParallelLinear, DotProductAttention, "
             "SwiGLU MLP; the harness's RMSNorm",
             "vocab_padding": "none",
+            **self._describe_moe(),
             "sequence_parallel": lay.sequence_parallel,
             "schedule": self.forward_backward.__name__,
             "virtual_stages": self.vp,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from harness.registry import EVERY_ENGINE, EngineFacts, MemoryModel, every_value, only
+from harness.registry import ANY, EVERY_ENGINE, MOE, EngineFacts, MemoryModel, every_value, only
 
 # Megatron-core's llama3 rope scaling takes only the factor; the rest is fixed
 # (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling).
@@ -17,14 +17,34 @@ def _chunks(lay) -> int:
     return lay.pp * (lay.virtual_stages if lay.pipeline_schedule == "interleaved" else 1)
 
 
+# ---- mixture of experts (Megatron's MoELayer: megatron/layer_spec.py moe_config, megatron/routers.py)
+# What Megatron's MoELayer cannot be made to run as harness.model.moe does: (what, takes(shape, lay), why).
+MOE_LIMITS = [
+    (
+        "experts",
+        lambda s, lay: not s.moe or lay.tp == 1 or lay.sequence_parallel,
+        "Megatron-core's MoELayer trains under tp > 1 only with sequence parallelism (moe_layer.py raises "
+        "otherwise); set sequence_parallel: true",
+    ),
+    (
+        "experts_per_token",
+        lambda s, lay: not s.moe or s.experts_per_token > 1 or not s.norm_topk,
+        "top-1 routing renormalised (weight 1) has no Megatron-core router: it needs moe_router_pre_softmax "
+        "with k=1, which keeps the softmax weight",
+    ),
+]
+
 _TE = "importable here, not wired" if importlib.util.find_spec("transformer_engine") else "not importable here"
 
 ENGINE = EngineFacts(
     name="megatron",
     memory=MemoryModel("megatron", layer_split="even", vocab_parallel_loss=True, sp_regathers=True),
     process_group=True,
+    runs_moe=True,
     honours={
         **EVERY_ENGINE,
+        **MOE,  # Megatron's aux_loss and z-loss are the reference's (layer_spec.moe_config)
+        "layout.ep": ANY,
         "workload.precision": only(
             "fp32",
             "bf16",
@@ -109,6 +129,7 @@ ENGINE = EngineFacts(
             lambda s, lay: s.layers % _chunks(lay) == 0,
             "engine megatron splits the layers evenly over pp x virtual_stages model chunks",
         ),
+        *MOE_LIMITS,
     ],
     label=lambda lay: "megatron DistOpt" if lay.get("zero_stage") else "megatron",
 )

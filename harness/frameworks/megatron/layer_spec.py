@@ -10,6 +10,11 @@ DotProductAttention, SwiGLU MLP; no Transformer Engine) with two pieces of ours:
   - with attention_bias, the output projection's bias (transformers' o_proj): Megatron's add_bias_linear
     would put biases on the MLP too, and add_qkv_bias covers q/k/v only, so linear_proj is Megatron's
     RowParallelLinear built with its bias (added after the reduction, by the layer's bias-dropout-add).
+
+A mixture-of-experts shape (harness/model/moe.py) takes the local spec's MoELayer: TopKRouter, the alltoall
+token dispatcher, SequentialMLP experts (a list of the same SwiGLU MLP; GroupedMLP needs the grouped_gemm
+package and TEGroupedMLP Transformer Engine, neither here). moe_config() says how its routing and losses
+equal the reference's.
 """
 
 from __future__ import annotations
@@ -100,12 +105,58 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         **RECOMPUTE[lay.activation_checkpointing],
+        **moe_config(shape, spec),
     )
+
+
+def moe_config(shape, spec) -> dict:
+    """The TransformerConfig fields of a MoE shape ({} for a dense one), so that Megatron's MoELayer is
+    harness.model.moe's:
+
+    - routing (moe_utils.topk_routing_with_score_function, score_function softmax, router_dtype fp32):
+      moe_router_pre_softmax=True is softmax over every expert, then top-k, the weights NOT renormalised
+      (Qwen3-MoE without norm_topk_prob); False is top-k of the logits, then a softmax over those k, which is
+      p_i / sum of the chosen p (the same experts, softmax being monotone): the renormalised weights (Mixtral).
+      So pre_softmax = not norm_topk (Megatron refuses k=1 without pre-softmax: facts.py refuses that shape);
+    - dropless: no capacity factor, every expert runs on all its tokens;
+    - the losses: load-balancing type aux_loss is switch_load_balancing_loss_func, E/(k T^2) * sum_e
+      (tokens of e)(summed probabilities of e) over one micro-batch's T tokens (counts summed over the tp
+      ranks that hold parts of it under sequence parallelism, each rank's probabilities its own part): the
+      reference's E/k sum_e f_e P_e. z_loss_func is the mean of logsumexp(logits)^2, each of those tp ranks
+      taking its share with the coefficient / tp. Both enter the backward through MoEAuxLossAutoScaler with
+      the schedule's scale 1 / micro-batches, and DDP's mean over dp, as the reference's AuxLossScaler;
+    - expert_tensor_parallel_size = tp (Megatron's default): each expert's MLP split over tp as the dense
+      MLP is, and the expert-data-parallel groups are dp x cp / ep, as harness/parallel_dims.py carves ep.
+    """
+    if not shape.moe:
+        return {}
+    w = spec.workload
+    return {
+        "num_moe_experts": shape.experts,
+        "moe_ffn_hidden_size": shape.moe_ffn,
+        "moe_router_topk": shape.experts_per_token,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not shape.norm_topk,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": w.moe_aux_loss_coeff,
+        # None skips the z-loss (0 would still compute it, and log it divided by 0)
+        "moe_z_loss_coeff": w.moe_z_loss_coeff or None,
+        "moe_expert_capacity_factor": None,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+        "expert_model_parallel_size": spec.layout.ep,
+        "expert_tensor_parallel_size": spec.layout.tp,
+    }
 
 
 def block_spec(config: TransformerConfig, attention_bias: bool, vp_stage: int | None) -> TransformerBlockSubmodules:
     """This model chunk's layers (as many as Megatron builds for it) and the final norm."""
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+    )  # a MoE: SequentialMLP experts (grouped GEMM needs the grouped_gemm package or Transformer Engine)
     norm = ModuleSpec(module=RMSNorm)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm

@@ -13,6 +13,10 @@ pipeline stages' and virtual chunks' layer offsets come from Megatron itself):
   decoder.layers.j.mlp.linear_fc1.weight           layers.i.feed_forward.w1 and w3: each tp rank holds
         [its rows of w1; its rows of w3] (Megatron's gated linear unit chunks the rank's output in two)
   decoder.layers.j.mlp.linear_fc2.weight           layers.i.feed_forward.w2   columns split over tp
+  decoder.layers.j.mlp.router.weight               layers.i.feed_forward.router.weight   [E, hidden], whole
+  decoder.layers.j.mlp.experts.local_experts.l.linear_fc1/linear_fc2.weight   (a MoE: SequentialMLP's experts)
+        layers.i.feed_forward.experts.e.w1 and w3 / w2, laid out as the dense MLP's (expert tensor parallelism
+        = tp); local expert l of expert-parallel rank r is global expert e = r * E/ep + l
   decoder.final_layernorm.weight                   norm.weight
   output_layer.weight                              output.weight (tied: tok_embeddings.weight) rows split over tp
 
@@ -27,6 +31,7 @@ import re
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 _PLAIN_IN_LAYER = {
     "input_layernorm.weight": ["attention_norm.weight"],
     "self_attention.linear_qkv.weight": ["attention.wq.weight", "attention.wk.weight", "attention.wv.weight"],
@@ -36,7 +41,9 @@ _PLAIN_IN_LAYER = {
     "pre_mlp_layernorm.weight": ["ffn_norm.weight"],
     "mlp.linear_fc1.weight": ["feed_forward.w1.weight", "feed_forward.w3.weight"],
     "mlp.linear_fc2.weight": ["feed_forward.w2.weight"],
+    "mlp.router.weight": ["feed_forward.router.weight"],
 }
+_EXPERT_PLAIN = {"linear_fc1.weight": ["w1.weight", "w3.weight"], "linear_fc2.weight": ["w2.weight"]}
 _PLAIN_OUTSIDE = {
     "embedding.word_embeddings.weight": "tok_embeddings.weight",
     "decoder.final_layernorm.weight": "norm.weight",
@@ -44,15 +51,26 @@ _PLAIN_OUTSIDE = {
 }
 
 
-def plain_names(name: str, layer_number: dict[int, int], tied: bool) -> list[str]:
+def plain_names(name: str, layer_number: dict[int, int], tied: bool, first_expert: int = 0) -> list[str]:
     """The plain Llama's names one Megatron parameter holds (layer_number: chunk-local index -> global
-    1-based layer_number, as Megatron numbers its TransformerLayers)."""
+    1-based layer_number, as Megatron numbers its TransformerLayers; first_expert: the global index of
+    this rank's local expert 0, expert-parallel rank x experts per rank)."""
     m = _LAYER.match(name)
     if m is None:
         plain = _PLAIN_OUTSIDE[name]
         return ["tok_embeddings.weight"] if tied and plain == "output.weight" else [plain]
     i = layer_number[int(m.group(1))] - 1
+    expert = _EXPERT.match(m.group(2))
+    if expert is not None:
+        e = first_expert + int(expert.group(1))
+        return [f"layers.{i}.feed_forward.experts.{e}.{p}" for p in _EXPERT_PLAIN[expert.group(2)]]
     return [f"layers.{i}.{p}" for p in _PLAIN_IN_LAYER[m.group(2)]]
+
+
+def is_expert(name: str) -> bool:
+    """Whether Megatron parameter `name` is one of a MoE layer's experts (held by one expert-parallel rank)."""
+    m = _LAYER.match(name)
+    return m is not None and _EXPERT.match(m.group(2)) is not None
 
 
 def _qkv_groups(shape, q, k, v):
@@ -76,7 +94,7 @@ def megatron_shard(name: str, plain: list[torch.Tensor], shape, tp: int, rank: i
         return plain[0].chunk(tp, dim=1)[rank]
     if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return plain[0].chunk(tp)[rank]
-    return plain[0]  # norms and the projection's bias: whole on every tp rank
+    return plain[0]  # norms, the projection's bias and the router: whole on every tp rank
 
 
 def plain_tensors(name: str, shards: list[torch.Tensor], shape) -> list[torch.Tensor]:
