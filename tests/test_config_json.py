@@ -1,6 +1,6 @@
 """A Hugging Face config.json read faithfully: every field of the LLaMA family
 that changes the math is honoured (rms_norm_eps, tie_word_embeddings, Llama 3.1 rope scaling,
-attention_bias, GQA, rope_theta, head_dim when consistent) or refused in one line; a model may be
+attention_bias, GQA, rope_theta, head_dim, also apart from hidden/heads) or refused in one line; a model may be
 named by a config.json, a folder holding one, or a hub id in the local Hugging Face cache.
 
 The plain model's logits are compared with transformers' LlamaForCausalLM on the same weights,
@@ -89,6 +89,8 @@ CONFIGS = {
         "rms_norm_eps": 1e-06,
         "attention_bias": True,
     },
+    # a head width apart from hidden_size / num_attention_heads (128 / 4 = 32)
+    "llama-head-dim": {**SMALL, "model_type": "llama", "num_key_value_heads": 2, "head_dim": 48},
     # transformers >= 5 writes rope_theta and the scaling together as rope_parameters
     "llama3.1-rope-parameters": {
         **SMALL,
@@ -239,7 +241,7 @@ def test_model_overrides_take_the_new_fields():
 REFUSED = [
     ({"hidden_act": "gelu"}, "hidden_act gelu is not supported"),
     ({"hidden_act": "relu"}, "hidden_act relu is not supported"),
-    ({"model_type": "mistral"}, "model_type mistral is not supported"),
+    ({"model_type": "gemma"}, "model_type gemma is not supported"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type linear is not supported"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type dynamic is not supported"),
     (
@@ -249,7 +251,7 @@ REFUSED = [
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 lacks low_freq_factor, high_freq_factor"),
     ({"mlp_bias": True}, "mlp_bias true is not supported"),
     ({"attention_dropout": 0.1}, "attention_dropout 0.1 is not supported"),
-    ({"head_dim": 64}, "head_dim 64 x num_attention_heads 4 != hidden_size 128"),
+    ({"head_dim": 0}, "head_dim must be a positive integer"),
     ({"rms_norm_eps": "small"}, "rms_norm_eps must be a positive number"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
 ]
