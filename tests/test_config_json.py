@@ -432,23 +432,72 @@ def test_the_planner_proposes_no_layout_an_engine_refuses_for_a_tied_model(tmp_p
         assert max(lay.pp for lay in layouts(shape, wl, 8, 8, engine=engine, **common)) > 1, engine
 
 
-def test_own_engine_in_process_matches_the_reference(tmp_path):
+# Qwen3's per-head q/k norms and free head width, with Qwen2's q/k/v biases (no o bias) on top
+QWEN3_QKV_BIAS = (
+    {**SMALL, "model_type": "qwen3", "num_key_value_heads": 2, "head_dim": 48, "rms_norm_eps": 1e-6},
+    {"qkv_bias": True},
+)
+
+
+@pytest.mark.parametrize("which", ["tied-bias-llama3", "qwen3-qkv-bias"])
+def test_own_engine_in_process_matches_the_reference(tmp_path, which):
     """World 1: the own engine's chunk (Weight/RMSNorm/ParallelBlock, tied head, o-bias after the
-    region) against the plain model on the tied + bias + llama3 config."""
+    region; q/k norms and q/k/v biases without o's) against the plain model."""
     from harness.engine.adapter import build
     from harness.runtime import RunContext
     from harness.testing.equivalence import BASE, batches, make_spec
     from harness.testing.reference import assert_matches_reference, reference_run
 
-    path = write_config(tmp_path, CONFIGS["tied-bias-llama3"])
-    case = {"workload": {"model": path}, "layout": {"micro_batch_size": 2}}
+    raw, overrides = (CONFIGS[which], {}) if which in CONFIGS else QWEN3_QKV_BIAS
+    path = write_config(tmp_path, raw)
+    case = {"workload": {"model": path, "model_overrides": overrides}, "layout": {"micro_batch_size": 2}}
     spec = make_spec(case)
     shape = spec.shape()
     eng = build(spec, shape, RunContext(0, 1, 0, torch.device("cpu"), None))
     losses = [float(eng.train_step(b)) for b in batches(spec, shape, 3)]
-    ref_losses, ref_state = reference_run({**BASE["workload"], "model": path}, 3, micro_batch_size=2)
+    workload = {**BASE["workload"], "model": path, "model_overrides": overrides}
+    ref_losses, ref_state = reference_run(workload, 3, micro_batch_size=2)
     assert_matches_reference({"losses": losses, "state": eng.full_state_dict()}, ref_losses, ref_state, "own w1")
-    assert "output.weight" not in ref_state and ref_state["layers.0.attention.wo.bias"].abs().max() > 0
+    if which == "qwen3-qkv-bias":
+        assert (
+            shape.qk_norm and shape.qkv_bias and shape.head_dim == 48 and "layers.0.attention.wo.bias" not in ref_state
+        )
+        assert (ref_state["layers.0.attention.q_norm.weight"] - 1).abs().max() > 0
+        assert ref_state["layers.0.attention.wk.bias"].abs().max() > 0
+    else:
+        assert "output.weight" not in ref_state and ref_state["layers.0.attention.wo.bias"].abs().max() > 0
+
+
+@pytest.mark.slow
+def test_own_engine_sums_the_qk_norms_gradients_over_tp(tmp_path):
+    """One gloo launch of 2 ranks: the Qwen3 + q/k/v-bias config under the own engine at tp2 (the q/k
+    norms' gradients, partial over each rank's heads, summed over TP), tp2 with SP and dp2, each
+    against the single-device reference (losses and final weights, q/k norms included)."""
+    from harness.testing.reference import assert_matches_reference, reference_run
+    from harness.testing.spawn import run_losses, spawn
+
+    steps, (raw, overrides) = 3, QWEN3_QKV_BIAS
+    workload = {
+        "model": write_config(tmp_path, raw),
+        "model_overrides": overrides,
+        "seq_len": 16,
+        "global_batch_size": 8,
+        "steps": steps,
+        "warmup_steps": 0,
+        "device": "cpu",
+        "precision": "fp32",
+        "optimizer": {"lr": 1.0, "eps": 1.0},
+    }
+    layouts = [
+        {"engine": "own", "tp": 2},
+        {"engine": "own", "tp": 2, "sequence_parallel": True},
+        {"engine": "own", "dp": 2, "zero_stage": 1},
+    ]
+    runs = [{"workload": workload, "layout": {"micro_batch_size": 2, **lay}} for lay in layouts]
+    results = spawn(run_losses, 2, runs, steps, True, timeout_s=300)
+    ref = reference_run(workload, steps, micro_batch_size=2)
+    for lay, result in zip(layouts, results, strict=True):
+        assert_matches_reference(result, *ref, f"qwen3 {lay}")
 
 
 @pytest.mark.slow
