@@ -425,8 +425,9 @@ def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: boo
     head_dim = shape.head_dim
     attn = h * shape.heads * head_dim * 2 + 2 * h * shape.kv_heads * head_dim
     block = (attn + 3 * h * shape.ffn) / t + 2 * h
-    if shape.attention_bias:
-        block += (shape.heads + 2 * shape.kv_heads) * head_dim / t + h
+    if shape.has_qkv_bias:
+        block += (shape.heads + 2 * shape.kv_heads) * head_dim / t
+    block += h * shape.attention_bias + 2 * head_dim * shape.qk_norm  # o bias, q/k norms: replicated
     vocab = V * h / t
     head = 0.0 if shape.tie_embeddings and has_emb else vocab
     root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)

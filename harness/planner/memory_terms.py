@@ -34,12 +34,13 @@ FRAGMENTATION_PIPELINED = 0.20
 def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: int) -> float:
     """Parameters held per GPU of a stage: matrices split over tp (vocab-parallel embedding/head;
     a tied head on the embedding's stage is the same tensor, counted once; attention biases: q/k/v's
-    split over tp, o's replicated)."""
+    split over tp, o's replicated; q/k norms replicated)."""
     head_dim = shape.head_dim
     attn = shape.hidden * shape.heads * head_dim * 2 + 2 * shape.hidden * shape.kv_heads * head_dim
     per_layer = (attn + 3 * shape.hidden * shape.ffn) / tp + 2 * shape.hidden
-    if shape.attention_bias:
-        per_layer += (shape.heads + 2 * shape.kv_heads) * head_dim / tp + shape.hidden
+    if shape.has_qkv_bias:
+        per_layer += (shape.heads + 2 * shape.kv_heads) * head_dim / tp
+    per_layer += shape.hidden * shape.attention_bias + 2 * head_dim * shape.qk_norm  # o bias, q/k norms: replicated
     vocab = shape.vocab * shape.hidden / tp
     head = 0 if shape.tie_embeddings and has_emb else vocab
     return layers * per_layer + (vocab if has_emb else 0) + ((head + shape.hidden) if has_head else 0)
