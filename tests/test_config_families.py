@@ -275,3 +275,26 @@ def test_engines_refuse_what_they_do_not_build(tmp_path, name, layout, what):
 def test_engines_take_what_they_build(tmp_path, layout):
     for name in ("qwen2", "qwen3"):
         spec_of(write_config(tmp_path / name, {**CONFIGS[name], "tie_word_embeddings": False}), **layout)
+
+
+@pytest.mark.slow
+def test_harness_train_takes_a_mixtral_and_a_qwen3_moe_config_json(tmp_path, cli):
+    """`harness train` (engine single, 2 steps) on each MoE config.json: the run is ok and its record's
+    parameter count is transformers' own model's."""
+    from transformers import AutoModelForCausalLM
+
+    for name in ("mixtral", "qwen3_moe"):
+        folder = tmp_path / name
+        path = write_config(folder, CONFIGS[name])
+        spec = folder / "spec.yaml"
+        spec.write_text(
+            f"store: {folder / 'results.sqlite'}\n"
+            f"workload: {{model: {path}, seq_len: 16, global_batch_size: 2, steps: 2, warmup_steps: 0}}\n"
+            "layout: {engine: single}\n"
+        )
+        r = cli("train", str(spec), "--no-progress", cwd=folder)
+        assert r.returncode == 0, r.stderr
+        rec = json.loads(cli("results", "export", "--format", "jsonl", cwd=folder).stdout.splitlines()[-1])
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(hf_config(CONFIGS[name]))
+        assert rec["status"] == "ok" and rec["metrics"]["parameter_count"] == hf.num_parameters(), name
