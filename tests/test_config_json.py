@@ -472,32 +472,26 @@ def test_own_engine_in_process_matches_the_reference(tmp_path, which):
 def test_own_engine_sums_the_qk_norms_gradients_over_tp(tmp_path):
     """One gloo launch of 2 ranks: the Qwen3 + q/k/v-bias config under the own engine at tp2 (the q/k
     norms' gradients, partial over each rank's heads, summed over TP), tp2 with SP and dp2, each
-    against the single-device reference (losses and final weights, q/k norms included)."""
-    from harness.testing.reference import assert_matches_reference, reference_run
-    from harness.testing.spawn import run_losses, spawn
+    against the single-device reference (losses and final weights, q/k norms included), and each
+    rank's counted communication equal to the closed form's (comm_model: the q/k norms' all-reduce)."""
+    from harness.engine.comm_model import rank_comm
+    from harness.testing import equivalence as E
+    from harness.testing.reference import assert_matches_reference
 
     steps, (raw, overrides) = 3, QWEN3_QKV_BIAS
-    workload = {
-        "model": write_config(tmp_path, raw),
-        "model_overrides": overrides,
-        "seq_len": 16,
-        "global_batch_size": 8,
-        "steps": steps,
-        "warmup_steps": 0,
-        "device": "cpu",
-        "precision": "fp32",
-        "optimizer": {"lr": 1.0, "eps": 1.0},
-    }
-    layouts = [
-        {"engine": "own", "tp": 2},
-        {"engine": "own", "tp": 2, "sequence_parallel": True},
-        {"engine": "own", "dp": 2, "zero_stage": 1},
-    ]
-    runs = [{"workload": workload, "layout": {"micro_batch_size": 2, **lay}} for lay in layouts]
-    results = spawn(run_losses, 2, runs, steps, True, timeout_s=300)
-    ref = reference_run(workload, steps, micro_batch_size=2)
-    for lay, result in zip(layouts, results, strict=True):
-        assert_matches_reference(result, *ref, f"qwen3 {lay}")
+    workload = {"model": write_config(tmp_path, raw), "model_overrides": overrides}
+    layouts = [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"dp": 2, "zero_stage": 1}]
+    cases = [{"workload": workload, "layout": {"micro_batch_size": 2, **lay}} for lay in layouts]
+    per_rank = E.launch(cases, 2, steps)
+    ref = E.reference(cases[0], steps)
+    for index, case in enumerate(cases):
+        assert_matches_reference(per_rank[0][index], *ref, f"qwen3 {case['layout']}")
+        spec = E.make_spec(case)
+        w = spec.workload
+        for r in range(2):
+            expected = rank_comm(spec.shape(), spec.layout, w.seq_len, w.global_batch_size, r)
+            assert per_rank[r][index]["comm"] == expected, f"rank {r} {case['layout']}"
+    assert per_rank[0][0]["comm"]["tp"]["all_reduce"]["count"] > 0
 
 
 @pytest.mark.slow
