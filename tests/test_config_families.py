@@ -166,6 +166,14 @@ def test_fields_read():
     assert shape("qwen2", use_sliding_window=True).sliding_window == 0  # max_window_layers 28 >= 2 layers
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_transformers_config_objects_read_the_same(name):
+    """transformers' config object of each file (its to_dict: every default filled in) is the same Shape."""
+    from harness.model.presets import config_dict_to_shape, config_to_shape
+
+    assert config_to_shape(hf_config(CONFIGS[name])) == config_dict_to_shape(CONFIGS[name])
+
+
 @pytest.mark.parametrize(
     "name,field,value", [("qwen2", "qkv_bias", False), ("qwen3", "qk_norm", False), ("qwen3_moe", "norm_topk", False)]
 )
@@ -210,6 +218,7 @@ def test_presets_count_as_transformers_does():
 REFUSED = [
     ("mixtral", {"router_jitter_noise": 0.01}, "router_jitter_noise 0.01 is not supported"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step 2 is not supported"),
+    ("mixtral", {"num_experts": 6}, "num_local_experts and num_experts differ"),
     ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers [0] is not supported"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types names sliding_attention"),
     ("mistral", {"sliding_window": 0}, "sliding_window must be a positive integer"),

@@ -207,7 +207,7 @@ def test_shape_fields_from_config(tmp_path):
 
 def test_round_trip_through_transformers_config(tmp_path):
     """shape_to_config (model_impl hf) carries every field; its to_dict reads back to the same shape."""
-    for name in ("llama3.2-1b", "tied-bias-llama3", "llama2-7b"):
+    for name in ("llama3.2-1b", "tied-bias-llama3", "llama2-7b", "llama-head-dim"):
         shape = resolve_shape(write_config(tmp_path / name, CONFIGS[name]))
         cfg = shape_to_config(shape)
         assert cfg.rms_norm_eps == shape.norm_eps and cfg.attention_bias == shape.attention_bias

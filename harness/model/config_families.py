@@ -67,6 +67,16 @@ def _qwen_window(raw: dict, model_type: str, layers: int, where: str, field: str
     return _window(raw, _SLIDING_DEFAULT, where, field) if sliding else 0
 
 
+def _expert_count(raw: dict, default: int, where: str, field: str) -> int:
+    """num_local_experts or num_experts: transformers 5 maps either onto the other (attribute_map) and
+    writes num_local_experts back for both Mixtral and Qwen3-MoE."""
+    given = {k: raw[k] for k in ("num_local_experts", "num_experts") if raw.get(k) is not None}
+    if len(set(map(str, given.values()))) > 1:
+        raise SpecError(field, f"num_local_experts and num_experts differ: {given} ({where})")
+    key = next(iter(given), "num_experts")
+    return _positive(raw, key, default, where, field)
+
+
 def _experts(raw: dict, model_type: str, ffn: int, where: str, field: str) -> dict:
     if model_type == "mixtral":
         jitter = raw.get("router_jitter_noise") or 0.0
@@ -77,7 +87,7 @@ def _experts(raw: dict, model_type: str, ffn: int, where: str, field: str) -> di
                 "deterministically, as every engine must reproduce the reference",
             )
         return dict(
-            experts=_positive(raw, "num_local_experts", 8, where, field),
+            experts=_expert_count(raw, 8, where, field),
             experts_per_token=_positive(raw, "num_experts_per_tok", 2, where, field),
             moe_ffn=ffn,  # Mixtral's intermediate_size is its experts' width
             norm_topk=True,
@@ -94,7 +104,7 @@ def _experts(raw: dict, model_type: str, ffn: int, where: str, field: str) -> di
             "of experts",
         )
     return dict(
-        experts=_positive(raw, "num_experts", 128, where, field),
+        experts=_expert_count(raw, 128, where, field),
         experts_per_token=_positive(raw, "num_experts_per_tok", 8, where, field),
         moe_ffn=_positive(raw, "moe_intermediate_size", 768, where, field),
         norm_topk=_bool(raw, "norm_topk_prob", False, where, field),
