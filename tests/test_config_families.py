@@ -258,7 +258,6 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
     [
         ("qwen3", {"engine": "megatron", "attention": "naive"}, "qk_norm"),
         ("qwen2", {"engine": "megatron", "attention": "naive"}, "qkv_bias"),
-        ("qwen3", {"engine": "fsdp", "tp": 2}, "qk_norm"),
         ("qwen3", {"engine": "deepspeed", "tp": 2, "zero_stage": 1}, "qk_norm"),
         ("qwen3", {"engine": "deepspeed", "zero_stage": 1, "model_impl": "hf"}, "qk_norm"),
         ("qwen2", {"engine": "deepspeed", "zero_stage": 1, "model_impl": "hf"}, "qkv_bias"),
@@ -307,3 +306,39 @@ def test_harness_train_takes_a_mixtral_and_a_qwen3_moe_config_json(tmp_path, cli
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(hf_config(CONFIGS[name]))
         assert rec["status"] == "ok" and rec["metrics"]["parameter_count"] == hf.num_parameters(), name
+
+
+@pytest.mark.slow
+def test_fsdp_and_deepspeed_reproduce_the_reference_with_qk_norms_and_qkv_biases(tmp_path):
+    """One gloo launch of 2 ranks: Qwen3 (q/k norms, head_dim apart) with Qwen2's q/k/v biases under
+    FSDP2 (tp2: the q/k norms SequenceParallel over the heads, their partial gradients reduced;
+    tp2 with SP; dp2) and DeepSpeed (ZeRO-3 dp2; Ulysses cp2), each against the single-device
+    reference: losses and final weights within 1e-5 (fp32: the same math in another order)."""
+    from harness.testing.reference import assert_matches_reference, reference_run
+    from harness.testing.spawn import run_losses, spawn
+
+    steps = 3
+    workload = {
+        "model": write_config(tmp_path, {**CONFIGS["qwen3"], "head_dim": 32}),
+        "model_overrides": {"qkv_bias": True},
+        "seq_len": 16,
+        "global_batch_size": 8,
+        "steps": steps,
+        "warmup_steps": 0,
+        "device": "cpu",
+        "precision": "fp32",
+        "optimizer": {"lr": 1.0, "eps": 1.0},
+    }
+    layouts = [
+        {"engine": "fsdp", "tp": 2},
+        {"engine": "fsdp", "tp": 2, "sequence_parallel": True},
+        {"engine": "fsdp", "dp": 2},
+        # DeepSpeed keeps process-wide state: last (as tests/test_config_json.py's launch)
+        {"engine": "deepspeed", "dp": 2, "zero_stage": 3},
+    ]
+    runs = [{"workload": workload, "layout": {"micro_batch_size": 2, **lay}} for lay in layouts]
+    results = spawn(run_losses, 2, runs, steps, True, timeout_s=300)
+    ref = reference_run(workload, steps, micro_batch_size=2)
+    assert "layers.0.attention.q_norm.weight" in ref[1] and "layers.0.attention.wq.bias" in ref[1]
+    for lay, result in zip(layouts, results, strict=True):
+        assert_matches_reference(result, *ref, f"qwen3 {lay}")

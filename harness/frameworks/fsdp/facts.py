@@ -116,13 +116,7 @@ ENGINE = EngineFacts(
             "stages",
             "engine fsdp",
             lambda s, lay: not s.tie_embeddings or lay.pp == 1,
-        ),
-        (
-            "qk_norm",
-            lambda s, lay: not s.qk_norm or lay.tp == 1,
-            "per-head q/k RMSNorms (Qwen3) with tp > 1: the DTensor plan (fsdp/tp.py) has no style for them, and "
-            "each rank's gradient would cover only its heads: use tp 1",
-        ),
+        )
     ],
     # torch's Schedule1F1B takes at least pp micro-batches; ScheduleZBVZeroBubble any (it plans max(2pp - 1, m)
     # and drops the rest: run here from 1 to 4 at pp 2); ScheduleInterleavedZeroBubble's rounds and
