@@ -312,8 +312,9 @@ def test_harness_train_takes_a_mixtral_and_a_qwen3_moe_config_json(tmp_path, cli
 def test_fsdp_and_deepspeed_reproduce_the_reference_with_qk_norms_and_qkv_biases(tmp_path):
     """One gloo launch of 2 ranks: Qwen3 (q/k norms, head_dim apart) with Qwen2's q/k/v biases under
     FSDP2 (tp2: the q/k norms SequenceParallel over the heads, their partial gradients reduced;
-    tp2 with SP; dp2) and DeepSpeed (ZeRO-3 dp2; Ulysses cp2), each against the single-device
-    reference: losses and final weights within 1e-5 (fp32: the same math in another order)."""
+    tp2 with SP; dp2) and DeepSpeed (ZeRO-3 dp2), and Qwen2 (q/k/v biases, none on o) under DeepSpeed's
+    AutoTP tp2, each against the single-device reference: losses and final weights within 1e-5 (fp32:
+    the same math in another order)."""
     from harness.testing.reference import assert_matches_reference, reference_run
     from harness.testing.spawn import run_losses, spawn
 
@@ -336,9 +337,14 @@ def test_fsdp_and_deepspeed_reproduce_the_reference_with_qk_norms_and_qkv_biases
         # DeepSpeed keeps process-wide state: last (as tests/test_config_json.py's launch)
         {"engine": "deepspeed", "dp": 2, "zero_stage": 3},
     ]
+    qwen2 = {**workload, "model": write_config(tmp_path / "qwen2", CONFIGS["qwen2"]), "model_overrides": {}}
     runs = [{"workload": workload, "layout": {"micro_batch_size": 2, **lay}} for lay in layouts]
+    runs.append({"workload": qwen2, "layout": {"micro_batch_size": 2, "engine": "deepspeed", "tp": 2, "zero_stage": 1}})
     results = spawn(run_losses, 2, runs, steps, True, timeout_s=300)
     ref = reference_run(workload, steps, micro_batch_size=2)
     assert "layers.0.attention.q_norm.weight" in ref[1] and "layers.0.attention.wq.bias" in ref[1]
-    for lay, result in zip(layouts, results, strict=True):
+    for lay, result in zip(layouts, results[:-1], strict=True):
         assert_matches_reference(result, *ref, f"qwen3 {lay}")
+    ref2 = reference_run(qwen2, steps, micro_batch_size=2)
+    assert "layers.0.attention.wv.bias" in ref2[1] and "layers.0.attention.wo.bias" not in ref2[1]
+    assert_matches_reference(results[-1], *ref2, "qwen2 deepspeed AutoTP tp2")
