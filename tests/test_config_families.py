@@ -253,6 +253,18 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
         spec_of(qwen, 131073 + 7)
 
 
+def test_cli_refuses_a_short_sliding_window_in_one_line(tmp_path, capsys):
+    from harness.cli import main
+
+    path = write_config(tmp_path / "mistral", CONFIGS["mistral"])  # Mistral 7B v0.1's window, 4096
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"workload: {{model: {path}, seq_len: 8192, global_batch_size: 2, steps: 1}}\n")
+    code = main(["train", str(spec), "--no-progress"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: workload.seq_len: 8192 is longer than the model's sliding_window 4096")
+
+
 @pytest.mark.parametrize(
     "name,layout,what",
     [
