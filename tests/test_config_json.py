@@ -1,6 +1,6 @@
 """A Hugging Face config.json read faithfully: every field of the LLaMA family
 that changes the math is honoured (rms_norm_eps, tie_word_embeddings, Llama 3.1 rope scaling,
-attention_bias, GQA, rope_theta, head_dim when consistent) or refused in one line; a model may be
+attention_bias, GQA, rope_theta, head_dim, also apart from hidden/heads) or refused in one line; a model may be
 named by a config.json, a folder holding one, or a hub id in the local Hugging Face cache.
 
 The plain model's logits are compared with transformers' LlamaForCausalLM on the same weights,
@@ -89,6 +89,8 @@ CONFIGS = {
         "rms_norm_eps": 1e-06,
         "attention_bias": True,
     },
+    # a head width apart from hidden_size / num_attention_heads (128 / 4 = 32)
+    "llama-head-dim": {**SMALL, "model_type": "llama", "num_key_value_heads": 2, "head_dim": 48},
     # transformers >= 5 writes rope_theta and the scaling together as rope_parameters
     "llama3.1-rope-parameters": {
         **SMALL,
@@ -205,7 +207,7 @@ def test_shape_fields_from_config(tmp_path):
 
 def test_round_trip_through_transformers_config(tmp_path):
     """shape_to_config (model_impl hf) carries every field; its to_dict reads back to the same shape."""
-    for name in ("llama3.2-1b", "tied-bias-llama3", "llama2-7b"):
+    for name in ("llama3.2-1b", "tied-bias-llama3", "llama2-7b", "llama-head-dim"):
         shape = resolve_shape(write_config(tmp_path / name, CONFIGS[name]))
         cfg = shape_to_config(shape)
         assert cfg.rms_norm_eps == shape.norm_eps and cfg.attention_bias == shape.attention_bias
@@ -239,7 +241,7 @@ def test_model_overrides_take_the_new_fields():
 REFUSED = [
     ({"hidden_act": "gelu"}, "hidden_act gelu is not supported"),
     ({"hidden_act": "relu"}, "hidden_act relu is not supported"),
-    ({"model_type": "mistral"}, "model_type mistral is not supported"),
+    ({"model_type": "gemma"}, "model_type gemma is not supported"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type linear is not supported"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type dynamic is not supported"),
     (
@@ -249,7 +251,7 @@ REFUSED = [
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 lacks low_freq_factor, high_freq_factor"),
     ({"mlp_bias": True}, "mlp_bias true is not supported"),
     ({"attention_dropout": 0.1}, "attention_dropout 0.1 is not supported"),
-    ({"head_dim": 64}, "head_dim 64 x num_attention_heads 4 != hidden_size 128"),
+    ({"head_dim": 0}, "head_dim must be a positive integer"),
     ({"rms_norm_eps": "small"}, "rms_norm_eps must be a positive number"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
 ]
@@ -430,23 +432,66 @@ def test_the_planner_proposes_no_layout_an_engine_refuses_for_a_tied_model(tmp_p
         assert max(lay.pp for lay in layouts(shape, wl, 8, 8, engine=engine, **common)) > 1, engine
 
 
-def test_own_engine_in_process_matches_the_reference(tmp_path):
+# Qwen3's per-head q/k norms and free head width, with Qwen2's q/k/v biases (no o bias) on top
+QWEN3_QKV_BIAS = (
+    {**SMALL, "model_type": "qwen3", "num_key_value_heads": 2, "head_dim": 48, "rms_norm_eps": 1e-6},
+    {"qkv_bias": True},
+)
+
+
+@pytest.mark.parametrize("which", ["tied-bias-llama3", "qwen3-qkv-bias"])
+def test_own_engine_in_process_matches_the_reference(tmp_path, which):
     """World 1: the own engine's chunk (Weight/RMSNorm/ParallelBlock, tied head, o-bias after the
-    region) against the plain model on the tied + bias + llama3 config."""
+    region; q/k norms and q/k/v biases without o's) against the plain model."""
     from harness.engine.adapter import build
     from harness.runtime import RunContext
     from harness.testing.equivalence import BASE, batches, make_spec
     from harness.testing.reference import assert_matches_reference, reference_run
 
-    path = write_config(tmp_path, CONFIGS["tied-bias-llama3"])
-    case = {"workload": {"model": path}, "layout": {"micro_batch_size": 2}}
+    raw, overrides = (CONFIGS[which], {}) if which in CONFIGS else QWEN3_QKV_BIAS
+    path = write_config(tmp_path, raw)
+    case = {"workload": {"model": path, "model_overrides": overrides}, "layout": {"micro_batch_size": 2}}
     spec = make_spec(case)
     shape = spec.shape()
     eng = build(spec, shape, RunContext(0, 1, 0, torch.device("cpu"), None))
     losses = [float(eng.train_step(b)) for b in batches(spec, shape, 3)]
-    ref_losses, ref_state = reference_run({**BASE["workload"], "model": path}, 3, micro_batch_size=2)
+    workload = {**BASE["workload"], "model": path, "model_overrides": overrides}
+    ref_losses, ref_state = reference_run(workload, 3, micro_batch_size=2)
     assert_matches_reference({"losses": losses, "state": eng.full_state_dict()}, ref_losses, ref_state, "own w1")
-    assert "output.weight" not in ref_state and ref_state["layers.0.attention.wo.bias"].abs().max() > 0
+    if which == "qwen3-qkv-bias":
+        assert (
+            shape.qk_norm and shape.qkv_bias and shape.head_dim == 48 and "layers.0.attention.wo.bias" not in ref_state
+        )
+        assert (ref_state["layers.0.attention.q_norm.weight"] - 1).abs().max() > 0
+        assert ref_state["layers.0.attention.wk.bias"].abs().max() > 0
+    else:
+        assert "output.weight" not in ref_state and ref_state["layers.0.attention.wo.bias"].abs().max() > 0
+
+
+@pytest.mark.slow
+def test_own_engine_sums_the_qk_norms_gradients_over_tp(tmp_path):
+    """One gloo launch of 2 ranks: the Qwen3 + q/k/v-bias config under the own engine at tp2 (the q/k
+    norms' gradients, partial over each rank's heads, summed over TP), tp2 with SP and dp2, each
+    against the single-device reference (losses and final weights, q/k norms included), and each
+    rank's counted communication equal to the closed form's (comm_model: the q/k norms' all-reduce)."""
+    from harness.engine.comm_model import rank_comm
+    from harness.testing import equivalence as E
+    from harness.testing.reference import assert_matches_reference
+
+    steps, (raw, overrides) = 3, QWEN3_QKV_BIAS
+    workload = {"model": write_config(tmp_path, raw), "model_overrides": overrides}
+    layouts = [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"dp": 2, "zero_stage": 1}]
+    cases = [{"workload": workload, "layout": {"micro_batch_size": 2, **lay}} for lay in layouts]
+    per_rank = E.launch(cases, 2, steps)
+    ref = E.reference(cases[0], steps)
+    for index, case in enumerate(cases):
+        assert_matches_reference(per_rank[0][index], *ref, f"qwen3 {case['layout']}")
+        spec = E.make_spec(case)
+        w = spec.workload
+        for r in range(2):
+            expected = rank_comm(spec.shape(), spec.layout, w.seq_len, w.global_batch_size, r)
+            assert per_rank[r][index]["comm"] == expected, f"rank {r} {case['layout']}"
+    assert per_rank[0][0]["comm"]["tp"]["all_reduce"]["count"] > 0
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ LAYERS = [
     ["harness.errors", "harness.resources"],  # user mistakes; the data files shipped
     ["harness.files"],  # outputs written whole; a user's YAML read strictly
     ["harness.parallel_dims"],  # the degrees, their order and their ranks
+    ["harness.model.config_families"],  # what each LLaMA-family model_type's config.json adds
     ["harness.model.config_json"],  # config.json read as a Shape
     ["harness.model.presets"],  # shape facts the spec checks against
     ["harness.model.flops"],

@@ -172,8 +172,8 @@ def rank_comm(
     specs = rank_params(shape, tp, pp, chunks, c.pp, seq_len, v_shape)
     buckets = plan_buckets(specs, max(1, int(layout.dp_bucket_mb * 2**20 / 4)), replicas, sp)
     for b in buckets:
-        if b["sp"]:
-            _add(out, "sp", "all_reduce", 1, b["padded"], grad_accum_dtype)
+        if b["sp"]:  # the norms' partial gradients (sequence under SP; the q/k norms' heads either way)
+            _add(out, "sp" if sp else "tp", "all_reduce", 1, b["padded"], grad_accum_dtype)
         if replicas > 1:
             if layout.zero_stage == 1:
                 _add(out, "dp", "reduce_scatter", 1, b["padded"], grad_reduce_dtype)

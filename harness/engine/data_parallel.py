@@ -41,7 +41,8 @@ Under fp32 the parameters are their own masters and every buffer is fp32, as bef
 
 Under sequence parallelism the norm weights are replicated across TP but each rank saw only
 its part of the sequence, so their gradients are partial: they get a bucket of their own that
-is summed over TP before the DP reduction (once per step, as Megatron does).
+is summed over TP before the DP reduction (once per step, as Megatron does). The per-head q/k norms
+(ParamSpec.tp_partial: each rank saw only its heads) join that bucket with or without SP.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def padded(n: int, dp: int) -> int:
 def plan_buckets(specs: list[ParamSpec], bucket_elems: int, dp: int, sp: bool) -> list[dict]:
     """Greedy buckets over parameters in reverse order: [{indices, numel, padded, sp}].
 
-    With sp, TP-replicated parameters (norm weights) go to one separate bucket, reduced last.
+    With sp, TP-replicated parameters (norm weights) go to one separate bucket, reduced last; so do
+    tp_partial ones (the q/k norms) without sp.
     """
 
     def numel(s):
@@ -73,7 +75,7 @@ def plan_buckets(specs: list[ParamSpec], bucket_elems: int, dp: int, sp: bool) -
     buckets, cur, size = [], [], 0
     sp_bucket = []
     for i in reversed(range(len(specs))):
-        if sp and specs[i].shard_dim is None:
+        if (sp and specs[i].shard_dim is None) or specs[i].tp_partial:
             sp_bucket.append(i)
             continue
         n = numel(specs[i])
@@ -152,8 +154,10 @@ class ModelStates:
         bucket_mb: float,
         device,
         policy: PrecisionPolicy,
+        tp: Axis | None = None,
     ):
-        self.dp, self.sp, self.zero = dp, sp, zero and dp.size > 1
+        """sp: the SP axis (None without SP); tp: the TP axis the tp_partial bucket is summed over without SP."""
+        self.dp, self.sp, self.zero = dp, sp if sp is not None else tp, zero and dp.size > 1
         self.policy, self.mixed = policy, policy.master is not None
         self.params = params
         elems = max(1, int(bucket_mb * 2**20 / 4))  # elements: the same buckets under every policy
@@ -209,7 +213,7 @@ class ModelStates:
 
     def _launch(self, b: Bucket) -> None:
         if b.sp:
-            self.sp.all_reduce(b.grad_flat)  # blocking: partial norm gradients over the sequence
+            self.sp.all_reduce(b.grad_flat)  # blocking: partial norm gradients over the sequence (or heads)
         if self.dp.size == 1:
             return
         reduce_dtype = self.policy.grad_reduce

@@ -118,6 +118,7 @@ class Engine3D:
             lay.dp_bucket_mb,
             ctx.device,
             self.policy,
+            tp=self.axes["tp"],
         )
         self.optimizer = options.make_optimizer(
             self.model_states.optimizer_tensors(), w, fused=ctx.device.type == "cuda"

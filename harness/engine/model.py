@@ -23,8 +23,8 @@ from harness.engine import context_parallel
 from harness.engine.comm import Axis
 from harness.engine.partition import ChunkPlan, ParamSpec, shard_of, stage_params
 from harness.engine.tensor_parallel import Region, vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_range
-from harness.model.kernels import Kernels
-from harness.model.llama import FeedForward, RMSNorm, apply_rotary, attend, tie_embeddings
+from harness.model.kernels import Kernels, rmsnorm_torch
+from harness.model.llama import FeedForward, RMSNorm, apply_rotary, attend, normed, qk_norms, tie_embeddings
 from harness.model.presets import Shape
 
 
@@ -53,19 +53,22 @@ class Weight(nn.Module):
 
 class ParallelAttention(nn.Module):
     """q/k/v column-parallel by heads (each rank keeps whole query groups), wo row-parallel.
-    With attention_bias, q/k/v biases are sharded with their heads and added locally; wo's bias
-    is replicated and added by the block after the region's reduction (once, not tp times).
+    With attention_bias or qkv_bias, q/k/v biases are sharded with their heads and added locally;
+    wo's bias (attention_bias only) is replicated and added by the block after the region's
+    reduction (once, not tp times). With qk_norm, the plain model's per-head q/k RMSNorms run on the
+    rank's own heads (weights replicated, gradients summed over TP: partition.py's tp_partial).
     `cp`: the context-parallel axis (None without cp) its core meets the other chunks over."""
 
-    def __init__(self, shape: Shape, tp: int, kernel, cp: Axis | None = None, cp_impl: str = "ring"):
+    def __init__(self, shape: Shape, tp: int, kernel, cp: Axis | None = None, cp_impl: str = "ring", rmsnorm=None):
         super().__init__()
         self.head_dim = shape.head_dim
         hq, hkv = shape.heads // tp * self.head_dim, shape.kv_heads // tp * self.head_dim
-        b = shape.attention_bias
+        b = shape.has_qkv_bias
         self.wq = Weight(hq, shape.hidden, bias=hq if b else 0)
         self.wk = Weight(hkv, shape.hidden, bias=hkv if b else 0)
         self.wv = Weight(hkv, shape.hidden, bias=hkv if b else 0)
-        self.wo = Weight(shape.hidden, hq, bias=shape.hidden if b else 0, add_bias=False)
+        self.wo = Weight(shape.hidden, hq, bias=shape.hidden if shape.attention_bias else 0, add_bias=False)
+        self.q_norm, self.k_norm = qk_norms(shape, rmsnorm or rmsnorm_torch)
         self.kernel = kernel
         self.recompute_core = False
         self.cp, self.cp_impl = cp, cp_impl
@@ -80,8 +83,8 @@ class ParallelAttention(nn.Module):
         """x: [seq, batch, hidden] (the full sequence, or this cp rank's chunks of it) -> partial
         sums of wo, [seq, batch, hidden]."""
         s, b, _ = x.shape
-        q = self.wq(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
-        k = self.wk(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
+        q = normed(self.q_norm, self.wq(x).view(s, b, -1, self.head_dim)).permute(1, 2, 0, 3)
+        k = normed(self.k_norm, self.wk(x).view(s, b, -1, self.head_dim)).permute(1, 2, 0, 3)
         v = self.wv(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
         out = self._attend(q, k, v, cos, sin)
         return self.wo(out.permute(2, 0, 1, 3).reshape(s, b, -1))
@@ -96,7 +99,7 @@ class ParallelBlock(nn.Module):
     ):
         super().__init__()
         self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
-        self.attention = ParallelAttention(shape, tp, kernels.attention, cp, cp_impl)
+        self.attention = ParallelAttention(shape, tp, kernels.attention, cp, cp_impl, kernels.rmsnorm)
         self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
         self.feed_forward = FeedForward(shape.hidden, shape.ffn // tp)
         self.region = region

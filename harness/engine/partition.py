@@ -72,6 +72,9 @@ class ParamSpec:
     local: tuple[int, ...]  # this rank's shard
     shard_dim: int | None  # None: replicated across TP
     chunk: int  # which of this rank's model chunks holds it
+    # replicated, but each TP rank's gradient a partial sum (the q/k norms: each rank's own heads),
+    # with or without sequence parallelism: summed over TP once a step (Megatron's qk_layernorm too)
+    tp_partial: bool = False
 
 
 def _sharded(name, full, dim, tp, chunk):
@@ -85,6 +88,7 @@ def stage_params(shape: Shape, tp: int, layers: range, first: bool, last: bool, 
 
     Attention biases: q/k/v's sharded with their heads, wo's replicated across TP (added after
     the reduction; under SP its gradient is a partial sum over the sequence, like the norms').
+    Per-head q/k norms (qk_norm): replicated, their gradients partial over TP (tp_partial).
     A tied LM head is tok_embeddings.weight: not listed again."""
     h, hd = shape.hidden, shape.head_dim
     out = []
@@ -95,11 +99,14 @@ def stage_params(shape: Shape, tp: int, layers: range, first: bool, last: bool, 
         out.append(ParamSpec(p + "attention_norm.weight", (h,), (h,), None, chunk))
         for name, rows in (("wq", shape.heads * hd), ("wk", shape.kv_heads * hd), ("wv", shape.kv_heads * hd)):
             out.append(_sharded(p + f"attention.{name}.weight", (rows, h), 0, tp, chunk))
-            if shape.attention_bias:
+            if shape.has_qkv_bias:
                 out.append(_sharded(p + f"attention.{name}.bias", (rows,), 0, tp, chunk))
         out.append(_sharded(p + "attention.wo.weight", (h, shape.heads * hd), 1, tp, chunk))
         if shape.attention_bias:
             out.append(ParamSpec(p + "attention.wo.bias", (h,), (h,), None, chunk))
+        if shape.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                out.append(ParamSpec(p + f"attention.{norm}.weight", (hd,), (hd,), None, chunk, tp_partial=tp > 1))
         out += [
             ParamSpec(p + "ffn_norm.weight", (h,), (h,), None, chunk),
             _sharded(p + "feed_forward.w1.weight", (shape.ffn, h), 0, tp, chunk),

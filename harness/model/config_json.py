@@ -10,6 +10,7 @@ import os
 import re
 
 from harness.errors import SpecError
+from harness.model.config_families import FAMILY_DEFAULTS, family_fields
 
 # What transformers' LlamaConfig assumes when config.json leaves a field out.
 _HF_DEFAULTS = {
@@ -26,9 +27,9 @@ _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "interme
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _number(raw: dict, key: str, kind, where: str, field: str):
+def _number(raw: dict, key: str, kind, where: str, field: str, defaults: dict = _HF_DEFAULTS):
     """raw[key] (or transformers' default) as a positive int or float, or a SpecError."""
-    value = raw[key] if raw.get(key) is not None else _HF_DEFAULTS.get(key)
+    value = raw[key] if raw.get(key) is not None else defaults.get(key)
     ok = (
         isinstance(value, (int, float))
         and not isinstance(value, bool)
@@ -50,30 +51,35 @@ def _flag(raw: dict, key: str, where: str, field: str) -> bool:
 
 
 def config_fields(raw: dict, where: str = "config.json", field: str = "workload.model") -> dict:
-    """A Hugging Face LLaMA config.json (as a dict) as Shape's fields, every field that changes the
-    model's math either honoured or refused (SpecError naming `field`), none silently dropped:
+    """A Hugging Face config.json (as a dict) of the LLaMA family as Shape's fields, every field that
+    changes the model's math either honoured or refused (SpecError naming `field`), none silently dropped:
 
-    honoured: sizes, num_key_value_heads, head_dim (= hidden_size / num_attention_heads only),
-    rms_norm_eps, rope_theta, rope_scaling / rope_parameters of rope_type default or llama3,
-    tie_word_embeddings, attention_bias, max_position_embeddings;
-    refused: model_type other than llama, hidden_act other than silu, mlp_bias, attention_dropout,
+    model_type llama, mistral, qwen2, qwen3, mixtral or qwen3_moe (what each adds: config_families.py);
+    honoured: sizes, num_key_value_heads, head_dim (kv_channels when apart from hidden_size /
+    num_attention_heads), rms_norm_eps, rope_theta, rope_scaling / rope_parameters of rope_type default
+    or llama3, tie_word_embeddings, attention_bias, max_position_embeddings;
+    refused: other model types, hidden_act other than silu, mlp_bias, attention_dropout,
     other rope types (linear, dynamic, yarn, longrope, ...), partial_rotary_factor != 1.
-    Missing fields take transformers' LlamaConfig defaults (rms_norm_eps 1e-6, no tying, no bias).
+    Missing fields take the defaults of transformers' config class of that model_type (LlamaConfig:
+    rms_norm_eps 1e-6, no tying, no bias; Qwen3Config: head_dim 128; MixtralConfig: rope_theta 1e6).
     Fields that do not change the math (token ids, torch_dtype, use_cache, initializer_range,
-    pretraining_tp, which transformers itself no longer reads) are ignored.
+    pretraining_tp, which transformers itself no longer reads) are ignored. A MoE's `ffn` is the
+    config's intermediate_size as given (Mixtral: also its experts' width; Qwen3-MoE: unused, every
+    layer being a mixture of experts).
     """
     if not isinstance(raw, dict):
         raise SpecError(field, f"{where} does not hold a JSON object")
     model_type = raw.get("model_type", "llama")
-    if model_type != "llama":
-        raise SpecError(field, f"model_type {model_type} is not supported ({where}); only llama")
+    if model_type not in FAMILY_DEFAULTS:
+        raise SpecError(field, f"model_type {model_type} is not supported ({where}); only {', '.join(FAMILY_DEFAULTS)}")
+    defaults = {**_HF_DEFAULTS, **FAMILY_DEFAULTS[model_type]}
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
         raise SpecError(field, f"{where} lacks {', '.join(missing)}")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise SpecError(field, f"hidden_act {act} is not supported ({where}); LLaMA's SwiGLU uses silu")
-    if _flag(raw, "mlp_bias", where, field):
+    if model_type == "llama" and _flag(raw, "mlp_bias", where, field):
         raise SpecError(field, f"mlp_bias true is not supported ({where}); no LLaMA checkpoint has MLP biases")
     dropout = raw.get("attention_dropout") or 0.0
     if dropout != 0:
@@ -90,14 +96,12 @@ def config_fields(raw: dict, where: str = "config.json", field: str = "workload.
         kv_heads = heads
     else:
         kv_heads = _number(raw, "num_key_value_heads", int, where, field)
-    if raw.get("head_dim") is not None:
-        head_dim = _number(raw, "head_dim", int, where, field)
-        if head_dim * heads != hidden:
-            raise SpecError(
-                field,
-                f"head_dim {head_dim} x num_attention_heads {heads} != hidden_size {hidden} "
-                f"({where}); only head_dim = hidden_size / num_attention_heads is supported",
-            )
+    head_dim = (
+        _number(raw, "head_dim", int, where, field, defaults)
+        if defaults.get("head_dim") or (raw.get("head_dim") is not None)
+        else None
+    )
+    kv_channels = head_dim if head_dim is not None and head_dim * heads != hidden else 0
     rope = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
@@ -110,9 +114,9 @@ def config_fields(raw: dict, where: str = "config.json", field: str = "workload.
         )
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise SpecError(field, f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported ({where})")
-    theta = _number(rope if "rope_theta" in rope else raw, "rope_theta", float, where, field)
-    max_positions = _number(raw, "max_position_embeddings", int, where, field)
-    eps = _number(raw, "rms_norm_eps", float, where, field)
+    theta = _number(rope if "rope_theta" in rope else raw, "rope_theta", float, where, field, defaults)
+    max_positions = _number(raw, "max_position_embeddings", int, where, field, defaults)
+    eps = _number(raw, "rms_norm_eps", float, where, field, defaults)
     extra = {}
     if rope_type == "llama3":
         absent = [k for k in _LLAMA3_KEYS[:3] if k not in rope]
@@ -134,10 +138,14 @@ def config_fields(raw: dict, where: str = "config.json", field: str = "workload.
             rope_high_freq_factor=vals["high_freq_factor"],
             rope_original_max_positions=orig,
         )
+    layers, ffn = (
+        _number(raw, "num_hidden_layers", int, where, field),
+        _number(raw, "intermediate_size", int, where, field),
+    )
     return dict(
-        layers=_number(raw, "num_hidden_layers", int, where, field),
+        layers=layers,
         hidden=hidden,
-        ffn=_number(raw, "intermediate_size", int, where, field),
+        ffn=ffn,
         heads=heads,
         kv_heads=kv_heads,
         vocab=_number(raw, "vocab_size", int, where, field),
@@ -145,7 +153,8 @@ def config_fields(raw: dict, where: str = "config.json", field: str = "workload.
         max_positions=max_positions,
         norm_eps=eps,
         tie_embeddings=_flag(raw, "tie_word_embeddings", where, field),
-        attention_bias=_flag(raw, "attention_bias", where, field),
+        kv_channels=kv_channels,
+        **family_fields(raw, model_type, layers, ffn, where, field),
         **extra,
     )
 

@@ -2,7 +2,7 @@
 
 RMSNorm, rotary embeddings (transformers' rotate-half convention, so HF weights load as is;
 Llama 3.1 rope scaling), SwiGLU MLP (or a mixture of SwiGLU experts, harness/model/moe.py),
-grouped-query attention with optional q/k/v/o biases,
+grouped-query attention with optional q/k/v/o biases (or q/k/v only, Qwen2) and per-head q/k norms (Qwen3),
 embedding and LM head untied or tied (the Shape says which, as config.json does). FSDP2 and DeepSpeed shard
 this very module from outside (harness/frameworks), and a pipeline stage is this model holding only
 some of its pieces (Llama's layers/first/last, torchtitan's way). The own engine's Megatron-layout
@@ -125,22 +125,39 @@ def attend(q, k, v, cos, sin, kernel, recompute: bool = False):
     return attention_core(q, k, v, kernel)
 
 
+def qk_norms(shape: Shape, rmsnorm) -> tuple[nn.Module | None, nn.Module | None]:
+    """Qwen3's per-head RMSNorms of queries and keys (width head_dim), or (None, None)."""
+    if not shape.qk_norm:
+        return None, None
+    return RMSNorm(shape.head_dim, shape.norm_eps, rmsnorm), RMSNorm(shape.head_dim, shape.norm_eps, rmsnorm)
+
+
+def normed(norm: nn.Module | None, x):
+    """x [..., head_dim] through a per-head norm, if there is one (before rotary, as Qwen3)."""
+    return x if norm is None else norm(x)
+
+
 class Attention(nn.Module):
-    def __init__(self, shape: Shape, kernel):
+    """Grouped-query attention, q/k/v/o widths from shape.head_dim (which may differ from
+    hidden/heads); biases on q/k/v with attention_bias or qkv_bias, on o with attention_bias only;
+    with qk_norm a per-head RMSNorm of q and k (q_norm, k_norm) before rotary."""
+
+    def __init__(self, shape: Shape, kernel, rmsnorm=rmsnorm_torch):
         super().__init__()
         self.head_dim = shape.head_dim
-        bias = shape.attention_bias
+        bias = shape.has_qkv_bias
         self.wq = nn.Linear(shape.hidden, shape.heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(shape.hidden, shape.kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(shape.hidden, shape.kv_heads * self.head_dim, bias=bias)
-        self.wo = nn.Linear(shape.heads * self.head_dim, shape.hidden, bias=bias)
+        self.wo = nn.Linear(shape.heads * self.head_dim, shape.hidden, bias=shape.attention_bias)
+        self.q_norm, self.k_norm = qk_norms(shape, rmsnorm)
         self.kernel = kernel
         self.recompute_core = False  # selective activation checkpointing
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = normed(self.q_norm, self.wq(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        k = normed(self.k_norm, self.wk(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         out = attend(q, k, v, cos, sin, self.kernel, self.recompute_core)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -163,7 +180,7 @@ class Block(nn.Module):
     def __init__(self, shape: Shape, kernels: Kernels):
         super().__init__()
         self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
-        self.attention = Attention(shape, kernels.attention)
+        self.attention = Attention(shape, kernels.attention, kernels.rmsnorm)
         self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
         # a MoE's routed experts (harness/model/moe.py), else the dense SwiGLU
         self.feed_forward = MoEFeedForward(shape) if shape.moe else FeedForward(shape.hidden, shape.ffn)

@@ -27,6 +27,7 @@ class Shape:
     norm_eps: float = 1e-5  # RMSNorm epsilon (config.json: rms_norm_eps)
     tie_embeddings: bool = False  # LM head shares the embedding's weight (tie_word_embeddings)
     attention_bias: bool = False  # biases on q/k/v/o projections (attention_bias)
+    qkv_bias: bool = False  # biases on q/k/v only, none on o (Qwen2); attention_bias implies them
     # Llama 3.1 rope scaling (rope_scaling / rope_parameters with rope_type llama3); factor 1: none
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
@@ -40,10 +41,20 @@ class Shape:
     experts_per_token: int = 0
     moe_ffn: int = 0
     norm_topk: bool = True  # the top-k routing weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    # Qwen3: an RMSNorm of width head_dim on each query and key head, before rotary (q_norm, k_norm)
+    qk_norm: bool = False
+    # Mistral's sliding window (keys within the last sliding_window positions); 0: none. Only a window
+    # >= the run's seq_len is run (it is then plain causal attention): harness/spec/checks.py refuses shorter.
+    sliding_window: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden // self.heads
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """q/k/v projections carry biases (attention_bias or qkv_bias); o's only with attention_bias."""
+        return self.attention_bias or self.qkv_bias
 
     @property
     def moe(self) -> bool:
@@ -114,6 +125,7 @@ PRESETS: dict[str, Shape] = {
         max_positions=40960,
         norm_eps=1e-6,
         kv_channels=128,
+        qk_norm=True,
         experts=128,
         experts_per_token=8,
         moe_ffn=768,
@@ -129,6 +141,7 @@ PRESETS: dict[str, Shape] = {
         max_positions=40960,
         norm_eps=1e-6,
         kv_channels=128,
+        qk_norm=True,
         experts=128,
         experts_per_token=8,
         moe_ffn=1536,
@@ -156,6 +169,7 @@ def shape_to_config(shape: Shape):
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
         max_position_embeddings=shape.max_positions,
         rms_norm_eps=shape.norm_eps,
         tie_word_embeddings=shape.tie_embeddings,
@@ -171,8 +185,14 @@ def shape_to_config(shape: Shape):
     return LlamaConfig(**kwargs, rope_theta=shape.rope_theta, rope_scaling=scaling)
 
 
-_BOOL_FIELDS = ("tie_embeddings", "attention_bias", "norm_topk")
-_ZERO_FIELDS = ("kv_channels", "experts", "experts_per_token", "moe_ffn")  # 0 means "none" / "derived"
+_BOOL_FIELDS = ("tie_embeddings", "attention_bias", "qkv_bias", "qk_norm", "norm_topk")
+_ZERO_FIELDS = (
+    "kv_channels",
+    "experts",
+    "experts_per_token",
+    "moe_ffn",
+    "sliding_window",
+)  # 0 means "none" / "derived"
 
 
 def config_dict_to_shape(raw: dict, where: str = "config.json", field: str = "workload.model") -> Shape:
@@ -213,7 +233,7 @@ def resolve_shape(model: str, overrides: dict | None = None, field: str = "workl
             elif not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise SpecError(f"workload.model_overrides.{key}", "must be a positive number")
         shape = Shape(**{**shape.__dict__, **overrides})
-    if shape.hidden % shape.heads:
+    if not shape.kv_channels and shape.hidden % shape.heads:
         raise SpecError(field, f"hidden {shape.hidden} not divisible by heads {shape.heads}")
     if shape.heads % shape.kv_heads:
         raise SpecError(field, f"heads {shape.heads} not divisible by KV heads {shape.kv_heads}")
@@ -255,8 +275,12 @@ def param_count(shape: Shape) -> int:
         + 2 * shape.hidden * (shape.kv_heads * head_dim)
         + (shape.heads * head_dim) * shape.hidden
     )
+    if shape.has_qkv_bias:
+        attn += (shape.heads + 2 * shape.kv_heads) * head_dim
     if shape.attention_bias:
-        attn += (shape.heads + 2 * shape.kv_heads) * head_dim + shape.hidden
+        attn += shape.hidden
+    if shape.qk_norm:
+        attn += 2 * head_dim
     mlp = (
         expert_params(shape) * shape.experts + shape.experts * shape.hidden
         if shape.moe

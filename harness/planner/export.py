@@ -208,8 +208,10 @@ def _megatron_shape(shape: Shape, wl: Workload) -> list:
     args += ["--attention-dropout", 0, "--hidden-dropout", 0, "--disable-bias-linear"]
     if shape.rope_scaling:
         args += ["--use-rope-scaling", "--rope-scaling-factor", f"{shape.rope_scaling[0]:g}"]
-    if shape.attention_bias:
+    if shape.has_qkv_bias:
         args.append("--add-qkv-bias")
+    if shape.qk_norm:
+        args.append("--qk-layernorm")
     if not shape.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     return args

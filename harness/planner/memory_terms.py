@@ -34,14 +34,15 @@ FRAGMENTATION_PIPELINED = 0.20
 def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: int, ep: int = 1) -> float:
     """Parameters held per GPU of a stage: matrices split over tp (vocab-parallel embedding/head;
     a tied head on the embedding's stage is the same tensor, counted once; attention biases: q/k/v's
-    split over tp, o's replicated); a MoE layer's experts E / ep per rank, split over tp, and its
-    router replicated (moe.py)."""
+    split over tp, o's replicated; q/k norms replicated); a MoE layer's experts E / ep per rank, split
+    over tp, and its router replicated (moe.py)."""
     head_dim = shape.head_dim
     attn = shape.hidden * shape.heads * head_dim * 2 + 2 * shape.hidden * shape.kv_heads * head_dim
     ffn = 0 if shape.moe else 3 * shape.hidden * shape.ffn
     per_layer = (attn + ffn) / tp + 2 * shape.hidden + moe.router_params(shape)
-    if shape.attention_bias:
-        per_layer += (shape.heads + 2 * shape.kv_heads) * head_dim / tp + shape.hidden
+    if shape.has_qkv_bias:
+        per_layer += (shape.heads + 2 * shape.kv_heads) * head_dim / tp
+    per_layer += shape.hidden * shape.attention_bias + 2 * head_dim * shape.qk_norm  # o bias, q/k norms: replicated
     vocab = shape.vocab * shape.hidden / tp
     head = 0 if shape.tie_embeddings and has_emb else vocab
     experts = moe.expert_stage_params(shape, layers, tp, ep)

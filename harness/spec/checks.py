@@ -29,6 +29,7 @@ def check_sizes(spec: RunSpec) -> Shape:
     check_head_dim(
         shape, "workload.model_overrides" if {"hidden", "heads"} & set(w.model_overrides) else "workload.model"
     )
+    check_sliding_window(shape, w.seq_len)
     if w.global_batch_size % (lay.dp * lay.micro_batch_size):
         raise SpecError(
             "workload.global_batch_size",
@@ -154,6 +155,17 @@ def check_experts(shape: Shape, lay) -> None:
     if shape.experts % lay.ep:
         raise SpecError("layout.ep", f"{shape.experts} experts are not divisible by ep={lay.ep}")
     ParallelDims.of(lay).check_ep()
+
+
+def check_sliding_window(shape: Shape, seq_len: int) -> None:
+    """A sliding window of at least seq_len positions is causal attention (every engine runs it); a
+    shorter one would mask keys no engine masks: refused, never ignored."""
+    if 0 < shape.sliding_window < seq_len:
+        raise SpecError(
+            "workload.seq_len",
+            f"{seq_len} is longer than the model's sliding_window {shape.sliding_window}: no engine here runs "
+            f"sliding-window attention; set seq_len <= {shape.sliding_window}",
+        )
 
 
 def check_head_dim(shape: Shape, field: str) -> None:

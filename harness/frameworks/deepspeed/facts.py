@@ -111,7 +111,20 @@ ENGINE = EngineFacts(
             "tied embeddings with pp > 1: DeepSpeed's pipeline module here has no TiedLayerSpec",
             "engine deepspeed",
             lambda s, lay: not s.tie_embeddings or lay.pp == 1,
-        )
+        ),
+        (
+            "qk_norm",
+            lambda s, lay: not s.qk_norm or (lay.tp == 1 and lay.model_impl == "own"),
+            "per-head q/k RMSNorms (Qwen3): with model_impl hf transformers' LlamaForCausalLM has none, and under "
+            "AutoTP (tp > 1) each rank's q/k norm gradient covers only its heads, which DeepSpeed does not sum "
+            "over tp: use model_impl own with tp 1",
+        ),
+        (
+            "qkv_bias",
+            lambda s, lay: not s.qkv_bias or lay.model_impl == "own",
+            "q/k/v biases without o's (Qwen2): transformers' LlamaForCausalLM (model_impl hf) biases all four or "
+            "none; use model_impl own",
+        ),
     ],
     label=lambda lay: f"deepspeed ZeRO-{lay['zero_stage']}" + (" hf" if lay["model_impl"] == "hf" else ""),
     launcher="deepspeed",

@@ -10,6 +10,9 @@ from outside, so the model itself stays free of parallel code:
   attention_norm, ffn_norm,   SequenceParallel with SP (activations split over the sequence,
   final norm                  all-gathered before attention and the MLP by PrepareModuleInput);
                               without SP replicated DTensor parameters (ReplicatedParameters)
+  attention q_norm, k_norm    SequenceParallel over the head dim (sequence_dim=2 of [b, s, heads, head_dim]:
+  (Qwen3's, per head)                              each rank normalises its own heads; the replicated weights'
+                                                   gradients are partial over tp, reduced as the SP norms' are)
   tok_embeddings              RowwiseParallel     (vocabulary rows split, the partial lookups reduced)
   output (LM head)            ColwiseParallel     (vocabulary split, logits all-gathered: the loss is
                                                    the reference's lm_loss on whole logits, no loss_parallel)
@@ -69,8 +72,8 @@ def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sequence_parallel else ReplicatedParameters()
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The plan of one transformer block (harness.model.llama.Block)."""
+def block_plan(sequence_parallel: bool, qk_norm: bool = False) -> dict[str, ParallelStyle]:
+    """The plan of one transformer block (harness.model.llama.Block); qk_norm: it has per-head q/k norms."""
     seq = _sequence_layout(sequence_parallel)
     plan = {
         "attention_norm": _norm_style(sequence_parallel),
@@ -83,6 +86,9 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
+    if qk_norm:  # torchtitan's Qwen3 plan: the local heads enter as Shard(2), leave as plain tensors
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sequence_parallel:  # all-gather the sequence before attention and the MLP (x, cos, sin / x)
         plan["attention"] = PrepareModuleInput(
             input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
@@ -113,7 +119,8 @@ def apply_tensor_parallel(module, tp_mesh, sequence_parallel: bool) -> None:
     if plan:
         parallelize_module(module, tp_mesh, plan)
     for block in module.layers.children():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        qk_norm = getattr(block.attention, "q_norm", None) is not None
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, qk_norm))
 
 
 def describe_plan(sequence_parallel: bool) -> dict:
@@ -123,6 +130,7 @@ def describe_plan(sequence_parallel: bool) -> dict:
         "attention": "wq/wk/wv ColwiseParallel (local heads), wo RowwiseParallel",
         "feed_forward": "w1/w3 ColwiseParallel, w2 RowwiseParallel",
         "norms": norms,
+        "qk_norms": "SequenceParallel over the heads (Shard(2)), when the model has them",
         "tok_embeddings": "RowwiseParallel (vocabulary-sharded)",
         "output": "ColwiseParallel (vocabulary-sharded), logits all-gathered (no loss_parallel)",
         "residual_stream": "sharded over the sequence (Shard(1))" if sequence_parallel else "replicated",
