@@ -268,8 +268,6 @@ def test_cli_refuses_a_short_sliding_window_in_one_line(tmp_path, capsys):
 @pytest.mark.parametrize(
     "name,layout,what",
     [
-        ("qwen3", {"engine": "megatron", "attention": "naive"}, "qk_norm"),
-        ("qwen2", {"engine": "megatron", "attention": "naive"}, "qkv_bias"),
         ("qwen3", {"engine": "deepspeed", "tp": 2, "zero_stage": 1}, "qk_norm"),
         ("qwen3", {"engine": "deepspeed", "zero_stage": 1, "model_impl": "hf"}, "qk_norm"),
         ("qwen2", {"engine": "deepspeed", "zero_stage": 1, "model_impl": "hf"}, "qkv_bias"),
@@ -290,6 +288,7 @@ def test_engines_refuse_what_they_do_not_build(tmp_path, name, layout, what):
         {"engine": "own", "tp": 2},
         {"engine": "fsdp", "tp": 1, "dp": 2},
         {"engine": "deepspeed", "dp": 2, "zero_stage": 1},
+        {"engine": "megatron", "attention": "naive", "tp": 2},
     ],
 )
 def test_engines_take_what_they_build(tmp_path, layout):

@@ -10,7 +10,9 @@ the step-3 loss by ~1.6e-4, 16x the tolerance) and two micro-batches a step, so 
 scale counts; the same losses under the DistributedOptimizer (the experts' own over the expert-data-parallel
 group) with full recomputation (the router's second forward, in backward, not counted); bf16 dp2 ep2 with
 the DistributedOptimizer at the bf16 tolerance. 4 ranks: tp2 with sequence parallelism x dp2 x ep2 with both
-losses, and pp2 x dp2 x ep2. The router statistics (megatron/routers.py) equal the reference's
+losses, and pp2 x dp2 x ep2; Qwen3-MoE's attention and routing (q/k norms, a head wider than hidden /
+heads, q/k/v biases, top-k weights not renormalised) at dp2 ep2 and at tp2 SP dp2 ep2. The router
+statistics (megatron/routers.py) equal the reference's
 (take_router_stats): the routed slots summed over the ranks, the losses' mean over them. Every case runs
 under the shim's tripwire.
 """
@@ -31,16 +33,22 @@ WORKLOAD = tiny_workload(
 )  # as tests/test_megatron.py: Adam's step follows the gradient
 LAYOUT = {"engine": "megatron", "attention": "naive"}
 LOSSES = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01}
+# Qwen3-MoE's attention and routing on tiny-moe: per-head q/k RMSNorms, a head twice hidden / heads wide, the
+# top-k weights not renormalised (Megatron's pre-softmax routing), and Qwen2's q/k/v biases
+QWEN = {"model_overrides": {"qk_norm": True, "kv_channels": 32, "norm_topk": False, "qkv_bias": True}}
 CASES = {  # id: (layout, workload overrides)
     "dp2-ep2": ({"dp": 2, "ep": 2}, {}),
     "dp2-ep1": ({"dp": 2}, {}),
     "dp2-ep2-losses-mb2": ({"dp": 2, "ep": 2, "micro_batch_size": 2}, LOSSES),
     "dp2-ep2-distopt-full-losses": ({"dp": 2, "ep": 2, "zero_stage": 1, "activation_checkpointing": "full"}, LOSSES),
     "bf16-dp2-ep2-distopt": ({"dp": 2, "ep": 2, "zero_stage": 1}, {"precision": "bf16"}),
+    "qwen3-moe-dp2-ep2": ({"dp": 2, "ep": 2}, QWEN),
 }
 FOUR = {  # world 4
     "tp2-sp-dp2-ep2-losses": ({"tp": 2, "sequence_parallel": True, "dp": 2, "ep": 2}, LOSSES),
     "pp2-dp2-ep2": ({"pp": 2, "dp": 2, "ep": 2}, {}),
+    # the q/k norms' gradients: each tp rank normalised its own heads, finalize_model_grads sums them
+    "qwen3-moe-tp2-sp-dp2-ep2": ({"tp": 2, "sequence_parallel": True, "dp": 2, "ep": 2}, QWEN),
 }
 
 

@@ -130,17 +130,6 @@ ENGINE = EngineFacts(
             "engine megatron splits the layers evenly over pp x virtual_stages model chunks",
         ),
         *MOE_LIMITS,
-        (
-            "qkv_bias",
-            lambda s, lay: not s.qkv_bias or s.attention_bias,
-            "q/k/v biases without the output projection's (Qwen2): engine megatron's layer spec adds them only "
-            "with attention_bias (all four), so it would not build this model",
-        ),
-        (
-            "qk_norm",
-            lambda s, lay: not s.qk_norm,
-            "per-head q/k RMSNorms (Qwen3): engine megatron's layer spec builds no q/k layernorm here",
-        ),
     ],
     label=lambda lay: "megatron DistOpt" if lay.get("zero_stage") else "megatron",
 )

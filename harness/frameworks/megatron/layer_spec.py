@@ -7,6 +7,8 @@ DotProductAttention, SwiGLU MLP; no Transformer Engine) with two pieces of ours:
     fp32 statistics, the workload's eps) and marks its weight `sequence_parallel` as Megatron's fused norms
     do, so finalize_model_grads all-reduces its gradient over tp when each rank saw only its part of the
     sequence;
+  - with qk_norm (Qwen3), the same RMSNorm as Megatron's q_layernorm / k_layernorm, at the head's width
+    (finalize_model_grads sums their gradients over tp: each rank normalised its own heads);
   - with attention_bias, the output projection's bias (transformers' o_proj): Megatron's add_bias_linear
     would put biases on the MLP too, and add_qkv_bias covers q/k/v only, so linear_proj is Megatron's
     RowParallelLinear built with its bias (added after the reduction, by the layer's bias-dropout-add).
@@ -72,7 +74,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=shape.attention_bias,
+        add_qkv_bias=shape.has_qkv_bias,  # attention_bias (all four) or qkv_bias (Qwen2: q/k/v only)
+        qk_layernorm=shape.qk_norm,  # Qwen3: per-head RMSNorm of q and k before rotary
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -155,11 +158,17 @@ def moe_config(shape, spec) -> dict:
 def block_spec(config: TransformerConfig, attention_bias: bool, vp_stage: int | None) -> TransformerBlockSubmodules:
     """This model chunk's layers (as many as Megatron builds for it) and the final norm."""
     layer = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=config.qk_layernorm,
     )  # a MoE: SequentialMLP experts (grouped GEMM needs the grouped_gemm package or Transformer Engine)
     norm = ModuleSpec(module=RMSNorm)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
+    if config.qk_layernorm:  # built at the head's width; finalize_model_grads sums their gradients over tp
+        layer.submodules.self_attention.submodules.q_layernorm = norm
+        layer.submodules.self_attention.submodules.k_layernorm = norm
     if attention_bias:
         layer.submodules.self_attention.submodules.linear_proj = ProjectionWithBias
     return TransformerBlockSubmodules(

@@ -8,6 +8,7 @@ pipeline stages' and virtual chunks' layer offsets come from Megatron itself):
   decoder.layers.j.self_attention.linear_qkv.*     layers.i.attention.wq/wk/wv.*  fused, interleaved per query
         group: for each of the kv_heads groups, its heads/kv_heads query heads, then its key head, then its value
         head; tp ranks hold consecutive groups
+  decoder.layers.j.self_attention.q_layernorm/k_layernorm.weight   layers.i.attention.q_norm/k_norm.weight  whole
   decoder.layers.j.self_attention.linear_proj.*    layers.i.attention.wo.*    weight columns split over tp, bias whole
   decoder.layers.j.pre_mlp_layernorm.weight        layers.i.ffn_norm.weight
   decoder.layers.j.mlp.linear_fc1.weight           layers.i.feed_forward.w1 and w3: each tp rank holds
@@ -36,6 +37,8 @@ _PLAIN_IN_LAYER = {
     "input_layernorm.weight": ["attention_norm.weight"],
     "self_attention.linear_qkv.weight": ["attention.wq.weight", "attention.wk.weight", "attention.wv.weight"],
     "self_attention.linear_qkv.bias": ["attention.wq.bias", "attention.wk.bias", "attention.wv.bias"],
+    "self_attention.q_layernorm.weight": ["attention.q_norm.weight"],
+    "self_attention.k_layernorm.weight": ["attention.k_norm.weight"],
     "self_attention.linear_proj.weight": ["attention.wo.weight"],
     "self_attention.linear_proj.bias": ["attention.wo.bias"],
     "pre_mlp_layernorm.weight": ["ffn_norm.weight"],
