@@ -69,8 +69,10 @@ from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
 from harness.model import float8
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
+from harness.model.moe import set_router_losses, take_router_stats
 from harness.model.training import BuildOptions, StepHooks, dtype_name, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
+from harness.spec import micro_batches_per_step
 
 _WRAPPED = "_checkpoint_wrapped_module."
 ROTATE = {"allgather": "allgather", "ring": "alltoall"}  # layout.cp_impl -> torch's set_rotate_method
@@ -121,6 +123,9 @@ class FSDPEngine:
                 self.parts, plans = [Llama(shape, **build)], None
         reference = ReferenceWeights(shape, w.seed)
         for part in self.parts:
+            # the reference's router losses, scaled as lm_loss is (1 / this rank's micro-batches, FSDP2 averaging
+            # over dp): the mean over the global batch's micro-batches, as the reference's
+            set_router_losses(part, w.moe_aux_loss_coeff, w.moe_z_loss_coeff, micro_batches_per_step(spec))
             self._parallelize(part)
             options.allocate(part, ctx.device)
             if options.load_weights:
@@ -344,6 +349,11 @@ class FSDPEngine:
         if self.spec.layout.pp > 1:  # each stage's part
             mine = gather_on_rank0(mine if keep else None)
         return mine if self.ctx.rank == 0 else None
+
+    def router_stats(self) -> dict:
+        """The MoE layers' routing since the last call (take_router_stats): every rank routes its own tokens
+        (tp = cp = 1 with MoE), each stage its own layers, so the runner's sum over ranks counts each token once."""
+        return {name.replace(_WRAPPED, ""): s for part in self.parts for name, s in take_router_stats(part).items()}
 
     def last_step_details(self) -> dict:
         """Measured with the device synchronised: the forward and backward of every micro-batch

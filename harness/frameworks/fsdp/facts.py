@@ -6,6 +6,7 @@ from __future__ import annotations
 from harness.registry import (
     EVERY_ENGINE,
     FP8,
+    MOE,
     EngineFacts,
     MemoryModel,
     every_value,
@@ -37,6 +38,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **FP8,
+        **MOE,  # the plain model's MoEFeedForward: the reference's router and losses (engine.py)
         **{
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
@@ -50,6 +52,11 @@ ENGINE = EngineFacts(
         "layout.cp_impl": only("allgather", "ring", why=CP_IMPLS),
         "layout.zero_stage": only(0, 3, why="fsdp shards by reshard_after_forward, leave zero_stage unset"),
     },
+    why_not={
+        "layout.ep": "engine fsdp runs MoE with every expert on every rank (ep=1): torchtitan's expert parallelism "
+        "needs DTensor all-to-all token dispatch, not built here"
+    },
+    runs_moe=True,
     capabilities=[
         (
             "compile",
@@ -116,7 +123,18 @@ ENGINE = EngineFacts(
             "stages",
             "engine fsdp",
             lambda s, lay: not s.tie_embeddings or lay.pp == 1,
-        )
+        ),
+        (
+            "mixture of experts",
+            lambda s, lay: not s.moe or lay.tp == 1,
+            "engine fsdp's DTensor tensor-parallel plan (fsdp/tp.py) does not shard the router and experts: set tp=1",
+        ),
+        (
+            "mixture of experts",
+            lambda s, lay: not s.moe or lay.cp == 1,
+            "the router's losses are not additive over tokens and torch's context_parallel splits each sequence "
+            "over cp ranks without summing their router statistics: set cp=1",
+        ),
     ],
     # torch's Schedule1F1B takes at least pp micro-batches; ScheduleZBVZeroBubble any (it plans max(2pp - 1, m)
     # and drops the rest: run here from 1 to 4 at pp 2); ScheduleInterleavedZeroBubble's rounds and

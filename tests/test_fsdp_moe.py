@@ -1,0 +1,130 @@
+"""Engine fsdp's mixture of experts (the plain model's MoEFeedForward under FSDP2, every expert on every rank)
+against the single-device reference: one 2-rank launch.
+
+tiny-moe (8 experts, top-2, renormalised), seq 16, 3 steps, fp32: 1e-5 on every loss and every final weight
+(the suite's fp32 tolerance: the same sums in another order, ~1e-7 relative per step; routing is discrete,
+and no top-k choice sits within rounding of a tie at seed 1234). Cases: dp2; dp2 with nonzero load-balancing
+and z-loss coefficients and two micro-batches a rank (the losses' gradient scale 1/micro-batches of the
+rank, then FSDP2's mean over dp: the reference's 1/micro-batches of the whole batch; the coefficients move
+the step-3 loss well beyond the tolerance, so a wrong scale fails); the same with full activation
+checkpointing (the router's recomputation in backward is not counted); pp2 (torch.distributed.pipelining,
+each stage reporting its own layer) with the losses. The router statistics equal the reference's
+(take_router_stats): routed slots summed over the ranks, the losses' mean over every forward. What the facts
+refuse with MoE (tp, cp, ep) is checked without processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.errors import SpecError
+from harness.testing.reference import assert_matches_reference
+from harness.testing.spawn import spawn
+from harness.testing.workloads import tiny_workload
+
+STEPS = 3
+WORKLOAD = tiny_workload(model="tiny-moe", seq_len=16, steps=STEPS, warmup_steps=0, optimizer={"lr": 1.0, "eps": 1.0})
+LAYOUT = {"engine": "fsdp", "attention": "naive"}
+LOSSES = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01}
+CASES = {  # id: (layout, workload overrides)
+    "dp2": ({"dp": 2}, {}),
+    "dp2-losses-mb2": ({"dp": 2, "micro_batch_size": 2}, LOSSES),
+    "dp2-full-losses": ({"dp": 2, "activation_checkpointing": "full"}, LOSSES),
+    "pp2-losses": ({"pp": 2, "pipeline_schedule": "gpipe"}, LOSSES),
+}
+
+
+def _run(case) -> dict:
+    layout, workload = case
+    return {"workload": {**WORKLOAD, **workload}, "layout": {**LAYOUT, **layout}}
+
+
+def _train(ctx, runs: list[dict]) -> list[dict]:
+    """Each run's engine in turn: losses, final weights and every rank's router statistics of the last step."""
+    import torch.distributed as dist
+
+    from harness.data.source import token_source
+    from harness.frameworks import build_engine
+    from harness.spec import parse_spec
+
+    out = []
+    for raw in runs:
+        spec = parse_spec(raw)
+        shape = spec.shape()
+        engine = build_engine(spec, shape, ctx)
+        source = token_source(spec.workload, shape.vocab)
+        losses = []
+        for step in range(STEPS):
+            engine.router_stats()  # only the last step's
+            losses.append(float(engine.train_step(source.global_batch_at(step))))
+        stats = [None] * ctx.world_size
+        dist.all_gather_object(stats, engine.router_stats())
+        out.append({"losses": losses, "state": engine.full_state_dict(), "router_stats": stats})
+        del engine
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    runs = [_run(c) for c in CASES.values()]
+    return dict(zip(CASES, spawn(_train, 2, runs, timeout_s=300, threads=1), strict=True))
+
+
+def reference_with_router(case, steps: int = STEPS):
+    """The reference's losses, final weights and last step's router statistics."""
+    import torch
+
+    from harness.data.source import token_source
+    from harness.frameworks.single.engine import SingleDeviceEngine
+    from harness.spec import parse_spec
+
+    run = _run(case)
+    mb = run["layout"].get("micro_batch_size", 1)
+    spec = parse_spec({"workload": run["workload"], "layout": {"engine": "single", "micro_batch_size": mb}})
+    shape = spec.shape()
+    engine = SingleDeviceEngine(spec, shape, torch.device("cpu"))
+    source = token_source(spec.workload, shape.vocab)
+    losses = []
+    for step in range(steps):
+        engine.router_stats()
+        losses.append(float(engine.train_step(source.global_batch_at(step))))
+    return losses, engine.full_state_dict(), engine.router_stats()
+
+
+def check_router_stats(by_rank: list, ref_stats: dict) -> None:
+    """The runner's sum over ranks: slots and forwards add up to the reference's; each rank's losses are
+    its forwards' mean."""
+    by_rank = [s for s in by_rank if s]
+    assert set(ref_stats) == {layer for s in by_rank for layer in s}, (sorted(ref_stats), by_rank)
+    for layer, ref in ref_stats.items():
+        held = [s[layer] for s in by_rank if layer in s]
+        counts = [sum(s["counts"][e] for s in held) for e in range(len(ref["counts"]))]
+        assert counts == ref["counts"], (layer, counts, ref["counts"])
+        assert sum(s["forwards"] for s in held) == ref["forwards"]
+        for loss in ("aux", "z"):
+            mean = sum(s[loss] * s["forwards"] for s in held) / ref["forwards"]
+            assert mean == pytest.approx(ref[loss], rel=1e-5), (layer, loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_matches_the_reference(results, name):
+    losses, state, ref_stats = reference_with_router(CASES[name])
+    assert_matches_reference(results[name], losses, state, name, 1e-5)
+    check_router_stats(results[name]["router_stats"], ref_stats)
+
+
+REFUSED = [  # (layout, field, reason)
+    ({"tp": 2}, "workload.model", "does not shard the router and experts"),
+    ({"cp": 2, "attention": "sdpa"}, "workload.model", "not additive over tokens"),
+    ({"dp": 2, "ep": 2}, "layout.ep", "DTensor all-to-all"),
+]
+
+
+@pytest.mark.parametrize("layout,field,reason", REFUSED, ids=["tp2", "cp2", "ep2"])
+def test_refused_before_launch(layout, field, reason):
+    from harness.spec import parse_spec
+
+    with pytest.raises(SpecError) as e:
+        parse_spec({"workload": WORKLOAD, "layout": {**LAYOUT, **layout}})
+    assert e.value.field == field and reason in e.value.reason, e.value.reason
