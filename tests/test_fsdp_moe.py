@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from harness.errors import SpecError
+from harness.testing.moe import check_router_stats, reference_with_router
 from harness.testing.reference import assert_matches_reference
 from harness.testing.spawn import spawn
 from harness.testing.workloads import tiny_workload
@@ -70,46 +71,10 @@ def results():
     return dict(zip(CASES, spawn(_train, 2, runs, timeout_s=300, threads=1), strict=True))
 
 
-def reference_with_router(case, steps: int = STEPS):
-    """The reference's losses, final weights and last step's router statistics."""
-    import torch
-
-    from harness.data.source import token_source
-    from harness.frameworks.single.engine import SingleDeviceEngine
-    from harness.spec import parse_spec
-
-    run = _run(case)
-    mb = run["layout"].get("micro_batch_size", 1)
-    spec = parse_spec({"workload": run["workload"], "layout": {"engine": "single", "micro_batch_size": mb}})
-    shape = spec.shape()
-    engine = SingleDeviceEngine(spec, shape, torch.device("cpu"))
-    source = token_source(spec.workload, shape.vocab)
-    losses = []
-    for step in range(steps):
-        engine.router_stats()
-        losses.append(float(engine.train_step(source.global_batch_at(step))))
-    return losses, engine.full_state_dict(), engine.router_stats()
-
-
-def check_router_stats(by_rank: list, ref_stats: dict) -> None:
-    """The runner's sum over ranks: slots and forwards add up to the reference's; each rank's losses are
-    its forwards' mean."""
-    by_rank = [s for s in by_rank if s]
-    assert set(ref_stats) == {layer for s in by_rank for layer in s}, (sorted(ref_stats), by_rank)
-    for layer, ref in ref_stats.items():
-        held = [s[layer] for s in by_rank if layer in s]
-        counts = [sum(s["counts"][e] for s in held) for e in range(len(ref["counts"]))]
-        assert counts == ref["counts"], (layer, counts, ref["counts"])
-        assert sum(s["forwards"] for s in held) == ref["forwards"]
-        for loss in ("aux", "z"):
-            mean = sum(s[loss] * s["forwards"] for s in held) / ref["forwards"]
-            assert mean == pytest.approx(ref[loss], rel=1e-5), (layer, loss)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_matches_the_reference(results, name):
-    losses, state, ref_stats = reference_with_router(CASES[name])
+    losses, state, ref_stats = reference_with_router(_run(CASES[name]), STEPS)
     assert_matches_reference(results[name], losses, state, name, 1e-5)
     check_router_stats(results[name]["router_stats"], ref_stats)
 

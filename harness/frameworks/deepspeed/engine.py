@@ -56,6 +56,7 @@ class DeepSpeedEngine(DeepSpeedBase):
         ckpt = lay.activation_checkpointing
         mpu, kernels = None, None
         self.cp, self.cp_index, self.loss_divisor = lay.cp, 0, 1
+        self.ep_rank = ctx.rank % lay.ep  # DeepSpeed's expert-parallel groups: consecutive ranks (deepspeed/moe.py)
         if lay.cp > 1:  # Ulysses (deepspeed/ulysses.py); AutoTP and hf are refused with it (deepspeed/facts.py)
             from harness.frameworks.deepspeed.ulysses import loss_divisor, sequence_groups, ulysses_kernels
 
@@ -91,7 +92,16 @@ class DeepSpeedEngine(DeepSpeedBase):
                     cp=self.cp,
                     cp_index=self.cp_index,
                 )
-            model = load_reference(model, ReferenceWeights(shape, w.seed), ctx.device)
+            reference = ReferenceWeights(shape, w.seed)
+            if shape.moe:  # DeepSpeed's MoE layer in each block (deepspeed/moe.py); tp = cp = pp = 1 (facts.py)
+                from harness.frameworks.deepspeed import moe
+
+                moe.swap_in(model, shape, lay.ep)
+                moe.set_losses(
+                    model, w.moe_aux_loss_coeff, w.moe_z_loss_coeff, self.config["gradient_accumulation_steps"]
+                )
+                reference = moe.Renamed(reference, shape, lay.ep, self.ep_rank)
+            model = load_reference(model, reference, ctx.device)
         # fp8: torchao's Float8Linear swapped in before deepspeed.initialize, which then casts the module to bf16
         # (its Parameters kept) and wraps it; DeepSpeed's optimizer keeps the fp32 masters as under bf16
         self.policy.convert_fp8(model, ctx.device.type)
@@ -107,9 +117,19 @@ class DeepSpeedEngine(DeepSpeedBase):
             from harness.model.compiled import compile_blocks
 
             compile_blocks(model.layers.values(), lay.compile)
+        if shape.moe:  # ZeRO reduces the experts' gradients over their expert-data-parallel group
+            from harness.frameworks.deepspeed.moe import optimizer_groups
+
+            parameters = optimizer_groups(model)
+        else:
+            parameters = model.parameters()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=self.config, mpu=mpu
+            model=model, model_parameters=parameters, config=self.config, mpu=mpu
         )
+        if shape.moe:
+            from deepspeed.utils import groups
+
+            assert dist.get_rank(groups._get_expert_parallel_group(f"ep_size_{lay.ep}")) == self.ep_rank
         self.after_initialize()
         if ckpt == "full":
             configure_checkpointing(self.config, self.engine.mpu)
@@ -182,15 +202,42 @@ class DeepSpeedEngine(DeepSpeedBase):
         tp = self.spec.layout.tp > 1
         if tp:
             from harness.frameworks.deepspeed.tp import gather_tp_shards
+        keep = self.dp_rank == 0 and self.tp_rank == 0 and self.cp_index == 0
+        keep_experts = self.ctx.rank < self.spec.layout.ep  # expert-data-parallel rank 0 of each expert group
         mine = {}
         for name, param in self.params:
             full = fp32_copy(param)
             if tp:
                 full = gather_tp_shards(param, full)
-            mine[self._plain_name(name)] = full
-        return gather_on_rank0(mine if self.dp_rank == 0 and self.tp_rank == 0 and self.cp_index == 0 else None)
+            if self.shape.moe:
+                from harness.frameworks.deepspeed.moe import is_expert
+
+                if keep_experts if is_expert(name) else keep:
+                    mine[self._plain_name(name)] = full
+            elif keep:
+                mine[self._plain_name(name)] = full
+        return gather_on_rank0(mine or None)
+
+    def router_stats(self) -> dict:
+        """The MoE layers' routing since the last call, in take_router_stats' format: every rank routes its
+        own tokens (tp = cp = pp = 1 with MoE), so the runner's sum over ranks counts each token once."""
+        from harness.frameworks.deepspeed.moe import take_stats
+
+        return take_stats(self.engine.module)
+
+    def process_groups(self) -> dict:
+        groups = super().process_groups()
+        if self.shape.moe:  # DeepSpeed's expert-parallel groups carry no group_desc
+            from harness.frameworks.deepspeed.moe import expert_groups
+
+            groups.update(expert_groups())
+        return groups
 
     def _plain_name(self, name: str) -> str:
+        if self.shape.moe:
+            from harness.frameworks.deepspeed.moe import plain_name
+
+            return plain_name(name, self.shape, self.spec.layout.ep, self.ep_rank)
         if self.spec.layout.model_impl == "hf":
             from harness.frameworks.deepspeed.hf_llama import from_hf_name
 
@@ -207,6 +254,11 @@ class DeepSpeedEngine(DeepSpeedBase):
 
             d["tensor_parallel"] = f"DeepSpeed AutoTP training, autotp_size {lay.tp}: {SHARDED}"
             d["autotp_sharded_parameters"] = len(sharded_names(self.params))
+        if self.shape.moe:
+            from harness.frameworks.deepspeed.moe import LOSSES, SETTINGS
+
+            d["moe"] = f"{SETTINGS}, ep_size {lay.ep}; ZeRO with MoE parameter groups"
+            d["moe_losses"] = LOSSES
         if lay.cp > 1:
             from harness.frameworks.deepspeed.ulysses import describe_ulysses
 

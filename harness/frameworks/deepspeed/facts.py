@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from harness.frameworks.deepspeed.config import validate
 from harness.registry import (
+    ANY,
     EVERY_ENGINE,
     FP8,
+    MOE,
     EngineFacts,
     MemoryModel,
     every_value,
@@ -18,12 +20,43 @@ from harness.registry import (
 
 ULYSSES = "DeepSpeed's context parallelism is Ulysses (DistributedAttention): set cp_impl: ulysses"
 
+_MOE = "mixture of experts"
+MOE_LIMITS = [
+    (
+        _MOE,
+        lambda s, lay: (
+            not s.moe or (s.experts_per_token == 2 and s.norm_topk) or (s.experts_per_token == 1 and not s.norm_topk)
+        ),
+        "DeepSpeed's TopKGate renormalises top-2 weights and keeps top-1's softmax weight: experts_per_token 2 "
+        "with norm_topk true, or 1 with norm_topk false",
+    ),
+    (
+        _MOE,
+        lambda s, lay: not s.moe or (lay.tp == 1 and lay.pp == 1 and lay.cp == 1),
+        "engine deepspeed runs DeepSpeed's MoE layer with ZeRO data and expert parallelism only: its AutoTP, "
+        "pipeline engine and Ulysses are not built or checked with it here; set tp=pp=cp=1",
+    ),
+    (
+        _MOE,
+        lambda s, lay: not s.moe or lay.zero_stage in (1, 2),
+        "DeepSpeed's MoE layer runs here under ZeRO-1 or 2 (MoE parameter groups); ZeRO-3's zero.Init build "
+        "is not wired to it: set zero_stage 1 or 2",
+    ),
+    (
+        _MOE,
+        lambda s, lay: not s.moe or (lay.model_impl == "own" and lay.compile == "none"),
+        "DeepSpeed's MoE layer replaces the own model's feed-forward: model_impl own, compile none",
+    ),
+]
+
 ENGINE = EngineFacts(
     name="deepspeed",
     memory=MemoryModel("deepspeed"),
     honours={
         **EVERY_ENGINE,
         **FP8,
+        **MOE,  # the harness's router losses on DeepSpeed's MoE layer (deepspeed/moe.py)
+        "layout.ep": ANY,  # DeepSpeed's MoE ep_size
         **{
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
@@ -125,7 +158,9 @@ ENGINE = EngineFacts(
             "q/k/v biases without o's (Qwen2): transformers' LlamaForCausalLM (model_impl hf) biases all four or "
             "none; use model_impl own",
         ),
+        *MOE_LIMITS,
     ],
+    runs_moe=True,
     label=lambda lay: f"deepspeed ZeRO-{lay['zero_stage']}" + (" hf" if lay["model_impl"] == "hf" else ""),
     launcher="deepspeed",
     process_group=True,

@@ -1,0 +1,99 @@
+"""Engine deepspeed's mixture of experts (DeepSpeed's own deepspeed.moe.layer.MoE, dropless, top-2 without the
+sampled second expert, the harness's router losses) against the single-device reference: one 2-rank launch.
+
+tiny-moe (8 experts, top-2, renormalised), seq 16, 3 steps, fp32: 1e-5 on every loss and every final weight
+(the suite's fp32 tolerance: the same sums in another order, ~1e-7 relative per step; routing is discrete,
+and no top-k choice sits within rounding of a tie at seed 1234). Cases, ZeRO-1: dp2 ep2 (each rank four of
+the eight experts, tokens exchanged by DeepSpeed's all-to-all); dp2 ep1; dp2 ep2 with nonzero load-balancing
+and z-loss coefficients and two micro-batches a rank (the losses' gradient scale 1/gradient_accumulation_steps,
+then DeepSpeed's mean over dp: the reference's 1/micro-batches; the coefficients move the step-3 loss well
+beyond the tolerance, so a wrong scale or DeepSpeed's own top-1 l_aux in their place fails). The router
+statistics equal the reference's (take_router_stats): routed slots summed over the ranks, the losses' mean
+over every forward. What the facts refuse with MoE is checked without processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.errors import SpecError
+from harness.testing.moe import check_router_stats, reference_with_router
+from harness.testing.reference import assert_matches_reference
+from harness.testing.spawn import spawn
+from harness.testing.workloads import tiny_workload
+
+STEPS = 3
+WORKLOAD = tiny_workload(model="tiny-moe", seq_len=16, steps=STEPS, warmup_steps=0, optimizer={"lr": 1.0, "eps": 1.0})
+LAYOUT = {"engine": "deepspeed", "attention": "naive", "zero_stage": 1}
+LOSSES = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01}
+CASES = {  # id: (layout, workload overrides)
+    "dp2-ep2": ({"dp": 2, "ep": 2}, {}),
+    "dp2-ep1": ({"dp": 2}, {}),
+    "dp2-ep2-losses-mb2": ({"dp": 2, "ep": 2, "micro_batch_size": 2}, LOSSES),
+}
+
+
+def _run(case) -> dict:
+    layout, workload = case
+    return {"workload": {**WORKLOAD, **workload}, "layout": {**LAYOUT, **layout}}
+
+
+def _train(ctx, runs: list[dict]) -> list[dict]:
+    """Each run's engine in turn: losses, final weights, describe and every rank's router statistics of the
+    last step."""
+    import torch.distributed as dist
+
+    from harness.data.source import token_source
+    from harness.frameworks import build_engine
+    from harness.spec import parse_spec
+
+    out = []
+    for raw in runs:
+        spec = parse_spec(raw)
+        shape = spec.shape()
+        engine = build_engine(spec, shape, ctx)
+        source = token_source(spec.workload, shape.vocab)
+        losses = []
+        for step in range(STEPS):
+            engine.router_stats()  # only the last step's
+            losses.append(float(engine.train_step(source.global_batch_at(step))))
+        stats = [None] * ctx.world_size
+        dist.all_gather_object(stats, engine.router_stats())
+        state = engine.full_state_dict()
+        out.append({"losses": losses, "state": state, "describe": engine.describe(), "router_stats": stats})
+        del engine
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    runs = [_run(c) for c in CASES.values()]
+    return dict(zip(CASES, spawn(_train, 2, runs, timeout_s=300, threads=1), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_matches_the_reference(results, name):
+    losses, state, ref_stats = reference_with_router(_run(CASES[name]), STEPS)
+    assert_matches_reference(results[name], losses, state, name, 1e-5)
+    check_router_stats(results[name]["router_stats"], ref_stats)
+    assert "top2_2nd_expert_sampling=False" in results[name]["describe"]["moe"]
+
+
+REFUSED = [  # (layout, model overrides, reason)
+    ({"tp": 2}, None, "set tp=pp=cp=1"),
+    ({"pp": 2, "zero_stage": 1}, None, "set tp=pp=cp=1"),
+    ({"zero_stage": 3}, None, "set zero_stage 1 or 2"),
+    ({}, {"norm_topk": False}, "experts_per_token 2 with norm_topk true"),
+    ({}, {"experts_per_token": 3}, "experts_per_token 2 with norm_topk true"),
+]
+
+
+@pytest.mark.parametrize("layout,overrides,reason", REFUSED, ids=["tp2", "pp2", "zero3", "top2-raw", "top3"])
+def test_refused_before_launch(layout, overrides, reason):
+    from harness.spec import parse_spec
+
+    w = {**WORKLOAD, **({"model_overrides": overrides} if overrides else {})}
+    with pytest.raises(SpecError) as e:
+        parse_spec({"workload": w, "layout": {**LAYOUT, **layout}})
+    assert e.value.field == "workload.model" and reason in e.value.reason, e.value.reason
