@@ -97,3 +97,15 @@ def test_refused_before_launch(layout, overrides, reason):
     with pytest.raises(SpecError) as e:
         parse_spec({"workload": w, "layout": {**LAYOUT, **layout}})
     assert e.value.field == "workload.model" and reason in e.value.reason, e.value.reason
+
+
+def test_a_declared_expert_group_is_on_the_ep_axis_whatever_its_ranks():
+    """DeepSpeed's expert-parallel groups carry no group_desc, and at dp2 ep2 their ranks are the dp group's:
+    the engine declares them (process_groups), and that declaration decides before the ranks do."""
+    from types import SimpleNamespace
+
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling.annotate import AxisOf
+
+    group = SimpleNamespace()  # no ranks asked: resolved by the declaration alone
+    assert AxisOf(ParallelDims(dp=2, ep=2), 0, {"ep": [group]})(group) == "ep"

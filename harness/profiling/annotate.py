@@ -126,6 +126,8 @@ class AxisOf:
             return named
         if named in EXPERT_GROUPS:  # its ranks may be an axis's too (dp2 ep2: the dp group): its name decides
             return "ep"
+        if self._declared.get(id(group)) == "ep":  # an engine's unnamed expert group (DeepSpeed's): the same
+            return "ep"
         ranks = sorted(dist.get_process_group_ranks(group))
         found = self.dims.axis_of_group(self.rank, ranks)
         if found:
