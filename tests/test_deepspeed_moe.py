@@ -7,7 +7,9 @@ and no top-k choice sits within rounding of a tie at seed 1234). Cases, ZeRO-1: 
 the eight experts, tokens exchanged by DeepSpeed's all-to-all); dp2 ep1; dp2 ep2 with nonzero load-balancing
 and z-loss coefficients and two micro-batches a rank (the losses' gradient scale 1/gradient_accumulation_steps,
 then DeepSpeed's mean over dp: the reference's 1/micro-batches; the coefficients move the step-3 loss well
-beyond the tolerance, so a wrong scale or DeepSpeed's own top-1 l_aux in their place fails). The router
+beyond the tolerance, so a wrong scale or DeepSpeed's own top-1 l_aux in their place fails); the losses
+under ZeRO-2 with deepspeed.checkpointing per block (the gate's second forward, in backward, not counted;
+the aux gradient attached in the recomputed graph). The router
 statistics equal the reference's (take_router_stats): routed slots summed over the ranks, the losses' mean
 over every forward. What the facts refuse with MoE is checked without processes.
 """
@@ -30,6 +32,7 @@ CASES = {  # id: (layout, workload overrides)
     "dp2-ep2": ({"dp": 2, "ep": 2}, {}),
     "dp2-ep1": ({"dp": 2}, {}),
     "dp2-ep2-losses-mb2": ({"dp": 2, "ep": 2, "micro_batch_size": 2}, LOSSES),
+    "zero2-dp2-ep2-full-losses": ({"dp": 2, "ep": 2, "zero_stage": 2, "activation_checkpointing": "full"}, LOSSES),
 }
 
 
