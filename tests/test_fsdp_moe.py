@@ -8,7 +8,8 @@ and z-loss coefficients and two micro-batches a rank (the losses' gradient scale
 rank, then FSDP2's mean over dp: the reference's 1/micro-batches of the whole batch; the coefficients move
 the step-3 loss well beyond the tolerance, so a wrong scale fails); the same with full activation
 checkpointing (the router's recomputation in backward is not counted); pp2 (torch.distributed.pipelining,
-each stage reporting its own layer) with the losses. The router statistics equal the reference's
+each stage reporting its own layer) with the losses under GPipe, 1F1B and ZBV (its split backward: the aux
+gradient in the input-gradient pass; 4 layers for its two stages a rank). The router statistics equal the reference's
 (take_router_stats): routed slots summed over the ranks, the losses' mean over every forward. What the facts
 refuse with MoE (tp, cp, ep) is checked without processes.
 """
@@ -32,6 +33,11 @@ CASES = {  # id: (layout, workload overrides)
     "dp2-losses-mb2": ({"dp": 2, "micro_batch_size": 2}, LOSSES),
     "dp2-full-losses": ({"dp": 2, "activation_checkpointing": "full"}, LOSSES),
     "pp2-losses": ({"pp": 2, "pipeline_schedule": "gpipe"}, LOSSES),
+    "pp2-1f1b-losses": ({"pp": 2, "pipeline_schedule": "1f1b"}, LOSSES),
+    "pp2-zbv-losses": (
+        {"pp": 2, "pipeline_schedule": "zbv", "reshard_after_forward": False},
+        {**LOSSES, "model_overrides": {"layers": 4}},  # two stages a rank
+    ),
 }
 
 
