@@ -119,3 +119,39 @@ def test_a_declared_expert_group_is_on_the_ep_axis_whatever_its_ranks():
 
     group = SimpleNamespace()  # no ranks asked: resolved by the declaration alone
     assert AxisOf(ParallelDims(dp=2, ep=2), 0, {"ep": [group]})(group) == "ep"
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_deepspeeds_gate_routes_as_the_reference(k):
+    """TopKGate as deepspeed/moe.py builds it (dropless, no random token selection, no sampled second expert)
+    picks the reference's experts with its weights (top-2 renormalised, top-1 the softmax weight: the only
+    normalisations the facts let through), exactly: the same fp32 softmax, argmax for top-k."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+    from deepspeed.moe.sharded_moe import TopKGate
+
+    from harness.model.moe import route
+
+    torch.manual_seed(0)
+    gate = TopKGate(64, 8, k=k, min_capacity=0, drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
+    x = torch.randn(32, 64)
+    _, _, _, indices, _, weights, _ = gate(x, None, True)
+    ref_weights, ref_experts, _ = route(torch.nn.functional.linear(x, gate.wg.weight), k, normalise=k == 2)
+    assert torch.equal(indices.long().T, ref_experts)
+    assert torch.equal(weights.T, ref_weights)
+
+
+def test_deepspeed_names_are_the_references():
+    """The gate's weight is the router's; local expert j on expert-parallel rank r is global r * E / ep + j."""
+    from harness.frameworks.deepspeed.moe import plain_name
+    from harness.model.presets import resolve_shape
+
+    shape = resolve_shape("tiny-moe", {})
+    prefix = "layers.1.feed_forward."
+    assert plain_name(prefix + "deepspeed_moe.gate.wg.weight", shape, 2, 1) == prefix + "router.weight"
+    expert = prefix + "deepspeed_moe.experts.deepspeed_experts.3.w2.weight"
+    assert plain_name(expert, shape, 2, 1) == prefix + "experts.7.w2.weight"
+    assert plain_name(expert, shape, 1, 0) == prefix + "experts.3.w2.weight"
+    assert plain_name("layers.1.attention.wq.weight", shape, 2, 1) == "layers.1.attention.wq.weight"

@@ -66,7 +66,8 @@ def _train(ctx, runs: list[dict]) -> list[dict]:
             losses.append(float(engine.train_step(source.global_batch_at(step))))
         stats = [None] * ctx.world_size
         dist.all_gather_object(stats, engine.router_stats())
-        out.append({"losses": losses, "state": engine.full_state_dict(), "router_stats": stats})
+        state = engine.full_state_dict()
+        out.append({"losses": losses, "state": state, "describe": engine.describe(), "router_stats": stats})
         del engine
     return out
 
@@ -83,6 +84,7 @@ def test_moe_matches_the_reference(results, name):
     losses, state, ref_stats = reference_with_router(_run(CASES[name]), STEPS)
     assert_matches_reference(results[name], losses, state, name, 1e-5)
     check_router_stats(results[name]["router_stats"], ref_stats)
+    assert "every expert on every rank" in results[name]["describe"]["moe"]
 
 
 REFUSED = [  # (layout, field, reason)

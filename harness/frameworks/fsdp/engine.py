@@ -69,12 +69,13 @@ from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
 from harness.model import float8
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
-from harness.model.moe import set_router_losses, take_router_stats
+from harness.model.moe import moe_layers, set_router_losses, take_router_stats
 from harness.model.training import BuildOptions, StepHooks, dtype_name, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
 from harness.spec import micro_batches_per_step
 
 _WRAPPED = "_checkpoint_wrapped_module."
+MOE = "plain MoEFeedForward, every expert on every rank (ep=1), FSDP2-sharded per block; the reference's router losses"
 ROTATE = {"allgather": "allgather", "ring": "alltoall"}  # layout.cp_impl -> torch's set_rotate_method
 
 
@@ -383,6 +384,7 @@ class FSDPEngine:
             "sharding": "fully_shard over dp per block + root" + (" (per stage module)" if self.pipeline else ""),
             "reshard_after_forward": lay.reshard_after_forward,
             "compile": lay.compile,
+            **({"moe": MOE} if any(moe_layers(p) for p in self.parts) else {}),
             "precision_policy": self.policy.describe(),
             **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
             "mixed_precision": self._mixed_precision(),
