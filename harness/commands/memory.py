@@ -59,6 +59,14 @@ def main(args) -> int:
     from harness.spec import parse_spec, read_yaml
 
     spec = parse_with_overrides(read_yaml(args.spec), args.overrides, lambda raw: parse_spec(traced_engine(raw)))
+    if spec.shape().moe:
+        from harness.errors import SpecError
+
+        raise SpecError(
+            "workload.model",
+            "mixture of experts: harness memory traces on fake tensors, and a MoE's routing is data-dependent "
+            "(which tokens each expert gets: torch.nonzero has no fake shape); use harness plan for its memory",
+        )
     profile = load_profile(args.hardware)
     from harness.memtrace.result import table_lines, trace_spec
 
