@@ -41,7 +41,17 @@ Under fp32 the parameters are their own masters and every buffer is fp32, as bef
 
 Under sequence parallelism the norm weights are replicated across TP but each rank saw only
 its part of the sequence, so their gradients are partial: they get a bucket of their own that
-is summed over TP before the DP reduction (once per step, as Megatron does).
+is summed over TP before the DP reduction (once per step, as Megatron does). A MoE's router
+(ParamSpec.tp_partial) has a partial gradient on every TP rank, SP or not: it goes to that bucket too.
+
+Mixture-of-experts (harness.engine.experts): a routed expert's parameters are held by the ranks of
+its expert-data-parallel group only (ParallelDims.expert_data_group_of: the replicas over ep), so they
+are a second ModelStates over that group (StateGroups), its own buckets and ZeRO-1 shards. Their
+divisor is the dense gradients' one: none. Every loss is scaled by 1 / the global batch's tokens
+before backward, and each rank's expert gradient sums the contributions of the tokens its ep group
+dispatched to it (the combine's backward brings them back); the ep groups of one edp group's members
+partition the replica group, so the sum over the edp group holds every token of the global batch
+once: the reference's mean, as the dense sum over dp x cp is.
 """
 
 from __future__ import annotations
@@ -61,7 +71,8 @@ def padded(n: int, dp: int) -> int:
 def plan_buckets(specs: list[ParamSpec], bucket_elems: int, dp: int, sp: bool) -> list[dict]:
     """Greedy buckets over parameters in reverse order: [{indices, numel, padded, sp}].
 
-    With sp, TP-replicated parameters (norm weights) go to one separate bucket, reduced last.
+    With sp, TP-replicated parameters (norm weights) go to one separate bucket, reduced last; so do
+    the parameters whose gradient is a partial sum over TP whatever sp is (ParamSpec.tp_partial).
     """
 
     def numel(s):
@@ -73,7 +84,7 @@ def plan_buckets(specs: list[ParamSpec], bucket_elems: int, dp: int, sp: bool) -
     buckets, cur, size = [], [], 0
     sp_bucket = []
     for i in reversed(range(len(specs))):
-        if sp and specs[i].shard_dim is None:
+        if (sp and specs[i].shard_dim is None) or specs[i].tp_partial:
             sp_bucket.append(i)
             continue
         n = numel(specs[i])
@@ -152,8 +163,10 @@ class ModelStates:
         bucket_mb: float,
         device,
         policy: PrecisionPolicy,
+        tp: Axis | None = None,
     ):
         self.dp, self.sp, self.zero = dp, sp, zero and dp.size > 1
+        self.tp_sum = sp or tp  # what the partial bucket is summed over: SP's group, else TP's
         self.policy, self.mixed = policy, policy.master is not None
         self.params = params
         elems = max(1, int(bucket_mb * 2**20 / 4))  # elements: the same buckets under every policy
@@ -208,8 +221,8 @@ class ModelStates:
                 self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
-        if b.sp:
-            self.sp.all_reduce(b.grad_flat)  # blocking: partial norm gradients over the sequence
+        if b.sp and self.tp_sum is not None:
+            self.tp_sum.all_reduce(b.grad_flat)  # blocking: partial gradients (norms' over the sequence, router's)
         if self.dp.size == 1:
             return
         reduce_dtype = self.policy.grad_reduce
@@ -336,4 +349,61 @@ class ModelStates:
         }
         if self.mixed:
             out["master_parameters"] = [b.master for b in self.buckets]
+        return out
+
+
+class StateGroups:
+    """The model states of parameters replicated over different groups: the dense ones over dp x cp, a
+    MoE's experts over their expert-data-parallel group (each a ModelStates); the step calls each."""
+
+    def __init__(self, groups: list[ModelStates]):
+        self.groups = groups
+        self.buckets = [b for g in groups for b in g.buckets]
+
+    def begin_step(self, backwards_per_param: int) -> None:
+        for g in self.groups:
+            g.begin_step(backwards_per_param)
+
+    def finish(self) -> None:
+        for g in self.groups:
+            g.finish()
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        return [t for g in self.groups for t in g.optimizer_tensors()]
+
+    def grads_to_masters(self) -> None:
+        for g in self.groups:
+            g.grads_to_masters()
+
+    def grad_sq_sum(self, count_replicated: bool, device) -> torch.Tensor:
+        """This rank's part of the global squared norm: under ZeRO-1 each group's shard, else only the
+        first member of each group counts its (reduced, identical) gradients."""
+        total = torch.zeros((), device=device)
+        for g in self.groups:
+            if g.zero or g.dp.index == 0:
+                total = total + g.grad_sq_sum(count_replicated)
+        return total
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        for g in self.groups:
+            g.scale_grads(coef)
+
+    def refresh_params(self) -> None:
+        for g in self.groups:
+            g.refresh_params()
+
+    def zero_grads(self) -> None:
+        for g in self.groups:
+            g.zero_grads()
+
+    def full_masters(self) -> dict | None:
+        """Every group's (collective over each group's dp axis under ZeRO-1); None under fp32."""
+        parts = [g.full_masters() for g in self.groups]
+        return None if parts[0] is None else {k: v for p in parts for k, v in p.items()}
+
+    def census_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {}
+        for g in self.groups:
+            for k, v in g.census_tensors().items():
+                out.setdefault(k, []).extend(v)
         return out

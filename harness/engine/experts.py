@@ -1,0 +1,123 @@
+"""The own engine's mixture-of-experts feed-forward, Megatron's way: experts shared out over the expert-
+parallel ranks (layout.ep) and reached by all-to-all, inside the block's tensor-parallel region.
+
+The router, its losses and the experts are harness.model.moe's (MoEFeedForward: `gate`, `attach_losses`,
+RouterInputs); this module holds only this ep rank's experts, keyed by their global index so parameter
+names are the reference's, [index·E/ep, (index+1)·E/ep). One forward over tokens x [T, hidden]:
+- route every token (fp32, top-k) and sort the routed (token, slot) pairs by expert (stable: within one
+  expert in token order, as the reference's nonzero());
+- exchange the per-expert counts (an all-to-all of E numbers), then the token rows, unequal splits;
+- group the received rows by expert, run each held expert on its rows (an expert with none runs on an
+  empty batch, so its gradient is zeros, as the reference's);
+- send the results back (the reverse all-to-all: the combine), weight them and add them into their
+  tokens in expert order with one index_add, as the reference's per-expert index_adds sum them.
+The exchanges are autograd Functions whose backward is the reverse exchange.
+
+Under tensor parallelism the layer sits where the dense MLP does: region.enter (all-gather under SP)
+gives every tp rank the micro-batch's tokens, they route identically, each ep peer is the rank with the
+same tp index, the experts are SwiGLUs at width moe_ffn/tp (w1/w3 column-, w2 row-parallel: partial
+sums, which region.leave reduces). The router's weight is replicated across tp, but its gradient is a
+partial sum per tp rank (through the combine weights of partial expert outputs): it is summed over tp
+before the data-parallel reduction (ParamSpec.tp_partial, harness.engine.data_parallel). So that the aux
+losses' gradient (the same on every tp rank) is not counted tp times by that sum and by region.enter's
+backward, each tp rank injects 1/tp of it (`aux_scale`, set by the engine).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.engine.comm import Axis
+from harness.model.moe import MoEFeedForward, RouterInputs
+from harness.model.presets import Shape
+
+
+def held_experts(shape: Shape, ep: Axis | None) -> range:
+    """The experts (global indices) this ep rank holds: the ep-th share at its index, all without ep."""
+    if ep is None or ep.size == 1:
+        return range(shape.experts)
+    per = shape.experts // ep.size
+    return range(ep.index * per, (ep.index + 1) * per)
+
+
+def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """experts [T, k] -> (order [T·k]: the routed slots sorted by expert, stable; token [T·k]: each sorted
+    slot's token; counts [E]: slots per expert)."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, order // experts.shape[-1], torch.bincount(flat, minlength=n_experts)
+
+
+def group_by_expert(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """recv_counts [ep, L]: row r holds source rank r's rows for each of the L held experts, in that order
+    (what the dispatch receives, source after source). -> (perm: the received rows grouped by expert,
+    sources in rank order within one; rows per held expert)."""
+    ep, held = recv_counts.shape
+    counts = recv_counts.reshape(-1).tolist()
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
+    pieces = [
+        torch.arange(starts[r * held + j], starts[r * held + j] + counts[r * held + j])
+        for j in range(held)
+        for r in range(ep)
+    ]
+    perm = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    return perm.to(recv_counts.device), recv_counts.sum(dim=0).tolist()
+
+
+def splits(counts: torch.Tensor, ep: int) -> list[int]:
+    """Rows per ep rank of a count per expert [E] (rank r holds experts [r·E/ep, (r+1)·E/ep))."""
+    return counts.reshape(ep, -1).sum(dim=1).tolist()
+
+
+class _Exchange(torch.autograd.Function):
+    """The rows of x to the ep ranks (send[r] rows to rank r; recv[r] come from rank r); backward is the
+    reverse exchange of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, send: list[int], recv: list[int]):
+        ctx.axis, ctx.send, ctx.recv = axis, send, recv
+        return axis.all_to_all_v(x, send, recv)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.axis.all_to_all_v(g.contiguous(), ctx.recv, ctx.send), None, None, None
+
+
+class ExpertParallelMoE(MoEFeedForward):
+    """harness.model.moe's MoE feed-forward holding this ep rank's experts at width moe_ffn/tp.
+    forward: x [..., hidden] (the TP region's input: every token of the micro-batch) -> [..., hidden]
+    (under tp a partial sum of the experts' outputs, for region.leave)."""
+
+    def __init__(self, shape: Shape, tp: int, ep: Axis | None):
+        super().__init__(shape, held_experts(shape, ep), shape.moe_ffn // tp)
+        self.ep = ep if ep is not None and ep.size > 1 else None
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        weights, experts, probs, logits = self.gate(x2)
+        order, token, counts = sort_by_expert(experts, self.n_experts)
+        rows = x2[token]  # the routed slots' inputs, sorted by expert
+        if self.ep is None:
+            recv_counts = counts.view(1, -1)
+            received = rows
+        else:
+            ep = self.ep.size
+            recv_counts = self.ep.all_to_all(counts).view(ep, -1)  # source r's counts for my experts
+            send, recv = splits(counts, ep), recv_counts.sum(dim=1).tolist()
+            received = _Exchange.apply(rows, self.ep, send, recv)
+        perm, sizes = group_by_expert(recv_counts)
+        grouped = received[perm]
+        outs, at = [], 0
+        for expert, n in zip(self.experts.values(), sizes, strict=True):
+            outs.append(expert(grouped[at : at + n]))
+            at += n
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(perm.numel(), device=perm.device)
+        y = torch.cat(outs)[back]  # in the received order again
+        if self.ep is not None:
+            y = _Exchange.apply(y, self.ep, recv, send)  # the combine: rows back to their tokens' ranks
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        out = torch.zeros_like(x2).index_add(0, token, y)
+        return self.attach_losses(out, RouterInputs.of(logits, experts, probs)).view_as(x)
