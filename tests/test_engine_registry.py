@@ -137,13 +137,13 @@ def test_a_new_field_no_engine_declares_is_refused_unless_at_its_default():
     value but its default, in one line naming field and engine."""
     from harness.spec import capability_error
 
-    grown = dataclasses.make_dataclass("GrownLayout", [("ep", int, dataclasses.field(default=1))], bases=(Layout,))
+    grown = dataclasses.make_dataclass("GrownLayout", [("xp", int, dataclasses.field(default=1))], bases=(Layout,))
     for name in registry.ENGINES:
         extra = {path.split(".")[1]: value for path, value in registry.facts(name).defaults.items()}
         extra.update({"zero_stage": 1} if name == "deepspeed" else {})  # its own defaults, a ZeRO stage it runs
-        assert capability_error(grown(engine=name, ep=1, **extra)) is None, name
-        error = capability_error(grown(engine=name, ep=4, **extra))
-        assert str(error) == f"layout.ep: engine {name} does not use it"
+        assert capability_error(grown(engine=name, xp=1, **extra)) is None, name
+        error = capability_error(grown(engine=name, xp=4, **extra))
+        assert str(error) == f"layout.xp: engine {name} does not use it"
 
 
 def test_an_unknown_or_absent_engine_is_a_spec_error_not_a_key_error(monkeypatch):
