@@ -21,7 +21,7 @@ import torch
 
 from harness.engine.comm import Axis, CommStats, StepClock
 from harness.engine.data_parallel import plan_buckets
-from harness.engine.experts import ExpertParallelMoE, group_by_expert, held_experts, sort_by_expert, splits
+from harness.engine.experts import ExpertParallelMoE, even_counts, group_by_expert, held_experts, sort_by_expert, splits
 from harness.engine.partition import stage_params
 from harness.engine.topology import Mesh
 from harness.model.moe import MoEFeedForward, set_router_losses
@@ -41,16 +41,16 @@ def test_sort_by_expert_is_stable_and_counts():
     assert experts.reshape(-1)[order].tolist() == [0, 0, 1, 2, 3, 3]
     assert token.tolist() == [0, 1, 2, 1, 0, 2]  # within an expert in token order, as nonzero() gives them
     assert counts.tolist() == [2, 1, 1, 2]
-    assert splits(counts, 2) == [3, 3] and splits(counts, 4) == [2, 1, 1, 2]
+    assert splits(counts.tolist(), 2) == [3, 3] and splits(counts.tolist(), 4) == [2, 1, 1, 2]
+    assert even_counts(10, 4) == [3, 3, 2, 2]
 
 
 def test_group_by_expert_orders_received_rows_by_expert_then_source():
     # 2 sources, 2 held experts: source 0 sent 1 row for expert a and 2 for b; source 1 sent 2 and 0
-    recv = torch.tensor([[1, 2], [2, 0]])
-    perm, sizes = group_by_expert(recv)
+    perm, sizes = group_by_expert([[1, 2], [2, 0]])
     # received rows: s0a=0, s0b=1,2, s1a=3,4 -> grouped: a: 0,3,4; b: 1,2
     assert perm.tolist() == [0, 3, 4, 1, 2] and sizes == [3, 2]
-    perm, sizes = group_by_expert(torch.zeros(2, 3, dtype=torch.long))
+    perm, sizes = group_by_expert([[0, 0, 0], [0, 0, 0]])
     assert perm.numel() == 0 and sizes == [0, 0, 0]
 
 
@@ -130,6 +130,18 @@ def test_facts_refuse_what_the_moe_is_not_built_for(workload, layout, words):
     with pytest.raises(SpecError, match=words):
         parse_spec({"workload": four, "layout": {"engine": "own", **layout}})
     parse_spec({"workload": {**four, "precision": "fp32"}, "layout": {"engine": "own", "dp": 2, "ep": 2}})
+
+
+def test_memory_traces_the_experts_with_even_routing():
+    """harness memory builds the engine on fake tensors: the dispatch's splits cannot come from data there,
+    so the layer routes evenly (even_counts) and the trace says so."""
+    from harness.memtrace.result import trace_spec
+    from harness.spec import parse_spec
+
+    raw = {"model": "tiny-moe", "seq_len": 16, "global_batch_size": 8, "precision": "bf16"}
+    r = trace_spec(parse_spec({"workload": raw, "layout": {"engine": "own", "dp": 2, "ep": 2, "tp": 2}}))
+    assert r["traced_peak_gib"] > 0
+    assert any("routing even" in line for line in r["substitutions"])
 
 
 # ------------------------------------------------------------------ against the reference (slow)

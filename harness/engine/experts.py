@@ -26,6 +26,7 @@ backward, each tp rank injects 1/tp of it (`aux_scale`, set by the engine).
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from harness.engine.comm import Axis
 from harness.model.moe import MoEFeedForward, RouterInputs
@@ -48,27 +49,37 @@ def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     return order, order // experts.shape[-1], torch.bincount(flat, minlength=n_experts)
 
 
-def group_by_expert(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """recv_counts [ep, L]: row r holds source rank r's rows for each of the L held experts, in that order
+def group_by_expert(recv_counts: list[list[int]], device=None) -> tuple[torch.Tensor, list[int]]:
+    """recv_counts [ep][L]: row r holds source rank r's rows for each of the L held experts, in that order
     (what the dispatch receives, source after source). -> (perm: the received rows grouped by expert,
     sources in rank order within one; rows per held expert)."""
-    ep, held = recv_counts.shape
-    counts = recv_counts.reshape(-1).tolist()
-    starts = [0]
-    for c in counts[:-1]:
-        starts.append(starts[-1] + c)
+    held = len(recv_counts[0])
+    starts, at = [], 0
+    for row in recv_counts:
+        starts.append([])
+        for c in row:
+            starts[-1].append(at)
+            at += c
     pieces = [
-        torch.arange(starts[r * held + j], starts[r * held + j] + counts[r * held + j])
+        torch.arange(starts[r][j], starts[r][j] + row[j], device=device)
         for j in range(held)
-        for r in range(ep)
+        for r, row in enumerate(recv_counts)
     ]
-    perm = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-    return perm.to(recv_counts.device), recv_counts.sum(dim=0).tolist()
+    perm = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+    return perm, [sum(row[j] for row in recv_counts) for j in range(held)]
 
 
-def splits(counts: torch.Tensor, ep: int) -> list[int]:
+def even_counts(slots: int, experts: int) -> list[int]:
+    """Routed slots per expert when routing is even (the first slots % experts get one more): what a
+    trace on fake tensors, which cannot know the data-dependent counts, dispatches."""
+    base, extra = divmod(slots, experts)
+    return [base + (e < extra) for e in range(experts)]
+
+
+def splits(counts: list[int], ep: int) -> list[int]:
     """Rows per ep rank of a count per expert [E] (rank r holds experts [r·E/ep, (r+1)·E/ep))."""
-    return counts.reshape(ep, -1).sum(dim=1).tolist()
+    per = len(counts) // ep
+    return [sum(counts[r * per : (r + 1) * per]) for r in range(ep)]
 
 
 class _Exchange(torch.autograd.Function):
@@ -97,17 +108,27 @@ class ExpertParallelMoE(MoEFeedForward):
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
         weights, experts, probs, logits = self.gate(x2)
-        order, token, counts = sort_by_expert(experts, self.n_experts)
-        rows = x2[token]  # the routed slots' inputs, sorted by expert
-        if self.ep is None:
-            recv_counts = counts.view(1, -1)
-            received = rows
+        fake = isinstance(x2, FakeTensor)  # harness memory's trace: even routing (even_counts)
+        if fake:
+            order = torch.arange(experts.numel(), device=x2.device)
+            token, counts = order // self.k, even_counts(experts.numel(), self.n_experts)
         else:
-            ep = self.ep.size
-            recv_counts = self.ep.all_to_all(counts).view(ep, -1)  # source r's counts for my experts
-            send, recv = splits(counts, ep), recv_counts.sum(dim=1).tolist()
+            order, token, counts_t = sort_by_expert(experts, self.n_experts)
+            counts = counts_t.tolist()
+        rows = x2[token]  # the routed slots' inputs, sorted by expert
+        ep = 1 if self.ep is None else self.ep.size
+        held = self.n_experts // ep
+        if ep == 1:
+            recv_counts, received = [counts], rows
+        else:
+            if fake:  # every rank routes as this one
+                mine = counts[self.ep.index * held : (self.ep.index + 1) * held]
+                recv_counts = [mine] * ep
+            else:  # source r's counts for my experts
+                recv_counts = self.ep.all_to_all(counts_t).view(ep, held).tolist()
+            send, recv = splits(counts, ep), [sum(r) for r in recv_counts]
             received = _Exchange.apply(rows, self.ep, send, recv)
-        perm, sizes = group_by_expert(recv_counts)
+        perm, sizes = group_by_expert(recv_counts, x2.device)
         grouped = received[perm]
         outs, at = [], 0
         for expert, n in zip(self.experts.values(), sizes, strict=True):
@@ -116,8 +137,10 @@ class ExpertParallelMoE(MoEFeedForward):
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=perm.device)
         y = torch.cat(outs)[back]  # in the received order again
-        if self.ep is not None:
+        if ep > 1:
             y = _Exchange.apply(y, self.ep, recv, send)  # the combine: rows back to their tokens' ranks
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros_like(x2).index_add(0, token, y)
+        if fake:  # the statistics are data (counted into Python numbers): not traced
+            return out.view_as(x)
         return self.attach_losses(out, RouterInputs.of(logits, experts, probs)).view_as(x)
