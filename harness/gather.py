@@ -70,3 +70,15 @@ def timeline_of_every_stage(mine: list[dict], ctx: RunContext) -> list[dict]:
             owner.setdefault(e["stage"], e.get("rank"))
     merged = [e for events in everyone for e in events or [] if owner.get(e["stage"]) == e.get("rank")]
     return sorted(merged, key=lambda e: (e["stage"], e["start_s"]))
+
+
+def router_over_ranks(mine: list[dict], ctx: RunContext) -> list[dict]:
+    """Every step's router statistics (a MoE's, harness.model.moe) summed over the ranks: each rank
+    routed its own tokens of the layers it holds."""
+    from harness.model.moe import combine_router_stats
+
+    everyone = [mine]
+    if ctx.backend is not None:
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, mine)
+    return [combine_router_stats([rank[i] for rank in everyone]) for i in range(len(mine))]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import time
 
 import torch
@@ -23,12 +22,14 @@ from harness.frameworks import build_engine
 from harness.model.compiled import CompileWatch
 from harness.model.flops import flops_per_token
 from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
+from harness.model.moe import router_record
 from harness.model.presets import param_count
 from harness.parallel_dims import ParallelDims
 from harness.profiling import record as profile_record
 from harness.profiling import trace as profile_trace
 from harness.profiling.analysis import breakdown as trace_breakdown
 from harness.profiling.counters import MeasuredSteps
+from harness.progress import Progress
 from harness.runtime import RunContext, choose_device
 from harness.spec import RunSpec, check_world_size, layout_label, micro_batches_per_step
 from harness.store import ResultsStore, mentions_oom, mentions_peer_failure, new_record, now_iso
@@ -116,40 +117,6 @@ def check_machine(runs) -> None:
             raise SpecError(f"{field} ({names[0]}{more})", f"{reason.rstrip('.')}; nothing was launched")
 
 
-class Progress:
-    """A live line on rank 0: step, tokens/s, MFU, loss, elapsed time and ETA (the mean step so
-    far times the steps left); at most every `every` seconds."""
-
-    def __init__(self, enabled: bool, total: int, every: float = 2.0):
-        self.enabled, self.total, self.every, self.last = enabled, total, every, 0.0
-        self.tty = sys.stderr.isatty()
-        self.start = time.monotonic()
-
-    @staticmethod
-    def clock(seconds: float) -> str:
-        """Elapsed or remaining time as m:ss, or h:mm:ss from an hour."""
-        s = int(round(seconds))
-        return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-    def update(self, step: int, seconds: float, tokens: int, loss: float, mfu: float | None, force=False):
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < self.every and not force):
-            return
-        self.last = now
-        mfu_text = f" | MFU {100 * mfu:5.1f}%" if mfu else ""
-        elapsed = now - self.start
-        eta = elapsed / (step + 1) * (self.total - step - 1)
-        line = (
-            f"step {step + 1}/{self.total} | {tokens / seconds:,.0f} tok/s{mfu_text} | loss {loss:.4f}"
-            f" | {self.clock(elapsed)} elapsed, ETA {self.clock(eta)}"
-        )
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def close(self):
-        if self.enabled and self.tty:
-            print(file=sys.stderr)
-
-
 class Trainer:
     """The measured loop, one step at a time (benchmarks interleave it with other loops)."""
 
@@ -185,6 +152,7 @@ class Trainer:
         self.losses, self.times, self.details = [], [], []  # every step's loss; the measured steps' times, details
         self.parameter_count, self.micro = param_count(shape), micro_batches_per_step(spec)
         self.activations_saved_bytes: int | None = None
+        self.routed, self.router = shape.moe, []
         self.profile: dict | None = None
         self.memory_before_profile: tuple | None = None
         self.clocks = MeasuredSteps(self.dims, ctx.rank, self.engine, ctx.device.type)  # the measured steps' breakdown
@@ -213,6 +181,8 @@ class Trainer:
             except NonFiniteStep as e:  # the framework refused the update (every rank sees the same global norm):
                 cause = str(e)  # the step did not complete, so it has no loss to record
         self.clocks.add(timer.seconds)  # a measured step's breakdown (nothing for a warm-up step)
+        if self.routed:  # a MoE's routing this step (harness.model.moe), whatever the engine
+            self.router.append(self.engine.router_stats())
         if cause:
             raise Diverged(step + 1, math.nan, self.total, self.losses, cause)
         loss = math.nan if poisoned else loss
@@ -302,6 +272,8 @@ class Trainer:
         metrics.update(gather.census_over_ranks(self.engine, self.activations_saved_bytes, ctx))
         metrics.update(_summarize_details(self.details))
         metrics.update(self.compiled.metrics(lambda values: gather.max_across_ranks(values, ctx)))
+        if self.routed:
+            metrics["router"] = router_record(gather.router_over_ranks(self.router, ctx), w.warmup_steps)
         if metrics.get("pipeline_timeline") is not None:
             metrics["pipeline_timeline"] = gather.timeline_of_every_stage(metrics["pipeline_timeline"], ctx)
         if metrics.get("breakdown_s") is not None:

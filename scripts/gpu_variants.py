@@ -3,7 +3,11 @@ allocator peak of `harness train` on LLaMA-13B-shaped layers (4 layers, seq 2048
 
   world size 1   own and fsdp: bf16 eager (sdpa), FP8 (workload.precision fp8, fp8_recipe tensorwise:
                  torchao's float8 on the GPU's FP8 matmuls, carried as a wheel: scripts/gpu_engines.sh),
-                 compiled blocks (layout.compile blocks, warm-up 2 steps)
+                 compiled blocks (layout.compile blocks, warm-up 2 steps); own and megatron: the same layers
+                 as a mixture of 8 experts, top-2, each expert half the dense width (so the same active
+                 parameters as the dense baseline beside it: the router, the dispatch and the small expert
+                 GEMMs are what differ; Megatron-core's grouped GEMM where its kernels are installed,
+                 SequentialMLP otherwise, as its record's describe says)
   world size 2   own cp2 ring with attention naive (its fp32 blocks), sdpa_flash and sdpa_efficient (torch's
                  LSE ops per block: harness/engine/lse_attention.py); own and fsdp pp2 1F1B and zero-bubble
                  (layout.pipeline_schedule zbv)
@@ -43,6 +47,9 @@ VARIANTS = [
     ("own bf16 eager", 1, {"engine": "own"}, {}, None),
     ("own fp8 tensorwise", 1, {"engine": "own"}, FP8, "own bf16 eager"),
     ("own compile blocks", 1, {"engine": "own", **COMPILE}, {}, "own bf16 eager"),
+    ("own moe 8x top2", 1, {"engine": "own"}, {"moe": (8, 2)}, "own bf16 eager"),
+    ("megatron bf16 eager", 1, {"engine": "megatron"}, {}, None),
+    ("megatron moe 8x top2", 1, {"engine": "megatron"}, {"moe": (8, 2)}, "megatron bf16 eager"),
     ("fsdp bf16 eager", 1, {"engine": "fsdp"}, {}, None),
     ("fsdp fp8 tensorwise", 1, {"engine": "fsdp"}, FP8, "fsdp bf16 eager"),
     ("fsdp compile blocks", 1, {"engine": "fsdp", **COMPILE}, {}, "fsdp bf16 eager"),
@@ -66,12 +73,18 @@ BLOCK_KERNELS = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa", "naive")
 
 
 def raw_spec(args, name: str, layout: dict, workload: dict) -> dict:
+    workload, overrides = dict(workload), {"layers": args.layers}
+    if "moe" in workload:  # (experts, top-k): each expert dense ffn / k wide, the dense model's active width
+        from harness.model.presets import resolve_shape
+
+        experts, k = workload.pop("moe")
+        overrides.update(experts=experts, experts_per_token=k, moe_ffn=resolve_shape(args.model).ffn // k)
     return {
         "name": "gpu-variants-" + name.replace(" ", "-"),
         "store": os.path.join(args.out, "results.sqlite"),
         "workload": {
             "model": args.model,
-            "model_overrides": {"layers": args.layers},
+            "model_overrides": overrides,
             "seq_len": args.seq_len,
             "global_batch_size": args.global_batch_size,
             "steps": args.steps,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from harness import cli
-from harness.run import Progress
+from harness.progress import Progress
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = list(cli.COMMANDS)

@@ -20,7 +20,7 @@ LAYERS = [
     ["harness.model.presets"],  # shape facts the spec checks against
     ["harness.model.flops"],
     ["harness.registry"],  # engine name -> adapter; EngineFacts
-    ["harness.spec", "harness.store", "harness.measure"],
+    ["harness.spec", "harness.store", "harness.measure", "harness.progress"],
     ["harness.data", "harness.model", "harness.runtime"],  # tokens, the plain model, process setup
     ["harness.engine"],
     ["harness.frameworks"],

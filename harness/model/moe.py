@@ -192,3 +192,60 @@ def imbalance(counts) -> float:
     counts = torch.as_tensor(counts, dtype=torch.float64)
     mean = counts.mean()
     return float(counts.max() / mean) if mean > 0 else 1.0
+
+
+def combine_router_stats(per_rank: list[dict]) -> dict:
+    """One step's statistics of every rank (each {layer: take_router_stats' entry}) as the step's:
+    routed slots summed over the ranks (each counts its own tokens once), the losses averaged over
+    every forward that computed them."""
+    out: dict[str, dict] = {}
+    for stats in per_rank:
+        for name, s in stats.items():
+            o = out.setdefault(name, {"counts": [0.0] * len(s["counts"]), "aux": 0.0, "z": 0.0, "forwards": 0})
+            o["counts"] = [a + b for a, b in zip(o["counts"], s["counts"], strict=True)]
+            o["aux"] += s["aux"] * s["forwards"]
+            o["z"] += s["z"] * s["forwards"]
+            o["forwards"] += s["forwards"]
+    for o in out.values():
+        n = max(o["forwards"], 1)
+        o["aux"], o["z"] = o["aux"] / n, o["z"] / n
+    return out
+
+
+def _layer_order(name: str) -> list:
+    """layers.2 before layers.10."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+
+def router_record(steps: list[dict], warmup: int) -> dict:
+    """The record's `router` entry from every step's combined statistics (combine_router_stats): per
+    step, the tokens-per-expert imbalance (max over mean, the worst layer's and the layers' mean) and
+    the unweighted load-balancing and z losses (the layers' mean); per layer, the routed slots per
+    expert summed over the measured steps."""
+    layers = sorted(
+        {name for step in steps for name in step}, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")]
+    )
+    if not layers:
+        return {}
+
+    def mean(values):
+        return sum(values) / len(values) if values else None
+
+    per_step = [[step[n] for n in layers if n in step] for step in steps]
+    measured = steps[warmup:]
+    return {
+        "definition": (
+            "imbalance: routed tokens per expert, max over mean (1 = balanced); aux: load-balancing loss "
+            "E/k·Σ f_e·P_e (1 = uniform routing); z: mean logsumexp(router logits)²; both unweighted, per micro-batch"
+        ),
+        "layers": layers,
+        "imbalance_max": [max((imbalance(s["counts"]) for s in step), default=None) for step in per_step],
+        "imbalance_mean": [mean([imbalance(s["counts"]) for s in step]) for step in per_step],
+        "aux_loss": [mean([s["aux"] for s in step]) for step in per_step],
+        "z_loss": [mean([s["z"] for s in step]) for step in per_step],
+        "tokens_per_expert": {
+            n: [sum(v) for v in zip(*(step[n]["counts"] for step in measured if n in step), strict=True)]
+            for n in layers
+            if any(n in step for step in measured)
+        },
+    }

@@ -45,8 +45,9 @@ STEP_PREFIX = "harness.step#"
 OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 FUNCTIONAL_WAIT = "_c10d_functional::wait_tensor"
-AXES = ("tp", "cp", "dp", "pp")
-OPTIONAL = ("cp", "other")  # reported only where the step had such calls (no cp column for runs without CP)
+AXES = ("tp", "cp", "ep", "dp", "pp")
+# reported only where the step had such calls (no cp column for runs without CP, no ep one without experts)
+OPTIONAL = ("cp", "ep", "other")
 HARNESS = "harness"  # the axis of the harness's own loss reduction (every engine's step returns the global loss)
 BUBBLE_AXES = ("pp", WORLD, HARNESS)  # blocked here: waiting for another stage or rank (bubble, or WAIT)
 WAIT = "wait"  # without a pipeline: the time blocked at the world-wide reductions, waiting for other ranks

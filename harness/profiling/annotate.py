@@ -69,9 +69,16 @@ GROUP_DESC = {
     "TENSOR_AND_DATA_PARALLEL_GROUP": "tp+dp",
     "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp+dp",
     "TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp+cp",
+    "EXPERT_DATA_PARALLEL_GROUP": "dp",  # the expert-data-parallel group: expert gradients' reduction
+    "EXPERT_TENSOR_PARALLEL_GROUP": "tp",
     "EMBEDDING_GROUP": "embedding",  # the first and last pipeline stage: tied embedding gradients
     "POSITION_EMBEDDING_GROUP": "embedding",
 }
+
+
+# The names an expert-parallel group (the all-to-all of a MoE's dispatch and combine) gives itself: the own
+# engine's, Megatron-core's.
+EXPERT_GROUPS = ("ep", "EXPERT_MODEL_PARALLEL_GROUP")
 
 
 def other(ranks) -> str:
@@ -115,8 +122,10 @@ class AxisOf:
 
     def _resolve(self, group) -> str:
         named = getattr(group, "group_desc", None)  # a group that says its axis (the own engine's Mesh)
-        if named in self.dims.sizes() or named == "ep":  # ep: its ranks may be the dp group's, its calls are not
+        if named in self.dims.sizes():
             return named
+        if named in EXPERT_GROUPS:  # its ranks may be an axis's too (dp2 ep2: the dp group): its name decides
+            return "ep"
         ranks = sorted(dist.get_process_group_ranks(group))
         found = self.dims.axis_of_group(self.rank, ranks)
         if found:

@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 
 from harness.measure import in_harness_sync
-from harness.profiling.analysis import AXES, BUBBLE_AXES, HARNESS, waiting_key
+from harness.profiling.analysis import AXES, BUBBLE_AXES, HARNESS, OPTIONAL, waiting_key
 from harness.profiling.annotate import Annotations, AxisOf
 
 
@@ -121,7 +121,7 @@ class Counters(Annotations):
     def parts(self, step_s: float) -> dict:
         """The step just run, in the breakdown's shape (ms), from its measured time `step_s`."""
         waiting = sum(self.blocked.get(a, 0.0) for a in BUBBLE_AXES)
-        exposed = {a: self.blocked.get(a, 0.0) for a in AXES if a != "cp" or a in self.blocked}
+        exposed = {a: self.blocked.get(a, 0.0) for a in AXES if a not in OPTIONAL or a in self.blocked}
         exposed["pp"] = 0.0  # a transfer's wait cannot be told from its peer's lateness: bubble
         exposed.update({a: s for a, s in sorted(self.blocked.items()) if a not in AXES and a not in BUBBLE_AXES})
         rest = step_s - waiting - self.optimizer_s - sum(exposed.values())

@@ -25,15 +25,15 @@ from harness.profiling.analysis import AXES, OPTIONAL, mean_step
 
 def from_instrumented(breakdown_s: dict, pp: int | None = None) -> dict:
     """The own engine's counters (seconds: compute, tp_comm, cp_comm under context parallelism, ep_comm
-    under expert parallelism, dp_comm, bubble, optimizer, total) in the breakdown's shape, in ms; other is
-    what they leave of the step. With `pp` 1 the engine's 'bubble' (its wait at the world-wide reduction) is 'wait'."""
+    under expert parallelism, dp_comm, bubble, optimizer, total) in the breakdown's shape, in ms; other
+    is what they leave of the step. With `pp` 1 the engine's 'bubble' (its wait at the world-wide
+    reduction) is 'wait'."""
     ms = {k: v * 1e3 for k, v in breakdown_s.items()}
-    cp = {"cp": ms["cp_comm"]} if "cp_comm" in ms else {}
-    ep = {"ep": ms["ep_comm"]} if "ep_comm" in ms else {}  # expert parallelism's all-to-alls
+    cp = {a: ms[f"{a}_comm"] for a in ("cp", "ep") if f"{a}_comm" in ms}  # only where the run has them
     out = {
         "compute": ms.get("compute", 0.0),
         "optimizer": ms.get("optimizer", 0.0),
-        "exposed_comm": {"tp": ms.get("tp_comm", 0.0), **cp, "dp": ms.get("dp_comm", 0.0), "pp": 0.0, **ep},
+        "exposed_comm": {"tp": ms.get("tp_comm", 0.0), **cp, "dp": ms.get("dp_comm", 0.0), "pp": 0.0},
         "bubble": ms.get("bubble", 0.0),
         "step": ms.get("total", 0.0),
     }

@@ -107,7 +107,15 @@ def _collectives_text(found) -> str:
 
 def why_cases(rows: list[Row], label=None) -> list[Case]:
     return [
-        Case(label(r) if label else r.label, r.variant, r.layout_key, r.step_median, r.step_breakdown, _ci(r))
+        Case(
+            label(r) if label else r.label,
+            r.variant,
+            r.layout_key,
+            r.step_median,
+            r.step_breakdown,
+            _ci(r),
+            r.values.get("router_imbalance"),
+        )
         for r in rows
         if r.status == "ok" and r.step_breakdown
     ]

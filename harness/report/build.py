@@ -6,12 +6,26 @@ from harness.report import analysis as an
 from harness.report import baselines
 from harness.report.breakdown import breakdown
 from harness.report.data import choose_metric, to_row
-from harness.report.ranking import uses_cp
+from harness.report.ranking import uses_cp, uses_ep
 from harness.report.recommend import recommendations
 from harness.report.render import write
 
 # What names a run besides the axis an ablation varies (ablation_why pairs a run with its twin on these).
-_NAMES = ("variant", "tp", "context", "pp", "dp", "mb", "ckpt", "sp", "kernel", "precision", "compiled", "schedule")
+_NAMES = (
+    "variant",
+    "tp",
+    "context",
+    "expert",
+    "pp",
+    "dp",
+    "mb",
+    "ckpt",
+    "sp",
+    "kernel",
+    "precision",
+    "compiled",
+    "schedule",
+)
 
 
 def _rest(*axes: str):
@@ -84,6 +98,25 @@ def sections_for(
                 )
             ]
             if uses_cp(rows)
+            else []
+        ),
+        *(
+            [
+                an.axis_section(
+                    rows,
+                    m,
+                    "expert-parallel",
+                    "Expert parallelism ablation",
+                    lambda r: r.expert,
+                    "expert parallel",
+                    "The best layout per expert-parallel degree (ep1: every rank holds every expert). ep is carved "
+                    "from the data-parallel ranks, so the GPUs and dp stay; what moves is the experts' memory per "
+                    "rank against the all-to-all of tokens to their experts and back (exposed ep communication in "
+                    "the breakdown) and the wait for the most loaded expert. Shown only where a run uses it.",
+                    rest=_rest("expert"),
+                )
+            ]
+            if uses_ep(rows)
             else []
         ),
         an.axis_section(

@@ -33,6 +33,7 @@ from harness.report.policy import held_text, parity_cell, policy_sentence, verdi
 from harness.report.policy import sci as _sci
 from harness.report.ranking import rate_ci
 from harness.report.render import save_figures
+from harness.report.routing import routing_figures, routing_sections
 from harness.report.sections import Code, Column, Figure, Items, Section, Table, table
 from harness.spec import layout_label, process_counts
 from harness.store import PASS
@@ -214,7 +215,7 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
                 "loss per step of every run",
             )
         )
-    return out
+    return out + routing_figures(summary)
 
 
 def image_dir(summary: dict) -> str:
@@ -403,6 +404,7 @@ def sections(summary: dict, figs: list | None = None, out_dir: str | None = None
             body=[BREAKDOWN_TEXT, *_figures(figs, ("breakdown",)), Table(*breakdown_rows(summary))],
         ),
         Section("collectives", "Collectives per step", body=[COLLECTIVES_TEXT, Table(*collective_rows(summary))]),
+        *routing_sections(summary, figs),
         Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary, out_dir))]),
         why_section(summary),
         Section(

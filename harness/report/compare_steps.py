@@ -181,7 +181,9 @@ def why_cases(summary: dict) -> list[Case]:
             continue
         stats = (r.get("metrics") or {}).get("step_time_s") or {}
         ci = (stats["ci95_low"], stats["ci95_high"]) if "ci95_low" in stats and "ci95_high" in stats else None
-        out.append(Case(r["label"], engine_variant(r["layout"]), layout_key(r["layout"]), stats.get("median"), b, ci))
+        imbalance = (r.get("row") or {}).get("router_imbalance")
+        key = layout_key(r["layout"])
+        out.append(Case(r["label"], engine_variant(r["layout"]), key, stats.get("median"), b, ci, imbalance))
     return out
 
 

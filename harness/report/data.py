@@ -22,7 +22,7 @@ from harness.store.fields import MISSING, row
 
 # The components of a step in the order reports stack them; exposed communication is one per axis
 # (`<axis>_comm`), what an old record names otherwise (FSDP2's forward_backward) comes after them.
-COMPONENTS = ("compute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "wait", "optimizer", "other")
+COMPONENTS = ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble", "wait", "optimizer", "other")
 TITLES = {
     "compute": "compute",
     "bubble": "pipeline bubble",
@@ -184,6 +184,16 @@ class Row:
     def context(self) -> str:
         """Context parallelism as an ablation names it: 'cp1' (none), 'cp2 ring'."""
         return f"cp{self.cp} {self.cp_impl}" if self.cp > 1 else "cp1"
+
+    @property
+    def ep(self) -> int:
+        """The expert-parallel degree (records written before it, and dense models: 1)."""
+        return int(self.layout.get("ep") or 1)
+
+    @property
+    def expert(self) -> str:
+        """Expert parallelism as an ablation names it: 'ep1' (every rank holds every expert), 'ep4'."""
+        return f"ep{self.ep}"
 
     @property
     def compiled(self) -> str:

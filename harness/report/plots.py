@@ -206,7 +206,7 @@ def timeline(events: list[dict], title: str) -> bytes:
 LINESTYLES = ("-", "--", "-.", ":")
 
 
-def loss_curves(series: dict[str, list[float]], warmup_steps: int, title: str) -> bytes:
+def loss_curves(series: dict[str, list[float]], warmup_steps: int, title: str, ylabel: str = "training loss") -> bytes:
     """The loss of every step (warm-up included, shaded), one line per run: runs that agree lie on
     top of each other, so each gets its own dash pattern and marker."""
     fig, ax = plt.subplots(figsize=(8, 4.2))
@@ -226,7 +226,7 @@ def loss_curves(series: dict[str, list[float]], warmup_steps: int, title: str) -
     if warmup_steps:
         ax.axvspan(-0.5, warmup_steps - 0.5, color="#999999", alpha=0.15, lw=0, label="warm-up")
     ax.set_xlabel("step (0 = first step, warm-up included)")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)

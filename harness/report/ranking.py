@@ -78,6 +78,11 @@ def uses_cp(rows: list[Row]) -> bool:
     return any(r.cp > 1 for r in rows)
 
 
+def uses_ep(rows: list[Row]) -> bool:
+    """Whether any run shares out a MoE's experts: only then do the tables and ablations name ep."""
+    return any(r.ep > 1 for r in rows)
+
+
 def run_columns(rows: list[Row] = ()) -> list[Column]:
     """The sweep's table of runs: what names a run's layout, every reported measurement, the run id;
     cp and its implementation only where one of `rows` uses it."""
@@ -88,6 +93,7 @@ def run_columns(rows: list[Row] = ()) -> list[Column]:
         *cp,
         Column("pp", lambda r: str(r.pp)),
         Column("dp", lambda r: str(r.dp)),
+        *([Column("ep", lambda r: str(r.ep))] if uses_ep(rows) else []),
         Column("mb", lambda r: str(r.mb)),
         Column("ckpt", lambda r: r.ckpt),
         Column("kernels", lambda r: r.kernel),

@@ -32,6 +32,7 @@ AXES = [
         ("sequence_parallel",),
     ),
     ("context parallelism", lambda r: r.context, None, ("cp", "cp_impl", "dp")),  # the GPUs fixed: dp shrinks
+    ("expert parallelism", lambda r: r.expert, None, ("ep",)),  # carved from dp: the GPUs and dp stay
     ("engine", lambda r: r.variant, None, ENGINE_FIELDS),
     # the levers of today's training: FP8 GEMMs (a workload field), torch.compile, the schedule
     (

@@ -31,6 +31,8 @@ class Case:
     step_s: float | None  # the measured median step: which run is faster
     breakdown: Breakdown
     ci_s: tuple | None = None  # the 95% confidence interval of that median (low, high), seconds
+    # a MoE run's expert load: routed tokens per expert, max over mean, worst layer (median measured step)
+    imbalance: float | None = None
 
 
 def off_median(b: Breakdown, median_s: float | None) -> float | None:
@@ -76,7 +78,19 @@ def _not_representative(c: Case) -> str:
 
 def explain(a: Case, b: Case) -> str:
     """One sentence on two runs, the slower by measured median named first: not distinguishable,
-    not explained (and why), or the components whose difference explains most of it."""
+    not explained (and why), or the components whose difference explains most of it; for MoE runs
+    whose expert load differs, what each run's most loaded expert had (the wait it sets is inside
+    compute and the ep communication, not a component of its own)."""
+    text = _explain(a, b)
+    if a.imbalance is None or b.imbalance is None or abs(a.imbalance - b.imbalance) < 0.005:
+        return text
+    return (
+        f"{text} Expert load (tokens per expert, max over mean, worst layer): {a.label} {a.imbalance:.2f}, "
+        f"{b.label} {b.imbalance:.2f}."
+    )
+
+
+def _explain(a: Case, b: Case) -> str:
     if a.step_s is None or b.step_s is None:
         missing = a if a.step_s is None else b
         return f"{b.label} against {a.label}: not explained ({missing.label} has no measured median)."

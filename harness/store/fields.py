@@ -100,6 +100,24 @@ def _cp(record: dict):
     return (layout.get("cp") or 1) if isinstance(layout, dict) else None
 
 
+def _ep(record: dict):
+    """The expert-parallel degree: 1 for a record written before it existed (None without a layout)."""
+    layout = at("spec", "layout")(record)
+    return (layout.get("ep") or 1) if isinstance(layout, dict) else None
+
+
+def _router_median(key: str):
+    """The median over the measured steps of a MoE run's router statistic (harness.model.moe.router_record)."""
+
+    def read(record: dict):
+        values = at("metrics", "router", key)(record)
+        warmup = at("spec", "workload", "warmup_steps")(record) or 0
+        kept = sorted(v for v in (values or [])[warmup:] if isinstance(v, (int, float)))
+        return (kept[(len(kept) - 1) // 2] + kept[len(kept) // 2]) / 2 if kept else None
+
+    return read
+
+
 def _cp_impl(record: dict):
     """The context-parallel implementation where there is context parallelism, else None."""
     cp = _cp(record)
@@ -204,6 +222,12 @@ FIELDS: tuple[Field, ...] = (
     Field("compile", "compile", _compile, report=False),
     Field("compile_s", "compile s", at("metrics", "compile", "compile_s"), fmt_s, report=False),
     Field("graph_breaks", "graph breaks", at("metrics", "compile", "graph_breaks"), report=False),
+    # mixture of experts (added after compile): the expert-parallel degree, its exposed all-to-all, and the
+    # router's statistics over the measured steps (medians); dense runs read ep 1 and nothing else
+    Field("ep", "ep", _ep, report=False),
+    _ms("breakdown_exposed_ep_ms", "exposed_comm", "ep"),
+    Field("router_imbalance", "expert imbalance", _router_median("imbalance_max"), lambda v: f"{v:.2f}", report=False),
+    Field("router_aux_loss", "aux loss", _router_median("aux_loss"), lambda v: f"{v:.4f}", report=False),
 )
 
 
