@@ -50,8 +50,10 @@ from harness.parallel_dims import AXES, ParallelDims
 from harness.spec import V_SCHEDULES, micro_batches_per_step, model_chunks
 
 # Which breakdown category each axis's blocking wait is charged to.
-TIME_KEYS = {"tp": "tp_comm", "cp": "cp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble", "ep": "ep_comm"}
-TIME_KEYS["edp"] = "dp_comm"
+TIME_KEYS = {
+    **{"tp": "tp_comm", "cp": "cp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"},
+    **{"ep": "ep_comm", "edp": "dp_comm"},
+}
 # The process group each axis's collectives run over: the gradients' "dp" is the replica group (dp x cp);
 # "ep" the expert-parallel ranks' all-to-alls; the experts' gradients ("edp", counted as "dp") their
 # expert-data-parallel group's (harness.engine.topology).
@@ -297,6 +299,7 @@ class Engine3D:
         return {
             "engine": "own 3D (Megatron-style TP/SP, instruction-list pipeline, bucketed DP, ZeRO-1)",
             "mesh": {**self.mesh.dims.sizes(), "order": f"{', '.join(AXES)} ({AXES[-1]} innermost)"},
+            **({"ep": lay.ep, "expert_data_parallel": self.mesh.size("edp")} if self.shape.moe else {}),
             "cp": lay.cp,
             "cp_impl": lay.cp_impl if lay.cp > 1 else None,
             "coord": self.mesh.coord._asdict(),
