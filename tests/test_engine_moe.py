@@ -120,7 +120,6 @@ def test_layer_without_ep_is_the_reference_layer():
 @pytest.mark.parametrize(
     "workload,layout,words",
     [
-        ({}, {"cp": 2}, "cp > 1"),
         ({}, {"pp": 2, "pipeline_schedule": "zbv"}, "split backward"),
         ({}, {"compile": "blocks"}, "compiled"),
         ({"precision": "fp8"}, {}, "fp8"),
@@ -165,9 +164,12 @@ CASES = {
             "rtol": BF16_LOSS_RTOL,
             "weights_rtol": BF16_WEIGHTS_RTOL,
         },
+        # context parallelism: the router statistics summed over the cp ranks, the experts shared over them
+        {"workload": LOSSES, "layout": {"cp": 2, "ep": 2}},
     ],
     4: [
         {"workload": M, "layout": {"tp": 2, "dp": 2, "ep": 2}},
+        {"workload": LOSSES, "layout": {"dp": 2, "cp": 2, "ep": 4, "zero_stage": 1}},
         {"workload": M, "layout": {"pp": 2, "dp": 2, "ep": 2}},
         {
             "workload": {**M, "moe_aux_loss_coeff": 0.01},

@@ -279,11 +279,12 @@ class Engine3D:
 
     def router_stats(self) -> dict:
         """Each MoE layer's routing statistics over the last step, this rank's tokens; {} on tp ranks
-        other than 0 (they route the same tokens), so that the sum over ranks counts every token once."""
+        other than 0 (they route the same tokens) and cp ranks other than 0 (their statistics are the
+        micro-batch's, summed over cp), so that the sum over ranks counts every token once."""
         out = {}
         for ch in self.chunks:
             out.update(take_router_stats(ch))
-        return out if self.mesh.coord.tp == 0 else {}
+        return out if self.mesh.coord.tp == 0 and self.mesh.coord.cp == 0 else {}
 
     def _census_tensors(self) -> dict:
         return {**self.model_states.census_tensors(), "optimizer_states": optimizer_state_tensors(self.optimizer)}

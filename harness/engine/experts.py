@@ -96,14 +96,45 @@ class _Exchange(torch.autograd.Function):
         return ctx.axis.all_to_all_v(g.contiguous(), ctx.recv, ctx.send), None, None, None
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce forward, identity backward: each rank's part of a sum keeps the gradient of the whole
+    (the same on every rank), so the replicas' gradient sum counts each rank's part once."""
+
+    @staticmethod
+    def forward(ctx, t, axis: Axis):
+        t = t.clone()
+        axis.all_reduce(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def summed_over(r: RouterInputs, cp: Axis | None) -> RouterInputs:
+    """The router statistics of one micro-batch whose sequences the cp ranks share (moe.py: the losses
+    are not additive over tokens, their inputs are): one all-reduce of counts, probabilities, z and tokens."""
+    if cp is None or cp.size == 1:
+        return r
+    e = r.counts.shape[0]
+    tokens = torch.full((1,), float(r.tokens), device=r.counts.device)
+    packed = _SumOverRanks.apply(torch.cat([r.counts, r.prob_sum, r.z_sum.reshape(1), tokens]), cp)
+    return RouterInputs(packed[:e].detach(), packed[e : 2 * e], packed[2 * e], int(packed[2 * e + 1].item()))
+
+
 class ExpertParallelMoE(MoEFeedForward):
     """harness.model.moe's MoE feed-forward holding this ep rank's experts at width moe_ffn/tp.
-    forward: x [..., hidden] (the TP region's input: every token of the micro-batch) -> [..., hidden]
-    (under tp a partial sum of the experts' outputs, for region.leave)."""
+    forward: x [..., hidden] (the TP region's input: every token of the micro-batch, or under context
+    parallelism this cp rank's share of its sequences) -> [..., hidden] (under tp a partial sum of the
+    experts' outputs, for region.leave). Under cp the losses' statistics are summed over the cp ranks
+    (summed_over): every cp rank computes the micro-batch's losses, each rank's tokens carry their part
+    of the gradient (the replica reduction over dp x cp adds them), and the statistics are recorded on
+    cp index 0 only (the engine's router_stats)."""
 
-    def __init__(self, shape: Shape, tp: int, ep: Axis | None):
+    def __init__(self, shape: Shape, tp: int, ep: Axis | None, cp: Axis | None = None):
         super().__init__(shape, held_experts(shape, ep), shape.moe_ffn // tp)
         self.ep = ep if ep is not None and ep.size > 1 else None
+        self.cp = cp
 
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
@@ -143,4 +174,4 @@ class ExpertParallelMoE(MoEFeedForward):
         out = torch.zeros_like(x2).index_add(0, token, y)
         if fake:  # the statistics are data (counted into Python numbers): not traced
             return out.view_as(x)
-        return self.attach_losses(out, RouterInputs.of(logits, experts, probs)).view_as(x)
+        return self.attach_losses(out, summed_over(RouterInputs.of(logits, experts, probs), self.cp)).view_as(x)

@@ -85,11 +85,6 @@ ENGINE = EngineFacts(
         ),
         # what the own engine's MoE (harness/engine/experts.py) is not built for
         (
-            "a MoE with cp > 1",
-            lambda s, lay: not s.moe or lay.cp == 1,
-            "the own engine's MoE does not sum the router statistics over the cp ranks: use cp 1",
-        ),
-        (
             "a MoE with a split backward",
             lambda s, lay: not s.moe or lay.pipeline_schedule not in SPLIT_SCHEDULES,
             "the own engine runs a MoE with whole backwards only: pipeline_schedule gpipe, 1f1b or interleaved",

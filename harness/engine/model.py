@@ -108,7 +108,7 @@ class ParallelBlock(nn.Module):
         self.attention = ParallelAttention(shape, tp, kernels.attention, cp, cp_impl)
         self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
         self.feed_forward = (
-            ExpertParallelMoE(shape, tp, ep) if shape.moe else FeedForward(shape.hidden, shape.ffn // tp)
+            ExpertParallelMoE(shape, tp, ep, cp) if shape.moe else FeedForward(shape.hidden, shape.ffn // tp)
         )
         self.region = region
 
