@@ -20,8 +20,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
 # (harness.engine.lse_attention: flash on CPU; flash, efficient, cuDNN on CUDA; whether the device runs
 # the kernel is the kernel check's verdict before launch, harness.model.kernels.check_kernels)
 BLOCK_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
-# the schedules whose backward is split into B and W (harness/engine/split_backward.py): not run with a MoE
-SPLIT_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
 
 
 def blockwise_cp(lay) -> bool:
@@ -84,11 +82,6 @@ ENGINE = EngineFacts(
             lambda s, lay: not s.tie_embeddings or lay.pp * lay.virtual_stages == 1,
         ),
         # what the own engine's MoE (harness/engine/experts.py) is not built for
-        (
-            "a MoE with a split backward",
-            lambda s, lay: not s.moe or lay.pipeline_schedule not in SPLIT_SCHEDULES,
-            "the own engine runs a MoE with whole backwards only: pipeline_schedule gpipe, 1f1b or interleaved",
-        ),
         (
             "a compiled MoE",
             lambda s, lay: not s.moe or lay.compile == "none",
