@@ -60,13 +60,9 @@ def group_by_expert(recv_counts: list[list[int]], device=None) -> tuple[torch.Te
         for c in row:
             starts[-1].append(at)
             at += c
-    pieces = [
-        torch.arange(starts[r][j], starts[r][j] + row[j], device=device)
-        for j in range(held)
-        for r, row in enumerate(recv_counts)
-    ]
-    perm = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
-    return perm, [sum(row[j] for row in recv_counts) for j in range(held)]
+    pieces = [range(starts[r][j], starts[r][j] + row[j]) for j in range(held) for r, row in enumerate(recv_counts)]
+    perm = torch.tensor([i for p in pieces for i in p], dtype=torch.long)  # built on the host, one copy over
+    return perm.to(device) if device is not None else perm, [sum(row[j] for row in recv_counts) for j in range(held)]
 
 
 def even_counts(slots: int, experts: int) -> list[int]:
