@@ -14,6 +14,12 @@ Megatron's data-parallel-with-cp group), reduced over and ZeRO-1-sharded over, c
 Each cp rank's loss share is its tokens' summed losses over the global batch's token count, and
 every one counts in the world all-reduce; a gradient shard counts once in the norm.
 
+A mixture of experts (harness/engine/experts.py): each block's experts shared out over the ep ranks
+(carved from dp x cp, ParallelDims.expert_groups) and reached by all-to-all inside the block's TP
+region; their gradients reduced (and ZeRO-1-sharded) over the expert-data-parallel group, the dense
+ones over dp x cp as before (data_parallel.StateGroups); the router's losses enter the gradient as
+harness.model.moe attaches them, scaled per micro-batch of the whole global batch.
+
 Built as a real run builds it unless `options` (harness.model.training.BuildOptions) says
 otherwise: the optimizer factory, how pipeline transfer groups are posted, and the hooks the step
 tells its phases to (harness memory's labels).
@@ -113,7 +119,7 @@ class Engine3D:
             ep=self.axes["ep"] if shape.moe else None,
         )
         # the aux losses' gradient: 1 / the reference's micro-batches per step (the DP sum adds the dp
-        # ranks' micro-batches), and 1/tp of it on each tp rank (harness.engine.experts)
+        # ranks' micro-batches; cp ranks share theirs), and 1/tp of it on each tp rank (harness.engine.experts)
         for ch in self.chunks:
             set_router_losses(
                 ch, w.moe_aux_loss_coeff, w.moe_z_loss_coeff, self.micro * self.mesh.dims.product("dp", "tp")
