@@ -217,8 +217,23 @@ class Axis:
         self._timed(lambda: dist.all_to_all_single(out, t.contiguous(), group=self.group))
         return out
 
+    def all_to_all_v(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Unequal splits along dim 0: the first send[0] rows of t go to rank 0, the next send[1] to
+        rank 1...; the result holds recv[r] rows from rank r, in rank order (expert dispatch and
+        combine). Counted as "all_to_all" with t's payload (what this rank sends)."""
+        if self.size == 1:
+            return t
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        self.stats.record(self.name, "all_to_all", t)
+        self._timed(
+            lambda: dist.all_to_all_single(
+                out, t.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=self.group
+            )
+        )
+        return out
 
-_OPS = ("all_reduce", "all_gather", "reduce_scatter", "isend", "recv", "exchange", "wait", "all_to_all")
+
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "isend", "recv", "exchange", "wait", "all_to_all", "all_to_all_v")
 
 
 def opaque_to_compile() -> None:

@@ -115,7 +115,9 @@ def rank_comm(
 ) -> dict:
     """Expected {axis: {op: {count, bytes, bytes_by_dtype}}} for one step on one rank, under the
     precision policy named by `precision` and the workload's grad_accum_dtype/grad_reduce_dtype
-    (both fp32 under precision fp32)."""
+    (both fp32 under precision fp32). A MoE's is not modelled: its all-to-alls' sizes are the routing's."""
+    if shape.moe:
+        raise ValueError("comm_model does not model a mixture of experts: its all-to-all sizes are data")
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     dims = ParallelDims.of(layout)
     cp = dims.degree("cp")

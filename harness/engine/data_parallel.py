@@ -42,7 +42,17 @@ Under fp32 the parameters are their own masters and every buffer is fp32, as bef
 Under sequence parallelism the norm weights are replicated across TP but each rank saw only
 its part of the sequence, so their gradients are partial: they get a bucket of their own that
 is summed over TP before the DP reduction (once per step, as Megatron does). The per-head q/k norms
-(ParamSpec.tp_partial: each rank saw only its heads) join that bucket with or without SP.
+and a MoE's router (ParamSpec.tp_partial: each TP rank's gradient a partial sum, its own heads' or its
+share of the experts' outputs) join that bucket with or without SP.
+
+Mixture-of-experts (harness.engine.experts): a routed expert's parameters are held by the ranks of
+its expert-data-parallel group only (ParallelDims.expert_data_group_of: the replicas over ep), so they
+are a second ModelStates over that group (StateGroups), its own buckets and ZeRO-1 shards. Their
+divisor is the dense gradients' one: none. Every loss is scaled by 1 / the global batch's tokens
+before backward, and each rank's expert gradient sums the contributions of the tokens its ep group
+dispatched to it (the combine's backward brings them back); the ep groups of one edp group's members
+partition the replica group, so the sum over the edp group holds every token of the global batch
+once: the reference's mean, as the dense sum over dp x cp is.
 """
 
 from __future__ import annotations
@@ -63,7 +73,7 @@ def plan_buckets(specs: list[ParamSpec], bucket_elems: int, dp: int, sp: bool) -
     """Greedy buckets over parameters in reverse order: [{indices, numel, padded, sp}].
 
     With sp, TP-replicated parameters (norm weights) go to one separate bucket, reduced last; so do
-    tp_partial ones (the q/k norms) without sp.
+    the parameters whose gradient is a partial sum over TP whatever sp is (ParamSpec.tp_partial).
     """
 
     def numel(s):
@@ -156,8 +166,8 @@ class ModelStates:
         policy: PrecisionPolicy,
         tp: Axis | None = None,
     ):
-        """sp: the SP axis (None without SP); tp: the TP axis the tp_partial bucket is summed over without SP."""
-        self.dp, self.sp, self.zero = dp, sp if sp is not None else tp, zero and dp.size > 1
+        self.dp, self.sp, self.zero = dp, sp, zero and dp.size > 1
+        self.tp_sum = sp or tp  # what the partial bucket is summed over: SP's group, else TP's
         self.policy, self.mixed = policy, policy.master is not None
         self.params = params
         elems = max(1, int(bucket_mb * 2**20 / 4))  # elements: the same buckets under every policy
@@ -212,8 +222,8 @@ class ModelStates:
                 self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
-        if b.sp:
-            self.sp.all_reduce(b.grad_flat)  # blocking: partial norm gradients over the sequence (or heads)
+        if b.sp and self.tp_sum is not None:
+            self.tp_sum.all_reduce(b.grad_flat)  # blocking: partial gradients (norms' over the sequence, router's)
         if self.dp.size == 1:
             return
         reduce_dtype = self.policy.grad_reduce
@@ -340,4 +350,61 @@ class ModelStates:
         }
         if self.mixed:
             out["master_parameters"] = [b.master for b in self.buckets]
+        return out
+
+
+class StateGroups:
+    """The model states of parameters replicated over different groups: the dense ones over dp x cp, a
+    MoE's experts over their expert-data-parallel group (each a ModelStates); the step calls each."""
+
+    def __init__(self, groups: list[ModelStates]):
+        self.groups = groups
+        self.buckets = [b for g in groups for b in g.buckets]
+
+    def begin_step(self, backwards_per_param: int) -> None:
+        for g in self.groups:
+            g.begin_step(backwards_per_param)
+
+    def finish(self) -> None:
+        for g in self.groups:
+            g.finish()
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        return [t for g in self.groups for t in g.optimizer_tensors()]
+
+    def grads_to_masters(self) -> None:
+        for g in self.groups:
+            g.grads_to_masters()
+
+    def grad_sq_sum(self, count_replicated: bool, device) -> torch.Tensor:
+        """This rank's part of the global squared norm: under ZeRO-1 each group's shard, else only the
+        first member of each group counts its (reduced, identical) gradients."""
+        total = torch.zeros((), device=device)
+        for g in self.groups:
+            if g.zero or g.dp.index == 0:
+                total = total + g.grad_sq_sum(count_replicated)
+        return total
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        for g in self.groups:
+            g.scale_grads(coef)
+
+    def refresh_params(self) -> None:
+        for g in self.groups:
+            g.refresh_params()
+
+    def zero_grads(self) -> None:
+        for g in self.groups:
+            g.zero_grads()
+
+    def full_masters(self) -> dict | None:
+        """Every group's (collective over each group's dp axis under ZeRO-1); None under fp32."""
+        parts = [g.full_masters() for g in self.groups]
+        return None if parts[0] is None else {k: v for p in parts for k, v in p.items()}
+
+    def census_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {}
+        for g in self.groups:
+            for k, v in g.census_tensors().items():
+                out.setdefault(k, []).extend(v)
         return out

@@ -14,6 +14,12 @@ Megatron's data-parallel-with-cp group), reduced over and ZeRO-1-sharded over, c
 Each cp rank's loss share is its tokens' summed losses over the global batch's token count, and
 every one counts in the world all-reduce; a gradient shard counts once in the norm.
 
+A mixture of experts (harness/engine/experts.py): each block's experts shared out over the ep ranks
+(carved from dp x cp, ParallelDims.expert_groups) and reached by all-to-all inside the block's TP
+region; their gradients reduced (and ZeRO-1-sharded) over the expert-data-parallel group, the dense
+ones over dp x cp as before (data_parallel.StateGroups); the router's losses enter the gradient as
+harness.model.moe attaches them, scaled per micro-batch of the whole global batch.
+
 Built as a real run builds it unless `options` (harness.model.training.BuildOptions) says
 otherwise: the optimizer factory, how pipeline transfer groups are posted, and the hooks the step
 tells its phases to (harness memory's labels).
@@ -34,7 +40,7 @@ import torch.distributed as dist
 
 from harness.data.source import dp_slice, micro_batches
 from harness.engine.comm import Axis, CommStats, StepClock, opaque_to_compile
-from harness.engine.data_parallel import ModelStates
+from harness.engine.data_parallel import ModelStates, StateGroups
 from harness.engine.model import build_chunks, use_fp8
 from harness.engine.partition import rank_chunks
 from harness.engine.pipeline import PipelineExecutor
@@ -44,14 +50,21 @@ from harness.engine.topology import Mesh, format_rank_map
 from harness.measure import CensusAtStep, optimizer_state_tensors
 from harness.model.compiled import compile_blocks
 from harness.model.llama import cp_token_index, reference_tensor, shape_rotary
+from harness.model.moe import set_router_losses, take_router_stats
 from harness.model.training import BuildOptions, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
 from harness.spec import V_SCHEDULES, micro_batches_per_step, model_chunks
 
 # Which breakdown category each axis's blocking wait is charged to.
-TIME_KEYS = {"tp": "tp_comm", "cp": "cp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"}
-# The process group each axis's collectives run over: the gradients' "dp" is the replica group (dp x cp).
-GROUP_OF = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "replica", "all": "all"}
+TIME_KEYS = {
+    **{"tp": "tp_comm", "cp": "cp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"},
+    **{"ep": "ep_comm", "edp": "dp_comm"},
+}
+# The process group each axis's collectives run over: the gradients' "dp" is the replica group (dp x cp);
+# "ep" the expert-parallel ranks' all-to-alls; the experts' gradients ("edp", counted as "dp") their
+# expert-data-parallel group's (harness.engine.topology).
+GROUP_OF = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "replica", "all": "all", "ep": "ep", "edp": "edp"}
+COUNTED_AS = {"edp": "dp"}
 
 
 def _ranks_per_node(ctx) -> int:
@@ -80,7 +93,7 @@ class Engine3D:
         self.clock = StepClock(ctx.device)
         self.stats = CommStats(self.clock)
         self.axes = {
-            a: Axis(a, self.mesh.groups[g], self.mesh.ranks[g], ctx.rank, self.stats, TIME_KEYS[a])
+            a: Axis(COUNTED_AS.get(a, a), self.mesh.groups[g], self.mesh.ranks[g], ctx.rank, self.stats, TIME_KEYS[a])
             for a, g in GROUP_OF.items()
         }
         self.cp = self.axes["cp"] if lay.cp > 1 else None
@@ -103,23 +116,39 @@ class Engine3D:
             ctx.device,
             cp=self.cp,
             cp_impl=lay.cp_impl,
+            ep=self.axes["ep"] if shape.moe else None,
         )
+        # the aux losses' gradient: 1 / the reference's micro-batches per step (the DP sum adds the dp
+        # ranks' micro-batches; cp ranks share theirs), and 1/tp of it on each tp rank (harness.engine.experts)
+        for ch in self.chunks:
+            set_router_losses(
+                ch, w.moe_aux_loss_coeff, w.moe_z_loss_coeff, self.micro * self.mesh.dims.product("dp", "tp")
+            )
         use_fp8(self.chunks, self.policy, ctx.device.type)
         named = {}
         for ch in self.chunks:
             named.update(dict(ch.named_parameters()))
         self.params = [named[s.name] for s in self.param_specs]
-        self.model_states = ModelStates(
-            self.params,
-            self.param_specs,
-            self.axes["dp"],
-            self.region.sp,
-            lay.zero_stage == 1,
-            lay.dp_bucket_mb,
-            ctx.device,
-            self.policy,
-            tp=self.axes["tp"],
-        )
+        # dense parameters over dp x cp, a MoE's experts over their expert-data-parallel group
+        groups = []
+        for expert, axis in ((False, self.axes["dp"]), (True, self.axes["edp"])):
+            specs = [s for s in self.param_specs if s.expert == expert]
+            if specs or not expert:
+                params = [named[s.name] for s in specs]
+                groups.append(
+                    ModelStates(
+                        params,
+                        specs,
+                        axis,
+                        self.region.sp,
+                        lay.zero_stage == 1,
+                        lay.dp_bucket_mb,
+                        ctx.device,
+                        self.policy,
+                        tp=self.axes["tp"],
+                    )
+                )
+        self.model_states = StateGroups(groups)
         self.optimizer = options.make_optimizer(
             self.model_states.optimizer_tensors(), w, fused=ctx.device.type == "cuda"
         )
@@ -176,9 +205,8 @@ class Engine3D:
         states.grads_to_masters()
         c = self.mesh.coord
         count_loss = c.tp == 0 and any(p.last for p in self.plans)  # the last stage: rank 0 in a V
-        # without ZeRO every replica (dp x cp) holds the same reduced gradients: one of them counts
-        count_grads = states.zero or (c.dp == 0 and c.cp == 0)
-        sq = states.grad_sq_sum(count_replicated=c.tp == 0) if count_grads else torch.zeros((), device=self.device)
+        # without ZeRO every replica (dp x cp; edp for experts) holds the same reduced gradients: one counts
+        sq = states.grad_sq_sum(c.tp == 0, self.device)
         pair = torch.stack([loss if count_loss else torch.zeros_like(loss), sq]).float()
         ta = clock.mark()
         self.axes["all"].all_reduce(pair)  # its wait is the slowest stage's lag: charged to bubble
@@ -201,9 +229,11 @@ class Engine3D:
         s = clock.seconds
         self._details = {
             "breakdown_s": {
-                "compute": max(0.0, s["fb"] - s["tp_comm"] - s["cp_comm"]),  # they run inside forward/backward
+                # they run inside forward/backward
+                "compute": max(0.0, s["fb"] - s["tp_comm"] - s["cp_comm"] - s["ep_comm"]),
                 "tp_comm": s["tp_comm"],
                 **({"cp_comm": s["cp_comm"]} if self.cp is not None else {}),
+                **({"ep_comm": s["ep_comm"]} if self.mesh.size("ep") > 1 else {}),
                 "bubble": s["bubble"],  # p2p sends and receive waits, send drains, waiting for the slowest stage
                 "dp_comm": s["dp_comm"],
                 "optimizer": s["optimizer"],
@@ -221,7 +251,7 @@ class Engine3D:
 
     def full_state_dict(self):
         """Gather every parameter (TP shards concatenated, pipeline stages collected from dp and cp
-        index 0, since the other replicas hold the same) on rank 0:
+        index 0, since the other replicas hold the same; a MoE's experts from each ep share) on rank 0:
         the fp32 masters under bf16 (as the reference's), the parameters themselves under fp32.
 
         Collective: every rank must call it; rank 0 gets the dict, the others None.
@@ -240,7 +270,11 @@ class Engine3D:
         if self.mesh.size("all") == 1:
             return mine
         gathered = [None] * self.mesh.size("all") if self.mesh.rank == 0 else None
-        payload = mine if c.tp == 0 and c.dp == 0 and c.cp == 0 else {}
+        # the dense parameters from the first replica, a MoE's experts from the first member of each
+        # expert-data-parallel group (every ep share once)
+        first = {False: self.axes["dp"].index == 0, True: self.axes["edp"].index == 0}
+        experts = {s.name: s.expert for s in self.param_specs}
+        payload = {k: v for k, v in mine.items() if first[experts[k]]} if c.tp == 0 else {}
         dist.gather_object(payload, gathered, dst=0)
         if self.mesh.rank != 0:
             return None
@@ -248,6 +282,15 @@ class Engine3D:
         for part in gathered:
             out.update(part)
         return out
+
+    def router_stats(self) -> dict:
+        """Each MoE layer's routing statistics over the last step, this rank's tokens; {} on tp ranks
+        other than 0 (they route the same tokens) and cp ranks other than 0 (their statistics are the
+        micro-batch's, summed over cp), so that the sum over ranks counts every token once."""
+        out = {}
+        for ch in self.chunks:
+            out.update(take_router_stats(ch))
+        return out if self.mesh.coord.tp == 0 and self.mesh.coord.cp == 0 else {}
 
     def _census_tensors(self) -> dict:
         return {**self.model_states.census_tensors(), "optimizer_states": optimizer_state_tensors(self.optimizer)}
@@ -263,6 +306,7 @@ class Engine3D:
         return {
             "engine": "own 3D (Megatron-style TP/SP, instruction-list pipeline, bucketed DP, ZeRO-1)",
             "mesh": {**self.mesh.dims.sizes(), "order": f"{', '.join(AXES)} ({AXES[-1]} innermost)"},
+            **({"ep": lay.ep, "expert_data_parallel": self.mesh.size("edp")} if self.shape.moe else {}),
             "cp": lay.cp,
             "cp_impl": lay.cp_impl if lay.cp > 1 else None,
             "coord": self.mesh.coord._asdict(),

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from harness.registry import EVERY_ENGINE, FP8, EngineFacts, MemoryModel, every_value, only, tied_across_stages
+from harness.registry import (
+    ANY,
+    EVERY_ENGINE,
+    FP8,
+    MOE,
+    EngineFacts,
+    MemoryModel,
+    every_value,
+    only,
+    tied_across_stages,
+)
 
 # its instruction lists (harness/engine/schedules.py; the zero-bubble ones in torch's orders, zero_bubble.py)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
@@ -26,12 +36,20 @@ def fp8_misaligned_shards(w, lay) -> list[str]:
     return [k for k, v in widths.items() if v % 16 == 0 and (v // lay.tp) % 16]
 
 
+def _moe(w) -> bool:
+    from harness.model.presets import resolve_shape
+
+    return resolve_shape(w.model, w.model_overrides).moe
+
+
 ENGINE = EngineFacts(
     name="own",
     memory=MemoryModel("megatron", vocab_parallel_loss=True),
     honours={
         **EVERY_ENGINE,
         **FP8,
+        **MOE,
+        "layout.ep": ANY,
         **{
             f"layout.{name}": every_value(f"layout.{name}")
             for name in (
@@ -62,7 +80,13 @@ ENGINE = EngineFacts(
             "one model chunk holds both",
             "the own engine",
             lambda s, lay: not s.tie_embeddings or lay.pp * lay.virtual_stages == 1,
-        )
+        ),
+        # what the own engine's MoE (harness/engine/experts.py) is not built for
+        (
+            "a compiled MoE",
+            lambda s, lay: not s.moe or lay.compile == "none",
+            "the own engine's MoE (data-dependent all-to-all splits) runs eager: use compile none",
+        ),
     ],
     precision_limits=[
         (
@@ -72,8 +96,14 @@ ENGINE = EngineFacts(
             "dims multiples of 16 (harness/model/float8.py); a shard that is not would leave a linear the "
             "reference runs in FP8 in bf16: choose tp so that ffn/tp and the q/k/v head widths / tp are multiples "
             "of 16",
-        )
+        ),
+        (
+            "precision",
+            lambda w, lay: w.precision != "fp8" or not _moe(w),
+            "fp8 with a MoE model: the own engine runs its experts in fp32 or bf16 only",
+        ),
     ],
+    runs_moe=True,
     label=lambda lay: f"own ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "own",
     tracer="harness.memtrace.own",
 )

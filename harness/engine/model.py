@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from harness.engine import context_parallel
 from harness.engine.comm import Axis
+from harness.engine.experts import ExpertParallelMoE, held_experts
 from harness.engine.partition import ChunkPlan, ParamSpec, shard_of, stage_params
 from harness.engine.tensor_parallel import Region, vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_range
 from harness.model.kernels import Kernels, rmsnorm_torch
@@ -92,16 +93,26 @@ class ParallelAttention(nn.Module):
 
 class ParallelBlock(nn.Module):
     """The plain Block with its attention and MLP inside TP regions. The MLP is the plain
-    FeedForward at width ffn/tp: w1/w3 column-parallel, w2 row-parallel, no communication inside."""
+    FeedForward at width ffn/tp: w1/w3 column-parallel, w2 row-parallel, no communication inside; a MoE's
+    is harness.engine.experts' (this `ep` rank's experts, all-to-all inside the same region)."""
 
     def __init__(
-        self, shape: Shape, tp: int, region: Region, kernels: Kernels, cp: Axis | None = None, cp_impl: str = "ring"
+        self,
+        shape: Shape,
+        tp: int,
+        region: Region,
+        kernels: Kernels,
+        cp: Axis | None = None,
+        cp_impl: str = "ring",
+        ep: Axis | None = None,
     ):
         super().__init__()
         self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
         self.attention = ParallelAttention(shape, tp, kernels.attention, cp, cp_impl, kernels.rmsnorm)
         self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
-        self.feed_forward = FeedForward(shape.hidden, shape.ffn // tp)
+        self.feed_forward = (
+            ExpertParallelMoE(shape, tp, ep, cp) if shape.moe else FeedForward(shape.hidden, shape.ffn // tp)
+        )
         self.region = region
 
     def forward(self, x, cos, sin):
@@ -136,13 +147,14 @@ class Chunk(nn.Module):
         checkpointing: str,
         cp: Axis | None = None,
         cp_impl: str = "ring",
+        ep: Axis | None = None,
     ):
         super().__init__()
         self.shape, self.plan, self.region, self.checkpointing = shape, plan, region, checkpointing
         self.vocab_start = vocab_range(shape.vocab, tp, tp_index)[0]
         self.tok_embeddings = Weight(shape.vocab // tp, shape.hidden) if plan.first else None
         self.layers = nn.ModuleDict(
-            {str(i): ParallelBlock(shape, tp, region, kernels, cp, cp_impl) for i in plan.layers}
+            {str(i): ParallelBlock(shape, tp, region, kernels, cp, cp_impl, ep) for i in plan.layers}
         )
         for layer in self.layers.values():
             layer.attention.recompute_core = checkpointing == "selective"
@@ -214,9 +226,10 @@ def build_chunks(
     device,
     cp: Axis | None = None,
     cp_impl: str = "ring",
+    ep: Axis | None = None,
 ) -> tuple[list[Chunk], list[ParamSpec]]:
     """The rank's chunks with their shards of the reference weights, and the parameter list
-    (cp: the context-parallel axis when cp > 1, and its cp_impl).
+    (cp: the context-parallel axis when cp > 1, and its cp_impl; ep: the expert-parallel one).
 
     `reference(name)` gives one full initial tensor; it is sharded and dropped before the
     next is made, so a rank never holds more than one unsharded weight.
@@ -224,10 +237,10 @@ def build_chunks(
     chunks, specs = [], []
     for plan in plans:
         with torch.device("meta"):
-            chunk = Chunk(shape, plan, tp, tp_index, region, kernels, checkpointing, cp, cp_impl)
+            chunk = Chunk(shape, plan, tp, tp_index, region, kernels, checkpointing, cp, cp_impl, ep)
         chunk = chunk.to_empty(device=device)
         chunk.tie_weights()
-        mine = stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk)
+        mine = stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk, held_experts(shape, ep))
         named = dict(chunk.named_parameters())
         if sorted(named) != sorted(s.name for s in mine):
             raise AssertionError(f"chunk parameters {sorted(named)} differ from the plan")

@@ -72,24 +72,49 @@ class ParamSpec:
     local: tuple[int, ...]  # this rank's shard
     shard_dim: int | None  # None: replicated across TP
     chunk: int  # which of this rank's model chunks holds it
-    # replicated, but each TP rank's gradient a partial sum (the q/k norms: each rank's own heads),
-    # with or without sequence parallelism: summed over TP once a step (Megatron's qk_layernorm too)
-    tp_partial: bool = False
+    expert: bool = False  # a routed expert's: replicated over the expert-data-parallel group only
+    tp_partial: bool = False  # replicated across TP with a partial gradient on each rank (the router's)
 
 
-def _sharded(name, full, dim, tp, chunk):
+def _sharded(name, full, dim, tp, chunk, expert=False):
     local = list(full)
     local[dim] //= tp
-    return ParamSpec(name, tuple(full), tuple(local), dim, chunk)
+    return ParamSpec(name, tuple(full), tuple(local), dim, chunk, expert)
 
 
-def stage_params(shape: Shape, tp: int, layers: range, first: bool, last: bool, chunk: int = 0) -> list[ParamSpec]:
+def feed_forward_params(shape: Shape, tp: int, p: str, chunk: int, experts: range | None) -> list[ParamSpec]:
+    """A block's feed-forward: the dense SwiGLU, or under a MoE the router (replicated across TP, its
+    gradient a partial sum per TP rank: harness.engine.experts) and the held experts (`experts`, by
+    global index; all by default), each a SwiGLU at width moe_ffn/tp."""
+    h = shape.hidden
+    if not shape.moe:
+        return [
+            _sharded(p + "feed_forward.w1.weight", (shape.ffn, h), 0, tp, chunk),
+            _sharded(p + "feed_forward.w3.weight", (shape.ffn, h), 0, tp, chunk),
+            _sharded(p + "feed_forward.w2.weight", (h, shape.ffn), 1, tp, chunk),
+        ]
+    e, f = shape.experts, shape.moe_ffn
+    out = [ParamSpec(p + "feed_forward.router.weight", (e, h), (e, h), None, chunk, tp_partial=True)]
+    for x in range(e) if experts is None else experts:
+        q = f"{p}feed_forward.experts.{x}."
+        out += [
+            _sharded(q + "w1.weight", (f, h), 0, tp, chunk, True),
+            _sharded(q + "w3.weight", (f, h), 0, tp, chunk, True),
+            _sharded(q + "w2.weight", (h, f), 1, tp, chunk, True),
+        ]
+    return out
+
+
+def stage_params(
+    shape: Shape, tp: int, layers: range, first: bool, last: bool, chunk: int = 0, experts: range | None = None
+) -> list[ParamSpec]:
     """Parameters of one model chunk in registration order (the plain model's order).
 
     Attention biases: q/k/v's sharded with their heads, wo's replicated across TP (added after
     the reduction; under SP its gradient is a partial sum over the sequence, like the norms').
     Per-head q/k norms (qk_norm): replicated, their gradients partial over TP (tp_partial).
-    A tied LM head is tok_embeddings.weight: not listed again."""
+    A tied LM head is tok_embeddings.weight: not listed again. `experts`: the routed experts this
+    rank holds under expert parallelism (all by default)."""
     h, hd = shape.hidden, shape.head_dim
     out = []
     if first:
@@ -107,12 +132,8 @@ def stage_params(shape: Shape, tp: int, layers: range, first: bool, last: bool, 
         if shape.qk_norm:
             for norm in ("q_norm", "k_norm"):
                 out.append(ParamSpec(p + f"attention.{norm}.weight", (hd,), (hd,), None, chunk, tp_partial=tp > 1))
-        out += [
-            ParamSpec(p + "ffn_norm.weight", (h,), (h,), None, chunk),
-            _sharded(p + "feed_forward.w1.weight", (shape.ffn, h), 0, tp, chunk),
-            _sharded(p + "feed_forward.w3.weight", (shape.ffn, h), 0, tp, chunk),
-            _sharded(p + "feed_forward.w2.weight", (h, shape.ffn), 1, tp, chunk),
-        ]
+        out.append(ParamSpec(p + "ffn_norm.weight", (h,), (h,), None, chunk))
+        out += feed_forward_params(shape, tp, p, chunk, experts)
     if last:
         out.append(ParamSpec("norm.weight", (h,), (h,), None, chunk))
         if not (shape.tie_embeddings and first):

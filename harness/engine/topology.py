@@ -3,7 +3,10 @@
 The mapping of ranks to coordinates is the degree owner's (ParallelDims); here each axis's
 groups become torch process groups, built once per degrees and reused. One more group per rank
 is not an axis: "replica", the ranks holding the same parameter shards (dp x cp, REPLICA_AXES),
-over which gradients are reduced and ZeRO-1 shards; without cp it is the dp group itself.
+over which gradients are reduced and ZeRO-1 shards; without cp it is the dp group itself. Under
+expert parallelism (ep > 1) two more: "ep", the ranks sharing out the experts (their all-to-alls), and
+"edp", the ranks holding the same experts (their gradients' reduction, ZeRO-1 shards; named "dp" to the
+profiler: it is data parallelism's reduction); with ep 1 these are this rank alone and the replica group.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class Mesh:
         named = dict(dims.axis_groups())
         if dims.cp > 1:
             named["replica"] = dims.flat_groups()
+        if dims.ep > 1:
+            named["ep"], named["edp"] = dims.expert_groups(), dims.expert_data_groups()
         for name, groups in named.items():
             for ranks in groups:
                 group = None
@@ -48,11 +53,14 @@ class Mesh:
 
                     # the axis it serves, for the profiler (harness.profiling.annotate): the replica
                     # group of dp1 x cp2 holds the cp group's very ranks but carries the gradients
-                    group = dist.new_group(ranks, group_desc="dp" if name == "replica" else name)
+                    group = dist.new_group(ranks, group_desc="dp" if name in ("replica", "edp") else name)
                 if rank in ranks:
                     self.groups[name], self.ranks[name] = group, ranks
         if dims.cp == 1:
             self.groups["replica"], self.ranks["replica"] = self.groups["dp"], self.ranks["dp"]
+        if dims.ep == 1:
+            self.groups["ep"], self.ranks["ep"] = None, [rank]
+            self.groups["edp"], self.ranks["edp"] = self.groups["replica"], self.ranks["replica"]
         self.groups["all"] = world_group
         self.ranks["all"] = list(range(dims.world))
 

@@ -83,6 +83,11 @@ def substitutions(spec) -> list[str]:
     if lay.rmsnorm == "fused":
         out.append("rmsnorm fused: a kernel saving its input and fp32 1/rms, allocating only outputs")
     out.append("AdamW fused (the engine's CUDA optimizer)")
+    if spec.shape().moe:
+        out.append(
+            "mixture of experts: routing even, tokens x k / experts slots per expert and as many to every ep rank "
+            "(the real counts are data, which fake tensors do not have); router statistics not traced"
+        )
     return out + tracer(lay.engine).substitutions(lay)
 
 

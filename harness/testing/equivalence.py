@@ -80,6 +80,7 @@ def run_cases(ctx, cases: list[dict], steps: int) -> list[dict]:
                 "comm_first": comms[0],
                 "details": eng.last_step_details(),
                 "coord": eng.mesh.coord,
+                "router": eng.router_stats(),  # a MoE's routing over all the steps ({} without one)
             }
         )
         del eng
