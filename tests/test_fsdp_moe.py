@@ -104,8 +104,8 @@ def test_refused_before_launch(layout, field, reason):
 
 
 def test_harness_memory_refuses_a_moe_in_one_line(tmp_path, monkeypatch, capsys):
-    """Fake tensors have no shape for the tokens each expert gets (torch.nonzero): one line, exit 2, not a
-    traceback from inside the trace."""
+    """Fake tensors have no shape for the tokens each plain MoE layer's expert gets (torch.nonzero): one line,
+    exit 2, not a traceback from inside the trace."""
     import yaml
 
     from harness.cli import main as cli_main
@@ -114,4 +114,4 @@ def test_harness_memory_refuses_a_moe_in_one_line(tmp_path, monkeypatch, capsys)
     (tmp_path / "t.yaml").write_text(yaml.safe_dump({"workload": WORKLOAD, "layout": {"engine": "fsdp", "dp": 2}}))
     assert cli_main(["memory", "t.yaml"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [err[0]] and err[0].startswith("error: workload.model: mixture of experts: harness memory"), err
+    assert err == [err[0]] and err[0].startswith("error: workload.model: mixture of experts: engine fsdp"), err

@@ -59,13 +59,13 @@ def main(args) -> int:
     from harness.spec import parse_spec, read_yaml
 
     spec = parse_with_overrides(read_yaml(args.spec), args.overrides, lambda raw: parse_spec(traced_engine(raw)))
-    if spec.shape().moe:
+    if spec.shape().moe and spec.layout.engine == "fsdp":
         from harness.errors import SpecError
 
         raise SpecError(
             "workload.model",
-            "mixture of experts: harness memory traces on fake tensors, and a MoE's routing is data-dependent "
-            "(which tokens each expert gets: torch.nonzero has no fake shape); use harness plan for its memory",
+            "mixture of experts: engine fsdp runs the plain MoE layer, whose routing is data (torch.nonzero has no "
+            "shape on fake tensors); the own engine's is traced with even routing: set engine: own",
         )
     profile = load_profile(args.hardware)
     from harness.memtrace.result import table_lines, trace_spec
