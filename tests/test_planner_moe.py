@@ -225,3 +225,18 @@ def test_the_moe_row_within_the_dense_rows_target(qwen_run):
 )
 def test_the_moe_row_is_predicted_to_fit(qwen_run):
     assert predict(qwen_run.shape, qwen_run.layout, qwen_run.workload, qwen_run.profile).fits
+
+
+def test_an_engine_that_shares_no_experts_out_is_planned_at_ep1_and_refuses_ep(capsys):
+    """fsdp runs MoE with every expert on every rank (its facts refuse layout.ep): its candidates hold ep 1
+    only, and --ep above 1 under it is one line naming --ep."""
+    from harness.cli import main
+    from harness.planner import candidates as en
+
+    kw = dict(attention=["te_fused"], rmsnorm=["fused"], micro_batch_sizes=[1], checkpointing=["none"], zero_stage=1)
+    kw.update(sequence_parallel=[False])
+    assert {lay.ep for lay in en.layouts(QWEN, WL, 64, 8, engine="fsdp", **kw)} == {1}
+    assert len({lay.ep for lay in en.layouts(QWEN, WL, 64, 8, engine="own", **kw)}) > 1
+    args = ["plan", "--model", "qwen3-30b-a3b", "--seq-len", "4096", "--global-batch-size", "512", "--gpus", "64"]
+    assert main([*args, "--engine", "fsdp", "--ep", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --ep: engine fsdp runs MoE with every expert on every rank")

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import sys
 
+from harness import registry
 from harness.errors import SpecError
 
 DESCRIPTION = __doc__.split(":", 1)[1].strip()
@@ -351,7 +352,6 @@ def _on_engine(args, shape, cps, impls) -> dict:
     precision policy and sharding: harness/planner/memory_engines.py); fsdp shards fully whatever --zero
     says. An option the engine's facts say it cannot honour is refused here, in one line.
     (Given to candidates.layouts, not set on each layout after: 16,000 copies cost 0.1 s.)"""
-    from harness import registry
     from harness.planner import context
     from harness.planner.layout import PAPER
     from harness.spec import Layout, model_limit_error
@@ -366,6 +366,8 @@ def _on_engine(args, shape, cps, impls) -> dict:
             raise SpecError("--engine", f"{args.engine}: {error}")
         if args.compile != "none" and facts.refuses("layout.compile", args.compile, "none"):
             raise SpecError("--compile", facts.refuses("layout.compile", args.compile, "none"))
+        if args.ep and any(e.strip() not in ("", "1") for e in args.ep.split(",")) and facts.refuses("layout.ep", 2, 1):
+            raise SpecError("--ep", facts.refuses("layout.ep", 2, 1))
     runs = context.engine_impls(args.engine)
     if cps and max(cps) > 1 and not runs:
         raise SpecError("--cp", context.no_cp(args.engine))
@@ -381,16 +383,15 @@ def _moe_lines(args, shape) -> list[str]:
     """What the plan says of a mixture of experts: its conventions, and an engine that runs no MoE or ep yet."""
     if not shape.moe:
         return []
-    from harness import registry
     from harness.planner.moe import IMBALANCE
 
-    out = [
-        f"MoE: MFU from active parameters (6 x active params per token plus attention); ep all-to-all exposed, "
-        f"the busiest ep rank at {IMBALANCE}x the mean tokens (harness/planner/moe.py)"
-    ]
+    out = ["MoE: MFU from active parameters (6 x active params per token plus attention); ep all-to-all exposed, "]
+    out[0] += f"the busiest ep rank at {IMBALANCE}x the mean tokens (harness/planner/moe.py)"
     facts = registry.facts(args.engine)
-    if not facts.runs_moe or facts.refuses("layout.ep", 2, 1):
-        out.append(f"engine {args.engine} runs no MoE / ep yet (its facts): predicted as its memory model holds it")
+    if not facts.runs_moe:
+        out.append(f"engine {args.engine} runs no MoE yet (its facts): predicted as its memory model holds it")
+    elif facts.refuses("layout.ep", 2, 1):
+        out.append(f"engine {args.engine} runs MoE with every expert on every rank: ep 1 only (its facts)")
     return out
 
 

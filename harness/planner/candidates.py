@@ -99,6 +99,8 @@ def layouts(
                 pipes = _pipelines(shape.layers, pp, scheds, virtual_stages, even)
                 shards = shard_groups(dims.replicas(), dp_shards, tp, gpus_per_node) if fields.get("fsdp") else (0,)
                 eps = moe.ep_degrees(shape, dims.replicas(), ep_values)
+                if engine != PAPER and shape.moe:  # the degrees the engine shares experts out over (fsdp: none)
+                    eps = [e for e in eps if e == 1 or registry.facts(engine).runs("layout.ep", [e])] or [1]
                 for mb, (sched, v), ck, sp, att, rms, impl, prec, shard, ep in itertools.product(
                     micro_batch_sizes,
                     pipes,
