@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from harness.errors import SpecError
-from harness.testing.moe import check_router_stats, reference_with_router
+from harness.testing.moe import check_router_stats, reference_with_router, train_with_router
 from harness.testing.reference import assert_matches_reference
 from harness.testing.spawn import spawn
 from harness.testing.workloads import tiny_workload
@@ -44,37 +44,10 @@ def _run(case) -> dict:
     return {"workload": {**WORKLOAD, **workload}, "layout": {**LAYOUT, **layout}}
 
 
-def _train(ctx, runs: list[dict]) -> list[dict]:
-    """Each run's engine in turn: losses, final weights, describe and every rank's router statistics of the
-    last step."""
-    import torch.distributed as dist
-
-    from harness.data.source import token_source
-    from harness.frameworks import build_engine
-    from harness.spec import parse_spec
-
-    out = []
-    for raw in runs:
-        spec = parse_spec(raw)
-        shape = spec.shape()
-        engine = build_engine(spec, shape, ctx)
-        source = token_source(spec.workload, shape.vocab)
-        losses = []
-        for step in range(STEPS):
-            engine.router_stats()  # only the last step's
-            losses.append(float(engine.train_step(source.global_batch_at(step))))
-        stats = [None] * ctx.world_size
-        dist.all_gather_object(stats, engine.router_stats())
-        state = engine.full_state_dict()
-        out.append({"losses": losses, "state": state, "describe": engine.describe(), "router_stats": stats})
-        del engine
-    return out
-
-
 @pytest.fixture(scope="module")
 def results():
     runs = [_run(c) for c in CASES.values()]
-    return dict(zip(CASES, spawn(_train, 2, runs, timeout_s=300, threads=1), strict=True))
+    return dict(zip(CASES, spawn(train_with_router, 2, runs, STEPS, timeout_s=300, threads=1), strict=True))
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.testing.moe import check_router_stats, reference_with_router, train_with_router
 from harness.testing.reference import assert_matches_reference
 from harness.testing.spawn import spawn
 from harness.testing.workloads import tiny_workload
@@ -57,74 +58,21 @@ def _run(case) -> dict:
     return {"workload": {**WORKLOAD, **workload}, "layout": {**LAYOUT, **layout}}
 
 
-def _train(ctx, runs: list[dict]) -> list[dict]:
-    """Each run's engine in turn: losses, final weights, describe, every rank's router statistics of the last
-    step, and the torch.cuda functions reached that the shim does not cover."""
-    import torch.distributed as dist
-
-    from harness.data.source import token_source
-    from harness.frameworks import build_engine
-    from harness.frameworks.megatron import shim as megatron_shim
-    from harness.spec import parse_spec
-
-    out = []
-    for raw in runs:
-        spec = parse_spec(raw)
-        shape = spec.shape()
-        with megatron_shim.tripwire() as reached:
-            engine = build_engine(spec, shape, ctx)
-            source = token_source(spec.workload, shape.vocab)
-            losses = []
-            for step in range(STEPS):
-                engine.router_stats()  # only the last step's
-                losses.append(float(engine.train_step(source.global_batch_at(step))))
-            stats = [None] * ctx.world_size
-            dist.all_gather_object(stats, engine.router_stats())
-            state = engine.full_state_dict()
-        out.append(
-            {
-                "losses": losses,
-                "state": state,
-                "describe": engine.describe(),
-                "router_stats": stats,
-                "uncovered": sorted(reached),
-            }
-        )
-        del engine
-    return out
-
-
 @pytest.fixture(scope="module")
 def results():
     runs = [_run(c) for c in CASES.values()]
-    return dict(zip(CASES, spawn(_train, 2, runs, timeout_s=300, threads=1), strict=True))
+    return dict(zip(CASES, spawn(train_with_router, 2, runs, STEPS, True, timeout_s=300, threads=1), strict=True))
 
 
 @pytest.fixture(scope="module")
 def four():
     runs = [_run(c) for c in FOUR.values()]
-    return dict(zip(FOUR, spawn(_train, 4, runs, timeout_s=300, threads=1), strict=True))
+    return dict(zip(FOUR, spawn(train_with_router, 4, runs, STEPS, True, timeout_s=300, threads=1), strict=True))
 
 
 def _reference(case):
     """The reference's losses, final weights and last step's router statistics."""
-    from harness.data.source import token_source
-    from harness.frameworks.single.engine import SingleDeviceEngine
-    from harness.spec import parse_spec
-
-    run = _run(case)
-    mb = run["layout"].get("micro_batch_size", 1)
-    spec = parse_spec({"workload": run["workload"], "layout": {"engine": "single", "micro_batch_size": mb}})
-    shape = spec.shape()
-    import torch
-
-    engine = SingleDeviceEngine(spec, shape, torch.device("cpu"))
-    source = token_source(spec.workload, shape.vocab)
-    losses = []
-    for step in range(STEPS):
-        engine.router_stats()
-        losses.append(float(engine.train_step(source.global_batch_at(step))))
-    return losses, engine.full_state_dict(), engine.router_stats()
+    return reference_with_router(_run(case), STEPS)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -155,14 +103,4 @@ def _check(result, case, name):
     uncovered = result["uncovered"]
     assert set(uncovered) <= set(HARMLESS), f"{name}: torch.cuda reached beyond the shim: {uncovered}"
     assert "SequentialMLP" in result["describe"]["moe"]
-    # the runner's sum over ranks: slots and forwards add up; each rank's losses are its micro-batches' mean
-    by_rank = [s for s in result["router_stats"] if s]
-    assert set(ref_stats) == {layer for s in by_rank for layer in s}, (sorted(ref_stats), by_rank)
-    for layer, ref in ref_stats.items():
-        held = [s[layer] for s in by_rank if layer in s]
-        counts = [sum(s["counts"][e] for s in held) for e in range(len(ref["counts"]))]
-        assert counts == ref["counts"], (layer, counts, ref["counts"])
-        assert sum(s["forwards"] for s in held) == ref["forwards"]
-        for loss in ("aux", "z"):
-            mean = sum(s[loss] * s["forwards"] for s in held) / ref["forwards"]
-            assert mean == pytest.approx(ref[loss], rel=1e-5), (layer, loss)
+    check_router_stats(result["router_stats"], ref_stats)  # the runner's sum over ranks

@@ -104,6 +104,14 @@ class RouterStats:
         self.aux = self.z = 0.0
         self.forwards = 0
 
+    def take(self) -> dict:
+        """The statistics since the last take (then reset): routed slots per expert (list), the mean
+        load-balancing and z losses over the forwards, and the forward count."""
+        n = max(self.forwards, 1)
+        out = {"counts": self.counts.tolist(), "aux": self.aux / n, "z": self.z / n, "forwards": self.forwards}
+        self.reset()
+        return out
+
     def add(self, counts: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
         if _in_backward():
             return
@@ -177,13 +185,7 @@ def set_router_losses(model: nn.Module, aux_coeff: float, z_coeff: float, micro_
 def take_router_stats(model: nn.Module) -> dict[str, dict]:
     """Each MoE layer's statistics since the last call (then reset): routed slots per expert (list),
     the mean load-balancing and z losses over its forwards, and the forward count."""
-    out = {}
-    for name, m in moe_layers(model).items():
-        s = m.stats
-        n = max(s.forwards, 1)
-        out[name] = {"counts": s.counts.tolist(), "aux": s.aux / n, "z": s.z / n, "forwards": s.forwards}
-        s.reset()
-    return out
+    return {name: m.stats.take() for name, m in moe_layers(model).items()}
 
 
 def imbalance(counts) -> float:

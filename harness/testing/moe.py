@@ -1,9 +1,54 @@
-"""The single-device reference's router statistics and the check an engine's per-rank statistics sum to them
-(the runner's sum over ranks: harness.model.moe.combine_router_stats), for the engines' MoE parity tests."""
+"""The engines' MoE parity tests' common parts: each rank's training with its router statistics, the
+single-device reference's, and the check an engine's per-rank statistics sum to them (the runner's sum over
+ranks: harness.model.moe.combine_router_stats)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+
+
+def train_with_router(ctx, runs: list[dict], steps: int, tripwire: bool = False) -> list[dict]:
+    """On every rank (harness.testing.spawn), each run's engine in turn: its losses, final weights, describe
+    and every rank's router statistics of the last step; with `tripwire` (engine megatron) the torch.cuda
+    functions reached that the shim does not cover, as "uncovered"."""
+    import torch.distributed as dist
+
+    from harness.data.source import token_source
+    from harness.frameworks import build_engine
+    from harness.spec import parse_spec
+
+    out = []
+    for raw in runs:
+        spec = parse_spec(raw)
+        shape = spec.shape()
+        if tripwire:
+            from harness.frameworks.megatron import shim
+
+            guard = shim.tripwire()
+        else:
+            guard = contextlib.nullcontext(set())
+        with guard as reached:
+            engine = build_engine(spec, shape, ctx)
+            source = token_source(spec.workload, shape.vocab)
+            losses = []
+            for step in range(steps):
+                engine.router_stats()  # only the last step's
+                losses.append(float(engine.train_step(source.global_batch_at(step))))
+            stats = [None] * ctx.world_size
+            dist.all_gather_object(stats, engine.router_stats())
+            state = engine.full_state_dict()
+        out.append(
+            {
+                "losses": losses,
+                "state": state,
+                "describe": engine.describe(),
+                "router_stats": stats,
+                "uncovered": sorted(reached),
+            }
+        )
+        del engine
+    return out
 
 
 def reference_with_router(run: dict, steps: int):

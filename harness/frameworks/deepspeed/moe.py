@@ -113,13 +113,7 @@ def set_losses(model, aux: float, z: float, micro_batches: int) -> None:
 def take_stats(model) -> dict:
     """take_router_stats' format for DeepSpeed's layers (moe_layers finds none of the plain ones left)."""
     assert not moe_layers(model)
-    out = {}
-    for name, m in deepspeed_layers(model).items():
-        s = m.stats
-        n = max(s.forwards, 1)
-        out[name] = {"counts": s.counts.tolist(), "aux": s.aux / n, "z": s.z / n, "forwards": s.forwards}
-        s.reset()
-    return out
+    return {name: m.stats.take() for name, m in deepspeed_layers(model).items()}
 
 
 def plain_name(name: str, shape, ep: int, ep_rank: int) -> str:
