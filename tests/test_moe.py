@@ -211,3 +211,11 @@ def test_fp8_with_a_moe_is_refused_in_one_line():
     with pytest.raises(SpecError) as e:
         parse_spec(spec)
     assert e.value.field == "workload.precision" and "no tokens" in e.value.reason
+
+
+def test_ep_names_a_layout_apart_from_the_same_degrees_without_it():
+    """Why pairs 'the same layout under other engines' by the label less the engine: ep2 is not ep1's."""
+    from harness.report.data import layout_key
+
+    assert layout_key({"engine": "own", "dp": 4, "ep": 2}) != layout_key({"engine": "fsdp", "dp": 4})
+    assert layout_key({"engine": "own", "dp": 4, "ep": 2}) == layout_key({"engine": "megatron", "dp": 4, "ep": 2})
