@@ -23,7 +23,7 @@ from harness.model.compiled import CompileWatch
 from harness.model.flops import flops_per_token
 from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
 from harness.model.moe import router_record
-from harness.model.presets import param_count
+from harness.model.presets import active_param_count, param_count
 from harness.parallel_dims import ParallelDims
 from harness.profiling import record as profile_record
 from harness.profiling import trace as profile_trace
@@ -152,7 +152,7 @@ class Trainer:
         self.losses, self.times, self.details = [], [], []  # every step's loss; the measured steps' times, details
         self.parameter_count, self.micro = param_count(shape), micro_batches_per_step(spec)
         self.activations_saved_bytes: int | None = None
-        self.routed, self.router = shape.moe, []
+        self.routed, self.router, self.active = shape.moe, [], active_param_count(shape)
         self.profile: dict | None = None
         self.memory_before_profile: tuple | None = None
         self.clocks = MeasuredSteps(self.dims, ctx.rank, self.engine, ctx.device.type)  # the measured steps' breakdown
@@ -272,8 +272,9 @@ class Trainer:
         metrics.update(gather.census_over_ranks(self.engine, self.activations_saved_bytes, ctx))
         metrics.update(_summarize_details(self.details))
         metrics.update(self.compiled.metrics(lambda values: gather.max_across_ranks(values, ctx)))
-        if self.routed:
+        if self.routed:  # MFU's FLOPs count the experts a token passes through (harness/model/flops.py)
             metrics["router"] = router_record(gather.router_over_ranks(self.router, ctx), w.warmup_steps)
+            metrics["active_parameter_count"] = self.active
         if metrics.get("pipeline_timeline") is not None:
             metrics["pipeline_timeline"] = gather.timeline_of_every_stage(metrics["pipeline_timeline"], ctx)
         if metrics.get("breakdown_s") is not None:

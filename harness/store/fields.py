@@ -228,6 +228,7 @@ FIELDS: tuple[Field, ...] = (
     _ms("breakdown_exposed_ep_ms", "exposed_comm", "ep"),
     Field("router_imbalance", "expert imbalance", _router_median("imbalance_max"), lambda v: f"{v:.2f}", report=False),
     Field("router_aux_loss", "aux loss", _router_median("aux_loss"), lambda v: f"{v:.4f}", report=False),
+    Field("active_parameter_count", "active parameters", at("metrics", "active_parameter_count"), report=False),
 )
 
 
