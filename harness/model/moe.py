@@ -93,31 +93,32 @@ def _in_backward() -> bool:
 
 class RouterStats:
     """One layer's routing statistics since they were last taken: routed slots per expert, and the sum
-    and count of its two losses (unweighted), forward passes only."""
+    and count of its two losses (unweighted), forward passes only. Summed where they are computed (one
+    device tensor: routed slots, then the two losses), read on the host only by take(), after the step:
+    a forward never waits for the device."""
 
     def __init__(self, experts: int):
         self.experts = experts
         self.reset()
 
     def reset(self) -> None:
-        self.counts = torch.zeros(self.experts, dtype=torch.float64, device="cpu")  # built under meta too
-        self.aux = self.z = 0.0
+        self.sums: torch.Tensor | None = None  # [experts + 2], float64, on the routing's device
         self.forwards = 0
 
     def take(self) -> dict:
         """The statistics since the last take (then reset): routed slots per expert (list), the mean
         load-balancing and z losses over the forwards, and the forward count."""
         n = max(self.forwards, 1)
-        out = {"counts": self.counts.tolist(), "aux": self.aux / n, "z": self.z / n, "forwards": self.forwards}
+        sums = [0.0] * (self.experts + 2) if self.sums is None else self.sums.tolist()
+        out = {"counts": sums[: self.experts], "aux": sums[-2] / n, "z": sums[-1] / n, "forwards": self.forwards}
         self.reset()
         return out
 
     def add(self, counts: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
         if _in_backward():
             return
-        self.counts += counts.detach().to("cpu", torch.float64)
-        self.aux += float(aux.detach())
-        self.z += float(z.detach())
+        row = torch.cat([t.detach().double().reshape(-1) for t in (counts, aux, z)])
+        self.sums = row if self.sums is None else self.sums + row
         self.forwards += 1
 
 

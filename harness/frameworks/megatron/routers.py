@@ -79,10 +79,5 @@ class RouterTaps:
 
     def take(self) -> dict[str, dict]:
         """Each MoE layer's statistics since the last call (then reset), on tp rank 0; {} on the others."""
-        out = {}
-        for name, s in self.stats.items():
-            n = max(s.forwards, 1)
-            if self.report:
-                out[name] = {"counts": s.counts.tolist(), "aux": s.aux / n, "z": s.z / n, "forwards": s.forwards}
-            s.reset()
-        return out
+        taken = {name: s.take() for name, s in self.stats.items()}
+        return taken if self.report else {}
