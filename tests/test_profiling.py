@@ -510,17 +510,23 @@ def test_components_sum_to_the_profiled_step(own_runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("index,axis", [(4, "dp"), (5, "tp")])
 def test_a_sleep_inside_a_collective_is_exposed_comm_on_its_axis(own_runs, index, axis):
+    """The sleep is a floor under the slept axis's exposed comm in all three views (profiler, counters,
+    measured clocks). The layout's other axis has no collective, so the profiler puts none of it there
+    (exactly 0); and it is counted once, not also as waiting, since rank 1's components still sum to its
+    step. No upper bound on a real time: one fails under load (the counters clock the other axis's
+    single-rank calls too, a few us that a busy machine can stretch)."""
     r = own_runs[index]
     slept = r["breakdown_ms_by_rank"][1]
     calls = sum(c["count"] for c in r["collectives"] if c["axis"] == axis and c["kind"] in ("all_gather", "all_reduce"))
     floor = 1e3 * (SLEEP_S * 1 if axis == "dp" else 0.002 * calls)
     assert slept["exposed_comm"][axis] >= floor, (slept, floor)
     other = "tp" if axis == "dp" else "dp"
-    assert slept["exposed_comm"][other] < floor and _waiting(slept) < floor
+    assert not [c for c in r["collectives"] if c["axis"] == other], r["collectives"]
+    assert slept["exposed_comm"][other] == 0.0 and _parts(slept) == pytest.approx(slept["step"], rel=0.05), slept
     inst = r["breakdown_instrumented_ms_by_rank"][1]  # the counters saw it on the same axis
     assert inst["exposed_comm"][axis] >= floor
     measured = r["breakdown_measured_ms_by_rank"][1]  # and so did the measured steps' clocks (it slept there too)
-    assert measured["exposed_comm"][axis] >= floor and measured["exposed_comm"][other] < floor
+    assert measured["exposed_comm"][axis] >= floor and _parts(measured) == pytest.approx(measured["step"]), measured
 
 
 @pytest.mark.slow
