@@ -30,6 +30,7 @@ from harness.engine.topology import Mesh
 from harness.model.moe import MoEFeedForward, set_router_losses
 from harness.model.presets import resolve_shape
 from harness.parallel_dims import ParallelDims
+from harness.testing import equivalence as E
 from harness.testing.equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL
 
 MOE = resolve_shape("tiny-moe", {})
@@ -188,18 +189,7 @@ PARAMS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def launched():
-    from harness.testing import equivalence as E
-
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = E.launch(CASES[world], world, steps=STEPS)
-        return cache[world]
-
-    return get
+launched = E.shared(CASES, steps=STEPS)
 
 
 def _reference_counts(case: dict) -> dict:
