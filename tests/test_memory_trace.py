@@ -22,6 +22,7 @@ import json
 import pytest
 
 from harness.spec import parse_spec
+from harness.testing.launches import shared_launch
 
 WORLD = 4
 TINY_CASES = [  # bf16 on 4 ranks (one launch), each rank traced against the real rank
@@ -63,13 +64,11 @@ def _real(ctx, specs):
     return out
 
 
-def _assert_traces_equal_real_runs(world: int, specs: list, labels: list[str]):
-    """Each spec run for real on `world` gloo ranks (one launch) and traced rank by rank: the
-    census and the saved bytes of every rank equal the real rank's."""
+def _assert_traces_equal_real_runs(world: int, specs: list, labels: list[str], real: list):
+    """Each spec run for real on `world` gloo ranks (`real`: every rank's _real, from one launch) and
+    traced rank by rank: the census and the saved bytes of every rank equal the real rank's."""
     from harness.memtrace.trace import trace_rank
-    from harness.testing.spawn import spawn
 
-    real = spawn(_real, world, specs, timeout_s=300, threads=1, every_rank=True)
     for i, (spec, label) in enumerate(zip(specs, labels, strict=True)):
         for rank in range(world):
             fake = trace_rank(spec, spec.shape(), rank, full_micro=True)
@@ -82,11 +81,13 @@ def _assert_traces_equal_real_runs(world: int, specs: list, labels: list[str]):
             )
 
 
+TINY_SPECS = [_tiny_spec(layout) for layout in TINY_CASES]
+real_tiny = shared_launch("own", WORLD, _real, TINY_SPECS, threads=1, every_rank=True)
+
+
 @pytest.mark.slow
-def test_fake_trace_equals_a_real_run():
-    _assert_traces_equal_real_runs(
-        WORLD, [_tiny_spec(layout) for layout in TINY_CASES], [f"{layout}" for layout in TINY_CASES]
-    )
+def test_fake_trace_equals_a_real_run(real_tiny):
+    _assert_traces_equal_real_runs(WORLD, TINY_SPECS, [f"{layout}" for layout in TINY_CASES], real_tiny)
 
 
 FSDP_WORLD = 2
@@ -103,14 +104,16 @@ def _tiny_fsdp_spec(precision: str, layout: dict):
     return _tiny_spec({"engine": "fsdp", "micro_batch_size": 2, **layout}, model="tiny", precision=precision)
 
 
+FSDP_SPECS = [_tiny_fsdp_spec(*case) for case in FSDP_CASES]
+real_fsdp = shared_launch("fsdp", FSDP_WORLD, _real, FSDP_SPECS, threads=1, every_rank=True)
+
+
 @pytest.mark.slow
-def test_fsdp_fake_trace_equals_a_real_run():
+def test_fsdp_fake_trace_equals_a_real_run(real_fsdp):
     """Engine fsdp (FSDP2 over dp, DTensor TP/SP): the census each rank holds at its optimizer
     step and the bytes autograd saves in a step, traced, equal a real 2-rank gloo run's."""
     _assert_traces_equal_real_runs(
-        FSDP_WORLD,
-        [_tiny_fsdp_spec(*case) for case in FSDP_CASES],
-        [f"{precision} {layout}" for precision, layout in FSDP_CASES],
+        FSDP_WORLD, FSDP_SPECS, [f"{precision} {layout}" for precision, layout in FSDP_CASES], real_fsdp
     )
 
 

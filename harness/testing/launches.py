@@ -5,12 +5,19 @@ the first test that asks for any job of a pool at a world size starts one launch
 spawn_jobs) that runs every job of that pool and world the session's selected tests need, each module's
 in turn, so process start-up, group creation and an engine's import (DeepSpeed's, Megatron's: seconds a
 rank) are paid once. A job's failure fails its own tests only (its exception again for each): the launch's
-later jobs run in a fresh one. tests/conftest.py marks, after collection, the jobs a selected test uses
-(`select`), so `-k` or one file runs only what it needs.
+later jobs run in a fresh one. Pools are named after the engine; DeepSpeed's tensor and pipeline parallel
+jobs have a pool of their own ("deepspeed-mp"): DeepSpeed keeps their groups process-wide, and a
+data-parallel engine built after them fails in its initialize. tests/conftest.py marks, after collection,
+the jobs a selected test uses (`select`), so `-k` or one file runs only what it needs.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harness.testing.spawn import NOT_RUN, Job, spawn_jobs
@@ -24,14 +31,18 @@ class Shared:
 
     pool: str
     world: int
-    threads: int | None
+    threads: int
     job: Job
+    prepare: Callable | None = None  # folder -> the job's args, made when its launch starts
     wanted: bool = False  # until a selected test is seen to use it (select)
     outcome: object = field(default=NOT_RUN)
 
     def result(self):
         while self.outcome is NOT_RUN:
             group = [s for s in _POOLS[self.key] if s.outcome is NOT_RUN and (s.wanted or s is self)]
+            for s in group:
+                if s.prepare is not None:
+                    s.job.args, s.prepare = tuple(s.prepare(_folder())), None
             for s, out in zip(group, spawn_jobs([s.job for s in group], self.world, self.threads), strict=True):
                 s.outcome = out
         if self.outcome is RELEASED:
@@ -48,8 +59,16 @@ class Shared:
 _POOLS: dict[tuple, list[Shared]] = {}
 
 
-def _add(pool: str, world: int, fn, args, every_rank: bool, timeout_s: float, threads: int | None) -> Shared:
-    s = Shared(pool, world, threads, Job(fn, tuple(args), every_rank, timeout_s))
+def _folder() -> str:
+    """A fresh folder for a job's files (its configs), removed when the session's interpreter exits."""
+    path = tempfile.mkdtemp(prefix="shared-launch-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def _add(pool: str, world: int, fn, args, every_rank: bool, timeout_s: float, threads: int | None, prepare=None):
+    threads = threads or max(1, (os.cpu_count() or 1) // world)  # spawn's default, so that equal ones share
+    s = Shared(pool, world, threads, Job(fn, tuple(args), every_rank, timeout_s), prepare)
     _POOLS.setdefault(s.key, []).append(s)
     return s
 
@@ -73,15 +92,18 @@ def shared_launch(
     fn,
     *args,
     keys=None,
+    prepare: Callable | None = None,
     every_rank: bool = False,
     timeout_s: float = 300.0,
     threads: int | None = None,
 ):
     """A module fixture whose value is fn(ctx, *args)'s result (rank 0's, or every rank's), run in the
     session's launch of `pool` at `world` ranks; with `keys`, a dict of them to the result's items (one per
-    run, in order). Jobs sharing a launch must leave the processes as they found them (an engine's global
-    state torn down), as one engine after another in harness.testing.spawn's processes already must."""
-    s = _add(pool, world, fn, args, every_rank, timeout_s, threads)
+    run, in order); with `prepare`, the args are prepare(folder)'s, made in a fresh folder when the launch
+    starts (files a run reads: a DeepSpeed config, a config.json). Jobs sharing a launch must leave the
+    processes as they found them (an engine's global state torn down), as one engine after another in
+    harness.testing.spawn's processes already must."""
+    s = _add(pool, world, fn, args, every_rank, timeout_s, threads, prepare)
     if keys is None:
         return _fixture([s], s.result)
     return _fixture([s], lambda: dict(zip(keys, s.result(), strict=True)))
