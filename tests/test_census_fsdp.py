@@ -97,7 +97,7 @@ def _run_all(ctx, runs: list[dict]) -> list[dict]:
     return out
 
 
-ranks = shared_launch("fsdp", 2, _run_all, RUNS, every_rank=True)  # every run's results on both ranks
+ranks = shared_launch("torch", 2, _run_all, RUNS, every_rank=True)  # every run's results on both ranks
 
 
 @pytest.fixture(scope="module")

@@ -135,7 +135,7 @@ def _censuses(ctx, cases):
     return {"cases": out, "in_place": _in_place_collectives(ctx)}
 
 
-measured = shared_launch("own", D, _censuses, [c for c, _ in CASES], timeout_s=120, threads=1, every_rank=True)
+measured = shared_launch("torch", D, _censuses, [c for c, _ in CASES], timeout_s=120, threads=1, every_rank=True)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=["-".join(map(str, c)) for c, _ in CASES])

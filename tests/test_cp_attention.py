@@ -124,8 +124,8 @@ def _expected(impl, cp, seq, dtype, ckpt):
     return comm_dict(e)
 
 
-two = shared_launch("own", 2, _cases, CASES2, 16, timeout_s=120, every_rank=True)
-four = shared_launch("own", 4, _cases, CASES4, 32, timeout_s=120, every_rank=True)
+two = shared_launch("torch", 2, _cases, CASES2, 16, timeout_s=120, every_rank=True)
+four = shared_launch("torch", 4, _cases, CASES4, 32, timeout_s=120, every_rank=True)
 
 
 def _check(results, cases, index, cp, seq):

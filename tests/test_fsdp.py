@@ -24,7 +24,7 @@ LAYOUTS = [
 RUNS = [
     {"workload": dict(WORKLOAD), "layout": {"engine": "fsdp", "dp": 2, "micro_batch_size": 2, **lay}} for lay in LAYOUTS
 ]
-launched = shared_launch("fsdp", 2, run_losses, RUNS, STEPS, True)
+launched = shared_launch("torch", 2, run_losses, RUNS, STEPS, True)
 
 
 def test_fsdp2_matches_single_device_reference(launched):

@@ -46,7 +46,7 @@ def _run(case) -> dict:
     return {"workload": {**WORKLOAD, **workload}, "layout": {**LAYOUT, **layout}}
 
 
-results = shared_launch("fsdp", 2, train_with_router, [_run(c) for c in CASES.values()], STEPS, keys=CASES, threads=1)
+results = shared_launch("torch", 2, train_with_router, [_run(c) for c in CASES.values()], STEPS, keys=CASES, threads=1)
 
 
 @pytest.mark.slow

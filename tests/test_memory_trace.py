@@ -97,7 +97,7 @@ def _assert_traces_equal_real_runs(world: int, specs: list, labels: list[str], r
 
 
 TINY_SPECS = [_tiny_spec(layout) for layout in TINY_CASES]
-real_tiny = shared_launch("own", WORLD, _real, TINY_SPECS, threads=1, every_rank=True)
+real_tiny = shared_launch("torch", WORLD, _real, TINY_SPECS, threads=1, every_rank=True)
 
 
 @pytest.mark.slow
@@ -120,7 +120,7 @@ def _tiny_fsdp_spec(precision: str, layout: dict):
 
 
 FSDP_SPECS = [_tiny_fsdp_spec(*case) for case in FSDP_CASES]
-real_fsdp = shared_launch("fsdp", FSDP_WORLD, _real, FSDP_SPECS, threads=1, every_rank=True)
+real_fsdp = shared_launch("torch", FSDP_WORLD, _real, FSDP_SPECS, threads=1, every_rank=True)
 
 
 @pytest.mark.slow

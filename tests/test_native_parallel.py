@@ -51,9 +51,9 @@ TWO = [
 FOUR = [_run({"dp": 2, "tp": 2}), _run({"pp": 2, "dp": 2})]
 EIGHT_STEPS = 2  # 8 processes on a small CPU machine: the one 3-D case, few steps
 EIGHT = [_run({"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True})]
-two = shared_launch("fsdp", 2, run_losses, TWO, STEPS, True)
-four = shared_launch("fsdp", 4, run_losses, FOUR, STEPS, True)
-eight = shared_launch("fsdp", 8, run_losses, EIGHT, EIGHT_STEPS, True)
+two = shared_launch("torch", 2, run_losses, TWO, STEPS, True)
+four = shared_launch("torch", 4, run_losses, FOUR, STEPS, True)
+eight = shared_launch("torch", 8, run_losses, EIGHT, EIGHT_STEPS, True)
 
 
 @pytest.mark.slow

@@ -454,7 +454,7 @@ OWN_CASES = [
 ]
 
 
-own_runs = shared_launch("own", 2, _run_cases, OWN_CASES, timeout_s=600, threads=1)
+own_runs = shared_launch("torch", 2, _run_cases, OWN_CASES, timeout_s=600, threads=1)
 
 
 def _close(a: float, b: float) -> bool:

@@ -97,4 +97,4 @@ def shared(by_world: dict[int, list[dict]], steps: int = 5, timeout_s: float = 3
     """A module fixture: get(world) -> launch(by_world[world], world, steps)'s per-rank results, each world's
     cases in the session's one own-engine launch at that world size (harness.testing.launches)."""
     args = {world: (cases, steps) for world, cases in by_world.items()}
-    return shared_launches("own", args, run_cases, every_rank=True, timeout_s=timeout_s, threads=1)
+    return shared_launches("torch", args, run_cases, every_rank=True, timeout_s=timeout_s, threads=1)

@@ -5,9 +5,10 @@ the first test that asks for any job of a pool at a world size starts one launch
 spawn_jobs) that runs every job of that pool and world the session's selected tests need, each module's
 in turn, so process start-up, group creation and an engine's import (DeepSpeed's, Megatron's: seconds a
 rank) are paid once. A job's failure fails its own tests only (its exception again for each): the launch's
-later jobs run in a fresh one. Pools are named after the engine; DeepSpeed's tensor and pipeline parallel
-jobs have a pool of their own ("deepspeed-mp"): DeepSpeed keeps their groups process-wide, and a
-data-parallel engine built after them fails in its initialize. tests/conftest.py marks, after collection,
+later jobs run in a fresh one. The pools: "torch" (the own engine and FSDP2, built on torch.distributed
+alone), "megatron", "deepspeed", and "deepspeed-mp" for DeepSpeed's tensor and pipeline parallel jobs:
+DeepSpeed keeps their groups process-wide, and a data-parallel engine built after them fails in its
+initialize. tests/conftest.py marks, after collection,
 the jobs a selected test uses (`select`), so `-k` or one file runs only what it needs.
 """
 
