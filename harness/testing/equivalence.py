@@ -95,6 +95,6 @@ def launch(cases: list[dict], world: int, steps: int = 5, timeout_s: float = 300
 
 def shared(by_world: dict[int, list[dict]], steps: int = 5, timeout_s: float = 300):
     """A module fixture: get(world) -> launch(by_world[world], world, steps)'s per-rank results, each world's
-    cases in the session's one own-engine launch at that world size (harness.testing.launches)."""
+    cases in the session's "torch" launch at that world size (harness.testing.launches)."""
     args = {world: (cases, steps) for world, cases in by_world.items()}
     return shared_launches("torch", args, run_cases, every_rank=True, timeout_s=timeout_s, threads=1)
