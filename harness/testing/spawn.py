@@ -35,6 +35,9 @@ def _worker(rank, world, port, threads, q, jobs):
         OMP_NUM_THREADS=str(threads),
     )
     from harness import runtime
+    from harness.launch.build_lock import use_environment_dir
+
+    use_environment_dir()  # as `harness train` does: DeepSpeed's CPU op built once for the environment's runs
 
     ctx = runtime.init("cpu")
     try:
