@@ -24,6 +24,7 @@ from harness.model.flops import flops_per_token
 from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
 from harness.model.moe import router_record
 from harness.model.presets import active_param_count, param_count
+from harness.model.training import precision_policy
 from harness.parallel_dims import ParallelDims
 from harness.profiling import record as profile_record
 from harness.profiling import trace as profile_trace
@@ -155,7 +156,8 @@ class Trainer:
         self.routed, self.router, self.active = shape.moe, [], active_param_count(shape)
         self.profile: dict | None = None
         self.memory_before_profile: tuple | None = None
-        self.clocks = MeasuredSteps(self.dims, ctx.rank, self.engine, ctx.device.type)  # the measured steps' breakdown
+        # the measured steps' breakdown
+        self.clocks = MeasuredSteps(self.dims, ctx.rank, self.engine.process_groups(), ctx.device.type)
 
     def _train_step(self, step: int, batch) -> float:
         """The engine's step and its loss's value; the first one also counts the activations
@@ -214,9 +216,8 @@ class Trainer:
 
         def one(i: int) -> None:
             self.engine.train_step(self.data.global_batch_at(self.total + i))
-            counted = (self.engine.last_step_details() or {}).get("breakdown_s") or {}
-            if "compute" in counted:  # an engine that times its own communication (the own engine)
-                instrumented.append(counted)
+            if self.engine.times_own_communication:  # its counters over the same steps (the own engine)
+                instrumented.append(self.engine.last_step_details()["breakdown_s"])
 
         try:
             trace = profile_trace.record(one, steps, self.dims, self.ctx.rank, self.ctx.device, self.clocks.axis_of)
@@ -246,7 +247,7 @@ class Trainer:
         mem_all = gather.max_across_ranks([float(mem)], ctx)[0]
         stats = measure.summarize(times)
         tokens_per_s = self.tokens_per_step / stats["median"]
-        dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
+        dtype = precision_policy(w).peak_matmul_dtype  # fp8: bf16, the dtype its parameters compute in
         measured_peak = measure.measure_matmul_tflops(ctx.device, dtype) if measure_matmul else None
         fpt = self.fpt
         metrics = {
@@ -282,7 +283,8 @@ class Trainer:
         profiled, traces = profile_record.profile_metrics(self.profile, ctx, trace_dir, trace_name)
         metrics.update(profiled)
         metrics.update(profile_record.measured_metrics(self.clocks.counted, times, self.clocks.calls, ctx))
-        if "breakdown_ms" not in metrics and "compute" in (metrics.get("breakdown_s") or {}):  # profiling off
+        # no profiler breakdown (profiling off, or its trace unreadable): the engine's own counters, where it keeps them
+        if "breakdown_ms" not in profiled and self.engine.times_own_communication:
             metrics.update(
                 breakdown_ms=profile_record.from_instrumented(metrics["breakdown_s"], self.dims.pp),
                 breakdown_ms_by_rank=[profile_record.from_instrumented(r) for r in metrics["breakdown_s_by_rank"]],

@@ -273,7 +273,7 @@ def test_no_clocks_on_a_gpu_where_a_collective_does_not_block_the_thread():
     from harness.parallel_dims import ParallelDims
     from harness.profiling.counters import MeasuredSteps
 
-    gpu, cpu = (MeasuredSteps(ParallelDims(dp=2), 0, object(), kind) for kind in ("cuda", "cpu"))
+    gpu, cpu = (MeasuredSteps(ParallelDims(dp=2), 0, {}, kind) for kind in ("cuda", "cpu"))
     assert isinstance(gpu.clock(True), contextlib.nullcontext) and cpu.clock(True) is cpu.counters
     gpu.add(0.1)
     assert gpu.counted == []

@@ -56,7 +56,8 @@ def comparison_matmul_peak(workload: dict, threads: int) -> dict | None:
 
     from harness.measure import measure_matmul_tflops
 
-    dtype = "bfloat16" if workload.get("precision") in ("bf16", "fp8") else "float32"
+    policy = precision_policy(parse_spec({"workload": workload}).workload)  # the workload checked, as compare/spec's
+    dtype = str(policy.peak_matmul_dtype).removeprefix("torch.")
     device = workload.get("device") or "cpu"
     if device == "cpu":
         before = torch.get_num_threads()

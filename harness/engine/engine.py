@@ -80,6 +80,7 @@ def _ranks_per_node(ctx) -> int:
 
 class Engine3D:
     name = "own"
+    times_own_communication = True  # its breakdown_s: compute apart from tp/cp/ep/dp communication and the bubble
 
     def __init__(self, spec, shape, ctx, *, options: BuildOptions | None = None):
         w, lay = spec.workload, spec.layout
@@ -300,6 +301,9 @@ class Engine3D:
 
     def activation_exclusions(self) -> list:
         return list(self.params)
+
+    def process_groups(self) -> dict:
+        return {}  # every group of the Mesh names its axis (group_desc)
 
     def describe(self) -> dict:
         lay = self.spec.layout

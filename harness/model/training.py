@@ -64,6 +64,13 @@ class PrecisionPolicy:
             f"{dtype_name(self.grad_reduce)}{fp8}"
         )
 
+    @property
+    def peak_matmul_dtype(self) -> torch.dtype:
+        """The dtype of the square matmul whose measured peak a run's MFU is also given against: the one its
+        parameters compute in, bf16 under fp8 too (as the datasheet's dense bf16 peak: what FP8 GEMMs gain
+        shows as a higher MFU, not as a higher peak)."""
+        return self.compute
+
     def convert_fp8(self, module, device_type: str, fsdp_all_gather: bool = False):
         """`module` with its linears converted to FP8 training under this policy (a no-op without FP8)."""
         if not self.fp8:

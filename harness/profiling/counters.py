@@ -140,10 +140,12 @@ class MeasuredSteps:
     On CPU only: there a collective blocks the thread that issued it (gloo), so the clocks see the
     waits; on a GPU a collective returns once its kernel is queued, the wait happens on the device,
     and the clocks would call it compute. There the report takes the profiled steps' kernel
-    timeline (analysis.cuda_breakdown) and sets its sum against the measured median."""
+    timeline (analysis.cuda_breakdown) and sets its sum against the measured median.
 
-    def __init__(self, dims, rank: int, engine, device_type: str = "cpu"):
-        groups = getattr(engine, "process_groups", dict)()  # the groups whose ranks alone do not name them
+    `groups`: the engine's declared groups (TrainingEngine.process_groups), those whose ranks alone
+    do not name their axis."""
+
+    def __init__(self, dims, rank: int, groups: dict, device_type: str = "cpu"):
         self.axis_of = AxisOf(dims, rank, groups)
         self.enabled = device_type == "cpu"
         self.counters = Counters(self.axis_of, dims.pp)

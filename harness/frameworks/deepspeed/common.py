@@ -125,6 +125,7 @@ class DeepSpeedBase:
     """The config and process setup of one DeepSpeed run (dp = world / (tp x cp x pp))."""
 
     name = "deepspeed"
+    times_own_communication = False  # no breakdown at all (last_step_details)
 
     def __init__(self, spec, shape, ctx):
         lay = spec.layout

@@ -81,6 +81,7 @@ ROTATE = {"allgather": "allgather", "ring": "alltoall"}  # layout.cp_impl -> tor
 
 class FSDPEngine:
     name = "fsdp"
+    times_own_communication = False  # breakdown_s: whole phases (forward_backward, optimizer, total)
 
     def __init__(self, spec, shape, ctx, *, options: BuildOptions | None = None):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -300,6 +301,9 @@ class FSDPEngine:
         (none between steps: the gathered ones of a step are kept from the counting by
         _gathered_parameters_are_not_activations)."""
         return list(self.params) + [t for fp in self._fsdp_params() for t in fp.all_gather_outputs]
+
+    def process_groups(self) -> dict:
+        return {}  # none: its DeviceMesh's groups are ParallelDims axes' groups, named by their ranks (AxisOf)
 
     @contextlib.contextmanager
     def _gathered_parameters_are_not_activations(self):

@@ -55,6 +55,7 @@ VERSION = importlib.metadata.version("megatron-core")
 
 class MegatronEngine:
     name = "megatron"
+    times_own_communication = False  # breakdown_s: whole phases (forward_backward, optimizer, total)
 
     def __init__(self, spec, shape, ctx):
         if ctx.backend is None:
@@ -289,6 +290,9 @@ class MegatronEngine:
 
     def activation_exclusions(self) -> list:
         return self._model_params() + [b.param_data for b in self._buffers() if b.param_data is not None]
+
+    def process_groups(self) -> dict:
+        return {}  # none: parallel_state's groups name themselves (group_desc, profiling.annotate.GROUP_DESC)
 
     # ---------------------------------------------------------------- reporting
 
