@@ -178,7 +178,7 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
 
     from harness.data.source import dp_slice, token_source
     from harness.frameworks import build_engine
-    from harness.measure import summarize
+    from harness.measure.stats import summarize
     from harness.runtime import RunContext
     from harness.spec import parse_spec
 

@@ -15,10 +15,17 @@ import time
 
 import torch
 
-from harness import gather, measure, profiling, registry
+from harness import gather, profiling, registry
 from harness.data.source import token_source
 from harness.errors import NonFiniteStep, SpecError
 from harness.frameworks import build_engine
+from harness.measure.census import SavedActivations
+from harness.measure.fingerprint import fingerprint
+from harness.measure.memory import peak_memory, reset_peak_memory
+from harness.measure.mfu import datasheet_peak_tflops, measure_matmul_tflops, mfu_table
+from harness.measure.stats import summarize
+from harness.measure.stream import MetricsStream
+from harness.measure.timers import StepTimer
 from harness.model.compiled import CompileWatch
 from harness.model.flops import flops_per_token
 from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
@@ -143,13 +150,11 @@ class Trainer:
         device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
         self.peak, self.peak_source = peak_tflops, "override" if peak_tflops else None
         if self.peak is None and ctx.device.type == "cuda":
-            self.peak = measure.datasheet_peak_tflops(device_name)
+            self.peak = datasheet_peak_tflops(device_name)
             self.peak_source = f"datasheet dense bf16 ({device_name})" if self.peak else None
         self.bar = Progress(progress and ctx.is_main, self.total)
         # rank 0's per-step metrics to TensorBoard (`--tensorboard DIR`), written as the run goes
-        self.stream = (
-            measure.MetricsStream(tensorboard_dir, layout_label(lay)) if tensorboard_dir and ctx.is_main else None
-        )
+        self.stream = MetricsStream(tensorboard_dir, layout_label(lay)) if tensorboard_dir and ctx.is_main else None
         self.losses, self.times, self.details = [], [], []  # every step's loss; the measured steps' times, details
         self.parameter_count, self.micro = param_count(shape), micro_batches_per_step(spec)
         self.activations_saved_bytes: int | None = None
@@ -164,7 +169,7 @@ class Trainer:
         saved for backward."""
         if step:
             return float(self.engine.train_step(batch))
-        with measure.SavedActivations(self.engine.activation_exclusions()) as saved:
+        with SavedActivations(self.engine.activation_exclusions()) as saved:
             loss = self.engine.train_step(batch)
         self.activations_saved_bytes = saved.bytes // self.micro  # per micro-batch
         return float(loss)
@@ -173,11 +178,11 @@ class Trainer:
         w = self.spec.workload
         batch = self.data.global_batch_at(step)
         if step == w.warmup_steps:
-            measure.reset_peak_memory(self.ctx.device)
+            reset_peak_memory(self.ctx.device)
             self.compiled.arm()
         poisoned = _fault(step, self.ctx.rank)
         cause = None
-        with self.clocks.clock(step >= w.warmup_steps), measure.StepTimer(self.ctx.device) as timer:
+        with self.clocks.clock(step >= w.warmup_steps), StepTimer(self.ctx.device) as timer:
             try:
                 loss = self._train_step(step, batch)
             except NonFiniteStep as e:  # the framework refused the update (every rank sees the same global norm):
@@ -210,7 +215,7 @@ class Trainer:
         same steps are kept beside the trace's breakdown, as its reference."""
         if steps <= 0:
             return
-        self.memory_before_profile = measure.peak_memory(self.ctx.device)  # the profiler's buffers are not the run's
+        self.memory_before_profile = peak_memory(self.ctx.device)  # the profiler's buffers are not the run's
         started = time.perf_counter()
         instrumented: list[dict] = []
 
@@ -243,12 +248,12 @@ class Trainer:
         self.bar.close()
         ctx, w, lay = self.ctx, self.spec.workload, self.spec.layout
         times = gather.max_across_ranks(self.times, ctx)  # a step lasts until its slowest rank finishes
-        mem, mem_kind = self.memory_before_profile or measure.peak_memory(ctx.device)
+        mem, mem_kind = self.memory_before_profile or peak_memory(ctx.device)
         mem_all = gather.max_across_ranks([float(mem)], ctx)[0]
-        stats = measure.summarize(times)
+        stats = summarize(times)
         tokens_per_s = self.tokens_per_step / stats["median"]
         dtype = precision_policy(w).peak_matmul_dtype  # fp8: bf16, the dtype its parameters compute in
-        measured_peak = measure.measure_matmul_tflops(ctx.device, dtype) if measure_matmul else None
+        measured_peak = measure_matmul_tflops(ctx.device, dtype) if measure_matmul else None
         fpt = self.fpt
         metrics = {
             "step_time_s": stats,
@@ -261,9 +266,9 @@ class Trainer:
             "achieved_tflops_per_device": {k: v * tokens_per_s / ctx.world_size / 1e12 for k, v in fpt.items()},
             "peak_tflops": self.peak,
             "peak_tflops_source": self.peak_source,
-            "mfu": measure.mfu_table(fpt, tokens_per_s, ctx.world_size, self.peak),
+            "mfu": mfu_table(fpt, tokens_per_s, ctx.world_size, self.peak),
             "measured_matmul_tflops": measured_peak,
-            "mfu_vs_measured_matmul": measure.mfu_table(fpt, tokens_per_s, ctx.world_size, measured_peak),
+            "mfu_vs_measured_matmul": mfu_table(fpt, tokens_per_s, ctx.world_size, measured_peak),
             "peak_memory_bytes": int(mem_all),
             "memory_kind": mem_kind,
             "rmsnorm_backend": rmsnorm_backend_name(lay.rmsnorm, ctx.device.type),
@@ -340,7 +345,7 @@ def _summarize_details(details: list[dict]) -> dict:
     out: dict = {}
     rows = [d["breakdown_s"] for d in details if d and d.get("breakdown_s")]
     if rows:
-        out["breakdown_s"] = {k: measure.summarize([r[k] for r in rows])["median"] for k in rows[0]}
+        out["breakdown_s"] = {k: summarize([r[k] for r in rows])["median"] for k in rows[0]}
     last = details[-1] if details else {}
     for key in ("comm", "pipeline_timeline"):
         if last and last.get(key) is not None:
@@ -373,7 +378,7 @@ def run(
     if run_id:
         record["run_id"] = run_id
     store = ResultsStore(store_path or spec.store)
-    record["fingerprint"] = measure.fingerprint(ctx.device, ctx.world_size, gather.hosts(ctx))
+    record["fingerprint"] = fingerprint(ctx.device, ctx.world_size, gather.hosts(ctx))
     tb_dir = None
     if tensorboard_dir:
         tb_dir = record["tensorboard_dir"] = tensorboard_run_dir(tensorboard_dir, spec, record["run_id"], sweep)

@@ -54,7 +54,7 @@ def comparison_matmul_peak(workload: dict, threads: int) -> dict | None:
     devices); None where the microbenchmark could not run (the column is then left out)."""
     import torch
 
-    from harness.measure import measure_matmul_tflops
+    from harness.measure.mfu import measure_matmul_tflops
 
     policy = precision_policy(parse_spec({"workload": workload}).workload)  # the workload checked, as compare/spec's
     dtype = str(policy.peak_matmul_dtype).removeprefix("torch.")
@@ -70,7 +70,7 @@ def comparison_matmul_peak(workload: dict, threads: int) -> dict | None:
         import subprocess
 
         code = (
-            "import torch; from harness.measure import measure_matmul_tflops; "
+            "import torch; from harness.measure.mfu import measure_matmul_tflops; "
             f"print(measure_matmul_tflops(torch.device({device!r}), torch.{dtype}))"
         )
         try:

@@ -47,7 +47,7 @@ from harness.engine.pipeline import PipelineExecutor
 from harness.engine.schedules import Placement, all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map
-from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.measure.census import CensusAtStep, optimizer_state_tensors
 from harness.model.compiled import compile_blocks
 from harness.model.llama import cp_token_index, reference_tensor, shape_rotary
 from harness.model.moe import set_router_losses, take_router_stats

@@ -40,7 +40,7 @@ class TrainingEngine(typing.Protocol):
 
     def memory_census(self) -> dict | None:
         """Bytes per category (parameters, gradients, master_parameters, optimizer_states) and dtype this
-        rank held at its first optimizer step (harness.measure.CensusAtStep); None: not measured."""
+        rank held at its first optimizer step (harness.measure.census.CensusAtStep); None: not measured."""
 
     def activation_exclusions(self) -> list:
         """Tensors autograd may save that are not activations (the parameters, gathered copies of them)."""

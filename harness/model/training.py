@@ -229,7 +229,7 @@ class MasterWeights:
                 g.zero_()
 
     def census_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this bookkeeping holds, by memory-census category (harness.measure.tensor_census)."""
+        """What this bookkeeping holds, by memory-census category (harness.measure.census.tensor_census)."""
         grads = self.main_grads if self.main_grads is not None else [p.grad for p in self.params]
         if self.mixed:  # at the step the masters' gradients exist too (shared with fp32 main gradients)
             grads = list(grads) + [m.grad for m in self.masters]

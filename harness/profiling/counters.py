@@ -13,7 +13,7 @@ Per step and rank, in ms, summing to the rank's own step:
 - exposed communication per axis: blocked in a synchronous collective or a wait on that axis
   (posting an asynchronous tp/dp collective is host work, as in the trace analysis);
 - bubble where pp > 1, else wait ("waiting for other ranks"): blocked on pp or on the world-wide
-  reductions, the harness's own loss reduction (measure.harness_sync) included;
+  reductions, the harness's own loss reduction (measure.ranges.harness_sync) included;
 - optimizer: inside torch optimizers' step(), less what it was blocked on a collective;
 - compute: the rest (forward, backward, gradient clipping, host work between ops).
 """
@@ -24,7 +24,7 @@ import contextlib
 import time
 from collections import defaultdict
 
-from harness.measure import in_harness_sync
+from harness.measure.ranges import in_harness_sync
 from harness.profiling.analysis import AXES, BUBBLE_AXES, HARNESS, OPTIONAL, waiting_key
 from harness.profiling.annotate import Annotations, AxisOf
 

@@ -30,7 +30,7 @@ import torch
 from harness.data.source import dp_slice, micro_batches
 from harness.errors import NonFiniteStep
 from harness.frameworks.deepspeed.config import build_config
-from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.measure.census import CensusAtStep, optimizer_state_tensors
 from harness.model.training import precision_policy
 from harness.parallel_dims import ParallelDims
 

@@ -64,9 +64,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from harness import measure
 from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
+from harness.measure.census import CensusAtStep, local_tensor, optimizer_state_tensors
+from harness.measure.ranges import harness_sync
+from harness.measure.timers import StepTimer
 from harness.model import float8
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.moe import moe_layers, set_router_losses, take_router_stats
@@ -145,7 +147,7 @@ class FSDPEngine:
         self._precompute_fp8_scales()
         self.params = [p for part in self.parts for p in part.parameters()]
         self.optimizer = options.make_optimizer(self.params, w, fused=ctx.device.type == "cuda")
-        self.census = measure.CensusAtStep(self.optimizer, self._census_tensors)
+        self.census = CensusAtStep(self.optimizer, self._census_tensors)
         self._details: dict = {}
 
     def _parallelize(self, part) -> None:
@@ -180,9 +182,9 @@ class FSDPEngine:
 
     def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
         w, lay = self.spec.workload, self.spec.layout
-        with measure.StepTimer(self.device) as step:
+        with StepTimer(self.device) as step:
             local = dp_slice(global_batch, self.coord.dp, lay.dp).to(self.device, non_blocking=True)
-            with measure.StepTimer(self.device) as fb, self._gathered_parameters_are_not_activations():
+            with StepTimer(self.device) as fb, self._gathered_parameters_are_not_activations():
                 if self.pipeline is not None:
                     total = self.pipeline.step(local[:, :-1], local[:, 1:])
                 else:
@@ -202,7 +204,7 @@ class FSDPEngine:
                             loss.backward()
                         total += loss.detach().float()
             self.hooks.optimizer("optimizer step (gradient clipping, AdamW)")
-            with measure.StepTimer(self.device) as opt:
+            with StepTimer(self.device) as opt:
                 if w.grad_clip > 0:
                     self._clip_grad_norm(w.grad_clip)
                 self.optimizer.step()
@@ -211,7 +213,7 @@ class FSDPEngine:
             # each dp group's mean loss, counted once (by its tp rank 0 on the last pipeline stage)
             if not (self.is_last_stage and self.coord.tp == 0):
                 total = torch.zeros((), device=self.device, dtype=torch.float32)
-            with measure.harness_sync():  # the harness's loss for the parity check, not the engine's
+            with harness_sync():  # the harness's loss for the parity check, not the engine's
                 dist.all_reduce(total, op=dist.ReduceOp.SUM)
             loss = total / self.dims.replicas()  # the cp ranks of a sequence hold equal token counts
         self._details = {
@@ -289,7 +291,7 @@ class FSDPEngine:
         return {
             "parameters": list(self.params) + gathered,
             "gradients": [p.grad for p in self.params] + unsharded_grads,
-            "optimizer_states": measure.optimizer_state_tensors(self.optimizer),
+            "optimizer_states": optimizer_state_tensors(self.optimizer),
             "fp8": [t for part in self.parts for t in float8.fsdp_scale_tensors(part)] if self.policy.fp8 else [],
         }
 
@@ -308,7 +310,7 @@ class FSDPEngine:
     @contextlib.contextmanager
     def _gathered_parameters_are_not_activations(self):
         """While an enclosing saved-tensor hook counts what autograd saves for backward
-        (measure.SavedActivations, on the first step), the gathered parameters that autograd saves
+        (measure.census.SavedActivations, on the first step), the gathered parameters that autograd saves
         bypass it. They cannot be named up front (activation_exclusions): FSDP2 allocates each
         gathered parameter anew at every all-gather and frees it on reshard (_fsdp_param.py:
         alloc_storage / free_storage resize one storage object in place), so its address changes
@@ -323,7 +325,7 @@ class FSDPEngine:
         pending = self._fsdp_params()  # FSDP2 creates them at each group's first all-gather
 
         def is_gathered(t: torch.Tensor) -> bool:
-            key = measure.local_tensor(t).untyped_storage()._cdata
+            key = local_tensor(t).untyped_storage()._cdata
             if key not in gathered and pending:
                 gathered.update(o.untyped_storage()._cdata for fp in pending for o in fp.all_gather_outputs)
                 pending[:] = [fp for fp in pending if not fp.all_gather_outputs]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from harness.data.source import micro_batches
-from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.measure.census import CensusAtStep, optimizer_state_tensors
 from harness.model.compiled import compile_blocks
 from harness.model.llama import build_model, lm_loss
 from harness.model.moe import set_router_losses, take_router_stats
