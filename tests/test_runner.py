@@ -124,6 +124,17 @@ def test_every_engine_declares_what_the_runner_asks_of_it():
     assert [cls for cls in engines if cls.times_own_communication] == [Engine3D]
 
 
+def test_the_measured_matmul_peak_is_in_the_dtype_the_policy_computes_in():
+    """fp8 runs' linears compute from bf16 parameters: their reference peak is bf16's (as the datasheet's)."""
+    from harness.model.training import precision_policy
+
+    dtypes = {
+        p: precision_policy(parse_spec({"workload": {"precision": p}}).workload).peak_matmul_dtype
+        for p in ("fp32", "bf16", "fp8")
+    }
+    assert dtypes == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
 def _trainer_steps(ctx, layouts):
     from harness.run import Trainer
 
