@@ -137,7 +137,7 @@ def _bench(ctx, a: dict) -> dict:
 
     from harness.data.source import token_source
     from harness.frameworks import build_engine
-    from harness.measure import summarize
+    from harness.measure.stats import summarize
     from harness.runtime import RunContext
 
     specs = {f"cp2 {impl}": _spec(a, cp=2, cp_impl=impl) for impl in a["impls"]}

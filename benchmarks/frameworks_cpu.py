@@ -178,7 +178,7 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
 
     from harness.data.source import dp_slice, token_source
     from harness.frameworks import build_engine
-    from harness.measure import summarize
+    from harness.measure.stats import summarize
     from harness.runtime import RunContext
     from harness.spec import parse_spec
 
@@ -227,7 +227,7 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
             if step >= a["warmup"]:
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
-                b = getattr(engine, "last_step_details", lambda: {})().get("breakdown_s")
+                b = engine.last_step_details().get("breakdown_s")
                 if b:
                     breakdowns[name].append(b)
     out = {"_shim": _shim_cost(engines["megatron"], batch) if "megatron" in engines else {}}

@@ -73,7 +73,7 @@ def _bench(ctx, args) -> dict:
             t0 = time.perf_counter()
             eng.train_step(sources[i].global_batch_at(step))
             dt = time.perf_counter() - t0
-            stats = eng.router_stats() if hasattr(eng, "router_stats") else {}
+            stats = eng.router_stats()
             if step < args.warmup:
                 continue
             out[i]["step_s"].append(dt)

@@ -371,7 +371,7 @@ def test_missing_tensorboard_is_one_line_and_exit_2_before_launch(
 def test_compare_hands_the_folder_to_every_run(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     import harness.compare.orchestrate as orchestrate
-    from harness.measure import TENSORBOARD_ENV
+    from harness.measure.stream import TENSORBOARD_ENV
 
     seen = {}
 

@@ -89,7 +89,7 @@ def main(args) -> int:
     check_output_path(args.out, "--out", directory=True)
     tensorboard = tensorboard_dir(args)  # checked before anything launches
     if tensorboard:  # every run this command launches inherits it (harness train reads it)
-        from harness.measure import TENSORBOARD_ENV
+        from harness.measure.stream import TENSORBOARD_ENV
 
         os.environ[TENSORBOARD_ENV] = tensorboard
     if args.logs:

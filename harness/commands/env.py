@@ -19,7 +19,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from harness.measure import fingerprint
+    from harness.measure.fingerprint import fingerprint
     from harness.runtime import choose_device
 
     print(json.dumps(fingerprint(choose_device(args.device, 0)), indent=2))

@@ -47,7 +47,7 @@ from harness.engine.pipeline import PipelineExecutor
 from harness.engine.schedules import Placement, all_programs
 from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map
-from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.measure.census import CensusAtStep, optimizer_state_tensors
 from harness.model.compiled import compile_blocks
 from harness.model.llama import cp_token_index, reference_tensor, shape_rotary
 from harness.model.moe import set_router_losses, take_router_stats
@@ -80,6 +80,7 @@ def _ranks_per_node(ctx) -> int:
 
 class Engine3D:
     name = "own"
+    times_own_communication = True  # its breakdown_s: compute apart from tp/cp/ep/dp communication and the bubble
 
     def __init__(self, spec, shape, ctx, *, options: BuildOptions | None = None):
         w, lay = spec.workload, spec.layout
@@ -300,6 +301,9 @@ class Engine3D:
 
     def activation_exclusions(self) -> list:
         return list(self.params)
+
+    def process_groups(self) -> dict:
+        return {}  # every group of the Mesh names its axis (group_desc)
 
     def describe(self) -> dict:
         lay = self.spec.layout

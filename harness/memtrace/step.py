@@ -2,10 +2,10 @@
 counters beside the live one (live.py) and what they add up to (RankTrace). The per-engine tracers
 (own.py, fsdp.py) build their engine and run its step through these.
 
-  census        the engine's own census tensors (harness.measure.CensusAtStep's list) at the
+  census        the engine's own census tensors (harness.measure.census.CensusAtStep's list) at the
                 first optimizer step, by category and dtype, each storage once
   saved         bytes autograd saves for backward (saved-tensor hooks), parameters excluded,
-                as harness.measure.SavedActivations counts them, and those of one forward
+                as harness.measure.census.SavedActivations counts them, and those of one forward
 
 The traced step is a steady-state one: AdamW's states are created before it
 (create_optimizer_states), as the previous step would have left them.
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.measure import storage_identity, tensor_census
+from harness.measure.census import storage_identity, tensor_census
 from harness.memtrace.live import LiveTensors
 from harness.memtrace.standins import traced_attention
 from harness.model.training import StepHooks

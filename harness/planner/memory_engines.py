@@ -55,7 +55,7 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
     """Bytes per category and dtype of the model states one rank of `engine` holds at the optimizer
     step, for `params` parameters on the rank, under the workload's precision policy (`policy`:
     states_bytes' grad_accum, grad_reduce, reduce_bucket_elements): the same categories as a run's
-    measured memory census (harness.measure.tensor_census), so a prediction and a census compare term
+    measured memory census (harness.measure.census.tensor_census), so a prediction and a census compare term
     by term (tests/test_planner_census.py). Adam's step counters and alignment padding are left out
     (under 1%). The closed form is the engine's MemoryModel.states."""
     return states_bytes(params, memory_model(engine).states, zero_stage, precision, dp, **policy)

@@ -106,7 +106,7 @@ def run_columns(rows: list[Row] = ()) -> list[Column]:
 def rate_ci(value, step_median, step_ci) -> tuple[float, float] | None:
     """The 95% CI of a rate taken at the median step time (MFU, tokens/s: a constant divided by
     the median step), from the CI of that median: the interval maps through 1/x, its ends
-    swapped. One definition of the interval everywhere: measure.median_ci95, in the record as
+    swapped. One definition of the interval everywhere: measure.stats.median_ci95, in the record as
     step_time_s.ci95_low/high."""
     if value is None or not step_median or not step_ci or None in step_ci or min(step_ci) <= 0:
         return None

@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness import measure
 from harness.frameworks import gather_on_rank0
 from harness.frameworks.deepspeed.common import DeepSpeedBase, configure_checkpointing, fp32_copy
+from harness.measure.ranges import harness_sync
 
 CHECKPOINTING = {
     "none": "none",
@@ -190,7 +190,7 @@ class DeepSpeedEngine(DeepSpeedBase):
         total *= self.loss_divisor / len(micro)  # the mean over this rank's tokens
         # every rank of a tp group holds the same loss, the cp ranks of a sequence equal token
         # counts: the mean over all ranks is the mean over dp
-        with measure.harness_sync():  # the harness's loss for the parity check, not the engine's
+        with harness_sync():  # the harness's loss for the parity check, not the engine's
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total / self.ctx.world_size
 
