@@ -24,8 +24,9 @@ from harness.engine.comm import Axis
 from harness.engine.experts import ExpertParallelMoE, held_experts
 from harness.engine.partition import ChunkPlan, ParamSpec, shard_of, stage_params
 from harness.engine.tensor_parallel import Region, vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_range
+from harness.model.feed_forward import FeedForward
 from harness.model.kernels import Kernels, rmsnorm_torch
-from harness.model.llama import FeedForward, RMSNorm, apply_rotary, attend, normed, qk_norms, tie_embeddings
+from harness.model.llama import RMSNorm, apply_rotary, attend, normed, qk_norms, tie_embeddings
 from harness.model.presets import Shape
 
 
