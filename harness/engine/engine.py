@@ -53,7 +53,7 @@ from harness.model.llama import cp_token_index, reference_tensor, shape_rotary
 from harness.model.moe import set_router_losses, take_router_stats
 from harness.model.training import BuildOptions, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
-from harness.spec import V_SCHEDULES, micro_batches_per_step, model_chunks
+from harness.spec import micro_batches_per_step, model_chunks
 
 # Which breakdown category each axis's blocking wait is charged to.
 TIME_KEYS = {
@@ -101,8 +101,9 @@ class Engine3D:
         self.region = Region(self.axes["tp"], sp)
         self.chunks_per_rank = model_chunks(lay.pipeline_schedule, lay.virtual_stages)
         self.micro = micro_batches_per_step(spec)
-        v_shape = lay.pipeline_schedule in V_SCHEDULES
-        plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len, v_shape)
+        schedule = lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b"
+        self.placement = Placement.of(schedule, lay.pp, self.chunks_per_rank)  # which stage each chunk holds
+        plans = rank_chunks(shape, self.placement, c.pp, w.seq_len)
         self.plans = plans
         self.chunks, self.param_specs = build_chunks(
             shape,
@@ -157,7 +158,6 @@ class Engine3D:
         if lay.compile != "none":
             opaque_to_compile()
         compile_blocks((block for ch in self.chunks for block in ch.layers.values()), lay.compile)
-        schedule = lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b"
         self.programs = all_programs(schedule, lay.pp, self.micro, self.chunks_per_rank)
         self.schedule = schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "none (no pipeline)"
         seq_cp = w.seq_len // lay.cp  # the tokens of each sequence this rank holds
@@ -174,7 +174,7 @@ class Engine3D:
             p2p_mode,
             self.hooks,
             options.batch_isend_irecv or dist.batch_isend_irecv,
-            Placement.of(schedule, lay.pp, self.chunks_per_rank),
+            self.placement,
         )
         cos, sin = shape_rotary(shape, w.seq_len, ctx.device, lay.cp, c.cp)  # this rank's positions
         self.cos, self.sin = cos, sin

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.engine.schedules import Placement
 from harness.model.presets import Shape
 
 
@@ -150,23 +151,20 @@ class ChunkPlan:
     last: bool
 
 
-def rank_chunks(shape: Shape, pp: int, chunks: int, pp_rank: int, seq_len: int, v: bool = False) -> list[ChunkPlan]:
-    """The model chunks of one pipeline rank: chunk c is global stage c * pp + pp_rank, or in a V (v, two
-    chunks) stages pp_rank and 2 pp - 1 - pp_rank."""
-    stages = pp * chunks
-    parts = balanced_partition(shape, stages, seq_len)
+def rank_chunks(shape: Shape, place: Placement, pp_rank: int, seq_len: int) -> list[ChunkPlan]:
+    """The model chunks of one pipeline rank: chunk c holds global stage place.stage(pp_rank, c) of a
+    balanced partition into every stage."""
+    parts = balanced_partition(shape, place.last + 1, seq_len)
     out = []
-    for c in range(chunks):
-        s = stages - 1 - pp_rank if v and c == 1 else c * pp + pp_rank
-        out.append(ChunkPlan(c, s, parts[s], s == 0, s == stages - 1))
+    for c in range(place.chunks):
+        s = place.stage(pp_rank, c)
+        out.append(ChunkPlan(c, s, parts[s], s == 0, s == place.last))
     return out
 
 
-def rank_params(
-    shape: Shape, tp: int, pp: int, chunks: int, pp_rank: int, seq_len: int, v: bool = False
-) -> list[ParamSpec]:
+def rank_params(shape: Shape, tp: int, place: Placement, pp_rank: int, seq_len: int) -> list[ParamSpec]:
     out = []
-    for plan in rank_chunks(shape, pp, chunks, pp_rank, seq_len, v):
+    for plan in rank_chunks(shape, place, pp_rank, seq_len):
         out += stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk)
     return out
 
