@@ -84,7 +84,6 @@ class Engine3D:
         self.clock = StepClock(ctx.device)
         self.stats = CommStats(self.clock)
         self.parallel = ParallelContext.of(self.mesh, self.stats, lay.sequence_parallel)
-        self.region = self.parallel.region
         self.chunks_per_rank = model_chunks(lay.pipeline_schedule, lay.virtual_stages)
         self.micro = micro_batches_per_step(spec)
         schedule = lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b"
@@ -120,7 +119,7 @@ class Engine3D:
                         params,
                         specs,
                         axis,
-                        self.region.sp,
+                        self.parallel.region.sp,
                         lay.zero_stage == 1,
                         lay.dp_bucket_mb,
                         ctx.device,
@@ -296,7 +295,7 @@ class Engine3D:
             "chunks_per_rank": self.chunks_per_rank,
             "p2p_mode": self.executor.mode,
             "micro_batches": self.micro,
-            "sequence_parallel": self.region.sp is not None,
+            "sequence_parallel": self.parallel.sp,
             "zero_stage": lay.zero_stage,
             "dp_buckets": [b.padded for b in self.model_states.buckets],
             "precision_policy": self.policy.describe(),
