@@ -24,9 +24,12 @@ import torch
 
 from harness.engine.comm import Axis, CommStats, StepClock
 from harness.engine.data_parallel import plan_buckets
-from harness.engine.experts import ExpertParallelMoE, even_counts, group_by_expert, held_experts, sort_by_expert, splits
-from harness.engine.partition import stage_params
+from harness.engine.experts import ExpertParallelMoE, group_by_expert, held_experts, sort_by_expert, splits
+from harness.engine.model import rank_params
+from harness.engine.parallel import ParallelContext
+from harness.engine.partition import ChunkPlan
 from harness.engine.topology import Mesh
+from harness.memtrace.standins import even_counts
 from harness.model.moe import MoEFeedForward, set_router_losses
 from harness.model.presets import resolve_shape
 from harness.parallel_dims import ParallelDims
@@ -82,7 +85,8 @@ def test_mesh_without_ep_uses_the_replica_group():
 
 
 def test_parameter_list_names_the_held_experts_and_buckets_the_router_apart():
-    specs = stage_params(MOE, 2, range(2), True, True, experts=range(4, 8))
+    dims = ParallelDims(tp=2, dp=2, ep=2)  # rank 2: tp index 0, ep index 1 (experts 4-7)
+    specs = rank_params(MOE, [ChunkPlan(0, 0, range(2), True, True)], ParallelContext.unconnected(dims, 2))
     names = [s.name for s in specs]
     assert "layers.1.feed_forward.router.weight" in names
     assert (
@@ -101,7 +105,7 @@ def test_parameter_list_names_the_held_experts_and_buckets_the_router_apart():
 def test_layer_without_ep_is_the_reference_layer():
     torch.manual_seed(0)
     ref = MoEFeedForward(MOE)
-    mine = ExpertParallelMoE(MOE, 1, None)
+    mine = ExpertParallelMoE(MOE, ParallelContext.unconnected(ParallelDims()))
     mine.load_state_dict(ref.state_dict())
     for m in (ref, mine):
         set_router_losses(m, 0.01, 0.001, 2)

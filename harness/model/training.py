@@ -155,6 +155,9 @@ class BuildOptions:
     make_optimizer: Callable = make_adamw  # (params, workload, fused=...) -> the optimizer
     kernels: Kernels | None = None  # attention and RMSNorm functions; None: those the layout names
     batch_isend_irecv: Callable | None = None  # own engine: posts a transfer group; None: torch.distributed's
+    # own engine: a MoE's routed slots per expert, (slots, experts) -> counts, in place of the data's (harness
+    # memory: even, as fake tensors have no data; no router statistics then); None: the data's
+    routing: Callable | None = None
     hooks: StepHooks = field(default_factory=StepHooks)
     # engine fsdp (the own engine allocates and loads its chunks in harness.engine.model.build_chunks):
     materialize: Callable | None = None  # (module, device): allocates a meta module; None: module.to_empty
