@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from harness.spec import DEVICES
+
 DESCRIPTION = """\
 Print, as JSON, the hardware and software fingerprint that every record of this machine
 carries (hosts, devices, CPU, driver and library versions)."""
@@ -15,7 +17,7 @@ examples:
 
 
 def add_arguments(p):
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default="auto", choices=DEVICES)
 
 
 def main(args) -> int:

@@ -21,6 +21,7 @@ import sys
 
 from harness import registry
 from harness.errors import SpecError
+from harness.spec import COMPILE
 
 DESCRIPTION = __doc__.split(":", 1)[1].strip()
 
@@ -80,7 +81,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--compile",
-        choices=("none", "blocks"),
+        choices=COMPILE,
         default="none",
         help="torch.compile of every layout (layout.compile): blocks fuses each block's elementwise work "
         "(norms as one kernel, fewer launches: harness/planner/features.py)",
