@@ -1,11 +1,13 @@
 """The parallel degrees: the one owner of their product, their order and the ranks they give.
 
 Every product or quotient of degrees (the world size, dp derived from a GPU count, the ranks a
-stage or a group holds) is computed here and nowhere else, so that a new axis of the mesh is one
-more entry in AXES and one more field, and a degree that splits other axes' ranks (ep) one more
-entry in SPLITS, one more field and the methods saying which ranks it groups: the spec's field, its
-check, the label and the planner follow (harness/spec/schema.py's Layout field and an engine's facts
-aside). The mesh is a row-major grid over AXES, the last axis innermost:
+stage or a group holds) is computed here and nowhere else. A new axis of the mesh is one more
+entry in AXES (its place in the mesh) and LABEL_ORDER (in labels) and one more field; a degree that
+splits other axes' ranks (ep) one more entry in SPLITS, one more field and the methods that say which
+ranks it groups. To be accepted, labelled and planned it is, elsewhere, its Layout field
+(harness/spec/schema.py) and the facts of the engines that run it: the labels and the planner
+follow these lists (what an engine does with it is its own code). The mesh is a row-major grid
+over AXES, the last axis innermost:
 tensor parallelism talks on every layer, so its groups are consecutive ranks (inside one node
 under every launcher's rank order); data parallelism talks once per step and pipeline
 parallelism only at stage boundaries, so they may cross nodes. Everything is a pure function of
