@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-from harness.spec import DEVICES
-
 DESCRIPTION = """\
 Print, as JSON, the hardware and software fingerprint that every record of this machine
 carries (hosts, devices, CPU, driver and library versions)."""
@@ -17,6 +15,8 @@ examples:
 
 
 def add_arguments(p):
+    from harness.spec import DEVICES
+
     p.add_argument("--device", default="auto", choices=DEVICES)
 
 

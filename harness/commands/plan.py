@@ -21,7 +21,6 @@ import sys
 
 from harness import registry
 from harness.errors import SpecError
-from harness.spec import COMPILE
 
 DESCRIPTION = __doc__.split(":", 1)[1].strip()
 
@@ -41,7 +40,7 @@ examples:
 
 def add_arguments(p) -> None:
     from harness.planner.layout import planner_engines
-    from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
+    from harness.spec import CHECKPOINTING, COMPILE, RMSNORM_KERNELS
 
     p.add_argument("--model", help="preset name (see harness.model.presets) or a config.json")
     p.add_argument("--seq-len", type=int)
