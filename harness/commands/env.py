@@ -15,7 +15,9 @@ examples:
 
 
 def add_arguments(p):
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    from harness.spec import DEVICES
+
+    p.add_argument("--device", default="auto", choices=DEVICES)
 
 
 def main(args) -> int:

@@ -40,7 +40,7 @@ examples:
 
 def add_arguments(p) -> None:
     from harness.planner.layout import planner_engines
-    from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
+    from harness.spec import CHECKPOINTING, COMPILE, RMSNORM_KERNELS
 
     p.add_argument("--model", help="preset name (see harness.model.presets) or a config.json")
     p.add_argument("--seq-len", type=int)
@@ -80,7 +80,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--compile",
-        choices=("none", "blocks"),
+        choices=COMPILE,
         default="none",
         help="torch.compile of every layout (layout.compile): blocks fuses each block's elementwise work "
         "(norms as one kernel, fewer launches: harness/planner/features.py)",

@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from harness.model.kernels import Kernels
 from harness.model.training import BuildOptions, StepHooks, make_adamw
+from harness.spec import ATTENTION_KERNELS, subset
 
-FLASH_STYLE = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
+FLASH_STYLE = subset(ATTENTION_KERNELS, "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 
 
 class _FusedRMSNorm(torch.autograd.Function):

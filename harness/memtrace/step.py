@@ -28,6 +28,7 @@ from harness.measure.census import storage_identity, tensor_census
 from harness.memtrace.live import LiveTensors
 from harness.memtrace.standins import traced_attention
 from harness.model.training import StepHooks
+from harness.spec import INTERLEAVED_SCHEDULES, V_SCHEDULES, micro_batches_per_step
 
 
 def traced_micro_batches(lay, m: int, stage: int) -> int:
@@ -37,7 +38,7 @@ def traced_micro_batches(lay, m: int, stage: int) -> int:
         return min(m, 2)
     if lay.pipeline_schedule == "gpipe":
         return m
-    if lay.pipeline_schedule in ("interleaved", "zero_bubble", "zbv", "dualpipev"):
+    if lay.pipeline_schedule in (*INTERLEAVED_SCHEDULES, *V_SCHEDULES):
         # zbv: every rank reaches its peak (2 pp half-stage chunks) within 2 pp - 1 (the simulator's count);
         # 2 pp also meets torch's ScheduleDualPipeV (at least 2 pp) and ScheduleInterleavedZeroBubble (rounds)
         return min(m, 2 * lay.pp)
@@ -48,8 +49,6 @@ def traced_spec(spec, stage: int = 0, full_micro: bool = False, micro_batches=tr
     """The spec the trace runs: the substituted kernels, NCCL's transfers, fewer micro-batches
     (`micro_batches(lay, m, stage)`: traced_micro_batches, or an engine's own rule where its
     schedule differs). Each stage runs its own program only, so each may run its own count."""
-    from harness.spec import micro_batches_per_step
-
     lay = spec.layout
     m = micro_batches_per_step(spec)
     m_run = m if full_micro else micro_batches(lay, m, stage)

@@ -94,10 +94,10 @@ def run_columns(rows: list[Row] = ()) -> list[Column]:
         Column("pp", lambda r: str(r.pp)),
         Column("dp", lambda r: str(r.dp)),
         *([Column("ep", lambda r: str(r.ep))] if uses_ep(rows) else []),
-        Column("mb", lambda r: str(r.mb)),
-        Column("ckpt", lambda r: r.ckpt),
+        Column("mb", lambda r: str(r.micro_batch_size)),
+        Column("ckpt", lambda r: r.activation_checkpointing),
         Column("kernels", lambda r: r.kernel),
-        Column("sp", lambda r: "yes" if r.sp else "no"),
+        Column("sp", lambda r: "yes" if r.sequence_parallel else "no"),
         *measured_columns(lambda r: r.values),
         Column("run", lambda r: r.run_id[:10]),
     ]
@@ -115,7 +115,7 @@ def rate_ci(value, step_median, step_ci) -> tuple[float, float] | None:
 
 def metric_ci(r: Row, metric: Metric) -> tuple[float, float] | None:
     """The 95% CI of a run's ranking metric (rate_ci)."""
-    return rate_ci(metric.of(r), r.step_median, r.step_ci)
+    return rate_ci(metric.of(r), r.step_time_median_s, r.step_time_ci95_s)
 
 
 def sort_key(v):
