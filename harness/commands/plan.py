@@ -383,10 +383,10 @@ def _moe_lines(args, shape) -> list[str]:
     """What the plan says of a mixture of experts: its conventions, and an engine that runs no MoE or ep yet."""
     if not shape.moe:
         return []
-    from harness.planner.moe import IMBALANCE
+    from harness.planner.feedforward import IMBALANCE
 
     out = ["MoE: MFU from active parameters (6 x active params per token plus attention); ep all-to-all exposed, "]
-    out[0] += f"the busiest ep rank at {IMBALANCE}x the mean tokens (harness/planner/moe.py)"
+    out[0] += f"the busiest ep rank at {IMBALANCE}x the mean tokens (harness/planner/feedforward.py)"
     facts = registry.facts(args.engine)
     if not facts.runs_moe:
         out.append(f"engine {args.engine} runs no MoE yet (its facts): predicted as its memory model holds it")
