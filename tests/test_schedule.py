@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.engine import schedules as S
+from harness.testing.schedules import draw
 
 CASES = (
     [("gpipe", pp, m, 1) for pp in (1, 2, 4) for m in (1, 3, 8)]
@@ -68,7 +69,7 @@ def test_simulator_catches_a_deadlock_and_a_missing_receive():
 
 
 def test_draw_shows_each_rank():
-    text = S.draw(S.simulate(S.all_programs("1f1b", 2, 4)))
+    text = draw(S.simulate(S.all_programs("1f1b", 2, 4)))
     assert text.count("rank") == 2
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness.engine import schedules as S
+from harness.testing.schedules import draw
 
 ZBV = [(pp, m) for pp in (2, 4) for m in (1, 2, 3, 4, 7, 8, 16)]
 
@@ -79,7 +80,7 @@ def test_the_simulator_catches_a_w_before_its_b():
 
 
 def test_a_chart_shows_w_as_capitals():
-    text = S.draw(S.simulate(S.all_programs("zbv", 2, 4), 1, 2, 1))
+    text = draw(S.simulate(S.all_programs("zbv", 2, 4), 1, 2, 1))
     assert "A" in text and "a" in text and "0" in text
 
 
