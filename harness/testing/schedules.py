@@ -1,9 +1,9 @@
 """What the schedule tests use to look at the own engine's pipeline programs (harness.engine.schedules):
-a simulated timeline drawn as text."""
+a simulated timeline drawn as text, and the grouped programs run to their finish time."""
 
 from __future__ import annotations
 
-from harness.engine.schedules import Simulation
+from harness.engine.schedules import Action, Simulation, grouped_programs, run_grouped
 
 
 def draw(sim: Simulation, width_per_unit: int = 1) -> str:
@@ -18,3 +18,13 @@ def draw(sim: Simulation, width_per_unit: int = 1) -> str:
                 line[t] = ch
         rows.append(f"rank {r}: " + "".join(line))
     return "\n".join(rows)
+
+
+def simulate_grouped(
+    programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0, w_cost: float | None = None
+) -> float:
+    """Finish time of the grouped programs under strict group semantics (raises on deadlock)."""
+    finish, stuck = run_grouped(grouped_programs(programs), f_cost, b_cost, w_cost)
+    if stuck is not None:
+        raise AssertionError(f"grouped deadlock: {stuck}")
+    return finish
