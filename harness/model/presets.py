@@ -200,11 +200,6 @@ def config_dict_to_shape(raw: dict, where: str = "config.json", field: str = "wo
     return Shape(**config_fields(raw, where, field))
 
 
-def config_to_shape(cfg) -> Shape:
-    """A transformers config object as a Shape (through its dict, with the same checks)."""
-    return config_dict_to_shape(cfg.to_dict(), where=type(cfg).__name__)
-
-
 def resolve_shape(model: str, overrides: dict | None = None, field: str = "workload.model") -> Shape:
     """A preset name, a local Hugging Face config.json, a folder holding one, or a hub id in the
     local Hugging Face cache; with optional overrides."""
