@@ -7,18 +7,44 @@ layouts; these check it on real shapes, where it is used for planning.)
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import pytest
 
-from harness.engine.comm_model import rank_comm, world_comm
+from harness.engine.comm import comm_dict, comm_entry
+from harness.engine.comm_model import rank_comm
 from harness.engine.data_parallel import plan_buckets
 from harness.engine.model import rank_params
 from harness.engine.parallel import ParallelContext
 from harness.engine.partition import balanced_partition, rank_chunks
 from harness.engine.schedules import Placement
-from harness.model.presets import PRESETS, param_count
+from harness.model.presets import PRESETS, Shape, param_count
 from harness.parallel_dims import ParallelDims
 from harness.spec import Layout
+
+
+def world_comm(
+    shape: Shape,
+    layout,
+    seq_len: int,
+    global_batch: int,
+    precision: str = "fp32",
+    grad_accum_dtype: str = "fp32",
+    grad_reduce_dtype: str = "fp32",
+) -> dict:
+    """Per-step totals over all ranks, {axis: {op: {count, bytes, bytes_by_dtype}}}: rank_comm summed."""
+    tot = defaultdict(lambda: defaultdict(comm_entry))
+    for r in range(ParallelDims.of(layout).world):
+        for axis, ops in rank_comm(
+            shape, layout, seq_len, global_batch, r, precision, grad_accum_dtype, grad_reduce_dtype
+        ).items():
+            for op, v in ops.items():
+                e = tot[axis][op]
+                e[0] += v["count"]
+                e[1] += v["bytes"]
+                for dtype, size in v["bytes_by_dtype"].items():
+                    e[2][dtype] += size
+    return comm_dict(tot)
 
 
 def _numel(s):

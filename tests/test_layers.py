@@ -31,6 +31,7 @@ LAYERS = [
     ["harness.run", "harness.launch"],
     ["harness.compare", "harness.sweep", "harness.report", "harness.planner"],
     ["harness.memtrace"],  # runs the engine on fake tensors; reads the planner
+    ["harness.interop"],  # other frameworks' launch configurations, in and out; reads the planner's layout
     ["harness.commands"],
     ["harness.cli", "harness.__main__"],
 ]

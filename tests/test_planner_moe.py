@@ -164,7 +164,9 @@ def test_plan_ranges_over_ep_and_explains_the_all_to_all(capsys):
 
 
 def test_exports_carry_ep_or_say_they_do_not():
-    from harness.planner.export import export_deepspeed, export_megatron, exportable
+    from harness.interop.deepspeed_out import export_deepspeed
+    from harness.interop.exports import exportable
+    from harness.interop.megatron_out import export_megatron
 
     lay = _lay(ep=8, tp=2, dp=8, sequence_parallel=True)
     text, _ = export_megatron(QWEN, lay, WL)

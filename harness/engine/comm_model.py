@@ -187,27 +187,3 @@ def rank_comm(
     if dims.world > 1:
         _add(out, "all", "all_reduce", 1, 2, "fp32")
     return comm_dict(out)
-
-
-def world_comm(
-    shape: Shape,
-    layout,
-    seq_len: int,
-    global_batch: int,
-    precision: str = "fp32",
-    grad_accum_dtype: str = "fp32",
-    grad_reduce_dtype: str = "fp32",
-) -> dict:
-    """Per-step totals over all ranks (what the planner prices), {axis: {op: {count, bytes, bytes_by_dtype}}}."""
-    tot = defaultdict(lambda: defaultdict(comm_entry))
-    for r in range(ParallelDims.of(layout).world):
-        for axis, ops in rank_comm(
-            shape, layout, seq_len, global_batch, r, precision, grad_accum_dtype, grad_reduce_dtype
-        ).items():
-            for op, v in ops.items():
-                e = tot[axis][op]
-                e[0] += v["count"]
-                e[1] += v["bytes"]
-                for dtype, size in v["bytes_by_dtype"].items():
-                    e[2][dtype] += size
-    return comm_dict(tot)

@@ -214,11 +214,6 @@ def combine_router_stats(per_rank: list[dict]) -> dict:
     return out
 
 
-def _layer_order(name: str) -> list:
-    """layers.2 before layers.10."""
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
-
-
 def router_record(steps: list[dict], warmup: int) -> dict:
     """The record's `router` entry from every step's combined statistics (combine_router_stats): per
     step, the tokens-per-expert imbalance (max over mean, the worst layer's and the layers' mean) and

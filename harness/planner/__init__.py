@@ -18,14 +18,13 @@ Modules, one job each:
   candidates      every valid layout
   predict         memory and time together: one prediction per layout
   output          what a plan hands a user: distinct rows, a sweep
-  export          the chosen layout as a DeepSpeed, Megatron-LM or torchtitan launch configuration
-                  (export_torchtitan: the torchtitan recipe); importers reads them back as a spec
   calibrate       fit efficiency constants from measurements
   paper           the published sweeps, judged
   published       published GPU runs (baselines/published_runs) as samples: fit and check
   findings        the study's findings as one plan predicts them (harness plan --findings)
-The command is harness/commands/plan.py (harness import: harness/commands/import.py). Nothing
-here imports torch: a plan must answer in about a second.
+The command is harness/commands/plan.py. The chosen layout as another framework's launch configuration
+(`plan --export`) and back (`harness import`) is harness/interop/. Nothing here imports torch: a plan
+must answer in about a second.
 """
 
 from harness.planner.predict import Prediction, predict  # noqa: F401

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from harness.report import analysis as an
-from harness.report import baselines
+from harness.report import published_figures
 from harness.report.breakdown import breakdown
 from harness.report.data import choose_metric, to_row
 from harness.report.ranking import uses_cp, uses_ep
@@ -167,7 +167,7 @@ def sections_for(
         breakdown(rows, m),
         an.pipeline(rows, m, timeline_run),
         an.failures(rows),
-        an.quoted(rows, m, baselines.load(baselines_dir)),
+        an.quoted(rows, m, published_figures.load(baselines_dir)),
         recommendations(rows, m),
     ]
 

@@ -45,7 +45,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **FP8,
-        **MOE,  # the harness's router losses on DeepSpeed's MoE layer (deepspeed/moe.py)
+        **MOE,  # the harness's router losses on DeepSpeed's MoE layer (deepspeed/experts.py)
         "layout.ep": ANY,  # DeepSpeed's MoE ep_size
         **honoured(
             "layout",
