@@ -159,35 +159,6 @@ def test_the_own_engines_blocks_keep_no_s_squared_tensor_and_ulysses_keeps_its_a
     assert ulysses - plain == n * (hq + 2 * kv) * B  # the head shard's q/k/v (flash keeps q, a view of it)
 
 
-def in_flight_bytes(shape, lay, seq_len: int, B: int) -> dict[str, float]:
-    """Bytes of K/V (and their gradients) a flash-style cp attention has in flight beside a layer's
-    attention, per micro-batch: 'forward' and 'backward' (context_parallel.py's docstring: ring,
-    the block computed on and the one arriving, and in backward the two fp32 dK/dV accumulators;
-    allgather, the gathered K/V and in backward their fp32 gradient; ulysses, the all-to-all's
-    outputs beside its inputs)."""
-    if lay.cp == 1:
-        return {"forward": 0.0, "backward": 0.0}
-    d = shape.head_dim
-    hq, kv = shape.heads * d / lay.tp, shape.kv_heads * d / lay.tp  # per tensor-parallel rank
-    n_l = lay.micro_batch_size * seq_len / lay.cp
-    block = 2 * n_l * kv  # one rank's K and V, elements
-    if lay.cp_impl == "ring":
-        return {"forward": 2 * block * B, "backward": 2 * block * B + 2 * block * 4}
-    if lay.cp_impl == "allgather":
-        return {"forward": lay.cp * block * B, "backward": lay.cp * block * (B + 4)}
-    return {"forward": n_l * (hq + 2 * kv) * B, "backward": n_l * (2 * hq + 2 * kv) * B}
-
-
-def test_kv_blocks_in_flight():
-    s, cp, B = 65536, 4, 2
-    kv = L8.kv_heads * (L8.hidden // L8.heads)
-    block = 2 * s // cp * kv  # one rank's K and V, elements
-    ring = in_flight_bytes(L8, own(cp=cp), s, B)
-    assert ring == {"forward": 2 * block * B, "backward": 2 * block * B + 2 * block * 4}  # + fp32 dK/dV
-    assert in_flight_bytes(L8, own(cp=cp, cp_impl="allgather"), s, B)["backward"] == cp * block * (B + 4)
-    assert in_flight_bytes(L8, own(), s, B) == {"forward": 0.0, "backward": 0.0}
-
-
 def test_model_states_are_sharded_over_dp_x_cp():
     wl = Workload(65536, 8)
     a = engine_stage_memory(L8, own(dp=2, cp=2), wl, 0)

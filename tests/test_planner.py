@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from harness.errors import SpecError
+from harness.measure.mfu import datasheet_peak_tflops
 from harness.model.presets import PRESETS
 from harness.planner import calibrate_from_records, predict
 from harness.planner.hardware import load_profile, profile_names
@@ -22,35 +23,6 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 S13 = PRESETS["paper-13b"]
 
 
-# CUDA device name fragments -> dense BF16 peak in TFLOP/s (vendor datasheets, no sparsity).
-_PEAKS = (
-    ("H200", 989.0),  # H200 datasheet
-    ("H100 PCIE", 756.0),  # H100 PCIe datasheet: 1,513 with sparsity
-    ("H100 NVL", 835.0),  # H100 NVL datasheet: 1,671 with sparsity
-    ("H100", 989.0),  # H100 SXM datasheet
-    ("H800", 989.0),  # same silicon as H100 SXM
-    ("GH200", 989.0),
-    ("A100", 312.0),  # A100 datasheet (40 and 80 GB, SXM and PCIe)
-    ("A800", 312.0),
-    ("A30", 165.0),  # A30 datasheet
-    ("L40S", 362.0),  # L40S datasheet: 733 with sparsity
-    ("L4", 121.0),  # L4 datasheet: 242 with sparsity
-    ("GB200", 2500.0),  # GB200 NVL72 datasheet: 360 PFLOP/s with sparsity for 72 GPUs
-    ("B200", 2250.0),  # B200 datasheet: 4.5 PFLOP/s with sparsity
-)
-
-
-def peak_bf16_tflops(device_name: str) -> float | None:
-    """Datasheet dense BF16 peak for a CUDA device name such as 'NVIDIA A100-SXM4-80GB', else None."""
-    if not device_name:
-        return None
-    upper = device_name.upper()
-    for fragment, peak in _PEAKS:
-        if fragment in upper:
-            return peak
-    return None
-
-
 def run_cli(*argv):
     return subprocess.run([sys.executable, "-m", "harness.cli", "plan", *argv], capture_output=True, text=True)
 
@@ -60,10 +32,19 @@ def test_profiles_load_and_peaks():
     for name in profile_names():
         prof = load_profile(name)
         assert prof.peak_tflops_bf16 > 0 and prof.memory_gib > 0
-    assert peak_bf16_tflops("NVIDIA A100-SXM4-80GB") == 312
-    assert peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989
-    assert peak_bf16_tflops("NVIDIA H200") == 989
-    assert peak_bf16_tflops("Some CPU") is None
+    peaks = {
+        "NVIDIA A100-SXM4-80GB": 312,
+        "NVIDIA H100 80GB HBM3": 989,
+        "NVIDIA H100 PCIe": 756,
+        "NVIDIA H100 NVL": 835,
+        "NVIDIA H200": 989,
+        "NVIDIA GH200 480GB": 989,
+        "NVIDIA B200": 2250,
+        "NVIDIA GB200": 2500,
+        "NVIDIA L40S": 362,
+        "Some CPU": None,
+    }
+    assert {name: datasheet_peak_tflops(name) for name in peaks} == peaks  # the one table MFU reads
     with pytest.raises(SpecError) as e:
         load_profile("tpu-v9")
     assert e.value.field == "--hardware"
