@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from harness import registry
 from harness.model.presets import Shape
 from harness.parallel_dims import DEGREES, ParallelDims
-from harness.spec import ATTENTION_KERNELS, micro_batch_count, subset
-from harness.spec import PRECISIONS as SPEC_PRECISIONS
+from harness.spec import ATTENTION_KERNELS, micro_batch_count
 from harness.spec import Layout as SpecLayout
+from harness.spec.schema import BF16_PRECISIONS
 
 # Names the study's CSVs use for its kernels (attention, rmsnorm), and for checkpointing.
 PAPER_KERNELS = {
@@ -62,7 +62,7 @@ ATTENTION_CLASS = {
 MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
 # The study's engine (Aleph Alpha's scaling library, as its sweeps ran): modelled, not run here.
 PAPER = "paper"
-PRECISIONS = subset(SPEC_PRECISIONS, "bf16", "fp8")  # PlannerLayout.precision (the time model is bf16's or fp8's)
+PRECISIONS = BF16_PRECISIONS  # PlannerLayout.precision (the time model is bf16's or fp8's)
 
 
 def planner_engines() -> tuple[str, ...]:

@@ -9,6 +9,7 @@ from harness.report.data import choose_metric, to_row
 from harness.report.ranking import uses_cp, uses_ep
 from harness.report.recommend import recommendations
 from harness.report.render import write
+from harness.spec.schema import BF16_PRECISIONS
 
 # What names a run besides the axis an ablation varies (ablation_why pairs a run with its twin on these).
 _NAMES = (
@@ -128,7 +129,7 @@ def sections_for(
             "precision",
             "The best layout per precision policy where a sweep ran bf16 and fp8 (workload.precision: the linear "
             "layers' GEMMs in FP8 through torchao, their casts and scales included in the step).",
-            subset=lambda r: r.precision in ("bf16", "fp8"),
+            subset=lambda r: r.precision in BF16_PRECISIONS,
             rest=_rest("precision"),
         ),
         an.axis_section(

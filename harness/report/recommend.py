@@ -13,6 +13,7 @@ from harness.parallel_dims import ParallelDims
 from harness.report.data import Metric, Row, fmt_s
 from harness.report.ranking import by_sweep, matched, other_fields, ranked, with_unit
 from harness.report.sections import Section, Table
+from harness.spec.schema import BF16_PRECISIONS
 
 NOISE = 0.01  # relative: below this the winner is not distinguishable from the runner-up
 
@@ -38,7 +39,7 @@ AXES = [
     (
         "precision (bf16 or fp8)",
         lambda r: r.precision,
-        lambda r: r.precision in ("bf16", "fp8"),
+        lambda r: r.precision in BF16_PRECISIONS,
         ("workload.precision", "workload.fp8_recipe"),  # not fp8_all_gather: that is a second change
     ),
     ("torch.compile", lambda r: r.compiled, None, ("compile",)),

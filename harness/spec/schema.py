@@ -39,6 +39,8 @@ def through(values: tuple, last) -> tuple:
 
 
 PRECISIONS = ("fp32", "bf16", "fp8")
+# the precisions whose parameters, activations and collectives are bf16 (fp8: bf16's policy with FP8 GEMMs)
+BF16_PRECISIONS = subset(PRECISIONS, "bf16", "fp8")
 GRAD_DTYPES = ("fp32", "bf16")  # grad_accum_dtype, grad_reduce_dtype
 DEVICES = ("auto", "cpu", "cuda")
 DATA_KINDS = ("synthetic", "file")
