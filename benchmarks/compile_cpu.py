@@ -23,10 +23,11 @@ faster), and the compile time per engine. Exit 1 when the losses differ beyond 1
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
+
+from _common import workload_parser
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -85,13 +86,7 @@ def _pair(ctx, a: dict, fields: dict) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny-4l")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--mbs", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=1)
+    p = workload_parser(__doc__, "tiny-4l", steps=10, warmup=1, seq_len=64, global_batch=8, mbs=2)
     p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, of " + ", ".join(ENGINES))
     args = p.parse_args()
     chosen = [x for x in args.engines.split(",") if x]

@@ -42,10 +42,11 @@ Last lines: `tokens/s cp2 ring / cp1 ...`, `... / dp2 ...`, and `cp2 ring commun
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
+
+from _common import workload_parser
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -137,7 +138,7 @@ def _bench(ctx, a: dict) -> dict:
 
     from harness.data.source import token_source
     from harness.frameworks import build_engine
-    from harness.measure import summarize
+    from harness.measure.stats import summarize
     from harness.runtime import RunContext
 
     specs = {f"cp2 {impl}": _spec(a, cp=2, cp_impl=impl) for impl in a["impls"]}
@@ -192,14 +193,8 @@ def _bench(ctx, a: dict) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny-256")
-    p.add_argument("--seq-len", type=int, default=4096)
+    p = workload_parser(__doc__, "tiny-256", steps=3, warmup=1, seq_len=4096, global_batch=2, mbs=1)
     p.add_argument("--layers", type=int, default=1, help="the model's layers (0: the preset's); see above")
-    p.add_argument("--global-batch", type=int, default=2)
-    p.add_argument("--mbs", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--impls", default="ring", help="comma-separated cp2 implementations: ring, allgather, ulysses")
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "naive"))

@@ -9,21 +9,15 @@ and, last, `ratio: <own median / single median>` (target <= 1.03).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+from _common import workload_parser
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tiny-256")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--micro", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap = workload_parser(__doc__, "tiny-256", steps=20, warmup=3, seq=128, batch=4, micro=1)
     ap.add_argument("--threads", type=int, default=1, help="0: torch default")
     args = ap.parse_args()
     if args.threads:

@@ -38,10 +38,11 @@ ENGINE and its limit in LIMIT.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
+
+from _common import workload_parser
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -178,7 +179,7 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
 
     from harness.data.source import dp_slice, token_source
     from harness.frameworks import build_engine
-    from harness.measure import summarize
+    from harness.measure.stats import summarize
     from harness.runtime import RunContext
     from harness.spec import parse_spec
 
@@ -227,7 +228,7 @@ def _bench(ctx, a: dict, engines_of_layout: dict, limits: dict) -> dict:
             if step >= a["warmup"]:
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
-                b = getattr(engine, "last_step_details", lambda: {})().get("breakdown_s")
+                b = engine.last_step_details().get("breakdown_s")
                 if b:
                     breakdowns[name].append(b)
     out = {"_shim": _shim_cost(engines["megatron"], batch) if "megatron" in engines else {}}
@@ -276,13 +277,7 @@ def _print_limits(res: dict, median: dict, cpu: dict) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny-4l")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--mbs", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p = workload_parser(__doc__, "tiny-4l", steps=20, warmup=3, seq_len=128, global_batch=8, mbs=2)
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of " + ", ".join(LAYOUTS))
     args = p.parse_args()
     chosen = [x for x in args.layouts.split(",") if x]

@@ -18,11 +18,12 @@ router's imbalance; then ep2 against ep1 (tokens/s ratio) and MoE against its de
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
+
+from _common import workload_parser
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,7 +74,7 @@ def _bench(ctx, args) -> dict:
             t0 = time.perf_counter()
             eng.train_step(sources[i].global_batch_at(step))
             dt = time.perf_counter() - t0
-            stats = eng.router_stats() if hasattr(eng, "router_stats") else {}
+            stats = eng.router_stats()
             if step < args.warmup:
                 continue
             out[i]["step_s"].append(dt)
@@ -109,13 +110,7 @@ def _load(per_rank: list, i: int, steps: int) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tiny-moe")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    args = ap.parse_args()
+    args = workload_parser(__doc__, "tiny-moe", steps=10, warmup=2, seq_len=128, batch=8).parse_args()
 
     from harness.testing.spawn import spawn
 

@@ -11,34 +11,20 @@ the medians and, last, `ratio: <measured step / ideal>` (target within 1.15).
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import tempfile
 
-import torch
+from _common import workload_parser
 
 
-def _worker(rank, world, port, args, out_dir):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
+def _bench(ctx, args):
+    """One rank: the own engine at pp = the world, its steps' breakdowns after warm-up."""
     import torch.distributed as dist
 
     from harness.data.source import token_source
     from harness.engine.adapter import build
     from harness.model.presets import resolve_shape
-    from harness.runtime import RunContext
     from harness.spec import parse_spec
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     spec = parse_spec(
         {
             "workload": {
@@ -50,14 +36,14 @@ def _worker(rank, world, port, args, out_dir):
             },
             "layout": {
                 "engine": "own",
-                "pp": world,
+                "pp": ctx.world_size,
                 "pipeline_schedule": args.schedule,
                 "virtual_stages": args.virtual_stages,
             },
         }
     )
     shape = resolve_shape(args.model)
-    eng = build(spec, shape, RunContext(rank, world, rank, torch.device("cpu"), "gloo"))
+    eng = build(spec, shape, ctx)
     src = token_source(spec.workload, shape.vocab)
     rows = []
     for step in range(args.warmup + args.steps):
@@ -66,29 +52,18 @@ def _worker(rank, world, port, args, out_dir):
         if step >= args.warmup:
             b = eng.last_step_details()["breakdown_s"]
             rows.append((b["total"], b["compute"], b["bubble"], b["optimizer"], b["dp_comm"], b["tp_comm"]))
-    torch.save({"rows": rows, "stages": eng.describe()["stages"]}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return {"rows": rows, "stages": eng.describe()["stages"]}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tiny-256")
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--micro-batches", type=int, default=8)
+    ap = workload_parser(__doc__, "tiny-256", steps=12, warmup=2, seq=256, pp=2, micro_batches=8)
     ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     ap.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
 
-    import torch.multiprocessing as mp
+    from harness.testing.spawn import spawn
 
-    from harness.launch import free_port
-
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(args.pp, free_port(), args, d), nprocs=args.pp, start_method="spawn")
-        ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(args.pp)]
+    ranks = spawn(_bench, args.pp, args, timeout_s=1800, threads=1, every_rank=True)
     m, p, v = args.micro_batches, args.pp, args.virtual_stages
     # ideal: the slower stage computes all the time except the fill/drain bubble, which
     # interleaving divides by the number of chunks per rank (Narayanan et al. 2021)

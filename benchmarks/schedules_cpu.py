@@ -25,11 +25,12 @@ convention (F = t/3, backward 2t/3, W = g t/3, g the GEMMs' share): no processes
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
+
+from _common import workload_parser
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -119,13 +120,7 @@ def _simulate(schedule: str, v: int, micro: int, costs: dict):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tiny-256")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    args = ap.parse_args()
+    args = workload_parser(__doc__, "tiny-256", steps=8, warmup=2, seq_len=128, micro_batches=8).parse_args()
 
     from harness.testing.spawn import spawn
 

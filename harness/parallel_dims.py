@@ -1,8 +1,13 @@
 """The parallel degrees: the one owner of their product, their order and the ranks they give.
 
 Every product or quotient of degrees (the world size, dp derived from a GPU count, the ranks a
-stage or a group holds) is computed here and nowhere else, so that a new axis is one more entry
-in AXES and one more field. The mesh is a row-major grid over AXES, the last axis innermost:
+stage or a group holds) is computed here and nowhere else. A new axis of the mesh is one more
+entry in AXES (its place in the mesh) and LABEL_ORDER (in labels) and one more field; a degree that
+splits other axes' ranks (ep) one more entry in SPLITS, one more field and the methods that say which
+ranks it groups. To be accepted, labelled and planned it is, elsewhere, its Layout field
+(harness/spec/schema.py) and the facts of the engines that run it: the labels and the planner
+follow these lists (what an engine does with it is its own code). The mesh is a row-major grid
+over AXES, the last axis innermost:
 tensor parallelism talks on every layer, so its groups are consecutive ranks (inside one node
 under every launcher's rank order); data parallelism talks once per step and pipeline
 parallelism only at stage boundaries, so they may cross nodes. Everything is a pure function of
@@ -26,6 +31,10 @@ LABEL_ORDER = ("tp", "cp", "pp", "dp")  # how a layout's label names them ('tp2 
 # sequences, so to the optimizer they are data parallelism (Megatron's data-parallel group with
 # context parallelism). Its groups are counted and annotated under the name "dp".
 REPLICA_AXES = ("dp", "cp")
+# Degrees that split the ranks of other axes instead of multiplying the world: ep, a split of the replica
+# ranks (ParallelDims.ep). Labels name them after the axes.
+SPLITS = ("ep",)
+DEGREES = (*AXES, *SPLITS)  # every degree a layout gives
 
 Coord = namedtuple("Coord", AXES)  # a rank's place on every axis
 
@@ -43,7 +52,7 @@ class ParallelDims:
     ep: int = 1
 
     def __post_init__(self):
-        for axis in (*AXES, "ep"):
+        for axis in DEGREES:
             value = getattr(self, axis)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise SpecError(f"layout.{axis}", f"must be a positive integer, got {value!r}")
@@ -56,7 +65,7 @@ class ParallelDims:
         layout mapping as old records and compare runs hold it (a missing or empty degree is 1; a
         zero is refused, not read as missing)."""
         get = layout.get if isinstance(layout, dict) else (lambda k, d=None: getattr(layout, k, d))
-        return cls(**{axis: 1 if get(axis) in (None, "") else int(get(axis)) for axis in (*AXES, "ep")})
+        return cls(**{axis: 1 if get(axis) in (None, "") else int(get(axis)) for axis in DEGREES})
 
     @classmethod
     def derive(cls, world_size: int, field: str = "layout.dp", derived: str = "dp", **known: int) -> ParallelDims:
@@ -105,9 +114,13 @@ class ParallelDims:
             )
 
     def label(self) -> str:
-        """The degrees other than 1, 'tp2 pp2' ('' when all are 1), expert parallelism after them ('dp4 ep2')."""
+        """The degrees other than 1, 'tp2 pp2' ('' when all are 1), the splits after them ('dp4 ep2')."""
         names = [f"{a}{self.degree(a)}" for a in LABEL_ORDER if self.degree(a) != 1]
-        return " ".join(names + ([f"ep{self.ep}"] if self.ep != 1 else []))
+        return " ".join(names + self.split_labels())
+
+    def split_labels(self) -> list[str]:
+        """The splits other than 1, as labels name them: ['ep2']."""
+        return [f"{s}{getattr(self, s)}" for s in SPLITS if getattr(self, s) != 1]
 
     # ------------------------------------------------------------ experts
 

@@ -1,6 +1,7 @@
 """The engines: one line per engine (its name and its package), and EngineFacts, what each engine
 declares in its package's facts.py as `ENGINE = EngineFacts(...)`: the fields it honours and their
-values (opt-in: any other field not at its default is refused), its defaults where a field must
+values (opt-in: any other field not at its default is refused; harness/spec/honours.py names a choice
+field's values in the schema's words, and what every engine honours), its defaults where a field must
 differ, which layouts it runs, where it cannot follow the precision policy or build the model, its
 label, how it is launched, whether `harness memory` traces it and whether the planner models it.
 
@@ -32,8 +33,8 @@ ENGINES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Honoured:
-    """A field an engine honours: the values it runs (None: every value the field takes) and, where
-    it runs only some, why. A field at its default is never refused (it asks for nothing)."""
+    """A field an engine honours: the values it runs (None: any value, for a field that is not a choice)
+    and, where it runs only some, why. A field at its default is never refused (it asks for nothing)."""
 
     values: tuple | None = None
     why: str = ""
@@ -43,51 +44,9 @@ ANY = Honoured()
 
 
 def only(*values, why: str) -> Honoured:
-    """The field is honoured with these values only; `why` is the one-line reason for the others."""
+    """The field is honoured with these values only; `why` is the one-line reason for the others. For a
+    field that is not a choice (a degree, a ZeRO stage): a choice field's are harness.spec.honours.some's."""
     return Honoured(tuple(values), why)
-
-
-# The values each choice field of harness.spec takes today. An engine that runs them all declares
-# every_value(path), not ANY: a value added to the spec's vocabulary later (an fp8 precision, a new
-# pipeline schedule or kernel) is then in no engine's facts until one lists it, and refused until then.
-TODAYS_VALUES: dict[str, tuple] = {
-    "workload.precision": ("fp32", "bf16"),
-    "workload.grad_accum_dtype": ("fp32", "bf16"),
-    "workload.grad_reduce_dtype": ("fp32", "bf16"),
-    "layout.cp_impl": ("ring", "allgather", "ulysses"),
-    "layout.activation_checkpointing": ("none", "full", "selective"),
-    "layout.attention": ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2"),
-    "layout.rmsnorm": ("torch", "fused"),
-    "layout.pipeline_schedule": ("gpipe", "1f1b", "interleaved"),
-    "layout.pipeline_p2p": ("auto", "async", "grouped"),
-    "layout.model_impl": ("own", "hf"),
-    "layout.compile": ("none", "blocks"),
-}
-
-
-def every_value(path: str) -> Honoured:
-    """Honoured with every value field `path` takes today (TODAYS_VALUES), or any value where it is not
-    a choice (a size, a degree)."""
-    values = TODAYS_VALUES.get(path)
-    return ANY if values is None else Honoured(values)
-
-
-# What every engine honours: the workload is the same for every engine (model, batch, steps, optimizer,
-# the precision policy, data, device; where an engine cannot follow the policy, its precision_limits say
-# so), and every engine splits the batch into micro-batches. A field added to harness.spec's Workload or
-# Layout is in no engine's list until an engine declares it: until then, any value but its default is
-# refused in one line.
-EVERY_ENGINE: dict[str, Honoured] = {
-    **{
-        f"workload.{name}": every_value(f"workload.{name}")
-        for name in (
-            "model model_overrides seq_len global_batch_size steps warmup_steps precision grad_accum_dtype "
-            "grad_reduce_dtype optimizer grad_clip seed data device"
-        ).split()
-    },
-    "layout.engine": ANY,
-    "layout.micro_batch_size": ANY,
-}
 
 
 # Better words than "does not use it" for the fields only one engine has ({engine}: the refusing one).
@@ -97,13 +56,6 @@ ONE_ENGINES_FIELDS: dict[str, str] = {
     "layout.pipeline_p2p": "chooses the own engine's pipeline transfers; engine {engine} has its own",
     "layout.fp8_all_gather": "FSDP2's FP8 all-gather (torchao enable_fsdp_float8_all_gather) is for engine fsdp",
 }
-
-# What an engine that runs FP8 (torchao, harness/model/float8.py) declares: the precision with fp8 and the recipe.
-FP8: dict[str, Honoured] = {"workload.precision": Honoured(("fp32", "bf16", "fp8")), "workload.fp8_recipe": ANY}
-
-
-# What an engine that runs mixture-of-experts models declares (with runs_moe): the router's two loss coefficients.
-MOE: dict[str, Honoured] = {"workload.moe_aux_loss_coeff": ANY, "workload.moe_z_loss_coeff": ANY}
 
 
 @dataclass(frozen=True)
@@ -158,10 +110,10 @@ class EngineFacts:
     # checks of its own files (spec) -> None, raising SpecError, run by every rank before anything is
     # built (a ds_config that contradicts the workload is a spec error, not a failed run)
     preflight: typing.Callable[..., None] | None = None
-    # the fields it honours, "layout.<field>" or "workload.<field>", with the values it runs (opt-in: a
-    # field missing here is refused unless at its default); why_not: a better reason than "does not use
-    # it" for a field it does not honour
-    honours: dict[str, Honoured] = field(default_factory=lambda: dict(EVERY_ENGINE))
+    # the fields it honours, "layout.<field>" or "workload.<field>", with the values it runs (opt-in: a field
+    # missing here is refused unless at its default; harness.spec.honours: EVERY_ENGINE, honoured, some);
+    # why_not: a better reason than "does not use it" for a field it does not honour
+    honours: dict[str, Honoured] = field(default_factory=dict)
     why_not: dict[str, str] = field(default_factory=dict)
     # where its default differs from the field's (megatron's attention); a spec that does not give the
     # field takes this one, and the compare report's differing-fields column shows it

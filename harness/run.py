@@ -15,15 +15,23 @@ import time
 
 import torch
 
-from harness import gather, measure, profiling, registry
+from harness import gather, profiling, registry
 from harness.data.source import token_source
 from harness.errors import NonFiniteStep, SpecError
 from harness.frameworks import build_engine
+from harness.measure.census import SavedActivations
+from harness.measure.fingerprint import fingerprint
+from harness.measure.memory import peak_memory, reset_peak_memory
+from harness.measure.mfu import datasheet_peak_tflops, measure_matmul_tflops, mfu_table
+from harness.measure.stats import summarize
+from harness.measure.stream import MetricsStream
+from harness.measure.timers import StepTimer
 from harness.model.compiled import CompileWatch
 from harness.model.flops import flops_per_token
 from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
 from harness.model.moe import router_record
 from harness.model.presets import active_param_count, param_count
+from harness.model.training import precision_policy
 from harness.parallel_dims import ParallelDims
 from harness.profiling import record as profile_record
 from harness.profiling import trace as profile_trace
@@ -142,27 +150,26 @@ class Trainer:
         device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
         self.peak, self.peak_source = peak_tflops, "override" if peak_tflops else None
         if self.peak is None and ctx.device.type == "cuda":
-            self.peak = measure.datasheet_peak_tflops(device_name)
+            self.peak = datasheet_peak_tflops(device_name)
             self.peak_source = f"datasheet dense bf16 ({device_name})" if self.peak else None
         self.bar = Progress(progress and ctx.is_main, self.total)
         # rank 0's per-step metrics to TensorBoard (`--tensorboard DIR`), written as the run goes
-        self.stream = (
-            measure.MetricsStream(tensorboard_dir, layout_label(lay)) if tensorboard_dir and ctx.is_main else None
-        )
+        self.stream = MetricsStream(tensorboard_dir, layout_label(lay)) if tensorboard_dir and ctx.is_main else None
         self.losses, self.times, self.details = [], [], []  # every step's loss; the measured steps' times, details
         self.parameter_count, self.micro = param_count(shape), micro_batches_per_step(spec)
         self.activations_saved_bytes: int | None = None
         self.routed, self.router, self.active = shape.moe, [], active_param_count(shape)
         self.profile: dict | None = None
         self.memory_before_profile: tuple | None = None
-        self.clocks = MeasuredSteps(self.dims, ctx.rank, self.engine, ctx.device.type)  # the measured steps' breakdown
+        # the measured steps' breakdown
+        self.clocks = MeasuredSteps(self.dims, ctx.rank, self.engine.process_groups(), ctx.device.type)
 
     def _train_step(self, step: int, batch) -> float:
         """The engine's step and its loss's value; the first one also counts the activations
         saved for backward."""
         if step:
             return float(self.engine.train_step(batch))
-        with measure.SavedActivations(self.engine.activation_exclusions()) as saved:
+        with SavedActivations(self.engine.activation_exclusions()) as saved:
             loss = self.engine.train_step(batch)
         self.activations_saved_bytes = saved.bytes // self.micro  # per micro-batch
         return float(loss)
@@ -171,11 +178,11 @@ class Trainer:
         w = self.spec.workload
         batch = self.data.global_batch_at(step)
         if step == w.warmup_steps:
-            measure.reset_peak_memory(self.ctx.device)
+            reset_peak_memory(self.ctx.device)
             self.compiled.arm()
         poisoned = _fault(step, self.ctx.rank)
         cause = None
-        with self.clocks.clock(step >= w.warmup_steps), measure.StepTimer(self.ctx.device) as timer:
+        with self.clocks.clock(step >= w.warmup_steps), StepTimer(self.ctx.device) as timer:
             try:
                 loss = self._train_step(step, batch)
             except NonFiniteStep as e:  # the framework refused the update (every rank sees the same global norm):
@@ -208,15 +215,14 @@ class Trainer:
         same steps are kept beside the trace's breakdown, as its reference."""
         if steps <= 0:
             return
-        self.memory_before_profile = measure.peak_memory(self.ctx.device)  # the profiler's buffers are not the run's
+        self.memory_before_profile = peak_memory(self.ctx.device)  # the profiler's buffers are not the run's
         started = time.perf_counter()
         instrumented: list[dict] = []
 
         def one(i: int) -> None:
             self.engine.train_step(self.data.global_batch_at(self.total + i))
-            counted = (self.engine.last_step_details() or {}).get("breakdown_s") or {}
-            if "compute" in counted:  # an engine that times its own communication (the own engine)
-                instrumented.append(counted)
+            if self.engine.times_own_communication:  # its counters over the same steps (the own engine)
+                instrumented.append(self.engine.last_step_details()["breakdown_s"])
 
         try:
             trace = profile_trace.record(one, steps, self.dims, self.ctx.rank, self.ctx.device, self.clocks.axis_of)
@@ -242,12 +248,12 @@ class Trainer:
         self.bar.close()
         ctx, w, lay = self.ctx, self.spec.workload, self.spec.layout
         times = gather.max_across_ranks(self.times, ctx)  # a step lasts until its slowest rank finishes
-        mem, mem_kind = self.memory_before_profile or measure.peak_memory(ctx.device)
+        mem, mem_kind = self.memory_before_profile or peak_memory(ctx.device)
         mem_all = gather.max_across_ranks([float(mem)], ctx)[0]
-        stats = measure.summarize(times)
+        stats = summarize(times)
         tokens_per_s = self.tokens_per_step / stats["median"]
-        dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
-        measured_peak = measure.measure_matmul_tflops(ctx.device, dtype) if measure_matmul else None
+        dtype = precision_policy(w).peak_matmul_dtype  # fp8: bf16, the dtype its parameters compute in
+        measured_peak = measure_matmul_tflops(ctx.device, dtype) if measure_matmul else None
         fpt = self.fpt
         metrics = {
             "step_time_s": stats,
@@ -260,9 +266,9 @@ class Trainer:
             "achieved_tflops_per_device": {k: v * tokens_per_s / ctx.world_size / 1e12 for k, v in fpt.items()},
             "peak_tflops": self.peak,
             "peak_tflops_source": self.peak_source,
-            "mfu": measure.mfu_table(fpt, tokens_per_s, ctx.world_size, self.peak),
+            "mfu": mfu_table(fpt, tokens_per_s, ctx.world_size, self.peak),
             "measured_matmul_tflops": measured_peak,
-            "mfu_vs_measured_matmul": measure.mfu_table(fpt, tokens_per_s, ctx.world_size, measured_peak),
+            "mfu_vs_measured_matmul": mfu_table(fpt, tokens_per_s, ctx.world_size, measured_peak),
             "peak_memory_bytes": int(mem_all),
             "memory_kind": mem_kind,
             "rmsnorm_backend": rmsnorm_backend_name(lay.rmsnorm, ctx.device.type),
@@ -282,7 +288,8 @@ class Trainer:
         profiled, traces = profile_record.profile_metrics(self.profile, ctx, trace_dir, trace_name)
         metrics.update(profiled)
         metrics.update(profile_record.measured_metrics(self.clocks.counted, times, self.clocks.calls, ctx))
-        if "breakdown_ms" not in metrics and "compute" in (metrics.get("breakdown_s") or {}):  # profiling off
+        # no profiler breakdown (profiling off, or its trace unreadable): the engine's own counters, where it keeps them
+        if "breakdown_ms" not in profiled and self.engine.times_own_communication:
             metrics.update(
                 breakdown_ms=profile_record.from_instrumented(metrics["breakdown_s"], self.dims.pp),
                 breakdown_ms_by_rank=[profile_record.from_instrumented(r) for r in metrics["breakdown_s_by_rank"]],
@@ -338,7 +345,7 @@ def _summarize_details(details: list[dict]) -> dict:
     out: dict = {}
     rows = [d["breakdown_s"] for d in details if d and d.get("breakdown_s")]
     if rows:
-        out["breakdown_s"] = {k: measure.summarize([r[k] for r in rows])["median"] for k in rows[0]}
+        out["breakdown_s"] = {k: summarize([r[k] for r in rows])["median"] for k in rows[0]}
     last = details[-1] if details else {}
     for key in ("comm", "pipeline_timeline"):
         if last and last.get(key) is not None:
@@ -371,7 +378,7 @@ def run(
     if run_id:
         record["run_id"] = run_id
     store = ResultsStore(store_path or spec.store)
-    record["fingerprint"] = measure.fingerprint(ctx.device, ctx.world_size, gather.hosts(ctx))
+    record["fingerprint"] = fingerprint(ctx.device, ctx.world_size, gather.hosts(ctx))
     tb_dir = None
     if tensorboard_dir:
         tb_dir = record["tensorboard_dir"] = tensorboard_run_dir(tensorboard_dir, spec, record["run_id"], sweep)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -166,7 +165,3 @@ def teardown(ctx: RunContext, barrier: bool = True) -> None:
             dist.destroy_process_group()
             raise
     dist.destroy_process_group()
-
-
-def hostname() -> str:
-    return socket.gethostname()

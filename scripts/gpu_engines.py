@@ -170,6 +170,8 @@ def one(args, engine: str, store: str) -> dict:
 
 def write(args, rows: list[dict], device: str) -> None:
     from harness.memtrace.trace import traced_engines
+    from harness.report.render import markdown
+    from harness.report.sections import Items, Section, Table
 
     with open(os.path.join(args.out, "engines.json"), "w") as f:
         json.dump(
@@ -191,26 +193,24 @@ def write(args, rows: list[dict], device: str) -> None:
         ).split(),
     )
     kinds = ", ".join(sorted({r["memory_kind"] for r in rows if "memory_kind" in r}))
-    lines = [
-        f"# Engines at world size 1 on {device}: {args.model} layer shapes ({args.layers} layers), seq "
-        f"{args.seq_len}, global batch {args.global_batch_size}, bf16, naive attention",
-        "",
+    title = (
+        f"Engines at world size 1 on {device}: {args.model} layer shapes ({args.layers} layers), seq "
+        f"{args.seq_len}, global batch {args.global_batch_size}, bf16, naive attention"
+    )
+    legend = (
         f"GiB. measured: the run's peak ({kinds}) and its census; traced: `harness memory` (engines "
         f"{' and '.join(traced_engines())}); planner: its "
         "tensors (total less context and fragmentation) and model states. Totals add the CUDA context and "
-        "fragmentation.",
-        "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "---|" * len(cols),
-    ]
-    lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in rows]
-    lines += [""] + [
-        f"- {r['engine']}: {r.get('error') or r.get('traced')}"
+        "fragmentation."
+    )
+    notes = [
+        f"{r['engine']}: {r.get('error') or r.get('traced')}"
         for r in rows
         if r.get("error") or isinstance(r.get("traced"), str)
     ]
+    table = Table(list(cols), [[str(r.get(c, "-")) for c in cols] for r in rows])
     with open(os.path.join(args.out, "engines.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(markdown(title, [Section("engines", "", body=[legend, table, Items(notes)])], "", contents=False))
 
 
 def main() -> int:

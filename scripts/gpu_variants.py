@@ -227,26 +227,26 @@ def blocks_in_child(args, timeout_s: float) -> list[dict]:
 
 
 def write(args, rows: list[dict], device: str) -> None:
+    from harness.report.render import markdown
+    from harness.report.sections import Items, Section, Table
+
     with open(os.path.join(args.out, "variants.json"), "w") as f:
         json.dump({"device": device, "model": args.model, "layers": args.layers, "rows": rows}, f, indent=2)
+    title = (
+        f"Variants on {device}: {args.model} layer shapes ({args.layers} layers), seq {args.seq_len}, "
+        f"global batch {args.global_batch_size}; each beside its baseline (bf16 eager, cp2 naive, pp2 1F1B)"
+    )
     cols = "name world status tokens_per_s tokens_vs_base peak_gib peak_vs_base step_time_ms".split()
-    lines = [
-        f"# Variants on {device}: {args.model} layer shapes ({args.layers} layers), seq {args.seq_len}, "
-        f"global batch {args.global_batch_size}; each beside its baseline (bf16 eager, cp2 naive, pp2 1F1B)",
-        "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "---|" * len(cols),
-    ]
-    lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in rows if "world" in r]
+    body = [Table(cols, [[str(r.get(c, "-")) for c in cols] for r in rows if "world" in r])]
     blocks = [r for r in rows if "kernel" in r]
     if blocks:
         bcols = "name status blocks_error whole_kernel_error blocks_ms peak_gib".split()
-        lines += ["", "| " + " | ".join(bcols) + " |", "|" + "---|" * len(bcols)]
-        lines += ["| " + " | ".join(str(r.get(c, "-")) for c in bcols) + " |" for r in blocks]
-    lines += [""] + [f"- {r['name']}: {r['why']}" for r in rows if r.get("why")]
-    lines += [f"- {r['name']} says: {r['says']}" for r in rows if r.get("says")]
+        body.append(Table(bcols, [[str(r.get(c, "-")) for c in bcols] for r in blocks]))
+    notes = [f"{r['name']}: {r['why']}" for r in rows if r.get("why")]
+    notes += [f"{r['name']} says: {r['says']}" for r in rows if r.get("says")]
+    body.append(Items(notes))
     with open(os.path.join(args.out, "variants.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(markdown(title, [Section("variants", "", body=body)], "", contents=False))
 
 
 def main() -> int:

@@ -70,12 +70,12 @@ RUNS = [
 def _train(engine, spec) -> dict:
     """STEPS steps: the losses, the census (first optimizer step) and the activations saved per
     micro-batch on the first step, counted as harness.run.Trainer counts them."""
-    from harness import measure
     from harness.data.source import token_source
+    from harness.measure.census import SavedActivations
     from harness.spec import micro_batches_per_step
 
     source = token_source(spec.workload, spec.shape().vocab)
-    with measure.SavedActivations(engine.activation_exclusions()) as saved:
+    with SavedActivations(engine.activation_exclusions()) as saved:
         losses = [float(engine.train_step(source.global_batch_at(0)))]
     losses += [float(engine.train_step(source.global_batch_at(step))) for step in range(1, STEPS)]
     return {

@@ -95,7 +95,7 @@ def _censuses(ctx, cases):
     check."""
     from harness.data.source import token_source
     from harness.engine.adapter import build
-    from harness.measure import SavedActivations
+    from harness.measure.census import SavedActivations
     from harness.spec import parse_spec
 
     out = []

@@ -17,7 +17,7 @@ import yaml
 from conftest import run_spec_in
 
 from harness import cli, launch
-from harness.launch import build_lock
+from harness.launch import build_lock, supervise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -182,7 +182,7 @@ def test_a_run_is_launched_only_after_a_stale_lock_is_removed(tmp_path, monkeypa
         assert not os.path.exists(stale)  # cleared before the launch
         raise Launched
 
-    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    monkeypatch.setattr(supervise.subprocess, "Popen", popen)
     spec = {"workload": {"model": "tiny", "device": "cpu"}, "layout": {"engine": "deepspeed", "dp": 2}}
     with pytest.raises(Launched):
         run_spec_in(tmp_path, spec, 2, "deepspeed", 60)

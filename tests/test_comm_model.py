@@ -7,18 +7,55 @@ layouts; these check it on real shapes, where it is used for planning.)
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import pytest
 
-from harness.engine.comm_model import rank_comm, world_comm
+from harness.engine.comm import comm_dict, comm_entry
+from harness.engine.comm_model import rank_comm
 from harness.engine.data_parallel import plan_buckets
-from harness.engine.partition import balanced_partition, rank_params
-from harness.model.presets import PRESETS, param_count
+from harness.engine.model import rank_params
+from harness.engine.parallel import ParallelContext
+from harness.engine.partition import balanced_partition, rank_chunks
+from harness.engine.schedules import Placement
+from harness.model.presets import PRESETS, Shape, param_count
+from harness.parallel_dims import ParallelDims
 from harness.spec import Layout
+
+
+def world_comm(
+    shape: Shape,
+    layout,
+    seq_len: int,
+    global_batch: int,
+    precision: str = "fp32",
+    grad_accum_dtype: str = "fp32",
+    grad_reduce_dtype: str = "fp32",
+) -> dict:
+    """Per-step totals over all ranks, {axis: {op: {count, bytes, bytes_by_dtype}}}: rank_comm summed."""
+    tot = defaultdict(lambda: defaultdict(comm_entry))
+    for r in range(ParallelDims.of(layout).world):
+        for axis, ops in rank_comm(
+            shape, layout, seq_len, global_batch, r, precision, grad_accum_dtype, grad_reduce_dtype
+        ).items():
+            for op, v in ops.items():
+                e = tot[axis][op]
+                e[0] += v["count"]
+                e[1] += v["bytes"]
+                for dtype, size in v["bytes_by_dtype"].items():
+                    e[2][dtype] += size
+    return comm_dict(tot)
 
 
 def _numel(s):
     return math.prod(s.local)
+
+
+def _rank_params(shape, tp: int, pp: int, chunks: int, pp_rank: int, seq_len: int):
+    """The parameter list of pipeline rank pp_rank's tp index 0 (its chunks built on the meta device)."""
+    dims = ParallelDims(tp=tp, pp=pp)
+    plans = rank_chunks(shape, Placement(pp, chunks), pp_rank, seq_len)
+    return rank_params(shape, plans, ParallelContext.unconnected(dims, dims.rank(pp=pp_rank)))
 
 
 @pytest.mark.parametrize(
@@ -28,7 +65,7 @@ def test_shards_add_up_to_the_model(name, tp, pp, chunks):
     shape = PRESETS[name]
     total = 0
     for r in range(pp):
-        for s in rank_params(shape, tp, pp, chunks, r, 2048):
+        for s in _rank_params(shape, tp, pp, chunks, r, 2048):
             total += _numel(s) * (tp if s.shard_dim is not None else 1)
     assert total == param_count(shape)
     parts = balanced_partition(shape, pp * chunks, 2048)
@@ -63,7 +100,7 @@ def test_13b_tp8_sp_counts_by_hand():
     loss = micro * (seq * 4 + 2 * seq * 4)
     assert last["tp"]["all_reduce"] == {"count": 2 * micro, "bytes": loss, "bytes_by_dtype": {"fp32": loss}}
     # ZeRO-1 moves each local parameter twice (reduce-scatter + all-gather), padded to dp
-    local = sum(_numel(s) for s in rank_params(shape, 8, 4, 1, 0, seq))
+    local = sum(_numel(s) for s in _rank_params(shape, 8, 4, 1, 0, seq))
     rs = first["dp"]["reduce_scatter"]["bytes"]
     assert local * 4 <= rs < local * 4 + 16 * 4 * first["dp"]["reduce_scatter"]["count"]
     assert first["dp"]["all_gather"]["bytes"] == rs
@@ -111,7 +148,7 @@ def test_cp_halves_each_ranks_activation_traffic_and_reduces_gradients_over_dp_x
     r1, r2 = rank_comm(shape, one, 128, 16, 0), rank_comm(shape, two, 128, 16, 0)
     for axis, op in (("sp", "all_gather"), ("sp", "reduce_scatter"), ("pp", "send"), ("pp", "recv")):
         assert r2[axis][op]["count"] == r1[axis][op]["count"] and r2[axis][op]["bytes"] * 2 == r1[axis][op]["bytes"]
-    specs = rank_params(shape, 2, 2, 1, 0, 128)
+    specs = _rank_params(shape, 2, 2, 1, 0, 128)
     padded = [b["padded"] for b in plan_buckets(specs, int(0.05 * 2**20 / 4), 4, True)]
     assert all(p % 4 == 0 for p in padded)
     assert r2["dp"]["reduce_scatter"] == {

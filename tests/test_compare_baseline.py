@@ -12,7 +12,7 @@ import yaml
 
 from harness.cli import main as cli_main
 from harness.errors import SpecError
-from harness.report.baseline import baseline_sections, compare_with_baseline, load_baseline
+from harness.report.drift import baseline_sections, compare_with_baseline, load_baseline
 from harness.report.sections import Table
 from harness.testing.workloads import tiny_workload
 

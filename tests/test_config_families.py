@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from harness.errors import SpecError
+from harness.model.config_json import config_fields
 from harness.model.llama import Llama, build_model
 from harness.model.presets import PRESETS, Shape, param_count, resolve_shape
 from harness.testing.hf_families import hf_config, hf_model
@@ -166,11 +167,19 @@ def test_fields_read():
     assert shape("qwen2", use_sliding_window=True).sliding_window == 0  # max_window_layers 28 >= 2 layers
 
 
+def config_dict_to_shape(raw: dict, where: str = "config.json", field: str = "workload.model") -> Shape:
+    """A Hugging Face config.json (as a dict) as a Shape (harness/model/config_json.py reads it)."""
+    return Shape(**config_fields(raw, where, field))
+
+
+def config_to_shape(cfg) -> Shape:
+    """A transformers config object as a Shape (through its dict, with the same checks)."""
+    return config_dict_to_shape(cfg.to_dict(), where=type(cfg).__name__)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_transformers_config_objects_read_the_same(name):
     """transformers' config object of each file (its to_dict: every default filled in) is the same Shape."""
-    from harness.model.presets import config_dict_to_shape, config_to_shape
-
     assert config_to_shape(hf_config(CONFIGS[name])) == config_dict_to_shape(CONFIGS[name])
 
 

@@ -359,12 +359,16 @@ def test_parameter_count_counts_a_tied_head_once(tmp_path, name):
 
 
 def test_own_engine_stage_params_name_the_plain_models_parameters(tmp_path):
-    from harness.engine.partition import stage_params
+    from harness.engine.model import rank_params
+    from harness.engine.parallel import ParallelContext
+    from harness.engine.partition import ChunkPlan
+    from harness.parallel_dims import ParallelDims
 
     shape = resolve_shape(write_config(tmp_path, CONFIGS["tied-bias-llama3"]))
     names = [n for n, _ in build_model(shape, 0).named_parameters()]
     for tp in (1, 2):
-        specs = stage_params(shape, tp, range(shape.layers), True, True)
+        plan = ChunkPlan(0, 0, range(shape.layers), True, True)
+        specs = rank_params(shape, [plan], ParallelContext.unconnected(ParallelDims(tp=tp)))
         assert [s.name for s in specs] == names
         by = {s.name: s for s in specs}
         assert by["layers.0.attention.wq.bias"].local == (128 // tp,)

@@ -159,16 +159,6 @@ def test_the_own_engines_blocks_keep_no_s_squared_tensor_and_ulysses_keeps_its_a
     assert ulysses - plain == n * (hq + 2 * kv) * B  # the head shard's q/k/v (flash keeps q, a view of it)
 
 
-def test_kv_blocks_in_flight():
-    s, cp, B = 65536, 4, 2
-    kv = L8.kv_heads * (L8.hidden // L8.heads)
-    block = 2 * s // cp * kv  # one rank's K and V, elements
-    ring = context.in_flight_bytes(L8, own(cp=cp), s, B)
-    assert ring == {"forward": 2 * block * B, "backward": 2 * block * B + 2 * block * 4}  # + fp32 dK/dV
-    assert context.in_flight_bytes(L8, own(cp=cp, cp_impl="allgather"), s, B)["backward"] == cp * block * (B + 4)
-    assert context.in_flight_bytes(L8, own(), s, B) == {"forward": 0.0, "backward": 0.0}
-
-
 def test_model_states_are_sharded_over_dp_x_cp():
     wl = Workload(65536, 8)
     a = engine_stage_memory(L8, own(dp=2, cp=2), wl, 0)

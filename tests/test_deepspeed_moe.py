@@ -95,7 +95,7 @@ def test_a_declared_expert_group_is_on_the_ep_axis_whatever_its_ranks():
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_deepspeeds_gate_routes_as_the_reference(k):
-    """TopKGate as deepspeed/moe.py builds it (dropless, no random token selection, no sampled second expert)
+    """TopKGate as deepspeed/experts.py builds it (dropless, no random token selection, no sampled second expert)
     picks the reference's experts with its weights (top-2 renormalised, top-1 the softmax weight: the only
     normalisations the facts let through), exactly: the same fp32 softmax, argmax for top-k."""
     import os
@@ -117,7 +117,7 @@ def test_deepspeeds_gate_routes_as_the_reference(k):
 
 def test_deepspeed_names_are_the_references():
     """The gate's weight is the router's; local expert j on expert-parallel rank r is global r * E / ep + j."""
-    from harness.frameworks.deepspeed.moe import plain_name
+    from harness.frameworks.deepspeed.experts import plain_name
     from harness.model.presets import resolve_shape
 
     shape = resolve_shape("tiny-moe", {})

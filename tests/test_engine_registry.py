@@ -17,7 +17,8 @@ from harness.report.compare_layouts import layout_matrix
 from harness.spec import Layout, Workload, engine_variant, parse_spec
 
 TOY_FACTS = """
-from harness.registry import ANY, EVERY_ENGINE, EngineFacts
+from harness.registry import ANY, EngineFacts
+from harness.spec import EVERY_ENGINE
 
 ENGINE = EngineFacts(
     name="toy",
@@ -175,18 +176,61 @@ def test_reading_every_engines_facts_imports_no_torch():
     assert not heavy, heavy[:5]
 
 
-def test_a_new_value_of_a_choice_field_is_refused_until_an_engine_lists_it():
-    """Engines that run every value of a choice field declare today's values (registry.every_value), not
-    any: a value added to the spec's vocabulary later (a new pipeline schedule) is refused by every engine,
-    in one line naming the field, until one lists it."""
-    from harness.spec import capability_error
+def test_a_new_value_of_a_choice_field_is_refused_until_an_engine_lists_it(monkeypatch):
+    """Engines that run every value of a choice field name them through the last one they were written for
+    (harness.spec.honours), not any: a value added to the schema's vocabulary later (appended to its tuple)
+    is refused by every engine, in one line naming the field, until one lists it."""
+    import importlib
+    import sys
 
-    fields = {f"layout.{f.name}": f for f in dataclasses.fields(Layout)}
-    fields.update({f"workload.{f.name}": f for f in dataclasses.fields(Workload)})
-    for path, values in registry.TODAYS_VALUES.items():  # each a value the spec's field takes today
-        assert set(values) <= set(fields[path].metadata["choices"]), path
+    from harness.spec import capability_error, honours
+
     for name in registry.ENGINES:
         extra = {path.split(".")[1]: value for path, value in registry.facts(name).defaults.items()}
         # DeepSeek's bidirectional DualPipe: no engine lists it (dualpipev, its V variant, is engine fsdp's)
         error = capability_error(Layout(engine=name, **extra, pipeline_schedule="dualpipe"))
         assert str(error).startswith("layout.pipeline_schedule: "), (name, error)
+    # every choice field's tuple with one more value, and each engine's facts built again against it
+    for path, values in honours.CHOICES.items():
+        monkeypatch.setitem(honours.CHOICES, path, (*values, "new"))
+    for name, package in registry.ENGINES.items():
+        monkeypatch.setattr(importlib.import_module(package), "facts", importlib.import_module(package + ".facts"))
+        monkeypatch.delitem(sys.modules, package + ".facts")
+        facts = registry.facts(name)
+        for path in honours.CHOICES:
+            if path != "layout.engine":  # the engine's name: its choices are the registry's
+                assert facts.refuses(path, "new", "default") is not None, (name, path)
+
+
+@pytest.mark.parametrize("name", sorted(registry.ENGINES))
+def test_every_value_of_every_choice_field_is_run_or_refused_with_a_reason(name):
+    """For each engine, every value the schema gives a choice field is run (its facts name it, or it is the
+    field's default) or refused in words; and every value is run by some engine (a value no engine opts
+    into is not yet the vocabulary's)."""
+    from harness.spec import honours
+
+    facts = registry.facts(name)
+    for path, values in honours.CHOICES.items():
+        default = facts.default(path, honours.FIELDS[path].default)
+        for value in values:
+            ran = value == default or facts.runs(path, [value]) == [value]  # a default asks for nothing
+            assert ran or facts.refuses(path, value, default), (path, value)
+    for path, values in honours.CHOICES.items():
+        for value in values:
+            assert any(registry.facts(e).runs(path, [value]) for e in registry.ENGINES), (path, value)
+
+
+def test_facts_name_only_values_the_schema_has():
+    """A facts module's values are checked against the schema when it is built: a typo, a value the schema
+    dropped or a choice field given without the last value it runs fails at import."""
+    from harness.spec import honoured, some
+
+    with pytest.raises(ValueError, match="'flash9' not among"):
+        some("layout.attention", "naive", "flash9", why="")
+    with pytest.raises(ValueError, match="'flash9' not among"):
+        honoured("layout", attention="flash9")
+    with pytest.raises(ValueError, match="a choice field"):
+        honoured("layout", "tp attention")
+    with pytest.raises(ValueError, match="not a field of the spec"):
+        honoured("layout", "tq")
+    assert honoured("layout", rmsnorm="torch")["layout.rmsnorm"].values == ("torch",)

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from harness import launch
+from harness.launch import supervise
 from harness.store import ResultsStore
 
 FAKE = textwrap.dedent('''
@@ -200,7 +201,7 @@ def test_no_stray_processes_of_this_test_session():
 def test_record_written_then_hung_is_killed_after_grace(fake, monkeypatch):
     """A rank that wrote its failure record but never exits (peers stuck in a collective)."""
     tmp_path, env = fake
-    monkeypatch.setattr(launch, "LINGER_S", 2.0)
+    monkeypatch.setattr(supervise, "LINGER_S", 2.0)
     (tmp_path / "fake_runner.py").write_text(
         FAKE.replace(
             'mode = os.environ.get("HARNESS_FAKE", "ok")',

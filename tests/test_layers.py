@@ -4,6 +4,7 @@ that a module can be read, tested and replaced with only what lies below it in m
 from __future__ import annotations
 
 import ast
+import graphlib
 import pathlib
 
 import pytest
@@ -30,6 +31,7 @@ LAYERS = [
     ["harness.run", "harness.launch"],
     ["harness.compare", "harness.sweep", "harness.report", "harness.planner"],
     ["harness.memtrace"],  # runs the engine on fake tensors; reads the planner
+    ["harness.interop"],  # other frameworks' launch configurations, in and out; reads the planner's layout
     ["harness.commands"],
     ["harness.cli", "harness.__main__"],
 ]
@@ -96,6 +98,41 @@ def violations() -> list[str]:
 
 def test_every_import_points_down():
     assert violations() == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the harness modules it imports, at module level or inside a function
+    (`from harness.a import b` is module harness.a.b where that is a module, else harness.a)."""
+    modules = {module_name(p) for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        me, targets = module_name(path), set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("harness"):
+                targets |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                }
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name.startswith("harness")}
+        graph[me] = {t for t in targets if t in modules and t != me}
+    return graph
+
+
+def test_no_import_cycle():
+    """No two modules import each other, directly or round a loop, not even inside a function: a loop
+    hidden in a function-level import is still two modules that cannot be read apart."""
+    try:
+        graphlib.TopologicalSorter(import_graph()).prepare()
+    except graphlib.CycleError as e:
+        pytest.fail(f"import cycle: {' -> '.join(e.args[1])}")
+
+
+def test_a_cycle_would_be_caught():
+    graph = import_graph()
+    graph["harness.planner.rates"] = graph["harness.planner.rates"] | {"harness.planner.timing"}
+    with pytest.raises(graphlib.CycleError):
+        graphlib.TopologicalSorter(graph).prepare()
 
 
 def test_every_module_has_a_layer():

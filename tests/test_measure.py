@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.measure import median_ci95, summarize
+from harness.measure.stats import median_ci95, summarize
 from harness.model.flops import flops_per_token
 from harness.model.presets import PRESETS
 

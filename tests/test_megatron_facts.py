@@ -194,7 +194,7 @@ def test_every_record_names_the_megatron_core_it_ran_with():
 
     import torch
 
-    from harness.measure import fingerprint
+    from harness.measure.fingerprint import fingerprint
 
     assert fingerprint(torch.device("cpu"), 1)["megatron_core"] == importlib.metadata.version("megatron-core")
 

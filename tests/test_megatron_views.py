@@ -14,8 +14,8 @@ import shlex
 import pytest
 from conftest import megatron_parser
 
+from harness.interop.megatron_out import export_megatron
 from harness.model.presets import PRESETS, resolve_shape
-from harness.planner.export import export_megatron
 from harness.planner.layout import PlannerLayout, Workload
 from harness.planner.memory_engines import engine_stage_items, engine_stage_memory, model_states
 from harness.planner.memory_terms import stage_params
@@ -141,7 +141,7 @@ def megatron_spec(text: str, model: str, world: int) -> dict:
     """A run spec for engine megatron from exported Megatron-LM arguments, as `harness import megatron`
     reads them (dp: the world size over tp x pp, as Megatron-LM derives it). The model is the named
     preset, checked against the shape the arguments give."""
-    from harness.planner.importers import import_megatron
+    from harness.interop.imports import import_megatron
 
     a = megatron_args(text)
     shape = resolve_shape(model)

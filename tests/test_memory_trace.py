@@ -49,7 +49,7 @@ def _real(ctx, specs):
     next step (harness.measure's counters, on real tensors)."""
     from harness.data.source import token_source
     from harness.frameworks import build_engine
-    from harness.measure import SavedActivations
+    from harness.measure.census import SavedActivations
 
     out = []
     for spec in specs:

@@ -130,7 +130,8 @@ def test_the_own_engine_runs_the_kernels_it_is_built_with():
 
 
 def test_the_own_engine_blocks_are_the_plain_modules():
-    from harness.model.llama import FeedForward, RMSNorm
+    from harness.model.feed_forward import FeedForward
+    from harness.model.llama import RMSNorm
 
     _, eng = _own_engine()
     block = eng.chunks[0].layers["0"]

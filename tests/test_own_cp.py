@@ -170,8 +170,8 @@ def test_a_cp_build_reduces_over_dp_x_cp_and_says_so():
     eng = Engine3D(spec, shape, RunContext(0, 4, 0, torch.device("cpu"), None))
     d = eng.describe()
     assert (d["cp"], d["cp_impl"], d["mesh"]["cp"], d["mesh"]["dp"]) == (2, "ring", 2, 2)
-    assert eng.axes["dp"].ranks == eng.mesh.dims.flat_group_of(0) == [0, 1, 2, 3]
-    assert eng.axes["cp"].ranks == [0, 1]
+    assert eng.parallel.dp.ranks == eng.mesh.dims.flat_group_of(0) == [0, 1, 2, 3]
+    assert eng.parallel.cp.ranks == [0, 1]
     assert all(b % 4 == 0 for b in d["dp_buckets"]) and len(d["dp_buckets"]) > 1
     assert eng.executor.act_shape == (16, 1, shape.hidden)
     assert eng.cos.shape[0] == 16

@@ -40,14 +40,14 @@ def pyproject() -> dict:
 def test_shipped_files_are_found_through_resources():
     from harness.frameworks.deepspeed import config as ds_config
     from harness.planner import paper
-    from harness.report import baselines
+    from harness.report import published_figures
 
     assert resources.path("ds_configs/zero1.json").is_file()
     assert Path(ds_config.DS_CONFIG_DIR) == resources.path("ds_configs")
     assert Path(ds_config.resolve_path("", 1)) == resources.path("ds_configs/zero1.json")
     assert Path(ds_config.resolve_path("ds_configs/zero3.json", 3)) == resources.path("ds_configs/zero3.json")
-    assert Path(baselines.DEFAULT_DIR) == resources.path("baselines")
-    assert baselines.load()["study"] and baselines.load()["frameworks"]
+    assert Path(published_figures.DEFAULT_DIR) == resources.path("baselines")
+    assert published_figures.load()["study"] and published_figures.load()["frameworks"]
     assert len(paper.repo_sweeps()) == 4
     with pytest.raises(ValueError):
         resources.path("examples/tiny.yaml")  # not shipped: the wheel would not have it

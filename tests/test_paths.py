@@ -27,6 +27,7 @@ from harness.cli import main as cli_main
 from harness.commands.compare import DEFAULT_OUT, default_log_dir
 from harness.compare.spec import DEFAULT
 from harness.frameworks.deepspeed.config import build_config
+from harness.launch import supervise
 from harness.spec import parse_spec
 from harness.store import ResultsStore, new_record
 
@@ -161,7 +162,7 @@ def test_launch_passes_and_records_paths_as_given(tmp_path, monkeypatch):
         seen["argv"] = argv
         raise Stop
 
-    monkeypatch.setattr(launch, "build_command", build_command)
+    monkeypatch.setattr(supervise, "build_command", build_command)
     with pytest.raises(Stop):
         launch.run_spec(
             {"workload": TINY, "layout": {"engine": "single"}},

@@ -13,10 +13,12 @@ import pytest
 from conftest import megatron_parser
 
 from harness.cli import main as cli
+from harness.interop.deepspeed_out import export_deepspeed
+from harness.interop.exports import exportable
+from harness.interop.megatron_out import export_megatron
+from harness.interop.torchtitan_out import TORCHTITAN as TT_COMMIT
+from harness.interop.torchtitan_out import export_torchtitan
 from harness.model.presets import PRESETS
-from harness.planner.export import export_deepspeed, export_megatron, exportable
-from harness.planner.export_torchtitan import TORCHTITAN as TT_COMMIT
-from harness.planner.export_torchtitan import export_torchtitan
 from harness.planner.layout import PlannerLayout, Workload
 from harness.spec import Optimizer
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from test_plan_export import CLIP, DEEPSPEED, L8, MEGATRON, OPT, TORCHTITAN, WL, planned, run
 
-from harness.planner.export import export_deepspeed, export_megatron
-from harness.planner.export_torchtitan import export_torchtitan
+from harness.interop.deepspeed_out import export_deepspeed
+from harness.interop.megatron_out import export_megatron
+from harness.interop.torchtitan_out import export_torchtitan
 from harness.spec import load_spec
 
 EXPORTS = {

@@ -15,8 +15,10 @@ import yaml
 from conftest import heavy_imports_after, megatron_parser
 
 from harness.cli import main as cli
+from harness.interop.deepspeed_out import export_deepspeed
+from harness.interop.exports import exportable
+from harness.interop.megatron_out import export_megatron
 from harness.model.presets import PRESETS
-from harness.planner.export import export_deepspeed, export_megatron, exportable
 from harness.planner.hardware import load_profile
 from harness.planner.layout import PlannerLayout, Workload
 from harness.planner.output import group

@@ -10,9 +10,10 @@ import pytest
 import yaml
 
 from harness.errors import SpecError
+from harness.measure.mfu import datasheet_peak_tflops
 from harness.model.presets import PRESETS
 from harness.planner import calibrate_from_records, predict
-from harness.planner.hardware import load_profile, peak_bf16_tflops, profile_names
+from harness.planner.hardware import load_profile, profile_names
 from harness.planner.layout import PlannerLayout, Workload, stage_items
 from harness.planner.memory import worst_stage_memory
 from harness.store import ResultsStore
@@ -31,10 +32,19 @@ def test_profiles_load_and_peaks():
     for name in profile_names():
         prof = load_profile(name)
         assert prof.peak_tflops_bf16 > 0 and prof.memory_gib > 0
-    assert peak_bf16_tflops("NVIDIA A100-SXM4-80GB") == 312
-    assert peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989
-    assert peak_bf16_tflops("NVIDIA H200") == 989
-    assert peak_bf16_tflops("Some CPU") is None
+    peaks = {
+        "NVIDIA A100-SXM4-80GB": 312,
+        "NVIDIA H100 80GB HBM3": 989,
+        "NVIDIA H100 PCIe": 756,
+        "NVIDIA H100 NVL": 835,
+        "NVIDIA H200": 989,
+        "NVIDIA GH200 480GB": 989,
+        "NVIDIA B200": 2250,
+        "NVIDIA GB200": 2500,
+        "NVIDIA L40S": 362,
+        "Some CPU": None,
+    }
+    assert {name: datasheet_peak_tflops(name) for name in peaks} == peaks  # the one table MFU reads
     with pytest.raises(SpecError) as e:
         load_profile("tpu-v9")
     assert e.value.field == "--hardware"

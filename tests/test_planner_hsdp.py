@@ -162,9 +162,9 @@ def test_full_sharding_reduce_scatters_and_gathers_only():
 
 
 def test_torchtitan_export_names_the_replicate_and_shard_degrees():
+    from harness.interop.exports import exportable
+    from harness.interop.torchtitan_out import export_torchtitan
     from harness.model.presets import PRESETS
-    from harness.planner.export import exportable
-    from harness.planner.export_torchtitan import export_torchtitan
 
     wl = Workload(8192, 256)
     lay = fsdp(32, 8, tp=2, sequence_parallel=True)

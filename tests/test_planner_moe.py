@@ -1,4 +1,4 @@
-"""The planner's mixture of experts and expert parallelism (harness/planner/moe.py): active-parameter
+"""The planner's mixture of experts and expert parallelism (harness/planner/feedforward.py): active-parameter
 FLOPs, expert states sharded over the expert-data-parallel group, the all-to-all on the link its group
 spans, ep candidates, exports, and the one published MoE run predicted at its layout."""
 
@@ -12,7 +12,7 @@ from harness.errors import SpecError
 from harness.model.flops import flops_per_token, layer_matmul_params
 from harness.model.presets import PRESETS, active_param_count, expert_params, param_count
 from harness.parallel_dims import ParallelDims
-from harness.planner import moe
+from harness.planner import feedforward
 from harness.planner.hardware import load_profile
 from harness.planner.layout import PlannerLayout, Workload
 from harness.planner.memory import stage_memory, stage_params
@@ -65,8 +65,9 @@ def test_a_ranks_parameters_add_up_to_the_model(name):
     shape = PRESETS[name]
     assert stage_params(shape, True, shape.layers, True, 1) == param_count(shape)
     ep = 2
-    shared = stage_params(shape, True, shape.layers, True, 1, ep) - moe.expert_stage_params(shape, shape.layers, 1, ep)
-    assert shared + ep * moe.expert_stage_params(shape, shape.layers, 1, ep) == param_count(shape)
+    experts = feedforward.of(shape).expert_params(shape.layers, 1, ep)
+    shared = stage_params(shape, True, shape.layers, True, 1, ep) - experts
+    assert shared + ep * experts == param_count(shape)
 
 
 def test_expert_states_are_sharded_over_the_expert_data_parallel_group():
@@ -76,7 +77,7 @@ def test_expert_states_are_sharded_over_the_expert_data_parallel_group():
         lay = _lay(ep=ep)
         parts = stage_memory(QWEN, lay, WL, 1)
         layers = 12  # Megatron's even split: 48 / 4
-        experts = moe.expert_stage_params(QWEN, layers, 1, ep)
+        experts = feedforward.of(QWEN).expert_params(layers, 1, ep)
         assert experts == layers * (128 // ep) * expert_params(QWEN)
         dense = stage_params(QWEN, False, layers, False, 1, ep) - experts
         assert parts["weights"] == pytest.approx(2 * (dense + experts))
@@ -88,10 +89,11 @@ def test_all_to_all_on_the_link_its_group_spans():
     """4 all-to-alls per layer and micro-batch of n k h bytes x (ep - 1) / ep, the busiest rank's
     (x IMBALANCE), to the node's members over NVLink and the others over the network."""
     n, k, h = 4096, 8, QWEN.hidden
-    one = 4 * n * k * h * 2 * moe.IMBALANCE
-    assert moe.all_to_all(QWEN, _lay(ep=1), n, 2, 8) == {}
-    assert moe.all_to_all(QWEN, _lay(ep=8), n, 2, 8) == pytest.approx({"nvlink": one * 7 / 8})
-    assert moe.all_to_all(QWEN, _lay(ep=16), n, 2, 8) == pytest.approx({"nvlink": one * 7 / 16, "internode": one / 2})
+    one = 4 * n * k * h * 2 * feedforward.IMBALANCE
+    ffn = feedforward.of(QWEN)
+    assert ffn.all_to_all(_lay(ep=1), n, 2, 8) == {}
+    assert ffn.all_to_all(_lay(ep=8), n, 2, 8) == pytest.approx({"nvlink": one * 7 / 8})
+    assert ffn.all_to_all(_lay(ep=16), n, 2, 8) == pytest.approx({"nvlink": one * 7 / 16, "internode": one / 2})
     slow = predict(QWEN, _lay(ep=16), WL, H100).time_breakdown_s
     fast = predict(QWEN, _lay(ep=8), WL, H100).time_breakdown_s
     assert slow["ep_group_nodes"] == 2 and fast["ep_group_nodes"] == 1
@@ -101,9 +103,10 @@ def test_all_to_all_on_the_link_its_group_spans():
 
 def test_small_expert_gemms_pay_the_gemm_efficiency_curve():
     """ep raises an expert's tokens (ep n k / E): the same FLOPs at a better GEMM efficiency."""
-    x1 = moe.layer_features(QWEN, _lay(ep=1), 4096, 2, H100, "gemm", H100.peak_flops(2))
-    x8 = moe.layer_features(QWEN, dataclasses.replace(_lay(ep=8)), 4096, 2, H100, "gemm", H100.peak_flops(2))
-    ratio = x1["gemm"] / (x8["gemm"] / moe.IMBALANCE)
+    ffn = feedforward.of(QWEN)
+    x1 = ffn.routed_features(_lay(ep=1), 4096, 2, H100, "gemm", H100.peak_flops(2))
+    x8 = ffn.routed_features(dataclasses.replace(_lay(ep=8)), 4096, 2, H100, "gemm", H100.peak_flops(2))
+    ratio = x1["gemm"] / (x8["gemm"] / feedforward.IMBALANCE)
     assert 1.2 < ratio < 1.5  # 256 tokens an expert against 2,048: (256 + 128) / 256 over (2048 + 128) / 2048
 
 
@@ -161,7 +164,9 @@ def test_plan_ranges_over_ep_and_explains_the_all_to_all(capsys):
 
 
 def test_exports_carry_ep_or_say_they_do_not():
-    from harness.planner.export import export_deepspeed, export_megatron, exportable
+    from harness.interop.deepspeed_out import export_deepspeed
+    from harness.interop.exports import exportable
+    from harness.interop.megatron_out import export_megatron
 
     lay = _lay(ep=8, tp=2, dp=8, sequence_parallel=True)
     text, _ = export_megatron(QWEN, lay, WL)

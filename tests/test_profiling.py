@@ -224,7 +224,7 @@ def test_a_coalesced_wait_is_on_the_axis_of_the_calls_it_waits_for():
 def test_the_harness_loss_reduction_is_its_own_axis():
     """A collective inside the harness's HARNESS_SYNC range is the harness's, not the engine's world
     reduction: counted under HARNESS, its blocked time waiting for other ranks."""
-    from harness.measure import HARNESS_SYNC
+    from harness.measure.ranges import HARNESS_SYNC
 
     ev = [_x("harness.step#0", 0, 1000), _x("aten::mm", 10, 890, "cpu_op"), _x(HARNESS_SYNC, 870, 25)]
     ev += _call("all_reduce", WORLD, "sync", 875, 15, 4)
@@ -240,7 +240,7 @@ def test_counters_split_a_measured_step_by_what_blocked_it():
     wrappers are gone after the step."""
     import torch.distributed as dist
 
-    from harness.measure import harness_sync
+    from harness.measure.ranges import harness_sync
     from harness.parallel_dims import ParallelDims
     from harness.profiling.counters import Counters
 
@@ -275,7 +275,7 @@ def test_no_clocks_on_a_gpu_where_a_collective_does_not_block_the_thread():
     from harness.parallel_dims import ParallelDims
     from harness.profiling.counters import MeasuredSteps
 
-    gpu, cpu = (MeasuredSteps(ParallelDims(dp=2), 0, object(), kind) for kind in ("cuda", "cpu"))
+    gpu, cpu = (MeasuredSteps(ParallelDims(dp=2), 0, {}, kind) for kind in ("cuda", "cpu"))
     assert isinstance(gpu.clock(True), contextlib.nullcontext) and cpu.clock(True) is cpu.counters
     gpu.add(0.1)
     assert gpu.counted == []

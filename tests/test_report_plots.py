@@ -371,7 +371,7 @@ def test_missing_tensorboard_is_one_line_and_exit_2_before_launch(
 def test_compare_hands_the_folder_to_every_run(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     import harness.compare.orchestrate as orchestrate
-    from harness.measure import TENSORBOARD_ENV
+    from harness.measure.stream import TENSORBOARD_ENV
 
     seen = {}
 
@@ -412,7 +412,16 @@ def test_tensorboard_is_an_optional_extra_and_in_dev():
 
 
 def test_metric_ci_is_the_step_time_ci_through_one_over_x():
-    rows = [analysis.Row(**{**_row_defaults(), "step_median": 2.0, "step_ci": (1.6, 2.5), "tokens_per_s_dev": 100.0})]
+    rows = [
+        analysis.Row(
+            **{
+                **_row_defaults(),
+                "step_time_median_s": 2.0,
+                "step_time_ci95_s": (1.6, 2.5),
+                "tokens_per_s_per_device": 100.0,
+            }
+        )
+    ]
     from harness.report.data import choose_metric
 
     m = choose_metric(rows)
@@ -435,10 +444,10 @@ def _row_defaults() -> dict:
         tp=1,
         pp=1,
         dp=1,
-        mb=1,
-        ckpt="none",
-        sp=False,
+        micro_batch_size=1,
+        activation_checkpointing="none",
+        sequence_parallel=False,
         attention="sdpa",
         rmsnorm="torch",
-        zero=0,
+        zero_stage=0,
     )

@@ -106,6 +106,36 @@ def test_deepspeed_style_local_rank_argument_is_accepted(tmp_path, cli):
     assert r.returncode == 0, r.stderr
 
 
+def test_every_engine_declares_what_the_runner_asks_of_it():
+    """The runner asks the contract (TrainingEngine), never guesses from what a step returned: every engine
+    class has each of its members, and only the own engine times its own communication."""
+    from harness.engine.engine import Engine3D
+    from harness.frameworks import TrainingEngine
+    from harness.frameworks.deepspeed.engine import DeepSpeedEngine
+    from harness.frameworks.deepspeed.pipe import DeepSpeedPipelineEngine
+    from harness.frameworks.fsdp.engine import FSDPEngine
+    from harness.frameworks.megatron.engine import MegatronEngine
+    from harness.frameworks.single.engine import SingleDeviceEngine
+
+    members = {n for n in vars(TrainingEngine) if not n.startswith("_")} | set(TrainingEngine.__annotations__)
+    assert {"router_stats", "process_groups", "times_own_communication"} <= members
+    engines = (Engine3D, SingleDeviceEngine, DeepSpeedEngine, DeepSpeedPipelineEngine, FSDPEngine, MegatronEngine)
+    for cls in engines:
+        assert all(hasattr(cls, m) for m in members), (cls, sorted(m for m in members if not hasattr(cls, m)))
+    assert [cls for cls in engines if cls.times_own_communication] == [Engine3D]
+
+
+def test_the_measured_matmul_peak_is_in_the_dtype_the_policy_computes_in():
+    """fp8 runs' linears compute from bf16 parameters: their reference peak is bf16's (as the datasheet's)."""
+    from harness.model.training import precision_policy
+
+    dtypes = {
+        p: precision_policy(parse_spec({"workload": {"precision": p}}).workload).peak_matmul_dtype
+        for p in ("fp32", "bf16", "fp8")
+    }
+    assert dtypes == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
 def _trainer_steps(ctx, layouts):
     from harness.run import Trainer
 

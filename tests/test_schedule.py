@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.engine import schedules as S
+from harness.testing.schedules import draw, simulate_grouped
 
 CASES = (
     [("gpipe", pp, m, 1) for pp in (1, 2, 4) for m in (1, 3, 8)]
@@ -68,7 +69,7 @@ def test_simulator_catches_a_deadlock_and_a_missing_receive():
 
 
 def test_draw_shows_each_rank():
-    text = S.draw(S.simulate(S.all_programs("1f1b", 2, 4)))
+    text = draw(S.simulate(S.all_programs("1f1b", 2, 4)))
     assert text.count("rank") == 2
 
 
@@ -77,7 +78,7 @@ def test_grouped_transfers_never_deadlock(schedule, pp, micro, chunks):
     """NCCL mode: with every group posted at once and waited for as a whole, the step still ends,
     and each rank's groups carry exactly its program's transfers in FIFO order per peer."""
     progs = S.all_programs(schedule, pp, micro, chunks)
-    finish = S.simulate_grouped(progs)
+    finish = simulate_grouped(progs)
     assert finish >= S.simulate(progs).finish
     grouped = S.grouped_programs(progs)
     for r in range(pp):
@@ -95,4 +96,4 @@ def test_grouped_transfers_never_deadlock(schedule, pp, micro, chunks):
 
 def test_1f1b_grouped_is_as_fast_as_async():
     progs = S.all_programs("1f1b", 4, 16)
-    assert S.simulate_grouped(progs) == S.simulate(progs).finish
+    assert simulate_grouped(progs) == S.simulate(progs).finish

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness.engine import schedules as S
+from harness.testing.schedules import draw, simulate_grouped
 
 ZBV = [(pp, m) for pp in (2, 4) for m in (1, 2, 3, 4, 7, 8, 16)]
 
@@ -17,7 +18,7 @@ def test_zbv_programs_run_every_micro_batch_through_every_stage_once(pp, micro):
     F, B and W on its rank."""
     progs = S.all_programs("zbv", pp, micro)
     S.simulate(progs)
-    S.simulate_grouped(progs)
+    simulate_grouped(progs)
     for r, prog in enumerate(progs):
         computes = sorted((a.kind, a.chunk, a.micro) for a in prog if a.kind in "FBW")
         assert computes == sorted((k, c, m) for k in "FBW" for c in (0, 1) for m in range(micro))
@@ -79,7 +80,7 @@ def test_the_simulator_catches_a_w_before_its_b():
 
 
 def test_a_chart_shows_w_as_capitals():
-    text = S.draw(S.simulate(S.all_programs("zbv", 2, 4), 1, 2, 1))
+    text = draw(S.simulate(S.all_programs("zbv", 2, 4), 1, 2, 1))
     assert "A" in text and "a" in text and "0" in text
 
 
@@ -94,7 +95,7 @@ def test_zero_bubble_programs_run_to_the_end(pp, chunks, micro):
     modes, each (chunk, micro-batch) F, B and W once on its rank, chunk c at stage c * pp + rank."""
     progs = S.all_programs("zero_bubble", pp, micro, chunks)
     S.simulate(progs)
-    S.simulate_grouped(progs)
+    simulate_grouped(progs)
     for r, prog in enumerate(progs):
         computes = sorted((a.kind, a.chunk, a.micro) for a in prog if a.kind in "FBW")
         assert computes == sorted((k, c, m) for k in "FBW" for c in range(chunks) for m in range(micro))
@@ -143,7 +144,7 @@ def test_dualpipev_programs_run_to_the_end(pp, micro):
     splits (the simulator checks each W follows its B)."""
     progs = S.all_programs("dualpipev", pp, micro)
     S.simulate(progs)
-    S.simulate_grouped(progs)
+    simulate_grouped(progs)
     for r, prog in enumerate(progs):
         computes = sorted((a.kind, a.chunk, a.micro) for a in prog if a.kind in "FB")
         assert computes == sorted((k, c, m) for k in "FB" for c in (0, 1) for m in range(micro))

@@ -21,6 +21,7 @@ from conftest import run_cli, start_cli
 from harness import launch
 from harness.cli import main as cli_main
 from harness.errors import SpecError
+from harness.launch import supervise
 from harness.parallel_dims import ParallelDims
 from harness.store import ResultsStore
 from harness.sweep.execute import run_sweep, sweep_id
@@ -180,7 +181,7 @@ def _sweep_procs(spec, store):
 @pytest.mark.slow
 def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, monkeypatch):
     """Two ranks (own engine, dp 2) per point: a rank is SIGKILLed, a rank hangs, a rank OOMs."""
-    monkeypatch.setattr(launch, "LINGER_S", 5.0)  # after an OOM record, its peers are stuck: kill sooner
+    monkeypatch.setattr(supervise, "LINGER_S", 5.0)  # after an OOM record, its peers are stuck: kill sooner
     points = [
         {"workload.seed": 1},
         fault_point(2, "kill:1:1"),

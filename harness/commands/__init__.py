@@ -29,10 +29,10 @@ def add_tensorboard_argument(p, what: str) -> None:
 
 def tensorboard_dir(args) -> str | None:
     """The --tensorboard folder (checked: the package is installed, the folder can be written), else
-    None. compare and sweep hand it on to the runs they launch (measure.TENSORBOARD_ENV)."""
+    None. compare and sweep hand it on to the runs they launch (measure.stream.TENSORBOARD_ENV)."""
     import os
 
-    from harness.measure import TENSORBOARD_ENV, check_tensorboard
+    from harness.measure.stream import TENSORBOARD_ENV, check_tensorboard
 
     given = getattr(args, "tensorboard", None) or os.environ.get(TENSORBOARD_ENV) or None
     if given:

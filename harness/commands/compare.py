@@ -89,7 +89,7 @@ def main(args) -> int:
     check_output_path(args.out, "--out", directory=True)
     tensorboard = tensorboard_dir(args)  # checked before anything launches
     if tensorboard:  # every run this command launches inherits it (harness train reads it)
-        from harness.measure import TENSORBOARD_ENV
+        from harness.measure.stream import TENSORBOARD_ENV
 
         os.environ[TENSORBOARD_ENV] = tensorboard
     if args.logs:
@@ -110,7 +110,7 @@ def main(args) -> int:
             profile_steps=args.profile_steps,
         )
         if baseline is not None:
-            from harness.report.baseline import compare_with_baseline
+            from harness.report.drift import compare_with_baseline
 
             summary["baseline"] = compare_with_baseline(baseline, summary, time_tolerance, args.baseline)
         paths = write_report(summary, args.out)
@@ -131,7 +131,7 @@ def _baseline(args) -> tuple[dict | None, float | None]:
     """(the --baseline report, the time tolerance): a one-line error (exit 2) for an unreadable or
     malformed file, or a tolerance without a baseline."""
     from harness.errors import SpecError
-    from harness.report.baseline import DEFAULT_TIME_TOLERANCE, check_time_tolerance, load_baseline
+    from harness.report.drift import DEFAULT_TIME_TOLERANCE, check_time_tolerance, load_baseline
 
     if args.baseline is None:
         if args.time_tolerance is not None:

@@ -15,11 +15,13 @@ examples:
 
 
 def add_arguments(p):
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    from harness.spec import DEVICES
+
+    p.add_argument("--device", default="auto", choices=DEVICES)
 
 
 def main(args) -> int:
-    from harness.measure import fingerprint
+    from harness.measure.fingerprint import fingerprint
     from harness.runtime import choose_device
 
     print(json.dumps(fingerprint(choose_device(args.device, 0)), indent=2))

@@ -27,7 +27,7 @@ examples:
 
 
 def add_arguments(p) -> None:
-    from harness.planner.importers import IMPORT_FORMATS
+    from harness.interop.imports import IMPORT_FORMATS
 
     p.add_argument("format", choices=IMPORT_FORMATS, help="what FILE is")
     p.add_argument("file", metavar="FILE", help="the launch script / argument file, recipe or ds_config")
@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     import yaml
 
-    from harness.planner import importers
+    from harness.interop import imports
 
     if args.out:
         from harness.commands.outputs import check_output_path
@@ -54,11 +54,11 @@ def main(args) -> int:
     except OSError as e:
         raise SpecError("FILE", f"{args.file}: {e.strerror}") from None
     if args.format == "megatron":
-        raw, lost = importers.import_megatron(text, args.gpus)
+        raw, lost = imports.import_megatron(text, args.gpus)
     elif args.format == "torchtitan":
-        raw, lost = importers.import_torchtitan(text, args.gpus)
+        raw, lost = imports.import_torchtitan(text, args.gpus)
     else:
-        raw, lost = importers.import_deepspeed(text, args.model, args.seq_len)
+        raw, lost = imports.import_deepspeed(text, args.model, args.seq_len)
     for line in lost:
         print(f"import: {line}", file=sys.stderr)
     name = f"imported-{args.format}"

@@ -40,7 +40,7 @@ examples:
 
 def add_arguments(p) -> None:
     from harness.planner.layout import planner_engines
-    from harness.spec import CHECKPOINTING, RMSNORM_KERNELS
+    from harness.spec import CHECKPOINTING, COMPILE, RMSNORM_KERNELS
 
     p.add_argument("--model", help="preset name (see harness.model.presets) or a config.json")
     p.add_argument("--seq-len", type=int)
@@ -80,7 +80,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--compile",
-        choices=("none", "blocks"),
+        choices=COMPILE,
         default="none",
         help="torch.compile of every layout (layout.compile): blocks fuses each block's elementwise work "
         "(norms as one kernel, fewer launches: harness/planner/features.py)",
@@ -383,10 +383,10 @@ def _moe_lines(args, shape) -> list[str]:
     """What the plan says of a mixture of experts: its conventions, and an engine that runs no MoE or ep yet."""
     if not shape.moe:
         return []
-    from harness.planner.moe import IMBALANCE
+    from harness.planner.feedforward import IMBALANCE
 
     out = ["MoE: MFU from active parameters (6 x active params per token plus attention); ep all-to-all exposed, "]
-    out[0] += f"the busiest ep rank at {IMBALANCE}x the mean tokens (harness/planner/moe.py)"
+    out[0] += f"the busiest ep rank at {IMBALANCE}x the mean tokens (harness/planner/feedforward.py)"
     facts = registry.facts(args.engine)
     if not facts.runs_moe:
         out.append(f"engine {args.engine} runs no MoE yet (its facts): predicted as its memory model holds it")

@@ -89,7 +89,7 @@ def emit_sweep(args, fitting, profile, gpus_per_node) -> None:
 
 def export(args, shape, wl, fitting) -> int:
     """The best layout predicted to fit that the target expresses, in the target's format."""
-    from harness.planner.export import EXPORTERS, VERSIONS, exportable
+    from harness.interop.exports import EXPORTERS, VERSIONS, exportable
     from harness.planner.schedules import schedule_label
 
     if not fitting:

@@ -70,14 +70,14 @@ def _check_baselines(folder: str) -> None:
     """A --baselines that would be ignored (missing, a file, a folder without published figures) is refused."""
     import os
 
-    from harness.report import baselines
+    from harness.report import published_figures
 
     if not os.path.isdir(folder):
         raise SpecError(
             "--baselines",
             f"{folder} is {'a file' if os.path.exists(folder) else 'missing'}; give a folder of published figures",
         )
-    if not any(baselines.load(folder).values()):
+    if not any(published_figures.load(folder).values()):
         raise SpecError(
             "--baselines",
             f"{folder} holds no published figures (hagemann2023_best.csv, "

@@ -101,7 +101,7 @@ def main(args) -> int:
     points, drops = expand(spec)
     tensorboard = tensorboard_dir(args)  # checked before anything launches
     if tensorboard:  # every run this command launches inherits it (harness train reads it)
-        from harness.measure import TENSORBOARD_ENV
+        from harness.measure.stream import TENSORBOARD_ENV
 
         os.environ[TENSORBOARD_ENV] = tensorboard
     done = ResultsStore(store).completed_points(spec.name) if os.path.exists(store) else {}

@@ -54,9 +54,10 @@ def comparison_matmul_peak(workload: dict, threads: int) -> dict | None:
     devices); None where the microbenchmark could not run (the column is then left out)."""
     import torch
 
-    from harness.measure import measure_matmul_tflops
+    from harness.measure.mfu import measure_matmul_tflops
 
-    dtype = "bfloat16" if workload.get("precision") in ("bf16", "fp8") else "float32"
+    policy = precision_policy(parse_spec({"workload": workload}).workload)  # the workload checked, as compare/spec's
+    dtype = str(policy.peak_matmul_dtype).removeprefix("torch.")
     device = workload.get("device") or "cpu"
     if device == "cpu":
         before = torch.get_num_threads()
@@ -69,7 +70,7 @@ def comparison_matmul_peak(workload: dict, threads: int) -> dict | None:
         import subprocess
 
         code = (
-            "import torch; from harness.measure import measure_matmul_tflops; "
+            "import torch; from harness.measure.mfu import measure_matmul_tflops; "
             f"print(measure_matmul_tflops(torch.device({device!r}), torch.{dtype}))"
         )
         try:

@@ -5,7 +5,7 @@ bf16_master_weights_and_grads kept bf16 masters while the report asserted fp32 o
 report's policy sentence is derived from what each run held at its first optimizer step, never
 from the spec alone, and a run that held another policy than the workload's fails the comparison.
 
-From a census (bytes per category and dtype, harness.measure.tensor_census) four facts:
+From a census (bytes per category and dtype, harness.measure.census.tensor_census) four facts:
   master weights   the widest dtype of master_parameters; where an engine keeps none of its own
                    (fp32 runs, FSDP2's sharded parameters) the widest of its parameters: the
                    weights the optimizer updates (a narrower gathered copy is not them)

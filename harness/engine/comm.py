@@ -183,20 +183,16 @@ class Axis:
         self._timed(lambda: dist.recv(t, src=self.ranks[peer], group=self.group))
         return t
 
-    def exchange(
-        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], tag: int = 0
-    ) -> list:
-        """Post sends and receives (peers are indices along this axis) in one batch_isend_irecv,
-        without waiting (`wait` blocks on the returned works): each send counted as "send", each
-        receive as "recv", as isend and recv count them."""
+    def exchange(self, transfers: list[tuple[str, torch.Tensor, int]], tag: int = 0, post=None) -> list:
+        """Post transfers ("send" or "recv", tensor, peer: an index along this axis) together, in their
+        order, without waiting (`wait` blocks on the returned works): each counted as isend and recv
+        count them. `post` posts the P2POps (torch.distributed.batch_isend_irecv by default; the pipeline's
+        may be NCCL's coalesced stand-in) and returns its works."""
         ops = []
-        for t, peer in sends:
-            self.stats.record(self.name, "send", t)
-            ops.append(dist.P2POp(dist.isend, t, self.ranks[peer], group=self.group, tag=tag))
-        for t, peer in recvs:
-            self.stats.record(self.name, "recv", t)
-            ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], group=self.group, tag=tag))
-        return dist.batch_isend_irecv(ops) if ops else []
+        for op, t, peer in transfers:
+            self.stats.record(self.name, op, t)
+            ops.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, t, self.ranks[peer], self.group, tag))
+        return (post or dist.batch_isend_irecv)(ops) if ops else []
 
     def wait(self, works: list) -> None:
         """Block on posted works; the wait is this axis's exposed communication time."""

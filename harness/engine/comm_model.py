@@ -50,11 +50,13 @@ from collections import defaultdict
 
 from harness.engine.comm import comm_dict, comm_entry
 from harness.engine.data_parallel import plan_buckets
-from harness.engine.partition import rank_chunks, rank_params
+from harness.engine.model import rank_params
+from harness.engine.parallel import ParallelContext
+from harness.engine.partition import rank_chunks
 from harness.engine.schedules import Placement
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
-from harness.spec import V_SCHEDULES, model_chunks
+from harness.spec import model_chunks
 
 SIZE = {"fp32": 4, "bf16": 2}
 
@@ -125,7 +127,6 @@ def rank_comm(
     c = dims.coord(rank)
     sp = layout.sequence_parallel and tp > 1
     chunks = model_chunks(layout.pipeline_schedule, layout.virtual_stages)
-    v_shape = layout.pipeline_schedule in V_SCHEDULES
     place = Placement.of(layout.pipeline_schedule, pp, chunks)
     mb = layout.micro_batch_size
     micro = global_batch // (dp * mb)
@@ -134,7 +135,8 @@ def rank_comm(
     out = defaultdict(lambda: defaultdict(comm_entry))
     full_ckpt = layout.activation_checkpointing == "full"
     stages = pp * chunks
-    for plan in rank_chunks(shape, pp, chunks, c.pp, seq_len, v_shape):
+    plans = rank_chunks(shape, place, c.pp, seq_len)
+    for plan in plans:
         n = len(plan.layers)
         if tp > 1:
             regions = 2 * n  # attention and MLP: one enter and one leave each
@@ -171,7 +173,7 @@ def rank_comm(
             if plan.stage < stages - 1 and place.rank(plan.stage + 1) != c.pp:
                 _add(out, "pp", "send", micro, p2p, adt)
                 _add(out, "pp", "recv", micro, p2p, adt)
-    specs = rank_params(shape, tp, pp, chunks, c.pp, seq_len, v_shape)
+    specs = rank_params(shape, plans, ParallelContext.unconnected(dims, rank, sp))
     buckets = plan_buckets(specs, max(1, int(layout.dp_bucket_mb * 2**20 / 4)), replicas, sp)
     for b in buckets:
         if b["sp"]:  # the norms' partial gradients (sequence under SP; the q/k norms' heads either way)
@@ -185,27 +187,3 @@ def rank_comm(
     if dims.world > 1:
         _add(out, "all", "all_reduce", 1, 2, "fp32")
     return comm_dict(out)
-
-
-def world_comm(
-    shape: Shape,
-    layout,
-    seq_len: int,
-    global_batch: int,
-    precision: str = "fp32",
-    grad_accum_dtype: str = "fp32",
-    grad_reduce_dtype: str = "fp32",
-) -> dict:
-    """Per-step totals over all ranks (what the planner prices), {axis: {op: {count, bytes, bytes_by_dtype}}}."""
-    tot = defaultdict(lambda: defaultdict(comm_entry))
-    for r in range(ParallelDims.of(layout).world):
-        for axis, ops in rank_comm(
-            shape, layout, seq_len, global_batch, r, precision, grad_accum_dtype, grad_reduce_dtype
-        ).items():
-            for op, v in ops.items():
-                e = tot[axis][op]
-                e[0] += v["count"]
-                e[1] += v["bytes"]
-                for dtype, size in v["bytes_by_dtype"].items():
-                    e[2][dtype] += size
-    return comm_dict(tot)

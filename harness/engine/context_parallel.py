@@ -228,7 +228,7 @@ class _Ring(torch.autograd.Function):
         for t in range(cp):
             if t < cp - 1:  # post the next block's transfer before computing on this one
                 incoming = torch.empty_like(kv)
-                works = axis.exchange([(kv, nxt)], [(incoming, prv)], tag=KV)
+                works = axis.exchange([("send", kv, nxt), ("recv", incoming, prv)], tag=KV)
             blocks.forward(out, lse, (i - t) % cp, kv)
             if t < cp - 1:
                 axis.wait(works)
@@ -247,7 +247,7 @@ class _Ring(torch.autograd.Function):
         for t in range(cp):
             if t < cp - 1:
                 incoming = torch.empty_like(kv)
-                kv_works = axis.exchange([(kv, nxt)], [(incoming, prv)], tag=KV)
+                kv_works = axis.exchange([("send", kv, nxt), ("recv", incoming, prv)], tag=KV)
             cols, bk, bv = blocks.backward(dq, (i - t) % cp, kv, dog, lse, extra)
             if arriving is None:
                 dkv = torch.zeros((2, *k.shape), dtype=blocks.dt, device=k.device)
@@ -257,7 +257,7 @@ class _Ring(torch.autograd.Function):
             dkv[0, :, :, cols] += bk
             dkv[1, :, :, cols] += bv
             arriving = torch.empty_like(dkv)  # block j's accumulator goes on; block j-1's comes in
-            dkv_works = axis.exchange([(dkv, nxt)], [(arriving, prv)], tag=DKV)
+            dkv_works = axis.exchange([("send", dkv, nxt), ("recv", arriving, prv)], tag=DKV)
             if t < cp - 1:
                 axis.wait(kv_works)
                 kv = incoming

@@ -339,7 +339,7 @@ class ModelStates:
         return out
 
     def census_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank holds, by memory-census category (harness.measure.tensor_census):
+        """What this rank holds, by memory-census category (harness.measure.census.tensor_census):
         flat parameters; main gradients and any reduction or fp32 copies alive (ZeRO-1's reduced
         shard is a view of grad_flat, counted with it, unless it is such a copy); fp32 masters
         (bf16 only)."""

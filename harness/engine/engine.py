@@ -21,8 +21,10 @@ ones over dp x cp as before (data_parallel.StateGroups); the router's losses ent
 harness.model.moe attaches them, scaled per micro-batch of the whole global batch.
 
 Built as a real run builds it unless `options` (harness.model.training.BuildOptions) says
-otherwise: the optimizer factory, how pipeline transfer groups are posted, and the hooks the step
-tells its phases to (harness memory's labels).
+otherwise: the optimizer factory, how pipeline transfer groups are posted, a MoE's routing counts
+(harness memory's even routing on fake tensors), and the hooks the step tells its phases to (harness
+memory's labels). The rank's axes are one ParallelContext (parallel.py), built from the mesh and handed
+to the chunks; the parameter list is read from the built chunks.
 
 Precision follows the workload's policy (harness.model.training.PrecisionPolicy) Megatron's
 way, not under autocast: under bf16 the model's parameters are bf16 (so are the activations,
@@ -39,32 +41,21 @@ import torch
 import torch.distributed as dist
 
 from harness.data.source import dp_slice, micro_batches
-from harness.engine.comm import Axis, CommStats, StepClock, opaque_to_compile
+from harness.engine.comm import CommStats, StepClock, opaque_to_compile
 from harness.engine.data_parallel import ModelStates, StateGroups
-from harness.engine.model import build_chunks, use_fp8
+from harness.engine.model import ChunkOptions, build_chunks, use_fp8
+from harness.engine.parallel import ParallelContext
 from harness.engine.partition import rank_chunks
 from harness.engine.pipeline import PipelineExecutor
 from harness.engine.schedules import Placement, all_programs
-from harness.engine.tensor_parallel import Region
 from harness.engine.topology import Mesh, format_rank_map
-from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.measure.census import CensusAtStep, optimizer_state_tensors
 from harness.model.compiled import compile_blocks
 from harness.model.llama import cp_token_index, reference_tensor, shape_rotary
 from harness.model.moe import set_router_losses, take_router_stats
 from harness.model.training import BuildOptions, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
-from harness.spec import V_SCHEDULES, micro_batches_per_step, model_chunks
-
-# Which breakdown category each axis's blocking wait is charged to.
-TIME_KEYS = {
-    **{"tp": "tp_comm", "cp": "cp_comm", "pp": "bubble", "dp": "dp_comm", "all": "bubble"},
-    **{"ep": "ep_comm", "edp": "dp_comm"},
-}
-# The process group each axis's collectives run over: the gradients' "dp" is the replica group (dp x cp);
-# "ep" the expert-parallel ranks' all-to-alls; the experts' gradients ("edp", counted as "dp") their
-# expert-data-parallel group's (harness.engine.topology).
-GROUP_OF = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "replica", "all": "all", "ep": "ep", "edp": "edp"}
-COUNTED_AS = {"edp": "dp"}
+from harness.spec import micro_batches_per_step, model_chunks
 
 
 def _ranks_per_node(ctx) -> int:
@@ -80,6 +71,7 @@ def _ranks_per_node(ctx) -> int:
 
 class Engine3D:
     name = "own"
+    times_own_communication = True  # its breakdown_s: compute apart from tp/cp/ep/dp communication and the bubble
 
     def __init__(self, spec, shape, ctx, *, options: BuildOptions | None = None):
         w, lay = spec.workload, spec.layout
@@ -92,32 +84,20 @@ class Engine3D:
         c = self.mesh.coord
         self.clock = StepClock(ctx.device)
         self.stats = CommStats(self.clock)
-        self.axes = {
-            a: Axis(COUNTED_AS.get(a, a), self.mesh.groups[g], self.mesh.ranks[g], ctx.rank, self.stats, TIME_KEYS[a])
-            for a, g in GROUP_OF.items()
-        }
-        self.cp = self.axes["cp"] if lay.cp > 1 else None
-        sp = lay.sequence_parallel and lay.tp > 1
-        self.region = Region(self.axes["tp"], sp)
+        self.parallel = ParallelContext.of(self.mesh, self.stats, lay.sequence_parallel)
         self.chunks_per_rank = model_chunks(lay.pipeline_schedule, lay.virtual_stages)
         self.micro = micro_batches_per_step(spec)
-        v_shape = lay.pipeline_schedule in V_SCHEDULES
-        plans = rank_chunks(shape, lay.pp, self.chunks_per_rank, c.pp, w.seq_len, v_shape)
+        schedule = lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b"
+        self.placement = Placement.of(schedule, lay.pp, self.chunks_per_rank)  # which stage each chunk holds
+        plans = rank_chunks(shape, self.placement, c.pp, w.seq_len)
         self.plans = plans
-        self.chunks, self.param_specs = build_chunks(
-            shape,
-            plans,
-            lay.tp,
-            c.tp,
-            self.region,
-            options.kernels_for(lay),
-            lay.activation_checkpointing,
-            lambda name: reference_tensor(shape, w.seed, name),
-            ctx.device,
-            cp=self.cp,
-            cp_impl=lay.cp_impl,
-            ep=self.axes["ep"] if shape.moe else None,
+        chunk_options = ChunkOptions(
+            options.kernels_for(lay), lay.activation_checkpointing, lay.cp_impl, options.routing
         )
+        self.chunks = build_chunks(
+            shape, plans, self.parallel, chunk_options, lambda name: reference_tensor(shape, w.seed, name), ctx.device
+        )
+        self.param_specs = [s for ch in self.chunks for s in ch.param_specs()]
         # the aux losses' gradient: 1 / the reference's micro-batches per step (the DP sum adds the dp
         # ranks' micro-batches; cp ranks share theirs), and 1/tp of it on each tp rank (harness.engine.experts)
         for ch in self.chunks:
@@ -131,7 +111,7 @@ class Engine3D:
         self.params = [named[s.name] for s in self.param_specs]
         # dense parameters over dp x cp, a MoE's experts over their expert-data-parallel group
         groups = []
-        for expert, axis in ((False, self.axes["dp"]), (True, self.axes["edp"])):
+        for expert, axis in ((False, self.parallel.dp), (True, self.parallel.edp)):
             specs = [s for s in self.param_specs if s.expert == expert]
             if specs or not expert:
                 params = [named[s.name] for s in specs]
@@ -140,12 +120,12 @@ class Engine3D:
                         params,
                         specs,
                         axis,
-                        self.region.sp,
+                        self.parallel.region.sp,
                         lay.zero_stage == 1,
                         lay.dp_bucket_mb,
                         ctx.device,
                         self.policy,
-                        tp=self.axes["tp"],
+                        tp=self.parallel.tp,
                     )
                 )
         self.model_states = StateGroups(groups)
@@ -157,16 +137,15 @@ class Engine3D:
         if lay.compile != "none":
             opaque_to_compile()
         compile_blocks((block for ch in self.chunks for block in ch.layers.values()), lay.compile)
-        schedule = lay.pipeline_schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "1f1b"
         self.programs = all_programs(schedule, lay.pp, self.micro, self.chunks_per_rank)
         self.schedule = schedule if lay.pp > 1 or self.chunks_per_rank > 1 else "none (no pipeline)"
         seq_cp = w.seq_len // lay.cp  # the tokens of each sequence this rank holds
-        seq_local = seq_cp // lay.tp if sp else seq_cp
+        seq_local = seq_cp // lay.tp if self.parallel.sp else seq_cp
         p2p_mode = lay.pipeline_p2p if lay.pipeline_p2p != "auto" else ("grouped" if ctx.backend == "nccl" else "async")
         self.executor = PipelineExecutor(
             self.chunks,
             self.programs,
-            self.axes["pp"],
+            self.parallel.pp,
             self.clock,
             (seq_local, lay.micro_batch_size, shape.hidden),
             ctx.device,
@@ -174,7 +153,7 @@ class Engine3D:
             p2p_mode,
             self.hooks,
             options.batch_isend_irecv or dist.batch_isend_irecv,
-            Placement.of(schedule, lay.pp, self.chunks_per_rank),
+            self.placement,
         )
         cos, sin = shape_rotary(shape, w.seq_len, ctx.device, lay.cp, c.cp)  # this rank's positions
         self.cos, self.sin = cos, sin
@@ -209,7 +188,7 @@ class Engine3D:
         sq = states.grad_sq_sum(c.tp == 0, self.device)
         pair = torch.stack([loss if count_loss else torch.zeros_like(loss), sq]).float()
         ta = clock.mark()
-        self.axes["all"].all_reduce(pair)  # its wait is the slowest stage's lag: charged to bubble
+        self.parallel.world.all_reduce(pair)  # its wait is the slowest stage's lag: charged to bubble
         t1 = clock.mark()
         if w.grad_clip > 0:
             norm = pair[1].sqrt()
@@ -232,7 +211,7 @@ class Engine3D:
                 # they run inside forward/backward
                 "compute": max(0.0, s["fb"] - s["tp_comm"] - s["cp_comm"] - s["ep_comm"]),
                 "tp_comm": s["tp_comm"],
-                **({"cp_comm": s["cp_comm"]} if self.cp is not None else {}),
+                **({"cp_comm": s["cp_comm"]} if self.parallel.cp.size > 1 else {}),
                 **({"ep_comm": s["ep_comm"]} if self.mesh.size("ep") > 1 else {}),
                 "bubble": s["bubble"],  # p2p sends and receive waits, send drains, waiting for the slowest stage
                 "dp_comm": s["dp_comm"],
@@ -257,7 +236,7 @@ class Engine3D:
         Collective: every rank must call it; rank 0 gets the dict, the others None.
         """
         c = self.mesh.coord
-        tp = self.axes["tp"]
+        tp = self.parallel.tp
         masters = self.model_states.full_masters()
         mine = {}
         for spec, p in zip(self.param_specs, self.params, strict=True):
@@ -272,7 +251,7 @@ class Engine3D:
         gathered = [None] * self.mesh.size("all") if self.mesh.rank == 0 else None
         # the dense parameters from the first replica, a MoE's experts from the first member of each
         # expert-data-parallel group (every ep share once)
-        first = {False: self.axes["dp"].index == 0, True: self.axes["edp"].index == 0}
+        first = {False: self.parallel.dp.index == 0, True: self.parallel.edp.index == 0}
         experts = {s.name: s.expert for s in self.param_specs}
         payload = {k: v for k, v in mine.items() if first[experts[k]]} if c.tp == 0 else {}
         dist.gather_object(payload, gathered, dst=0)
@@ -301,6 +280,9 @@ class Engine3D:
     def activation_exclusions(self) -> list:
         return list(self.params)
 
+    def process_groups(self) -> dict:
+        return {}  # every group of the Mesh names its axis (group_desc)
+
     def describe(self) -> dict:
         lay = self.spec.layout
         return {
@@ -317,7 +299,7 @@ class Engine3D:
             "chunks_per_rank": self.chunks_per_rank,
             "p2p_mode": self.executor.mode,
             "micro_batches": self.micro,
-            "sequence_parallel": self.region.sp is not None,
+            "sequence_parallel": self.parallel.sp,
             "zero_stage": lay.zero_stage,
             "dp_buckets": [b.padded for b in self.model_states.buckets],
             "precision_policy": self.policy.describe(),

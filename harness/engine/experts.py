@@ -18,7 +18,7 @@ gives every tp rank the micro-batch's tokens, they route identically, each ep pe
 same tp index, the experts are SwiGLUs at width moe_ffn/tp (w1/w3 column-, w2 row-parallel: partial
 sums, which region.leave reduces). The router's weight is replicated across tp, but its gradient is a
 partial sum per tp rank (through the combine weights of partial expert outputs): it is summed over tp
-before the data-parallel reduction (ParamSpec.tp_partial, harness.engine.data_parallel). So that the aux
+before the data-parallel reduction (its Sharding's tp_partial, harness.engine.data_parallel). So that the aux
 losses' gradient (the same on every tp rank) is not counted tp times by that sum and by region.enter's
 backward, each tp rank injects 1/tp of it (`aux_scale`, set by the engine).
 """
@@ -26,9 +26,10 @@ backward, each tp rank injects 1/tp of it (`aux_scale`, set by the engine).
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from harness.engine.comm import Axis
+from harness.engine.parallel import ParallelContext
+from harness.engine.partition import shard, shard_swiglu
 from harness.model.moe import MoEFeedForward, RouterInputs
 from harness.model.presets import Shape
 
@@ -63,13 +64,6 @@ def group_by_expert(recv_counts: list[list[int]], device=None) -> tuple[torch.Te
     pieces = [range(starts[r][j], starts[r][j] + row[j]) for j in range(held) for r, row in enumerate(recv_counts)]
     perm = torch.tensor([i for p in pieces for i in p], dtype=torch.long)  # built on the host, one copy over
     return perm.to(device) if device is not None else perm, [sum(row[j] for row in recv_counts) for j in range(held)]
-
-
-def even_counts(slots: int, experts: int) -> list[int]:
-    """Routed slots per expert when routing is even (the first slots % experts get one more): what a
-    trace on fake tensors, which cannot know the data-dependent counts, dispatches."""
-    base, extra = divmod(slots, experts)
-    return [base + (e < extra) for e in range(experts)]
 
 
 def splits(counts: list[int], ep: int) -> list[int]:
@@ -125,20 +119,29 @@ class ExpertParallelMoE(MoEFeedForward):
     experts' outputs, for region.leave). Under cp the losses' statistics are summed over the cp ranks
     (summed_over): every cp rank computes the micro-batch's losses, each rank's tokens carry their part
     of the gradient (the replica reduction over dp x cp adds them), and the statistics are recorded on
-    cp index 0 only (the engine's router_stats)."""
+    cp index 0 only (the engine's router_stats).
 
-    def __init__(self, shape: Shape, tp: int, ep: Axis | None, cp: Axis | None = None):
-        super().__init__(shape, held_experts(shape, ep), shape.moe_ffn // tp)
-        self.ep = ep if ep is not None and ep.size > 1 else None
-        self.cp = cp
+    `routing` (ChunkOptions.routing), when given, says how many routed slots each expert gets, (slots,
+    experts) -> counts, in place of the data's: the slots are taken in token order, every rank is taken to
+    route as this one (no exchange of counts), and no statistics or losses are attached (they are the
+    data's). harness memory's trace on fake tensors, which have no data, routes so (evenly)."""
+
+    def __init__(self, shape: Shape, parallel: ParallelContext, routing=None):
+        super().__init__(shape, held_experts(shape, parallel.ep), shape.moe_ffn // parallel.tp.size)
+        shard(self.router.weight, tp_partial=True)
+        for expert in self.experts.values():
+            shard_swiglu(expert, expert=True)
+        self.ep = parallel.ep if parallel.ep.size > 1 else None
+        self.cp = parallel.cp
+        self.routing = routing
 
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
         weights, experts, probs, logits = self.gate(x2)
-        fake = isinstance(x2, FakeTensor)  # harness memory's trace: even routing (even_counts)
-        if fake:
+        given = self.routing is not None
+        if given:
             order = torch.arange(experts.numel(), device=x2.device)
-            token, counts = order // self.k, even_counts(experts.numel(), self.n_experts)
+            token, counts = order // self.k, self.routing(experts.numel(), self.n_experts)
         else:
             order, token, counts_t = sort_by_expert(experts, self.n_experts)
             counts = counts_t.tolist()
@@ -148,7 +151,7 @@ class ExpertParallelMoE(MoEFeedForward):
         if ep == 1:
             recv_counts, received = [counts], rows
         else:
-            if fake:  # every rank routes as this one
+            if given:  # every rank routes as this one
                 mine = counts[self.ep.index * held : (self.ep.index + 1) * held]
                 recv_counts = [mine] * ep
             else:  # source r's counts for my experts
@@ -168,6 +171,6 @@ class ExpertParallelMoE(MoEFeedForward):
             y = _Exchange.apply(y, self.ep, recv, send)  # the combine: rows back to their tokens' ranks
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros_like(x2).index_add(0, token, y)
-        if fake:  # the statistics are data (counted into Python numbers): not traced
+        if given:  # the statistics are the data's: none with given counts
             return out.view_as(x)
         return self.attach_losses(out, summed_over(RouterInputs.of(logits, experts, probs), self.cp)).view_as(x)

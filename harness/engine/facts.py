@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-from harness.registry import (
-    ANY,
-    EVERY_ENGINE,
-    FP8,
-    MOE,
-    EngineFacts,
-    MemoryModel,
-    every_value,
-    only,
-    tied_across_stages,
-)
+from harness import spec
+from harness.registry import EngineFacts, MemoryModel, only, tied_across_stages
+from harness.spec import EVERY_ENGINE, FP8, MOE, honoured, subset, through
 
 # its instruction lists (harness/engine/schedules.py; the zero-bubble ones in torch's orders, zero_bubble.py)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
+SCHEDULES = through(spec.SCHEDULES, "dualpipev")
 # what ring and allgather blocks compute: naive's math, or torch's attention ops that return the LSE
 # (harness.engine.lse_attention: flash on CPU; flash, efficient, cuDNN on CUDA; whether the device runs
 # the kernel is the kernel check's verdict before launch, harness.model.kernels.check_kernels)
-BLOCK_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+BLOCK_KERNELS = subset(spec.ATTENTION_KERNELS, "naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+BLOCKWISE_CP = subset(spec.CP_IMPLS, "ring", "allgather")  # K/V blocks, each attended to apart
 
 
 def blockwise_cp(lay) -> bool:
-    return lay.cp > 1 and lay.cp_impl in ("ring", "allgather")
+    return lay.cp > 1 and lay.cp_impl in BLOCKWISE_CP
 
 
 def fp8_misaligned_shards(w, lay) -> list[str]:
@@ -49,14 +42,16 @@ ENGINE = EngineFacts(
         **EVERY_ENGINE,
         **FP8,
         **MOE,
-        "layout.ep": ANY,
-        **{
-            f"layout.{name}": every_value(f"layout.{name}")
-            for name in (
-                "tp pp dp cp cp_impl activation_checkpointing sequence_parallel attention rmsnorm "
-                "virtual_stages pipeline_p2p dp_bucket_mb compile"
-            ).split()
-        },
+        **honoured(
+            "layout",
+            "tp pp dp cp ep sequence_parallel virtual_stages dp_bucket_mb",
+            cp_impl="ulysses",
+            activation_checkpointing="selective",
+            attention="flash2",
+            rmsnorm="fused",
+            pipeline_p2p="grouped",
+            compile="blocks",
+        ),
         "layout.pipeline_schedule": only(
             *SCHEDULES,
             why="the own engine's instruction lists (harness/engine/schedules.py) are " + ", ".join(SCHEDULES),

@@ -10,9 +10,16 @@ sequence (seq/cp tokens, cp_token_index order) and its attention is the plain mo
 followed by context_parallel.attention over the cp axis instead of the core (selective
 checkpointing is its recompute: only rank-local math again, no collective repeated). The
 kernels are given at build time (harness.model.kernels.Kernels).
+
+Every module takes the rank's ParallelContext (parallel.py: its axes and TP region) and the chunk's
+ChunkOptions (how it computes), and marks how each parameter it builds is sharded (partition.Sharding);
+the rank's parameter list is read from the built chunks (Chunk.param_specs), not declared beside them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -20,28 +27,45 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from harness.engine import context_parallel
-from harness.engine.comm import Axis
-from harness.engine.experts import ExpertParallelMoE, held_experts
-from harness.engine.partition import ChunkPlan, ParamSpec, shard_of, stage_params
-from harness.engine.tensor_parallel import Region, vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_range
-from harness.model.kernels import Kernels, rmsnorm_torch
-from harness.model.llama import FeedForward, RMSNorm, apply_rotary, attend, normed, qk_norms, tie_embeddings
+from harness.engine.experts import ExpertParallelMoE
+from harness.engine.parallel import ParallelContext
+from harness.engine.partition import ChunkPlan, ParamSpec, module_params, shard, shard_of, shard_swiglu
+from harness.engine.tensor_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_range
+from harness.model.feed_forward import FeedForward
+from harness.model.kernels import Kernels
+from harness.model.llama import RMSNorm, apply_rotary, attend, normed, qk_norms, tie_embeddings
 from harness.model.presets import Shape
+
+SPLIT_DIM = {"column": 0, "row": 1}
+
+
+@dataclass(frozen=True)
+class ChunkOptions:
+    """How a chunk computes, beside where it runs (ParallelContext): the kernels, activation checkpointing
+    (none, selective, full), the context-parallel attention's implementation (cp_impl), and a MoE's tokens
+    per expert when the builder gives them instead of the data (harness.model.training.BuildOptions.routing:
+    (routed slots, experts) -> slots per expert; None: the data's)."""
+
+    kernels: Kernels
+    checkpointing: str = "none"
+    cp_impl: str = "ring"
+    routing: Callable[[int, int], list[int]] | None = None
 
 
 class Weight(nn.Module):
-    """A bare (possibly sharded) weight, and optionally a bias of `bias` elements, so parameter
-    names match the plain model's. forward adds the bias only when add_bias (a column-parallel
-    shard's own slice); a row-parallel layer's bias is added once after the reduction instead."""
+    """A bare weight, this rank's shard of it, and optionally a bias of `bias` elements, so parameter names
+    match the plain model's. `split` "column": rows split over TP (the weight's dim 0, the bias with it,
+    added by forward); "row": columns split (dim 1), the bias replicated and added once after the region's
+    reduction by the caller, not here."""
 
-    def __init__(self, *shape, bias: int = 0, add_bias: bool = True):
+    def __init__(self, *shape, split: str, bias: int = 0):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape))
+        self.weight = shard(nn.Parameter(torch.empty(*shape)), SPLIT_DIM[split])
         if bias:
-            self.bias = nn.Parameter(torch.empty(bias))
+            self.bias = shard(nn.Parameter(torch.empty(bias)), 0 if split == "column" else None)
         else:
             self.bias = None
-        self.add_bias = add_bias
+        self.add_bias = split == "column"
         self.matmul = None  # precision fp8: torchao's FP8 matmul (use_fp8); None: F.linear
 
     def forward(self, x):
@@ -57,22 +81,27 @@ class ParallelAttention(nn.Module):
     With attention_bias or qkv_bias, q/k/v biases are sharded with their heads and added locally;
     wo's bias (attention_bias only) is replicated and added by the block after the region's
     reduction (once, not tp times). With qk_norm, the plain model's per-head q/k RMSNorms run on the
-    rank's own heads (weights replicated, gradients summed over TP: partition.py's tp_partial).
-    `cp`: the context-parallel axis (None without cp) its core meets the other chunks over."""
+    rank's own heads (weights replicated, gradients partial over TP: Sharding.tp_partial).
+    Under cp > 1 its core meets the other chunks over the context's cp axis (options.cp_impl)."""
 
-    def __init__(self, shape: Shape, tp: int, kernel, cp: Axis | None = None, cp_impl: str = "ring", rmsnorm=None):
+    def __init__(self, shape: Shape, parallel: ParallelContext, options: ChunkOptions):
         super().__init__()
+        tp = parallel.tp.size
         self.head_dim = shape.head_dim
         hq, hkv = shape.heads // tp * self.head_dim, shape.kv_heads // tp * self.head_dim
         b = shape.has_qkv_bias
-        self.wq = Weight(hq, shape.hidden, bias=hq if b else 0)
-        self.wk = Weight(hkv, shape.hidden, bias=hkv if b else 0)
-        self.wv = Weight(hkv, shape.hidden, bias=hkv if b else 0)
-        self.wo = Weight(shape.hidden, hq, bias=shape.hidden if shape.attention_bias else 0, add_bias=False)
-        self.q_norm, self.k_norm = qk_norms(shape, rmsnorm or rmsnorm_torch)
-        self.kernel = kernel
-        self.recompute_core = False
-        self.cp, self.cp_impl = cp, cp_impl
+        self.wq = Weight(hq, shape.hidden, split="column", bias=hq if b else 0)
+        self.wk = Weight(hkv, shape.hidden, split="column", bias=hkv if b else 0)
+        self.wv = Weight(hkv, shape.hidden, split="column", bias=hkv if b else 0)
+        self.wo = Weight(shape.hidden, hq, split="row", bias=shape.hidden if shape.attention_bias else 0)
+        self.q_norm, self.k_norm = qk_norms(shape, options.kernels.rmsnorm)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                shard(norm.weight, tp_partial=tp > 1)
+        self.kernel = options.kernels.attention
+        self.recompute_core = options.checkpointing == "selective"
+        self.cp = parallel.cp if parallel.cp.size > 1 else None
+        self.cp_impl = options.cp_impl
 
     def _attend(self, q, k, v, cos, sin):
         if self.cp is None:
@@ -94,26 +123,20 @@ class ParallelAttention(nn.Module):
 class ParallelBlock(nn.Module):
     """The plain Block with its attention and MLP inside TP regions. The MLP is the plain
     FeedForward at width ffn/tp: w1/w3 column-parallel, w2 row-parallel, no communication inside; a MoE's
-    is harness.engine.experts' (this `ep` rank's experts, all-to-all inside the same region)."""
+    is harness.engine.experts' (this ep rank's experts, all-to-all inside the same region)."""
 
-    def __init__(
-        self,
-        shape: Shape,
-        tp: int,
-        region: Region,
-        kernels: Kernels,
-        cp: Axis | None = None,
-        cp_impl: str = "ring",
-        ep: Axis | None = None,
-    ):
+    def __init__(self, shape: Shape, parallel: ParallelContext, options: ChunkOptions):
         super().__init__()
-        self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
-        self.attention = ParallelAttention(shape, tp, kernels.attention, cp, cp_impl, kernels.rmsnorm)
-        self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm)
-        self.feed_forward = (
-            ExpertParallelMoE(shape, tp, ep, cp) if shape.moe else FeedForward(shape.hidden, shape.ffn // tp)
-        )
-        self.region = region
+        rmsnorm = options.kernels.rmsnorm
+        self.attention_norm = RMSNorm(shape.hidden, shape.norm_eps, rmsnorm)
+        self.attention = ParallelAttention(shape, parallel, options)
+        self.ffn_norm = RMSNorm(shape.hidden, shape.norm_eps, rmsnorm)
+        if shape.moe:
+            self.feed_forward = ExpertParallelMoE(shape, parallel, options.routing)
+        else:
+            self.feed_forward = FeedForward(shape.hidden, shape.ffn // parallel.tp.size)
+            shard_swiglu(self.feed_forward)
+        self.region = parallel.region
 
     def forward(self, x, cos, sin):
         r = self.region
@@ -136,34 +159,34 @@ class Chunk(nn.Module):
     returns hidden, or on the last stage the summed per-token loss (the executor scales it).
     """
 
-    def __init__(
-        self,
-        shape: Shape,
-        plan: ChunkPlan,
-        tp: int,
-        tp_index: int,
-        region: Region,
-        kernels: Kernels,
-        checkpointing: str,
-        cp: Axis | None = None,
-        cp_impl: str = "ring",
-        ep: Axis | None = None,
-    ):
+    def __init__(self, shape: Shape, plan: ChunkPlan, parallel: ParallelContext, options: ChunkOptions):
         super().__init__()
-        self.shape, self.plan, self.region, self.checkpointing = shape, plan, region, checkpointing
-        self.vocab_start = vocab_range(shape.vocab, tp, tp_index)[0]
-        self.tok_embeddings = Weight(shape.vocab // tp, shape.hidden) if plan.first else None
-        self.layers = nn.ModuleDict(
-            {str(i): ParallelBlock(shape, tp, region, kernels, cp, cp_impl, ep) for i in plan.layers}
-        )
-        for layer in self.layers.values():
-            layer.attention.recompute_core = checkpointing == "selective"
-        self.norm = RMSNorm(shape.hidden, shape.norm_eps, kernels.rmsnorm) if plan.last else None
-        self.output = Weight(shape.vocab // tp, shape.hidden) if plan.last else None
+        self.shape, self.plan, self.region, self.checkpointing = shape, plan, parallel.region, options.checkpointing
+        tp = parallel.tp
+        self.vocab_start = vocab_range(shape.vocab, tp.size, tp.index)[0]
+        self.tok_embeddings = Weight(shape.vocab // tp.size, shape.hidden, split="column") if plan.first else None
+        self.layers = nn.ModuleDict({str(i): ParallelBlock(shape, parallel, options) for i in plan.layers})
+        self.norm = RMSNorm(shape.hidden, shape.norm_eps, options.kernels.rmsnorm) if plan.last else None
+        self.output = Weight(shape.vocab // tp.size, shape.hidden, split="column") if plan.last else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
         tie_embeddings(self.shape, self.tok_embeddings, self.output)
+
+    def param_specs(self) -> list[ParamSpec]:
+        """This chunk's parameters, in the plain model's order, with their shards (partition.module_params)."""
+        return module_params(self, self.plan.chunk, self.region.tp.size)
+
+    def allocate(self, device) -> Chunk:
+        """Built on the meta device, allocated on `device` (Module.to_empty makes new Parameters: the tie
+        is made again and each keeps its sharding)."""
+        marks = {name: p.sharding for name, p in self.named_parameters() if hasattr(p, "sharding")}
+        self.to_empty(device=device)
+        self.tie_weights()
+        for name, p in self.named_parameters():
+            if name in marks:
+                p.sharding = marks[name]
+        return self
 
     def forward(self, x, cos, sin, targets=None):
         if self.plan.first:
@@ -215,39 +238,32 @@ def use_fp8(chunks: list[Chunk], policy, device_type: str) -> None:
 
 
 def build_chunks(
-    shape: Shape,
-    plans: list[ChunkPlan],
-    tp: int,
-    tp_index: int,
-    region: Region,
-    kernels: Kernels,
-    checkpointing: str,
-    reference,
-    device,
-    cp: Axis | None = None,
-    cp_impl: str = "ring",
-    ep: Axis | None = None,
-) -> tuple[list[Chunk], list[ParamSpec]]:
-    """The rank's chunks with their shards of the reference weights, and the parameter list
-    (cp: the context-parallel axis when cp > 1, and its cp_impl; ep: the expert-parallel one).
+    shape: Shape, plans: list[ChunkPlan], parallel: ParallelContext, options: ChunkOptions, reference, device
+) -> list[Chunk]:
+    """The rank's chunks (one per plan) with their shards of the reference weights.
 
     `reference(name)` gives one full initial tensor; it is sharded and dropped before the
     next is made, so a rank never holds more than one unsharded weight.
     """
-    chunks, specs = [], []
+    chunks = []
+    tp = parallel.tp
     for plan in plans:
         with torch.device("meta"):
-            chunk = Chunk(shape, plan, tp, tp_index, region, kernels, checkpointing, cp, cp_impl, ep)
-        chunk = chunk.to_empty(device=device)
-        chunk.tie_weights()
-        mine = stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk, held_experts(shape, ep))
+            chunk = Chunk(shape, plan, parallel, options)
+        chunk = chunk.allocate(device)
         named = dict(chunk.named_parameters())
-        if sorted(named) != sorted(s.name for s in mine):
-            raise AssertionError(f"chunk parameters {sorted(named)} differ from the plan")
         with torch.no_grad():
-            for spec in mine:
-                full = reference(spec.name)
-                named[spec.name].copy_(shard_of(full, spec, tp_index, tp))
+            for spec in chunk.param_specs():
+                named[spec.name].copy_(shard_of(reference(spec.name), spec, tp.index, tp.size))
         chunks.append(chunk)
-        specs += mine
-    return chunks, specs
+    return chunks
+
+
+def rank_params(shape: Shape, plans: list[ChunkPlan], parallel: ParallelContext) -> list[ParamSpec]:
+    """The parameter list of the chunks `plans` on `parallel`'s rank without weights or processes: the
+    chunks built on the meta device (the closed-form comm model's gradient buckets)."""
+    out = []
+    for plan in plans:
+        with torch.device("meta"):
+            out += Chunk(shape, plan, parallel, ChunkOptions(Kernels.of("naive", "torch"))).param_specs()
+    return out

@@ -1,13 +1,16 @@
-"""Which layers each pipeline stage holds, and which parameter shards each rank owns.
+"""Which layers each pipeline stage holds, and how each parameter is sharded.
 
-Both are pure functions of the shape and layout, so the model builder, the gradient
-buckets and the closed-form comm model all read the same list.
+The layers are a pure function of the shape and layout (the model builder and the closed-form comm
+model read the same split). A parameter's sharding is carried by the parameter, set where the module
+builds it (harness/engine/model.py, experts.py); the parameter list the gradient buckets, the norm
+and the state gather read is derived from the built modules (module_params).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.engine.schedules import Placement
 from harness.model.presets import Shape
 
 
@@ -66,6 +69,33 @@ def balanced_partition(shape: Shape, stages: int, seq_len: int) -> list[range]:
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How a parameter is held across ranks, carried by the parameter itself (`param.sharding`, set by the
+    module that builds it: Megatron's tensor_model_parallel / partition_dim / allreduce attributes).
+    A parameter without one is replicated across TP with a whole gradient (norms, a row-parallel bias)."""
+
+    dim: int | None = None  # the dimension split over TP; None: replicated across TP
+    expert: bool = False  # a routed expert's: replicated over the expert-data-parallel group only
+    tp_partial: bool = False  # replicated across TP with a partial gradient on each rank (q/k norms, the router)
+
+
+REPLICATED = Sharding()
+
+
+def shard(param, dim: int | None = None, *, expert: bool = False, tp_partial: bool = False):
+    """Mark `param` (returned) as held so."""
+    param.sharding = Sharding(dim, expert, tp_partial)
+    return param
+
+
+def shard_swiglu(ffn, expert: bool = False) -> None:
+    """A SwiGLU (harness.model.feed_forward.FeedForward) at width ffn/tp, Megatron's way: w1/w3
+    column-parallel (rows split), w2 row-parallel (columns split)."""
+    for linear, dim in ((ffn.w1, 0), (ffn.w3, 0), (ffn.w2, 1)):
+        shard(linear.weight, dim, expert=expert)
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     name: str  # as in the plain Llama's state dict
     full: tuple[int, ...]  # full shape
@@ -76,68 +106,15 @@ class ParamSpec:
     tp_partial: bool = False  # replicated across TP with a partial gradient on each rank (the router's)
 
 
-def _sharded(name, full, dim, tp, chunk, expert=False):
-    local = list(full)
-    local[dim] //= tp
-    return ParamSpec(name, tuple(full), tuple(local), dim, chunk, expert)
-
-
-def feed_forward_params(shape: Shape, tp: int, p: str, chunk: int, experts: range | None) -> list[ParamSpec]:
-    """A block's feed-forward: the dense SwiGLU, or under a MoE the router (replicated across TP, its
-    gradient a partial sum per TP rank: harness.engine.experts) and the held experts (`experts`, by
-    global index; all by default), each a SwiGLU at width moe_ffn/tp."""
-    h = shape.hidden
-    if not shape.moe:
-        return [
-            _sharded(p + "feed_forward.w1.weight", (shape.ffn, h), 0, tp, chunk),
-            _sharded(p + "feed_forward.w3.weight", (shape.ffn, h), 0, tp, chunk),
-            _sharded(p + "feed_forward.w2.weight", (h, shape.ffn), 1, tp, chunk),
-        ]
-    e, f = shape.experts, shape.moe_ffn
-    out = [ParamSpec(p + "feed_forward.router.weight", (e, h), (e, h), None, chunk, tp_partial=True)]
-    for x in range(e) if experts is None else experts:
-        q = f"{p}feed_forward.experts.{x}."
-        out += [
-            _sharded(q + "w1.weight", (f, h), 0, tp, chunk, True),
-            _sharded(q + "w3.weight", (f, h), 0, tp, chunk, True),
-            _sharded(q + "w2.weight", (h, f), 1, tp, chunk, True),
-        ]
-    return out
-
-
-def stage_params(
-    shape: Shape, tp: int, layers: range, first: bool, last: bool, chunk: int = 0, experts: range | None = None
-) -> list[ParamSpec]:
-    """Parameters of one model chunk in registration order (the plain model's order).
-
-    Attention biases: q/k/v's sharded with their heads, wo's replicated across TP (added after
-    the reduction; under SP its gradient is a partial sum over the sequence, like the norms').
-    Per-head q/k norms (qk_norm): replicated, their gradients partial over TP (tp_partial).
-    A tied LM head is tok_embeddings.weight: not listed again. `experts`: the routed experts this
-    rank holds under expert parallelism (all by default)."""
-    h, hd = shape.hidden, shape.head_dim
+def module_params(module, chunk: int, tp: int) -> list[ParamSpec]:
+    """The parameter list of one built model chunk in registration order (the plain model's: a tied LM
+    head is tok_embeddings.weight, listed once), from what each parameter carries (Sharding)."""
     out = []
-    if first:
-        out.append(_sharded("tok_embeddings.weight", (shape.vocab, h), 0, tp, chunk))
-    for i in layers:
-        p = f"layers.{i}."
-        out.append(ParamSpec(p + "attention_norm.weight", (h,), (h,), None, chunk))
-        for name, rows in (("wq", shape.heads * hd), ("wk", shape.kv_heads * hd), ("wv", shape.kv_heads * hd)):
-            out.append(_sharded(p + f"attention.{name}.weight", (rows, h), 0, tp, chunk))
-            if shape.has_qkv_bias:
-                out.append(_sharded(p + f"attention.{name}.bias", (rows,), 0, tp, chunk))
-        out.append(_sharded(p + "attention.wo.weight", (h, shape.heads * hd), 1, tp, chunk))
-        if shape.attention_bias:
-            out.append(ParamSpec(p + "attention.wo.bias", (h,), (h,), None, chunk))
-        if shape.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                out.append(ParamSpec(p + f"attention.{norm}.weight", (hd,), (hd,), None, chunk, tp_partial=tp > 1))
-        out.append(ParamSpec(p + "ffn_norm.weight", (h,), (h,), None, chunk))
-        out += feed_forward_params(shape, tp, p, chunk, experts)
-    if last:
-        out.append(ParamSpec("norm.weight", (h,), (h,), None, chunk))
-        if not (shape.tie_embeddings and first):
-            out.append(_sharded("output.weight", (shape.vocab, h), 0, tp, chunk))
+    for name, p in module.named_parameters():
+        s = getattr(p, "sharding", REPLICATED)
+        local = tuple(p.shape)
+        full = tuple(n * tp if d == s.dim else n for d, n in enumerate(local))
+        out.append(ParamSpec(name, full, local, s.dim, chunk, s.expert, s.tp_partial))
     return out
 
 
@@ -150,24 +127,14 @@ class ChunkPlan:
     last: bool
 
 
-def rank_chunks(shape: Shape, pp: int, chunks: int, pp_rank: int, seq_len: int, v: bool = False) -> list[ChunkPlan]:
-    """The model chunks of one pipeline rank: chunk c is global stage c * pp + pp_rank, or in a V (v, two
-    chunks) stages pp_rank and 2 pp - 1 - pp_rank."""
-    stages = pp * chunks
-    parts = balanced_partition(shape, stages, seq_len)
+def rank_chunks(shape: Shape, place: Placement, pp_rank: int, seq_len: int) -> list[ChunkPlan]:
+    """The model chunks of one pipeline rank: chunk c holds global stage place.stage(pp_rank, c) of a
+    balanced partition into every stage."""
+    parts = balanced_partition(shape, place.last + 1, seq_len)
     out = []
-    for c in range(chunks):
-        s = stages - 1 - pp_rank if v and c == 1 else c * pp + pp_rank
-        out.append(ChunkPlan(c, s, parts[s], s == 0, s == stages - 1))
-    return out
-
-
-def rank_params(
-    shape: Shape, tp: int, pp: int, chunks: int, pp_rank: int, seq_len: int, v: bool = False
-) -> list[ParamSpec]:
-    out = []
-    for plan in rank_chunks(shape, pp, chunks, pp_rank, seq_len, v):
-        out += stage_params(shape, tp, plan.layers, plan.first, plan.last, plan.chunk)
+    for c in range(place.chunks):
+        s = place.stage(pp_rank, c)
+        out.append(ChunkPlan(c, s, parts[s], s == 0, s == place.last))
     return out
 
 

@@ -98,27 +98,23 @@ class PipelineExecutor:
             self.pending.append((self.axis.isend(t, a.peer), t))
 
     def _group(self, transfers) -> None:
-        """Grouped mode: post a group's sends and receives at once, wait for all of them."""
-        ops = []
+        """Grouped mode: post a group's sends and receives at once (Axis.exchange), wait for all of them."""
+        posted = []
         for t in transfers:
-            peer = self.axis.ranks[t.peer]
             if t.op == "send":
                 tensor = self.outbox.pop(t.label)
-                self.axis.stats.record(self.axis.name, "send", tensor)
-                ops.append(dist.P2POp(dist.isend, tensor, peer, self.axis.group))
             else:
                 tensor = self._buffer()
-                self.axis.stats.record(self.axis.name, "recv", tensor)
                 self.early.setdefault(t.peer, {})[t.label] = tensor
-                ops.append(dist.P2POp(dist.irecv, tensor, peer, self.axis.group))
+            posted.append((t.op, tensor, t.peer))
         t0 = self.clock.mark()
-        works = self.batch_isend_irecv(ops)
-        if len(works) == len(ops):  # one work per op (gloo): only the receives are needed now
-            for t, work, op in zip(transfers, works, ops, strict=True):
-                if t.op == "recv":
+        works = self.axis.exchange(posted, post=self.batch_isend_irecv)
+        if len(works) == len(posted):  # one work per op (gloo): only the receives are needed now
+            for (op, tensor, _), work in zip(posted, works, strict=True):
+                if op == "recv":
                     work.wait()
                 else:
-                    self.pending.append((work, op.tensor))
+                    self.pending.append((work, tensor))
         else:  # one coalesced work for the group (NCCL)
             for work in works:
                 work.wait()

@@ -330,7 +330,7 @@ def grouped_program(programs: list[list[Action]], rank: int) -> list:
     return out
 
 
-def _run_grouped(progs: list[list], f_cost: float, b_cost: float, w_cost: float | None = None):
+def run_grouped(progs: list[list], f_cost: float, b_cost: float, w_cost: float | None = None):
     """Strict group semantics: a group finishes only when every transfer in it meets its
     partner (posted by the peer, now or earlier), and its rank waits for it before going on.
     Returns (finish time, None) or (None, {rank: (item index, transfers still unmatched)})."""
@@ -387,7 +387,7 @@ def grouped_programs(programs: list[list[Action]]) -> list[list]:
     pp = len(programs)
     progs = [grouped_program(programs, r) for r in range(pp)]
     for _ in range(1_000_000):
-        _, stuck = _run_grouped(progs, 1.0, 2.0)
+        _, stuck = run_grouped(progs, 1.0, 2.0)
         if stuck is None:
             return [[item for item in prog if not (isinstance(item, list) and not item)] for prog in progs]
         moved = False
@@ -415,27 +415,3 @@ def grouped_programs(programs: list[list[Action]]) -> list[list]:
         if not moved:
             raise AssertionError(f"grouped deadlock with only receives blocked: {stuck}")
     raise AssertionError("grouping did not converge")
-
-
-def simulate_grouped(
-    programs: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0, w_cost: float | None = None
-) -> float:
-    """Finish time of the grouped programs under strict group semantics (raises on deadlock)."""
-    finish, stuck = _run_grouped(grouped_programs(programs), f_cost, b_cost, w_cost)
-    if stuck is not None:
-        raise AssertionError(f"grouped deadlock: {stuck}")
-    return finish
-
-
-def draw(sim: Simulation, width_per_unit: int = 1) -> str:
-    """ASCII chart of a simulated timeline: one row per rank, F as micro-batch digits, B as letters, W as
-    capitals."""
-    rows = []
-    for r, events in enumerate(sim.timeline):
-        line = [" "] * int(sim.finish * width_per_unit)
-        for kind, _chunk, micro, start, end in events:
-            ch = str(micro % 10) if kind == "F" else ("abcdefghij" if kind == "B" else "ABCDEFGHIJ")[micro % 10]
-            for t in range(int(start * width_per_unit), int(end * width_per_unit)):
-                line[t] = ch
-        rows.append(f"rank {r}: " + "".join(line))
-    return "\n".join(rows)

@@ -17,7 +17,13 @@ from harness import registry
 
 
 class TrainingEngine(typing.Protocol):
-    """What build_engine returns, whatever the framework."""
+    """What build_engine returns, whatever the framework. What an engine can or cannot measure is
+    declared here (times_own_communication, process_groups), never guessed from what it returns."""
+
+    times_own_communication: typing.ClassVar[bool]
+    """True where last_step_details()["breakdown_s"] splits compute from each axis's communication
+    (compute, tp_comm, dp_comm, bubble, optimizer, total: harness.profiling.record.from_instrumented
+    reads it; the own engine); False where it times only whole phases or nothing."""
 
     def train_step(self, global_batch) -> typing.Any:
         """One optimizer step on the step's global batch [global_batch_size, seq_len + 1]; returns the
@@ -34,10 +40,19 @@ class TrainingEngine(typing.Protocol):
 
     def memory_census(self) -> dict | None:
         """Bytes per category (parameters, gradients, master_parameters, optimizer_states) and dtype this
-        rank held at its first optimizer step (harness.measure.CensusAtStep); None: not measured."""
+        rank held at its first optimizer step (harness.measure.census.CensusAtStep); None: not measured."""
 
     def activation_exclusions(self) -> list:
         """Tensors autograd may save that are not activations (the parameters, gathered copies of them)."""
+
+    def router_stats(self) -> dict:
+        """A MoE's routing since the last call, {layer: statistics} in harness.model.moe.take_router_stats'
+        format, counting each of this rank's tokens once over the ranks ({} where another rank counts them,
+        and for a dense model)."""
+
+    def process_groups(self) -> dict:
+        """{axis: [process groups]} the profiler's axis names cannot be read from (a group's ranks alone do
+        not tell it from another axis of the same ranks, and it carries no group_desc); {}: none."""
 
 
 def gather_on_rank0(mine: dict | None) -> dict | None:

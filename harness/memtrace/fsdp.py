@@ -14,7 +14,7 @@ import time
 import torch
 
 from harness.errors import SpecError
-from harness.measure import SavedActivations, storage_identity
+from harness.measure.census import SavedActivations, storage_identity
 from harness.memtrace import step
 from harness.memtrace.live import LiveTensors
 from harness.memtrace.standins import traced_options

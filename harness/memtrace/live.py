@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from harness.measure import local_tensor, storage_identity
+from harness.measure.census import local_tensor, storage_identity
 
 
 class LiveTensors(TorchDispatchMode):

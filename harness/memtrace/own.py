@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from harness.measure import SavedActivations, storage_identity
+from harness.measure.census import SavedActivations, storage_identity
 from harness.memtrace.live import LiveTensors
 from harness.memtrace.standins import traced_options
 from harness.memtrace.step import (

@@ -10,9 +10,12 @@ cannot is substituted by something with the same memory behaviour, named in the 
   - AdamW fused, as the engine builds it on CUDA (no per-parameter temporaries)
   - pipeline transfers grouped, each group one coalesced work, as on NCCL (layout.pipeline_p2p
     auto); an explicit async stays async
+  - a mixture of experts routes evenly (even_counts), the same on every rank: the real counts are
+    data, which fake tensors do not have (the own engine's BuildOptions.routing)
 
 The engines are built with harness.model.training.BuildOptions (the kernels above, the fused
-optimizer, NCCL's coalesced transfer groups, weights not loaded, allocation under fake mode) and
+optimizer, NCCL's coalesced transfer groups, even routing, weights not loaded, allocation under fake
+mode) and
 tell the tracer their phases through its StepHooks (step.Phases).
 """
 
@@ -25,8 +28,9 @@ import torch.distributed as dist
 
 from harness.model.kernels import Kernels
 from harness.model.training import BuildOptions, StepHooks, make_adamw
+from harness.spec import ATTENTION_KERNELS, subset
 
-FLASH_STYLE = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
+FLASH_STYLE = subset(ATTENTION_KERNELS, "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -77,6 +81,13 @@ def _fused_adamw(params, workload, **kw):
     return make_adamw(params, workload, **{**kw, "fused": True})
 
 
+def even_counts(slots: int, experts: int) -> list[int]:
+    """Routed slots per expert when routing is even (the first slots % experts get one more): what a
+    trace on fake tensors, which cannot know the data-dependent counts, dispatches."""
+    base, extra = divmod(slots, experts)
+    return [base + (e < extra) for e in range(experts)]
+
+
 def _coalesced_batch_isend_irecv(ops):
     """NCCL's batch_isend_irecv: the group is one coalesced work."""
     works = dist.batch_isend_irecv(ops)
@@ -86,11 +97,13 @@ def _coalesced_batch_isend_irecv(ops):
 
 
 def traced_options(lay, hooks: StepHooks, materialize=None) -> BuildOptions:
-    """How the trace builds an engine: the target's kernels, optimizer and transfers, no weight values."""
+    """How the trace builds an engine: the target's kernels, optimizer and transfers, even routing, no weight
+    values."""
     return BuildOptions(
         kernels=traced_kernels(lay),
         make_optimizer=_fused_adamw,
         batch_isend_irecv=_coalesced_batch_isend_irecv,
+        routing=even_counts,
         materialize=materialize,
         load_weights=False,
         hooks=hooks,

@@ -2,10 +2,10 @@
 counters beside the live one (live.py) and what they add up to (RankTrace). The per-engine tracers
 (own.py, fsdp.py) build their engine and run its step through these.
 
-  census        the engine's own census tensors (harness.measure.CensusAtStep's list) at the
+  census        the engine's own census tensors (harness.measure.census.CensusAtStep's list) at the
                 first optimizer step, by category and dtype, each storage once
   saved         bytes autograd saves for backward (saved-tensor hooks), parameters excluded,
-                as harness.measure.SavedActivations counts them, and those of one forward
+                as harness.measure.census.SavedActivations counts them, and those of one forward
 
 The traced step is a steady-state one: AdamW's states are created before it
 (create_optimizer_states), as the previous step would have left them.
@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.measure import storage_identity, tensor_census
+from harness.measure.census import storage_identity, tensor_census
 from harness.memtrace.live import LiveTensors
 from harness.memtrace.standins import traced_attention
 from harness.model.training import StepHooks
+from harness.spec import INTERLEAVED_SCHEDULES, V_SCHEDULES, micro_batches_per_step
 
 
 def traced_micro_batches(lay, m: int, stage: int) -> int:
@@ -37,7 +38,7 @@ def traced_micro_batches(lay, m: int, stage: int) -> int:
         return min(m, 2)
     if lay.pipeline_schedule == "gpipe":
         return m
-    if lay.pipeline_schedule in ("interleaved", "zero_bubble", "zbv", "dualpipev"):
+    if lay.pipeline_schedule in (*INTERLEAVED_SCHEDULES, *V_SCHEDULES):
         # zbv: every rank reaches its peak (2 pp half-stage chunks) within 2 pp - 1 (the simulator's count);
         # 2 pp also meets torch's ScheduleDualPipeV (at least 2 pp) and ScheduleInterleavedZeroBubble (rounds)
         return min(m, 2 * lay.pp)
@@ -48,8 +49,6 @@ def traced_spec(spec, stage: int = 0, full_micro: bool = False, micro_batches=tr
     """The spec the trace runs: the substituted kernels, NCCL's transfers, fewer micro-batches
     (`micro_batches(lay, m, stage)`: traced_micro_batches, or an engine's own rule where its
     schedule differs). Each stage runs its own program only, so each may run its own count."""
-    from harness.spec import micro_batches_per_step
-
     lay = spec.layout
     m = micro_batches_per_step(spec)
     m_run = m if full_micro else micro_batches(lay, m, stage)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from harness.planner.memory import CONTEXT_GIB, FRAGMENTATION, FRAGMENTATION_PIPELINED, GIB
+from harness.spec.schema import BF16_PRECISIONS
 
 
 def named_terms(dynamic_bytes: float, pipelined: bool) -> dict[str, float]:
@@ -27,7 +28,7 @@ def planner_layout(spec):
     lay = PlannerLayout.from_spec(dataclasses.asdict(spec.layout))
     lay = dataclasses.replace(lay, engine="own" if spec.layout.engine == "single" else spec.layout.engine)
     w = spec.workload
-    return lay, Workload(w.seq_len, w.global_batch_size, 2 if w.precision in ("bf16", "fp8") else 4)
+    return lay, Workload(w.seq_len, w.global_batch_size, 2 if w.precision in BF16_PRECISIONS else 4)
 
 
 def planner_stages(spec, shape) -> tuple[int, list[dict]]:

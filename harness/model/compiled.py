@@ -19,14 +19,14 @@ import typing
 
 import torch
 
-MODES = ("none", "blocks")
+from harness.spec import COMPILE
 
 
 def compile_blocks(blocks: typing.Iterable[torch.nn.Module], mode: str) -> int:
     """Compile every block in place when mode is `blocks` (inductor, not fullgraph: a block that holds
     a collective breaks its graph there, and the break is counted, not refused); the count compiled."""
-    if mode not in MODES:
-        raise ValueError(f"layout.compile {mode!r} is not one of {MODES}")
+    if mode not in COMPILE:
+        raise ValueError(f"layout.compile {mode!r} is not one of {COMPILE}")
     if mode == "none":
         return 0
     n = 0

@@ -18,9 +18,8 @@ import warnings
 import torch
 import torch.nn as nn
 
-from harness.measure import FP8_CAST
+from harness.measure.ranges import FP8_CAST
 
-RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values the harness offers
 ALIGN = 16  # torch._scaled_mm: both dims of each FP8 operand a multiple of 16
 HEAD_NAME = "output"  # the LM head (harness.model.llama.Llama.output)
 

@@ -6,7 +6,7 @@ grouped-query attention with optional q/k/v/o biases (or q/k/v only, Qwen2) and 
 embedding and LM head untied or tied (the Shape says which, as config.json does). FSDP2 and DeepSpeed shard
 this very module from outside (harness/frameworks), and a pipeline stage is this model holding only
 some of its pieces (Llama's layers/first/last, torchtitan's way). The own engine's Megatron-layout
-blocks (harness/engine/model.py) reuse its modules and functions (RMSNorm, FeedForward, attend,
+blocks (harness/engine/model.py) reuse its modules and functions (RMSNorm, FeedForward: feed_forward.py, attend,
 lm_loss, tie_embeddings, the rotary tables) under the same parameter names, so every engine starts
 from the same reference weights (reference_tensor) and computes the same math.
 """
@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from harness.model.feed_forward import FeedForward
 from harness.model.kernels import Kernels, rmsnorm_torch
 from harness.model.moe import MoEFeedForward
 from harness.model.presets import Shape
@@ -161,19 +162,6 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         out = attend(q, k, v, cos, sin, self.kernel, self.recompute_core)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x). `ffn` is the width held (a tensor-parallel rank's slice)."""
-
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.model.feed_forward import FeedForward  # the dense block's SwiGLU, one expert each
 from harness.model.presets import Shape
 
 
@@ -129,8 +130,6 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, shape: Shape, experts: range | None = None, ffn: int | None = None):
         super().__init__()
-        from harness.model.llama import FeedForward  # the dense block's SwiGLU, one expert each
-
         held = range(shape.experts) if experts is None else experts
         self.k, self.normalise, self.n_experts = shape.experts_per_token, shape.norm_topk, shape.experts
         self.router = nn.Linear(shape.hidden, shape.experts, bias=False)
@@ -213,11 +212,6 @@ def combine_router_stats(per_rank: list[dict]) -> dict:
         n = max(o["forwards"], 1)
         o["aux"], o["z"] = o["aux"] / n, o["z"] / n
     return out
-
-
-def _layer_order(name: str) -> list:
-    """layers.2 before layers.10."""
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
 def router_record(steps: list[dict], warmup: int) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.errors import SpecError
-from harness.model.config_json import config_fields, find_config, read_config_fields
+from harness.model.config_json import find_config, read_config_fields
 
 
 @dataclass(frozen=True)
@@ -193,16 +193,6 @@ _ZERO_FIELDS = (
     "moe_ffn",
     "sliding_window",
 )  # 0 means "none" / "derived"
-
-
-def config_dict_to_shape(raw: dict, where: str = "config.json", field: str = "workload.model") -> Shape:
-    """A Hugging Face config.json (as a dict) as a Shape (harness/model/config_json.py reads it)."""
-    return Shape(**config_fields(raw, where, field))
-
-
-def config_to_shape(cfg) -> Shape:
-    """A transformers config object as a Shape (through its dict, with the same checks)."""
-    return config_dict_to_shape(cfg.to_dict(), where=type(cfg).__name__)
 
 
 def resolve_shape(model: str, overrides: dict | None = None, field: str = "workload.model") -> Shape:

@@ -64,6 +64,13 @@ class PrecisionPolicy:
             f"{dtype_name(self.grad_reduce)}{fp8}"
         )
 
+    @property
+    def peak_matmul_dtype(self) -> torch.dtype:
+        """The dtype of the square matmul whose measured peak a run's MFU is also given against: the one its
+        parameters compute in, bf16 under fp8 too (as the datasheet's dense bf16 peak: what FP8 GEMMs gain
+        shows as a higher MFU, not as a higher peak)."""
+        return self.compute
+
     def convert_fp8(self, module, device_type: str, fsdp_all_gather: bool = False):
         """`module` with its linears converted to FP8 training under this policy (a no-op without FP8)."""
         if not self.fp8:
@@ -148,6 +155,9 @@ class BuildOptions:
     make_optimizer: Callable = make_adamw  # (params, workload, fused=...) -> the optimizer
     kernels: Kernels | None = None  # attention and RMSNorm functions; None: those the layout names
     batch_isend_irecv: Callable | None = None  # own engine: posts a transfer group; None: torch.distributed's
+    # own engine: a MoE's routed slots per expert, (slots, experts) -> counts, in place of the data's (harness
+    # memory: even, as fake tensors have no data; no router statistics then); None: the data's
+    routing: Callable | None = None
     hooks: StepHooks = field(default_factory=StepHooks)
     # engine fsdp (the own engine allocates and loads its chunks in harness.engine.model.build_chunks):
     materialize: Callable | None = None  # (module, device): allocates a meta module; None: module.to_empty
@@ -222,7 +232,7 @@ class MasterWeights:
                 g.zero_()
 
     def census_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this bookkeeping holds, by memory-census category (harness.measure.tensor_census)."""
+        """What this bookkeeping holds, by memory-census category (harness.measure.census.tensor_census)."""
         grads = self.main_grads if self.main_grads is not None else [p.grad for p in self.params]
         if self.mixed:  # at the step the masters' gradients exist too (shared with fp32 main gradients)
             grads = list(grads) + [m.grad for m in self.masters]

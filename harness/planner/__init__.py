@@ -3,6 +3,9 @@
 Modules, one job each:
   hardware        the hardware profiles (peaks, links, calibrated efficiencies)
   layout          what a layout and a workload are (PlannerLayout, Workload), the study's stage split
+  rates           GEMM efficiency by size, the link a group spans, its bandwidth, replica-group geometry
+  feedforward     a block's feed-forward, dense or mixture of experts (expert parallelism: expert states,
+                  dispatch, the all-to-all): one model memory, features and timing ask
   memory          bytes per GPU: the front door (stage_memory, worst_stage_memory, fits)
   memory_terms    the memory terms every engine shares (GIB, stage_params, in_flight, the overheads)
   memory_paper    the memory of the study's engine (engine paper)
@@ -10,20 +13,18 @@ Modules, one job each:
   context         context parallelism's own terms (implementations, K/V bytes, the exchange)
   schedules       pipeline schedules: chunks per rank, the bubble, the sends, activations in flight
   fp8             FP8 as the engines run it: the FP8 linears, their casts' bytes, the weight copies
-  moe             mixture of experts and expert parallelism: expert states, dispatch, the all-to-all
   features        the time features of a layer and a stage (ideal seconds of each kind of work)
   timing          seconds per step: the features at their efficiencies, the schedule, the dp reduction
   candidates      every valid layout
   predict         memory and time together: one prediction per layout
   output          what a plan hands a user: distinct rows, a sweep
-  export          the chosen layout as a DeepSpeed, Megatron-LM or torchtitan launch configuration
-                  (export_torchtitan: the torchtitan recipe); importers reads them back as a spec
   calibrate       fit efficiency constants from measurements
   paper           the published sweeps, judged
   published       published GPU runs (baselines/published_runs) as samples: fit and check
   findings        the study's findings as one plan predicts them (harness plan --findings)
-The command is harness/commands/plan.py (harness import: harness/commands/import.py). Nothing
-here imports torch: a plan must answer in about a second.
+The command is harness/commands/plan.py. The chosen layout as another framework's launch configuration
+(`plan --export`) and back (`harness import`) is harness/interop/. Nothing here imports torch: a plan
+must answer in about a second.
 """
 
 from harness.planner.predict import Prediction, predict  # noqa: F401

@@ -23,6 +23,7 @@ from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import PlannerLayout, Workload
 from harness.planner.memory import worst_stage_memory
 from harness.planner.timing import step_features
+from harness.spec.schema import BF16_PRECISIONS
 from harness.store import ResultsStore, check_store
 
 RIDGE = 0.01  # weight of the pull towards the literature value, per constant (relative)
@@ -148,7 +149,7 @@ def sample_from_record(rec: dict) -> Sample | None:
     shape = resolve_shape(wl["model"], wl.get("model_overrides") or None)
     layout = PlannerLayout.from_spec(lay, wl.get("precision", "fp32"))
     workload = Workload(
-        int(wl["seq_len"]), int(wl["global_batch_size"]), 2 if wl.get("precision") in ("bf16", "fp8") else 4
+        int(wl["seq_len"]), int(wl["global_batch_size"]), 2 if wl.get("precision") in BF16_PRECISIONS else 4
     )
     return Sample(shape, layout, workload, float(t), rec.get("run_id", ""))
 

@@ -7,7 +7,7 @@ engine); pp is at most the number of layers and one the engine builds the model 
 model_limits); tp x cp x pp divides the GPUs and dp follows by the one rule
 (ParallelDims.derive); the micro-batch divides the per-replica batch. Sequence parallelism is
 enumerated only where tp > 1 (and the rank's seq / cp tokens divide by tp). A mixture-of-experts model
-ranges over ep too: every divisor of dp x cp that divides the experts (harness/planner/moe.py).
+ranges over ep too: every divisor of dp x cp that divides the experts (harness/planner/feedforward.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from harness import registry
 from harness.errors import SpecError
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
-from harness.planner import context, moe, schedules
+from harness.planner import context, feedforward, schedules
 from harness.planner.layout import ATTENTION, PAPER, PlannerLayout, Workload
 from harness.spec import CHECKPOINTING, RMSNORM_KERNELS, model_limit_error
 from harness.spec import Layout as SpecLayout
@@ -69,7 +69,7 @@ def layouts(
     pipeline_schedules and virtual_stages the schedules of pp > 1 layouts and the chunks per rank of
     the interleaved ones (default: schedules_of, schedules.virtual_stage_choices); precisions the
     PlannerLayout.precision values (default bf16 only); dp_shards the fsdp sharding groups asked for
-    (shard_groups); ep_values the expert-parallel degrees asked for (default: moe.ep_degrees')."""
+    (shard_groups); ep_values the expert-parallel degrees asked for (default: FeedForward.ep_degrees')."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
@@ -98,7 +98,7 @@ def layouts(
                     continue
                 pipes = _pipelines(shape.layers, pp, scheds, virtual_stages, even)
                 shards = shard_groups(dims.replicas(), dp_shards, tp, gpus_per_node) if fields.get("fsdp") else (0,)
-                eps = moe.ep_degrees(shape, dims.replicas(), ep_values)
+                eps = feedforward.of(shape).ep_degrees(dims.replicas(), ep_values)
                 if engine != PAPER and shape.moe:  # the degrees the engine shares experts out over (fsdp: none)
                     eps = [e for e in eps if e == 1 or registry.facts(engine).runs("layout.ep", [e])] or [1]
                 for mb, (sched, v), ck, sp, att, rms, impl, prec, shard, ep in itertools.product(
@@ -143,7 +143,7 @@ def layouts(
 def cannot_build(shape: Shape, engine: str, **degrees) -> bool:
     """Whether the engine's facts say it cannot build the model so split (model_limits: tied embeddings
     across stages, Megatron-core's even split). A MoE model under an engine that builds none yet
-    (EngineFacts.runs_moe) is planned as its memory model and moe.py would hold it: the plan says so."""
+    (EngineFacts.runs_moe) is planned as its memory model and feedforward.py would hold it: the plan says so."""
     lay = SpecLayout(engine=engine, **degrees)
     facts = registry.facts(engine)
     if shape.moe and not facts.runs_moe:

@@ -137,24 +137,6 @@ def cp_attention_bytes(shape: Shape, lay, s: int, b: int, B: int) -> dict[str, f
     return {"kept": core + wo_in + rot, "backward": core_backward + qkv}
 
 
-def in_flight_bytes(shape: Shape, lay, seq_len: int, B: int) -> dict[str, float]:
-    """Bytes of K/V (and their gradients) a flash-style cp attention has in flight beside a layer's
-    attention, per micro-batch: 'forward' and 'backward' (context_parallel.py's docstring: ring,
-    the block computed on and the one arriving, and in backward the two fp32 dK/dV accumulators;
-    allgather, the gathered K/V and in backward their fp32 gradient; ulysses, the all-to-all's
-    outputs beside its inputs)."""
-    if lay.cp == 1:
-        return {"forward": 0.0, "backward": 0.0}
-    hq, kv = _widths(shape, lay)
-    n_l = lay.micro_batch_size * seq_len / lay.cp
-    block = 2 * n_l * kv  # one rank's K and V, elements
-    if lay.cp_impl == "ring":
-        return {"forward": 2 * block * B, "backward": 2 * block * B + 2 * block * 4}
-    if lay.cp_impl == "allgather":
-        return {"forward": lay.cp * block * B, "backward": lay.cp * block * (B + 4)}
-    return {"forward": n_l * (hq + 2 * kv) * B, "backward": n_l * (2 * hq + 2 * kv) * B}
-
-
 def exchange_bytes(shape: Shape, lay, seq_len: int, B: int) -> dict[str, float]:
     """What one rank's cp attention moves for one layer and micro-batch, forward and backward, as
         the own engine's counted communication has it (harness.engine.comm_model.cp_attention_calls,

@@ -5,18 +5,13 @@ or calibrated (their comments say which)."""
 
 from __future__ import annotations
 
-import functools
-
 from harness.model.presets import Shape
-from harness.planner import fp8, moe, schedules
+from harness.planner import feedforward, fp8, schedules
 from harness.planner.context import exchange_bytes
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, item_split
+from harness.planner.rates import gemm_eff, group_geometry, link_bandwidth, link_of
 
-# GEMMs lose efficiency as their smallest dimension shrinks (tile edges and the K-loop's fixed
-# prologue/epilogue amortise over it): factor d / (d + GEMM_HALF_DIM). 128 is one CUTLASS tile
-# edge on A100/H100; a 5120-wide GEMM runs at 97.6% of the large-GEMM rate, a 640-wide at 83%.
-GEMM_HALF_DIM = 128
 # Flash attention backward does 2.5x the forward's matmul FLOPs (5 matmuls against 2, Dao 2023).
 FLASH_BWD = 2.5
 # A flash kernel's rate grows with the sequence: each query block pays a fixed cost (load Q,
@@ -31,8 +26,7 @@ FLASH_HALF_SEQ = 512
 # HBM bytes per element moved by elementwise work, forward + backward (counted from the kernels):
 RMSNORM_BYTES = {"fused": 10, "torch": 108}  # fused: fwd r+w, bwd r x,dy w dx; eager fp32 chain ~9 kernels
 RESIDUAL_BYTES_PER_B = 6  # per residual add: fwd reads 2 writes 1, bwd passes the gradient on
-SWIGLU_BYTES_PER_B = 13  # silu(gate) * up: fwd ~5 f-sized passes, bwd ~8
-ROTARY_BYTES_PER_B = 4  # q and k read and written, fwd and bwd
+ROTARY_BYTES_PER_B = 4  # q and k read and written, fwd and bwd (SwiGLU's: feedforward.SWIGLU_BYTES_PER_B)
 LAYOUT_BYTES_PER_B = 4  # q/k/v split and transposes around the attention kernel
 SCORE_TRAFFIC = {"naive": 90, "fused_softmax": 24}  # bytes per score element fwd+bwd (fp32 chain vs one fused pass)
 LOSS_BYTES_PER_LOGIT = 36  # fp32 upcast, max, exp, sum, log-softmax grad, bf16 cast
@@ -45,28 +39,9 @@ KERNELS_PER_LAYER = 90  # ~30 forward kernels (norms, GEMMs, rotary, attention, 
 # graph). SwiGLU's traffic stays eager's: a fused SwiGLU (8 f-sized passes, not 13) is what Inductor emits,
 # but with it the published compile rows (torchtitan, torchao) fit only with hbm pinned at its bound of 1.0
 # and a worse median (4.7% against 4.3%), so the data do not support that term on top of the others yet.
-SWIGLU_BYTES_COMPILED = SWIGLU_BYTES_PER_B
+SWIGLU_BYTES_COMPILED = feedforward.SWIGLU_BYTES_PER_B
 KERNELS_PER_LAYER_COMPILED = 40
 
-
-# Inter-node bandwidth of the data-parallel gradient reduction. A data-parallel group with g
-# members in a node can drive g NICs (NCCL runs one ring per rail, each on its own NIC): bus
-# bandwidth g x the NIC's. The published sweeps say this happens only in non-pipelined runs whose
-# group spans at most `profile.rail_aggregation_max_nodes` nodes; otherwise the reduction runs as
-# if each member had only its own NIC. This is what the data say, not a mechanism we have traced.
-# Evidence: (1) 13B tp=1 runs with pp=2 cost ~4.5 s per step more than pp=1 on both 32 and 64
-# GPUs although each stage reduces half the gradients (candidates: the pipeline's cross-node p2p
-# communicators holding NCCL channels/NIC queue pairs, per-stage sequential reduction in the
-# study's pipeline engine); (2) 30B runs without a pipeline on 256 GPUs (groups over 32 nodes)
-# were 3-11 s slower than an aggregated reduction allows, while the same layouts over 4-8 nodes
-# (13B on 32 and 64 GPUs, 30B tp=4 on 64) are fast (candidate: rings leaving one rail-optimised
-# leaf group, a 20-node scalable unit of a DGX A100 SuperPOD, and crossing the spine). (1) raises
-# leave-one-sweep-out Spearman 0.789 -> 0.855 and lifts the fitted inter-node efficiency from an
-# implausible 0.16 to ~0.56; (2) raises it 0.855 -> 0.879 (30B-256 alone 0.77 -> 0.86). The
-# sweeps pin the node limit only between 8 and 32. DP_NIC_AGGREGATION_PIPELINED = True restores
-# aggregation for pipelined runs.
-DP_NIC_AGGREGATION = True
-DP_NIC_AGGREGATION_PIPELINED = False
 
 # Allocator pressure: a cost per optimizer step that grows with how full the device is. PyTorch's
 # caching allocator serves a request it cannot fit from its cache by calling cudaMalloc; when that
@@ -104,44 +79,6 @@ def _flash_seq_eff(s: int) -> float:
     return s / (s + FLASH_HALF_SEQ)
 
 
-def _gemm_eff(*dims: float) -> float:
-    d = min(dims)
-    return d / (d + GEMM_HALF_DIM)
-
-
-def link_of(profile: Profile, group_gpus_span: int) -> str:
-    """NVLink when the group fits in a node, else the inter-node network."""
-    return "nvlink" if group_gpus_span <= profile.gpus_per_node else "internode"
-
-
-@functools.lru_cache(maxsize=8192)
-def group_geometry(dims, what: str, axis: str, *args) -> int:
-    """dims.<what>(axis, *args) (span, stride, per_node, nodes), remembered: a plan asks it of
-    thousands of layouts sharing a few meshes."""
-    return getattr(dims, what)(axis, *args)
-
-
-@functools.lru_cache(maxsize=8192)
-def replica_groups(dims, shard: int, gpus_per_node: int) -> tuple[tuple[int, int, int, int], ...]:
-    """(members, span, members per node, nodes) of the two groups hybrid sharding splits the replica
-    ranks into (dp x cp flattened, dp outer: harness.parallel_dims.REPLICA_AXES): the sharding group,
-    `shard` consecutive members of it (innermost, as torchtitan's dp_shard inside dp_replicate), then
-    the replicate group, one member of each sharding group. shard = dp x cp is the whole replica
-    group (its geometry that of group_geometry over the outermost replica axis); span as
-    ParallelDims.span, the consecutive ranks one group lies in."""
-    inner = dims.stride("cp")  # rank distance between neighbours of the flattened replica group
-
-    def geometry(members: int, stride: int) -> tuple[int, int, int, int]:
-        span = members * stride
-        return members, span, max(1, min(members, gpus_per_node // stride)), -(-span // gpus_per_node)
-
-    return geometry(shard, inner), geometry(dims.replicas() // shard, shard * inner)
-
-
-def link_bandwidth(profile: Profile, key: str) -> float:
-    return (profile.nvlink_gbps if key == "nvlink" else profile.internode_gbps) * 1e9
-
-
 def zero_features() -> dict[str, float]:
     return {k: 0.0 for k in THETA_KEYS}
 
@@ -156,7 +93,7 @@ def layer_features(
     exchange is priced on its link, the ring's only where its transfers outlast the attention of
     a block (theta: whose efficiencies decide that, the profile's by default)."""
     x = zero_features()
-    b, s, h, f, t, B = lay.micro_batch_size, wl.local(lay).seq_len, shape.hidden, shape.ffn, lay.tp, wl.dtype_bytes
+    b, s, h, t, B = lay.micro_batch_size, wl.local(lay).seq_len, shape.hidden, lay.tp, wl.dtype_bytes
     n = b * s
     d = shape.head_dim
     kv = shape.kv_heads * d
@@ -166,10 +103,11 @@ def layer_features(
     passes = 3 + (1 if ckpt == "full" else 0)  # fwd + bwd (2x fwd) + recomputed fwd
     # GEMMs of one layer: (N, K) per GEMM, M = n tokens; under fp8 at the FP8 peak, their own efficiency.
     q = shape.heads * d  # the query width (hidden unless the head width is set apart: Qwen3's kv_channels)
-    gemms = [((q + 2 * kv) / t, h), (h, q / t)] + ([] if shape.moe else [(2 * f / t, h), (h, f / t)])
+    ffn = feedforward.of(shape)  # dense SwiGLU or a mixture of experts (feedforward.py)
+    gemms = [((q + 2 * kv) / t, h), (h, q / t)] + ffn.gemms(t)
     gemm_key, gemm_peak = ("gemm_fp8", prof.peak_flops_fp8()) if lay.precision == "fp8" else ("gemm", peak)
     for N, K in gemms:
-        x[gemm_key] += passes * 2 * n * N * K / (gemm_peak * _gemm_eff(n, N, K))
+        x[gemm_key] += passes * 2 * n * N * K / (gemm_peak * gemm_eff(n, N, K))
     attention = attention_features(shape, lay, wl, prof)
     for k, v in attention.items():
         x[k] += v
@@ -177,19 +115,16 @@ def layer_features(
     rep = 1 / t if lay.sequence_parallel else 1.0
     recf = 4 / 3 if ckpt == "full" else 1.0
     compiled = lay.compile == "blocks"
-    swiglu = SWIGLU_BYTES_COMPILED if compiled else SWIGLU_BYTES_PER_B
+    swiglu = SWIGLU_BYTES_COMPILED if compiled else feedforward.SWIGLU_BYTES_PER_B
     per_layer = (2 * RMSNORM_BYTES[lay.norm_kernel] * (B / 2) + 2 * RESIDUAL_BYTES_PER_B * B) * n * h * rep
-    per_layer += (
-        (swiglu * (0 if shape.moe else f) + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (q + 2 * kv)) * B * n / t
-    )
+    per_layer += (swiglu * ffn.width() + (ROTARY_BYTES_PER_B + LAYOUT_BYTES_PER_B) * (q + 2 * kv)) * B * n / t
     if lay.precision == "fp8":  # the casts to fp8 and their amax (fp8.py), recomputed under full checkpointing
         m = wl.micro_batches(lay)  # (a MoE layer's: its tokens' expert width, its rank's experts' weights)
-        per_layer += fp8.activation_cast_bytes(moe.token_shape(shape, moe.busiest(lay)), lay, n, B)
-        per_layer += fp8.weight_cast_bytes(moe.weight_shape(shape, lay.ep), lay, m, B)
+        per_layer += fp8.activation_cast_bytes(ffn.token_shape(lay), lay, n, B)
+        per_layer += fp8.weight_cast_bytes(ffn.weight_shape(lay.ep), lay, m, B)
     x["hbm"] += per_layer * recf / hbm
-    if shape.moe:  # the router, the experts and the all-to-all in place of the dense SwiGLU (moe.py)
-        for k, v in moe.layer_features(shape, lay, n, B, prof, gemm_key, gemm_peak).items():
-            x[k] += v
+    for k, v in ffn.routed_features(lay, n, B, prof, gemm_key, gemm_peak).items():  # MoE: router, experts, all-to-all
+        x[k] += v
     # Tensor-parallel collectives: per layer 2 all-reduces forward and 2 backward (all-gather +
     # reduce-scatter under sequence parallelism: the same bytes), each of n*h elements.
     if t > 1:
@@ -219,7 +154,7 @@ def attention_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Pro
         # half of each other rank's (context_parallel._ring_rows), allgather and ulysses one block of all keys
         keys = s * (lay.cp + 1) / 2 if lay.cp > 1 and lay.cp_impl == "ring" else s_kv
         return {
-            "gemm": (3 + rec) * 4 * b * s * keys * heads_t * d / (peak * _gemm_eff(s, keys, d)),
+            "gemm": (3 + rec) * 4 * b * s * keys * heads_t * d / (peak * gemm_eff(s, keys, d)),
             score_key: (SCORE_TRAFFIC[cls] * (1 + rec / 3)) * b * heads_t * s * keys / (prof.hbm_gbps * 1e9),
         }
     fwd = 2 * b * s * s_kv * heads_t * d  # QK^T and AV under the causal mask (half of 4 s^2 d)
@@ -264,7 +199,7 @@ def stage_extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, 
         # the study's framework) and every tensor-parallel rank runs the cross-entropy over the
         # full vocabulary: the GEMM splits over tp, the loss's memory-bound passes do not.
         peak = prof.peak_flops(B)
-        add("gemm", 3 * 2 * n * h * shape.vocab / t / (peak * _gemm_eff(n, h, shape.vocab / t)))
+        add("gemm", 3 * 2 * n * h * shape.vocab / t / (peak * gemm_eff(n, h, shape.vocab / t)))
         add("hbm", n * shape.vocab * LOSS_BYTES_PER_LOGIT / (prof.hbm_gbps * 1e9))
         if t > 1:
             add(link_of(prof, t), (t - 1) / t * n * shape.vocab * B / link_bandwidth(prof, link_of(prof, t)))

@@ -161,32 +161,3 @@ def load_profile(name_or_path: str) -> Profile:
 def save_profile(profile: Profile, path: str | os.PathLike, header: str = "") -> None:
     text = yaml.safe_dump(profile.to_dict(), sort_keys=False)
     Path(path).write_text((header.rstrip() + "\n" if header else "") + text)
-
-
-# CUDA device name fragments -> dense BF16 peak in TFLOP/s (vendor datasheets, no sparsity).
-_PEAKS = (
-    ("H200", 989.0),  # H200 datasheet
-    ("H100 PCIE", 756.0),  # H100 PCIe datasheet: 1,513 with sparsity
-    ("H100 NVL", 835.0),  # H100 NVL datasheet: 1,671 with sparsity
-    ("H100", 989.0),  # H100 SXM datasheet
-    ("H800", 989.0),  # same silicon as H100 SXM
-    ("GH200", 989.0),
-    ("A100", 312.0),  # A100 datasheet (40 and 80 GB, SXM and PCIe)
-    ("A800", 312.0),
-    ("A30", 165.0),  # A30 datasheet
-    ("L40S", 362.0),  # L40S datasheet: 733 with sparsity
-    ("L4", 121.0),  # L4 datasheet: 242 with sparsity
-    ("GB200", 2500.0),  # GB200 NVL72 datasheet: 360 PFLOP/s with sparsity for 72 GPUs
-    ("B200", 2250.0),  # B200 datasheet: 4.5 PFLOP/s with sparsity
-)
-
-
-def peak_bf16_tflops(device_name: str) -> float | None:
-    """Datasheet dense BF16 peak for a CUDA device name such as 'NVIDIA A100-SXM4-80GB', else None."""
-    if not device_name:
-        return None
-    upper = device_name.upper()
-    for fragment, peak in _PEAKS:
-        if fragment in upper:
-            return peak
-    return None

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from harness import registry
 from harness.model.presets import Shape
-from harness.parallel_dims import ParallelDims
+from harness.parallel_dims import DEGREES, ParallelDims
 from harness.spec import ATTENTION_KERNELS, micro_batch_count
 from harness.spec import Layout as SpecLayout
+from harness.spec.schema import BF16_PRECISIONS
 
 # Names the study's CSVs use for its kernels (attention, rmsnorm), and for checkpointing.
 PAPER_KERNELS = {
@@ -61,7 +62,7 @@ ATTENTION_CLASS = {
 MATERIALISED = ("naive", "fused_softmax")  # keep the s x s score matrix
 # The study's engine (Aleph Alpha's scaling library, as its sweeps ran): modelled, not run here.
 PAPER = "paper"
-PRECISIONS = ("bf16", "fp8")  # PlannerLayout.precision
+PRECISIONS = BF16_PRECISIONS  # PlannerLayout.precision (the time model is bf16's or fp8's)
 
 
 def planner_engines() -> tuple[str, ...]:
@@ -70,33 +71,24 @@ def planner_engines() -> tuple[str, ...]:
     return registry.planned() + (PAPER,)
 
 
-@dataclass(frozen=True)
-class PlannerLayout:
-    """The planner's description of one layout (a candidate, a record's layout, a row of the study),
-    its fields named as harness.spec.Layout's (values from harness.spec's lists, attention also
-    from EXTRA_ATTENTION); unlike a spec layout it may describe layouts no engine runs."""
+# A PlannerLayout holds every field of harness.spec.Layout, by the same name (a field added there reaches the
+# planner, from_spec and to_spec as it is), but those the planner does not model: the own engine's pipeline
+# transfers and DP buckets, DeepSpeed's config and model implementation, FSDP2's FP8 all-gather (assumed
+# under fsdp with tensorwise FP8: fp8.py).
+UNMODELLED = ("pipeline_p2p", "dp_bucket_mb", "ds_config", "model_impl", "fp8_all_gather")
+# Given by every caller, positionally in this order: the degrees a candidate is enumerated over.
+REQUIRED = ("tp", "pp", "dp", "micro_batch_size")
+# Where the planner's default is not the spec's: the study's engine (engine: whose memory the planner models,
+# memory.py: paper, or one of the harness's engines, their precision policy, sharding and layer split as their
+# code holds it), its kernels and its sharding of the optimizer states (ZeRO-1).
+DEFAULTS = {"engine": PAPER, "attention": "flash2", "rmsnorm": "fused", "zero_stage": 1}
 
-    tp: int
-    pp: int
-    dp: int
-    micro_batch_size: int
-    activation_checkpointing: str = "none"
-    sequence_parallel: bool = False
-    attention: str = "flash2"
-    rmsnorm: str = "fused"
-    zero_stage: int = 1  # 0-3; the study sharded optimizer states (ZeRO-1)
-    pipeline_schedule: str = "1f1b"
-    virtual_stages: int = 1  # interleaved schedule: model chunks per stage
+
+@dataclass(frozen=True)
+class PlannerOwn:
+    """The planner's own fields, beyond a spec layout's (PlannerLayout's last)."""
+
     fsdp: bool = False  # engine fsdp (PyTorch FSDP full sharding): memory like ZeRO-3
-    reshard_after_forward: bool = True  # engine fsdp: False keeps every block gathered until its backward
-    # Whose memory the planner models (memory.py): paper (the study's engine, Aleph Alpha's
-    # scaling library, as its sweeps ran), or one of the harness's engines (own, deepspeed, fsdp,
-    # megatron: their precision policy, sharding and layer split as their code holds it).
-    engine: str = PAPER
-    # Context parallelism (harness.spec's layout.cp, layout.cp_impl): each sequence split over cp ranks,
-    # cp between tp and dp in the mesh (harness.parallel_dims.AXES); cp_impl only matters when cp > 1.
-    cp: int = 1
-    cp_impl: str = "ring"
     # "bf16" or "fp8": the linear layers' GEMMs in FP8 as the engines run it (harness/planner/fp8.py),
     # parameters bf16, masters and Adam fp32; a spec holds it as workload.precision.
     precision: str = "bf16"
@@ -105,9 +97,6 @@ class PlannerLayout:
     # data_parallel_replicate_degree, Megatron-FSDP's sharding group): states sharded within a group
     # of dp_shard ranks, innermost in the flattened dp x cp mesh, replicated across the others.
     dp_shard: int = 0
-    # torch.compile (harness.spec's layout.compile): "blocks" compiles each transformer block, which fuses
-    # its elementwise chains (norms, SwiGLU, rotary) and launches fewer kernels (features.py); "none": eager.
-    compile: str = "none"
     # Whether the data-parallel collectives overlap compute: FSDP2's prefetched all-gathers and
     # reduce-scatters in their own stream (engine fsdp, torchtitan), Megatron-LM's
     # --overlap-grad-reduce/--overlap-param-gather (as NeMo and Megatron-Bridge run it; the harness's
@@ -118,13 +107,18 @@ class PlannerLayout:
     # vocab_parallel_cross_entropy, torchtitan's loss_parallel): its memory is the logits' 1/tp.
     # None: the engine's (registry.MemoryModel.vocab_parallel_loss).
     vocab_parallel_loss: bool | None = None
-    # Expert parallelism (harness.spec's layout.ep; a MoE model only): the experts shared out over groups of
-    # ep consecutive dp x cp ranks (harness.parallel_dims.ParallelDims.ep); harness/planner/moe.py.
-    ep: int = 1
+
+
+_SPEC_FIELDS = [f for f in dataclasses.fields(SpecLayout) if f.name not in UNMODELLED]
+_CAST = {"int": int, "float": float, "bool": bool, "str": str}  # a spec field's value, by its type
+
+
+class _Planned:
+    """PlannerLayout's methods (its fields: _SPEC_FIELDS, then PlannerOwn's)."""
 
     @property
     def dims(self) -> ParallelDims:
-        return _dims(self.pp, self.dp, self.cp, self.tp, self.ep)
+        return _dims(*(getattr(self, d) for d in DEGREES))
 
     @property
     def gpus(self) -> int:
@@ -162,30 +156,16 @@ class PlannerLayout:
     @classmethod
     def from_spec(cls, layout: dict, precision: str = "bf16") -> PlannerLayout:
         """The planner's view of a spec layout (a harness.spec.Layout as a dict, as records keep
-        it); a missing or null field takes the spec's default, engine single is one GPU.
-        `precision`: the workload's (fp8 is the planner's fp8, anything else its bf16 time model)."""
-        lay = {**asdict(SpecLayout()), **{k: v for k, v in layout.items() if v is not None}}
-        single = lay["engine"] == "single"
-        return cls(
-            tp=1 if single else int(lay["tp"]),
-            pp=1 if single else int(lay["pp"]),
-            dp=1 if single else int(lay["dp"]),
-            micro_batch_size=int(lay["micro_batch_size"]),
-            cp=1 if single else int(lay["cp"]),
-            cp_impl=lay["cp_impl"],
-            activation_checkpointing=lay["activation_checkpointing"],
-            sequence_parallel=bool(lay["sequence_parallel"]),
-            attention=lay["attention"],
-            rmsnorm=lay["rmsnorm"],
-            zero_stage=int(lay["zero_stage"]),
-            pipeline_schedule=lay["pipeline_schedule"],
-            virtual_stages=int(lay["virtual_stages"] or 1),
-            fsdp=lay["engine"] == "fsdp",
-            reshard_after_forward=bool(lay["reshard_after_forward"]),
-            precision="fp8" if precision == "fp8" else "bf16",
-            compile=str(lay.get("compile") or "none"),
-            ep=1 if single else int(lay.get("ep") or 1),
-        )
+        it): a missing, null or empty field takes the spec's default; engine single is one GPU (every
+        degree 1); the engine itself is not carried (whose memory is modelled is the caller's choice, the
+        study's by default), fsdp is whether it is engine fsdp. `precision`: the workload's (fp8 is the
+        planner's fp8, anything else its bf16 time model)."""
+        spec = asdict(SpecLayout())
+        lay = {**spec, **{k: v for k, v in layout.items() if v not in (None, "")}}
+        given = {f.name: _CAST[f.type](lay[f.name]) for f in _SPEC_FIELDS if f.name != "engine"}
+        if lay["engine"] == "single":
+            given.update(dict.fromkeys(DEGREES, 1))
+        return cls(**given, fsdp=lay["engine"] == "fsdp", precision="fp8" if precision == "fp8" else "bf16")
 
     def to_spec(self) -> dict:
         """This layout as a spec layout dict (engine own, or fsdp), the fields the planner has,
@@ -194,6 +174,23 @@ class PlannerLayout:
         engine = "fsdp" if self.fsdp else (self.engine if registry.known(self.engine) else "own")
         mine = {**asdict(self), "engine": engine}
         return {f.name: mine[f.name] for f in dataclasses.fields(SpecLayout) if f.name in mine}
+
+
+PlannerLayout = dataclasses.make_dataclass(
+    "PlannerLayout",
+    [(name, next(f.type for f in _SPEC_FIELDS if f.name == name)) for name in REQUIRED]
+    + [(f.name, f.type, field(default=DEFAULTS.get(f.name, f.default))) for f in _SPEC_FIELDS if f.name not in REQUIRED]
+    + [(f.name, f.type, field(default=f.default)) for f in dataclasses.fields(PlannerOwn)],
+    bases=(_Planned,),
+    frozen=True,
+    namespace={
+        "__module__": __name__,
+        "__doc__": """The planner's description of one layout (a candidate, a record's layout, a row of the study):
+    harness.spec.Layout's fields (but UNMODELLED; the planner's DEFAULTS) and PlannerOwn's, values from
+    harness.spec's lists, attention also from EXTRA_ATTENTION; unlike a spec layout it may describe
+    layouts no engine runs.""",
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -229,8 +226,8 @@ def _replicas(dims: ParallelDims) -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # a plan asks each layout's degrees many times
-def _dims(pp: int, dp: int, cp: int, tp: int, ep: int = 1) -> ParallelDims:
-    return ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
+def _dims(*degrees: int) -> ParallelDims:
+    return ParallelDims(**dict(zip(DEGREES, degrees, strict=True)))
 
 
 def stage_items(shape: Shape, pp: int) -> list[tuple[bool, int, bool]]:

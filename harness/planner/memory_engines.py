@@ -27,7 +27,7 @@ DeepSpeed and FSDP: their model states from `model_states` (each tested against 
 activations as the own engine's (they run the same plain model, harness/model/llama.py); FSDP2's
 gathered parameters, reduce-scatter buffers and pipelined accumulation from fsdp_step_bytes
 (checked against `harness memory` traces of engine fsdp, tests/test_memory_trace.py).
-The calibrated overheads and the terms shared with the study's engine: memory_terms. MoE: moe.py.
+The terms shared with the study's engine: memory_terms; the feed-forward (dense or MoE): feedforward.py.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ import functools
 
 from harness import registry
 from harness.model.presets import Shape
-from harness.planner import fp8, moe, schedules
+from harness.planner import feedforward, fp8, schedules
 from harness.planner import memory_terms as terms
+from harness.planner.context import cp_attention_bytes
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
 from harness.registry import MemoryModel
 
@@ -55,7 +56,7 @@ def model_states(params: float, engine: str, zero_stage: int, precision: str, dp
     """Bytes per category and dtype of the model states one rank of `engine` holds at the optimizer
     step, for `params` parameters on the rank, under the workload's precision policy (`policy`:
     states_bytes' grad_accum, grad_reduce, reduce_bucket_elements): the same categories as a run's
-    measured memory census (harness.measure.tensor_census), so a prediction and a census compare term
+    measured memory census (harness.measure.census.tensor_census), so a prediction and a census compare term
     by term (tests/test_planner_census.py). Adam's step counters and alignment padding are left out
     (under 1%). The closed form is the engine's MemoryModel.states."""
     return states_bytes(params, memory_model(engine).states, zero_stage, precision, dp, **policy)
@@ -196,8 +197,6 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
     Selective checkpointing keeps only the recomputed core's inputs q, k, v and wo's input. The
     rotary tables cast to bf16 per call (q and k: cos and sin) are kept too."""
     if lay.cp > 1:
-        from harness.planner.context import cp_attention_bytes
-
         return cp_attention_bytes(shape, lay, wl.seq_len, b, wl.dtype_bytes)["kept"]
     s, t, B = wl.seq_len, lay.tp, wl.dtype_bytes
     n = b * s
@@ -225,15 +224,13 @@ def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b:
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
     extra = n * h * B
     if lay.cp > 1:
-        from harness.planner.context import cp_attention_bytes
-
         extra += cp_attention_bytes(shape, lay, s, b, B)["backward"]
     else:
         if naive:
             extra += 2 * 4 * b * heads * s * s
         if lay.activation_checkpointing == "selective":
             extra += (3 * n * hq * 4 + s * s + 4 * b * heads * s * s) if naive else (n * hq * B + 4 * b * heads * s)
-    freed = _norm_bytes(lay, n, h, B, lay.sequence_parallel and t > 1) + moe.ffn_kept_bytes(shape, lay, n, B)
+    freed = _norm_bytes(lay, n, h, B, lay.sequence_parallel and t > 1) + feedforward.of(shape).kept_bytes(lay, n, B)
     return extra - freed
 
 
@@ -248,12 +245,13 @@ def engine_layer_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict:
     n, h = b * s, shape.hidden
     sp = lay.sequence_parallel and t > 1
     full = 2 * _norm_bytes(lay, n, h, B, sp) + _attention_bytes(shape, lay, wl, b)
-    full += moe.ffn_kept_bytes(shape, lay, n, B)  # SwiGLU's, or a MoE layer's (moe.py)
-    tokens = moe.token_shape(shape, moe.busiest(lay))  # a MoE layer's linears as a token sees them
+    ffn = feedforward.of(shape)
+    full += ffn.kept_bytes(lay, n, B)  # SwiGLU's, or a MoE layer's (feedforward.py)
+    tokens = ffn.token_shape(lay)  # a MoE layer's linears as a token sees them
     full -= fp8.saved_input_saving(tokens, lay, n, B)  # Transformer Engine saves its linears' inputs in fp8
     # A layer's backward, beyond what it saved: its feed-forward's gradients and its largest weight gradient
-    # before the hook adds it into the fp32 bucket (moe.ffn_working_bytes), or the attention core's backward.
-    working = max(moe.ffn_working_bytes(shape, lay, n, B), _attention_backward_bytes(shape, lay, wl, b))
+    # before the hook adds it into the fp32 bucket (FeedForward.working_bytes), or the attention core's backward.
+    working = max(ffn.working_bytes(lay, n, B), _attention_backward_bytes(shape, lay, wl, b))
     if lay.precision == "fp8":  # the fp8 operands of the linear running backward (fp8.py: torchao saves bf16)
         working += fp8.backward_operand_bytes(tokens, lay, n)
     kept = n * h * B / (t if sp else 1) if lay.activation_checkpointing == "full" else full
@@ -290,7 +288,8 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     """memory.stage_memory for the harness's engines (PlannerLayout.engine own, deepspeed or fsdp)."""
     has_emb, layers, has_head = engine_stage_items(shape, lay, wl.seq_len)[stage]
     phi = terms.stage_params(shape, has_emb, layers, has_head, lay.tp, lay.ep)
-    phi_e = moe.expert_stage_params(shape, layers, lay.tp, lay.ep)  # sharded over the expert-data-parallel group
+    ffn = feedforward.of(shape)
+    phi_e = ffn.expert_params(layers, lay.tp, lay.ep)  # sharded over the expert-data-parallel group
     states = memory_model(lay.engine).states
     # states sharded over dp x cp (REPLICA_AXES); FSDP's over its sharding group (HSDP: dp_shard ranks)
     B, dp, t = wl.dtype_bytes, lay.shard_group if states == "fsdp" else lay.replicas, lay.tp
@@ -301,7 +300,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     # ZeRO-1's reduced shard being their view, masters, Adam states) is held the whole step; the
     # ZeRO-1 collectives add nothing (both in place, harness/engine/data_parallel.py).
     by_cat = dict(_states_by_category(phi - phi_e, states, zero, precision, dp))
-    e_dp = moe.expert_data_parallel(lay.dims) if states != "fsdp" or lay.shard_group == lay.replicas else dp
+    e_dp = feedforward.expert_data_parallel(lay.dims) if states != "fsdp" or lay.shard_group == lay.replicas else dp
     for k, v in (_states_by_category(phi_e, states, zero, precision, e_dp) if phi_e else {}).items():
         by_cat[k] = by_cat.get(k, 0.0) + v
     sp = lay.sequence_parallel and t > 1
@@ -377,7 +376,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     elif zero >= 3:  # gathered full layers in flight (current + prefetched), ZeRO-3
         parts["weights"] += 2 * phi / max(layers, 1) * B
     if lay.precision == "fp8":  # Transformer Engine's fp8 weight copies; the scales (fp8.py)
-        w = moe.weight_shape(shape, lay.ep)  # a MoE layer's: its rank's experts
+        w = ffn.weight_shape(lay.ep)  # a MoE layer's: its rank's experts
         parts["fp8_weights_and_scales"] = fp8.weight_copy_bytes(w, lay, layers) + fp8.scale_bytes(w, lay, layers)
     parts["overhead"] = terms.CONTEXT_GIB * terms.GIB + frag * dynamic
     parts["total"] = sum(parts.values())
@@ -431,7 +430,8 @@ def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: boo
     root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)
     reshard = lay.reshard_after_forward
     n = lay.micro_batch_size * wl.local(lay).seq_len
-    fp8_saving = fp8.gathered_block_saving(moe.weight_shape(shape, lay.ep), lay, B) if lay.precision == "fp8" else 0
+    weights = feedforward.of(shape).weight_shape(lay.ep)  # a MoE layer's: its rank's experts
+    fp8_saving = fp8.gathered_block_saving(weights, lay, B) if lay.precision == "fp8" else 0
     block_bytes = block * B - fp8_saving
     kept = 0.0 if reshard else layers * block_bytes
     piped = lay.pp > 1

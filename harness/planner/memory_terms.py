@@ -10,7 +10,7 @@ the others; memory.py re-exports them.
 from __future__ import annotations
 
 from harness.model.presets import Shape
-from harness.planner import moe, schedules
+from harness.planner import feedforward, schedules
 from harness.planner.layout import PlannerLayout
 
 GIB = 1024**3
@@ -35,17 +35,17 @@ def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: i
     """Parameters held per GPU of a stage: matrices split over tp (vocab-parallel embedding/head;
     a tied head on the embedding's stage is the same tensor, counted once; attention biases: q/k/v's
     split over tp, o's replicated; q/k norms replicated); a MoE layer's experts E / ep per rank, split
-    over tp, and its router replicated (moe.py)."""
+    over tp, and its router replicated (feedforward.py)."""
     head_dim = shape.head_dim
     attn = shape.hidden * shape.heads * head_dim * 2 + 2 * shape.hidden * shape.kv_heads * head_dim
-    ffn = 0 if shape.moe else 3 * shape.hidden * shape.ffn
-    per_layer = (attn + ffn) / tp + 2 * shape.hidden + moe.router_params(shape)
+    ffn = feedforward.of(shape)
+    per_layer = (attn + ffn.tp_params()) / tp + 2 * shape.hidden + ffn.replicated_params()
     if shape.has_qkv_bias:
         per_layer += (shape.heads + 2 * shape.kv_heads) * head_dim / tp
     per_layer += shape.hidden * shape.attention_bias + 2 * head_dim * shape.qk_norm  # o bias, q/k norms: replicated
     vocab = shape.vocab * shape.hidden / tp
     head = 0 if shape.tie_embeddings and has_emb else vocab
-    experts = moe.expert_stage_params(shape, layers, tp, ep)
+    experts = ffn.expert_params(layers, tp, ep)
     return layers * per_layer + experts + (vocab if has_emb else 0) + ((head + shape.hidden) if has_head else 0)
 
 

@@ -6,7 +6,7 @@
   `harness sweep FILE` runs as it is: gpus and nodes set, the workload's precision and device
   from the hardware profile, only kernels and fields this harness runs, every point checked by
   harness.spec, the prediction as a comment beside each point (not as a field).
-- the exports to DeepSpeed, Megatron-LM and torchtitan are harness/planner/export.py.
+- the exports to DeepSpeed, Megatron-LM and torchtitan are harness/interop/exports.py.
 
 Nothing here imports torch.
 """

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from harness.errors import SpecError
 from harness.model.flops import flops_per_token
 from harness.model.presets import Shape
-from harness.planner import moe, schedules
+from harness.planner import feedforward, schedules
 from harness.planner.hardware import Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PRECISIONS, PlannerLayout, Workload
 from harness.planner.memory import GIB, fits, worst_stage_memory
@@ -105,7 +105,7 @@ def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
         raise SpecError("layout.ep", f"ep={lay.ep} needs a mixture-of-experts model")
     if shape.experts % lay.ep:
         raise SpecError("layout.ep", f"{shape.experts} experts are not divisible by ep={lay.ep}")
-    moe.expert_data_parallel(lay.dims)  # ep divides dp x cp
+    feedforward.expert_data_parallel(lay.dims)  # ep divides dp x cp
     if lay.pp > shape.layers:
         raise SpecError("layout.pp", f"{lay.pp} pipeline stages for {shape.layers} layers")
     if shape.heads % lay.tp:

@@ -155,7 +155,7 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
     gpus, tp, pp, cp = int(row["gpus"]), _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
     dims = ParallelDims.derive(gpus, "gpus", tp=tp, pp=pp, cp=cp)
     ep = _int(row, "ep", 1)
-    if dims.replicas() % ep:  # Megatron's parallel folding: its ep group over tp x dp, experts whole (moe.py)
+    if dims.replicas() % ep:  # Megatron's parallel folding: its ep group over tp x dp, experts whole (feedforward.py)
         ep = max(e for e in range(1, ep) if ep % e == 0 and dims.replicas() % e == 0)
         run.stand_in = f"ep{_int(row, 'ep', 1)} with whole experts (expert_tensor_parallel_size 1) as ep{ep} x tp{tp}"
     dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=dims.dp, ep=ep)

@@ -21,7 +21,7 @@ attention against every key, the cp exchange on its link (the ring's hidden behi
 attention up to that block's compute), and the data-parallel reduction over dp x cp. FSDP (and
 hybrid sharding, PlannerLayout.dp_shard): its all-gathers and reduce-scatters within the sharding
 group, the all-reduce across the replicate groups, each on the link its group spans. Mixture of
-experts (harness/planner/moe.py): the experts' GEMMs, the router and the exposed expert all-to-all in
+experts (harness/planner/feedforward.py): the experts' GEMMs, the router and the exposed expert all-to-all in
 each layer, the experts' gradients reduced over the expert-data-parallel group.
 """
 
@@ -30,22 +30,16 @@ from __future__ import annotations
 import functools
 
 from harness.model.presets import Shape
-from harness.planner import fp8, moe, schedules
+from harness.planner import feedforward, fp8, schedules
 from harness.planner.context import exchange_bytes
 from harness.planner.features import (
     ADAM_BYTES_PER_PARAM,
     ALLOC_PRESSURE_FROM,
     ALLOC_PRESSURE_S,
-    DP_NIC_AGGREGATION,
-    DP_NIC_AGGREGATION_PIPELINED,
     attention_features,
     cp_exchange,
     dot,
-    group_geometry,
     layer_features,
-    link_bandwidth,
-    link_of,
-    replica_groups,
     stage_extras,
     stage_features,
     theta_from_profile,
@@ -54,6 +48,7 @@ from harness.planner.features import (
 from harness.planner.hardware import Profile
 from harness.planner.layout import ATTENTION_CLASS, PlannerLayout, Workload, item_split
 from harness.planner.memory import GIB, stage_params, worst_stage_memory
+from harness.planner.rates import group_geometry, group_link, replica_groups
 
 
 @functools.lru_cache(maxsize=4096)
@@ -152,11 +147,12 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
     or hybrid sharding: _fsdp_reduction; its optimizer steps on its sharding group's shard."""
     dpx: dict[str, float] = {}
     phi = max(_stage_params(shape, key[0], lay.tp, lay.ep) for key, _, _ in kinds)
-    # MoE: the experts' gradients are reduced over the expert-data-parallel group instead (moe.reduction_terms)
-    phi_e = moe.expert_stage_params(shape, max(kind[0][1] for kind, _, _ in kinds), lay.tp, lay.ep)
+    # MoE: the experts' gradients are reduced over the expert-data-parallel group instead (feedforward.py)
+    ffn = feedforward.of(shape)
+    phi_e = ffn.expert_params(max(kind[0][1] for kind, _, _ in kinds), lay.tp, lay.ep)
     if phi_e:
         phi -= phi_e
-        moe.reduction_terms(lay, wl, prof, phi_e, dpx)
+        ffn.reduction_terms(lay, wl, prof, phi_e, dpx)
     zero = lay.sharding_stage
     r = lay.replicas  # the gradients are reduced over dp x cp (harness.parallel_dims.REPLICA_AXES)
     grad_bytes = 4 if wl.dtype_bytes == 2 else wl.dtype_bytes  # fp32 reduction of bf16 grads
@@ -168,30 +164,15 @@ def _data_parallel(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile
         _fsdp_reduction(lay, wl, prof, phi, gathered, grad_bytes, dpx)
     elif r > 1:
         m = wl.micro_batches(lay)
-        key, bw = _group_link(lay, prof, replica_groups(lay.dims, r, prof.gpus_per_node)[0])
+        key, bw = group_link(lay, prof, replica_groups(lay.dims, r, prof.gpus_per_node)[0])
         frac = (r - 1) / r
         dpx[key] = dpx.get(key, 0.0) + (2 * frac * grad_bytes + (frac * wl.dtype_bytes if zero >= 1 else 0)) * phi / bw
         if zero >= 3:  # weights gathered for forward and backward of every micro-batch
             dpx[key] += 2 * m * frac * phi * wl.dtype_bytes / bw
     # Optimizer step on this rank's shard of the master weights, Adam (memory bound).
     opt_params = phi / (lay.shard_group if zero >= 1 else 1)
-    opt_params += phi_e / (moe.expert_data_parallel(lay.dims) if zero >= 1 else 1)
+    opt_params += phi_e / (feedforward.expert_data_parallel(lay.dims) if zero >= 1 else 1)
     return dpx, opt_params * ADAM_BYTES_PER_PARAM / (prof.hbm_gbps * 1e9)
-
-
-def _group_link(lay: PlannerLayout, prof: Profile, geometry: tuple[int, int, int, int]) -> tuple[str, float]:
-    """The link and bus bandwidth of a collective over a group of replica ranks (features.replica_groups'
-    geometry): NVLink when the group lies in one node; otherwise NCCL runs one ring per NIC and a
-    node offers one NIC per group member it holds, aggregated as DP_NIC_AGGREGATION says."""
-    members, span, per_node, nodes = geometry
-    key = link_of(prof, span)
-    if key != "internode":
-        per_node = 1
-    if lay.pp > 1:
-        aggregate = DP_NIC_AGGREGATION_PIPELINED
-    else:
-        aggregate = DP_NIC_AGGREGATION and nodes <= prof.rail_aggregation_max_nodes
-    return key, min(link_bandwidth(prof, key) * (per_node if aggregate else 1), prof.nvlink_gbps * 1e9)
 
 
 def _fsdp_reduction(
@@ -212,12 +193,12 @@ def _fsdp_reduction(
     reductions = m if lay.pp == 1 else 1
     shard_geo, replicate_geo = replica_groups(lay.dims, s, prof.gpus_per_node)
     if s > 1:
-        key, bw = _group_link(lay, prof, shard_geo)
+        key, bw = group_link(lay, prof, shard_geo)
         frac = (s - 1) / s
         dpx[key] = dpx.get(key, 0.0) + (2 * m * gathered + reductions * grad_bytes * phi) * frac / bw
     n_rep = lay.replicas // s
     if n_rep > 1:
-        key, bw = _group_link(lay, prof, replicate_geo)
+        key, bw = group_link(lay, prof, replicate_geo)
         dpx[key] = dpx.get(key, 0.0) + reductions * 2 * (n_rep - 1) / n_rep * grad_bytes * phi / s / bw
 
 
@@ -330,7 +311,7 @@ EXTRAS_IGNORE = frozenset(
         "engine",
         "cp_impl",
         "dp_shard",
-        "ep",  # the all-to-all is the layers' (moe.layer_features)
+        "ep",  # the all-to-all is the layers' (feedforward.MoE.routed_features)
     }
 )
 
@@ -383,8 +364,8 @@ def step_time(
     breakdown = _breakdown(lay, m, f, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta, pressure)
     if lay.cp > 1:
         breakdown.update(cp_breakdown(shape, lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
-    if shape.moe and lay.ep > 1:  # exposed: part of compute_and_tp_s (moe.py)
-        breakdown.update(moe.all_to_all_breakdown(shape, lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
+    # a MoE's expert all-to-all, exposed: part of compute_and_tp_s (feedforward.py)
+    breakdown.update(feedforward.of(shape).all_to_all_breakdown(lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
     return (
         compute_s + breakdown["dp_reduction_exposed_s"] + breakdown["optimizer_s"] + breakdown["allocator_pressure_s"]
     ), breakdown

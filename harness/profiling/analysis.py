@@ -9,7 +9,7 @@ profiled step):
   norm reduction, which waits for the slowest rank) is bubble where the layout has a pipeline
   (pp > 1), as the own engine's counters charge it; without one there is no bubble and that time
   is WAIT, waiting for other ranks (a faster rank at the world-wide reduction). The harness's own
-  loss reduction (inside measure.HARNESS_SYNC) counts as the world's. On tp or dp it is exposed
+  loss reduction (inside measure.ranges.HARNESS_SYNC) counts as the world's. On tp or dp it is exposed
   communication (a sync call, a wait; posting an async
   tp/dp collective is host work where it runs, as the own engine counts it). Optimizer is the
   update phase: from the end of the step's last autograd function (its last backward) to its
@@ -18,7 +18,7 @@ profiled step):
   rest of the main thread's time from the step's first op to its last, host time between ops
   included (the Python of a forward: the own engine's forward/backward clocks count it too;
   `host_gaps` says how much of compute it is, outside the sum; under FP8 `fp8_cast` the time inside
-  torchao's casts, measure.FP8_CAST, also a part of compute); other is the step's remainder
+  torchao's casts, measure.ranges.FP8_CAST, also a part of compute); other is the step's remainder
   before its first op and after its last. compute + optimizer + exposed + bubble
   (or wait) + other = step.
 - cuda: the kernel timeline. NCCL kernels not overlapped by any compute kernel are exposed
@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from harness.measure import FP8_CAST, HARNESS_SYNC
+from harness.measure.ranges import FP8_CAST, HARNESS_SYNC
 from harness.profiling.annotate import CALL, PREFIX, WORLD, parse_range
 from harness.profiling.intervals import clip, contains, length, subtract, union
 

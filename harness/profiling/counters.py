@@ -13,7 +13,7 @@ Per step and rank, in ms, summing to the rank's own step:
 - exposed communication per axis: blocked in a synchronous collective or a wait on that axis
   (posting an asynchronous tp/dp collective is host work, as in the trace analysis);
 - bubble where pp > 1, else wait ("waiting for other ranks"): blocked on pp or on the world-wide
-  reductions, the harness's own loss reduction (measure.harness_sync) included;
+  reductions, the harness's own loss reduction (measure.ranges.harness_sync) included;
 - optimizer: inside torch optimizers' step(), less what it was blocked on a collective;
 - compute: the rest (forward, backward, gradient clipping, host work between ops).
 """
@@ -24,7 +24,7 @@ import contextlib
 import time
 from collections import defaultdict
 
-from harness.measure import in_harness_sync
+from harness.measure.ranges import in_harness_sync
 from harness.profiling.analysis import AXES, BUBBLE_AXES, HARNESS, OPTIONAL, waiting_key
 from harness.profiling.annotate import Annotations, AxisOf
 
@@ -140,10 +140,12 @@ class MeasuredSteps:
     On CPU only: there a collective blocks the thread that issued it (gloo), so the clocks see the
     waits; on a GPU a collective returns once its kernel is queued, the wait happens on the device,
     and the clocks would call it compute. There the report takes the profiled steps' kernel
-    timeline (analysis.cuda_breakdown) and sets its sum against the measured median."""
+    timeline (analysis.cuda_breakdown) and sets its sum against the measured median.
 
-    def __init__(self, dims, rank: int, engine, device_type: str = "cpu"):
-        groups = getattr(engine, "process_groups", dict)()  # the groups whose ranks alone do not name them
+    `groups`: the engine's declared groups (TrainingEngine.process_groups), those whose ranks alone
+    do not name their axis."""
+
+    def __init__(self, dims, rank: int, groups: dict, device_type: str = "cpu"):
         self.axis_of = AxisOf(dims, rank, groups)
         self.enabled = device_type == "cpu"
         self.counters = Counters(self.axis_of, dims.pp)

@@ -111,7 +111,7 @@ def axis_section(
                 [
                     str(v),
                     metric.fmt(metric.of(b)) if b else "-",
-                    fmt_s(b.step_median) if b else "-",
+                    fmt_s(b.step_time_median_s) if b else "-",
                     b.label if b else "(no run ok)",
                     counts,
                 ]
@@ -202,7 +202,7 @@ def tp_pp(rows: list[Row], metric: Metric) -> Section:
                 metric,
                 lambda r: f"tp{r.tp} pp{r.pp}",
                 "",
-                lambda r: (r.variant, r.context, r.dp, r.mb, r.ckpt, r.kernel),
+                lambda r: (r.variant, r.context, r.dp, r.micro_batch_size, r.activation_checkpointing, r.kernel),
             )
             if moved:
                 s.text.append(f"{name}, TP against PP at {g} model-parallel GPUs, what moved: " + " ".join(moved))

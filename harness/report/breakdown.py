@@ -54,7 +54,7 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
                 [
                     [r.label, r.step_breakdown.source]
                     + [ms_share(r.step_breakdown, k) for k in keys]
-                    + [f"{r.step_breakdown.step_ms:.1f} ms", against_median(r.step_breakdown, r.step_median)]
+                    + [f"{r.step_breakdown.step_ms:.1f} ms", against_median(r.step_breakdown, r.step_time_median_s)]
                     + [_collectives_text(r.collectives)]
                     for r in picked
                 ],
@@ -111,7 +111,7 @@ def why_cases(rows: list[Row], label=None) -> list[Case]:
             label(r) if label else r.label,
             r.variant,
             r.layout_key,
-            r.step_median,
+            r.step_time_median_s,
             r.step_breakdown,
             _ci(r),
             r.values.get("router_imbalance"),
@@ -122,7 +122,7 @@ def why_cases(rows: list[Row], label=None) -> list[Case]:
 
 
 def _ci(r: Row) -> tuple | None:
-    ci = r.step_ci
+    ci = r.step_time_ci95_s
     return (float(ci[0]), float(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from harness.report import analysis as an
-from harness.report import baselines
+from harness.report import published_figures
 from harness.report.breakdown import breakdown
 from harness.report.data import choose_metric, to_row
 from harness.report.ranking import uses_cp, uses_ep
 from harness.report.recommend import recommendations
 from harness.report.render import write
+from harness.spec.schema import BF16_PRECISIONS
 
 # What names a run besides the axis an ablation varies (ablation_why pairs a run with its twin on these).
 _NAMES = (
@@ -18,9 +19,9 @@ _NAMES = (
     "expert",
     "pp",
     "dp",
-    "mb",
-    "ckpt",
-    "sp",
+    "micro_batch_size",
+    "activation_checkpointing",
+    "sequence_parallel",
     "kernel",
     "precision",
     "compiled",
@@ -46,11 +47,11 @@ def sections_for(
             m,
             "micro-batch",
             "MFU against micro-batch size",
-            lambda r: r.mb,
+            lambda r: r.micro_batch_size,
             "micro-batch",
             "The best layout for each micro-batch size (all other settings free), as in the study's figures.",
             plot="lines",
-            rest=_rest("mb"),
+            rest=_rest("micro_batch_size"),
         ),
         an.tp_pp(rows, m),
         an.axis_section(
@@ -67,17 +68,17 @@ def sections_for(
             m,
             "checkpointing",
             "Activation checkpointing ablation",
-            lambda r: r.ckpt,
+            lambda r: r.activation_checkpointing,
             "checkpointing",
             "The best layout per checkpointing mode; the run counts show which modes ran out of memory.",
-            rest=_rest("ckpt"),
+            rest=_rest("activation_checkpointing"),
         ),
         an.axis_section(
             rows,
             m,
             "sequence-parallel",
             "Sequence parallelism ablation",
-            lambda r: "on" if r.sp else "off",
+            lambda r: "on" if r.sequence_parallel else "off",
             "sequence parallel",
             "Only layouts with tp > 1, where sequence parallelism applies.",
             subset=lambda r: r.tp > 1,
@@ -128,7 +129,7 @@ def sections_for(
             "precision",
             "The best layout per precision policy where a sweep ran bf16 and fp8 (workload.precision: the linear "
             "layers' GEMMs in FP8 through torchao, their casts and scales included in the step).",
-            subset=lambda r: r.precision in ("bf16", "fp8"),
+            subset=lambda r: r.precision in BF16_PRECISIONS,
             rest=_rest("precision"),
         ),
         an.axis_section(
@@ -167,7 +168,7 @@ def sections_for(
         breakdown(rows, m),
         an.pipeline(rows, m, timeline_run),
         an.failures(rows),
-        an.quoted(rows, m, baselines.load(baselines_dir)),
+        an.quoted(rows, m, published_figures.load(baselines_dir)),
         recommendations(rows, m),
     ]
 

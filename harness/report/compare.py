@@ -12,7 +12,6 @@ import json
 import os
 
 from harness.report import plots, render
-from harness.report.baseline import baseline_sections
 from harness.report.compare_layouts import differing_fields, differs_texts, layout_matrix
 from harness.report.compare_steps import (
     BREAKDOWN_AXIS,
@@ -29,6 +28,7 @@ from harness.report.compare_steps import (
     why_section,
 )
 from harness.report.data import component_title, measured_columns
+from harness.report.drift import baseline_sections
 from harness.report.policy import held_text, parity_cell, policy_sentence, verdict_text
 from harness.report.policy import sci as _sci
 from harness.report.ranking import rate_ci

@@ -7,6 +7,7 @@ break a report of two thousand.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,41 +129,36 @@ def layout_key(layout) -> str:
     return layout_label(layout)[len(engine_variant(layout)) :].strip() or "one process"
 
 
-@dataclass
-class Row:
-    """One run as the sweep report reads it: its values (harness.store.fields.row) as typed
-    attributes, what spec derives from its layout, and the metrics no table flattens."""
+# What a report row holds where a record lacks a field or holds it empty (the export keeps None:
+# harness.store.fields.row).
+STAND_INS = {
+    "run_id": "?",
+    "sweep": "(no sweep)",
+    "status": "?",
+    "engine": "?",
+    "model": "None",
+    "activation_checkpointing": "none",
+    "sequence_parallel": False,
+    "attention": "?",
+    "rmsnorm": "?",
+}
 
-    run_id: str
-    sweep: str
-    status: str
-    engine: str
-    variant: str  # engine and sharding mode (spec.engine_variant)
-    label: str  # spec.layout_label
-    model: str
-    seq_len: int | None
-    global_batch_size: int | None
-    precision: str | None
-    gpus: int | None
-    tp: int
-    pp: int
-    dp: int
-    mb: int | None
-    ckpt: str
-    sp: bool
-    attention: str
-    rmsnorm: str
-    zero: int | None
+
+@dataclass
+class RowOwn:
+    """What a report row reads of a record itself (the degrees as ParallelDims gives them, the whole error,
+    the metrics no table flattens) and derives from its layout; Row adds every other field of the record."""
+
+    variant: str = ""  # engine and sharding mode (spec.engine_variant)
+    label: str = ""  # spec.layout_label
     layout_key: str = ""  # layout_key: the label without the engine
+    gpus: int | None = None
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
     cp: int = 1  # context parallelism's degree (records written before it: 1)
     cp_impl: str = ""  # and its implementation, '' without it
-    step_median: float | None = None
-    step_ci: tuple | None = None
-    steps: int | None = None
-    tokens_per_s: float | None = None
-    tokens_per_s_dev: float | None = None
-    peak_memory: int | None = None
-    memory_kind: str | None = None
+    ep: int = 1  # the expert-parallel degree (records written before it, and dense models: 1)
     breakdown: dict | None = None  # the record's breakdown_s as it is (old records)
     step_breakdown: Breakdown | None = None  # breakdown_of(the record's metrics)
     collectives: tuple | None = None  # collectives_of(the record's metrics): (list, source)
@@ -184,11 +180,6 @@ class Row:
     def context(self) -> str:
         """Context parallelism as an ablation names it: 'cp1' (none), 'cp2 ring'."""
         return f"cp{self.cp} {self.cp_impl}" if self.cp > 1 else "cp1"
-
-    @property
-    def ep(self) -> int:
-        """The expert-parallel degree (records written before it, and dense models: 1)."""
-        return int(self.layout.get("ep") or 1)
 
     @property
     def expert(self) -> str:
@@ -214,42 +205,37 @@ class Row:
         return lines[0][:160] if lines else ""
 
 
+_OWN = {f.name for f in dataclasses.fields(RowOwn)}
+ROW_FIELDS = tuple(f.name for f in fields.FIELDS if f.name not in _OWN)  # Row's attributes from the record's fields
+Row = dataclasses.make_dataclass(
+    "Row",
+    [(name, Any, field(default=None)) for name in ROW_FIELDS],
+    bases=(RowOwn,),
+    namespace={
+        "__module__": __name__,
+        "__doc__": """One run as the sweep report reads it: every field of harness.store.fields under its name
+    (ROW_FIELDS, a STAND_INS value where the record has none) and RowOwn's.""",
+    },
+)
+
+
 def to_row(rec: dict) -> Row:
     v, lay = row(rec), (rec.get("spec") or {}).get("layout") or {}
     m, fp = rec.get("metrics") or {}, rec.get("fingerprint") or {}
     dims = ParallelDims.of(lay)
     versions = tuple(f"{k} {fp.get(k)}" for k in ("torch", "cuda", "nccl", "deepspeed", "megatron_core") if fp.get(k))
     return Row(
-        run_id=v["run_id"] or "?",
-        sweep=v["sweep"] or "(no sweep)",
-        status=v["status"] or "?",
-        engine=v["engine"] or "?",
+        **{name: (v[name] or STAND_INS[name]) if name in STAND_INS else v[name] for name in ROW_FIELDS},
         variant=engine_variant(lay),
         label=layout_label(lay),
         layout_key=layout_key(lay),
-        cp=dims.cp,
-        cp_impl=(lay.get("cp_impl") or "ring") if dims.cp > 1 else "",
-        model=str(v["model"]),
-        seq_len=v["seq_len"],
-        global_batch_size=v["global_batch_size"],
-        precision=v["precision"],
         gpus=fp.get("world_size") or dims.world,
         tp=dims.tp,
         pp=dims.pp,
         dp=dims.dp,
-        mb=lay.get("micro_batch_size"),
-        ckpt=v["activation_checkpointing"] or "none",
-        sp=bool(v["sequence_parallel"]),
-        attention=v["attention"] or "?",
-        rmsnorm=v["rmsnorm"] or "?",
-        zero=v["zero_stage"],
-        step_median=v["step_time_median_s"],
-        step_ci=v["step_time_ci95_s"],
-        steps=v["steps_measured"],
-        tokens_per_s=v["tokens_per_s"],
-        tokens_per_s_dev=v["tokens_per_s_per_device"],
-        peak_memory=v["peak_memory_bytes"],
-        memory_kind=v["memory_kind"],
+        cp=dims.cp,
+        cp_impl=(lay.get("cp_impl") or "ring") if dims.cp > 1 else "",
+        ep=dims.ep,
         breakdown=m.get("breakdown_s") or None,
         step_breakdown=breakdown_of(m, dims.pp),
         collectives=collectives_of(m),
@@ -284,7 +270,7 @@ class Metric:
             return r.values.get("mfu_palm")
         if self.key == "mfu_measured":
             return r.values.get("mfu_vs_measured_matmul")
-        return r.tokens_per_s_dev
+        return r.tokens_per_s_per_device
 
     def fmt(self, v: float | None) -> str:
         if v is None:

@@ -4,7 +4,7 @@ small and quick, since a report may hold many.
 Conventions every figure here follows: where a ratio or a throughput is drawn (MFU, tokens/s,
 ms per step stacked) its value axis starts at zero, so a 0.2% difference is drawn as one; a
 bar or point that stands for a median carries the whisker of its 95% confidence interval
-(harness.measure.median_ci95, the one definition, carried into the record as ci95_low/high).
+(harness.measure.stats.median_ci95, the one definition, carried into the record as ci95_low/high).
 """
 
 from __future__ import annotations

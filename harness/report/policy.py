@@ -9,6 +9,7 @@ fingerprints.
 
 from __future__ import annotations
 
+from harness.spec.schema import BF16_PRECISIONS
 from harness.store import PASS, failure
 
 FACT_NAMES = {
@@ -26,7 +27,7 @@ def sci(x) -> str:
 
 def configured_text(workload: dict) -> str:
     """What the workload asks of gradients, which no census shows."""
-    bf16 = workload.get("precision") in ("bf16", "fp8")
+    bf16 = workload.get("precision") in BF16_PRECISIONS
     accum = (workload.get("grad_accum_dtype") or "fp32") if bf16 else "fp32"
     reduce = (workload.get("grad_reduce_dtype") or "fp32") if bf16 else "fp32"
     if accum == reduce:

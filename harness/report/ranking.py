@@ -94,10 +94,10 @@ def run_columns(rows: list[Row] = ()) -> list[Column]:
         Column("pp", lambda r: str(r.pp)),
         Column("dp", lambda r: str(r.dp)),
         *([Column("ep", lambda r: str(r.ep))] if uses_ep(rows) else []),
-        Column("mb", lambda r: str(r.mb)),
-        Column("ckpt", lambda r: r.ckpt),
+        Column("mb", lambda r: str(r.micro_batch_size)),
+        Column("ckpt", lambda r: r.activation_checkpointing),
         Column("kernels", lambda r: r.kernel),
-        Column("sp", lambda r: "yes" if r.sp else "no"),
+        Column("sp", lambda r: "yes" if r.sequence_parallel else "no"),
         *measured_columns(lambda r: r.values),
         Column("run", lambda r: r.run_id[:10]),
     ]
@@ -106,7 +106,7 @@ def run_columns(rows: list[Row] = ()) -> list[Column]:
 def rate_ci(value, step_median, step_ci) -> tuple[float, float] | None:
     """The 95% CI of a rate taken at the median step time (MFU, tokens/s: a constant divided by
     the median step), from the CI of that median: the interval maps through 1/x, its ends
-    swapped. One definition of the interval everywhere: measure.median_ci95, in the record as
+    swapped. One definition of the interval everywhere: measure.stats.median_ci95, in the record as
     step_time_s.ci95_low/high."""
     if value is None or not step_median or not step_ci or None in step_ci or min(step_ci) <= 0:
         return None
@@ -115,7 +115,7 @@ def rate_ci(value, step_median, step_ci) -> tuple[float, float] | None:
 
 def metric_ci(r: Row, metric: Metric) -> tuple[float, float] | None:
     """The 95% CI of a run's ranking metric (rate_ci)."""
-    return rate_ci(metric.of(r), r.step_median, r.step_ci)
+    return rate_ci(metric.of(r), r.step_time_median_s, r.step_time_ci95_s)
 
 
 def sort_key(v):

@@ -13,6 +13,7 @@ from harness.parallel_dims import ParallelDims
 from harness.report.data import Metric, Row, fmt_s
 from harness.report.ranking import by_sweep, matched, other_fields, ranked, with_unit
 from harness.report.sections import Section, Table
+from harness.spec.schema import BF16_PRECISIONS
 
 NOISE = 0.01  # relative: below this the winner is not distinguishable from the runner-up
 
@@ -22,12 +23,12 @@ ENGINE_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "ds_config", "
 
 # (name, value of a run, which runs it applies to, the layout fields the value is made of)
 AXES = [
-    ("micro-batch size", lambda r: r.mb, None, ("micro_batch_size",)),
-    ("activation checkpointing", lambda r: r.ckpt, None, ("activation_checkpointing",)),
+    ("micro-batch size", lambda r: r.micro_batch_size, None, ("micro_batch_size",)),
+    ("activation checkpointing", lambda r: r.activation_checkpointing, None, ("activation_checkpointing",)),
     ("attention+rmsnorm kernels", lambda r: r.kernel, None, ("attention", "rmsnorm")),
     (
         "sequence parallelism (tp > 1 only)",
-        lambda r: "on" if r.sp else "off",
+        lambda r: "on" if r.sequence_parallel else "off",
         lambda r: r.tp > 1,
         ("sequence_parallel",),
     ),
@@ -38,7 +39,7 @@ AXES = [
     (
         "precision (bf16 or fp8)",
         lambda r: r.precision,
-        lambda r: r.precision in ("bf16", "fp8"),
+        lambda r: r.precision in BF16_PRECISIONS,
         ("workload.precision", "workload.fp8_recipe"),  # not fp8_all_gather: that is a second change
     ),
     ("torch.compile", lambda r: r.compiled, None, ("compile",)),
@@ -57,7 +58,12 @@ def doubt(win: Row, other: Row, metric: Metric) -> str | None:
     """Why the winner's lead may not be real (None: it is): under NOISE, or overlapping CIs."""
     if metric.of(win) / metric.of(other) - 1 < NOISE:
         return "under the ~1% run-to-run noise"
-    if win.step_ci and other.step_ci and None not in win.step_ci + other.step_ci and win.step_ci[1] >= other.step_ci[0]:
+    if (
+        win.step_time_ci95_s
+        and other.step_time_ci95_s
+        and None not in win.step_time_ci95_s + other.step_time_ci95_s
+        and win.step_time_ci95_s[1] >= other.step_time_ci95_s[0]
+    ):
         return "the step-time 95% confidence intervals overlap"
     return None
 
@@ -99,7 +105,7 @@ def _axis(rows: list[Row], metric: Metric, name: str, key, subset, drop) -> tupl
                     f"#{i}",
                     str(v),
                     with_unit(metric, metric.of(r)),
-                    fmt_s(r.step_median),
+                    fmt_s(r.step_time_median_s),
                     r.label,
                     "best" if v == win else f"{100 * (metric.of(r) / metric.of(wrow) - 1):+.1f}%",
                 ]
@@ -168,7 +174,7 @@ def _checkpointing_memory(rows: list[Row]) -> str | None:
     for rs in by_sweep(rows).values():
         idx = {}
         for r in rs:
-            idx.setdefault(other_fields(r, ("activation_checkpointing",)), {})[r.ckpt] = r.status
+            idx.setdefault(other_fields(r, ("activation_checkpointing",)), {})[r.activation_checkpointing] = r.status
         saved += sum(
             1 for v in idx.values() if v.get("none") == "oom" and any(s == "ok" for k, s in v.items() if k != "none")
         )

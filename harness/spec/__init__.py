@@ -10,6 +10,7 @@ user mistake is one line and exit code 2 before anything launches. One job a mod
     capabilities.py  what the chosen engine runs, as its declared facts say
     inputs.py        the other inputs' checks: numbers, names and paths of sweep and compare specs
     labels.py        the layout's text label, the same in every view of a run
+    honours.py       what an engine's facts honour, in the schema's words (honoured, some, EVERY_ENGINE)
 
 Every name is re-exported here; `import harness.spec` stays light (no torch).
 """
@@ -35,6 +36,7 @@ from harness.spec.checks import (
     check_tokens,
     check_world_size,
 )
+from harness.spec.honours import EVERY_ENGINE, FP8, MOE, honoured, some
 from harness.spec.inputs import (
     NAME_CHARS,
     NAME_MAX,
@@ -50,13 +52,22 @@ from harness.spec.parse import load_spec, parse_spec, spec_from_dict, with_engin
 from harness.spec.schema import (
     ATTENTION_KERNELS,
     CHECKPOINTING,
+    COMPILE,
     CP_IMPLS,
+    DATA_KINDS,
+    DEVICES,
+    FP8_RECIPES,
+    GRAD_DTYPES,
     INTERLEAVED_SCHEDULES,
     MAX_DEVICES,
     MAX_SEED,
     MAX_STEPS,
+    MODEL_IMPLS,
+    PIPELINE_P2P,
+    PRECISIONS,
     RMSNORM_KERNELS,
     SCHEDULES,
+    TOKEN_DTYPES,
     V_SCHEDULES,
     Data,
     Layout,
@@ -66,23 +77,37 @@ from harness.spec.schema import (
     micro_batch_count,
     micro_batches_per_step,
     model_chunks,
+    subset,
+    through,
 )
 
 __all__ = [
     "ATTENTION_KERNELS",
     "CHECKPOINTING",
+    "COMPILE",
     "CP_IMPLS",
+    "DATA_KINDS",
+    "DEVICES",
+    "EVERY_ENGINE",
+    "FP8",
+    "FP8_RECIPES",
+    "GRAD_DTYPES",
+    "INTERLEAVED_SCHEDULES",
     "MAX_BYTES_PER_DEVICE",
     "MAX_DEVICES",
     "MAX_SEED",
     "MAX_STEPS",
+    "MODEL_IMPLS",
+    "MOE",
     "NAME_CHARS",
     "NAME_MAX",
+    "PIPELINE_P2P",
+    "PRECISIONS",
     "RMSNORM_KERNELS",
-    "INTERLEAVED_SCHEDULES",
     "SCHEDULES",
-    "V_SCHEDULES",
     "SEQUENCE_FIELDS",
+    "TOKEN_DTYPES",
+    "V_SCHEDULES",
     "Data",
     "Layout",
     "Optimizer",
@@ -108,6 +133,7 @@ __all__ = [
     "check_world_size",
     "coerce",
     "engine_variant",
+    "honoured",
     "honoured_error",
     "in_range",
     "layout_label",
@@ -121,8 +147,11 @@ __all__ = [
     "parse_spec",
     "process_counts",
     "read_yaml",
+    "some",
     "spec_field",
     "spec_from_dict",
+    "subset",
+    "through",
     "with_engine_defaults",
     "yaml_problem",
 ]

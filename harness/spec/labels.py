@@ -52,8 +52,7 @@ def layout_label(layout, short: bool = False) -> str:
         for k, v in degrees.items()
         if k != "cp" or v > 1
     ]
-    ep = ParallelDims.of(lay).ep
-    parts += [f"ep{ep}"] if ep > 1 else []  # a MoE's experts shared out (carved from dp: no other degree moves)
+    parts += ParallelDims.of(lay).split_labels()  # a MoE's experts shared out (carved from dp: no other degree moves)
     parts += [
         f"mb{lay.get('micro_batch_size', '?')}",
         f"ckpt={lay.get('activation_checkpointing') or 'none'}",

@@ -2,6 +2,12 @@
 with the values their fields take (the kernels, checkpointing modes, CP implementations and
 schedules every view shares) and the bounds beyond which a number is a typo.
 
+This is the one vocabulary: each choice field's values are one tuple here, and everything else that
+names them (an engine's facts, the planner, the memory trace) names a subset of it (subset, through), checked
+when its module is built. A new value goes at the end of its tuple: an engine's facts run a field's values
+`through` the last one they were written for (harness/spec/honours.py), so every engine refuses a value added
+later until one opts in.
+
 Each field says how the builder (build.py) reads it; what the fields mean together is checked in
 checks.py and capabilities.py.
 """
@@ -16,18 +22,43 @@ from harness.errors import SpecError, shown
 from harness.model.presets import Shape, resolve_shape
 from harness.spec.build import coerce, in_range, spec_field
 
+
+def subset(values: tuple, *names) -> tuple:
+    """`names`, each one of `values` (a tuple of this vocabulary), in the order given: a named subset that
+    fails when its module is built on a typo or on a value the vocabulary no longer has."""
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise ValueError(f"{', '.join(map(repr, missing))} not among {', '.join(map(str, values))}")
+    return tuple(names)
+
+
+def through(values: tuple, last) -> tuple:
+    """The values of `values` up to and including `last`, in the vocabulary's order: those known when `last`
+    was the newest (values are appended), not those added after it."""
+    return values[: values.index(subset(values, last)[0]) + 1]
+
+
+PRECISIONS = ("fp32", "bf16", "fp8")
+# the precisions whose parameters, activations and collectives are bf16 (fp8: bf16's policy with FP8 GEMMs)
+BF16_PRECISIONS = subset(PRECISIONS, "bf16", "fp8")
+GRAD_DTYPES = ("fp32", "bf16")  # grad_accum_dtype, grad_reduce_dtype
+DEVICES = ("auto", "cpu", "cuda")
+DATA_KINDS = ("synthetic", "file")
+TOKEN_DTYPES = ("uint16", "uint32")  # a token file's
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
 CHECKPOINTING = ("none", "full", "selective")
 CP_IMPLS = ("ring", "allgather", "ulysses")  # K/V blocks passed round a ring, K/V all-gathered, heads all-to-all
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
+PIPELINE_P2P = ("auto", "async", "grouped")
+MODEL_IMPLS = ("own", "hf")  # the harness's model, transformers' LlamaForCausalLM
 COMPILE = ("none", "blocks")  # torch.compile: nothing, or each transformer block (torchtitan's apply_compile)
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name
 # Two model chunks per pipeline rank in a V (rank r holds stages r and 2pp-1-r: the first rank the first and last).
-V_SCHEDULES = ("zbv", "dualpipev")
+V_SCHEDULES = subset(SCHEDULES, "zbv", "dualpipev")
 # virtual_stages chunks per rank, stage c * pp + r (Megatron's interleaving); zero_bubble: torch's
 # ScheduleInterleavedZeroBubble.
-INTERLEAVED_SCHEDULES = ("interleaved", "zero_bubble")
+INTERLEAVED_SCHEDULES = subset(SCHEDULES, "interleaved", "zero_bubble")
 
 
 def model_chunks(schedule: str, virtual_stages: int) -> int:
@@ -69,9 +100,9 @@ class Optimizer:
 class Data:
     """`synthetic`: seeded uniform tokens; `file`: a memory-mapped token file (.bin)."""
 
-    kind: str = _choices("synthetic", "file", default="synthetic")
+    kind: str = _choices(*DATA_KINDS, default="synthetic")
     path: str = spec_field("", applies=("kind", "file"))
-    dtype: str = spec_field("uint16", choices=("uint16", "uint32"), applies=("kind", "file"))
+    dtype: str = spec_field("uint16", choices=TOKEN_DTYPES, applies=("kind", "file"))
 
 
 @dataclass
@@ -83,12 +114,12 @@ class Workload:
     steps: int = spec_field(10, check=in_range(int, 1, MAX_STEPS))
     warmup_steps: int = spec_field(2, check=in_range(int, 0, MAX_STEPS))
     # fp8: bf16's policy with the linear layers' GEMMs in FP8 (torchao, harness/model/float8.py)
-    precision: str = _choices("fp32", "bf16", "fp8", default="fp32")
+    precision: str = _choices(*PRECISIONS, default="fp32")
     fp8_recipe: str = spec_field("tensorwise", choices=FP8_RECIPES, applies=("precision", "fp8"))
     # bf16 and fp8: gradients are summed over micro-batches in grad_accum_dtype and reduced across
     # data-parallel ranks in grad_reduce_dtype (harness/model/training.py, PrecisionPolicy)
-    grad_accum_dtype: str = _choices("fp32", "bf16", default="fp32")
-    grad_reduce_dtype: str = _choices("fp32", "bf16", default="fp32")
+    grad_accum_dtype: str = _choices(*GRAD_DTYPES, default="fp32")
+    grad_reduce_dtype: str = _choices(*GRAD_DTYPES, default="fp32")
     optimizer: Optimizer = field(default_factory=Optimizer)
     grad_clip: float = spec_field(1.0, check=in_range(float, 0, why=" (0 disables clipping)"))
     seed: int = spec_field(1234, check=in_range(int, 0, MAX_SEED))
@@ -97,7 +128,7 @@ class Workload:
     # normalisation: 1 when balanced) and the router z-loss (ST-MoE), each per micro-batch, times these
     moe_aux_loss_coeff: float = spec_field(0.0, check=in_range(float, 0))
     moe_z_loss_coeff: float = spec_field(0.0, check=in_range(float, 0))
-    device: str = _choices("auto", "cpu", "cuda", default="auto")
+    device: str = _choices(*DEVICES, default="auto")
 
 
 @dataclass
@@ -124,12 +155,12 @@ class Layout:
     virtual_stages: int = spec_field(1, check=in_range(int, 1))
     # how pipeline stages exchange activations: grouped (batch_isend_irecv, what NCCL needs) or
     # async (isend/irecv); auto picks grouped on NCCL and async on gloo
-    pipeline_p2p: str = _choices("auto", "async", "grouped", default="auto")
+    pipeline_p2p: str = _choices(*PIPELINE_P2P, default="auto")
     zero_stage: int = spec_field(0, check=in_range(int, 0, 3, says="0, 1, 2 or 3 (ZeRO's stages)"))
     dp_bucket_mb: float = spec_field(25.0, check=in_range(float, 0, above=True))
     # deepspeed
     ds_config: str = ""
-    model_impl: str = _choices("own", "hf", default="own")
+    model_impl: str = _choices(*MODEL_IMPLS, default="own")
     # fsdp
     reshard_after_forward: bool = True
     # FSDP2 all-gathers the FP8 linears' weights in FP8 (torchao's enable_fsdp_float8_all_gather; precision fp8,

@@ -4,7 +4,8 @@ Each field names a column (the CSV export's column and the row's key), gives its
 report's table, how it is read from a record (None where the record lacks it: optional metrics,
 old or foreign records) and how a report writes its value. The export (harness.store.export),
 the comparison's run entries (harness.compare.orchestrate) and the reports (harness.report) all
-flatten records with row(); the reports' tables of runs show every field marked `report`. So a
+flatten records with row(); a report's rows (harness.report.data.Row) hold every field as an
+attribute of its name, and the reports' tables of runs show every field marked `report`. So a
 metric added here once reaches the export and every report.
 """
 

@@ -30,7 +30,7 @@ import torch
 from harness.data.source import dp_slice, micro_batches
 from harness.errors import NonFiniteStep
 from harness.frameworks.deepspeed.config import build_config
-from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.measure.census import CensusAtStep, optimizer_state_tensors
 from harness.model.training import precision_policy
 from harness.parallel_dims import ParallelDims
 
@@ -125,6 +125,7 @@ class DeepSpeedBase:
     """The config and process setup of one DeepSpeed run (dp = world / (tp x cp x pp))."""
 
     name = "deepspeed"
+    times_own_communication = False  # no breakdown at all (last_step_details)
 
     def __init__(self, spec, shape, ctx):
         lay = spec.layout

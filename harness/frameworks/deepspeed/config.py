@@ -53,6 +53,7 @@ from harness import resources
 from harness.errors import SpecError, raise_all
 from harness.frameworks.deepspeed.policy_keys import policy_switches
 from harness.spec import micro_batch_count
+from harness.spec.schema import BF16_PRECISIONS
 
 AUTO = "auto"
 # The folder holding ds_configs/: the repository root, or the installed package's copy (harness.resources)
@@ -217,7 +218,7 @@ def build_config(
         f"global_batch_size / (dp x micro_batch_size) = {w.global_batch_size} / ({dp} x {lay.micro_batch_size})",
     )
     f.own("gradient_clipping", float(w.grad_clip), "grad_clip")
-    f.own("bf16.enabled", w.precision in ("bf16", "fp8"), f"precision ({w.precision})")  # fp8: bf16 + FP8 GEMMs
+    f.own("bf16.enabled", w.precision in BF16_PRECISIONS, f"precision ({w.precision})")  # fp8: bf16 + FP8 GEMMs
     _precision_policy(f, cfg, w, lay)
     policy_switches(f, cfg)
     if "scheduler" in cfg:
@@ -301,7 +302,7 @@ def build_config(
 def _precision_policy(f: _Filler, cfg: dict, w, lay) -> None:
     """DeepSpeed's keys for the workload's precision policy (harness/model/training.py,
     PrecisionPolicy): what gradients accumulate in, what they are reduced in, no skipped steps."""
-    bf16 = w.precision in ("bf16", "fp8")  # fp8: bf16 parameters, FP8 GEMMs inside the linears (torchao)
+    bf16 = w.precision in BF16_PRECISIONS  # fp8: bf16 parameters, FP8 GEMMs inside the linears (torchao)
     accum = w.grad_accum_dtype if bf16 else "fp32"
     reduce = w.grad_reduce_dtype if bf16 else "fp32"
     f.own("data_types.grad_accum_dtype", accum, "grad_accum_dtype", same=_same_dtype)

@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness import measure
 from harness.frameworks import gather_on_rank0
 from harness.frameworks.deepspeed.common import DeepSpeedBase, configure_checkpointing, fp32_copy
+from harness.measure.ranges import harness_sync
 
 CHECKPOINTING = {
     "none": "none",
@@ -56,7 +56,7 @@ class DeepSpeedEngine(DeepSpeedBase):
         ckpt = lay.activation_checkpointing
         mpu, kernels = None, None
         self.cp, self.cp_index, self.loss_divisor = lay.cp, 0, 1
-        self.ep_rank = ctx.rank % lay.ep  # DeepSpeed's expert-parallel groups: consecutive ranks (deepspeed/moe.py)
+        self.ep_rank = ctx.rank % lay.ep  # DeepSpeed's expert-parallel groups: consecutive ranks (deepspeed/experts.py)
         if lay.cp > 1:  # Ulysses (deepspeed/ulysses.py); AutoTP and hf are refused with it (deepspeed/facts.py)
             from harness.frameworks.deepspeed.ulysses import loss_divisor, sequence_groups, ulysses_kernels
 
@@ -93,14 +93,14 @@ class DeepSpeedEngine(DeepSpeedBase):
                     cp_index=self.cp_index,
                 )
             reference = ReferenceWeights(shape, w.seed)
-            if shape.moe:  # DeepSpeed's MoE layer in each block (deepspeed/moe.py); tp = cp = pp = 1 (facts.py)
-                from harness.frameworks.deepspeed import moe
+            if shape.moe:  # DeepSpeed's MoE layer in each block (deepspeed/experts.py); tp = cp = pp = 1 (facts.py)
+                from harness.frameworks.deepspeed import experts
 
-                moe.swap_in(model, shape, lay.ep)
-                moe.set_losses(
+                experts.swap_in(model, shape, lay.ep)
+                experts.set_losses(
                     model, w.moe_aux_loss_coeff, w.moe_z_loss_coeff, self.config["gradient_accumulation_steps"]
                 )
-                reference = moe.Renamed(reference, shape, lay.ep, self.ep_rank)
+                reference = experts.Renamed(reference, shape, lay.ep, self.ep_rank)
             model = load_reference(model, reference, ctx.device)
         # fp8: torchao's Float8Linear swapped in before deepspeed.initialize, which then casts the module to bf16
         # (its Parameters kept) and wraps it; DeepSpeed's optimizer keeps the fp32 masters as under bf16
@@ -118,7 +118,7 @@ class DeepSpeedEngine(DeepSpeedBase):
 
             compile_blocks(model.layers.values(), lay.compile)
         if shape.moe:  # ZeRO reduces the experts' gradients over their expert-data-parallel group
-            from harness.frameworks.deepspeed.moe import optimizer_groups
+            from harness.frameworks.deepspeed.experts import optimizer_groups
 
             parameters = optimizer_groups(model)
         else:
@@ -190,7 +190,7 @@ class DeepSpeedEngine(DeepSpeedBase):
         total *= self.loss_divisor / len(micro)  # the mean over this rank's tokens
         # every rank of a tp group holds the same loss, the cp ranks of a sequence equal token
         # counts: the mean over all ranks is the mean over dp
-        with measure.harness_sync():  # the harness's loss for the parity check, not the engine's
+        with harness_sync():  # the harness's loss for the parity check, not the engine's
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total / self.ctx.world_size
 
@@ -210,7 +210,7 @@ class DeepSpeedEngine(DeepSpeedBase):
             if tp:
                 full = gather_tp_shards(param, full)
             if self.shape.moe:
-                from harness.frameworks.deepspeed.moe import is_expert
+                from harness.frameworks.deepspeed.experts import is_expert
 
                 if keep_experts if is_expert(name) else keep:
                     mine[self._plain_name(name)] = full
@@ -221,21 +221,21 @@ class DeepSpeedEngine(DeepSpeedBase):
     def router_stats(self) -> dict:
         """The MoE layers' routing since the last call, in take_router_stats' format: every rank routes its
         own tokens (tp = cp = pp = 1 with MoE), so the runner's sum over ranks counts each token once."""
-        from harness.frameworks.deepspeed.moe import take_stats
+        from harness.frameworks.deepspeed.experts import take_stats
 
         return take_stats(self.engine.module)
 
     def process_groups(self) -> dict:
         groups = super().process_groups()
         if self.shape.moe:  # DeepSpeed's expert-parallel groups carry no group_desc
-            from harness.frameworks.deepspeed.moe import expert_groups
+            from harness.frameworks.deepspeed.experts import expert_groups
 
             groups.update(expert_groups())
         return groups
 
     def _plain_name(self, name: str) -> str:
         if self.shape.moe:
-            from harness.frameworks.deepspeed.moe import plain_name
+            from harness.frameworks.deepspeed.experts import plain_name
 
             return plain_name(name, self.shape, self.spec.layout.ep, self.ep_rank)
         if self.spec.layout.model_impl == "hf":
@@ -255,7 +255,7 @@ class DeepSpeedEngine(DeepSpeedBase):
             d["tensor_parallel"] = f"DeepSpeed AutoTP training, autotp_size {lay.tp}: {SHARDED}"
             d["autotp_sharded_parameters"] = len(sharded_names(self.params))
         if self.shape.moe:
-            from harness.frameworks.deepspeed.moe import LOSSES, SETTINGS
+            from harness.frameworks.deepspeed.experts import LOSSES, SETTINGS
 
             d["moe"] = f"{SETTINGS}, ep_size {lay.ep}; ZeRO with MoE parameter groups"
             d["moe_losses"] = LOSSES

@@ -5,18 +5,8 @@ or pipe.py (PipelineModule)."""
 from __future__ import annotations
 
 from harness.frameworks.deepspeed.config import validate
-from harness.registry import (
-    ANY,
-    EVERY_ENGINE,
-    FP8,
-    MOE,
-    EngineFacts,
-    MemoryModel,
-    every_value,
-    not_both,
-    only,
-    tied_across_stages,
-)
+from harness.registry import ANY, EngineFacts, MemoryModel, not_both, tied_across_stages
+from harness.spec import EVERY_ENGINE, FP8, MOE, honoured, some
 
 ULYSSES = "DeepSpeed's context parallelism is Ulysses (DistributedAttention): set cp_impl: ulysses"
 
@@ -55,16 +45,21 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **FP8,
-        **MOE,  # the harness's router losses on DeepSpeed's MoE layer (deepspeed/moe.py)
+        **MOE,  # the harness's router losses on DeepSpeed's MoE layer (deepspeed/experts.py)
         "layout.ep": ANY,  # DeepSpeed's MoE ep_size
-        **{
-            f"layout.{name}": every_value(f"layout.{name}")
-            for name in (
-                "tp pp dp cp activation_checkpointing attention rmsnorm zero_stage ds_config model_impl compile"
-            ).split()
-        },
-        "layout.cp_impl": only("ulysses", why=ULYSSES),
-        "layout.pipeline_schedule": only("1f1b", why=("DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only")),
+        **honoured(
+            "layout",
+            "tp pp dp cp zero_stage ds_config",
+            activation_checkpointing="selective",
+            attention="flash2",
+            rmsnorm="fused",
+            model_impl="hf",
+            compile="blocks",
+        ),
+        "layout.cp_impl": some("layout.cp_impl", "ulysses", why=ULYSSES),
+        "layout.pipeline_schedule": some(
+            "layout.pipeline_schedule", "1f1b", why="DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only"
+        ),
     },
     why_not={
         "layout.sequence_parallel": "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights only)"

@@ -146,6 +146,9 @@ class DeepSpeedPipelineEngine(DeepSpeedBase):
         mine = {plain_name(n): fp32_copy(p) for n, p in self.engine.module.named_parameters()}
         return gather_on_rank0(mine if self.dp_rank == 0 else None)
 
+    def router_stats(self) -> dict:
+        return {}  # no MoE: the facts refuse MoE with pp
+
     def describe(self) -> dict:
         lay = self.spec.layout
         d = self.describe_common()

@@ -64,9 +64,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from harness import measure
 from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
+from harness.measure import census, ranges, timers
 from harness.model import float8
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.moe import moe_layers, set_router_losses, take_router_stats
@@ -81,6 +81,7 @@ ROTATE = {"allgather": "allgather", "ring": "alltoall"}  # layout.cp_impl -> tor
 
 class FSDPEngine:
     name = "fsdp"
+    times_own_communication = False  # breakdown_s: whole phases (forward_backward, optimizer, total)
 
     def __init__(self, spec, shape, ctx, *, options: BuildOptions | None = None):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -144,7 +145,7 @@ class FSDPEngine:
         self._precompute_fp8_scales()
         self.params = [p for part in self.parts for p in part.parameters()]
         self.optimizer = options.make_optimizer(self.params, w, fused=ctx.device.type == "cuda")
-        self.census = measure.CensusAtStep(self.optimizer, self._census_tensors)
+        self.census = census.CensusAtStep(self.optimizer, self._census_tensors)
         self._details: dict = {}
 
     def _parallelize(self, part) -> None:
@@ -179,9 +180,9 @@ class FSDPEngine:
 
     def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
         w, lay = self.spec.workload, self.spec.layout
-        with measure.StepTimer(self.device) as step:
+        with timers.StepTimer(self.device) as step:
             local = dp_slice(global_batch, self.coord.dp, lay.dp).to(self.device, non_blocking=True)
-            with measure.StepTimer(self.device) as fb, self._gathered_parameters_are_not_activations():
+            with timers.StepTimer(self.device) as fb, self._gathered_parameters_are_not_activations():
                 if self.pipeline is not None:
                     total = self.pipeline.step(local[:, :-1], local[:, 1:])
                 else:
@@ -201,7 +202,7 @@ class FSDPEngine:
                             loss.backward()
                         total += loss.detach().float()
             self.hooks.optimizer("optimizer step (gradient clipping, AdamW)")
-            with measure.StepTimer(self.device) as opt:
+            with timers.StepTimer(self.device) as opt:
                 if w.grad_clip > 0:
                     self._clip_grad_norm(w.grad_clip)
                 self.optimizer.step()
@@ -210,7 +211,7 @@ class FSDPEngine:
             # each dp group's mean loss, counted once (by its tp rank 0 on the last pipeline stage)
             if not (self.is_last_stage and self.coord.tp == 0):
                 total = torch.zeros((), device=self.device, dtype=torch.float32)
-            with measure.harness_sync():  # the harness's loss for the parity check, not the engine's
+            with ranges.harness_sync():  # the harness's loss for the parity check, not the engine's
                 dist.all_reduce(total, op=dist.ReduceOp.SUM)
             loss = total / self.dims.replicas()  # the cp ranks of a sequence hold equal token counts
         self._details = {
@@ -288,7 +289,7 @@ class FSDPEngine:
         return {
             "parameters": list(self.params) + gathered,
             "gradients": [p.grad for p in self.params] + unsharded_grads,
-            "optimizer_states": measure.optimizer_state_tensors(self.optimizer),
+            "optimizer_states": census.optimizer_state_tensors(self.optimizer),
             "fp8": [t for part in self.parts for t in float8.fsdp_scale_tensors(part)] if self.policy.fp8 else [],
         }
 
@@ -296,15 +297,17 @@ class FSDPEngine:
         return self.census.result
 
     def activation_exclusions(self) -> list:
-        """The sharded parameters and the gathered (unsharded) parameters FSDP2 has allocated now
-        (none between steps: the gathered ones of a step are kept from the counting by
-        _gathered_parameters_are_not_activations)."""
+        """The sharded parameters and the gathered (unsharded) parameters FSDP2 has allocated now (none between steps:
+        the gathered ones of a step are kept from the counting by _gathered_parameters_are_not_activations)."""
         return list(self.params) + [t for fp in self._fsdp_params() for t in fp.all_gather_outputs]
+
+    def process_groups(self) -> dict:
+        return {}  # none: its DeviceMesh's groups are ParallelDims axes' groups, named by their ranks (AxisOf)
 
     @contextlib.contextmanager
     def _gathered_parameters_are_not_activations(self):
         """While an enclosing saved-tensor hook counts what autograd saves for backward
-        (measure.SavedActivations, on the first step), the gathered parameters that autograd saves
+        (measure.census.SavedActivations, on the first step), the gathered parameters that autograd saves
         bypass it. They cannot be named up front (activation_exclusions): FSDP2 allocates each
         gathered parameter anew at every all-gather and frees it on reshard (_fsdp_param.py:
         alloc_storage / free_storage resize one storage object in place), so its address changes
@@ -319,7 +322,7 @@ class FSDPEngine:
         pending = self._fsdp_params()  # FSDP2 creates them at each group's first all-gather
 
         def is_gathered(t: torch.Tensor) -> bool:
-            key = measure.local_tensor(t).untyped_storage()._cdata
+            key = census.local_tensor(t).untyped_storage()._cdata
             if key not in gathered and pending:
                 gathered.update(o.untyped_storage()._cdata for fp in pending for o in fp.all_gather_outputs)
                 pending[:] = [fp for fp in pending if not fp.all_gather_outputs]
@@ -357,10 +360,9 @@ class FSDPEngine:
         return {name.replace(_WRAPPED, ""): s for part in self.parts for name, s in take_router_stats(part).items()}
 
     def last_step_details(self) -> dict:
-        """Measured with the device synchronised: the forward and backward of every micro-batch
-        (collectives and the pipeline bubble included: FSDP2, DTensor and the schedules do not
-        time them apart), the optimizer (clipping with its norm reductions, AdamW, zeroing) and
-        the whole step (the rest: the batch slice and the loss all-reduce)."""
+        """Measured with the device synchronised: the forward and backward of every micro-batch (collectives and the
+        pipeline bubble included: FSDP2, DTensor and the schedules do not time them apart), the optimizer (clipping with
+        its norm reductions, AdamW, zeroing) and the whole step (the rest: the batch slice and the loss all-reduce)."""
         return dict(self._details)
 
     def describe(self) -> dict:

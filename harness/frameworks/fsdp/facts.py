@@ -3,18 +3,9 @@ declared without importing torch; adapter.py builds engine.py."""
 
 from __future__ import annotations
 
-from harness.registry import (
-    EVERY_ENGINE,
-    FP8,
-    MOE,
-    EngineFacts,
-    MemoryModel,
-    every_value,
-    not_both,
-    only,
-    tied_across_stages,
-)
-from harness.spec import micro_batch_count
+from harness import spec
+from harness.registry import EngineFacts, MemoryModel, not_both, only, tied_across_stages
+from harness.spec import EVERY_ENGINE, FP8, MOE, honoured, micro_batch_count, some, subset, through
 
 
 def _micro(w, lay) -> int:
@@ -22,8 +13,8 @@ def _micro(w, lay) -> int:
 
 
 # harness names of the torch.distributed.pipelining schedules engine fsdp runs (fsdp/pipeline.py maps them)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
-SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # input and weight gradients computed apart
+SCHEDULES = through(spec.SCHEDULES, "dualpipev")
+SPLIT_BACKWARD = subset(SCHEDULES, "zero_bubble", "zbv", "dualpipev")  # input and weight gradients computed apart
 
 
 CP_IMPLS = (
@@ -39,17 +30,18 @@ ENGINE = EngineFacts(
         **EVERY_ENGINE,
         **FP8,
         **MOE,  # the plain model's MoEFeedForward: the reference's router and losses (engine.py)
-        **{
-            f"layout.{name}": every_value(f"layout.{name}")
-            for name in (
-                "tp pp dp cp activation_checkpointing sequence_parallel attention rmsnorm "
-                "virtual_stages reshard_after_forward fp8_all_gather compile"
-            ).split()
-        },
+        **honoured(
+            "layout",
+            "tp pp dp cp sequence_parallel virtual_stages reshard_after_forward fp8_all_gather",
+            activation_checkpointing="selective",
+            attention="flash2",
+            rmsnorm="fused",
+            compile="blocks",
+        ),
         "layout.pipeline_schedule": only(
             *SCHEDULES, why="torch.distributed.pipelining's schedules here: " + ", ".join(SCHEDULES)
         ),
-        "layout.cp_impl": only("allgather", "ring", why=CP_IMPLS),
+        "layout.cp_impl": some("layout.cp_impl", "allgather", "ring", why=CP_IMPLS),
         "layout.zero_stage": only(0, 3, why="fsdp shards by reshard_after_forward, leave zero_stage unset"),
     },
     why_not={

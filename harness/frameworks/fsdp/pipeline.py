@@ -32,8 +32,9 @@ from __future__ import annotations
 import torch
 
 from harness.engine.partition import rank_chunks
+from harness.engine.schedules import Placement
 from harness.model.llama import Llama, lm_loss
-from harness.spec import V_SCHEDULES, model_chunks
+from harness.spec import model_chunks
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -48,9 +49,8 @@ SINGLE_STAGE = ("gpipe", "1f1b")  # the schedules that take one stage per rank, 
 
 def _rank_plans(spec, shape, pp_rank: int):
     lay = spec.layout
-    chunks = model_chunks(lay.pipeline_schedule, lay.virtual_stages)
-    v_shape = lay.pipeline_schedule in V_SCHEDULES
-    return rank_chunks(shape, lay.pp, chunks, pp_rank, spec.workload.seq_len, v_shape)
+    place = Placement.of(lay.pipeline_schedule, lay.pp, model_chunks(lay.pipeline_schedule, lay.virtual_stages))
+    return rank_chunks(shape, place, pp_rank, spec.workload.seq_len)
 
 
 def stage_table(spec, shape) -> list[dict]:

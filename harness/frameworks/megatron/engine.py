@@ -39,13 +39,15 @@ import importlib.metadata
 import torch
 import torch.distributed as dist
 
-from harness import measure
 from harness.data.source import dp_slice, micro_batches
 from harness.errors import NonFiniteStep
 from harness.frameworks import gather_on_rank0
 from harness.frameworks.megatron import shim as megatron_shim
 from harness.frameworks.megatron import weights as megatron_weights
 from harness.frameworks.megatron.routers import RouterTaps
+from harness.measure.census import CensusAtStep, optimizer_state_tensors
+from harness.measure.ranges import harness_sync
+from harness.measure.timers import StepTimer
 from harness.model.llama import ReferenceWeights
 from harness.model.training import precision_policy
 from harness.parallel_dims import ParallelDims
@@ -55,6 +57,7 @@ VERSION = importlib.metadata.version("megatron-core")
 
 class MegatronEngine:
     name = "megatron"
+    times_own_communication = False  # breakdown_s: whole phases (forward_backward, optimizer, total)
 
     def __init__(self, spec, shape, ctx):
         if ctx.backend is None:
@@ -67,7 +70,7 @@ class MegatronEngine:
         with self._megatron():
             self._build()
         torch.set_rng_state(cpu_rng)
-        self.census = measure.CensusAtStep(self.torch_optimizer, self._census_tensors)
+        self.census = CensusAtStep(self.torch_optimizer, self._census_tensors)
         self._details: dict = {}
 
     def _megatron(self):
@@ -213,14 +216,14 @@ class MegatronEngine:
 
     def _train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
         w, lay = self.spec.workload, self.spec.layout
-        with measure.StepTimer(self.device) as step:
+        with StepTimer(self.device) as step:
             local = dp_slice(global_batch, self.coord.dp, lay.dp).to(self.device, non_blocking=True)
             micro = micro_batches(local, lay.micro_batch_size)
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
             iterators = [iter(micro) for _ in self.chunks]
-            with measure.StepTimer(self.device) as fb:
+            with StepTimer(self.device) as fb:
                 reduced = self.forward_backward(
                     forward_step_func=_forward_step,
                     data_iterator=iterators if self.vp > 1 else iterators[0],
@@ -230,7 +233,7 @@ class MegatronEngine:
                     micro_batch_size=lay.micro_batch_size,
                     forward_only=False,
                 )
-            with measure.StepTimer(self.device) as opt:
+            with StepTimer(self.device) as opt:
                 ok, self._grad_norm, _ = self.optimizer.step()
             if not ok:
                 raise NonFiniteStep("Megatron's optimizer skipped the step (non-finite gradients)")
@@ -239,7 +242,7 @@ class MegatronEngine:
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             if self.is_last_stage and self.coord.tp == 0:
                 total += sum(float(r["loss"]) for r in reduced) / len(micro)
-            with measure.harness_sync():  # the harness's loss for the parity check, not the engine's
+            with harness_sync():  # the harness's loss for the parity check, not the engine's
                 dist.all_reduce(total)
             loss = total / lay.dp
         self._details = {
@@ -279,9 +282,7 @@ class MegatronEngine:
             + [p.grad for p in params]
             + [m.grad for m in self._masters()],
             "master_parameters": self._masters(),
-            "optimizer_states": [
-                t for opt in self.megatron_optimizers for t in measure.optimizer_state_tensors(opt.optimizer)
-            ],
+            "optimizer_states": [t for opt in self.megatron_optimizers for t in optimizer_state_tensors(opt.optimizer)],
         }
 
     def memory_census(self) -> dict | None:
@@ -289,6 +290,9 @@ class MegatronEngine:
 
     def activation_exclusions(self) -> list:
         return self._model_params() + [b.param_data for b in self._buffers() if b.param_data is not None]
+
+    def process_groups(self) -> dict:
+        return {}  # none: parallel_state's groups name themselves (group_desc, profiling.annotate.GROUP_DESC)
 
     # ---------------------------------------------------------------- reporting
 

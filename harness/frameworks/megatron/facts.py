@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from harness.registry import ANY, EVERY_ENGINE, MOE, EngineFacts, MemoryModel, every_value, only
+from harness.registry import ANY, EngineFacts, MemoryModel, only
+from harness.spec import EVERY_ENGINE, MOE, honoured, some
 
 # Megatron-core's llama3 rope scaling takes only the factor; the rest is fixed
 # (models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding._apply_scaling).
@@ -45,16 +46,14 @@ ENGINE = EngineFacts(
         **EVERY_ENGINE,
         **MOE,  # Megatron's aux_loss and z-loss are the reference's (layer_spec.moe_config)
         "layout.ep": ANY,
-        "workload.precision": only(
+        "workload.precision": some(
+            "workload.precision",
             "fp32",
             "bf16",
             why="Megatron-core runs FP8 only through Transformer Engine's layers (fp8_autocast), and engine megatron "
             f"builds its local layer spec without them (Transformer Engine {_TE}): engine megatron runs fp32 or bf16",
         ),
-        **{
-            f"layout.{name}": every_value(f"layout.{name}")
-            for name in ("tp", "pp", "dp", "activation_checkpointing", "sequence_parallel", "virtual_stages")
-        },
+        **honoured("layout", "tp pp dp sequence_parallel virtual_stages", activation_checkpointing="selective"),
         "layout.zero_stage": only(
             0,
             1,
@@ -70,7 +69,8 @@ ENGINE = EngineFacts(
                 "Engine's attention (TEDotProductAttention), not installed here: engine megatron runs cp=1"
             ),
         ),
-        "layout.attention": only(
+        "layout.attention": some(
+            "layout.attention",
             "naive",
             why=(
                 "Megatron-core's local layer spec (no Transformer Engine) has one core attention, "
@@ -78,14 +78,16 @@ ENGINE = EngineFacts(
                 "naive"
             ),
         ),
-        "layout.rmsnorm": only(
+        "layout.rmsnorm": some(
+            "layout.rmsnorm",
             "torch",
             why=(
                 "Megatron-core's fused RMSNorm needs Transformer Engine or Apex; engine megatron runs the eager one "
                 "(torch)"
             ),
         ),
-        "layout.pipeline_schedule": only(
+        "layout.pipeline_schedule": some(
+            "layout.pipeline_schedule",
             "1f1b",
             "interleaved",
             why=(

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import measure
+from harness.measure.ranges import harness_sync
 from harness.model.moe import RouterInputs, RouterStats, _in_backward, router_losses
 
 
@@ -65,7 +65,7 @@ class RouterTaps:
             return
         rows = torch.stack([r for n in names for r in self.pending[n]])
         if self.tp_size > 1:
-            with measure.harness_sync():  # the harness's statistics, not the engine's traffic
+            with harness_sync():  # the harness's statistics, not the engine's traffic
                 dist.all_reduce(rows, group=self.tp_group)
         at = 0
         e = self.experts

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from harness.data.source import micro_batches
-from harness.measure import CensusAtStep, optimizer_state_tensors
+from harness.measure.census import CensusAtStep, optimizer_state_tensors
 from harness.model.compiled import compile_blocks
 from harness.model.llama import build_model, lm_loss
 from harness.model.moe import set_router_losses, take_router_stats
@@ -19,6 +19,7 @@ from harness.spec import micro_batches_per_step as spec_micro_batches
 
 class SingleDeviceEngine:
     name = "single"
+    times_own_communication = False  # nothing to time: no communication
 
     def __init__(self, spec, shape, device):
         w, lay = spec.workload, spec.layout
@@ -73,6 +74,9 @@ class SingleDeviceEngine:
 
     def activation_exclusions(self) -> list:
         return list(self.model.parameters())
+
+    def process_groups(self) -> dict:
+        return {}  # no process group
 
     def describe(self) -> dict:
         return {

@@ -3,7 +3,8 @@ declared without importing torch; adapter.py builds it (engine.py)."""
 
 from __future__ import annotations
 
-from harness.registry import EVERY_ENGINE, FP8, MOE, EngineFacts, MemoryModel, every_value, only
+from harness.registry import EngineFacts, MemoryModel, only
+from harness.spec import EVERY_ENGINE, FP8, MOE, honoured
 
 _ONE_PROCESS = "engine single is one process: set tp=cp=pp=dp=1"
 ENGINE = EngineFacts(
@@ -13,10 +14,9 @@ ENGINE = EngineFacts(
         **FP8,
         **MOE,
         **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
-        **{
-            f"layout.{name}": every_value(f"layout.{name}")
-            for name in ("activation_checkpointing", "attention", "rmsnorm", "compile")
-        },
+        **honoured(
+            "layout", activation_checkpointing="selective", attention="flash2", rmsnorm="fused", compile="blocks"
+        ),
     },
     why_not={"layout.zero_stage": "engine single has no ZeRO"},
     launcher="direct",

@@ -1,6 +1,6 @@
-"""A torchtitan recipe read back as a harness workload and layout (harness/planner/importers.py).
+"""A torchtitan recipe read back as a harness workload and layout (harness/interop/imports.py).
 
-The recipe is the form harness/planner/export_torchtitan.py writes for torchtitan TORCHTITAN: one
+The recipe is the form harness/interop/torchtitan_out.py writes for torchtitan TORCHTITAN: one
 function that starts from a llama3 recipe and assigns fields. It is read as text with ast, never
 run: only literal values are taken; any other statement is listed as not carried. Field names are
 torchtitan/config/configs.py's (TrainingConfig, ParallelismConfig) in that release, or main's
@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 
 from harness.errors import SpecError
-from harness.planner.export_torchtitan import FLAVORS, MAIN_FIELDS, RECIPES, SCHEDULES
+from harness.interop.torchtitan_out import FLAVORS, MAIN_FIELDS, RECIPES, SCHEDULES
 
 # torchtitan/config/configs.py in TORCHTITAN and at TORCHTITAN_MAIN (main's names last): the
 # defaults of the fields the harness carries.

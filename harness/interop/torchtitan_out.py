@@ -8,16 +8,20 @@ fields of torchtitan/config/configs.py (TrainingConfig, ParallelismConfig), the 
 (default_adamw), a constant learning rate (LRSchedulersContainer.Config) and the activation
 checkpointing policy (FullAC / SelectiveAC / None) as that release has them. torchtitan's main
 branch (TORCHTITAN_MAIN) has renamed the batch fields to token budgets (MAIN_FIELDS);
-harness/planner/import_torchtitan.py reads both. Nothing here imports torch.
+harness/interop/torchtitan_in.py reads both. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+from harness.interop.optimizer import optimizer_and_clip
 from harness.model.presets import Shape
 from harness.planner.layout import PlannerLayout, Workload
 from harness.spec import Optimizer
 
 TORCHTITAN = "0.3.0"  # torchtitan on PyPI, 2026-09-03
+VERSION = f"torchtitan {TORCHTITAN} (Trainer.Config recipe)"
+# the cp implementations it runs (its own choice of exchange: no option names it in TORCHTITAN)
+CP_COMM = {"ring": "ring", "allgather": "allgather"}
 TORCHTITAN_MAIN = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"  # pytorch/torchtitan main, 2026-08-21
 # main's names for what the release calls training.local_batch_size, global_batch_size, seq_len and
 # parallelism.pipeline_parallel_microbatch_size (in tokens per micro-batch / step, pipeline micro-batches)
@@ -84,10 +88,7 @@ def export_torchtitan(
     shape: Shape, lay: PlannerLayout, wl: Workload, optimizer: Optimizer | None = None, grad_clip: float | None = None
 ) -> tuple[str, list[str]]:
     """A torchtitan recipe module: one function, FUNCTION, returning the run's Trainer.Config."""
-    from harness.spec import Workload as SpecWorkload
-
-    opt = optimizer or Optimizer()
-    clip = SpecWorkload().grad_clip if grad_clip is None else grad_clip
+    opt, clip = optimizer_and_clip(optimizer, grad_clip)
     flavor = torchtitan_flavor(shape)
     if flavor is None:  # exportable() refuses it first; a direct call says so here
         raise ValueError(f"torchtitan's llama3 has no flavor of this shape (it has {', '.join(FLAVORS)})")

@@ -1,4 +1,5 @@
-"""Published figures (baselines/*.csv) and which measured runs they can stand beside."""
+"""Published figures (baselines/*.csv) and which measured runs they can stand beside. Not
+harness/report/drift.py (a comparison against an earlier comparison's report, `--baseline`)."""
 
 from __future__ import annotations
 

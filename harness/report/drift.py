@@ -1,5 +1,6 @@
 """A comparison against an earlier one's JSON report (`harness compare SPEC --baseline OLD.json`): what
-a user's CI checks after each change. Not harness/report/baselines.py (figures quoted from publications).
+a user's CI checks after each change: what drifted. Not harness/report/published_figures.py (figures
+quoted from publications).
 
 Runs are matched by their label (the name a compare spec gives each run); a run in one report and not
 the other, or whose engine and layout changed under the same label, is a drift of its own. For each

@@ -1,24 +1,18 @@
-"""`harness import`: a user's Megatron-LM arguments, torchtitan recipe or ds_config as a harness run spec.
-
-Each reader returns (raw spec, not carried): the spec (workload and layout, as harness.spec reads
-them) that runs the same layout and optimizer here, and one line per field the harness cannot carry,
-with why. Bad input raises SpecError naming the field. The formats are those harness/planner/export.py
-writes (for the versions it names); a user's own file may say more, which is listed, never guessed.
-The torchtitan recipe is read as text (ast), never run. Nothing here imports torch.
+"""Megatron-LM's pretrain_gpt.py arguments (a launch script or an argument file) read back as a harness
+workload and layout (harness/interop/imports.py checks them as a spec). Flag names are
+megatron/training/arguments.py's at the commit megatron_out names; a flag the harness cannot carry
+is listed with why, never guessed. Bad input raises SpecError naming the flag.
 """
 
 from __future__ import annotations
 
-import json
 import shlex
 
 from harness.errors import SpecError
 from harness.model.presets import PRESETS
 from harness.parallel_dims import ParallelDims
-from harness.planner.import_torchtitan import read_torchtitan
 
-IMPORT_FORMATS = ("megatron", "torchtitan", "deepspeed")
-# Megatron-LM's --attention-backend, back to the harness's kernel (export.MEGATRON_ATTENTION inverted; its
+# Megatron-LM's --attention-backend, back to the harness's kernel (megatron_out.MEGATRON_ATTENTION inverted; its
 # local attention is the materialised one the harness calls naive).
 ATTENTION_OF_BACKEND = {"flash": "flash2", "fused": "sdpa_cudnn", "unfused": "naive", "local": "naive"}
 
@@ -41,12 +35,6 @@ MEGATRON_FLAGS = {
     *"overlap-param-gather use-rope-scaling add-qkv-bias use-flash-attn grad-reduce-in-bf16".split(),
 }
 CP_OF_COMM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses"}
-# ds_config keys carried (or listed by name below)
-DEEPSPEED_KEYS = {
-    *"train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps gradient_clipping bf16".split(),
-    *"optimizer zero_optimization data_types communication_data_type tensor_parallel pipeline".split(),
-    *"sequence_parallel_size activation_checkpointing scheduler".split(),
-}
 # A Megatron-LM or torchrun launch line's world size, when it says it.
 TORCHRUN = {"--nproc-per-node", "--nproc_per_node", "--nnodes"}
 
@@ -107,8 +95,8 @@ def match_model(shape: dict) -> tuple[str, dict]:
     return "tiny", dict(shape)
 
 
-def import_megatron(text: str, gpus: int | None = None) -> tuple[dict, list[str]]:
-    """A spec from Megatron-LM's pretrain_gpt.py arguments."""
+def read_megatron(text: str, gpus: int | None = None) -> tuple[dict, dict, list[str]]:
+    """(workload, layout, not carried) of Megatron-LM's pretrain_gpt.py arguments."""
     args, world, stray = split_megatron(text)
     lost = [f"{t}: not carried: not an option" for t in stray]
     a = {f[2:]: _megatron_value(args, f[2:]) for f in args if f[2:] in MEGATRON_INT | MEGATRON_FLOAT | MEGATRON_STR}
@@ -193,7 +181,7 @@ def import_megatron(text: str, gpus: int | None = None) -> tuple[dict, list[str]
     if a.get("global-batch-size") is None:
         lost.append("--global-batch-size: not carried: absent; written as micro-batch x dp")
     _megatron_optimizer(a, workload, lost)
-    return _spec("megatron", workload, layout, lost)
+    return workload, layout, lost
 
 
 def _megatron_model_lost(a: dict) -> list[str]:
@@ -230,116 +218,3 @@ def _megatron_optimizer(a: dict, workload: dict, lost: list[str]) -> None:
     style = a.get("lr-decay-style")
     if style not in (None, "constant") or (a.get("lr-warmup-iters") or 0) > 0:
         lost.append(f"--lr-decay-style: not carried: {style}; the harness trains at a constant learning rate")
-
-
-def import_deepspeed(text: str, model: str | None, seq_len: int | None) -> tuple[dict, list[str]]:
-    """A spec from a ds_config; the model and sequence length, which a ds_config does not hold, from
-    the arguments."""
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SpecError("ds_config", f"not JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise SpecError("ds_config", "top level must be an object")
-    lost = []
-
-    def need(key, kind=int):
-        v = cfg.get(key)
-        if not isinstance(v, kind) or isinstance(v, bool):
-            raise SpecError(key, f"needs a whole number, got {v!r}")
-        return v
-
-    micro, accum = need("train_micro_batch_size_per_gpu"), need("gradient_accumulation_steps")
-    batch = need("train_batch_size")
-    tp = ((cfg.get("tensor_parallel") or {}).get("autotp_size")) or 1
-    pp = ((cfg.get("pipeline") or {}).get("stages")) or 1
-    cp = cfg.get("sequence_parallel_size") or 1
-    if batch % (micro * accum):
-        raise SpecError("train_batch_size", f"{batch} is not micro-batch {micro} x accumulation {accum} x dp")
-    zero = cfg.get("zero_optimization") or {}
-    ckpt = cfg.get("activation_checkpointing")
-    layout = {
-        "tp": tp,
-        "pp": pp,
-        "dp": batch // (micro * accum),
-        "cp": cp,
-        "micro_batch_size": micro,
-        "zero_stage": zero.get("stage", 0),
-        "activation_checkpointing": "full"
-        if ckpt is not None or (cfg.get("pipeline") or {}).get("activation_checkpoint_interval")
-        else "none",
-        **({"cp_impl": "ulysses"} if cp > 1 else {}),
-    }
-    if ckpt is not None:
-        lost.append(
-            "activation_checkpointing: not carried: which blocks are wrapped is in the model code; written as full"
-        )
-    opt = cfg.get("optimizer") or {}
-    if opt and opt.get("type", "").lower() not in ("adamw", "adam"):
-        lost.append(f"optimizer.type: not carried: {opt.get('type')}; the harness trains with AdamW")
-    params = opt.get("params") or {}
-    workload = {
-        "model": model or "tiny",
-        "seq_len": seq_len or 128,
-        "global_batch_size": batch,
-        "precision": "bf16" if (cfg.get("bf16") or {}).get("enabled") else "fp32",
-        "optimizer": {k: params[k] for k in ("lr", "betas", "eps", "weight_decay") if k in params},
-    }
-    for key, field in (("grad_accum_dtype", "grad_accum_dtype"), ("communication_data_type", "grad_reduce_dtype")):
-        value = (cfg.get("data_types") or {}).get(key) if key == "grad_accum_dtype" else cfg.get(key)
-        if value in ("fp32", "bf16"):
-            workload[field] = value
-        elif value is not None:
-            lost.append(f"{key}: not carried: {value}; the harness accumulates and reduces in fp32 or bf16")
-    lost.append("attention: not carried: a ds_config has none (the model code chooses); written as sdpa")
-    lost += [f"{k}: not carried: the harness has no such setting" for k in cfg if k not in DEEPSPEED_KEYS]
-    lost += [
-        f"zero_optimization.{k}: not carried: engine deepspeed runs the harness's ds_configs/"
-        for k in zero
-        if k != "stage"
-    ]
-    if "gradient_clipping" in cfg:
-        workload["grad_clip"] = cfg["gradient_clipping"]
-    if model is None:
-        lost.append("model: not carried: a ds_config has none; written as tiny (give --model)")
-    if seq_len is None:
-        lost.append("seq_len: not carried: a ds_config has none; written as 128 (give --seq-len)")
-    if cfg.get("scheduler"):
-        lost.append("scheduler: not carried: the harness trains at a constant learning rate")
-    return _spec("deepspeed", workload, layout, lost)
-
-
-def import_torchtitan(text: str, gpus: int | None = None) -> tuple[dict, list[str]]:
-    """A spec from a torchtitan recipe (the form export_torchtitan writes)."""
-    workload, layout, lost = read_torchtitan(text, gpus)
-    return _spec("fsdp", workload, layout, lost)
-
-
-def _spec(engine: str, workload: dict, layout: dict, lost: list[str]) -> tuple[dict, list[str]]:
-    """The raw spec, checked by harness.spec: for the harness's engine of that name when it runs the
-    layout, else for the own engine (the harness's Megatron-style engine); each with the layout's
-    attention kernel, else sdpa (which picks its flash kernel where one runs). What changed is said
-    in `lost`."""
-    from harness.spec import parse_spec
-
-    own = {**layout, "zero_stage": min(layout.get("zero_stage", 3), 1)}  # full sharding: ZeRO-1 at most
-    own.pop("reshard_after_forward", None)
-    tries = [(engine, layout), ("own", own)]
-    first, why = None, {}
-    for name, lay in tries:
-        for attention in dict.fromkeys((lay.get("attention", "sdpa"), "sdpa")):
-            raw = {"workload": workload, "layout": {"engine": name, **lay, "attention": attention}}
-            try:
-                parse_spec(raw)
-            except SpecError as e:
-                first, why[name] = first or e, e
-                continue
-            if name != engine:
-                lost.append(
-                    f"layout.engine: not carried: engine {engine} here refuses it ({why[engine]}); "
-                    "written for engine own"
-                )
-            if attention != lay.get("attention", "sdpa"):
-                lost.append(f"layout.attention: not carried: {lay['attention']} is refused here; written as sdpa")
-            return raw, lost
-    raise first

@@ -1,6 +1,6 @@
 """Engine deepspeed's mixture of experts: DeepSpeed's own MoE layer (deepspeed.moe.layer.MoE: TopKGate, MOELayer
 with its all-to-all over the expert-parallel group, Experts) in each block, in place of the plain model's
-harness.model.moe.MoEFeedForward, with the harness's expert (harness.model.llama.FeedForward at moe_ffn).
+harness.model.moe.MoEFeedForward, with the harness's expert (harness.model.feed_forward.FeedForward at moe_ffn).
 
 Configured to be the reference's layer (checked by tests/test_deepspeed_moe.py):
   - routing: TopKGate computes the router logits in fp32 (F.linear with wg.weight, hidden -> experts: the
@@ -51,7 +51,7 @@ class HarnessMoE(MoE):
     router losses and statistics."""
 
     def __init__(self, shape, ep: int):
-        from harness.model.llama import FeedForward
+        from harness.model.feed_forward import FeedForward
 
         super().__init__(
             shape.hidden,

@@ -1,0 +1,17 @@
+"""Other frameworks' launch configurations, in and out: the planner's chosen layout written as a
+DeepSpeed ds_config, Megatron-LM arguments or a torchtitan recipe (`harness plan --export`), and a
+user's own read back as a harness run spec (`harness import`). Reading and writing them is not
+planning: this package uses the planner's layout, the planner never uses it.
+
+Modules, one job each:
+  exports         the front door of `plan --export`: exportable(), EXPORTERS, the named versions
+  deepspeed_out   a ds_config for a named DeepSpeed release
+  megatron_out    Megatron-LM's pretrain_gpt.py arguments at a named commit
+  torchtitan_out  a torchtitan recipe (Trainer.Config) for a named release
+  optimizer       the workload's AdamW and clipping every export writes
+  imports         the front door of `harness import`: each reading checked as a spec
+  megatron_in     Megatron-LM's arguments (a launch script or argument file) read back
+  deepspeed_in    a ds_config read back
+  torchtitan_in   a torchtitan recipe read back (as text, never run)
+Nothing here imports torch.
+"""
