@@ -208,6 +208,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_collection_finish(session):
+    """The shared launches (harness.testing.launches) run only the jobs the selected tests use."""
+    from harness.testing import launches
+
+    launches.select(session.items)
+
+
 # ---------------------------------------------------------------- the quick tier starts no process
 #
 # While a test not marked slow runs (its setup, call and teardown), every way of starting a process

@@ -17,6 +17,7 @@ The ZeRO-3 runs take a copy of ds_configs/zero3.json with a reduce bucket of 20,
 
 import functools
 import json
+import os
 
 import pytest
 
@@ -25,8 +26,8 @@ from harness.frameworks.deepspeed.config import DS_CONFIG_DIR
 from harness.model.presets import PRESETS, param_count
 from harness.model.training import precision_policy
 from harness.spec import parse_spec
+from harness.testing.launches import shared_launch
 from harness.testing.reference import reference_run
-from harness.testing.spawn import spawn
 from harness.testing.workloads import tiny_workload
 
 STEPS = 5
@@ -151,13 +152,14 @@ def census_runs(ctx, runs: list[dict], steps: int) -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def _runs(folder: str) -> tuple:
+    """The cases' runs (the small-bucket ZeRO-3 config written to folder) and the steps."""
     with open(f"{DS_CONFIG_DIR}/zero3.json") as f:
         cfg = json.load(f)
     cfg["zero_optimization"]["reduce_bucket_size"] = SMALL_BUCKET
-    small = tmp_path_factory.mktemp("ds") / "zero3_small_bucket.json"
-    small.write_text(json.dumps(cfg))
+    small = os.path.join(folder, "zero3_small_bucket.json")
+    with open(small, "w") as f:
+        f.write(json.dumps(cfg))
     runs = [
         {
             "workload": {**WORKLOAD, **overrides},
@@ -166,12 +168,15 @@ def launched(tmp_path_factory):
                 "dp": D,
                 "micro_batch_size": 2,
                 "zero_stage": stage,
-                "ds_config": str(small) if bucket else "",
+                "ds_config": small if bucket else "",
             },
         }
         for stage, overrides, bucket in CASES.values()
     ]
-    return dict(zip(CASES, spawn(census_runs, D, runs, STEPS, timeout_s=300), strict=True))
+    return runs, STEPS
+
+
+launched = shared_launch("deepspeed", D, census_runs, prepare=_runs, keys=CASES)
 
 
 def within(measured: dict, expected: dict, rel: float = 0.03) -> list[str]:

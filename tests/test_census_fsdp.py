@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from harness.model.presets import param_count, resolve_shape
+from harness.testing.launches import shared_launch
 from harness.testing.workloads import tiny_workload
 
 pytestmark = pytest.mark.slow  # every test here shares one launch of 2 processes
@@ -96,12 +97,7 @@ def _run_all(ctx, runs: list[dict]) -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    """Every run's results on both ranks, from one launch."""
-    from harness.testing.spawn import spawn
-
-    return spawn(_run_all, 2, RUNS, timeout_s=300, every_rank=True)
+ranks = shared_launch("torch", 2, _run_all, RUNS, every_rank=True)  # every run's results on both ranks
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.testing.spawn import spawn
+from harness.testing.launches import shared_launch
 
 pytestmark = pytest.mark.slow  # starts two processes
 
@@ -135,9 +135,7 @@ def _censuses(ctx, cases):
     return {"cases": out, "in_place": _in_place_collectives(ctx)}
 
 
-@pytest.fixture(scope="module")
-def measured():
-    return spawn(_censuses, D, [c for c, _ in CASES], timeout_s=120, threads=1, every_rank=True)
+measured = shared_launch("torch", D, _censuses, [c for c, _ in CASES], timeout_s=120, threads=1, every_rank=True)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=["-".join(map(str, c)) for c, _ in CASES])

@@ -20,7 +20,7 @@ from harness.engine.comm import comm_dict, comm_entry
 from harness.engine.comm_model import SIZE, cp_attention_calls, rank_comm
 from harness.model.presets import PRESETS
 from harness.spec import Layout
-from harness.testing.spawn import spawn
+from harness.testing.launches import shared_launch
 
 B, HQ, HKV, D = 2, 4, 2, 8
 TOL = {torch.float64: (1e-5, 1e-5), torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1.6e-2)}
@@ -124,14 +124,8 @@ def _expected(impl, cp, seq, dtype, ckpt):
     return comm_dict(e)
 
 
-@pytest.fixture(scope="module")
-def two():
-    return spawn(_cases, 2, CASES2, 16, timeout_s=120, every_rank=True)
-
-
-@pytest.fixture(scope="module")
-def four():
-    return spawn(_cases, 4, CASES4, 32, timeout_s=120, every_rank=True)
+two = shared_launch("torch", 2, _cases, CASES2, 16, timeout_s=120, every_rank=True)
+four = shared_launch("torch", 4, _cases, CASES4, 32, timeout_s=120, every_rank=True)
 
 
 def _check(results, cases, index, cp, seq):

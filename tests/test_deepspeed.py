@@ -10,8 +10,9 @@ import yaml
 from harness.errors import SpecError
 from harness.frameworks.deepspeed.config import DS_CONFIG_DIR, build_config
 from harness.spec import parse_spec
+from harness.testing.launches import shared_launch
 from harness.testing.reference import assert_matches_reference, reference_run
-from harness.testing.spawn import run_losses, spawn
+from harness.testing.spawn import run_losses
 from harness.testing.workloads import tiny_workload
 
 STEPS = 5
@@ -237,28 +238,32 @@ def reference():
     return reference_run(WORKLOAD, STEPS, micro_batch_size=2)
 
 
-@pytest.mark.slow
-def test_zero_stages_match_single_device_reference():
-    """ZeRO-1, 2, 3 (and with DeepSpeed's or the model's checkpointing, ZeRO-3 on transformers' Llama)
-    reproduce the reference's losses within 1e-5 relative and its weights after 5 steps."""
-    layouts = [
-        {"zero_stage": 1},
-        {"zero_stage": 2},
-        {"zero_stage": 3},
-        {"zero_stage": 2, "activation_checkpointing": "full"},
-        {"zero_stage": 3, "activation_checkpointing": "full"},
-        {"zero_stage": 1, "activation_checkpointing": "selective"},
-        {"zero_stage": 3, "model_impl": "hf"},
-    ]
-    runs = [
-        {"workload": dict(WORKLOAD), "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, **lay}}
-        for lay in layouts
-    ]
-    bf16 = {
+ZERO_LAYOUTS = [
+    {"zero_stage": 1},
+    {"zero_stage": 2},
+    {"zero_stage": 3},
+    {"zero_stage": 2, "activation_checkpointing": "full"},
+    {"zero_stage": 3, "activation_checkpointing": "full"},
+    {"zero_stage": 1, "activation_checkpointing": "selective"},
+    {"zero_stage": 3, "model_impl": "hf"},
+]
+ZERO_RUNS = [
+    {"workload": dict(WORKLOAD), "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, **lay}}
+    for lay in ZERO_LAYOUTS
+] + [  # and ZeRO-3 under bf16
+    {
         "workload": {**WORKLOAD, "precision": "bf16"},
         "layout": {"engine": "deepspeed", "dp": 2, "micro_batch_size": 2, "zero_stage": 3},
     }
-    results = spawn(run_losses, 2, runs + [bf16], STEPS, True, timeout_s=400)
+]
+zero_runs = shared_launch("deepspeed", 2, run_losses, ZERO_RUNS, STEPS, True, timeout_s=400)
+
+
+@pytest.mark.slow
+def test_zero_stages_match_single_device_reference(zero_runs):
+    """ZeRO-1, 2, 3 (and with DeepSpeed's or the model's checkpointing, ZeRO-3 on transformers' Llama)
+    reproduce the reference's losses within 1e-5 relative and its weights after 5 steps."""
+    layouts, results = ZERO_LAYOUTS, zero_runs
     ref_losses, ref_state = reference()
     for lay, result in zip(layouts, results[:-1], strict=True):
         assert_matches_reference(result, ref_losses, ref_state, str(lay))

@@ -7,8 +7,9 @@ import pytest
 from harness.errors import SpecError
 from harness.frameworks.deepspeed.config import build_config
 from harness.spec import parse_spec
+from harness.testing.launches import shared_launch
 from harness.testing.reference import assert_matches_reference, reference_run
-from harness.testing.spawn import run_losses, spawn
+from harness.testing.spawn import run_losses
 from harness.testing.workloads import tiny_workload
 
 STEPS = 5
@@ -104,22 +105,32 @@ def test_the_compared_weights_do_not_depend_on_the_order_gradients_are_summed_in
     assert not mismatches({"losses": other_losses, "state": other_state}, losses, state, rtol=1e-6)
 
 
+ULYSSES_LAYOUTS = [
+    {"zero_stage": 1},
+    {"zero_stage": 2},
+    {"zero_stage": 3},
+    {"zero_stage": 3, "activation_checkpointing": "full"},
+]
+ULYSSES_BF16 = {"workload": {**WORKLOAD, "precision": "bf16"}, "layout": cp_layout(zero_stage=3)}
+ulysses_runs = shared_launch(
+    "deepspeed",
+    2,
+    run_losses,
+    [{"workload": dict(WORKLOAD), "layout": cp_layout(**lay)} for lay in ULYSSES_LAYOUTS]
+    + [ULYSSES_BF16]
+    # then plain dp2 in the same processes: DeepSpeed keeps the last mpu process-wide, the adapter drops it
+    + [{"workload": dict(WORKLOAD), "layout": cp_layout(cp=1, dp=2, cp_impl="ring")}],
+    STEPS,
+    True,
+)
+
+
 @pytest.mark.slow
-def test_ulysses_with_zero_stages_matches_single_device_reference():
+def test_ulysses_with_zero_stages_matches_single_device_reference(ulysses_runs):
     """cp2 Ulysses under ZeRO-1, 2 and 3, and ZeRO-3 with full checkpointing (one
     launch of 2 ranks): the reference's losses within 1e-5 relative and its weights after 5 steps;
     bf16 ZeRO-3 within the bf16 tolerance; a dp2 run after them in the same processes unchanged."""
-    layouts = [
-        {"zero_stage": 1},
-        {"zero_stage": 2},
-        {"zero_stage": 3},
-        {"zero_stage": 3, "activation_checkpointing": "full"},
-    ]
-    runs = [{"workload": dict(WORKLOAD), "layout": cp_layout(**lay)} for lay in layouts]
-    bf16 = {"workload": {**WORKLOAD, "precision": "bf16"}, "layout": cp_layout(zero_stage=3)}
-    # then plain dp2 in the same processes: DeepSpeed keeps the last mpu process-wide, the adapter drops it
-    plain = {"workload": dict(WORKLOAD), "layout": cp_layout(cp=1, dp=2, cp_impl="ring")}
-    results = spawn(run_losses, 2, runs + [bf16, plain], STEPS, True, timeout_s=300)
+    layouts, bf16, results = ULYSSES_LAYOUTS, ULYSSES_BF16, list(ulysses_runs)
     ref_losses, ref_state = reference_run(WORKLOAD, STEPS, micro_batch_size=4)
     bf16_ref, _ = reference_run(bf16["workload"], STEPS, micro_batch_size=4)
     assert_matches_reference(results.pop(), ref_losses, ref_state, "ZeRO-1 dp2 after Ulysses")

@@ -14,8 +14,9 @@ import pytest
 from harness.errors import CapabilityError, SpecError
 from harness.frameworks.deepspeed.config import build_config
 from harness.spec import parse_spec
+from harness.testing.launches import shared_launches
 from harness.testing.reference import assert_matches_reference, reference_run
-from harness.testing.spawn import run_losses, spawn
+from harness.testing.spawn import run_losses
 from harness.testing.workloads import tiny_workload
 
 STEPS = 5
@@ -46,20 +47,15 @@ def reference():
     return reference_run(WORKLOAD, STEPS, micro_batch_size=2)
 
 
-@pytest.fixture(scope="module")
-def launched():
-    """Every rank's results per world size; world 2 also runs the planted difference (last)."""
-    cache = {}
+def _runs(world: int) -> list[dict]:
+    """World's layouts; world 2 also runs the planted difference (last)."""
+    runs = [run_dict(lay) for lay in LAYOUTS[world]]
+    return runs + [run_dict({"tp": 2, "zero_stage": 1}, seed=PLANTED_SEED)] if world == 2 else runs
 
-    def get(world):
-        if world not in cache:
-            runs = [run_dict(lay) for lay in LAYOUTS[world]]
-            if world == 2:
-                runs.append(run_dict({"tp": 2, "zero_stage": 1}, seed=PLANTED_SEED))
-            cache[world] = spawn(run_losses, world, runs, STEPS, True, timeout_s=400, every_rank=True)
-        return cache[world]
 
-    return get
+launched = shared_launches(  # DeepSpeed's tp and pp leave process-wide state: a pool of their own
+    "deepspeed-mp", {w: (_runs(w), STEPS, True) for w in LAYOUTS}, run_losses, timeout_s=400, every_rank=True
+)  # get(world): every rank's results
 
 
 PARAMS = [

@@ -30,6 +30,8 @@ ulps (tp2; 6.5e-3 with bf16 accumulation and reduction).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import assert_case_matches_reference
@@ -186,16 +188,13 @@ def _run_in_process(cases):
     return [out]
 
 
+launches = E.shared({world: cases for world, cases in CASES.items() if world > 1})
+
+
 @pytest.fixture(scope="module")
-def launched():
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = _run_in_process(CASES[1]) if world == 1 else E.launch(CASES[world], world)
-        return cache[world]
-
-    return get
+def launched(launches):
+    in_process = functools.cache(lambda: _run_in_process(CASES[1]))
+    return lambda world: in_process() if world == 1 else launches(world)
 
 
 @pytest.mark.parametrize("world,index", PARAMS)

@@ -36,6 +36,7 @@ from harness.memtrace.standins import even_counts
 from harness.model.moe import MoEFeedForward, set_router_losses
 from harness.model.presets import resolve_shape
 from harness.parallel_dims import ParallelDims
+from harness.testing import equivalence as E
 from harness.testing.equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL
 
 MOE = resolve_shape("tiny-moe", {})
@@ -195,18 +196,7 @@ PARAMS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def launched():
-    from harness.testing import equivalence as E
-
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = E.launch(CASES[world], world, steps=STEPS)
-        return cache[world]
-
-    return get
+launched = E.shared(CASES, steps=STEPS)
 
 
 BF16_ULP = 2.0**-8  # bf16's spacing relative to a value (8 bits of significand)

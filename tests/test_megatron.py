@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.testing.launches import shared_launch
 from harness.testing.reference import assert_matches_reference, reference_run
-from harness.testing.spawn import spawn
 from harness.testing.workloads import tiny_workload
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -100,14 +100,8 @@ def _train(ctx, runs: list[dict]) -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def two():
-    return dict(zip(TWO, spawn(_train, 2, [_run(c) for c in TWO.values()], timeout_s=300, threads=1), strict=True))
-
-
-@pytest.fixture(scope="module")
-def eight():
-    return dict(zip(EIGHT, spawn(_train, 8, [_run(c) for c in EIGHT.values()], timeout_s=300, threads=1), strict=True))
+two = shared_launch("megatron", 2, _train, [_run(c) for c in TWO.values()], keys=TWO, threads=1)
+eight = shared_launch("megatron", 8, _train, [_run(c) for c in EIGHT.values()], keys=EIGHT, threads=1)
 
 
 def _reference(case):

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.testing.moe import check_router_stats, reference_with_router, train_with_router
+from harness.testing.launches import shared_launch
+from harness.testing.moe_parity import check_router_stats, reference_with_router, train_with_router
 from harness.testing.reference import assert_matches_reference
-from harness.testing.spawn import spawn
 from harness.testing.workloads import tiny_workload
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -58,16 +58,12 @@ def _run(case) -> dict:
     return {"workload": {**WORKLOAD, **workload}, "layout": {**LAYOUT, **layout}}
 
 
-@pytest.fixture(scope="module")
-def results():
-    runs = [_run(c) for c in CASES.values()]
-    return dict(zip(CASES, spawn(train_with_router, 2, runs, STEPS, True, timeout_s=300, threads=1), strict=True))
-
-
-@pytest.fixture(scope="module")
-def four():
-    runs = [_run(c) for c in FOUR.values()]
-    return dict(zip(FOUR, spawn(train_with_router, 4, runs, STEPS, True, timeout_s=300, threads=1), strict=True))
+results = shared_launch(
+    "megatron", 2, train_with_router, [_run(c) for c in CASES.values()], STEPS, True, keys=CASES, threads=1
+)
+four = shared_launch(
+    "megatron", 4, train_with_router, [_run(c) for c in FOUR.values()], STEPS, True, keys=FOUR, threads=1
+)
 
 
 def _reference(case):

@@ -19,6 +19,7 @@ from harness.model.presets import PRESETS, resolve_shape
 from harness.planner.layout import PlannerLayout, Workload
 from harness.planner.memory_engines import engine_stage_items, engine_stage_memory, model_states
 from harness.planner.memory_terms import stage_params
+from harness.testing.launches import shared_launch
 
 # ---------------------------------------------------------------- sweeps over engines
 
@@ -310,24 +311,23 @@ def _launched(ctx, census_runs: list[dict], exported_runs: list[dict]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def launched():
-    from harness.testing.spawn import spawn
+_PLANNED: dict = {}  # the planner's layout of the plan exported for the launch
 
+
+def _launch_args(folder) -> tuple:
     exported = [
         megatron_spec(export_megatron(PRESETS[m], lay, EXPORT_WORKLOAD)[0], m, w) for m, w, lay in EXPORTED.values()
     ]
-    from_plan, plan_layout = _plan_export()
-    ranks = spawn(
-        _launched,
-        2,
-        [_census_raw(c) for c in CENSUS.values()],
-        exported + [from_plan],
-        timeout_s=600,
-        threads=1,
-        every_rank=True,
-    )
-    return ranks, list(EXPORTED.values()) + [("tiny", 2, plan_layout)]
+    from_plan, _PLANNED["layout"] = _plan_export()
+    return [_census_raw(c) for c in CENSUS.values()], exported + [from_plan]
+
+
+_ranks = shared_launch("megatron", 2, _launched, prepare=_launch_args, timeout_s=600, threads=1, every_rank=True)
+
+
+@pytest.fixture(scope="module")
+def launched(_ranks):
+    return _ranks, list(EXPORTED.values()) + [("tiny", 2, _PLANNED["layout"])]
 
 
 def _predicted(case, pp_rank: int) -> tuple[dict, dict]:

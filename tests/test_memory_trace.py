@@ -22,6 +22,7 @@ import json
 import pytest
 
 from harness.spec import parse_spec
+from harness.testing.launches import shared_launch
 
 WORLD = 4
 TINY_CASES = [  # bf16 on 4 ranks (one launch), each rank traced against the real rank
@@ -63,16 +64,29 @@ def _real(ctx, specs):
     return out
 
 
-def _assert_traces_equal_real_runs(world: int, specs: list, labels: list[str]):
-    """Each spec run for real on `world` gloo ranks (one launch) and traced rank by rank: the
-    census and the saved bytes of every rank equal the real rank's."""
-    from harness.memtrace.trace import trace_rank
-    from harness.testing.spawn import spawn
+@pytest.fixture(scope="module")
+def tracers():
+    """Worker processes for this file's traces, two or more at a time: a trace is single-threaded Python
+    (fake tensors), so one at a time would leave all but one core idle. The tests submit their own."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
 
-    real = spawn(_real, world, specs, timeout_s=300, threads=1, every_rank=True)
-    for i, (spec, label) in enumerate(zip(specs, labels, strict=True)):
+    with ProcessPoolExecutor(
+        min(4, max(2, os.cpu_count() or 1)), mp_context=multiprocessing.get_context("spawn")
+    ) as ex:
+        yield ex
+
+
+def _assert_traces_equal_real_runs(world: int, specs: list, labels: list[str], real: list, tracers):
+    """Each spec run for real on `world` gloo ranks (`real`: every rank's _real, from one launch) and
+    traced rank by rank (in `tracers`): the census and the saved bytes of every rank equal the real rank's."""
+    from harness.memtrace.trace import trace_rank
+
+    traced = [[tracers.submit(trace_rank, spec, spec.shape(), rank, True) for rank in range(world)] for spec in specs]
+    for i, (_, label) in enumerate(zip(specs, labels, strict=True)):
         for rank in range(world):
-            fake = trace_rank(spec, spec.shape(), rank, full_micro=True)
+            fake = traced[i][rank].result()
             got = real[rank][i]
             assert got["census"] and got["saved"] > 0
             census = {c: by for c, by in fake.census.items() if by}
@@ -82,11 +96,13 @@ def _assert_traces_equal_real_runs(world: int, specs: list, labels: list[str]):
             )
 
 
+TINY_SPECS = [_tiny_spec(layout) for layout in TINY_CASES]
+real_tiny = shared_launch("torch", WORLD, _real, TINY_SPECS, threads=1, every_rank=True)
+
+
 @pytest.mark.slow
-def test_fake_trace_equals_a_real_run():
-    _assert_traces_equal_real_runs(
-        WORLD, [_tiny_spec(layout) for layout in TINY_CASES], [f"{layout}" for layout in TINY_CASES]
-    )
+def test_fake_trace_equals_a_real_run(real_tiny, tracers):
+    _assert_traces_equal_real_runs(WORLD, TINY_SPECS, [f"{layout}" for layout in TINY_CASES], real_tiny, tracers)
 
 
 FSDP_WORLD = 2
@@ -103,14 +119,16 @@ def _tiny_fsdp_spec(precision: str, layout: dict):
     return _tiny_spec({"engine": "fsdp", "micro_batch_size": 2, **layout}, model="tiny", precision=precision)
 
 
+FSDP_SPECS = [_tiny_fsdp_spec(*case) for case in FSDP_CASES]
+real_fsdp = shared_launch("torch", FSDP_WORLD, _real, FSDP_SPECS, threads=1, every_rank=True)
+
+
 @pytest.mark.slow
-def test_fsdp_fake_trace_equals_a_real_run():
+def test_fsdp_fake_trace_equals_a_real_run(real_fsdp, tracers):
     """Engine fsdp (FSDP2 over dp, DTensor TP/SP): the census each rank holds at its optimizer
     step and the bytes autograd saves in a step, traced, equal a real 2-rank gloo run's."""
     _assert_traces_equal_real_runs(
-        FSDP_WORLD,
-        [_tiny_fsdp_spec(*case) for case in FSDP_CASES],
-        [f"{precision} {layout}" for precision, layout in FSDP_CASES],
+        FSDP_WORLD, FSDP_SPECS, [f"{precision} {layout}" for precision, layout in FSDP_CASES], real_fsdp, tracers
     )
 
 
@@ -140,12 +158,11 @@ def _full_spec(model, seq, gbs, layout):
 
 
 @pytest.fixture(scope="module")
-def agreement():
+def agreement(tracers):
     from harness.memtrace.result import trace_spec
 
-    rows = []
-    for model, seq, gbs, layout in AGREEMENT:
-        rows.append(trace_spec(_full_spec(model, seq, gbs, layout)))
+    traced = [tracers.submit(trace_spec, _full_spec(model, seq, gbs, layout)) for model, seq, gbs, layout in AGREEMENT]
+    rows = [t.result() for t in traced]
     print("\nlayout | traced peak GiB | planner GiB | difference | trace s")
     for r in rows:
         lay = r["layout"]
@@ -185,14 +202,15 @@ CP_AGREEMENT = [
 ]
 
 
-def _traced(header: str, cases: list[tuple[str, dict]]) -> list[dict]:
-    """Each (label, raw spec) parsed and traced at full size, a table row printed per trace."""
+def _traced(header: str, cases: list[tuple[str, dict]], tracers) -> list[dict]:
+    """Each (label, raw spec) parsed and traced at full size (in `tracers`), a table row printed per trace."""
     from harness.memtrace.result import trace_spec
 
     print(f"\n{header} | traced peak GiB | planner GiB | difference | trace s")
     rows = []
-    for label, raw in cases:
-        r = trace_spec(parse_spec(raw))
+    traced = [tracers.submit(trace_spec, parse_spec(raw)) for _, raw in cases]
+    for (label, _), future in zip(cases, traced, strict=True):
+        r = future.result()
         diff = (r["planner_peak_gib"] - r["traced_peak_gib"]) / r["traced_peak_gib"] * 100
         print(f"{label} | {r['traced_peak_gib']:.2f} | {r['planner_peak_gib']:.2f} | {diff:+.1f}% | {r['seconds']:.1f}")
         rows.append(r)
@@ -207,7 +225,7 @@ def _assert_planner_within(r: dict, rel: float):
 
 
 @pytest.mark.slow
-def test_cp_planner_agrees_with_the_trace():
+def test_cp_planner_agrees_with_the_trace(tracers):
     cases = [
         (
             f"llama3-8b s{seq} {layout}",
@@ -224,7 +242,7 @@ def test_cp_planner_agrees_with_the_trace():
         )
         for seq, layout in CP_AGREEMENT
     ]
-    for r in _traced("cp layout", cases):
+    for r in _traced("cp layout", cases, tracers):
         assert r["layout"]["cp"] > 1
         _assert_planner_within(r, 0.05)
 
@@ -240,7 +258,7 @@ FSDP_AGREEMENT = [
 
 
 @pytest.mark.slow
-def test_fsdp_planner_agrees_with_the_trace():
+def test_fsdp_planner_agrees_with_the_trace(tracers):
     cases = [
         (
             f"{model} s{seq} {layout}",
@@ -251,7 +269,7 @@ def test_fsdp_planner_agrees_with_the_trace():
         )
         for model, seq, layout in FSDP_AGREEMENT
     ]
-    for r in _traced("fsdp layout", cases):
+    for r in _traced("fsdp layout", cases, tracers):
         assert r["engine"] == "fsdp", r["layout"]  # its time: benchmarks/memory_speed.py
         _assert_planner_within(r, 0.10)
 

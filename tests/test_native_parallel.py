@@ -12,8 +12,9 @@ import pytest
 
 from harness.errors import SpecError
 from harness.spec import parse_spec
+from harness.testing.launches import shared_launch
 from harness.testing.reference import assert_matches_reference, reference_run
-from harness.testing.spawn import run_losses, spawn
+from harness.testing.spawn import run_losses
 from harness.testing.workloads import tiny_workload
 
 STEPS = 3
@@ -35,21 +36,29 @@ def _check(runs: list[dict], results: list[dict], steps: int = STEPS) -> None:
         assert_matches_reference(result, *references[key], str(run["layout"]))
 
 
+TWO = [
+    _run({"tp": 2}),
+    _run({"tp": 2, "sequence_parallel": True}),
+    _run({"pp": 2, "pipeline_schedule": "gpipe"}),
+    _run({"pp": 2, "pipeline_schedule": "1f1b"}),
+    _run({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, FOUR_LAYERS),
+    # the zero-bubble schedules (4 micro-batches: ScheduleDualPipeV's least at pp 2), which need the
+    # blocks kept gathered (fsdp facts)
+    _run({"pp": 2, "pipeline_schedule": "zbv", **KEEP}, FOUR_LAYERS),
+    _run({"pp": 2, "pipeline_schedule": "zero_bubble", "virtual_stages": 2, **KEEP}, FOUR_LAYERS),
+    _run({"pp": 2, "pipeline_schedule": "dualpipev", **KEEP}, FOUR_LAYERS),
+]
+FOUR = [_run({"dp": 2, "tp": 2}), _run({"pp": 2, "dp": 2})]
+EIGHT_STEPS = 2  # 8 processes on a small CPU machine: the one 3-D case, few steps
+EIGHT = [_run({"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True})]
+two = shared_launch("torch", 2, run_losses, TWO, STEPS, True)
+four = shared_launch("torch", 4, run_losses, FOUR, STEPS, True)
+eight = shared_launch("torch", 8, run_losses, EIGHT, EIGHT_STEPS, True)
+
+
 @pytest.mark.slow
-def test_tp_and_pp_on_two_processes():
-    runs = [
-        _run({"tp": 2}),
-        _run({"tp": 2, "sequence_parallel": True}),
-        _run({"pp": 2, "pipeline_schedule": "gpipe"}),
-        _run({"pp": 2, "pipeline_schedule": "1f1b"}),
-        _run({"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2}, FOUR_LAYERS),
-        # the zero-bubble schedules (4 micro-batches: ScheduleDualPipeV's least at pp 2), which need the
-        # blocks kept gathered (fsdp facts)
-        _run({"pp": 2, "pipeline_schedule": "zbv", **KEEP}, FOUR_LAYERS),
-        _run({"pp": 2, "pipeline_schedule": "zero_bubble", "virtual_stages": 2, **KEEP}, FOUR_LAYERS),
-        _run({"pp": 2, "pipeline_schedule": "dualpipev", **KEEP}, FOUR_LAYERS),
-    ]
-    results = spawn(run_losses, 2, runs, STEPS, True, timeout_s=300)
+def test_tp_and_pp_on_two_processes(two):
+    runs, results = TWO, two
     _check(runs, results)
     for i, name in ((5, "ScheduleZBVZeroBubble"), (6, "ScheduleInterleavedZeroBubble"), (7, "ScheduleDualPipeV")):
         assert results[i]["describe"]["pipeline"]["schedule"] == name
@@ -63,16 +72,13 @@ def test_tp_and_pp_on_two_processes():
 
 
 @pytest.mark.slow
-def test_dp_with_tp_and_with_pp_on_four_processes():
-    runs = [_run({"dp": 2, "tp": 2}), _run({"pp": 2, "dp": 2})]
-    _check(runs, spawn(run_losses, 4, runs, STEPS, True, timeout_s=300))
+def test_dp_with_tp_and_with_pp_on_four_processes(four):
+    _check(FOUR, four)
 
 
 @pytest.mark.slow
-def test_tp_pp_dp_on_eight_processes():
-    steps = 2  # 8 processes on a small CPU machine: the one 3-D case, few steps
-    runs = [_run({"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True})]
-    _check(runs, spawn(run_losses, 8, runs, steps, True, timeout_s=300), steps)
+def test_tp_pp_dp_on_eight_processes(eight):
+    _check(EIGHT, eight, EIGHT_STEPS)
 
 
 # ---------------------------------------------------------------- refused before anything runs

@@ -79,21 +79,7 @@ PARAMS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def launched():
-    cache = {}
-
-    def get(world):  # a failed launch fails every case once, not by relaunching for each
-        if world not in cache:
-            try:
-                cache[world] = E.launch(CASES[world], world, steps=STEPS)
-            except Exception as e:  # noqa: BLE001 - kept and raised again for each case of the launch
-                cache[world] = e
-        if isinstance(cache[world], Exception):
-            raise cache[world]
-        return cache[world]
-
-    return get
+launched = E.shared(CASES, steps=STEPS)  # a failed launch fails each of its cases, not by relaunching for each
 
 
 @pytest.mark.parametrize("world,index", PARAMS)

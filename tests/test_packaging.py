@@ -256,6 +256,14 @@ def test_wheel_in_a_fresh_venv_runs_deepspeed_zero1_and_report(source_copy, tmp_
     work = tmp_path / "work"  # outside the repository, PYTHONPATH unset
     work.mkdir()
     venv_env = _clean_env(venv)
+    # DeepSpeed's CPU op (deepspeed_shm_comm) is built from the running environment's torch, DeepSpeed and
+    # compiler, so its build in a fresh venv is the running environment's, byte for byte (the same
+    # build.ninja): built where the running environment keeps it, by an earlier run or now, rather than
+    # again for every new venv (a minute and more of compiling on 2 cores; what harness.launch.build_lock
+    # keys per environment is the interpreter's path, not these inputs)
+    from harness.launch.build_lock import environment_dir
+
+    venv_env["TORCH_EXTENSIONS_DIR"] = environment_dir()
     where = _run(
         [
             py,

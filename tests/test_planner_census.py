@@ -8,7 +8,7 @@ import pytest
 
 from harness.model.presets import param_count, resolve_shape
 from harness.planner.memory_engines import model_states
-from harness.testing.spawn import spawn
+from harness.testing.launches import shared_launch
 from harness.testing.workloads import tiny_workload
 
 pytestmark = pytest.mark.slow  # starts two processes
@@ -39,9 +39,7 @@ def _census_of_each(ctx, layouts):
     return out
 
 
-@pytest.fixture(scope="module")
-def measured():
-    return spawn(_census_of_each, 2, LAYOUTS, timeout_s=400)
+measured = shared_launch("deepspeed", 2, _census_of_each, LAYOUTS, timeout_s=400)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from harness.errors import SpecError, SpecErrors
 from harness.frameworks.deepspeed.config import build_config
 from harness.frameworks.deepspeed.policy_keys import SECTIONS, SWITCHES
 from harness.spec import parse_spec
+from harness.testing.launches import shared_launch
 from harness.testing.workloads import tiny_workload
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ds_configs")
@@ -298,33 +299,44 @@ def _censuses(ctx, runs: list[dict]) -> list[dict]:
     from harness.frameworks.deepspeed import config
     from harness.run import Trainer
 
-    config.policy_switches = lambda f, cfg: None
+    switches, config.policy_switches = config.policy_switches, lambda f, cfg: None
     out = []
-    for raw in runs:
-        spec = parse_spec(raw)
-        trainer = Trainer(spec, ctx, spec.shape(), progress=False)
-        trainer.step(0)
-        out.append(trainer.engine.memory_census())
-        del trainer
+    try:
+        for raw in runs:
+            spec = parse_spec(raw)
+            trainer = Trainer(spec, ctx, spec.shape(), progress=False)
+            trainer.step(0)
+            out.append(trainer.engine.memory_census())
+            del trainer
+    finally:  # the processes may run other tests' jobs next (harness.testing.launches)
+        config.policy_switches = switches
     return out
 
 
-@pytest.mark.slow
-def test_real_censuses_tell_the_policy_and_the_bucket(tmp_path):
-    """DeepSpeed ZeRO-3 under bf16 on zero3.json as shipped (a 5e7-element reduce bucket), and on
-    bf16_full.json's keys: the first reads as the workload's policy with its bucket a buffer, the
-    second as bf16 master weights and optimizer states."""
-    from harness.compare.policy import census_policy
+def _census_runs(folder: str) -> tuple:
+    """zero3.json as shipped, and with bf16_full.json's keys (written to folder)."""
     from harness.frameworks.deepspeed.config import DS_CONFIG_DIR
-    from harness.testing.spawn import spawn
 
     with open(os.path.join(DS_CONFIG_DIR, "zero3.json")) as f:
         cfg = json.load(f)
     cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
-    full = tmp_path / "bf16_full_keys.json"
-    full.write_text(json.dumps(cfg))
-    runs = [spec("", 3).to_dict(), spec(str(full), 3).to_dict()]
-    plain, bf16_full = spawn(_censuses, 2, runs, timeout_s=400)
+    full = os.path.join(folder, "bf16_full_keys.json")
+    with open(full, "w") as f:
+        f.write(json.dumps(cfg))
+    return ([spec("", 3).to_dict(), spec(full, 3).to_dict()],)
+
+
+real_censuses = shared_launch("deepspeed", 2, _censuses, prepare=_census_runs, timeout_s=400)
+
+
+@pytest.mark.slow
+def test_real_censuses_tell_the_policy_and_the_bucket(real_censuses):
+    """DeepSpeed ZeRO-3 under bf16 on zero3.json as shipped (a 5e7-element reduce bucket), and on
+    bf16_full.json's keys: the first reads as the workload's policy with its bucket a buffer, the
+    second as bf16 master weights and optimizer states."""
+    from harness.compare.policy import census_policy
+
+    plain, bf16_full = real_censuses
     assert plain["buffers"] == {"fp32": 4 * 50_000_000}  # zero3.json's reduce_bucket_size, communication_data_type
     assert sum(plain["gradients"].values()) < 4 * 50_000_000 / 100  # the bucket is not a gradient any more
     runs = [

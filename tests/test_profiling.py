@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import os
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from harness.profiling.analysis import HARNESS
 from harness.profiling.annotate import CALL, WORLD, AxisOf, range_name
 from harness.profiling.record import from_instrumented
 from harness.profiling.trace import bounded
+from harness.testing.launches import shared_launch
 from harness.testing.workloads import tiny_workload
 
 # ---------------------------------------------------------------- quick: interval algebra
@@ -452,11 +454,7 @@ OWN_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def own_runs():
-    from harness.testing.spawn import spawn
-
-    return spawn(_run_cases, 2, OWN_CASES, timeout_s=600, threads=1)
+own_runs = shared_launch("torch", 2, _run_cases, OWN_CASES, timeout_s=600, threads=1)
 
 
 def _close(a: float, b: float) -> bool:
@@ -510,17 +508,23 @@ def test_components_sum_to_the_profiled_step(own_runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("index,axis", [(4, "dp"), (5, "tp")])
 def test_a_sleep_inside_a_collective_is_exposed_comm_on_its_axis(own_runs, index, axis):
+    """The sleep is a floor under the slept axis's exposed comm in all three views (profiler, counters,
+    measured clocks). The layout's other axis has no collective, so the profiler puts none of it there
+    (exactly 0); and it is counted once, not also as waiting, since rank 1's components still sum to its
+    step. No upper bound on a real time: one fails under load (the counters clock the other axis's
+    single-rank calls too, a few us that a busy machine can stretch)."""
     r = own_runs[index]
     slept = r["breakdown_ms_by_rank"][1]
     calls = sum(c["count"] for c in r["collectives"] if c["axis"] == axis and c["kind"] in ("all_gather", "all_reduce"))
     floor = 1e3 * (SLEEP_S * 1 if axis == "dp" else 0.002 * calls)
     assert slept["exposed_comm"][axis] >= floor, (slept, floor)
     other = "tp" if axis == "dp" else "dp"
-    assert slept["exposed_comm"][other] < floor and _waiting(slept) < floor
+    assert not [c for c in r["collectives"] if c["axis"] == other], r["collectives"]
+    assert slept["exposed_comm"][other] == 0.0 and _parts(slept) == pytest.approx(slept["step"], rel=0.05), slept
     inst = r["breakdown_instrumented_ms_by_rank"][1]  # the counters saw it on the same axis
     assert inst["exposed_comm"][axis] >= floor
     measured = r["breakdown_measured_ms_by_rank"][1]  # and so did the measured steps' clocks (it slept there too)
-    assert measured["exposed_comm"][axis] >= floor and measured["exposed_comm"][other] < floor
+    assert measured["exposed_comm"][axis] >= floor and _parts(measured) == pytest.approx(measured["step"]), measured
 
 
 @pytest.mark.slow
@@ -548,22 +552,33 @@ def _greedy_buckets(numels: list[int], size: int) -> int:
     return count + (1 if filled else 0)
 
 
-@pytest.fixture(scope="module")
-def framework_runs(tmp_path_factory):
+def _small_buckets() -> dict:
     from harness.frameworks.deepspeed.config import resolve_path
-    from harness.testing.spawn import spawn
 
     with open(resolve_path("", 1)) as f:
         cfg = json.load(f)
     cfg["zero_optimization"]["reduce_bucket_size"] = 20000  # elements: under the tiny model's 125,248 gradients
-    small = tmp_path_factory.mktemp("ds") / "zero1-small-buckets.json"
-    small.write_text(json.dumps(cfg))
+    return cfg
+
+
+def _framework_cases(folder: str) -> tuple:
+    small = os.path.join(folder, "zero1-small-buckets.json")
+    with open(small, "w") as f:
+        f.write(json.dumps(_small_buckets()))
     cases = [
         {"layout": {"engine": "deepspeed", "dp": 2, "zero_stage": 1}},
-        {"layout": {"engine": "deepspeed", "dp": 2, "zero_stage": 1, "ds_config": str(small)}},
+        {"layout": {"engine": "deepspeed", "dp": 2, "zero_stage": 1, "ds_config": small}},
         {"layout": {"engine": "fsdp", "dp": 2}},
     ]
-    return spawn(_run_cases, 2, cases, timeout_s=600, threads=1), cfg
+    return (cases,)
+
+
+_framework_runs = shared_launch("deepspeed", 2, _run_cases, prepare=_framework_cases, timeout_s=600, threads=1)
+
+
+@pytest.fixture(scope="module")
+def framework_runs(_framework_runs):
+    return _framework_runs, _small_buckets()
 
 
 def _counts(r) -> dict:

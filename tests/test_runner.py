@@ -12,6 +12,7 @@ from harness.run import run
 from harness.runtime import RunContext
 from harness.spec import parse_spec
 from harness.store import ResultsStore
+from harness.testing.launches import shared_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = RunContext(0, 1, 0, torch.device("cpu"), None)
@@ -160,19 +161,21 @@ def _trainer_steps(ctx, layouts):
     return out
 
 
+TRAINER_LAYOUTS = [
+    {"engine": "own", "tp": 2, "sequence_parallel": True},
+    {"engine": "fsdp", "tp": 2},
+    {"engine": "fsdp", "tp": 2, "sequence_parallel": True},
+    {"engine": "fsdp", "pp": 2},
+    {"engine": "deepspeed", "tp": 2, "zero_stage": 1},
+]
+trainer_steps = shared_launch("deepspeed-mp", 2, _trainer_steps, TRAINER_LAYOUTS)  # DeepSpeed tp2, last
+
+
 @pytest.mark.slow
-def test_parallel_layouts_of_every_engine_run_through_the_trainer():
+def test_parallel_layouts_of_every_engine_run_through_the_trainer(trainer_steps):
     """The runner's first step counts saved activations and takes the census: that must work on
     DTensor (TP/SP), pipelining stages and AutoTP shards, not only on plain tensors."""
-    from harness.testing.spawn import spawn
-
-    layouts = [
-        {"engine": "own", "tp": 2, "sequence_parallel": True},
-        {"engine": "fsdp", "tp": 2},
-        {"engine": "fsdp", "tp": 2, "sequence_parallel": True},
-        {"engine": "fsdp", "pp": 2},
-        {"engine": "deepspeed", "tp": 2, "zero_stage": 1},
-    ]
-    for lay, (activations, census) in zip(layouts, spawn(_trainer_steps, 2, layouts, timeout_s=300), strict=True):
+    layouts = TRAINER_LAYOUTS
+    for lay, (activations, census) in zip(layouts, trainer_steps, strict=True):
         assert activations and activations > 0, lay
         assert census and census["parameters"]["fp32"] > 0, lay

@@ -7,6 +7,7 @@ than once per layout. Every rank returns its losses, weights, communication coun
 
 from __future__ import annotations
 
+from harness.testing.launches import shared_launches
 from harness.testing.reference import reference_run
 from harness.testing.spawn import spawn
 
@@ -90,3 +91,10 @@ def run_cases(ctx, cases: list[dict], steps: int) -> list[dict]:
 def launch(cases: list[dict], world: int, steps: int = 5, timeout_s: float = 300) -> list[list[dict]]:
     """`world` gloo processes, one thread each, run every case; returns per-rank result lists."""
     return spawn(run_cases, world, cases, steps, timeout_s=timeout_s, threads=1, every_rank=True)
+
+
+def shared(by_world: dict[int, list[dict]], steps: int = 5, timeout_s: float = 300):
+    """A module fixture: get(world) -> launch(by_world[world], world, steps)'s per-rank results, each world's
+    cases in the session's "torch" launch at that world size (harness.testing.launches)."""
+    args = {world: (cases, steps) for world, cases in by_world.items()}
+    return shared_launches("torch", args, run_cases, every_rank=True, timeout_s=timeout_s, threads=1)
