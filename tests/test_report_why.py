@@ -133,8 +133,9 @@ DS_VS_OWN_DP2 = (
 )
 OWN_TP2_VS_DP2 = (
     "own tp2 takes 10.0 ms more per measured step than own dp2 (median 100.0 against 90.0 ms); by the "
-    "breakdowns (100.0 against 90.0 ms): exposed tp communication +10.0 ms (100% of the difference); "
-    "partly offset by exposed dp communication -3.0 ms, compute -2.0 ms."
+    "breakdowns (100.0 against 90.0 ms): exposed tp communication +10.0 ms (100% of the difference), "
+    "host overhead and other +5.0 ms (50% of the difference); partly offset by exposed dp communication "
+    "-3.0 ms, compute -2.0 ms."
 )
 
 
@@ -163,7 +164,7 @@ def test_the_slower_run_by_measured_median_is_named_first_whatever_the_order_giv
     a, b = case("a", 60.0, compute=50.0, optimizer=10.0), case("b", 54.0, compute=45.0, optimizer=9.0)
     expected = (
         "a takes 6.0 ms more per measured step than b (median 60.0 against 54.0 ms); by the breakdowns "
-        "(60.0 against 54.0 ms): compute +5.0 ms (83% of the difference)."
+        "(60.0 against 54.0 ms): compute +5.0 ms (83% of the difference), optimizer +1.0 ms (17% of the difference)."
     )
     assert explain(a, b) == expected and explain(b, a) == expected
 
@@ -501,7 +502,8 @@ def test_own_and_megatron_at_the_same_layout_are_paired():
     engines, _ = comparisons(cases)
     assert engines == [
         "megatron pp2 takes 10.0 ms more per measured step than own pp2 naive (median 30.0 against 20.0 ms); by the "
-        "breakdowns (30.0 against 20.0 ms): compute +8.0 ms (80% of the difference)."
+        "breakdowns (30.0 against 20.0 ms): compute +8.0 ms (80% of the difference), pipeline bubble +1.0 ms (10% "
+        "of the difference), optimizer +1.0 ms (10% of the difference)."
     ]
 
 

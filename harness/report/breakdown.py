@@ -7,7 +7,7 @@ from harness.report import plots
 from harness.report.data import COMPONENTS, Metric, Row, component_title
 from harness.report.ranking import MAX_SWEEP_FIGS, best_per, by_sweep, ranked, sort_key
 from harness.report.sections import Section, Table
-from harness.report.why import Case, against_median, comparisons, explain
+from harness.report.why import Case, against_median, comparisons, explain, factors
 
 
 def breakdown(rows: list[Row], metric: Metric) -> Section:
@@ -115,6 +115,7 @@ def why_cases(rows: list[Row], label=None) -> list[Case]:
             r.step_breakdown,
             _ci(r),
             r.values.get("router_imbalance"),
+            factors(r.layout) if r.layout else None,
         )
         for r in rows
         if r.status == "ok" and r.step_breakdown

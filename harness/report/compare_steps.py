@@ -11,7 +11,7 @@ from harness.parallel_dims import ParallelDims
 from harness.report.breakdown import HARNESS_AXIS
 from harness.report.data import COMPONENTS, Breakdown, breakdown_of, collectives_of, component_title, layout_key
 from harness.report.sections import Items, Section
-from harness.report.why import Case, against_median, comparisons
+from harness.report.why import Case, against_median, comparisons, factors
 from harness.spec import engine_variant
 
 NOT_MEASURED = "not measured"
@@ -183,19 +183,22 @@ def why_cases(summary: dict) -> list[Case]:
         ci = (stats["ci95_low"], stats["ci95_high"]) if "ci95_low" in stats and "ci95_high" in stats else None
         imbalance = (r.get("row") or {}).get("router_imbalance")
         key = layout_key(r["layout"])
-        out.append(Case(r["label"], engine_variant(r["layout"]), key, stats.get("median"), b, ci, imbalance))
+        fields = factors(r["layout"])
+        out.append(Case(r["label"], engine_variant(r["layout"]), key, stats.get("median"), b, ci, imbalance, fields))
     return out
 
 
 WHY_TEXT = (
     "For each layout, its fastest engine against each other engine (and the own engine against the "
-    "others); for each engine, its fastest layout against each other layout; the fastest run's pairs "
-    "first. Which run is slower is the measured medians' call: two runs whose 95% confidence intervals "
+    "others); for each engine, two layouts only where they differ in one factor (the parallel split, or "
+    "one other layout field: the attention and norm kernels, checkpointing, micro-batch, schedule, "
+    "sequence parallelism), each run against the fastest such run; the fastest run's pairs first. "
+    "Which run is slower is the measured medians' call: two runs whose 95% confidence intervals "
     "of the median overlap are not distinguishable and are not explained. A difference is explained "
-    "only from breakdowns whose sum lies within 10% of their run's measured median, by the components "
-    "whose difference covers at least 80% of the difference between the breakdowns, largest first (at "
-    "most three), each with its share; where components moved both ways by more than that difference, "
-    "no share is given."
+    "only from breakdowns whose sum lies within 10% of their run's measured median, by every component "
+    "that moved by 10% of the difference between the breakdowns or more, either way: those that moved "
+    "with the step with their share of it, largest first, then those that partly offset it; where "
+    "components moved both ways by more than that difference, no share is given."
 )
 
 

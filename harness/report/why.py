@@ -1,6 +1,8 @@
-"""Why one run is slower than another, in numbers: the components of the step breakdown whose
-difference covers most of the step-time difference. One logic for the compare and the sweep
-reports, so both explain a winner the same way.
+"""Why one run is slower than another, in numbers: every component of the step breakdown that moved
+by MOVED of the difference or more, either way (the ones with the step with their share of it, the
+ones against it as what partly offset it), between runs that differ in one factor (the engine alone,
+or one layout field: factors()). One logic for the compare and the sweep reports, so both explain a
+winner the same way.
 
 Which run is slower, and whether it is slower at all, is the measurement's call, never the
 breakdown's: runs whose 95% confidence intervals of the median step overlap are "not
@@ -14,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.parallel_dims import DEGREES, ParallelDims
 from harness.report.data import Breakdown, component_title
 
-COVER = 0.8  # name components, largest first, until they cover this share of the difference
-MAX_NAMED = 3
+MOVED = 0.10  # a component that moved by this share of the difference or more, either way, is named
 TOLERANCE = 0.10  # a breakdown explains its run's measured steps only if its total is this close to their median
 
 
@@ -33,6 +35,9 @@ class Case:
     ci_s: tuple | None = None  # the 95% confidence interval of that median (low, high), seconds
     # a MoE run's expert load: routed tokens per expert, max over mean, worst layer (median measured step)
     imbalance: float | None = None
+    # what the run is, factor by factor (factors()): two runs of one engine are compared only where one
+    # factor differs; None (old callers): every pair
+    fields: dict | None = None
 
 
 def off_median(b: Breakdown, median_s: float | None) -> float | None:
@@ -125,13 +130,8 @@ def _explain(a: Case, b: Case) -> str:
             f"({y.step_ms:.1f} against {x.step_ms:.1f} ms): {moved}; no share of the difference is any one "
             "component's."
         )
-    named, covered = [], 0.0
-    for k in along:
-        if len(named) == MAX_NAMED or covered >= COVER * diff:
-            break
-        named.append(k)
-        covered += deltas[k]
-    against = [k for k in sorted(keys, key=lambda k: deltas[k]) if deltas[k] < 0 and -deltas[k] >= 0.1 * diff]
+    named = [k for k in along if deltas[k] >= MOVED * diff] or along[:1]
+    against = [k for k in sorted(keys, key=lambda k: deltas[k]) if deltas[k] < 0 and -deltas[k] >= MOVED * diff]
     text = f"{head}; by the breakdowns ({y.step_ms:.1f} against {x.step_ms:.1f} ms): " + ", ".join(
         f"{component_title(k)} {deltas[k]:+.1f} ms ({100 * deltas[k] / diff:.0f}% of the difference)" for k in named
     )
@@ -144,30 +144,72 @@ def _rank(c: Case) -> float:
     return c.step_s if c.step_s is not None else float("inf")
 
 
-def _grouped(cases: list[Case], by, other, limit: int | None, yardstick=lambda c: False) -> list[str]:
+SPLIT = "parallel split"  # the degrees, one factor: at a fixed world size one cannot move without another
+
+
+def factors(layout: dict) -> dict:
+    """A layout factor by factor, the engine left out: the parallel split (every degree at once) and each
+    other field as it is (the attention and norm kernels, sequence parallelism are fields)."""
+    lay = dict(layout or {})
+    out = {k: v for k, v in sorted(lay.items()) if k != "engine" and k not in DEGREES}
+    out[SPLIT] = ParallelDims.of(lay).label()
+    return out
+
+
+def differing(a: Case, b: Case) -> list[str] | None:
+    """The factors two runs differ in (their `fields`); None where either does not say."""
+    if a.fields is None or b.fields is None:
+        return None
+    return [k for k in sorted(set(a.fields) | set(b.fields)) if a.fields.get(k) != b.fields.get(k)]
+
+
+def _one_factor(a: Case, b: Case) -> bool:
+    found = differing(a, b)
+    return found is None or len(found) == 1
+
+
+def _grouped(cases: list[Case], by, other, limit: int | None, yardstick=lambda c: False, single=False) -> list[str]:
     """Per group (same `by`), its fastest run against each run of the group that differs in `other`, then
     the group's `yardstick` run (when it is not the fastest) against the others; groups in the order of
-    their fastest run, so the fastest run overall comes first."""
+    their fastest run, so the fastest run overall comes first. `single`: a run is compared with the
+    fastest run of its group that differs from it in one factor only (_one_factor), none where no such
+    run ran (said once per group)."""
     groups: dict = {}
     for c in sorted(cases, key=_rank):
         groups.setdefault(by(c), []).append(c)
     out = []
     for members in groups.values():
         anchors = [members[0], *(c for c in members[1:] if yardstick(c))]
-        done = set()
+        done, alone = set(), []
         for a in anchors:
             for c in members:
-                if other(c) != other(a) and frozenset((id(a), id(c))) not in done:
-                    done.add(frozenset((id(a), id(c))))
-                    out.append(explain(a, c))
+                if other(c) == other(a) or frozenset((id(a), id(c))) in done:
+                    continue
+                partner = a
+                if single and not _one_factor(a, c):
+                    partner = next((m for m in members if m is not c and _one_factor(m, c)), None)
+                    if partner is None or frozenset((id(partner), id(c))) in done:
+                        if partner is None and c not in alone:
+                            alone.append(c)
+                        continue
+                done.add(frozenset((id(partner), id(c))))
+                out.append(explain(partner, c))
+        if alone:
+            out.append(
+                "Not compared (no run of the same engine differs from them in one layout field only): "
+                + ", ".join(c.label for c in alone)
+                + "."
+            )
     return out[:limit] if limit else out
 
 
 def comparisons(cases: list[Case], limit: int | None = None) -> tuple[list[str], list[str]]:
     """(the same layout under other engines, the same engine at other layouts): one sentence per pair.
     Within a layout the own engine is the second yardstick: each framework against the harness's explicit
-    Megatron-style implementation of the same layout, whichever engine was fastest."""
+    Megatron-style implementation of the same layout, whichever engine was fastest. Within an engine, two
+    runs are compared only where their layouts differ in one factor (factors()): the fastest run of the
+    engine where it is one factor away, else the fastest run that is."""
     return (
         _grouped(cases, lambda c: c.layout, lambda c: c.engine, limit, yardstick=lambda c: c.engine == "own"),
-        _grouped(cases, lambda c: c.engine, lambda c: c.layout, limit),
+        _grouped(cases, lambda c: c.engine, lambda c: c.layout, limit, single=True),
     )
