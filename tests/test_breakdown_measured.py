@@ -4,6 +4,11 @@ expert group), and Why naming every component that moved between runs that diffe
 
 from __future__ import annotations
 
+import time
+
+import pytest
+import torch
+
 from harness.report.data import Breakdown
 from harness.report.why import Case, comparisons, explain, factors
 
@@ -60,3 +65,161 @@ def test_a_run_no_other_run_is_one_factor_from_is_said_not_compared():
     assert layouts == [
         "Not compared (no run of the same engine differs from them in one layout field only): own tp2 naive."
     ]
+
+
+# ---------------------------------------------------------------- item 4: compute measured, not the rest
+
+
+def _counters(**degrees):
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling.annotate import AxisOf
+    from harness.profiling.counters import Counters
+
+    dims = ParallelDims(**degrees)
+    return Counters(AxisOf(dims, 0), pp=dims.pp)
+
+
+class _Slow(torch.nn.Module):
+    """A forward that sleeps (compute), calls a blocking dp collective inside it (communication, not
+    compute), and whose backward sleeps too (compute, clocked through the autograd engine)."""
+
+    def __init__(self, counters):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.counters = counters
+
+    def forward(self, x):
+        time.sleep(0.010)
+        with self.counters._call() as call:  # what the wrapped torch.distributed call does
+            call.mark("all_reduce", "dp", "sync", 16)
+            time.sleep(0.008)
+        return _SleepyGrad.apply(x * self.w)
+
+
+class _SleepyGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.010)
+        return g
+
+
+def test_compute_is_clocked_and_what_no_clock_covers_is_unattributed():
+    counters = _counters(dp=2)
+    model = _Slow(counters)
+    with counters:
+        model(torch.ones(4)).sum().backward()
+        time.sleep(0.005)  # host work outside every clock
+    b = counters.parts(1.0)  # a step much longer than what the clocks saw: the rest is not compute
+    # lower bounds only (they hold on any load): forward and backward slept 20 ms, the collective 8 ms
+    assert b["compute"] >= 20.0 and b["exposed_comm"]["dp"] >= 8.0
+    assert b["compute"] < 500.0  # before: compute was the step less the rest, 990 ms here
+    assert b["unattributed"] >= 1000.0 - b["compute"] - b["exposed_comm"]["dp"] - b["optimizer"] - b["wait"] - 1e-6
+    assert set(b["exposed_comm"]) == {"dp"}  # tp 1: no tp column
+
+
+def test_a_breakdown_whose_clocks_overlap_fails_the_sum_check():
+    from harness.report.why import against_median, representative
+
+    b = Breakdown({"compute": 12.0, "dp_comm": 3.0, "unattributed": -5.0}, 10.0, "measured steps")
+    assert not representative(b, 0.010) and against_median(b, 0.010).startswith("+50%: off by more than 10%")
+    fine = Breakdown({"compute": 7.0, "dp_comm": 2.0, "unattributed": 1.0}, 10.0, "measured steps")
+    assert representative(fine, 0.010) and against_median(fine, 0.010) == "+0%"
+
+
+def _summary_run(label, compute, nproc, ref=False, gaps=None, profiled=None, layout=None):
+    m = {"step_time_s": {"median": compute / 1e3 * 1.2}}
+    if profiled is not None:
+        m.update(breakdown_ms=profiled, breakdown_source="profiler", compute_host_gaps_ms=gaps)
+    return {
+        "label": label,
+        "is_reference": ref,
+        "status": "ok",
+        "nproc": nproc,
+        "layout": dict(BASE, **(layout or {})),
+        "breakdown_ms": {"compute": compute, "optimizer": 1.0, "exposed_comm": {}, "step": compute + 1.0},
+        "breakdown_source": "measured steps",
+        "metrics": m,
+    }
+
+
+def test_compute_costing_more_than_the_reference_per_flop_is_flagged_with_where_it_went():
+    from harness.report.compare_steps import compute_flags
+
+    prof = {"compute": 40.0, "unattributed": 26.0, "optimizer": 2.0, "exposed_comm": {}, "step": 70.0}
+    summary = {
+        "runs": [
+            _summary_run("reference (single device)", 25.9, 1, ref=True, gaps=3.0, profiled=dict(prof, compute=28.0)),
+            _summary_run("own dp2", 12.0, 2, layout={"dp": 2}),
+            _summary_run("FSDP2 tp2", 165.3, 2, gaps=26.0, profiled=prof, layout={"tp": 2}),
+        ]
+    }
+    flags = compute_flags(summary)
+    assert len(flags) == 2 and "own dp2" not in " ".join(flags)  # 0.93x: not flagged
+    assert flags[1].startswith("**FSDP2 tp2**: compute 165.3 ms per rank on 2 ranks costs 12.8x the reference's")
+    assert "40.0 ms of operators and 26.0 ms of host time between them" in flags[1], flags[1]
+
+
+# ---------------------------------------------------------------- item 5: labels that say what a call did
+
+
+def test_pp_transfers_are_split_from_the_bubble_by_the_peer_s_post_time():
+    from harness.profiling.record import split_transfers
+
+    # rank 0 blocked 100-150 ms receiving from rank 1, whose send was posted at 140 ms: 40 ms of waiting for
+    # the peer (bubble), 10 ms of transfer; its own send, posted at 200 ms, blocked 200-203 after rank 1 had
+    # posted the receive at 190: 3 ms of transfer
+    row = {
+        "compute": 10.0,
+        "exposed_comm": {},
+        "bubble": 60.0,
+        "step": 300.0,
+        "p2p": [
+            {"kind": "recv", "peer": 1, "post": 0.100, "blocked": [(0.100, 0.150)]},
+            {"kind": "send", "peer": 1, "post": 0.200, "blocked": [(0.200, 0.203)]},
+        ],
+    }
+    posts = [{("recv", 1): [0.100], ("send", 1): [0.200]}, {("send", 0): [0.140], ("recv", 0): [0.190]}]
+    out = split_transfers(row, 0, posts, "bubble")
+    assert out["exposed_comm"]["pp"] == pytest.approx(13.0) and out["bubble"] == pytest.approx(47.0)
+    assert "p2p" not in out
+    # ranks on several hosts (no shared clock): not split, no pp column rather than a guess
+    apart = split_transfers(row, 0, None, "bubble")
+    assert "pp" not in apart["exposed_comm"] and apart["bubble"] == 60.0
+
+
+def test_a_call_on_a_one_rank_group_is_no_tp_communication():
+    counters = _counters(dp=2)
+    with counters:
+        with counters._call() as call:  # Megatron's cross-entropy all-reduce over its tp group at tp 1
+            call.mark("all_reduce", "tp", "sync", 4)
+        with counters._call() as call:
+            call.mark("all_reduce", "tp+pp", "sync", 4)
+    b = counters.parts(0.1)
+    assert "tp" not in b["exposed_comm"] and "tp+pp" not in b["exposed_comm"] and "one-rank" in b["exposed_comm"]
+
+    from harness.profiling.analysis import relabel
+    from harness.report.data import component_title
+
+    assert relabel({"tp": 1.2, "dp": 6.5, "tp+pp": 0.2}, {"tp": 1, "pp": 1, "dp": 2, "cp": 1, "ep": 1}) == {
+        "one-rank": pytest.approx(1.4),
+        "dp": 6.5,
+    }
+    assert component_title("one-rank_comm") == "calls on one-rank groups (no communication)"
+    assert component_title("pp_comm") == "pipeline transfers"
+
+
+def test_megatron_s_expert_group_by_another_name_is_ep(monkeypatch):
+    import torch.distributed as dist
+
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling.annotate import AxisOf
+
+    class Group:  # Megatron's tp x ep group at tp 1: its ranks are the expert group's
+        group_desc = "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP"
+
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: [2, 3])
+    assert AxisOf(ParallelDims(dp=4, ep=2), 3)(Group()) == "ep"  # before: 'other [2,3]', half on each rank's mean

@@ -387,7 +387,7 @@ def test_sweep_ablations_name_the_component_that_moved():
     # tp communication +20 ms against a 10 ms difference: the deltas, and no share (before: '200% of the difference')
     assert (
         "the components moved both ways, by more than the 10.0 ms between the breakdowns (100.0 against 90.0 ms): "
-        "exposed tp communication +20.0 ms, pipeline bubble -10.0 ms, exposed pp communication -2.0 ms, optimizer "
+        "exposed tp communication +20.0 ms, pipeline bubble -10.0 ms, pipeline transfers -2.0 ms, optimizer "
         "+2.0 ms; no share of the difference is any one component's."
     ) in texts["tp-pp"]
     assert "takes 30.0 ms more per measured step than checkpointing none" in texts["checkpointing"]

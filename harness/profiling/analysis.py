@@ -15,12 +15,14 @@ profiled step):
   update phase: from the end of the step's last autograd function (its last backward) to its
   last op (gradient norm and clipping, the optimizer, parameter refresh, zeroing), and whatever
   runs inside the profiler's own Optimizer.step# / Optimizer.zero_grad# ranges. Compute is the
-  rest of the main thread's time from the step's first op to its last, host time between ops
-  included (the Python of a forward: the own engine's forward/backward clocks count it too;
-  `host_gaps` says how much of compute it is, outside the sum; under FP8 `fp8_cast` the time inside
-  torchao's casts, measure.ranges.FP8_CAST, also a part of compute); other is the step's remainder
-  before its first op and after its last. compute + optimizer + exposed + bubble
-  (or wait) + other = step.
+  operators' time (the union of the main thread's cpu_op events, less what else claimed it): measured,
+  not the rest of the step; the host time between the step's ops (the Python of a forward, a
+  framework's bookkeeping) is `unattributed`, its own component (and `host_gaps`, the same figure,
+  as records before it named it); under FP8 `fp8_cast` the time inside torchao's casts,
+  measure.ranges.FP8_CAST, a part of compute outside the sum; other is the step's remainder before
+  its first op and after its last. compute + optimizer + exposed + bubble (or wait) + unattributed +
+  other = step. pp has no column here: one rank's trace cannot tell a transfer's wait from its peer's
+  lateness (the measured steps' clocks can: record.split_transfers).
 - cuda: the kernel timeline. NCCL kernels not overlapped by any compute kernel are exposed
   communication (on the axis of the annotated call that launched them; pp and the world's
   reduction: bubble, or wait without a pipeline), kernels launched in the update phase or the
@@ -51,6 +53,30 @@ OPTIONAL = ("cp", "ep", "other")
 HARNESS = "harness"  # the axis of the harness's own loss reduction (every engine's step returns the global loss)
 BUBBLE_AXES = ("pp", WORLD, HARNESS)  # blocked here: waiting for another stage or rank (bubble, or WAIT)
 WAIT = "wait"  # without a pipeline: the time blocked at the world-wide reductions, waiting for other ranks
+
+
+ONE_RANK = "one-rank"  # calls on groups of one rank (an axis of degree 1): no communication, their host time
+
+
+def one_rank(axis: str, degrees: dict) -> bool:
+    """Whether `axis` (tp, or a compound as Megatron's tp+pp) names a group of one rank at these degrees."""
+    parts = str(axis).split("+")
+    return all(p in degrees for p in parts) and all(degrees[p] == 1 for p in parts)
+
+
+def relabel(exposed: dict, degrees: dict | None) -> dict:
+    """Exposed communication with an axis of degree 1 left out ('-' in a report) and what its one-rank
+    groups' calls took under ONE_RANK (where they took anything); as it is without `degrees`."""
+    if degrees is None:
+        return exposed
+    out: dict = {}
+    for axis, ms in exposed.items():
+        if one_rank(axis, degrees):
+            if ms:
+                out[ONE_RANK] = out.get(ONE_RANK, 0.0) + ms
+        else:
+            out[axis] = ms
+    return out
 
 
 def waiting_key(pp: int) -> str:
@@ -138,9 +164,9 @@ def _thread(events: list[dict], thread) -> list[dict]:
     return [e for e in events if (e.get("pid"), e.get("tid")) == thread]
 
 
-def cpu_breakdown(trace: dict, pp: int = 1) -> dict:
+def cpu_breakdown(trace: dict, pp: int = 1, degrees: dict | None = None) -> dict:
     """{"steps": [per-step breakdown in ms], "collectives": [per-step counts]} for a CPU trace of a
-    layout with `pp` pipeline stages."""
+    layout with `pp` pipeline stages (and these `degrees`: relabel)."""
     events = complete_events(trace)
     thread, windows = step_windows(events)
     mine = _thread(events, thread)
@@ -157,8 +183,7 @@ def cpu_breakdown(trace: dict, pp: int = 1) -> dict:
         exposed = {}
         for axis in (*AXES, *extra):
             if axis == "pp":
-                exposed[axis] = 0.0  # on gloo a transfer's wait cannot be told from its peer's lateness: bubble
-                continue
+                continue  # one trace cannot tell a transfer's wait from its peer's lateness: in the bubble, no column
             spans = subtract(clip(by_axis.get(axis, []), lo, hi), taken)
             taken += spans
             if axis in AXES and axis not in OPTIONAL or spans:
@@ -172,9 +197,11 @@ def cpu_breakdown(trace: dict, pp: int = 1) -> dict:
         )
         optimizer = subtract(clip(optimizer_spans, lo, hi) + update, taken)
         taken += optimizer
-        compute = subtract(busy, taken)
-        step = _assemble(hi - lo, length(compute), length(optimizer), exposed, length(bubble), waiting_key(pp))
-        step["host_gaps"] = (length(compute) - length(subtract(inside, taken))) / 1e3
+        compute = subtract(inside, taken)  # the operators' time: measured, not the rest of the step
+        gaps = length(subtract(busy, taken)) - length(compute)  # host time between them: no op covers it
+        exposed = relabel(exposed, degrees)
+        step = _assemble(hi - lo, length(compute), length(optimizer), exposed, length(bubble), waiting_key(pp), gaps)
+        step["host_gaps"] = gaps / 1e3
         if casts:  # FP8: its casts' share of compute (outside the sum, as host_gaps)
             step["fp8_cast"] = length(subtract(union(clip(casts, lo, hi)), taken)) / 1e3
         steps.append(step)
@@ -182,9 +209,16 @@ def cpu_breakdown(trace: dict, pp: int = 1) -> dict:
 
 
 def _assemble(
-    step_us: float, compute_us: float, optimizer_us: float, exposed_ms: dict, waiting_us: float, waiting: str
+    step_us: float,
+    compute_us: float,
+    optimizer_us: float,
+    exposed_ms: dict,
+    waiting_us: float,
+    waiting: str,
+    unattributed_us: float | None = None,
 ) -> dict:
-    """One step's components in ms; `waiting` names the time blocked on BUBBLE_AXES (waiting_key)."""
+    """One step's components in ms; `waiting` names the time blocked on BUBBLE_AXES (waiting_key);
+    `unattributed_us` the host time between the step's ops (CPU traces), other what lies outside them."""
     out = {
         "compute": compute_us / 1e3,
         "optimizer": optimizer_us / 1e3,
@@ -192,7 +226,10 @@ def _assemble(
         waiting: waiting_us / 1e3,
         "step": step_us / 1e3,
     }
-    out["other"] = max(0.0, out["step"] - out["compute"] - out["optimizer"] - out[waiting] - sum(exposed_ms.values()))
+    if unattributed_us is not None:
+        out["unattributed"] = unattributed_us / 1e3
+    rest = out["step"] - out["compute"] - out["optimizer"] - out[waiting] - out.get("unattributed", 0.0)
+    out["other"] = max(0.0, rest - sum(exposed_ms.values()))
     return out
 
 
@@ -212,7 +249,7 @@ def count_calls(calls: list[tuple[dict, tuple]], windows) -> list[dict]:
     ]
 
 
-def cuda_breakdown(trace: dict, pp: int = 1) -> dict:
+def cuda_breakdown(trace: dict, pp: int = 1, degrees: dict | None = None) -> dict:
     """The kernel-timeline breakdown (see the module docstring); untested on a GPU so far."""
     events = complete_events(trace)
     thread, windows = step_windows(events)
@@ -258,6 +295,7 @@ def cuda_breakdown(trace: dict, pp: int = 1) -> dict:
         for axis in named:
             if (axis in OPTIONAL or axis not in AXES) and not exposed[axis] and not nccl.get(axis):
                 del exposed[axis]
+        exposed = relabel(exposed, degrees)
         steps.append(
             _assemble(
                 hi - lo,
@@ -272,8 +310,11 @@ def cuda_breakdown(trace: dict, pp: int = 1) -> dict:
     return {"steps": steps, "collectives": count_calls(calls, windows)}
 
 
-def breakdown(trace: dict, device_type: str = "cpu", pp: int = 1) -> dict:
-    return cuda_breakdown(trace, pp) if device_type == "cuda" else cpu_breakdown(trace, pp)
+def breakdown(trace: dict, device_type: str = "cpu", pp: int = 1, degrees: dict | None = None) -> dict:
+    """The breakdown of a profiled trace; `degrees` ({axis: degree}, ep included) drops axes of degree 1."""
+    if device_type == "cuda":
+        return cuda_breakdown(trace, pp, degrees)
+    return cpu_breakdown(trace, pp, degrees)
 
 
 def mean_step(steps: list[dict]) -> dict:
@@ -286,5 +327,6 @@ def mean_step(steps: list[dict]) -> dict:
     waiting = [k for k in ("bubble", WAIT) if any(k in s for s in steps)]
     out = {"compute": sum(s["compute"] for s in steps) / n, "optimizer": sum(s["optimizer"] for s in steps) / n}
     out["exposed_comm"] = {a: sum(s["exposed_comm"].get(a, 0.0) for s in steps) / n for a in axes}
-    out.update({k: sum(s.get(k, 0.0) for s in steps) / n for k in (*waiting, "other", "step")})
+    kept = [k for k in ("unattributed",) if any(k in s for s in steps)]
+    out.update({k: sum(s.get(k, 0.0) for s in steps) / n for k in (*waiting, *kept, "other", "step")})
     return out

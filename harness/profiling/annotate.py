@@ -71,6 +71,9 @@ GROUP_DESC = {
     "TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp+cp",
     "EXPERT_DATA_PARALLEL_GROUP": "dp",  # the expert-data-parallel group: expert gradients' reduction
     "EXPERT_TENSOR_PARALLEL_GROUP": "tp",
+    # the experts' tp x ep (x pp) groups: at tp 1 (pp 1) their ranks are the ep group's, which AxisOf names first
+    "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp+ep",
+    "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp+ep+pp",
     "EMBEDDING_GROUP": "embedding",  # the first and last pipeline stage: tied embedding gradients
     "POSITION_EMBEDDING_GROUP": "embedding",
 }
@@ -132,6 +135,8 @@ class AxisOf:
         found = self.dims.axis_of_group(self.rank, ranks)
         if found:
             return found
+        if self.dims.ep > 1 and ranks == sorted(self.dims.expert_group_of(self.rank)):
+            return "ep"  # a group holding exactly this rank's expert group (Megatron's tp x ep group at tp 1)
         if named in GROUP_DESC:
             return GROUP_DESC[named]
         if id(group) in self._declared:
@@ -166,6 +171,21 @@ FUNCTIONAL = {  # torch.distributed._functional_collectives: (kind, group index,
 }
 
 
+def _global_peer(group, args, kwargs, names) -> int | None:
+    """A send's or receive's peer as a global rank: its dst/src, or its group_dst/group_src in `group`
+    (batch_isend_irecv passes the group's rank)."""
+    peer = _arg(args, kwargs, 1, names[1] if len(names) > 1 else "peer")
+    if isinstance(peer, int):
+        return peer
+    local = kwargs.get("group_dst", kwargs.get("group_src"))
+    if not isinstance(local, int):
+        return None
+    try:
+        return dist.get_global_rank(group, local) if group is not None else local
+    except Exception:  # noqa: BLE001 - a group this torch cannot map: the peer stays unknown
+        return None
+
+
 def _arg(args, kwargs, index, name, default=None):
     if name in kwargs:
         return kwargs[name]
@@ -187,6 +207,15 @@ class _Range:
     def __exit__(self, *exc):
         self.rf.__exit__(*exc)
         return False
+
+    def p2p(self, kind: str, peer: int | None) -> None:
+        """A send or receive to or from global rank `peer` (the measured steps' clocks time its transfer)."""
+
+    def returned(self, work) -> None:
+        """The work an asynchronous call returned."""
+
+    def waits_for(self, work) -> None:
+        """The work a wait is on."""
 
 
 class Annotations:
@@ -228,6 +257,8 @@ class Annotations:
                 is_async = ai is None or bool(_arg(args, kwargs, ai, async_name, False))
                 payload = _arg(args, kwargs, pi, payload_name) if pi >= 0 else None
                 call.mark(kind, axis, "async" if is_async else "sync", _size(payload))
+                if kind in ("send", "recv"):
+                    call.p2p(kind, _global_peer(group, args, kwargs, names))
                 local.inside = True  # the call's own waits are its time already: not annotated again
                 try:
                     out = fn(*args, **kwargs)
@@ -235,6 +266,7 @@ class Annotations:
                     local.inside = False
                 if is_async and out is not None:
                     work_axis[id(out)] = (axis, kind)
+                    call.returned(out)
                 return out
 
         return wrapped
@@ -301,6 +333,7 @@ class Annotations:
             with self._call() as call:
                 axis, kind = work_axis.pop(id(work), ("?", "wait"))
                 call.mark(kind, axis, "wait", 0)
+                call.waits_for(work)
                 return wait(work, *args, **kwargs)
 
         self._patch(Work, "wait", annotated_wait)

@@ -16,11 +16,14 @@ export and its analysis took on the slowest rank. record["traces"]: [{"rank", "p
 from __future__ import annotations
 
 import os
+import socket
+from collections import defaultdict
 
 import torch.distributed as dist
 
 from harness.profiling import trace as trace_files
-from harness.profiling.analysis import AXES, OPTIONAL, mean_step
+from harness.profiling.analysis import AXES, mean_step
+from harness.profiling.counters import P2P
 
 
 def from_instrumented(breakdown_s: dict, pp: int | None = None) -> dict:
@@ -53,14 +56,14 @@ def _gather(mine, ctx) -> list:
     return everyone
 
 
-ORDER = ("compute", "optimizer", "exposed_comm", "bubble", "wait", "other", "step")
+ORDER = ("compute", "optimizer", "exposed_comm", "bubble", "wait", "unattributed", "other", "step")
 
 
 def _mean_over_ranks(rows: list[dict]) -> dict:
     """Component by component, the mean of breakdowns (of ranks, or of steps); a component some
     rows lack counts 0 there."""
     seen = {a for r in rows for a in r["exposed_comm"]}
-    axes = [a for a in AXES if a not in OPTIONAL or a in seen] + sorted(seen - set(AXES))
+    axes = [a for a in AXES if a in seen] + sorted(seen - set(AXES))  # an axis no row has: not shown ('-')
     n = len(rows)
     keys = [k for k in ORDER if any(k in r for r in rows)]
     out = {k: sum(r.get(k, 0.0) for r in rows) / n for k in keys if k != "exposed_comm"}
@@ -82,13 +85,58 @@ def _in_window(row: dict, step_s: float) -> dict:
     return {**row, "other": row.get("other", 0.0) + max(0.0, 1e3 * step_s - row["step"]), "step": 1e3 * step_s}
 
 
+def _posts(row: dict) -> dict:
+    """A step's pp sends and receives as their peers need them: (kind, peer) -> post times, in order."""
+    out: dict = {}
+    for e in row.get(P2P) or []:
+        out.setdefault((e["kind"], e["peer"]), []).append(e["post"])
+    return out
+
+
+def split_transfers(row: dict, rank: int, posts: list[dict] | None, waiting: str) -> dict:
+    """A measured step's pp transfers apart from its bubble. The k-th send from rank i to rank j is the
+    k-th receive at j from i; a send or receive that blocked before its peer posted the other side was
+    waiting for the peer (bubble), after it the transfer itself (exposed pp communication). `posts`:
+    every rank's _posts of the same step, on one clock (one host: perf_counter is the host's monotonic
+    clock), or None (ranks on several hosts: not split, the pp component left out)."""
+    events = row.get(P2P) or []
+    out = {k: v for k, v in row.items() if k != P2P}
+    if posts is None or not events:
+        return out
+    seen: dict = defaultdict(int)
+    transfer = 0.0
+    for e in events:
+        key = (e["kind"], e["peer"])
+        k, seen[key] = seen[key], seen[key] + 1
+        theirs = (posts[e["peer"]] if isinstance(e["peer"], int) and 0 <= e["peer"] < len(posts) else {}).get(
+            ("recv" if e["kind"] == "send" else "send", rank), []
+        )
+        ready = theirs[k] if k < len(theirs) else None
+        for a, b in e["blocked"]:
+            transfer += max(0.0, b - max(a, ready)) if ready is not None else 0.0  # unmatched: waiting, as before
+    ms = min(transfer * 1e3, out.get(waiting, 0.0))
+    out["exposed_comm"] = {**out["exposed_comm"], "pp": ms}
+    out[waiting] = out.get(waiting, 0.0) - ms
+    return out
+
+
 def measured_metrics(counted: list[dict], times: list[float], calls: float, ctx) -> dict:
     """The measured steps' breakdown (counters.Counters): per rank, the mean of its median step(s)
-    (middle()), each as long as its slowest rank's (_in_window), then the mean over ranks; so its
-    sum is the measured median. Every rank calls it (collective)."""
+    (middle()), its pp transfers split from its bubble (split_transfers, the ranks' post times gathered
+    once), each as long as its slowest rank's (_in_window), then the mean over ranks; so its sum is the
+    measured median. Every rank calls it (collective)."""
     picked = middle(times)
     ok = picked and len(counted) == len(times)
-    mine = _mean_over_ranks([_in_window(counted[i], times[i]) for i in picked]) if ok else None
+    mine_posts = {"host": socket.gethostname(), "posts": [_posts(counted[i]) for i in picked] if ok else []}
+    everyone_posts = _gather(mine_posts, ctx)
+    one_host = len({e["host"] for e in everyone_posts}) == 1 and all(e["posts"] for e in everyone_posts)
+    rank = ctx.rank if ctx.backend is not None else 0
+    rows_here = []
+    for n, i in enumerate(picked if ok else []):
+        posts = [e["posts"][n] for e in everyone_posts] if one_host else None
+        waiting = "bubble" if "bubble" in counted[i] else "wait"
+        rows_here.append(_in_window(split_transfers(counted[i], rank, posts, waiting), times[i]))
+    mine = _mean_over_ranks(rows_here) if ok else None
     everyone = _gather({"breakdown": mine, "calls": calls}, ctx)
     rows = [e["breakdown"] for e in everyone]
     if not all(rows):

@@ -15,9 +15,11 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
         "breakdown",
         "Where the time goes",
         [
-            "For the best layouts of each sweep, the mean over ranks: compute, exposed communication per "
-            "axis, pipeline bubble (pp > 1) or waiting for other ranks (without a pipeline), optimizer and "
-            "other, in ms and % of their sum, with the collectives per step; source 'measured steps' (clocked "
+            "For the best layouts of each sweep, the mean over ranks: compute (clocked: forward and backward, "
+            "less the collectives inside them), exposed communication per axis of degree > 1, pipeline "
+            "transfers apart from the pipeline bubble (pp > 1) or waiting for other ranks (without a pipeline), "
+            "optimizer, unattributed (what no clock covers) and other, in ms and % of their sum, with the "
+            "collectives per step; source 'measured steps' (clocked "
             "during the median measured step, every engine, on CPU), 'profiler' (the trace of extra profiled "
             "steps: GPU and older runs) or 'instrumented' (the engine's own counters); the sum against the "
             "measured median (more than 10% off: not used by Why). Then why the fastest of them beats the "

@@ -22,6 +22,7 @@ from harness.report.compare_steps import (
     census_rows,
     census_text,
     collective_rows,
+    compute_flags,
     run_breakdown,
     sorted_components,
     trace_items,
@@ -401,7 +402,8 @@ def sections(summary: dict, figs: list | None = None, out_dir: str | None = None
         Section(
             "breakdown",
             "Where the step goes",
-            body=[BREAKDOWN_TEXT, *_figures(figs, ("breakdown",)), Table(*breakdown_rows(summary))],
+            body=[BREAKDOWN_TEXT, *_figures(figs, ("breakdown",)), Table(*breakdown_rows(summary))]
+            + compute_flags(summary),
         ),
         Section("collectives", "Collectives per step", body=[COLLECTIVES_TEXT, Table(*collective_rows(summary))]),
         *routing_sections(summary, figs),

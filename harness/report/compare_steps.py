@@ -18,19 +18,23 @@ NOT_MEASURED = "not measured"
 
 BREAKDOWN_TEXT = (
     "In ms and % of their sum, the mean over ranks. Source 'measured steps': clocked during the "
-    "measured steps themselves, the same way for every engine (a clock around each collective, wait "
-    "and optimizer step), over the median measured step (the middle one or two by time); there "
-    "exposed communication is the time a rank was blocked on that axis's collectives (what overlapped "
-    "compute is not counted; a call over a group of one rank, as Megatron's tensor-parallel group at tp "
-    "1, counts under its group's axis too), pipeline bubble (pp > 1 only) or waiting for other ranks (without a "
-    "pipeline) the time blocked on the pipeline's transfers and the world-wide reductions, optimizer "
-    "the time inside the optimizer's step, compute the rest of the rank's step, host overhead and other "
-    "what of the measured step (the slowest rank's) a rank spent outside its own. Source 'profiler': from the "
-    "torch.profiler trace of extra steps after the measured ones, whose own cost lengthens them "
-    "(runs on a GPU, where a collective's wait happens on the device, out of the clocks' sight, and "
-    "older runs); 'instrumented': the engine's own counters. Each sum is set against its run's "
-    "measured median: one more than 10% off describes other steps than the measured ones and is not "
-    "used by Why. 'not measured' where a run has none."
+    "measured steps themselves, the same way for every engine, over the median measured step (the middle "
+    "one or two by time). Compute is clocked: the time inside forward (the outermost module call) and "
+    "backward (the autograd engine), less the collectives and waits inside them. Exposed communication is "
+    "the time a rank was blocked on that axis's collectives (what overlapped compute is not counted; '-' "
+    "where the axis has degree 1); calls on one-rank groups (Megatron's tensor-parallel group at tp 1) move "
+    "nothing and are their own component. Pipeline transfers: the part of a pp send's or receive's blocked "
+    "time after its peer had posted the other side (both ranks' clocks are the host's monotonic clock); "
+    "pipeline bubble (pp > 1) or waiting for other ranks (without a pipeline): blocked before the peer was "
+    "ready, or at the world-wide reductions. Optimizer: the time inside the optimizer's step. Unattributed: "
+    "what no clock covers (the loss outside a module, clipping outside the optimizer, a framework's host "
+    "bookkeeping), negative where clocks overlap; host overhead and other: what of the measured step (the "
+    "slowest rank's) a rank spent outside its own. Source 'profiler': from the torch.profiler trace of extra "
+    "steps after the measured ones, whose own cost lengthens them (runs on a GPU, where a collective's wait "
+    "happens on the device, out of the clocks' sight, and older runs): compute is the operators' time, "
+    "unattributed the host time between them; 'instrumented': the engine's own counters. Each sum (an "
+    "overlap of clocks counted) is set against its run's measured median: one more than 10% off describes "
+    "other steps than the measured ones and is not used by Why. 'not measured' where a run has none."
 )
 COLLECTIVES_TEXT = (
     "Collectives issued per step by rank 0 (counted in the profiled steps), per axis and kind: the "
@@ -93,6 +97,59 @@ def breakdown_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
                 row.append("-" if cast is None else f"{cast:.1f} ms")
             out.append(row + [f"{b.step_ms:.1f} ms", shown, against_median(b, median)])
     return header, out
+
+
+FLOP_FLAG = 1.5  # a run whose compute costs this much more than the reference's per FLOP is flagged
+
+
+def _profiled_split(run: dict) -> tuple[float, float] | None:
+    """(operator time, host time between operators) of a run's profiled steps' compute, ms per rank: the
+    profiler's breakdown (its compute is operator time, its unattributed the gaps; older records: compute
+    held both, compute_host_gaps_ms the gaps)."""
+    m = run.get("metrics") or {}
+    b, gaps = m.get("breakdown_ms"), m.get("compute_host_gaps_ms")
+    if m.get("breakdown_source") != "profiler" or not isinstance(b, dict) or not isinstance(gaps, (int, float)):
+        return None
+    ops = b.get("compute", 0.0) - (0.0 if "unattributed" in b else gaps)
+    return ops, gaps
+
+
+def compute_flags(summary: dict) -> list[str]:
+    """Runs whose measured compute, summed over their ranks, exceeds FLOP_FLAG x the reference's for the same
+    workload (the same FLOPs, but for recomputation), with where the profiled steps say the time went."""
+    runs = summary.get("runs") or []
+    ref = next((r for r in runs if r.get("is_reference") and r.get("status") == "ok"), None)
+    rb = run_breakdown(ref) if ref else None
+    if not rb or not rb.parts.get("compute"):
+        return []
+    ref_cost = rb.parts["compute"] * (ref.get("nproc") or 1)
+    ref_split = _profiled_split(ref)
+    out = []
+    for r in runs:
+        b = run_breakdown(r) if r is not ref and r.get("status") == "ok" else None
+        if not b or "compute" not in b.parts:
+            continue
+        n = r.get("nproc") or 1
+        ratio = b.parts["compute"] * n / ref_cost
+        if ratio <= FLOP_FLAG:
+            continue
+        text = (
+            f"**{r['label']}**: compute {b.parts['compute']:.1f} ms per rank on {n} rank{'s' * (n != 1)} costs "
+            f"{ratio:.1f}x the reference's {rb.parts['compute']:.1f} ms for the same FLOPs"
+        )
+        if (r.get("layout") or {}).get("activation_checkpointing", "none") != "none":
+            text += " (its recomputation adds FLOPs)"
+        split = _profiled_split(r)
+        if split and ref_split:
+            text += (
+                f"; in the profiled steps (slower than the measured ones) its compute was {split[0]:.1f} ms of "
+                f"operators and {split[1]:.1f} ms of host time between them per rank, against the reference's "
+                f"{ref_split[0]:.1f} and {ref_split[1]:.1f} ms"
+            )
+        out.append(text + ".")
+    if out:
+        out.insert(0, f"Compute costing more than {FLOP_FLAG}x the reference's per FLOP:")
+    return out
 
 
 def sorted_components(breakdowns: list[Breakdown]) -> list[str]:

@@ -23,7 +23,20 @@ from harness.store.fields import MISSING, row
 
 # The components of a step in the order reports stack them; exposed communication is one per axis
 # (`<axis>_comm`), what an old record names otherwise (FSDP2's forward_backward) comes after them.
-COMPONENTS = ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble", "wait", "optimizer", "other")
+COMPONENTS = (
+    "compute",
+    "tp_comm",
+    "cp_comm",
+    "ep_comm",
+    "pp_comm",
+    "dp_comm",
+    "one-rank_comm",
+    "bubble",
+    "wait",
+    "optimizer",
+    "unattributed",
+    "other",
+)
 TITLES = {
     "compute": "compute",
     "bubble": "pipeline bubble",
@@ -31,6 +44,9 @@ TITLES = {
     "optimizer": "optimizer",
     "other": "host overhead and other",
     "forward_backward": "forward+backward (compute and comm not split)",
+    "pp_comm": "pipeline transfers",  # a pp send's or receive's blocked time once its peer was ready
+    "one-rank_comm": "calls on one-rank groups (no communication)",  # an axis of degree 1: nothing moves
+    "unattributed": "unattributed (no clock covers it)",  # host work between the clocked parts
 }
 
 

@@ -44,7 +44,8 @@ def off_median(b: Breakdown, median_s: float | None) -> float | None:
     """How far the breakdown's total is from the measured median, as a fraction of it (None: no median)."""
     if not median_s or median_s <= 0:
         return None
-    return b.step_ms / (1e3 * median_s) - 1.0
+    overlap = -min(0.0, b.parts.get("unattributed", 0.0))  # clocks that overlapped count twice: the sum exceeds
+    return (b.step_ms + overlap) / (1e3 * median_s) - 1.0
 
 
 def representative(b: Breakdown, median_s: float | None) -> bool:
