@@ -223,3 +223,39 @@ def test_megatron_s_expert_group_by_another_name_is_ep(monkeypatch):
 
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: [2, 3])
     assert AxisOf(ParallelDims(dp=4, ep=2), 3)(Group()) == "ep"  # before: 'other [2,3]', half on each rank's mean
+
+
+def test_a_call_handed_back_by_a_torch_function_mode_is_counted_once():
+    """Megatron's pp2 sent and received 8 times a step against 4 for every other engine on the same schedule:
+    under the harness's CPU shim (a TorchFunctionMode) torch.distributed hands each call back through the
+    mode, by the module's name, which is the annotation's wrapper again: every call was counted twice."""
+    import torch.distributed as dist
+    from torch.overrides import TorchFunctionMode
+
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling import annotate
+
+    class Mode(TorchFunctionMode):  # what megatron shim._CudaToCpu does with a call it does not change
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    marks = []
+
+    class Seen(annotate._Range):
+        def mark(self, kind, axis, mode, nbytes):
+            marks.append((kind, axis, mode))
+
+    class Counted(annotate.Annotations):
+        def _call(self):
+            return Seen()
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with Counted(annotate.AxisOf(ParallelDims(), 0)), Mode():
+            dist.all_reduce(torch.ones(2))
+    finally:
+        if started:
+            dist.destroy_process_group()
+    assert marks == [("all_reduce", "all", "sync")]

@@ -248,6 +248,8 @@ class Annotations:
 
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
+            if getattr(local, "inside", False):  # handed back by a TorchFunctionMode (torch.distributed calls
+                return fn(*args, **kwargs)  # the module's name again, this wrapper): the outer call is the one
             with self._call() as call:
                 group = _arg(args, kwargs, gi, group_name)
                 if kind in ("send", "recv"):  # the peer (dst, src) is the argument after the tensor
