@@ -202,7 +202,7 @@ def cpu_breakdown(trace: dict, pp: int = 1, degrees: dict | None = None) -> dict
         exposed = relabel(exposed, degrees)
         step = _assemble(hi - lo, length(compute), length(optimizer), exposed, length(bubble), waiting_key(pp), gaps)
         step["host_gaps"] = gaps / 1e3
-        if casts:  # FP8: its casts' share of compute (outside the sum, as host_gaps)
+        if casts:  # FP8: its casts' share of compute (outside the sum)
             step["fp8_cast"] = length(subtract(union(clip(casts, lo, hi)), taken)) / 1e3
         steps.append(step)
     return {"steps": steps, "collectives": count_calls(calls, windows)}

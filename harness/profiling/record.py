@@ -4,7 +4,8 @@ the trace files of rank 0 and of the slowest rank, and the own engine's counters
 record["metrics"]: breakdown_ms (the mean over ranks of each rank's mean over the profiled
 steps), breakdown_ms_by_rank, breakdown_source ("profiler", or "instrumented" when profiling is
 off and the engine counts its own time), collectives (rank 0's, per step), compute_host_gaps_ms
-(how much of compute is host time between ops, the Python of a forward; outside the sum), and,
+(the profiled steps' host time between ops, the Python of a forward: their 'unattributed' component since
+compute became the operators' time; before, a part of compute outside the sum), and,
 for engines that count their own time, breakdown_instrumented_ms over the same profiled steps
 (the reference the profiler is checked against); breakdown_measured_ms (counters.py: the median
 measured step's, the mean over ranks; what the report explains with), its _by_rank, the step
@@ -36,7 +37,8 @@ def from_instrumented(breakdown_s: dict, pp: int | None = None) -> dict:
     out = {
         "compute": ms.get("compute", 0.0),
         "optimizer": ms.get("optimizer", 0.0),
-        "exposed_comm": {"tp": ms.get("tp_comm", 0.0), **cp, "dp": ms.get("dp_comm", 0.0), "pp": 0.0},
+        # no pp: the engine counts its transfers' waits in its bubble, so no pp figure rather than a 0
+        "exposed_comm": {"tp": ms.get("tp_comm", 0.0), **cp, "dp": ms.get("dp_comm", 0.0)},
         "bubble": ms.get("bubble", 0.0),
         "step": ms.get("total", 0.0),
     }
