@@ -259,3 +259,14 @@ def test_a_call_handed_back_by_a_torch_function_mode_is_counted_once():
         if started:
             dist.destroy_process_group()
     assert marks == [("all_reduce", "all", "sync")]
+
+
+def test_a_warm_up_step_runs_the_clocks_uncounted():
+    """What the clocks cost once (dynamo looking at the module hooks of a compiled run) falls in the warm-up."""
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling.counters import MeasuredSteps
+
+    steps = MeasuredSteps(ParallelDims(dp=2), 0, {}, "cpu")
+    assert steps.clock(False) is steps.counters  # before: no clocks in the warm-up
+    steps.add(0.1)
+    assert steps.counted == []

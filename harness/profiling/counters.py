@@ -252,8 +252,11 @@ class MeasuredSteps:
         self.calls = 0  # the most wrapped calls a measured step made (what the clocks cost is per call)
 
     def clock(self, counting: bool):
+        """The clocks around a step: a warm-up step (`counting` False) runs them too, uncounted, so that
+        what they cost once (dynamo looking at the module hooks of a compiled run: about 0.2 s on the
+        loaded 2-core CPU here) falls in the warm-up, and every step carries the same wrappers."""
         self.counting = counting and self.enabled
-        return self.counters if self.counting else contextlib.nullcontext()
+        return self.counters if self.enabled else contextlib.nullcontext()
 
     def add(self, step_s: float) -> None:
         """After the step clock() was entered for: its breakdown, if it was a measured one."""
