@@ -270,3 +270,15 @@ def test_a_warm_up_step_runs_the_clocks_uncounted():
     assert steps.clock(False) is steps.counters  # before: no clocks in the warm-up
     steps.add(0.1)
     assert steps.counted == []
+
+
+def test_a_report_shows_no_tp_communication_at_tp1_even_for_older_records():
+    from harness.report.compare_steps import breakdown_rows
+
+    run = _summary_run("megatron dp2", 33.2, 2, layout={"dp": 2})
+    run["breakdown_ms"]["exposed_comm"] = {"tp": 1.2, "tp+pp": 0.2, "dp": 6.5, "pp": 0.0}
+    header, rows = breakdown_rows({"runs": [run]})
+    cells = dict(zip(header, rows[0], strict=True))
+    assert "exposed tp communication" not in cells and "exposed pp communication" not in cells
+    assert cells["calls on one-rank groups (no communication)"] == "1.4 ms (4%)"
+    assert cells["exposed dp communication"] == "6.5 ms (19%)"

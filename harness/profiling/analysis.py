@@ -59,9 +59,11 @@ ONE_RANK = "one-rank"  # calls on groups of one rank (an axis of degree 1): no c
 
 
 def one_rank(axis: str, degrees: dict) -> bool:
-    """Whether `axis` (tp, or a compound as Megatron's tp+pp) names a group of one rank at these degrees."""
+    """Whether `axis` (tp, or a compound as Megatron's tp+pp) names a group of one rank at these degrees;
+    dp is the replica group (dp x cp: parallel_dims.REPLICA_AXES), as its gradient reduction runs on it."""
     parts = str(axis).split("+")
-    return all(p in degrees for p in parts) and all(degrees[p] == 1 for p in parts)
+    size = {**degrees, "dp": degrees.get("dp", 1) * degrees.get("cp", 1)}
+    return all(p in size for p in parts) and all(size[p] == 1 for p in parts)
 
 
 def relabel(exposed: dict, degrees: dict | None) -> dict:

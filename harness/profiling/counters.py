@@ -25,7 +25,8 @@ Per step and rank, in ms, summing to the rank's own step:
 - unattributed: what no clock covers (the loss outside a module, gradient clipping outside the
   optimizer, a framework's host bookkeeping, posting asynchronous calls outside forward and backward):
   the step less the clocked parts, negative where clocks overlapped (the sum check then shows it).
-The module hooks cost about a microsecond per module call (none inside a compiled region).
+The module hooks (registered once per process: _install_module_hooks) cost about a microsecond per module
+call; inside a compiled region they do nothing (the region's outermost module call is clocked).
 """
 
 from __future__ import annotations
@@ -97,6 +98,35 @@ class _Engine:
         return getattr(self._inner, name)
 
 
+_LIVE: list = [None]  # the Counters whose step is running: what the module hooks clock into
+_MODULE_HOOKS: list = []  # registered once per process, never removed (see _install_module_hooks)
+
+
+def _forward_pre(module, args) -> None:
+    if torch.compiler.is_compiling():  # inside a compiled region: its outermost module is clocked
+        return
+    if _LIVE[0] is not None:
+        _LIVE[0].compute_enter()
+
+
+def _forward_post(module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
+    if _LIVE[0] is not None:
+        _LIVE[0].compute_exit()
+
+
+def _install_module_hooks() -> None:
+    """The global module hook pair, once per process: dynamo guards a compiled block on the global hooks'
+    keys, so hooks registered anew each step would recompile every step (error_on_recompile: the run
+    fails); kept, they cost a dictionary lookup per module call when no step is clocked."""
+    if not _MODULE_HOOKS:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        _MODULE_HOOKS.append(register_module_forward_pre_hook(_forward_pre))
+        _MODULE_HOOKS.append(register_module_forward_hook(_forward_post, always_call=True))
+
+
 class Counters(Annotations):
     """Context manager around one measured step (enter resets, parts() reads it after the step)."""
 
@@ -137,14 +167,6 @@ class Counters(Annotations):
             t0, comm0, opt0 = self.compute_start
             self.compute_s += time.perf_counter() - t0 - (self.comm_s - comm0) - (self.optimizer_s - opt0)
 
-    def _forward_pre(self, module, args) -> None:
-        if not torch.compiler.is_compiling():  # inside a compiled region: its outermost module is clocked
-            self.compute_enter()
-
-    def _forward_post(self, module, args, output) -> None:
-        if not torch.compiler.is_compiling():
-            self.compute_exit()
-
     def _more_patches(self) -> None:
         """Functional collectives (DTensor) block in funcol.wait_tensor: the latest asynchronous call's axis."""
         from torch.distributed import _functional_collectives as funcol
@@ -174,7 +196,6 @@ class Counters(Annotations):
 
     def __enter__(self):
         from torch.autograd.variable import Variable
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self.blocked: dict[str, float] = defaultdict(float)
@@ -183,12 +204,9 @@ class Counters(Annotations):
         self.last_async, self.last_call = "other", "other"
         self.p2p: list[dict] = []
         self.p2p_work: dict[int, dict] = {}
-        self.handles = [
-            register_optimizer_step_pre_hook(self._pre),
-            register_optimizer_step_post_hook(self._post),
-            register_module_forward_pre_hook(self._forward_pre),
-            register_module_forward_hook(self._forward_post, always_call=True),
-        ]
+        self.handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+        _install_module_hooks()
+        _LIVE[0] = self
         self.engine = Variable._execution_engine
         Variable._execution_engine = _Engine(self.engine, self)
         return super().__enter__()
@@ -199,6 +217,7 @@ class Counters(Annotations):
         for h in self.handles:
             h.remove()
         self.handles = []
+        _LIVE[0] = None
         if self.engine is not None:
             Variable._execution_engine, self.engine = self.engine, None
         return super().__exit__(*exc)

@@ -60,8 +60,32 @@ def run_metrics(run: dict) -> dict:
 
 
 def run_breakdown(run: dict) -> Breakdown | None:
-    """The run's breakdown, its waiting named for its layout (no bubble without a pipeline)."""
-    return breakdown_of(run_metrics(run), ParallelDims.of(run.get("layout") or {}).pp)
+    """The run's breakdown, its waiting named for its layout (no bubble without a pipeline), an axis of
+    degree 1 left out ('-') and what calls on its one-rank groups took, if anything, under their own name
+    (records written before the measured steps did so themselves)."""
+    dims = ParallelDims.of(run.get("layout") or {})
+    b = breakdown_of(run_metrics(run), dims.pp)
+    if b is None:
+        return None
+    parts: dict[str, float] = {}
+    for key, ms in b.parts.items():
+        axis = key[: -len("_comm")] if key.endswith("_comm") else None
+        if axis is not None and _one_rank(axis, dims):
+            if ms:
+                parts[ONE_RANK_KEY] = parts.get(ONE_RANK_KEY, 0.0) + ms
+            continue
+        parts[key] = ms
+    return Breakdown(parts, b.step_ms, b.source) if parts != b.parts else b
+
+
+ONE_RANK_KEY = "one-rank_comm"  # profiling.analysis.ONE_RANK's component
+
+
+def _one_rank(axis: str, dims: ParallelDims) -> bool:
+    """profiling.analysis.one_rank (dp: the replica group, dp x cp), without importing torch."""
+    parts = axis.split("+")
+    size = {**dims.sizes(), "dp": dims.replicas()}
+    return all(p in size for p in parts) and all(size[p] == 1 for p in parts)
 
 
 def _median_s(run: dict) -> float | None:
