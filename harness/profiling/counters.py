@@ -25,8 +25,10 @@ Per step and rank, in ms, summing to the rank's own step:
 - unattributed: what no clock covers (the loss outside a module, gradient clipping outside the
   optimizer, a framework's host bookkeeping, posting asynchronous calls outside forward and backward):
   the step less the clocked parts, negative where clocks overlapped (the sum check then shows it).
-The module hooks (registered once per process: _install_module_hooks) cost about a microsecond per module
-call; inside a compiled region they do nothing (the region's outermost module call is clocked).
+The module hooks (registered once per process: _install_module_hooks) cost about 5 us per module call
+while a step is clocked and 2.5 us idle (76 modules' forward and backward, 1 thread, on the 2-core CPU here
+at load 10: 1.17 ms without them, 1.53 ms clocked, 1.36 ms installed and idle; the tiny model's step makes
+about 160 module calls); inside a compiled region they do nothing (its outermost module call is clocked).
 """
 
 from __future__ import annotations
