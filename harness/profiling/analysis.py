@@ -292,9 +292,10 @@ def cuda_breakdown(trace: dict, pp: int = 1, degrees: dict | None = None) -> dic
         busy = union(clip(compute + optimizer, lo, hi))
         named = (*AXES, *sorted(set(nccl) - set(AXES)))
         exposed = {a: length(subtract(clip(nccl.get(a, []), lo, hi), busy)) / 1e3 for a in named}
-        bubble = exposed.pop("pp")
-        exposed["pp"] = 0.0
+        bubble = exposed.pop("pp")  # a p2p kernel's time holds its wait for the peer: bubble, no pp column
         for axis in named:
+            if axis == "pp":
+                continue
             if (axis in OPTIONAL or axis not in AXES) and not exposed[axis] and not nccl.get(axis):
                 del exposed[axis]
         exposed = relabel(exposed, degrees)
