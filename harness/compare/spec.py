@@ -33,7 +33,7 @@ import typing
 from dataclasses import dataclass, field
 
 from harness import registry
-from harness.errors import CapabilityError, SpecError
+from harness.errors import CapabilityError, SpecError, shown
 from harness.launch import LOCAL_LAUNCHERS
 from harness.parallel_dims import ParallelDims
 from harness.spec import (
@@ -252,7 +252,12 @@ def parse_compare_spec(raw) -> CompareSpec:
         if not isinstance(override, dict):
             raise SpecError(f"{where}.workload", "must be a mapping of workload fields to override")
         engine = layout.get("engine", "single")
-        label = str(entry.get("label") or layout_label(layout, short=True))
+        label = entry.get("label")
+        if label is not None and (not isinstance(label, str) or not label.strip()):
+            raise SpecError(f"{where}.label", f"must be a non-empty string, got {shown(label)}")
+        label = label or layout_label(layout, short=True)
+        if label in {p.label for p in planned if p.is_reference or p.baseline}:
+            raise SpecError(f"{where}.label", f"{label!r} is the label of the run the harness adds; choose another")
         if label in labels:
             raise SpecError(f"{where}.label", f"{label!r} is used twice")
         labels.add(label)

@@ -43,6 +43,8 @@ def check_sizes(spec: RunSpec) -> Shape:
         raise SpecError("layout.tp", f"vocabulary {shape.vocab} is not divisible by tp={lay.tp}")
     if shape.ffn % lay.tp:
         raise SpecError("layout.tp", f"feed-forward width {shape.ffn} is not divisible by tp={lay.tp}")
+    if shape.moe and shape.moe_ffn % lay.tp:  # each expert's SwiGLU is split over tp as the dense one is
+        raise SpecError("layout.tp", f"expert width moe_ffn {shape.moe_ffn} is not divisible by tp={lay.tp}")
     check_experts(shape, lay)
     if shape.moe and w.precision == "fp8":
         raise SpecError(
