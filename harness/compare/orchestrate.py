@@ -195,6 +195,7 @@ def run_comparison(
     its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS)."""
     from tqdm import tqdm
 
+    from harness.launch import cpu_cores
     from harness.store import ResultsStore, now_iso
 
     threads = comparison_threads(cs)
@@ -276,6 +277,7 @@ def run_comparison(
         "fp8_vs_bf16": fp8_vs_bf16(entries, cs),
         "load_average": {"before": load_before, "after": _loadavg()},
         "threads_per_process": threads,
+        "cpu_cores": cpu_cores(),  # this process's affinity: a run with more busy threads is oversubscribed
         "matmul_peak": peak,
         "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],

@@ -13,6 +13,7 @@ import os
 
 from harness.report import plots, render
 from harness.report.compare_layouts import differing_fields, differs_texts, layout_matrix
+from harness.report.compare_machine import machine_text
 from harness.report.compare_steps import (
     BREAKDOWN_AXIS,
     BREAKDOWN_TEXT,
@@ -70,11 +71,6 @@ def loss_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 MATRIX_TEXT = (
     "Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
     "engine cannot run that layout (checked before launch: each engine's facts, harness/frameworks/*/facts.py)."
-)
-THREADS_TEXT = (
-    "Threads per process: {n} (OMP_NUM_THREADS), the same for every run, the single-device "
-    "reference included: cores divided by the comparison's process count, so that step times "
-    "compare layouts rather than thread counts."
 )
 
 
@@ -274,19 +270,6 @@ def _results(summary: dict) -> Section:
     return Section("results", "Results", body=body)
 
 
-def _machine(summary: dict) -> list[str]:
-    """The threads per process and the machine's load: what else shaped the step times."""
-    out = [THREADS_TEXT.format(n=summary["threads_per_process"])] if summary.get("threads_per_process") else []
-    load = summary.get("load_average") or {}
-    if load.get("before"):
-        out.append(
-            f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
-            f"({os.cpu_count()} logical CPUs here); a load above the core count means other work shared the "
-            "machine and widened the step-time intervals."
-        )
-    return out
-
-
 def _parity(summary: dict, figs: list) -> Section:
     par = summary["parity"]
     body = [
@@ -407,9 +390,8 @@ def sections(summary: dict, figs: list | None = None, out_dir: str | None = None
         *routing_sections(summary, figs),
         Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary, out_dir))]),
         why_section(summary),
-        Section(
-            "census", "Memory census", body=[*census_text(summary), Table(*census_rows(summary)), *_machine(summary)]
-        ),
+        Section("census", "Memory census", body=[*census_text(summary), Table(*census_rows(summary))]),
+        Section("machine", "Cores, processes and threads", body=machine_text(summary)),
         _parity(summary, figs),
         *baseline_sections(summary),
         *_exceptions(summary),

@@ -9,6 +9,7 @@ from urllib.parse import quote
 
 from harness.parallel_dims import ParallelDims
 from harness.report.breakdown import HARNESS_AXIS
+from harness.report.compare_machine import oversubscribed, skipped_sentence, timed_runs
 from harness.report.data import COMPONENTS, Breakdown, breakdown_of, collectives_of, component_title, layout_key
 from harness.report.sections import Items, Section
 from harness.report.why import Case, against_median, comparisons
@@ -173,11 +174,11 @@ def trace_items(summary: dict, base: str | None = None) -> list[str]:
 
 
 def why_cases(summary: dict) -> list[Case]:
-    """The compared runs (not the reference) that finished and have a breakdown."""
+    """The compared runs (not the reference) that finished, have a breakdown and were not oversubscribed."""
     out = []
     for r in summary["runs"]:
         b = run_breakdown(r)
-        if r.get("is_reference") or r.get("status") != "ok" or b is None:
+        if r.get("is_reference") or r.get("status") != "ok" or b is None or oversubscribed(r, summary):
             continue
         stats = (r.get("metrics") or {}).get("step_time_s") or {}
         ci = (stats["ci95_low"], stats["ci95_high"]) if "ci95_low" in stats and "ci95_high" in stats else None
@@ -200,13 +201,20 @@ WHY_TEXT = (
 
 
 def why_section(summary: dict) -> Section:
-    cases = why_cases(summary)
+    cases, skipped = why_cases(summary), skipped_sentence(summary)
     if len(cases) < 2:
-        return Section("why", "Why", body=["Fewer than two finished runs have a step breakdown: nothing to explain."])
-    timed = [r for r in summary["runs"] if not r.get("is_reference") and r.get("status") == "ok" and _median_s(r)]
+        return Section(
+            "why",
+            "Why",
+            body=[
+                "Fewer than two finished runs that were not oversubscribed have a step breakdown: nothing to explain.",
+                *skipped,
+            ],
+        )
+    timed = [r for r in timed_runs(summary) if _median_s(r)]
     fastest = min(timed, key=_median_s)  # by the measured median, as the verdict ranks them
     engines, layouts = comparisons(cases)
-    body = [WHY_TEXT, f"Fastest run (measured median): **{fastest['label']}**."]
+    body = [WHY_TEXT, *skipped, f"Fastest run (measured median): **{fastest['label']}**."]
     body += [
         "**The same layout under other engines**",
         Items(engines or ["No layout ran under two engines."]),
