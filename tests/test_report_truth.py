@@ -6,6 +6,8 @@ no process starts."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from test_report_plots import summary_of
 
@@ -85,3 +87,86 @@ def _slower(summary: dict) -> dict:
             st = r["metrics"]["step_time_s"]
             r["metrics"]["step_time_s"] = {k: (3 * v if k != "n" else v) for k, v in st.items()}
     return s
+
+
+# ------------------------------------------------------------------ item 8: reproduce a run from its report
+
+
+def test_the_json_holds_each_runs_command_spec_and_the_versions(crowded):
+    from harness.store.record import harness_version
+
+    run = crowded["runs"][1]
+    assert run["spec"]["layout"]["dp"] == 2 and run["spec"]["workload"]["seq_len"] == crowded["workload"]["seq_len"]
+    assert "command" in run  # the launcher's command as the record keeps it (None from this stand-in launcher)
+    assert crowded["versions"] == harness_version()
+    assert len(harness_version()["harness_commit"]) == 40  # this checkout's commit, read without a process
+
+
+def test_the_engines_section_shows_the_settings_the_json_holds(crowded):
+    import copy
+
+    s = copy.deepcopy(crowded)
+    s["invocation"] = {"command": "harness compare examples/x.yaml --out reports", "spec": "examples/x.yaml"}
+    s["versions"] = {"harness_commit": "a" * 40}
+    ds, fsdp = s["runs"][1], s["runs"][2]
+    ds["describe"] = {
+        "ds_config": {"zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 50000000}},
+        "pipeline": {"engine": "deepspeed.pipe.PipelineEngine.train_batch (TrainSchedule, 1F1B)"},
+        "coord": {"dp": 0},  # a rank's, not the run's: left out
+    }
+    ds["command"] = ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "harness.cli", "train"]
+    fsdp["describe"] = {"tensor_parallel": {"output": "ColwiseParallel, logits all-gathered (no loss_parallel)"}}
+    fsdp["metrics"]["attention_backend"] = "sdpa: flash (torch's choice at [1, 4, 64, 16] torch.float32)"
+    md = markdown("t", sections(s, figs=[]), "img")
+    eng = md[md.index("## Engines") :]
+    assert "Started as `harness compare examples/x.yaml --out reports` (spec: `examples/x.yaml`)" in eng
+    assert f"harness commit {'a' * 12}" in eng and "torch 2.13.0" in eng
+    assert "ds_config.zero_optimization.overlap_comm: True" in eng
+    assert "ds_config.zero_optimization.reduce_bucket_size: 50000000" in eng
+    assert "pipeline.engine: deepspeed.pipe.PipelineEngine.train_batch (TrainSchedule, 1F1B)" in eng
+    assert "tensor_parallel.output: ColwiseParallel, logits all-gathered (no loss_parallel)" in eng
+    assert "attention_backend: sdpa: flash" in eng
+    assert "coord" not in eng
+    assert "python -m torch.distributed.run --nproc_per_node=2 -m harness.cli train" in eng
+
+
+def test_trace_links_point_only_at_copies_beside_the_report(crowded, tmp_path):
+    import copy
+
+    from harness.report.compare import write_report
+
+    s = copy.deepcopy(crowded)
+    kept = tmp_path / "logs" / "abc.rank0.trace.json.gz"
+    kept.parent.mkdir()
+    kept.write_bytes(b"trace")
+    s["runs"][1]["traces"] = [{"rank": 0, "role": "rank 0", "path": str(kept)}]
+    s["runs"][2]["traces"] = [{"rank": 0, "role": "rank 0", "path": str(tmp_path / "logs" / "gone.json.gz")}]
+    out = tmp_path / "reports"
+    paths = write_report(s, str(out))
+    md = open(paths["markdown"]).read()
+    assert (out / "compare-t-traces" / "abc.rank0.trace.json.gz").read_bytes() == b"trace"
+    assert "- **own dp2**: [rank 0](compare-t-traces/abc.rank0.trace.json.gz)" in md
+    assert "- **own tp2**: 1 trace file(s) not kept beside this report (not linked)" in md
+    assert "logs/" not in md.split("## Traces")[1].split("\n## ")[0]
+    # the JSON beside it says where the copy is; written again elsewhere without the logs, the link goes
+    again = json.loads(open(paths["json"]).read())
+    assert again["runs"][1]["traces"][0]["file"] == "compare-t-traces/abc.rank0.trace.json.gz"
+    kept.unlink()
+    md2 = open(write_report(again, str(tmp_path / "elsewhere"))["markdown"]).read()
+    assert "- **own dp2**: 1 trace file(s) not kept beside this report (not linked)" in md2
+    again = json.loads(open(paths["json"]).read())
+    md3 = open(write_report(again, str(out))["markdown"]).read()  # re-rendered in place: the copy is there
+    assert "- **own dp2**: [rank 0](compare-t-traces/abc.rank0.trace.json.gz)" in md3
+
+
+def test_the_record_names_the_sdpa_backend_torch_chose():
+    import torch
+
+    from harness.model.kernels import attention_backend_name
+    from harness.model.presets import resolve_shape
+
+    shape = resolve_shape("tiny", None)
+    name = attention_backend_name("sdpa", torch.device("cpu"), shape, 64, torch.float32)
+    assert name.startswith("sdpa: ") and name.split()[1] in ("flash", "math", "efficient", "cudnn"), name
+    assert f"[1, {shape.heads}, 64, {shape.head_dim}]" in name
+    assert attention_backend_name("naive", torch.device("cpu"), shape, 64, torch.float32) == "naive"

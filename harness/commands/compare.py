@@ -69,6 +69,7 @@ def add_arguments(p):
 
 def main(args) -> int:
     import copy
+    import shlex
 
     from harness.commands.outputs import check_output_path
     from harness.commands.overrides import parse_with_overrides
@@ -109,6 +110,10 @@ def main(args) -> int:
             progress=not args.no_progress,
             profile_steps=args.profile_steps,
         )
+        summary["invocation"] = {  # what a reader runs to repeat it (the report's Engines section)
+            "command": shlex.join(["harness", *sys.argv[1:]]),  # as typed: spec, --set overrides, options
+            "spec": args.spec,
+        }
         if baseline is not None:
             from harness.report.drift import compare_with_baseline
 

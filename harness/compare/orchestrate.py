@@ -129,6 +129,8 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         if record.get("status") != "ok"
         else "",
         "log": (record.get("launch") or {}).get("log"),
+        "command": (record.get("launch") or {}).get("command"),  # the launcher's, as the record keeps it
+        "spec": plan.spec.to_dict(),  # the run's resolved spec: what its launch command's spec file held
         "wall_s": (record.get("launch") or {}).get("wall_s"),
         "losses": m.get("losses") or [],
         "metrics": {k: v for k, v in m.items() if k not in ("losses", "engine")},  # those two: just above and below
@@ -197,6 +199,7 @@ def run_comparison(
 
     from harness.launch import cpu_cores
     from harness.store import ResultsStore, now_iso
+    from harness.store.record import harness_version
 
     threads = comparison_threads(cs)
     peak = comparison_matmul_peak(cs.workload, threads) if launch_fn is None else None
@@ -278,6 +281,7 @@ def run_comparison(
         "load_average": {"before": load_before, "after": _loadavg()},
         "threads_per_process": threads,
         "cpu_cores": cpu_cores(),  # this process's affinity: a run with more busy threads is oversubscribed
+        "versions": harness_version(),  # with the runs' fingerprints (torch, each framework): what measured it
         "matmul_peak": peak,
         "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],

@@ -14,6 +14,7 @@ import os
 from harness.report import plots, render
 from harness.report.compare_layouts import differing_fields, differs_texts, layout_matrix
 from harness.report.compare_machine import machine_text
+from harness.report.compare_reproduce import engines_section, keep_traces, trace_links
 from harness.report.compare_steps import (
     BREAKDOWN_AXIS,
     BREAKDOWN_TEXT,
@@ -25,7 +26,6 @@ from harness.report.compare_steps import (
     collective_rows,
     run_breakdown,
     sorted_components,
-    trace_items,
     why_section,
 )
 from harness.report.data import component_title, measured_columns
@@ -310,19 +310,6 @@ def _exceptions(summary: dict) -> list[Section]:
     )
 
 
-def _engines(summary: dict) -> Section:
-    items = []
-    for r in summary["runs"]:
-        d = r.get("describe") or {}
-        if d:
-            keep = {k: v for k, v in d.items() if k not in ("ds_config", "precision_policy")}  # policy: stated once
-            items.append(
-                f"**{r['label']}** (launcher `{r['launcher']}`): "
-                + "; ".join(f"{k}: {v}" for k, v in keep.items() if not isinstance(v, (dict, list)))
-            )
-    return Section("engines", "Engines", body=[Items(items)])
-
-
 def _not_run(summary: dict) -> list[Section]:
     return (
         [Section("not-run", "Not run", body=[Items([f"{lab}: {why}" for lab, why in summary["skipped"]])])]
@@ -366,9 +353,9 @@ def _fingerprints(summary: dict) -> Section:
     return Section("fingerprints", "Fingerprints", body=body)
 
 
-def sections(summary: dict, figs: list | None = None, out_dir: str | None = None) -> list[Section]:
-    """The comparison report, once: render.py writes it as Markdown and as HTML (into out_dir: the
-    folder trace links are relative to)."""
+def sections(summary: dict, figs: list | None = None) -> list[Section]:
+    """The comparison report, once: render.py writes it as Markdown and as HTML (trace links: the copies
+    write_report keeps beside the report, compare_reproduce.keep_traces)."""
     figs = figures(summary) if figs is None else figs
     out = [_lead(summary), _workload(summary), _results(summary)]
     if any(name in ("throughput", "step-times") for name, _, _ in figs):
@@ -388,14 +375,18 @@ def sections(summary: dict, figs: list | None = None, out_dir: str | None = None
         ),
         Section("collectives", "Collectives per step", body=[COLLECTIVES_TEXT, Table(*collective_rows(summary))]),
         *routing_sections(summary, figs),
-        Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary, out_dir))]),
+        Section(
+            "traces",
+            "Traces",
+            body=[TRACES_TEXT, Items([f"**{r['label']}**: {trace_links(r)}" for r in summary["runs"]])],
+        ),
         why_section(summary),
         Section("census", "Memory census", body=[*census_text(summary), Table(*census_rows(summary))]),
         Section("machine", "Cores, processes and threads", body=machine_text(summary)),
         _parity(summary, figs),
         *baseline_sections(summary),
         *_exceptions(summary),
-        _engines(summary),
+        engines_section(summary),
         *_not_run(summary),
         *_failed(summary),
         _fingerprints(summary),
@@ -412,9 +403,10 @@ def write_report(summary: dict, out_dir: str) -> dict[str, str]:
     base = os.path.join(out_dir, f"compare-{summary['name']}")
     paths = {"markdown": base + ".md", "html": base + ".html", "json": base + ".json"}
     figs = figures(summary)
-    secs = sections(summary, figs, os.path.abspath(out_dir))
     title = f"Framework comparison: {summary['name']}"
     with Together("--out") as files:
+        keep_traces(summary, out_dir, files)  # before the sections: they link the copies
+        secs = sections(summary, figs)
         if figs:  # the Markdown links them; the HTML holds them inline
             paths["images"] = os.path.join(out_dir, image_dir(summary))
             save_figures(paths["images"], secs, files)

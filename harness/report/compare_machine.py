@@ -17,7 +17,7 @@ class Threads:
     cores: int | None
     procs: int
     threads: int | None
-    device: str  # the fingerprint's device_type ('cpu', 'cuda'), '' where unknown
+    device: str  # the fingerprint's device_type ('cpu', 'cuda'), '' where unknown (not judged)
 
     @property
     def busy(self) -> int | None:
@@ -44,7 +44,7 @@ def run_threads(run: dict, summary: dict) -> Threads:
     nproc = _int(run.get("nproc")) or _int(fp.get("world_size")) or 1
     threads = _int((fp.get("env") or {}).get("OMP_NUM_THREADS")) or _int(summary.get("threads_per_process"))
     cores = _int(fp.get("cpu_cores")) or _int(summary.get("cpu_cores"))
-    device = str(fp.get("device_type") or (summary.get("workload") or {}).get("device") or "")
+    device = str(fp.get("device_type") or "")  # no fingerprint (a failed run): not judged
     return Threads(cores, -(-nproc // hosts), threads, device)
 
 

@@ -4,9 +4,6 @@ fastest engine against the others, from the breakdowns). They lay out what the r
 
 from __future__ import annotations
 
-import os
-from urllib.parse import quote
-
 from harness.parallel_dims import ParallelDims
 from harness.report.breakdown import HARNESS_AXIS
 from harness.report.compare_machine import oversubscribed, skipped_sentence, timed_runs
@@ -147,30 +144,6 @@ TRACES_TEXT = (
     "https://ui.perfetto.dev (Open trace file) or in Chrome at chrome://tracing (Load); both read "
     "the .json.gz as it is."
 )
-
-
-def _trace_name(trace: dict) -> str:
-    rank = f"rank {trace.get('rank')}"
-    role = trace.get("role") or rank
-    return role if role == rank else f"{role} ({rank})"
-
-
-def _trace_link(path: str, base: str | None) -> str:
-    """A trace path relative to the report's folder (`base`), so the two can move together. A relative path
-    in a record is relative to the folder the comparison ran in, as `base` is (one process writes both)."""
-    if base:
-        path = os.path.relpath(os.path.abspath(path), os.path.abspath(base))
-    return quote(path, safe="/:._-~")
-
-
-def trace_items(summary: dict, base: str | None = None) -> list[str]:
-    """Per run, a link to each kept trace (rank 0, the slowest rank)."""
-    out = []
-    for r in summary["runs"]:
-        traces = r.get("traces") or []
-        links = ", ".join(f"[{_trace_name(t)}]({_trace_link(str(t['path']), base)})" for t in traces if t.get("path"))
-        out.append(f"**{r['label']}**: {links or 'no trace kept'}")
-    return out
 
 
 def why_cases(summary: dict) -> list[Case]:
