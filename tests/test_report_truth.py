@@ -170,3 +170,114 @@ def test_the_record_names_the_sdpa_backend_torch_chose():
     assert name.startswith("sdpa: ") and name.split()[1] in ("flash", "math", "efficient", "cudnn"), name
     assert f"[1, {shape.heads}, 64, {shape.head_dim}]" in name
     assert attention_backend_name("naive", torch.device("cpu"), shape, 64, torch.float32) == "naive"
+
+
+# ------------------------------------------------------------------ item 9: one source for every figure
+
+
+def test_the_cpu_demo_readme_counts_the_runs_its_records_hold():
+    import collections
+    import os
+    import re
+
+    here = os.path.join(os.path.dirname(__file__), "..", "reports", "cpu-demo")
+    with open(os.path.join(here, "records.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    engines = collections.Counter(r["spec"]["layout"]["engine"] for r in records)
+    with open(os.path.join(here, "README.md")) as f:
+        readme = " ".join(f.read().split())
+    assert f"{len(records)} runs, {engines['own']} layouts of the own engine" in readme
+    assert f": {len(records) - engines['own']} runs)" in readme  # DeepSpeed and FSDP2
+    assert re.search(rf"the {len(records)} records", readme)
+
+
+def _record(label: str, tp: int, pp: int, median_ms: float, ci_ms: tuple, **extra) -> dict:
+    """A finished 2-process CPU run of the own engine at tp x pp, its step time's median and 95% CI."""
+    layout = {"engine": "own", "tp": tp, "pp": pp, "dp": 2 // (tp * pp), "micro_batch_size": 1, **extra}
+    median = median_ms / 1e3
+    return {
+        "run_id": label,
+        "status": "ok",
+        "sweep": "s",
+        "spec": {"layout": layout, "workload": {"model": "tiny", "seq_len": 64, "global_batch_size": 8}},
+        "fingerprint": {"device_name": "cpu X", "world_size": 2, "hosts": ["h"]},
+        "metrics": {
+            "step_time_s": {"median": median, "ci95_low": ci_ms[0] / 1e3, "ci95_high": ci_ms[1] / 1e3, "n": 8},
+            "tokens_per_s": 512 / median,
+            "tokens_per_s_per_device": 256 / median,
+            "flops_per_token": {"palm": 1e6},
+        },
+    }
+
+
+def test_a_rows_breakdown_and_its_runs_are_one_breakdown():
+    from harness.compare.orchestrate import _breakdown_fields
+    from harness.profiling import MEASURED_SOURCE
+    from harness.store.fields import MEASURED, row
+
+    assert MEASURED == MEASURED_SOURCE
+    measured = {"step": 35.5, "compute": 20.0, "exposed_comm": {"pp": 1.5}, "bubble": 14.0}
+    profiled = {"step": 64.1, "compute": 40.0, "exposed_comm": {"pp": 4.0}, "bubble": 20.1}
+    rec = _record("r", 1, 2, 35.5, (30.0, 40.0))
+    rec["metrics"].update(breakdown_measured_ms=measured, breakdown_ms=profiled, breakdown_source="profiler")
+    values, run = row(rec), _breakdown_fields(rec["metrics"])
+    assert run["breakdown_ms"] == measured and run["breakdown_source"] == MEASURED_SOURCE
+    assert values["breakdown_step_ms"] == 35.5 == run["breakdown_ms"]["step"]  # was the profiled 64.1
+    assert values["breakdown_exposed_pp_ms"] == 1.5 and values["breakdown_bubble_ms"] == 14.0
+    assert values["breakdown_source"] == MEASURED_SOURCE
+    del rec["metrics"]["breakdown_measured_ms"]  # a run without clocked steps: the profiled one, named so
+    assert row(rec)["breakdown_step_ms"] == 64.1 and row(rec)["breakdown_source"] == "profiler"
+
+
+def test_the_compare_json_holds_one_mfu_vs_measured_matmul():
+    from harness.compare.orchestrate import with_comparison_peak
+
+    entry = {
+        "status": "ok",
+        "nproc": 2,
+        "row": {},
+        "metrics": {
+            "flops_per_token": {"palm": 1e6, "megatron": 2e6},
+            "tokens_per_s": 1e4,
+            "measured_matmul_tflops": 0.02,  # the run's own microbenchmark
+            "mfu_vs_measured_matmul": {"palm": 0.25, "megatron": 0.5},  # against it: not the report's figure
+        },
+    }
+    with_comparison_peak(entry, {"tflops": 0.1})
+    assert entry["row"]["mfu_vs_measured_matmul"] == pytest.approx(0.05)
+    assert entry["metrics"]["mfu_vs_measured_matmul"] == pytest.approx({"palm": 0.05, "megatron": 0.1})
+    assert entry["metrics"]["measured_matmul_tflops"] == 0.02
+
+
+def test_the_sweep_report_divides_every_run_by_one_peak_per_device():
+    from harness.report.build import sections_for
+    from harness.report.render import markdown
+
+    fast, slow = _record("fast", 1, 1, 10.0, (9.0, 11.0)), _record("slow", 1, 1, 20.0, (19.0, 21.0), attention="naive")
+    fast["metrics"]["measured_matmul_tflops"], slow["metrics"]["measured_matmul_tflops"] = 0.1, 0.05  # load moved it
+    md = markdown("s", sections_for([fast, slow]), "img")
+    # 25,600 and 12,800 tokens/s per device x 1e6 FLOPs / 0.1 TFLOP/s: 25.6% and 12.8%, not 25.6% both
+    assert "25.6%" in md and "12.8%" in md
+    assert "one peak per device, the highest matmul rate any run of this report measured on it (0.100 TFLOP/s" in md
+
+
+def test_pipeline_against_tensor_counts_only_decided_pairs_and_names_what_differs():
+    from harness.report.data import choose_metric, to_row
+    from harness.report.recommend import _tp_vs_pp
+
+    records = [
+        _record("pp2", 1, 2, 100.0, (95.0, 105.0), pipeline_schedule="gpipe"),
+        _record("tp2", 2, 1, 150.0, (140.0, 160.0), sequence_parallel=True),  # decided: pipeline
+        _record("pp2 mb2", 1, 2, 100.0, (90.0, 120.0), micro_batch_size=2),
+        _record("tp2 mb2", 2, 1, 101.5, (95.0, 110.0), micro_batch_size=2),  # 1.5% apart, CIs overlap
+    ]
+    rows = [to_row(r) for r in records]
+    text, evidence = _tp_vs_pp(rows, choose_metric(rows))
+    assert "of 2 comparison(s)" in text
+    assert (
+        "the pipeline-heavier was decidedly faster in 1, the tensor-heavier in 0, and 1 were not distinguishable"
+        in text
+    )
+    assert "any pipeline schedule" in text and "with or without sequence parallelism" in text
+    assert "GPUs" not in text
+    assert [r[-1] for r in evidence.rows] == ["decided: pipeline"] * 2 + ["not distinguishable"] * 2

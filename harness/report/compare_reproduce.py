@@ -85,7 +85,7 @@ def engines_section(summary: dict) -> Section:
         body.append(Items([f"**{r['label']}** (launcher `{r['launcher']}`): {settings or 'no settings recorded'}"]))
         if _command(r):
             body.append(Code(_command(r)))
-    return Section("engines", "Engines: settings, commands and versions", body=body)
+    return Section("engines", "Engines", body=body)
 
 
 def traces_dir(summary: dict) -> str:
