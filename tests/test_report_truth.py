@@ -71,6 +71,7 @@ def test_oversubscribed_runs_are_marked_and_neither_ranked_nor_explained(crowded
     assert "takes" not in why and "Fastest run" not in why  # no ranking, no explanation
     assert "(oversubscribed)" in md[md.index("## Layouts by engine") :]  # the matrix cell is marked
     assert "loss parity holds" in md  # parity still counts every run
+    assert "oversubscribed: times not ranked" in md  # the table of runs says it too
 
 
 def test_a_baseline_check_leaves_oversubscribed_step_times_out(crowded):
@@ -281,3 +282,19 @@ def test_pipeline_against_tensor_counts_only_decided_pairs_and_names_what_differ
     assert "any pipeline schedule" in text and "with or without sequence parallelism" in text
     assert "GPUs" not in text
     assert [r[-1] for r in evidence.rows] == ["decided: pipeline"] * 2 + ["not distinguishable"] * 2
+
+
+def test_a_sweeps_oversubscribed_run_is_neither_ranked_nor_explained():
+    from harness.report.build import sections_for
+    from harness.report.data import choose_metric, to_row
+    from harness.report.ranking import ranked
+    from harness.report.render import markdown
+
+    fine, crowded = _record("fine", 1, 1, 20.0, (19.0, 21.0)), _record("crowded", 1, 1, 10.0, (9.0, 11.0))
+    for rec, threads in ((fine, "1"), (crowded, "2")):  # 2 processes x 2 threads on 2 cores: 4 busy threads
+        rec["fingerprint"].update(device_type="cpu", cpu_cores=2, env={"OMP_NUM_THREADS": threads})
+    rows = [to_row(r) for r in (fine, crowded)]
+    assert [r.oversubscribed for r in rows] == [False, True]
+    assert [r.run_id for r in ranked(rows, choose_metric(rows))] == ["fine"]
+    md = markdown("s", sections_for([fine, crowded]), "img")
+    assert "1 run(s) ran more busy threads (processes x threads) than their machine's usable cores" in md

@@ -67,6 +67,13 @@ def overview(rows: list[Row], metric: Metric, peaks: dict[str, float] | None = N
             f"Hosts: {', '.join(hosts[:12]) or '-'}{' ...' if len(hosts) > 12 else ''}. "
             f"Software: {', '.join(versions) or '-'}."
         )
+    over = [r for r in rows if r.status == "ok" and r.oversubscribed]
+    if over:
+        s.text.append(
+            f"{len(over)} run(s) ran more busy threads (processes x threads) than their machine's usable cores: "
+            "oversubscribed, so their step times measure CPU contention as much as the layout; they are not "
+            "ranked, compared or explained (runs " + ", ".join(r.run_id[:10] for r in over[:12]) + ")."
+        )
     if len({r.versions for r in rows if r.status == "ok"}) > 1:
         s.text.append("Warning: the runs differ in library versions; compare with care.")
     return s

@@ -13,7 +13,7 @@ import os
 
 from harness.report import plots, render
 from harness.report.compare_layouts import differing_fields, differs_texts, layout_matrix
-from harness.report.compare_machine import machine_text
+from harness.report.compare_machine import OVERSUBSCRIBED, machine_text, oversubscribed
 from harness.report.compare_reproduce import engines_section, keep_traces, trace_links
 from harness.report.compare_steps import (
     BREAKDOWN_AXIS,
@@ -78,7 +78,8 @@ def _note(item: dict) -> str:
     run, p = item["run"], item["parity"]
     if run["status"] != "ok":  # its cause is the loss-parity cell (parity_cell)
         return run.get("override_note", "")
-    return "; ".join(x for x in [p.get("note", ""), run.get("override_note", ""), run.get("error_line", "")] if x)
+    over = "oversubscribed: times not ranked" if item.get("oversubscribed") else ""
+    return "; ".join(x for x in [p.get("note", ""), run.get("override_note", ""), run.get("error_line", ""), over] if x)
 
 
 def result_columns() -> list[Column]:
@@ -101,7 +102,7 @@ def results_table(summary: dict) -> Table:
     on a CPU) is left out rather than shown as a column of dashes."""
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
     items = [
-        {"run": r, "differs": d, "parity": parity.get(r["label"], {})}
+        {"run": r, "differs": d, "parity": parity.get(r["label"], {}), "oversubscribed": oversubscribed(r, summary)}
         for r, d in zip(summary["runs"], differs_texts(summary), strict=True)
     ]
     measured = {c.header for c in measured_columns(lambda i: i)}
@@ -141,6 +142,10 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
     before the per-step series were kept) is left out."""
     ok = [r for r in summary["runs"] if r["status"] == "ok"]
     out = []
+
+    def name(r: dict) -> str:  # an oversubscribed run's bar says so (compare_machine)
+        return r["label"] + (f" ({OVERSUBSCRIBED})" if oversubscribed(r, summary) else "")
+
     rated = [
         (r, (r.get("metrics") or {}).get("tokens_per_s"), (r.get("metrics") or {}).get("step_time_s") or {}) for r in ok
     ]
@@ -150,7 +155,7 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
             (
                 "throughput",
                 plots.bars(
-                    [r["label"] for r, _, _ in rated],
+                    [name(r) for r, _, _ in rated],
                     [tps for _, tps, _ in rated],
                     "Throughput per run (higher is better)",
                     "tokens/s (all ranks, at the median step)",
@@ -160,11 +165,11 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
                 "tokens/s per run from zero, with 95% CI whiskers",
             )
         )
-    times = {r["label"]: (r.get("metrics") or {}).get("step_times_s") for r in ok}
+    times = {name(r): (r.get("metrics") or {}).get("step_times_s") for r in ok}
     times = {k: v for k, v in times.items() if v}
     if times:
         cis = {
-            r["label"]: (
+            name(r): (
                 (r["metrics"].get("step_time_s") or {}).get("ci95_low"),
                 (r["metrics"].get("step_time_s") or {}).get("ci95_high"),
             )

@@ -14,6 +14,7 @@ from typing import Any
 
 from harness.parallel_dims import ParallelDims
 from harness.profiling import MEASURED_SOURCE
+from harness.report.compare_machine import run_threads
 from harness.report.sections import Column
 from harness.spec import engine_variant, layout_label
 from harness.store import fields
@@ -165,6 +166,7 @@ class RowOwn:
     timeline: list | None = None
     error: str = ""
     error_line: str = ""  # the run's first `error:` line (launch.first_error_line), if it printed one
+    oversubscribed: bool = False  # more busy threads than cores (compare_machine): not ranked nor explained
     device: str = ""
     hosts: tuple = ()
     versions: tuple = ()
@@ -219,6 +221,12 @@ Row = dataclasses.make_dataclass(
 )
 
 
+def _oversubscribed(rec: dict) -> bool:
+    """More busy threads than usable cores, from the record's fingerprint (world size over hosts, cores,
+    OMP_NUM_THREADS; compare_machine.run_threads)."""
+    return run_threads({"fingerprint": rec.get("fingerprint") or {}}, {}).oversubscribed
+
+
 def to_row(rec: dict) -> Row:
     v, lay = row(rec), (rec.get("spec") or {}).get("layout") or {}
     m, fp = rec.get("metrics") or {}, rec.get("fingerprint") or {}
@@ -242,6 +250,9 @@ def to_row(rec: dict) -> Row:
         timeline=m.get("pipeline_timeline") or None,
         error=rec.get("error") or "",
         error_line=rec.get("error_line") or "",
+        oversubscribed=run_threads(
+            {"nproc": (rec.get("launch") or {}).get("nproc"), "fingerprint": fp}, {}
+        ).oversubscribed,
         device=str(fp.get("device_name") or ""),
         hosts=tuple(sorted(set(fp.get("hosts") or []))),
         versions=versions,

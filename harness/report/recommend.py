@@ -236,7 +236,8 @@ def recommendations(rows: list[Row], metric: Metric) -> Section:
     s.text.append(
         "Each statement below is computed from the runs in this report; the table under it is "
         "its evidence: the runs compared, in comparisons (#) of runs that differ in that field alone, every "
-        "other layout field equal. Nothing here is written in advance."
+        "other layout field equal (pipeline against tensor parallelism: as its statement says). Nothing here "
+        "is written in advance."
     )
     found = 0
     for got in [_axis(rows, metric, *axis) for axis in AXES] + [_tp_vs_pp(rows, metric)]:
