@@ -114,8 +114,9 @@ def test_the_engines_section_shows_the_settings_the_json_holds(crowded):
         "ds_config": {"zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 50000000}},
         "pipeline": {"engine": "deepspeed.pipe.PipelineEngine.train_batch (TrainSchedule, 1F1B)"},
         "coord": {"dp": 0},  # a rank's, not the run's: left out
+        "optimizer": "torch.optim.AdamW (foreach)",
     }
-    ds["command"] = ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "harness.cli", "train"]
+    ds["command"] = ["python", "-m", "torch.distributed.run", "-m", "harness.cli", "train", "--point-key", "own dp2"]
     fsdp["describe"] = {"tensor_parallel": {"output": "ColwiseParallel, logits all-gathered (no loss_parallel)"}}
     fsdp["metrics"]["attention_backend"] = "sdpa: flash (torch's choice at [1, 4, 64, 16] torch.float32)"
     md = markdown("t", sections(s, figs=[]), "img")
@@ -127,8 +128,8 @@ def test_the_engines_section_shows_the_settings_the_json_holds(crowded):
     assert "pipeline.engine: deepspeed.pipe.PipelineEngine.train_batch (TrainSchedule, 1F1B)" in eng
     assert "tensor_parallel.output: ColwiseParallel, logits all-gathered (no loss_parallel)" in eng
     assert "attention_backend: sdpa: flash" in eng
-    assert "coord" not in eng
-    assert "python -m torch.distributed.run --nproc_per_node=2 -m harness.cli train" in eng
+    assert "coord" not in eng and "optimizer: torch.optim.AdamW (foreach)" in eng
+    assert "python -m torch.distributed.run -m harness.cli train --point-key 'own dp2'" in eng  # as a shell runs it
 
 
 def test_trace_links_point_only_at_copies_beside_the_report(crowded, tmp_path):

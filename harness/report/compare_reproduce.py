@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from urllib.parse import quote
 
@@ -14,15 +15,23 @@ from harness.report.sections import Code, Items, Section
 
 # Settings stated once elsewhere in the report (the precision policy, the workload's optimizer), or that
 # name a rank rather than the run (its coordinates, the rank map), or list the keys the harness filled in.
-_SKIP = {"precision_policy", "coord", "rank_map", "ds_config_auto_filled", "optimizer", "steps_per_print"}
+_SKIP = {
+    "precision_policy",
+    "coord",
+    "rank_map",
+    "ds_config_auto_filled",
+    "ds_config.optimizer",
+    "ds_config.steps_per_print",
+}
 _LONGEST = 240  # a setting's value beyond this many characters is cut (the JSON holds it whole)
 
 
 def _flat(prefix: str, value, out: list[tuple[str, str]]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
-            if k not in _SKIP:
-                _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if key not in _SKIP:
+                _flat(key, v, out)
         return
     text = json.dumps(value, default=str) if isinstance(value, list) else str(value)
     out.append((prefix, text if len(text) <= _LONGEST else text[: _LONGEST - 3] + "..."))
@@ -62,7 +71,7 @@ def versions_text(summary: dict) -> str:
 
 def _command(run: dict) -> str:
     cmd = run.get("command")
-    return " ".join(cmd) if isinstance(cmd, list) else str(cmd or "")
+    return shlex.join(map(str, cmd)) if isinstance(cmd, list) else str(cmd or "")
 
 
 def engines_section(summary: dict) -> Section:
