@@ -89,8 +89,11 @@ def attention_backend_name(name: str, device: torch.device, shape, seq: int, dty
     if name != "sdpa":
         return name
     heads, head_dim = shape.heads, shape.head_dim
-    q = torch.zeros(1, heads, seq, head_dim, device=device, dtype=dtype)
-    choice = int(torch._fused_sdp_choice(q, q, q, is_causal=True))
+    try:  # a private torch function: where it is missing or refuses, the report says so rather than the run failing
+        q = torch.zeros(1, heads, seq, head_dim, device=device, dtype=dtype)
+        choice = int(torch._fused_sdp_choice(q, q, q, is_causal=True))
+    except (AttributeError, RuntimeError, TypeError, ValueError) as e:
+        return f"sdpa (torch's backend choice not determined: {type(e).__name__})"
     return f"sdpa: {_SDPA_CHOICE.get(choice, choice)} (torch's choice at [1, {heads}, {seq}, {head_dim}] {dtype})"
 
 
