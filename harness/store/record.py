@@ -40,7 +40,11 @@ def harness_version() -> dict:
     which code measured it; {} where the package is not a git checkout (an installed wheel)."""
     import os
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from harness.resources import source_root
+
+    root = source_root()
+    if root is None:
+        return {}
     git = os.path.join(root, ".git")
     try:
         if os.path.isfile(git):  # a worktree: "gitdir: <its folder in the main checkout>"
