@@ -299,3 +299,20 @@ def test_a_sweeps_oversubscribed_run_is_neither_ranked_nor_explained():
     assert [r.run_id for r in ranked(rows, choose_metric(rows))] == ["fine"]
     md = markdown("s", sections_for([fine, crowded]), "img")
     assert "1 run(s) ran more busy threads (processes x threads) than their machine's usable cores" in md
+
+
+def test_the_compare_command_says_before_launch_which_runs_will_be_oversubscribed(capsys, monkeypatch):
+    import os
+
+    from harness.commands.compare import _say_oversubscribed
+    from harness.compare.spec import load_compare_spec
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("harness.launch.cpu_cores", lambda: 2)
+    monkeypatch.setattr("harness.launch.environment.cpu_cores", lambda: 2)
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "compare-cpu-moe.yaml")
+    _say_oversubscribed(load_compare_spec(example))
+    assert (
+        "runs of 4 processes x 1 thread(s) each exceed this machine's 2 cores: oversubscribed"
+        in capsys.readouterr().err
+    )
