@@ -28,7 +28,14 @@ from harness.measure.stream import MetricsStream
 from harness.measure.timers import StepTimer
 from harness.model.compiled import CompileWatch
 from harness.model.flops import flops_per_token
-from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
+from harness.model.kernels import (
+    attention_backend_name,
+    need_of,
+    probe,
+    probe_in_child,
+    rmsnorm_backend_name,
+    run_kernels,
+)
 from harness.model.moe import router_record
 from harness.model.presets import active_param_count, param_count
 from harness.model.training import precision_policy
@@ -272,6 +279,7 @@ class Trainer:
             "peak_memory_bytes": int(mem_all),
             "memory_kind": mem_kind,
             "rmsnorm_backend": rmsnorm_backend_name(lay.rmsnorm, ctx.device.type),
+            "attention_backend": attention_backend_name(lay.attention, ctx.device, self.spec.shape(), w.seq_len, dtype),
             "engine": self.engine.describe(),
             "parameter_count": self.parameter_count,
         }

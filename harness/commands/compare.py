@@ -69,6 +69,7 @@ def add_arguments(p):
 
 def main(args) -> int:
     import copy
+    import shlex
 
     from harness.commands.outputs import check_output_path
     from harness.commands.overrides import parse_with_overrides
@@ -102,6 +103,7 @@ def main(args) -> int:
             f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})",
             file=sys.stderr,
         )
+        _say_oversubscribed(cs)
         summary = run_comparison(
             cs,
             store_path=store,
@@ -109,6 +111,10 @@ def main(args) -> int:
             progress=not args.no_progress,
             profile_steps=args.profile_steps,
         )
+        summary["invocation"] = {  # what a reader runs to repeat it (the report's Engines section)
+            "command": shlex.join(["harness", *sys.argv[1:]]),  # as typed: spec, --set overrides, options
+            "spec": args.spec,
+        }
         if baseline is not None:
             from harness.report.drift import compare_with_baseline
 
@@ -139,3 +145,24 @@ def _baseline(args) -> tuple[dict | None, float | None]:
         return None, None
     given = DEFAULT_TIME_TOLERANCE if args.time_tolerance is None else args.time_tolerance
     return load_baseline(args.baseline), check_time_tolerance(given)
+
+
+def _say_oversubscribed(cs) -> None:
+    """A note before launch where a CPU run's processes x threads exceed this machine's cores: the report
+    will mark it oversubscribed and leave its step times out of ranking and Why (parity still holds)."""
+    from harness.compare.orchestrate import comparison_threads
+    from harness.launch import cpu_cores
+    from harness.launch.environment import _has_cuda
+
+    device = cs.workload.get("device") or "auto"
+    if device == "cuda" or (device == "auto" and _has_cuda()):
+        return
+    threads, cores = comparison_threads(cs), cpu_cores()
+    over = sorted({p.nproc for p in cs.runs if p.nproc * threads > cores})
+    if over:
+        print(
+            f"note: runs of {' or '.join(map(str, over))} processes x {threads} thread(s) each exceed this "
+            f"machine's {cores} cores: oversubscribed; the report checks their parity but neither ranks nor "
+            "explains their step times",
+            file=sys.stderr,
+        )

@@ -82,12 +82,16 @@ def comparison_matmul_peak(workload: dict, threads: int) -> dict | None:
 
 
 def with_comparison_peak(entry: dict, peak: dict | None) -> dict:
-    """The run's table row with "MFU vs measured matmul" against the comparison's one peak (PaLM
-    FLOPs, per device: a run's tokens/s over its processes)."""
+    """The run's table row and metrics with "MFU vs measured matmul" against the comparison's one peak (PaLM
+    FLOPs in the row, every convention in the metrics; per device: a run's tokens/s over its processes)."""
     m = entry["metrics"]
-    fpt, tps = (m.get("flops_per_token") or {}).get("palm"), m.get("tokens_per_s")
-    ok = peak and fpt and tps and entry["status"] == "ok"
-    entry["row"]["mfu_vs_measured_matmul"] = fpt * tps / (entry["nproc"] * peak["tflops"] * 1e12) if ok else None
+    fpt, tps = m.get("flops_per_token") or {}, m.get("tokens_per_s")
+    ok = peak and fpt.get("palm") and tps and entry["status"] == "ok"
+    mfu = {k: v * tps / (entry["nproc"] * peak["tflops"] * 1e12) for k, v in fpt.items() if v} if ok else None
+    entry["row"]["mfu_vs_measured_matmul"] = mfu["palm"] if mfu else None
+    # one definition in the JSON too: the run's metrics hold the same figure (every FLOP convention), not the
+    # one against the peak the run measured for itself (its measured_matmul_tflops stays, as measured)
+    m["mfu_vs_measured_matmul"] = mfu
     return entry
 
 
@@ -129,6 +133,8 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         if record.get("status") != "ok"
         else "",
         "log": (record.get("launch") or {}).get("log"),
+        "command": (record.get("launch") or {}).get("command"),  # the launcher's, as the record keeps it
+        "spec": plan.spec.to_dict(),  # the run's resolved spec: what its launch command's spec file held
         "wall_s": (record.get("launch") or {}).get("wall_s"),
         "losses": m.get("losses") or [],
         "metrics": {k: v for k, v in m.items() if k not in ("losses", "engine")},  # those two: just above and below
@@ -195,7 +201,9 @@ def run_comparison(
     its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS)."""
     from tqdm import tqdm
 
+    from harness.launch import cpu_cores
     from harness.store import ResultsStore, now_iso
+    from harness.store.record import harness_version
 
     threads = comparison_threads(cs)
     peak = comparison_matmul_peak(cs.workload, threads) if launch_fn is None else None
@@ -276,6 +284,8 @@ def run_comparison(
         "fp8_vs_bf16": fp8_vs_bf16(entries, cs),
         "load_average": {"before": load_before, "after": _loadavg()},
         "threads_per_process": threads,
+        "cpu_cores": cpu_cores(),  # this process's affinity: a run with more busy threads is oversubscribed
+        "versions": harness_version(),  # with the runs' fingerprints (torch, each framework): what measured it
         "matmul_peak": peak,
         "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],

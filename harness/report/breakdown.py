@@ -117,7 +117,7 @@ def why_cases(rows: list[Row], label=None) -> list[Case]:
             r.values.get("router_imbalance"),
         )
         for r in rows
-        if r.status == "ok" and r.step_breakdown
+        if r.status == "ok" and r.step_breakdown and not r.oversubscribed  # its times explain nothing
     ]
 
 

@@ -13,6 +13,8 @@ import os
 
 from harness.report import plots, render
 from harness.report.compare_layouts import differing_fields, differs_texts, layout_matrix
+from harness.report.compare_machine import OVERSUBSCRIBED, machine_text, oversubscribed
+from harness.report.compare_reproduce import engines_section, keep_traces, trace_links
 from harness.report.compare_steps import (
     BREAKDOWN_AXIS,
     BREAKDOWN_TEXT,
@@ -24,7 +26,6 @@ from harness.report.compare_steps import (
     collective_rows,
     run_breakdown,
     sorted_components,
-    trace_items,
     why_section,
 )
 from harness.report.data import component_title, measured_columns
@@ -71,18 +72,14 @@ MATRIX_TEXT = (
     "Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
     "engine cannot run that layout (checked before launch: each engine's facts, harness/frameworks/*/facts.py)."
 )
-THREADS_TEXT = (
-    "Threads per process: {n} (OMP_NUM_THREADS), the same for every run, the single-device "
-    "reference included: cores divided by the comparison's process count, so that step times "
-    "compare layouts rather than thread counts."
-)
 
 
 def _note(item: dict) -> str:
     run, p = item["run"], item["parity"]
     if run["status"] != "ok":  # its cause is the loss-parity cell (parity_cell)
         return run.get("override_note", "")
-    return "; ".join(x for x in [p.get("note", ""), run.get("override_note", ""), run.get("error_line", "")] if x)
+    over = "oversubscribed: times not ranked" if item.get("oversubscribed") else ""
+    return "; ".join(x for x in [p.get("note", ""), run.get("override_note", ""), run.get("error_line", ""), over] if x)
 
 
 def result_columns() -> list[Column]:
@@ -105,7 +102,7 @@ def results_table(summary: dict) -> Table:
     on a CPU) is left out rather than shown as a column of dashes."""
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
     items = [
-        {"run": r, "differs": d, "parity": parity.get(r["label"], {})}
+        {"run": r, "differs": d, "parity": parity.get(r["label"], {}), "oversubscribed": oversubscribed(r, summary)}
         for r, d in zip(summary["runs"], differs_texts(summary), strict=True)
     ]
     measured = {c.header for c in measured_columns(lambda i: i)}
@@ -145,6 +142,10 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
     before the per-step series were kept) is left out."""
     ok = [r for r in summary["runs"] if r["status"] == "ok"]
     out = []
+
+    def name(r: dict) -> str:  # an oversubscribed run's bar says so (compare_machine)
+        return r["label"] + (f" ({OVERSUBSCRIBED})" if oversubscribed(r, summary) else "")
+
     rated = [
         (r, (r.get("metrics") or {}).get("tokens_per_s"), (r.get("metrics") or {}).get("step_time_s") or {}) for r in ok
     ]
@@ -154,7 +155,7 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
             (
                 "throughput",
                 plots.bars(
-                    [r["label"] for r, _, _ in rated],
+                    [name(r) for r, _, _ in rated],
                     [tps for _, tps, _ in rated],
                     "Throughput per run (higher is better)",
                     "tokens/s (all ranks, at the median step)",
@@ -164,11 +165,11 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
                 "tokens/s per run from zero, with 95% CI whiskers",
             )
         )
-    times = {r["label"]: (r.get("metrics") or {}).get("step_times_s") for r in ok}
+    times = {name(r): (r.get("metrics") or {}).get("step_times_s") for r in ok}
     times = {k: v for k, v in times.items() if v}
     if times:
         cis = {
-            r["label"]: (
+            name(r): (
                 (r["metrics"].get("step_time_s") or {}).get("ci95_low"),
                 (r["metrics"].get("step_time_s") or {}).get("ci95_high"),
             )
@@ -274,19 +275,6 @@ def _results(summary: dict) -> Section:
     return Section("results", "Results", body=body)
 
 
-def _machine(summary: dict) -> list[str]:
-    """The threads per process and the machine's load: what else shaped the step times."""
-    out = [THREADS_TEXT.format(n=summary["threads_per_process"])] if summary.get("threads_per_process") else []
-    load = summary.get("load_average") or {}
-    if load.get("before"):
-        out.append(
-            f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
-            f"({os.cpu_count()} logical CPUs here); a load above the core count means other work shared the "
-            "machine and widened the step-time intervals."
-        )
-    return out
-
-
 def _parity(summary: dict, figs: list) -> Section:
     par = summary["parity"]
     body = [
@@ -325,19 +313,6 @@ def _exceptions(summary: dict) -> list[Section]:
         if notes
         else []
     )
-
-
-def _engines(summary: dict) -> Section:
-    items = []
-    for r in summary["runs"]:
-        d = r.get("describe") or {}
-        if d:
-            keep = {k: v for k, v in d.items() if k not in ("ds_config", "precision_policy")}  # policy: stated once
-            items.append(
-                f"**{r['label']}** (launcher `{r['launcher']}`): "
-                + "; ".join(f"{k}: {v}" for k, v in keep.items() if not isinstance(v, (dict, list)))
-            )
-    return Section("engines", "Engines", body=[Items(items)])
 
 
 def _not_run(summary: dict) -> list[Section]:
@@ -383,9 +358,9 @@ def _fingerprints(summary: dict) -> Section:
     return Section("fingerprints", "Fingerprints", body=body)
 
 
-def sections(summary: dict, figs: list | None = None, out_dir: str | None = None) -> list[Section]:
-    """The comparison report, once: render.py writes it as Markdown and as HTML (into out_dir: the
-    folder trace links are relative to)."""
+def sections(summary: dict, figs: list | None = None) -> list[Section]:
+    """The comparison report, once: render.py writes it as Markdown and as HTML (trace links: the copies
+    write_report keeps beside the report, compare_reproduce.keep_traces)."""
     figs = figures(summary) if figs is None else figs
     out = [_lead(summary), _workload(summary), _results(summary)]
     if any(name in ("throughput", "step-times") for name, _, _ in figs):
@@ -405,15 +380,18 @@ def sections(summary: dict, figs: list | None = None, out_dir: str | None = None
         ),
         Section("collectives", "Collectives per step", body=[COLLECTIVES_TEXT, Table(*collective_rows(summary))]),
         *routing_sections(summary, figs),
-        Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary, out_dir))]),
-        why_section(summary),
         Section(
-            "census", "Memory census", body=[*census_text(summary), Table(*census_rows(summary)), *_machine(summary)]
+            "traces",
+            "Traces",
+            body=[TRACES_TEXT, Items([f"**{r['label']}**: {trace_links(r)}" for r in summary["runs"]])],
         ),
+        why_section(summary),
+        Section("census", "Memory census", body=[*census_text(summary), Table(*census_rows(summary))]),
+        Section("machine", "Cores, processes and threads", body=machine_text(summary)),
         _parity(summary, figs),
         *baseline_sections(summary),
         *_exceptions(summary),
-        _engines(summary),
+        engines_section(summary),
         *_not_run(summary),
         *_failed(summary),
         _fingerprints(summary),
@@ -430,9 +408,10 @@ def write_report(summary: dict, out_dir: str) -> dict[str, str]:
     base = os.path.join(out_dir, f"compare-{summary['name']}")
     paths = {"markdown": base + ".md", "html": base + ".html", "json": base + ".json"}
     figs = figures(summary)
-    secs = sections(summary, figs, os.path.abspath(out_dir))
     title = f"Framework comparison: {summary['name']}"
     with Together("--out") as files:
+        keep_traces(summary, out_dir, files)  # before the sections: they link the copies
+        secs = sections(summary, figs)
         if figs:  # the Markdown links them; the HTML holds them inline
             paths["images"] = os.path.join(out_dir, image_dir(summary))
             save_figures(paths["images"], secs, files)

@@ -4,11 +4,9 @@ fastest engine against the others, from the breakdowns). They lay out what the r
 
 from __future__ import annotations
 
-import os
-from urllib.parse import quote
-
 from harness.parallel_dims import ParallelDims
 from harness.report.breakdown import HARNESS_AXIS
+from harness.report.compare_machine import oversubscribed, skipped_sentence, timed_runs
 from harness.report.data import COMPONENTS, Breakdown, breakdown_of, collectives_of, component_title, layout_key
 from harness.report.sections import Items, Section
 from harness.report.why import Case, against_median, comparisons
@@ -148,36 +146,12 @@ TRACES_TEXT = (
 )
 
 
-def _trace_name(trace: dict) -> str:
-    rank = f"rank {trace.get('rank')}"
-    role = trace.get("role") or rank
-    return role if role == rank else f"{role} ({rank})"
-
-
-def _trace_link(path: str, base: str | None) -> str:
-    """A trace path relative to the report's folder (`base`), so the two can move together. A relative path
-    in a record is relative to the folder the comparison ran in, as `base` is (one process writes both)."""
-    if base:
-        path = os.path.relpath(os.path.abspath(path), os.path.abspath(base))
-    return quote(path, safe="/:._-~")
-
-
-def trace_items(summary: dict, base: str | None = None) -> list[str]:
-    """Per run, a link to each kept trace (rank 0, the slowest rank)."""
-    out = []
-    for r in summary["runs"]:
-        traces = r.get("traces") or []
-        links = ", ".join(f"[{_trace_name(t)}]({_trace_link(str(t['path']), base)})" for t in traces if t.get("path"))
-        out.append(f"**{r['label']}**: {links or 'no trace kept'}")
-    return out
-
-
 def why_cases(summary: dict) -> list[Case]:
-    """The compared runs (not the reference) that finished and have a breakdown."""
+    """The compared runs (not the reference) that finished, have a breakdown and were not oversubscribed."""
     out = []
     for r in summary["runs"]:
         b = run_breakdown(r)
-        if r.get("is_reference") or r.get("status") != "ok" or b is None:
+        if r.get("is_reference") or r.get("status") != "ok" or b is None or oversubscribed(r, summary):
             continue
         stats = (r.get("metrics") or {}).get("step_time_s") or {}
         ci = (stats["ci95_low"], stats["ci95_high"]) if "ci95_low" in stats and "ci95_high" in stats else None
@@ -200,13 +174,20 @@ WHY_TEXT = (
 
 
 def why_section(summary: dict) -> Section:
-    cases = why_cases(summary)
+    cases, skipped = why_cases(summary), skipped_sentence(summary)
     if len(cases) < 2:
-        return Section("why", "Why", body=["Fewer than two finished runs have a step breakdown: nothing to explain."])
-    timed = [r for r in summary["runs"] if not r.get("is_reference") and r.get("status") == "ok" and _median_s(r)]
+        return Section(
+            "why",
+            "Why",
+            body=[
+                "Fewer than two finished runs that were not oversubscribed have a step breakdown: nothing to explain.",
+                *skipped,
+            ],
+        )
+    timed = [r for r in timed_runs(summary) if _median_s(r)]
     fastest = min(timed, key=_median_s)  # by the measured median, as the verdict ranks them
     engines, layouts = comparisons(cases)
-    body = [WHY_TEXT, f"Fastest run (measured median): **{fastest['label']}**."]
+    body = [WHY_TEXT, *skipped, f"Fastest run (measured median): **{fastest['label']}**."]
     body += [
         "**The same layout under other engines**",
         Items(engines or ["No layout ran under two engines."]),

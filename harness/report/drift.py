@@ -22,6 +22,7 @@ import json
 import math
 
 from harness.errors import SpecError
+from harness.report.compare_machine import oversubscribed
 from harness.report.sections import Items, Section, Table
 from harness.spec import layout_label
 
@@ -226,7 +227,9 @@ def compare_with_baseline(
             rows.append(_row(label, "status", o["status"], r["status"], drift))
             continue
         rows += _loss_rows(label, old, new, n, tol) + _census_rows(label, o, r)
-        if ref and label != ref_label and time_tolerance is not None:
+        # an oversubscribed run's step times measure CPU contention (compare_machine): not checked
+        over = oversubscribed(o, old) or oversubscribed(r, new)
+        if ref and label != ref_label and time_tolerance is not None and not over:
             rows += _time_row(label, o, r, ref, time_tolerance, loads)
     return {
         "path": path,

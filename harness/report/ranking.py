@@ -26,7 +26,8 @@ def by_sweep(rows: list[Row]) -> dict[str, list[Row]]:
 
 
 def ranked(rows: list[Row], metric: Metric) -> list[Row]:
-    ok = [r for r in rows if r.status == "ok" and metric.of(r) is not None]
+    """The ok runs by the metric, best first; an oversubscribed run's times rank nothing (data.RowOwn)."""
+    ok = [r for r in rows if r.status == "ok" and not r.oversubscribed and metric.of(r) is not None]
     return sorted(ok, key=lambda r: -metric.of(r))
 
 
