@@ -32,7 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("format", choices=IMPORT_FORMATS, help="what FILE is")
     p.add_argument("file", metavar="FILE", help="the launch script / argument file, recipe or ds_config")
     p.add_argument("--out", metavar="SPEC.yaml", help="write the spec there (default: stdout)")
-    p.add_argument("--gpus", type=int, help="world size, where FILE does not say it (megatron, torchtitan)")
+    p.add_argument("--gpus", type=int, help="world size (megatron, torchtitan: where FILE does not say it; deepspeed: dp)")
     p.add_argument("--model", help="deepspeed: the model (a ds_config has none; default tiny)")
     p.add_argument("--seq-len", type=int, help="deepspeed: the sequence length (a ds_config has none)")
 
@@ -49,16 +49,18 @@ def main(args) -> int:
     if args.gpus is not None and args.gpus < 1:
         raise SpecError("--gpus", f"must be at least 1, got {args.gpus}")
     try:
-        with open(args.file) as f:
+        with open(args.file, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise SpecError("FILE", f"{args.file}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError("FILE", f"{args.file}: not a text file (byte {e.start} is not UTF-8)") from None
     if args.format == "megatron":
         raw, lost = imports.import_megatron(text, args.gpus)
     elif args.format == "torchtitan":
         raw, lost = imports.import_torchtitan(text, args.gpus)
     else:
-        raw, lost = imports.import_deepspeed(text, args.model, args.seq_len)
+        raw, lost = imports.import_deepspeed(text, args.model, args.seq_len, args.gpus)
     for line in lost:
         print(f"import: {line}", file=sys.stderr)
     name = f"imported-{args.format}"
