@@ -3,7 +3,7 @@
 Reads Megatron-LM's pretrain_gpt.py arguments (a launch script or an argument file: what follows the
 `*.py` program, shell comments and line continuations allowed; the world size from torchrun's
 --nproc-per-node x --nnodes or --gpus), a torchtitan recipe (the Trainer.Config function
-`harness plan --export torchtitan` writes) or a ds_config JSON, and writes a run spec (as
+`harness plan --export torchtitan` writes, or one of a config_registry.py by --recipe) or a ds_config JSON, and writes a run spec (as
 `harness train` reads it, a compare's workload and one run) with the layout, workload and optimizer
 it carries. Each field it cannot carry is one line on stderr: `import: FIELD: not carried: WHY`.
 """
@@ -21,6 +21,7 @@ examples:
   harness import megatron train_llama.sh --out mine.yaml
   harness import megatron args.txt --gpus 64 --out mine.yaml
   harness import torchtitan my_recipe.py --out mine.yaml
+  harness import torchtitan torchtitan/models/llama3/config_registry.py --recipe llama3_70b --gpus 64
   harness import deepspeed ds_config.json --model llama3-8b --seq-len 8192 --out mine.yaml
   harness plan --model llama3-8b --seq-len 8192 --global-batch-size 64 --gpus 16 --export megatron > a.txt
   harness import megatron a.txt --gpus 16"""
@@ -33,6 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("file", metavar="FILE", help="the launch script / argument file, recipe or ds_config")
     p.add_argument("--out", metavar="SPEC.yaml", help="write the spec there (default: stdout)")
     p.add_argument("--gpus", type=int, help="world size (megatron, torchtitan: where FILE does not say it; deepspeed: dp)")
+    p.add_argument("--recipe", metavar="NAME", help="torchtitan: the config_registry function (where FILE has several)")
     p.add_argument("--model", help="deepspeed: the model (a ds_config has none; default tiny)")
     p.add_argument("--seq-len", type=int, help="deepspeed: the sequence length (a ds_config has none)")
 
@@ -58,7 +60,7 @@ def main(args) -> int:
     if args.format == "megatron":
         raw, lost = imports.import_megatron(text, args.gpus)
     elif args.format == "torchtitan":
-        raw, lost = imports.import_torchtitan(text, args.gpus)
+        raw, lost = imports.import_torchtitan(text, args.gpus, args.recipe)
     else:
         raw, lost = imports.import_deepspeed(text, args.model, args.seq_len, args.gpus)
     for line in lost:

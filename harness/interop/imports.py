@@ -32,9 +32,9 @@ def import_deepspeed(
     return _spec("deepspeed", *read_deepspeed(text, model, seq_len, gpus))
 
 
-def import_torchtitan(text: str, gpus: int | None = None) -> tuple[dict, list[str]]:
-    """A spec from a torchtitan recipe (the form torchtitan_out writes)."""
-    return _spec("fsdp", *read_torchtitan(text, gpus))
+def import_torchtitan(text: str, gpus: int | None = None, recipe: str | None = None) -> tuple[dict, list[str]]:
+    """A spec from a torchtitan recipe: the file's function named `recipe` (needed where it has several)."""
+    return _spec("fsdp", *read_torchtitan(text, gpus, recipe))
 
 
 # What engine megatron here lacks that Megatron-LM runs (Transformer Engine: its attention backends,
