@@ -49,14 +49,16 @@ def _section(cfg: dict, key: str) -> dict:
     return value
 
 
-def _batch(cfg: dict, model_par: int, gpus: int | None, lost: list[str]) -> tuple[int, int, int]:
-    """(global batch, micro-batch, dp) by DeepSpeed's rules; dp from --gpus where given."""
+def _batch(cfg: dict, model_par: int, share: int, gpus: int | None, lost: list[str]) -> tuple[int, int, int]:
+    """(global batch in sequences, micro-batch, dp) by DeepSpeed's rules; dp from --gpus where given.
+    `share`: the ranks that share each micro-batch yet count in DeepSpeed's batch check (AutoTP's tp
+    without an mpu): train_batch_size counts them, the global batch does not."""
     batch, micro, accum = (_whole(cfg.get(k), k) for k in BATCH)
     dp = None
     if gpus is not None:
         if gpus % model_par:
             raise SpecError("--gpus", f"{gpus} is not divisible by tp x pp x sequence_parallel_size = {model_par}")
-        dp = gpus // model_par
+        dp = gpus // model_par * share
     if None in (batch, micro, accum) and dp is None and not (batch is None and micro is None and accum is None):
         missing = next(k for k, v in zip(BATCH, (batch, micro, accum)) if v is None)
         raise SpecError(missing, f"{cfg.get(missing, 'absent')!r}: DeepSpeed derives it from the world size; give --gpus")
@@ -107,7 +109,11 @@ def read_deepspeed(
     tp = _whole(_section(cfg, "tensor_parallel").get("autotp_size"), "tensor_parallel.autotp_size", False) or 1
     pp = _whole(_section(cfg, "pipeline").get("stages"), "pipeline.stages", False) or 1
     cp = _whole(cfg.get("sequence_parallel_size"), "sequence_parallel_size", False) or 1
-    batch, micro, dp = _batch(cfg, tp * pp * cp, gpus, lost)
+    share = tp if pp == 1 else 1  # AutoTP's config-only path: DeepSpeed checks the batch over every rank
+    batch, micro, ranks = _batch(cfg, tp * pp * cp, share, gpus, lost)
+    if ranks % share or batch % share:
+        raise SpecError("train_batch_size", f"{batch} over {ranks} ranks does not split into tp {tp} groups")
+    batch, dp = batch // share, ranks // share
     zero = _section(cfg, "zero_optimization")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):

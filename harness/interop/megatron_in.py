@@ -10,6 +10,7 @@ from harness.errors import SpecError
 from harness.interop.model_match import match_model
 from harness.interop.shell import FLAGS, command_words, unresolved
 from harness.parallel_dims import ParallelDims
+from harness.spec.schema import MAX_STEPS
 
 # Megatron-LM's --attention-backend, back to the harness's kernel (megatron_out.MEGATRON_ATTENTION inverted; its
 # local attention is the materialised one the harness calls naive).
@@ -22,13 +23,14 @@ MEGATRON_INT = {
     *"num-attention-heads num-query-groups rotary-base recompute-num-layers lr-warmup-iters kv-channels".split(),
     *"num-virtual-stages-per-pipeline-rank num-layers-per-virtual-pipeline-stage vocab-size".split(),
     *"expert-model-parallel-size expert-tensor-parallel-size num-experts moe-router-topk moe-ffn-hidden-size".split(),
+    "train-iters",
 }
 MEGATRON_FLOAT = {*"lr min-lr weight-decay adam-beta1 adam-beta2 adam-eps clip-grad norm-epsilon".split()}
 MEGATRON_FLOAT |= {"attention-dropout", "hidden-dropout", "rope-scaling-factor", "moe-z-loss-coeff"}
 MEGATRON_STR = {
     *"cp-comm-type recompute-granularity recompute-method normalization position-embedding-type".split(),
     *"lr-decay-style attention-backend transformer-impl optimizer spec fp8-format fp8-recipe".split(),
-    *"moe-router-load-balancing-type moe-aux-loss-coeff".split(),
+    *"moe-router-load-balancing-type moe-aux-loss-coeff moe-router-dtype".split(),
 }
 MEGATRON_FLAGS = {
     *"sequence-parallel group-query-attention swiglu disable-bias-linear untie-embeddings-and-output-weights".split(),
@@ -239,6 +241,11 @@ def read_megatron(text: str, gpus: int | None = None) -> tuple[dict, dict, list[
     ]
     if a.get("global-batch-size") is None:
         lost.append("--global-batch-size: not carried: absent; written as micro-batch x dp")
+    iters = a.get("train-iters")
+    if iters is not None and 1 <= iters <= MAX_STEPS:
+        workload["steps"] = iters
+    elif iters is not None:
+        lost.append(f"--train-iters: not carried: {iters}; the harness measures 1 to {MAX_STEPS} steps")
     _megatron_moe(a, workload, lost)
     _megatron_optimizer(a, workload, lost)
     return workload, layout, lost
@@ -284,6 +291,8 @@ def _megatron_moe(a: dict, workload: dict, lost: list[str]) -> None:
         workload["moe_aux_loss_coeff"] = values[0] if balance == "aux_loss" else 0.0
     if balance != "aux_loss":
         lost.append(f"--moe-router-load-balancing-type: not carried: {balance}; the harness's is aux_loss")
+    if a.get("moe-router-dtype", "fp32") != "fp32":
+        lost.append(f"--moe-router-dtype: not carried: {a['moe-router-dtype']}; the harness routes in fp32")
     if a.get("moe-z-loss-coeff"):
         workload["moe_z_loss_coeff"] = a["moe-z-loss-coeff"]
 

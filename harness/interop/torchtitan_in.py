@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from harness.errors import SpecError
 from harness.interop.model_match import match_model
-from harness.interop.torchtitan_out import FLAVORS, MAIN_FIELDS, SCHEDULES
+from harness.interop.torchtitan_out import FLAVORS, MAIN_FIELDS, QWEN3_MOE, SCHEDULES
+from harness.model.presets import PRESETS
 from harness.interop.torchtitan_recipe import read_recipe
 
 def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> tuple[dict, dict, list[str]]:
     """(workload, layout, not carried) of a torchtitan recipe (the function named `recipe`)."""
     got, lost = read_recipe(text, recipe)
-    flavor = got.get("flavor")
-    if flavor not in FLAVORS:
-        raise SpecError("model_spec", f"flavor {flavor!r} is not one of {', '.join(FLAVORS)} (llama3)")
+    flavor, family = got.get("flavor"), got["family"]
+    qwen3 = {f: name for name, f in QWEN3_MOE.items()}
+    if (family == "qwen3" and flavor not in qwen3) or (family == "llama3" and flavor not in FLAVORS):
+        known = ", ".join(qwen3 if family == "qwen3" else FLAVORS)
+        raise SpecError("model_spec", f"{family} flavor {flavor!r} has no harness preset (it has {known})")
     par, tr = got["parallelism"], got["training"]
     tp, pp, cp = par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["context_parallel_degree"]
     rep, shard = par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]
@@ -37,7 +40,7 @@ def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> t
         )
     vp = 1
     if schedule == "interleaved" and pp > 1:
-        vp = _stages_per_rank(par, FLAVORS[flavor][0], pp, lost)
+        vp = _stages_per_rank(par, PRESETS[qwen3[flavor]].layers if family == "qwen3" else FLAVORS[flavor][0], pp, lost)
     backend = got.get("attn_backend", "flex")
     attention = {"varlen": "flash2", "flex": "sdpa_efficient", "flex_flash": "flash2"}.get(backend)
     if attention is None:
@@ -63,10 +66,13 @@ def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> t
     if compiled.get("enable") and "loss" in components:
         lost.append("compile.components: not carried: loss (the harness compiles the transformer blocks only)")
     opt = got["optimizer"]
-    layers, hidden, ffn, heads, kv, vocab = FLAVORS[flavor]
-    model, overrides = match_model(
-        {"layers": layers, "hidden": hidden, "ffn": ffn, "heads": heads, "kv_heads": kv, "vocab": vocab}
-    )
+    if family == "qwen3":
+        model, overrides = qwen3[flavor], {}
+    else:
+        layers, hidden, ffn, heads, kv, vocab = FLAVORS[flavor]
+        model, overrides = match_model(
+            {"layers": layers, "hidden": hidden, "ffn": ffn, "heads": heads, "kv_heads": kv, "vocab": vocab}
+        )
     workload = {
         "model": model,
         **({"model_overrides": overrides} if overrides else {}),

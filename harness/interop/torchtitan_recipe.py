@@ -65,6 +65,14 @@ UPSTREAM = {
         "parallelism": {"tensor_parallel_degree": 8},
         "activation_checkpoint": "full",
     },
+    "qwen3_30b_a3b": {  # torchtitan/models/qwen3/config_registry.py
+        "family": "qwen3",
+        "flavor": "30B-A3B",
+        "optimizer": {"lr": 8e-4},
+        "lr_scheduler": {"warmup_steps": 600},
+        "training": {"num_tokens_per_microbatch_per_dp_rank": 2 * 4096, "max_context_length": 4096},
+        "activation_checkpoint": "full",
+    },
     "llama3_405b": {
         "flavor": "405B",
         "fp8": "rowwise",
@@ -152,6 +160,8 @@ def read_recipe(text: str, recipe: str | None = None) -> tuple[dict, list[str]]:
     elif recipe not in funcs:
         raise SpecError("--recipe", f"{recipe!r} is not a function of the file ({', '.join(funcs) or 'none'})")
     got, lost = fresh(), []
+    # the model family whose model_registry the file calls (its imports say; llama3 unless qwen3's)
+    got["family"] = "qwen3" if "models.qwen3" in text or "Qwen3Model" in text else "llama3"
     _apply(funcs, recipe, got, lost, 0)
     return got, lost
 
@@ -161,7 +171,7 @@ def _upstream(name: str, got: dict) -> None:
     for section in ("parallelism", "training", "optimizer"):
         got[section].update(base.get(section, {}))
         got["upstream"] |= {f"{section}.{k}" for k in base.get(section, {})}
-    for key in ("flavor", "fp8", "activation_checkpoint", "lr_scheduler", "compile"):
+    for key in ("family", "flavor", "fp8", "activation_checkpoint", "lr_scheduler", "compile"):
         if key in base:
             got[key] = base[key]
 
