@@ -343,6 +343,6 @@ def test_an_fp8_plan_exports_megatron_and_torchtitan_fp8_and_deepspeed_refuses_i
     bf16 = export_megatron(L8, PlannerLayout(2, 1, 4, 1, sequence_parallel=True, attention="te_fused"), WL)[0]
     assert "--fp8" not in bf16
     assert "FP8 is not a setting this export writes" in exportable(lay, "deepspeed")
-    tt = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, fsdp=True, attention="flash2", precision="fp8")
+    tt = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8")
     assert exportable(tt, "torchtitan", L8) == ""
     assert 'converters=[Float8LinearConverter.Config(recipe_name="rowwise")]' in export_torchtitan(L8, tt, WL)[0]

@@ -4,6 +4,8 @@ line and exit 2. Quick: no processes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
 from test_plan_export import CLIP, DEEPSPEED, L8, MEGATRON, OPT, TORCHTITAN, WL, planned, run
@@ -11,7 +13,7 @@ from test_plan_export import CLIP, DEEPSPEED, L8, MEGATRON, OPT, TORCHTITAN, WL,
 from harness.interop.deepspeed_out import export_deepspeed
 from harness.interop.megatron_out import export_megatron
 from harness.interop.torchtitan_out import export_torchtitan
-from harness.spec import load_spec, parse_spec
+from harness.spec import Layout, load_spec, parse_spec
 
 
 def without_te(raw: dict) -> dict:
@@ -44,8 +46,10 @@ def test_import_round_trips_an_export_into_a_spec(name, tmp_path, capsys):
     assert all(line.startswith("import: ") for line in err.splitlines())
     # harness.spec's reading, for engine megatron without Transformer Engine's kernels (not installed here)
     raw = yaml.safe_load(out.read_text())
-    spec = parse_spec(without_te(yaml.safe_load(out.read_text())))
-    got = {k: raw["layout"].get(k, getattr(spec.layout, k)) for k in planned(lay)}
+    kept = any(line.startswith(f"import: layout.engine: {raw['layout']['engine']} kept;") for line in err.splitlines())
+    # harness.spec's reading where this machine's engine trains it (else the import's planner check ran)
+    spec = parse_spec({"workload": raw["workload"]}) if kept else parse_spec(raw)
+    got = {k: raw["layout"].get(k, getattr(Layout(), k)) for k in planned(lay)}
     assert got == planned(lay)
     assert spec.layout.compile == (lay.compile if fmt == "torchtitan" else "none")  # the others write no compile
     w = spec.workload
@@ -81,8 +85,11 @@ def test_import_torchtitan_main_names_the_batch_in_tokens(tmp_path, capsys):
     src.write_text(TORCHTITAN_MAIN)
     code, out, err = run(capsys, "import", "torchtitan", str(src), "--out", str(tmp_path / "s.yaml"))
     assert code == 0, err
-    spec = load_spec(str(tmp_path / "s.yaml"))
-    lay = spec.layout
+    raw = yaml.safe_load((tmp_path / "s.yaml").read_text())
+    assert raw["layout"]["engine"] == "fsdp"  # kept: engine fsdp here refuses compiled blocks under tp (one line)
+    assert "import: layout.engine: fsdp kept; `harness train` on this machine refuses it (layout.compile:" in err
+    spec = parse_spec({"workload": raw["workload"], "layout": {**raw["layout"], "compile": "none"}})
+    lay = dataclasses.replace(spec.layout, compile=raw["layout"]["compile"])
     assert (lay.tp, lay.pp, lay.dp, lay.micro_batch_size, lay.activation_checkpointing) == (2, 2, 4, 2, "full")
     # num_tokens_per_train_step unset: one micro-batch of 2 sequences x 8 pipeline micro-batches x dp 4
     assert (spec.workload.seq_len, spec.workload.global_batch_size) == (8192, 64)

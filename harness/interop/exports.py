@@ -32,7 +32,11 @@ EXPORTERS = {
 def exportable(lay: PlannerLayout, fmt: str, shape: Shape | None = None) -> str:
     """Empty when `fmt` runs the layout (and, given, the model's shape), else why not."""
     if fmt == "torchtitan" and shape is not None and torchtitan_out.torchtitan_flavor(shape) is None:
-        return torchtitan_out.torchtitan_refuses(shape, lay)  # the model first: no layout of it is theirs
+        return (  # the model first: no layout of it is theirs
+            f"torchtitan's llama3 has no flavor of this shape (it has {', '.join(torchtitan_out.FLAVORS)})"
+            if not shape.moe
+            else torchtitan_out.torchtitan_refuses(shape, lay)
+        )
     if lay.cp > 1 and lay.cp_impl not in CP_COMM[fmt]:
         return f"{fmt} has no {lay.cp_impl} context parallelism (it runs {', '.join(CP_COMM[fmt])})"
     if lay.shard_group < lay.replicas and (fmt != "torchtitan" or lay.shard_group % lay.cp):

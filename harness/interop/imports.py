@@ -10,7 +10,9 @@ user's own file may say more, which is listed, never guessed. The torchtitan rec
 
 from __future__ import annotations
 
-from harness.errors import SpecError
+import dataclasses
+
+from harness.errors import CapabilityError
 from harness.interop.deepspeed_in import read_deepspeed
 from harness.interop.megatron_in import read_megatron
 from harness.interop.torchtitan_in import read_torchtitan
@@ -37,56 +39,31 @@ def import_torchtitan(text: str, gpus: int | None = None, recipe: str | None = N
     return _spec("fsdp", *read_torchtitan(text, gpus, recipe))
 
 
-# What engine megatron here lacks that Megatron-LM runs (Transformer Engine: its attention backends,
-# fused RMSNorm, context parallelism, FP8), replaced to check the rest of a Megatron-LM layout here.
-WITHOUT_TE = {"attention": "naive", "rmsnorm": "torch"}
-
-
 def _spec(engine: str, workload: dict, layout: dict, lost: list[str]) -> tuple[dict, list[str]]:
-    """The raw spec, checked by harness.spec: for the harness's engine of that name when it runs the
-    layout, else for the own engine (the harness's Megatron-style engine); each with the layout's
-    attention kernel, else sdpa (which picks its flash kernel where one runs). Megatron-LM's layout stays
-    engine megatron's where only Transformer Engine, absent here, stands between them (checked without
-    it). What changed is said in `lost`."""
-    if engine == "megatron":
-        return _megatron_spec(workload, layout, lost)
-    own = {**layout, "zero_stage": min(layout.get("zero_stage", 3), 1)}  # full sharding: ZeRO-1 at most
-    own.pop("reshard_after_forward", None)
-    tries = [(engine, layout), ("own", own)]
-    first, why = None, {}
-    for name, lay in tries:
-        for attention in dict.fromkeys((lay.get("attention", "sdpa"), "sdpa")):
-            raw = {"workload": workload, "layout": {"engine": name, **lay, "attention": attention}}
-            try:
-                parse_spec(raw)
-            except SpecError as e:
-                first, why[name] = first or e, e
-                continue
-            if name != engine:
-                lost.append(
-                    f"layout.engine: not carried: engine {engine} here refuses it ({why[engine]}); "
-                    "written for engine own"
-                )
-            if attention != lay.get("attention", "sdpa"):
-                lost.append(f"layout.attention: not carried: {lay['attention']} is refused here; written as sdpa")
-            return raw, lost
-    raise first
-
-
-def _megatron_spec(workload: dict, layout: dict, lost: list[str]) -> tuple[dict, list[str]]:
-    raw = {"workload": workload, "layout": {"engine": "megatron", **layout}}
+    """The raw spec for the harness's engine of the tool's name, checked by harness.spec. Where that
+    engine cannot train the layout on this machine (Transformer Engine absent, a kernel or degree not
+    built here: a CapabilityError), the spec still holds the tool's layout and engine, checked by the
+    planner for a layout that can exist, and one line says why `harness train` here refuses it."""
+    raw = {"workload": workload, "layout": {"engine": engine, **layout}}
     try:
         parse_spec(raw)
         return raw, lost
-    except SpecError as e:
+    except CapabilityError as e:
         here = e
-    probe = {**layout, **WITHOUT_TE, "cp": 1, "dp": layout["dp"] * layout.get("cp", 1)}
-    probe.pop("cp_impl", None)
-    wl = {**workload, "precision": "bf16"} if workload.get("precision") == "fp8" else workload
-    wl.pop("fp8_recipe", None) if wl is not workload else None
-    parse_spec({"workload": wl, "layout": {"engine": "megatron", **probe}})  # a real blocker: one line
-    lost.append(
-        f"layout.engine: megatron kept: `harness train` here refuses it ({here.field}: engine megatron builds "
-        "Megatron-core without Transformer Engine); the spec holds the layout Megatron-LM runs"
-    )
+    _coherent(engine, workload, layout)
+    lost.append(f"layout.engine: {engine} kept; `harness train` on this machine refuses it ({here})")
     return raw, lost
+
+
+def _coherent(engine: str, workload: dict, layout: dict) -> None:
+    """SpecError where the layout cannot exist for the model and workload (the planner's check)."""
+    from harness.model.presets import resolve_shape
+    from harness.planner.layout import PlannerLayout, Workload, planner_engines
+    from harness.planner.predict import validate
+
+    shape = resolve_shape(workload["model"], workload.get("model_overrides"))
+    lay = PlannerLayout.from_spec({**layout, "engine": engine}, workload.get("precision", "fp32"))
+    if engine in planner_engines():
+        lay = dataclasses.replace(lay, engine=engine)
+    dtype_bytes = 4 if workload.get("precision", "fp32") == "fp32" else 2
+    validate(shape, lay, Workload(workload["seq_len"], workload["global_batch_size"], dtype_bytes))

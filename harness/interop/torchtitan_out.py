@@ -86,6 +86,8 @@ def torchtitan_refuses(shape: Shape | None, lay: PlannerLayout) -> str:
         return f"torchtitan's cp runs in FlexAttention, not {lay.attention}"
     if lay.tp > 1 and not lay.sequence_parallel:
         return "torchtitan's tensor parallelism always shards the sequence (sequence parallel)"
+    if lay.rmsnorm == "fused" and lay.compile != "blocks":
+        return "torchtitan's RMSNorm is torch's (nn.RMSNorm), fused only when compiled: rmsnorm torch or compile blocks"
     if lay.attention not in ATTENTION:
         return f"torchtitan's llama3 runs varlen (FlashAttention) or flex attention, not {lay.attention}"
     if lay.pp > 1 and lay.pipeline_schedule not in SCHEDULES:
