@@ -61,16 +61,15 @@ def _batch(cfg: dict, model_par: int, share: int, gpus: int | None, lost: list[s
         dp = gpus // model_par * share
     if None in (batch, micro, accum) and dp is None and not (batch is None and micro is None and accum is None):
         missing = next(k for k, v in zip(BATCH, (batch, micro, accum)) if v is None)
-        raise SpecError(missing, f"{cfg.get(missing, 'absent')!r}: DeepSpeed derives it from the world size; give --gpus")
+        given = repr(cfg[missing]) if missing in cfg else "absent"
+        raise SpecError(missing, f"{given}: DeepSpeed derives it from the world size; give --gpus")
     if batch is None and micro is None and accum is None:
         defaults = SpecWorkload()
-        batch, micro = defaults.global_batch_size, 1
-        dp = dp or 1
-        if batch % (micro * dp):
-            batch = micro * dp
+        micro, dp = 1, dp or share  # without --gpus: one data-parallel group
+        batch = max(defaults.global_batch_size // (dp // share), 1) * dp
         lost.append(
             f"train_batch_size: not carried: {cfg.get('train_batch_size', 'absent')!r}; written as the harness's "
-            f"own run's {batch} sequences, micro-batch {micro}, dp {dp}"
+            f"own run's {batch // share} sequences, micro-batch {micro}, dp {dp // share}"
         )
         return batch, micro, dp
     if dp is None:

@@ -164,9 +164,13 @@ def read_megatron(text: str, gpus: int | None = None) -> tuple[dict, dict, list[
         a.get(k) or 1 for k in ("tensor-model-parallel-size", "pipeline-model-parallel-size", "context-parallel-size")
     )
     ep = a.get("expert-model-parallel-size") or 1
-    dims = ParallelDims.derive(world, "--gpus", tp=tp, pp=pp, cp=cp)
+    try:
+        dims = ParallelDims.derive(world, "--gpus", tp=tp, pp=pp, cp=cp)
+    except SpecError as e:
+        raise SpecError("--gpus", e.reason + ("" if gpus else " (the script's torchrun world size): give --gpus")) from None
     if (dims.dp * cp) % ep:
-        raise SpecError("--expert-model-parallel-size", f"{ep} does not divide dp x cp = {dims.dp * cp} on {world} ranks")
+        on = f"{world} ranks" + ("" if gpus else " (the script's torchrun world size: give --gpus)")
+        raise SpecError("--expert-model-parallel-size", f"{ep} does not divide dp x cp = {dims.dp * cp} on {on}")
     dp = dims.dp
     vp = a.get("num-virtual-stages-per-pipeline-rank")
     if vp is None and a.get("num-layers-per-virtual-pipeline-stage"):

@@ -129,23 +129,32 @@ def call_name(node) -> str:
     return ast.unparse(node.func) if isinstance(node, ast.Call) else ""
 
 
+def _toml(text: str) -> bool:
+    import tomllib
+
+    try:
+        return bool(tomllib.loads(text))
+    except tomllib.TOMLDecodeError:
+        return False
+
+
 def recipes(text: str) -> dict:
     """The file's functions by name (its recipes); a TOML job config is named as the old format."""
+    old = SpecError(
+        "recipe",
+        "a TOML job config, torchtitan's format before February 2026: write it as a config_registry function "
+        "returning Trainer.Config (torchtitan/config/README.md)",
+    )
     try:
         tree = ast.parse(text)
     except SyntaxError as e:
-        import tomllib
-
-        try:
-            tomllib.loads(text)
-        except tomllib.TOMLDecodeError:
-            raise SpecError("recipe", f"not Python: line {e.lineno}: {e.msg}") from None
-        raise SpecError(
-            "recipe",
-            "a TOML job config, torchtitan's format before February 2026: write it as a config_registry function "
-            "returning Trainer.Config (torchtitan/config/README.md)",
-        ) from None
-    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        if _toml(text):
+            raise old from None
+        raise SpecError("recipe", f"not Python: line {e.lineno}: {e.msg}") from None
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    if not funcs and _toml(text):
+        raise old
+    return funcs
 
 
 def read_recipe(text: str, recipe: str | None = None) -> tuple[dict, list[str]]:
