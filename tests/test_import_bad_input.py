@@ -39,14 +39,24 @@ BAD = {  # id: (format, file bytes, extra argv, the error line's start)
         [],
         "error: gradient_accumulation_steps:",
     ),
-    "zero-optimization-int": ("deepspeed", f'{{{DS_BATCH}, "zero_optimization": 3}}'.encode(), [], "error: zero_optimization:"),
+    "zero-optimization-int": (
+        "deepspeed",
+        f'{{{DS_BATCH}, "zero_optimization": 3}}'.encode(),
+        [],
+        "error: zero_optimization:",
+    ),
     "zero-stage-4": (
         "deepspeed",
         f'{{{DS_BATCH}, "zero_optimization": {{"stage": 4}}}}'.encode(),
         [],
         "error: zero_optimization.stage:",
     ),
-    "tensor-parallel-list": ("deepspeed", f'{{{DS_BATCH}, "tensor_parallel": [2]}}'.encode(), [], "error: tensor_parallel:"),
+    "tensor-parallel-list": (
+        "deepspeed",
+        f'{{{DS_BATCH}, "tensor_parallel": [2]}}'.encode(),
+        [],
+        "error: tensor_parallel:",
+    ),
     "autotp-string": (
         "deepspeed",
         f'{{{DS_BATCH}, "tensor_parallel": {{"autotp_size": "2"}}}}'.encode(),

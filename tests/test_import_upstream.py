@@ -12,8 +12,8 @@ import yaml
 from harness.cli import main as cli
 
 UPSTREAM = pathlib.Path(__file__).parent / "data" / "upstream"
-LLAMA3 = UPSTREAM / "torchtitan" / "llama3__config_registry.py"
-QWEN3 = UPSTREAM / "torchtitan" / "qwen3__config_registry.py"
+LLAMA3 = UPSTREAM / "torchtitan" / "llama3__config_registry.py.txt"
+QWEN3 = UPSTREAM / "torchtitan" / "qwen3__config_registry.py.txt"
 
 
 def run_import(capsys, fmt: str, path: pathlib.Path, *argv: str) -> tuple[int, dict | None, list[str]]:
@@ -157,7 +157,7 @@ IMPORTS = {
         {"layout.zero_stage": 1, "layout.dp": 4, "workload.precision": "fp32"},
     ),
     "torchtitan-llama3-8b": (
-        "torchtitan/llama3__config_registry.py",
+        "torchtitan/llama3__config_registry.py.txt",
         ["--recipe", "llama3_8b", "--gpus", "64"],
         {
             "workload.model": "llama3-8b",
@@ -170,7 +170,7 @@ IMPORTS = {
         },
     ),
     "torchtitan-llama3-70b": (
-        "torchtitan/llama3__config_registry.py",
+        "torchtitan/llama3__config_registry.py.txt",
         ["--recipe", "llama3_70b", "--gpus", "64"],
         {
             "workload.model": "llama3-70b",  # its preset, not 8B with overrides
@@ -181,23 +181,23 @@ IMPORTS = {
         },
     ),
     "torchtitan-llama3-405b": (
-        "torchtitan/llama3__config_registry.py",
+        "torchtitan/llama3__config_registry.py.txt",
         ["--recipe", "llama3_405b", "--gpus", "128"],
         {"workload.model": "llama3-405b", "workload.precision": "fp8", "workload.fp8_recipe": "rowwise"},
     ),
     "torchtitan-llama3-debugmodel": (
-        "torchtitan/llama3__config_registry.py",
+        "torchtitan/llama3__config_registry.py.txt",
         ["--recipe", "llama3_debugmodel"],
         "error: model_spec:",
     ),
     "torchtitan-llama3-mxfp8": (
-        "torchtitan/llama3__config_registry.py",
+        "torchtitan/llama3__config_registry.py.txt",
         ["--recipe", "llama3_8b_mxfp8"],
         "error: model_spec.converters:",
     ),
-    "torchtitan-no-recipe-named": ("torchtitan/llama3__config_registry.py", [], "error: --recipe:"),
+    "torchtitan-no-recipe-named": ("torchtitan/llama3__config_registry.py.txt", [], "error: --recipe:"),
     "torchtitan-qwen3-30b-a3b": (
-        "torchtitan/qwen3__config_registry.py",
+        "torchtitan/qwen3__config_registry.py.txt",
         ["--recipe", "qwen3_30b_a3b", "--gpus", "16"],
         {
             "workload.model": "qwen3-30b-a3b",
@@ -207,7 +207,7 @@ IMPORTS = {
         },
     ),
     "torchtitan-qwen3-14b": (
-        "torchtitan/qwen3__config_registry.py",
+        "torchtitan/qwen3__config_registry.py.txt",
         ["--recipe", "qwen3_14b", "--gpus", "16"],
         "error: model_spec:",
     ),
@@ -233,9 +233,8 @@ def test_derived_recipe_takes_its_base_recipe_values(tmp_path, capsys):
     recipe derived from llama3_70b keeps its seq 8192, tp 8 and full checkpointing."""
     src = tmp_path / "mine.py"
     src.write_text(
-        LLAMA3.read_text()
-        + "\n\ndef mine() -> Trainer.Config:\n    config = llama3_70b()\n    config.parallelism.pipeline_parallel_degree = 2\n"
-        "    return config\n"
+        LLAMA3.read_text() + "\n\ndef mine() -> Trainer.Config:\n    config = llama3_70b()\n"
+        "    config.parallelism.pipeline_parallel_degree = 2\n    return config\n"
     )
     code, raw, lines = run_import(capsys, "torchtitan", src, "--recipe", "mine", "--gpus", "64")
     assert code == 0, lines

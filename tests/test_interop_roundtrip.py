@@ -23,9 +23,7 @@ from harness.spec import Workload as SpecWorkload
 OPT = {"lr": 1.5e-4, "betas": [0.85, 0.99], "eps": 1e-6, "weight_decay": 0.05}
 # What a format has no place for, and why (the import writes harness.spec's default, or the arguments').
 NOT_CARRIED = {
-    "megatron": {
-        "workload.seed": "Megatron-LM's --seed is the data order's and initialisation's, not the harness's",
-    },
+    "megatron": {"workload.seed": "Megatron-LM's --seed is the data order's and initialisation's, not the harness's"},
     "deepspeed": {
         "workload.steps": "a ds_config has no run length",
         "workload.seed": "a ds_config has no seed",
@@ -49,8 +47,17 @@ CASES = {  # id: (format, model, workload fields, layout)
         "llama3-8b",
         {"precision": "bf16"},
         PlannerLayout(
-            2, 2, 2, 1, sequence_parallel=True, activation_checkpointing="full", pipeline_schedule="interleaved",
-            virtual_stages=2, attention="flash2", rmsnorm="fused", zero_stage=1,
+            2,
+            2,
+            2,
+            1,
+            sequence_parallel=True,
+            activation_checkpointing="full",
+            pipeline_schedule="interleaved",
+            virtual_stages=2,
+            attention="flash2",
+            rmsnorm="fused",
+            zero_stage=1,
         ),
     ),
     "megatron-fp8": (
@@ -58,8 +65,17 @@ CASES = {  # id: (format, model, workload fields, layout)
         "llama3-8b",
         {"precision": "fp8", "fp8_recipe": "tensorwise"},
         PlannerLayout(
-            2, 1, 2, 1, cp=2, sequence_parallel=True, activation_checkpointing="selective", attention="sdpa_cudnn",
-            rmsnorm="fused", zero_stage=1, precision="fp8",
+            2,
+            1,
+            2,
+            1,
+            cp=2,
+            sequence_parallel=True,
+            activation_checkpointing="selective",
+            attention="sdpa_cudnn",
+            rmsnorm="fused",
+            zero_stage=1,
+            precision="fp8",
         ),
     ),
     "megatron-moe": (
@@ -85,8 +101,18 @@ CASES = {  # id: (format, model, workload fields, layout)
         "llama3-70b",
         {"precision": "bf16"},
         PlannerLayout(
-            1, 4, 8, 1, cp=2, cp_impl="allgather", fsdp=True, pipeline_schedule="interleaved", virtual_stages=2,
-            attention="flash2", rmsnorm="torch", activation_checkpointing="full",
+            1,
+            4,
+            8,
+            1,
+            cp=2,
+            cp_impl="allgather",
+            fsdp=True,
+            pipeline_schedule="interleaved",
+            virtual_stages=2,
+            attention="flash2",
+            rmsnorm="torch",
+            activation_checkpointing="full",
         ),
     ),
     "torchtitan-fp8": (

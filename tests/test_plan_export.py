@@ -294,7 +294,9 @@ def test_torchtitan_export_is_a_recipe_of_the_plan(name):
     dp = par["data_parallel_shard_degree"] * par["data_parallel_replicate_degree"]
     per_stage = par.get("pipeline_parallel_layers_per_stage")
     # torchtitan's count (distributed/pipeline_parallel.py): ceil((layers + first + last) / per stage) stages
-    extra = par.get("pipeline_parallel_first_stage_less_layers", 1) + par.get("pipeline_parallel_last_stage_less_layers", 1)
+    extra = par.get("pipeline_parallel_first_stage_less_layers", 1) + par.get(
+        "pipeline_parallel_last_stage_less_layers", 1
+    )
     got = {
         "tp": par["tensor_parallel_degree"],
         "pp": par["pipeline_parallel_degree"],
@@ -343,6 +345,8 @@ def test_an_fp8_plan_exports_megatron_and_torchtitan_fp8_and_deepspeed_refuses_i
     bf16 = export_megatron(L8, PlannerLayout(2, 1, 4, 1, sequence_parallel=True, attention="te_fused"), WL)[0]
     assert "--fp8" not in bf16
     assert "FP8 is not a setting this export writes" in exportable(lay, "deepspeed")
-    tt = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8")
+    tt = PlannerLayout(
+        2, 1, 4, 1, sequence_parallel=True, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8"
+    )
     assert exportable(tt, "torchtitan", L8) == ""
     assert 'converters=[Float8LinearConverter.Config(recipe_name="rowwise")]' in export_torchtitan(L8, tt, WL)[0]

@@ -13,7 +13,7 @@ from test_plan_export import CLIP, DEEPSPEED, L8, MEGATRON, OPT, TORCHTITAN, WL,
 from harness.interop.deepspeed_out import export_deepspeed
 from harness.interop.megatron_out import export_megatron
 from harness.interop.torchtitan_out import export_torchtitan
-from harness.spec import Layout, load_spec, parse_spec
+from harness.spec import Layout, parse_spec
 
 
 def without_te(raw: dict) -> dict:
@@ -26,6 +26,7 @@ def without_te(raw: dict) -> dict:
         raw["workload"]["precision"] = "bf16" if raw["workload"]["precision"] == "fp8" else raw["workload"]["precision"]
         raw["workload"].pop("fp8_recipe", None)
     return raw
+
 
 EXPORTS = {
     **{f"megatron-{k}": ("megatron", export_megatron, lay) for k, lay in MEGATRON.items()},

@@ -2,10 +2,12 @@
 
 Reads Megatron-LM's pretrain_gpt.py arguments (a launch script or an argument file: what follows the
 `*.py` program, shell comments and line continuations allowed; the world size from torchrun's
---nproc-per-node x --nnodes or --gpus), a torchtitan recipe (the Trainer.Config function
-`harness plan --export torchtitan` writes, or one of a config_registry.py by --recipe) or a ds_config JSON, and writes a run spec (as
-`harness train` reads it, a compare's workload and one run) with the layout, workload and optimizer
-it carries. Each field it cannot carry is one line on stderr: `import: FIELD: not carried: WHY`.
+--nproc-per-node x --nnodes or --gpus; its variables resolved, never run), a torchtitan recipe (the
+Trainer.Config function `harness plan --export torchtitan` writes, or one of a config_registry.py by
+--recipe) or a ds_config JSON, and writes a run spec (as `harness train` reads it, a compare's workload
+and one run) with the layout, workload and optimizer it carries. Each field it cannot carry is one line
+on stderr: `import: FIELD: not carried: WHY`; where this machine's engine cannot train the layout (no
+Transformer Engine here, say), the spec keeps the tool's engine and layout and one line says why.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ def add_arguments(p) -> None:
     p.add_argument("format", choices=IMPORT_FORMATS, help="what FILE is")
     p.add_argument("file", metavar="FILE", help="the launch script / argument file, recipe or ds_config")
     p.add_argument("--out", metavar="SPEC.yaml", help="write the spec there (default: stdout)")
-    p.add_argument("--gpus", type=int, help="world size (megatron, torchtitan: where FILE does not say it; deepspeed: dp)")
+    p.add_argument(
+        "--gpus", type=int, help="world size (megatron, torchtitan: where FILE does not say it; deepspeed: dp)"
+    )
     p.add_argument("--recipe", metavar="NAME", help="torchtitan: the config_registry function (where FILE has several)")
     p.add_argument("--model", help="deepspeed: the model (a ds_config has none; default tiny)")
     p.add_argument("--seq-len", type=int, help="deepspeed: the sequence length (a ds_config has none)")

@@ -60,7 +60,7 @@ def _batch(cfg: dict, model_par: int, share: int, gpus: int | None, lost: list[s
             raise SpecError("--gpus", f"{gpus} is not divisible by tp x pp x sequence_parallel_size = {model_par}")
         dp = gpus // model_par * share
     if None in (batch, micro, accum) and dp is None and not (batch is None and micro is None and accum is None):
-        missing = next(k for k, v in zip(BATCH, (batch, micro, accum)) if v is None)
+        missing = next(k for k, v in zip(BATCH, (batch, micro, accum), strict=True) if v is None)
         given = repr(cfg[missing]) if missing in cfg else "absent"
         raise SpecError(missing, f"{given}: DeepSpeed derives it from the world size; give --gpus")
     if batch is None and micro is None and accum is None:
@@ -120,7 +120,9 @@ def read_deepspeed(
     for key in OFFLOAD:
         device = (zero.get(key) or {}).get("device", "none") if isinstance(zero.get(key), dict) else zero.get(key)
         if device not in (None, "none"):
-            raise SpecError(f"zero_optimization.{key}", f"offload to {device}: the harness keeps every state on the GPU")
+            raise SpecError(
+                f"zero_optimization.{key}", f"offload to {device}: the harness keeps every state on the GPU"
+            )
     ckpt = cfg.get("activation_checkpointing")
     layout = {
         "tp": tp,

@@ -137,7 +137,9 @@ def read_megatron(text: str, gpus: int | None = None) -> tuple[dict, dict, list[
         )
     other = next((f for f in args if f[2:] in MEGATRON_OTHER_MODEL), None)
     if other is not None:
-        raise SpecError(other, f"{MEGATRON_OTHER_MODEL[other[2:]]}: the harness's model is a LLaMA (or Mixtral/Qwen3 MoE)")
+        raise SpecError(
+            other, f"{MEGATRON_OTHER_MODEL[other[2:]]}: the harness's model is a LLaMA (or Mixtral/Qwen3 MoE)"
+        )
     lost = [
         f"{unresolved(t)[0] if unresolved(t) else t}: not carried: "
         + (
@@ -167,7 +169,9 @@ def read_megatron(text: str, gpus: int | None = None) -> tuple[dict, dict, list[
     try:
         dims = ParallelDims.derive(world, "--gpus", tp=tp, pp=pp, cp=cp)
     except SpecError as e:
-        raise SpecError("--gpus", e.reason + ("" if gpus else " (the script's torchrun world size): give --gpus")) from None
+        raise SpecError(
+            "--gpus", e.reason + ("" if gpus else " (the script's torchrun world size): give --gpus")
+        ) from None
     if (dims.dp * cp) % ep:
         on = f"{world} ranks" + ("" if gpus else " (the script's torchrun world size: give --gpus)")
         raise SpecError("--expert-model-parallel-size", f"{ep} does not divide dp x cp = {dims.dp * cp} on {on}")

@@ -12,8 +12,9 @@ from __future__ import annotations
 from harness.errors import SpecError
 from harness.interop.model_match import match_model
 from harness.interop.torchtitan_out import FLAVORS, MAIN_FIELDS, QWEN3_MOE, SCHEDULES
-from harness.model.presets import PRESETS
 from harness.interop.torchtitan_recipe import read_recipe
+from harness.model.presets import PRESETS
+
 
 def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> tuple[dict, dict, list[str]]:
     """(workload, layout, not carried) of a torchtitan recipe (the function named `recipe`)."""

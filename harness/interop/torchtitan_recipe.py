@@ -282,8 +282,10 @@ def _model_spec(value, got: dict, lost: list[str], names: dict) -> None:
             for conv in kw.value.elts:
                 kind = call_name(conv)
                 if kind not in CONVERTERS:
-                    raise SpecError("model_spec.converters", f"{kind or ast.unparse(conv)}: the harness's fp8 is "
-                                    "torchao's Float8 (Float8LinearConverter)")
+                    raise SpecError(
+                        "model_spec.converters",
+                        f"{kind or ast.unparse(conv)}: the harness's fp8 is torchao's Float8 (Float8LinearConverter)",
+                    )
                 args = {k.arg: k.value for k in conv.keywords}
                 recipe = constant(args["recipe_name"], "recipe_name", names) if "recipe_name" in args else "rowwise"
                 if recipe != "rowwise":
@@ -291,7 +293,9 @@ def _model_spec(value, got: dict, lost: list[str], names: dict) -> None:
                 got["fp8"] = recipe
                 skipped = constant(args["filter_fqns"], "filter_fqns", names) if "filter_fqns" in args else []
                 if set(skipped) - {"lm_head", "output"}:
-                    lost.append("model_spec.converters.filter_fqns: not carried: the harness converts every linear "
-                                "but the LM head")
+                    lost.append(
+                        "model_spec.converters.filter_fqns: not carried: the harness converts every linear "
+                        "but the LM head"
+                    )
         else:
             lost.append(f"model_spec.{kw.arg}: not carried: the harness's model has no such option")
