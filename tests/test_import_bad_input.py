@@ -12,6 +12,11 @@ from harness.errors import SpecError
 from harness.interop.shell import command_words, unresolved
 
 DS_BATCH = '"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1'
+MEGATRON = (
+    b"torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+    b"--seq-length 64 --micro-batch-size 1"
+)
+RECIPE = b"def f():\n    config = llama3_8b()\n    config.parallelism.%s\n    return config\n"
 BAD = {  # id: (format, file bytes, extra argv, the error line's start)
     "binary-megatron": ("megatron", b"\x89PNG\r\n\x1a\n\x00\xff\xfe", [], "error: FILE:"),
     "binary-deepspeed": ("deepspeed", b"\xff\xfe{\x00}", [], "error: FILE:"),
@@ -26,6 +31,32 @@ BAD = {  # id: (format, file bytes, extra argv, the error line's start)
         b"--micro-batch-size 1\n",
         ["--gpus", "1"],
         "error: --num-layers: depends on $1",
+    ),
+    "megatron-tp-zero": (
+        "megatron",
+        MEGATRON + b" --tensor-model-parallel-size 0",
+        [],
+        "error: --tensor-model-parallel-size:",
+    ),
+    "megatron-heads-zero": ("megatron", MEGATRON.replace(b"heads 4", b"heads 0"), [], "error: --num-attention-heads:"),
+    "megatron-vp-layers": (
+        "megatron",
+        MEGATRON + b" --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3",
+        [],
+        "error: --num-layers-per-virtual-pipeline-stage:",
+    ),
+    "torchtitan-string-degree": ("torchtitan", RECIPE % b'tensor_parallel_degree = "2"', [], "error: parallelism."),
+    "torchtitan-zero-microbatch": (
+        "torchtitan",
+        RECIPE % b"pipeline_parallel_microbatch_size = 0",
+        [],
+        "error: parallelism.pipeline_parallel_microbatch_size:",
+    ),
+    "torchtitan-pp-over-world": (
+        "torchtitan",
+        RECIPE % b"pipeline_parallel_degree = 64",
+        ["--gpus", "8"],
+        "error: --gpus:",
     ),
     "micro-batch-zero": (
         "deepspeed",

@@ -123,7 +123,7 @@ def read_deepspeed(
             raise SpecError(
                 f"zero_optimization.{key}", f"offload to {device}: the harness keeps every state on the GPU"
             )
-    ckpt = cfg.get("activation_checkpointing")
+    ckpt = _section(cfg, "activation_checkpointing") if "activation_checkpointing" in cfg else None
     layout = {
         "tp": tp,
         "pp": pp,
@@ -179,6 +179,9 @@ def read_deepspeed(
 
 def _precision(cfg: dict, lost: list[str]) -> str:
     bf16, fp16 = _section(cfg, "bf16").get("enabled"), _section(cfg, "fp16").get("enabled")
+    for key, value in (("bf16.enabled", bf16), ("fp16.enabled", fp16)):
+        if value not in (None, True, False, "auto"):
+            raise SpecError(key, f"needs true, false or \"auto\", got {value!r}")
     if fp16 is True:
         lost.append("fp16: not carried: the harness trains in fp32, bf16 or fp8; written as bf16 (2 bytes too)")
         return "bf16"

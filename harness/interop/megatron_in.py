@@ -25,6 +25,8 @@ MEGATRON_INT = {
     *"expert-model-parallel-size expert-tensor-parallel-size num-experts moe-router-topk moe-ffn-hidden-size".split(),
     "train-iters",
 }
+# Whole-number flags that may be 0 (Megatron-LM: no warm-up, no experts, no iterations, no recomputed layers)
+ZERO_OK = {"lr-warmup-iters", "num-experts", "train-iters", "recompute-num-layers"}
 MEGATRON_FLOAT = {*"lr min-lr weight-decay adam-beta1 adam-beta2 adam-eps clip-grad norm-epsilon".split()}
 MEGATRON_FLOAT |= {"attention-dropout", "hidden-dropout", "rope-scaling-factor", "moe-z-loss-coeff"}
 MEGATRON_STR = {
@@ -109,7 +111,10 @@ def _megatron_value(args: dict, flag: str):
     kind = int if flag in MEGATRON_INT else float if flag in MEGATRON_FLOAT else str
     if kind is str and unresolved(values[0]):
         raise SpecError(f"--{flag}", f"depends on {unresolved(values[0])[0]}, which the script does not set")
-    return _number(kind, values[0], f"--{flag}") if kind is not str else values[0]
+    value = _number(kind, values[0], f"--{flag}") if kind is not str else values[0]
+    if kind is int and value < (0 if flag in ZERO_OK else 1):
+        raise SpecError(f"--{flag}", f"must be at least {0 if flag in ZERO_OK else 1}, got {value}")
+    return value
 
 
 def _lost_flags(args: dict, carried: set) -> list[str]:
@@ -178,7 +183,12 @@ def read_megatron(text: str, gpus: int | None = None) -> tuple[dict, dict, list[
     dp = dims.dp
     vp = a.get("num-virtual-stages-per-pipeline-rank")
     if vp is None and a.get("num-layers-per-virtual-pipeline-stage"):
-        vp = a["num-layers"] // (pp * a["num-layers-per-virtual-pipeline-stage"])
+        per = pp * a["num-layers-per-virtual-pipeline-stage"]
+        if a["num-layers"] % per:
+            raise SpecError(
+                "--num-layers-per-virtual-pipeline-stage", f"{a['num-layers']} layers are not pp x it = {per}"
+            )
+        vp = a["num-layers"] // per
     vp = vp or 1
     backend = a.get("attention-backend") or ("flash" if a.get("use-flash-attn") else "auto")
     if backend not in (*ATTENTION_OF_BACKEND, "auto"):

@@ -30,7 +30,11 @@ def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> t
     if shard == -1:  # torchtitan: the ranks left over
         if gpus is None:
             raise SpecError("parallelism.data_parallel_shard_degree", "-1 (the ranks left over): give --gpus")
+        if gpus % (rep * tp * pp * cp) or gpus < rep * tp * pp * cp:
+            raise SpecError("--gpus", f"{gpus} is not divisible by replicate x tp x pp x cp = {rep * tp * pp * cp}")
         shard = gpus // (rep * tp * pp * cp)
+    elif gpus is not None and gpus != rep * shard * tp * pp * cp:
+        raise SpecError("--gpus", f"{gpus} is not the recipe's world, {rep * shard * tp * pp * cp} ranks")
     dp = rep * shard
     seq, micro, batch = _batch(got, pp, dp)
     schedule = {v: k for k, v in SCHEDULES.items()}.get(par["pipeline_parallel_schedule"])

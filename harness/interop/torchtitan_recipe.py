@@ -172,7 +172,46 @@ def read_recipe(text: str, recipe: str | None = None) -> tuple[dict, list[str]]:
     # the model family whose model_registry the file calls (its imports say; llama3 unless qwen3's)
     got["family"] = "qwen3" if "models.qwen3" in text or "Qwen3Model" in text else "llama3"
     _apply(funcs, recipe, got, lost, 0)
+    _check(got)
     return got, lost
+
+
+# The values each carried field takes: whole numbers from a lower bound (-1: torchtitan's "the rest"),
+# or a type.
+WHOLE = {
+    **dict.fromkeys(
+        "tensor_parallel_degree pipeline_parallel_degree context_parallel_degree expert_parallel_degree "
+        "data_parallel_replicate_degree pipeline_parallel_microbatch_size num_pp_microbatches local_batch_size "
+        "seq_len num_tokens_per_microbatch_per_dp_rank max_context_length".split(),
+        1,
+    ),
+    **dict.fromkeys("data_parallel_shard_degree global_batch_size num_tokens_per_train_step".split(), -1),
+    **dict.fromkeys("pipeline_parallel_first_stage_less_layers pipeline_parallel_last_stage_less_layers".split(), 0),
+}
+
+
+def _check(got: dict) -> None:
+    """SpecError for a carried value torchtitan would not take (a string degree, a zero batch, ...)."""
+    for section in ("parallelism", "training"):
+        for key, value in got[section].items():
+            field = f"{section}.{key}"
+            if key in WHOLE:
+                low = WHOLE[key]
+                if not isinstance(value, int) or isinstance(value, bool) or value < low or (low == -1 and value == 0):
+                    need = "-1 or a whole number >= 1" if low == -1 else f"a whole number >= {low}"
+                    raise SpecError(field, f"needs {need}, got {value!r}")
+            elif key == "pipeline_parallel_layers_per_stage":
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                    raise SpecError(field, f"needs None or a whole number >= 1, got {value!r}")
+            elif key in ("enable_sequence_parallel", "disable_cuda_graphs") and not isinstance(value, bool):
+                raise SpecError(field, f"needs True or False, got {value!r}")
+            elif key == "max_norm" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise SpecError(field, f"needs a number, got {value!r}")
+            elif key not in ("max_norm",) and not isinstance(value, (int, float, str, bool)):
+                raise SpecError(field, f"not a value torchtitan takes: {value!r}")
+    components = (got.get("compile") or {}).get("components", [])
+    if not isinstance(components, list) or not all(isinstance(c, str) for c in components):
+        raise SpecError("compile.components", f"needs a list of names, got {components!r}")
 
 
 def _upstream(name: str, got: dict) -> None:
@@ -250,6 +289,8 @@ def _set(name: str, value, got: dict, lost: list[str], names: dict) -> None:
                 lost.append(f"optimizer.{kw.arg}: not carried: the harness's AdamW has no such option")
             else:
                 got["optimizer"][kw.arg] = constant(kw.value, f"optimizer.{kw.arg}", names)
+    elif name in ("lr_scheduler", "compile") and not isinstance(value, ast.Call):
+        raise SpecError(name, f"not a config call: {ast.unparse(value)}")
     elif name == "lr_scheduler":
         got["lr_scheduler"] = {kw.arg: constant(kw.value, f"lr_scheduler.{kw.arg}", names) for kw in value.keywords}
     elif name == "compile":
