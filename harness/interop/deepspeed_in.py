@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 from harness.errors import SpecError
+from harness.parallel_dims import ParallelDims
 from harness.spec import Optimizer
 from harness.spec import Workload as SpecWorkload
 
@@ -109,7 +110,7 @@ def read_deepspeed(
     pp = _whole(_section(cfg, "pipeline").get("stages"), "pipeline.stages", False) or 1
     cp = _whole(cfg.get("sequence_parallel_size"), "sequence_parallel_size", False) or 1
     share = tp if pp == 1 else 1  # AutoTP's config-only path: DeepSpeed checks the batch over every rank
-    batch, micro, ranks = _batch(cfg, tp * pp * cp, share, gpus, lost)
+    batch, micro, ranks = _batch(cfg, ParallelDims(tp=tp, pp=pp, cp=cp).world, share, gpus, lost)
     if ranks % share or batch % share:
         raise SpecError("train_batch_size", f"{batch} over {ranks} ranks does not split into tp {tp} groups")
     batch, dp = batch // share, ranks // share
@@ -181,7 +182,7 @@ def _precision(cfg: dict, lost: list[str]) -> str:
     bf16, fp16 = _section(cfg, "bf16").get("enabled"), _section(cfg, "fp16").get("enabled")
     for key, value in (("bf16.enabled", bf16), ("fp16.enabled", fp16)):
         if value not in (None, True, False, "auto"):
-            raise SpecError(key, f"needs true, false or \"auto\", got {value!r}")
+            raise SpecError(key, f'needs true, false or "auto", got {value!r}')
     if fp16 is True:
         lost.append("fp16: not carried: the harness trains in fp32, bf16 or fp8; written as bf16 (2 bytes too)")
         return "bf16"

@@ -107,8 +107,9 @@ def export_deepspeed(
         notes.append("compile blocks: compile each block before deepspeed.initialize (a ds_config has no such setting)")
     if autotp_world:
         notes.append(
-            f"no train_batch_size: DeepSpeed's AutoTP path (no mpu) checks the batch against all {lay.gpus // lay.cp} "
-            f"ranks, the tp ranks sharing each micro-batch; it derives micro x accumulation x ranks itself, "
+            "no train_batch_size: DeepSpeed's AutoTP path (no mpu) checks the batch against all "
+            f"{lay.dims.excluding('cp')} ranks, the tp ranks sharing each micro-batch; it derives micro x "
+            "accumulation x ranks itself, "
             f"{wl.global_batch_size} sequences a step over dp {lay.dp}"
         )
     if shape.moe and lay.ep > 1:

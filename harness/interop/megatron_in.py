@@ -177,10 +177,17 @@ def read_megatron(text: str, gpus: int | None = None) -> tuple[dict, dict, list[
         raise SpecError(
             "--gpus", e.reason + ("" if gpus else " (the script's torchrun world size): give --gpus")
         ) from None
-    if (dims.dp * cp) % ep:
+    if dims.product("dp", "cp") % ep:
         on = f"{world} ranks" + ("" if gpus else " (the script's torchrun world size: give --gpus)")
-        raise SpecError("--expert-model-parallel-size", f"{ep} does not divide dp x cp = {dims.dp * cp} on {on}")
+        raise SpecError(
+            "--expert-model-parallel-size", f"{ep} does not divide dp x cp = {dims.product('dp', 'cp')} on {on}"
+        )
     dp = dims.dp
+    if a.get("expert-tensor-parallel-size", tp) != tp:  # Megatron-LM's default: the experts' tp is tp
+        lost.append(
+            f"--expert-tensor-parallel-size: not carried: {a['expert-tensor-parallel-size']}; the harness shards "
+            f"each expert over tp {tp}"
+        )
     vp = a.get("num-virtual-stages-per-pipeline-rank")
     if vp is None and a.get("num-layers-per-virtual-pipeline-stage"):
         per = pp * a["num-layers-per-virtual-pipeline-stage"]

@@ -81,7 +81,9 @@ def torchtitan_refuses(shape: Shape | None, lay: PlannerLayout) -> str:
     if shape is not None and shape.moe and torchtitan_flavor(shape) is None:
         return f"torchtitan's MoE recipes here are qwen3's ({', '.join(QWEN3_MOE.values())}): no flavor of this shape"
     if shape is not None and shape.moe and lay.tp > 1:
-        return "torchtitan's qwen3 MoE with tensor parallelism shards experts by expert_tensor_parallel: not written"
+        return (
+            "this export writes qwen3 MoE with expert_parallel_degree at tp 1 (expert tensor parallelism not written)"
+        )
     if lay.cp > 1 and lay.attention not in CP_ATTENTION:
         return f"torchtitan's cp runs in FlexAttention, not {lay.attention}"
     if lay.tp > 1 and not lay.sequence_parallel:
