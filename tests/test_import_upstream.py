@@ -251,7 +251,9 @@ def test_derived_recipe_takes_its_base_recipe_values(tmp_path, capsys):
         "    config = llama3_70b()\n    return config\n"
     )
     code, raw, lines = run_import(capsys, "torchtitan", imported, "--gpus", "64")
-    assert code == 0 and fields(raw)["workload.model"] == "llama3-70b" and fields(raw)["layout.tp"] == 8
+    got = fields(raw)
+    assert code == 0 and (got["workload.model"], got["layout.tp"], got["workload.seq_len"]) == ("llama3-70b", 8, 8192)
+    assert (got["layout.micro_batch_size"], got["workload.global_batch_size"]) == (8, 64)  # 8 x 8192 tokens, dp 8
 
 
 def test_a_toml_job_config_is_named_as_torchtitans_old_format(tmp_path, capsys):

@@ -139,9 +139,10 @@ def _batch(got: dict, pp: int, dp: int) -> tuple[int, int, int]:
     main's token budgets (whichever the recipe sets; not both)."""
     par, tr = got["parallelism"], got["training"]
     main = got["set"] & set(MAIN_FIELDS)
-    if main and got["set"] & {"training.local_batch_size", "training.global_batch_size", "training.seq_len"}:
+    release = got["set"] & {"training.local_batch_size", "training.global_batch_size", "training.seq_len"}
+    if main and release:
         raise SpecError(sorted(main)[0], "mixes torchtitan main's token budgets with the release's batch fields")
-    if main:
+    if main or (not release and got["upstream"] & set(MAIN_FIELDS)):  # a base recipe of torchtitan's own
         seq, per_micro = tr["max_context_length"], tr["num_tokens_per_microbatch_per_dp_rank"]
         if per_micro % seq:
             raise SpecError(
