@@ -261,3 +261,22 @@ def test_a_toml_job_config_is_named_as_torchtitans_old_format(tmp_path, capsys):
     src.write_text('[job]\ndump_folder = "./outputs"\n\n[training]\nlocal_batch_size = 1\nseq_len = 8192\n')
     code, _, lines = run_import(capsys, "torchtitan", src)
     assert code == 2 and lines[0].startswith("error: recipe: a TOML job config") and "February 2026" in lines[0]
+
+
+def _recipe_names(path: pathlib.Path) -> list[str]:
+    import ast
+
+    return [n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)]
+
+
+@pytest.mark.parametrize(
+    "path, recipe", [(p, r) for p in (LLAMA3, QWEN3) for r in _recipe_names(p)], ids=lambda v: getattr(v, "stem", v)
+)
+def test_every_torchtitan_recipe_imports_or_is_refused_in_one_line(path, recipe, capsys):
+    """Every function of torchtitan's llama3 and qwen3 config_registry: a spec, or one line naming why."""
+    code, raw, lines = run_import(capsys, "torchtitan", path, "--recipe", recipe, "--gpus", "64")
+    if code == 0:
+        assert raw["workload"]["model"] in ("llama3-8b", "llama3-70b", "llama3-405b", "qwen3-30b-a3b")
+    else:
+        # a flavor without a preset, a converter the harness does not run, per-parameter-group optimizers
+        assert lines[0].startswith(("error: model_spec:", "error: model_spec.converters:", "error: optimizer:")), lines

@@ -325,7 +325,7 @@ def _model_spec(value, got: dict, lost: list[str], names: dict) -> None:
                 if kind not in CONVERTERS:
                     raise SpecError(
                         "model_spec.converters",
-                        f"{kind or ast.unparse(conv)}: the harness's fp8 is torchao's Float8 (Float8LinearConverter)",
+                        f"{kind or ast.unparse(conv)}: the harness's one converter is Float8LinearConverter",
                     )
                 args = {k.arg: k.value for k in conv.keywords}
                 recipe = constant(args["recipe_name"], "recipe_name", names) if "recipe_name" in args else "rowwise"
