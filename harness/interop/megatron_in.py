@@ -24,9 +24,10 @@ MEGATRON_INT = {
     *"num-virtual-stages-per-pipeline-rank num-layers-per-virtual-pipeline-stage vocab-size".split(),
     *"expert-model-parallel-size expert-tensor-parallel-size num-experts moe-router-topk moe-ffn-hidden-size".split(),
     "train-iters",
+    "seed",
 }
 # Whole-number flags that may be 0 (Megatron-LM: no warm-up, no experts, no iterations, no recomputed layers)
-ZERO_OK = {"lr-warmup-iters", "num-experts", "train-iters", "recompute-num-layers"}
+ZERO_OK = {"lr-warmup-iters", "num-experts", "train-iters", "recompute-num-layers", "seed"}
 MEGATRON_FLOAT = {*"lr min-lr weight-decay adam-beta1 adam-beta2 adam-eps clip-grad norm-epsilon".split()}
 MEGATRON_FLOAT |= {"attention-dropout", "hidden-dropout", "rope-scaling-factor", "moe-z-loss-coeff"}
 MEGATRON_STR = {
@@ -266,6 +267,8 @@ def read_megatron(text: str, gpus: int | None = None) -> tuple[dict, dict, list[
     ]
     if a.get("global-batch-size") is None:
         lost.append("--global-batch-size: not carried: absent; written as micro-batch x dp")
+    if a.get("seed") is not None:
+        workload["seed"] = a["seed"]
     iters = a.get("train-iters")
     if iters is not None and 1 <= iters <= MAX_STEPS:
         workload["steps"] = iters

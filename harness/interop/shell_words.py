@@ -14,7 +14,6 @@ MARK = "\x00"  # UNRESOLVED markers: MARK + what + MARK inside a word
 FLAGS = "\x01"  # before a marker that stands for words appended to an array (flags, not a flag's value)
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ASSIGN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)", re.S)
-SKIP_WORDS = {"echo", "printf", "[", "[[", "test", "mkdir", "cd", "source", ".", "set"}
 
 
 def unresolved(word: str) -> list[str]:
