@@ -70,7 +70,11 @@ def main(args) -> int:
     for line in lost:
         print(f"import: {line}", file=sys.stderr)
     name = f"imported-{args.format}"
-    header = f"# Written by `harness import {args.format} {args.file}`: run it with `harness train FILE`.\n"
+    kept = any(line.startswith(f"layout.engine: {raw['layout']['engine']} kept;") for line in lost)
+    run = (
+        "this machine's engine cannot train it (see the import's note)" if kept else "run it with `harness train FILE`"
+    )
+    header = f"# Written by `harness import {args.format} {args.file}`: {run}.\n"
     text = header + yaml.safe_dump({"name": name, **raw}, sort_keys=False)
     if args.out:
         from harness.files.atomic import Together
