@@ -177,8 +177,8 @@ def test_exports_carry_ep_or_say_they_do_not():
         dataclasses.replace(lay, sequence_parallel=False), "megatron", QWEN
     )
     assert "expert_parallel_degree" in exportable(lay, "torchtitan", QWEN)
-    _, notes = export_deepspeed(QWEN, dataclasses.replace(lay, tp=1, dp=16, sequence_parallel=False), WL)
-    assert any("deepspeed.moe.layer.MoE(num_experts=128, ep_size=8, k=8)" in n for n in notes)
+    text, notes = export_deepspeed(QWEN, dataclasses.replace(lay, tp=1, dp=16, sequence_parallel=False), WL)
+    assert '"autoep_size": 8' in text and any("preset_model qwen3_moe" in n for n in notes)  # AutoEP
 
 
 # ---------------------------------------------------------------- the published MoE run
