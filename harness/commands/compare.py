@@ -94,7 +94,7 @@ def main(args) -> int:
         os.environ[TENSORBOARD_ENV] = tensorboard
     if args.logs:
         check_output_path(args.logs, "--logs", directory=True)
-    baseline, time_tolerance = _baseline(args)  # read and checked before anything launches
+    baseline, time_tolerance = _baseline(args, cs)  # read, checked and matched before anything launches
     check_before_launch(cs)  # kernels, launchers, something to compare: still nothing launched
     with report_lock(args.out, cs.name):  # refused here, before any launch, while another one writes this report
         print(
@@ -127,15 +127,19 @@ def main(args) -> int:
     return 0 if summary["verdict"] == "pass" and not drifts else 1
 
 
-def _baseline(args) -> tuple[dict | None, float | None]:
+def _baseline(args, cs) -> tuple[dict | None, float | None]:
     """(the --baseline report, the time tolerance): a one-line error (exit 2) for an unreadable or
-    malformed file, or a tolerance without a baseline."""
+    malformed file, a report of another comparison (name, workload, no label in common: check_matches),
+    or a tolerance without a baseline."""
     from harness.errors import SpecError
-    from harness.report.drift import DEFAULT_TIME_TOLERANCE, check_time_tolerance, load_baseline
+    from harness.report.drift import DEFAULT_TIME_TOLERANCE, check_matches, check_time_tolerance, load_baseline
 
     if args.baseline is None:
         if args.time_tolerance is not None:
             raise SpecError("--time-tolerance", "only with --baseline (the step times it compares)")
         return None, None
     given = DEFAULT_TIME_TOLERANCE if args.time_tolerance is None else args.time_tolerance
-    return load_baseline(args.baseline), check_time_tolerance(given)
+    tolerance = check_time_tolerance(given)
+    baseline = load_baseline(args.baseline)
+    check_matches(baseline, cs.name, cs.workload, [p.label for p in cs.runs], args.baseline)
+    return baseline, tolerance

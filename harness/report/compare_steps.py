@@ -10,6 +10,7 @@ from urllib.parse import quote
 from harness.parallel_dims import ParallelDims
 from harness.report.breakdown import HARNESS_AXIS
 from harness.report.data import COMPONENTS, Breakdown, breakdown_of, collectives_of, component_title, layout_key
+from harness.report.drift import load_drift_factor, load_drift_text
 from harness.report.sections import Items, Section
 from harness.report.why import Case, against_median, comparisons
 from harness.spec import engine_variant
@@ -183,15 +184,23 @@ def why_cases(summary: dict) -> list[Case]:
         ci = (stats["ci95_low"], stats["ci95_high"]) if "ci95_low" in stats and "ci95_high" in stats else None
         imbalance = (r.get("row") or {}).get("router_imbalance")
         key = layout_key(r["layout"])
-        out.append(Case(r["label"], engine_variant(r["layout"]), key, stats.get("median"), b, ci, imbalance))
+        times = tuple((r.get("metrics") or {}).get("step_times_s") or ()) or None
+        drift = load_drift_factor(summary)
+        out.append(
+            Case(r["label"], engine_variant(r["layout"]), key, stats.get("median"), b, ci, imbalance, times, drift)
+        )
     return out
 
 
 WHY_TEXT = (
     "For each layout, its fastest engine against each other engine (and the own engine against the "
     "others); for each engine, its fastest layout against each other layout; the fastest run's pairs "
-    "first. Which run is slower is the measured medians' call: two runs whose 95% confidence intervals "
-    "of the median overlap are not distinguishable and are not explained. A difference is explained "
+    "first. Which run is slower is decided by the interval on the ratio of the two runs' step times "
+    "(every measured step: the Hodges-Lehmann ratio with its distribution-free Mann-Whitney interval, "
+    "its coverage stated, at least 95%, widened by the load drift the comparison measured where it found one): "
+    "'slower' where it lies above 1; 'not distinguishable' where it holds 1 within 10% either way; "
+    "'undecided' otherwise, with the measured steps per run that the observed spread would need. "
+    "Only a run decided slower is explained. A difference is explained "
     "only from breakdowns whose sum lies within 10% of their run's measured median, by the components "
     "whose difference covers at least 80% of the difference between the breakdowns, largest first (at "
     "most three), each with its share; where components moved both ways by more than that difference, "
@@ -206,7 +215,8 @@ def why_section(summary: dict) -> Section:
     timed = [r for r in summary["runs"] if not r.get("is_reference") and r.get("status") == "ok" and _median_s(r)]
     fastest = min(timed, key=_median_s)  # by the measured median, as the verdict ranks them
     engines, layouts = comparisons(cases)
-    body = [WHY_TEXT, f"Fastest run (measured median): **{fastest['label']}**."]
+    drift = load_drift_text(summary)
+    body = [WHY_TEXT, *([drift] if drift else []), f"Fastest run (measured median): **{fastest['label']}**."]
     body += [
         "**The same layout under other engines**",
         Items(engines or ["No layout ran under two engines."]),
