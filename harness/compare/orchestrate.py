@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 
+from harness.compare.drift_control import load_drift_check, measure_rounds
 from harness.compare.parity import PASS, check_parity, compare_fingerprints, max_rel_diff
 from harness.compare.policy import census_policy
 from harness.compare.spec import CompareSpec, PlannedRun
@@ -162,54 +163,6 @@ def fp8_vs_bf16(entries: list[dict], cs: CompareSpec) -> dict | None:
     return {"max_rel_diff": worst, "worst_step": at, "steps": n, "fp8": ref["label"], "bf16": base["label"]}
 
 
-DRIFT_METHOD = (
-    "runs are launched one after another; the first finished run is measured again after the last "
-    "(same spec, steps and threads) and its second measurement set against its first by the ratio "
-    "interval of their step times: where it finds the machine's speed changed, every pair's ratio "
-    "interval is widened by the drift's far end either way before it decides"
-)
-
-
-def load_drift_check(cs: CompareSpec, entries: list[dict], launch, sweep: str, **launch_kw) -> dict:
-    """The first finished run (the single-device reference where it finished: one process, the cheapest)
-    launched again after the last run; its step times against its first measurement's
-    (measure.stats.compare_times, repeat over first), with the method stated. A note instead where no
-    run finished with step times, or the repeat failed."""
-    from harness.measure.stats import compare_times
-
-    timed = [(e, p) for e, p in zip(entries, cs.runs, strict=True) if e["status"] == "ok"]
-    timed = [(e, p) for e, p in timed if (e["metrics"].get("step_times_s") or [])]
-    if not timed:
-        return {"method": DRIFT_METHOD, "note": "Load drift: not checked (no run finished with step times)."}
-    entry, plan = next(((e, p) for e, p in timed if p.is_reference), timed[0])
-    spec = plan.spec.to_dict()
-    spec["store"] = launch_kw["store_path"]
-    started = time.monotonic()
-    record = launch(
-        spec,
-        nproc=plan.nproc,
-        launcher=plan.launcher,
-        sweep=f"{sweep}:load-drift",
-        point_key=f"{plan.label} (load drift check)",
-        **launch_kw,
-    )
-    again = ((record.get("metrics") or {}).get("step_times_s") or []) if record.get("status") == "ok" else []
-    if not again:
-        return {
-            "method": DRIFT_METHOD,
-            "run": plan.label,
-            "note": f"Load drift: not checked ({plan.label}'s repeat failed).",
-        }
-    return {
-        **compare_times(again, entry["metrics"]["step_times_s"]),
-        "method": DRIFT_METHOD,
-        "run": plan.label,
-        "repeat_step_times_s": again,
-        "repeat_run_id": record.get("run_id"),
-        "wall_s": round(time.monotonic() - started, 1),
-    }
-
-
 def check_before_launch(cs: CompareSpec) -> None:
     """What the plan can tell before the first launch: that something is compared with the
     reference (a matrix whose every cell cannot run is a mistake, not a failed comparison), that
@@ -238,12 +191,14 @@ def run_comparison(
     launch_fn=None,
     profile_steps: int | None = None,
     drift_check: bool | None = None,
+    rounds: int = 1,
 ) -> dict:
     """Launch every planned run in turn, check parity and fingerprints; the summary the report
     (harness.report.compare) is written from. `profile_steps`: each run's profiled steps after
     its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS). `drift_check`:
     measure the first finished run again after the last (load_drift_check; None: with the real
-    launcher only, a stand-in `launch_fn` knows its runs by label)."""
+    launcher only, a stand-in `launch_fn` knows its runs by label). `rounds` > 1: every run launched
+    that many times in alternating order (measure_rounds; its later rounds unprofiled), no drift check."""
     from tqdm import tqdm
 
     from harness.store import ResultsStore, now_iso
@@ -258,7 +213,10 @@ def run_comparison(
         env = {"OMP_NUM_THREADS": str(threads)}
         if profile_steps is not None:
             env[ENV] = str(profile_steps)
+        later = functools.partial(run_spec, extra_env={**env, ENV: "0"})  # later rounds: measured steps only
         launch_fn = functools.partial(run_spec, extra_env=env)
+    else:
+        later = launch_fn
     comparison_id = uuid.uuid4().hex[:12]
     sweep = f"compare:{cs.name}:{comparison_id}"
     log_dir = log_dir or os.path.join(tempfile.gettempdir(), f"harness-compare-{cs.name}-{comparison_id}")
@@ -301,8 +259,11 @@ def run_comparison(
         bar.write(msg, file=sys.stderr)
     bar.close()
     load_drift = None
-    if drift_check:
-        kw = {"store_path": store_path, "timeout_s": cs.timeout_s, "log_dir": log_dir}
+    kw = {"store_path": store_path, "timeout_s": cs.timeout_s, "log_dir": log_dir}
+    if rounds > 1:
+        load_drift = measure_rounds(cs, entries, later, rounds, sweep, **kw)
+        entries = [with_comparison_peak(e, peak) for e in entries]
+    elif drift_check:
         load_drift = load_drift_check(cs, entries, launch_fn, sweep, **kw)
         if load_drift.get("verdict"):
             print(f"load drift check ({load_drift['run']} again): {load_drift['verdict']}", file=sys.stderr)

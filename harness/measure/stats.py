@@ -111,13 +111,22 @@ def _mann_whitney_counts(m: int, n: int) -> list[int]:
     return poly
 
 
-def _rank_cut(m: int, n: int, level: float) -> tuple[int, float, bool]:
-    """(k, coverage, exact): the interval on the shift is the k-th smallest and k-th largest of the m*n
-    pairwise differences, with k the largest whose coverage 1 - 2 P(U <= k - 1) reaches `level`
-    (k = 1, the extreme differences, with the coverage it has where none reaches it)."""
-    pairs = m * n
+def _rank_cut(m: int | list[int], n: int | list[int], level: float) -> tuple[int, float, bool]:
+    """(k, coverage, exact): the interval on the shift is the k-th smallest and k-th largest of the
+    pairwise differences, with k the largest whose coverage 1 - 2 P(U <= k - 1) reaches `level` (k = 1,
+    the extreme differences, with the coverage it has where none reaches it). Lists of sizes: strata
+    (rounds), U the sum of each stratum's, its null distribution their convolution."""
+    ms, ns = ([m], [n]) if isinstance(m, int) else (list(m), list(n))
+    pairs = sum(a * b for a, b in zip(ms, ns, strict=True))
     if pairs <= EXACT_PAIRS:
-        counts, total = _mann_whitney_counts(m, n), math.comb(m + n, m)
+        counts, total = [1], 1
+        for a, b in zip(ms, ns, strict=True):
+            c = _mann_whitney_counts(a, b)
+            counts = [
+                sum(counts[i] * c[u - i] for i in range(max(0, u - len(c) + 1), min(u, len(counts) - 1) + 1))
+                for u in range(len(counts) + len(c) - 1)
+            ]
+            total *= math.comb(a + b, a)
         cdf = [0] * len(counts)
         for u, c in enumerate(counts):
             cdf[u] = c + (cdf[u - 1] if u else 0)
@@ -125,28 +134,42 @@ def _rank_cut(m: int, n: int, level: float) -> tuple[int, float, bool]:
         while k + 1 <= (pairs + 1) // 2 and 1 - 2 * cdf[k] / total >= level:
             k += 1
         return k, 1 - 2 * cdf[k - 1] / total, True
+    sd = math.sqrt(sum(a * b * (a + b + 1) for a, b in zip(ms, ns, strict=True)) / 12)
     z = NormalDist().inv_cdf(0.5 + level / 2)
-    k = max(1, math.floor(pairs / 2 - z * math.sqrt(pairs * (m + n + 1) / 12)))
-    sd = math.sqrt(pairs * (m + n + 1) / 12)
+    k = max(1, math.floor(pairs / 2 - z * sd))
     return k, 1 - 2 * NormalDist().cdf((k - 1 + 0.5 - pairs / 2) / sd), False
 
 
-def ratio_interval(a: list[float], b: list[float], level: float = LEVEL) -> dict:
-    """Run a's step time over run b's: {ratio, low, high, coverage, exact, n_a, n_b} (the Hodges-Lehmann
-    ratio of the log step times with its Mann-Whitney interval; coverage exact where `exact`)."""
-    la, lb = [math.log(x) for x in a if x > 0], [math.log(x) for x in b if x > 0]
-    if not la or not lb:
+def rounds_of(times) -> list[list[float]]:
+    """Step times as rounds: a flat list is one round; a list of lists (one per round) stays as it is."""
+    times = list(times)
+    return [list(r) for r in times] if times and isinstance(times[0], (list, tuple)) else [times]
+
+
+def ratio_interval(a, b, level: float = LEVEL) -> dict:
+    """Run a's step time over run b's: {ratio, low, high, coverage, exact, n_a, n_b, rounds} (the
+    Hodges-Lehmann ratio of the log step times with its Mann-Whitney interval; coverage exact where
+    `exact`). a and b: flat lists, or one list per round (runs measured in alternating rounds): then the
+    pairs are taken within each round only (stratified), so a load that differs between rounds cancels."""
+    ra, rb = rounds_of(a), rounds_of(b)
+    if len(ra) != len(rb):  # rounds that do not pair up: pooled
+        ra, rb = [[x for r in ra for x in r]], [[x for r in rb for x in r]]
+    la = [[math.log(x) for x in r if x > 0] for r in ra]
+    lb = [[math.log(x) for x in r if x > 0] for r in rb]
+    strata = [(x, y) for x, y in zip(la, lb, strict=True) if x and y]
+    if not strata:
         raise ValueError("ratio_interval needs a positive step time in each run")
-    diffs = sorted(x - y for x in la for y in lb)
-    k, coverage, exact = _rank_cut(len(la), len(lb), level)
+    diffs = sorted(x - y for xs, ys in strata for x in xs for y in ys)
+    k, coverage, exact = _rank_cut([len(x) for x, _ in strata], [len(y) for _, y in strata], level)
     return {
         "ratio": math.exp(_quantile(diffs, 0.5)),
         "low": math.exp(diffs[k - 1]),
         "high": math.exp(diffs[len(diffs) - k]),
         "coverage": coverage,
         "exact": exact,
-        "n_a": len(la),
-        "n_b": len(lb),
+        "n_a": sum(len(x) for x, _ in strata),
+        "n_b": sum(len(y) for _, y in strata),
+        "rounds": len(strata),
     }
 
 
@@ -196,6 +219,7 @@ def widen(interval: dict, factor: float) -> dict:
 def verdict_text(d: dict, a: str = "", b: str = "") -> str:
     """'slower: 1.78x [1.45, 2.10] (95.0%)', with 'would need ~40 steps per run' where undecided."""
     drift = f", widened by the measured load drift {d['drift_factor']:.2f}x" if d.get("drift_factor") else ""
+    drift += f", pairs within each of {d['rounds']} rounds" if d.get("rounds", 1) > 1 else ""
     shown = f"{d['ratio']:.3f}x [{d['low']:.3f}, {d['high']:.3f}] ({coverage_text(d['coverage'])}{drift})"
     who = f"{a} against {b}: " if a and b else ""
     text = f"{who}{d['verdict']}: {shown}"

@@ -184,7 +184,8 @@ def why_cases(summary: dict) -> list[Case]:
         ci = (stats["ci95_low"], stats["ci95_high"]) if "ci95_low" in stats and "ci95_high" in stats else None
         imbalance = (r.get("row") or {}).get("router_imbalance")
         key = layout_key(r["layout"])
-        times = tuple((r.get("metrics") or {}).get("step_times_s") or ()) or None
+        rounds = r.get("step_time_rounds_s")  # runs measured in alternating rounds (compare --rounds)
+        times = tuple(map(tuple, rounds)) if rounds else tuple((r.get("metrics") or {}).get("step_times_s") or ())
         drift = load_drift_factor(summary)
         out.append(
             Case(r["label"], engine_variant(r["layout"]), key, stats.get("median"), b, ci, imbalance, times, drift)

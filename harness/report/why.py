@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.measure.stats import compare_times, coverage_text, median_coverage, verdict_text, widen
+from harness.measure.stats import compare_times, coverage_text, median_coverage, rounds_of, verdict_text, widen
 from harness.report.data import Breakdown, component_title
 
 COVER = 0.8  # name components, largest first, until they cover this share of the difference
@@ -37,7 +37,7 @@ class Case:
     ci_s: tuple | None = None  # the 95% confidence interval of that median (low, high), seconds
     # a MoE run's expert load: routed tokens per expert, max over mean, worst layer (median measured step)
     imbalance: float | None = None
-    times_s: tuple | None = None  # every measured step's time (s): the ratio interval's data
+    times_s: tuple | None = None  # every measured step's time (s), or one tuple per round: the ratio interval's data
     drift: float = 1.0  # the comparison's measured load drift factor (>= 1) its ratio intervals are widened by
 
 
@@ -65,7 +65,8 @@ def against_median(b: Breakdown, median_s: float | None) -> str:
 
 def _ms(c: Case) -> str:
     text = f"{1e3 * c.step_s:.1f} ms"
-    coverage = f" {coverage_text(median_coverage(len(c.times_s)))}" if c.times_s else ""
+    n = sum(len(r) for r in rounds_of(c.times_s)) if c.times_s else 0
+    coverage = f" {coverage_text(median_coverage(n))}" if n else ""
     return text + (f" [{1e3 * c.ci_s[0]:.1f}, {1e3 * c.ci_s[1]:.1f}]{coverage}" if c.ci_s else "")
 
 
