@@ -135,8 +135,8 @@ DS_VS_OWN_DP2 = (
 )
 OWN_TP2_VS_DP2 = (
     "own tp2 takes 10.0 ms more per measured step than own dp2 (median 100.0 against 90.0 ms; ratio 1.111x "
-    "[1.111, 1.111] (97.1%)); by the breakdowns (100.0 against 90.0 ms): exposed tp communication +10.0 ms (100% of the difference); "
-    "partly offset by exposed dp communication -3.0 ms, compute -2.0 ms."
+    "[1.111, 1.111] (97.1%)); by the breakdowns (100.0 against 90.0 ms): exposed tp communication +10.0 ms "
+    "(100% of the difference); partly offset by exposed dp communication -3.0 ms, compute -2.0 ms."
 )
 
 

@@ -150,7 +150,9 @@ def ratio_interval(a, b, level: float = LEVEL) -> dict:
     """Run a's step time over run b's: {ratio, low, high, coverage, exact, n_a, n_b, rounds} (the
     Hodges-Lehmann ratio of the log step times with its Mann-Whitney interval; coverage exact where
     `exact`). a and b: flat lists, or one list per round (runs measured in alternating rounds): then the
-    pairs are taken within each round only (stratified), so a load that differs between rounds cancels."""
+    pairs are taken within each round only (stratified), so a load that differs between rounds cancels;
+    where no ratio lies in every round's own interval (load differed within a round: the rounds
+    disagree), the interval is the hull of the rounds' intervals, at the least coverage among them."""
     ra, rb = rounds_of(a), rounds_of(b)
     if len(ra) != len(rb):  # rounds that do not pair up: pooled
         ra, rb = [[x for r in ra for x in r]], [[x for r in rb for x in r]]
@@ -159,6 +161,18 @@ def ratio_interval(a, b, level: float = LEVEL) -> dict:
     strata = [(x, y) for x, y in zip(la, lb, strict=True) if x and y]
     if not strata:
         raise ValueError("ratio_interval needs a positive step time in each run")
+    out = _interval_of(strata, level)
+    if len(strata) > 1:  # rounds: a shift the same in every round, or the load differed within one
+        each = [_interval_of([st], level) for st in strata]
+        out["round_ratios"] = [r["ratio"] for r in each]
+        if max(r["low"] for r in each) > min(r["high"] for r in each):  # no ratio every round's interval holds
+            low, high = min(r["low"] for r in each), max(r["high"] for r in each)
+            out.update(low=min(low, out["low"]), high=max(high, out["high"]), coverage=min(r["coverage"] for r in each))
+            out["rounds_disagree"] = True
+    return out
+
+
+def _interval_of(strata: list[tuple[list[float], list[float]]], level: float) -> dict:
     diffs = sorted(x - y for xs, ys in strata for x in xs for y in ys)
     k, coverage, exact = _rank_cut([len(x) for x, _ in strata], [len(y) for _, y in strata], level)
     return {
@@ -200,6 +214,8 @@ def decide(interval: dict, level: float = LEVEL, resolution: float = RESOLUTION)
     target = max(e, band - e)
     n = 2 * interval["n_a"] * interval["n_b"] / (interval["n_a"] + interval["n_b"])
     needed = max(min_steps(level), math.ceil(n * (half / target) ** 2)) if target > 0 else None
+    if interval.get("rounds_disagree"):  # the load, not the steps' count, widened it
+        needed = None
     return {**out, "verdict": "undecided", "steps_needed": needed}
 
 
@@ -220,6 +236,9 @@ def verdict_text(d: dict, a: str = "", b: str = "") -> str:
     """'slower: 1.78x [1.45, 2.10] (95.0%)', with 'would need ~40 steps per run' where undecided."""
     drift = f", widened by the measured load drift {d['drift_factor']:.2f}x" if d.get("drift_factor") else ""
     drift += f", pairs within each of {d['rounds']} rounds" if d.get("rounds", 1) > 1 else ""
+    if d.get("rounds_disagree"):
+        shown = ", ".join(f"{r:.2f}x" for r in d["round_ratios"])
+        drift += f"; the rounds disagree ({shown}): the hull of their intervals"
     shown = f"{d['ratio']:.3f}x [{d['low']:.3f}, {d['high']:.3f}] ({coverage_text(d['coverage'])}{drift})"
     who = f"{a} against {b}: " if a and b else ""
     text = f"{who}{d['verdict']}: {shown}"
@@ -227,4 +246,6 @@ def verdict_text(d: dict, a: str = "", b: str = "") -> str:
         text += f", any difference under {100 * d['resolution']:g}%"
     if d["verdict"] == "undecided" and d.get("steps_needed"):
         text += f"; would need ~{d['steps_needed']} measured steps per run"
+    elif d["verdict"] == "undecided" and d.get("rounds_disagree"):
+        text += "; load differed within a round: more rounds or a quieter machine would decide, not more steps"
     return text

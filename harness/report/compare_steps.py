@@ -12,7 +12,7 @@ from harness.report.breakdown import HARNESS_AXIS
 from harness.report.data import COMPONENTS, Breakdown, breakdown_of, collectives_of, component_title, layout_key
 from harness.report.drift import load_drift_factor, load_drift_text
 from harness.report.sections import Items, Section
-from harness.report.why import Case, against_median, comparisons
+from harness.report.why import Case, against_median, comparisons, explain
 from harness.spec import engine_variant
 
 NOT_MEASURED = "not measured"
@@ -209,6 +209,21 @@ WHY_TEXT = (
 )
 
 
+def same_run_twice(cases: list[Case]) -> list[str]:
+    """Runs of one engine and layout under different labels, each against the first of them: nothing but
+    the moment they ran differs, so the statistics must not call one slower (the comparisons' pairs
+    leave them out: they differ in neither the engine nor the layout)."""
+    first: dict = {}
+    out = []
+    for c in cases:
+        key = (c.engine, c.layout)
+        if key in first:
+            out.append(explain(first[key], c))
+        else:
+            first[key] = c
+    return out
+
+
 def why_section(summary: dict) -> Section:
     cases = why_cases(summary)
     if len(cases) < 2:
@@ -224,6 +239,9 @@ def why_section(summary: dict) -> Section:
         "**The same engine at other layouts**",
         Items(layouts or ["No engine ran two layouts."]),
     ]
+    twins = same_run_twice(cases)
+    if twins:  # one engine and layout under two labels: what the measurement alone tells apart
+        body += ["**The same engine and layout under other labels**", Items(twins)]
     return Section("why", "Why", body=body)
 
 
