@@ -78,6 +78,9 @@ def test_rounds_compare_runs_within_each_round_so_a_load_change_between_rounds_c
     a, b = runs["own dp2"], runs["own dp2 mb1"]
     assert len(a["step_time_rounds_s"]) == 2 and len(a["metrics"]["step_times_s"]) == 24
     assert a["row"]["steps_measured"] == 24 and a["metrics"]["step_time_s"]["n"] == 24  # one source: every round
+    pooled_ms = 1e3 * a["metrics"]["step_time_s"]["median"]
+    nearest = min(abs(1e3 * sorted(r)[6] - pooled_ms) for r in a["step_time_rounds_s"])
+    assert abs(a["breakdown_ms"]["step"] - pooled_ms) == nearest  # the breakdown of the round nearest the median
     within = compare_times(a["step_time_rounds_s"], b["step_time_rounds_s"])
     pooled = compare_times(a["metrics"]["step_times_s"], b["metrics"]["step_times_s"])
     assert within["verdict"] == "not distinguishable" and within["rounds"] == 2

@@ -5,6 +5,7 @@ widens every pair's ratio interval in the report (harness.report.drift.load_drif
 
 from __future__ import annotations
 
+import math
 import time
 
 from harness.compare.spec import CompareSpec
@@ -60,7 +61,8 @@ def load_drift_check(cs: CompareSpec, entries: list[dict], launch, sweep: str, *
 ROUNDS_METHOD = (
     "every run is launched {rounds} times, in alternating order (the plan's order, then reversed, ...); "
     "each run's step times are every round's, and two runs are compared by the ratio interval of the step "
-    "pairs within each round (stratified), so that load which differs between rounds cancels"
+    "pairs within each round (stratified), so that load which differs between rounds cancels; each run's "
+    "breakdown is the clocked median step of its round nearest the pooled median"
 )
 
 
@@ -95,6 +97,24 @@ def pool_rounds(entry: dict, rounds: list[list[float]]) -> None:
     entry["step_time_rounds_s"] = rounds
 
 
+def _nearest_breakdown(entry: dict, rounds: list[dict]) -> None:
+    """The breakdown of the round whose median step lies nearest the pooled median (each round clocks its
+    own median step), so that the breakdown the report sets against the pooled median describes a step
+    like it; the round is named (breakdown_round, 1-based)."""
+    from harness.profiling import MEASURED_SOURCE
+
+    pooled = entry["metrics"]["step_time_s"]["median"]
+    med = [((m.get("step_time_s") or {}).get("median") or math.inf) for m in rounds]
+    r = min(range(len(rounds)), key=lambda j: abs(med[j] - pooled))
+    entry["breakdown_round"] = r + 1
+    if r == 0 or not rounds[r].get("breakdown_measured_ms"):
+        entry["breakdown_round"] = 1
+        return
+    for key in ("breakdown_measured_ms", "breakdown_measured_ms_by_rank", "breakdown_measured_steps"):
+        entry["metrics"][key] = rounds[r].get(key)
+    entry.update(breakdown_ms=rounds[r]["breakdown_measured_ms"], breakdown_source=MEASURED_SOURCE)
+
+
 def measure_rounds(cs: CompareSpec, entries: list[dict], launch, rounds: int, sweep: str, **launch_kw) -> dict:
     """Rounds 2..`rounds` of every run that finished (alternating order, ROUNDS_METHOD), each round's
     record in the store under the sweep tag `<sweep>:round<r>`; every run's figures pooled over its
@@ -104,6 +124,7 @@ def measure_rounds(cs: CompareSpec, entries: list[dict], launch, rounds: int, sw
 
     order = [i for i, e in enumerate(entries) if e["status"] == "ok" and e["metrics"].get("step_times_s")]
     times = {i: [list(entries[i]["metrics"]["step_times_s"])] for i in order}
+    metrics: dict = {i: [entries[i]["metrics"]] for i in order}  # each round's, for its breakdown
     failed: list[str] = []
     for r in range(2, rounds + 1):
         for i in order[::-1] if r % 2 == 0 else order:
@@ -123,6 +144,7 @@ def measure_rounds(cs: CompareSpec, entries: list[dict], launch, rounds: int, sw
             got = (rec.get("metrics") or {}).get("step_times_s") if rec.get("status") == "ok" else None
             if got:
                 times[i].append(list(got))
+                metrics[i].append(rec.get("metrics") or {})
             else:  # a run whose later round failed keeps its first round alone
                 failed.append(f"{plan.label} (round {r})")
                 del times[i]
@@ -130,6 +152,7 @@ def measure_rounds(cs: CompareSpec, entries: list[dict], launch, rounds: int, sw
     for i, rs in times.items():
         pool_rounds(entries[i], rs)
         moved[entries[i]["label"]] = summarize(rs[-1])["median"] / summarize(rs[0])["median"]
+        _nearest_breakdown(entries[i], metrics[i])
     note = f"Load drift: {ROUNDS_METHOD.format(rounds=rounds)}."
     if moved:
         note += (
