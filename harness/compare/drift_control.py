@@ -124,7 +124,9 @@ def measure_rounds(cs: CompareSpec, entries: list[dict], launch, rounds: int, sw
 
     order = [i for i, e in enumerate(entries) if e["status"] == "ok" and e["metrics"].get("step_times_s")]
     times = {i: [list(entries[i]["metrics"]["step_times_s"])] for i in order}
-    metrics: dict = {i: [entries[i]["metrics"]] for i in order}  # each round's, for its breakdown
+    metrics: dict = {
+        i: [dict(entries[i]["metrics"])] for i in order
+    }  # each round's, for its breakdown (a copy: pooled below)
     failed: list[str] = []
     for r in range(2, rounds + 1):
         for i in order[::-1] if r % 2 == 0 else order:
