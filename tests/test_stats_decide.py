@@ -125,3 +125,25 @@ def test_a_verdict_is_widened_by_the_load_drift_the_comparison_measured():
     assert "takes" in explain(_case("a", a, compute=20.0), _case("b", b, compute=24.0))  # steady machine: slower
     drifted = explain(_case("a", a, drift=1.3, compute=20.0), _case("b", b, drift=1.3, compute=24.0))
     assert "undecided" in drifted and "widened by the measured load drift 1.30x" in drifted, drifted
+
+
+def test_the_sweep_report_doubts_a_lead_the_ratio_interval_does_not_decide():
+    """recommend.doubt: a winner whose step-time ratio interval holds 1 is not called the winner outright
+    (the medians' ranges used to decide, overlapping or not)."""
+    from harness.report.data import Metric, to_row
+    from harness.report.recommend import doubt
+
+    def row(times_ms):
+        times = [t / 1e3 for t in times_ms]
+        median = sorted(times)[len(times) // 2]
+        lo, hi, _ = median_interval(sorted(times))
+        st = {"median": median, "ci95_low": lo, "ci95_high": hi, "n": len(times)}
+        rec = {"status": "ok", "spec": {"layout": {"engine": "own", "dp": 2}}, "fingerprint": {"world_size": 2}}
+        rec["metrics"] = {"step_time_s": st, "step_times_s": times, "tokens_per_s": 512 / median}
+        rec["metrics"]["tokens_per_s_per_device"] = 256 / median
+        return to_row(rec)
+
+    metric = Metric("tokens_per_s_dev", "tokens/s per device", False, "tokens/s per device")
+    assert doubt(row(OWN_DP2), row(ZERO1), metric) is None  # decided faster: 62 of 64 pairs
+    said = doubt(row(ZERO1), row(ZERO2), metric)
+    assert said.startswith("the step time ratio is undecided: ") and "would need ~" in said, said
