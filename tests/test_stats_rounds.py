@@ -127,3 +127,13 @@ def test_a_load_burst_during_one_launch_decides_nothing_across_rounds(tmp_path):
     assert d["verdict"] == "undecided" and d["rounds_disagree"] and d["steps_needed"] is None
     assert "the rounds disagree (1.6" in verdict_text(d) and "not more steps" in verdict_text(d)
     assert "own dp2 mb1 takes" not in _why(s)
+
+
+def test_rounds_must_be_a_positive_count(no_launch, one_line_error):
+    import yaml
+
+    from harness.cli import main as cli_main
+
+    (no_launch / "c.yaml").write_text(yaml.safe_dump({"name": "c", "runs": [{"engine": "own", "dp": 2}]}))
+    line = one_line_error(cli_main(["compare", "c.yaml", "--rounds", "0"]))
+    assert line.startswith("error: --rounds: must be a positive integer"), line

@@ -120,6 +120,7 @@ def main(args) -> int:
             progress=not args.no_progress,
             profile_steps=args.profile_steps,
             rounds=rounds,
+            drift_check=rounds == 1,  # with rounds, the rounds control the drift
         )
         if baseline is not None:
             from harness.report.drift import compare_with_baseline

@@ -190,14 +190,14 @@ def run_comparison(
     progress: bool = True,
     launch_fn=None,
     profile_steps: int | None = None,
-    drift_check: bool | None = None,
+    drift_check: bool = False,
     rounds: int = 1,
 ) -> dict:
     """Launch every planned run in turn, check parity and fingerprints; the summary the report
     (harness.report.compare) is written from. `profile_steps`: each run's profiled steps after
     its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS). `drift_check`:
-    measure the first finished run again after the last (load_drift_check; None: with the real
-    launcher only, a stand-in `launch_fn` knows its runs by label). `rounds` > 1: every run launched
+    measure the first finished run again after the last (load_drift_check; `harness compare` asks for
+    it, the tests' comparisons do not pay its launch). `rounds` > 1: every run launched
     that many times in alternating order (measure_rounds; its later rounds unprofiled), no drift check."""
     from tqdm import tqdm
 
@@ -205,7 +205,6 @@ def run_comparison(
 
     threads = comparison_threads(cs)
     peak = comparison_matmul_peak(cs.workload, threads) if launch_fn is None else None
-    drift_check = launch_fn is None if drift_check is None else drift_check
     if launch_fn is None:  # every run, the 1-process reference included, gets the same threads per process
         from harness.launch import run_spec
         from harness.profiling import ENV
