@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 
+from harness.compare.drift_control import load_drift_check, measure_rounds
 from harness.compare.parity import PASS, check_parity, compare_fingerprints, max_rel_diff
 from harness.compare.policy import census_policy
 from harness.compare.spec import CompareSpec, PlannedRun
@@ -195,10 +196,15 @@ def run_comparison(
     progress: bool = True,
     launch_fn=None,
     profile_steps: int | None = None,
+    drift_check: bool = False,
+    rounds: int = 1,
 ) -> dict:
     """Launch every planned run in turn, check parity and fingerprints; the summary the report
     (harness.report.compare) is written from. `profile_steps`: each run's profiled steps after
-    its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS)."""
+    its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS). `drift_check`:
+    measure the first finished run again after the last (load_drift_check; `harness compare` asks for
+    it, the tests' comparisons do not pay its launch). `rounds` > 1: every run launched
+    that many times in alternating order (measure_rounds; its later rounds unprofiled), no drift check."""
     from tqdm import tqdm
 
     from harness.launch import cpu_cores
@@ -214,7 +220,10 @@ def run_comparison(
         env = {"OMP_NUM_THREADS": str(threads)}
         if profile_steps is not None:
             env[ENV] = str(profile_steps)
+        later = functools.partial(run_spec, extra_env={**env, ENV: "0"})  # later rounds: measured steps only
         launch_fn = functools.partial(run_spec, extra_env=env)
+    else:
+        later = launch_fn
     comparison_id = uuid.uuid4().hex[:12]
     sweep = f"compare:{cs.name}:{comparison_id}"
     log_dir = log_dir or os.path.join(tempfile.gettempdir(), f"harness-compare-{cs.name}-{comparison_id}")
@@ -256,6 +265,15 @@ def run_comparison(
         )
         bar.write(msg, file=sys.stderr)
     bar.close()
+    load_drift = None
+    kw = {"store_path": store_path, "timeout_s": cs.timeout_s, "log_dir": log_dir}
+    if rounds > 1:
+        load_drift = measure_rounds(cs, entries, later, rounds, sweep, **kw)
+        entries = [with_comparison_peak(e, peak) for e in entries]
+    elif drift_check:
+        load_drift = load_drift_check(cs, entries, launch_fn, sweep, **kw)
+        if load_drift.get("verdict"):
+            print(f"load drift check ({load_drift['run']} again): {load_drift['verdict']}", file=sys.stderr)
 
     compared = [e for e, p in zip(entries, cs.runs, strict=True) if not p.baseline]
     parity = check_parity(compared, cs.parity_steps, cs.tolerance)
@@ -283,6 +301,7 @@ def run_comparison(
         "policy": policy,
         "fp8_vs_bf16": fp8_vs_bf16(entries, cs),
         "load_average": {"before": load_before, "after": _loadavg()},
+        "load_drift": load_drift,
         "threads_per_process": threads,
         "cpu_cores": cpu_cores(),  # this process's affinity: a run with more busy threads is oversubscribed
         "versions": harness_version(),  # with the runs' fingerprints (torch, each framework): what measured it

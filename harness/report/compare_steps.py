@@ -8,8 +8,9 @@ from harness.parallel_dims import ParallelDims
 from harness.report.breakdown import HARNESS_AXIS
 from harness.report.compare_machine import oversubscribed, skipped_sentence, timed_runs
 from harness.report.data import COMPONENTS, Breakdown, breakdown_of, collectives_of, component_title, layout_key
+from harness.report.drift import load_drift_factor, load_drift_text
 from harness.report.sections import Items, Section
-from harness.report.why import Case, against_median, comparisons
+from harness.report.why import Case, against_median, comparisons, explain
 from harness.spec import engine_variant
 
 NOT_MEASURED = "not measured"
@@ -157,20 +158,44 @@ def why_cases(summary: dict) -> list[Case]:
         ci = (stats["ci95_low"], stats["ci95_high"]) if "ci95_low" in stats and "ci95_high" in stats else None
         imbalance = (r.get("row") or {}).get("router_imbalance")
         key = layout_key(r["layout"])
-        out.append(Case(r["label"], engine_variant(r["layout"]), key, stats.get("median"), b, ci, imbalance))
+        rounds = r.get("step_time_rounds_s")  # runs measured in alternating rounds (compare --rounds)
+        times = tuple(map(tuple, rounds)) if rounds else tuple((r.get("metrics") or {}).get("step_times_s") or ())
+        drift = load_drift_factor(summary)
+        out.append(
+            Case(r["label"], engine_variant(r["layout"]), key, stats.get("median"), b, ci, imbalance, times, drift)
+        )
     return out
 
 
 WHY_TEXT = (
     "For each layout, its fastest engine against each other engine (and the own engine against the "
     "others); for each engine, its fastest layout against each other layout; the fastest run's pairs "
-    "first. Which run is slower is the measured medians' call: two runs whose 95% confidence intervals "
-    "of the median overlap are not distinguishable and are not explained. A difference is explained "
+    "first. Which run is slower is decided by the interval on the ratio of the two runs' step times "
+    "(every measured step: the Hodges-Lehmann ratio with its distribution-free Mann-Whitney interval, "
+    "its coverage stated, at least 95%, widened by the load drift the comparison measured where it found one): "
+    "'slower' where it lies above 1; 'not distinguishable' where it holds 1 within 10% either way; "
+    "'undecided' otherwise, with the measured steps per run that the observed spread would need. "
+    "Only a run decided slower is explained. A difference is explained "
     "only from breakdowns whose sum lies within 10% of their run's measured median, by the components "
     "whose difference covers at least 80% of the difference between the breakdowns, largest first (at "
     "most three), each with its share; where components moved both ways by more than that difference, "
     "no share is given."
 )
+
+
+def same_run_twice(cases: list[Case]) -> list[str]:
+    """Runs of one engine and layout under different labels, each against the first of them: nothing but
+    the moment they ran differs, so the statistics must not call one slower (the comparisons' pairs
+    leave them out: they differ in neither the engine nor the layout)."""
+    first: dict = {}
+    out = []
+    for c in cases:
+        key = (c.engine, c.layout)
+        if key in first:
+            out.append(explain(first[key], c))
+        else:
+            first[key] = c
+    return out
 
 
 def why_section(summary: dict) -> Section:
@@ -187,13 +212,17 @@ def why_section(summary: dict) -> Section:
     timed = [r for r in timed_runs(summary) if _median_s(r)]
     fastest = min(timed, key=_median_s)  # by the measured median, as the verdict ranks them
     engines, layouts = comparisons(cases)
-    body = [WHY_TEXT, *skipped, f"Fastest run (measured median): **{fastest['label']}**."]
+    drift = load_drift_text(summary)
+    body = [WHY_TEXT, *skipped, *([drift] if drift else []), f"Fastest run (measured median): **{fastest['label']}**."]
     body += [
         "**The same layout under other engines**",
         Items(engines or ["No layout ran under two engines."]),
         "**The same engine at other layouts**",
         Items(layouts or ["No engine ran two layouts."]),
     ]
+    twins = same_run_twice(cases)
+    if twins:  # one engine and layout under two labels: what the measurement alone tells apart
+        body += ["**The same engine and layout under other labels**", Items(twins)]
     return Section("why", "Why", body=body)
 
 

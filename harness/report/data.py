@@ -173,6 +173,7 @@ class RowOwn:
     values: dict = field(default_factory=dict)  # every field's value (harness.store.fields.row)
     layout: dict = field(default_factory=dict)  # the record's layout as it is (an ablation matches the others)
     workload: dict = field(default_factory=dict)  # and its workload (a sweep may vary workload fields too)
+    step_times: tuple = ()  # every measured step's time (s): two runs' ratio interval (measure.stats)
 
     @property
     def kernel(self) -> str:
@@ -259,6 +260,7 @@ def to_row(rec: dict) -> Row:
         values=v,
         layout=lay,
         workload=(rec.get("spec") or {}).get("workload") or {},
+        step_times=tuple(m.get("step_times_s") or ()),
     )
 
 

@@ -55,9 +55,16 @@ SPLIT_FIELDS = ("tp", "pp", "sequence_parallel", "pipeline_schedule", "pipeline_
 
 
 def doubt(win: Row, other: Row, metric: Metric) -> str | None:
-    """Why the winner's lead may not be real (None: it is): under NOISE, or overlapping CIs."""
+    """Why the winner's lead may not be real (None: it is): under NOISE, or the ratio interval of the two
+    runs' step times (measure.stats.compare_times) does not call the winner faster; runs recorded
+    without step times: their medians' intervals overlap."""
     if metric.of(win) / metric.of(other) - 1 < NOISE:
         return "under the ~1% run-to-run noise"
+    if win.step_times and other.step_times:
+        from harness.measure.stats import compare_times, verdict_text
+
+        d = compare_times(list(win.step_times), list(other.step_times))
+        return None if d["verdict"] == "faster" else f"the step time ratio is {verdict_text(d)}"
     if (
         win.step_time_ci95_s
         and other.step_time_ci95_s
