@@ -86,7 +86,9 @@ def _slower(summary: dict) -> dict:
     for r in s["runs"]:
         if r["label"] == "own tp2":
             st = r["metrics"]["step_time_s"]
-            r["metrics"]["step_time_s"] = {k: (3 * v if k != "n" else v) for k, v in st.items()}
+            r["metrics"]["step_time_s"] = {k: (3 * v if k not in ("n", "ci_coverage") else v) for k, v in st.items()}
+            if r["metrics"].get("step_times_s"):  # the baseline check compares every step where it has them
+                r["metrics"]["step_times_s"] = [3 * t for t in r["metrics"]["step_times_s"]]
     return s
 
 
