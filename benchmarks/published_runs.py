@@ -63,6 +63,11 @@ def main() -> None:
     for run in runs:
         if run.why_not:
             print(f"{run.label:88} {run.tokens_per_s_per_gpu:9.0f}  not planned: {run.why_not}")
+            if run.layout is not None:  # expressed, checked apart (the mixture of experts): its memory all the same
+                m = memory_check(run)
+                print(f"    memory {m.predicted_gib:.1f} GiB on {m.device_gib:.1f}: fits {'yes' if m.fits else 'NO'}")
+                if not m.fits:
+                    print(f"    unmodelled: {unmodelled(run) or '(none named)'}")
             continue
         p = predict(run.shape, run.layout, run.workload, run.profile)
         tok = p.tokens_per_s / run.layout.gpus

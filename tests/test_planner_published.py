@@ -163,3 +163,24 @@ def test_calibrate_csv_reads_the_published_format(tmp_path, capsys):
     assert "calibrated gb200 on 3 runs" in capsys.readouterr().out
     assert main(["plan", "--hardware", "h200", "--calibrate-csv", str(RUNS_CSV), "--calibrate-out", str(out)]) == 2
     assert "no row the planner can express runs on h200" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "system,model,profile,preset",
+    [
+        ("DGX-H200", "LLAMA3.1_70B", "h200", "llama3-70b"),
+        ("H200", "Qwen3_30B_a3B", "h200", "qwen3-30b-a3b"),
+        ("B200", "LLAMA2_70B", "b200", "llama2-70b"),
+    ],
+)
+def test_published_system_and_model_names_map_to_profiles_and_presets(system, model, profile, preset):
+    from harness.model.presets import PRESETS
+
+    row = {"source": "mlperf", "system": system, "model": model, "gpus": "8", "precision": "BF16"}
+    run = from_row({**row, "tokens_per_s_per_gpu": "1"})
+    assert run.profile.name == profile and run.shape == PRESETS[preset]
+
+
+def test_a_system_without_a_profile_is_not_planned():
+    row = {"source": "mlperf", "system": "DGX-B300", "model": "LLAMA3_8B", "gpus": "8", "precision": "BF16"}
+    assert from_row({**row, "tokens_per_s_per_gpu": "1"}).why_not == "no profile for system 'DGX-B300'"

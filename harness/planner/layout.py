@@ -131,6 +131,10 @@ class PlannerOwn:
     fp8_transpose: bool = True
     # The cross-entropy fused and run in the logits' dtype (Megatron's cross_entropy_loss_fusion): no fp32 copy.
     loss_fusion: bool = False
+    # Megatron's expert_tensor_parallel_size: 0, the layout's tp (its default); 1, the MoE layers' experts
+    # whole, the tp ranks holding different experts (parallel folding: Megatron's expert-parallel group of
+    # ep x tp ranks spans tp x dp; feedforward.py).
+    expert_tp: int = 0
 
 
 _SPEC_FIELDS = [f for f in dataclasses.fields(SpecLayout) if f.name not in UNMODELLED]

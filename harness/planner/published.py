@@ -37,7 +37,8 @@ filled by the rules below, the same for every row, each from the data's README o
   is the planner's default.
 - memory: the peak the source publishes, in its unit (torchtitan logs max reserved GiB; torchao's
   README prints GB, taken as 10^9 bytes as printed).
-- system: DGX-H100, H100 SXM and H100 are h100-sxm; DGX-B200 b200; DGX-GB200 gb200; torchtitan's
+- system: DGX-H100, H100 SXM and H100 are h100-sxm; DGX-H200, H200 SXM and H200 h200; DGX-B200 and
+  B200 b200; DGX-GB200 and GB200 gb200 (a system with no profile, DGX-B300, is not planned); torchtitan's
   "H100 96GB HBM2e 500W" is h100-sxm with 96 GB (its peak is not published: SXM's is kept).
 """
 
@@ -68,8 +69,25 @@ MODELS = {
     "LLAMA2-13B": "llama2-13b",
     "LLAMA2-70B": "llama2-70b",
     "Qwen3_235B_a22B": "qwen3-235b-a22b",
+    "LLAMA3.1_70B": "llama3-70b",  # Llama 3.1 70B is Llama 3 70B's shape
+    "LLAMA2_7B": "llama2-7b",
+    "LLAMA2_13B": "llama2-13b",
+    "LLAMA2_70B": "llama2-70b",
+    "Qwen3_30B_a3B": "qwen3-30b-a3b",
+    "Mixtral_8x7B": "mixtral-8x7b",
 }
-SYSTEMS = {"DGX-H100": "h100-sxm", "H100 SXM": "h100-sxm", "H100": "h100-sxm", "DGX-B200": "b200", "DGX-GB200": "gb200"}
+SYSTEMS = {
+    "DGX-H100": "h100-sxm",
+    "H100 SXM": "h100-sxm",
+    "H100": "h100-sxm",
+    "DGX-H200": "h200",
+    "H200 SXM": "h200",
+    "H200": "h200",
+    "DGX-B200": "b200",
+    "B200": "b200",
+    "DGX-GB200": "gb200",
+    "GB200": "gb200",
+}
 MEMORY_GIB = {"H100 96GB HBM2e 500W": 96e9 / 2**30}  # torchtitan's H100 variant
 NVIDIA = ("megatron-bridge", "nemo", "dgxc-benchmarking")
 BLACKWELL = ("b200", "gb200")  # FP8 GEMMs of any operand layout (memory_recipes: fp8_transpose)
@@ -93,7 +111,7 @@ SETTINGS = {
     "cross_entropy_loss_fusion": lambda v: {"loss_fusion": _on(v)},
     "selective_ac_option": lambda v: {"selective_policy": "per_op" if v == "op" else "megatron"},
     "reshard_after_forward": lambda v: {"reshard_after_forward": _on(v)},
-    "expert_tensor_parallel_size": lambda v: {},  # read by from_row (the MoE layers' own tp)
+    "expert_tensor_parallel_size": lambda v: {},  # read by from_row (layout.expert_tp: parallel folding)
 }
 
 
@@ -199,9 +217,12 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
     gpus, tp, pp, cp = int(row["gpus"]), _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
     dims = ParallelDims.derive(gpus, "gpus", tp=tp, pp=pp, cp=cp)
     ep = _int(row, "ep", 1)
-    if dims.replicas() % ep:  # Megatron's parallel folding: its ep group over tp x dp, experts whole (feedforward.py)
+    expert_tp = _int(settings(row), "expert_tensor_parallel_size", 0)
+    if expert_tp == 1 and tp > 1 and ep % tp == 0 and dims.replicas() % (ep // tp) == 0:
+        ep //= tp  # Megatron's parallel folding: its ep group of ep x tp ranks over tp x dp (layout.expert_tp)
+    elif dims.replicas() % ep:  # a stand-in for a folding the planner does not express
         ep = max(e for e in range(1, ep) if ep % e == 0 and dims.replicas() % e == 0)
-        run.stand_in = f"ep{_int(row, 'ep', 1)} with whole experts (expert_tensor_parallel_size 1) as ep{ep} x tp{tp}"
+        run.stand_in = f"ep{_int(row, 'ep', 1)} as ep{ep} x tp{tp}, experts split over tp"
     dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=dims.dp, ep=ep)
     dp = dims.dp
     vp = _int(row, "vp", 2 if "interleaved" in note.lower() else 1)
@@ -237,6 +258,7 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
         "dp_overlap": True,  # NeMo's and Megatron-Bridge's overlapped reduction and gather; FSDP2's prefetch
         "vocab_parallel_loss": True,  # Megatron's vocab-parallel cross-entropy, torchtitan's loss_parallel default
         "ep": dims.ep,
+        "expert_tp": expert_tp,
     }
     for name, value in settings(row).items():
         if name not in SETTINGS:
