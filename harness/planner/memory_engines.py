@@ -27,11 +27,15 @@ DeepSpeed and FSDP: their model states from `model_states` (each tested against 
 activations as the own engine's (they run the same plain model, harness/model/llama.py); FSDP2's
 gathered parameters, reduce-scatter buffers and pipelined accumulation from fsdp_step_bytes
 (checked against `harness memory` traces of engine fsdp, tests/test_memory_trace.py).
-The terms shared with the study's engine: memory_terms; the feed-forward (dense or MoE): feedforward.py.
+The terms shared with the study's engine: memory_terms; the feed-forward (dense or MoE): feedforward.py;
+what published recipes set beyond the engines' defaults (per-op checkpointing, partial recomputation,
+activation offload, fp8 primary weights, bf16 main gradients, fused SwiGLU and loss): memory_recipes;
+FSDP2's step terms: memory_fsdp. Megatron-FSDP (engine megatron with fsdp) holds the FSDP states.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from harness import registry
@@ -281,8 +285,6 @@ def _per_op(lay: PlannerLayout) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _without_checkpointing(lay: PlannerLayout) -> PlannerLayout:
-    import dataclasses
-
     return dataclasses.replace(lay, activation_checkpointing="none")
 
 
