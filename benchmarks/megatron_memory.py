@@ -25,7 +25,8 @@ backward, the loss's peak, Transformer Engine's fp8 copies and the overhead (CUD
 fragmentation: memory_terms). Its per-layer formula is Korthikanti et al.'s (arXiv 2205.05198,
 Table 2) for a GPT layer (a 4h two-matrix MLP, h-wide q, k, v: its own TODO), where the planner
 counts each saved tensor of the layer that runs (SwiGLU, grouped-query k and v, flash's log-sum-exp;
-memory_engines.py); the difference is printed as "per-layer formula".
+memory_engines.py); the activations' difference is printed term by term (activation_terms): the layers
+in flight, a layer's norms, attention and feed-forward, the embedding and LM head.
 
     python benchmarks/megatron_memory.py
 """
@@ -39,8 +40,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.model.presets import PRESETS, Shape  # noqa: E402
+from harness.planner import memory_terms as terms  # noqa: E402
 from harness.planner.layout import PlannerLayout, Workload  # noqa: E402
 from harness.planner.memory import GIB, worst_stage_memory  # noqa: E402
+from harness.planner.memory_engines import _attention_bytes, _norm_bytes, engine_layer_bytes, engine_stage_items  # noqa: E402
 
 
 def megatron_estimate(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict[str, float]:
@@ -58,7 +61,9 @@ def megatron_estimate(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict[st
     if not shape.tie_embeddings and pp == 1:
         tp_sharded += emb / t
     replicated = L * (2 * h + router) / pp + h
-    etp, ep = lay.tp, lay.ep  # the planner's experts are split over the layout's tp (feedforward.py)
+    # Megatron's expert_tensor_parallel_size is the layout's tp, or 1 under parallel folding (layout.expert_tp),
+    # where its expert-parallel group is the planner's ep x tp
+    etp, ep = (1, lay.ep * lay.tp) if lay.expert_tp == 1 else (lay.tp, lay.ep)
     expert_sharded = L * experts / pp / (etp * ep)
     dp = lay.dp  # Megatron's data-parallel size, without cp
     edp = lay.gpus // (etp * ep * pp)
@@ -66,26 +71,31 @@ def megatron_estimate(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict[st
     s, b = wl.seq_len, lay.micro_batch_size
     m = wl.micro_batches(lay)
     sbh = s * b * h
-    if lay.sequence_parallel and lay.activation_checkpointing == "selective":
-        act = sbh * (18 + 4 * F / h) * L
-        per_layer_factor = 1.0
-    else:
-        act = sbh * (10 + 24 / t) * L
-        per_layer_factor = 0.0
-    act += 8 * s * b * pp + sbh * pp
+    sp_branch = lay.sequence_parallel and lay.activation_checkpointing == "selective"
+    # per layer and micro-batch on a rank, and (SP branch) its parts: norms' inputs 4, attention 11 (Q, K, V
+    # and their input, the output projection's input, a dropout mask), MLP 3 + 4 F / h (Korthikanti's Table 2)
+    layer = sbh * (18 + 4 * F / h) / t if sp_branch else sbh * (10 + 24 / t) * 1.05
+    parts = {"norms": 4 * sbh / t, "attention": 11 * sbh / t, "mlp": (3 + 4 * F / h) * sbh / t} if sp_branch else {}
+    factor = 1.0
     if vp:
-        act *= 1 + (pp - 1) / (pp * vp)
+        factor = 1 + (pp - 1) / (pp * vp)
     elif pp > 1:
-        act *= min(1, m / pp)
-    if per_layer_factor:
-        if pp == 1:
-            act += sbh * 4 * (1 + V / h)
-        act /= t
+        factor = min(1, m / pp)
+    rest = (8 * s * b * pp + sbh * pp) * factor
+    if sp_branch:
+        rest = (rest + (sbh * 4 * (1 + V / h) if pp == 1 else 0.0)) / t
     else:
-        if pp == 1:
-            act += (s * b * V / t + sbh) * 2
-        act *= 1.05
-    return {"states": states, "activations": act}
+        rest = (rest + ((s * b * V / t + sbh) * 2 if pp == 1 else 0.0)) * 1.05
+    layers_in_flight = L * factor
+    act = layers_in_flight * layer + rest
+    return {
+        "states": states,
+        "activations": act,
+        "layer": layer,
+        "layer_parts": parts,
+        "layers_in_flight": layers_in_flight,
+        "embedding_and_head": rest,
+    }
 
 
 # Layouts Megatron's estimator models (bf16, distributed optimizer, fp32 main gradients), dense and MoE.
@@ -106,6 +116,7 @@ LAYOUTS = [
         dict(tp=4, pp=2, dp=4, micro_batch_size=1, ep=4, activation_checkpointing=SEL),
         Workload(4096, 64),
     ),
+    ("qwen3-30b-a3b", dict(tp=2, pp=1, dp=8, micro_batch_size=1, ep=4, expert_tp=1), Workload(4096, 128)),
 ]
 
 
@@ -116,10 +127,35 @@ def layout(fields: dict) -> PlannerLayout:
     return PlannerLayout(**{**base, **fields})
 
 
+def activation_terms(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int, parts: dict, est: dict) -> dict:
+    """The activations' difference, term by term, summing to it: the layers in flight (the planner's
+    schedule, memory_terms.in_flight, against the estimator's all-layers-times-factor), the bytes a layer
+    keeps (under SP and selective recomputation: its norms, its attention, its feed-forward, the planner's
+    memory_engines terms against Korthikanti's; otherwise the estimator's no-SP branch, 10 + 24 / tp of
+    s b h a layer and a 5% margin, against the planner's layer), and the embedding and LM head."""
+    layers = engine_stage_items(shape, lay, wl.seq_len)[stage][1]
+    k = terms.in_flight(lay, stage, wl.micro_batches(lay))
+    mine = engine_layer_bytes(shape, lay, wl)["layer"]
+    held = k * layers * mine
+    out = {"layers in flight": (k * layers - est["layers_in_flight"]) * est["layer"]}
+    if est["layer_parts"]:
+        loc = wl.local(lay)
+        n, sp = lay.micro_batch_size * loc.seq_len, lay.sequence_parallel and lay.tp > 1
+        norms = 2 * _norm_bytes(lay, n, shape.hidden, loc.dtype_bytes, sp)
+        attention = _attention_bytes(shape, lay, loc, lay.micro_batch_size)
+        planner = {"norms": norms, "attention": attention, "mlp": mine - norms - attention}
+        for name, v in est["layer_parts"].items():
+            out[f"layer {name}"] = k * layers * (planner[name] - v)
+    else:
+        out["layer (no-SP branch)"] = k * layers * (mine - est["layer"])
+    out["embedding and LM head"] = parts["activations"] - held - est["embedding_and_head"]
+    return out
+
+
 def compare(model: str, fields: dict, wl: Workload) -> dict:
     """The planner's worst Megatron stage beside Megatron's estimate, with the terms only the planner has."""
     shape, lay = PRESETS[model], layout(fields)
-    _, parts = worst_stage_memory(shape, lay, wl)
+    stage, parts = worst_stage_memory(shape, lay, wl)
     est = megatron_estimate(shape, lay, wl)
     states = parts["weights"] + parts["gradients"] + parts["optimizer"]
     named = {
@@ -127,7 +163,7 @@ def compare(model: str, fields: dict, wl: Workload) -> dict:
         "loss peak": parts["logits_and_loss"],
         "fp8 copies": parts.get("fp8_weights_and_scales", 0.0),
         "overhead": parts["overhead"],
-        "per-layer formula": parts["activations"] - est["activations"],
+        **activation_terms(shape, lay, wl, stage, parts, est),
     }
     return {
         "model": model,
@@ -149,7 +185,7 @@ def main() -> None:
         lay = c["layout"]
         name = (
             f"{model} tp{lay.tp} pp{lay.pp} vp{lay.virtual_stages} dp{lay.dp} ep{lay.ep} mb{lay.micro_batch_size} "
-            f"s{wl.seq_len} {lay.activation_checkpointing}"
+            f"s{wl.seq_len} {lay.activation_checkpointing}{' etp1' if lay.expert_tp == 1 else ''}"
         )
         st = f"{c['planner_states'] / GIB:7.1f} {c['megatron_states'] / GIB:7.1f}"
         ac = f"{c['planner_activations'] / GIB:7.1f} {c['megatron_activations'] / GIB:7.1f}"

@@ -30,6 +30,8 @@ def test_model_states_within_5_percent_and_the_rest_named(case):
     gap = c["planner_total"] - c["megatron_total"]
     named = sum(c["named"].values())
     assert gap - named == pytest.approx(c["planner_states"] - c["megatron_states"], abs=1.0)
+    # the schedule's layers in flight on the fullest rank are Megatron's (its interleaved factor, min(1, m / pp))
+    assert abs(c["named"]["layers in flight"]) <= 0.05 * c["megatron_activations"]
 
 
 def test_the_estimate_follows_megatrons_formula_on_a_hand_case():
