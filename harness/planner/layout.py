@@ -135,6 +135,10 @@ class PlannerOwn:
     # whole, the tp ranks holding different experts (parallel folding: Megatron's expert-parallel group of
     # ep x tp ranks spans tp x dp; feedforward.py).
     expert_tp: int = 0
+    # Transformer Engine's DotProductAttention (the NVIDIA recipes' layer spec): grouped-query k and v kept as
+    # they are, not repeated to every head, and under cp its own ring (AttnFuncWithCPAndKVP2P: the local q, k,
+    # v, output and log-sum-exp saved, the k/v chunks passed round again in backward), not the own engine's.
+    te_attention: bool = False
 
 
 _SPEC_FIELDS = [f for f in dataclasses.fields(SpecLayout) if f.name not in UNMODELLED]

@@ -48,11 +48,6 @@ from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout,
 from harness.planner.memory_fsdp import fsdp_step_bytes
 from harness.registry import MemoryModel
 
-# Attention kernels that keep grouped-query k and v unrepeated; under context parallelism Transformer
-# Engine's (te_fused) saves the local q, k, v, output and log-sum-exp and passes the k/v chunks round the
-# ring again in backward (its AttnFuncWithCPAndKVP2P), unlike the own engine's fp32 blocks (context.py).
-NATIVE_GQA = ("te_fused", "flash3")
-
 __all__ = ["engine_layer_bytes", "engine_stage_items", "engine_stage_memory", "fsdp_step_bytes", "model_states"]
 
 
@@ -209,7 +204,7 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
     output.
     Selective checkpointing keeps only the recomputed core's inputs q, k, v and wo's input. The
     rotary tables cast to bf16 per call (q and k: cos and sin) are kept too."""
-    if lay.cp > 1 and lay.attention not in NATIVE_GQA:  # the own engine's ring (context.py)
+    if lay.cp > 1 and not lay.te_attention:  # the own engine's ring (context.py)
         return cp_attention_bytes(shape, lay, wl.seq_len, b, wl.dtype_bytes)["kept"]
     s, t, B = wl.seq_len, lay.tp, wl.dtype_bytes
     n = b * s
@@ -222,9 +217,9 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
         return n * (hq + 2 * kv) * B + n * hq * B + rot
     if naive:
         return 3 * n * hq * 4 + s * s + 4 * b * heads * s * s + n * hq * B + rot
-    # SDPA gets k and v repeated to every head; Transformer Engine's fused attention and FlashAttention-3
-    # take grouped-query k and v as they are
-    kv_kept = 2 * n * (kv if lay.attention in NATIVE_GQA else hq) * B
+    # the harness's model repeats k and v to every head before SDPA; Transformer Engine's attention
+    # (te_attention) takes grouped-query k and v as they are
+    kv_kept = 2 * n * (kv if lay.te_attention else hq) * B
     return n * hq * B + kv_kept + n * hq * B + 4 * b * heads * s + rot
 
 
@@ -238,7 +233,7 @@ def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b:
     n, heads, hq = b * s, shape.heads / t, shape.heads * shape.head_dim / t
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
     extra = n * h * B
-    if lay.cp > 1 and lay.attention not in NATIVE_GQA:
+    if lay.cp > 1 and not lay.te_attention:
         extra += cp_attention_bytes(shape, lay, s, b, B)["backward"]
     else:
         if naive:

@@ -1,7 +1,7 @@
 """The memory settings published recipes name beyond the harness's engines' own (PlannerLayout's
-selective_policy, recompute_layers, offload_layers, fp8_params, main_grads, fused_swiglu, fp8_transpose, loss_fusion),
-each a term read from the framework's source, none fitted; memory_engines adds them to a stage's memory,
-features.py the recomputation's time.
+selective_policy, recompute_layers, offload_layers, fp8_params, main_grads, fused_swiglu, fp8_transpose,
+loss_fusion, te_attention), each a term read from the framework's source, none fitted; memory_engines adds
+them to a stage's memory (te_attention in its attention terms), features.py the recomputation's time.
 
 - selective_policy "per_op": torchtitan's op-level selective checkpointing (parallelize_llama.py,
   _apply_ac_to_transformer_block with selective_ac_option "op"; ba24697 of 2024-12): inside a

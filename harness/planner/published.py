@@ -259,6 +259,7 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
         "vocab_parallel_loss": True,  # Megatron's vocab-parallel cross-entropy, torchtitan's loss_parallel default
         "ep": dims.ep,
         "expert_tp": expert_tp,
+        "te_attention": nvidia,  # Transformer Engine's layer spec (memory_engines: GQA, its cp ring)
     }
     for name, value in settings(row).items():
         if name not in SETTINGS:
