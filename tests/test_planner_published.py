@@ -71,14 +71,14 @@ def test_every_row_the_memory_model_misses_names_what_it_lacks(runs):
 
 def test_published_peaks_within_10_percent_but_the_named_rows(runs):
     """Each published peak (torchtitan's max reserved GiB, torchao's GB) within 10%, but the rows that name
-    their gap (three of thirteen when written: torchtitan's 70B rows and its 405B 1F1B row)."""
+    their gap (two of thirteen when written: torchtitan's 70B FSDP32 TP8 row and its 405B 1F1B row)."""
     peaks = [(r, m) for r, m in _checks(runs) if m.published_gib]
     assert len(peaks) == 13
     assert all(abs(m.error) <= 0.10 for r, m in peaks if not unmodelled(r))
-    assert sum(abs(m.error) <= 0.10 for _, m in peaks) >= 10
+    assert sum(abs(m.error) <= 0.10 for _, m in peaks) >= 11
 
 
-@pytest.mark.xfail(strict=True, reason="not met: 10 of 13 published peaks within 10% (see the unmodelled column)")
+@pytest.mark.xfail(strict=True, reason="not met: 11 of 13 published peaks within 10% (see the unmodelled column)")
 def test_every_published_peak_within_10_percent(runs):
     assert all(abs(m.error) <= 0.10 for _, m in _checks(runs) if m.published_gib)
 

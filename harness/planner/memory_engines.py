@@ -301,6 +301,10 @@ def loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, f
     upcast = 4 if B == 2 else 0
     if lay.loss_fusion:  # Megatron's fused cross-entropy in the logits' dtype (memory_recipes)
         return recipes.fused_loss_bytes(n, V, B, lay.tp if _loss_parallel(lay) or lay.engine == "megatron" else 1)
+    if _loss_parallel(lay) and memory_model(lay.engine).states == "fsdp":
+        # torch's loss_parallel (torchtitan's, on DTensor logits; tensor/parallel/loss.py): it keeps the fp32
+        # log-softmax, and its backward holds zeros_like and the exp of it and their sum beside it
+        return 4 * n * V / lay.tp + 9 * n, 12 * n * V / lay.tp
     if _loss_parallel(lay):  # Megatron's vocab_parallel_cross_entropy too
         return 4 * n * V / lay.tp + 9 * n, (B + upcast + 4) * n * V / lay.tp
     return 4 * n * V, max(B + upcast, 8) * n * V
