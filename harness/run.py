@@ -156,6 +156,7 @@ class Trainer:
         # rank 0's per-step metrics to TensorBoard (`--tensorboard DIR`), written as the run goes
         self.stream = MetricsStream(tensorboard_dir, layout_label(lay)) if tensorboard_dir and ctx.is_main else None
         self.losses, self.times, self.details = [], [], []  # every step's loss; the measured steps' times, details
+        self.grad_norms: list[float | None] = []  # every step's global gradient norm before clipping (parity)
         self.parameter_count, self.micro = param_count(shape), micro_batches_per_step(spec)
         self.activations_saved_bytes: int | None = None
         self.routed, self.router, self.active = shape.moe, [], active_param_count(shape)
@@ -194,6 +195,7 @@ class Trainer:
             raise Diverged(step + 1, math.nan, self.total, self.losses, cause)
         loss = math.nan if poisoned else loss
         self.losses.append(loss)
+        self.grad_norms.append(self.engine.grad_norm())
         if not math.isfinite(loss):
             raise Diverged(step + 1, loss, self.total, self.losses)
         if step >= w.warmup_steps:
@@ -259,6 +261,7 @@ class Trainer:
             "step_time_s": stats,
             "step_times_s": times,
             "losses": self.losses,
+            "grad_norms": self.grad_norms if any(g is not None for g in self.grad_norms) else None,
             "tokens_per_step": self.tokens_per_step,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / ctx.world_size,

@@ -29,7 +29,7 @@ from harness.report.compare_steps import (
 )
 from harness.report.data import component_title, measured_columns
 from harness.report.drift import baseline_sections
-from harness.report.policy import held_text, parity_cell, policy_sentence, verdict_text
+from harness.report.policy import grad_norm_text, held_text, parity_cell, policy_sentence, steps_text, verdict_text
 from harness.report.policy import sci as _sci
 from harness.report.ranking import rate_ci
 from harness.report.render import save_figures
@@ -290,7 +290,8 @@ def _machine(summary: dict) -> list[str]:
 def _parity(summary: dict, figs: list) -> Section:
     par = summary["parity"]
     body = [
-        f"The first {par['steps']} per-step losses (warm-up included) of every run are compared with the "
+        f"The per-step losses of {steps_text(par)} (warm-up included) of every run, and each step's global "
+        "gradient norm before clipping where the engine gives it, are compared with the "
         f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
         f"**{par['tolerance']:g}** ({summary['tolerance_source']}). "
         + (
@@ -300,6 +301,9 @@ def _parity(summary: dict, figs: list) -> Section:
             f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."
         )
     ]
+    if par.get("grad_norms") is not None:  # the same tolerance: harness.compare.parity says why
+        text = grad_norm_text(par["grad_norms"], par["tolerance"])
+        body.append(text[0].upper() + text[1:] + ".")
     if any(name == "loss-curves" for name, _, _ in figs):
         body += [LOSS_FIGURE_TEXT, *_figures(figs, ("loss-curves",))]
     if summary.get("loss_table"):

@@ -211,6 +211,13 @@ class DeepSpeedBase:
         assert len(micro) == expected, (len(micro), expected)
         return micro
 
+    def grad_norm(self) -> float | None:
+        """DeepSpeed's own global norm of the last step (engine.get_global_grad_norm: ZeRO's and the
+        bf16 optimizer's norm over every partition, unscaled); None where its optimizer keeps none
+        (ZeRO-0 in fp32 clips with a norm it does not keep)."""
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
     def last_step_details(self) -> dict:
         # DeepSpeed exposes no per-step breakdown, communication counts or pipeline timeline
         # without its wall_clock_breakdown timers (which synchronise the device and change what
