@@ -22,6 +22,7 @@ from harness.report.compare_steps import (
     census_rows,
     census_text,
     collective_rows,
+    flop_text,
     run_breakdown,
     sorted_components,
     trace_items,
@@ -268,7 +269,7 @@ def _results(summary: dict) -> Section:
     differing = differing_fields(summary)
     body = [DIFFERS_TEXT.format(fields=", ".join(differing))] if differing else []
     body.append(results_table(summary))
-    body.append(STEP_TEXT)
+    body += [STEP_TEXT, *flop_text(summary)]
     if summary.get("matmul_peak"):
         body.append(PEAK_TEXT.format(**summary["matmul_peak"]))
     return Section("results", "Results", body=body)

@@ -144,8 +144,10 @@ class DeepSpeedBase:
     def after_initialize(self) -> None:
         """Once deepspeed.initialize has built self.engine: the census at the first step of the
         torch optimizer that updates this rank's fp32 masters (DeepSpeed's basic optimizer,
-        inside its wrapper), and the count of skipped steps so far."""
-        self.census = CensusAtStep(self.engine.basic_optimizer, self.census_tensors)
+        inside its wrapper, which steps it once per parameter group: a MoE's expert groups are
+        groups of their own), and the count of skipped steps so far."""
+        basic = self.engine.basic_optimizer
+        self.census = CensusAtStep(basic, self.census_tensors, calls_per_step=len(basic.param_groups))
         self._skipped_steps = self.engine.skipped_steps
 
     def check_step_applied(self) -> None:
