@@ -15,6 +15,10 @@ is a reduction over the same tokens in the same precision as the loss. A run who
 no norm (FSDP2 without clipping, DeepSpeed ZeRO-0 in fp32) is listed with that reason, its loss
 verdict standing; a norm outside the tolerance fails the run.
 
+Final weights: each run's fingerprint of its weights after the trained steps (harness.measure.weights,
+gathered on rank 0 by the engine's full_state_dict) against the anchor's, at the same tolerance relative
+to each parameter's norm; a run without one is listed with the reason its record gives.
+
 Fingerprints: hosts, devices and library versions must be the same for every run; a
 difference is flagged (world size and environment variables are expected to differ).
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.measure.weights import fingerprint_rel_diff
 from harness.store import FAIL, NO_DATA, PASS, failure  # noqa: F401 - the verdicts, recorded with each run
 
 FINGERPRINT_GROUPS = {
@@ -59,6 +64,8 @@ class RunParity:
     grad_norm_rel_diff: float | None = None  # None: not compared (grad_norm_note says why)
     grad_norm_worst_step: int | None = None
     grad_norm_note: str = ""
+    weights_rel_diff: float | None = None  # None: not compared (weights_note says why)
+    weights_note: str = ""
 
 
 NO_NORM = (
@@ -71,6 +78,21 @@ def grad_norms(run: dict, n: int) -> list[float] | None:
     norms = run.get("grad_norms") or (run.get("metrics") or {}).get("grad_norms") or []
     norms = norms[:n]
     return norms if len(norms) == n and all(g is not None for g in norms) else None
+
+
+def _weights_parity(p: RunParity, run: dict, anchor: dict, tolerance: float) -> None:
+    """Compare the run's final-weights fingerprint with the anchor's into p (a difference fails the run)."""
+    mine, ref = (((r.get("metrics") or {}).get("weights_fingerprint")) for r in (run, anchor))
+    if not isinstance(ref, dict):
+        p.weights_note = f"not compared: the anchor ({anchor['label']}) has no weights fingerprint"
+        return
+    if not isinstance(mine, dict):
+        p.weights_note = mine if isinstance(mine, str) else "no weights fingerprint in the record (an older harness)"
+        return
+    p.weights_rel_diff, at = fingerprint_rel_diff(mine, ref)
+    if p.weights_rel_diff > tolerance:
+        p.verdict = FAIL
+        p.note = "; ".join(x for x in (p.note, f"final weights: {at} differs by {p.weights_rel_diff:.1e}") if x)
 
 
 def _grad_parity(p: RunParity, run: dict, anchor: dict, n: int, tolerance: float) -> None:
@@ -107,6 +129,7 @@ def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
         note = "" if verdict == PASS else (f"step {at}: {r['losses'][at]:.7g} vs {anchor['losses'][at]:.7g}")
         p = RunParity(r["label"], verdict, d, at, note)
         _grad_parity(p, r, anchor, n, tolerance)
+        _weights_parity(p, r, anchor, tolerance)
         per_run.append(p)
     labels = [r["label"] for r in usable]
     matrix = {a["label"]: {b["label"]: max_rel_diff(a["losses"], b["losses"], n)[0] for b in usable} for a in usable}
@@ -124,6 +147,11 @@ def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
             "compared": [p.label for p in per_run if p.grad_norm_rel_diff is not None],
             "not_compared": {p.label: p.grad_norm_note for p in per_run if p.grad_norm_note},
             "max_pairwise_rel_diff": grad_spread,
+        },
+        "weights": {
+            "compared": [p.label for p in per_run if p.weights_rel_diff is not None],
+            "not_compared": {p.label: p.weights_note for p in per_run if p.weights_note},
+            "max_rel_diff": max((p.weights_rel_diff for p in per_run if p.weights_rel_diff is not None), default=None),
         },
         "tolerance": tolerance,
         "anchor": anchor["label"] if anchor else None,

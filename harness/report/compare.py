@@ -30,7 +30,7 @@ from harness.report.compare_steps import (
 )
 from harness.report.data import component_title, measured_columns
 from harness.report.drift import baseline_sections
-from harness.report.policy import grad_norm_text, held_text, parity_cell, policy_sentence, steps_text, verdict_text
+from harness.report.policy import check_texts, held_text, parity_cell, policy_sentence, steps_text, verdict_text
 from harness.report.policy import sci as _sci
 from harness.report.ranking import rate_ci
 from harness.report.render import save_figures
@@ -302,9 +302,7 @@ def _parity(summary: dict, figs: list) -> Section:
             f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."
         )
     ]
-    if par.get("grad_norms") is not None:  # the same tolerance: harness.compare.parity says why
-        text = grad_norm_text(par["grad_norms"], par["tolerance"])
-        body.append(text[0].upper() + text[1:] + ".")
+    body += check_texts(par)  # gradient norms and final weights, at the same tolerance (harness.compare.parity)
     if any(name == "loss-curves" for name, _, _ in figs):
         body += [LOSS_FIGURE_TEXT, *_figures(figs, ("loss-curves",))]
     if summary.get("loss_table"):

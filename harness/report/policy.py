@@ -120,6 +120,8 @@ def reasons(summary: dict) -> list[str]:
         grads = par.get("grad_norms")
         if grads is not None:
             out.append(grad_norm_text(grads, par["tolerance"]))
+        if par.get("weights") is not None:
+            out.append(weights_text(par["weights"], par["tolerance"]))
     fp = summary["fingerprints"]
     out.append(
         "fingerprints " + ("identical" if fp["same"] else "DIFFER (" + ", ".join(fp.get("flagged_groups", [])) + ")")
@@ -145,6 +147,26 @@ def grad_norm_text(grads: dict, tolerance: float) -> str:
     )
     missing = grads.get("not_compared") or {}
     return text + (f"; none from {', '.join(missing)}" if missing else "")
+
+
+def weights_text(weights: dict, tolerance: float) -> str:
+    """What the final-weights check covered: how many runs, the largest difference, who has none and why."""
+    done, worst = weights["compared"], weights.get("max_rel_diff")
+    agree = "agree" if worst is None or worst <= tolerance else "DIFFER"
+    text = (
+        f"final weights {agree} for {len(done)} run(s) (fingerprints, max relative difference {sci(worst)})"
+        if done
+        else "final weights not compared"
+    )
+    missing = weights.get("not_compared") or {}
+    return text + "".join(f"; {label}: {why}" for label, why in missing.items())
+
+
+def check_texts(par: dict) -> list[str]:
+    """The gradient-norm and final-weights checks as sentences (none where the summary predates them)."""
+    texts = [grad_norm_text(par["grad_norms"], par["tolerance"])] if par.get("grad_norms") is not None else []
+    texts += [weights_text(par["weights"], par["tolerance"])] if par.get("weights") is not None else []
+    return [t[0].upper() + t[1:] + "." for t in texts]
 
 
 def verdict_text(summary: dict) -> str:
