@@ -291,8 +291,8 @@ def _machine(summary: dict) -> list[str]:
 def _parity(summary: dict, figs: list) -> Section:
     par = summary["parity"]
     body = [
-        f"The per-step losses of {steps_text(par)} (warm-up included) of every run, and each step's global "
-        "gradient norm before clipping where the engine gives it, are compared with the "
+        f"The per-step losses of {steps_text(par)} (warm-up included) of every run, each step's global gradient "
+        "norm before clipping and the final weights where the engine gives them, are compared with the "
         f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
         f"**{par['tolerance']:g}** ({summary['tolerance_source']}). "
         + (

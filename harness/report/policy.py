@@ -154,7 +154,8 @@ def weights_text(weights: dict, tolerance: float) -> str:
     done, worst = weights["compared"], weights.get("max_rel_diff")
     agree = "agree" if worst is None or worst <= tolerance else "DIFFER"
     text = (
-        f"final weights {agree} for {len(done)} run(s) (fingerprints, max relative difference {sci(worst)})"
+        f"final weights {agree} for {len(done)} run(s) (max relative difference {sci(worst)} of a parameter's norm "
+        "or random projection, to its norm)"
         if done
         else "final weights not compared"
     )
