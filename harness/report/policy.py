@@ -114,8 +114,9 @@ def reasons(summary: dict) -> list[str]:
         holds = all(p["max_rel_diff"] <= tol for p in finished) and par["max_pairwise_rel_diff"] <= tol
         out.append(
             f"loss parity {'holds' if holds else 'FAILS'} across the {len(finished)} finished runs "
-            f"(max pairwise relative difference {sci(par['max_pairwise_rel_diff'])} over {steps_text(par)}, "
-            f"tolerance {par['tolerance']:g})"
+            f"(max pairwise relative difference {sci(par['max_pairwise_rel_diff'])}"
+            + (f" over {steps_text(par)}, " if par.get("steps") else ", ")
+            + f"tolerance {par['tolerance']:g})"
         )
         grads = par.get("grad_norms")
         if grads is not None:
