@@ -87,7 +87,7 @@ def _weights_parity(p: RunParity, run: dict, anchor: dict, tolerance: float) -> 
         p.weights_note = f"not compared: the anchor ({anchor['label']}) has no weights fingerprint"
         return
     if not isinstance(mine, dict):
-        p.weights_note = mine if isinstance(mine, str) else "no weights fingerprint in the record (an older harness)"
+        p.weights_note = mine if isinstance(mine, str) else "no weights fingerprint in its record (none gathered)"
         return
     p.weights_rel_diff, at = fingerprint_rel_diff(mine, ref)
     if p.weights_rel_diff > tolerance:
