@@ -219,6 +219,7 @@ class Trainer:
         if self.parameter_count > MAX_PARAMETERS:
             self.weights = f"not gathered: {self.parameter_count:,} parameters (> {MAX_PARAMETERS:,}) on one rank"
             return
+        self.memory_before_profile = peak_memory(self.ctx.device)  # the gathered copy is not the run's either
         state = self.engine.full_state_dict()
         self.weights = weights_fingerprint(state) if state is not None else None
 
@@ -228,7 +229,8 @@ class Trainer:
         same steps are kept beside the trace's breakdown, as its reference."""
         if steps <= 0:
             return
-        self.memory_before_profile = peak_memory(self.ctx.device)  # the profiler's buffers are not the run's
+        # the profiler's buffers are not the run's (taken before the weights' gather where there was one)
+        self.memory_before_profile = self.memory_before_profile or peak_memory(self.ctx.device)
         started = time.perf_counter()
         instrumented: list[dict] = []
 
