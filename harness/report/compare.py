@@ -24,13 +24,14 @@ from harness.report.compare_steps import (
     census_rows,
     census_text,
     collective_rows,
+    flop_text,
     run_breakdown,
     sorted_components,
     why_section,
 )
 from harness.report.data import component_title, measured_columns
 from harness.report.drift import baseline_sections
-from harness.report.policy import held_text, parity_cell, policy_sentence, verdict_text
+from harness.report.policy import check_texts, held_text, parity_cell, policy_sentence, steps_text, verdict_text
 from harness.report.policy import sci as _sci
 from harness.report.ranking import rate_ci
 from harness.report.render import save_figures
@@ -272,7 +273,7 @@ def _results(summary: dict) -> Section:
     differing = differing_fields(summary)
     body = [DIFFERS_TEXT.format(fields=", ".join(differing))] if differing else []
     body.append(results_table(summary))
-    body.append(STEP_TEXT)
+    body += [STEP_TEXT, *flop_text(summary)]
     if summary.get("matmul_peak"):
         body.append(PEAK_TEXT.format(**summary["matmul_peak"]))
     return Section("results", "Results", body=body)
@@ -281,7 +282,8 @@ def _results(summary: dict) -> Section:
 def _parity(summary: dict, figs: list) -> Section:
     par = summary["parity"]
     body = [
-        f"The first {par['steps']} per-step losses (warm-up included) of every run are compared with the "
+        f"The per-step losses of {steps_text(par)} (warm-up included) of every run, each step's global gradient "
+        "norm before clipping and the final weights where the engine gives them, are compared with the "
         f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
         f"**{par['tolerance']:g}** ({summary['tolerance_source']}). "
         + (
@@ -291,6 +293,7 @@ def _parity(summary: dict, figs: list) -> Section:
             f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."
         )
     ]
+    body += check_texts(par)  # gradient norms and final weights, at the same tolerance (harness.compare.parity)
     if any(name == "loss-curves" for name, _, _ in figs):
         body += [LOSS_FIGURE_TEXT, *_figures(figs, ("loss-curves",))]
     if summary.get("loss_table"):

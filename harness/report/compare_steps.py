@@ -241,9 +241,46 @@ BUFFERS_TEXT = (
 
 
 def census_text(summary: dict) -> list[str]:
-    """What the census table shows: its buffers column explained only where it is shown."""
+    """What the census table shows: its buffers column explained only where it is shown; what P is."""
     shown = any(((r.get("metrics") or {}).get("memory_census") or {}).get("buffers") for r in summary["runs"])
-    return [CENSUS_TEXT, BUFFERS_TEXT] if shown else [CENSUS_TEXT]
+    t = _palm_terms(summary)
+    p = [f"P = {t['P']:,}: every parameter of the model" + (", all experts." if t["N"] != t["P"] else ".")] if t else []
+    return [CENSUS_TEXT, *p, BUFFERS_TEXT] if shown else [CENSUS_TEXT, *p]
+
+
+def _palm_terms(summary: dict) -> dict | None:
+    """harness.model.flops.palm_terms of the compared workload (None where the summary's workload is not one)."""
+    from harness.errors import SpecError
+    from harness.model.flops import palm_terms
+    from harness.spec import parse_spec
+
+    try:
+        spec = parse_spec({"workload": summary["workload"]})
+        return palm_terms(spec.shape(), spec.workload.seq_len)
+    except (SpecError, KeyError, TypeError, ValueError):
+        return None
+
+
+def flop_text(summary: dict) -> list[str]:
+    """The MFU's FLOP convention, term by term, as harness.model.flops counts it for this workload."""
+    t = _palm_terms(summary)
+    if t is None:
+        return []
+    moe = t["N"] != t["P"]
+    return [
+        f"PaLM's FLOPs per token, as the harness counts them: 6N + 12·L·h·s = 6 x {t['N']:,} + 12 x {t['L']} x "
+        f"{t['h']} x {t['s']} = {t['per_token']:,}. N = {t['N']:,}: the parameters a token passes through, the "
+        "input embedding (a lookup, no matmul) and the LM head (once where tied) included, with every attention "
+        "projection and RMSNorm weight"
+        + (
+            f"; under MoE its routed experts and the router only, not every expert: N is not the census's "
+            f"P = {t['P']:,} (every parameter)"
+            if moe
+            else f" (every parameter: N = P = {t['P']:,})"
+        )
+        + ". 12·L·h·s: the attention matmuls QKᵀ and AV over the whole sequence, no causal halving (L layers, "
+        "h hidden size, s sequence length)."
+    ]
 
 
 def _buffer_cell(by_dtype: dict | None) -> str:
