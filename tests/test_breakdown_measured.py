@@ -30,7 +30,7 @@ def _case(label, ms, parts, layout=None, engine="own"):
     b = Breakdown(parts, sum(parts.values()), "measured steps")
     lay = dict(BASE, **(layout or {}))
     ci = (ms * 0.99e-3, ms * 1.01e-3)
-    return Case(label, engine, label, ms / 1e3, b, ci, None, factors(lay))
+    return Case(label, engine, label, ms / 1e3, b, ci, None, fields=factors(lay))
 
 
 def test_why_names_every_component_that_moved_either_way():
