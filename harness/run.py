@@ -253,9 +253,7 @@ class Trainer:
             return
         self.profile = {"trace": trace, "instrumented": instrumented if len(instrumented) == steps else None}
         try:
-            self.profile["analysis"] = trace_breakdown(
-                trace, self.ctx.device.type, self.dims.pp, dict(self.dims.sizes(), ep=self.dims.ep)
-            )
+            self.profile["analysis"] = trace_breakdown(trace, self.ctx.device.type, self.dims.pp, self.dims)
         except (ValueError, KeyError) as e:  # a trace the analysis cannot read: said in the record
             self.profile.update(analysis=None, error=f"{type(e).__name__}: {e}")
         self.profile["wall_s"] = time.perf_counter() - started  # what profiling adds: steps, export, analysis

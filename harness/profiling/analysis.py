@@ -313,8 +313,11 @@ def cuda_breakdown(trace: dict, pp: int = 1, degrees: dict | None = None) -> dic
     return {"steps": steps, "collectives": count_calls(calls, windows)}
 
 
-def breakdown(trace: dict, device_type: str = "cpu", pp: int = 1, degrees: dict | None = None) -> dict:
-    """The breakdown of a profiled trace; `degrees` ({axis: degree}, ep included) drops axes of degree 1."""
+def breakdown(trace: dict, device_type: str = "cpu", pp: int = 1, degrees=None) -> dict:
+    """The breakdown of a profiled trace; `degrees` ({axis: degree}, ep included, or the run's ParallelDims)
+    drops axes of degree 1."""
+    if degrees is not None and not isinstance(degrees, dict):
+        degrees = dict(degrees.sizes(), ep=degrees.ep)
     if device_type == "cuda":
         return cuda_breakdown(trace, pp, degrees)
     return cpu_breakdown(trace, pp, degrees)
