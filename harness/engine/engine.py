@@ -44,6 +44,7 @@ from harness.data.source import dp_slice, micro_batches
 from harness.engine.comm import CommStats, StepClock, opaque_to_compile
 from harness.engine.data_parallel import ModelStates, StateGroups
 from harness.engine.model import ChunkOptions, build_chunks, use_fp8
+from harness.engine.muon import MUON_TIME
 from harness.engine.parallel import ParallelContext
 from harness.engine.partition import rank_chunks
 from harness.engine.pipeline import PipelineExecutor
@@ -129,9 +130,14 @@ class Engine3D:
                     )
                 )
         self.model_states = StateGroups(groups)
-        self.optimizer = options.make_optimizer(
-            self.model_states.optimizer_tensors(), w, fused=ctx.device.type == "cuda"
-        )
+        if w.optimizer.name == "muon":  # the blocks' matrices by Muon, gathered whole under ZeRO-1 (engine/muon.py)
+            from harness.engine.muon import muon_optimizer
+
+            self.optimizer = muon_optimizer(self.model_states, w, fused=ctx.device.type == "cuda")
+        else:
+            self.optimizer = options.make_optimizer(
+                self.model_states.optimizer_tensors(), w, fused=ctx.device.type == "cuda"
+            )
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
         # each block compiled around its explicit TP regions: a collective in one breaks the graph there
         if lay.compile != "none":
@@ -206,6 +212,9 @@ class Engine3D:
         clock.add("optimizer", t3, t_end)
         clock.finish()
         s = clock.seconds
+        if MUON_TIME in s:  # Muon's gather under ZeRO-1 (engine/muon.py) waited inside the optimizer step
+            s["optimizer"] -= s[MUON_TIME]
+            s["dp_comm"] += s.pop(MUON_TIME)
         self._details = {
             "breakdown_s": {
                 # they run inside forward/backward

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness import spec
 from harness.registry import EngineFacts, MemoryModel, only, tied_across_stages
-from harness.spec import EVERY_ENGINE, FP8, MOE, honoured, subset, through
+from harness.spec import EVERY_ENGINE, FP8, MOE, MUON, honoured, subset, through
 
 # its instruction lists (harness/engine/schedules.py; the zero-bubble ones in torch's orders, zero_bubble.py)
 SCHEDULES = through(spec.SCHEDULES, "dualpipev")
@@ -42,6 +42,7 @@ ENGINE = EngineFacts(
         **EVERY_ENGINE,
         **FP8,
         **MOE,
+        **MUON,  # harness/model/muon.py; ZeRO-1 gathers each sharded matrix's update for Newton-Schulz
         **honoured(
             "layout",
             "tp pp dp cp ep sequence_parallel virtual_stages dp_bucket_mb",
@@ -84,6 +85,12 @@ ENGINE = EngineFacts(
         ),
     ],
     precision_limits=[
+        (
+            "optimizer.name",
+            lambda w, lay: w.optimizer.name != "muon" or lay.tp == 1,
+            "muon with tp > 1: Newton-Schulz needs each whole matrix and the own engine's Muon gathers the ZeRO-1 "
+            "shards over dp only, not a tensor-parallel shard over tp: set tp=1",
+        ),
         (
             "precision",
             lambda w, lay: w.precision != "fp8" or lay.tp == 1 or not fp8_misaligned_shards(w, lay),

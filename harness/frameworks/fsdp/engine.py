@@ -144,7 +144,12 @@ class FSDPEngine:
         self.is_last_stage = plans is None or any(p.last for p in plans)
         self._precompute_fp8_scales()
         self.params = [p for part in self.parts for p in part.parameters()]
-        self.optimizer = options.make_optimizer(self.params, w, fused=ctx.device.type == "cuda")
+        if w.optimizer.name == "muon":  # Muon on the blocks' matrices, each gathered whole for Newton-Schulz
+            from harness.frameworks.fsdp.muon import fsdp_optimizer
+
+            self.optimizer = fsdp_optimizer(self.parts, w, fused=ctx.device.type == "cuda")
+        else:
+            self.optimizer = options.make_optimizer(self.params, w, fused=ctx.device.type == "cuda")
         self.census = census.CensusAtStep(self.optimizer, self._census_tensors)
         self._details: dict = {}
 
@@ -217,6 +222,10 @@ class FSDPEngine:
         self._details = {
             "breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds, "total": step.seconds}
         }
+        muon = getattr(self.optimizer, "whole", None)
+        if hasattr(muon, "comm"):  # Muon's gathers of whole matrices (fsdp/muon.py), inside the optimizer's time
+            self._details["comm"] = muon.comm()
+            muon.reset()
         return loss
 
     def _context_parallel(self, inputs, targets):

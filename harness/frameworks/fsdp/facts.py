@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from harness import spec
 from harness.registry import EngineFacts, MemoryModel, not_both, only, tied_across_stages
-from harness.spec import EVERY_ENGINE, FP8, MOE, honoured, micro_batch_count, some, subset, through
+from harness.spec import EVERY_ENGINE, FP8, MOE, MUON, honoured, micro_batch_count, some, subset, through
 
 
 def _micro(w, lay) -> int:
@@ -29,6 +29,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **FP8,
+        **MUON,  # harness/model/muon.py: each DTensor matrix's update gathered whole (full_tensor) for Newton-Schulz
         **MOE,  # the plain model's MoEFeedForward: the reference's router and losses (engine.py)
         **honoured(
             "layout",
@@ -88,6 +89,12 @@ ENGINE = EngineFacts(
         ),
     ],
     precision_limits=[
+        (
+            "optimizer.name",
+            lambda w, lay: w.optimizer.name != "muon" or lay.tp == 1,
+            "muon with tp > 1 under engine fsdp: the Muon step here gathers each matrix over the FSDP2 shard mesh "
+            "only, not over DTensor tensor parallelism: set tp=1",
+        ),
         (
             "precision",
             lambda w, lay: w.precision != "fp8" or lay.tp == 1,

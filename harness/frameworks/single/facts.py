@@ -4,7 +4,7 @@ declared without importing torch; adapter.py builds it (engine.py)."""
 from __future__ import annotations
 
 from harness.registry import EngineFacts, MemoryModel, only
-from harness.spec import EVERY_ENGINE, FP8, MOE, honoured
+from harness.spec import EVERY_ENGINE, FP8, MOE, MUON, honoured
 
 _ONE_PROCESS = "engine single is one process: set tp=cp=pp=dp=1"
 ENGINE = EngineFacts(
@@ -13,6 +13,7 @@ ENGINE = EngineFacts(
         **EVERY_ENGINE,
         **FP8,
         **MOE,
+        **MUON,
         **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
         **honoured(
             "layout", activation_checkpointing="selective", attention="flash2", rmsnorm="fused", compile="blocks"

@@ -1,0 +1,67 @@
+"""Muon under FSDP2 (harness.model.muon.MuonWithAdamW over DTensor parameters): Newton-Schulz needs each
+matrix whole, and FSDP2 holds a Shard(0) of it per rank. Each step, every Muon matrix's update (what this
+rank holds of it, after the momentum) is all-gathered whole by DTensor's full_tensor() over the
+parameter's mesh, orthogonalised on every rank, and each rank keeps its rows (the offsets DTensor gives its
+shard). The gathers are counted per step (DTensorWhole.counts: the comm census's axis "dp_muon", one
+all-gather of the whole fp32 matrix per Muon parameter), as the own engine counts its ZeRO-1 gather.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.model.muon import make_optimizer
+
+MUON_AXIS = "dp_muon"
+
+
+class DTensorWhole:
+    """harness.model.muon's Whole for DTensor matrices (plain tensors: whole already)."""
+
+    def __init__(self, matrices: list, shapes: list):
+        self.matrices, self.shapes = matrices, shapes
+        self.reset()
+
+    def reset(self) -> None:
+        self.count, self.bytes, self.by_dtype = 0, 0, {}
+
+    def full(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        out = []
+        for p, u, shape in zip(self.matrices, updates, self.shapes, strict=True):
+            if not isinstance(p, DTensor) or p.device_mesh.size() == 1:
+                out.append(u.view(shape))
+                continue
+            whole = DTensor.from_local(
+                u, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            ).full_tensor()
+            size = whole.numel() * whole.element_size()
+            self.count, self.bytes = self.count + 1, self.bytes + size
+            key = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(whole.dtype, str(whole.dtype))
+            self.by_dtype[key] = self.by_dtype.get(key, 0) + size
+            out.append(whole)
+        return out
+
+    def mine(self, index: int, whole: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        p = self.matrices[index]
+        if not isinstance(p, DTensor):
+            return whole
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+
+    def comm(self) -> dict:
+        """The last step's gathers in the comm census's shape ({axis: {op: {count, bytes, bytes_by_dtype}}})."""
+        if not self.count:
+            return {}
+        return {MUON_AXIS: {"all_gather": {"count": self.count, "bytes": self.bytes, "bytes_by_dtype": self.by_dtype}}}
+
+
+def fsdp_optimizer(parts, workload, fused: bool):
+    """The workload's optimizer over the parts' (FSDP2-sharded) parameters, named as the plain model's: AdamW, or
+    Muon on the blocks' matrices with DTensorWhole (then its `whole` attribute says the step's gathers)."""
+    named = [(n, p) for part in parts for n, p in part.named_parameters()]
+    return make_optimizer(named, workload, fused=fused, whole=DTensorWhole)
