@@ -47,7 +47,7 @@ ENGINE = EngineFacts(
             "layout",
             "tp pp dp cp ep sequence_parallel virtual_stages dp_bucket_mb",
             cp_impl="ulysses",
-            activation_checkpointing="selective",
+            activation_checkpointing="selective_op",
             attention="flash2",
             rmsnorm="fused",
             pipeline_p2p="grouped",
@@ -60,6 +60,19 @@ ENGINE = EngineFacts(
         "layout.zero_stage": only(0, 1, why="the own engine has ZeRO stage 0 or 1"),
     },
     capabilities=[
+        (
+            "activation_checkpointing",
+            lambda lay: lay.activation_checkpointing != "selective_op" or lay.compile == "none",
+            "selective_op with compile blocks is not checked here (the per-op policy runs as a dispatch mode around "
+            "eager blocks): set compile none",
+        ),
+        (
+            "activation_checkpointing",
+            lambda lay: lay.activation_checkpointing != "selective_op" or (lay.tp == 1 and lay.cp == 1),
+            "selective_op with tp or cp > 1: the own engine's TP and CP collectives run inside a block, and the "
+            "per-op policy (harness/model/op_checkpoint.py) saves no collective's output, so recomputation would "
+            "repeat them: set tp=1 and cp=1, or activation_checkpointing selective",
+        ),
         # ring and allgather run their blocks with naive's masked fp32 math or an op that returns the
         # LSE (harness.engine.context_parallel); ulysses runs any kernel on its head shard
         (
@@ -68,7 +81,7 @@ ENGINE = EngineFacts(
             "the own engine's context parallelism with cp_impl ring or allgather computes attention "
             "blocks with naive's fp32 math or torch's SDPA ops that return the log-sum-exp: it needs "
             "attention naive, sdpa, sdpa_flash, sdpa_efficient or sdpa_cudnn (or cp_impl ulysses)",
-        )
+        ),
     ],
     model_limits=[
         tied_across_stages(
@@ -78,6 +91,12 @@ ENGINE = EngineFacts(
             lambda s, lay: not s.tie_embeddings or lay.pp * lay.virtual_stages == 1,
         ),
         # what the own engine's MoE (harness/engine/experts.py) is not built for
+        (
+            "mixture of experts",
+            lambda s, lay: not s.moe or lay.activation_checkpointing != "selective_op",
+            "selective_op with a MoE model: the policy saves matmuls by their order in a dense block, and the "
+            "own engine's expert all-to-alls would run again in recomputation: use a dense model or another mode",
+        ),
         (
             "a compiled MoE",
             lambda s, lay: not s.moe or lay.compile == "none",

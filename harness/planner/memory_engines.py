@@ -36,7 +36,7 @@ import functools
 
 from harness import registry
 from harness.model.presets import Shape
-from harness.planner import feedforward, fp8, schedules
+from harness.planner import feedforward, fp8, schedules, selective_op
 from harness.planner import memory_terms as terms
 from harness.planner.context import cp_attention_bytes
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
@@ -254,7 +254,7 @@ def engine_layer_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict:
     working = max(ffn.working_bytes(lay, n, B), _attention_backward_bytes(shape, lay, wl, b))
     if lay.precision == "fp8":  # the fp8 operands of the linear running backward (fp8.py: torchao saves bf16)
         working += fp8.backward_operand_bytes(tokens, lay, n)
-    kept = n * h * B / (t if sp else 1) if lay.activation_checkpointing == "full" else full
+    kept = selective_op.kept_bytes(shape, lay, wl, full)  # full: the input; selective_op: the policy's saves
     return {"layer": kept, "full_layer": full, "working": working}
 
 
@@ -313,7 +313,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     micro = layers * act["layer"]
     if lay.pp > 1:  # PipelineExecutor.live: the received input (not on the first stage) and the sent output
         micro += hidden * ((0 if has_emb else 1) + (0 if has_head else 1))
-    keeps_input = lay.activation_checkpointing == "full" or lay.norm_kernel == "fused" or B == 4
+    keeps_input = lay.activation_checkpointing in selective_op.RECOMPUTING or lay.norm_kernel == "fused" or B == 4
     if keeps_input and lay.pp > 1 and not has_emb and layers:
         micro -= hidden  # what the first layer keeps of its input (checkpoint, norm) is the received tensor
     if has_emb and t > 1:
@@ -326,7 +326,8 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
         # the LM head's state lives for one micro-batch: the last chunk's forward is followed at once by
         # its backward (interleaved: after the warm-up of the other chunks; the V schedules' rank 0)
         held -= (k - 1) * head
-    working = (act["full_layer"] - act["layer"] if lay.activation_checkpointing == "full" else 0.0) + act["working"]
+    recomputes = lay.activation_checkpointing in selective_op.RECOMPUTING  # backward re-creates what was not kept
+    working = (act["full_layer"] - act["layer"] if recomputes else 0.0) + act["working"]
     candidates = {"backward_working_set": working if layers else 0.0}
     if has_head:  # the loss's peak with this micro-batch's activations, the others' held
         candidates["logits_and_loss"] = ce_extra

@@ -66,6 +66,8 @@ import torch.distributed as dist
 
 from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
+from harness.frameworks.fsdp.checkpointing import wrap_blocks
+from harness.frameworks.fsdp.muon import fsdp_optimizer, step_comm
 from harness.measure import census, ranges, timers
 from harness.model import float8
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
@@ -144,12 +146,8 @@ class FSDPEngine:
         self.is_last_stage = plans is None or any(p.last for p in plans)
         self._precompute_fp8_scales()
         self.params = [p for part in self.parts for p in part.parameters()]
-        if w.optimizer.name == "muon":  # Muon on the blocks' matrices, each gathered whole for Newton-Schulz
-            from harness.frameworks.fsdp.muon import fsdp_optimizer
-
-            self.optimizer = fsdp_optimizer(self.parts, w, fused=ctx.device.type == "cuda")
-        else:
-            self.optimizer = options.make_optimizer(self.params, w, fused=ctx.device.type == "cuda")
+        # AdamW, or Muon on the blocks' matrices, each gathered whole for Newton-Schulz (fsdp/muon.py)
+        self.optimizer = fsdp_optimizer(self.parts, w, options.make_optimizer, fused=ctx.device.type == "cuda")
         self.census = census.CensusAtStep(self.optimizer, self._census_tensors)
         self._details: dict = {}
 
@@ -170,11 +168,7 @@ class FSDPEngine:
         # fp8: torchao's Float8Linear swapped in before fully_shard (torchtitan's order), on the meta module;
         # fp8_all_gather: its weights become WeightWithDynamicFloat8CastTensor, all-gathered by FSDP2 in FP8
         self.policy.convert_fp8(part, self.device.type, fsdp_all_gather=lay.fp8_all_gather)
-        if lay.activation_checkpointing == "full":
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-            for key, block in list(part.layers.named_children()):
-                part.layers.register_module(key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        wrap_blocks(part, lay.activation_checkpointing)  # full, selective_op: before fully_shard (checkpointing.py)
         compile_blocks(part.layers.children(), lay.compile)  # before fully_shard, as torchtitan
         dp_mesh = self.shard_mesh
         for block in part.layers.children():
@@ -222,10 +216,7 @@ class FSDPEngine:
         self._details = {
             "breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds, "total": step.seconds}
         }
-        muon = getattr(self.optimizer, "whole", None)
-        if hasattr(muon, "comm"):  # Muon's gathers of whole matrices (fsdp/muon.py), inside the optimizer's time
-            self._details["comm"] = muon.comm()
-            muon.reset()
+        self._details.update(step_comm(self.optimizer))  # Muon's gathers of whole matrices, in the optimizer's time
         return loss
 
     def _context_parallel(self, inputs, targets):

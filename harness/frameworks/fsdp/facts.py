@@ -34,7 +34,7 @@ ENGINE = EngineFacts(
         **honoured(
             "layout",
             "tp pp dp cp sequence_parallel virtual_stages reshard_after_forward fp8_all_gather",
-            activation_checkpointing="selective",
+            activation_checkpointing="selective_op",
             attention="flash2",
             rmsnorm="fused",
             compile="blocks",
@@ -51,6 +51,18 @@ ENGINE = EngineFacts(
     },
     runs_moe=True,
     capabilities=[
+        (
+            "activation_checkpointing",
+            lambda lay: lay.activation_checkpointing != "selective_op" or lay.compile == "none",
+            "selective_op with compile blocks is not checked here (the per-op policy runs as a dispatch mode around "
+            "eager blocks): set compile none",
+        ),
+        (
+            "activation_checkpointing",
+            lambda lay: lay.activation_checkpointing != "selective_op" or (lay.tp == 1 and lay.cp == 1),
+            "selective_op with tp or cp > 1 under engine fsdp: DTensor's collectives inside a block would run again "
+            "in recomputation (the per-op policy, harness/model/op_checkpoint.py, saves none): set tp=1 and cp=1",
+        ),
         (
             "compile",
             lambda lay: lay.compile == "none" or lay.tp == 1,
@@ -122,6 +134,12 @@ ENGINE = EngineFacts(
             "stages",
             "engine fsdp",
             lambda s, lay: not s.tie_embeddings or lay.pp == 1,
+        ),
+        (
+            "mixture of experts",
+            lambda s, lay: not s.moe or lay.activation_checkpointing != "selective_op",
+            "selective_op with a MoE model: the per-op policy counts a dense block's matmuls (wq, wv, w1, w2 saved); "
+            "use a dense model or another checkpointing mode",
         ),
         (
             "mixture of experts",

@@ -60,8 +60,20 @@ class DTensorWhole:
         return {MUON_AXIS: {"all_gather": {"count": self.count, "bytes": self.bytes, "bytes_by_dtype": self.by_dtype}}}
 
 
-def fsdp_optimizer(parts, workload, fused: bool):
-    """The workload's optimizer over the parts' (FSDP2-sharded) parameters, named as the plain model's: AdamW, or
-    Muon on the blocks' matrices with DTensorWhole (then its `whole` attribute says the step's gathers)."""
+def fsdp_optimizer(parts, workload, make_adamw, fused: bool):
+    """The workload's optimizer over the parts' (FSDP2-sharded) parameters: make_adamw's (BuildOptions'), or
+    Muon on the blocks' matrices, named as the plain model's, with DTensorWhole."""
+    if workload.optimizer.name != "muon":
+        return make_adamw([p for part in parts for p in part.parameters()], workload, fused=fused)
     named = [(n, p) for part in parts for n, p in part.named_parameters()]
     return make_optimizer(named, workload, fused=fused, whole=DTensorWhole)
+
+
+def step_comm(optimizer) -> dict:
+    """{"comm": the last step's Muon gathers} (then counted afresh), or {} for an optimizer that gathers nothing."""
+    whole = getattr(optimizer, "whole", None)
+    if not isinstance(whole, DTensorWhole):
+        return {}
+    out = {"comm": whole.comm()}
+    whole.reset()
+    return out

@@ -16,7 +16,7 @@ ENGINE = EngineFacts(
         **MUON,
         **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
         **honoured(
-            "layout", activation_checkpointing="selective", attention="flash2", rmsnorm="fused", compile="blocks"
+            "layout", activation_checkpointing="selective_op", attention="flash2", rmsnorm="fused", compile="blocks"
         ),
     },
     why_not={"layout.zero_stage": "engine single has no ZeRO"},
