@@ -11,6 +11,8 @@ takes Muon's usual lr 0.02 (lr 1 would move each matrix by about its own size pe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -203,3 +205,23 @@ def test_census_shows_sharded_momentum_buffers(launched):
             assert momentum == [4 * m, 4 * m]
         else:  # pp2: each stage its blocks' matrices
             assert sum(momentum) == 4 * m
+
+
+@pytest.mark.parametrize(
+    "layout, shard",
+    [({"engine": "own"}, 1), ({"engine": "own", "dp": 2, "zero_stage": 1}, 2), ({"engine": "fsdp", "dp": 2}, 2)],
+)
+def test_planner_holds_one_momentum_per_muon_element(layout, shard):
+    """The planner's optimizer memory under muon: AdamW's minus one fp32 state per Muon element of the model's own
+    split (what the census above counts), sharded as the engine shards its optimizer states."""
+    from harness.planner.layout import PlannerLayout, Workload
+    from harness.planner.memory import stage_memory
+
+    shape = parse_spec({"workload": WORKLOAD}).shape()
+    lay = PlannerLayout.from_spec({"tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 1, **layout}, "bf16")
+    lay = dataclasses.replace(lay, engine=layout["engine"])  # whose memory: the engine's, not the study's
+    adamw = stage_memory(shape, lay, Workload(16, 8, 4), 0)
+    muon = stage_memory(shape, lay, Workload(16, 8, 4, "muon"), 0)
+    m, _, _ = _muon_elements()
+    assert adamw["optimizer"] - muon["optimizer"] == 4 * m / shard
+    assert adamw["total"] - muon["total"] == 4 * m / shard

@@ -198,6 +198,7 @@ class Workload:
     seq_len: int
     global_batch_size: int  # sequences per optimizer step
     dtype_bytes: int = 2  # bf16 mixed precision (2) or fp32 (4)
+    optimizer: str = "adamw"  # workload.optimizer.name: muon keeps one state per block-matrix element (memory_terms)
 
     def micro_batches(self, lay: PlannerLayout) -> int:
         """Micro-batches per step per data-parallel replica (gradient accumulation x pipeline); the cp
