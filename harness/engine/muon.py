@@ -27,26 +27,29 @@ class ZeroWhole:
     def __init__(self, entries: list[tuple], buckets: list[tuple]):
         self.entries, self.buckets = entries, buckets  # buckets: (group, bucket) holding a Muon matrix
 
-    def full(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        out: list = [None] * len(updates)
-        for i, (g, *_, shape) in enumerate(self.entries):
-            if not g.zero:
-                out[i] = updates[i].view(shape)
-        for g, b in self.buckets:
-            if not g.zero:
-                continue
-            mine = [i for i, entry in enumerate(self.entries) if entry[1] is b]
-            dtype = updates[mine[0]].dtype if mine else (b.master.dtype if b.master is not None else b.param_flat.dtype)
-            flat = torch.zeros(b.padded, dtype=dtype, device=b.param_flat.device)
-            for i in mine:
-                _, _, _, _, a2, e2, _ = self.entries[i]
-                flat[a2:e2] = updates[i]
-            lo, hi = b.mine
-            g.dp.labelled(MUON_AXIS, MUON_TIME).all_gather(flat[lo:hi], out=flat)
-            for i in mine:
-                _, _, a, e, _, _, shape = self.entries[i]
-                out[i] = flat[a:e].view(shape)
-        return out
+    def batches(self) -> list[tuple]:
+        """One batch per bucket holding a Muon matrix under ZeRO-1, keyed by it (every rank gathers it, holding
+        a part of one or not), in the buckets' order; without ZeRO each matrix alone (key None)."""
+        whole = [(None, [i]) for i, entry in enumerate(self.entries) if not entry[0].zero]
+        return whole + [
+            ((g, b), [i for i, entry in enumerate(self.entries) if entry[1] is b]) for g, b in self.buckets if g.zero
+        ]
+
+    def full(self, key, batch: list[int], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        if key is None:
+            return [updates[k].view(self.entries[i][-1]) for k, i in enumerate(batch)]
+        return self._gathered(*key, batch, updates)
+
+    def _gathered(self, g, b, batch: list[int], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Bucket b's Muon updates, each rank's part written into a zeroed flat copy, all-gathered in place."""
+        dtype = b.master.dtype if b.master is not None else b.param_flat.dtype  # the optimizer's
+        flat = torch.zeros(b.padded, dtype=dtype, device=b.param_flat.device)
+        for k, i in enumerate(batch):
+            _, _, _, _, a2, e2, _ = self.entries[i]
+            flat[a2:e2] = updates[k]
+        lo, hi = b.mine
+        g.dp.labelled(MUON_AXIS, MUON_TIME).all_gather(flat[lo:hi], out=flat)
+        return [flat[a:e].view(shape) for _, _, a, e, _, _, shape in (self.entries[i] for i in batch)]
 
     def mine(self, index: int, whole: torch.Tensor) -> torch.Tensor:
         _, _, a, _, a2, e2, _ = self.entries[index]

@@ -68,9 +68,14 @@ class Whole:
     def __init__(self, shapes: list[tuple[int, int]]):
         self.shapes = shapes
 
-    def full(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each matrix's whole update, 2-D, from what this rank holds of it (collective where sharded)."""
-        return [u.reshape(s) for u, s in zip(updates, self.shapes, strict=True)]
+    def batches(self) -> list[tuple]:
+        """(key, the matrices' indices) by gather, in an order every rank of a gather follows (the indices may
+        be none where this rank takes part in a gather without holding a Muon matrix of it)."""
+        return [(None, [i]) for i in range(len(self.shapes))]
+
+    def full(self, key, batch: list[int], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each batch matrix's whole update, 2-D, from what this rank holds of it (collective where sharded)."""
+        return [updates[k].reshape(self.shapes[i]) for k, i in enumerate(batch)]
 
     def mine(self, index: int, whole: torch.Tensor) -> torch.Tensor:
         """The part of matrix `index`'s whole orthogonalised update this rank holds."""
@@ -108,22 +113,24 @@ class MuonWithAdamW(torch.optim.Optimizer):
         group = self.param_groups[0]
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
         params = group["params"]
-        updates = []
-        for p in params:
-            held = local(p)
-            g = local(p.grad) if p.grad is not None else torch.zeros_like(held)
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(g)
-            buf = state["momentum_buffer"]
-            buf.lerp_(g, 1 - mu)
-            updates.append(g.lerp(buf, mu) if NESTEROV else buf)
-        for i, (p, whole) in enumerate(zip(params, self.whole.full(updates), strict=True)):
-            ortho = newton_schulz(whole, self.ns_dtype)
-            adjusted = _adjust_lr(lr, group["adjust_lr_fn"], self.shapes[i])
-            held = local(p)
-            held.mul_(1 - lr * wd)
-            held.add_(self.whole.mine(i, ortho).reshape(held.shape), alpha=-adjusted)
+        # a batch at a time (the whole matrices of one gather), so that no more than one batch is whole at once
+        for key, batch in self.whole.batches():
+            updates = []
+            for i in batch:
+                held = local(params[i])
+                g = local(params[i].grad) if params[i].grad is not None else torch.zeros_like(held)
+                state = self.state[params[i]]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g)
+                buf = state["momentum_buffer"]
+                buf.lerp_(g, 1 - mu)
+                updates.append(g.lerp(buf, mu) if NESTEROV else buf)
+            for i, whole in zip(batch, self.whole.full(key, batch, updates), strict=True):
+                ortho = newton_schulz(whole, self.ns_dtype)
+                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], self.shapes[i])
+                held = local(params[i])
+                held.mul_(1 - lr * wd)
+                held.add_(self.whole.mine(i, ortho).reshape(held.shape), alpha=-adjusted)
         if self.adamw is not None:
             self.adamw.step()
         return None

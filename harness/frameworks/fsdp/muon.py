@@ -25,11 +25,16 @@ class DTensorWhole:
     def reset(self) -> None:
         self.count, self.bytes, self.by_dtype = 0, 0, {}
 
-    def full(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    def batches(self) -> list[tuple]:
+        """Each matrix alone (every rank holds a shard of each, so all take part in each gather, in order)."""
+        return [(None, [i]) for i in range(len(self.matrices))]
+
+    def full(self, key, batch: list[int], updates: list[torch.Tensor]) -> list[torch.Tensor]:
         from torch.distributed.tensor import DTensor
 
         out = []
-        for p, u, shape in zip(self.matrices, updates, self.shapes, strict=True):
+        for i, u in zip(batch, updates, strict=True):
+            p, shape = self.matrices[i], self.shapes[i]
             if not isinstance(p, DTensor) or p.device_mesh.size() == 1:
                 out.append(u.view(shape))
                 continue
@@ -45,19 +50,34 @@ class DTensorWhole:
 
     def mine(self, index: int, whole: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         p = self.matrices[index]
         if not isinstance(p, DTensor):
             return whole
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        return whole[shard_slices(p)]
 
     def comm(self) -> dict:
         """The last step's gathers in the comm census's shape ({axis: {op: {count, bytes, bytes_by_dtype}}})."""
         if not self.count:
             return {}
         return {MUON_AXIS: {"all_gather": {"count": self.count, "bytes": self.bytes, "bytes_by_dtype": self.by_dtype}}}
+
+
+def shard_slices(p) -> tuple:
+    """The rows and columns of DTensor `p` this rank holds, in Python integers (DTensor's own
+    compute_local_shape_and_global_offset reads tensors, which a fake-tensor trace cannot): each Shard(d)
+    splits dim d as torch.chunk does (ceil-sized pieces, the last ones short or empty), as FSDP2 shards."""
+    from torch.distributed.tensor import Shard
+
+    start, stop = [0] * p.ndim, list(p.shape)
+    coordinate = p.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            d, n = placement.dim, p.device_mesh.size(mesh_dim)
+            chunk = -(-(stop[d] - start[d]) // n)
+            lo = min(stop[d], start[d] + coordinate[mesh_dim] * chunk)
+            start[d], stop[d] = lo, min(stop[d], lo + chunk)
+    return tuple(slice(a, b) for a, b in zip(start, stop, strict=True))
 
 
 def fsdp_optimizer(parts, workload, make_adamw, fused: bool):
