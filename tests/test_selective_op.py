@@ -80,15 +80,26 @@ def test_policy_saves_every_other_matmul_and_the_attention_kernel(attention):
     from harness.planner.selective_op import selective_op_bytes
 
     shape, decisions = _block_decisions(attention)
-    matmuls = [(str(f), saved, o) for f, saved, o in decisions if f == torch.ops.aten.mm.default]
+    matmuls = [(str(f), saved, o) for f, saved, o, _ in decisions if f == torch.ops.aten.mm.default]
     assert [saved for _, saved, _ in matmuls] == [True, False] * 3 + [True]
     widths = [o.shape[-1] for _, saved, o in matmuls if saved]
     assert widths == [shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn, shape.hidden]
-    saved = [o for _, s, o in decisions if s]
+    saved = [o for _, s, o, _ in decisions if s]
     nbytes = sum(t.numel() * t.element_size() for o in saved for t in (o if isinstance(o, tuple) else (o,)))
     nbytes += 2 * 16 * shape.hidden * 4  # the block's input, which the checkpoint holds
     lay = PlannerLayout(1, 1, 1, 2, engine="own", attention=attention, activation_checkpointing="selective_op")
     assert selective_op_bytes(shape, lay, Workload(16, 2, 4)) == nbytes
+
+
+def test_hardware_flops_count_the_recomputed_matmuls():
+    """flops_per_token's hardware count adds, per layer, the FLOPs of the matmuls the policy does not save."""
+    from harness.model.flops import flops_per_token
+
+    shape, decisions = _block_decisions("sdpa")
+    unsaved = [args for f, saved, _, args in decisions if f == torch.ops.aten.mm.default and not saved]
+    recomputed = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in unsaved)
+    f = flops_per_token(shape, 16, "selective_op")
+    assert (f["hardware"] - f["megatron"]) / shape.layers == recomputed / (2 * 16)  # per token of the 2 x 16
 
 
 @pytest.mark.parametrize(

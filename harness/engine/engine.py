@@ -300,6 +300,7 @@ class Engine3D:
             **({"ep": lay.ep, "expert_data_parallel": self.mesh.size("edp")} if self.shape.moe else {}),
             "cp": lay.cp,
             "cp_impl": lay.cp_impl if lay.cp > 1 else None,
+            **({"optimizer": self.optimizer.describe()} if hasattr(self.optimizer, "describe") else {}),
             "coord": self.mesh.coord._asdict(),
             "schedule": self.schedule,
             "backward": "split: B input gradient, W weight gradients"

@@ -24,6 +24,8 @@ class ZeroWhole:
     """harness.model.muon's Whole for ZeRO-1 shards: entries[i] = (group, bucket, a, e, a2, e2, shape), the
     matrix's range [a, e) in its bucket and the part [a2, e2) this rank holds."""
 
+    what = "under ZeRO-1 each bucket's updates all-gathered whole over dp (comm axis dp_muon)"
+
     def __init__(self, entries: list[tuple], buckets: list[tuple]):
         self.entries, self.buckets = entries, buckets  # buckets: (group, bucket) holding a Muon matrix
 

@@ -25,6 +25,8 @@ from torch.optim._muon import (
     _zeropower_via_newtonschulz,
 )
 
+from harness.model.training import dtype_name, make_adamw
+
 NESTEROV = True  # torch.optim.Muon's default, as its ns_coefficients, eps and ns_steps
 COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 
@@ -64,6 +66,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 class Whole:
     """Whole matrices (the reference; an engine whose ranks hold each matrix whole): no gather."""
+
+    what = "each matrix held whole, no gather"
 
     def __init__(self, shapes: list[tuple[int, int]]):
         self.shapes = shapes
@@ -135,6 +139,24 @@ class MuonWithAdamW(torch.optim.Optimizer):
             self.adamw.step()
         return None
 
+    def describe(self) -> str:
+        """The optimizer in words, as a report says it."""
+        g = self.param_groups[0]
+        others = sum(len(group["params"]) for group in self.param_groups[1:])
+        return (
+            f"Muon on the blocks' {len(g['params'])} 2-D weights held here (torch.optim.Muon's step: momentum "
+            f"{g['momentum']}, Nesterov, {DEFAULT_NS_STEPS} Newton-Schulz steps in {dtype_name(self.ns_dtype)}, "
+            f"adjust_lr_fn {g['adjust_lr_fn']}; {self.whole.what}), torch.optim.AdamW on the other "
+            f"{others} tensors"
+        )
+
+
+def describe(optimizer, device_type: str) -> str:
+    """What a report says of the optimizer an engine built: MuonWithAdamW's words, or AdamW's implementation."""
+    if isinstance(optimizer, MuonWithAdamW):
+        return optimizer.describe()
+    return "torch.optim.AdamW" + (" (fused)" if device_type == "cuda" else " (foreach)")
+
 
 def split(named, shape_of=lambda name, t: tuple(t.shape)) -> tuple[list, list, list]:
     """(matrices, their whole shapes, the others) of (name, tensor) pairs by muon_matrix."""
@@ -156,8 +178,6 @@ def make_optimizer(named, workload, fused: bool = False, shape_of=None, whole=No
     named = list(named)
     o = workload.optimizer
     if o.name != "muon":
-        from harness.model.training import make_adamw
-
         return make_adamw([t for _, t in named], workload, fused=fused)
     matrices, shapes, others = split(named, shape_of or (lambda name, t: tuple(t.shape)))
     return MuonWithAdamW(

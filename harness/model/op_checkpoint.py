@@ -29,8 +29,8 @@ ATTENTION_OPS = frozenset(
 
 
 def selective_op_policy(decisions: list | None = None):
-    """The policy for one block call (its own matmul count); `decisions` collects (op, saved, output) as it
-    decides (tests)."""
+    """The policy for one block call (its own matmul count); `decisions` collects (op, saved, output, args) as
+    it decides (tests)."""
     matmuls = [0]
 
     def policy(ctx, func, *args, **kwargs):
@@ -40,7 +40,7 @@ def selective_op_policy(decisions: list | None = None):
         else:
             save = func in ATTENTION_OPS
         if decisions is not None:
-            decisions.append((func, save, ctx.op_output))
+            decisions.append((func, save, ctx.op_output, args))
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy

@@ -5,6 +5,14 @@ policy (harness/model/op_checkpoint.py); `selective` is the model's own (its att
 
 from __future__ import annotations
 
+CHECKPOINTING = {  # each mode in a report's words
+    "none": "none",
+    "full": "torch checkpoint_wrapper per block (non-reentrant)",
+    "selective": "model's attention-core recomputation (torch checkpoint)",
+    "selective_op": "torch checkpoint_wrapper per block with torchtitan's per-op policy (selective checkpoint "
+    "contexts: every other matmul and the attention kernel saved)",
+}
+
 
 def wrap_blocks(part, mode: str) -> None:
     """Each of `part`'s blocks checkpoint-wrapped in place for `mode` full or selective_op (others: nothing)."""

@@ -66,12 +66,13 @@ import torch.distributed as dist
 
 from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
-from harness.frameworks.fsdp.checkpointing import wrap_blocks
+from harness.frameworks.fsdp.checkpointing import CHECKPOINTING, wrap_blocks
 from harness.frameworks.fsdp.muon import fsdp_optimizer, step_comm
 from harness.measure import census, ranges, timers
 from harness.model import float8
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.moe import moe_layers, set_router_losses, take_router_stats
+from harness.model.muon import describe as describe_optimizer
 from harness.model.training import BuildOptions, StepHooks, dtype_name, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
 from harness.spec import micro_batches_per_step
@@ -390,13 +391,9 @@ class FSDPEngine:
             "precision_policy": self.policy.describe(),
             **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
             "mixed_precision": self._mixed_precision(),
-            "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
+            "optimizer": describe_optimizer(self.optimizer, self.device.type),
             "grad_clipping": "global norm over dp/tp shards" + (" and pp stages" if lay.pp > 1 else ""),
-            "activation_checkpointing": {
-                "none": "none",
-                "full": "torch checkpoint_wrapper per block (non-reentrant)",
-                "selective": "model's attention-core recomputation (torch checkpoint)",
-            }[lay.activation_checkpointing],
+            "activation_checkpointing": CHECKPOINTING[lay.activation_checkpointing],
         }
 
     def _named(self, degrees: dict, order: str | None = None) -> dict:

@@ -18,6 +18,8 @@ MUON_AXIS = "dp_muon"
 class DTensorWhole:
     """harness.model.muon's Whole for DTensor matrices (plain tensors: whole already)."""
 
+    what = "each FSDP2-sharded matrix's update gathered whole by full_tensor (comm axis dp_muon)"
+
     def __init__(self, matrices: list, shapes: list):
         self.matrices, self.shapes = matrices, shapes
         self.reset()

@@ -13,6 +13,7 @@ from harness.measure.census import CensusAtStep, optimizer_state_tensors
 from harness.model.compiled import compile_blocks
 from harness.model.llama import build_model, lm_loss
 from harness.model.moe import set_router_losses, take_router_stats
+from harness.model.muon import describe as describe_optimizer
 from harness.model.muon import make_optimizer
 from harness.model.training import MasterWeights, precision_policy
 from harness.spec import micro_batches_per_step as spec_micro_batches
@@ -83,7 +84,7 @@ class SingleDeviceEngine:
 
     def describe(self) -> dict:
         return {
-            "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
+            "optimizer": describe_optimizer(self.optimizer, self.device.type),
             "precision_policy": self.policy.describe(),
             **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
             **({"compile": "torch.compile per block (inductor)"} if self.spec.layout.compile == "blocks" else {}),
