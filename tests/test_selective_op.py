@@ -102,6 +102,29 @@ def test_hardware_flops_count_the_recomputed_matmuls():
     assert (f["hardware"] - f["megatron"]) / shape.layers == recomputed / (2 * 16)  # per token of the 2 x 16
 
 
+def test_census_counts_what_the_policy_keeps():
+    """What a run's census reports as saved for backward (SavedActivations) includes the policy's cache, which
+    saved-tensor hooks do not see: under selective_op, full checkpointing's bytes plus each layer's policy
+    saves (the planner's term less the input full checkpointing keeps too)."""
+    from harness.measure.census import SavedActivations
+    from harness.model.llama import build_model, lm_loss
+    from harness.planner.layout import PlannerLayout, Workload
+    from harness.planner.selective_op import selective_op_bytes
+
+    shape = parse_spec({"workload": WORKLOAD}).shape()
+    tokens = torch.randint(0, shape.vocab, (2, 17))
+    saved = {}
+    for mode in ("full", "selective_op"):
+        model = build_model(shape, 0, "sdpa", "torch", mode, device="cpu")
+        with SavedActivations(list(model.parameters())) as s:
+            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        saved[mode] = s.bytes
+    lay = PlannerLayout(1, 1, 1, 2, engine="own", attention="sdpa", activation_checkpointing="selective_op")
+    per_layer = selective_op_bytes(shape, lay, Workload(16, 2, 4)) - 2 * 16 * shape.hidden * 4
+    assert saved["selective_op"] - saved["full"] == shape.layers * per_layer
+
+
 @pytest.mark.parametrize(
     "layout, field",
     [

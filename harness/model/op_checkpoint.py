@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from harness.measure.census import note_saved
+
 MATMULS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
 # the attention kernels' ops whose outputs are saved (torchtitan's list, with the CPU flash kernel the harness runs)
 ATTENTION_OPS = frozenset(
@@ -41,6 +43,11 @@ def selective_op_policy(decisions: list | None = None):
             save = func in ATTENTION_OPS
         if decisions is not None:
             decisions.append((func, save, ctx.op_output, args))
+        if save:  # kept in the policy's cache, where saved-tensor hooks do not look: the census counts it
+            outputs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
+            for t in outputs:
+                if isinstance(t, torch.Tensor):
+                    note_saved(t)
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
