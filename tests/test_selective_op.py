@@ -192,3 +192,30 @@ def test_harness_memory_and_the_planner_agree_on_its_saving():
     assert abs(saved_planned - saved_traced) <= 0.05 * saved_traced
     for r in (none, op):
         assert abs(r["planner_peak_gib"] - r["traced_peak_gib"]) <= 0.10 * r["traced_peak_gib"]
+
+
+def test_planner_times_the_recomputed_matmuls():
+    """The planner's layer time under selective_op: none's GEMMs plus wk, wo and w3 once more (the matmuls
+    the policy does not save), and its elementwise work re-run as under full checkpointing."""
+    import dataclasses
+
+    from harness.planner.features import layer_features
+    from harness.planner.hardware import load_profile
+    from harness.planner.layout import PlannerLayout, Workload
+    from harness.planner.rates import gemm_eff
+
+    shape = parse_spec({"workload": {"model": "llama2-7b"}}).shape()
+    prof, wl = load_profile("h100-sxm"), Workload(2048, 64, 2)
+    none = PlannerLayout(1, 1, 8, 1, engine="own")
+    x = {
+        ck: layer_features(shape, dataclasses.replace(none, activation_checkpointing=ck), wl, prof)
+        for ck in ("none", "selective_op", "full")
+    }
+    n, h, d = 2048, shape.hidden, shape.head_dim
+    extra = sum(
+        2 * n * N * K / (prof.peak_flops(2) * gemm_eff(n, N, K))
+        for N, K in ((shape.kv_heads * d, h), (h, shape.heads * d), (shape.ffn, h))
+    )
+    assert x["selective_op"]["gemm"] - x["none"]["gemm"] == pytest.approx(extra, rel=1e-12)
+    assert x["selective_op"]["hbm"] == x["full"]["hbm"]
+    assert x["none"]["gemm"] < x["selective_op"]["gemm"] < x["full"]["gemm"]

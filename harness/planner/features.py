@@ -108,12 +108,15 @@ def layer_features(
     gemm_key, gemm_peak = ("gemm_fp8", prof.peak_flops_fp8()) if lay.precision == "fp8" else ("gemm", peak)
     for N, K in gemms:
         x[gemm_key] += passes * 2 * n * N * K / (gemm_peak * gemm_eff(n, N, K))
+    if ckpt == "selective_op":  # the per-op policy re-runs wk, wo and w3 (harness/model/op_checkpoint.py)
+        for N, K in ((kv / t, h), (h, q / t), (shape.ffn / t, h)):
+            x[gemm_key] += 2 * n * N * K / (gemm_peak * gemm_eff(n, N, K))
     attention = attention_features(shape, lay, wl, prof)
     for k, v in attention.items():
         x[k] += v
     # Elementwise work, by HBM bytes; norms and residual adds are split only by sequence parallelism.
     rep = 1 / t if lay.sequence_parallel else 1.0
-    recf = 4 / 3 if ckpt == "full" else 1.0
+    recf = 4 / 3 if ckpt in ("full", "selective_op") else 1.0  # selective_op re-runs the norms, rotary, SwiGLU too
     compiled = lay.compile == "blocks"
     swiglu = SWIGLU_BYTES_COMPILED if compiled else feedforward.SWIGLU_BYTES_PER_B
     per_layer = (2 * RMSNORM_BYTES[lay.norm_kernel] * (B / 2) + 2 * RESIDUAL_BYTES_PER_B * B) * n * h * rep
