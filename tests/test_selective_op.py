@@ -133,11 +133,15 @@ def test_census_counts_what_the_policy_keeps():
         ({"engine": "own", "tp": 2}, "layout.activation_checkpointing"),
         ({"engine": "fsdp", "tp": 2}, "layout.activation_checkpointing"),
         ({"engine": "own", "compile": "blocks"}, "layout.activation_checkpointing"),
+        ({"engine": "own", "precision": "fp8"}, "workload.precision"),
+        ({"engine": "fsdp", "dp": 2, "precision": "fp8"}, "workload.precision"),
+        ({"engine": "single", "precision": "fp8"}, "workload.precision"),
     ],
 )
 def test_engines_that_do_not_run_it_refuse_in_one_line(layout, field):
     with pytest.raises(SpecError) as e:
-        workload = {**WORKLOAD, "warmup_steps": 1}  # compile blocks' own need
+        layout = dict(layout)
+        workload = {**WORKLOAD, "warmup_steps": 1, "precision": layout.pop("precision", "fp32")}  # compile: warm-up
         parse_spec({"workload": workload, "layout": {**layout, "activation_checkpointing": "selective_op"}})
     assert e.value.field == field and "\n" not in str(e.value)
 

@@ -105,6 +105,12 @@ ENGINE = EngineFacts(
     ],
     precision_limits=[
         (
+            "precision",
+            lambda w, lay: w.precision != "fp8" or lay.activation_checkpointing != "selective_op",
+            "fp8 with selective_op: the per-op policy counts aten.mm and aten.addmm, and torchao's FP8 linears run "
+            "other ops (harness/model/op_checkpoint.py): not checked here; use bf16 or another checkpointing mode",
+        ),
+        (
             "optimizer.name",
             lambda w, lay: w.optimizer.name != "muon" or lay.tp == 1,
             "muon with tp > 1: Newton-Schulz needs each whole matrix and the own engine's Muon gathers the ZeRO-1 "

@@ -102,6 +102,12 @@ ENGINE = EngineFacts(
     ],
     precision_limits=[
         (
+            "precision",
+            lambda w, lay: w.precision != "fp8" or lay.activation_checkpointing != "selective_op",
+            "fp8 with selective_op: the per-op policy counts aten.mm and aten.addmm, and torchao's FP8 linears run "
+            "other ops (harness/model/op_checkpoint.py): not checked here; use bf16 or another checkpointing mode",
+        ),
+        (
             "optimizer.name",
             lambda w, lay: w.optimizer.name != "muon" or lay.tp == 1,
             "muon with tp > 1 under engine fsdp: the Muon step here gathers each matrix over the FSDP2 shard mesh "

@@ -20,6 +20,14 @@ ENGINE = EngineFacts(
         ),
     },
     why_not={"layout.zero_stage": "engine single has no ZeRO"},
+    precision_limits=[
+        (
+            "precision",
+            lambda w, lay: w.precision != "fp8" or lay.activation_checkpointing != "selective_op",
+            "fp8 with selective_op: the per-op policy counts aten.mm and aten.addmm, and torchao's FP8 linears run "
+            "other ops (harness/model/op_checkpoint.py): not checked here; use bf16 or another checkpointing mode",
+        )
+    ],
     launcher="direct",
     memory=MemoryModel("megatron"),  # the reference's policy is the own engine's (Megatron-style)
     one_process=True,
