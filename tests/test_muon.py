@@ -42,6 +42,12 @@ LAYOUTS = {
 }
 RUNS = [{"workload": WORKLOAD, "layout": lay} for lay in LAYOUTS.values()]
 launched = shared_launch("torch", 2, run_optimizer_cases, RUNS, STEPS, every_rank=True, keys=None)
+# a MoE's experts (2-D each: Muon's) over their expert-data-parallel group, their own buckets and ZeRO-1 shards
+MOE_WORKLOAD = {**WORKLOAD, "model": "tiny-moe"}
+MOE_LAYOUTS = {"own dp2 ep2 ZeRO-1": {"engine": "own", "dp": 2, "ep": 2, "zero_stage": 1, "dp_bucket_mb": 0.05}}
+moe_launched = shared_launch(
+    "torch", 2, run_optimizer_cases, [{"workload": MOE_WORKLOAD, "layout": lay} for lay in MOE_LAYOUTS.values()], STEPS
+)
 
 
 def _muon_elements(shape=None) -> tuple[int, int, int]:
@@ -169,6 +175,13 @@ def test_muon_matches_the_reference_under_own_and_fsdp(launched):
     ref_losses, ref_state = reference_run(WORKLOAD, STEPS)
     for label, per_rank in zip(LAYOUTS, zip(*launched, strict=True), strict=True):
         assert_matches_reference(per_rank[0], ref_losses, ref_state, label)
+
+
+@pytest.mark.slow
+def test_muon_matches_the_reference_with_expert_parallelism(moe_launched):
+    ref_losses, ref_state = reference_run(MOE_WORKLOAD, STEPS)
+    for label, result in zip(MOE_LAYOUTS, moe_launched, strict=True):
+        assert_matches_reference(result, ref_losses, ref_state, label)
 
 
 @pytest.mark.slow
