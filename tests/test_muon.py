@@ -1,6 +1,7 @@
 """Muon (workload.optimizer.name: muon, harness/model/muon.py): torch.optim.Muon's update on the blocks' 2-D
 weights, AdamW on the rest, under engines single, own (dp2, dp2 ZeRO-1 with the gather Newton-Schulz needs,
-pp2) and fsdp (dp2, each DTensor matrix gathered whole), against the single-device reference.
+pp2; dp2 ep2 ZeRO-1 on a MoE) and fsdp (dp2, each DTensor matrix gathered whole; pp2; dp2 on a MoE), against
+the single-device reference.
 
 Tolerance: the usual fp32 one (1e-5 on losses and on every final weight relative to its tensor's scale),
 as for AdamW: under the fp32 policy Newton-Schulz runs in fp32 too (harness.model.muon.newton_schulz says
@@ -39,12 +40,16 @@ LAYOUTS = {
     "own dp2": {"engine": "own", "dp": 2},
     "own pp2": {"engine": "own", "pp": 2},
     "fsdp dp2": {"engine": "fsdp", "dp": 2},
+    "fsdp pp2": {"engine": "fsdp", "pp": 2, "reshard_after_forward": False},
 }
 RUNS = [{"workload": WORKLOAD, "layout": lay} for lay in LAYOUTS.values()]
 launched = shared_launch("torch", 2, run_optimizer_cases, RUNS, STEPS, every_rank=True, keys=None)
 # a MoE's experts (2-D each: Muon's) over their expert-data-parallel group, their own buckets and ZeRO-1 shards
 MOE_WORKLOAD = {**WORKLOAD, "model": "tiny-moe"}
-MOE_LAYOUTS = {"own dp2 ep2 ZeRO-1": {"engine": "own", "dp": 2, "ep": 2, "zero_stage": 1, "dp_bucket_mb": 0.05}}
+MOE_LAYOUTS = {
+    "own dp2 ep2 ZeRO-1": {"engine": "own", "dp": 2, "ep": 2, "zero_stage": 1, "dp_bucket_mb": 0.05},
+    "fsdp dp2": {"engine": "fsdp", "dp": 2},
+}
 moe_launched = shared_launch(
     "torch", 2, run_optimizer_cases, [{"workload": MOE_WORKLOAD, "layout": lay} for lay in MOE_LAYOUTS.values()], STEPS
 )
