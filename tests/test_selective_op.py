@@ -6,7 +6,7 @@ Parity at the usual fp32 tolerance (1e-5): recomputation re-runs the same ops on
 checkpointed run equals an uncheckpointed one to the rounding of the layout's own sums.
 
 The memory bound: at llama2-7b's full size (32 layers, seq 2048, own engine dp8 ZeRO-1, bf16, sdpa) the
-planner's saving from none to selective_op (harness/planner/selective_op.py) is within 5% of the one
+planner's saving from none to selective_op (memory_recipes.per_op_kept) is within 5% of the one
 `harness memory` traces (measured: 7.974 GiB both, 2026-12-05), and each peak within the 10% the planner
 keeps against the trace elsewhere (tests/test_memory_trace.py). Smaller models agree less closely on the
 saving, though not on the per-layer term: the recomputation's working set, shared with full checkpointing,
@@ -75,9 +75,9 @@ def _block_decisions(attention: str, precision=torch.float32):
 @pytest.mark.parametrize("attention", ["sdpa", "naive"])
 def test_policy_saves_every_other_matmul_and_the_attention_kernel(attention):
     """wq, wv, w1, w2 (the 1st, 3rd, 5th and 7th mm) and the flash kernel's outputs; and what it saves is the
-    planner's selective_op term (harness.planner.selective_op), the checkpoint's input added."""
+    planner's per-op term (memory_recipes.per_op_kept), the checkpoint's input added."""
     from harness.planner.layout import PlannerLayout, Workload
-    from harness.planner.selective_op import selective_op_bytes
+    from harness.planner.memory_recipes import per_op_kept
 
     shape, decisions = _block_decisions(attention)
     matmuls = [(str(f), saved, o) for f, saved, o, _ in decisions if f == torch.ops.aten.mm.default]
@@ -88,7 +88,7 @@ def test_policy_saves_every_other_matmul_and_the_attention_kernel(attention):
     nbytes = sum(t.numel() * t.element_size() for o in saved for t in (o if isinstance(o, tuple) else (o,)))
     nbytes += 2 * 16 * shape.hidden * 4  # the block's input, which the checkpoint holds
     lay = PlannerLayout(1, 1, 1, 2, engine="own", attention=attention, activation_checkpointing="selective_op")
-    assert selective_op_bytes(shape, lay, Workload(16, 2, 4)) == nbytes
+    assert per_op_kept(shape, lay, Workload(16, 2, 4)) == nbytes
 
 
 def test_hardware_flops_count_the_recomputed_matmuls():
@@ -109,7 +109,7 @@ def test_census_counts_what_the_policy_keeps():
     from harness.measure.census import SavedActivations
     from harness.model.llama import build_model, lm_loss
     from harness.planner.layout import PlannerLayout, Workload
-    from harness.planner.selective_op import selective_op_bytes
+    from harness.planner.memory_recipes import per_op_kept
 
     shape = parse_spec({"workload": WORKLOAD}).shape()
     tokens = torch.randint(0, shape.vocab, (2, 17))
@@ -121,7 +121,7 @@ def test_census_counts_what_the_policy_keeps():
         loss.backward()
         saved[mode] = s.bytes
     lay = PlannerLayout(1, 1, 1, 2, engine="own", attention="sdpa", activation_checkpointing="selective_op")
-    per_layer = selective_op_bytes(shape, lay, Workload(16, 2, 4)) - 2 * 16 * shape.hidden * 4
+    per_layer = per_op_kept(shape, lay, Workload(16, 2, 4)) - 2 * 16 * shape.hidden * 4
     assert saved["selective_op"] - saved["full"] == shape.layers * per_layer
 
 

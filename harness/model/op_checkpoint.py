@@ -7,7 +7,7 @@ with a bias, aten.addmm. The count is per block call; torch 2.13 asks the policy
 replays its decisions by index in the recomputation (SelectiveCheckpointContext.is_recompute is always
 False there).
 
-What the planner keeps per layer under it (harness.planner.selective_op) is read from this list.
+What the planner keeps per layer under it (harness/planner/memory_recipes.py, per_op_kept) is this list's.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ Modules, one job each:
                   dispatch, the all-to-all): one model memory, features and timing ask
   memory          bytes per GPU: the front door (stage_memory, worst_stage_memory, fits)
   memory_terms    the memory terms every engine shares (GIB, stage_params, in_flight, the overheads, Muon's states)
-  selective_op    what a layer keeps under the checkpointing modes that recompute (torchtitan's per-op policy)
   memory_paper    the memory of the study's engine (engine paper)
   memory_engines  the memory of the harness's engines, each by its facts (registry.MemoryModel)
   context         context parallelism's own terms (implementations, K/V bytes, the exchange)
