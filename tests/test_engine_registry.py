@@ -15,6 +15,7 @@ from harness.errors import CapabilityError
 from harness.frameworks import build_engine
 from harness.report.compare_layouts import layout_matrix
 from harness.spec import Layout, Workload, engine_variant, parse_spec
+from harness.spec.honours import OPTIMIZER_CHOICES
 
 TOY_FACTS = """
 from harness.registry import ANY, EngineFacts
@@ -103,6 +104,7 @@ def test_the_registry_is_restored_after_a_test_registers_an_engine():
 def test_every_adapter_declares_its_facts_naming_real_fields(name):
     facts = registry.facts(name)
     layout, workload = {f.name for f in dataclasses.fields(Layout)}, {f.name for f in dataclasses.fields(Workload)}
+    workload |= {path.partition(".")[2] for path in OPTIMIZER_CHOICES}  # "optimizer.name": honours.py checks them
     assert facts.name == name
     assert all(rule[0] in layout for rule in facts.capabilities + facts.batch_limits)
     assert all(rule[0] in workload for rule in facts.precision_limits)

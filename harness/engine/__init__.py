@@ -18,6 +18,7 @@ Modules, one job each:
                 the precision policy (bf16 parameters, fp32 main gradients and masters); experts'
                 states over their expert-data-parallel group
   comm_model    closed-form per-step communication counts (tested exactly against comm; dense models)
+  muon          Muon over the model states' views: ZeRO-1 shards gathered whole per bucket for Newton-Schulz
   engine        ties them together (the frameworks' TrainingEngine interface)
 The equivalence checks against the single-device reference live in harness/testing/.
 """

@@ -40,7 +40,8 @@ Per micro-batch, with A = seq/cp x micro_batch x hidden x (2 under bf16, 4 under
       per step per gradient bucket (buckets padded to a multiple of the replicas) when there is
       more than one replica: an all-reduce in grad_reduce_dtype, or under ZeRO-1 (shards over
       dp x cp) a reduce-scatter in grad_reduce_dtype and an all-gather of the updated parameters
-      in their (compute) dtype.
+      in their (compute) dtype. Muon under ZeRO-1 (axis dp_muon, harness/engine/muon.py): one fp32 all-gather
+      of the padded bucket per bucket holding a block's matrix (the updates Newton-Schulz needs whole).
   all: one all-reduce of two fp32 numbers (loss, squared gradient norm).
 """
 
@@ -51,9 +52,11 @@ from collections import defaultdict
 from harness.engine.comm import comm_dict, comm_entry
 from harness.engine.data_parallel import plan_buckets
 from harness.engine.model import rank_params
+from harness.engine.muon import MUON_AXIS
 from harness.engine.parallel import ParallelContext
 from harness.engine.partition import rank_chunks
 from harness.engine.schedules import Placement
+from harness.model.muon import muon_matrix
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
 from harness.spec import model_chunks
@@ -114,6 +117,7 @@ def rank_comm(
     precision: str = "fp32",
     grad_accum_dtype: str = "fp32",
     grad_reduce_dtype: str = "fp32",
+    optimizer: str = "adamw",
 ) -> dict:
     """Expected {axis: {op: {count, bytes, bytes_by_dtype}}} for one step on one rank, under the
     precision policy named by `precision` and the workload's grad_accum_dtype/grad_reduce_dtype
@@ -182,6 +186,8 @@ def rank_comm(
             if layout.zero_stage == 1:
                 _add(out, "dp", "reduce_scatter", 1, b["padded"], grad_reduce_dtype)
                 _add(out, "dp", "all_gather", 1, b["padded"], precision)
+                if optimizer == "muon" and any(muon_matrix(specs[i].name, specs[i].full) for i in b["indices"]):
+                    _add(out, MUON_AXIS, "all_gather", 1, b["padded"], "fp32")  # the whole matrices' updates
             else:
                 _add(out, "dp", "all_reduce", 1, b["padded"], grad_reduce_dtype)
     if dims.world > 1:

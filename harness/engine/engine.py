@@ -44,6 +44,7 @@ from harness.data.source import dp_slice, micro_batches
 from harness.engine.comm import CommStats, StepClock, opaque_to_compile
 from harness.engine.data_parallel import ModelStates, StateGroups
 from harness.engine.model import ChunkOptions, build_chunks, use_fp8
+from harness.engine.muon import MUON_TIME
 from harness.engine.parallel import ParallelContext
 from harness.engine.partition import rank_chunks
 from harness.engine.pipeline import PipelineExecutor
@@ -130,9 +131,14 @@ class Engine3D:
                     )
                 )
         self.model_states = StateGroups(groups)
-        self.optimizer = options.make_optimizer(
-            self.model_states.optimizer_tensors(), w, fused=ctx.device.type == "cuda"
-        )
+        if w.optimizer.name == "muon":  # the blocks' matrices by Muon, gathered whole under ZeRO-1 (engine/muon.py)
+            from harness.engine.muon import muon_optimizer
+
+            self.optimizer = muon_optimizer(self.model_states, w, fused=ctx.device.type == "cuda")
+        else:
+            self.optimizer = options.make_optimizer(
+                self.model_states.optimizer_tensors(), w, fused=ctx.device.type == "cuda"
+            )
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
         # each block compiled around its explicit TP regions: a collective in one breaks the graph there
         if lay.compile != "none":
@@ -208,6 +214,9 @@ class Engine3D:
         clock.add("optimizer", t3, t_end)
         clock.finish()
         s = clock.seconds
+        if MUON_TIME in s:  # Muon's gather under ZeRO-1 (engine/muon.py) waited inside the optimizer step
+            s["optimizer"] -= s[MUON_TIME]
+            s["dp_comm"] += s.pop(MUON_TIME)
         self._details = {
             "breakdown_s": {
                 # they run inside forward/backward
@@ -297,6 +306,7 @@ class Engine3D:
             **({"ep": lay.ep, "expert_data_parallel": self.mesh.size("edp")} if self.shape.moe else {}),
             "cp": lay.cp,
             "cp_impl": lay.cp_impl if lay.cp > 1 else None,
+            **({"optimizer": self.optimizer.describe()} if hasattr(self.optimizer, "describe") else {}),
             "coord": self.mesh.coord._asdict(),
             "schedule": self.schedule,
             "backward": "split: B input gradient, W weight gradients"

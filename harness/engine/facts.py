@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness import spec
 from harness.registry import EngineFacts, MemoryModel, only, tied_across_stages
-from harness.spec import EVERY_ENGINE, FP8, MOE, honoured, subset, through
+from harness.spec import EVERY_ENGINE, FP8, MOE, MUON, honoured, subset, through
 
 # its instruction lists (harness/engine/schedules.py; the zero-bubble ones in torch's orders, zero_bubble.py)
 SCHEDULES = through(spec.SCHEDULES, "dualpipev")
@@ -38,11 +38,12 @@ ENGINE = EngineFacts(
         **EVERY_ENGINE,
         **FP8,
         **MOE,
+        **MUON,  # harness/model/muon.py; ZeRO-1 gathers each sharded matrix's update for Newton-Schulz
         **honoured(
             "layout",
             "tp pp dp cp ep sequence_parallel virtual_stages dp_bucket_mb",
             cp_impl="ulysses",
-            activation_checkpointing="selective",
+            activation_checkpointing="selective_op",
             attention="flash2",
             rmsnorm="fused",
             pipeline_p2p="grouped",
@@ -55,6 +56,19 @@ ENGINE = EngineFacts(
         "layout.zero_stage": only(0, 1, why="the own engine has ZeRO stage 0 or 1"),
     },
     capabilities=[
+        (
+            "activation_checkpointing",
+            lambda lay: lay.activation_checkpointing != "selective_op" or lay.compile == "none",
+            "selective_op with compile blocks is not checked here (the per-op policy runs as a dispatch mode around "
+            "eager blocks): set compile none",
+        ),
+        (
+            "activation_checkpointing",
+            lambda lay: lay.activation_checkpointing != "selective_op" or (lay.tp == 1 and lay.cp == 1),
+            "selective_op with tp or cp > 1: the own engine's TP and CP collectives run inside a block, and the "
+            "per-op policy (harness/model/op_checkpoint.py) saves no collective's output, so recomputation would "
+            "repeat them: set tp=1 and cp=1, or activation_checkpointing selective",
+        ),
         # ring and allgather run their blocks with naive's masked fp32 math or an op that returns the
         # LSE (harness.engine.context_parallel); ulysses runs any kernel on its head shard
         (
@@ -63,7 +77,7 @@ ENGINE = EngineFacts(
             "the own engine's context parallelism with cp_impl ring or allgather computes attention "
             "blocks with naive's fp32 math or torch's SDPA ops that return the log-sum-exp: it needs "
             "attention naive, sdpa, sdpa_flash, sdpa_efficient or sdpa_cudnn (or cp_impl ulysses)",
-        )
+        ),
     ],
     model_limits=[
         tied_across_stages(
@@ -74,12 +88,30 @@ ENGINE = EngineFacts(
         ),
         # what the own engine's MoE (harness/engine/experts.py) is not built for
         (
+            "mixture of experts",
+            lambda s, lay: not s.moe or lay.activation_checkpointing != "selective_op",
+            "selective_op with a MoE model: the policy saves matmuls by their order in a dense block, and the "
+            "own engine's expert all-to-alls would run again in recomputation: use a dense model or another mode",
+        ),
+        (
             "a compiled MoE",
             lambda s, lay: not s.moe or lay.compile == "none",
             "the own engine's MoE (data-dependent all-to-all splits) runs eager: use compile none",
         ),
     ],
     precision_limits=[
+        (
+            "precision",
+            lambda w, lay: w.precision != "fp8" or lay.activation_checkpointing != "selective_op",
+            "fp8 with selective_op: the per-op policy counts aten.mm and aten.addmm, and torchao's FP8 linears run "
+            "other ops (harness/model/op_checkpoint.py): not checked here; use bf16 or another checkpointing mode",
+        ),
+        (
+            "optimizer.name",
+            lambda w, lay: w.optimizer.name != "muon" or lay.tp == 1,
+            "muon with tp > 1: Newton-Schulz needs each whole matrix and the own engine's Muon gathers the ZeRO-1 "
+            "shards over dp only, not a tensor-parallel shard over tp: set tp=1",
+        ),
         (
             "precision",
             lambda w, lay: w.precision != "fp8" or lay.tp == 1 or not fp8_misaligned_shards(w, lay),

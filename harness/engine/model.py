@@ -34,6 +34,7 @@ from harness.engine.tensor_parallel import vocab_parallel_cross_entropy, vocab_p
 from harness.model.feed_forward import FeedForward
 from harness.model.kernels import Kernels
 from harness.model.llama import RMSNorm, apply_rotary, attend, normed, qk_norms, tie_embeddings
+from harness.model.op_checkpoint import checkpoint_block
 from harness.model.presets import Shape
 
 SPLIT_DIM = {"column": 0, "row": 1}
@@ -198,6 +199,8 @@ class Chunk(nn.Module):
                 # not repeated. comm_model counts on exactly this.
                 with set_checkpoint_early_stop(True):
                     x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            elif self.checkpointing == "selective_op" and torch.is_grad_enabled():
+                x = checkpoint_block(layer, x, cos, sin)  # tp = cp = 1 (the facts): no collective inside
             else:
                 x = layer(x, cos, sin)
         if not self.plan.last:

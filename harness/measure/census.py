@@ -77,6 +77,16 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
+_OPEN: list = []  # the SavedActivations contexts open now
+
+
+def note_saved(t: torch.Tensor) -> None:
+    """`t` is kept for backward outside autograd's saved-tensor hooks (torch's selective checkpoint cache,
+    which harness/model/op_checkpoint.py's policy fills): every open SavedActivations counts it as saved."""
+    for saved in _OPEN:
+        saved._pack(t)
+
+
 class SavedActivations:
     """Bytes autograd saves for backward while this context is open (torch's saved-tensor hooks),
     each storage once, parameters excluded: what activation memory a step holds. A storage is
@@ -112,9 +122,11 @@ class SavedActivations:
 
     def __enter__(self):
         self._ctx.__enter__()
+        _OPEN.append(self)
         return self
 
     def __exit__(self, *exc):
+        _OPEN.remove(self)
         return self._ctx.__exit__(*exc)
 
 

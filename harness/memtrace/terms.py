@@ -28,7 +28,7 @@ def planner_layout(spec):
     lay = PlannerLayout.from_spec(dataclasses.asdict(spec.layout))
     lay = dataclasses.replace(lay, engine="own" if spec.layout.engine == "single" else spec.layout.engine)
     w = spec.workload
-    return lay, Workload(w.seq_len, w.global_batch_size, 2 if w.precision in BF16_PRECISIONS else 4)
+    return lay, Workload(w.seq_len, w.global_batch_size, 2 if w.precision in BF16_PRECISIONS else 4, w.optimizer.name)
 
 
 def planner_stages(spec, shape) -> tuple[int, list[dict]]:

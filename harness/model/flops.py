@@ -49,6 +49,8 @@ def flops_per_token(shape: Shape, seq_len: int, checkpointing: str = "none") -> 
         recompute = L * layer_fwd
     elif checkpointing == "selective":
         recompute = L * attn_core_fwd
+    elif checkpointing == "selective_op":  # the per-op policy re-runs wk, wo and w3 (model/op_checkpoint.py)
+        recompute = L * 2 * h * (shape.kv_heads * shape.head_dim + shape.heads * shape.head_dim + shape.ffn)
     else:
         recompute = 0
     return {

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from harness.model.feed_forward import FeedForward
 from harness.model.kernels import Kernels, rmsnorm_torch
 from harness.model.moe import MoEFeedForward
+from harness.model.op_checkpoint import checkpoint_block
 from harness.model.presets import Shape
 
 
@@ -244,7 +245,8 @@ class Llama(nn.Module):
 
     def set_checkpointing(self, mode: str, checkpoint_fn=_checkpoint) -> None:
         """`full` runs each block through checkpoint_fn(block, h, cos, sin) (torch's non-reentrant
-        checkpoint unless an engine brings its own); `selective` recomputes the attention core."""
+        checkpoint unless an engine brings its own); `selective` recomputes the attention core;
+        `selective_op` runs each block under the per-op policy (harness.model.op_checkpoint)."""
         self.checkpointing, self.checkpoint_fn = mode, checkpoint_fn
         for layer in self.layers.values():
             layer.attention.recompute_core = mode == "selective"
@@ -256,6 +258,8 @@ class Llama(nn.Module):
         for layer in self.layers.values():
             if self.checkpointing == "full" and torch.is_grad_enabled():
                 h = self.checkpoint_fn(layer, h, cos, sin)
+            elif self.checkpointing == "selective_op" and torch.is_grad_enabled():
+                h = checkpoint_block(layer, h, cos, sin)
             else:
                 h = layer(h, cos, sin)
         return h

@@ -7,7 +7,7 @@ Modules, one job each:
   feedforward     a block's feed-forward, dense or mixture of experts (expert parallelism: expert states,
                   dispatch, the all-to-all): one model memory, features and timing ask
   memory          bytes per GPU: the front door (stage_memory, worst_stage_memory, fits)
-  memory_terms    the memory terms every engine shares (GIB, stage_params, in_flight, the overheads)
+  memory_terms    the memory terms every engine shares (GIB, stage_params, in_flight, the overheads, Muon's states)
   memory_paper    the memory of the study's engine (engine paper)
   memory_engines  the memory of the harness's engines, each by its facts (registry.MemoryModel)
   context         context parallelism's own terms (implementations, K/V bytes, the exchange)

@@ -20,7 +20,7 @@ from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
 from harness.planner import context, feedforward, schedules
 from harness.planner.layout import ATTENTION, PAPER, PlannerLayout, Workload
-from harness.spec import CHECKPOINTING, RMSNORM_KERNELS, model_limit_error
+from harness.spec import CHECKPOINTING, RMSNORM_KERNELS, model_limit_error, through
 from harness.spec import Layout as SpecLayout
 
 
@@ -223,6 +223,6 @@ DEFAULTS = {
     "attention": ATTENTION,
     "rmsnorm": RMSNORM_KERNELS,
     "micro_batch_sizes": (1, 2, 4, 8),
-    "checkpointing": CHECKPOINTING,
+    "checkpointing": through(CHECKPOINTING, "selective"),  # selective_op by name only: its time is not modelled
     "sequence_parallel": (False, True),
 }

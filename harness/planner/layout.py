@@ -182,6 +182,13 @@ class _Planned:
         """The ZeRO stage whose sharding this layout has: FSDP counts as 3."""
         return 3 if self.fsdp else self.zero_stage
 
+    def __post_init__(self) -> None:
+        # the spec's selective_op (harness/model/op_checkpoint.py) is torchtitan's per-op policy, which the planner
+        # models as activation_checkpointing "selective" with selective_policy "per_op" (memory_recipes.py)
+        if self.activation_checkpointing == "selective_op":
+            object.__setattr__(self, "activation_checkpointing", "selective")
+            object.__setattr__(self, "selective_policy", "per_op")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -230,6 +237,7 @@ class Workload:
     seq_len: int
     global_batch_size: int  # sequences per optimizer step
     dtype_bytes: int = 2  # bf16 mixed precision (2) or fp32 (4)
+    optimizer: str = "adamw"  # workload.optimizer.name: muon keeps one state per block-matrix element (memory_terms)
 
     def micro_batches(self, lay: PlannerLayout) -> int:
         """Micro-batches per step per data-parallel replica (gradient accumulation x pipeline); the cp

@@ -11,11 +11,19 @@ memory_terms and are re-exported here.
 from __future__ import annotations
 
 from harness.model.presets import Shape
+from harness.planner.feedforward import expert_data_parallel
 from harness.planner.hardware import Profile
 from harness.planner.layout import PlannerLayout, Workload, stage_items
-from harness.planner.memory_engines import engine_stage_items, engine_stage_memory
+from harness.planner.memory_engines import engine_stage_items, engine_stage_memory, memory_model
 from harness.planner.memory_paper import paper_stage_memory
-from harness.planner.memory_terms import CONTEXT_GIB, FRAGMENTATION, FRAGMENTATION_PIPELINED, GIB, stage_params
+from harness.planner.memory_terms import (
+    CONTEXT_GIB,
+    FRAGMENTATION,
+    FRAGMENTATION_PIPELINED,
+    GIB,
+    muon_saving,
+    stage_params,
+)
 
 __all__ = [
     "CONTEXT_GIB",
@@ -33,8 +41,24 @@ def stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> 
     """Breakdown in bytes for one stage; 'total' is the sum of the parts. The study's engine
     (PlannerLayout.engine paper) in memory_paper; the harness's engines in memory_engines."""
     if lay.engine != "paper":
-        return engine_stage_memory(shape, lay, wl, stage)
+        parts = engine_stage_memory(shape, lay, wl, stage)
+        return _with_muon(shape, lay, wl, stage, parts) if wl.optimizer == "muon" else parts
     return paper_stage_memory(shape, lay, wl, stage)
+
+
+def _with_muon(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int, parts: dict) -> dict:
+    """`parts` with Muon's one momentum in place of AdamW's two moments on the stage's block matrices
+    (memory_terms.muon_saving), sharded as memory_engines shards the optimizer states: over the FSDP2 shard
+    group, over the replicas under ZeRO-1 (experts: their expert-data-parallel group), else not."""
+    fsdp = memory_model(lay.engine).states == "fsdp"
+    sharded = fsdp or lay.sharding_stage >= 1
+    shard = (lay.shard_group if fsdp else lay.replicas) if sharded else 1
+    expert_shard = shard
+    if sharded and (not fsdp or lay.shard_group == lay.replicas):
+        expert_shard = expert_data_parallel(lay.dims)
+    layers = engine_stage_items(shape, lay, wl.seq_len)[stage][1]
+    saving = muon_saving(shape, lay, layers, shard, expert_shard)
+    return {**parts, "optimizer": parts["optimizer"] - saving, "total": parts["total"] - saving}
 
 
 def worst_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[int, dict]:

@@ -8,8 +8,11 @@ them to a stage's memory (te_attention in its attention terms), features.py the 
   checkpointed block it saves the outputs of aten.mm, of the SDPA flash/efficient kernels and of the
   reduce-scatter, but every second mm, and recomputes the rest from the block's input. In a block's
   forward order (wq, wk, wv, attention, wo, w1, w3, w2) it keeps wq's, wv's, w1's and w2's outputs,
-  the attention's output and log-sum-exp, and the block's input. torchao's Float8Linear calls mm on
-  its fp8 tensor subclass, which the policy sees as aten.mm: the same outputs are kept, in bf16.
+  the attention's output and log-sum-exp (a flash-style kernel's; naive attention's bmm are no aten.mm), and
+  the block's input. The spec's activation_checkpointing selective_op is this policy, run by engines single,
+  own and fsdp (harness/model/op_checkpoint.py; PlannerLayout maps it to selective with per_op). torchao's
+  Float8Linear calls mm on its fp8 tensor subclass, which the policy sees as aten.mm: the same outputs are
+  kept, in bf16.
 - recompute_layers: Megatron's recompute_method "block" recomputes the first recompute_num_layers
   layers of each pipeline chunk (transformer_block.py, _checkpointed_forward); the others keep all.
 - offload_layers: Megatron's cpu_offloading_num_layers moves the saved activations of that many
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 from harness.model.presets import Shape
 from harness.planner import fp8
-from harness.planner.layout import PlannerLayout, Workload
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
 
 
 def per_op_kept(shape: Shape, lay: PlannerLayout, wl: Workload) -> float:
@@ -46,9 +49,11 @@ def per_op_kept(shape: Shape, lay: PlannerLayout, wl: Workload) -> float:
     sp = t if lay.sequence_parallel and t > 1 else 1
     hq, kv = shape.heads * shape.head_dim / t, shape.kv_heads * shape.head_dim / t
     f = shape.ffn / t if not shape.moe else 0.0  # a MoE layer's experts: their grouped GEMMs are not aten.mm
-    saved = n * (hq + kv + hq + f + h + (h / sp if sp > 1 else 0.0)) * B
+    saved = n * (hq + kv + f + h + (h / sp if sp > 1 else 0.0)) * B
+    if ATTENTION_CLASS[lay.attention] in MATERIALISED:  # naive: its bmm are no aten.mm, nothing of it kept
+        return n * h * B / sp + saved
     lse = 4 * b * shape.heads / t * s
-    return n * h * B / sp + saved + lse
+    return n * h * B / sp + saved + n * hq * B + lse  # a flash-style kernel's output and log-sum-exp
 
 
 def swiglu_saving(shape: Shape, lay: PlannerLayout, n: float, B: int) -> float:

@@ -53,3 +53,22 @@ def in_flight(lay: PlannerLayout, stage: int, m: int) -> float:
     """Micro-batches (in units of the stage's layers) whose activations a stage holds at peak
     (the schedule's: harness/planner/schedules.py)."""
     return schedules.in_flight(lay.pipeline_schedule, lay.virtual_stages, lay.pp, stage, m)
+
+
+def muon_matrix_params(shape: Shape, layers: int, tp: int, ep: int = 1) -> tuple[float, float]:
+    """(dense, expert) parameters per GPU of a stage's `layers` blocks that Muon updates
+    (harness.model.muon.muon_matrix: a block's 2-D weights): the attention's projections and the MLP's
+    matrices split over tp, a MoE's router replicated; and its experts' matrices (E / ep per rank, over tp),
+    sharded over the expert-data-parallel group. Norms and biases, the embedding and the head: AdamW's."""
+    head_dim = shape.head_dim
+    attn = shape.hidden * shape.heads * head_dim * 2 + 2 * shape.hidden * shape.kv_heads * head_dim
+    ffn = feedforward.of(shape)
+    return layers * ((attn + ffn.tp_params()) / tp + ffn.replicated_params()), ffn.expert_params(layers, tp, ep)
+
+
+def muon_saving(shape: Shape, lay: PlannerLayout, layers: int, shard: float, expert_shard: float) -> float:
+    """fp32 bytes workload.optimizer.name muon saves on a stage against AdamW: one momentum per Muon element
+    (harness.model.muon.MuonWithAdamW) where AdamW keeps two moments, divided as the engine shards its
+    optimizer states (`shard`: over the replicas under ZeRO-1 or FSDP2, else 1; `expert_shard`: the experts')."""
+    dense, experts = muon_matrix_params(shape, layers, lay.tp, lay.ep)
+    return 4 * (dense / shard + experts / expert_shard)

@@ -36,7 +36,7 @@ from harness.spec.checks import (
     check_tokens,
     check_world_size,
 )
-from harness.spec.honours import EVERY_ENGINE, FP8, MOE, honoured, some
+from harness.spec.honours import EVERY_ENGINE, FP8, MOE, MUON, honoured, some
 from harness.spec.inputs import (
     NAME_CHARS,
     NAME_MAX,
@@ -99,6 +99,7 @@ __all__ = [
     "MAX_STEPS",
     "MODEL_IMPLS",
     "MOE",
+    "MUON",
     "NAME_CHARS",
     "NAME_MAX",
     "PIPELINE_P2P",

@@ -54,6 +54,13 @@ def honoured_error(w: Workload | None, lay: Layout) -> CapabilityError | None:
             why = facts.refuses(path, getattr(spec_part, f.name), facts.default(path, general))
             if why is not None:
                 return CapabilityError(path, why)
+    if w is not None:  # the optimizer's choices (honours.OPTIMIZER_CHOICES), opt-in as the fields above
+        for f in dataclasses.fields(w.optimizer):
+            path = f"workload.optimizer.{f.name}"
+            if "choices" in f.metadata:
+                why = facts.refuses(path, getattr(w.optimizer, f.name), f.default)
+                if why is not None:
+                    return CapabilityError(path, why)
     return None
 
 

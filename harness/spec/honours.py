@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from harness.registry import ANY, Honoured
-from harness.spec.schema import Layout, Workload, subset, through
+from harness.spec.schema import Layout, Optimizer, Workload, subset, through
 
 # Every field of the run spec by path ("layout.cp"), and the values of each choice field.
 FIELDS = {
@@ -80,3 +80,17 @@ FP8: dict[str, Honoured] = honoured("workload", precision="fp8", fp8_recipe="row
 
 # What an engine that runs mixture-of-experts models declares (with runs_moe): the router's two loss coefficients.
 MOE: dict[str, Honoured] = honoured("workload", "moe_aux_loss_coeff moe_z_loss_coeff")
+
+# workload.optimizer's choice fields, by path: every engine honours workload.optimizer (its numbers), and these
+# apart (capabilities.honoured_error), opt-in as any choice: an engine that runs Muon declares MUON.
+OPTIMIZER_CHOICES: dict[str, tuple] = {
+    f"workload.optimizer.{f.name}": tuple(f.metadata["choices"])
+    for f in dataclasses.fields(Optimizer)
+    if "choices" in f.metadata
+}
+MUON: dict[str, Honoured] = {
+    "workload.optimizer.name": Honoured(through(OPTIMIZER_CHOICES["workload.optimizer.name"], "muon")),
+    "workload.optimizer.muon_adjust_lr": Honoured(
+        through(OPTIMIZER_CHOICES["workload.optimizer.muon_adjust_lr"], "match_rms_adamw")
+    ),
+}

@@ -47,13 +47,17 @@ DATA_KINDS = ("synthetic", "file", "markov")
 TOKEN_DTYPES = ("uint16", "uint32")  # a token file's
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
-CHECKPOINTING = ("none", "full", "selective")
+# selective_op: torchtitan's per-op policy (every other matmul's output saved, the rest recomputed)
+CHECKPOINTING = ("none", "full", "selective", "selective_op")
 CP_IMPLS = ("ring", "allgather", "ulysses")  # K/V blocks passed round a ring, K/V all-gathered, heads all-to-all
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
 PIPELINE_P2P = ("auto", "async", "grouped")
 MODEL_IMPLS = ("own", "hf")  # the harness's model, transformers' LlamaForCausalLM
 COMPILE = ("none", "blocks")  # torch.compile: nothing, or each transformer block (torchtitan's apply_compile)
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name
+# muon: torch.optim.Muon on the transformer blocks' 2-D weights, AdamW on the rest (harness/model/muon.py)
+OPTIMIZERS = ("adamw", "muon")
+MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
 # Two model chunks per pipeline rank in a V (rank r holds stages r and 2pp-1-r: the first rank the first and last).
 V_SCHEDULES = subset(SCHEDULES, "zbv", "dualpipev")
 # virtual_stages chunks per rank, stage c * pp + r (Megatron's interleaving); zero_bubble: torch's
@@ -88,12 +92,17 @@ def _betas(value, name: str) -> tuple[float, float]:
 
 @dataclass
 class Optimizer:
-    """AdamW hyperparameters; every engine gets exactly these."""
+    """The optimizer and its hyperparameters; every engine gets exactly these. name muon: torch.optim.Muon
+    (nesterov, 5 Newton-Schulz steps, its coefficients) with lr, weight_decay, muon_momentum and
+    muon_adjust_lr on the blocks' 2-D weights, and AdamW with all of these but the muon_ ones on the rest."""
 
     lr: float = spec_field(3e-4, check=in_range(float, 0, above=True))
     betas: tuple[float, float] = spec_field((0.9, 0.95), check=_betas)
     eps: float = spec_field(1e-8, check=in_range(float, 0, above=True))
     weight_decay: float = spec_field(0.1, check=in_range(float, 0))
+    name: str = spec_field("adamw", choices=OPTIMIZERS)
+    muon_momentum: float = spec_field(0.95, check=in_range(float, 0), applies=("name", "muon"))
+    muon_adjust_lr: str = spec_field("original", choices=MUON_ADJUST_LR, applies=("name", "muon"))
 
 
 @dataclass

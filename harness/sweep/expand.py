@@ -49,6 +49,7 @@ CP_FIELDS = ("cp", "cp_impl")
 # Layout and workload fields added later, left out of a point's key at their default for the same reason
 LATER_DEFAULTS = {"compile": "none", "fp8_all_gather": False, "ep": 1}
 LATER_WORKLOAD_DEFAULTS = {"fp8_recipe": "tensorwise", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.0}
+LATER_OPTIMIZER_DEFAULTS = {"name": "adamw", "muon_momentum": 0.95, "muon_adjust_lr": "original"}
 
 
 def point_key(spec_dict: dict) -> str:
@@ -62,6 +63,9 @@ def point_key(spec_dict: dict) -> str:
         for k, v in spec_dict["workload"].items()
         if k not in LATER_WORKLOAD_DEFAULTS or v != LATER_WORKLOAD_DEFAULTS[k]
     }
+    if isinstance(workload.get("optimizer"), dict):  # its fields added later (Muon's), dropped at their defaults
+        later = LATER_OPTIMIZER_DEFAULTS
+        workload["optimizer"] = {k: v for k, v in workload["optimizer"].items() if k not in later or v != later[k]}
     ident = {"workload": workload, "layout": layout}
     blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=list)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -62,7 +62,12 @@ ENGINE = EngineFacts(
         ),
     },
     why_not={
-        "layout.sequence_parallel": "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights only)"
+        "workload.optimizer.name": "DeepSpeed 0.19.8's Muon (optimizer type Muon, MuonWithAuxAdam) does not follow "
+        "the workload's policy: deepspeed.set_optimizer_flags puts every matrix whose name lacks embed or lm_head "
+        "under Muon (the harness model's LM head, output.weight, too), and its Newton-Schulz runs in fp16 (ns_method "
+        "gram) or bf16 (standard) on this CPU, not in fp32 under the fp32 policy; a client optimizer under ZeRO sees "
+        "flat 1-D partitions, not matrices: engine deepspeed runs adamw",
+        "layout.sequence_parallel": "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights only)",
     },
     capabilities=[
         ("cp_impl", lambda lay: lay.cp == 1 or lay.cp_impl == "ulysses", ULYSSES),

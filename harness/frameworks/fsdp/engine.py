@@ -66,10 +66,13 @@ import torch.distributed as dist
 
 from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
+from harness.frameworks.fsdp.checkpointing import CHECKPOINTING, wrap_blocks
+from harness.frameworks.fsdp.muon import fsdp_optimizer, step_comm
 from harness.measure import census, ranges, timers
 from harness.model import float8
 from harness.model.llama import Llama, ReferenceWeights, lm_loss
 from harness.model.moe import moe_layers, set_router_losses, take_router_stats
+from harness.model.muon import describe as describe_optimizer
 from harness.model.training import BuildOptions, StepHooks, dtype_name, precision_policy
 from harness.parallel_dims import AXES, ParallelDims
 from harness.spec import micro_batches_per_step
@@ -144,7 +147,8 @@ class FSDPEngine:
         self.is_last_stage = plans is None or any(p.last for p in plans)
         self._precompute_fp8_scales()
         self.params = [p for part in self.parts for p in part.parameters()]
-        self.optimizer = options.make_optimizer(self.params, w, fused=ctx.device.type == "cuda")
+        # AdamW, or Muon on the blocks' matrices, each gathered whole for Newton-Schulz (fsdp/muon.py)
+        self.optimizer = fsdp_optimizer(self.parts, w, options.make_optimizer, fused=ctx.device.type == "cuda")
         self.census = census.CensusAtStep(self.optimizer, self._census_tensors)
         self._details: dict = {}
 
@@ -165,11 +169,7 @@ class FSDPEngine:
         # fp8: torchao's Float8Linear swapped in before fully_shard (torchtitan's order), on the meta module;
         # fp8_all_gather: its weights become WeightWithDynamicFloat8CastTensor, all-gathered by FSDP2 in FP8
         self.policy.convert_fp8(part, self.device.type, fsdp_all_gather=lay.fp8_all_gather)
-        if lay.activation_checkpointing == "full":
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-            for key, block in list(part.layers.named_children()):
-                part.layers.register_module(key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        wrap_blocks(part, lay.activation_checkpointing)  # full, selective_op: before fully_shard (checkpointing.py)
         compile_blocks(part.layers.children(), lay.compile)  # before fully_shard, as torchtitan
         dp_mesh = self.shard_mesh
         for block in part.layers.children():
@@ -217,6 +217,7 @@ class FSDPEngine:
         self._details = {
             "breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds, "total": step.seconds}
         }
+        self._details.update(step_comm(self.optimizer))  # Muon's gathers of whole matrices, in the optimizer's time
         return loss
 
     def _context_parallel(self, inputs, targets):
@@ -385,13 +386,9 @@ class FSDPEngine:
             "precision_policy": self.policy.describe(),
             **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
             "mixed_precision": self._mixed_precision(),
-            "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
+            "optimizer": describe_optimizer(self.optimizer, self.device.type),
             "grad_clipping": "global norm over dp/tp shards" + (" and pp stages" if lay.pp > 1 else ""),
-            "activation_checkpointing": {
-                "none": "none",
-                "full": "torch checkpoint_wrapper per block (non-reentrant)",
-                "selective": "model's attention-core recomputation (torch checkpoint)",
-            }[lay.activation_checkpointing],
+            "activation_checkpointing": CHECKPOINTING[lay.activation_checkpointing],
         }
 
     def _named(self, degrees: dict, order: str | None = None) -> dict:

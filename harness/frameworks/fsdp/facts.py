@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from harness import spec
 from harness.registry import EngineFacts, MemoryModel, not_both, only, tied_across_stages
-from harness.spec import EVERY_ENGINE, FP8, MOE, honoured, micro_batch_count, some, subset, through
+from harness.spec import EVERY_ENGINE, FP8, MOE, MUON, honoured, micro_batch_count, some, subset, through
 
 
 def _micro(w, lay) -> int:
@@ -29,11 +29,12 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **FP8,
+        **MUON,  # harness/model/muon.py: each DTensor matrix's update gathered whole (full_tensor) for Newton-Schulz
         **MOE,  # the plain model's MoEFeedForward: the reference's router and losses (engine.py)
         **honoured(
             "layout",
             "tp pp dp cp sequence_parallel virtual_stages reshard_after_forward fp8_all_gather",
-            activation_checkpointing="selective",
+            activation_checkpointing="selective_op",
             attention="flash2",
             rmsnorm="fused",
             compile="blocks",
@@ -50,6 +51,18 @@ ENGINE = EngineFacts(
     },
     runs_moe=True,
     capabilities=[
+        (
+            "activation_checkpointing",
+            lambda lay: lay.activation_checkpointing != "selective_op" or lay.compile == "none",
+            "selective_op with compile blocks is not checked here (the per-op policy runs as a dispatch mode around "
+            "eager blocks): set compile none",
+        ),
+        (
+            "activation_checkpointing",
+            lambda lay: lay.activation_checkpointing != "selective_op" or (lay.tp == 1 and lay.cp == 1),
+            "selective_op with tp or cp > 1 under engine fsdp: DTensor's collectives inside a block would run again "
+            "in recomputation (the per-op policy, harness/model/op_checkpoint.py, saves none): set tp=1 and cp=1",
+        ),
         (
             "compile",
             lambda lay: lay.compile == "none" or lay.tp == 1,
@@ -90,6 +103,18 @@ ENGINE = EngineFacts(
     precision_limits=[
         (
             "precision",
+            lambda w, lay: w.precision != "fp8" or lay.activation_checkpointing != "selective_op",
+            "fp8 with selective_op: the per-op policy counts aten.mm and aten.addmm, and torchao's FP8 linears run "
+            "other ops (harness/model/op_checkpoint.py): not checked here; use bf16 or another checkpointing mode",
+        ),
+        (
+            "optimizer.name",
+            lambda w, lay: w.optimizer.name != "muon" or lay.tp == 1,
+            "muon with tp > 1 under engine fsdp: the Muon step here gathers each matrix over the FSDP2 shard mesh "
+            "only, not over DTensor tensor parallelism: set tp=1",
+        ),
+        (
+            "precision",
             lambda w, lay: w.precision != "fp8" or lay.tp == 1,
             "fp8 with tp > 1 under engine fsdp needs torchao's Float8 tensor-parallel styles in the DTensor plan "
             "(Float8ColwiseParallel, Float8RowwiseParallel), not wired here: set tp=1",
@@ -115,6 +140,12 @@ ENGINE = EngineFacts(
             "stages",
             "engine fsdp",
             lambda s, lay: not s.tie_embeddings or lay.pp == 1,
+        ),
+        (
+            "mixture of experts",
+            lambda s, lay: not s.moe or lay.activation_checkpointing != "selective_op",
+            "selective_op with a MoE model: the per-op policy counts a dense block's matmuls (wq, wv, w1, w2 saved); "
+            "use a dense model or another checkpointing mode",
         ),
         (
             "mixture of experts",

@@ -97,6 +97,8 @@ ENGINE = EngineFacts(
         ),
     },
     why_not={
+        "workload.optimizer.name": "Megatron-core 0.16.1's Muon (megatron/core/optimizer/muon.py, TensorParallelMuon) "
+        "needs NVIDIA's emerging_optimizers package, not installed here: engine megatron runs adamw",
         "layout.compile": "engine megatron runs Megatron-core's layers as it builds them (its own fusions only): "
         "compiling its blocks from outside is not done here",
         "layout.dp_bucket_mb": "Megatron's DDP here runs without overlap, one bucket per buffer (Megatron-LM's "

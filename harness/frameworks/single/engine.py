@@ -13,7 +13,9 @@ from harness.measure.census import CensusAtStep, optimizer_state_tensors
 from harness.model.compiled import compile_blocks
 from harness.model.llama import build_model, lm_loss
 from harness.model.moe import set_router_losses, take_router_stats
-from harness.model.training import MasterWeights, make_adamw, precision_policy
+from harness.model.muon import describe as describe_optimizer
+from harness.model.muon import make_optimizer
+from harness.model.training import MasterWeights, precision_policy
 from harness.spec import micro_batches_per_step as spec_micro_batches
 
 
@@ -33,7 +35,9 @@ class SingleDeviceEngine:
         compile_blocks(self.model.layers.values(), lay.compile)
         set_router_losses(self.model, w.moe_aux_loss_coeff, w.moe_z_loss_coeff, spec_micro_batches(spec))
         self.weights = MasterWeights(list(self.model.parameters()), self.policy)
-        self.optimizer = make_adamw(self.weights.optimizer_params(), w, fused=device.type == "cuda")
+        # AdamW, or Muon on the blocks' matrices (harness/model/muon.py), over the masters, named as the model's
+        named = zip(self.names, self.weights.optimizer_params(), strict=True)
+        self.optimizer = make_optimizer(named, w, fused=device.type == "cuda")
         self.census = CensusAtStep(self.optimizer, self._census_tensors)
 
     def train_step(self, global_batch: torch.Tensor) -> torch.Tensor:
@@ -87,7 +91,7 @@ class SingleDeviceEngine:
 
     def describe(self) -> dict:
         return {
-            "optimizer": "torch.optim.AdamW" + (" (fused)" if self.device.type == "cuda" else " (foreach)"),
+            "optimizer": describe_optimizer(self.optimizer, self.device.type),
             "precision_policy": self.policy.describe(),
             **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
             **({"compile": "torch.compile per block (inductor)"} if self.spec.layout.compile == "blocks" else {}),
