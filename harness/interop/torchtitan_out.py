@@ -214,7 +214,7 @@ def export_torchtitan(
     ]
     if lay.pp == 1 and micro > 1:
         notes.append(f"torchtitan accumulates {micro} micro-batches per step (global_batch_size)")
-    if lay.activation_checkpointing == "selective":
+    if lay.activation_checkpointing == "selective" and lay.selective_policy != "per_op":
         notes.append(
             "SelectiveAC is torchtitan's per-op policy (every other matmul's output kept, the rest recomputed): it "
             "keeps less and recomputes more than the Megatron-style selective recomputation the plan predicted"

@@ -212,6 +212,8 @@ class _Planned:
         describes layouts no engine runs (EXTRA_ATTENTION, ZeRO-2/3 without fsdp)."""
         engine = "fsdp" if self.fsdp else (self.engine if registry.known(self.engine) else "own")
         mine = {**asdict(self), "engine": engine}
+        if self.activation_checkpointing == "selective" and self.selective_policy == "per_op":
+            mine["activation_checkpointing"] = "selective_op"  # the spec's name of torchtitan's per-op policy
         return {f.name: mine[f.name] for f in dataclasses.fields(SpecLayout) if f.name in mine}
 
 
