@@ -119,7 +119,7 @@ ENGINE = EngineFacts(
             "dims multiples of 16 (harness/model/float8.py); a shard that is not would leave a linear the "
             "reference runs in FP8 in bf16: choose tp so that ffn/tp (a MoE's moe_ffn/tp too) and the q/k/v head "
             "widths / tp are multiples of 16",
-        )
+        ),
     ],
     runs_moe=True,
     label=lambda lay: f"own ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "own",
