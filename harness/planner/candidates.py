@@ -100,7 +100,9 @@ def layouts(
                 shards = shard_groups(dims.replicas(), dp_shards, tp, gpus_per_node) if fields.get("fsdp") else (0,)
                 eps = feedforward.of(shape).ep_degrees(dims.replicas(), ep_values)
                 if engine != PAPER and shape.moe:  # the degrees the engine shares experts out over (fsdp: none)
-                    eps = [e for e in eps if e == 1 or registry.facts(engine).runs("layout.ep", [e])] or [1]
+                    eps = [e for e in eps if e == 1 or registry.facts(engine).runs("layout.ep", [e])]
+                if not eps:
+                    continue  # no ep asked for (--ep) divides this split's dp x cp: no layout here
                 for mb, (sched, v), ck, sp, att, rms, impl, prec, shard, ep in itertools.product(
                     micro_batch_sizes,
                     pipes,

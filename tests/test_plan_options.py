@@ -1,0 +1,116 @@
+"""`harness plan` and `harness memory` use every option asked for or refuse it in one line (exit 2): an
+expert-parallel degree no layout takes, virtual stages without a schedule that has them, a pipeline
+schedule the engine's facts say it does not run, a fit judged on a device nobody named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.cli import main as cli
+
+# narrowed to one kernel per option: the checks are the point, not the plan's size
+NARROW = ["--attention", "flash2", "--rmsnorm", "fused", "--micro-batch-sizes", "1"]
+NARROW += ["--activation-checkpointing", "full"]
+QWEN = ["plan", "--model", "qwen3-30b-a3b", "--seq-len", "4096", "--global-batch-size", "512", "--gpus", "64"]
+QWEN += ["--hardware", "h100-sxm", *NARROW]
+LLAMA = ["plan", "--model", "llama3-70b", "--seq-len", "4096", "--global-batch-size", "512", "--gpus", "64", *NARROW]
+
+
+@pytest.mark.parametrize(
+    "ep, words",
+    [
+        ("3", "3 does not divide the 128 experts of qwen3-30b-a3b"),
+        (str(10**30), f"{10**30} does not divide the 128 experts"),
+        ("128", "128 is the expert-parallel degree of no layout of 64 GPUs"),
+        ("2,128", "128 is the expert-parallel degree of no layout of 64 GPUs"),
+    ],
+)
+def test_an_expert_degree_no_layout_takes_is_refused(no_launch, one_line_error, ep, words):
+    line = one_line_error(cli([*QWEN, "--ep", ep]))
+    assert line.startswith("error: --ep: ") and words in line
+
+
+def test_the_expert_degrees_asked_for_are_the_ones_planned(no_launch, capsys):
+    assert cli([*QWEN, "--ep", "2,8", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["ep"] for r in rows} == {2, 8}
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--pipeline-schedule", "1f1b", "--virtual-stages", "2"], "--pipeline-schedule 1f1b has none"),
+        (["--pipeline-schedule", "1f1b,zbv", "--virtual-stages", "2"], "--pipeline-schedule 1f1b,zbv has none"),
+        (["--engine", "deepspeed", "--virtual-stages", "2"], "engine deepspeed's default schedules has none"),
+        # 80 layers: pp x 3 divides them at no pp (Megatron-core splits the layers evenly)
+        (["--engine", "megatron", "--virtual-stages", "3"], "3 is the chunks per rank of no interleaved layout"),
+    ],
+)
+def test_virtual_stages_no_layout_takes_are_refused(no_launch, one_line_error, flags, words):
+    line = one_line_error(cli([*LLAMA, *flags]))
+    assert line.startswith("error: --virtual-stages: ") and words in line
+
+
+def test_the_virtual_stages_asked_for_are_the_ones_planned(no_launch, capsys):
+    assert cli([*LLAMA, "--pipeline-schedule", "interleaved", "--virtual-stages", "2,5", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["virtual_stages"] for r in rows if r["pp"] > 1} == {2, 5}
+
+
+@pytest.mark.parametrize(
+    "engine, schedule, words",
+    [
+        ("megatron", "zero_bubble", "Megatron-core's schedules are 1F1B and interleaved 1F1B"),
+        ("megatron", "zbv", "Megatron-core's schedules are 1F1B and interleaved 1F1B"),
+        ("megatron", "gpipe", "Megatron-core's schedules are 1F1B and interleaved 1F1B"),
+        ("deepspeed", "zbv", "DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only"),
+        ("deepspeed", "interleaved", "DeepSpeed's pipeline engine runs its 1F1B TrainSchedule only"),
+        ("paper", "zero_bubble", "the study's engine ran 1f1b only"),
+    ],
+)
+def test_a_schedule_the_engine_does_not_run_is_refused(no_launch, one_line_error, engine, schedule, words):
+    line = one_line_error(cli([*LLAMA, "--engine", engine, "--pipeline-schedule", f"1f1b,{schedule}"]))
+    assert line.startswith("error: --pipeline-schedule: ") and words in line
+
+
+def test_the_schedules_an_engine_runs_are_planned(no_launch, capsys):
+    """The engines' facts (one owner: harness/frameworks/*/facts.py, harness/engine/facts.py) decide."""
+    from harness import registry
+
+    for engine in ("megatron", "fsdp", "own"):
+        runs = registry.facts(engine).runs("layout.pipeline_schedule", ["1f1b", "interleaved", "zero_bubble", "zbv"])
+        assert cli([*LLAMA, "--engine", engine, "--pipeline-schedule", ",".join(runs), "--format", "json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert {r["pipeline_schedule"] for r in rows if r["pp"] > 1} == set(runs), engine
+
+
+def _tiny_spec(tmp_path):
+    spec = tmp_path / "t.yaml"
+    spec.write_text(
+        "workload: {model: tiny, seq_len: 32, global_batch_size: 4, precision: bf16}\n"
+        "layout: {engine: own, tp: 2, pp: 1, dp: 1, zero_stage: 0}\n"
+    )
+    return str(spec)
+
+
+def test_memory_judges_no_fit_without_a_named_device(no_launch, capsys):
+    """A spec names no device (an imported plan's was the plan's --hardware): no fit on an assumed one."""
+    from harness.commands.memory import NO_HARDWARE
+
+    spec = _tiny_spec(no_launch)
+    assert cli(["memory", spec]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(NO_HARDWARE) and "fits on" not in out and "a100" not in out
+    assert cli(["memory", spec, "--format", "json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["hardware"] is None and result["fits"] is None
+    assert cli(["memory", spec, "--hardware", "h100-sxm"]) == 0
+    out = capsys.readouterr().out
+    assert "fits on h100-sxm" in out and NO_HARDWARE not in out
+
+
+def test_memory_refuses_an_unknown_device(no_launch, one_line_error):
+    line = one_line_error(cli(["memory", _tiny_spec(no_launch), "--hardware", "h100-pcie-nope"]))
+    assert line.startswith("error: --hardware")
