@@ -114,3 +114,48 @@ def test_memory_judges_no_fit_without_a_named_device(no_launch, capsys):
 def test_memory_refuses_an_unknown_device(no_launch, one_line_error):
     line = one_line_error(cli(["memory", _tiny_spec(no_launch), "--hardware", "h100-pcie-nope"]))
     assert line.startswith("error: --hardware")
+
+
+# ---------------------------------------------------------------- headroom: the allocator's margin
+
+TIGHT = ["plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch-size", "64", "--gpus", "8", *NARROW]
+
+
+def _device_of(tmp_path, memory_gib: float) -> str:
+    """h100-sxm's profile with another device memory, as a profile file --hardware takes."""
+    import dataclasses
+
+    from harness.planner.hardware import load_profile, save_profile
+
+    path = tmp_path / f"dev-{memory_gib:.3f}.yaml"
+    save_profile(dataclasses.replace(load_profile("h100-sxm"), memory_gib=memory_gib), path)
+    return str(path)
+
+
+def test_a_fit_within_the_allocator_margin_is_marked(no_launch, capsys):
+    """A layout predicted at 97% of the device fits, marked (yes!, a line naming the margin); at 90% it is
+    not; the JSON rows carry the mark exactly where the total lies within the margin of the device."""
+    from harness.planner.predict import ALLOCATOR_MARGIN
+
+    assert cli([*TIGHT, "--hardware", "h100-sxm", "--format", "json"]) == 0
+    first = next(r for r in json.loads(capsys.readouterr().out) if r["fits"])
+    mem = first["memory_gib"]
+    assert cli([*TIGHT, "--hardware", _device_of(no_launch, mem / 0.97), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    device = mem / 0.97
+    edge = (1 - ALLOCATOR_MARGIN) * device
+    for r in rows:  # (memory_gib is rounded to 0.01: rows at the edge itself are not judged)
+        if r["fits"] and r["memory_gib"] > edge + 0.01:
+            assert r["within_allocator_margin"], r
+        elif not r["fits"] or r["memory_gib"] < edge - 0.01:
+            assert not r["within_allocator_margin"], r
+    assert any(r["within_allocator_margin"] and r["memory_gib"] == mem for r in rows)
+    assert cli([*TIGHT, "--hardware", _device_of(no_launch, device), "--top", "50"]) == 0
+    out = capsys.readouterr().out
+    assert " yes! " in out
+    margin = [ln for ln in out.splitlines() if ln.startswith("! ")]
+    assert len(margin) == 1 and f"of {device:g}: within the {ALLOCATOR_MARGIN:.0%} allocator margin" in margin[0]
+    assert "may not fit" in margin[0]
+    assert cli([*TIGHT, "--hardware", _device_of(no_launch, mem / 0.90), "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert " yes! " not in out and not any(ln.startswith("! ") for ln in out.splitlines())

@@ -248,7 +248,7 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
             f"{r['activation_checkpointing']:9} "
             f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
             f"{r['precision'].ljust(5) + ' ' if prec else ''}"
-            f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
+            f"{r['memory_gib']:8.1f} {_fits_cell(p):4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
             f"{' *' if id(p) in near else ''}"
         )
         if args.explain:
@@ -259,11 +259,33 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
             if p.why_unavailable:
                 print(f"      unavailable: {p.why_unavailable}")
     print(note)
-    for line in _cp_lines(args, preds, fitting) + _moe_lines(args, shape):
+    for line in _margin_lines([row.pred for row in rows], profile) + _cp_lines(args, preds, fitting):
+        print(line)
+    for line in _moe_lines(args, shape):
         print(line)
     if args.emit_sweep:
         print(f"wrote {args.emit_sweep}", file=sys.stderr)
     return 0
+
+
+def _fits_cell(p) -> str:
+    """yes, no, or yes! for a layout that fits within the allocator's margin of the device."""
+    return ("yes!" if p.tight else "yes") if p.fits and p.available else "no"
+
+
+def _margin_lines(shown, profile) -> list[str]:
+    """The shown layouts that fit within the allocator's margin of the device (predict.tight_fit)."""
+    from harness.planner.predict import ALLOCATOR_MARGIN
+
+    tight = [p for p in shown if p.fits and p.available and p.tight]
+    if not tight:
+        return []
+    worst = max(tight, key=lambda p: p.memory_gib)
+    return [
+        f"! {worst.memory_gib:.1f} GiB of {profile.memory_gib:g}: within the {ALLOCATOR_MARGIN:.0%} allocator margin "
+        f"(the memory model's fragmentation, harness/planner/memory_terms.py): may not fit (the {len(tight)} "
+        f"layouts marked yes!, from {min(p.memory_gib for p in tight):.1f} GiB)"
+    ]
 
 
 # What --findings does not combine with: each prints its own output of one plan.

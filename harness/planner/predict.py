@@ -20,7 +20,7 @@ from harness.model.presets import Shape
 from harness.planner import feedforward, schedules
 from harness.planner.hardware import Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PRECISIONS, PlannerLayout, Workload
-from harness.planner.memory import GIB, fits, worst_stage_memory
+from harness.planner.memory import FRAGMENTATION, GIB, fits, worst_stage_memory
 from harness.planner.timing import step_time, theta_from_profile
 from harness.spec import CP_IMPLS, RMSNORM_KERNELS
 
@@ -43,6 +43,8 @@ class Prediction:
     memory_breakdown_gib: dict = field(default_factory=dict)
     time_breakdown_s: dict = field(default_factory=dict)
     why_unavailable: str = ""
+    # fits, but within the allocator's margin of the device (tight_fit): may not fit
+    tight: bool = False
 
     def row(self) -> dict:
         """The JSON object `harness plan --format json` prints per layout."""
@@ -66,6 +68,7 @@ class Prediction:
             "compile": lay.compile,
             "dp_shard": lay.shard_group if lay.fsdp else None,  # ranks per sharding group (fsdp)
             "fits": bool(self.fits and self.available),
+            "within_allocator_margin": bool(self.tight),
             "memory_gib": round(self.memory_gib, 2),
             "step_time_s": round(self.step_time_s, 4),
             "mfu": round(self.mfu, 4),
@@ -85,6 +88,20 @@ def kernel_available(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profi
     if cls in FLASH_MAX_HEAD_DIM and shape.head_dim > FLASH_MAX_HEAD_DIM[cls]:
         return f"{lay.attention} supports head dim up to {FLASH_MAX_HEAD_DIM[cls]}"
     return ""
+
+
+# The margin of the device a prediction that fits must leave to be trusted to fit: the caching
+# allocator's fragmentation as the memory model takes it without a pipeline (memory_terms.FRAGMENTATION,
+# the low end of the reserved/allocated ratios of 1.05-1.3 it cites), here taken of the whole device.
+# The prediction counts fragmentation on the dynamic memory only; a layout within this margin of the
+# device is one that a little more fragmentation (or a term the model does not hold) pushes out.
+ALLOCATOR_MARGIN = FRAGMENTATION
+
+
+def tight_fit(total_bytes: float, profile: Profile) -> bool:
+    """Whether a total that fits lies within ALLOCATOR_MARGIN of the device's memory."""
+    device = profile.memory_gib * GIB
+    return (1 - ALLOCATOR_MARGIN) * device < total_bytes <= device
 
 
 def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
@@ -168,6 +185,7 @@ def predict(
         memory_breakdown_gib={k: v / GIB for k, v in parts.items() if k != "params"},
         time_breakdown_s=breakdown,
         why_unavailable=why,
+        tight=tight_fit(parts["total"], profile),
     )
 
 
