@@ -16,6 +16,7 @@ default ./<hardware>-calibrated.yaml).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import sys
 
@@ -134,6 +135,19 @@ def _need(args, *names):
 
 
 def main(args) -> int:
+    """The command, with the cyclic garbage collector paused: a plan holds hundreds of thousands of
+    acyclic objects (layouts, predictions), over which each of the collector's full passes costs about a
+    tenth of the plan (benchmarks/plan_speed.py); reference counting frees them all the same."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _main(args)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _main(args) -> int:
     from harness.model.presets import resolve_shape
 
     profiles = _profiles(args)

@@ -10,6 +10,7 @@ as tokens/s does).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import operator
 from dataclasses import dataclass, field
 
@@ -261,6 +262,17 @@ def predict_many(
     whose key (its fields, the attention kernel as its rate class) was predicted is that prediction
     with its own layout and availability (kernel_available reads the kernel, micro-batch, tp and
     precision only: remembered by those)."""
+    paused = gc.isenabled()
+    if paused:  # the collector's passes over the growing list cost a tenth of a plan: nothing here is cyclic
+        gc.disable()
+    try:
+        return _predict_many(shape, layouts, workload, profile, theta, **kw)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None, **kw) -> list:
     theta = theta or theta_from_profile(profile)
     same = _same_rate_classes(theta)
     rate_class: dict[str, str] = {}  # attention kernel -> the class that stands for it in the key
