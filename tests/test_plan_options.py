@@ -75,6 +75,17 @@ def test_a_schedule_the_engine_does_not_run_is_refused(no_launch, one_line_error
     assert line.startswith("error: --pipeline-schedule: ") and words in line
 
 
+def test_sequence_parallelism_the_engine_has_not_is_refused_and_not_planned(no_launch, one_line_error, capsys):
+    """DeepSpeed has no Megatron-style sequence parallelism (its facts' why_not): asked for, refused; by
+    default no candidate has it."""
+    line = one_line_error(cli([*LLAMA, "--engine", "deepspeed", "--sequence-parallel", "on,off"]))
+    assert line.startswith("error: --sequence-parallel: on: DeepSpeed has no Megatron-style sequence parallelism")
+    assert cli([*LLAMA, "--engine", "deepspeed", "--format", "json"]) == 0
+    assert {r["sequence_parallel"] for r in json.loads(capsys.readouterr().out)} == {False}
+    assert cli([*LLAMA, "--engine", "own", "--format", "json"]) == 0
+    assert {r["sequence_parallel"] for r in json.loads(capsys.readouterr().out)} == {False, True}
+
+
 def test_the_schedules_an_engine_runs_are_planned(no_launch, capsys):
     """The engines' facts (one owner: harness/frameworks/*/facts.py, harness/engine/facts.py) decide."""
     from harness import registry

@@ -32,6 +32,11 @@ def options(args, shape, profile) -> dict:
     sp = en.parse_list(
         args.sequence_parallel, (False, True), "--sequence-parallel", en.DEFAULTS["sequence_parallel"], en.parse_bool
     )
+    no_sp = args.engine != "paper" and registry.facts(args.engine).refuses("layout.sequence_parallel", True, False)
+    if no_sp and True in sp:  # DeepSpeed's: asked for, refused; by default, not a candidate
+        if args.sequence_parallel is not None:
+            raise SpecError("--sequence-parallel", f"on: {no_sp}")
+        sp = [False]
     cps = en.parse_list(args.cp, None, "--cp", (), int) if args.cp is not None else None
     if cps is not None and any(c < 1 for c in cps):
         raise SpecError("--cp", "must be positive")
