@@ -11,8 +11,8 @@ With --baseline DIR (another checkout, e.g. main's) each round runs that tree's 
 and prints the ratio of the two medians, measured side by side.
 
 Predictions: --save FILE writes every candidate's prediction of the three plans (every field, floats
-by repr) from the tree on PYTHONPATH; --check FILE compares this tree's with a saved one and exits 1
-at the first difference. The speed work must leave them identical:
+by repr) of the tree this Python imports harness from (PYTHONPATH); --check FILE compares this tree's
+with a saved one and exits 1 at the first difference. The speed work must leave them identical:
 
     PYTHONPATH=../main python benchmarks/plan_speed.py --save /tmp/before.json --rounds 0   # the tree before
     PYTHONPATH=$PWD python benchmarks/plan_speed.py --check /tmp/before.json --baseline ../main
@@ -45,16 +45,19 @@ CASES = {
 }
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
+
+
 def whole_process(flags: str, tree: str | None = None) -> tuple[float, float]:
-    """Wall and CPU seconds (user + system) of one `harness plan` process, of `tree` (a checkout's
-    root, on PYTHONPATH) or of the tree this Python imports harness from."""
-    env = dict(os.environ)
-    if tree is not None:
-        env["PYTHONPATH"] = tree
+    """Wall and CPU seconds (user + system) of one `harness plan` process of `tree` (a checkout's
+    root; default this one)."""
+    tree = os.path.abspath(tree or ROOT)
+    env = {**os.environ, "PYTHONPATH": tree}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
+    # run in the tree: `python -m` puts the working directory first on sys.path, before PYTHONPATH
     r = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "plan", *flags.split()], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "harness.cli", "plan", *flags.split()], capture_output=True, text=True, env=env, cwd=tree
     )
     elapsed = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

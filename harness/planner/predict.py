@@ -216,21 +216,18 @@ CLASS_REPRESENTATIVE = {
 }
 
 
-# A layout's field values as a tuple, at C speed (attrgetter), in the dataclass's order: the caches'
-# keys below read the fields only (not whatever else an instance's __dict__ holds).
+# A layout's field values but its attention kernel as a tuple, at C speed (attrgetter): the caches' keys
+# below read the fields only (not whatever else an instance's __dict__ holds).
 FIELDS = tuple(f.name for f in dataclasses.fields(PlannerLayout))
-field_values = operator.attrgetter(*FIELDS)
-_ATTENTION = FIELDS.index("attention")
+_BUT_ATTENTION = operator.attrgetter(*(f for f in FIELDS if f != "attention"))
 
 
 def memory_key(layout: PlannerLayout) -> tuple:
     """Layouts whose memory is the same: memory.py tells attention kernels apart only by whether
     they materialise the score matrix (naive, fused_softmax) or not (every flash-style kernel keeps
     no s x s tensor); tests/test_plan_output.py checks it on every engine."""
-    values = field_values(layout)  # a plan builds a key per layout
-    if ATTENTION_CLASS.get(layout.attention) in MATERIALISED:
-        return values
-    return values[:_ATTENTION] + ("flash",) + values[_ATTENTION + 1 :]
+    att = layout.attention if ATTENTION_CLASS.get(layout.attention) in MATERIALISED else "flash"
+    return (att, _BUT_ATTENTION(layout))  # a plan builds a key per layout
 
 
 def prediction_key(layout: PlannerLayout) -> PlannerLayout:
@@ -287,8 +284,7 @@ def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, t
         if cls is None:
             cls = ATTENTION_CLASS.get(att, att)
             cls = rate_class[att] = same.get(cls, cls)
-        values = field_values(lay)
-        key = values[:_ATTENTION] + (cls,) + values[_ATTENTION + 1 :]
+        key = (cls, _BUT_ATTENTION(lay))
         base = cache.get(key)
         if base is None:
             rep = CLASS_REPRESENTATIVE.get(cls, att)
