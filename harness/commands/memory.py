@@ -74,7 +74,7 @@ def main(args) -> int:
 
     result = trace_spec(spec, profile)
     if args.format == "json":  # no device assumed: a spec carries none (an imported plan's was its --hardware)
-        print(json.dumps(result if profile is not None else {**result, "hardware": None, "fits": None}))
+        print(json.dumps(result if profile is not None else {**result, "hardware": None}))  # and no "fits"
     else:
         print("\n".join(table_lines(result)))
         if profile is None:
