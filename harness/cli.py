@@ -15,12 +15,16 @@ import sys
 try:  # the console script imports this module before main() runs: a Ctrl-C here is one too
     import argparse
     import difflib
+    import errno
     import importlib
     import re
 
-    from harness.errors import SpecError
+    from harness.errors import SpecError, StoreWriteError
 except KeyboardInterrupt:
     sys.exit(130)
+
+EX_IOERR = 74  # sysexits.h: an input/output fault (a full disk), not a mistake in the input (2)
+_OUTPUT_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 # what `harness --help` opens with
 DESCRIPTION = (
@@ -180,7 +184,21 @@ def _main(argv: list[str] | None) -> int:
         if module is None:
             parser.print_help()
             return 2
-        return int(module.main(args) or 0)
+        rc = int(module.main(args) or 0)
+        sys.stdout.flush()  # here, not at exit, so that a full disk behind stdout is the error below
+        return rc
+    except StoreWriteError as e:  # the work is done and its record waits in a fallback file: a fault, not a mistake
+        if first_to_say(f"error: {e}"):
+            print(f"error: {e}", file=sys.stderr)
+        return EX_IOERR
+    except OSError as e:
+        if e.errno not in _OUTPUT_FULL or not _stdout_broken():
+            raise
+        print(f"error: stdout: {e.strerror}: the output was not written whole", file=sys.stderr)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what stays buffered goes nowhere at exit
+        return EX_IOERR
     except SpecError as e:  # one line per mistake (SpecErrors: several), whatever the message holds
         lines = [
             "error: " + "; ".join(ln.strip() for ln in str(one).splitlines() if ln.strip())
@@ -189,6 +207,18 @@ def _main(argv: list[str] | None) -> int:
         if first_to_say("\n".join(lines)):  # every rank of a launch makes the same mistake: said once
             print("\n".join(lines), file=sys.stderr)
         return 2
+
+
+def _stdout_broken() -> bool:
+    """Whether stdout itself cannot take more (a full disk behind `> file`, /dev/full): a line end written
+    and flushed tells (a failed write leaves nothing buffered to flush; where stdout is fine, the error came
+    from elsewhere and is raised after this one blank line)."""
+    try:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except OSError:
+        return True
+    return False
 
 
 def first_to_say(line: str, env=None) -> bool:

@@ -67,6 +67,12 @@ class StoreError(SpecError):
         super().__init__("store", reason)
 
 
+class StoreWriteError(StoreError):
+    """A record the store could not take after the work was done (a full disk): a fault, not a mistake in
+    the input, so the CLI exits 74 (sysexits' EX_IOERR) rather than 2; the record waits in a fallback file
+    that the next command opening the store merges back."""
+
+
 class NonFiniteStep(ArithmeticError):
     """An engine found a step's gradients non-finite and its framework skipped or refused the update
     (DeepSpeed's skipped step, Megatron's unsuccessful one). The reference never skips, so the

@@ -26,9 +26,17 @@ from harness.measure.mfu import datasheet_peak_tflops, measure_matmul_tflops, mf
 from harness.measure.stats import summarize
 from harness.measure.stream import MetricsStream
 from harness.measure.timers import StepTimer
+from harness.measure.weights import MAX_PARAMETERS, weights_fingerprint
 from harness.model.compiled import CompileWatch
 from harness.model.flops import flops_per_token
-from harness.model.kernels import need_of, probe, probe_in_child, rmsnorm_backend_name, run_kernels
+from harness.model.kernels import (
+    attention_backend_name,
+    need_of,
+    probe,
+    probe_in_child,
+    rmsnorm_backend_name,
+    run_kernels,
+)
 from harness.model.moe import router_record
 from harness.model.presets import active_param_count, param_count
 from harness.model.training import precision_policy
@@ -156,6 +164,8 @@ class Trainer:
         # rank 0's per-step metrics to TensorBoard (`--tensorboard DIR`), written as the run goes
         self.stream = MetricsStream(tensorboard_dir, layout_label(lay)) if tensorboard_dir and ctx.is_main else None
         self.losses, self.times, self.details = [], [], []  # every step's loss; the measured steps' times, details
+        self.grad_norms: list[float | None] = []  # every step's global gradient norm before clipping (parity)
+        self.weights: dict | str | None = None  # the final weights' fingerprint, or why none (fingerprint_weights)
         self.parameter_count, self.micro = param_count(shape), micro_batches_per_step(spec)
         self.activations_saved_bytes: int | None = None
         self.routed, self.router, self.active = shape.moe, [], active_param_count(shape)
@@ -194,6 +204,7 @@ class Trainer:
             raise Diverged(step + 1, math.nan, self.total, self.losses, cause)
         loss = math.nan if poisoned else loss
         self.losses.append(loss)
+        self.grad_norms.append(self.engine.grad_norm())
         if not math.isfinite(loss):
             raise Diverged(step + 1, loss, self.total, self.losses)
         if step >= w.warmup_steps:
@@ -209,13 +220,24 @@ class Trainer:
             )
         return timer.seconds
 
+    def fingerprint_weights(self) -> None:
+        """The final weights' fingerprint (harness.measure.weights), gathered on rank 0 by the engine's
+        full_state_dict (a collective: every rank calls it); above MAX_PARAMETERS none, said why."""
+        if self.parameter_count > MAX_PARAMETERS:
+            self.weights = f"not gathered: {self.parameter_count:,} parameters (> {MAX_PARAMETERS:,}) on one rank"
+            return
+        self.memory_before_profile = peak_memory(self.ctx.device)  # the gathered copy is not the run's either
+        state = self.engine.full_state_dict()
+        self.weights = weights_fingerprint(state) if state is not None else None
+
     def profile_steps(self, steps: int) -> None:
         """`steps` extra steps under the profiler after the measured ones: no step-time statistic
         and no loss list counts them. The engine's own counters (where it keeps them) over the
         same steps are kept beside the trace's breakdown, as its reference."""
         if steps <= 0:
             return
-        self.memory_before_profile = peak_memory(self.ctx.device)  # the profiler's buffers are not the run's
+        # the profiler's buffers are not the run's (taken before the weights' gather where there was one)
+        self.memory_before_profile = self.memory_before_profile or peak_memory(self.ctx.device)
         started = time.perf_counter()
         instrumented: list[dict] = []
 
@@ -259,6 +281,9 @@ class Trainer:
             "step_time_s": stats,
             "step_times_s": times,
             "losses": self.losses,
+            "grad_norms": self.grad_norms if any(g is not None for g in self.grad_norms) else None,
+            # rank 0's (the others' None): {name: [norm, projection]}, or why none was taken
+            "weights_fingerprint": self.weights,
             "tokens_per_step": self.tokens_per_step,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / ctx.world_size,
@@ -272,6 +297,7 @@ class Trainer:
             "peak_memory_bytes": int(mem_all),
             "memory_kind": mem_kind,
             "rmsnorm_backend": rmsnorm_backend_name(lay.rmsnorm, ctx.device.type),
+            "attention_backend": attention_backend_name(lay.attention, ctx.device, self.spec.shape(), w.seq_len, dtype),
             "engine": self.engine.describe(),
             "parameter_count": self.parameter_count,
         }
@@ -319,6 +345,7 @@ def train(
     try:
         for step in range(trainer.total):
             trainer.step(step)
+        trainer.fingerprint_weights()  # the trained steps' weights: profiled steps train further
         trainer.profile_steps(profile_steps)
     except Diverged:
         trainer.bar.close()

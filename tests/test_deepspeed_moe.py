@@ -23,7 +23,7 @@ import pytest
 from harness.errors import SpecError
 from harness.testing.launches import shared_launch
 from harness.testing.moe_parity import check_router_stats, reference_with_router, train_with_router
-from harness.testing.reference import assert_matches_reference
+from harness.testing.reference import assert_grad_norms_match, assert_matches_reference
 from harness.testing.workloads import tiny_workload
 
 STEPS = 3
@@ -52,8 +52,13 @@ results = shared_launch(
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_matches_the_reference(results, name):
-    losses, state, ref_stats = reference_with_router(_run(CASES[name]), STEPS)
-    if CASES[name][1].get("precision") == "bf16":
+    norms = []
+    losses, state, ref_stats = reference_with_router(_run(CASES[name]), STEPS, norms)
+    bf16 = CASES[name][1].get("precision") == "bf16"
+    # DeepSpeed's own global norm (ZeRO's, the bf16 optimizer's: expert groups averaged over their
+    # expert-data-parallel ranks, then combined with the dense groups') is the reference's
+    assert_grad_norms_match(results[name]["grad_norms"], norms, name, 1e-3 if bf16 else 1e-5)
+    if bf16:
         assert_matches_reference(results[name], losses, None, name, 1e-3)
         assert set(results[name]["state"]) == set(state)
         return
@@ -127,3 +132,16 @@ def test_deepspeed_names_are_the_references():
     assert plain_name(expert, shape, 2, 1) == prefix + "experts.7.w2.weight"
     assert plain_name(expert, shape, 1, 0) == prefix + "experts.3.w2.weight"
     assert plain_name("layers.1.attention.wq.weight", shape, 2, 1) == "layers.1.attention.wq.weight"
+
+
+@pytest.mark.slow
+def test_census_counts_the_expert_groups_optimizer_states(results):
+    """ZeRO-1 steps its basic optimizer once per parameter group (the experts' apart from the dense
+    one): AdamW's two fp32 moments per master element of every group, not the first group's alone
+    (0.33P before: the census was taken after the first group's call). Each rank's masters are its
+    dense partition and its experts' partition; the states are twice them, plus one fp32 step counter
+    per group (4 bytes each)."""
+    census = results["dp2-ep2"]["census"]
+    masters, states = census["master_parameters"]["fp32"], census["optimizer_states"]["fp32"]
+    groups = 2  # dense, experts (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer)
+    assert 2 * masters <= states <= 2 * masters + 4 * 2 * groups, (masters, states)

@@ -18,6 +18,9 @@ counted once: the same integers). In bf16 only their totals are exact: a layout'
 activations may differ from the reference's by a rounding (one bf16 ulp, 2^-8 relative, on each factor
 of a router logit), so a token whose k-th and (k+1)-th logits lie within that bound of each other may
 take the other expert; the counts may then differ by at most 2k per such token, and by nothing more.
+In fp8 the same holds with e4m3's step (2^-3 relative) in place of bf16's: the layouts' FP8 casts may take
+other dynamic scales than the reference's (an expert's batch under ep holds two ranks' tokens), and a
+cast element moves by at most one e4m3 step, so no factor of a router logit moves by more.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from harness.model.moe import MoEFeedForward, set_router_losses
 from harness.model.presets import resolve_shape
 from harness.parallel_dims import ParallelDims
 from harness.testing import equivalence as E
-from harness.testing.equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL
+from harness.testing.equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL, FP8_LOSS_RTOL, FP8_WEIGHTS_RTOL
 
 MOE = resolve_shape("tiny-moe", {})
 
@@ -126,7 +129,11 @@ def test_layer_without_ep_is_the_reference_layer():
 
 
 @pytest.mark.parametrize(
-    "workload,layout,words", [({}, {"compile": "blocks"}, "compiled"), ({"precision": "fp8"}, {}, "fp8")]
+    "workload,layout,words",
+    [
+        ({}, {"compile": "blocks"}, "compiled"),
+        ({"precision": "fp8", "model_overrides": {"layers": 4, "ffn": 192, "moe_ffn": 112}}, {"tp": 2}, "moe_ffn/tp"),
+    ],
 )
 def test_facts_refuse_what_the_moe_is_not_built_for(workload, layout, words):
     from harness.errors import SpecError
@@ -136,6 +143,7 @@ def test_facts_refuse_what_the_moe_is_not_built_for(workload, layout, words):
     with pytest.raises(SpecError, match=words):
         parse_spec({"workload": four, "layout": {"engine": "own", **layout}})
     parse_spec({"workload": {**four, "precision": "fp32"}, "layout": {"engine": "own", "dp": 2, "ep": 2}})
+    parse_spec({"workload": {**four, "precision": "fp8"}, "layout": {"engine": "own", "dp": 2, "ep": 2}})
 
 
 def test_memory_traces_the_experts_with_even_routing():
@@ -169,6 +177,18 @@ CASES = {
         },
         # context parallelism: the router statistics summed over the cp ranks, the experts shared over them
         {"workload": LOSSES, "layout": {"cp": 2, "ep": 2}},
+        # fp8 experts (torchao's float8 linears; an expert that receives no token runs its empty batch
+        # unconverted: harness/model/float8.py) at the fp8 tolerances; under ep an expert's batch holds both
+        # ranks' tokens, so its input's dynamic scale is the amax of two micro-batches, not one
+        *(
+            {
+                "workload": {**M, "precision": "fp8", "fp8_recipe": recipe},
+                "layout": {"dp": 2, "ep": 2},
+                "rtol": FP8_LOSS_RTOL,
+                "weights_rtol": FP8_WEIGHTS_RTOL,
+            }
+            for recipe in ("tensorwise", "rowwise")
+        ),
     ],
     4: [
         {"workload": M, "layout": {"tp": 2, "dp": 2, "ep": 2}},
@@ -200,12 +220,13 @@ launched = E.shared(CASES, steps=STEPS)
 
 
 BF16_ULP = 2.0**-8  # bf16's spacing relative to a value (8 bits of significand)
+E4M3_STEP = 2.0**-3  # e4m3's spacing relative to a value (3 bits of significand)
 
 
-def _near_ties(layer: MoEFeedForward, x2: torch.Tensor, logits: torch.Tensor) -> int:
-    """Tokens whose top-k set could change if each factor of each logit (Σ_j W_ej x_j) moved by one bf16
-    ulp: some held expert's logit minus its bound falls below some other expert's plus its bound."""
-    bound = 2 * BF16_ULP * (x2.detach().float().abs() @ layer.router.weight.detach().float().abs().t())
+def _near_ties(layer: MoEFeedForward, x2: torch.Tensor, logits: torch.Tensor, step: float = BF16_ULP) -> int:
+    """Tokens whose top-k set could change if each factor of each logit (Σ_j W_ej x_j) moved by one `step`
+    (relative): some held expert's logit minus its bound falls below some other expert's plus its bound."""
+    bound = 2 * step * (x2.detach().float().abs() @ layer.router.weight.detach().float().abs().t())
     held = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, torch.topk(logits, layer.k, dim=-1).indices, True)
     lowest_held = torch.where(held, logits - bound, torch.inf).amin(-1)
     highest_other = torch.where(held, -torch.inf, logits + bound).amax(-1)
@@ -232,9 +253,11 @@ def _reference_counts(case: dict) -> tuple[dict, dict]:
     ties: dict = {}
     names = {}
 
+    step = E4M3_STEP if case["workload"].get("precision") == "fp8" else BF16_ULP
+
     def gate(layer, x2):
         out = MoEFeedForward.gate(layer, x2)
-        ties[names[layer]] = ties.get(names[layer], 0) + _near_ties(layer, x2, out[3].detach())
+        ties[names[layer]] = ties.get(names[layer], 0) + _near_ties(layer, x2, out[3].detach(), step)
         return out
 
     for name, layer in eng.model.named_modules():

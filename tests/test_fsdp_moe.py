@@ -21,7 +21,7 @@ import pytest
 from harness.errors import SpecError
 from harness.testing.launches import shared_launch
 from harness.testing.moe_parity import check_router_stats, reference_with_router, train_with_router
-from harness.testing.reference import assert_matches_reference
+from harness.testing.reference import assert_grad_norms_match, assert_matches_reference
 from harness.testing.workloads import tiny_workload
 
 STEPS = 3
@@ -52,8 +52,10 @@ results = shared_launch("torch", 2, train_with_router, [_run(c) for c in CASES.v
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_matches_the_reference(results, name):
-    losses, state, ref_stats = reference_with_router(_run(CASES[name]), STEPS)
+    norms = []
+    losses, state, ref_stats = reference_with_router(_run(CASES[name]), STEPS, norms)
     assert_matches_reference(results[name], losses, state, name, 1e-5)
+    assert_grad_norms_match(results[name]["grad_norms"], norms, name)  # the norm FSDP2's clipping used
     check_router_stats(results[name]["router_stats"], ref_stats)
     assert "every expert on every rank" in results[name]["describe"]["moe"]
 

@@ -23,7 +23,7 @@ import pytest
 
 from harness.testing.launches import shared_launch
 from harness.testing.moe_parity import check_router_stats, reference_with_router, train_with_router
-from harness.testing.reference import assert_matches_reference
+from harness.testing.reference import assert_grad_norms_match, assert_matches_reference
 from harness.testing.workloads import tiny_workload
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -94,8 +94,10 @@ def test_moe_on_four_ranks_matches_the_reference(four, name):
 def _check(result, case, name):
     from harness.frameworks.megatron.shim import HARMLESS
 
-    losses, state, ref_stats = _reference(case)
+    norms = []
+    losses, state, ref_stats = reference_with_router(_run(case), STEPS, norms)
     assert_matches_reference(result, losses, state, name, 1e-5)
+    assert_grad_norms_match(result["grad_norms"], norms, name)  # Megatron's clip_grad_norm_fp32 over every rank
     uncovered = result["uncovered"]
     assert set(uncovered) <= set(HARMLESS), f"{name}: torch.cuda reached beyond the shim: {uncovered}"
     assert "SequentialMLP" in result["describe"]["moe"]

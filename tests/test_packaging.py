@@ -110,6 +110,17 @@ def test_licence_file_matches_pyproject():
     assert "CC-BY-NC-SA-4.0" in project["license"].split(" AND ")
 
 
+def test_readme_commands_install_the_cpu_build_as_ci_does():
+    """PyPI's `torch==2.13.0` is the CUDA build: the headline asks for `+cpu`, and CI runs the very command."""
+    readme = (REPO / "README.md").read_text()
+    commands = [line.strip() for line in readme.splitlines() if line.startswith("    pip install ")][:2]
+    assert len(commands) == 2 and all(
+        c.startswith("pip install 'torch==2.13.0+cpu' --extra-index-url") for c in commands
+    )
+    ci = (REPO / ".ci" / "run").read_text()
+    assert commands[1].removesuffix(" && pytest -q") in ci.splitlines()
+
+
 def test_readme_states_the_packaging_facts():
     readme = (REPO / "README.md").read_text()
     assert "https://download.pytorch.org/whl/cpu" in readme  # PyTorch's CPU wheel index

@@ -207,12 +207,16 @@ TT_IMPORTS = {
     "torchtitan.distributed.activation_checkpoint": {"FullAC", "SelectiveAC"},
     "torchtitan.models.llama3": {"model_registry"},
     "torchtitan.models.llama3.config_registry": {"llama3_8b", "llama3_70b", "llama3_405b"},
+    "torchtitan.models.qwen3": {"model_registry"},
+    "torchtitan.models.qwen3.config_registry": {"qwen3_30b_a3b"},
+    "torchtitan.components.quantization": {"Float8LinearConverter"},
     "torchtitan.trainer": {"Trainer"},
 }
 TT_ADAMW = {"lr", "betas", "eps", "weight_decay"}
 TT_COMPILE = {"enable", "enable_async_tensor_parallel", "components", "backend"}  # CompileConfig's fields
 TT_LR_SCHEDULER = {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"}
-TT_FLAVORS, TT_BACKENDS = {"debugmodel", "1B", "3B", "8B", "70B", "405B"}, {"flex", "flex_flash", "varlen"}
+TT_FLAVORS = {"debugmodel", "1B", "3B", "8B", "70B", "405B", "30B-A3B", "235B-A22B"}
+TT_BACKENDS = {"flex", "flex_flash", "varlen"}
 
 
 def torchtitan_recipe(text: str) -> dict:
@@ -238,7 +242,10 @@ def torchtitan_recipe(text: str) -> dict:
         elif path[1] == "model_spec":
             assert ast.unparse(st.value.func) == "model_registry"
             out["flavor"] = ast.literal_eval(st.value.args[0])
-            out["attn_backend"] = {k.arg: ast.literal_eval(k.value) for k in st.value.keywords}["attn_backend"]
+            kw = {k.arg: k.value for k in st.value.keywords}
+            out["attn_backend"] = ast.literal_eval(kw["attn_backend"])
+            assert set(kw) <= {"attn_backend", "converters"}
+            out["converters"] = ast.unparse(kw["converters"]) if "converters" in kw else None
         elif path[1] == "optimizer":
             assert ast.unparse(st.value.func) == "default_adamw"
             out["optimizer"] = {k.arg: ast.literal_eval(k.value) for k in st.value.keywords}
@@ -270,7 +277,7 @@ TORCHTITAN = {
         pipeline_schedule="interleaved",
         virtual_stages=2,
     ),
-    "cp4-ring": PlannerLayout(1, 1, 4, 1, cp=4, fsdp=True),
+    "cp4-allgather": PlannerLayout(1, 1, 4, 1, cp=4, cp_impl="allgather", fsdp=True),
     "fsdp16-compiled": PlannerLayout(1, 1, 16, 2, fsdp=True, compile="blocks"),
 }
 
@@ -285,13 +292,17 @@ def test_torchtitan_export_is_a_recipe_of_the_plan(name):
     par, tr = r["parallelism"], r["training"]
     get_schedule_class(par["pipeline_parallel_schedule"])  # a schedule torch's pipelining has
     dp = par["data_parallel_shard_degree"] * par["data_parallel_replicate_degree"]
-    layers_per_stage = par.get("pipeline_parallel_layers_per_stage")
+    per_stage = par.get("pipeline_parallel_layers_per_stage")
+    # torchtitan's count (distributed/pipeline_parallel.py): ceil((layers + first + last) / per stage) stages
+    extra = par.get("pipeline_parallel_first_stage_less_layers", 1) + par.get(
+        "pipeline_parallel_last_stage_less_layers", 1
+    )
     got = {
         "tp": par["tensor_parallel_degree"],
         "pp": par["pipeline_parallel_degree"],
         "cp": par["context_parallel_degree"],
         "dp": dp,
-        "virtual_stages": L8.layers // (lay.pp * layers_per_stage) if layers_per_stage else 1,
+        "virtual_stages": -(-(L8.layers + extra) // per_stage) // lay.pp if per_stage else 1,
         "micro_batch_size": par["pipeline_parallel_microbatch_size"] if lay.pp > 1 else tr["local_batch_size"],
         "activation_checkpointing": {"FullAC.Config()": "full", "SelectiveAC.Config()": "selective", "None": "none"}[
             r["ac"]
@@ -323,15 +334,19 @@ def test_plan_export_torchtitan_needs_a_llama3_flavor(capsys):
     assert code == 2 and err.startswith("error: --export:") and "no flavor" in err
 
 
-def test_an_fp8_plan_exports_megatron_fp8_arguments_and_the_others_refuse_it():
+def test_an_fp8_plan_exports_megatron_and_torchtitan_fp8_and_deepspeed_refuses_it():
     """Megatron-LM's FP8 is its arguments (Transformer Engine's current scaling: hybrid formats, the
-    tensorwise recipe), read by its parser; DeepSpeed's config and the torchtitan recipe written here
-    hold no FP8 setting, so an fp8 layout is not theirs to export."""
+    tensorwise recipe), read by its parser; torchtitan's is its Float8LinearConverter (rowwise, the one
+    recipe it has); DeepSpeed's config holds no FP8 setting, so an fp8 layout is not its to export."""
     lay = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, attention="te_fused", engine="megatron", precision="fp8")
     text, _ = export_megatron(L8, lay, WL, OPT, CLIP)
     a = megatron_parser(exit_on_error=False).parse_args(shlex.split(text))
     assert (a.fp8, a.fp8_recipe, a.transformer_impl) == ("hybrid", "tensorwise", "transformer_engine")
     bf16 = export_megatron(L8, PlannerLayout(2, 1, 4, 1, sequence_parallel=True, attention="te_fused"), WL)[0]
     assert "--fp8" not in bf16
-    for fmt in ("deepspeed", "torchtitan"):
-        assert "FP8 is not a setting this export writes" in exportable(lay, fmt)
+    assert "FP8 is not a setting this export writes" in exportable(lay, "deepspeed")
+    tt = PlannerLayout(
+        2, 1, 4, 1, sequence_parallel=True, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8"
+    )
+    assert exportable(tt, "torchtitan", L8) == ""
+    assert 'converters=[Float8LinearConverter.Config(recipe_name="rowwise")]' in export_torchtitan(L8, tt, WL)[0]

@@ -1,6 +1,7 @@
 """The planner against published GPU training runs (baselines/published_runs/runs.csv): every dense
-row is expressed, its tokens/s per GPU predicted at its own layout within the stated error, and every
-row that trained but is predicted not to fit says why (harness/planner/published.py)."""
+row is expressed, its tokens/s per GPU predicted at its own layout within the stated error, its memory
+against the peak its source publishes and the device it trained on, and every row the memory model misses
+names what it lacks (harness/planner/published.py, the data's `unmodelled` column)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import statistics
 import pytest
 
 from harness.planner.predict import predict
-from harness.planner.published import RUNS_CSV, from_row, is_published_format, load, why_it_ran
+from harness.planner.published import RUNS_CSV, from_row, is_published_format, load, memory_check, unmodelled
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +50,58 @@ def test_each_row_held_out_of_its_profiles_fit_is_predicted_within_the_target():
     assert statistics.median(held) <= 0.10
 
 
-def test_no_row_that_ran_is_predicted_not_to_fit_without_a_reason(runs):
-    for run in runs:
-        if run.why_not:
-            continue
-        p = predict(run.shape, run.layout, run.workload, run.profile)
-        if not p.fits:
-            reason = why_it_ran(run, p.memory_gib)
-            assert "GiB predicted on" in reason and "full recomputation" in reason
-            assert "no term the planner is known to lack" not in reason, run.label
+def _checks(runs):
+    return [(r, memory_check(r)) for r in runs if not r.why_not]
+
+
+def test_at_least_90_percent_of_the_rows_that_trained_are_predicted_to_fit(runs):
+    """27 of 29 when written; 12 of 29 before the recipes' terms (memory_recipes.py)."""
+    checks = _checks(runs)
+    assert sum(m.fits for _, m in checks) >= 0.9 * len(checks)
+
+
+def test_every_row_the_memory_model_misses_names_what_it_lacks(runs):
+    """A row that trained but is predicted not to fit, or whose published peak is missed by more than 10%,
+    names the term in the data (the `unmodelled` column); a row the model meets names none, so that a
+    stale explanation cannot outlive the gap it explained."""
+    for run, m in _checks(runs):
+        missed = not m.fits or (m.error is not None and abs(m.error) > 0.10)
+        assert bool(unmodelled(run)) == missed, run.label
+
+
+def test_published_peaks_within_10_percent_but_the_named_rows(runs):
+    """Each published peak (torchtitan's max reserved GiB, torchao's GB) within 10%, but the rows that name
+    their gap (two of thirteen when written: torchtitan's 70B FSDP32 TP8 row and its 405B 1F1B row)."""
+    peaks = [(r, m) for r, m in _checks(runs) if m.published_gib]
+    assert len(peaks) == 13
+    assert all(abs(m.error) <= 0.10 for r, m in peaks if not unmodelled(r))
+    assert sum(abs(m.error) <= 0.10 for _, m in peaks) >= 11
+
+
+@pytest.mark.xfail(strict=True, reason="not met: 11 of 13 published peaks within 10% (see the unmodelled column)")
+def test_every_published_peak_within_10_percent(runs):
+    assert all(abs(m.error) <= 0.10 for _, m in _checks(runs) if m.published_gib)
+
+
+def test_a_recipe_setting_becomes_its_planner_field():
+    """The settings column in the source's words: Megatron's recompute_num_layers is full recomputation of
+    that many layers a chunk, fp8_param_gather fp8 primary weights, grad_reduce_in_fp32 false a bf16
+    gradient buffer; torchtitan's selective_ac_option op its per-op policy; an unknown name is refused."""
+    base = {"source": "megatron-bridge", "system": "DGX-H100", "model": "LLAMA3_8B", "gpus": "8", "precision": "FP8"}
+    base |= {"gbs": "128", "mbs": "1", "seq": "8192", "tokens_per_s_per_gpu": "1"}
+    lay = from_row(
+        {**base, "settings": "recompute_num_layers=5 fp8_param_gather=true grad_reduce_in_fp32=false"}
+    ).layout
+    assert (lay.activation_checkpointing, lay.recompute_layers, lay.fp8_params, lay.main_grads) == (
+        "full",
+        5,
+        True,
+        "bf16",
+    )
+    tt = {**base, "source": "torchtitan", "recompute": "selective", "settings": "selective_ac_option=op"}
+    assert from_row(tt).layout.selective_policy == "per_op"
+    with pytest.raises(Exception, match="unknown setting 'bogus'"):
+        from_row({**base, "settings": "bogus=1"}, 7)
 
 
 def test_a_row_becomes_the_layout_it_states():
@@ -119,3 +163,24 @@ def test_calibrate_csv_reads_the_published_format(tmp_path, capsys):
     assert "calibrated gb200 on 3 runs" in capsys.readouterr().out
     assert main(["plan", "--hardware", "h200", "--calibrate-csv", str(RUNS_CSV), "--calibrate-out", str(out)]) == 2
     assert "no row the planner can express runs on h200" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "system,model,profile,preset",
+    [
+        ("DGX-H200", "LLAMA3.1_70B", "h200", "llama3-70b"),
+        ("H200", "Qwen3_30B_a3B", "h200", "qwen3-30b-a3b"),
+        ("B200", "LLAMA2_70B", "b200", "llama2-70b"),
+    ],
+)
+def test_published_system_and_model_names_map_to_profiles_and_presets(system, model, profile, preset):
+    from harness.model.presets import PRESETS
+
+    row = {"source": "mlperf", "system": system, "model": model, "gpus": "8", "precision": "BF16"}
+    run = from_row({**row, "tokens_per_s_per_gpu": "1"})
+    assert run.profile.name == profile and run.shape == PRESETS[preset]
+
+
+def test_a_system_without_a_profile_is_not_planned():
+    row = {"source": "mlperf", "system": "DGX-B300", "model": "LLAMA3_8B", "gpus": "8", "precision": "BF16"}
+    assert from_row({**row, "tokens_per_s_per_gpu": "1"}).why_not == "no profile for system 'DGX-B300'"

@@ -14,7 +14,7 @@ from harness.compare.orchestrate import run_comparison
 from harness.compare.spec import parse_compare_spec
 from harness.report.build import sections_for
 from harness.report.compare import sections, write_report
-from harness.report.compare_steps import BREAKDOWN_AXIS, COLLECTIVES_TEXT, breakdown_rows, collective_rows, trace_items
+from harness.report.compare_steps import BREAKDOWN_AXIS, COLLECTIVES_TEXT, breakdown_rows, collective_rows
 from harness.report.data import breakdown_of, layout_key
 from harness.report.why import Case, comparisons, explain
 from harness.store import ResultsStore
@@ -123,18 +123,20 @@ def report(summary, tmp_path_factory):
 
 # The sentences the data above implies (the fastest run: own dp2 at 90 ms).
 FSDP_VS_OWN_TP2 = (
-    "FSDP2 reshard tp2 takes 41.0 ms more per measured step than own tp2 (median 141.0 against 100.0 ms); "
+    "FSDP2 reshard tp2 takes 41.0 ms more per measured step than own tp2 (median 141.0 against 100.0 ms; "
+    "ratio 1.410x [1.410, 1.410] (97.1%)); "
     "by the breakdowns (141.0 against 100.0 ms): exposed tp communication +30.2 ms (74% of the difference), "
     "compute +8.1 ms (20% of the difference)."
 )
 DS_VS_OWN_DP2 = (
-    "deepspeed ZeRO-1 takes 30.0 ms more per measured step than own dp2 (median 120.0 against 90.0 ms); "
+    "deepspeed ZeRO-1 takes 30.0 ms more per measured step than own dp2 (median 120.0 against 90.0 ms; "
+    "ratio 1.333x [1.333, 1.333] (97.1%)); "
     "by the breakdowns (120.0 against 90.0 ms): exposed dp communication +27.0 ms (90% of the difference)."
 )
 OWN_TP2_VS_DP2 = (
-    "own tp2 takes 10.0 ms more per measured step than own dp2 (median 100.0 against 90.0 ms); by the "
-    "breakdowns (100.0 against 90.0 ms): exposed tp communication +10.0 ms (100% of the difference); "
-    "partly offset by exposed dp communication -3.0 ms, compute -2.0 ms."
+    "own tp2 takes 10.0 ms more per measured step than own dp2 (median 100.0 against 90.0 ms; ratio 1.111x "
+    "[1.111, 1.111] (97.1%)); by the breakdowns (100.0 against 90.0 ms): exposed tp communication +10.0 ms "
+    "(100% of the difference); partly offset by exposed dp communication -3.0 ms, compute -2.0 ms."
 )
 
 
@@ -297,16 +299,10 @@ def test_collectives_and_trace_links(summary, report):
     for text in (md, page):
         assert "ui.perfetto.dev" in text and "chrome://tracing" in text
     (own_dp2,) = [line for line in md.splitlines() if line.startswith("- **own dp2**: ")]
-    assert "traces/own%20dp2-rank0.json.gz), [slowest rank (rank 1)](" in own_dp2, own_dp2
-    assert own_dp2.endswith("traces/own%20dp2-rank1.json.gz)"), own_dp2
-    assert "traces/own%20dp2-rank0.json.gz'>rank 0</a>" in page
+    # the records' trace files are not on disk: no link into a folder the report does not carry (issue 41 item 8;
+    # tests/test_report_truth.py checks the copies beside the report)
+    assert own_dp2 == "- **own dp2**: 2 trace file(s) not kept beside this report (not linked)", own_dp2
     assert "**reference (single device)**: no trace kept" in md
-    kept = {**summary, "runs": [{**summary["runs"][1], "traces": [{"rank": 0, "path": "/data/t/x.json.gz"}]}]}
-    assert trace_items(kept, "/data/reports") == ["**own tp2**: [rank 0](../t/x.json.gz)"]  # moves with the report
-    # a record's relative path is relative to where the comparison ran, as the report's folder is
-    kept = {**summary, "runs": [{**summary["runs"][1], "traces": [{"rank": 0, "path": "logs/x.json.gz"}]}]}
-    assert trace_items(kept, "reports") == ["**own tp2**: [rank 0](../logs/x.json.gz)"]
-    assert trace_items(kept, "harness-out") == ["**own tp2**: [rank 0](../logs/x.json.gz)"]
 
 
 def test_compare_json_carries_the_breakdown_fields(summary, report):

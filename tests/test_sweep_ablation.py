@@ -86,7 +86,8 @@ def test_tp_against_pp_compares_the_same_gpus_with_the_rest_equal():
     assert "pipeline vs tensor parallelism: no pipeline-heavier and tensor-heavier runs" in text
     tables, _ = recommendations([*runs, record(4500.0, tp=2, dp=1, sequence_parallel=True)])
     split = tables["pipeline vs tensor parallelism"]
-    assert split.caption.endswith("in 1 of 1 comparison(s).")
+    assert split.caption.startswith("pipeline vs tensor parallelism: of 1 comparison(s)")
+    assert "the pipeline-heavier was decidedly faster in 1, the tensor-heavier in 0, and 0 were not" in split.caption
     assert [r[3] for r in split.rows] == ["5,000 tokens/s per device", "4,500 tokens/s per device"]
 
 

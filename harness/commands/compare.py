@@ -21,7 +21,8 @@ examples:
   harness compare                                  # the built-in CPU default, a few minutes, into harness-out/
   harness compare --set workload.steps=3 --set parity_steps=2 --out /tmp/cmp
   harness compare examples/compare-cpu-bf16.yaml --store cmp.sqlite --timeout 300
-  harness compare examples/ci/tiny-compare.yaml --baseline examples/ci/baseline.json   # a CI check"""
+  harness compare examples/ci/tiny-compare.yaml --baseline examples/ci/baseline.json   # a CI check
+  harness compare examples/compare-cpu-decide.yaml --rounds 3 --profile-steps 0   # runs alternated, 3 rounds"""
 
 
 # Where a comparison writes by default: a folder of the working directory that git ignores, so a
@@ -53,6 +54,15 @@ def add_arguments(p):
     add_tensorboard_argument(p, "every run")
     add_profile_steps_argument(p, "every run")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="launch every run N times in alternating order and compare runs within each round, so that "
+        "load that changes during the comparison cancels (default 1: one launch each, then the first run "
+        "again as a load-drift check)",
+    )
+    p.add_argument(
         "--baseline",
         metavar="OLD.json",
         help="an earlier compare's JSON report: exit 1 with one line per drift (a loss beyond the parity "
@@ -69,6 +79,7 @@ def add_arguments(p):
 
 def main(args) -> int:
     import copy
+    import shlex
 
     from harness.commands.outputs import check_output_path
     from harness.commands.overrides import parse_with_overrides
@@ -77,13 +88,14 @@ def main(args) -> int:
     from harness.compare.spec import DEFAULT, parse_compare_spec
     from harness.report.compare import write_report
     from harness.report.policy import verdict_text
-    from harness.spec import check_positive, process_counts, read_yaml
+    from harness.spec import check_positive, check_positive_int, process_counts, read_yaml
     from harness.store import check_store
 
     raw = copy.deepcopy(DEFAULT) if args.spec is None else read_yaml(args.spec)
     cs = parse_with_overrides(raw, args.overrides, parse_compare_spec)  # every run is checked here: nothing launched
     if args.timeout is not None:
         cs.timeout_s = check_positive(args.timeout, "--timeout")
+    rounds = check_positive_int(args.rounds, "--rounds")
     store = args.store or cs.store or "results.sqlite"
     check_store(store)
     check_output_path(args.out, "--out", directory=True)
@@ -94,7 +106,7 @@ def main(args) -> int:
         os.environ[TENSORBOARD_ENV] = tensorboard
     if args.logs:
         check_output_path(args.logs, "--logs", directory=True)
-    baseline, time_tolerance = _baseline(args)  # read and checked before anything launches
+    baseline, time_tolerance = _baseline(args, cs)  # read, checked and matched before anything launches
     check_before_launch(cs)  # kernels, launchers, something to compare: still nothing launched
     with report_lock(args.out, cs.name):  # refused here, before any launch, while another one writes this report
         print(
@@ -102,13 +114,20 @@ def main(args) -> int:
             f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})",
             file=sys.stderr,
         )
+        _say_oversubscribed(cs)
         summary = run_comparison(
             cs,
             store_path=store,
             log_dir=args.logs or default_log_dir(store, cs.name),
             progress=not args.no_progress,
             profile_steps=args.profile_steps,
+            rounds=rounds,
+            drift_check=rounds == 1,  # with rounds, the rounds control the drift
         )
+        summary["invocation"] = {  # what a reader runs to repeat it (the report's Engines section)
+            "command": shlex.join(["harness", *sys.argv[1:]]),  # as typed: spec, --set overrides, options
+            "spec": args.spec,
+        }
         if baseline is not None:
             from harness.report.drift import compare_with_baseline
 
@@ -127,15 +146,40 @@ def main(args) -> int:
     return 0 if summary["verdict"] == "pass" and not drifts else 1
 
 
-def _baseline(args) -> tuple[dict | None, float | None]:
+def _baseline(args, cs) -> tuple[dict | None, float | None]:
     """(the --baseline report, the time tolerance): a one-line error (exit 2) for an unreadable or
-    malformed file, or a tolerance without a baseline."""
+    malformed file, a report of another comparison (name, workload, no label in common: check_matches),
+    or a tolerance without a baseline."""
     from harness.errors import SpecError
-    from harness.report.drift import DEFAULT_TIME_TOLERANCE, check_time_tolerance, load_baseline
+    from harness.report.drift import DEFAULT_TIME_TOLERANCE, check_matches, check_time_tolerance, load_baseline
 
     if args.baseline is None:
         if args.time_tolerance is not None:
             raise SpecError("--time-tolerance", "only with --baseline (the step times it compares)")
         return None, None
     given = DEFAULT_TIME_TOLERANCE if args.time_tolerance is None else args.time_tolerance
-    return load_baseline(args.baseline), check_time_tolerance(given)
+    tolerance = check_time_tolerance(given)
+    baseline = load_baseline(args.baseline)
+    check_matches(baseline, cs.name, cs.workload, [p.label for p in cs.runs], args.baseline)
+    return baseline, tolerance
+
+
+def _say_oversubscribed(cs) -> None:
+    """A note before launch where a CPU run's processes x threads exceed this machine's cores: the report
+    will mark it oversubscribed and leave its step times out of ranking and Why (parity still holds)."""
+    from harness.compare.orchestrate import comparison_threads
+    from harness.launch import cpu_cores
+    from harness.launch.environment import _has_cuda
+
+    device = cs.workload.get("device") or "auto"
+    if device == "cuda" or (device == "auto" and _has_cuda()):
+        return
+    threads, cores = comparison_threads(cs), cpu_cores()
+    over = sorted({p.nproc for p in cs.runs if p.nproc * threads > cores})
+    if over:
+        print(
+            f"note: runs of {' or '.join(map(str, over))} processes x {threads} thread(s) each exceed this "
+            f"machine's {cores} cores: oversubscribed; the report checks their parity but neither ranks nor "
+            "explains their step times",
+            file=sys.stderr,
+        )

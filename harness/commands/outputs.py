@@ -17,6 +17,8 @@ def check_output_path(path: str, field: str, directory: bool) -> None:
         raise SpecError(field, f"{path} is a file; give a folder")
     if not directory and os.path.isdir(full):
         raise SpecError(field, f"{path} is a folder; give a file name")
+    if os.path.exists(full) and not (os.path.isdir(full) or os.path.isfile(full)):  # /dev/full, a FIFO
+        raise SpecError(field, f"{path} is not a regular file (a device, pipe or socket); give a file name")
     folder = full if directory and os.path.isdir(full) else os.path.dirname(full)
     if not os.path.isdir(folder):
         raise SpecError(field, f"folder {os.path.dirname(path) or folder} does not exist")

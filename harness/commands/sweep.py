@@ -14,7 +14,7 @@ import sys
 from harness.commands import add_profile_steps_argument, add_set_argument, add_tensorboard_argument, tensorboard_dir
 from harness.commands.outputs import check_output_path
 from harness.commands.overrides import parse_with_overrides
-from harness.errors import SpecError, StoreError
+from harness.errors import SpecError, StoreWriteError
 from harness.spec import check_positive, read_yaml
 from harness.store import STATUSES, ResultsStore, check_store
 from harness.sweep.execute import run_sweep
@@ -140,8 +140,8 @@ def main(args) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: every finished point is in the store; run the same command to resume")
         return 130
-    except StoreError as e:  # a full disk: stop, with every finished point kept
-        raise StoreError(
+    except StoreWriteError as e:  # a full disk: stop, with every finished point kept
+        raise StoreWriteError(
             f"{e.reason}; the sweep stopped: run the same command to resume once the store "
             "can be written (it merges that file back)"
         ) from None

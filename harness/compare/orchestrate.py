@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 
+from harness.compare.drift_control import load_drift_check, measure_rounds
 from harness.compare.parity import PASS, check_parity, compare_fingerprints, max_rel_diff
 from harness.compare.policy import census_policy
 from harness.compare.spec import CompareSpec, PlannedRun
@@ -82,12 +83,16 @@ def comparison_matmul_peak(workload: dict, threads: int) -> dict | None:
 
 
 def with_comparison_peak(entry: dict, peak: dict | None) -> dict:
-    """The run's table row with "MFU vs measured matmul" against the comparison's one peak (PaLM
-    FLOPs, per device: a run's tokens/s over its processes)."""
+    """The run's table row and metrics with "MFU vs measured matmul" against the comparison's one peak (PaLM
+    FLOPs in the row, every convention in the metrics; per device: a run's tokens/s over its processes)."""
     m = entry["metrics"]
-    fpt, tps = (m.get("flops_per_token") or {}).get("palm"), m.get("tokens_per_s")
-    ok = peak and fpt and tps and entry["status"] == "ok"
-    entry["row"]["mfu_vs_measured_matmul"] = fpt * tps / (entry["nproc"] * peak["tflops"] * 1e12) if ok else None
+    fpt, tps = m.get("flops_per_token") or {}, m.get("tokens_per_s")
+    ok = peak and fpt.get("palm") and tps and entry["status"] == "ok"
+    mfu = {k: v * tps / (entry["nproc"] * peak["tflops"] * 1e12) for k, v in fpt.items() if v} if ok else None
+    entry["row"]["mfu_vs_measured_matmul"] = mfu["palm"] if mfu else None
+    # one definition in the JSON too: the run's metrics hold the same figure (every FLOP convention), not the
+    # one against the peak the run measured for itself (its measured_matmul_tflops stays, as measured)
+    m["mfu_vs_measured_matmul"] = mfu
     return entry
 
 
@@ -129,6 +134,8 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
         if record.get("status") != "ok"
         else "",
         "log": (record.get("launch") or {}).get("log"),
+        "command": (record.get("launch") or {}).get("command"),  # the launcher's, as the record keeps it
+        "spec": plan.spec.to_dict(),  # the run's resolved spec: what its launch command's spec file held
         "wall_s": (record.get("launch") or {}).get("wall_s"),
         "losses": m.get("losses") or [],
         "metrics": {k: v for k, v in m.items() if k not in ("losses", "engine")},  # those two: just above and below
@@ -189,13 +196,20 @@ def run_comparison(
     progress: bool = True,
     launch_fn=None,
     profile_steps: int | None = None,
+    drift_check: bool = False,
+    rounds: int = 1,
 ) -> dict:
     """Launch every planned run in turn, check parity and fingerprints; the summary the report
     (harness.report.compare) is written from. `profile_steps`: each run's profiled steps after
-    its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS)."""
+    its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS). `drift_check`:
+    measure the first finished run again after the last (load_drift_check; `harness compare` asks for
+    it, the tests' comparisons do not pay its launch). `rounds` > 1: every run launched
+    that many times in alternating order (measure_rounds; its later rounds unprofiled), no drift check."""
     from tqdm import tqdm
 
+    from harness.launch import cpu_cores
     from harness.store import ResultsStore, now_iso
+    from harness.store.record import harness_version
 
     threads = comparison_threads(cs)
     peak = comparison_matmul_peak(cs.workload, threads) if launch_fn is None else None
@@ -206,7 +220,10 @@ def run_comparison(
         env = {"OMP_NUM_THREADS": str(threads)}
         if profile_steps is not None:
             env[ENV] = str(profile_steps)
+        later = functools.partial(run_spec, extra_env={**env, ENV: "0"})  # later rounds: measured steps only
         launch_fn = functools.partial(run_spec, extra_env=env)
+    else:
+        later = launch_fn
     comparison_id = uuid.uuid4().hex[:12]
     sweep = f"compare:{cs.name}:{comparison_id}"
     log_dir = log_dir or os.path.join(tempfile.gettempdir(), f"harness-compare-{cs.name}-{comparison_id}")
@@ -248,6 +265,15 @@ def run_comparison(
         )
         bar.write(msg, file=sys.stderr)
     bar.close()
+    load_drift = None
+    kw = {"store_path": store_path, "timeout_s": cs.timeout_s, "log_dir": log_dir}
+    if rounds > 1:
+        load_drift = measure_rounds(cs, entries, later, rounds, sweep, **kw)
+        entries = [with_comparison_peak(e, peak) for e in entries]
+    elif drift_check:
+        load_drift = load_drift_check(cs, entries, launch_fn, sweep, **kw)
+        if load_drift.get("verdict"):
+            print(f"load drift check ({load_drift['run']} again): {load_drift['verdict']}", file=sys.stderr)
 
     compared = [e for e, p in zip(entries, cs.runs, strict=True) if not p.baseline]
     parity = check_parity(compared, cs.parity_steps, cs.tolerance)
@@ -275,7 +301,10 @@ def run_comparison(
         "policy": policy,
         "fp8_vs_bf16": fp8_vs_bf16(entries, cs),
         "load_average": {"before": load_before, "after": _loadavg()},
+        "load_drift": load_drift,
         "threads_per_process": threads,
+        "cpu_cores": cpu_cores(),  # this process's affinity: a run with more busy threads is oversubscribed
+        "versions": harness_version(),  # with the runs' fingerprints (torch, each framework): what measured it
         "matmul_peak": peak,
         "wall_s": round(time.monotonic() - started, 1),
         "runs": [{k: v for k, v in e.items() if k != "losses"} for e in entries],

@@ -1,11 +1,23 @@
 """Loss parity and fingerprint agreement of the runs of one comparison.
 
-Parity: the first N per-step losses (warm-up steps included: they are the ones closest to the
-identical initial weights) of every run must agree with the reference's - the single-device
-engine when it ran, else the first successful run - within a relative tolerance, and with
-each other (the largest pairwise difference is reported). A run without losses (failed,
-oom, timeout) cannot prove parity: its verdict is `no data`, its note "run failed: <cause>",
-and the comparison fails; the pairwise difference needs two finished runs (None otherwise).
+Parity: the per-step losses of the first N steps (by default every step a run trains, warm-up
+included) of every run must agree with the reference's - the single-device engine when it ran,
+else the first successful run - within a relative tolerance, and with each other (the largest
+pairwise difference is reported). A run without losses (failed, oom, timeout) cannot prove
+parity: its verdict is `no data`, its note "run failed: <cause>", and the comparison fails; the
+pairwise difference needs two finished runs (None otherwise).
+
+Gradient norms: each step's global norm of the full gradient before clipping (the engine's own,
+TrainingEngine.grad_norm) is compared the same way, at the same relative tolerance: with
+clipping on, every update is the gradient times clip / norm, so a norm off by r moves every
+weight by r relatively, the bound the loss tolerance already sets on training alike; and the norm
+is a reduction over the same tokens in the same precision as the loss. A run whose engine gave
+no norm (FSDP2 without clipping, DeepSpeed ZeRO-0 in fp32) is listed with that reason, its loss
+verdict standing; a norm outside the tolerance fails the run.
+
+Final weights: each run's fingerprint of its weights after the trained steps (harness.measure.weights,
+gathered on rank 0 by the engine's full_state_dict) against the anchor's, at the same tolerance relative
+to each parameter's norm; a run without one is listed with the reason its record gives.
 
 Fingerprints: hosts, devices and library versions must be the same for every run; a
 difference is flagged (world size and environment variables are expected to differ).
@@ -15,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.measure.weights import fingerprint_rel_diff
 from harness.store import FAIL, NO_DATA, PASS, failure  # noqa: F401 - the verdicts, recorded with each run
 
 FINGERPRINT_GROUPS = {
@@ -48,6 +61,54 @@ class RunParity:
     max_rel_diff: float | None
     worst_step: int | None
     note: str = ""
+    grad_norm_rel_diff: float | None = None  # None: not compared (grad_norm_note says why)
+    grad_norm_worst_step: int | None = None
+    grad_norm_note: str = ""
+    weights_rel_diff: float | None = None  # None: not compared (weights_note says why)
+    weights_note: str = ""
+
+
+NO_NORM = (
+    "no gradient norm recorded: {engine} computed none in this run (FSDP2 without clipping, DeepSpeed ZeRO-0 in fp32)"
+)
+
+
+def grad_norms(run: dict, n: int) -> list[float] | None:
+    """The run's first n gradient norms, None where it has fewer or any is missing."""
+    norms = run.get("grad_norms") or (run.get("metrics") or {}).get("grad_norms") or []
+    norms = norms[:n]
+    return norms if len(norms) == n and all(g is not None for g in norms) else None
+
+
+def _weights_parity(p: RunParity, run: dict, anchor: dict, tolerance: float) -> None:
+    """Compare the run's final-weights fingerprint with the anchor's into p (a difference fails the run)."""
+    mine, ref = (((r.get("metrics") or {}).get("weights_fingerprint")) for r in (run, anchor))
+    if not isinstance(ref, dict):
+        p.weights_note = f"not compared: the anchor ({anchor['label']}) has no weights fingerprint"
+        return
+    if not isinstance(mine, dict):
+        p.weights_note = mine if isinstance(mine, str) else "no weights fingerprint in its record (none gathered)"
+        return
+    p.weights_rel_diff, at = fingerprint_rel_diff(mine, ref)
+    if p.weights_rel_diff > tolerance:
+        p.verdict = FAIL
+        p.note = "; ".join(x for x in (p.note, f"final weights: {at} differs by {p.weights_rel_diff:.1e}") if x)
+
+
+def _grad_parity(p: RunParity, run: dict, anchor: dict, n: int, tolerance: float) -> None:
+    """Compare the run's gradient norms with the anchor's into p (a norm off fails the run)."""
+    mine, ref = grad_norms(run, n), grad_norms(anchor, n)
+    if ref is None:
+        p.grad_norm_note = f"not compared: the anchor ({anchor['label']}) has no gradient norms"
+        return
+    if mine is None:
+        p.grad_norm_note = NO_NORM.format(engine=run.get("engine") or "its engine")
+        return
+    p.grad_norm_rel_diff, p.grad_norm_worst_step = max_rel_diff(mine, ref, n)
+    if p.grad_norm_rel_diff > tolerance:
+        at = p.grad_norm_worst_step
+        p.verdict = FAIL
+        p.note = "; ".join(x for x in (p.note, f"gradient norm at step {at}: {mine[at]:.7g} vs {ref[at]:.7g}") if x)
 
 
 def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
@@ -66,14 +127,32 @@ def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
         d, at = max_rel_diff(r["losses"], anchor["losses"], n)
         verdict = PASS if d <= tolerance else FAIL
         note = "" if verdict == PASS else (f"step {at}: {r['losses'][at]:.7g} vs {anchor['losses'][at]:.7g}")
-        per_run.append(RunParity(r["label"], verdict, d, at, note))
+        p = RunParity(r["label"], verdict, d, at, note)
+        _grad_parity(p, r, anchor, n, tolerance)
+        _weights_parity(p, r, anchor, tolerance)
+        per_run.append(p)
     labels = [r["label"] for r in usable]
     matrix = {a["label"]: {b["label"]: max_rel_diff(a["losses"], b["losses"], n)[0] for b in usable} for a in usable}
     # between two finished runs at least: one run alone (the others failed) is no agreement of 0
     spread = max((v for row in matrix.values() for v in row.values()), default=0.0) if len(usable) > 1 else None
     ok = bool(usable) and all(p.verdict == PASS for p in per_run)
+    normed = [grad_norms(r, n) for r in usable if grad_norms(r, n) is not None]
+    # the largest difference between any two runs that gave norms (None: fewer than two)
+    grad_spread = max(max_rel_diff(a, b, n)[0] for a in normed for b in normed) if len(normed) > 1 else None
+    within = (spread is None or spread <= tolerance) and (grad_spread is None or grad_spread <= tolerance)
     return {
         "steps": n,
+        "trained_steps": min((len(r["losses"]) for r in usable), default=None),
+        "grad_norms": {
+            "compared": [p.label for p in per_run if p.grad_norm_rel_diff is not None],
+            "not_compared": {p.label: p.grad_norm_note for p in per_run if p.grad_norm_note},
+            "max_pairwise_rel_diff": grad_spread,
+        },
+        "weights": {
+            "compared": [p.label for p in per_run if p.weights_rel_diff is not None],
+            "not_compared": {p.label: p.weights_note for p in per_run if p.weights_note},
+            "max_rel_diff": max((p.weights_rel_diff for p in per_run if p.weights_rel_diff is not None), default=None),
+        },
         "tolerance": tolerance,
         "anchor": anchor["label"] if anchor else None,
         "anchor_kind": anchor_kind if anchor else "none: no run finished",
@@ -81,8 +160,8 @@ def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
         "pairwise_max_rel_diff": matrix,
         "labels": labels,
         "max_pairwise_rel_diff": spread,
-        "cross_engine_ok": spread is None or spread <= tolerance,
-        "verdict": PASS if ok and (spread is None or spread <= tolerance) else FAIL,
+        "cross_engine_ok": within,
+        "verdict": PASS if ok and within else FAIL,
     }
 
 

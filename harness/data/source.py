@@ -1,19 +1,23 @@
 """Token batches: the same tokens in the same order for every engine and layout.
 
 A step's global batch is a [global_batch_size, seq_len + 1] int64 tensor that depends only
-on (seed, step) for synthetic data, or on the step's position in the token file. Every rank
+on (seed, step) for synthetic and Markov data, or on the step's position in the token file. Every rank
 builds the same global batch and takes its data-parallel slice (and under context parallelism
 its chunks of every sequence), so any layout sees exactly the tokens of the single-device reference.
 """
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from harness.spec import Workload, check_token_file
+
+MARKOV_ALPHABET = 32  # distinct tokens a Markov source visits (fewer where the vocabulary is smaller)
+MARKOV_SUCCESSORS = 2  # each token's possible next tokens: ln 2 nats a token once learned
 
 
 class SyntheticTokens:
@@ -23,6 +27,37 @@ class SyntheticTokens:
     def global_batch_at(self, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 7919 + step)
         return torch.randint(0, self.vocab, (self.global_batch, self.seq_len + 1), generator=g)
+
+
+class MarkovTokens:
+    """Sequences walked on a seeded first-order Markov chain: MARKOV_ALPHABET tokens of the vocabulary,
+    each followed by one of MARKOV_SUCCESSORS successors drawn uniformly. Its entropy is ln 2 nats a
+    token against ln vocab for uniform tokens, so a model's loss falls from the first steps (which
+    tokens occur, then which follow which): parity then compares training, not a loss pinned at
+    ln vocab. The chain depends on the seed only, each step's walks on (seed, step): every rank and
+    engine builds the same global batch."""
+
+    def __init__(self, vocab: int, seq_len: int, global_batch: int, seed: int):
+        self.vocab, self.seq_len, self.global_batch, self.seed = vocab, seq_len, global_batch, seed
+        g = torch.Generator().manual_seed(seed)
+        states = min(vocab, MARKOV_ALPHABET)
+        self.tokens = torch.randperm(vocab, generator=g)[:states]  # which token ids the chain visits
+        self.successors = torch.randint(0, states, (states, MARKOV_SUCCESSORS), generator=g)
+
+    def global_batch_at(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 7919 + step)
+        state = torch.randint(0, len(self.tokens), (self.global_batch,), generator=g)
+        choice = torch.randint(0, MARKOV_SUCCESSORS, (self.global_batch, self.seq_len), generator=g)
+        walk = [state]
+        for t in range(self.seq_len):  # one position at a time, every sequence at once
+            state = self.successors[state, choice[:, t]]
+            walk.append(state)
+        return self.tokens[torch.stack(walk, dim=1)]
+
+    def entropy_nats(self) -> float:
+        """The chain's entropy rate: the loss a model that learned it would reach (duplicate
+        successors lower it further; this is the bound for distinct ones)."""
+        return math.log(MARKOV_SUCCESSORS)
 
 
 class TokenFile:
@@ -62,7 +97,8 @@ def token_source(workload: Workload, vocab: int):
         # also for callers that build a source without validating the spec first
         check_token_file(workload, SimpleNamespace(vocab=vocab))
         return TokenFile(workload.data.path, workload.data.dtype, vocab, workload.seq_len, workload.global_batch_size)
-    return SyntheticTokens(vocab, workload.seq_len, workload.global_batch_size, workload.seed)
+    kind = MarkovTokens if workload.data.kind == "markov" else SyntheticTokens
+    return kind(vocab, workload.seq_len, workload.global_batch_size, workload.seed)
 
 
 def dp_slice(batch: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:

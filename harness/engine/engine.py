@@ -77,6 +77,7 @@ class Engine3D:
         w, lay = spec.workload, spec.layout
         options = options or BuildOptions()
         self.spec, self.shape, self.device = spec, shape, ctx.device
+        self._grad_norm = None  # the last step's
         self.hooks = options.hooks
         self.policy = precision_policy(w)
         distributed = ctx.backend is not None
@@ -190,8 +191,9 @@ class Engine3D:
         ta = clock.mark()
         self.parallel.world.all_reduce(pair)  # its wait is the slowest stage's lag: charged to bubble
         t1 = clock.mark()
+        norm = pair[1].sqrt()
+        self._grad_norm = norm.detach()  # read after the step: no device sync inside it
         if w.grad_clip > 0:
-            norm = pair[1].sqrt()
             coef = torch.clamp(w.grad_clip / (norm + 1e-6), max=1.0)
             states.scale_grads(coef)
         self.optimizer.step()
@@ -227,6 +229,10 @@ class Engine3D:
 
     def last_step_details(self) -> dict:
         return self._details
+
+    def grad_norm(self) -> float | None:
+        """The global norm the clipping used: every rank's squared sum, each gradient counted once."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def full_state_dict(self):
         """Gather every parameter (TP shards concatenated, pipeline stages collected from dp and cp

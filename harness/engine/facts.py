@@ -26,13 +26,9 @@ def fp8_misaligned_shards(w, lay) -> list[str]:
     s = resolve_shape(w.model, w.model_overrides)
     head_dim = s.head_dim
     widths = {"ffn": s.ffn, "q heads": s.heads * head_dim, "kv heads": s.kv_heads * head_dim}
+    if s.moe:  # each expert's SwiGLU is split over tp as the dense one is (harness/engine/experts.py)
+        widths["moe_ffn"] = s.moe_ffn
     return [k for k, v in widths.items() if v % 16 == 0 and (v // lay.tp) % 16]
-
-
-def _moe(w) -> bool:
-    from harness.model.presets import resolve_shape
-
-    return resolve_shape(w.model, w.model_overrides).moe
 
 
 ENGINE = EngineFacts(
@@ -89,14 +85,9 @@ ENGINE = EngineFacts(
             lambda w, lay: w.precision != "fp8" or lay.tp == 1 or not fp8_misaligned_shards(w, lay),
             "fp8 with tp > 1: the own engine's FP8 GEMMs run on each rank's shard, and torch._scaled_mm needs its "
             "dims multiples of 16 (harness/model/float8.py); a shard that is not would leave a linear the "
-            "reference runs in FP8 in bf16: choose tp so that ffn/tp and the q/k/v head widths / tp are multiples "
-            "of 16",
-        ),
-        (
-            "precision",
-            lambda w, lay: w.precision != "fp8" or not _moe(w),
-            "fp8 with a MoE model: the own engine runs its experts in fp32 or bf16 only",
-        ),
+            "reference runs in FP8 in bf16: choose tp so that ffn/tp (a MoE's moe_ffn/tp too) and the q/k/v head "
+            "widths / tp are multiples of 16",
+        )
     ],
     runs_moe=True,
     label=lambda lay: f"own ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "own",

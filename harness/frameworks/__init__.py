@@ -32,6 +32,11 @@ class TrainingEngine(typing.Protocol):
     def full_state_dict(self) -> dict | None:
         """Gathered fp32 parameters named as the plain Llama's, on global rank 0 (None elsewhere)."""
 
+    def grad_norm(self) -> float | None:
+        """The last step's global L2 norm of the full gradient before clipping (every shard, stage and
+        replica counted once; the same number on every rank), for the parity check; None where the
+        framework does not compute it (it is not computed a second time: that would change the step)."""
+
     def last_step_details(self) -> dict:
         """The last step's breakdown: breakdown_s, comm, pipeline_timeline (missing keys: not measured)."""
 

@@ -19,6 +19,12 @@ ZERO_BUCKET = 50_000_000
 ZERO3_MAX_LIVE = 1_000_000_000
 
 
+def autoep_preset(shape: Shape) -> str:
+    """AutoEP's preset for the model's MoE blocks (its registry: mixtral, qwen3_moe, ...): Qwen3-MoE has
+    per-head q/k norms, Mixtral none."""
+    return "qwen3_moe" if shape.qk_norm else "mixtral"
+
+
 def deepspeed_refuses(lay: PlannerLayout) -> str:
     """Why engine deepspeed's facts refuse the layout ("" if they do not), its ZeRO stage the
     layout's sharding (full sharding is stage 3): AutoTP or its pipeline engine, Ulysses without
@@ -62,6 +68,11 @@ def export_deepspeed(
         cfg["communication_data_type"] = "fp32"
     if lay.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": lay.tp}
+    autotp_world = lay.tp > 1 and lay.pp == 1
+    if autotp_world:  # DeepSpeed's batch check counts every rank here: let it derive train_batch_size
+        del cfg["train_batch_size"]
+    if shape.moe and lay.ep > 1:  # AutoEP (deepspeed/module_inject/auto_ep_config.py)
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": lay.ep, "preset_model": autoep_preset(shape)}
     if lay.cp > 1:  # Ulysses' degree: ZeRO then shards over the dp x cp ranks
         cfg["sequence_parallel_size"] = lay.cp
     if lay.pp > 1:
@@ -94,9 +105,16 @@ def export_deepspeed(
     notes.append(f"attention {lay.attention}, rmsnorm {lay.rmsnorm}: kernels are chosen in the model code")
     if lay.compile == "blocks":
         notes.append("compile blocks: compile each block before deepspeed.initialize (a ds_config has no such setting)")
-    if shape.moe:  # DeepSpeed-MoE's experts and their parallelism are the model code's
+    if autotp_world:
         notes.append(
-            f"MoE: a ds_config has no expert setting: build each layer's experts as deepspeed.moe.layer.MoE("
-            f"num_experts={shape.experts}, ep_size={lay.ep}, k={shape.experts_per_token}) in the model code"
+            "no train_batch_size: DeepSpeed's AutoTP path (no mpu) checks the batch against all "
+            f"{lay.dims.excluding('cp')} ranks, the tp ranks sharing each micro-batch; it derives micro x "
+            "accumulation x ranks itself, "
+            f"{wl.global_batch_size} sequences a step over dp {lay.dp}"
+        )
+    if shape.moe and lay.ep > 1:
+        notes.append(
+            f"MoE: AutoEP replaces the Hugging Face model's MoE blocks (preset_model {autoep_preset(shape)}) with "
+            f"experts over {lay.ep} ranks; another model names its modules (moe_layer_pattern, expert_pattern)"
         )
     return json.dumps(cfg, indent=2), [n for n in notes if n]

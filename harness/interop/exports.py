@@ -31,15 +31,21 @@ EXPORTERS = {
 
 def exportable(lay: PlannerLayout, fmt: str, shape: Shape | None = None) -> str:
     """Empty when `fmt` runs the layout (and, given, the model's shape), else why not."""
+    if fmt == "torchtitan" and shape is not None and torchtitan_out.torchtitan_flavor(shape) is None:
+        return (  # the model first: no layout of it is theirs
+            f"torchtitan's llama3 has no flavor of this shape (it has {', '.join(torchtitan_out.FLAVORS)})"
+            if not shape.moe
+            else torchtitan_out.torchtitan_refuses(shape, lay)
+        )
     if lay.cp > 1 and lay.cp_impl not in CP_COMM[fmt]:
         return f"{fmt} has no {lay.cp_impl} context parallelism (it runs {', '.join(CP_COMM[fmt])})"
     if lay.shard_group < lay.replicas and (fmt != "torchtitan" or lay.shard_group % lay.cp):
         # torchtitan's FSDP mesh is data_parallel_shard_degree x cp: a group of whole cp groups
         return f"{fmt} has no sharding group of {lay.shard_group} of the dp x cp = {lay.replicas} ranks (HSDP)"
-    if lay.precision == "fp8" and fmt != "megatron":  # Megatron-LM's FP8 is its --fp8-* arguments
+    if lay.precision == "fp8" and fmt == "deepspeed":  # Megatron-LM: --fp8-*; torchtitan: Float8LinearConverter
         return (
             f"{fmt}: FP8 is not a setting this export writes (DeepSpeed's config has none: torchao converts "
-            "the model before deepspeed.initialize; torchtitan's Float8 converter is written for main, not 0.3.0)"
+            "the model before deepspeed.initialize)"
         )
     if fmt == "deepspeed":  # what the harness's engine deepspeed runs (its facts)
         return deepspeed_out.deepspeed_refuses(lay)

@@ -10,7 +10,9 @@ user's own file may say more, which is listed, never guessed. The torchtitan rec
 
 from __future__ import annotations
 
-from harness.errors import SpecError
+import dataclasses
+
+from harness.errors import CapabilityError
 from harness.interop.deepspeed_in import read_deepspeed
 from harness.interop.megatron_in import read_megatron
 from harness.interop.torchtitan_in import read_torchtitan
@@ -24,40 +26,44 @@ def import_megatron(text: str, gpus: int | None = None) -> tuple[dict, list[str]
     return _spec("megatron", *read_megatron(text, gpus))
 
 
-def import_deepspeed(text: str, model: str | None, seq_len: int | None) -> tuple[dict, list[str]]:
+def import_deepspeed(
+    text: str, model: str | None, seq_len: int | None, gpus: int | None = None
+) -> tuple[dict, list[str]]:
     """A spec from a ds_config; the model and sequence length, which a ds_config does not hold, from
-    the arguments."""
-    return _spec("deepspeed", *read_deepspeed(text, model, seq_len))
+    the arguments; the world size from --gpus where given."""
+    return _spec("deepspeed", *read_deepspeed(text, model, seq_len, gpus))
 
 
-def import_torchtitan(text: str, gpus: int | None = None) -> tuple[dict, list[str]]:
-    """A spec from a torchtitan recipe (the form torchtitan_out writes)."""
-    return _spec("fsdp", *read_torchtitan(text, gpus))
+def import_torchtitan(text: str, gpus: int | None = None, recipe: str | None = None) -> tuple[dict, list[str]]:
+    """A spec from a torchtitan recipe: the file's function named `recipe` (needed where it has several)."""
+    return _spec("fsdp", *read_torchtitan(text, gpus, recipe))
 
 
 def _spec(engine: str, workload: dict, layout: dict, lost: list[str]) -> tuple[dict, list[str]]:
-    """The raw spec, checked by harness.spec: for the harness's engine of that name when it runs the
-    layout, else for the own engine (the harness's Megatron-style engine); each with the layout's
-    attention kernel, else sdpa (which picks its flash kernel where one runs). What changed is said
-    in `lost`."""
-    own = {**layout, "zero_stage": min(layout.get("zero_stage", 3), 1)}  # full sharding: ZeRO-1 at most
-    own.pop("reshard_after_forward", None)
-    tries = [(engine, layout), ("own", own)]
-    first, why = None, {}
-    for name, lay in tries:
-        for attention in dict.fromkeys((lay.get("attention", "sdpa"), "sdpa")):
-            raw = {"workload": workload, "layout": {"engine": name, **lay, "attention": attention}}
-            try:
-                parse_spec(raw)
-            except SpecError as e:
-                first, why[name] = first or e, e
-                continue
-            if name != engine:
-                lost.append(
-                    f"layout.engine: not carried: engine {engine} here refuses it ({why[engine]}); "
-                    "written for engine own"
-                )
-            if attention != lay.get("attention", "sdpa"):
-                lost.append(f"layout.attention: not carried: {lay['attention']} is refused here; written as sdpa")
-            return raw, lost
-    raise first
+    """The raw spec for the harness's engine of the tool's name, checked by harness.spec. Where that
+    engine cannot train the layout on this machine (Transformer Engine absent, a kernel or degree not
+    built here: a CapabilityError), the spec still holds the tool's layout and engine, checked by the
+    planner for a layout that can exist, and one line says why `harness train` here refuses it."""
+    raw = {"workload": workload, "layout": {"engine": engine, **layout}}
+    try:
+        parse_spec(raw)
+        return raw, lost
+    except CapabilityError as e:
+        here = e
+    _coherent(engine, workload, layout)
+    lost.append(f"layout.engine: {engine} kept; `harness train` on this machine refuses it ({here})")
+    return raw, lost
+
+
+def _coherent(engine: str, workload: dict, layout: dict) -> None:
+    """SpecError where the layout cannot exist for the model and workload (the planner's check)."""
+    from harness.model.presets import resolve_shape
+    from harness.planner.layout import PlannerLayout, Workload, planner_engines
+    from harness.planner.predict import validate
+
+    shape = resolve_shape(workload["model"], workload.get("model_overrides"))
+    lay = PlannerLayout.from_spec({**layout, "engine": engine}, workload.get("precision", "fp32"))
+    if engine in planner_engines():
+        lay = dataclasses.replace(lay, engine=engine)
+    dtype_bytes = 4 if workload.get("precision", "fp32") == "fp32" else 2
+    validate(shape, lay, Workload(workload["seq_len"], workload["global_batch_size"], dtype_bytes))

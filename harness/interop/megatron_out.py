@@ -5,9 +5,10 @@ why Megatron-LM cannot run a layout. Nothing here imports torch."""
 from __future__ import annotations
 
 from harness.interop.optimizer import optimizer_and_clip
-from harness.model.presets import Shape
+from harness.model.presets import PRESETS, Shape
 from harness.planner.layout import PlannerLayout, Workload
 from harness.spec import Optimizer
+from harness.spec import Workload as SpecWorkload
 
 MEGATRON_LM = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"  # NVIDIA/Megatron-LM main, 2026-08-22
 VERSION = f"Megatron-LM {MEGATRON_LM[:12]} (megatron/training/arguments.py)"
@@ -29,6 +30,10 @@ MEGATRON_ATTENTION = {
     "te_fused": "fused",  # Transformer Engine's cuDNN fused attention: AttnBackend.fused
     "flash3": "flash",  # Transformer Engine's flash backend runs FlashAttention-3 on Hopper where installed
 }
+
+
+# router_aux_loss_coef of the MoE presets' own config.json files
+PUBLISHED_AUX_LOSS = {"mixtral-8x7b": 0.02, "qwen3-30b-a3b": 0.001, "qwen3-235b-a22b": 0.001}
 
 
 def megatron_refuses(shape: Shape | None, lay: PlannerLayout) -> str:
@@ -84,7 +89,7 @@ def _megatron_shape(shape: Shape, wl: Workload) -> list:
     return args
 
 
-def _megatron_moe(shape: Shape, lay: PlannerLayout, notes: list) -> list:
+def _megatron_moe(shape: Shape, lay: PlannerLayout, notes: list, aux_loss: float | None) -> list:
     """A MoE model's experts and their parallelism as Megatron-LM arguments, as the planner predicts them
     (harness/planner/feedforward.py): every layer MoE, the alltoall dispatcher, grouped GEMM, experts tp-sharded."""
     args = ["--num-experts", shape.experts, "--moe-router-topk", shape.experts_per_token]
@@ -92,18 +97,38 @@ def _megatron_moe(shape: Shape, lay: PlannerLayout, notes: list) -> list:
     args += ["--expert-tensor-parallel-size", lay.tp, "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
     if not shape.norm_topk:  # Megatron's default is the softmax over the top-k logits: renormalised
         args.append("--moe-router-pre-softmax")
-    args += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", 0]
+    coeff = published_aux_loss(shape) if aux_loss is None else aux_loss
+    args += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", f"{coeff:g}"]
+    args += ["--moe-router-dtype", "fp32"]  # the router's softmax and top-k in fp32, as the harness's
+    if MEGATRON_ATTENTION.get(lay.attention) != "local":
+        args.append("--moe-permute-fusion")  # Transformer Engine's fused token permutation
     notes.append(
-        "MoE: the auxiliary load-balancing loss coefficient is the workload's (0 here): set yours; the plan "
-        "assumed the busiest expert-parallel rank at 1.1x the mean tokens, which a balanced router gives"
+        f"MoE: auxiliary load-balancing loss coefficient {coeff:g} "
+        + ("(the workload's)" if aux_loss is not None else "(the model's published router_aux_loss_coef)")
+        + "; the plan assumed the busiest expert-parallel rank at 1.1x the mean tokens, which a balanced router gives"
     )
     return args
 
 
+def published_aux_loss(shape: Shape) -> float:
+    """The load-balancing loss coefficient the model's own config.json gives (router_aux_loss_coef:
+    Mixtral 0.02, Qwen3-MoE 0.001), found by its shape; 0.01 (Megatron-LM's examples') otherwise."""
+    name = next((n for n, p in PRESETS.items() if p == shape), None)
+    return PUBLISHED_AUX_LOSS.get(name, 0.01)
+
+
 def export_megatron(
-    shape: Shape, lay: PlannerLayout, wl: Workload, optimizer: Optimizer | None = None, grad_clip: float | None = None
+    shape: Shape,
+    lay: PlannerLayout,
+    wl: Workload,
+    optimizer: Optimizer | None = None,
+    grad_clip: float | None = None,
+    steps: int | None = None,
+    moe_aux_loss_coeff: float | None = None,
 ) -> tuple[str, list[str]]:
-    """Megatron-LM's pretrain_gpt.py arguments for the layout, the model's shape and the optimizer."""
+    """Megatron-LM's pretrain_gpt.py arguments for the layout, the model's shape, the optimizer and the
+    run's length (`steps`, the harness's default run where None), on mock data so that it launches as
+    written (pretrain_gpt.py stops without --train-iters, a tokenizer and data)."""
     opt, clip = optimizer_and_clip(optimizer, grad_clip)
     backend = MEGATRON_ATTENTION[lay.attention]
     args = ["--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp]
@@ -113,7 +138,7 @@ def export_megatron(
         args.append("--sequence-parallel")
     notes = [f"for {VERSION}"]
     if shape.moe:
-        args += _megatron_moe(shape, lay, notes)
+        args += _megatron_moe(shape, lay, notes, moe_aux_loss_coeff)
     if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and lay.virtual_stages > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", lay.virtual_stages]
         if shape.layers % (lay.pp * lay.virtual_stages):
@@ -142,7 +167,16 @@ def export_megatron(
     else:
         args += ["--transformer-impl", "transformer_engine"]
     args += ["--attention-backend", backend]
-    notes.append(f"vocabulary {shape.vocab}: set by your tokenizer (--tokenizer-type/--vocab-size)")
+    steps = SpecWorkload().steps if steps is None else steps
+    args += ["--train-iters", steps, "--eval-iters", 0]
+    # mock data and a tokenizer that needs no files: the vocabulary is --vocab-size (NullTokenizer adds
+    # an end-of-document id; Megatron-LM pads to a multiple of 128 x tp)
+    args += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", shape.vocab]
+    notes.append(
+        f"--train-iters {steps} (the workload's steps) on --mock-data with NullTokenizer --vocab-size {shape.vocab}: "
+        "replace them with your --data-path and tokenizer; Megatron-LM pads the vocabulary to "
+        f"{-(-(shape.vocab + 1) // (128 * lay.tp)) * 128 * lay.tp} rows (a multiple of 128 x tp)"
+    )
     notes.append(
         f"data parallel {lay.dp}: Megatron-LM takes it from the world size, {lay.gpus} ranks / (tp x pp"
         + (" x cp)" if lay.cp > 1 else ")")

@@ -14,14 +14,15 @@ harness/interop/torchtitan_in.py reads both. Nothing here imports torch.
 from __future__ import annotations
 
 from harness.interop.optimizer import optimizer_and_clip
-from harness.model.presets import Shape
+from harness.model.presets import PRESETS, Shape
 from harness.planner.layout import PlannerLayout, Workload
 from harness.spec import Optimizer
 
 TORCHTITAN = "0.3.0"  # torchtitan on PyPI, 2026-09-03
 VERSION = f"torchtitan {TORCHTITAN} (Trainer.Config recipe)"
-# the cp implementations it runs (its own choice of exchange: no option names it in TORCHTITAN)
-CP_COMM = {"ring": "ring", "allgather": "allgather"}
+# the cp implementations it runs: context parallelism with flex attention, which all-gathers K/V
+# (varlen attention has no cp: "Variable-length attention CP is not yet supported")
+CP_COMM = {"allgather": "allgather"}
 TORCHTITAN_MAIN = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"  # pytorch/torchtitan main, 2026-08-21
 # main's names for what the release calls training.local_batch_size, global_batch_size, seq_len and
 # parallelism.pipeline_parallel_microbatch_size (in tokens per micro-batch / step, pipeline micro-batches)
@@ -39,6 +40,10 @@ FLAVORS = {
     "405B": (126, 16384, 53248, 128, 8, 128256),
 }
 RECIPES = {"8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"}
+# torchtitan's qwen3 MoE flavors (torchtitan/models/qwen3/__init__.py) by the harness's preset, and the
+# recipe each starts from (config_registry has qwen3_30b_a3b only: the 235B flavor starts from it too)
+QWEN3_MOE = {"qwen3-30b-a3b": "30B-A3B", "qwen3-235b-a22b": "235B-A22B"}
+QWEN3_RECIPE = "qwen3_30b_a3b"
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 # torchtitan's language-model attention backends (models/common/config_utils.get_attention_config):
 # varlen is FlashAttention's varlen kernel, flex is FlexAttention (tiled, memory-efficient).
@@ -50,31 +55,50 @@ ATTENTION = {
     "sdpa_cudnn": "varlen",
     "sdpa_efficient": "flex",
 }
+# With cp: FlexAttention, on its flash backend (Hopper, Blackwell) for the flash-class kernels
+CP_ATTENTION = {**dict.fromkeys(ATTENTION, "flex_flash"), "sdpa_efficient": "flex"}
 AC = {"full": "FullAC.Config()", "selective": "SelectiveAC.Config()", "none": "None"}
 FUNCTION = "harness_plan"
 
 
 def torchtitan_flavor(shape: Shape) -> str | None:
-    """The llama3 flavor with this shape, or None."""
+    """The llama3 flavor with this shape (a qwen3 MoE flavor for a qwen3 MoE preset), or None."""
+    if shape.moe:
+        return next((QWEN3_MOE[n] for n, p in PRESETS.items() if n in QWEN3_MOE and p == shape), None)
     key = (shape.layers, shape.hidden, shape.ffn, shape.heads, shape.kv_heads, shape.vocab)
     return next((name for name, dims in FLAVORS.items() if dims == key), None)
 
 
+def layers_per_stage(layers: int, lay: PlannerLayout) -> int | None:
+    """pipeline_parallel_layers_per_stage for the layout's virtual stages, with the first and last stage's
+    extra layers set to 0: torchtitan makes ceil(layers / per_stage) stages, which must be pp x vp."""
+    per_stage = -(-layers // (lay.pp * lay.virtual_stages))
+    return per_stage if -(-layers // per_stage) == lay.pp * lay.virtual_stages else None
+
+
 def torchtitan_refuses(shape: Shape | None, lay: PlannerLayout) -> str:
     """Why torchtitan at TORCHTITAN cannot run the layout ("" if it can)."""
-    if shape is not None and shape.moe:
+    if shape is not None and shape.moe and torchtitan_flavor(shape) is None:
+        return f"torchtitan's MoE recipes here are qwen3's ({', '.join(QWEN3_MOE.values())}): no flavor of this shape"
+    if shape is not None and shape.moe and lay.tp > 1:
         return (
-            "torchtitan's llama3 recipe has no experts: its MoE models (qwen3, deepseek_v3, llama4) are recipes of "
-            "their own, with parallelism.expert_parallel_degree, which this export does not write"
+            "this export writes qwen3 MoE with expert_parallel_degree at tp 1 (expert tensor parallelism not written)"
         )
+    if lay.cp > 1 and lay.attention not in CP_ATTENTION:
+        return f"torchtitan's cp runs in FlexAttention, not {lay.attention}"
     if lay.tp > 1 and not lay.sequence_parallel:
         return "torchtitan's tensor parallelism always shards the sequence (sequence parallel)"
+    if lay.rmsnorm == "fused" and lay.compile != "blocks":
+        return "torchtitan's RMSNorm is torch's (nn.RMSNorm), fused only when compiled: rmsnorm torch or compile blocks"
     if lay.attention not in ATTENTION:
         return f"torchtitan's llama3 runs varlen (FlashAttention) or flex attention, not {lay.attention}"
     if lay.pp > 1 and lay.pipeline_schedule not in SCHEDULES:
         return f"torchtitan has no {lay.pipeline_schedule} pipeline schedule here"
     if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and lay.virtual_stages < 2:
         return "torchtitan's Interleaved1F1B needs at least 2 stages per rank"
+    interleaved = lay.pp > 1 and lay.pipeline_schedule == "interleaved"
+    if shape is not None and interleaved and layers_per_stage(shape.layers, lay) is None:
+        return f"torchtitan cannot cut {shape.layers} layers into {lay.pp} x {lay.virtual_stages} stages"
     if shape is not None and torchtitan_flavor(shape) is None:
         return f"torchtitan's llama3 has no flavor of this shape (it has {', '.join(FLAVORS)})"
     return ""
@@ -93,6 +117,10 @@ def export_torchtitan(
     if flavor is None:  # exportable() refuses it first; a direct call says so here
         raise ValueError(f"torchtitan's llama3 has no flavor of this shape (it has {', '.join(FLAVORS)})")
     micro = wl.micro_batches(lay)
+    fp8 = lay.precision == "fp8"
+    family, recipe = ("qwen3", QWEN3_RECIPE) if shape.moe else ("llama3", RECIPES[flavor])
+    backend = (CP_ATTENTION if lay.cp > 1 else ATTENTION)[lay.attention]
+    converters = ', converters=[Float8LinearConverter.Config(recipe_name="rowwise")]' if fp8 else ""
     parallelism = {
         "data_parallel_replicate_degree": lay.replicas // lay.shard_group,  # HSDP: the sharding groups
         "data_parallel_shard_degree": lay.shard_group // lay.cp,
@@ -104,8 +132,13 @@ def export_torchtitan(
         "pipeline_parallel_microbatch_size": lay.micro_batch_size,
         "context_parallel_degree": lay.cp,
     }
+    if lay.pp > 1:  # the embedding and the head add no stage's worth of layers (the harness's even split)
+        parallelism["pipeline_parallel_first_stage_less_layers"] = 0
+        parallelism["pipeline_parallel_last_stage_less_layers"] = 0
     if lay.pp > 1 and lay.pipeline_schedule == "interleaved":
-        parallelism["pipeline_parallel_layers_per_stage"] = shape.layers // (lay.pp * lay.virtual_stages)
+        parallelism["pipeline_parallel_layers_per_stage"] = layers_per_stage(shape.layers, lay)
+    if shape.moe:
+        parallelism["expert_parallel_degree"] = lay.ep
     bf16 = wl.dtype_bytes == 2
     training = {
         # per data-parallel rank and accumulation step: with pp, every micro-batch of the step
@@ -134,14 +167,15 @@ def export_torchtitan(
         "from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw",
         "from torchtitan.config import CompileConfig",
         "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401",
-        "from torchtitan.models.llama3 import model_registry",
-        f"from torchtitan.models.llama3.config_registry import {RECIPES[flavor]}",
+        *(["from torchtitan.components.quantization import Float8LinearConverter"] if fp8 else []),
+        f"from torchtitan.models.{family} import model_registry",
+        f"from torchtitan.models.{family}.config_registry import {recipe}",
         "from torchtitan.trainer import Trainer",
         "",
         "",
         f"def {FUNCTION}() -> Trainer.Config:",
-        f"    config = {RECIPES[flavor]}()",
-        f'    config.model_spec = model_registry("{flavor}", attn_backend="{ATTENTION[lay.attention]}")',
+        f"    config = {recipe}()",
+        f'    config.model_spec = model_registry("{flavor}", attn_backend="{backend}"{converters})',
     ]
     lines += [f"    config.parallelism.{k} = {_literal(v)}" for k, v in parallelism.items()]
     lines += [f"    config.training.{k} = {_literal(v)}" for k, v in training.items()]
@@ -162,10 +196,20 @@ def export_torchtitan(
         "prediction"
         if lay.sharding_stage < 3
         else "",
-        f"attention {lay.attention}: torchtitan's {ATTENTION[lay.attention]} backend",
-        "the context-parallel exchange is torchtitan's own (no option names it in this release)" if lay.cp > 1 else "",
+        f"attention {lay.attention}: torchtitan's {backend} backend",
+        "context parallelism: FlexAttention's, which all-gathers K and V (not a ring)"
+        + (" on its flash backend (Hopper or Blackwell)" if backend == "flex_flash" else "")
+        if lay.cp > 1
+        else "",
         f"{shape.layers} layers do not split evenly into {lay.pp} x {lay.virtual_stages} chunks"
         if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and shape.layers % (lay.pp * lay.virtual_stages)
+        else "",
+        "FP8: torchtitan's Float8LinearConverter (torchao Float8, rowwise scaling; every linear but the LM head)"
+        if fp8
+        else "",
+        f"MoE: torchtitan's qwen3 {flavor} with expert_parallel_degree {lay.ep} (its experts over ep ranks of the "
+        "data-parallel shard x cp mesh)"
+        if shape.moe
         else "",
     ]
     if lay.pp == 1 and micro > 1:

@@ -122,14 +122,28 @@ class CensusAtStep:
     """tensor_census(tensors()) taken once, right after `optimizer` first steps: its states exist
     then and the gradients are not cleared yet, so all four categories are alive (the
     census 'held at the optimizer step'). `optimizer` is the torch optimizer that updates this
-    rank's master (or only) parameters, also where a framework wraps it."""
+    rank's master (or only) parameters, also where a framework wraps it.
 
-    def __init__(self, optimizer, tensors):
+    `calls_per_step`: how many calls of optimizer.step make one training step. DeepSpeed's ZeRO-1/2
+    steps its basic optimizer once per parameter group, that group alone swapped in (a MoE's expert
+    groups apart from the dense one), so after the first call only the first group's states exist:
+    the masters and optimizer states are counted again after each of the first step's calls (states
+    persist: the last call holds every group's), the parameters, gradients and buffers stay those of
+    the first call (DeepSpeed frees each group's gradients after its call)."""
+
+    PERSISTENT = ("master_parameters", "optimizer_states")
+
+    def __init__(self, optimizer, tensors, calls_per_step: int = 1):
         self.tensors, self.result = tensors, None
+        self.calls, self.calls_per_step = 0, calls_per_step
         # kept registered (a no-op after the first step): removing a hook while the optimizer
         # iterates its hooks would break any hook registered after this one
         optimizer.register_step_post_hook(self._take)
 
     def _take(self, optimizer, args, kwargs) -> None:
+        self.calls += 1
         if self.result is None:
             self.result = tensor_census(self.tensors())
+        elif self.calls <= self.calls_per_step:
+            later = tensor_census(self.tensors())
+            self.result.update({k: later.get(k, {}) for k in self.PERSISTENT})

@@ -12,7 +12,7 @@ no biases) and of Qwen2 (q/k/v always biased, o never)."""
 
 from __future__ import annotations
 
-from harness.errors import SpecError
+from harness.errors import SpecError, shown
 
 # transformers 5's defaults per model_type where they differ from LlamaConfig's (config_json._HF_DEFAULTS)
 FAMILY_DEFAULTS = {
@@ -23,13 +23,16 @@ FAMILY_DEFAULTS = {
     "mixtral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
     "qwen3_moe": {"max_position_embeddings": 32768},
 }
+TOO_LARGE = 1e15  # json reads integers of any length (float() of one overflows): no model's size is this large
 _SLIDING_DEFAULT = 4096  # MistralConfig's, and Qwen's when use_sliding_window is set without it
 
 
 def _positive(raw: dict, key: str, default, where: str, field: str) -> int:
     value = raw.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SpecError(field, f"{key} must be a positive integer, got {value!r} ({where})")
+        raise SpecError(field, f"{key} must be a positive integer, got {shown(value)} ({where})")
+    if value >= TOO_LARGE:
+        raise SpecError(field, f"{key} must be below {TOO_LARGE:.0e}, got {shown(value)} ({where})")
     return value
 
 

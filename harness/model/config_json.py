@@ -9,8 +9,8 @@ import math
 import os
 import re
 
-from harness.errors import SpecError
-from harness.model.config_families import FAMILY_DEFAULTS, family_fields
+from harness.errors import SpecError, shown
+from harness.model.config_families import FAMILY_DEFAULTS, TOO_LARGE, family_fields
 
 # What transformers' LlamaConfig assumes when config.json leaves a field out.
 _HF_DEFAULTS = {
@@ -33,13 +33,15 @@ def _number(raw: dict, key: str, kind, where: str, field: str, defaults: dict = 
     ok = (
         isinstance(value, (int, float))
         and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (kind is float or float(value).is_integer())
-    )  # json reads NaN and Infinity
+        and (isinstance(value, int) or math.isfinite(value))  # json reads NaN and Infinity
+        and (kind is float or isinstance(value, int) or value.is_integer())
+    )
     if not ok or value <= 0:
         raise SpecError(
-            field, f"{key} must be a positive {'integer' if kind is int else 'number'}, got {value!r} ({where})"
+            field, f"{key} must be a positive {'integer' if kind is int else 'number'}, got {shown(value)} ({where})"
         )
+    if value >= TOO_LARGE:
+        raise SpecError(field, f"{key} must be below {TOO_LARGE:.0e}, got {shown(value)} ({where})")
     return kind(value)
 
 
@@ -70,6 +72,8 @@ def config_fields(raw: dict, where: str = "config.json", field: str = "workload.
     if not isinstance(raw, dict):
         raise SpecError(field, f"{where} does not hold a JSON object")
     model_type = raw.get("model_type", "llama")
+    if not isinstance(model_type, str):
+        raise SpecError(field, f"model_type must be a string, got {shown(model_type)} ({where})")
     if model_type not in FAMILY_DEFAULTS:
         raise SpecError(field, f"model_type {model_type} is not supported ({where}); only {', '.join(FAMILY_DEFAULTS)}")
     defaults = {**_HF_DEFAULTS, **FAMILY_DEFAULTS[model_type]}
@@ -102,10 +106,13 @@ def config_fields(raw: dict, where: str = "config.json", field: str = "workload.
         else None
     )
     kv_channels = head_dim if head_dim is not None and head_dim * heads != hidden else 0
-    rope = dict(raw.get("rope_parameters") or {})
+    parameters = raw.get("rope_parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise SpecError(field, f"rope_parameters must be a mapping or null ({where}), got {shown(parameters)}")
+    rope = dict(parameters or {})
     scaling = raw.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
-        raise SpecError(field, f"rope_scaling must be a mapping or null ({where}), got {scaling!r}")
+        raise SpecError(field, f"rope_scaling must be a mapping or null ({where}), got {shown(scaling)}")
     rope.update(scaling or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):

@@ -50,7 +50,25 @@ def torchao_float8():
         import torchao.float8.fsdp_utils  # noqa: F401
     linear = f8.float8_linear
     linear.hp_tensor_to_float8_dynamic = _ranged(linear.hp_tensor_to_float8_dynamic)
+    linear.matmul_with_hp_or_float8_args = _EmptySafe(linear.matmul_with_hp_or_float8_args)
     return f8
+
+
+class _EmptySafe:
+    """torchao's FP8 matmul (the autograd Function every Float8Linear and `matmul` below calls, by this
+    name in float8_linear), made to take an empty input: a mixture of experts runs each held expert on
+    exactly its tokens, none in some micro-batches (harness.model.moe.run_experts), and a dynamic scale is
+    the amax of the tensor, which an empty one has not (torch.max refuses it). No token, no cast: the
+    product of an empty batch is computed in the input's precision, empty, and the weight's gradient
+    from it zeros, exactly what the FP8 path would give; any other input takes torchao's path unchanged."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def apply(self, x: torch.Tensor, weight_t: torch.Tensor, *configs):
+        if x.numel() == 0:
+            return x @ weight_t.to(x.dtype)
+        return self.function.apply(x, weight_t, *configs)
 
 
 def _ranged(cast):

@@ -22,7 +22,7 @@ DeepSeek report MoE MFU with; megatron's layer GEMMs are k expert SwiGLUs and th
 
 from __future__ import annotations
 
-from harness.model.presets import Shape, active_param_count, expert_params
+from harness.model.presets import Shape, active_param_count, expert_params, param_count
 
 CONVENTIONS = ("palm", "palm_causal", "megatron", "hardware")
 
@@ -56,4 +56,19 @@ def flops_per_token(shape: Shape, seq_len: int, checkpointing: str = "none") -> 
         "palm_causal": 6 * P + 6 * L * h * s,
         "megatron": float(megatron),
         "hardware": float(megatron + recompute),
+    }
+
+
+def palm_terms(shape: Shape, seq_len: int) -> dict[str, int]:
+    """The palm convention's terms for a report to state: N (parameters a token passes through: under
+    MoE the active ones), P (every parameter), L, h, s, the attention term 12·L·h·s and their sum."""
+    n, attention = active_param_count(shape), 12 * shape.layers * shape.hidden * seq_len
+    return {
+        "N": n,
+        "P": param_count(shape),
+        "L": shape.layers,
+        "h": shape.hidden,
+        "s": seq_len,
+        "attention": attention,
+        "per_token": 6 * n + attention,
     }

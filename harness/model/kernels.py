@@ -79,6 +79,24 @@ def attention_fn(name: str):
     return table[name]
 
 
+_SDPA_CHOICE = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}  # torch.nn.attention.SDPBackend's values
+
+
+def attention_backend_name(name: str, device: torch.device, shape, seq: int, dtype) -> str:
+    """The attention kernel a run's layout.attention ran: for `sdpa`, the backend torch chooses for one
+    micro-batch's full-size query on this device and dtype (the report names it; a shard's shape is
+    smaller, and torch's choice on a CPU depends on the dtype, not the shape)."""
+    if name != "sdpa":
+        return name
+    heads, head_dim = shape.heads, shape.head_dim
+    try:  # a private torch function: where it is missing or refuses, the report says so rather than the run failing
+        q = torch.zeros(1, heads, seq, head_dim, device=device, dtype=dtype)
+        choice = int(torch._fused_sdp_choice(q, q, q, is_causal=True))
+    except (AttributeError, RuntimeError, TypeError, ValueError) as e:
+        return f"sdpa (torch's backend choice not determined: {type(e).__name__})"
+    return f"sdpa: {_SDPA_CHOICE.get(choice, choice)} (torch's choice at [1, {heads}, {seq}, {head_dim}] {dtype})"
+
+
 # ---------------------------------------------------------------- RMSNorm
 
 

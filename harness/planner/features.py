@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from harness.model.presets import Shape
 from harness.planner import feedforward, fp8, schedules
+from harness.planner import memory_recipes as recipes
 from harness.planner.context import exchange_bytes
 from harness.planner.hardware import EFFICIENCY_KEYS, Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload, item_split
@@ -99,21 +100,25 @@ def layer_features(
     kv = shape.kv_heads * d
     peak = prof.peak_flops(B)
     hbm = prof.hbm_gbps * 1e9
-    ckpt = lay.activation_checkpointing
-    passes = 3 + (1 if ckpt == "full" else 0)  # fwd + bwd (2x fwd) + recomputed fwd
+    again = recipes.recompute_fraction(shape, lay)  # the recomputed forward's share (recompute_layers)
+    per_op = recipes.per_op_gemm_passes(shape, lay)  # torchtitan's per-op checkpointing: its GEMMs run again
+    if per_op:
+        again = 1.0  # its elementwise work and launches are recomputed (memory_recipes)
+    passes = 3 + again  # fwd + bwd (2x fwd) + recomputed fwd
     # GEMMs of one layer: (N, K) per GEMM, M = n tokens; under fp8 at the FP8 peak, their own efficiency.
     q = shape.heads * d  # the query width (hidden unless the head width is set apart: Qwen3's kv_channels)
     ffn = feedforward.of(shape)  # dense SwiGLU or a mixture of experts (feedforward.py)
     gemms = [((q + 2 * kv) / t, h), (h, q / t)] + ffn.gemms(t)
     gemm_key, gemm_peak = ("gemm_fp8", prof.peak_flops_fp8()) if lay.precision == "fp8" else ("gemm", peak)
-    for N, K in gemms:
-        x[gemm_key] += passes * 2 * n * N * K / (gemm_peak * gemm_eff(n, N, K))
+    for i, (N, K) in enumerate(gemms):
+        p = 3 + per_op[i] if per_op and i < len(per_op) else passes
+        x[gemm_key] += p * 2 * n * N * K / (gemm_peak * gemm_eff(n, N, K))
     attention = attention_features(shape, lay, wl, prof)
     for k, v in attention.items():
         x[k] += v
     # Elementwise work, by HBM bytes; norms and residual adds are split only by sequence parallelism.
     rep = 1 / t if lay.sequence_parallel else 1.0
-    recf = 4 / 3 if ckpt == "full" else 1.0
+    recf = 1 + again / 3
     compiled = lay.compile == "blocks"
     swiglu = SWIGLU_BYTES_COMPILED if compiled else feedforward.SWIGLU_BYTES_PER_B
     per_layer = (2 * RMSNORM_BYTES[lay.norm_kernel] * (B / 2) + 2 * RESIDUAL_BYTES_PER_B * B) * n * h * rep
@@ -129,12 +134,12 @@ def layer_features(
     # reduce-scatter under sequence parallelism: the same bytes), each of n*h elements.
     if t > 1:
         key = link_of(prof, t)
-        x[key] += (4 + (2 if ckpt == "full" else 0)) * 2 * (t - 1) / t * n * h * B / link_bandwidth(prof, key)
+        x[key] += (4 + (1 if per_op else 2 * again)) * 2 * (t - 1) / t * n * h * B / link_bandwidth(prof, key)
     if lay.cp > 1:
         key, exposed, _ = cp_exchange(shape, lay, wl, prof, theta, attention)
         x[key] += exposed
     kernels = KERNELS_PER_LAYER_COMPILED if compiled else KERNELS_PER_LAYER
-    x["launch_us"] += 1e-6 * kernels * (4 / 3 if ckpt == "full" else 1)
+    x["launch_us"] += 1e-6 * kernels * (1 + again / 3)
     return x
 
 
@@ -147,7 +152,9 @@ def attention_features(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Pro
     cls = ATTENTION_CLASS[lay.attention]
     heads_t = shape.heads / t
     s_kv = s * lay.cp  # the keys a local query attends (ring, allgather); ulysses: the same products
-    rec = 1 if lay.activation_checkpointing in ("full", "selective") else 0
+    rec = recipes.recompute_fraction(shape, lay) if lay.activation_checkpointing == "full" else 0.0
+    if lay.activation_checkpointing == "selective":  # torchtitan's per-op policy keeps the kernel's output
+        rec = 0.0 if lay.selective_policy == "per_op" else 1.0
     if cls in MATERIALISED:
         score_key = "naive_attention" if cls == "naive" else cls
         # every score computed, masked ones too: the own engine's ring computes its own block whole and

@@ -182,6 +182,13 @@ def expert_data_parallel(dims) -> int:
     return dims.expert_data_parallel()
 
 
+def folded_share(lay: PlannerLayout) -> float:
+    """The share of its tensor-parallel group's dispatched tokens a rank receives: all of them when its experts
+    are split over tp (expert_tp 0, Megatron's default), its own 1/tp under parallel folding (expert_tp 1: the
+    tp ranks hold different whole experts, Megatron's expert-parallel group ep x tp ranks of tp x dp)."""
+    return 1 / lay.tp if lay.expert_tp == 1 and lay.sequence_parallel and lay.tp > 1 else 1.0
+
+
 def busiest(lay: PlannerLayout) -> float:
     """The factor on the tokens of the slowest expert-parallel rank (1 without expert parallelism)."""
     return IMBALANCE if lay.ep > 1 else 1.0
@@ -219,7 +226,10 @@ class MoE:
         shape, t = self.shape, lay.tp
         sp = t if lay.sequence_parallel and t > 1 else 1
         slots = n * shape.experts_per_token * busiest(lay)
-        dispatch = slots * shape.hidden * B * (2 / sp + 1)  # permuted (local), received (tp-gathered), combined (local)
+        # permuted (local), received (tp-gathered; folded, expert_tp 1: the rank's own share), combined (local)
+        # Megatron-core's permute is an index_select, which keeps its indices, not the permuted tokens
+        permuted = 0.0 if lay.engine == "megatron" else 1 / sp
+        dispatch = slots * shape.hidden * B * (permuted + folded_share(lay) + 1 / sp)
         swiglu = 4 * slots * shape.moe_ffn / t * B
         local = n / sp
         router = local * shape.experts * (4 + 4 + 1) + local * shape.experts_per_token * (4 + 8)
@@ -229,7 +239,7 @@ class MoE:
         """Dense's, on the tokens routed to the rank's experts, with one expert's h x moe_ffn / t weight gradient."""
         shape, t, h = self.shape, lay.tp, self.shape.hidden
         slots = n * shape.experts_per_token * busiest(lay)
-        return (slots * h + 3 * slots * shape.moe_ffn / t + h * shape.moe_ffn / t) * B
+        return (slots * h * folded_share(lay) + 3 * slots * shape.moe_ffn / t + h * shape.moe_ffn / t) * B
 
     def token_shape(self, lay: PlannerLayout) -> Shape:
         """Feed-forward width a token's expert width (k x moe_ffn x the busiest rank's imbalance)."""
@@ -287,7 +297,8 @@ class MoE:
         add("hbm", hbm * recf / (prof.hbm_gbps * 1e9))
         for key, sent in self.all_to_all(lay, n, B, prof.gpus_per_node).items():
             add(key, sent / link_bandwidth(prof, key))
-        if t > 1:  # the dispatched tokens gathered over the experts' tp group, their output reduce-scattered
+        if t > 1 and lay.expert_tp != 1:  # the dispatched tokens gathered over the experts' tp group, their
+            # output reduce-scattered (none when folded: each tp rank dispatches its own tokens to whole experts)
             key = link_of(prof, t)
             add(key, (4 + (2 if ckpt == "full" else 0)) * (t - 1) / t * slots * h * B / link_bandwidth(prof, key))
         add("launch_us", 1e-6 * KERNELS_PER_MOE_LAYER * recf)

@@ -121,11 +121,12 @@ def gathered_block_saving(shape: Shape, lay: PlannerLayout, B: int) -> float:
 
 def saved_input_saving(shape: Shape, lay: PlannerLayout, n: float, B: int) -> float:
     """Bytes of one layer's saved activations that Transformer Engine keeps in fp8 rather than B (engine
-    megatron under fp8): the inputs of its four linears, QKV's and FC1's the normalised hidden state
-    (sharded over tp under sequence parallelism), the projection's the attention output, FC2's SwiGLU's
-    output; torchao saves them in bf16 (nothing saved)."""
+    megatron under fp8): the inputs of QKV, FC1 and FC2, QKV's and FC1's the normalised hidden state
+    (sharded over tp under sequence parallelism), FC2's SwiGLU's output; torchao saves them in bf16
+    (nothing saved). The projection's input is the attention output, which the attention kernel
+    keeps in B for its own backward: its fp8 copy is saved beside it (a negative saving)."""
     if lay.engine != "megatron" or lay.precision != "fp8":
         return 0.0
     t = lay.tp
     sp = t if lay.sequence_parallel and t > 1 else 1
-    return (B - 1) * n * (2 * shape.hidden / sp + shape.hidden / t + shape.ffn / t)
+    return (B - 1) * n * (2 * shape.hidden / sp + shape.ffn / t) - n * shape.heads * shape.head_dim / t

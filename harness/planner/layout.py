@@ -108,6 +108,38 @@ class PlannerOwn:
     # vocab_parallel_cross_entropy, torchtitan's loss_parallel): its memory is the logits' 1/tp.
     # None: the engine's (registry.MemoryModel.vocab_parallel_loss).
     vocab_parallel_loss: bool | None = None
+    # The memory settings the published recipes name (memory_engines.py models each; the defaults are the
+    # harness's engines as they run):
+    # What activation_checkpointing "selective" keeps: "megatron", Megatron's selective recomputation (the
+    # attention core recomputed, the rest kept); "per_op", torchtitan's op-level policy (selective_ac_option
+    # "op": the outputs of every other matmul and of the attention kernel kept, the rest recomputed).
+    selective_policy: str = "megatron"
+    # Under activation_checkpointing "full": the layers of each pipeline chunk recomputed (Megatron's
+    # recompute_method block, recompute_num_layers), the others keeping everything; 0: every layer.
+    recompute_layers: int = 0
+    # Layers whose saved activations wait in host memory (Megatron's cpu_offloading_num_layers).
+    offload_layers: int = 0
+    # The linear weights held in fp8 only, no bf16 copy (Megatron's fp8_param_gather: Transformer Engine's
+    # fp8 primary weights, gathered in fp8 by the distributed optimizer).
+    fp8_params: bool = False
+    # The dtype of Megatron's main-gradient buffer: "bf16" under grad_reduce_in_fp32 False (the fp32 shard
+    # the optimizer steps with is made at the step, when the activations are gone).
+    main_grads: str = "fp32"
+    # SwiGLU as one fused op that saves only its input (Megatron's bias_activation_fusion).
+    fused_swiglu: bool = False
+    # Whether Transformer Engine keeps each fp8 weight's transpose beside it: Hopper's FP8 GEMMs take one
+    # operand layout only (TN), Blackwell's any, where it keeps none (memory_recipes).
+    fp8_transpose: bool = True
+    # The cross-entropy fused and run in the logits' dtype (Megatron's cross_entropy_loss_fusion): no fp32 copy.
+    loss_fusion: bool = False
+    # Megatron's expert_tensor_parallel_size: 0, the layout's tp (its default); 1, the MoE layers' experts
+    # whole, the tp ranks holding different experts (parallel folding: Megatron's expert-parallel group of
+    # ep x tp ranks spans tp x dp; feedforward.py).
+    expert_tp: int = 0
+    # Transformer Engine's DotProductAttention (the NVIDIA recipes' layer spec): grouped-query k and v kept as
+    # they are, not repeated to every head, and under cp its own ring (AttnFuncWithCPAndKVP2P: the local q, k,
+    # v, output and log-sum-exp saved, the k/v chunks passed round again in backward), not the own engine's.
+    te_attention: bool = False
 
 
 _SPEC_FIELDS = [f for f in dataclasses.fields(SpecLayout) if f.name not in UNMODELLED]

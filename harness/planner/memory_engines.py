@@ -27,20 +27,28 @@ DeepSpeed and FSDP: their model states from `model_states` (each tested against 
 activations as the own engine's (they run the same plain model, harness/model/llama.py); FSDP2's
 gathered parameters, reduce-scatter buffers and pipelined accumulation from fsdp_step_bytes
 (checked against `harness memory` traces of engine fsdp, tests/test_memory_trace.py).
-The terms shared with the study's engine: memory_terms; the feed-forward (dense or MoE): feedforward.py.
+The terms shared with the study's engine: memory_terms; the feed-forward (dense or MoE): feedforward.py;
+what published recipes set beyond the engines' defaults (per-op checkpointing, partial recomputation,
+activation offload, fp8 primary weights, bf16 main gradients, fused SwiGLU and loss): memory_recipes;
+FSDP2's step terms: memory_fsdp. Megatron-FSDP (engine megatron with fsdp) holds the FSDP states.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from harness import registry
 from harness.model.presets import Shape
 from harness.planner import feedforward, fp8, schedules
+from harness.planner import memory_recipes as recipes
 from harness.planner import memory_terms as terms
 from harness.planner.context import cp_attention_bytes
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
+from harness.planner.memory_fsdp import fsdp_step_bytes
 from harness.registry import MemoryModel
+
+__all__ = ["engine_layer_bytes", "engine_stage_items", "engine_stage_memory", "fsdp_step_bytes", "model_states"]
 
 
 @functools.cache
@@ -196,7 +204,7 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
     output.
     Selective checkpointing keeps only the recomputed core's inputs q, k, v and wo's input. The
     rotary tables cast to bf16 per call (q and k: cos and sin) are kept too."""
-    if lay.cp > 1:
+    if lay.cp > 1 and not lay.te_attention:  # the own engine's ring (context.py)
         return cp_attention_bytes(shape, lay, wl.seq_len, b, wl.dtype_bytes)["kept"]
     s, t, B = wl.seq_len, lay.tp, wl.dtype_bytes
     n = b * s
@@ -209,7 +217,9 @@ def _attention_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b: int) -> 
         return n * (hq + 2 * kv) * B + n * hq * B + rot
     if naive:
         return 3 * n * hq * 4 + s * s + 4 * b * heads * s * s + n * hq * B + rot
-    kv_kept = 2 * n * (hq if shape.heads != shape.kv_heads else kv) * B
+    # the harness's model repeats k and v to every head before SDPA; Transformer Engine's attention
+    # (te_attention) takes grouped-query k and v as they are
+    kv_kept = 2 * n * (kv if lay.te_attention else hq) * B
     return n * hq * B + kv_kept + n * hq * B + 4 * b * heads * s + rot
 
 
@@ -223,7 +233,7 @@ def _attention_backward_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, b:
     n, heads, hq = b * s, shape.heads / t, shape.heads * shape.head_dim / t
     naive = ATTENTION_CLASS[lay.attention] in MATERIALISED
     extra = n * h * B
-    if lay.cp > 1:
+    if lay.cp > 1 and not lay.te_attention:
         extra += cp_attention_bytes(shape, lay, s, b, B)["backward"]
     else:
         if naive:
@@ -249,13 +259,36 @@ def engine_layer_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> dict:
     full += ffn.kept_bytes(lay, n, B)  # SwiGLU's, or a MoE layer's (feedforward.py)
     tokens = ffn.token_shape(lay)  # a MoE layer's linears as a token sees them
     full -= fp8.saved_input_saving(tokens, lay, n, B)  # Transformer Engine saves its linears' inputs in fp8
+    full -= recipes.swiglu_saving(shape, lay, n, B)  # a fused SwiGLU keeps its input only (memory_recipes)
     # A layer's backward, beyond what it saved: its feed-forward's gradients and its largest weight gradient
     # before the hook adds it into the fp32 bucket (FeedForward.working_bytes), or the attention core's backward.
     working = max(ffn.working_bytes(lay, n, B), _attention_backward_bytes(shape, lay, wl, b))
     if lay.precision == "fp8":  # the fp8 operands of the linear running backward (fp8.py: torchao saves bf16)
         working += fp8.backward_operand_bytes(tokens, lay, n)
     kept = n * h * B / (t if sp else 1) if lay.activation_checkpointing == "full" else full
+    if _per_op(lay):  # torchtitan's per-op policy: what a layer without checkpointing saves, recomputed in part
+        return {
+            **engine_layer_bytes(shape, _without_checkpointing(lay), wl),
+            "layer": recipes.per_op_kept(shape, lay, wl),
+        }
     return {"layer": kept, "full_layer": full, "working": working}
+
+
+def _per_op(lay: PlannerLayout) -> bool:
+    return lay.activation_checkpointing == "selective" and lay.selective_policy == "per_op"
+
+
+@functools.lru_cache(maxsize=256)
+def _without_checkpointing(lay: PlannerLayout) -> PlannerLayout:
+    return dataclasses.replace(lay, activation_checkpointing="none")
+
+
+def _loss_parallel(lay: PlannerLayout) -> bool:
+    """Whether the LM head's loss runs vocabulary-parallel (the layout's vocab_parallel_loss, else the engine's)."""
+    parallel = lay.vocab_parallel_loss
+    if parallel is None:
+        parallel = memory_model(lay.engine).vocab_parallel_loss
+    return lay.tp > 1 and parallel
 
 
 def loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, float]:
@@ -266,10 +299,13 @@ def loss_bytes(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple[float, f
     peak holds that, the nll gradient and the log-softmax gradient (fp32 each)."""
     n, B, V = lay.micro_batch_size * wl.local(lay).seq_len, wl.dtype_bytes, shape.vocab
     upcast = 4 if B == 2 else 0
-    parallel = lay.vocab_parallel_loss
-    if parallel is None:  # the engine's
-        parallel = memory_model(lay.engine).vocab_parallel_loss
-    if lay.tp > 1 and parallel:  # Megatron's vocab_parallel_cross_entropy too
+    if lay.loss_fusion:  # Megatron's fused cross-entropy in the logits' dtype (memory_recipes)
+        return recipes.fused_loss_bytes(n, V, B, lay.tp if _loss_parallel(lay) or lay.engine == "megatron" else 1)
+    if _loss_parallel(lay) and memory_model(lay.engine).states == "fsdp":
+        # torch's loss_parallel (torchtitan's, on DTensor logits; tensor/parallel/loss.py): it keeps the fp32
+        # log-softmax, and its backward holds zeros_like and the exp of it and their sum beside it
+        return 4 * n * V / lay.tp + 9 * n, 12 * n * V / lay.tp
+    if _loss_parallel(lay):  # Megatron's vocab_parallel_cross_entropy too
         return 4 * n * V / lay.tp + 9 * n, (B + upcast + 4) * n * V / lay.tp
     return 4 * n * V, max(B + upcast, 8) * n * V
 
@@ -291,6 +327,8 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     ffn = feedforward.of(shape)
     phi_e = ffn.expert_params(layers, lay.tp, lay.ep)  # sharded over the expert-data-parallel group
     states = memory_model(lay.engine).states
+    if lay.fsdp and states == "megatron":  # Megatron-FSDP (optim_grads_params): states sharded as FSDP2's
+        states = "fsdp"
     # states sharded over dp x cp (REPLICA_AXES); FSDP's over its sharding group (HSDP: dp_shard ranks)
     B, dp, t = wl.dtype_bytes, lay.shard_group if states == "fsdp" else lay.replicas, lay.tp
     precision = "bf16" if B == 2 else "fp32"
@@ -303,6 +341,11 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     e_dp = feedforward.expert_data_parallel(lay.dims) if states != "fsdp" or lay.shard_group == lay.replicas else dp
     for k, v in (_states_by_category(phi_e, states, zero, precision, e_dp) if phi_e else {}).items():
         by_cat[k] = by_cat.get(k, 0.0) + v
+    step_grads = 0.0
+    if recipes.bf16_main_grads(lay) and "fp32" not in precision:  # bf16 buffer; the fp32 shard at the step
+        by_cat["gradients"] = by_cat.get("gradients", 0.0) / 2
+        sharded = lay.sharding_stage >= 1
+        step_grads = 4 * ((phi - phi_e) / (dp if sharded else 1) + phi_e / (e_dp if sharded else 1))
     sp = lay.sequence_parallel and t > 1
     n = lay.micro_batch_size * wl.local(lay).seq_len  # the rank's tokens
     h = shape.hidden
@@ -310,7 +353,11 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     hidden = n * h * B / (t if sp else 1)  # one [s(/t), b, h] activation
     m = wl.micro_batches(lay)
     k = terms.in_flight(lay, stage, m)
-    micro = layers * act["layer"]
+    recomputed = recipes.recomputed_layers(lay, layers)
+    micro = (
+        recomputed * act["layer"] + (layers - recomputed) * act["full_layer"] if recomputed else layers * act["layer"]
+    )
+    micro -= recipes.offloaded_layers(lay, layers) * micro / max(layers, 1)  # in host memory (memory_recipes)
     if lay.pp > 1:  # PipelineExecutor.live: the received input (not on the first stage) and the sent output
         micro += hidden * ((0 if has_emb else 1) + (0 if has_head else 1))
     keeps_input = lay.activation_checkpointing == "full" or lay.norm_kernel == "fused" or B == 4
@@ -326,13 +373,14 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
         # the LM head's state lives for one micro-batch: the last chunk's forward is followed at once by
         # its backward (interleaved: after the warm-up of the other chunks; the V schedules' rank 0)
         held -= (k - 1) * head
-    working = (act["full_layer"] - act["layer"] if lay.activation_checkpointing == "full" else 0.0) + act["working"]
+    working = (act["full_layer"] - act["layer"] if recomputed or _per_op(lay) else 0.0) + act["working"]
     candidates = {"backward_working_set": working if layers else 0.0}
     if has_head:  # the loss's peak with this micro-batch's activations, the others' held
         candidates["logits_and_loss"] = ce_extra
     if has_emb:  # the embedding's weight gradient (vocab/t x h, the parameters' dtype) at the stage's last backward
         candidates["embedding_gradient"] = shape.vocab * h / t * B - micro
-    fsdp = fsdp_step_bytes(shape, lay, wl, has_emb, layers, has_head) if states == "fsdp" else None
+    shards = lay.tp if _loss_parallel(lay) else 1
+    fsdp = fsdp_step_bytes(shape, lay, wl, has_emb, layers, has_head, shards) if states == "fsdp" else None
     if fsdp is not None:
         # a block's backward runs with its gathered parameters and the next block's (prefetched);
         # after the loss's backward, with the log-softmax freed, the step's logits still referenced
@@ -377,73 +425,13 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
         parts["weights"] += 2 * phi / max(layers, 1) * B
     if lay.precision == "fp8":  # Transformer Engine's fp8 weight copies; the scales (fp8.py)
         w = ffn.weight_shape(lay.ep)  # a MoE layer's: its rank's experts
-        parts["fp8_weights_and_scales"] = fp8.weight_copy_bytes(w, lay, layers) + fp8.scale_bytes(w, lay, layers)
+        copies = 0.0 if lay.fsdp else fp8.weight_copy_bytes(w, lay, layers)  # Megatron-FSDP: gathered per block
+        copies *= 1.0 if lay.fp8_transpose else 0.5  # the fp8 weight without its transpose (memory_recipes)
+        parts["fp8_weights_and_scales"] = copies + fp8.scale_bytes(w, lay, layers)
+        parts["weights"] -= recipes.fp8_param_saving(w, lay, layers, B)  # fp8 primary weights: no bf16 copy
+    if step_grads > dynamic:  # the step's fp32 gradient shard, once the activations are freed
+        parts["optimizer_step"] = step_grads - dynamic
     parts["overhead"] = terms.CONTEXT_GIB * terms.GIB + frag * dynamic
     parts["total"] = sum(parts.values())
     parts["params"] = phi
     return parts
-
-
-def fsdp_step_bytes(shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: bool, layers: int, has_head: bool) -> dict:
-    """What engine fsdp (FSDP2 fully_shard per block and on the root, harness/frameworks/fsdp/engine.py)
-    holds during its step beyond the model states and the plain model's activations, per rank,
-    as torch's FSDP2 code allocates it (torch/distributed/fsdp/_fully_shard/) and `harness memory`
-    traces it:
-
-      gathered        the root's unsharded parameters in the compute dtype (embedding, final
-                      norm, LM head; fully_shard(root, reshard_after_forward=False): gathered from
-                      the first forward to the end of the last backward)
-      backward_blocks while a block runs backward, its gathered parameters and the next block's,
-                      whose flat all-gather output exists from when the all-gather is issued ahead
-                      (_fsdp_state backward prefetch; _fsdp_collectives.foreach_all_gather); with
-                      reshard_after_forward true no block is gathered between its forward and
-                      backward (the loss's peak has none)
-      kept_blocks     with reshard_after_forward false every block stays gathered from its
-                      forward to its backward: all of them at the loss's peak and the first
-                      block's backward
-      reduce_scatter  one block's reduce-scatter input in the reduce dtype (foreach_reduce), which
-                      FSDP2 keeps (comm_ctx.reduce_scatter_state) until the next reduce-scatter
-                      waits, so one is alive whenever a block's backward runs
-      after_loss      while the blocks run backward: the step's logits in the compute dtype (the
-                      train step's variable keeps them through loss.backward()) and the LM head's
-                      unsharded weight gradient, reduced only with the root after the last block
-
-    Under pipelining (pp > 1) torch.distributed.pipelining runs every backward but the reduction
-    with set_reshard_after_backward(False) and set_requires_gradient_sync(False)
-    (pipelining/stage.py, backward_maybe_with_nosync; perform_reduce_grad after the last):
-
-      accumulated     the stage's unsharded gradients, accumulated in the reduce dtype from its
-                      first backward to the reduce-scatter after its last (the sharded gradients
-                      exist only after that, with the activations gone); the embedding's is the
-                      whole table's under TP (DTensor's backward of the RowwiseParallel embedding)
-      all_blocks      every block stays gathered from its backward until the next forward of it
-                      reshards it (reshard_after_forward): between two backwards all are gathered
-      reduce_scatter  none while micro-batches are in flight
-
-    The planner's workload carries the default precision policy: compute dtype = the workload's,
-    reduction in fp32; under fp8 the blocks' linear weights are gathered in fp8 (fp8.py)."""
-    B, t = wl.dtype_bytes, lay.tp
-    h, V = shape.hidden, shape.vocab
-    block = terms.stage_params(shape, False, 1, False, t, lay.ep)  # one block's parameters (its experts E / ep)
-    vocab = V * h / t
-    head = 0.0 if shape.tie_embeddings and has_emb else vocab
-    root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)
-    reshard = lay.reshard_after_forward
-    n = lay.micro_batch_size * wl.local(lay).seq_len
-    weights = feedforward.of(shape).weight_shape(lay.ep)  # a MoE layer's: its rank's experts
-    fp8_saving = fp8.gathered_block_saving(weights, lay, B) if lay.precision == "fp8" else 0
-    block_bytes = block * B - fp8_saving
-    kept = 0.0 if reshard else layers * block_bytes
-    piped = lay.pp > 1
-    # the embedding's gradient is the whole table's under TP (see engine_stage_memory)
-    emb_grad = V * h if has_emb else 0.0
-    accumulated = root - (vocab if has_emb else 0.0) + emb_grad + layers * block
-    return {
-        "gathered": root * B,
-        "backward_blocks": min(2, layers) * block_bytes if reshard else kept,
-        "kept_blocks": kept,
-        "all_blocks": layers * block_bytes,
-        "reduce_scatter": block * 4 if layers and not piped else 0.0,
-        "accumulated": accumulated * 4 if piped else 0.0,
-        "after_loss": (n * V * B + vocab * B) if has_head else 0.0,
-    }

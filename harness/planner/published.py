@@ -18,8 +18,9 @@ filled by the rules below, the same for every row, each from the data's README o
   its fused attention (te_fused) and fused RMSNorm. torchtitan and torchao run SDPA (the flash
   backend on H100: sdpa) and the eager RMSNorm (rmsnorm torch); a row whose note names compile
   compiles its blocks (compile blocks: the planner's fused elementwise work, features.py).
-- engine: Megatron's distributed optimizer (fsdp 0 or empty) is engine megatron at ZeRO-1; a
-  sharding group (fsdp > 0) is engine fsdp sharded over that group; torchtitan is engine fsdp. Every
+- engine: NVIDIA's stacks run Megatron-core (engine megatron): its distributed optimizer (fsdp 0 or
+  empty) at ZeRO-1, or Megatron-FSDP (fsdp > 0: use_megatron_fsdp, optim_grads_params) sharded over
+  that group (fsdp true); torchtitan and torchao are engine fsdp (FSDP2). Every
   row overlaps its data-parallel collectives with compute (dp_overlap): NeMo's and Megatron-Bridge's
   recipes set Megatron's overlap_grad_reduce and overlap_param_gather, FSDP2 prefetches; and computes
   the loss vocabulary-parallel under tp (Megatron's cross-entropy, torchtitan's loss_parallel default).
@@ -27,7 +28,17 @@ filled by the rules below, the same for every row, each from the data's README o
   runs two stages per rank (its default for interleaved schedules).
 - precision: BF16 is bf16; FP8 of every recipe (FP8-CS, Float8 tensorwise or rowwise) is fp8; a row
   whose precision is not stated is not planned.
-- system: DGX-H100, H100 SXM and H100 are h100-sxm; DGX-B200 b200; DGX-GB200 gb200; torchtitan's
+- settings: what the row's recipe sets beyond its layout, each read from the recipe named in the data's
+  README, in the source's own words (SETTINGS maps each to the planner's field, memory_recipes.py
+  models it): Megatron's recompute_num_layers (recompute_method block), cpu_offloading_num_layers,
+  fp8_param_gather (NeMo: fp8_params), grad_reduce_in_fp32 (NeMo: optim.grad_sync_dtype),
+  bias_activation_fusion, cross_entropy_loss_fusion; torchtitan's selective_ac_option and
+  reshard_after_forward; Megatron's expert_tensor_parallel_size. A setting the recipe does not state
+  is the planner's default.
+- memory: the peak the source publishes, in its unit (torchtitan logs max reserved GiB; torchao's
+  README prints GB, taken as 10^9 bytes as printed).
+- system: DGX-H100, H100 SXM and H100 are h100-sxm; DGX-H200, H200 SXM and H200 h200; DGX-B200 and
+  B200 b200; DGX-GB200 and GB200 gb200 (a system with no profile, DGX-B300, is not planned); torchtitan's
   "H100 96GB HBM2e 500W" is h100-sxm with 96 GB (its peak is not published: SXM's is kept).
 """
 
@@ -58,11 +69,62 @@ MODELS = {
     "LLAMA2-13B": "llama2-13b",
     "LLAMA2-70B": "llama2-70b",
     "Qwen3_235B_a22B": "qwen3-235b-a22b",
+    "LLAMA3.1_70B": "llama3-70b",  # Llama 3.1 70B is Llama 3 70B's shape
+    "LLAMA2_7B": "llama2-7b",
+    "LLAMA2_13B": "llama2-13b",
+    "LLAMA2_70B": "llama2-70b",
+    "Qwen3_30B_a3B": "qwen3-30b-a3b",
+    "Mixtral_8x7B": "mixtral-8x7b",
 }
-SYSTEMS = {"DGX-H100": "h100-sxm", "H100 SXM": "h100-sxm", "H100": "h100-sxm", "DGX-B200": "b200", "DGX-GB200": "gb200"}
+SYSTEMS = {
+    "DGX-H100": "h100-sxm",
+    "H100 SXM": "h100-sxm",
+    "H100": "h100-sxm",
+    "DGX-H200": "h200",
+    "H200 SXM": "h200",
+    "H200": "h200",
+    "DGX-B200": "b200",
+    "B200": "b200",
+    "DGX-GB200": "gb200",
+    "GB200": "gb200",
+}
 MEMORY_GIB = {"H100 96GB HBM2e 500W": 96e9 / 2**30}  # torchtitan's H100 variant
 NVIDIA = ("megatron-bridge", "nemo", "dgxc-benchmarking")
+BLACKWELL = ("b200", "gb200")  # FP8 GEMMs of any operand layout (memory_recipes: fp8_transpose)
 DEFAULT_SEQ = 8192  # torchtitan's Llama 3 8B default
+UNITS = {"GiB": 2**30, "GB": 1e9}
+
+
+def _on(text: str) -> bool:
+    return text.lower() in ("true", "1", "yes")
+
+
+# A recipe's setting (the settings column, in the source's words) as the planner's layout fields.
+SETTINGS = {
+    "recompute_num_layers": lambda v: {"activation_checkpointing": "full", "recompute_layers": int(v)},
+    "cpu_offloading_num_layers": lambda v: {"offload_layers": int(v)},
+    "fp8_param_gather": lambda v: {"fp8_params": _on(v)},
+    "fp8_params": lambda v: {"fp8_params": _on(v)},
+    "grad_reduce_in_fp32": lambda v: {"main_grads": "fp32" if _on(v) else "bf16"},
+    "grad_sync_dtype": lambda v: {"main_grads": v},
+    "bias_activation_fusion": lambda v: {"fused_swiglu": _on(v)},
+    "cross_entropy_loss_fusion": lambda v: {"loss_fusion": _on(v)},
+    "selective_ac_option": lambda v: {"selective_policy": "per_op" if v == "op" else "megatron"},
+    "reshard_after_forward": lambda v: {"reshard_after_forward": _on(v)},
+    "expert_tensor_parallel_size": lambda v: {},  # read by from_row (layout.expert_tp: parallel folding)
+}
+
+
+def settings(row: dict) -> dict[str, str]:
+    """The row's settings column as {name: value}."""
+    pairs = [item.split("=", 1) for item in (row.get("settings") or "").split()]
+    return {k: v for k, v in pairs}
+
+
+def published_memory_gib(row: dict) -> float | None:
+    """The peak memory the source publishes, in GiB (the memory column), or None."""
+    text = (row.get("memory") or "").split()
+    return float(text[0]) * UNITS[text[1]] / 2**30 if len(text) == 2 else None
 
 
 @dataclass
@@ -155,9 +217,12 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
     gpus, tp, pp, cp = int(row["gpus"]), _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "cp", 1)
     dims = ParallelDims.derive(gpus, "gpus", tp=tp, pp=pp, cp=cp)
     ep = _int(row, "ep", 1)
-    if dims.replicas() % ep:  # Megatron's parallel folding: its ep group over tp x dp, experts whole (feedforward.py)
+    expert_tp = _int(settings(row), "expert_tensor_parallel_size", 0)
+    if expert_tp == 1 and tp > 1 and ep % tp == 0 and dims.replicas() % (ep // tp) == 0:
+        ep //= tp  # Megatron's parallel folding: its ep group of ep x tp ranks over tp x dp (layout.expert_tp)
+    elif dims.replicas() % ep:  # a stand-in for a folding the planner does not express
         ep = max(e for e in range(1, ep) if ep % e == 0 and dims.replicas() % e == 0)
-        run.stand_in = f"ep{_int(row, 'ep', 1)} with whole experts (expert_tensor_parallel_size 1) as ep{ep} x tp{tp}"
+        run.stand_in = f"ep{_int(row, 'ep', 1)} as ep{ep} x tp{tp}, experts split over tp"
     dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=dims.dp, ep=ep)
     dp = dims.dp
     vp = _int(row, "vp", 2 if "interleaved" in note.lower() else 1)
@@ -186,14 +251,22 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
         "zero_stage": 1,
         "pipeline_schedule": "interleaved" if vp > 1 and pp > 1 else "1f1b",
         "virtual_stages": vp if pp > 1 else 1,
-        "engine": "fsdp" if shard or not nvidia else "megatron",
+        "engine": "megatron" if nvidia else "fsdp",  # a sharding group under NVIDIA's stacks: Megatron-FSDP
         "fsdp": bool(shard or not nvidia),
         "precision": precision,
         "dp_shard": shard if 0 < shard < dims.replicas() else 0,
         "dp_overlap": True,  # NeMo's and Megatron-Bridge's overlapped reduction and gather; FSDP2's prefetch
         "vocab_parallel_loss": True,  # Megatron's vocab-parallel cross-entropy, torchtitan's loss_parallel default
         "ep": dims.ep,
+        "expert_tp": expert_tp,
+        "te_attention": nvidia,  # Transformer Engine's layer spec (memory_engines: GQA, its cp ring)
     }
+    for name, value in settings(row).items():
+        if name not in SETTINGS:
+            raise SpecError("--calibrate-csv", f"line {line}: unknown setting {name!r} (known: {', '.join(SETTINGS)})")
+        fields.update(SETTINGS[name](value))
+    if nvidia and SYSTEMS.get(system) in BLACKWELL:  # Transformer Engine keeps no fp8 transpose there
+        fields["fp8_transpose"] = False
     run.shape = PRESETS[model]
     run.layout = PlannerLayout(**fields)
     run.workload = Workload(_int(row, "seq", DEFAULT_SEQ), gbs)
@@ -203,36 +276,34 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
     return run
 
 
-def why_it_ran(run: PublishedRun, memory_gib: float) -> str:
-    """Why a row that trained is predicted not to fit (`memory_gib` > its device): what the source did
-    that the planner's engine memory models do not, with what the planner predicts under full
-    recomputation. Every such row gets a reason; none is silent."""
+def unmodelled(run: PublishedRun) -> str:
+    """What the planner lacks for a row it predicts not to fit though it trained, or whose published peak
+    it misses by more than 10%: the row's `unmodelled` column, naming the term and its size as far as it
+    is found (the data's README); empty where nothing is named."""
+    return run.row.get("unmodelled", "")
+
+
+@dataclass
+class MemoryCheck:
+    """A row's predicted peak against what it ran on and what its source publishes."""
+
+    predicted_gib: float
+    device_gib: float
+    published_gib: float | None
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted_gib <= self.device_gib
+
+    @property
+    def error(self) -> float | None:
+        """Predicted over published, less one; None without a published peak."""
+        return None if self.published_gib is None else self.predicted_gib / self.published_gib - 1
+
+
+def memory_check(run: PublishedRun) -> MemoryCheck:
+    """The worst stage's predicted memory of a planned row (memory.py) against its device and source."""
     from harness.planner.memory import worst_stage_memory
 
-    lay = run.layout
-    full = worst_stage_memory(run.shape, dataclasses.replace(lay, activation_checkpointing="full"), run.workload)
-    with_full = f"{full[1]['total'] / 2**30:.0f} GiB with full recomputation"
-    device = f"{memory_gib:.0f} GiB predicted on {run.profile.memory_gib:.0f} GiB"
-    reasons = []
-    no_recompute_recipe = (
-        run.row["source"] == "megatron-bridge" and run.row["system"] == "DGX-H100" and "8B" not in run.row["model"]
-    )
-    if no_recompute_recipe:  # the data's README: today's recipes set none for 70B and 405B on H100
-        reasons.append(
-            "Megatron-Bridge's recipes set no recomputation for 70B and 405B on H100, so the planner's memory is "
-            "above what ran: its Megatron states are NeMo's defaults (fp32 main gradients; bf16 weights beside "
-            "Transformer Engine's fp8 copies), and recipes that gather fp8 parameters or reduce in bf16 hold less"
-        )
-    elif run.row["source"] in NVIDIA and not run.row.get("recompute"):
-        reasons.append(
-            "the source does not state its recomputation, and the planner plans none (Megatron-Bridge's 8B FP8 "
-            "recipe recomputes 5 layers fully, GB200 recipes may offload activations to the Grace CPU)"
-        )
-    if run.row["source"] not in NVIDIA and lay.activation_checkpointing == "selective":
-        reasons.append(
-            "torchtitan's selective checkpointing is per-op (it keeps every other matmul's output and recomputes "
-            "the rest), which keeps less than Megatron's selective recomputation the planner models"
-        )
-    if not reasons:
-        reasons.append("no term the planner is known to lack: its memory model is wrong for this layout")
-    return f"{device}; {with_full}: " + "; ".join(reasons)
+    total = worst_stage_memory(run.shape, run.layout, run.workload)[1]["total"] / 2**30
+    return MemoryCheck(total, run.profile.memory_gib, published_memory_gib(run.row))

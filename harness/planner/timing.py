@@ -104,6 +104,8 @@ def _per_layer(
         lay.cp_impl if lay.cp > 1 else "",
         group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node,
         lay.ep,  # with tp, the expert group's geometry (ParallelDims.expert_geometry: its span is ep x tp)
+        lay.selective_policy,  # what is recomputed (memory_recipes: per-op checkpointing, recompute_layers)
+        lay.recompute_layers,
     )
     if lay.precision != "bf16":  # the weight casts depend on the engine, the shard and the micro-batches (fp8.py)
         key += (lay.precision, lay.engine, lay.fsdp, lay.reshard_after_forward, lay.replicas, wl.micro_batches(lay))

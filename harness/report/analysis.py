@@ -36,15 +36,22 @@ FREE = (
 )
 
 
-def overview(rows: list[Row], metric: Metric) -> Section:
+def overview(rows: list[Row], metric: Metric, peaks: dict[str, float] | None = None) -> Section:
     s = Section("overview", "Overview")
     sweeps = by_sweep(rows)
     s.text.append(
         f"{len(rows)} runs in {len(sweeps)} sweep(s). Layouts are ranked by {metric.title}. "
         "Step times are medians over the measured steps (warm-up excluded), with a 95% "
         "confidence interval. MFU is PaLM's convention (the study's); MFU megatron and HFU (counting "
-        "recomputation) are the same run under other FLOP conventions; MFU vs measured matmul divides "
-        "by a matmul peak each run measured on its device (noisy on shared machines)."
+        "recomputation) are the same run under other FLOP conventions. "
+        + (
+            "MFU vs measured matmul divides every run by one peak per device, the highest matmul rate any run "
+            "of this report measured on it ("
+            + ", ".join(f"{tf:.3f} TFLOP/s on {dev or 'an unnamed device'}" for dev, tf in sorted(peaks.items()))
+            + "): each run's own microbenchmark moved with the machine's load."
+            if peaks
+            else "No run measured a matmul peak, so there is no MFU vs measured matmul."
+        )
     )
     table = []
     for name, rs in sweeps.items():
@@ -59,6 +66,13 @@ def overview(rows: list[Row], metric: Metric) -> Section:
         s.text.append(
             f"Hosts: {', '.join(hosts[:12]) or '-'}{' ...' if len(hosts) > 12 else ''}. "
             f"Software: {', '.join(versions) or '-'}."
+        )
+    over = [r for r in rows if r.status == "ok" and r.oversubscribed]
+    if over:
+        s.text.append(
+            f"{len(over)} run(s) ran more busy threads (processes x threads) than their machine's usable cores: "
+            "oversubscribed, so their step times measure CPU contention as much as the layout; they are not "
+            "ranked, compared or explained (runs " + ", ".join(r.run_id[:10] for r in over[:12]) + ")."
         )
     if len({r.versions for r in rows if r.status == "ok"}) > 1:
         s.text.append("Warning: the runs differ in library versions; compare with care.")
@@ -159,7 +173,8 @@ def axis_section(
 
 
 def _tp_pp(r: Row) -> int:
-    """The GPUs a run's tensor and pipeline degrees span (TP against PP compares runs at equal)."""
+    """The ranks (GPUs, or CPU processes) a run's tensor and pipeline degrees span (TP against PP compares
+    runs at equal)."""
     return ParallelDims(tp=r.tp, pp=r.pp).product("tp", "pp")
 
 
@@ -205,7 +220,7 @@ def tp_pp(rows: list[Row], metric: Metric) -> Section:
                 lambda r: (r.variant, r.context, r.dp, r.micro_batch_size, r.activation_checkpointing, r.kernel),
             )
             if moved:
-                s.text.append(f"{name}, TP against PP at {g} model-parallel GPUs, what moved: " + " ".join(moved))
+                s.text.append(f"{name}, TP against PP at {g} model-parallel ranks, what moved: " + " ".join(moved))
         if shown < MAX_SWEEP_FIGS:
             s.images.append(
                 (

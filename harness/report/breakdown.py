@@ -115,9 +115,10 @@ def why_cases(rows: list[Row], label=None) -> list[Case]:
             r.step_breakdown,
             _ci(r),
             r.values.get("router_imbalance"),
+            r.step_times or None,
         )
         for r in rows
-        if r.status == "ok" and r.step_breakdown
+        if r.status == "ok" and r.step_breakdown and not r.oversubscribed  # its times explain nothing
     ]
 
 

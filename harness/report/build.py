@@ -5,7 +5,7 @@ from __future__ import annotations
 from harness.report import analysis as an
 from harness.report import published_figures
 from harness.report.breakdown import breakdown
-from harness.report.data import choose_metric, to_row
+from harness.report.data import choose_metric, shared_matmul_peaks, to_row, with_shared_peak
 from harness.report.ranking import uses_cp, uses_ep
 from harness.report.recommend import recommendations
 from harness.report.render import write
@@ -37,10 +37,11 @@ def _rest(*axes: str):
 def sections_for(
     records: list[dict], baselines_dir: str | None = None, timeline_run: str | None = None
 ) -> list[an.Section]:
-    rows = [to_row(r) for r in records]
+    peaks = shared_matmul_peaks(records)  # one peak per device for every run's "MFU vs measured matmul"
+    rows = [with_shared_peak(to_row(r), r, peaks) for r in records]
     m = choose_metric(rows)
     return [
-        an.overview(rows, m),
+        an.overview(rows, m, peaks),
         an.best_layouts(rows, m),
         an.axis_section(
             rows,

@@ -13,6 +13,8 @@ import os
 
 from harness.report import plots, render
 from harness.report.compare_layouts import differing_fields, differs_texts, layout_matrix
+from harness.report.compare_machine import OVERSUBSCRIBED, machine_text, oversubscribed
+from harness.report.compare_reproduce import engines_section, keep_traces, trace_links
 from harness.report.compare_steps import (
     BREAKDOWN_AXIS,
     BREAKDOWN_TEXT,
@@ -22,14 +24,14 @@ from harness.report.compare_steps import (
     census_rows,
     census_text,
     collective_rows,
+    flop_text,
     run_breakdown,
     sorted_components,
-    trace_items,
     why_section,
 )
 from harness.report.data import component_title, measured_columns
 from harness.report.drift import baseline_sections
-from harness.report.policy import held_text, parity_cell, policy_sentence, verdict_text
+from harness.report.policy import check_texts, held_text, parity_cell, policy_sentence, steps_text, verdict_text
 from harness.report.policy import sci as _sci
 from harness.report.ranking import rate_ci
 from harness.report.render import save_figures
@@ -71,18 +73,14 @@ MATRIX_TEXT = (
     "Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
     "engine cannot run that layout (checked before launch: each engine's facts, harness/frameworks/*/facts.py)."
 )
-THREADS_TEXT = (
-    "Threads per process: {n} (OMP_NUM_THREADS), the same for every run, the single-device "
-    "reference included: cores divided by the comparison's process count, so that step times "
-    "compare layouts rather than thread counts."
-)
 
 
 def _note(item: dict) -> str:
     run, p = item["run"], item["parity"]
     if run["status"] != "ok":  # its cause is the loss-parity cell (parity_cell)
         return run.get("override_note", "")
-    return "; ".join(x for x in [p.get("note", ""), run.get("override_note", ""), run.get("error_line", "")] if x)
+    over = "oversubscribed: times not ranked" if item.get("oversubscribed") else ""
+    return "; ".join(x for x in [p.get("note", ""), run.get("override_note", ""), run.get("error_line", ""), over] if x)
 
 
 def result_columns() -> list[Column]:
@@ -105,7 +103,7 @@ def results_table(summary: dict) -> Table:
     on a CPU) is left out rather than shown as a column of dashes."""
     parity = {p["label"]: p for p in summary["parity"]["runs"]}
     items = [
-        {"run": r, "differs": d, "parity": parity.get(r["label"], {})}
+        {"run": r, "differs": d, "parity": parity.get(r["label"], {}), "oversubscribed": oversubscribed(r, summary)}
         for r, d in zip(summary["runs"], differs_texts(summary), strict=True)
     ]
     measured = {c.header for c in measured_columns(lambda i: i)}
@@ -115,7 +113,10 @@ def results_table(summary: dict) -> Table:
 
 STEP_TEXT = (
     "Step time: median over the measured steps (warm-up excluded), each step the slowest rank's, "
-    "with the 95% confidence interval of the median. MFU uses the PaLM convention (6N + 12·L·h·s FLOPs "
+    "with the interval of the median: the order statistics whose exact coverage reaches 95% (at 8 steps "
+    "the range, 99.2%; below 6 steps no pair reaches 95% and the range is given at its coverage, n = 5: "
+    "93.8%; the JSON's step_time_s.ci_coverage), called '95% CI' in the tables and figures. "
+    "MFU uses the PaLM convention (6N + 12·L·h·s FLOPs "
     "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
     "flops profiler double-counts under ZeRO-3), per device; the MFU columns against a datasheet peak "
     "are left out where the device has none (a CPU). Peak memory: CUDA allocator peak, or peak RSS per "
@@ -145,6 +146,10 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
     before the per-step series were kept) is left out."""
     ok = [r for r in summary["runs"] if r["status"] == "ok"]
     out = []
+
+    def name(r: dict) -> str:  # an oversubscribed run's bar says so (compare_machine)
+        return r["label"] + (f" ({OVERSUBSCRIBED})" if oversubscribed(r, summary) else "")
+
     rated = [
         (r, (r.get("metrics") or {}).get("tokens_per_s"), (r.get("metrics") or {}).get("step_time_s") or {}) for r in ok
     ]
@@ -154,7 +159,7 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
             (
                 "throughput",
                 plots.bars(
-                    [r["label"] for r, _, _ in rated],
+                    [name(r) for r, _, _ in rated],
                     [tps for _, tps, _ in rated],
                     "Throughput per run (higher is better)",
                     "tokens/s (all ranks, at the median step)",
@@ -164,11 +169,11 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
                 "tokens/s per run from zero, with 95% CI whiskers",
             )
         )
-    times = {r["label"]: (r.get("metrics") or {}).get("step_times_s") for r in ok}
+    times = {name(r): (r.get("metrics") or {}).get("step_times_s") for r in ok}
     times = {k: v for k, v in times.items() if v}
     if times:
         cis = {
-            r["label"]: (
+            name(r): (
                 (r["metrics"].get("step_time_s") or {}).get("ci95_low"),
                 (r["metrics"].get("step_time_s") or {}).get("ci95_high"),
             )
@@ -268,29 +273,17 @@ def _results(summary: dict) -> Section:
     differing = differing_fields(summary)
     body = [DIFFERS_TEXT.format(fields=", ".join(differing))] if differing else []
     body.append(results_table(summary))
-    body.append(STEP_TEXT)
+    body += [STEP_TEXT, *flop_text(summary)]
     if summary.get("matmul_peak"):
         body.append(PEAK_TEXT.format(**summary["matmul_peak"]))
     return Section("results", "Results", body=body)
 
 
-def _machine(summary: dict) -> list[str]:
-    """The threads per process and the machine's load: what else shaped the step times."""
-    out = [THREADS_TEXT.format(n=summary["threads_per_process"])] if summary.get("threads_per_process") else []
-    load = summary.get("load_average") or {}
-    if load.get("before"):
-        out.append(
-            f"Machine load average (1/5/15 min) before the runs: {load['before']}, after: {load.get('after')} "
-            f"({os.cpu_count()} logical CPUs here); a load above the core count means other work shared the "
-            "machine and widened the step-time intervals."
-        )
-    return out
-
-
 def _parity(summary: dict, figs: list) -> Section:
     par = summary["parity"]
     body = [
-        f"The first {par['steps']} per-step losses (warm-up included) of every run are compared with the "
+        f"The per-step losses of {steps_text(par)} (warm-up included) of every run, each step's global gradient "
+        "norm before clipping and the final weights where the engine gives them, are compared with the "
         f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
         f"**{par['tolerance']:g}** ({summary['tolerance_source']}). "
         + (
@@ -300,6 +293,7 @@ def _parity(summary: dict, figs: list) -> Section:
             f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."
         )
     ]
+    body += check_texts(par)  # gradient norms and final weights, at the same tolerance (harness.compare.parity)
     if any(name == "loss-curves" for name, _, _ in figs):
         body += [LOSS_FIGURE_TEXT, *_figures(figs, ("loss-curves",))]
     if summary.get("loss_table"):
@@ -325,19 +319,6 @@ def _exceptions(summary: dict) -> list[Section]:
         if notes
         else []
     )
-
-
-def _engines(summary: dict) -> Section:
-    items = []
-    for r in summary["runs"]:
-        d = r.get("describe") or {}
-        if d:
-            keep = {k: v for k, v in d.items() if k not in ("ds_config", "precision_policy")}  # policy: stated once
-            items.append(
-                f"**{r['label']}** (launcher `{r['launcher']}`): "
-                + "; ".join(f"{k}: {v}" for k, v in keep.items() if not isinstance(v, (dict, list)))
-            )
-    return Section("engines", "Engines", body=[Items(items)])
 
 
 def _not_run(summary: dict) -> list[Section]:
@@ -383,9 +364,9 @@ def _fingerprints(summary: dict) -> Section:
     return Section("fingerprints", "Fingerprints", body=body)
 
 
-def sections(summary: dict, figs: list | None = None, out_dir: str | None = None) -> list[Section]:
-    """The comparison report, once: render.py writes it as Markdown and as HTML (into out_dir: the
-    folder trace links are relative to)."""
+def sections(summary: dict, figs: list | None = None) -> list[Section]:
+    """The comparison report, once: render.py writes it as Markdown and as HTML (trace links: the copies
+    write_report keeps beside the report, compare_reproduce.keep_traces)."""
     figs = figures(summary) if figs is None else figs
     out = [_lead(summary), _workload(summary), _results(summary)]
     if any(name in ("throughput", "step-times") for name, _, _ in figs):
@@ -405,15 +386,18 @@ def sections(summary: dict, figs: list | None = None, out_dir: str | None = None
         ),
         Section("collectives", "Collectives per step", body=[COLLECTIVES_TEXT, Table(*collective_rows(summary))]),
         *routing_sections(summary, figs),
-        Section("traces", "Traces", body=[TRACES_TEXT, Items(trace_items(summary, out_dir))]),
-        why_section(summary),
         Section(
-            "census", "Memory census", body=[*census_text(summary), Table(*census_rows(summary)), *_machine(summary)]
+            "traces",
+            "Traces",
+            body=[TRACES_TEXT, Items([f"**{r['label']}**: {trace_links(r)}" for r in summary["runs"]])],
         ),
+        why_section(summary),
+        Section("census", "Memory census", body=[*census_text(summary), Table(*census_rows(summary))]),
+        Section("machine", "Cores, processes and threads", body=machine_text(summary)),
         _parity(summary, figs),
         *baseline_sections(summary),
         *_exceptions(summary),
-        _engines(summary),
+        engines_section(summary),
         *_not_run(summary),
         *_failed(summary),
         _fingerprints(summary),
@@ -430,9 +414,10 @@ def write_report(summary: dict, out_dir: str) -> dict[str, str]:
     base = os.path.join(out_dir, f"compare-{summary['name']}")
     paths = {"markdown": base + ".md", "html": base + ".html", "json": base + ".json"}
     figs = figures(summary)
-    secs = sections(summary, figs, os.path.abspath(out_dir))
     title = f"Framework comparison: {summary['name']}"
     with Together("--out") as files:
+        keep_traces(summary, out_dir, files)  # before the sections: they link the copies
+        secs = sections(summary, figs)
         if figs:  # the Markdown links them; the HTML holds them inline
             paths["images"] = os.path.join(out_dir, image_dir(summary))
             save_figures(paths["images"], secs, files)

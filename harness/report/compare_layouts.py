@@ -10,6 +10,7 @@ import os
 
 from harness import registry
 from harness.parallel_dims import LABEL_ORDER, ParallelDims
+from harness.report.compare_machine import OVERSUBSCRIBED, oversubscribed
 from harness.spec import Layout, capability_error, engine_variant, layout_label, parallel_label
 
 
@@ -23,6 +24,11 @@ ROW_FIELDS = (*LABEL_ORDER, "cp_impl", "sequence_parallel", "micro_batch_size", 
 
 # What makes a matrix column (engine_variant); every other field that differs between runs is a row.
 VARIANT_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "model_impl")
+
+
+def _mark(run: dict, summary: dict) -> str:
+    """' (oversubscribed)' after a cell whose run had more busy threads than cores (compare_machine)."""
+    return f" ({OVERSUBSCRIBED})" if oversubscribed(run, summary) else ""
 
 
 def _full_layout(layout: dict) -> dict:
@@ -139,7 +145,7 @@ def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
             st = (entry.get("metrics") or {}).get("step_time_s") or {}
             cells[row, col] = (
                 f"{_ms(st.get('median'))} ms [{_ms(st.get('ci95_low'))}, {_ms(st.get('ci95_high'))}] "
-                f"{parity.get(entry['label'], '-')}"
+                f"{parity.get(entry['label'], '-')}{_mark(entry, summary)}"
                 if st
                 else f"{entry['status']}"
             )

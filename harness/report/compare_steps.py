@@ -4,14 +4,13 @@ fastest engine against the others, from the breakdowns). They lay out what the r
 
 from __future__ import annotations
 
-import os
-from urllib.parse import quote
-
 from harness.parallel_dims import ParallelDims
 from harness.report.breakdown import HARNESS_AXIS
+from harness.report.compare_machine import oversubscribed, skipped_sentence, timed_runs
 from harness.report.data import COMPONENTS, Breakdown, breakdown_of, collectives_of, component_title, layout_key
+from harness.report.drift import load_drift_factor, load_drift_text
 from harness.report.sections import Items, Section
-from harness.report.why import Case, against_median, comparisons
+from harness.report.why import Case, against_median, comparisons, explain
 from harness.spec import engine_variant
 
 NOT_MEASURED = "not measured"
@@ -148,50 +147,35 @@ TRACES_TEXT = (
 )
 
 
-def _trace_name(trace: dict) -> str:
-    rank = f"rank {trace.get('rank')}"
-    role = trace.get("role") or rank
-    return role if role == rank else f"{role} ({rank})"
-
-
-def _trace_link(path: str, base: str | None) -> str:
-    """A trace path relative to the report's folder (`base`), so the two can move together. A relative path
-    in a record is relative to the folder the comparison ran in, as `base` is (one process writes both)."""
-    if base:
-        path = os.path.relpath(os.path.abspath(path), os.path.abspath(base))
-    return quote(path, safe="/:._-~")
-
-
-def trace_items(summary: dict, base: str | None = None) -> list[str]:
-    """Per run, a link to each kept trace (rank 0, the slowest rank)."""
-    out = []
-    for r in summary["runs"]:
-        traces = r.get("traces") or []
-        links = ", ".join(f"[{_trace_name(t)}]({_trace_link(str(t['path']), base)})" for t in traces if t.get("path"))
-        out.append(f"**{r['label']}**: {links or 'no trace kept'}")
-    return out
-
-
 def why_cases(summary: dict) -> list[Case]:
-    """The compared runs (not the reference) that finished and have a breakdown."""
+    """The compared runs (not the reference) that finished, have a breakdown and were not oversubscribed."""
     out = []
     for r in summary["runs"]:
         b = run_breakdown(r)
-        if r.get("is_reference") or r.get("status") != "ok" or b is None:
+        if r.get("is_reference") or r.get("status") != "ok" or b is None or oversubscribed(r, summary):
             continue
         stats = (r.get("metrics") or {}).get("step_time_s") or {}
         ci = (stats["ci95_low"], stats["ci95_high"]) if "ci95_low" in stats and "ci95_high" in stats else None
         imbalance = (r.get("row") or {}).get("router_imbalance")
         key = layout_key(r["layout"])
-        out.append(Case(r["label"], engine_variant(r["layout"]), key, stats.get("median"), b, ci, imbalance))
+        rounds = r.get("step_time_rounds_s")  # runs measured in alternating rounds (compare --rounds)
+        times = tuple(map(tuple, rounds)) if rounds else tuple((r.get("metrics") or {}).get("step_times_s") or ())
+        drift = load_drift_factor(summary)
+        out.append(
+            Case(r["label"], engine_variant(r["layout"]), key, stats.get("median"), b, ci, imbalance, times, drift)
+        )
     return out
 
 
 WHY_TEXT = (
     "For each layout, its fastest engine against each other engine (and the own engine against the "
     "others); for each engine, its fastest layout against each other layout; the fastest run's pairs "
-    "first. Which run is slower is the measured medians' call: two runs whose 95% confidence intervals "
-    "of the median overlap are not distinguishable and are not explained. A difference is explained "
+    "first. Which run is slower is decided by the interval on the ratio of the two runs' step times "
+    "(every measured step: the Hodges-Lehmann ratio with its distribution-free Mann-Whitney interval, "
+    "its coverage stated, at least 95%, widened by the load drift the comparison measured where it found one): "
+    "'slower' where it lies above 1; 'not distinguishable' where it holds 1 within 10% either way; "
+    "'undecided' otherwise, with the measured steps per run that the observed spread would need. "
+    "Only a run decided slower is explained. A difference is explained "
     "only from breakdowns whose sum lies within 10% of their run's measured median, by the components "
     "whose difference covers at least 80% of the difference between the breakdowns, largest first (at "
     "most three), each with its share; where components moved both ways by more than that difference, "
@@ -199,20 +183,46 @@ WHY_TEXT = (
 )
 
 
+def same_run_twice(cases: list[Case]) -> list[str]:
+    """Runs of one engine and layout under different labels, each against the first of them: nothing but
+    the moment they ran differs, so the statistics must not call one slower (the comparisons' pairs
+    leave them out: they differ in neither the engine nor the layout)."""
+    first: dict = {}
+    out = []
+    for c in cases:
+        key = (c.engine, c.layout)
+        if key in first:
+            out.append(explain(first[key], c))
+        else:
+            first[key] = c
+    return out
+
+
 def why_section(summary: dict) -> Section:
-    cases = why_cases(summary)
+    cases, skipped = why_cases(summary), skipped_sentence(summary)
     if len(cases) < 2:
-        return Section("why", "Why", body=["Fewer than two finished runs have a step breakdown: nothing to explain."])
-    timed = [r for r in summary["runs"] if not r.get("is_reference") and r.get("status") == "ok" and _median_s(r)]
+        return Section(
+            "why",
+            "Why",
+            body=[
+                "Fewer than two finished runs that were not oversubscribed have a step breakdown: nothing to explain.",
+                *skipped,
+            ],
+        )
+    timed = [r for r in timed_runs(summary) if _median_s(r)]
     fastest = min(timed, key=_median_s)  # by the measured median, as the verdict ranks them
     engines, layouts = comparisons(cases)
-    body = [WHY_TEXT, f"Fastest run (measured median): **{fastest['label']}**."]
+    drift = load_drift_text(summary)
+    body = [WHY_TEXT, *skipped, *([drift] if drift else []), f"Fastest run (measured median): **{fastest['label']}**."]
     body += [
         "**The same layout under other engines**",
         Items(engines or ["No layout ran under two engines."]),
         "**The same engine at other layouts**",
         Items(layouts or ["No engine ran two layouts."]),
     ]
+    twins = same_run_twice(cases)
+    if twins:  # one engine and layout under two labels: what the measurement alone tells apart
+        body += ["**The same engine and layout under other labels**", Items(twins)]
     return Section("why", "Why", body=body)
 
 
@@ -231,9 +241,46 @@ BUFFERS_TEXT = (
 
 
 def census_text(summary: dict) -> list[str]:
-    """What the census table shows: its buffers column explained only where it is shown."""
+    """What the census table shows: its buffers column explained only where it is shown; what P is."""
     shown = any(((r.get("metrics") or {}).get("memory_census") or {}).get("buffers") for r in summary["runs"])
-    return [CENSUS_TEXT, BUFFERS_TEXT] if shown else [CENSUS_TEXT]
+    t = _palm_terms(summary)
+    p = [f"P = {t['P']:,}: every parameter of the model" + (", all experts." if t["N"] != t["P"] else ".")] if t else []
+    return [CENSUS_TEXT, *p, BUFFERS_TEXT] if shown else [CENSUS_TEXT, *p]
+
+
+def _palm_terms(summary: dict) -> dict | None:
+    """harness.model.flops.palm_terms of the compared workload (None where the summary's workload is not one)."""
+    from harness.errors import SpecError
+    from harness.model.flops import palm_terms
+    from harness.spec import parse_spec
+
+    try:
+        spec = parse_spec({"workload": summary["workload"]})
+        return palm_terms(spec.shape(), spec.workload.seq_len)
+    except (SpecError, KeyError, TypeError, ValueError):
+        return None
+
+
+def flop_text(summary: dict) -> list[str]:
+    """The MFU's FLOP convention, term by term, as harness.model.flops counts it for this workload."""
+    t = _palm_terms(summary)
+    if t is None:
+        return []
+    moe = t["N"] != t["P"]
+    return [
+        f"PaLM's FLOPs per token, as the harness counts them: 6N + 12·L·h·s = 6 x {t['N']:,} + 12 x {t['L']} x "
+        f"{t['h']} x {t['s']} = {t['per_token']:,}. N = {t['N']:,}: the parameters a token passes through, the "
+        "input embedding (a lookup, no matmul) and the LM head (once where tied) included, with every attention "
+        "projection and RMSNorm weight"
+        + (
+            f"; under MoE its routed experts and the router only, not every expert: N is not the census's "
+            f"P = {t['P']:,} (every parameter)"
+            if moe
+            else f" (every parameter: N = P = {t['P']:,})"
+        )
+        + ". 12·L·h·s: the attention matmuls QKᵀ and AV over the whole sequence, no causal halving (L layers, "
+        "h hidden size, s sequence length)."
+    ]
 
 
 def _buffer_cell(by_dtype: dict | None) -> str:

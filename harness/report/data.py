@@ -14,6 +14,7 @@ from typing import Any
 
 from harness.parallel_dims import ParallelDims
 from harness.profiling import MEASURED_SOURCE
+from harness.report.compare_machine import run_threads
 from harness.report.sections import Column
 from harness.spec import engine_variant, layout_label
 from harness.store import fields
@@ -165,12 +166,14 @@ class RowOwn:
     timeline: list | None = None
     error: str = ""
     error_line: str = ""  # the run's first `error:` line (launch.first_error_line), if it printed one
+    oversubscribed: bool = False  # more busy threads than cores (compare_machine): not ranked nor explained
     device: str = ""
     hosts: tuple = ()
     versions: tuple = ()
     values: dict = field(default_factory=dict)  # every field's value (harness.store.fields.row)
     layout: dict = field(default_factory=dict)  # the record's layout as it is (an ablation matches the others)
     workload: dict = field(default_factory=dict)  # and its workload (a sweep may vary workload fields too)
+    step_times: tuple = ()  # every measured step's time (s): two runs' ratio interval (measure.stats)
 
     @property
     def kernel(self) -> str:
@@ -219,6 +222,12 @@ Row = dataclasses.make_dataclass(
 )
 
 
+def _oversubscribed(rec: dict) -> bool:
+    """More busy threads than usable cores, from the record's fingerprint (world size over hosts, cores,
+    OMP_NUM_THREADS; compare_machine.run_threads)."""
+    return run_threads({"fingerprint": rec.get("fingerprint") or {}}, {}).oversubscribed
+
+
 def to_row(rec: dict) -> Row:
     v, lay = row(rec), (rec.get("spec") or {}).get("layout") or {}
     m, fp = rec.get("metrics") or {}, rec.get("fingerprint") or {}
@@ -242,13 +251,41 @@ def to_row(rec: dict) -> Row:
         timeline=m.get("pipeline_timeline") or None,
         error=rec.get("error") or "",
         error_line=rec.get("error_line") or "",
+        oversubscribed=run_threads(
+            {"nproc": (rec.get("launch") or {}).get("nproc"), "fingerprint": fp}, {}
+        ).oversubscribed,
         device=str(fp.get("device_name") or ""),
         hosts=tuple(sorted(set(fp.get("hosts") or []))),
         versions=versions,
         values=v,
         layout=lay,
         workload=(rec.get("spec") or {}).get("workload") or {},
+        step_times=tuple(m.get("step_times_s") or ()),
     )
+
+
+def shared_matmul_peaks(records: list[dict]) -> dict[str, float]:
+    """One matmul peak per device for a whole report: the highest rate any of its ok runs measured on that
+    device (load only lowers a microbenchmark, so the highest is the nearest the device's own). Each run's
+    own figure moved with the load of its moment (0.023-0.103 TFLOP/s in one CPU sweep): divided by it,
+    runs 2x apart in tokens/s showed the same MFU."""
+    out: dict[str, float] = {}
+    for rec in records:
+        peak = (rec.get("metrics") or {}).get("measured_matmul_tflops")
+        device = str((rec.get("fingerprint") or {}).get("device_name") or "")
+        if rec.get("status") == "ok" and _num(peak) and peak > 0:
+            out[device] = max(out.get(device, 0.0), float(peak))
+    return out
+
+
+def with_shared_peak(r: Row, rec: dict, peaks: dict[str, float]) -> Row:
+    """The row's "MFU vs measured matmul" against its device's shared peak (shared_matmul_peaks), PaLM FLOPs
+    per token and tokens/s per device: one definition for every run of the report; None without a peak."""
+    m = rec.get("metrics") or {}
+    fpt, tps, peak = (m.get("flops_per_token") or {}).get("palm"), m.get("tokens_per_s_per_device"), peaks.get(r.device)
+    value = fpt * tps / (peak * 1e12) if r.status == "ok" and _num(fpt) and _num(tps) and peak else None
+    r.values["mfu_vs_measured_matmul"] = r.mfu_vs_measured_matmul = value
+    return r
 
 
 def measured_columns(values: Callable[[Any], dict]) -> list[Column]:

@@ -9,19 +9,28 @@ matched run three things are compared:
 - its losses over the parity window (the first parity_steps steps, the window the parity tolerance is
   set for) within that tolerance, relative to the baseline's loss;
 - its memory census (bytes per category and dtype: exact, a count does not vary between runs);
-- its median step time as a ratio to the reference run's median in the same comparison, so that a
-  machine uniformly faster or slower than the baseline's moves both and not the verdict; load that
-  changes between the runs widens the medians' confidence intervals, so the ratio is carried with
-  the interval the two CIs allow, and a drift is a ratio that moved by more than the time tolerance
-  (relative) beyond both intervals: noise cannot make one, a busy machine cannot flip the verdict.
+- its step time as a ratio to the reference run's in the same comparison, so that a machine uniformly
+  faster or slower than the baseline's moves both and not the verdict: the ratio interval of every
+  measured step (measure.stats.ratio_interval, its coverage stated; a record without step times: the
+  interval the two medians' CIs allow). The change between the two comparisons is the new ratio over
+  the old, its interval the far ends of both (holding both intervals' coverage together); "DRIFT"
+  where it lies beyond the time tolerance, "same" where it lies within it, else "undecided", with
+  the smallest slowdown these steps could detect: noise cannot make a drift nor pass for "same".
+
+A baseline from another comparison (another name or workload, or no label in common) is refused
+before anything launches (check_matches).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 from harness.errors import SpecError
+from harness.measure.stats import coverage_text
+from harness.measure.stats import ratio_interval as step_ratio
+from harness.report.compare_machine import oversubscribed
 from harness.report.sections import Items, Section, Table
 from harness.spec import layout_label
 
@@ -57,6 +66,35 @@ def load_baseline(path: str) -> dict:
         ):
             raise SpecError(FIELD, f"{path}: {key} must map run labels to lists of losses")
     return data
+
+
+def _workload(raw) -> dict | None:
+    """A workload as every field resolved (defaults filled in), but `steps`: more measured steps compare
+    the same training; None where this harness cannot read it."""
+    from harness.spec import parse_spec
+
+    try:
+        w = dataclasses.asdict(parse_spec({"workload": raw}).workload)
+    except Exception:
+        return None
+    w.pop("steps", None)
+    return w
+
+
+def check_matches(baseline: dict, name: str, workload: dict, labels: list[str], path: str) -> None:
+    """The baseline is an earlier run of this comparison: the same name, the same workload (every field but
+    `steps`) and at least one run label in common; else a SpecError naming what differs (exit 2, before
+    anything launches): a baseline from another comparison would launch every run to print drifts."""
+    if baseline.get("name") != name:
+        raise SpecError(FIELD, f"{path}: its comparison is {baseline.get('name')!r}, this one is {name!r}")
+    old, new = _workload(baseline.get("workload")), _workload(workload)
+    if old != new:
+        differ = sorted(k for k in (new or {}) if (old or {}).get(k) != (new or {}).get(k)) if old else ["unreadable"]
+        shown = ", ".join(f"{k} {(old or {}).get(k)!r} -> {(new or {}).get(k)!r}" for k in differ[:3]) if old else ""
+        raise SpecError(FIELD, f"{path}: its workload differs from this comparison's ({shown or 'unreadable'})")
+    before = [r["label"] for r in baseline["runs"]]
+    if not set(before) & set(labels):
+        raise SpecError(FIELD, f"{path}: no run label in common (baseline: {', '.join(before) or 'none'})")
 
 
 def check_time_tolerance(value: float) -> float | None:
@@ -149,7 +187,7 @@ def _census_rows(label: str, old_run: dict, new_run: dict) -> list[dict]:
 
 
 def _interval(run: dict) -> tuple[float, float] | None:
-    """The 95% CI of a run's median step time (the median alone where a record has no CI)."""
+    """The CI of a run's median step time (the median alone where a record has no CI)."""
     st, m = _mapping(_mapping(run.get("metrics")).get("step_time_s")), _median(run)
     low, high = st.get("ci95_low"), st.get("ci95_high")
     if m is None:
@@ -158,20 +196,31 @@ def _interval(run: dict) -> tuple[float, float] | None:
     return (low, high) if ok else (m, m)
 
 
-def ratio_interval(run: dict, ref: dict) -> tuple[float, float, float] | None:
-    """(low, median, high) of a run's step time over the reference's: the median ratio, and the
-    widest ratio the two medians' 95% CIs allow (run low / reference high, run high / reference low)."""
-    a, b = _interval(run), _interval(ref)
-    if a is None or b is None:
+def _times(run: dict) -> list[float]:
+    t = _mapping(run.get("metrics")).get("step_times_s")
+    return [x for x in t if isinstance(x, (int, float)) and x > 0] if isinstance(t, list) else []
+
+
+def ratio_interval(run: dict, ref: dict) -> tuple[float, float, float, float | None] | None:
+    """(low, ratio, high, coverage) of a run's step time over the reference's: the ratio interval of
+    their measured steps (measure.stats); without step times the median ratio and the widest ratio the
+    two medians' CIs allow (run low / reference high, run high / reference low), coverage None."""
+    a, b = _times(run), _times(ref)
+    if a and b:
+        r = step_ratio(a, b)
+        return r["low"], r["ratio"], r["high"], r["coverage"]
+    x, y = _interval(run), _interval(ref)
+    if x is None or y is None:
         return None
-    return a[0] / b[1], _median(run) / _median(ref), a[1] / b[0]
+    return x[0] / y[1], _median(run) / _median(ref), x[1] / y[0], None
 
 
 def time_moved(before: tuple, now: tuple, tol: float) -> float:
     """How far the ratio moved beyond what the two comparisons' intervals allow: the smallest
     relative change between any ratio inside the baseline's interval and any inside this one's
-    (0 where the intervals meet). A drift is this beyond the tolerance: noise that widened a CI (a
-    busy machine) cannot make one, a change larger than the noise and the tolerance together does."""
+    (0 where the intervals meet). A drift is this beyond the tolerance: noise that widened an
+    interval (a busy machine) cannot make one, a change larger than the noise and the tolerance
+    together does."""
     if now[0] > before[2]:
         return now[0] / before[2] - 1
     if now[2] < before[0]:
@@ -179,21 +228,58 @@ def time_moved(before: tuple, now: tuple, tol: float) -> float:
     return 0.0
 
 
+def time_verdict(before: tuple, now: tuple, tol: float) -> dict:
+    """The change of the ratio (now over before) with its interval (the far ends of both: it holds
+    where both intervals do), the verdict ("DRIFT" beyond the tolerance, "same" within it, else
+    "undecided") and the smallest slowdown these intervals let a drift be found at: a true change f is
+    a drift once f x (low / estimate) > 1 + tol."""
+    change, low, high = now[1] / before[1], now[0] / before[2], now[2] / before[0]
+    moved = time_moved(before, now, tol)
+    if abs(moved) > tol:
+        verdict = "DRIFT"
+    elif low >= 1 - tol and high <= 1 + tol:
+        verdict = "same"
+    else:
+        verdict = "undecided"
+    covers = [c for c in (before[3], now[3]) if c is not None]
+    coverage = covers[0] * covers[1] if len(covers) == 2 else None
+    return {
+        "change": change,
+        "low": low,
+        "high": high,
+        "coverage": coverage,
+        "moved": moved,
+        "verdict": verdict,
+        "detectable_slowdown": (1 + tol) * change / low - 1 if low > 0 else None,
+    }
+
+
+def _shown(x: tuple) -> str:
+    cov = f" ({coverage_text(x[3])})" if x[3] is not None else ""
+    return f"{x[1]:.3f}x [{x[0]:.3f}, {x[2]:.3f}]{cov}"
+
+
 def _time_row(label: str, old_run: dict, new_run: dict, ref: tuple, tol: float, loads: str) -> list[dict]:
     ratios = [ratio_interval(r, x) for r, x in zip((old_run, new_run), ref, strict=True)]
     if None in ratios:
         return []
-    moved, shown = time_moved(ratios[0], ratios[1], tol), [f"{x[1]:.3f}x [{x[0]:.3f}, {x[2]:.3f}]" for x in ratios]
+    v, shown = time_verdict(ratios[0], ratios[1], tol), [_shown(x) for x in ratios]
+    cov = f" ({'at least ' + coverage_text(v['coverage']) if v['coverage'] is not None else 'from the medians CIs'})"
+    change = f"change {v['change']:.3f}x [{v['low']:.3f}, {v['high']:.3f}]{cov}"
+    detect = v["detectable_slowdown"]
     drift = None
-    if abs(moved) > tol:
+    if v["verdict"] == "DRIFT":
         drift = (
-            f"{label}: median step time relative to {ref[1]['label']}'s: {shown[0]} -> {shown[1]} "
-            f"(beyond both 95% CIs by {100 * moved:+.1f}%, tolerance {100 * tol:g}%)"
+            f"{label}: step time relative to {ref[1]['label']}'s: {shown[0]} -> {shown[1]} "
+            f"(beyond both intervals by {100 * v['moved']:+.1f}%, tolerance {100 * tol:g}%)"
         )
         if loads:
             drift += f"; the machine was busy ({loads})"
-    what = f"median step time relative to {ref[1]['label']}'s [95% CI] (tolerance {100 * tol:g}% beyond the CIs)"
-    return [_row(label, what, shown[0], shown[1], drift)]
+    elif v["verdict"] == "undecided" and detect is not None:
+        change += f"; these steps detect a slowdown of {100 * detect:+.0f}% or more"
+    what = f"step time relative to {ref[1]['label']}'s [interval] (tolerance {100 * tol:g}% beyond the intervals)"
+    row = _row(label, what, shown[0], f"{shown[1]}; {change}", drift)
+    return [{**row, "verdict": v["verdict"], "detectable_slowdown": detect}]
 
 
 def compare_with_baseline(
@@ -226,7 +312,9 @@ def compare_with_baseline(
             rows.append(_row(label, "status", o["status"], r["status"], drift))
             continue
         rows += _loss_rows(label, old, new, n, tol) + _census_rows(label, o, r)
-        if ref and label != ref_label and time_tolerance is not None:
+        # an oversubscribed run's step times measure CPU contention (compare_machine): not checked
+        over = oversubscribed(o, old) or oversubscribed(r, new)
+        if ref and label != ref_label and time_tolerance is not None and not over:
             rows += _time_row(label, o, r, ref, time_tolerance, loads)
     return {
         "path": path,
@@ -241,9 +329,12 @@ def compare_with_baseline(
 BASELINE_TEXT = (
     "This comparison against the earlier report `{path}`, run by run (matched by label): the losses over "
     "the parity window within the parity tolerance (relative), the memory census byte for byte, and the "
-    "median step time as a ratio to {ref}'s in the same comparison, so that a machine uniformly faster or "
-    "slower than the baseline's does not move the verdict, with the interval the two medians' 95% CIs allow, "
-    "so that load which changes while the runs run widens the interval rather than flipping the verdict{time}."
+    "step time as a ratio to {ref}'s in the same comparison, so that a machine uniformly faster or "
+    "slower than the baseline's does not move the verdict, with the ratio's interval over every measured "
+    "step (Hodges-Lehmann, Mann-Whitney, its coverage stated; from the medians' CIs where a report has no "
+    "step times), so that noise widens the interval rather than flipping the verdict{time}. The change is "
+    "'same' only where its interval lies within the tolerance; where it can tell neither way it is "
+    "'undecided', with the smallest slowdown these steps can detect."
 )
 
 
@@ -275,6 +366,43 @@ def baseline_sections(summary: dict) -> list[Section]:
     ]
     if drifts:
         body.append(Items(drifts))
-    rows = [[x["run"], x["what"], x["before"], x["after"], "DRIFT" if x["drift"] else "same"] for x in b["rows"]]
+    rows = [
+        [x["run"], x["what"], x["before"], x["after"], x.get("verdict") or ("DRIFT" if x["drift"] else "same")]
+        for x in b["rows"]
+    ]
     body.append(Table(["Run", "Compared", "Baseline", "Now", "Verdict"], rows))
     return [Section("baseline", "Baseline", body=body)]
+
+
+def load_drift_factor(summary: dict) -> float:
+    """The factor (>= 1) by which a comparison's pair verdicts widen their ratio intervals: the far end of
+    its load-drift check's interval (the first run measured again after the last: orchestrate) where that
+    check found the machine's speed changed, else 1 (no drift found)."""
+    d = _mapping(summary.get("load_drift"))
+    low, high = d.get("low"), d.get("high")
+    if not isinstance(low, (int, float)) or not isinstance(high, (int, float)) or low <= 0:
+        return 1.0
+    if d.get("verdict") == "slower":
+        return float(high)
+    if d.get("verdict") == "faster":
+        return 1.0 / float(low)
+    return 1.0
+
+
+def load_drift_text(summary: dict) -> str | None:
+    """The report's sentence on the load-drift check, None where the comparison made none."""
+    from harness.measure.stats import verdict_text
+
+    d = _mapping(summary.get("load_drift"))
+    if not d.get("verdict"):
+        return d.get("note") or None
+    factor = load_drift_factor(summary)
+    after = (
+        f"every pair's ratio interval is widened by {factor:.2f}x either way before it decides"
+        if factor > 1
+        else "no drift found, the pairs' intervals are used as measured (a drift inside this interval went unseen)"
+    )
+    return (
+        f"Load drift: {d['run']} was measured again after the last run; its step time then against its first "
+        f"measurement: {verdict_text(d)}; {after}."
+    )

@@ -110,16 +110,65 @@ def reasons(summary: dict) -> list[str]:
     if par.get("max_pairwise_rel_diff") is None:
         out.append(f"loss parity not checked: {len(finished)} run(s) finished, two are needed")
     else:
-        holds = all(p["verdict"] == PASS for p in finished) and par.get("cross_engine_ok", True)
+        tol = par["tolerance"]
+        holds = all(p["max_rel_diff"] <= tol for p in finished) and par["max_pairwise_rel_diff"] <= tol
         out.append(
             f"loss parity {'holds' if holds else 'FAILS'} across the {len(finished)} finished runs "
-            f"(max pairwise relative difference {sci(par['max_pairwise_rel_diff'])}, tolerance {par['tolerance']:g})"
+            f"(max pairwise relative difference {sci(par['max_pairwise_rel_diff'])}"
+            + (f" over {steps_text(par)}, " if par.get("steps") else ", ")
+            + f"tolerance {par['tolerance']:g})"
         )
+        grads = par.get("grad_norms")
+        if grads is not None:
+            out.append(grad_norm_text(grads, par["tolerance"]))
+        if par.get("weights") is not None:
+            out.append(weights_text(par["weights"], par["tolerance"]))
     fp = summary["fingerprints"]
     out.append(
         "fingerprints " + ("identical" if fp["same"] else "DIFFER (" + ", ".join(fp.get("flagged_groups", [])) + ")")
     )
     return out
+
+
+def steps_text(par: dict) -> str:
+    """'10 steps', or '5 of the 10 steps' where a spec compared fewer than the runs trained."""
+    n, trained = par["steps"], par.get("trained_steps")
+    return f"{n} of the {trained} trained steps" if trained and trained > n else f"{n} steps"
+
+
+def grad_norm_text(grads: dict, tolerance: float) -> str:
+    """What the gradient-norm check covered: how many runs, their largest difference, who gave none."""
+    done, spread = grads["compared"], grads.get("max_pairwise_rel_diff")
+    agree = "agree" if spread is None or spread <= tolerance else "DIFFER"
+    text = (
+        f"gradient norms {agree} across {len(done)} run(s)"
+        + (f" (max pairwise relative difference {sci(spread)}, tolerance {tolerance:g})" if spread is not None else "")
+        if done
+        else "gradient norms not compared"
+    )
+    missing = grads.get("not_compared") or {}
+    return text + (f"; none from {', '.join(missing)}" if missing else "")
+
+
+def weights_text(weights: dict, tolerance: float) -> str:
+    """What the final-weights check covered: how many runs, the largest difference, who has none and why."""
+    done, worst = weights["compared"], weights.get("max_rel_diff")
+    agree = "agree" if worst is None or worst <= tolerance else "DIFFER"
+    text = (
+        f"final weights {agree} for {len(done)} run(s) (max relative difference {sci(worst)} of a parameter's norm "
+        "or random projection, to its norm)"
+        if done
+        else "final weights not compared"
+    )
+    missing = weights.get("not_compared") or {}
+    return text + "".join(f"; {label}: {why}" for label, why in missing.items())
+
+
+def check_texts(par: dict) -> list[str]:
+    """The gradient-norm and final-weights checks as sentences (none where the summary predates them)."""
+    texts = [grad_norm_text(par["grad_norms"], par["tolerance"])] if par.get("grad_norms") is not None else []
+    texts += [weights_text(par["weights"], par["tolerance"])] if par.get("weights") is not None else []
+    return [t[0].upper() + t[1:] + "." for t in texts]
 
 
 def verdict_text(summary: dict) -> str:

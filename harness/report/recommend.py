@@ -50,14 +50,21 @@ AXES = [
         ("pipeline_schedule", "virtual_stages"),
     ),
 ]
-# TP against PP: the same model-parallel GPUs split the other way (sp and the schedule belong to one side)
+# TP against PP: the same model-parallel ranks split the other way (sp and the schedule belong to one side)
 SPLIT_FIELDS = ("tp", "pp", "sequence_parallel", "pipeline_schedule", "pipeline_p2p", "virtual_stages")
 
 
 def doubt(win: Row, other: Row, metric: Metric) -> str | None:
-    """Why the winner's lead may not be real (None: it is): under NOISE, or overlapping CIs."""
+    """Why the winner's lead may not be real (None: it is): under NOISE, or the ratio interval of the two
+    runs' step times (measure.stats.compare_times) does not call the winner faster; runs recorded
+    without step times: their medians' intervals overlap."""
     if metric.of(win) / metric.of(other) - 1 < NOISE:
         return "under the ~1% run-to-run noise"
+    if win.step_times and other.step_times:
+        from harness.measure.stats import compare_times, verdict_text
+
+        d = compare_times(list(win.step_times), list(other.step_times))
+        return None if d["verdict"] == "faster" else f"the step time ratio is {verdict_text(d)}"
     if (
         win.step_time_ci95_s
         and other.step_time_ci95_s
@@ -132,10 +139,26 @@ def _axis(rows: list[Row], metric: Metric, name: str, key, subset, drop) -> tupl
     return text, Table(headers, evidence)
 
 
+def decided_faster(a: Row, b: Row) -> Row | None:
+    """The run whose step time is decidedly shorter, or None where the two are not distinguishable: their
+    step-time 95% confidence intervals of the median overlap, or they differ by less than NOISE. The one
+    call site to switch to an interval on the ratio of the two runs' step times once measure.stats has it."""
+    fast, slow = sorted((a, b), key=lambda r: r.step_time_median_s or float("inf"))
+    if not fast.step_time_median_s or not slow.step_time_median_s:
+        return None
+    if slow.step_time_median_s / fast.step_time_median_s - 1 < NOISE:
+        return None
+    ci_f, ci_s = fast.step_time_ci95_s, slow.step_time_ci95_s
+    if ci_f and ci_s and None not in (*ci_f, *ci_s) and ci_f[1] >= ci_s[0]:
+        return None
+    return fast
+
+
 def _tp_vs_pp(rows: list[Row], metric: Metric) -> tuple[str, Table | None] | None:
-    """Same model-parallel GPUs (tp x pp), split towards pipeline or towards tensor parallelism,
-    every other layout field equal."""
-    pp_wins, total, evidence = 0, 0, []
+    """Same model-parallel ranks (tp x pp), split towards pipeline or towards tensor parallelism, every
+    other layout field equal but those that belong to one side (sequence parallelism needs tp > 1, a pipeline
+    schedule pp > 1: each side's best over them); counted only where the difference is decided."""
+    pp_wins, tp_wins, total, evidence = 0, 0, 0, []
     split = [r for r in rows if r.tp != r.pp]
     for sweep, rs in by_sweep(split).items():
         groups: dict = {}
@@ -148,24 +171,53 @@ def _tp_vs_pp(rows: list[Row], metric: Metric) -> tuple[str, Table | None] | Non
                 continue
             total += 1
             a, b = pair[True], pair[False]
-            pp_wins += metric.of(a) > metric.of(b)
+            won = decided_faster(a, b)
+            pp_wins, tp_wins = pp_wins + (won is a), tp_wins + (won is b)
+            call = "not distinguishable" if won is None else ("decided: " + ("pipeline" if won is a else "tensor"))
             evidence += [
-                [sweep, f"#{total}", "pipeline-heavier (pp > tp)", with_unit(metric, metric.of(a)), a.label],
-                [sweep, f"#{total}", "tensor-heavier (tp > pp)", with_unit(metric, metric.of(b)), b.label],
+                [
+                    sweep,
+                    f"#{total}",
+                    "pipeline-heavier (pp > tp)",
+                    with_unit(metric, metric.of(a)),
+                    _ci(a),
+                    a.label,
+                    call,
+                ],
+                [
+                    sweep,
+                    f"#{total}",
+                    "tensor-heavier (tp > pp)",
+                    with_unit(metric, metric.of(b)),
+                    _ci(b),
+                    b.label,
+                    call,
+                ],
             ]
     if not total:
         if not any(r.tp > r.pp for r in ranked(split, metric)) or not any(r.pp > r.tp for r in ranked(split, metric)):
             return None
         return (
             "pipeline vs tensor parallelism: no pipeline-heavier and tensor-heavier runs that finished share the "
-            "model-parallel GPUs and every other layout field, so the split is not compared.",
+            "model-parallel ranks and every other layout field, so the split is not compared.",
             None,
         )
+    undecided = total - pp_wins - tp_wins
     text = (
-        f"pipeline vs tensor parallelism: the best pipeline-heavier layout beat the best tensor-heavier one on "
-        f"the same model-parallel GPUs, every other layout field equal, in {pp_wins} of {total} comparison(s)."
+        f"pipeline vs tensor parallelism: of {total} comparison(s) of the best pipeline-heavier layout (any "
+        "pipeline schedule) against the best tensor-heavier one (with or without sequence parallelism) on the "
+        f"same model-parallel ranks, every other layout field equal, the pipeline-heavier was decidedly faster "
+        f"in {pp_wins}, the tensor-heavier in {tp_wins}, and {undecided} were not distinguishable (the step-time "
+        f"95% confidence intervals of the median overlap, or under the ~{100 * NOISE:.0f}% run-to-run noise)."
     )
-    return text, Table(["sweep", "comparison", "split", metric.short, "layout"], evidence)
+    headers = ["sweep", "comparison", "split", metric.short, "step [95% CI]", "layout", "difference"]
+    return text, Table(headers, evidence)
+
+
+def _ci(r: Row) -> str:
+    ci = r.step_time_ci95_s
+    shown = f" [{fmt_s(ci[0])}, {fmt_s(ci[1])}]" if ci and None not in ci else ""
+    return fmt_s(r.step_time_median_s) + shown
 
 
 def _checkpointing_memory(rows: list[Row]) -> str | None:
@@ -191,7 +243,8 @@ def recommendations(rows: list[Row], metric: Metric) -> Section:
     s.text.append(
         "Each statement below is computed from the runs in this report; the table under it is "
         "its evidence: the runs compared, in comparisons (#) of runs that differ in that field alone, every "
-        "other layout field equal. Nothing here is written in advance."
+        "other layout field equal (pipeline against tensor parallelism: as its statement says). Nothing here "
+        "is written in advance."
     )
     found = 0
     for got in [_axis(rows, metric, *axis) for axis in AXES] + [_tp_vs_pp(rows, metric)]:

@@ -3,8 +3,11 @@ difference covers most of the step-time difference. One logic for the compare an
 reports, so both explain a winner the same way.
 
 Which run is slower, and whether it is slower at all, is the measurement's call, never the
-breakdown's: runs whose 95% confidence intervals of the median step overlap are "not
-distinguishable" and get no explanation; a breakdown whose total is off its run's measured median
+breakdown's: the interval on the ratio of the two runs' step times (measure.stats.compare_times: the
+Hodges-Lehmann ratio with its Mann-Whitney interval at 95%, widened by the comparison's measured load
+drift) decides "slower"; where it holds 1 the runs are "not distinguishable" (within 10%) or
+"undecided" (with the steps it would need) and get no explanation; runs without step times fall
+back to their medians' intervals, which must not overlap; a breakdown whose total is off its run's measured median
 by more than TOLERANCE describes other steps than the measured ones and explains nothing; a share
 of the difference is printed only where every named component moved the way the step did by no
 more than the whole difference (no share above 100% or below 0).
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.measure.stats import compare_times, coverage_text, median_coverage, rounds_of, verdict_text, widen
 from harness.report.data import Breakdown, component_title
 
 COVER = 0.8  # name components, largest first, until they cover this share of the difference
@@ -33,6 +37,8 @@ class Case:
     ci_s: tuple | None = None  # the 95% confidence interval of that median (low, high), seconds
     # a MoE run's expert load: routed tokens per expert, max over mean, worst layer (median measured step)
     imbalance: float | None = None
+    times_s: tuple | None = None  # every measured step's time (s), or one tuple per round: the ratio interval's data
+    drift: float = 1.0  # the comparison's measured load drift factor (>= 1) its ratio intervals are widened by
 
 
 def off_median(b: Breakdown, median_s: float | None) -> float | None:
@@ -59,14 +65,47 @@ def against_median(b: Breakdown, median_s: float | None) -> str:
 
 def _ms(c: Case) -> str:
     text = f"{1e3 * c.step_s:.1f} ms"
-    return text + (f" [{1e3 * c.ci_s[0]:.1f}, {1e3 * c.ci_s[1]:.1f}]" if c.ci_s else "")
+    n = sum(len(r) for r in rounds_of(c.times_s)) if c.times_s else 0
+    coverage = f" {coverage_text(median_coverage(n))}" if n else ""
+    return text + (f" [{1e3 * c.ci_s[0]:.1f}, {1e3 * c.ci_s[1]:.1f}]{coverage}" if c.ci_s else "")
+
+
+def decision(fast: Case, slow: Case) -> dict | None:
+    """The slower-by-median run's step times against the faster's (measure.stats.compare_times), its
+    interval widened by the larger load drift of the two; None where either has no step times."""
+    if not fast.times_s or not slow.times_s:
+        return None
+    d = compare_times(list(slow.times_s), list(fast.times_s))
+    factor = max(fast.drift, slow.drift)
+    if factor > 1 and d["verdict"] in ("slower", "faster"):  # decided only if the widened interval still excludes 1
+        w = widen(d, factor)
+        d = w if w["low"] > 1 or w["high"] < 1 else {**w, "verdict": "undecided", "steps_needed": None}
+    return d
 
 
 def distinguishable(fast: Case, slow: Case) -> bool:
-    """The slower median's interval lies wholly above the faster one's (without intervals: the medians differ)."""
+    """Whether the slower-by-median run is slower: its ratio interval to the faster one lies above 1
+    (decision); without step times, its median's interval lies wholly above the faster one's (without
+    intervals: the medians differ)."""
+    d = decision(fast, slow)
+    if d is not None:
+        return d["verdict"] == "slower"
     if fast.ci_s and slow.ci_s:
         return slow.ci_s[0] > fast.ci_s[1]
     return slow.step_s > fast.step_s
+
+
+def _undecided(fast: Case, slow: Case) -> str:
+    """Why two runs get no explanation: the ratio interval's verdict, or the medians' intervals overlap."""
+    d = decision(fast, slow)
+    if d is None:
+        return "not distinguishable (the 95% confidence intervals of the median step overlap)"
+    return "step time ratio " + verdict_text(d)
+
+
+def _ratio(fast: Case, slow: Case) -> str:
+    d = decision(fast, slow)
+    return f"; ratio {verdict_text(d).removeprefix('slower: ')}" if d else ""
 
 
 def _not_representative(c: Case) -> str:
@@ -97,12 +136,11 @@ def _explain(a: Case, b: Case) -> str:
     fast, slow = sorted((a, b), key=lambda c: c.step_s)
     if not distinguishable(fast, slow):
         return (
-            f"{slow.label} ({_ms(slow)}) and {fast.label} ({_ms(fast)}): not distinguishable "
-            "(the 95% confidence intervals of the median step overlap); nothing to explain."
+            f"{slow.label} ({_ms(slow)}) and {fast.label} ({_ms(fast)}): {_undecided(fast, slow)}; nothing to explain."
         )
     head = (
         f"{slow.label} takes {1e3 * (slow.step_s - fast.step_s):.1f} ms more per measured step than "
-        f"{fast.label} (median {1e3 * slow.step_s:.1f} against {1e3 * fast.step_s:.1f} ms)"
+        f"{fast.label} (median {1e3 * slow.step_s:.1f} against {1e3 * fast.step_s:.1f} ms{_ratio(fast, slow)})"
     )
     off = [c for c in (slow, fast) if not representative(c.breakdown, c.step_s)]
     if off:

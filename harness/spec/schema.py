@@ -43,7 +43,7 @@ PRECISIONS = ("fp32", "bf16", "fp8")
 BF16_PRECISIONS = subset(PRECISIONS, "bf16", "fp8")
 GRAD_DTYPES = ("fp32", "bf16")  # grad_accum_dtype, grad_reduce_dtype
 DEVICES = ("auto", "cpu", "cuda")
-DATA_KINDS = ("synthetic", "file")
+DATA_KINDS = ("synthetic", "file", "markov")
 TOKEN_DTYPES = ("uint16", "uint32")  # a token file's
 ATTENTION_KERNELS = ("naive", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash2")
 RMSNORM_KERNELS = ("torch", "fused")
@@ -98,7 +98,9 @@ class Optimizer:
 
 @dataclass
 class Data:
-    """`synthetic`: seeded uniform tokens; `file`: a memory-mapped token file (.bin)."""
+    """`synthetic`: seeded uniform tokens (the loss stays near ln vocab); `file`: a memory-mapped token
+    file (.bin); `markov`: a seeded Markov chain of low entropy (harness.data.source.MarkovTokens), a loss
+    that falls within a few steps, for parity that proves training."""
 
     kind: str = _choices(*DATA_KINDS, default="synthetic")
     path: str = spec_field("", applies=("kind", "file"))

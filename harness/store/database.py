@@ -8,8 +8,8 @@ The store is checked before anything launches (check_store): a file that is not 
 a directory, a read-only folder or a store of a newer schema (PRAGMA user_version, unknown
 columns) is one StoreError line. A record the store cannot take (a full disk, a lock, a newer
 schema) is appended to a fallback file next to it (`<store>.fallback.jsonl`, else in the temp
-directory) and the StoreError says where; `harness sweep` merges those files back when it runs
-again. Records of another schema_version are left out on read (records() counts them).
+directory) and a StoreWriteError says where; every command that opens the store (ResultsStore) merges
+those files back first. Records of another schema_version are left out on read (records() counts them).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import hashlib
 import json
 import os
 import sqlite3
+import sys
 import tempfile
 import urllib.parse
 
-from harness.errors import StoreError
+from harness.errors import StoreError, StoreWriteError
 from harness.store.failures import merge_failures
 from harness.store.record import SCHEMA_VERSION, STATUSES, now_iso
 
@@ -96,6 +97,24 @@ def _refuse_foreign(path: str, version: int, tables: set[str], columns: list[str
         raise StoreError(f"{path} lacks the columns {', '.join(missing)}: not a results store of this harness")
 
 
+BUSY_TIMEOUT_S = 60.0  # how long a command waits for another process's lock on the store (sqlite's busy timeout)
+_BUSY = (
+    "{path} is busy: another process holds a lock on it and did not let go within {wait:g} s; "
+    "try again when that process finishes"
+)
+
+
+def _busy(e: Exception) -> bool:
+    return isinstance(e, sqlite3.OperationalError) and "locked" in str(e)
+
+
+def _refuse_special(path: str) -> None:
+    """A device, pipe or socket is no results store: sqlite would block on a FIFO for ever and leave
+    `<path>-journal` beside /dev/null."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        raise StoreError(f"{path} is not a regular file (a device, pipe or socket); give a file path")
+
+
 def check_store(path, *, write: bool = True) -> None:
     """Before anything launches: the store at `path` can be read (and, with `write`, written or
     created), else a StoreError that says why. Reads only: a missing store is not created here."""
@@ -104,6 +123,7 @@ def check_store(path, *, write: bool = True) -> None:
     full = os.path.abspath(path)
     if os.path.isdir(full):
         raise StoreError(f"{path} is a directory, not a results file")
+    _refuse_special(path)
     if not os.path.exists(full):
         if not write:
             raise StoreError(f"{path} does not exist")
@@ -116,21 +136,24 @@ def check_store(path, *, write: bool = True) -> None:
             raise StoreError(f"cannot create {path}: the folder {folder} is read-only")
         return
     try:
-        db = sqlite3.connect(f"file:{urllib.parse.quote(full)}?mode=ro", uri=True, timeout=60)
+        db = sqlite3.connect(f"file:{urllib.parse.quote(full)}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
         try:
             _refuse_foreign(path, *_schema(db))
         finally:
             db.close()
     except sqlite3.Error as e:
+        if _busy(e):
+            raise StoreError(_BUSY.format(path=path, wait=BUSY_TIMEOUT_S)) from None
         raise StoreError(f"{path} is not a readable results store ({e})") from None
     if write and not (os.access(full, os.W_OK) and os.access(os.path.dirname(full), os.W_OK | os.X_OK)):
         raise StoreError(f"{path} is read-only (the file or its folder cannot be written)")
 
 
 class ResultsStore:
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, announce: bool = True):
         self.path = path
         self.skipped: dict[str, int] = {}  # what records() left out: schema_version (or 'unreadable') -> count
+        _refuse_special(path)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             db = self._connect()
@@ -143,11 +166,30 @@ class ResultsStore:
             finally:
                 db.close()
         except (sqlite3.Error, OSError) as e:
+            if _busy(e):
+                raise StoreError(_BUSY.format(path=path, wait=BUSY_TIMEOUT_S)) from None
             raise StoreError(f"cannot open {path} ({e})") from None
+        self.merged = self._merge_fallback(announce)
+
+    def _merge_fallback(self, announce: bool) -> int:
+        """Records an earlier command could not write (a full disk), moved into the store now; they stay
+        in their file, still found by get(), while the store cannot take them. Returns how many moved."""
+        if not any(os.path.exists(p) for p in fallback_paths(self.path)):
+            return 0
+        try:
+            merged = self.recover_fallback()
+        except StoreError:
+            return 0
+        if merged and announce:
+            print(
+                f"store: merged {merged} records that an earlier command could not write into {self.path}",
+                file=sys.stderr,
+            )
+        return merged
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=60)
-        db.execute("PRAGMA busy_timeout = 60000")
+        db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
+        db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         return db
 
     def write(self, record: dict, *, keep_earlier_failure: bool = False) -> None:
@@ -162,9 +204,13 @@ class ResultsStore:
         except (sqlite3.Error, OSError, StoreError) as e:
             why = e.reason if isinstance(e, StoreError) else str(e)
             saved = self._save_fallback(record, keep_earlier_failure)
-            raise StoreError(
+            raise StoreWriteError(
                 f"cannot write run {record.get('run_id')} to {self.path} ({why}); "
-                + (f"the record is saved in {saved}" if saved else "no fallback file could be written either")
+                + (
+                    f"the record is saved in {saved}, and the next harness command that opens this store merges it in"
+                    if saved
+                    else "no fallback file could be written either"
+                )
             ) from None
 
     def _insert(self, record: dict, keep_earlier_failure: bool) -> None:
@@ -254,8 +300,10 @@ class ResultsStore:
                     f"{self.path} ({getattr(e, 'reason', e)}); they stay there"
                 ) from None
         for path in fallback_paths(self.path):
-            if os.path.exists(path):
+            try:
                 os.remove(path)
+            except FileNotFoundError:  # none, or another rank of the same launch merged it first
+                pass
         return len(records)
 
     def records(self, *, sweep: str | None = None, status: str | None = None) -> list[dict]:

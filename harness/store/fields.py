@@ -89,9 +89,41 @@ def _step_ci(record: dict):
     return (st.get("ci95_low"), st.get("ci95_high")) if st.get("ci95_low") is not None else None
 
 
+MEASURED = "measured steps"  # harness.profiling.MEASURED_SOURCE (a layer above this one)
+
+
+def _breakdown(record: dict) -> dict:
+    """The breakdown every report shows and the compare JSON keeps as a run's `breakdown_ms`: the measured
+    steps' (breakdown_measured_ms) where the run clocked them, else the profiled steps' (breakdown_ms).
+    One source, so a row's breakdown_* columns and its run's breakdown cannot disagree."""
+    m = _metrics(record)
+    shown = m.get("breakdown_measured_ms") or m.get("breakdown_ms")
+    return shown if isinstance(shown, dict) else {}
+
+
+def _breakdown_at(*path: str):
+    def get(record: dict):
+        v = _breakdown(record)
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        return v
+
+    return get
+
+
+def _metrics(record: dict) -> dict:
+    m = at("metrics")(record)
+    return m if isinstance(m, dict) else {}
+
+
+def _breakdown_source(record: dict):
+    m = _metrics(record)
+    return MEASURED if m.get("breakdown_measured_ms") else m.get("breakdown_source")
+
+
 def _exposed_comm(record: dict):
-    """Exposed communication summed over the axes (ms per profiled step)."""
-    by_axis = at("metrics", "breakdown_ms", "exposed_comm")(record)
+    """Exposed communication summed over the axes (ms per step of the shown breakdown, _breakdown)."""
+    by_axis = _breakdown_at("exposed_comm")(record)
     return sum(by_axis.values()) if isinstance(by_axis, dict) else None
 
 
@@ -139,8 +171,8 @@ def _compile(record: dict):
 
 
 def _ms(name: str, *path: str) -> Field:
-    """A component of the profiled step's breakdown (ms): exported; the reports lay out their own."""
-    return Field(name, name, at("metrics", "breakdown_ms", *path), lambda v: f"{v:.1f} ms", report=False)
+    """A component of the shown breakdown (_breakdown, ms): exported; the reports lay out their own."""
+    return Field(name, name, _breakdown_at(*path), lambda v: f"{v:.1f} ms", report=False)
 
 
 def _run(name: str, *path: str) -> Field:
@@ -189,7 +221,7 @@ FIELDS: tuple[Field, ...] = (
     Field("error", "error", _error, report=False),
     Field("started_at", "started", at("started_at"), report=False),
     Field("ended_at", "ended", at("ended_at"), report=False),
-    Field("breakdown_source", "breakdown from", at("metrics", "breakdown_source"), report=False),
+    Field("breakdown_source", "breakdown from", _breakdown_source, report=False),
     _ms("breakdown_step_ms", "step"),
     _ms("breakdown_compute_ms", "compute"),
     _ms("breakdown_optimizer_ms", "optimizer"),

@@ -3,7 +3,7 @@
 Every record is committed to the store when its run ends, so killing the sweep loses nothing
 and running it again resumes where it stopped (and, with retry, runs chosen statuses again).
 One sweep runs once per store at a time (sweep_lock); a record the store could not take (a full
-disk) is merged back from its fallback file when the sweep runs again.
+disk) is merged back from its fallback file by the next command that opens the store (the sweep run again).
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def _run_points(
     echo,
     profile_steps: int | None = None,
 ) -> dict[str, int]:
-    store = ResultsStore(store_path)
-    merged = store.recover_fallback()
+    store = ResultsStore(store_path, announce=False)
+    merged = store.merged or store.recover_fallback()  # a store that still cannot take them stops the sweep
     if merged:
         echo(f"merged {merged} records that the store could not take earlier from its fallback file")
     sid = sweep_id(sweep, store_path)

@@ -9,9 +9,9 @@ import math
 
 
 def train_with_router(ctx, runs: list[dict], steps: int, tripwire: bool = False) -> list[dict]:
-    """On every rank (harness.testing.spawn), each run's engine in turn: its losses, final weights, describe
-    and every rank's router statistics of the last step; with `tripwire` (engine megatron) the torch.cuda
-    functions reached that the shim does not cover, as "uncovered"."""
+    """On every rank (harness.testing.spawn), each run's engine in turn: its losses, gradient norms, final
+    weights, describe, memory census and every rank's router statistics of the last step; with `tripwire`
+    (engine megatron) the torch.cuda functions reached that the shim does not cover, as "uncovered"."""
     import torch.distributed as dist
 
     from harness.data.source import token_source
@@ -31,16 +31,19 @@ def train_with_router(ctx, runs: list[dict], steps: int, tripwire: bool = False)
         with guard as reached:
             engine = build_engine(spec, shape, ctx)
             source = token_source(spec.workload, shape.vocab)
-            losses = []
+            losses, norms = [], []
             for step in range(steps):
                 engine.router_stats()  # only the last step's
                 losses.append(float(engine.train_step(source.global_batch_at(step))))
+                norms.append(engine.grad_norm())
             stats = [None] * ctx.world_size
             dist.all_gather_object(stats, engine.router_stats())
             state = engine.full_state_dict()
         out.append(
             {
                 "losses": losses,
+                "grad_norms": norms,
+                "census": engine.memory_census(),
                 "state": state,
                 "describe": engine.describe(),
                 "router_stats": stats,
@@ -51,9 +54,9 @@ def train_with_router(ctx, runs: list[dict], steps: int, tripwire: bool = False)
     return out
 
 
-def reference_with_router(run: dict, steps: int):
+def reference_with_router(run: dict, steps: int, grad_norms: list | None = None):
     """The reference's losses, final weights and last step's router statistics for run's workload (and its
-    micro_batch_size)."""
+    micro_batch_size); each step's gradient norm appended to `grad_norms` where given."""
     import torch
 
     from harness.data.source import token_source
@@ -69,6 +72,8 @@ def reference_with_router(run: dict, steps: int):
     for step in range(steps):
         engine.router_stats()  # only the last step's
         losses.append(float(engine.train_step(source.global_batch_at(step))))
+        if grad_norms is not None:
+            grad_norms.append(engine.grad_norm())
     return losses, engine.full_state_dict(), engine.router_stats()
 
 

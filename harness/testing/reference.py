@@ -47,6 +47,16 @@ def mismatches(result: dict, ref_losses: list[float], ref_state: dict | None, rt
     return bad
 
 
+def assert_grad_norms_match(norms: list, ref_norms: list, label: str, rtol: float = 1e-5) -> None:
+    """Every step's global gradient norm (TrainingEngine.grad_norm) is the reference's within rtol, the
+    comparison's rule (harness.compare.parity)."""
+    from harness.compare.parity import max_rel_diff
+
+    assert len(norms) == len(ref_norms) and None not in norms, (label, norms)
+    worst, at = max_rel_diff(norms, ref_norms, len(norms))
+    assert worst <= rtol, f"{label}: gradient norm at step {at}: {norms[at]!r} vs {ref_norms[at]!r} ({worst:.2e})"
+
+
 def assert_matches_reference(
     result: dict, ref_losses: list[float], ref_state: dict | None, label: str, rtol: float = 1e-5
 ) -> None:

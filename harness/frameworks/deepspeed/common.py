@@ -144,8 +144,10 @@ class DeepSpeedBase:
     def after_initialize(self) -> None:
         """Once deepspeed.initialize has built self.engine: the census at the first step of the
         torch optimizer that updates this rank's fp32 masters (DeepSpeed's basic optimizer,
-        inside its wrapper), and the count of skipped steps so far."""
-        self.census = CensusAtStep(self.engine.basic_optimizer, self.census_tensors)
+        inside its wrapper, which steps it once per parameter group: a MoE's expert groups are
+        groups of their own), and the count of skipped steps so far."""
+        basic = self.engine.basic_optimizer
+        self.census = CensusAtStep(basic, self.census_tensors, calls_per_step=len(basic.param_groups))
         self._skipped_steps = self.engine.skipped_steps
 
     def check_step_applied(self) -> None:
@@ -210,6 +212,13 @@ class DeepSpeedBase:
         expected = self.config["gradient_accumulation_steps"]
         assert len(micro) == expected, (len(micro), expected)
         return micro
+
+    def grad_norm(self) -> float | None:
+        """DeepSpeed's own global norm of the last step (engine.get_global_grad_norm: ZeRO's and the
+        bf16 optimizer's norm over every partition, unscaled); None where its optimizer keeps none
+        (ZeRO-0 in fp32 clips with a norm it does not keep)."""
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def last_step_details(self) -> dict:
         # DeepSpeed exposes no per-step breakdown, communication counts or pipeline timeline

@@ -89,7 +89,7 @@ class FSDPEngine:
         if ctx.backend is None:
             raise RuntimeError("engine fsdp needs a process group (run it under a launcher)")
         w, lay = spec.workload, spec.layout
-        options = options or BuildOptions()
+        options, self._grad_norm = options or BuildOptions(), None  # the last step's norm, where clipping computed it
         self.spec, self.ctx, self.device, self.hooks = spec, ctx, ctx.device, options.hooks
         dims = ParallelDims.of(lay)
         self.coord = dims.coord(ctx.rank)
@@ -235,20 +235,15 @@ class FSDPEngine:
             self.mesh["cp"], buffers=[inputs, targets], buffer_seq_dims=[1, 1], no_restore_buffers={inputs, targets}
         )
 
-    def _clip_grad_norm(self, max_norm: float) -> None:
-        """torch's clip_grad_norm_ over every shard of every stage: the norm of this rank's
-        DTensor gradients is reduced over their (dp, tp) mesh by full_tensor(); the pp stages'
-        squared norms are summed across the pp dimension."""
-        from torch.distributed.tensor import DTensor
+    def grad_norm(self) -> float | None:  # _clip_grad_norm's (None without clipping: FSDP2 computes none)
+        return None if self._grad_norm is None else float(self._grad_norm)
 
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        if self.spec.layout.pp > 1:
-            squared = norm.float() ** 2
-            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.mesh["pp"].get_group())
-            norm = squared.sqrt()
+    def _clip_grad_norm(self, max_norm: float) -> None:
+        """torch's clip_grads_with_norm_ by the global norm over every shard of every stage."""
+        from harness.frameworks.fsdp.grad_norm import global_grad_norm
+
+        norm = global_grad_norm(self.params, self.mesh["pp"].get_group() if self.spec.layout.pp > 1 else None)
+        self._grad_norm = norm.detach()  # read after the step: no device sync inside it
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
 
     # ---------------------------------------------------------------- memory

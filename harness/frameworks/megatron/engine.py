@@ -63,6 +63,7 @@ class MegatronEngine:
         if ctx.backend is None:
             raise RuntimeError("engine megatron needs a process group (run it under a launcher)")
         self.spec, self.shape, self.ctx, self.device = spec, shape, ctx, ctx.device
+        self._grad_norm = None  # the last step's, from Megatron's optimizer
         self.shimmed = ctx.device.type != "cuda"
         self.policy = precision_policy(spec.workload)
         self.coord = ParallelDims.of(spec.layout).coord(ctx.rank)
@@ -383,6 +384,10 @@ class MegatronEngine:
     def router_stats(self) -> dict:
         """Each MoE layer's routing since the last call, in the harness's format (megatron/routers.py)."""
         return self.routers.take()
+
+    def grad_norm(self) -> float | None:
+        """The global norm Megatron's optimizer step returned (clip_grad_norm_fp32 over every rank)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def last_step_details(self) -> dict:
         """Measured with the device synchronised: Megatron's forward_backward_func (every micro-batch's

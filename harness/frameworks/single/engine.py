@@ -24,6 +24,7 @@ class SingleDeviceEngine:
     def __init__(self, spec, shape, device):
         w, lay = spec.workload, spec.layout
         self.spec, self.device = spec, device
+        self._grad_norm = None  # the last step's
         self.policy = precision_policy(w)
         self.model = build_model(shape, w.seed, lay.attention, lay.rmsnorm, lay.activation_checkpointing, device=device)
         self.names = [n for n, _ in self.model.named_parameters()]
@@ -45,8 +46,11 @@ class SingleDeviceEngine:
             self.weights.after_backward()
             total += loss.detach()
         self.weights.grads_to_masters()
+        params = self.weights.optimizer_params()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
+        self._grad_norm = norm.detach()  # read after the step: no device sync inside it
         if w.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.weights.optimizer_params(), w.grad_clip)
+            torch.nn.utils.clip_grads_with_norm_(params, w.grad_clip, norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.weights.after_step()
@@ -61,6 +65,9 @@ class SingleDeviceEngine:
 
     def last_step_details(self) -> dict:
         return {}
+
+    def grad_norm(self) -> float | None:
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def router_stats(self) -> dict:
         """Each MoE layer's routing statistics over the last step (every token is this process's)."""

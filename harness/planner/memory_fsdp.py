@@ -1,0 +1,79 @@
+"""What engine fsdp (FSDP2, harness/frameworks/fsdp/engine.py) holds during its step beyond the model
+states and the plain model's activations (fsdp_step_bytes), split from memory_engines, which adds it
+to a stage's memory."""
+
+from __future__ import annotations
+
+from harness.model.presets import Shape
+from harness.planner import feedforward, fp8
+from harness.planner import memory_terms as terms
+from harness.planner.layout import PlannerLayout, Workload
+
+
+def fsdp_step_bytes(
+    shape: Shape, lay: PlannerLayout, wl: Workload, has_emb: bool, layers: int, has_head: bool, loss_shards: int = 1
+) -> dict:
+    """What engine fsdp (FSDP2 fully_shard per block and on the root, harness/frameworks/fsdp/engine.py)
+    holds during its step beyond the model states and the plain model's activations, per rank,
+    as torch's FSDP2 code allocates it (torch/distributed/fsdp/_fully_shard/) and `harness memory`
+    traces it:
+
+      gathered        the root's unsharded parameters in the compute dtype (embedding, final
+                      norm, LM head; fully_shard(root, reshard_after_forward=False): gathered from
+                      the first forward to the end of the last backward)
+      backward_blocks while a block runs backward, its gathered parameters and the next block's,
+                      whose flat all-gather output exists from when the all-gather is issued ahead
+                      (_fsdp_state backward prefetch; _fsdp_collectives.foreach_all_gather); with
+                      reshard_after_forward true no block is gathered between its forward and
+                      backward (the loss's peak has none)
+      kept_blocks     with reshard_after_forward false every block stays gathered from its
+                      forward to its backward: all of them at the loss's peak and the first
+                      block's backward
+      reduce_scatter  one block's reduce-scatter input in the reduce dtype (foreach_reduce), which
+                      FSDP2 keeps (comm_ctx.reduce_scatter_state) until the next reduce-scatter
+                      waits, so one is alive whenever a block's backward runs
+      after_loss      while the blocks run backward: the step's logits in the compute dtype (the
+                      train step's variable keeps them through loss.backward(); their vocab / tp
+                      columns under a vocabulary-parallel loss, `loss_shards` = tp: torchtitan's
+                      loss_parallel keeps the logits a DTensor sharded on the vocabulary) and the LM head's
+                      unsharded weight gradient, reduced only with the root after the last block
+
+    Under pipelining (pp > 1) torch.distributed.pipelining runs every backward but the reduction
+    with set_reshard_after_backward(False) and set_requires_gradient_sync(False)
+    (pipelining/stage.py, backward_maybe_with_nosync; perform_reduce_grad after the last):
+
+      accumulated     the stage's unsharded gradients, accumulated in the reduce dtype from its
+                      first backward to the reduce-scatter after its last (the sharded gradients
+                      exist only after that, with the activations gone); the embedding's is the
+                      whole table's under TP (DTensor's backward of the RowwiseParallel embedding)
+      all_blocks      every block stays gathered from its backward until the next forward of it
+                      reshards it (reshard_after_forward): between two backwards all are gathered
+      reduce_scatter  none while micro-batches are in flight
+
+    The planner's workload carries the default precision policy: compute dtype = the workload's,
+    reduction in fp32; under fp8 the blocks' linear weights are gathered in fp8 (fp8.py)."""
+    B, t = wl.dtype_bytes, lay.tp
+    h, V = shape.hidden, shape.vocab
+    block = terms.stage_params(shape, False, 1, False, t, lay.ep)  # one block's parameters (its experts E / ep)
+    vocab = V * h / t
+    head = 0.0 if shape.tie_embeddings and has_emb else vocab
+    root = (vocab if has_emb else 0.0) + ((head + h) if has_head else 0.0)
+    reshard = lay.reshard_after_forward
+    n = lay.micro_batch_size * wl.local(lay).seq_len
+    weights = feedforward.of(shape).weight_shape(lay.ep)  # a MoE layer's: its rank's experts
+    fp8_saving = fp8.gathered_block_saving(weights, lay, B) if lay.precision == "fp8" else 0
+    block_bytes = block * B - fp8_saving
+    kept = 0.0 if reshard else layers * block_bytes
+    piped = lay.pp > 1
+    # the embedding's gradient is the whole table's under TP (see engine_stage_memory)
+    emb_grad = V * h if has_emb else 0.0
+    accumulated = root - (vocab if has_emb else 0.0) + emb_grad + layers * block
+    return {
+        "gathered": root * B,
+        "backward_blocks": min(2, layers) * block_bytes if reshard else kept,
+        "kept_blocks": kept,
+        "all_blocks": layers * block_bytes,
+        "reduce_scatter": block * 4 if layers and not piped else 0.0,
+        "accumulated": accumulated * 4 if piped else 0.0,
+        "after_loss": (n * V * B / loss_shards + vocab * B) if has_head else 0.0,
+    }

@@ -1,0 +1,203 @@
+"""Export then import (`harness plan --export` then `harness import`) gives back the spec it started from:
+every field each format carries, over Megatron-LM, DeepSpeed and torchtitan, for dense, FP8 and MoE
+layouts, and the same prediction (memory and step time) from the planner. The fields a format has no
+place for are named per format (NOT_CARRIED), never skipped silently. Quick: no processes."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import yaml
+
+from harness.cli import main as cli
+from harness.interop.exports import EXPORTERS, exportable
+from harness.model.presets import PRESETS
+from harness.planner.hardware import load_profile
+from harness.planner.layout import PlannerLayout, Workload
+from harness.planner.predict import predict
+from harness.spec import Layout, Optimizer
+from harness.spec import Workload as SpecWorkload
+
+OPT = {"lr": 1.5e-4, "betas": [0.85, 0.99], "eps": 1e-6, "weight_decay": 0.05}
+# What a format has no place for, and why (the import writes harness.spec's default, or the arguments').
+NOT_CARRIED = {
+    "megatron": {},  # --seed is read back; the export leaves Megatron-LM's default, 1234, the harness's too
+    "deepspeed": {
+        "workload.steps": "a ds_config has no run length",
+        "workload.seed": "a ds_config has no seed",
+        "workload.moe_aux_loss_coeff": "AutoEP's load-balancing coefficient is the model config's",
+        # the cases use the kernels the import writes (sdpa, torch), so that the prediction is comparable
+        "layout.attention": "a ds_config has no attention kernel (the model code's)",
+        "layout.rmsnorm": "a ds_config has no norm kernel (the model code's)",
+    },
+    "torchtitan": {
+        "workload.steps": "the recipe's training.steps is not written (the harness's run length)",
+        "workload.seed": "the recipe's debug.seed is not written",
+        "workload.moe_aux_loss_coeff": "torchtitan's qwen3 load-balancing is the model config's",
+        "workload.grad_accum_dtype": "FSDP2 accumulates in its reduce dtype",
+    },
+}
+ENGINE = {"megatron": "megatron", "deepspeed": "deepspeed", "torchtitan": "fsdp"}
+
+CASES = {  # id: (format, model, workload fields, layout)
+    "megatron-dense": (
+        "megatron",
+        "llama3-8b",
+        {"precision": "bf16"},
+        PlannerLayout(
+            2,
+            2,
+            2,
+            1,
+            sequence_parallel=True,
+            activation_checkpointing="full",
+            pipeline_schedule="interleaved",
+            virtual_stages=2,
+            attention="flash2",
+            rmsnorm="fused",
+            zero_stage=1,
+        ),
+    ),
+    "megatron-fp8": (
+        "megatron",
+        "llama3-8b",
+        {"precision": "fp8", "fp8_recipe": "tensorwise"},
+        PlannerLayout(
+            2,
+            1,
+            2,
+            1,
+            cp=2,
+            sequence_parallel=True,
+            activation_checkpointing="selective",
+            attention="sdpa_cudnn",
+            rmsnorm="fused",
+            zero_stage=1,
+            precision="fp8",
+        ),
+    ),
+    "megatron-moe": (
+        "megatron",
+        "qwen3-30b-a3b",
+        {"precision": "bf16", "moe_aux_loss_coeff": 0.001},
+        PlannerLayout(1, 2, 8, 1, ep=8, attention="flash2", rmsnorm="fused", zero_stage=1),
+    ),
+    "deepspeed-dense": (
+        "deepspeed",
+        "llama3-8b",
+        {"precision": "bf16"},
+        PlannerLayout(2, 1, 8, 2, zero_stage=1, attention="sdpa", rmsnorm="torch"),
+    ),
+    "deepspeed-moe": (
+        "deepspeed",
+        "qwen3-30b-a3b",
+        {"precision": "bf16"},
+        PlannerLayout(1, 1, 8, 1, ep=4, zero_stage=2, attention="sdpa", rmsnorm="torch"),
+    ),
+    "torchtitan-dense": (
+        "torchtitan",
+        "llama3-70b",
+        {"precision": "bf16"},
+        PlannerLayout(
+            1,
+            4,
+            8,
+            1,
+            cp=2,
+            cp_impl="allgather",
+            fsdp=True,
+            pipeline_schedule="interleaved",
+            virtual_stages=2,
+            attention="flash2",
+            rmsnorm="torch",
+            activation_checkpointing="full",
+        ),
+    ),
+    "torchtitan-fp8": (
+        "torchtitan",
+        "llama3-8b",
+        {"precision": "fp8", "fp8_recipe": "rowwise"},
+        PlannerLayout(
+            2, 1, 8, 1, sequence_parallel=True, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8"
+        ),
+    ),
+    "torchtitan-moe": (
+        "torchtitan",
+        "qwen3-30b-a3b",
+        {"precision": "bf16"},
+        PlannerLayout(
+            1, 1, 8, 2, ep=8, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", activation_checkpointing="full"
+        ),
+    ),
+}
+
+
+def original(fmt: str, model: str, fields: dict, lay: PlannerLayout) -> dict:
+    """The spec the plan stands for: the workload and the layout as harness.spec names them."""
+    layout = {**lay.to_spec(), "engine": ENGINE[fmt]}
+    if fmt == "torchtitan":
+        layout.pop("zero_stage")  # FSDP2's full sharding: engine fsdp has no ZeRO stage
+    workload = {"model": model, "seq_len": 4096, "global_batch_size": 64, "steps": 20, "optimizer": OPT}
+    return {"workload": {**workload, "grad_clip": 0.5, **fields}, "layout": layout}
+
+
+def complete(raw: dict) -> dict:
+    """Every field, harness.spec's default where the raw spec leaves it out, flattened to dotted names."""
+    workload = {**dataclasses.asdict(SpecWorkload()), **copy.deepcopy(raw["workload"])}
+    workload["optimizer"] = {**dataclasses.asdict(Optimizer()), **workload["optimizer"]}
+    workload["optimizer"]["betas"] = list(workload["optimizer"]["betas"])
+    layout = {**dataclasses.asdict(Layout()), **raw["layout"]}
+    out = {f"workload.{k}": v for k, v in workload.items() if k != "optimizer"}
+    out.update({f"workload.optimizer.{k}": v for k, v in workload["optimizer"].items()})
+    out.update({f"layout.{k}": v for k, v in layout.items()})
+    return out
+
+
+def prediction(raw: dict):
+    w = raw["workload"]
+    shape = PRESETS[w["model"]]
+    lay = dataclasses.replace(PlannerLayout.from_spec(raw["layout"], w["precision"]), engine=raw["layout"]["engine"])
+    p = predict(shape, lay, Workload(w["seq_len"], w["global_batch_size"]), load_profile("h100-sxm"))
+    return round(p.memory_gib, 9), round(p.step_time_s, 9)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_then_import_gives_back_every_field_and_the_same_prediction(name, tmp_path, capsys):
+    fmt, model, fields, lay = CASES[name]
+    shape = PRESETS[model]
+    assert exportable(lay, fmt, shape) == ""
+    spec = original(fmt, model, fields, lay)
+    w = spec["workload"]
+    kwargs = {"steps": w["steps"], "moe_aux_loss_coeff": w.get("moe_aux_loss_coeff", 0.0)} if fmt == "megatron" else {}
+    text, _ = EXPORTERS[fmt](shape, lay, Workload(4096, 64), Optimizer(**OPT), 0.5, **kwargs)
+    src, out = tmp_path / "exported", tmp_path / "spec.yaml"
+    src.write_text(text)
+    extra = ["--model", model, "--seq-len", "4096"] if fmt == "deepspeed" else []
+    code = cli(["import", fmt, str(src), "--gpus", str(lay.gpus), "--out", str(out), *extra])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    back = yaml.safe_load(out.read_text())
+    want, got = complete(spec), complete(back)
+    skipped = set(NOT_CARRIED[fmt])
+    differ = {k: (want[k], got[k]) for k in want if k not in skipped and want[k] != got[k]}
+    assert differ == {}, err
+    assert prediction(back) == prediction(spec)
+
+
+def test_megatron_stays_megatron_without_transformer_engine_here(tmp_path, capsys):
+    """The planning machine has no Transformer Engine: the import keeps engine megatron and its kernels,
+    and says in one line that `harness train` here refuses them."""
+    fmt, model, fields, lay = CASES["megatron-fp8"]
+    text, _ = EXPORTERS[fmt](PRESETS[model], lay, Workload(4096, 64))
+    (tmp_path / "a.txt").write_text(text)
+    assert cli(["import", "megatron", str(tmp_path / "a.txt"), "--gpus", str(lay.gpus)]) == 0
+    out = capsys.readouterr()
+    raw = yaml.safe_load(out.out)
+    assert (raw["layout"]["engine"], raw["layout"]["attention"], raw["workload"]["precision"]) == (
+        "megatron",
+        "sdpa_cudnn",
+        "fp8",
+    )
+    assert sum(line.startswith("import: layout.engine: megatron kept") for line in out.err.splitlines()) == 1
