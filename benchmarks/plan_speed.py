@@ -1,106 +1,154 @@
-"""`harness plan` speed: the whole process (interpreter start, imports, every layout, the table).
+"""`harness plan` speed on the three plans issue 42 names, each the whole process as a user runs it
+(`python -m harness.cli plan ...`, interpreter start and imports included, output discarded):
 
-The largest published case: paper-65b, sequence 2048, 2048 sequences, 4096 A100-80GB in 8-GPU nodes
-(43,680 layouts under the default engine own, interleaved schedules included; 16,032 with
-1F1B only). Target: under 1 s for the whole process. Each round runs the command as a user
-does (`python -m harness.cli plan ...`, output discarded) and also in this process, split into
-what the command spends on imports and on predictions. The CPU time of the process is printed
-beside its wall time (steadier on a shared machine). Last line: `ratio: <median wall seconds / 1 s>`.
+    paper-65b, seq 2048, batch 2048, 4096 A100-80GB (43,680 layouts)      target 0.5 s
+    llama3-70b, seq 8192, batch 128, 64 H100 (115,920 layouts)             target 1 s
+    qwen3-30b-a3b, seq 4096, batch 512, 64 H100 (99,120 layouts, MoE)     target 2 s
 
-    python benchmarks/plan_speed.py [--rounds 5]
+Per plan: the median wall time over the rounds, the process's CPU time beside it (steadier on a
+shared machine: other processes stretch the wall time), the load average, and the ratio to the target.
+With --baseline DIR (another checkout, e.g. main's) each round runs that tree's plan too, alternating,
+and prints the ratio of the two medians, measured side by side.
+
+Predictions: --save FILE writes every candidate's prediction of the three plans (every field, floats
+by repr) of the tree this Python imports harness from (PYTHONPATH); --check FILE compares this tree's
+with a saved one and exits 1 at the first difference. The speed work must leave them identical:
+
+    PYTHONPATH=../main python benchmarks/plan_speed.py --save /tmp/before.json --rounds 0   # the tree before
+    PYTHONPATH=$PWD python benchmarks/plan_speed.py --check /tmp/before.json --baseline ../main
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
 
-ARGS = [
-    *(
-        "plan --model paper-65b --seq-len 2048 --global-batch-size 2048 --gpus 4096 --gpus-per-node 8 --hardware "
-        "a100-80gb"
-    ).split()
-]
-TARGET_S = 1.0
+CASES = {
+    "paper-65b on 4096 A100": (
+        "--model paper-65b --seq-len 2048 --global-batch-size 2048 --gpus 4096 --gpus-per-node 8 --hardware a100-80gb",
+        0.5,
+    ),
+    "llama3-70b on 64 H100": (
+        "--model llama3-70b --seq-len 8192 --global-batch-size 128 --gpus 64 --hardware h100-sxm",
+        1.0,
+    ),
+    "qwen3-30b-a3b on 64 H100": (
+        "--model qwen3-30b-a3b --seq-len 4096 --global-batch-size 512 --gpus 64 --hardware h100-sxm",
+        2.0,
+    ),
+}
 
 
-def whole_process() -> tuple[float, float]:
-    """Wall seconds and CPU seconds (user + system) of one `harness plan` process. On a shared
-    machine the CPU time is the steadier figure: other processes stretch the wall time."""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
+
+
+def whole_process(flags: str, tree: str | None = None) -> tuple[float, float]:
+    """Wall and CPU seconds (user + system) of one `harness plan` process of `tree` (a checkout's
+    root; default this one)."""
+    tree = os.path.abspath(tree or ROOT)
+    env = {**os.environ, "PYTHONPATH": tree}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "harness.cli", *ARGS], capture_output=True, text=True)
+    # run in the tree: `python -m` puts the working directory first on sys.path, before PYTHONPATH
+    r = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "plan", *flags.split()], capture_output=True, text=True, env=env, cwd=tree
+    )
     elapsed = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode:
-        raise SystemExit(f"harness plan failed: {r.stderr}")
+        raise SystemExit(f"harness plan {flags} failed: {r.stderr}")
     return elapsed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def imports_in_a_fresh_process() -> float:
-    code = (
-        "import time; t = time.perf_counter(); import harness.cli, harness.commands.plan, "
-        "harness.planner.predict, harness.planner.candidates, harness.planner.output; "
-        "print(time.perf_counter() - t)"
-    )
-    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-
-
-def predictions_here() -> tuple[float, int]:
+def predictions() -> dict[str, list]:
+    """Every candidate's prediction of each plan, in the plan's ranking, every field (floats by repr)."""
+    from harness.cli import build_parser
+    from harness.commands.plan import plan_of
     from harness.model.presets import resolve_shape
-    from harness.planner import candidates as en
     from harness.planner.hardware import load_profile
-    from harness.planner.layout import Workload
-    from harness.planner.predict import predict_many
 
-    prof = load_profile("a100-80gb")
-    shape, wl = resolve_shape("paper-65b"), Workload(2048, 2048)
-    t = time.perf_counter()
-    lays = en.layouts(
-        shape,
-        wl,
-        4096,
-        8,
-        attention=[a for a in en.DEFAULTS["attention"] if a in prof.attention_kernels],
-        rmsnorm=en.DEFAULTS["rmsnorm"],
-        micro_batch_sizes=en.DEFAULTS["micro_batch_sizes"],
-        checkpointing=en.DEFAULTS["checkpointing"],
-        sequence_parallel=en.DEFAULTS["sequence_parallel"],
-        zero_stage=1,
-        engine="own",  # the command's default engine: its candidates, interleaved schedules included
-        fsdp=False,
-    )
-    preds = predict_many(shape, lays, wl, prof)
-    return time.perf_counter() - t, len(preds)
+    out = {}
+    for name, (flags, _) in CASES.items():
+        argv = ["plan", *flags.split()]
+        args = build_parser(argv)[0].parse_args(argv)
+        _, _, preds = plan_of(args, resolve_shape(args.model), load_profile(args.hardware))
+        out[name] = [
+            [
+                repr(p.layout),
+                p.fits,
+                p.available,
+                repr(p.memory_gib),
+                repr(p.step_time_s),
+                repr(p.mfu),
+                repr(p.tokens_per_s),
+                p.worst_stage,
+                {k: repr(v) for k, v in p.memory_breakdown_gib.items()},
+                {k: repr(v) for k, v in p.time_breakdown_s.items()},
+                p.why_unavailable,
+            ]
+            for p in preds
+        ]
+    return out
+
+
+def check(path: str) -> bool:
+    saved, now = json.load(open(path)), predictions()
+    same = True
+    for name in CASES:
+        a, b = saved.get(name, []), now[name]
+        if a == b:
+            print(f"{name}: {len(b)} predictions identical to {path}")
+            continue
+        same = False
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        print(f"{name}: DIFFERENT from {path} ({len(a)} saved, {len(b)} now; first at {i})")
+        for row in (a[i : i + 1], b[i : i + 1]):
+            print(f"  {row}")
+    return same
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--baseline", metavar="DIR", help="another checkout to time side by side (its root)")
+    p.add_argument("--save", metavar="FILE", help="write every candidate's prediction of the three plans")
+    p.add_argument("--check", metavar="FILE", help="compare every candidate's prediction with a saved FILE")
     args = p.parse_args()
-    whole_process()  # warm the file cache and the bytecode
-    totals, cpu, imports, preds = [], [], [], []
-    n = 0
-    for _ in range(args.rounds):
-        wall, used = whole_process()
-        totals.append(wall)
-        cpu.append(used)
-        imports.append(imports_in_a_fresh_process())
-        t, n = predictions_here()
-        preds.append(t)
+    if args.save:
+        json.dump(predictions(), open(args.save, "w"))
+        print(f"saved the predictions of {len(CASES)} plans to {args.save}")
+    same = check(args.check) if args.check else True
     med = statistics.median
-    print(f"harness {' '.join(ARGS)}")
-    print(
-        f"whole process:        median {med(totals):.3f} s (min {min(totals):.3f}, max {max(totals):.3f}, "
-        f"{args.rounds} rounds); CPU time median {med(cpu):.3f} s"
-    )
-    print(f"imports of the plan path: median {med(imports):.3f} s")
-    print(f"{n} predictions:   median {med(preds):.3f} s ({1e6 * med(preds) / n:.0f} us per layout)")
-    print(f"target {TARGET_S:.1f} s; ratio: {med(totals) / TARGET_S:.2f}")
+    for name, (flags, target) in CASES.items() if args.rounds else ():
+        whole_process(flags)  # warm the file cache and the bytecode
+        wall, cpu, base_wall, base_cpu, loads = [], [], [], [], []
+        for _ in range(args.rounds):
+            w, c = whole_process(flags)
+            wall.append(w)
+            cpu.append(c)
+            loads.append(os.getloadavg()[0])
+            if args.baseline:
+                w, c = whole_process(flags, args.baseline)
+                base_wall.append(w)
+                base_cpu.append(c)
+        print(f"{name}: harness plan {flags}")
+        print(
+            f"  this tree: median {med(wall):.2f} s wall (min {min(wall):.2f}), CPU {med(cpu):.2f} s; "
+            f"load {min(loads):.1f}-{max(loads):.1f}; target {target:g} s; ratio: {med(wall) / target:.2f}"
+        )
+        if args.baseline:
+            print(
+                f"  {args.baseline}: median {med(base_wall):.2f} s wall, CPU {med(base_cpu):.2f} s; "
+                f"this tree / it: {med(wall) / med(base_wall):.2f} wall, {med(cpu) / med(base_cpu):.2f} CPU"
+            )
+    if not same:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ examples:
   harness memory spec.yaml --format json
   harness memory examples/tiny.yaml --set layout.engine=own --set layout.tp=2
   harness memory examples/tiny.yaml --set layout.engine=fsdp --set layout.dp=2
+  harness memory spec.yaml --hardware h100-sxm
   harness memory spec.yaml --set workload.model=paper-13b --set workload.seq_len=8192 --hardware h100-sxm"""
 
 
@@ -35,8 +36,9 @@ def add_arguments(p) -> None:
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument(
         "--hardware",
-        default="a100-80gb",
-        help="profile whose device memory the peak is checked against (a100-80gb, h100-sxm, ... or a YAML)",
+        default=None,
+        help="profile whose device memory the peak is checked against (a100-80gb, h100-sxm, ... or a YAML); "
+        "a spec names no device: without it the fit is not judged (the output says so)",
     )
 
 
@@ -67,12 +69,20 @@ def main(args) -> int:
             "mixture of experts: engine fsdp runs the plain MoE layer, whose routing is data (torch.nonzero has no "
             "shape on fake tensors); the own engine's is traced with even routing: set engine: own",
         )
-    profile = load_profile(args.hardware)
+    profile = load_profile(args.hardware) if args.hardware is not None else None  # before the trace: a bad name
     from harness.memtrace.result import table_lines, trace_spec
 
     result = trace_spec(spec, profile)
-    if args.format == "json":
-        print(json.dumps(result))
+    if args.format == "json":  # no device assumed: a spec carries none (an imported plan's was its --hardware)
+        print(json.dumps(result if profile is not None else {**result, "hardware": None}))  # and no "fits"
     else:
         print("\n".join(table_lines(result)))
+        if profile is None:
+            print(NO_HARDWARE)
     return 0
+
+
+NO_HARDWARE = (
+    "fit not judged: the spec names no device; give --hardware (the profile the plan was made for, "
+    "e.g. h100-sxm) to check the peak against its memory"
+)

@@ -16,6 +16,7 @@ default ./<hardware>-calibrated.yaml).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import sys
 
@@ -134,6 +135,19 @@ def _need(args, *names):
 
 
 def main(args) -> int:
+    """The command, with the cyclic garbage collector paused: a plan holds hundreds of thousands of
+    acyclic objects (layouts, predictions), over which each of the collector's full passes costs about a
+    tenth of the plan (benchmarks/plan_speed.py); reference counting frees them all the same."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _main(args)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _main(args) -> int:
     from harness.model.presets import resolve_shape
 
     profiles = _profiles(args)
@@ -180,83 +194,25 @@ def main(args) -> int:
 
 def plan_of(args, shape, profile) -> tuple:
     """(workload, GPUs per node, predictions ranked: fitting first, fastest first) of the candidate
-    layouts the flags ask for on one hardware profile."""
+    layouts the flags ask for on one hardware profile (the flags checked in plan_checks.py)."""
+    from harness.commands.plan_checks import check_used, options
     from harness.planner import candidates as en
-    from harness.planner.layout import ATTENTION, PRECISIONS, Workload
+    from harness.planner.layout import Workload
     from harness.planner.predict import predict_many
-    from harness.planner.schedules import SCHEDULES
-    from harness.spec import CHECKPOINTING, CP_IMPLS, RMSNORM_KERNELS
 
     gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node  # 0 is refused, not the default
     wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
-    attention = en.parse_list(
-        args.attention,
-        ATTENTION,
-        "--attention",
-        [a for a in en.DEFAULTS["attention"] if a in profile.attention_kernels],
-    )
-    rmsnorm = en.parse_list(args.rmsnorm, RMSNORM_KERNELS, "--rmsnorm", en.DEFAULTS["rmsnorm"])
-    mbs = en.parse_list(args.micro_batch_sizes, None, "--micro-batch-sizes", en.DEFAULTS["micro_batch_sizes"], int)
-    if any(m < 1 for m in mbs):
-        raise SpecError("--micro-batch-sizes", "must be positive")
-    ck = en.parse_list(
-        args.activation_checkpointing, CHECKPOINTING, "--activation-checkpointing", en.DEFAULTS["checkpointing"]
-    )
-    sp = en.parse_list(
-        args.sequence_parallel, (False, True), "--sequence-parallel", en.DEFAULTS["sequence_parallel"], en.parse_bool
-    )
-    cps = en.parse_list(args.cp, None, "--cp", (), int) if args.cp is not None else None
-    if cps is not None and any(c < 1 for c in cps):
-        raise SpecError("--cp", "must be positive")
-    impls = en.parse_list(args.cp_impl, CP_IMPLS, "--cp-impl", ()) if args.cp_impl is not None else None
-    scheds = en.parse_list(args.pipeline_schedule, SCHEDULES, "--pipeline-schedule", ()) or None
-    if scheds and args.engine == "paper" and scheds != ["1f1b"]:
-        raise SpecError("--pipeline-schedule", "the study's engine ran 1f1b only")
-    virtual = en.parse_list(args.virtual_stages, None, "--virtual-stages", (), int) or None
-    if virtual and min(virtual) < 1:
-        raise SpecError("--virtual-stages", "must be positive")
-    precisions = en.parse_list(args.precision, PRECISIONS, "--precision", ("bf16",))
-    if "fp8" in precisions and not profile.fp8:
-        raise SpecError("--precision", f"fp8: {profile.name} has no FP8 tensor cores (its profile says fp8: false)")
-    shards = en.parse_list(args.dp_shard, None, "--dp-shard", (), int) if args.dp_shard is not None else None
-    if shards is not None and (args.engine != "fsdp" or any(v < 0 for v in shards)):
-        raise SpecError("--dp-shard", "takes sizes >= 0 under --engine fsdp only (its sharding groups)")
-    eps = en.parse_list(args.ep, None, "--ep", (), int) if args.ep is not None else None
-    if eps is not None and (min(eps) < 1 or not shape.moe and eps != [1]):
-        raise SpecError("--ep", "takes positive degrees, above 1 for a mixture-of-experts model only")
-    if args.top is not None and args.top < 1:
-        raise SpecError("--top", "must be at least 1")
-    preds = predict_many(
-        shape,
-        en.layouts(
-            shape,
-            wl,
-            args.gpus,
-            gpn,
-            attention=attention,
-            rmsnorm=rmsnorm,
-            micro_batch_sizes=mbs,
-            checkpointing=ck,
-            sequence_parallel=sp,
-            zero_stage=args.zero,
-            cp_values=cps,
-            cp_impls=impls,
-            pipeline_schedules=scheds,
-            virtual_stages=virtual,
-            precisions=precisions,
-            dp_shards=shards,
-            ep_values=eps,
-            **_on_engine(args, shape, cps, impls),
-        ),
-        wl,
-        profile,
-    )
-    if not preds and shards:
+    opts = options(args, shape, profile)
+    preds = predict_many(shape, en.layouts(shape, wl, args.gpus, gpn, **opts), wl, profile)
+    if not preds and opts["dp_shards"]:
         raise SpecError("--dp-shard", f"{args.dp_shard} divides the dp x cp of no layout of {args.gpus} GPUs")
+    if not preds and (opts["ep_values"] or opts["virtual_stages"]):
+        check_used(args, opts, preds)  # the degrees asked for are those no split takes
     if not preds:
         raise SpecError(
             "--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} (global batch {args.global_batch_size})"
         )
+    check_used(args, opts, preds)
     preds.sort(key=lambda p: (not (p.fits and p.available), -p.mfu))
     return wl, gpn, preds
 
@@ -306,7 +262,7 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
             f"{r['activation_checkpointing']:9} "
             f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
             f"{r['precision'].ljust(5) + ' ' if prec else ''}"
-            f"{r['memory_gib']:8.1f} {'yes' if r['fits'] else 'no':4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
+            f"{r['memory_gib']:8.1f} {_fits_cell(p):4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
             f"{' *' if id(p) in near else ''}"
         )
         if args.explain:
@@ -317,11 +273,33 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
             if p.why_unavailable:
                 print(f"      unavailable: {p.why_unavailable}")
     print(note)
-    for line in _cp_lines(args, preds, fitting) + _moe_lines(args, shape):
+    for line in _margin_lines([row.pred for row in rows], profile) + _cp_lines(args, preds, fitting):
+        print(line)
+    for line in _moe_lines(args, shape):
         print(line)
     if args.emit_sweep:
         print(f"wrote {args.emit_sweep}", file=sys.stderr)
     return 0
+
+
+def _fits_cell(p) -> str:
+    """yes, no, or yes! for a layout that fits within the allocator's margin of the device."""
+    return ("yes!" if p.tight else "yes") if p.fits and p.available else "no"
+
+
+def _margin_lines(shown, profile) -> list[str]:
+    """The shown layouts that fit within the allocator's margin of the device (predict.tight_fit)."""
+    from harness.planner.predict import ALLOCATOR_MARGIN
+
+    tight = [p for p in shown if p.fits and p.available and p.tight]
+    if not tight:
+        return []
+    worst = max(tight, key=lambda p: p.memory_gib)
+    return [
+        f"! {worst.memory_gib:.1f} GiB of {profile.memory_gib:g}: within the {ALLOCATOR_MARGIN:.0%} allocator margin "
+        f"(the memory model's fragmentation, harness/planner/memory_terms.py): may not fit (the {len(tight)} "
+        f"layouts marked yes!, from {min(p.memory_gib for p in tight):.1f} GiB)"
+    ]
 
 
 # What --findings does not combine with: each prints its own output of one plan.
@@ -345,38 +323,6 @@ def _profiles(args) -> list:
         if seen.count(name) > 1:
             raise SpecError("--hardware", f"names profile {name} twice")
     return profiles
-
-
-def _on_engine(args, shape, cps, impls) -> dict:
-    """The PlannerLayout fields of the candidate layouts under --engine (the memory model of that engine's
-    precision policy and sharding: harness/planner/memory_engines.py); fsdp shards fully whatever --zero
-    says. An option the engine's facts say it cannot honour is refused here, in one line.
-    (Given to candidates.layouts, not set on each layout after: 16,000 copies cost 0.1 s.)"""
-    from harness.planner import context
-    from harness.planner.layout import PAPER
-    from harness.spec import Layout, model_limit_error
-
-    if args.engine != PAPER:
-        facts = registry.facts(args.engine)
-        # (an engine that runs stage 3 shards fully: fsdp takes any --zero)
-        if args.zero > 1 and not facts.runs("layout.zero_stage", (args.zero, 3)):
-            raise SpecError("--zero", facts.refuses("layout.zero_stage", args.zero, 0))
-        error = model_limit_error(shape, Layout(engine=args.engine))
-        if error is not None and not (shape.moe and not facts.runs_moe):  # MoE: planned all the same (_moe_lines)
-            raise SpecError("--engine", f"{args.engine}: {error}")
-        if args.compile != "none" and facts.refuses("layout.compile", args.compile, "none"):
-            raise SpecError("--compile", facts.refuses("layout.compile", args.compile, "none"))
-        if args.ep and any(e.strip() not in ("", "1") for e in args.ep.split(",")) and facts.refuses("layout.ep", 2, 1):
-            raise SpecError("--ep", facts.refuses("layout.ep", 2, 1))
-    runs = context.engine_impls(args.engine)
-    if cps and max(cps) > 1 and not runs:
-        raise SpecError("--cp", context.no_cp(args.engine))
-    for impl in impls or ():
-        if impl not in runs:
-            raise SpecError(
-                "--cp-impl", f"engine {args.engine} runs {', '.join(runs) or 'no context parallelism'}, not {impl}"
-            )
-    return {"engine": args.engine, "fsdp": args.engine == "fsdp", "compile": args.compile}
 
 
 def _moe_lines(args, shape) -> list[str]:

@@ -12,6 +12,7 @@ ranges over ep too: every divisor of dp x cp that divides the experts (harness/p
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from harness import registry
@@ -100,7 +101,15 @@ def layouts(
                 shards = shard_groups(dims.replicas(), dp_shards, tp, gpus_per_node) if fields.get("fsdp") else (0,)
                 eps = feedforward.of(shape).ep_degrees(dims.replicas(), ep_values)
                 if engine != PAPER and shape.moe:  # the degrees the engine shares experts out over (fsdp: none)
-                    eps = [e for e in eps if e == 1 or registry.facts(engine).runs("layout.ep", [e])] or [1]
+                    eps = [e for e in eps if e == 1 or registry.facts(engine).runs("layout.ep", [e])]
+                if not eps:
+                    continue  # no ep asked for (--ep) divides this split's dp x cp: no layout here
+                # every layout of this split: the split's fields once (one PlannerLayout built as usual), the
+                # others set per layout on a new instance's __dict__ (a frozen dataclass's __init__ costs
+                # four times as much, and a plan builds tens of thousands)
+                split = _fields_of(
+                    PlannerLayout(tp=tp, pp=pp, dp=dp, micro_batch_size=1, zero_stage=zero_stage, cp=cp, **fields)
+                )
                 for mb, (sched, v), ck, sp, att, rms, impl, prec, shard, ep in itertools.product(
                     micro_batch_sizes,
                     pipes,
@@ -119,25 +128,30 @@ def layouts(
                         continue
                     if sched in schedules.INTERLEAVED and (wl.global_batch_size // dp // mb) % pp:
                         continue  # Megatron's interleaved schedule (and the spec's): micro-batches divisible by pp
-                    yield PlannerLayout(
-                        tp=tp,
-                        pp=pp,
-                        dp=dp,
-                        micro_batch_size=mb,
-                        activation_checkpointing=ck,
-                        sequence_parallel=sp,
-                        attention=att,
-                        rmsnorm=rms,
-                        zero_stage=zero_stage,
-                        cp=cp,
-                        cp_impl=impl,
-                        pipeline_schedule=sched,
-                        virtual_stages=v,
-                        precision=prec,
-                        dp_shard=shard,
-                        ep=ep,
-                        **fields,
-                    )
+                    lay = _new(PlannerLayout)
+                    values = lay.__dict__
+                    values.update(split)
+                    values["micro_batch_size"] = mb
+                    values["activation_checkpointing"] = ck
+                    values["sequence_parallel"] = sp
+                    values["attention"] = att
+                    values["rmsnorm"] = rms
+                    values["cp_impl"] = impl
+                    values["pipeline_schedule"] = sched
+                    values["virtual_stages"] = v
+                    values["precision"] = prec
+                    values["dp_shard"] = shard
+                    values["ep"] = ep
+                    yield lay
+
+
+_new = object.__new__
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(PlannerLayout))
+
+
+def _fields_of(lay: PlannerLayout) -> dict:
+    """A layout's fields by name, in the dataclass's order (and nothing else its __dict__ may hold)."""
+    return {name: getattr(lay, name) for name in _FIELD_NAMES}
 
 
 def cannot_build(shape: Shape, engine: str, **degrees) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import asdict, dataclass, field
 
 from harness import registry
@@ -145,18 +146,35 @@ _SPEC_FIELDS = [f for f in dataclasses.fields(SpecLayout) if f.name not in UNMOD
 _CAST = {"int": int, "float": float, "bool": bool, "str": str}  # a spec field's value, by its type
 
 
+class _remembered:
+    """functools.cached_property without its lock (Python 3.11's takes one on every first access): the
+    value is written to the instance's __dict__ (a frozen dataclass allows that: it refuses only
+    setattr), where it answers every later access at C speed (a non-data descriptor)."""
+
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
+
+
 class _Planned:
     """PlannerLayout's methods (its fields: _SPEC_FIELDS, then PlannerOwn's)."""
 
-    @property
+    # dims, gpus and replicas are remembered on the instance (_remembered): a plan asks them several times
+    # of each of thousands of layouts; the dataclass's eq, hash, repr, asdict and replace read the fields only.
+    @_remembered
     def dims(self) -> ParallelDims:
-        return _dims(*(getattr(self, d) for d in DEGREES))
+        return _dims(*_DEGREES_OF(self))
 
-    @property
+    @_remembered
     def gpus(self) -> int:
         return _world(self.dims)
 
-    @property
+    @_remembered
     def replicas(self) -> int:
         """How many ranks hold each parameter shard (dp x cp: harness.parallel_dims.REPLICA_AXES)."""
         return _replicas(self.dims)
@@ -265,6 +283,9 @@ def _world(dims: ParallelDims) -> int:
 @functools.lru_cache(maxsize=4096)
 def _replicas(dims: ParallelDims) -> int:
     return dims.replicas()
+
+
+_DEGREES_OF = operator.attrgetter(*DEGREES)
 
 
 @functools.lru_cache(maxsize=4096)  # a plan asks each layout's degrees many times

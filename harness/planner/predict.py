@@ -9,9 +9,9 @@ as tokens/s does).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
+import gc
+import operator
 from dataclasses import dataclass, field
 
 from harness.errors import SpecError
@@ -20,7 +20,7 @@ from harness.model.presets import Shape
 from harness.planner import feedforward, schedules
 from harness.planner.hardware import Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PRECISIONS, PlannerLayout, Workload
-from harness.planner.memory import GIB, fits, worst_stage_memory
+from harness.planner.memory import FRAGMENTATION, GIB, fits, worst_stage_memory
 from harness.planner.timing import step_time, theta_from_profile
 from harness.spec import CP_IMPLS, RMSNORM_KERNELS
 
@@ -43,6 +43,8 @@ class Prediction:
     memory_breakdown_gib: dict = field(default_factory=dict)
     time_breakdown_s: dict = field(default_factory=dict)
     why_unavailable: str = ""
+    # fits, but within the allocator's margin of the device (tight_fit): may not fit
+    tight: bool = False
 
     def row(self) -> dict:
         """The JSON object `harness plan --format json` prints per layout."""
@@ -66,6 +68,7 @@ class Prediction:
             "compile": lay.compile,
             "dp_shard": lay.shard_group if lay.fsdp else None,  # ranks per sharding group (fsdp)
             "fits": bool(self.fits and self.available),
+            "within_allocator_margin": bool(self.tight),
             "memory_gib": round(self.memory_gib, 2),
             "step_time_s": round(self.step_time_s, 4),
             "mfu": round(self.mfu, 4),
@@ -85,6 +88,20 @@ def kernel_available(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profi
     if cls in FLASH_MAX_HEAD_DIM and shape.head_dim > FLASH_MAX_HEAD_DIM[cls]:
         return f"{lay.attention} supports head dim up to {FLASH_MAX_HEAD_DIM[cls]}"
     return ""
+
+
+# The margin of the device a prediction that fits must leave to be trusted to fit: the caching
+# allocator's fragmentation as the memory model takes it without a pipeline (memory_terms.FRAGMENTATION,
+# the low end of the reserved/allocated ratios of 1.05-1.3 it cites), here taken of the whole device.
+# The prediction counts fragmentation on the dynamic memory only; a layout within this margin of the
+# device is one that a little more fragmentation (or a term the model does not hold) pushes out.
+ALLOCATOR_MARGIN = FRAGMENTATION
+
+
+def tight_fit(total_bytes: float, profile: Profile) -> bool:
+    """Whether a total that fits lies within ALLOCATOR_MARGIN of the device's memory."""
+    device = profile.memory_gib * GIB
+    return (1 - ALLOCATOR_MARGIN) * device < total_bytes <= device
 
 
 def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
@@ -123,9 +140,18 @@ def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
         raise SpecError("precision", f"{lay.precision!r} is not one of {', '.join(PRECISIONS)}")
 
 
-@functools.lru_cache(maxsize=256)
+# By the shape's id, not its hash (hashing a Shape costs more than a prediction's arithmetic; a plan asks
+# once per layout); each entry holds its shape, so an id in here is never another shape's.
+_FLOPS: dict[tuple[int, int], tuple[Shape, float]] = {}
+
+
 def _palm_flops_per_token(shape: Shape, seq_len: int) -> float:
-    return flops_per_token(shape, seq_len)["palm"]
+    hit = _FLOPS.get((id(shape), seq_len))
+    if hit is None:
+        if len(_FLOPS) >= 256:
+            _FLOPS.clear()
+        hit = _FLOPS[(id(shape), seq_len)] = (shape, flops_per_token(shape, seq_len)["palm"])
+    return hit[1]
 
 
 def predict(
@@ -142,15 +168,15 @@ def predict(
     many layouts of one shape, workload and profile."""
     validate(shape, layout, workload)
     if memory_cache is None:
-        stage, parts = worst_stage_memory(shape, layout, workload)
+        memory = _memory(shape, layout, workload, profile)
     else:
         mkey = memory_key(layout)
-        hit = memory_cache.get(mkey)
-        if hit is None:
-            hit = memory_cache[mkey] = worst_stage_memory(shape, layout, workload)
-        stage, parts = hit
+        memory = memory_cache.get(mkey)
+        if memory is None:
+            memory = memory_cache[mkey] = _memory(shape, layout, workload, profile)
+    stage, total, breakdown_gib, fit, tight = memory
     t, breakdown = step_time(
-        shape, layout, workload, profile, theta or theta_from_profile(profile), layer_cache, memory_bytes=parts["total"]
+        shape, layout, workload, profile, theta or theta_from_profile(profile), layer_cache, memory_bytes=total
     )
     tokens = workload.global_batch_size * workload.seq_len
     flops = tokens * _palm_flops_per_token(shape, workload.seq_len)
@@ -158,17 +184,27 @@ def predict(
     why = kernel_available(shape, layout, workload, profile)
     return Prediction(
         layout=layout,
-        fits=fits(parts["total"], profile),
+        fits=fit,
         available=not why,
-        memory_gib=parts["total"] / GIB,
+        memory_gib=total / GIB,
         step_time_s=t,
         mfu=mfu,
         tokens_per_s=tokens / t,
         worst_stage=stage,
-        memory_breakdown_gib={k: v / GIB for k, v in parts.items() if k != "params"},
+        memory_breakdown_gib=breakdown_gib,
         time_breakdown_s=breakdown,
         why_unavailable=why,
+        tight=tight,
     )
+
+
+def _memory(shape: Shape, layout: PlannerLayout, workload: Workload, profile: Profile) -> tuple:
+    """(worst stage, its total bytes, its breakdown in GiB, fits, tight_fit): what a prediction takes of
+    memory.py, once per memory_key in predict_many (layouts sharing it share the breakdown's dict)."""
+    stage, parts = worst_stage_memory(shape, layout, workload)
+    total = parts["total"]
+    gib = {k: v / GIB for k, v in parts.items() if k != "params"}
+    return stage, total, gib, fits(total, profile), tight_fit(total, profile)
 
 
 # One kernel per cost class stands for the others: memory.py and timing.py read the attention
@@ -180,14 +216,18 @@ CLASS_REPRESENTATIVE = {
 }
 
 
+# A layout's field values but its attention kernel as a tuple, at C speed (attrgetter): the caches' keys
+# below read the fields only (not whatever else an instance's __dict__ holds).
+FIELDS = tuple(f.name for f in dataclasses.fields(PlannerLayout))
+_BUT_ATTENTION = operator.attrgetter(*(f for f in FIELDS if f != "attention"))
+
+
 def memory_key(layout: PlannerLayout) -> tuple:
     """Layouts whose memory is the same: memory.py tells attention kernels apart only by whether
     they materialise the score matrix (naive, fused_softmax) or not (every flash-style kernel keeps
     no s x s tensor); tests/test_plan_output.py checks it on every engine."""
-    fields = dict(layout.__dict__)  # a copy at C speed: a plan builds a key per layout
-    if ATTENTION_CLASS.get(layout.attention) not in MATERIALISED:
-        fields["attention"] = "flash"
-    return tuple(fields.values())
+    att = layout.attention if ATTENTION_CLASS.get(layout.attention) in MATERIALISED else "flash"
+    return (att, _BUT_ATTENTION(layout))  # a plan builds a key per layout
 
 
 def prediction_key(layout: PlannerLayout) -> PlannerLayout:
@@ -215,28 +255,50 @@ def predict_many(
     shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None = None, **kw
 ) -> list[Prediction]:
     """predict() for every layout, computing each cost class once (`harness plan` over thousands
-    of layouts must answer in well under a second); the same Predictions as one call each."""
+    of layouts must answer in well under a second); the same Predictions as one call each: a layout
+    whose key (its fields, the attention kernel as its rate class) was predicted is that prediction
+    with its own layout and availability (kernel_available reads the kernel, micro-batch, tp and
+    precision only: remembered by those)."""
+    paused = gc.isenabled()
+    if paused:  # the collector's passes over the growing list cost a tenth of a plan: nothing here is cyclic
+        gc.disable()
+    try:
+        return _predict_many(shape, layouts, workload, profile, theta, **kw)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None, **kw) -> list:
     theta = theta or theta_from_profile(profile)
     same = _same_rate_classes(theta)
+    rate_class: dict[str, str] = {}  # attention kernel -> the class that stands for it in the key
     cache: dict = {}
     layer_cache: dict = {}
     memory_cache: dict = {}
+    why_cache: dict = {}
     out = []
     for lay in layouts:
-        fields = dict(lay.__dict__)
-        cls = ATTENTION_CLASS.get(lay.attention, lay.attention)
-        fields["attention"] = same.get(cls, cls)
-        key = tuple(fields.values())
+        att = lay.attention
+        cls = rate_class.get(att)
+        if cls is None:
+            cls = ATTENTION_CLASS.get(att, att)
+            cls = rate_class[att] = same.get(cls, cls)
+        key = (cls, _BUT_ATTENTION(lay))
         base = cache.get(key)
         if base is None:
-            rep = CLASS_REPRESENTATIVE.get(fields["attention"], lay.attention)
-            stand_in = lay if rep == lay.attention else dataclasses.replace(lay, attention=rep)
+            rep = CLASS_REPRESENTATIVE.get(cls, att)
+            stand_in = lay if rep == att else dataclasses.replace(lay, attention=rep)
             base = cache[key] = predict(shape, stand_in, workload, profile, theta, layer_cache, memory_cache, **kw)
-        if base.layout is lay or base.layout == lay:
+        if base.layout is lay or base.layout.attention == att:  # the key holds every other field: an equal layout
             out.append(base)
-        else:  # an alias: the same prediction, its own layout and availability
-            why = kernel_available(shape, lay, workload, profile)
-            alias = copy.copy(base)
-            alias.layout, alias.available, alias.why_unavailable = lay, not why, why
-            out.append(alias)
+            continue
+        wkey = (att, lay.micro_batch_size, lay.tp, lay.precision)
+        why = why_cache.get(wkey)
+        if why is None:
+            why = why_cache[wkey] = kernel_available(shape, lay, workload, profile)
+        alias = object.__new__(Prediction)  # a shallow copy (copy.copy's, at a third of its cost)
+        alias.__dict__.update(base.__dict__)
+        alias.layout, alias.available, alias.why_unavailable = lay, not why, why
+        out.append(alias)
     return out

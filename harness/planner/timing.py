@@ -27,7 +27,9 @@ each layer, the experts' gradients reduced over the expert-data-parallel group.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import operator
 
 from harness.model.presets import Shape
 from harness.planner import feedforward, fp8, schedules
@@ -119,15 +121,18 @@ def _per_layer(
 _NOT_DATA_PARALLEL = frozenset(("activation_checkpointing", "sequence_parallel", "attention", "rmsnorm", "compile"))
 
 
+# The other fields' values as a tuple, at C speed: the key of _dp_terms' cache.
+_DATA_PARALLEL_FIELDS = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(PlannerLayout) if f.name not in _NOT_DATA_PARALLEL)
+)
+
+
 def _dp_terms(shape, lay, wl, prof, kinds, cache) -> tuple[dict, float]:
     """_data_parallel's terms, from `cache` (the caller's layer_cache) when it has them: a plan asks
     them of every kernel, checkpointing and sequence-parallel variant of one split."""
     if cache is None:
         return _data_parallel(shape, lay, wl, prof, kinds)
-    fields = dict(lay.__dict__)
-    for k in _NOT_DATA_PARALLEL:
-        fields[k] = None
-    key = ("data_parallel", *fields.values())
+    key = ("data_parallel", *_DATA_PARALLEL_FIELDS(lay))
     hit = cache.get(key)
     if hit is None:
         hit = cache[key] = _data_parallel(shape, lay, wl, prof, kinds)
@@ -285,16 +290,36 @@ def _breakdown(lay, m, f, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta,
     }
 
 
-def cp_breakdown(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict, layer_passes: int) -> dict:
+def cp_breakdown(
+    shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict, layer_passes: int, cache=None
+) -> dict:
     """The cp exchange of the slowest stage over a step (`layer_passes`: its layers x micro-batches,
     part of compute_and_tp_s): the seconds of all its transfers, those the attention does not hide,
-    and the bytes one rank sends."""
-    attention = attention_features(shape, lay, wl, prof)
-    key, exposed, total = cp_exchange(shape, lay, wl, prof, theta, attention)
-    sent = exchange_bytes(shape, lay, wl.seq_len, wl.dtype_bytes)["total"]
+    and the bytes one rank sends. `cache` (step_time's layer_cache): the exchange of one layer and
+    micro-batch, by the fields it reads (a plan asks it of every layout with cp > 1)."""
+    key = None
+    if cache is not None:
+        key = (
+            "cp",
+            lay.micro_batch_size,
+            lay.tp,
+            lay.cp,
+            lay.cp_impl,
+            ATTENTION_CLASS[lay.attention],
+            lay.activation_checkpointing,
+            lay.dims,  # the cp group's span (its link)
+        )
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        attention = attention_features(shape, lay, wl, prof)
+        link, exposed, total = cp_exchange(shape, lay, wl, prof, theta, attention)
+        hit = (link, exposed, total, exchange_bytes(shape, lay, wl.seq_len, wl.dtype_bytes)["total"])
+        if cache is not None:
+            cache[key] = hit
+    link, exposed, total, sent = hit
     return {
-        "cp_exchange_s": layer_passes * theta[key] * total,
-        "cp_exposed_s": layer_passes * theta[key] * exposed,
+        "cp_exchange_s": layer_passes * theta[link] * total,
+        "cp_exposed_s": layer_passes * theta[link] * exposed,
         "cp_sent_gb": layer_passes * sent / 1e9,
     }
 
@@ -318,15 +343,17 @@ EXTRAS_IGNORE = frozenset(
 )
 
 
+_EXTRAS_FIELDS = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(PlannerLayout) if f.name not in EXTRAS_IGNORE)
+)
+
+
 def _extras(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profile, theta: dict, kinds, cache) -> tuple:
     """The time of each stage kind's stage_extras under theta, from `cache` (step_time's layer_cache)
     when the caller keeps one: keyed by every layout field but those stage_extras does not read
     (EXTRAS_IGNORE: the checkpointing, kernels, sharding of one mesh share it; a new field is in
     the key until someone adds it there)."""
-    fields = dict(lay.__dict__)
-    for k in EXTRAS_IGNORE:
-        fields[k] = None
-    key = ("extras", *fields.values())
+    key = ("extras", *_EXTRAS_FIELDS(lay))
     hit = cache.get(key) if cache is not None else None
     if hit is None:
         hit = tuple(dot(theta, stage_extras(shape, lay, wl, prof, first)) for _, first, _ in kinds)
@@ -365,7 +392,7 @@ def step_time(
     pressure = alloc_pressure(shape, lay, wl, prof, memory_bytes)
     breakdown = _breakdown(lay, m, f, compute_s, times_sum, t_slow, slow, dpx, opt_x, theta, pressure)
     if lay.cp > 1:
-        breakdown.update(cp_breakdown(shape, lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
+        breakdown.update(cp_breakdown(shape, lay, wl, prof, theta, m * kinds[i_slow][0][0][1], layer_cache))
     # a MoE's expert all-to-all, exposed: part of compute_and_tp_s (feedforward.py)
     breakdown.update(feedforward.of(shape).all_to_all_breakdown(lay, wl, prof, theta, m * kinds[i_slow][0][0][1]))
     return (
