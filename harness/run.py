@@ -17,7 +17,7 @@ import torch
 
 from harness import gather, profiling, registry
 from harness.data.source import token_source
-from harness.errors import NonFiniteStep, SpecError
+from harness.errors import NonFiniteStep
 from harness.frameworks import build_engine
 from harness.measure.census import SavedActivations
 from harness.measure.fingerprint import fingerprint
@@ -29,14 +29,7 @@ from harness.measure.timers import StepTimer
 from harness.measure.weights import MAX_PARAMETERS, weights_fingerprint
 from harness.model.compiled import CompileWatch
 from harness.model.flops import flops_per_token
-from harness.model.kernels import (
-    attention_backend_name,
-    need_of,
-    probe,
-    probe_in_child,
-    rmsnorm_backend_name,
-    run_kernels,
-)
+from harness.model.kernels import attention_backend_name, rmsnorm_backend_name, run_kernels
 from harness.model.moe import router_record
 from harness.model.presets import active_param_count, param_count
 from harness.model.training import precision_policy
@@ -46,7 +39,7 @@ from harness.profiling import trace as profile_trace
 from harness.profiling.analysis import breakdown as trace_breakdown
 from harness.profiling.counters import MeasuredSteps
 from harness.progress import Progress
-from harness.runtime import RunContext, choose_device
+from harness.runtime import RunContext
 from harness.spec import RunSpec, check_world_size, layout_label, micro_batches_per_step
 from harness.store import ResultsStore, mentions_oom, mentions_peer_failure, new_record, now_iso
 
@@ -100,37 +93,6 @@ def preflight(spec: RunSpec, ctx: RunContext):
         engine.preflight(spec)
     run_kernels(spec, ctx.device)  # the same check compare and sweep make before they launch (check_machine)
     return shape
-
-
-def check_machine(runs) -> None:
-    """Before the first launch (compare, a sweep under a local launcher): every run's kernels run
-    on the device its ranks get on this machine (preflight's check), else one SpecError naming the
-    first run that needs them. `runs`: (name, RunSpec or spec dict) pairs.
-
-    Each distinct need (kernels, device, precision, head size) is tried once: on CPU in this
-    process; on CUDA in one short child process (kernels.probe_in_child), so that the launching
-    process holds no CUDA context (on a GPU in exclusive-process mode its ranks could not get one,
-    elsewhere it would take memory from rank 0 for the whole comparison or sweep)."""
-    from harness.spec import parse_spec
-
-    needs: dict[tuple, list[str]] = {}
-    for name, spec in runs:
-        spec = spec if isinstance(spec, RunSpec) else parse_spec(spec)
-        device = choose_device(spec.workload.device, 0)  # a CUDA device the machine lacks: refused here
-        needs.setdefault(need_of(spec, device.type), []).append(name)
-    cuda = [n for n in needs if n[2] == "cuda"]
-    failed = probe_in_child(cuda) if cuda else {}
-    for need in needs:
-        if need[2] == "cpu":
-            try:
-                probe(need)
-            except SpecError as e:
-                failed[need] = (e.field, e.reason)
-    for need, names in needs.items():
-        if need in failed:
-            field, reason = failed[need]
-            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-            raise SpecError(f"{field} ({names[0]}{more})", f"{reason.rstrip('.')}; nothing was launched")
 
 
 class Trainer:

@@ -134,6 +134,10 @@ def main(args) -> int:
             summary["baseline"] = compare_with_baseline(baseline, summary, time_tolerance, args.baseline)
         paths = write_report(summary, args.out)
     print(f"verdict: {verdict_text(summary)}")  # failed runs with their cause, policy, parity, fingerprints
+    from harness.report.compare_steps import console_lines
+
+    for line in console_lines(summary):  # the fastest run and Why's pairs, as the report says them
+        print(line)
     for p in summary["parity"]["runs"]:
         if p["verdict"] == "FAIL":
             print(f"  parity FAIL: {p['label']} {p['note']}")

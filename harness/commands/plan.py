@@ -40,6 +40,7 @@ examples:
 
 
 def add_arguments(p) -> None:
+    from harness.planner.hardware import profile_names
     from harness.planner.layout import planner_engines
     from harness.spec import CHECKPOINTING, COMPILE, RMSNORM_KERNELS
 
@@ -51,7 +52,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--hardware",
         default="a100-80gb",
-        help="a100-40gb, a100-80gb, h100-sxm, h200, cpu or a YAML path (with --findings a comma list)",
+        help=f"{', '.join(profile_names())} or a YAML path (with --findings a comma list)",
     )
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage (default 1, as the study)")
     p.add_argument(

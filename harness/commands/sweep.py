@@ -121,7 +121,7 @@ def main(args) -> int:
             return 0
         print(submit_slurm(script))
         return 0
-    from harness.run import check_machine  # torch: only where points run here
+    from harness.launch.machine import check_machine  # torch: only where points run here
 
     # the points run on this machine: their kernels are tried here first (under slurm each node checks its own)
     check_machine([(f"point {p.label()!r}", p.spec) for p in pending(points, done, retry)])

@@ -173,9 +173,9 @@ def check_before_launch(cs: CompareSpec) -> None:
     """What the plan can tell before the first launch: that something is compared with the
     reference (a matrix whose every cell cannot run is a mistake, not a failed comparison), that
     each run's launcher can start its processes, and that this machine runs every run's kernels
-    (harness.run.check_machine). A SpecError line; nothing launched."""
+    (harness.launch.machine.check_machine). A SpecError line; nothing launched."""
     from harness.launch import check_launcher
-    from harness.run import check_machine
+    from harness.launch.machine import check_machine
 
     if not [p for p in cs.runs if not p.is_reference and not p.baseline]:
         left = [(c["label"], c["why"]) for c in cs.not_runnable] + list(cs.skipped)

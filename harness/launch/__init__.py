@@ -16,7 +16,7 @@ every process it starts dies with it (fenced): a killed sweep leaves no launcher
 
 The command line is command.py, the processes' environment environment.py, one run from start
 to record supervise.py, the fencing processes.py, the outcome outcome.py, the stale build locks
-build_lock.py, the run's notes on the console relay.py.
+build_lock.py, the run's notes on the console relay.py, the kernels checked before a launch machine.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ compiled by torch.compile (Inductor emits one fused Triton kernel on GPU, one C+
 `rmsnorm_backend_name` says which was used, and the run record keeps it.
 
 `probe` tries what one run needs (need_of); `probe_in_child` does it in a child process, so that a
-launching process (harness.run.check_machine, before compare and sweep launch) holds no CUDA context.
+launching process (harness.launch.machine.check_machine, before compare and sweep launch) holds no CUDA context.
 
 A model takes its kernels when it is built (`Kernels`): the layout's choice by default, or a
 stand-in given by whoever builds it (harness memory's fused RMSNorm with the kernel's memory on
@@ -208,7 +208,7 @@ def need_of(spec, device_type: str) -> tuple:
 
 def run_kernels(spec, device: torch.device) -> None:
     """The kernels a run computes with, checked on `device`: what a rank's preflight calls, and
-    harness.run.check_machine for every run before anything launches."""
+    harness.launch.machine.check_machine for every run before anything launches."""
     _, _, _, precision, head_dim = need_of(spec, device.type)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     check_kernels(spec.layout.attention, spec.layout.rmsnorm, device, dtype, head_dim)
@@ -224,7 +224,7 @@ def probe(need: tuple) -> None:
 
 def probe_in_child(needs: list[tuple]) -> dict[tuple, tuple[str, str]]:
     """{need: (field, reason)} for the needs that cannot run, tried by `python -m harness.model.kernels`,
-    so that the process asking holds no CUDA context (harness.run.check_machine)."""
+    so that the process asking holds no CUDA context (harness.launch.machine.check_machine)."""
     import json
     import subprocess
     import sys

@@ -293,6 +293,20 @@ def same_run_twice(cases: list[Case]) -> list[str]:
     return out
 
 
+def fastest_run(summary: dict) -> dict | None:
+    """The timed run (not oversubscribed) with the lowest measured median step, as the verdict ranks them."""
+    timed = [r for r in timed_runs(summary) if _median_s(r)]
+    return min(timed, key=_median_s) if timed else None
+
+
+def console_lines(summary: dict) -> list[str]:
+    """What `harness compare` prints after its verdict: the fastest run and Why's pairs, as the report says them."""
+    fastest, cases = fastest_run(summary), why_cases(summary)
+    out = [f"fastest run (measured median): {fastest['label']}"] if fastest else []
+    engines, layouts = comparisons(cases) if len(cases) >= 2 else ([], [])
+    return out + [f"why: {line.replace('**', '')}" for line in [*engines, *layouts, *same_run_twice(cases)]]
+
+
 def why_section(summary: dict) -> Section:
     cases, skipped = why_cases(summary), skipped_sentence(summary)
     if len(cases) < 2:
@@ -304,8 +318,7 @@ def why_section(summary: dict) -> Section:
                 *skipped,
             ],
         )
-    timed = [r for r in timed_runs(summary) if _median_s(r)]
-    fastest = min(timed, key=_median_s)  # by the measured median, as the verdict ranks them
+    fastest = fastest_run(summary)
     engines, layouts = comparisons(cases)
     drift = load_drift_text(summary)
     body = [WHY_TEXT, *skipped, *([drift] if drift else []), f"Fastest run (measured median): **{fastest['label']}**."]
