@@ -257,7 +257,7 @@ def test_matrix_shows_every_layout_under_every_engine_with_reasons(tmp_path):
     header, rows = layout_matrix(summary)
     assert header == ["layout", "own", "deepspeed ZeRO-1", "FSDP2 reshard"]
     by_row = {r[0]: r[1:] for r in rows}
-    assert by_row["dp4 mbs 1"][0] == "10.0 ms [9.0, 12.0] pass"
+    assert by_row["dp4 mbs 1"][0] == "10.0 ms [9.0, 12.0] (50%) pass"  # 2 steps: the range covers 50%
     assert by_row["tp2 pp2 mbs 1"][1].startswith("– layout.tp: DeepSpeed's tensor parallelism (AutoTP)")
     assert by_row["tp2 pp2 mbs 1"][2] == "failed"
     assert by_row["tp2 dp2 sp mbs 1"][1].startswith("– layout.sequence_parallel:")

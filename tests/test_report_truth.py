@@ -325,3 +325,37 @@ def test_the_compare_command_says_before_launch_which_runs_will_be_oversubscribe
         "runs of 4 processes x 1 thread(s) each exceed this machine's 2 cores: oversubscribed"
         in capsys.readouterr().err
     )
+
+
+# ------------------------------------------------------------------ item 1: every interval says its real coverage
+
+
+def test_every_interval_of_the_median_says_its_real_coverage(crowded):
+    """8 measured steps: the median's interval is the range, covering 1 - 2/256 = 99.2%, not 95%. The table
+    of runs, the matrix and the figures say so; a run recorded before ci_coverage gets it from its n."""
+    import copy
+
+    from harness.measure.stats import summarize
+    from harness.report.compare import figures
+
+    s = copy.deepcopy(crowded)
+    for i, r in enumerate(s["runs"]):
+        times = [(10.0 + i + 0.1 * k) / 1e3 for k in (3, 0, 7, 1, 5, 2, 6, 4)]
+        st = summarize(times)
+        r["metrics"].update(step_times_s=times, step_time_s=st)
+        r["row"].update(
+            step_time_median_s=st["median"],
+            step_time_ci95_s=[st["ci95_low"], st["ci95_high"]],
+            steps_measured=8,
+            step_time_ci_coverage=st["ci_coverage"],
+        )
+    old = s["runs"][1]  # written before coverage was kept
+    del old["metrics"]["step_time_s"]["ci_coverage"], old["row"]["step_time_ci_coverage"]
+    md = markdown("t", sections(s, figs=[]), "img")
+    assert "95% CI" not in md and "median interval (coverage)" in md
+    runs = md[md.index("| Run |") :]
+    assert "| [11.0 ms, 11.7 ms] (99.2%) |" in runs[: runs.index("\n\n")]  # the old record: from n = 8
+    matrix = md[md.index("## Layouts by engine") :]
+    assert "11.4 ms [11.0, 11.7] (99.2%) pass" in matrix[: matrix.index("\n## ")]
+    alts = {name: alt for name, _, alt in figures(s)}
+    assert alts["throughput"].endswith("interval of the median (99.2%)") and "95%" not in alts["throughput"]

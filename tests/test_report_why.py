@@ -178,7 +178,7 @@ def test_a_difference_inside_the_confidence_intervals_is_not_distinguishable():
     z2 = case("deepspeed ZeRO-2", 22.2, (13.7, 30.7), compute=10.0, dp=12.2)
     assert explain(z2, z1) == (
         "deepspeed ZeRO-2 (22.2 ms [13.7, 30.7]) and deepspeed ZeRO-1 (16.8 ms [15.4, 22.9]): not distinguishable "
-        "(the 95% confidence intervals of the median step overlap); nothing to explain."
+        "(the intervals of the median step overlap); nothing to explain."
     )
     assert "not distinguishable" not in explain(z1, case("slow", 40.0, (31.0, 45.0), compute=10.0, dp=30.0))
 

@@ -93,6 +93,7 @@ def pool_rounds(entry: dict, rounds: list[list[float]]) -> None:
         step_time_ci95_low_s=st["ci95_low"],
         step_time_ci95_high_s=st["ci95_high"],
         steps_measured=st["n"],
+        step_time_ci_coverage=st["ci_coverage"],
     )
     entry["step_time_rounds_s"] = rounds
 

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from harness.parallel_dims import ParallelDims
 from harness.report import plots
 from harness.report.breakdown import ablation_why
-from harness.report.data import Metric, Row, fmt_s
+from harness.report.data import Metric, Row, coverage_label, fmt_s, interval_name, values_coverage
 from harness.report.ranking import (
     MAX_FAILED_ROWS,
     MAX_SWEEP_FIGS,
@@ -41,8 +41,10 @@ def overview(rows: list[Row], metric: Metric, peaks: dict[str, float] | None = N
     sweeps = by_sweep(rows)
     s.text.append(
         f"{len(rows)} runs in {len(sweeps)} sweep(s). Layouts are ranked by {metric.title}. "
-        "Step times are medians over the measured steps (warm-up excluded), with a 95% "
-        "confidence interval. MFU is PaLM's convention (the study's); MFU megatron and HFU (counting "
+        "Step times are medians over the measured steps (warm-up excluded), with the interval of the median "
+        "(distribution-free order statistics, at the coverage they have: "
+        f"{coverage_label([values_coverage(r.values) for r in rows if r.status == 'ok'])}). "
+        "MFU is PaLM's convention (the study's); MFU megatron and HFU (counting "
         "recomputation) are the same run under other FLOP conventions. "
         + (
             "MFU vs measured matmul divides every run by one peak per device, the highest matmul rate any run "
@@ -106,6 +108,7 @@ def axis_section(
     `rest` (what else names a layout), also which component of the step moved (ablation_why)."""
     s = Section(sid, title, [intro + FREE])
     series: dict[str, list[tuple]] = {}
+    covered: dict[str, list] = {}  # per series, its runs' interval coverages (the figure names them)
     shown = 0
     for name, rs in by_sweep(rows).items():
         if subset:
@@ -136,6 +139,7 @@ def axis_section(
             s.text.append(f"{name}, what moved: " + " ".join(moved))
         if best:
             series[name] = [(v, metric.of(b), *(metric_ci(b, metric) or (None, None))) for v, b in best.items()]
+            covered[name] = [values_coverage(b.values) for b in best.values() if metric_ci(b, metric)]
             if plot == "bars" and shown < MAX_SWEEP_FIGS:
                 labels = sorted(best, key=sort_key)
                 s.images.append(
@@ -148,6 +152,7 @@ def axis_section(
                             metric.short,
                             metric.percent,
                             [metric_ci(best[v], metric) for v in labels],
+                            interval_name(values_coverage(best[v].values) for v in labels),
                         ),
                         f"best {metric.short} per {axis_name} in {name}",
                     )
@@ -163,6 +168,7 @@ def axis_section(
                     metric.short,
                     f"best layout per {axis_name}",
                     metric.percent,
+                    interval_name(c for n in list(series)[:MAX_SWEEP_FIGS] for c in covered[n]),
                 ),
                 f"best {metric.short} against {axis_name}",
             )

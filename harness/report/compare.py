@@ -30,7 +30,7 @@ from harness.report.compare_steps import (
     sorted_components,
     why_section,
 )
-from harness.report.data import component_title, measured_columns
+from harness.report.data import component_title, coverage_of, interval_name, measured_columns
 from harness.report.drift import baseline_sections
 from harness.report.policy import check_texts, held_text, parity_cell, policy_sentence, steps_text, verdict_text
 from harness.report.policy import sci as _sci
@@ -71,7 +71,8 @@ def loss_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 
 MATRIX_TEXT = (
-    "Each cell: median step time [95% CI] and the loss-parity verdict; a dash gives the reason the "
+    "Each cell: median step time [interval of the median] (its coverage) and the loss-parity verdict; a "
+    "dash gives the reason the "
     "engine cannot run that layout (checked before launch: each engine's facts, harness/frameworks/*/facts.py)."
 )
 
@@ -116,7 +117,7 @@ STEP_TEXT = (
     "Step time: median over the measured steps (warm-up excluded), each step the slowest rank's, "
     "with the interval of the median: the order statistics whose exact coverage reaches 95% (at 8 steps "
     "the range, 99.2%; below 6 steps no pair reaches 95% and the range is given at its coverage, n = 5: "
-    "93.8%; the JSON's step_time_s.ci_coverage), called '95% CI' in the tables and figures. "
+    "93.8%; the JSON's step_time_s.ci_coverage), every table and figure giving that coverage beside it. "
     "MFU uses the PaLM convention (6N + 12·L·h·s FLOPs "
     "per token) counted by the harness from the model shape, not by a framework's profiler (DeepSpeed's "
     "flops profiler double-counts under ZeRO-3), per device; the MFU columns against a datasheet peak "
@@ -133,9 +134,10 @@ DIFFERS_TEXT = (
     "equal in every run is left out, and so is one that does not apply to a run's engine)."
 )
 FIGURES_TEXT = (
-    "First, tokens/s per run at its median step time, drawn from zero, with the 95% confidence "
-    "interval of the median carried through (whiskers); then the distribution of every "
-    "measured step (warm-up excluded; box: quartiles, red: median, black: its 95% CI, dots: the "
+    "First, tokens/s per run at its median step time, drawn from zero, with the interval of the "
+    "median carried through (whiskers, their coverage in the axis label); then the distribution of every "
+    "measured step (warm-up excluded; box: quartiles, red: median, black: its interval, at the coverage "
+    "the legend gives, dots: the "
     "steps; this axis does not start at zero, to show the spread)."
 )
 LOSS_FIGURE_TEXT = "The loss of every step of every run (warm-up shaded); runs in parity lie on top of each other."
@@ -155,6 +157,10 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
         (r, (r.get("metrics") or {}).get("tokens_per_s"), (r.get("metrics") or {}).get("step_time_s") or {}) for r in ok
     ]
     rated = [(r, tps, st) for r, tps, st in rated if isinstance(tps, (int, float))]
+
+    def whisker(sts) -> str:  # 'interval of the median (99.2%)': the intervals' real coverage
+        return interval_name(coverage_of(st.get("ci_coverage"), st.get("n")) for st in sts)
+
     if rated:
         out.append(
             (
@@ -166,8 +172,9 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
                     "tokens/s (all ranks, at the median step)",
                     False,
                     [rate_ci(tps, st.get("median"), (st.get("ci95_low"), st.get("ci95_high"))) for _, tps, st in rated],
+                    whisker(st for _, _, st in rated),
                 ),
-                "tokens/s per run from zero, with 95% CI whiskers",
+                f"tokens/s per run from zero, with whiskers: {whisker(st for _, _, st in rated)}",
             )
         )
     times = {name(r): (r.get("metrics") or {}).get("step_times_s") for r in ok}
@@ -188,6 +195,7 @@ def figures(summary: dict) -> list[tuple[str, bytes, str]]:
                     "Step time per measured step (warm-up excluded)",
                     "ms per step (each step the slowest rank's)",
                     cis,
+                    whisker=whisker((r["metrics"].get("step_time_s") or {}) for r in ok if name(r) in times),
                 ),
                 "distribution of the measured step times per run",
             )

@@ -11,6 +11,7 @@ import os
 from harness import registry
 from harness.parallel_dims import LABEL_ORDER, ParallelDims
 from harness.report.compare_machine import OVERSUBSCRIBED, oversubscribed
+from harness.report.data import coverage_label, coverage_of
 from harness.spec import Layout, capability_error, engine_variant, layout_label, parallel_label
 
 
@@ -118,7 +119,8 @@ def _row_text(lay: dict, extra_fields: tuple = ()) -> str:
 
 
 def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
-    """Layouts by engine: per cell the run's median step time [95% CI] and parity verdict, or a
+    """Layouts by engine: per cell the run's median step time [its interval] (that interval's coverage,
+    report.data.coverage_of) and parity verdict, or a
     dash with the reason the engine cannot run that layout (its facts, harness.registry)."""
     runs = [r for r in summary["runs"] if not r.get("is_reference")]
     parity = {p["label"]: p["verdict"] for p in summary["parity"]["runs"]}
@@ -145,6 +147,7 @@ def layout_matrix(summary: dict) -> tuple[list[str], list[list[str]]]:
             st = (entry.get("metrics") or {}).get("step_time_s") or {}
             cells[row, col] = (
                 f"{_ms(st.get('median'))} ms [{_ms(st.get('ci95_low'))}, {_ms(st.get('ci95_high'))}] "
+                f"({coverage_label([coverage_of(st.get('ci_coverage'), st.get('n'))])}) "
                 f"{parity.get(entry['label'], '-')}{_mark(entry, summary)}"
                 if st
                 else f"{entry['status']}"

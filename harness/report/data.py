@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.measure.stats import coverage_text, median_coverage
 from harness.parallel_dims import ParallelDims
 from harness.profiling import MEASURED_SOURCE
 from harness.report.compare_machine import run_threads
@@ -304,9 +305,52 @@ def with_shared_peak(r: Row, rec: dict, peaks: dict[str, float]) -> Row:
     return r
 
 
+def coverage_of(coverage, n) -> float | None:
+    """The coverage of a median's interval: as recorded (step_time_s.ci_coverage), else from its step count
+    (measure.stats.median_coverage, a function of n alone: records written before coverage was kept);
+    None where neither was recorded."""
+    if isinstance(coverage, (int, float)) and not isinstance(coverage, bool):
+        return float(coverage)
+    return median_coverage(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def coverage_label(coverages) -> str:
+    """'99.2%' where every interval covers the same, '93.8% to 99.2%' where the runs' step counts differ,
+    'coverage not recorded' where none is known (said so where only some are)."""
+    known = sorted({round(c, 9) for c in coverages if c is not None})
+    if not known:
+        return "coverage not recorded"
+    text = coverage_text(known[0]) if len(known) == 1 else f"{coverage_text(known[0])} to {coverage_text(known[-1])}"
+    return text + (", some not recorded" if any(c is None for c in coverages) else "")
+
+
+def values_coverage(values: dict) -> float | None:
+    """A row's (harness.store.fields.row) step-time interval coverage (coverage_of)."""
+    return coverage_of(values.get("step_time_ci_coverage"), values.get("steps_measured"))
+
+
+def interval_name(coverages) -> str:
+    """What a figure's whisker or a table's column is: 'interval of the median (99.2%)'."""
+    return f"interval of the median ({coverage_label(list(coverages))})"
+
+
+def interval_cell(values: dict) -> str:
+    """A run's step-time interval with its coverage: '[17.8 ms, 19.0 ms] (99.2%)'; '-' without one."""
+    pair = values.get("step_time_ci95_s")
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2 or None in pair:
+        return MISSING
+    return f"{fields.fmt_interval(pair)} ({coverage_label([values_coverage(values)])})"
+
+
 def measured_columns(values: Callable[[Any], dict]) -> list[Column]:
-    """A column per reported field (harness.store.fields.reported), reading an item's row with `values`."""
-    return [Column(f.header, lambda item, f=f: f.cell(values(item).get(f.name))) for f in fields.reported()]
+    """A column per reported field (harness.store.fields.reported), reading an item's row with `values`; the
+    median's interval with its coverage (interval_cell)."""
+    return [
+        Column(f.header, lambda item: interval_cell(values(item)))
+        if f.name == "step_time_ci95_s"
+        else Column(f.header, lambda item, f=f: f.cell(values(item).get(f.name)))
+        for f in fields.reported()
+    ]
 
 
 @dataclass

@@ -264,7 +264,8 @@ def _time_row(label: str, old_run: dict, new_run: dict, ref: tuple, tol: float, 
     if None in ratios:
         return []
     v, shown = time_verdict(ratios[0], ratios[1], tol), [_shown(x) for x in ratios]
-    cov = f" ({'at least ' + coverage_text(v['coverage']) if v['coverage'] is not None else 'from the medians CIs'})"
+    cov = "at least " + coverage_text(v["coverage"]) if v["coverage"] is not None else "from the medians' intervals"
+    cov = f" ({cov})"
     change = f"change {v['change']:.3f}x [{v['low']:.3f}, {v['high']:.3f}]{cov}"
     detect = v["detectable_slowdown"]
     drift = None
@@ -331,7 +332,7 @@ BASELINE_TEXT = (
     "the parity window within the parity tolerance (relative), the memory census byte for byte, and the "
     "step time as a ratio to {ref}'s in the same comparison, so that a machine uniformly faster or "
     "slower than the baseline's does not move the verdict, with the ratio's interval over every measured "
-    "step (Hodges-Lehmann, Mann-Whitney, its coverage stated; from the medians' CIs where a report has no "
+    "step (Hodges-Lehmann, Mann-Whitney, its coverage stated; from the medians' intervals where a report has no "
     "step times), so that noise widens the interval rather than flipping the verdict{time}. The change is "
     "'same' only where its interval lies within the tolerance; where it can tell neither way it is "
     "'undecided', with the smallest slowdown these steps can detect."

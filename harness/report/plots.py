@@ -3,8 +3,9 @@ small and quick, since a report may hold many.
 
 Conventions every figure here follows: where a ratio or a throughput is drawn (MFU, tokens/s,
 ms per step stacked) its value axis starts at zero, so a 0.2% difference is drawn as one; a
-bar or point that stands for a median carries the whisker of its 95% confidence interval
-(harness.measure.stats.median_ci95, the one definition, carried into the record as ci95_low/high).
+bar or point that stands for a median carries the whisker of its interval (harness.measure.stats.
+median_interval, the one definition, carried into the record as ci95_low/high with ci_coverage), and the
+figure names it with its real coverage (`whisker`, the caller's: 'interval of the median (99.2%)').
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ COLORS = {
     "forward_backward": "#64b5cd",
 }
 CI_STYLE = {"fmt": "none", "ecolor": "#222222", "elinewidth": 1.2, "capsize": 4, "zorder": 3}
+WHISKER = "interval of the median"  # what a whisker is where the caller names no coverage
 
 
 def _encode(fig) -> bytes:
@@ -59,9 +61,12 @@ def _whiskers(values: list[float], intervals: list) -> tuple[list[int], list[flo
     return idx, [values[i] for i in idx], errs
 
 
-def lines(series: dict[str, list[tuple]], xlabel: str, ylabel: str, title: str, percent: bool) -> bytes:
-    """series name -> [(x, y)] or [(x, y, low, high)] with a 95% CI; x is categorical-ish (micro-batch
-    sizes) on a log2 axis. y is a ratio or a throughput: its axis starts at zero."""
+def lines(
+    series: dict[str, list[tuple]], xlabel: str, ylabel: str, title: str, percent: bool, whisker: str = WHISKER
+) -> bytes:
+    """series name -> [(x, y)] or [(x, y, low, high)] with the interval of the median (named `whisker`);
+    x is categorical-ish (micro-batch sizes) on a log2 axis. y is a ratio or a throughput: its axis starts
+    at zero."""
     scale = 100 if percent else 1
     fig, ax = plt.subplots(figsize=(7, 4))
     whiskers = False
@@ -81,7 +86,7 @@ def lines(series: dict[str, list[tuple]], xlabel: str, ylabel: str, title: str, 
     ax.set_ylim(bottom=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel + (" (%)" if percent else ""))
-    ax.set_title(title + (" (whiskers: 95% CI)" if whiskers else ""), fontsize=10)
+    ax.set_title(title + (f" (whiskers: {whisker})" if whiskers else ""), fontsize=10)
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend(fontsize=7)
@@ -121,10 +126,16 @@ def heatmap(cells: dict[tuple, float | str], title: str, percent: bool) -> bytes
 
 
 def bars(
-    labels: list[str], values: list[float], title: str, ylabel: str, percent: bool, intervals: list | None = None
+    labels: list[str],
+    values: list[float],
+    title: str,
+    ylabel: str,
+    percent: bool,
+    intervals: list | None = None,
+    whisker: str = WHISKER,
 ) -> bytes:
-    """One horizontal bar per label from zero, with the whisker of its 95% CI where `intervals`
-    gives one ((low, high) in the values' unit, or None)."""
+    """One horizontal bar per label from zero, with the whisker of its interval (named `whisker`) where
+    `intervals` gives one ((low, high) in the values' unit, or None)."""
     scale = 100 if percent else 1
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.36 * max(3, len(labels))))
     vals = [v * scale for v in values]
@@ -138,7 +149,7 @@ def bars(
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(left=0)
-    ax.set_xlabel(ylabel + (" (%)" if percent else "") + (" - whiskers: 95% CI" if whiskers else ""))
+    ax.set_xlabel(ylabel + (" (%)" if percent else "") + (f" - whiskers: {whisker}" if whiskers else ""))
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     return _encode(fig)
@@ -239,9 +250,11 @@ def distribution(
     xlabel: str,
     intervals: dict[str, tuple] | None = None,
     scale: float = 1000.0,
+    whisker: str = WHISKER,
 ) -> bytes:
     """One box per run over its measured steps (box: quartiles, line: median, whiskers: 1.5 IQR,
-    dots: every step), and in black the 95% CI of the median (values times `scale`: s -> ms)."""
+    dots: every step), and in black the interval of the median, named `whisker` in the legend (values
+    times `scale`: s -> ms)."""
     names = list(series)
     data = [[x * scale for x in series[n]] for n in names]
     fig, ax = plt.subplots(figsize=(8, 1.0 + 0.42 * max(3, len(names))))
@@ -268,7 +281,7 @@ def distribution(
         meds = [statistics.median(xs) if xs else None for xs in data]
         idx, vals, errs = _whiskers(meds, cis)
         if idx:
-            ax.errorbar(vals, [i + 0.36 for i in idx], xerr=errs, **CI_STYLE, label="95% CI of the median")
+            ax.errorbar(vals, [i + 0.36 for i in idx], xerr=errs, **CI_STYLE, label=whisker)
     flat = [x for xs in data for x in xs if x > 0]
     log = bool(flat) and max(flat) / min(flat) > 8  # runs an order of magnitude apart: each box stays visible
     if log:

@@ -10,7 +10,7 @@ are called a tie: repeated identical runs differ by about 1%. Every figure carri
 from __future__ import annotations
 
 from harness.parallel_dims import ParallelDims
-from harness.report.data import Metric, Row, fmt_s
+from harness.report.data import Metric, Row, coverage_label, fmt_s, values_coverage
 from harness.report.ranking import by_sweep, matched, other_fields, ranked, with_unit
 from harness.report.sections import Section, Table
 from harness.spec.schema import BF16_PRECISIONS
@@ -71,7 +71,7 @@ def doubt(win: Row, other: Row, metric: Metric) -> str | None:
         and None not in win.step_time_ci95_s + other.step_time_ci95_s
         and win.step_time_ci95_s[1] >= other.step_time_ci95_s[0]
     ):
-        return "the step-time 95% confidence intervals overlap"
+        return "the step-time intervals of the median overlap"
     return None
 
 
@@ -141,7 +141,7 @@ def _axis(rows: list[Row], metric: Metric, name: str, key, subset, drop) -> tupl
 
 def decided_faster(a: Row, b: Row) -> Row | None:
     """The run whose step time is decidedly shorter, or None where the two are not distinguishable: their
-    step-time 95% confidence intervals of the median overlap, or they differ by less than NOISE. The one
+    step-time intervals of the median overlap, or they differ by less than NOISE. The one
     call site to switch to an interval on the ratio of the two runs' step times once measure.stats has it."""
     fast, slow = sorted((a, b), key=lambda r: r.step_time_median_s or float("inf"))
     if not fast.step_time_median_s or not slow.step_time_median_s:
@@ -208,15 +208,24 @@ def _tp_vs_pp(rows: list[Row], metric: Metric) -> tuple[str, Table | None] | Non
         "pipeline schedule) against the best tensor-heavier one (with or without sequence parallelism) on the "
         f"same model-parallel ranks, every other layout field equal, the pipeline-heavier was decidedly faster "
         f"in {pp_wins}, the tensor-heavier in {tp_wins}, and {undecided} were not distinguishable (the step-time "
-        f"95% confidence intervals of the median overlap, or under the ~{100 * NOISE:.0f}% run-to-run noise)."
+        f"intervals of the median overlap, or under the ~{100 * NOISE:.0f}% run-to-run noise)."
     )
-    headers = ["sweep", "comparison", "split", metric.short, "step [95% CI]", "layout", "difference"]
+    headers = [
+        "sweep",
+        "comparison",
+        "split",
+        metric.short,
+        "step [interval of the median] (coverage)",
+        "layout",
+        "difference",
+    ]
     return text, Table(headers, evidence)
 
 
 def _ci(r: Row) -> str:
     ci = r.step_time_ci95_s
-    shown = f" [{fmt_s(ci[0])}, {fmt_s(ci[1])}]" if ci and None not in ci else ""
+    cov = coverage_label([values_coverage(r.values)])
+    shown = f" [{fmt_s(ci[0])}, {fmt_s(ci[1])}] ({cov})" if ci and None not in ci else ""
     return fmt_s(r.step_time_median_s) + shown
 
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from harness.measure.stats import coverage_text, median_coverage
+
 
 def _gib(n) -> str:
     return f"{n / 2**30:.2f} GiB" if n is not None else "n/a"
+
+
+def _coverage(st: dict) -> float | None:
+    """The step-time interval's coverage: as recorded, else from the step count (records before it)."""
+    return st["ci_coverage"] if st.get("ci_coverage") is not None else median_coverage(st["n"]) if st.get("n") else None
 
 
 def _schedule(lay: dict) -> str:
@@ -29,8 +36,9 @@ def summary_lines(record: dict, store_path: str) -> list[str]:
     ]
     if st:
         lines.append(
-            f"  step time: median {st['median'] * 1e3:.1f} ms (95% CI {st['ci95_low'] * 1e3:.1f}-"
-            f"{st['ci95_high'] * 1e3:.1f}, p10 {st['p10'] * 1e3:.1f}, p90 {st['p90'] * 1e3:.1f}, "
+            f"  step time: median {st['median'] * 1e3:.1f} ms (interval of the median {st['ci95_low'] * 1e3:.1f}-"
+            f"{st['ci95_high'] * 1e3:.1f} at {coverage_text(_coverage(st))}, "
+            f"p10 {st['p10'] * 1e3:.1f}, p90 {st['p90'] * 1e3:.1f}, "
             f"n={st['n']})"
         )
         lines.append(

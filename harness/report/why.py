@@ -36,7 +36,7 @@ class Case:
     layout: str  # everything but the engine (data.layout_key)
     step_s: float | None  # the measured median step: which run is faster
     breakdown: Breakdown
-    ci_s: tuple | None = None  # the 95% confidence interval of that median (low, high), seconds
+    ci_s: tuple | None = None  # the interval of that median (low, high), seconds (its coverage: _ms, from n)
     # a MoE run's expert load: routed tokens per expert, max over mean, worst layer (median measured step)
     imbalance: float | None = None
     times_s: tuple | None = None  # every measured step's time (s), or one tuple per round: the ratio interval's data
@@ -105,7 +105,7 @@ def _undecided(fast: Case, slow: Case) -> str:
     """Why two runs get no explanation: the ratio interval's verdict, or the medians' intervals overlap."""
     d = decision(fast, slow)
     if d is None:
-        return "not distinguishable (the 95% confidence intervals of the median step overlap)"
+        return "not distinguishable (the intervals of the median step overlap)"
     return "step time ratio " + verdict_text(d)
 
 
