@@ -301,6 +301,8 @@ def fastest_run(summary: dict) -> dict | None:
 
 def console_lines(summary: dict) -> list[str]:
     """What `harness compare` prints after its verdict: the fastest run and Why's pairs, as the report says them."""
+    if not summary.get("runs"):
+        return []
     fastest, cases = fastest_run(summary), why_cases(summary)
     out = [f"fastest run (measured median): {fastest['label']}"] if fastest else []
     engines, layouts = comparisons(cases) if len(cases) >= 2 else ([], [])
