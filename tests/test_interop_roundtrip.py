@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import yaml
@@ -28,9 +29,7 @@ NOT_CARRIED = {
         "workload.steps": "a ds_config has no run length",
         "workload.seed": "a ds_config has no seed",
         "workload.moe_aux_loss_coeff": "AutoEP's load-balancing coefficient is the model config's",
-        # the cases use the kernels the import writes (sdpa, torch), so that the prediction is comparable
-        "layout.attention": "a ds_config has no attention kernel (the model code's)",
-        "layout.rmsnorm": "a ds_config has no norm kernel (the model code's)",
+        # the kernels (the model code's) come back from the export's top-level "harness" key (harness/interop/exact.py)
     },
     "torchtitan": {
         "workload.steps": "the recipe's training.steps is not written (the harness's run length)",
@@ -88,13 +87,13 @@ CASES = {  # id: (format, model, workload fields, layout)
         "deepspeed",
         "llama3-8b",
         {"precision": "bf16"},
-        PlannerLayout(2, 1, 8, 2, zero_stage=1, attention="sdpa", rmsnorm="torch"),
+        PlannerLayout(2, 1, 8, 2, zero_stage=1, attention="sdpa_flash", rmsnorm="fused"),
     ),
     "deepspeed-moe": (
         "deepspeed",
         "qwen3-30b-a3b",
         {"precision": "bf16"},
-        PlannerLayout(1, 1, 8, 1, ep=4, zero_stage=2, attention="sdpa", rmsnorm="torch"),
+        PlannerLayout(1, 1, 8, 1, ep=4, zero_stage=2, attention="sdpa_cudnn", rmsnorm="torch"),
     ),
     "torchtitan-dense": (
         "torchtitan",
@@ -120,7 +119,23 @@ CASES = {  # id: (format, model, workload fields, layout)
         "llama3-8b",
         {"precision": "fp8", "fp8_recipe": "rowwise"},
         PlannerLayout(
-            2, 1, 8, 1, sequence_parallel=True, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8"
+            2, 1, 8, 1, sequence_parallel=True, fsdp=True, attention="sdpa_cudnn", rmsnorm="torch", precision="fp8"
+        ),
+    ),
+    "torchtitan-dense-compiled": (  # varlen for sdpa_flash; a fused RMSNorm is torchtitan's compiled nn.RMSNorm
+        "torchtitan",
+        "llama3-8b",
+        {"precision": "bf16"},
+        PlannerLayout(
+            2, 1, 4, 1, sequence_parallel=True, fsdp=True, attention="sdpa_flash", rmsnorm="fused", compile="blocks"
+        ),
+    ),
+    "megatron-fp8-rowwise": (  # Transformer Engine's blockwise, read back as rowwise
+        "megatron",
+        "llama3-8b",
+        {"precision": "fp8", "fp8_recipe": "rowwise"},
+        PlannerLayout(
+            4, 1, 2, 1, sequence_parallel=True, attention="flash2", rmsnorm="fused", zero_stage=1, precision="fp8"
         ),
     ),
     "torchtitan-moe": (
@@ -171,6 +186,7 @@ def test_export_then_import_gives_back_every_field_and_the_same_prediction(name,
     spec = original(fmt, model, fields, lay)
     w = spec["workload"]
     kwargs = {"steps": w["steps"], "moe_aux_loss_coeff": w.get("moe_aux_loss_coeff", 0.0)} if fmt == "megatron" else {}
+    kwargs.update({"fp8_recipe": w["fp8_recipe"]} if "fp8_recipe" in w else {})
     text, _ = EXPORTERS[fmt](shape, lay, Workload(4096, 64), Optimizer(**OPT), 0.5, **kwargs)
     src, out = tmp_path / "exported", tmp_path / "spec.yaml"
     src.write_text(text)
@@ -184,6 +200,9 @@ def test_export_then_import_gives_back_every_field_and_the_same_prediction(name,
     differ = {k: (want[k], got[k]) for k in want if k not in skipped and want[k] != got[k]}
     assert differ == {}, err
     assert prediction(back) == prediction(spec)
+    said = [line for line in err.splitlines() if line.startswith("import: ")]
+    unsaid = [k for k in skipped if want[k] != got[k] and not any(k.split(".")[-1] in line for line in said)]
+    assert unsaid == [], err  # each field a format has no place for is named in an import: line
 
 
 def test_megatron_stays_megatron_without_transformer_engine_here(tmp_path, capsys):
@@ -201,3 +220,86 @@ def test_megatron_stays_megatron_without_transformer_engine_here(tmp_path, capsy
         "fp8",
     )
     assert sum(line.startswith("import: layout.engine: megatron kept") for line in out.err.splitlines()) == 1
+
+
+# Megatron-LM's arguments are pretrain_gpt.py's, parsed strictly: no place for the plan's own kernel where
+# one setting stands for several. What comes back, and the one line that says so.
+MEGATRON_MANY_TO_ONE = {  # plan's (attention, rmsnorm): imported (attention, rmsnorm)
+    ("sdpa_flash", "torch"): ("flash2", "fused"),  # --attention-backend flash; Transformer Engine's fused norm
+    ("sdpa", "fused"): ("flash2", "fused"),
+}
+
+
+@pytest.mark.parametrize("kernels", list(MEGATRON_MANY_TO_ONE))
+def test_megatron_kernels_a_setting_stands_for_several_of_come_back_as_its_own_said_in_one_line(
+    kernels, tmp_path, capsys
+):
+    attention, rmsnorm = kernels
+    lay = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, attention=attention, rmsnorm=rmsnorm, zero_stage=1)
+    text, notes = EXPORTERS["megatron"](PRESETS["llama3-8b"], lay, Workload(4096, 64))
+    assert "#" not in text  # the arguments as pretrain_gpt.py takes them, nothing else
+    (tmp_path / "a.txt").write_text(text)
+    assert cli(["import", "megatron", str(tmp_path / "a.txt"), "--gpus", "8"]) == 0
+    out = capsys.readouterr()
+    raw = yaml.safe_load(out.out)
+    assert (raw["layout"]["attention"], raw["layout"]["rmsnorm"]) == MEGATRON_MANY_TO_ONE[kernels]
+    said = [line for line in out.err.splitlines() if line.startswith("import: kernels: not carried exactly: ")]
+    assert len(said) == 1 and "--attention-backend flash runs flash2, sdpa, sdpa_flash" in said[0], out.err
+
+
+def test_fp8_recipe_a_tool_lacks_is_said_at_export():
+    """torchtitan 0.3.0's Float8LinearConverter takes rowwise (or rowwise_with_gw_hp) only: a tensorwise
+    workload is exported rowwise, and the note says so; Megatron-LM writes rowwise as TE's blockwise."""
+    lay = PlannerLayout(1, 1, 8, 1, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8")
+    text, notes = EXPORTERS["torchtitan"](PRESETS["llama3-8b"], lay, Workload(4096, 64), fp8_recipe="tensorwise")
+    assert 'recipe_name="rowwise"' in text
+    assert any("tensorwise has no recipe_name there" in n for n in notes), notes
+    lay = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, attention="flash2", zero_stage=1, precision="fp8")
+    text, notes = EXPORTERS["megatron"](PRESETS["llama3-8b"], lay, Workload(4096, 64), fp8_recipe="rowwise")
+    assert "--fp8-recipe blockwise" in text and any("no rowwise recipe" in n for n in notes)
+    assert "--fp8-recipe tensorwise" in EXPORTERS["megatron"](PRESETS["llama3-8b"], lay, Workload(4096, 64))[0]
+
+
+def test_an_exact_kernel_the_tools_setting_does_not_run_loses_to_it_in_one_line(tmp_path, capsys):
+    """An edited file: the tool's own setting decides, and one line says which exact value was not taken."""
+    lay = PlannerLayout(1, 1, 8, 1, fsdp=True, attention="sdpa", rmsnorm="torch")
+    text, _ = EXPORTERS["torchtitan"](PRESETS["llama3-8b"], lay, Workload(4096, 64))
+    edited = text.replace('attn_backend="varlen"', 'attn_backend="flex"')
+    assert edited != text
+    (tmp_path / "r.py").write_text(edited)
+    assert cli(["import", "torchtitan", str(tmp_path / "r.py"), "--gpus", "8"]) == 0
+    out = capsys.readouterr()
+    assert yaml.safe_load(out.out)["layout"]["attention"] == "sdpa_efficient"  # flex
+    assert sum("harness attention=sdpa not taken" in line for line in out.err.splitlines()) == 1, out.err
+
+    text, _ = EXPORTERS["deepspeed"](PRESETS["llama3-8b"], lay, Workload(4096, 64))
+    cfg = json.loads(text)
+    assert cfg["harness"] == {"attention": "sdpa", "rmsnorm": "torch"}
+    cfg["harness"]["rmsnorm"] = "apex"
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    argv = [
+        "import",
+        "deepspeed",
+        str(tmp_path / "ds.json"),
+        "--gpus",
+        "8",
+        "--model",
+        "llama3-8b",
+        "--seq-len",
+        "4096",
+    ]
+    assert cli(argv) == 0
+    out = capsys.readouterr()
+    assert yaml.safe_load(out.out)["layout"]["rmsnorm"] == "torch"
+    assert sum("harness rmsnorm=apex not taken" in line for line in out.err.splitlines()) == 1, out.err
+
+
+def test_deepspeed_parses_the_export_with_its_harness_key(monkeypatch):
+    """DeepSpeed 0.19.8's own DeepSpeedConfig takes the ds_config with the plan's kernels beside its keys."""
+    dsc = pytest.importorskip("deepspeed.runtime.config")
+    fmt, model, fields, lay = CASES["deepspeed-dense"]
+    text, _ = EXPORTERS[fmt](PRESETS[model], lay, Workload(4096, 64))
+    monkeypatch.setattr(dsc.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dsc.dist, "get_world_size", lambda *a, **k: lay.gpus)
+    c = dsc.DeepSpeedConfig(json.loads(text))
+    assert c.train_micro_batch_size_per_gpu == lay.micro_batch_size

@@ -9,6 +9,7 @@ Modules, one job each:
   megatron_out    Megatron-LM's pretrain_gpt.py arguments at a named commit
   torchtitan_out  a torchtitan recipe (Trainer.Config) for a named release
   optimizer       the workload's AdamW and clipping every export writes
+  exact           the plan's own kernels beside a tool's many-to-one setting, written and read back
   imports         the front door of `harness import`: each reading checked as a spec (the tool's engine
                   kept where only this machine cannot train it, the planner's check instead)
   megatron_in     Megatron-LM's arguments (a launch script or argument file) read back

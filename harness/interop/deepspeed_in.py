@@ -14,15 +14,17 @@ from __future__ import annotations
 import json
 
 from harness.errors import SpecError
+from harness.interop import exact
 from harness.parallel_dims import ParallelDims
 from harness.spec import Optimizer
 from harness.spec import Workload as SpecWorkload
+from harness.spec.schema import ATTENTION_KERNELS, RMSNORM_KERNELS
 
 # ds_config keys carried (or listed by name below)
 DEEPSPEED_KEYS = {
     *"train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps gradient_clipping bf16".split(),
     *"optimizer zero_optimization data_types communication_data_type tensor_parallel pipeline fp16".split(),
-    *"sequence_parallel_size activation_checkpointing scheduler expert_parallel".split(),
+    *"sequence_parallel_size activation_checkpointing scheduler expert_parallel harness".split(),
 }
 AUTO = ' or "auto"'
 BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -157,7 +159,13 @@ def read_deepspeed(
             workload[field] = value
         elif value not in (None, "auto"):
             lost.append(f"{key}: not carried: {value}; the harness accumulates and reduces in fp32 or bf16")
-    lost.append("attention: not carried: a ds_config has none (the model code chooses); written as sdpa")
+    given = _section(cfg, "harness")  # `plan --export`'s record of the plan's kernels (DeepSpeed ignores it)
+    if "attention" in given:
+        layout["attention"] = exact.choose("attention", given["attention"], "sdpa", ATTENTION_KERNELS, "harness", lost)
+    else:
+        lost.append("attention: not carried: a ds_config has none (the model code chooses); written as sdpa")
+    if "rmsnorm" in given:
+        layout["rmsnorm"] = exact.choose("rmsnorm", given["rmsnorm"], "torch", RMSNORM_KERNELS, "harness", lost)
     lost += [f"{k}: not carried: the harness has no such setting" for k in cfg if k not in DEEPSPEED_KEYS]
     lost += [
         f"zero_optimization.{k}: not carried: engine deepspeed runs the harness's ds_configs/"
@@ -175,6 +183,16 @@ def read_deepspeed(
         lost.append("seq_len: not carried: a ds_config has none; written as 128 (give --seq-len)")
     if cfg.get("scheduler"):
         lost.append("scheduler: not carried: the harness trains at a constant learning rate")
+    default = SpecWorkload()
+    lost.append(
+        f"steps, seed: not carried: a ds_config has neither (the training script's); written as the harness's "
+        f"({default.steps} steps, seed {default.seed})"
+    )
+    if ep.get("enabled"):
+        lost.append(
+            "moe_aux_loss_coeff: not carried: AutoEP's load-balancing coefficient is the model config's; "
+            f"written as {default.moe_aux_loss_coeff:g}"
+        )
     return workload, layout, lost
 
 

@@ -83,6 +83,9 @@ def export_deepspeed(
         }
     if lay.activation_checkpointing != "none":
         cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
+    # the plan's kernels, which a ds_config has no setting for (the model code's): DeepSpeedConfig ignores an
+    # unknown top-level key (its sections forbid one); `harness import` reads them back
+    cfg["harness"] = {"attention": lay.attention, "rmsnorm": lay.rmsnorm}
     ulysses = " x sequence_parallel_size" if lay.cp > 1 else ""
     notes = [
         f"for {VERSION}; no scheduler section: a constant learning rate, as the harness trains",
@@ -102,7 +105,10 @@ def export_deepspeed(
         )
     elif lay.activation_checkpointing == "full" and lay.pp == 1:
         notes.append("full checkpointing: wrap each block in deepspeed.checkpointing.checkpoint")
-    notes.append(f"attention {lay.attention}, rmsnorm {lay.rmsnorm}: kernels are chosen in the model code")
+    notes.append(
+        f"attention {lay.attention}, rmsnorm {lay.rmsnorm}: kernels are chosen in the model code (the "
+        '"harness" key records them; DeepSpeed ignores it)'
+    )
     if lay.compile == "blocks":
         notes.append("compile blocks: compile each block before deepspeed.initialize (a ds_config has no such setting)")
     if autotp_world:

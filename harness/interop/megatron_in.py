@@ -7,10 +7,11 @@ is listed with why, never guessed. Bad input raises SpecError naming the flag.
 from __future__ import annotations
 
 from harness.errors import SpecError
+from harness.interop.megatron_out import MEGATRON_ATTENTION
 from harness.interop.model_match import match_model
 from harness.interop.shell import FLAGS, command_words, unresolved
 from harness.parallel_dims import ParallelDims
-from harness.spec.schema import MAX_STEPS
+from harness.spec.schema import ATTENTION_KERNELS, MAX_STEPS
 
 # Megatron-LM's --attention-backend, back to the harness's kernel (megatron_out.MEGATRON_ATTENTION inverted; its
 # local attention is the materialised one the harness calls naive).
@@ -204,6 +205,16 @@ def read_megatron(text: str, gpus: int | None = None) -> tuple[dict, dict, list[
     if backend == "auto":
         lost.append("--attention-backend: not carried: auto (Megatron-LM picks at run time); written as sdpa")
     te = a.get("transformer-impl", "transformer_engine") == "transformer_engine"
+    # an exported plan's own kernels have no place in pretrain_gpt.py's arguments (parsed strictly): say which
+    # settings stand for several
+    kernels = [k for k, b in MEGATRON_ATTENTION.items() if b == backend and k in ATTENTION_KERNELS]
+    many = ["Transformer Engine's RMSNorm is fused: written as fused"] if te else []
+    if len(kernels) > 1:
+        wrote = ATTENTION_OF_BACKEND[backend]
+        many.insert(0, f"--attention-backend {backend} runs {', '.join(kernels)}: written as {wrote}")
+    if many:
+        why = " (pretrain_gpt.py's arguments have no place for a plan's own)"
+        lost.append("kernels: not carried exactly: " + "; ".join(many) + why)
     sp = bool(a.get("sequence-parallel"))
     if sp and tp == 1:  # Megatron-LM's validate_args turns it off (arguments.py: "Disabling sequence parallelism")
         sp = False

@@ -31,6 +31,9 @@ MEGATRON_ATTENTION = {
     "flash3": "flash",  # Transformer Engine's flash backend runs FlashAttention-3 on Hopper where installed
 }
 
+# The workload's fp8_recipe (torchao's) as Transformer Engine's --fp8-recipe: tensorwise is its current
+# per-tensor scaling; for rowwise, its finer-grained blockwise (megatron_in.FP8_RECIPE reads it back as rowwise)
+TE_RECIPE = {"tensorwise": "tensorwise", "rowwise": "blockwise"}
 
 # router_aux_loss_coef of the MoE presets' own config.json files
 PUBLISHED_AUX_LOSS = {"mixtral-8x7b": 0.02, "qwen3-30b-a3b": 0.001, "qwen3-235b-a22b": 0.001}
@@ -125,6 +128,7 @@ def export_megatron(
     grad_clip: float | None = None,
     steps: int | None = None,
     moe_aux_loss_coeff: float | None = None,
+    fp8_recipe: str | None = None,
 ) -> tuple[str, list[str]]:
     """Megatron-LM's pretrain_gpt.py arguments for the layout, the model's shape, the optimizer and the
     run's length (`steps`, the harness's default run where None), on mock data so that it launches as
@@ -153,7 +157,12 @@ def export_megatron(
     if wl.dtype_bytes == 2:  # the planner's policy: main gradients accumulated and reduced in fp32
         args += ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
     if lay.precision == "fp8":  # Transformer Engine's current scaling (FP8-CS): e4m3 forward, e5m2 gradients
-        args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", TE_RECIPE[fp8_recipe or "tensorwise"]]
+        if fp8_recipe == "rowwise":
+            notes.append(
+                "FP8 rowwise: Transformer Engine has no rowwise recipe; --fp8-recipe blockwise is its finer-grained "
+                "one (1x128 activation and gradient tiles, 128x128 weight blocks; Hopper or later)"
+            )
     if lay.replicas > 1:
         args.append("--overlap-grad-reduce")
         if lay.sharding_stage >= 1:

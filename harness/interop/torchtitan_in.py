@@ -10,10 +10,12 @@ torchtitan's defaults.
 from __future__ import annotations
 
 from harness.errors import SpecError
+from harness.interop import exact
 from harness.interop.model_match import match_model
-from harness.interop.torchtitan_out import FLAVORS, MAIN_FIELDS, QWEN3_MOE, SCHEDULES
+from harness.interop.torchtitan_out import ATTENTION, CP_ATTENTION, FLAVORS, MAIN_FIELDS, QWEN3_MOE, SCHEDULES
 from harness.interop.torchtitan_recipe import read_recipe
 from harness.model.presets import PRESETS
+from harness.spec import Workload as SpecWorkload
 
 
 def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> tuple[dict, dict, list[str]]:
@@ -52,6 +54,15 @@ def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> t
         raise SpecError("model_spec.attn_backend", f"{backend!r} is not one of varlen, flex, flex_flash")
     if cp > 1 and backend == "varlen":  # torchtitan: "Variable-length attention CP is not yet supported"
         raise SpecError("parallelism.context_parallel_degree", "torchtitan runs cp with flex attention, not varlen")
+    compiled = got.get("compile") or {}
+    components = compiled.get("components", ["model", "loss"])  # CompileConfig's default
+    blocks = bool(compiled.get("enable")) and "model" in components
+    # the plan's own kernels (`plan --export`'s comment): those attn_backend stands for; a fused norm compiled
+    given = exact.read_comment(text)
+    kernels = [k for k, b in (CP_ATTENTION if cp > 1 else ATTENTION).items() if b == backend]
+    attention = exact.choose("attention", given.get("attention"), attention, kernels, "model_spec.attn_backend", lost)
+    norms = ("torch", "fused") if blocks else ("torch",)
+    rmsnorm = exact.choose("rmsnorm", given.get("rmsnorm"), "torch", norms, "compile.enable", lost)
     if rep > 1:
         lost.append(
             "parallelism.data_parallel_replicate_degree: not carried: "
@@ -66,8 +77,6 @@ def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> t
             "activation_checkpoint: not carried: unset (the recipe's own); "
             "written as selective, Trainer.Config's default"
         )
-    compiled = got.get("compile") or {}
-    components = compiled.get("components", ["model", "loss"])  # CompileConfig's default
     if compiled.get("enable") and "loss" in components:
         lost.append("compile.components: not carried: loss (the harness compiles the transformer blocks only)")
     opt = got["optimizer"]
@@ -105,11 +114,22 @@ def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> t
         "sequence_parallel": tp > 1 and par["enable_sequence_parallel"],
         "activation_checkpointing": ac or "selective",
         "attention": attention,
+        "rmsnorm": rmsnorm,
         "pipeline_schedule": schedule if pp > 1 else "1f1b",
         "virtual_stages": vp,
         "reshard_after_forward": par["fsdp_reshard_after_forward"] != "never",
-        "compile": "blocks" if compiled.get("enable") and "model" in components else "none",
+        "compile": "blocks" if blocks else "none",
     }
+    default = SpecWorkload()
+    lost.append(
+        "training.steps, debug.seed: not carried: the harness runs its own length and seed; written as the "
+        f"harness's ({default.steps} steps, seed {default.seed})"
+    )
+    if family == "qwen3":
+        lost.append(
+            "moe_aux_loss_coeff: not carried: torchtitan's qwen3 load balancing is its model config's; "
+            f"written as {default.moe_aux_loss_coeff:g}"
+        )
     return workload, layout, lost
 
 

@@ -13,6 +13,7 @@ harness/interop/torchtitan_in.py reads both. Nothing here imports torch.
 
 from __future__ import annotations
 
+from harness.interop import exact
 from harness.interop.optimizer import optimizer_and_clip
 from harness.model.presets import PRESETS, Shape
 from harness.planner.layout import PlannerLayout, Workload
@@ -109,9 +110,16 @@ def _literal(v) -> str:
 
 
 def export_torchtitan(
-    shape: Shape, lay: PlannerLayout, wl: Workload, optimizer: Optimizer | None = None, grad_clip: float | None = None
+    shape: Shape,
+    lay: PlannerLayout,
+    wl: Workload,
+    optimizer: Optimizer | None = None,
+    grad_clip: float | None = None,
+    fp8_recipe: str | None = None,
 ) -> tuple[str, list[str]]:
-    """A torchtitan recipe module: one function, FUNCTION, returning the run's Trainer.Config."""
+    """A torchtitan recipe module: one function, FUNCTION, returning the run's Trainer.Config. FP8 is rowwise:
+    0.3.0's Float8LinearConverter takes recipe_name rowwise or rowwise_with_gw_hp only (a note says so where
+    the workload's `fp8_recipe` is tensorwise)."""
     opt, clip = optimizer_and_clip(optimizer, grad_clip)
     flavor = torchtitan_flavor(shape)
     if flavor is None:  # exportable() refuses it first; a direct call says so here
@@ -164,6 +172,9 @@ def export_torchtitan(
         else f"    torchrun --nproc-per-node {lay.gpus} -m torchtitan.train --module {FUNCTION} --config {FUNCTION}",
         '"""',
         "",
+        # the plan's own kernels: attn_backend stands for several, and the recipe has no norm kernel
+        exact.comment(attention=lay.attention, rmsnorm=lay.rmsnorm),
+        "",
         "from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw",
         "from torchtitan.config import CompileConfig",
         "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401",
@@ -205,6 +216,11 @@ def export_torchtitan(
         if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and shape.layers % (lay.pp * lay.virtual_stages)
         else "",
         "FP8: torchtitan's Float8LinearConverter (torchao Float8, rowwise scaling; every linear but the LM head)"
+        + (
+            f"; the workload's {fp8_recipe} has no recipe_name there (it takes rowwise or rowwise_with_gw_hp)"
+            if fp8_recipe not in (None, "rowwise")
+            else ""
+        )
         if fp8
         else "",
         f"MoE: torchtitan's qwen3 {flavor} with expert_parallel_degree {lay.ep} (its experts over ep ranks of the "
