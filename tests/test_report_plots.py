@@ -1,7 +1,7 @@
 """Outputs people look at: the compare report's loss curves and step-time
 distribution, figures that read on a laptop (SVG), axes from zero where a ratio or a throughput
-is drawn, 95% CI whiskers on bar charts, the fields that differ between compared runs, and the
-per-run TensorBoard stream with its one-line error when the package is missing."""
+is drawn, whiskers of the interval of the median (at its coverage) on bar charts, the fields that differ
+between compared runs, and the per-run TensorBoard stream with its one-line error when the package is missing."""
 
 from __future__ import annotations
 

@@ -203,7 +203,7 @@ def test_the_cpu_demo_readme_counts_the_runs_its_records_hold():
 
 
 def _record(label: str, tp: int, pp: int, median_ms: float, ci_ms: tuple, **extra) -> dict:
-    """A finished 2-process CPU run of the own engine at tp x pp, its step time's median and 95% CI."""
+    """A finished 2-process CPU run of the own engine at tp x pp, its step time's median and that median's interval."""
     layout = {"engine": "own", "tp": tp, "pp": pp, "dp": 2 // (tp * pp), "micro_batch_size": 1, **extra}
     median = median_ms / 1e3
     return {
