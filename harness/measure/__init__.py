@@ -4,5 +4,5 @@ memory (the peak a step held), census (the tensors an engine holds, the activati
 fingerprint (the machine a record was measured on), stream (the live TensorBoard metrics).
 
 A measurement is a distribution: warm-up excluded, every measured step kept, summarised by
-median and spread with a distribution-free 95% confidence interval of the median (stats).
+median and spread with a distribution-free interval of the median at the coverage it has (stats).
 """
