@@ -182,7 +182,8 @@ def test_cli_json_contract():
     assert set(rows[0]) == {
         *(
             "tp cp cp_impl pp dp micro_batch_size activation_checkpointing sequence_parallel attention rmsnorm zero "
-            "precision compile pipeline_schedule virtual_stages dp_shard ep fits memory_gib step_time_s mfu"
+            "precision compile pipeline_schedule virtual_stages dp_shard ep fits within_allocator_margin memory_gib "
+            "step_time_s mfu"
         ).split()
     }
     assert all(r_["fits"] for r_ in rows) and rows[0]["mfu"] >= rows[-1]["mfu"]
