@@ -36,7 +36,7 @@ from harness.spec.checks import (
     check_tokens,
     check_world_size,
 )
-from harness.spec.honours import EVERY_ENGINE, FP8, MOE, MUON, honoured, some
+from harness.spec.honours import EVERY_ENGINE, FP8, MOE, MUON, SELECTIVE_OP_COMPILE, SELECTIVE_OP_FP8, honoured, some
 from harness.spec.inputs import (
     NAME_CHARS,
     NAME_MAX,
@@ -100,6 +100,8 @@ __all__ = [
     "MODEL_IMPLS",
     "MOE",
     "MUON",
+    "SELECTIVE_OP_COMPILE",
+    "SELECTIVE_OP_FP8",
     "NAME_CHARS",
     "NAME_MAX",
     "PIPELINE_P2P",

@@ -94,3 +94,18 @@ MUON: dict[str, Honoured] = {
         through(OPTIMIZER_CHOICES["workload.optimizer.muon_adjust_lr"], "match_rms_adamw")
     ),
 }
+
+# What an engine that runs activation_checkpointing selective_op (torchtitan's per-op policy,
+# harness/model/op_checkpoint.py) cannot combine it with: a capability and a precision limit, one text each.
+SELECTIVE_OP_COMPILE = (
+    "activation_checkpointing",
+    lambda lay: lay.activation_checkpointing != "selective_op" or lay.compile == "none",
+    "selective_op with compile blocks is not checked here (the per-op policy runs as a dispatch mode around "
+    "eager blocks): set compile none",
+)
+SELECTIVE_OP_FP8 = (
+    "precision",
+    lambda w, lay: w.precision != "fp8" or lay.activation_checkpointing != "selective_op",
+    "fp8 with selective_op: the per-op policy counts aten.mm and aten.addmm, and torchao's FP8 linears run "
+    "other ops (harness/model/op_checkpoint.py): not checked here; use bf16 or another checkpointing mode",
+)

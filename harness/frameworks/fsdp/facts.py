@@ -5,7 +5,19 @@ from __future__ import annotations
 
 from harness import spec
 from harness.registry import EngineFacts, MemoryModel, not_both, only, tied_across_stages
-from harness.spec import EVERY_ENGINE, FP8, MOE, MUON, honoured, micro_batch_count, some, subset, through
+from harness.spec import (
+    EVERY_ENGINE,
+    FP8,
+    MOE,
+    MUON,
+    SELECTIVE_OP_COMPILE,
+    SELECTIVE_OP_FP8,
+    honoured,
+    micro_batch_count,
+    some,
+    subset,
+    through,
+)
 
 
 def _micro(w, lay) -> int:
@@ -51,12 +63,7 @@ ENGINE = EngineFacts(
     },
     runs_moe=True,
     capabilities=[
-        (
-            "activation_checkpointing",
-            lambda lay: lay.activation_checkpointing != "selective_op" or lay.compile == "none",
-            "selective_op with compile blocks is not checked here (the per-op policy runs as a dispatch mode around "
-            "eager blocks): set compile none",
-        ),
+        SELECTIVE_OP_COMPILE,
         (
             "activation_checkpointing",
             lambda lay: lay.activation_checkpointing != "selective_op" or (lay.tp == 1 and lay.cp == 1),
@@ -101,12 +108,7 @@ ENGINE = EngineFacts(
         ),
     ],
     precision_limits=[
-        (
-            "precision",
-            lambda w, lay: w.precision != "fp8" or lay.activation_checkpointing != "selective_op",
-            "fp8 with selective_op: the per-op policy counts aten.mm and aten.addmm, and torchao's FP8 linears run "
-            "other ops (harness/model/op_checkpoint.py): not checked here; use bf16 or another checkpointing mode",
-        ),
+        SELECTIVE_OP_FP8,
         (
             "optimizer.name",
             lambda w, lay: w.optimizer.name != "muon" or lay.tp == 1,
