@@ -1,5 +1,5 @@
-"""`harness plan` speed on the three plans issue 42 names, each the whole process as a user runs it
-(`python -m harness.cli plan ...`, interpreter start and imports included, output discarded):
+"""`harness plan` speed on three plans with a target each (large dense, 70B, MoE), each the whole process
+as a user runs it (`python -m harness.cli plan ...`, interpreter start and imports included, output discarded):
 
     paper-65b, seq 2048, batch 2048, 4096 A100-80GB (43,680 layouts)      target 0.5 s
     llama3-70b, seq 8192, batch 128, 64 H100 (115,920 layouts)             target 1 s

@@ -1,4 +1,4 @@
-"""Issue 41 items 4-6: a breakdown that is measured (compute clocked, what no clock covers its own
+"""A breakdown that is measured (compute clocked, what no clock covers its own
 component), labels that say what a call did (pp transfers apart from the bubble, one-rank groups, the
 expert group), and Why naming every component that moved between runs that differ in one factor."""
 

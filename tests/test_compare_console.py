@@ -1,6 +1,6 @@
 """`harness compare`'s console after a long comparison: beside the verdict and the report's path, the fastest
-run and the lines of Why, the same sentences the report's Why section holds (issue 43: a 17-run comparison
-printed only the verdict and a path after 8 minutes)."""
+run and the lines of Why, the same sentences the report's Why section holds (a 17-run comparison once printed
+only the verdict and a path after 8 minutes)."""
 
 from __future__ import annotations
 

@@ -117,7 +117,8 @@ def test_compare_breakdown_and_why_name_exposed_cp_communication_only_where_a_ru
         ]
     )
     header, rows = breakdown_rows(summary)
-    # tp 1 in both runs: no tp column (issue 41); dp on cp2 is its replica group's (dp x cp), a column
+    # tp 1 in both runs: no tp column (an axis of degree 1 has none); dp on cp2 is its replica group's
+    # (dp x cp), a column
     assert header[2:5] == ["compute", "exposed cp communication", "exposed dp communication"]
     assert [r[3] for r in rows] == ["-", "30.0 ms (23%)"]
     why = " ".join(i for b in why_section(summary).body if hasattr(b, "items") for i in b.items)

@@ -1,4 +1,4 @@
-"""The bad inputs that once escaped as tracebacks, silent acceptance or a hang (issue 43's held-out probe):
+"""The bad inputs that once escaped as tracebacks, silent acceptance or a hang (a held-out probe of bad inputs):
 each is one line `error: ...` and exit 2 before anything starts and nothing is left behind, or, for a fault
 after the work (a full disk), its own exit code (74) and a message that says where the record waits and
 that the next command opening the store merges it in.

@@ -1,4 +1,5 @@
-"""The exports of issue 43 read by each tool's own parser and checks: DeepSpeed 0.19.8's DeepSpeedConfig
+"""The exports (megatron, deepspeed, torchtitan) read by each tool's own parser and checks: DeepSpeed
+0.19.8's DeepSpeedConfig
 (AutoTP without an mpu, as a config-only launch runs it) and AutoEP's validate_autoep_config;
 Megatron-LM's argument parser (tests/data/megatron_lm_arguments.json: megatron.training is not in the
 megatron-core wheel installed here) for the run length, mock data and MoE flags; torchtitan's own

@@ -1,4 +1,4 @@
-"""Parity that proves training (issue 41, item 3) and the census of every optimizer group (item 7), without
+"""Parity that proves training and the census of every optimizer group, without
 processes: the default comparison's data makes the reference's loss fall, parity covers every trained step,
 each step's gradient norm and the final weights, the headline says how many steps, DeepSpeed's
 one-group-at-a-time optimizer step leaves no group's states out of the census, the report defines N and P."""

@@ -1,4 +1,4 @@
-"""Issue 41, items 2, 8 and 9: a comparison report states cores, processes and threads per run and keeps
+"""A comparison report states cores, processes and threads per run and keeps
 oversubscribed runs out of ranking and Why; a reader can reproduce a run from the report (command,
 versions, spec, resolved engine settings, trace links that exist); the JSON and the sweep report say
 what the Markdown says. Summaries built by a stand-in launcher (tests/test_report_plots.fake_launcher):

@@ -300,7 +300,8 @@ def test_collectives_and_trace_links(summary, report):
     for text in (md, page):
         assert "ui.perfetto.dev" in text and "chrome://tracing" in text
     (own_dp2,) = [line for line in md.splitlines() if line.startswith("- **own dp2**: ")]
-    # the records' trace files are not on disk: no link into a folder the report does not carry (issue 41 item 8;
+    # the records' trace files are not on disk: no link into a folder the report does not carry (trace links
+    # only to copies beside it;
     # tests/test_report_truth.py checks the copies beside the report)
     assert own_dp2 == "- **own dp2**: 2 trace file(s) not kept beside this report (not linked)", own_dp2
     assert "**reference (single device)**: no trace kept" in md

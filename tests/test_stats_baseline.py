@@ -1,4 +1,4 @@
-"""The baseline check's step times (issue 41, item 1) and a baseline of another comparison (item 10):
+"""The baseline check's step times and a baseline of another comparison:
 a change the intervals cannot tell is "undecided" with the smallest slowdown they could detect, never
 "same"; a baseline whose name, workload or labels do not match is refused in one line before launch.
 No process starts."""

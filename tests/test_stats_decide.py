@@ -1,4 +1,4 @@
-"""Statistics that decide (issue 41, item 1): the median's interval states its real coverage, two runs
+"""Statistics that decide: the median's interval states its real coverage, two runs
 are compared by an interval on the ratio of their step times (Hodges-Lehmann on log times with its
 exact Mann-Whitney interval), and the verdict is faster / slower / not distinguishable / undecided with
 the steps it would need. Synthetic step-time lists only: no process starts."""
