@@ -249,7 +249,7 @@ def test_cp_planner_agrees_with_the_trace(tracers):
 
 # Engine fsdp at full size (bf16, sdpa, eager RMSNorm, micro-batch 1, global batch 512): FSDP2 over
 # dp, DTensor TP with and without SP, torch.distributed.pipelining; the planner's fsdp branch
-# (planner/memory_engines.py, fsdp_step_bytes) within 10% of the trace at every stage.
+# (planner/memory_fsdp.py, fsdp_step_bytes) within 10% of the trace at every stage.
 FSDP_AGREEMENT = [
     ("llama2-7b", 2048, dict(dp=8, reshard_after_forward=False)),  # every block gathered until its backward
     ("paper-13b", 2048, dict(tp=2, dp=4, sequence_parallel=True)),

@@ -14,7 +14,8 @@ from harness.planner.calibrate import Sample, fit, sample_from_record
 from harness.planner.features import layer_features, stage_extras, theta_from_profile
 from harness.planner.hardware import load_profile
 from harness.planner.layout import PlannerLayout, Workload
-from harness.planner.memory_engines import engine_stage_memory, fsdp_step_bytes
+from harness.planner.memory_engines import engine_stage_memory
+from harness.planner.memory_fsdp import fsdp_step_bytes
 from harness.planner.timing import _data_parallel, _stage_kinds, step_features, step_time
 
 # the literature constants: the figures below are worked out with them, not with a fit that moves

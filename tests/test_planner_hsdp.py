@@ -15,7 +15,7 @@ from harness.planner import candidates as en
 from harness.planner.hardware import load_profile
 from harness.planner.layout import PlannerLayout, Workload
 from harness.planner.memory import GIB, stage_memory
-from harness.planner.memory_engines import fsdp_step_bytes
+from harness.planner.memory_fsdp import fsdp_step_bytes
 from harness.planner.predict import predict, validate
 from harness.planner.timing import _data_parallel, _stage_kinds
 

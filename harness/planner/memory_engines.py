@@ -48,7 +48,7 @@ from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout,
 from harness.planner.memory_fsdp import fsdp_step_bytes
 from harness.registry import MemoryModel
 
-__all__ = ["engine_layer_bytes", "engine_stage_items", "engine_stage_memory", "fsdp_step_bytes", "model_states"]
+__all__ = ["engine_layer_bytes", "engine_stage_items", "engine_stage_memory", "model_states"]
 
 
 @functools.cache
