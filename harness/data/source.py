@@ -8,7 +8,6 @@ its chunks of every sequence), so any layout sees exactly the tokens of the sing
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -53,11 +52,6 @@ class MarkovTokens:
             state = self.successors[state, choice[:, t]]
             walk.append(state)
         return self.tokens[torch.stack(walk, dim=1)]
-
-    def entropy_nats(self) -> float:
-        """The chain's entropy rate: the loss a model that learned it would reach (duplicate
-        successors lower it further; this is the bound for distinct ones)."""
-        return math.log(MARKOV_SUCCESSORS)
 
 
 class TokenFile:

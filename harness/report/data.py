@@ -239,12 +239,6 @@ Row = dataclasses.make_dataclass(
 )
 
 
-def _oversubscribed(rec: dict) -> bool:
-    """More busy threads than usable cores, from the record's fingerprint (world size over hosts, cores,
-    OMP_NUM_THREADS; compare_machine.run_threads)."""
-    return run_threads({"fingerprint": rec.get("fingerprint") or {}}, {}).oversubscribed
-
-
 def to_row(rec: dict) -> Row:
     v, lay = row(rec), (rec.get("spec") or {}).get("layout") or {}
     m, fp = rec.get("metrics") or {}, rec.get("fingerprint") or {}
