@@ -18,9 +18,16 @@ counted once: the same integers). In bf16 only their totals are exact: a layout'
 activations may differ from the reference's by a rounding (one bf16 ulp, 2^-8 relative, on each factor
 of a router logit), so a token whose k-th and (k+1)-th logits lie within that bound of each other may
 take the other expert; the counts may then differ by at most 2k per such token, and by nothing more.
-In fp8 the same holds with e4m3's step (2^-3 relative) in place of bf16's: the layouts' FP8 casts may take
-other dynamic scales than the reference's (an expert's batch under ep holds two ranks' tokens), and a
-cast element moves by at most one e4m3 step, so no factor of a router logit moves by more.
+In fp8 without ep the counts are exact, as in fp32: each rank's micro-batch is one of the reference's
+(micro_batch_size 1 on both sides), so every FP8 cast (tensorwise: the amax of the tensor; rowwise: of a
+row, or in backward of a column over the micro-batch's tokens) takes the reference's scale, and the FP8
+values are the reference's bit for bit; what differs is the fp32 reduction order, as in fp32. Under ep they
+are not, and need not be: an expert's GEMM takes the tokens routed to it from every rank of the ep group
+(two micro-batches of the reference, as torchtitan's and Megatron's grouped GEMMs take them), so its
+dynamic scales (tensorwise: input and output gradient; rowwise: the weight gradient's casts over tokens)
+are amaxes over two micro-batches, and no single-device run has those operands (its dense layers would
+need one micro-batch, its experts two). A cast element then moves by at most one e4m3 step (2^-3
+relative), which takes the place of bf16's ulp in the bound above.
 """
 
 from __future__ import annotations
@@ -189,6 +196,16 @@ CASES = {
             }
             for recipe in ("tensorwise", "rowwise")
         ),
+        # fp8 without ep: every cast the reference's, so the router counts are the reference's exactly
+        *(
+            {
+                "workload": {**M, "precision": "fp8", "fp8_recipe": recipe},
+                "layout": {"dp": 2},
+                "rtol": FP8_LOSS_RTOL,
+                "weights_rtol": FP8_WEIGHTS_RTOL,
+            }
+            for recipe in ("tensorwise", "rowwise")
+        ),
     ],
     4: [
         {"workload": M, "layout": {"tp": 2, "dp": 2, "ep": 2}},
@@ -284,7 +301,8 @@ def test_moe_layouts_match_the_reference(launched, world, index):
         for layer, s in per_rank[r][index]["router"].items():
             summed[layer] = [a + b for a, b in zip(summed.get(layer, [0.0] * MOE.experts), s["counts"], strict=True)]
     counts, ties = _reference_counts(case)
-    if case["workload"].get("precision", "fp32") == "fp32":
+    precision, lay = case["workload"].get("precision", "fp32"), case["layout"]
+    if precision == "fp32" or (precision == "fp8" and lay.get("ep", 1) == 1):
         assert summed == counts
     else:
         assert summed.keys() == counts.keys()
@@ -293,7 +311,6 @@ def test_moe_layouts_match_the_reference(launched, world, index):
             moved = sum(abs(a - b) for a, b in zip(summed[layer], ref, strict=True))
             assert moved <= 2 * MOE.experts_per_token * ties[layer], (layer, moved, ties[layer])
     comm = per_rank[0][index]["comm"]
-    lay = case["layout"]
     if lay.get("ep", 1) > 1:  # the dispatch's all-to-alls on their own axis, their wait in its breakdown
         assert comm["ep"]["all_to_all"]["count"] > 0 and "ep_comm" in per_rank[0][index]["details"]["breakdown_s"]
     else:
