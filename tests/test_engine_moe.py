@@ -27,7 +27,9 @@ are not, and need not be: an expert's GEMM takes the tokens routed to it from ev
 dynamic scales (tensorwise: input and output gradient; rowwise: the weight gradient's casts over tokens)
 are amaxes over two micro-batches, and no single-device run has those operands (its dense layers would
 need one micro-batch, its experts two). A cast element then moves by at most one e4m3 step (2^-3
-relative), which takes the place of bf16's ulp in the bound above.
+relative), which takes the place of bf16's ulp in the bound above. mxfp8 (e4m3 elements, one power-of-two
+scale per block of 32 along each GEMM's reduction dim) is held to the same: without ep every block is the
+reference's; under ep an expert's weight-gradient blocks run along tokens of two micro-batches.
 """
 
 from __future__ import annotations
@@ -47,7 +49,14 @@ from harness.model.moe import MoEFeedForward, set_router_losses
 from harness.model.presets import resolve_shape
 from harness.parallel_dims import ParallelDims
 from harness.testing import equivalence as E
-from harness.testing.equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL, FP8_LOSS_RTOL, FP8_WEIGHTS_RTOL
+from harness.testing.equivalence import (
+    BF16_LOSS_RTOL,
+    BF16_WEIGHTS_RTOL,
+    FP8_LOSS_RTOL,
+    FP8_WEIGHTS_RTOL,
+    MXFP8_LOSS_RTOL,
+    MXFP8_WEIGHTS_RTOL,
+)
 
 MOE = resolve_shape("tiny-moe", {})
 
@@ -205,6 +214,17 @@ CASES = {
                 "weights_rtol": FP8_WEIGHTS_RTOL,
             }
             for recipe in ("tensorwise", "rowwise")
+        ),
+        # mxfp8 (harness/model/mxfp8.py: attention and the experts, moe_ffn 96 a multiple of its 32-blocks) at
+        # its tolerance (harness.testing.equivalence), with and without ep
+        *(
+            {
+                "workload": {**M, "precision": "fp8", "fp8_recipe": "mxfp8"},
+                "layout": layout,
+                "rtol": MXFP8_LOSS_RTOL,
+                "weights_rtol": MXFP8_WEIGHTS_RTOL,
+            }
+            for layout in ({"dp": 2}, {"dp": 2, "ep": 2})
         ),
     ],
     4: [

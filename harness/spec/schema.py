@@ -54,7 +54,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
 PIPELINE_P2P = ("auto", "async", "grouped")
 MODEL_IMPLS = ("own", "hf")  # the harness's model, transformers' LlamaForCausalLM
 COMPILE = ("none", "blocks")  # torch.compile: nothing, or each transformer block (torchtitan's apply_compile)
-FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name
+# torchao's Float8LinearConfig.from_recipe_name; mxfp8: torchao's MXFP8 linear (harness/model/mxfp8.py)
+FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
 # muon: torch.optim.Muon on the transformer blocks' 2-D weights, AdamW on the rest (harness/model/muon.py)
 OPTIMIZERS = ("adamw", "muon")
 MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
