@@ -123,8 +123,13 @@ class DeepSpeedEngine(DeepSpeedBase):
             parameters = optimizer_groups(model)
         else:
             parameters = model.parameters()
+        client = None
+        if w.optimizer.name == "muon":  # DeepSpeed's MuonWithAuxAdam over the workload's split (deepspeed/muon.py)
+            from harness.frameworks.deepspeed.muon import muon_optimizer
+
+            client = muon_optimizer(model, w)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=parameters, config=self.config, mpu=mpu
+            model=model, model_parameters=parameters, optimizer=client, config=self.config, mpu=mpu
         )
         if shape.moe:
             from deepspeed.utils import groups
