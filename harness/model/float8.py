@@ -3,46 +3,27 @@ harness/model/training.py's PrecisionPolicy): which linears are converted, the t
 of a recipe, the backend this machine runs the FP8 matmul with, and the conversion. The recipe
 mxfp8 (block-scaled, torchao's MXFP8 linear) is harness/model/mxfp8.py's, dispatched from here.
 
-torchao is imported here only, lazily (a run that asks for no FP8 never imports it), with its
+torchao is imported here and in mxfp8.py only, lazily (a run that asks for no FP8 never imports it), with its
 import-time noise silenced: on a CPU-only or older-torch machine it logs failed loads of its CUDA
 extensions, which the FP8 training path does not use (float8 is pure PyTorch over torch._scaled_mm).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import logging
-import warnings
 
 import torch
 import torch.nn as nn
 
 from harness.measure.ranges import FP8_CAST
+from harness.model.torchao_quiet import quiet as _quiet
 
 ALIGN = 16  # torch._scaled_mm: both dims of each FP8 operand a multiple of 16
 MXFP8 = "mxfp8"  # the block-scaled recipe (harness/model/mxfp8.py); the others are Float8LinearConfig's
 HEAD_NAME = "output"  # the LM head (harness.model.llama.Llama.output)
 # a MoE's router: harness.model.moe.MoEFeedForward.router, DeepSpeed's TopKGate.wg (deepspeed/experts.py)
 ROUTER_NAMES = ("router", "wg")
-
-
-@contextlib.contextmanager
-def _quiet():
-    """torchao's import logs failed .so loads and torch's pytree deprecation notices: not errors of
-    the FP8 path, kept out of the run's output."""
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
 
 
 @functools.cache

@@ -15,7 +15,7 @@ definition (the last block partial); an empty batch stays empty.
 
 Backend: torchao's EMULATED kernels (the casts in PyTorch, the GEMM on the dequantised values) where no
 MXFP8 tensor core is (this CPU; CUDA before compute capability 10.0), its AUTO kernels on Blackwell.
-torchao is imported lazily, quietly (harness.model.float8._quiet).
+torchao is imported lazily, quietly (harness.model.torchao_quiet).
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.model.torchao_quiet import quiet
+
 BLOCK = 32  # MXFP8's scale block (torchao: block_size 32, element e4m3fn, scale e8m0)
 
 
 @functools.cache
 def _torchao():
     """(torchao's MXFP8 matmul, KernelPreference, ScaleCalculationMode), imported once, quietly."""
-    from harness.model.float8 import _quiet
-
-    with _quiet():
+    with quiet():
         from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.quantization.quantize_.common import KernelPreference
@@ -89,9 +89,7 @@ class Linear(nn.Linear):
 def convert(module: nn.Module, filter_fn, device_type: str) -> nn.Module:
     """Every linear `filter_fn(module, fqn)` accepts swapped for a Linear (in place; returns `module`),
     by torchao's own module walk (torchao.float8.float8_linear_utils.swap_linear_layers)."""
-    from harness.model.float8 import _quiet
-
-    with _quiet():
+    with quiet():
         from torchao.float8.float8_linear_utils import swap_linear_layers
     return swap_linear_layers(module, lambda m: Linear.from_float(m, device_type), module_filter_fn=filter_fn)
 
