@@ -26,7 +26,9 @@ are not, and need not be: an expert's GEMM takes the tokens routed to it from ev
 (two micro-batches of the reference, as torchtitan's and Megatron's grouped GEMMs take them), so its
 dynamic scales (tensorwise: input and output gradient; rowwise: the weight gradient's casts over tokens)
 are amaxes over two micro-batches, and no single-device run has those operands (its dense layers would
-need one micro-batch, its experts two). A cast element then moves by at most one e4m3 step (2^-3
+need one micro-batch, its experts two); bf16 under ep is not exact either (the expert's weight-gradient GEMM
+sums both ranks' tokens into one bf16 product: 2 routed slots per layer moved over 3 steps, measured once),
+and fp8 moved 2 to 16 under tensorwise and rowwise. A cast element then moves by at most one e4m3 step (2^-3
 relative), which takes the place of bf16's ulp in the bound above. mxfp8 (e4m3 elements, one power-of-two
 scale per block of 32 along each GEMM's reduction dim) is held to the same: without ep every block is the
 reference's; under ep an expert's weight-gradient blocks run along tokens of two micro-batches.
