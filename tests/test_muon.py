@@ -309,3 +309,21 @@ def test_deepspeed_muon_is_its_muon_with_auxadam_over_the_workloads_split():
     assert muon["use_muon"] and muon["ns_method"] == "standard" and muon["momentum"] == 0.95
     assert (muon["lr"], muon["weight_decay"]) == (adam["lr"], adam["weight_decay"]) == (0.02, 0.1)
     assert adam["betas"] == (0.9, 0.95) and adam["eps"] == 1.0 and isinstance(opt.aux_optimizer, torch.optim.AdamW)
+
+
+def test_deepspeed_refuses_an_explicit_optimizer_section_under_muon(tmp_path):
+    """A ds_config's AdamW values would contradict Muon: the file's template (every value auto) is dropped,
+    an explicit value refused in one line before launch."""
+    import json
+
+    from harness.frameworks.deepspeed.config import DS_CONFIG_DIR, build_config
+
+    with open(f"{DS_CONFIG_DIR}/zero1.json") as f:
+        cfg = json.load(f)
+    cfg["optimizer"]["params"]["lr"] = 1e-3
+    path = tmp_path / "my_ds.json"
+    path.write_text(json.dumps(cfg))
+    spec = parse_spec({"workload": BF16_MUON, "layout": {**DS, "ds_config": str(path)}})
+    with pytest.raises(SpecError) as e:
+        build_config(spec, spec.shape(), device_type="cpu")
+    assert e.value.field.endswith("my_ds.json: optimizer") and "Muon" in e.value.reason
