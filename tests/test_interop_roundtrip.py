@@ -326,3 +326,13 @@ def test_torchtitan_selective_ac_is_the_per_op_policy_and_a_megatron_style_plan_
     (tmp_path / "r.py").write_text(text)
     assert cli(["import", "torchtitan", str(tmp_path / "r.py"), "--gpus", "8"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["layout"]["activation_checkpointing"] == "selective_op"
+
+
+@pytest.mark.parametrize("name", ["megatron-dense", "megatron-fp8", "megatron-moe"])
+def test_megatron_export_says_the_environment_its_validate_args_needs(name):
+    """Megatron-LM's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tp or cp before Blackwell
+    (scripts/megatron_lm_args_check.py ran it on these exports): the note says so exactly there."""
+    fmt, model, fields, lay = CASES[name]
+    _, notes = EXPORTERS[fmt](PRESETS[model], lay, Workload(4096, 64))
+    said = [n for n in notes if "CUDA_DEVICE_MAX_CONNECTIONS=1" in n]
+    assert len(said) == (1 if lay.tp > 1 or lay.cp > 1 else 0), notes
