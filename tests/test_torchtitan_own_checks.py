@@ -1,4 +1,5 @@
-"""torchtitan 0.3.0's own checks on every torchtitan export of the round-trip layouts (test_interop_roundtrip.CASES):
+"""torchtitan 0.3.0's own checks on every torchtitan export of the round-trip layouts (test_interop_roundtrip.CASES)
+and of the export test's (test_plan_export.TORCHTITAN: tp with sequence parallel, pp interleaved, cp 4, compiled):
 its ConfigManager loads the recipe as a launch does (`--module harness_plan --config harness_plan`, which runs
 Trainer.Config's checks), ParallelDims builds its device meshes over a fake process group of the layout's world
 size, the model config takes the run (update_from_config), the pipeline gets its stage count and split
@@ -24,6 +25,7 @@ import sys
 
 import pytest
 from test_interop_roundtrip import CASES, OPT
+from test_plan_export import TORCHTITAN as PLAN_EXPORTS
 
 from harness.interop.exports import EXPORTERS
 from harness.interop.torchtitan_out import FUNCTION, TORCHTITAN
@@ -42,8 +44,14 @@ if importlib.metadata.version("torchtitan") != TORCHTITAN:
         allow_module_level=True,
     )
 
-TORCHTITAN_CASES = [name for name, case in CASES.items() if case[0] == "torchtitan"]
-WL = Workload(4096, 64)
+# id: (model, workload fields, layout, workload)
+EXPORTS = {
+    **{name: (c[1], c[2], c[3], Workload(4096, 64)) for name, c in CASES.items() if c[0] == "torchtitan"},
+    **{
+        f"plan-{name}": ("llama3-8b", {"precision": "bf16"}, lay, Workload(8192, 64))
+        for name, lay in PLAN_EXPORTS.items()
+    },
+}
 
 
 @pytest.fixture
@@ -83,17 +91,17 @@ def fake_world():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", TORCHTITAN_CASES)
+@pytest.mark.parametrize("name", list(EXPORTS))
 def test_torchtitan_takes_the_export(name, recipe, fake_world):
     from torchtitan.distributed import ParallelDims, pipeline_parallel
     from torchtitan.distributed.full_dtensor import validate_config
     from torchtitan.models.common.attention import FlexAttention, VarlenAttention
     from torchtitan.models.common.linear import Linear
 
-    fmt, model, fields, lay = CASES[name]
+    model, fields, lay, wl = EXPORTS[name]
     shape = PRESETS[model]
     kw = {"fp8_recipe": fields["fp8_recipe"]} if "fp8_recipe" in fields else {}
-    text, _ = EXPORTERS[fmt](shape, lay, WL, Optimizer(**OPT), 0.5, **kw)
+    text, _ = EXPORTERS["torchtitan"](shape, lay, wl, Optimizer(**OPT), 0.5, **kw)
     config = recipe(text)  # Trainer.Config's checks: CUDA graphs, pp micro-batches
     model_config = config.model_spec.model
     assert len(model_config.layers) == shape.layers
@@ -110,7 +118,7 @@ def test_torchtitan_takes_the_export(name, recipe, fake_world):
     local = config.training.local_batch_size
     assert config.training.global_batch_size % (local * batch) == 0
     accumulation = config.training.global_batch_size // (local * batch)
-    assert accumulation == (1 if lay.pp > 1 else WL.micro_batches(lay))
+    assert accumulation == (1 if lay.pp > 1 else wl.micro_batches(lay))
 
     model_config.update_from_config(config=config)  # heads and kv heads over tp, RoPE over seq_len
     if lay.pp > 1:
