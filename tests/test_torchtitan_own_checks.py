@@ -15,7 +15,9 @@ scratch venv that sees the project's (all on PyPI; torch stays the CPU 2.13):
     PYTHONPATH=$PWD /tmp/tt-venv/bin/python -m pytest -q tests/test_torchtitan_own_checks.py
 The checks need no GPU but two of torchtitan's: the recipes target an H100, so `has_cuda_capability` (FlexAttention's
 flash backend, Float8) answers as an H100 does; and a varlen model is not built here (VarlenAttention imports the
-flash_attn package, CUDA only), so its cp check is the export's refusal (test_plan_export). Quick: no processes.
+flash_attn package, CUDA only): only cp layouts' models are built, whose exports are flex (asserted on the config
+first). torchtitan's parallelize on the meta model is not run: on CPU its meshes say cuda, and with them set to cpu
+FSDP's fully_shard stops on a plain tensor under the spmd_types backend. Quick: no processes.
 """
 
 from __future__ import annotations
