@@ -197,6 +197,10 @@ def export_megatron(
         else "Megatron-LM's context parallelism (--context-parallel-size) needs Transformer Engine's attention"
     )
     notes.append(f"attention {lay.attention}: --attention-backend {backend}")
+    if lay.tp > 1 or lay.cp > 1:  # validate_args asserts it with tp or cp before Blackwell (arguments.py:1477)
+        notes.append(
+            "launch with CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment: Megatron-LM requires it with tp or cp"
+        )
     if shape.attention_bias:
         notes.append(
             "the output projection's bias (transformers' o_proj) has no Megatron-LM flag: "
