@@ -140,6 +140,10 @@ class PlannerOwn:
     # they are, not repeated to every head, and under cp its own ring (AttnFuncWithCPAndKVP2P: the local q, k,
     # v, output and log-sum-exp saved, the k/v chunks passed round again in backward), not the own engine's.
     te_attention: bool = False
+    # torch.distributed.pipelining's last stage keeping every micro-batch's output (the logits) to the step's
+    # end for the step's return (stage.output_chunks): schedule.step() without return_outputs=False, as
+    # torchtitan ran until 2025-10 (e5ef99a, "Update PP to release memory earlier"); the harness passes False.
+    pp_outputs_kept: bool = False
 
 
 _SPEC_FIELDS = [f for f in dataclasses.fields(SpecLayout) if f.name not in UNMODELLED]

@@ -369,6 +369,8 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     head = _norm_bytes(lay, n, h, B, sp) + ce_kept if has_head else 0.0
     micro += head
     held = k * micro
+    if has_head:  # every micro-batch's logits, kept for the pipeline step's return (memory_recipes)
+        held += recipes.kept_outputs_bytes(lay, n, shape.vocab, B, m, lay.tp if _loss_parallel(lay) else 1)
     if head and k > 1 and lay.pipeline_schedule != "gpipe":
         # the LM head's state lives for one micro-batch: the last chunk's forward is followed at once by
         # its backward (interleaved: after the warm-up of the other chunks; the V schedules' rank 0)
