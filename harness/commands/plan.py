@@ -127,6 +127,9 @@ def add_arguments(p) -> None:
     p.add_argument("--calibrate", metavar="RESULTS.sqlite", help="fit efficiencies to harness records")
     p.add_argument("--calibrate-csv", metavar="FILE", nargs="+", help="fit to sweeps in the study's CSV format")
     p.add_argument("--calibrate-out", metavar="FILE", help="where to save the calibrated profile")
+    from harness.commands.plan_recipe import add_recipe_arguments
+
+    add_recipe_arguments(p)  # the published recipes' memory settings (plan_recipe.py)
 
 
 def _need(args, *names):
