@@ -43,6 +43,7 @@ def test_the_recipes_flags_plan_its_row_as_the_published_check_predicts_it(no_la
         (["--recompute-layers", "5"], "--recompute-layers: recomputes under full checkpointing"),
         (["--activation-checkpointing", "full", "--recompute-layers", "81"], "takes 1 to the model's 80 layers"),
         (["--expert-tp", "1"], "--expert-tp: llama3-70b has no experts"),
+        (["--moe-balanced"], "--moe-balanced: llama3-70b has no experts"),
         (["--engine", "megatron", "--pp-outputs-kept"], "--pp-outputs-kept: a setting of engine fsdp"),
         (["--loss-fusion", "--export", "megatron"], "--export: the recipe settings (loss_fusion) are planned"),
     ],

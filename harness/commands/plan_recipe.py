@@ -4,9 +4,10 @@ the engine planned does not have the setting, no candidate would use it or an ex
 is silently ignored.
 
 Megatron's (--engine megatron): recompute_num_layers, cpu_offloading_num_layers, fp8_param_gather,
-grad_reduce_in_fp32, bias_activation_fusion, cross_entropy_loss_fusion, expert_tensor_parallel_size and
-Transformer Engine's attention; torch.distributed.pipelining's kept outputs (--engine fsdp, as torchtitan ran
-it before passing return_outputs=False). torchtitan's per-op policy is --activation-checkpointing selective_op.
+grad_reduce_in_fp32, bias_activation_fusion, cross_entropy_loss_fusion, expert_tensor_parallel_size,
+moe_router_force_load_balancing, overlap_moe_expert_parallel_comm and Transformer Engine's attention;
+torch.distributed.pipelining's kept outputs (--engine fsdp, as torchtitan ran it before passing
+return_outputs=False). torchtitan's per-op policy is --activation-checkpointing selective_op.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ _SWITCHES = {
     "--fused-swiglu": ("fused_swiglu", MEGATRON, "SwiGLU fused, saving its input only (bias_activation_fusion)"),
     "--loss-fusion": ("loss_fusion", MEGATRON, "cross-entropy fused, in the logits' dtype (cross_entropy_loss_fusion)"),
     "--te-attention": ("te_attention", MEGATRON, "Transformer Engine's attention: grouped k and v kept as they are"),
+    "--moe-balanced": ("moe_balanced", MEGATRON, "MoE: every expert the same tokens (moe_router_force_load_balancing)"),
+    "--moe-a2a-overlap": (
+        "moe_a2a_overlap",
+        MEGATRON,
+        "MoE: overlap_moe_expert_parallel_comm's extra interleaved warm-up micro-batch (its hidden all-to-all is not "
+        "in the time model)",
+    ),
     "--pp-outputs-kept": (
         "pp_outputs_kept",
         "fsdp",
@@ -64,6 +72,9 @@ def recipe_fields(args, shape, checkpointing, precisions) -> dict:
         if getattr(args, name, False):
             _engine(args, flag, engine)
             fields[name] = True
+    for name in ("moe_balanced", "moe_a2a_overlap"):
+        if fields.get(name) and not shape.moe:
+            raise SpecError("--" + name.replace("_", "-"), f"{args.model} has no experts")
     if fields.get("fp8_params") and "fp8" not in precisions:
         raise SpecError("--fp8-params", "fp8 primary weights need --precision fp8")
     for flag, name, low in (("--recompute-layers", "recompute_layers", 1), ("--offload-layers", "offload_layers", 1)):

@@ -138,13 +138,18 @@ def engine_stage_items(shape: Shape, lay: PlannerLayout, seq_len: int) -> tuple[
     """(has_embedding, layers, has_lm_head) per pipeline rank, as the engine partitions: the own
     engine (and DeepSpeed, FSDP2) balanced by cost over pp x virtual_stages chunks, chunk c of rank r
     is stage c * pp + r; Megatron-core uniformly, layers / (pp x virtual_stages) per chunk."""
-    return _stage_items_of(shape, lay.engine, lay.pp, lay.pipeline_schedule, lay.virtual_stages, seq_len)
+    split = (lay.split_counts_embedding, lay.split_counts_loss)
+    return _stage_items_of(shape, lay.engine, lay.pp, lay.pipeline_schedule, lay.virtual_stages, seq_len, split)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_items_of(shape: Shape, engine: str, pp: int, schedule: str, virtual_stages: int, seq_len: int) -> tuple:
+def _stage_items_of(
+    shape: Shape, engine: str, pp: int, schedule: str, virtual_stages: int, seq_len: int, split=(False, False)
+) -> tuple:
     if memory_model(engine).layer_split == "even":
-        return _uniform_stage_items(shape.layers, pp)
+        emb, loss = split  # a slot each of the even split (PlannerLayout.split_counts_*): one layer fewer there
+        items = _uniform_stage_items(shape.layers + emb + loss, pp)
+        return tuple((e, n - emb * e - loss * h, h) for e, n, h in items)
     chunks = schedules.chunks(schedule, virtual_stages)
     return _engine_stage_items(shape, pp, chunks, seq_len, schedule in schedules.V_SCHEDULES)
 

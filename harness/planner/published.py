@@ -33,8 +33,9 @@ filled by the rules below, the same for every row, each from the data's README o
   README, in the source's own words (SETTINGS maps each to the planner's field, memory_recipes.py
   models it): Megatron's recompute_num_layers (recompute_method block), cpu_offloading_num_layers,
   fp8_param_gather (NeMo: fp8_params), grad_reduce_in_fp32 (NeMo: optim.grad_sync_dtype),
-  bias_activation_fusion, cross_entropy_loss_fusion; torchtitan's selective_ac_option,
-  reshard_after_forward and pipeline_parallel_microbatches, torch.distributed.pipelining's
+  bias_activation_fusion, cross_entropy_loss_fusion, account_for_embedding_in_pipeline_split,
+  account_for_loss_in_pipeline_split, moe_router_force_load_balancing, moe_a2a_overlap; torchtitan's
+  selective_ac_option, reshard_after_forward and pipeline_parallel_microbatches, torch.distributed.pipelining's
   return_outputs (step()'s, true until torchtitan passed false in 2025-10); Megatron's
   expert_tensor_parallel_size. A setting the recipe does not state
   is the planner's default.
@@ -117,6 +118,10 @@ SETTINGS = {
     "expert_tensor_parallel_size": lambda v: {},  # read by from_row (layout.expert_tp: parallel folding)
     "pipeline_parallel_microbatches": lambda v: {},  # read by from_row: the local batch's micro-batch size
     "return_outputs": lambda v: {"pp_outputs_kept": _on(v)},
+    "account_for_embedding_in_pipeline_split": lambda v: {"split_counts_embedding": _on(v)},
+    "account_for_loss_in_pipeline_split": lambda v: {"split_counts_loss": _on(v)},
+    "moe_router_force_load_balancing": lambda v: {"moe_balanced": _on(v)},
+    "moe_a2a_overlap": lambda v: {"moe_a2a_overlap": _on(v)},
 }
 
 
