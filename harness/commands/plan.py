@@ -393,8 +393,10 @@ def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:
     from harness.planner.output import group
 
     distinct = sum(1 for row in group([p for p in fitting if id(p) in near]))
+    runs = profile.calibrated.get("samples", "?")
+    source = profile.calibrated.get("constants_of")  # another profile's constants, checked on this one's runs
+    whose = f"{source}'s constants on {runs} {profile.name} runs" if source else f"the calibration's, {runs} runs"
     return near, (
-        f"* {distinct} layouts within {err:.1f}% (the calibration's median step-time error, "
-        f"{profile.calibrated.get('samples', '?')} runs) of the fastest: measure them, "
-        "the model cannot rank them reliably"
+        f"* {distinct} layouts within {err:.1f}% (the median step-time error, {whose}) of the fastest: "
+        "measure them, the model cannot rank them reliably"
     )

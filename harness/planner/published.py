@@ -93,7 +93,7 @@ SYSTEMS = {
     "GB200": "gb200",
 }
 MEMORY_GIB = {"H100 96GB HBM2e 500W": 96e9 / 2**30}  # torchtitan's H100 variant
-NVIDIA = ("megatron-bridge", "nemo", "dgxc-benchmarking")
+NVIDIA = ("megatron-bridge", "nemo", "dgxc-benchmarking", "mlperf-nemo")  # mlperf-nemo: NVIDIA's NeMo implementation
 BLACKWELL = ("b200", "gb200")  # FP8 GEMMs of any operand layout (memory_recipes: fp8_transpose)
 DEFAULT_SEQ = 8192  # torchtitan's Llama 3 8B default
 UNITS = {"GiB": 2**30, "GB": 1e9}
@@ -122,6 +122,7 @@ SETTINGS = {
     "account_for_loss_in_pipeline_split": lambda v: {"split_counts_loss": _on(v)},
     "moe_router_force_load_balancing": lambda v: {"moe_balanced": _on(v)},
     "moe_a2a_overlap": lambda v: {"moe_a2a_overlap": _on(v)},
+    "padded_vocab_size": lambda v: {},  # read by from_row: the row's tokenizer, not the preset's (MLPerf's Mixtral one)
 }
 
 
@@ -278,6 +279,9 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
     if nvidia and SYSTEMS.get(system) in BLACKWELL:  # Transformer Engine keeps no fp8 transpose there
         fields["fp8_transpose"] = False
     run.shape = PRESETS[model]
+    vocab = _int(settings(row), "padded_vocab_size", 0)
+    if vocab:
+        run.shape = dataclasses.replace(run.shape, vocab=vocab)
     run.layout = PlannerLayout(**fields)
     run.workload = Workload(_int(row, "seq", DEFAULT_SEQ), gbs)
     run.profile = _profile(system)
