@@ -62,7 +62,6 @@ def test_section_is_read_by_deepspeeds_own_parser(monkeypatch, overrides):
 
 REFUSED = [  # (workload, layout, field, words)
     ({"precision": "bf16"}, {}, "workload.precision", "runs precision fp32"),
-    ({}, {"zero_stage": 3}, "workload.model", "set zero_stage 1 or 2"),
     ({}, {"tp": 2}, "workload.model", "set tp=pp=cp=1"),
     ({"model": "tiny"}, {"ep": 1}, "workload.model", "this model has none"),
     ({}, {"engine": "own"}, "layout.ds_moe", "for engine deepspeed"),
@@ -70,9 +69,7 @@ REFUSED = [  # (workload, layout, field, words)
 ]
 
 
-@pytest.mark.parametrize(
-    "workload,layout,field,words", REFUSED, ids=["bf16", "zero3", "tp2", "dense", "own", "compile"]
-)
+@pytest.mark.parametrize("workload,layout,field,words", REFUSED, ids=["bf16", "tp2", "dense", "own", "compile"])
 def test_refused_before_launch(workload, layout, field, words):
     with pytest.raises(SpecError) as e:
         _spec(workload, **layout)

@@ -47,6 +47,9 @@ CASES = {  # id: (layout, workload overrides)
         {"dp": 2, "ep": 2, "zero_stage": 2, "activation_checkpointing": "full", "ds_moe": "autoep"},
         {**LOSSES, "model_overrides": {"experts_per_token": 3, "norm_topk": False}},
     ),
+    # ZeRO-3: the model built under zero.Init, AutoEP gathering each block and partitioning the experts it
+    # builds over their expert-data-parallel group
+    "autoep-zero3-dp2-ep2": ({"dp": 2, "ep": 2, "zero_stage": 3, "ds_moe": "autoep"}, LOSSES),
 }
 
 
@@ -148,12 +151,13 @@ def test_deepspeed_names_are_the_references():
 
 @pytest.mark.slow
 def test_census_counts_the_expert_groups_optimizer_states(results):
-    """ZeRO-1 steps its basic optimizer once per parameter group (the experts' apart from the dense
+    """ZeRO-1/2 step their basic optimizer once per parameter group (the experts' apart from the dense
     one): AdamW's two fp32 moments per master element of every group, not the first group's alone
     (0.33P before: the census was taken after the first group's call). Each rank's masters are its
     dense partition and its experts' partition; the states are twice them, plus one fp32 step counter
-    per group (4 bytes each)."""
-    for name in ("dp2-ep2", "autoep-dp2-ep2-losses-mb2"):  # AutoEP: DeepSpeed makes the MoE groups itself
+    per group (4 bytes each). ZeRO-3 (AutoEP) steps it once per sub-group (0.66P before: the census
+    counted param groups, not sub-groups)."""
+    for name in ("dp2-ep2", "autoep-dp2-ep2-losses-mb2", "autoep-zero3-dp2-ep2"):  # AutoEP: DeepSpeed's groups
         census = results[name]["census"]
         masters, states = census["master_parameters"]["fp32"], census["optimizer_states"]["fp32"]
         groups = 2  # dense, experts (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer)

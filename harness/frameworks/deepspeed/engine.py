@@ -79,6 +79,10 @@ class DeepSpeedEngine(DeepSpeedBase):
             model = build_hf_llama(shape, w.seed, lay.attention, device=ctx.device)
         elif self.stage == 3:
             model = self._build_partitioned(shape, lay, "selective" if ckpt == "selective" else "none", mpu, kernels)
+            if shape.moe:  # AutoEP (facts.py): it gathers each partitioned block and partitions what it builds
+                from harness.frameworks.deepspeed.autoep import hand_over
+
+                hand_over(model)
         else:
             from harness.model.llama import Llama, ReferenceWeights, load_reference
 
@@ -239,10 +243,12 @@ class DeepSpeedEngine(DeepSpeedBase):
 
     def process_groups(self) -> dict:
         groups = super().process_groups()
-        if self.shape.moe:  # DeepSpeed's expert-parallel groups carry no group_desc
+        if self.shape.moe:  # DeepSpeed's expert-parallel and expert-data-parallel groups carry no group_desc
             from harness.frameworks.deepspeed.experts import expert_groups
 
-            groups.update(expert_groups())
+            moe = expert_groups()
+            groups["ep"] = moe["ep"]
+            groups["dp"] = groups["dp"] + moe["dp"]
         return groups
 
     def _moe(self):

@@ -36,9 +36,9 @@ MOE_LIMITS = [
     ),
     (
         _MOE,
-        lambda s, lay: not s.moe or lay.zero_stage != 3,  # (0 is refused without pp, and MoE refuses pp)
-        "DeepSpeed's MoE layer (and AutoEP's) runs here under ZeRO-1 or 2 (MoE parameter groups); ZeRO-3's "
-        "zero.Init build is not wired to it: set zero_stage 1 or 2",
+        lambda s, lay: not s.moe or lay.zero_stage != 3 or lay.ds_moe == "autoep",  # (0: refused without pp)
+        "DeepSpeed's MoE layer runs here under ZeRO-1 or 2 (MoE parameter groups); ZeRO-3's zero.Init build "
+        "is not wired to it: set zero_stage 1 or 2, or ds_moe autoep (AutoEP partitions the experts it builds)",
     ),
     (
         _MOE,
