@@ -29,6 +29,9 @@ What differs, and is said in describe():
     `selective` is the model's own attention-core recomputation (DeepSpeed has no such mode).
   - tp > 1: AutoTP shards the block's linears (deepspeed/tp.py); embedding and LM head stay
     replicated, where the own engine shards them by vocabulary.
+  - a mixture of experts: DeepSpeed's MoE layer in each block (deepspeed/experts.py), or with
+    layout.ds_moe autoep DeepSpeed AutoEP's, built inside deepspeed.initialize (deepspeed/autoep.py);
+    both route as the reference and carry the harness's router losses.
 """
 
 from __future__ import annotations
