@@ -97,6 +97,10 @@ def tap(model, aux: float, z: float, micro_batches: int) -> dict[str, RouterTap]
     layers = {name: m for name, m in model.named_modules() if isinstance(m, AutoEPMoELayer)}
     if not layers:
         raise RuntimeError("DeepSpeed AutoEP replaced no MoE block")
+    from harness.frameworks.deepspeed.experts import expert_groups
+
+    declared = expert_groups()["ep"]  # the profiler's ep axis (process_groups): AutoEP's all-to-alls run on these
+    assert all(any(m.ep_group is g for g in declared) for m in layers.values() if m.ep_size > 1)
     return {name: RouterTap(m, aux, z, micro_batches) for name, m in layers.items()}
 
 
