@@ -52,12 +52,10 @@ def test_section_is_read_by_deepspeeds_own_parser(monkeypatch, overrides):
     monkeypatch.setattr(dsc.dist, "get_world_size", lambda *a, **k: 2)
     ep = dsc.DeepSpeedConfig(cfg).expert_parallel_config
     assert (ep.enabled, ep.autoep_size, ep.top_k, ep.route_norm) == (True, 2, shape.experts_per_token, shape.norm_topk)
-    assert (ep.score_func, ep.score_apply, ep.route_scale, ep.use_grouped_mm) == ("softmax", "post", 1.0, False)
+    assert (ep.score_func, ep.score_apply, ep.route_scale, ep.use_grouped_mm) == ("softmax", "post", 1.0, True)
     assert ep.preset_model is None and ep.moe_layer_pattern == r"layers\.\d+\.feed_forward"
     validate_autoep_config(ep, 2, 1, 1, 1, zero_stage=1)  # AutoEP's own check: raises if wrong
     assert "expert_parallel" not in build_config(_spec(ds_moe="layer"), dp=2, device_type="cpu")[0]
-    gpu, _, _ = build_config(spec, shape, dp=2, device_type="cuda")
-    assert "use_grouped_mm" not in gpu["expert_parallel"]  # DeepSpeed's default (grouped GEMM) on a GPU
 
 
 REFUSED = [  # (workload, layout, field, words)
@@ -90,9 +88,8 @@ def test_any_top_k_either_normalisation_runs_under_autoep_not_the_moe_layer():
         (lambda c: c.update(expert_parallel={"score_apply": "pre"}), "expert_parallel.score_apply"),
         (lambda c: c.update(expert_parallel={"preset_model": "mixtral"}), "expert_parallel.preset_model"),
         (lambda c: c.update(expert_parallel={"num_expert_groups": 2}), "expert_parallel.num_expert_groups"),
-        (lambda c: c.update(expert_parallel={"use_grouped_mm": True}), "expert_parallel.use_grouped_mm"),
     ],
-    ids=["top_k", "score_apply", "preset", "groups", "grouped_mm_cpu"],
+    ids=["top_k", "score_apply", "preset", "groups"],
 )
 def test_a_section_contradicting_the_model_is_refused(tmp_path, edit, key):
     spec = _spec(ds_config=_config_file(tmp_path, edit))
@@ -107,10 +104,12 @@ def test_autoep_enabled_in_a_file_needs_ds_moe_autoep(tmp_path):
         build_config(_spec(ds_config=path, ds_moe="layer"), dp=2, device_type="cpu")
 
 
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "loop"])
 @pytest.mark.parametrize("overrides", [{}, {"experts_per_token": 1, "norm_topk": False}, {"experts_per_token": 3}])
-def test_autoeps_layer_is_the_reference_layer(overrides):
+def test_autoeps_layer_is_the_reference_layer(overrides, grouped_mm):
     """AutoEP detects the harness's block by the section's pattern and replaces it; its layer (ep_size 1: every
-    expert here) computes the reference's function with the reference's router statistics and losses."""
+    expert here) computes the reference's function with the reference's router statistics and losses, its
+    experts through torch._grouped_mm (DeepSpeed's default) or its sequential loop."""
     import torch
     import torch.nn as nn
     from deepspeed.module_inject.auto_ep import AutoEP
@@ -122,6 +121,7 @@ def test_autoeps_layer_is_the_reference_layer(overrides):
     spec = _spec({"model_overrides": overrides}, dp=1, ep=1)
     shape = spec.shape()
     cfg, _, _ = build_config(spec, shape, dp=1, device_type="cpu")
+    cfg["expert_parallel"]["use_grouped_mm"] = grouped_mm
     torch.manual_seed(0)
     ref, mine = MoEFeedForward(shape), MoEFeedForward(shape)
     mine.load_state_dict(ref.state_dict())

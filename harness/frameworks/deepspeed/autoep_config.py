@@ -18,7 +18,8 @@ as harness.model.moe.route does when (all owned here, an explicit other value re
 and no group-limited routing (num_expert_groups), shared experts or preset_model (the harness's model is
 not a transformers one). The gate's logits are those of its Linear in the parameters' dtype, which is
 the reference's fp32 router only under fp32 (deepspeed/facts.py refuses bf16 and fp8 with AutoEP).
-use_grouped_mm: false on CPU (its grouped path's SwiGLU is a Triton kernel), the file's choice on a GPU.
+use_grouped_mm is the file's (DeepSpeed's default true: torch._grouped_mm, which runs on this CPU in fp32 too,
+its SwiGLU falling back to eager without Triton).
 Dropless: AutoEP's all-to-all sends every routed slot (variable splits), there is no capacity.
 """
 
@@ -45,7 +46,7 @@ ABSENT = {
 SECTION = "expert_parallel"
 
 
-def fill_expert_parallel(f, cfg: dict, lay, shape, device_type: str) -> None:
+def fill_expert_parallel(f, cfg: dict, lay, shape) -> None:
     """Fill or check the expert_parallel section (f: config._Filler; shape: the model's)."""
     section = cfg.get(SECTION)
     if section is not None and not isinstance(section, dict):
@@ -68,8 +69,6 @@ def fill_expert_parallel(f, cfg: dict, lay, shape, device_type: str) -> None:
     f.own(k + "score_apply", "post", "MoE block (the weight times the expert's output)")
     for key, value in PATTERN.items():
         f.own(k + key, value, "harness MoE block's structure")
-    if device_type == "cpu":
-        f.own(k + "use_grouped_mm", False, "device cpu (AutoEP's grouped path runs a Triton SwiGLU)")
     ep = cfg[SECTION]
     for key, default in ABSENT.items():
         if ep.get(key, default) not in (default, None):

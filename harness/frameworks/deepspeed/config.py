@@ -282,7 +282,7 @@ def build_config(
         from harness.model.presets import resolve_shape
 
         shape = resolve_shape(w.model, w.model_overrides)
-    fill_expert_parallel(f, cfg, lay, shape, device_type)
+    fill_expert_parallel(f, cfg, lay, shape)
 
     # DeepSpeed activation checkpointing follows the layout; the section holds only its knobs.
     ac = cfg.get("activation_checkpointing")
