@@ -162,6 +162,8 @@ def original(fmt: str, model: str, fields: dict, lay: PlannerLayout) -> dict:
     layout = {**lay.to_spec(), "engine": ENGINE[fmt]}
     if fmt == "torchtitan":
         layout.pop("zero_stage")  # FSDP2's full sharding: engine fsdp has no ZeRO stage
+    if fmt == "deepspeed" and lay.ep > 1:
+        layout["ds_moe"] = "autoep"  # DeepSpeed's MoE export is AutoEP's expert_parallel section
     workload = {"model": model, "seq_len": 4096, "global_batch_size": 64, "steps": 20, "optimizer": OPT}
     return {"workload": {**workload, "grad_clip": 0.5, **fields}, "layout": layout}
 

@@ -75,8 +75,8 @@ def planner_engines() -> tuple[str, ...]:
 # A PlannerLayout holds every field of harness.spec.Layout, by the same name (a field added there reaches the
 # planner, from_spec and to_spec as it is), but those the planner does not model: the own engine's pipeline
 # transfers and DP buckets, DeepSpeed's config and model implementation, FSDP2's FP8 all-gather (assumed
-# under fsdp with tensorwise FP8: fp8.py).
-UNMODELLED = ("pipeline_p2p", "dp_bucket_mb", "ds_config", "model_impl", "fp8_all_gather")
+# under fsdp with tensorwise FP8: fp8.py), and DeepSpeed's MoE layer (both hold E/ep experts a rank).
+UNMODELLED = ("pipeline_p2p", "dp_bucket_mb", "ds_config", "model_impl", "fp8_all_gather", "ds_moe")
 # Given by every caller, positionally in this order: the degrees a candidate is enumerated over.
 REQUIRED = ("tp", "pp", "dp", "micro_batch_size")
 # Where the planner's default is not the spec's: the study's engine (engine: whose memory the planner models,

@@ -39,6 +39,8 @@ Workload-owned keys (explicit values must equal the workload's):
                                    optimizer offload its CPUAdam)
   zero_optimization.stage          = layout.zero_stage (0 only under the pipeline engine, pp > 1)
   tensor_parallel.autotp_size      = layout.tp (DeepSpeed's AutoTP training; filled when tp > 1)
+  expert_parallel.*                = layout.ds_moe autoep: AutoEP's section (autoep_config.py); refused
+                                   enabled under ds_moe layer
   scheduler                        refused: the workload's learning rate is constant
 """
 
@@ -51,6 +53,7 @@ import os
 
 from harness import resources
 from harness.errors import SpecError, raise_all
+from harness.frameworks.deepspeed.autoep_config import fill_expert_parallel
 from harness.frameworks.deepspeed.policy_keys import policy_switches
 from harness.spec import micro_batch_count
 from harness.spec.schema import BF16_PRECISIONS
@@ -288,6 +291,12 @@ def build_config(
 
     # AutoTP: its degree is the layout's tp (a file may say nothing, "auto" or the same number)
     f.own("tensor_parallel.autotp_size", lay.tp, "layout.tp", required=lay.tp > 1)
+    # AutoEP (layout.ds_moe autoep): the expert_parallel section describing the harness's MoE block
+    if shape is None and lay.ds_moe == "autoep":
+        from harness.model.presets import resolve_shape
+
+        shape = resolve_shape(w.model, w.model_overrides)
+    fill_expert_parallel(f, cfg, lay, shape)
 
     # DeepSpeed activation checkpointing follows the layout; the section holds only its knobs.
     ac = cfg.get("activation_checkpointing")

@@ -1,6 +1,6 @@
-"""What engine deepspeed (ZeRO 1/2/3, AutoTP, Ulysses, its pipeline engine) runs, declared without
-importing torch or DeepSpeed; adapter.py builds engine.py (ZeRO, AutoTP, Ulysses through ulysses.py)
-or pipe.py (PipelineModule)."""
+"""What engine deepspeed (ZeRO 1/2/3, AutoTP, Ulysses, its pipeline engine, DeepSpeed's MoE layer or AutoEP)
+runs, declared without importing torch or DeepSpeed; adapter.py builds engine.py (ZeRO, AutoTP, Ulysses
+through ulysses.py, MoE through experts.py or autoep.py) or pipe.py (PipelineModule)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,18 @@ MOE_LIMITS = [
     (
         _MOE,
         lambda s, lay: (
-            not s.moe or (s.experts_per_token == 2 and s.norm_topk) or (s.experts_per_token == 1 and not s.norm_topk)
+            not s.moe
+            or lay.ds_moe == "autoep"  # AutoEP's router: any k, renormalised or not (autoep_config.py)
+            or (s.experts_per_token == 2 and s.norm_topk)
+            or (s.experts_per_token == 1 and not s.norm_topk)
         ),
         "DeepSpeed's TopKGate renormalises top-2 weights and keeps top-1's softmax weight: experts_per_token 2 "
-        "with norm_topk true, or 1 with norm_topk false",
+        "with norm_topk true, or 1 with norm_topk false (ds_moe autoep routes any k either way)",
+    ),
+    (
+        _MOE,
+        lambda s, lay: s.moe or lay.ds_moe == "layer",
+        "ds_moe autoep has DeepSpeed AutoEP replace a mixture of experts' blocks, and this model has none",
     ),
     (
         _MOE,
@@ -28,9 +36,9 @@ MOE_LIMITS = [
     ),
     (
         _MOE,
-        lambda s, lay: not s.moe or lay.zero_stage != 3,  # (0 is refused without pp, and MoE refuses pp)
+        lambda s, lay: not s.moe or lay.zero_stage != 3 or lay.ds_moe == "autoep",  # (0: refused without pp)
         "DeepSpeed's MoE layer runs here under ZeRO-1 or 2 (MoE parameter groups); ZeRO-3's zero.Init build "
-        "is not wired to it: set zero_stage 1 or 2",
+        "is not wired to it: set zero_stage 1 or 2, or ds_moe autoep (AutoEP partitions the experts it builds)",
     ),
     (
         _MOE,
@@ -88,6 +96,7 @@ ENGINE = EngineFacts(
         **honoured(
             "layout",
             "tp pp dp cp zero_stage ds_config",
+            ds_moe="autoep",
             activation_checkpointing="selective",
             attention="flash2",
             rmsnorm="fused",
@@ -160,6 +169,12 @@ ENGINE = EngineFacts(
         *MUON_LIMITS,
         (
             "precision",
+            lambda w, lay: lay.ds_moe != "autoep" or w.precision == "fp32",
+            "AutoEP's router computes its logits in the parameters' dtype (its gate Linear, deepspeed/moe/"
+            "ep_router.py), the reference's in fp32 whatever the precision: ds_moe autoep runs precision fp32",
+        ),
+        (
+            "precision",
             lambda w, lay: w.precision != "fp8" or (lay.tp == 1 and lay.pp == 1 and lay.model_impl == "own"),
             "fp8 under engine deepspeed converts the harness's own model's linears (torchao) before "
             "deepspeed.initialize: with tp=1 and pp=1 and model_impl own only (AutoTP would replace the FP8 "
@@ -195,7 +210,11 @@ ENGINE = EngineFacts(
         *MOE_LIMITS,
     ],
     runs_moe=True,
-    label=lambda lay: f"deepspeed ZeRO-{lay['zero_stage']}" + (" hf" if lay["model_impl"] == "hf" else ""),
+    label=lambda lay: (
+        f"deepspeed ZeRO-{lay['zero_stage']}"
+        + (" hf" if lay["model_impl"] == "hf" else "")
+        + (" AutoEP" if lay.get("ds_moe") == "autoep" else "")
+    ),
     launcher="deepspeed",
     process_group=True,
     preflight=validate,
