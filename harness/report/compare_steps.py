@@ -255,6 +255,7 @@ def why_cases(summary: dict) -> list[Case]:
                 times,
                 drift,
                 fields=factors(r["layout"]),
+                unit=r.get("step_time_unit") or "round",
             )
         )
     return out
@@ -266,10 +267,15 @@ WHY_TEXT = (
     "one other layout field: the attention and norm kernels, checkpointing, micro-batch, schedule, "
     "sequence parallelism), each run against the fastest such run; the fastest run's pairs first. "
     "Which run is slower is decided by the interval on the ratio of the two runs' step times "
-    "(every measured step: the Hodges-Lehmann ratio with its distribution-free Mann-Whitney interval, "
-    "its coverage stated, at least 95%, widened by the load drift the comparison measured where it found one): "
-    "'slower' where it lies above 1; 'not distinguishable' where it holds 1 within 10% either way; "
-    "'undecided' otherwise, with the measured steps per run that the observed spread would need. "
+    "(one launch per run: every measured step, the Hodges-Lehmann ratio with its distribution-free "
+    "Mann-Whitney interval, its coverage stated, at least 95%, widened by the load drift the comparison "
+    "measured where it found one; runs measured in rounds or interleaved turns: the round or turn is the "
+    "unit, since the steps of one launch share its load: each block's own ratio, and across blocks the "
+    "sign test's exact interval on their median from 6 blocks on, Student's t on their mean below, "
+    "never narrower than a block's own spread): "
+    "'slower' where it lies above 1; 'not distinguishable' where it lies within the equivalence margin of "
+    "10% either way; 'undecided' otherwise, with the measured steps per run (or the rounds or turns) that "
+    "the observed spread would need. "
     "Only a run decided slower is explained. A difference is explained "
     "only from breakdowns whose sum lies within 10% of their run's measured median, by every component "
     "that moved by 10% of the difference between the breakdowns or more, either way: those that moved "

@@ -39,11 +39,12 @@ class Case:
     ci_s: tuple | None = None  # the interval of that median (low, high), seconds (its coverage: _ms, from n)
     # a MoE run's expert load: routed tokens per expert, max over mean, worst layer (median measured step)
     imbalance: float | None = None
-    times_s: tuple | None = None  # every measured step's time (s), or one tuple per round: the ratio interval's data
+    times_s: tuple | None = None  # every measured step's time (s), or one tuple per block: the ratio interval's data
     drift: float = 1.0  # the comparison's measured load drift factor (>= 1) its ratio intervals are widened by
     # what the run is, factor by factor (factors()): two runs of one engine are compared only where one
     # factor differs; None (old callers): every pair
     fields: dict | None = None
+    unit: str = "round"  # what times_s's blocks are: launch rounds (compare --rounds) or turns (--interleave)
 
 
 def off_median(b: Breakdown, median_s: float | None) -> float | None:
@@ -81,7 +82,7 @@ def decision(fast: Case, slow: Case) -> dict | None:
     interval widened by the larger load drift of the two; None where either has no step times."""
     if not fast.times_s or not slow.times_s:
         return None
-    d = compare_times(list(slow.times_s), list(fast.times_s))
+    d = {**compare_times(list(slow.times_s), list(fast.times_s)), "unit": slow.unit}
     factor = max(fast.drift, slow.drift)
     if factor > 1 and d["verdict"] in ("slower", "faster"):  # decided only if the widened interval still excludes 1
         w = widen(d, factor)
