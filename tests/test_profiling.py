@@ -168,14 +168,16 @@ def test_axis_of_a_group_is_the_degree_owners(monkeypatch):
     groups = {"a": [0, 1], "b": [0, 2], "c": [0, 1, 2, 3], "d": [0, 3]}
     monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: groups[g])
     axis_of = AxisOf(ParallelDims(dp=2, tp=2), 0)
-    assert [axis_of(g) for g in (None, "a", "b", "c", "d")] == [WORLD, "tp", "dp", WORLD, "other [0,3]"]
+    # a group that is no axis is named by what it is: [0,3] differs on dp and tp, half the ranks they span
+    named = [WORLD, "tp", "dp", WORLD, "part of dp+tp (2 of 4 ranks)"]
+    assert [axis_of(g) for g in (None, "a", "b", "c", "d")] == named
 
 
 def test_every_collective_is_on_the_axis_its_group_belongs_to(monkeypatch):
     """A send or receive without a group (DeepSpeed's pipeline: before, under 'all') is on the axis to
     its peer; Megatron's groups by their group_desc where their ranks are no axis of degree > 1 (its
     one-rank model-parallel group at dp2: before, 'other'); a group the engine declares (DeepSpeed's
-    one-rank ZeRO group at pp2); 'other' only for a group that is none of them, named by its ranks."""
+    one-rank ZeRO group at pp2); a group that is none of them named by the axes its ranks span."""
     from types import SimpleNamespace
 
     from harness.parallel_dims import ParallelDims
@@ -183,7 +185,7 @@ def test_every_collective_is_on_the_axis_its_group_belongs_to(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: g.ranks)
     pp2 = AxisOf(ParallelDims(pp=2), 0)
     assert pp2.peer(None, 1) == "pp" and AxisOf(ParallelDims(pp=2), 1).peer(None, 0) == "pp"
-    assert AxisOf(ParallelDims(pp=2, dp=2), 0).peer(None, 3) == "other [0,3]"  # differs on pp and dp
+    assert AxisOf(ParallelDims(pp=2, dp=2), 0).peer(None, 3) == "part of pp+dp (2 of 4 ranks)"  # differs on both
     dp2 = AxisOf(ParallelDims(dp=2), 0)
     groups = [  # kept alive: AxisOf knows a group by its id
         SimpleNamespace(ranks=[0], group_desc=d)
@@ -193,7 +195,7 @@ def test_every_collective_is_on_the_axis_its_group_belongs_to(monkeypatch):
     assert dp2(model) == "tp+pp" and dp2(data) == "dp" and dp2(embedding) == "embedding"
     assert pp2(pipe_embedding) == "pp"  # its ranks are the pp group's
     assert AxisOf(ParallelDims(pp=2), 0, {"dp": [zero, None]})(zero) == "dp"
-    assert pp2(unknown) == "other [0]"
+    assert pp2(unknown) == "one-rank"
 
 
 def test_without_a_pipeline_the_wait_at_the_world_reduction_is_not_a_bubble():

@@ -5,8 +5,12 @@ Launches in rounds (drift_control.measure_rounds) alternate runs by the launch, 
 loaded machine, and the load a launch met is one draw however many steps it measures: the identical pair of
 examples/compare-cpu-decide.yaml moved 0.65x to 2.33x from round to round at load 14-21. Here every run is
 started, in the plan's order, and waits before its first step (measure.turns) until all are ready; then
-turn c grants each run K steps in turn, the plan's order in even turns and the reverse in odd ones (a load
-that rises or falls during a turn favours neither run), each run waiting asleep while another measures;
+turn c grants each run K steps in turn, in an order drawn afresh every turn (seeded) in which no run follows
+itself, each run waiting asleep while another measures. Why drawn, and never itself: a run that follows
+itself finds its own data still in the caches, one that follows another does not; alternating the plan's
+order forward and back made the middle run the only one never to follow itself, and one layout under two
+labels read "slower 1.128x [1.066, 1.208]" (load 14-16). Drawn orders give every run every predecessor
+and every place in the turn alike, so neither caches nor a load that rises during a turn favour one;
 after the last turn each run finishes (weights, profiled steps, record) alone, one after another. Each run's
 measured steps are then grouped by turn (`step_time_rounds_s`, one list per turn), and two runs are compared
 turn by turn (measure.blocks: the turn is the unit of replication). What this measures is said with it:
@@ -16,6 +20,7 @@ left them), which a run measured alone on an idle machine need not match."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 import threading
@@ -24,9 +29,11 @@ import time
 from harness.compare.spec import CompareSpec
 from harness.measure.turns import DIR_ENV, NAME_ENV, POLL_S, read_int, write_int
 
+SEED = 41  # the turn orders' draw: a comparison repeated measures in the same orders
 INTERLEAVE_METHOD = (
     "every run is kept alive side by side and measured in turns of {k} step(s): each turn grants each run "
-    "its steps in the plan's order (even turns) or the reverse (odd turns), the others asleep meanwhile; "
+    "its steps in an order drawn afresh every turn in which no run follows itself (every run after every "
+    "other alike, none with its own data still in the caches), the others asleep meanwhile; "
     "two runs are compared turn by turn (each turn's ratio of their steps, the interval across turns), so "
     "that load both met within a turn cancels; step times are those of runs interleaved step by step, "
     "each after another run's, not those of a run alone on an idle machine"
@@ -40,6 +47,21 @@ def turn_blocks(times: list[float], warmup: int, k: int) -> list[list[float]]:
     for i, t in enumerate(times):
         blocks.setdefault((warmup + i) // k, []).append(t)
     return [blocks[c] for c in sorted(blocks)]
+
+
+def turn_orders(n: int, turns: int, seed: int = SEED) -> list[list[int]]:
+    """`turns` orders of n runs, each drawn at random (seeded) until its first run is not the previous
+    order's last (no run follows itself; with 2 runs: the same order every turn, they alternate)."""
+    rng = random.Random(seed)
+    out: list[list[int]] = []
+    for _ in range(turns):
+        order = list(range(n))
+        while True:
+            rng.shuffle(order)
+            if n < 2 or not out or order[0] != out[-1][-1]:
+                break
+        out.append(list(order))
+    return out
 
 
 class _Run:
@@ -92,15 +114,14 @@ def run_interleaved(cs: CompareSpec, launch, k: int, **kw) -> tuple[list[dict], 
             r.thread.start()
             if r.wait(0):
                 alive.append(r)
-        turn = 0
-        while any(r.done() < r.total for r in alive):
-            for r in alive if turn % 2 == 0 else alive[::-1]:
-                if r.thread.is_alive() and r.done() < r.total:
+        turns = -(-max(r.total for r in runs) // k)
+        for turn, order in enumerate(turn_orders(len(runs), turns)):
+            for r in (runs[i] for i in order):
+                if r in alive and r.thread.is_alive() and r.done() < r.total:
                     step = min((turn + 1) * k, r.total)
                     r.grant(step)
                     r.wait(step)
             alive = [r for r in alive if r.thread.is_alive()]
-            turn += 1
         for r in runs:  # each finishes alone: its gather, profiled steps and record load no one's measurement
             r.grant(r.total + 1)
             r.thread.join()

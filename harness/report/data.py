@@ -48,7 +48,7 @@ TITLES = {
     "forward_backward": "forward+backward (compute and comm not split)",
     "pp_comm": "pipeline transfers",  # a pp send's or receive's blocked time once its peer was ready
     "one-rank_comm": "calls on one-rank groups (no communication)",  # an axis of degree 1: nothing moves
-    "unattributed": "unattributed (no clock covers it)",  # host work between the clocked parts
+    "unattributed": "not clocked (the step less its clocked parts)",  # shown apart: no component explains by it
 }
 
 
@@ -56,6 +56,8 @@ def component_title(key: str) -> str:
     """The words a report uses for a component: `tp_comm` is 'exposed tp communication'."""
     if key in TITLES:
         return TITLES[key]
+    if key.startswith("part of ") and key.endswith("_comm"):  # a group named by the axes it spans part of
+        return f"exposed communication in {key[:-5]}"
     return f"exposed {key[:-5]} communication" if key.endswith("_comm") else key.replace("_", " ")
 
 
