@@ -228,3 +228,25 @@ def test_interleave_takes_no_rounds(no_launch, one_line_error):
     assert line.startswith("error: --interleave: takes no --rounds"), line
     line = one_line_error(cli_main(["compare", "c.yaml", "--interleave", "-1"]))
     assert line.startswith("error: --interleave: must be a positive integer"), line
+
+
+@pytest.mark.slow
+def test_interleaved_launches_take_turns_step_by_step(tmp_path):
+    """Real launches (torchrun, 2 processes each, gloo): two runs kept alive side by side pass harness.run's
+    gate before every step; both finish, their measured steps grouped one per turn, their losses equal."""
+    from harness.compare.spec import parse_compare_spec
+    from harness.store import PASS
+
+    runs = [
+        {"label": "own dp2", "engine": "own", "dp": 2, "micro_batch_size": 2},
+        {"label": "own dp2 again", "engine": "own", "dp": 2, "micro_batch_size": 2},
+    ]
+    w = tiny_workload(steps=4, warmup_steps=1)
+    cs = parse_compare_spec({"name": "t", "nproc": 2, "workload": w, "runs": runs, "reference": False})
+    s = run_comparison(
+        cs, store_path=str(tmp_path / "r.sqlite"), progress=False, log_dir=str(tmp_path), profile_steps=0, interleave=1
+    )
+    assert s["verdict"] == PASS, [(r["label"], r["status"], r.get("error_line")) for r in s["runs"]]
+    for r in s["runs"]:
+        assert r["step_time_unit"] == "turn" and [len(b) for b in r["step_time_rounds_s"]] == [1, 1, 1, 1]
+    assert s["load_drift"]["interleave"] == 1 and "turns of 1 step(s)" in s["load_drift"]["method"]

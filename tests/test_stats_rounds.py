@@ -1,5 +1,5 @@
 """Load drift between a comparison's runs: runs launched in alternating rounds are
-compared within each round, so a load that changes between rounds does not decide; by default the first
+compared round by round, so a load that changes between rounds does not decide; by default the first
 run is measured again after the last, and a drift it finds widens every pair's interval. Stand-in
 launches (no process starts) on a machine whose speed the test sets per launch."""
 

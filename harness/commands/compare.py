@@ -59,9 +59,9 @@ def add_arguments(p):
         type=int,
         default=1,
         metavar="N",
-        help="launch every run N times in alternating order and compare runs within each round, so that "
-        "load that changes during the comparison cancels (default 1: one launch each, then the first run "
-        "again as a load-drift check)",
+        help="launch every run N times in alternating order and compare runs round by round (the round is "
+        "the unit: a launch's steps share its load), so that load that changes during the comparison cancels "
+        "(default 1: one launch each, then the first run again as a load-drift check)",
     )
     p.add_argument(
         "--interleave",
