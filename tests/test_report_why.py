@@ -328,7 +328,9 @@ def test_old_records_without_breakdown_ms_still_render(tmp_path):
     header, rows = breakdown_rows(summary)
     by = {r[0]: dict(zip(header, r, strict=True)) for r in rows}
     assert by["own tp2"]["source"] == "instrumented" and by["own tp2"]["compute"] == "70.0 ms (70%)"
-    assert by["own tp2"]["host overhead and other"] == "10.0 ms (10%)"  # what the total leaves uncovered
+    # what the total leaves uncovered: not clocked (apart), no longer 'host overhead and other', a component
+    assert by["own tp2"]["not clocked (the step less its clocked parts)"] == "10.0 ms (10%)"
+    assert "host overhead and other" not in header and by["own tp2"]["clocked share of the median"] == "90%"
     assert by["FSDP2 reshard tp2"]["forward+backward (compute and comm not split)"] == "120.0 ms (85%)"
     assert set(list(by["deepspeed ZeRO-1"].values())[1:-2]) == {"not measured"}
     assert by["own tp2"]["waiting for other ranks"] == "0.0 ms (0%)" and "pipeline bubble" not in header

@@ -29,8 +29,9 @@ from harness.profiling.counters import P2P
 
 def from_instrumented(breakdown_s: dict, pp: int | None = None) -> dict:
     """The own engine's counters (seconds: compute, tp_comm, cp_comm under context parallelism, ep_comm
-    under expert parallelism, dp_comm, bubble, optimizer, total) in the breakdown's shape, in ms; other
-    is what they leave of the step. With `pp` 1 the engine's 'bubble' (its wait at the world-wide
+    under expert parallelism, dp_comm, bubble, optimizer, total) in the breakdown's shape, in ms; what
+    they leave of the step is unattributed (no clock covers it: the report shows it apart, no component;
+    negative where clocks overlap). With `pp` 1 the engine's 'bubble' (its wait at the world-wide
     reduction) is 'wait'."""
     ms = {k: v * 1e3 for k, v in breakdown_s.items()}
     cp = {a: ms[f"{a}_comm"] for a in ("cp", "ep") if f"{a}_comm" in ms}  # only where the run has them
@@ -42,8 +43,8 @@ def from_instrumented(breakdown_s: dict, pp: int | None = None) -> dict:
         "bubble": ms.get("bubble", 0.0),
         "step": ms.get("total", 0.0),
     }
-    out["other"] = max(
-        0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"] - sum(out["exposed_comm"].values())
+    out["unattributed"] = (
+        out["step"] - out["compute"] - out["optimizer"] - out["bubble"] - sum(out["exposed_comm"].values())
     )
     if pp == 1:
         out = {("wait" if k == "bubble" else k): v for k, v in out.items()}

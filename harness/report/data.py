@@ -87,7 +87,7 @@ def _ordered(parts: dict[str, float]) -> dict[str, float]:
 
 def breakdown_of(metrics: dict | None, pp: int | None = None) -> Breakdown | None:
     """The step breakdown of a record's metrics: breakdown_ms where the run has it, else the older
-    breakdown_s (the engine's own counters, in seconds; what its total leaves uncovered is `other`),
+    breakdown_s (the engine's own counters, in seconds; what its total leaves uncovered is `unattributed`),
     else None (not measured). With `pp` 1 a 'bubble' (what records before the fix called the wait
     at the world-wide reductions) is 'wait': there is no pipeline to have a bubble."""
     found = _breakdown_of(metrics or {})
@@ -122,8 +122,8 @@ def _breakdown_of(m: dict) -> Breakdown | None:
         parts = {k: 1e3 * float(v) for k, v in old.items() if k != "total" and _num(v)}
         step = 1e3 * float(old["total"]) if _num(old.get("total")) else sum(parts.values())
         rest = step - sum(parts.values())
-        if rest > 1e-9 * max(step, 1.0):
-            parts["other"] = parts.get("other", 0.0) + rest
+        if abs(rest) > 1e-9 * max(step, 1.0):  # what the counters' clocks leave: shown apart, no component
+            parts["unattributed"] = rest
         return Breakdown(_ordered(parts), step, "instrumented")
     return None
 
