@@ -11,9 +11,14 @@ no scipy): the one definition the record, the reports and the benchmarks use.
   bootstrap: step times are a handful of skewed, positive values whose noise (load) acts by a factor;
   on log times a factor is a shift, the rank interval needs no distribution and its coverage is
   exact at n = 8 where a bootstrap's percentile interval under-covers and states no coverage.
+- That rank interval treats the steps as independent draws, which the steps of one launch are not on a
+  loaded machine (they share its load): runs measured in blocks (rounds of launches, interleaved turns)
+  are compared block by block instead, the block the unit of replication (measure.blocks, which argues
+  it); one launch per run keeps the rank interval, which the comparison widens by its measured drift.
 - The verdict: "faster"/"slower" where the interval excludes 1; "not distinguishable" where it holds 1
-  and lies within RESOLUTION either way (any difference is smaller); else "undecided", with the steps
-  per run that the observed spread would need to decide (the interval narrows as 1 / sqrt(n)).
+  and lies within RESOLUTION either way (the stated equivalence margin: any difference is smaller); else
+  "undecided", with the steps per run (or the blocks) that the observed spread would need to decide (the
+  interval narrows as 1 / sqrt(n)).
 """
 
 from __future__ import annotations
