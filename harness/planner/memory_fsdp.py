@@ -5,7 +5,7 @@ to a stage's memory."""
 from __future__ import annotations
 
 from harness.model.presets import Shape
-from harness.planner import feedforward, fp8
+from harness.planner import feedforward, fp8, schedules
 from harness.planner import memory_terms as terms
 from harness.planner.layout import PlannerLayout, Workload
 
@@ -77,3 +77,28 @@ def fsdp_step_bytes(
         "accumulated": accumulated * 4 if piped else 0.0,
         "after_loss": (n * V * B / loss_shards + vocab * B) if has_head else 0.0,
     }
+
+
+def one_round_chunks(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> list[tuple[float, float]] | None:
+    """(in flight, accumulated gradient bytes) at each chunk's first backward on pipeline rank `stage` of engine
+    fsdp under torch's interleaved order in one round (m < 2 pp), else None. torch.distributed.pipelining
+    reduces a stage's gradients right after its last backward (schedules._add_reduce_grad: REDUCE_GRAD ->
+    stage.perform_reduce_grad, FSDP2's post_backward with set_reshard_after_backward(True)), and in one round
+    a rank runs each chunk's backwards back to back (schedules.chunk_in_flight), so only that chunk's unsharded
+    gradients live: its blocks', the embedding's whole table on the first stage, the LM head and final norm's on
+    the last (fsdp_step_bytes' accumulated, per chunk)."""
+    from harness.engine.partition import balanced_partition
+
+    pp, v, m = lay.pp, lay.virtual_stages, wl.micro_batches(lay)
+    if lay.engine != "fsdp" or pp == 1 or lay.pipeline_schedule != "interleaved" or v < 2 or m // pp > 1:
+        return None
+    h, V, t = shape.hidden, shape.vocab, lay.tp
+    block = terms.stage_params(shape, False, 1, False, t, lay.ep)
+    parts = balanced_partition(shape, pp * v, wl.seq_len)
+    out = []
+    for c in range(v):
+        emb = V * h if c == 0 and stage == 0 else 0.0  # the whole table under TP (see fsdp_step_bytes)
+        head = V * h / t + h if c == v - 1 and stage == pp - 1 else 0.0
+        grads = 4 * (emb + head + len(parts[c * pp + stage]) * block)
+        out.append((schedules.chunk_in_flight(v, pp, stage, m, c), grads))
+    return out
