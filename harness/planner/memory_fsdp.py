@@ -50,8 +50,8 @@ def fsdp_step_bytes(
                       reshards it (reshard_after_forward): between two backwards all are gathered
       reduce_scatter  none while micro-batches are in flight
 
-    A stage here is a chunk under the interleaved schedules: each chunk's accumulation is reduced after its own
-    last backward, which in one round of torch's order leaves one chunk's alive at a time (one_round_chunks).
+    With several chunks a rank, each chunk's accumulation is reduced after its own last backward; in one round of
+    torch's ScheduleInterleaved1F1B that leaves one chunk's alive at a time (one_round_chunks).
 
     The planner's workload carries the default precision policy: compute dtype = the workload's,
     reduction in fp32; under fp8 the blocks' linear weights are gathered in fp8 (fp8.py)."""
