@@ -4,6 +4,8 @@ to a stage's memory."""
 
 from __future__ import annotations
 
+import functools
+
 from harness.model.presets import Shape
 from harness.planner import feedforward, fp8, schedules
 from harness.planner import memory_terms as terms
@@ -90,18 +92,24 @@ def one_round_chunks(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int)
     a rank runs each chunk's backwards back to back (schedules.chunk_in_flight), so only that chunk's unsharded
     gradients live: its blocks', the embedding's whole table on the first stage, the LM head and final norm's on
     the last (fsdp_step_bytes' accumulated, per chunk)."""
-    from harness.engine.partition import balanced_partition
-
     pp, v, m = lay.pp, lay.virtual_stages, wl.micro_batches(lay)
     if lay.engine != "fsdp" or pp == 1 or lay.pipeline_schedule != "interleaved" or v < 2 or m // pp > 1:
         return None
     h, V, t = shape.hidden, shape.vocab, lay.tp
     block = terms.stage_params(shape, False, 1, False, t, lay.ep)
-    parts = balanced_partition(shape, pp * v, wl.seq_len)
+    parts = _layers_per_stage(shape, pp * v, wl.seq_len)
     out = []
     for c in range(v):
         emb = V * h if c == 0 and stage == 0 else 0.0  # the whole table under TP (see fsdp_step_bytes)
         head = V * h / t + h if c == v - 1 and stage == pp - 1 else 0.0
-        grads = 4 * (emb + head + len(parts[c * pp + stage]) * block)
+        grads = 4 * (emb + head + parts[c * pp + stage] * block)
         out.append((schedules.chunk_in_flight(v, pp, stage, m, c), grads))
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _layers_per_stage(shape: Shape, stages: int, seq_len: int) -> tuple[int, ...]:
+    """Layers of each of the engine's stages (its balanced partition, as memory_engines splits them)."""
+    from harness.engine.partition import balanced_partition
+
+    return tuple(len(part) for part in balanced_partition(shape, stages, seq_len))
