@@ -96,9 +96,7 @@ def _weights_parity(p: RunParity, run: dict, anchor: dict, tolerance: float, muo
     if not isinstance(mine, dict):
         p.weights_note = mine if isinstance(mine, str) else "no weights fingerprint in its record (none gathered)"
         return True
-    left_out = sorted(n for n, r in muon.items() if r >= 1)
-    if left_out:
-        p.weights_note = MUON_LEFT_OUT.format(n=len(left_out), low=min(muon[n] for n in left_out))
+    left_out = [n for n, r in muon.items() if r >= 1]  # said once, in the summary's weights (check_parity)
     ref = {n: v for n, v in ref.items() if n not in left_out}
     mine = {n: v for n, v in mine.items() if n not in left_out}
     if set(mine) != set(ref):
@@ -117,8 +115,8 @@ def _weights_parity(p: RunParity, run: dict, anchor: dict, tolerance: float, muo
 
 
 MUON_LEFT_OUT = (
-    "final weights of {n} Muon matrices not compared: under bf16 Newton-Schulz two runs' difference is bounded "
-    "only by {low:.2g} of their norms or more (harness/compare/muon_tolerance.py)"
+    "the final weights of {n} Muon matrices are not compared: under bf16 Newton-Schulz two runs' difference in "
+    "each is bounded only by {low:.2g} of its norm or more (harness/compare/muon_tolerance.py)"
 )
 
 
@@ -147,7 +145,7 @@ def check_parity(runs: list[dict], n: int, tolerance: float, muon_bounds: dict |
     if anchor is None and usable:
         anchor, anchor_kind = usable[0], f"first successful run ({usable[0]['label']}); the reference did not run"
     muon = relative_bounds(muon_bounds or {}, ((anchor or {}).get("metrics") or {}).get("weights_fingerprint"))
-    per_run, weights_within = [], True
+    per_run, weights_within, out = [], True, [k for k, r in muon.items() if r >= 1]
     for r in runs:
         if r not in usable:
             why = failure(r) if r["status"] != "ok" else f"fewer than {n} losses"
@@ -184,6 +182,7 @@ def check_parity(runs: list[dict], n: int, tolerance: float, muon_bounds: dict |
             "within": weights_within,  # each tensor within its tolerance (a Muon matrix's: plus its bound)
             # {Muon matrix: B / ||W||}: added to its tolerance below 1, left out at 1 or more
             "muon_bounds": muon,
+            "muon_left_out": MUON_LEFT_OUT.format(n=len(out), low=min(muon[k] for k in out)) if out else "",
         },
         "tolerance": tolerance,
         "anchor": anchor["label"] if anchor else None,

@@ -161,7 +161,8 @@ def weights_text(weights: dict, tolerance: float) -> str:
         else "final weights not compared"
     )
     missing = weights.get("not_compared") or {}
-    return text + "".join(f"; {label}: {why}" for label, why in missing.items())
+    left_out = f"; {weights['muon_left_out']}" if weights.get("muon_left_out") else ""  # harness.compare.parity
+    return text + left_out + "".join(f"; {label}: {why}" for label, why in missing.items())
 
 
 def check_texts(par: dict) -> list[str]:
