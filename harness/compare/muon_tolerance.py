@@ -9,15 +9,16 @@ leave [0, s_max], s_max = 1.2024 for torch's coefficients (quintic_max), so an m
 
     ||O - O'||_F <= 2 s_max sqrt(min(m, n)).
 
-Nothing smaller holds whatever the gradient: p^5 has slope a^5 = 485 at 0 (ns_lipschitz), so one bf16
+No much smaller bound holds whatever the gradient: p^5 has slope a^5 = 485 at 0 (ns_lipschitz), so one bf16
 rounding of the normalised input (u = 2^-8 of it, where two runs' fp32 sums of the same micro-batches
 differ by 1e-7 and round apart) moves the output by up to 2 u a^5 = 3.8 in Frobenius norm along a gradient's
 small singular directions, a fifth of the bound on a 64 x 64 matrix; the iterations' own roundings add to it.
-Measured on the tiny model's gradients (tests/test_muon_tolerance.py): 3-5 u of ||O||_F per step on a
-well-conditioned matrix, 10-15 u on attention.wo, whose gradient has condition number 1e4 - above the 2 x
-5 steps x u that rounding each iterate once would give. Muon moves the matrix by lr_adjusted * O per step
-(weight decay only shrinks a difference), so after T steps, each fingerprint number (a norm, a projection
-on a unit vector: harness.measure.weights) of two runs differs by at most
+Measured on the tiny model's bf16 gradients perturbed by 1e-7: 3-4 u of ||O||_F per step on attention.wq,
+9-15 u on attention.wo, whose gradient has condition number 1e4 - above the 2 x 5 steps x u that rounding
+each iterate once would give (tests/test_muon_tolerance.py measures the same on matrices built like them).
+Muon moves the matrix by lr_adjusted * O per step (weight decay only shrinks a difference), so after T steps,
+each fingerprint number (a norm, a projection on a unit vector: harness.measure.weights) of two runs differs
+by at most
 
     B = T * lr_adjusted * 2 * s_max * sqrt(min(m, n)),   relatively B / ||W||, ||W|| the reference's final norm.
 
