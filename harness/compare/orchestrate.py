@@ -297,7 +297,7 @@ def run_comparison(
             print(f"load drift check ({load_drift['run']} again): {load_drift['verdict']}", file=sys.stderr)
 
     compared = [e for e, p in zip(entries, cs.runs, strict=True) if not p.baseline]
-    parity = check_parity(compared, cs.parity_steps, cs.tolerance)
+    parity = check_parity(compared, cs.parity_steps, cs.tolerance, cs.muon_bounds)
     fingerprints = compare_fingerprints(entries)
     failed = [e["label"] for e in compared if e["status"] != "ok"]
     workload = parse_spec({"workload": cs.workload}).workload

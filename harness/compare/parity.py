@@ -19,6 +19,10 @@ Final weights: each run's fingerprint of its weights after the trained steps (ha
 gathered on rank 0 by the engine's full_state_dict) against the anchor's, at the same tolerance relative
 to each parameter's norm; a run without one is listed with the reason its record gives.
 
+Muon with Newton-Schulz in bf16 (harness.compare.muon_tolerance): a Muon matrix's final weights are compared
+at the tolerance plus B / ||W||, the bound on two runs' difference relative to the anchor's norm of it, and
+not compared where that is 1 or more (the bound is then the weights' own scale: said in the weights' note).
+
 Fingerprints: hosts, devices and library versions must be the same for every run; a
 difference is flagged (world size and environment variables are expected to differ).
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.compare.muon_tolerance import relative_bounds
 from harness.measure.weights import fingerprint_rel_diff
 from harness.store import FAIL, NO_DATA, PASS, failure  # noqa: F401 - the verdicts, recorded with each run
 
@@ -80,19 +85,39 @@ def grad_norms(run: dict, n: int) -> list[float] | None:
     return norms if len(norms) == n and all(g is not None for g in norms) else None
 
 
-def _weights_parity(p: RunParity, run: dict, anchor: dict, tolerance: float) -> None:
-    """Compare the run's final-weights fingerprint with the anchor's into p (a difference fails the run)."""
+def _weights_parity(p: RunParity, run: dict, anchor: dict, tolerance: float, muon: dict) -> bool:
+    """Compare the run's final-weights fingerprint with the anchor's into p (a difference fails the run);
+    muon: {Muon matrix: B / ||W||}, added to its tolerance below 1, the matrix left out at 1 or more.
+    Whether every compared tensor is within its tolerance (True where none was compared)."""
     mine, ref = (((r.get("metrics") or {}).get("weights_fingerprint")) for r in (run, anchor))
     if not isinstance(ref, dict):
         p.weights_note = f"not compared: the anchor ({anchor['label']}) has no weights fingerprint"
-        return
+        return True
     if not isinstance(mine, dict):
         p.weights_note = mine if isinstance(mine, str) else "no weights fingerprint in its record (none gathered)"
-        return
-    p.weights_rel_diff, at = fingerprint_rel_diff(mine, ref)
-    if p.weights_rel_diff > tolerance:
+        return True
+    left_out = [n for n, r in muon.items() if r >= 1]  # said once, in the summary's weights (check_parity)
+    ref = {n: v for n, v in ref.items() if n not in left_out}
+    mine = {n: v for n, v in mine.items() if n not in left_out}
+    if set(mine) != set(ref):
+        p.weights_rel_diff, at = fingerprint_rel_diff(mine, ref)  # inf: a tensor one of them lacks
+        failed, d = True, p.weights_rel_diff
+    else:  # each tensor against its own tolerance (a Muon matrix's widened by its bound)
+        diffs = {n: fingerprint_rel_diff({n: mine[n]}, {n: ref[n]})[0] for n in ref}
+        p.weights_rel_diff = max(diffs.values(), default=0.0)
+        at = max(diffs, key=lambda n: diffs[n] / (tolerance + muon.get(n, 0.0)), default=None)
+        d = diffs[at] if at is not None else 0.0
+        failed = d > tolerance + muon.get(at, 0.0)
+    if failed:
         p.verdict = FAIL
-        p.note = "; ".join(x for x in (p.note, f"final weights: {at} differs by {p.weights_rel_diff:.1e}") if x)
+        p.note = "; ".join(x for x in (p.note, f"final weights: {at} differs by {d:.1e}") if x)
+    return not failed
+
+
+MUON_LEFT_OUT = (
+    "the final weights of {n} Muon matrices are not compared: under bf16 Newton-Schulz two runs' difference in "
+    "each is bounded only by {low:.2g} of its norm or more (harness/compare/muon_tolerance.py)"
+)
 
 
 def _grad_parity(p: RunParity, run: dict, anchor: dict, n: int, tolerance: float) -> None:
@@ -111,14 +136,16 @@ def _grad_parity(p: RunParity, run: dict, anchor: dict, n: int, tolerance: float
         p.note = "; ".join(x for x in (p.note, f"gradient norm at step {at}: {mine[at]:.7g} vs {ref[at]:.7g}") if x)
 
 
-def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
-    """runs: [{label, status, losses, is_reference}] -> verdict per run, pairwise matrix, overall."""
+def check_parity(runs: list[dict], n: int, tolerance: float, muon_bounds: dict | None = None) -> dict:
+    """runs: [{label, status, losses, is_reference}] -> verdict per run, pairwise matrix, overall.
+    muon_bounds: {Muon matrix: B, the bound on two runs' final difference} (muon_tolerance.matrix_bounds)."""
     usable = [r for r in runs if r["status"] == "ok" and len(r.get("losses") or []) >= n]
     anchor = next((r for r in usable if r.get("is_reference")), None)
     anchor_kind = "single-device reference"
     if anchor is None and usable:
         anchor, anchor_kind = usable[0], f"first successful run ({usable[0]['label']}); the reference did not run"
-    per_run = []
+    muon = relative_bounds(muon_bounds or {}, ((anchor or {}).get("metrics") or {}).get("weights_fingerprint"))
+    per_run, weights_within, out = [], True, [k for k, r in muon.items() if r >= 1]
     for r in runs:
         if r not in usable:
             why = failure(r) if r["status"] != "ok" else f"fewer than {n} losses"
@@ -129,7 +156,7 @@ def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
         note = "" if verdict == PASS else (f"step {at}: {r['losses'][at]:.7g} vs {anchor['losses'][at]:.7g}")
         p = RunParity(r["label"], verdict, d, at, note)
         _grad_parity(p, r, anchor, n, tolerance)
-        _weights_parity(p, r, anchor, tolerance)
+        weights_within &= _weights_parity(p, r, anchor, tolerance, muon)
         per_run.append(p)
     labels = [r["label"] for r in usable]
     matrix = {a["label"]: {b["label"]: max_rel_diff(a["losses"], b["losses"], n)[0] for b in usable} for a in usable}
@@ -152,6 +179,10 @@ def check_parity(runs: list[dict], n: int, tolerance: float) -> dict:
             "compared": [p.label for p in per_run if p.weights_rel_diff is not None],
             "not_compared": {p.label: p.weights_note for p in per_run if p.weights_note},
             "max_rel_diff": max((p.weights_rel_diff for p in per_run if p.weights_rel_diff is not None), default=None),
+            "within": weights_within,  # each tensor within its tolerance (a Muon matrix's: plus its bound)
+            # {Muon matrix: B / ||W||}: added to its tolerance below 1, left out at 1 or more
+            "muon_bounds": muon,
+            "muon_left_out": MUON_LEFT_OUT.format(n=len(out), low=min(muon[k] for k in out)) if out else "",
         },
         "tolerance": tolerance,
         "anchor": anchor["label"] if anchor else None,

@@ -33,6 +33,7 @@ import typing
 from dataclasses import dataclass, field
 
 from harness import registry
+from harness.compare.muon_tolerance import matrix_bounds
 from harness.errors import CapabilityError, SpecError, shown
 from harness.launch import LOCAL_LAUNCHERS
 from harness.parallel_dims import ParallelDims
@@ -189,6 +190,8 @@ class CompareSpec:
     skipped: list[tuple[str, str]]  # (label, why)
     store: str | None = None
     not_runnable: list[dict] = field(default_factory=list)  # matrix cells: {label, layout, why}
+    # Muon with a bf16 Newton-Schulz: {matrix: bound on two runs' final difference} (compare/muon_tolerance.py)
+    muon_bounds: dict = field(default_factory=dict)
 
 
 def engine_available(engine: str) -> bool:
@@ -226,6 +229,9 @@ def parse_compare_spec(raw) -> CompareSpec:
         tolerance, source = DEFAULT_TOLERANCE[key], f"default for {precision if key == precision else 'mxfp8'}"
     else:
         tolerance, source = given.tolerance, "set in the compare spec"
+    muon_bounds = matrix_bounds(base.shape(), base.workload)  # Muon with a bf16 Newton-Schulz: its matrices' bounds
+    if muon_bounds:
+        source += "; Muon matrices' final weights: plus their bf16 Newton-Schulz bound (compare/muon_tolerance.py)"
     total_steps = base.workload.warmup_steps + base.workload.steps
     parity_steps = total_steps if parity_steps is None else parity_steps
     if parity_steps > total_steps:
@@ -322,6 +328,7 @@ def parse_compare_spec(raw) -> CompareSpec:
         skipped,
         given.store,
         not_runnable,
+        muon_bounds,
     )
 
 

@@ -153,7 +153,7 @@ def grad_norm_text(grads: dict, tolerance: float) -> str:
 def weights_text(weights: dict, tolerance: float) -> str:
     """What the final-weights check covered: how many runs, the largest difference, who has none and why."""
     done, worst = weights["compared"], weights.get("max_rel_diff")
-    agree = "agree" if worst is None or worst <= tolerance else "DIFFER"
+    agree = "agree" if weights.get("within", worst is None or worst <= tolerance) else "DIFFER"
     text = (
         f"final weights {agree} for {len(done)} run(s) (max relative difference {sci(worst)} of a parameter's norm "
         "or random projection, to its norm)"
@@ -161,7 +161,8 @@ def weights_text(weights: dict, tolerance: float) -> str:
         else "final weights not compared"
     )
     missing = weights.get("not_compared") or {}
-    return text + "".join(f"; {label}: {why}" for label, why in missing.items())
+    left_out = f"; {weights['muon_left_out']}" if weights.get("muon_left_out") else ""  # harness.compare.parity
+    return text + left_out + "".join(f"; {label}: {why}" for label, why in missing.items())
 
 
 def check_texts(par: dict) -> list[str]:

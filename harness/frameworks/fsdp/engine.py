@@ -133,8 +133,8 @@ class FSDPEngine:
             set_router_losses(part, w.moe_aux_loss_coeff, w.moe_z_loss_coeff, micro_batches_per_step(spec))
             self._parallelize(part)
             options.allocate(part, ctx.device)
-            if options.load_weights:
-                _load_reference_shards(part, reference)
+            if options.load_weights:  # bf16, fp8: the fp32 shards (the masters) start as the reference's do
+                _load_reference_shards(part, reference, self.policy.compute if mixed else None)
         if plans is not None:
             from harness.frameworks.fsdp.pipeline import Pipeline, announce_phases
 
@@ -427,13 +427,15 @@ class FSDPEngine:
 
 
 @torch.no_grad()
-def _load_reference_shards(module, reference) -> None:
-    """Each parameter's local shard of the reference weights (same full tensor on every rank:
-    no communication)."""
+def _load_reference_shards(module, reference, through=None) -> None:
+    """Each parameter's local shard of the reference weights (same full tensor on every rank: no
+    communication), rounded through the compute dtype `through` under a mixed policy: the reference's fp32
+    masters are its compute-dtype parameters upcast (harness.model.training.MasterWeights)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for name, param in module.named_parameters():
         full = reference[name.replace(_WRAPPED, "")]
+        full = full if through is None else full.to(through).to(full.dtype)
         if isinstance(param, DTensor):
             shard = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(shard.to_local())
