@@ -273,11 +273,8 @@ def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, t
     theta = theta or theta_from_profile(profile)
     same = _same_rate_classes(theta)
     rate_class: dict[str, str] = {}  # attention kernel -> the class that stands for it in the key
-    cache: dict = {}
-    layer_cache: dict = {}
-    memory_cache: dict = {}
-    why_cache: dict = {}
-    out = []
+    layouts = list(layouts)
+    keys, stand_ins = [], {}  # each layout's key; the layout predicted for each key
     for lay in layouts:
         att = lay.attention
         cls = rate_class.get(att)
@@ -285,11 +282,22 @@ def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, t
             cls = ATTENTION_CLASS.get(att, att)
             cls = rate_class[att] = same.get(cls, cls)
         key = (cls, _BUT_ATTENTION(lay))
+        keys.append(key)
+        if key not in stand_ins:
+            rep = CLASS_REPRESENTATIVE.get(cls, att)
+            stand_ins[key] = lay if rep == att else dataclasses.replace(lay, attention=rep)
+    layer_cache: dict = {}
+    memory_cache = _memories(shape, list(stand_ins.values()), workload, profile)
+    why_cache: dict = {}
+    cache: dict = {}
+    out = []
+    for lay, key in zip(layouts, keys, strict=True):
         base = cache.get(key)
         if base is None:
-            rep = CLASS_REPRESENTATIVE.get(cls, att)
-            stand_in = lay if rep == att else dataclasses.replace(lay, attention=rep)
-            base = cache[key] = predict(shape, stand_in, workload, profile, theta, layer_cache, memory_cache, **kw)
+            base = cache[key] = predict(
+                shape, stand_ins[key], workload, profile, theta, layer_cache, memory_cache, **kw
+            )
+        att = lay.attention
         if base.layout is lay or base.layout.attention == att:  # the key holds every other field: an equal layout
             out.append(base)
             continue
@@ -302,3 +310,21 @@ def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, t
         alias.layout, alias.available, alias.why_unavailable = lay, not why, why
         out.append(alias)
     return out
+
+
+def _memories(shape: Shape, layouts: list, workload: Workload, profile: Profile) -> dict:
+    """memory_key -> _memory of every valid layout among `layouts` whose memory the arrays of
+    memory_batch hold (the others are left to predict())."""
+    from harness.planner import memory_batch
+
+    todo: dict = {}
+    for lay in layouts:
+        mkey = memory_key(lay)
+        if mkey in todo or not memory_batch.batched(lay, workload):
+            continue
+        try:
+            validate(shape, lay, workload)
+        except SpecError:
+            continue  # predict() raises it in its turn
+        todo[mkey] = lay
+    return dict(zip(todo, memory_batch.memories(shape, list(todo.values()), workload, profile), strict=True))
