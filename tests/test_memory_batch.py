@@ -45,14 +45,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "model, seq, batch, gpus, hw, engine, fields, precisions, schedules, dtype",
-    CASES,
-    ids=[f"{c[5]}-{c[0]}-{i}" for i, c in enumerate(CASES)],
-)
-def test_every_candidates_memory_is_the_scalar_models(
-    model, seq, batch, gpus, hw, engine, fields, precisions, schedules, dtype
-):
+def plan_layouts(model, seq, batch, gpus, hw, engine, fields, precisions, schedules, dtype) -> tuple:
+    """(shape, workload, every candidate) of a case."""
     shape, prof, wl = PRESETS[model], load_profile(hw), Workload(seq, batch, dtype)
     fields = dict(fields)
     zero = fields.pop("zero_stage", 1)
@@ -75,11 +69,25 @@ def test_every_candidates_memory_is_the_scalar_models(
         )
     )
     assert len(lays) > 100 and (len({lay.pp for lay in lays}) > 1 or engine == "deepspeed" and shape.moe)
+    return shape, wl, lays
+
+
+@pytest.mark.parametrize(
+    "model, seq, batch, gpus, hw, engine, fields, precisions, schedules, dtype",
+    CASES,
+    ids=[f"{c[5]}-{c[0]}-{i}" for i, c in enumerate(CASES)],
+)
+def test_every_candidates_memory_is_the_scalar_models(
+    model, seq, batch, gpus, hw, engine, fields, precisions, schedules, dtype
+):
+    shape, wl, lays = plan_layouts(model, seq, batch, gpus, hw, engine, fields, precisions, schedules, dtype)
+    prof = load_profile(hw)
     assert all(memory_batch.batched(lay, wl) for lay in lays)
     for lay, got in zip(lays, memory_batch.memories(shape, lays, wl, prof), strict=True):
         want = _memory(shape, lay, wl, prof)
         assert got[:2] == want[:2] and got[3:] == want[3:], lay
         assert list(got[2].items()) == list(want[2].items()), lay  # every part, in the breakdown's order
+        assert [type(v) for v in (*got, *got[2].values())] == [type(v) for v in (*want, *want[2].values())]
 
 
 def test_the_recipes_it_does_not_hold_are_left_to_the_scalar_path():

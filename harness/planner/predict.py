@@ -252,7 +252,7 @@ def _same_rate_classes(theta: dict) -> dict[str, str]:
 
 
 def predict_many(
-    shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None = None, **kw
+    shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None = None
 ) -> list[Prediction]:
     """predict() for every layout, computing each cost class once (`harness plan` over thousands
     of layouts must answer in well under a second); the same Predictions as one call each: a layout
@@ -263,13 +263,13 @@ def predict_many(
     if paused:  # the collector's passes over the growing list cost a tenth of a plan: nothing here is cyclic
         gc.disable()
     try:
-        return _predict_many(shape, layouts, workload, profile, theta, **kw)
+        return _predict_many(shape, layouts, workload, profile, theta)
     finally:
         if paused:
             gc.enable()
 
 
-def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None, **kw) -> list:
+def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None) -> list:
     theta = theta or theta_from_profile(profile)
     same = _same_rate_classes(theta)
     rate_class: dict[str, str] = {}  # attention kernel -> the class that stands for it in the key
@@ -286,17 +286,12 @@ def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, t
         if key not in stand_ins:
             rep = CLASS_REPRESENTATIVE.get(cls, att)
             stand_ins[key] = lay if rep == att else dataclasses.replace(lay, attention=rep)
-    layer_cache: dict = {}
-    memory_cache = _memories(shape, list(stand_ins.values()), workload, profile)
     why_cache: dict = {}
-    cache: dict = {}
+    predicted = _predict_all(shape, list(stand_ins.values()), workload, profile, theta, why_cache)
+    cache = dict(zip(stand_ins, predicted, strict=True))
     out = []
     for lay, key in zip(layouts, keys, strict=True):
-        base = cache.get(key)
-        if base is None:
-            base = cache[key] = predict(
-                shape, stand_ins[key], workload, profile, theta, layer_cache, memory_cache, **kw
-            )
+        base = cache[key]
         att = lay.attention
         if base.layout is lay or base.layout.attention == att:  # the key holds every other field: an equal layout
             out.append(base)
@@ -312,19 +307,60 @@ def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, t
     return out
 
 
+def _predict_all(shape: Shape, lays: list, workload: Workload, profile: Profile, theta: dict, why_cache: dict) -> list:
+    """predict() of each layout (all distinct), with the memory (memory_batch) and step time (timing_batch) of
+    all of them computed together; SpecError of the first invalid one, as predict() raises it."""
+    from harness.planner.timing_batch import step_times
+
+    for lay in lays:
+        validate(shape, lay, workload)
+    memory_cache = _memories(shape, lays, workload, profile)
+    memories = []
+    for lay in lays:
+        mkey = memory_key(lay)
+        memory = memory_cache.get(mkey)
+        if memory is None:  # a layout the arrays do not hold
+            memory = memory_cache[mkey] = _memory(shape, lay, workload, profile)
+        memories.append(memory)
+    seconds, breakdowns = step_times(shape, lays, workload, profile, theta, {}, [m[1] for m in memories])
+    tokens = workload.global_batch_size * workload.seq_len
+    flops = tokens * _palm_flops_per_token(shape, workload.seq_len)
+    peak = profile.peak_flops(workload.dtype_bytes)
+    out = []
+    for lay, (stage, total, breakdown_gib, fit, tight), t, breakdown in zip(
+        lays, memories, seconds, breakdowns, strict=True
+    ):
+        wkey = (lay.attention, lay.micro_batch_size, lay.tp, lay.precision)
+        why = why_cache.get(wkey)
+        if why is None:
+            why = why_cache[wkey] = kernel_available(shape, lay, workload, profile)
+        p = object.__new__(Prediction)  # Prediction(...) field by field, at a third of its __init__'s cost
+        p.__dict__.update(
+            layout=lay,
+            fits=fit,
+            available=not why,
+            memory_gib=total / GIB,
+            step_time_s=t,
+            mfu=flops / (t * lay.gpus * peak),
+            tokens_per_s=tokens / t,
+            worst_stage=stage,
+            memory_breakdown_gib=breakdown_gib,
+            time_breakdown_s=breakdown,
+            why_unavailable=why,
+            tight=tight,
+        )
+        out.append(p)
+    return out
+
+
 def _memories(shape: Shape, layouts: list, workload: Workload, profile: Profile) -> dict:
-    """memory_key -> _memory of every valid layout among `layouts` whose memory the arrays of
-    memory_batch hold (the others are left to predict())."""
+    """memory_key -> _memory of every layout among `layouts` (valid ones) whose memory the arrays of
+    memory_batch hold (the others are left to _memory)."""
     from harness.planner import memory_batch
 
     todo: dict = {}
     for lay in layouts:
         mkey = memory_key(lay)
-        if mkey in todo or not memory_batch.batched(lay, workload):
-            continue
-        try:
-            validate(shape, lay, workload)
-        except SpecError:
-            continue  # predict() raises it in its turn
-        todo[mkey] = lay
+        if mkey not in todo and memory_batch.batched(lay, workload):
+            todo[mkey] = lay
     return dict(zip(todo, memory_batch.memories(shape, list(todo.values()), workload, profile), strict=True))

@@ -1,0 +1,143 @@
+"""The step time of many layouts at once (predict_many): timing.step_time's arithmetic over numpy arrays,
+one row per layout, so that a plan of 100,000 layouts does not run it once per layout in Python.
+
+step_time's terms are taken as it takes them, from its caches (a layer's features and time, each stage
+kind's extras, the data-parallel reduction and optimizer step: timing._per_layer, _extras, _dp_terms,
+_bubble_factor); what combines them per layout (the stage times, the slowest stage, the schedule's share
+of the fill and drain, the exposed reduction, the allocator pressure, the breakdown) is written here
+again over arrays, operation for operation, so that every float is the one step_time gives
+(tests/test_timing_batch.py compares every candidate of plans of each engine with step_time). A change
+to that part of step_time goes here too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harness.model.presets import Shape
+from harness.planner import feedforward, timing
+from harness.planner.features import ALLOC_PRESSURE_FROM, ALLOC_PRESSURE_S, dot
+from harness.planner.hardware import Profile
+from harness.planner.layout import PlannerLayout, Workload
+from harness.planner.memory_terms import GIB
+
+
+def step_times(
+    shape: Shape,
+    lays: list[PlannerLayout],
+    wl: Workload,
+    prof: Profile,
+    theta: dict,
+    layer_cache: dict,
+    memory_bytes: list[float],
+) -> tuple[list[float], list[dict]]:
+    """timing.step_time of each layout (with `layer_cache` and its `memory_bytes`): seconds and breakdown."""
+    n = len(lays)
+    if not n:
+        return [], []
+    ms, t_layer, bubble, dots, opt_x, window, piped = [], [], [], [], [], [], []
+    kind_of: dict[int, int] = {}  # pp -> index into kinds
+    kinds: list[tuple] = []
+    kind_code, extras = [], []
+    bubbles: dict = {}
+    dotted: dict[int, float] = {}
+    for lay in lays:
+        m = wl.micro_batches(lay)
+        per_layer, tl = timing._per_layer(shape, lay, wl, prof, theta, layer_cache)
+        code = kind_of.get(lay.pp)
+        if code is None:
+            code = kind_of[lay.pp] = len(kinds)
+            kinds.append(timing._stage_kinds(shape.layers, lay.pp))
+        stage_kinds = kinds[code]
+        extras.append(timing._extras(shape, lay, wl, prof, theta, stage_kinds, layer_cache))
+        dpx, ox = timing._dp_terms(shape, lay, wl, prof, stage_kinds, layer_cache)
+        d = dotted.get(id(dpx))  # the cache keeps each dpx alive: an id is never another's here
+        if d is None:
+            d = dotted[id(dpx)] = dot(theta, dpx)
+        bkey = (lay.pipeline_schedule, lay.virtual_stages, lay.pp, id(per_layer))
+        f = bubbles.get(bkey)
+        if f is None:
+            f = bubbles[bkey] = timing._bubble_factor(lay, theta, per_layer)
+        ms.append(m)
+        t_layer.append(tl)
+        kind_code.append(code)
+        dots.append(d)
+        opt_x.append(ox)
+        bubble.append(f)
+        window.append(0 if not lay.overlaps_dp else (1 if lay.fsdp else 2))
+        piped.append(lay.pp > 1)
+    codes = np.asarray(kind_code)
+    width = max(len(k) for k in kinds)
+    layers = np.zeros((n, width), dtype=np.int64)
+    count = np.zeros((n, width), dtype=np.int64)
+    first = np.zeros((n, width), dtype=np.int64)
+    valid = np.zeros((n, width), dtype=bool)
+    extra = np.zeros((n, width))
+    for code, stage_kinds in enumerate(kinds):
+        rows = np.flatnonzero(codes == code)
+        size = len(stage_kinds)
+        layers[rows, :size] = [key[0][1] for key, _, _ in stage_kinds]
+        first[rows, :size] = [f for _, f, _ in stage_kinds]
+        count[rows, :size] = [c for _, _, c in stage_kinds]
+        valid[rows, :size] = True
+        extra[rows, :size] = [extras[i] for i in rows.tolist()]
+    tl = np.asarray(t_layer)
+    times = np.where(valid, layers * tl[:, None] + extra, -np.inf)
+    i_slow = np.argmax(times, axis=1)  # the first of the slowest (kinds are in stage order)
+    rows = np.arange(n)
+    t_slow = times[rows, i_slow]
+    slow = first[rows, i_slow]
+    slow_layers = layers[rows, i_slow]
+    finite = np.where(valid, times, 0.0)
+    times_sum = count[:, 0] * finite[:, 0]  # sum(count x time), in kind order
+    for k in range(1, width):
+        times_sum = np.where(valid[:, k], times_sum + count[:, k] * finite[:, k], times_sum)
+    m = np.asarray(ms, dtype=np.int64)
+    f = np.asarray(bubble)
+    compute_s = m * t_slow + (times_sum - t_slow) * f
+    x = np.asarray(memory_bytes) / (prof.memory_gib * GIB)
+    pressure = np.where(x < 1.0, x, 1.0) - ALLOC_PRESSURE_FROM
+    pressure = np.where(pressure > 0.0, pressure, 0.0)
+    win = np.asarray(window)
+    overlap = np.where(win == 0, 0.0, np.where(win == 1, compute_s, t_slow))
+    exposed = np.asarray(dots) - overlap
+    exposed = np.where(exposed > 0.0, exposed, 0.0)
+    optimizer_s = theta["hbm"] * np.asarray(opt_x)
+    alloc_s = theta.get("alloc_pressure_s", ALLOC_PRESSURE_S) * pressure
+    bubble_s = np.where(np.asarray(piped), (times_sum - t_slow) * f, 0.0)
+    total = compute_s + exposed + optimizer_s + alloc_s
+    columns = zip(
+        compute_s.tolist(),
+        bubble_s.tolist(),
+        exposed.tolist(),
+        optimizer_s.tolist(),
+        alloc_s.tolist(),
+        t_slow.tolist(),
+        ms,
+        slow.tolist(),
+        strict=True,
+    )
+    ffn = feedforward.of(shape)
+    passes = (m * slow_layers).tolist()
+    out = []
+    for lay, c, p in zip(lays, columns, passes, strict=True):
+        b = dict(zip(BREAKDOWN, c, strict=True))
+        if lay.cp > 1:
+            b.update(timing.cp_breakdown(shape, lay, wl, prof, theta, p, layer_cache))
+        if shape.moe:
+            b.update(ffn.all_to_all_breakdown(lay, wl, prof, theta, p))
+        out.append(b)
+    return total.tolist(), out
+
+
+# timing._breakdown's keys, in its order
+BREAKDOWN = (
+    "compute_and_tp_s",
+    "bubble_s",
+    "dp_reduction_exposed_s",
+    "optimizer_s",
+    "allocator_pressure_s",
+    "per_microbatch_slowest_stage_s",
+    "micro_batches",
+    "slowest_stage",
+)

@@ -1,0 +1,29 @@
+"""The planner's step time of many layouts at once (timing_batch.step_times, numpy arrays) is the scalar
+model's (timing.step_time, one layout at a time), float for float and key for key in the breakdown's order,
+for every candidate of the plans of tests/test_memory_batch.py (each engine, pipeline schedule, cp, MoE
+with ep, fp8, FSDP2 with hybrid sharding, a fp32 workload)."""
+
+from __future__ import annotations
+
+import pytest
+from test_memory_batch import CASES, plan_layouts
+
+from harness.planner import timing
+from harness.planner.hardware import load_profile
+from harness.planner.predict import _memory
+from harness.planner.timing_batch import step_times
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[5]}-{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_every_candidates_step_time_is_the_scalar_models(case):
+    shape, wl, lays = plan_layouts(*case)
+    prof = load_profile(case[4])
+    theta = timing.theta_from_profile(prof)
+    memory = [_memory(shape, lay, wl, prof)[1] for lay in lays]
+    seconds, breakdowns = step_times(shape, lays, wl, prof, theta, {}, memory)
+    cache: dict = {}
+    for lay, got, got_breakdown, peak in zip(lays, seconds, breakdowns, memory, strict=True):
+        want, want_breakdown = timing.step_time(shape, lay, wl, prof, theta, cache, memory_bytes=peak)
+        assert got == want, lay
+        assert list(got_breakdown.items()) == list(want_breakdown.items()), lay
+        assert [type(v) for v in got_breakdown.values()] == [type(v) for v in want_breakdown.values()]
