@@ -310,7 +310,7 @@ def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, t
 def _predict_all(shape: Shape, lays: list, workload: Workload, profile: Profile, theta: dict, why_cache: dict) -> list:
     """predict() of each layout (all distinct), with the memory (memory_batch) and step time (timing_batch) of
     all of them computed together; SpecError of the first invalid one, as predict() raises it."""
-    from harness.planner.timing_batch import step_times
+    from harness.planner import timing_batch
 
     for lay in lays:
         validate(shape, lay, workload)
@@ -322,7 +322,7 @@ def _predict_all(shape: Shape, lays: list, workload: Workload, profile: Profile,
         if memory is None:  # a layout the arrays do not hold
             memory = memory_cache[mkey] = _memory(shape, lay, workload, profile)
         memories.append(memory)
-    seconds, breakdowns = step_times(shape, lays, workload, profile, theta, {}, [m[1] for m in memories])
+    seconds, breakdowns = timing_batch.step_times(shape, lays, workload, profile, theta, {}, [m[1] for m in memories])
     tokens = workload.global_batch_size * workload.seq_len
     flops = tokens * _palm_flops_per_token(shape, workload.seq_len)
     peak = profile.peak_flops(workload.dtype_bytes)

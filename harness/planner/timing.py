@@ -92,14 +92,20 @@ def _per_layer(
     if layer_cache is None:
         per_layer = layer_features(shape, lay, wl, prof, theta)
         return per_layer, dot(theta, per_layer)
+    key = layer_key(lay, wl, prof) + layer_own(lay)
+    hit = layer_cache.get(key)
+    if hit is None:
+        per_layer = layer_features(shape, lay, wl, prof, theta)
+        hit = layer_cache[key] = (per_layer, dot(theta, per_layer))
+    return hit
+
+
+def layer_key(lay: PlannerLayout, wl: Workload, prof: Profile) -> tuple:
+    """What _per_layer's cache key holds beyond layer_own's fields (which the data-parallel terms do
+    not read: timing_batch takes this once per the rest of the layout)."""
     key = (
         lay.tp,
         lay.micro_batch_size,
-        lay.activation_checkpointing,
-        lay.sequence_parallel,
-        ATTENTION_CLASS[lay.attention],
-        lay.rmsnorm,
-        lay.compile,
         lay.cp,
         lay.cp_impl if lay.cp > 1 else "",
         group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node,
@@ -109,11 +115,18 @@ def _per_layer(
     )
     if lay.precision != "bf16":  # the weight casts depend on the engine, the shard and the micro-batches (fp8.py)
         key += (lay.precision, lay.engine, lay.fsdp, lay.reshard_after_forward, lay.replicas, wl.micro_batches(lay))
-    hit = layer_cache.get(key)
-    if hit is None:
-        per_layer = layer_features(shape, lay, wl, prof, theta)
-        hit = layer_cache[key] = (per_layer, dot(theta, per_layer))
-    return hit
+    return key
+
+
+def layer_own(lay: PlannerLayout) -> tuple:
+    """The rest of _per_layer's cache key: the fields _NOT_DATA_PARALLEL names (the kernel as its cost class)."""
+    return (
+        lay.activation_checkpointing,
+        lay.sequence_parallel,
+        ATTENTION_CLASS[lay.attention],
+        lay.rmsnorm,
+        lay.compile,
+    )
 
 
 # Fields of a layout the data-parallel reduction and the optimizer step do not read: layouts

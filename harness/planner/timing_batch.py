@@ -40,32 +40,47 @@ def step_times(
     kinds: list[tuple] = []
     kind_code, extras = [], []
     bubbles: dict = {}
-    dotted: dict[int, float] = {}
+    moe = shape.moe
+    more = []  # the key of a layout's cp and expert all-to-all terms (the split kept alive in splits)
+    splits: dict = {}  # the terms of a layout but its layer_own fields (timing._DATA_PARALLEL_FIELDS)
     for lay in lays:
-        m = wl.micro_batches(lay)
-        per_layer, tl = timing._per_layer(shape, lay, wl, prof, theta, layer_cache)
-        code = kind_of.get(lay.pp)
-        if code is None:
-            code = kind_of[lay.pp] = len(kinds)
-            kinds.append(timing._stage_kinds(shape.layers, lay.pp))
-        stage_kinds = kinds[code]
-        extras.append(timing._extras(shape, lay, wl, prof, theta, stage_kinds, layer_cache))
-        dpx, ox = timing._dp_terms(shape, lay, wl, prof, stage_kinds, layer_cache)
-        d = dotted.get(id(dpx))  # the cache keeps each dpx alive: an id is never another's here
-        if d is None:
-            d = dotted[id(dpx)] = dot(theta, dpx)
+        key = timing._DATA_PARALLEL_FIELDS(lay)
+        split = splits.get(key)
+        if split is None:
+            code = kind_of.get(lay.pp)
+            if code is None:
+                code = kind_of[lay.pp] = len(kinds)
+                kinds.append(timing._stage_kinds(shape.layers, lay.pp))
+            dpx, ox = timing._dp_terms(shape, lay, wl, prof, kinds[code], layer_cache)
+            split = splits[key] = (
+                timing.layer_key(lay, wl, prof),
+                wl.micro_batches(lay),
+                code,
+                timing._extras(shape, lay, wl, prof, theta, kinds[code], layer_cache),
+                dot(theta, dpx),
+                ox,
+                0 if not lay.overlaps_dp else (1 if lay.fsdp else 2),
+                lay.pp > 1,
+            )
+        own = timing.layer_own(lay)
+        hit = layer_cache.get(split[0] + own)
+        if hit is None:
+            hit = timing._per_layer(shape, lay, wl, prof, theta, layer_cache)
+        per_layer, tl = hit
         bkey = (lay.pipeline_schedule, lay.virtual_stages, lay.pp, id(per_layer))
         f = bubbles.get(bkey)
-        if f is None:
+        if f is None:  # the cache keeps each per_layer alive: an id is never another's here
             f = bubbles[bkey] = timing._bubble_factor(lay, theta, per_layer)
-        ms.append(m)
+        ms.append(split[1])
+        kind_code.append(split[2])
+        extras.append(split[3])
+        dots.append(split[4])
+        opt_x.append(split[5])
+        window.append(split[6])
+        piped.append(split[7])
         t_layer.append(tl)
-        kind_code.append(code)
-        dots.append(d)
-        opt_x.append(ox)
         bubble.append(f)
-        window.append(0 if not lay.overlaps_dp else (1 if lay.fsdp else 2))
-        piped.append(lay.pp > 1)
+        more.append((id(split), own) if lay.cp > 1 or moe else None)
     codes = np.asarray(kind_code)
     width = max(len(k) for k in kinds)
     layers = np.zeros((n, width), dtype=np.int64)
@@ -120,12 +135,23 @@ def step_times(
     ffn = feedforward.of(shape)
     passes = (m * slow_layers).tolist()
     out = []
-    for lay, c, p in zip(lays, columns, passes, strict=True):
+    added: dict = {}  # step_time's cp and all-to-all terms, by the fields they read and the layer passes
+    for lay, c, p, key in zip(lays, columns, passes, more, strict=True):
         b = dict(zip(BREAKDOWN, c, strict=True))
-        if lay.cp > 1:
-            b.update(timing.cp_breakdown(shape, lay, wl, prof, theta, p, layer_cache))
-        if shape.moe:
-            b.update(ffn.all_to_all_breakdown(lay, wl, prof, theta, p))
+        if key is not None:
+            split, (ckpt, sp, cls) = key[0], key[1][:3]
+            if lay.cp > 1:  # it reads the split, the checkpointing and the kernel's class
+                cp = added.get(("cp", split, ckpt, cls, p))
+                if cp is None:
+                    cp = added[("cp", split, ckpt, cls, p)] = timing.cp_breakdown(
+                        shape, lay, wl, prof, theta, p, layer_cache
+                    )
+                b.update(cp)
+            if moe:  # the split, the checkpointing and sequence parallelism
+                a2a = added.get(("ep", split, ckpt, sp, p))
+                if a2a is None:
+                    a2a = added[("ep", split, ckpt, sp, p)] = ffn.all_to_all_breakdown(lay, wl, prof, theta, p)
+                b.update(a2a)
         out.append(b)
     return total.tolist(), out
 
