@@ -222,12 +222,12 @@ FIELDS = tuple(f.name for f in dataclasses.fields(PlannerLayout))
 _BUT_ATTENTION = operator.attrgetter(*(f for f in FIELDS if f != "attention"))
 
 
-def memory_key(layout: PlannerLayout) -> tuple:
+def memory_key(layout: PlannerLayout, fields: tuple | None = None) -> tuple:
     """Layouts whose memory is the same: memory.py tells attention kernels apart only by whether
     they materialise the score matrix (naive, fused_softmax) or not (every flash-style kernel keeps
     no s x s tensor); tests/test_plan_output.py checks it on every engine."""
     att = layout.attention if ATTENTION_CLASS.get(layout.attention) in MATERIALISED else "flash"
-    return (att, _BUT_ATTENTION(layout))  # a plan builds a key per layout
+    return (att, _BUT_ATTENTION(layout) if fields is None else fields)  # `fields`: _BUT_ATTENTION's, when read
 
 
 def prediction_key(layout: PlannerLayout) -> PlannerLayout:
@@ -274,24 +274,26 @@ def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, t
     same = _same_rate_classes(theta)
     rate_class: dict[str, str] = {}  # attention kernel -> the class that stands for it in the key
     layouts = list(layouts)
-    keys, stand_ins = [], {}  # each layout's key; the layout predicted for each key
+    index, stand_ins = [], {}  # each layout's prediction (its index in stand_ins); the layout predicted per key
     for lay in layouts:
         att = lay.attention
         cls = rate_class.get(att)
         if cls is None:
             cls = ATTENTION_CLASS.get(att, att)
             cls = rate_class[att] = same.get(cls, cls)
-        key = (cls, _BUT_ATTENTION(lay))
-        keys.append(key)
-        if key not in stand_ins:
+        fields = _BUT_ATTENTION(lay)
+        key = (cls, fields)
+        entry = stand_ins.get(key)
+        if entry is None:
             rep = CLASS_REPRESENTATIVE.get(cls, att)
-            stand_ins[key] = lay if rep == att else dataclasses.replace(lay, attention=rep)
+            stand_in = lay if rep == att else dataclasses.replace(lay, attention=rep)
+            entry = stand_ins[key] = (len(stand_ins), stand_in, fields)
+        index.append(entry[0])
     why_cache: dict = {}
     predicted = _predict_all(shape, list(stand_ins.values()), workload, profile, theta, why_cache)
-    cache = dict(zip(stand_ins, predicted, strict=True))
     out = []
-    for lay, key in zip(layouts, keys, strict=True):
-        base = cache[key]
+    for lay, i in zip(layouts, index, strict=True):
+        base = predicted[i]
         att = lay.attention
         if base.layout is lay or base.layout.attention == att:  # the key holds every other field: an equal layout
             out.append(base)
@@ -307,17 +309,19 @@ def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, t
     return out
 
 
-def _predict_all(shape: Shape, lays: list, workload: Workload, profile: Profile, theta: dict, why_cache: dict) -> list:
-    """predict() of each layout (all distinct), with the memory (memory_batch) and step time (timing_batch) of
-    all of them computed together; SpecError of the first invalid one, as predict() raises it."""
+def _predict_all(shape: Shape, todo: list, workload: Workload, profile: Profile, theta: dict, why_cache: dict) -> list:
+    """predict() of each layout of `todo` ((index, layout, its fields but the kernel), all distinct), with the
+    memory (memory_batch) and step time (timing_batch) of all of them computed together; SpecError of the first
+    invalid one, as predict() raises it."""
     from harness.planner import timing_batch
 
+    lays = [lay for _, lay, _ in todo]
     for lay in lays:
         validate(shape, lay, workload)
-    memory_cache = _memories(shape, lays, workload, profile)
+    mkeys = [memory_key(lay, fields) for _, lay, fields in todo]
+    memory_cache = _memories(shape, lays, mkeys, workload, profile)
     memories = []
-    for lay in lays:
-        mkey = memory_key(lay)
+    for lay, mkey in zip(lays, mkeys, strict=True):
         memory = memory_cache.get(mkey)
         if memory is None:  # a layout the arrays do not hold
             memory = memory_cache[mkey] = _memory(shape, lay, workload, profile)
@@ -353,14 +357,13 @@ def _predict_all(shape: Shape, lays: list, workload: Workload, profile: Profile,
     return out
 
 
-def _memories(shape: Shape, layouts: list, workload: Workload, profile: Profile) -> dict:
-    """memory_key -> _memory of every layout among `layouts` (valid ones) whose memory the arrays of
-    memory_batch hold (the others are left to _memory)."""
+def _memories(shape: Shape, layouts: list, mkeys: list, workload: Workload, profile: Profile) -> dict:
+    """memory_key -> _memory of every layout among `layouts` (valid ones; `mkeys` their memory_key) whose memory
+    the arrays of memory_batch hold (the others are left to _memory)."""
     from harness.planner import memory_batch
 
     todo: dict = {}
-    for lay in layouts:
-        mkey = memory_key(lay)
+    for lay, mkey in zip(layouts, mkeys, strict=True):
         if mkey not in todo and memory_batch.batched(lay, workload):
             todo[mkey] = lay
     return dict(zip(todo, memory_batch.memories(shape, list(todo.values()), workload, profile), strict=True))

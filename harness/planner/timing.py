@@ -273,10 +273,15 @@ def _bubble_factor(lay: PlannerLayout, theta: dict, per_layer: dict) -> float:
     if lay.pp == 1 or lay.pipeline_schedule in ("1f1b", "gpipe"):
         return 1.0
     share = 0.0
-    if lay.pipeline_schedule != "interleaved":  # only the zero-bubble schedules read it
+    if bubble_reads_layer(lay):
         total = dot(theta, per_layer)
         share = theta["gemm"] * per_layer.get("gemm", 0.0) / total if total else 0.0
     return schedules.bubble_factor(lay.pipeline_schedule, lay.virtual_stages, lay.pp, share)
+
+
+def bubble_reads_layer(lay: PlannerLayout) -> bool:
+    """Whether _bubble_factor reads the layer's features: under the zero-bubble schedules only."""
+    return lay.pp > 1 and lay.pipeline_schedule not in ("1f1b", "gpipe", "interleaved")
 
 
 def _overlap_window(lay: PlannerLayout, compute_s: float, t_slow: float) -> float:

@@ -67,7 +67,7 @@ def step_times(
         if hit is None:
             hit = timing._per_layer(shape, lay, wl, prof, theta, layer_cache)
         per_layer, tl = hit
-        bkey = (lay.pipeline_schedule, lay.virtual_stages, lay.pp, id(per_layer))
+        bkey = (lay.pipeline_schedule, lay.virtual_stages, lay.pp, timing.bubble_reads_layer(lay) and id(per_layer))
         f = bubbles.get(bkey)
         if f is None:  # the cache keeps each per_layer alive: an id is never another's here
             f = bubbles[bkey] = timing._bubble_factor(lay, theta, per_layer)
