@@ -35,14 +35,14 @@ def step_times(
     n = len(lays)
     if not n:
         return [], []
-    ms, t_layer, bubble, dots, opt_x, window, piped = [], [], [], [], [], [], []
+    t_layer, bubble, split_of = [], [], []
     kind_of: dict[int, int] = {}  # pp -> index into kinds
     kinds: list[tuple] = []
-    kind_code, extras = [], []
     bubbles: dict = {}
     moe = shape.moe
-    more = []  # the key of a layout's cp and expert all-to-all terms (the split kept alive in splits)
-    splits: dict = {}  # the terms of a layout but its layer_own fields (timing._DATA_PARALLEL_FIELDS)
+    more = []  # the key of a layout's cp and expert all-to-all terms
+    splits: dict = {}  # the terms of a layout but its layer_own fields (timing._DATA_PARALLEL_FIELDS), by split
+    rows: list[tuple] = []  # each split's micro-batches, stage kinds, extras, reduction, optimizer step, overlap
     for lay in lays:
         key = timing._DATA_PARALLEL_FIELDS(lay)
         split = splits.get(key)
@@ -52,18 +52,12 @@ def step_times(
                 code = kind_of[lay.pp] = len(kinds)
                 kinds.append(timing._stage_kinds(shape.layers, lay.pp))
             dpx, ox = timing._dp_terms(shape, lay, wl, prof, kinds[code], layer_cache)
-            split = splits[key] = (
-                timing.layer_key(lay, wl, prof),
-                wl.micro_batches(lay),
-                code,
-                timing._extras(shape, lay, wl, prof, theta, kinds[code], layer_cache),
-                dot(theta, dpx),
-                ox,
-                0 if not lay.overlaps_dp else (1 if lay.fsdp else 2),
-                lay.pp > 1,
-            )
+            split = splits[key] = (len(rows), timing.layer_key(lay, wl, prof))
+            window = 0 if not lay.overlaps_dp else (1 if lay.fsdp else 2)
+            ex = timing._extras(shape, lay, wl, prof, theta, kinds[code], layer_cache)
+            rows.append((wl.micro_batches(lay), code, ex, dot(theta, dpx), ox, window, lay.pp > 1))
         own = timing.layer_own(lay)
-        hit = layer_cache.get(split[0] + own)
+        hit = layer_cache.get(split[1] + own)
         if hit is None:
             hit = timing._per_layer(shape, lay, wl, prof, theta, layer_cache)
         per_layer, tl = hit
@@ -71,31 +65,29 @@ def step_times(
         f = bubbles.get(bkey)
         if f is None:  # the cache keeps each per_layer alive: an id is never another's here
             f = bubbles[bkey] = timing._bubble_factor(lay, theta, per_layer)
-        ms.append(split[1])
-        kind_code.append(split[2])
-        extras.append(split[3])
-        dots.append(split[4])
-        opt_x.append(split[5])
-        window.append(split[6])
-        piped.append(split[7])
+        split_of.append(split[0])
         t_layer.append(tl)
         bubble.append(f)
-        more.append((id(split), own) if lay.cp > 1 or moe else None)
+        more.append((split[0], own) if lay.cp > 1 or moe else None)
+    at = np.asarray(split_of)
+    ms, kind_code, extras, dots, opt_x, window, piped = zip(*rows, strict=True)
     codes = np.asarray(kind_code)
     width = max(len(k) for k in kinds)
-    layers = np.zeros((n, width), dtype=np.int64)
-    count = np.zeros((n, width), dtype=np.int64)
-    first = np.zeros((n, width), dtype=np.int64)
-    valid = np.zeros((n, width), dtype=bool)
-    extra = np.zeros((n, width))
+    n_splits = len(rows)
+    layers = np.zeros((n_splits, width), dtype=np.int64)
+    count = np.zeros((n_splits, width), dtype=np.int64)
+    first = np.zeros((n_splits, width), dtype=np.int64)
+    valid = np.zeros((n_splits, width), dtype=bool)
+    extra = np.zeros((n_splits, width))
     for code, stage_kinds in enumerate(kinds):
-        rows = np.flatnonzero(codes == code)
+        where = np.flatnonzero(codes == code)
         size = len(stage_kinds)
-        layers[rows, :size] = [key[0][1] for key, _, _ in stage_kinds]
-        first[rows, :size] = [f for _, f, _ in stage_kinds]
-        count[rows, :size] = [c for _, _, c in stage_kinds]
-        valid[rows, :size] = True
-        extra[rows, :size] = [extras[i] for i in rows.tolist()]
+        layers[where, :size] = [key[0][1] for key, _, _ in stage_kinds]
+        first[where, :size] = [f for _, f, _ in stage_kinds]
+        count[where, :size] = [c for _, _, c in stage_kinds]
+        valid[where, :size] = True
+        extra[where, :size] = [extras[i] for i in where.tolist()]
+    layers, count, first, valid, extra = layers[at], count[at], first[at], valid[at], extra[at]
     tl = np.asarray(t_layer)
     times = np.where(valid, layers * tl[:, None] + extra, -np.inf)
     i_slow = np.argmax(times, axis=1)  # the first of the slowest (kinds are in stage order)
@@ -107,19 +99,19 @@ def step_times(
     times_sum = count[:, 0] * finite[:, 0]  # sum(count x time), in kind order
     for k in range(1, width):
         times_sum = np.where(valid[:, k], times_sum + count[:, k] * finite[:, k], times_sum)
-    m = np.asarray(ms, dtype=np.int64)
+    m = np.asarray(ms, dtype=np.int64)[at]
     f = np.asarray(bubble)
     compute_s = m * t_slow + (times_sum - t_slow) * f
     x = np.asarray(memory_bytes) / (prof.memory_gib * GIB)
     pressure = np.where(x < 1.0, x, 1.0) - ALLOC_PRESSURE_FROM
     pressure = np.where(pressure > 0.0, pressure, 0.0)
-    win = np.asarray(window)
+    win = np.asarray(window)[at]
     overlap = np.where(win == 0, 0.0, np.where(win == 1, compute_s, t_slow))
-    exposed = np.asarray(dots) - overlap
+    exposed = np.asarray(dots)[at] - overlap
     exposed = np.where(exposed > 0.0, exposed, 0.0)
-    optimizer_s = theta["hbm"] * np.asarray(opt_x)
+    optimizer_s = theta["hbm"] * np.asarray(opt_x)[at]
     alloc_s = theta.get("alloc_pressure_s", ALLOC_PRESSURE_S) * pressure
-    bubble_s = np.where(np.asarray(piped), (times_sum - t_slow) * f, 0.0)
+    bubble_s = np.where(np.asarray(piped)[at], (times_sum - t_slow) * f, 0.0)
     total = compute_s + exposed + optimizer_s + alloc_s
     columns = zip(
         compute_s.tolist(),
@@ -128,7 +120,7 @@ def step_times(
         optimizer_s.tolist(),
         alloc_s.tolist(),
         t_slow.tolist(),
-        ms,
+        m.tolist(),
         slow.tolist(),
         strict=True,
     )
