@@ -113,3 +113,29 @@ def test_the_recipes_it_does_not_hold_are_left_to_the_scalar_path():
     per_op = dataclasses.replace(lay, activation_checkpointing="selective", selective_policy="per_op")
     assert not memory_batch.batched(per_op, wl)
     assert not memory_batch.batched(lay, Workload(8192, 64, optimizer="muon"))
+
+
+def test_a_term_the_arrays_lack_is_caught_and_the_plan_takes_the_scalar_path(monkeypatch):
+    """A term added to engine_stage_memory but not to memory_batch (another part, here) raises Diverged from the
+    arrays (this file's tests fail), and predict_many predicts with the scalar model meanwhile."""
+    from harness.planner import memory, memory_engines
+    from harness.planner.predict import predict, predict_many
+
+    shape, wl, lays = plan_layouts(*CASES[0])
+    prof = load_profile(CASES[0][4])
+    scalar = memory_engines.engine_stage_memory
+
+    def with_a_new_term(*args):
+        parts = dict(scalar(*args))
+        parts["total"] += 2**30
+        return {**parts, "new_term": 2.0**30, "total": parts.pop("total"), "params": parts.pop("params")}
+
+    monkeypatch.setattr(memory_engines, "engine_stage_memory", with_a_new_term)
+    monkeypatch.setattr(memory, "engine_stage_memory", with_a_new_term)
+    with pytest.raises(memory_batch.Diverged):
+        memory_batch.memories(shape, lays, wl, prof)
+    many = predict_many(shape, lays[:40], wl, prof)
+    assert [p.memory_breakdown_gib for p in many] == [
+        predict(shape, lay, wl, prof).memory_breakdown_gib for lay in lays[:40]
+    ]
+    assert all(p.memory_breakdown_gib["new_term"] == 1.0 for p in many)

@@ -27,3 +27,24 @@ def test_every_candidates_step_time_is_the_scalar_models(case):
         assert got == want, lay
         assert list(got_breakdown.items()) == list(want_breakdown.items()), lay
         assert [type(v) for v in got_breakdown.values()] == [type(v) for v in want_breakdown.values()]
+
+
+def test_a_change_to_step_time_not_made_in_the_arrays_is_caught(monkeypatch):
+    """step_time's arithmetic changed but not timing_batch's raises Diverged (this file's tests fail), and
+    predict_many predicts with step_time meanwhile."""
+    from harness.planner import timing_batch
+    from harness.planner.predict import predict, predict_many
+
+    shape, wl, lays = plan_layouts(*CASES[0])
+    prof = load_profile(CASES[0][4])
+    breakdown = timing._breakdown
+
+    def changed(*args):
+        return {**breakdown(*args), "optimizer_s": 0.0}
+
+    monkeypatch.setattr(timing, "_breakdown", changed)
+    with pytest.raises(timing_batch.Diverged):
+        step_times(shape, lays, wl, prof, timing.theta_from_profile(prof), {}, [0.0] * len(lays))
+    many = predict_many(shape, lays[:40], wl, prof)
+    assert many == [predict(shape, lay, wl, prof) for lay in lays[:40]]
+    assert all(p.time_breakdown_s["optimizer_s"] == 0.0 for p in many)

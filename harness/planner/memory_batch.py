@@ -66,8 +66,9 @@ def _stages(shape: Shape, lay: PlannerLayout, wl: Workload) -> list[int]:
     return out
 
 
-def _stage(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> tuple:
-    """STAGE_COLUMNS of one stage: what engine_stage_memory holds of it whatever the LAYER_ONLY fields."""
+def _stage(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> tuple[tuple, dict]:
+    """STAGE_COLUMNS of one stage: what engine_stage_memory holds of it whatever the LAYER_ONLY fields; and
+    engine_stage_memory of the layout's stage itself."""
     has_emb, layers, has_head = me.engine_stage_items(shape, lay, wl.seq_len)[stage]
     parts = me.engine_stage_memory(shape, lay, wl, stage)  # its model states, weights and fp8 terms
     states = me.memory_model(lay.engine).states
@@ -106,7 +107,7 @@ def _stage(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> tuple:
         fs["all_blocks"] if fs else 0.0,
         fs["gathered"] + parts["gradients"] if fs else 0.0,
         parts["params"],
-    )
+    ), parts
 
 
 def _layer(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple:
@@ -141,6 +142,7 @@ def memories(shape: Shape, lays: list[PlannerLayout], wl: Workload, profile: Pro
     layer_codes: dict[tuple, int] = {}
     layer_rows: list[tuple] = []
     sets, layer_of = [], []
+    scalar: list[tuple[int, dict]] = []  # (layout, engine_stage_memory) of each stage row's first layout
     for lay in lays:
         key = _STAGE_KEY(lay)
         codes = stage_sets.get(key)
@@ -148,7 +150,9 @@ def memories(shape: Shape, lays: list[PlannerLayout], wl: Workload, profile: Pro
             codes = stage_sets[key] = []
             for stage in _stages(shape, lay, wl):
                 codes.append(len(stage_rows))
-                stage_rows.append(_stage(shape, lay, wl, stage))
+                row, parts = _stage(shape, lay, wl, stage)
+                stage_rows.append(row)
+                scalar.append((len(sets), parts))
         sets.append(codes)
         att = lay.attention if ATTENTION_CLASS[lay.attention] in MATERIALISED else "flash"
         lkey = (att, _LAYER_KEY(lay))
@@ -170,7 +174,27 @@ def memories(shape: Shape, lays: list[PlannerLayout], wl: Workload, profile: Pro
     totals = np.full((len(lays), width), -np.inf)
     totals[np.repeat(np.arange(len(lays)), counts), slot] = parts["total"]
     best = starts + np.argmax(totals, axis=1)
+    _check(parts, s, [(starts[j] + sets[j].index(c), want) for c, (j, want) in enumerate(scalar)])
     return _breakdowns(parts, s, best, profile)
+
+
+class Diverged(AssertionError):
+    """The arrays' memory of a layout is not engine_stage_memory's: a term changed there, not here."""
+
+
+def _check(parts: dict, s: dict, rows: list[tuple[int, dict]]) -> None:
+    """Each stage row of its first layout (`rows`: flat row, engine_stage_memory's parts) against the scalar
+    model's, which _stage computed anyway: a term added to engine_stage_memory and not here raises Diverged
+    (predict_many then takes the scalar path), before any prediction uses the arrays."""
+    for r, want in rows:
+        got = {k: parts[k][r].item() for k in BASE}
+        if s["has_fp8"][r]:
+            got["fp8_weights_and_scales"] = parts["fp8_weights_and_scales"][r].item()
+        if parts["has_step"][r]:
+            got["optimizer_step"] = parts["optimizer_step"][r].item()
+        got.update(overhead=parts["overhead"][r].item(), total=parts["total"][r].item(), params=s["params"][r].item())
+        if list(got.items()) != list(want.items()):
+            raise Diverged(f"stage {s['stage'][r]}: {got} against engine_stage_memory's {want}")
 
 
 def _combine(s: dict, x: dict) -> dict[str, np.ndarray]:

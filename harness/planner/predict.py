@@ -326,7 +326,15 @@ def _predict_all(shape: Shape, todo: list, workload: Workload, profile: Profile,
         if memory is None:  # a layout the arrays do not hold
             memory = memory_cache[mkey] = _memory(shape, lay, workload, profile)
         memories.append(memory)
-    seconds, breakdowns = timing_batch.step_times(shape, lays, workload, profile, theta, {}, [m[1] for m in memories])
+    peaks = [m[1] for m in memories]
+    try:
+        seconds, breakdowns = timing_batch.step_times(shape, lays, workload, profile, theta, {}, peaks)
+    except timing_batch.Diverged:  # step_time's arithmetic changed, not the arrays': tests/test_timing_batch.py fails
+        cache: dict = {}
+        timed = [
+            step_time(shape, lay, workload, profile, theta, cache, peak) for lay, peak in zip(lays, peaks, strict=True)
+        ]
+        seconds, breakdowns = [t for t, _ in timed], [b for _, b in timed]
     tokens = workload.global_batch_size * workload.seq_len
     flops = tokens * _palm_flops_per_token(shape, workload.seq_len)
     peak = profile.peak_flops(workload.dtype_bytes)
@@ -366,4 +374,7 @@ def _memories(shape: Shape, layouts: list, mkeys: list, workload: Workload, prof
     for lay, mkey in zip(layouts, mkeys, strict=True):
         if mkey not in todo and memory_batch.batched(lay, workload):
             todo[mkey] = lay
-    return dict(zip(todo, memory_batch.memories(shape, list(todo.values()), workload, profile), strict=True))
+    try:
+        return dict(zip(todo, memory_batch.memories(shape, list(todo.values()), workload, profile), strict=True))
+    except memory_batch.Diverged:  # engine_stage_memory has a term the arrays lack: tests/test_memory_batch.py fails
+        return {}

@@ -35,7 +35,7 @@ def step_times(
     n = len(lays)
     if not n:
         return [], []
-    t_layer, bubble, split_of = [], [], []
+    t_layer, bubble, split_of, firsts = [], [], [], []
     kind_of: dict[int, int] = {}  # pp -> index into kinds
     kinds: list[tuple] = []
     bubbles: dict = {}
@@ -53,6 +53,7 @@ def step_times(
                 kinds.append(timing._stage_kinds(shape.layers, lay.pp))
             dpx, ox = timing._dp_terms(shape, lay, wl, prof, kinds[code], layer_cache)
             split = splits[key] = (len(rows), timing.layer_key(lay, wl, prof))
+            firsts.append(len(split_of))
             window = 0 if not lay.overlaps_dp else (1 if lay.fsdp else 2)
             ex = timing._extras(shape, lay, wl, prof, theta, kinds[code], layer_cache)
             rows.append((wl.micro_batches(lay), code, ex, dot(theta, dpx), ox, window, lay.pp > 1))
@@ -145,7 +146,25 @@ def step_times(
                     a2a = added[("ep", split, ckpt, sp, p)] = ffn.all_to_all_breakdown(lay, wl, prof, theta, p)
                 b.update(a2a)
         out.append(b)
-    return total.tolist(), out
+    seconds = total.tolist()
+    _check(shape, lays, wl, prof, theta, memory_bytes, seconds, out, firsts)
+    return seconds, out
+
+
+class Diverged(AssertionError):
+    """The arrays' step time of a layout is not timing.step_time's: its arithmetic changed there, not here."""
+
+
+CHECKED = 8  # splits whose first layout is checked against step_time on every call
+
+
+def _check(shape, lays, wl, prof, theta, memory_bytes, seconds, breakdowns, firsts) -> None:
+    """The first layout of the first CHECKED splits against timing.step_time: a change to its arithmetic not made
+    here raises Diverged (predict_many then takes the scalar path)."""
+    for i in firsts[:CHECKED]:
+        want = timing.step_time(shape, lays[i], wl, prof, theta, None, memory_bytes=memory_bytes[i])
+        if (seconds[i], list(breakdowns[i].items())) != (want[0], list(want[1].items())):
+            raise Diverged(f"{lays[i]}: {seconds[i]}, {breakdowns[i]} against step_time's {want}")
 
 
 # timing._breakdown's keys, in its order
