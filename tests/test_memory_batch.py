@@ -15,7 +15,7 @@ from harness.model.presets import PRESETS
 from harness.planner import candidates, memory_batch
 from harness.planner.hardware import load_profile
 from harness.planner.layout import Workload
-from harness.planner.predict import _memory
+from harness.planner.predict import ALLOCATOR_MARGIN, _memory
 
 CASES = [
     # (model, seq, batch, gpus, profile, engine, fields, precisions, schedules, dtype bytes)
@@ -83,7 +83,7 @@ def test_every_candidates_memory_is_the_scalar_models(
     shape, wl, lays = plan_layouts(model, seq, batch, gpus, hw, engine, fields, precisions, schedules, dtype)
     prof = load_profile(hw)
     assert all(memory_batch.batched(lay, wl) for lay in lays)
-    for lay, got in zip(lays, memory_batch.memories(shape, lays, wl, prof), strict=True):
+    for lay, got in zip(lays, memory_batch.memories(shape, lays, wl, prof, ALLOCATOR_MARGIN), strict=True):
         want = _memory(shape, lay, wl, prof)
         assert got[:2] == want[:2] and got[3:] == want[3:], lay
         assert list(got[2].items()) == list(want[2].items()), lay  # every part, in the breakdown's order
@@ -133,7 +133,7 @@ def test_a_term_the_arrays_lack_is_caught_and_the_plan_takes_the_scalar_path(mon
     monkeypatch.setattr(memory_engines, "engine_stage_memory", with_a_new_term)
     monkeypatch.setattr(memory, "engine_stage_memory", with_a_new_term)
     with pytest.raises(memory_batch.Diverged):
-        memory_batch.memories(shape, lays, wl, prof)
+        memory_batch.memories(shape, lays, wl, prof, ALLOCATOR_MARGIN)
     many = predict_many(shape, lays[:40], wl, prof)
     assert [p.memory_breakdown_gib for p in many] == [
         predict(shape, lay, wl, prof).memory_breakdown_gib for lay in lays[:40]

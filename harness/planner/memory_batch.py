@@ -132,9 +132,9 @@ def _columns(rows: list[tuple], names: list[str], codes: np.ndarray) -> dict[str
     return {name: np.asarray(col)[codes] for name, col in zip(names, table, strict=True)}
 
 
-def memories(shape: Shape, lays: list[PlannerLayout], wl: Workload, profile: Profile) -> list[tuple]:
+def memories(shape: Shape, lays: list[PlannerLayout], wl: Workload, profile: Profile, margin: float) -> list[tuple]:
     """predict._memory of each layout (batched): (worst stage, its total bytes, its breakdown in GiB, fits,
-    within the allocator's margin)."""
+    within `margin` of the device: predict.tight_fit with its ALLOCATOR_MARGIN)."""
     if not lays:
         return []
     stage_sets: dict[tuple, list[int]] = {}
@@ -175,7 +175,7 @@ def memories(shape: Shape, lays: list[PlannerLayout], wl: Workload, profile: Pro
     totals[np.repeat(np.arange(len(lays)), counts), slot] = parts["total"]
     best = starts + np.argmax(totals, axis=1)
     _check(parts, s, [(starts[j] + sets[j].index(c), want) for c, (j, want) in enumerate(scalar)])
-    return _breakdowns(parts, s, best, profile)
+    return _breakdowns(parts, s, best, profile, margin)
 
 
 class Diverged(AssertionError):
@@ -253,16 +253,14 @@ def _combine(s: dict, x: dict) -> dict[str, np.ndarray]:
 BASE = ("weights", "gradients", "optimizer", "activations", "backward_working_set", "logits_and_loss")
 
 
-def _breakdowns(parts: dict, s: dict, best: np.ndarray, profile: Profile) -> list[tuple]:
+def _breakdowns(parts: dict, s: dict, best: np.ndarray, profile: Profile, margin: float) -> list[tuple]:
     """predict._memory's tuple of each layout from its worst stage's row."""
     gib = terms.GIB
     cols = {k: (parts[k][best] / gib).tolist() for k in (*BASE, "fp8_weights_and_scales", "optimizer_step", "overhead")}
     total = parts["total"][best]
     device = profile.memory_gib * gib
     fit = (total <= device).tolist()
-    from harness.planner.predict import ALLOCATOR_MARGIN
-
-    tight = (((1 - ALLOCATOR_MARGIN) * device < total) & (total <= device)).tolist()
+    tight = (((1 - margin) * device < total) & (total <= device)).tolist()
     total_gib = (total / gib).tolist()
     total = total.tolist()
     has_fp8 = s["has_fp8"][best].tolist()

@@ -258,7 +258,9 @@ def predict_many(
     of layouts must answer in well under a second); the same Predictions as one call each: a layout
     whose key (its fields, the attention kernel as its rate class) was predicted is that prediction
     with its own layout and availability (kernel_available reads the kernel, micro-batch, tp and
-    precision only: remembered by those)."""
+    precision only: remembered by those). The distinct layouts' memory and step time are computed
+    together, over numpy arrays (memory_batch.py, timing_batch.py: the scalar models' terms, combined
+    per layout as they combine them; tests/test_memory_batch.py and test_timing_batch.py hold them equal)."""
     paused = gc.isenabled()
     if paused:  # the collector's passes over the growing list cost a tenth of a plan: nothing here is cyclic
         gc.disable()
@@ -375,6 +377,7 @@ def _memories(shape: Shape, layouts: list, mkeys: list, workload: Workload, prof
         if mkey not in todo and memory_batch.batched(lay, workload):
             todo[mkey] = lay
     try:
-        return dict(zip(todo, memory_batch.memories(shape, list(todo.values()), workload, profile), strict=True))
+        batch = memory_batch.memories(shape, list(todo.values()), workload, profile, ALLOCATOR_MARGIN)
     except memory_batch.Diverged:  # engine_stage_memory has a term the arrays lack: tests/test_memory_batch.py fails
         return {}
+    return dict(zip(todo, batch, strict=True))
