@@ -38,7 +38,7 @@ _LAYER_KEY = operator.attrgetter(*(f for f in _FIELDS if f not in SPLIT_ONLY and
 # A stage's columns (_stage), in this order.
 STAGE_COLUMNS = (
     "stage emb layers head piped k n9 lookup ce_kept ce_extra eg_base eg_whole gpipe weights gradients optimizer "
-    "fp8 has_fp8 frag fsdp fsdp_bws kept_blocks all_blocks fsdp_dynamic params"
+    "fp8 has_fp8 frag fsdp fsdp_bws kept_blocks all_blocks fsdp_dynamic params kept_outputs"
 ).split()
 LAYER_COLUMNS = "layer full_layer working hidden head_norm keeps_input full".split()
 
@@ -107,6 +107,7 @@ def _stage(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> tuple[
         fs["all_blocks"] if fs else 0.0,
         fs["gathered"] + parts["gradients"] if fs else 0.0,
         parts["params"],
+        recipes.kept_outputs_bytes(lay, n, V, B, m, lay.tp if me._loss_parallel(lay) else 1) if has_head else 0.0,
     ), parts
 
 
@@ -213,6 +214,7 @@ def _combine(s: dict, x: dict) -> dict[str, np.ndarray]:
     micro = micro + head_b
     k = s["k"]
     held = k * micro
+    held = w(head, held + s["kept_outputs"], held)  # every micro-batch's logits kept (pp_outputs_kept)
     held = w((head_b != 0) & (k > 1) & ~s["gpipe"], held - (k - 1) * head_b, held)
     working = w(rec != 0, x["full_layer"] - x["layer"], 0.0) + x["working"]
     fsdp = s["fsdp"]
