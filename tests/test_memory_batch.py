@@ -139,3 +139,23 @@ def test_a_term_the_arrays_lack_is_caught_and_the_plan_takes_the_scalar_path(mon
         predict(shape, lay, wl, prof).memory_breakdown_gib for lay in lays[:40]
     ]
     assert all(p.memory_breakdown_gib["new_term"] == 1.0 for p in many)
+
+
+def test_a_plan_mixing_layouts_the_arrays_hold_and_others_predicts_each_as_one_call():
+    """predict_many over layouts the arrays hold and layouts they leave to the scalar path (per-layer
+    recomputation, offload, bf16 main gradients, per-op checkpointing, Muon's workload elsewhere), mixed."""
+    from harness.planner.predict import predict, predict_many
+
+    shape, wl, lays = plan_layouts(*CASES[1])  # megatron
+    prof = load_profile(CASES[1][4])
+    full = [lay for lay in lays if lay.activation_checkpointing == "full"][:30]
+    changes = ({"recompute_layers": 1}, {"offload_layers": 2}, {"main_grads": "bf16"})
+    others = [dataclasses.replace(lay, **changes[i % 3]) for i, lay in enumerate(full)]
+    others += [
+        dataclasses.replace(lay, activation_checkpointing="selective", selective_policy="per_op") for lay in full
+    ]
+    mixed = [lay for pair in zip(lays[:120], others * 2, strict=False) for lay in pair]
+    assert any(not memory_batch.batched(lay, wl) for lay in mixed) and any(
+        memory_batch.batched(lay, wl) for lay in mixed
+    )
+    assert predict_many(shape, mixed, wl, prof) == [predict(shape, lay, wl, prof) for lay in mixed]

@@ -113,6 +113,8 @@ def layer_key(lay: PlannerLayout, wl: Workload, prof: Profile) -> tuple:
         lay.selective_policy,  # what is recomputed (memory_recipes: per-op checkpointing, recompute_layers)
         lay.recompute_layers,
     )
+    if lay.recompute_layers:  # the recomputed layers' share of a rank's: of layers / pp, per chunk (memory_recipes)
+        key += (lay.pp, lay.virtual_stages)
     if lay.precision != "bf16":  # the weight casts depend on the engine, the shard and the micro-batches (fp8.py)
         key += (lay.precision, lay.engine, lay.fsdp, lay.reshard_after_forward, lay.replicas, wl.micro_batches(lay))
     return key
