@@ -48,3 +48,17 @@ def test_a_change_to_step_time_not_made_in_the_arrays_is_caught(monkeypatch):
     many = predict_many(shape, lays[:40], wl, prof)
     assert many == [predict(shape, lay, wl, prof) for lay in lays[:40]]
     assert all(p.time_breakdown_s["optimizer_s"] == 0.0 for p in many)
+
+
+def test_a_plan_mixing_balanced_and_unbalanced_routing_predicts_each_as_one_call():
+    """moe_balanced changes a MoE layer's time (feedforward.busiest under ep > 1): layouts differing in it only
+    do not share the layer cache's entry."""
+    import dataclasses
+
+    from harness.planner.predict import predict, predict_many
+
+    shape, wl, lays = plan_layouts(*CASES[9])  # qwen3-30b-a3b, own
+    prof = load_profile(CASES[9][4])
+    some = [lay for lay in lays if lay.ep > 1][:60]
+    mixed = [x for lay in some for x in (lay, dataclasses.replace(lay, moe_balanced=True))]
+    assert predict_many(shape, mixed, wl, prof) == [predict(shape, lay, wl, prof) for lay in mixed]

@@ -110,6 +110,7 @@ def layer_key(lay: PlannerLayout, wl: Workload, prof: Profile) -> tuple:
         lay.cp_impl if lay.cp > 1 else "",
         group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node,
         lay.ep,  # with tp, the expert group's geometry (ParallelDims.expert_geometry: its span is ep x tp)
+        lay.moe_balanced,  # the busiest expert-parallel rank's tokens (feedforward.busiest)
         lay.selective_policy,  # what is recomputed (memory_recipes: per-op checkpointing, recompute_layers)
         lay.recompute_layers,
     )
