@@ -45,7 +45,7 @@ from harness.planner import memory_recipes as recipes
 from harness.planner import memory_terms as terms
 from harness.planner.context import cp_attention_bytes
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
-from harness.planner.memory_fsdp import fsdp_step_bytes
+from harness.planner.memory_fsdp import fsdp_step_bytes, one_round_chunks
 from harness.registry import MemoryModel
 
 __all__ = ["engine_layer_bytes", "engine_stage_items", "engine_stage_memory", "model_states"]
@@ -373,6 +373,9 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     ce_kept, ce_extra = loss_bytes(shape, lay, wl) if has_head else (0.0, 0.0)
     head = _norm_bytes(lay, n, h, B, sp) + ce_kept if has_head else 0.0
     micro += head
+    chunks = one_round_chunks(shape, lay, wl, stage)  # torch's one-round interleaved order (memory_fsdp)
+    if chunks:  # the chunk whose first backward holds the most: its activations in flight and its gradients
+        k, chunk_grads = max(chunks, key=lambda kg: kg[0] * micro + kg[1])
     held = k * micro
     if has_head:  # every micro-batch's logits, kept for the pipeline step's return (memory_recipes)
         held += recipes.kept_outputs_bytes(lay, n, shape.vocab, B, m, lay.tp if _loss_parallel(lay) else 1)
@@ -422,7 +425,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     if fsdp is not None:
         parts["weights"] += fsdp["gathered"]
         if fsdp["accumulated"]:  # pipelined: the unsharded accumulation, not yet the sharded gradient
-            parts["gradients"] = fsdp["accumulated"]
+            parts["gradients"] = chunk_grads if chunks else fsdp["accumulated"]
         parts["gradients"] += fsdp["reduce_scatter"]
         # all of it comes and goes within a step: the gathered parameters at every all-gather, the
         # reduce-scatter buffers, and the gradients (the sharded ones freed by

@@ -104,6 +104,18 @@ def in_flight(schedule: str, virtual_stages: int, pp: int, stage: int, m: int, e
     return float(min(pp - stage, m))  # 1F1B (Narayanan et al. 2021, Sec. 2.2)
 
 
+def chunk_in_flight(virtual_stages: int, pp: int, stage: int, m: int, chunk: int) -> float:
+    """torch's ScheduleInterleaved1F1B in one round (m < 2 pp: number_of_rounds = max(1, m // pp) = 1,
+    microbatches_per_round = m): rank `stage` runs its backwards chunk by chunk, the last chunk's m first
+    (backward_stage_index), after min((v - 1) m + 2 (pp - 1 - stage), m v) warm-up forwards
+    (_get_warmup_ops); at `chunk`'s first backward it holds the forwards done less the backwards done,
+    in units of the rank's layers (a chunk-forward is 1/v of them)."""
+    v = virtual_stages
+    warmup = min((v - 1) * m + 2 * (pp - 1 - stage), m * v)
+    done = (v - 1 - chunk) * m  # backwards of the later chunks before this chunk's first
+    return (min(warmup + 1 + done, m * v) - done) / v
+
+
 def sends_per_micro_batch(schedule: str, virtual_stages: int, pp: int, stage: int) -> int:
     """Activations a rank sends and receives per micro-batch (each a forward tensor and, backward,
     its gradient): once per chunk boundary it holds; a V's turn at the last rank stays local."""
