@@ -82,7 +82,9 @@ def test_every_candidates_memory_is_the_scalar_models(
 ):
     shape, wl, lays = plan_layouts(model, seq, batch, gpus, hw, engine, fields, precisions, schedules, dtype)
     prof = load_profile(hw)
-    assert all(memory_batch.batched(lay, wl) for lay in lays)
+    left = [lay for lay in lays if not memory_batch.batched(shape, lay, wl)]  # fsdp's one-round interleaved only
+    assert all(lay.fsdp and lay.pipeline_schedule == "interleaved" for lay in left) and len(left) < len(lays) / 4
+    lays = [lay for lay in lays if memory_batch.batched(shape, lay, wl)]
     for lay, got in zip(lays, memory_batch.memories(shape, lays, wl, prof, ALLOCATOR_MARGIN), strict=True):
         want = _memory(shape, lay, wl, prof)
         assert got[:2] == want[:2] and got[3:] == want[3:], lay
@@ -107,12 +109,12 @@ def test_the_recipes_it_does_not_hold_are_left_to_the_scalar_path():
             engine="megatron",
         )
     )
-    assert memory_batch.batched(lay, wl)
+    assert memory_batch.batched(shape, lay, wl)
     for change in ({"recompute_layers": 2}, {"offload_layers": 2}, {"main_grads": "bf16"}, {"engine": "paper"}):
-        assert not memory_batch.batched(dataclasses.replace(lay, **change), wl), change
+        assert not memory_batch.batched(shape, dataclasses.replace(lay, **change), wl), change
     per_op = dataclasses.replace(lay, activation_checkpointing="selective", selective_policy="per_op")
-    assert not memory_batch.batched(per_op, wl)
-    assert not memory_batch.batched(lay, Workload(8192, 64, optimizer="muon"))
+    assert not memory_batch.batched(shape, per_op, wl)
+    assert not memory_batch.batched(shape, lay, Workload(8192, 64, optimizer="muon"))
 
 
 def test_a_term_the_arrays_lack_is_caught_and_the_plan_takes_the_scalar_path(monkeypatch):
@@ -155,7 +157,7 @@ def test_a_plan_mixing_layouts_the_arrays_hold_and_others_predicts_each_as_one_c
         dataclasses.replace(lay, activation_checkpointing="selective", selective_policy="per_op") for lay in full
     ]
     mixed = [lay for pair in zip(lays[:120], others * 2, strict=False) for lay in pair]
-    assert any(not memory_batch.batched(lay, wl) for lay in mixed) and any(
-        memory_batch.batched(lay, wl) for lay in mixed
+    assert any(not memory_batch.batched(shape, lay, wl) for lay in mixed) and any(
+        memory_batch.batched(shape, lay, wl) for lay in mixed
     )
     assert predict_many(shape, mixed, wl, prof) == [predict(shape, lay, wl, prof) for lay in mixed]

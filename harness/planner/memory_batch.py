@@ -27,7 +27,7 @@ from harness.planner import memory_recipes as recipes
 from harness.planner import memory_terms as terms
 from harness.planner.hardware import Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PAPER, PlannerLayout, Workload
-from harness.planner.memory_fsdp import fsdp_step_bytes
+from harness.planner.memory_fsdp import fsdp_step_bytes, one_round_chunks
 
 # Fields a stage's terms do not read, and fields a layer's terms do not read.
 LAYER_ONLY = ("activation_checkpointing", "sequence_parallel", "attention", "rmsnorm")
@@ -43,9 +43,10 @@ STAGE_COLUMNS = (
 LAYER_COLUMNS = "layer full_layer working hidden head_norm keeps_input full".split()
 
 
-def batched(lay: PlannerLayout, wl: Workload) -> bool:
+def batched(shape: Shape, lay: PlannerLayout, wl: Workload) -> bool:
     """Whether the arrays here hold the layout's memory: engine_stage_memory's terms under AdamW but the
-    recipes' per-layer recomputation, offload, per-op checkpointing and bf16 main gradients."""
+    recipes' per-layer recomputation, offload, per-op checkpointing and bf16 main gradients, and engine fsdp's
+    one-round interleaved order (memory_fsdp.one_round_chunks: its in-flight count depends on a layer's bytes)."""
     return (
         lay.engine != PAPER
         and wl.optimizer != "muon"
@@ -53,6 +54,7 @@ def batched(lay: PlannerLayout, wl: Workload) -> bool:
         and not lay.recompute_layers
         and not lay.offload_layers
         and not recipes.bf16_main_grads(lay)
+        and one_round_chunks(shape, lay, wl, 0) is None
     )
 
 

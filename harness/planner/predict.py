@@ -374,7 +374,7 @@ def _memories(shape: Shape, layouts: list, mkeys: list, workload: Workload, prof
 
     todo: dict = {}
     for lay, mkey in zip(layouts, mkeys, strict=True):
-        if mkey not in todo and memory_batch.batched(lay, workload):
+        if mkey not in todo and memory_batch.batched(shape, lay, workload):
             todo[mkey] = lay
     try:
         batch = memory_batch.memories(shape, list(todo.values()), workload, profile, ALLOCATOR_MARGIN)
