@@ -222,12 +222,12 @@ FIELDS = tuple(f.name for f in dataclasses.fields(PlannerLayout))
 _BUT_ATTENTION = operator.attrgetter(*(f for f in FIELDS if f != "attention"))
 
 
-def memory_key(layout: PlannerLayout) -> tuple:
+def memory_key(layout: PlannerLayout, fields: tuple | None = None) -> tuple:
     """Layouts whose memory is the same: memory.py tells attention kernels apart only by whether
     they materialise the score matrix (naive, fused_softmax) or not (every flash-style kernel keeps
     no s x s tensor); tests/test_plan_output.py checks it on every engine."""
     att = layout.attention if ATTENTION_CLASS.get(layout.attention) in MATERIALISED else "flash"
-    return (att, _BUT_ATTENTION(layout))  # a plan builds a key per layout
+    return (att, _BUT_ATTENTION(layout) if fields is None else fields)  # `fields`: _BUT_ATTENTION's, when read
 
 
 def prediction_key(layout: PlannerLayout) -> PlannerLayout:
@@ -252,44 +252,51 @@ def _same_rate_classes(theta: dict) -> dict[str, str]:
 
 
 def predict_many(
-    shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None = None, **kw
+    shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None = None
 ) -> list[Prediction]:
     """predict() for every layout, computing each cost class once (`harness plan` over thousands
     of layouts must answer in well under a second); the same Predictions as one call each: a layout
     whose key (its fields, the attention kernel as its rate class) was predicted is that prediction
     with its own layout and availability (kernel_available reads the kernel, micro-batch, tp and
-    precision only: remembered by those)."""
+    precision only: remembered by those). The distinct layouts' memory and step time are computed
+    together, over numpy arrays (memory_batch.py, timing_batch.py: the scalar models' terms, combined
+    per layout as they combine them; tests/test_memory_batch.py and test_timing_batch.py hold them equal)."""
     paused = gc.isenabled()
     if paused:  # the collector's passes over the growing list cost a tenth of a plan: nothing here is cyclic
         gc.disable()
     try:
-        return _predict_many(shape, layouts, workload, profile, theta, **kw)
+        return _predict_many(shape, layouts, workload, profile, theta)
     finally:
         if paused:
             gc.enable()
 
 
-def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None, **kw) -> list:
+def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, theta: dict | None) -> list:
     theta = theta or theta_from_profile(profile)
     same = _same_rate_classes(theta)
     rate_class: dict[str, str] = {}  # attention kernel -> the class that stands for it in the key
-    cache: dict = {}
-    layer_cache: dict = {}
-    memory_cache: dict = {}
-    why_cache: dict = {}
-    out = []
+    layouts = list(layouts)
+    index, stand_ins = [], {}  # each layout's prediction (its index in stand_ins); the layout predicted per key
     for lay in layouts:
         att = lay.attention
         cls = rate_class.get(att)
         if cls is None:
             cls = ATTENTION_CLASS.get(att, att)
             cls = rate_class[att] = same.get(cls, cls)
-        key = (cls, _BUT_ATTENTION(lay))
-        base = cache.get(key)
-        if base is None:
+        fields = _BUT_ATTENTION(lay)
+        key = (cls, fields)
+        entry = stand_ins.get(key)
+        if entry is None:
             rep = CLASS_REPRESENTATIVE.get(cls, att)
             stand_in = lay if rep == att else dataclasses.replace(lay, attention=rep)
-            base = cache[key] = predict(shape, stand_in, workload, profile, theta, layer_cache, memory_cache, **kw)
+            entry = stand_ins[key] = (len(stand_ins), stand_in, fields)
+        index.append(entry[0])
+    why_cache: dict = {}
+    predicted = _predict_all(shape, list(stand_ins.values()), workload, profile, theta, why_cache)
+    out = []
+    for lay, i in zip(layouts, index, strict=True):
+        base = predicted[i]
+        att = lay.attention
         if base.layout is lay or base.layout.attention == att:  # the key holds every other field: an equal layout
             out.append(base)
             continue
@@ -302,3 +309,75 @@ def _predict_many(shape: Shape, layouts, workload: Workload, profile: Profile, t
         alias.layout, alias.available, alias.why_unavailable = lay, not why, why
         out.append(alias)
     return out
+
+
+def _predict_all(shape: Shape, todo: list, workload: Workload, profile: Profile, theta: dict, why_cache: dict) -> list:
+    """predict() of each layout of `todo` ((index, layout, its fields but the kernel), all distinct), with the
+    memory (memory_batch) and step time (timing_batch) of all of them computed together; SpecError of the first
+    invalid one, as predict() raises it."""
+    from harness.planner import timing_batch
+
+    lays = [lay for _, lay, _ in todo]
+    for lay in lays:
+        validate(shape, lay, workload)
+    mkeys = [memory_key(lay, fields) for _, lay, fields in todo]
+    memory_cache = _memories(shape, lays, mkeys, workload, profile)
+    memories = []
+    for lay, mkey in zip(lays, mkeys, strict=True):
+        memory = memory_cache.get(mkey)
+        if memory is None:  # a layout the arrays do not hold
+            memory = memory_cache[mkey] = _memory(shape, lay, workload, profile)
+        memories.append(memory)
+    peaks = [m[1] for m in memories]
+    try:
+        seconds, breakdowns = timing_batch.step_times(shape, lays, workload, profile, theta, {}, peaks)
+    except timing_batch.Diverged:  # step_time's arithmetic changed, not the arrays': tests/test_timing_batch.py fails
+        cache: dict = {}
+        timed = [
+            step_time(shape, lay, workload, profile, theta, cache, peak) for lay, peak in zip(lays, peaks, strict=True)
+        ]
+        seconds, breakdowns = [t for t, _ in timed], [b for _, b in timed]
+    tokens = workload.global_batch_size * workload.seq_len
+    flops = tokens * _palm_flops_per_token(shape, workload.seq_len)
+    peak = profile.peak_flops(workload.dtype_bytes)
+    out = []
+    for lay, (stage, total, breakdown_gib, fit, tight), t, breakdown in zip(
+        lays, memories, seconds, breakdowns, strict=True
+    ):
+        wkey = (lay.attention, lay.micro_batch_size, lay.tp, lay.precision)
+        why = why_cache.get(wkey)
+        if why is None:
+            why = why_cache[wkey] = kernel_available(shape, lay, workload, profile)
+        p = object.__new__(Prediction)  # Prediction(...) field by field, at a third of its __init__'s cost
+        p.__dict__.update(
+            layout=lay,
+            fits=fit,
+            available=not why,
+            memory_gib=total / GIB,
+            step_time_s=t,
+            mfu=flops / (t * lay.gpus * peak),
+            tokens_per_s=tokens / t,
+            worst_stage=stage,
+            memory_breakdown_gib=breakdown_gib,
+            time_breakdown_s=breakdown,
+            why_unavailable=why,
+            tight=tight,
+        )
+        out.append(p)
+    return out
+
+
+def _memories(shape: Shape, layouts: list, mkeys: list, workload: Workload, profile: Profile) -> dict:
+    """memory_key -> _memory of every layout among `layouts` (valid ones; `mkeys` their memory_key) whose memory
+    the arrays of memory_batch hold (the others are left to _memory)."""
+    from harness.planner import memory_batch
+
+    todo: dict = {}
+    for lay, mkey in zip(layouts, mkeys, strict=True):
+        if mkey not in todo and memory_batch.batched(shape, lay, workload):
+            todo[mkey] = lay
+    try:
+        batch = memory_batch.memories(shape, list(todo.values()), workload, profile, ALLOCATOR_MARGIN)
+    except memory_batch.Diverged:  # engine_stage_memory has a term the arrays lack: tests/test_memory_batch.py fails
+        return {}
+    return dict(zip(todo, batch, strict=True))

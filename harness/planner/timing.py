@@ -92,28 +92,44 @@ def _per_layer(
     if layer_cache is None:
         per_layer = layer_features(shape, lay, wl, prof, theta)
         return per_layer, dot(theta, per_layer)
-    key = (
-        lay.tp,
-        lay.micro_batch_size,
-        lay.activation_checkpointing,
-        lay.sequence_parallel,
-        ATTENTION_CLASS[lay.attention],
-        lay.rmsnorm,
-        lay.compile,
-        lay.cp,
-        lay.cp_impl if lay.cp > 1 else "",
-        group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node,
-        lay.ep,  # with tp, the expert group's geometry (ParallelDims.expert_geometry: its span is ep x tp)
-        lay.selective_policy,  # what is recomputed (memory_recipes: per-op checkpointing, recompute_layers)
-        lay.recompute_layers,
-    )
-    if lay.precision != "bf16":  # the weight casts depend on the engine, the shard and the micro-batches (fp8.py)
-        key += (lay.precision, lay.engine, lay.fsdp, lay.reshard_after_forward, lay.replicas, wl.micro_batches(lay))
+    key = layer_key(lay, wl, prof) + layer_own(lay)
     hit = layer_cache.get(key)
     if hit is None:
         per_layer = layer_features(shape, lay, wl, prof, theta)
         hit = layer_cache[key] = (per_layer, dot(theta, per_layer))
     return hit
+
+
+def layer_key(lay: PlannerLayout, wl: Workload, prof: Profile) -> tuple:
+    """What _per_layer's cache key holds beyond layer_own's fields (which the data-parallel terms do
+    not read: timing_batch takes this once per the rest of the layout)."""
+    key = (
+        lay.tp,
+        lay.micro_batch_size,
+        lay.cp,
+        lay.cp_impl if lay.cp > 1 else "",
+        group_geometry(lay.dims, "span", "cp") > prof.gpus_per_node,
+        lay.ep,  # with tp, the expert group's geometry (ParallelDims.expert_geometry: its span is ep x tp)
+        lay.moe_balanced,  # the busiest expert-parallel rank's tokens (feedforward.busiest)
+        lay.selective_policy,  # what is recomputed (memory_recipes: per-op checkpointing, recompute_layers)
+        lay.recompute_layers,
+    )
+    if lay.recompute_layers:  # the recomputed layers' share of a rank's: of layers / pp, per chunk (memory_recipes)
+        key += (lay.pp, lay.virtual_stages)
+    if lay.precision != "bf16":  # the weight casts depend on the engine, the shard and the micro-batches (fp8.py)
+        key += (lay.precision, lay.engine, lay.fsdp, lay.reshard_after_forward, lay.replicas, wl.micro_batches(lay))
+    return key
+
+
+def layer_own(lay: PlannerLayout) -> tuple:
+    """The rest of _per_layer's cache key: the fields _NOT_DATA_PARALLEL names (the kernel as its cost class)."""
+    return (
+        lay.activation_checkpointing,
+        lay.sequence_parallel,
+        ATTENTION_CLASS[lay.attention],
+        lay.rmsnorm,
+        lay.compile,
+    )
 
 
 # Fields of a layout the data-parallel reduction and the optimizer step do not read: layouts
@@ -260,10 +276,15 @@ def _bubble_factor(lay: PlannerLayout, theta: dict, per_layer: dict) -> float:
     if lay.pp == 1 or lay.pipeline_schedule in ("1f1b", "gpipe"):
         return 1.0
     share = 0.0
-    if lay.pipeline_schedule != "interleaved":  # only the zero-bubble schedules read it
+    if bubble_reads_layer(lay):
         total = dot(theta, per_layer)
         share = theta["gemm"] * per_layer.get("gemm", 0.0) / total if total else 0.0
     return schedules.bubble_factor(lay.pipeline_schedule, lay.virtual_stages, lay.pp, share)
+
+
+def bubble_reads_layer(lay: PlannerLayout) -> bool:
+    """Whether _bubble_factor reads the layer's features: under the zero-bubble schedules only."""
+    return lay.pp > 1 and lay.pipeline_schedule not in ("1f1b", "gpipe", "interleaved")
 
 
 def _overlap_window(lay: PlannerLayout, compute_s: float, t_slow: float) -> float:

@@ -1,0 +1,284 @@
+"""The memory of many layouts at once (predict_many): memory_engines.engine_stage_memory's arithmetic of a
+layout's stage over numpy arrays, one row per stage of every layout, so that a plan of 100,000 layouts does
+not run the memory model once per layout in Python.
+
+engine_stage_memory's terms fall in two kinds. A stage's (its model states, weights, fp8 copies, the
+loss, FSDP2's buffers, the micro-batches in flight) read no checkpointing, sequence parallelism, attention
+kernel or norm (LAYER_ONLY): they are taken once per stage of each distinct rest of the layout, from
+engine_stage_memory and memory_engines' functions themselves. A layer's (engine_layer_bytes, the hidden
+state, the head's norm) read no pipeline, data-parallel or sharding degree (SPLIT_ONLY): once per distinct
+rest. What combines them per layout and stage (from `micro` to `total` in engine_stage_memory) is written
+here again over arrays, operation for operation, so that every float is the one the scalar code gives
+(tests/test_memory_batch.py compares every candidate of plans of each engine with worst_stage_memory).
+A change to that part of engine_stage_memory goes here too; layouts of the terms not combined here
+(batched) take the scalar path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import numpy as np
+
+from harness.model.presets import Shape
+from harness.planner import memory_engines as me
+from harness.planner import memory_recipes as recipes
+from harness.planner import memory_terms as terms
+from harness.planner.hardware import Profile
+from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PAPER, PlannerLayout, Workload
+from harness.planner.memory_fsdp import fsdp_step_bytes, one_round_chunks
+
+# Fields a stage's terms do not read, and fields a layer's terms do not read.
+LAYER_ONLY = ("activation_checkpointing", "sequence_parallel", "attention", "rmsnorm")
+SPLIT_ONLY = ("pp", "dp", "pipeline_schedule", "virtual_stages", "dp_shard", "zero_stage")
+_FIELDS = tuple(f.name for f in dataclasses.fields(PlannerLayout))
+_STAGE_KEY = operator.attrgetter(*(f for f in _FIELDS if f not in LAYER_ONLY))
+_LAYER_KEY = operator.attrgetter(*(f for f in _FIELDS if f not in SPLIT_ONLY and f != "attention"))
+# A stage's columns (_stage), in this order.
+STAGE_COLUMNS = (
+    "stage emb layers head piped k n9 lookup ce_kept ce_extra eg_base eg_whole gpipe weights gradients optimizer "
+    "fp8 has_fp8 frag fsdp fsdp_bws kept_blocks all_blocks fsdp_dynamic params kept_outputs"
+).split()
+LAYER_COLUMNS = "layer full_layer working hidden head_norm keeps_input full".split()
+
+
+def batched(shape: Shape, lay: PlannerLayout, wl: Workload) -> bool:
+    """Whether the arrays here hold the layout's memory: engine_stage_memory's terms under AdamW but the
+    recipes' per-layer recomputation, offload, per-op checkpointing and bf16 main gradients, and engine fsdp's
+    one-round interleaved order (memory_fsdp.one_round_chunks: its in-flight count depends on a layer's bytes)."""
+    return (
+        lay.engine != PAPER
+        and wl.optimizer != "muon"
+        and not me._per_op(lay)
+        and not lay.recompute_layers
+        and not lay.offload_layers
+        and not recipes.bf16_main_grads(lay)
+        and one_round_chunks(shape, lay, wl, 0) is None
+    )
+
+
+def _stages(shape: Shape, lay: PlannerLayout, wl: Workload) -> list[int]:
+    """The stages memory.worst_stage_memory compares: the first of each kind."""
+    items, seen, out = me.engine_stage_items(shape, lay, wl.seq_len), set(), []
+    for i in range(lay.pp):
+        if (items[i], i == lay.pp - 1) not in seen:
+            seen.add((items[i], i == lay.pp - 1))
+            out.append(i)
+    return out
+
+
+def _stage(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> tuple[tuple, dict]:
+    """STAGE_COLUMNS of one stage: what engine_stage_memory holds of it whatever the LAYER_ONLY fields; and
+    engine_stage_memory of the layout's stage itself."""
+    has_emb, layers, has_head = me.engine_stage_items(shape, lay, wl.seq_len)[stage]
+    parts = me.engine_stage_memory(shape, lay, wl, stage)  # its model states, weights and fp8 terms
+    states = me.memory_model(lay.engine).states
+    fsdp_states = states == "fsdp" or (lay.fsdp and states == "megatron")
+    B, t, h, V = wl.dtype_bytes, lay.tp, shape.hidden, shape.vocab
+    n = lay.micro_batch_size * wl.local(lay).seq_len
+    m = wl.micro_batches(lay)
+    ce_kept, ce_extra = me.loss_bytes(shape, lay, wl) if has_head else (0.0, 0.0)
+    fs = None
+    if fsdp_states:
+        shards = lay.tp if me._loss_parallel(lay) else 1
+        fs = fsdp_step_bytes(shape, lay, wl, has_emb, layers, has_head, shards)
+    return (
+        stage,
+        has_emb,
+        layers,
+        has_head,
+        lay.pp > 1,
+        terms.in_flight(lay, stage, m),
+        9 * n,
+        has_emb and t > 1,
+        ce_kept,
+        ce_extra,
+        shape.vocab * h / t * B,
+        V * h * B,
+        lay.pipeline_schedule == "gpipe",
+        parts["weights"],
+        parts["gradients"],
+        parts["optimizer"],
+        parts.get("fp8_weights_and_scales", 0.0),
+        "fp8_weights_and_scales" in parts,
+        terms.FRAGMENTATION_PIPELINED if lay.pp > 1 and m > 1 else terms.FRAGMENTATION,
+        fs is not None,
+        fs["backward_blocks"] + fs["after_loss"] - (ce_kept if has_head else 0.0) if fs else 0.0,
+        fs["kept_blocks"] if fs else 0.0,
+        fs["all_blocks"] if fs else 0.0,
+        fs["gathered"] + parts["gradients"] if fs else 0.0,
+        parts["params"],
+        recipes.kept_outputs_bytes(lay, n, V, B, m, lay.tp if me._loss_parallel(lay) else 1) if has_head else 0.0,
+    ), parts
+
+
+def _layer(shape: Shape, lay: PlannerLayout, wl: Workload) -> tuple:
+    """LAYER_COLUMNS of a layout: what engine_stage_memory holds of a layer whatever the SPLIT_ONLY fields."""
+    act = me.engine_layer_bytes(shape, lay, wl)
+    B, t, h = wl.dtype_bytes, lay.tp, shape.hidden
+    sp = lay.sequence_parallel and t > 1
+    n = lay.micro_batch_size * wl.local(lay).seq_len
+    return (
+        act["layer"],
+        act["full_layer"],
+        act["working"],
+        n * h * B / (t if sp else 1),
+        me._norm_bytes(lay, n, h, B, sp),
+        lay.activation_checkpointing == "full" or lay.norm_kernel == "fused" or B == 4,
+        lay.activation_checkpointing == "full",
+    )
+
+
+def _columns(rows: list[tuple], names: list[str], codes: np.ndarray) -> dict[str, np.ndarray]:
+    table = list(zip(*rows, strict=True))
+    return {name: np.asarray(col)[codes] for name, col in zip(names, table, strict=True)}
+
+
+def memories(shape: Shape, lays: list[PlannerLayout], wl: Workload, profile: Profile, margin: float) -> list[tuple]:
+    """predict._memory of each layout (batched): (worst stage, its total bytes, its breakdown in GiB, fits,
+    within `margin` of the device: predict.tight_fit with its ALLOCATOR_MARGIN)."""
+    if not lays:
+        return []
+    stage_sets: dict[tuple, list[int]] = {}
+    stage_rows: list[tuple] = []
+    layer_codes: dict[tuple, int] = {}
+    layer_rows: list[tuple] = []
+    sets, layer_of = [], []
+    scalar: list[tuple[int, dict]] = []  # (layout, engine_stage_memory) of each stage row's first layout
+    for lay in lays:
+        key = _STAGE_KEY(lay)
+        codes = stage_sets.get(key)
+        if codes is None:
+            codes = stage_sets[key] = []
+            for stage in _stages(shape, lay, wl):
+                codes.append(len(stage_rows))
+                row, parts = _stage(shape, lay, wl, stage)
+                stage_rows.append(row)
+                scalar.append((len(sets), parts))
+        sets.append(codes)
+        att = lay.attention if ATTENTION_CLASS[lay.attention] in MATERIALISED else "flash"
+        lkey = (att, _LAYER_KEY(lay))
+        code = layer_codes.get(lkey)
+        if code is None:
+            code = layer_codes[lkey] = len(layer_rows)
+            layer_rows.append(_layer(shape, lay, wl))
+        layer_of.append(code)
+    counts = np.fromiter(map(len, sets), dtype=np.int64, count=len(sets))
+    rows_stage = np.fromiter((c for codes in sets for c in codes), dtype=np.int64, count=int(counts.sum()))
+    rows_layer = np.repeat(np.asarray(layer_of, dtype=np.int64), counts)
+    s = _columns(stage_rows, STAGE_COLUMNS, rows_stage)
+    x = _columns(layer_rows, LAYER_COLUMNS, rows_layer)
+    parts = _combine(s, x)
+    # the worst stage of each layout: the first of its largest total (worst_stage_memory's order)
+    width = int(counts.max())
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    slot = np.arange(len(rows_stage)) - np.repeat(starts, counts)
+    totals = np.full((len(lays), width), -np.inf)
+    totals[np.repeat(np.arange(len(lays)), counts), slot] = parts["total"]
+    best = starts + np.argmax(totals, axis=1)
+    _check(parts, s, [(starts[j] + sets[j].index(c), want) for c, (j, want) in enumerate(scalar)])
+    return _breakdowns(parts, s, best, profile, margin)
+
+
+class Diverged(AssertionError):
+    """The arrays' memory of a layout is not engine_stage_memory's: a term changed there, not here."""
+
+
+def _check(parts: dict, s: dict, rows: list[tuple[int, dict]]) -> None:
+    """Each stage row of its first layout (`rows`: flat row, engine_stage_memory's parts) against the scalar
+    model's, which _stage computed anyway: a term added to engine_stage_memory and not here raises Diverged
+    (predict_many then takes the scalar path), before any prediction uses the arrays."""
+    for r, want in rows:
+        got = {k: parts[k][r].item() for k in BASE}
+        if s["has_fp8"][r]:
+            got["fp8_weights_and_scales"] = parts["fp8_weights_and_scales"][r].item()
+        if parts["has_step"][r]:
+            got["optimizer_step"] = parts["optimizer_step"][r].item()
+        got.update(overhead=parts["overhead"][r].item(), total=parts["total"][r].item(), params=s["params"][r].item())
+        if list(got.items()) != list(want.items()):
+            raise Diverged(f"stage {s['stage'][r]}: {got} against engine_stage_memory's {want}")
+
+
+def _combine(s: dict, x: dict) -> dict[str, np.ndarray]:
+    """engine_stage_memory from its `micro` on, per row (a layout's stage): the parts in bytes, and
+    `has_fp8`, `has_step` (whether the part is in the breakdown)."""
+    w = np.where
+    layers, emb, head, piped = s["layers"], s["emb"], s["head"], s["piped"]
+    rec = w(x["full"], layers, 0)  # recipes.recomputed_layers (every layer under full checkpointing)
+    micro = w(rec != 0, rec * x["layer"] + (layers - rec) * x["full_layer"], layers * x["layer"])
+    micro = micro - 0 * micro / np.maximum(layers, 1)  # recipes.offloaded_layers: none (batched)
+    hidden = x["hidden"]
+    micro = w(piped, micro + hidden * ((~emb).astype(np.int64) + (~head).astype(np.int64)), micro)
+    micro = w(x["keeps_input"] & piped & ~emb & (layers != 0), micro - hidden, micro)
+    micro = w(s["lookup"], micro + s["n9"], micro)
+    head_b = w(head, x["head_norm"] + s["ce_kept"], 0.0)
+    micro = micro + head_b
+    k = s["k"]
+    held = k * micro
+    held = w(head, held + s["kept_outputs"], held)  # every micro-batch's logits kept (pp_outputs_kept)
+    held = w((head_b != 0) & (k > 1) & ~s["gpipe"], held - (k - 1) * head_b, held)
+    working = w(rec != 0, x["full_layer"] - x["layer"], 0.0) + x["working"]
+    fsdp = s["fsdp"]
+    bws = w(layers != 0, working, 0.0)
+    bws = w(fsdp & (layers != 0), bws + s["fsdp_bws"], bws)
+    loss = w(head, s["ce_extra"], -np.inf)
+    loss = w(fsdp & head, loss + s["kept_blocks"], loss)
+    emb_grad = w(emb, s["eg_base"] - micro, -np.inf)
+    emb_grad = w(fsdp & emb, emb_grad + s["kept_blocks"], emb_grad)
+    emb_grad = w(fsdp & s["lookup"], s["eg_whole"] - micro, emb_grad)
+    gathered = w(fsdp & piped & (layers != 0), s["all_blocks"] - micro, -np.inf)
+    name = np.argmax(np.stack((bws, loss, emb_grad, gathered)), axis=0)  # the first of the largest
+    chosen = np.choose(name, (bws, loss, emb_grad, gathered))
+    extra = w(chosen > 0.0, chosen, 0.0)
+    dynamic = held + extra
+    dynamic = w(fsdp, dynamic + s["fsdp_dynamic"], dynamic)
+    out = {
+        "weights": s["weights"],
+        "gradients": s["gradients"],
+        "optimizer": s["optimizer"],
+        "activations": held,
+        "backward_working_set": w(name != 1, extra, 0.0),
+        "logits_and_loss": w(name == 1, extra, 0.0),
+        "fp8_weights_and_scales": s["fp8"],
+        "optimizer_step": 0.0 - dynamic,  # no step_grads (batched)
+        "overhead": terms.CONTEXT_GIB * terms.GIB + s["frag"] * dynamic,
+    }
+    has_step = 0.0 > dynamic
+    total = out["weights"] + out["gradients"] + out["optimizer"] + held  # sum(parts.values()), in order
+    total = total + out["backward_working_set"] + out["logits_and_loss"]
+    total = w(s["has_fp8"], total + s["fp8"], total)
+    total = w(has_step, total + out["optimizer_step"], total)
+    out["total"] = total + out["overhead"]
+    out["has_step"] = has_step
+    return out
+
+
+BASE = ("weights", "gradients", "optimizer", "activations", "backward_working_set", "logits_and_loss")
+
+
+def _breakdowns(parts: dict, s: dict, best: np.ndarray, profile: Profile, margin: float) -> list[tuple]:
+    """predict._memory's tuple of each layout from its worst stage's row."""
+    gib = terms.GIB
+    cols = {k: (parts[k][best] / gib).tolist() for k in (*BASE, "fp8_weights_and_scales", "optimizer_step", "overhead")}
+    total = parts["total"][best]
+    device = profile.memory_gib * gib
+    fit = (total <= device).tolist()
+    tight = (((1 - margin) * device < total) & (total <= device)).tolist()
+    total_gib = (total / gib).tolist()
+    total = total.tolist()
+    has_fp8 = s["has_fp8"][best].tolist()
+    has_step = parts["has_step"][best].tolist()
+    stage = s["stage"][best].tolist()
+    base = [cols[k] for k in BASE]
+    out = []
+    for i, row in enumerate(zip(*base, strict=True)):
+        d = dict(zip(BASE, row, strict=True))
+        if has_fp8[i]:
+            d["fp8_weights_and_scales"] = cols["fp8_weights_and_scales"][i]
+        if has_step[i]:
+            d["optimizer_step"] = cols["optimizer_step"][i]
+        d["overhead"] = cols["overhead"][i]
+        d["total"] = total_gib[i]
+        out.append((stage[i], total[i], d, fit[i], tight[i]))
+    return out
