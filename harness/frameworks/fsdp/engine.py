@@ -108,7 +108,9 @@ class FSDPEngine:
             self.mesh["dp", "tp"]._flatten()
         # FSDP2 shards and averages over dp x cp (torchtitan's dp_shard_cp): cp ranks hold the same weights
         self.shard_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if lay.cp > 1 else self.mesh["dp"]
-        self.experts = ExpertParallel(self.mesh, dims, shape) if lay.ep > 1 else None  # fsdp/experts.py
+        self.experts = (
+            ExpertParallel(self.mesh, dims, shape, options.routing) if lay.ep > 1 else None
+        )  # fsdp/experts.py
         self.policy = precision_policy(w)
         mixed = self.policy.master is not None  # fp32: no policy, the parameters are their own master
         self.mp = (

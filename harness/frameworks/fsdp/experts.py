@@ -84,24 +84,38 @@ class _Exchange(torch.autograd.Function):
 
 class ExpertParallelFeedForward(MoEFeedForward):
     """harness.model.moe's MoE feed-forward holding experts [index·E/ep, (index+1)·E/ep) of ep rank `index`.
-    forward: x [..., hidden] (this rank's tokens) -> [..., hidden]."""
+    forward: x [..., hidden] (this rank's tokens) -> [..., hidden].
 
-    def __init__(self, shape, ep_mesh, comm: ExpertComm):
-        self.ep, index = ep_mesh.size(), ep_mesh.get_local_rank()
+    `routing` (BuildOptions.routing), when given, says how many routed slots each expert gets, (slots, experts)
+    -> counts, in place of the data's: every rank is taken to route as this one (no exchange of counts), and no
+    statistics or losses are attached. harness memory's trace on fake tensors, which have no data, routes so
+    (evenly), as it does the own engine's layer (harness.engine.experts)."""
+
+    def __init__(self, shape, ep_mesh, comm: ExpertComm, routing=None):
+        self.ep, self.index = ep_mesh.size(), ep_mesh.get_local_rank()
         held = shape.experts // self.ep
-        super().__init__(shape, range(index * held, (index + 1) * held))
-        self.group, self.comm = ep_mesh.get_group(), comm
+        super().__init__(shape, range(self.index * held, (self.index + 1) * held))
+        self.group, self.comm, self.routing = ep_mesh.get_group(), comm, routing
 
-    def forward(self, x):
-        x2 = x.reshape(-1, x.shape[-1])
-        weights, experts, probs, logits = self.gate(x2)
-        order, token, counts_t = sort_by_expert(experts, self.n_experts)
+    def _counts(self, experts: torch.Tensor) -> tuple:
+        """(order, token, counts [E], recv_counts [ep][held]) of the routed slots: the data's, with the
+        counts exchanged, or routing's (every rank routing as this one)."""
         held = self.n_experts // self.ep
+        if self.routing is not None:
+            order = torch.arange(experts.numel(), device=experts.device)
+            counts = self.routing(experts.numel(), self.n_experts)
+            return order, order // self.k, counts, [counts[self.index * held : (self.index + 1) * held]] * self.ep
+        order, token, counts_t = sort_by_expert(experts, self.n_experts)
         # each source rank's slots for my experts: one all_to_all_single of the E counts
         recv_t = torch.empty_like(counts_t)
         self.comm.record(counts_t)
         dist.all_to_all_single(recv_t, counts_t, group=self.group)
-        counts, recv_counts = counts_t.tolist(), recv_t.view(self.ep, held).tolist()
+        return order, token, counts_t.tolist(), recv_t.view(self.ep, held).tolist()
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        weights, experts, probs, logits = self.gate(x2)
+        order, token, counts, recv_counts = self._counts(experts)
         send, recv = splits(counts, self.ep), [sum(r) for r in recv_counts]
         received = _Exchange.apply(x2[token], send, recv, self.group, self.comm)  # the dispatch
         perm, sizes = group_by_expert(recv_counts, x2.device)
@@ -115,6 +129,8 @@ class ExpertParallelFeedForward(MoEFeedForward):
         y = _Exchange.apply(torch.cat(outs)[back], recv, send, self.group, self.comm)  # the combine
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros_like(x2).index_add(0, token, y)
+        if self.routing is not None:  # the statistics are the data's: none with given counts
+            return out.view_as(x)
         return self.attach_losses(out, RouterInputs.of(logits, experts, probs)).view_as(x)
 
 
@@ -123,8 +139,8 @@ class ExpertParallel:
 
     describe = DESCRIBE
 
-    def __init__(self, mesh, dims, shape):
-        self.dims, self.shape, self.comm = dims, shape, ExpertComm()
+    def __init__(self, mesh, dims, shape, routing=None):
+        self.dims, self.shape, self.comm, self.routing = dims, shape, ExpertComm(), routing
         split = mesh._unflatten("dp", (dims.dp // dims.ep, dims.ep), ("dp_mod_ep", "ep"))
         self.mesh, self.dp_mod_ep = split["ep"], split["dp_mod_ep"]
         self.group = self.mesh.get_group()
@@ -137,7 +153,7 @@ class ExpertParallel:
         """Each block's MoEFeedForward of `part` (on the meta device) replaced by this ep rank's share."""
         for block in part.layers.children():
             if type(block.feed_forward) is MoEFeedForward:
-                block.feed_forward = ExpertParallelFeedForward(self.shape, self.mesh, self.comm)
+                block.feed_forward = ExpertParallelFeedForward(self.shape, self.mesh, self.comm, self.routing)
 
     def shard(self, part, reshard_after_forward: bool, mp_policy, device_type: str) -> None:
         """fully_shard on each layer's experts over dp_mod_ep, their gradients divided by dp (module docstring)."""

@@ -29,19 +29,15 @@ SCHEDULES = through(spec.SCHEDULES, "dualpipev")
 SPLIT_BACKWARD = subset(SCHEDULES, "zero_bubble", "zbv", "dualpipev")  # input and weight gradients computed apart
 
 
-# Expert parallelism (fsdp/experts.py): the layouts checked against the reference here (dp ep, with full
-# checkpointing and bf16); the rest refused until they are
+# Expert parallelism (fsdp/experts.py), checked against the reference here with dp, dp > ep, full checkpointing,
+# bf16, and pp (1F1B, ZBV: an ep group's ranks are one stage's, running the same schedule, so their all-to-alls
+# pair up in order); the rest refused until they are
 EP_RULES = [
-    not_both(
-        "ep",
-        "pp",
-        "engine fsdp's expert parallelism is not built with torch.distributed.pipelining: set pp=1 with ep > 1",
-    ),
     (
         "compile",
         lambda lay: lay.ep == 1 or lay.compile == "none",
         "engine fsdp's expert dispatch (all-to-all splits read from the routing) runs eager: use compile none with ep",
-    ),
+    )
 ]
 EP_POLICY = [
     (
