@@ -17,12 +17,13 @@ Expert parallelism (fsdp/experts.py) in the same launches: dp2 ep2 (dp_mod_ep of
 two micro-batches a rank, with full checkpointing (the dispatch run again in recomputation), in bf16 without the
 router losses, as the own engine's bf16 case (at its bf16 tolerances, harness.testing.equivalence, whose
 derivation holds here: both sides compute in bf16 and differ where sums are ordered differently; the routed
-slots' total exact, as tests/test_engine_moe.py says why; measured 2.6e-5 on a loss, 5.6e-3 of a tensor's scale;
-with the losses at 0.1/0.01 the router's weight is 1.07e-2 off, and 1.18e-2 at ep 1: not held to 1e-2); on 4 ranks dp4 ep2 (the experts reduce-scattered over a dp_mod_ep of two ranks, divided by dp) and
-pp2 dp2 ep2 under 1F1B and ZBV. A gradient divided over the wrong group moves the weights by a factor (measured
-before the fix: the first gradient norm 0.3% off), far outside 1e-5. The all-to-alls are counted exactly: per
-rank, layer and micro-batch 3 in the forward (counts, dispatch, combine), 2 in the backward, 3 more in full
-checkpointing's recomputation.
+slots' total exact, as tests/test_engine_moe.py says why; measured 2.6e-5 on a loss, 5.6e-3 of a tensor's
+scale; with the losses at 0.1/0.01 the router's weight is 1.07e-2 off, and 1.18e-2 at ep 1: not held to 1e-2);
+on 4 ranks dp4 ep2 (the experts reduce-scattered over a dp_mod_ep of two ranks, divided by dp) and pp2 dp2 ep2
+under 1F1B and ZBV. An expert gradient divided by the wrong factor moves the weights far outside 1e-5 (measured
+with it divided twice: the first gradient norm 0.3% off). The all-to-alls are counted exactly: per rank, layer
+and micro-batch 3 in the forward (counts, dispatch, combine), 2 in the backward, 3 more in full checkpointing's
+recomputation; the fp32 census holds rank 0's experts sharded over dp_mod_ep and the rest over dp, exactly.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import pytest
 
 from harness.errors import SpecError
+from harness.parallel_dims import ParallelDims
 from harness.spec import parse_spec
 from harness.testing.equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL
 from harness.testing.launches import shared_launch
@@ -91,6 +93,8 @@ def _check(result: dict, run: dict, name: str) -> None:
         assert "every expert on every rank" in result["describe"]["moe"] and not result["comm"]
         return
     assert "all_to_all_single" in result["describe"]["moe"]
+    dims = ParallelDims.of(lay)  # rank 0's groups, named for the profiler (at dp = ep ep's ranks are dp's)
+    assert result["process_groups"] == {"ep": [dims.expert_group_of(0)], "dp": [dims.expert_data_group_of(0)]}
     spec = parse_spec(run)
     micro = spec.workload.global_batch_size // lay["dp"] // lay.get("micro_batch_size", 1)
     passes = spec.shape().layers // lay.get("pp", 1) * micro  # this rank's layers' forwards in a step
@@ -99,6 +103,20 @@ def _check(result: dict, run: dict, name: str) -> None:
     assert counted["count"] == passes * (5 + 3 * recomputed), counted
     # each forward's exchange of the counts: E int64 numbers
     assert counted["bytes_by_dtype"]["int64"] == passes * (1 + recomputed) * spec.shape().experts * 8, counted
+    if lay.get("pp", 1) == 1 and spec.workload.precision == "fp32":
+        # rank 0 holds experts [0, E/ep) sharded over dp_mod_ep (dp / ep ranks), the rest over dp: FSDP2's
+        # padded Shard(0) rows, and AdamW's two states beside them with its step (one fp32 scalar a parameter)
+        shape, held = spec.shape(), range(spec.shape().experts // lay["ep"])
+        expected = count = 0
+        for name, t in state.items():
+            expert = ".experts." in name
+            if expert and int(name.split(".experts.")[1].split(".")[0]) not in held:
+                continue
+            ranks = lay["dp"] // lay["ep"] if expert else lay["dp"]
+            expected += -(-t.shape[0] // ranks) * (t.numel() // t.shape[0]) * 4
+            count += 1
+        assert result["census"]["parameters"] == {"fp32": expected}, (result["census"], expected, shape.experts)
+        assert result["census"]["optimizer_states"] == {"fp32": 2 * expected + 4 * count}, result["census"]
 
 
 @pytest.mark.slow
@@ -163,3 +181,14 @@ def test_harness_memory_refuses_a_moe_in_one_line(tmp_path, monkeypatch, capsys)
     assert cli_main(["memory", "t.yaml"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("error: workload.model: mixture of experts: engine fsdp"), err
+
+
+def test_harness_memory_traces_the_expert_parallel_layer_with_even_routing():
+    """With ep > 1 the layer takes its counts from BuildOptions.routing on fake tensors (no data there), as the own
+    engine's does; the trace says so."""
+    from harness.memtrace.result import trace_spec
+
+    raw = {**WORKLOAD, "global_batch_size": 8, "precision": "bf16"}
+    r = trace_spec(parse_spec({"workload": raw, "layout": {"engine": "fsdp", "dp": 2, "ep": 2}}))
+    assert r["traced_peak_gib"] > 0
+    assert any("routing even" in line for line in r["substitutions"])

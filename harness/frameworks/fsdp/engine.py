@@ -270,11 +270,12 @@ class FSDPEngine:
         parameter, its all-gather outputs, unsharded gradient buffers)."""
         from torch.distributed.fsdp import FSDPModule
 
-        out = []
+        out, seen = [], set()  # a group over several modules (ep's experts: fsdp/experts.py) shares one state
         for part in self.parts:
             for module in part.modules():
-                if isinstance(module, FSDPModule):
+                if isinstance(module, FSDPModule) and id(module._get_fsdp_state()) not in seen:
                     state = module._get_fsdp_state()
+                    seen.add(id(state))
                     groups = getattr(state, "_fsdp_param_groups", None)
                     if groups is None:  # torch < 2.8: one group per module
                         groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
@@ -314,7 +315,8 @@ class FSDPEngine:
         return list(self.params) + [t for fp in self._fsdp_params() for t in fp.all_gather_outputs]
 
     def process_groups(self) -> dict:
-        return {}  # none: its DeviceMesh's groups are ParallelDims axes' groups, named by their ranks (AxisOf)
+        # its DeviceMesh's groups are ParallelDims axes' groups, named by their ranks (AxisOf); ep's are declared
+        return {} if self.experts is None else self.experts.process_groups()
 
     def _gathered_parameters_are_not_activations(self):
         return gathered_parameters_are_not_activations(self._fsdp_params)

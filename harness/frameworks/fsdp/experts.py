@@ -166,6 +166,12 @@ class ExpertParallel:
             if device_type != "cuda" and self.dp_mod_ep.size() > 1:  # gloo: no PREMUL_SUM (one rank: no reduction)
                 held[0].set_force_sum_reduction_for_comms(True)
 
+    def process_groups(self) -> dict:
+        """The profiler's axis names of the unflattened mesh's groups, which their ranks alone do not give: the ep
+        group (at dp = ep the dp group's ranks) and dp_mod_ep (the experts' reduction, as Megatron's
+        EXPERT_DATA_PARALLEL_GROUP: dp)."""
+        return {"ep": [self.group], "dp": [self.dp_mod_ep.get_group()]}
+
     def take_comm(self) -> dict:
         """The all-to-alls since the last call, {"ep": {"all_to_all": {count, bytes, bytes_by_dtype}}}."""
         return self.comm.take()
