@@ -11,7 +11,7 @@ checkpointing (the router's recomputation in backward is not counted); pp2 (torc
 each stage reporting its own layer) with the losses under GPipe, 1F1B and ZBV (its split backward: the aux
 gradient in the input-gradient pass; 4 layers for its two stages a rank). The router statistics equal the reference's
 (take_router_stats): routed slots summed over the ranks, the losses' mean over every forward. What the facts
-refuse with MoE (tp, cp; with ep compile, fp8, Muon) is checked without processes.
+refuse with MoE (tp, cp; with ep compile and fp8) is checked without processes.
 
 Expert parallelism (fsdp/experts.py) in the same launches: dp2 ep2 (dp_mod_ep of one rank) with the losses and
 two micro-batches a rank, with full checkpointing (the dispatch run again in recomputation), in bf16 without the
@@ -136,7 +136,6 @@ REFUSED = {  # id: (layout, workload overrides, field, reason)
     "cp2": ({"cp": 2, "attention": "sdpa"}, {}, "workload.model", "not additive over tokens"),
     "ep2-compile": ({"dp": 2, "ep": 2, "compile": "blocks"}, {"warmup_steps": 1}, "layout.compile", "runs eager"),
     "ep2-fp8": ({"dp": 2, "ep": 2}, {"precision": "fp8"}, "workload.precision", "fp8 with ep > 1"),
-    "ep2-muon": ({"dp": 2, "ep": 2}, {"optimizer": {"name": "muon"}}, "workload.optimizer.name", "muon with ep > 1"),
     "ep4-dp2": ({"dp": 2, "ep": 4}, {}, "layout.ep", "does not divide dp x cp"),
     "ep2-dense": ({"dp": 2, "ep": 2}, {"model": "tiny"}, "layout.ep", "this model has none"),
 }
