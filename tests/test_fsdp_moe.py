@@ -191,3 +191,17 @@ def test_harness_memory_traces_the_expert_parallel_layer_with_even_routing():
     r = trace_spec(parse_spec({"workload": raw, "layout": {"engine": "fsdp", "dp": 2, "ep": 2}}))
     assert r["traced_peak_gib"] > 0
     assert any("routing even" in line for line in r["substitutions"])
+
+
+def test_the_experts_parameters_are_told_apart_by_name_checkpoint_wrapped_or_not():
+    """Clipping and the norm take the experts (dp_mod_ep's DTensors) apart from the rest (dp's)."""
+    from harness.frameworks.fsdp.grad_norm import split_experts
+
+    named = [
+        ("layers.0._checkpoint_wrapped_module.feed_forward.experts.4.w1.weight", "e4"),
+        ("layers.0._checkpoint_wrapped_module.feed_forward.router.weight", "router"),
+        ("layers.1.feed_forward.experts.5.w2.weight", "e5"),
+        ("output.weight", "head"),
+    ]
+    assert split_experts(named, True) == [["router", "head"], ["e4", "e5"]]
+    assert split_experts(named, False) == [["e4", "router", "e5", "head"]]

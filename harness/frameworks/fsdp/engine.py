@@ -108,9 +108,7 @@ class FSDPEngine:
             self.mesh["dp", "tp"]._flatten()
         # FSDP2 shards and averages over dp x cp (torchtitan's dp_shard_cp): cp ranks hold the same weights
         self.shard_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if lay.cp > 1 else self.mesh["dp"]
-        self.experts = (
-            ExpertParallel(self.mesh, dims, shape, options.routing) if lay.ep > 1 else None
-        )  # fsdp/experts.py
+        self.experts = ExpertParallel(self.mesh, dims, shape, options.routing) if lay.ep > 1 else None
         self.policy = precision_policy(w)
         mixed = self.policy.master is not None  # fp32: no policy, the parameters are their own master
         self.mp = (
@@ -380,7 +378,9 @@ class FSDPEngine:
             **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
             "mixed_precision": self._mixed_precision(),
             "optimizer": describe_optimizer(self.optimizer, self.device.type),
-            "grad_clipping": "global norm over dp/tp shards" + (" and pp stages" if lay.pp > 1 else ""),
+            "grad_clipping": "global norm over dp/tp shards"
+            + (" and ep's experts" if lay.ep > 1 else "")
+            + (" and pp stages" if lay.pp > 1 else ""),
             "activation_checkpointing": CHECKPOINTING[lay.activation_checkpointing],
         }
 

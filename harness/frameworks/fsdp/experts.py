@@ -1,7 +1,7 @@
 """Engine fsdp's expert parallelism (layout.ep), torchtitan's way: the experts shared out over an ep dimension
 of the DeviceMesh and reached by all-to-all, FSDP2 over the rest.
 
-Mesh (expert_meshes): the mesh's dp dimension unflattened into (dp_mod_ep, ep), ep innermost: an ep group is
+Mesh (ExpertParallel): the mesh's dp dimension unflattened into (dp_mod_ep, ep), ep innermost: an ep group is
 ep consecutive dp coordinates, as ParallelDims.expert_group_of carves it (checked at build), and the ranks at
 the same place in each ep group (dp_mod_ep, torchtitan's "dp_shard_mod_ep") hold the same experts.
 
@@ -16,8 +16,10 @@ Function whose backward is the reverse all_to_all_single. torchtitan's ExpertPar
 Shard(0) over ep) stacks the experts' weights into one 3-D tensor; the harness's experts are one module each
 (the reference's names), so each rank holds its experts as plain modules, as Megatron and the own engine do.
 
-Sharding (shard_experts): fully_shard on each layer's experts over the dp_mod_ep mesh before the block's own
-fully_shard over dp (which then leaves them out). An expert's gradient sums every ep rank's tokens' parts,
+Sharding (ExpertParallel.shard): one fully_shard of each layer's held experts together (a list of modules: a
+ModuleDict has no forward) over the dp_mod_ep mesh, before the block's own fully_shard over dp (which then
+leaves them out). Their DTensors are of another mesh than the rest's: the engine's gradient norm and clipping
+take the two apart (fsdp/grad_norm.py). An expert's gradient sums every ep rank's tokens' parts,
 each already scaled as its rank's loss is (1 / its tokens): FSDP2 must divide by dp, not by the dp_mod_ep
 group it reduces over (set_gradient_divide_factor, torchtitan's fsdp_gradient_divide_factor). gloo has no
 PREMUL_SUM, the op FSDP2 takes for a factor other than the group's size: there the reduction is a sum and

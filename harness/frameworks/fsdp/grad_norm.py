@@ -11,10 +11,9 @@ def split_experts(named: list[tuple], ep: bool) -> list[list]:
     experts]: DTensors of two meshes (dp and dp_mod_ep), which one norm or one foreach op over both would mix."""
     if not ep:
         return [[p for _, p in named]]
-    return [
-        [p for n, p in named if ".feed_forward.experts." not in n],
-        [p for n, p in named if ".feed_forward.experts." in n],
-    ]
+    from harness.frameworks.fsdp.experts import is_expert
+
+    return [[p for n, p in named if not is_expert(n)], [p for n, p in named if is_expert(n)]]
 
 
 def _norm(params: list) -> torch.Tensor:
