@@ -93,8 +93,10 @@ def _check(result: dict, run: dict, name: str) -> None:
         assert "every expert on every rank" in result["describe"]["moe"] and not result["comm"]
         return
     assert "all_to_all_single" in result["describe"]["moe"]
-    dims = ParallelDims.of(lay)  # rank 0's groups, named for the profiler (at dp = ep ep's ranks are dp's)
-    assert result["process_groups"] == {"ep": [dims.expert_group_of(0)], "dp": [dims.expert_data_group_of(0)]}
+    # rank 0's groups named for the profiler: ep's (at dp = ep the dp group's ranks), dp_mod_ep's beyond one rank
+    dims = ParallelDims.of(lay)
+    edp = [dims.expert_data_group_of(0)] if lay["dp"] > lay["ep"] else []
+    assert result["process_groups"] == {"ep": [dims.expert_group_of(0)], "dp": edp}, result["process_groups"]
     spec = parse_spec(run)
     micro = spec.workload.global_batch_size // lay["dp"] // lay.get("micro_batch_size", 1)
     passes = spec.shape().layers // lay.get("pp", 1) * micro  # this rank's layers' forwards in a step

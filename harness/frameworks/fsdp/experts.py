@@ -3,7 +3,9 @@ of the DeviceMesh and reached by all-to-all, FSDP2 over the rest.
 
 Mesh (ExpertParallel): the mesh's dp dimension unflattened into (dp_mod_ep, ep), ep innermost: an ep group is
 ep consecutive dp coordinates, as ParallelDims.expert_group_of carves it (checked at build), and the ranks at
-the same place in each ep group (dp_mod_ep, torchtitan's "dp_shard_mod_ep") hold the same experts.
+the same place in each ep group (dp_mod_ep, torchtitan's "dp_shard_mod_ep") hold the same experts. The
+all-to-alls run on a process group of the ep ranks of their own, named "ep" (group_desc): at dp = ep torch's
+mesh gives the ep dimension the dp dimension's very group object, and the profiler could not tell them apart.
 
 Layer (ExpertParallelFeedForward): harness.model.moe's MoEFeedForward holding only this ep rank's experts,
 keyed by their global index, so parameter names are the reference's. Each rank routes its own tokens (the
@@ -85,7 +87,8 @@ class _Exchange(torch.autograd.Function):
 
 
 class ExpertParallelFeedForward(MoEFeedForward):
-    """harness.model.moe's MoE feed-forward holding experts [index·E/ep, (index+1)·E/ep) of ep rank `index`.
+    """harness.model.moe's MoE feed-forward holding experts [index·E/ep, (index+1)·E/ep) of ep rank `index`,
+    exchanging over `group` (the ep group).
     forward: x [..., hidden] (this rank's tokens) -> [..., hidden].
 
     `routing` (BuildOptions.routing), when given, says how many routed slots each expert gets, (slots, experts)
@@ -93,11 +96,11 @@ class ExpertParallelFeedForward(MoEFeedForward):
     statistics or losses are attached. harness memory's trace on fake tensors, which have no data, routes so
     (evenly), as it does the own engine's layer (harness.engine.experts)."""
 
-    def __init__(self, shape, ep_mesh, comm: ExpertComm, routing=None):
-        self.ep, self.index = ep_mesh.size(), ep_mesh.get_local_rank()
+    def __init__(self, shape, ep: int, index: int, group, comm: ExpertComm, routing=None):
+        self.ep, self.index = ep, index
         held = shape.experts // self.ep
         super().__init__(shape, range(self.index * held, (self.index + 1) * held))
-        self.group, self.comm, self.routing = ep_mesh.get_group(), comm, routing
+        self.group, self.comm, self.routing = group, comm, routing
 
     def _counts(self, experts: torch.Tensor) -> tuple:
         """(order, token, counts [E], recv_counts [ep][held]) of the routed slots: the data's, with the
@@ -145,7 +148,7 @@ class ExpertParallel:
         self.dims, self.shape, self.comm, self.routing = dims, shape, ExpertComm(), routing
         split = mesh._unflatten("dp", (dims.dp // dims.ep, dims.ep), ("dp_mod_ep", "ep"))
         self.mesh, self.dp_mod_ep = split["ep"], split["dp_mod_ep"]
-        self.group = self.mesh.get_group()
+        self.group = _named_group(dims.expert_groups(), "ep")
         rank = dist.get_rank()
         for got, want in ((self.mesh, dims.expert_group_of(rank)), (self.dp_mod_ep, dims.expert_data_group_of(rank))):
             if sorted(got.mesh.reshape(-1).tolist()) != want:  # ParallelDims' groups: the own engine's, the planner's
@@ -155,7 +158,9 @@ class ExpertParallel:
         """Each block's MoEFeedForward of `part` (on the meta device) replaced by this ep rank's share."""
         for block in part.layers.children():
             if type(block.feed_forward) is MoEFeedForward:
-                block.feed_forward = ExpertParallelFeedForward(self.shape, self.mesh, self.comm, self.routing)
+                block.feed_forward = ExpertParallelFeedForward(
+                    self.shape, self.mesh.size(), self.mesh.get_local_rank(), self.group, self.comm, self.routing
+                )
 
     def shard(self, part, reshard_after_forward: bool, mp_policy, device_type: str) -> None:
         """fully_shard on each layer's experts over dp_mod_ep, their gradients divided by dp (module docstring)."""
@@ -169,10 +174,10 @@ class ExpertParallel:
                 held[0].set_force_sum_reduction_for_comms(True)
 
     def process_groups(self) -> dict:
-        """The profiler's axis names of the unflattened mesh's groups, which their ranks alone do not give: the ep
-        group (at dp = ep the dp group's ranks) and dp_mod_ep (the experts' reduction, as Megatron's
-        EXPERT_DATA_PARALLEL_GROUP: dp)."""
-        return {"ep": [self.group], "dp": [self.dp_mod_ep.get_group()]}
+        """The profiler's axis names of groups their ranks alone do not name: the ep group (named by its
+        group_desc too) and dp_mod_ep, the experts' reduction (as Megatron's EXPERT_DATA_PARALLEL_GROUP: dp),
+        where it holds more than this rank (a one-rank group object may be another axis's too)."""
+        return {"ep": [self.group], "dp": [self.dp_mod_ep.get_group()] if self.dp_mod_ep.size() > 1 else []}
 
     def take_comm(self) -> dict:
         """The all-to-alls since the last call, {"ep": {"all_to_all": {count, bytes, bytes_by_dtype}}}."""
@@ -188,6 +193,18 @@ class ExpertParallel:
             for d in got:
                 mine.update(d)
         return mine
+
+
+def _named_group(groups: list[list[int]], desc: str):
+    """This rank's group among `groups` (every rank creates all of them, in order: torch's new_group contract),
+    a process group of its own with `group_desc`: at dp = ep the mesh's ep group is the very dp group object, and
+    the profiler (harness.profiling.annotate) would name the all-to-alls and FSDP2's collectives alike."""
+    rank, mine = dist.get_rank(), None
+    for ranks in groups:
+        group = dist.new_group(ranks, group_desc=desc)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def is_expert(name: str) -> bool:
