@@ -50,7 +50,7 @@ def train_with_router(ctx, runs: list[dict], steps: int, tripwire: bool = False)
                 "router_stats": stats,
                 "comm": engine.last_step_details().get("comm"),  # the last step's counted collectives, where counted
                 "process_groups": {  # the groups the engine names for the profiler, by their ranks
-                    axis: [dist.get_process_group_ranks(g) for g in groups]
+                    axis: [dist.get_process_group_ranks(g) for g in groups if g is not None]
                     for axis, groups in engine.process_groups().items()
                 },
                 "uncovered": sorted(reached),
