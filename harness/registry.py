@@ -53,6 +53,7 @@ def only(*values, why: str) -> Honoured:
 ONE_ENGINES_FIELDS: dict[str, str] = {
     "layout.ds_config": "only for engine deepspeed",
     "layout.model_impl": "hf (transformers' LlamaForCausalLM) is for engine deepspeed",
+    "layout.ds_moe": "for engine deepspeed: its MoE layer, deepspeed.moe.layer.MoE (layer) or AutoEP (autoep)",
     "layout.pipeline_p2p": "chooses the own engine's pipeline transfers; engine {engine} has its own",
     "layout.fp8_all_gather": "FSDP2's FP8 all-gather (torchao enable_fsdp_float8_all_gather) is for engine fsdp",
 }

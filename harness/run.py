@@ -26,6 +26,7 @@ from harness.measure.mfu import datasheet_peak_tflops, measure_matmul_tflops, mf
 from harness.measure.stats import summarize
 from harness.measure.stream import MetricsStream
 from harness.measure.timers import StepTimer
+from harness.measure.turns import Turns
 from harness.measure.weights import MAX_PARAMETERS, weights_fingerprint
 from harness.model.compiled import CompileWatch
 from harness.model.flops import flops_per_token
@@ -304,9 +305,14 @@ def train(
     """Run warm-up plus measured steps, then `profile_steps` profiled ones; return the metrics
     (the same dict on every rank; the trace files' entries under metrics["traces"])."""
     trainer = Trainer(spec, ctx, shape, peak_tflops=peak_tflops, progress=progress, tensorboard_dir=tensorboard_dir)
+    turns = Turns.from_env(ctx.rank)  # runs interleaved with others (compare --interleave): steps when granted
     try:
         for step in range(trainer.total):
+            if turns:
+                turns.before(step)
             trainer.step(step)
+        if turns:  # what follows runs while no other run measures
+            turns.before(trainer.total)
         trainer.fingerprint_weights()  # the trained steps' weights: profiled steps train further
         trainer.profile_steps(profile_steps)
     except Diverged:

@@ -18,8 +18,9 @@
 # downloaded here once into the git-ignored wheels/ folder, and name the folder in the device run's carry:
 # run(command="bash scripts/gpu_engines.sh", carry=["wheels"]). Each wheel is installed with
 # `pip install --no-index --no-deps` into the machine's Python, one at a time (one that fails leaves the rest).
-#   Megatron-core: pip download megatron-core==0.16.1 --no-deps --python-version 3.12 --only-binary=:all: -d wheels/
-#     (its own dependencies, numpy and packaging, are on the image)
+#   Megatron-core: pip download megatron-core==0.19.2 --no-deps --python-version 3.12 --only-binary=:all: -d wheels/
+#     (0.19, as pyproject picks for Python 3.12; its own dependencies, numpy and packaging, are on the image,
+#     and triton, which 0.19 imports, comes with PyPI's CUDA torch)
 #   torchao (FP8): pip download torchao==0.18.0 --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux_2_28_x86_64 -d wheels/
 #     gives torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl (3.3 MB): the stable ABI

@@ -125,9 +125,30 @@ def test_a_breakdown_whose_clocks_overlap_fails_the_sum_check():
     from harness.report.why import against_median, representative
 
     b = Breakdown({"compute": 12.0, "dp_comm": 3.0, "unattributed": -5.0}, 10.0, "measured steps")
-    assert not representative(b, 0.010) and against_median(b, 0.010).startswith("+50%: off by more than 10%")
+    assert not representative(b, 0.010) and against_median(b, 0.010).startswith("150%: off by more than 10%")
     fine = Breakdown({"compute": 7.0, "dp_comm": 2.0, "unattributed": 1.0}, 10.0, "measured steps")
-    assert representative(fine, 0.010) and against_median(fine, 0.010) == "+0%"
+    assert representative(fine, 0.010) and against_median(fine, 0.010) == "90%"
+
+
+def test_what_no_clock_covers_closes_no_sum_and_is_no_component_of_an_explanation():
+    """The sum check read +0% by construction: 'unattributed' (the step less its clocked parts) closed it.
+    Now the clocked components' share of the median is the check, which fails where the clocks cover too
+    little; what no clock covers is said apart in Why, with no share of the difference."""
+    from harness.report.why import Case, against_median, clocked_ms, explain, representative
+
+    sparse = Breakdown({"compute": 6.0, "dp_comm": 2.0, "unattributed": 2.0}, 10.0, "measured steps")
+    assert clocked_ms(sparse) == 8.0 and against_median(sparse, 0.010) == "80%: off by more than 10%, not used by Why"
+    assert not representative(sparse, 0.010)  # before: '+0%', used
+
+    def case(label, step_ms, **parts):
+        b = Breakdown(parts, step_ms, "measured steps")
+        return Case(label, "own", label, step_ms / 1e3, b, times_s=tuple([step_ms / 1e3] * 12))
+
+    fast = case("a", 10.0, compute=8.0, dp_comm=1.5, unattributed=0.5)
+    slow = case("b", 20.0, compute=16.5, dp_comm=2.0, unattributed=1.5)
+    text = explain(fast, slow)
+    assert "compute +8.5 ms (85% of the difference)" in text and text.endswith("; not clocked +1.0 ms."), text
+    assert "not clocked +1.0 ms (" not in text  # no share of the difference
 
 
 def _summary_run(label, compute, nproc, ref=False, gaps=None, profiled=None, layout=None):
@@ -282,3 +303,40 @@ def test_a_report_shows_no_tp_communication_at_tp1_even_for_older_records():
     assert "exposed tp communication" not in cells and "exposed pp communication" not in cells
     assert cells["calls on one-rank groups (no communication)"] == "1.4 ms (4%)"
     assert cells["exposed dp communication"] == "6.5 ms (19%)"
+
+
+def test_a_group_that_is_no_axis_is_named_by_what_it_is_and_averaged_over_its_members(monkeypatch):
+    """Generic groups were named by their ranks ('other [0,1]', 'other [2,3]': one kind of group under two
+    names) and averaged over every rank (each showed half of what a member spends). Now one name for the kind,
+    and its time averaged over the ranks that have such a group; a group every rank belongs to (an axis, or
+    axes together) still counts 0 on a rank without calls on it."""
+    import torch.distributed as dist
+
+    from harness.parallel_dims import ParallelDims
+    from harness.profiling.annotate import AxisOf
+    from harness.profiling.record import _mean_over_ranks
+
+    groups = {"a": [0, 1], "b": [2, 3], "c": [0, 2], "d": [1, 3]}
+
+    class Group:
+        def __init__(self, key):
+            self.key = key
+
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: groups[g.key])
+    dims = ParallelDims(pp=2, dp=2, tp=2)
+    named = {AxisOf(dims, r)(Group(k)) for k, r in (("a", 0), ("b", 2))}
+    assert named == {"tp"}  # an axis's groups stay the axis
+    dims = ParallelDims(pp=2, dp=4)
+    assert AxisOf(dims, 0)(Group("a")) == AxisOf(dims, 2)(Group("b")) == "part of dp (2 of 4 ranks)"
+
+    def row(comm):
+        return {"compute": 10.0, "exposed_comm": comm, "step": 20.0}
+
+    part = "part of dp (2 of 4 ranks)"
+    rows = [row({"dp": 2.0, part: 4.0}), row({"dp": 2.0, part: 4.0}), row({"dp": 2.0}), row({"embedding": 1.0})]
+    mean = _mean_over_ranks(rows)
+    assert mean["exposed_comm"][part] == 4.0 and mean["exposed_comm"]["embedding"] == 1.0  # per member
+    assert mean["exposed_comm"]["dp"] == 1.5  # every rank is in a dp group: the one without calls counts 0
+    assert mean["group_members"] == {part: [2, 4], "embedding": [1, 4]}
+    steps = _mean_over_ranks([row({part: 4.0}), row({})], ranks=False)  # one rank's steps: 0 where it had none
+    assert steps["exposed_comm"][part] == 2.0 and "group_members" not in steps

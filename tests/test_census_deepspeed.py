@@ -37,6 +37,19 @@ SMALL_BUCKET = 20_000
 WORKLOAD = tiny_workload(steps=STEPS, warmup_steps=0)
 BF16 = {"precision": "bf16", "grad_accum_dtype": "fp32", "grad_reduce_dtype": "fp32"}  # the policy's defaults
 BF16_ACCUM = {"precision": "bf16", "grad_accum_dtype": "bf16", "grad_reduce_dtype": "bf16"}
+# Muon (DeepSpeed's MuonWithAuxAdam over the workload's split, harness/frameworks/deepspeed/muon.py) at lr 0.02
+BF16_MUON = {**BF16, "optimizer": {"name": "muon", "lr": 0.02}}
+
+
+def _muon_elements() -> tuple[int, int]:
+    """(elements of the Muon matrices, of the AdamW tensors) of tiny (harness.model.muon.muon_matrix)."""
+    from harness.model.llama import build_model
+    from harness.model.muon import muon_matrix
+
+    model = build_model(PRESETS["tiny"], 0, "sdpa", "torch", "none", device="meta")
+    named = [(n, p.shape, p.numel()) for n, p in model.named_parameters()]
+    m = sum(k for n, shape, k in named if muon_matrix(n, shape))
+    return m, P - m
 
 
 def partitioned_master(parameters: dict, gradients: dict, buffers: dict | None = None) -> dict:
@@ -107,6 +120,13 @@ def closed_form(case: str) -> dict:
         # master's .grad: parameters bf16 2P, gradients fp32 4P/d, master 4P/d, Adam 8P/d - no
         # whole-model buffer.
         "zero1-bf16-accum-bf16": partitioned_master({"bf16": 2 * p}, {"fp32": 4 * p / d}),
+        # Muon under bf16 ZeRO-1: BF16_Optimizer as zero1-bf16, its optimizer states Muon's momentum_buffer
+        # (fp32, the masters' partition layout: _prepare_muon_updates) on the Muon matrices' M elements and
+        # AdamW's two moments on the other P - M: 4M/d + 8(P - M)/d
+        "zero1-bf16-muon": {
+            **partitioned_master({"bf16": 2 * p}, {"bf16": 2 * p, "fp32": 4 * p}),
+            "optimizer_states": {"fp32": (4 * _muon_elements()[0] + 8 * _muon_elements()[1]) / d},
+        },
     }[case]
 
 
@@ -118,13 +138,14 @@ CASES = {  # case -> (stage, workload overrides, reduce bucket of a copy of zero
     "zero2-bf16": (2, BF16, None),
     "zero3-bf16": (3, BF16, SMALL_BUCKET),
     "zero1-bf16-accum-bf16": (1, BF16_ACCUM, None),
+    "zero1-bf16-muon": (1, BF16_MUON, None),
 }
-PARITY = ["zero1-bf16", "zero2-bf16", "zero3-bf16", "zero1-bf16-accum-bf16"]
+PARITY = ["zero1-bf16", "zero2-bf16", "zero3-bf16", "zero1-bf16-accum-bf16", "zero1-bf16-muon"]
 
 
 @functools.cache
-def reference_losses(overrides: tuple) -> list[float]:
-    return reference_run({**WORKLOAD, **dict(overrides)}, STEPS, micro_batch_size=2)[0]
+def reference_losses(overrides: str) -> list[float]:
+    return reference_run({**WORKLOAD, **json.loads(overrides)}, STEPS, micro_batch_size=2)[0]
 
 
 def census_runs(ctx, runs: list[dict], steps: int) -> list[dict]:
@@ -220,8 +241,9 @@ def test_census_is_not_vacuous(launched):
 def test_bf16_parity_with_reference(launched, case):
     """The bf16 reference runs the same policy (bf16 parameters, fp32 masters, accumulation and
     reduction as the workload says): losses agree within the compare default for bf16
-    (measured on this workload: at most 8.6e-8 with fp32 accumulation, 1.6e-5 with bf16)."""
-    ref = reference_losses(tuple(sorted(CASES[case][1].items())))
+    (measured on this workload: at most 8.6e-8 with fp32 accumulation, 1.6e-5 with bf16). Under Muon both
+    run Newton-Schulz in bf16 (torch's fused addmm iteration, DeepSpeed's unfused one), at the same bound."""
+    ref = reference_losses(json.dumps(CASES[case][1], sort_keys=True))
     losses = launched[case]["losses"]
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True))
     assert rel <= DEFAULT_TOLERANCE["bf16"], (case, losses, ref)

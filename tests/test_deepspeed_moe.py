@@ -13,7 +13,10 @@ the aux gradient attached in the recomputed graph); bf16 dp2 ep2 (BF16_Optimizer
 the suite's bf16 loss tolerance 1e-3 (harness/compare/parity.py), weights and statistics not compared
 (bf16-rounded updates and routing). The router
 statistics equal the reference's (take_router_stats): routed slots summed over the ranks, the losses' mean
-over every forward. What the facts refuse with MoE is checked without processes.
+over every forward. DeepSpeed AutoEP (layout.ds_moe autoep) in the same launch: dp2 ep2 ZeRO-1 with the
+losses and two micro-batches a rank, and ZeRO-2 with deepspeed.checkpointing per block on top-3 without
+renormalisation, at the same fp32 bounds, with the same router statistics. What the facts refuse with MoE
+is checked without processes (AutoEP's: tests/test_deepspeed_autoep.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,17 @@ CASES = {  # id: (layout, workload overrides)
     "dp2-ep2-losses-mb2": ({"dp": 2, "ep": 2, "micro_batch_size": 2}, LOSSES),
     "bf16-dp2-ep2": ({"dp": 2, "ep": 2}, {"precision": "bf16"}),
     "zero2-dp2-ep2-full-losses": ({"dp": 2, "ep": 2, "zero_stage": 2, "activation_checkpointing": "full"}, LOSSES),
+    # DeepSpeed AutoEP (layout.ds_moe autoep, deepspeed/autoep.py): its own router and all-to-all, the
+    # harness's losses on it, two micro-batches a rank
+    "autoep-dp2-ep2-losses-mb2": ({"dp": 2, "ep": 2, "micro_batch_size": 2, "ds_moe": "autoep"}, LOSSES),
+    # ZeRO-2 with deepspeed.checkpointing per block, top-3 without renormalisation (TopKGate cannot)
+    "autoep-zero2-dp2-ep2-full-top3": (
+        {"dp": 2, "ep": 2, "zero_stage": 2, "activation_checkpointing": "full", "ds_moe": "autoep"},
+        {**LOSSES, "model_overrides": {"experts_per_token": 3, "norm_topk": False}},
+    ),
+    # ZeRO-3: the model built under zero.Init, AutoEP gathering each block and partitioning the experts it
+    # builds over their expert-data-parallel group
+    "autoep-zero3-dp2-ep2": ({"dp": 2, "ep": 2, "zero_stage": 3, "ds_moe": "autoep"}, LOSSES),
 }
 
 
@@ -64,7 +78,8 @@ def test_moe_matches_the_reference(results, name):
         return
     assert_matches_reference(results[name], losses, state, name, 1e-5)
     check_router_stats(results[name]["router_stats"], ref_stats)
-    assert "top2_2nd_expert_sampling=False" in results[name]["describe"]["moe"]
+    moe = results[name]["describe"]["moe"]
+    assert ("AutoEP" if "autoep" in name else "top2_2nd_expert_sampling=False") in moe, moe
 
 
 REFUSED = [  # (layout, model overrides, reason)
@@ -136,12 +151,14 @@ def test_deepspeed_names_are_the_references():
 
 @pytest.mark.slow
 def test_census_counts_the_expert_groups_optimizer_states(results):
-    """ZeRO-1 steps its basic optimizer once per parameter group (the experts' apart from the dense
+    """ZeRO-1/2 step their basic optimizer once per parameter group (the experts' apart from the dense
     one): AdamW's two fp32 moments per master element of every group, not the first group's alone
     (0.33P before: the census was taken after the first group's call). Each rank's masters are its
     dense partition and its experts' partition; the states are twice them, plus one fp32 step counter
-    per group (4 bytes each)."""
-    census = results["dp2-ep2"]["census"]
-    masters, states = census["master_parameters"]["fp32"], census["optimizer_states"]["fp32"]
-    groups = 2  # dense, experts (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer)
-    assert 2 * masters <= states <= 2 * masters + 4 * 2 * groups, (masters, states)
+    per group (4 bytes each). ZeRO-3 (AutoEP) steps it once per sub-group (0.66P before: the census
+    counted param groups, not sub-groups)."""
+    for name in ("dp2-ep2", "autoep-dp2-ep2-losses-mb2", "autoep-zero3-dp2-ep2"):  # AutoEP: DeepSpeed's groups
+        census = results[name]["census"]
+        masters, states = census["master_parameters"]["fp32"], census["optimizer_states"]["fp32"]
+        groups = 2  # dense, experts (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer)
+        assert 2 * masters <= states <= 2 * masters + 4 * 2 * groups, (name, masters, states)

@@ -18,9 +18,20 @@ counted once: the same integers). In bf16 only their totals are exact: a layout'
 activations may differ from the reference's by a rounding (one bf16 ulp, 2^-8 relative, on each factor
 of a router logit), so a token whose k-th and (k+1)-th logits lie within that bound of each other may
 take the other expert; the counts may then differ by at most 2k per such token, and by nothing more.
-In fp8 the same holds with e4m3's step (2^-3 relative) in place of bf16's: the layouts' FP8 casts may take
-other dynamic scales than the reference's (an expert's batch under ep holds two ranks' tokens), and a
-cast element moves by at most one e4m3 step, so no factor of a router logit moves by more.
+In fp8 without ep the counts are exact, as in fp32: each rank's micro-batch is one of the reference's
+(micro_batch_size 1 on both sides), so every FP8 cast (tensorwise: the amax of the tensor; rowwise: of a
+row, or in backward of a column over the micro-batch's tokens) takes the reference's scale, and the FP8
+values are the reference's bit for bit; what differs is the fp32 reduction order, as in fp32. Under ep they
+are not, and need not be: an expert's GEMM takes the tokens routed to it from every rank of the ep group
+(two micro-batches of the reference, as torchtitan's and Megatron's grouped GEMMs take them), so its
+dynamic scales (tensorwise: input and output gradient; rowwise: the weight gradient's casts over tokens)
+are amaxes over two micro-batches, and no single-device run has those operands (its dense layers would
+need one micro-batch, its experts two); bf16 under ep is not exact either (the expert's weight-gradient GEMM
+sums both ranks' tokens into one bf16 product: 2 routed slots per layer moved over 3 steps, measured once),
+and fp8 moved 2 to 16 under tensorwise and rowwise. A cast element then moves by at most one e4m3 step (2^-3
+relative), which takes the place of bf16's ulp in the bound above. mxfp8 (e4m3 elements, one power-of-two
+scale per block of 32 along each GEMM's reduction dim) is held to the same: without ep every block is the
+reference's; under ep an expert's weight-gradient blocks run along tokens of two micro-batches.
 """
 
 from __future__ import annotations
@@ -40,7 +51,14 @@ from harness.model.moe import MoEFeedForward, set_router_losses
 from harness.model.presets import resolve_shape
 from harness.parallel_dims import ParallelDims
 from harness.testing import equivalence as E
-from harness.testing.equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL, FP8_LOSS_RTOL, FP8_WEIGHTS_RTOL
+from harness.testing.equivalence import (
+    BF16_LOSS_RTOL,
+    BF16_WEIGHTS_RTOL,
+    FP8_LOSS_RTOL,
+    FP8_WEIGHTS_RTOL,
+    MXFP8_LOSS_RTOL,
+    MXFP8_WEIGHTS_RTOL,
+)
 
 MOE = resolve_shape("tiny-moe", {})
 
@@ -189,6 +207,27 @@ CASES = {
             }
             for recipe in ("tensorwise", "rowwise")
         ),
+        # fp8 without ep: every cast the reference's, so the router counts are the reference's exactly
+        *(
+            {
+                "workload": {**M, "precision": "fp8", "fp8_recipe": recipe},
+                "layout": {"dp": 2},
+                "rtol": FP8_LOSS_RTOL,
+                "weights_rtol": FP8_WEIGHTS_RTOL,
+            }
+            for recipe in ("tensorwise", "rowwise")
+        ),
+        # mxfp8 (harness/model/mxfp8.py: attention and the experts, moe_ffn 96 a multiple of its 32-blocks) at
+        # its tolerance (harness.testing.equivalence), with and without ep
+        *(
+            {
+                "workload": {**M, "precision": "fp8", "fp8_recipe": "mxfp8"},
+                "layout": layout,
+                "rtol": MXFP8_LOSS_RTOL,
+                "weights_rtol": MXFP8_WEIGHTS_RTOL,
+            }
+            for layout in ({"dp": 2}, {"dp": 2, "ep": 2})
+        ),
     ],
     4: [
         {"workload": M, "layout": {"tp": 2, "dp": 2, "ep": 2}},
@@ -284,7 +323,8 @@ def test_moe_layouts_match_the_reference(launched, world, index):
         for layer, s in per_rank[r][index]["router"].items():
             summed[layer] = [a + b for a, b in zip(summed.get(layer, [0.0] * MOE.experts), s["counts"], strict=True)]
     counts, ties = _reference_counts(case)
-    if case["workload"].get("precision", "fp32") == "fp32":
+    precision, lay = case["workload"].get("precision", "fp32"), case["layout"]
+    if precision == "fp32" or (precision == "fp8" and lay.get("ep", 1) == 1):
         assert summed == counts
     else:
         assert summed.keys() == counts.keys()
@@ -293,7 +333,6 @@ def test_moe_layouts_match_the_reference(launched, world, index):
             moved = sum(abs(a - b) for a, b in zip(summed[layer], ref, strict=True))
             assert moved <= 2 * MOE.experts_per_token * ties[layer], (layer, moved, ties[layer])
     comm = per_rank[0][index]["comm"]
-    lay = case["layout"]
     if lay.get("ep", 1) > 1:  # the dispatch's all-to-alls on their own axis, their wait in its breakdown
         assert comm["ep"]["all_to_all"]["count"] > 0 and "ep_comm" in per_rank[0][index]["details"]["breakdown_s"]
     else:

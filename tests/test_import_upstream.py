@@ -166,7 +166,7 @@ IMPORTS = {
             "workload.optimizer.lr": 3e-4,
             "layout.engine": "fsdp",
             "layout.dp": 64,
-            "layout.activation_checkpointing": "selective",
+            "layout.activation_checkpointing": "selective_op",  # SelectiveAC: per-op
         },
     ),
     "torchtitan-llama3-70b": (

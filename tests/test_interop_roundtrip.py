@@ -146,6 +146,14 @@ CASES = {  # id: (format, model, workload fields, layout)
             1, 1, 8, 2, ep=8, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", activation_checkpointing="full"
         ),
     ),
+    "torchtitan-selective-op": (  # torchtitan's SelectiveAC is its per-op policy: the spec's selective_op
+        "torchtitan",
+        "llama3-8b",
+        {"precision": "bf16"},
+        PlannerLayout(
+            1, 1, 8, 1, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", activation_checkpointing="selective_op"
+        ),
+    ),
 }
 
 
@@ -154,6 +162,8 @@ def original(fmt: str, model: str, fields: dict, lay: PlannerLayout) -> dict:
     layout = {**lay.to_spec(), "engine": ENGINE[fmt]}
     if fmt == "torchtitan":
         layout.pop("zero_stage")  # FSDP2's full sharding: engine fsdp has no ZeRO stage
+    if fmt == "deepspeed" and lay.ep > 1:
+        layout["ds_moe"] = "autoep"  # DeepSpeed's MoE export is AutoEP's expert_parallel section
     workload = {"model": model, "seq_len": 4096, "global_batch_size": 64, "steps": 20, "optimizer": OPT}
     return {"workload": {**workload, "grad_clip": 0.5, **fields}, "layout": layout}
 
@@ -303,3 +313,28 @@ def test_deepspeed_parses_the_export_with_its_harness_key(monkeypatch):
     monkeypatch.setattr(dsc.dist, "get_world_size", lambda *a, **k: lay.gpus)
     c = dsc.DeepSpeedConfig(json.loads(text))
     assert c.train_micro_batch_size_per_gpu == lay.micro_batch_size
+
+
+def test_torchtitan_selective_ac_is_the_per_op_policy_and_a_megatron_style_plan_is_told_so(tmp_path, capsys):
+    """A plan with Megatron-style selective recomputation exports as SelectiveAC (torchtitan has no other
+    selective policy), its note says the policy differs, and the import reads SelectiveAC as selective_op."""
+    lay = PlannerLayout(
+        1, 1, 8, 1, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", activation_checkpointing="selective"
+    )
+    assert lay.selective_policy == "megatron"
+    text, notes = EXPORTERS["torchtitan"](PRESETS["llama3-8b"], lay, Workload(4096, 64))
+    assert "config.activation_checkpoint = SelectiveAC.Config()" in text
+    assert any(n.startswith("SelectiveAC is torchtitan's per-op policy") for n in notes), notes
+    (tmp_path / "r.py").write_text(text)
+    assert cli(["import", "torchtitan", str(tmp_path / "r.py"), "--gpus", "8"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["layout"]["activation_checkpointing"] == "selective_op"
+
+
+@pytest.mark.parametrize("name", ["megatron-dense", "megatron-fp8", "megatron-moe"])
+def test_megatron_export_says_the_environment_its_validate_args_needs(name):
+    """Megatron-LM's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tp or cp before Blackwell
+    (scripts/megatron_lm_args_check.py ran it on these exports): the note says so exactly there."""
+    fmt, model, fields, lay = CASES[name]
+    _, notes = EXPORTERS[fmt](PRESETS[model], lay, Workload(4096, 64))
+    said = [n for n in notes if "CUDA_DEVICE_MAX_CONNECTIONS=1" in n]
+    assert len(said) == (1 if lay.tp > 1 or lay.cp > 1 else 0), notes

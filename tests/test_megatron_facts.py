@@ -90,11 +90,28 @@ def test_label_names_the_distributed_optimizer():
     assert engine_variant({"engine": "megatron"}) == "megatron"
 
 
-def test_the_version_range_is_pinned():
-    """0.17+ needs Python 3.12 and 0.19 imports triton unguarded: the engine is written against 0.16."""
+def test_the_version_ranges_are_pinned():
+    """0.17+ declare Python >= 3.12: 0.16 before it, 0.19 from it (with triton, which 0.19 imports unguarded);
+    the engine and its shim are tested against 0.16.1 and 0.19.2 and no other minor version."""
     from pathlib import Path
 
-    assert '"megatron-core>=0.16,<0.17"' in (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert "\"megatron-core>=0.16,<0.17; python_version < '3.12'\"" in text
+    assert "\"megatron-core>=0.19,<0.20; python_version >= '3.12'\"" in text
+    assert "\"triton; python_version >= '3.12' and sys_platform == 'linux'\"" in text
+
+
+def test_the_installed_megatron_core_is_the_one_this_python_asks_for():
+    """The installed version is in the range that the harness's own requirements pick for this Python (a
+    venv made before the pins moved, or one Python's packages under another's, shows up here)."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    wanted = [Requirement(r) for r in requires("llama-layout-harness")]
+    mine = [r for r in wanted if r.name == "megatron-core" and (r.marker is None or r.marker.evaluate({"extra": ""}))]
+    assert len(mine) == 1, wanted
+    assert mine[0].specifier.contains(version("megatron-core")), (version("megatron-core"), str(mine[0]))
 
 
 # ---------------------------------------------------------------- weights mapping

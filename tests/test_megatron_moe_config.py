@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import harness.frameworks.megatron  # noqa: F401  (before Megatron's own imports below: sets NO_VCS_VERSION)
 from harness.errors import SpecError
 from harness.spec import parse_spec
 

@@ -41,3 +41,20 @@ def test_every_engine_matches_the_reference_and_routes_the_same_tokens(tmp_path)
         assert tokens == reference, label
     titles = [s.title for s in sections(summary)]
     assert "Routing (mixture of experts)" in titles
+    from harness.report.routing import routing_rows
+
+    header, rows = routing_rows(summary)
+    against = header.index("against the reference")
+    assert all(row[against].startswith("equal") for row in rows if row[against] != "-"), rows
+
+
+def test_routing_against_the_reference_counts_moved_slots():
+    """A slot routed to another expert changes two counts by one: it is one moved slot, not two."""
+    from harness.report.routing import against_reference
+
+    ref = {"layers.0": [3, 5, 0, 8], "layers.1": [4, 4, 4, 4]}
+    assert against_reference({k: list(v) for k, v in ref.items()}, ref) == "equal (2 layers)"
+    moved = {"layers.0": [4, 4, 0, 8], "layers.1": [4, 4, 3, 5]}
+    assert against_reference(moved, ref) == "2 of 32 slots moved"
+    assert against_reference({"layers.0": [16]}, ref) == "other layers or experts"
+    assert against_reference({}, ref) == "-"

@@ -267,3 +267,65 @@ def test_harness_memory_traces_muon_as_the_planner_models_it(engine):
     assert abs(muon["planner_peak_gib"] - muon["traced_peak_gib"]) <= 0.10 * muon["traced_peak_gib"]
     states = [r["ranks"][0]["census_gib"]["optimizer_states"] for r in (adamw, muon)]
     assert states[1] < states[0]
+
+
+# ------------------------------------------------------------------ DeepSpeed (harness/frameworks/deepspeed/muon.py)
+
+BF16_MUON = {**WORKLOAD, "precision": "bf16"}
+DS = {"engine": "deepspeed", "dp": 2, "zero_stage": 1}
+
+
+@pytest.mark.parametrize(
+    "workload, layout, says",
+    [
+        (WORKLOAD, DS, "original_muon.py:47"),  # fp32: DeepSpeed's Newton-Schulz is bf16
+        ({**BF16_MUON, "grad_accum_dtype": "bf16"}, DS, "stage_1_and_2.py:2741"),  # clips the updates
+        (BF16_MUON, {**DS, "zero_stage": 2}, "bf16_optimizer.py:59"),
+        ({**BF16_MUON, "model": "tiny-moe"}, DS, "no MoE"),
+        ({**BF16_MUON, "optimizer": {**BF16_MUON["optimizer"], "muon_adjust_lr": "match_rms_adamw"}}, DS, "original"),
+    ],
+)
+def test_deepspeed_runs_muon_where_its_muon_is_the_workloads_only(workload, layout, says):
+    with pytest.raises(SpecError) as e:
+        parse_spec({"workload": workload, "layout": layout})
+    assert e.value.field.startswith("workload.optimizer.") and says in str(e.value) and "\n" not in str(e.value)
+    parse_spec({"workload": BF16_MUON, "layout": DS})  # bf16, fp32 accumulation, ZeRO-1: DeepSpeed's BF16_Optimizer
+
+
+def test_deepspeed_muon_is_its_muon_with_auxadam_over_the_workloads_split():
+    """The config carries no optimizer section (DeepSpeed's would retag the head as Muon); the client optimizer
+    tags every parameter by muon_matrix and holds the workload's hyperparameters, Newton-Schulz standard."""
+    from harness.frameworks.deepspeed.config import build_config
+    from harness.frameworks.deepspeed.muon import muon_optimizer
+    from harness.model.llama import build_model
+
+    spec = parse_spec({"workload": BF16_MUON, "layout": DS})
+    cfg, _, _ = build_config(spec, spec.shape(), device_type="cpu")
+    assert "optimizer" not in cfg
+    model = build_model(spec.shape(), 0, "sdpa", "torch", "none", device="cpu")
+    opt = muon_optimizer(model, spec.workload)
+    named = dict(model.named_parameters())
+    assert {n for n, p in named.items() if p.use_muon} == {n for n, p in named.items() if muon_matrix(n, p.shape)}
+    assert not named["output.weight"].use_muon and not named["tok_embeddings.weight"].use_muon
+    muon, adam = opt.param_groups
+    assert muon["use_muon"] and muon["ns_method"] == "standard" and muon["momentum"] == 0.95
+    assert (muon["lr"], muon["weight_decay"]) == (adam["lr"], adam["weight_decay"]) == (0.02, 0.1)
+    assert adam["betas"] == (0.9, 0.95) and adam["eps"] == 1.0 and isinstance(opt.aux_optimizer, torch.optim.AdamW)
+
+
+def test_deepspeed_refuses_an_explicit_optimizer_section_under_muon(tmp_path):
+    """A ds_config's AdamW values would contradict Muon: the file's template (every value auto) is dropped,
+    an explicit value refused in one line before launch."""
+    import json
+
+    from harness.frameworks.deepspeed.config import DS_CONFIG_DIR, build_config
+
+    with open(f"{DS_CONFIG_DIR}/zero1.json") as f:
+        cfg = json.load(f)
+    cfg["optimizer"]["params"]["lr"] = 1e-3
+    path = tmp_path / "my_ds.json"
+    path.write_text(json.dumps(cfg))
+    spec = parse_spec({"workload": BF16_MUON, "layout": {**DS, "ds_config": str(path)}})
+    with pytest.raises(SpecError) as e:
+        build_config(spec, spec.shape(), device_type="cpu")
+    assert e.value.field.endswith("my_ds.json: optimizer") and "Muon" in e.value.reason

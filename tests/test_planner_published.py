@@ -25,12 +25,12 @@ def _error(run) -> float:
 
 def test_every_dense_row_with_a_stated_precision_is_planned(runs):
     skipped = {r.label: r.why_not for r in runs if r.why_not}
-    assert len(runs) == 33 and len(runs) - len(skipped) == 29
+    assert len(runs) == 43 and len(runs) - len(skipped) == 39
     assert all("mixture of experts" in why or "not stated" in why for why in skipped.values())
 
 
 def test_median_tokens_per_s_error_at_the_rows_own_layouts(runs):
-    """The committed profiles are fitted to these rows (in-sample): median |error| 4.3% when fitted;
+    """The committed profiles are fitted to these rows (in-sample): median |error| 5.8% when written (4.3% on 29);
     held to 10%, the acceptance (benchmarks/published_runs.py prints each row and the held-out figure)."""
     errors = [abs(_error(r)) for r in runs if not r.why_not]
     assert statistics.median(errors) <= 0.10
@@ -55,7 +55,8 @@ def _checks(runs):
 
 
 def test_at_least_90_percent_of_the_rows_that_trained_are_predicted_to_fit(runs):
-    """27 of 29 when written; 12 of 29 before the recipes' terms (memory_recipes.py)."""
+    """37 of 39 when written (27 of 29 before the H200 and torchtitan Table 2, 3 and 6 rows); 12 of 29 before the
+    recipes' terms (memory_recipes.py)."""
     checks = _checks(runs)
     assert sum(m.fits for _, m in checks) >= 0.9 * len(checks)
 
@@ -71,14 +72,16 @@ def test_every_row_the_memory_model_misses_names_what_it_lacks(runs):
 
 def test_published_peaks_within_10_percent_but_the_named_rows(runs):
     """Each published peak (torchtitan's max reserved GiB, torchao's GB) within 10%, but the rows that name
-    their gap (two of thirteen when written: torchtitan's 70B FSDP32 TP8 row and its 405B 1F1B row)."""
+    their gap (two of twenty-one when written: torchtitan's 70B FSDP32 TP8 row and its 405B interleaved row, +12.6%
+    before one chunk's gradients at a time in torch's one-round order, -13.6% after; its 405B 1F1B row, -18.9%
+    before its 8 micro-batches and kept outputs, -0.7% after, and Table 6's four 1F1B rows within 9%)."""
     peaks = [(r, m) for r, m in _checks(runs) if m.published_gib]
-    assert len(peaks) == 13
+    assert len(peaks) == 21
     assert all(abs(m.error) <= 0.10 for r, m in peaks if not unmodelled(r))
-    assert sum(abs(m.error) <= 0.10 for _, m in peaks) >= 11
+    assert sum(abs(m.error) <= 0.10 for _, m in peaks) >= 19
 
 
-@pytest.mark.xfail(strict=True, reason="not met: 11 of 13 published peaks within 10% (see the unmodelled column)")
+@pytest.mark.xfail(strict=True, reason="not met: 19 of 21 published peaks within 10% (see the unmodelled column)")
 def test_every_published_peak_within_10_percent(runs):
     assert all(abs(m.error) <= 0.10 for _, m in _checks(runs) if m.published_gib)
 
@@ -161,8 +164,11 @@ def test_calibrate_csv_reads_the_published_format(tmp_path, capsys):
     out = tmp_path / "gb200.yaml"
     assert main(["plan", "--hardware", "gb200", "--calibrate-csv", str(RUNS_CSV), "--calibrate-out", str(out)]) == 0
     assert "calibrated gb200 on 3 runs" in capsys.readouterr().out
-    assert main(["plan", "--hardware", "h200", "--calibrate-csv", str(RUNS_CSV), "--calibrate-out", str(out)]) == 2
-    assert "no row the planner can express runs on h200" in capsys.readouterr().err
+    # the H200 rows (MLPerf Training v5.1) can be fitted; the committed h200 profile takes h100-sxm's constants
+    assert main(["plan", "--hardware", "h200", "--calibrate-csv", str(RUNS_CSV), "--calibrate-out", str(out)]) == 0
+    assert "calibrated h200 on 2 runs" in capsys.readouterr().out
+    assert main(["plan", "--hardware", "a100-40gb", "--calibrate-csv", str(RUNS_CSV), "--calibrate-out", str(out)]) == 2
+    assert "no row the planner can express runs on a100-40gb" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -184,3 +190,38 @@ def test_published_system_and_model_names_map_to_profiles_and_presets(system, mo
 def test_a_system_without_a_profile_is_not_planned():
     row = {"source": "mlperf", "system": "DGX-B300", "model": "LLAMA3_8B", "gpus": "8", "precision": "BF16"}
     assert from_row({**row, "tokens_per_s_per_gpu": "1"}).why_not == "no profile for system 'DGX-B300'"
+
+
+def test_torchtitan_pipeline_rows_split_the_local_batch_and_keep_the_steps_outputs():
+    """torchtitan's 2024-12 pipeline rows: pipeline_parallel_microbatches 8 (its default then, the pp degree) splits
+    the local batch 32 into micro-batches of 4; return_outputs true (torch's step() default) keeps every micro-batch's
+    logits on the last stage to the step's end: m x n x V / tp bf16 bytes more there, nothing on the other stages."""
+    import dataclasses
+
+    from harness.planner.memory import stage_memory
+
+    run = next(r for r in load() if r.row["model"] == "LLAMA3.1_405B" and r.row["note"].startswith("1F1B"))
+    lay, wl, shape = run.layout, run.workload, run.shape
+    assert (lay.micro_batch_size, wl.micro_batches(lay), lay.pp_outputs_kept) == (4, 8, True)
+    dropped = dataclasses.replace(lay, pp_outputs_kept=False)
+    last, first = lay.pp - 1, 0
+    logits = 8 * 4 * wl.seq_len * shape.vocab / lay.tp * 2
+    diff = stage_memory(shape, lay, wl, last)["activations"] - stage_memory(shape, dropped, wl, last)["activations"]
+    assert diff == pytest.approx(logits)
+    assert stage_memory(shape, lay, wl, first)["total"] == stage_memory(shape, dropped, wl, first)["total"]
+
+
+def test_the_h200_rows_check_h100s_constants_on_their_own_device():
+    """MLPerf Training v5.1's Nebius Llama 3.1 405B runs on 512 and 1024 H200 (their logs' median step times):
+    h200 takes h100-sxm's fitted constants (not fitted on these rows) and predicts each within 10%; each fits
+    the measured 140.4 GiB of an H200 (nvidia-smi), as the runs trained; the profile's check error is theirs."""
+    from harness.planner.hardware import load_profile
+
+    rows = [r for r in load() if r.row["source"] == "mlperf-nemo"]
+    assert len(rows) == 2 and all(r.profile.name == "h200" and r.shape.vocab == 32256 for r in rows)
+    errors = sorted(abs(_error(r)) for r in rows)
+    assert errors[-1] <= 0.10 and all(memory_check(r).fits for r in rows)
+    h200, h100 = load_profile("h200"), load_profile("h100-sxm")
+    assert h200.calibrated["efficiency"] == h100.calibrated["efficiency"]
+    assert h200.calibrated["constants_of"] == "h100-sxm"
+    assert h200.memory_gib == 140.4

@@ -102,6 +102,18 @@ def test_cpu_breakdown_of_a_hand_made_step():
     }
 
 
+def test_no_profiled_component_is_the_rest_of_the_step():
+    """'other' was the step less every other component, so the parts always summed to the step. Now it is
+    the time outside the step's first and last op, measured: a dp call before the first op is both exposed
+    communication and outside the ops, and the parts then exceed the step: the sum check can fail."""
+    ev = [_x("harness.step#0", 0, 1000), _x("aten::mm", 100, 800, "cpu_op")]
+    ev += _call("all_reduce", "dp", "sync", 20, 40, 64)
+    (s,) = analysis.cpu_breakdown({"traceEvents": ev})["steps"]
+    assert s["other"] == pytest.approx(0.200) and s["exposed_comm"]["dp"] == pytest.approx(0.040)
+    parts = s["compute"] + s["optimizer"] + s["wait"] + s["unattributed"] + s["other"] + s["exposed_comm"]["dp"]
+    assert parts == pytest.approx(1.040)  # before: 1.000 by construction
+
+
 def test_waits_without_their_issue_take_the_latest_collectives_axis_and_steps_are_averaged():
     ev = [_x("harness.step#0", 0, 100), _x("harness.step#1", 100, 100), _x("aten::add", 0, 200, "cpu_op")]
     ev += _call("all_reduce", "tp", "async", 10, 2, 64) + [_x(analysis.FUNCTIONAL_WAIT, 20, 30, "cpu_op")]
@@ -168,14 +180,16 @@ def test_axis_of_a_group_is_the_degree_owners(monkeypatch):
     groups = {"a": [0, 1], "b": [0, 2], "c": [0, 1, 2, 3], "d": [0, 3]}
     monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: groups[g])
     axis_of = AxisOf(ParallelDims(dp=2, tp=2), 0)
-    assert [axis_of(g) for g in (None, "a", "b", "c", "d")] == [WORLD, "tp", "dp", WORLD, "other [0,3]"]
+    # a group that is no axis is named by what it is: [0,3] differs on dp and tp, half the ranks they span
+    named = [WORLD, "tp", "dp", WORLD, "part of dp+tp (2 of 4 ranks)"]
+    assert [axis_of(g) for g in (None, "a", "b", "c", "d")] == named
 
 
 def test_every_collective_is_on_the_axis_its_group_belongs_to(monkeypatch):
     """A send or receive without a group (DeepSpeed's pipeline: before, under 'all') is on the axis to
     its peer; Megatron's groups by their group_desc where their ranks are no axis of degree > 1 (its
     one-rank model-parallel group at dp2: before, 'other'); a group the engine declares (DeepSpeed's
-    one-rank ZeRO group at pp2); 'other' only for a group that is none of them, named by its ranks."""
+    one-rank ZeRO group at pp2); a group that is none of them named by the axes its ranks span."""
     from types import SimpleNamespace
 
     from harness.parallel_dims import ParallelDims
@@ -183,7 +197,7 @@ def test_every_collective_is_on_the_axis_its_group_belongs_to(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: g.ranks)
     pp2 = AxisOf(ParallelDims(pp=2), 0)
     assert pp2.peer(None, 1) == "pp" and AxisOf(ParallelDims(pp=2), 1).peer(None, 0) == "pp"
-    assert AxisOf(ParallelDims(pp=2, dp=2), 0).peer(None, 3) == "other [0,3]"  # differs on pp and dp
+    assert AxisOf(ParallelDims(pp=2, dp=2), 0).peer(None, 3) == "part of pp+dp (2 of 4 ranks)"  # differs on both
     dp2 = AxisOf(ParallelDims(dp=2), 0)
     groups = [  # kept alive: AxisOf knows a group by its id
         SimpleNamespace(ranks=[0], group_desc=d)
@@ -193,7 +207,7 @@ def test_every_collective_is_on_the_axis_its_group_belongs_to(monkeypatch):
     assert dp2(model) == "tp+pp" and dp2(data) == "dp" and dp2(embedding) == "embedding"
     assert pp2(pipe_embedding) == "pp"  # its ranks are the pp group's
     assert AxisOf(ParallelDims(pp=2), 0, {"dp": [zero, None]})(zero) == "dp"
-    assert pp2(unknown) == "other [0]"
+    assert pp2(unknown) == "one-rank"
 
 
 def test_without_a_pipeline_the_wait_at_the_world_reduction_is_not_a_bubble():
@@ -306,7 +320,8 @@ def test_instrumented_counters_in_the_breakdowns_shape():
         {"compute": 0.010, "tp_comm": 0.002, "dp_comm": 0.001, "bubble": 0.003, "optimizer": 0.001, "total": 0.020}
     )
     assert b["exposed_comm"] == pytest.approx({"tp": 2.0, "dp": 1.0})  # no pp figure: its waits are the bubble
-    assert b["other"] == pytest.approx(3.0) and b["step"] == pytest.approx(20.0)
+    # what the counters' clocks leave of the step: unattributed (shown apart), not a component named other
+    assert b["unattributed"] == pytest.approx(3.0) and "other" not in b and b["step"] == pytest.approx(20.0)
 
 
 def test_profile_steps_flag_refuses_a_negative_count(no_launch, one_line_error):
@@ -431,10 +446,12 @@ def _run_cases(ctx, cases):
         finally:
             undo()
         numels = [p.numel() for _, p in trainer.engine.params] if case["layout"]["engine"] == "deepspeed" else None
+        own = trainer.engine.times_own_communication  # its counted calls of the last (profiled) step
         out.append(
             {
                 "case": case,
                 "numels": numels,
+                "engine_comm": trainer.engine.last_step_details().get("comm") if own else None,
                 **{
                     k: m.get(k)
                     for k in (
@@ -462,47 +479,40 @@ OWN_CASES = [
 own_runs = shared_launch("torch", 2, _run_cases, OWN_CASES, timeout_s=600, threads=1)
 
 
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= max(1.0, 0.10 * abs(b))
-
-
-def _flat(b: dict) -> dict:
-    """What the own engine's counters and the profiler both see: compute with the host time between ops (the
-    counters' forward/backward clocks hold it; the profiler's compute is op time, that time unattributed)."""
-    return {
-        "compute": b["compute"] + b.get("unattributed", 0.0),
-        "optimizer": b["optimizer"],
-        "bubble or wait": _waiting(b),
-        "step": b["step"],
-        **{f"exposed {a}": b["exposed_comm"].get(a, 0.0) for a in ("tp", "dp")},  # degree 1: no column, 0
-    }
+CLOCK_RESOLUTION_MS = 0.01  # the trace's timestamps are whole microseconds: two of them, rounded, and a margin
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(4), ids=["dp2", "tp2", "pp2", "tp2-sp"])
 def test_profiler_agrees_with_the_own_engines_counters(own_runs, index):
-    """Per rank, over the same profiled steps: exposed comm per axis, bubble and the step within
-    10% or 1 ms. The counters' `other` (batch slicing, parameter refresh: work between their
-    clocks) is op time the trace puts where it runs, before the backward (compute) or after it
-    (optimizer); so compute and optimizer each lie between the counters' value and that value plus
-    their other (10% or 1 ms either side), and compute + optimizer + other agree within 10% or 1 ms."""
+    """The profiler and the own engine's counters over the same profiled steps, compared where the answer
+    cannot depend on the machine's load (before: two clocks within 10% or 1 ms, which failed under load,
+    optimizer 8.43 against 4.73 + 1.98 ms):
+    - what was called: per axis and kind, the trace's collectives are the engine's counted calls, count and
+      bytes exactly (rank 0, the last profiled step: every step issues the same calls; the engine's 'sp'
+      calls run on the tp group, which the trace names);
+    - containment: the engine's step clock starts and stops inside the profiler's step range, and each of its
+      tp and dp communication clocks wraps the annotated call the trace times, so on every rank the
+      counters' step is no longer than the profiler's, and the profiler's exposed tp and dp communication no
+      longer than the counters' (up to the trace's microsecond resolution). A load that stretches any of
+      these stretches the enclosing interval with it."""
+    from harness.profiling.analysis import HARNESS
+
     r = own_runs[index]
     assert r["breakdown_source"] == "profiler" and not r["breakdown_error"]
+    traced = {(c["axis"], c["kind"]): (c["count"], c["bytes"]) for c in r["collectives"] if c["axis"] != HARNESS}
+    counted: dict = {}
+    for a, ops in r["engine_comm"].items():
+        for op, e in ops.items():  # the engine counts sequence parallelism's calls under 'sp', on the tp group
+            key = ("tp" if a == "sp" else a, op)
+            count, size = counted.get(key, (0, 0))
+            counted[key] = (count + e["count"], size + e["bytes"])
+    assert traced == counted, (r["case"], traced, counted)
     for prof, inst in zip(r["breakdown_ms_by_rank"], r["breakdown_instrumented_ms_by_rank"], strict=True):
-        p, i = _flat(prof), _flat(inst)
-        bad = {
-            k: (round(p[k], 2), round(i[k], 2))
-            for k in i
-            if k not in ("compute", "optimizer") and not _close(p[k], i[k])
-        }
-        for k in ("compute", "optimizer"):
-            tol = max(1.0, 0.10 * i[k])
-            if not i[k] - tol <= p[k] <= i[k] + inst["other"] + tol:
-                bad[k] = (round(p[k], 2), round(i[k], 2), "+ other", round(inst["other"], 2))
-        host = tuple(b["compute"] + b.get("unattributed", 0.0) + b["optimizer"] + b["other"] for b in (prof, inst))
-        if not _close(*host):
-            bad["compute + optimizer + other"] = host
-        assert not bad, (r["case"], bad)
+        assert inst["step"] <= prof["step"] + CLOCK_RESOLUTION_MS, (r["case"], inst["step"], prof["step"])
+        for axis in ("tp", "dp"):
+            p, i = prof["exposed_comm"].get(axis, 0.0), inst["exposed_comm"].get(axis, 0.0)
+            assert p <= i + CLOCK_RESOLUTION_MS, (r["case"], axis, p, i)
 
 
 @pytest.mark.slow

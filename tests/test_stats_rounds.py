@@ -1,5 +1,5 @@
 """Load drift between a comparison's runs: runs launched in alternating rounds are
-compared within each round, so a load that changes between rounds does not decide; by default the first
+compared round by round, so a load that changes between rounds does not decide; by default the first
 run is measured again after the last, and a drift it finds widens every pair's interval. Stand-in
 launches (no process starts) on a machine whose speed the test sets per launch."""
 
@@ -82,13 +82,12 @@ def test_rounds_compare_runs_within_each_round_so_a_load_change_between_rounds_c
     nearest = min(abs(1e3 * sorted(r)[6] - pooled_ms) for r in a["step_time_rounds_s"])
     assert abs(a["breakdown_ms"]["step"] - pooled_ms) == nearest  # the breakdown of the round nearest the median
     within = compare_times(a["step_time_rounds_s"], b["step_time_rounds_s"])
-    pooled = compare_times(a["metrics"]["step_times_s"], b["metrics"]["step_times_s"])
-    assert within["verdict"] == "not distinguishable" and within["rounds"] == 2
-    assert pooled["high"] / pooled["low"] > within["high"] / within["low"]
+    assert within["verdict"] == "not distinguishable" and within["rounds"] == 2  # each round's ratio, across rounds
+    assert within["method"] == "t" and len(within["block_ratios"]) == 2
     assert s["load_drift"]["rounds"] == 2 and load_drift_factor(s) == 1.0
     why = _why(s)
     assert "every run is launched 2 times, in alternating order" in why
-    assert "own dp2 recompute takes" in why and "pairs within each of 2 rounds" in why
+    assert "own dp2 recompute takes" in why and "Student's t on the mean of the 2 rounds' own log ratios" in why
 
 
 def test_the_first_run_measured_again_after_the_last_widens_the_verdicts(tmp_path):
@@ -116,16 +115,17 @@ def test_the_first_run_measured_again_after_the_last_widens_the_verdicts(tmp_pat
 
 def test_a_load_burst_during_one_launch_decides_nothing_across_rounds(tmp_path):
     """Other work ran during 'own dp2 mb1's first launch only (1.6x): its first round alone calls it slower
-    than 'own dp2' of equal speed; over three alternating rounds, compared within each, the rounds
-    disagree (1.6x in one, 1.0x in the others), so the interval is their hull and nothing is decided."""
+    than 'own dp2' of equal speed; over three alternating rounds the round is the unit (1.6x in one, 1.0x in
+    the others: Student's t on three log ratios), so nothing is decided, and more rounds would decide."""
     launch, _ = launcher(lambda i, key: 1.6 if i == 2 else 1.0)
     s = run_comparison(_spec(), store_path=str(tmp_path / "r.sqlite"), progress=False, launch_fn=launch, rounds=3)
     runs = {r["label"]: r["step_time_rounds_s"] for r in s["runs"]}
     a, b = runs["own dp2"], runs["own dp2 mb1"]
     assert compare_times(b[0], a[0])["verdict"] == "slower"  # one launch each: the load decides
     d = compare_times(b, a)  # alternating rounds: it does not
-    assert d["verdict"] == "undecided" and d["rounds_disagree"] and d["steps_needed"] is None
-    assert "the rounds disagree (1.6" in verdict_text(d) and "not more steps" in verdict_text(d)
+    assert d["verdict"] == "undecided" and d["blocks_needed"] > 3 and d["steps_needed"] is None
+    assert [round(r, 1) for r in d["block_ratios"]] == [1.6, 1.0, 1.0]
+    assert "more rounds decide, not more steps in each" in verdict_text(d)
     assert "own dp2 mb1 takes" not in _why(s)
 
 

@@ -22,7 +22,8 @@ examples:
   harness compare --set workload.steps=3 --set parity_steps=2 --out /tmp/cmp
   harness compare examples/compare-cpu-bf16.yaml --store cmp.sqlite --timeout 300
   harness compare examples/ci/tiny-compare.yaml --baseline examples/ci/baseline.json   # a CI check
-  harness compare examples/compare-cpu-decide.yaml --rounds 3 --profile-steps 0   # runs alternated, 3 rounds"""
+  harness compare examples/compare-cpu-decide.yaml --rounds 3 --profile-steps 0   # runs alternated, 3 rounds
+  harness compare examples/compare-cpu-decide.yaml --interleave 1   # runs side by side, one step per turn"""
 
 
 # Where a comparison writes by default: a folder of the working directory that git ignores, so a
@@ -58,9 +59,18 @@ def add_arguments(p):
         type=int,
         default=1,
         metavar="N",
-        help="launch every run N times in alternating order and compare runs within each round, so that "
-        "load that changes during the comparison cancels (default 1: one launch each, then the first run "
-        "again as a load-drift check)",
+        help="launch every run N times in alternating order and compare runs round by round (the round is "
+        "the unit: a launch's steps share its load), so that load that changes during the comparison cancels "
+        "(default 1: one launch each, then the first run again as a load-drift check)",
+    )
+    p.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="K",
+        help="keep every run alive side by side and measure them in turns of K steps each, compared turn by "
+        "turn, so that load both runs met within a turn cancels: for a machine other work loads (default 0: "
+        "runs one after another)",
     )
     p.add_argument(
         "--baseline",
@@ -86,6 +96,7 @@ def main(args) -> int:
     from harness.compare.orchestrate import check_before_launch, run_comparison
     from harness.compare.report_lock import report_lock
     from harness.compare.spec import DEFAULT, parse_compare_spec
+    from harness.errors import SpecError
     from harness.report.compare import write_report
     from harness.report.policy import verdict_text
     from harness.spec import check_positive, check_positive_int, process_counts, read_yaml
@@ -96,6 +107,9 @@ def main(args) -> int:
     if args.timeout is not None:
         cs.timeout_s = check_positive(args.timeout, "--timeout")
     rounds = check_positive_int(args.rounds, "--rounds")
+    interleave = check_positive_int(args.interleave, "--interleave") if args.interleave else 0
+    if interleave and rounds > 1:
+        raise SpecError("--interleave", "takes no --rounds: the turns control the load drift")
     store = args.store or cs.store or "results.sqlite"
     check_store(store)
     check_output_path(args.out, "--out", directory=True)
@@ -122,7 +136,8 @@ def main(args) -> int:
             progress=not args.no_progress,
             profile_steps=args.profile_steps,
             rounds=rounds,
-            drift_check=rounds == 1,  # with rounds, the rounds control the drift
+            interleave=interleave,
+            drift_check=rounds == 1 and not interleave,  # with rounds or turns, those control the drift
         )
         summary["invocation"] = {  # what a reader runs to repeat it (the report's Engines section)
             "command": shlex.join(["harness", *sys.argv[1:]]),  # as typed: spec, --set overrides, options

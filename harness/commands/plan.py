@@ -127,6 +127,9 @@ def add_arguments(p) -> None:
     p.add_argument("--calibrate", metavar="RESULTS.sqlite", help="fit efficiencies to harness records")
     p.add_argument("--calibrate-csv", metavar="FILE", nargs="+", help="fit to sweeps in the study's CSV format")
     p.add_argument("--calibrate-out", metavar="FILE", help="where to save the calibrated profile")
+    from harness.commands.plan_recipe import add_recipe_arguments
+
+    add_recipe_arguments(p)  # the published recipes' memory settings (plan_recipe.py)
 
 
 def _need(args, *names):
@@ -390,8 +393,10 @@ def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:
     from harness.planner.output import group
 
     distinct = sum(1 for row in group([p for p in fitting if id(p) in near]))
+    runs = profile.calibrated.get("samples", "?")
+    source = profile.calibrated.get("constants_of")  # another profile's constants, checked on this one's runs
+    whose = f"{source}'s constants on {runs} {profile.name} runs" if source else f"the calibration's, {runs} runs"
     return near, (
-        f"* {distinct} layouts within {err:.1f}% (the calibration's median step-time error, "
-        f"{profile.calibrated.get('samples', '?')} runs) of the fastest: measure them, "
-        "the model cannot rank them reliably"
+        f"* {distinct} layouts within {err:.1f}% (the median step-time error, {whose}) of the fastest: "
+        "measure them, the model cannot rank them reliably"
     )

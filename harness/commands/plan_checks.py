@@ -11,6 +11,7 @@ from harness.errors import SpecError
 
 def options(args, shape, profile) -> dict:
     """The keyword arguments of candidates.layouts that the flags ask for (but the workload and GPUs)."""
+    from harness.commands.plan_recipe import recipe_fields
     from harness.planner import candidates as en
     from harness.planner.layout import ATTENTION, PRECISIONS
     from harness.planner.schedules import SCHEDULES
@@ -75,6 +76,7 @@ def options(args, shape, profile) -> dict:
         dp_shards=shards,
         ep_values=eps,
         **on_engine(args, shape, cps, impls),
+        **recipe_fields(args, shape, ck, precisions),
     )
 
 

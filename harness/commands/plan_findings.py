@@ -69,7 +69,14 @@ def show_findings(args, plans: dict, profiles: dict) -> int:
         for name, f in zip(names, cells, strict=True):
             print(f"    {name}: {_layouts(f)}")
     for name, err in calibration.items():
-        if err:
+        checked = profiles[name].calibrated.get("checked_on")  # another device's fitted constants, checked here
+        if err and checked:
+            cal = profiles[name].calibrated
+            print(
+                f"{name}: {cal.get('constants_of', 'another profile')}'s fitted constants, checked on "
+                f"{cal.get('samples')} published {name} runs: median step-time error {err:.1f}%"
+            )
+        elif err:
             print(f"{name}: calibrated, median step-time error {err:.1f}% (MFU differences within it are not resolved)")
         else:
             print(f"{name}: not calibrated (literature constants, error unknown)")

@@ -1,5 +1,5 @@
 """Load drift between the runs of a comparison, which are launched one after another: either every run
-in alternating rounds, compared within each round (measure_rounds, `harness compare --rounds N`), or,
+in alternating rounds, compared round by round (measure_rounds, `harness compare --rounds N`), or,
 by default, the first finished run measured again after the last (load_drift_check), whose change
 widens every pair's ratio interval in the report (harness.report.drift.load_drift_factor)."""
 
@@ -60,8 +60,9 @@ def load_drift_check(cs: CompareSpec, entries: list[dict], launch, sweep: str, *
 
 ROUNDS_METHOD = (
     "every run is launched {rounds} times, in alternating order (the plan's order, then reversed, ...); "
-    "each run's step times are every round's, and two runs are compared by the ratio interval of the step "
-    "pairs within each round (stratified), so that load which differs between rounds cancels; each run's "
+    "each run's step times are every round's, and two runs are compared round by round: the round is the "
+    "unit (the steps of one launch share its load), each round's own ratio, the interval across rounds "
+    "(measure.blocks: Student's t below 6 rounds, the sign test's from 6); each run's "
     "breakdown is the clocked median step of its round nearest the pooled median"
 )
 

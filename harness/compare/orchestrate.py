@@ -188,6 +188,22 @@ def check_before_launch(cs: CompareSpec) -> None:
     check_machine([(f"run {p.label!r}", p.spec) for p in cs.runs])
 
 
+def _with_turns(run_spec, env: dict, spec, *, turn_env: dict, **kw) -> dict:
+    """launch.run_spec with the turn variables (compare.interleave) in the run's environment."""
+    return run_spec(spec, extra_env={**env, **turn_env}, **kw)
+
+
+def _turn_blocks(entries: list[dict], cs: CompareSpec, k: int) -> None:
+    """Each interleaved run's measured step times grouped by the turn they were measured in."""
+    from harness.compare.interleave import turn_blocks
+
+    for e, plan in zip(entries, cs.runs, strict=True):
+        times = e["metrics"].get("step_times_s") or []
+        if e["status"] == "ok" and times:
+            e["step_time_rounds_s"] = turn_blocks(times, plan.spec.workload.warmup_steps, k)
+            e["step_time_unit"] = "turn"
+
+
 def run_comparison(
     cs: CompareSpec,
     *,
@@ -198,13 +214,16 @@ def run_comparison(
     profile_steps: int | None = None,
     drift_check: bool = False,
     rounds: int = 1,
+    interleave: int = 0,
 ) -> dict:
     """Launch every planned run in turn, check parity and fingerprints; the summary the report
     (harness.report.compare) is written from. `profile_steps`: each run's profiled steps after
     its measured ones (None: the runs' default, harness.profiling.DEFAULT_STEPS). `drift_check`:
     measure the first finished run again after the last (load_drift_check; `harness compare` asks for
     it, the tests' comparisons do not pay its launch). `rounds` > 1: every run launched
-    that many times in alternating order (measure_rounds; its later rounds unprofiled), no drift check."""
+    that many times in alternating order (measure_rounds; its later rounds unprofiled), no drift check.
+    `interleave` K > 0: every run kept alive side by side and measured in turns of K steps (compare.interleave;
+    `launch_fn` then takes turn_env), no drift check."""
     from tqdm import tqdm
 
     from harness.launch import cpu_cores
@@ -222,8 +241,9 @@ def run_comparison(
             env[ENV] = str(profile_steps)
         later = functools.partial(run_spec, extra_env={**env, ENV: "0"})  # later rounds: measured steps only
         launch_fn = functools.partial(run_spec, extra_env=env)
+        turned = functools.partial(_with_turns, run_spec, env)
     else:
-        later = launch_fn
+        later = turned = launch_fn
     comparison_id = uuid.uuid4().hex[:12]
     sweep = f"compare:{cs.name}:{comparison_id}"
     log_dir = log_dir or os.path.join(tempfile.gettempdir(), f"harness-compare-{cs.name}-{comparison_id}")
@@ -240,19 +260,20 @@ def run_comparison(
     )
     started = time.monotonic()
     load_before = _loadavg()
-    for plan in bar:
+    kw = {"store_path": store_path, "timeout_s": cs.timeout_s, "log_dir": log_dir}
+    interleaved, load_drift = None, None
+    if interleave > 0:
+        from harness.compare.interleave import run_interleaved
+
+        interleaved, load_drift = run_interleaved(cs, turned, interleave, sweep=sweep, **kw)
+    for i, plan in enumerate(bar):
         bar.set_description(f"compare: {plan.label}")
         spec = plan.spec.to_dict()
         spec["store"] = store_path  # as given: relative stays relative (the runs share this cwd)
-        record = launch_fn(
-            spec,
-            nproc=plan.nproc,
-            launcher=plan.launcher,
-            store_path=store_path,
-            timeout_s=cs.timeout_s,
-            sweep=sweep,
-            point_key=plan.label,
-            log_dir=log_dir,
+        record = (
+            interleaved[i]
+            if interleaved
+            else launch_fn(spec, nproc=plan.nproc, launcher=plan.launcher, sweep=sweep, point_key=plan.label, **kw)
         )
         entry = with_comparison_peak(_run_entry(plan, record), peak)
         entries.append(entry)
@@ -265,9 +286,9 @@ def run_comparison(
         )
         bar.write(msg, file=sys.stderr)
     bar.close()
-    load_drift = None
-    kw = {"store_path": store_path, "timeout_s": cs.timeout_s, "log_dir": log_dir}
-    if rounds > 1:
+    if interleaved:
+        _turn_blocks(entries, cs, interleave)
+    elif rounds > 1:
         load_drift = measure_rounds(cs, entries, later, rounds, sweep, **kw)
         entries = [with_comparison_peak(e, peak) for e in entries]
     elif drift_check:

@@ -52,8 +52,9 @@ from harness.spec import (
 
 RUN_EXTRA = ("label", "launcher", "workload")
 BF16_BASELINE = "reference bf16 (single device)"
-# fp8: bf16's x sqrt(2^5), e4m3's amplification of bf16's rounding differences (tests/test_fp8.py derives it)
-DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp8": 5.7e-3}
+# fp8: bf16's x sqrt(2^5), e4m3's amplification of bf16's rounding differences (tests/test_fp8.py derives it);
+# fp8 with fp8_recipe mxfp8: fp8's x sqrt(1 + 2^-4), its power-of-two block scales (harness.testing.equivalence)
+DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp8": 5.7e-3, "mxfp8": 5.9e-3}
 
 # The built-in default: a tiny LLaMA on this CPU machine, 2 processes, a few minutes.
 DEFAULT = {
@@ -221,7 +222,8 @@ def parse_compare_spec(raw) -> CompareSpec:
     base = parse_spec({"workload": workload})  # checks the workload once, with its own field names
     precision = base.workload.precision
     if given.tolerance is None:
-        tolerance, source = DEFAULT_TOLERANCE[precision], f"default for {precision}"
+        key = "mxfp8" if precision == "fp8" and base.workload.fp8_recipe == "mxfp8" else precision
+        tolerance, source = DEFAULT_TOLERANCE[key], f"default for {precision if key == precision else 'mxfp8'}"
     else:
         tolerance, source = given.tolerance, "set in the compare spec"
     total_steps = base.workload.warmup_steps + base.workload.steps

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from harness import spec
 from harness.registry import EngineFacts, MemoryModel, only, tied_across_stages
-from harness.spec import EVERY_ENGINE, FP8, MOE, MUON, SELECTIVE_OP_COMPILE, SELECTIVE_OP_FP8, honoured, subset, through
+from harness.spec import (
+    EVERY_ENGINE,
+    FP8,
+    MOE,
+    MUON,
+    MXFP8,
+    SELECTIVE_OP_COMPILE,
+    SELECTIVE_OP_FP8,
+    honoured,
+    subset,
+    through,
+)
 
 # its instruction lists (harness/engine/schedules.py; the zero-bubble ones in torch's orders, zero_bubble.py)
 SCHEDULES = through(spec.SCHEDULES, "dualpipev")
@@ -20,7 +31,9 @@ def blockwise_cp(lay) -> bool:
 
 
 def fp8_misaligned_shards(w, lay) -> list[str]:
-    """The sharded widths of the linears under tp that are not multiples of 16 (torch._scaled_mm's)."""
+    """The sharded widths of the linears under tp that are not multiples of 16 (torch._scaled_mm's; 32, the
+    scale block, under mxfp8: harness.model.float8.align)."""
+    from harness.model.float8 import align
     from harness.model.presets import resolve_shape
 
     s = resolve_shape(w.model, w.model_overrides)
@@ -28,7 +41,8 @@ def fp8_misaligned_shards(w, lay) -> list[str]:
     widths = {"ffn": s.ffn, "q heads": s.heads * head_dim, "kv heads": s.kv_heads * head_dim}
     if s.moe:  # each expert's SwiGLU is split over tp as the dense one is (harness/engine/experts.py)
         widths["moe_ffn"] = s.moe_ffn
-    return [k for k, v in widths.items() if v % 16 == 0 and (v // lay.tp) % 16]
+    n = align(w.fp8_recipe)
+    return [k for k, v in widths.items() if v % n == 0 and (v // lay.tp) % n]
 
 
 ENGINE = EngineFacts(
@@ -37,6 +51,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **FP8,
+        **MXFP8,  # harness/model/mxfp8.py
         **MOE,
         **MUON,  # harness/model/muon.py; ZeRO-1 gathers each sharded matrix's update for Newton-Schulz
         **honoured(
@@ -106,9 +121,9 @@ ENGINE = EngineFacts(
             "precision",
             lambda w, lay: w.precision != "fp8" or lay.tp == 1 or not fp8_misaligned_shards(w, lay),
             "fp8 with tp > 1: the own engine's FP8 GEMMs run on each rank's shard, and torch._scaled_mm needs its "
-            "dims multiples of 16 (harness/model/float8.py); a shard that is not would leave a linear the "
-            "reference runs in FP8 in bf16: choose tp so that ffn/tp (a MoE's moe_ffn/tp too) and the q/k/v head "
-            "widths / tp are multiples of 16",
+            "dims multiples of 16 (32 under mxfp8: harness/model/float8.py); a shard that is not would leave a "
+            "linear the reference runs in FP8 in bf16: choose tp so that ffn/tp (a MoE's moe_ffn/tp too) and the "
+            "q/k/v head widths / tp are multiples of 16 (32)",
         ),
     ],
     runs_moe=True,

@@ -236,7 +236,7 @@ def use_fp8(chunks: list[Chunk], policy, device_type: str) -> None:
         for layer in chunk.layers.values():
             a = layer.attention
             for w in (a.wq, a.wk, a.wv, a.wo):
-                if all(d % float8.ALIGN == 0 for d in w.weight.shape):
+                if all(d % float8.align(policy.fp8) == 0 for d in w.weight.shape):
                     w.matmul = matmul
 
 

@@ -140,8 +140,14 @@ def read_deepspeed(
         **({"cp_impl": "ulysses"} if cp > 1 else {}),
     }
     ep = _section(cfg, "expert_parallel")
-    if ep.get("enabled"):
+    if ep.get("enabled"):  # AutoEP: engine deepspeed's ds_moe autoep, whose section describes the harness's block
         layout["ep"] = _whole(ep.get("autoep_size"), "expert_parallel.autoep_size", False) or 1
+        layout["ds_moe"] = "autoep"
+        if ep.get("preset_model"):
+            lost.append(
+                f"expert_parallel.preset_model: {ep['preset_model']} not carried: the harness writes AutoEP's "
+                "section for its own MoE block (harness/frameworks/deepspeed/autoep_config.py)"
+            )
     if ckpt is not None:
         lost.append(
             "activation_checkpointing: not carried: which blocks are wrapped is in the model code; written as full"

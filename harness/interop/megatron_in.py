@@ -55,8 +55,8 @@ MEGATRON_OTHER_MODEL = {
 }
 CP_OF_COMM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses"}
 # Megatron-LM's --fp8-recipe (Transformer Engine's) as the harness's (torchao's): current per-tensor
-# scaling is tensorwise; the finer-grained ones are rowwise's kind.
-FP8_RECIPE = {"tensorwise": "tensorwise", "delayed": "tensorwise", "blockwise": "rowwise", "mxfp8": "rowwise"}
+# scaling is tensorwise; blockwise is rowwise's kind; mxfp8 is the harness's mxfp8 (the same block format).
+FP8_RECIPE = {"tensorwise": "tensorwise", "delayed": "tensorwise", "blockwise": "rowwise", "mxfp8": "mxfp8"}
 # The programs whose arguments these are (Megatron-LM's GPT pretraining).
 PROGRAMS = ("pretrain_gpt.py",)
 # A Megatron-LM or torchrun launch line's world size, when it says it.

@@ -32,8 +32,9 @@ MEGATRON_ATTENTION = {
 }
 
 # The workload's fp8_recipe (torchao's) as Transformer Engine's --fp8-recipe: tensorwise is its current
-# per-tensor scaling; for rowwise, its finer-grained blockwise (megatron_in.FP8_RECIPE reads it back as rowwise)
-TE_RECIPE = {"tensorwise": "tensorwise", "rowwise": "blockwise"}
+# per-tensor scaling; for rowwise, its finer-grained blockwise (megatron_in.FP8_RECIPE reads it back as rowwise);
+# mxfp8 is Transformer Engine's own MXFP8 recipe (e4m3, e8m0 scales per block of 32)
+TE_RECIPE = {"tensorwise": "tensorwise", "rowwise": "blockwise", "mxfp8": "mxfp8"}
 
 # router_aux_loss_coef of the MoE presets' own config.json files
 PUBLISHED_AUX_LOSS = {"mixtral-8x7b": 0.02, "qwen3-30b-a3b": 0.001, "qwen3-235b-a22b": 0.001}
@@ -196,6 +197,10 @@ def export_megatron(
         else "Megatron-LM's context parallelism (--context-parallel-size) needs Transformer Engine's attention"
     )
     notes.append(f"attention {lay.attention}: --attention-backend {backend}")
+    if lay.tp > 1 or lay.cp > 1:  # validate_args asserts it with tp or cp before Blackwell (arguments.py:1477)
+        notes.append(
+            "launch with CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment: Megatron-LM requires it with tp or cp"
+        )
     if shape.attention_bias:
         notes.append(
             "the output projection's bias (transformers' o_proj) has no Megatron-LM flag: "

@@ -75,7 +75,7 @@ def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> t
     if ac is None:
         lost.append(
             "activation_checkpoint: not carried: unset (the recipe's own); "
-            "written as selective, Trainer.Config's default"
+            "written as selective_op (SelectiveAC, per-op), Trainer.Config's default"
         )
     if compiled.get("enable") and "loss" in components:
         lost.append("compile.components: not carried: loss (the harness compiles the transformer blocks only)")
@@ -112,7 +112,7 @@ def read_torchtitan(text: str, gpus: int | None, recipe: str | None = None) -> t
         **({"ep": par["expert_parallel_degree"]} if par["expert_parallel_degree"] > 1 else {}),
         "micro_batch_size": micro,
         "sequence_parallel": tp > 1 and par["enable_sequence_parallel"],
-        "activation_checkpointing": ac or "selective",
+        "activation_checkpointing": ac or "selective_op",
         "attention": attention,
         "rmsnorm": rmsnorm,
         "pipeline_schedule": schedule if pp > 1 else "1f1b",

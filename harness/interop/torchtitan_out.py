@@ -128,7 +128,11 @@ def export_torchtitan(
     fp8 = lay.precision == "fp8"
     family, recipe = ("qwen3", QWEN3_RECIPE) if shape.moe else ("llama3", RECIPES[flavor])
     backend = (CP_ATTENTION if lay.cp > 1 else ATTENTION)[lay.attention]
-    converters = ', converters=[Float8LinearConverter.Config(recipe_name="rowwise")]' if fp8 else ""
+    # lm_head filtered out, as the harness keeps the head in high precision (torchtitan's converter otherwise
+    # converts every linear whose sizes are multiples of 16, the head included)
+    converters = (
+        ', converters=[Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head"])]' if fp8 else ""
+    )
     parallelism = {
         "data_parallel_replicate_degree": lay.replicas // lay.shard_group,  # HSDP: the sharding groups
         "data_parallel_shard_degree": lay.shard_group // lay.cp,
@@ -158,8 +162,10 @@ def export_torchtitan(
         "mixed_precision_param": "bfloat16" if bf16 else "float32",
         "mixed_precision_reduce": "float32",
     }
-    if lay.pp > 1:
-        training["disable_cuda_graphs"] = True  # torchtitan's CUDA graphs refuse pipeline parallelism
+    if lay.pp > 1 or (shape.moe and lay.ep > 1):
+        # torchtitan's CUDA graphs (on by default) refuse pipeline parallelism and, with ep > 1, the all-to-all
+        # token dispatcher that its qwen3 recipe uses (Trainer.Config._validate_cuda_graphs)
+        training["disable_cuda_graphs"] = True
     adamw = f"lr={opt.lr!r}, betas={_literal(opt.betas)}, eps={opt.eps!r}, weight_decay={opt.weight_decay!r}"
     lines = [
         f'"""torchtitan recipe written by `harness plan`, for torchtitan {TORCHTITAN}',

@@ -48,7 +48,7 @@ TRAINING = {
 }
 # default_adamw's (torchtitan/components/optimizer/optimizer.py)
 ADAMW = {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-AC = {"FullAC": "full", "SelectiveAC": "selective"}
+AC = {"FullAC": "full", "SelectiveAC": "selective_op"}  # SelectiveAC is per-op only (0.3.0 and main)
 # torchtitan's llama3 recipes (torchtitan/models/llama3/config_registry.py at TORCHTITAN_MAIN), for a
 # recipe derived from one it imports: the settings they make that the harness carries.
 UPSTREAM = {
@@ -56,7 +56,7 @@ UPSTREAM = {
         "flavor": "8B",
         "optimizer": {"lr": 3e-4},
         "training": {"num_tokens_per_microbatch_per_dp_rank": 8192, "max_context_length": 8192},
-        "activation_checkpoint": "selective",
+        "activation_checkpoint": "selective_op",
     },
     "llama3_70b": {
         "flavor": "70B",
@@ -337,6 +337,11 @@ def _model_spec(value, got: dict, lost: list[str], names: dict) -> None:
                     lost.append(
                         "model_spec.converters.filter_fqns: not carried: the harness converts every linear "
                         "but the LM head"
+                    )
+                elif not set(skipped) & {"lm_head", "output"}:
+                    lost.append(
+                        "model_spec.converters.filter_fqns: not carried: the recipe converts the LM head too, "
+                        "the harness keeps it in high precision"
                     )
         else:
             lost.append(f"model_spec.{kw.arg}: not carried: the harness's model has no such option")

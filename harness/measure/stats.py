@@ -11,13 +11,19 @@ no scipy): the one definition the record, the reports and the benchmarks use.
   bootstrap: step times are a handful of skewed, positive values whose noise (load) acts by a factor;
   on log times a factor is a shift, the rank interval needs no distribution and its coverage is
   exact at n = 8 where a bootstrap's percentile interval under-covers and states no coverage.
+- That rank interval treats the steps as independent draws, which the steps of one launch are not on a
+  loaded machine (they share its load): runs measured in blocks (rounds of launches, interleaved turns)
+  are compared block by block instead, the block the unit of replication (measure.blocks, which argues
+  it); one launch per run keeps the rank interval, which the comparison widens by its measured drift.
 - The verdict: "faster"/"slower" where the interval excludes 1; "not distinguishable" where it holds 1
-  and lies within RESOLUTION either way (any difference is smaller); else "undecided", with the steps
-  per run that the observed spread would need to decide (the interval narrows as 1 / sqrt(n)).
+  and lies within RESOLUTION either way (the stated equivalence margin: any difference is smaller); else
+  "undecided", with the steps per run (or the blocks) that the observed spread would need to decide (the
+  interval narrows as 1 / sqrt(n)).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from statistics import NormalDist
 
@@ -94,7 +100,8 @@ def summarize(times: list[float]) -> dict:
     }
 
 
-def _mann_whitney_counts(m: int, n: int) -> list[int]:
+@functools.lru_cache(maxsize=256)
+def _mann_whitney_counts(m: int, n: int) -> tuple[int, ...]:
     """The number of orderings of m + n values giving U = 0 .. m*n: the coefficients of the Gaussian
     binomial [m + n choose m]_q, built as prod_i (1 - q^(n+i)) / (1 - q^i) (each partial product a
     polynomial), exact in integers."""
@@ -108,10 +115,21 @@ def _mann_whitney_counts(m: int, n: int) -> list[int]:
         for d in range(i, len(grown)):  # divided by (1 - q^i)
             grown[d] += grown[d - i]
         poly = grown[:size]
-    return poly
+    return tuple(poly)
 
 
 def _rank_cut(m: int | list[int], n: int | list[int], level: float) -> tuple[int, float, bool]:
+    if isinstance(m, int) or len(m) == 1:  # one stratum: a function of its sizes alone, cached
+        return _rank_cut_one(m if isinstance(m, int) else m[0], n if isinstance(n, int) else n[0], level)
+    return _rank_cut_strata(m, n, level)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_cut_one(m: int, n: int, level: float) -> tuple[int, float, bool]:
+    return _rank_cut_strata([m], [n], level)
+
+
+def _rank_cut_strata(m: int | list[int], n: int | list[int], level: float) -> tuple[int, float, bool]:
     """(k, coverage, exact): the interval on the shift is the k-th smallest and k-th largest of the
     pairwise differences, with k the largest whose coverage 1 - 2 P(U <= k - 1) reaches `level` (k = 1,
     the extreme differences, with the coverage it has where none reaches it). Lists of sizes: strata
@@ -147,12 +165,15 @@ def rounds_of(times) -> list[list[float]]:
 
 
 def ratio_interval(a, b, level: float = LEVEL) -> dict:
-    """Run a's step time over run b's: {ratio, low, high, coverage, exact, n_a, n_b, rounds} (the
-    Hodges-Lehmann ratio of the log step times with its Mann-Whitney interval; coverage exact where
-    `exact`). a and b: flat lists, or one list per round (runs measured in alternating rounds): then the
-    pairs are taken within each round only (stratified), so a load that differs between rounds cancels;
-    where no ratio lies in every round's own interval (load differed within a round: the rounds
-    disagree), the interval is the hull of the rounds' intervals, at the least coverage among them."""
+    """Run a's step time over run b's: {ratio, low, high, coverage, exact, n_a, n_b, rounds}. a and b: flat
+    lists (one launch each): the Hodges-Lehmann ratio of the log step times with its Mann-Whitney interval
+    (coverage exact where `exact`), which knows nothing of the load the launch shared. Or one list per
+    block (rounds of launches, or interleaved turns, measured close together in time): then the block is
+    the unit of replication, and the interval is across blocks (measure.blocks: the sign test's on the
+    median block ratio, or Student's t with fewer blocks, `method`; each block's own ratio in
+    block_ratios)."""
+    from harness.measure.blocks import blocked_interval
+
     ra, rb = rounds_of(a), rounds_of(b)
     if len(ra) != len(rb):  # rounds that do not pair up: pooled
         ra, rb = [[x for r in ra for x in r]], [[x for r in rb for x in r]]
@@ -161,15 +182,9 @@ def ratio_interval(a, b, level: float = LEVEL) -> dict:
     strata = [(x, y) for x, y in zip(la, lb, strict=True) if x and y]
     if not strata:
         raise ValueError("ratio_interval needs a positive step time in each run")
-    out = _interval_of(strata, level)
-    if len(strata) > 1:  # rounds: a shift the same in every round, or the load differed within one
-        each = [_interval_of([st], level) for st in strata]
-        out["round_ratios"] = [r["ratio"] for r in each]
-        if max(r["low"] for r in each) > min(r["high"] for r in each):  # no ratio every round's interval holds
-            low, high = min(r["low"] for r in each), max(r["high"] for r in each)
-            out.update(low=min(low, out["low"]), high=max(high, out["high"]), coverage=min(r["coverage"] for r in each))
-            out["rounds_disagree"] = True
-    return out
+    if len(strata) == 1:
+        return {**_interval_of(strata, level), "method": "rank"}
+    return blocked_interval(strata, level, _interval_of, median_interval)
 
 
 def _interval_of(strata: list[tuple[list[float], list[float]]], level: float) -> dict:
@@ -197,25 +212,28 @@ def min_steps(level: float = LEVEL) -> int:
 
 def decide(interval: dict, level: float = LEVEL, resolution: float = RESOLUTION) -> dict:
     """The verdict on a ratio interval (ratio_interval's): `interval` plus verdict ("faster": a is faster
-    than b, "slower", "not distinguishable", "undecided"), resolution, level and, where undecided,
-    steps_needed: the steps per run at which an interval of the observed spread would decide (exclude 1,
-    or fit within the resolution around an estimate that stays where it is)."""
+    than b, "slower", "not distinguishable": the interval within the equivalence margin `resolution` either
+    way, "undecided"), resolution, level and, where undecided, steps_needed (one block: the steps per run)
+    or blocks_needed (measured in blocks: the rounds or turns), at which an interval of the observed spread
+    would decide (exclude 1, or fit within the margin around an estimate that stays where it is)."""
+    from harness.measure.blocks import blocks_needed
+
     est, low, high, cov = interval["ratio"], interval["low"], interval["high"], interval["coverage"]
     band = math.log1p(resolution)
-    out = {**interval, "level": level, "resolution": resolution, "steps_needed": None}
+    out = {**interval, "level": level, "resolution": resolution, "steps_needed": None, "blocks_needed": None}
     if cov >= level and high < 1:
         return {**out, "verdict": "faster"}
     if cov >= level and low > 1:
         return {**out, "verdict": "slower"}
     if cov >= level and low >= 1 / (1 + resolution) and high <= 1 + resolution:
         return {**out, "verdict": "not distinguishable"}
+    if interval.get("rounds", 1) > 1:  # the blocks, not the steps in each, replicate the load
+        return {**out, "verdict": "undecided", "blocks_needed": blocks_needed(interval, level, resolution)}
     half = max(math.log(high / est), math.log(est / low), 1e-12)
     e = abs(math.log(est))
     target = max(e, band - e)
     n = 2 * interval["n_a"] * interval["n_b"] / (interval["n_a"] + interval["n_b"])
     needed = max(min_steps(level), math.ceil(n * (half / target) ** 2)) if target > 0 else None
-    if interval.get("rounds_disagree"):  # the load, not the steps' count, widened it
-        needed = None
     return {**out, "verdict": "undecided", "steps_needed": needed}
 
 
@@ -232,20 +250,28 @@ def widen(interval: dict, factor: float) -> dict:
     return {**interval, "low": interval["low"] / factor, "high": interval["high"] * factor, "drift_factor": factor}
 
 
-def verdict_text(d: dict, a: str = "", b: str = "") -> str:
-    """'slower: 1.78x [1.45, 2.10] (95.0%)', with 'would need ~40 steps per run' where undecided."""
+BLOCK_METHODS = {
+    "sign": "the order-statistic interval of the median of the {r} {unit}s' own ratios (sign test, exact)",
+    "t": "Student's t on the mean of the {r} {unit}s' own log ratios, {df} df, coverage nominal",
+}
+
+
+def verdict_text(d: dict, a: str = "", b: str = "", unit: str = "round") -> str:
+    """'slower: 1.78x [1.45, 2.10] (95%)', with 'would need ~40 steps per run' where undecided; measured in
+    blocks (`unit`: round or turn), how the interval was taken across them."""
     drift = f", widened by the measured load drift {d['drift_factor']:.2f}x" if d.get("drift_factor") else ""
-    drift += f", pairs within each of {d['rounds']} rounds" if d.get("rounds", 1) > 1 else ""
-    if d.get("rounds_disagree"):
-        shown = ", ".join(f"{r:.2f}x" for r in d["round_ratios"])
-        drift += f"; the rounds disagree ({shown}): the hull of their intervals"
+    r, unit = d.get("rounds", 1), d.get("unit") or unit
+    if r > 1 and d.get("method") in BLOCK_METHODS:
+        drift += ", " + BLOCK_METHODS[d["method"]].format(r=r, unit=unit, df=r - 1)
+        drift += " (floored at the within-round spread)" if d.get("floored") else ""
     shown = f"{d['ratio']:.3f}x [{d['low']:.3f}, {d['high']:.3f}] ({coverage_text(d['coverage'])}{drift})"
     who = f"{a} against {b}: " if a and b else ""
     text = f"{who}{d['verdict']}: {shown}"
     if d["verdict"] == "not distinguishable":
-        text += f", any difference under {100 * d['resolution']:g}%"
+        text += f", any difference under {100 * d['resolution']:g}% (the equivalence margin)"
     if d["verdict"] == "undecided" and d.get("steps_needed"):
         text += f"; would need ~{d['steps_needed']} measured steps per run"
-    elif d["verdict"] == "undecided" and d.get("rounds_disagree"):
-        text += "; load differed within a round: more rounds or a quieter machine would decide, not more steps"
+    elif d["verdict"] == "undecided" and d.get("blocks_needed"):
+        more = " (more rounds decide, not more steps in each)" if unit == "round" else ""
+        text += f"; would need ~{d['blocks_needed']} {unit}s{more}"
     return text

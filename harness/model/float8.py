@@ -1,44 +1,29 @@
 """FP8 GEMMs in the linear layers, through torchao.float8 (precision fp8; the policy itself is
 harness/model/training.py's PrecisionPolicy): which linears are converted, the torchao config
-of a recipe, the backend this machine runs the FP8 matmul with, and the conversion.
+of a recipe, the backend this machine runs the FP8 matmul with, and the conversion. The recipe
+mxfp8 (block-scaled, torchao's MXFP8 linear) is harness/model/mxfp8.py's, dispatched from here.
 
-torchao is imported here only, lazily (a run that asks for no FP8 never imports it), with its
+torchao is imported here and in mxfp8.py only, lazily (a run that asks for no FP8 never imports it), with its
 import-time noise silenced: on a CPU-only or older-torch machine it logs failed loads of its CUDA
 extensions, which the FP8 training path does not use (float8 is pure PyTorch over torch._scaled_mm).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import logging
-import warnings
 
 import torch
 import torch.nn as nn
 
 from harness.measure.ranges import FP8_CAST
+from harness.model.torchao_quiet import quiet as _quiet
 
 ALIGN = 16  # torch._scaled_mm: both dims of each FP8 operand a multiple of 16
+MXFP8 = "mxfp8"  # the block-scaled recipe (harness/model/mxfp8.py); the others are Float8LinearConfig's
 HEAD_NAME = "output"  # the LM head (harness.model.llama.Llama.output)
-
-
-@contextlib.contextmanager
-def _quiet():
-    """torchao's import logs failed .so loads and torch's pytree deprecation notices: not errors of
-    the FP8 path, kept out of the run's output."""
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
+# a MoE's router: harness.model.moe.MoEFeedForward.router, DeepSpeed's TopKGate.wg (deepspeed/experts.py)
+ROUTER_NAMES = ("router", "wg")
 
 
 @functools.cache
@@ -102,6 +87,25 @@ def backend(device_type: str) -> str:
     return "scaled_mm"
 
 
+def align(recipe: str) -> int:
+    """What a converted linear's in and out features must be multiples of under `recipe`: torch._scaled_mm's
+    16, or MXFP8's scale block (32) along each GEMM's reduction dim."""
+    if recipe == MXFP8:
+        from harness.model import mxfp8
+
+        return mxfp8.BLOCK
+    return ALIGN
+
+
+def recipe_backend(recipe: str, device_type: str) -> str:
+    """How this machine runs `recipe`'s GEMMs: backend() for torchao.float8's, mxfp8.backend() for MXFP8's."""
+    if recipe == MXFP8:
+        from harness.model import mxfp8
+
+        return mxfp8.backend(device_type)
+    return backend(device_type)
+
+
 def config(recipe: str, device_type: str, fsdp_all_gather: bool = False):
     """torchao's Float8LinearConfig for `recipe` (Float8LinearConfig.from_recipe_name), emulated where
     backend() says so, with FSDP2's FP8 all-gather when asked (tensorwise only: torchao's weight
@@ -113,27 +117,35 @@ def config(recipe: str, device_type: str, fsdp_all_gather: bool = False):
     )
 
 
-def converts(module: nn.Module, fqn: str) -> bool:
+def converts(module: nn.Module, fqn: str, multiple: int = ALIGN) -> bool:
     """Which linears run their GEMMs in FP8 (torchtitan's float8 converter's filter):
 
     - not the LM head: its output is the logits, whose softmax cross-entropy over the whole vocabulary
       needs more than e4m3's 3 mantissa bits (torchtitan's Float8 converter leaves `output` out too);
-    - only linears whose in and out features are multiples of 16: torch._scaled_mm (cuBLASLt's FP8
-      GEMM) needs both dims of each FP8 operand divisible by 16, and padding them would change the
-      GEMM's shape from the one the reference and the planner count.
+    - not a MoE's router (torchtitan's filter leaves `router.gate` out): routing is in fp32 in every
+      engine (its logits through F.linear on the fp32 weight, harness.model.moe.route), so a converted
+      router would be a Float8Linear whose FP8 forward never runs; an e4m3 logit would move top-k choices;
+    - only linears whose in and out features are multiples of 16 (`multiple`: align(recipe)): torch._scaled_mm
+      (cuBLASLt's FP8 GEMM) needs both dims of each FP8 operand divisible by 16 (MXFP8: by its block, 32),
+      and padding them would change the GEMM's shape from the one the reference and the planner count.
     Attention's core and the norms are no linears: they stay in bf16.
     """
     return (
         isinstance(module, nn.Linear)
-        and fqn.split(".")[-1] != HEAD_NAME
-        and module.in_features % ALIGN == 0
-        and module.out_features % ALIGN == 0
+        and fqn.split(".")[-1] not in (HEAD_NAME, *ROUTER_NAMES)
+        and module.in_features % multiple == 0
+        and module.out_features % multiple == 0
     )
 
 
 def convert(module: nn.Module, recipe: str, device_type: str, fsdp_all_gather: bool = False) -> nn.Module:
     """torchao's convert_to_float8_training over `module` (in place; returns it): every linear
-    `converts` accepts becomes a Float8Linear sharing its weight Parameter (names and values kept)."""
+    `converts` accepts becomes a Float8Linear sharing its weight Parameter (names and values kept); under
+    mxfp8 an MXFP8 linear (harness.model.mxfp8.Linear), the same way (no FP8 all-gather: the spec refuses it)."""
+    if recipe == MXFP8:
+        from harness.model import mxfp8
+
+        return mxfp8.convert(module, functools.partial(converts, multiple=mxfp8.BLOCK), device_type)
     f8 = torchao_float8()
     return f8.convert_to_float8_training(
         module, config=config(recipe, device_type, fsdp_all_gather), module_filter_fn=converts
@@ -141,16 +153,23 @@ def convert(module: nn.Module, recipe: str, device_type: str, fsdp_all_gather: b
 
 
 def float8_linears(module: nn.Module) -> list[nn.Module]:
-    """The converted linears in `module` (none before torchao is imported: nothing was converted)."""
+    """The converted linears in `module`: torchao's Float8Linear and the MXFP8 linears."""
+    from harness.model import mxfp8
+
     f8 = torchao_float8()
-    return [m for m in module.modules() if isinstance(m, f8.float8_linear.Float8Linear)]
+    return [m for m in module.modules() if isinstance(m, (f8.float8_linear.Float8Linear, mxfp8.Linear))]
 
 
 def matmul(recipe: str, device_type: str):
     """x @ weight.t() with torchao's FP8 autograd function (matmul_with_hp_or_float8_args: dynamic
     casts of the input, the weight and, in backward, the output gradient), for linears that are not
     nn.Linear modules (the own engine's sharded Weight). Its configs are a Float8Linear's own, built by
-    torchao from `recipe` on a meta Linear, so the matmul is exactly what a converted nn.Linear runs."""
+    torchao from `recipe` on a meta Linear, so the matmul is exactly what a converted nn.Linear runs
+    (mxfp8: harness.model.mxfp8.matmul, the one its Linear runs)."""
+    if recipe == MXFP8:
+        from harness.model import mxfp8
+
+        return mxfp8.matmul(device_type)
     f8 = torchao_float8()
     with torch.device("meta"):
         linear = nn.Linear(ALIGN, ALIGN, bias=False)

@@ -14,8 +14,9 @@ optimizer, where bf16 parameters get an fp32 main_grad buffer and fp32 master sh
 
 Under fp8 (torchtitan's policy) everything is bf16's, and the GEMMs of the linear layers run in
 FP8: torchao's convert_to_float8_training with the workload's fp8_recipe (tensorwise or rowwise,
-dynamic scales) over the linears harness.model.float8.converts accepts (not the LM head; dims
-multiples of 16). Attention's core, the norms, the embedding and the head stay bf16; the FP8
+dynamic scales; mxfp8: torchao's MXFP8 linear, harness/model/mxfp8.py) over the linears
+harness.model.float8.converts accepts (not the LM head nor a router; dims multiples of 16, of 32
+under mxfp8). Attention's core, the norms, the embedding and the head stay bf16; the FP8
 casts are transient (torchao saves the bf16 input and weight for backward), so nothing FP8
 persists between steps except, under FSDP2's FP8 all-gather, each weight's precomputed scale.
 """
@@ -30,6 +31,8 @@ import torch
 from harness.model.kernels import Kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CONVERT_WORDS = "torchao convert_to_float8_training"
+MXFP8_WORDS = "torchao's MXFP8 linear: e4m3 elements, an e8m0 scale per block of 32"
 COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # precision -> parameters' dtype
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -45,15 +48,15 @@ class PrecisionPolicy:
     grad_accum: torch.dtype  # gradients summed over micro-batches
     grad_reduce: torch.dtype  # gradients reduced across data-parallel ranks
     optimizer_states: torch.dtype = torch.float32
-    fp8: str | None = None  # torchao's recipe for the linear layers' GEMMs (tensorwise, rowwise); None: no FP8
+    fp8: str | None = None  # torchao's recipe for the linear layers' GEMMs (tensorwise, rowwise, mxfp8); None: no FP8
 
     def describe(self) -> str:
         """The policy in one sentence, the same for every engine that runs it."""
         if self.master is None:
             return "fp32 throughout: parameters, gradients, optimizer states and every collective"
         fp8 = (
-            f"; the linear layers' GEMMs in FP8 (torchao convert_to_float8_training, {self.fp8} dynamic scaling, "
-            "not the LM head), attention and norms in bf16"
+            f"; the linear layers' GEMMs in FP8 ({MXFP8_WORDS if self.fp8 == 'mxfp8' else CONVERT_WORDS}, "
+            f"{self.fp8} dynamic scaling, not the LM head), attention and norms in bf16"
             if self.fp8
             else ""
         )
@@ -103,12 +106,12 @@ class PrecisionPolicy:
         return out
 
     def fp8_backend(self, device_type: str) -> str | None:
-        """How this machine runs the FP8 GEMMs (harness.model.float8.backend), None without FP8."""
+        """How this machine runs the FP8 GEMMs (harness.model.float8.recipe_backend), None without FP8."""
         if not self.fp8:
             return None
         from harness.model import float8
 
-        return float8.backend(device_type)
+        return float8.recipe_backend(self.fp8, device_type)
 
 
 def precision_policy(workload) -> PrecisionPolicy:

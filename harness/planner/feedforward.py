@@ -191,7 +191,7 @@ def folded_share(lay: PlannerLayout) -> float:
 
 def busiest(lay: PlannerLayout) -> float:
     """The factor on the tokens of the slowest expert-parallel rank (1 without expert parallelism)."""
-    return IMBALANCE if lay.ep > 1 else 1.0
+    return IMBALANCE if lay.ep > 1 and not lay.moe_balanced else 1.0  # moe_balanced: forced balanced routing
 
 
 @functools.lru_cache(maxsize=256)
@@ -229,7 +229,13 @@ class MoE:
         # permuted (local), received (tp-gathered; folded, expert_tp 1: the rank's own share), combined (local)
         # Megatron-core's permute is an index_select, which keeps its indices, not the permuted tokens
         permuted = 0.0 if lay.engine == "megatron" else 1 / sp
-        dispatch = slots * shape.hidden * B * (permuted + folded_share(lay) + 1 / sp)
+        # Transformer Engine's GroupedLinear (v2.9, grouped_linear.py) saves the experts' fc1 input, the received
+        # tokens, in fp8 (its columnwise copy only); fp8.saved_input_saving counts a dense FC1's normalised input
+        # instead, which a MoE layer's router keeps in B: that saving is given back here
+        te_fp8 = lay.engine == "megatron" and lay.precision == "fp8"
+        received = (1 if te_fp8 else B) * folded_share(lay)
+        given_back = te_fp8 * (B - 1) * n * shape.hidden / sp
+        dispatch = slots * shape.hidden * (B * (permuted + 1 / sp) + received) + given_back
         swiglu = 4 * slots * shape.moe_ffn / t * B
         local = n / sp
         router = local * shape.experts * (4 + 4 + 1) + local * shape.experts_per_token * (4 + 8)

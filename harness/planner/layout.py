@@ -75,8 +75,8 @@ def planner_engines() -> tuple[str, ...]:
 # A PlannerLayout holds every field of harness.spec.Layout, by the same name (a field added there reaches the
 # planner, from_spec and to_spec as it is), but those the planner does not model: the own engine's pipeline
 # transfers and DP buckets, DeepSpeed's config and model implementation, FSDP2's FP8 all-gather (assumed
-# under fsdp with tensorwise FP8: fp8.py).
-UNMODELLED = ("pipeline_p2p", "dp_bucket_mb", "ds_config", "model_impl", "fp8_all_gather")
+# under fsdp with tensorwise FP8: fp8.py), and DeepSpeed's MoE layer (both hold E/ep experts a rank).
+UNMODELLED = ("pipeline_p2p", "dp_bucket_mb", "ds_config", "model_impl", "fp8_all_gather", "ds_moe")
 # Given by every caller, positionally in this order: the degrees a candidate is enumerated over.
 REQUIRED = ("tp", "pp", "dp", "micro_batch_size")
 # Where the planner's default is not the spec's: the study's engine (engine: whose memory the planner models,
@@ -140,6 +140,23 @@ class PlannerOwn:
     # they are, not repeated to every head, and under cp its own ring (AttnFuncWithCPAndKVP2P: the local q, k,
     # v, output and log-sum-exp saved, the k/v chunks passed round again in backward), not the own engine's.
     te_attention: bool = False
+    # torch.distributed.pipelining's last stage keeping every micro-batch's output (the logits) to the step's
+    # end for the step's return (stage.output_chunks): schedule.step() without return_outputs=False, as
+    # torchtitan ran until 2025-10 (e5ef99a, "Update PP to release memory earlier"); the harness passes False.
+    pp_outputs_kept: bool = False
+    # Megatron's account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split: the embedding
+    # (the loss) takes one layer's slot of the even split, so the first (last) pipeline chunk builds one layer
+    # fewer (transformer_config.py, get_num_layers_to_build): how 94 layers split over 8 x 4 chunks.
+    split_counts_embedding: bool = False
+    split_counts_loss: bool = False
+    # Megatron's moe_router_force_load_balancing (the NVIDIA MoE benchmark recipes set it): every expert the
+    # same tokens, so no rank is the busiest (feedforward.IMBALANCE not applied).
+    moe_balanced: bool = False
+    # Megatron's overlap_moe_expert_parallel_comm (Megatron-Bridge's moe_a2a_overlap): the interleaved schedule
+    # runs one more warm-up micro-batch so that each 1F1B step's forward and backward are independent
+    # (pipeline_parallel/schedules.py, get_pp_rank_microbatches): one chunk more in flight. Its hiding of the
+    # expert all-to-all behind the other micro-batch's compute is not in the time model.
+    moe_a2a_overlap: bool = False
 
 
 _SPEC_FIELDS = [f for f in dataclasses.fields(SpecLayout) if f.name not in UNMODELLED]

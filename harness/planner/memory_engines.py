@@ -45,7 +45,7 @@ from harness.planner import memory_recipes as recipes
 from harness.planner import memory_terms as terms
 from harness.planner.context import cp_attention_bytes
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
-from harness.planner.memory_fsdp import fsdp_step_bytes
+from harness.planner.memory_fsdp import fsdp_step_bytes, one_round_chunks
 from harness.registry import MemoryModel
 
 __all__ = ["engine_layer_bytes", "engine_stage_items", "engine_stage_memory", "model_states"]
@@ -138,13 +138,18 @@ def engine_stage_items(shape: Shape, lay: PlannerLayout, seq_len: int) -> tuple[
     """(has_embedding, layers, has_lm_head) per pipeline rank, as the engine partitions: the own
     engine (and DeepSpeed, FSDP2) balanced by cost over pp x virtual_stages chunks, chunk c of rank r
     is stage c * pp + r; Megatron-core uniformly, layers / (pp x virtual_stages) per chunk."""
-    return _stage_items_of(shape, lay.engine, lay.pp, lay.pipeline_schedule, lay.virtual_stages, seq_len)
+    split = (lay.split_counts_embedding, lay.split_counts_loss)
+    return _stage_items_of(shape, lay.engine, lay.pp, lay.pipeline_schedule, lay.virtual_stages, seq_len, split)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_items_of(shape: Shape, engine: str, pp: int, schedule: str, virtual_stages: int, seq_len: int) -> tuple:
+def _stage_items_of(
+    shape: Shape, engine: str, pp: int, schedule: str, virtual_stages: int, seq_len: int, split=(False, False)
+) -> tuple:
     if memory_model(engine).layer_split == "even":
-        return _uniform_stage_items(shape.layers, pp)
+        emb, loss = split  # a slot each of the even split (PlannerLayout.split_counts_*): one layer fewer there
+        items = _uniform_stage_items(shape.layers + emb + loss, pp)
+        return tuple((e, n - emb * e - loss * h, h) for e, n, h in items)
     chunks = schedules.chunks(schedule, virtual_stages)
     return _engine_stage_items(shape, pp, chunks, seq_len, schedule in schedules.V_SCHEDULES)
 
@@ -368,7 +373,12 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     ce_kept, ce_extra = loss_bytes(shape, lay, wl) if has_head else (0.0, 0.0)
     head = _norm_bytes(lay, n, h, B, sp) + ce_kept if has_head else 0.0
     micro += head
+    chunks = one_round_chunks(shape, lay, wl, stage)  # torch's one-round interleaved order (memory_fsdp)
+    if chunks:  # the chunk whose first backward holds the most: its activations in flight and its gradients
+        k, chunk_grads = max(chunks, key=lambda kg: kg[0] * micro + kg[1])
     held = k * micro
+    if has_head:  # every micro-batch's logits, kept for the pipeline step's return (memory_recipes)
+        held += recipes.kept_outputs_bytes(lay, n, shape.vocab, B, m, lay.tp if _loss_parallel(lay) else 1)
     if head and k > 1 and lay.pipeline_schedule != "gpipe":
         # the LM head's state lives for one micro-batch: the last chunk's forward is followed at once by
         # its backward (interleaved: after the warm-up of the other chunks; the V schedules' rank 0)
@@ -415,7 +425,7 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     if fsdp is not None:
         parts["weights"] += fsdp["gathered"]
         if fsdp["accumulated"]:  # pipelined: the unsharded accumulation, not yet the sharded gradient
-            parts["gradients"] = fsdp["accumulated"]
+            parts["gradients"] = chunk_grads if chunks else fsdp["accumulated"]
         parts["gradients"] += fsdp["reduce_scatter"]
         # all of it comes and goes within a step: the gathered parameters at every all-gather, the
         # reduce-scatter buffers, and the gradients (the sharded ones freed by

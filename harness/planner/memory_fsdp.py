@@ -4,8 +4,10 @@ to a stage's memory."""
 
 from __future__ import annotations
 
+import functools
+
 from harness.model.presets import Shape
-from harness.planner import feedforward, fp8
+from harness.planner import feedforward, fp8, schedules
 from harness.planner import memory_terms as terms
 from harness.planner.layout import PlannerLayout, Workload
 
@@ -50,6 +52,9 @@ def fsdp_step_bytes(
                       reshards it (reshard_after_forward): between two backwards all are gathered
       reduce_scatter  none while micro-batches are in flight
 
+    With several chunks a rank, each chunk's accumulation is reduced after its own last backward; in one round of
+    torch's ScheduleInterleaved1F1B that leaves one chunk's alive at a time (one_round_chunks).
+
     The planner's workload carries the default precision policy: compute dtype = the workload's,
     reduction in fp32; under fp8 the blocks' linear weights are gathered in fp8 (fp8.py)."""
     B, t = wl.dtype_bytes, lay.tp
@@ -77,3 +82,34 @@ def fsdp_step_bytes(
         "accumulated": accumulated * 4 if piped else 0.0,
         "after_loss": (n * V * B / loss_shards + vocab * B) if has_head else 0.0,
     }
+
+
+def one_round_chunks(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> list[tuple[float, float]] | None:
+    """(in flight, accumulated gradient bytes) at each chunk's first backward on pipeline rank `stage` of engine
+    fsdp under torch's interleaved order in one round (m < 2 pp), else None. torch.distributed.pipelining
+    reduces a stage's gradients right after its last backward (schedules._add_reduce_grad: REDUCE_GRAD ->
+    stage.perform_reduce_grad, FSDP2's post_backward with set_reshard_after_backward(True)), and in one round
+    a rank runs each chunk's backwards back to back (schedules.chunk_in_flight), so only that chunk's unsharded
+    gradients live: its blocks', the embedding's whole table on the first stage, the LM head and final norm's on
+    the last (fsdp_step_bytes' accumulated, per chunk)."""
+    pp, v, m = lay.pp, lay.virtual_stages, wl.micro_batches(lay)
+    if lay.engine != "fsdp" or pp == 1 or lay.pipeline_schedule != "interleaved" or v < 2 or m // pp > 1:
+        return None
+    h, V, t = shape.hidden, shape.vocab, lay.tp
+    block = terms.stage_params(shape, False, 1, False, t, lay.ep)
+    parts = _layers_per_stage(shape, pp * v, wl.seq_len)
+    out = []
+    for c in range(v):
+        emb = V * h if c == 0 and stage == 0 else 0.0  # the whole table under TP (see fsdp_step_bytes)
+        head = V * h / t + h if c == v - 1 and stage == pp - 1 else 0.0
+        grads = 4 * (emb + head + parts[c * pp + stage] * block)
+        out.append((schedules.chunk_in_flight(v, pp, stage, m, c), grads))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _layers_per_stage(shape: Shape, stages: int, seq_len: int) -> tuple[int, ...]:
+    """Layers of each of the engine's stages (its balanced partition, as memory_engines splits them)."""
+    from harness.engine.partition import balanced_partition
+
+    return tuple(len(part) for part in balanced_partition(shape, stages, seq_len))

@@ -1,7 +1,8 @@
 """The memory settings published recipes name beyond the harness's engines' own (PlannerLayout's
 selective_policy, recompute_layers, offload_layers, fp8_params, main_grads, fused_swiglu, fp8_transpose,
-loss_fusion, te_attention), each a term read from the framework's source, none fitted; memory_engines adds
-them to a stage's memory (te_attention in its attention terms), features.py the recomputation's time.
+loss_fusion, te_attention, pp_outputs_kept), each a term read from the framework's source, none fitted;
+memory_engines adds them to a stage's memory (te_attention in its attention terms), features.py the recomputation's
+time.
 
 - selective_policy "per_op": torchtitan's op-level selective checkpointing (parallelize_llama.py,
   _apply_ac_to_transformer_block with selective_ac_option "op"; ba24697 of 2024-12): inside a
@@ -29,6 +30,11 @@ them to a stage's memory (te_attention in its attention terms), features.py the 
 - loss_fusion: Megatron's cross_entropy_loss_fusion (fused_vocab_parallel_cross_entropy, or Transformer
   Engine's parallel_cross_entropy under cross_entropy_fusion_impl "te") takes the logits as they are,
   without the fp32 copy the unfused loss makes (logits.float()), and saves its softmax in their dtype.
+- pp_outputs_kept: torch.distributed.pipelining's last stage appends each micro-batch's output to
+  stage.output_chunks in its forward (stage.py, forward_one_chunk) and keeps them for step()'s merged
+  return until the next step clears them, unless step(return_outputs=False) (torch PR 165822); torchtitan
+  passed it from 2025-10 (e5ef99a, "Update PP to release memory earlier"), so its 2024-12 runs kept the
+  logits of every micro-batch of the step on the last stage: m x n x V / t (loss_parallel's shard) bytes.
 - fused_swiglu: Megatron's bias_activation_fusion (bias_swiglu_impl) saves the fused op's input
   (fc1's 2 x ffn output) only, where the eager SwiGLU also keeps silu's output and the product.
 """
@@ -119,3 +125,9 @@ def fused_loss_bytes(n: float, V: int, B: int, shards: int) -> tuple[float, floa
     """(kept, extra) of a fused cross-entropy per micro-batch of n tokens (loss_fusion): its softmax kept
     in the logits' dtype, and at its forward the logits beside it, over `shards` vocabulary shards."""
     return B * n * V / shards + 9 * n, B * n * V / shards
+
+
+def kept_outputs_bytes(lay: PlannerLayout, n: float, V: int, B: int, m: int, shards: int) -> float:
+    """The logits of all `m` micro-batches of n tokens that the last pipeline stage keeps to the step's end
+    under pp_outputs_kept (module docstring), `shards` vocabulary shards; 0 without a pipeline."""
+    return (lay.pp_outputs_kept and lay.pp > 1) * m * n * V / shards * B

@@ -52,7 +52,8 @@ def stage_params(shape: Shape, has_emb: bool, layers: int, has_head: bool, tp: i
 def in_flight(lay: PlannerLayout, stage: int, m: int) -> float:
     """Micro-batches (in units of the stage's layers) whose activations a stage holds at peak
     (the schedule's: harness/planner/schedules.py)."""
-    return schedules.in_flight(lay.pipeline_schedule, lay.virtual_stages, lay.pp, stage, m)
+    extra = int(lay.moe_a2a_overlap)  # Megatron's one more warm-up micro-batch (PlannerLayout.moe_a2a_overlap)
+    return schedules.in_flight(lay.pipeline_schedule, lay.virtual_stages, lay.pp, stage, m, extra)
 
 
 def muon_matrix_params(shape: Shape, layers: int, tp: int, ep: int = 1) -> tuple[float, float]:

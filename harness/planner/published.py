@@ -8,8 +8,9 @@ filled by the rules below, the same for every row, each from the data's README o
 - sequence: torchtitan's tables omit it; its Llama 3 8B default is 8192.
 - batch: torchtitan rows give the local batch per data-parallel rank (mbs), no accumulation, so
   the global batch is mbs x dp when not stated; a row with neither trains one sequence per rank.
-  With a pipeline torchtitan splits the local batch into micro-batches of one sequence (its
-  pipeline_parallel_microbatch_size default); its sharding group is its fsdp column x cp (it shards
+  With a pipeline torchtitan splits the local batch into the row's pipeline_parallel_microbatches
+  (at the 2024-12 benchmark's commit 9dec370 its default, the pp degree: pipelining_utils.py,
+  build_pipeline_schedule; one sequence each without the setting); its sharding group is its fsdp column x cp (it shards
   over the dp_shard x cp mesh).
 - recompute: empty means none (Megatron-Bridge's recipes set none for 70B/405B; its 8B FP8
   recipe recomputes 5 layers fully, which the planner cannot express: that row is planned without).
@@ -32,8 +33,11 @@ filled by the rules below, the same for every row, each from the data's README o
   README, in the source's own words (SETTINGS maps each to the planner's field, memory_recipes.py
   models it): Megatron's recompute_num_layers (recompute_method block), cpu_offloading_num_layers,
   fp8_param_gather (NeMo: fp8_params), grad_reduce_in_fp32 (NeMo: optim.grad_sync_dtype),
-  bias_activation_fusion, cross_entropy_loss_fusion; torchtitan's selective_ac_option and
-  reshard_after_forward; Megatron's expert_tensor_parallel_size. A setting the recipe does not state
+  bias_activation_fusion, cross_entropy_loss_fusion, account_for_embedding_in_pipeline_split,
+  account_for_loss_in_pipeline_split, moe_router_force_load_balancing, moe_a2a_overlap; torchtitan's
+  selective_ac_option, reshard_after_forward and pipeline_parallel_microbatches, torch.distributed.pipelining's
+  return_outputs (step()'s, true until torchtitan passed false in 2025-10); Megatron's
+  expert_tensor_parallel_size. A setting the recipe does not state
   is the planner's default.
 - memory: the peak the source publishes, in its unit (torchtitan logs max reserved GiB; torchao's
   README prints GB, taken as 10^9 bytes as printed).
@@ -89,7 +93,7 @@ SYSTEMS = {
     "GB200": "gb200",
 }
 MEMORY_GIB = {"H100 96GB HBM2e 500W": 96e9 / 2**30}  # torchtitan's H100 variant
-NVIDIA = ("megatron-bridge", "nemo", "dgxc-benchmarking")
+NVIDIA = ("megatron-bridge", "nemo", "dgxc-benchmarking", "mlperf-nemo")  # mlperf-nemo: NVIDIA's NeMo implementation
 BLACKWELL = ("b200", "gb200")  # FP8 GEMMs of any operand layout (memory_recipes: fp8_transpose)
 DEFAULT_SEQ = 8192  # torchtitan's Llama 3 8B default
 UNITS = {"GiB": 2**30, "GB": 1e9}
@@ -112,6 +116,13 @@ SETTINGS = {
     "selective_ac_option": lambda v: {"selective_policy": "per_op" if v == "op" else "megatron"},
     "reshard_after_forward": lambda v: {"reshard_after_forward": _on(v)},
     "expert_tensor_parallel_size": lambda v: {},  # read by from_row (layout.expert_tp: parallel folding)
+    "pipeline_parallel_microbatches": lambda v: {},  # read by from_row: the local batch's micro-batch size
+    "return_outputs": lambda v: {"pp_outputs_kept": _on(v)},
+    "account_for_embedding_in_pipeline_split": lambda v: {"split_counts_embedding": _on(v)},
+    "account_for_loss_in_pipeline_split": lambda v: {"split_counts_loss": _on(v)},
+    "moe_router_force_load_balancing": lambda v: {"moe_balanced": _on(v)},
+    "moe_a2a_overlap": lambda v: {"moe_a2a_overlap": _on(v)},
+    "padded_vocab_size": lambda v: {},  # read by from_row: the row's tokenizer, not the preset's (MLPerf's Mixtral one)
 }
 
 
@@ -229,8 +240,8 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
     nvidia = row["source"] in NVIDIA
     mbs = _int(row, "mbs", 1)
     gbs = _int(row, "gbs", mbs * dp)
-    if pp > 1 and not nvidia:
-        mbs = 1  # torchtitan splits the local batch into micro-batches of pipeline_parallel_microbatch_size (1)
+    if pp > 1 and not nvidia:  # torchtitan splits the local batch into pipeline_parallel_microbatches
+        mbs = max(1, mbs // _int(settings(row), "pipeline_parallel_microbatches", mbs))
     shard = _int(row, "fsdp", 0)
     if shard and not nvidia:
         shard *= cp  # torchtitan shards over its dp_shard x cp mesh
@@ -268,6 +279,9 @@ def from_row(row: dict, line: int = 0) -> PublishedRun:
     if nvidia and SYSTEMS.get(system) in BLACKWELL:  # Transformer Engine keeps no fp8 transpose there
         fields["fp8_transpose"] = False
     run.shape = PRESETS[model]
+    vocab = _int(settings(row), "padded_vocab_size", 0)
+    if vocab:
+        run.shape = dataclasses.replace(run.shape, vocab=vocab)
     run.layout = PlannerLayout(**fields)
     run.workload = Workload(_int(row, "seq", DEFAULT_SEQ), gbs)
     run.profile = _profile(system)

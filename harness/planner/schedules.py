@@ -89,18 +89,31 @@ def simulated_factor(schedule: str, pp: int, g_steps: int) -> float:
     return (simulate(all_programs(schedule, pp, m, 2), 1 / 6, 1 / 3, g / 6).finish - m) / base
 
 
-def in_flight(schedule: str, virtual_stages: int, pp: int, stage: int, m: int) -> float:
-    """Micro-batches (in units of the rank's layers) whose activations rank `stage` holds at peak."""
+def in_flight(schedule: str, virtual_stages: int, pp: int, stage: int, m: int, extra_warmup: int = 0) -> float:
+    """Micro-batches (in units of the rank's layers) whose activations rank `stage` holds at peak;
+    `extra_warmup` chunks more in an interleaved warm-up (Megatron's under overlap_moe_expert_parallel_comm)."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
     if schedule in INTERLEAVED and virtual_stages > 1:
         v = virtual_stages  # Megatron's warm-up count, in chunks of 1/v of the stage's layers
-        return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v) / v
+        return min(2 * (pp - stage - 1) + (v - 1) * pp + 1 + extra_warmup, m * v) / v
     if schedule in V_SCHEDULES:  # every rank as 1F1B's first: p micro-batches (DualPipeV p + 1)
         return float(min(pp + EXTRA_IN_FLIGHT.get(schedule, 0), m))
     return float(min(pp - stage, m))  # 1F1B (Narayanan et al. 2021, Sec. 2.2)
+
+
+def chunk_in_flight(virtual_stages: int, pp: int, stage: int, m: int, chunk: int) -> float:
+    """torch's ScheduleInterleaved1F1B in one round (m < 2 pp: number_of_rounds = max(1, m // pp) = 1,
+    microbatches_per_round = m): rank `stage` runs its backwards chunk by chunk, the last chunk's m first
+    (backward_stage_index), after min((v - 1) m + 2 (pp - 1 - stage), m v) warm-up forwards
+    (_get_warmup_ops); at `chunk`'s first backward it holds the forwards done less the backwards done,
+    in units of the rank's layers (a chunk-forward is 1/v of them)."""
+    v = virtual_stages
+    warmup = min((v - 1) * m + 2 * (pp - 1 - stage), m * v)
+    done = (v - 1 - chunk) * m  # backwards of the later chunks before this chunk's first
+    return (min(warmup + 1 + done, m * v) - done) / v
 
 
 def sends_per_micro_batch(schedule: str, virtual_stages: int, pp: int, stage: int) -> int:

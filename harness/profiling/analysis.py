@@ -19,15 +19,18 @@ profiled step):
   not the rest of the step; the host time between the step's ops (the Python of a forward, a
   framework's bookkeeping) is `unattributed`, its own component (and `host_gaps`, the same figure,
   as records before it named it); under FP8 `fp8_cast` the time inside torchao's casts,
-  measure.ranges.FP8_CAST, a part of compute outside the sum; other is the step's remainder before
-  its first op and after its last. compute + optimizer + exposed + bubble (or wait) + unattributed +
-  other = step. pp has no column here: one rank's trace cannot tell a transfer's wait from its peer's
-  lateness (the measured steps' clocks can: record.split_transfers).
+  measure.ranges.FP8_CAST, a part of compute outside the sum; other is the time before the step's
+  first op and after its last. Each is measured as its own intervals, none as the step's rest, so
+  compute + optimizer + exposed + bubble (or wait) + unattributed + other = step holds where the
+  intervals partition the step and fails where they overlap (the report's check). pp has no column
+  here: one rank's trace cannot tell a transfer's wait from its peer's lateness (the measured steps'
+  clocks can: record.split_transfers).
 - cuda: the kernel timeline. NCCL kernels not overlapped by any compute kernel are exposed
   communication (on the axis of the annotated call that launched them; pp and the world's
   reduction: bubble, or wait without a pipeline), kernels launched in the update phase or the
-  optimizer's ranges (as above, on the CPU side) are optimizer, other kernels compute, the step's
-  remainder (device idle) other. Written for NCCL traces and checked on hand-made ones only: not yet run on a GPU.
+  optimizer's ranges (as above, on the CPU side) are optimizer, other kernels compute, the device idle
+  (the step less the union of its kernels, measured) other. Written for NCCL traces and checked on
+  hand-made ones only: not yet run on a GPU.
 
 Collectives per step come from the annotations: the outermost annotated issue of each call
 (waits are not calls), grouped by axis and kind; the harness's own loss reduction under HARNESS
@@ -202,7 +205,10 @@ def cpu_breakdown(trace: dict, pp: int = 1, degrees: dict | None = None) -> dict
         compute = subtract(inside, taken)  # the operators' time: measured, not the rest of the step
         gaps = length(subtract(busy, taken)) - length(compute)  # host time between them: no op covers it
         exposed = relabel(exposed, degrees)
-        step = _assemble(hi - lo, length(compute), length(optimizer), exposed, length(bubble), waiting_key(pp), gaps)
+        outside = hi - lo - length(busy)  # before the step's first op and after its last: measured, not a rest
+        step = _assemble(
+            hi - lo, length(compute), length(optimizer), exposed, length(bubble), waiting_key(pp), outside, gaps
+        )
         step["host_gaps"] = gaps / 1e3
         if casts:  # FP8: its casts' share of compute (outside the sum)
             step["fp8_cast"] = length(subtract(union(clip(casts, lo, hi)), taken)) / 1e3
@@ -217,10 +223,13 @@ def _assemble(
     exposed_ms: dict,
     waiting_us: float,
     waiting: str,
+    other_us: float,
     unattributed_us: float | None = None,
 ) -> dict:
     """One step's components in ms; `waiting` names the time blocked on BUBBLE_AXES (waiting_key);
-    `unattributed_us` the host time between the step's ops (CPU traces), other what lies outside them."""
+    `other_us` what lies outside the step's ops (CPU) or kernels (CUDA: the device idle), measured as those
+    intervals, not as the step's rest (so the components' sum can miss the step: the report's check);
+    `unattributed_us` the host time between the step's ops (CPU traces)."""
     out = {
         "compute": compute_us / 1e3,
         "optimizer": optimizer_us / 1e3,
@@ -230,8 +239,7 @@ def _assemble(
     }
     if unattributed_us is not None:
         out["unattributed"] = unattributed_us / 1e3
-    rest = out["step"] - out["compute"] - out["optimizer"] - out[waiting] - out.get("unattributed", 0.0)
-    out["other"] = max(0.0, rest - sum(exposed_ms.values()))
+    out["other"] = other_us / 1e3
     return out
 
 
@@ -299,6 +307,7 @@ def cuda_breakdown(trace: dict, pp: int = 1, degrees: dict | None = None) -> dic
             if (axis in OPTIONAL or axis not in AXES) and not exposed[axis] and not nccl.get(axis):
                 del exposed[axis]
         exposed = relabel(exposed, degrees)
+        kernels_here = union(clip(compute + optimizer + [s for spans in nccl.values() for s in spans], lo, hi))
         steps.append(
             _assemble(
                 hi - lo,
@@ -307,6 +316,7 @@ def cuda_breakdown(trace: dict, pp: int = 1, degrees: dict | None = None) -> dic
                 exposed,
                 bubble * 1e3,
                 waiting_key(pp),
+                hi - lo - length(kernels_here),  # the device idle, measured
             )
         )
     _, calls = _blocked(mine)

@@ -84,9 +84,23 @@ GROUP_DESC = {
 EXPERT_GROUPS = ("ep", "EXPERT_MODEL_PARALLEL_GROUP")
 
 
-def other(ranks) -> str:
-    """A group that is none of the layout's axes, named by its ranks: 'other [0]'."""
-    return f"other [{','.join(str(r) for r in ranks)}]"
+def other(ranks, dims: ParallelDims | None = None) -> str:
+    """A group that is none of the layout's axes, named by what it is: the axes along which its ranks
+    differ ('pp+dp'), 'part of' them where it holds fewer ranks than they span ('part of dp (2 of 4
+    ranks)'), 'one-rank' for a group of one (it moves nothing); so that the same kind of group on other
+    ranks (the [0,3] and [1,2] groups of one layout) has the same name, and each rank's time in it is
+    averaged over the ranks that belong to one (record._mean_over_ranks). Without `dims`, by its ranks."""
+    if dims is None:
+        return f"other [{','.join(str(r) for r in ranks)}]"
+    if len(ranks) == 1:
+        return "one-rank"
+    coords = [dims.coord(r)._asdict() for r in ranks]
+    axes = [a for a in coords[0] if len({c[a] for c in coords}) > 1]
+    span = 1
+    for a in axes:
+        span *= dims.degree(a)
+    name = "+".join(axes)
+    return name if len(ranks) == span else f"part of {name} ({len(ranks)} of {span} ranks)"
 
 
 class AxisOf:
@@ -98,7 +112,7 @@ class AxisOf:
     axis that spans the world); else the name the group gives itself (the own engine's Mesh names
     its groups by axis, Megatron's by GROUP_DESC); else the axis the engine declares it for
     (`declared`: {axis: [group, ...]}, e.g. DeepSpeed's ZeRO group at dp 1); else WORLD for a
-    whole-world group; else other(ranks)."""
+    whole-world group; else named by the axes its ranks span (other)."""
 
     def __init__(self, dims: ParallelDims, rank: int, declared: dict | None = None):
         self.dims, self.rank = dims, rank
@@ -121,7 +135,7 @@ class AxisOf:
             return self(group)
         mine, theirs = self.dims.coord(self.rank)._asdict(), self.dims.coord(peer)._asdict()
         differ = [a for a in mine if mine[a] != theirs[a]]
-        return differ[0] if len(differ) == 1 else other(sorted({self.rank, peer}))
+        return differ[0] if len(differ) == 1 else other(sorted({self.rank, peer}), self.dims)
 
     def _resolve(self, group) -> str:
         named = getattr(group, "group_desc", None)  # a group that says its axis (the own engine's Mesh)
@@ -141,7 +155,7 @@ class AxisOf:
             return GROUP_DESC[named]
         if id(group) in self._declared:
             return self._declared[id(group)]
-        return WORLD if len(ranks) == self.dims.world else other(ranks)
+        return WORLD if len(ranks) == self.dims.world else other(ranks, self.dims)
 
 
 # name -> (kind, index of the group argument, index of async_op (None: always async), the payload's index)

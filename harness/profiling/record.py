@@ -23,14 +23,15 @@ from collections import defaultdict
 import torch.distributed as dist
 
 from harness.profiling import trace as trace_files
-from harness.profiling.analysis import AXES, mean_step
+from harness.profiling.analysis import AXES, ONE_RANK, mean_step
 from harness.profiling.counters import P2P
 
 
 def from_instrumented(breakdown_s: dict, pp: int | None = None) -> dict:
     """The own engine's counters (seconds: compute, tp_comm, cp_comm under context parallelism, ep_comm
-    under expert parallelism, dp_comm, bubble, optimizer, total) in the breakdown's shape, in ms; other
-    is what they leave of the step. With `pp` 1 the engine's 'bubble' (its wait at the world-wide
+    under expert parallelism, dp_comm, bubble, optimizer, total) in the breakdown's shape, in ms; what
+    they leave of the step is unattributed (no clock covers it: the report shows it apart, no component;
+    negative where clocks overlap). With `pp` 1 the engine's 'bubble' (its wait at the world-wide
     reduction) is 'wait'."""
     ms = {k: v * 1e3 for k, v in breakdown_s.items()}
     cp = {a: ms[f"{a}_comm"] for a in ("cp", "ep") if f"{a}_comm" in ms}  # only where the run has them
@@ -42,8 +43,8 @@ def from_instrumented(breakdown_s: dict, pp: int | None = None) -> dict:
         "bubble": ms.get("bubble", 0.0),
         "step": ms.get("total", 0.0),
     }
-    out["other"] = max(
-        0.0, out["step"] - out["compute"] - out["optimizer"] - out["bubble"] - sum(out["exposed_comm"].values())
+    out["unattributed"] = (
+        out["step"] - out["compute"] - out["optimizer"] - out["bubble"] - sum(out["exposed_comm"].values())
     )
     if pp == 1:
         out = {("wait" if k == "bubble" else k): v for k, v in out.items()}
@@ -61,16 +62,28 @@ def _gather(mine, ctx) -> list:
 ORDER = ("compute", "optimizer", "exposed_comm", "bubble", "wait", "unattributed", "other", "step")
 
 
-def _mean_over_ranks(rows: list[dict]) -> dict:
-    """Component by component, the mean of breakdowns (of ranks, or of steps); a component some
-    rows lack counts 0 there."""
+def every_rank_in_one(axis: str) -> bool:
+    """Whether every rank belongs to one group of `axis`: a layout axis, or axes together ('pp+dp', whose
+    groups partition the world), or the calls on one-rank groups; not a part of an axis's group (annotate.
+    other: 'part of dp (2 of 4 ranks)') nor a group of some stages (Megatron's embedding group)."""
+    return axis == ONE_RANK or all(p in AXES for p in str(axis).split("+"))
+
+
+def _mean_over_ranks(rows: list[dict], ranks: bool = True) -> dict:
+    """Component by component, the mean of breakdowns (of ranks, or of one rank's steps: `ranks` False); a
+    component some rows lack counts 0 there, except, over ranks, a group's exposed communication where not
+    every rank belongs to one (every_rank_in_one): averaged over the ranks that have it (its members), their
+    count under group_members ({axis: [members, ranks]}) where fewer than all."""
     seen = {a for r in rows for a in r["exposed_comm"]}
     axes = [a for a in AXES if a in seen] + sorted(seen - set(AXES))  # an axis no row has: not shown ('-')
     n = len(rows)
     keys = [k for k in ORDER if any(k in r for r in rows)]
     out = {k: sum(r.get(k, 0.0) for r in rows) / n for k in keys if k != "exposed_comm"}
-    out["exposed_comm"] = {a: sum(r["exposed_comm"].get(a, 0.0) for r in rows) / n for a in axes}
-    return {k: out[k] for k in keys}
+    members = {a: n if every_rank_in_one(a) or not ranks else sum(a in r["exposed_comm"] for r in rows) for a in axes}
+    out["exposed_comm"] = {a: sum(r["exposed_comm"].get(a, 0.0) for r in rows) / members[a] for a in axes}
+    out = {k: out[k] for k in keys}
+    fewer = {a: [m, n] for a, m in members.items() if m < n}
+    return {**out, "group_members": fewer} if fewer else out
 
 
 def middle(times: list[float]) -> list[int]:
@@ -138,7 +151,7 @@ def measured_metrics(counted: list[dict], times: list[float], calls: float, ctx)
         posts = [e["posts"][n] for e in everyone_posts] if one_host else None
         waiting = "bubble" if "bubble" in counted[i] else "wait"
         rows_here.append(_in_window(split_transfers(counted[i], rank, posts, waiting), times[i]))
-    mine = _mean_over_ranks(rows_here) if ok else None
+    mine = _mean_over_ranks(rows_here, ranks=False) if ok else None
     everyone = _gather({"breakdown": mine, "calls": calls}, ctx)
     rows = [e["breakdown"] for e in everyone]
     if not all(rows):
@@ -192,7 +205,7 @@ def profile_metrics(profile: dict | None, ctx, trace_dir: str | None, trace_name
         if all(e["fp8_cast"] is not None for e in everyone):
             metrics["compute_fp8_cast_ms"] = sum(e["fp8_cast"] for e in everyone) / len(everyone)
     if all(e["instrumented"] for e in everyone):
-        per_rank = [_mean_over_ranks(e["instrumented"]) for e in everyone]
+        per_rank = [_mean_over_ranks(e["instrumented"], ranks=False) for e in everyone]
         metrics.update(breakdown_instrumented_ms=_mean_over_ranks(per_rank), breakdown_instrumented_ms_by_rank=per_rank)
     traces = []
     if all(rows) and trace_dir is not None:

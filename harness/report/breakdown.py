@@ -18,11 +18,12 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
             "For the best layouts of each sweep, the mean over ranks: compute (clocked: forward and backward, "
             "less the collectives inside them), exposed communication per axis of degree > 1, pipeline "
             "transfers apart from the pipeline bubble (pp > 1) or waiting for other ranks (without a pipeline), "
-            "optimizer, unattributed (what no clock covers) and other, in ms and % of their sum, with the "
-            "collectives per step; source 'measured steps' (clocked "
+            "optimizer and other, and apart what no clock covers (not clocked), in ms and % of the step, with "
+            "the collectives per step; source 'measured steps' (clocked "
             "during the median measured step, every engine, on CPU), 'profiler' (the trace of extra profiled "
-            "steps: GPU and older runs) or 'instrumented' (the engine's own counters); the sum against the "
-            "measured median (more than 10% off: not used by Why). Then why the fastest of them beats the "
+            "steps: GPU and older runs) or 'instrumented' (the engine's own counters); the clocked share of the "
+            "measured median: the clocked parts' sum over it, which nothing closes (more than 10% off: not used "
+            "by Why). Then why the fastest of them beats the "
             "others, where the measured steps tell them apart."
         ],
     )
@@ -52,7 +53,7 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
             Table(
                 ["layout", "source"]
                 + [component_title(k) for k in keys]
-                + ["step (their sum)", "sum against median", "collectives"],
+                + ["step", "clocked share of the median", "collectives"],
                 [
                     [r.label, r.step_breakdown.source]
                     + [ms_share(r.step_breakdown, k) for k in keys]

@@ -24,7 +24,7 @@ ROW_FIELDS = (*LABEL_ORDER, "cp_impl", "sequence_parallel", "micro_batch_size", 
 
 
 # What makes a matrix column (engine_variant); every other field that differs between runs is a row.
-VARIANT_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "model_impl")
+VARIANT_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "model_impl", "ds_moe")
 
 
 def _mark(run: dict, summary: dict) -> str:

@@ -16,32 +16,35 @@ from harness.spec import engine_variant
 NOT_MEASURED = "not measured"
 
 BREAKDOWN_TEXT = (
-    "In ms and % of their sum, the mean over ranks. Source 'measured steps': clocked during the "
-    "measured steps themselves, the same way for every engine, over the median measured step (the middle "
-    "one or two by time). Compute is clocked: the time inside forward (the outermost module call) and "
-    "backward (the autograd engine), less the collectives and waits inside them. Exposed communication is "
-    "the time a rank was blocked on that axis's collectives (what overlapped compute is not counted; '-' "
-    "where the axis has degree 1); calls on one-rank groups (Megatron's tensor-parallel group at tp 1) move "
-    "nothing and are their own component. Pipeline transfers: the part of a pp send's or receive's blocked "
-    "time after its peer had posted the other side (both ranks' clocks are the host's monotonic clock; "
-    "ranks on several hosts: not split, no column); "
-    "pipeline bubble (pp > 1) or waiting for other ranks (without a pipeline): blocked before the peer was "
-    "ready, or at the world-wide reductions. Optimizer: the time inside the optimizer's step. Unattributed: "
-    "what no clock covers (the loss outside a module, clipping outside the optimizer, a framework's host "
-    "bookkeeping), negative where clocks overlap; host overhead and other: what of the measured step (the "
+    "In ms and % of the step, the mean over ranks (a group that not every rank belongs to: the mean over its "
+    "members). Source 'measured steps': clocked during the measured steps themselves, the same way for every "
+    "engine, over the median measured step (the middle one or two by time). Compute is clocked: the time "
+    "inside forward (the outermost module call) and backward (the autograd engine), less the collectives and "
+    "waits inside them. Exposed communication is the time a rank was blocked on that axis's collectives (what"
+    " overlapped compute is not counted; '-' where the axis has degree 1); calls on one-rank groups "
+    "(Megatron's tensor-parallel group at tp 1) move nothing and are their own component. Pipeline transfers:"
+    " the part of a pp send's or receive's blocked time after its peer had posted the other side (both ranks'"
+    " clocks are the host's monotonic clock; ranks on several hosts: not split, no column); pipeline bubble "
+    "(pp > 1) or waiting for other ranks (without a pipeline): blocked before the peer was ready, or at the "
+    "world-wide reductions. Optimizer: the time inside the optimizer's step. Not clocked: what no clock "
+    "covers (the loss outside a module, clipping outside the optimizer, a framework's host bookkeeping), "
+    "negative where clocks overlap: the step less its clocked parts, so it is no component, shown apart and "
+    "never given a share of a difference in Why; host overhead and other: what of the measured step (the "
     "slowest rank's) a rank spent outside its own. Source 'profiler': from the torch.profiler trace of extra "
     "steps after the measured ones, whose own cost lengthens them (runs on a GPU, where a collective's wait "
-    "happens on the device, out of the clocks' sight, and older runs): compute is the operators' time, "
-    "unattributed the host time between them; 'instrumented': the engine's own counters. Each sum (an "
-    "overlap of clocks counted) is set against its run's measured median: one more than 10% off describes "
-    "other steps than the measured ones and is not used by Why. 'not measured' where a run has none."
+    "happens on the device, out of the clocks' sight, and older runs): compute is the operators' time, not "
+    "clocked the host time between them; 'instrumented': the engine's own counters. The check: the clocked "
+    "parts' sum (not clocked left out, so nothing closes it) as a share of its run's measured median; more "
+    "than 10% off (clocks that cover too little, overlap, or other steps than the measured ones): not used by"
+    " Why. 'not measured' where a run has none."
 )
 COLLECTIVES_TEXT = (
     "Collectives issued per step by rank 0 (counted in the profiled steps), per axis and kind: the "
     "axis whose process group the call ran on (a send or receive without a group: the axis to its "
     "peer; all: every rank, a call that names no group, as the own engine's loss and gradient-norm "
     "reduction; tp+pp, tp+dp: Megatron's model-parallel and tensor-and-data groups; embedding: its "
-    "embedding group; 'other [ranks]': a group that is none of these, named by its ranks; '(one "
+    "embedding group; a group that is none of these named by the axes its ranks span ('pp+dp', or 'part "
+    "of dp (2 of 4 ranks)'); '(one "
     "rank)': a group of this run's degrees that holds one rank, a call that moves nothing between ranks); "
     "'instrumented': the own engine's counted communication. The harness's own loss reduction (one "
     "all_reduce of the step's loss over every rank, for the parity check) is not the engine's and is "
@@ -107,7 +110,7 @@ def breakdown_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     header = ["run", "source"] + [component_title(k) for k in keys]
     casts = any(run_metrics(r).get("compute_fp8_cast_ms") is not None for r, _ in runs)
     header += ["of compute: FP8 casts (profiled steps)"] if casts else []
-    header += ["step (their sum)", "measured median", "sum against median"]
+    header += ["step", "measured median", "clocked share of the median"]
     out = []
     for r, b in runs:
         median = _median_s(r)
@@ -255,6 +258,7 @@ def why_cases(summary: dict) -> list[Case]:
                 times,
                 drift,
                 fields=factors(r["layout"]),
+                unit=r.get("step_time_unit") or "round",
             )
         )
     return out
@@ -266,10 +270,15 @@ WHY_TEXT = (
     "one other layout field: the attention and norm kernels, checkpointing, micro-batch, schedule, "
     "sequence parallelism), each run against the fastest such run; the fastest run's pairs first. "
     "Which run is slower is decided by the interval on the ratio of the two runs' step times "
-    "(every measured step: the Hodges-Lehmann ratio with its distribution-free Mann-Whitney interval, "
-    "its coverage stated, at least 95%, widened by the load drift the comparison measured where it found one): "
-    "'slower' where it lies above 1; 'not distinguishable' where it holds 1 within 10% either way; "
-    "'undecided' otherwise, with the measured steps per run that the observed spread would need. "
+    "(one launch per run: every measured step, the Hodges-Lehmann ratio with its distribution-free "
+    "Mann-Whitney interval, its coverage stated, at least 95%, widened by the load drift the comparison "
+    "measured where it found one; runs measured in rounds or interleaved turns: the round or turn is the "
+    "unit, since the steps of one launch share its load: each block's own ratio, and across blocks the "
+    "sign test's exact interval on their median from 6 blocks on, Student's t on their mean below, "
+    "never narrower than a block's own spread): "
+    "'slower' where it lies above 1; 'not distinguishable' where it lies within the equivalence margin of "
+    "10% either way; 'undecided' otherwise, with the measured steps per run (or the rounds or turns) that "
+    "the observed spread would need. "
     "Only a run decided slower is explained. A difference is explained "
     "only from breakdowns whose sum lies within 10% of their run's measured median, by every component "
     "that moved by 10% of the difference between the breakdowns or more, either way: those that moved "

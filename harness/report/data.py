@@ -48,7 +48,7 @@ TITLES = {
     "forward_backward": "forward+backward (compute and comm not split)",
     "pp_comm": "pipeline transfers",  # a pp send's or receive's blocked time once its peer was ready
     "one-rank_comm": "calls on one-rank groups (no communication)",  # an axis of degree 1: nothing moves
-    "unattributed": "unattributed (no clock covers it)",  # host work between the clocked parts
+    "unattributed": "not clocked (the step less its clocked parts)",  # shown apart: no component explains by it
 }
 
 
@@ -56,6 +56,8 @@ def component_title(key: str) -> str:
     """The words a report uses for a component: `tp_comm` is 'exposed tp communication'."""
     if key in TITLES:
         return TITLES[key]
+    if key.startswith("part of ") and key.endswith("_comm"):  # a group named by the axes it spans part of
+        return f"exposed communication in {key[:-5]}"
     return f"exposed {key[:-5]} communication" if key.endswith("_comm") else key.replace("_", " ")
 
 
@@ -85,7 +87,7 @@ def _ordered(parts: dict[str, float]) -> dict[str, float]:
 
 def breakdown_of(metrics: dict | None, pp: int | None = None) -> Breakdown | None:
     """The step breakdown of a record's metrics: breakdown_ms where the run has it, else the older
-    breakdown_s (the engine's own counters, in seconds; what its total leaves uncovered is `other`),
+    breakdown_s (the engine's own counters, in seconds; what its total leaves uncovered is `unattributed`),
     else None (not measured). With `pp` 1 a 'bubble' (what records before the fix called the wait
     at the world-wide reductions) is 'wait': there is no pipeline to have a bubble."""
     found = _breakdown_of(metrics or {})
@@ -120,8 +122,8 @@ def _breakdown_of(m: dict) -> Breakdown | None:
         parts = {k: 1e3 * float(v) for k, v in old.items() if k != "total" and _num(v)}
         step = 1e3 * float(old["total"]) if _num(old.get("total")) else sum(parts.values())
         rest = step - sum(parts.values())
-        if rest > 1e-9 * max(step, 1.0):
-            parts["other"] = parts.get("other", 0.0) + rest
+        if abs(rest) > 1e-9 * max(step, 1.0):  # what the counters' clocks leave: shown apart, no component
+            parts["unattributed"] = rest
         return Breakdown(_ordered(parts), step, "instrumented")
     return None
 

@@ -19,7 +19,7 @@ NOISE = 0.01  # relative: below this the winner is not distinguishable from the 
 
 # The layout fields that name an engine and its own settings: the engine ablation compares runs
 # equal in every other field.
-ENGINE_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "ds_config", "dp_bucket_mb", "model_impl")
+ENGINE_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "ds_config", "dp_bucket_mb", "model_impl", "ds_moe")
 
 # (name, value of a run, which runs it applies to, the layout fields the value is made of)
 AXES = [

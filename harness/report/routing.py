@@ -18,7 +18,10 @@ ROUTING_TEXT = (
     "load-balancing loss E/k·Σ f_e·P_e (1 = uniform routing) and z the router z-loss (mean squared "
     "logsumexp of the router logits), unweighted, the layers' mean; tokens per expert: the measured steps' "
     "routed slots of the layer with the largest imbalance, fewest to most. Counted by the harness's one "
-    "definition (harness/model/moe.py) from each engine's own routing, every token once."
+    "definition (harness/model/moe.py) from each engine's own routing, every token once. Against the "
+    "reference: every layer's routed slots per expert over the measured steps, compared count by count with the "
+    "single-device reference's; 'equal' means every count of every layer is the same, else how many slots sit "
+    "on another expert (half the sum of the absolute count differences) of how many were routed."
 )
 
 
@@ -43,9 +46,32 @@ def _worst_layer(tokens: dict) -> tuple[str, list] | None:
     return max(tokens.items(), key=lambda kv: ratio(kv[1]), default=None)
 
 
+def against_reference(tokens: dict, reference: dict) -> str:
+    """Whether a run routed the reference's tokens per expert in every layer, or how many slots moved."""
+    if not reference or not tokens:
+        return "-"
+    if set(tokens) != set(reference) or any(len(tokens[n]) != len(reference[n]) for n in tokens):
+        return "other layers or experts"
+    moved = sum(abs(a - b) for n in tokens for a, b in zip(tokens[n], reference[n], strict=True)) / 2
+    routed = sum(sum(reference[n]) for n in reference)
+    if moved == 0:
+        return f"equal ({len(tokens)} layers)"
+    return f"{moved:.0f} of {routed:.0f} slots moved"
+
+
 def routing_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     warmup = int((summary.get("workload") or {}).get("warmup_steps") or 0)
-    header = ["run", "imbalance, worst layer", "imbalance, layers' mean", "aux", "z", "tokens per expert (worst layer)"]
+    header = [
+        "run",
+        "imbalance, worst layer",
+        "imbalance, layers' mean",
+        "aux",
+        "z",
+        "tokens per expert (worst layer)",
+        "against the reference",
+    ]
+    ref = next((r for r in summary["runs"] if r.get("is_reference") and _router(r)), None)
+    ref_tokens = _router(ref).get("tokens_per_expert") or {} if ref else {}
     rows = []
     for r in summary["runs"]:
         router = _router(r)
@@ -61,6 +87,7 @@ def routing_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
                 _cell(_median(router.get("aux_loss") or [], warmup), 4),
                 _cell(_median(router.get("z_loss") or [], warmup), 4),
                 counts,
+                "-" if r is ref else against_reference(router.get("tokens_per_expert") or {}, ref_tokens),
             ]
         )
     return header, rows

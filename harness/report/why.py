@@ -9,8 +9,10 @@ breakdown's: the interval on the ratio of the two runs' step times (measure.stat
 Hodges-Lehmann ratio with its Mann-Whitney interval at 95%, widened by the comparison's measured load
 drift) decides "slower"; where it holds 1 the runs are "not distinguishable" (within 10%) or
 "undecided" (with the steps it would need) and get no explanation; runs without step times fall
-back to their medians' intervals, which must not overlap; a breakdown whose total is off its run's measured median
-by more than TOLERANCE describes other steps than the measured ones and explains nothing; a share
+back to their medians' intervals, which must not overlap; a breakdown whose clocked components (every part
+but what no clock covers, which is the rest of the step by definition) sum to more than TOLERANCE off its
+run's measured median describes other steps, or too little of them, and explains nothing; what no clock
+covers is said apart, never a component with a share of the difference; a share
 of the difference is printed only where every named component moved the way the step did by no
 more than the whole difference (no share above 100% or below 0).
 """
@@ -39,34 +41,46 @@ class Case:
     ci_s: tuple | None = None  # the interval of that median (low, high), seconds (its coverage: _ms, from n)
     # a MoE run's expert load: routed tokens per expert, max over mean, worst layer (median measured step)
     imbalance: float | None = None
-    times_s: tuple | None = None  # every measured step's time (s), or one tuple per round: the ratio interval's data
+    times_s: tuple | None = None  # every measured step's time (s), or one tuple per block: the ratio interval's data
     drift: float = 1.0  # the comparison's measured load drift factor (>= 1) its ratio intervals are widened by
     # what the run is, factor by factor (factors()): two runs of one engine are compared only where one
     # factor differs; None (old callers): every pair
     fields: dict | None = None
+    unit: str = "round"  # what times_s's blocks are: launch rounds (compare --rounds) or turns (--interleave)
+
+
+UNCLOCKED = "unattributed"  # the step less its clocked components: shown, never a component of the explanation
+
+
+def clocked_ms(b: Breakdown) -> float:
+    """The sum of the breakdown's measured components: every part but what no clock covers (UNCLOCKED,
+    the rest of the step by definition, which would close any sum)."""
+    return sum(v for k, v in b.parts.items() if k != UNCLOCKED)
 
 
 def off_median(b: Breakdown, median_s: float | None) -> float | None:
-    """How far the breakdown's total is from the measured median, as a fraction of it (None: no median)."""
+    """How far the clocked components' sum is from the measured median, as a fraction of it (None: no
+    median): -0.08 where the clocks cover 92% of the median step; above 0 where clocks overlapped (a part
+    counted twice) or the profiled steps ran longer than the measured ones. It can fail: nothing closes it."""
     if not median_s or median_s <= 0:
         return None
-    overlap = -min(0.0, b.parts.get("unattributed", 0.0))  # clocks that overlapped count twice: the sum exceeds
-    return (b.step_ms + overlap) / (1e3 * median_s) - 1.0
+    return clocked_ms(b) / (1e3 * median_s) - 1.0
 
 
 def representative(b: Breakdown, median_s: float | None) -> bool:
-    """Whether the breakdown describes the measured steps: its total within TOLERANCE of their median."""
+    """Whether the breakdown describes the measured steps: its clocked components sum to within TOLERANCE
+    of their median (they cover at least 90% of it, and no more than 110%)."""
     off = off_median(b, median_s)
     return off is not None and abs(off) <= TOLERANCE
 
 
 def against_median(b: Breakdown, median_s: float | None) -> str:
-    """How the breakdown's sum compares with its run's measured median; flagged beyond TOLERANCE."""
+    """How much of the measured median the clocked components cover ('92%'); flagged beyond TOLERANCE."""
     off = off_median(b, median_s)
     if off is None:
         return "no measured median"
     flag = f": off by more than {100 * TOLERANCE:.0f}%, not used by Why" if abs(off) > TOLERANCE else ""
-    return f"{100 * off:+.0f}%{flag}"
+    return f"{100 * (1 + off):.0f}%{flag}"
 
 
 def _ms(c: Case) -> str:
@@ -81,7 +95,7 @@ def decision(fast: Case, slow: Case) -> dict | None:
     interval widened by the larger load drift of the two; None where either has no step times."""
     if not fast.times_s or not slow.times_s:
         return None
-    d = compare_times(list(slow.times_s), list(fast.times_s))
+    d = {**compare_times(list(slow.times_s), list(fast.times_s)), "unit": slow.unit}
     factor = max(fast.drift, slow.drift)
     if factor > 1 and d["verdict"] in ("slower", "faster"):  # decided only if the widened interval still excludes 1
         w = widen(d, factor)
@@ -116,7 +130,7 @@ def _ratio(fast: Case, slow: Case) -> str:
 
 def _not_representative(c: Case) -> str:
     return (
-        f"{c.label}'s breakdown totals {c.breakdown.step_ms:.1f} ms against its measured median "
+        f"{c.label}'s clocked components sum to {clocked_ms(c.breakdown):.1f} ms against its measured median "
         f"{1e3 * c.step_s:.1f} ms (off by more than {100 * TOLERANCE:.0f}%)"
     )
 
@@ -153,21 +167,23 @@ def _explain(a: Case, b: Case) -> str:
         return f"{head}; not explained: " + "; ".join(_not_representative(c) for c in off) + "."
     x, y = fast.breakdown, slow.breakdown
     diff = y.step_ms - x.step_ms
-    keys = list(dict.fromkeys([*x.parts, *y.parts]))
+    keys = [k for k in dict.fromkeys([*x.parts, *y.parts]) if k != UNCLOCKED]  # measured components only
     deltas = {k: y.parts.get(k, 0.0) - x.parts.get(k, 0.0) for k in keys}
+    gap = y.parts.get(UNCLOCKED, 0.0) - x.parts.get(UNCLOCKED, 0.0)
+    unclocked = f"; not clocked {gap:+.1f} ms" if abs(gap) >= 0.05 else ""  # said apart: no share, never hidden
     moved = ", ".join(
         f"{component_title(k)} {deltas[k]:+.1f} ms"
         for k in sorted(keys, key=lambda k: -abs(deltas[k]))
         if abs(deltas[k]) >= 0.05  # what rounds to +0.0 ms did not move
     )
     if diff <= 0:
-        return f"{head}; not explained: the breakdowns differ by {diff:+.1f} ms, the other way ({moved})."
+        return f"{head}; not explained: the breakdowns differ by {diff:+.1f} ms, the other way ({moved}){unclocked}."
     along = sorted((k for k in keys if deltas[k] > 0), key=lambda k: -deltas[k])
     if along and deltas[along[0]] > diff:
         return (
             f"{head}; the components moved both ways, by more than the {diff:.1f} ms between the breakdowns "
             f"({y.step_ms:.1f} against {x.step_ms:.1f} ms): {moved}; no share of the difference is any one "
-            "component's."
+            f"component's{unclocked}."
         )
     named = [k for k in along if deltas[k] >= MOVED * diff] or along[:1]
     against = [k for k in sorted(keys, key=lambda k: deltas[k]) if deltas[k] < 0 and -deltas[k] >= MOVED * diff]
@@ -176,7 +192,7 @@ def _explain(a: Case, b: Case) -> str:
     )
     if against:
         text += "; partly offset by " + ", ".join(f"{component_title(k)} {deltas[k]:+.1f} ms" for k in against)
-    return text + "."
+    return text + unclocked + "."
 
 
 def _rank(c: Case) -> float:

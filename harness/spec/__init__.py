@@ -36,7 +36,17 @@ from harness.spec.checks import (
     check_tokens,
     check_world_size,
 )
-from harness.spec.honours import EVERY_ENGINE, FP8, MOE, MUON, SELECTIVE_OP_COMPILE, SELECTIVE_OP_FP8, honoured, some
+from harness.spec.honours import (
+    EVERY_ENGINE,
+    FP8,
+    MOE,
+    MUON,
+    MXFP8,
+    SELECTIVE_OP_COMPILE,
+    SELECTIVE_OP_FP8,
+    honoured,
+    some,
+)
 from harness.spec.inputs import (
     NAME_CHARS,
     NAME_MAX,
@@ -91,6 +101,7 @@ __all__ = [
     "EVERY_ENGINE",
     "FP8",
     "FP8_RECIPES",
+    "MXFP8",
     "GRAD_DTYPES",
     "INTERLEAVED_SCHEDULES",
     "MAX_BYTES_PER_DEVICE",

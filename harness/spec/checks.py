@@ -128,7 +128,7 @@ def check_fp8(w: Workload, lay) -> None:
         raise SpecError(
             "layout.fp8_all_gather",
             f"needs fp8_recipe: tensorwise (torchao all-gathers FP8 weights with one scale per tensor; "
-            f"{w.fp8_recipe} scales per row)",
+            f"{w.fp8_recipe} scales per {'block of 32' if w.fp8_recipe == 'mxfp8' else 'row'})",
         )
 
 

@@ -77,6 +77,8 @@ EVERY_ENGINE: dict[str, Honoured] = {
 
 # What an engine that runs FP8 (torchao, harness/model/float8.py) declares: the precision with fp8 and the recipe.
 FP8: dict[str, Honoured] = honoured("workload", precision="fp8", fp8_recipe="rowwise")
+# What an engine that also runs MXFP8 declares beside FP8 (harness/model/mxfp8.py): the recipes through mxfp8.
+MXFP8: dict[str, Honoured] = honoured("workload", fp8_recipe="mxfp8")
 
 # What an engine that runs mixture-of-experts models declares (with runs_moe): the router's two loss coefficients.
 MOE: dict[str, Honoured] = honoured("workload", "moe_aux_loss_coeff moe_z_loss_coeff")

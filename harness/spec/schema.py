@@ -53,8 +53,11 @@ CP_IMPLS = ("ring", "allgather", "ulysses")  # K/V blocks passed round a ring, K
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
 PIPELINE_P2P = ("auto", "async", "grouped")
 MODEL_IMPLS = ("own", "hf")  # the harness's model, transformers' LlamaForCausalLM
+# engine deepspeed's MoE layer: deepspeed.moe.layer.MoE, or AutoEP's (its expert_parallel config section)
+DS_MOE = ("layer", "autoep")
 COMPILE = ("none", "blocks")  # torch.compile: nothing, or each transformer block (torchtitan's apply_compile)
-FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name
+# torchao's Float8LinearConfig.from_recipe_name; mxfp8: torchao's MXFP8 linear (harness/model/mxfp8.py)
+FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
 # muon: torch.optim.Muon on the transformer blocks' 2-D weights, AdamW on the rest (harness/model/muon.py)
 OPTIMIZERS = ("adamw", "muon")
 MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
@@ -172,6 +175,7 @@ class Layout:
     # deepspeed
     ds_config: str = ""
     model_impl: str = _choices(*MODEL_IMPLS, default="own")
+    ds_moe: str = _choices(*DS_MOE, default="layer")
     # fsdp
     reshard_after_forward: bool = True
     # FSDP2 all-gathers the FP8 linears' weights in FP8 (torchao's enable_fsdp_float8_all_gather; precision fp8,

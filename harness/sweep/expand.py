@@ -47,7 +47,7 @@ class Drop:
 # points differing only in cp_impl at cp 1 are one point (a duplicate, dropped).
 CP_FIELDS = ("cp", "cp_impl")
 # Layout and workload fields added later, left out of a point's key at their default for the same reason
-LATER_DEFAULTS = {"compile": "none", "fp8_all_gather": False, "ep": 1}
+LATER_DEFAULTS = {"compile": "none", "fp8_all_gather": False, "ep": 1, "ds_moe": "layer"}
 LATER_WORKLOAD_DEFAULTS = {"fp8_recipe": "tensorwise", "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.0}
 LATER_OPTIMIZER_DEFAULTS = {"name": "adamw", "muon_momentum": 0.95, "muon_adjust_lr": "original"}
 

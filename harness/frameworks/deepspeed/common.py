@@ -144,10 +144,12 @@ class DeepSpeedBase:
     def after_initialize(self) -> None:
         """Once deepspeed.initialize has built self.engine: the census at the first step of the
         torch optimizer that updates this rank's fp32 masters (DeepSpeed's basic optimizer,
-        inside its wrapper, which steps it once per parameter group: a MoE's expert groups are
-        groups of their own), and the count of skipped steps so far."""
+        inside its wrapper, which steps it once per parameter group at ZeRO-1/2, a MoE's expert
+        groups being groups of their own, and once per sub-group at ZeRO-3: stage3.py,
+        _optimizer_step over fp32_partitioned_groups_flat), and the count of skipped steps so far."""
         basic = self.engine.basic_optimizer
-        self.census = CensusAtStep(basic, self.census_tensors, calls_per_step=len(basic.param_groups))
+        calls = len(getattr(self.optimizer, "fp32_partitioned_groups_flat", None) or basic.param_groups)
+        self.census = CensusAtStep(basic, self.census_tensors, calls_per_step=calls)
         self._skipped_steps = self.engine.skipped_steps
 
     def check_step_applied(self) -> None:

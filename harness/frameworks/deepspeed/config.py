@@ -39,6 +39,8 @@ Workload-owned keys (explicit values must equal the workload's):
                                    optimizer offload its CPUAdam)
   zero_optimization.stage          = layout.zero_stage (0 only under the pipeline engine, pp > 1)
   tensor_parallel.autotp_size      = layout.tp (DeepSpeed's AutoTP training; filled when tp > 1)
+  expert_parallel.*                = layout.ds_moe autoep: AutoEP's section (autoep_config.py); refused
+                                   enabled under ds_moe layer
   scheduler                        refused: the workload's learning rate is constant
 """
 
@@ -51,6 +53,7 @@ import os
 
 from harness import resources
 from harness.errors import SpecError, raise_all
+from harness.frameworks.deepspeed.autoep_config import fill_expert_parallel
 from harness.frameworks.deepspeed.policy_keys import policy_switches
 from harness.spec import micro_batch_count
 from harness.spec.schema import BF16_PRECISIONS
@@ -192,6 +195,39 @@ def _find_auto(node, prefix=""):
         yield prefix
 
 
+def _adamw(f, cfg: dict, w, zero: dict, device_type: str) -> None:
+    """The config's optimizer section: AdamW with the workload's hyperparameters (module docstring)."""
+    opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    if not isinstance(opt, dict):
+        f.fatal("optimizer", "must be a JSON object")
+    otype = opt.get("type", "AdamW")
+    params = opt.setdefault("params", {})
+    if not isinstance(params, dict):
+        f.fatal("optimizer.params", "must be a JSON object")
+    if str(otype).lower() == "adam":
+        if params.get("adam_w_mode", True) is not True:
+            f.refuse("optimizer.params.adam_w_mode", "the workload's optimizer is AdamW")
+    elif str(otype).lower() != "adamw":
+        f.refuse("optimizer.type", f"{otype!r} contradicts the workload's optimizer AdamW")
+    o = w.optimizer
+    f.own("optimizer.params.lr", float(o.lr), "optimizer.lr")
+    f.own("optimizer.params.betas", [float(b) for b in o.betas], "optimizer.betas")
+    f.own("optimizer.params.eps", float(o.eps), "optimizer.eps")
+    f.own("optimizer.params.weight_decay", float(o.weight_decay), "optimizer.weight_decay")
+    offload = isinstance(zero.get("offload_optimizer"), dict) and zero["offload_optimizer"].get(
+        "device", "none"
+    ) not in ("none", None)
+    if params.get("torch_adam", AUTO) == AUTO:
+        # CPU: the reference's torch.optim.AdamW. GPU: FusedAdam; with optimizer offload,
+        # DeepSpeed's CPUAdam (chosen by DeepSpeed itself when torch_adam is false). Written only
+        # when true: false is DeepSpeed's default, and a key DeepSpeed does not take out itself
+        # reaches whatever optimizer a config's section builds from these params.
+        params.pop("torch_adam", None)
+        if device_type == "cpu" and not offload:
+            params["torch_adam"] = True
+        f.filled.append("optimizer.params.torch_adam")
+
+
 def build_config(
     spec, shape=None, *, dp: int | None = None, device_type: str | None = None, path: str | None = None
 ) -> tuple[dict, str, list[str]]:
@@ -224,41 +260,22 @@ def build_config(
     if "scheduler" in cfg:
         f.refuse("scheduler", "the workload's learning rate is constant; remove the scheduler")
 
-    # optimizer
-    opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    if not isinstance(opt, dict):
-        f.fatal("optimizer", "must be a JSON object")
-    otype = opt.get("type", "AdamW")
-    params = opt.setdefault("params", {})
-    if not isinstance(params, dict):
-        f.fatal("optimizer.params", "must be a JSON object")
-    if str(otype).lower() == "adam":
-        if params.get("adam_w_mode", True) is not True:
-            f.refuse("optimizer.params.adam_w_mode", "the workload's optimizer is AdamW")
-    elif str(otype).lower() != "adamw":
-        f.refuse("optimizer.type", f"{otype!r} contradicts the workload's optimizer AdamW")
-    o = w.optimizer
-    f.own("optimizer.params.lr", float(o.lr), "optimizer.lr")
-    f.own("optimizer.params.betas", [float(b) for b in o.betas], "optimizer.betas")
-    f.own("optimizer.params.eps", float(o.eps), "optimizer.eps")
-    f.own("optimizer.params.weight_decay", float(o.weight_decay), "optimizer.weight_decay")
     if device_type is None:
         device_type = _device_type(w.device)
     zero = cfg.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         f.fatal("zero_optimization", "must be a JSON object")
-    offload = isinstance(zero.get("offload_optimizer"), dict) and zero["offload_optimizer"].get(
-        "device", "none"
-    ) not in ("none", None)
-    if params.get("torch_adam", AUTO) == AUTO:
-        # CPU: the reference's torch.optim.AdamW. GPU: FusedAdam; with optimizer offload,
-        # DeepSpeed's CPUAdam (chosen by DeepSpeed itself when torch_adam is false). Written only
-        # when true: false is DeepSpeed's default, and a key DeepSpeed does not take out itself
-        # reaches whatever optimizer a config's section builds from these params.
-        params.pop("torch_adam", None)
-        if device_type == "cpu" and not offload:
-            params["torch_adam"] = True
-        f.filled.append("optimizer.params.torch_adam")
+    if w.optimizer.name == "muon":  # no section: the harness hands DeepSpeed its MuonWithAuxAdam (deepspeed/muon.py)
+        opt = cfg.pop("optimizer", {})  # the files' AdamW template, every value "auto": the workload decides
+        params = opt.get("params", {}) if isinstance(opt, dict) else None
+        if not isinstance(params, dict) or any(v != AUTO for v in params.values()):
+            f.refuse(
+                "optimizer",
+                "the workload's optimizer is Muon, given to DeepSpeed as its MuonWithAuxAdam over the workload's "
+                "split (harness/frameworks/deepspeed/muon.py): remove the section or leave its params auto",
+            )
+    else:
+        _adamw(f, cfg, w, zero, device_type)
 
     # ZeRO
     f.own("zero_optimization.stage", lay.zero_stage, "layout.zero_stage")
@@ -274,6 +291,12 @@ def build_config(
 
     # AutoTP: its degree is the layout's tp (a file may say nothing, "auto" or the same number)
     f.own("tensor_parallel.autotp_size", lay.tp, "layout.tp", required=lay.tp > 1)
+    # AutoEP (layout.ds_moe autoep): the expert_parallel section describing the harness's MoE block
+    if shape is None and lay.ds_moe == "autoep":
+        from harness.model.presets import resolve_shape
+
+        shape = resolve_shape(w.model, w.model_overrides)
+    fill_expert_parallel(f, cfg, lay, shape)
 
     # DeepSpeed activation checkpointing follows the layout; the section holds only its knobs.
     ac = cfg.get("activation_checkpointing")

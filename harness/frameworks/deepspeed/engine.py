@@ -29,6 +29,9 @@ What differs, and is said in describe():
     `selective` is the model's own attention-core recomputation (DeepSpeed has no such mode).
   - tp > 1: AutoTP shards the block's linears (deepspeed/tp.py); embedding and LM head stay
     replicated, where the own engine shards them by vocabulary.
+  - a mixture of experts: DeepSpeed's MoE layer in each block (deepspeed/experts.py), or with
+    layout.ds_moe autoep DeepSpeed AutoEP's, built inside deepspeed.initialize (deepspeed/autoep.py);
+    both route as the reference and carry the harness's router losses.
 """
 
 from __future__ import annotations
@@ -79,6 +82,10 @@ class DeepSpeedEngine(DeepSpeedBase):
             model = build_hf_llama(shape, w.seed, lay.attention, device=ctx.device)
         elif self.stage == 3:
             model = self._build_partitioned(shape, lay, "selective" if ckpt == "selective" else "none", mpu, kernels)
+            if shape.moe:  # AutoEP (facts.py): it gathers each partitioned block and partitions what it builds
+                from harness.frameworks.deepspeed.autoep import hand_over
+
+                hand_over(model)
         else:
             from harness.model.llama import Llama, ReferenceWeights, load_reference
 
@@ -93,7 +100,8 @@ class DeepSpeedEngine(DeepSpeedBase):
                     cp_index=self.cp_index,
                 )
             reference = ReferenceWeights(shape, w.seed)
-            if shape.moe:  # DeepSpeed's MoE layer in each block (deepspeed/experts.py); tp = cp = pp = 1 (facts.py)
+            autoep = shape.moe and lay.ds_moe == "autoep"
+            if shape.moe and not autoep:  # DeepSpeed's MoE layer in each block (deepspeed/experts.py); tp=cp=pp=1
                 from harness.frameworks.deepspeed import experts
 
                 experts.swap_in(model, shape, lay.ep)
@@ -102,6 +110,10 @@ class DeepSpeedEngine(DeepSpeedBase):
                 )
                 reference = experts.Renamed(reference, shape, lay.ep, self.ep_rank)
             model = load_reference(model, reference, ctx.device)
+            if autoep:  # AutoEP replaces each MoE block inside deepspeed.initialize (deepspeed/autoep.py)
+                from harness.frameworks.deepspeed.autoep import hand_over
+
+                hand_over(model)
         # fp8: torchao's Float8Linear swapped in before deepspeed.initialize, which then casts the module to bf16
         # (its Parameters kept) and wraps it; DeepSpeed's optimizer keeps the fp32 masters as under bf16
         self.policy.convert_fp8(model, ctx.device.type)
@@ -117,19 +129,29 @@ class DeepSpeedEngine(DeepSpeedBase):
             from harness.model.compiled import compile_blocks
 
             compile_blocks(model.layers.values(), lay.compile)
-        if shape.moe:  # ZeRO reduces the experts' gradients over their expert-data-parallel group
+        if shape.moe and lay.ds_moe == "layer":  # experts' gradients reduced over their expert-data-parallel group
             from harness.frameworks.deepspeed.experts import optimizer_groups
 
             parameters = optimizer_groups(model)
-        else:
+        else:  # lazy: under AutoEP DeepSpeed takes them after its replacement, and makes the MoE groups itself
             parameters = model.parameters()
+        client = None
+        if w.optimizer.name == "muon":  # DeepSpeed's MuonWithAuxAdam over the workload's split (deepspeed/muon.py)
+            from harness.frameworks.deepspeed.muon import muon_optimizer
+
+            client = muon_optimizer(model, w)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=parameters, config=self.config, mpu=mpu
+            model=model, model_parameters=parameters, optimizer=client, config=self.config, mpu=mpu
         )
         if shape.moe:
             from deepspeed.utils import groups
 
             assert dist.get_rank(groups._get_expert_parallel_group(f"ep_size_{lay.ep}")) == self.ep_rank
+            if lay.ds_moe == "autoep":
+                from harness.frameworks.deepspeed.autoep import tap
+
+                micro = self.config["gradient_accumulation_steps"]
+                self.taps = tap(self.engine.module, w.moe_aux_loss_coeff, w.moe_z_loss_coeff, micro)
         self.after_initialize()
         if ckpt == "full":
             configure_checkpointing(self.config, self.engine.mpu)
@@ -210,10 +232,8 @@ class DeepSpeedEngine(DeepSpeedBase):
             if tp:
                 full = gather_tp_shards(param, full)
             if self.shape.moe:
-                from harness.frameworks.deepspeed.experts import is_expert
-
-                if keep_experts if is_expert(name) else keep:
-                    mine[self._plain_name(name)] = full
+                if keep_experts if self._moe().is_expert(name) else keep:
+                    mine.update(self._plain_entries(name, full))
             elif keep:
                 mine[self._plain_name(name)] = full
         return gather_on_rank0(mine or None)
@@ -221,23 +241,38 @@ class DeepSpeedEngine(DeepSpeedBase):
     def router_stats(self) -> dict:
         """The MoE layers' routing since the last call, in take_router_stats' format: every rank routes its
         own tokens (tp = cp = pp = 1 with MoE), so the runner's sum over ranks counts each token once."""
+        if self.spec.layout.ds_moe == "autoep":
+            from harness.frameworks.deepspeed.autoep import take_stats
+
+            return take_stats(self.taps)
         from harness.frameworks.deepspeed.experts import take_stats
 
         return take_stats(self.engine.module)
 
     def process_groups(self) -> dict:
         groups = super().process_groups()
-        if self.shape.moe:  # DeepSpeed's expert-parallel groups carry no group_desc
+        if self.shape.moe:  # DeepSpeed's expert-parallel and expert-data-parallel groups carry no group_desc
             from harness.frameworks.deepspeed.experts import expert_groups
 
-            groups.update(expert_groups())
+            moe = expert_groups()
+            groups["ep"] = moe["ep"]
+            groups["dp"] = groups["dp"] + moe["dp"]
         return groups
 
-    def _plain_name(self, name: str) -> str:
-        if self.shape.moe:
-            from harness.frameworks.deepspeed.experts import plain_name
+    def _moe(self):
+        """The module naming this run's MoE parameters: deepspeed/autoep.py or deepspeed/experts.py."""
+        from harness.frameworks.deepspeed import autoep, experts
 
-            return plain_name(name, self.shape, self.spec.layout.ep, self.ep_rank)
+        return autoep if self.spec.layout.ds_moe == "autoep" else experts
+
+    def _plain_entries(self, name: str, full) -> list:
+        """The reference's (name, tensor) of a MoE run's parameter (an AutoEP expert tensor holds E/ep experts)."""
+        lay = self.spec.layout
+        if lay.ds_moe == "autoep":
+            return self._moe().plain_entries(name, full, self.shape, lay.ep, self.ep_rank)
+        return [(self._moe().plain_name(name, self.shape, lay.ep, self.ep_rank), full)]
+
+    def _plain_name(self, name: str) -> str:
         if self.spec.layout.model_impl == "hf":
             from harness.frameworks.deepspeed.hf_llama import from_hf_name
 
@@ -255,10 +290,9 @@ class DeepSpeedEngine(DeepSpeedBase):
             d["tensor_parallel"] = f"DeepSpeed AutoTP training, autotp_size {lay.tp}: {SHARDED}"
             d["autotp_sharded_parameters"] = len(sharded_names(self.params))
         if self.shape.moe:
-            from harness.frameworks.deepspeed.experts import LOSSES, SETTINGS
-
-            d["moe"] = f"{SETTINGS}, ep_size {lay.ep}; ZeRO with MoE parameter groups"
-            d["moe_losses"] = LOSSES
+            moe = self._moe()
+            d["moe"] = f"{moe.SETTINGS}, ep_size {lay.ep}; ZeRO with MoE parameter groups"
+            d["moe_losses"] = moe.LOSSES
         if lay.cp > 1:
             from harness.frameworks.deepspeed.ulysses import describe_ulysses
 

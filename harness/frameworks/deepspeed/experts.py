@@ -149,7 +149,12 @@ def optimizer_groups(model) -> list[dict]:
 
 
 def expert_groups() -> dict:
-    """DeepSpeed's expert-parallel groups (no group_desc), for the profiler's axis names."""
+    """DeepSpeed's expert-parallel groups (no group_desc), for the profiler's axis names (its MoE layer's and
+    AutoEP's: the same groups module), and its expert-data-parallel groups, counted as dp as the own engine's
+    edp groups are (a one-rank group at dp = ep: ZeRO-3 still reduce-scatters the experts' gradients on it)."""
     from deepspeed.utils import groups
 
-    return {"ep": list(groups._get_expert_parallel_group_dict().values())}
+    return {
+        "ep": list(groups._get_expert_parallel_group_dict().values()),
+        "dp": list(groups._get_expert_data_parallel_group_dict().values()),
+    }

@@ -1,12 +1,12 @@
-"""What engine deepspeed (ZeRO 1/2/3, AutoTP, Ulysses, its pipeline engine) runs, declared without
-importing torch or DeepSpeed; adapter.py builds engine.py (ZeRO, AutoTP, Ulysses through ulysses.py)
-or pipe.py (PipelineModule)."""
+"""What engine deepspeed (ZeRO 1/2/3, AutoTP, Ulysses, its pipeline engine, DeepSpeed's MoE layer or AutoEP)
+runs, declared without importing torch or DeepSpeed; adapter.py builds engine.py (ZeRO, AutoTP, Ulysses
+through ulysses.py, MoE through experts.py or autoep.py) or pipe.py (PipelineModule)."""
 
 from __future__ import annotations
 
 from harness.frameworks.deepspeed.config import validate
 from harness.registry import ANY, EngineFacts, MemoryModel, not_both, tied_across_stages
-from harness.spec import EVERY_ENGINE, FP8, MOE, honoured, some
+from harness.spec import EVERY_ENGINE, FP8, MOE, MUON, honoured, some
 
 ULYSSES = "DeepSpeed's context parallelism is Ulysses (DistributedAttention): set cp_impl: ulysses"
 
@@ -15,10 +15,18 @@ MOE_LIMITS = [
     (
         _MOE,
         lambda s, lay: (
-            not s.moe or (s.experts_per_token == 2 and s.norm_topk) or (s.experts_per_token == 1 and not s.norm_topk)
+            not s.moe
+            or lay.ds_moe == "autoep"  # AutoEP's router: any k, renormalised or not (autoep_config.py)
+            or (s.experts_per_token == 2 and s.norm_topk)
+            or (s.experts_per_token == 1 and not s.norm_topk)
         ),
         "DeepSpeed's TopKGate renormalises top-2 weights and keeps top-1's softmax weight: experts_per_token 2 "
-        "with norm_topk true, or 1 with norm_topk false",
+        "with norm_topk true, or 1 with norm_topk false (ds_moe autoep routes any k either way)",
+    ),
+    (
+        _MOE,
+        lambda s, lay: s.moe or lay.ds_moe == "layer",
+        "ds_moe autoep has DeepSpeed AutoEP replace a mixture of experts' blocks, and this model has none",
     ),
     (
         _MOE,
@@ -28,14 +36,51 @@ MOE_LIMITS = [
     ),
     (
         _MOE,
-        lambda s, lay: not s.moe or lay.zero_stage != 3,  # (0 is refused without pp, and MoE refuses pp)
+        lambda s, lay: not s.moe or lay.zero_stage != 3 or lay.ds_moe == "autoep",  # (0: refused without pp)
         "DeepSpeed's MoE layer runs here under ZeRO-1 or 2 (MoE parameter groups); ZeRO-3's zero.Init build "
-        "is not wired to it: set zero_stage 1 or 2",
+        "is not wired to it: set zero_stage 1 or 2, or ds_moe autoep (AutoEP partitions the experts it builds)",
     ),
     (
         _MOE,
         lambda s, lay: not s.moe or (lay.model_impl == "own" and lay.compile == "none"),
         "DeepSpeed's MoE layer replaces the own model's feed-forward: model_impl own, compile none",
+    ),
+]
+
+
+def _moe(w) -> bool:
+    from harness.model.presets import resolve_shape
+
+    return resolve_shape(w.model, w.model_overrides).moe
+
+
+# Where DeepSpeed 0.19.8's Muon runs the workload's (harness/frameworks/deepspeed/muon.py): BF16_Optimizer's.
+MUON_LIMITS = [
+    (
+        "optimizer.name",
+        lambda w, lay: w.optimizer.name != "muon" or (w.precision == "bf16" and w.grad_accum_dtype == "fp32"),
+        "muon under engine deepspeed needs precision bf16 with grad_accum_dtype fp32 (its BF16_Optimizer): "
+        "DeepSpeed runs Newton-Schulz in bf16 wherever the device has bf16 (deepspeed/runtime/zero/muon/"
+        "original_muon.py:47, ns_compute_dtype), not in fp32 as the fp32 policy does, and its ZeRO optimizer for "
+        "fp32 (or bf16-accumulated) gradients orthogonalises them while partitioning (runtime/zero/"
+        "stage_1_and_2.py:2741-2760, get_flat_partition), before step() clips by a global norm that then "
+        "measures the updates, not the gradients",
+    ),
+    (
+        "optimizer.name",
+        lambda w, lay: (
+            w.optimizer.name != "muon"
+            or (lay.zero_stage == 1 and lay.tp == lay.cp == lay.pp == lay.ep == 1 and not _moe(w))
+        ),
+        "muon under engine deepspeed runs at zero_stage 1 over data parallelism alone, no MoE: DeepSpeed's "
+        "BF16_Optimizer takes Muon without an mpu or MoE layers only (runtime/bf16_optimizer.py:59-61), and "
+        "ZeRO-2/3 orthogonalise elsewhere (not checked here)",
+    ),
+    (
+        "optimizer.muon_adjust_lr",
+        lambda w, lay: w.optimizer.name != "muon" or w.optimizer.muon_adjust_lr == "original",
+        "DeepSpeed's muon_update scales each update by sqrt(max(1, rows/cols)) (runtime/zero/muon/"
+        "original_muon.py, _aspect_ratio_scale), torch's adjust_lr_fn original: set muon_adjust_lr original",
     ),
 ]
 
@@ -46,10 +91,12 @@ ENGINE = EngineFacts(
         **EVERY_ENGINE,
         **FP8,
         **MOE,  # the harness's router losses on DeepSpeed's MoE layer (deepspeed/experts.py)
+        **MUON,  # DeepSpeed's MuonWithAuxAdam over the workload's split (deepspeed/muon.py); MUON_LIMITS
         "layout.ep": ANY,  # DeepSpeed's MoE ep_size
         **honoured(
             "layout",
             "tp pp dp cp zero_stage ds_config",
+            ds_moe="autoep",
             activation_checkpointing="selective",
             attention="flash2",
             rmsnorm="fused",
@@ -62,12 +109,7 @@ ENGINE = EngineFacts(
         ),
     },
     why_not={
-        "workload.optimizer.name": "DeepSpeed 0.19.8's Muon (optimizer type Muon, MuonWithAuxAdam) does not follow "
-        "the workload's policy: deepspeed.set_optimizer_flags puts every matrix whose name lacks embed or lm_head "
-        "under Muon (the harness model's LM head, output.weight, too), and its Newton-Schulz runs in fp16 (ns_method "
-        "gram) or bf16 (standard) on this CPU, not in fp32 under the fp32 policy; a client optimizer under ZeRO sees "
-        "flat 1-D partitions, not matrices: engine deepspeed runs adamw",
-        "layout.sequence_parallel": "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights only)",
+        "layout.sequence_parallel": "DeepSpeed has no Megatron-style sequence parallelism (AutoTP shards weights only)"
     },
     capabilities=[
         ("cp_impl", lambda lay: lay.cp == 1 or lay.cp_impl == "ulysses", ULYSSES),
@@ -124,6 +166,13 @@ ENGINE = EngineFacts(
         ),
     ],
     precision_limits=[
+        *MUON_LIMITS,
+        (
+            "precision",
+            lambda w, lay: lay.ds_moe != "autoep" or w.precision == "fp32",
+            "AutoEP's router computes its logits in the parameters' dtype (its gate Linear, deepspeed/moe/"
+            "ep_router.py), the reference's in fp32 whatever the precision: ds_moe autoep runs precision fp32",
+        ),
         (
             "precision",
             lambda w, lay: w.precision != "fp8" or (lay.tp == 1 and lay.pp == 1 and lay.model_impl == "own"),
@@ -161,7 +210,11 @@ ENGINE = EngineFacts(
         *MOE_LIMITS,
     ],
     runs_moe=True,
-    label=lambda lay: f"deepspeed ZeRO-{lay['zero_stage']}" + (" hf" if lay["model_impl"] == "hf" else ""),
+    label=lambda lay: (
+        f"deepspeed ZeRO-{lay['zero_stage']}"
+        + (" hf" if lay["model_impl"] == "hf" else "")
+        + (" AutoEP" if lay.get("ds_moe") == "autoep" else "")
+    ),
     launcher="deepspeed",
     process_group=True,
     preflight=validate,

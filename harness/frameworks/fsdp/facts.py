@@ -10,6 +10,7 @@ from harness.spec import (
     FP8,
     MOE,
     MUON,
+    MXFP8,
     SELECTIVE_OP_COMPILE,
     SELECTIVE_OP_FP8,
     honoured,
@@ -60,6 +61,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **FP8,
+        **MXFP8,  # harness/model/mxfp8.py
         **MUON,  # harness/model/muon.py: each DTensor matrix's update gathered whole (full_tensor) for Newton-Schulz
         **MOE,  # the plain model's MoEFeedForward: the reference's router and losses (engine.py)
         **honoured(

@@ -1,6 +1,7 @@
 """engine: megatron - Megatron-core's own GPTModel, parallel_state, schedules, DDP and optimizers.
 
-Megatron-core (megatron-core 0.16, its local layer spec, no Transformer Engine) on the workload:
+Megatron-core (megatron-core 0.16 before Python 3.12, 0.19 from it: pyproject; its local layer spec, no
+Transformer Engine) on the workload:
 
   parallel_state.initialize_model_parallel(tp, pp, vp, ep), order tp-cp-ep-dp-pp: tp innermost, then dp,
       then pp, the harness's rank order (harness/parallel_dims.py; checked against it at build, and the

@@ -97,8 +97,9 @@ ENGINE = EngineFacts(
         ),
     },
     why_not={
-        "workload.optimizer.name": "Megatron-core 0.16.1's Muon (megatron/core/optimizer/muon.py, TensorParallelMuon) "
-        "needs NVIDIA's emerging_optimizers package, not installed here: engine megatron runs adamw",
+        "workload.optimizer.name": "Megatron-core's Muon (TensorParallelMuon: 0.16 megatron/core/optimizer/muon.py, "
+        "0.19 optimizer/emerging_optimizers.py) needs NVIDIA's emerging_optimizers package (Python 3.12+), not a "
+        "dependency here: engine megatron runs adamw",
         "layout.compile": "engine megatron runs Megatron-core's layers as it builds them (its own fusions only): "
         "compiling its blocks from outside is not done here",
         "layout.dp_bucket_mb": "Megatron's DDP here runs without overlap, one bucket per buffer (Megatron-LM's "

@@ -2,7 +2,8 @@
 
 Megatron never runs on CPU in its own tests. On the paths engine megatron takes (GPTModel on the
 local spec, parallel_state, its DDP and optimizers, the schedules, the MoE layer), it reaches CUDA in
-these ways, each answered here and nowhere else (megatron-core 0.16; harness/frameworks/megatron/engine.py):
+these ways, each answered here and nowhere else (megatron-core 0.16.1 and 0.19.2, the same list for both: the
+tripwire finds no other; harness/frameworks/megatron/engine.py):
 
   RNG       tensor_parallel/random.py forks the CUDA RNG tracker (DotProductAttention always does,
             dropout 0 or not; activation recomputation saves and restores the state): the CPU

@@ -4,7 +4,7 @@ declared without importing torch; adapter.py builds it (engine.py)."""
 from __future__ import annotations
 
 from harness.registry import EngineFacts, MemoryModel, only
-from harness.spec import EVERY_ENGINE, FP8, MOE, MUON, honoured
+from harness.spec import EVERY_ENGINE, FP8, MOE, MUON, MXFP8, honoured
 
 _ONE_PROCESS = "engine single is one process: set tp=cp=pp=dp=1"
 ENGINE = EngineFacts(
@@ -12,6 +12,7 @@ ENGINE = EngineFacts(
     honours={
         **EVERY_ENGINE,
         **FP8,
+        **MXFP8,  # harness/model/mxfp8.py
         **MOE,
         **MUON,
         **{f"layout.{name}": only(1, why=_ONE_PROCESS) for name in ("tp", "pp", "dp", "cp")},
