@@ -1,6 +1,6 @@
 """Muon (workload.optimizer.name: muon, harness/model/muon.py): torch.optim.Muon's update on the blocks' 2-D
 weights, AdamW on the rest, under engines single, own (dp2, dp2 ZeRO-1 with the gather Newton-Schulz needs,
-pp2; dp2 ep2 ZeRO-1 on a MoE) and fsdp (dp2, each DTensor matrix gathered whole; pp2; dp2 on a MoE), against
+pp2; dp2 ep2 ZeRO-1 on a MoE) and fsdp (dp2, each DTensor matrix gathered whole; pp2; dp2 and dp2 ep2 on a MoE), against
 the single-device reference.
 
 Tolerance: the usual fp32 one (1e-5 on losses and on every final weight relative to its tensor's scale),
@@ -49,6 +49,8 @@ MOE_WORKLOAD = {**WORKLOAD, "model": "tiny-moe"}
 MOE_LAYOUTS = {
     "own dp2 ep2 ZeRO-1": {"engine": "own", "dp": 2, "ep": 2, "zero_stage": 1, "dp_bucket_mb": 0.05},
     "fsdp dp2": {"engine": "fsdp", "dp": 2},
+    # the experts on a one-rank dp_mod_ep mesh (fsdp/experts.py): each expert's matrix whole on its rank, no gather
+    "fsdp dp2 ep2": {"engine": "fsdp", "dp": 2, "ep": 2},
 }
 moe_launched = shared_launch(
     "torch", 2, run_optimizer_cases, [{"workload": MOE_WORKLOAD, "layout": lay} for lay in MOE_LAYOUTS.values()], STEPS

@@ -252,16 +252,25 @@ def test_the_moe_recipe_terms_each_move_its_memory_as_their_sources_say(qwen_run
     assert act() - without == pytest.approx(without / (37 / 4) / 4, rel=1e-6)  # 37 warm-up chunks on rank 1 -> 38
 
 
-def test_an_engine_that_shares_no_experts_out_is_planned_at_ep1_and_refuses_ep(capsys):
-    """fsdp runs MoE with every expert on every rank (its facts refuse layout.ep): its candidates hold ep 1
-    only, and --ep above 1 under it is one line naming --ep."""
+def test_fsdp_plans_ep_and_an_engine_that_shares_no_experts_out_is_planned_at_ep1_and_refuses_ep(capsys, monkeypatch):
+    """fsdp shares experts out (harness/frameworks/fsdp/experts.py): its candidates hold ep > 1 and --ep 2 plans.
+    An engine whose facts refuse layout.ep (fsdp's, without it honoured) is planned at ep 1 only, and --ep above
+    1 under it is one line naming --ep."""
+    from harness import registry
     from harness.cli import main
     from harness.planner import candidates as en
 
     kw = dict(attention=["te_fused"], rmsnorm=["fused"], micro_batch_sizes=[1], checkpointing=["none"], zero_stage=1)
     kw.update(sequence_parallel=[False])
+    assert len({lay.ep for lay in en.layouts(QWEN, WL, 64, 8, engine="fsdp", **kw)}) > 1
+    args = ["plan", "--model", "qwen3-30b-a3b", "--seq-len", "4096", "--global-batch-size", "512", "--gpus", "64"]
+    assert main([*args, "--engine", "fsdp", "--ep", "2"]) == 0
+    capsys.readouterr()
+    real, fsdp = registry.facts, registry.facts("fsdp")
+    honours = {k: v for k, v in fsdp.honours.items() if k != "layout.ep"}
+    no_ep = dataclasses.replace(fsdp, honours=honours, why_not={"layout.ep": "every expert on every rank"})
+    monkeypatch.setattr(registry, "facts", lambda name: no_ep if name == "fsdp" else real(name))
     assert {lay.ep for lay in en.layouts(QWEN, WL, 64, 8, engine="fsdp", **kw)} == {1}
     assert len({lay.ep for lay in en.layouts(QWEN, WL, 64, 8, engine="own", **kw)}) > 1
-    args = ["plan", "--model", "qwen3-30b-a3b", "--seq-len", "4096", "--global-batch-size", "512", "--gpus", "64"]
     assert main([*args, "--engine", "fsdp", "--ep", "2"]) == 2
-    assert capsys.readouterr().err.startswith("error: --ep: engine fsdp runs MoE with every expert on every rank")
+    assert capsys.readouterr().err.startswith("error: --ep: every expert on every rank")

@@ -61,13 +61,14 @@ def main(args) -> int:
     from harness.spec import parse_spec, read_yaml
 
     spec = parse_with_overrides(read_yaml(args.spec), args.overrides, lambda raw: parse_spec(traced_engine(raw)))
-    if spec.shape().moe and spec.layout.engine == "fsdp":
+    if spec.shape().moe and spec.layout.engine == "fsdp" and spec.layout.ep == 1:
         from harness.errors import SpecError
 
         raise SpecError(
             "workload.model",
             "mixture of experts: engine fsdp runs the plain MoE layer, whose routing is data (torch.nonzero has no "
-            "shape on fake tensors); the own engine's is traced with even routing: set engine: own",
+            "shape on fake tensors); its expert-parallel layer (ep > 1) and the own engine's are traced with even "
+            "routing: set ep > 1 or engine: own",
         )
     profile = load_profile(args.hardware) if args.hardware is not None else None  # before the trace: a bad name
     from harness.memtrace.result import table_lines, trace_spec

@@ -10,7 +10,8 @@ import math
 
 def train_with_router(ctx, runs: list[dict], steps: int, tripwire: bool = False) -> list[dict]:
     """On every rank (harness.testing.spawn), each run's engine in turn: its losses, gradient norms, final
-    weights, describe, memory census and every rank's router statistics of the last step; with `tripwire`
+    weights, describe, memory census, every rank's router statistics and its counted communication of the
+    last step; with `tripwire`
     (engine megatron) the torch.cuda functions reached that the shim does not cover, as "uncovered"."""
     import torch.distributed as dist
 
@@ -47,6 +48,11 @@ def train_with_router(ctx, runs: list[dict], steps: int, tripwire: bool = False)
                 "state": state,
                 "describe": engine.describe(),
                 "router_stats": stats,
+                "comm": engine.last_step_details().get("comm"),  # the last step's counted collectives, where counted
+                "process_groups": {  # the groups the engine names for the profiler, by their ranks
+                    axis: [dist.get_process_group_ranks(g) for g in groups if g is not None]
+                    for axis, groups in engine.process_groups().items()
+                },
                 "uncovered": sorted(reached),
             }
         )

@@ -15,6 +15,9 @@ created with init_device_mesh on the existing process group; then, in this order
       the backward (ZeRO-2-like). The root is never resharded after forward. Applied at dp=1 too
       (a one-rank group: nothing crosses ranks) so the mixed-precision policy is the same everywhere.
       With cp > 1 it shards over the flattened dp x cp mesh (torchtitan's dp_shard_cp).
+  ep  the experts shared out over an ep dimension (dp unflattened into dp_mod_ep x ep, torchtitan's
+      dp_shard_mod_ep), dispatched and combined by all_to_all_single, FSDP2 on each layer's experts over
+      dp_mod_ep with their gradients divided by dp, before the blocks' (fsdp/experts.py);
   cp  torch.distributed.tensor.experimental.context_parallel around each micro-batch's forward and
       backward (CUDA only: fsdp.py refuses it on CPU): inputs and targets cut into the rank's
       head-tail chunks, which are cp_token_index's (chunks i and 2cp-1-i, in that order), the
@@ -67,6 +70,9 @@ import torch.distributed as dist
 from harness.data.source import dp_slice
 from harness.frameworks import gather_on_rank0
 from harness.frameworks.fsdp.checkpointing import CHECKPOINTING, wrap_blocks
+from harness.frameworks.fsdp.experts import ExpertParallel, is_expert
+from harness.frameworks.fsdp.gathered import gathered_parameters_are_not_activations
+from harness.frameworks.fsdp.grad_norm import global_grad_norm, split_experts
 from harness.frameworks.fsdp.muon import fsdp_optimizer, step_comm
 from harness.measure import census, ranges, timers
 from harness.model import float8
@@ -102,6 +108,7 @@ class FSDPEngine:
             self.mesh["dp", "tp"]._flatten()
         # FSDP2 shards and averages over dp x cp (torchtitan's dp_shard_cp): cp ranks hold the same weights
         self.shard_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if lay.cp > 1 else self.mesh["dp"]
+        self.experts = ExpertParallel(self.mesh, dims, shape, options.routing) if lay.ep > 1 else None
         self.policy = precision_policy(w)
         mixed = self.policy.master is not None  # fp32: no policy, the parameters are their own master
         self.mp = (
@@ -128,6 +135,8 @@ class FSDPEngine:
                 self.parts, plans = [Llama(shape, **build)], None
         reference = ReferenceWeights(shape, w.seed)
         for part in self.parts:
+            if self.experts is not None:  # this ep rank's experts in place of every expert
+                self.experts.swap_in(part)
             # the reference's router losses, scaled as lm_loss is (1 / this rank's micro-batches, FSDP2 averaging
             # over dp): the mean over the global batch's micro-batches, as the reference's
             set_router_losses(part, w.moe_aux_loss_coeff, w.moe_z_loss_coeff, micro_batches_per_step(spec))
@@ -146,7 +155,8 @@ class FSDPEngine:
                     announce_phases(stage, self.hooks)
         self.is_last_stage = plans is None or any(p.last for p in plans)
         self._precompute_fp8_scales()
-        self.params = [p for part in self.parts for p in part.parameters()]
+        named = [(n, p) for part in self.parts for n, p in part.named_parameters()]
+        self.params, self.param_groups = [p for _, p in named], split_experts(named, self.experts is not None)
         # AdamW, or Muon on the blocks' matrices, each gathered whole for Newton-Schulz (fsdp/muon.py)
         self.optimizer = fsdp_optimizer(self.parts, w, options.make_optimizer, fused=ctx.device.type == "cuda")
         self.census = census.CensusAtStep(self.optimizer, self._census_tensors)
@@ -172,6 +182,8 @@ class FSDPEngine:
         wrap_blocks(part, lay.activation_checkpointing)  # full, selective_op: before fully_shard (checkpointing.py)
         compile_blocks(part.layers.children(), lay.compile)  # before fully_shard, as torchtitan
         dp_mesh = self.shard_mesh
+        if self.experts is not None:  # the experts over dp_mod_ep first, so the blocks' fully_shard leaves them out
+            self.experts.shard(part, lay.reshard_after_forward, self.mp, self.device.type)
         for block in part.layers.children():
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=lay.reshard_after_forward, mp_policy=self.mp)
         fully_shard(part, mesh=dp_mesh, reshard_after_forward=False, mp_policy=self.mp)
@@ -218,6 +230,8 @@ class FSDPEngine:
             "breakdown_s": {"forward_backward": fb.seconds, "optimizer": opt.seconds, "total": step.seconds}
         }
         self._details.update(step_comm(self.optimizer))  # Muon's gathers of whole matrices, in the optimizer's time
+        if self.experts is not None:  # the experts' all-to-alls, in the forward and backward's time
+            self._details["comm"] = {**self._details.get("comm", {}), **self.experts.take_comm()}
         return loss
 
     def _context_parallel(self, inputs, targets):
@@ -241,11 +255,11 @@ class FSDPEngine:
 
     def _clip_grad_norm(self, max_norm: float) -> None:
         """torch's clip_grads_with_norm_ by the global norm over every shard of every stage."""
-        from harness.frameworks.fsdp.grad_norm import global_grad_norm
-
-        norm = global_grad_norm(self.params, self.mesh["pp"].get_group() if self.spec.layout.pp > 1 else None)
+        pp_group = self.mesh["pp"].get_group() if self.spec.layout.pp > 1 else None
+        norm = global_grad_norm(self.param_groups, pp_group, self.experts and self.experts.group)
         self._grad_norm = norm.detach()  # read after the step: no device sync inside it
-        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
+        for params in self.param_groups:  # [all], or [the rest, the experts]: one mesh each
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
 
     # ---------------------------------------------------------------- memory
 
@@ -254,11 +268,12 @@ class FSDPEngine:
         parameter, its all-gather outputs, unsharded gradient buffers)."""
         from torch.distributed.fsdp import FSDPModule
 
-        out = []
+        out, seen = [], set()  # a group over several modules (ep's experts: fsdp/experts.py) shares one state
         for part in self.parts:
             for module in part.modules():
-                if isinstance(module, FSDPModule):
+                if isinstance(module, FSDPModule) and id(module._get_fsdp_state()) not in seen:
                     state = module._get_fsdp_state()
+                    seen.add(id(state))
                     groups = getattr(state, "_fsdp_param_groups", None)
                     if groups is None:  # torch < 2.8: one group per module
                         groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
@@ -298,41 +313,11 @@ class FSDPEngine:
         return list(self.params) + [t for fp in self._fsdp_params() for t in fp.all_gather_outputs]
 
     def process_groups(self) -> dict:
-        return {}  # none: its DeviceMesh's groups are ParallelDims axes' groups, named by their ranks (AxisOf)
+        # its DeviceMesh's groups are ParallelDims axes' groups, named by their ranks (AxisOf); ep's are declared
+        return {} if self.experts is None else self.experts.process_groups()
 
-    @contextlib.contextmanager
     def _gathered_parameters_are_not_activations(self):
-        """While an enclosing saved-tensor hook counts what autograd saves for backward
-        (measure.census.SavedActivations, on the first step), the gathered parameters that autograd saves
-        bypass it. They cannot be named up front (activation_exclusions): FSDP2 allocates each
-        gathered parameter anew at every all-gather and frees it on reshard (_fsdp_param.py:
-        alloc_storage / free_storage resize one storage object in place), so its address changes
-        from micro-batch to micro-batch; the storage object itself does not, and is matched here.
-        Autograd saves the same tensors either way; without an enclosing hook this is a no-op."""
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None:
-            yield
-            return
-        outer_pack, outer_unpack = top
-        gathered: set[int] = set()  # the storage objects (not addresses) of the gathered parameters
-        pending = self._fsdp_params()  # FSDP2 creates them at each group's first all-gather
-
-        def is_gathered(t: torch.Tensor) -> bool:
-            key = census.local_tensor(t).untyped_storage()._cdata
-            if key not in gathered and pending:
-                gathered.update(o.untyped_storage()._cdata for fp in pending for o in fp.all_gather_outputs)
-                pending[:] = [fp for fp in pending if not fp.all_gather_outputs]
-            return key in gathered
-
-        def pack(t):
-            return (True, t) if is_gathered(t) else (False, outer_pack(t))
-
-        def unpack(packed):
-            passed, value = packed
-            return value if passed else outer_unpack(value)
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
+        return gathered_parameters_are_not_activations(self._fsdp_params)
 
     # ---------------------------------------------------------------- reporting
 
@@ -344,8 +329,10 @@ class FSDPEngine:
         for part in self.parts:
             for name, param in part.named_parameters():
                 full = param.full_tensor() if hasattr(param, "full_tensor") else param
-                if keep:
+                if keep or (self.experts is not None and is_expert(name)):  # every ep rank's experts
                     mine[name.replace(_WRAPPED, "")] = full.detach().float().cpu().clone()
+        if self.experts is not None:  # the ep group's experts onto its first rank (dp 0: `keep`'s)
+            mine = self.experts.gather(mine, keep)
         if self.spec.layout.pp > 1:  # each stage's part
             mine = gather_on_rank0(mine if keep else None)
         return mine if self.ctx.rank == 0 else None
@@ -382,12 +369,18 @@ class FSDPEngine:
             "sharding": "fully_shard over dp per block + root" + (" (per stage module)" if self.pipeline else ""),
             "reshard_after_forward": lay.reshard_after_forward,
             "compile": lay.compile,
-            **({"moe": MOE} if any(moe_layers(p) for p in self.parts) else {}),
+            **(
+                {"moe": MOE if self.experts is None else self.experts.describe}
+                if any(moe_layers(p) for p in self.parts)
+                else {}
+            ),
             "precision_policy": self.policy.describe(),
             **({"fp8_backend": self.policy.fp8_backend(self.device.type)} if self.policy.fp8 else {}),
             "mixed_precision": self._mixed_precision(),
             "optimizer": describe_optimizer(self.optimizer, self.device.type),
-            "grad_clipping": "global norm over dp/tp shards" + (" and pp stages" if lay.pp > 1 else ""),
+            "grad_clipping": "global norm over dp/tp shards"
+            + (" and ep's experts" if lay.ep > 1 else "")
+            + (" and pp stages" if lay.pp > 1 else ""),
             "activation_checkpointing": CHECKPOINTING[lay.activation_checkpointing],
         }
 
