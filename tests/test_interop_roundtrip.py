@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import shlex
 
 import pytest
@@ -166,6 +167,12 @@ CASES = {  # id: (format, model, workload fields, layout)
         "torchtitan",
         "qwen3-30b-a3b",
         {"precision": "fp8", "fp8_recipe": "mxfp8"},
+        PlannerLayout(1, 1, 8, 2, ep=8, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", precision="fp8"),
+    ),
+    "torchtitan-moe-fp8": (  # Float8 with the router gate filtered out, the experts by Float8GroupedExpertsConverter
+        "torchtitan",
+        "qwen3-30b-a3b",
+        {"precision": "fp8", "fp8_recipe": "rowwise"},
         PlannerLayout(1, 1, 8, 2, ep=8, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", precision="fp8"),
     ),
     "megatron-mxfp8": (  # Transformer Engine's MXFP8BlockScaling, e4m3 throughout (--fp8-format e4m3)
@@ -341,6 +348,29 @@ def test_an_mxfp8_recipe_the_harness_cannot_carry_is_said_in_one_line(edit, want
         assert code == 2 and out.err.startswith(want)
     else:
         assert code == 0 and yaml.safe_load(out.out)["workload"]["fp8_recipe"] == "mxfp8"
+
+
+@pytest.mark.parametrize(
+    "recipe, edit, want",
+    [  # an edited MoE FP8 recipe: the experts or the router not as the harness runs them, one line each
+        ("mxfp8", (r", MXFP8GroupedExpertsConverter\.Config\([^)]*\)", ""), "keeps the experts in bf16"),
+        ("rowwise", (r", Float8GroupedExpertsConverter\.Config\([^)]*\)", ""), "keeps the experts in bf16"),
+        ("rowwise", (r', "router\.gate"', ""), "converts the router gate too"),
+    ],
+)
+def test_a_moe_fp8_recipe_the_harness_cannot_carry_is_said_in_one_line(recipe, edit, want, tmp_path, capsys):
+    lay = PlannerLayout(1, 1, 8, 1, ep=8, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8")
+    text, _ = EXPORTERS["torchtitan"](PRESETS["qwen3-30b-a3b"], lay, Workload(4096, 64), fp8_recipe=recipe)
+    edited = re.sub(*edit, text)
+    assert edited != text
+    (tmp_path / "r.py").write_text(edited)
+    assert cli(["import", "torchtitan", str(tmp_path / "r.py"), "--gpus", "8"]) == 0
+    out = capsys.readouterr()
+    assert yaml.safe_load(out.out)["workload"]["fp8_recipe"] == recipe
+    assert sum(want in line for line in out.err.splitlines()) == 1, out.err
+    (tmp_path / "r.py").write_text(text)  # as exported: nothing of the converters said
+    assert cli(["import", "torchtitan", str(tmp_path / "r.py"), "--gpus", "8"]) == 0
+    assert "model_spec.converters" not in capsys.readouterr().err
 
 
 def test_megatron_fp8_format_other_than_the_recipes_gradients_is_said_in_one_line(tmp_path, capsys):

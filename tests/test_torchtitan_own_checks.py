@@ -154,10 +154,11 @@ def test_torchtitan_takes_the_export(name, recipe, fake_world):
         linears = {fqn for fqn, _, _, _ in model_config.traverse(Linear.Config)}
         # every linear but the LM head (and a MoE's router gate), as the harness runs FP8
         kept = {f for f in linears if f == "lm_head" or (shape.moe and f.endswith(".moe.router.gate"))}
-        assert linears - converted == kept and (mx or not shape.moe)
+        assert linears - converted == kept
         experts = [(c, parent) for _, c, parent, _ in model_config.traverse(GroupedExperts.Config)]
         assert len(experts) == (shape.layers if shape.moe else 0)
-        # the experts' grouped GEMMs in MXFP8 (RCEIL scales), their token groups padded to the harness's 32
-        assert all(type(c)._owner.__name__ == "MXFP8GroupedExperts" for c, _ in experts)
-        assert {c.recipe_name for c, _ in experts} <= {"mxfp8_rceil"}
-        assert {routed.token_dispatcher.pad_multiple for _, routed in experts} <= {32}
+        # the experts' grouped GEMMs in FP8 (mxfp8: RCEIL scales), their token groups padded to whole blocks (the
+        # harness's 32 under mxfp8; Float8's 16, zero rows that change no rowwise scale)
+        assert all(type(c)._owner.__name__ == ("MXFP8" if mx else "Float8") + "GroupedExperts" for c, _ in experts)
+        assert {getattr(c, "recipe_name", "mxfp8_rceil") for c, _ in experts} <= {"mxfp8_rceil"}
+        assert {routed.token_dispatcher.pad_multiple for _, routed in experts} <= {32 if mx else 16}

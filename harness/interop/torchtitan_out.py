@@ -113,20 +113,26 @@ def torchtitan_refuses(shape: Shape | None, lay: PlannerLayout) -> str:
 
 
 def _converter_names(shape: Shape, mx: bool) -> list[str]:
-    if not mx:
-        return ["Float8LinearConverter"]
-    return ["MXFP8GroupedExpertsConverter", "MXFP8LinearConverter"] if shape.moe else ["MXFP8LinearConverter"]
+    kind = "MXFP8" if mx else "Float8"
+    return [f"{kind}GroupedExpertsConverter", f"{kind}LinearConverter"] if shape.moe else [f"{kind}LinearConverter"]
 
 
 def fp8_converters(shape: Shape, mx: bool, compiled: bool) -> list[str]:
     """model_registry's converters for the workload's FP8. Float8 rowwise with lm_head filtered out (torchtitan's
-    converter otherwise converts every linear whose sizes are multiples of 16, the head included); mxfp8: the MX
+    converter otherwise converts every linear whose sizes are multiples of 16, the head included) and a MoE's
+    router gate (the harness routes in fp32), its experts through Float8GroupedExpertsConverter (torchao's
+    rowwise grouped GEMM; the harness runs each expert's tokens through a rowwise Float8Linear); mxfp8: the MX
     linear converter on MX_FQNS (its MXFP8Linear is torchao's, whose defaults are the harness's recipe: RCEIL
     scales, the weight gradient in MXFP8 too) and, with experts, the grouped-GEMM converter (its mxfp8_rceil,
     pad_multiple 32: the harness's per-expert padding, harness/model/mxfp8.py). model_compile_enabled only
     silences torchtitan's warning that MXFP8 is slow eager."""
-    if not mx:
+    if not mx and not shape.moe:
         return ['Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head"])']
+    if not mx:
+        return [
+            'Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head", "router.gate"])',
+            f"Float8GroupedExpertsConverter.Config(model_compile_enabled={compiled})",
+        ]
     out = [f"MXFP8LinearConverter.Config(fqns={json.dumps(list(MX_FQNS))}, model_compile_enabled={compiled})"]
     if shape.moe:
         out.append(
@@ -249,7 +255,8 @@ def export_torchtitan(
         f"{shape.layers} layers do not split evenly into {lay.pp} x {lay.virtual_stages} chunks"
         if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and shape.layers % (lay.pp * lay.virtual_stages)
         else "",
-        "FP8: torchtitan's Float8LinearConverter (torchao Float8, rowwise scaling; every linear but the LM head)"
+        "FP8: torchtitan's Float8LinearConverter (torchao Float8, rowwise scaling; every linear but the LM head"
+        + (" and the router gate; the experts through Float8GroupedExpertsConverter)" if shape.moe else ")")
         + (
             f"; the workload's {fp8_recipe} has no recipe_name there (it takes rowwise or rowwise_with_gw_hp)"
             if fp8_recipe not in (None, "rowwise")

@@ -89,6 +89,7 @@ UPSTREAM = {
 # grouped GEMM, RCEIL scales) the harness's mxfp8.
 CONVERTERS = {
     "Float8LinearConverter.Config": "rowwise",
+    "Float8GroupedExpertsConverter.Config": "rowwise",
     "MXFP8LinearConverter.Config": "mxfp8",
     "MXFP8GroupedExpertsConverter.Config": "mxfp8",
 }
@@ -359,19 +360,26 @@ def _converters(elts, got: dict, lost: list[str], names: dict) -> None:
             recipe = args.get("recipe_name", "rowwise")
             if recipe != "rowwise":
                 raise SpecError("model_spec.converters", f"Float8 recipe {recipe!r}: the harness runs rowwise")
-            skipped = args.get("filter_fqns", [])
-            if set(skipped) - {"lm_head", "output"}:
+            skipped = set(args.get("filter_fqns", []))
+            router = {"router.gate", "router", "gate"} if got["family"] == "qwen3" else set()
+            if skipped - {"lm_head", "output"} - router:
                 lost.append(
                     "model_spec.converters.filter_fqns: not carried: the harness converts every linear but the LM head"
+                    + (" and the router gate" if router else "")
                 )
-            elif not set(skipped) & {"lm_head", "output"}:
+            elif not skipped & {"lm_head", "output"}:
                 lost.append(
                     "model_spec.converters.filter_fqns: not carried: the recipe converts the LM head too, "
                     "the harness keeps it in high precision"
                 )
+            elif router and not skipped & router:
+                lost.append(
+                    "model_spec.converters.filter_fqns: not carried: the recipe converts the router gate too, "
+                    "the harness routes in fp32"
+                )
         elif kind == "MXFP8LinearConverter.Config":
             _mx_fqns(args.get("fqns", []), got["family"], lost)
-        elif args.get("recipe_name", "mxfp8_rceil") != "mxfp8_rceil":  # MXFP8GroupedExpertsConverter
+        elif kind == "MXFP8GroupedExpertsConverter.Config" and args.get("recipe_name", "mxfp8_rceil") != "mxfp8_rceil":
             raise SpecError(
                 "model_spec.converters", f"MXFP8 recipe {args['recipe_name']!r}: the harness runs mxfp8_rceil"
             )
@@ -381,10 +389,16 @@ def _converters(elts, got: dict, lost: list[str], names: dict) -> None:
             "model_spec.converters: not carried: the recipe keeps the block linears in bf16, the harness's "
             "mxfp8 converts them with the experts (MXFP8LinearConverter)"
         )
-    if "mxfp8" in recipes and moe and "MXFP8GroupedExpertsConverter.Config" not in kinds:
+    for recipe, kind in (("mxfp8", "MXFP8"), ("rowwise", "Float8")):
+        if recipe in recipes and moe and f"{kind}GroupedExpertsConverter.Config" not in kinds:
+            lost.append(
+                f"model_spec.converters: not carried: the recipe keeps the experts in bf16, the harness's {recipe} "
+                f"converts them too ({kind}GroupedExpertsConverter)"
+            )
+    if "rowwise" in recipes and "Float8LinearConverter.Config" not in kinds:
         lost.append(
-            "model_spec.converters: not carried: the recipe keeps the experts in bf16, the harness's mxfp8 "
-            "converts them too (MXFP8GroupedExpertsConverter)"
+            "model_spec.converters: not carried: the recipe keeps the attention linears in bf16, the harness's "
+            "rowwise converts them with the experts (Float8LinearConverter)"
         )
     got["fp8"] = recipes.pop() if recipes else None
 
