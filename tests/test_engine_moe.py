@@ -16,7 +16,8 @@ derivation holds here too: both sides compute in bf16 and differ where sums are 
 The routing statistics summed over ranks equal the reference's exactly in fp32 (each routed token
 counted once: the same integers). In bf16 only their totals are exact: a layout's bf16 parameters and
 activations may differ from the reference's by a rounding (one bf16 ulp, 2^-8 relative, on each factor
-of a router logit), so a token whose k-th and (k+1)-th logits lie within that bound of each other may
+of a router logit), so a token whose k-th and (k+1)-th logits lie within the rounding bound of their gap
+(_near_ties: those roundings independent, the bound the gap's normal tail over every token of the run) may
 take the other expert; the counts may then differ by at most 2k per such token, and by nothing more.
 In fp8 without ep the counts are exact, as in fp32: each rank's micro-batch is one of the reference's
 (micro_batch_size 1 on both sides), so every FP8 cast (tensorwise: the amax of the tensor; rowwise: of a
@@ -28,13 +29,16 @@ dynamic scales (tensorwise: input and output gradient; rowwise: the weight gradi
 are amaxes over two micro-batches, and no single-device run has those operands (its dense layers would
 need one micro-batch, its experts two); bf16 under ep is not exact either (the expert's weight-gradient GEMM
 sums both ranks' tokens into one bf16 product: 2 routed slots per layer moved over 3 steps, measured once),
-and fp8 moved 2 to 16 under tensorwise and rowwise. A cast element then moves by at most one e4m3 step (2^-3
-relative), which takes the place of bf16's ulp in the bound above. mxfp8 (e4m3 elements, one power-of-two
+and fp8 moved 2 to 16 under tensorwise and rowwise. A cast element then moves by one e4m3 step (2^-3
+relative) with probability 2^-5, so fp8's rounding in the bound above is bf16's x 2^2.5, as
+harness.testing.equivalence derives the fp8 tolerances. mxfp8 (e4m3 elements, one power-of-two
 scale per block of 32 along each GEMM's reduction dim) is held to the same: without ep every block is the
 reference's; under ep an expert's weight-gradient blocks run along tokens of two micro-batches.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 import torch
@@ -259,17 +263,61 @@ launched = E.shared(CASES, steps=STEPS)
 
 
 BF16_ULP = 2.0**-8  # bf16's spacing relative to a value (8 bits of significand)
-E4M3_STEP = 2.0**-3  # e4m3's spacing relative to a value (3 bits of significand)
+# The relative rounding each factor of a router logit carries per precision. The router never runs in FP8 (its
+# logits are fp32 products of the bf16 residual stream and the fp32 weight), so fp8's is bf16's amplified as
+# harness.testing.equivalence derives its fp8 tolerances from bf16's (x 2^2.5: a bf16 difference moves an e4m3
+# cast by one step with probability 2^-5), and mxfp8's by its block-scale term (x sqrt(1 + 2^-4)).
+STEP = {
+    "bf16": BF16_ULP,
+    "fp8": BF16_ULP * FP8_WEIGHTS_RTOL / BF16_WEIGHTS_RTOL,
+    "mxfp8": BF16_ULP * MXFP8_WEIGHTS_RTOL / BF16_WEIGHTS_RTOL,
+}
+# the tokens each layer routes over the run, summed over the layers (the reference's: steps x batch x seq)
+ROUTED = MOE.layers * STEPS * E.BASE["workload"]["global_batch_size"] * M["seq_len"]
+# A gap's change exceeds TAIL standard deviations with probability 1e-3 / ROUTED (two-sided normal tail): over
+# every routed token of the run, a near tie is missed with probability below 1e-3
+TAIL = statistics.NormalDist().inv_cdf(1 - 1e-3 / (2 * ROUTED))
 
 
-def _near_ties(layer: MoEFeedForward, x2: torch.Tensor, logits: torch.Tensor, step: float = BF16_ULP) -> int:
-    """Tokens whose top-k set could change if each factor of each logit (Σ_j W_ej x_j) moved by one `step`
-    (relative): some held expert's logit minus its bound falls below some other expert's plus its bound."""
-    bound = 2 * step * (x2.detach().float().abs() @ layer.router.weight.detach().float().abs().t())
-    held = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, torch.topk(logits, layer.k, dim=-1).indices, True)
-    lowest_held = torch.where(held, logits - bound, torch.inf).amin(-1)
-    highest_other = torch.where(held, -torch.inf, logits + bound).amax(-1)
-    return int((lowest_held < highest_other).sum())
+def _near_ties(layer: MoEFeedForward, x2: torch.Tensor, logits: torch.Tensor, step: float) -> int:
+    """Tokens whose k-th and (k+1)-th logits lie within the rounding bound of their gap: each factor of each
+    term t_ej = W_ej x_j of a logit off by an independent rounding, uniform within `step` (relative: variance
+    step^2/3), x_j's shared by both logits, so the gap l_k - l_m moves by a sum of independent terms of variance
+    step^2/3 (sum_j (t_kj - t_mj)^2 + t_kj^2 + t_mj^2), normal by the central limit over the hidden size (the
+    probabilistic rounding analysis of Higham and Mary, 2019, in place of the worst case, which adds every
+    term's bound as if all roundings had one sign); a tie is near when the gap is within TAIL of its sd."""
+    terms = x2.detach().float().unsqueeze(1) * layer.router.weight.detach().float()  # (tokens, experts, hidden)
+    top = torch.topk(logits, layer.k + 1, dim=-1).indices
+    t_k = terms.gather(1, top[:, -2, None, None].expand(-1, 1, terms.shape[-1])).squeeze(1)
+    t_m = terms.gather(1, top[:, -1, None, None].expand(-1, 1, terms.shape[-1])).squeeze(1)
+    var = step**2 / 3 * ((t_k - t_m).square() + t_k.square() + t_m.square()).sum(-1)
+    gap = logits.gather(1, top[:, -2:-1]).squeeze(1) - logits.gather(1, top[:, -1:]).squeeze(1)
+    return int((gap <= TAIL * var.sqrt()).sum())
+
+
+def test_a_near_tie_is_a_gap_within_the_rounding_bound_of_the_k_th_and_next_logits():
+    """_near_ties on logits set by hand: token 0's k-th and (k+1)-th logits equal (a tie at any step), token 1's
+    4 sd of their gap apart (near at TAIL > 4, not at half the step, where they are 8 sd apart), token 2's top k
+    far above the rest; the other gaps (equal logits among the held, among the rest) play no part."""
+    torch.manual_seed(0)
+    layer = MoEFeedForward(MOE)
+    k, n = layer.k, MOE.experts
+    x = torch.randn(3, MOE.hidden)
+    w = layer.router.weight.detach().float()
+    step = STEP["bf16"]
+    t_k, t_m = x[1] * w[0], x[1] * w[1]
+    sd = float((step**2 / 3 * ((t_k - t_m).square() + t_k.square() + t_m.square()).sum()).sqrt())
+    held, rest = [100.0] * (k - 1), [-100.0] * (n - k - 1)
+    logits = torch.tensor(
+        [
+            [0.0, 0.0, *held, *rest],  # expert 0 the k-th, expert 1 the (k+1)-th
+            [0.0, -4 * sd, *held, *rest],
+            [1e3, 1e3, *([-1.0] * (n - 2))],
+        ]
+    )
+    assert TAIL > 4 and k == 2
+    assert _near_ties(layer, x, logits, step) == 2
+    assert _near_ties(layer, x, logits, step / 2) == 1
 
 
 def _reference_counts(case: dict) -> tuple[dict, dict]:
@@ -292,7 +340,8 @@ def _reference_counts(case: dict) -> tuple[dict, dict]:
     ties: dict = {}
     names = {}
 
-    step = E4M3_STEP if case["workload"].get("precision") == "fp8" else BF16_ULP
+    precision, recipe = case["workload"].get("precision", "fp32"), case["workload"].get("fp8_recipe")
+    step = STEP.get("mxfp8" if precision == "fp8" and recipe == "mxfp8" else precision, 0.0)  # fp32: exact
 
     def gate(layer, x2):
         out = MoEFeedForward.gate(layer, x2)
@@ -303,8 +352,8 @@ def _reference_counts(case: dict) -> tuple[dict, dict]:
         if isinstance(layer, MoEFeedForward):
             names[layer] = name
             layer.gate = gate.__get__(layer)
-    for step in range(STEPS):
-        eng.train_step(src.global_batch_at(step))
+    for i in range(STEPS):  # not `step`: gate reads the rounding step above
+        eng.train_step(src.global_batch_at(i))
     return {k: v["counts"] for k, v in eng.router_stats().items()}, ties
 
 

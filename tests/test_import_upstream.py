@@ -190,10 +190,15 @@ IMPORTS = {
         ["--recipe", "llama3_debugmodel"],
         "error: model_spec:",
     ),
-    "torchtitan-llama3-mxfp8": (
+    "torchtitan-llama3-mxfp8": (  # MXFP8LinearConverter: the harness's mxfp8 (its converted LM head in a line)
         "torchtitan/llama3__config_registry.py.txt",
-        ["--recipe", "llama3_8b_mxfp8"],
-        "error: model_spec.converters:",
+        ["--recipe", "llama3_8b_mxfp8", "--gpus", "8"],
+        {
+            "workload.model": "llama3-8b",
+            "workload.seq_len": 8192,
+            "workload.precision": "fp8",
+            "workload.fp8_recipe": "mxfp8",
+        },
     ),
     "torchtitan-no-recipe-named": ("torchtitan/llama3__config_registry.py.txt", [], "error: --recipe:"),
     "torchtitan-qwen3-30b-a3b": (
@@ -229,7 +234,7 @@ def test_upstream_file_imports_or_is_refused_in_one_line(name, capsys):
 
 def test_derived_recipe_takes_its_base_recipe_values(tmp_path, capsys):
     """A recipe derived from one of the same file (or torchtitan's own llama3 ones) starts from that
-    recipe's values, not Trainer.Config's defaults: llama3_8b_mxfp8 is refused only for MXFP8; a user's
+    recipe's values, not Trainer.Config's defaults: llama3_8b_mxfp8 takes llama3_8b's; a user's
     recipe derived from llama3_70b keeps its seq 8192, tp 8 and full checkpointing."""
     src = tmp_path / "mine.py"
     src.write_text(

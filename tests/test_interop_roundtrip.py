@@ -8,9 +8,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
+import shlex
 
 import pytest
 import yaml
+from conftest import megatron_parser
 
 from harness.cli import main as cli
 from harness.interop.exports import EXPORTERS, exportable
@@ -154,6 +157,32 @@ CASES = {  # id: (format, model, workload fields, layout)
             1, 1, 8, 1, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", activation_checkpointing="selective_op"
         ),
     ),
+    "torchtitan-mxfp8": (  # torchtitan's MXFP8LinearConverter on the block linears (fqns), read back as mxfp8
+        "torchtitan",
+        "llama3-8b",
+        {"precision": "fp8", "fp8_recipe": "mxfp8"},
+        PlannerLayout(1, 1, 8, 1, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", precision="fp8"),
+    ),
+    "torchtitan-moe-mxfp8": (  # and its MXFP8GroupedExpertsConverter on the experts
+        "torchtitan",
+        "qwen3-30b-a3b",
+        {"precision": "fp8", "fp8_recipe": "mxfp8"},
+        PlannerLayout(1, 1, 8, 2, ep=8, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", precision="fp8"),
+    ),
+    "torchtitan-moe-fp8": (  # Float8 with the router gate filtered out, the experts by Float8GroupedExpertsConverter
+        "torchtitan",
+        "qwen3-30b-a3b",
+        {"precision": "fp8", "fp8_recipe": "rowwise"},
+        PlannerLayout(1, 1, 8, 2, ep=8, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", precision="fp8"),
+    ),
+    "megatron-mxfp8": (  # Transformer Engine's MXFP8BlockScaling, e4m3 throughout (--fp8-format e4m3)
+        "megatron",
+        "llama3-8b",
+        {"precision": "fp8", "fp8_recipe": "mxfp8"},
+        PlannerLayout(
+            2, 1, 4, 1, sequence_parallel=True, attention="flash2", rmsnorm="fused", zero_stage=1, precision="fp8"
+        ),
+    ),
 }
 
 
@@ -268,6 +297,98 @@ def test_fp8_recipe_a_tool_lacks_is_said_at_export():
     text, notes = EXPORTERS["megatron"](PRESETS["llama3-8b"], lay, Workload(4096, 64), fp8_recipe="rowwise")
     assert "--fp8-recipe blockwise" in text and any("no rowwise recipe" in n for n in notes)
     assert "--fp8-recipe tensorwise" in EXPORTERS["megatron"](PRESETS["llama3-8b"], lay, Workload(4096, 64))[0]
+
+
+def test_mxfp8_exports_as_the_tools_own_mx_recipe():
+    """mxfp8 is torchtitan 0.3.0's MX converters (no Float8 note) and Transformer Engine's MXFP8BlockScaling with
+    e4m3 throughout, as torchao's mx_mm casts every operand (its --fp8-format read by Megatron-LM's parser); the
+    other recipes' formats are torchao's gradient casts too: tensorwise e5m2 (hybrid), rowwise e4m3."""
+    lay = PlannerLayout(1, 1, 8, 1, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8")
+    text, notes = EXPORTERS["torchtitan"](PRESETS["llama3-8b"], lay, Workload(4096, 64), fp8_recipe="mxfp8")
+    assert 'converters=[MXFP8LinearConverter.Config(fqns=["attention", "feed_forward"]' in text
+    assert "Float8" not in text and "MXFP8GroupedExpertsConverter" not in text
+    assert [n for n in notes if "FP8" in n] == [next(n for n in notes if n.startswith("FP8 mxfp8: "))]
+    moe = PlannerLayout(1, 1, 8, 1, ep=8, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8")
+    text, _ = EXPORTERS["torchtitan"](PRESETS["qwen3-30b-a3b"], moe, Workload(4096, 64), fp8_recipe="mxfp8")
+    assert 'MXFP8GroupedExpertsConverter.Config(recipe_name="mxfp8_rceil", pad_multiple=32' in text
+    lay = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, attention="flash2", zero_stage=1, precision="fp8")
+    for recipe, want in {
+        "mxfp8": ("e4m3", "mxfp8"),
+        "rowwise": ("e4m3", "blockwise"),
+        None: ("hybrid", "tensorwise"),
+    }.items():
+        text, _ = EXPORTERS["megatron"](PRESETS["llama3-8b"], lay, Workload(4096, 64), fp8_recipe=recipe)
+        a = megatron_parser(exit_on_error=False).parse_args(shlex.split(text))
+        assert (a.fp8, a.fp8_recipe) == want
+
+
+@pytest.mark.parametrize(
+    "edit, want",
+    [  # an edited mxfp8 recipe: what the harness cannot carry, one line each (or one error line)
+        (('fqns=["attention", "feed_forward"]', "fqns=[]"), "import: model_spec.converters.fqns: not carried: empty"),
+        (('fqns=["attention", "feed_forward"]', 'fqns=["attention"]'), "leaves block linears in bf16"),
+        (('fqns=["attention", "feed_forward"]', 'fqns=["attention", "feed_forward", "lm_head"]'), ": lm_head; "),
+        (
+            (
+                "MXFP8LinearConverter.Config(",
+                'Float8LinearConverter.Config(recipe_name="rowwise"), MXFP8LinearConverter.Config(',
+            ),
+            "error: model_spec.converters: Float8 and MXFP8",
+        ),
+    ],
+)
+def test_an_mxfp8_recipe_the_harness_cannot_carry_is_said_in_one_line(edit, want, tmp_path, capsys):
+    lay = PlannerLayout(1, 1, 8, 1, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8")
+    text, _ = EXPORTERS["torchtitan"](PRESETS["llama3-8b"], lay, Workload(4096, 64), fp8_recipe="mxfp8")
+    edited = text.replace(*edit)
+    assert edited != text
+    (tmp_path / "r.py").write_text(edited)
+    code = cli(["import", "torchtitan", str(tmp_path / "r.py"), "--gpus", "8"])
+    out = capsys.readouterr()
+    assert sum(want in line for line in out.err.splitlines()) == 1, out.err
+    if want.startswith("error: "):
+        assert code == 2 and out.err.startswith(want)
+    else:
+        assert code == 0 and yaml.safe_load(out.out)["workload"]["fp8_recipe"] == "mxfp8"
+
+
+@pytest.mark.parametrize(
+    "recipe, edit, want",
+    [  # an edited MoE FP8 recipe: the experts or the router not as the harness runs them, one line each
+        ("mxfp8", (r", MXFP8GroupedExpertsConverter\.Config\([^)]*\)", ""), "keeps the experts in bf16"),
+        ("rowwise", (r", Float8GroupedExpertsConverter\.Config\([^)]*\)", ""), "keeps the experts in bf16"),
+        ("rowwise", (r', "router\.gate"', ""), "converts the router gate too"),
+    ],
+)
+def test_a_moe_fp8_recipe_the_harness_cannot_carry_is_said_in_one_line(recipe, edit, want, tmp_path, capsys):
+    lay = PlannerLayout(1, 1, 8, 1, ep=8, fsdp=True, attention="flash2", rmsnorm="torch", precision="fp8")
+    text, _ = EXPORTERS["torchtitan"](PRESETS["qwen3-30b-a3b"], lay, Workload(4096, 64), fp8_recipe=recipe)
+    edited = re.sub(*edit, text)
+    assert edited != text
+    (tmp_path / "r.py").write_text(edited)
+    assert cli(["import", "torchtitan", str(tmp_path / "r.py"), "--gpus", "8"]) == 0
+    out = capsys.readouterr()
+    assert yaml.safe_load(out.out)["workload"]["fp8_recipe"] == recipe
+    assert sum(want in line for line in out.err.splitlines()) == 1, out.err
+    (tmp_path / "r.py").write_text(text)  # as exported: nothing of the converters said
+    assert cli(["import", "torchtitan", str(tmp_path / "r.py"), "--gpus", "8"]) == 0
+    assert "model_spec.converters" not in capsys.readouterr().err
+
+
+def test_megatron_fp8_format_other_than_the_recipes_gradients_is_said_in_one_line(tmp_path, capsys):
+    """--fp8-format hybrid (e5m2 gradients) with --fp8-recipe mxfp8: the harness's mxfp8 casts them to e4m3."""
+    lay = PlannerLayout(2, 1, 4, 1, sequence_parallel=True, attention="flash2", zero_stage=1, precision="fp8")
+    text, _ = EXPORTERS["megatron"](PRESETS["llama3-8b"], lay, Workload(4096, 64), fp8_recipe="mxfp8")
+    for fmt, lines in (("e4m3", 0), ("hybrid", 1)):
+        (tmp_path / "a.txt").write_text(text.replace("--fp8-format e4m3", f"--fp8-format {fmt}"))
+        assert cli(["import", "megatron", str(tmp_path / "a.txt"), "--gpus", "8"]) == 0
+        out = capsys.readouterr()
+        assert yaml.safe_load(out.out)["workload"]["fp8_recipe"] == "mxfp8"
+        said = [line for line in out.err.splitlines() if line.startswith("import: --fp8-format: not carried: ")]
+        assert len(said) == lines and all("hybrid (e5m2 gradients)" in line for line in said), out.err
+    (tmp_path / "a.txt").write_text(text.replace("--fp8-format e4m3", "--fp8-format e5m2"))
+    assert cli(["import", "megatron", str(tmp_path / "a.txt"), "--gpus", "8"]) == 2
+    assert capsys.readouterr().err.startswith("error: --fp8-format: 'e5m2' is not one of e4m3, hybrid")
 
 
 def test_an_exact_kernel_the_tools_setting_does_not_run_loses_to_it_in_one_line(tmp_path, capsys):

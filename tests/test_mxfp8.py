@@ -61,6 +61,42 @@ def test_any_number_of_tokens_runs_each_row_as_in_a_whole_block(rows):
         assert part.grad.shape == part.shape
 
 
+def test_every_mxfp8_cast_runs_inside_an_fp8_cast_range_and_no_gemm_does():
+    """torchao's mx_mm casts six operands per linear and step (forward: the input and the weight along dim0;
+    backward: the output gradient along dim0 and dim1, the weight and the input along dim1): each inside an
+    FP8_CAST range (harness.model.mxfp8._range_casts), its GEMMs outside, as torchao.float8's are ranged."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from harness.measure.ranges import FP8_CAST
+    from harness.model import mxfp8
+
+    mm = mxfp8.matmul("cpu")
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(96, 64, dtype=torch.bfloat16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        mm(x, w).sum().backward()
+    events = prof.events()
+    casts = [(e.time_range.start, e.time_range.end) for e in events if e.name == FP8_CAST]
+    gemms = [(e.time_range.start, e.time_range.end) for e in events if e.name == "aten::mm"]
+    assert len(casts) == 6 and len(gemms) >= 3  # forward, input gradient, weight gradient
+    assert not [g for g in gemms if any(a <= g[0] and g[1] <= b for a, b in casts)]
+
+
+def test_an_mxfp8_run_says_how_much_of_its_compute_the_casts_took(tmp_path):
+    """In process, one rank, fp8_recipe mxfp8 (tiny: its attention linears converted): the profiled step's
+    breakdown carries the MXFP8 casts' time, a part of compute, as an fp8 tensorwise run's does."""
+    from harness.run import run
+    from harness.runtime import RunContext
+
+    cpu = RunContext(0, 1, 0, torch.device("cpu"), None)
+    workload = {"seq_len": 16, "global_batch_size": 2, "steps": 1, "warmup_steps": 1}
+    spec = parse_spec(
+        {"workload": {**workload, "precision": "fp8", "fp8_recipe": "mxfp8"}, "store": str(tmp_path / "r.sqlite")}
+    )
+    m = run(spec, cpu, progress=False, profile_steps=1, trace_dir=None)["metrics"]
+    assert 0 < m["compute_fp8_cast_ms"] < m["breakdown_ms"]["compute"]
+
+
 @pytest.mark.parametrize("engine", ["own", "single", "fsdp"])
 def test_the_engines_that_run_fp8_run_mxfp8(engine):
     lay = {"engine": engine, **({} if engine == "single" else {"dp": 2})}

@@ -13,11 +13,12 @@ scratch venv that sees the project's (all on PyPI; torch stays the CPU 2.13):
     echo /work/venv/lib/python3.11/site-packages > /tmp/tt-venv/lib/python3.11/site-packages/work-venv.pth
     /tmp/tt-venv/bin/pip install -c <(echo 'torch==2.13.0+cpu') torchtitan==0.3.0 triton==3.8.0
     PYTHONPATH=$PWD /tmp/tt-venv/bin/python -m pytest -q tests/test_torchtitan_own_checks.py
-The checks need no GPU but two of torchtitan's: the recipes target an H100, so `has_cuda_capability` (FlexAttention's
-flash backend, Float8) answers as an H100 does; and a varlen model is not built here (VarlenAttention imports the
-flash_attn package, CUDA only): only cp layouts' models are built, whose exports are flex (asserted on the config
-first). torchtitan's parallelize on the meta model is not run: on CPU its meshes say cuda, and with them set to cpu
-FSDP's fully_shard stops on a plain tensor under the spmd_types backend. Quick: no processes.
+The checks need no GPU but two of torchtitan's: the recipes target an H100, so `has_cuda_capability`
+(FlexAttention's flash backend, Float8) answers as an H100 does, and as a B200 for its MXFP8 converters (SM100
+only); and a varlen model is not built here (VarlenAttention imports the flash_attn package, CUDA only): only cp
+layouts' models are built, whose exports are flex (asserted on the config first). torchtitan's parallelize on the
+meta model is not run: on CPU its meshes say cuda, and with them set to cpu FSDP's fully_shard stops on a plain
+tensor under the spmd_types backend. Quick: no processes.
 """
 
 from __future__ import annotations
@@ -58,16 +59,22 @@ EXPORTS = {
 
 @pytest.fixture
 def recipe(tmp_path, monkeypatch):
-    """Loads an export through torchtitan's ConfigManager on an H100 as torchtitan sees one."""
+    """Loads an export through torchtitan's ConfigManager on an H100 as torchtitan sees one (a B200 for its MX
+    converters, which refuse compute capability below 10.0)."""
     import torchtitan.components.quantization.float8 as float8
+    import torchtitan.components.quantization.mx as mx
     import torchtitan.tools.utils as utils
     from torchtitan.config import ConfigManager
 
     def h100(major: int, minor: int) -> bool:
         return (9, 0) >= (major, minor)
 
+    def b200(major: int, minor: int) -> bool:
+        return (10, 0) >= (major, minor)
+
     monkeypatch.setattr(utils, "has_cuda_capability", h100)
     monkeypatch.setattr(float8, "has_cuda_capability", h100)
+    monkeypatch.setattr(mx, "has_cuda_capability", b200)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, FUNCTION, raising=False)
 
@@ -138,7 +145,20 @@ def test_torchtitan_takes_the_export(name, recipe, fake_world):
         assert inner <= {FlexAttention.Config, VarlenAttention.Config}
     if lay.precision == "fp8":
         from torchtitan.components.quantization.float8 import Float8Linear
+        from torchtitan.components.quantization.mx import MXFP8Linear
+        from torchtitan.models.common.moe import GroupedExperts
 
-        converted = {fqn for fqn, c, _, _ in model_config.traverse(Linear.Config) if isinstance(c, Float8Linear.Config)}
+        mx = fields["fp8_recipe"] == "mxfp8"
+        fp8_linear = (MXFP8Linear if mx else Float8Linear).Config
+        converted = {fqn for fqn, c, _, _ in model_config.traverse(Linear.Config) if isinstance(c, fp8_linear)}
         linears = {fqn for fqn, _, _, _ in model_config.traverse(Linear.Config)}
-        assert linears - converted == {"lm_head"}  # every linear but the LM head, as the harness runs FP8
+        # every linear but the LM head (and a MoE's router gate), as the harness runs FP8
+        kept = {f for f in linears if f == "lm_head" or (shape.moe and f.endswith(".moe.router.gate"))}
+        assert linears - converted == kept
+        experts = [(c, parent) for _, c, parent, _ in model_config.traverse(GroupedExperts.Config)]
+        assert len(experts) == (shape.layers if shape.moe else 0)
+        # the experts' grouped GEMMs in FP8 (mxfp8: RCEIL scales), their token groups padded to whole blocks (the
+        # harness's 32 under mxfp8; Float8's 16, zero rows that change no rowwise scale)
+        assert all(type(c)._owner.__name__ == ("MXFP8" if mx else "Float8") + "GroupedExperts" for c, _ in experts)
+        assert {getattr(c, "recipe_name", "mxfp8_rceil") for c, _ in experts} <= {"mxfp8_rceil"}
+        assert {routed.token_dispatcher.pad_multiple for _, routed in experts} <= {32 if mx else 16}

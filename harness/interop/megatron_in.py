@@ -57,6 +57,9 @@ CP_OF_COMM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses"}
 # Megatron-LM's --fp8-recipe (Transformer Engine's) as the harness's (torchao's): current per-tensor
 # scaling is tensorwise; blockwise is rowwise's kind; mxfp8 is the harness's mxfp8 (the same block format).
 FP8_RECIPE = {"tensorwise": "tensorwise", "delayed": "tensorwise", "blockwise": "rowwise", "mxfp8": "mxfp8"}
+# The gradients' element type each harness recipe casts to (torchao's): e5m2 under tensorwise, e4m3 otherwise;
+# --fp8-format hybrid has e5m2 gradients, e4m3 none (megatron_out.TE_FORMAT writes the matching one)
+GRAD_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "mxfp8": "e4m3"}
 # The programs whose arguments these are (Megatron-LM's GPT pretraining).
 PROGRAMS = ("pretrain_gpt.py",)
 # A Megatron-LM or torchrun launch line's world size, when it says it.
@@ -269,6 +272,14 @@ def read_megatron(text: str, gpus: int | None = None) -> tuple[dict, dict, list[
         workload.update(precision="fp8", fp8_recipe=FP8_RECIPE[recipe])
         if recipe != FP8_RECIPE[recipe]:
             lost.append(f"--fp8-recipe: not carried: {recipe} (Transformer Engine's); written as {FP8_RECIPE[recipe]}")
+        fmt, ours = a["fp8-format"], GRAD_FORMAT[FP8_RECIPE[recipe]]
+        if fmt not in ("e4m3", "hybrid"):  # Megatron-LM's choices
+            raise SpecError("--fp8-format", f"{fmt!r} is not one of e4m3, hybrid")
+        if fmt != ours:
+            lost.append(
+                f"--fp8-format: not carried: {fmt} ({'e5m2' if fmt == 'hybrid' else 'e4m3'} gradients); the harness's "
+                f"{FP8_RECIPE[recipe]} casts gradients to {'e5m2' if ours == 'hybrid' else 'e4m3'}"
+            )
     if a.get("bf16") and a.get("grad-reduce-in-bf16"):  # Megatron-LM's main grads then bf16 (validate_args)
         workload.update(grad_accum_dtype="bf16", grad_reduce_dtype="bf16")
     lost += [

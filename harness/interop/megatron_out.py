@@ -35,6 +35,10 @@ MEGATRON_ATTENTION = {
 # per-tensor scaling; for rowwise, its finer-grained blockwise (megatron_in.FP8_RECIPE reads it back as rowwise);
 # mxfp8 is Transformer Engine's own MXFP8 recipe (e4m3, e8m0 scales per block of 32)
 TE_RECIPE = {"tensorwise": "tensorwise", "rowwise": "blockwise", "mxfp8": "mxfp8"}
+# Its --fp8-format, the element types torchao casts to under that recipe: tensorwise's output gradient is e5m2
+# (hybrid: e4m3 forward, e5m2 backward); rowwise's and mxfp8's are e4m3 throughout (torchao's rowwise recipe and
+# mx_mm's grad_elem_dtype), as TE's MXFP8BlockScaling and Float8BlockScaling default to (Format.E4M3)
+TE_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "mxfp8": "e4m3"}
 
 # router_aux_loss_coef of the MoE presets' own config.json files
 PUBLISHED_AUX_LOSS = {"mixtral-8x7b": 0.02, "qwen3-30b-a3b": 0.001, "qwen3-235b-a22b": 0.001}
@@ -157,8 +161,9 @@ def export_megatron(
     args += ["--clip-grad", f"{clip:g}"]
     if wl.dtype_bytes == 2:  # the planner's policy: main gradients accumulated and reduced in fp32
         args += ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
-    if lay.precision == "fp8":  # Transformer Engine's current scaling (FP8-CS): e4m3 forward, e5m2 gradients
-        args += ["--fp8-format", "hybrid", "--fp8-recipe", TE_RECIPE[fp8_recipe or "tensorwise"]]
+    if lay.precision == "fp8":
+        recipe = fp8_recipe or "tensorwise"
+        args += ["--fp8-format", TE_FORMAT[recipe], "--fp8-recipe", TE_RECIPE[recipe]]
         if fp8_recipe == "rowwise":
             notes.append(
                 "FP8 rowwise: Transformer Engine has no rowwise recipe; --fp8-recipe blockwise is its finer-grained "

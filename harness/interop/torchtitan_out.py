@@ -13,6 +13,8 @@ harness/interop/torchtitan_in.py reads both. Nothing here imports torch.
 
 from __future__ import annotations
 
+import json
+
 from harness.interop import exact
 from harness.interop.optimizer import optimizer_and_clip
 from harness.model.presets import PRESETS, Shape
@@ -60,6 +62,11 @@ ATTENTION = {
 CP_ATTENTION = {**dict.fromkeys(ATTENTION, "flex_flash"), "sdpa_efficient": "flex"}
 AC = {"full": "FullAC.Config()", "selective": "SelectiveAC.Config()", "none": "None"}
 FUNCTION = "harness_plan"
+MXFP8 = "mxfp8"  # the workload's fp8_recipe that torchtitan's MX converters run
+# MXFP8LinearConverter's fqns: an include list (substring match; empty converts every Linear, the LM head
+# included), as torchtitan's deepseek_v3_debugmodel_mxfp8 writes it: the blocks' attention and dense
+# feed-forward linears, so that the LM head and a MoE's router gate stay in high precision as the harness keeps them
+MX_FQNS = ("attention", "feed_forward")
 
 
 def torchtitan_flavor(shape: Shape) -> str | None:
@@ -105,6 +112,36 @@ def torchtitan_refuses(shape: Shape | None, lay: PlannerLayout) -> str:
     return ""
 
 
+def _converter_names(shape: Shape, mx: bool) -> list[str]:
+    kind = "MXFP8" if mx else "Float8"
+    return [f"{kind}GroupedExpertsConverter", f"{kind}LinearConverter"] if shape.moe else [f"{kind}LinearConverter"]
+
+
+def fp8_converters(shape: Shape, mx: bool, compiled: bool) -> list[str]:
+    """model_registry's converters for the workload's FP8. Float8 rowwise with lm_head filtered out (torchtitan's
+    converter otherwise converts every linear whose sizes are multiples of 16, the head included) and a MoE's
+    router gate (the harness routes in fp32), its experts through Float8GroupedExpertsConverter (torchao's
+    rowwise grouped GEMM; the harness runs each expert's tokens through a rowwise Float8Linear); mxfp8: the MX
+    linear converter on MX_FQNS (its MXFP8Linear is torchao's, whose defaults are the harness's recipe: RCEIL
+    scales, the weight gradient in MXFP8 too) and, with experts, the grouped-GEMM converter (its mxfp8_rceil,
+    pad_multiple 32: the harness's per-expert padding, harness/model/mxfp8.py). model_compile_enabled only
+    silences torchtitan's warning that MXFP8 is slow eager."""
+    if not mx and not shape.moe:
+        return ['Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head"])']
+    if not mx:
+        return [
+            'Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head", "router.gate"])',
+            f"Float8GroupedExpertsConverter.Config(model_compile_enabled={compiled})",
+        ]
+    out = [f"MXFP8LinearConverter.Config(fqns={json.dumps(list(MX_FQNS))}, model_compile_enabled={compiled})"]
+    if shape.moe:
+        out.append(
+            f'MXFP8GroupedExpertsConverter.Config(recipe_name="mxfp8_rceil", pad_multiple=32, '
+            f"model_compile_enabled={compiled})"
+        )
+    return out
+
+
 def _literal(v) -> str:
     return repr(tuple(v)) if isinstance(v, (list, tuple)) else repr(v)
 
@@ -119,7 +156,7 @@ def export_torchtitan(
 ) -> tuple[str, list[str]]:
     """A torchtitan recipe module: one function, FUNCTION, returning the run's Trainer.Config. FP8 is rowwise:
     0.3.0's Float8LinearConverter takes recipe_name rowwise or rowwise_with_gw_hp only (a note says so where
-    the workload's `fp8_recipe` is tensorwise)."""
+    the workload's `fp8_recipe` is tensorwise); mxfp8 is its MX converters' (fp8_converters)."""
     opt, clip = optimizer_and_clip(optimizer, grad_clip)
     flavor = torchtitan_flavor(shape)
     if flavor is None:  # exportable() refuses it first; a direct call says so here
@@ -128,11 +165,8 @@ def export_torchtitan(
     fp8 = lay.precision == "fp8"
     family, recipe = ("qwen3", QWEN3_RECIPE) if shape.moe else ("llama3", RECIPES[flavor])
     backend = (CP_ATTENTION if lay.cp > 1 else ATTENTION)[lay.attention]
-    # lm_head filtered out, as the harness keeps the head in high precision (torchtitan's converter otherwise
-    # converts every linear whose sizes are multiples of 16, the head included)
-    converters = (
-        ', converters=[Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head"])]' if fp8 else ""
-    )
+    mx = fp8 and fp8_recipe == MXFP8
+    converters = f", converters=[{', '.join(fp8_converters(shape, mx, lay.compile == 'blocks'))}]" if fp8 else ""
     parallelism = {
         "data_parallel_replicate_degree": lay.replicas // lay.shard_group,  # HSDP: the sharding groups
         "data_parallel_shard_degree": lay.shard_group // lay.cp,
@@ -184,7 +218,7 @@ def export_torchtitan(
         "from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw",
         "from torchtitan.config import CompileConfig",
         "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401",
-        *(["from torchtitan.components.quantization import Float8LinearConverter"] if fp8 else []),
+        *([f"from torchtitan.components.quantization import {', '.join(_converter_names(shape, mx))}"] if fp8 else []),
         f"from torchtitan.models.{family} import model_registry",
         f"from torchtitan.models.{family}.config_registry import {recipe}",
         "from torchtitan.trainer import Trainer",
@@ -221,13 +255,25 @@ def export_torchtitan(
         f"{shape.layers} layers do not split evenly into {lay.pp} x {lay.virtual_stages} chunks"
         if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and shape.layers % (lay.pp * lay.virtual_stages)
         else "",
-        "FP8: torchtitan's Float8LinearConverter (torchao Float8, rowwise scaling; every linear but the LM head)"
+        "FP8: torchtitan's Float8LinearConverter (torchao Float8, rowwise scaling; every linear but the LM head"
+        + (" and the router gate; the experts through Float8GroupedExpertsConverter)" if shape.moe else ")")
         + (
             f"; the workload's {fp8_recipe} has no recipe_name there (it takes rowwise or rowwise_with_gw_hp)"
             if fp8_recipe not in (None, "rowwise")
             else ""
         )
-        if fp8
+        if fp8 and not mx
+        else "",
+        "FP8 mxfp8: torchtitan's MXFP8LinearConverter (torchao's MXFP8Linear: e4m3, an e8m0 scale per 32, RCEIL) "
+        f"on the linears under {', '.join(MX_FQNS)} (an include list: the LM head and the router stay bf16)"
+        + (
+            "; the experts through MXFP8GroupedExpertsConverter (mxfp8_rceil, token groups padded to 32, as the "
+            "harness pads them)"
+            if shape.moe
+            else ""
+        )
+        + "; torchtitan refuses MXFP8 below compute capability 10.0 (Blackwell)"
+        if mx
         else "",
         f"MoE: torchtitan's qwen3 {flavor} with expert_parallel_degree {lay.ep} (its experts over ep ranks of the "
         "data-parallel shard x cp mesh)"

@@ -84,8 +84,18 @@ UPSTREAM = {
         "compile": {"enable": True},
     },
 }
-# Model converters: torchao's Float8 (rowwise in torchtitan's Float8LinearConverter) is the harness's fp8.
-CONVERTERS = {"Float8LinearConverter.Config": "fp8"}
+# Model converters (torchtitan/components/quantization): torchao's Float8 (rowwise in torchtitan's
+# Float8LinearConverter) is the harness's fp8 rowwise; its MX converters (torchao's MXFP8Linear and MXFP8
+# grouped GEMM, RCEIL scales) the harness's mxfp8.
+CONVERTERS = {
+    "Float8LinearConverter.Config": "rowwise",
+    "Float8GroupedExpertsConverter.Config": "rowwise",
+    "MXFP8LinearConverter.Config": "mxfp8",
+    "MXFP8GroupedExpertsConverter.Config": "mxfp8",
+}
+# MXFP8LinearConverter's fqns (an include list, substring match) that convert exactly the harness's linears:
+# every block linear (attention, a dense feed-forward), not the LM head nor a MoE's router gate
+MX_BLOCK_FQNS = {"attention", "feed_forward"}
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 _OPS[ast.Div] = operator.truediv
 # Trainer.Config's sections that say nothing about the layout, the batch or the optimizer
@@ -320,28 +330,95 @@ def _model_spec(value, got: dict, lost: list[str], names: dict) -> None:
         if kw.arg == "attn_backend":
             got["attn_backend"] = constant(kw.value, "model_spec.attn_backend", names)
         elif kw.arg == "converters" and isinstance(kw.value, (ast.List, ast.Tuple)):
-            for conv in kw.value.elts:
-                kind = call_name(conv)
-                if kind not in CONVERTERS:
-                    raise SpecError(
-                        "model_spec.converters",
-                        f"{kind or ast.unparse(conv)}: the harness's one converter is Float8LinearConverter",
-                    )
-                args = {k.arg: k.value for k in conv.keywords}
-                recipe = constant(args["recipe_name"], "recipe_name", names) if "recipe_name" in args else "rowwise"
-                if recipe != "rowwise":
-                    raise SpecError("model_spec.converters", f"Float8 recipe {recipe!r}: the harness runs rowwise")
-                got["fp8"] = recipe
-                skipped = constant(args["filter_fqns"], "filter_fqns", names) if "filter_fqns" in args else []
-                if set(skipped) - {"lm_head", "output"}:
-                    lost.append(
-                        "model_spec.converters.filter_fqns: not carried: the harness converts every linear "
-                        "but the LM head"
-                    )
-                elif not set(skipped) & {"lm_head", "output"}:
-                    lost.append(
-                        "model_spec.converters.filter_fqns: not carried: the recipe converts the LM head too, "
-                        "the harness keeps it in high precision"
-                    )
+            _converters(kw.value.elts, got, lost, names)
         else:
             lost.append(f"model_spec.{kw.arg}: not carried: the harness's model has no such option")
+
+
+def _converters(elts, got: dict, lost: list[str], names: dict) -> None:
+    """model_registry's converters: one FP8 recipe, Float8's (rowwise) or the MX converters' (mxfp8), and what
+    of their filters the harness does not carry (it converts every block linear and a MoE's experts, never the
+    LM head nor the router)."""
+    kinds = [call_name(conv) for conv in elts]
+    for kind, conv in zip(kinds, elts, strict=True):
+        if kind not in CONVERTERS:
+            raise SpecError(
+                "model_spec.converters",
+                f"{kind or ast.unparse(conv)}: the harness's converters are {', '.join(CONVERTERS)}",
+            )
+    recipes = {CONVERTERS[k] for k in kinds}
+    if len(recipes) > 1:
+        raise SpecError("model_spec.converters", "Float8 and MXFP8 converters together: the harness runs one recipe")
+    for kind, conv in zip(kinds, elts, strict=True):
+        # the settings read (model_compile_enabled, often an expression in torchtitan's recipes, only warns)
+        args = {
+            k.arg: constant(k.value, f"model_spec.converters.{k.arg}", names)
+            for k in conv.keywords
+            if k.arg in ("recipe_name", "filter_fqns", "fqns")
+        }
+        if kind == "Float8LinearConverter.Config":
+            recipe = args.get("recipe_name", "rowwise")
+            if recipe != "rowwise":
+                raise SpecError("model_spec.converters", f"Float8 recipe {recipe!r}: the harness runs rowwise")
+            skipped = set(args.get("filter_fqns", []))
+            router = {"router.gate", "router", "gate"} if got["family"] == "qwen3" else set()
+            if skipped - {"lm_head", "output"} - router:
+                lost.append(
+                    "model_spec.converters.filter_fqns: not carried: the harness converts every linear but the LM head"
+                    + (" and the router gate" if router else "")
+                )
+            elif not skipped & {"lm_head", "output"}:
+                lost.append(
+                    "model_spec.converters.filter_fqns: not carried: the recipe converts the LM head too, "
+                    "the harness keeps it in high precision"
+                )
+            elif router and not skipped & router:
+                lost.append(
+                    "model_spec.converters.filter_fqns: not carried: the recipe converts the router gate too, "
+                    "the harness routes in fp32"
+                )
+        elif kind == "MXFP8LinearConverter.Config":
+            _mx_fqns(args.get("fqns", []), got["family"], lost)
+        elif kind == "MXFP8GroupedExpertsConverter.Config" and args.get("recipe_name", "mxfp8_rceil") != "mxfp8_rceil":
+            raise SpecError(
+                "model_spec.converters", f"MXFP8 recipe {args['recipe_name']!r}: the harness runs mxfp8_rceil"
+            )
+    moe = got["family"] == "qwen3"
+    if "mxfp8" in recipes and "MXFP8LinearConverter.Config" not in kinds:
+        lost.append(
+            "model_spec.converters: not carried: the recipe keeps the block linears in bf16, the harness's "
+            "mxfp8 converts them with the experts (MXFP8LinearConverter)"
+        )
+    for recipe, kind in (("mxfp8", "MXFP8"), ("rowwise", "Float8")):
+        if recipe in recipes and moe and f"{kind}GroupedExpertsConverter.Config" not in kinds:
+            lost.append(
+                f"model_spec.converters: not carried: the recipe keeps the experts in bf16, the harness's {recipe} "
+                f"converts them too ({kind}GroupedExpertsConverter)"
+            )
+    if "rowwise" in recipes and "Float8LinearConverter.Config" not in kinds:
+        lost.append(
+            "model_spec.converters: not carried: the recipe keeps the attention linears in bf16, the harness's "
+            "rowwise converts them with the experts (Float8LinearConverter)"
+        )
+    got["fp8"] = recipes.pop() if recipes else None
+
+
+def _mx_fqns(fqns: list, family: str, lost: list[str]) -> None:
+    """MXFP8LinearConverter's include list against the harness's linears (MX_BLOCK_FQNS)."""
+    exact = MX_BLOCK_FQNS | ({"layers"} if family == "llama3" else set())  # llama3's layers hold no router
+    if not fqns:
+        head = "the LM head and the router gate" if family == "qwen3" else "the LM head"
+        lost.append(
+            f"model_spec.converters.fqns: not carried: empty, the recipe converts every Linear, {head} included; "
+            "the harness keeps them in high precision"
+        )
+    elif set(fqns) - exact:
+        lost.append(
+            f"model_spec.converters.fqns: not carried: {', '.join(sorted(set(fqns) - exact))}; the harness converts "
+            "the block linears (attention, feed_forward) only"
+        )
+    elif not ("layers" in fqns or "attention" in fqns and ("feed_forward" in fqns or family == "qwen3")):
+        lost.append(
+            f"model_spec.converters.fqns: not carried: {', '.join(fqns)} leaves block linears in bf16; the harness "
+            "converts every one (attention, feed_forward)"
+        )

@@ -4,6 +4,7 @@ steps' counters (harness.profiling) keep apart from the engine's work."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -13,8 +14,8 @@ HARNESS_SYNC = "harness.loss_reduction"
 
 
 # The range around each FP8 cast of torchao's float8 matmul (an input, a weight or an output gradient
-# to e4m3/e5m2 with its amax and scale: harness.model.float8): the profiled step's FP8 cast time, a
-# part of its compute.
+# to e4m3/e5m2 with its amax and scale: harness.model.float8) and of its MXFP8 matmul (a block-scaled
+# e4m3 cast along dim0 or dim1: harness.model.mxfp8): the profiled step's FP8 cast time, a part of its compute.
 FP8_CAST = "harness.fp8_cast"
 
 _in_harness_sync = [0]  # how deep the main thread is in harness_sync() (the step counters read it)
@@ -34,3 +35,15 @@ def harness_sync():
 
 def in_harness_sync() -> bool:
     return _in_harness_sync[0] > 0
+
+
+def ranged(fn, name: str = FP8_CAST):
+    """`fn` run inside a `name` profiler range (a record_function costs microseconds): how the FP8 casts
+    of torchao's matmuls, which run inside its autograd Functions, are told apart in a profiled step."""
+
+    @functools.wraps(fn)
+    def in_range(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+
+    return in_range

@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from harness.measure.ranges import FP8_CAST
+from harness.measure.ranges import FP8_CAST, ranged
 from harness.model.torchao_quiet import quiet as _quiet
 
 ALIGN = 16  # torch._scaled_mm: both dims of each FP8 operand a multiple of 16
@@ -60,13 +60,7 @@ def _ranged(cast):
     """torchao's dynamic cast (every cast its float8 matmul makes, forward and backward, goes through
     this name in float8_linear) inside an FP8_CAST profiler range, so that a profiled step says how much
     of its compute the casts took (harness.profiling.analysis); a record_function costs microseconds."""
-
-    @functools.wraps(cast)
-    def ranged_cast(*args, **kwargs):
-        with torch.profiler.record_function(FP8_CAST):
-            return cast(*args, **kwargs)
-
-    return ranged_cast
+    return ranged(cast, FP8_CAST)
 
 
 @functools.cache

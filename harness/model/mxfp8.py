@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.measure.ranges import ranged
 from harness.model.torchao_quiet import quiet
 
 BLOCK = 32  # MXFP8's scale block (torchao: block_size 32, element e4m3fn, scale e8m0)
@@ -33,12 +34,31 @@ BLOCK = 32  # MXFP8's scale block (torchao: block_size 32, element e4m3fn, scale
 
 @functools.cache
 def _torchao():
-    """(torchao's MXFP8 matmul, KernelPreference, ScaleCalculationMode), imported once, quietly."""
+    """(torchao's MXFP8 matmul, KernelPreference, ScaleCalculationMode), imported once, quietly, with its
+    casts ranged (_range_casts)."""
     with quiet():
-        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+        import torchao.prototype.moe_training.mxfp8_linear as mx
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.quantization.quantize_.common import KernelPreference
-    return _to_mxfp8_then_scaled_mm, KernelPreference, ScaleCalculationMode
+    _range_casts(mx)
+    return mx._to_mxfp8_then_scaled_mm, KernelPreference, ScaleCalculationMode
+
+
+def _range_casts(mx) -> None:
+    """Every cast torchao's MXFP8 matmul makes (its autograd Function mx_mm, forward and backward: an operand to
+    e4m3 blocks along dim0 through MXTensor.to_mx, along dim1 through _to_mxfp8_dim1_kernel_wrapper, both looked
+    up by these names in mxfp8_linear) inside an FP8_CAST profiler range, as harness.model.float8 ranges
+    torchao.float8's, so that a profiled step's breakdown carries the cast time (harness.profiling.analysis).
+    The GEMM on the cast operands stays outside the range."""
+    tensor = mx.MXTensor
+
+    class RangedMXTensor:
+        """mxfp8_linear's MXTensor: mx_mm calls only its to_mx, here inside the range."""
+
+        to_mx = staticmethod(ranged(tensor.to_mx))
+
+    mx.MXTensor = RangedMXTensor
+    mx._to_mxfp8_dim1_kernel_wrapper = ranged(mx._to_mxfp8_dim1_kernel_wrapper)
 
 
 @functools.cache
