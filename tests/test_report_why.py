@@ -225,7 +225,7 @@ def test_a_breakdown_off_its_measured_median_is_not_used():
     dp2 = case("own dp2", 15.4, (15.0, 15.8), compute=10.0, dp=4.0, optimizer=1.4)
     assert explain(pp2, dp2) == (
         "own dp2 takes 4.7 ms more per measured step than own pp2 (median 15.4 against 10.7 ms); not explained: "
-        "own pp2's clocked components sum to 18.8 ms against its measured median 10.7 ms (off by more than 10%)."
+        "own pp2's breakdown describes a 18.8 ms step against its measured median 10.7 ms (off by more than 10%)."
     )
 
 
@@ -444,12 +444,14 @@ def test_a_breakdown_off_its_median_is_flagged_with_both_numbers(summary):
     header, rows = breakdown_rows(off)
     row = dict(zip(header, next(r for r in rows if r[0] == "own tp2"), strict=True))
     assert (row["step"], row["measured median"]) == ("18.8 ms", "10.7 ms")
-    assert row["clocked share of the median"] == "176%: off by more than 10%, not used by Why"
+    assert row["clocked share of the median"] == (
+        "176%; its step 176% of the median (off by more than 10%), not used by Why"
+    )
     fsdp = dict(zip(header, next(r for r in rows if r[0] == "FSDP2 reshard tp2"), strict=True))
     assert fsdp["clocked share of the median"] == "100%"
     why = next(s for s in sections(off, []) if s.id == "why")
     items = [i for b in why.body if hasattr(b, "items") for i in b.items]
-    assert any("own tp2's clocked components sum to 18.8 ms against its measured median 10.7 ms" in i for i in items)
+    assert any("own tp2's breakdown describes a 18.8 ms step against its measured median 10.7 ms" in i for i in items)
     assert not any("own tp2" in i and "% of the difference" in i for i in items), items
 
 

@@ -22,8 +22,8 @@ def breakdown(rows: list[Row], metric: Metric) -> Section:
             "the collectives per step; source 'measured steps' (clocked "
             "during the median measured step, every engine, on CPU), 'profiler' (the trace of extra profiled "
             "steps: GPU and older runs) or 'instrumented' (the engine's own counters); the clocked share of the "
-            "measured median: the clocked parts' sum over it, which nothing closes (more than 10% off: not used "
-            "by Why). Then why the fastest of them beats the "
+            "measured median: the clocked parts' sum over it, which nothing closes (a step more than 10% off the "
+            "median, or clocked parts above 110% of it: not used by Why). Then why the fastest of them beats the "
             "others, where the measured steps tell them apart."
         ],
     )

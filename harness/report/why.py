@@ -9,10 +9,11 @@ breakdown's: the interval on the ratio of the two runs' step times (measure.stat
 Hodges-Lehmann ratio with its Mann-Whitney interval at 95%, widened by the comparison's measured load
 drift) decides "slower"; where it holds 1 the runs are "not distinguishable" (within 10%) or
 "undecided" (with the steps it would need) and get no explanation; runs without step times fall
-back to their medians' intervals, which must not overlap; a breakdown whose clocked components (every part
-but what no clock covers, which is the rest of the step by definition) sum to more than TOLERANCE off its
-run's measured median describes other steps, or too little of them, and explains nothing; what no clock
-covers is said apart, never a component with a share of the difference; a share
+back to their medians' intervals, which must not overlap; a breakdown whose step (its clocked components
+plus what no clock covers) is more than TOLERANCE off its run's measured median describes other steps, and
+one whose clocked components (every part but what no clock covers) sum to more than TOLERANCE above that
+median counted a part twice: either explains nothing; what no clock covers is said apart, with its share
+of the difference so that a reader sees how much of it the clocks leave unexplained, never a component; a share
 of the difference is printed only where every named component moved the way the step did by no
 more than the whole difference (no share above 100% or below 0).
 """
@@ -67,20 +68,36 @@ def off_median(b: Breakdown, median_s: float | None) -> float | None:
     return clocked_ms(b) / (1e3 * median_s) - 1.0
 
 
+def step_off(b: Breakdown, median_s: float | None) -> float | None:
+    """How far the breakdown's step (clocked parts and what no clock covers) is from the measured median, as
+    a fraction of it (None: no median): whether the breakdown describes steps like the measured ones."""
+    if not median_s or median_s <= 0:
+        return None
+    return b.step_ms / (1e3 * median_s) - 1.0
+
+
 def representative(b: Breakdown, median_s: float | None) -> bool:
-    """Whether the breakdown describes the measured steps: its clocked components sum to within TOLERANCE
-    of their median (they cover at least 90% of it, and no more than 110%)."""
-    off = off_median(b, median_s)
-    return off is not None and abs(off) <= TOLERANCE
+    """Whether the breakdown can explain the measured steps: its step is within TOLERANCE of their median,
+    and its clocked components sum to no more than 1 + TOLERANCE of it (more: a part counted twice). Clocks
+    that cover less leave the rest 'not clocked', which Why says with its share rather than hiding."""
+    off, step = off_median(b, median_s), step_off(b, median_s)
+    return off is not None and step is not None and abs(step) <= TOLERANCE and off <= TOLERANCE
 
 
 def against_median(b: Breakdown, median_s: float | None) -> str:
-    """How much of the measured median the clocked components cover ('92%'); flagged beyond TOLERANCE."""
-    off = off_median(b, median_s)
-    if off is None:
+    """How much of the measured median the clocked components cover ('92%'); flagged where Why cannot use
+    the breakdown (representative)."""
+    off, step = off_median(b, median_s), step_off(b, median_s)
+    if off is None or step is None:
         return "no measured median"
-    flag = f": off by more than {100 * TOLERANCE:.0f}%, not used by Why" if abs(off) > TOLERANCE else ""
-    return f"{100 * (1 + off):.0f}%{flag}"
+    if abs(step) > TOLERANCE:
+        return (
+            f"{100 * (1 + off):.0f}%; its step {100 * (1 + step):.0f}% of the median (off by more than "
+            f"{100 * TOLERANCE:.0f}%), not used by Why"
+        )
+    if off > TOLERANCE:
+        return f"{100 * (1 + off):.0f}%: above {100 * (1 + TOLERANCE):.0f}% (clocks overlap), not used by Why"
+    return f"{100 * (1 + off):.0f}%"
 
 
 def _ms(c: Case) -> str:
@@ -129,9 +146,14 @@ def _ratio(fast: Case, slow: Case) -> str:
 
 
 def _not_representative(c: Case) -> str:
+    if abs(step_off(c.breakdown, c.step_s) or 0.0) > TOLERANCE:
+        return (
+            f"{c.label}'s breakdown describes a {c.breakdown.step_ms:.1f} ms step against its measured median "
+            f"{1e3 * c.step_s:.1f} ms (off by more than {100 * TOLERANCE:.0f}%)"
+        )
     return (
-        f"{c.label}'s clocked components sum to {clocked_ms(c.breakdown):.1f} ms against its measured median "
-        f"{1e3 * c.step_s:.1f} ms (off by more than {100 * TOLERANCE:.0f}%)"
+        f"{c.label}'s clocked components sum to {clocked_ms(c.breakdown):.1f} ms, more than "
+        f"{100 * (1 + TOLERANCE):.0f}% of its measured median {1e3 * c.step_s:.1f} ms (clocks overlap)"
     )
 
 
@@ -170,7 +192,10 @@ def _explain(a: Case, b: Case) -> str:
     keys = [k for k in dict.fromkeys([*x.parts, *y.parts]) if k != UNCLOCKED]  # measured components only
     deltas = {k: y.parts.get(k, 0.0) - x.parts.get(k, 0.0) for k in keys}
     gap = y.parts.get(UNCLOCKED, 0.0) - x.parts.get(UNCLOCKED, 0.0)
-    unclocked = f"; not clocked {gap:+.1f} ms" if abs(gap) >= 0.05 else ""  # said apart: no share, never hidden
+    unclocked = ""  # said apart, never a component, with its share where there is a difference to share
+    if abs(gap) >= 0.05:
+        share = f" ({100 * gap / diff:.0f}% of the difference, what no clock covers)" if diff > 0 else ""
+        unclocked = f"; not clocked {gap:+.1f} ms{share}"
     moved = ", ".join(
         f"{component_title(k)} {deltas[k]:+.1f} ms"
         for k in sorted(keys, key=lambda k: -abs(deltas[k]))
