@@ -75,6 +75,7 @@ def _train(engine, spec) -> dict:
     from harness.spec import micro_batches_per_step
 
     source = token_source(spec.workload, spec.shape().vocab)
+    masters = engine.full_state_dict()  # the masters every step starts from (rank 0; None elsewhere)
     with SavedActivations(engine.activation_exclusions()) as saved:
         losses = [float(engine.train_step(source.global_batch_at(0)))]
     losses += [float(engine.train_step(source.global_batch_at(step))) for step in range(1, STEPS)]
@@ -83,6 +84,7 @@ def _train(engine, spec) -> dict:
         "census": engine.memory_census(),
         "describe": engine.describe(),
         "activations": saved.bytes // micro_batches_per_step(spec),
+        "initial_masters": masters,
     }
 
 
@@ -160,4 +162,9 @@ def test_bf16_matches_the_bf16_reference(ranks, references, index):
         assert abs(got - want) <= 1e-3 * abs(want), (step, got, want)
     assert result["describe"]["precision_policy"] == reference["describe"]["precision_policy"]
     assert "precision_note" not in result["describe"]
+    # the same masters before the first step, bit for bit: the reference's are copied from its bf16 parameters
+    want = reference["initial_masters"]
+    assert sorted(result["initial_masters"]) == sorted(want)
+    for name, got in result["initial_masters"].items():
+        assert torch.equal(got, want[name]), name
     assert "MixedPrecisionPolicy(param_dtype=bf16" in result["describe"]["mixed_precision"]
