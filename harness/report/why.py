@@ -194,7 +194,8 @@ def _explain(a: Case, b: Case) -> str:
     gap = y.parts.get(UNCLOCKED, 0.0) - x.parts.get(UNCLOCKED, 0.0)
     unclocked = ""  # said apart, never a component, with its share where there is a difference to share
     if abs(gap) >= 0.05:
-        share = f" ({100 * gap / diff:.0f}% of the difference, what no clock covers)" if diff > 0 else ""
+        pct = round(100 * gap / diff) if diff > 0 else 0
+        share = f" ({pct}% of the difference, what no clock covers)" if pct else ""
         unclocked = f"; not clocked {gap:+.1f} ms{share}"
     moved = ", ".join(
         f"{component_title(k)} {deltas[k]:+.1f} ms"
