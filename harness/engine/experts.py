@@ -66,6 +66,20 @@ def group_by_expert(recv_counts: list[list[int]], device=None) -> tuple[torch.Te
     return perm.to(device) if device is not None else perm, [sum(row[j] for row in recv_counts) for j in range(held)]
 
 
+def run_held_experts(experts, received: torch.Tensor, recv_counts: list[list[int]]) -> torch.Tensor:
+    """The held experts over the rows the dispatch received (recv_counts as group_by_expert reads them),
+    each expert on its rows at once, the outputs back in the received order for the combine."""
+    perm, sizes = group_by_expert(recv_counts, received.device)
+    grouped = received[perm]
+    outs, at = [], 0
+    for expert, n in zip(experts, sizes, strict=True):
+        outs.append(expert(grouped[at : at + n]))
+        at += n
+    back = torch.empty_like(perm)
+    back[perm] = torch.arange(perm.numel(), device=perm.device)
+    return torch.cat(outs)[back]
+
+
 def splits(counts: list[int], ep: int) -> list[int]:
     """Rows per ep rank of a count per expert [E] (rank r holds experts [r·E/ep, (r+1)·E/ep))."""
     per = len(counts) // ep
@@ -158,15 +172,7 @@ class ExpertParallelMoE(MoEFeedForward):
                 recv_counts = self.ep.all_to_all(counts_t).view(ep, held).tolist()
             send, recv = splits(counts, ep), [sum(r) for r in recv_counts]
             received = _Exchange.apply(rows, self.ep, send, recv)
-        perm, sizes = group_by_expert(recv_counts, x2.device)
-        grouped = received[perm]
-        outs, at = [], 0
-        for expert, n in zip(self.experts.values(), sizes, strict=True):
-            outs.append(expert(grouped[at : at + n]))
-            at += n
-        back = torch.empty_like(perm)
-        back[perm] = torch.arange(perm.numel(), device=perm.device)
-        y = torch.cat(outs)[back]  # in the received order again
+        y = run_held_experts(self.experts.values(), received, recv_counts)  # in the received order again
         if ep > 1:
             y = _Exchange.apply(y, self.ep, recv, send)  # the combine: rows back to their tokens' ranks
         y = y * weights.reshape(-1)[order, None].to(y.dtype)

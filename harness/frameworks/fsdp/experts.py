@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from harness.engine.comm import CommStats, StepClock
-from harness.engine.experts import group_by_expert, sort_by_expert, splits
+from harness.engine.experts import run_held_experts, sort_by_expert, splits
 from harness.model.moe import MoEFeedForward, RouterInputs, moe_layers
 
 EP_AXIS = "ep"
@@ -123,15 +123,8 @@ class ExpertParallelFeedForward(MoEFeedForward):
         order, token, counts, recv_counts = self._counts(experts)
         send, recv = splits(counts, self.ep), [sum(r) for r in recv_counts]
         received = _Exchange.apply(x2[token], send, recv, self.group, self.comm)  # the dispatch
-        perm, sizes = group_by_expert(recv_counts, x2.device)
-        grouped = received[perm]
-        outs, at = [], 0
-        for expert, n in zip(self.experts.values(), sizes, strict=True):
-            outs.append(expert(grouped[at : at + n]))
-            at += n
-        back = torch.empty_like(perm)
-        back[perm] = torch.arange(perm.numel(), device=perm.device)
-        y = _Exchange.apply(torch.cat(outs)[back], recv, send, self.group, self.comm)  # the combine
+        y = run_held_experts(self.experts.values(), received, recv_counts)
+        y = _Exchange.apply(y, recv, send, self.group, self.comm)  # the combine
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros_like(x2).index_add(0, token, y)
         if self.routing is not None:  # the statistics are the data's: none with given counts
