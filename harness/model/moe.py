@@ -123,6 +123,17 @@ class RouterStats:
         self.forwards += 1
 
 
+def attach_router_losses(out: torch.Tensor, r: RouterInputs, layer) -> torch.Tensor:
+    """The one place a layer's routing becomes statistics and a loss gradient: `layer` holds k, stats,
+    aux_coeff, z_coeff and aux_scale (the harness's MoE block, or an engine's stand-in for its own layer);
+    the statistics of `r` are recorded and the weighted losses' gradient attached to `out`."""
+    aux, z = router_losses(r, layer.k)
+    layer.stats.add(r.counts, aux, z)
+    if (layer.aux_coeff or layer.z_coeff) and torch.is_grad_enabled():
+        out = AuxLossScaler.apply(out, layer.aux_coeff * aux + layer.z_coeff * z, layer.aux_scale)
+    return out
+
+
 class MoEFeedForward(nn.Module):
     """The routed feed-forward: `router` (a bias-free linear, hidden -> experts) and the SwiGLU
     `experts`, keyed by their global index (an expert-parallel rank holds some of them under the same
@@ -147,12 +158,7 @@ class MoEFeedForward(nn.Module):
     def attach_losses(self, out: torch.Tensor, r: RouterInputs) -> torch.Tensor:
         """Record the statistics of `r` (this forward's tokens, summed over the ranks holding them) and
         attach the weighted losses' gradient to `out`."""
-        aux, z = router_losses(r, self.k)
-        self.stats.add(r.counts, aux, z)
-        total = self.aux_coeff * aux + self.z_coeff * z
-        if (self.aux_coeff or self.z_coeff) and torch.is_grad_enabled():
-            out = AuxLossScaler.apply(out, total, self.aux_scale)
-        return out
+        return attach_router_losses(out, r, self)
 
     def run_experts(self, x2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Σ_k weight · expert(x) per token, every held expert run on exactly its tokens (none: an empty

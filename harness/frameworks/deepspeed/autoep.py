@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness.model.moe import AuxLossScaler, RouterInputs, RouterStats, moe_layers, router_losses
+from harness.model.moe import RouterInputs, RouterStats, attach_router_losses, moe_layers
 
 _GATE = re.compile(r"^(.*\.feed_forward)\.router\.gate\.weight$")
 _EXPERTS = re.compile(r"^(.*\.feed_forward)\.experts\.(w[123])$")
@@ -82,11 +82,7 @@ class RouterTap:
 
     def _attach(self, layer, args, out):
         r, self._pending = self._pending, None
-        aux, z = router_losses(r, self.k)
-        self.stats.add(r.counts, aux, z)
-        if (self.aux_coeff or self.z_coeff) and torch.is_grad_enabled():
-            return AuxLossScaler.apply(out, self.aux_coeff * aux + self.z_coeff * z, self.aux_scale)
-        return None
+        return attach_router_losses(out, r, self)
 
 
 def tap(model, aux: float, z: float, micro_batches: int) -> dict[str, RouterTap]:

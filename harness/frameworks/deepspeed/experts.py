@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from deepspeed.moe.layer import MoE
 
-from harness.model.moe import AuxLossScaler, RouterInputs, RouterStats, moe_layers, router_losses
+from harness.model.moe import RouterInputs, RouterStats, attach_router_losses, moe_layers
 
 _GATE = re.compile(r"^(.*\.feed_forward)\.deepspeed_moe\.gate\.wg\.weight$")
 _EXPERT = re.compile(r"^(.*\.feed_forward)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.*)$")
@@ -88,11 +88,7 @@ class HarnessMoE(MoE):
     def forward(self, x):
         out, _, _ = super().forward(x)
         r, self._pending = self._pending, None
-        aux, z = router_losses(r, self.k)
-        self.stats.add(r.counts, aux, z)
-        if (self.aux_coeff or self.z_coeff) and torch.is_grad_enabled():
-            out = AuxLossScaler.apply(out, self.aux_coeff * aux + self.z_coeff * z, self.aux_scale)
-        return out
+        return attach_router_losses(out, r, self)
 
 
 def swap_in(model, shape, ep: int) -> None:
