@@ -174,3 +174,27 @@ def test_torchtitan_export_names_the_replicate_and_shard_degrees():
     assert "HSDP" in exportable(lay, "deepspeed")
     # torchtitan shards over data_parallel_shard_degree x cp: a group of 2 of 4 cp ranks it cannot express
     assert "HSDP" in exportable(fsdp(8, 2, cp=4, cp_impl="allgather"), "torchtitan")
+
+
+def test_hsdp_with_ep_shards_the_experts_over_the_group_over_ep():
+    """ep is carved from the sharding group (torchtitan's dp_shard_mod_ep; engine fsdp's dp_mod_ep), so a group
+    of g ranks holds an expert's states over g / ep ranks: the states a rank of full sharding over g replicas
+    holds (whose expert states `harness memory`'s trace of fsdp dp 4/8 ep 2/4 meets, Adam's step counters
+    aside). Before, the experts were divided by g, not g / ep: dp_shard 16 of 32 replicas at ep 8 held less
+    than full sharding (55.9 against 65.4 GiB on qwen3-30b-a3b)."""
+    shape, wl = PRESETS["qwen3-30b-a3b"], Workload(4096, 256)
+    hybrid = stage_memory(shape, fsdp(32, 16, ep=8), wl, 0)
+    alone = stage_memory(shape, fsdp(16, 0, ep=8), wl, 0)  # the group's 16 ranks, fully sharded
+    full = stage_memory(shape, fsdp(32, 0, ep=8), wl, 0)
+    assert hybrid["optimizer"] == alone["optimizer"] == 2 * full["optimizer"]
+    assert full["total"] < hybrid["total"]
+    with pytest.raises(SpecError, match="layout.dp_shard: ep=8 does not divide the sharding group of 4 ranks"):
+        validate(shape, fsdp(32, 4, ep=8), wl)
+    hybrid_ep = [lay for lay in _moe_candidates(shape, wl) if lay.dp_shard and lay.ep > 1]
+    assert hybrid_ep and all(lay.dp_shard % lay.ep == 0 for lay in hybrid_ep)
+
+
+def _moe_candidates(shape, wl):
+    kw = dict(attention=["flash2"], rmsnorm=["fused"], micro_batch_sizes=[1], checkpointing=["full"], zero_stage=1)
+    kw.update(pp_values=[1], cp_values=[1], sequence_parallel=[False])
+    return list(en.layouts(shape, wl, 64, 8, engine="fsdp", fsdp=True, **kw))

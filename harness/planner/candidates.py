@@ -126,6 +126,8 @@ def layouts(
                         continue
                     if (wl.global_batch_size // dp) % mb:
                         continue
+                    if shard and shard % ep:
+                        continue  # ep is carved from the sharding group (memory_states.expert_shard_group)
                     if sched in schedules.INTERLEAVED and (wl.global_batch_size // dp // mb) % pp:
                         continue  # Megatron's interleaved schedule (and the spec's): micro-batches divisible by pp
                     lay = _new(PlannerLayout)

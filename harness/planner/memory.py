@@ -11,11 +11,11 @@ memory_terms and are re-exported here.
 from __future__ import annotations
 
 from harness.model.presets import Shape
-from harness.planner.feedforward import expert_data_parallel
 from harness.planner.hardware import Profile
 from harness.planner.layout import PlannerLayout, Workload, stage_items
 from harness.planner.memory_engines import engine_stage_items, engine_stage_memory, memory_model
 from harness.planner.memory_paper import paper_stage_memory
+from harness.planner.memory_states import expert_shard_group
 from harness.planner.memory_terms import (
     CONTEXT_GIB,
     FRAGMENTATION,
@@ -53,9 +53,7 @@ def _with_muon(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int, parts
     fsdp = memory_model(lay.engine).states == "fsdp"
     sharded = fsdp or lay.sharding_stage >= 1
     shard = (lay.shard_group if fsdp else lay.replicas) if sharded else 1
-    expert_shard = shard
-    if sharded and (not fsdp or lay.shard_group == lay.replicas):
-        expert_shard = expert_data_parallel(lay.dims)
+    expert_shard = expert_shard_group(lay, "fsdp" if fsdp else "") if sharded else 1
     layers = engine_stage_items(shape, lay, wl.seq_len)[stage][1]
     saving = muon_saving(shape, lay, layers, shard, expert_shard)
     return {**parts, "optimizer": parts["optimizer"] - saving, "total": parts["total"] - saving}

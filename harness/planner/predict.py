@@ -116,6 +116,8 @@ def validate(shape: Shape, lay: PlannerLayout, wl: Workload) -> None:
         raise SpecError("layout.dp_shard", "sharding groups (HSDP) are engine fsdp's: 0 under the others")
     if lay.dp_shard < 0 or lay.dp_shard and lay.replicas % lay.dp_shard:
         raise SpecError("layout.dp_shard", f"{lay.dp_shard} does not divide dp x cp = {lay.replicas}")
+    if lay.dp_shard and lay.ep > 1 and lay.dp_shard % lay.ep:
+        raise SpecError("layout.dp_shard", f"ep={lay.ep} does not divide the sharding group of {lay.dp_shard} ranks")
     if shape.moe and lay.engine == "paper":
         raise SpecError("--engine", "paper: the study's engine ran no mixture of experts; plan it under another engine")
     if lay.ep > 1 and not shape.moe:
