@@ -11,7 +11,8 @@ prediction.
   fsdp.py      engine fsdp's tracer (FSDPEngine; parameters allocated under fake mode)
   step.py      one traced step of one rank: the spec it runs (fewer micro-batches), the census and
                saved-bytes counters, the phases the engine announces, RankTrace
-  live.py      the allocation counter: bytes of live tensor storages and their peak
+  live.py      the allocation counter: bytes of live tensor storages and their peak, and their order
+  allocator.py that order replayed through the CUDA caching allocator's rules: the reserved bytes
   standins.py  what the target GPU runs and a CPU cannot, replaced by kernels, optimizer and
                transfers with the same memory; the BuildOptions a traced engine is built with
   world.py     the fake process group a traced rank runs in

@@ -39,8 +39,15 @@ class LiveTensors(TorchDispatchMode):
         self.peak = 0
         self.peak_at = ""
         self.where = "build"
+        self.events: list | None = None  # (+1, key, bytes) / (-1, key, 0) in order, while record_events()
+
+    def record_events(self) -> None:
+        """From now on keep the order of allocations and frees (allocator.py replays it)."""
+        self.events = []
 
     def _free(self, key: int) -> None:
+        if self.events is not None and key in self.live:
+            self.events.append((-1, key, 0))
         self.bytes -= self.live.pop(key, 0)
 
     def _see(self, t: torch.Tensor) -> None:
@@ -54,6 +61,8 @@ class LiveTensors(TorchDispatchMode):
         n = storage.nbytes()
         self.live[key] = n
         self.bytes += n
+        if self.events is not None:
+            self.events.append((1, key, n))
         weakref.finalize(storage, self._free, key)
         if self.bytes > self.peak:
             self.peak, self.peak_at = self.bytes, self.where
@@ -69,6 +78,8 @@ class LiveTensors(TorchDispatchMode):
         # does (its weakrefs fire while the StorageImpl lives on): kept here, so the finalizer
         # cannot subtract it early. FSDP2 keeps these storages as long as the engine anyway.
         self.pinned[key] = storage
+        if self.events is not None:  # the allocator frees the old block and allocates the new size
+            self.events.append((1, key, n) if n else (-1, key, 0))
         self.bytes += n - self.live[key]
         self.live[key] = n
         if self.bytes > self.peak:

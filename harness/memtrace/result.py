@@ -45,6 +45,9 @@ def trace_spec(spec, profile=None) -> dict:
                 "saved_activations_gib": _gib(tr.saved_bytes_step),
                 "saved_per_forward_gib": _gib(tr.saved_bytes_forward),
                 "terms_gib": {k: _gib(v) for k, v in terms.items()},
+                # the caching allocator's reserved bytes, the traced step replayed through its rules over steps
+                # (allocator.py): with its default segments and with expandable_segments:True
+                "reserved_gib": {k: _gib(v) for k, v in tr.extra.get("reserved", {}).items() if k != "allocated"},
                 "total_gib": _gib(total),
                 "planner_gib": _gib(planned[tr.stage]["total"]),
                 "micro_batches": tr.micro_batches,
@@ -128,6 +131,13 @@ def table_lines(result: dict) -> list[str]:
         "GiB per GPU; census at the optimizer step; live pk: the largest sum of live tensors in the step; "
         "context and frag: what the trace cannot see (planner/memory_terms.py)"
     )
+    reserved = "; ".join(
+        f"stage {r['stage']} {r['reserved_gib']['segments']:.2f} ({r['reserved_gib']['expandable']:.2f} expandable)"
+        for r in result["ranks"]
+        if r.get("reserved_gib")
+    )
+    if reserved:  # what torch.cuda.max_memory_reserved() would read (torchtitan logs it), CUDA context excluded
+        lines.append(f"reserved by the caching allocator, the step replayed through its rules (GiB): {reserved}")
     for s in result["substitutions"]:
         lines.append(f"traced as on the GPU: {s}")
     per_stage = ", ".join(f"stage {r['stage']} {r['seconds']:.1f} s" for r in result["ranks"])

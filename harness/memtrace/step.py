@@ -132,11 +132,24 @@ def run_step(eng, batch, live, saved, phases: Phases) -> tuple[int, int, int, in
     live.reset_peak()
     base = live.bytes
     phases.saved = saved
+    held = dict(live.live)
+    live.record_events()
     with saved:
         eng.train_step(batch)
+    phases.reserved = reserved_bytes(live.events, held)
+    live.events = None
     peak_opt, peak_fb = live.peak, phases.fb
     where = live.peak_at if peak_opt > peak_fb else phases.fb_at
     return base, max(peak_fb, peak_opt), peak_fb, peak_opt, where
+
+
+def reserved_bytes(events, held: dict) -> dict[str, int]:
+    """The caching allocator's peak reserved bytes over steps that each run the traced step's allocations
+    and frees (allocator.replay), with and without expandable segments; and the live peak it replays."""
+    from harness.memtrace.allocator import replay
+
+    plain, grown = replay(events, held), replay(events, held, expandable=True)
+    return {"segments": plain.peak_reserved, "expandable": grown.peak_reserved, "allocated": plain.peak_allocated}
 
 
 def census_at_step(optimizer, held) -> dict:
@@ -170,4 +183,5 @@ def rank_trace(rank, stage, layers, census, step, saved, phases, m, m_run) -> Ra
         micro_batches=m,
         micro_batches_traced=m_run,
         seconds=0.0,
+        extra={"reserved": getattr(phases, "reserved", {})},
     )
