@@ -143,23 +143,24 @@ class Plan:
                     *(c[k][rows] for k in ("mb", "ck", "sp", "rms", "impl", "prec", "ep")),
                     self.memclass[rows],
                 )
+                pair_of, pair_first = groups(stage_of, layer_of)  # rows of one memory (kernels of a class)
                 cols = memory_batch.columns(
                     shape,
                     wl,
                     [t.layout(r) for r in rows[stage_first].tolist()],
-                    stage_of,
+                    stage_of[pair_first],
                     [t.layout(r) for r in rows[layer_first].tolist()],
-                    layer_of,
+                    layer_of[pair_first],
                 )
             except memory_batch.Diverged:  # engine_stage_memory has a term the arrays lack: the scalar path
                 held[:] = False
                 rows = rows[:0]
         self._cols, self._col_of = cols, np.full(n, -1, dtype=np.int64)
-        self._col_of[rows] = np.arange(len(rows))
         total = np.zeros(n)
         stage = np.zeros(n, dtype=np.int64)
         if cols is not None:
-            total[rows], stage[rows] = cols.total, cols.stage
+            self._col_of[rows] = pair_of
+            total[rows], stage[rows] = cols.total[pair_of], cols.stage[pair_of]
         cache: dict = {}
         for r in np.flatnonzero(~held).tolist():
             lay = self.stand_in(r)
@@ -214,23 +215,7 @@ class Plan:
         cols = timing_batch.columns(shape, wl, prof, theta, cache, reps, self.stage_of, tl[layer_of], bubble)
         self._t = cols = timing_batch.finish(cols, prof, theta, self.total)
         self.seconds = cols["total"]
-        self._extra: list[tuple[list, np.ndarray]] = []  # (dicts, each row's: -1 none) of the cp and ep terms
-        passes = cols["passes"]
-        if np.any(self.cp > 1):
-            has = self.cp > 1
-            of, first = groups(np.where(has, self.stage_of, -1), c["ck"], self.rate, np.where(has, passes, -1))
-            dicts = [
-                timing.cp_breakdown(shape, self.stand_in(r), wl, prof, theta, int(passes[r]), cache) if has[r] else None
-                for r in first.tolist()
-            ]
-            self._extra.append((dicts, of))
-        if shape.moe:
-            ffn = feedforward.of(shape)
-            of, first = groups(self.stage_of, c["ck"], c["sp"], passes)
-            dicts = [
-                ffn.all_to_all_breakdown(self.stand_in(r), wl, prof, theta, int(passes[r])) for r in first.tolist()
-            ]
-            self._extra.append((dicts, of))
+        self._cache = cache  # the cp exchange's, read again by time_breakdown
         firsts = self.stage_first[: timing_batch.CHECKED].tolist()
         try:
             timing_batch._check(
@@ -264,10 +249,14 @@ class Plan:
         if hasattr(self, "_timed"):
             return self._timed[self._timed_of[r]]
         b = {k: self._t[k][r].item() for k in timing_batch.BREAKDOWN}
-        for dicts, of in self._extra:
-            d = dicts[of[r]]
-            if d is not None:
-                b.update(d)
+        p = self._t["passes"][r].item()  # step_time's cp and expert all-to-all terms, of the slowest stage's passes
+        if self.cp[r] > 1:
+            b.update(
+                timing.cp_breakdown(self.shape, self.stand_in(r), self.wl, self.profile, self.theta, p, self._cache)
+            )
+        if self.shape.moe:
+            lay = self.stand_in(r)
+            b.update(feedforward.of(self.shape).all_to_all_breakdown(lay, self.wl, self.profile, self.theta, p))
         return b
 
     def _kernels(self, tp: np.ndarray) -> None:
