@@ -229,13 +229,16 @@ def _check(parts: dict, s: dict, rows: list[tuple[int, dict]]) -> None:
     """Each stage row of its first layout (`rows`: flat row, engine_stage_memory's parts) against the scalar
     model's, which _stage computed anyway: a term added to engine_stage_memory and not here raises Diverged
     (predict_many then takes the scalar path), before any prediction uses the arrays."""
-    for r, want in rows:
-        got = {k: parts[k][r].item() for k in BASE}
-        if s["has_fp8"][r]:
-            got["fp8_weights_and_scales"] = parts["fp8_weights_and_scales"][r].item()
-        if parts["has_step"][r]:
-            got["optimizer_step"] = parts["optimizer_step"][r].item()
-        got.update(overhead=parts["overhead"][r].item(), total=parts["total"][r].item(), params=s["params"][r].item())
+    at = np.asarray([r for r, _ in rows], dtype=np.int64)
+    cols = {k: parts[k][at].tolist() for k in (*BASE, "fp8_weights_and_scales", "optimizer_step", "overhead", "total")}
+    has_fp8, has_step, params = s["has_fp8"][at].tolist(), parts["has_step"][at].tolist(), s["params"][at].tolist()
+    for i, (r, want) in enumerate(rows):
+        got = {k: cols[k][i] for k in BASE}
+        if has_fp8[i]:
+            got["fp8_weights_and_scales"] = cols["fp8_weights_and_scales"][i]
+        if has_step[i]:
+            got["optimizer_step"] = cols["optimizer_step"][i]
+        got.update(overhead=cols["overhead"][i], total=cols["total"][i], params=params[i])
         if list(got.items()) != list(want.items()):
             raise Diverged(f"stage {s['stage'][r]}: {got} against engine_stage_memory's {want}")
 

@@ -105,14 +105,18 @@ class Plan:
         return self.table.layout(r, self.rep[self.table.codes["att"][r]])
 
     def _validate(self) -> None:
-        """validate of every row (of its stand-in, as predict_many): the fields it reads are the split's,
-        micro-batch, cp implementation, sharding group and ep (one check per distinct combination) and kernel,
-        norm and precision (checked by value); a failure is raised as predict_many raises it: the first row's."""
-        c = self.table.codes
-        _, firsts = groups(self.split, c["mb"], c["impl"], c["shard"], c["ep"])
-        t = self.table.values
+        """validate of every row (of its stand-in, as predict_many): the fields it reads are the split's, cp
+        implementation, sharding group and ep (one check per distinct combination), the micro-batch (over the
+        arrays: at least 1, dp x micro-batch dividing the batch) and kernel, norm and precision (by value); a
+        failure is raised as predict_many raises it: the first row's."""
+        c, t = self.table.codes, self.table.values
+        _, firsts = groups(self.split, c["impl"], c["shard"], c["ep"])
         ok = all(a in ATTENTION_CLASS for a in self.rep) and all(r in RMSNORM_KERNELS for r in t["rms"])
-        ok = ok and all(p in PRECISIONS for p in t["prec"])
+        ok = ok and all(p in PRECISIONS for p in t["prec"]) and all(type(m) is int for m in t["mb"])
+        if ok:
+            mb = np.asarray(t["mb"], dtype=np.int64)[c["mb"]]
+            dp = np.asarray([s["dp"] for s in self.table.splits], dtype=np.int64)[self.split]
+            ok = bool(np.all(mb >= 1) and np.all(dp >= 1)) and bool(np.all(self.wl.global_batch_size % (dp * mb) == 0))
         try:
             for r in firsts.tolist():
                 validate(self.shape, self.stand_in(r), self.wl)
