@@ -9,9 +9,12 @@ and the state gather read is derived from the built modules (module_params).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from harness.engine.schedules import Placement
 from harness.model.presets import Shape
+
+if TYPE_CHECKING:  # an annotation only: the planner imports this module for balanced_partition
+    from harness.engine.schedules import Placement
 
 
 def layer_cost(shape: Shape, seq_len: int) -> float:
