@@ -5,6 +5,11 @@ as a user runs it (`python -m harness.cli plan ...`, interpreter start and impor
     llama3-70b, seq 8192, batch 128, 64 H100 (115,920 layouts)             target 1 s
     qwen3-30b-a3b, seq 4096, batch 512, 64 H100 (99,120 layouts, MoE)     target 2 s
 
+Bytecode: each tree's modules compiled once, by a warm-up round, into a private cache (PYTHONPYCACHEPREFIX, a
+temporary directory; the trees are not written to), as an installed package runs from the bytecode pip compiles;
+PYTHONDONTWRITEBYTECODE, set in some shells, would otherwise have every round compile every harness module
+(about 0.07 s of CPU a plan here). --no-bytecode measures that instead.
+
 Per plan: the median wall time over the rounds, the process's CPU time beside it (steadier on a
 shared machine: other processes stretch the wall time), the load average, and the ratio to the target.
 With --baseline DIR (another checkout, e.g. main's) each round runs that tree's plan too, alternating,
@@ -48,11 +53,17 @@ CASES = {
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
 
 
+PYCACHE: str | None = None  # the private bytecode cache (main(); None: as the environment says)
+
+
 def whole_process(flags: str, tree: str | None = None) -> tuple[float, float]:
     """Wall and CPU seconds (user + system) of one `harness plan` process of `tree` (a checkout's
     root; default this one)."""
     tree = os.path.abspath(tree or ROOT)
     env = {**os.environ, "PYTHONPATH": tree}
+    if PYCACHE:  # each tree's own (the prefix mirrors the sources' absolute paths)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = PYCACHE
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     # run in the tree: `python -m` puts the working directory first on sys.path, before PYTHONPATH
@@ -119,7 +130,14 @@ def main() -> None:
     p.add_argument("--baseline", metavar="DIR", help="another checkout to time side by side (its root)")
     p.add_argument("--save", metavar="FILE", help="write every candidate's prediction of the three plans")
     p.add_argument("--check", metavar="FILE", help="compare every candidate's prediction with a saved FILE")
+    p.add_argument("--no-bytecode", action="store_true", help="compile the modules in every round (no cache)")
     args = p.parse_args()
+    global PYCACHE
+    if not args.no_bytecode and args.rounds:
+        import tempfile
+
+        PYCACHE = tempfile.mkdtemp(prefix="plan-speed-pycache-")
+    print(f"bytecode: {'cached in ' + PYCACHE if PYCACHE else 'as the environment has it'}")
     if args.save:
         json.dump(predictions(), open(args.save, "w"))
         print(f"saved the predictions of {len(CASES)} plans to {args.save}")
@@ -147,6 +165,10 @@ def main() -> None:
                 f"  {args.baseline}: median {med(base_wall):.2f} s wall, CPU {med(base_cpu):.2f} s; "
                 f"this tree / it: {med(wall) / med(base_wall):.2f} wall, {med(cpu) / med(base_cpu):.2f} CPU"
             )
+    if PYCACHE:
+        import shutil
+
+        shutil.rmtree(PYCACHE, ignore_errors=True)
     if not same:
         raise SystemExit(1)
 

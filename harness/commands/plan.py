@@ -202,22 +202,22 @@ def plan_of(args, shape, profile) -> tuple:
     from harness.commands.plan_checks import check_used, options
     from harness.planner import candidates as en
     from harness.planner.layout import Workload
-    from harness.planner.predict import predict_many
+    from harness.planner.predict_columns import plan_predictions
 
     gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node  # 0 is refused, not the default
     wl = Workload(args.seq_len, args.global_batch_size, 4 if profile.name.startswith("cpu") else 2)
     opts = options(args, shape, profile)
-    preds = predict_many(shape, en.layouts(shape, wl, args.gpus, gpn, **opts), wl, profile)
+    table = en.candidate_table(shape, wl, args.gpus, gpn, **opts)
+    preds = plan_predictions(shape, table, wl, profile) if len(table) else []  # ranked: fitting first, fastest first
     if not preds and opts["dp_shards"]:
         raise SpecError("--dp-shard", f"{args.dp_shard} divides the dp x cp of no layout of {args.gpus} GPUs")
     if not preds and (opts["ep_values"] or opts["virtual_stages"]):
-        check_used(args, opts, preds)  # the degrees asked for are those no split takes
+        check_used(args, opts, [])  # the degrees asked for are those no split takes
     if not preds:
         raise SpecError(
             "--gpus", f"no valid layout of {args.gpus} GPUs for {args.model} (global batch {args.global_batch_size})"
         )
-    check_used(args, opts, preds)
-    preds.sort(key=lambda p: (not (p.fits and p.available), -p.mfu))
+    check_used(args, opts, table)
     return wl, gpn, preds
 
 
@@ -226,7 +226,7 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
     from harness.planner.output import group
     from harness.planner.schedules import schedule_label
 
-    fitting = [p for p in preds if p.fits and p.available]
+    fitting = preds[: preds.plan.n_fitting]  # ranked first (predict_columns.Ranked: built when read)
     if args.export:
         from harness.commands.plan_outputs import export
 
@@ -245,9 +245,9 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
         f"{len(preds)} layouts, {len(fitting)} predicted to fit"
         + ("; every block compiled (torch.compile: the rms column does not apply)" if args.compile != "none" else "")
     )
-    near, note = _near_the_fastest(fitting, profile)
+    near, note = _near_the_fastest(fitting, profile)  # a step time within the error of the fastest, or None
     width = max([14] + [len(",".join(row.kernels)) for row in rows])
-    prec = len({p.layout.precision for p in preds}) > 1  # a precision column only when several are asked
+    prec = preds.distinct("precision") > 1  # a precision column only when several are asked
     fsdp = args.engine == "fsdp"  # a column of the sharding group's ranks (HSDP below dp x cp)
     ep = shape.moe  # a column of the expert-parallel degree
     print(
@@ -267,7 +267,7 @@ def _table(args, shape, profile, wl, gpn, preds) -> int:
             f"{'on' if r['sequence_parallel'] else 'off':3} {','.join(row.kernels):{width}} {r['rmsnorm']:5} "
             f"{r['precision'].ljust(5) + ' ' if prec else ''}"
             f"{r['memory_gib']:8.1f} {_fits_cell(p):4} {r['step_time_s']:8.2f} {r['mfu']:6.3f}"
-            f"{' *' if id(p) in near else ''}"
+            f"{' *' if near is not None and p.fits and p.available and p.step_time_s <= near else ''}"
         )
         if args.explain:
             mem = ", ".join(f"{k} {v:.1f}" for k, v in p.memory_breakdown_gib.items() if k != "total")
@@ -355,10 +355,12 @@ def _cp_lines(args, preds, fitting) -> list[str]:
     offered = args.cp not in (None, "1") or args.seq_len >= 2 * MIN_LOCAL_TOKENS  # where cp would be a candidate
     if no_cp(args.engine) and offered:
         out.append(f"no cp > 1 candidates under engine {args.engine}: {no_cp(args.engine)}")
-    if fitting and fitting[0].layout.cp > 1 and not any(p.layout.cp == 1 for p in fitting):
+    cps = fitting.column("cp").tolist()
+    if fitting and cps[0] > 1 and 1 not in cps:
         lay = fitting[0].layout
-        smallest = min((p for p in preds if p.layout.cp == 1), key=lambda p: p.memory_gib, default=None)
-        why = f" (the smallest without cp needs {smallest.memory_gib:.1f} GiB)" if smallest else ""
+        every = zip(preds.column("cp").tolist(), preds.column("memory_gib").tolist(), strict=True)
+        smallest = min((gib for cp, gib in every if cp == 1), default=None)  # the first of the least
+        why = f" (the smallest without cp needs {smallest:.1f} GiB)" if smallest is not None else ""
         out.append(
             f"no layout fits without context parallelism{why}: the plan proposes cp {lay.cp} "
             f"{lay.cp_impl}, {args.seq_len // lay.cp} tokens of each sequence per rank"
@@ -374,25 +376,25 @@ def _cp_lines(args, preds, fitting) -> list[str]:
     return out
 
 
-def _near_the_fastest(fitting, profile) -> tuple[set[int], str]:
-    """The layouts this profile cannot tell from the fastest: predicted within its calibration's
-    median step-time error. In the study's sweeps the best and third-best layouts are often 1-2
-    MFU points apart, less than that error, so these are the ones to measure, not to trust."""
+def _near_the_fastest(fitting, profile) -> tuple[float | None, str]:
+    """The step time up to which this profile cannot tell a layout that fits from the fastest: within its
+    calibration's median step-time error (None: no such bound). In the study's sweeps the best and third-best
+    layouts are often 1-2 MFU points apart, less than that error, so these are the ones to measure, not to trust."""
     err = profile.calibrated.get("median_abs_error_pct")
     if not fitting:
-        return set(), "no layout is predicted to fit"
+        return None, "no layout is predicted to fit"
     if not err:
         fitted = profile.calibrated.get("fitted_on")
         what = f"constants from elsewhere: {fitted}" if fitted else "literature constants"
-        return set(), (
+        return None, (
             f"{profile.name} is not calibrated on its own runs ({what}; error unknown): "
             "calibrate it on a few runs of your cluster (--calibrate) before trusting the ranking"
         )
-    best = min(p.step_time_s for p in fitting)
-    near = {id(p) for p in fitting if p.step_time_s <= best * (1 + err / 100)}
+    steps = fitting.column("step_time_s").tolist()
+    near = min(steps) * (1 + err / 100)
     from harness.planner.output import group
 
-    distinct = sum(1 for row in group([p for p in fitting if id(p) in near]))
+    distinct = sum(1 for row in group([fitting[i] for i, t in enumerate(steps) if t <= near]))
     runs = profile.calibrated.get("samples", "?")
     source = profile.calibrated.get("constants_of")  # another profile's constants, checked on this one's runs
     whose = f"{source}'s constants on {runs} {profile.name} runs" if source else f"the calibration's, {runs} runs"

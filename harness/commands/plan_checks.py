@@ -135,23 +135,23 @@ def on_engine(args, shape, cps, impls) -> dict:
     return {"engine": args.engine, "fsdp": args.engine == "fsdp", "compile": args.compile}
 
 
-def check_used(args, opts: dict, preds) -> None:
+def check_used(args, opts: dict, layouts) -> None:
     """Refuse a value asked for that no candidate layout takes (an ep no split's dp x cp divides, virtual
     stages that split the layers at no pp, a schedule no pp > 1 layout runs): planning without it would
-    answer another question than the one asked."""
+    answer another question than the one asked. `layouts`: the candidates (a sequence of PlannerLayout)."""
     from harness.planner.schedules import INTERLEAVED
 
     where = f"of {args.gpus} GPUs for {args.model} (global batch {args.global_batch_size})"
     for e in opts["ep_values"] or ():
-        if not any(p.layout.ep == e for p in preds):
+        if not any(lay.ep == e for lay in layouts):
             raise SpecError("--ep", f"{e} is the expert-parallel degree of no layout {where}: ep divides dp x cp")
     for v in opts["virtual_stages"] or ():
-        if not any(p.layout.pipeline_schedule in INTERLEAVED and p.layout.virtual_stages == v for p in preds):
+        if not any(lay.pipeline_schedule in INTERLEAVED and lay.virtual_stages == v for lay in layouts):
             raise SpecError(
                 "--virtual-stages",
                 f"{v} is the chunks per rank of no interleaved layout {where}: pp x {v} must divide the layers"
                 " (and the micro-batches divide by pp)",
             )
     for sched in opts["pipeline_schedules"] or ():
-        if not any(p.layout.pp > 1 and p.layout.pipeline_schedule == sched for p in preds):
+        if not any(lay.pp > 1 and lay.pipeline_schedule == sched for lay in layouts):
             raise SpecError("--pipeline-schedule", f"{sched} is the schedule of no pp > 1 layout {where}")

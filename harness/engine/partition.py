@@ -9,9 +9,12 @@ and the state gather read is derived from the built modules (module_params).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from harness.engine.schedules import Placement
 from harness.model.presets import Shape
+
+if TYPE_CHECKING:  # an annotation only: the planner imports this module for balanced_partition
+    from harness.engine.schedules import Placement
 
 
 def layer_cost(shape: Shape, seq_len: int) -> float:
@@ -41,6 +44,18 @@ def balanced_partition(shape: Shape, stages: int, seq_len: int) -> list[range]:
     if stages > n:
         raise ValueError(f"{n} layers cannot fill {stages} stages")
     lc, embed, head = layer_cost(shape, seq_len), embed_cost(shape), head_cost(shape)
+    cut = _integer_cuts(n, stages, lc, embed, head) or _cuts(n, stages, lc, embed, head)
+    bounds, i = [], n
+    for s in range(stages, 0, -1):
+        j = cut[s][i]
+        bounds.append(range(j, i))
+        i = j
+    return bounds[::-1]
+
+
+def _cuts(n: int, stages: int, lc: float, embed: float, head: float) -> list[list[int]]:
+    """cut[s][i]: where stage s begins when the first i layers fill the first s stages, minimising the most
+    expensive stage (the dynamic programme; ties to the earlier boundary)."""
 
     inf = float("inf")
     # best[s][i]: minimal max cost placing the first i layers in the first s stages
@@ -60,12 +75,36 @@ def balanced_partition(shape: Shape, stages: int, seq_len: int) -> list[range]:
                 v = prev[j] if prev[j] > c else c
                 if v < row[i] - 1e-9:
                     row[i], cuts[i] = v, j
-    bounds, i = [], n
-    for s in range(stages, 0, -1):
-        j = cut[s][i]
-        bounds.append(range(j, i))
-        i = j
-    return bounds[::-1]
+    return cut
+
+
+def _integer_cuts(n: int, stages: int, lc, embed, head) -> list[list[int]] | None:
+    """_cuts over numpy arrays, every i of a stage at once, where the costs are integers (as a Shape's are)
+    that int64 holds exactly: then _cuts' "lower by more than 1e-9" is "lower", and its cut the first j of
+    the least max(best[s - 1][j], cost of layers j..i): argmin's. None otherwise (_cuts then)."""
+    if not all(type(x) is int for x in (lc, embed, head)) or n * lc + embed + head >= 2**53:
+        return None
+    import numpy as np
+
+    big = 2**62  # no j: above every cost
+    i = np.arange(n + 1)[:, None]
+    j = np.arange(n + 1)[None, :]
+    layers = (i - j) * lc
+    prev = np.full(n + 1, big, dtype=np.int64)
+    prev[0] = 0
+    cut = [[0] * (n + 1)]
+    for s in range(1, stages + 1):
+        c = layers + ((embed if s == 1 else 0) + (head if s == stages else 0))
+        v = np.maximum(prev[None, :], c)
+        v[(j < s - 1) | (j >= i)] = big
+        rows = np.arange(s, n - (stages - s) + 1)
+        best = np.full(n + 1, big, dtype=np.int64)
+        at = np.zeros(n + 1, dtype=np.int64)
+        at[rows] = np.argmin(v[rows], axis=1)
+        best[rows] = v[rows, at[rows]]
+        cut.append(at.tolist())
+        prev = best
+    return cut
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ Modules, one job each:
   features        the time features of a layer and a stage (ideal seconds of each kind of work)
   timing          seconds per step: the features at their efficiencies, the schedule, the dp reduction
   candidates      every valid layout
+  candidate_table the candidates as columns (integer codes per option, each split's fields once)
   predict         memory and time together: one prediction per layout
+  predict_columns a plan's predictions as columns, ranked; a Prediction built for the rows read
   output          what a plan hands a user: distinct rows, a sweep
   calibrate       fit efficiency constants from measurements
   paper           the published sweeps, judged

@@ -13,13 +13,13 @@ ranges over ep too: every divisor of dp x cp that divides the experts (harness/p
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 from harness import registry
 from harness.errors import SpecError
 from harness.model.presets import Shape
 from harness.parallel_dims import ParallelDims
 from harness.planner import context, feedforward, schedules
+from harness.planner.candidate_table import OPTIONS, Table, split_rules
 from harness.planner.layout import ATTENTION, PAPER, PlannerLayout, Workload
 from harness.spec import CHECKPOINTING, RMSNORM_KERNELS, model_limit_error, through
 from harness.spec import Layout as SpecLayout
@@ -42,7 +42,20 @@ def check_request(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int) -> 
         raise SpecError("--global-batch-size", "must be at least 1")
 
 
-def layouts(
+def layouts(shape: Shape, wl: Workload, gpus: int, gpus_per_node: int, **options):
+    """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
+    are further PlannerLayout fields every layout takes (engine, fsdp); cp_values and cp_impls the cp
+    degrees and implementations asked for (default: context.degrees', the engine's);
+    pipeline_schedules and virtual_stages the schedules of pp > 1 layouts and the chunks per rank of
+    the interleaved ones (default: schedules_of, schedules.virtual_stage_choices); precisions the
+    PlannerLayout.precision values (default bf16 only); dp_shards the fsdp sharding groups asked for
+    (shard_groups); ep_values the expert-parallel degrees asked for (default: FeedForward.ep_degrees')."""
+    table = candidate_table(shape, wl, gpus, gpus_per_node, **options)
+    for i in range(len(table)):
+        yield table.layout(i)
+
+
+def candidate_table(
     shape: Shape,
     wl: Workload,
     gpus: int,
@@ -63,14 +76,9 @@ def layouts(
     dp_shards=None,
     ep_values=None,
     **fields,
-):
-    """Yield every valid PlannerLayout; raise SpecError if an explicit pp choice is impossible. `fields`
-    are further PlannerLayout fields every layout takes (engine, fsdp); cp_values and cp_impls the cp
-    degrees and implementations asked for (default: context.degrees', the engine's);
-    pipeline_schedules and virtual_stages the schedules of pp > 1 layouts and the chunks per rank of
-    the interleaved ones (default: schedules_of, schedules.virtual_stage_choices); precisions the
-    PlannerLayout.precision values (default bf16 only); dp_shards the fsdp sharding groups asked for
-    (shard_groups); ep_values the expert-parallel degrees asked for (default: FeedForward.ep_degrees')."""
+) -> Table:
+    """layouts() as columns (candidate_table.Table: its rows are layouts()'s layouts, in its order); SpecError
+    as layouts() raises it."""
     check_request(shape, wl, gpus, gpus_per_node)
     for p in pp_values or ():
         if p > shape.layers:
@@ -78,6 +86,7 @@ def layouts(
     engine = fields.get("engine", PAPER)
     scheds = list(pipeline_schedules) if pipeline_schedules else schedules_of(engine)
     even = engine != PAPER and registry.facts(engine).memory.layer_split == "even"
+    table = Table()
     for tp in divisors(gpus):
         if shape.heads % tp or shape.kv_heads % tp and tp > shape.kv_heads:
             continue
@@ -104,50 +113,32 @@ def layouts(
                     eps = [e for e in eps if e == 1 or registry.facts(engine).runs("layout.ep", [e])]
                 if not eps:
                     continue  # no ep asked for (--ep) divides this split's dp x cp: no layout here
-                # every layout of this split: the split's fields once (one PlannerLayout built as usual), the
-                # others set per layout on a new instance's __dict__ (a frozen dataclass's __init__ costs
-                # four times as much, and a plan builds tens of thousands)
+                # the split's fields once (one PlannerLayout built as usual); the options per row, as codes
                 split = _fields_of(
                     PlannerLayout(tp=tp, pp=pp, dp=dp, micro_batch_size=1, zero_stage=zero_stage, cp=cp, **fields)
                 )
-                for mb, (sched, v), ck, sp, att, rms, impl, prec, shard, ep in itertools.product(
-                    micro_batch_sizes,
-                    pipes,
-                    checkpointing,
-                    sequence_parallel,
-                    attention,
-                    rmsnorm,
-                    impls,
-                    precisions,
-                    shards,
-                    eps,
-                ):
-                    if sp and (tp == 1 or (wl.seq_len // cp) % tp):
-                        continue
-                    if (wl.global_batch_size // dp) % mb:
-                        continue
-                    if shard and shard % ep:
-                        continue  # ep is carved from the sharding group (memory_states.expert_shard_group)
-                    if sched in schedules.INTERLEAVED and (wl.global_batch_size // dp // mb) % pp:
-                        continue  # Megatron's interleaved schedule (and the spec's): micro-batches divisible by pp
-                    lay = _new(PlannerLayout)
-                    values = lay.__dict__
-                    values.update(split)
-                    values["micro_batch_size"] = mb
-                    values["activation_checkpointing"] = ck
-                    values["sequence_parallel"] = sp
-                    values["attention"] = att
-                    values["rmsnorm"] = rms
-                    values["cp_impl"] = impl
-                    values["pipeline_schedule"] = sched
-                    values["virtual_stages"] = v
-                    values["precision"] = prec
-                    values["dp_shard"] = shard
-                    values["ep"] = ep
-                    yield lay
+                options = dict(
+                    zip(
+                        OPTIONS,
+                        (
+                            list(micro_batch_sizes),
+                            pipes,
+                            list(checkpointing),
+                            list(sequence_parallel),
+                            list(attention),
+                            list(rmsnorm),
+                            impls,
+                            list(precisions),
+                            list(shards),
+                            list(eps),
+                        ),
+                        strict=True,
+                    )
+                )
+                table.add_split(split, options, split_rules(wl, tp, cp, dp, pp, options))
+    return table.close()
 
 
-_new = object.__new__
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(PlannerLayout))
 
 

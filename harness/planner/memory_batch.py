@@ -140,45 +140,85 @@ def memories(shape: Shape, lays: list[PlannerLayout], wl: Workload, profile: Pro
     within `margin` of the device: predict.tight_fit with its ALLOCATOR_MARGIN)."""
     if not lays:
         return []
-    stage_sets: dict[tuple, list[int]] = {}
-    stage_rows: list[tuple] = []
+    stage_codes: dict[tuple, int] = {}
+    stage_reps: list[PlannerLayout] = []
     layer_codes: dict[tuple, int] = {}
-    layer_rows: list[tuple] = []
-    sets, layer_of = [], []
-    scalar: list[tuple[int, dict]] = []  # (layout, engine_stage_memory) of each stage row's first layout
+    layer_reps: list[PlannerLayout] = []
+    stage_of, layer_of = [], []
     for lay in lays:
         key = _STAGE_KEY(lay)
-        codes = stage_sets.get(key)
-        if codes is None:
-            codes = stage_sets[key] = []
-            for stage in _stages(shape, lay, wl):
-                codes.append(len(stage_rows))
-                row, parts = _stage(shape, lay, wl, stage)
-                stage_rows.append(row)
-                scalar.append((len(sets), parts))
-        sets.append(codes)
+        code = stage_codes.get(key)
+        if code is None:
+            code = stage_codes[key] = len(stage_reps)
+            stage_reps.append(lay)
+        stage_of.append(code)
         att = lay.attention if ATTENTION_CLASS[lay.attention] in MATERIALISED else "flash"
         lkey = (att, _LAYER_KEY(lay))
         code = layer_codes.get(lkey)
         if code is None:
-            code = layer_codes[lkey] = len(layer_rows)
-            layer_rows.append(_layer(shape, lay, wl))
+            code = layer_codes[lkey] = len(layer_reps)
+            layer_reps.append(lay)
         layer_of.append(code)
-    counts = np.fromiter(map(len, sets), dtype=np.int64, count=len(sets))
-    rows_stage = np.fromiter((c for codes in sets for c in codes), dtype=np.int64, count=int(counts.sum()))
-    rows_layer = np.repeat(np.asarray(layer_of, dtype=np.int64), counts)
+    cols = columns(shape, wl, stage_reps, np.asarray(stage_of), layer_reps, np.asarray(layer_of))
+    return _breakdowns(cols, profile, margin)
+
+
+class Columns:
+    """The memory of every row (a layout) of a plan: `parts` and `s` (the stage rows' terms) and `best` (each
+    row's worst stage among them); `total` (bytes), `stage` (worst_stage) per row."""
+
+    def __init__(self, parts: dict, s: dict, best: np.ndarray) -> None:
+        self.parts, self.s, self.best = parts, s, best
+        self.total = parts["total"][best]
+        self.stage = s["stage"][best]
+
+    def breakdown(self, i: int) -> dict:
+        """predict._memory's breakdown in GiB of row i."""
+        gib, r, parts = terms.GIB, self.best[i], self.parts
+        d = {k: (parts[k][r] / gib).item() for k in BASE}
+        if self.s["has_fp8"][r]:
+            d["fp8_weights_and_scales"] = (parts["fp8_weights_and_scales"][r] / gib).item()
+        if parts["has_step"][r]:
+            d["optimizer_step"] = (parts["optimizer_step"][r] / gib).item()
+        d["overhead"] = (parts["overhead"][r] / gib).item()
+        d["total"] = (parts["total"][r] / gib).item()
+        return d
+
+
+def columns(
+    shape: Shape, wl: Workload, stage_reps: list, stage_of: np.ndarray, layer_reps: list, layer_of: np.ndarray
+) -> Columns:
+    """The memory of rows whose stage terms are those of stage_reps[stage_of[row]] (layouts equal to the row's
+    but in LAYER_ONLY fields) and whose layer terms are those of layer_reps[layer_of[row]] (equal but in
+    SPLIT_ONLY fields, the attention kernel of the same memory class), all of them batched."""
+    stage_rows: list[tuple] = []
+    scalar: list[tuple[int, int, dict]] = []  # (group, its j-th stage, engine_stage_memory) of each stage row
+    starts_g, counts_g = [], []
+    for g, lay in enumerate(stage_reps):
+        starts_g.append(len(stage_rows))
+        stages = _stages(shape, lay, wl)
+        counts_g.append(len(stages))
+        for j, stage in enumerate(stages):
+            row, parts = _stage(shape, lay, wl, stage)
+            stage_rows.append(row)
+            scalar.append((g, j, parts))
+    layer_rows = [_layer(shape, lay, wl) for lay in layer_reps]
+    n = len(stage_of)
+    counts = np.asarray(counts_g, dtype=np.int64)[stage_of]
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))  # each row's first flat row
+    slot = np.arange(int(counts.sum())) - np.repeat(starts, counts)  # its stage's place among the row's
+    rows_stage = np.repeat(np.asarray(starts_g, dtype=np.int64)[stage_of], counts) + slot
+    rows_layer = np.repeat(layer_of, counts)
     s = _columns(stage_rows, STAGE_COLUMNS, rows_stage)
     x = _columns(layer_rows, LAYER_COLUMNS, rows_layer)
     parts = _combine(s, x)
-    # the worst stage of each layout: the first of its largest total (worst_stage_memory's order)
-    width = int(counts.max())
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    slot = np.arange(len(rows_stage)) - np.repeat(starts, counts)
-    totals = np.full((len(lays), width), -np.inf)
-    totals[np.repeat(np.arange(len(lays)), counts), slot] = parts["total"]
+    # the worst stage of each row: the first of its largest total (worst_stage_memory's order)
+    totals = np.full((n, int(counts.max())), -np.inf)
+    totals[np.repeat(np.arange(n), counts), slot] = parts["total"]
     best = starts + np.argmax(totals, axis=1)
-    _check(parts, s, [(starts[j] + sets[j].index(c), want) for c, (j, want) in enumerate(scalar)])
-    return _breakdowns(parts, s, best, profile, margin)
+    first_row = dict(zip(*(a.tolist() for a in np.unique(stage_of, return_index=True)), strict=True))
+    _check(parts, s, [(starts[first_row[g]] + j, want) for g, j, want in scalar])
+    return Columns(parts, s, best)
 
 
 class Diverged(AssertionError):
@@ -189,13 +229,16 @@ def _check(parts: dict, s: dict, rows: list[tuple[int, dict]]) -> None:
     """Each stage row of its first layout (`rows`: flat row, engine_stage_memory's parts) against the scalar
     model's, which _stage computed anyway: a term added to engine_stage_memory and not here raises Diverged
     (predict_many then takes the scalar path), before any prediction uses the arrays."""
-    for r, want in rows:
-        got = {k: parts[k][r].item() for k in BASE}
-        if s["has_fp8"][r]:
-            got["fp8_weights_and_scales"] = parts["fp8_weights_and_scales"][r].item()
-        if parts["has_step"][r]:
-            got["optimizer_step"] = parts["optimizer_step"][r].item()
-        got.update(overhead=parts["overhead"][r].item(), total=parts["total"][r].item(), params=s["params"][r].item())
+    at = np.asarray([r for r, _ in rows], dtype=np.int64)
+    cols = {k: parts[k][at].tolist() for k in (*BASE, "fp8_weights_and_scales", "optimizer_step", "overhead", "total")}
+    has_fp8, has_step, params = s["has_fp8"][at].tolist(), parts["has_step"][at].tolist(), s["params"][at].tolist()
+    for i, (r, want) in enumerate(rows):
+        got = {k: cols[k][i] for k in BASE}
+        if has_fp8[i]:
+            got["fp8_weights_and_scales"] = cols["fp8_weights_and_scales"][i]
+        if has_step[i]:
+            got["optimizer_step"] = cols["optimizer_step"][i]
+        got.update(overhead=cols["overhead"][i], total=cols["total"][i], params=params[i])
         if list(got.items()) != list(want.items()):
             raise Diverged(f"stage {s['stage'][r]}: {got} against engine_stage_memory's {want}")
 
@@ -257,11 +300,13 @@ def _combine(s: dict, x: dict) -> dict[str, np.ndarray]:
 BASE = ("weights", "gradients", "optimizer", "activations", "backward_working_set", "logits_and_loss")
 
 
-def _breakdowns(parts: dict, s: dict, best: np.ndarray, profile: Profile, margin: float) -> list[tuple]:
+def _breakdowns(cols: Columns, profile: Profile, margin: float) -> list[tuple]:
     """predict._memory's tuple of each layout from its worst stage's row."""
+    parts, s, best = cols.parts, cols.s, cols.best
     gib = terms.GIB
-    cols = {k: (parts[k][best] / gib).tolist() for k in (*BASE, "fp8_weights_and_scales", "optimizer_step", "overhead")}
-    total = parts["total"][best]
+    keys = (*BASE, "fp8_weights_and_scales", "optimizer_step", "overhead")
+    col = {k: (parts[k][best] / gib).tolist() for k in keys}
+    total = cols.total
     device = profile.memory_gib * gib
     fit = (total <= device).tolist()
     tight = (((1 - margin) * device < total) & (total <= device)).tolist()
@@ -269,16 +314,16 @@ def _breakdowns(parts: dict, s: dict, best: np.ndarray, profile: Profile, margin
     total = total.tolist()
     has_fp8 = s["has_fp8"][best].tolist()
     has_step = parts["has_step"][best].tolist()
-    stage = s["stage"][best].tolist()
-    base = [cols[k] for k in BASE]
+    stage = cols.stage.tolist()
+    base = [col[k] for k in BASE]
     out = []
     for i, row in enumerate(zip(*base, strict=True)):
         d = dict(zip(BASE, row, strict=True))
         if has_fp8[i]:
-            d["fp8_weights_and_scales"] = cols["fp8_weights_and_scales"][i]
+            d["fp8_weights_and_scales"] = col["fp8_weights_and_scales"][i]
         if has_step[i]:
-            d["optimizer_step"] = cols["optimizer_step"][i]
-        d["overhead"] = cols["overhead"][i]
+            d["optimizer_step"] = col["optimizer_step"][i]
+        d["overhead"] = col["overhead"][i]
         d["total"] = total_gib[i]
         out.append((stage[i], total[i], d, fit[i], tight[i]))
     return out

@@ -36,41 +36,84 @@ def step_times(
     if not n:
         return [], []
     t_layer, bubble, split_of, firsts = [], [], [], []
-    kind_of: dict[int, int] = {}  # pp -> index into kinds
-    kinds: list[tuple] = []
-    bubbles: dict = {}
     moe = shape.moe
     more = []  # the key of a layout's cp and expert all-to-all terms
-    splits: dict = {}  # the terms of a layout but its layer_own fields (timing._DATA_PARALLEL_FIELDS), by split
-    rows: list[tuple] = []  # each split's micro-batches, stage kinds, extras, reduction, optimizer step, overlap
+    splits: dict = {}  # each split (a layout but its layer_own fields, timing._DATA_PARALLEL_FIELDS): its code
+    reps: list[PlannerLayout] = []
+    keys: list[tuple] = []  # each split's timing.layer_key
+    bubbles: dict = {}
     for lay in lays:
         key = timing._DATA_PARALLEL_FIELDS(lay)
-        split = splits.get(key)
-        if split is None:
-            code = kind_of.get(lay.pp)
-            if code is None:
-                code = kind_of[lay.pp] = len(kinds)
-                kinds.append(timing._stage_kinds(shape.layers, lay.pp))
-            dpx, ox = timing._dp_terms(shape, lay, wl, prof, kinds[code], layer_cache)
-            split = splits[key] = (len(rows), timing.layer_key(lay, wl, prof))
+        code = splits.get(key)
+        if code is None:
+            code = splits[key] = len(reps)
+            reps.append(lay)
+            keys.append(timing.layer_key(lay, wl, prof))
             firsts.append(len(split_of))
-            window = 0 if not lay.overlaps_dp else (1 if lay.fsdp else 2)
-            ex = timing._extras(shape, lay, wl, prof, theta, kinds[code], layer_cache)
-            rows.append((wl.micro_batches(lay), code, ex, dot(theta, dpx), ox, window, lay.pp > 1))
         own = timing.layer_own(lay)
-        hit = layer_cache.get(split[1] + own)
-        if hit is None:
-            hit = timing._per_layer(shape, lay, wl, prof, theta, layer_cache)
-        per_layer, tl = hit
-        bkey = (lay.pipeline_schedule, lay.virtual_stages, lay.pp, timing.bubble_reads_layer(lay) and id(per_layer))
-        f = bubbles.get(bkey)
-        if f is None:  # the cache keeps each per_layer alive: an id is never another's here
-            f = bubbles[bkey] = timing._bubble_factor(lay, theta, per_layer)
-        split_of.append(split[0])
+        tl, f = layer_terms(shape, lay, wl, prof, theta, layer_cache, keys[code] + own, bubbles)
+        split_of.append(code)
         t_layer.append(tl)
         bubble.append(f)
-        more.append((split[0], own) if lay.cp > 1 or moe else None)
-    at = np.asarray(split_of)
+        more.append((code, own) if lay.cp > 1 or moe else None)
+    c = columns(shape, wl, prof, theta, layer_cache, reps, np.asarray(split_of), np.asarray(t_layer), bubble)
+    c = finish(c, prof, theta, np.asarray(memory_bytes))
+    columns_ = zip(*(c[k].tolist() for k in BREAKDOWN), strict=True)
+    ffn = feedforward.of(shape)
+    passes = c["passes"].tolist()
+    out = []
+    added: dict = {}  # step_time's cp and all-to-all terms, by the fields they read and the layer passes
+    for lay, col, p, key in zip(lays, columns_, passes, more, strict=True):
+        b = dict(zip(BREAKDOWN, col, strict=True))
+        if key is not None:
+            split, (ckpt, sp, cls) = key[0], key[1][:3]
+            if lay.cp > 1:  # it reads the split, the checkpointing and the kernel's class
+                cp = added.get(("cp", split, ckpt, cls, p))
+                if cp is None:
+                    cp = added[("cp", split, ckpt, cls, p)] = timing.cp_breakdown(
+                        shape, lay, wl, prof, theta, p, layer_cache
+                    )
+                b.update(cp)
+            if moe:  # the split, the checkpointing and sequence parallelism
+                a2a = added.get(("ep", split, ckpt, sp, p))
+                if a2a is None:
+                    a2a = added[("ep", split, ckpt, sp, p)] = ffn.all_to_all_breakdown(lay, wl, prof, theta, p)
+                b.update(a2a)
+        out.append(b)
+    seconds = c["total"].tolist()
+    _check(shape, lays, wl, prof, theta, memory_bytes, seconds, out, firsts)
+    return seconds, out
+
+
+def layer_terms(shape, lay, wl, prof, theta, layer_cache: dict, key: tuple, bubbles: dict) -> tuple[float, float]:
+    """A layout's layer time under theta (timing._per_layer, `key` its cache key) and its bubble factor."""
+    hit = layer_cache.get(key)
+    if hit is None:
+        hit = timing._per_layer(shape, lay, wl, prof, theta, layer_cache)
+    per_layer, tl = hit
+    bkey = (lay.pipeline_schedule, lay.virtual_stages, lay.pp, timing.bubble_reads_layer(lay) and id(per_layer))
+    f = bubbles.get(bkey)
+    if f is None:  # the cache keeps each per_layer alive: an id is never another's here
+        f = bubbles[bkey] = timing._bubble_factor(lay, theta, per_layer)
+    return tl, f
+
+
+def columns(shape, wl, prof, theta, layer_cache: dict, reps: list, at: np.ndarray, tl: np.ndarray, bubble) -> dict:
+    """step_time's terms of rows whose split (a layout but its layer_own fields) is reps[at[row]], whose layer
+    takes tl[row] seconds and whose schedule's bubble factor is bubble[row]: the slowest stage's time and index,
+    the fill and drain, the reduction and the optimizer step (before the allocator's pressure: finish)."""
+    kind_of: dict[int, int] = {}  # pp -> index into kinds
+    kinds: list[tuple] = []
+    rows: list[tuple] = []  # each split's micro-batches, stage kinds, extras, reduction, optimizer step, overlap
+    for lay in reps:
+        code = kind_of.get(lay.pp)
+        if code is None:
+            code = kind_of[lay.pp] = len(kinds)
+            kinds.append(timing._stage_kinds(shape.layers, lay.pp))
+        dpx, ox = timing._dp_terms(shape, lay, wl, prof, kinds[code], layer_cache)
+        window = 0 if not lay.overlaps_dp else (1 if lay.fsdp else 2)
+        ex = timing._extras(shape, lay, wl, prof, theta, kinds[code], layer_cache)
+        rows.append((wl.micro_batches(lay), code, ex, dot(theta, dpx), ox, window, lay.pp > 1))
     ms, kind_code, extras, dots, opt_x, window, piped = zip(*rows, strict=True)
     codes = np.asarray(kind_code)
     width = max(len(k) for k in kinds)
@@ -89,13 +132,10 @@ def step_times(
         valid[where, :size] = True
         extra[where, :size] = [extras[i] for i in where.tolist()]
     layers, count, first, valid, extra = layers[at], count[at], first[at], valid[at], extra[at]
-    tl = np.asarray(t_layer)
     times = np.where(valid, layers * tl[:, None] + extra, -np.inf)
     i_slow = np.argmax(times, axis=1)  # the first of the slowest (kinds are in stage order)
-    rows = np.arange(n)
+    rows = np.arange(len(at))
     t_slow = times[rows, i_slow]
-    slow = first[rows, i_slow]
-    slow_layers = layers[rows, i_slow]
     finite = np.where(valid, times, 0.0)
     times_sum = count[:, 0] * finite[:, 0]  # sum(count x time), in kind order
     for k in range(1, width):
@@ -103,52 +143,29 @@ def step_times(
     m = np.asarray(ms, dtype=np.int64)[at]
     f = np.asarray(bubble)
     compute_s = m * t_slow + (times_sum - t_slow) * f
-    x = np.asarray(memory_bytes) / (prof.memory_gib * GIB)
-    pressure = np.where(x < 1.0, x, 1.0) - ALLOC_PRESSURE_FROM
-    pressure = np.where(pressure > 0.0, pressure, 0.0)
     win = np.asarray(window)[at]
     overlap = np.where(win == 0, 0.0, np.where(win == 1, compute_s, t_slow))
     exposed = np.asarray(dots)[at] - overlap
-    exposed = np.where(exposed > 0.0, exposed, 0.0)
-    optimizer_s = theta["hbm"] * np.asarray(opt_x)[at]
-    alloc_s = theta.get("alloc_pressure_s", ALLOC_PRESSURE_S) * pressure
-    bubble_s = np.where(np.asarray(piped)[at], (times_sum - t_slow) * f, 0.0)
-    total = compute_s + exposed + optimizer_s + alloc_s
-    columns = zip(
-        compute_s.tolist(),
-        bubble_s.tolist(),
-        exposed.tolist(),
-        optimizer_s.tolist(),
-        alloc_s.tolist(),
-        t_slow.tolist(),
-        m.tolist(),
-        slow.tolist(),
-        strict=True,
-    )
-    ffn = feedforward.of(shape)
-    passes = (m * slow_layers).tolist()
-    out = []
-    added: dict = {}  # step_time's cp and all-to-all terms, by the fields they read and the layer passes
-    for lay, c, p, key in zip(lays, columns, passes, more, strict=True):
-        b = dict(zip(BREAKDOWN, c, strict=True))
-        if key is not None:
-            split, (ckpt, sp, cls) = key[0], key[1][:3]
-            if lay.cp > 1:  # it reads the split, the checkpointing and the kernel's class
-                cp = added.get(("cp", split, ckpt, cls, p))
-                if cp is None:
-                    cp = added[("cp", split, ckpt, cls, p)] = timing.cp_breakdown(
-                        shape, lay, wl, prof, theta, p, layer_cache
-                    )
-                b.update(cp)
-            if moe:  # the split, the checkpointing and sequence parallelism
-                a2a = added.get(("ep", split, ckpt, sp, p))
-                if a2a is None:
-                    a2a = added[("ep", split, ckpt, sp, p)] = ffn.all_to_all_breakdown(lay, wl, prof, theta, p)
-                b.update(a2a)
-        out.append(b)
-    seconds = total.tolist()
-    _check(shape, lays, wl, prof, theta, memory_bytes, seconds, out, firsts)
-    return seconds, out
+    return {
+        "compute_and_tp_s": compute_s,
+        "bubble_s": np.where(np.asarray(piped)[at], (times_sum - t_slow) * f, 0.0),
+        "dp_reduction_exposed_s": np.where(exposed > 0.0, exposed, 0.0),
+        "optimizer_s": theta["hbm"] * np.asarray(opt_x)[at],
+        "per_microbatch_slowest_stage_s": t_slow,
+        "micro_batches": m,
+        "slowest_stage": first[rows, i_slow],
+        "passes": m * layers[rows, i_slow],  # the slowest stage's layer passes (cp and all-to-all terms)
+    }
+
+
+def finish(c: dict, prof: Profile, theta: dict, memory_bytes: np.ndarray) -> dict:
+    """`columns` with the allocator's pressure of each row's `memory_bytes` and the step's total."""
+    x = memory_bytes / (prof.memory_gib * GIB)
+    pressure = np.where(x < 1.0, x, 1.0) - ALLOC_PRESSURE_FROM
+    pressure = np.where(pressure > 0.0, pressure, 0.0)
+    c["allocator_pressure_s"] = alloc_s = theta.get("alloc_pressure_s", ALLOC_PRESSURE_S) * pressure
+    c["total"] = c["compute_and_tp_s"] + c["dp_reduction_exposed_s"] + c["optimizer_s"] + alloc_s
+    return c
 
 
 class Diverged(AssertionError):
