@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 from dataclasses import dataclass
 
@@ -144,11 +146,43 @@ def init(requested_device: str = "auto") -> RunContext:
 END_BARRIER_TIMEOUT_S = 120
 
 
+# DeepSpeed's CPU communication (its shared-memory allreduce, deepspeed/ops/csrc/cpu/comm/shm.cpp) puts
+# one workspace per rank in /dev/shm, named by uid, master address, master port and rank, and never
+# unlinks it (its shared_close is never called): ~69 MB per rank and run, held in memory until the
+# machine restarts. The rank that made its workspace unlinks it at teardown (every peer mapped it at
+# initialisation, so the mappings stay valid); a launcher removes what killed ranks left.
+SHM_DIR = "/dev/shm"
+
+
+def deepspeed_shm_buffers(addr: str, port, rank="*", shm_dir: str = SHM_DIR) -> list[str]:
+    """The paths of DeepSpeed's CPU allreduce workspaces of one run (one rank's, or every rank's)."""
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{glob.escape(str(addr))}_{glob.escape(str(port))}_{rank}"
+    return glob.glob(os.path.join(shm_dir, name))
+
+
+def remove_deepspeed_shm_buffers(addr: str, port, rank="*", shm_dir: str = SHM_DIR) -> int:
+    """Unlink them; how many were there."""
+    paths = deepspeed_shm_buffers(addr, port, rank, shm_dir)
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return len(paths)
+
+
 def teardown(ctx: RunContext, barrier: bool = True) -> None:
     """End of a run: every rank reaches the barrier, then the group is destroyed. A gloo rank
-    whose peers do not arrive in END_BARRIER_TIMEOUT_S says which and leaves the group as is."""
+    whose peers do not arrive in END_BARRIER_TIMEOUT_S says which and leaves the group as is.
+    Either way the rank's DeepSpeed shared-memory workspace, if it made one, is unlinked."""
     if ctx.backend is None or not dist.is_initialized():
         return
+    try:
+        _end_group(ctx, barrier)
+    finally:
+        if "MASTER_PORT" in os.environ:
+            remove_deepspeed_shm_buffers(os.environ.get("MASTER_ADDR", ""), os.environ["MASTER_PORT"], ctx.rank)
+
+
+def _end_group(ctx: RunContext, barrier: bool) -> None:
     if barrier and ctx.backend == "gloo":
         from datetime import timedelta
 

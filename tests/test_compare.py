@@ -369,6 +369,11 @@ def test_planted_seed_difference_fails_comparison_through_cli(tmp_path, cli):
     assert by_label["zero1 planted seed"]["comparison"]["parity"]["verdict"] == FAIL
     assert by_label["zero1 planted seed"]["launch"]["launcher"] == "deepspeed"
     assert os.path.isfile(tmp_path / "reports" / "compare-planted.html")
+    # DeepSpeed's CPU allreduce leaves a /dev/shm workspace per rank (harness.runtime.teardown unlinks them)
+    from harness.runtime import deepspeed_shm_buffers
+
+    cmd = by_label["zero1 planted seed"]["launch"]["command"]
+    assert deepspeed_shm_buffers("127.0.0.1", cmd[cmd.index("--master_port") + 1]) == []
 
 
 def test_a_comparison_report_on_a_full_disk_leaves_the_earlier_one_whole(tmp_path):

@@ -154,3 +154,17 @@ def test_a_deepspeed_op_build_is_said_before_and_after(tmp_path, monkeypatch, ca
         with extensions.announce_build(SimpleNamespace(local_rank=rank)):
             pass
     assert capsys.readouterr().out == ""
+
+
+def test_deepspeed_shm_workspaces_of_one_run_are_found_and_removed(tmp_path):
+    """DeepSpeed's CPU allreduce names a workspace per rank by uid, master address, port and rank and never
+    unlinks it: a run's own are removed (one rank's, or all of a port's), another run's are left."""
+    from harness.runtime import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
+
+    uid = os.getuid()
+    for port, rank in [(5000, 0), (5000, 1), (5001, 0)]:
+        (tmp_path / f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_{rank}").write_bytes(b"x")
+    assert len(deepspeed_shm_buffers("127.0.0.1", 5000, shm_dir=str(tmp_path))) == 2
+    assert remove_deepspeed_shm_buffers("127.0.0.1", 5000, 1, shm_dir=str(tmp_path)) == 1
+    assert remove_deepspeed_shm_buffers("127.0.0.1", 5000, shm_dir=str(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_5001_0"]

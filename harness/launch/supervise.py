@@ -14,7 +14,7 @@ import yaml
 
 from harness.errors import SpecError
 from harness.launch.build_lock import clear_stale as clear_stale_build_locks
-from harness.launch.command import build_command, recorded_command
+from harness.launch.command import build_command, free_port, recorded_command
 from harness.launch.environment import run_env
 from harness.launch.outcome import (
     TAIL_LINES,
@@ -70,7 +70,8 @@ def run_spec(
         argv += ["--sweep", sweep]
     if point_key is not None:
         argv += ["--point-key", point_key]
-    cmd = build_command(launcher, nproc, argv, nnodes=nnodes, module=module)
+    port = free_port()
+    cmd = build_command(launcher, nproc, argv, nnodes=nnodes, module=module, master_port=port)
     if launcher == "deepspeed":  # its runner does not pass its own death on: run it fenced
         cmd[2:2] = [FENCE_MODULE]
     env = run_env(nproc, spec_dict, run_id, extra_env)
@@ -103,6 +104,10 @@ def run_spec(
             timed_out, lingered = _wait(popen, store, run_id, timeout_s, relay=relay.poll)
         finally:  # also on KeyboardInterrupt: never leave a run behind
             survivors = kill_run(popen, run_id)
+            if not survivors:  # what its killed ranks could not unlink (harness.runtime.teardown)
+                from harness.runtime import remove_deepspeed_shm_buffers  # torch: imported once a run ends
+
+                remove_deepspeed_shm_buffers("127.0.0.1", port)
     wall = time.monotonic() - start
     output = tail(log_path, 400)
 

@@ -137,6 +137,9 @@ def spawn_jobs(jobs: list[Job], world: int, threads: int | None = None) -> list:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        from harness.runtime import remove_deepspeed_shm_buffers
+
+        remove_deepspeed_shm_buffers("127.0.0.1", port)  # what a killed rank could not unlink
     return outcome
 
 
