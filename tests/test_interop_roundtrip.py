@@ -175,6 +175,12 @@ CASES = {  # id: (format, model, workload fields, layout)
         {"precision": "fp8", "fp8_recipe": "rowwise"},
         PlannerLayout(1, 1, 8, 2, ep=8, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", precision="fp8"),
     ),
+    "torchtitan-moe-fp8-gw-hp": (  # Float8LinearConverter's recipe_name rowwise_with_gw_hp, read back as that recipe
+        "torchtitan",
+        "qwen3-30b-a3b",
+        {"precision": "fp8", "fp8_recipe": "rowwise_with_gw_hp"},
+        PlannerLayout(1, 1, 8, 2, ep=8, fsdp=True, attention="sdpa_efficient", rmsnorm="torch", precision="fp8"),
+    ),
     "megatron-mxfp8": (  # Transformer Engine's MXFP8BlockScaling, e4m3 throughout (--fp8-format e4m3)
         "megatron",
         "llama3-8b",

@@ -58,6 +58,8 @@ def test_cast_bytes_per_layer_follow_the_stated_formula():
     weights = 2048 + 1024 + 1024 + 2048 + 4096 + 4096 + 4096
     assert fp8.activation_cast_bytes(shape, lay, n, B) == (2 * B + 2) * n * sum_nk  # tensorwise: 6 bytes
     assert fp8.activation_cast_bytes(shape, lay, n, B, "rowwise") == (3 * B + 2) * n * sum_nk
+    # rowwise_with_gw_hp: dim0 casts only (torchao's roofline), the weight gradient's operands stay bf16
+    assert fp8.activation_cast_bytes(shape, lay, n, B, "rowwise_with_gw_hp") == (B + 1) * n * sum_nk
     assert fp8.weight_cast_bytes(shape, lay, 4, B) == (3 * B + 2) * weights  # every micro-batch, fwd + bwd
     # the planner's layer features carry exactly these bytes on top of bf16's (one micro-batch, no recompute)
     wl = Workload(10, 1)

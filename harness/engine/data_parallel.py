@@ -129,6 +129,8 @@ class Bucket:
                 self.param_flat[off : off + n].copy_(p.detach().reshape(-1))
             p.data = self.param_flat[off : off + n].view_as(p)
             p.grad = self.grad_flat[off : off + n].view_as(p) if self.grads_in_place else None
+            if policy.fuses_weight_gradient:  # the FP8 linears add their weight gradients here themselves
+                p.main_grad = self.grad_flat[off : off + n].view_as(p)
             self.ranges.append((off, off + n))
             off += n
         self.range_of = {p: r for p, r in zip(params, self.ranges, strict=True)}
@@ -211,9 +213,10 @@ class ModelStates:
     def _on_grad(self, p) -> None:
         b = self.owner[p]
         if not b.grads_in_place:  # Megatron: the fresh .grad goes into the main gradient and is freed
-            a, e = b.range_of[p]
-            b.grad_flat[a:e].add_(p.grad.reshape(-1))
-            p.grad = None
+            if not getattr(p, "grad_added_to_main_grad", False):  # (fused: harness.model.float8 added it)
+                a, e = b.range_of[p]
+                b.grad_flat[a:e].add_(p.grad.reshape(-1))
+            p.grad, p.grad_added_to_main_grad = None, False
         c = self.counts.get(p, 0) + 1
         self.counts[p] = c
         if c == self.expected:

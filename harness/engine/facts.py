@@ -125,6 +125,15 @@ ENGINE = EngineFacts(
             "linear the reference runs in FP8 in bf16: choose tp so that ffn/tp (a MoE's moe_ffn/tp too) and the "
             "q/k/v head widths / tp are multiples of 16 (32)",
         ),
+        (
+            "fp8_recipe",
+            lambda w, lay: (
+                w.precision != "fp8" or w.fp8_recipe != "rowwise_with_gw_hp" or lay.pipeline_schedule != "zbv"
+            ),
+            "rowwise_with_gw_hp with pipeline_schedule zbv: the split backward runs an FP8 linear's backward once for "
+            "the input gradient and again for the weight's, and this recipe adds its weight gradient into the fp32 "
+            "main gradient in that backward (harness/model/float8.py): use another schedule or recipe",
+        ),
     ],
     runs_moe=True,
     label=lambda lay: f"own ZeRO-{lay['zero_stage']}" if lay.get("zero_stage") else "own",

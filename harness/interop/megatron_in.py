@@ -59,7 +59,7 @@ CP_OF_COMM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses"}
 FP8_RECIPE = {"tensorwise": "tensorwise", "delayed": "tensorwise", "blockwise": "rowwise", "mxfp8": "mxfp8"}
 # The gradients' element type each harness recipe casts to (torchao's): e5m2 under tensorwise, e4m3 otherwise;
 # --fp8-format hybrid has e5m2 gradients, e4m3 none (megatron_out.TE_FORMAT writes the matching one)
-GRAD_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "mxfp8": "e4m3"}
+GRAD_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "rowwise_with_gw_hp": "e4m3", "mxfp8": "e4m3"}
 # The programs whose arguments these are (Megatron-LM's GPT pretraining).
 PROGRAMS = ("pretrain_gpt.py",)
 # A Megatron-LM or torchrun launch line's world size, when it says it.

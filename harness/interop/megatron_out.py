@@ -34,11 +34,11 @@ MEGATRON_ATTENTION = {
 # The workload's fp8_recipe (torchao's) as Transformer Engine's --fp8-recipe: tensorwise is its current
 # per-tensor scaling; for rowwise, its finer-grained blockwise (megatron_in.FP8_RECIPE reads it back as rowwise);
 # mxfp8 is Transformer Engine's own MXFP8 recipe (e4m3, e8m0 scales per block of 32)
-TE_RECIPE = {"tensorwise": "tensorwise", "rowwise": "blockwise", "mxfp8": "mxfp8"}
+TE_RECIPE = {"tensorwise": "tensorwise", "rowwise": "blockwise", "rowwise_with_gw_hp": "blockwise", "mxfp8": "mxfp8"}
 # Its --fp8-format, the element types torchao casts to under that recipe: tensorwise's output gradient is e5m2
 # (hybrid: e4m3 forward, e5m2 backward); rowwise's and mxfp8's are e4m3 throughout (torchao's rowwise recipe and
 # mx_mm's grad_elem_dtype), as TE's MXFP8BlockScaling and Float8BlockScaling default to (Format.E4M3)
-TE_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "mxfp8": "e4m3"}
+TE_FORMAT = {"tensorwise": "hybrid", "rowwise": "e4m3", "rowwise_with_gw_hp": "e4m3", "mxfp8": "e4m3"}
 
 # router_aux_loss_coef of the MoE presets' own config.json files
 PUBLISHED_AUX_LOSS = {"mixtral-8x7b": 0.02, "qwen3-30b-a3b": 0.001, "qwen3-235b-a22b": 0.001}
@@ -168,6 +168,12 @@ def export_megatron(
             notes.append(
                 "FP8 rowwise: Transformer Engine has no rowwise recipe; --fp8-recipe blockwise is its finer-grained "
                 "one (1x128 activation and gradient tiles, 128x128 weight blocks; Hopper or later)"
+            )
+        if fp8_recipe == "rowwise_with_gw_hp":
+            notes.append(
+                "FP8 rowwise_with_gw_hp: Transformer Engine has no such recipe; --fp8-recipe blockwise computes the "
+                "weight gradient in FP8 too (Megatron-core's fp8_wgrad=False, --no-fp8-wgrad, reaches delayed scaling "
+                "only); the fp32 accumulation into main_grad is Megatron-core's gradient_accumulation_fusion"
             )
     if lay.replicas > 1:
         args.append("--overlap-grad-reduce")

@@ -63,6 +63,7 @@ CP_ATTENTION = {**dict.fromkeys(ATTENTION, "flex_flash"), "sdpa_efficient": "fle
 AC = {"full": "FullAC.Config()", "selective": "SelectiveAC.Config()", "none": "None"}
 FUNCTION = "harness_plan"
 MXFP8 = "mxfp8"  # the workload's fp8_recipe that torchtitan's MX converters run
+GW_HP = "rowwise_with_gw_hp"  # the other fp8_recipe its Float8LinearConverter takes by name
 # MXFP8LinearConverter's fqns: an include list (substring match; empty converts every Linear, the LM head
 # included), as torchtitan's deepseek_v3_debugmodel_mxfp8 writes it: the blocks' attention and dense
 # feed-forward linears, so that the LM head and a MoE's router gate stay in high precision as the harness keeps them
@@ -117,7 +118,7 @@ def _converter_names(shape: Shape, mx: bool) -> list[str]:
     return [f"{kind}GroupedExpertsConverter", f"{kind}LinearConverter"] if shape.moe else [f"{kind}LinearConverter"]
 
 
-def fp8_converters(shape: Shape, mx: bool, compiled: bool) -> list[str]:
+def fp8_converters(shape: Shape, mx: bool, compiled: bool, recipe: str = "rowwise") -> list[str]:
     """model_registry's converters for the workload's FP8. Float8 rowwise with lm_head filtered out (torchtitan's
     converter otherwise converts every linear whose sizes are multiples of 16, the head included) and a MoE's
     router gate (the harness routes in fp32), its experts through Float8GroupedExpertsConverter (torchao's
@@ -125,12 +126,13 @@ def fp8_converters(shape: Shape, mx: bool, compiled: bool) -> list[str]:
     linear converter on MX_FQNS (its MXFP8Linear is torchao's, whose defaults are the harness's recipe: RCEIL
     scales, the weight gradient in MXFP8 too) and, with experts, the grouped-GEMM converter (its mxfp8_rceil,
     pad_multiple 32: the harness's per-expert padding, harness/model/mxfp8.py). model_compile_enabled only
-    silences torchtitan's warning that MXFP8 is slow eager."""
+    silences torchtitan's warning that MXFP8 is slow eager. `recipe`: Float8's recipe_name (rowwise, or
+    rowwise_with_gw_hp, which its converter takes too)."""
     if not mx and not shape.moe:
-        return ['Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head"])']
+        return [f'Float8LinearConverter.Config(recipe_name="{recipe}", filter_fqns=["lm_head"])']
     if not mx:
         return [
-            'Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head", "router.gate"])',
+            f'Float8LinearConverter.Config(recipe_name="{recipe}", filter_fqns=["lm_head", "router.gate"])',
             f"Float8GroupedExpertsConverter.Config(model_compile_enabled={compiled})",
         ]
     out = [f"MXFP8LinearConverter.Config(fqns={json.dumps(list(MX_FQNS))}, model_compile_enabled={compiled})"]
@@ -166,7 +168,10 @@ def export_torchtitan(
     family, recipe = ("qwen3", QWEN3_RECIPE) if shape.moe else ("llama3", RECIPES[flavor])
     backend = (CP_ATTENTION if lay.cp > 1 else ATTENTION)[lay.attention]
     mx = fp8 and fp8_recipe == MXFP8
-    converters = f", converters=[{', '.join(fp8_converters(shape, mx, lay.compile == 'blocks'))}]" if fp8 else ""
+    titan_recipe = fp8_recipe if fp8_recipe == GW_HP else "rowwise"
+    converters = (
+        f", converters=[{', '.join(fp8_converters(shape, mx, lay.compile == 'blocks', titan_recipe))}]" if fp8 else ""
+    )
     parallelism = {
         "data_parallel_replicate_degree": lay.replicas // lay.shard_group,  # HSDP: the sharding groups
         "data_parallel_shard_degree": lay.shard_group // lay.cp,
@@ -255,11 +260,14 @@ def export_torchtitan(
         f"{shape.layers} layers do not split evenly into {lay.pp} x {lay.virtual_stages} chunks"
         if lay.pp > 1 and lay.pipeline_schedule == "interleaved" and shape.layers % (lay.pp * lay.virtual_stages)
         else "",
-        "FP8: torchtitan's Float8LinearConverter (torchao Float8, rowwise scaling; every linear but the LM head"
+        f"FP8: torchtitan's Float8LinearConverter (torchao Float8, {titan_recipe} scaling; every linear but the LM head"
         + (" and the router gate; the experts through Float8GroupedExpertsConverter)" if shape.moe else ")")
         + (
             f"; the workload's {fp8_recipe} has no recipe_name there (it takes rowwise or rowwise_with_gw_hp)"
-            if fp8_recipe not in (None, "rowwise")
+            if fp8_recipe not in (None, "rowwise", GW_HP)
+            else "; recipe_name rowwise_with_gw_hp: its weight gradients are torchao's bf16 products (the harness's "
+            "own engine and reference accumulate them in fp32 into their main gradients)"
+            if fp8_recipe == GW_HP
             else ""
         )
         if fp8 and not mx

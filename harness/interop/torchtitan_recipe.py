@@ -349,6 +349,7 @@ def _converters(elts, got: dict, lost: list[str], names: dict) -> None:
     recipes = {CONVERTERS[k] for k in kinds}
     if len(recipes) > 1:
         raise SpecError("model_spec.converters", "Float8 and MXFP8 converters together: the harness runs one recipe")
+    gw_hp = False
     for kind, conv in zip(kinds, elts, strict=True):
         # the settings read (model_compile_enabled, often an expression in torchtitan's recipes, only warns)
         args = {
@@ -358,8 +359,11 @@ def _converters(elts, got: dict, lost: list[str], names: dict) -> None:
         }
         if kind == "Float8LinearConverter.Config":
             recipe = args.get("recipe_name", "rowwise")
-            if recipe != "rowwise":
-                raise SpecError("model_spec.converters", f"Float8 recipe {recipe!r}: the harness runs rowwise")
+            if recipe not in ("rowwise", "rowwise_with_gw_hp"):
+                raise SpecError(
+                    "model_spec.converters", f"Float8 recipe {recipe!r}: the harness runs rowwise or rowwise_with_gw_hp"
+                )
+            gw_hp = recipe == "rowwise_with_gw_hp"
             skipped = set(args.get("filter_fqns", []))
             router = {"router.gate", "router", "gate"} if got["family"] == "qwen3" else set()
             if skipped - {"lm_head", "output"} - router:
@@ -401,6 +405,8 @@ def _converters(elts, got: dict, lost: list[str], names: dict) -> None:
             "rowwise converts them with the experts (Float8LinearConverter)"
         )
     got["fp8"] = recipes.pop() if recipes else None
+    if got["fp8"] == "rowwise" and gw_hp:  # Float8LinearConverter's recipe_name, its weight gradients in bf16
+        got["fp8"] = "rowwise_with_gw_hp"
 
 
 def _mx_fqns(fqns: list, family: str, lost: list[str]) -> None:

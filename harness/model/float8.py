@@ -21,6 +21,9 @@ from harness.model.torchao_quiet import quiet as _quiet
 
 ALIGN = 16  # torch._scaled_mm: both dims of each FP8 operand a multiple of 16
 MXFP8 = "mxfp8"  # the block-scaled recipe (harness/model/mxfp8.py); the others are Float8LinearConfig's
+# torchao's Float8LinearRecipeName.ROWWISE_WITH_GW_HP (torchtitan's recipe_name "rowwise_with_gw_hp"): rowwise
+# scales forward and for the input gradient, the weight gradient in high precision (_FusedWeightGradient)
+GW_HP = "rowwise_with_gw_hp"
 HEAD_NAME = "output"  # the LM head (harness.model.llama.Llama.output)
 # a MoE's router: harness.model.moe.MoEFeedForward.router, DeepSpeed's TopKGate.wg (deepspeed/experts.py)
 ROUTER_NAMES = ("router", "wg")
@@ -53,7 +56,50 @@ class _EmptySafe:
     def apply(self, x: torch.Tensor, weight_t: torch.Tensor, *configs):
         if x.numel() == 0:
             return x @ weight_t.to(x.dtype)
+        weight = weight_t._base if weight_t._base is not None else weight_t
+        if getattr(weight, "main_grad", None) is not None and _high_precision_weight_gradient(configs[-1]):
+            return _FusedWeightGradient.apply((self.function, weight), x, weight_t, *configs)
         return self.function.apply(x, weight_t, *configs)
+
+
+def _high_precision_weight_gradient(cfg) -> bool:
+    """Whether a Float8LinearConfig leaves both operands of the weight gradient's GEMM uncast (GW_HP's)."""
+    disabled = torchao_float8().float8_linear.ScalingType.DISABLED
+    return (
+        cfg.cast_config_input_for_grad_weight.scaling_type is disabled
+        and cfg.cast_config_grad_output_for_grad_weight.scaling_type is disabled
+    )
+
+
+class _FusedWeightGradient(torch.autograd.Function):
+    """A high-precision weight gradient accumulated in fp32 into the weight's fp32 main gradient, Megatron's
+    gradient_accumulation_fusion (its wgrad GEMM adds into weight.main_grad with fp32 accumulation and flags
+    grad_added_to_main_grad, so that the gradient hook adds nothing more). Engines that keep a main gradient
+    per parameter (the reference's MasterWeights, the own engine's buckets) set `main_grad` on the parameters
+    under a policy that fuses (PrecisionPolicy.fuses_weight_gradient). Why: torchao computes GW_HP's weight
+    gradient as one bf16 product over the GEMM's tokens, so the same tokens split over two GEMMs (an expert's
+    batch under ep holds two micro-batches) round differently; summed in fp32 they differ only in the order
+    of fp32 additions. Forward and the input gradient are torchao's own (its backward also forms the bf16
+    weight gradient, which is dropped: torchao offers no backward without it). `given`: torchao's autograd Function
+    (matmul_with_hp_or_float8_args), whose forward and backward run on this Function's ctx, and the Parameter
+    (held here: a saved view unpacked in backward, under saved-tensor hooks, has another base)."""
+
+    @staticmethod
+    def forward(ctx, given, x, weight_t, *configs):
+        ctx.torchao, ctx.weight = given
+        return ctx.torchao.forward(ctx, x, weight_t, *configs)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, _, *rest = ctx.torchao.backward(ctx, grad_output)
+        x, weight_t = ctx.saved_tensors
+        weight = ctx.weight
+        g2 = grad_output.reshape(-1, grad_output.shape[-1]).float()
+        weight.main_grad.addmm_(g2.t(), x.reshape(-1, x.shape[-1]).float())  # [out, in], fp32 accumulation
+        weight.grad_added_to_main_grad = True
+        # a gradient must still arrive for the engines' hooks (they skip the add on the flag): a zero, not stored
+        zero = torch.zeros((), dtype=weight_t.dtype, device=weight_t.device).expand_as(weight_t)
+        return (None, grad_input, zero, *rest)
 
 
 def _ranged(cast):

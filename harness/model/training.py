@@ -13,8 +13,8 @@ ranks in grad_reduce_dtype (both fp32 by default: Megatron's default with its di
 optimizer, where bf16 parameters get an fp32 main_grad buffer and fp32 master shards).
 
 Under fp8 (torchtitan's policy) everything is bf16's, and the GEMMs of the linear layers run in
-FP8: torchao's convert_to_float8_training with the workload's fp8_recipe (tensorwise or rowwise,
-dynamic scales; mxfp8: torchao's MXFP8 linear, harness/model/mxfp8.py) over the linears
+FP8: torchao's convert_to_float8_training with the workload's fp8_recipe (tensorwise, rowwise or
+rowwise_with_gw_hp, dynamic scales; mxfp8: torchao's MXFP8 linear, harness/model/mxfp8.py) over the linears
 harness.model.float8.converts accepts (not the LM head nor a router; dims multiples of 16, of 32
 under mxfp8). Attention's core, the norms, the embedding and the head stay bf16; the FP8
 casts are transient (torchao saves the bf16 input and weight for backward), so nothing FP8
@@ -57,6 +57,12 @@ class PrecisionPolicy:
         fp8 = (
             f"; the linear layers' GEMMs in FP8 ({MXFP8_WORDS if self.fp8 == 'mxfp8' else CONVERT_WORDS}, "
             f"{self.fp8} dynamic scaling, not the LM head), attention and norms in bf16"
+            + (
+                "; their weight gradients in high precision, accumulated in fp32 into the main gradients "
+                "where the engine keeps them per parameter (own, single)"
+                if self.fuses_weight_gradient
+                else ""
+            )
             if self.fp8
             else ""
         )
@@ -66,6 +72,15 @@ class PrecisionPolicy:
             f"in {dtype_name(self.grad_accum)} and reduced across data-parallel ranks in "
             f"{dtype_name(self.grad_reduce)}{fp8}"
         )
+
+    @property
+    def fuses_weight_gradient(self) -> bool:
+        """Whether the FP8 linears' weight gradients go into fp32 main gradients directly (Megatron's
+        gradient_accumulation_fusion, harness.model.float8._FusedWeightGradient): under fp8_recipe
+        rowwise_with_gw_hp, whose weight gradient is a high-precision GEMM, with fp32 main gradients.
+        The engines that keep one per parameter (the reference's MasterWeights, the own engine's buckets)
+        fuse; FSDP2 and DeepSpeed take torchao's bf16 product into their own gradient bookkeeping."""
+        return self.fp8 == "rowwise_with_gw_hp" and self.master is not None and self.grad_accum == torch.float32
 
     @property
     def peak_matmul_dtype(self) -> torch.dtype:
@@ -198,6 +213,9 @@ class MasterWeights:
                 if policy.grad_accum != policy.compute
                 else None
             )
+            if policy.fuses_weight_gradient:  # the FP8 linears add their weight gradients here themselves
+                for p, g in zip(self.params, self.main_grads, strict=True):
+                    p.main_grad = g
         else:
             self.masters, self.main_grads = self.params, None
 
@@ -210,8 +228,9 @@ class MasterWeights:
             return
         for p, g in zip(self.params, self.main_grads, strict=True):
             if p.grad is not None:
-                g.add_(p.grad)
-                p.grad = None
+                if not getattr(p, "grad_added_to_main_grad", False):
+                    g.add_(p.grad)
+                p.grad, p.grad_added_to_main_grad = None, False
 
     def grads_to_masters(self) -> None:
         """Before clipping and the step: the masters' .grad is the accumulated gradient in fp32."""

@@ -18,6 +18,10 @@ not fused with the op before it):
               backward cast (B + 1): 3B + 2.
   rowwise     activation: a read writing fp8 dim0 and a bf16 transpose (2B + 1), the transpose's cast
               (B + 1): 3B + 2.  weight: forward cast (B + 1), transpose (2B), its cast (B + 1): 4B + 2.
+  rowwise_with_gw_hp  activation: one read writing fp8 dim0 (B + 1), no transpose (the weight gradient's GEMM
+              takes the bf16 operands).  weight: forward cast (B + 1), backward tensorwise cast (B + 1): 2B + 2.
+              Its weight-gradient GEMM is bf16 (torchao's roofline: gemm_dtype_grad_weight), which features.py
+              does not model: it times every GEMM of an fp8 layout at gemm_fp8 (RECIPE is tensorwise).
   mxfp8       every operand cast along dim0 and along dim1 (torchao's mxfp8_cublas: two kernels, each a
               bf16 read and an fp8 write, the e8m0 scales, 1 byte per 32, left out as torchao does): 2B + 2.
 FP8 all-gather under FSDP2 (torchao fsdp_utils.WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather):
@@ -50,6 +54,7 @@ RECIPE = "tensorwise"
 CAST_BYTES = {
     "tensorwise": {"activation": lambda B: 2 * B + 2, "weight": lambda B: 3 * B + 2},
     "rowwise": {"activation": lambda B: 3 * B + 2, "weight": lambda B: 4 * B + 2},
+    "rowwise_with_gw_hp": {"activation": lambda B: B + 1, "weight": lambda B: 2 * B + 2},
     "mxfp8": {"activation": lambda B: 2 * B + 2, "weight": lambda B: 2 * B + 2},
 }
 SCALE_BYTES = 4  # one fp32 scale per cast tensor (tensorwise)

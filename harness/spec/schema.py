@@ -57,7 +57,7 @@ MODEL_IMPLS = ("own", "hf")  # the harness's model, transformers' LlamaForCausal
 DS_MOE = ("layer", "autoep")
 COMPILE = ("none", "blocks")  # torch.compile: nothing, or each transformer block (torchtitan's apply_compile)
 # torchao's Float8LinearConfig.from_recipe_name; mxfp8: torchao's MXFP8 linear (harness/model/mxfp8.py)
-FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 # muon: torch.optim.Muon on the transformer blocks' 2-D weights, AdamW on the rest (harness/model/muon.py)
 OPTIMIZERS = ("adamw", "muon")
 MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
