@@ -47,8 +47,6 @@ reference's; under ep an expert's weight-gradient blocks run along tokens of two
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 
@@ -72,6 +70,7 @@ from harness.testing.equivalence import (
     MXFP8_LOSS_RTOL,
     MXFP8_WEIGHTS_RTOL,
 )
+from harness.testing.moe_parity import near_ties, rounding_step, tail
 
 MOE = resolve_shape("tiny-moe", {})
 
@@ -279,37 +278,16 @@ PARAMS = [
 launched = E.shared(CASES, steps=STEPS)
 
 
-BF16_ULP = 2.0**-8  # bf16's spacing relative to a value (8 bits of significand)
-# The relative rounding each factor of a router logit carries per precision. The router never runs in FP8 (its
-# logits are fp32 products of the bf16 residual stream and the fp32 weight), so fp8's is bf16's amplified as
-# harness.testing.equivalence derives its fp8 tolerances from bf16's (x 2^2.5: a bf16 difference moves an e4m3
-# cast by one step with probability 2^-5), and mxfp8's by its block-scale term (x sqrt(1 + 2^-4)).
-STEP = {
-    "bf16": BF16_ULP,
-    "fp8": BF16_ULP * FP8_WEIGHTS_RTOL / BF16_WEIGHTS_RTOL,
-    "mxfp8": BF16_ULP * MXFP8_WEIGHTS_RTOL / BF16_WEIGHTS_RTOL,
-}
+# the relative rounding each factor of a router logit carries per precision (moe_parity.rounding_step says why)
+STEP = {"bf16": rounding_step("bf16"), "fp8": rounding_step("fp8"), "mxfp8": rounding_step("fp8", "mxfp8")}
 # the tokens each layer routes over the run, summed over the layers (the reference's: steps x batch x seq)
 ROUTED = MOE.layers * STEPS * E.BASE["workload"]["global_batch_size"] * M["seq_len"]
-# A gap's change exceeds TAIL standard deviations with probability 1e-3 / ROUTED (two-sided normal tail): over
-# every routed token of the run, a near tie is missed with probability below 1e-3
-TAIL = statistics.NormalDist().inv_cdf(1 - 1e-3 / (2 * ROUTED))
+TAIL = tail(ROUTED)  # a near tie missed with probability below 1e-3 over the run (moe_parity.tail)
 
 
 def _near_ties(layer: MoEFeedForward, x2: torch.Tensor, logits: torch.Tensor, step: float) -> int:
-    """Tokens whose k-th and (k+1)-th logits lie within the rounding bound of their gap: each factor of each
-    term t_ej = W_ej x_j of a logit off by an independent rounding, uniform within `step` (relative: variance
-    step^2/3), x_j's shared by both logits, so the gap l_k - l_m moves by a sum of independent terms of variance
-    step^2/3 (sum_j (t_kj - t_mj)^2 + t_kj^2 + t_mj^2), normal by the central limit over the hidden size (the
-    probabilistic rounding analysis of Higham and Mary, 2019, in place of the worst case, which adds every
-    term's bound as if all roundings had one sign); a tie is near when the gap is within TAIL of its sd."""
-    terms = x2.detach().float().unsqueeze(1) * layer.router.weight.detach().float()  # (tokens, experts, hidden)
-    top = torch.topk(logits, layer.k + 1, dim=-1).indices
-    t_k = terms.gather(1, top[:, -2, None, None].expand(-1, 1, terms.shape[-1])).squeeze(1)
-    t_m = terms.gather(1, top[:, -1, None, None].expand(-1, 1, terms.shape[-1])).squeeze(1)
-    var = step**2 / 3 * ((t_k - t_m).square() + t_k.square() + t_m.square()).sum(-1)
-    gap = logits.gather(1, top[:, -2:-1]).squeeze(1) - logits.gather(1, top[:, -1:]).squeeze(1)
-    return int((gap <= TAIL * var.sqrt()).sum())
+    """moe_parity.near_ties at TAIL."""
+    return near_ties(layer, x2, logits, step, TAIL)
 
 
 def test_a_near_tie_is_a_gap_within_the_rounding_bound_of_the_k_th_and_next_logits():

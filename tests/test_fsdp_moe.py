@@ -11,7 +11,7 @@ checkpointing (the router's recomputation in backward is not counted); pp2 (torc
 each stage reporting its own layer) with the losses under GPipe, 1F1B and ZBV (its split backward: the aux
 gradient in the input-gradient pass; 4 layers for its two stages a rank). The router statistics equal the reference's
 (take_router_stats): routed slots summed over the ranks, the losses' mean over every forward. What the facts
-refuse with MoE (tp, cp; with ep compile and fp8) is checked without processes.
+refuse with MoE (tp, cp; with ep compile, and fp8 with pp) is checked without processes.
 
 Expert parallelism (fsdp/experts.py) in the same launches: dp2 ep2 (dp_mod_ep of one rank) with the losses and
 two micro-batches a rank, with full checkpointing (the dispatch run again in recomputation), in bf16 without the
@@ -24,6 +24,16 @@ under 1F1B and ZBV. An expert gradient divided by the wrong factor moves the wei
 with it divided twice: the first gradient norm 0.3% off). The all-to-alls are counted exactly: per rank, layer
 and micro-batch 3 in the forward (counts, dispatch, combine), 2 in the backward, 3 more in full checkpointing's
 recomputation; the fp32 census holds rank 0's experts sharded over dp_mod_ep and the rest over dp, exactly.
+
+FP8 experts under ep (harness.model.float8, mxfp8.py) at the fp8 tolerances (harness.testing.equivalence): dp2 ep2
+tensorwise with fp8_all_gather, rowwise with full checkpointing, mxfp8, and on 4 ranks dp4 ep2 tensorwise with the
+experts' FP8 weights all-gathered over two ranks. Measured before the tests, dp2 ep2 without fp8_all_gather:
+tensorwise 1.5e-4 on a loss and 4.7e-2 of a tensor's scale (wo; the own engine's layout gives the same to 1e-6),
+rowwise 8.4e-5 and 3.5e-2 (mxfp8 bit for bit rowwise's at tiny-moe's widths, the reference's too). The routed
+slots' totals are exact; the counts may move at near ties only, as tests/test_engine_moe.py's docstring derives (an
+expert's dynamic scales are amaxes over the ep group's micro-batches: moe_parity.check_router_counts_near, measured
+4 and 10 slots moved by layer under tensorwise, 8 and 8 under rowwise). The census holds the fp32 masters as in
+fp32, and under fp8_all_gather one fp32 scale per converted weight of the rank (the experts' included).
 """
 
 from __future__ import annotations
@@ -31,18 +41,35 @@ from __future__ import annotations
 import pytest
 
 from harness.errors import SpecError
+from harness.model import float8
+from harness.model.presets import resolve_shape
 from harness.parallel_dims import ParallelDims
 from harness.spec import parse_spec
-from harness.testing.equivalence import BF16_LOSS_RTOL, BF16_WEIGHTS_RTOL
+from harness.testing.equivalence import (
+    BF16_LOSS_RTOL,
+    BF16_WEIGHTS_RTOL,
+    FP8_LOSS_RTOL,
+    FP8_WEIGHTS_RTOL,
+    MXFP8_LOSS_RTOL,
+    MXFP8_WEIGHTS_RTOL,
+)
 from harness.testing.launches import shared_launch
-from harness.testing.moe_parity import check_router_stats, reference_with_router, train_with_router
+from harness.testing.moe_parity import (
+    check_router_counts_near,
+    check_router_stats,
+    reference_with_router,
+    train_with_router,
+)
 from harness.testing.reference import assert_grad_norms_match, assert_matches_reference
 from harness.testing.workloads import tiny_workload
 
 STEPS = 3
+K = resolve_shape("tiny-moe", {}).experts_per_token
+TOLERANCES = FP8_LOSS_RTOL, FP8_WEIGHTS_RTOL
 WORKLOAD = tiny_workload(model="tiny-moe", seq_len=16, steps=STEPS, warmup_steps=0, optimizer={"lr": 1.0, "eps": 1.0})
 LAYOUT = {"engine": "fsdp", "attention": "naive"}
 LOSSES = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01}
+FP8 = {recipe: {"precision": "fp8", "fp8_recipe": recipe} for recipe in ("tensorwise", "rowwise", "mxfp8")}
 CASES = {  # id: (layout, workload overrides)
     "dp2": ({"dp": 2}, {}),
     "dp2-losses-mb2": ({"dp": 2, "micro_batch_size": 2}, LOSSES),
@@ -56,6 +83,10 @@ CASES = {  # id: (layout, workload overrides)
     "dp2-ep2-losses-mb2": ({"dp": 2, "ep": 2, "micro_batch_size": 2}, LOSSES),
     "dp2-ep2-full-losses": ({"dp": 2, "ep": 2, "activation_checkpointing": "full"}, LOSSES),
     "dp2-ep2-bf16": ({"dp": 2, "ep": 2}, {"precision": "bf16"}),
+    # FP8 experts (module docstring): tensorwise, with FSDP2's FP8 all-gather, rowwise, mxfp8
+    "dp2-ep2-fp8-tensorwise-all-gather": ({"dp": 2, "ep": 2, "fp8_all_gather": True}, FP8["tensorwise"]),
+    "dp2-ep2-fp8-rowwise-full": ({"dp": 2, "ep": 2, "activation_checkpointing": "full"}, FP8["rowwise"]),
+    "dp2-ep2-mxfp8": ({"dp": 2, "ep": 2}, FP8["mxfp8"]),
 }
 CASES4 = {  # on 4 ranks, in the session's 4-rank launch
     "dp4-ep2-losses": ({"dp": 4, "ep": 2}, LOSSES),
@@ -64,6 +95,8 @@ CASES4 = {  # on 4 ranks, in the session's 4-rank launch
         {"pp": 2, "dp": 2, "ep": 2, "pipeline_schedule": "zbv", "reshard_after_forward": False},
         {**LOSSES, "model_overrides": {"layers": 4}},
     ),
+    # the experts' FP8 weights all-gathered over a dp_mod_ep of two ranks (gloo: as their bytes)
+    "dp4-ep2-fp8-tensorwise-all-gather": ({"dp": 4, "ep": 2, "fp8_all_gather": True}, FP8["tensorwise"]),
 }
 
 
@@ -77,9 +110,19 @@ four = shared_launch("torch", 4, train_with_router, [_run(c) for c in CASES4.val
 
 
 def _check(result: dict, run: dict, name: str) -> None:
-    norms = []
-    losses, state, ref_stats = reference_with_router(run, STEPS, norms)
-    if run["workload"].get("precision") == "bf16":
+    norms, ties = [], {}
+    losses, state, ref_stats = reference_with_router(run, STEPS, norms, ties)
+    precision, recipe = run["workload"].get("precision"), run["workload"].get("fp8_recipe")
+    if precision == "fp8":
+        loss_rtol, weights_rtol = (MXFP8_LOSS_RTOL, MXFP8_WEIGHTS_RTOL) if recipe == "mxfp8" else TOLERANCES
+        assert_matches_reference({"losses": result["losses"]}, losses, None, name, loss_rtol)
+        assert_matches_reference(result, losses, state, name, weights_rtol)
+        summed = {
+            layer: [sum(s[layer]["counts"][e] for s in result["router_stats"] if s and layer in s) for e in range(n)]
+            for layer, n in ((layer, len(ref["counts"])) for layer, ref in ref_stats.items())
+        }
+        check_router_counts_near(summed, {k: v["counts"] for k, v in ref_stats.items()}, ties, K)
+    elif precision == "bf16":
         assert_matches_reference({"losses": result["losses"]}, losses, None, name, BF16_LOSS_RTOL)
         assert_matches_reference(result, losses, state, name, BF16_WEIGHTS_RTOL)
         for layer, ref in ref_stats.items():  # every routed slot counted once
@@ -105,11 +148,13 @@ def _check(result: dict, run: dict, name: str) -> None:
     assert counted["count"] == passes * (5 + 3 * recomputed), counted
     # each forward's exchange of the counts: E int64 numbers
     assert counted["bytes_by_dtype"]["int64"] == passes * (1 + recomputed) * spec.shape().experts * 8, counted
-    if lay.get("pp", 1) == 1 and spec.workload.precision == "fp32":
+    if lay.get("pp", 1) == 1 and spec.workload.precision in ("fp32", "fp8"):
         # rank 0 holds experts [0, E/ep) sharded over dp_mod_ep (dp / ep ranks), the rest over dp: FSDP2's
         # padded Shard(0) rows, and AdamW's two states beside them with its step (one fp32 scalar a parameter)
+        # (fp8 alike: the fp32 masters are the sharded parameters), and under fp8_all_gather one fp32 scale for
+        # each of rank 0's converted weights (float8.converts: no head, router or embedding, dims whole blocks)
         shape, held = spec.shape(), range(spec.shape().experts // lay["ep"])
-        expected = count = 0
+        expected = count = converted = 0
         for name, t in state.items():
             expert = ".experts." in name
             if expert and int(name.split(".experts.")[1].split(".")[0]) not in held:
@@ -117,8 +162,13 @@ def _check(result: dict, run: dict, name: str) -> None:
             ranks = lay["dp"] // lay["ep"] if expert else lay["dp"]
             expected += -(-t.shape[0] // ranks) * (t.numel() // t.shape[0]) * 4
             count += 1
+            linear = t.dim() == 2 and name.split(".")[-2] not in ("tok_embeddings", "output", "router")
+            converted += linear and all(d % float8.align(recipe or "") == 0 for d in t.shape)
         assert result["census"]["parameters"] == {"fp32": expected}, (result["census"], expected, shape.experts)
         assert result["census"]["optimizer_states"] == {"fp32": 2 * expected + 4 * count}, result["census"]
+        if precision == "fp8":
+            scales = {"fp32": 4 * converted} if lay.get("fp8_all_gather") else {}
+            assert result["census"]["fp8"] == scales, (result["census"], converted)
 
 
 @pytest.mark.slow
@@ -137,7 +187,12 @@ REFUSED = {  # id: (layout, workload overrides, field, reason)
     "tp2": ({"tp": 2}, {}, "workload.model", "does not shard the router and experts"),
     "cp2": ({"cp": 2, "attention": "sdpa"}, {}, "workload.model", "not additive over tokens"),
     "ep2-compile": ({"dp": 2, "ep": 2, "compile": "blocks"}, {"warmup_steps": 1}, "layout.compile", "runs eager"),
-    "ep2-fp8": ({"dp": 2, "ep": 2}, {"precision": "fp8"}, "workload.precision", "fp8 with ep > 1"),
+    "pp2-ep2-fp8": (
+        {"pp": 2, "dp": 2, "ep": 2, "pipeline_schedule": "1f1b"},
+        {"precision": "fp8"},
+        "workload.precision",
+        "fp8 with ep > 1 and pp > 1",
+    ),
     "ep4-dp2": ({"dp": 2, "ep": 4}, {}, "layout.ep", "does not divide dp x cp"),
     "ep2-dense": ({"dp": 2, "ep": 2}, {"model": "tiny"}, "layout.ep", "this model has none"),
 }
@@ -163,11 +218,12 @@ def test_the_refusals_are_one_line_exit_2(tmp_path, monkeypatch, capsys):
     from harness.cli import main as cli_main
 
     monkeypatch.chdir(tmp_path)
-    raw = {"workload": {**WORKLOAD, "precision": "fp8"}, "layout": {"engine": "fsdp", "dp": 2, "ep": 2}}
+    lay = {"engine": "fsdp", "pp": 2, "dp": 2, "ep": 2, "pipeline_schedule": "1f1b"}
+    raw = {"workload": {**WORKLOAD, "precision": "fp8"}, "layout": lay}
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(raw))
     assert cli_main(["train", "t.yaml"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: workload.precision: fp8 with ep > 1"), err
+    assert len(err) == 1 and err[0].startswith("error: workload.precision: fp8 with ep > 1 and pp > 1"), err
 
 
 def test_harness_memory_refuses_a_moe_in_one_line(tmp_path, monkeypatch, capsys):

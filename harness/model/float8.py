@@ -48,14 +48,17 @@ class _EmptySafe:
     exactly its tokens, none in some micro-batches (harness.model.moe.run_experts), and a dynamic scale is
     the amax of the tensor, which an empty one has not (torch.max refuses it). No token, no cast: the
     product of an empty batch is computed in the input's precision, empty, and the weight's gradient
-    from it zeros, exactly what the FP8 path would give; any other input takes torchao's path unchanged."""
+    from it zeros, exactly what the FP8 path would give; any other input takes torchao's path unchanged.
+    A weight FSDP2 all-gathered in FP8 (fp8_all_gather: a Float8TrainingTensor, which multiplies only with
+    another) is dequantised first, its gradient passed through (torchao's to_original_precision)."""
 
     def __init__(self, function):
         self.function = function
 
     def apply(self, x: torch.Tensor, weight_t: torch.Tensor, *configs):
         if x.numel() == 0:
-            return x @ weight_t.to(x.dtype)
+            to_hp = getattr(weight_t, "to_original_precision", None)
+            return x @ (to_hp() if to_hp is not None else weight_t).to(x.dtype)
         weight = weight_t._base if weight_t._base is not None else weight_t
         if getattr(weight, "main_grad", None) is not None and _high_precision_weight_gradient(configs[-1]):
             return _FusedWeightGradient.apply((self.function, weight), x, weight_t, *configs)
@@ -224,8 +227,16 @@ def matmul(recipe: str, device_type: str):
 
 def precompute_fsdp_scales(module: nn.Module) -> None:
     """torchao's precompute_float8_dynamic_scale_for_fsdp: one all-reduce of every FP8-all-gathered
-    weight's amax, the scales its next all-gather casts with (torchtitan calls it after each step)."""
-    torchao_float8().precompute_float8_dynamic_scale_for_fsdp(module)
+    weight's amax, the scales its next all-gather casts with (torchtitan calls it after each step); once per
+    mesh the weights are sharded over (torchao stacks their amaxes into one DTensor, which takes one mesh: under
+    expert parallelism the experts' is dp_mod_ep, the rest's dp, harness/frameworks/fsdp/experts.py)."""
+    by_mesh: dict = {}
+    for m in float8_linears(module):
+        mesh = getattr(m.weight, "device_mesh", None)
+        if mesh is not None:
+            by_mesh.setdefault(mesh, []).append(m)
+    for linears in by_mesh.values():
+        torchao_float8().precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(linears))
 
 
 def fsdp_scale_tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -26,7 +26,14 @@ each already scaled as its rank's loss is (1 / its tokens): FSDP2 must divide by
 group it reduces over (set_gradient_divide_factor, torchtitan's fsdp_gradient_divide_factor). gloo has no
 PREMUL_SUM, the op FSDP2 takes for a factor other than the group's size: there the reduction is a sum and
 the division follows (set_force_sum_reduction_for_comms; not on a one-rank dp_mod_ep, dp = ep, where FSDP2
-divides its copy by the factor and would, forced, divide again: torch 2.13's foreach_reduce).
+divides its copy by the factor and would, forced, divide again: torch 2.13's foreach_reduce), and gloo's
+all-gather has no float8 dtype, which the experts' group gathers in under fp8_all_gather (_byte_all_gather).
+
+FP8 (precision fp8): the held experts' linears are converted as every other (harness.model.float8, before the
+sharding); an expert's GEMM takes the rows of every ep rank routed to it, so its dynamic scales are amaxes over
+the ep group's micro-batches, not one's (tests/test_engine_moe.py says what that moves); an expert with no rows
+runs unconverted (float8._EmptySafe). Under fp8_all_gather the experts' scales are precomputed over their own
+mesh (float8.precompute_fsdp_scales: one all-reduce per mesh).
 
 Counted communication (ExpertComm): every all_to_all_single of the layer, forward, backward and a
 checkpoint's recomputation, as the comm census's axis "ep", op all_to_all, with what this rank sends (the
@@ -165,6 +172,7 @@ class ExpertParallel:
             held[0].set_gradient_divide_factor(float(self.dims.dp))  # the group's, shared by its modules
             if device_type != "cuda" and self.dp_mod_ep.size() > 1:  # gloo: no PREMUL_SUM (one rank: no reduction)
                 held[0].set_force_sum_reduction_for_comms(True)
+                held[0].set_custom_all_gather(_byte_all_gather())
 
     def process_groups(self) -> dict:
         """The profiler's axis names of groups their ranks alone do not name: the ep group (named by its
@@ -186,6 +194,22 @@ class ExpertParallel:
             for d in got:
                 mine.update(d)
         return mine
+
+
+def _byte_all_gather():
+    """FSDP2's all-gather with float8 buffers sent as their bytes. gloo's all_gather has no float8 dtype ("Invalid
+    scalar type"), and under fp8_all_gather an experts' group holds FP8 weights only, so FSDP2 gathers them in
+    float8_e4m3fn (a block's group mixes in its bf16 norms and goes through uint8, _fsdp_collectives.py,
+    _get_all_gather_input_metadatas); the flat buffers' bytes are the same either way. Other dtypes as FSDP2's own."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class ByteAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if output_tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    return ByteAllGather()
 
 
 def _named_group(groups: list[list[int]], desc: str):
