@@ -4,7 +4,7 @@
 name: my-compare            # report file names and the store's sweep tag
 nproc: 2                    # processes per run (dp = nproc / (tp x cp x pp), which must divide, unless a run sets it)
 parity_steps: null          # the first N steps' losses and gradient norms must agree; null: every trained step
-tolerance: null             # max relative loss difference; null: 1e-5 for fp32, 1e-3 for bf16
+tolerance: null             # max relative loss difference; null: by precision (fp32 1e-5, bf16 1e-3, fp8 5.7e-3)
 timeout_s: 600              # per run
 reference: true             # also run the single-device reference (1 process)
 workload: {model: tiny, seq_len: 64, ...}   # harness.spec Workload fields
@@ -13,10 +13,21 @@ runs:                       # harness.spec Layout fields, plus:
   - {engine: deepspeed, zero_stage: 3}        #   launcher: torchrun | deepspeed (default by engine)
   - {engine: fsdp, reshard_after_forward: false}
   - {engine: fsdp, label: planted, workload: {seed: 7}}  # per-run workload override (shown in the report)
+  - {engine: own, workload: {precision: fp8, fp8_recipe: rowwise}}  # another precision group (below)
 matrix:                     # and/or: every layout under every engine (the report's matrix)
   engines: [{engine: own, zero_stage: 1}, {engine: deepspeed, zero_stage: 1}, {engine: fsdp}]
   layouts: [{dp: 8}, {tp: 2, dp: 4}, {tp: 2, pp: 2, dp: 2}]
 ```
+
+Precision groups (harness.compare.groups): a run whose `workload` override changes the precision policy
+(precision, fp8_recipe, grad_accum_dtype, grad_reduce_dtype) belongs to that policy's group, which gets a
+single-device reference of its own ("reference fp8 rowwise (single device)": the workload with the override's
+policy fields) and its precision's default tolerance; its runs are checked against that reference only, and
+compared with no run of another group. A `tolerance` set here serves one policy: with several groups it is
+an error (one line, exit 2), not silently applied to some. An fp8 workload's bf16 baseline (fp8_vs_bf16) is
+planned as before; an fp8 group of a workload in another precision gets none (its cost against bf16 is
+measured where the workload itself is fp8); where a bf16 group's reference would be that baseline, the one run
+serves both.
 
 Everything is checked before the first launch: each run's spec (harness.spec), world size,
 and its DeepSpeed config (auto fields, contradictions: harness.frameworks.deepspeed.config). A matrix

@@ -269,7 +269,9 @@ def _lead(summary: dict) -> Section:
 def _workload(summary: dict) -> Section:
     return Section(
         "workload",
-        "Workload (identical for every run)",
+        "Workload (identical for every run)"  # but where a run overrides it (the exceptions' section lists it)
+        if not any(r.get("workload_override") for r in summary["runs"])
+        else "Workload (every run's, but the overrides listed below)",
         body=[
             _workload_text(summary["workload"]),
             policy_sentence(summary),
