@@ -121,15 +121,16 @@ def test_the_own_engine_refuses_it_under_the_split_backward():
     _spec("rowwise", {"pp": 2, "pipeline_schedule": "zbv"}, **shape)
 
 
-def test_the_moe_fp8_example_runs_the_own_engine_with_and_without_ep_under_this_recipe():
-    """examples/compare-cpu-moe-fp8-2proc.yaml: its parity and exact routing under ep are what
-    tests/test_engine_moe.py's rowwise_with_gw_hp dp2 ep2 case checks in the shared launch."""
+def test_the_moe_example_runs_the_own_engine_with_and_without_ep_under_this_recipe():
+    """examples/compare-cpu-moe-2proc.yaml's fp8 precision group: its parity and exact routing under ep are
+    what tests/test_engine_moe.py's rowwise_with_gw_hp dp2 ep2 case checks in the shared launch."""
     import os
 
     from harness.compare.spec import DEFAULT_TOLERANCE, load_compare_spec
 
-    cs = load_compare_spec(os.path.join(os.path.dirname(__file__), "..", "examples", "compare-cpu-moe-fp8-2proc.yaml"))
-    runs = {r.label: r.spec for r in cs.runs if not r.baseline}
+    cs = load_compare_spec(os.path.join(os.path.dirname(__file__), "..", "examples", "compare-cpu-moe-2proc.yaml"))
+    group = next(g for g in cs.groups if g.precision == "fp8")
+    runs = {r.label: r.spec for r in cs.runs if r.label in group.labels}
     assert {s.workload.fp8_recipe for s in runs.values()} == {GW_HP}
     assert sorted((s.layout.engine, s.layout.ep) for s in runs.values()) == [("own", 1), ("own", 2), ("single", 1)]
-    assert cs.tolerance == DEFAULT_TOLERANCE["fp8"]  # 5.7e-3: bf16's x sqrt(2^5), rounded
+    assert group.tolerance == DEFAULT_TOLERANCE["fp8"]  # 5.7e-3: bf16's x sqrt(2^5), rounded

@@ -125,7 +125,12 @@ def main(args) -> int:
     with report_lock(args.out, cs.name):  # refused here, before any launch, while another one writes this report
         print(
             f"compare {cs.name}: {process_counts([p.nproc for p in cs.runs])}; parity over the first "
-            f"{cs.parity_steps} steps, tolerance {cs.tolerance:g} ({cs.tolerance_source})",
+            f"{cs.parity_steps} steps, "
+            + (
+                f"tolerance {cs.tolerance:g} ({cs.tolerance_source})"
+                if len(cs.groups) < 2  # one per precision group (harness.compare.groups)
+                else "; ".join(f"{g.name}: tolerance {g.tolerance:g} ({g.tolerance_source})" for g in cs.groups)
+            ),
             file=sys.stderr,
         )
         _say_oversubscribed(cs)

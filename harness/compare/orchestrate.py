@@ -16,9 +16,9 @@ import time
 import uuid
 
 from harness.compare.drift_control import load_drift_check, measure_rounds
-from harness.compare.parity import PASS, check_parity, compare_fingerprints, max_rel_diff
-from harness.compare.policy import census_policy
-from harness.compare.spec import CompareSpec, PlannedRun
+from harness.compare.groups import check_groups, check_policies
+from harness.compare.parity import PASS, compare_fingerprints, max_rel_diff
+from harness.compare.spec import BF16_BASELINE, CompareSpec, PlannedRun
 from harness.errors import SpecError
 from harness.model.training import precision_policy
 from harness.profiling import MEASURED_SOURCE
@@ -159,14 +159,32 @@ def _run_entry(plan: PlannedRun, record: dict) -> dict:
 
 def fp8_vs_bf16(entries: list[dict], cs: CompareSpec) -> dict | None:
     """What FP8 costs, measured: the fp8 reference's losses against the bf16 reference's (the same
-    workload, weights and batches) over the parity steps; None without an fp8 workload's bf16 baseline."""
+    workload, weights and batches) over the parity steps; None without an fp8 workload's bf16 baseline (where
+    a bf16 precision group's reference is that same run, that reference: harness.compare.groups)."""
     ref = next((e for e, p in zip(entries, cs.runs, strict=True) if p.is_reference), None)
     base = next((e for e, p in zip(entries, cs.runs, strict=True) if p.baseline), None)
+    if base is None and cs.runs and cs.runs[0].spec.workload.precision == "fp8":
+        base = next((e for e in entries if e["label"] == BF16_BASELINE and e["is_reference"]), None)
     if ref is None or base is None or not ref["losses"] or not base["losses"]:
         return None
     n = min(cs.parity_steps, len(ref["losses"]), len(base["losses"]))
     worst, at = max_rel_diff(ref["losses"], base["losses"], n)
     return {"max_rel_diff": worst, "worst_step": at, "steps": n, "fp8": ref["label"], "bf16": base["label"]}
+
+
+def _groups_info(cs: CompareSpec) -> dict:
+    """{"precision_groups": [each group's name, reference, tolerance, labels, policy]} where the runs hold
+    several precision policies (harness.compare.groups); nothing for one."""
+    if len(cs.groups) < 2:
+        return {}
+    specs = {p.label: p.spec for p in cs.runs}
+    return {
+        "precision_groups": [
+            g.info(precision_policy(specs[g.labels[0]].workload).describe(), specs[g.labels[0]].workload)
+            for g in cs.groups
+            if g.labels
+        ]
+    }
 
 
 def check_before_launch(cs: CompareSpec) -> None:
@@ -296,12 +314,17 @@ def run_comparison(
         if load_drift.get("verdict"):
             print(f"load drift check ({load_drift['run']} again): {load_drift['verdict']}", file=sys.stderr)
 
+    if len(cs.groups) > 1:  # which runs may be set side by side (harness.compare.groups)
+        for e, p in zip(entries, cs.runs, strict=True):
+            e["precision_group"] = p.group
+            if e["workload_override"] and not p.is_reference:
+                e["override_note"] += f" (precision group {p.group}: compared within it only)"
     compared = [e for e, p in zip(entries, cs.runs, strict=True) if not p.baseline]
-    parity = check_parity(compared, cs.parity_steps, cs.tolerance, cs.muon_bounds)
+    parity = check_groups(compared, cs)  # each run against its precision group's reference
     fingerprints = compare_fingerprints(entries)
     failed = [e["label"] for e in compared if e["status"] != "ok"]
     workload = parse_spec({"workload": cs.workload}).workload
-    policy = census_policy(compared, workload.precision)  # what each run held, not what the spec asked for
+    policy = check_policies(compared, cs, workload.precision)  # what each run held, not what the spec asked for
     verdict = PASS if parity["verdict"] == PASS and not failed and policy["same"] else "FAIL"
     summary = {
         "name": cs.name,
@@ -323,6 +346,7 @@ def run_comparison(
         "fp8_vs_bf16": fp8_vs_bf16(entries, cs),
         "load_average": {"before": load_before, "after": _loadavg()},
         "load_drift": load_drift,
+        **_groups_info(cs),
         "threads_per_process": threads,
         "cpu_cores": cpu_cores(),  # this process's affinity: a run with more busy threads is oversubscribed
         "versions": harness_version(),  # with the runs' fingerprints (torch, each framework): what measured it
@@ -339,13 +363,14 @@ def run_comparison(
 
     store = ResultsStore(store_path)
     by_label = {p["label"]: p for p in parity["runs"]}
+    tolerance_of = {label: g.tolerance for g in cs.groups for label in g.labels}
     for record, entry in zip(records, entries, strict=True):
         record["comparison"] = {
             "name": cs.name,
             "id": comparison_id,
             "verdict": verdict,
             "parity": by_label.get(entry["label"]),
-            "tolerance": cs.tolerance,
+            "tolerance": tolerance_of.get(entry["label"], cs.tolerance),  # its precision group's
             "parity_steps": cs.parity_steps,
             "fingerprints_same": fingerprints["same"],
             "label": entry["label"],

@@ -4,7 +4,7 @@
 name: my-compare            # report file names and the store's sweep tag
 nproc: 2                    # processes per run (dp = nproc / (tp x cp x pp), which must divide, unless a run sets it)
 parity_steps: null          # the first N steps' losses and gradient norms must agree; null: every trained step
-tolerance: null             # max relative loss difference; null: 1e-5 for fp32, 1e-3 for bf16
+tolerance: null             # max relative loss difference; null: by precision (fp32 1e-5, bf16 1e-3, fp8 5.7e-3)
 timeout_s: 600              # per run
 reference: true             # also run the single-device reference (1 process)
 workload: {model: tiny, seq_len: 64, ...}   # harness.spec Workload fields
@@ -13,10 +13,21 @@ runs:                       # harness.spec Layout fields, plus:
   - {engine: deepspeed, zero_stage: 3}        #   launcher: torchrun | deepspeed (default by engine)
   - {engine: fsdp, reshard_after_forward: false}
   - {engine: fsdp, label: planted, workload: {seed: 7}}  # per-run workload override (shown in the report)
+  - {engine: own, workload: {precision: fp8, fp8_recipe: rowwise}}  # another precision group (below)
 matrix:                     # and/or: every layout under every engine (the report's matrix)
   engines: [{engine: own, zero_stage: 1}, {engine: deepspeed, zero_stage: 1}, {engine: fsdp}]
   layouts: [{dp: 8}, {tp: 2, dp: 4}, {tp: 2, pp: 2, dp: 2}]
 ```
+
+Precision groups (harness.compare.groups): a run whose `workload` override changes the precision policy
+(precision, fp8_recipe, grad_accum_dtype, grad_reduce_dtype) belongs to that policy's group, which gets a
+single-device reference of its own ("reference fp8 rowwise (single device)": the workload with the override's
+policy fields) and its precision's default tolerance; its runs are checked against that reference only, and
+compared with no run of another group. A `tolerance` set here serves one policy: with several groups it is
+an error (one line, exit 2), not silently applied to some. An fp8 workload's bf16 baseline (fp8_vs_bf16) is
+planned as before; an fp8 group of a workload in another precision gets none (its cost against bf16 is
+measured where the workload itself is fp8); where a bf16 group's reference would be that baseline, the one run
+serves both.
 
 Everything is checked before the first launch: each run's spec (harness.spec), world size,
 and its DeepSpeed config (auto fields, contradictions: harness.frameworks.deepspeed.config). A matrix
@@ -33,7 +44,14 @@ import typing
 from dataclasses import dataclass, field
 
 from harness import registry
-from harness.compare.muon_tolerance import matrix_bounds
+from harness.compare.groups import (  # DEFAULT_TOLERANCE: where the tests and benchmarks import it
+    DEFAULT_TOLERANCE,  # noqa: F401
+    REFERENCE,
+    PrecisionGroup,
+    new_group,
+    policy_key,
+    policy_override,
+)
 from harness.errors import CapabilityError, SpecError, shown
 from harness.launch import LOCAL_LAUNCHERS
 from harness.parallel_dims import ParallelDims
@@ -53,9 +71,6 @@ from harness.spec import (
 
 RUN_EXTRA = ("label", "launcher", "workload")
 BF16_BASELINE = "reference bf16 (single device)"
-# fp8: bf16's x sqrt(2^5), e4m3's amplification of bf16's rounding differences (tests/test_fp8.py derives it);
-# fp8 with fp8_recipe mxfp8: fp8's x sqrt(1 + 2^-4), its power-of-two block scales (harness.testing.equivalence)
-DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp8": 5.7e-3, "mxfp8": 5.9e-3}
 
 # The built-in default: a tiny LLaMA on this CPU machine, 2 processes, a few minutes.
 DEFAULT = {
@@ -173,6 +188,7 @@ class PlannedRun:
     # beside the comparison, in no parity or policy check: the bf16 reference of an fp8 workload, whose
     # losses against the fp8 reference's are the measured cost of FP8 (summary["fp8_vs_bf16"])
     baseline: bool = False
+    group: str = ""  # its precision group's name (harness.compare.groups)
 
 
 @dataclass
@@ -192,6 +208,9 @@ class CompareSpec:
     not_runnable: list[dict] = field(default_factory=list)  # matrix cells: {label, layout, why}
     # Muon with a bf16 Newton-Schulz: {matrix: bound on two runs' final difference} (compare/muon_tolerance.py)
     muon_bounds: dict = field(default_factory=dict)
+    # the runs by precision policy, the workload's first (harness.compare.groups); tolerance, its source and
+    # muon_bounds above are that first group's
+    groups: list[PrecisionGroup] = field(default_factory=list)
 
 
 def engine_available(engine: str) -> bool:
@@ -224,14 +243,9 @@ def parse_compare_spec(raw) -> CompareSpec:
 
     base = parse_spec({"workload": workload})  # checks the workload once, with its own field names
     precision = base.workload.precision
-    if given.tolerance is None:
-        key = "mxfp8" if precision == "fp8" and base.workload.fp8_recipe == "mxfp8" else precision
-        tolerance, source = DEFAULT_TOLERANCE[key], f"default for {precision if key == precision else 'mxfp8'}"
-    else:
-        tolerance, source = given.tolerance, "set in the compare spec"
-    muon_bounds = matrix_bounds(base.shape(), base.workload)  # Muon with a bf16 Newton-Schulz: its matrices' bounds
-    if muon_bounds:
-        source += "; Muon matrices' final weights: plus their bf16 Newton-Schulz bound (compare/muon_tolerance.py)"
+    own = new_group(base, True, given.tolerance, given.reference)  # the workload's precision group
+    tolerance, source, muon_bounds = own.tolerance, own.tolerance_source, own.muon_bounds
+    groups = {policy_key(base.workload): own}
     total_steps = base.workload.warmup_steps + base.workload.steps
     parity_steps = total_steps if parity_steps is None else parity_steps
     if parity_steps > total_steps:
@@ -239,23 +253,18 @@ def parse_compare_spec(raw) -> CompareSpec:
             "parity_steps", f"{parity_steps} > the {total_steps} steps each run trains (warm-up steps included)"
         )
 
-    planned, skipped, labels, not_runnable = [], [], set(), []
+    planned, skipped, labels, not_runnable, where_of = [], [], set(), [], {}
+    ref_layout = {"engine": "single", "micro_batch_size": _ref_micro(runs_raw, base.workload.global_batch_size)}
     if given.reference:
-        ref = parse_spec(
-            {
-                "workload": workload,
-                "layout": {
-                    "engine": "single",
-                    "micro_batch_size": _ref_micro(runs_raw, base.workload.global_batch_size),
-                },
-            }
-        )
-        planned.append(PlannedRun("reference (single device)", ref, 1, "direct", is_reference=True))
+        ref = parse_spec({"workload": workload, "layout": ref_layout})
+        planned.append(PlannedRun(REFERENCE, ref, 1, "direct", is_reference=True, group=own.name))
+        own.labels.append(REFERENCE)
         if precision == "fp8":
             bf16 = {**workload, "precision": "bf16"}
             bf16.pop("fp8_recipe", None)
-            ref = parse_spec({"workload": bf16, "layout": ref.to_dict()["layout"]})
+            ref = parse_spec({"workload": bf16, "layout": ref_layout})
             planned.append(PlannedRun(BF16_BASELINE, ref, 1, "direct", {"precision": "bf16"}, baseline=True))
+    head = len(planned)  # the references of the other precision groups go after these
     entries = [(f"runs[{i}]", e) for i, e in enumerate(runs_raw)] + matrix_runs
     for where, entry in entries:
         if not isinstance(entry, dict):
@@ -274,6 +283,7 @@ def parse_compare_spec(raw) -> CompareSpec:
         if label in labels:
             raise SpecError(f"{where}.label", f"{label!r} is used twice")
         labels.add(label)
+        where_of[label] = where
         if registry.known(engine) and not engine_available(engine):
             skipped.append(
                 (label, f"engine {engine!r} is not available in this checkout ({engine} adapter module missing)")
@@ -315,7 +325,18 @@ def parse_compare_spec(raw) -> CompareSpec:
         launcher = entry.get("launcher", registry.facts(engine).launcher)
         if launcher not in LOCAL_LAUNCHERS:
             raise SpecError(f"{where}.launcher", " or ".join(LOCAL_LAUNCHERS))
-        planned.append(PlannedRun(label, spec, world, launcher, workload_override=override))
+        group = groups.get(policy_key(spec.workload))
+        if group is None:
+            group = _other_group(where, override, workload, ref_layout, own, given, planned, head, len(groups))
+            groups[policy_key(spec.workload)] = group
+        group.labels.append(label)
+        planned.append(PlannedRun(label, spec, world, launcher, workload_override=override, group=group.name))
+    for group in list(groups.values())[1:]:  # a run may not take the label of a reference the harness adds
+        if group.reference in labels:
+            raise SpecError(
+                f"{where_of[group.reference]}.label",
+                f"{group.reference!r} is the label of the run the harness adds; choose another",
+            )
     return CompareSpec(
         name,
         nproc,
@@ -329,7 +350,34 @@ def parse_compare_spec(raw) -> CompareSpec:
         given.store,
         not_runnable,
         muon_bounds,
+        list(groups.values()),
     )
+
+
+def _other_group(where, override, workload, ref_layout, own, given, planned, head, n) -> PrecisionGroup:
+    """The precision group of a run whose override changes the workload's policy, with its single-device
+    reference planned after the workload's (its workload: the compare's with the override's policy fields).
+    One tolerance set in the compare spec cannot serve two precisions: an error. The fp8 workload's bf16
+    baseline, where this group's reference is the same run, becomes that reference (still fp8_vs_bf16's)."""
+    from harness.spec import parse_spec
+
+    policy = policy_override(override)
+    ref = parse_spec({"workload": {**workload, **policy}, "layout": ref_layout})
+    group = new_group(ref, False, None, given.reference)
+    if given.tolerance is not None:
+        raise SpecError(
+            "tolerance",
+            f"one tolerance cannot serve two precision policies ({own.name}; {group.name}, {where}.workload): leave "
+            "it null, each precision group is then checked at its precision's default",
+        )
+    if given.reference:
+        twin = next((p for p in planned if p.baseline and p.label == group.reference), None)
+        if twin is not None:
+            twin.is_reference, twin.baseline, twin.group = True, False, group.name
+        else:
+            planned.insert(head + n - 1, PlannedRun(group.reference, ref, 1, "direct", policy, True, group=group.name))
+        group.labels.append(group.reference)
+    return group
 
 
 def _with_dp(layout: dict, nproc: int) -> dict:

@@ -34,6 +34,7 @@ from harness.report.data import component_title, coverage_of, interval_name, mea
 from harness.report.drift import baseline_sections
 from harness.report.policy import check_texts, held_text, parity_cell, policy_sentence, steps_text, verdict_text
 from harness.report.policy import sci as _sci
+from harness.report.precision_groups import group_parity_texts, policy_of
 from harness.report.ranking import rate_ci
 from harness.report.render import save_figures
 from harness.report.routing import routing_figures, routing_sections
@@ -45,11 +46,12 @@ from harness.store import PASS
 def policy_exceptions(summary: dict) -> list[tuple[str, str]]:
     """Runs whose engine says it ran another precision policy than the workload's, or whose census
     shows it held another (none should: every engine is configured to it, or the spec refuses the run)."""
-    policy = summary.get("precision_policy")
-    out = [
+    out = [  # against the policy of the run's precision group (one group: the workload's)
         (r["label"], f"ran another precision policy: {r['precision_policy']}")
         for r in summary["runs"]
-        if r.get("precision_policy") and policy and r["precision_policy"] != policy and not r.get("baseline")
+        if r.get("precision_policy")
+        and policy_of(r, summary) not in (None, r["precision_policy"])
+        and not r.get("baseline")
     ]
     held = (summary.get("policy") or {}).get("differ") or {}
     return out + [
@@ -267,7 +269,9 @@ def _lead(summary: dict) -> Section:
 def _workload(summary: dict) -> Section:
     return Section(
         "workload",
-        "Workload (identical for every run)",
+        "Workload (identical for every run)"  # but where a run overrides it (the exceptions' section lists it)
+        if not any(r.get("workload_override") for r in summary["runs"])
+        else "Workload (every run's, but the overrides listed below)",
         body=[
             _workload_text(summary["workload"]),
             policy_sentence(summary),
@@ -290,19 +294,23 @@ def _results(summary: dict) -> Section:
 
 def _parity(summary: dict, figs: list) -> Section:
     par = summary["parity"]
-    body = [
-        f"The per-step losses of {steps_text(par)} (warm-up included) of every run, each step's global gradient "
-        "norm before clipping and the final weights where the engine gives them, are compared with the "
-        f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
-        f"**{par['tolerance']:g}** ({summary['tolerance_source']}). "
-        + (
-            "Fewer than two runs finished: no difference between runs to give."
-            if par["max_pairwise_rel_diff"] is None
-            else f"Largest difference between any two finished runs: {_sci(par['max_pairwise_rel_diff'])} "
-            f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."
-        )
-    ]
-    body += check_texts(par)  # gradient norms and final weights, at the same tolerance (harness.compare.parity)
+    body = (
+        group_parity_texts(summary)
+        if par.get("groups")
+        else [
+            f"The per-step losses of {steps_text(par)} (warm-up included) of every run, each step's global gradient "
+            "norm before clipping and the final weights where the engine gives them, are compared with the "
+            f"{par['anchor_kind']} (`{par['anchor']}`). Tolerance: max relative difference "
+            f"**{par['tolerance']:g}** ({summary['tolerance_source']}). "
+            + (
+                "Fewer than two runs finished: no difference between runs to give."
+                if par["max_pairwise_rel_diff"] is None
+                else f"Largest difference between any two finished runs: {_sci(par['max_pairwise_rel_diff'])} "
+                f"({'within' if par['cross_engine_ok'] else 'OUTSIDE'} tolerance)."
+            )
+        ]
+        + check_texts(par)
+    )  # gradient norms and final weights, at the same tolerance (harness.compare.parity)
     if any(name == "loss-curves" for name, _, _ in figs):
         body += [LOSS_FIGURE_TEXT, *_figures(figs, ("loss-curves",))]
     if summary.get("loss_table"):

@@ -12,6 +12,7 @@ from harness import registry
 from harness.parallel_dims import LABEL_ORDER, ParallelDims
 from harness.report.compare_machine import OVERSUBSCRIBED, oversubscribed
 from harness.report.data import coverage_label, coverage_of
+from harness.report.precision_groups import group_of
 from harness.spec import Layout, capability_error, engine_variant, layout_label, parallel_label
 
 
@@ -28,8 +29,14 @@ VARIANT_FIELDS = ("engine", "zero_stage", "reshard_after_forward", "model_impl",
 
 
 def _mark(run: dict, summary: dict) -> str:
-    """' (oversubscribed)' after a cell whose run had more busy threads than cores (compare_machine)."""
-    return f" ({OVERSUBSCRIBED})" if oversubscribed(run, summary) else ""
+    """' (oversubscribed)' after a cell whose run had more busy threads than cores (compare_machine); its
+    precision group after one of another policy than the workload's, whose time the others' are not
+    comparable with (report.precision_groups)."""
+    own = {g["name"] for g in summary.get("precision_groups") or [] if g.get("workload_group")}
+    group = group_of(run) if own and group_of(run) not in own else None
+    return (f" ({OVERSUBSCRIBED})" if oversubscribed(run, summary) else "") + (
+        f" (precision {group}: not comparable with the other precision's times)" if group else ""
+    )
 
 
 def _full_layout(layout: dict) -> dict:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from harness.parallel_dims import ParallelDims
 from harness.report.breakdown import HARNESS_AXIS
+from harness.report.compare_census import NOT_MEASURED, census_rows, census_text, flop_text  # noqa: F401
 from harness.report.compare_machine import oversubscribed, skipped_sentence, timed_runs
 from harness.report.data import COMPONENTS, Breakdown, breakdown_of, collectives_of, component_title, layout_key
 from harness.report.drift import load_drift_factor, load_drift_text
+from harness.report.precision_groups import partitions, several
 from harness.report.sections import Items, Section
 from harness.report.why import Case, against_median, comparisons, explain, factors
 from harness.spec import engine_variant
-
-NOT_MEASURED = "not measured"
 
 BREAKDOWN_TEXT = (
     "In ms and % of the step, the mean over ranks (a group that not every rank belongs to: the mean over its "
@@ -145,7 +145,16 @@ def _profiled_split(run: dict) -> tuple[float, float] | None:
 
 def compute_flags(summary: dict) -> list[str]:
     """Runs whose measured compute, summed over their ranks, exceeds FLOP_FLAG x the reference's for the same
-    workload (the same FLOPs, but for recomputation), with where the profiled steps say the time went."""
+    workload (the same FLOPs, but for recomputation), with where the profiled steps say the time went; each
+    run against its own precision group's reference (report.precision_groups)."""
+    out = [line for _, part in partitions(summary) for line in _compute_flags(part)]
+    if out:
+        of = "its precision group's reference's" if several(summary) else "the reference's"
+        out.insert(0, f"Compute costing more than {FLOP_FLAG}x {of} per FLOP:")
+    return out
+
+
+def _compute_flags(summary: dict) -> list[str]:
     runs = summary.get("runs") or []
     ref = next((r for r in runs if r.get("is_reference") and r.get("status") == "ok"), None)
     rb = run_breakdown(ref) if ref else None
@@ -176,8 +185,6 @@ def compute_flags(summary: dict) -> list[str]:
                 f"{ref_split[0]:.1f} and {ref_split[1]:.1f} ms"
             )
         out.append(text + ".")
-    if out:
-        out.insert(0, f"Compute costing more than {FLOP_FLAG}x the reference's per FLOP:")
     return out
 
 
@@ -311,17 +318,35 @@ def fastest_run(summary: dict) -> dict | None:
 
 
 def console_lines(summary: dict) -> list[str]:
-    """What `harness compare` prints after its verdict: the fastest run and Why's pairs, as the report says them."""
+    """What `harness compare` prints after its verdict: the fastest run and Why's pairs, as the report says them
+    (per precision group where the runs hold several: report.precision_groups)."""
     if not summary.get("runs"):
         return []
-    fastest, cases = fastest_run(summary), why_cases(summary)
-    out = [f"fastest run (measured median): {fastest['label']}"] if fastest else []
-    engines, layouts = comparisons(cases) if len(cases) >= 2 else ([], [])
-    return out + [f"why: {line.replace('**', '')}" for line in [*engines, *layouts, *same_run_twice(cases)]]
+    out = []
+    for name, part in partitions(summary):
+        fastest, cases = fastest_run(part), why_cases(part)
+        of = "" if name is None else f" of precision group {name}"
+        out += [f"fastest run{of} (measured median): {fastest['label']}"] if fastest else []
+        engines, layouts = comparisons(cases) if len(cases) >= 2 else ([], [])
+        out += [f"why: {line.replace('**', '')}" for line in [*engines, *layouts, *same_run_twice(cases)]]
+    return out
+
+
+WHY_GROUPS_TEXT = (
+    "The runs hold several precision policies: runs are ranked and explained within their precision group "
+    "only (engines compare under one precision policy)."
+)
 
 
 def why_section(summary: dict) -> Section:
     cases, skipped = why_cases(summary), skipped_sentence(summary)
+    if several(summary):
+        drift = load_drift_text(summary)
+        body = [WHY_TEXT, WHY_GROUPS_TEXT, *skipped, *([drift] if drift else [])]
+        for name, part in partitions(summary):
+            few = "Fewer than two of its finished runs that were not oversubscribed have a step breakdown."
+            body += [f"**Precision group {name}**", *(_why_body(part) if len(why_cases(part)) > 1 else [few])]
+        return Section("why", "Why", body=body)
     if len(cases) < 2:
         return Section(
             "why",
@@ -331,10 +356,16 @@ def why_section(summary: dict) -> Section:
                 *skipped,
             ],
         )
+    drift = load_drift_text(summary)
+    return Section("why", "Why", body=[WHY_TEXT, *skipped, *([drift] if drift else []), *_why_body(summary)])
+
+
+def _why_body(summary: dict) -> list:
+    """The fastest run and the pairs of the summary's runs (of one precision group)."""
+    cases = why_cases(summary)
     fastest = fastest_run(summary)
     engines, layouts = comparisons(cases)
-    drift = load_drift_text(summary)
-    body = [WHY_TEXT, *skipped, *([drift] if drift else []), f"Fastest run (measured median): **{fastest['label']}**."]
+    body = [f"Fastest run (measured median): **{fastest['label']}**."]
     body += [
         "**The same layout under other engines**",
         Items(engines or ["No layout ran under two engines."]),
@@ -344,100 +375,4 @@ def why_section(summary: dict) -> Section:
     twins = same_run_twice(cases)
     if twins:  # one engine and layout under two labels: what the measurement alone tells apart
         body += ["**The same engine and layout under other labels**", Items(twins)]
-    return Section("why", "Why", body=body)
-
-
-CENSUS_TEXT = (
-    "Bytes rank 0 held at its first optimizer step, by category and dtype, counted from the tensors "
-    "the engine really holds (each storage once), and in bytes per parameter of the model (xP: fp32 "
-    "parameters are 4.00P, a shard of them over 2 ranks 2.00P); activations: what autograd saved for "
-    "backward, per micro-batch. What a framework holds beyond the policy is shown as it is."
-)
-BUFFERS_TEXT = (
-    "Communication buffers: the buckets a framework keeps for its collectives (DeepSpeed ZeRO-3's reduce "
-    "bucket of zero_optimization.reduce_bucket_size elements, held for the whole run), sized by its "
-    "config, not by the model: given in elements, not per parameter; '-' where the engine keeps none "
-    "at the step."
-)
-
-
-def census_text(summary: dict) -> list[str]:
-    """What the census table shows: its buffers column explained only where it is shown; what P is."""
-    shown = any(((r.get("metrics") or {}).get("memory_census") or {}).get("buffers") for r in summary["runs"])
-    t = _palm_terms(summary)
-    p = [f"P = {t['P']:,}: every parameter of the model" + (", all experts." if t["N"] != t["P"] else ".")] if t else []
-    return [CENSUS_TEXT, *p, BUFFERS_TEXT] if shown else [CENSUS_TEXT, *p]
-
-
-def _palm_terms(summary: dict) -> dict | None:
-    """harness.model.flops.palm_terms of the compared workload (None where the summary's workload is not one)."""
-    from harness.errors import SpecError
-    from harness.model.flops import palm_terms
-    from harness.spec import parse_spec
-
-    try:
-        spec = parse_spec({"workload": summary["workload"]})
-        return palm_terms(spec.shape(), spec.workload.seq_len)
-    except (SpecError, KeyError, TypeError, ValueError):
-        return None
-
-
-def flop_text(summary: dict) -> list[str]:
-    """The MFU's FLOP convention, term by term, as harness.model.flops counts it for this workload."""
-    t = _palm_terms(summary)
-    if t is None:
-        return []
-    moe = t["N"] != t["P"]
-    return [
-        f"PaLM's FLOPs per token, as the harness counts them: 6N + 12·L·h·s = 6 x {t['N']:,} + 12 x {t['L']} x "
-        f"{t['h']} x {t['s']} = {t['per_token']:,}. N = {t['N']:,}: the parameters a token passes through, the "
-        "input embedding (a lookup, no matmul) and the LM head (once where tied) included, with every attention "
-        "projection and RMSNorm weight"
-        + (
-            f"; under MoE its routed experts and the router only, not every expert: N is not the census's "
-            f"P = {t['P']:,} (every parameter)"
-            if moe
-            else f" (every parameter: N = P = {t['P']:,})"
-        )
-        + ". 12·L·h·s: the attention matmuls QKᵀ and AV over the whole sequence, no causal halving (L layers, "
-        "h hidden size, s sequence length)."
-    ]
-
-
-def _buffer_cell(by_dtype: dict | None) -> str:
-    size = {"fp32": 4, "bf16": 2, "fp16": 2}
-    if not by_dtype:
-        return "-"
-    return ", ".join(
-        f"{dtype} {n / 2**20:,.2f} MiB" + (f" ({n // size[dtype]:,} elements)" if dtype in size else "")
-        for dtype, n in sorted(by_dtype.items())
-    )
-
-
-def _census_cell(by_dtype: dict | None, params: int | None) -> str:
-    if not by_dtype:
-        return "none" if by_dtype is not None else NOT_MEASURED
-    return ", ".join(
-        f"{dtype} {n / 2**20:,.2f} MiB" + (f" ({n / params:.2f}P)" if params else "")
-        for dtype, n in sorted(by_dtype.items())
-    )
-
-
-def census_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    """Each run's memory census (rank 0) and saved activations; 'not measured' where absent."""
-    categories = ("parameters", "gradients", "master_parameters", "optimizer_states")
-    censuses = [(r.get("metrics") or {}).get("memory_census") for r in summary["runs"]]
-    buffers = any((c or {}).get("buffers") for c in censuses)  # the column only where some run keeps one
-    header = ["run"] + [c.replace("_", " ") for c in categories]
-    header += ["communication buffers"] * buffers + ["activations saved / micro-batch"]
-    rows = []
-    for r, census in zip(summary["runs"], censuses, strict=True):
-        m = r.get("metrics") or {}
-        params, act = m.get("parameter_count"), m.get("activations_saved_bytes")
-        rows.append(
-            [r["label"]]
-            + [_census_cell(census.get(c, {}) if census is not None else None, params) for c in categories]
-            + ([_buffer_cell(census.get("buffers")) if census is not None else NOT_MEASURED] if buffers else [])
-            + [f"{act / 2**20:,.2f} MiB" if act is not None else NOT_MEASURED]
-        )
-    return header, rows
+    return body

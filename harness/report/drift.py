@@ -292,6 +292,8 @@ def compare_with_baseline(
     before, after = {r["label"]: r for r in old["runs"]}, {r["label"]: r for r in new["runs"]}
     par = new.get("parity") or {}
     n, tol = int(par.get("steps") or 0), float(par.get("tolerance") or 0.0)
+    # several precision groups (harness.compare.groups): each run's loss at its own group's tolerance
+    tols = {p["label"]: p["tolerance"] for p in par.get("runs") or [] if p.get("tolerance") is not None}
     ref_label = time_reference(old, new)
     ref = (before[ref_label], after[ref_label]) if ref_label else None
     loads = "; ".join(f"{when}: {b}" for when, b in (("baseline", busy(old)), ("now", busy(new))) if b)
@@ -312,7 +314,7 @@ def compare_with_baseline(
             drift = None if o["status"] == r["status"] else f"{label}: status {o['status']} -> {r['status']}"
             rows.append(_row(label, "status", o["status"], r["status"], drift))
             continue
-        rows += _loss_rows(label, old, new, n, tol) + _census_rows(label, o, r)
+        rows += _loss_rows(label, old, new, n, tols.get(label, tol)) + _census_rows(label, o, r)
         # an oversubscribed run's step times measure CPU contention (compare_machine): not checked
         over = oversubscribed(o, old) or oversubscribed(r, new)
         if ref and label != ref_label and time_tolerance is not None and not over:

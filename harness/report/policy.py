@@ -54,6 +54,8 @@ def _held(one: dict[str, str]) -> str:
 def policy_sentence(summary: dict) -> str:
     """The workload section's policy sentence: from every run's census (summary['policy'])."""
     pol, configured = summary.get("policy"), summary.get("precision_policy") or "not recorded"
+    if pol and pol.get("groups"):
+        return _groups_sentence(summary)
     if not pol:
         return f"Precision policy, as configured (this summary predates the census check): {configured}."
     if not pol["checked"]:
@@ -81,6 +83,23 @@ def policy_sentence(summary: dict) -> str:
     return f"{out}. Configured, which no census shows: {gradients}.{fp8_text(summary)}"
 
 
+def _groups_sentence(summary: dict) -> str:
+    """Several precision groups (harness.compare.groups): each group's sentence, its runs' censuses against
+    its own policy."""
+    infos = {g["name"]: g for g in summary.get("precision_groups") or []}
+    texts = []
+    for part in summary["policy"]["groups"]:
+        g = infos.get(part["group"]) or {}
+        workload = {**(summary.get("workload") or {}), **(g.get("fields") or {})}
+        one = {**summary, "policy": part, "precision_policy": g.get("policy"), "workload": workload}
+        texts.append(f"**{part['group']}**: {policy_sentence({**one, 'fp8_vs_bf16': None})}")
+    return (
+        "Precision policy, by precision group (each run's census against its own group's policy): "
+        + " ".join(texts)
+        + fp8_text(summary)
+    )
+
+
 def fp8_text(summary: dict) -> str:
     """The measured cost of FP8: the fp8 reference's losses against the bf16 reference's ('' without)."""
     d = summary.get("fp8_vs_bf16")
@@ -106,27 +125,34 @@ def reasons(summary: dict) -> list[str]:
         for p in par["runs"]
         if p.get("max_rel_diff") is None and status.get(p["label"]) == "ok"
     ]
-    finished = [p for p in par["runs"] if p.get("max_rel_diff") is not None]
-    if par.get("max_pairwise_rel_diff") is None:
-        out.append(f"loss parity not checked: {len(finished)} run(s) finished, two are needed")
-    else:
-        tol = par["tolerance"]
-        holds = all(p["max_rel_diff"] <= tol for p in finished) and par["max_pairwise_rel_diff"] <= tol
-        out.append(
-            f"loss parity {'holds' if holds else 'FAILS'} across the {len(finished)} finished runs "
-            f"(max pairwise relative difference {sci(par['max_pairwise_rel_diff'])}"
-            + (f" over {steps_text(par)}, " if par.get("steps") else ", ")
-            + f"tolerance {par['tolerance']:g})"
-        )
-        grads = par.get("grad_norms")
-        if grads is not None:
-            out.append(grad_norm_text(grads, par["tolerance"]))
-        if par.get("weights") is not None:
-            out.append(weights_text(par["weights"], par["tolerance"]))
+    for part in par.get("groups") or [par]:  # each precision group on its own (harness.compare.groups)
+        out += _parity_reasons(part, f" of precision group {part['group']}" if "group" in part else "")
     fp = summary["fingerprints"]
     out.append(
         "fingerprints " + ("identical" if fp["same"] else "DIFFER (" + ", ".join(fp.get("flagged_groups", [])) + ")")
     )
+    return out
+
+
+def _parity_reasons(par: dict, of: str) -> list[str]:
+    """Loss parity, gradient norms and final weights among the finished runs of one parity check (of: which
+    runs, '' for every run of a one-group comparison)."""
+    finished = [p for p in par["runs"] if p.get("max_rel_diff") is not None]
+    if par.get("max_pairwise_rel_diff") is None:
+        return [f"loss parity{of} not checked: {len(finished)} run(s) finished, two are needed"]
+    tol = par["tolerance"]
+    holds = all(p["max_rel_diff"] <= tol for p in finished) and par["max_pairwise_rel_diff"] <= tol
+    out = [
+        f"loss parity {'holds' if holds else 'FAILS'} across the {len(finished)} finished runs{of} "
+        f"(max pairwise relative difference {sci(par['max_pairwise_rel_diff'])}"
+        + (f" over {steps_text(par)}, " if par.get("steps") else ", ")
+        + f"tolerance {par['tolerance']:g})"
+    ]
+    grads = par.get("grad_norms")
+    if grads is not None:
+        out.append(grad_norm_text(grads, par["tolerance"]))
+    if par.get("weights") is not None:
+        out.append(weights_text(par["weights"], par["tolerance"]))
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from harness.report import plots
+from harness.report.precision_groups import group_of
 from harness.report.sections import Figure, Section, Table
 
 ROUTING_TEXT = (
@@ -20,7 +21,8 @@ ROUTING_TEXT = (
     "routed slots of the layer with the largest imbalance, fewest to most. Counted by the harness's one "
     "definition (harness/model/moe.py) from each engine's own routing, every token once. Against the "
     "reference: every layer's routed slots per expert over the measured steps, compared count by count with the "
-    "single-device reference's; 'equal' means every count of every layer is the same, else how many slots sit "
+    "single-device reference's (of the run's own precision policy, where the runs hold several); 'equal' means "
+    "every count of every layer is the same, else how many slots sit "
     "on another expert (half the sum of the absolute count differences) of how many were routed."
 )
 
@@ -70,13 +72,14 @@ def routing_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
         "tokens per expert (worst layer)",
         "against the reference",
     ]
-    ref = next((r for r in summary["runs"] if r.get("is_reference") and _router(r)), None)
-    ref_tokens = _router(ref).get("tokens_per_expert") or {} if ref else {}
+    refs = {group_of(r): r for r in reversed(summary["runs"]) if r.get("is_reference") and _router(r)}
     rows = []
     for r in summary["runs"]:
         router = _router(r)
         if not router:
             continue
+        ref = refs.get(group_of(r))  # its precision group's reference (harness.compare.groups)
+        ref_tokens = _router(ref).get("tokens_per_expert") or {} if ref else {}
         worst = _worst_layer(router.get("tokens_per_expert") or {})
         counts = "-" if worst is None else f"{worst[0]}: " + ", ".join(f"{c:.0f}" for c in sorted(worst[1]))
         rows.append(
