@@ -71,7 +71,7 @@ def test_every_row_the_memory_model_misses_names_what_it_lacks(runs):
 
 
 def test_published_peaks_within_10_percent_but_the_named_rows(runs):
-    """Each published peak (torchtitan's max reserved GiB, torchao's GB) within 10%, but the rows that name
+    """Each published peak (torchtitan's max reserved GiB, torchao's the same, in GiB) within 10%, but the rows that name
     their gap (two of twenty-one when written: torchtitan's 70B FSDP32 TP8 row and its 405B interleaved row, +12.6%
     before one chunk's gradients at a time in torch's one-round order, -13.6% after; its 405B 1F1B row, -18.9%
     before its 8 micro-batches and kept outputs, -0.7% after, and Table 6's four 1F1B rows within 9%)."""

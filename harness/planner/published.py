@@ -39,8 +39,9 @@ filled by the rules below, the same for every row, each from the data's README o
   return_outputs (step()'s, true until torchtitan passed false in 2025-10); Megatron's
   expert_tensor_parallel_size. A setting the recipe does not state
   is the planner's default.
-- memory: the peak the source publishes, in its unit (torchtitan logs max reserved GiB; torchao's
-  README prints GB, taken as 10^9 bytes as printed).
+- memory: the peak the source publishes, in its unit (torchtitan logs max reserved GiB; so do torchao's
+  float8 rows, torchtitan runs whose README prints "GB" over the GiB its benchmark script parses from
+  torchtitan's log: benchmarks/float8/training/parse_torchtitan_logs.py, the data's README).
 - system: DGX-H100, H100 SXM and H100 are h100-sxm; DGX-H200, H200 SXM and H200 h200; DGX-B200 and
   B200 b200; DGX-GB200 and GB200 gb200 (a system with no profile, DGX-B300, is not planned); torchtitan's
   "H100 96GB HBM2e 500W" is h100-sxm with 96 GB (its peak is not published: SXM's is kept).
