@@ -26,6 +26,7 @@ pipelining) and torch.distributed.pipelining's step(return_outputs=True), the de
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -142,11 +143,13 @@ def _print(run, tr, where: str, t: float, stage: int = 0) -> None:
         "merged outputs": memory_reserve.merged_outputs_block(shape, lay, wl, stage == 0, has_head, kept, shards),
     }
     part = stage_memory(shape, lay, wl, stage).get("allocator_reserve", 0.0)
+    grown = stage_memory(shape, dataclasses.replace(lay, expandable_segments=True), wl, stage)
     print(
         f"    replay: free at its reserved peak {', '.join(f'{b / GIB:.2f}' for b in free[:6]) or 'none'}{more} GiB "
         "(blocks >= 1 GiB); "
         f"planner: {'; '.join(f'{k} {v / GIB:.2f}' for k, v in named.items() if v) or 'no block'} GiB "
-        f"(allocator_reserve {part / GIB:.2f} GiB at its stage {stage})",
+        f"(allocator_reserve {part / GIB:.2f} GiB at its stage {stage}; under expandable_segments its stage "
+        f"{grown['total'] / GIB:.2f} GiB)",
         flush=True,
     )
 

@@ -1,6 +1,7 @@
 """The planner's caching-allocator reserve (harness/planner/memory_reserve.py) against the allocator's replay of traced
 steps (harness/memtrace/allocator.py over `harness memory`'s fake-tensor trace, no processes): each block the model
-names is the block the replay leaves free at its reserved peak, of the size the planner computes, and with it the
+names is the block the replay leaves free at its reserved peak, of the size the planner computes (with and without
+expandable segments, under which the merged outputs take no segment of their own), and with it the
 planner's peak (less the CUDA context, which no trace holds) meets the replayed reserved peak within the memory
 target (10%), where without it it does not. A tiny model with a 32,768-token vocabulary, so that the loss's blocks
 are the large-pool blocks of a real vocabulary; torchtitan's train step as benchmarks/torchtitan_reserved.py runs it
@@ -77,6 +78,8 @@ def test_the_logits_freed_before_the_loss_backward_stay_reserved(monkeypatch):
     assert block == 512 * 32768 * 2 == parts["allocator_reserve"]  # the loss candidate is the stage's peak
     assert block in alloc.free_at_peak  # free at the replay's peak, no later request fitting it
     assert alloc.peak_reserved >= alloc.peak_allocated + block
+    assert block in replay(events, held, expandable=True).free_at_peak  # inside the one segment: stranded too
+    assert _planner(shape, spec, 0, expandable_segments=True)[0]["allocator_reserve"] == block
     planner, without = _without_context(parts), _without_context(parts) - block
     assert abs(planner / alloc.peak_reserved - 1) <= 0.10 < abs(without / alloc.peak_reserved - 1)
 
@@ -107,6 +110,10 @@ def test_the_pipelines_merged_outputs_take_a_new_segment(monkeypatch):
     assert alloc.peak_reserved - unmerged.peak_reserved == merged  # the merge's own segment, above the high-water
     planner, without = _without_context(parts), _without_context(parts) - merged
     assert abs(planner / alloc.peak_reserved - 1) <= 0.10 < abs(without / alloc.peak_reserved - 1)
+    # expandable segments: the step's end leaves the segment's tail free, the merge grows into it
+    grown = replay(events, held, expandable=True)
+    assert grown.peak_reserved == replay([e for e in events if e[1] != key], held, expandable=True).peak_reserved
+    assert "allocator_reserve" not in _planner(shape, spec, 1, pp_outputs_kept=True, expandable_segments=True)[0]
 
 
 @pytest.mark.parametrize("dtype_bytes", [2, 4])

@@ -19,11 +19,12 @@ segment, and the free blocks stay reserved beside it. What torchtitan logs as it
   the embedding too, FSDP2's fp32 accumulation of its whole table under TP, 4 V h) it takes a new segment above
   the step's reserved high-water: `merged_outputs_block`.
 
-Checked against the traced steps replayed through the allocator's rules (benchmarks/torchtitan_reserved.py prints
-the replay's free blocks at its peak beside these terms). Without expandable_segments, PyTorch's default and
-torchtitan's multi-node launch (its run_llama_train.sh sets it; the published multi-node rows ran the slurm script,
-which does not): under it a pool is one segment whose free tail grows by what a request lacks, which the step's
-end leaves free for the merge; the replay then reserves less, which this model does not claim.
+Under expandable_segments (PlannerLayout.expandable_segments; PyTorch's default is off, torchtitan's run_llama_train.sh
+sets it, its multi-node slurm script does not) a pool is one segment whose free tail grows by what a request lacks: the
+step's end leaves the tail free, so the merge reuses it and reserves no segment of its own, while the logits' block,
+freed with the fp32 copy allocated after it, stays stranded inside the segment. Checked against the traced steps
+replayed through the allocator's rules, with and without expandable segments (tests/test_planner_reserve.py;
+benchmarks/torchtitan_reserved.py prints the replay's free blocks at its peak beside these terms).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def merged_outputs_block(
 ) -> float:
     """Bytes of the pipeline's merged outputs (`kept`: recipes.kept_outputs_bytes, the m kept outputs) where the
     one request is larger than every block the step frees before it (module docstring), else 0."""
-    if not has_head or not kept:
+    if not has_head or not kept or lay.expandable_segments:  # the free tail grows into it
         return 0.0
     n, V, h = lay.micro_batch_size * wl.local(lay).seq_len, shape.vocab, shape.hidden
     largest = max(4 * n * V / shards, 4 * V * h / lay.tp, 4 * V * h if has_emb else 0.0)

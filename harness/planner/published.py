@@ -119,6 +119,7 @@ SETTINGS = {
     "expert_tensor_parallel_size": lambda v: {},  # read by from_row (layout.expert_tp: parallel folding)
     "pipeline_parallel_microbatches": lambda v: {},  # read by from_row: the local batch's micro-batch size
     "return_outputs": lambda v: {"pp_outputs_kept": _on(v)},
+    "expandable_segments": lambda v: {"expandable_segments": _on(v)},  # PYTORCH_CUDA_ALLOC_CONF's
     "account_for_embedding_in_pipeline_split": lambda v: {"split_counts_embedding": _on(v)},
     "account_for_loss_in_pipeline_split": lambda v: {"split_counts_loss": _on(v)},
     "moe_router_force_load_balancing": lambda v: {"moe_balanced": _on(v)},
