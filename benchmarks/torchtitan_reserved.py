@@ -4,7 +4,9 @@ traces a rank of engine fsdp at the layout of a torchtitan row on fake tensors a
 trace) with torchtitan's head, replays its allocations and frees through the caching allocator's rules over steps
 (harness/memtrace/allocator.py), and prints the traced live peak (allocated), the replayed reserved peak with the
 allocator's default segments and with expandable_segments:True (torchtitan's run_llama_train.sh sets it; its
-multinode_trainer.slurm does not), the published figure and the planner's prediction.
+multinode_trainer.slurm does not), the published figure and the planner's prediction; and, to check the planner's
+reserve (harness/planner/memory_reserve.py) against the replay, the blocks of at least 1 GiB the replay leaves free
+at its reserved peak beside the blocks the planner names (its allocator_reserve of the traced stage).
 
 torchtitan's head, as 9dec370 runs it and engine fsdp does not (stand-ins of this script only):
   - under tp the LM head is ColwiseParallel with output_layouts Shard(-1) (loss_parallel: each rank's n x V/t
@@ -24,6 +26,7 @@ pipelining) and torch.distributed.pipelining's step(return_outputs=True), the de
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -113,12 +116,40 @@ def _returning_outputs(plain):
     return step
 
 
-def _print(run, tr, where: str, t: float) -> None:
+_EVENTS = {}  # the last traced step's events and what it held (step.reserved_bytes, wrapped in main)
+
+
+def _print(run, tr, where: str, t: float, stage: int = 0) -> None:
+    from harness.memtrace.allocator import replay
+    from harness.planner import memory_reserve
+    from harness.planner.memory import stage_memory
+
     got, check = tr.extra["reserved"], memory_check(run)
     print(
         f"{(run.label + where)[:60]:60} {tr.live_peak_bytes / GIB:9.2f} {got['segments'] / GIB:9.2f} "
         f"{got['expandable'] / GIB:8.2f} {check.published_gib:9.2f} {check.predicted_gib:8.2f}"
         f"  peak at {tr.peak_at}; traced in {time.perf_counter() - t:.0f} s",
+        flush=True,
+    )
+    free = sorted((b for b in replay(*_EVENTS["step"]).free_at_peak if b >= GIB), reverse=True)
+    more = f" and {len(free) - 6} more" if len(free) > 6 else ""
+    lay, wl, shape = run.layout, run.workload, run.shape
+    has_head = stage == lay.pp - 1
+    shards = lay.tp if lay.tp > 1 else 1  # torchtitan's loss_parallel
+    n = lay.micro_batch_size * wl.local(lay).seq_len
+    kept = lay.pp_outputs_kept * (lay.pp > 1) * wl.micro_batches(lay) * n * shape.vocab / shards * wl.dtype_bytes
+    named = {
+        "logits freed before the loss's backward": memory_reserve.logits_block(shape, lay, wl, has_head, shards),
+        "merged outputs": memory_reserve.merged_outputs_block(shape, lay, wl, stage == 0, has_head, kept, shards),
+    }
+    part = stage_memory(shape, lay, wl, stage).get("allocator_reserve", 0.0)
+    grown = stage_memory(shape, dataclasses.replace(lay, expandable_segments=True), wl, stage)
+    print(
+        f"    replay: free at its reserved peak {', '.join(f'{b / GIB:.2f}' for b in free[:6]) or 'none'}{more} GiB "
+        "(blocks >= 1 GiB); "
+        f"planner: {'; '.join(f'{k} {v / GIB:.2f}' for k, v in named.items() if v) or 'no block'} GiB "
+        f"(allocator_reserve {part / GIB:.2f} GiB at its stage {stage}; under expandable_segments its stage "
+        f"{grown['total'] / GIB:.2f} GiB)",
         flush=True,
     )
 
@@ -127,12 +158,21 @@ def main() -> None:
     import torch.distributed.pipelining.schedules as schedules
 
     import harness.frameworks.fsdp.pipeline as fsdp_pipeline
+    import harness.memtrace.step as step
     from harness.memtrace.trace import stage_ranks
 
+    plain = step.reserved_bytes
+
+    def keeping(events, held):
+        _EVENTS["step"] = (list(events), dict(held))
+        return plain(events, held)
+
+    step.reserved_bytes = keeping
     fsdp_tp.outer_plan = _outer_plan(fsdp_tp.outer_plan)
     fsdp_engine.lm_loss = loss_fn
     fsdp_pipeline.lm_loss = pipelined_loss
-    schedules.PipelineScheduleMulti.step = _returning_outputs(schedules.PipelineScheduleMulti.step)
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):  # 1F1B's and the interleaved
+        cls.step = _returning_outputs(cls.step)
     runs = load()
     print(f"{'row':60} {'allocated':>9} {'reserved':>9} {'expand.':>8} {'published':>9} {'planner':>8}  (GiB)")
     for part, (model, gbs, lay) in ROWS.items():
@@ -153,7 +193,7 @@ def main() -> None:
         for stage in (0, 7):
             t = time.perf_counter()
             tr = trace_rank(spec, spec.shape(), stage_ranks(spec.layout)[stage], full_micro=True)
-            _print(run, tr, f" stage {stage}", t)
+            _print(run, tr, f" stage {stage}", t, stage)
 
 
 if __name__ == "__main__":

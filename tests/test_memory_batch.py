@@ -35,6 +35,8 @@ CASES = [
     ),
     ("llama3-8b", 8192, 64, 16, "h200", "fsdp", {"fsdp": True}, ("bf16", "fp8"), ["1f1b", "zero_bubble"], 2),
     ("llama3-8b", 8192, 64, 32, "h200", "fsdp", {"fsdp": True, "vocab_parallel_loss": True}, ("bf16",), None, 2),
+    # torchtitan's 2024-12 pipelines: the last stage's kept and merged outputs (memory_reserve's merged block)
+    ("llama3-8b", 8192, 128, 16, "h100-sxm", "fsdp", {"fsdp": True, "pp_outputs_kept": True}, ("bf16",), ["1f1b"], 2),
     ("paper-13b", 2048, 256, 16, "a100-80gb", "deepspeed", {}, ("bf16",), None, 2),
     ("paper-13b", 2048, 256, 16, "a100-80gb", "deepspeed", {"zero_stage": 3}, ("bf16",), None, 2),
     ("paper-13b", 2048, 256, 16, "a100-80gb", "deepspeed", {"zero_stage": 0}, ("bf16",), None, 2),

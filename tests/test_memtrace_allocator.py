@@ -22,6 +22,7 @@ def test_best_fit_split_and_a_freed_large_block_that_no_larger_request_reuses():
     a.free("x")  # 4 GiB cached, free
     a.malloc("z", 8 * GIB)  # fits in no free block: a new segment, the 4 GiB stays reserved
     assert a.reserved == 14 * GIB and a.allocated == 10 * GIB
+    assert a.free_at_peak == [4 * GIB]  # what the request that set the peak could not use
     a.malloc("w", 1 * GIB)  # best fit: carved from the free 4 GiB block, no new segment
     assert a.reserved == 14 * GIB
     a.free("w")  # merges back with the 3 GiB left of its segment

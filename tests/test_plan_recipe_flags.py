@@ -45,9 +45,28 @@ def test_the_recipes_flags_plan_its_row_as_the_published_check_predicts_it(no_la
         (["--expert-tp", "1"], "--expert-tp: llama3-70b has no experts"),
         (["--moe-balanced"], "--moe-balanced: llama3-70b has no experts"),
         (["--engine", "megatron", "--pp-outputs-kept"], "--pp-outputs-kept: a setting of engine fsdp"),
+        (["--engine", "fsdp", "--expandable-segments"], "--expandable-segments: the planner's memory reads it"),
         (["--loss-fusion", "--export", "megatron"], "--export: the recipe settings (loss_fusion) are planned"),
     ],
 )
 def test_a_recipe_flag_the_plan_cannot_use_is_refused(no_launch, one_line_error, extra, words):
     line = one_line_error(cli([*PLAN, *extra]))
     assert line.startswith("error: --") and words in line
+
+
+def test_expandable_segments_takes_the_merged_outputs_segment_off_a_pipelines_last_stage(no_launch, capsys):
+    """--pp-outputs-kept's merged outputs take a segment of their own (harness/planner/memory_reserve.py) but under
+    --expandable-segments, where the step's end leaves the one segment's tail free for them."""
+    plan = ["plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch-size", "32", "--gpus", "16"]
+    plan += ["--hardware", "h100-sxm", "--engine", "fsdp", "--attention", "sdpa_flash", "--rmsnorm", "torch"]
+    plan += ["--micro-batch-sizes", "1", "--activation-checkpointing", "full", "--format", "json", "--pp-outputs-kept"]
+    memory = []
+    for extra in ([], ["--expandable-segments"]):
+        assert cli([*plan, *extra]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        memory.append({(r["tp"], r["pp"], r["dp"], r["pipeline_schedule"]): r["memory_gib"] for r in rows})
+    kept, grown = memory
+    assert kept.keys() == grown.keys()
+    assert all(grown[k] <= kept[k] for k in kept)
+    assert any(grown[k] < kept[k] - 1 for k in kept if k[1] > 1)  # a pipeline's merged logits: GiB, not rounding
+    assert all(grown[k] == kept[k] for k in kept if k[1] == 1)

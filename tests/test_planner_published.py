@@ -71,18 +71,20 @@ def test_every_row_the_memory_model_misses_names_what_it_lacks(runs):
 
 
 def test_published_peaks_within_10_percent_but_the_named_rows(runs):
-    """Each published peak (torchtitan's max reserved GiB, torchao's GB) within 10%, but the rows that name
-    their gap (two of twenty-one when written: torchtitan's 70B FSDP32 TP8 row and its 405B interleaved row, +12.6%
-    before one chunk's gradients at a time in torch's one-round order, -13.6% after; its 405B 1F1B row, -18.9%
-    before its 8 micro-batches and kept outputs, -0.7% after, and Table 6's four 1F1B rows within 9%)."""
+    """Each published peak (torchtitan's max reserved GiB, torchao's the same) within 10%, but the rows that name
+    their gap (none since the caching allocator's reserve, memory_reserve.py; two of twenty-one before it: torchtitan's
+    70B FSDP32 TP8 row, -13.3%, -7.9% after, and its 405B interleaved row, +12.6% before one chunk's gradients at a
+    time in torch's one-round order, -13.6% after, -2.8% with the reserve; its 405B 1F1B row, -18.9% before its 8
+    micro-batches and kept outputs, -0.7% after, and Table 6's four 1F1B rows within 9%)."""
     peaks = [(r, m) for r, m in _checks(runs) if m.published_gib]
     assert len(peaks) == 21
     assert all(abs(m.error) <= 0.10 for r, m in peaks if not unmodelled(r))
     assert sum(abs(m.error) <= 0.10 for _, m in peaks) >= 19
 
 
-@pytest.mark.xfail(strict=True, reason="not met: 19 of 21 published peaks within 10% (see the unmodelled column)")
 def test_every_published_peak_within_10_percent(runs):
+    """21 of 21 when written (19 before the caching allocator's reserve, memory_reserve.py, and torchao's peaks
+    read in the GiB its benchmark script prints)."""
     assert all(abs(m.error) <= 0.10 for _, m in _checks(runs) if m.published_gib)
 
 

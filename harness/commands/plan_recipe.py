@@ -7,7 +7,8 @@ Megatron's (--engine megatron): recompute_num_layers, cpu_offloading_num_layers,
 grad_reduce_in_fp32, bias_activation_fusion, cross_entropy_loss_fusion, expert_tensor_parallel_size,
 moe_router_force_load_balancing, overlap_moe_expert_parallel_comm and Transformer Engine's attention;
 torch.distributed.pipelining's kept outputs (--engine fsdp, as torchtitan ran it before passing
-return_outputs=False). torchtitan's per-op policy is --activation-checkpointing selective_op.
+return_outputs=False) and, with them, the allocator's expandable segments. torchtitan's per-op policy is
+--activation-checkpointing selective_op.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ _SWITCHES = {
         "fsdp",
         "the last pipeline stage keeps every micro-batch's logits to the step's end (torch.distributed.pipelining's "
         "step() without return_outputs=False, as torchtitan ran until 2025-10)",
+    ),
+    "--expandable-segments": (
+        "expandable_segments",
+        "fsdp",
+        "with --pp-outputs-kept: PyTorch's allocator under expandable_segments:True, whose growing segment the "
+        "pipeline's merged outputs reuse (no segment of their own: harness/planner/memory_reserve.py)",
     ),
 }
 
@@ -75,6 +82,10 @@ def recipe_fields(args, shape, checkpointing, precisions) -> dict:
     for name in ("moe_balanced", "moe_a2a_overlap"):
         if fields.get(name) and not shape.moe:
             raise SpecError("--" + name.replace("_", "-"), f"{args.model} has no experts")
+    if fields.get("expandable_segments") and not fields.get("pp_outputs_kept"):
+        raise SpecError(
+            "--expandable-segments", "the planner's memory reads it for the merged outputs of --pp-outputs-kept"
+        )
     if fields.get("fp8_params") and "fp8" not in precisions:
         raise SpecError("--fp8-params", "fp8 primary weights need --precision fp8")
     for flag, name, low in (("--recompute-layers", "recompute_layers", 1), ("--offload-layers", "offload_layers", 1)):

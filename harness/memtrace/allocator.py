@@ -65,6 +65,7 @@ class CachingAllocator:
         self.tail = {True: None, False: None}  # an expandable pool's last block
         self.reserved = self.peak_reserved = 0
         self.allocated = self.peak_allocated = 0
+        self.free_at_peak: list[int] = []  # the free blocks' sizes when reserved last reached its peak
         self._order = itertools.count()
 
     def _insert(self, b: _Block, small: bool) -> None:
@@ -82,10 +83,8 @@ class CachingAllocator:
         small = size <= SMALL_SIZE
         pool = self.pools[small]
         i = bisect.bisect_left(pool, (size, -1))
-        if i < len(pool):
-            block = pool.pop(i)[2]
-        else:
-            block = self._grow(size, small)
+        grown = i >= len(pool)
+        block = pool.pop(i)[2] if not grown else self._grow(size, small)
         rest = block.size - size
         if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
             tail = self._new_block(small, block.start + size, rest)
@@ -100,6 +99,8 @@ class CachingAllocator:
         self.blocks[key] = block
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if grown and self.reserved == self.peak_reserved:  # what the request could not use stays cached
+            self.free_at_peak = [b.size for pool in self.pools.values() for _, _, b in pool]
 
     def _grow(self, size: int, small: bool) -> _Block:
         """A free block of at least `size` bytes from the driver: a new segment, or a grown expandable one."""

@@ -144,6 +144,10 @@ class PlannerOwn:
     # end for the step's return (stage.output_chunks): schedule.step() without return_outputs=False, as
     # torchtitan ran until 2025-10 (e5ef99a, "Update PP to release memory earlier"); the harness passes False.
     pp_outputs_kept: bool = False
+    # PyTorch's caching allocator under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's
+    # run_llama_train.sh sets it): a pool is one segment whose free tail grows by what a request lacks, so the
+    # pipeline's merged outputs take no segment of their own (memory_reserve.py).
+    expandable_segments: bool = False
     # Megatron's account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split: the embedding
     # (the loss) takes one layer's slot of the even split, so the first (last) pipeline chunk builds one layer
     # fewer (transformer_config.py, get_num_layers_to_build): how 94 layers split over 8 x 4 chunks.

@@ -24,6 +24,7 @@ import numpy as np
 from harness.model.presets import Shape
 from harness.planner import memory_engines as me
 from harness.planner import memory_recipes as recipes
+from harness.planner import memory_reserve as reserve
 from harness.planner import memory_terms as terms
 from harness.planner.hardware import Profile
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PAPER, PlannerLayout, Workload
@@ -38,7 +39,7 @@ _LAYER_KEY = operator.attrgetter(*(f for f in _FIELDS if f not in SPLIT_ONLY and
 # A stage's columns (_stage), in this order.
 STAGE_COLUMNS = (
     "stage emb layers head piped k n9 lookup ce_kept ce_extra eg_base eg_whole gpipe weights gradients optimizer "
-    "fp8 has_fp8 frag fsdp fsdp_bws kept_blocks all_blocks fsdp_dynamic params kept_outputs"
+    "fp8 has_fp8 frag fsdp fsdp_bws kept_blocks all_blocks fsdp_dynamic params kept_outputs logits_block merged"
 ).split()
 LAYER_COLUMNS = "layer full_layer working hidden head_norm keeps_input full".split()
 
@@ -80,9 +81,10 @@ def _stage(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> tuple[
     m = wl.micro_batches(lay)
     ce_kept, ce_extra = me.loss_bytes(shape, lay, wl) if has_head else (0.0, 0.0)
     fs = None
+    shards = lay.tp if me._loss_parallel(lay) else 1
     if fsdp_states:
-        shards = lay.tp if me._loss_parallel(lay) else 1
         fs = fsdp_step_bytes(shape, lay, wl, has_emb, layers, has_head, shards)
+    kept = recipes.kept_outputs_bytes(lay, n, V, B, m, shards) if has_head else 0.0
     return (
         stage,
         has_emb,
@@ -109,7 +111,9 @@ def _stage(shape: Shape, lay: PlannerLayout, wl: Workload, stage: int) -> tuple[
         fs["all_blocks"] if fs else 0.0,
         fs["gathered"] + parts["gradients"] if fs else 0.0,
         parts["params"],
-        recipes.kept_outputs_bytes(lay, n, V, B, m, lay.tp if me._loss_parallel(lay) else 1) if has_head else 0.0,
+        kept,
+        reserve.logits_block(shape, lay, wl, has_head, shards),
+        reserve.merged_outputs_block(shape, lay, wl, has_emb, has_head, kept, shards),
     ), parts
 
 
@@ -181,6 +185,8 @@ class Columns:
         if parts["has_step"][r]:
             d["optimizer_step"] = (parts["optimizer_step"][r] / gib).item()
         d["overhead"] = (parts["overhead"][r] / gib).item()
+        if parts["has_reserve"][r]:
+            d["allocator_reserve"] = (parts["allocator_reserve"][r] / gib).item()
         d["total"] = (parts["total"][r] / gib).item()
         return d
 
@@ -230,7 +236,9 @@ def _check(parts: dict, s: dict, rows: list[tuple[int, dict]]) -> None:
     model's, which _stage computed anyway: a term added to engine_stage_memory and not here raises Diverged
     (predict_many then takes the scalar path), before any prediction uses the arrays."""
     at = np.asarray([r for r, _ in rows], dtype=np.int64)
-    cols = {k: parts[k][at].tolist() for k in (*BASE, "fp8_weights_and_scales", "optimizer_step", "overhead", "total")}
+    keys = (*BASE, "fp8_weights_and_scales", "optimizer_step", "overhead", "allocator_reserve", "total")
+    cols = {k: parts[k][at].tolist() for k in keys}
+    has_reserve = parts["has_reserve"][at].tolist()
     has_fp8, has_step, params = s["has_fp8"][at].tolist(), parts["has_step"][at].tolist(), s["params"][at].tolist()
     for i, (r, want) in enumerate(rows):
         got = {k: cols[k][i] for k in BASE}
@@ -238,7 +246,10 @@ def _check(parts: dict, s: dict, rows: list[tuple[int, dict]]) -> None:
             got["fp8_weights_and_scales"] = cols["fp8_weights_and_scales"][i]
         if has_step[i]:
             got["optimizer_step"] = cols["optimizer_step"][i]
-        got.update(overhead=cols["overhead"][i], total=cols["total"][i], params=params[i])
+        got["overhead"] = cols["overhead"][i]
+        if has_reserve[i]:
+            got["allocator_reserve"] = cols["allocator_reserve"][i]
+        got.update(total=cols["total"][i], params=params[i])
         if list(got.items()) != list(want.items()):
             raise Diverged(f"stage {s['stage'][r]}: {got} against engine_stage_memory's {want}")
 
@@ -274,6 +285,8 @@ def _combine(s: dict, x: dict) -> dict[str, np.ndarray]:
     name = np.argmax(np.stack((bws, loss, emb_grad, gathered)), axis=0)  # the first of the largest
     chosen = np.choose(name, (bws, loss, emb_grad, gathered))
     extra = w(chosen > 0.0, chosen, 0.0)
+    logits = s["logits_block"]  # memory_reserve.reserve
+    stranded = w(logits != 0, np.maximum(0.0, loss + logits - extra), 0.0) + s["merged"]
     dynamic = held + extra
     dynamic = w(fsdp, dynamic + s["fsdp_dynamic"], dynamic)
     out = {
@@ -292,8 +305,11 @@ def _combine(s: dict, x: dict) -> dict[str, np.ndarray]:
     total = total + out["backward_working_set"] + out["logits_and_loss"]
     total = w(s["has_fp8"], total + s["fp8"], total)
     total = w(has_step, total + out["optimizer_step"], total)
-    out["total"] = total + out["overhead"]
-    out["has_step"] = has_step
+    total = total + out["overhead"]
+    has_reserve = stranded != 0
+    out["allocator_reserve"] = stranded
+    out["total"] = w(has_reserve, total + stranded, total)
+    out["has_step"], out["has_reserve"] = has_step, has_reserve
     return out
 
 
@@ -304,7 +320,7 @@ def _breakdowns(cols: Columns, profile: Profile, margin: float) -> list[tuple]:
     """predict._memory's tuple of each layout from its worst stage's row."""
     parts, s, best = cols.parts, cols.s, cols.best
     gib = terms.GIB
-    keys = (*BASE, "fp8_weights_and_scales", "optimizer_step", "overhead")
+    keys = (*BASE, "fp8_weights_and_scales", "optimizer_step", "overhead", "allocator_reserve")
     col = {k: (parts[k][best] / gib).tolist() for k in keys}
     total = cols.total
     device = profile.memory_gib * gib
@@ -314,6 +330,7 @@ def _breakdowns(cols: Columns, profile: Profile, margin: float) -> list[tuple]:
     total = total.tolist()
     has_fp8 = s["has_fp8"][best].tolist()
     has_step = parts["has_step"][best].tolist()
+    has_reserve = parts["has_reserve"][best].tolist()
     stage = cols.stage.tolist()
     base = [col[k] for k in BASE]
     out = []
@@ -324,6 +341,8 @@ def _breakdowns(cols: Columns, profile: Profile, margin: float) -> list[tuple]:
         if has_step[i]:
             d["optimizer_step"] = col["optimizer_step"][i]
         d["overhead"] = col["overhead"][i]
+        if has_reserve[i]:
+            d["allocator_reserve"] = col["allocator_reserve"][i]
         d["total"] = total_gib[i]
         out.append((stage[i], total[i], d, fit[i], tight[i]))
     return out

@@ -42,6 +42,7 @@ import functools
 from harness.model.presets import Shape
 from harness.planner import feedforward, fp8, schedules
 from harness.planner import memory_recipes as recipes
+from harness.planner import memory_reserve as reserve
 from harness.planner import memory_terms as terms
 from harness.planner.context import cp_attention_bytes
 from harness.planner.layout import ATTENTION_CLASS, MATERIALISED, PlannerLayout, Workload
@@ -327,6 +328,15 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
             candidates["gathered_between_backwards"] = fsdp["all_blocks"] - micro
     extra_name = max(candidates, key=candidates.get)
     extra = max(0.0, candidates[extra_name])
+    # the caching allocator's free blocks the peak cannot reuse (memory_reserve): the logits freed before the loss's
+    # backward, the pipeline's merged outputs
+    kept = recipes.kept_outputs_bytes(lay, n, shape.vocab, B, m, shards) if has_head else 0.0
+    stranded = reserve.reserve(
+        reserve.logits_block(shape, lay, wl, has_head, shards),
+        candidates.get("logits_and_loss", 0.0),
+        extra,
+        reserve.merged_outputs_block(shape, lay, wl, has_emb, has_head, kept, shards),
+    )
     dynamic = held + extra
     frag = terms.FRAGMENTATION_PIPELINED if lay.pp > 1 and m > 1 else terms.FRAGMENTATION
     parts = {
@@ -357,6 +367,8 @@ def engine_stage_memory(shape: Shape, lay: PlannerLayout, wl: Workload, stage: i
     if step_grads > dynamic:  # the step's fp32 gradient shard, once the activations are freed
         parts["optimizer_step"] = step_grads - dynamic
     parts["overhead"] = terms.CONTEXT_GIB * terms.GIB + frag * dynamic
+    if stranded:
+        parts["allocator_reserve"] = stranded
     parts["total"] = sum(parts.values())
     parts["params"] = phi
     return parts

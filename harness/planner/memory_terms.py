@@ -27,6 +27,8 @@ CONTEXT_GIB = 1.0
 # frees micro-batch i's tensors while micro-batch i+p's are being allocated, interleaving
 # lifetimes, and cached blocks split (reserved/allocated of 1.05-1.3 in PyTorch memory-snapshot
 # studies of pipelined training).
+# (The harness's engines add, beside these fractions, the free blocks the allocator's rules leave stranded at a
+# stage's peak that the planner can name from its own terms: memory_reserve.py.)
 FRAGMENTATION = 0.05
 FRAGMENTATION_PIPELINED = 0.20
 

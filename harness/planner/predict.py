@@ -93,8 +93,9 @@ def kernel_available(shape: Shape, lay: PlannerLayout, wl: Workload, prof: Profi
 # The margin of the device a prediction that fits must leave to be trusted to fit: the caching
 # allocator's fragmentation as the memory model takes it without a pipeline (memory_terms.FRAGMENTATION,
 # the low end of the reserved/allocated ratios of 1.05-1.3 it cites), here taken of the whole device.
-# The prediction counts fragmentation on the dynamic memory only; a layout within this margin of the
-# device is one that a little more fragmentation (or a term the model does not hold) pushes out.
+# The prediction counts fragmentation on the dynamic memory only, and the stranded blocks it can name
+# (memory_reserve.py: its total holds them); a layout within this margin of the device is one that a little more
+# fragmentation (or a term the model does not hold) pushes out.
 ALLOCATOR_MARGIN = FRAGMENTATION
 
 

@@ -39,8 +39,9 @@ filled by the rules below, the same for every row, each from the data's README o
   return_outputs (step()'s, true until torchtitan passed false in 2025-10); Megatron's
   expert_tensor_parallel_size. A setting the recipe does not state
   is the planner's default.
-- memory: the peak the source publishes, in its unit (torchtitan logs max reserved GiB; torchao's
-  README prints GB, taken as 10^9 bytes as printed).
+- memory: the peak the source publishes, in its unit (torchtitan logs max reserved GiB; so do torchao's
+  float8 rows, torchtitan runs whose README prints "GB" over the GiB its benchmark script parses from
+  torchtitan's log: benchmarks/float8/training/parse_torchtitan_logs.py, the data's README).
 - system: DGX-H100, H100 SXM and H100 are h100-sxm; DGX-H200, H200 SXM and H200 h200; DGX-B200 and
   B200 b200; DGX-GB200 and GB200 gb200 (a system with no profile, DGX-B300, is not planned); torchtitan's
   "H100 96GB HBM2e 500W" is h100-sxm with 96 GB (its peak is not published: SXM's is kept).
@@ -118,6 +119,7 @@ SETTINGS = {
     "expert_tensor_parallel_size": lambda v: {},  # read by from_row (layout.expert_tp: parallel folding)
     "pipeline_parallel_microbatches": lambda v: {},  # read by from_row: the local batch's micro-batch size
     "return_outputs": lambda v: {"pp_outputs_kept": _on(v)},
+    "expandable_segments": lambda v: {"expandable_segments": _on(v)},  # PYTORCH_CUDA_ALLOC_CONF's
     "account_for_embedding_in_pipeline_split": lambda v: {"split_counts_embedding": _on(v)},
     "account_for_loss_in_pipeline_split": lambda v: {"split_counts_loss": _on(v)},
     "moe_router_force_load_balancing": lambda v: {"moe_balanced": _on(v)},
