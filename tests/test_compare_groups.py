@@ -12,7 +12,7 @@ from harness.compare.spec import BF16_BASELINE, parse_compare_spec
 from harness.errors import SpecError
 from harness.model.training import precision_policy
 from harness.report.compare import sections
-from harness.report.compare_layouts import layout_matrix
+from harness.report.compare_layouts import differs_texts, layout_matrix
 from harness.report.compare_steps import console_lines, why_section
 from harness.report.policy import policy_sentence, verdict_text
 from harness.report.routing import routing_rows
@@ -167,6 +167,8 @@ def test_each_run_holds_its_own_groups_policy():
     ]
     pol = check_policies(runs, cs, "fp32")
     assert pol["same"] and [g["expected"]["compute"] for g in pol["groups"]] == ["fp32", "bf16"]
+    text = policy_sentence({"policy": pol, "workload": {"precision": "fp32"}})  # each group's runs, not every run
+    assert text.count("the same for every run of the group (") == 2 and "the same for every run (" not in text
     runs[3]["metrics"]["memory_census"]["optimizer_states"] = {"bf16": 400}  # an fp8 run with bf16 Adam states
     pol = check_policies(runs, cs, "fp32")
     assert not pol["same"] and list(pol["differ"]) == ["own fp8"]
@@ -239,6 +241,9 @@ def test_the_report_says_each_groups_parity_and_routing_against_its_own_referenc
     assert not any("not comparable" in c and c.startswith("10.0") and "fsdp" in c for c in cells)
     policy = policy_sentence(summary)
     assert policy.startswith("Precision policy, by precision group") and "**fp8 rowwise_with_gw_hp**" in policy
+    differs = dict(zip((r["label"] for r in summary["runs"]), differs_texts(summary), strict=True))
+    assert "fp8_recipe" not in differs["fsdp"] and "workload.precision=fp32" in differs["fsdp"]  # fp32 has no recipe
+    assert "workload.fp8_recipe=rowwise_with_gw_hp" in differs["own fp8"]
     exceptions = [s for s in sections(summary) if s.id == "exceptions"]
     assert "ran another precision policy" not in (_text(exceptions[0]) if exceptions else "")
     tolerance = {r["comparison"]["label"]: r["comparison"]["tolerance"] for r in ResultsStore(store).records()}

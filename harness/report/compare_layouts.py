@@ -112,9 +112,28 @@ def differs_texts(summary: dict) -> list[str]:
 
     labelled = {k: [changes_label(f, k) for f in everyone] for k in keys}
     return [
-        " ".join(f"{k}={_field_value(k, f.get(k))}" for k in keys if labelled[k][i] or not any(labelled[k])) or "-"
+        " ".join(
+            f"{k}={_field_value(k, f.get(k))}"
+            for k in keys
+            if (labelled[k][i] or not any(labelled[k])) and _precision_applies(k, f.get("workload.precision"))
+        )
+        or "-"
         for i, f in enumerate(everyone)
     ]
+
+
+# the workload's precision-policy fields and the precisions whose policy reads them (model.training's
+# precision_policy): an fp32 run has no fp8 recipe and accumulates and reduces in fp32 whatever the fields say
+_POLICY_FIELD_PRECISIONS = {
+    "workload.fp8_recipe": ("fp8",),
+    "workload.grad_accum_dtype": ("bf16", "fp8"),
+    "workload.grad_reduce_dtype": ("bf16", "fp8"),
+}
+
+
+def _precision_applies(key: str, precision) -> bool:
+    """Whether a run of this precision reads the field (a precision-policy field, else always)."""
+    return key not in _POLICY_FIELD_PRECISIONS or precision in _POLICY_FIELD_PRECISIONS[key]
 
 
 def _row_text(lay: dict, extra_fields: tuple = ()) -> str:

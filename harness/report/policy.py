@@ -51,8 +51,8 @@ def _held(one: dict[str, str]) -> str:
     return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1] if parts else "nothing"
 
 
-def policy_sentence(summary: dict) -> str:
-    """The workload section's policy sentence: from every run's census (summary['policy'])."""
+def policy_sentence(summary: dict, runs: str = "every run") -> str:
+    """The workload section's policy sentence: from every run's census (summary['policy']); runs: whose."""
     pol, configured = summary.get("policy"), summary.get("precision_policy") or "not recorded"
     if pol and pol.get("groups"):
         return _groups_sentence(summary)
@@ -69,7 +69,7 @@ def policy_sentence(summary: dict) -> str:
         )
     one = {fact: next(iter(by), None) for fact, by in pol["facts"].items()}
     without = pol["without_census"]
-    every = f"every run with a census (none for {', '.join(without)})" if without else "every run"
+    every = f"{runs} with a census (none for {', '.join(without)})" if without else runs
     out = (
         f"Precision policy, the same for {every} (read from each run's memory census at its first optimizer "
         f"step): {_held(one)}"
@@ -92,7 +92,7 @@ def _groups_sentence(summary: dict) -> str:
         g = infos.get(part["group"]) or {}
         workload = {**(summary.get("workload") or {}), **(g.get("fields") or {})}
         one = {**summary, "policy": part, "precision_policy": g.get("policy"), "workload": workload}
-        texts.append(f"**{part['group']}**: {policy_sentence({**one, 'fp8_vs_bf16': None})}")
+        texts.append(f"**{part['group']}**: {policy_sentence({**one, 'fp8_vs_bf16': None}, 'every run of the group')}")
     return (
         "Precision policy, by precision group (each run's census against its own group's policy): "
         + " ".join(texts)
