@@ -93,9 +93,11 @@ def main(args) -> int:
 
     from harness.commands.outputs import check_output_path
     from harness.commands.overrides import parse_with_overrides
+    from harness.compare.orchestrate import check_before_launch, run_comparison
     from harness.compare.report_lock import report_lock
     from harness.compare.spec import DEFAULT, parse_compare_spec
     from harness.errors import SpecError
+    from harness.report.compare import write_report
     from harness.report.policy import verdict_text
     from harness.spec import check_positive, check_positive_int, process_counts, read_yaml
     from harness.store import check_store
@@ -119,10 +121,6 @@ def main(args) -> int:
     if args.logs:
         check_output_path(args.logs, "--logs", directory=True)
     baseline, time_tolerance = _baseline(args, cs)  # read, checked and matched before anything launches
-    # torch and matplotlib only now: a refused spec's one line comes without their imports (seconds)
-    from harness.compare.orchestrate import check_before_launch, run_comparison
-    from harness.report.compare import write_report
-
     check_before_launch(cs)  # kernels, launchers, something to compare: still nothing launched
     with report_lock(args.out, cs.name):  # refused here, before any launch, while another one writes this report
         print(
