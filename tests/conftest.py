@@ -12,6 +12,9 @@ pytest_plugins = ["pytester"]  # tests/test_process_guard.py runs the guard belo
 
 # Tests run many small processes on 2 cores: one thread each unless a test says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every run measures the best matmul rate for half a second (harness.measure.mfu), in this process and in each
+# rank it launches; no test reads that figure's value, only that there is one: a twentieth of that is enough.
+os.environ.setdefault("HARNESS_MATMUL_SECONDS", "0.025")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -234,7 +234,7 @@ def test_a_rerun_matches_its_baseline_and_another_learning_rate_drifts(tmp_path,
         "runs": [{"engine": "own", "dp": 2}],
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(spec))
-    common = ["--store", "r.sqlite", "--no-progress"]
+    common = ["--store", "r.sqlite", "--no-progress", "--profile-steps", "0"]  # nothing here reads a profile
     first = cli("compare", "c.yaml", *common, "--out", "a", cwd=tmp_path, timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
     again = ("--baseline", "a/compare-ci.json", "--time-tolerance", "inf")

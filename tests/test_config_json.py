@@ -18,6 +18,8 @@ from harness.frameworks.deepspeed.hf_llama import to_hf_name
 from harness.model.flops import flops_per_token
 from harness.model.llama import Llama, build_model
 from harness.model.presets import Shape, param_count, resolve_shape, shape_to_config
+from harness.testing.equivalence import run_cases
+from harness.testing.launches import shared_launch
 
 SMALL = {
     "hidden_size": 128,
@@ -472,9 +474,26 @@ def test_own_engine_in_process_matches_the_reference(tmp_path, which):
         assert "output.weight" not in ref_state and ref_state["layers.0.attention.wo.bias"].abs().max() > 0
 
 
+QK_NORM_STEPS = 3
+
+
+def _qk_norm_cases(folder: str) -> tuple:
+    """The own engine's cases on the Qwen3 + q/k/v-bias config (written to folder), and the steps."""
+    from pathlib import Path
+
+    raw, overrides = QWEN3_QKV_BIAS
+    workload = {"model": write_config(Path(folder), raw), "model_overrides": overrides}
+    layouts = [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"dp": 2, "zero_stage": 1}]
+    return [{"workload": workload, "layout": {"micro_batch_size": 2, **lay}} for lay in layouts], QK_NORM_STEPS
+
+
+# in the session's 2-rank launch (harness.testing.launches), as harness.testing.equivalence's cases run
+qk_norm_runs = shared_launch("torch", 2, run_cases, prepare=_qk_norm_cases, threads=1, every_rank=True)
+
+
 @pytest.mark.slow
-def test_own_engine_sums_the_qk_norms_gradients_over_tp(tmp_path):
-    """One gloo launch of 2 ranks: the Qwen3 + q/k/v-bias config under the own engine at tp2 (the q/k
+def test_own_engine_sums_the_qk_norms_gradients_over_tp(qk_norm_runs):
+    """In the session's 2-rank launch: the Qwen3 + q/k/v-bias config under the own engine at tp2 (the q/k
     norms' gradients, partial over each rank's heads, summed over TP), tp2 with SP and dp2, each
     against the single-device reference (losses and final weights, q/k norms included), and each
     rank's counted communication equal to the closed form's (comm_model: the q/k norms' all-reduce)."""
@@ -482,12 +501,10 @@ def test_own_engine_sums_the_qk_norms_gradients_over_tp(tmp_path):
     from harness.testing import equivalence as E
     from harness.testing.reference import assert_matches_reference
 
-    steps, (raw, overrides) = 3, QWEN3_QKV_BIAS
-    workload = {"model": write_config(tmp_path, raw), "model_overrides": overrides}
-    layouts = [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"dp": 2, "zero_stage": 1}]
-    cases = [{"workload": workload, "layout": {"micro_batch_size": 2, **lay}} for lay in layouts]
-    per_rank = E.launch(cases, 2, steps)
-    ref = E.reference(cases[0], steps)
+    per_rank = qk_norm_runs
+    cases = [result["case"] for result in per_rank[0]]  # the config's path: the launch's folder
+    assert len(cases) == 3 and cases[0]["workload"]["model"].endswith("config.json")
+    ref = E.reference(cases[0], QK_NORM_STEPS)
     for index, case in enumerate(cases):
         assert_matches_reference(per_rank[0][index], *ref, f"qwen3 {case['layout']}")
         spec = E.make_spec(case)

@@ -53,7 +53,7 @@ def _runs(world: int) -> list[dict]:
     return runs + [run_dict({"tp": 2, "zero_stage": 1}, seed=PLANTED_SEED)] if world == 2 else runs
 
 
-launched = shared_launches(  # DeepSpeed's tp and pp leave process-wide state: a pool of their own
+launched = shared_launches(  # DeepSpeed's tp and pp leave process-wide state: apart from its dp engines' pool
     "deepspeed-mp", {w: (_runs(w), STEPS, True) for w in LAYOUTS}, run_losses, timeout_s=400, every_rank=True
 )  # get(world): every rank's results
 

@@ -179,3 +179,14 @@ def test_parallel_layouts_of_every_engine_run_through_the_trainer(trainer_steps)
     for lay, (activations, census) in zip(layouts, trainer_steps, strict=True):
         assert activations and activations > 0, lay
         assert census and census["parameters"]["fp32"] > 0, lay
+
+
+def test_the_matmul_microbenchmark_samples_as_long_as_the_environment_says_and_at_least_once(monkeypatch):
+    """HARNESS_MATMUL_SECONDS sets how long the peak is sampled (this suite's conftest shortens it); a value
+    that is not a positive finite number leaves the default; even a deadline passed already takes one sample."""
+    from harness.measure import mfu
+
+    for given, seconds in (("0.2", 0.2), ("0", 0.5), ("-1", 0.5), ("inf", 0.5), ("nan", 0.5), ("x", 0.5), ("", 0.5)):
+        monkeypatch.setenv(mfu.MATMUL_SECONDS_ENV, given)
+        assert mfu.matmul_seconds() == seconds, given
+    assert mfu.measure_matmul_tflops(torch.device("cpu"), torch.float32, seconds=-1.0) > 0

@@ -185,7 +185,7 @@ def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, mo
     points = [
         {"workload.seed": 1},
         fault_point(2, "kill:1:1"),
-        fault_point(3, "hang:1:1", timeout_s=20),
+        fault_point(3, "hang:1:1", timeout_s=10),  # its whole timeout is waited out: as the slurm test's hang, 10 s
         fault_point(4, "oom:1:0"),
     ]
     raw = tiny_sweep("faults", 2, "own", timeout_s=150, points=points)
@@ -201,7 +201,7 @@ def test_fault_sweep_completes_with_right_statuses_and_no_survivors(tmp_path, mo
     assert killed["status"] == "failed"  # rank 0 saw its peer vanish; the launcher saw the signal
     assert "SIGKILL" in killed["error"] + killed["launch"]["output_tail"]
     assert by_seed[3]["status"] == "timeout" and by_seed[3]["launch"]["timed_out"]
-    assert by_seed[3]["launch"]["timeout_s"] == 20
+    assert by_seed[3]["launch"]["timeout_s"] == 10
     assert by_seed[4]["status"] == "oom" and "CUDA out of memory" in by_seed[4]["error"]
     for rec in by_seed.values():  # no process of any run is left: not the launcher, not a rank
         assert launch.processes_with_env(launch.TOKEN_ENV, rec["run_id"]) == []

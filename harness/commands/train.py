@@ -38,11 +38,8 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from harness import registry, runtime
+    from harness import registry
     from harness.commands.overrides import parse_with_overrides
-    from harness.launch.build_lock import use_environment_dir
-    from harness.report.summary import summary_lines
-    from harness.run import run
     from harness.spec import check_positive, parse_spec, read_yaml
     from harness.store import check_store
 
@@ -53,6 +50,12 @@ def main(args) -> int:
     facts = registry.facts(spec.layout.engine)
     if facts.preflight is not None:  # the spec's own mistakes (a ds_config that contradicts it) before how it started
         facts.preflight(spec)
+    # torch only now: a refused spec's one line comes without its import (a second a process, every rank's)
+    from harness import runtime
+    from harness.launch.build_lock import use_environment_dir
+    from harness.report.summary import summary_lines
+    from harness.run import run
+
     runtime.check_launched(spec.layout.engine)
     use_environment_dir()  # before DeepSpeed builds an op: this environment's folder, whatever the launcher
     tensorboard = tensorboard_dir(args)

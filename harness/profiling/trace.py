@@ -76,5 +76,5 @@ def write(trace: dict, path: str, max_events: int = MAX_EVENTS) -> str:
     """Gzipped Chrome/Perfetto JSON (open it in ui.perfetto.dev or chrome://tracing)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with gzip.open(path, "wt", compresslevel=1) as f:  # 5x faster than 6, about 1.3x the size
-        json.dump(bounded(trace, max_events), f)
+        f.write(json.dumps(bounded(trace, max_events)))  # the same text; dumps encodes in C, dump in Python (4x)
     return path

@@ -8,7 +8,11 @@ rank) are paid once. A job's failure fails its own tests only (its exception aga
 later jobs run in a fresh one. The pools: "torch" (the own engine and FSDP2, built on torch.distributed
 alone), "megatron", "deepspeed", and "deepspeed-mp" for DeepSpeed's tensor and pipeline parallel jobs:
 DeepSpeed keeps their groups process-wide, and a data-parallel engine built after them fails in its
-initialize. tests/conftest.py marks, after collection,
+initialize. "megatron" and "deepspeed-mp" jobs run in the "torch" pool's launch (LAUNCH_OF): Megatron's shim
+patches torch only while its engine runs and each Megatron engine rebuilds its parallel state, and what
+DeepSpeed's tp and pp leave behind concerns DeepSpeed's data-parallel engines alone (the "deepspeed" pool,
+never in that launch), so a launch of 8 processes (and of 4, of 2) starts once for all three.
+tests/conftest.py marks, after collection,
 the jobs a selected test uses (`select`), so `-k` or one file runs only what it needs.
 """
 
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from harness.testing.spawn import NOT_RUN, Job, spawn_jobs
 
 RELEASED = object()  # its module is done with the result
+LAUNCH_OF = {"megatron": "torch", "deepspeed-mp": "torch"}  # a pool whose jobs run in another pool's launch
 
 
 @dataclass(eq=False)
@@ -54,7 +59,7 @@ class Shared:
 
     @property
     def key(self) -> tuple:
-        return self.pool, self.world, self.threads
+        return LAUNCH_OF.get(self.pool, self.pool), self.world, self.threads
 
 
 _POOLS: dict[tuple, list[Shared]] = {}
