@@ -372,6 +372,10 @@ def test_deepspeed_launcher_points_and_hang_cleanup(tmp_path):
     assert _sweep_procs(spec, store) == []
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_kills_the_run_in_flight_and_exits_130(tmp_path, sig):
@@ -387,6 +391,9 @@ def test_interrupt_kills_the_run_in_flight_and_exits_130(tmp_path, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # Ctrl-C's disposition, whatever this suite inherited: a shell without job control starts a background
+        # command (`cmd &`) with SIGINT ignored, which Python and the CLI then keep (the run would hang to its end)
+        preexec_fn=_default_sigint,
     )
     deadline = time.time() + 60
     while time.time() < deadline and not _sweep_procs(spec, store):
