@@ -257,7 +257,7 @@ def test_the_report_says_each_groups_parity_and_routing_against_its_own_referenc
 
 @pytest.mark.slow
 def test_the_moe_example_passes_each_group_against_its_own_reference_and_routes_as_it(tmp_path):
-    """examples/compare-cpu-moe-2proc.yaml's runs of issue 44's acceptance (FSDP2 dp2 ep2 and DeepSpeed AutoEP
+    """examples/compare-cpu-moe-2proc.yaml's runs across engines and precisions (FSDP2 dp2 ep2 and DeepSpeed AutoEP
     ep2 in fp32, own dp2 ep2 in fp8 rowwise_with_gw_hp; its two other runs left out) over 1 measured step (parity
     is a maximum over the steps compared, routing an equality per step: both hold on fewer): every run within
     its group's tolerance of its group's reference, and its tokens per expert equal to that reference's."""
@@ -266,7 +266,7 @@ def test_the_moe_example_passes_each_group_against_its_own_reference_and_routes_
     from harness.testing.workloads import example_over
 
     cs = example_over(os.path.join(os.path.dirname(__file__), "..", "examples", "compare-cpu-moe-2proc.yaml"), 1)
-    kept = (REF, FP8_REF, "FSDP2 dp2 ep2", "deepspeed ZeRO-1 dp2 ep2 AutoEP", "own fp8 dp2 ep2")  # the acceptance's
+    kept = (REF, FP8_REF, "FSDP2 dp2 ep2", "deepspeed ZeRO-1 dp2 ep2 AutoEP", "own fp8 dp2 ep2")  # one per engine
     cs.runs = [p for p in cs.runs if p.label in kept]
     summary = run_comparison(
         cs, store_path=str(tmp_path / "r.sqlite"), progress=False, log_dir=str(tmp_path), profile_steps=1
