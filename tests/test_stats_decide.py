@@ -147,3 +147,20 @@ def test_the_sweep_report_doubts_a_lead_the_ratio_interval_does_not_decide():
     assert doubt(row(OWN_DP2), row(ZERO1), metric) is None  # decided faster: 62 of 64 pairs
     said = doubt(row(ZERO1), row(ZERO2), metric)
     assert said.startswith("the step time ratio is undecided: ") and "would need ~" in said, said
+
+
+def test_the_load_drift_sentence_says_what_its_check_decided():
+    """An undecided check (too few steps to reach the interval's level) rules no drift out: only a check whose
+    interval holds 1 within the margin may say it found none, and a decided one widens every pair."""
+    from harness.report.drift import load_drift_text
+
+    def text(verdict, low, high):
+        d = {"run": "ref", "verdict": verdict, "low": low, "high": high, "ratio": (low + high) / 2, "coverage": 0.9}
+        d["resolution"] = 0.1
+        return load_drift_text({"load_drift": d})
+
+    assert "no drift is ruled out" in text("undecided", 0.303, 0.474) and "no drift found" not in text(
+        "undecided", 0.303, 0.474
+    )
+    assert "no drift found" in text("not distinguishable", 0.95, 1.05)
+    assert "widened by 1.30x" in text("slower", 1.1, 1.3)

@@ -400,11 +400,15 @@ def load_drift_text(summary: dict) -> str | None:
     if not d.get("verdict"):
         return d.get("note") or None
     factor = load_drift_factor(summary)
-    after = (
-        f"every pair's ratio interval is widened by {factor:.2f}x either way before it decides"
-        if factor > 1
-        else "no drift found, the pairs' intervals are used as measured (a drift inside this interval went unseen)"
-    )
+    if factor > 1:
+        after = f"every pair's ratio interval is widened by {factor:.2f}x either way before it decides"
+    elif d.get("verdict") == "undecided":  # too few steps to decide: no drift was ruled out either
+        after = (
+            "the check could not decide, so no drift is ruled out and none is corrected for: the pairs' intervals "
+            "are used as measured"
+        )
+    else:
+        after = "no drift found, the pairs' intervals are used as measured (a drift inside this interval went unseen)"
     return (
         f"Load drift: {d['run']} was measured again after the last run; its step time then against its first "
         f"measurement: {verdict_text(d)}; {after}."
