@@ -241,14 +241,7 @@ def _check(parts: dict, s: dict, rows: list[tuple[int, dict]]) -> None:
     has_reserve = parts["has_reserve"][at].tolist()
     has_fp8, has_step, params = s["has_fp8"][at].tolist(), parts["has_step"][at].tolist(), s["params"][at].tolist()
     for i, (r, want) in enumerate(rows):
-        got = {k: cols[k][i] for k in BASE}
-        if has_fp8[i]:
-            got["fp8_weights_and_scales"] = cols["fp8_weights_and_scales"][i]
-        if has_step[i]:
-            got["optimizer_step"] = cols["optimizer_step"][i]
-        got["overhead"] = cols["overhead"][i]
-        if has_reserve[i]:
-            got["allocator_reserve"] = cols["allocator_reserve"][i]
+        got = _row_parts(cols, i, has_fp8[i], has_step[i], has_reserve[i])
         got.update(total=cols["total"][i], params=params[i])
         if list(got.items()) != list(want.items()):
             raise Diverged(f"stage {s['stage'][r]}: {got} against engine_stage_memory's {want}")
@@ -316,6 +309,20 @@ def _combine(s: dict, x: dict) -> dict[str, np.ndarray]:
 BASE = ("weights", "gradients", "optimizer", "activations", "backward_working_set", "logits_and_loss")
 
 
+def _row_parts(col: dict, i: int, has_fp8: bool, has_step: bool, has_reserve: bool) -> dict:
+    """Row i's parts (col: part -> list) in engine_stage_memory's order, the terms a stage lacks left out,
+    the total not yet added: the one place the order lives for the check and the breakdowns."""
+    d = {k: col[k][i] for k in BASE}
+    if has_fp8:
+        d["fp8_weights_and_scales"] = col["fp8_weights_and_scales"][i]
+    if has_step:
+        d["optimizer_step"] = col["optimizer_step"][i]
+    d["overhead"] = col["overhead"][i]
+    if has_reserve:
+        d["allocator_reserve"] = col["allocator_reserve"][i]
+    return d
+
+
 def _breakdowns(cols: Columns, profile: Profile, margin: float) -> list[tuple]:
     """predict._memory's tuple of each layout from its worst stage's row."""
     parts, s, best = cols.parts, cols.s, cols.best
@@ -332,17 +339,9 @@ def _breakdowns(cols: Columns, profile: Profile, margin: float) -> list[tuple]:
     has_step = parts["has_step"][best].tolist()
     has_reserve = parts["has_reserve"][best].tolist()
     stage = cols.stage.tolist()
-    base = [col[k] for k in BASE]
     out = []
-    for i, row in enumerate(zip(*base, strict=True)):
-        d = dict(zip(BASE, row, strict=True))
-        if has_fp8[i]:
-            d["fp8_weights_and_scales"] = col["fp8_weights_and_scales"][i]
-        if has_step[i]:
-            d["optimizer_step"] = col["optimizer_step"][i]
-        d["overhead"] = col["overhead"][i]
-        if has_reserve[i]:
-            d["allocator_reserve"] = col["allocator_reserve"][i]
+    for i in range(len(stage)):
+        d = _row_parts(col, i, has_fp8[i], has_step[i], has_reserve[i])
         d["total"] = total_gib[i]
         out.append((stage[i], total[i], d, fit[i], tight[i]))
     return out
